@@ -1,0 +1,428 @@
+/*
+ * The client library's CUDA backend: imports a pool from the fd gpupoold sent
+ * (cudaMemPoolImportFromShareableHandle), grants other devices access to it, maps slabs from
+ * their export data (cudaMemPoolImportPointer), unmaps them in stream order, and opens,
+ * records and waits on the daemon's inter-process events.
+ *
+ * Owns: the imported pool handles (and the access it granted on them), the process-wide
+ * table of imported slab pointers, and the opened events.
+ *
+ * Threads: the client core serializes calls per connection, but several connections may live
+ * in one process, so the pointer table has its own mutex. Calls that must run with a given
+ * current device (it is a per-thread runtime setting that belongs to the application) save
+ * and restore the caller's device around the call.
+ */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cuda_runtime_api.h>
+
+#include "cbackend.h"
+#include "errors.h"
+#include "hmap.h"
+
+struct gpupool__cpool {
+  cudaMemPool_t pool;
+  gpupool_mem_kind kind;
+  int device;   /* resident device (DEVICE) or the GPU the daemon serves it to (HOST_NUMA) */
+  int *granted; /* devices this process gave access to; cleared again on release */
+  int n_granted;
+};
+
+/* One opened copy of the IPC event per device: cudaEventRecord needs the event and the stream
+ * in the same context, and an application may record from streams of several devices. */
+typedef struct {
+  int device;
+  cudaEvent_t ev;
+} ev_slot;
+
+struct gpupool__cevent {
+  cudaIpcEventHandle_t handle;
+  ev_slot *slots;
+  int n;
+};
+
+/*
+ * Importing the same export data twice in one process returns the same pointer, and the first
+ * free unmaps it for both. The client core maps each slab once per connection; two
+ * connections of one process that share a slab would each import it, so this table counts
+ * imports per pointer and only the last unmap frees. Even so, two connections in one process
+ * sharing a slab is unsafe in one respect this table cannot fix: the free is stream-ordered,
+ * so an import made after the last unmap was queued but before it ran gets the mapping that
+ * is about to go away. Use one connection per process.
+ */
+static pthread_mutex_t map_lock = PTHREAD_MUTEX_INITIALIZER;
+static gpupool__hmap map_refs; /* device pointer -> malloc'd uint64_t import count */
+static int map_init;
+
+static int cuda_fail(int code, cudaError_t e, const char *call, int device, const char *fix) {
+  /* The runtime keeps the error as the thread's last error too; the application must not
+   * find ours when it next calls cudaGetLastError(). */
+  (void)cudaGetLastError();
+  if (device < 0)
+    return gpupool__err(code, "%s failed: %s (%s)%s%s", call, cudaGetErrorName(e),
+                        cudaGetErrorString(e), fix ? ": " : "", fix ? fix : "");
+  return gpupool__err(code, "%s failed on CUDA device %d: %s (%s)%s%s", call, device,
+                      cudaGetErrorName(e), cudaGetErrorString(e), fix ? ": " : "",
+                      fix ? fix : "");
+}
+
+/* Make device current, remembering the caller's device in *prev. */
+static int push_device(int device, int *prev) {
+  cudaError_t e = cudaGetDevice(prev);
+  if (e != cudaSuccess)
+    return cuda_fail(GPUPOOL_EBACKEND, e, "cudaGetDevice", device,
+                     "check that a CUDA device is visible to this process (CUDA_VISIBLE_DEVICES)");
+  if (*prev == device)
+    return 0;
+  e = cudaSetDevice(device);
+  if (e != cudaSuccess)
+    return cuda_fail(GPUPOOL_EBACKEND, e, "cudaSetDevice", device,
+                     "the pool lives on a device this process cannot see; check "
+                     "CUDA_VISIBLE_DEVICES (device ordinals must match the daemon's)");
+  return 0;
+}
+
+static void pop_device(int device, int prev) {
+  if (prev != device && cudaSetDevice(prev) != cudaSuccess)
+    (void)cudaGetLastError();
+}
+
+static int set_access(cudaMemPool_t pool, int device, enum cudaMemAccessFlags flags) {
+  struct cudaMemAccessDesc d;
+  memset(&d, 0, sizeof(d));
+  d.location.type = cudaMemLocationTypeDevice;
+  d.location.id = device;
+  d.flags = flags;
+  cudaError_t e = cudaMemPoolSetAccess(pool, &d, 1);
+  if (e != cudaSuccess)
+    return cuda_fail(GPUPOOL_EBACKEND, e, "cudaMemPoolSetAccess", device, NULL);
+  return 0;
+}
+
+static int add_granted(gpupool__cpool *p, int device) {
+  for (int i = 0; i < p->n_granted; i++)
+    if (p->granted[i] == device)
+      return 0;
+  int *g = realloc(p->granted, (size_t)(p->n_granted + 1) * sizeof(*g));
+  if (!g)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory recording pool access");
+  g[p->n_granted++] = device;
+  p->granted = g;
+  return 0;
+}
+
+static int cuda_pool_import(int fd, gpupool_mem_kind kind, int device, uint64_t capacity,
+                            gpupool__cpool **out) {
+  gpupool__cpool *p = NULL;
+  cudaError_t e;
+  int prev = -1, rc;
+
+  (void)capacity;
+  *out = NULL;
+  if (kind != GPUPOOL_MEM_DEVICE && kind != GPUPOOL_MEM_HOST_NUMA) {
+    rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent a CUDA pool of memory kind %d, which "
+                      "the CUDA backend cannot import", (int)kind);
+    goto out_fd;
+  }
+  p = calloc(1, sizeof(*p));
+  if (!p) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory importing a CUDA pool");
+    goto out_fd;
+  }
+  p->kind = kind;
+  p->device = device;
+  if ((rc = push_device(device, &prev)) < 0)
+    goto out_free;
+  e = cudaMemPoolImportFromShareableHandle(&p->pool, (void *)(uintptr_t)fd,
+                                           cudaMemHandleTypePosixFileDescriptor, 0);
+  if (e != cudaSuccess) {
+    rc = cuda_fail(GPUPOOL_EBACKEND, e, "cudaMemPoolImportFromShareableHandle", device,
+                   "the daemon and this process must share the GPU and driver; in a "
+                   "container, share the host's /dev/nvidia* and IPC namespace");
+    goto out_dev;
+  }
+  /* A host-NUMA pool is accessible only from the CPU until access is granted; its GPU is
+   * the resident device as far as the API promises, so grant it here. */
+  if (kind == GPUPOOL_MEM_HOST_NUMA) {
+    if ((rc = set_access(p->pool, device, cudaMemAccessFlagsProtReadWrite)) < 0 ||
+        (rc = add_granted(p, device)) < 0) {
+      (void)cudaMemPoolDestroy(p->pool);
+      (void)cudaGetLastError();
+      goto out_dev;
+    }
+  }
+  pop_device(device, prev);
+  close(fd);
+  *out = p;
+  return 0;
+
+out_dev:
+  pop_device(device, prev);
+out_free:
+  free(p);
+out_fd:
+  close(fd);
+  return rc;
+}
+
+static void cuda_pool_release(gpupool__cpool *p) {
+  if (!p)
+    return;
+  /* A destroyed handle can be recycled for the next import in this process and inherit its
+   * peer access; take back what was granted first. The resident device of a device pool
+   * cannot lose access and was never granted. */
+  for (int i = 0; i < p->n_granted; i++)
+    if (set_access(p->pool, p->granted[i], cudaMemAccessFlagsProtNone) < 0)
+      gpupool__err_clear();
+  if (cudaMemPoolDestroy(p->pool) != cudaSuccess)
+    (void)cudaGetLastError();
+  free(p->granted);
+  free(p);
+}
+
+static int cuda_pool_set_access(gpupool__cpool *p, const int *devices, int n) {
+  int ndev = 0, rc;
+  cudaError_t e;
+
+  if (n < 0 || (n > 0 && !devices))
+    return gpupool__err(GPUPOOL_EINVAL, "device list is NULL or has a negative length");
+  e = cudaGetDeviceCount(&ndev);
+  if (e != cudaSuccess)
+    return cuda_fail(GPUPOOL_EBACKEND, e, "cudaGetDeviceCount", p->device, NULL);
+  /* Check every pair before changing anything, so a refused list leaves no partial access. */
+  for (int i = 0; i < n; i++) {
+    int d = devices[i], can = 0;
+    if (d < 0 || d >= ndev)
+      return gpupool__err(GPUPOOL_EINVAL, "device %d does not exist (this process sees %d): "
+                          "pass ordinals as this process numbers them", d, ndev);
+    if (p->kind != GPUPOOL_MEM_DEVICE || d == p->device)
+      continue;
+    e = cudaDeviceCanAccessPeer(&can, d, p->device);
+    if (e != cudaSuccess)
+      return cuda_fail(GPUPOOL_EBACKEND, e, "cudaDeviceCanAccessPeer", d, NULL);
+    if (!can)
+      return gpupool__err(GPUPOOL_ENOTSUP,
+                          "device %d cannot access memory of device %d (no peer access): the "
+                          "pool lives on device %d; use a pool on device %d, or GPUs connected "
+                          "by NVLink or PCIe P2P (nvidia-smi topo -m)",
+                          d, p->device, p->device, d);
+  }
+  for (int i = 0; i < n; i++) {
+    int d = devices[i];
+    if (p->kind == GPUPOOL_MEM_DEVICE && d == p->device)
+      continue;
+    if ((rc = set_access(p->pool, d, cudaMemAccessFlagsProtReadWrite)) < 0)
+      return rc;
+    if ((rc = add_granted(p, d)) < 0)
+      return rc;
+  }
+  return 0;
+}
+
+static int cuda_slab_map(gpupool__cpool *p, const uint8_t *export_data, size_t export_len,
+                         uint64_t size, void **base, void **priv) {
+  struct cudaMemPoolPtrExportData d;
+  uint64_t *count;
+  void *ptr = NULL;
+  cudaError_t e;
+  int rc = 0;
+
+  (void)size;
+  *base = NULL;
+  *priv = NULL;
+  if (export_len != sizeof(d))
+    return gpupool__err(GPUPOOL_EPROTO, "slab export data is %zu bytes, CUDA expects %zu: the "
+                        "daemon and this library disagree on the backend; upgrade both to "
+                        "the same release", export_len, sizeof(d));
+  memcpy(&d, export_data, sizeof(d));
+  pthread_mutex_lock(&map_lock);
+  if (!map_init) {
+    gpupool__hmap_init(&map_refs);
+    map_init = 1;
+  }
+  e = cudaMemPoolImportPointer(&ptr, p->pool, &d);
+  if (e != cudaSuccess) {
+    rc = cuda_fail(e == cudaErrorMemoryAllocation ? GPUPOOL_ENOMEM : GPUPOOL_EBACKEND, e,
+                   "cudaMemPoolImportPointer", p->device,
+                   "the slab may have been freed by the daemon, or this process is out of "
+                   "device address space");
+    goto out;
+  }
+  count = gpupool__hmap_get(&map_refs, (uint64_t)(uintptr_t)ptr);
+  if (count) {
+    (*count)++;
+  } else if (!(count = malloc(sizeof(*count))) ||
+             gpupool__hmap_put(&map_refs, (uint64_t)(uintptr_t)ptr, count) < 0) {
+    free(count);
+    if (cudaFree(ptr) != cudaSuccess)
+      (void)cudaGetLastError();
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory recording a mapped slab");
+    goto out;
+  } else {
+    *count = 1;
+  }
+  *base = ptr;
+out:
+  pthread_mutex_unlock(&map_lock);
+  return rc;
+}
+
+static int cuda_slab_unmap(gpupool__cpool *p, void *base, uint64_t size, void *priv,
+                           void *stream) {
+  uint64_t *count;
+  cudaError_t e;
+  int rc = 0;
+
+  (void)size;
+  (void)priv;
+  if (!base)
+    return 0;
+  pthread_mutex_lock(&map_lock);
+  count = map_init ? gpupool__hmap_get(&map_refs, (uint64_t)(uintptr_t)base) : NULL;
+  if (count && *count > 1) {
+    /* Another import of the same slab is still mapped: freeing would unmap it too. */
+    (*count)--;
+    goto out;
+  }
+  if (count) {
+    gpupool__hmap_del(&map_refs, (uint64_t)(uintptr_t)base);
+    free(count);
+  }
+  /* Queued in the caller's stream after its work on the slab; queued under the lock so that
+   * an import racing with this unmap is counted before or after it, never in between. */
+  e = cudaFreeAsync(base, (cudaStream_t)stream);
+  if (e != cudaSuccess)
+    rc = cuda_fail(GPUPOOL_EBACKEND, e, "cudaFreeAsync of an imported slab", p->device,
+                   "the stream may belong to a destroyed context");
+out:
+  pthread_mutex_unlock(&map_lock);
+  return rc;
+}
+
+/* Device of a stream; NULL (the legacy default stream) belongs to the current device. */
+static int stream_device(void *stream, int *dev) {
+  cudaError_t e;
+  if (!stream)
+    e = cudaGetDevice(dev);
+  else
+    e = cudaStreamGetDevice((cudaStream_t)stream, dev);
+  if (e != cudaSuccess)
+    return cuda_fail(GPUPOOL_EBACKEND, e, stream ? "cudaStreamGetDevice" : "cudaGetDevice", -1,
+                     "pass a valid cudaStream_t (or NULL for the default stream)");
+  return 0;
+}
+
+/* Open e's handle in device's context (making it current for the call). */
+static int open_on(gpupool__cevent *e, int device, cudaEvent_t *out) {
+  ev_slot *s;
+  cudaError_t ce;
+  int prev = -1, rc;
+
+  for (int i = 0; i < e->n; i++)
+    if (e->slots[i].device == device) {
+      *out = e->slots[i].ev;
+      return 0;
+    }
+  s = realloc(e->slots, (size_t)(e->n + 1) * sizeof(*s));
+  if (!s)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory opening an IPC event");
+  e->slots = s;
+  if ((rc = push_device(device, &prev)) < 0)
+    return rc;
+  ce = cudaIpcOpenEventHandle(out, e->handle);
+  pop_device(device, prev);
+  if (ce != cudaSuccess)
+    return cuda_fail(GPUPOOL_EBACKEND, ce, "cudaIpcOpenEventHandle", device,
+                     "the daemon's event may be gone (daemon restarted?) or IPC is not "
+                     "supported between these processes");
+  s[e->n].device = device;
+  s[e->n].ev = *out;
+  e->n++;
+  return 0;
+}
+
+static int cuda_event_open(const uint8_t *handle, size_t len, gpupool__cevent **out) {
+  gpupool__cevent *e;
+  cudaEvent_t ev;
+  cudaError_t ce;
+  int dev = 0, rc;
+
+  *out = NULL;
+  if (len != sizeof(cudaIpcEventHandle_t))
+    return gpupool__err(GPUPOOL_EPROTO, "IPC event handle is %zu bytes, CUDA expects %zu: the "
+                        "daemon and this library disagree on the backend", len,
+                        sizeof(cudaIpcEventHandle_t));
+  e = calloc(1, sizeof(*e));
+  if (!e)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory opening an IPC event");
+  memcpy(&e->handle, handle, sizeof(e->handle));
+  ce = cudaGetDevice(&dev);
+  if (ce != cudaSuccess) {
+    rc = cuda_fail(GPUPOOL_EBACKEND, ce, "cudaGetDevice", -1, NULL);
+    goto fail;
+  }
+  /* Opened now on the current device so a bad handle fails here, not at first use. */
+  if ((rc = open_on(e, dev, &ev)) < 0)
+    goto fail;
+  *out = e;
+  return 0;
+
+fail:
+  free(e->slots);
+  free(e);
+  return rc;
+}
+
+static void cuda_event_close(gpupool__cevent *e) {
+  if (!e)
+    return;
+  for (int i = 0; i < e->n; i++)
+    if (cudaEventDestroy(e->slots[i].ev) != cudaSuccess)
+      (void)cudaGetLastError();
+  free(e->slots);
+  free(e);
+}
+
+static int cuda_event_record(gpupool__cevent *e, void *stream) {
+  cudaEvent_t ev;
+  cudaError_t ce;
+  int dev = 0, rc;
+
+  if ((rc = stream_device(stream, &dev)) < 0)
+    return rc;
+  if ((rc = open_on(e, dev, &ev)) < 0)
+    return rc;
+  ce = cudaEventRecord(ev, (cudaStream_t)stream);
+  if (ce != cudaSuccess)
+    return cuda_fail(GPUPOOL_EBACKEND, ce, "cudaEventRecord of an IPC event", dev, NULL);
+  return 0;
+}
+
+static int cuda_stream_wait(gpupool__cevent *e, void *stream) {
+  cudaError_t ce;
+  /* A stream may wait on an event of another device, so any opened copy will do. */
+  ce = cudaStreamWaitEvent((cudaStream_t)stream, e->slots[0].ev, 0);
+  if (ce != cudaSuccess)
+    return cuda_fail(GPUPOOL_EBACKEND, ce, "cudaStreamWaitEvent on an IPC event",
+                     e->slots[0].device, "pass a valid cudaStream_t (or NULL)");
+  return 0;
+}
+
+static const gpupool__cbackend_ops ops = {
+    .name = "cuda",
+    .has_events = 1,
+    .pool_import = cuda_pool_import,
+    .pool_release = cuda_pool_release,
+    .pool_set_access = cuda_pool_set_access,
+    .slab_map = cuda_slab_map,
+    .slab_unmap = cuda_slab_unmap,
+    .event_open = cuda_event_open,
+    .event_close = cuda_event_close,
+    .event_record = cuda_event_record,
+    .stream_wait = cuda_stream_wait,
+};
+
+const gpupool__cbackend_ops *const gpupool__cbackend_cuda = &ops;

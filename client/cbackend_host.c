@@ -1,0 +1,100 @@
+/*
+ * Client side of the host backend: the pool is a sealed memfd, a slab is (offset, size)
+ * inside it, mapped shared and read/write once per client. No events: host memory written
+ * before a publish is visible to every process that maps it.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "cbackend.h"
+#include "errors.h"
+
+struct gpupool__cpool {
+  int fd;
+  uint64_t capacity;
+};
+
+static uint64_t get_u64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++)
+    v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
+
+static int host_import(int fd, gpupool_mem_kind kind, int device, uint64_t capacity, gpupool__cpool **out) {
+  gpupool__cpool *p;
+  (void)device;
+  if (kind != GPUPOOL_MEM_HOST) {
+    close(fd);
+    return gpupool__err(GPUPOOL_ENOTSUP, "the host backend cannot import a pool of GPU memory");
+  }
+  p = calloc(1, sizeof *p);
+  if (!p) {
+    close(fd);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  }
+  p->fd = fd;
+  p->capacity = capacity;
+  *out = p;
+  return 0;
+}
+
+static void host_release(gpupool__cpool *p) {
+  if (!p)
+    return;
+  close(p->fd);
+  free(p);
+}
+
+static int host_set_access(gpupool__cpool *p, const int *devices, int n) {
+  (void)p;
+  (void)devices;
+  (void)n;
+  return 0;
+}
+
+static int host_map(gpupool__cpool *p, const uint8_t *export_data, size_t export_len, uint64_t size,
+                    void **base, void **priv) {
+  uint64_t off, len;
+  void *m;
+  if (export_len != 16)
+    return gpupool__err(GPUPOOL_EPROTO, "host slab export data has %zu bytes, expected 16", export_len);
+  off = get_u64(export_data);
+  len = get_u64(export_data + 8);
+  if (len != size || off > p->capacity || len > p->capacity - off || off % 4096)
+    return gpupool__err(GPUPOOL_EPROTO, "host slab (%llu+%llu) does not fit the pool's %llu bytes",
+                        (unsigned long long)off, (unsigned long long)len, (unsigned long long)p->capacity);
+  m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, p->fd, (off_t)off);
+  if (m == MAP_FAILED)
+    return gpupool__err(GPUPOOL_EBACKEND, "cannot map %llu bytes of the pool: %s (check RLIMIT_AS / vm.max_map_count)",
+                        (unsigned long long)len, strerror(errno));
+  *base = m;
+  *priv = NULL;
+  return 0;
+}
+
+static int host_unmap(gpupool__cpool *p, void *base, uint64_t size, void *priv, void *stream) {
+  (void)p;
+  (void)priv;
+  (void)stream;
+  if (munmap(base, size) != 0)
+    return gpupool__err(GPUPOOL_EBACKEND, "munmap failed: %s", strerror(errno));
+  return 0;
+}
+
+const gpupool__cbackend_ops gpupool__cbackend_host = {
+    .name = "host",
+    .has_events = 0,
+    .pool_import = host_import,
+    .pool_release = host_release,
+    .pool_set_access = host_set_access,
+    .slab_map = host_map,
+    .slab_unmap = host_unmap,
+};
+
+#ifndef GPUPOOL_HAVE_CUDA
+const gpupool__cbackend_ops *const gpupool__cbackend_cuda = NULL;
+#endif

@@ -1,0 +1,950 @@
+/*
+ * libgpupool-client: one connection to gpupoold, shared by every thread of the caller.
+ *
+ * Requests carry a sequence number; replies may come back in any order (a get that waits
+ * for a publisher does not hold up an allocate from another thread). Whichever waiting
+ * thread finds no reader active becomes the reader, reads one frame without the lock, hands
+ * it to the thread whose request it answers, and wakes everyone. All other state (imported
+ * pools, mapped slabs, opened events, live buffers) is guarded by the one mutex.
+ *
+ * Memory: each pool is imported once, each slab mapped once (refcounted by the buffers this
+ * client has in it), each event opened once. A buffer is (slab base + offset).
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "cbackend.h"
+#include "errors.h"
+#include "hmap.h"
+#include "wire.h"
+
+#define GPUPOOL_WAIT_FOREVER UINT32_MAX
+
+typedef struct cpool {
+  uint32_t id;
+  char name[64];
+  gpupool_mem_kind kind;
+  int device;
+  uint64_t capacity;
+  gpupool__cpool *bp; /* NULL until attached */
+} cpool;
+
+typedef struct cslab {
+  uint64_t id;
+  cpool *pool;
+  void *base;
+  uint64_t size;
+  void *priv;
+  int dedicated;
+  uint32_t refs; /* buffers of this client inside */
+} cslab;
+
+typedef struct pending {
+  uint64_t seq;
+  gpupool__rep *rep;
+  int fds[GPUPOOL_WIRE_MAX_FDS];
+  int nfds;
+  int done;
+  struct pending *next;
+} pending;
+
+struct gpupool_client {
+  int fd;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  uint64_t next_seq;
+  int reader_active;
+  int broken;              /* 0 or the error that ended the connection */
+  char broken_msg[GPUPOOL__ERRMSG_MAX];
+  pending *pend;
+  gpupool__wire_rx rx;     /* used only by the active reader */
+  const gpupool__cbackend_ops *be;
+  int backend_kind;
+  cpool *pools;
+  int npools;
+  gpupool__hmap slabs;     /* id -> cslab */
+  gpupool__hmap events;    /* id -> gpupool__cevent */
+  uint64_t *unmapped;      /* slab ids to report in the next request */
+  size_t nunmapped, capunmapped;
+  gpupool_buffer *buffers; /* live buffers (for disconnect) */
+  int devices[64];
+  int ndevices;
+  uint64_t client_id;
+  uint32_t max_frame;
+};
+
+struct gpupool_buffer {
+  gpupool_client *c;
+  uint64_t hold_id, buffer_id;
+  cslab *slab;
+  uint64_t offset, size;
+  int read_only;
+  uint32_t ready_id, done_id;
+  int has_meta;
+  gpupool_tensor_meta meta;
+  gpupool_buffer *prev, *next;
+};
+
+/* ---- transport -------------------------------------------------------------------------------- */
+
+static void set_broken(gpupool_client *c, int code, const char *msg) {
+  if (c->broken)
+    return;
+  c->broken = code;
+  snprintf(c->broken_msg, sizeof c->broken_msg, "%s", msg);
+}
+
+static int broken_err(gpupool_client *c) {
+  return gpupool__err(c->broken, "connection to gpupoold is unusable: %s", c->broken_msg);
+}
+
+/* Read one reply (lock released meanwhile) and hand it to its waiter. Called with c->mu. */
+static void read_one(gpupool_client *c) {
+  gpupool__rep *rep;
+  pending *p;
+  int rc;
+
+  c->reader_active = 1;
+  pthread_mutex_unlock(&c->mu);
+  rc = gpupool__wire_rx_read(&c->rx, c->fd);
+  rep = rc == 1 ? gpupool__wire_unpack_reply(&c->rx) : NULL;
+  pthread_mutex_lock(&c->mu);
+  c->reader_active = 0;
+  if (rc != 1) {
+    set_broken(c, rc == GPUPOOL_ECLOSED ? GPUPOOL_ECLOSED : rc,
+               rc == GPUPOOL_ECLOSED ? "the daemon closed the connection (stopped, restarted, or dropped this client)"
+                                     : gpupool__errmsg());
+    goto out;
+  }
+  if (!rep) {
+    set_broken(c, GPUPOOL_EPROTO, "malformed reply from the daemon");
+    goto out;
+  }
+  for (p = c->pend; p; p = p->next)
+    if (!p->done && p->seq == rep->seq)
+      break;
+  if (!p && rep->seq == 0 && rep->error) {
+    /* A connection-level error (refusal, protocol violation): the oldest request gets it. */
+    for (p = c->pend; p && p->next; p = p->next)
+      ;
+    if (p && p->done)
+      p = NULL;
+    if (!p)
+      set_broken(c, rep->error->code, rep->error->message ? rep->error->message : "daemon error");
+  }
+  if (!p) {
+    if (!c->broken)
+      set_broken(c, GPUPOOL_EPROTO, "reply for an unknown request");
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+    goto out;
+  }
+  p->rep = rep;
+  for (int i = 0; i < c->rx.nfds; i++) {
+    p->fds[p->nfds++] = c->rx.fds[i];
+    c->rx.fds[i] = -1;
+  }
+  p->done = 1;
+out:
+  gpupool__wire_rx_reset(&c->rx);
+  pthread_cond_broadcast(&c->cv);
+}
+
+/* Send req and wait for its reply. Called and returns with c->mu held. On success *rep is
+ * the reply (caller frees) and it carried no error. Handles slab revocations it carries. */
+static int handle_revokes(gpupool_client *c, const gpupool__rep *rep);
+
+static int call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *fd_out) {
+  pending p = {0}, **pp;
+  uint8_t *buf;
+  size_t len;
+  int rc;
+
+  if (fd_out)
+    *fd_out = -1;
+  if (c->broken)
+    return broken_err(c);
+  req->seq = ++c->next_seq;
+  req->n_unmapped_slabs = c->nunmapped;
+  req->unmapped_slabs = c->unmapped;
+  if ((rc = gpupool__wire_pack_request(req, &buf, &len)) != 0)
+    return rc;
+  if (c->max_frame && len - GPUPOOL_WIRE_HDR > c->max_frame) {
+    free(buf);
+    return gpupool__err(GPUPOOL_ETOOBIG, "request of %zu bytes exceeds the daemon's frame limit of %u",
+                        len - GPUPOOL_WIRE_HDR, c->max_frame);
+  }
+  rc = gpupool__wire_send(c->fd, buf, len, NULL, 0);
+  free(buf);
+  if (rc != 0) {
+    set_broken(c, rc, "cannot send to the daemon (it stopped or dropped this client)");
+    return broken_err(c);
+  }
+  c->nunmapped = 0;
+  p.seq = req->seq;
+  p.next = c->pend;
+  c->pend = &p;
+  while (!p.done && !c->broken) {
+    if (!c->reader_active)
+      read_one(c);
+    else
+      pthread_cond_wait(&c->cv, &c->mu);
+  }
+  for (pp = &c->pend; *pp != &p; pp = &(*pp)->next)
+    ;
+  *pp = p.next;
+  if (!p.done)
+    return broken_err(c);
+  handle_revokes(c, p.rep);
+  if (p.rep->error) {
+    rc = p.rep->error->code < 0 && p.rep->error->code > GPUPOOL_ERRNO_MIN ? p.rep->error->code : GPUPOOL_EPROTO;
+    gpupool__err(rc, "%s", p.rep->error->message ? p.rep->error->message : gpupool_strerror(rc));
+    gpupool__wire__reply__free_unpacked(p.rep, NULL);
+    for (int i = 0; i < p.nfds; i++)
+      close(p.fds[i]);
+    return rc;
+  }
+  if (fd_out && p.nfds > 0) {
+    *fd_out = p.fds[0];
+    p.fds[0] = -1;
+  }
+  for (int i = 0; i < p.nfds; i++)
+    if (p.fds[i] >= 0)
+      close(p.fds[i]);
+  *out = p.rep;
+  return 0;
+}
+
+/* ---- slabs, pools, events ------------------------------------------------------------------- */
+
+static void note_unmapped(gpupool_client *c, uint64_t id) {
+  if (c->nunmapped == c->capunmapped) {
+    size_t ncap = c->capunmapped ? c->capunmapped * 2 : 8;
+    uint64_t *n = realloc(c->unmapped, ncap * sizeof *n);
+    if (!n)
+      return; /* the daemon frees the slab when this client disconnects instead */
+    c->unmapped = n;
+    c->capunmapped = ncap;
+  }
+  c->unmapped[c->nunmapped++] = id;
+}
+
+static void slab_unmap(gpupool_client *c, cslab *s, void *stream) {
+  if (c->be->slab_unmap(s->pool->bp, s->base, s->size, s->priv, stream) != 0)
+    fprintf(stderr, "libgpupool-client: unmapping slab %" PRIu64 ": %s\n", s->id, gpupool__errmsg());
+  gpupool__hmap_del(&c->slabs, s->id);
+  note_unmapped(c, s->id);
+  free(s);
+}
+
+static int handle_revokes(gpupool_client *c, const gpupool__rep *rep) {
+  for (size_t i = 0; i < rep->n_revoke_slabs; i++) {
+    cslab *s = gpupool__hmap_get(&c->slabs, rep->revoke_slabs[i]);
+    if (!s) {
+      note_unmapped(c, rep->revoke_slabs[i]);
+      continue;
+    }
+    if (s->refs > 0)
+      continue; /* cannot happen: the daemon revokes only empty slabs */
+    slab_unmap(c, s, NULL);
+  }
+  return 0;
+}
+
+static cpool *pool_by_id(gpupool_client *c, uint32_t id) {
+  for (int i = 0; i < c->npools; i++)
+    if (c->pools[i].id == id)
+      return &c->pools[i];
+  return NULL;
+}
+
+static int pool_attach(gpupool_client *c, cpool *p) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__AttachPool ap = GPUPOOL__WIRE__ATTACH_POOL__INIT;
+  gpupool__rep *rep;
+  int fd, rc;
+
+  if (p->bp)
+    return 0;
+  ap.pool_id = p->id;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ATTACH_POOL;
+  req.attach_pool = &ap;
+  if ((rc = call(c, &req, &rep, &fd)) != 0)
+    return rc;
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  if (fd < 0)
+    return gpupool__err(GPUPOOL_EPROTO, "the daemon sent no fd for pool '%s'", p->name);
+  if ((rc = c->be->pool_import(fd, p->kind, p->device, p->capacity, &p->bp)) != 0)
+    return rc;
+  if (c->ndevices > 0 && (rc = c->be->pool_set_access(p->bp, c->devices, c->ndevices)) != 0) {
+    c->be->pool_release(p->bp);
+    p->bp = NULL;
+    return rc;
+  }
+  return 0;
+}
+
+static int event_get(gpupool_client *c, const Gpupool__Wire__EventRef *ref, gpupool__cevent **out) {
+  gpupool__cevent *e;
+  int rc;
+  *out = NULL;
+  if (!ref || !c->be->has_events)
+    return 0;
+  e = gpupool__hmap_get(&c->events, ref->id);
+  if (!e) {
+    if ((rc = c->be->event_open(ref->ipc_handle.data, ref->ipc_handle.len, &e)) != 0)
+      return rc;
+    if (gpupool__hmap_put(&c->events, ref->id, e) != 0) {
+      c->be->event_close(e);
+      return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+    }
+  }
+  *out = e;
+  return 0;
+}
+
+static int send_release(gpupool_client *c, uint64_t hold_id, int done_recorded) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Release rl = GPUPOOL__WIRE__RELEASE__INIT;
+  gpupool__rep *rep;
+  int rc;
+  rl.hold_id = hold_id;
+  rl.done_recorded = done_recorded;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_RELEASE;
+  req.release = &rl;
+  rc = call(c, &req, &rep, NULL);
+  if (rc == 0)
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  return rc;
+}
+
+/* Turn a BufferDesc into a buffer of this process: attach the pool, map the slab, open the
+ * events, and (wait_ready) make `stream` wait on the producer's ready event. On failure the
+ * daemon's hold is released so nothing stays behind. */
+static int materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, int wait_ready, void *stream,
+                       gpupool_buffer **out) {
+  gpupool_buffer *b;
+  cpool *p;
+  cslab *s;
+  gpupool__cevent *ready = NULL, *done = NULL;
+  int rc, new_slab = 0;
+
+  if (!d || !d->slab) {
+    rc = gpupool__err(GPUPOOL_EPROTO, "reply without a buffer description");
+    goto fail;
+  }
+  p = pool_by_id(c, d->pool_id);
+  if (!p) {
+    rc = gpupool__err(GPUPOOL_EPROTO, "buffer in unknown pool %u", d->pool_id);
+    goto fail;
+  }
+  if ((rc = pool_attach(c, p)) != 0)
+    goto fail;
+  s = gpupool__hmap_get(&c->slabs, d->slab->id);
+  if (!s) {
+    if (!d->slab->export_data.len) {
+      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent no export data for slab %" PRIu64, d->slab->id);
+      goto fail;
+    }
+    s = calloc(1, sizeof *s);
+    if (!s) {
+      rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+      goto fail;
+    }
+    s->id = d->slab->id;
+    s->pool = p;
+    s->size = d->slab->size;
+    s->dedicated = d->slab->dedicated;
+    if ((rc = c->be->slab_map(p->bp, d->slab->export_data.data, d->slab->export_data.len, s->size, &s->base,
+                              &s->priv)) != 0) {
+      free(s);
+      /* Tell the daemon we do not map it, so it does not wait for us. */
+      note_unmapped(c, d->slab->id);
+      goto fail;
+    }
+    if (gpupool__hmap_put(&c->slabs, s->id, s) != 0) {
+      c->be->slab_unmap(p->bp, s->base, s->size, s->priv, NULL);
+      note_unmapped(c, s->id);
+      free(s);
+      rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+      goto fail;
+    }
+    new_slab = 1;
+  }
+  if (d->offset > s->size || d->size > s->size - d->offset) {
+    rc = gpupool__err(GPUPOOL_EPROTO, "buffer %" PRIu64 "+%" PRIu64 " lies outside its slab", d->offset, d->size);
+    goto fail_slab;
+  }
+  if ((rc = event_get(c, d->ready, &ready)) != 0 || (rc = event_get(c, d->done, &done)) != 0)
+    goto fail_slab;
+  if (wait_ready && ready && (rc = c->be->stream_wait(ready, stream)) != 0)
+    goto fail_slab;
+  b = calloc(1, sizeof *b);
+  if (!b) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+    goto fail_slab;
+  }
+  b->c = c;
+  b->hold_id = d->hold_id;
+  b->buffer_id = d->buffer_id;
+  b->slab = s;
+  b->offset = d->offset;
+  b->size = d->size;
+  b->read_only = d->read_only;
+  b->ready_id = d->ready ? d->ready->id : 0;
+  b->done_id = d->done ? d->done->id : 0;
+  if (d->tensor && d->tensor->present && d->tensor->n_shape <= GPUPOOL_MAX_NDIM &&
+      (d->tensor->n_strides == 0 || d->tensor->n_strides == d->tensor->n_shape)) {
+    gpupool_tensor_meta *m = &b->meta;
+    b->has_meta = 1;
+    m->dtype_code = (uint8_t)d->tensor->dtype_code;
+    m->dtype_bits = (uint8_t)d->tensor->dtype_bits;
+    m->dtype_lanes = (uint16_t)d->tensor->dtype_lanes;
+    m->ndim = (int32_t)d->tensor->n_shape;
+    for (size_t i = 0; i < d->tensor->n_shape; i++)
+      m->shape[i] = d->tensor->shape[i];
+    m->strides_present = d->tensor->n_strides != 0;
+    for (size_t i = 0; i < d->tensor->n_strides; i++)
+      m->strides[i] = d->tensor->strides[i];
+    m->byte_offset = d->tensor->byte_offset;
+  }
+  s->refs++;
+  b->next = c->buffers;
+  if (c->buffers)
+    c->buffers->prev = b;
+  c->buffers = b;
+  *out = b;
+  return 0;
+fail_slab:
+  if (new_slab && s->refs == 0)
+    slab_unmap(c, s, NULL);
+fail:
+  if (d && d->hold_id) {
+    char msg[GPUPOOL__ERRMSG_MAX];
+    snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+    send_release(c, d->hold_id, 0);
+    gpupool__err(rc, "%s", msg);
+  }
+  return rc;
+}
+
+/* ---- public API -------------------------------------------------------------------------------- */
+
+static int connect_socket(const char *path, int *out) {
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  int fd;
+  if (strlen(path) >= sizeof addr.sun_path)
+    return gpupool__err(GPUPOOL_EINVAL, "socket path '%s' is longer than %zu bytes", path, sizeof addr.sun_path - 1);
+  strcpy(addr.sun_path, path);
+  fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return gpupool__err(GPUPOOL_ECONNECT, "socket: %s", strerror(errno));
+  while (connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
+    int e = errno;
+    if (e == EINTR)
+      continue;
+    close(fd);
+    if (e == ENOENT || e == ECONNREFUSED)
+      return gpupool__err(GPUPOOL_ECONNECT,
+                          "cannot connect to gpupoold at %s: %s; is the daemon running? Start it "
+                          "(gpupoold --socket %s, or systemctl start gpupoold.socket) or set GPUPOOL_SOCKET",
+                          path, strerror(e), path);
+    if (e == EACCES)
+      return gpupool__err(GPUPOOL_ECONNECT,
+                          "cannot connect to gpupoold at %s: permission denied; join the socket's group "
+                          "(gpupool) or ask the operator",
+                          path);
+    return gpupool__err(GPUPOOL_ECONNECT, "cannot connect to gpupoold at %s: %s", path, strerror(e));
+  }
+  *out = fd;
+  return 0;
+}
+
+int gpupool_connect(const char *socket_path, const char *client_name, gpupool_client **out) {
+  char path[108];
+  gpupool_client *c;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Hello hello = GPUPOOL__WIRE__HELLO__INIT;
+  gpupool__rep *rep = NULL;
+  const Gpupool__Wire__HelloReply *hr;
+  int rc;
+
+  gpupool__err_clear();
+  if (!out)
+    return gpupool__err(GPUPOOL_EINVAL, "out is NULL");
+  *out = NULL;
+  if (!socket_path || !*socket_path) {
+    if ((rc = gpupool_default_socket_path(path, sizeof path)) != 0)
+      return rc;
+    socket_path = path;
+  }
+  c = calloc(1, sizeof *c);
+  if (!c)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  pthread_mutex_init(&c->mu, NULL);
+  pthread_cond_init(&c->cv, NULL);
+  gpupool__hmap_init(&c->slabs);
+  gpupool__hmap_init(&c->events);
+  gpupool__wire_rx_init(&c->rx, GPUPOOL_WIRE_HARD_MAX_FRAME);
+  c->fd = -1;
+  if ((rc = connect_socket(socket_path, &c->fd)) != 0)
+    goto fail;
+  hello.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
+  hello.client_name = (char *)(client_name ? client_name : "");
+  hello.pid = (int32_t)getpid();
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
+  req.hello = &hello;
+  pthread_mutex_lock(&c->mu);
+  rc = call(c, &req, &rep, NULL);
+  pthread_mutex_unlock(&c->mu);
+  if (rc != 0)
+    goto fail;
+  hr = rep->hello;
+  if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_HELLO || !hr) {
+    rc = gpupool__err(GPUPOOL_EPROTO, "the daemon answered Hello with something else");
+    goto fail;
+  }
+  if (hr->protocol_version != GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION) {
+    rc = gpupool__err(GPUPOOL_EVERSION, "gpupoold %s speaks protocol %u, this library (%s) speaks %d",
+                      hr->daemon_version, hr->protocol_version, GPUPOOL_VERSION_STRING,
+                      GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION);
+    goto fail;
+  }
+  c->client_id = hr->client_id;
+  c->max_frame = hr->max_frame;
+  c->backend_kind = hr->backend;
+  if (hr->backend == GPUPOOL__WIRE__BACKEND_KIND__BACKEND_CUDA) {
+    if (!gpupool__cbackend_cuda) {
+      rc = gpupool__err(GPUPOOL_ENOTSUP,
+                        "gpupoold serves CUDA memory but this libgpupool-client was built without CUDA; "
+                        "rebuild it with the CUDA toolkit");
+      goto fail;
+    }
+    c->be = gpupool__cbackend_cuda;
+  } else {
+    c->be = &gpupool__cbackend_host;
+  }
+  c->pools = calloc(hr->n_pools ? hr->n_pools : 1, sizeof *c->pools);
+  if (!c->pools) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+    goto fail;
+  }
+  for (size_t i = 0; i < hr->n_pools; i++) {
+    const Gpupool__Wire__PoolInfo *pi = hr->pools[i];
+    cpool *p = &c->pools[c->npools++];
+    p->id = pi->id;
+    snprintf(p->name, sizeof p->name, "%s", pi->name ? pi->name : "");
+    p->kind = pi->location == GPUPOOL__WIRE__LOCATION_KIND__LOCATION_DEVICE      ? GPUPOOL_MEM_DEVICE
+              : pi->location == GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST_NUMA ? GPUPOOL_MEM_HOST_NUMA
+                                                                                 : GPUPOOL_MEM_HOST;
+    p->device = pi->device;
+    p->capacity = pi->capacity;
+  }
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  *out = c;
+  gpupool__err_clear();
+  return 0;
+fail:
+  if (rep)
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  if (c->fd >= 0)
+    close(c->fd);
+  gpupool__wire_rx_reset(&c->rx);
+  gpupool__hmap_free(&c->slabs);
+  gpupool__hmap_free(&c->events);
+  free(c->pools);
+  pthread_mutex_destroy(&c->mu);
+  pthread_cond_destroy(&c->cv);
+  free(c);
+  return rc;
+}
+
+int gpupool_set_devices(gpupool_client *c, const int *devices, int n) {
+  int rc = 0;
+  if (!c || n < 0 || n > 64 || (n > 0 && !devices))
+    return gpupool__err(GPUPOOL_EINVAL, "set_devices: bad arguments (at most 64 devices)");
+  gpupool__err_clear();
+  pthread_mutex_lock(&c->mu);
+  memcpy(c->devices, devices, (size_t)n * sizeof *devices);
+  c->ndevices = n;
+  for (int i = 0; i < c->npools && rc == 0; i++)
+    if (c->pools[i].bp)
+      rc = c->be->pool_set_access(c->pools[i].bp, devices, n);
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+static void buffer_unlink(gpupool_client *c, gpupool_buffer *b) {
+  if (b->prev)
+    b->prev->next = b->next;
+  else
+    c->buffers = b->next;
+  if (b->next)
+    b->next->prev = b->prev;
+}
+
+/* Drop b's local state and tell the daemon. With the lock held. */
+static int release_locked(gpupool_client *c, gpupool_buffer *b, void *stream) {
+  cslab *s = b->slab;
+  gpupool__cevent *done = b->done_id ? gpupool__hmap_get(&c->events, b->done_id) : NULL;
+  int rc, recorded = 0;
+
+  buffer_unlink(c, b);
+  s->refs--;
+  /* A dedicated slab holds only this buffer: unmap it now, in stream order, before the done
+   * event, so the daemon frees the allocation only after our import is gone. */
+  if (s->refs == 0 && s->dedicated)
+    slab_unmap(c, s, stream);
+  if (done) {
+    if ((rc = c->be->event_record(done, stream)) == 0)
+      recorded = 1;
+    else
+      fprintf(stderr, "libgpupool-client: recording the done event failed (%s); the daemon will treat the "
+                      "buffer as idle\n",
+              gpupool__errmsg());
+  }
+  rc = send_release(c, b->hold_id, recorded);
+  free(b);
+  return rc;
+}
+
+int gpupool_release(gpupool_buffer *b, void *stream) {
+  gpupool_client *c;
+  int rc;
+  if (!b)
+    return gpupool__err(GPUPOOL_EINVAL, "release: buffer is NULL");
+  gpupool__err_clear();
+  c = b->c;
+  pthread_mutex_lock(&c->mu);
+  rc = release_locked(c, b, stream);
+  pthread_mutex_unlock(&c->mu);
+  /* A broken connection already dropped the hold: the memory is the daemon's again. */
+  return rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO ? 0 : rc;
+}
+
+void gpupool_disconnect(gpupool_client *c) {
+  if (!c)
+    return;
+  pthread_mutex_lock(&c->mu);
+  while (c->buffers)
+    release_locked(c, c->buffers, NULL);
+  for (size_t i = 0; i < c->slabs.cap; i++)
+    if (gpupool__hmap_slot_used(&c->slabs, i)) {
+      cslab *s = c->slabs.slots[i].val;
+      c->be->slab_unmap(s->pool->bp, s->base, s->size, s->priv, NULL);
+      free(s);
+    }
+  gpupool__hmap_free(&c->slabs);
+  if (c->be && c->be->has_events)
+    for (size_t i = 0; i < c->events.cap; i++)
+      if (gpupool__hmap_slot_used(&c->events, i))
+        c->be->event_close(c->events.slots[i].val);
+  gpupool__hmap_free(&c->events);
+  for (int i = 0; i < c->npools; i++)
+    if (c->pools[i].bp)
+      c->be->pool_release(c->pools[i].bp);
+  pthread_mutex_unlock(&c->mu);
+  close(c->fd);
+  gpupool__wire_rx_reset(&c->rx);
+  free(c->pools);
+  free(c->unmapped);
+  pthread_mutex_destroy(&c->mu);
+  pthread_cond_destroy(&c->cv);
+  free(c);
+}
+
+static uint32_t wire_timeout(int timeout_ms) {
+  return timeout_ms < 0 ? GPUPOOL_WAIT_FOREVER : (uint32_t)timeout_ms;
+}
+
+int gpupool_alloc(gpupool_client *c, const char *pool, size_t size, int timeout_ms, void *stream,
+                  gpupool_buffer **out) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Allocate al = GPUPOOL__WIRE__ALLOCATE__INIT;
+  gpupool__rep *rep;
+  int rc;
+
+  if (!c || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "alloc: client and out must not be NULL");
+  gpupool__err_clear();
+  *out = NULL;
+  if (size == 0)
+    return gpupool__err(GPUPOOL_EINVAL, "cannot allocate 0 bytes; ask for at least 1");
+  al.pool_name = (char *)(pool ? pool : "");
+  al.size = size;
+  al.timeout_ms = wire_timeout(timeout_ms);
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
+  req.allocate = &al;
+  pthread_mutex_lock(&c->mu);
+  rc = call(c, &req, &rep, NULL);
+  if (rc == 0) {
+    /* A fresh range: the daemon reuses ranges only after their last holders' done events,
+     * so there is nothing to wait for. */
+    rc = materialize(c, rep->allocate ? rep->allocate->buffer : NULL, 0, stream, out);
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+static int record_ready(gpupool_client *c, gpupool_buffer *b, void *stream) {
+  gpupool__cevent *e = b->ready_id ? gpupool__hmap_get(&c->events, b->ready_id) : NULL;
+  return e ? c->be->event_record(e, stream) : 0;
+}
+
+int gpupool_share(gpupool_buffer *b, void *stream, gpupool_token *out) {
+  gpupool_client *c;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Share sh = GPUPOOL__WIRE__SHARE__INIT;
+  gpupool__rep *rep;
+  int rc;
+
+  if (!b || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "share: buffer and out must not be NULL");
+  gpupool__err_clear();
+  c = b->c;
+  sh.hold_id = b->hold_id;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_SHARE;
+  req.share = &sh;
+  pthread_mutex_lock(&c->mu);
+  if ((rc = record_ready(c, b, stream)) == 0 && (rc = call(c, &req, &rep, NULL)) == 0) {
+    if (!rep->share || rep->share->token.len != GPUPOOL_TOKEN_SIZE)
+      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent a malformed share token");
+    else
+      memcpy(out->bytes, rep->share->token.data, GPUPOOL_TOKEN_SIZE);
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int gpupool_open(gpupool_client *c, const gpupool_token *token, unsigned flags, void *stream,
+                 gpupool_buffer **out) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Open op = GPUPOOL__WIRE__OPEN__INIT;
+  gpupool__rep *rep;
+  int rc;
+
+  if (!c || !token || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "open: client, token and out must not be NULL");
+  gpupool__err_clear();
+  *out = NULL;
+  op.token.data = (uint8_t *)token->bytes;
+  op.token.len = GPUPOOL_TOKEN_SIZE;
+  op.read_only = (flags & GPUPOOL_READ_ONLY) != 0;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_OPEN;
+  req.open = &op;
+  pthread_mutex_lock(&c->mu);
+  rc = call(c, &req, &rep, NULL);
+  if (rc == 0) {
+    rc = materialize(c, rep->open ? rep->open->buffer : NULL, 1, stream, out);
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int gpupool_publish_ex(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
+                       uint32_t share_gid, int share_all) {
+  gpupool_client *c;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Publish pb = GPUPOOL__WIRE__PUBLISH__INIT;
+  Gpupool__Wire__TensorMeta tm = GPUPOOL__WIRE__TENSOR_META__INIT;
+  gpupool__rep *rep;
+  int rc;
+
+  if (!b || !name)
+    return gpupool__err(GPUPOOL_EINVAL, "publish: buffer and name must not be NULL");
+  gpupool__err_clear();
+  c = b->c;
+  if (strlen(name) == 0 || strlen(name) > GPUPOOL_NAME_MAX)
+    return gpupool__err(GPUPOOL_ENAME, "name must be 1 to %d bytes, got %zu", GPUPOOL_NAME_MAX, strlen(name));
+  if (meta) {
+    int err;
+    uint64_t span = gpupool_tensor_span(meta, &err);
+    if (err)
+      return err;
+    if (span > b->size)
+      return gpupool__err(GPUPOOL_EMETA, "tensor spans %" PRIu64 " bytes but the buffer has %" PRIu64, span,
+                          b->size);
+    tm.present = 1;
+    tm.dtype_code = meta->dtype_code;
+    tm.dtype_bits = meta->dtype_bits;
+    tm.dtype_lanes = meta->dtype_lanes;
+    tm.n_shape = (size_t)meta->ndim;
+    tm.shape = (int64_t *)meta->shape;
+    tm.n_strides = meta->strides_present ? (size_t)meta->ndim : 0;
+    tm.strides = (int64_t *)meta->strides;
+    tm.byte_offset = meta->byte_offset;
+    pb.tensor = &tm;
+  }
+  pb.hold_id = b->hold_id;
+  pb.name = (char *)name;
+  pb.share_gid = share_gid;
+  pb.share_all = share_all != 0;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH;
+  req.publish = &pb;
+  pthread_mutex_lock(&c->mu);
+  if ((rc = record_ready(c, b, stream)) == 0 && (rc = call(c, &req, &rep, NULL)) == 0) {
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+    if (meta) {
+      b->meta = *meta;
+      b->has_meta = 1;
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int gpupool_publish(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream) {
+  return gpupool_publish_ex(b, name, meta, stream, 0, 0);
+}
+
+int gpupool_get(gpupool_client *c, const char *name, int timeout_ms, unsigned flags, void *stream,
+                gpupool_buffer **out) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Get gt = GPUPOOL__WIRE__GET__INIT;
+  gpupool__rep *rep;
+  int rc;
+
+  if (!c || !name || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "get: client, name and out must not be NULL");
+  gpupool__err_clear();
+  *out = NULL;
+  if (strlen(name) == 0 || strlen(name) > GPUPOOL_NAME_MAX)
+    return gpupool__err(GPUPOOL_ENAME, "name must be 1 to %d bytes, got %zu", GPUPOOL_NAME_MAX, strlen(name));
+  gt.name = (char *)name;
+  gt.timeout_ms = wire_timeout(timeout_ms);
+  gt.read_only = (flags & GPUPOOL_READ_ONLY) != 0;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_GET;
+  req.get = &gt;
+  pthread_mutex_lock(&c->mu);
+  rc = call(c, &req, &rep, NULL);
+  if (rc == 0) {
+    rc = materialize(c, rep->get ? rep->get->buffer : NULL, 1, stream, out);
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int gpupool_unpublish(gpupool_client *c, const char *name) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Unpublish up = GPUPOOL__WIRE__UNPUBLISH__INIT;
+  gpupool__rep *rep;
+  int rc;
+  if (!c || !name)
+    return gpupool__err(GPUPOOL_EINVAL, "unpublish: client and name must not be NULL");
+  gpupool__err_clear();
+  up.name = (char *)name;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_UNPUBLISH;
+  req.unpublish = &up;
+  pthread_mutex_lock(&c->mu);
+  rc = call(c, &req, &rep, NULL);
+  if (rc == 0)
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int gpupool_stats(gpupool_client *c, gpupool_daemon_stats *ds, gpupool_pool_stats *pools, int max_pools,
+                  int *n_pools) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Stats st = GPUPOOL__WIRE__STATS__INIT;
+  gpupool__rep *rep;
+  int rc, n = 0;
+  if (!c)
+    return gpupool__err(GPUPOOL_EINVAL, "stats: client is NULL");
+  gpupool__err_clear();
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
+  req.stats = &st;
+  pthread_mutex_lock(&c->mu);
+  rc = call(c, &req, &rep, NULL);
+  pthread_mutex_unlock(&c->mu);
+  if (rc != 0)
+    return rc;
+  if (!rep->stats) {
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+    return gpupool__err(GPUPOOL_EPROTO, "the daemon answered Stats with something else");
+  }
+  if (ds) {
+    const Gpupool__Wire__StatsReply *s = rep->stats;
+    ds->clients = s->clients;
+    ds->buffers = s->buffers;
+    ds->holds = s->holds;
+    ds->names = s->names;
+    ds->requests = s->requests;
+    ds->errors = s->errors;
+    ds->open_fds = s->open_fds;
+    ds->pending_frees = s->pending_frees;
+    ds->uptime_s = s->uptime_s;
+  }
+  for (size_t i = 0; pools && i < rep->stats->n_pools && n < max_pools; i++, n++) {
+    const Gpupool__Wire__PoolInfo *pi = rep->stats->pools[i];
+    gpupool_pool_stats *o = &pools[n];
+    memset(o, 0, sizeof *o);
+    o->id = pi->id;
+    snprintf(o->name, sizeof o->name, "%s", pi->name ? pi->name : "");
+    o->kind = pi->location == GPUPOOL__WIRE__LOCATION_KIND__LOCATION_DEVICE      ? GPUPOOL_MEM_DEVICE
+              : pi->location == GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST_NUMA ? GPUPOOL_MEM_HOST_NUMA
+                                                                                 : GPUPOOL_MEM_HOST;
+    o->device = pi->device;
+    o->capacity = pi->capacity;
+    o->slab_size = pi->slab_size;
+    o->max_alloc = pi->max_alloc;
+    o->used = pi->used;
+    o->reserved = pi->reserved;
+    o->used_high = pi->used_high;
+    o->reserved_high = pi->reserved_high;
+    o->backend_used = pi->backend_used;
+    o->backend_reserved = pi->backend_reserved;
+    o->buffers = pi->buffers;
+    o->slabs = pi->slabs;
+  }
+  if (n_pools)
+    *n_pools = n;
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  return 0;
+}
+
+int gpupool_trim(gpupool_client *c) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Trim tr = GPUPOOL__WIRE__TRIM__INIT;
+  gpupool__rep *rep;
+  int rc;
+  if (!c)
+    return gpupool__err(GPUPOOL_EINVAL, "trim: client is NULL");
+  gpupool__err_clear();
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_TRIM;
+  req.trim = &tr;
+  pthread_mutex_lock(&c->mu);
+  rc = call(c, &req, &rep, NULL);
+  if (rc == 0)
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+void *gpupool_buffer_ptr(const gpupool_buffer *b) { return b ? (char *)b->slab->base + b->offset : NULL; }
+size_t gpupool_buffer_size(const gpupool_buffer *b) { return b ? (size_t)b->size : 0; }
+int gpupool_buffer_device(const gpupool_buffer *b) {
+  return b && b->slab->pool->kind != GPUPOOL_MEM_HOST ? b->slab->pool->device : -1;
+}
+gpupool_mem_kind gpupool_buffer_kind(const gpupool_buffer *b) { return b ? b->slab->pool->kind : GPUPOOL_MEM_HOST; }
+uint64_t gpupool_buffer_id(const gpupool_buffer *b) { return b ? b->buffer_id : 0; }
+int gpupool_buffer_read_only(const gpupool_buffer *b) { return b ? b->read_only : 0; }
+gpupool_client *gpupool_buffer_client(const gpupool_buffer *b) { return b ? b->c : NULL; }
+int gpupool_buffer_tensor(const gpupool_buffer *b, gpupool_tensor_meta *out) {
+  if (!b || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "buffer_tensor: arguments must not be NULL");
+  if (!b->has_meta)
+    return gpupool__err(GPUPOOL_ENOENT, "buffer %" PRIu64 " was published without tensor metadata", b->buffer_id);
+  *out = b->meta;
+  return 0;
+}

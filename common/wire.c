@@ -1,0 +1,371 @@
+/*
+ * The wire module: framing, fd passing and protobuf-c pack/unpack for both the daemon and
+ * the client library. A frame is a 4-byte little-endian payload length followed by one
+ * packed Request or Reply; fds ride SCM_RIGHTS on the frame's first byte.
+ *
+ * The receiver owns the safety rules: it reads one frame at a time (exactly the header, then
+ * exactly the payload), so the kernel can never hand it fds that belong to the next frame
+ * (a Unix stream recvmsg stops after the segment that carried fds, and we never ask for bytes
+ * past the current frame). The control buffer has room for GPUPOOL_WIRE_MAX_FDS fds and no
+ * more: a peer that sends more trips MSG_CTRUNC, and every fd that did arrive is closed. The
+ * length cap is checked before the payload is allocated, so a hostile length costs nothing.
+ */
+#include <errno.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "errors.h"
+#include "wire.h"
+
+/* Linux 6.5+ delivers a pidfd as a control message when SO_PASSPIDFD is set; older libc
+ * headers lack the name. It is an fd like SCM_RIGHTS and must be closed if it shows up. */
+#ifndef SCM_PIDFD
+#define SCM_PIDFD 0x04
+#endif
+
+#define CTRL_SPACE CMSG_SPACE(GPUPOOL_WIRE_MAX_FDS * sizeof(int))
+
+/* Control buffer aligned for struct cmsghdr, sized exactly for the fds a frame may carry. */
+typedef union {
+  struct cmsghdr align;
+  char buf[CTRL_SPACE];
+} ctrl_buf;
+
+static void put_le32(uint8_t *p, uint32_t v) {
+  p[0] = (uint8_t)v;
+  p[1] = (uint8_t)(v >> 8);
+  p[2] = (uint8_t)(v >> 16);
+  p[3] = (uint8_t)(v >> 24);
+}
+
+static uint32_t get_le32(const uint8_t *p) {
+  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* Pack through protobuf-c's message-generic entry points so requests and replies share the
+ * size check and the header writing. */
+static int pack_msg(const ProtobufCMessage *m, const char *what, uint8_t **buf, size_t *len) {
+  size_t plen, n;
+  uint8_t *b;
+
+  if (m == NULL || buf == NULL || len == NULL)
+    return gpupool__err(GPUPOOL_EINVAL, "cannot pack a %s: NULL argument", what);
+  plen = protobuf_c_message_get_packed_size(m);
+  if (plen > GPUPOOL_WIRE_HARD_MAX_FRAME)
+    return gpupool__err(GPUPOOL_ETOOBIG,
+                        "%s of %zu bytes exceeds the hard frame limit of %u bytes; send less "
+                        "in one message",
+                        what, plen, GPUPOOL_WIRE_HARD_MAX_FRAME);
+  b = malloc(GPUPOOL_WIRE_HDR + plen);
+  if (b == NULL)
+    return gpupool__err(GPUPOOL_ENOMEM, "cannot allocate a %zu-byte frame for a %s",
+                        GPUPOOL_WIRE_HDR + plen, what);
+  n = protobuf_c_message_pack(m, b + GPUPOOL_WIRE_HDR);
+  if (n != plen) {
+    free(b);
+    return gpupool__err(GPUPOOL_EPROTO, "packing a %s wrote %zu bytes, expected %zu", what, n,
+                        plen);
+  }
+  put_le32(b, (uint32_t)plen);
+  *buf = b;
+  *len = GPUPOOL_WIRE_HDR + plen;
+  return 0;
+}
+
+int gpupool__wire_pack_request(const gpupool__req *m, uint8_t **buf, size_t *len) {
+  return pack_msg(m ? &m->base : NULL, "request", buf, len);
+}
+
+int gpupool__wire_pack_reply(const gpupool__rep *m, uint8_t **buf, size_t *len) {
+  return pack_msg(m ? &m->base : NULL, "reply", buf, len);
+}
+
+static int send_error(int e) {
+  if (e == EPIPE || e == ECONNRESET || e == ENOTCONN)
+    return gpupool__err(GPUPOOL_ECLOSED, "peer closed the connection while sending (%s)",
+                        strerror(e));
+  return gpupool__err(GPUPOOL_EIO, "sendmsg on the gpupool socket failed: %s", strerror(e));
+}
+
+/* One sendmsg of buf[off..len), with fds attached when off is 0 (the frame's first byte).
+ * Returns bytes written, or -errno. */
+static ssize_t send_step(int sock, const uint8_t *buf, size_t len, size_t off, const int *fds,
+                         int nfds, int flags) {
+  struct iovec iov;
+  struct msghdr msg;
+  ctrl_buf ctrl;
+  ssize_t n;
+
+  memset(&msg, 0, sizeof msg);
+  iov.iov_base = (void *)(buf + off);
+  iov.iov_len = len - off;
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  if (off == 0 && nfds > 0) {
+    struct cmsghdr *c;
+    memset(&ctrl, 0, sizeof ctrl);
+    msg.msg_control = ctrl.buf;
+    msg.msg_controllen = CMSG_SPACE((size_t)nfds * sizeof(int));
+    c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN((size_t)nfds * sizeof(int));
+    memcpy(CMSG_DATA(c), fds, (size_t)nfds * sizeof(int));
+  }
+  do {
+    n = sendmsg(sock, &msg, flags | MSG_NOSIGNAL);
+  } while (n < 0 && errno == EINTR);
+  return n < 0 ? -errno : n;
+}
+
+static int check_send_args(const uint8_t *buf, size_t len, const int *fds, int nfds) {
+  if (buf == NULL || len < GPUPOOL_WIRE_HDR)
+    return gpupool__err(GPUPOOL_EINVAL, "cannot send a frame of %zu bytes: a frame has at least "
+                        "a %d-byte header", len, GPUPOOL_WIRE_HDR);
+  if (nfds < 0 || nfds > GPUPOOL_WIRE_MAX_FDS || (nfds > 0 && fds == NULL))
+    return gpupool__err(GPUPOOL_EINVAL, "cannot send %d fds in one frame: the limit is %d", nfds,
+                        GPUPOOL_WIRE_MAX_FDS);
+  return 0;
+}
+
+int gpupool__wire_send(int sock, const uint8_t *buf, size_t len, const int *fds, int nfds) {
+  size_t off = 0;
+  int rc = check_send_args(buf, len, fds, nfds);
+
+  if (rc < 0)
+    return rc;
+  while (off < len) {
+    ssize_t n = send_step(sock, buf, len, off, fds, nfds, 0);
+    if (n == -EAGAIN || n == -EWOULDBLOCK) {
+      /* The caller asked for a blocking send on a nonblocking socket: wait for room rather
+       * than spin. */
+      struct pollfd p = {.fd = sock, .events = POLLOUT};
+      int pr;
+      do {
+        pr = poll(&p, 1, -1);
+      } while (pr < 0 && errno == EINTR);
+      if (pr < 0)
+        return send_error(errno);
+      continue;
+    }
+    if (n < 0)
+      return send_error((int)-n);
+    off += (size_t)n;
+  }
+  return 0;
+}
+
+int gpupool__wire_send_some(int sock, const uint8_t *buf, size_t len, size_t *off,
+                            const int *fds, int nfds) {
+  int rc = check_send_args(buf, len, fds, nfds);
+
+  if (rc < 0)
+    return rc;
+  if (off == NULL || *off > len)
+    return gpupool__err(GPUPOOL_EINVAL, "send offset is outside the %zu-byte frame", len);
+  while (*off < len) {
+    ssize_t n = send_step(sock, buf, len, *off, fds, nfds, MSG_DONTWAIT);
+    if (n == -EAGAIN || n == -EWOULDBLOCK)
+      return 0;
+    if (n < 0)
+      return send_error((int)-n);
+    *off += (size_t)n;
+  }
+  return 1;
+}
+
+void gpupool__wire_rx_init(gpupool__wire_rx *rx, uint32_t max_frame) {
+  memset(rx, 0, sizeof *rx);
+  /* 0 means "the default"; nothing may exceed the hard cap, whatever a config says. */
+  if (max_frame == 0)
+    max_frame = GPUPOOL_WIRE_DEFAULT_MAX_FRAME;
+  if (max_frame > GPUPOOL_WIRE_HARD_MAX_FRAME)
+    max_frame = GPUPOOL_WIRE_HARD_MAX_FRAME;
+  rx->max_frame = max_frame;
+  for (int i = 0; i < GPUPOOL_WIRE_MAX_FDS; i++)
+    rx->fds[i] = -1;
+}
+
+void gpupool__wire_rx_reset(gpupool__wire_rx *rx) {
+  for (int i = 0; i < rx->nfds; i++) {
+    if (rx->fds[i] >= 0)
+      close(rx->fds[i]);
+    rx->fds[i] = -1;
+  }
+  rx->nfds = 0;
+  free(rx->payload);
+  rx->payload = NULL;
+  rx->payload_len = 0;
+  rx->payload_have = 0;
+  rx->hdr_have = 0;
+}
+
+static void close_fd_array(const int *fds, int n) {
+  for (int i = 0; i < n; i++)
+    if (fds[i] >= 0)
+      close(fds[i]);
+}
+
+/* Receive up to want bytes into dst, collecting fds into rx. Returns bytes read (> 0), 0 on
+ * EOF, -EAGAIN when the socket would block, or a negative GPUPOOL_E* code. On a protocol
+ * error every fd received by this call has been closed. */
+static ssize_t rx_step(gpupool__wire_rx *rx, int sock, uint8_t *dst, size_t want) {
+  struct iovec iov = {.iov_base = dst, .iov_len = want};
+  struct msghdr msg;
+  ctrl_buf ctrl;
+  int got[GPUPOOL_WIRE_MAX_FDS];
+  int ngot = 0, extra = 0;
+  ssize_t n;
+
+  for (;;) {
+    memset(&msg, 0, sizeof msg);
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = ctrl.buf;
+    msg.msg_controllen = sizeof ctrl.buf;
+    n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+    if (n >= 0)
+      break;
+    if (errno == EINTR)
+      continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK)
+      return -EAGAIN;
+    if (errno == ECONNRESET)
+      return gpupool__err(GPUPOOL_ECLOSED, "peer reset the connection");
+    return gpupool__err(GPUPOOL_EIO, "recvmsg on the gpupool socket failed: %s",
+                        strerror(errno));
+  }
+
+  for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c)) {
+    size_t bytes, k;
+    if (c->cmsg_level != SOL_SOCKET)
+      continue;
+    if (c->cmsg_type != SCM_RIGHTS && c->cmsg_type != SCM_PIDFD)
+      continue; /* SCM_CREDENTIALS and the like hold no resources */
+    bytes = c->cmsg_len > CMSG_LEN(0) ? c->cmsg_len - CMSG_LEN(0) : 0;
+    for (k = 0; k + sizeof(int) <= bytes; k += sizeof(int)) {
+      int fd;
+      memcpy(&fd, CMSG_DATA(c) + k, sizeof fd);
+      if (c->cmsg_type == SCM_RIGHTS && ngot < GPUPOOL_WIRE_MAX_FDS) {
+        got[ngot++] = fd;
+      } else {
+        /* A pidfd nobody asked for, or more fds than our buffer holds (cannot happen with
+         * an exactly sized buffer, but an fd must never leak). */
+        if (c->cmsg_type == SCM_RIGHTS)
+          extra++;
+        close(fd);
+      }
+    }
+  }
+
+  if (msg.msg_flags & MSG_CTRUNC) {
+    close_fd_array(got, ngot);
+    return gpupool__err(GPUPOOL_EPROTO,
+                        "control data truncated: the peer sent more than %d fds with one "
+                        "frame (or extra control messages); it must send at most %d",
+                        GPUPOOL_WIRE_MAX_FDS, GPUPOOL_WIRE_MAX_FDS);
+  }
+  if (extra > 0 || rx->nfds + ngot > GPUPOOL_WIRE_MAX_FDS) {
+    int total = rx->nfds + ngot + extra;
+    close_fd_array(got, ngot);
+    return gpupool__err(GPUPOOL_EPROTO,
+                        "frame carries %d fds; a frame may carry at most %d", total,
+                        GPUPOOL_WIRE_MAX_FDS);
+  }
+  for (int i = 0; i < ngot; i++)
+    rx->fds[rx->nfds++] = got[i];
+  return n;
+}
+
+int gpupool__wire_rx_read(gpupool__wire_rx *rx, int sock) {
+  ssize_t n;
+  int rc;
+
+  if (rx->max_frame == 0)
+    return gpupool__err(GPUPOOL_EINVAL, "receiver not initialised (gpupool__wire_rx_init)");
+
+  while (rx->hdr_have < GPUPOOL_WIRE_HDR) {
+    n = rx_step(rx, sock, rx->hdr + rx->hdr_have, GPUPOOL_WIRE_HDR - rx->hdr_have);
+    if (n == -EAGAIN)
+      return 0;
+    if (n < 0) {
+      rc = (int)n;
+      goto fail;
+    }
+    if (n == 0) {
+      if (rx->hdr_have == 0 && rx->nfds == 0)
+        return gpupool__err(GPUPOOL_ECLOSED, "peer closed the connection");
+      rc = gpupool__err(GPUPOOL_EPROTO, "peer closed the connection after %u of %d header bytes",
+                        rx->hdr_have, GPUPOOL_WIRE_HDR);
+      goto fail;
+    }
+    rx->hdr_have += (uint32_t)n;
+    if (rx->hdr_have < GPUPOOL_WIRE_HDR)
+      continue;
+    rx->payload_len = get_le32(rx->hdr);
+    rx->payload_have = 0;
+    if (rx->payload_len > rx->max_frame) {
+      rc = gpupool__err(GPUPOOL_EPROTO,
+                        "frame of %u bytes exceeds the limit of %u bytes; the peer must send "
+                        "smaller messages (or the receiver's frame limit must be raised)",
+                        rx->payload_len, rx->max_frame);
+      goto fail;
+    }
+    if (rx->payload_len > 0) {
+      rx->payload = malloc(rx->payload_len);
+      if (rx->payload == NULL) {
+        rc = gpupool__err(GPUPOOL_ENOMEM, "cannot allocate %u bytes for a frame",
+                          rx->payload_len);
+        goto fail;
+      }
+    }
+  }
+
+  while (rx->payload_have < rx->payload_len) {
+    n = rx_step(rx, sock, rx->payload + rx->payload_have, rx->payload_len - rx->payload_have);
+    if (n == -EAGAIN)
+      return 0;
+    if (n < 0) {
+      rc = (int)n;
+      goto fail;
+    }
+    if (n == 0) {
+      rc = gpupool__err(GPUPOOL_EPROTO,
+                        "peer closed the connection after %u of %u payload bytes",
+                        rx->payload_have, rx->payload_len);
+      goto fail;
+    }
+    rx->payload_have += (uint32_t)n;
+  }
+  return 1;
+
+fail:
+  /* The stream cannot be resynchronised after any of these: drop what the frame held so
+   * nothing leaks whether or not the caller resets. */
+  gpupool__wire_rx_reset(rx);
+  return rc;
+}
+
+static int rx_complete(const gpupool__wire_rx *rx) {
+  return rx != NULL && rx->hdr_have == GPUPOOL_WIRE_HDR && rx->payload_have == rx->payload_len;
+}
+
+/* protobuf-c may read data even for a zero length; give it a valid pointer. */
+static const uint8_t empty_payload[1];
+
+gpupool__req *gpupool__wire_unpack_request(const gpupool__wire_rx *rx) {
+  if (!rx_complete(rx))
+    return NULL;
+  return gpupool__wire__request__unpack(NULL, rx->payload_len,
+                                        rx->payload ? rx->payload : empty_payload);
+}
+
+gpupool__rep *gpupool__wire_unpack_reply(const gpupool__wire_rx *rx) {
+  if (!rx_complete(rx))
+    return NULL;
+  return gpupool__wire__reply__unpack(NULL, rx->payload_len,
+                                      rx->payload ? rx->payload : empty_payload);
+}

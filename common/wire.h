@@ -1,0 +1,74 @@
+/*
+ * The one wire module both sides link: frame = 4-byte little-endian payload length, then a
+ * packed protobuf-c message (Request client->daemon, Reply daemon->client). File descriptors
+ * travel with SCM_RIGHTS on the first byte of the frame that names them.
+ *
+ * Receiving reads exactly one frame at a time (header, then payload), so every fd that
+ * arrives belongs to the frame being read. A frame over the receiver's cap is refused before
+ * any payload is read or unpacked; MSG_CTRUNC and more than GPUPOOL_WIRE_MAX_FDS fds are
+ * protocol errors; fds are received close-on-exec and the receiver closes all it does not
+ * take.
+ */
+#ifndef GPUPOOL_COMMON_WIRE_H
+#define GPUPOOL_COMMON_WIRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gpupool.pb-c.h"
+
+#define GPUPOOL_WIRE_HDR 4
+#define GPUPOOL_WIRE_MAX_FDS 4
+/* Default and hard limits on a frame's payload. */
+#define GPUPOOL_WIRE_DEFAULT_MAX_FRAME (1u << 20)
+#define GPUPOOL_WIRE_HARD_MAX_FRAME (64u << 20)
+
+typedef Gpupool__Wire__Request gpupool__req;
+typedef Gpupool__Wire__Reply gpupool__rep;
+
+/* Pack a message into a new malloc'd frame (header included). Returns 0 or GPUPOOL_ENOMEM /
+ * GPUPOOL_ETOOBIG (payload over GPUPOOL_WIRE_HARD_MAX_FRAME). The caller frees *buf. */
+int gpupool__wire_pack_request(const gpupool__req *m, uint8_t **buf, size_t *len);
+int gpupool__wire_pack_reply(const gpupool__rep *m, uint8_t **buf, size_t *len);
+
+/* Blocking send of a whole frame, fds (may be NULL/0) attached to its first byte. Retries
+ * on EINTR and partial writes; never raises SIGPIPE (MSG_NOSIGNAL). 0 or GPUPOOL_EIO /
+ * GPUPOOL_ECLOSED. */
+int gpupool__wire_send(int sock, const uint8_t *buf, size_t len, const int *fds, int nfds);
+
+/* Nonblocking send step for the daemon: writes from buf+*off; attaches fds only when *off
+ * is 0. Returns 1 when the whole frame is out, 0 when the socket would block (call again
+ * when writable), or GPUPOOL_EIO / GPUPOOL_ECLOSED. */
+int gpupool__wire_send_some(int sock, const uint8_t *buf, size_t len, size_t *off,
+                            const int *fds, int nfds);
+
+/* Incremental receiver of one frame at a time. */
+typedef struct {
+  uint8_t hdr[GPUPOOL_WIRE_HDR];
+  uint32_t hdr_have;
+  uint8_t *payload;     /* malloc'd, payload_len bytes once the header is in */
+  uint32_t payload_len;
+  uint32_t payload_have;
+  uint32_t max_frame;   /* cap on payload_len */
+  int fds[GPUPOOL_WIRE_MAX_FDS];
+  int nfds;
+} gpupool__wire_rx;
+
+void gpupool__wire_rx_init(gpupool__wire_rx *rx, uint32_t max_frame);
+/* Close held fds and free the payload. */
+void gpupool__wire_rx_reset(gpupool__wire_rx *rx);
+
+/* Read from sock. Returns 1 when a whole frame is in rx (payload/payload_len/fds), 0 when
+ * the socket would block (nonblocking) before that, or a negative code: GPUPOOL_ECLOSED on
+ * EOF at a frame boundary, GPUPOOL_EPROTO on EOF mid-frame, an oversized frame (the message
+ * says its size and the cap), MSG_CTRUNC or too many fds, GPUPOOL_EIO on a socket error.
+ * On a blocking socket it returns only 1 or an error. After handling a frame (taking the fds
+ * it wants by setting their slots to -1), call gpupool__wire_rx_reset(). */
+int gpupool__wire_rx_read(gpupool__wire_rx *rx, int sock);
+
+/* Unpack helpers over rx's payload; NULL on malformed input. Free with the protobuf-c
+ * free_unpacked functions. */
+gpupool__req *gpupool__wire_unpack_request(const gpupool__wire_rx *rx);
+gpupool__rep *gpupool__wire_unpack_reply(const gpupool__wire_rx *rx);
+
+#endif

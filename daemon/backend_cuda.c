@@ -1,0 +1,703 @@
+/*
+ * The CUDA backend of gpupoold: stream-ordered memory pools exported with POSIX file
+ * descriptors, slabs taken from them with cudaMallocFromPoolAsync and exported with
+ * cudaMemPoolExportPointer, and inter-process events the clients record and wait on.
+ *
+ * This file owns every CUDA object the daemon creates: one daemon stream per device that has
+ * a pool (created on first use, so GPUs without a pool get no context), the pools and their
+ * exported fds, the slabs' device pointers and the IPC events. The daemon loop is
+ * single-threaded, so nothing here locks. The current device is a per-thread setting of the
+ * runtime; every per-device call below sets it first rather than trusting what the previous
+ * call left behind.
+ *
+ * Traps this code is shaped around (see DESIGN.md): pointer export fails until the pool has
+ * been exported once, so pools are exported at creation; plain host pools cannot carry a
+ * POSIX fd, so GPUPOOL_MEM_HOST is refused here; a slab must be materialized (its stream
+ * synchronized) before a client imports it; no slab may exceed GPUPOOL_SLAB_HARD_MAX.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cuda_runtime_api.h>
+
+#include "backend.h"
+#include "errors.h"
+#include "gpupool.pb-c.h"
+#include "log.h"
+
+/* Slab size of the pools made when none is configured. */
+#define DEFAULT_SLAB (256ull << 20)
+
+typedef struct {
+  int usable;          /* pools with POSIX-fd handles are supported */
+  cudaStream_t stream; /* daemon stream, created on first use */
+  int has_stream;
+} cuda_dev;
+
+typedef struct {
+  int ndev;
+  cuda_dev *dev;
+  int event_dev; /* device the IPC events live on: the first pool's, else the first usable */
+  int event_dev_fixed;
+} cuda_state;
+
+struct gpupool__bpool {
+  cuda_state *st;
+  cudaMemPool_t pool;
+  int fd;         /* exported POSIX fd, owned here */
+  int device;     /* device whose stream allocates and frees (the GPU for HOST_NUMA) */
+  char name[64];
+};
+
+struct gpupool__bevent {
+  cudaEvent_t ev;
+  int device;
+};
+
+/* Record a message naming the call, the CUDA error and the device, and clear the runtime's
+ * per-thread last error so a later unrelated check does not see it. */
+static int cuda_fail(int code, cudaError_t e, const char *call, int device, const char *fix) {
+  (void)cudaGetLastError();
+  if (device >= 0)
+    return gpupool__err(code, "%s failed on CUDA device %d: %s (%s)%s%s", call, device,
+                        cudaGetErrorName(e), cudaGetErrorString(e), fix ? ": " : "",
+                        fix ? fix : "");
+  return gpupool__err(code, "%s failed: %s (%s)%s%s", call, cudaGetErrorName(e),
+                      cudaGetErrorString(e), fix ? ": " : "", fix ? fix : "");
+}
+
+static int set_device(int device) {
+  cudaError_t e = cudaSetDevice(device);
+  if (e != cudaSuccess)
+    return cuda_fail(GPUPOOL_EBACKEND, e, "cudaSetDevice", device,
+                     "check that the device exists and is not in exclusive or prohibited "
+                     "compute mode (nvidia-smi -q -d COMPUTE)");
+  return 0;
+}
+
+/*
+ * Look at the driver and every device. Fills usable[] (may be NULL) and returns the number of
+ * usable devices (>= 0), with a message naming what is missing when it is 0; *ndev_out gets
+ * the device count. Shared by probe, open and default_pools so all three agree.
+ */
+static int scan(int *ndev_out, int **usable_out) {
+  int drv = 0, ndev = 0, nusable = 0;
+  int *usable = NULL;
+  char why[GPUPOOL__ERRMSG_MAX];
+  size_t wl = 0;
+  cudaError_t e;
+
+  *ndev_out = 0;
+  if (usable_out)
+    *usable_out = NULL;
+  e = cudaDriverGetVersion(&drv);
+  if (e != cudaSuccess) {
+    cuda_fail(GPUPOOL_ENOTSUP, e, "cudaDriverGetVersion", -1,
+              "install the NVIDIA driver or run gpupoold with --backend host");
+    return 0;
+  }
+  if (drv == 0) {
+    gpupool__err(GPUPOOL_ENOTSUP, "no NVIDIA driver found (cudaDriverGetVersion returned 0): "
+                 "install the NVIDIA driver or run gpupoold with --backend host");
+    return 0;
+  }
+  e = cudaGetDeviceCount(&ndev);
+  if (e == cudaErrorInsufficientDriver) {
+    (void)cudaGetLastError();
+    gpupool__err(GPUPOOL_ENOTSUP,
+                 "the NVIDIA driver supports CUDA %d.%d but gpupoold was built with CUDA %d.%d "
+                 "(cudaErrorInsufficientDriver): upgrade the driver or rebuild gpupool "
+                 "against an older CUDA toolkit",
+                 drv / 1000, (drv % 1000) / 10, CUDART_VERSION / 1000,
+                 (CUDART_VERSION % 1000) / 10);
+    return 0;
+  }
+  if (e == cudaErrorNoDevice || (e == cudaSuccess && ndev == 0)) {
+    (void)cudaGetLastError();
+    gpupool__err(GPUPOOL_ENOTSUP,
+                 "no CUDA device visible (driver %d.%d): check CUDA_VISIBLE_DEVICES, that "
+                 "/dev/nvidia* exist and are accessible to this user, or run gpupoold with "
+                 "--backend host",
+                 drv / 1000, (drv % 1000) / 10);
+    return 0;
+  }
+  if (e != cudaSuccess) {
+    cuda_fail(GPUPOOL_ENOTSUP, e, "cudaGetDeviceCount", -1,
+              "check the driver installation (nvidia-smi) or run gpupoold with --backend host");
+    return 0;
+  }
+  usable = calloc((size_t)ndev, sizeof(*usable));
+  if (!usable) {
+    gpupool__err(GPUPOOL_ENOMEM, "out of memory while probing %d CUDA devices", ndev);
+    return 0;
+  }
+  why[0] = '\0';
+  for (int d = 0; d < ndev; d++) {
+    int pools = 0, types = 0;
+    const char *miss = NULL;
+    e = cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, d);
+    if (e == cudaSuccess && pools)
+      e = cudaDeviceGetAttribute(&types, cudaDevAttrMemoryPoolSupportedHandleTypes, d);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      miss = cudaGetErrorName(e);
+    } else if (!pools) {
+      miss = "lacks stream-ordered memory pools (cudaDevAttrMemoryPoolsSupported = 0)";
+    } else if (!(types & cudaMemHandleTypePosixFileDescriptor)) {
+      miss = "lacks POSIX-fd pool handles (cudaDevAttrMemoryPoolSupportedHandleTypes has no "
+             "cudaMemHandleTypePosixFileDescriptor)";
+    }
+    if (miss) {
+      int n = snprintf(why + wl, sizeof(why) - wl, "%sdevice %d %s", wl ? "; " : "", d, miss);
+      if (n > 0 && (size_t)n < sizeof(why) - wl)
+        wl += (size_t)n;
+      continue;
+    }
+    usable[d] = 1;
+    nusable++;
+  }
+  if (nusable == 0)
+    gpupool__err(GPUPOOL_ENOTSUP,
+                 "no usable CUDA device among %d (driver %d.%d): %s; gpupool needs memory "
+                 "pools exportable as POSIX fds (CUDA 11.2+ driver, Linux, not WSL); run "
+                 "gpupoold with --backend host",
+                 ndev, drv / 1000, (drv % 1000) / 10, why);
+  *ndev_out = ndev;
+  if (usable_out)
+    *usable_out = usable;
+  else
+    free(usable);
+  return nusable;
+}
+
+int gpupool__backend_cuda_probe(void) {
+  int ndev = 0;
+  return scan(&ndev, NULL) > 0 ? 1 : 0;
+}
+
+int gpupool__backend_cuda_default_pools(gpupool__config *c) {
+  int ndev = 0, *usable = NULL, rc = 0;
+
+  if (c->n_pools > 0)
+    return 0;
+  if (scan(&ndev, &usable) == 0) {
+    free(usable);
+    return GPUPOOL_ENOTSUP; /* message recorded by scan() */
+  }
+  for (int d = 0; d < ndev; d++) {
+    struct cudaDeviceProp prop;
+    gpupool__pool_config *p;
+    cudaError_t e;
+    uint64_t cap;
+
+    if (!usable[d])
+      continue;
+    if (c->n_pools >= GPUPOOL_MAX_POOLS) {
+      GP_WARN("cuda: %d devices but at most %d pools; device %d and later get no default pool",
+              ndev, GPUPOOL_MAX_POOLS, d);
+      break;
+    }
+    e = cudaGetDeviceProperties(&prop, d);
+    if (e != cudaSuccess) {
+      rc = cuda_fail(GPUPOOL_EBACKEND, e, "cudaGetDeviceProperties", d,
+                     "configure pools explicitly with --pool or [pool NAME] sections");
+      goto out;
+    }
+    /* A quarter of the device: leaves room for the clients' own contexts and allocations,
+     * since an IPC pool never gives memory back once reserved. */
+    cap = (uint64_t)prop.totalGlobalMem / 4 / DEFAULT_SLAB * DEFAULT_SLAB;
+    if (cap < DEFAULT_SLAB) {
+      GP_WARN("cuda: device %d has only %zu bytes; no default pool for it", d,
+              prop.totalGlobalMem);
+      continue;
+    }
+    p = &c->pools[c->n_pools];
+    memset(p, 0, sizeof(*p));
+    snprintf(p->name, sizeof(p->name), "gpu%d", d);
+    p->kind = GPUPOOL_MEM_DEVICE;
+    p->device = d;
+    p->numa_node = -1;
+    p->capacity = cap;
+    p->slab_size = DEFAULT_SLAB;
+    p->keep_slabs = 1; /* as for configured pools: one empty slab stays mapped for reuse */
+    p->release_threshold = -1;
+    p->reuse_follow_event_deps = -1;
+    p->reuse_allow_opportunistic = -1;
+    p->reuse_allow_internal_deps = -1;
+    p->line = 0;
+    c->n_pools++;
+    GP_INFO("cuda: default pool \"%s\" on device %d (%s), capacity %llu MiB", p->name, d,
+            prop.name, (unsigned long long)(cap >> 20));
+  }
+  if (c->n_pools == 0)
+    rc = gpupool__err(GPUPOOL_ENOTSUP, "no CUDA device has enough memory for a default pool: "
+                      "configure a pool explicitly with --pool");
+out:
+  free(usable);
+  return rc;
+}
+
+/* The daemon stream of a device, created on first use. */
+static int dev_stream(cuda_state *st, int device, cudaStream_t *out) {
+  cuda_dev *d;
+  cudaError_t e;
+  int rc;
+
+  if (device < 0 || device >= st->ndev)
+    return gpupool__err(GPUPOOL_EINVAL, "CUDA device %d does not exist (%d visible): fix the "
+                        "pool's device= setting", device, st->ndev);
+  d = &st->dev[device];
+  if ((rc = set_device(device)) < 0)
+    return rc;
+  if (!d->has_stream) {
+    /* Non-blocking: the daemon's allocations and frees must not serialize with anything a
+     * library might queue on the legacy default stream of the same context. */
+    e = cudaStreamCreateWithFlags(&d->stream, cudaStreamNonBlocking);
+    if (e != cudaSuccess)
+      return cuda_fail(GPUPOOL_EBACKEND, e, "cudaStreamCreateWithFlags", device, NULL);
+    d->has_stream = 1;
+  }
+  *out = d->stream;
+  return 0;
+}
+
+static int set_pool_attr(cudaMemPool_t pool, enum cudaMemPoolAttr attr, const char *what,
+                         int64_t v, int device) {
+  cudaError_t e;
+  if (v < 0)
+    return 0;
+  if (attr == cudaMemPoolAttrReleaseThreshold) {
+    unsigned long long u = (unsigned long long)v;
+    e = cudaMemPoolSetAttribute(pool, attr, &u);
+  } else {
+    int i = v ? 1 : 0;
+    e = cudaMemPoolSetAttribute(pool, attr, &i);
+  }
+  if (e != cudaSuccess) {
+    char call[96];
+    snprintf(call, sizeof(call), "cudaMemPoolSetAttribute(%s)", what);
+    return cuda_fail(GPUPOOL_EBACKEND, e, call, device, "remove the setting from the pool");
+  }
+  return 0;
+}
+
+static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cfg,
+                            gpupool__bpool **out, int *fd_out) {
+  cuda_state *st = be->priv;
+  struct cudaMemPoolProps props;
+  gpupool__bpool *p = NULL;
+  cudaStream_t stream;
+  cudaError_t e;
+  int rc, fd = -1, created = 0;
+
+  *out = NULL;
+  *fd_out = -1;
+  if (cfg->kind == GPUPOOL_MEM_HOST)
+    return gpupool__err(GPUPOOL_ENOTSUP,
+                        "pool \"%s\": kind=host cannot be shared by the CUDA backend (CUDA "
+                        "refuses POSIX-fd handles for plain host pools): use kind=host-numa "
+                        "with numa=<node> for pinned host memory, or run gpupoold with "
+                        "--backend host", cfg->name);
+  if (cfg->kind != GPUPOOL_MEM_DEVICE && cfg->kind != GPUPOOL_MEM_HOST_NUMA)
+    return gpupool__err(GPUPOOL_EINVAL, "pool \"%s\": unknown memory kind %d", cfg->name,
+                        (int)cfg->kind);
+  if (cfg->device < 0 || cfg->device >= st->ndev)
+    return gpupool__err(GPUPOOL_ECONFIG, "pool \"%s\": CUDA device %d does not exist (%d "
+                        "visible): fix device=", cfg->name, cfg->device, st->ndev);
+  if (!st->dev[cfg->device].usable)
+    return gpupool__err(GPUPOOL_ENOTSUP, "pool \"%s\": CUDA device %d lacks memory pools with "
+                        "POSIX-fd handles: put the pool on another device", cfg->name,
+                        cfg->device);
+  if (cfg->capacity == 0)
+    return gpupool__err(GPUPOOL_ECONFIG, "pool \"%s\": capacity is 0: set capacity=",
+                        cfg->name);
+  if (cfg->kind == GPUPOOL_MEM_HOST_NUMA) {
+    int ok = 0;
+    e = cudaDeviceGetAttribute(&ok, cudaDevAttrHostNumaMemoryPoolsSupported, cfg->device);
+    if (e != cudaSuccess)
+      return cuda_fail(GPUPOOL_EBACKEND, e,
+                       "cudaDeviceGetAttribute(cudaDevAttrHostNumaMemoryPoolsSupported)",
+                       cfg->device, NULL);
+    if (!ok)
+      return gpupool__err(GPUPOOL_ENOTSUP, "pool \"%s\": CUDA device %d does not support "
+                          "host-NUMA memory pools (cudaDevAttrHostNumaMemoryPoolsSupported = "
+                          "0): use kind=device", cfg->name, cfg->device);
+    if (cfg->numa_node < 0)
+      return gpupool__err(GPUPOOL_ECONFIG, "pool \"%s\": kind=host-numa needs numa=<node>",
+                          cfg->name);
+  }
+  if ((rc = dev_stream(st, cfg->device, &stream)) < 0)
+    return rc;
+
+  p = calloc(1, sizeof(*p));
+  if (!p)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory creating pool \"%s\"", cfg->name);
+  p->st = st;
+  p->fd = -1;
+  p->device = cfg->device;
+  snprintf(p->name, sizeof(p->name), "%s", cfg->name);
+
+  memset(&props, 0, sizeof(props));
+  props.allocType = cudaMemAllocationTypePinned;
+  props.handleTypes = cudaMemHandleTypePosixFileDescriptor;
+  if (cfg->kind == GPUPOOL_MEM_DEVICE) {
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = cfg->device;
+  } else {
+    props.location.type = cudaMemLocationTypeHostNuma;
+    props.location.id = cfg->numa_node;
+  }
+  /* An IPC pool never returns memory to the system, so its bound is the only bound. */
+  props.maxSize = (size_t)cfg->capacity;
+  e = cudaMemPoolCreate(&p->pool, &props);
+  if (e != cudaSuccess) {
+    rc = cuda_fail(e == cudaErrorMemoryAllocation ? GPUPOOL_ENOSPC : GPUPOOL_EBACKEND, e,
+                   "cudaMemPoolCreate (POSIX-fd handles)", cfg->device,
+                   "check the pool's capacity against the device memory and, for host-numa, "
+                   "that the NUMA node exists");
+    goto fail;
+  }
+  created = 1;
+  if ((rc = set_pool_attr(p->pool, cudaMemPoolAttrReleaseThreshold, "release_threshold",
+                          cfg->release_threshold, cfg->device)) < 0 ||
+      (rc = set_pool_attr(p->pool, cudaMemPoolReuseFollowEventDependencies,
+                          "reuse_follow_event_deps", cfg->reuse_follow_event_deps,
+                          cfg->device)) < 0 ||
+      (rc = set_pool_attr(p->pool, cudaMemPoolReuseAllowOpportunistic,
+                          "reuse_allow_opportunistic", cfg->reuse_allow_opportunistic,
+                          cfg->device)) < 0 ||
+      (rc = set_pool_attr(p->pool, cudaMemPoolReuseAllowInternalDependencies,
+                          "reuse_allow_internal_deps", cfg->reuse_allow_internal_deps,
+                          cfg->device)) < 0)
+    goto fail;
+
+  /* Export once now: cudaMemPoolExportPointer returns cudaErrorInvalidValue on a pool that
+   * was never exported, and this fd is what every client imports. */
+  e = cudaMemPoolExportToShareableHandle(&fd, p->pool, cudaMemHandleTypePosixFileDescriptor, 0);
+  if (e != cudaSuccess) {
+    rc = cuda_fail(GPUPOOL_EBACKEND, e, "cudaMemPoolExportToShareableHandle", cfg->device,
+                   "check the open-files limit (ulimit -n) and that the driver supports "
+                   "POSIX-fd pool export");
+    goto fail;
+  }
+  if (fcntl(fd, F_SETFD, FD_CLOEXEC) < 0)
+    GP_WARN("cuda: pool \"%s\": cannot set close-on-exec on its fd: %s", cfg->name,
+            strerror(errno));
+  p->fd = fd;
+  /* Events live on the first pool's device: its context exists already, so creating events
+   * opens no context on a GPU the daemon would not otherwise touch. */
+  if (!st->event_dev_fixed) {
+    st->event_dev = cfg->device;
+    st->event_dev_fixed = 1;
+  }
+  GP_INFO("cuda: pool \"%s\" created on %s %d, max %llu MiB, fd %d", cfg->name,
+          cfg->kind == GPUPOOL_MEM_DEVICE ? "device" : "NUMA node",
+          cfg->kind == GPUPOOL_MEM_DEVICE ? cfg->device : cfg->numa_node,
+          (unsigned long long)(cfg->capacity >> 20), fd);
+  *out = p;
+  *fd_out = fd;
+  return 0;
+
+fail:
+  if (created) {
+    e = cudaMemPoolDestroy(p->pool);
+    if (e != cudaSuccess)
+      (void)cudaGetLastError();
+  }
+  free(p);
+  return rc;
+}
+
+static void cuda_pool_destroy(gpupool__bpool *p) {
+  cudaError_t e;
+  if (!p)
+    return;
+  if (set_device(p->device) == 0) {
+    e = cudaMemPoolDestroy(p->pool);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      GP_ERROR("cuda: cudaMemPoolDestroy of pool \"%s\" on device %d: %s (%s)", p->name,
+               p->device, cudaGetErrorName(e), cudaGetErrorString(e));
+    }
+  } else {
+    GP_ERROR("cuda: pool \"%s\": %s", p->name, gpupool__errmsg());
+  }
+  if (p->fd >= 0)
+    close(p->fd);
+  free(p);
+}
+
+static int cuda_slab_alloc(gpupool__bpool *p, uint64_t size, gpupool__bslab *out) {
+  struct cudaMemPoolPtrExportData exp;
+  cudaStream_t stream;
+  void *ptr = NULL;
+  cudaError_t e;
+  int rc;
+
+  memset(out, 0, sizeof(*out));
+  if (size == 0)
+    return gpupool__err(GPUPOOL_EINVAL, "pool \"%s\": slab of 0 bytes", p->name);
+  if (size > GPUPOOL_SLAB_HARD_MAX)
+    return gpupool__err(GPUPOOL_ETOOBIG,
+                        "pool \"%s\": a slab of %llu bytes exceeds the %llu-byte limit on one "
+                        "exported CUDA allocation (importers crash or corrupt above it): split "
+                        "the buffer", p->name, (unsigned long long)size,
+                        (unsigned long long)GPUPOOL_SLAB_HARD_MAX);
+  if ((rc = dev_stream(p->st, p->device, &stream)) < 0)
+    return rc;
+  e = cudaMallocFromPoolAsync(&ptr, (size_t)size, p->pool, stream);
+  if (e == cudaErrorMemoryAllocation)
+    return cuda_fail(GPUPOOL_ENOSPC, e, "cudaMallocFromPoolAsync", p->device,
+                     "the pool reached its capacity or the device is out of memory; free "
+                     "buffers or raise the pool's capacity");
+  if (e != cudaSuccess)
+    return cuda_fail(GPUPOOL_EBACKEND, e, "cudaMallocFromPoolAsync", p->device, NULL);
+  /* Clients import the slab from another process, outside this stream's order: the
+   * allocation must have completed before its export data leaves the daemon. */
+  e = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess) {
+    rc = cuda_fail(GPUPOOL_EBACKEND, e, "cudaStreamSynchronize after cudaMallocFromPoolAsync",
+                   p->device, NULL);
+    goto fail;
+  }
+  memset(&exp, 0, sizeof(exp));
+  e = cudaMemPoolExportPointer(&exp, ptr);
+  if (e != cudaSuccess) {
+    rc = cuda_fail(GPUPOOL_EBACKEND, e, "cudaMemPoolExportPointer", p->device, NULL);
+    goto fail;
+  }
+  _Static_assert(sizeof(exp) <= GPUPOOL_EXPORT_MAX, "export data must fit in a bslab");
+  memcpy(out->export_data, &exp, sizeof(exp));
+  out->export_len = (uint32_t)sizeof(exp);
+  out->size = size;
+  out->priv = ptr;
+  return 0;
+
+fail:
+  e = cudaFreeAsync(ptr, stream);
+  if (e == cudaSuccess)
+    e = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    GP_ERROR("cuda: pool \"%s\": freeing a slab that failed to export: %s (%s)", p->name,
+             cudaGetErrorName(e), cudaGetErrorString(e));
+  }
+  return rc;
+}
+
+static void cuda_slab_free(gpupool__bpool *p, gpupool__bslab *s) {
+  cudaStream_t stream;
+  cudaError_t e;
+
+  if (!s || !s->priv)
+    return;
+  if (dev_stream(p->st, p->device, &stream) < 0) {
+    GP_ERROR("cuda: pool \"%s\": cannot free slab %p: %s", p->name, s->priv,
+             gpupool__errmsg());
+    return;
+  }
+  e = cudaFreeAsync(s->priv, stream);
+  /* Synchronize so the pool's used counter and the next allocation see the memory back. */
+  if (e == cudaSuccess)
+    e = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    GP_ERROR("cuda: pool \"%s\": freeing slab %p (%llu bytes) on device %d: %s (%s)", p->name,
+             s->priv, (unsigned long long)s->size, p->device, cudaGetErrorName(e),
+             cudaGetErrorString(e));
+  }
+  s->priv = NULL;
+}
+
+static int cuda_pool_stats(gpupool__bpool *p, gpupool__bpool_stats *out) {
+  static const struct {
+    enum cudaMemPoolAttr attr;
+    const char *name;
+  } attrs[4] = {
+      {cudaMemPoolAttrReservedMemCurrent, "cudaMemPoolAttrReservedMemCurrent"},
+      {cudaMemPoolAttrReservedMemHigh, "cudaMemPoolAttrReservedMemHigh"},
+      {cudaMemPoolAttrUsedMemCurrent, "cudaMemPoolAttrUsedMemCurrent"},
+      {cudaMemPoolAttrUsedMemHigh, "cudaMemPoolAttrUsedMemHigh"},
+  };
+  unsigned long long v[4];
+  cudaError_t e;
+
+  memset(out, 0, sizeof(*out));
+  for (int i = 0; i < 4; i++) {
+    v[i] = 0;
+    e = cudaMemPoolGetAttribute(p->pool, attrs[i].attr, &v[i]);
+    if (e != cudaSuccess) {
+      char call[96];
+      snprintf(call, sizeof(call), "cudaMemPoolGetAttribute(%s)", attrs[i].name);
+      return cuda_fail(GPUPOOL_EBACKEND, e, call, p->device, NULL);
+    }
+  }
+  out->reserved_cur = v[0];
+  out->reserved_high = v[1];
+  out->used_cur = v[2];
+  out->used_high = v[3];
+  return 0;
+}
+
+static int cuda_event_create(gpupool__backend *be, gpupool__bevent **out,
+                             uint8_t handle[GPUPOOL_EVENT_HANDLE_SIZE]) {
+  cuda_state *st = be->priv;
+  gpupool__bevent *ev;
+  cudaIpcEventHandle_t h;
+  cudaError_t e;
+  int rc;
+
+  _Static_assert(sizeof(h) == GPUPOOL_EVENT_HANDLE_SIZE, "IPC event handle is 64 bytes");
+  *out = NULL;
+  ev = calloc(1, sizeof(*ev));
+  if (!ev)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory creating an IPC event");
+  ev->device = st->event_dev;
+  if ((rc = set_device(ev->device)) < 0)
+    goto fail;
+  e = cudaEventCreateWithFlags(&ev->ev, cudaEventInterprocess | cudaEventDisableTiming);
+  if (e != cudaSuccess) {
+    rc = cuda_fail(GPUPOOL_EBACKEND, e,
+                   "cudaEventCreateWithFlags(cudaEventInterprocess|cudaEventDisableTiming)",
+                   ev->device, NULL);
+    goto fail;
+  }
+  e = cudaIpcGetEventHandle(&h, ev->ev);
+  if (e != cudaSuccess) {
+    rc = cuda_fail(GPUPOOL_EBACKEND, e, "cudaIpcGetEventHandle", ev->device,
+                   "IPC events need a Linux driver with unified addressing");
+    (void)cudaEventDestroy(ev->ev);
+    goto fail;
+  }
+  memcpy(handle, &h, sizeof(h));
+  *out = ev;
+  return 0;
+
+fail:
+  free(ev);
+  return rc;
+}
+
+static int cuda_event_query(gpupool__bevent *ev) {
+  cudaError_t e;
+  int rc;
+  if ((rc = set_device(ev->device)) < 0)
+    return rc;
+  e = cudaEventQuery(ev->ev);
+  if (e == cudaSuccess)
+    return 1;
+  if (e == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return cuda_fail(GPUPOOL_EBACKEND, e, "cudaEventQuery", ev->device,
+                   "a client's work on this buffer failed; the buffer's range is not reused");
+}
+
+static void cuda_event_destroy(gpupool__bevent *ev) {
+  cudaError_t e;
+  if (!ev)
+    return;
+  if (set_device(ev->device) == 0) {
+    e = cudaEventDestroy(ev->ev);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      GP_ERROR("cuda: cudaEventDestroy on device %d: %s (%s)", ev->device, cudaGetErrorName(e),
+               cudaGetErrorString(e));
+    }
+  }
+  free(ev);
+}
+
+static void cuda_close(gpupool__backend *be) {
+  cuda_state *st;
+  if (!be)
+    return;
+  st = be->priv;
+  if (st) {
+    for (int d = 0; d < st->ndev; d++) {
+      if (!st->dev[d].has_stream)
+        continue;
+      if (cudaSetDevice(d) == cudaSuccess && cudaStreamDestroy(st->dev[d].stream) == cudaSuccess)
+        continue;
+      (void)cudaGetLastError();
+      GP_WARN("cuda: cannot destroy the daemon stream of device %d", d);
+    }
+    free(st->dev);
+    free(st);
+  }
+  free(be);
+}
+
+static const gpupool__backend_ops cuda_ops = {
+    .name = "cuda",
+    .kind = GPUPOOL__WIRE__BACKEND_KIND__BACKEND_CUDA,
+    .has_events = 1,
+    .pool_create = cuda_pool_create,
+    .pool_destroy = cuda_pool_destroy,
+    .slab_alloc = cuda_slab_alloc,
+    .slab_free = cuda_slab_free,
+    .pool_stats = cuda_pool_stats,
+    .event_create = cuda_event_create,
+    .event_query = cuda_event_query,
+    .event_destroy = cuda_event_destroy,
+    .close = cuda_close,
+};
+
+int gpupool__backend_cuda_open(gpupool__backend **out) {
+  gpupool__backend *be = NULL;
+  cuda_state *st = NULL;
+  int ndev = 0, nusable, *usable = NULL, rc;
+
+  *out = NULL;
+  nusable = scan(&ndev, &usable);
+  if (nusable == 0) {
+    free(usable);
+    return GPUPOOL_ENOTSUP; /* message recorded by scan() */
+  }
+  be = calloc(1, sizeof(*be));
+  st = calloc(1, sizeof(*st));
+  if (!be || !st) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory opening the CUDA backend");
+    goto fail;
+  }
+  st->dev = calloc((size_t)ndev, sizeof(*st->dev));
+  if (!st->dev) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory opening the CUDA backend");
+    goto fail;
+  }
+  st->ndev = ndev;
+  st->event_dev = -1;
+  for (int d = 0; d < ndev; d++) {
+    st->dev[d].usable = usable[d];
+    if (usable[d] && st->event_dev < 0)
+      st->event_dev = d;
+    if (!usable[d])
+      GP_WARN("cuda: device %d lacks memory pools with POSIX-fd handles; pools on it are "
+              "refused", d);
+  }
+  be->ops = &cuda_ops;
+  be->priv = st;
+  free(usable);
+  {
+    int drv = 0;
+    (void)cudaDriverGetVersion(&drv);
+    GP_INFO("cuda: backend open, driver %d.%d, runtime %d.%d, %d of %d devices usable",
+            drv / 1000, (drv % 1000) / 10, CUDART_VERSION / 1000,
+            (CUDART_VERSION % 1000) / 10, nusable, ndev);
+  }
+  *out = be;
+  return 0;
+
+fail:
+  if (st)
+    free(st->dev);
+  free(st);
+  free(be);
+  free(usable);
+  return rc;
+}

@@ -1,0 +1,446 @@
+/*
+ * gpupoold configuration: defaults, the INI-style file, --pool specs, and the final checks
+ * that make a pool usable (slab <= 4 GiB, capacity a whole number of slabs, power-of-two
+ * alignment). Every error names the file and line (or the --pool spec) and what to write.
+ *
+ * File format:
+ *   # comment
+ *   [daemon]
+ *   socket = /run/gpupool/gpupoold.sock
+ *   backend = auto
+ *   [pool gpu0]
+ *   kind = device
+ *   device = 0
+ *   capacity = 16G
+ */
+#include <ctype.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "config.h"
+#include "errors.h"
+#include "log.h"
+
+#define MIB ((uint64_t)1 << 20)
+
+void gpupool__config_defaults(gpupool__config *c) {
+  memset(c, 0, sizeof *c);
+  if (gpupool_default_socket_path(c->socket_path, sizeof c->socket_path) != 0)
+    c->socket_path[0] = '\0';
+  c->backend = GPUPOOL_BACKEND_AUTO;
+  c->log_level = GPUPOOL_LOG_INFO;
+  c->socket_mode = 0660;
+  c->max_clients = 1024;
+  c->max_frame = 1u << 20;
+  c->max_names = 65536;
+  c->handshake_timeout_ms = 5000;
+  c->metrics_interval_ms = 5000;
+}
+
+int gpupool__parse_size(const char *s, uint64_t *out) {
+  char *end;
+  unsigned long long v;
+  uint64_t mul = 1;
+
+  while (isspace((unsigned char)*s))
+    s++;
+  if (!isdigit((unsigned char)*s))
+    return gpupool__err(GPUPOOL_EINVAL, "'%s' is not a size (write e.g. 4096, 64M or 8G)", s);
+  errno = 0;
+  v = strtoull(s, &end, 10);
+  if (errno)
+    return gpupool__err(GPUPOOL_EINVAL, "size '%s' is out of range", s);
+  switch (toupper((unsigned char)*end)) {
+  case '\0':
+    break;
+  case 'K':
+    mul = 1ull << 10;
+    break;
+  case 'M':
+    mul = 1ull << 20;
+    break;
+  case 'G':
+    mul = 1ull << 30;
+    break;
+  case 'T':
+    mul = 1ull << 40;
+    break;
+  default:
+    return gpupool__err(GPUPOOL_EINVAL, "size '%s' has an unknown suffix (use K, M, G or T)", s);
+  }
+  if (*end) {
+    end++;
+    if ((*end == 'i' || *end == 'I') && (end[1] == 'B' || end[1] == 'b'))
+      end += 2;
+    else if (*end == 'B' || *end == 'b')
+      end++;
+  }
+  while (isspace((unsigned char)*end))
+    end++;
+  if (*end)
+    return gpupool__err(GPUPOOL_EINVAL, "size '%s' has trailing characters", s);
+  if (__builtin_mul_overflow((uint64_t)v, mul, out))
+    return gpupool__err(GPUPOOL_EINVAL, "size '%s' overflows 64 bits", s);
+  return 0;
+}
+
+static int parse_u32(const char *s, uint32_t *out) {
+  uint64_t v = 0;
+  if (gpupool__parse_size(s, &v) != 0 || v > UINT32_MAX)
+    return gpupool__err(GPUPOOL_EINVAL, "'%s' is not a number between 0 and %u", s, UINT32_MAX);
+  *out = (uint32_t)v;
+  return 0;
+}
+
+static int parse_int(const char *s, int lo, int hi, int *out) {
+  char *end;
+  long v;
+  errno = 0;
+  v = strtol(s, &end, 10);
+  if (errno || end == s || *end || v < lo || v > hi)
+    return gpupool__err(GPUPOOL_EINVAL, "'%s' is not a whole number between %d and %d", s, lo, hi);
+  *out = (int)v;
+  return 0;
+}
+
+static int parse_bool(const char *s, int *out) {
+  if (!strcmp(s, "1") || !strcmp(s, "true") || !strcmp(s, "yes") || !strcmp(s, "on"))
+    *out = 1;
+  else if (!strcmp(s, "0") || !strcmp(s, "false") || !strcmp(s, "no") || !strcmp(s, "off"))
+    *out = 0;
+  else
+    return gpupool__err(GPUPOOL_EINVAL, "'%s' is not a boolean (use true or false)", s);
+  return 0;
+}
+
+static int parse_backend(const char *s, gpupool__backend_choice *out) {
+  if (!strcmp(s, "auto"))
+    *out = GPUPOOL_BACKEND_AUTO;
+  else if (!strcmp(s, "cuda"))
+    *out = GPUPOOL_BACKEND_CUDA;
+  else if (!strcmp(s, "host"))
+    *out = GPUPOOL_BACKEND_HOST;
+  else
+    return gpupool__err(GPUPOOL_EINVAL, "unknown backend '%s' (use auto, cuda or host)", s);
+  return 0;
+}
+
+static int parse_id_list(const char *s, uint32_t *ids, int *n) {
+  char buf[1024], *save = NULL, *tok;
+  if (strlen(s) >= sizeof buf)
+    return gpupool__err(GPUPOOL_EINVAL, "id list too long");
+  strcpy(buf, s);
+  *n = 0;
+  for (tok = strtok_r(buf, ", ", &save); tok; tok = strtok_r(NULL, ", ", &save)) {
+    uint32_t v = 0;
+    if (*n >= GPUPOOL_MAX_ALLOW)
+      return gpupool__err(GPUPOOL_EINVAL, "more than %d ids in a list", GPUPOOL_MAX_ALLOW);
+    if (parse_u32(tok, &v) != 0)
+      return GPUPOOL_EINVAL;
+    ids[(*n)++] = v;
+  }
+  return 0;
+}
+
+static int copy_str(char *dst, size_t len, const char *s) {
+  if (strlen(s) >= len)
+    return gpupool__err(GPUPOOL_EINVAL, "'%s' is longer than %zu bytes", s, len - 1);
+  strcpy(dst, s);
+  return 0;
+}
+
+static void pool_defaults(gpupool__pool_config *p) {
+  memset(p, 0, sizeof *p);
+  p->kind = 0; /* decided by gpupool__config_finish from the backend */
+  p->device = -1;
+  p->numa_node = -1;
+  p->release_threshold = -1;
+  p->reuse_follow_event_deps = -1;
+  p->reuse_allow_opportunistic = -1;
+  p->reuse_allow_internal_deps = -1;
+  p->keep_slabs = 1;
+}
+
+static int set_pool_key(gpupool__pool_config *p, const char *k, const char *v) {
+  uint64_t sz;
+  if (!strcmp(k, "name"))
+    return copy_str(p->name, sizeof p->name, v);
+  if (!strcmp(k, "kind")) {
+    if (!strcmp(v, "device"))
+      p->kind = GPUPOOL_MEM_DEVICE;
+    else if (!strcmp(v, "host"))
+      p->kind = GPUPOOL_MEM_HOST;
+    else if (!strcmp(v, "host-numa"))
+      p->kind = GPUPOOL_MEM_HOST_NUMA;
+    else
+      return gpupool__err(GPUPOOL_EINVAL, "unknown pool kind '%s' (use device, host or host-numa)", v);
+    return 0;
+  }
+  if (!strcmp(k, "device"))
+    return parse_int(v, 0, 1023, &p->device);
+  if (!strcmp(k, "numa_node") || !strcmp(k, "numa"))
+    return parse_int(v, 0, 1023, &p->numa_node);
+  if (!strcmp(k, "capacity"))
+    return gpupool__parse_size(v, &p->capacity);
+  if (!strcmp(k, "slab_size") || !strcmp(k, "slab"))
+    return gpupool__parse_size(v, &p->slab_size);
+  if (!strcmp(k, "alignment") || !strcmp(k, "align"))
+    return gpupool__parse_size(v, &p->alignment);
+  if (!strcmp(k, "keep_slabs") || !strcmp(k, "keep"))
+    return parse_u32(v, &p->keep_slabs);
+  if (!strcmp(k, "release_threshold")) {
+    if (gpupool__parse_size(v, &sz) != 0)
+      return GPUPOOL_EINVAL;
+    p->release_threshold = (int64_t)sz;
+    return 0;
+  }
+  if (!strcmp(k, "reuse_follow_event_deps"))
+    return parse_bool(v, &p->reuse_follow_event_deps);
+  if (!strcmp(k, "reuse_allow_opportunistic"))
+    return parse_bool(v, &p->reuse_allow_opportunistic);
+  if (!strcmp(k, "reuse_allow_internal_deps"))
+    return parse_bool(v, &p->reuse_allow_internal_deps);
+  return gpupool__err(GPUPOOL_EINVAL,
+                      "unknown pool key '%s' (known: kind, device, numa_node, capacity, slab_size, "
+                      "alignment, keep_slabs, release_threshold, reuse_*)",
+                      k);
+}
+
+static int set_daemon_key(gpupool__config *c, const char *k, const char *v) {
+  uint32_t u = 0;
+  if (!strcmp(k, "socket"))
+    return copy_str(c->socket_path, sizeof c->socket_path, v);
+  if (!strcmp(k, "backend"))
+    return parse_backend(v, &c->backend);
+  if (!strcmp(k, "log_level"))
+    return gpupool__log_parse_level(v, &c->log_level);
+  if (!strcmp(k, "socket_mode")) {
+    char *end;
+    long m = strtol(v, &end, 8);
+    if (*end || end == v || m < 0 || m > 0777)
+      return gpupool__err(GPUPOOL_EINVAL, "socket_mode '%s' is not an octal mode like 0660", v);
+    c->socket_mode = (mode_t)m;
+    return 0;
+  }
+  if (!strcmp(k, "max_clients"))
+    return parse_u32(v, &c->max_clients);
+  if (!strcmp(k, "max_bytes_per_client"))
+    return gpupool__parse_size(v, &c->max_bytes_per_client);
+  if (!strcmp(k, "max_allocs_per_client"))
+    return parse_u32(v, &c->max_allocs_per_client);
+  if (!strcmp(k, "max_bytes_per_uid"))
+    return gpupool__parse_size(v, &c->max_bytes_per_uid);
+  if (!strcmp(k, "max_allocs_per_uid"))
+    return parse_u32(v, &c->max_allocs_per_uid);
+  if (!strcmp(k, "max_frame")) {
+    if (parse_u32(v, &u) != 0)
+      return GPUPOOL_EINVAL;
+    if (u < 4096 || u > (64u << 20))
+      return gpupool__err(GPUPOOL_EINVAL, "max_frame must be between 4K and 64M, got %s", v);
+    c->max_frame = u;
+    return 0;
+  }
+  if (!strcmp(k, "max_names"))
+    return parse_u32(v, &c->max_names);
+  if (!strcmp(k, "handshake_timeout_ms"))
+    return parse_u32(v, &c->handshake_timeout_ms);
+  if (!strcmp(k, "allow_uids"))
+    return parse_id_list(v, (uint32_t *)c->allow_uids, &c->n_allow_uids);
+  if (!strcmp(k, "allow_gids"))
+    return parse_id_list(v, (uint32_t *)c->allow_gids, &c->n_allow_gids);
+  if (!strcmp(k, "metrics_textfile"))
+    return copy_str(c->metrics_textfile, sizeof c->metrics_textfile, v);
+  if (!strcmp(k, "metrics_socket"))
+    return copy_str(c->metrics_socket, sizeof c->metrics_socket, v);
+  if (!strcmp(k, "metrics_interval_ms"))
+    return parse_u32(v, &c->metrics_interval_ms);
+  return gpupool__err(GPUPOOL_EINVAL, "unknown key '%s' in [daemon]", k);
+}
+
+static gpupool__pool_config *find_or_add_pool(gpupool__config *c, const char *name) {
+  for (int i = 0; i < c->n_pools; i++)
+    if (!strcmp(c->pools[i].name, name))
+      return &c->pools[i];
+  if (c->n_pools >= GPUPOOL_MAX_POOLS)
+    return NULL;
+  pool_defaults(&c->pools[c->n_pools]);
+  snprintf(c->pools[c->n_pools].name, sizeof c->pools[0].name, "%s", name);
+  return &c->pools[c->n_pools++];
+}
+
+static char *trim(char *s) {
+  char *e;
+  while (isspace((unsigned char)*s))
+    s++;
+  e = s + strlen(s);
+  while (e > s && isspace((unsigned char)e[-1]))
+    *--e = '\0';
+  return s;
+}
+
+int gpupool__config_load(gpupool__config *c, const char *path) {
+  FILE *f = fopen(path, "re");
+  char line[1024], msg[GPUPOOL__ERRMSG_MAX];
+  int lineno = 0, in_daemon = 0, rc = 0;
+  gpupool__pool_config *pool = NULL;
+
+  if (!f)
+    return gpupool__err(GPUPOOL_ECONFIG, "cannot open config file %s: %s", path, strerror(errno));
+  while (fgets(line, sizeof line, f)) {
+    char *s, *eq, *k, *v;
+    lineno++;
+    if (!strchr(line, '\n') && !feof(f)) {
+      rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: line longer than %zu bytes", path, lineno,
+                        sizeof line - 2);
+      goto out;
+    }
+    s = trim(line);
+    if (*s == '\0' || *s == '#' || *s == ';')
+      continue;
+    if (*s == '[') {
+      char *end = strchr(s, ']');
+      if (!end || end[1] != '\0') {
+        rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: malformed section header '%s' (write [daemon] or [pool NAME])",
+                          path, lineno, s);
+        goto out;
+      }
+      *end = '\0';
+      s = trim(s + 1);
+      pool = NULL;
+      in_daemon = 0;
+      if (!strcmp(s, "daemon")) {
+        in_daemon = 1;
+      } else if (!strncmp(s, "pool", 4) && (s[4] == '\0' || isspace((unsigned char)s[4]))) {
+        const char *name = trim(s + 4);
+        if (!*name)
+          name = "default";
+        if (strlen(name) >= sizeof pool->name) {
+          rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: pool name '%s' is too long", path, lineno, name);
+          goto out;
+        }
+        pool = find_or_add_pool(c, name);
+        if (!pool) {
+          rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: more than %d pools", path, lineno, GPUPOOL_MAX_POOLS);
+          goto out;
+        }
+        pool->line = lineno;
+      } else {
+        rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: unknown section [%s] (use [daemon] or [pool NAME])",
+                          path, lineno, s);
+        goto out;
+      }
+      continue;
+    }
+    eq = strchr(s, '=');
+    if (!eq) {
+      rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: expected 'key = value', got '%s'", path, lineno, s);
+      goto out;
+    }
+    *eq = '\0';
+    k = trim(s);
+    v = trim(eq + 1);
+    if (!in_daemon && !pool) {
+      rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: key '%s' outside a section (put it under [daemon] or [pool NAME])",
+                        path, lineno, k);
+      goto out;
+    }
+    if ((in_daemon ? set_daemon_key(c, k, v) : set_pool_key(pool, k, v)) != 0) {
+      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+      rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: %s", path, lineno, msg);
+      goto out;
+    }
+  }
+out:
+  fclose(f);
+  return rc;
+}
+
+int gpupool__config_add_pool_spec(gpupool__config *c, const char *spec) {
+  char buf[512], *save = NULL, *tok, msg[GPUPOOL__ERRMSG_MAX];
+  gpupool__pool_config p;
+
+  if (strlen(spec) >= sizeof buf)
+    return gpupool__err(GPUPOOL_ECONFIG, "--pool spec too long");
+  if (c->n_pools >= GPUPOOL_MAX_POOLS)
+    return gpupool__err(GPUPOOL_ECONFIG, "more than %d pools", GPUPOOL_MAX_POOLS);
+  strcpy(buf, spec);
+  pool_defaults(&p);
+  for (tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+    char *eq = strchr(tok, '=');
+    if (!eq)
+      return gpupool__err(GPUPOOL_ECONFIG, "--pool '%s': '%s' is not key=value", spec, tok);
+    *eq = '\0';
+    if (set_pool_key(&p, trim(tok), trim(eq + 1)) != 0) {
+      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+      return gpupool__err(GPUPOOL_ECONFIG, "--pool '%s': %s", spec, msg);
+    }
+  }
+  if (!p.name[0])
+    snprintf(p.name, sizeof p.name, "pool%d", c->n_pools);
+  for (int i = 0; i < c->n_pools; i++)
+    if (!strcmp(c->pools[i].name, p.name)) {
+      c->pools[i] = p; /* the command line overrides the file */
+      return 0;
+    }
+  c->pools[c->n_pools++] = p;
+  return 0;
+}
+
+int gpupool__config_finish(gpupool__config *c, int backend_is_cuda) {
+  if (c->n_pools == 0) {
+    if (backend_is_cuda) {
+      int rc = gpupool__backend_cuda_default_pools(c);
+      if (rc != 0)
+        return rc;
+    } else {
+      pool_defaults(&c->pools[0]);
+      strcpy(c->pools[0].name, "default");
+      c->pools[0].kind = GPUPOOL_MEM_HOST;
+      c->pools[0].capacity = 1ull << 30;
+      c->n_pools = 1;
+    }
+  }
+  for (int i = 0; i < c->n_pools; i++) {
+    gpupool__pool_config *p = &c->pools[i];
+    if (p->kind == 0)
+      p->kind = backend_is_cuda ? GPUPOOL_MEM_DEVICE : GPUPOOL_MEM_HOST;
+    if (!backend_is_cuda && p->kind != GPUPOOL_MEM_HOST)
+      return gpupool__err(GPUPOOL_ECONFIG,
+                          "pool '%s' asks for %s memory but the daemon runs the host backend "
+                          "(start with --backend cuda on a GPU machine, or set kind = host)",
+                          p->name, p->kind == GPUPOOL_MEM_DEVICE ? "device" : "host-numa");
+    if (backend_is_cuda && p->kind == GPUPOOL_MEM_HOST)
+      return gpupool__err(GPUPOOL_ECONFIG,
+                          "pool '%s' has kind = host, which the cuda backend cannot export with a POSIX fd "
+                          "(use kind = host-numa for pinned host memory, or --backend host)",
+                          p->name);
+    if (p->kind != GPUPOOL_MEM_HOST && p->device < 0)
+      p->device = 0;
+    if (p->kind == GPUPOOL_MEM_HOST_NUMA && p->numa_node < 0)
+      p->numa_node = 0;
+    if (p->slab_size == 0)
+      p->slab_size = backend_is_cuda ? 256 * MIB : 64 * MIB;
+    if (p->alignment == 0)
+      p->alignment = 256;
+    if (p->capacity == 0)
+      p->capacity = backend_is_cuda ? 4ull << 30 : 1ull << 30;
+    if (p->alignment & (p->alignment - 1) || p->alignment > (2 * MIB))
+      return gpupool__err(GPUPOOL_ECONFIG, "pool '%s': alignment %llu must be a power of two up to 2M",
+                          p->name, (unsigned long long)p->alignment);
+    if (p->slab_size > GPUPOOL_SLAB_HARD_MAX)
+      return gpupool__err(GPUPOOL_ECONFIG,
+                          "pool '%s': slab_size %llu exceeds 4G; exported allocations above 4 GiB "
+                          "crash or corrupt importers, so gpupool caps every slab at 4G",
+                          p->name, (unsigned long long)p->slab_size);
+    /* Slabs start at 2 MiB boundaries (the GPU page size; also page-aligned for mmap). */
+    p->slab_size = (p->slab_size + 2 * MIB - 1) & ~(2 * MIB - 1);
+    if (p->capacity < p->slab_size)
+      return gpupool__err(GPUPOOL_ECONFIG, "pool '%s': capacity %llu is smaller than one slab (%llu)",
+                          p->name, (unsigned long long)p->capacity, (unsigned long long)p->slab_size);
+    p->capacity &= ~(2 * MIB - 1);
+  }
+  return 0;
+}

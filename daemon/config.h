@@ -1,0 +1,78 @@
+/*
+ * gpupoold configuration: the daemon section and one section per pool, read from an
+ * INI-style file (see config/gpupoold.conf.example) and overridden by the command line.
+ */
+#ifndef GPUPOOL_DAEMON_CONFIG_H
+#define GPUPOOL_DAEMON_CONFIG_H
+
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "gpupool/gpupool.h"
+
+#define GPUPOOL_MAX_POOLS 32
+#define GPUPOOL_MAX_ALLOW 32
+/* No exported allocation (slab) may exceed this: importers crash or corrupt above it. */
+#define GPUPOOL_SLAB_HARD_MAX (4ull << 30)
+
+typedef enum { GPUPOOL_BACKEND_AUTO = 0, GPUPOOL_BACKEND_HOST, GPUPOOL_BACKEND_CUDA } gpupool__backend_choice;
+
+typedef struct {
+  char name[64];
+  gpupool_mem_kind kind;    /* HOST (memfd), DEVICE, HOST_NUMA */
+  int device;               /* CUDA ordinal for DEVICE (and the GPU that uses HOST_NUMA) */
+  int numa_node;            /* for HOST_NUMA */
+  uint64_t capacity;        /* max bytes in slabs (IPC pools never shrink: always bounded) */
+  uint64_t slab_size;       /* regular slab size; larger requests get a dedicated slab */
+  uint64_t alignment;       /* default buffer alignment */
+  uint32_t keep_slabs;      /* empty regular slabs kept mapped for reuse */
+  /* CUDA pool attributes; < 0 = leave the driver's default. */
+  int64_t release_threshold;
+  int reuse_follow_event_deps;
+  int reuse_allow_opportunistic;
+  int reuse_allow_internal_deps;
+  int line;                 /* where it was defined (for messages), 0 = command line/default */
+} gpupool__pool_config;
+
+typedef struct {
+  char socket_path[108];
+  gpupool__backend_choice backend;
+  int log_level;
+  mode_t socket_mode;
+  /* Limits (0 = unlimited). */
+  uint32_t max_clients;
+  uint64_t max_bytes_per_client;
+  uint32_t max_allocs_per_client;
+  uint64_t max_bytes_per_uid;
+  uint32_t max_allocs_per_uid;
+  uint32_t max_frame;
+  uint32_t max_names;
+  uint32_t handshake_timeout_ms;
+  /* Allow-lists; empty = everyone who can reach the socket. */
+  uid_t allow_uids[GPUPOOL_MAX_ALLOW];
+  int n_allow_uids;
+  gid_t allow_gids[GPUPOOL_MAX_ALLOW];
+  int n_allow_gids;
+  /* Metrics: Prometheus text written to this file, and/or served on this Unix socket. */
+  char metrics_textfile[256];
+  char metrics_socket[108];
+  uint32_t metrics_interval_ms;
+  gpupool__pool_config pools[GPUPOOL_MAX_POOLS];
+  int n_pools;
+} gpupool__config;
+
+/* Defaults: socket path by the rules in gpupool_default_socket_path(), backend auto, info. */
+void gpupool__config_defaults(gpupool__config *c);
+/* Read a file into c (later keys override earlier ones). 0 or GPUPOOL_ECONFIG with a
+ * message naming the file, line and the problem. */
+int gpupool__config_load(gpupool__config *c, const char *path);
+/* Parse a --pool spec "name=x,kind=device|host|host-numa,device=0,numa=0,capacity=8G,
+ * slab=256M,align=256,keep=1" and add it. */
+int gpupool__config_add_pool_spec(gpupool__config *c, const char *spec);
+/* Fill unset fields of pools for the chosen backend; add a default pool when none is
+ * configured. Checks slab <= 4 GiB, capacity >= slab, power-of-two alignment. */
+int gpupool__config_finish(gpupool__config *c, int backend_is_cuda);
+/* Parse "64M", "8G", "1048576" (K/M/G/T = powers of 1024). 0 or GPUPOOL_EINVAL. */
+int gpupool__parse_size(const char *s, uint64_t *out);
+
+#endif

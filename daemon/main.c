@@ -1,0 +1,250 @@
+/*
+ * gpupoold: command line, configuration, backend and pools, the listening socket (its own or
+ * systemd's), readiness and watchdog, and a graceful shutdown on SIGINT/SIGTERM.
+ */
+#include <getopt.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include "backend.h"
+#include "config.h"
+#include "errors.h"
+#include "log.h"
+#include "metrics.h"
+#include "registry.h"
+#include "sd.h"
+#include "server.h"
+
+static void usage(FILE *f) {
+  char def[108];
+  if (gpupool_default_socket_path(def, sizeof def) != 0)
+    snprintf(def, sizeof def, "(too long)");
+  fprintf(f,
+          "Usage: gpupoold [OPTIONS]\n"
+          "\n"
+          "Owns shareable GPU (or host) memory pools and serves them to worker processes over a\n"
+          "Unix socket: clients allocate, share, publish and get buffers without copies, and memory\n"
+          "returns to the pool only after every holder is done.\n"
+          "\n"
+          "Options:\n"
+          "  -c, --config FILE        read settings from FILE (INI format, see gpupoold.conf)\n"
+          "  -s, --socket PATH        listen on PATH (default now: %s;\n"
+          "                           $GPUPOOL_SOCKET, else /run/gpupool/gpupoold.sock for root,\n"
+          "                           else $XDG_RUNTIME_DIR/gpupool/gpupoold.sock)\n"
+          "  -b, --backend KIND       auto (default: cuda if a usable GPU is present), cuda or host\n"
+          "  -p, --pool SPEC          add a pool (repeatable), e.g.\n"
+          "                           name=gpu0,kind=device,device=0,capacity=16G,slab=256M\n"
+          "                           keys: name kind(device|host|host-numa) device numa capacity\n"
+          "                           slab align keep release_threshold\n"
+          "  -l, --log-level LEVEL    error, warn, info (default) or debug\n"
+          "  -h, --help               show this help\n"
+          "  -V, --version            show the version\n"
+          "\n"
+          "Without --pool or [pool] sections: one pool per GPU (cuda) or a 1 GiB host pool.\n"
+          "Signals: SIGINT/SIGTERM shut down gracefully.\n",
+          def);
+}
+
+typedef struct {
+  uv_loop_t *loop;
+  gp_server *server;
+  gp_registry *reg;
+  uv_signal_t sigint, sigterm;
+  uv_timer_t watchdog;
+  int watchdog_on;
+} daemon_ctx;
+
+static void shutdown_daemon(daemon_ctx *d, const char *why) {
+  if (!d->server)
+    return;
+  GP_INFO("shutting down (%s)", why);
+  gpupool__sd_notify("STOPPING=1");
+  gp_server_stop(d->server);
+  d->server = NULL;
+  gpupool__metrics_stop();
+  uv_close((uv_handle_t *)&d->sigint, NULL);
+  uv_close((uv_handle_t *)&d->sigterm, NULL);
+  if (d->watchdog_on)
+    uv_close((uv_handle_t *)&d->watchdog, NULL);
+}
+
+static void on_signal(uv_signal_t *h, int signum) {
+  shutdown_daemon(h->data, signum == SIGINT ? "SIGINT" : "SIGTERM");
+}
+
+static void on_watchdog(uv_timer_t *t) {
+  (void)t;
+  gpupool__sd_notify("WATCHDOG=1");
+}
+
+int main(int argc, char **argv) {
+  static const struct option opts[] = {{"config", required_argument, NULL, 'c'},
+                                       {"socket", required_argument, NULL, 's'},
+                                       {"backend", required_argument, NULL, 'b'},
+                                       {"pool", required_argument, NULL, 'p'},
+                                       {"log-level", required_argument, NULL, 'l'},
+                                       {"help", no_argument, NULL, 'h'},
+                                       {"version", no_argument, NULL, 'V'},
+                                       {NULL, 0, NULL, 0}};
+  gpupool__config cfg;
+  const char *config_path = NULL, *socket_opt = NULL, *backend_opt = NULL, *level_opt = NULL;
+  const char *pool_specs[GPUPOOL_MAX_POOLS];
+  int npool_specs = 0, opt, rc, listen_fd, exit_code = 1;
+  gpupool__backend *be = NULL;
+  gp_registry reg;
+  daemon_ctx d = {0};
+  uint64_t wd;
+
+  while ((opt = getopt_long(argc, argv, "c:s:b:p:l:hV", opts, NULL)) != -1) {
+    switch (opt) {
+    case 'c':
+      config_path = optarg;
+      break;
+    case 's':
+      socket_opt = optarg;
+      break;
+    case 'b':
+      backend_opt = optarg;
+      break;
+    case 'p':
+      if (npool_specs >= GPUPOOL_MAX_POOLS) {
+        fprintf(stderr, "gpupoold: at most %d --pool options\n", GPUPOOL_MAX_POOLS);
+        return 2;
+      }
+      pool_specs[npool_specs++] = optarg;
+      break;
+    case 'l':
+      level_opt = optarg;
+      break;
+    case 'h':
+      usage(stdout);
+      return 0;
+    case 'V':
+      printf("gpupoold %s (protocol %d, backends: host%s)\n", GPUPOOL_VERSION_STRING,
+             GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION,
+#ifdef GPUPOOL_HAVE_CUDA
+             ", cuda"
+#else
+             ""
+#endif
+      );
+      return 0;
+    default:
+      usage(stderr);
+      return 2;
+    }
+  }
+  if (optind < argc) {
+    fprintf(stderr, "gpupoold: unexpected argument '%s' (see --help)\n", argv[optind]);
+    return 2;
+  }
+
+  gpupool__config_defaults(&cfg);
+  if (config_path && gpupool__config_load(&cfg, config_path) != 0) {
+    fprintf(stderr, "gpupoold: %s\n", gpupool__errmsg());
+    return 2;
+  }
+  if (socket_opt && snprintf(cfg.socket_path, sizeof cfg.socket_path, "%s", socket_opt) >=
+                        (int)sizeof cfg.socket_path) {
+    fprintf(stderr, "gpupoold: --socket path longer than %zu bytes\n", sizeof cfg.socket_path - 1);
+    return 2;
+  }
+  if (backend_opt) {
+    if (!strcmp(backend_opt, "auto"))
+      cfg.backend = GPUPOOL_BACKEND_AUTO;
+    else if (!strcmp(backend_opt, "cuda"))
+      cfg.backend = GPUPOOL_BACKEND_CUDA;
+    else if (!strcmp(backend_opt, "host"))
+      cfg.backend = GPUPOOL_BACKEND_HOST;
+    else {
+      fprintf(stderr, "gpupoold: unknown backend '%s' (use auto, cuda or host)\n", backend_opt);
+      return 2;
+    }
+  }
+  if (level_opt && gpupool__log_parse_level(level_opt, &cfg.log_level) != 0) {
+    fprintf(stderr, "gpupoold: %s\n", gpupool__errmsg());
+    return 2;
+  }
+  for (int i = 0; i < npool_specs; i++)
+    if (gpupool__config_add_pool_spec(&cfg, pool_specs[i]) != 0) {
+      fprintf(stderr, "gpupoold: %s\n", gpupool__errmsg());
+      return 2;
+    }
+  gpupool__log_set_level(cfg.log_level);
+  signal(SIGPIPE, SIG_IGN);
+
+  /* Taken before anything else so a bad LISTEN_FDS fails fast and the variables do not leak
+   * into children. */
+  listen_fd = gpupool__sd_listen_fd();
+  if (listen_fd < -1) {
+    GP_ERROR("%s", gpupool__errmsg());
+    gpupool__sd_notifyf("STATUS=Failed: %s", gpupool__errmsg());
+    return 1;
+  }
+
+  if ((rc = gpupool__backend_open(cfg.backend, &be)) != 0) {
+    GP_ERROR("cannot open the %s backend: %s", cfg.backend == GPUPOOL_BACKEND_CUDA ? "cuda" : "host",
+             gpupool__errmsg());
+    gpupool__sd_notifyf("STATUS=Failed: %s", gpupool__errmsg());
+    goto out_fd;
+  }
+  if ((rc = gpupool__config_finish(&cfg, be->ops->kind == GPUPOOL__WIRE__BACKEND_KIND__BACKEND_CUDA)) != 0) {
+    GP_ERROR("%s", gpupool__errmsg());
+    gpupool__sd_notifyf("STATUS=Failed: %s", gpupool__errmsg());
+    goto out_be;
+  }
+  d.loop = uv_default_loop();
+  if ((rc = gp_registry_init(&reg, d.loop, &cfg, be)) != 0) {
+    GP_ERROR("%s", gpupool__errmsg());
+    gpupool__sd_notifyf("STATUS=Failed: %s", gpupool__errmsg());
+    gp_registry_close(&reg);
+    uv_run(d.loop, UV_RUN_DEFAULT);
+    goto out_be;
+  }
+  d.reg = &reg;
+  if ((rc = gp_server_start(&d.server, d.loop, &cfg, &reg, listen_fd)) != 0) {
+    GP_ERROR("%s", gpupool__errmsg());
+    gpupool__sd_notifyf("STATUS=Failed: %s", gpupool__errmsg());
+    gp_registry_close(&reg);
+    uv_run(d.loop, UV_RUN_DEFAULT);
+    goto out_be;
+  }
+  listen_fd = -1; /* the server owns it now */
+  if (gpupool__metrics_start(d.loop, &cfg, gp_server_stats, d.server) != 0)
+    GP_WARN("metrics disabled: %s", gpupool__errmsg());
+
+  uv_signal_init(d.loop, &d.sigint);
+  uv_signal_init(d.loop, &d.sigterm);
+  d.sigint.data = d.sigterm.data = &d;
+  uv_signal_start(&d.sigint, on_signal, SIGINT);
+  uv_signal_start(&d.sigterm, on_signal, SIGTERM);
+  wd = gpupool__sd_watchdog_usec();
+  if (wd) {
+    uv_timer_init(d.loop, &d.watchdog);
+    uv_timer_start(&d.watchdog, on_watchdog, wd / 2000 ? wd / 2000 : 1, wd / 2000 ? wd / 2000 : 1);
+    d.watchdog_on = 1;
+  }
+
+  GP_INFO("gpupoold %s ready on %s: backend %s, %d pool(s)", GPUPOOL_VERSION_STRING,
+          cfg.socket_path[0] ? cfg.socket_path : "(socket from systemd)", be->ops->name, cfg.n_pools);
+  gpupool__sd_notifyf("READY=1\nSTATUS=Serving %d pool(s) on the %s backend", cfg.n_pools, be->ops->name);
+
+  uv_run(d.loop, UV_RUN_DEFAULT);
+
+  gp_registry_close(&reg);
+  uv_run(d.loop, UV_RUN_DEFAULT); /* close callbacks of what the registry held */
+  GP_INFO("stopped");
+  exit_code = 0;
+out_be:
+  be->ops->close(be);
+out_fd:
+  if (listen_fd >= 0)
+    close(listen_fd);
+  uv_loop_close(uv_default_loop());
+  return exit_code;
+}

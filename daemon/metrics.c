@@ -1,0 +1,728 @@
+/*
+ * Prometheus metrics for gpupoold.
+ *
+ * This file owns three things: the request counters and latency histogram that the server
+ * bumps on every request (plain arrays indexed by request type and result, so counting costs
+ * a few additions on the hot path), the rendering of those together with a StatsReply
+ * snapshot into the text exposition format 0.0.4, and the two ways the text leaves the
+ * process:
+ * - a textfile (for node_exporter's textfile collector) rewritten every metrics_interval_ms
+ *   by writing "<path>.tmp" and rename(2)-ing it over the file, so a scraper never reads a
+ *   half-written file;
+ * - a Unix socket that answers every connection with an HTTP/1.0 200 response holding the
+ *   text and then closes. There is deliberately no TCP listener: the daemon's only network
+ *   surface stays its Unix sockets, and whoever may connect is decided by file permissions.
+ *
+ * The daemon is single-threaded on its libuv loop, so the state here needs no locking.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "errors.h"
+#include "log.h"
+#include "metrics.h"
+
+/* ---- counters ------------------------------------------------------------------------------ */
+
+/* Request types, in the order of the Request oneof (case 10 + index - 1); index 0 counts
+ * frames whose body was missing or unknown. */
+static const char *const type_names[] = {
+    "unknown",      "hello",        "attach_pool",   "allocate",          "release",
+    "share",        "open",         "publish",       "get",               "unpublish",
+    "stats",        "admin_clients", "admin_buffers", "admin_drop_client", "trim",
+};
+#define N_TYPES ((int)(sizeof(type_names) / sizeof(type_names[0])))
+#define FIRST_CASE GPUPOOL__WIRE__REQUEST__BODY_HELLO
+
+/* Results: index 0 is success, index i (1..) is error code -i; the last slot takes codes
+ * outside the known range so a new code is still counted somewhere. */
+#define N_RESULTS (-GPUPOOL_ERRNO_MIN + 1)
+#define RESULT_OTHER (N_RESULTS - 1)
+
+/* Upper bounds in seconds (Prometheus "le"), 10 us to 1 s, and the same in nanoseconds. */
+static const char *const bucket_le[] = {"1e-05", "2.5e-05", "5e-05", "0.0001", "0.00025",
+                                        "0.0005", "0.001", "0.0025", "0.005", "0.01",
+                                        "0.025", "0.05", "0.1", "0.25", "0.5", "1"};
+static const uint64_t bucket_ns[] = {10000ull,    25000ull,    50000ull,     100000ull,
+                                     250000ull,   500000ull,   1000000ull,   2500000ull,
+                                     5000000ull,  10000000ull, 25000000ull,  50000000ull,
+                                     100000000ull, 250000000ull, 500000000ull, 1000000000ull};
+#define N_BUCKETS ((int)(sizeof(bucket_ns) / sizeof(bucket_ns[0])))
+
+static uint64_t req_count[N_TYPES][N_RESULTS];
+/* Per-bucket (not cumulative) counts; slot N_BUCKETS holds what is above the last bound. */
+static uint64_t lat_bucket[N_TYPES][N_BUCKETS + 1];
+static uint64_t lat_sum_ns[N_TYPES];
+static uint64_t lat_count[N_TYPES];
+
+static int type_index(int body_case) {
+  int i = body_case - FIRST_CASE + 1;
+  return (i >= 1 && i < N_TYPES) ? i : 0;
+}
+
+void gpupool__metrics_request(int body_case, int result, uint64_t latency_ns) {
+  int t = type_index(body_case);
+  int r = result == 0 ? 0 : (result < 0 && -result < RESULT_OTHER ? -result : RESULT_OTHER);
+  int b = 0;
+
+  req_count[t][r]++;
+  while (b < N_BUCKETS && latency_ns > bucket_ns[b])
+    b++;
+  lat_bucket[t][b]++;
+  lat_sum_ns[t] += latency_ns;
+  lat_count[t]++;
+}
+
+/* ---- rendering ----------------------------------------------------------------------------- */
+
+typedef struct {
+  char *p;
+  size_t len, cap;
+  int oom;
+} sbuf;
+
+static void sb_vprintf(sbuf *b, const char *fmt, va_list ap) {
+  va_list ap2;
+  int n;
+
+  if (b->oom)
+    return;
+  va_copy(ap2, ap);
+  n = vsnprintf(b->p ? b->p + b->len : NULL, b->p ? b->cap - b->len : 0, fmt, ap2);
+  va_end(ap2);
+  if (n < 0) {
+    b->oom = 1;
+    return;
+  }
+  if (b->p == NULL || b->len + (size_t)n + 1 > b->cap) {
+    size_t cap = b->cap ? b->cap : 4096;
+    char *np;
+    while (cap < b->len + (size_t)n + 1)
+      cap *= 2;
+    np = realloc(b->p, cap);
+    if (np == NULL) {
+      b->oom = 1;
+      return;
+    }
+    b->p = np;
+    b->cap = cap;
+    vsnprintf(b->p + b->len, b->cap - b->len, fmt, ap);
+  }
+  b->len += (size_t)n;
+}
+
+static void sb_printf(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sb_printf(sbuf *b, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  sb_vprintf(b, fmt, ap);
+  va_end(ap);
+}
+
+/* A label value with the three characters the exposition format escapes. */
+static void sb_label(sbuf *b, const char *s) {
+  for (; s != NULL && *s; s++) {
+    if (*s == '\\')
+      sb_printf(b, "\\\\");
+    else if (*s == '"')
+      sb_printf(b, "\\\"");
+    else if (*s == '\n')
+      sb_printf(b, "\\n");
+    else
+      sb_printf(b, "%c", *s);
+  }
+}
+
+static void family(sbuf *b, const char *name, const char *type, const char *help) {
+  sb_printf(b, "# HELP gpupool_%s %s\n# TYPE gpupool_%s %s\n", name, help, name, type);
+}
+
+static const char *result_name(int r) {
+  if (r == 0)
+    return "ok";
+  if (r == RESULT_OTHER)
+    return "other";
+  return gpupool_err_name(-r);
+}
+
+static void render_requests(sbuf *b) {
+  family(b, "requests_total", "counter", "Requests handled, by request type and result.");
+  for (int t = 0; t < N_TYPES; t++)
+    for (int r = 0; r < N_RESULTS; r++)
+      if (req_count[t][r])
+        sb_printf(b, "gpupool_requests_total{type=\"%s\",result=\"%s\"} %llu\n", type_names[t],
+                  result_name(r), (unsigned long long)req_count[t][r]);
+
+  family(b, "request_duration_seconds", "histogram",
+         "Time from reading a request to queuing its reply, by request type.");
+  for (int t = 0; t < N_TYPES; t++) {
+    uint64_t cum = 0;
+    if (lat_count[t] == 0)
+      continue;
+    for (int i = 0; i < N_BUCKETS; i++) {
+      cum += lat_bucket[t][i];
+      sb_printf(b, "gpupool_request_duration_seconds_bucket{type=\"%s\",le=\"%s\"} %llu\n",
+                type_names[t], bucket_le[i], (unsigned long long)cum);
+    }
+    sb_printf(b, "gpupool_request_duration_seconds_bucket{type=\"%s\",le=\"+Inf\"} %llu\n",
+              type_names[t], (unsigned long long)lat_count[t]);
+    sb_printf(b, "gpupool_request_duration_seconds_sum{type=\"%s\"} %.9f\n", type_names[t],
+              (double)lat_sum_ns[t] / 1e9);
+    sb_printf(b, "gpupool_request_duration_seconds_count{type=\"%s\"} %llu\n", type_names[t],
+              (unsigned long long)lat_count[t]);
+  }
+}
+
+static const char *backend_name(int k) {
+  switch (k) {
+  case GPUPOOL__WIRE__BACKEND_KIND__BACKEND_HOST: return "host";
+  case GPUPOOL__WIRE__BACKEND_KIND__BACKEND_CUDA: return "cuda";
+  default: return "unknown";
+  }
+}
+
+static const char *location_name(int k) {
+  switch (k) {
+  case GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST: return "host";
+  case GPUPOOL__WIRE__LOCATION_KIND__LOCATION_DEVICE: return "device";
+  case GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST_NUMA: return "host-numa";
+  default: return "unknown";
+  }
+}
+
+/* One per-pool gauge family: the value of each pool is read at `off` in PoolInfo. */
+typedef struct {
+  const char *name;
+  const char *help;
+  size_t off;
+} pool_gauge;
+
+#define PG(field, name, help) {name, help, offsetof(Gpupool__Wire__PoolInfo, field)}
+static const pool_gauge pool_gauges[] = {
+    PG(capacity, "pool_capacity_bytes", "Most bytes the pool may hold in slabs."),
+    PG(slab_size, "pool_slab_size_bytes", "Size of a regular slab."),
+    PG(max_alloc, "pool_max_alloc_bytes", "Largest single allocation the pool accepts."),
+    PG(used, "pool_used_bytes", "Bytes in live buffers."),
+    PG(reserved, "pool_reserved_bytes", "Bytes in slabs taken from the backend."),
+    PG(used_high, "pool_used_high_bytes", "High-water mark of used bytes."),
+    PG(reserved_high, "pool_reserved_high_bytes", "High-water mark of reserved bytes."),
+    PG(backend_used, "pool_backend_used_bytes",
+       "Backend's own used-bytes counter (cudaMemPoolAttrUsedMemCurrent), 0 if none."),
+    PG(backend_reserved, "pool_backend_reserved_bytes",
+       "Backend's own reserved-bytes counter (cudaMemPoolAttrReservedMemCurrent), 0 if none."),
+    PG(backend_used_high, "pool_backend_used_high_bytes", "Backend's used high-water mark."),
+    PG(backend_reserved_high, "pool_backend_reserved_high_bytes",
+       "Backend's reserved high-water mark."),
+    PG(buffers, "pool_buffers", "Live buffers in the pool."),
+    PG(slabs, "pool_slabs", "Slabs the pool holds."),
+};
+#undef PG
+
+static void render_stats(sbuf *b, const Gpupool__Wire__StatsReply *st) {
+  struct {
+    const char *name, *help;
+    uint64_t v;
+  } g[] = {
+      {"clients", "Connected clients.", st->clients},
+      {"buffers", "Live buffers.", st->buffers},
+      {"holds", "Live holds on buffers.", st->holds},
+      {"names", "Published names.", st->names},
+      {"open_fds", "File descriptors the daemon has open.", st->open_fds},
+      {"pending_frees", "Buffers whose ranges wait on events or a dead process before reuse.",
+       st->pending_frees},
+      {"uptime_seconds", "Seconds since the daemon started.", st->uptime_s},
+  };
+
+  family(b, "build_info", "gauge", "Daemon version and backend; the value is always 1.");
+  sb_printf(b, "gpupool_build_info{version=\"");
+  sb_label(b, st->daemon_version);
+  sb_printf(b, "\",backend=\"%s\"} 1\n", backend_name(st->backend));
+  for (size_t i = 0; i < sizeof(g) / sizeof(g[0]); i++) {
+    family(b, g[i].name, "gauge", g[i].help);
+    sb_printf(b, "gpupool_%s %llu\n", g[i].name, (unsigned long long)g[i].v);
+  }
+
+  family(b, "pool_info", "gauge", "Where each pool's memory lives; the value is always 1.");
+  for (size_t p = 0; p < st->n_pools; p++) {
+    const Gpupool__Wire__PoolInfo *pi = st->pools[p];
+    sb_printf(b, "gpupool_pool_info{pool=\"");
+    sb_label(b, pi->name);
+    sb_printf(b, "\",id=\"%u\",backend=\"%s\",location=\"%s\",device=\"%d\",numa_node=\"%d\"} 1\n",
+              pi->id, backend_name(pi->backend), location_name(pi->location), pi->device,
+              pi->numa_node);
+  }
+  for (size_t i = 0; i < sizeof(pool_gauges) / sizeof(pool_gauges[0]); i++) {
+    family(b, pool_gauges[i].name, "gauge", pool_gauges[i].help);
+    for (size_t p = 0; p < st->n_pools; p++) {
+      const Gpupool__Wire__PoolInfo *pi = st->pools[p];
+      uint64_t v;
+      memcpy(&v, (const char *)pi + pool_gauges[i].off, sizeof(v));
+      sb_printf(b, "gpupool_%s{pool=\"", pool_gauges[i].name);
+      sb_label(b, pi->name);
+      sb_printf(b, "\"} %llu\n", (unsigned long long)v);
+    }
+  }
+}
+
+char *gpupool__metrics_render(const Gpupool__Wire__StatsReply *st) {
+  sbuf b = {0};
+
+  if (st != NULL)
+    render_stats(&b, st);
+  render_requests(&b);
+  if (b.oom) {
+    free(b.p);
+    return NULL;
+  }
+  return b.p;
+}
+
+/* ---- exposition: textfile and socket -------------------------------------------------------- */
+
+#define MAX_CONNS 16
+#define REQ_MAX 8192
+#define REQ_TIMEOUT_MS 1000
+
+static const char http_head[] = "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\r\n";
+
+typedef struct conn {
+  uv_pipe_t pipe;
+  uv_timer_t timer;
+  uv_write_t wr;
+  char rbuf[512];
+  char tail[4];   /* last bytes seen, to find the blank line across reads */
+  size_t seen;    /* request bytes read so far */
+  int answered;
+  int open_handles;
+  char *resp;
+  struct conn *next;
+} conn;
+
+static struct {
+  int started;
+  uv_loop_t *loop;
+  gpupool__stats_fn fn;
+  void *arg;
+  char textfile[sizeof(((gpupool__config *)0)->metrics_textfile)];
+  char tmpfile[sizeof(((gpupool__config *)0)->metrics_textfile) + 8];
+  char sock[sizeof(((gpupool__config *)0)->metrics_socket)];
+  uv_timer_t timer;
+  int timer_on;
+  uv_pipe_t srv;
+  int srv_on;
+  int write_failing;
+  conn *conns;
+  int nconns;
+} M;
+
+/* Text for the current state; NULL (logged) when out of memory. */
+static char *snapshot_text(void) {
+  Gpupool__Wire__StatsReply st = GPUPOOL__WIRE__STATS_REPLY__INIT;
+  char *text;
+  int have = 0;
+
+  if (M.fn != NULL) {
+    int rc = M.fn(M.arg, &st);
+    if (rc == 0)
+      have = 1;
+    else
+      GP_WARN("metrics: cannot take a stats snapshot (%s); exporting request counters only",
+              gpupool__errmsg()[0] ? gpupool__errmsg() : gpupool_strerror(rc));
+  }
+  text = gpupool__metrics_render(have ? &st : NULL);
+  if (have)
+    gpupool__stats_free(&st);
+  if (text == NULL)
+    GP_WARN("metrics: out of memory rendering the metrics text");
+  return text;
+}
+
+static int write_all(int fd, const char *p, size_t n) {
+  while (n > 0) {
+    ssize_t w = write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR)
+        continue;
+      return -1;
+    }
+    p += w;
+    n -= (size_t)w;
+  }
+  return 0;
+}
+
+static void write_textfile(void) {
+  char *text = snapshot_text();
+  const char *what = NULL;
+  int fd = -1, err = 0;
+
+  if (text == NULL)
+    return;
+  fd = open(M.tmpfile, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd < 0) {
+    what = "create";
+    err = errno;
+    goto out;
+  }
+  if (write_all(fd, text, strlen(text)) != 0) {
+    what = "write";
+    err = errno;
+    goto out;
+  }
+  if (close(fd) != 0) {
+    fd = -1;
+    what = "close";
+    err = errno;
+    goto out;
+  }
+  fd = -1;
+  if (rename(M.tmpfile, M.textfile) != 0) {
+    what = "rename";
+    err = errno;
+    goto out;
+  }
+
+out:
+  if (fd >= 0)
+    close(fd);
+  if (what != NULL) {
+    unlink(M.tmpfile);
+    /* Say it once when it starts failing and once when it recovers, not every interval. */
+    if (!M.write_failing)
+      GP_WARN("metrics: cannot %s %s: %s; the textfile keeps its last content until this is "
+              "fixed",
+              what, what[0] == 'r' ? M.textfile : M.tmpfile, strerror(err));
+    M.write_failing = 1;
+  } else if (M.write_failing) {
+    GP_INFO("metrics: writing %s again", M.textfile);
+    M.write_failing = 0;
+  }
+  free(text);
+}
+
+static void on_timer(uv_timer_t *t) {
+  (void)t;
+  write_textfile();
+}
+
+static void conn_closed(uv_handle_t *h) {
+  conn *c = h->data;
+  conn **pp;
+
+  if (--c->open_handles > 0)
+    return;
+  for (pp = &M.conns; *pp != NULL; pp = &(*pp)->next)
+    if (*pp == c) {
+      *pp = c->next;
+      break;
+    }
+  M.nconns--;
+  free(c->resp);
+  free(c);
+}
+
+static void conn_close(conn *c) {
+  if (!uv_is_closing((uv_handle_t *)&c->pipe))
+    uv_close((uv_handle_t *)&c->pipe, conn_closed);
+  if (!uv_is_closing((uv_handle_t *)&c->timer))
+    uv_close((uv_handle_t *)&c->timer, conn_closed);
+}
+
+static void on_written(uv_write_t *wr, int status) {
+  (void)status;
+  conn_close(wr->data);
+}
+
+static void conn_answer(conn *c) {
+  char *text;
+  size_t tl, hl = sizeof(http_head) - 1;
+  uv_buf_t buf;
+
+  if (c->answered)
+    return;
+  c->answered = 1;
+  uv_timer_stop(&c->timer);
+  text = snapshot_text();
+  if (text == NULL) {
+    conn_close(c);
+    return;
+  }
+  tl = strlen(text);
+  c->resp = malloc(hl + tl);
+  if (c->resp == NULL) {
+    free(text);
+    GP_WARN("metrics: out of memory answering a metrics request");
+    conn_close(c);
+    return;
+  }
+  memcpy(c->resp, http_head, hl);
+  memcpy(c->resp + hl, text, tl);
+  free(text);
+  buf = uv_buf_init(c->resp, (unsigned)(hl + tl));
+  c->wr.data = c;
+  if (uv_write(&c->wr, (uv_stream_t *)&c->pipe, &buf, 1, on_written) != 0)
+    conn_close(c);
+}
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
+  conn *c = h->data;
+  (void)suggested;
+  *buf = uv_buf_init(c->rbuf, sizeof(c->rbuf));
+}
+
+/* The request is read (so closing does not reset the peer's connection) and ignored; the
+ * answer goes out at the blank line that ends the request head, at EOF, or after a second. */
+static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
+  conn *c = s->data;
+
+  if (nread < 0) {
+    if (nread == UV_EOF)
+      conn_answer(c);
+    else
+      conn_close(c);
+    return;
+  }
+  for (ssize_t i = 0; i < nread && !c->answered; i++) {
+    memmove(c->tail, c->tail + 1, sizeof(c->tail) - 1);
+    c->tail[sizeof(c->tail) - 1] = buf->base[i];
+    if (memcmp(c->tail, "\r\n\r\n", 4) == 0 || memcmp(c->tail + 2, "\n\n", 2) == 0)
+      conn_answer(c);
+  }
+  c->seen += (size_t)nread;
+  if (c->seen >= REQ_MAX)
+    conn_answer(c);
+}
+
+static void on_req_timeout(uv_timer_t *t) {
+  conn_answer(t->data);
+}
+
+/* Takes a connection off the backlog when there is no memory for it: libuv stops accepting
+ * until the pending one is taken, so it must be taken even to be dropped. */
+static uv_pipe_t drop_pipe;
+static int drop_busy;
+
+static void drop_closed(uv_handle_t *h) {
+  (void)h;
+  drop_busy = 0;
+}
+
+static void drop_conn(uv_stream_t *srv) {
+  if (drop_busy || uv_pipe_init(M.loop, &drop_pipe, 0) != 0)
+    return;
+  drop_busy = 1;
+  (void)uv_accept(srv, (uv_stream_t *)&drop_pipe);
+  uv_close((uv_handle_t *)&drop_pipe, drop_closed);
+}
+
+static void on_conn(uv_stream_t *srv, int status) {
+  conn *c;
+
+  if (status < 0) {
+    GP_WARN("metrics: accept on %s failed: %s", M.sock, uv_strerror(status));
+    return;
+  }
+  c = calloc(1, sizeof(*c));
+  if (c == NULL) {
+    drop_conn(srv);
+    return;
+  }
+  if (uv_pipe_init(M.loop, &c->pipe, 0) != 0) {
+    free(c);
+    drop_conn(srv);
+    return;
+  }
+  if (uv_timer_init(M.loop, &c->timer) != 0) {
+    /* The pipe is a handle now: it goes through close, and conn_closed frees c. */
+    c->pipe.data = c;
+    c->open_handles = 1;
+    c->next = M.conns;
+    M.conns = c;
+    M.nconns++;
+    uv_close((uv_handle_t *)&c->pipe, conn_closed);
+    drop_conn(srv);
+    return;
+  }
+  c->pipe.data = c;
+  c->timer.data = c;
+  c->open_handles = 2;
+  c->next = M.conns;
+  M.conns = c;
+  M.nconns++;
+  if (uv_accept(srv, (uv_stream_t *)&c->pipe) != 0) {
+    conn_close(c);
+    return;
+  }
+  if (M.nconns > MAX_CONNS) {
+    /* Slow or idle scrapers must not pile up connections in the daemon. */
+    conn_close(c);
+    return;
+  }
+  if (uv_read_start((uv_stream_t *)&c->pipe, on_alloc, on_read) != 0 ||
+      uv_timer_start(&c->timer, on_req_timeout, REQ_TIMEOUT_MS, 0) != 0)
+    conn_close(c);
+}
+
+/* A socket file left by a daemon that did not exit cleanly would make bind fail; one that
+ * still answers belongs to a live process and is not ours to take. */
+static int clear_stale_socket(const char *path) {
+  struct stat sb;
+  struct sockaddr_un a;
+  int fd, rc;
+
+  if (lstat(path, &sb) != 0)
+    return errno == ENOENT ? 0
+                           : gpupool__err(GPUPOOL_ECONFIG, "metrics_socket %s: %s", path,
+                                          strerror(errno));
+  if (!S_ISSOCK(sb.st_mode))
+    return gpupool__err(GPUPOOL_ECONFIG,
+                        "metrics_socket %s exists and is not a socket; remove it or choose "
+                        "another metrics_socket path",
+                        path);
+  fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return gpupool__err(GPUPOOL_ECONFIG, "metrics_socket: socket(): %s", strerror(errno));
+  memset(&a, 0, sizeof(a));
+  a.sun_family = AF_UNIX;
+  snprintf(a.sun_path, sizeof(a.sun_path), "%s", path);
+  rc = connect(fd, (struct sockaddr *)&a, sizeof(a));
+  close(fd);
+  if (rc == 0)
+    return gpupool__err(GPUPOOL_ECONFIG,
+                        "metrics_socket %s is served by another running process (a second "
+                        "gpupoold?); stop it or choose another metrics_socket path",
+                        path);
+  if (unlink(path) != 0 && errno != ENOENT)
+    return gpupool__err(GPUPOOL_ECONFIG, "metrics_socket %s is stale and cannot be removed: %s",
+                        path, strerror(errno));
+  return 0;
+}
+
+static int start_socket(const gpupool__config *cfg) {
+  mode_t mode = cfg->socket_mode ? cfg->socket_mode : 0660;
+  mode_t old;
+  int rc;
+
+  rc = clear_stale_socket(M.sock);
+  if (rc < 0)
+    return rc;
+  rc = uv_pipe_init(M.loop, &M.srv, 0);
+  if (rc != 0)
+    return gpupool__err(GPUPOOL_ECONFIG, "metrics_socket: %s", uv_strerror(rc));
+  M.srv_on = 1;
+  /* Created with no access for anyone but the owner, then opened up to the configured mode,
+   * so there is no moment when the umask's wider mode applies. */
+  old = umask(0177);
+  rc = uv_pipe_bind(&M.srv, M.sock);
+  umask(old);
+  if (rc != 0)
+    return gpupool__err(GPUPOOL_ECONFIG,
+                        "cannot bind metrics_socket %s: %s; check that its directory exists "
+                        "and is writable by the daemon (under systemd: in RuntimeDirectory= or "
+                        "ReadWritePaths=)",
+                        M.sock, uv_strerror(rc));
+  if (chmod(M.sock, mode) != 0)
+    return gpupool__err(GPUPOOL_ECONFIG, "cannot chmod metrics_socket %s to %04o: %s", M.sock,
+                        (unsigned)mode, strerror(errno));
+  rc = uv_listen((uv_stream_t *)&M.srv, 16, on_conn);
+  if (rc != 0)
+    return gpupool__err(GPUPOOL_ECONFIG, "cannot listen on metrics_socket %s: %s", M.sock,
+                        uv_strerror(rc));
+  uv_unref((uv_handle_t *)&M.srv);
+  GP_INFO("metrics: serving Prometheus text on %s", M.sock);
+  return 0;
+}
+
+static int start_textfile(const gpupool__config *cfg) {
+  uint32_t every = cfg->metrics_interval_ms ? cfg->metrics_interval_ms : 5000;
+  int fd, rc;
+
+  /* Find an unwritable directory now, with the configuration at hand, not in a log line
+   * every interval later. */
+  fd = open(M.tmpfile, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd < 0)
+    return gpupool__err(GPUPOOL_ECONFIG,
+                        "cannot create %s for metrics_textfile: %s; create the directory, make "
+                        "it writable by the daemon (under systemd: ReadWritePaths=), or change "
+                        "metrics_textfile",
+                        M.tmpfile, strerror(errno));
+  close(fd);
+  unlink(M.tmpfile);
+  rc = uv_timer_init(M.loop, &M.timer);
+  if (rc != 0)
+    return gpupool__err(GPUPOOL_ECONFIG, "metrics timer: %s", uv_strerror(rc));
+  M.timer_on = 1;
+  /* First write on the loop's first turn, once the server is up, then every interval. */
+  rc = uv_timer_start(&M.timer, on_timer, 0, every);
+  if (rc != 0)
+    return gpupool__err(GPUPOOL_ECONFIG, "metrics timer: %s", uv_strerror(rc));
+  uv_unref((uv_handle_t *)&M.timer);
+  GP_INFO("metrics: writing %s every %u ms", M.textfile, every);
+  return 0;
+}
+
+int gpupool__metrics_start(uv_loop_t *loop, const gpupool__config *cfg, gpupool__stats_fn fn,
+                           void *arg) {
+  int rc;
+
+  if (M.started)
+    return gpupool__err(GPUPOOL_EINVAL, "metrics: already started");
+  memset(&M, 0, sizeof(M));
+  M.loop = loop;
+  M.fn = fn;
+  M.arg = arg;
+  snprintf(M.textfile, sizeof(M.textfile), "%s", cfg->metrics_textfile);
+  snprintf(M.tmpfile, sizeof(M.tmpfile), "%s.tmp", cfg->metrics_textfile);
+  snprintf(M.sock, sizeof(M.sock), "%s", cfg->metrics_socket);
+  M.started = 1;
+  if (M.textfile[0] != '\0') {
+    rc = start_textfile(cfg);
+    if (rc < 0)
+      goto fail;
+  }
+  if (M.sock[0] != '\0') {
+    rc = start_socket(cfg);
+    if (rc < 0)
+      goto fail;
+  }
+  return 0;
+
+fail:
+  /* Keep the message: stop() may run calls that record their own. */
+  {
+    char msg[GPUPOOL__ERRMSG_MAX];
+    snprintf(msg, sizeof(msg), "%s", gpupool__errmsg());
+    gpupool__metrics_stop();
+    return gpupool__err(rc, "%s", msg);
+  }
+}
+
+void gpupool__metrics_stop(void) {
+  if (!M.started)
+    return;
+  M.started = 0;
+  if (M.timer_on) {
+    uv_timer_stop(&M.timer);
+    uv_close((uv_handle_t *)&M.timer, NULL);
+    M.timer_on = 0;
+    /* A stopped daemon's numbers must not look current to the textfile collector. */
+    unlink(M.textfile);
+    unlink(M.tmpfile);
+  }
+  if (M.srv_on) {
+    uv_close((uv_handle_t *)&M.srv, NULL);
+    M.srv_on = 0;
+    unlink(M.sock);
+  }
+  for (conn *c = M.conns; c != NULL; c = c->next)
+    conn_close(c);
+}

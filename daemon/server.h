@@ -1,0 +1,30 @@
+/*
+ * The daemon's socket side: the listening socket, one connection per client (raw sockets
+ * watched with uv_poll_t, since libuv pipes cannot pass arbitrary fds), framing through the
+ * wire library, the single dispatch point for requests, and requests that wait (allocate
+ * until memory comes back, get until a name is published).
+ */
+#ifndef GPUPOOL_DAEMON_SERVER_H
+#define GPUPOOL_DAEMON_SERVER_H
+
+#include <uv.h>
+
+#include "config.h"
+#include "registry.h"
+
+typedef struct gp_server gp_server;
+
+/* Start serving on listen_fd (already listening, e.g. from systemd) or, when it is -1, on a
+ * socket bound at cfg->socket_path (parent directory created; a stale socket file replaced;
+ * refused if another daemon answers there). */
+int gp_server_start(gp_server **out, uv_loop_t *loop, const gpupool__config *cfg,
+                    gp_registry *reg, int listen_fd);
+/* Close the listener and every connection (their holds are dropped). Handles close on the
+ * next loop iterations; the server is freed when the last one has closed. */
+void gp_server_stop(gp_server *s);
+/* Current statistics (the Stats reply's content); free with gpupool__stats_free. */
+int gp_server_stats(void *server, Gpupool__Wire__StatsReply *out);
+/* Number of connected clients. */
+uint64_t gp_server_clients(const gp_server *s);
+
+#endif

@@ -1,0 +1,264 @@
+/*
+ * gpupool client API.
+ *
+ * A process links libgpupool-client, connects to gpupoold over its Unix socket, and then
+ * allocates, shares, publishes and gets buffers that live in pools the daemon owns (CUDA
+ * device pools or memfd-backed host pools). Memory is mapped into the process once per slab
+ * and handed out as (slab, offset, size); it goes back to the pool only after every holder
+ * (owner, openers, a published name) has let go. The connection is the lease: when a process
+ * exits or dies, every hold it had is dropped.
+ *
+ * Errors: every function that can fail returns 0 or a negative GPUPOOL_E* code.
+ * gpupool_strerror() names the code; gpupool_last_error() returns the full message of the
+ * calling thread's last failure (often the daemon's explanation, with the cause and the fix).
+ *
+ * Threads: a gpupool_client may be used from several threads at once. Requests from
+ * different threads are multiplexed over the one connection; a thread blocked in
+ * gpupool_get() or a waiting gpupool_alloc() does not stop other threads' requests.
+ * A gpupool_buffer must not be released by one thread while another still uses it.
+ *
+ * Streams: `stream` arguments are a cudaStream_t passed as void* (NULL = the legacy default
+ * stream). On the host backend they are ignored. On the CUDA backend the memory of a returned
+ * buffer is safe to use in that stream (the stream waits on the producer's ready event and on
+ * the previous holders' done events; the CPU does not block), and release frees in stream
+ * order.
+ */
+#ifndef GPUPOOL_GPUPOOL_H
+#define GPUPOOL_GPUPOOL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gpupool/version.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(GPUPOOL_STATIC)
+#define GPUPOOL_EXTERN
+#else
+#define GPUPOOL_EXTERN __attribute__((visibility("default")))
+#endif
+
+/* Error codes: one list generates the enum and gpupool_strerror()/gpupool_err_name(). */
+#define GPUPOOL_ERRNO_MAP(X)                                                                \
+  X(EINVAL, -1, "invalid argument")                                                        \
+  X(ENOMEM, -2, "out of host memory")                                                      \
+  X(ECONNECT, -3, "cannot connect to gpupoold")                                            \
+  X(EPROTO, -4, "protocol error")                                                          \
+  X(EVERSION, -5, "protocol version mismatch between client and daemon")                   \
+  X(EIO, -6, "connection to gpupoold failed")                                              \
+  X(ENOENT, -7, "no such pool, buffer, hold or name")                                      \
+  X(EEXIST, -8, "name already published")                                                  \
+  X(ENOSPC, -9, "pool is out of memory")                                                   \
+  X(ETIMEDOUT, -10, "timed out")                                                           \
+  X(ETOOBIG, -11, "request larger than the pool or the slab limit allows")                 \
+  X(EPERM, -12, "permission denied")                                                       \
+  X(ENOTSUP, -13, "not supported by this backend or build")                                \
+  X(EBACKEND, -14, "backend (CUDA or memfd) call failed")                                  \
+  X(ELIMIT, -15, "a configured limit was reached")                                         \
+  X(ECLOSED, -16, "the daemon closed the connection")                                      \
+  X(EBUSY, -17, "resource busy")                                                           \
+  X(ENAME, -18, "invalid name")                                                            \
+  X(EMETA, -19, "invalid tensor metadata")                                                 \
+  X(ERDONLY, -20, "buffer is held read-only")                                              \
+  X(EFD, -21, "file descriptor error")                                                     \
+  X(ECONFIG, -22, "invalid configuration")                                                 \
+  X(ELOST, -23, "hold lost when the daemon restarted")
+
+typedef enum {
+#define GPUPOOL_ERRNO_GEN(name, val, msg) GPUPOOL_##name = (val),
+  GPUPOOL_OK = 0,
+  GPUPOOL_ERRNO_MAP(GPUPOOL_ERRNO_GEN)
+#undef GPUPOOL_ERRNO_GEN
+  GPUPOOL_ERRNO_MIN = -24
+} gpupool_errno_t;
+
+/* Longest published name in bytes (excluding the terminating NUL). */
+#define GPUPOOL_NAME_MAX 255
+/* Most dimensions a tensor description may have. */
+#define GPUPOOL_MAX_NDIM 16
+/* Size of a share token in bytes. */
+#define GPUPOOL_TOKEN_SIZE 24
+
+/* Flags for gpupool_open() and gpupool_get(). */
+#define GPUPOOL_READ_ONLY 0x1u
+
+/* Opaque connection to gpupoold. Created by gpupool_connect(), freed by gpupool_disconnect(). */
+typedef struct gpupool_client gpupool_client;
+/* Opaque hold on a buffer. Created by alloc/open/get, freed by gpupool_release(). */
+typedef struct gpupool_buffer gpupool_buffer;
+
+/* An opaque, copyable token that lets another client open a shared buffer. */
+typedef struct {
+  uint8_t bytes[GPUPOOL_TOKEN_SIZE];
+} gpupool_token;
+
+/* DLPack data type codes (dlpack.h's DLDataTypeCode). */
+enum {
+  GPUPOOL_DTYPE_INT = 0,
+  GPUPOOL_DTYPE_UINT = 1,
+  GPUPOOL_DTYPE_FLOAT = 2,
+  GPUPOOL_DTYPE_OPAQUE_HANDLE = 3,
+  GPUPOOL_DTYPE_BFLOAT = 4,
+  GPUPOOL_DTYPE_COMPLEX = 5,
+  GPUPOOL_DTYPE_BOOL = 6
+};
+
+/* Tensor description published with a buffer. Strides are in elements; strides_present = 0
+ * means C-contiguous. byte_offset is where element 0 lies from the start of the buffer. */
+typedef struct {
+  uint8_t dtype_code;
+  uint8_t dtype_bits;
+  uint16_t dtype_lanes;
+  int32_t ndim;
+  int64_t shape[GPUPOOL_MAX_NDIM];
+  int64_t strides[GPUPOOL_MAX_NDIM];
+  int32_t strides_present;
+  uint64_t byte_offset;
+} gpupool_tensor_meta;
+
+/* Where a buffer's memory lives. */
+typedef enum {
+  GPUPOOL_MEM_HOST = 1,      /* memfd-backed host memory */
+  GPUPOOL_MEM_DEVICE = 2,    /* CUDA device memory of `device` */
+  GPUPOOL_MEM_HOST_NUMA = 3  /* pinned host memory reachable from the GPU */
+} gpupool_mem_kind;
+
+/* Pool usage as the daemon reports it. */
+typedef struct {
+  uint32_t id;
+  char name[64];
+  gpupool_mem_kind kind;
+  int32_t device;
+  uint64_t capacity;
+  uint64_t slab_size;
+  uint64_t max_alloc;
+  uint64_t used;
+  uint64_t reserved;
+  uint64_t used_high;
+  uint64_t reserved_high;
+  uint64_t backend_used;
+  uint64_t backend_reserved;
+  uint64_t buffers;
+  uint64_t slabs;
+} gpupool_pool_stats;
+
+/* Daemon-wide counters. */
+typedef struct {
+  uint64_t clients;
+  uint64_t buffers;
+  uint64_t holds;
+  uint64_t names;
+  uint64_t requests;
+  uint64_t errors;
+  uint64_t open_fds;
+  uint64_t pending_frees;
+  uint64_t uptime_s;
+} gpupool_daemon_stats;
+
+/* Name of an error code ("ENOSPC"), and its one-line description. Never NULL. */
+GPUPOOL_EXTERN const char *gpupool_err_name(int err);
+GPUPOOL_EXTERN const char *gpupool_strerror(int err);
+
+/* Full message of the calling thread's last failure in this library (cause and fix); an
+ * empty string if the last call succeeded. Valid until the thread's next gpupool call. */
+GPUPOOL_EXTERN const char *gpupool_last_error(void);
+
+/* Library version string ("MAJOR.MINOR.PATCH"). */
+GPUPOOL_EXTERN const char *gpupool_version_string(void);
+
+/* Socket path the library uses when gpupool_connect() gets NULL: $GPUPOOL_SOCKET, else
+ * /run/gpupool/gpupoold.sock for root, else $XDG_RUNTIME_DIR/gpupool/gpupoold.sock.
+ * Writes into buf (size len); returns 0 or GPUPOOL_EINVAL if it does not fit. */
+GPUPOOL_EXTERN int gpupool_default_socket_path(char *buf, size_t len);
+
+/* Connect and handshake. socket_path NULL = default; client_name may be NULL. On success
+ * *out is a new client the caller frees with gpupool_disconnect(). */
+GPUPOOL_EXTERN int gpupool_connect(const char *socket_path, const char *client_name,
+                                   gpupool_client **out);
+
+/* Tell the library which CUDA devices this process will touch pool memory from. Pools
+ * imported later (and those already imported) get read/write access for each of them
+ * (cudaMemPoolSetAccess; fails with GPUPOOL_ENOTSUP naming the device pair when peers cannot
+ * access each other). Without a call, only each pool's resident device is used. No-op on
+ * the host backend. */
+GPUPOOL_EXTERN int gpupool_set_devices(gpupool_client *c, const int *devices, int n);
+
+/* Release every buffer still held through c, unmap everything, close the connection and
+ * free c. Buffers obtained from c become invalid. NULL is allowed. */
+GPUPOOL_EXTERN void gpupool_disconnect(gpupool_client *c);
+
+/* Allocate size bytes in pool `pool` (NULL or "" = the first pool). When the pool is full,
+ * wait up to timeout_ms for memory to come back (0 = fail at once with GPUPOOL_ENOSPC,
+ * whose message says how much was asked and how much is free). On success *out is a hold
+ * owned by the caller, freed by gpupool_release(). The memory is usable in `stream`. */
+GPUPOOL_EXTERN int gpupool_alloc(gpupool_client *c, const char *pool, size_t size,
+                                 int timeout_ms, void *stream, gpupool_buffer **out);
+
+/* Drop the hold b and free the handle b. On CUDA, the client's mapping stays valid for
+ * work already queued in `stream`; the range is reused only after that work completes.
+ * The memory returns to the pool when its last holder lets go. */
+GPUPOOL_EXTERN int gpupool_release(gpupool_buffer *b, void *stream);
+
+/* Address of the buffer in this process (device pointer on CUDA device pools). */
+GPUPOOL_EXTERN void *gpupool_buffer_ptr(const gpupool_buffer *b);
+GPUPOOL_EXTERN size_t gpupool_buffer_size(const gpupool_buffer *b);
+/* CUDA device ordinal of the memory, or -1 for host memory. */
+GPUPOOL_EXTERN int gpupool_buffer_device(const gpupool_buffer *b);
+GPUPOOL_EXTERN gpupool_mem_kind gpupool_buffer_kind(const gpupool_buffer *b);
+/* Daemon-wide id of the buffer (same in every process that holds it). */
+GPUPOOL_EXTERN uint64_t gpupool_buffer_id(const gpupool_buffer *b);
+GPUPOOL_EXTERN int gpupool_buffer_read_only(const gpupool_buffer *b);
+/* Tensor description the buffer was published with: 0 and *out filled, or GPUPOOL_ENOENT. */
+GPUPOOL_EXTERN int gpupool_buffer_tensor(const gpupool_buffer *b, gpupool_tensor_meta *out);
+/* The client a buffer came from (not owned by the caller). */
+GPUPOOL_EXTERN gpupool_client *gpupool_buffer_client(const gpupool_buffer *b);
+
+/* Make a token another client can pass to gpupool_open(). On CUDA, the ready event is
+ * recorded in `stream` first, so openers see everything queued there before the call. */
+GPUPOOL_EXTERN int gpupool_share(gpupool_buffer *b, void *stream, gpupool_token *out);
+
+/* Open a shared buffer: a new hold owned by the caller. flags: GPUPOOL_READ_ONLY. */
+GPUPOOL_EXTERN int gpupool_open(gpupool_client *c, const gpupool_token *token, unsigned flags,
+                                void *stream, gpupool_buffer **out);
+
+/* Publish b under `name` (1..GPUPOOL_NAME_MAX bytes). The name holds the buffer until
+ * gpupool_unpublish(), so the caller may release b right after. meta may be NULL; when
+ * given, the daemon checks that the tensor fits in the buffer. The ready event is recorded
+ * in `stream` first. */
+GPUPOOL_EXTERN int gpupool_publish(gpupool_buffer *b, const char *name,
+                                   const gpupool_tensor_meta *meta, void *stream);
+
+/* Like gpupool_publish, with visibility: share_gid (0 = none) lets that group see the name;
+ * share_all lets every uid see it. By default only clients of the publisher's uid do. */
+GPUPOOL_EXTERN int gpupool_publish_ex(gpupool_buffer *b, const char *name,
+                                      const gpupool_tensor_meta *meta, void *stream,
+                                      uint32_t share_gid, int share_all);
+
+/* Get the buffer published under `name`, waiting up to timeout_ms for a producer to
+ * publish it (0 = fail at once with GPUPOOL_ENOENT; negative = wait forever). On success
+ * *out is a new hold owned by the caller. flags: GPUPOOL_READ_ONLY. */
+GPUPOOL_EXTERN int gpupool_get(gpupool_client *c, const char *name, int timeout_ms,
+                               unsigned flags, void *stream, gpupool_buffer **out);
+
+/* Remove a name. Holders keep their buffers; the memory goes when the last one lets go. */
+GPUPOOL_EXTERN int gpupool_unpublish(gpupool_client *c, const char *name);
+
+/* Daemon counters and up to max_pools pools (*n_pools set to how many were written). */
+GPUPOOL_EXTERN int gpupool_stats(gpupool_client *c, gpupool_daemon_stats *daemon,
+                                 gpupool_pool_stats *pools, int max_pools, int *n_pools);
+
+/* Ask the daemon to return unused slabs to the backend. */
+GPUPOOL_EXTERN int gpupool_trim(gpupool_client *c);
+
+/* Number of bytes a tensor with this description spans from the buffer start (offset +
+ * extent), or 0 with GPUPOOL_EMETA in *err when it is invalid. Shared by both sides. */
+GPUPOOL_EXTERN uint64_t gpupool_tensor_span(const gpupool_tensor_meta *m, int *err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* GPUPOOL_GPUPOOL_H */
