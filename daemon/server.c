@@ -821,8 +821,6 @@ static void handle_frame(gp_conn *c) {
   if (!deferred)
     gpupool__metrics_request(body, rc, gp_now_ns() - t0);
   gpupool__wire__request__free_unpacked(req, NULL);
-  if (c->drop_after_flush && !c->txq)
-    conn_close(c, "protocol violation");
   if (s->reg->memory_returned)
     retry_waiters(s->reg, NULL);
 }
@@ -918,6 +916,8 @@ static void conn_io(uv_poll_t *p, int status, int events) {
       return;
     }
     handle_frame(c);
+    if (c->drop_after_flush && !c->txq && !c->closing)
+      conn_close(c, "protocol violation");
   }
 }
 

@@ -1,0 +1,361 @@
+/*
+ * A hostile client: raw frames straight onto the daemon's socket. Each kind of bad input must
+ * get a clear error reply (and a disconnect for protocol violations), and afterwards the
+ * daemon must still serve a well-formed request, with no fd, byte or registry entry leaked.
+ */
+#include <sys/mman.h>
+
+#include "harness.h"
+#include "wire.h"
+
+static th_daemon D;
+static uint64_t base_fds;
+
+static int setup(void **state) {
+  (void)state;
+  th_prepare(&D);
+  th_write_conf(&D, "[daemon]\nhandshake_timeout_ms = 300\nmax_frame = 65536\n"
+                    "[pool default]\nkind = host\ncapacity = 64M\nslab_size = 4M\n");
+  th_start(&D, 1, NULL);
+  base_fds = th_settled_fds(&D);
+  return 0;
+}
+
+static void still_serves(void) {
+  gpupool_client *c = th_connect(&D, "good");
+  gpupool_buffer *b;
+  assert_int_equal(gpupool_alloc(c, NULL, 1000, 0, NULL, &b), 0);
+  memset(gpupool_buffer_ptr(b), 7, 1000);
+  assert_int_equal(gpupool_release(b, NULL), 0);
+  gpupool_disconnect(c);
+}
+
+static int teardown(void **state) {
+  (void)state;
+  still_serves();
+  th_wait_idle(&D, 2000);
+  th_expect_fds(&D, base_fds);
+  th_stop(&D);
+  return 0;
+}
+
+static int raw_connect(void) {
+  struct sockaddr_un a = {.sun_family = AF_UNIX};
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct timeval tv = {5, 0};
+  assert_true(strlen(D.sock) < sizeof a.sun_path);
+  memcpy(a.sun_path, D.sock, strlen(D.sock) + 1);
+  assert_true(fd >= 0);
+  assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  return fd;
+}
+
+static void raw_send(int fd, gpupool__req *req, const int *fds, int nfds) {
+  uint8_t *buf;
+  size_t len;
+  assert_int_equal(gpupool__wire_pack_request(req, &buf, &len), 0);
+  assert_int_equal(gpupool__wire_send(fd, buf, len, fds, nfds), 0);
+  free(buf);
+}
+
+/* Next reply, or NULL at end of connection. */
+static gpupool__rep *raw_recv(int fd) {
+  gpupool__wire_rx rx;
+  gpupool__rep *rep = NULL;
+  gpupool__wire_rx_init(&rx, GPUPOOL_WIRE_HARD_MAX_FRAME);
+  if (gpupool__wire_rx_read(&rx, fd) == 1)
+    rep = gpupool__wire_unpack_reply(&rx);
+  gpupool__wire_rx_reset(&rx);
+  return rep;
+}
+
+static void expect_error(int fd, int code, const char *needle) {
+  gpupool__rep *rep = raw_recv(fd);
+  assert_non_null(rep);
+  assert_non_null(rep->error);
+  if (rep->error->code != code)
+    fail_msg("expected %s, got %s: %s", gpupool_err_name(code), gpupool_err_name(rep->error->code),
+             rep->error->message);
+  if (needle && !strstr(rep->error->message, needle))
+    fail_msg("error message '%s' does not mention '%s'", rep->error->message, needle);
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+}
+
+static void expect_eof(int fd) {
+  char c;
+  assert_int_equal(recv(fd, &c, 1, 0), 0);
+}
+
+static void hello(int fd, uint32_t version) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Hello h = GPUPOOL__WIRE__HELLO__INIT;
+  h.protocol_version = version;
+  h.client_name = (char *)"hostile";
+  req.seq = 1;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
+  req.hello = &h;
+  raw_send(fd, &req, NULL, 0);
+}
+
+static void hello_ok(int fd) {
+  gpupool__rep *rep;
+  hello(fd, GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION);
+  rep = raw_recv(fd);
+  assert_non_null(rep);
+  assert_null(rep->error);
+  assert_int_equal(rep->body_case, GPUPOOL__WIRE__REPLY__BODY_HELLO);
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+}
+
+static void send_stats(int fd, uint64_t seq) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Stats st = GPUPOOL__WIRE__STATS__INIT;
+  req.seq = seq;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
+  req.stats = &st;
+  raw_send(fd, &req, NULL, 0);
+}
+
+static void expect_stats(int fd) {
+  gpupool__rep *rep = raw_recv(fd);
+  assert_non_null(rep);
+  assert_null(rep->error);
+  assert_int_equal(rep->body_case, GPUPOOL__WIRE__REPLY__BODY_STATS);
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+}
+
+static void test_garbage_frame(void **state) {
+  uint8_t frame[4 + 16] = {16, 0, 0, 0};
+  int fd = raw_connect();
+  (void)state;
+  hello_ok(fd);
+  memset(frame + 4, 0xff, 16); /* not a protobuf message */
+  assert_int_equal(gpupool__wire_send(fd, frame, sizeof frame, NULL, 0), 0);
+  expect_error(fd, GPUPOOL_EPROTO, "malformed");
+  expect_eof(fd);
+  close(fd);
+}
+
+static void test_oversized_frame(void **state) {
+  uint8_t hdr[4] = {0, 0, 0, 0x10}; /* 256 MiB */
+  int fd = raw_connect();
+  (void)state;
+  hello_ok(fd);
+  assert_int_equal(gpupool__wire_send(fd, hdr, sizeof hdr, NULL, 0), 0);
+  expect_error(fd, GPUPOOL_EPROTO, "exceeds");
+  expect_eof(fd);
+  close(fd);
+}
+
+static void test_wrong_version(void **state) {
+  int fd = raw_connect();
+  (void)state;
+  hello(fd, 999);
+  expect_error(fd, GPUPOOL_EVERSION, "protocol version 999");
+  expect_eof(fd);
+  close(fd);
+}
+
+static void test_request_before_hello(void **state) {
+  int fd = raw_connect();
+  (void)state;
+  send_stats(fd, 5);
+  expect_error(fd, GPUPOOL_EPROTO, "Hello");
+  expect_eof(fd);
+  close(fd);
+}
+
+static void test_unknown_request_type(void **state) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  int fd = raw_connect();
+  (void)state;
+  hello_ok(fd);
+  req.seq = 2; /* no body: what an unknown message type unpacks to */
+  raw_send(fd, &req, NULL, 0);
+  expect_error(fd, GPUPOOL_EPROTO, "unknown request type");
+  send_stats(fd, 3); /* the connection carries on */
+  expect_stats(fd);
+  close(fd);
+}
+
+static void test_unexpected_fds(void **state) {
+  int fd = raw_connect(), mfd = memfd_create("junk", MFD_CLOEXEC);
+  int fds[3];
+  (void)state;
+  hello_ok(fd);
+  for (int i = 0; i < 3; i++)
+    fds[i] = mfd;
+  {
+    gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+    Gpupool__Wire__Stats st = GPUPOOL__WIRE__STATS__INIT;
+    req.seq = 9;
+    req.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
+    req.stats = &st;
+    raw_send(fd, &req, fds, 3);
+  }
+  expect_error(fd, GPUPOOL_EFD, "file descriptors");
+  send_stats(fd, 10);
+  expect_stats(fd);
+  close(mfd);
+  close(fd);
+}
+
+static void test_bad_ids_and_requests(void **state) {
+  gpupool_client *a = th_connect(&D, "a");
+  gpupool_buffer *b;
+  int fd = raw_connect();
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Release rl = GPUPOOL__WIRE__RELEASE__INIT;
+  Gpupool__Wire__Allocate al = GPUPOOL__WIRE__ALLOCATE__INIT;
+  Gpupool__Wire__Get gt = GPUPOOL__WIRE__GET__INIT;
+  Gpupool__Wire__AttachPool ap = GPUPOOL__WIRE__ATTACH_POOL__INIT;
+  char longname[300];
+  (void)state;
+
+  hello_ok(fd);
+  /* Unknown hold. */
+  rl.hold_id = 123456789;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_RELEASE;
+  req.release = &rl;
+  raw_send(fd, &req, NULL, 0);
+  expect_error(fd, GPUPOOL_ENOENT, "does not exist");
+  /* Another client's hold: ids are small integers, so try the ones around a's buffer. */
+  assert_int_equal(gpupool_alloc(a, NULL, 100, 0, NULL, &b), 0);
+  for (uint64_t id = 1; id < 64; id++) {
+    gpupool__rep *rep;
+    rl.hold_id = id;
+    raw_send(fd, &req, NULL, 0);
+    rep = raw_recv(fd);
+    assert_non_null(rep);
+    assert_non_null(rep->error); /* never succeeds: we hold nothing */
+    assert_true(rep->error->code == GPUPOOL_ENOENT || rep->error->code == GPUPOOL_EPERM);
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  memset(gpupool_buffer_ptr(b), 1, 100); /* a's buffer is untouched by all that */
+  assert_int_equal(gpupool_release(b, NULL), 0);
+  /* Zero size, bigger than the pool, unknown pool. */
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
+  req.allocate = &al;
+  al.size = 0;
+  raw_send(fd, &req, NULL, 0);
+  expect_error(fd, GPUPOOL_EINVAL, "0 bytes");
+  al.size = 1ull << 30;
+  raw_send(fd, &req, NULL, 0);
+  expect_error(fd, GPUPOOL_ETOOBIG, "capacity");
+  al.size = 10;
+  al.pool_name = (char *)"missing";
+  raw_send(fd, &req, NULL, 0);
+  expect_error(fd, GPUPOOL_ENOENT, "missing");
+  al.pool_name = (char *)"";
+  al.alignment = 3;
+  raw_send(fd, &req, NULL, 0);
+  expect_error(fd, GPUPOOL_EINVAL, "power of two");
+  /* Names: too long, empty, control characters. */
+  memset(longname, 'x', sizeof longname - 1);
+  longname[sizeof longname - 1] = '\0';
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_GET;
+  req.get = &gt;
+  gt.name = longname;
+  raw_send(fd, &req, NULL, 0);
+  expect_error(fd, GPUPOOL_ENAME, "longer than");
+  gt.name = (char *)"";
+  raw_send(fd, &req, NULL, 0);
+  expect_error(fd, GPUPOOL_ENAME, "empty");
+  gt.name = (char *)"bad\nname";
+  raw_send(fd, &req, NULL, 0);
+  expect_error(fd, GPUPOOL_ENAME, "control");
+  /* Unknown pool to attach. */
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ATTACH_POOL;
+  req.attach_pool = &ap;
+  ap.pool_id = 77;
+  raw_send(fd, &req, NULL, 0);
+  expect_error(fd, GPUPOOL_ENOENT, "77");
+  /* A token of the wrong size. */
+  {
+    Gpupool__Wire__Open op = GPUPOOL__WIRE__OPEN__INIT;
+    uint8_t t[5] = {0};
+    op.token.data = t;
+    op.token.len = sizeof t;
+    req.body_case = GPUPOOL__WIRE__REQUEST__BODY_OPEN;
+    req.open = &op;
+    raw_send(fd, &req, NULL, 0);
+    expect_error(fd, GPUPOOL_EINVAL, "token");
+  }
+  /* Admin requests from a normal uid are refused only for non-root; as root they work. */
+  send_stats(fd, 99);
+  expect_stats(fd);
+  close(fd);
+  gpupool_disconnect(a);
+}
+
+static void test_eof_mid_frame_and_silence(void **state) {
+  uint8_t partial[6] = {100, 0, 0, 0, 1, 2};
+  int fd = raw_connect(), quiet = raw_connect();
+  (void)state;
+  hello_ok(fd);
+  assert_int_equal(gpupool__wire_send(fd, partial, sizeof partial, NULL, 0), 0);
+  close(fd); /* EOF in the middle of a frame */
+  /* A client that never says Hello is dropped after handshake_timeout_ms. */
+  expect_eof(quiet);
+  close(quiet);
+}
+
+static void test_double_release_via_library(void **state) {
+  gpupool_client *a = th_connect(&D, "a"), *b = th_connect(&D, "b");
+  gpupool_buffer *x;
+  gpupool_token tok;
+  int fd = raw_connect();
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Open op = GPUPOOL__WIRE__OPEN__INIT;
+  Gpupool__Wire__Release rl = GPUPOOL__WIRE__RELEASE__INIT;
+  gpupool__rep *rep;
+  uint64_t hold;
+  (void)state;
+
+  hello_ok(fd);
+  assert_int_equal(gpupool_alloc(a, NULL, 4096, 0, NULL, &x), 0);
+  assert_int_equal(gpupool_share(x, NULL, &tok), 0);
+  /* The raw client opens the buffer and releases its hold twice. */
+  op.token.data = tok.bytes;
+  op.token.len = sizeof tok.bytes;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_OPEN;
+  req.open = &op;
+  raw_send(fd, &req, NULL, 0);
+  rep = raw_recv(fd);
+  assert_non_null(rep);
+  assert_null(rep->error);
+  hold = rep->open->buffer->hold_id;
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  rl.hold_id = hold;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_RELEASE;
+  req.release = &rl;
+  raw_send(fd, &req, NULL, 0);
+  rep = raw_recv(fd);
+  assert_non_null(rep);
+  assert_null(rep->error);
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  raw_send(fd, &req, NULL, 0);
+  expect_error(fd, GPUPOOL_ENOENT, "already released");
+  /* The owner's buffer is still alive and intact. */
+  memset(gpupool_buffer_ptr(x), 3, 4096);
+  assert_int_equal(gpupool_release(x, NULL), 0);
+  close(fd);
+  gpupool_disconnect(a);
+  gpupool_disconnect(b);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_setup_teardown(test_garbage_frame, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_oversized_frame, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_wrong_version, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_request_before_hello, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_unknown_request_type, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_unexpected_fds, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_bad_ids_and_requests, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_eof_mid_frame_and_silence, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_double_release_via_library, setup, teardown),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
