@@ -18,6 +18,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cbackend.h"
@@ -44,6 +45,7 @@ typedef struct cslab {
   void *priv;
   int dedicated;
   uint32_t refs; /* buffers of this client inside */
+  struct stale_gen *stale; /* set when its daemon connection is gone */
 } cslab;
 
 typedef struct pending {
@@ -52,8 +54,20 @@ typedef struct pending {
   int fds[GPUPOOL_WIRE_MAX_FDS];
   int nfds;
   int done;
+  int err; /* set with done when the connection broke before the reply came */
   struct pending *next;
 } pending;
+
+/* What is left of a connection to a daemon that went away: its pools and events stay
+ * imported while buffers obtained through it still map its slabs (mappings outlive the
+ * daemon), and go when the last such buffer is released. */
+typedef struct stale_gen {
+  cpool *pools;
+  int npools;
+  gpupool__hmap events;
+  uint64_t live_slabs;
+  struct stale_gen *next;
+} stale_gen;
 
 struct gpupool_client {
   int fd;
@@ -78,6 +92,17 @@ struct gpupool_client {
   int ndevices;
   uint64_t client_id;
   uint32_t max_frame;
+  /* Reconnection after the daemon went away (restart, crash). */
+  char socket_path[108];
+  char name[64];
+  int reconnect_ms;        /* budget for reconnecting before a request fails */
+  uint64_t reconnects;
+  stale_gen *stale;
+  char **published;        /* names this client published and has not unpublished */
+  size_t npublished, cappublished;
+  char **lost_names;       /* names lost in a restart, until gpupool_lost_names() reads them */
+  size_t nlost_names;
+  uint64_t holds_lost;
 };
 
 struct gpupool_buffer {
@@ -89,16 +114,24 @@ struct gpupool_buffer {
   uint32_t ready_id, done_id;
   int has_meta;
   gpupool_tensor_meta meta;
+  int lost; /* its hold died with a previous daemon connection */
   gpupool_buffer *prev, *next;
 };
 
 /* ---- transport -------------------------------------------------------------------------------- */
 
+/* Marks the connection unusable and fails every request still waiting on it. */
 static void set_broken(gpupool_client *c, int code, const char *msg) {
   if (c->broken)
     return;
   c->broken = code;
   snprintf(c->broken_msg, sizeof c->broken_msg, "%s", msg);
+  for (pending *p = c->pend; p; p = p->next)
+    if (!p->done) {
+      p->done = 1;
+      p->err = code;
+    }
+  pthread_cond_broadcast(&c->cv);
 }
 
 static int broken_err(gpupool_client *c) {
@@ -190,7 +223,7 @@ static int call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *f
   p.seq = req->seq;
   p.next = c->pend;
   c->pend = &p;
-  while (!p.done && !c->broken) {
+  while (!p.done) {
     if (!c->reader_active)
       read_one(c);
     else
@@ -199,8 +232,12 @@ static int call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *f
   for (pp = &c->pend; *pp != &p; pp = &(*pp)->next)
     ;
   *pp = p.next;
-  if (!p.done)
-    return broken_err(c);
+  if (!p.rep)
+    return gpupool__err(p.err ? p.err : GPUPOOL_EIO,
+                        "connection to gpupoold lost while waiting for the reply: %s (the next request "
+                        "reconnects; holds of the old connection are reported by gpupool_lost_names and "
+                        "gpupool_buffer_lost)",
+                        c->broken_msg);
   handle_revokes(c, p.rep);
   if (p.rep->error) {
     rc = p.rep->error->code < 0 && p.rep->error->code > GPUPOOL_ERRNO_MIN ? p.rep->error->code : GPUPOOL_EPROTO;
@@ -268,6 +305,7 @@ static int pool_attach(gpupool_client *c, cpool *p) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__AttachPool ap = GPUPOOL__WIRE__ATTACH_POOL__INIT;
   gpupool__rep *rep;
+  gpupool__cpool *bp;
   int fd, rc;
 
   if (p->bp)
@@ -280,13 +318,17 @@ static int pool_attach(gpupool_client *c, cpool *p) {
   gpupool__wire__reply__free_unpacked(rep, NULL);
   if (fd < 0)
     return gpupool__err(GPUPOOL_EPROTO, "the daemon sent no fd for pool '%s'", p->name);
-  if ((rc = c->be->pool_import(fd, p->kind, p->device, p->capacity, &p->bp)) != 0)
+  if ((rc = c->be->pool_import(fd, p->kind, p->device, p->capacity, &bp)) != 0)
     return rc;
-  if (c->ndevices > 0 && (rc = c->be->pool_set_access(p->bp, c->devices, c->ndevices)) != 0) {
-    c->be->pool_release(p->bp);
-    p->bp = NULL;
+  if (c->ndevices > 0 && (rc = c->be->pool_set_access(bp, c->devices, c->ndevices)) != 0) {
+    c->be->pool_release(bp);
     return rc;
   }
+  /* call() let go of the lock: another thread may have attached the pool meanwhile. */
+  if (p->bp)
+    c->be->pool_release(bp);
+  else
+    p->bp = bp;
   return 0;
 }
 
@@ -466,44 +508,27 @@ static int connect_socket(const char *path, int *out) {
   return 0;
 }
 
-int gpupool_connect(const char *socket_path, const char *client_name, gpupool_client **out) {
-  char path[108];
-  gpupool_client *c;
+/* Connect to c->socket_path and say Hello; fills the pool list. With c->mu held and
+ * c->fd == -1. On failure the fd is closed again. */
+static int handshake(gpupool_client *c) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Hello hello = GPUPOOL__WIRE__HELLO__INIT;
   gpupool__rep *rep = NULL;
   const Gpupool__Wire__HelloReply *hr;
-  int rc;
+  int rc, fd = -1;
 
-  gpupool__err_clear();
-  if (!out)
-    return gpupool__err(GPUPOOL_EINVAL, "out is NULL");
-  *out = NULL;
-  if (!socket_path || !*socket_path) {
-    if ((rc = gpupool_default_socket_path(path, sizeof path)) != 0)
-      return rc;
-    socket_path = path;
-  }
-  c = calloc(1, sizeof *c);
-  if (!c)
-    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
-  pthread_mutex_init(&c->mu, NULL);
-  pthread_cond_init(&c->cv, NULL);
-  gpupool__hmap_init(&c->slabs);
-  gpupool__hmap_init(&c->events);
-  gpupool__wire_rx_init(&c->rx, GPUPOOL_WIRE_HARD_MAX_FRAME);
-  c->fd = -1;
-  if ((rc = connect_socket(socket_path, &c->fd)) != 0)
-    goto fail;
+  if ((rc = connect_socket(c->socket_path, &fd)) != 0)
+    return rc;
+  c->fd = fd;
+  c->broken = 0;
+  c->broken_msg[0] = '\0';
+  gpupool__wire_rx_reset(&c->rx);
   hello.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
-  hello.client_name = (char *)(client_name ? client_name : "");
+  hello.client_name = c->name;
   hello.pid = (int32_t)getpid();
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
   req.hello = &hello;
-  pthread_mutex_lock(&c->mu);
-  rc = call(c, &req, &rep, NULL);
-  pthread_mutex_unlock(&c->mu);
-  if (rc != 0)
+  if ((rc = call(c, &req, &rep, NULL)) != 0)
     goto fail;
   hr = rep->hello;
   if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_HELLO || !hr) {
@@ -535,6 +560,7 @@ int gpupool_connect(const char *socket_path, const char *client_name, gpupool_cl
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
     goto fail;
   }
+  c->npools = 0;
   for (size_t i = 0; i < hr->n_pools; i++) {
     const Gpupool__Wire__PoolInfo *pi = hr->pools[i];
     cpool *p = &c->pools[c->npools++];
@@ -547,22 +573,251 @@ int gpupool_connect(const char *socket_path, const char *client_name, gpupool_cl
     p->capacity = pi->capacity;
   }
   gpupool__wire__reply__free_unpacked(rep, NULL);
-  *out = c;
-  gpupool__err_clear();
   return 0;
 fail:
   if (rep)
     gpupool__wire__reply__free_unpacked(rep, NULL);
-  if (c->fd >= 0)
-    close(c->fd);
-  gpupool__wire_rx_reset(&c->rx);
-  gpupool__hmap_free(&c->slabs);
-  gpupool__hmap_free(&c->events);
-  free(c->pools);
-  pthread_mutex_destroy(&c->mu);
-  pthread_cond_destroy(&c->cv);
-  free(c);
+  close(c->fd);
+  c->fd = -1;
+  if (!c->broken)
+    set_broken(c, GPUPOOL_ECLOSED, gpupool__errmsg());
   return rc;
+}
+
+static void stale_gen_free(gpupool_client *c, stale_gen *g) {
+  stale_gen **pp;
+  for (pp = &c->stale; *pp && *pp != g; pp = &(*pp)->next)
+    ;
+  if (*pp)
+    *pp = g->next;
+  if (c->be && c->be->has_events)
+    for (size_t i = 0; i < g->events.cap; i++)
+      if (gpupool__hmap_slot_used(&g->events, i))
+        c->be->event_close(g->events.slots[i].val);
+  gpupool__hmap_free(&g->events);
+  for (int i = 0; i < g->npools; i++)
+    if (g->pools[i].bp)
+      c->be->pool_release(g->pools[i].bp);
+  free(g->pools);
+  free(g);
+}
+
+/* The daemon went away: keep what this process still maps (buffers stay readable), mark every
+ * hold and published name lost, and connect again with backoff for up to reconnect_ms.
+ * With c->mu held. */
+static int reconnect(gpupool_client *c) {
+  stale_gen *g;
+  uint64_t start = 0;
+  long delay_ms = 20;
+  int rc;
+  struct timespec ts;
+
+  while (c->reader_active)
+    pthread_cond_wait(&c->cv, &c->mu);
+  if (!c->broken)
+    return 0; /* another thread reconnected meanwhile */
+  if (c->fd >= 0) {
+    close(c->fd);
+    c->fd = -1;
+    g = calloc(1, sizeof *g);
+    if (!g)
+      return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+    g->pools = c->pools;
+    g->npools = c->npools;
+    g->events = c->events;
+    gpupool__hmap_init(&c->events);
+    for (size_t i = 0; i < c->slabs.cap; i++)
+      if (gpupool__hmap_slot_used(&c->slabs, i)) {
+        ((cslab *)c->slabs.slots[i].val)->stale = g;
+        g->live_slabs++;
+      }
+    gpupool__hmap_free(&c->slabs);
+    gpupool__hmap_init(&c->slabs);
+    c->pools = NULL;
+    c->npools = 0;
+    c->nunmapped = 0;
+    g->next = c->stale;
+    c->stale = g;
+    if (g->live_slabs == 0)
+      stale_gen_free(c, g);
+    for (gpupool_buffer *b = c->buffers; b; b = b->next)
+      if (!b->lost) {
+        b->lost = 1;
+        c->holds_lost++;
+      }
+    for (size_t i = 0; i < c->npublished; i++) {
+      char **n = realloc(c->lost_names, (c->nlost_names + 1) * sizeof *n);
+      if (!n) {
+        free(c->published[i]);
+        continue;
+      }
+      c->lost_names = n;
+      c->lost_names[c->nlost_names++] = c->published[i];
+    }
+    c->npublished = 0;
+  }
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  start = (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+  for (;;) {
+    uint64_t now;
+    rc = handshake(c);
+    if (rc == 0)
+      break;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    now = (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+    if (rc != GPUPOOL_ECONNECT || now - start >= (uint64_t)c->reconnect_ms) {
+      char msg[GPUPOOL__ERRMSG_MAX];
+      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+      return gpupool__err(rc, "the daemon went away and did not come back within %d ms: %s", c->reconnect_ms, msg);
+    }
+    /* Sleep without the lock so other threads can fail fast or see the new connection. */
+    pthread_mutex_unlock(&c->mu);
+    ts.tv_sec = delay_ms / 1000;
+    ts.tv_nsec = (delay_ms % 1000) * 1000000L;
+    nanosleep(&ts, NULL);
+    pthread_mutex_lock(&c->mu);
+    if (!c->broken)
+      return 0;
+    delay_ms = delay_ms * 2 > 500 ? 500 : delay_ms * 2;
+  }
+  c->reconnects++;
+  return 0;
+}
+
+/* Called first by every public entry point (with c->mu held): a connection that the daemon
+ * closed is replaced before the request, so holds never cross from one daemon to the next. */
+static int ensure_connected(gpupool_client *c) {
+  if (!c->broken)
+    return 0;
+  if ((c->broken != GPUPOOL_ECLOSED && c->broken != GPUPOOL_EIO) || c->reconnect_ms <= 0)
+    return broken_err(c);
+  return reconnect(c);
+}
+
+/* For requests that do not name a hold of the old connection (allocate, get, open,
+ * unpublish, stats, trim): when the daemon turns out to be gone, reconnect and send once
+ * more. Safe: whatever the lost connection held was dropped with it. */
+static int call_retry(gpupool_client *c, gpupool__req *req, gpupool__rep **out) {
+  int rc = ensure_connected(c);
+  if (rc != 0)
+    return rc;
+  rc = call(c, req, out, NULL);
+  if ((rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO) && c->broken && c->reconnect_ms > 0) {
+    if ((rc = ensure_connected(c)) != 0)
+      return rc;
+    rc = call(c, req, out, NULL);
+  }
+  return rc;
+}
+
+int gpupool_connect(const char *socket_path, const char *client_name, gpupool_client **out) {
+  gpupool_client *c;
+  const char *env;
+  int rc;
+
+  gpupool__err_clear();
+  if (!out)
+    return gpupool__err(GPUPOOL_EINVAL, "out is NULL");
+  *out = NULL;
+  c = calloc(1, sizeof *c);
+  if (!c)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  if (!socket_path || !*socket_path) {
+    if ((rc = gpupool_default_socket_path(c->socket_path, sizeof c->socket_path)) != 0) {
+      free(c);
+      return rc;
+    }
+  } else if (strlen(socket_path) >= sizeof c->socket_path) {
+    free(c);
+    return gpupool__err(GPUPOOL_EINVAL, "socket path '%s' is longer than %zu bytes", socket_path,
+                        sizeof c->socket_path - 1);
+  } else {
+    strcpy(c->socket_path, socket_path);
+  }
+  snprintf(c->name, sizeof c->name, "%s", client_name ? client_name : "");
+  env = getenv("GPUPOOL_RECONNECT_MS");
+  c->reconnect_ms = env && *env ? atoi(env) : 5000;
+  pthread_mutex_init(&c->mu, NULL);
+  pthread_cond_init(&c->cv, NULL);
+  gpupool__hmap_init(&c->slabs);
+  gpupool__hmap_init(&c->events);
+  gpupool__wire_rx_init(&c->rx, GPUPOOL_WIRE_HARD_MAX_FRAME);
+  c->fd = -1;
+  pthread_mutex_lock(&c->mu);
+  rc = handshake(c);
+  pthread_mutex_unlock(&c->mu);
+  if (rc != 0) {
+    gpupool__wire_rx_reset(&c->rx);
+    gpupool__hmap_free(&c->slabs);
+    gpupool__hmap_free(&c->events);
+    free(c->pools);
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv);
+    free(c);
+    return rc;
+  }
+  *out = c;
+  gpupool__err_clear();
+  return 0;
+}
+
+int gpupool_set_reconnect(gpupool_client *c, int budget_ms) {
+  if (!c || budget_ms < 0)
+    return gpupool__err(GPUPOOL_EINVAL, "set_reconnect: client must not be NULL and the budget must be >= 0");
+  pthread_mutex_lock(&c->mu);
+  c->reconnect_ms = budget_ms;
+  pthread_mutex_unlock(&c->mu);
+  return 0;
+}
+
+uint64_t gpupool_reconnect_count(gpupool_client *c) {
+  uint64_t n;
+  if (!c)
+    return 0;
+  pthread_mutex_lock(&c->mu);
+  n = c->reconnects;
+  pthread_mutex_unlock(&c->mu);
+  return n;
+}
+
+int gpupool_lost_names(gpupool_client *c, char (*names)[GPUPOOL_NAME_MAX + 1], int max, int *n) {
+  int k = 0;
+  if (!c || !n || max < 0 || (max > 0 && !names))
+    return gpupool__err(GPUPOOL_EINVAL, "lost_names: bad arguments");
+  pthread_mutex_lock(&c->mu);
+  while (k < max && c->nlost_names > 0) {
+    char *nm = c->lost_names[--c->nlost_names];
+    snprintf(names[k++], GPUPOOL_NAME_MAX + 1, "%s", nm);
+    free(nm);
+  }
+  *n = k;
+  pthread_mutex_unlock(&c->mu);
+  return 0;
+}
+
+int gpupool_buffer_lost(const gpupool_buffer *b) { return b ? b->lost : 0; }
+
+static void note_published(gpupool_client *c, const char *name) {
+  char *dup;
+  if (c->npublished == c->cappublished) {
+    size_t ncap = c->cappublished ? c->cappublished * 2 : 8;
+    char **n = realloc(c->published, ncap * sizeof *n);
+    if (!n)
+      return;
+    c->published = n;
+    c->cappublished = ncap;
+  }
+  if ((dup = strdup(name)))
+    c->published[c->npublished++] = dup;
+}
+
+static void note_unpublished(gpupool_client *c, const char *name) {
+  for (size_t i = 0; i < c->npublished; i++)
+    if (!strcmp(c->published[i], name)) {
+      free(c->published[i]);
+      c->published[i] = c->published[--c->npublished];
+      return;
+    }
 }
 
 int gpupool_set_devices(gpupool_client *c, const int *devices, int n) {
@@ -597,6 +852,18 @@ static int release_locked(gpupool_client *c, gpupool_buffer *b, void *stream) {
 
   buffer_unlink(c, b);
   s->refs--;
+  if (b->lost) {
+    /* Its daemon is gone: nothing to tell; unmap once no buffer of ours needs the slab. */
+    stale_gen *g = s->stale;
+    if (s->refs == 0) {
+      c->be->slab_unmap(s->pool->bp, s->base, s->size, s->priv, stream);
+      free(s);
+      if (g && --g->live_slabs == 0)
+        stale_gen_free(c, g);
+    }
+    free(b);
+    return 0;
+  }
   /* A dedicated slab holds only this buffer: unmap it now, in stream order, before the done
    * event, so the daemon frees the allocation only after our import is gone. */
   if (s->refs == 0 && s->dedicated)
@@ -622,6 +889,7 @@ int gpupool_release(gpupool_buffer *b, void *stream) {
   gpupool__err_clear();
   c = b->c;
   pthread_mutex_lock(&c->mu);
+  ensure_connected(c); /* marks b lost if its daemon went away */
   rc = release_locked(c, b, stream);
   pthread_mutex_unlock(&c->mu);
   /* A broken connection already dropped the hold: the memory is the daemon's again. */
@@ -649,11 +917,20 @@ void gpupool_disconnect(gpupool_client *c) {
   for (int i = 0; i < c->npools; i++)
     if (c->pools[i].bp)
       c->be->pool_release(c->pools[i].bp);
+  while (c->stale)
+    stale_gen_free(c, c->stale);
   pthread_mutex_unlock(&c->mu);
-  close(c->fd);
+  if (c->fd >= 0)
+    close(c->fd);
   gpupool__wire_rx_reset(&c->rx);
   free(c->pools);
   free(c->unmapped);
+  for (size_t i = 0; i < c->npublished; i++)
+    free(c->published[i]);
+  free(c->published);
+  for (size_t i = 0; i < c->nlost_names; i++)
+    free(c->lost_names[i]);
+  free(c->lost_names);
   pthread_mutex_destroy(&c->mu);
   pthread_cond_destroy(&c->cv);
   free(c);
@@ -682,7 +959,7 @@ int gpupool_alloc(gpupool_client *c, const char *pool, size_t size, int timeout_
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
   req.allocate = &al;
   pthread_mutex_lock(&c->mu);
-  rc = call(c, &req, &rep, NULL);
+  rc = call_retry(c, &req, &rep);
   if (rc == 0) {
     /* A fresh range: the daemon reuses ranges only after their last holders' done events,
      * so there is nothing to wait for. */
@@ -691,6 +968,13 @@ int gpupool_alloc(gpupool_client *c, const char *pool, size_t size, int timeout_
   }
   pthread_mutex_unlock(&c->mu);
   return rc;
+}
+
+static int lost_err(const gpupool_buffer *b) {
+  return gpupool__err(GPUPOOL_ELOST,
+                      "buffer %" PRIu64 " belonged to a gpupoold that has gone away: its hold and names were lost "
+                      "(the memory stays readable here until released); allocate or get it again",
+                      b->buffer_id);
 }
 
 static int record_ready(gpupool_client *c, gpupool_buffer *b, void *stream) {
@@ -713,7 +997,9 @@ int gpupool_share(gpupool_buffer *b, void *stream, gpupool_token *out) {
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_SHARE;
   req.share = &sh;
   pthread_mutex_lock(&c->mu);
-  if ((rc = record_ready(c, b, stream)) == 0 && (rc = call(c, &req, &rep, NULL)) == 0) {
+  if ((rc = ensure_connected(c)) == 0 && b->lost)
+    rc = lost_err(b);
+  if (rc == 0 && (rc = record_ready(c, b, stream)) == 0 && (rc = call(c, &req, &rep, NULL)) == 0) {
     if (!rep->share || rep->share->token.len != GPUPOOL_TOKEN_SIZE)
       rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent a malformed share token");
     else
@@ -741,7 +1027,7 @@ int gpupool_open(gpupool_client *c, const gpupool_token *token, unsigned flags, 
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_OPEN;
   req.open = &op;
   pthread_mutex_lock(&c->mu);
-  rc = call(c, &req, &rep, NULL);
+  rc = call_retry(c, &req, &rep);
   if (rc == 0) {
     rc = materialize(c, rep->open ? rep->open->buffer : NULL, 1, stream, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
@@ -791,8 +1077,11 @@ int gpupool_publish_ex(gpupool_buffer *b, const char *name, const gpupool_tensor
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH;
   req.publish = &pb;
   pthread_mutex_lock(&c->mu);
-  if ((rc = record_ready(c, b, stream)) == 0 && (rc = call(c, &req, &rep, NULL)) == 0) {
+  if ((rc = ensure_connected(c)) == 0 && b->lost)
+    rc = lost_err(b);
+  if (rc == 0 && (rc = record_ready(c, b, stream)) == 0 && (rc = call(c, &req, &rep, NULL)) == 0) {
     gpupool__wire__reply__free_unpacked(rep, NULL);
+    note_published(c, name);
     if (meta) {
       b->meta = *meta;
       b->has_meta = 1;
@@ -825,7 +1114,7 @@ int gpupool_get(gpupool_client *c, const char *name, int timeout_ms, unsigned fl
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_GET;
   req.get = &gt;
   pthread_mutex_lock(&c->mu);
-  rc = call(c, &req, &rep, NULL);
+  rc = call_retry(c, &req, &rep);
   if (rc == 0) {
     rc = materialize(c, rep->get ? rep->get->buffer : NULL, 1, stream, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
@@ -846,9 +1135,11 @@ int gpupool_unpublish(gpupool_client *c, const char *name) {
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_UNPUBLISH;
   req.unpublish = &up;
   pthread_mutex_lock(&c->mu);
-  rc = call(c, &req, &rep, NULL);
-  if (rc == 0)
+  rc = call_retry(c, &req, &rep);
+  if (rc == 0) {
     gpupool__wire__reply__free_unpacked(rep, NULL);
+    note_unpublished(c, name);
+  }
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
@@ -865,7 +1156,7 @@ int gpupool_stats(gpupool_client *c, gpupool_daemon_stats *ds, gpupool_pool_stat
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
   req.stats = &st;
   pthread_mutex_lock(&c->mu);
-  rc = call(c, &req, &rep, NULL);
+  rc = call_retry(c, &req, &rep);
   pthread_mutex_unlock(&c->mu);
   if (rc != 0)
     return rc;
@@ -924,7 +1215,7 @@ int gpupool_trim(gpupool_client *c) {
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_TRIM;
   req.trim = &tr;
   pthread_mutex_lock(&c->mu);
-  rc = call(c, &req, &rep, NULL);
+  rc = call_retry(c, &req, &rep);
   if (rc == 0)
     gpupool__wire__reply__free_unpacked(rep, NULL);
   pthread_mutex_unlock(&c->mu);

@@ -253,6 +253,20 @@ GPUPOOL_EXTERN int gpupool_stats(gpupool_client *c, gpupool_daemon_stats *daemon
 /* Ask the daemon to return unused slabs to the backend. */
 GPUPOOL_EXTERN int gpupool_trim(gpupool_client *c);
 
+/* Daemon restarts. When gpupoold goes away (restart, crash), the request in flight fails with
+ * GPUPOOL_ECLOSED; the next request reconnects, retrying with backoff for up to budget_ms
+ * (default 5000, or $GPUPOOL_RECONNECT_MS; 0 = never reconnect). Holds of the old connection
+ * are lost: their buffers stay mapped and readable here until released (release frees only
+ * the local side and returns 0), and share/publish on them fail with GPUPOOL_ELOST. */
+GPUPOOL_EXTERN int gpupool_set_reconnect(gpupool_client *c, int budget_ms);
+/* How many times c has reconnected. */
+GPUPOOL_EXTERN uint64_t gpupool_reconnect_count(gpupool_client *c);
+/* 1 when b's hold was lost because the daemon went away. */
+GPUPOOL_EXTERN int gpupool_buffer_lost(const gpupool_buffer *b);
+/* Names this client had published that were lost when the daemon went away (not yet
+ * reported): copies up to max of them into names, sets *n, and forgets those reported. */
+GPUPOOL_EXTERN int gpupool_lost_names(gpupool_client *c, char (*names)[GPUPOOL_NAME_MAX + 1], int max, int *n);
+
 /* Number of bytes a tensor with this description spans from the buffer start (offset +
  * extent), or 0 with GPUPOOL_EMETA in *err when it is invalid. Shared by both sides. */
 GPUPOOL_EXTERN uint64_t gpupool_tensor_span(const gpupool_tensor_meta *m, int *err);
