@@ -28,7 +28,7 @@
 
 void gpupool__config_defaults(gpupool__config *c) {
   memset(c, 0, sizeof *c);
-  if (gpupool_default_socket_path(c->socket_path, sizeof c->socket_path) != 0)
+  if (gpupool__socket_path(c->socket_path, sizeof c->socket_path, 0) != 0)
     c->socket_path[0] = '\0';
   c->backend = GPUPOOL_BACKEND_AUTO;
   c->log_level = GPUPOOL_LOG_INFO;

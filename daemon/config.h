@@ -1,6 +1,6 @@
 /*
  * gpupoold configuration: the daemon section and one section per pool, read from an
- * INI-style file (see config/gpupoold.conf.example) and overridden by the command line.
+ * INI-style file (see config/gpupoold.conf) and overridden by the command line.
  */
 #ifndef GPUPOOL_DAEMON_CONFIG_H
 #define GPUPOOL_DAEMON_CONFIG_H

@@ -22,7 +22,7 @@
 
 static void usage(FILE *f) {
   char def[108];
-  if (gpupool_default_socket_path(def, sizeof def) != 0)
+  if (gpupool__socket_path(def, sizeof def, 0) != 0)
     snprintf(def, sizeof def, "(too long)");
   fprintf(f,
           "Usage: gpupoold [OPTIONS]\n"

@@ -319,6 +319,7 @@ static struct {
   int timer_on;
   uv_pipe_t srv;
   int srv_on;
+  int sock_bound; /* the socket file is ours to remove */
   int write_failing;
   conn *conns;
   int nconns;
@@ -373,7 +374,8 @@ static void write_textfile(void) {
     err = errno;
     goto out;
   }
-  if (write_all(fd, text, strlen(text)) != 0) {
+  /* Readable by the collector (another user) whatever the daemon's umask. */
+  if (fchmod(fd, 0644) != 0 || write_all(fd, text, strlen(text)) != 0) {
     what = "write";
     err = errno;
     goto out;
@@ -624,6 +626,7 @@ static int start_socket(const gpupool__config *cfg) {
   old = umask(0177);
   rc = uv_pipe_bind(&M.srv, M.sock);
   umask(old);
+  M.sock_bound = rc == 0;
   if (rc != 0)
     return gpupool__err(GPUPOOL_ECONFIG,
                         "cannot bind metrics_socket %s: %s; check that its directory exists "
@@ -721,7 +724,10 @@ void gpupool__metrics_stop(void) {
   if (M.srv_on) {
     uv_close((uv_handle_t *)&M.srv, NULL);
     M.srv_on = 0;
+  }
+  if (M.sock_bound) {
     unlink(M.sock);
+    M.sock_bound = 0;
   }
   for (conn *c = M.conns; c != NULL; c = c->next)
     conn_close(c);

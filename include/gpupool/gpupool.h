@@ -170,7 +170,8 @@ GPUPOOL_EXTERN const char *gpupool_last_error(void);
 GPUPOOL_EXTERN const char *gpupool_version_string(void);
 
 /* Socket path the library uses when gpupool_connect() gets NULL: $GPUPOOL_SOCKET, else
- * /run/gpupool/gpupoold.sock for root, else $XDG_RUNTIME_DIR/gpupool/gpupoold.sock.
+ * /run/gpupool/gpupoold.sock for root, else $XDG_RUNTIME_DIR/gpupool/gpupoold.sock, or
+ * /run/gpupool/gpupoold.sock when only that one exists (the system service).
  * Writes into buf (size len); returns 0 or GPUPOOL_EINVAL if it does not fit. */
 GPUPOOL_EXTERN int gpupool_default_socket_path(char *buf, size_t len);
 

@@ -1,0 +1,122 @@
+/*
+ * The installed configuration file (config/gpupoold.conf) against the daemon's own parser:
+ * it loads as shipped and agrees with the socket unit's path; with every commented-out key
+ * and example section switched on it still loads and passes the final checks (so no key in
+ * it is misspelt or out of range); and the commented-out [daemon] keys that claim to show a
+ * default do show the parser's default.
+ *
+ * Usage: test_conf_example PATH_TO_gpupoold.conf
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "config.h"
+#include "errors.h"
+
+static const char *conf_path;
+static char uncommented[64];
+
+/* "#key = value" and "#[pool NAME]" lines lose their '#'; prose comments ("# ...") stay. */
+static int write_uncommented(int daemon_only) {
+  FILE *in = fopen(conf_path, "re"), *out;
+  char line[1024];
+  int fd, in_daemon = 0;
+
+  snprintf(uncommented, sizeof(uncommented), "/tmp/gpupool-conf-XXXXXX");
+  fd = mkstemp(uncommented);
+  if (in == NULL || fd < 0)
+    return -1;
+  out = fdopen(fd, "w");
+  while (fgets(line, sizeof(line), in)) {
+    const char *l = line;
+    if (strncmp(line, "[daemon]", 8) == 0)
+      in_daemon = 1;
+    else if (line[0] == '[' || strncmp(line, "#[", 2) == 0)
+      in_daemon = 0;
+    if (line[0] == '#' && (line[1] == '[' || (line[1] >= 'a' && line[1] <= 'z'))) {
+      if (daemon_only && !in_daemon)
+        continue;
+      l = line + 1;
+    }
+    if (daemon_only && !in_daemon && line[0] == '[')
+      break;
+    fputs(l, out);
+  }
+  fclose(in);
+  return fclose(out) == 0 ? 0 : -1;
+}
+
+static void test_as_shipped(void **state) {
+  gpupool__config c;
+  (void)state;
+  gpupool__config_defaults(&c);
+  if (gpupool__config_load(&c, conf_path) != 0)
+    fail_msg("%s", gpupool__errmsg());
+  /* Same path as ListenStream= in gpupoold.socket and the clients' default for root. */
+  assert_string_equal(c.socket_path, "/run/gpupool/gpupoold.sock");
+  assert_string_equal(c.metrics_socket, "/run/gpupool/metrics.sock");
+  assert_int_equal(c.n_pools, 0); /* the pools are examples */
+}
+
+static void test_everything_on(void **state) {
+  gpupool__config c;
+  (void)state;
+  assert_int_equal(write_uncommented(0), 0);
+  gpupool__config_defaults(&c);
+  if (gpupool__config_load(&c, uncommented) != 0)
+    fail_msg("with every key switched on: %s", gpupool__errmsg());
+  assert_int_equal(c.n_pools, 2);
+  assert_string_equal(c.pools[0].name, "gpu0");
+  assert_int_equal(c.pools[0].capacity, 16ull << 30);
+  assert_int_equal(c.pools[1].kind, GPUPOOL_MEM_HOST_NUMA);
+  assert_int_equal(c.n_allow_uids, 2);
+  assert_string_equal(c.metrics_textfile, "/var/lib/prometheus/node-exporter/gpupool.prom");
+  /* The example pools are cuda pools and must pass the daemon's checks. */
+  if (gpupool__config_finish(&c, 1) != 0)
+    fail_msg("example pools refused: %s", gpupool__errmsg());
+  unlink(uncommented);
+}
+
+static void test_documented_defaults(void **state) {
+  gpupool__config d, c;
+  (void)state;
+  assert_int_equal(write_uncommented(1), 0);
+  gpupool__config_defaults(&d);
+  gpupool__config_defaults(&c);
+  if (gpupool__config_load(&c, uncommented) != 0)
+    fail_msg("%s", gpupool__errmsg());
+  unlink(uncommented);
+  assert_int_equal(c.backend, d.backend);
+  assert_int_equal(c.log_level, d.log_level);
+  assert_int_equal(c.socket_mode, d.socket_mode);
+  assert_int_equal(c.max_clients, d.max_clients);
+  assert_int_equal(c.max_bytes_per_client, d.max_bytes_per_client);
+  assert_int_equal(c.max_allocs_per_client, d.max_allocs_per_client);
+  assert_int_equal(c.max_bytes_per_uid, d.max_bytes_per_uid);
+  assert_int_equal(c.max_allocs_per_uid, d.max_allocs_per_uid);
+  assert_int_equal(c.max_frame, d.max_frame);
+  assert_int_equal(c.max_names, d.max_names);
+  assert_int_equal(c.handshake_timeout_ms, d.handshake_timeout_ms);
+  assert_int_equal(c.metrics_interval_ms, d.metrics_interval_ms);
+}
+
+int main(int argc, char **argv) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_as_shipped),
+      cmocka_unit_test(test_everything_on),
+      cmocka_unit_test(test_documented_defaults),
+  };
+  if (argc != 2) {
+    fprintf(stderr, "usage: test_conf_example PATH_TO_gpupoold.conf\n");
+    return 2;
+  }
+  conf_path = argv[1];
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,451 @@
+/*
+ * Unit tests of daemon/metrics.c, in process: the exposition text (HELP/TYPE before every
+ * family, counters by type and result, cumulative histogram buckets, escaped pool names,
+ * gauges from a StatsReply), and the two exporters on a real libuv loop (the textfile written
+ * atomically, the socket answering HTTP/1.0 200 with the same families, refusal of unusable
+ * paths, clean removal on stop with no handle left open).
+ */
+#include <errno.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "config.h"
+#include "errors.h"
+#include "metrics.h"
+
+static char tmpdir[64];
+
+static int setup(void **state) {
+  (void)state;
+  snprintf(tmpdir, sizeof(tmpdir), "/tmp/gpupool-metrics-XXXXXX");
+  return mkdtemp(tmpdir) ? 0 : -1;
+}
+
+static int teardown(void **state) {
+  char cmd[128];
+  (void)state;
+  snprintf(cmd, sizeof(cmd), "rm -rf '%s'", tmpdir);
+  return system(cmd) == 0 ? 0 : -1;
+}
+
+static void must_contain(const char *text, const char *want) {
+  if (strstr(text, want) == NULL)
+    fail_msg("metrics text lacks '%s':\n%s", want, text);
+}
+
+/* Structural checks of the text format: every sample's family was declared by a TYPE line
+ * before it (histograms through _bucket/_sum/_count), every family is declared once, with
+ * HELP right before TYPE, and sample lines are "name[{labels}] value". */
+static void check_format(const char *text) {
+  char fam[128][96];
+  char type[128][16];
+  int nfam = 0;
+  const char *line = text;
+
+  while (*line) {
+    const char *nl = strchr(line, '\n');
+    char l[1024];
+    size_t len;
+    assert_non_null(nl); /* the text ends with a newline */
+    len = (size_t)(nl - line);
+    assert_true(len < sizeof(l));
+    memcpy(l, line, len);
+    l[len] = '\0';
+    if (strncmp(l, "# HELP ", 7) == 0) {
+      char name[96];
+      const char *next = nl + 1;
+      assert_int_equal(sscanf(l + 7, "%95s", name), 1);
+      char want[128];
+      snprintf(want, sizeof(want), "# TYPE %s ", name);
+      assert_int_equal(strncmp(next, want, strlen(want)), 0);
+    } else if (strncmp(l, "# TYPE ", 7) == 0) {
+      assert_true(nfam < 128);
+      assert_int_equal(sscanf(l + 7, "%95s %15s", fam[nfam], type[nfam]), 2);
+      for (int i = 0; i < nfam; i++)
+        if (strcmp(fam[i], fam[nfam]) == 0)
+          fail_msg("family %s declared twice", fam[i]);
+      assert_int_equal(strncmp(fam[nfam], "gpupool_", 8), 0);
+      nfam++;
+    } else {
+      char name[96];
+      size_t n = strcspn(l, "{ ");
+      int found = 0;
+      const char *value;
+      assert_true(n > 0 && n < sizeof(name));
+      memcpy(name, l, n);
+      name[n] = '\0';
+      for (int i = 0; i < nfam && !found; i++) {
+        size_t fl = strlen(fam[i]);
+        if (strcmp(name, fam[i]) == 0)
+          found = 1;
+        else if (strcmp(type[i], "histogram") == 0 && strncmp(name, fam[i], fl) == 0 &&
+                 (!strcmp(name + fl, "_bucket") || !strcmp(name + fl, "_sum") ||
+                  !strcmp(name + fl, "_count")))
+          found = 1;
+      }
+      if (!found)
+        fail_msg("sample '%s' comes before (or without) its TYPE line", l);
+      if (l[n] == '{') {
+        const char *close = strstr(l, "} ");
+        assert_non_null(close);
+        value = close + 2;
+      } else {
+        value = l + n + 1;
+      }
+      char *end = NULL;
+      (void)strtod(value, &end);
+      if (end == value || *end != '\0')
+        fail_msg("sample '%s' has no numeric value", l);
+    }
+    line = nl + 1;
+  }
+}
+
+static uint64_t sample(const char *text, const char *series) {
+  char want[256];
+  const char *p;
+  snprintf(want, sizeof(want), "\n%s ", series);
+  p = strstr(text, want);
+  if (p == NULL)
+    fail_msg("no sample %s in:\n%s", series, text);
+  return strtoull(p + strlen(want), NULL, 10);
+}
+
+static void test_counters_and_histogram(void **state) {
+  char *t;
+  (void)state;
+  gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, 0, 5000);         /* 5 us */
+  gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, GPUPOOL_ENOSPC, 2000000); /* 2 ms */
+  gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, 0, 3000000000ull); /* 3 s */
+  gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_TRIM, 0, 10000); /* exactly 10 us */
+  gpupool__metrics_request(0, GPUPOOL_EPROTO, 1000);
+  gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_GET, -999, 1000);
+  t = gpupool__metrics_render(NULL);
+  assert_non_null(t);
+  check_format(t);
+  must_contain(t, "# HELP gpupool_requests_total ");
+  must_contain(t, "# TYPE gpupool_requests_total counter\n");
+  must_contain(t, "# TYPE gpupool_request_duration_seconds histogram\n");
+  assert_int_equal(sample(t, "gpupool_requests_total{type=\"allocate\",result=\"ok\"}"), 2);
+  assert_int_equal(sample(t, "gpupool_requests_total{type=\"allocate\",result=\"ENOSPC\"}"), 1);
+  assert_int_equal(sample(t, "gpupool_requests_total{type=\"unknown\",result=\"EPROTO\"}"), 1);
+  assert_int_equal(sample(t, "gpupool_requests_total{type=\"get\",result=\"other\"}"), 1);
+  assert_int_equal(sample(t, "gpupool_requests_total{type=\"trim\",result=\"ok\"}"), 1);
+  /* Buckets are cumulative; the 3 s request is only in +Inf. */
+  assert_int_equal(
+      sample(t, "gpupool_request_duration_seconds_bucket{type=\"allocate\",le=\"1e-05\"}"), 1);
+  assert_int_equal(
+      sample(t, "gpupool_request_duration_seconds_bucket{type=\"allocate\",le=\"0.001\"}"), 1);
+  assert_int_equal(
+      sample(t, "gpupool_request_duration_seconds_bucket{type=\"allocate\",le=\"0.0025\"}"), 2);
+  assert_int_equal(
+      sample(t, "gpupool_request_duration_seconds_bucket{type=\"allocate\",le=\"1\"}"), 2);
+  assert_int_equal(
+      sample(t, "gpupool_request_duration_seconds_bucket{type=\"allocate\",le=\"+Inf\"}"), 3);
+  assert_int_equal(sample(t, "gpupool_request_duration_seconds_count{type=\"allocate\"}"), 3);
+  must_contain(t, "gpupool_request_duration_seconds_sum{type=\"allocate\"} 3.002005000\n");
+  /* A bound is inclusive ("le"). */
+  assert_int_equal(
+      sample(t, "gpupool_request_duration_seconds_bucket{type=\"trim\",le=\"1e-05\"}"), 1);
+  /* Types never seen have no series. */
+  assert_null(strstr(t, "type=\"share\""));
+  free(t);
+}
+
+static Gpupool__Wire__PoolInfo *new_pool(uint32_t id, const char *name, uint64_t cap) {
+  Gpupool__Wire__PoolInfo *p = malloc(sizeof(*p));
+  assert_non_null(p);
+  gpupool__wire__pool_info__init(p);
+  p->id = id;
+  p->name = (char *)name;
+  p->backend = GPUPOOL__WIRE__BACKEND_KIND__BACKEND_HOST;
+  p->location = GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST;
+  p->device = -1;
+  p->numa_node = -1;
+  p->capacity = cap;
+  p->slab_size = 4 << 20;
+  p->used = 3 << 20;
+  p->reserved = 4 << 20;
+  p->used_high = 5 << 20;
+  p->reserved_high = 8 << 20;
+  p->backend_used = 11;
+  p->backend_reserved = 12;
+  p->buffers = 3;
+  p->slabs = 1;
+  return p;
+}
+
+static int fake_calls;
+
+/* Same ownership as the server's stats function: pools malloc'd, freed by
+ * gpupool__stats_free(). */
+static int fake_stats(void *arg, Gpupool__Wire__StatsReply *st) {
+  (void)arg;
+  fake_calls++;
+  gpupool__wire__stats_reply__init(st);
+  st->pools = calloc(2, sizeof(*st->pools));
+  assert_non_null(st->pools);
+  st->pools[0] = new_pool(0, "default", 64ull << 20);
+  st->pools[1] = new_pool(1, "we\"ird\\na\nme", 32ull << 20);
+  st->n_pools = 2;
+  st->clients = 4;
+  st->buffers = 6;
+  st->holds = 7;
+  st->names = 2;
+  st->uptime_s = 42;
+  st->daemon_version = (char *)"9.8.7";
+  st->backend = GPUPOOL__WIRE__BACKEND_KIND__BACKEND_HOST;
+  st->open_fds = 17;
+  st->pending_frees = 1;
+  return 0;
+}
+
+static void check_stats_text(const char *t) {
+  check_format(t);
+  assert_int_equal(sample(t, "gpupool_pool_capacity_bytes{pool=\"default\"}"), 64ull << 20);
+  assert_int_equal(sample(t, "gpupool_pool_capacity_bytes{pool=\"we\\\"ird\\\\na\\nme\"}"),
+                   32ull << 20);
+  assert_int_equal(sample(t, "gpupool_pool_used_bytes{pool=\"default\"}"), 3 << 20);
+  assert_int_equal(sample(t, "gpupool_pool_reserved_bytes{pool=\"default\"}"), 4 << 20);
+  assert_int_equal(sample(t, "gpupool_pool_used_high_bytes{pool=\"default\"}"), 5 << 20);
+  assert_int_equal(sample(t, "gpupool_pool_reserved_high_bytes{pool=\"default\"}"), 8 << 20);
+  assert_int_equal(sample(t, "gpupool_pool_backend_used_bytes{pool=\"default\"}"), 11);
+  assert_int_equal(sample(t, "gpupool_pool_backend_reserved_bytes{pool=\"default\"}"), 12);
+  assert_int_equal(sample(t, "gpupool_pool_buffers{pool=\"default\"}"), 3);
+  assert_int_equal(sample(t, "gpupool_pool_slabs{pool=\"default\"}"), 1);
+  assert_int_equal(sample(t, "gpupool_clients"), 4);
+  assert_int_equal(sample(t, "gpupool_buffers"), 6);
+  assert_int_equal(sample(t, "gpupool_holds"), 7);
+  assert_int_equal(sample(t, "gpupool_names"), 2);
+  assert_int_equal(sample(t, "gpupool_open_fds"), 17);
+  assert_int_equal(sample(t, "gpupool_pending_frees"), 1);
+  assert_int_equal(sample(t, "gpupool_uptime_seconds"), 42);
+  must_contain(t, "gpupool_build_info{version=\"9.8.7\",backend=\"host\"} 1\n");
+  must_contain(t, "gpupool_pool_info{pool=\"default\",id=\"0\",backend=\"host\",location=\"host\","
+                  "device=\"-1\",numa_node=\"-1\"} 1\n");
+  must_contain(t, "# TYPE gpupool_pool_capacity_bytes gauge\n");
+}
+
+static void test_render_stats(void **state) {
+  Gpupool__Wire__StatsReply st;
+  char *t;
+  (void)state;
+  assert_int_equal(fake_stats(NULL, &st), 0);
+  t = gpupool__metrics_render(&st);
+  gpupool__stats_free(&st);
+  assert_non_null(t);
+  check_stats_text(t);
+  free(t);
+}
+
+static char *read_file(const char *path) {
+  FILE *f = fopen(path, "re");
+  char *buf;
+  long n;
+  if (f == NULL)
+    return NULL;
+  fseek(f, 0, SEEK_END);
+  n = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  buf = calloc(1, (size_t)n + 1);
+  assert_non_null(buf);
+  assert_int_equal(fread(buf, 1, (size_t)n, f), (size_t)n);
+  fclose(f);
+  return buf;
+}
+
+static void config_paths(gpupool__config *cfg, const char *textfile, const char *sock) {
+  memset(cfg, 0, sizeof(*cfg));
+  cfg->socket_mode = 0640;
+  cfg->metrics_interval_ms = 50;
+  if (textfile)
+    snprintf(cfg->metrics_textfile, sizeof(cfg->metrics_textfile), "%s/%s", tmpdir, textfile);
+  if (sock)
+    snprintf(cfg->metrics_socket, sizeof(cfg->metrics_socket), "%s/%s", tmpdir, sock);
+}
+
+static void tick(uv_timer_t *t) { (void)t; }
+
+/* The child plays a scraper: it sends a request, reads the answer to EOF and saves it. */
+static pid_t scrape_in_child(const char *sock, const char *out) {
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    struct sockaddr_un a;
+    char buf[4096];
+    FILE *f = fopen(out, "we");
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    ssize_t n;
+    const char req[] = "GET /metrics HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\n\r\n";
+    memset(&a, 0, sizeof(a));
+    a.sun_family = AF_UNIX;
+    snprintf(a.sun_path, sizeof(a.sun_path), "%s", sock);
+    if (f == NULL || fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0)
+      _exit(2);
+    if (write(fd, req, sizeof(req) - 1) != (ssize_t)sizeof(req) - 1)
+      _exit(3);
+    while ((n = read(fd, buf, sizeof(buf))) > 0)
+      fwrite(buf, 1, (size_t)n, f);
+    _exit(n == 0 && fclose(f) == 0 ? 0 : 4);
+  }
+  return pid;
+}
+
+static void test_exporters(void **state) {
+  uv_loop_t loop;
+  uv_timer_t keep;
+  gpupool__config cfg;
+  char prom[sizeof(cfg.metrics_textfile)], out[sizeof(prom) + 16];
+  struct stat sb;
+  char *t;
+  pid_t child;
+  int status = -1, spins;
+  (void)state;
+
+  assert_int_equal(uv_loop_init(&loop), 0);
+  /* The exporters' handles do not keep a loop alive on their own (the daemon's socket does);
+   * this timer stands in for it. */
+  assert_int_equal(uv_timer_init(&loop, &keep), 0);
+  assert_int_equal(uv_timer_start(&keep, tick, 10, 10), 0);
+
+  config_paths(&cfg, "gpupool.prom", "metrics.sock");
+  fake_calls = 0;
+  assert_int_equal(gpupool__metrics_start(&loop, &cfg, fake_stats, NULL), 0);
+  assert_int_equal(stat(cfg.metrics_socket, &sb), 0);
+  assert_true(S_ISSOCK(sb.st_mode));
+  assert_int_equal(sb.st_mode & 0777, 0640);
+
+  /* The first write happens on the loop's first turn. */
+  uv_run(&loop, UV_RUN_NOWAIT);
+  snprintf(prom, sizeof(prom), "%s", cfg.metrics_textfile);
+  t = read_file(prom);
+  assert_non_null(t);
+  check_stats_text(t);
+  assert_int_equal(stat(prom, &sb), 0);
+  assert_int_equal(sb.st_mode & 0777, 0644); /* readable by a collector, whatever the umask */
+  free(t);
+  snprintf(out, sizeof(out), "%s.tmp", prom);
+  assert_int_equal(access(out, F_OK), -1); /* renamed away, never left behind */
+
+  /* Rewritten every interval. */
+  {
+    int before = fake_calls;
+    for (spins = 0; spins < 100 && fake_calls < before + 2; spins++)
+      uv_run(&loop, UV_RUN_ONCE);
+    assert_true(fake_calls >= before + 2);
+  }
+
+  /* The socket answers a scraper with the same families. */
+  snprintf(out, sizeof(out), "%s/scrape.out", tmpdir);
+  child = scrape_in_child(cfg.metrics_socket, out);
+  for (spins = 0; spins < 1000; spins++) {
+    uv_run(&loop, UV_RUN_ONCE);
+    if (waitpid(child, &status, WNOHANG) == child)
+      break;
+  }
+  assert_true(WIFEXITED(status));
+  assert_int_equal(WEXITSTATUS(status), 0);
+  t = read_file(out);
+  assert_non_null(t);
+  {
+    const char head[] = "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\r\n";
+    assert_int_equal(strncmp(t, head, sizeof(head) - 1), 0);
+    check_stats_text(t + sizeof(head) - 1);
+  }
+  free(t);
+
+  gpupool__metrics_stop();
+  uv_timer_stop(&keep);
+  uv_close((uv_handle_t *)&keep, NULL);
+  uv_run(&loop, UV_RUN_DEFAULT);
+  assert_int_equal(access(cfg.metrics_socket, F_OK), -1);
+  assert_int_equal(access(prom, F_OK), -1);
+  /* Every handle was closed. */
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
+static void test_refuses_bad_paths(void **state) {
+  uv_loop_t loop;
+  gpupool__config cfg;
+  char path[160];
+  FILE *f;
+  int rc;
+  (void)state;
+
+  assert_int_equal(uv_loop_init(&loop), 0);
+  /* A textfile in a directory that does not exist: refused at start, with the path. */
+  config_paths(&cfg, "missing/dir/gpupool.prom", NULL);
+  rc = gpupool__metrics_start(&loop, &cfg, fake_stats, NULL);
+  assert_int_equal(rc, GPUPOOL_ECONFIG);
+  assert_non_null(strstr(gpupool__errmsg(), "missing/dir/gpupool.prom.tmp"));
+
+  /* A socket path taken by a regular file: refused, the file left alone. */
+  config_paths(&cfg, NULL, "notasocket");
+  f = fopen(cfg.metrics_socket, "we");
+  assert_non_null(f);
+  fclose(f);
+  rc = gpupool__metrics_start(&loop, &cfg, fake_stats, NULL);
+  assert_int_equal(rc, GPUPOOL_ECONFIG);
+  assert_non_null(strstr(gpupool__errmsg(), "not a socket"));
+  assert_int_equal(access(cfg.metrics_socket, F_OK), 0);
+  uv_run(&loop, UV_RUN_DEFAULT);
+
+  /* A stale socket file (nobody listening) is replaced. */
+  {
+    struct sockaddr_un a;
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    config_paths(&cfg, NULL, "stale.sock");
+    memset(&a, 0, sizeof(a));
+    a.sun_family = AF_UNIX;
+    snprintf(a.sun_path, sizeof(a.sun_path), "%s", cfg.metrics_socket);
+    assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    close(fd);
+    snprintf(path, sizeof(path), "%s", cfg.metrics_socket);
+    assert_int_equal(gpupool__metrics_start(&loop, &cfg, fake_stats, NULL), 0);
+    /* A second start while it serves is refused. */
+    assert_int_equal(gpupool__metrics_start(&loop, &cfg, fake_stats, NULL), GPUPOOL_EINVAL);
+    gpupool__metrics_stop();
+    uv_run(&loop, UV_RUN_DEFAULT);
+    assert_int_equal(access(path, F_OK), -1);
+  }
+
+  /* A socket another process listens on is not taken over. */
+  {
+    struct sockaddr_un a;
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    config_paths(&cfg, NULL, "live.sock");
+    memset(&a, 0, sizeof(a));
+    a.sun_family = AF_UNIX;
+    snprintf(a.sun_path, sizeof(a.sun_path), "%s", cfg.metrics_socket);
+    assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    assert_int_equal(listen(fd, 4), 0);
+    rc = gpupool__metrics_start(&loop, &cfg, fake_stats, NULL);
+    assert_int_equal(rc, GPUPOOL_ECONFIG);
+    assert_non_null(strstr(gpupool__errmsg(), "another running process"));
+    assert_int_equal(access(cfg.metrics_socket, F_OK), 0);
+    close(fd);
+    uv_run(&loop, UV_RUN_DEFAULT);
+  }
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_counters_and_histogram),
+      cmocka_unit_test(test_render_stats),
+      cmocka_unit_test(test_exporters),
+      cmocka_unit_test(test_refuses_bad_paths),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}

@@ -1,0 +1,945 @@
+/*
+ * gpupoolctl: the operator's view of a running gpupoold.
+ *
+ * It speaks the daemon's own protocol through the wire library (Hello, then one Stats or
+ * admin request), so it needs no other interface in the daemon and sees exactly what the
+ * daemon knows. Human output is a set of aligned tables with binary sizes; --json prints one
+ * JSON document per command for scripts. Errors say what went wrong and what to do: which
+ * socket was tried and how to start the daemon, or which users may make admin requests.
+ *
+ * Exit status: 0 success, 1 the daemon refused or failed the request (or drop-client found
+ * no such client), 2 usage error, 3 the daemon could not be reached or spoke nonsense.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <pwd.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "errors.h"
+#include "gpupool/gpupool.h"
+#include "gpupool/version.h"
+#include "wire.h"
+
+#define EXIT_REFUSED 1
+#define EXIT_USAGE 2
+#define EXIT_UNREACHABLE 3
+
+typedef struct {
+  char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+  int fd;
+  uint64_t seq;
+  int timeout_s;
+  int json;
+  const char *cmd;
+  pid_t daemon_pid;
+  uid_t daemon_uid;
+  gpupool__rep *hello; /* the HelloReply frame, kept for pool names and the daemon version */
+} ctl;
+
+static void die_msg(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void die_msg(const char *fmt, ...) {
+  va_list ap;
+  fputs("gpupoolctl: ", stderr);
+  va_start(ap, fmt);
+  vfprintf(stderr, fmt, ap);
+  va_end(ap);
+  fputc('\n', stderr);
+}
+
+/* ---- output helpers ------------------------------------------------------------------------ */
+
+/* JSON string: escapes quotes, backslashes and control bytes; bytes that are not valid
+ * UTF-8 become U+FFFD so the document always parses. */
+static void jstr(const char *s) {
+  const unsigned char *p = (const unsigned char *)(s ? s : "");
+  putchar('"');
+  while (*p) {
+    unsigned char ch = *p;
+    int n = 0;
+    if (ch == '"' || ch == '\\') {
+      printf("\\%c", ch);
+      p++;
+      continue;
+    }
+    if (ch < 0x20) {
+      if (ch == '\n')
+        fputs("\\n", stdout);
+      else if (ch == '\t')
+        fputs("\\t", stdout);
+      else if (ch == '\r')
+        fputs("\\r", stdout);
+      else
+        printf("\\u%04x", ch);
+      p++;
+      continue;
+    }
+    if (ch < 0x80) {
+      putchar(ch);
+      p++;
+      continue;
+    }
+    if (ch >= 0xc2 && ch <= 0xdf)
+      n = 1;
+    else if (ch >= 0xe0 && ch <= 0xef)
+      n = 2;
+    else if (ch >= 0xf0 && ch <= 0xf4)
+      n = 3;
+    if (n > 0) {
+      int ok = 1;
+      for (int i = 1; i <= n; i++)
+        if ((p[i] & 0xc0) != 0x80)
+          ok = 0;
+      /* Reject overlong forms, UTF-16 surrogates and code points above U+10FFFF. */
+      if (ok && ch == 0xe0 && p[1] < 0xa0)
+        ok = 0;
+      if (ok && ch == 0xed && p[1] > 0x9f)
+        ok = 0;
+      if (ok && ch == 0xf0 && p[1] < 0x90)
+        ok = 0;
+      if (ok && ch == 0xf4 && p[1] > 0x8f)
+        ok = 0;
+      if (ok) {
+        fwrite(p, 1, (size_t)n + 1, stdout);
+        p += n + 1;
+        continue;
+      }
+    }
+    fputs("\\ufffd", stdout);
+    p++;
+  }
+  putchar('"');
+}
+
+static void jkey(const char *k, int *first) {
+  if (!*first)
+    putchar(',');
+  *first = 0;
+  jstr(k);
+  putchar(':');
+}
+
+static void jkv_u64(const char *k, uint64_t v, int *first) {
+  jkey(k, first);
+  printf("%llu", (unsigned long long)v);
+}
+
+static void jkv_i64(const char *k, int64_t v, int *first) {
+  jkey(k, first);
+  printf("%lld", (long long)v);
+}
+
+static void jkv_str(const char *k, const char *v, int *first) {
+  jkey(k, first);
+  jstr(v);
+}
+
+static void jkv_bool(const char *k, int v, int *first) {
+  jkey(k, first);
+  fputs(v ? "true" : "false", stdout);
+}
+
+static const char *fmt_size(uint64_t v, char *buf, size_t len) {
+  static const char *const units[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double d = (double)v;
+  int u = -1;
+
+  if (v < 1024) {
+    snprintf(buf, len, "%llu B", (unsigned long long)v);
+    return buf;
+  }
+  while (d >= 1024.0 && u < 5) {
+    d /= 1024.0;
+    u++;
+  }
+  snprintf(buf, len, d < 10.0 ? "%.2f %s" : d < 100.0 ? "%.1f %s" : "%.0f %s", d, units[u]);
+  return buf;
+}
+
+static const char *fmt_age(uint64_t s, char *buf, size_t len) {
+  unsigned long long d = s / 86400, h = s / 3600 % 24, m = s / 60 % 60, sec = s % 60;
+  if (d > 0)
+    snprintf(buf, len, "%llud %02lluh", d, h);
+  else if (h > 0)
+    snprintf(buf, len, "%lluh %02llum", h, m);
+  else if (m > 0)
+    snprintf(buf, len, "%llum %02llus", m, sec);
+  else
+    snprintf(buf, len, "%llus", sec);
+  return buf;
+}
+
+/* Tables: cells are copied (with control characters replaced, so a client's chosen name
+ * cannot drive the operator's terminal) and printed with columns padded to their widest. */
+#define TABLE_MAX_COLS 12
+typedef struct {
+  int ncols;
+  size_t nrows, cap;
+  char **cells; /* nrows * ncols, row 0 is the header */
+  int right[TABLE_MAX_COLS];
+} table;
+
+static void table_init(table *t, int ncols) {
+  memset(t, 0, sizeof(*t));
+  t->ncols = ncols;
+}
+
+static int table_row(table *t, ...) {
+  va_list ap;
+  if (t->nrows == t->cap) {
+    size_t cap = t->cap ? t->cap * 2 : 16;
+    char **n = realloc(t->cells, cap * (size_t)t->ncols * sizeof(char *));
+    if (n == NULL)
+      return -1;
+    t->cells = n;
+    t->cap = cap;
+  }
+  va_start(ap, t);
+  for (int c = 0; c < t->ncols; c++) {
+    const char *s = va_arg(ap, const char *);
+    char *d = strdup(s ? s : "");
+    if (d == NULL) {
+      va_end(ap);
+      for (int k = 0; k < c; k++)
+        free(t->cells[t->nrows * (size_t)t->ncols + (size_t)k]);
+      return -1;
+    }
+    for (char *q = d; *q; q++)
+      if ((unsigned char)*q < 0x20 || *q == 0x7f)
+        *q = '?';
+    t->cells[t->nrows * (size_t)t->ncols + (size_t)c] = d;
+  }
+  va_end(ap);
+  t->nrows++;
+  return 0;
+}
+
+static void table_print(table *t) {
+  size_t w[TABLE_MAX_COLS] = {0};
+  for (size_t r = 0; r < t->nrows; r++)
+    for (int c = 0; c < t->ncols; c++) {
+      size_t l = strlen(t->cells[r * (size_t)t->ncols + (size_t)c]);
+      if (l > w[c])
+        w[c] = l;
+    }
+  for (size_t r = 0; r < t->nrows; r++)
+    for (int c = 0; c < t->ncols; c++) {
+      const char *s = t->cells[r * (size_t)t->ncols + (size_t)c];
+      int last = c == t->ncols - 1;
+      if (t->right[c])
+        printf("%*s", (int)w[c], s);
+      else if (last)
+        fputs(s, stdout); /* no trailing blanks */
+      else
+        printf("%-*s", (int)w[c], s);
+      fputs(last ? "\n" : "  ", stdout);
+    }
+}
+
+static void table_free(table *t) {
+  for (size_t i = 0; i < t->nrows * (size_t)t->ncols; i++)
+    free(t->cells[i]);
+  free(t->cells);
+}
+
+/* ---- talking to the daemon ------------------------------------------------------------------ */
+
+static int connect_daemon(ctl *c) {
+  struct sockaddr_un a;
+  struct ucred cr;
+  socklen_t crl = sizeof(cr);
+  struct timeval tv = {.tv_sec = c->timeout_s, .tv_usec = 0};
+  int fd, e;
+
+  fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    die_msg("cannot create a socket: %s", strerror(errno));
+    return -1;
+  }
+  memset(&a, 0, sizeof(a));
+  a.sun_family = AF_UNIX;
+  memcpy(a.sun_path, c->path, strlen(c->path));
+  if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+    e = errno;
+    close(fd);
+    if (e == ENOENT || e == ECONNREFUSED)
+      die_msg("gpupoold is not running: %s %s.\n"
+              "  Start it with 'systemctl start gpupoold.socket' (or run 'gpupoold --socket %s'),\n"
+              "  or point gpupoolctl at the daemon's socket with --socket PATH or GPUPOOL_SOCKET.",
+              e == ENOENT ? "there is no socket at" : "nothing accepts connections on",
+              c->path, c->path);
+    else if (e == EACCES || e == EPERM)
+      die_msg("permission denied connecting to %s.\n"
+              "  The socket is open to root and the group 'gpupool': add your user with\n"
+              "  'usermod -aG gpupool $USER' and log in again, or run gpupoolctl with sudo.",
+              c->path);
+    else
+      die_msg("cannot connect to gpupoold at %s: %s", c->path, strerror(e));
+    return -1;
+  }
+  /* The daemon's credentials name who may make admin requests when it refuses one. */
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &crl) == 0) {
+    c->daemon_pid = cr.pid;
+    c->daemon_uid = cr.uid;
+  } else {
+    c->daemon_pid = -1;
+    c->daemon_uid = (uid_t)-1;
+  }
+  if (c->timeout_s > 0) {
+    (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  }
+  c->fd = fd;
+  return 0;
+}
+
+static const char *body_name(int body_case) {
+  switch (body_case) {
+  case GPUPOOL__WIRE__REQUEST__BODY_HELLO: return "Hello";
+  case GPUPOOL__WIRE__REQUEST__BODY_STATS: return "Stats";
+  case GPUPOOL__WIRE__REQUEST__BODY_ADMIN_CLIENTS: return "AdminClients";
+  case GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS: return "AdminBuffers";
+  case GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT: return "AdminDropClient";
+  case GPUPOOL__WIRE__REQUEST__BODY_TRIM: return "Trim";
+  default: return "request";
+  }
+}
+
+static int is_admin(int body_case) {
+  return body_case == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_CLIENTS ||
+         body_case == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS ||
+         body_case == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT;
+}
+
+/* Send req and read its reply. Returns 0 with *out (the caller frees it), EXIT_REFUSED when
+ * the daemon answered with an error, EXIT_UNREACHABLE on transport or protocol failure; the
+ * message is printed either way. The reply body case equals the request's (same numbers). */
+static int call(ctl *c, gpupool__req *req, gpupool__rep **out) {
+  gpupool__wire_rx rx;
+  gpupool__rep *rep = NULL;
+  uint8_t *buf = NULL;
+  size_t len = 0;
+  int rc, ret = EXIT_UNREACHABLE;
+  int bc = (int)req->body_case;
+
+  *out = NULL;
+  gpupool__wire_rx_init(&rx, GPUPOOL_WIRE_HARD_MAX_FRAME);
+  req->seq = ++c->seq;
+  rc = gpupool__wire_pack_request(req, &buf, &len);
+  if (rc < 0) {
+    die_msg("cannot encode a %s request: %s", body_name(bc), gpupool__errmsg());
+    goto out;
+  }
+  rc = gpupool__wire_send(c->fd, buf, len, NULL, 0);
+  if (rc < 0) {
+    die_msg("cannot send a %s request to %s: %s", body_name(bc), c->path, gpupool__errmsg());
+    goto out;
+  }
+  rc = gpupool__wire_rx_read(&rx, c->fd);
+  if (rc == 0) {
+    die_msg("gpupoold at %s did not answer a %s request within %d s (is the daemon stuck? "
+            "see 'journalctl -u gpupoold')",
+            c->path, body_name(bc), c->timeout_s);
+    goto out;
+  }
+  if (rc == GPUPOOL_ECLOSED) {
+    die_msg("gpupoold at %s closed the connection without answering a %s request; its log "
+            "says why ('journalctl -u gpupoold'): often allow_uids/allow_gids or max_clients "
+            "in its configuration",
+            c->path, body_name(bc));
+    goto out;
+  }
+  if (rc < 0) {
+    die_msg("reading the reply from %s: %s", c->path, gpupool__errmsg());
+    goto out;
+  }
+  rep = gpupool__wire_unpack_reply(&rx);
+  if (rep == NULL) {
+    die_msg("gpupoold at %s sent a reply that does not decode (a different protocol "
+            "version?)",
+            c->path);
+    goto out;
+  }
+  if (rep->seq != req->seq) {
+    die_msg("gpupoold at %s answered request %llu while %llu was expected", c->path,
+            (unsigned long long)rep->seq, (unsigned long long)req->seq);
+    goto out;
+  }
+  if (rep->error != NULL) {
+    int code = rep->error->code;
+    const char *msg = rep->error->message && rep->error->message[0] ? rep->error->message
+                                                                    : gpupool_strerror(code);
+    if (code == GPUPOOL_EPERM && is_admin(bc)) {
+      struct passwd *pw = c->daemon_uid != (uid_t)-1 ? getpwuid(c->daemon_uid) : NULL;
+      die_msg("%s: permission denied: %s\n"
+              "  Admin requests need root or the daemon's own user (uid %d%s%s); try "
+              "'sudo gpupoolctl %s'.",
+              c->cmd, msg, (int)c->daemon_uid, pw ? ", " : "", pw ? pw->pw_name : "", c->cmd);
+    } else if (code == GPUPOOL_ENOENT && bc == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT) {
+      die_msg("no client with pid %d is connected (see 'gpupoolctl clients')",
+              (int)req->admin_drop_client->pid);
+    } else {
+      die_msg("%s: %s (%s)", c->cmd, msg, gpupool_err_name(code));
+    }
+    ret = bc == GPUPOOL__WIRE__REQUEST__BODY_HELLO ? EXIT_UNREACHABLE : EXIT_REFUSED;
+    goto out;
+  }
+  if ((int)rep->body_case != bc) {
+    die_msg("gpupoold at %s answered a %s request with a reply of another kind (%d)", c->path,
+            body_name(bc), (int)rep->body_case);
+    goto out;
+  }
+  *out = rep;
+  rep = NULL;
+  ret = 0;
+
+out:
+  if (rep != NULL)
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  gpupool__wire_rx_reset(&rx);
+  free(buf);
+  return ret;
+}
+
+static int hello(ctl *c) {
+  Gpupool__Wire__Hello h = GPUPOOL__WIRE__HELLO__INIT;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  int rc;
+
+  h.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
+  h.client_name = "gpupoolctl";
+  h.pid = (int32_t)getpid();
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
+  req.hello = &h;
+  rc = call(c, &req, &c->hello);
+  if (rc != 0)
+    return EXIT_UNREACHABLE;
+  return 0;
+}
+
+static const char *pool_name(const ctl *c, uint32_t id, char *buf, size_t len) {
+  const Gpupool__Wire__HelloReply *h = c->hello->hello;
+  for (size_t i = 0; i < h->n_pools; i++)
+    if (h->pools[i]->id == id)
+      return h->pools[i]->name;
+  snprintf(buf, len, "#%u", id);
+  return buf;
+}
+
+static const char *backend_name(int k) {
+  switch (k) {
+  case GPUPOOL__WIRE__BACKEND_KIND__BACKEND_HOST: return "host";
+  case GPUPOOL__WIRE__BACKEND_KIND__BACKEND_CUDA: return "cuda";
+  default: return "unknown";
+  }
+}
+
+static const char *location_name(int k) {
+  switch (k) {
+  case GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST: return "host";
+  case GPUPOOL__WIRE__LOCATION_KIND__LOCATION_DEVICE: return "device";
+  case GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST_NUMA: return "host-numa";
+  default: return "unknown";
+  }
+}
+
+/* ---- commands ------------------------------------------------------------------------------ */
+
+static int get_stats(ctl *c, gpupool__rep **rep) {
+  Gpupool__Wire__Stats s = GPUPOOL__WIRE__STATS__INIT;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
+  req.stats = &s;
+  return call(c, &req, rep);
+}
+
+static void json_pool(const Gpupool__Wire__PoolInfo *p) {
+  int f = 1;
+  putchar('{');
+  jkv_u64("id", p->id, &f);
+  jkv_str("name", p->name, &f);
+  jkv_str("backend", backend_name(p->backend), &f);
+  jkv_str("location", location_name(p->location), &f);
+  jkv_i64("device", p->device, &f);
+  jkv_i64("numa_node", p->numa_node, &f);
+  jkv_u64("capacity", p->capacity, &f);
+  jkv_u64("slab_size", p->slab_size, &f);
+  jkv_u64("max_alloc", p->max_alloc, &f);
+  jkv_u64("used", p->used, &f);
+  jkv_u64("reserved", p->reserved, &f);
+  jkv_u64("used_high", p->used_high, &f);
+  jkv_u64("reserved_high", p->reserved_high, &f);
+  jkv_u64("backend_used", p->backend_used, &f);
+  jkv_u64("backend_reserved", p->backend_reserved, &f);
+  jkv_u64("backend_used_high", p->backend_used_high, &f);
+  jkv_u64("backend_reserved_high", p->backend_reserved_high, &f);
+  jkv_u64("buffers", p->buffers, &f);
+  jkv_u64("slabs", p->slabs, &f);
+  putchar('}');
+}
+
+static void json_stats(const ctl *c, const Gpupool__Wire__StatsReply *s) {
+  int f = 1;
+  putchar('{');
+  jkv_str("socket", c->path, &f);
+  jkv_i64("daemon_pid", c->daemon_pid, &f);
+  jkv_str("daemon_version", s->daemon_version, &f);
+  jkv_str("backend", backend_name(s->backend), &f);
+  jkv_u64("protocol_version", c->hello->hello->protocol_version, &f);
+  jkv_u64("uptime_s", s->uptime_s, &f);
+  jkv_u64("clients", s->clients, &f);
+  jkv_u64("buffers", s->buffers, &f);
+  jkv_u64("holds", s->holds, &f);
+  jkv_u64("names", s->names, &f);
+  jkv_u64("requests", s->requests, &f);
+  jkv_u64("errors", s->errors, &f);
+  jkv_u64("open_fds", s->open_fds, &f);
+  jkv_u64("pending_frees", s->pending_frees, &f);
+  jkey("pools", &f);
+  putchar('[');
+  for (size_t i = 0; i < s->n_pools; i++) {
+    if (i)
+      putchar(',');
+    json_pool(s->pools[i]);
+  }
+  puts("]}");
+}
+
+static int cmd_status(ctl *c) {
+  gpupool__rep *rep;
+  const Gpupool__Wire__StatsReply *s;
+  char up[32], b[8][32];
+  table t;
+  int rc = get_stats(c, &rep);
+
+  if (rc != 0)
+    return rc;
+  s = rep->stats;
+  if (c->json) {
+    json_stats(c, s);
+    goto out;
+  }
+  printf("gpupoold %s (pid %d) on %s\n", s->daemon_version, (int)c->daemon_pid, c->path);
+  printf("backend %s, up %s\n", backend_name(s->backend), fmt_age(s->uptime_s, up, sizeof(up)));
+  printf("clients %llu, buffers %llu, holds %llu, names %llu, pending frees %llu, "
+         "open fds %llu\n",
+         (unsigned long long)s->clients, (unsigned long long)s->buffers,
+         (unsigned long long)s->holds, (unsigned long long)s->names,
+         (unsigned long long)s->pending_frees, (unsigned long long)s->open_fds);
+  printf("requests %llu, errors %llu\n\n", (unsigned long long)s->requests,
+         (unsigned long long)s->errors);
+  table_init(&t, 11);
+  for (int i = 2; i <= 10; i++)
+    t.right[i] = 1;
+  table_row(&t, "POOL", "WHERE", "CAPACITY", "USED", "RESERVED", "USED HIGH", "RES HIGH",
+            "BUFFERS", "SLABS", "SLAB SIZE", "MAX ALLOC");
+  for (size_t i = 0; i < s->n_pools; i++) {
+    const Gpupool__Wire__PoolInfo *p = s->pools[i];
+    char where[48], nb[24], ns[24];
+    if (p->location == GPUPOOL__WIRE__LOCATION_KIND__LOCATION_DEVICE)
+      snprintf(where, sizeof(where), "gpu%d", p->device);
+    else if (p->location == GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST_NUMA)
+      snprintf(where, sizeof(where), "pinned numa%d", p->numa_node);
+    else if (p->location == GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST)
+      snprintf(where, sizeof(where), "memfd");
+    else
+      snprintf(where, sizeof(where), "%s", location_name(p->location));
+    snprintf(nb, sizeof(nb), "%llu", (unsigned long long)p->buffers);
+    snprintf(ns, sizeof(ns), "%llu", (unsigned long long)p->slabs);
+    table_row(&t, p->name, where, fmt_size(p->capacity, b[0], 32), fmt_size(p->used, b[1], 32),
+              fmt_size(p->reserved, b[2], 32), fmt_size(p->used_high, b[3], 32),
+              fmt_size(p->reserved_high, b[4], 32), nb, ns, fmt_size(p->slab_size, b[5], 32),
+              fmt_size(p->max_alloc, b[6], 32));
+  }
+  table_print(&t);
+  table_free(&t);
+out:
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  return 0;
+}
+
+static int cmd_stats(ctl *c) {
+  gpupool__rep *rep;
+  const Gpupool__Wire__StatsReply *s;
+  int rc = get_stats(c, &rep);
+
+  if (rc != 0)
+    return rc;
+  s = rep->stats;
+  if (c->json) {
+    json_stats(c, s);
+  } else {
+    /* One "key value" per line, exact numbers: easy to grep, unlike the status table. */
+    printf("daemon_version %s\nbackend %s\nuptime_s %llu\nclients %llu\nbuffers %llu\n"
+           "holds %llu\nnames %llu\nrequests %llu\nerrors %llu\nopen_fds %llu\n"
+           "pending_frees %llu\n",
+           s->daemon_version, backend_name(s->backend), (unsigned long long)s->uptime_s,
+           (unsigned long long)s->clients, (unsigned long long)s->buffers,
+           (unsigned long long)s->holds, (unsigned long long)s->names,
+           (unsigned long long)s->requests, (unsigned long long)s->errors,
+           (unsigned long long)s->open_fds, (unsigned long long)s->pending_frees);
+    for (size_t i = 0; i < s->n_pools; i++) {
+      const Gpupool__Wire__PoolInfo *p = s->pools[i];
+      const char *n = p->name;
+      printf("pool.%s.id %u\npool.%s.location %s\npool.%s.device %d\npool.%s.capacity %llu\n"
+             "pool.%s.used %llu\npool.%s.reserved %llu\npool.%s.used_high %llu\n"
+             "pool.%s.reserved_high %llu\npool.%s.backend_used %llu\n"
+             "pool.%s.backend_reserved %llu\npool.%s.buffers %llu\npool.%s.slabs %llu\n",
+             n, p->id, n, location_name(p->location), n, p->device, n,
+             (unsigned long long)p->capacity, n, (unsigned long long)p->used, n,
+             (unsigned long long)p->reserved, n, (unsigned long long)p->used_high, n,
+             (unsigned long long)p->reserved_high, n, (unsigned long long)p->backend_used, n,
+             (unsigned long long)p->backend_reserved, n, (unsigned long long)p->buffers, n,
+             (unsigned long long)p->slabs);
+    }
+  }
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  return 0;
+}
+
+static int cmd_clients(ctl *c) {
+  Gpupool__Wire__AdminClients ac = GPUPOOL__WIRE__ADMIN_CLIENTS__INIT;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  gpupool__rep *rep;
+  const Gpupool__Wire__AdminClientsReply *r;
+  table t;
+  int rc;
+
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_CLIENTS;
+  req.admin_clients = &ac;
+  rc = call(c, &req, &rep);
+  if (rc != 0)
+    return rc;
+  r = rep->admin_clients;
+  if (c->json) {
+    printf("{\"clients\":[");
+    for (size_t i = 0; i < r->n_clients; i++) {
+      const Gpupool__Wire__ClientInfo *ci = r->clients[i];
+      struct passwd *pw = getpwuid(ci->uid);
+      int f = 1;
+      printf("%s{", i ? "," : "");
+      jkv_u64("id", ci->id, &f);
+      jkv_i64("pid", ci->pid, &f);
+      jkv_u64("uid", ci->uid, &f);
+      jkv_str("user", pw ? pw->pw_name : "", &f);
+      jkv_u64("gid", ci->gid, &f);
+      jkv_str("name", ci->name, &f);
+      jkv_u64("holds", ci->holds, &f);
+      jkv_u64("bytes", ci->bytes, &f);
+      jkv_u64("age_s", ci->age_s, &f);
+      jkv_bool("self", ci->id == c->hello->hello->client_id, &f);
+      putchar('}');
+    }
+    puts("]}");
+    goto out;
+  }
+  table_init(&t, 7);
+  t.right[0] = t.right[1] = t.right[4] = t.right[5] = t.right[6] = 1;
+  table_row(&t, "ID", "PID", "USER", "NAME", "HOLDS", "BYTES", "AGE");
+  for (size_t i = 0; i < r->n_clients; i++) {
+    const Gpupool__Wire__ClientInfo *ci = r->clients[i];
+    struct passwd *pw = getpwuid(ci->uid);
+    char id[24], pid[16], user[64], holds[24], bytes[32], age[32];
+    snprintf(id, sizeof(id), "%llu", (unsigned long long)ci->id);
+    snprintf(pid, sizeof(pid), "%d", ci->pid);
+    if (pw != NULL)
+      snprintf(user, sizeof(user), "%s", pw->pw_name);
+    else
+      snprintf(user, sizeof(user), "%u", ci->uid);
+    snprintf(holds, sizeof(holds), "%llu", (unsigned long long)ci->holds);
+    table_row(&t, id, pid, user, ci->name, holds, fmt_size(ci->bytes, bytes, sizeof(bytes)),
+              fmt_age(ci->age_s, age, sizeof(age)));
+  }
+  table_print(&t);
+  table_free(&t);
+out:
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  return 0;
+}
+
+static int cmp_by_name(const void *a, const void *b) {
+  const Gpupool__Wire__BufferInfo *x = *(Gpupool__Wire__BufferInfo *const *)a;
+  const Gpupool__Wire__BufferInfo *y = *(Gpupool__Wire__BufferInfo *const *)b;
+  return strcmp(x->name, y->name);
+}
+
+/* `buffers` lists every live buffer; `names` only the published ones, sorted by name. */
+static int cmd_buffers(ctl *c, int names_only) {
+  Gpupool__Wire__AdminBuffers ab = GPUPOOL__WIRE__ADMIN_BUFFERS__INIT;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  gpupool__rep *rep;
+  Gpupool__Wire__AdminBuffersReply *r;
+  Gpupool__Wire__BufferInfo **v = NULL;
+  size_t n = 0;
+  table t;
+  int rc;
+
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS;
+  req.admin_buffers = &ab;
+  rc = call(c, &req, &rep);
+  if (rc != 0)
+    return rc;
+  r = rep->admin_buffers;
+  v = calloc(r->n_buffers + 1, sizeof(*v));
+  if (v == NULL) {
+    die_msg("out of memory");
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+    return EXIT_UNREACHABLE;
+  }
+  for (size_t i = 0; i < r->n_buffers; i++)
+    if (!names_only || (r->buffers[i]->name && r->buffers[i]->name[0]))
+      v[n++] = r->buffers[i];
+  if (names_only)
+    qsort(v, n, sizeof(*v), cmp_by_name);
+
+  if (c->json) {
+    printf("{\"%s\":[", names_only ? "names" : "buffers");
+    for (size_t i = 0; i < n; i++) {
+      char pb[16];
+      int f = 1;
+      printf("%s{", i ? "," : "");
+      if (names_only)
+        jkv_str("name", v[i]->name, &f);
+      jkv_u64("id", v[i]->id, &f);
+      jkv_u64("pool_id", v[i]->pool_id, &f);
+      jkv_str("pool", pool_name(c, v[i]->pool_id, pb, sizeof(pb)), &f);
+      jkv_u64("size", v[i]->size, &f);
+      jkv_u64("holders", v[i]->holders, &f);
+      jkv_u64("age_s", v[i]->age_s, &f);
+      jkv_i64("owner_pid", v[i]->owner_pid, &f);
+      if (!names_only)
+        jkv_str("name", v[i]->name, &f);
+      putchar('}');
+    }
+    puts("]}");
+    goto out;
+  }
+  table_init(&t, 7);
+  if (names_only) {
+    t.right[1] = t.right[3] = t.right[4] = t.right[5] = t.right[6] = 1;
+    table_row(&t, "NAME", "BUFFER", "POOL", "SIZE", "HOLDERS", "AGE", "OWNER PID");
+  } else {
+    t.right[0] = t.right[2] = t.right[3] = t.right[4] = t.right[5] = 1;
+    table_row(&t, "ID", "POOL", "SIZE", "HOLDERS", "AGE", "OWNER PID", "NAME");
+  }
+  for (size_t i = 0; i < n; i++) {
+    char id[24], pb[16], size[32], holders[16], age[32], pid[16];
+    const char *pool = pool_name(c, v[i]->pool_id, pb, sizeof(pb));
+    snprintf(id, sizeof(id), "%llu", (unsigned long long)v[i]->id);
+    snprintf(holders, sizeof(holders), "%u", v[i]->holders);
+    snprintf(pid, sizeof(pid), "%d", v[i]->owner_pid);
+    fmt_size(v[i]->size, size, sizeof(size));
+    fmt_age(v[i]->age_s, age, sizeof(age));
+    if (names_only)
+      table_row(&t, v[i]->name, id, pool, size, holders, age, pid);
+    else
+      table_row(&t, id, pool, size, holders, age, pid, v[i]->name);
+  }
+  table_print(&t);
+  table_free(&t);
+out:
+  free(v);
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  return 0;
+}
+
+static int cmd_drop(ctl *c, const char *arg) {
+  Gpupool__Wire__AdminDropClient d = GPUPOOL__WIRE__ADMIN_DROP_CLIENT__INIT;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  gpupool__rep *rep;
+  char *end = NULL;
+  long pid;
+  uint32_t dropped;
+  int rc;
+
+  errno = 0;
+  pid = arg ? strtol(arg, &end, 10) : 0;
+  if (arg == NULL || errno != 0 || end == arg || *end != '\0' || pid <= 0 || pid > INT32_MAX) {
+    die_msg("drop-client needs the pid of a connected client (see 'gpupoolctl clients'), got "
+            "'%s'",
+            arg ? arg : "");
+    return EXIT_USAGE;
+  }
+  d.pid = (int32_t)pid;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT;
+  req.admin_drop_client = &d;
+  rc = call(c, &req, &rep);
+  if (rc != 0)
+    return rc;
+  dropped = rep->admin_drop_client->dropped;
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  if (c->json) {
+    int f = 1;
+    putchar('{');
+    jkv_i64("pid", pid, &f);
+    jkv_u64("dropped", dropped, &f);
+    puts("}");
+  } else if (dropped > 0) {
+    printf("dropped %u connection%s of pid %ld; the holds they had are released\n", dropped,
+           dropped == 1 ? "" : "s", pid);
+  }
+  if (dropped == 0) {
+    die_msg("no client with pid %ld is connected (see 'gpupoolctl clients')", pid);
+    return EXIT_REFUSED;
+  }
+  return 0;
+}
+
+static int cmd_trim(ctl *c) {
+  Gpupool__Wire__Trim tr = GPUPOOL__WIRE__TRIM__INIT;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  gpupool__rep *rep;
+  int rc;
+
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_TRIM;
+  req.trim = &tr;
+  rc = call(c, &req, &rep);
+  if (rc != 0)
+    return rc;
+  if (c->json) {
+    int f = 1;
+    putchar('{');
+    jkv_u64("slabs_freed", rep->trim->slabs_freed, &f);
+    jkv_u64("slabs_revoked", rep->trim->slabs_revoked, &f);
+    puts("}");
+  } else {
+    printf("freed %u empty slab%s; %u more wait for clients to unmap them\n",
+           rep->trim->slabs_freed, rep->trim->slabs_freed == 1 ? "" : "s",
+           rep->trim->slabs_revoked);
+  }
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  return 0;
+}
+
+/* ---- main ---------------------------------------------------------------------------------- */
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "Usage: gpupoolctl [OPTIONS] COMMAND [ARG]\n"
+          "\n"
+          "Inspect and manage a running gpupoold.\n"
+          "\n"
+          "Commands:\n"
+          "  status            daemon version, backend, uptime, clients and pool usage\n"
+          "  clients           connected clients: id, pid, user, name, holds, bytes, age (admin)\n"
+          "  buffers           live buffers: id, pool, size, holders, age, owner pid, name (admin)\n"
+          "  names             published names and their buffers (admin)\n"
+          "  stats             every daemon and pool counter, one per line\n"
+          "  drop-client PID   disconnect every connection of process PID, releasing its holds "
+          "(admin)\n"
+          "  trim              give empty slabs back to the backend\n"
+          "\n"
+          "Options:\n"
+          "  -s, --socket PATH   daemon socket (default: $GPUPOOL_SOCKET, else\n"
+          "                      /run/gpupool/gpupoold.sock for root, else\n"
+          "                      $XDG_RUNTIME_DIR/gpupool/gpupoold.sock)\n"
+          "  -j, --json          print one JSON document instead of text\n"
+          "  -t, --timeout SEC   how long to wait for the daemon's answer (default 10)\n"
+          "  -h, --help          show this help\n"
+          "  -V, --version       show the version\n"
+          "\n"
+          "Admin commands need root or the daemon's own user.\n"
+          "Exit status: 0 success, 1 the daemon refused or failed the request, 2 usage error,\n"
+          "3 the daemon could not be reached.\n");
+}
+
+int main(int argc, char **argv) {
+  static const struct option opts[] = {
+      {"socket", required_argument, NULL, 's'}, {"json", no_argument, NULL, 'j'},
+      {"timeout", required_argument, NULL, 't'}, {"help", no_argument, NULL, 'h'},
+      {"version", no_argument, NULL, 'V'},       {NULL, 0, NULL, 0}};
+  ctl c;
+  const char *sock = NULL, *arg;
+  int o, rc;
+
+  memset(&c, 0, sizeof(c));
+  c.fd = -1;
+  c.timeout_s = 10;
+  while ((o = getopt_long(argc, argv, "s:jt:hV", opts, NULL)) != -1) {
+    switch (o) {
+    case 's': sock = optarg; break;
+    case 'j': c.json = 1; break;
+    case 't': {
+      char *end = NULL;
+      long v = strtol(optarg, &end, 10);
+      if (end == optarg || *end != '\0' || v < 0 || v > 86400) {
+        die_msg("--timeout wants whole seconds (0 = wait forever), got '%s'", optarg);
+        return EXIT_USAGE;
+      }
+      c.timeout_s = (int)v;
+      break;
+    }
+    case 'h': usage(stdout); return 0;
+    case 'V': printf("gpupoolctl %s\n", GPUPOOL_VERSION_STRING); return 0;
+    default: usage(stderr); return EXIT_USAGE;
+    }
+  }
+  if (optind >= argc) {
+    usage(stderr);
+    return EXIT_USAGE;
+  }
+  c.cmd = argv[optind];
+  arg = optind + 1 < argc ? argv[optind + 1] : NULL;
+  {
+    int want_arg = strcmp(c.cmd, "drop-client") == 0;
+    if (optind + 1 + want_arg < argc) {
+      die_msg("unexpected argument '%s' after '%s'", argv[optind + 1 + want_arg], c.cmd);
+      return EXIT_USAGE;
+    }
+  }
+  if (strcmp(c.cmd, "status") != 0 && strcmp(c.cmd, "clients") != 0 &&
+      strcmp(c.cmd, "buffers") != 0 && strcmp(c.cmd, "names") != 0 &&
+      strcmp(c.cmd, "stats") != 0 && strcmp(c.cmd, "drop-client") != 0 &&
+      strcmp(c.cmd, "trim") != 0) {
+    die_msg("unknown command '%s'; see 'gpupoolctl --help'", c.cmd);
+    return EXIT_USAGE;
+  }
+
+  if (sock != NULL) {
+    if (strlen(sock) >= sizeof(c.path)) {
+      die_msg("socket path '%s' is longer than a Unix socket address allows (%zu bytes)", sock,
+              sizeof(c.path) - 1);
+      return EXIT_USAGE;
+    }
+    snprintf(c.path, sizeof(c.path), "%s", sock);
+  } else if (gpupool_default_socket_path(c.path, sizeof(c.path)) != 0) {
+    die_msg("%s; pass --socket PATH", gpupool__errmsg());
+    return EXIT_USAGE;
+  }
+
+  if (connect_daemon(&c) != 0)
+    return EXIT_UNREACHABLE;
+  rc = hello(&c);
+  if (rc != 0)
+    goto out;
+  if (strcmp(c.cmd, "status") == 0)
+    rc = cmd_status(&c);
+  else if (strcmp(c.cmd, "stats") == 0)
+    rc = cmd_stats(&c);
+  else if (strcmp(c.cmd, "clients") == 0)
+    rc = cmd_clients(&c);
+  else if (strcmp(c.cmd, "buffers") == 0)
+    rc = cmd_buffers(&c, 0);
+  else if (strcmp(c.cmd, "names") == 0)
+    rc = cmd_buffers(&c, 1);
+  else if (strcmp(c.cmd, "drop-client") == 0)
+    rc = cmd_drop(&c, arg);
+  else
+    rc = cmd_trim(&c);
+
+out:
+  if (c.hello != NULL)
+    gpupool__wire__reply__free_unpacked(c.hello, NULL);
+  close(c.fd);
+  if (fflush(stdout) != 0 && rc == 0) {
+    die_msg("cannot write the output: %s", strerror(errno));
+    rc = EXIT_REFUSED;
+  }
+  return rc;
+}
