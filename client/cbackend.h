@@ -36,6 +36,10 @@ typedef struct {
   void (*event_close)(gpupool__cevent *e);
   int (*event_record)(gpupool__cevent *e, void *stream);
   int (*stream_wait)(gpupool__cevent *e, void *stream);
+  /* Wait until work queued in stream has run (NULL: nothing to wait for on this backend).
+   * Used before telling the daemon that slabs unmapped outside any caller's stream are gone:
+   * the importer's free must complete before the exporter frees. */
+  int (*sync)(void *stream);
 } gpupool__cbackend_ops;
 
 extern const gpupool__cbackend_ops gpupool__cbackend_host;

@@ -169,14 +169,31 @@ out_fd:
 }
 
 static void cuda_pool_release(gpupool__cpool *p) {
+  int prev = -1;
   if (!p)
     return;
   /* A destroyed handle can be recycled for the next import in this process and inherit its
-   * peer access; take back what was granted first. The resident device of a device pool
-   * cannot lose access and was never granted. */
-  for (int i = 0; i < p->n_granted; i++)
-    if (set_access(p->pool, p->granted[i], cudaMemAccessFlagsProtNone) < 0)
-      gpupool__err_clear();
+   * peer access; take back what was granted first. Work already queued on a granted device
+   * may still read the pool (a release only orders the free after it), and pulling the
+   * mapping from under a running kernel faults it: drain those devices first. This runs
+   * once per pool at disconnect. The resident device of a device pool cannot lose access and
+   * was never granted. */
+  if (p->n_granted > 0 && cudaGetDevice(&prev) == cudaSuccess) {
+    for (int i = 0; i < p->n_granted; i++) {
+      struct cudaMemAccessDesc d;
+      memset(&d, 0, sizeof(d));
+      d.location.type = cudaMemLocationTypeDevice;
+      d.location.id = p->granted[i];
+      d.flags = cudaMemAccessFlagsProtNone;
+      /* Errors are dropped, not recorded: this also runs on failure paths whose message
+       * the caller still has to report. */
+      if (cudaSetDevice(p->granted[i]) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
+        (void)cudaGetLastError();
+      if (cudaMemPoolSetAccess(p->pool, &d, 1) != cudaSuccess)
+        (void)cudaGetLastError();
+    }
+    pop_device(-1, prev);
+  }
   if (cudaMemPoolDestroy(p->pool) != cudaSuccess)
     (void)cudaGetLastError();
   free(p->granted);
@@ -411,6 +428,13 @@ static int cuda_stream_wait(gpupool__cevent *e, void *stream) {
   return 0;
 }
 
+static int cuda_sync(void *stream) {
+  cudaError_t ce = cudaStreamSynchronize((cudaStream_t)stream);
+  if (ce != cudaSuccess)
+    return cuda_fail(GPUPOOL_EBACKEND, ce, "cudaStreamSynchronize", -1, NULL);
+  return 0;
+}
+
 static const gpupool__cbackend_ops ops = {
     .name = "cuda",
     .has_events = 1,
@@ -423,6 +447,7 @@ static const gpupool__cbackend_ops ops = {
     .event_close = cuda_event_close,
     .event_record = cuda_event_record,
     .stream_wait = cuda_stream_wait,
+    .sync = cuda_sync,
 };
 
 const gpupool__cbackend_ops *const gpupool__cbackend_cuda = &ops;

@@ -48,6 +48,16 @@ typedef struct cslab {
   struct stale_gen *stale; /* set when its daemon connection is gone */
 } cslab;
 
+/* How to map a slab, kept from the reply that carried it: with several threads, the reply
+ * that carries a slab's export data may be processed after another reply that only names it. */
+typedef struct slab_export {
+  uint32_t pool_id;
+  uint64_t size;
+  int dedicated;
+  size_t len;
+  uint8_t data[];
+} slab_export;
+
 typedef struct pending {
   uint64_t seq;
   gpupool__rep *rep;
@@ -84,6 +94,7 @@ struct gpupool_client {
   cpool *pools;
   int npools;
   gpupool__hmap slabs;     /* id -> cslab */
+  gpupool__hmap exports;   /* slab id -> slab_export seen in a reply, not yet mapped */
   gpupool__hmap events;    /* id -> gpupool__cevent */
   uint64_t *unmapped;      /* slab ids to report in the next request */
   size_t nunmapped, capunmapped;
@@ -138,6 +149,49 @@ static int broken_err(gpupool_client *c) {
   return gpupool__err(c->broken, "connection to gpupoold is unusable: %s", c->broken_msg);
 }
 
+static void exports_clear(gpupool_client *c) {
+  for (size_t i = 0; i < c->exports.cap; i++)
+    if (gpupool__hmap_slot_used(&c->exports, i))
+      free(c->exports.slots[i].val);
+  gpupool__hmap_free(&c->exports);
+  gpupool__hmap_init(&c->exports);
+}
+
+/* The buffer a reply carries, if its body is of the expected kind. body is a oneof (a
+ * union): only the member its case names may be read. want 0 = any buffer-carrying kind. */
+static const Gpupool__Wire__BufferDesc *reply_desc(const gpupool__rep *rep, int want) {
+  if (want && (int)rep->body_case != want)
+    return NULL;
+  switch (rep->body_case) {
+  case GPUPOOL__WIRE__REPLY__BODY_ALLOCATE:
+    return rep->allocate ? rep->allocate->buffer : NULL;
+  case GPUPOOL__WIRE__REPLY__BODY_GET:
+    return rep->get ? rep->get->buffer : NULL;
+  case GPUPOOL__WIRE__REPLY__BODY_OPEN:
+    return rep->open ? rep->open->buffer : NULL;
+  default:
+    return NULL;
+  }
+}
+
+static void stash_export(gpupool_client *c, const gpupool__rep *rep) {
+  const Gpupool__Wire__BufferDesc *d = reply_desc(rep, 0);
+  slab_export *e;
+  if (!d || !d->slab || !d->slab->export_data.len || gpupool__hmap_get(&c->slabs, d->slab->id) ||
+      gpupool__hmap_get(&c->exports, d->slab->id))
+    return;
+  e = malloc(sizeof *e + d->slab->export_data.len);
+  if (!e)
+    return; /* materialize then fails with a clear error for the thread that needs it */
+  e->pool_id = d->slab->pool_id;
+  e->size = d->slab->size;
+  e->dedicated = d->slab->dedicated;
+  e->len = d->slab->export_data.len;
+  memcpy(e->data, d->slab->export_data.data, e->len);
+  if (gpupool__hmap_put(&c->exports, d->slab->id, e) != 0)
+    free(e);
+}
+
 /* Read one reply (lock released meanwhile) and hand it to its waiter. Called with c->mu. */
 static void read_one(gpupool_client *c) {
   gpupool__rep *rep;
@@ -179,6 +233,7 @@ static void read_one(gpupool_client *c) {
     goto out;
   }
   p->rep = rep;
+  stash_export(c, rep);
   for (int i = 0; i < c->rx.nfds; i++) {
     p->fds[p->nfds++] = c->rx.fds[i];
     c->rx.fds[i] = -1;
@@ -281,6 +336,7 @@ static void slab_unmap(gpupool_client *c, cslab *s, void *stream) {
 }
 
 static int handle_revokes(gpupool_client *c, const gpupool__rep *rep) {
+  int unmapped = 0;
   for (size_t i = 0; i < rep->n_revoke_slabs; i++) {
     cslab *s = gpupool__hmap_get(&c->slabs, rep->revoke_slabs[i]);
     if (!s) {
@@ -290,7 +346,11 @@ static int handle_revokes(gpupool_client *c, const gpupool__rep *rep) {
     if (s->refs > 0)
       continue; /* cannot happen: the daemon revokes only empty slabs */
     slab_unmap(c, s, NULL);
+    unmapped = 1;
   }
+  /* The report goes out with the next request: the frees must have run by then. */
+  if (unmapped && c->be->sync && c->be->sync(NULL) != 0)
+    fprintf(stderr, "libgpupool-client: waiting for slab unmaps: %s\n", gpupool__errmsg());
   return 0;
 }
 
@@ -390,7 +450,8 @@ static int materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, in
     goto fail;
   s = gpupool__hmap_get(&c->slabs, d->slab->id);
   if (!s) {
-    if (!d->slab->export_data.len) {
+    slab_export *ex = gpupool__hmap_get(&c->exports, d->slab->id);
+    if (!ex) {
       rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent no export data for slab %" PRIu64, d->slab->id);
       goto fail;
     }
@@ -403,8 +464,10 @@ static int materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, in
     s->pool = p;
     s->size = d->slab->size;
     s->dedicated = d->slab->dedicated;
-    if ((rc = c->be->slab_map(p->bp, d->slab->export_data.data, d->slab->export_data.len, s->size, &s->base,
-                              &s->priv)) != 0) {
+    rc = c->be->slab_map(p->bp, ex->data, ex->len, s->size, &s->base, &s->priv);
+    gpupool__hmap_del(&c->exports, s->id);
+    free(ex);
+    if (rc != 0) {
       free(s);
       /* Tell the daemon we do not map it, so it does not wait for us. */
       note_unmapped(c, d->slab->id);
@@ -633,6 +696,7 @@ static int reconnect(gpupool_client *c) {
       }
     gpupool__hmap_free(&c->slabs);
     gpupool__hmap_init(&c->slabs);
+    exports_clear(c);
     c->pools = NULL;
     c->npools = 0;
     c->nunmapped = 0;
@@ -740,6 +804,7 @@ int gpupool_connect(const char *socket_path, const char *client_name, gpupool_cl
   pthread_mutex_init(&c->mu, NULL);
   pthread_cond_init(&c->cv, NULL);
   gpupool__hmap_init(&c->slabs);
+  gpupool__hmap_init(&c->exports);
   gpupool__hmap_init(&c->events);
   gpupool__wire_rx_init(&c->rx, GPUPOOL_WIRE_HARD_MAX_FRAME);
   c->fd = -1;
@@ -749,6 +814,7 @@ int gpupool_connect(const char *socket_path, const char *client_name, gpupool_cl
   if (rc != 0) {
     gpupool__wire_rx_reset(&c->rx);
     gpupool__hmap_free(&c->slabs);
+    gpupool__hmap_free(&c->exports);
     gpupool__hmap_free(&c->events);
     free(c->pools);
     pthread_mutex_destroy(&c->mu);
@@ -828,9 +894,11 @@ int gpupool_set_devices(gpupool_client *c, const int *devices, int n) {
   pthread_mutex_lock(&c->mu);
   memcpy(c->devices, devices, (size_t)n * sizeof *devices);
   c->ndevices = n;
-  for (int i = 0; i < c->npools && rc == 0; i++)
-    if (c->pools[i].bp)
-      rc = c->be->pool_set_access(c->pools[i].bp, devices, n);
+  /* Import every pool now, so a device pair without peer access is refused here, not at the
+   * first buffer (pool_attach applies c->devices). */
+  if ((rc = ensure_connected(c)) == 0)
+    for (int i = 0; i < c->npools && rc == 0; i++)
+      rc = c->pools[i].bp ? c->be->pool_set_access(c->pools[i].bp, devices, n) : pool_attach(c, &c->pools[i]);
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
@@ -909,6 +977,10 @@ void gpupool_disconnect(gpupool_client *c) {
       free(s);
     }
   gpupool__hmap_free(&c->slabs);
+  if (c->be && c->be->sync)
+    c->be->sync(NULL); /* imports freed before the daemon sees this connection close */
+  exports_clear(c);
+  gpupool__hmap_free(&c->exports);
   if (c->be && c->be->has_events)
     for (size_t i = 0; i < c->events.cap; i++)
       if (gpupool__hmap_slot_used(&c->events, i))
@@ -963,7 +1035,7 @@ int gpupool_alloc(gpupool_client *c, const char *pool, size_t size, int timeout_
   if (rc == 0) {
     /* A fresh range: the daemon reuses ranges only after their last holders' done events,
      * so there is nothing to wait for. */
-    rc = materialize(c, rep->allocate ? rep->allocate->buffer : NULL, 0, stream, out);
+    rc = materialize(c, reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_ALLOCATE), 0, stream, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
   }
   pthread_mutex_unlock(&c->mu);
@@ -1000,7 +1072,8 @@ int gpupool_share(gpupool_buffer *b, void *stream, gpupool_token *out) {
   if ((rc = ensure_connected(c)) == 0 && b->lost)
     rc = lost_err(b);
   if (rc == 0 && (rc = record_ready(c, b, stream)) == 0 && (rc = call(c, &req, &rep, NULL)) == 0) {
-    if (!rep->share || rep->share->token.len != GPUPOOL_TOKEN_SIZE)
+    if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_SHARE || !rep->share ||
+        rep->share->token.len != GPUPOOL_TOKEN_SIZE)
       rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent a malformed share token");
     else
       memcpy(out->bytes, rep->share->token.data, GPUPOOL_TOKEN_SIZE);
@@ -1029,7 +1102,7 @@ int gpupool_open(gpupool_client *c, const gpupool_token *token, unsigned flags, 
   pthread_mutex_lock(&c->mu);
   rc = call_retry(c, &req, &rep);
   if (rc == 0) {
-    rc = materialize(c, rep->open ? rep->open->buffer : NULL, 1, stream, out);
+    rc = materialize(c, reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_OPEN), 1, stream, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
   }
   pthread_mutex_unlock(&c->mu);
@@ -1116,7 +1189,7 @@ int gpupool_get(gpupool_client *c, const char *name, int timeout_ms, unsigned fl
   pthread_mutex_lock(&c->mu);
   rc = call_retry(c, &req, &rep);
   if (rc == 0) {
-    rc = materialize(c, rep->get ? rep->get->buffer : NULL, 1, stream, out);
+    rc = materialize(c, reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_GET), 1, stream, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
   }
   pthread_mutex_unlock(&c->mu);
@@ -1160,7 +1233,7 @@ int gpupool_stats(gpupool_client *c, gpupool_daemon_stats *ds, gpupool_pool_stat
   pthread_mutex_unlock(&c->mu);
   if (rc != 0)
     return rc;
-  if (!rep->stats) {
+  if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_STATS || !rep->stats) {
     gpupool__wire__reply__free_unpacked(rep, NULL);
     return gpupool__err(GPUPOOL_EPROTO, "the daemon answered Stats with something else");
   }

@@ -820,6 +820,10 @@ int gp_publish(gp_registry *reg, gp_client *c, uint64_t hold_id, const char *nam
   n->share_gid = share_gid;
   n->share_all = share_all;
   n->created_ns = gp_now_ns();
+  if (has_meta) {
+    n->meta = m;
+    n->has_meta = 1;
+  }
   if (gpupool__smap_put(&reg->names, name, n) != 0) {
     free(n->name);
     free(n);
@@ -1024,8 +1028,13 @@ void gp_fill_desc(gp_registry *reg, gp_client *c, gp_hold *h, const char *name, 
     s->done.ipc_handle.len = GPUPOOL_EVENT_HANDLE_SIZE;
     s->desc.done = &s->done;
   }
-  if (b->has_meta) {
-    const gpupool_tensor_meta *m = &b->meta;
+  {
+    const gp_name *nm = name && *name ? gpupool__smap_get(&reg->names, name) : NULL;
+    const gpupool_tensor_meta *m = nm && nm->buf == b ? (nm->has_meta ? &nm->meta : NULL)
+                                   : b->has_meta      ? &b->meta
+                                                      : NULL;
+    if (!m)
+      return;
     gpupool__wire__tensor_meta__init(&s->meta);
     s->meta.present = 1;
     s->meta.dtype_code = m->dtype_code;

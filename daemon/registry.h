@@ -117,6 +117,8 @@ typedef struct {
   gid_t share_gid;
   int share_all;
   uint64_t created_ns;
+  int has_meta;              /* the tensor description published with this name */
+  gpupool_tensor_meta meta;
 } gp_name;
 
 /* Per-uid accounting for the per-uid limits. */
@@ -217,6 +219,8 @@ typedef struct {
   Gpupool__Wire__TensorMeta meta;
   int64_t shape[GPUPOOL_MAX_NDIM], strides[GPUPOOL_MAX_NDIM];
 } gp_desc_storage;
+/* name: the name the hold was got by, if any (its tensor description is sent; otherwise the
+ * one the buffer was last published with). */
 void gp_fill_desc(gp_registry *reg, gp_client *c, gp_hold *h, const char *name,
                   gp_desc_storage *s);
 void gp_fill_pool_info(gp_registry *reg, gp_pool *p, Gpupool__Wire__PoolInfo *pi);

@@ -301,6 +301,8 @@ static void *thr_get(void *p) {
   a->rc = gpupool_get(a->c, "thread-name", 5000, 0, NULL, &b);
   if (a->rc == 0)
     a->rc = gpupool_release(b, NULL);
+  if (a->rc != 0)
+    fprintf(stderr, "get thread: %s: %s\n", gpupool_err_name(a->rc), gpupool_last_error());
   return NULL;
 }
 
@@ -313,6 +315,8 @@ static void *thr_churn(void *p) {
       memset(gpupool_buffer_ptr(b), i, 1000);
       a->rc = gpupool_release(b, NULL);
     }
+    if (a->rc != 0)
+      fprintf(stderr, "churn thread: %s: %s\n", gpupool_err_name(a->rc), gpupool_last_error());
   }
   return NULL;
 }
@@ -397,6 +401,25 @@ static void test_holder_rules(void **state) {
     m.shape[0] = 5;
     m.shape[1] = 5;
     assert_int_equal(gpupool_publish(x, "meta", &m, NULL), 0);
+    /* Each name keeps the description it was published with. */
+    {
+      gpupool_tensor_meta m2 = {.dtype_code = GPUPOOL_DTYPE_UINT, .dtype_bits = 8, .dtype_lanes = 1, .ndim = 1};
+      gpupool_tensor_meta got;
+      gpupool_buffer *g1, *g2;
+      m2.shape[0] = 100;
+      assert_int_equal(gpupool_publish(x, "meta-bytes", &m2, NULL), 0);
+      assert_int_equal(gpupool_get(b, "meta", 0, 0, NULL, &g1), 0);
+      assert_int_equal(gpupool_get(b, "meta-bytes", 0, 0, NULL, &g2), 0);
+      assert_int_equal(gpupool_buffer_tensor(g1, &got), 0);
+      assert_int_equal(got.ndim, 2);
+      assert_int_equal(got.dtype_bits, 32);
+      assert_int_equal(gpupool_buffer_tensor(g2, &got), 0);
+      assert_int_equal(got.ndim, 1);
+      assert_int_equal(got.shape[0], 100);
+      assert_int_equal(gpupool_release(g1, NULL), 0);
+      assert_int_equal(gpupool_release(g2, NULL), 0);
+      assert_int_equal(gpupool_unpublish(a, "meta-bytes"), 0);
+    }
   }
   assert_int_equal(gpupool_release(x, NULL), 0);
   assert_int_equal(gpupool_unpublish(b, "dup"), 0);

@@ -146,6 +146,31 @@ static void test_u64_delete_reinsert(void **state) {
   gpupool__hmap_free(&m);
 }
 
+/* The registry's pattern: ids only grow, and a bounded window of them is live. Deletions
+ * leave tombstones all over the table; rebuilds must reclaim them instead of doubling. */
+static void test_u64_sliding_window(void **state) {
+  enum { WINDOW = 1000, STEPS = 1000000 };
+  gpupool__hmap m;
+  size_t max_cap = 0;
+
+  gpupool__hmap_init(&m);
+  for (uint64_t k = 0; k < WINDOW; k++)
+    assert_int_equal(gpupool__hmap_put(&m, k, VAL(k)), 0);
+  for (uint64_t k = 0; k < STEPS; k++) {
+    assert_int_equal(gpupool__hmap_put(&m, k + WINDOW, VAL(k + WINDOW)), 0);
+    assert_ptr_equal(gpupool__hmap_del(&m, k), VAL(k));
+    if (m.cap > max_cap)
+      max_cap = m.cap;
+  }
+  assert_int_equal(m.len, WINDOW);
+  for (uint64_t k = STEPS; k < STEPS + WINDOW; k++)
+    assert_ptr_equal(gpupool__hmap_get(&m, k), VAL(k));
+  assert_null(gpupool__hmap_get(&m, STEPS - 1));
+  /* 1000 live entries fit a 2048-slot table under 50%; allow one doubling more. */
+  assert_true(max_cap <= 4096);
+  gpupool__hmap_free(&m);
+}
+
 static void test_smap(void **state) {
   enum { N = 50000 };
   gpupool__smap m;
@@ -225,6 +250,7 @@ int main(void) {
       cmocka_unit_test(test_u64_growth),
       cmocka_unit_test(test_u64_churn),
       cmocka_unit_test(test_u64_delete_reinsert),
+      cmocka_unit_test(test_u64_sliding_window),
       cmocka_unit_test(test_smap),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
