@@ -1,0 +1,35 @@
+"""gpupool for Python: share tensors between processes through gpupoold, without copies.
+
+A producer publishes a tensor under a name; consumers in other processes get it and import
+it into torch, CuPy, JAX or NumPy with DLPack, reading the very memory the producer wrote::
+
+    import gpupool, torch
+
+    with gpupool.Client() as c:                      # producer
+        t = torch.from_dlpack(c.alloc((1024, 1024), "float32", device="cuda:0"))
+        t.normal_()                                  # produce straight into gpupool memory
+        c.publish("weights", t)                      # no copy
+
+    with gpupool.Client() as c:                      # consumer, another process
+        w = torch.from_dlpack(c.get("weights", timeout=10))
+
+Publishing a tensor that does not live in gpupool memory copies it once into a new gpupool
+buffer (C-contiguous). This package is pure Python over libgpupool-client.so (ctypes); set
+GPUPOOL_LIBRARY to the library's full path when it is not installed where the loader looks.
+"""
+
+from ._dtypes import DType, dtype
+from ._lib import GpupoolError, LibraryNotFoundError
+from .client import Client, Tensor
+
+__version__ = "0.1.0"
+
+__all__ = ["Client", "Tensor", "GpupoolError", "LibraryNotFoundError", "DType", "dtype",
+           "library_version"]
+
+
+def library_version():
+    """Version string of the loaded libgpupool-client."""
+    from . import _lib
+
+    return _lib.lib().gpupool_version_string().decode()

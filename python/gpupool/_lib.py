@@ -1,0 +1,255 @@
+"""Loading libgpupool-client and declaring its C API for ctypes.
+
+This module owns the one handle on the shared library, the ctypes mirrors of the public C
+structs (include/gpupool/gpupool.h), and the translation of a negative GPUPOOL_E* return
+code into GpupoolError with the library's own message (gpupool_last_error()).
+
+The library is found, in order, at $GPUPOOL_LIBRARY (a full path), through
+ctypes.util.find_library("gpupool-client"), then by the loader names libgpupool-client.so.0
+and libgpupool-client.so. It is loaded on first use, so `import gpupool` works on a machine
+without it.
+"""
+
+import ctypes
+import ctypes.util
+import os
+import threading
+
+__all__ = ["GpupoolError", "LibraryNotFoundError", "lib", "check"]
+
+NAME_MAX = 255
+MAX_NDIM = 16
+TOKEN_SIZE = 24
+READ_ONLY = 0x1
+
+MEM_HOST = 1
+MEM_DEVICE = 2
+MEM_HOST_NUMA = 3
+MEM_KIND_NAMES = {MEM_HOST: "host", MEM_DEVICE: "device", MEM_HOST_NUMA: "host-numa"}
+
+# Names of the codes, as in GPUPOOL_ERRNO_MAP (include/gpupool/gpupool.h). Used only when
+# the library cannot be asked (gpupool_err_name is the authority once it is loaded).
+_CODE_NAMES = {
+    -1: "EINVAL", -2: "ENOMEM", -3: "ECONNECT", -4: "EPROTO", -5: "EVERSION", -6: "EIO",
+    -7: "ENOENT", -8: "EEXIST", -9: "ENOSPC", -10: "ETIMEDOUT", -11: "ETOOBIG", -12: "EPERM",
+    -13: "ENOTSUP", -14: "EBACKEND", -15: "ELIMIT", -16: "ECLOSED", -17: "EBUSY",
+    -18: "ENAME", -19: "EMETA", -20: "ERDONLY", -21: "EFD", -22: "ECONFIG", -23: "ELOST",
+}
+CODES = {name: code for code, name in _CODE_NAMES.items()}
+
+
+class GpupoolError(Exception):
+    """A gpupool call failed.
+
+    Attributes: ``code`` (the negative GPUPOOL_E* number), ``name`` ("ENOSPC", ...) and
+    ``message`` (the C library's explanation: what went wrong and what to do about it).
+    """
+
+    def __init__(self, code, name, message):
+        self.code = code
+        self.name = name
+        self.message = message
+        super().__init__("%s: %s" % (name, message) if name else message)
+
+
+GpupoolError.__module__ = "gpupool"
+
+
+class LibraryNotFoundError(GpupoolError, OSError):
+    """libgpupool-client.so could not be loaded."""
+
+    def __init__(self, message):
+        GpupoolError.__init__(self, 0, "ENOLIB", message)
+
+
+LibraryNotFoundError.__module__ = "gpupool"
+
+
+class Buffer(ctypes.Structure):
+    """Opaque gpupool_buffer."""
+
+
+class ClientHandle(ctypes.Structure):
+    """Opaque gpupool_client."""
+
+
+BufferP = ctypes.POINTER(Buffer)
+ClientP = ctypes.POINTER(ClientHandle)
+
+
+class TensorMeta(ctypes.Structure):
+    _fields_ = [
+        ("dtype_code", ctypes.c_uint8),
+        ("dtype_bits", ctypes.c_uint8),
+        ("dtype_lanes", ctypes.c_uint16),
+        ("ndim", ctypes.c_int32),
+        ("shape", ctypes.c_int64 * MAX_NDIM),
+        ("strides", ctypes.c_int64 * MAX_NDIM),
+        ("strides_present", ctypes.c_int32),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class PoolStats(ctypes.Structure):
+    _fields_ = [
+        ("id", ctypes.c_uint32),
+        ("name", ctypes.c_char * 64),
+        ("kind", ctypes.c_int),
+        ("device", ctypes.c_int32),
+        ("capacity", ctypes.c_uint64),
+        ("slab_size", ctypes.c_uint64),
+        ("max_alloc", ctypes.c_uint64),
+        ("used", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint64),
+        ("used_high", ctypes.c_uint64),
+        ("reserved_high", ctypes.c_uint64),
+        ("backend_used", ctypes.c_uint64),
+        ("backend_reserved", ctypes.c_uint64),
+        ("buffers", ctypes.c_uint64),
+        ("slabs", ctypes.c_uint64),
+    ]
+
+
+class DaemonStats(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in (
+        "clients", "buffers", "holds", "names", "requests", "errors", "open_fds",
+        "pending_frees", "uptime_s")]
+
+
+class Token(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_uint8 * TOKEN_SIZE)]
+
+
+_c_int = ctypes.c_int
+_vp = ctypes.c_void_p
+_cp = ctypes.c_char_p
+
+# name: (restype, argtypes)
+_PROTOTYPES = {
+    "gpupool_err_name": (_cp, [_c_int]),
+    "gpupool_strerror": (_cp, [_c_int]),
+    "gpupool_last_error": (_cp, []),
+    "gpupool_version_string": (_cp, []),
+    "gpupool_default_socket_path": (_c_int, [_cp, ctypes.c_size_t]),
+    "gpupool_connect": (_c_int, [_cp, _cp, ctypes.POINTER(ClientP)]),
+    "gpupool_set_devices": (_c_int, [ClientP, ctypes.POINTER(_c_int), _c_int]),
+    "gpupool_disconnect": (None, [ClientP]),
+    "gpupool_alloc": (_c_int, [ClientP, _cp, ctypes.c_size_t, _c_int, _vp,
+                               ctypes.POINTER(BufferP)]),
+    "gpupool_release": (_c_int, [BufferP, _vp]),
+    "gpupool_buffer_ptr": (_vp, [BufferP]),
+    "gpupool_buffer_size": (ctypes.c_size_t, [BufferP]),
+    "gpupool_buffer_device": (_c_int, [BufferP]),
+    "gpupool_buffer_kind": (_c_int, [BufferP]),
+    "gpupool_buffer_id": (ctypes.c_uint64, [BufferP]),
+    "gpupool_buffer_read_only": (_c_int, [BufferP]),
+    "gpupool_buffer_tensor": (_c_int, [BufferP, ctypes.POINTER(TensorMeta)]),
+    "gpupool_share": (_c_int, [BufferP, _vp, ctypes.POINTER(Token)]),
+    "gpupool_open": (_c_int, [ClientP, ctypes.POINTER(Token), ctypes.c_uint, _vp,
+                              ctypes.POINTER(BufferP)]),
+    "gpupool_publish": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp]),
+    "gpupool_publish_ex": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp,
+                                    ctypes.c_uint32, _c_int]),
+    "gpupool_get": (_c_int, [ClientP, _cp, _c_int, ctypes.c_uint, _vp,
+                             ctypes.POINTER(BufferP)]),
+    "gpupool_unpublish": (_c_int, [ClientP, _cp]),
+    "gpupool_stats": (_c_int, [ClientP, ctypes.POINTER(DaemonStats), ctypes.POINTER(PoolStats),
+                               _c_int, ctypes.POINTER(_c_int)]),
+    "gpupool_trim": (_c_int, [ClientP]),
+    "gpupool_tensor_span": (ctypes.c_uint64, [ctypes.POINTER(TensorMeta),
+                                              ctypes.POINTER(_c_int)]),
+}
+
+# Present only when the library was built with client/dlpack.c; declared when found.
+_OPTIONAL = {
+    "gpupool_buffer_to_dlpack_versioned": (_c_int, [BufferP, ctypes.POINTER(_vp)]),
+    "gpupool_buffer_to_dlpack": (_c_int, [BufferP, ctypes.POINTER(_vp)]),
+}
+
+_lock = threading.Lock()
+_lib = None
+
+
+def _candidates():
+    env = os.environ.get("GPUPOOL_LIBRARY")
+    if env:
+        return [env], True
+    names = []
+    found = ctypes.util.find_library("gpupool-client")
+    if found:
+        names.append(found)
+    names += ["libgpupool-client.so.0", "libgpupool-client.so"]
+    return names, False
+
+
+def _load():
+    names, from_env = _candidates()
+    errors = []
+    for name in names:
+        try:
+            return ctypes.CDLL(name, use_errno=False)
+        except OSError as e:
+            errors.append("%s: %s" % (name, e))
+    if from_env:
+        raise LibraryNotFoundError(
+            "cannot load GPUPOOL_LIBRARY=%s (%s); set GPUPOOL_LIBRARY to the full path of "
+            "libgpupool-client.so (in a build tree: build/client/libgpupool-client.so)"
+            % (names[0], "; ".join(errors)))
+    raise LibraryNotFoundError(
+        "cannot find libgpupool-client (tried %s); install gpupool, or set GPUPOOL_LIBRARY "
+        "to the full path of libgpupool-client.so (in a build tree: "
+        "build/client/libgpupool-client.so), or add its directory to LD_LIBRARY_PATH"
+        % ", ".join(names))
+
+
+def lib():
+    """The loaded library with its prototypes declared (loads it on first call)."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is None:
+            handle = _load()
+            for name, (res, args) in _PROTOTYPES.items():
+                try:
+                    fn = getattr(handle, name)
+                except AttributeError:
+                    raise LibraryNotFoundError(
+                        "%s lacks %s: it is not a compatible libgpupool-client; point "
+                        "GPUPOOL_LIBRARY at the library built with this package"
+                        % (handle._name, name)) from None
+                fn.restype = res
+                fn.argtypes = args
+            for name, (res, args) in _OPTIONAL.items():
+                fn = getattr(handle, name, None)
+                if fn is not None:
+                    fn.restype = res
+                    fn.argtypes = args
+            _lib = handle
+    return _lib
+
+
+def err_name(code):
+    try:
+        return lib().gpupool_err_name(code).decode()
+    except LibraryNotFoundError:
+        return _CODE_NAMES.get(code, "E%d" % code)
+
+
+def error(code, context=None):
+    """GpupoolError for a negative return code, with the library's last message."""
+    L = lib()
+    name = L.gpupool_err_name(code).decode()
+    msg = (L.gpupool_last_error() or b"").decode(errors="replace")
+    if not msg:
+        msg = L.gpupool_strerror(code).decode()
+    if context:
+        msg = "%s: %s" % (context, msg)
+    return GpupoolError(code, name, msg)
+
+
+def check(rc, context=None):
+    """Raise GpupoolError when rc < 0; return rc otherwise."""
+    if rc < 0:
+        raise error(rc, context)
+    return rc

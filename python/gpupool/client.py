@@ -1,0 +1,845 @@
+"""Client and Tensor: gpupool for Python frameworks.
+
+Owns the Python side of a connection (Client), the holds it has on buffers (_Hold: one C
+gpupool_buffer each, released exactly once), and the tensors handed to users (Tensor), which
+any DLPack consumer (torch, CuPy, JAX, NumPy) imports without a copy.
+
+Lifetimes:
+- A _Hold is released when its last Python reference goes: the Tensor that got it, and every
+  DLPack export of that Tensor still alive in some framework. ``Tensor.release()`` drops the
+  Tensor's own reference; views a framework made keep the memory until they are freed.
+- ``Client.close()`` releases the holds of its Tensors and closes the connection as soon as
+  no exported view is left (at once when there is none). Until then the connection stays
+  open so that those views stay mapped; no new request is accepted.
+- When the process exits or dies, the daemon drops every hold it had (the connection is the
+  lease), so nothing leaks across processes.
+
+Copies: ``Client.publish`` publishes a Tensor from ``Client.alloc`` (or any view of one) in
+place. Any other tensor is copied once into a new gpupool buffer, compacted to C-contiguous
+order: host memory with memmove (NumPy for strided views), GPU memory with the producing
+framework's own copy (``copy_`` / ``[...] =``) on the producer's stream.
+"""
+
+import ctypes
+import math
+import threading
+import weakref
+
+from . import _cuda, _dlpack, _dtypes, _lib
+from ._lib import GpupoolError, check
+
+__all__ = ["Client", "Tensor"]
+
+_HOST_DEVICES = (_dlpack.kDLCPU, _dlpack.kDLCUDAHost, _dlpack.kDLROCMHost)
+
+
+def _encode_name(name, what="name"):
+    if isinstance(name, bytes):
+        b = name
+    else:
+        b = str(name).encode("utf-8")
+    if b"\0" in b:
+        raise GpupoolError(_lib.CODES["ENAME"], "ENAME",
+                           "%s %r contains a NUL byte; names are 1..%d bytes of UTF-8 "
+                           "without NUL" % (what, name, _lib.NAME_MAX))
+    return b
+
+
+def stream_handle(stream):
+    """A raw cudaStream_t value (int) or None from a stream given as None, an int, a
+    torch.cuda.Stream (``cuda_stream``) or a CuPy stream (``ptr``)."""
+    if stream is None:
+        return None
+    if isinstance(stream, bool):
+        raise TypeError("stream must be None, an int handle or a stream object, not bool")
+    if isinstance(stream, int):
+        return stream
+    for attr in ("cuda_stream", "ptr", "handle"):
+        v = getattr(stream, attr, None)
+        if isinstance(v, int):
+            return v
+    raise TypeError("cannot use %r as a CUDA stream: pass None, an int cudaStream_t, a "
+                    "torch.cuda.Stream or a cupy.cuda.Stream" % (stream,))
+
+
+def _framework(obj):
+    return type(obj).__module__.split(".", 1)[0]
+
+
+def _current_stream(obj, device_id):
+    """The stream a framework queues work on now, for a tensor of that framework."""
+    fw = _framework(obj)
+    try:
+        if fw == "torch":
+            import torch
+
+            return torch.cuda.current_stream(device_id).cuda_stream
+        if fw == "cupy":
+            import cupy
+
+            with cupy.cuda.Device(device_id):
+                return cupy.cuda.get_current_stream().ptr
+    except Exception:
+        pass
+    return None
+
+
+class _Conn:
+    """The C connection and a count of live holds: disconnecting unmaps every buffer, so it
+    waits until no hold (and so no exported view) is left."""
+
+    def __init__(self, handle, L, socket_path):
+        self.handle = handle
+        self.lib = L
+        self.socket_path = socket_path
+        self.lock = threading.Lock()
+        self.holds = 0
+        self.close_requested = False
+        self.disconnected = False
+        # Bound here so that releases during interpreter shutdown need no module globals.
+        self.c_release = L.gpupool_release
+        self.c_disconnect = L.gpupool_disconnect
+
+    def add(self):
+        with self.lock:
+            if self.close_requested:
+                raise GpupoolError(_lib.CODES["ECLOSED"], "ECLOSED",
+                                   "this gpupool.Client was closed; create a new Client")
+            self.holds += 1
+
+    def drop(self):
+        with self.lock:
+            self.holds -= 1
+            go = self.close_requested and self.holds == 0 and not self.disconnected
+            if go:
+                self.disconnected = True
+        if go:
+            self.c_disconnect(self.handle)
+
+    def close(self):
+        with self.lock:
+            self.close_requested = True
+            go = self.holds == 0 and not self.disconnected
+            if go:
+                self.disconnected = True
+        if go:
+            self.c_disconnect(self.handle)
+
+    def usable(self):
+        if self.close_requested:
+            raise GpupoolError(_lib.CODES["ECLOSED"], "ECLOSED",
+                               "this gpupool.Client was closed; create a new Client")
+        return self.handle
+
+
+class _Hold:
+    """One hold on a buffer (a C gpupool_buffer), released exactly once: explicitly, or when
+    the last Python reference (a Tensor, an exported DLPack view) goes away."""
+
+    def __init__(self, conn, buf, stream):
+        L = conn.lib
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.ptr = L.gpupool_buffer_ptr(buf) or 0
+        self.size = L.gpupool_buffer_size(buf)
+        self.kind = L.gpupool_buffer_kind(buf)
+        self.device = L.gpupool_buffer_device(buf)
+        self.buffer_id = L.gpupool_buffer_id(buf)
+        self.read_only = bool(L.gpupool_buffer_read_only(buf))
+        # The stream in which the memory is known to be safe (the C library made it wait on
+        # the ready and done events there), and every stream it was exported to since.
+        self.safe_stream = stream
+        self.streams = [stream]
+        self.cpu_synced = False
+        self.buf = buf
+        conn.add()
+
+    @property
+    def released(self):
+        return self.buf is None
+
+    @property
+    def dl_device(self):
+        if self.kind == _lib.MEM_DEVICE:
+            return (_dlpack.kDLCUDA, self.device)
+        if self.kind == _lib.MEM_HOST_NUMA:
+            return (_dlpack.kDLCUDAHost, 0)
+        return (_dlpack.kDLCPU, 0)
+
+    @property
+    def cuda_device(self):
+        return self.device if self.device >= 0 else 0
+
+    def used_in(self, stream):
+        """Make `stream` safe for this memory (wait for the safe stream) and remember it, so
+        the release is ordered after the work queued there."""
+        with self.lock:
+            if self.kind == _lib.MEM_HOST:
+                return
+            known = any(_cuda.same_stream(stream, s) for s in self.streams)
+            if not known:
+                self.streams.append(stream)
+        if not _cuda.same_stream(stream, self.safe_stream):
+            _cuda.stream_wait(stream, self.safe_stream, self.cuda_device)
+
+    def sync_cpu(self):
+        """Block until host code may read memory a GPU producer wrote (HOST_NUMA)."""
+        if self.kind != _lib.MEM_HOST_NUMA or self.cpu_synced:
+            return
+        if _cuda.available():
+            _cuda.stream_sync(self.safe_stream, self.cuda_device)
+        self.cpu_synced = True
+
+    def release(self):
+        with self.lock:
+            buf, self.buf = self.buf, None
+            streams = self.streams
+        if buf is None:
+            return
+        stream = streams[-1]
+        try:
+            if len(streams) > 1 and self.kind != _lib.MEM_HOST:
+                # One done event is recorded, in the last stream: make it cover the others.
+                for s in streams[:-1]:
+                    _cuda.stream_wait(stream, s, self.cuda_device)
+            rc = self.conn.c_release(buf, stream)
+        finally:
+            self.conn.drop()
+        if rc < 0:
+            raise _lib.error(rc, "release of buffer %d" % self.buffer_id)
+
+    def __del__(self):
+        try:
+            self.release()
+        except BaseException:
+            pass
+
+
+def _meta(dtype, shape, strides, byte_offset):
+    m = _lib.TensorMeta()
+    m.dtype_code, m.dtype_bits, m.dtype_lanes = dtype.code, dtype.bits, dtype.lanes
+    if len(shape) > _lib.MAX_NDIM:
+        raise GpupoolError(_lib.CODES["EMETA"], "EMETA",
+                           "tensor has %d dimensions; gpupool carries at most %d"
+                           % (len(shape), _lib.MAX_NDIM))
+    m.ndim = len(shape)
+    for i, n in enumerate(shape):
+        m.shape[i] = n
+    contiguous = strides is None or _dlpack._is_contiguous(shape, strides)
+    m.strides_present = 0 if contiguous else 1
+    if not contiguous:
+        for i, s in enumerate(strides):
+            m.strides[i] = s
+    m.byte_offset = byte_offset
+    return m
+
+
+class Tensor:
+    """A tensor in gpupool memory, held by this process.
+
+    Import it into a framework without a copy: ``torch.from_dlpack(t)``,
+    ``cupy.from_dlpack(t)``, ``numpy.from_dlpack(t)``, or ``numpy.asarray(t)`` for host
+    memory (any dtype NumPy knows, read-only holds included). The hold is released by
+    ``release()``, by leaving a ``with`` block, or when the object is garbage-collected;
+    framework views made from it keep the memory alive until they are freed too.
+
+    Attributes: shape, dtype (name, e.g. 'float32'), strides (in elements), ndim, nbytes,
+    device ('cpu', 'cuda:0', 'cuda_host'), data_ptr (address of element 0), buffer_ptr,
+    buffer_size, buffer_id, byte_offset, read_only, name (if obtained by name).
+    """
+
+    def __init__(self, hold, dtype, shape, strides=None, byte_offset=0, name=None,
+                 client=None):
+        self._hold = hold
+        # Keeps the Client (and so its connection) open while this tensor lives.
+        self._client = client
+        self._dtype = dtype
+        self.shape = tuple(int(n) for n in shape)
+        self.strides = (tuple(int(s) for s in strides) if strides is not None
+                        else _dlpack.contiguous_strides(self.shape))
+        self.byte_offset = int(byte_offset)
+        self.name = name
+        self.buffer_ptr = hold.ptr
+        self.buffer_size = hold.size
+        self.buffer_id = hold.buffer_id
+        self.read_only = hold.read_only
+        self._dl_device = hold.dl_device
+
+    # --- description -------------------------------------------------------------------
+    @property
+    def dtype(self):
+        return self._dtype.name
+
+    @property
+    def dlpack_dtype(self):
+        """(code, bits, lanes) as DLPack spells the element type."""
+        return (self._dtype.code, self._dtype.bits, self._dtype.lanes)
+
+    @property
+    def itemsize(self):
+        return self._dtype.itemsize
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def numel(self):
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self):
+        return self.numel * self._dtype.itemsize
+
+    @property
+    def data_ptr(self):
+        return self.buffer_ptr + self.byte_offset
+
+    @property
+    def device(self):
+        t, i = self._dl_device
+        if t == _dlpack.kDLCUDA:
+            return "cuda:%d" % i
+        return _dlpack.DEVICE_NAMES.get(t, str(t))
+
+    @property
+    def memory_kind(self):
+        """'host' (memfd), 'device' (CUDA device memory) or 'host-numa' (pinned)."""
+        return _lib.MEM_KIND_NAMES.get(self._hold.kind if self._hold else 0, "released")
+
+    def is_contiguous(self):
+        return _dlpack._is_contiguous(self.shape, self.strides)
+
+    @property
+    def released(self):
+        return self._hold is None or self._hold.released
+
+    def __repr__(self):
+        return "<gpupool.Tensor%s shape=%r dtype=%s device=%s%s%s>" % (
+            " %r" % self.name if self.name else "", self.shape, self.dtype, self.device,
+            " read-only" if self.read_only else "", " released" if self.released else "")
+
+    def _live_hold(self):
+        h = self._hold
+        if h is None or h.released:
+            raise GpupoolError(_lib.CODES["EINVAL"], "EINVAL",
+                               "tensor %r was released; get or allocate it again"
+                               % (self.name or self.buffer_id))
+        return h
+
+    # --- DLPack ------------------------------------------------------------------------
+    def __dlpack_device__(self):
+        return self._dl_device
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """A DLPack capsule viewing this tensor (the array API's __dlpack__).
+
+        max_version >= (1, 0) gives a versioned capsule ("dltensor_versioned", read-only
+        flag set for read-only holds); otherwise a legacy "dltensor" capsule, refused for
+        read-only holds because that form cannot say so. stream: the consumer's stream
+        (CUDA: 1 = legacy default, 2 = per-thread default, other = a cudaStream_t, -1 = no
+        synchronisation, None = legacy default); the consumer's stream is made to wait for
+        the producer's ready event without blocking the CPU. Zero copy unless copy=True,
+        which copies host memory into a private allocation (IS_COPIED) and raises
+        BufferError for device memory; a dl_device other than this memory raises too.
+        """
+        try:
+            hold = self._live_hold()
+        except GpupoolError as e:
+            raise BufferError(str(e)) from None
+        dev = self._dl_device
+        if copy and dev[0] not in _HOST_DEVICES:
+            raise BufferError("gpupool copies only host memory on export; import the view "
+                              "and copy with the framework (e.g. torch.from_dlpack(t).clone())")
+        if dl_device is not None and tuple(dl_device) != tuple(dev):
+            if (int(dl_device[0]), int(dl_device[1])) == (_dlpack.kDLCPU, 0) and \
+                    dev[0] == _dlpack.kDLCUDAHost:
+                dev = (_dlpack.kDLCPU, 0)  # pinned host memory is host memory
+            else:
+                raise BufferError("tensor lives on DLPack device %r and cannot be exported "
+                                  "to %r without a copy" % (tuple(dev), tuple(dl_device)))
+        versioned = max_version is not None and int(max_version[0]) >= 1
+        if not versioned and self.read_only:
+            raise BufferError("tensor is held read-only and a pre-1.0 DLPack capsule cannot "
+                              "say so: use a consumer that passes max_version >= (1, 0) "
+                              "(NumPy >= 2.1, torch >= 2.5), numpy.asarray(t) for host "
+                              "memory, or get it with read_only=False")
+        if dev[0] == _dlpack.kDLCUDA or (dev[0] == _dlpack.kDLCUDAHost and stream is not None):
+            if stream == 0:
+                raise BufferError("stream 0 is ambiguous for CUDA: pass 1 for the legacy "
+                                  "default stream or 2 for the per-thread default stream")
+            if stream != -1:
+                hold.used_in(1 if stream is None else int(stream))
+        elif dev[0] in _HOST_DEVICES:
+            hold.sync_cpu()
+        version = _dlpack.VERSION
+        if versioned and int(max_version[0]) == 1:
+            version = (1, min(_dlpack.VERSION[1], int(max_version[1])))
+        if copy:
+            # The consumer asked for memory of its own: the bytes this view spans, same
+            # layout, in a private host allocation that the capsule owns.
+            lo, span = _dlpack.Desc(self.data_ptr, dev, self._dtype, self.shape,
+                                    self.strides).span()
+            owner = ctypes.create_string_buffer(max(span, 1))
+            ctypes.memmove(owner, self.data_ptr + lo, span)
+            return _dlpack.make_capsule(ctypes.addressof(owner) - lo, (_dlpack.kDLCPU, 0),
+                                        self._dtype, self.shape, self.strides, owner,
+                                        versioned, version=version, copied=True)
+        return _dlpack.make_capsule(self.data_ptr, dev, self._dtype, self.shape,
+                                    self.strides, hold, versioned,
+                                    read_only=self.read_only, version=version)
+
+    # --- NumPy -------------------------------------------------------------------------
+    @property
+    def __array_interface__(self):
+        """Host memory as NumPy sees it (numpy.asarray(t): a view, read-only for read-only
+        holds). Such a view refers to this object: release() invalidates it, so prefer
+        t.numpy() or numpy.from_dlpack(t), whose views keep the memory themselves."""
+        if self._dtype.typestr is None:
+            raise TypeError("NumPy has no %s type: use numpy(raw=True) for its bits, or "
+                            "import it with a framework that has it" % self.dtype)
+        return self._host_interface(self._dtype.typestr)
+
+    def _host_interface(self, typestr):
+        hold = self._live_hold()
+        if self._dl_device[0] not in _HOST_DEVICES:
+            raise TypeError("tensor is in %s memory, which NumPy cannot read: import it with "
+                            "torch.from_dlpack or cupy.from_dlpack" % self.device)
+        hold.sync_cpu()
+        size = self._dtype.itemsize
+        return {
+            "version": 3,
+            "shape": self.shape,
+            "typestr": typestr,
+            "data": (self.data_ptr, self.read_only),
+            "strides": None if self.is_contiguous() else tuple(s * size for s in self.strides),
+        }
+
+    def numpy(self, raw=False):
+        """A NumPy view (no copy) of host memory. raw=True views the bits as unsigned
+        integers of the element size, for types NumPy lacks (bfloat16)."""
+        import numpy
+
+        if raw:
+            iface = self._host_interface(self._dtype.raw_typestr)
+        else:
+            iface = self.__array_interface__
+        return numpy.asarray(_ArrayView(iface, self._hold))
+
+    # --- lifetime ----------------------------------------------------------------------
+    def release(self):
+        """Let go of this object's hold. Views a framework made from it stay valid (they
+        hold the memory until freed); this object can no longer be exported."""
+        h, self._hold = self._hold, None
+        if h is not None:
+            # Drop our reference; the hold is released now unless an export still has it.
+            del h
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+        return False
+
+
+class _ArrayView:
+    """What a NumPy view from Tensor.numpy() keeps as its base: the hold itself, so the
+    memory stays mapped for as long as the view lives, whatever happens to the Tensor."""
+
+    __slots__ = ("__array_interface__", "hold")
+
+    def __init__(self, iface, hold):
+        self.__array_interface__ = iface
+        self.hold = hold
+
+
+class Client:
+    """A connection to gpupoold.
+
+    socket: path of the daemon's socket (None: $GPUPOOL_SOCKET or the default path). name:
+    shown in the daemon's logs. Use as a context manager or call close().
+    """
+
+    def __init__(self, socket=None, name=None):
+        L = _lib.lib()
+        h = _lib.ClientP()
+        sock = None if socket is None else _encode_name(str(socket), "socket path")
+        nm = None if name is None else _encode_name(name, "client name")
+        # The library's message names the socket and how to start the daemon.
+        check(L.gpupool_connect(sock, nm, ctypes.byref(h)))
+        self._conn = _Conn(h, L, socket)
+        self._lib = L
+        self._tensors = weakref.WeakSet()
+        self._holds = weakref.WeakSet()
+        self._pools = None
+
+    @staticmethod
+    def default_socket_path():
+        L = _lib.lib()
+        buf = ctypes.create_string_buffer(4096)
+        if L.gpupool_default_socket_path(buf, len(buf)) < 0:
+            return "(default socket)"
+        return buf.value.decode(errors="replace")
+
+    # --- lifetime ----------------------------------------------------------------------
+    def close(self):
+        """Release the holds of this client's Tensors and disconnect. Views that frameworks
+        made from them keep their memory mapped: the connection closes when the last one
+        is freed."""
+        conn = getattr(self, "_conn", None)
+        if conn is None or conn.close_requested:
+            return
+        for t in list(self._tensors):
+            t.release()
+        conn.close()
+
+    @property
+    def closed(self):
+        return self._conn.close_requested
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except BaseException:
+            pass
+
+    # --- helpers -----------------------------------------------------------------------
+    def _new_hold(self, buf, stream):
+        try:
+            hold = _Hold(self._conn, buf, stream)
+        except BaseException:
+            self._lib.gpupool_release(buf, stream)
+            raise
+        self._holds.add(hold)
+        return hold
+
+    def _tensor(self, hold, dtype, shape, strides, byte_offset, name):
+        t = Tensor(hold, dtype, shape, strides, byte_offset, name, self)
+        self._tensors.add(t)
+        return t
+
+    def pools(self):
+        """The daemon's pools: a list of dicts (id, name, kind, device, capacity, ...)."""
+        return self.stats()["pools"]
+
+    def _pool_list(self):
+        if self._pools is None:
+            self._pools = self.pools()
+        return self._pools
+
+    def _pool_for(self, dev_type, dev_id, what):
+        pools = self._pool_list()
+        if not pools:
+            raise GpupoolError(_lib.CODES["ENOENT"], "ENOENT", "the daemon has no pools")
+        if dev_type == _dlpack.kDLCUDA:
+            order = [p for p in pools if p["kind"] == "device" and p["device"] == dev_id]
+            order += [p for p in pools if p["kind"] == "device"]
+        else:
+            order = [p for p in pools if p["kind"] == "host"]
+            order += [p for p in pools if p["kind"] == "host-numa"]
+        if not order:
+            if what is not None:
+                raise GpupoolError(
+                    _lib.CODES["ENOENT"], "ENOENT",
+                    "no pool for device %s; the daemon has %s (pass pool= or another device)"
+                    % (what, ", ".join("%s (%s%s)" % (p["name"], p["kind"],
+                                                      ":%d" % p["device"] if p["kind"] == "device"
+                                                      else "") for p in pools)))
+            order = pools
+        return order[0]["name"]
+
+    def _pool_for_device(self, device):
+        if device is None:
+            return None
+        d = device
+        if not isinstance(d, (int, str)):
+            d = str(d)  # torch.device, cupy.cuda.Device print as 'cuda:0' / '<CUDA Device 0>'
+            if d.startswith("<CUDA Device "):
+                d = int(d[len("<CUDA Device "):-1])
+        if isinstance(d, int):
+            return self._pool_for(_dlpack.kDLCUDA, d, "cuda:%d" % d)
+        s = d.strip().lower()
+        if s in ("cpu", "host"):
+            return self._pool_for(_dlpack.kDLCPU, 0, s)
+        if s == "cuda":
+            return self._pool_for(_dlpack.kDLCUDA, 0, s)
+        if s.startswith("cuda:") and s[5:].isdigit():
+            return self._pool_for(_dlpack.kDLCUDA, int(s[5:]), s)
+        raise ValueError("unknown device %r: use None, 'cpu', 'cuda', 'cuda:N' or an int"
+                         % (device,))
+
+    # --- requests ----------------------------------------------------------------------
+    def alloc(self, shape, dtype, device=None, pool=None, timeout=0, stream=None):
+        """A new C-contiguous tensor in gpupool memory, to produce into directly and publish
+        without a copy. device: None (the daemon's first pool), 'cpu', 'cuda', 'cuda:N' or
+        an int; pool: a pool name (overrides device). timeout: seconds to wait for memory
+        when the pool is full (0 = fail at once with ENOSPC). stream: where the memory will
+        be used first (CUDA)."""
+        if isinstance(shape, int):
+            shape = (shape,)
+        shape = tuple(int(n) for n in shape)
+        if any(n < 0 for n in shape):
+            raise ValueError("negative dimension in shape %r" % (shape,))
+        dt = _dtypes.dtype(dtype)
+        pool_name = pool if pool is not None else self._pool_for_device(device)
+        return self._alloc(shape, dt, pool_name, timeout, stream_handle(stream))
+
+    def _alloc(self, shape, dt, pool_name, timeout, s):
+        n = 1
+        for x in shape:
+            n *= x
+        nbytes = max(n * dt.itemsize, 1)
+        ms = _timeout_ms(timeout, forever=False)
+        buf = _lib.BufferP()
+        check(self._lib.gpupool_alloc(self._conn.usable(),
+                                      None if pool_name is None else _encode_name(pool_name),
+                                      nbytes, ms, s, ctypes.byref(buf)),
+              "alloc of %d bytes for a %s tensor of shape %r" % (nbytes, dt.name, shape))
+        hold = self._new_hold(buf, s)
+        return self._tensor(hold, dt, shape, None, 0, None)
+
+    def get(self, name, timeout=None, read_only=False, stream=None):
+        """The tensor published under `name`, as a new hold of this process.
+
+        timeout: seconds to wait for a producer to publish it (None = forever, 0 = fail at
+        once with ENOENT; ETIMEDOUT when it runs out). read_only: ask for a read-only hold.
+        stream: the consumer's CUDA stream (int handle, torch or CuPy stream); it waits on
+        the producer's ready event without blocking the CPU. Exporting to another stream
+        later (``__dlpack__(stream=...)``) orders that stream too."""
+        nb = _encode_name(name)
+        s = stream_handle(stream)
+        ms = _timeout_ms(timeout, forever=True)
+        buf = _lib.BufferP()
+        check(self._lib.gpupool_get(self._conn.usable(), nb, ms,
+                                    _lib.READ_ONLY if read_only else 0, s, ctypes.byref(buf)),
+              "get %r" % (name,))
+        hold = self._new_hold(buf, s)
+        m = _lib.TensorMeta()
+        rc = self._lib.gpupool_buffer_tensor(buf, ctypes.byref(m))
+        if rc == _lib.CODES["ENOENT"]:
+            # Published without a description: the raw bytes.
+            return self._tensor(hold, _dtypes.dtype("uint8"), (hold.size,), None, 0, name)
+        check(rc, "tensor description of %r" % (name,))
+        nd = m.ndim
+        shape = [m.shape[i] for i in range(nd)]
+        strides = [m.strides[i] for i in range(nd)] if m.strides_present else None
+        dt = _dtypes.from_dlpack_code(m.dtype_code, m.dtype_bits, m.dtype_lanes)
+        return self._tensor(hold, dt, shape, strides, m.byte_offset, name)
+
+    def publish(self, name, tensor, stream=None, pool=None, share_gid=0, share_all=False):
+        """Publish `tensor` under `name`; consumers get it with ``Client.get(name)``.
+
+        A Tensor from alloc() or get(), or a framework view of one (``torch.from_dlpack(t)``
+        and slices of it), is published in place: no copy, its layout as is. Any other
+        object with __dlpack__ (torch, CuPy, JAX, NumPy) is copied once into a new gpupool
+        buffer, compacted to C-contiguous order (a strided slice arrives contiguous): on
+        the host with memmove/NumPy, on a GPU with the framework's own device-to-device
+        copy. stream: the stream in which the tensor's data is ready (default: the
+        framework's current stream for torch and CuPy tensors); the copy runs there and
+        consumers wait for it. pool: the pool a copy goes to (default: one on the tensor's
+        device). share_gid / share_all: let that group / every user see the name."""
+        nb = _encode_name(name)
+        s = stream_handle(stream)
+        if isinstance(tensor, Tensor):
+            hold = tensor._live_hold()
+            m = _meta(tensor._dtype, tensor.shape, tensor.strides, tensor.byte_offset)
+            if s is not None or hold.kind == _lib.MEM_HOST:
+                self._publish(hold, nb, m, s, share_gid, share_all)
+            else:
+                self._publish(hold, nb, m, hold.streams[-1], share_gid, share_all)
+            return
+        if s is None and hasattr(tensor, "__dlpack_device__"):
+            dev = tensor.__dlpack_device__()
+            if int(dev[0]) == _dlpack.kDLCUDA:
+                s = _current_stream(tensor, int(dev[1]))
+        desc = _dlpack.describe(tensor, s)
+        hold = self._find_hold(desc)
+        if hold is not None:
+            m = _meta(desc.dtype, desc.shape, desc.strides, desc.data - hold.ptr)
+            self._publish(hold, nb, m, s, share_gid, share_all)
+            return
+        if desc.dtype.typestr is None and desc.dtype.name != "bfloat16":
+            raise GpupoolError(_lib.CODES["EMETA"], "EMETA",
+                               "element type %s has no gpupool equivalent" % desc.dtype.name)
+        target = pool if pool is not None else self._pool_for(desc.device[0], desc.device[1],
+                                                              None)
+        t = self._alloc(desc.shape, desc.dtype, target, 0, s)
+        try:
+            _copy_into(t, tensor, desc, s)
+            m = _meta(t._dtype, t.shape, None, 0)
+            self._publish(t._hold, nb, m, s, share_gid, share_all)
+        finally:
+            t.release()
+
+    def _publish(self, hold, nb, meta, s, share_gid, share_all):
+        self._conn.usable()
+        buf = hold.buf
+        if buf is None:
+            raise GpupoolError(_lib.CODES["EINVAL"], "EINVAL", "buffer was released")
+        if share_gid or share_all:
+            rc = self._lib.gpupool_publish_ex(buf, nb, ctypes.byref(meta), s, share_gid,
+                                              1 if share_all else 0)
+        else:
+            rc = self._lib.gpupool_publish(buf, nb, ctypes.byref(meta), s)
+        check(rc, "publish %r" % nb.decode("utf-8", "replace"))
+
+    def _find_hold(self, desc):
+        """A live hold of this client whose memory contains the whole view, if any."""
+        if any(st < 0 for st in desc.strides):
+            return None  # gpupool descriptions have no negative strides: copy instead
+        lo, span = desc.span()
+        start = desc.data + lo
+        cuda = desc.device[0] == _dlpack.kDLCUDA
+        for h in list(self._holds):
+            if h.released or h.read_only:
+                continue
+            if (h.kind == _lib.MEM_DEVICE) != cuda:
+                continue
+            if h.ptr <= start and start + span <= h.ptr + h.size and desc.data >= h.ptr:
+                return h
+        return None
+
+    def unpublish(self, name):
+        """Remove a name. Holders keep their tensors; the memory goes when the last lets go."""
+        check(self._lib.gpupool_unpublish(self._conn.usable(), _encode_name(name)),
+              "unpublish %r" % (name,))
+
+    def stats(self):
+        """Daemon counters (clients, buffers, holds, names, requests, errors, open_fds,
+        pending_frees, uptime_s) and 'pools': one dict per pool."""
+        d = _lib.DaemonStats()
+        pools = (_lib.PoolStats * 64)()
+        n = ctypes.c_int(0)
+        check(self._lib.gpupool_stats(self._conn.usable(), ctypes.byref(d), pools, 64,
+                                      ctypes.byref(n)), "stats")
+        out = {f: getattr(d, f) for f, _ in _lib.DaemonStats._fields_}
+        plist = []
+        for i in range(n.value):
+            p = pools[i]
+            e = {f: getattr(p, f) for f, _ in _lib.PoolStats._fields_}
+            e["name"] = p.name.decode(errors="replace")
+            e["kind"] = _lib.MEM_KIND_NAMES.get(p.kind, str(p.kind))
+            plist.append(e)
+        out["pools"] = plist
+        self._pools = plist
+        return out
+
+    def trim(self):
+        """Ask the daemon to give unused slabs back to the backend."""
+        check(self._lib.gpupool_trim(self._conn.usable()), "trim")
+
+    def set_devices(self, devices):
+        """CUDA devices this process touches pool memory from (cudaMemPoolSetAccess)."""
+        devs = [int(d) for d in devices]
+        arr = (ctypes.c_int * max(len(devs), 1))(*devs)
+        check(self._lib.gpupool_set_devices(self._conn.usable(), arr, len(devs)),
+              "set_devices %r" % (devs,))
+
+
+def _timeout_ms(timeout, forever):
+    if timeout is None:
+        if forever:
+            return -1
+        return 0
+    if timeout < 0:
+        return -1 if forever else 0
+    return min(int(math.ceil(timeout * 1000.0)), 2 ** 31 - 1)
+
+
+def _copy_into(dst, src, desc, stream):
+    """Copy the tensor `src` (described by desc) into the contiguous gpupool tensor dst."""
+    if desc.numel == 0:
+        return
+    host_src = desc.device[0] in _HOST_DEVICES
+    host_dst = dst._dl_device[0] in _HOST_DEVICES
+    if host_src and host_dst:
+        if desc.is_contiguous():
+            ctypes.memmove(dst.data_ptr, desc.data, desc.nbytes)
+            return
+        try:
+            import numpy
+        except ImportError:
+            raise GpupoolError(_lib.CODES["ENOTSUP"], "ENOTSUP",
+                               "publishing a non-contiguous host tensor needs NumPy to gather "
+                               "it; install numpy or publish a contiguous copy") from None
+        lo, span = desc.span()
+        raw = desc.dtype.raw_typestr
+        size = desc.dtype.itemsize
+        sbuf = (ctypes.c_char * span).from_address(desc.data + lo)
+        s = numpy.ndarray(desc.shape, dtype=raw, buffer=sbuf, offset=-lo,
+                          strides=tuple(x * size for x in desc.strides))
+        dbuf = (ctypes.c_char * desc.nbytes).from_address(dst.data_ptr)
+        d = numpy.ndarray(desc.shape, dtype=raw, buffer=dbuf)
+        d[...] = s
+        return
+    _framework_copy(dst, src, stream)
+
+
+def _framework_copy(dst, src, stream):
+    """Device copies go through a framework: the producer's own if it is torch or CuPy,
+    else whichever of the two is installed (reading src through DLPack)."""
+    fw = _framework(src)
+    order = [fw] if fw in ("torch", "cupy") else []
+    order += [x for x in ("torch", "cupy") if x not in order]
+    errors = []
+    for name in order:
+        try:
+            if name == "torch":
+                return _torch_copy(dst, src, stream, fw == "torch")
+            return _cupy_copy(dst, src, stream, fw == "cupy")
+        except ImportError as e:
+            errors.append(str(e))
+    raise GpupoolError(_lib.CODES["ENOTSUP"], "ENOTSUP",
+                       "copying a %s tensor into gpupool device memory needs torch or CuPy "
+                       "(%s); install one, or allocate with Client.alloc and produce into it"
+                       % (type(src).__name__, "; ".join(errors)))
+
+
+def _torch_copy(dst, src, stream, native):
+    import torch
+
+    s = src if native else torch.from_dlpack(src)
+    dev = dst._dl_device
+    if dev[0] == _dlpack.kDLCUDA and stream not in (None, 0, 1):
+        ctx = torch.cuda.stream(torch.cuda.ExternalStream(stream, device=dev[1]))
+    elif dev[0] == _dlpack.kDLCUDA and stream in (0, 1):
+        ctx = torch.cuda.stream(torch.cuda.default_stream(dev[1]))
+    else:
+        ctx = _nullcontext()
+    with ctx:
+        d = torch.from_dlpack(dst)
+        d.copy_(s)
+
+
+def _cupy_copy(dst, src, stream, native):
+    import cupy
+
+    s = src if native else cupy.from_dlpack(src)
+    dev = dst._dl_device
+    if stream is not None and dev[0] == _dlpack.kDLCUDA:
+        with cupy.cuda.Device(dev[1]):
+            ctx = cupy.cuda.ExternalStream(stream)
+    else:
+        ctx = _nullcontext()
+    with ctx:
+        d = cupy.from_dlpack(dst)
+        d[...] = s
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
