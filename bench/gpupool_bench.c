@@ -1,0 +1,906 @@
+/*
+ * gpupool benchmark: one run on GPU 0 with its own private gpupoold.
+ *
+ *   gpupool_bench GPUPOOLD
+ *
+ * Measures, in this order:
+ *   - the floor of any request/reply: a 1-byte socketpair ping-pong between two processes;
+ *   - raw CUDA floors without gpupool: cudaMemPoolExportPointer (1 MiB allocation),
+ *     cudaMemPoolImportPointer in a second process, cudaIpcOpenEventHandle (first and later
+ *     opens), cudaStreamWaitEvent on an opened IPC event;
+ *   - warm gpupool_alloc (pointer usable on return) and alloc+release, p50/p99, and the
+ *     ratio of alloc to the socket floor;
+ *   - producer->consumer handoff for 4 KiB, 1 MiB and 64 MiB: from the producer's
+ *     gpupool_publish call to the consumer holding a pointer with the ready event waited on
+ *     (gpupool_get returned and its stream synchronized), p50/p99; warm (slab already mapped
+ *     by the consumer) and cold (first import of the slab by a fresh consumer process);
+ *   - handoffs per second with 1 producer and 4 consumers (64 KiB buffers);
+ *   - warm alloc+release ops/s summed over 16 client processes;
+ *   - read bandwidth of a shared 1 GiB buffer in a consumer vs a local cudaMalloc of the
+ *     same size (same kernel).
+ *
+ * Every figure is printed as a human line and as "BENCH <key> <value>" for scripts
+ * (tools/gpu-bench.sh builds its table from those). Times are CLOCK_MONOTONIC, which all
+ * processes of the machine share. Worker processes are this executable re-executed with a
+ * role; the parent never forks without exec, so it may use CUDA itself.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cuda_runtime_api.h>
+
+#include "gpu_harness.h"
+#include "gpu_kernels.h"
+#include "gpupool/gpupool.h"
+
+#define POOL "gpu0"
+#define POOL_SPEC "name=gpu0,kind=device,device=0,capacity=16G,slab=256M"
+#define SLAB_BYTES (256ull << 20)
+#define STEP_MS 120000
+
+#define N_SOCKET 20000
+#define N_RAW 300
+#define N_ALLOC 5000
+#define N_WARM 300
+#define N_WARMUP 10
+#define N_COLD 20
+#define TP_ITEMS 2000
+#define TP_WINDOW 32
+#define TP_CONSUMERS 4
+#define TP_BYTES (64u << 10)
+#define OPS_PROCS 16
+#define OPS_N 2000
+#define OPS_BYTES (64u << 10)
+#define BW_BYTES (1ull << 30)
+#define BW_REPS 20
+
+static double us_since(uint64_t t0) { return (double)(gh_now_ns() - t0) / 1e3; }
+
+static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void die(const char *fmt, ...) {
+  va_list ap;
+  fprintf(stderr, "gpupool_bench (pid %d): ", (int)getpid());
+  va_start(ap, fmt);
+  vfprintf(stderr, fmt, ap);
+  va_end(ap);
+  fputc('\n', stderr);
+  exit(1);
+}
+
+#define CK(call)                                                                            \
+  do {                                                                                      \
+    cudaError_t ck_e = (call);                                                              \
+    if (ck_e != cudaSuccess)                                                                \
+      die("%s: %s: %s", #call, cudaGetErrorName(ck_e), cudaGetErrorString(ck_e));           \
+  } while (0)
+
+#define GP(call)                                                                            \
+  do {                                                                                      \
+    int gp_rc = (call);                                                                     \
+    if (gp_rc < 0)                                                                          \
+      die("%s: %s: %s", #call, gpupool_err_name(gp_rc), gpupool_last_error());              \
+  } while (0)
+
+static void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void say(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vprintf(fmt, ap);
+  va_end(ap);
+  putchar('\n');
+  fflush(stdout);
+}
+
+static void report(const char *key, double v) { say("BENCH %s %.3f", key, v); }
+
+/* p50/p99 of v[0..n) as "<key>_p50_us"/"<key>_p99_us", with a human line. */
+static double report_lat(const char *what, const char *key, double *v, size_t n) {
+  char k[128];
+  double p50 = gh_percentile(v, n, 50), p99 = gh_percentile(v, n, 99);
+  say("%-52s p50 %9.1f us  p99 %9.1f us  (n=%zu)", what, p50, p99, n);
+  snprintf(k, sizeof(k), "%s_p50_us", key);
+  report(k, p50);
+  snprintf(k, sizeof(k), "%s_p99_us", key);
+  report(k, p99);
+  return p50;
+}
+
+static int full_io(int fd, void *buf, size_t n, int wr) {
+  uint8_t *p = buf;
+  while (n) {
+    ssize_t r = wr ? write(fd, p, n) : read(fd, p, n);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0)
+      return -1;
+    p += r;
+    n -= (size_t)r;
+  }
+  return 0;
+}
+
+static char *next_line(char *buf, size_t len) {
+  if (!fgets(buf, (int)len, stdin))
+    die("stdin closed");
+  buf[strcspn(buf, "\n")] = '\0';
+  return buf;
+}
+
+static cudaStream_t new_stream(void) {
+  cudaStream_t s;
+  CK(cudaSetDevice(0));
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  return s;
+}
+
+/* ---------------------------------------------------------------- socket floor */
+
+static int w_echo(char **a) {
+  uint8_t b;
+  (void)a;
+  while (read(3, &b, 1) == 1)
+    if (write(3, &b, 1) != 1)
+      return 1;
+  return 0;
+}
+
+static double bench_socket(void) {
+  int sv[2];
+  gh_proc p;
+  double *v = calloc(N_SOCKET, sizeof(*v));
+  const char *av[] = {"", "worker", "echo", NULL};
+  if (!v || socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0)
+    die("socketpair: %s", strerror(errno));
+  if (gh_spawn(&p, av, &sv[1], 1) < 0)
+    die("cannot start the echo worker");
+  close(sv[1]);
+  for (int i = 0; i < N_SOCKET + 1000; i++) {
+    uint8_t b = (uint8_t)i;
+    uint64_t t0 = gh_now_ns();
+    if (write(sv[0], &b, 1) != 1 || read(sv[0], &b, 1) != 1)
+      die("echo worker went away");
+    if (i >= 1000)
+      v[i - 1000] = us_since(t0);
+  }
+  close(sv[0]);
+  gh_wait(&p, 10000);
+  double p50 = report_lat("socketpair 1-byte round trip (floor)", "socket_rtt", v, N_SOCKET);
+  free(v);
+  return p50;
+}
+
+/* ---------------------------------------------------------------- raw CUDA floors */
+
+typedef struct {
+  uint32_t type; /* 0 quit, 1 pointer export data, 2 event handle */
+  uint8_t data[64];
+} raw_msg;
+
+typedef struct {
+  double a_us, b_us;
+} raw_reply;
+
+static int send_fd(int sock, int fd) {
+  char c = 'F';
+  struct iovec iov = {&c, 1};
+  union {
+    char buf[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr align;
+  } u;
+  struct msghdr mh;
+  memset(&mh, 0, sizeof(mh));
+  memset(&u, 0, sizeof(u));
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  mh.msg_control = u.buf;
+  mh.msg_controllen = sizeof(u.buf);
+  struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+  cm->cmsg_level = SOL_SOCKET;
+  cm->cmsg_type = SCM_RIGHTS;
+  cm->cmsg_len = CMSG_LEN(sizeof(int));
+  memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+  return sendmsg(sock, &mh, 0) == 1 ? 0 : -1;
+}
+
+static int recv_fd(int sock) {
+  char c;
+  struct iovec iov = {&c, 1};
+  union {
+    char buf[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr align;
+  } u;
+  struct msghdr mh;
+  int fd = -1;
+  memset(&mh, 0, sizeof(mh));
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  mh.msg_control = u.buf;
+  mh.msg_controllen = sizeof(u.buf);
+  if (recvmsg(sock, &mh, MSG_CMSG_CLOEXEC) != 1 || (mh.msg_flags & MSG_CTRUNC))
+    return -1;
+  struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+  if (!cm || cm->cmsg_type != SCM_RIGHTS || cm->cmsg_len != CMSG_LEN(sizeof(int)))
+    return -1;
+  memcpy(&fd, CMSG_DATA(cm), sizeof(int));
+  return fd;
+}
+
+/* raw: fd 3 is a SOCK_SEQPACKET socket; imports the pool sent over it, then answers. */
+static int w_raw(char **a) {
+  cudaStream_t s = new_stream();
+  cudaMemPool_t pool;
+  raw_msg m;
+  int fd;
+  (void)a;
+  if ((fd = recv_fd(3)) < 0)
+    die("raw: no pool fd received");
+  CK(cudaMemPoolImportFromShareableHandle(&pool, (void *)(uintptr_t)fd,
+                                          cudaMemHandleTypePosixFileDescriptor, 0));
+  close(fd);
+  while (recv(3, &m, sizeof(m), 0) == (ssize_t)sizeof(m) && m.type != 0) {
+    raw_reply r = {0, 0};
+    if (m.type == 1) {
+      struct cudaMemPoolPtrExportData d;
+      void *ptr;
+      memcpy(&d, m.data, sizeof(d));
+      uint64_t t0 = gh_now_ns();
+      CK(cudaMemPoolImportPointer(&ptr, pool, &d));
+      r.a_us = us_since(t0);
+      t0 = gh_now_ns();
+      CK(cudaFreeAsync(ptr, s));
+      CK(cudaStreamSynchronize(s));
+      r.b_us = us_since(t0);
+    } else {
+      cudaIpcEventHandle_t h;
+      cudaEvent_t ev;
+      memcpy(&h, m.data, sizeof(h));
+      uint64_t t0 = gh_now_ns();
+      CK(cudaIpcOpenEventHandle(&ev, h));
+      r.a_us = us_since(t0);
+      t0 = gh_now_ns();
+      CK(cudaStreamWaitEvent(s, ev, 0));
+      r.b_us = us_since(t0);
+      CK(cudaStreamSynchronize(s));
+      CK(cudaEventDestroy(ev));
+    }
+    if (send(3, &r, sizeof(r), 0) != (ssize_t)sizeof(r))
+      return 1;
+  }
+  CK(cudaMemPoolDestroy(pool));
+  CK(cudaStreamDestroy(s));
+  return 0;
+}
+
+static void bench_raw(void) {
+  struct cudaMemPoolProps props;
+  cudaMemPool_t pool;
+  cudaStream_t s = new_stream();
+  double *exp_us = calloc(N_RAW, sizeof(double)), *imp_us = calloc(N_RAW, sizeof(double));
+  double *unmap_us = calloc(N_RAW, sizeof(double)), *malloc_us = calloc(N_RAW, sizeof(double));
+  double *open_us = calloc(N_RAW, sizeof(double)), *wait_us = calloc(N_RAW, sizeof(double));
+  double *geth_us = calloc(N_RAW, sizeof(double)), first_open = 0;
+  const char *av[] = {"", "worker", "raw", NULL};
+  int sv[2], fd = -1;
+  gh_proc p;
+
+  if (!exp_us || !imp_us || !unmap_us || !malloc_us || !open_us || !wait_us || !geth_us)
+    die("out of memory");
+  memset(&props, 0, sizeof(props));
+  props.allocType = cudaMemAllocationTypePinned;
+  props.handleTypes = cudaMemHandleTypePosixFileDescriptor;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = 0;
+  props.maxSize = 4ull << 30;
+  CK(cudaMemPoolCreate(&pool, &props));
+  CK(cudaMemPoolExportToShareableHandle(&fd, pool, cudaMemHandleTypePosixFileDescriptor, 0));
+  if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0)
+    die("socketpair: %s", strerror(errno));
+  if (gh_spawn(&p, av, &sv[1], 1) < 0)
+    die("cannot start the raw importer");
+  close(sv[1]);
+  if (send_fd(sv[0], fd) < 0)
+    die("cannot send the pool fd");
+  close(fd);
+  for (int i = 0; i < N_RAW; i++) {
+    raw_msg m = {1, {0}};
+    raw_reply r;
+    struct cudaMemPoolPtrExportData d;
+    void *ptr;
+    uint64_t t0 = gh_now_ns();
+    CK(cudaMallocFromPoolAsync(&ptr, 1u << 20, pool, s));
+    malloc_us[i] = us_since(t0);
+    CK(cudaStreamSynchronize(s));
+    t0 = gh_now_ns();
+    CK(cudaMemPoolExportPointer(&d, ptr));
+    exp_us[i] = us_since(t0);
+    memcpy(m.data, &d, sizeof(d));
+    if (send(sv[0], &m, sizeof(m), 0) != (ssize_t)sizeof(m) ||
+        recv(sv[0], &r, sizeof(r), 0) != (ssize_t)sizeof(r))
+      die("raw importer went away");
+    imp_us[i] = r.a_us;
+    unmap_us[i] = r.b_us;
+    CK(cudaFreeAsync(ptr, s));
+    CK(cudaStreamSynchronize(s));
+  }
+  for (int i = 0; i < N_RAW; i++) {
+    raw_msg m = {2, {0}};
+    raw_reply r;
+    cudaIpcEventHandle_t h;
+    cudaEvent_t ev;
+    CK(cudaEventCreateWithFlags(&ev, cudaEventInterprocess | cudaEventDisableTiming));
+    uint64_t t0 = gh_now_ns();
+    CK(cudaIpcGetEventHandle(&h, ev));
+    geth_us[i] = us_since(t0);
+    CK(cudaEventRecord(ev, s));
+    memcpy(m.data, &h, sizeof(h));
+    if (send(sv[0], &m, sizeof(m), 0) != (ssize_t)sizeof(m) ||
+        recv(sv[0], &r, sizeof(r), 0) != (ssize_t)sizeof(r))
+      die("raw importer went away");
+    if (i == 0)
+      first_open = r.a_us;
+    open_us[i] = r.a_us;
+    wait_us[i] = r.b_us;
+    CK(cudaEventDestroy(ev));
+  }
+  {
+    raw_msg q = {0, {0}};
+    if (send(sv[0], &q, sizeof(q), 0) != (ssize_t)sizeof(q))
+      die("raw importer went away");
+  }
+  gh_wait(&p, 30000);
+  close(sv[0]);
+  CK(cudaStreamSynchronize(s));
+  CK(cudaMemPoolDestroy(pool));
+  CK(cudaStreamDestroy(s));
+
+  report_lat("raw cudaMallocFromPoolAsync (1 MiB)", "raw_malloc_from_pool", malloc_us, N_RAW);
+  report_lat("raw cudaMemPoolExportPointer (1 MiB)", "raw_export_ptr", exp_us, N_RAW);
+  report_lat("raw cudaMemPoolImportPointer (1 MiB, 2nd process)", "raw_import_ptr", imp_us,
+             N_RAW);
+  report_lat("raw importer cudaFreeAsync+sync of the import", "raw_unmap_sync", unmap_us,
+             N_RAW);
+  report_lat("raw cudaIpcGetEventHandle", "raw_ipc_get_event", geth_us, N_RAW);
+  say("%-52s %9.1f us", "raw cudaIpcOpenEventHandle, first in the process", first_open);
+  report("raw_ipc_open_event_first_us", first_open);
+  report_lat("raw cudaIpcOpenEventHandle, later opens", "raw_ipc_open_event", open_us + 1,
+             N_RAW - 1);
+  report_lat("raw cudaStreamWaitEvent on an IPC event", "raw_stream_wait_event", wait_us,
+             N_RAW);
+  free(exp_us);
+  free(imp_us);
+  free(unmap_us);
+  free(malloc_us);
+  free(open_us);
+  free(wait_us);
+  free(geth_us);
+}
+
+/* ---------------------------------------------------------------- warm alloc round trip */
+
+/* alloc SOCK N SIZE: prints "A <alloc_us>" and "P <alloc+release_us>" per op on stdout. */
+static int w_alloc(char **a) {
+  const char *sock = a[0];
+  int n = atoi(a[1]);
+  size_t size = strtoull(a[2], NULL, 0);
+  cudaStream_t s = new_stream();
+  gpupool_client *c;
+  gpupool_buffer *b;
+  double *va = calloc((size_t)n, sizeof(double)), *vp = calloc((size_t)n, sizeof(double));
+  if (!va || !vp)
+    die("out of memory");
+  GP(gpupool_connect(sock, "bench-alloc", &c));
+  for (int i = 0; i < 200; i++) { /* maps the slab, fills the client's caches */
+    GP(gpupool_alloc(c, POOL, size, 10000, s, &b));
+    GP(gpupool_release(b, s));
+  }
+  for (int i = 0; i < n; i++) {
+    uint64_t t0 = gh_now_ns();
+    GP(gpupool_alloc(c, POOL, size, 10000, s, &b));
+    va[i] = us_since(t0);
+    if (!gpupool_buffer_ptr(b))
+      die("gpupool_alloc returned no pointer");
+    GP(gpupool_release(b, s));
+    vp[i] = us_since(t0);
+  }
+  CK(cudaStreamSynchronize(s));
+  gpupool_disconnect(c);
+  CK(cudaStreamDestroy(s));
+  say("ALLOC %.3f %.3f %.3f %.3f", gh_percentile(va, (size_t)n, 50),
+      gh_percentile(va, (size_t)n, 99), gh_percentile(vp, (size_t)n, 50),
+      gh_percentile(vp, (size_t)n, 99));
+  free(va);
+  free(vp);
+  return 0;
+}
+
+static void bench_alloc(const gh_daemon *d, double socket_p50) {
+  char n[16], sz[16], line[256];
+  double a50, a99, p50, p99;
+  gh_proc p;
+  snprintf(n, sizeof(n), "%d", N_ALLOC);
+  snprintf(sz, sizeof(sz), "%d", 4096);
+  const char *av[] = {"", "worker", "alloc", d->sock, n, sz, NULL};
+  if (gh_spawn(&p, av, NULL, 0) < 0 || gh_expect(&p, "ALLOC", line, sizeof(line), STEP_MS) < 0 ||
+      sscanf(line, "ALLOC %lf %lf %lf %lf", &a50, &a99, &p50, &p99) != 4)
+    die("alloc worker failed");
+  gh_wait(&p, STEP_MS);
+  say("%-52s p50 %9.1f us  p99 %9.1f us  (n=%d)", "warm gpupool_alloc 4 KiB (usable pointer)",
+      a50, a99, N_ALLOC);
+  say("%-52s p50 %9.1f us  p99 %9.1f us", "warm gpupool_alloc + gpupool_release", p50, p99);
+  say("%-52s %9.2fx", "alloc p50 / socket floor p50", a50 / socket_p50);
+  report("alloc_p50_us", a50);
+  report("alloc_p99_us", a99);
+  report("alloc_release_p50_us", p50);
+  report("alloc_release_p99_us", p99);
+  report("alloc_vs_socket_p50_ratio", a50 / socket_p50);
+}
+
+/* ---------------------------------------------------------------- handoff latency */
+
+/* prod SOCK: commands on stdin (ALLOC name size | PUB name | UNPUB name | QUIT). */
+static int w_prod(char **a) {
+  cudaStream_t s = new_stream();
+  gpupool_client *c;
+  gpupool_buffer *b = NULL;
+  char line[512], name[256];
+  unsigned long long size;
+  GP(gpupool_connect(a[0], "bench-producer", &c));
+  say("READY");
+  for (;;) {
+    next_line(line, sizeof(line));
+    if (sscanf(line, "ALLOC %255s %llu", name, &size) == 2) {
+      GP(gpupool_alloc(c, POOL, size, 30000, s, &b));
+      CK(cudaMemsetAsync(gpupool_buffer_ptr(b), 0x5a, size, s));
+      /* The fill is done before the clock starts: the handoff is what is measured. */
+      CK(cudaStreamSynchronize(s));
+      say("ALLOCATED");
+    } else if (sscanf(line, "PUB %255s", name) == 1) {
+      if (!b)
+        die("PUB without ALLOC");
+      uint64_t t0 = gh_now_ns();
+      GP(gpupool_publish(b, name, NULL, s));
+      say("T0 %" PRIu64, t0);
+      GP(gpupool_release(b, s));
+      b = NULL;
+    } else if (sscanf(line, "UNPUB %255s", name) == 1) {
+      GP(gpupool_unpublish(c, name));
+      say("UNPUBLISHED");
+    } else if (!strcmp(line, "QUIT")) {
+      break;
+    } else {
+      die("producer: unknown command %s", line);
+    }
+  }
+  CK(cudaStreamSynchronize(s));
+  gpupool_disconnect(c);
+  CK(cudaStreamDestroy(s));
+  return 0;
+}
+
+/* cons SOCK: commands on stdin (PRIME name | GET name | QUIT). */
+static int w_cons(char **a) {
+  cudaStream_t s = new_stream();
+  gpupool_client *c;
+  gpupool_buffer *primer = NULL, *b;
+  char line[512], name[256];
+  GP(gpupool_connect(a[0], "bench-consumer", &c));
+  say("READY");
+  for (;;) {
+    next_line(line, sizeof(line));
+    if (sscanf(line, "PRIME %255s", name) == 1) {
+      /* Imports the pool (and maps the primer's own slab) outside the measurement. */
+      GP(gpupool_get(c, name, STEP_MS, GPUPOOL_READ_ONLY, s, &primer));
+      CK(cudaStreamSynchronize(s));
+      say("PRIMED");
+    } else if (sscanf(line, "GET %255s", name) == 1) {
+      say("WAITING");
+      GP(gpupool_get(c, name, STEP_MS, GPUPOOL_READ_ONLY, s, &b));
+      CK(cudaStreamSynchronize(s));
+      uint64_t t1 = gh_now_ns();
+      if (!gpupool_buffer_ptr(b))
+        die("gpupool_get returned no pointer");
+      say("T1 %" PRIu64, t1);
+      GP(gpupool_release(b, s));
+      CK(cudaStreamSynchronize(s));
+      say("RELEASED");
+    } else if (!strcmp(line, "QUIT")) {
+      break;
+    } else {
+      die("consumer: unknown command %s", line);
+    }
+  }
+  if (primer)
+    GP(gpupool_release(primer, s));
+  CK(cudaStreamSynchronize(s));
+  gpupool_disconnect(c);
+  CK(cudaStreamDestroy(s));
+  return 0;
+}
+
+static void cmd(gh_proc *p, const char *expect, char *line, size_t len, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+static void cmd(gh_proc *p, const char *expect, char *line, size_t len, const char *fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  if (gh_writeline(p, buf) < 0)
+    die("worker %d went away (sending %s)", (int)p->pid, buf);
+  if (expect && gh_expect(p, expect, line, len, STEP_MS) < 0)
+    die("worker %d: no %s after %s", (int)p->pid, expect, buf);
+}
+
+/* One handoff: the consumer is blocked in gpupool_get when the producer publishes. */
+static double one_handoff(gh_proc *prod, gh_proc *cons, const char *name, uint64_t size) {
+  char line[256];
+  uint64_t t0, t1;
+  cmd(prod, "ALLOCATED", line, sizeof(line), "ALLOC %s %" PRIu64, name, size);
+  cmd(cons, "WAITING", line, sizeof(line), "GET %s", name);
+  gh_sleep_ms(2); /* let the Get reach the daemon */
+  cmd(prod, "T0", line, sizeof(line), "PUB %s", name);
+  if (sscanf(line, "T0 %" SCNu64, &t0) != 1)
+    die("bad producer line %s", line);
+  if (gh_expect(cons, "T1", line, sizeof(line), STEP_MS) < 0 ||
+      sscanf(line, "T1 %" SCNu64, &t1) != 1)
+    die("consumer did not get %s", name);
+  if (gh_expect(cons, "RELEASED", line, sizeof(line), STEP_MS) < 0)
+    die("consumer did not release %s", name);
+  cmd(prod, "UNPUBLISHED", line, sizeof(line), "UNPUB %s", name);
+  return (double)(t1 - t0) / 1e3;
+}
+
+static void spawn_role(gh_proc *p, const char *role, const gh_daemon *d) {
+  char line[256];
+  const char *av[] = {"", "worker", role, d->sock, NULL};
+  if (gh_spawn(p, av, NULL, 0) < 0 || gh_expect(p, "READY", line, sizeof(line), STEP_MS) < 0)
+    die("cannot start a %s worker", role);
+}
+
+static void bench_handoff(const gh_daemon *d, uint64_t size, const char *label) {
+  double *warm = calloc(N_WARM, sizeof(double)), *cold = calloc(N_COLD, sizeof(double));
+  char name[64], what[96], key[64], line[256];
+  gh_proc prod, cons;
+
+  if (!warm || !cold)
+    die("out of memory");
+  spawn_role(&prod, "prod", d);
+  spawn_role(&cons, "cons", d);
+  for (int i = 0; i < N_WARMUP + N_WARM; i++) {
+    double us;
+    snprintf(name, sizeof(name), "w-%s-%d", label, i);
+    us = one_handoff(&prod, &cons, name, size);
+    if (i >= N_WARMUP)
+      warm[i - N_WARMUP] = us;
+  }
+  cmd(&cons, NULL, line, sizeof(line), "QUIT");
+  gh_wait(&cons, STEP_MS);
+
+  /* Cold: a fresh consumer process per handoff. It first gets a primer buffer that has a
+   * slab of its own (larger than a regular slab), which imports the pool; the measured
+   * buffer then lies in a regular slab this process has never mapped. */
+  cmd(&prod, "ALLOCATED", line, sizeof(line), "ALLOC primer-%s %llu", label,
+      (unsigned long long)(SLAB_BYTES + (2u << 20)));
+  cmd(&prod, "T0", line, sizeof(line), "PUB primer-%s", label);
+  for (int i = 0; i < N_COLD; i++) {
+    spawn_role(&cons, "cons", d);
+    cmd(&cons, "PRIMED", line, sizeof(line), "PRIME primer-%s", label);
+    snprintf(name, sizeof(name), "c-%s-%d", label, i);
+    cold[i] = one_handoff(&prod, &cons, name, size);
+    cmd(&cons, NULL, line, sizeof(line), "QUIT");
+    gh_wait(&cons, STEP_MS);
+  }
+  cmd(&prod, "UNPUBLISHED", line, sizeof(line), "UNPUB primer-%s", label);
+  cmd(&prod, NULL, line, sizeof(line), "QUIT");
+  gh_wait(&prod, STEP_MS);
+
+  snprintf(what, sizeof(what), "handoff %s warm (publish -> usable in consumer)", label);
+  snprintf(key, sizeof(key), "handoff_warm_%" PRIu64, size);
+  report_lat(what, key, warm, N_WARM);
+  snprintf(what, sizeof(what), "handoff %s cold (first slab import)", label);
+  snprintf(key, sizeof(key), "handoff_cold_%" PRIu64, size);
+  report_lat(what, key, cold, N_COLD);
+  free(warm);
+  free(cold);
+}
+
+/* ---------------------------------------------------------------- handoff throughput */
+
+/* tp-prod SOCK: fd 3 reads consumers' 4-byte acks. Waits for GO, then publishes TP_ITEMS
+ * names, keeping at most TP_WINDOW not yet taken by every consumer. */
+static int w_tp_prod(char **a) {
+  cudaStream_t s = new_stream();
+  gpupool_client *c;
+  uint8_t *taken = calloc(TP_ITEMS, 1);
+  char line[64], name[64];
+  int done = 0; /* items every consumer has taken, in order */
+  if (!taken)
+    die("out of memory");
+  GP(gpupool_connect(a[0], "bench-tp-producer", &c));
+  say("READY");
+  next_line(line, sizeof(line));
+  uint64_t t0 = gh_now_ns();
+  for (int i = 0; i < TP_ITEMS || done < TP_ITEMS;) {
+    if (i < TP_ITEMS && i - done < TP_WINDOW) {
+      gpupool_buffer *b;
+      GP(gpupool_alloc(c, POOL, TP_BYTES, 30000, s, &b));
+      CK(cudaMemsetAsync(gpupool_buffer_ptr(b), i & 0xff, TP_BYTES, s));
+      snprintf(name, sizeof(name), "tp-%d", i);
+      GP(gpupool_publish(b, name, NULL, s));
+      GP(gpupool_release(b, s));
+      i++;
+      continue;
+    }
+    uint32_t idx;
+    if (full_io(3, &idx, sizeof(idx), 0) < 0 || idx >= TP_ITEMS)
+      die("tp consumers went away");
+    if (++taken[idx] == TP_CONSUMERS) {
+      snprintf(name, sizeof(name), "tp-%u", idx);
+      GP(gpupool_unpublish(c, name));
+    }
+    while (done < TP_ITEMS && taken[done] == TP_CONSUMERS)
+      done++;
+  }
+  double secs = (double)(gh_now_ns() - t0) / 1e9;
+  CK(cudaStreamSynchronize(s));
+  gpupool_disconnect(c);
+  CK(cudaStreamDestroy(s));
+  say("RATE %.1f %.3f", (double)TP_ITEMS * TP_CONSUMERS / secs, secs);
+  free(taken);
+  return 0;
+}
+
+/* tp-cons SOCK: fd 3 writes 4-byte acks. */
+static int w_tp_cons(char **a) {
+  cudaStream_t s = new_stream();
+  gpupool_client *c;
+  char line[64], name[64];
+  GP(gpupool_connect(a[0], "bench-tp-consumer", &c));
+  say("READY");
+  next_line(line, sizeof(line));
+  for (uint32_t i = 0; i < TP_ITEMS; i++) {
+    gpupool_buffer *b;
+    snprintf(name, sizeof(name), "tp-%u", i);
+    GP(gpupool_get(c, name, STEP_MS, GPUPOOL_READ_ONLY, s, &b));
+    GP(gpupool_release(b, s));
+    if (full_io(3, &i, sizeof(i), 1) < 0)
+      die("tp producer went away");
+  }
+  CK(cudaStreamSynchronize(s));
+  gpupool_disconnect(c);
+  CK(cudaStreamDestroy(s));
+  return 0;
+}
+
+static void bench_throughput(const gh_daemon *d) {
+  gh_proc prod, cons[TP_CONSUMERS];
+  char line[256];
+  double rate, secs;
+  int ack[2];
+  if (pipe2(ack, O_CLOEXEC) < 0)
+    die("pipe2: %s", strerror(errno));
+  {
+    const char *avp[] = {"", "worker", "tp-prod", d->sock, NULL};
+    const char *avc[] = {"", "worker", "tp-cons", d->sock, NULL};
+    if (gh_spawn(&prod, avp, &ack[0], 1) < 0)
+      die("cannot start the tp producer");
+    for (int i = 0; i < TP_CONSUMERS; i++)
+      if (gh_spawn(&cons[i], avc, &ack[1], 1) < 0)
+        die("cannot start a tp consumer");
+  }
+  close(ack[0]);
+  close(ack[1]);
+  if (gh_expect(&prod, "READY", line, sizeof(line), STEP_MS) < 0)
+    die("tp producer not ready");
+  for (int i = 0; i < TP_CONSUMERS; i++)
+    if (gh_expect(&cons[i], "READY", line, sizeof(line), STEP_MS) < 0)
+      die("tp consumer not ready");
+  for (int i = 0; i < TP_CONSUMERS; i++)
+    gh_writeline(&cons[i], "GO");
+  gh_writeline(&prod, "GO");
+  if (gh_expect(&prod, "RATE", line, sizeof(line), 600000) < 0 ||
+      sscanf(line, "RATE %lf %lf", &rate, &secs) != 2)
+    die("tp producer failed");
+  gh_wait(&prod, STEP_MS);
+  for (int i = 0; i < TP_CONSUMERS; i++)
+    if (gh_wait(&cons[i], STEP_MS) != 0)
+      die("tp consumer %d failed", i);
+  say("%-52s %9.0f /s  (%d x %d handoffs of 64 KiB in %.2f s)",
+      "handoffs per second, 1 producer -> 4 consumers", rate, TP_ITEMS, TP_CONSUMERS, secs);
+  report("handoffs_per_s_1p4c", rate);
+}
+
+/* ---------------------------------------------------------------- alloc ops/s, 16 procs */
+
+static int w_ops(char **a) {
+  cudaStream_t s = new_stream();
+  gpupool_client *c;
+  gpupool_buffer *b;
+  char line[64];
+  GP(gpupool_connect(a[0], "bench-ops", &c));
+  for (int i = 0; i < 50; i++) {
+    GP(gpupool_alloc(c, POOL, OPS_BYTES, 30000, s, &b));
+    GP(gpupool_release(b, s));
+  }
+  say("READY");
+  next_line(line, sizeof(line));
+  uint64_t t0 = gh_now_ns();
+  for (int i = 0; i < OPS_N; i++) {
+    GP(gpupool_alloc(c, POOL, OPS_BYTES, 30000, s, &b));
+    GP(gpupool_release(b, s));
+  }
+  uint64_t t1 = gh_now_ns();
+  CK(cudaStreamSynchronize(s));
+  gpupool_disconnect(c);
+  CK(cudaStreamDestroy(s));
+  say("OPS %d %" PRIu64 " %" PRIu64, OPS_N, t0, t1);
+  return 0;
+}
+
+static void bench_ops(const gh_daemon *d) {
+  gh_proc p[OPS_PROCS];
+  char line[256];
+  uint64_t first = UINT64_MAX, last = 0, total = 0;
+  for (int i = 0; i < OPS_PROCS; i++)
+    spawn_role(&p[i], "ops", d);
+  for (int i = 0; i < OPS_PROCS; i++)
+    gh_writeline(&p[i], "GO");
+  for (int i = 0; i < OPS_PROCS; i++) {
+    int n;
+    uint64_t t0, t1;
+    if (gh_expect(&p[i], "OPS", line, sizeof(line), 600000) < 0 ||
+        sscanf(line, "OPS %d %" SCNu64 " %" SCNu64, &n, &t0, &t1) != 3)
+      die("ops worker %d failed", i);
+    total += (uint64_t)n;
+    first = t0 < first ? t0 : first;
+    last = t1 > last ? t1 : last;
+    gh_wait(&p[i], STEP_MS);
+  }
+  double rate = (double)total / ((double)(last - first) / 1e9);
+  say("%-52s %9.0f /s  (%d processes x %d, 64 KiB)", "warm alloc+release ops/s, 16 processes",
+      rate, OPS_PROCS, OPS_N);
+  report("alloc_release_ops_per_s_16p", rate);
+}
+
+/* ---------------------------------------------------------------- read bandwidth */
+
+static double read_gbps(const void *ptr, size_t bytes, cudaStream_t s,
+                        unsigned long long *sink) {
+  cudaEvent_t a, b;
+  float ms = 0;
+  int ce;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; i++)
+    if ((ce = gk_read(ptr, bytes, s, sink)))
+      die("read kernel: %s", cudaGetErrorString((cudaError_t)ce));
+  CK(cudaEventRecord(a, s));
+  for (int i = 0; i < BW_REPS; i++)
+    if ((ce = gk_read(ptr, bytes, s, sink)))
+      die("read kernel: %s", cudaGetErrorString((cudaError_t)ce));
+  CK(cudaEventRecord(b, s));
+  CK(cudaEventSynchronize(b));
+  CK(cudaEventElapsedTime(&ms, a, b));
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  return (double)bytes * BW_REPS / ((double)ms / 1e3) / 1e9;
+}
+
+/* bw SOCK NAME: reads the shared buffer, then a local one of the same size. */
+static int w_bw(char **a) {
+  cudaStream_t s = new_stream();
+  gpupool_client *c;
+  gpupool_buffer *b;
+  unsigned long long *sink;
+  void *local;
+  GP(gpupool_connect(a[0], "bench-bw", &c));
+  GP(gpupool_get(c, a[1], STEP_MS, GPUPOOL_READ_ONLY, s, &b));
+  CK(cudaMalloc((void **)&sink, sizeof(*sink)));
+  double shared = read_gbps(gpupool_buffer_ptr(b), BW_BYTES, s, sink);
+  GP(gpupool_release(b, s));
+  CK(cudaMalloc(&local, BW_BYTES));
+  CK(cudaMemsetAsync(local, 0x5a, BW_BYTES, s));
+  double loc = read_gbps(local, BW_BYTES, s, sink);
+  CK(cudaStreamSynchronize(s));
+  CK(cudaFree(local));
+  CK(cudaFree(sink));
+  gpupool_disconnect(c);
+  CK(cudaStreamDestroy(s));
+  say("BW %.1f %.1f", shared, loc);
+  return 0;
+}
+
+static void bench_bw(const gh_daemon *d) {
+  gh_proc prod, bw;
+  char line[256];
+  double shared, loc;
+  spawn_role(&prod, "prod", d);
+  cmd(&prod, "ALLOCATED", line, sizeof(line), "ALLOC bw %llu", (unsigned long long)BW_BYTES);
+  cmd(&prod, "T0", line, sizeof(line), "PUB bw");
+  {
+    const char *av[] = {"", "worker", "bw", d->sock, "bw", NULL};
+    if (gh_spawn(&bw, av, NULL, 0) < 0 || gh_expect(&bw, "BW", line, sizeof(line), STEP_MS) < 0 ||
+        sscanf(line, "BW %lf %lf", &shared, &loc) != 2)
+      die("bandwidth worker failed");
+    gh_wait(&bw, STEP_MS);
+  }
+  cmd(&prod, "UNPUBLISHED", line, sizeof(line), "UNPUB bw");
+  cmd(&prod, NULL, line, sizeof(line), "QUIT");
+  gh_wait(&prod, STEP_MS);
+  say("%-52s %9.1f GB/s", "read bandwidth, shared 1 GiB buffer (consumer)", shared);
+  say("%-52s %9.1f GB/s", "read bandwidth, local cudaMalloc 1 GiB", loc);
+  say("%-52s %9.3f", "shared / local", shared / loc);
+  report("bw_shared_gbps", shared);
+  report("bw_local_gbps", loc);
+  report("bw_shared_vs_local_ratio", shared / loc);
+}
+
+/* ---------------------------------------------------------------- main */
+
+static int worker_main(int argc, char **argv) {
+  static const struct {
+    const char *role;
+    int nargs;
+    int (*fn)(char **);
+  } roles[] = {{"echo", 0, w_echo},       {"raw", 0, w_raw},         {"alloc", 3, w_alloc},
+               {"prod", 1, w_prod},       {"cons", 1, w_cons},       {"tp-prod", 1, w_tp_prod},
+               {"tp-cons", 1, w_tp_cons}, {"ops", 1, w_ops},         {"bw", 2, w_bw}};
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  for (size_t i = 0; i < sizeof(roles) / sizeof(roles[0]); i++)
+    if (!strcmp(argv[2], roles[i].role)) {
+      if (argc - 3 != roles[i].nargs)
+        die("worker %s: %d arguments, expected %d", roles[i].role, argc - 3, roles[i].nargs);
+      return roles[i].fn(argv + 3);
+    }
+  die("unknown worker role %s", argv[2]);
+}
+
+int main(int argc, char **argv) {
+  struct cudaDeviceProp prop;
+  gh_daemon d;
+  int drv = 0;
+
+  if (argc >= 3 && !strcmp(argv[1], "worker"))
+    return worker_main(argc, argv);
+  if (argc != 2) {
+    fprintf(stderr, "usage: %s GPUPOOLD\n", argv[0]);
+    return 2;
+  }
+  signal(SIGPIPE, SIG_IGN);
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  gh_gpu_count_or_skip(1, "the benchmark");
+  CK(cudaGetDeviceProperties(&prop, 0));
+  CK(cudaDriverGetVersion(&drv));
+  say("gpupool %s benchmark on %s (driver %d.%d, runtime %d.%d)", gpupool_version_string(),
+      prop.name, drv / 1000, (drv % 1000) / 10, CUDART_VERSION / 1000,
+      (CUDART_VERSION % 1000) / 10);
+  say("BENCH_INFO device %s", prop.name);
+
+  double socket_p50 = bench_socket();
+  bench_raw();
+  if (gh_daemon_start(&d, argv[1], POOL_SPEC) < 0)
+    die("gpupoold did not start");
+  bench_alloc(&d, socket_p50);
+  bench_handoff(&d, 4096, "4KiB");
+  bench_handoff(&d, 1u << 20, "1MiB");
+  bench_handoff(&d, 64u << 20, "64MiB");
+  bench_throughput(&d);
+  bench_ops(&d);
+  bench_bw(&d);
+  if (!gh_daemon_alive(&d)) {
+    gh_daemon_stop(&d, 1);
+    die("gpupoold died during the benchmark");
+  }
+  gh_daemon_stop(&d, 0);
+  say("BENCH_DONE");
+  return 0;
+}

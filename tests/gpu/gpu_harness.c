@@ -1,0 +1,388 @@
+/*
+ * Process harness for the GPU tests and the benchmark (see gpu_harness.h): GPU check, private
+ * daemon lifecycle, worker processes over pipes, timing helpers. Plain POSIX; the only CUDA
+ * call is the device count.
+ */
+#include "gpu_harness.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cuda_runtime_api.h>
+
+uint64_t gh_now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void gh_sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) < 0 && errno == EINTR)
+    ;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+double gh_percentile(double *v, size_t n, double pct) {
+  size_t i;
+  if (n == 0)
+    return 0.0;
+  qsort(v, n, sizeof(*v), cmp_double);
+  i = (size_t)(pct / 100.0 * (double)(n - 1) + 0.5);
+  return v[i < n ? i : n - 1];
+}
+
+int gh_gpu_count_or_skip(int need, const char *why) {
+  int n = 0, drv = 0;
+  cudaError_t e;
+  if (cudaDriverGetVersion(&drv) != cudaSuccess || drv == 0) {
+    printf("SKIP: no CUDA device (no NVIDIA driver: cudaDriverGetVersion reports none)\n");
+    fflush(stdout);
+    exit(GH_SKIP);
+  }
+  e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    printf("SKIP: no CUDA device (cudaGetDeviceCount: %s: %s)\n", cudaGetErrorName(e),
+           cudaGetErrorString(e));
+    fflush(stdout);
+    exit(GH_SKIP);
+  }
+  if (n < need) {
+    printf("SKIP: %s needs %d CUDA device%s, this machine has %d\n", why, need,
+           need == 1 ? "" : "s", n);
+    fflush(stdout);
+    exit(GH_SKIP);
+  }
+  return n;
+}
+
+static int wait_timeout(pid_t pid, int timeout_ms, int *status) {
+  uint64_t end = gh_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+  for (;;) {
+    pid_t r = waitpid(pid, status, WNOHANG);
+    if (r == pid)
+      return 0;
+    if (r < 0 && errno != EINTR)
+      return -1;
+    if (gh_now_ns() >= end)
+      return 1;
+    gh_sleep_ms(5);
+  }
+}
+
+static void print_file(const char *path) {
+  char buf[4096];
+  size_t n;
+  FILE *f = fopen(path, "r");
+  if (!f)
+    return;
+  fprintf(stderr, "---- %s ----\n", path);
+  while ((n = fread(buf, 1, sizeof(buf), f)) > 0)
+    fwrite(buf, 1, n, stderr);
+  fprintf(stderr, "---- end of %s ----\n", path);
+  fclose(f);
+}
+
+static void rm_dir(const char *dir) {
+  DIR *d = opendir(dir);
+  struct dirent *de;
+  char path[PATH_MAX];
+  if (d) {
+    while ((de = readdir(d)) != NULL) {
+      if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, ".."))
+        continue;
+      snprintf(path, sizeof(path), "%s/%s", dir, de->d_name);
+      unlink(path);
+    }
+    closedir(d);
+  }
+  rmdir(dir);
+}
+
+int gh_daemon_alive(gh_daemon *d) {
+  int st;
+  if (d->pid <= 0)
+    return 0;
+  if (waitpid(d->pid, &st, WNOHANG) == d->pid) {
+    fprintf(stderr, "gpupoold exited (%s %d)\n", WIFEXITED(st) ? "status" : "signal",
+            WIFEXITED(st) ? WEXITSTATUS(st) : WTERMSIG(st));
+    d->pid = -1;
+    return 0;
+  }
+  return 1;
+}
+
+int gh_daemon_start(gh_daemon *d, const char *gpupoold, const char *pool_spec) {
+  const char *tmp = getenv("TMPDIR");
+  uint64_t end;
+  int logfd;
+
+  memset(d, 0, sizeof(*d));
+  d->pid = -1;
+  snprintf(d->dir, sizeof(d->dir), "%s/gpupool-gpu.XXXXXX", tmp && *tmp ? tmp : "/tmp");
+  if (!mkdtemp(d->dir)) {
+    fprintf(stderr, "mkdtemp %s: %s\n", d->dir, strerror(errno));
+    return -1;
+  }
+  snprintf(d->sock, sizeof(d->sock), "%s/gpupoold.sock", d->dir);
+  if (strlen(d->sock) >= sizeof(((struct sockaddr_un *)0)->sun_path)) {
+    fprintf(stderr, "socket path %s is too long for AF_UNIX: set TMPDIR to a shorter dir\n",
+            d->sock);
+    rm_dir(d->dir);
+    return -1;
+  }
+  snprintf(d->log, sizeof(d->log), "%s/gpupoold.log", d->dir);
+  logfd = open(d->log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (logfd < 0) {
+    fprintf(stderr, "open %s: %s\n", d->log, strerror(errno));
+    rm_dir(d->dir);
+    return -1;
+  }
+  {
+    const char *argv[] = {gpupoold, "--socket", d->sock, "--backend", "cuda", "--pool",
+                          pool_spec, "--log-level", "info", NULL};
+    d->pid = fork();
+    if (d->pid == 0) {
+      int nul = open("/dev/null", O_RDONLY);
+      if (nul >= 0)
+        dup2(nul, 0);
+      dup2(logfd, 1);
+      dup2(logfd, 2);
+      execv(gpupoold, (char *const *)argv);
+      _exit(127);
+    }
+  }
+  close(logfd);
+  if (d->pid < 0) {
+    fprintf(stderr, "fork: %s\n", strerror(errno));
+    rm_dir(d->dir);
+    return -1;
+  }
+  /* CUDA initialization in the daemon can take seconds on a cold driver. */
+  end = gh_now_ns() + 60ull * 1000000000ull;
+  while (gh_now_ns() < end) {
+    struct sockaddr_un sa;
+    int s, ok;
+    if (!gh_daemon_alive(d)) {
+      fprintf(stderr, "gpupoold (%s) exited before accepting connections\n", gpupoold);
+      print_file(d->log);
+      rm_dir(d->dir);
+      return -1;
+    }
+    s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    memset(&sa, 0, sizeof(sa));
+    sa.sun_family = AF_UNIX;
+    memcpy(sa.sun_path, d->sock, strlen(d->sock) + 1);
+    ok = s >= 0 && connect(s, (struct sockaddr *)&sa, sizeof(sa)) == 0;
+    if (s >= 0)
+      close(s);
+    if (ok)
+      return 0;
+    gh_sleep_ms(20);
+  }
+  fprintf(stderr, "gpupoold did not accept connections on %s within 60 s\n", d->sock);
+  gh_daemon_stop(d, 1);
+  return -1;
+}
+
+int gh_daemon_stop(gh_daemon *d, int print_log) {
+  int st = 0, ret = -1;
+  if (d->pid > 0) {
+    kill(d->pid, SIGTERM);
+    if (wait_timeout(d->pid, 10000, &st) == 1) {
+      fprintf(stderr, "gpupoold did not exit within 10 s of SIGTERM; killing it\n");
+      kill(d->pid, SIGKILL);
+      waitpid(d->pid, &st, 0);
+    }
+    ret = st;
+    d->pid = -1;
+  }
+  if (print_log)
+    print_file(d->log);
+  if (d->dir[0])
+    rm_dir(d->dir);
+  d->dir[0] = '\0';
+  return ret;
+}
+
+int gh_spawn(gh_proc *p, const char *const *argv, const int *extra, int n_extra) {
+  static char self[PATH_MAX];
+  int in[2] = {-1, -1}, out[2] = {-1, -1}, hi[16];
+  const char **av;
+  int n = 0;
+
+  memset(p, 0, sizeof(*p));
+  p->pid = -1;
+  p->in = p->out = -1;
+  if (n_extra > 13)
+    return -1;
+  if (!self[0]) {
+    ssize_t l = readlink("/proc/self/exe", self, sizeof(self) - 1);
+    if (l <= 0) {
+      fprintf(stderr, "readlink /proc/self/exe: %s\n", strerror(errno));
+      return -1;
+    }
+    self[l] = '\0';
+  }
+  while (argv[n])
+    n++;
+  av = calloc((size_t)n + 1, sizeof(*av));
+  if (!av)
+    return -1;
+  av[0] = self;
+  for (int i = 1; i < n; i++)
+    av[i] = argv[i];
+  if (pipe2(in, O_CLOEXEC) < 0 || pipe2(out, O_CLOEXEC) < 0) {
+    fprintf(stderr, "pipe2: %s\n", strerror(errno));
+    goto fail;
+  }
+  fflush(stdout);
+  fflush(stderr);
+  p->pid = fork();
+  if (p->pid == 0) {
+    /* Only async-signal-safe calls until exec: the parent may have CUDA threads. Move every
+     * source above the targets first so that mapping one cannot clobber another. */
+    int fds[16], k = 0;
+    fds[k++] = in[0];
+    fds[k++] = out[1];
+    for (int i = 0; i < n_extra; i++)
+      fds[k++] = extra[i];
+    for (int i = 0; i < k; i++) {
+      hi[i] = fcntl(fds[i], F_DUPFD_CLOEXEC, 100);
+      if (hi[i] < 0)
+        _exit(126);
+    }
+    if (dup2(hi[0], 0) < 0 || dup2(hi[1], 1) < 0)
+      _exit(126);
+    for (int i = 0; i < n_extra; i++)
+      if (dup2(hi[2 + i], 3 + i) < 0)
+        _exit(126);
+    execv(self, (char *const *)av);
+    _exit(127);
+  }
+  if (p->pid < 0) {
+    fprintf(stderr, "fork: %s\n", strerror(errno));
+    goto fail;
+  }
+  close(in[0]);
+  close(out[1]);
+  p->in = in[1];
+  p->out = out[0];
+  free(av);
+  return 0;
+
+fail:
+  for (int i = 0; i < 2; i++) {
+    if (in[i] >= 0)
+      close(in[i]);
+    if (out[i] >= 0)
+      close(out[i]);
+  }
+  free(av);
+  return -1;
+}
+
+int gh_readline(gh_proc *p, char *line, size_t len, int timeout_ms) {
+  uint64_t end = gh_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+  for (;;) {
+    char *nl = memchr(p->buf, '\n', p->len);
+    if (nl) {
+      size_t l = (size_t)(nl - p->buf);
+      size_t c = l < len - 1 ? l : len - 1;
+      memcpy(line, p->buf, c);
+      line[c] = '\0';
+      memmove(p->buf, nl + 1, p->len - l - 1);
+      p->len -= l + 1;
+      return 0;
+    }
+    if (p->len == sizeof(p->buf) || p->out < 0)
+      return -1;
+    uint64_t now = gh_now_ns();
+    if (now >= end)
+      return -1;
+    struct pollfd pf = {p->out, POLLIN, 0};
+    int r = poll(&pf, 1, (int)((end - now) / 1000000ull) + 1);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0)
+      return -1;
+    ssize_t got = read(p->out, p->buf + p->len, sizeof(p->buf) - p->len);
+    if (got < 0 && errno == EINTR)
+      continue;
+    if (got <= 0)
+      return -1;
+    p->len += (size_t)got;
+  }
+}
+
+int gh_expect(gh_proc *p, const char *prefix, char *line, size_t len, int timeout_ms) {
+  uint64_t end = gh_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+  for (;;) {
+    uint64_t now = gh_now_ns();
+    if (now >= end)
+      return -1;
+    if (gh_readline(p, line, len, (int)((end - now) / 1000000ull) + 1) < 0)
+      return -1;
+    if (!strncmp(line, prefix, strlen(prefix)))
+      return 0;
+  }
+}
+
+int gh_writeline(gh_proc *p, const char *line) {
+  char buf[1024];
+  int n = snprintf(buf, sizeof(buf), "%s\n", line);
+  if (p->in < 0 || n <= 0 || (size_t)n >= sizeof(buf))
+    return -1;
+  return write(p->in, buf, (size_t)n) == n ? 0 : -1;
+}
+
+int gh_wait(gh_proc *p, int timeout_ms) {
+  int st = 0, r;
+  if (p->pid <= 0)
+    return -1;
+  if (p->in >= 0) {
+    close(p->in);
+    p->in = -1;
+  }
+  r = wait_timeout(p->pid, timeout_ms, &st);
+  if (r == 1) {
+    fprintf(stderr, "worker %d still running after %d ms; killing it\n", (int)p->pid,
+            timeout_ms);
+    kill(p->pid, SIGKILL);
+    waitpid(p->pid, &st, 0);
+  } else if (r < 0) {
+    st = -1;
+  }
+  p->pid = -1;
+  if (p->out >= 0) {
+    close(p->out);
+    p->out = -1;
+  }
+  if (st == -1)
+    return -1;
+  if (WIFEXITED(st))
+    return WEXITSTATUS(st);
+  return 128 + WTERMSIG(st);
+}
+
+void gh_signal(gh_proc *p, int sig) {
+  if (p->pid > 0)
+    kill(p->pid, sig);
+}

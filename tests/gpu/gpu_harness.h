@@ -1,0 +1,68 @@
+/*
+ * Process harness shared by the GPU tests and the benchmark: check for a GPU (skip with 77
+ * when there is none), start a private gpupoold on a socket in a fresh temp dir and stop it,
+ * and run worker processes (this same executable re-executed with a role) with pipes on
+ * their stdin/stdout and extra fds mapped to 3, 4, ...
+ *
+ * CUDA does not survive fork(): workers are always fork+exec'd, never forked alone, so the
+ * parent may use CUDA before spawning them.
+ */
+#ifndef GPUPOOL_TESTS_GPU_HARNESS_H
+#define GPUPOOL_TESTS_GPU_HARNESS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#define GH_SKIP 77
+
+typedef struct {
+  char dir[256];  /* private temp dir, removed by gh_daemon_stop */
+  char sock[320]; /* socket path inside dir */
+  char log[320];  /* daemon's stdout+stderr */
+  pid_t pid;
+} gh_daemon;
+
+typedef struct {
+  pid_t pid;
+  int in;  /* write end of the child's stdin, -1 once closed */
+  int out; /* read end of the child's stdout */
+  char buf[4096];
+  size_t len;
+} gh_proc;
+
+/* Number of CUDA devices; when there are fewer than need, prints "SKIP: ..." (why names
+ * what the test needs) and exits GH_SKIP. */
+int gh_gpu_count_or_skip(int need, const char *why);
+
+/* Start gpupoold --backend cuda with the given pool spec on a private socket and wait until
+ * the socket accepts a connection. 0, or -1 with the daemon's log printed to stderr. */
+int gh_daemon_start(gh_daemon *d, const char *gpupoold, const char *pool_spec);
+/* 1 while the daemon runs. */
+int gh_daemon_alive(gh_daemon *d);
+/* SIGTERM (then SIGKILL after 10 s), reap, print the log when print_log, remove the dir.
+ * Returns the daemon's exit status as waitpid reports it, or -1. */
+int gh_daemon_stop(gh_daemon *d, int print_log);
+
+/* Run this executable again with argv (argv[0] is replaced by its path); extra[i] becomes
+ * fd 3 + i in the child. 0 or -1. */
+int gh_spawn(gh_proc *p, const char *const *argv, const int *extra, int n_extra);
+/* Read one line (without the newline) from the child's stdout. 0, or -1 on EOF/timeout. */
+int gh_readline(gh_proc *p, char *line, size_t len, int timeout_ms);
+/* Read lines until one starts with prefix; copies it into line. 0 or -1. */
+int gh_expect(gh_proc *p, const char *prefix, char *line, size_t len, int timeout_ms);
+/* Write line + "\n" to the child's stdin. 0 or -1. */
+int gh_writeline(gh_proc *p, const char *line);
+/* Wait for the child to exit (SIGKILL after timeout_ms). Returns its exit code, 128+signal
+ * when killed by a signal, or -1. Closes the pipes. */
+int gh_wait(gh_proc *p, int timeout_ms);
+void gh_signal(gh_proc *p, int sig);
+
+/* CLOCK_MONOTONIC in ns (one clock for all processes of the machine). */
+uint64_t gh_now_ns(void);
+void gh_sleep_ms(int ms);
+
+/* Percentile (0..100) of n values, sorting v in place. */
+double gh_percentile(double *v, size_t n, double pct);
+
+#endif

@@ -1,0 +1,878 @@
+/*
+ * GPU checks of gpupool against a real gpupoold with the CUDA backend.
+ *
+ *   gpupool_gpu_test GPUPOOLD CHECK     CHECK = handoff | kill | orphan | churn | peer | all
+ *
+ * Each check starts its own daemon on a private socket (pool gpu0 on device 0, 2 GiB, 64 MiB
+ * slabs), drives it from worker processes (this executable re-executed with "worker ROLE
+ * ..."), prints one "PASS: ..." or "FAIL: ..." line and stops the daemon. Exit status 0 pass,
+ * 1 fail, 77 skip (no GPU, or fewer than two for peer).
+ *
+ *   handoff  a producer fills 64 MiB behind a long kernel and publishes without synchronizing;
+ *            1 consumer, then 4 at once, get it by name and count mismatches on their own
+ *            stream: only the ready event orders their reads after the producer's writes.
+ *   kill     a consumer is SIGKILLed while holding the buffer; two more still read it
+ *            correctly; after unpublish the pool's used bytes return to their start value.
+ *   orphan   the producer exits right after publishing; consumers started afterwards read it.
+ *   churn    10,000 allocate/share/open/release cycles between two processes (some in
+ *            dedicated slabs, some verified); then gpupool_trim: backend_used back to the
+ *            baseline (0 with nothing live) and the daemon's open fds flat.
+ *   peer     (2+ GPUs) pool on GPU 0, a consumer on GPU 1 calls gpupool_set_devices({1}) and
+ *            reads it there; without peer access that call must fail with GPUPOOL_ENOTSUP
+ *            naming both devices (or, if the library imports pools lazily, the first
+ *            gpupool_get that imports the pool must).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cuda_runtime_api.h>
+
+#include "gpu_harness.h"
+#include "gpu_kernels.h"
+#include "gpupool/gpupool.h"
+
+#define POOL "gpu0"
+#define POOL_SPEC "name=gpu0,kind=device,device=0,capacity=2G,slab=64M"
+#define BUF_BYTES (64u << 20)
+#define SPIN_US 500000u /* long enough that an unordered read would see unwritten memory */
+#define STEP_MS 120000  /* generous per-step timeout: CUDA context creation is slow */
+#define CHURN_CYCLES 10000
+
+static const char *g_check = "?";
+
+/* ------------------------------------------------------------------ worker side */
+
+static void wdie(const char *role, const char *what, int rc) {
+  fprintf(stderr, "worker %s (pid %d): %s: %s (%s): %s\n", role, (int)getpid(), what,
+          gpupool_err_name(rc), gpupool_strerror(rc), gpupool_last_error());
+  exit(2);
+}
+
+static void cdie(const char *role, const char *what, int ce) {
+  fprintf(stderr, "worker %s (pid %d): %s: %s: %s\n", role, (int)getpid(), what,
+          cudaGetErrorName((cudaError_t)ce), cudaGetErrorString((cudaError_t)ce));
+  exit(2);
+}
+
+static cudaStream_t wstream(const char *role, int device) {
+  cudaStream_t s;
+  int ce = (int)cudaSetDevice(device);
+  if (ce)
+    cdie(role, "cudaSetDevice", ce);
+  ce = (int)cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  if (ce)
+    cdie(role, "cudaStreamCreateWithFlags", ce);
+  return s;
+}
+
+static void wsay(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void wsay(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vprintf(fmt, ap);
+  va_end(ap);
+  putchar('\n');
+  fflush(stdout);
+}
+
+static void wait_stdin_line(const char *role, const char *want) {
+  char line[128];
+  for (;;) {
+    if (!fgets(line, sizeof(line), stdin)) {
+      fprintf(stderr, "worker %s: stdin closed while waiting for %s\n", role, want);
+      exit(2);
+    }
+    if (!strncmp(line, want, strlen(want)))
+      return;
+  }
+}
+
+/* producer SOCK NAME BYTES SEED SPIN_US MODE(hold|exit) WAITGO(0|1) */
+static int w_producer(char **a) {
+  const char *sock = a[0], *name = a[1], *mode = a[5];
+  size_t bytes = strtoull(a[2], NULL, 0);
+  uint32_t seed = (uint32_t)strtoul(a[3], NULL, 0);
+  unsigned spin = (unsigned)strtoul(a[4], NULL, 0);
+  int waitgo = atoi(a[6]), rc, ce;
+  gpupool_client *c;
+  gpupool_buffer *b;
+  gpupool_tensor_meta meta;
+  cudaStream_t s = wstream("producer", 0);
+
+  if ((rc = gpupool_connect(sock, "gpu-test-producer", &c)) < 0)
+    wdie("producer", "gpupool_connect", rc);
+  if ((rc = gpupool_alloc(c, POOL, bytes, 10000, s, &b)) < 0)
+    wdie("producer", "gpupool_alloc", rc);
+  if (gpupool_buffer_device(b) != 0 || gpupool_buffer_kind(b) != GPUPOOL_MEM_DEVICE ||
+      gpupool_buffer_size(b) < bytes) {
+    fprintf(stderr, "worker producer: buffer is device %d kind %d size %zu, expected device 0 "
+            "device memory of >= %zu bytes\n", gpupool_buffer_device(b),
+            (int)gpupool_buffer_kind(b), gpupool_buffer_size(b), bytes);
+    return 2;
+  }
+  if (waitgo) {
+    wsay("ALLOCATED");
+    wait_stdin_line("producer", "GO");
+  }
+  /* No synchronization from here to publish: consumers are ordered only by the ready event
+   * that publish records in s, behind the spin and the fill. */
+  if (spin && (ce = gk_spin(s, spin)))
+    cdie("producer", "spin kernel", ce);
+  if ((ce = gk_fill(gpupool_buffer_ptr(b), bytes, seed, s)))
+    cdie("producer", "fill kernel", ce);
+  memset(&meta, 0, sizeof(meta));
+  meta.dtype_code = GPUPOOL_DTYPE_UINT;
+  meta.dtype_bits = 32;
+  meta.dtype_lanes = 1;
+  meta.ndim = 1;
+  meta.shape[0] = (int64_t)(bytes / 4);
+  if ((rc = gpupool_publish(b, name, &meta, s)) < 0)
+    wdie("producer", "gpupool_publish", rc);
+  wsay("PUBLISHED");
+  /* The name holds the buffer now. */
+  if ((rc = gpupool_release(b, s)) < 0)
+    wdie("producer", "gpupool_release", rc);
+  if (!strcmp(mode, "hold")) {
+    wait_stdin_line("producer", "EXIT");
+    if ((rc = gpupool_unpublish(c, name)) < 0)
+      wdie("producer", "gpupool_unpublish", rc);
+  } else {
+    /* Leave with nothing pending on the GPU: what is tested is that the published memory
+     * outlives this process, not how the driver tears down a context with queued work. */
+    if ((ce = (int)cudaStreamSynchronize(s)))
+      cdie("producer", "cudaStreamSynchronize", ce);
+  }
+  gpupool_disconnect(c);
+  (void)cudaStreamDestroy(s);
+  wsay("DONE");
+  return 0;
+}
+
+/* consumer SOCK NAME BYTES SEED HOLD(0|1) DEVICE PEER(-|ok|enotsup) */
+static int w_consumer(char **a) {
+  const char *sock = a[0], *name = a[1], *peer = a[6];
+  size_t bytes = strtoull(a[2], NULL, 0);
+  uint32_t seed = (uint32_t)strtoul(a[3], NULL, 0);
+  int hold = atoi(a[4]), dev = atoi(a[5]), rc, ce;
+  unsigned long long bad = ~0ull;
+  gpupool_client *c;
+  gpupool_buffer *b;
+  gpupool_tensor_meta meta;
+  cudaStream_t s = wstream("consumer", dev);
+
+  if ((rc = gpupool_connect(sock, "gpu-test-consumer", &c)) < 0)
+    wdie("consumer", "gpupool_connect", rc);
+  if (strcmp(peer, "-") && (rc = gpupool_set_devices(c, &dev, 1)) < 0 &&
+      strcmp(peer, "enotsup") != 0)
+    wdie("consumer", "gpupool_set_devices", rc);
+  if (!strcmp(peer, "enotsup")) {
+    /* Without peer access the refusal must come from gpupool_set_devices; a library that
+     * imports pools lazily can only refuse when the first buffer brings the pool in, so a
+     * refusal from gpupool_get (before any memory is touched) is accepted too. */
+    const char *where = "gpupool_set_devices";
+    if (rc == 0) {
+      where = "gpupool_get";
+      rc = gpupool_get(c, name, STEP_MS, GPUPOOL_READ_ONLY, s, &b);
+      if (rc == 0) {
+        fprintf(stderr, "worker consumer: device %d has no peer access to device 0, yet "
+                "gpupool_set_devices({%d}) and gpupool_get both succeeded\n", dev, dev);
+        return 1;
+      }
+    }
+    const char *msg = gpupool_last_error();
+    char want_a[32], want_b[32];
+    snprintf(want_a, sizeof(want_a), "device %d", dev);
+    snprintf(want_b, sizeof(want_b), "device %d", 0);
+    if (rc == GPUPOOL_ENOTSUP && strstr(msg, want_a) && strstr(msg, want_b)) {
+      wsay("ENOTSUP from %s: %s", where, msg);
+      gpupool_disconnect(c);
+      (void)cudaStreamDestroy(s);
+      return 0;
+    }
+    fprintf(stderr, "worker consumer: without peer access %s returned %s with \"%s\"; expected "
+            "ENOTSUP naming devices %d and 0\n", where, gpupool_err_name(rc), msg, dev);
+    return 1;
+  }
+  wsay("WAITING");
+  if ((rc = gpupool_get(c, name, STEP_MS, GPUPOOL_READ_ONLY, s, &b)) < 0)
+    wdie("consumer", "gpupool_get", rc);
+  if (gpupool_buffer_size(b) < bytes || !gpupool_buffer_read_only(b)) {
+    fprintf(stderr, "worker consumer: got %zu bytes read_only=%d, expected >= %zu read-only\n",
+            gpupool_buffer_size(b), gpupool_buffer_read_only(b), bytes);
+    return 1;
+  }
+  if ((rc = gpupool_buffer_tensor(b, &meta)) < 0)
+    wdie("consumer", "gpupool_buffer_tensor", rc);
+  if (meta.ndim != 1 || meta.shape[0] != (int64_t)(bytes / 4) || meta.dtype_bits != 32) {
+    fprintf(stderr, "worker consumer: tensor meta ndim %d shape0 %" PRId64 " bits %u, expected "
+            "1-d uint32 of %zu elements\n", meta.ndim, meta.shape[0], meta.dtype_bits,
+            bytes / 4);
+    return 1;
+  }
+  /* The stream waits on the ready event (gpupool_get queued the wait); nothing else orders
+   * this read after the producer's writes. */
+  if ((ce = gk_count_mismatches(gpupool_buffer_ptr(b), bytes, seed, s, &bad)))
+    cdie("consumer", "mismatch kernel", ce);
+  wsay("RESULT %llu", bad);
+  if (hold) {
+    wsay("HOLDING");
+    for (;;)
+      pause();
+  }
+  if ((rc = gpupool_release(b, s)) < 0)
+    wdie("consumer", "gpupool_release", rc);
+  if ((ce = (int)cudaStreamSynchronize(s)))
+    cdie("consumer", "cudaStreamSynchronize", ce);
+  gpupool_disconnect(c);
+  (void)cudaStreamDestroy(s);
+  if (bad) {
+    fprintf(stderr, "worker consumer (pid %d): %llu of %zu words differ from the pattern\n",
+            (int)getpid(), bad, bytes / 4);
+    return 1;
+  }
+  return 0;
+}
+
+/* Message from churn A to churn B: a token, the size asked for, whether to verify. */
+typedef struct {
+  gpupool_token token;
+  uint64_t size;
+  uint32_t seed;
+  uint32_t verify;
+} churn_msg;
+
+static int full_read(int fd, void *buf, size_t n) {
+  uint8_t *p = buf;
+  while (n) {
+    ssize_t r = read(fd, p, n);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0)
+      return -1;
+    p += r;
+    n -= (size_t)r;
+  }
+  return 0;
+}
+
+static int full_write(int fd, const void *buf, size_t n) {
+  const uint8_t *p = buf;
+  while (n) {
+    ssize_t r = write(fd, p, n);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0)
+      return -1;
+    p += r;
+    n -= (size_t)r;
+  }
+  return 0;
+}
+
+static uint64_t churn_size(int i) {
+  static const uint64_t sizes[4] = {4096, 64u << 10, 1u << 20, 8u << 20};
+  if (i % 100 == 99)
+    return 96u << 20; /* larger than a 64 MiB slab: a dedicated slab, exported and unmapped */
+  return sizes[(i * 7 + i / 4) % 4];
+}
+
+/* churn-a SOCK N: fd 3 writes messages to B, fd 4 reads B's acks. */
+static int w_churn_a(char **a) {
+  const char *sock = a[0];
+  int n = atoi(a[1]), rc, ce;
+  gpupool_client *c;
+  cudaStream_t s = wstream("churn-a", 0);
+
+  if ((rc = gpupool_connect(sock, "gpu-test-churn-a", &c)) < 0)
+    wdie("churn-a", "gpupool_connect", rc);
+  for (int i = 0; i < n; i++) {
+    churn_msg m;
+    gpupool_buffer *b;
+    uint8_t ack;
+    memset(&m, 0, sizeof(m));
+    m.size = churn_size(i);
+    m.verify = i % 250 == 0 || i % 1000 == 999;
+    m.seed = (uint32_t)i * 0x9e3779b9u + 1;
+    if ((rc = gpupool_alloc(c, POOL, m.size, 30000, s, &b)) < 0)
+      wdie("churn-a", "gpupool_alloc", rc);
+    if (m.verify && (ce = gk_fill(gpupool_buffer_ptr(b), m.size, m.seed, s)))
+      cdie("churn-a", "fill kernel", ce);
+    if ((rc = gpupool_share(b, s, &m.token)) < 0)
+      wdie("churn-a", "gpupool_share", rc);
+    if (full_write(3, &m, sizeof(m)) < 0 || full_read(4, &ack, 1) < 0) {
+      fprintf(stderr, "worker churn-a: peer went away at cycle %d\n", i);
+      return 2;
+    }
+    if (ack != 1) {
+      fprintf(stderr, "worker churn-a: peer reported failure at cycle %d\n", i);
+      return 1;
+    }
+    if ((rc = gpupool_release(b, s)) < 0)
+      wdie("churn-a", "gpupool_release", rc);
+  }
+  if ((ce = (int)cudaStreamSynchronize(s)))
+    cdie("churn-a", "cudaStreamSynchronize", ce);
+  gpupool_disconnect(c);
+  (void)cudaStreamDestroy(s);
+  wsay("DONE %d", n);
+  return 0;
+}
+
+/* churn-b SOCK N: fd 3 reads messages from A, fd 4 writes acks. */
+static int w_churn_b(char **a) {
+  const char *sock = a[0];
+  int n = atoi(a[1]), rc, ce, verified = 0;
+  gpupool_client *c;
+  cudaStream_t s = wstream("churn-b", 0);
+
+  if ((rc = gpupool_connect(sock, "gpu-test-churn-b", &c)) < 0)
+    wdie("churn-b", "gpupool_connect", rc);
+  for (int i = 0; i < n; i++) {
+    churn_msg m;
+    gpupool_buffer *b;
+    uint8_t ack = 1;
+    if (full_read(3, &m, sizeof(m)) < 0) {
+      fprintf(stderr, "worker churn-b: peer went away at cycle %d\n", i);
+      return 2;
+    }
+    if ((rc = gpupool_open(c, &m.token, 0, s, &b)) < 0)
+      wdie("churn-b", "gpupool_open", rc);
+    if (gpupool_buffer_size(b) < m.size) {
+      fprintf(stderr, "worker churn-b: cycle %d opened %zu bytes, expected >= %" PRIu64 "\n", i,
+              gpupool_buffer_size(b), m.size);
+      ack = 0;
+    }
+    if (ack && m.verify) {
+      unsigned long long bad = ~0ull;
+      if ((ce = gk_count_mismatches(gpupool_buffer_ptr(b), m.size, m.seed, s, &bad)))
+        cdie("churn-b", "mismatch kernel", ce);
+      if (bad) {
+        fprintf(stderr, "worker churn-b: cycle %d: %llu words differ\n", i, bad);
+        ack = 0;
+      }
+      verified++;
+    }
+    if ((rc = gpupool_release(b, s)) < 0)
+      wdie("churn-b", "gpupool_release", rc);
+    if (full_write(4, &ack, 1) < 0)
+      return 2;
+    if (!ack)
+      return 1;
+  }
+  if ((ce = (int)cudaStreamSynchronize(s)))
+    cdie("churn-b", "cudaStreamSynchronize", ce);
+  gpupool_disconnect(c);
+  (void)cudaStreamDestroy(s);
+  wsay("DONE %d verified %d", n, verified);
+  return 0;
+}
+
+static int worker_main(int argc, char **argv) {
+  static const struct {
+    const char *role;
+    int nargs;
+    int (*fn)(char **);
+  } roles[] = {{"producer", 7, w_producer},
+               {"consumer", 7, w_consumer},
+               {"churn-a", 2, w_churn_a},
+               {"churn-b", 2, w_churn_b}};
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  for (size_t i = 0; i < sizeof(roles) / sizeof(roles[0]); i++)
+    if (argc >= 3 && !strcmp(argv[2], roles[i].role)) {
+      if (argc - 3 != roles[i].nargs) {
+        fprintf(stderr, "worker %s: %d arguments, expected %d\n", roles[i].role, argc - 3,
+                roles[i].nargs);
+        return 2;
+      }
+      return roles[i].fn(argv + 3);
+    }
+  fprintf(stderr, "unknown worker role %s\n", argc >= 3 ? argv[2] : "(none)");
+  return 2;
+}
+
+/* ------------------------------------------------------------------ driver side */
+
+static int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int fail(const char *fmt, ...) {
+  va_list ap;
+  printf("FAIL: %s: ", g_check);
+  va_start(ap, fmt);
+  vprintf(fmt, ap);
+  va_end(ap);
+  putchar('\n');
+  fflush(stdout);
+  return 1;
+}
+
+static int pass(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int pass(const char *fmt, ...) {
+  va_list ap;
+  printf("PASS: %s: ", g_check);
+  va_start(ap, fmt);
+  vprintf(fmt, ap);
+  va_end(ap);
+  putchar('\n');
+  fflush(stdout);
+  return 0;
+}
+
+static uint32_t fresh_seed(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (uint32_t)ts.tv_nsec ^ ((uint32_t)getpid() << 16) ^ 0xa5a5a5a5u;
+}
+
+static int spawn_producer(gh_proc *p, const gh_daemon *d, const char *name, uint32_t seed,
+                          unsigned spin, const char *mode, int waitgo) {
+  char bytes[32], sd[32], sp[32], wg[8];
+  snprintf(bytes, sizeof(bytes), "%u", BUF_BYTES);
+  snprintf(sd, sizeof(sd), "%u", seed);
+  snprintf(sp, sizeof(sp), "%u", spin);
+  snprintf(wg, sizeof(wg), "%d", waitgo);
+  const char *argv[] = {"", "worker", "producer", d->sock, name, bytes, sd, sp, mode, wg, NULL};
+  return gh_spawn(p, argv, NULL, 0);
+}
+
+static int spawn_consumer(gh_proc *p, const gh_daemon *d, const char *name, uint32_t seed,
+                          int hold, int dev, const char *peer) {
+  char bytes[32], sd[32], h[8], dv[8];
+  snprintf(bytes, sizeof(bytes), "%u", BUF_BYTES);
+  snprintf(sd, sizeof(sd), "%u", seed);
+  snprintf(h, sizeof(h), "%d", hold);
+  snprintf(dv, sizeof(dv), "%d", dev);
+  const char *argv[] = {"", "worker", "consumer", d->sock, name, bytes, sd, h, dv, peer, NULL};
+  return gh_spawn(p, argv, NULL, 0);
+}
+
+/* The test pool's stats (and the daemon's). */
+static int pool_stats(gpupool_client *c, gpupool_pool_stats *ps, gpupool_daemon_stats *ds) {
+  gpupool_pool_stats all[8];
+  gpupool_daemon_stats dtmp;
+  int n = 0, rc = gpupool_stats(c, ds ? ds : &dtmp, all, 8, &n);
+  if (rc < 0) {
+    fprintf(stderr, "gpupool_stats: %s: %s\n", gpupool_err_name(rc), gpupool_last_error());
+    return rc;
+  }
+  for (int i = 0; i < n; i++)
+    if (!strcmp(all[i].name, POOL)) {
+      *ps = all[i];
+      return 0;
+    }
+  fprintf(stderr, "gpupool_stats lists no pool named %s\n", POOL);
+  return -1;
+}
+
+/* Poll until the pool's used bytes equal want (the daemon drops a dead client's holds and
+ * frees ranges once events complete, both asynchronously). */
+static int wait_used(gpupool_client *c, uint64_t want, int timeout_ms, uint64_t *got) {
+  uint64_t end = gh_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+  gpupool_pool_stats ps;
+  do {
+    if (pool_stats(c, &ps, NULL) < 0)
+      return -1;
+    *got = ps.used;
+    if (ps.used == want)
+      return 0;
+    gh_sleep_ms(50);
+  } while (gh_now_ns() < end);
+  return -1;
+}
+
+/* Run n consumers of name at once; all must report 0 mismatches and exit 0. */
+static int run_consumers(const gh_daemon *d, const char *name, uint32_t seed, int n,
+                         gh_proc *producer_to_go) {
+  gh_proc cons[8];
+  char line[256];
+  int ok = 1, started = 0;
+
+  for (int i = 0; i < n; i++) {
+    if (spawn_consumer(&cons[i], d, name, seed, 0, 0, "-") < 0) {
+      ok = 0;
+      break;
+    }
+    started++;
+  }
+  for (int i = 0; ok && i < started; i++)
+    if (gh_expect(&cons[i], "WAITING", line, sizeof(line), STEP_MS) < 0) {
+      fail("consumer %d of %d never got to gpupool_get", i + 1, n);
+      ok = 0;
+    }
+  if (ok && producer_to_go) {
+    /* Let every consumer's Get reach the daemon before the producer starts its kernels. */
+    gh_sleep_ms(200);
+    if (gh_writeline(producer_to_go, "GO") < 0 ||
+        gh_expect(producer_to_go, "PUBLISHED", line, sizeof(line), STEP_MS) < 0) {
+      fail("producer did not publish %s", name);
+      ok = 0;
+    }
+  }
+  for (int i = 0; i < started; i++) {
+    int rc;
+    if (ok && gh_expect(&cons[i], "RESULT", line, sizeof(line), STEP_MS) < 0) {
+      fail("consumer %d of %d reported no result", i + 1, n);
+      ok = 0;
+    } else if (ok && strcmp(line, "RESULT 0") != 0) {
+      fail("consumer %d of %d read wrong data (%s mismatching words of %u)", i + 1, n,
+           line + 7, BUF_BYTES / 4);
+      ok = 0;
+    }
+    rc = gh_wait(&cons[i], ok ? STEP_MS : 5000);
+    if (ok && rc != 0) {
+      fail("consumer %d of %d exited with %d", i + 1, n, rc);
+      ok = 0;
+    }
+  }
+  return ok ? 0 : -1;
+}
+
+static int check_handoff(const gh_daemon *d, gpupool_client *c) {
+  static const int rounds[2] = {1, 4};
+  char line[256];
+  (void)c;
+  for (int r = 0; r < 2; r++) {
+    gh_proc prod;
+    char name[64];
+    uint32_t seed = fresh_seed() + (uint32_t)r;
+    int rc;
+    snprintf(name, sizeof(name), "handoff-%d-%08x", rounds[r], seed);
+    if (spawn_producer(&prod, d, name, seed, SPIN_US, "hold", 1) < 0)
+      return fail("cannot start the producer");
+    if (gh_expect(&prod, "ALLOCATED", line, sizeof(line), STEP_MS) < 0) {
+      gh_wait(&prod, 5000);
+      return fail("producer could not allocate %u bytes", BUF_BYTES);
+    }
+    if (run_consumers(d, name, seed, rounds[r], &prod) < 0) {
+      gh_wait(&prod, 5000);
+      return 1;
+    }
+    gh_writeline(&prod, "EXIT");
+    if ((rc = gh_wait(&prod, STEP_MS)) != 0)
+      return fail("producer exited with %d", rc);
+  }
+  return pass("64 MiB published behind a %u ms kernel without synchronizing; 1 then 4 "
+              "consumers read it bit-exact on their own streams", SPIN_US / 1000);
+}
+
+static int check_kill(const gh_daemon *d, gpupool_client *c) {
+  gpupool_pool_stats ps;
+  gh_proc prod, holder;
+  char name[64], line[256];
+  uint32_t seed = fresh_seed();
+  uint64_t start_used, used = 0;
+  int rc;
+
+  if (pool_stats(c, &ps, NULL) < 0)
+    return fail("cannot read pool stats");
+  start_used = ps.used;
+  snprintf(name, sizeof(name), "kill-%08x", seed);
+  if (spawn_producer(&prod, d, name, seed, 50000, "hold", 0) < 0)
+    return fail("cannot start the producer");
+  if (gh_expect(&prod, "PUBLISHED", line, sizeof(line), STEP_MS) < 0) {
+    gh_wait(&prod, 5000);
+    return fail("producer did not publish");
+  }
+  if (spawn_consumer(&holder, d, name, seed, 1, 0, "-") < 0)
+    return fail("cannot start the holding consumer");
+  if (gh_expect(&holder, "RESULT", line, sizeof(line), STEP_MS) < 0 ||
+      strcmp(line, "RESULT 0") != 0) {
+    gh_wait(&holder, 1000);
+    gh_wait(&prod, 5000);
+    return fail("holding consumer read wrong data or none (%s)", line);
+  }
+  if (gh_expect(&holder, "HOLDING", line, sizeof(line), STEP_MS) < 0) {
+    gh_wait(&holder, 1000);
+    gh_wait(&prod, 5000);
+    return fail("holding consumer did not report its hold");
+  }
+  gh_signal(&holder, SIGKILL);
+  if ((rc = gh_wait(&holder, 10000)) != 128 + SIGKILL) {
+    gh_wait(&prod, 5000);
+    return fail("the holding consumer did not die of SIGKILL (%d)", rc);
+  }
+  if (!gh_daemon_alive((gh_daemon *)d))
+    return fail("gpupoold died after a client was SIGKILLed");
+  if (run_consumers(d, name, seed, 2, NULL) < 0) {
+    gh_wait(&prod, 5000);
+    return 1;
+  }
+  gh_writeline(&prod, "EXIT");
+  if ((rc = gh_wait(&prod, STEP_MS)) != 0)
+    return fail("producer exited with %d", rc);
+  if (wait_used(c, start_used, 20000, &used) < 0)
+    return fail("pool used is %" PRIu64 " bytes 20 s after the last release, was %" PRIu64
+                " before (the killed client's hold was not dropped)", used, start_used);
+  return pass("consumer SIGKILLed while holding; 2 others read correct data; pool used back "
+              "to %" PRIu64 " bytes", start_used);
+}
+
+static int check_orphan(const gh_daemon *d, gpupool_client *c) {
+  gpupool_pool_stats ps;
+  gh_proc prod;
+  char name[64], line[256];
+  uint32_t seed = fresh_seed();
+  uint64_t start_used, used = 0;
+  int rc;
+
+  if (pool_stats(c, &ps, NULL) < 0)
+    return fail("cannot read pool stats");
+  start_used = ps.used;
+  snprintf(name, sizeof(name), "orphan-%08x", seed);
+  if (spawn_producer(&prod, d, name, seed, 50000, "exit", 0) < 0)
+    return fail("cannot start the producer");
+  if ((rc = gh_wait(&prod, STEP_MS)) != 0)
+    return fail("producer exited with %d", rc);
+  if (run_consumers(d, name, seed, 2, NULL) < 0)
+    return 1;
+  if ((rc = gpupool_unpublish(c, name)) < 0)
+    return fail("gpupool_unpublish(%s): %s: %s", name, gpupool_err_name(rc),
+                gpupool_last_error());
+  if (wait_used(c, start_used, 20000, &used) < 0)
+    return fail("pool used is %" PRIu64 " bytes after unpublish, was %" PRIu64, used,
+                start_used);
+  (void)line;
+  return pass("producer exited after publishing; 2 consumers started later read it "
+              "bit-exact; used back to %" PRIu64 " after unpublish", start_used);
+}
+
+/* Trim until the backend's used counter reaches 0 (frees wait on events and on clients
+ * unmapping, so the first trim may leave slabs behind). */
+static int trim_settle(gpupool_client *c, int timeout_ms, gpupool_pool_stats *ps,
+                       gpupool_daemon_stats *ds) {
+  uint64_t end = gh_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+  int rc;
+  do {
+    if ((rc = gpupool_trim(c)) < 0) {
+      fprintf(stderr, "gpupool_trim: %s: %s\n", gpupool_err_name(rc), gpupool_last_error());
+      return -1;
+    }
+    if (pool_stats(c, ps, ds) < 0)
+      return -1;
+    if (ps->backend_used == 0 && ps->used == 0)
+      return 0;
+    gh_sleep_ms(100);
+  } while (gh_now_ns() < end);
+  return 1;
+}
+
+/* One churn run of n cycles between two fresh worker processes. 0, or -1 with a FAIL line;
+ * *secs gets the wall time and line B's summary. */
+static int run_churn(const gh_daemon *d, int cycles, double *secs, char *line, size_t len) {
+  int ab[2], ba[2], rc_a, rc_b;
+  gh_proc pa, pb;
+  char n[16];
+  uint64_t t0;
+
+  snprintf(n, sizeof(n), "%d", cycles);
+  if (pipe2(ab, O_CLOEXEC) < 0 || pipe2(ba, O_CLOEXEC) < 0)
+    return fail("pipe2: %s", strerror(errno)), -1;
+  {
+    const char *av_a[] = {"", "worker", "churn-a", d->sock, n, NULL};
+    const char *av_b[] = {"", "worker", "churn-b", d->sock, n, NULL};
+    int fa[2] = {ab[1], ba[0]}, fb[2] = {ab[0], ba[1]};
+    t0 = gh_now_ns();
+    if (gh_spawn(&pa, av_a, fa, 2) < 0)
+      return fail("cannot start the churn workers"), -1;
+    if (gh_spawn(&pb, av_b, fb, 2) < 0) {
+      gh_wait(&pa, 1000);
+      return fail("cannot start the churn workers"), -1;
+    }
+  }
+  close(ab[0]);
+  close(ab[1]);
+  close(ba[0]);
+  close(ba[1]);
+  rc_a = gh_expect(&pa, "DONE", line, len, 600000);
+  rc_b = gh_expect(&pb, "DONE", line, len, 60000);
+  *secs = (double)(gh_now_ns() - t0) / 1e9;
+  rc_a = rc_a < 0 ? -1 : gh_wait(&pa, 30000);
+  rc_b = rc_b < 0 ? -1 : gh_wait(&pb, 30000);
+  if (rc_a != 0 || rc_b != 0) {
+    gh_wait(&pa, 1000);
+    gh_wait(&pb, 1000);
+    return fail("churn workers failed (a: %d, b: %d)", rc_a, rc_b), -1;
+  }
+  return 0;
+}
+
+/* Wait until only the driver is connected, nothing awaits a free, and the daemon's fd count
+ * has held still for half a second (it closes a client's socket and pidfd once it notices
+ * the exit). */
+static int wait_idle(gpupool_client *c, gpupool_pool_stats *ps, gpupool_daemon_stats *ds) {
+  uint64_t end = gh_now_ns() + 20ull * 1000000000ull, last = UINT64_MAX;
+  int still = 0;
+  while (gh_now_ns() < end) {
+    if (pool_stats(c, ps, ds) < 0)
+      return -1;
+    if (ds->clients == 1 && ds->pending_frees == 0 && ds->open_fds == last) {
+      if (++still >= 5)
+        return 0;
+    } else {
+      still = 0;
+    }
+    last = ds->open_fds;
+    gh_sleep_ms(100);
+  }
+  return 1;
+}
+
+static int check_churn(const gh_daemon *d, gpupool_client *c) {
+  gpupool_pool_stats ps0, ps1;
+  gpupool_daemon_stats ds0, ds1;
+  char line[256];
+  double secs;
+  int settled;
+
+  /* A short run first: pooled resources the daemon creates on demand (IPC events, each
+   * possibly holding an fd) reach their working set; what must stay flat is what follows. */
+  if (run_churn(d, 1000, &secs, line, sizeof(line)) < 0)
+    return 1;
+  if (trim_settle(c, 20000, &ps0, &ds0) != 0)
+    return fail("backend_used did not return to 0 after the warm-up cycles and trim "
+                "(%" PRIu64 " bytes, %" PRIu64 " slabs)", ps0.backend_used, ps0.slabs);
+  if (wait_idle(c, &ps0, &ds0) != 0)
+    return fail("the daemon did not settle after the warm-up cycles (%" PRIu64 " clients, "
+                "%" PRIu64 " pending frees)", ds0.clients, ds0.pending_frees);
+  if (run_churn(d, CHURN_CYCLES, &secs, line, sizeof(line)) < 0)
+    return 1;
+  settled = trim_settle(c, 30000, &ps1, &ds1);
+  if (settled < 0)
+    return fail("cannot trim or read stats after the cycles");
+  if (settled > 0 || ps1.backend_used != ps0.backend_used || ps1.used != ps0.used)
+    return fail("after trim backend_used %" PRIu64 " (baseline %" PRIu64 "), used %" PRIu64
+                " (baseline %" PRIu64 "), %" PRIu64 " buffers, %" PRIu64 " slabs",
+                ps1.backend_used, ps0.backend_used, ps1.used, ps0.used, ds1.buffers,
+                ps1.slabs);
+  if (wait_idle(c, &ps1, &ds1) < 0)
+    return fail("cannot read stats");
+  if (ds1.open_fds > ds0.open_fds)
+    return fail("daemon open fds grew from %" PRIu64 " to %" PRIu64 " over %d cycles",
+                ds0.open_fds, ds1.open_fds, CHURN_CYCLES);
+  return pass("%d alloc/share/open/release cycles in %.1f s (%s); backend_used %" PRIu64
+              " after trim, open fds %" PRIu64 " -> %" PRIu64, CHURN_CYCLES, secs, line,
+              ps1.backend_used, ds0.open_fds, ds1.open_fds);
+}
+
+static int check_peer(const gh_daemon *d, gpupool_client *c) {
+  gh_proc prod, cons;
+  char name[64], line[512];
+  uint32_t seed = fresh_seed();
+  int can = 0, rc;
+  cudaError_t e;
+
+  (void)c;
+  e = cudaDeviceCanAccessPeer(&can, 1, 0);
+  if (e != cudaSuccess)
+    return fail("cudaDeviceCanAccessPeer(1, 0): %s", cudaGetErrorString(e));
+  snprintf(name, sizeof(name), "peer-%08x", seed);
+  if (spawn_producer(&prod, d, name, seed, 50000, "hold", 0) < 0)
+    return fail("cannot start the producer");
+  if (gh_expect(&prod, "PUBLISHED", line, sizeof(line), STEP_MS) < 0) {
+    gh_wait(&prod, 5000);
+    return fail("producer did not publish");
+  }
+  if (spawn_consumer(&cons, d, name, seed, 0, 1, can ? "ok" : "enotsup") < 0) {
+    gh_wait(&prod, 5000);
+    return fail("cannot start the consumer on GPU 1");
+  }
+  if (!can) {
+    rc = gh_expect(&cons, "ENOTSUP", line, sizeof(line), STEP_MS);
+    int st = gh_wait(&cons, STEP_MS);
+    gh_writeline(&prod, "EXIT");
+    gh_wait(&prod, STEP_MS);
+    if (rc < 0 || st != 0)
+      return fail("GPUs 1 and 0 are not peers, and gpupool_set_devices({1}) did not fail with "
+                  "ENOTSUP naming both (consumer exit %d)", st);
+    return pass("GPUs 1 and 0 are not peers: %s", line);
+  }
+  if (gh_expect(&cons, "RESULT", line, sizeof(line), STEP_MS) < 0 ||
+      strcmp(line, "RESULT 0") != 0) {
+    gh_wait(&cons, 5000);
+    gh_wait(&prod, 5000);
+    return fail("consumer on GPU 1 read wrong data or none (%s)", line);
+  }
+  if ((rc = gh_wait(&cons, STEP_MS)) != 0) {
+    gh_wait(&prod, 5000);
+    return fail("consumer on GPU 1 exited with %d", rc);
+  }
+  gh_writeline(&prod, "EXIT");
+  if ((rc = gh_wait(&prod, STEP_MS)) != 0)
+    return fail("producer exited with %d", rc);
+  return pass("pool on GPU 0 read bit-exact by a kernel on GPU 1 after "
+              "gpupool_set_devices({1})");
+}
+
+static const struct {
+  const char *name;
+  int gpus;
+  int (*fn)(const gh_daemon *, gpupool_client *);
+} checks[] = {
+    {"handoff", 1, check_handoff}, {"kill", 1, check_kill},   {"orphan", 1, check_orphan},
+    {"churn", 1, check_churn},     {"peer", 2, check_peer},
+};
+
+static int run_check(const char *gpupoold, int idx, int ndev) {
+  gh_daemon d;
+  gpupool_client *c = NULL;
+  int rc, st;
+
+  g_check = checks[idx].name;
+  if (ndev < checks[idx].gpus) {
+    printf("SKIP: %s needs %d CUDA devices, this machine has %d\n", g_check, checks[idx].gpus,
+           ndev);
+    return GH_SKIP;
+  }
+  if (gh_daemon_start(&d, gpupoold, POOL_SPEC) < 0)
+    return fail("gpupoold did not start");
+  if ((rc = gpupool_connect(d.sock, "gpu-test-driver", &c)) < 0) {
+    gh_daemon_stop(&d, 1);
+    return fail("gpupool_connect: %s: %s", gpupool_err_name(rc), gpupool_last_error());
+  }
+  rc = checks[idx].fn(&d, c);
+  gpupool_disconnect(c);
+  if (!gh_daemon_alive(&d)) {
+    gh_daemon_stop(&d, 1);
+    return rc ? rc : fail("gpupoold died during the check");
+  }
+  st = gh_daemon_stop(&d, rc != 0);
+  if (rc == 0 && !(WIFEXITED(st) && WEXITSTATUS(st) == 0))
+    return fail("gpupoold did not exit cleanly on SIGTERM (wait status %d)", st);
+  return rc;
+}
+
+int main(int argc, char **argv) {
+  int ndev, worst = GH_SKIP, found = 0;
+
+  if (argc >= 3 && !strcmp(argv[1], "worker"))
+    return worker_main(argc, argv);
+  if (argc != 3) {
+    fprintf(stderr, "usage: %s GPUPOOLD handoff|kill|orphan|churn|peer|all\n", argv[0]);
+    return 2;
+  }
+  signal(SIGPIPE, SIG_IGN);
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  ndev = gh_gpu_count_or_skip(1, "the GPU tests");
+  for (size_t i = 0; i < sizeof(checks) / sizeof(checks[0]); i++) {
+    int rc;
+    if (strcmp(argv[2], "all") != 0 && strcmp(argv[2], checks[i].name) != 0)
+      continue;
+    found = 1;
+    rc = run_check(argv[1], (int)i, ndev);
+    /* all: any failure fails; skips only count when nothing else ran. */
+    if (rc == 1 || (rc == 0 && worst == GH_SKIP))
+      worst = rc;
+  }
+  if (!found) {
+    fprintf(stderr, "unknown check %s\n", argv[2]);
+    return 2;
+  }
+  return worst;
+}

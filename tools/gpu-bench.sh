@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Build the benchmark on a build machine, run it on a GPU machine.
+#
+#   tools/gpu-bench.sh [build]  On the build machine: the same build as tools/gpu-test.sh
+#                               (build-gpu/, static libuv and protobuf-c), which includes
+#                               build-gpu/bench/gpupool_bench. Carry the repository, build-gpu/
+#                               included, to the GPU machine.
+#   tools/gpu-bench.sh run      On the GPU machine, from the repository root: runs
+#                               gpupool_bench (its own private gpupoold on GPU 0), then
+#                               bench/torch_peer.py (torch.multiprocessing peer; skipped when
+#                               torch is missing), and prints a table of the key figures with
+#                               ratios. With $OUT set, the full log and the table are written
+#                               to $OUT/gpu-bench.log and $OUT/gpu-bench-table.md.
+#
+# Paths are relative to the repository root, so the tree may live anywhere on the GPU machine.
+# PYTHON selects the interpreter for the torch peer (default python3).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+build="build-gpu"
+
+die() { echo "gpu-bench.sh: $*" >&2; exit 1; }
+
+run_bench() {
+  local bench="$build/bench/gpupool_bench" daemon="$build/daemon/gpupoold" log table rc
+  [ -x "$bench" ] || die "$bench missing: run tools/gpu-bench.sh build on the build machine"
+  [ -x "$daemon" ] || die "$daemon missing: run tools/gpu-bench.sh build on the build machine"
+  log=$(mktemp)
+  table=$(mktemp)
+  set +e
+  "$bench" "$daemon" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  if [ "$rc" = 77 ]; then
+    echo "gpu-bench.sh: skipped: no usable CUDA device here (see above)"
+    rm -f "$log" "$table"
+    exit 77
+  fi
+  [ "$rc" = 0 ] || die "gpupool_bench failed with status $rc (log above)"
+  set +e
+  "${PYTHON:-python3}" bench/torch_peer.py 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  case "$rc" in
+    0) ;;
+    77) echo "gpu-bench.sh: torch peer skipped (see above); its columns stay empty" ;;
+    *) die "bench/torch_peer.py failed with status $rc (log above)" ;;
+  esac
+
+  awk '
+    $1 == "BENCH" { v[$2] = $3 }
+    $1 == "BENCH_INFO" && $2 == "device" { $1 = ""; $2 = ""; sub(/^ +/, ""); dev = $0 }
+    function f(k) { return (k in v) ? sprintf("%.1f", v[k]) : "-" }
+    function r(a, b) { return ((a in v) && (b in v) && v[b] > 0) ? sprintf("%.2fx", v[a] / v[b]) : "-" }
+    END {
+      printf "gpupool vs torch.multiprocessing on %s (p50/p99 in microseconds)\n\n", dev
+      printf "| handoff | gpupool warm p50 | gpupool warm p99 | gpupool cold p50 | gpupool cold p99 | torch p50 | torch p99 | torch p50 / gpupool warm p50 |\n"
+      printf "| --- | --- | --- | --- | --- | --- | --- | --- |\n"
+      n = split("4096 1048576 67108864", sz, " ")
+      split("4 KiB,1 MiB,64 MiB", lab, ",")
+      for (i = 1; i <= n; i++) {
+        w = "handoff_warm_" sz[i]; c = "handoff_cold_" sz[i]; t = "torch_handoff_" sz[i]
+        printf "| %s | %s | %s | %s | %s | %s | %s | %s |\n", lab[i], f(w "_p50_us"), f(w "_p99_us"),
+               f(c "_p50_us"), f(c "_p99_us"), f(t "_p50_us"), f(t "_p99_us"), r(t "_p50_us", w "_p50_us")
+      }
+      printf "\n| figure | value |\n| --- | --- |\n"
+      printf "| socketpair round trip p50 / p99 (us) | %s / %s |\n", f("socket_rtt_p50_us"), f("socket_rtt_p99_us")
+      printf "| warm gpupool_alloc p50 / p99 (us) | %s / %s |\n", f("alloc_p50_us"), f("alloc_p99_us")
+      printf "| gpupool_alloc p50 / socket floor p50 | %s |\n", r("alloc_p50_us", "socket_rtt_p50_us")
+      printf "| warm alloc+release p50 / p99 (us) | %s / %s |\n", f("alloc_release_p50_us"), f("alloc_release_p99_us")
+      printf "| raw cudaMemPoolExportPointer 1 MiB p50 (us) | %s |\n", f("raw_export_ptr_p50_us")
+      printf "| raw cudaMemPoolImportPointer 1 MiB p50 (us) | %s |\n", f("raw_import_ptr_p50_us")
+      printf "| raw cudaIpcOpenEventHandle first / later p50 (us) | %s / %s |\n", f("raw_ipc_open_event_first_us"), f("raw_ipc_open_event_p50_us")
+      printf "| raw cudaStreamWaitEvent p50 (us) | %s |\n", f("raw_stream_wait_event_p50_us")
+      printf "| handoffs/s, 1 producer -> 4 consumers (64 KiB) | %s |\n", f("handoffs_per_s_1p4c")
+      printf "| alloc+release ops/s, 16 processes (64 KiB) | %s |\n", f("alloc_release_ops_per_s_16p")
+      printf "| read GB/s shared 1 GiB / local cudaMalloc | %s / %s (%s) |\n", f("bw_shared_gbps"), f("bw_local_gbps"), r("bw_shared_gbps", "bw_local_gbps")
+    }' "$log" > "$table"
+  echo
+  cat "$table"
+  if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT"
+    cp "$log" "$OUT/gpu-bench.log"
+    cp "$table" "$OUT/gpu-bench-table.md"
+  fi
+  rm -f "$log" "$table"
+}
+
+case "${1:-build}" in
+  build) exec tools/gpu-test.sh build ;;
+  run) run_bench ;;
+  -h|--help) sed -n '2,18p' "$0" ;;
+  *) die "unknown mode '$1' (build or run)" ;;
+esac
