@@ -428,6 +428,26 @@ static int cuda_stream_wait(gpupool__cevent *e, void *stream) {
   return 0;
 }
 
+static int cuda_event_query(gpupool__cevent *e) {
+  cudaError_t ce = cudaEventQuery(e->slots[0].ev);
+  if (ce == cudaSuccess)
+    return 1;
+  if (ce == cudaErrorNotReady)
+    return 0;
+  (void)cudaGetLastError();
+  return cuda_fail(GPUPOOL_EBACKEND, ce, "cudaEventQuery on an IPC event", e->slots[0].device, NULL);
+}
+
+static int cuda_stream_idle(void *stream) {
+  cudaError_t ce = cudaStreamQuery((cudaStream_t)stream);
+  if (ce == cudaSuccess)
+    return 1;
+  if (ce == cudaErrorNotReady)
+    return 0;
+  (void)cudaGetLastError();
+  return cuda_fail(GPUPOOL_EBACKEND, ce, "cudaStreamQuery", -1, "pass a valid cudaStream_t (or NULL)");
+}
+
 static int cuda_sync(void *stream) {
   cudaError_t ce = cudaStreamSynchronize((cudaStream_t)stream);
   if (ce != cudaSuccess)
@@ -447,6 +467,8 @@ static const gpupool__cbackend_ops ops = {
     .event_close = cuda_event_close,
     .event_record = cuda_event_record,
     .stream_wait = cuda_stream_wait,
+    .event_query = cuda_event_query,
+    .stream_idle = cuda_stream_idle,
     .sync = cuda_sync,
 };
 

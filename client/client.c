@@ -129,6 +129,34 @@ struct gpupool_buffer {
   gpupool_buffer *prev, *next;
 };
 
+/* ---- tracing ------------------------------------------------------------------------------------ */
+
+/* GPUPOOL_TRACE=FILE appends one line per step (request round trips, slab maps, event opens,
+ * stream waits) with CLOCK_MONOTONIC microseconds, to find where a handoff spends its time. */
+static FILE *trace_file;
+static pthread_once_t trace_once = PTHREAD_ONCE_INIT;
+
+static void trace_open(void) {
+  const char *p = getenv("GPUPOOL_TRACE");
+  if (p && *p && (trace_file = fopen(p, "ae")))
+    setvbuf(trace_file, NULL, _IOLBF, 0);
+}
+
+static uint64_t trace_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void trace(const char *what, uint64_t t0, uint64_t detail) {
+  pthread_once(&trace_once, trace_open);
+  if (trace_file)
+    fprintf(trace_file, "%d %.1f %s %.1fus %" PRIu64 "\n", (int)getpid(), (double)t0 / 1e3, what,
+            (double)(trace_now() - t0) / 1e3, detail);
+}
+
+#define TRACE_ON() (pthread_once(&trace_once, trace_open), trace_file != NULL)
+
 /* ---- transport -------------------------------------------------------------------------------- */
 
 /* Marks the connection unusable and fails every request still waiting on it. */
@@ -268,6 +296,7 @@ static int call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *f
     return gpupool__err(GPUPOOL_ETOOBIG, "request of %zu bytes exceeds the daemon's frame limit of %u",
                         len - GPUPOOL_WIRE_HDR, c->max_frame);
   }
+  uint64_t t_send = TRACE_ON() ? trace_now() : 0;
   rc = gpupool__wire_send(c->fd, buf, len, NULL, 0);
   free(buf);
   if (rc != 0) {
@@ -287,6 +316,8 @@ static int call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *f
   for (pp = &c->pend; *pp != &p; pp = &(*pp)->next)
     ;
   *pp = p.next;
+  if (t_send)
+    trace("rpc", t_send, (uint64_t)req->body_case);
   if (!p.rep)
     return gpupool__err(p.err ? p.err : GPUPOOL_EIO,
                         "connection to gpupoold lost while waiting for the reply: %s (the next request "
@@ -446,8 +477,11 @@ static int materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, in
     rc = gpupool__err(GPUPOOL_EPROTO, "buffer in unknown pool %u", d->pool_id);
     goto fail;
   }
+  uint64_t t_m = TRACE_ON() ? trace_now() : 0;
   if ((rc = pool_attach(c, p)) != 0)
     goto fail;
+  if (t_m)
+    trace("attach", t_m, d->pool_id);
   s = gpupool__hmap_get(&c->slabs, d->slab->id);
   if (!s) {
     slab_export *ex = gpupool__hmap_get(&c->exports, d->slab->id);
@@ -486,10 +520,19 @@ static int materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, in
     rc = gpupool__err(GPUPOOL_EPROTO, "buffer %" PRIu64 "+%" PRIu64 " lies outside its slab", d->offset, d->size);
     goto fail_slab;
   }
+  if (t_m)
+    trace("slab", t_m, d->slab->id);
   if ((rc = event_get(c, d->ready, &ready)) != 0 || (rc = event_get(c, d->done, &done)) != 0)
     goto fail_slab;
-  if (wait_ready && ready && (rc = c->be->stream_wait(ready, stream)) != 0)
+  if (t_m)
+    trace("events", t_m, d->ready ? d->ready->id : 0);
+  /* Make the caller's stream wait for the producer's work, unless it has already finished
+   * (then the wait would only cost time). */
+  if (wait_ready && ready && !(c->be->event_query && c->be->event_query(ready) == 1) &&
+      (rc = c->be->stream_wait(ready, stream)) != 0)
     goto fail_slab;
+  if (t_m)
+    trace("wait", t_m, 0);
   b = calloc(1, sizeof *b);
   if (!b) {
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
@@ -936,6 +979,10 @@ static int release_locked(gpupool_client *c, gpupool_buffer *b, void *stream) {
    * event, so the daemon frees the allocation only after our import is gone. */
   if (s->refs == 0 && s->dedicated)
     slab_unmap(c, s, stream);
+  /* Nothing queued in the stream: the memory is idle now and the daemon may reuse it at once
+   * (recording an event would only make it wait for a completed one). */
+  if (done && c->be->stream_idle && c->be->stream_idle(stream) == 1)
+    done = NULL;
   if (done) {
     if ((rc = c->be->event_record(done, stream)) == 0)
       recorded = 1;
@@ -1051,7 +1098,14 @@ static int lost_err(const gpupool_buffer *b) {
 
 static int record_ready(gpupool_client *c, gpupool_buffer *b, void *stream) {
   gpupool__cevent *e = b->ready_id ? gpupool__hmap_get(&c->events, b->ready_id) : NULL;
-  return e ? c->be->event_record(e, stream) : 0;
+  uint64_t t0 = TRACE_ON() ? trace_now() : 0;
+  int rc = 0;
+  /* An idle stream has nothing for consumers to wait for. */
+  if (e && !(c->be->stream_idle && c->be->stream_idle(stream) == 1))
+    rc = c->be->event_record(e, stream);
+  if (t0)
+    trace("record_ready", t0, b->ready_id);
+  return rc;
 }
 
 int gpupool_share(gpupool_buffer *b, void *stream, gpupool_token *out) {

@@ -313,7 +313,10 @@ static void finish_free(gp_registry *reg, gp_buffer *b) {
 
 static void sweep_timer_cb(uv_timer_t *t) {
   gp_registry *reg = t->data;
+  uint64_t t0 = gp_now_ns(), n = reg->npending;
   gp_sweep(reg);
+  if (gp_now_ns() - t0 > 50000)
+    GP_DEBUG("slow sweep: %" PRIu64 " us over %" PRIu64 " pending buffers", (gp_now_ns() - t0) / 1000, n);
   if (reg->memory_returned && reg->on_memory)
     reg->on_memory(reg, NULL);
 }

@@ -820,6 +820,8 @@ static void handle_frame(gp_conn *c) {
   }
   if (!deferred)
     gpupool__metrics_request(body, rc, gp_now_ns() - t0);
+  if (gp_now_ns() - t0 > 50000)
+    GP_DEBUG("slow request %d from client %" PRIu64 ": %" PRIu64 " us", body, c->cl.id, (gp_now_ns() - t0) / 1000);
   gpupool__wire__request__free_unpacked(req, NULL);
   if (s->reg->memory_returned)
     retry_waiters(s->reg, NULL);

@@ -34,7 +34,7 @@ die() { echo "gpu-test.sh: $*" >&2; exit 1; }
 targets=${GPU_BUILD_TARGETS:-gpupoold gpupool_gpu_test gpupool_bench gpupoolctl gpupool-client}
 
 build_tree() {
-  cmake -S . -B "$build" -DGPUPOOL_STATIC_DEPS=ON -DGPUPOOL_CUDA=ON \
+  cmake -S . -B "$build" -DGPUPOOL_STATIC_DEPS=ON -DGPUPOOL_CUDA=ON -DGPUPOOL_PYTHON_GPU=python3 \
         -DCMAKE_BUILD_TYPE=RelWithDebInfo
   # shellcheck disable=SC2086 # one word per target
   cmake --build "$build" -j2 --target $targets
