@@ -12,6 +12,7 @@
  */
 #include <errno.h>
 #include <inttypes.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -276,6 +277,28 @@ out:
  * the reply (caller frees) and it carried no error. Handles slab revocations it carries. */
 static int handle_revokes(gpupool_client *c, const gpupool__rep *rep);
 
+/* After a failed send: an error frame the daemon left before closing, as (code, message). */
+static int refusal(gpupool_client *c) {
+  struct pollfd pfd = {.fd = c->fd, .events = POLLIN};
+  gpupool__wire_rx rx;
+  gpupool__rep *rep = NULL;
+  int code = 0;
+  if (c->reader_active || poll(&pfd, 1, 0) != 1 || !(pfd.revents & POLLIN))
+    return 0;
+  gpupool__wire_rx_init(&rx, GPUPOOL_WIRE_DEFAULT_MAX_FRAME);
+  if (gpupool__wire_rx_read(&rx, c->fd) == 1)
+    rep = gpupool__wire_unpack_reply(&rx);
+  gpupool__wire_rx_reset(&rx);
+  if (rep && rep->error && rep->error->code < 0 && rep->error->code > GPUPOOL_ERRNO_MIN) {
+    code = rep->error->code;
+    set_broken(c, code, rep->error->message ? rep->error->message : gpupool_strerror(code));
+    gpupool__err(code, "%s", c->broken_msg);
+  }
+  if (rep)
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  return code;
+}
+
 static int call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *fd_out) {
   pending p = {0}, **pp;
   uint8_t *buf;
@@ -300,6 +323,11 @@ static int call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *f
   rc = gpupool__wire_send(c->fd, buf, len, NULL, 0);
   free(buf);
   if (rc != 0) {
+    /* The daemon may have refused this connection (too many clients, uid not allowed) and
+     * closed it before our request went out: its reason is still readable. */
+    int code = refusal(c);
+    if (code)
+      return code;
     set_broken(c, rc, "cannot send to the daemon (it stopped or dropped this client)");
     return broken_err(c);
   }
