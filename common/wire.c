@@ -369,3 +369,27 @@ gpupool__rep *gpupool__wire_unpack_reply(const gpupool__wire_rx *rx) {
   return gpupool__wire__reply__unpack(NULL, rx->payload_len,
                                       rx->payload ? rx->payload : empty_payload);
 }
+
+const char *gpupool__wire_backend_name(int kind) {
+  switch (kind) {
+  case GPUPOOL__WIRE__BACKEND_KIND__BACKEND_HOST:
+    return "host";
+  case GPUPOOL__WIRE__BACKEND_KIND__BACKEND_CUDA:
+    return "cuda";
+  default:
+    return "unknown";
+  }
+}
+
+const char *gpupool__wire_location_name(int kind) {
+  switch (kind) {
+  case GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST:
+    return "host";
+  case GPUPOOL__WIRE__LOCATION_KIND__LOCATION_DEVICE:
+    return "device";
+  case GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST_NUMA:
+    return "host-numa";
+  default:
+    return "unknown";
+  }
+}

@@ -71,4 +71,8 @@ int gpupool__wire_rx_read(gpupool__wire_rx *rx, int sock);
 gpupool__req *gpupool__wire_unpack_request(const gpupool__wire_rx *rx);
 gpupool__rep *gpupool__wire_unpack_reply(const gpupool__wire_rx *rx);
 
+/* Names of the wire enums as shown to people and in metrics ("host", "cuda", "device", ...). */
+const char *gpupool__wire_backend_name(int kind);
+const char *gpupool__wire_location_name(int kind);
+
 #endif

@@ -182,22 +182,6 @@ static void render_requests(sbuf *b) {
   }
 }
 
-static const char *backend_name(int k) {
-  switch (k) {
-  case GPUPOOL__WIRE__BACKEND_KIND__BACKEND_HOST: return "host";
-  case GPUPOOL__WIRE__BACKEND_KIND__BACKEND_CUDA: return "cuda";
-  default: return "unknown";
-  }
-}
-
-static const char *location_name(int k) {
-  switch (k) {
-  case GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST: return "host";
-  case GPUPOOL__WIRE__LOCATION_KIND__LOCATION_DEVICE: return "device";
-  case GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST_NUMA: return "host-numa";
-  default: return "unknown";
-  }
-}
 
 /* One per-pool gauge family: the value of each pool is read at `off` in PoolInfo. */
 typedef struct {
@@ -245,7 +229,7 @@ static void render_stats(sbuf *b, const Gpupool__Wire__StatsReply *st) {
   family(b, "build_info", "gauge", "Daemon version and backend; the value is always 1.");
   sb_printf(b, "gpupool_build_info{version=\"");
   sb_label(b, st->daemon_version);
-  sb_printf(b, "\",backend=\"%s\"} 1\n", backend_name(st->backend));
+  sb_printf(b, "\",backend=\"%s\"} 1\n", gpupool__wire_backend_name(st->backend));
   for (size_t i = 0; i < sizeof(g) / sizeof(g[0]); i++) {
     family(b, g[i].name, "gauge", g[i].help);
     sb_printf(b, "gpupool_%s %llu\n", g[i].name, (unsigned long long)g[i].v);
@@ -257,7 +241,7 @@ static void render_stats(sbuf *b, const Gpupool__Wire__StatsReply *st) {
     sb_printf(b, "gpupool_pool_info{pool=\"");
     sb_label(b, pi->name);
     sb_printf(b, "\",id=\"%u\",backend=\"%s\",location=\"%s\",device=\"%d\",numa_node=\"%d\"} 1\n",
-              pi->id, backend_name(pi->backend), location_name(pi->location), pi->device,
+              pi->id, gpupool__wire_backend_name(pi->backend), gpupool__wire_location_name(pi->location), pi->device,
               pi->numa_node);
   }
   for (size_t i = 0; i < sizeof(pool_gauges) / sizeof(pool_gauges[0]); i++) {

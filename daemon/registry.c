@@ -842,25 +842,28 @@ int gp_publish(gp_registry *reg, gp_client *c, uint64_t hold_id, const char *nam
   return 0;
 }
 
+/* The name as c may see it: ENAME for a malformed name, ENOENT when absent or invisible. */
+static int find_name(gp_registry *reg, gp_client *c, const char *name, gp_name **out) {
+  int rc = gp_check_name(name);
+  if (rc != 0)
+    return rc;
+  *out = gpupool__smap_get(&reg->names, name);
+  if (!*out || !name_visible(*out, c))
+    return gpupool__err(GPUPOOL_ENOENT, "no buffer is published under '%s'", name);
+  return 0;
+}
+
 int gp_get(gp_registry *reg, gp_client *c, const char *name, int read_only, gp_hold **out) {
   gp_name *n;
-  int rc;
-  if ((rc = gp_check_name(name)) != 0)
-    return rc;
-  n = gpupool__smap_get(&reg->names, name);
-  if (!n || !name_visible(n, c))
-    return gpupool__err(GPUPOOL_ENOENT, "no buffer is published under '%s'", name);
-  return hold_new(reg, c, n->buf, read_only, 0, out);
+  int rc = find_name(reg, c, name, &n);
+  return rc != 0 ? rc : hold_new(reg, c, n->buf, read_only, 0, out);
 }
 
 int gp_unpublish(gp_registry *reg, gp_client *c, const char *name) {
   gp_name *n;
-  int rc;
-  if ((rc = gp_check_name(name)) != 0)
+  int rc = find_name(reg, c, name, &n);
+  if (rc != 0)
     return rc;
-  n = gpupool__smap_get(&reg->names, name);
-  if (!n || !name_visible(n, c))
-    return gpupool__err(GPUPOOL_ENOENT, "no buffer is published under '%s'", name);
   if (n->uid != c->uid && c->uid != 0)
     return gpupool__err(GPUPOOL_EPERM, "name '%s' was published by uid %u; only that uid or root may unpublish it",
                         name, (unsigned)n->uid);

@@ -563,11 +563,12 @@ static int handle_publish(gp_conn *c, uint64_t seq, const Gpupool__Wire__Publish
   int rc = gp_publish(c->srv->reg, &c->cl, m->hold_id, m->name, m->tensor, m->share_gid, m->share_all);
   if (rc != 0)
     return rc;
+  /* Consumers blocked on the name first: they are the handoff's critical path. */
+  wake_getters(c->srv, m->name);
   rep.body_case = GPUPOOL__WIRE__REPLY__BODY_PUBLISH;
   rep.publish = &pr;
   send_reply(c, seq, &rep, NULL, 0);
   GP_DEBUG("client %" PRIu64 " published '%s'", c->cl.id, m->name);
-  wake_getters(c->srv, m->name);
   return 0;
 }
 

@@ -432,22 +432,6 @@ static const char *pool_name(const ctl *c, uint32_t id, char *buf, size_t len) {
   return buf;
 }
 
-static const char *backend_name(int k) {
-  switch (k) {
-  case GPUPOOL__WIRE__BACKEND_KIND__BACKEND_HOST: return "host";
-  case GPUPOOL__WIRE__BACKEND_KIND__BACKEND_CUDA: return "cuda";
-  default: return "unknown";
-  }
-}
-
-static const char *location_name(int k) {
-  switch (k) {
-  case GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST: return "host";
-  case GPUPOOL__WIRE__LOCATION_KIND__LOCATION_DEVICE: return "device";
-  case GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST_NUMA: return "host-numa";
-  default: return "unknown";
-  }
-}
 
 /* ---- commands ------------------------------------------------------------------------------ */
 
@@ -464,8 +448,8 @@ static void json_pool(const Gpupool__Wire__PoolInfo *p) {
   putchar('{');
   jkv_u64("id", p->id, &f);
   jkv_str("name", p->name, &f);
-  jkv_str("backend", backend_name(p->backend), &f);
-  jkv_str("location", location_name(p->location), &f);
+  jkv_str("backend", gpupool__wire_backend_name(p->backend), &f);
+  jkv_str("location", gpupool__wire_location_name(p->location), &f);
   jkv_i64("device", p->device, &f);
   jkv_i64("numa_node", p->numa_node, &f);
   jkv_u64("capacity", p->capacity, &f);
@@ -490,7 +474,7 @@ static void json_stats(const ctl *c, const Gpupool__Wire__StatsReply *s) {
   jkv_str("socket", c->path, &f);
   jkv_i64("daemon_pid", c->daemon_pid, &f);
   jkv_str("daemon_version", s->daemon_version, &f);
-  jkv_str("backend", backend_name(s->backend), &f);
+  jkv_str("backend", gpupool__wire_backend_name(s->backend), &f);
   jkv_u64("protocol_version", c->hello->hello->protocol_version, &f);
   jkv_u64("uptime_s", s->uptime_s, &f);
   jkv_u64("clients", s->clients, &f);
@@ -526,7 +510,7 @@ static int cmd_status(ctl *c) {
     goto out;
   }
   printf("gpupoold %s (pid %d) on %s\n", s->daemon_version, (int)c->daemon_pid, c->path);
-  printf("backend %s, up %s\n", backend_name(s->backend), fmt_age(s->uptime_s, up, sizeof(up)));
+  printf("backend %s, up %s\n", gpupool__wire_backend_name(s->backend), fmt_age(s->uptime_s, up, sizeof(up)));
   printf("clients %llu, buffers %llu, holds %llu, names %llu, pending frees %llu, "
          "open fds %llu\n",
          (unsigned long long)s->clients, (unsigned long long)s->buffers,
@@ -549,7 +533,7 @@ static int cmd_status(ctl *c) {
     else if (p->location == GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST)
       snprintf(where, sizeof(where), "memfd");
     else
-      snprintf(where, sizeof(where), "%s", location_name(p->location));
+      snprintf(where, sizeof(where), "%s", gpupool__wire_location_name(p->location));
     snprintf(nb, sizeof(nb), "%llu", (unsigned long long)p->buffers);
     snprintf(ns, sizeof(ns), "%llu", (unsigned long long)p->slabs);
     table_row(&t, p->name, where, fmt_size(p->capacity, b[0], 32), fmt_size(p->used, b[1], 32),
@@ -579,7 +563,7 @@ static int cmd_stats(ctl *c) {
     printf("daemon_version %s\nbackend %s\nuptime_s %llu\nclients %llu\nbuffers %llu\n"
            "holds %llu\nnames %llu\nrequests %llu\nerrors %llu\nopen_fds %llu\n"
            "pending_frees %llu\n",
-           s->daemon_version, backend_name(s->backend), (unsigned long long)s->uptime_s,
+           s->daemon_version, gpupool__wire_backend_name(s->backend), (unsigned long long)s->uptime_s,
            (unsigned long long)s->clients, (unsigned long long)s->buffers,
            (unsigned long long)s->holds, (unsigned long long)s->names,
            (unsigned long long)s->requests, (unsigned long long)s->errors,
@@ -591,7 +575,7 @@ static int cmd_stats(ctl *c) {
              "pool.%s.used %llu\npool.%s.reserved %llu\npool.%s.used_high %llu\n"
              "pool.%s.reserved_high %llu\npool.%s.backend_used %llu\n"
              "pool.%s.backend_reserved %llu\npool.%s.buffers %llu\npool.%s.slabs %llu\n",
-             n, p->id, n, location_name(p->location), n, p->device, n,
+             n, p->id, n, gpupool__wire_location_name(p->location), n, p->device, n,
              (unsigned long long)p->capacity, n, (unsigned long long)p->used, n,
              (unsigned long long)p->reserved, n, (unsigned long long)p->used_high, n,
              (unsigned long long)p->reserved_high, n, (unsigned long long)p->backend_used, n,
