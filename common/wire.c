@@ -393,3 +393,127 @@ const char *gpupool__wire_location_name(int kind) {
     return "unknown";
   }
 }
+
+/* ---- buffered receiver (daemon) ------------------------------------------------------------- */
+
+#define INBUF_MIN (64u << 10)
+
+void gpupool__wire_inbuf_init(gpupool__wire_inbuf *b, uint32_t max_frame) {
+  memset(b, 0, sizeof *b);
+  if (max_frame == 0)
+    max_frame = GPUPOOL_WIRE_DEFAULT_MAX_FRAME;
+  b->max_frame = max_frame > GPUPOOL_WIRE_HARD_MAX_FRAME ? GPUPOOL_WIRE_HARD_MAX_FRAME : max_frame;
+}
+
+void gpupool__wire_inbuf_free(gpupool__wire_inbuf *b) {
+  free(b->buf);
+  b->buf = NULL;
+  b->len = b->off = b->cap = 0;
+}
+
+
+/* Room for at least `need` more bytes after the held ones (frames already handed out are
+ * dropped first). */
+static int inbuf_reserve(gpupool__wire_inbuf *b, size_t need) {
+  size_t ncap;
+  uint8_t *n;
+  if (b->off > 0) {
+    memmove(b->buf, b->buf + b->off, b->len - b->off);
+    b->len -= b->off;
+    b->off = 0;
+  }
+  if (b->cap - b->len >= need)
+    return 0;
+  ncap = b->cap ? b->cap : INBUF_MIN;
+  while (ncap - b->len < need)
+    ncap *= 2;
+  n = realloc(b->buf, ncap);
+  if (!n)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory for a receive buffer of %zu bytes", ncap);
+  b->buf = n;
+  b->cap = ncap;
+  return 0;
+}
+
+int gpupool__wire_inbuf_fill(gpupool__wire_inbuf *b, int sock, int *fds_closed) {
+  struct iovec iov;
+  struct msghdr msg;
+  ctrl_buf ctrl;
+  size_t need = 4096;
+  ssize_t n;
+  int rc;
+
+  *fds_closed = 0;
+  /* A partial frame needs room for all of it (its size was checked by inbuf_next). */
+  if (b->len - b->off >= GPUPOOL_WIRE_HDR) {
+    size_t want = GPUPOOL_WIRE_HDR + (size_t)get_le32(b->buf + b->off);
+    if (want <= (size_t)b->max_frame + GPUPOOL_WIRE_HDR && want > b->len - b->off)
+      need = want - (b->len - b->off);
+  }
+  if ((rc = inbuf_reserve(b, need)) != 0)
+    return rc;
+  for (;;) {
+    memset(&msg, 0, sizeof msg);
+    iov.iov_base = b->buf + b->len;
+    iov.iov_len = b->cap - b->len;
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = ctrl.buf;
+    msg.msg_controllen = sizeof ctrl.buf;
+    n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    if (n >= 0)
+      break;
+    if (errno == EINTR)
+      continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK)
+      return 0;
+    if (errno == ECONNRESET)
+      return gpupool__err(GPUPOOL_ECLOSED, "peer reset the connection");
+    return gpupool__err(GPUPOOL_EIO, "recvmsg on the gpupool socket failed: %s", strerror(errno));
+  }
+  for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c)) {
+    size_t bytes;
+    if (c->cmsg_level != SOL_SOCKET || (c->cmsg_type != SCM_RIGHTS && c->cmsg_type != SCM_PIDFD))
+      continue;
+    bytes = c->cmsg_len > CMSG_LEN(0) ? c->cmsg_len - CMSG_LEN(0) : 0;
+    for (size_t k = 0; k + sizeof(int) <= bytes; k += sizeof(int)) {
+      int fd;
+      memcpy(&fd, CMSG_DATA(c) + k, sizeof fd);
+      close(fd);
+      if (c->cmsg_type == SCM_RIGHTS)
+        (*fds_closed)++;
+    }
+  }
+  if (msg.msg_flags & MSG_CTRUNC)
+    return gpupool__err(GPUPOOL_EPROTO,
+                        "control data truncated: the peer sent more than %d fds with one frame", GPUPOOL_WIRE_MAX_FDS);
+  if (n == 0) {
+    if (b->len == b->off)
+      return gpupool__err(GPUPOOL_ECLOSED, "peer closed the connection");
+    return gpupool__err(GPUPOOL_EPROTO, "peer closed the connection in the middle of a frame (%zu bytes of it received)",
+                        b->len - b->off);
+  }
+  b->len += (size_t)n;
+  return (int)(n > INT32_MAX ? INT32_MAX : n);
+}
+
+int gpupool__wire_inbuf_next(gpupool__wire_inbuf *b, const uint8_t **payload, uint32_t *len) {
+  size_t have = b->len - b->off;
+  uint32_t n;
+  if (have < GPUPOOL_WIRE_HDR)
+    return 0;
+  n = get_le32(b->buf + b->off);
+  if (n > b->max_frame)
+    return gpupool__err(GPUPOOL_EPROTO,
+                        "frame of %u bytes exceeds the limit of %u bytes; the peer must send smaller "
+                        "requests (max_frame in the daemon's config)",
+                        n, b->max_frame);
+  if (have - GPUPOOL_WIRE_HDR < n)
+    return 0;
+  *payload = b->buf + b->off + GPUPOOL_WIRE_HDR;
+  *len = n;
+  b->off += GPUPOOL_WIRE_HDR + n;
+  if (b->off == b->len)
+    b->off = b->len = 0; /* everything handed out: next fill starts at the front */
+  return 1;
+}

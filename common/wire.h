@@ -71,6 +71,30 @@ int gpupool__wire_rx_read(gpupool__wire_rx *rx, int sock);
 gpupool__req *gpupool__wire_unpack_request(const gpupool__wire_rx *rx);
 gpupool__rep *gpupool__wire_unpack_reply(const gpupool__wire_rx *rx);
 
+/* Buffered receiver for the daemon: one recvmsg takes whatever frames are waiting (a client
+ * pipelining requests costs one system call, not two per frame), and complete frames are
+ * then handed out in order. The daemon accepts no fds: any that arrive are closed at once and
+ * reported, so the caller can refuse the frame they came with. */
+typedef struct {
+  uint8_t *buf;
+  size_t len;         /* bytes held, starting at buf */
+  size_t off;         /* start of the first frame not yet handed out */
+  size_t cap;
+  uint32_t max_frame;
+} gpupool__wire_inbuf;
+
+void gpupool__wire_inbuf_init(gpupool__wire_inbuf *b, uint32_t max_frame);
+void gpupool__wire_inbuf_free(gpupool__wire_inbuf *b);
+/* One recvmsg of what is available. > 0 bytes read; 0 when the socket would block;
+ * GPUPOOL_ECLOSED on EOF at a frame boundary; GPUPOOL_EPROTO on EOF inside a frame or
+ * truncated control data (with a message); GPUPOOL_EIO / GPUPOOL_ENOMEM. *fds_closed counts
+ * the fds that came with the bytes (all closed). */
+int gpupool__wire_inbuf_fill(gpupool__wire_inbuf *b, int sock, int *fds_closed);
+/* Next complete frame: 1 with payload and len pointing into the buffer (valid until the next
+ * fill); 0 when none is complete yet; GPUPOOL_EPROTO when the next frame exceeds max_frame
+ * (checked on its header, before any payload is read). */
+int gpupool__wire_inbuf_next(gpupool__wire_inbuf *b, const uint8_t **payload, uint32_t *len);
+
 /* Names of the wire enums as shown to people and in metrics ("host", "cuda", "device", ...). */
 const char *gpupool__wire_backend_name(int kind);
 const char *gpupool__wire_location_name(int kind);

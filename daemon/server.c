@@ -26,7 +26,6 @@
 #include "metrics.h"
 #include "server.h"
 
-#define MAX_FRAMES_PER_WAKEUP 64
 #define MAX_TX_QUEUE (64u << 20)
 #define WAIT_FOREVER UINT32_MAX
 
@@ -64,7 +63,8 @@ struct gp_conn {
   int poll_events;
   uv_timer_t hs_timer;
   int handles_open;
-  gpupool__wire_rx rx;
+  gpupool__wire_inbuf in;
+  int fds_pending;   /* fds arrived (and were closed): refuse the next frame with EFD */
   tx_frame *txq, *txq_tail;
   size_t tx_bytes;
   int hello_done;
@@ -785,23 +785,20 @@ static int dispatch(gp_conn *c, const Gpupool__Wire__Request *req, int *deferred
   }
 }
 
-static void handle_frame(gp_conn *c) {
+static void handle_frame(gp_conn *c, const uint8_t *payload, uint32_t len) {
   gp_server *s = c->srv;
   Gpupool__Wire__Request *req;
   uint64_t t0 = gp_now_ns();
   int rc, deferred = 0, body = 0;
 
   s->requests++;
-  if (c->rx.nfds > 0) {
-    /* Clients never send fds: close them (rx_reset does) and say so. */
-    GP_WARN("client %" PRIu64 " (pid %d) sent %d unexpected fd(s); closed them", c->cl.id,
-            (int)c->cl.pid, c->rx.nfds);
-    gpupool__wire_rx_reset(&c->rx);
+  if (c->fds_pending) {
+    /* Clients never send fds: they were closed on arrival; refuse the frame they came with. */
+    c->fds_pending = 0;
     send_error(c, 0, GPUPOOL_EFD, "the daemon accepts no file descriptors from clients; they were closed");
     return;
   }
-  req = gpupool__wire_unpack_request(&c->rx);
-  gpupool__wire_rx_reset(&c->rx);
+  req = gpupool__wire__request__unpack(NULL, len, payload);
   if (!req) {
     GP_WARN("client %" PRIu64 " (pid %d) sent a malformed frame; dropping it", c->cl.id, (int)c->cl.pid);
     c->drop_after_flush = 1;
@@ -839,7 +836,7 @@ static void conn_handle_closed(uv_handle_t *h) {
     c->txq = f->next;
     tx_free(f);
   }
-  gpupool__wire_rx_reset(&c->rx);
+  gpupool__wire_inbuf_free(&c->in);
   close(c->fd);
   free(c);
 }
@@ -895,32 +892,39 @@ static void conn_io(uv_poll_t *p, int status, int events) {
   }
   if (!(events & UV_READABLE))
     return;
-  for (int i = 0; i < MAX_FRAMES_PER_WAKEUP && !c->closing && !c->drop_after_flush; i++) {
-    int rc = gpupool__wire_rx_read(&c->rx, c->fd);
-    if (rc == 0)
-      return;
-    if (rc < 0) {
-      if (rc == GPUPOOL_ECLOSED) {
-        conn_close(c, "end of connection");
-      } else {
-        char why[GPUPOOL__ERRMSG_MAX + 32];
-        snprintf(why, sizeof why, "protocol error: %s", gpupool__errmsg());
-        GP_WARN("client %" PRIu64 " (pid %d): %s", c->cl.id, (int)c->cl.pid, gpupool__errmsg());
-        if (rc == GPUPOOL_EPROTO) {
-          /* Tell it why before hanging up (the stream cannot be resynchronised). */
-          c->drop_after_flush = 1;
-          send_error(c, 0, GPUPOOL_EPROTO, gpupool__errmsg());
-          if (!c->txq)
-            conn_close(c, why);
-        } else {
-          conn_close(c, why);
-        }
-      }
-      return;
+  {
+    const uint8_t *payload;
+    uint32_t len;
+    int fds = 0, rc = gpupool__wire_inbuf_fill(&c->in, c->fd, &fds);
+    if (fds > 0) {
+      GP_WARN("client %" PRIu64 " (pid %d) sent %d unexpected fd(s); closed them", c->cl.id, (int)c->cl.pid, fds);
+      c->fds_pending = 1;
     }
-    handle_frame(c);
-    if (c->drop_after_flush && !c->txq && !c->closing)
-      conn_close(c, "protocol violation");
+    /* One read takes every waiting frame; level-triggered polling brings us back for more. */
+    while (rc >= 0 && !c->closing && !c->drop_after_flush &&
+           (rc = gpupool__wire_inbuf_next(&c->in, &payload, &len)) == 1) {
+      handle_frame(c, payload, len);
+      if (c->drop_after_flush && !c->txq && !c->closing)
+        conn_close(c, "protocol violation");
+    }
+    if (rc >= 0 || c->closing)
+      return;
+    if (rc == GPUPOOL_ECLOSED) {
+      conn_close(c, "end of connection");
+    } else {
+      char why[GPUPOOL__ERRMSG_MAX + 32];
+      snprintf(why, sizeof why, "protocol error: %s", gpupool__errmsg());
+      GP_WARN("client %" PRIu64 " (pid %d): %s", c->cl.id, (int)c->cl.pid, gpupool__errmsg());
+      if (rc == GPUPOOL_EPROTO && !c->drop_after_flush) {
+        /* Tell it why before hanging up (the stream cannot be resynchronised). */
+        c->drop_after_flush = 1;
+        send_error(c, 0, GPUPOOL_EPROTO, gpupool__errmsg());
+        if (!c->txq && !c->closing)
+          conn_close(c, why);
+      } else {
+        conn_close(c, why);
+      }
+    }
   }
 }
 
@@ -1010,7 +1014,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
     c->cl.gid = cred.gid;
     c->cl.pidfd = cred.pid > 0 ? (int)syscall(SYS_pidfd_open, cred.pid, 0) : -1;
     snprintf(c->cl.name, sizeof c->cl.name, "-");
-    gpupool__wire_rx_init(&c->rx, s->cfg->max_frame);
+    gpupool__wire_inbuf_init(&c->in, s->cfg->max_frame);
     gp_client_init(s->reg, &c->cl);
     uv_poll_init(s->loop, &c->poll, fd);
     c->poll.data = c;

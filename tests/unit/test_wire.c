@@ -938,6 +938,117 @@ static void test_passcred_ignored(void **state) {
   close(sv[1]);
 }
 
+/* ---- buffered receiver (the daemon's) -------------------------------------------------------- */
+
+/* Drain every complete frame; returns how many, checking each is a Hello with seq base+i. */
+static int inbuf_drain(gpupool__wire_inbuf *b, uint64_t base) {
+  const uint8_t *p;
+  uint32_t len;
+  int n = 0, rc;
+  while ((rc = gpupool__wire_inbuf_next(b, &p, &len)) == 1) {
+    gpupool__req *r = gpupool__wire__request__unpack(NULL, len, p);
+    assert_non_null(r);
+    assert_int_equal(r->seq, base + (uint64_t)n);
+    gpupool__wire__request__free_unpacked(r, NULL);
+    n++;
+  }
+  assert_int_equal(rc, 0);
+  return n;
+}
+
+static void test_inbuf_many_frames_one_read(void **state) {
+  int sv[2], fds = -1, got = 0;
+  gpupool__wire_inbuf b;
+  (void)state;
+  pair(sv);
+  set_nonblock(sv[1]);
+  gpupool__wire_inbuf_init(&b, 0);
+  for (int i = 0; i < 50; i++)
+    send_hello(sv[0], 100 + (uint64_t)i, "pipelined", NULL, 0);
+  /* One fill takes them all (they are all in the socket already). */
+  assert_true(gpupool__wire_inbuf_fill(&b, sv[1], &fds) > 0);
+  assert_int_equal(fds, 0);
+  got = inbuf_drain(&b, 100);
+  assert_int_equal(got, 50);
+  assert_int_equal(gpupool__wire_inbuf_fill(&b, sv[1], &fds), 0); /* would block */
+  gpupool__wire_inbuf_free(&b);
+  close(sv[0]);
+  close(sv[1]);
+}
+
+static void test_inbuf_split_and_large(void **state) {
+  int sv[2], fds = -1;
+  gpupool__wire_inbuf b;
+  uint8_t *buf;
+  size_t len;
+  char big[300000];
+  (void)state;
+  pair(sv);
+  set_nonblock(sv[1]);
+  gpupool__wire_inbuf_init(&b, 1u << 20);
+  /* A frame larger than the initial buffer, delivered in pieces. */
+  memset(big, 'x', sizeof big - 1);
+  big[sizeof big - 1] = '\0';
+  pack_hello(7, big, &buf, &len);
+  for (size_t off = 0; off < len;) {
+    size_t chunk = len - off < 70000 ? len - off : 70000;
+    const uint8_t *p;
+    uint32_t plen;
+    write_all(sv[0], buf + off, chunk);
+    off += chunk;
+    while (gpupool__wire_inbuf_fill(&b, sv[1], &fds) > 0)
+      ;
+    if (off < len)
+      assert_int_equal(gpupool__wire_inbuf_next(&b, &p, &plen), 0);
+  }
+  assert_int_equal(inbuf_drain(&b, 7), 1);
+  free(buf);
+  gpupool__wire_inbuf_free(&b);
+  close(sv[0]);
+  close(sv[1]);
+}
+
+static void test_inbuf_fds_closed_oversize_eof(void **state) {
+  int sv[2], fds = -1, before = count_fds(), m = memfd_with("x"), three[3] = {m, m, m};
+  gpupool__wire_inbuf b;
+  uint8_t hdr[4];
+  const uint8_t *p;
+  uint32_t plen;
+  (void)state;
+  pair(sv);
+  set_nonblock(sv[1]);
+  gpupool__wire_inbuf_init(&b, 4096);
+  send_hello(sv[0], 1, "with-fds", three, 3);
+  close(m);
+  assert_true(gpupool__wire_inbuf_fill(&b, sv[1], &fds) > 0);
+  assert_int_equal(fds, 3);
+  assert_int_equal(inbuf_drain(&b, 1), 1);
+  /* Oversized: refused on the header. */
+  le32(hdr, 5000);
+  write_all(sv[0], hdr, sizeof hdr);
+  assert_true(gpupool__wire_inbuf_fill(&b, sv[1], &fds) > 0);
+  assert_int_equal(gpupool__wire_inbuf_next(&b, &p, &plen), GPUPOOL_EPROTO);
+  assert_non_null(strstr(gpupool__errmsg(), "exceeds the limit of 4096"));
+  gpupool__wire_inbuf_free(&b);
+  /* EOF inside a frame, then at a boundary. */
+  gpupool__wire_inbuf_init(&b, 4096);
+  le32(hdr, 10);
+  write_all(sv[0], hdr, sizeof hdr);
+  close(sv[0]);
+  while (gpupool__wire_inbuf_fill(&b, sv[1], &fds) > 0)
+    ;
+  assert_int_equal(gpupool__wire_inbuf_fill(&b, sv[1], &fds), GPUPOOL_EPROTO);
+  gpupool__wire_inbuf_free(&b);
+  close(sv[1]);
+  pair(sv);
+  gpupool__wire_inbuf_init(&b, 4096);
+  close(sv[0]);
+  assert_int_equal(gpupool__wire_inbuf_fill(&b, sv[1], &fds), GPUPOOL_ECLOSED);
+  gpupool__wire_inbuf_free(&b);
+  close(sv[1]);
+  assert_int_equal(count_fds(), before);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_request_roundtrip),
@@ -959,6 +1070,9 @@ int main(void) {
       cmocka_unit_test(test_send_to_closed_peer),
       cmocka_unit_test(test_eintr),
       cmocka_unit_test(test_passcred_ignored),
+      cmocka_unit_test(test_inbuf_many_frames_one_read),
+      cmocka_unit_test(test_inbuf_split_and_large),
+      cmocka_unit_test(test_inbuf_fds_closed_oversize_eof),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
