@@ -108,6 +108,7 @@ struct gpupool_client {
   char socket_path[108];
   char name[64];
   int reconnect_ms;        /* budget for reconnecting before a request fails */
+  int spin_us;             /* GPUPOOL_SPIN_US: poll this long for a reply before sleeping */
   uint64_t reconnects;
   stale_gen *stale;
   char **published;        /* names this client published and has not unpublished */
@@ -143,7 +144,7 @@ static void trace_open(void) {
     setvbuf(trace_file, NULL, _IOLBF, 0);
 }
 
-static uint64_t trace_now(void) {
+static uint64_t mono_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
@@ -153,7 +154,7 @@ static void trace(const char *what, uint64_t t0, uint64_t detail) {
   pthread_once(&trace_once, trace_open);
   if (trace_file)
     fprintf(trace_file, "%d %.1f %s %.1fus %" PRIu64 "\n", (int)getpid(), (double)t0 / 1e3, what,
-            (double)(trace_now() - t0) / 1e3, detail);
+            (double)(mono_ns() - t0) / 1e3, detail);
 }
 
 #define TRACE_ON() (pthread_once(&trace_once, trace_open), trace_file != NULL)
@@ -229,6 +230,14 @@ static void read_one(gpupool_client *c) {
 
   c->reader_active = 1;
   pthread_mutex_unlock(&c->mu);
+  if (c->spin_us > 0) {
+    /* Latency mode: most replies come within tens of microseconds; waiting for them awake
+     * saves being woken up (costly on virtual machines and in deep idle states). */
+    struct pollfd pfd = {.fd = c->fd, .events = POLLIN};
+    uint64_t end = mono_ns() + (uint64_t)c->spin_us * 1000;
+    while (poll(&pfd, 1, 0) == 0 && mono_ns() < end)
+      ;
+  }
   rc = gpupool__wire_rx_read(&c->rx, c->fd);
   rep = rc == 1 ? gpupool__wire_unpack_reply(&c->rx) : NULL;
   pthread_mutex_lock(&c->mu);
@@ -319,7 +328,7 @@ static int call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *f
     return gpupool__err(GPUPOOL_ETOOBIG, "request of %zu bytes exceeds the daemon's frame limit of %u",
                         len - GPUPOOL_WIRE_HDR, c->max_frame);
   }
-  uint64_t t_send = TRACE_ON() ? trace_now() : 0;
+  uint64_t t_send = TRACE_ON() ? mono_ns() : 0;
   rc = gpupool__wire_send(c->fd, buf, len, NULL, 0);
   free(buf);
   if (rc != 0) {
@@ -505,7 +514,7 @@ static int materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, in
     rc = gpupool__err(GPUPOOL_EPROTO, "buffer in unknown pool %u", d->pool_id);
     goto fail;
   }
-  uint64_t t_m = TRACE_ON() ? trace_now() : 0;
+  uint64_t t_m = TRACE_ON() ? mono_ns() : 0;
   if ((rc = pool_attach(c, p)) != 0)
     goto fail;
   if (t_m)
@@ -872,6 +881,10 @@ int gpupool_connect(const char *socket_path, const char *client_name, gpupool_cl
   snprintf(c->name, sizeof c->name, "%s", client_name ? client_name : "");
   env = getenv("GPUPOOL_RECONNECT_MS");
   c->reconnect_ms = env && *env ? atoi(env) : 5000;
+  env = getenv("GPUPOOL_SPIN_US");
+  c->spin_us = env && *env ? atoi(env) : 0;
+  if (c->spin_us < 0 || c->spin_us > 1000000)
+    c->spin_us = 0;
   pthread_mutex_init(&c->mu, NULL);
   pthread_cond_init(&c->cv, NULL);
   gpupool__hmap_init(&c->slabs);
@@ -1126,7 +1139,7 @@ static int lost_err(const gpupool_buffer *b) {
 
 static int record_ready(gpupool_client *c, gpupool_buffer *b, void *stream) {
   gpupool__cevent *e = b->ready_id ? gpupool__hmap_get(&c->events, b->ready_id) : NULL;
-  uint64_t t0 = TRACE_ON() ? trace_now() : 0;
+  uint64_t t0 = TRACE_ON() ? mono_ns() : 0;
   int rc = 0;
   /* An idle stream has nothing for consumers to wait for. */
   if (e && !(c->be->stream_idle && c->be->stream_idle(stream) == 1))

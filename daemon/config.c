@@ -257,6 +257,13 @@ static int set_daemon_key(gpupool__config *c, const char *k, const char *v) {
     return copy_str(c->metrics_socket, sizeof c->metrics_socket, v);
   if (!strcmp(k, "metrics_interval_ms"))
     return parse_u32(v, &c->metrics_interval_ms);
+  if (!strcmp(k, "busy_poll_us")) {
+    if (parse_u32(v, &c->busy_poll_us) != 0)
+      return GPUPOOL_EINVAL;
+    if (c->busy_poll_us > 1000000)
+      return gpupool__err(GPUPOOL_EINVAL, "busy_poll_us %s is over 1 s; a few hundred to a few thousand us is typical", v);
+    return 0;
+  }
   return gpupool__err(GPUPOOL_EINVAL, "unknown key '%s' in [daemon]", k);
 }
 

@@ -57,6 +57,9 @@ typedef struct {
   char metrics_textfile[256];
   char metrics_socket[108];
   uint32_t metrics_interval_ms;
+  /* Latency mode: after any client activity, keep polling without sleeping for this long
+   * (costs a CPU core while traffic flows; 0 = always sleep in the kernel). */
+  uint32_t busy_poll_us;
   gpupool__pool_config pools[GPUPOOL_MAX_POOLS];
   int n_pools;
 } gpupool__config;

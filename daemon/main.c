@@ -166,6 +166,18 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
+  {
+    const char *bp = getenv("GPUPOOL_BUSY_POLL_US");
+    if (bp && *bp) {
+      char *end;
+      unsigned long v = strtoul(bp, &end, 10);
+      if (*end || v > 1000000) {
+        fprintf(stderr, "gpupoold: GPUPOOL_BUSY_POLL_US='%s' is not a number of microseconds up to 1000000\n", bp);
+        return 2;
+      }
+      cfg.busy_poll_us = (uint32_t)v;
+    }
+  }
   if (level_opt && gpupool__log_parse_level(level_opt, &cfg.log_level) != 0) {
     fprintf(stderr, "gpupoold: %s\n", gpupool__errmsg());
     return 2;
@@ -234,7 +246,22 @@ int main(int argc, char **argv) {
           cfg.socket_path[0] ? cfg.socket_path : "(socket from systemd)", be->ops->name, cfg.n_pools);
   gpupool__sd_notifyf("READY=1\nSTATUS=Serving %d pool(s) on the %s backend", cfg.n_pools, be->ops->name);
 
-  uv_run(d.loop, UV_RUN_DEFAULT);
+  if (cfg.busy_poll_us == 0) {
+    uv_run(d.loop, UV_RUN_DEFAULT);
+  } else {
+    /* Latency mode: right after client traffic, poll without sleeping, so a request that
+     * follows soon does not wait for this thread to be woken. */
+    GP_INFO("busy polling for %u us after client activity (busy_poll_us)", cfg.busy_poll_us);
+    for (;;) {
+      int more;
+      if (d.server && gp_now_ns() - gp_server_last_activity(d.server) < (uint64_t)cfg.busy_poll_us * 1000)
+        more = uv_run(d.loop, UV_RUN_NOWAIT);
+      else
+        more = uv_run(d.loop, UV_RUN_ONCE);
+      if (!more && !d.server)
+        break;
+    }
+  }
 
   gp_registry_close(&reg);
   uv_run(d.loop, UV_RUN_DEFAULT); /* close callbacks of what the registry held */

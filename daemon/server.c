@@ -88,6 +88,7 @@ struct gp_server {
   uint64_t started_ns;
   int stopping;
   int in_retry;
+  uint64_t last_activity_ns;
 };
 
 static void conn_close(gp_conn *c, const char *why);
@@ -95,6 +96,7 @@ static void conn_update_poll(gp_conn *c);
 static void retry_waiters(gp_registry *reg, gp_pool *pool);
 
 uint64_t gp_server_clients(const gp_server *s) { return s->nconns; }
+uint64_t gp_server_last_activity(const gp_server *s) { return s->last_activity_ns; }
 
 static uint64_t count_open_fds(void) {
   DIR *d = opendir("/proc/self/fd");
@@ -892,6 +894,7 @@ static void conn_io(uv_poll_t *p, int status, int events) {
   }
   if (!(events & UV_READABLE))
     return;
+  c->srv->last_activity_ns = gp_now_ns();
   {
     const uint8_t *payload;
     uint32_t len;

@@ -24,6 +24,8 @@ int gp_server_start(gp_server **out, uv_loop_t *loop, const gpupool__config *cfg
 void gp_server_stop(gp_server *s);
 /* Current statistics (the Stats reply's content); free with gpupool__stats_free. */
 int gp_server_stats(void *server, Gpupool__Wire__StatsReply *out);
+/* Monotonic ns of the last client input (for busy polling). */
+uint64_t gp_server_last_activity(const gp_server *s);
 /* Number of connected clients. */
 uint64_t gp_server_clients(const gp_server *s);
 

@@ -19,7 +19,7 @@ static void test_full_file(void **state) {
   gpupool__config c;
   (void)state;
   write_file("# comment\n[daemon]\nsocket = /tmp/x.sock\nbackend = host\nlog_level = debug\n"
-             "socket_mode = 0600\nmax_clients = 10\nmax_bytes_per_uid = 2G\nallow_uids = 0, 1000\n"
+             "socket_mode = 0600\nmax_clients = 10\nmax_bytes_per_uid = 2G\nallow_uids = 0, 1000\nbusy_poll_us = 250\n"
              "[pool a]\nkind = host\ncapacity = 128M\nslab_size = 3M\nkeep_slabs = 2\n"
              "[pool b]\ncapacity = 64M\n");
   gpupool__config_defaults(&c);
@@ -31,6 +31,7 @@ static void test_full_file(void **state) {
   assert_int_equal(c.max_bytes_per_uid, 2ull << 30);
   assert_int_equal(c.n_allow_uids, 2);
   assert_int_equal(c.allow_uids[1], 1000);
+  assert_int_equal(c.busy_poll_us, 250);
   assert_int_equal(c.n_pools, 2);
   assert_int_equal(gpupool__config_finish(&c, 0), 0);
   assert_int_equal(c.pools[0].slab_size, 4u << 20); /* rounded up to 2 MiB */
