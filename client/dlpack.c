@@ -175,18 +175,25 @@ static void deleter_legacy(DLManagedTensor *self) {
   free(self);
 }
 
-/* Size of a block holding `head` bytes of struct and two int64 arrays of ndim entries.
- * Arrays of at least one entry, so shape/strides are valid pointers even for 0-d tensors. */
-static size_t block_size(size_t head, int32_t ndim) {
-  size_t n = ndim > 0 ? (size_t)ndim : 1;
-  return head + 2 * n * sizeof(int64_t);
+/* One allocation for a managed tensor struct of `head` bytes followed by its shape and strides
+ * arrays (head is a multiple of 8, so they are aligned; at least one entry each, so they are
+ * valid pointers even for 0-d tensors). NULL with a message on failure. */
+static void *new_block(size_t head, const dl_desc *d, int64_t **shape, int64_t **strides) {
+  size_t n = d->ndim > 0 ? (size_t)d->ndim : 1;
+  char *p = calloc(1, head + 2 * n * sizeof(int64_t));
+  if (p == NULL) {
+    gpupool__err(GPUPOOL_ENOMEM, "cannot allocate a DLPack tensor of %d dimensions", (int)d->ndim);
+    return NULL;
+  }
+  *shape = (int64_t *)(void *)(p + head);
+  *strides = *shape + n;
+  return p;
 }
 
 int gpupool_buffer_to_dlpack_versioned(gpupool_buffer *b, DLManagedTensorVersioned **out) {
   DLManagedTensorVersioned *mt = NULL;
   dl_desc d;
-  int64_t *arrays;
-  size_t n;
+  int64_t *shape, *strides;
   int rc;
 
   if (b == NULL || out == NULL)
@@ -197,21 +204,17 @@ int gpupool_buffer_to_dlpack_versioned(gpupool_buffer *b, DLManagedTensorVersion
   if (rc < 0)
     goto fail;
 
-  n = d.ndim > 0 ? (size_t)d.ndim : 1;
-  mt = calloc(1, block_size(sizeof(*mt), d.ndim));
+  mt = new_block(sizeof(*mt), &d, &shape, &strides);
   if (mt == NULL) {
-    rc = gpupool__err(GPUPOOL_ENOMEM, "cannot allocate a DLPack tensor of %d dimensions",
-                      (int)d.ndim);
+    rc = GPUPOOL_ENOMEM;
     goto fail;
   }
-  /* The arrays follow the struct; its size is a multiple of 8, so they are aligned. */
-  arrays = (int64_t *)(void *)(mt + 1);
   mt->version.major = DLPACK_MAJOR_VERSION;
   mt->version.minor = DLPACK_MINOR_VERSION;
   mt->manager_ctx = b;
   mt->deleter = deleter_versioned;
   mt->flags = gpupool_buffer_read_only(b) ? DLPACK_FLAG_BITMASK_READ_ONLY : 0;
-  fill_tensor(&mt->dl_tensor, &d, arrays, arrays + n);
+  fill_tensor(&mt->dl_tensor, &d, shape, strides);
   *out = mt;
   return 0;
 
@@ -223,8 +226,7 @@ fail:
 int gpupool_buffer_to_dlpack(gpupool_buffer *b, DLManagedTensor **out) {
   DLManagedTensor *mt = NULL;
   dl_desc d;
-  int64_t *arrays;
-  size_t n;
+  int64_t *shape, *strides;
   int rc;
 
   if (b == NULL || out == NULL)
@@ -243,17 +245,14 @@ int gpupool_buffer_to_dlpack(gpupool_buffer *b, DLManagedTensor **out) {
   if (rc < 0)
     goto fail;
 
-  n = d.ndim > 0 ? (size_t)d.ndim : 1;
-  mt = calloc(1, block_size(sizeof(*mt), d.ndim));
+  mt = new_block(sizeof(*mt), &d, &shape, &strides);
   if (mt == NULL) {
-    rc = gpupool__err(GPUPOOL_ENOMEM, "cannot allocate a DLPack tensor of %d dimensions",
-                      (int)d.ndim);
+    rc = GPUPOOL_ENOMEM;
     goto fail;
   }
-  arrays = (int64_t *)(void *)(mt + 1);
   mt->manager_ctx = b;
   mt->deleter = deleter_legacy;
-  fill_tensor(&mt->dl_tensor, &d, arrays, arrays + n);
+  fill_tensor(&mt->dl_tensor, &d, shape, strides);
   *out = mt;
   return 0;
 
