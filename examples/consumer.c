@@ -51,7 +51,7 @@ int main(int argc, char **argv) {
       snprintf(shape, sizeof shape, "dtype(code %u, %u bits) shape [%" PRId64 "]", meta.dtype_code, meta.dtype_bits,
                meta.shape[0]);
     tmp = malloc(n ? n : 1);
-    if (!tmp || demo_copy(tmp, gpupool_buffer_ptr(b), n, 0, b) != 0)
+    if (!tmp || demo_copy(tmp, gpupool_buffer_ptr(b), n, b) != 0)
       return 1;
     for (uint64_t j = 0; j < n; j++)
       mismatches += tmp[j] != demo_byte(i, j);

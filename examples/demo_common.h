@@ -28,14 +28,14 @@ static inline void demo_fill(uint8_t *p, uint32_t i, uint64_t n) {
 }
 
 /* Copy n bytes between host memory and a buffer's memory (device or host). */
-static inline int demo_copy(void *dst, const void *src, size_t n, int to_buffer, const gpupool_buffer *b) {
+static inline int demo_copy(void *dst, const void *src, size_t n, const gpupool_buffer *b) {
   if (gpupool_buffer_kind(b) == GPUPOOL_MEM_HOST) {
     memcpy(dst, src, n);
     return 0;
   }
 #ifdef GPUPOOL_HAVE_CUDA
   {
-    cudaError_t e = cudaMemcpy(dst, src, n, to_buffer ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost);
+    cudaError_t e = cudaMemcpy(dst, src, n, cudaMemcpyDefault); /* device or pinned host memory */
     if (e != cudaSuccess) {
       fprintf(stderr, "cudaMemcpy: %s\n", cudaGetErrorString(e));
       return -1;
@@ -43,7 +43,6 @@ static inline int demo_copy(void *dst, const void *src, size_t n, int to_buffer,
     return 0;
   }
 #else
-  (void)to_buffer;
   fprintf(stderr, "buffer is in GPU memory but this demo was built without CUDA\n");
   return -1;
 #endif

@@ -55,14 +55,16 @@ int main(int argc, char **argv) {
     if ((rc = gpupool_alloc(c, pool, size, 1000, NULL, &b)) != 0)
       demo_die("alloc", rc);
     demo_fill(tmp, i, size);
-    if (demo_copy(gpupool_buffer_ptr(b), tmp, size, 1, b) != 0)
+    if (demo_copy(gpupool_buffer_ptr(b), tmp, size, b) != 0)
       return 1;
     snprintf(name, sizeof name, "%s%u", prefix, i);
     meta.shape[0] = (int64_t)size;
     if ((rc = gpupool_publish(b, name, &meta, NULL)) != 0)
       demo_die("publish", rc);
     printf("producer: published %-12s %8" PRIu64 " bytes at %p (%s, buffer id %" PRIu64 ")\n", name, size,
-           gpupool_buffer_ptr(b), gpupool_buffer_kind(b) == GPUPOOL_MEM_HOST ? "host memory" : "GPU memory",
+           gpupool_buffer_ptr(b), gpupool_buffer_kind(b) == GPUPOOL_MEM_HOST        ? "host memory"
+           : gpupool_buffer_kind(b) == GPUPOOL_MEM_HOST_NUMA ? "pinned host memory"
+                                                            : "GPU memory",
            gpupool_buffer_id(b));
     if ((rc = gpupool_release(b, NULL)) != 0)
       demo_die("release", rc);
