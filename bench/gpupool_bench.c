@@ -90,42 +90,19 @@ static void die(const char *fmt, ...) {
       die("%s: %s: %s", #call, gpupool_err_name(gp_rc), gpupool_last_error());              \
   } while (0)
 
-static void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void say(const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vprintf(fmt, ap);
-  va_end(ap);
-  putchar('\n');
-  fflush(stdout);
-}
 
-static void report(const char *key, double v) { say("BENCH %s %.3f", key, v); }
+static void report(const char *key, double v) { gh_say("BENCH %s %.3f", key, v); }
 
 /* p50/p99 of v[0..n) as "<key>_p50_us"/"<key>_p99_us", with a human line. */
 static double report_lat(const char *what, const char *key, double *v, size_t n) {
   char k[128];
   double p50 = gh_percentile(v, n, 50), p99 = gh_percentile(v, n, 99);
-  say("%-52s p50 %9.1f us  p99 %9.1f us  (n=%zu)", what, p50, p99, n);
+  gh_say("%-52s p50 %9.1f us  p99 %9.1f us  (n=%zu)", what, p50, p99, n);
   snprintf(k, sizeof(k), "%s_p50_us", key);
   report(k, p50);
   snprintf(k, sizeof(k), "%s_p99_us", key);
   report(k, p99);
   return p50;
-}
-
-static int full_io(int fd, void *buf, size_t n, int wr) {
-  uint8_t *p = buf;
-  while (n) {
-    ssize_t r = wr ? write(fd, p, n) : read(fd, p, n);
-    if (r < 0 && errno == EINTR)
-      continue;
-    if (r <= 0)
-      return -1;
-    p += r;
-    n -= (size_t)r;
-  }
-  return 0;
 }
 
 static char *next_line(char *buf, size_t len) {
@@ -369,7 +346,7 @@ static void bench_raw(void) {
   report_lat("raw importer cudaFreeAsync+sync of the import", "raw_unmap_sync", unmap_us,
              N_RAW);
   report_lat("raw cudaIpcGetEventHandle", "raw_ipc_get_event", geth_us, N_RAW);
-  say("%-52s %9.1f us", "raw cudaIpcOpenEventHandle, first in the process", first_open);
+  gh_say("%-52s %9.1f us", "raw cudaIpcOpenEventHandle, first in the process", first_open);
   report("raw_ipc_open_event_first_us", first_open);
   report_lat("raw cudaIpcOpenEventHandle, later opens", "raw_ipc_open_event", open_us + 1,
              N_RAW - 1);
@@ -414,7 +391,7 @@ static int w_alloc(char **a) {
   CK(cudaStreamSynchronize(s));
   gpupool_disconnect(c);
   CK(cudaStreamDestroy(s));
-  say("ALLOC %.3f %.3f %.3f %.3f", gh_percentile(va, (size_t)n, 50),
+  gh_say("ALLOC %.3f %.3f %.3f %.3f", gh_percentile(va, (size_t)n, 50),
       gh_percentile(va, (size_t)n, 99), gh_percentile(vp, (size_t)n, 50),
       gh_percentile(vp, (size_t)n, 99));
   free(va);
@@ -433,10 +410,10 @@ static void bench_alloc(const gh_daemon *d, double socket_p50) {
       sscanf(line, "ALLOC %lf %lf %lf %lf", &a50, &a99, &p50, &p99) != 4)
     die("alloc worker failed");
   gh_wait(&p, STEP_MS);
-  say("%-52s p50 %9.1f us  p99 %9.1f us  (n=%d)", "warm gpupool_alloc 4 KiB (usable pointer)",
+  gh_say("%-52s p50 %9.1f us  p99 %9.1f us  (n=%d)", "warm gpupool_alloc 4 KiB (usable pointer)",
       a50, a99, N_ALLOC);
-  say("%-52s p50 %9.1f us  p99 %9.1f us", "warm gpupool_alloc + gpupool_release", p50, p99);
-  say("%-52s %9.2fx", "alloc p50 / socket floor p50", a50 / socket_p50);
+  gh_say("%-52s p50 %9.1f us  p99 %9.1f us", "warm gpupool_alloc + gpupool_release", p50, p99);
+  gh_say("%-52s %9.2fx", "alloc p50 / socket floor p50", a50 / socket_p50);
   report("alloc_p50_us", a50);
   report("alloc_p99_us", a99);
   report("alloc_release_p50_us", p50);
@@ -454,7 +431,7 @@ static int w_prod(char **a) {
   char line[512], name[256];
   unsigned long long size;
   GP(gpupool_connect(a[0], "bench-producer", &c));
-  say("READY");
+  gh_say("READY");
   for (;;) {
     next_line(line, sizeof(line));
     if (sscanf(line, "ALLOC %255s %llu", name, &size) == 2) {
@@ -462,18 +439,18 @@ static int w_prod(char **a) {
       CK(cudaMemsetAsync(gpupool_buffer_ptr(b), 0x5a, size, s));
       /* The fill is done before the clock starts: the handoff is what is measured. */
       CK(cudaStreamSynchronize(s));
-      say("ALLOCATED");
+      gh_say("ALLOCATED");
     } else if (sscanf(line, "PUB %255s", name) == 1) {
       if (!b)
         die("PUB without ALLOC");
       uint64_t t0 = gh_now_ns();
       GP(gpupool_publish(b, name, NULL, s));
-      say("T0 %" PRIu64, t0);
+      gh_say("T0 %" PRIu64, t0);
       GP(gpupool_release(b, s));
       b = NULL;
     } else if (sscanf(line, "UNPUB %255s", name) == 1) {
       GP(gpupool_unpublish(c, name));
-      say("UNPUBLISHED");
+      gh_say("UNPUBLISHED");
     } else if (!strcmp(line, "QUIT")) {
       break;
     } else {
@@ -493,25 +470,25 @@ static int w_cons(char **a) {
   gpupool_buffer *primer = NULL, *b;
   char line[512], name[256];
   GP(gpupool_connect(a[0], "bench-consumer", &c));
-  say("READY");
+  gh_say("READY");
   for (;;) {
     next_line(line, sizeof(line));
     if (sscanf(line, "PRIME %255s", name) == 1) {
       /* Imports the pool (and maps the primer's own slab) outside the measurement. */
       GP(gpupool_get(c, name, STEP_MS, GPUPOOL_READ_ONLY, s, &primer));
       CK(cudaStreamSynchronize(s));
-      say("PRIMED");
+      gh_say("PRIMED");
     } else if (sscanf(line, "GET %255s", name) == 1) {
-      say("WAITING");
+      gh_say("WAITING");
       GP(gpupool_get(c, name, STEP_MS, GPUPOOL_READ_ONLY, s, &b));
       CK(cudaStreamSynchronize(s));
       uint64_t t1 = gh_now_ns();
       if (!gpupool_buffer_ptr(b))
         die("gpupool_get returned no pointer");
-      say("T1 %" PRIu64, t1);
+      gh_say("T1 %" PRIu64, t1);
       GP(gpupool_release(b, s));
       CK(cudaStreamSynchronize(s));
-      say("RELEASED");
+      gh_say("RELEASED");
     } else if (!strcmp(line, "QUIT")) {
       break;
     } else {
@@ -626,7 +603,7 @@ static int w_tp_prod(char **a) {
   if (!taken)
     die("out of memory");
   GP(gpupool_connect(a[0], "bench-tp-producer", &c));
-  say("READY");
+  gh_say("READY");
   next_line(line, sizeof(line));
   uint64_t t0 = gh_now_ns();
   for (int i = 0; i < TP_ITEMS || done < TP_ITEMS;) {
@@ -641,7 +618,7 @@ static int w_tp_prod(char **a) {
       continue;
     }
     uint32_t idx;
-    if (full_io(3, &idx, sizeof(idx), 0) < 0 || idx >= TP_ITEMS)
+    if (gh_full_io(3, &idx, sizeof(idx), 0) < 0 || idx >= TP_ITEMS)
       die("tp consumers went away");
     if (++taken[idx] == TP_CONSUMERS) {
       snprintf(name, sizeof(name), "tp-%u", idx);
@@ -654,7 +631,7 @@ static int w_tp_prod(char **a) {
   CK(cudaStreamSynchronize(s));
   gpupool_disconnect(c);
   CK(cudaStreamDestroy(s));
-  say("RATE %.1f %.3f", (double)TP_ITEMS * TP_CONSUMERS / secs, secs);
+  gh_say("RATE %.1f %.3f", (double)TP_ITEMS * TP_CONSUMERS / secs, secs);
   free(taken);
   return 0;
 }
@@ -665,14 +642,14 @@ static int w_tp_cons(char **a) {
   gpupool_client *c;
   char line[64], name[64];
   GP(gpupool_connect(a[0], "bench-tp-consumer", &c));
-  say("READY");
+  gh_say("READY");
   next_line(line, sizeof(line));
   for (uint32_t i = 0; i < TP_ITEMS; i++) {
     gpupool_buffer *b;
     snprintf(name, sizeof(name), "tp-%u", i);
     GP(gpupool_get(c, name, STEP_MS, GPUPOOL_READ_ONLY, s, &b));
     GP(gpupool_release(b, s));
-    if (full_io(3, &i, sizeof(i), 1) < 0)
+    if (gh_full_io(3, &i, sizeof(i), 1) < 0)
       die("tp producer went away");
   }
   CK(cudaStreamSynchronize(s));
@@ -714,7 +691,7 @@ static void bench_throughput(const gh_daemon *d) {
   for (int i = 0; i < TP_CONSUMERS; i++)
     if (gh_wait(&cons[i], STEP_MS) != 0)
       die("tp consumer %d failed", i);
-  say("%-52s %9.0f /s  (%d x %d handoffs of 64 KiB in %.2f s)",
+  gh_say("%-52s %9.0f /s  (%d x %d handoffs of 64 KiB in %.2f s)",
       "handoffs per second, 1 producer -> 4 consumers", rate, TP_ITEMS, TP_CONSUMERS, secs);
   report("handoffs_per_s_1p4c", rate);
 }
@@ -731,7 +708,7 @@ static int w_ops(char **a) {
     GP(gpupool_alloc(c, POOL, OPS_BYTES, 30000, s, &b));
     GP(gpupool_release(b, s));
   }
-  say("READY");
+  gh_say("READY");
   next_line(line, sizeof(line));
   uint64_t t0 = gh_now_ns();
   for (int i = 0; i < OPS_N; i++) {
@@ -742,7 +719,7 @@ static int w_ops(char **a) {
   CK(cudaStreamSynchronize(s));
   gpupool_disconnect(c);
   CK(cudaStreamDestroy(s));
-  say("OPS %d %" PRIu64 " %" PRIu64, OPS_N, t0, t1);
+  gh_say("OPS %d %" PRIu64 " %" PRIu64, OPS_N, t0, t1);
   return 0;
 }
 
@@ -766,7 +743,7 @@ static void bench_ops(const gh_daemon *d) {
     gh_wait(&p[i], STEP_MS);
   }
   double rate = (double)total / ((double)(last - first) / 1e9);
-  say("%-52s %9.0f /s  (%d processes x %d, 64 KiB)", "warm alloc+release ops/s, 16 processes",
+  gh_say("%-52s %9.0f /s  (%d processes x %d, 64 KiB)", "warm alloc+release ops/s, 16 processes",
       rate, OPS_PROCS, OPS_N);
   report("alloc_release_ops_per_s_16p", rate);
 }
@@ -815,7 +792,7 @@ static int w_bw(char **a) {
   CK(cudaFree(sink));
   gpupool_disconnect(c);
   CK(cudaStreamDestroy(s));
-  say("BW %.1f %.1f", shared, loc);
+  gh_say("BW %.1f %.1f", shared, loc);
   return 0;
 }
 
@@ -836,9 +813,9 @@ static void bench_bw(const gh_daemon *d) {
   cmd(&prod, "UNPUBLISHED", line, sizeof(line), "UNPUB bw");
   cmd(&prod, NULL, line, sizeof(line), "QUIT");
   gh_wait(&prod, STEP_MS);
-  say("%-52s %9.1f GB/s", "read bandwidth, shared 1 GiB buffer (consumer)", shared);
-  say("%-52s %9.1f GB/s", "read bandwidth, local cudaMalloc 1 GiB", loc);
-  say("%-52s %9.3f", "shared / local", shared / loc);
+  gh_say("%-52s %9.1f GB/s", "read bandwidth, shared 1 GiB buffer (consumer)", shared);
+  gh_say("%-52s %9.1f GB/s", "read bandwidth, local cudaMalloc 1 GiB", loc);
+  gh_say("%-52s %9.3f", "shared / local", shared / loc);
   report("bw_shared_gbps", shared);
   report("bw_local_gbps", loc);
   report("bw_shared_vs_local_ratio", shared / loc);
@@ -880,10 +857,10 @@ int main(int argc, char **argv) {
   gh_gpu_count_or_skip(1, "the benchmark");
   CK(cudaGetDeviceProperties(&prop, 0));
   CK(cudaDriverGetVersion(&drv));
-  say("gpupool %s benchmark on %s (driver %d.%d, runtime %d.%d)", gpupool_version_string(),
+  gh_say("gpupool %s benchmark on %s (driver %d.%d, runtime %d.%d)", gpupool_version_string(),
       prop.name, drv / 1000, (drv % 1000) / 10, CUDART_VERSION / 1000,
       (CUDART_VERSION % 1000) / 10);
-  say("BENCH_INFO device %s", prop.name);
+  gh_say("BENCH_INFO device %s", prop.name);
 
   double socket_p50 = bench_socket();
   bench_raw();
@@ -901,6 +878,6 @@ int main(int argc, char **argv) {
     die("gpupoold died during the benchmark");
   }
   gh_daemon_stop(&d, 0);
-  say("BENCH_DONE");
+  gh_say("BENCH_DONE");
   return 0;
 }

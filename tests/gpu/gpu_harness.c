@@ -11,6 +11,7 @@
 #include <limits.h>
 #include <poll.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -385,4 +386,27 @@ int gh_wait(gh_proc *p, int timeout_ms) {
 void gh_signal(gh_proc *p, int sig) {
   if (p->pid > 0)
     kill(p->pid, sig);
+}
+
+int gh_full_io(int fd, void *buf, size_t n, int wr) {
+  uint8_t *p = buf;
+  while (n) {
+    ssize_t r = wr ? write(fd, p, n) : read(fd, p, n);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0)
+      return -1;
+    p += r;
+    n -= (size_t)r;
+  }
+  return 0;
+}
+
+void gh_say(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vprintf(fmt, ap);
+  va_end(ap);
+  putchar('\n');
+  fflush(stdout);
 }

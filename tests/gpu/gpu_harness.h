@@ -65,4 +65,11 @@ void gh_sleep_ms(int ms);
 /* Percentile (0..100) of n values, sorting v in place. */
 double gh_percentile(double *v, size_t n, double pct);
 
+/* Read (wr = 0) or write exactly n bytes, retrying on EINTR and short transfers: 0, or -1 on
+ * EOF or error. Workers pass binary messages over inherited pipes with it. */
+int gh_full_io(int fd, void *buf, size_t n, int wr);
+
+/* printf one line to stdout and flush it: how workers talk to the parent, line by line. */
+void gh_say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
 #endif

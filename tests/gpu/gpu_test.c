@@ -74,15 +74,6 @@ static cudaStream_t wstream(const char *role, int device) {
   return s;
 }
 
-static void wsay(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void wsay(const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vprintf(fmt, ap);
-  va_end(ap);
-  putchar('\n');
-  fflush(stdout);
-}
 
 static void wait_stdin_line(const char *role, const char *want) {
   char line[128];
@@ -120,7 +111,7 @@ static int w_producer(char **a) {
     return 2;
   }
   if (waitgo) {
-    wsay("ALLOCATED");
+    gh_say("ALLOCATED");
     wait_stdin_line("producer", "GO");
   }
   /* No synchronization from here to publish: consumers are ordered only by the ready event
@@ -137,7 +128,7 @@ static int w_producer(char **a) {
   meta.shape[0] = (int64_t)(bytes / 4);
   if ((rc = gpupool_publish(b, name, &meta, s)) < 0)
     wdie("producer", "gpupool_publish", rc);
-  wsay("PUBLISHED");
+  gh_say("PUBLISHED");
   /* The name holds the buffer now. */
   if ((rc = gpupool_release(b, s)) < 0)
     wdie("producer", "gpupool_release", rc);
@@ -153,7 +144,7 @@ static int w_producer(char **a) {
   }
   gpupool_disconnect(c);
   (void)cudaStreamDestroy(s);
-  wsay("DONE");
+  gh_say("DONE");
   return 0;
 }
 
@@ -193,7 +184,7 @@ static int w_consumer(char **a) {
     snprintf(want_a, sizeof(want_a), "device %d", dev);
     snprintf(want_b, sizeof(want_b), "device %d", 0);
     if (rc == GPUPOOL_ENOTSUP && strstr(msg, want_a) && strstr(msg, want_b)) {
-      wsay("ENOTSUP from %s: %s", where, msg);
+      gh_say("ENOTSUP from %s: %s", where, msg);
       gpupool_disconnect(c);
       (void)cudaStreamDestroy(s);
       return 0;
@@ -202,7 +193,7 @@ static int w_consumer(char **a) {
             "ENOTSUP naming devices %d and 0\n", where, gpupool_err_name(rc), msg, dev);
     return 1;
   }
-  wsay("WAITING");
+  gh_say("WAITING");
   if ((rc = gpupool_get(c, name, STEP_MS, GPUPOOL_READ_ONLY, s, &b)) < 0)
     wdie("consumer", "gpupool_get", rc);
   if (gpupool_buffer_size(b) < bytes || !gpupool_buffer_read_only(b)) {
@@ -222,9 +213,9 @@ static int w_consumer(char **a) {
    * this read after the producer's writes. */
   if ((ce = gk_count_mismatches(gpupool_buffer_ptr(b), bytes, seed, s, &bad)))
     cdie("consumer", "mismatch kernel", ce);
-  wsay("RESULT %llu", bad);
+  gh_say("RESULT %llu", bad);
   if (hold) {
-    wsay("HOLDING");
+    gh_say("HOLDING");
     for (;;)
       pause();
   }
@@ -249,34 +240,6 @@ typedef struct {
   uint32_t seed;
   uint32_t verify;
 } churn_msg;
-
-static int full_read(int fd, void *buf, size_t n) {
-  uint8_t *p = buf;
-  while (n) {
-    ssize_t r = read(fd, p, n);
-    if (r < 0 && errno == EINTR)
-      continue;
-    if (r <= 0)
-      return -1;
-    p += r;
-    n -= (size_t)r;
-  }
-  return 0;
-}
-
-static int full_write(int fd, const void *buf, size_t n) {
-  const uint8_t *p = buf;
-  while (n) {
-    ssize_t r = write(fd, p, n);
-    if (r < 0 && errno == EINTR)
-      continue;
-    if (r <= 0)
-      return -1;
-    p += r;
-    n -= (size_t)r;
-  }
-  return 0;
-}
 
 static uint64_t churn_size(int i) {
   static const uint64_t sizes[4] = {4096, 64u << 10, 1u << 20, 8u << 20};
@@ -308,7 +271,7 @@ static int w_churn_a(char **a) {
       cdie("churn-a", "fill kernel", ce);
     if ((rc = gpupool_share(b, s, &m.token)) < 0)
       wdie("churn-a", "gpupool_share", rc);
-    if (full_write(3, &m, sizeof(m)) < 0 || full_read(4, &ack, 1) < 0) {
+    if (gh_full_io(3, &m, sizeof(m), 1) < 0 || gh_full_io(4, &ack, 1, 0) < 0) {
       fprintf(stderr, "worker churn-a: peer went away at cycle %d\n", i);
       return 2;
     }
@@ -323,7 +286,7 @@ static int w_churn_a(char **a) {
     cdie("churn-a", "cudaStreamSynchronize", ce);
   gpupool_disconnect(c);
   (void)cudaStreamDestroy(s);
-  wsay("DONE %d", n);
+  gh_say("DONE %d", n);
   return 0;
 }
 
@@ -340,7 +303,7 @@ static int w_churn_b(char **a) {
     churn_msg m;
     gpupool_buffer *b;
     uint8_t ack = 1;
-    if (full_read(3, &m, sizeof(m)) < 0) {
+    if (gh_full_io(3, &m, sizeof(m), 0) < 0) {
       fprintf(stderr, "worker churn-b: peer went away at cycle %d\n", i);
       return 2;
     }
@@ -363,7 +326,7 @@ static int w_churn_b(char **a) {
     }
     if ((rc = gpupool_release(b, s)) < 0)
       wdie("churn-b", "gpupool_release", rc);
-    if (full_write(4, &ack, 1) < 0)
+    if (gh_full_io(4, &ack, 1, 1) < 0)
       return 2;
     if (!ack)
       return 1;
@@ -372,7 +335,7 @@ static int w_churn_b(char **a) {
     cdie("churn-b", "cudaStreamSynchronize", ce);
   gpupool_disconnect(c);
   (void)cudaStreamDestroy(s);
-  wsay("DONE %d verified %d", n, verified);
+  gh_say("DONE %d verified %d", n, verified);
   return 0;
 }
 
