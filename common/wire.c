@@ -209,6 +209,33 @@ static void close_fd_array(const int *fds, int n) {
       close(fds[i]);
 }
 
+/* Walks msg's control data: keeps up to max SCM_RIGHTS fds in got (returns how many), closes
+ * every other fd (pidfds nobody asked for, fds past max) and counts the SCM_RIGHTS ones closed
+ * in *extra. No fd that arrived is left unaccounted for. */
+static int take_fds(struct msghdr *msg, int *got, int max, int *extra) {
+  int ngot = 0;
+  for (struct cmsghdr *c = CMSG_FIRSTHDR(msg); c != NULL; c = CMSG_NXTHDR(msg, c)) {
+    size_t bytes;
+    if (c->cmsg_level != SOL_SOCKET)
+      continue;
+    if (c->cmsg_type != SCM_RIGHTS && c->cmsg_type != SCM_PIDFD)
+      continue; /* SCM_CREDENTIALS and the like hold no resources */
+    bytes = c->cmsg_len > CMSG_LEN(0) ? c->cmsg_len - CMSG_LEN(0) : 0;
+    for (size_t k = 0; k + sizeof(int) <= bytes; k += sizeof(int)) {
+      int fd;
+      memcpy(&fd, CMSG_DATA(c) + k, sizeof fd);
+      if (c->cmsg_type == SCM_RIGHTS && ngot < max) {
+        got[ngot++] = fd;
+      } else {
+        if (c->cmsg_type == SCM_RIGHTS)
+          (*extra)++;
+        close(fd);
+      }
+    }
+  }
+  return ngot;
+}
+
 /* Receive up to want bytes into dst, collecting fds into rx. Returns bytes read (> 0), 0 on
  * EOF, -EAGAIN when the socket would block, or a negative GPUPOOL_E* code. On a protocol
  * error every fd received by this call has been closed. */
@@ -239,27 +266,7 @@ static ssize_t rx_step(gpupool__wire_rx *rx, int sock, uint8_t *dst, size_t want
                         strerror(errno));
   }
 
-  for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c)) {
-    size_t bytes, k;
-    if (c->cmsg_level != SOL_SOCKET)
-      continue;
-    if (c->cmsg_type != SCM_RIGHTS && c->cmsg_type != SCM_PIDFD)
-      continue; /* SCM_CREDENTIALS and the like hold no resources */
-    bytes = c->cmsg_len > CMSG_LEN(0) ? c->cmsg_len - CMSG_LEN(0) : 0;
-    for (k = 0; k + sizeof(int) <= bytes; k += sizeof(int)) {
-      int fd;
-      memcpy(&fd, CMSG_DATA(c) + k, sizeof fd);
-      if (c->cmsg_type == SCM_RIGHTS && ngot < GPUPOOL_WIRE_MAX_FDS) {
-        got[ngot++] = fd;
-      } else {
-        /* A pidfd nobody asked for, or more fds than our buffer holds (cannot happen with
-         * an exactly sized buffer, but an fd must never leak). */
-        if (c->cmsg_type == SCM_RIGHTS)
-          extra++;
-        close(fd);
-      }
-    }
-  }
+  ngot = take_fds(&msg, got, GPUPOOL_WIRE_MAX_FDS, &extra);
 
   if (msg.msg_flags & MSG_CTRUNC) {
     close_fd_array(got, ngot);
@@ -471,19 +478,7 @@ int gpupool__wire_inbuf_fill(gpupool__wire_inbuf *b, int sock, int *fds_closed) 
       return gpupool__err(GPUPOOL_ECLOSED, "peer reset the connection");
     return gpupool__err(GPUPOOL_EIO, "recvmsg on the gpupool socket failed: %s", strerror(errno));
   }
-  for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c)) {
-    size_t bytes;
-    if (c->cmsg_level != SOL_SOCKET || (c->cmsg_type != SCM_RIGHTS && c->cmsg_type != SCM_PIDFD))
-      continue;
-    bytes = c->cmsg_len > CMSG_LEN(0) ? c->cmsg_len - CMSG_LEN(0) : 0;
-    for (size_t k = 0; k + sizeof(int) <= bytes; k += sizeof(int)) {
-      int fd;
-      memcpy(&fd, CMSG_DATA(c) + k, sizeof fd);
-      close(fd);
-      if (c->cmsg_type == SCM_RIGHTS)
-        (*fds_closed)++;
-    }
-  }
+  take_fds(&msg, NULL, 0, fds_closed); /* keeps none: every fd is closed and counted */
   if (msg.msg_flags & MSG_CTRUNC)
     return gpupool__err(GPUPOOL_EPROTO,
                         "control data truncated: the peer sent more than %d fds with one frame", GPUPOOL_WIRE_MAX_FDS);
