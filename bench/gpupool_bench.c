@@ -85,9 +85,9 @@ static void die(const char *fmt, ...) {
 
 #define GP(call)                                                                            \
   do {                                                                                      \
-    int gp_rc = (call);                                                                     \
-    if (gp_rc < 0)                                                                          \
-      die("%s: %s: %s", #call, gpupool_err_name(gp_rc), gpupool_last_error());              \
+    int gpupool__rc = (call);                                                                     \
+    if (gpupool__rc < 0)                                                                          \
+      die("%s: %s: %s", #call, gpupool_err_name(gpupool__rc), gpupool_last_error());              \
   } while (0)
 
 

@@ -14,10 +14,10 @@ void gpupool__log_set_level(int level);
 int gpupool__log_get_level(void);
 void gpupool__log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
-#define GP_ERROR(...) gpupool__log(GPUPOOL_LOG_ERROR, __VA_ARGS__)
-#define GP_WARN(...) gpupool__log(GPUPOOL_LOG_WARN, __VA_ARGS__)
-#define GP_INFO(...) gpupool__log(GPUPOOL_LOG_INFO, __VA_ARGS__)
-#define GP_DEBUG(...)                                                   \
+#define GPUPOOL__ERROR(...) gpupool__log(GPUPOOL_LOG_ERROR, __VA_ARGS__)
+#define GPUPOOL__WARN(...) gpupool__log(GPUPOOL_LOG_WARN, __VA_ARGS__)
+#define GPUPOOL__INFO(...) gpupool__log(GPUPOOL_LOG_INFO, __VA_ARGS__)
+#define GPUPOOL__DEBUG(...)                                                   \
   do {                                                                  \
     if (gpupool__log_get_level() >= GPUPOOL_LOG_DEBUG)                  \
       gpupool__log(GPUPOOL_LOG_DEBUG, __VA_ARGS__);                     \

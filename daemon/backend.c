@@ -29,12 +29,12 @@ int gpupool__backend_cuda_default_pools(gpupool__config *c) {
 int gpupool__backend_open(gpupool__backend_choice choice, gpupool__backend **out) {
   switch (choice) {
   case GPUPOOL_BACKEND_HOST:
-    GP_INFO("backend: host (memfd shared memory), as configured");
+    GPUPOOL__INFO("backend: host (memfd shared memory), as configured");
     return gpupool__backend_host_open(out);
   case GPUPOOL_BACKEND_CUDA: {
     int rc = gpupool__backend_cuda_open(out);
     if (rc == 0)
-      GP_INFO("backend: cuda, as configured");
+      GPUPOOL__INFO("backend: cuda, as configured");
     return rc;
   }
   case GPUPOOL_BACKEND_AUTO:
@@ -42,13 +42,13 @@ int gpupool__backend_open(gpupool__backend_choice choice, gpupool__backend **out
     if (gpupool__backend_cuda_probe()) {
       int rc = gpupool__backend_cuda_open(out);
       if (rc == 0) {
-        GP_INFO("backend: cuda (auto: a usable GPU is present)");
+        GPUPOOL__INFO("backend: cuda (auto: a usable GPU is present)");
         return 0;
       }
-      GP_WARN("backend auto: CUDA looked usable but failed to open (%s); using host memory",
+      GPUPOOL__WARN("backend auto: CUDA looked usable but failed to open (%s); using host memory",
               gpupool__errmsg());
     } else {
-      GP_INFO("backend: host (auto: %s)", gpupool__errmsg());
+      GPUPOOL__INFO("backend: host (auto: %s)", gpupool__errmsg());
     }
     return gpupool__backend_host_open(out);
   }

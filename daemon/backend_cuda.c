@@ -197,7 +197,7 @@ int gpupool__backend_cuda_default_pools(gpupool__config *c) {
     if (!usable[d])
       continue;
     if (c->n_pools >= GPUPOOL_MAX_POOLS) {
-      GP_WARN("cuda: %d devices but at most %d pools; device %d and later get no default pool",
+      GPUPOOL__WARN("cuda: %d devices but at most %d pools; device %d and later get no default pool",
               ndev, GPUPOOL_MAX_POOLS, d);
       break;
     }
@@ -211,7 +211,7 @@ int gpupool__backend_cuda_default_pools(gpupool__config *c) {
      * since an IPC pool never gives memory back once reserved. */
     cap = (uint64_t)prop.totalGlobalMem / 4 / DEFAULT_SLAB * DEFAULT_SLAB;
     if (cap < DEFAULT_SLAB) {
-      GP_WARN("cuda: device %d has only %zu bytes; no default pool for it", d,
+      GPUPOOL__WARN("cuda: device %d has only %zu bytes; no default pool for it", d,
               prop.totalGlobalMem);
       continue;
     }
@@ -230,7 +230,7 @@ int gpupool__backend_cuda_default_pools(gpupool__config *c) {
     p->reuse_allow_internal_deps = -1;
     p->line = 0;
     c->n_pools++;
-    GP_INFO("cuda: default pool \"%s\" on device %d (%s), capacity %llu MiB", p->name, d,
+    GPUPOOL__INFO("cuda: default pool \"%s\" on device %d (%s), capacity %llu MiB", p->name, d,
             prop.name, (unsigned long long)(cap >> 20));
   }
   if (c->n_pools == 0)
@@ -385,7 +385,7 @@ static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cf
     goto fail;
   }
   if (fcntl(fd, F_SETFD, FD_CLOEXEC) < 0)
-    GP_WARN("cuda: pool \"%s\": cannot set close-on-exec on its fd: %s", cfg->name,
+    GPUPOOL__WARN("cuda: pool \"%s\": cannot set close-on-exec on its fd: %s", cfg->name,
             strerror(errno));
   p->fd = fd;
   /* Events live on the first pool's device: its context exists already, so creating events
@@ -394,7 +394,7 @@ static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cf
     st->event_dev = cfg->device;
     st->event_dev_fixed = 1;
   }
-  GP_INFO("cuda: pool \"%s\" created on %s %d, max %llu MiB, fd %d", cfg->name,
+  GPUPOOL__INFO("cuda: pool \"%s\" created on %s %d, max %llu MiB, fd %d", cfg->name,
           cfg->kind == GPUPOOL_MEM_DEVICE ? "device" : "NUMA node",
           cfg->kind == GPUPOOL_MEM_DEVICE ? cfg->device : cfg->numa_node,
           (unsigned long long)(cfg->capacity >> 20), fd);
@@ -420,11 +420,11 @@ static void cuda_pool_destroy(gpupool__bpool *p) {
     e = cudaMemPoolDestroy(p->pool);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
-      GP_ERROR("cuda: cudaMemPoolDestroy of pool \"%s\" on device %d: %s (%s)", p->name,
+      GPUPOOL__ERROR("cuda: cudaMemPoolDestroy of pool \"%s\" on device %d: %s (%s)", p->name,
                p->device, cudaGetErrorName(e), cudaGetErrorString(e));
     }
   } else {
-    GP_ERROR("cuda: pool \"%s\": %s", p->name, gpupool__errmsg());
+    GPUPOOL__ERROR("cuda: pool \"%s\": %s", p->name, gpupool__errmsg());
   }
   if (p->fd >= 0)
     close(p->fd);
@@ -483,7 +483,7 @@ fail:
     e = cudaStreamSynchronize(stream);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
-    GP_ERROR("cuda: pool \"%s\": freeing a slab that failed to export: %s (%s)", p->name,
+    GPUPOOL__ERROR("cuda: pool \"%s\": freeing a slab that failed to export: %s (%s)", p->name,
              cudaGetErrorName(e), cudaGetErrorString(e));
   }
   return rc;
@@ -496,7 +496,7 @@ static void cuda_slab_free(gpupool__bpool *p, gpupool__bslab *s) {
   if (!s || !s->priv)
     return;
   if (dev_stream(p->st, p->device, &stream) < 0) {
-    GP_ERROR("cuda: pool \"%s\": cannot free slab %p: %s", p->name, s->priv,
+    GPUPOOL__ERROR("cuda: pool \"%s\": cannot free slab %p: %s", p->name, s->priv,
              gpupool__errmsg());
     return;
   }
@@ -506,7 +506,7 @@ static void cuda_slab_free(gpupool__bpool *p, gpupool__bslab *s) {
     e = cudaStreamSynchronize(stream);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
-    GP_ERROR("cuda: pool \"%s\": freeing slab %p (%llu bytes) on device %d: %s (%s)", p->name,
+    GPUPOOL__ERROR("cuda: pool \"%s\": freeing slab %p (%llu bytes) on device %d: %s (%s)", p->name,
              s->priv, (unsigned long long)s->size, p->device, cudaGetErrorName(e),
              cudaGetErrorString(e));
   }
@@ -606,7 +606,7 @@ static void cuda_event_destroy(gpupool__bevent *ev) {
     e = cudaEventDestroy(ev->ev);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
-      GP_ERROR("cuda: cudaEventDestroy on device %d: %s (%s)", ev->device, cudaGetErrorName(e),
+      GPUPOOL__ERROR("cuda: cudaEventDestroy on device %d: %s (%s)", ev->device, cudaGetErrorName(e),
                cudaGetErrorString(e));
     }
   }
@@ -625,7 +625,7 @@ static void cuda_close(gpupool__backend *be) {
       if (cudaSetDevice(d) == cudaSuccess && cudaStreamDestroy(st->dev[d].stream) == cudaSuccess)
         continue;
       (void)cudaGetLastError();
-      GP_WARN("cuda: cannot destroy the daemon stream of device %d", d);
+      GPUPOOL__WARN("cuda: cannot destroy the daemon stream of device %d", d);
     }
     free(st->dev);
     free(st);
@@ -677,7 +677,7 @@ int gpupool__backend_cuda_open(gpupool__backend **out) {
     if (usable[d] && st->event_dev < 0)
       st->event_dev = d;
     if (!usable[d])
-      GP_WARN("cuda: device %d lacks memory pools with POSIX-fd handles; pools on it are "
+      GPUPOOL__WARN("cuda: device %d lacks memory pools with POSIX-fd handles; pools on it are "
               "refused", d);
   }
   be->ops = &cuda_ops;
@@ -686,7 +686,7 @@ int gpupool__backend_cuda_open(gpupool__backend **out) {
   {
     int drv = 0;
     (void)cudaDriverGetVersion(&drv);
-    GP_INFO("cuda: backend open, driver %d.%d, runtime %d.%d, %d of %d devices usable",
+    GPUPOOL__INFO("cuda: backend open, driver %d.%d, runtime %d.%d, %d of %d devices usable",
             drv / 1000, (drv % 1000) / 10, CUDART_VERSION / 1000,
             (CUDART_VERSION % 1000) / 10, nusable, ndev);
   }

@@ -52,8 +52,8 @@ static void usage(FILE *f) {
 
 typedef struct {
   uv_loop_t *loop;
-  gp_server *server;
-  gp_registry *reg;
+  gpupool__server *server;
+  gpupool__registry *reg;
   uv_signal_t sigint, sigterm;
   uv_timer_t watchdog;
   int watchdog_on;
@@ -62,9 +62,9 @@ typedef struct {
 static void shutdown_daemon(daemon_ctx *d, const char *why) {
   if (!d->server)
     return;
-  GP_INFO("shutting down (%s)", why);
+  GPUPOOL__INFO("shutting down (%s)", why);
   gpupool__sd_notify("STOPPING=1");
-  gp_server_stop(d->server);
+  gpupool__server_stop(d->server);
   d->server = NULL;
   gpupool__metrics_stop();
   uv_close((uv_handle_t *)&d->sigint, NULL);
@@ -96,7 +96,7 @@ int main(int argc, char **argv) {
   const char *pool_specs[GPUPOOL_MAX_POOLS];
   int npool_specs = 0, opt, rc, listen_fd, exit_code = 1;
   gpupool__backend *be = NULL;
-  gp_registry reg;
+  gpupool__registry reg;
   daemon_ctx d = {0};
   uint64_t wd;
 
@@ -194,41 +194,41 @@ int main(int argc, char **argv) {
    * into children. */
   listen_fd = gpupool__sd_listen_fd();
   if (listen_fd < -1) {
-    GP_ERROR("%s", gpupool__errmsg());
+    GPUPOOL__ERROR("%s", gpupool__errmsg());
     gpupool__sd_notifyf("STATUS=Failed: %s", gpupool__errmsg());
     return 1;
   }
 
   if ((rc = gpupool__backend_open(cfg.backend, &be)) != 0) {
-    GP_ERROR("cannot open the %s backend: %s", cfg.backend == GPUPOOL_BACKEND_CUDA ? "cuda" : "host",
+    GPUPOOL__ERROR("cannot open the %s backend: %s", cfg.backend == GPUPOOL_BACKEND_CUDA ? "cuda" : "host",
              gpupool__errmsg());
     gpupool__sd_notifyf("STATUS=Failed: %s", gpupool__errmsg());
     goto out_fd;
   }
   if ((rc = gpupool__config_finish(&cfg, be->ops->kind == GPUPOOL__WIRE__BACKEND_KIND__BACKEND_CUDA)) != 0) {
-    GP_ERROR("%s", gpupool__errmsg());
+    GPUPOOL__ERROR("%s", gpupool__errmsg());
     gpupool__sd_notifyf("STATUS=Failed: %s", gpupool__errmsg());
     goto out_be;
   }
   d.loop = uv_default_loop();
-  if ((rc = gp_registry_init(&reg, d.loop, &cfg, be)) != 0) {
-    GP_ERROR("%s", gpupool__errmsg());
+  if ((rc = gpupool__registry_init(&reg, d.loop, &cfg, be)) != 0) {
+    GPUPOOL__ERROR("%s", gpupool__errmsg());
     gpupool__sd_notifyf("STATUS=Failed: %s", gpupool__errmsg());
-    gp_registry_close(&reg);
+    gpupool__registry_close(&reg);
     uv_run(d.loop, UV_RUN_DEFAULT);
     goto out_be;
   }
   d.reg = &reg;
-  if ((rc = gp_server_start(&d.server, d.loop, &cfg, &reg, listen_fd)) != 0) {
-    GP_ERROR("%s", gpupool__errmsg());
+  if ((rc = gpupool__server_start(&d.server, d.loop, &cfg, &reg, listen_fd)) != 0) {
+    GPUPOOL__ERROR("%s", gpupool__errmsg());
     gpupool__sd_notifyf("STATUS=Failed: %s", gpupool__errmsg());
-    gp_registry_close(&reg);
+    gpupool__registry_close(&reg);
     uv_run(d.loop, UV_RUN_DEFAULT);
     goto out_be;
   }
   listen_fd = -1; /* the server owns it now */
-  if (gpupool__metrics_start(d.loop, &cfg, gp_server_stats, d.server) != 0)
-    GP_WARN("metrics disabled: %s", gpupool__errmsg());
+  if (gpupool__metrics_start(d.loop, &cfg, gpupool__server_stats, d.server) != 0)
+    GPUPOOL__WARN("metrics disabled: %s", gpupool__errmsg());
 
   uv_signal_init(d.loop, &d.sigint);
   uv_signal_init(d.loop, &d.sigterm);
@@ -242,7 +242,7 @@ int main(int argc, char **argv) {
     d.watchdog_on = 1;
   }
 
-  GP_INFO("gpupoold %s ready on %s: backend %s, %d pool(s)", GPUPOOL_VERSION_STRING,
+  GPUPOOL__INFO("gpupoold %s ready on %s: backend %s, %d pool(s)", GPUPOOL_VERSION_STRING,
           cfg.socket_path[0] ? cfg.socket_path : "(socket from systemd)", be->ops->name, cfg.n_pools);
   gpupool__sd_notifyf("READY=1\nSTATUS=Serving %d pool(s) on the %s backend", cfg.n_pools, be->ops->name);
 
@@ -251,10 +251,10 @@ int main(int argc, char **argv) {
   } else {
     /* Latency mode: right after client traffic, poll without sleeping, so a request that
      * follows soon does not wait for this thread to be woken. */
-    GP_INFO("busy polling for %u us after client activity (busy_poll_us)", cfg.busy_poll_us);
+    GPUPOOL__INFO("busy polling for %u us after client activity (busy_poll_us)", cfg.busy_poll_us);
     for (;;) {
       int more;
-      if (d.server && gp_now_ns() - gp_server_last_activity(d.server) < (uint64_t)cfg.busy_poll_us * 1000)
+      if (d.server && gpupool__now_ns() - gpupool__server_last_activity(d.server) < (uint64_t)cfg.busy_poll_us * 1000)
         more = uv_run(d.loop, UV_RUN_NOWAIT);
       else
         more = uv_run(d.loop, UV_RUN_ONCE);
@@ -263,9 +263,9 @@ int main(int argc, char **argv) {
     }
   }
 
-  gp_registry_close(&reg);
+  gpupool__registry_close(&reg);
   uv_run(d.loop, UV_RUN_DEFAULT); /* close callbacks of what the registry held */
-  GP_INFO("stopped");
+  GPUPOOL__INFO("stopped");
   exit_code = 0;
 out_be:
   be->ops->close(be);

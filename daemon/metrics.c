@@ -320,14 +320,14 @@ static char *snapshot_text(void) {
     if (rc == 0)
       have = 1;
     else
-      GP_WARN("metrics: cannot take a stats snapshot (%s); exporting request counters only",
+      GPUPOOL__WARN("metrics: cannot take a stats snapshot (%s); exporting request counters only",
               gpupool__errmsg()[0] ? gpupool__errmsg() : gpupool_strerror(rc));
   }
   text = gpupool__metrics_render(have ? &st : NULL);
   if (have)
     gpupool__stats_free(&st);
   if (text == NULL)
-    GP_WARN("metrics: out of memory rendering the metrics text");
+    GPUPOOL__WARN("metrics: out of memory rendering the metrics text");
   return text;
 }
 
@@ -384,12 +384,12 @@ out:
     unlink(M.tmpfile);
     /* Say it once when it starts failing and once when it recovers, not every interval. */
     if (!M.write_failing)
-      GP_WARN("metrics: cannot %s %s: %s; the textfile keeps its last content until this is "
+      GPUPOOL__WARN("metrics: cannot %s %s: %s; the textfile keeps its last content until this is "
               "fixed",
               what, what[0] == 'r' ? M.textfile : M.tmpfile, strerror(err));
     M.write_failing = 1;
   } else if (M.write_failing) {
-    GP_INFO("metrics: writing %s again", M.textfile);
+    GPUPOOL__INFO("metrics: writing %s again", M.textfile);
     M.write_failing = 0;
   }
   free(text);
@@ -446,7 +446,7 @@ static void conn_answer(conn *c) {
   c->resp = malloc(hl + tl);
   if (c->resp == NULL) {
     free(text);
-    GP_WARN("metrics: out of memory answering a metrics request");
+    GPUPOOL__WARN("metrics: out of memory answering a metrics request");
     conn_close(c);
     return;
   }
@@ -514,7 +514,7 @@ static void on_conn(uv_stream_t *srv, int status) {
   conn *c;
 
   if (status < 0) {
-    GP_WARN("metrics: accept on %s failed: %s", M.sock, uv_strerror(status));
+    GPUPOOL__WARN("metrics: accept on %s failed: %s", M.sock, uv_strerror(status));
     return;
   }
   c = calloc(1, sizeof(*c));
@@ -625,7 +625,7 @@ static int start_socket(const gpupool__config *cfg) {
     return gpupool__err(GPUPOOL_ECONFIG, "cannot listen on metrics_socket %s: %s", M.sock,
                         uv_strerror(rc));
   uv_unref((uv_handle_t *)&M.srv);
-  GP_INFO("metrics: serving Prometheus text on %s", M.sock);
+  GPUPOOL__INFO("metrics: serving Prometheus text on %s", M.sock);
   return 0;
 }
 
@@ -653,7 +653,7 @@ static int start_textfile(const gpupool__config *cfg) {
   if (rc != 0)
     return gpupool__err(GPUPOOL_ECONFIG, "metrics timer: %s", uv_strerror(rc));
   uv_unref((uv_handle_t *)&M.timer);
-  GP_INFO("metrics: writing %s every %u ms", M.textfile, every);
+  GPUPOOL__INFO("metrics: writing %s every %u ms", M.textfile, every);
   return 0;
 }
 

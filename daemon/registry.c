@@ -23,13 +23,13 @@
 #define MIB ((uint64_t)1 << 20)
 #define SLAB_GRAIN (2 * MIB)
 
-uint64_t gp_now_ns(void) {
+uint64_t gpupool__now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static uint64_t next_id(gp_registry *reg) { return ++reg->next_id; }
+static uint64_t next_id(gpupool__registry *reg) { return ++reg->next_id; }
 
 static uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) & ~(a - 1); }
 
@@ -51,8 +51,8 @@ static int grow(void **arr, uint32_t *cap, uint32_t need, size_t elem) {
 
 /* ---- events ------------------------------------------------------------------------------ */
 
-static gp_event *event_get(gp_registry *reg) {
-  gp_event *e;
+static gpupool__event *event_get(gpupool__registry *reg) {
+  gpupool__event *e;
   if (!reg->be->ops->has_events)
     return NULL;
   if (reg->free_events) {
@@ -67,7 +67,7 @@ static gp_event *event_get(gp_registry *reg) {
   if (!e)
     return NULL;
   if (reg->be->ops->event_create(reg->be, &e->be, e->handle) != 0) {
-    GP_ERROR("cannot create an inter-process event: %s", gpupool__errmsg());
+    GPUPOOL__ERROR("cannot create an inter-process event: %s", gpupool__errmsg());
     free(e);
     return NULL;
   }
@@ -76,7 +76,7 @@ static gp_event *event_get(gp_registry *reg) {
   return e;
 }
 
-static void event_put(gp_registry *reg, gp_event *e) {
+static void event_put(gpupool__registry *reg, gpupool__event *e) {
   if (!e)
     return;
   e->next_free = reg->free_events;
@@ -86,13 +86,13 @@ static void event_put(gp_registry *reg, gp_event *e) {
 /* ---- dead clients -------------------------------------------------------------------------- */
 
 static void corpse_closed(uv_handle_t *h) {
-  gp_corpse *c = h->data;
+  gpupool__corpse *c = h->data;
   if (c->pidfd >= 0)
     close(c->pidfd);
   free(c);
 }
 
-static void corpse_unref(gp_corpse *c) {
+static void corpse_unref(gpupool__corpse *c) {
   if (--c->refs > 0)
     return;
   if (c->pidfd >= 0) {
@@ -103,20 +103,20 @@ static void corpse_unref(gp_corpse *c) {
 }
 
 static void corpse_exited(uv_poll_t *p, int status, int events) {
-  gp_corpse *c = p->data;
+  gpupool__corpse *c = p->data;
   (void)status;
   (void)events;
   c->exited = 1;
   uv_poll_stop(p);
-  GP_INFO("client process %d has exited; its memory can be reused", (int)c->pid);
-  gp_sweep(c->reg);
+  GPUPOOL__INFO("client process %d has exited; its memory can be reused", (int)c->pid);
+  gpupool__sweep(c->reg);
   if (c->reg->on_memory)
     c->reg->on_memory(c->reg, NULL);
 }
 
 /* Takes ownership of pidfd (may be -1: no way to watch the process, treated as exited). */
-static gp_corpse *corpse_new(gp_registry *reg, pid_t pid, int pidfd) {
-  gp_corpse *c = calloc(1, sizeof *c);
+static gpupool__corpse *corpse_new(gpupool__registry *reg, pid_t pid, int pidfd) {
+  gpupool__corpse *c = calloc(1, sizeof *c);
   if (!c) {
     if (pidfd >= 0)
       close(pidfd);
@@ -125,7 +125,7 @@ static gp_corpse *corpse_new(gp_registry *reg, pid_t pid, int pidfd) {
   c->pid = pid;
   c->pidfd = pidfd;
   c->reg = reg;
-  c->refs = 1; /* dropped at the end of gp_client_drop */
+  c->refs = 1; /* dropped at the end of gpupool__client_drop */
   if (pidfd < 0 || uv_poll_init(reg->loop, &c->poll, pidfd) != 0) {
     c->exited = 1;
     if (pidfd >= 0) {
@@ -141,9 +141,9 @@ static gp_corpse *corpse_new(gp_registry *reg, pid_t pid, int pidfd) {
 
 /* ---- slabs ----------------------------------------------------------------------------------- */
 
-static void slab_destroy(gp_registry *reg, gp_slab *s) {
-  gp_pool *p = s->pool;
-  GP_DEBUG("pool %s: slab %" PRIu64 " (%" PRIu64 " bytes) returned to the backend", p->cfg.name,
+static void slab_destroy(gpupool__registry *reg, gpupool__slab *s) {
+  gpupool__pool *p = s->pool;
+  GPUPOOL__DEBUG("pool %s: slab %" PRIu64 " (%" PRIu64 " bytes) returned to the backend", p->cfg.name,
            s->id, s->bs.size);
   reg->be->ops->slab_free(p->bp, &s->bs);
   if (s->prev)
@@ -164,12 +164,12 @@ static void slab_destroy(gp_registry *reg, gp_slab *s) {
   reg->memory_returned = 1;
 }
 
-static void slab_try_release(gp_registry *reg, gp_slab *s) {
+static void slab_try_release(gpupool__registry *reg, gpupool__slab *s) {
   if (s->retiring && s->nbuffers == 0 && s->nmappers == 0)
     slab_destroy(reg, s);
 }
 
-static void client_add_revoke(gp_client *c, uint64_t slab_id) {
+static void client_add_revoke(gpupool__client *c, uint64_t slab_id) {
   for (uint32_t i = 0; i < c->nrevoke; i++)
     if (c->revoke[i] == slab_id)
       return;
@@ -179,10 +179,10 @@ static void client_add_revoke(gp_client *c, uint64_t slab_id) {
 
 /* Stop using s; ask its mappers to unmap; destroy it once nobody maps it. Returns 1 when
  * it was destroyed now. */
-static int slab_retire(gp_registry *reg, gp_slab *s) {
+static int slab_retire(gpupool__registry *reg, gpupool__slab *s) {
   s->retiring = 1;
   for (uint32_t i = 0; i < s->nmappers; i++) {
-    gp_client *c;
+    gpupool__client *c;
     if (!s->mappers[i].client_id)
       continue;
     c = gpupool__hmap_get(&reg->clients, s->mappers[i].client_id);
@@ -198,7 +198,7 @@ static int slab_retire(gp_registry *reg, gp_slab *s) {
   return 0;
 }
 
-static void slab_maybe_retire(gp_registry *reg, gp_slab *s) {
+static void slab_maybe_retire(gpupool__registry *reg, gpupool__slab *s) {
   uint32_t empty = 0;
   if (s->nbuffers != 0 || s->retiring)
     return;
@@ -206,15 +206,15 @@ static void slab_maybe_retire(gp_registry *reg, gp_slab *s) {
     slab_retire(reg, s);
     return;
   }
-  for (gp_slab *o = s->pool->slabs; o; o = o->next)
+  for (gpupool__slab *o = s->pool->slabs; o; o = o->next)
     if (!o->dedicated && !o->retiring && o->nbuffers == 0)
       empty++;
   if (empty > s->pool->cfg.keep_slabs)
     slab_retire(reg, s);
 }
 
-static int slab_new(gp_registry *reg, gp_pool *p, uint64_t size, int dedicated, gp_slab **out) {
-  gp_slab *s;
+static int slab_new(gpupool__registry *reg, gpupool__pool *p, uint64_t size, int dedicated, gpupool__slab **out) {
+  gpupool__slab *s;
   int rc;
 
   if (p->reserved + size > p->cfg.capacity)
@@ -248,7 +248,7 @@ static int slab_new(gp_registry *reg, gp_pool *p, uint64_t size, int dedicated, 
   p->reserved += s->bs.size;
   if (p->reserved > p->reserved_high)
     p->reserved_high = p->reserved;
-  GP_DEBUG("pool %s: new %sslab %" PRIu64 " of %" PRIu64 " bytes", p->cfg.name,
+  GPUPOOL__DEBUG("pool %s: new %sslab %" PRIu64 " of %" PRIu64 " bytes", p->cfg.name,
            dedicated ? "dedicated " : "", s->id, s->bs.size);
   *out = s;
   return 0;
@@ -257,7 +257,7 @@ fail:
   return rc;
 }
 
-static int slab_add_mapper(gp_slab *s, uint64_t client_id) {
+static int slab_add_mapper(gpupool__slab *s, uint64_t client_id) {
   if (grow((void **)&s->mappers, &s->capmappers, s->nmappers + 1, sizeof *s->mappers) != 0)
     return GPUPOOL_ENOMEM;
   s->mappers[s->nmappers].client_id = client_id;
@@ -266,25 +266,25 @@ static int slab_add_mapper(gp_slab *s, uint64_t client_id) {
   return 0;
 }
 
-static void slab_remove_mapper_at(gp_slab *s, uint32_t i) {
+static void slab_remove_mapper_at(gpupool__slab *s, uint32_t i) {
   s->mappers[i] = s->mappers[--s->nmappers];
 }
 
 /* ---- buffers --------------------------------------------------------------------------------- */
 
-static int buffer_deps_clear(gp_registry *reg, gp_buffer *b) {
+static int buffer_deps_clear(gpupool__registry *reg, gpupool__buffer *b) {
   while (b->ndone > 0) {
-    gp_event *e = b->done[b->ndone - 1];
+    gpupool__event *e = b->done[b->ndone - 1];
     int q = reg->be->ops->event_query(e->be);
     if (q == 0)
       return 0;
     if (q < 0)
-      GP_WARN("event %u query failed (%s); treating it as complete", e->id, gpupool__errmsg());
+      GPUPOOL__WARN("event %u query failed (%s); treating it as complete", e->id, gpupool__errmsg());
     event_put(reg, e);
     b->ndone--;
   }
   while (b->ncorpses > 0) {
-    gp_corpse *c = b->corpses[b->ncorpses - 1];
+    gpupool__corpse *c = b->corpses[b->ncorpses - 1];
     if (!c->exited)
       return 0;
     corpse_unref(c);
@@ -293,11 +293,11 @@ static int buffer_deps_clear(gp_registry *reg, gp_buffer *b) {
   return 1;
 }
 
-static void finish_free(gp_registry *reg, gp_buffer *b) {
-  gp_slab *s = b->slab;
-  gp_pool *p = s->pool;
+static void finish_free(gpupool__registry *reg, gpupool__buffer *b) {
+  gpupool__slab *s = b->slab;
+  gpupool__pool *p = s->pool;
   if (s->alloc && gpupool__alloc_put(s->alloc, b->offset, b->size) != 0)
-    GP_ERROR("pool %s: range %" PRIu64 "+%" PRIu64 " of slab %" PRIu64 " refused by the allocator",
+    GPUPOOL__ERROR("pool %s: range %" PRIu64 "+%" PRIu64 " of slab %" PRIu64 " refused by the allocator",
              p->cfg.name, b->offset, b->size, s->id);
   s->nbuffers--;
   p->used -= b->size;
@@ -311,18 +311,18 @@ static void finish_free(gp_registry *reg, gp_buffer *b) {
 }
 
 static void sweep_timer_cb(uv_timer_t *t) {
-  gp_registry *reg = t->data;
-  uint64_t t0 = gp_now_ns(), n = reg->npending;
-  gp_sweep(reg);
-  if (gp_now_ns() - t0 > 50000)
-    GP_DEBUG("slow sweep: %" PRIu64 " us over %" PRIu64 " pending buffers", (gp_now_ns() - t0) / 1000, n);
+  gpupool__registry *reg = t->data;
+  uint64_t t0 = gpupool__now_ns(), n = reg->npending;
+  gpupool__sweep(reg);
+  if (gpupool__now_ns() - t0 > 50000)
+    GPUPOOL__DEBUG("slow sweep: %" PRIu64 " us over %" PRIu64 " pending buffers", (gpupool__now_ns() - t0) / 1000, n);
   if (reg->memory_returned && reg->on_memory)
     reg->on_memory(reg, NULL);
 }
 
-static void sweep_timer_update(gp_registry *reg) {
+static void sweep_timer_update(gpupool__registry *reg) {
   int need = 0;
-  for (gp_buffer *b = reg->pending; b; b = b->pending_next)
+  for (gpupool__buffer *b = reg->pending; b; b = b->pending_next)
     if (b->ndone > 0) {
       need = 1;
       break;
@@ -336,8 +336,8 @@ static void sweep_timer_update(gp_registry *reg) {
   }
 }
 
-static void uid_account(gp_registry *reg, uid_t uid, int64_t bytes, int32_t allocs) {
-  gp_uid_usage *u = gpupool__hmap_get(&reg->uids, uid);
+static void uid_account(gpupool__registry *reg, uid_t uid, int64_t bytes, int32_t allocs) {
+  gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, uid);
   if (!u) {
     if (bytes <= 0)
       return;
@@ -356,8 +356,8 @@ static void uid_account(gp_registry *reg, uid_t uid, int64_t bytes, int32_t allo
   }
 }
 
-static void buffer_unref(gp_registry *reg, gp_buffer *b) {
-  gp_client *owner;
+static void buffer_unref(gpupool__registry *reg, gpupool__buffer *b) {
+  gpupool__client *owner;
   if (--b->refs > 0)
     return;
   gpupool__hmap_del(&reg->buffers, b->id);
@@ -377,10 +377,10 @@ static void buffer_unref(gp_registry *reg, gp_buffer *b) {
   sweep_timer_update(reg);
 }
 
-void gp_sweep(gp_registry *reg) {
-  gp_buffer **pp = &reg->pending;
+void gpupool__sweep(gpupool__registry *reg) {
+  gpupool__buffer **pp = &reg->pending;
   while (*pp) {
-    gp_buffer *b = *pp;
+    gpupool__buffer *b = *pp;
     if (buffer_deps_clear(reg, b)) {
       *pp = b->pending_next;
       reg->npending--;
@@ -390,7 +390,7 @@ void gp_sweep(gp_registry *reg) {
     }
   }
   for (int i = 0; i < reg->npools; i++) {
-    gp_slab *s = reg->pools[i].slabs, *next;
+    gpupool__slab *s = reg->pools[i].slabs, *next;
     for (; s; s = next) {
       next = s->next;
       for (uint32_t j = 0; j < s->nmappers;) {
@@ -407,24 +407,24 @@ void gp_sweep(gp_registry *reg) {
   sweep_timer_update(reg);
 }
 
-uint64_t gp_pool_free_bytes(const gp_pool *p) {
+uint64_t gpupool__pool_free_bytes(const gpupool__pool *p) {
   uint64_t f = p->cfg.capacity - p->reserved;
-  for (gp_slab *s = p->slabs; s; s = s->next)
+  for (gpupool__slab *s = p->slabs; s; s = s->next)
     if (s->alloc && !s->retiring)
       f += gpupool__alloc_capacity(s->alloc) - gpupool__alloc_used(s->alloc);
   return f;
 }
 
-static int no_space(gp_registry *reg, gp_pool *p, uint64_t asked, uint64_t rounded) {
+static int no_space(gpupool__registry *reg, gpupool__pool *p, uint64_t asked, uint64_t rounded) {
   uint64_t largest = 0, in_slabs = 0, pending_bytes = 0;
-  for (gp_slab *s = p->slabs; s; s = s->next)
+  for (gpupool__slab *s = p->slabs; s; s = s->next)
     if (s->alloc && !s->retiring) {
       uint64_t l = gpupool__alloc_largest_free(s->alloc);
       if (l > largest)
         largest = l;
       in_slabs += gpupool__alloc_capacity(s->alloc) - gpupool__alloc_used(s->alloc);
     }
-  for (gp_buffer *b = reg->pending; b; b = b->pending_next)
+  for (gpupool__buffer *b = reg->pending; b; b = b->pending_next)
     if (b->slab->pool == p)
       pending_bytes += b->size;
   return gpupool__err(GPUPOOL_ENOSPC,
@@ -438,8 +438,8 @@ static int no_space(gp_registry *reg, gp_pool *p, uint64_t asked, uint64_t round
 }
 
 /* Place `size` bytes (already aligned) in p. */
-static int place(gp_registry *reg, gp_pool *p, uint64_t asked, uint64_t size, uint64_t align,
-                 gp_slab **slab, uint64_t *off) {
+static int place(gpupool__registry *reg, gpupool__pool *p, uint64_t asked, uint64_t size, uint64_t align,
+                 gpupool__slab **slab, uint64_t *off) {
   int rc, attempt;
   if (size > p->cfg.slab_size) {
     uint64_t dsize = round_up(size, SLAB_GRAIN);
@@ -463,8 +463,8 @@ static int place(gp_registry *reg, gp_pool *p, uint64_t asked, uint64_t size, ui
       if (rc != GPUPOOL_ENOSPC)
         return rc;
       /* Make room: finish what can be finished and give back empty cached slabs. */
-      gp_sweep(reg);
-      for (gp_slab *s = p->slabs, *n; s; s = n) {
+      gpupool__sweep(reg);
+      for (gpupool__slab *s = p->slabs, *n; s; s = n) {
         n = s->next;
         if (!s->dedicated && !s->retiring && s->nbuffers == 0)
           slab_retire(reg, s);
@@ -473,7 +473,7 @@ static int place(gp_registry *reg, gp_pool *p, uint64_t asked, uint64_t size, ui
     return no_space(reg, p, asked, size);
   }
   for (attempt = 0; attempt < 2; attempt++) {
-    for (gp_slab *s = p->slabs; s; s = s->next) {
+    for (gpupool__slab *s = p->slabs; s; s = s->next) {
       if (!s->alloc || s->retiring)
         continue;
       if (gpupool__alloc_get(s->alloc, size, align, off) == 0) {
@@ -491,16 +491,16 @@ static int place(gp_registry *reg, gp_pool *p, uint64_t asked, uint64_t size, ui
     if (rc != GPUPOOL_ENOSPC)
       return rc;
     if (attempt == 0)
-      gp_sweep(reg);
+      gpupool__sweep(reg);
   }
   return no_space(reg, p, asked, size);
 }
 
 /* ---- holds ----------------------------------------------------------------------------------- */
 
-static int hold_new(gp_registry *reg, gp_client *c, gp_buffer *b, int read_only, int owner,
-                    gp_hold **out) {
-  gp_hold *h = calloc(1, sizeof *h);
+static int hold_new(gpupool__registry *reg, gpupool__client *c, gpupool__buffer *b, int read_only, int owner,
+                    gpupool__hold **out) {
+  gpupool__hold *h = calloc(1, sizeof *h);
   if (!h)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   h->id = next_id(reg);
@@ -530,23 +530,23 @@ static int hold_new(gp_registry *reg, gp_client *c, gp_buffer *b, int read_only,
   return 0;
 }
 
-static int add_done_dep(gp_buffer *b, gp_event *e) {
+static int add_done_dep(gpupool__buffer *b, gpupool__event *e) {
   if (grow((void **)&b->done, &b->capdone, b->ndone + 1, sizeof *b->done) != 0)
     return GPUPOOL_ENOMEM;
   b->done[b->ndone++] = e;
   return 0;
 }
 
-static void add_corpse_dep(gp_buffer *b, gp_corpse *c) {
+static void add_corpse_dep(gpupool__buffer *b, gpupool__corpse *c) {
   if (grow((void **)&b->corpses, &b->capcorpses, b->ncorpses + 1, sizeof *b->corpses) != 0)
     return; /* cannot track it: the range is reused without waiting (logged by grow) */
   c->refs++;
   b->corpses[b->ncorpses++] = c;
 }
 
-static void hold_drop(gp_registry *reg, gp_hold *h, int done_recorded, gp_corpse *corpse) {
-  gp_client *c = h->client;
-  gp_buffer *b = h->buf;
+static void hold_drop(gpupool__registry *reg, gpupool__hold *h, int done_recorded, gpupool__corpse *corpse) {
+  gpupool__client *c = h->client;
+  gpupool__buffer *b = h->buf;
   if (h->prev)
     h->prev->next = h->next;
   else
@@ -567,8 +567,8 @@ static void hold_drop(gp_registry *reg, gp_hold *h, int done_recorded, gp_corpse
   buffer_unref(reg, b);
 }
 
-static int hold_of(gp_registry *reg, gp_client *c, uint64_t id, gp_hold **out) {
-  gp_hold *h = gpupool__hmap_get(&reg->holds, id);
+static int hold_of(gpupool__registry *reg, gpupool__client *c, uint64_t id, gpupool__hold **out) {
+  gpupool__hold *h = gpupool__hmap_get(&reg->holds, id);
   if (!h)
     return gpupool__err(GPUPOOL_ENOENT,
                         "hold %" PRIu64 " does not exist (never issued, or already released)", id);
@@ -582,7 +582,7 @@ static int hold_of(gp_registry *reg, gp_client *c, uint64_t id, gp_hold **out) {
 
 /* ---- public operations ----------------------------------------------------------------------- */
 
-gp_pool *gp_pool_find(gp_registry *reg, const char *name, uint32_t id) {
+gpupool__pool *gpupool__pool_find(gpupool__registry *reg, const char *name, uint32_t id) {
   if (name && *name) {
     for (int i = 0; i < reg->npools; i++)
       if (!strcmp(reg->pools[i].cfg.name, name))
@@ -597,9 +597,9 @@ gp_pool *gp_pool_find(gp_registry *reg, const char *name, uint32_t id) {
   return NULL;
 }
 
-static int check_limits(gp_registry *reg, gp_client *c, uint64_t size) {
+static int check_limits(gpupool__registry *reg, gpupool__client *c, uint64_t size) {
   const gpupool__config *cfg = reg->cfg;
-  gp_uid_usage *u = gpupool__hmap_get(&reg->uids, c->uid);
+  gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, c->uid);
   if (cfg->max_allocs_per_client && c->allocs + 1 > cfg->max_allocs_per_client)
     return gpupool__err(GPUPOOL_ELIMIT,
                         "client already has %u live allocations, the limit (max_allocs_per_client) is %u; "
@@ -622,10 +622,10 @@ static int check_limits(gp_registry *reg, gp_client *c, uint64_t size) {
   return 0;
 }
 
-int gp_allocate(gp_registry *reg, gp_client *c, gp_pool *p, uint64_t size, uint64_t align,
-                gp_hold **out) {
-  gp_buffer *b = NULL;
-  gp_slab *s;
+int gpupool__allocate(gpupool__registry *reg, gpupool__client *c, gpupool__pool *p, uint64_t size, uint64_t align,
+                gpupool__hold **out) {
+  gpupool__buffer *b = NULL;
+  gpupool__slab *s;
   uint64_t off, asize;
   int rc;
 
@@ -659,7 +659,7 @@ int gp_allocate(gp_registry *reg, gp_client *c, gp_pool *p, uint64_t size, uint6
   b->owner_uid = c->uid;
   b->owner_pid = c->pid;
   b->owner_client = c->id;
-  b->created_ns = gp_now_ns();
+  b->created_ns = gpupool__now_ns();
   /* The share token's secret: from the kernel-seeded generator in libc, without a system
    * call per allocation. */
   arc4random_buf(b->secret, sizeof b->secret);
@@ -698,8 +698,8 @@ fail_range:
   return rc;
 }
 
-int gp_release(gp_registry *reg, gp_client *c, uint64_t hold_id, int done_recorded, int *freed) {
-  gp_hold *h = NULL;
+int gpupool__release(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id, int done_recorded, int *freed) {
+  gpupool__hold *h = NULL;
   int rc = hold_of(reg, c, hold_id, &h);
   if (rc != 0)
     return rc;
@@ -708,8 +708,8 @@ int gp_release(gp_registry *reg, gp_client *c, uint64_t hold_id, int done_record
   return 0;
 }
 
-int gp_share(gp_registry *reg, gp_client *c, uint64_t hold_id, uint8_t token[GPUPOOL_TOKEN_SIZE]) {
-  gp_hold *h = NULL;
+int gpupool__share(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id, uint8_t token[GPUPOOL_TOKEN_SIZE]) {
+  gpupool__hold *h = NULL;
   int rc = hold_of(reg, c, hold_id, &h);
   if (rc != 0)
     return rc;
@@ -719,10 +719,10 @@ int gp_share(gp_registry *reg, gp_client *c, uint64_t hold_id, uint8_t token[GPU
   return 0;
 }
 
-int gp_open(gp_registry *reg, gp_client *c, const uint8_t *token, size_t len, int read_only,
-            gp_hold **out) {
+int gpupool__open(gpupool__registry *reg, gpupool__client *c, const uint8_t *token, size_t len, int read_only,
+            gpupool__hold **out) {
   uint64_t id = 0;
-  gp_buffer *b;
+  gpupool__buffer *b;
   uint8_t diff = 0;
   if (len != GPUPOOL_TOKEN_SIZE)
     return gpupool__err(GPUPOOL_EINVAL, "share token has %zu bytes, expected %d", len, GPUPOOL_TOKEN_SIZE);
@@ -738,7 +738,7 @@ int gp_open(gp_registry *reg, gp_client *c, const uint8_t *token, size_t len, in
   return hold_new(reg, c, b, read_only, 0, out);
 }
 
-int gp_check_name(const char *name) {
+int gpupool__check_name(const char *name) {
   size_t n = strlen(name);
   if (n == 0)
     return gpupool__err(GPUPOOL_ENAME, "empty name; names are 1 to %d bytes", GPUPOOL_NAME_MAX);
@@ -751,7 +751,7 @@ int gp_check_name(const char *name) {
   return 0;
 }
 
-static int name_visible(const gp_name *n, const gp_client *c) {
+static int name_visible(const gpupool__name *n, const gpupool__client *c) {
   return c->uid == 0 || n->uid == c->uid || n->share_all || (n->share_gid && n->share_gid == c->gid);
 }
 
@@ -779,16 +779,16 @@ static int meta_from_wire(const Gpupool__Wire__TensorMeta *w, gpupool_tensor_met
   return 0;
 }
 
-int gp_publish(gp_registry *reg, gp_client *c, uint64_t hold_id, const char *name,
+int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id, const char *name,
                const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all) {
-  gp_hold *h = NULL;
-  gp_name *n, *old;
+  gpupool__hold *h = NULL;
+  gpupool__name *n, *old;
   gpupool_tensor_meta m;
   int rc, has_meta = meta && meta->present;
 
   if ((rc = hold_of(reg, c, hold_id, &h)) != 0)
     return rc;
-  if ((rc = gp_check_name(name)) != 0)
+  if ((rc = gpupool__check_name(name)) != 0)
     return rc;
   if (has_meta) {
     uint64_t span;
@@ -820,7 +820,7 @@ int gp_publish(gp_registry *reg, gp_client *c, uint64_t hold_id, const char *nam
   n->uid = c->uid;
   n->share_gid = share_gid;
   n->share_all = share_all;
-  n->created_ns = gp_now_ns();
+  n->created_ns = gpupool__now_ns();
   if (has_meta) {
     n->meta = m;
     n->has_meta = 1;
@@ -841,8 +841,8 @@ int gp_publish(gp_registry *reg, gp_client *c, uint64_t hold_id, const char *nam
 }
 
 /* The name as c may see it: ENAME for a malformed name, ENOENT when absent or invisible. */
-static int find_name(gp_registry *reg, gp_client *c, const char *name, gp_name **out) {
-  int rc = gp_check_name(name);
+static int find_name(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__name **out) {
+  int rc = gpupool__check_name(name);
   if (rc != 0)
     return rc;
   *out = gpupool__smap_get(&reg->names, name);
@@ -851,14 +851,14 @@ static int find_name(gp_registry *reg, gp_client *c, const char *name, gp_name *
   return 0;
 }
 
-int gp_get(gp_registry *reg, gp_client *c, const char *name, int read_only, gp_hold **out) {
-  gp_name *n;
+int gpupool__get(gpupool__registry *reg, gpupool__client *c, const char *name, int read_only, gpupool__hold **out) {
+  gpupool__name *n;
   int rc = find_name(reg, c, name, &n);
   return rc != 0 ? rc : hold_new(reg, c, n->buf, read_only, 0, out);
 }
 
-int gp_unpublish(gp_registry *reg, gp_client *c, const char *name) {
-  gp_name *n;
+int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *name) {
+  gpupool__name *n;
   int rc = find_name(reg, c, name, &n);
   if (rc != 0)
     return rc;
@@ -874,9 +874,9 @@ int gp_unpublish(gp_registry *reg, gp_client *c, const char *name) {
   return 0;
 }
 
-void gp_unmapped(gp_registry *reg, gp_client *c, const uint64_t *ids, size_t n) {
+void gpupool__unmapped(gpupool__registry *reg, gpupool__client *c, const uint64_t *ids, size_t n) {
   for (size_t k = 0; k < n; k++) {
-    gp_slab *s = gpupool__hmap_get(&reg->slabs, ids[k]);
+    gpupool__slab *s = gpupool__hmap_get(&reg->slabs, ids[k]);
     for (uint32_t i = 0; i < c->nrevoke; i++)
       if (c->revoke[i] == ids[k]) {
         c->revoke[i] = c->revoke[--c->nrevoke];
@@ -894,11 +894,11 @@ void gp_unmapped(gp_registry *reg, gp_client *c, const uint64_t *ids, size_t n) 
   }
 }
 
-void gp_trim(gp_registry *reg, uint32_t *freed, uint32_t *revoked) {
+void gpupool__trim(gpupool__registry *reg, uint32_t *freed, uint32_t *revoked) {
   *freed = *revoked = 0;
-  gp_sweep(reg);
+  gpupool__sweep(reg);
   for (int i = 0; i < reg->npools; i++) {
-    for (gp_slab *s = reg->pools[i].slabs, *n; s; s = n) {
+    for (gpupool__slab *s = reg->pools[i].slabs, *n; s; s = n) {
       n = s->next;
       if (s->retiring || s->nbuffers != 0)
         continue;
@@ -912,22 +912,22 @@ void gp_trim(gp_registry *reg, uint32_t *freed, uint32_t *revoked) {
 
 /* ---- clients --------------------------------------------------------------------------------- */
 
-void gp_client_init(gp_registry *reg, gp_client *c) {
+void gpupool__client_init(gpupool__registry *reg, gpupool__client *c) {
   c->id = next_id(reg);
-  c->connected_ns = gp_now_ns();
+  c->connected_ns = gpupool__now_ns();
   gpupool__hmap_init(&c->mapped);
   gpupool__hmap_put(&reg->clients, c->id, c);
 }
 
-void gp_client_drop(gp_registry *reg, gp_client *c) {
-  gp_corpse *corpse = NULL;
+void gpupool__client_drop(gpupool__registry *reg, gpupool__client *c) {
+  gpupool__corpse *corpse = NULL;
   int had_holds = c->nholds > 0, pidfd = c->pidfd;
 
   c->pidfd = -1;
   if (had_holds) {
     corpse = corpse_new(reg, c->pid, pidfd);
     pidfd = -1;
-    GP_INFO("client %" PRIu64 " (pid %d, %s) went away holding %" PRIu64
+    GPUPOOL__INFO("client %" PRIu64 " (pid %d, %s) went away holding %" PRIu64
             " buffers; their memory is reused once the process has exited",
             c->id, (int)c->pid, c->name, c->nholds);
   } else if (pidfd >= 0) {
@@ -936,7 +936,7 @@ void gp_client_drop(gp_registry *reg, gp_client *c) {
   while (c->holds)
     hold_drop(reg, c->holds, 0, corpse);
   for (int i = 0; i < reg->npools; i++) {
-    for (gp_slab *s = reg->pools[i].slabs, *n; s; s = n) {
+    for (gpupool__slab *s = reg->pools[i].slabs, *n; s; s = n) {
       n = s->next;
       for (uint32_t j = 0; j < s->nmappers; j++) {
         if (s->mappers[j].client_id != c->id)
@@ -960,12 +960,12 @@ void gp_client_drop(gp_registry *reg, gp_client *c) {
   c->nrevoke = c->caprevoke = 0;
   if (corpse)
     corpse_unref(corpse);
-  gp_sweep(reg);
+  gpupool__sweep(reg);
 }
 
 /* ---- descriptions ---------------------------------------------------------------------------- */
 
-void gp_fill_pool_info(gp_registry *reg, gp_pool *p, Gpupool__Wire__PoolInfo *pi) {
+void gpupool__fill_pool_info(gpupool__registry *reg, gpupool__pool *p, Gpupool__Wire__PoolInfo *pi) {
   gpupool__bpool_stats st = {0};
   gpupool__wire__pool_info__init(pi);
   pi->id = p->id;
@@ -993,9 +993,9 @@ void gp_fill_pool_info(gp_registry *reg, gp_pool *p, Gpupool__Wire__PoolInfo *pi
   pi->slabs = p->nslabs;
 }
 
-void gp_fill_desc(gp_registry *reg, gp_client *c, gp_hold *h, const char *name, gp_desc_storage *s) {
-  gp_buffer *b = h->buf;
-  gp_slab *sl = b->slab;
+void gpupool__fill_desc(gpupool__registry *reg, gpupool__client *c, gpupool__hold *h, const char *name, gpupool__desc_storage *s) {
+  gpupool__buffer *b = h->buf;
+  gpupool__slab *sl = b->slab;
 
   gpupool__wire__buffer_desc__init(&s->desc);
   gpupool__wire__slab_ref__init(&s->slab);
@@ -1033,7 +1033,7 @@ void gp_fill_desc(gp_registry *reg, gp_client *c, gp_hold *h, const char *name, 
     s->desc.done = &s->done;
   }
   {
-    const gp_name *nm = name && *name ? gpupool__smap_get(&reg->names, name) : NULL;
+    const gpupool__name *nm = name && *name ? gpupool__smap_get(&reg->names, name) : NULL;
     const gpupool_tensor_meta *m = nm && nm->buf == b ? (nm->has_meta ? &nm->meta : NULL)
                                    : b->has_meta      ? &b->meta
                                                       : NULL;
@@ -1059,7 +1059,7 @@ void gp_fill_desc(gp_registry *reg, gp_client *c, gp_hold *h, const char *name, 
 
 /* ---- lifetime -------------------------------------------------------------------------------- */
 
-int gp_registry_init(gp_registry *reg, uv_loop_t *loop, const gpupool__config *cfg,
+int gpupool__registry_init(gpupool__registry *reg, uv_loop_t *loop, const gpupool__config *cfg,
                      gpupool__backend *be) {
   int rc = 0;
   memset(reg, 0, sizeof *reg);
@@ -1078,7 +1078,7 @@ int gp_registry_init(gp_registry *reg, uv_loop_t *loop, const gpupool__config *c
   if (!reg->pools)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   for (int i = 0; i < cfg->n_pools; i++) {
-    gp_pool *p = &reg->pools[i];
+    gpupool__pool *p = &reg->pools[i];
     p->id = (uint32_t)i + 1;
     p->cfg = cfg->pools[i];
     rc = be->ops->pool_create(be, &p->cfg, &p->bp, &p->fd);
@@ -1095,19 +1095,19 @@ int gp_registry_init(gp_registry *reg, uv_loop_t *loop, const gpupool__config *c
       snprintf(where, sizeof where, "pinned host memory on NUMA node %d", p->cfg.numa_node);
     else
       snprintf(where, sizeof where, "device memory of GPU %d", p->cfg.device);
-    GP_INFO("pool '%s' ready: %s, capacity %" PRIu64 " MiB, slabs of %" PRIu64 " MiB, keeps %u empty slab(s)",
+    GPUPOOL__INFO("pool '%s' ready: %s, capacity %" PRIu64 " MiB, slabs of %" PRIu64 " MiB, keeps %u empty slab(s)",
             p->cfg.name, where, p->cfg.capacity / MIB, p->cfg.slab_size / MIB, p->cfg.keep_slabs);
   }
   return 0;
 }
 
-void gp_registry_close(gp_registry *reg) {
+void gpupool__registry_close(gpupool__registry *reg) {
   /* Every client is gone: drop names, then finish every pending free regardless of events
    * (the daemon is exiting; the backend's pools go with it). */
   for (size_t i = 0; i < reg->names.cap; i++) {
     if (!gpupool__smap_slot_used(&reg->names, i))
       continue;
-    gp_name *n = reg->names.slots[i].val;
+    gpupool__name *n = reg->names.slots[i].val;
     n->buf->names--;
     buffer_unref(reg, n->buf);
     free(n->name);
@@ -1115,7 +1115,7 @@ void gp_registry_close(gp_registry *reg) {
   }
   gpupool__smap_free(&reg->names);
   while (reg->pending) {
-    gp_buffer *b = reg->pending;
+    gpupool__buffer *b = reg->pending;
     reg->pending = b->pending_next;
     for (uint32_t i = 0; i < b->ndone; i++)
       event_put(reg, b->done[i]);
@@ -1125,9 +1125,9 @@ void gp_registry_close(gp_registry *reg) {
     finish_free(reg, b);
   }
   for (int i = 0; i < reg->npools; i++) {
-    gp_pool *p = &reg->pools[i];
+    gpupool__pool *p = &reg->pools[i];
     while (p->slabs) {
-      gp_slab *s = p->slabs;
+      gpupool__slab *s = p->slabs;
       s->nmappers = 0;
       slab_destroy(reg, s);
     }

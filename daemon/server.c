@@ -37,27 +37,27 @@ typedef struct tx_frame {
   int nfds;
 } tx_frame;
 
-typedef struct gp_conn gp_conn;
+typedef struct gpupool__conn gpupool__conn;
 
 enum { WAIT_ALLOC = 1, WAIT_GET = 2 };
 
-typedef struct gp_waiter {
-  gp_conn *conn;
+typedef struct gpupool__waiter {
+  gpupool__conn *conn;
   uint64_t seq;
   int kind;
-  gp_pool *pool;
+  gpupool__pool *pool;
   uint64_t size, align;
   char *name;
   int read_only;
   uint64_t started_ns;
   uv_timer_t timer;
   int removed;
-  struct gp_waiter *prev, *next;
-} gp_waiter;
+  struct gpupool__waiter *prev, *next;
+} gpupool__waiter;
 
-struct gp_conn {
-  gp_client cl;
-  gp_server *srv;
+struct gpupool__conn {
+  gpupool__client cl;
+  gpupool__server *srv;
   int fd;
   uv_poll_t poll;
   int poll_events;
@@ -70,20 +70,20 @@ struct gp_conn {
   int hello_done;
   int closing;
   int drop_after_flush;
-  gp_conn *prev, *next;
+  gpupool__conn *prev, *next;
 };
 
-struct gp_server {
+struct gpupool__server {
   uv_loop_t *loop;
   const gpupool__config *cfg;
-  gp_registry *reg;
+  gpupool__registry *reg;
   int listen_fd;
   int own_socket;
   uv_poll_t listen_poll;
   int listen_open;
-  gp_conn *conns;
+  gpupool__conn *conns;
   uint64_t nconns;
-  gp_waiter *waiters;
+  gpupool__waiter *waiters;
   uint64_t requests, errors;
   uint64_t started_ns;
   int stopping;
@@ -91,12 +91,12 @@ struct gp_server {
   uint64_t last_activity_ns;
 };
 
-static void conn_close(gp_conn *c, const char *why);
-static void conn_update_poll(gp_conn *c);
-static void retry_waiters(gp_registry *reg, gp_pool *pool);
+static void conn_close(gpupool__conn *c, const char *why);
+static void conn_update_poll(gpupool__conn *c);
+static void retry_waiters(gpupool__registry *reg, gpupool__pool *pool);
 
-uint64_t gp_server_clients(const gp_server *s) { return s->nconns; }
-uint64_t gp_server_last_activity(const gp_server *s) { return s->last_activity_ns; }
+uint64_t gpupool__server_clients(const gpupool__server *s) { return s->nconns; }
+uint64_t gpupool__server_last_activity(const gpupool__server *s) { return s->last_activity_ns; }
 
 static uint64_t count_open_fds(void) {
   DIR *d = opendir("/proc/self/fd");
@@ -122,7 +122,7 @@ static void tx_free(tx_frame *f) {
 }
 
 /* Queue or send a packed frame; takes buf. fds are duplicated (the originals stay the caller's). */
-static void conn_send(gp_conn *c, uint8_t *buf, size_t len, const int *fds, int nfds) {
+static void conn_send(gpupool__conn *c, uint8_t *buf, size_t len, const int *fds, int nfds) {
   tx_frame *f;
   size_t off = 0;
 
@@ -175,7 +175,7 @@ static void conn_send(gp_conn *c, uint8_t *buf, size_t len, const int *fds, int 
   conn_update_poll(c);
 }
 
-static void conn_flush(gp_conn *c) {
+static void conn_flush(gpupool__conn *c) {
   while (c->txq) {
     tx_frame *f = c->txq;
     size_t before = f->off;
@@ -199,7 +199,7 @@ static void conn_flush(gp_conn *c) {
   conn_update_poll(c);
 }
 
-static void send_reply(gp_conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds) {
+static void send_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds) {
   uint8_t *buf;
   size_t len;
   rep->seq = seq;
@@ -214,7 +214,7 @@ static void send_reply(gp_conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, cons
   conn_send(c, buf, len, fds, nfds);
 }
 
-static void send_error(gp_conn *c, uint64_t seq, int code, const char *msg) {
+static void send_error(gpupool__conn *c, uint64_t seq, int code, const char *msg) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__Error err = GPUPOOL__WIRE__ERROR__INIT;
   err.code = code;
@@ -227,15 +227,15 @@ static void send_error(gp_conn *c, uint64_t seq, int code, const char *msg) {
 /* ---- waiting requests ----------------------------------------------------------------------- */
 
 static void waiter_closed(uv_handle_t *h) {
-  gp_waiter *w = h->data;
+  gpupool__waiter *w = h->data;
   free(w->name);
   free(w);
 }
 
 /* Unlinks w; its memory stays valid until the timer's close callback, so a loop over the
  * waiters that triggered this (through a nested disconnect) can still step past it. */
-static void waiter_remove(gp_waiter *w) {
-  gp_server *s = w->conn->srv;
+static void waiter_remove(gpupool__waiter *w) {
+  gpupool__server *s = w->conn->srv;
   if (w->removed)
     return;
   w->removed = 1;
@@ -249,38 +249,38 @@ static void waiter_remove(gp_waiter *w) {
   uv_close((uv_handle_t *)&w->timer, waiter_closed);
 }
 
-static void reply_hold(gp_conn *c, uint64_t seq, int kind, gp_hold *h, const char *name);
+static void reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *h, const char *name);
 
 static void waiter_timeout(uv_timer_t *t) {
-  gp_waiter *w = t->data;
-  gp_conn *c = w->conn;
+  gpupool__waiter *w = t->data;
+  gpupool__conn *c = w->conn;
   char msg[GPUPOOL__ERRMSG_MAX];
   if (w->kind == WAIT_ALLOC) {
-    gp_hold *h = NULL;
+    gpupool__hold *h = NULL;
     /* One last try, so the error says exactly how much is free now. */
-    int rc = gp_allocate(c->srv->reg, &c->cl, w->pool, w->size, w->align, &h);
+    int rc = gpupool__allocate(c->srv->reg, &c->cl, w->pool, w->size, w->align, &h);
     if (rc == 0) {
       reply_hold(c, w->seq, WAIT_ALLOC, h, NULL);
     } else {
       snprintf(msg, sizeof msg, "timed out after %" PRIu64 " ms waiting for memory: %s",
-               (gp_now_ns() - w->started_ns) / 1000000, gpupool__errmsg());
+               (gpupool__now_ns() - w->started_ns) / 1000000, gpupool__errmsg());
       send_error(c, w->seq, rc == GPUPOOL_ENOSPC ? GPUPOOL_ETIMEDOUT : rc, msg);
     }
     gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, rc == 0 ? 0 : GPUPOOL_ETIMEDOUT,
-                             gp_now_ns() - w->started_ns);
+                             gpupool__now_ns() - w->started_ns);
   } else {
     snprintf(msg, sizeof msg, "timed out after %" PRIu64 " ms waiting for a producer to publish '%s'",
-             (gp_now_ns() - w->started_ns) / 1000000, w->name);
+             (gpupool__now_ns() - w->started_ns) / 1000000, w->name);
     send_error(c, w->seq, GPUPOOL_ETIMEDOUT, msg);
-    gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_GET, GPUPOOL_ETIMEDOUT, gp_now_ns() - w->started_ns);
+    gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_GET, GPUPOOL_ETIMEDOUT, gpupool__now_ns() - w->started_ns);
   }
   waiter_remove(w);
 }
 
-static int waiter_add(gp_conn *c, uint64_t seq, int kind, uint32_t timeout_ms, gp_pool *pool,
+static int waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout_ms, gpupool__pool *pool,
                       uint64_t size, uint64_t align, const char *name, int read_only) {
-  gp_server *s = c->srv;
-  gp_waiter *w = calloc(1, sizeof *w), **tail;
+  gpupool__server *s = c->srv;
+  gpupool__waiter *w = calloc(1, sizeof *w), **tail;
   if (!w || (name && !(w->name = strdup(name)))) {
     free(w);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
@@ -292,7 +292,7 @@ static int waiter_add(gp_conn *c, uint64_t seq, int kind, uint32_t timeout_ms, g
   w->size = size;
   w->align = align;
   w->read_only = read_only;
-  w->started_ns = gp_now_ns();
+  w->started_ns = gpupool__now_ns();
   uv_timer_init(s->loop, &w->timer);
   w->timer.data = w;
   if (timeout_ms != WAIT_FOREVER)
@@ -304,29 +304,29 @@ static int waiter_add(gp_conn *c, uint64_t seq, int kind, uint32_t timeout_ms, g
   return 0;
 }
 
-static void retry_waiters(gp_registry *reg, gp_pool *pool) {
-  gp_server *s = reg->owner;
+static void retry_waiters(gpupool__registry *reg, gpupool__pool *pool) {
+  gpupool__server *s = reg->owner;
   (void)pool;
   if (!s || s->in_retry)
     return; /* the running pass picks up what a nested free returned */
   s->in_retry = 1;
   while (reg->memory_returned) {
-    gp_waiter *w, *next;
+    gpupool__waiter *w, *next;
     reg->memory_returned = 0;
     for (w = s->waiters; w; w = next) {
-      gp_hold *h;
+      gpupool__hold *h;
       int rc;
       next = w->next;
       if (w->removed || w->kind != WAIT_ALLOC || w->conn->closing)
         continue;
-      rc = gp_allocate(reg, &w->conn->cl, w->pool, w->size, w->align, &h);
+      rc = gpupool__allocate(reg, &w->conn->cl, w->pool, w->size, w->align, &h);
       if (rc == GPUPOOL_ENOSPC)
         continue;
       if (rc == 0)
         reply_hold(w->conn, w->seq, WAIT_ALLOC, h, NULL);
       else
         send_error(w->conn, w->seq, rc, gpupool__errmsg());
-      gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, rc, gp_now_ns() - w->started_ns);
+      gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, rc, gpupool__now_ns() - w->started_ns);
       next = w->next;
       waiter_remove(w);
     }
@@ -334,36 +334,36 @@ static void retry_waiters(gp_registry *reg, gp_pool *pool) {
   s->in_retry = 0;
 }
 
-static void wake_getters(gp_server *s, const char *name) {
-  gp_waiter *w, *next;
+static void wake_getters(gpupool__server *s, const char *name) {
+  gpupool__waiter *w, *next;
   for (w = s->waiters; w; w = next) {
-    gp_hold *h = NULL;
+    gpupool__hold *h = NULL;
     int rc;
     next = w->next;
     if (w->removed || w->kind != WAIT_GET || w->conn->closing || strcmp(w->name, name) != 0)
       continue;
-    rc = gp_get(s->reg, &w->conn->cl, name, w->read_only, &h);
+    rc = gpupool__get(s->reg, &w->conn->cl, name, w->read_only, &h);
     if (rc == GPUPOOL_ENOENT)
       continue; /* published, but not visible to this client */
     if (rc == 0)
       reply_hold(w->conn, w->seq, WAIT_GET, h, name);
     else
       send_error(w->conn, w->seq, rc, gpupool__errmsg());
-    gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_GET, rc, gp_now_ns() - w->started_ns);
+    gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_GET, rc, gpupool__now_ns() - w->started_ns);
     waiter_remove(w);
   }
 }
 
 /* ---- replies carrying a buffer -------------------------------------------------------------- */
 
-static void reply_hold(gp_conn *c, uint64_t seq, int kind, gp_hold *h, const char *name) {
+static void reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *h, const char *name) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AllocateReply ar = GPUPOOL__WIRE__ALLOCATE_REPLY__INIT;
   Gpupool__Wire__GetReply gr = GPUPOOL__WIRE__GET_REPLY__INIT;
   Gpupool__Wire__OpenReply orp = GPUPOOL__WIRE__OPEN_REPLY__INIT;
-  gp_desc_storage ds;
+  gpupool__desc_storage ds;
 
-  gp_fill_desc(c->srv->reg, &c->cl, h, name, &ds);
+  gpupool__fill_desc(c->srv->reg, &c->cl, h, name, &ds);
   switch (kind) {
   case WAIT_ALLOC:
     ar.buffer = &ds.desc;
@@ -394,9 +394,9 @@ void gpupool__stats_free(Gpupool__Wire__StatsReply *st) {
   st->n_pools = 0;
 }
 
-int gp_server_stats(void *server, Gpupool__Wire__StatsReply *st) {
-  gp_server *s = server;
-  gp_registry *reg = s->reg;
+int gpupool__server_stats(void *server, Gpupool__Wire__StatsReply *st) {
+  gpupool__server *s = server;
+  gpupool__registry *reg = s->reg;
   gpupool__wire__stats_reply__init(st);
   st->pools = calloc((size_t)reg->npools, sizeof *st->pools);
   if (!st->pools && reg->npools)
@@ -408,13 +408,13 @@ int gp_server_stats(void *server, Gpupool__Wire__StatsReply *st) {
       return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
     }
     st->n_pools++;
-    gp_fill_pool_info(reg, &reg->pools[i], st->pools[i]);
+    gpupool__fill_pool_info(reg, &reg->pools[i], st->pools[i]);
   }
   st->clients = s->nconns;
   st->buffers = reg->buffers.len;
   st->holds = reg->holds.len;
   st->names = reg->nnames;
-  st->uptime_s = (gp_now_ns() - s->started_ns) / 1000000000ull;
+  st->uptime_s = (gpupool__now_ns() - s->started_ns) / 1000000000ull;
   st->daemon_version = (char *)GPUPOOL_VERSION_STRING;
   st->backend = reg->be->ops->kind;
   st->requests = s->requests;
@@ -426,17 +426,17 @@ int gp_server_stats(void *server, Gpupool__Wire__StatsReply *st) {
 
 /* ---- request handlers ----------------------------------------------------------------------- */
 
-static int is_admin(const gp_conn *c) { return c->cl.uid == 0 || c->cl.uid == geteuid(); }
+static int is_admin(const gpupool__conn *c) { return c->cl.uid == 0 || c->cl.uid == geteuid(); }
 
-static int admin_denied(gp_conn *c) {
+static int admin_denied(gpupool__conn *c) {
   return gpupool__err(GPUPOOL_EPERM,
                       "this request is for operators: it needs root or the daemon's own uid (%u); "
                       "you are uid %u",
                       (unsigned)geteuid(), (unsigned)c->cl.uid);
 }
 
-static int handle_hello(gp_conn *c, uint64_t seq, const Gpupool__Wire__Hello *m) {
-  gp_server *s = c->srv;
+static int handle_hello(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Hello *m) {
+  gpupool__server *s = c->srv;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__HelloReply hr = GPUPOOL__WIRE__HELLO_REPLY__INIT;
   Gpupool__Wire__PoolInfo *pis, **pptr;
@@ -456,7 +456,7 @@ static int handle_hello(gp_conn *c, uint64_t seq, const Gpupool__Wire__Hello *m)
   for (char *p = c->cl.name; *p; p++)
     if ((unsigned char)*p < 0x20)
       *p = '?';
-  GP_INFO("client %" PRIu64 " connected: pid %d uid %u gid %u name '%s'", c->cl.id, (int)c->cl.pid,
+  GPUPOOL__INFO("client %" PRIu64 " connected: pid %d uid %u gid %u name '%s'", c->cl.id, (int)c->cl.pid,
           (unsigned)c->cl.uid, (unsigned)c->cl.gid, c->cl.name);
   pis = calloc((size_t)s->reg->npools, sizeof *pis);
   pptr = calloc((size_t)s->reg->npools, sizeof *pptr);
@@ -466,7 +466,7 @@ static int handle_hello(gp_conn *c, uint64_t seq, const Gpupool__Wire__Hello *m)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   }
   for (int i = 0; i < s->reg->npools; i++) {
-    gp_fill_pool_info(s->reg, &s->reg->pools[i], &pis[i]);
+    gpupool__fill_pool_info(s->reg, &s->reg->pools[i], &pis[i]);
     pptr[i] = &pis[i];
   }
   hr.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
@@ -484,14 +484,14 @@ static int handle_hello(gp_conn *c, uint64_t seq, const Gpupool__Wire__Hello *m)
   return 0;
 }
 
-static int handle_attach(gp_conn *c, uint64_t seq, const Gpupool__Wire__AttachPool *m) {
+static int handle_attach(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__AttachPool *m) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AttachPoolReply ar = GPUPOOL__WIRE__ATTACH_POOL_REPLY__INIT;
   Gpupool__Wire__PoolInfo pi;
-  gp_pool *p = gp_pool_find(c->srv->reg, NULL, m->pool_id);
+  gpupool__pool *p = gpupool__pool_find(c->srv->reg, NULL, m->pool_id);
   if (!p || m->pool_id == 0)
     return gpupool__err(GPUPOOL_ENOENT, "no pool with id %u", m->pool_id);
-  gp_fill_pool_info(c->srv->reg, p, &pi);
+  gpupool__fill_pool_info(c->srv->reg, p, &pi);
   ar.pool = &pi;
   rep.body_case = GPUPOOL__WIRE__REPLY__BODY_ATTACH_POOL;
   rep.attach_pool = &ar;
@@ -499,17 +499,17 @@ static int handle_attach(gp_conn *c, uint64_t seq, const Gpupool__Wire__AttachPo
   return 0;
 }
 
-static int handle_allocate(gp_conn *c, uint64_t seq, const Gpupool__Wire__Allocate *m, int *deferred) {
-  gp_registry *reg = c->srv->reg;
-  gp_pool *p = gp_pool_find(reg, m->pool_name, m->pool_id);
-  gp_hold *h = NULL;
+static int handle_allocate(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Allocate *m, int *deferred) {
+  gpupool__registry *reg = c->srv->reg;
+  gpupool__pool *p = gpupool__pool_find(reg, m->pool_name, m->pool_id);
+  gpupool__hold *h = NULL;
   int rc;
   if (!p) {
     if (m->pool_name && *m->pool_name)
       return gpupool__err(GPUPOOL_ENOENT, "no pool named '%s' (gpupoolctl status lists the pools)", m->pool_name);
     return gpupool__err(GPUPOOL_ENOENT, "no pool with id %u", m->pool_id);
   }
-  rc = gp_allocate(reg, &c->cl, p, m->size, m->alignment, &h);
+  rc = gpupool__allocate(reg, &c->cl, p, m->size, m->alignment, &h);
   if (rc == GPUPOOL_ENOSPC && m->timeout_ms > 0) {
     if ((rc = waiter_add(c, seq, WAIT_ALLOC, m->timeout_ms, p, m->size, m->alignment, NULL, 0)) != 0)
       return rc;
@@ -522,10 +522,10 @@ static int handle_allocate(gp_conn *c, uint64_t seq, const Gpupool__Wire__Alloca
   return 0;
 }
 
-static int handle_release(gp_conn *c, uint64_t seq, const Gpupool__Wire__Release *m) {
+static int handle_release(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Release *m) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__ReleaseReply rr = GPUPOOL__WIRE__RELEASE_REPLY__INIT;
-  int freed = 0, rc = gp_release(c->srv->reg, &c->cl, m->hold_id, m->done_recorded, &freed);
+  int freed = 0, rc = gpupool__release(c->srv->reg, &c->cl, m->hold_id, m->done_recorded, &freed);
   if (rc != 0)
     return rc;
   rr.freed = freed;
@@ -535,11 +535,11 @@ static int handle_release(gp_conn *c, uint64_t seq, const Gpupool__Wire__Release
   return 0;
 }
 
-static int handle_share(gp_conn *c, uint64_t seq, const Gpupool__Wire__Share *m) {
+static int handle_share(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Share *m) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__ShareReply sr = GPUPOOL__WIRE__SHARE_REPLY__INIT;
   uint8_t token[GPUPOOL_TOKEN_SIZE];
-  int rc = gp_share(c->srv->reg, &c->cl, m->hold_id, token);
+  int rc = gpupool__share(c->srv->reg, &c->cl, m->hold_id, token);
   if (rc != 0)
     return rc;
   sr.token.data = token;
@@ -550,19 +550,19 @@ static int handle_share(gp_conn *c, uint64_t seq, const Gpupool__Wire__Share *m)
   return 0;
 }
 
-static int handle_open(gp_conn *c, uint64_t seq, const Gpupool__Wire__Open *m) {
-  gp_hold *h = NULL;
-  int rc = gp_open(c->srv->reg, &c->cl, m->token.data, m->token.len, m->read_only, &h);
+static int handle_open(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Open *m) {
+  gpupool__hold *h = NULL;
+  int rc = gpupool__open(c->srv->reg, &c->cl, m->token.data, m->token.len, m->read_only, &h);
   if (rc != 0)
     return rc;
   reply_hold(c, seq, 0, h, NULL);
   return 0;
 }
 
-static int handle_publish(gp_conn *c, uint64_t seq, const Gpupool__Wire__Publish *m) {
+static int handle_publish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Publish *m) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__PublishReply pr = GPUPOOL__WIRE__PUBLISH_REPLY__INIT;
-  int rc = gp_publish(c->srv->reg, &c->cl, m->hold_id, m->name, m->tensor, m->share_gid, m->share_all);
+  int rc = gpupool__publish(c->srv->reg, &c->cl, m->hold_id, m->name, m->tensor, m->share_gid, m->share_all);
   if (rc != 0)
     return rc;
   /* Consumers blocked on the name first: they are the handoff's critical path. */
@@ -570,13 +570,13 @@ static int handle_publish(gp_conn *c, uint64_t seq, const Gpupool__Wire__Publish
   rep.body_case = GPUPOOL__WIRE__REPLY__BODY_PUBLISH;
   rep.publish = &pr;
   send_reply(c, seq, &rep, NULL, 0);
-  GP_DEBUG("client %" PRIu64 " published '%s'", c->cl.id, m->name);
+  GPUPOOL__DEBUG("client %" PRIu64 " published '%s'", c->cl.id, m->name);
   return 0;
 }
 
-static int handle_get(gp_conn *c, uint64_t seq, const Gpupool__Wire__Get *m, int *deferred) {
-  gp_hold *h = NULL;
-  int rc = gp_get(c->srv->reg, &c->cl, m->name, m->read_only, &h);
+static int handle_get(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Get *m, int *deferred) {
+  gpupool__hold *h = NULL;
+  int rc = gpupool__get(c->srv->reg, &c->cl, m->name, m->read_only, &h);
   if (rc == GPUPOOL_ENOENT && m->timeout_ms > 0) {
     if ((rc = waiter_add(c, seq, WAIT_GET, m->timeout_ms, NULL, 0, 0, m->name, m->read_only)) != 0)
       return rc;
@@ -589,10 +589,10 @@ static int handle_get(gp_conn *c, uint64_t seq, const Gpupool__Wire__Get *m, int
   return 0;
 }
 
-static int handle_unpublish(gp_conn *c, uint64_t seq, const Gpupool__Wire__Unpublish *m) {
+static int handle_unpublish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Unpublish *m) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__UnpublishReply ur = GPUPOOL__WIRE__UNPUBLISH_REPLY__INIT;
-  int rc = gp_unpublish(c->srv->reg, &c->cl, m->name);
+  int rc = gpupool__unpublish(c->srv->reg, &c->cl, m->name);
   if (rc != 0)
     return rc;
   rep.body_case = GPUPOOL__WIRE__REPLY__BODY_UNPUBLISH;
@@ -601,10 +601,10 @@ static int handle_unpublish(gp_conn *c, uint64_t seq, const Gpupool__Wire__Unpub
   return 0;
 }
 
-static int handle_stats(gp_conn *c, uint64_t seq) {
+static int handle_stats(gpupool__conn *c, uint64_t seq) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__StatsReply st;
-  int rc = gp_server_stats(c->srv, &st);
+  int rc = gpupool__server_stats(c->srv, &st);
   if (rc != 0)
     return rc;
   rep.body_case = GPUPOOL__WIRE__REPLY__BODY_STATS;
@@ -614,12 +614,12 @@ static int handle_stats(gp_conn *c, uint64_t seq) {
   return 0;
 }
 
-static int handle_admin_clients(gp_conn *c, uint64_t seq) {
-  gp_server *s = c->srv;
+static int handle_admin_clients(gpupool__conn *c, uint64_t seq) {
+  gpupool__server *s = c->srv;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AdminClientsReply ar = GPUPOOL__WIRE__ADMIN_CLIENTS_REPLY__INIT;
   Gpupool__Wire__ClientInfo *infos, **ptrs;
-  uint64_t now = gp_now_ns();
+  uint64_t now = gpupool__now_ns();
   size_t n = 0;
   if (!is_admin(c))
     return admin_denied(c);
@@ -630,7 +630,7 @@ static int handle_admin_clients(gp_conn *c, uint64_t seq) {
     free(ptrs);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   }
-  for (gp_conn *o = s->conns; o && n < s->nconns + 1; o = o->next) {
+  for (gpupool__conn *o = s->conns; o && n < s->nconns + 1; o = o->next) {
     if (o->closing)
       continue;
     gpupool__wire__client_info__init(&infos[n]);
@@ -640,7 +640,7 @@ static int handle_admin_clients(gp_conn *c, uint64_t seq) {
     infos[n].gid = o->cl.gid;
     infos[n].name = o->cl.name;
     infos[n].holds = o->cl.nholds;
-    for (gp_hold *h = o->cl.holds; h; h = h->next)
+    for (gpupool__hold *h = o->cl.holds; h; h = h->next)
       infos[n].bytes += h->buf->size;
     infos[n].age_s = (now - o->cl.connected_ns) / 1000000000ull;
     ptrs[n] = &infos[n];
@@ -656,12 +656,12 @@ static int handle_admin_clients(gp_conn *c, uint64_t seq) {
   return 0;
 }
 
-static int handle_admin_buffers(gp_conn *c, uint64_t seq) {
-  gp_registry *reg = c->srv->reg;
+static int handle_admin_buffers(gpupool__conn *c, uint64_t seq) {
+  gpupool__registry *reg = c->srv->reg;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AdminBuffersReply ar = GPUPOOL__WIRE__ADMIN_BUFFERS_REPLY__INIT;
   Gpupool__Wire__BufferInfo *infos, **ptrs;
-  uint64_t now = gp_now_ns();
+  uint64_t now = gpupool__now_ns();
   size_t n = 0;
   if (!is_admin(c))
     return admin_denied(c);
@@ -673,7 +673,7 @@ static int handle_admin_buffers(gp_conn *c, uint64_t seq) {
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   }
   for (size_t i = 0; i < reg->buffers.cap; i++) {
-    gp_buffer *b;
+    gpupool__buffer *b;
     if (!gpupool__hmap_slot_used(&reg->buffers, i))
       continue;
     b = reg->buffers.slots[i].val;
@@ -690,7 +690,7 @@ static int handle_admin_buffers(gp_conn *c, uint64_t seq) {
   }
   /* Names: one lookup pass over the name table. */
   for (size_t i = 0; i < reg->names.cap; i++) {
-    gp_name *nm;
+    gpupool__name *nm;
     if (!gpupool__smap_slot_used(&reg->names, i))
       continue;
     nm = reg->names.slots[i].val;
@@ -708,10 +708,10 @@ static int handle_admin_buffers(gp_conn *c, uint64_t seq) {
   return 0;
 }
 
-static int handle_admin_drop(gp_conn *c, uint64_t seq, const Gpupool__Wire__AdminDropClient *m) {
+static int handle_admin_drop(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__AdminDropClient *m) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AdminDropClientReply ar = GPUPOOL__WIRE__ADMIN_DROP_CLIENT_REPLY__INIT;
-  gp_conn *o, *next;
+  gpupool__conn *o, *next;
   if (!is_admin(c))
     return admin_denied(c);
   if (m->pid <= 0)
@@ -719,7 +719,7 @@ static int handle_admin_drop(gp_conn *c, uint64_t seq, const Gpupool__Wire__Admi
   for (o = c->srv->conns; o; o = next) {
     next = o->next;
     if (o != c && !o->closing && o->cl.pid == m->pid) {
-      GP_INFO("operator (uid %u) dropped client %" PRIu64 " (pid %d)", (unsigned)c->cl.uid, o->cl.id, m->pid);
+      GPUPOOL__INFO("operator (uid %u) dropped client %" PRIu64 " (pid %d)", (unsigned)c->cl.uid, o->cl.id, m->pid);
       conn_close(o, "dropped by an operator");
       ar.dropped++;
     }
@@ -732,10 +732,10 @@ static int handle_admin_drop(gp_conn *c, uint64_t seq, const Gpupool__Wire__Admi
   return 0;
 }
 
-static int handle_trim(gp_conn *c, uint64_t seq) {
+static int handle_trim(gpupool__conn *c, uint64_t seq) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__TrimReply tr = GPUPOOL__WIRE__TRIM_REPLY__INIT;
-  gp_trim(c->srv->reg, &tr.slabs_freed, &tr.slabs_revoked);
+  gpupool__trim(c->srv->reg, &tr.slabs_freed, &tr.slabs_revoked);
   rep.body_case = GPUPOOL__WIRE__REPLY__BODY_TRIM;
   rep.trim = &tr;
   send_reply(c, seq, &rep, NULL, 0);
@@ -744,13 +744,13 @@ static int handle_trim(gp_conn *c, uint64_t seq) {
 
 /* The one dispatch point. Returns 0 when a reply was sent or deferred, else an error code
  * for the caller to send. */
-static int dispatch(gp_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+static int dispatch(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   if (!c->hello_done && req->body_case != GPUPOOL__WIRE__REQUEST__BODY_HELLO) {
     c->drop_after_flush = 1;
     return gpupool__err(GPUPOOL_EPROTO, "the first request on a connection must be Hello");
   }
   if (req->n_unmapped_slabs)
-    gp_unmapped(c->srv->reg, &c->cl, req->unmapped_slabs, req->n_unmapped_slabs);
+    gpupool__unmapped(c->srv->reg, &c->cl, req->unmapped_slabs, req->n_unmapped_slabs);
   switch (req->body_case) {
   case GPUPOOL__WIRE__REQUEST__BODY_HELLO:
     return handle_hello(c, req->seq, req->hello);
@@ -787,10 +787,10 @@ static int dispatch(gp_conn *c, const Gpupool__Wire__Request *req, int *deferred
   }
 }
 
-static void handle_frame(gp_conn *c, const uint8_t *payload, uint32_t len) {
-  gp_server *s = c->srv;
+static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len) {
+  gpupool__server *s = c->srv;
   Gpupool__Wire__Request *req;
-  uint64_t t0 = gp_now_ns();
+  uint64_t t0 = gpupool__now_ns();
   int rc, deferred = 0, body = 0;
 
   s->requests++;
@@ -802,26 +802,26 @@ static void handle_frame(gp_conn *c, const uint8_t *payload, uint32_t len) {
   }
   req = gpupool__wire__request__unpack(NULL, len, payload);
   if (!req) {
-    GP_WARN("client %" PRIu64 " (pid %d) sent a malformed frame; dropping it", c->cl.id, (int)c->cl.pid);
+    GPUPOOL__WARN("client %" PRIu64 " (pid %d) sent a malformed frame; dropping it", c->cl.id, (int)c->cl.pid);
     c->drop_after_flush = 1;
     send_error(c, 0, GPUPOOL_EPROTO, "malformed request frame (not a valid gpupool Request); closing the connection");
-    gpupool__metrics_request(0, GPUPOOL_EPROTO, gp_now_ns() - t0);
+    gpupool__metrics_request(0, GPUPOOL_EPROTO, gpupool__now_ns() - t0);
     return;
   }
   body = (int)req->body_case;
   gpupool__err_clear();
   rc = dispatch(c, req, &deferred);
   if (rc != 0) {
-    GP_DEBUG("client %" PRIu64 ": request %d refused: %s", c->cl.id, body, gpupool__errmsg());
+    GPUPOOL__DEBUG("client %" PRIu64 ": request %d refused: %s", c->cl.id, body, gpupool__errmsg());
     if (rc != GPUPOOL_ENOSPC && rc != GPUPOOL_ENOENT && rc != GPUPOOL_ETIMEDOUT)
-      GP_INFO("client %" PRIu64 " (pid %d): refused %s: %s", c->cl.id, (int)c->cl.pid, gpupool_err_name(rc),
+      GPUPOOL__INFO("client %" PRIu64 " (pid %d): refused %s: %s", c->cl.id, (int)c->cl.pid, gpupool_err_name(rc),
               gpupool__errmsg());
     send_error(c, req->seq, rc, gpupool__errmsg());
   }
   if (!deferred)
-    gpupool__metrics_request(body, rc, gp_now_ns() - t0);
-  if (gp_now_ns() - t0 > 50000)
-    GP_DEBUG("slow request %d from client %" PRIu64 ": %" PRIu64 " us", body, c->cl.id, (gp_now_ns() - t0) / 1000);
+    gpupool__metrics_request(body, rc, gpupool__now_ns() - t0);
+  if (gpupool__now_ns() - t0 > 50000)
+    GPUPOOL__DEBUG("slow request %d from client %" PRIu64 ": %" PRIu64 " us", body, c->cl.id, (gpupool__now_ns() - t0) / 1000);
   gpupool__wire__request__free_unpacked(req, NULL);
   if (s->reg->memory_returned)
     retry_waiters(s->reg, NULL);
@@ -830,7 +830,7 @@ static void handle_frame(gp_conn *c, const uint8_t *payload, uint32_t len) {
 /* ---- connection lifetime -------------------------------------------------------------------- */
 
 static void conn_handle_closed(uv_handle_t *h) {
-  gp_conn *c = h->data;
+  gpupool__conn *c = h->data;
   if (--c->handles_open > 0)
     return;
   while (c->txq) {
@@ -843,20 +843,20 @@ static void conn_handle_closed(uv_handle_t *h) {
   free(c);
 }
 
-static void conn_close(gp_conn *c, const char *why) {
-  gp_server *s = c->srv;
-  gp_waiter *w, *next;
+static void conn_close(gpupool__conn *c, const char *why) {
+  gpupool__server *s = c->srv;
+  gpupool__waiter *w, *next;
   if (c->closing)
     return;
   c->closing = 1;
-  GP_INFO("client %" PRIu64 " disconnected (pid %d uid %u '%s'): %s; had %" PRIu64 " hold(s)", c->cl.id,
+  GPUPOOL__INFO("client %" PRIu64 " disconnected (pid %d uid %u '%s'): %s; had %" PRIu64 " hold(s)", c->cl.id,
           (int)c->cl.pid, (unsigned)c->cl.uid, c->cl.name, why, c->cl.nholds);
   for (w = s->waiters; w; w = next) {
     next = w->next;
     if (w->conn == c)
       waiter_remove(w);
   }
-  gp_client_drop(s->reg, &c->cl);
+  gpupool__client_drop(s->reg, &c->cl);
   if (c->prev)
     c->prev->next = c->next;
   else
@@ -873,7 +873,7 @@ static void conn_close(gp_conn *c, const char *why) {
 
 static void conn_io(uv_poll_t *p, int status, int events);
 
-static void conn_update_poll(gp_conn *c) {
+static void conn_update_poll(gpupool__conn *c) {
   int want = UV_READABLE | (c->txq ? UV_WRITABLE : 0);
   if (c->closing || want == c->poll_events)
     return;
@@ -882,7 +882,7 @@ static void conn_update_poll(gp_conn *c) {
 }
 
 static void conn_io(uv_poll_t *p, int status, int events) {
-  gp_conn *c = p->data;
+  gpupool__conn *c = p->data;
   if (status < 0) {
     conn_close(c, uv_strerror(status));
     return;
@@ -894,13 +894,13 @@ static void conn_io(uv_poll_t *p, int status, int events) {
   }
   if (!(events & UV_READABLE))
     return;
-  c->srv->last_activity_ns = gp_now_ns();
+  c->srv->last_activity_ns = gpupool__now_ns();
   {
     const uint8_t *payload;
     uint32_t len;
     int fds = 0, rc = gpupool__wire_inbuf_fill(&c->in, c->fd, &fds);
     if (fds > 0) {
-      GP_WARN("client %" PRIu64 " (pid %d) sent %d unexpected fd(s); closed them", c->cl.id, (int)c->cl.pid, fds);
+      GPUPOOL__WARN("client %" PRIu64 " (pid %d) sent %d unexpected fd(s); closed them", c->cl.id, (int)c->cl.pid, fds);
       c->fds_pending = 1;
     }
     /* One read takes every waiting frame; level-triggered polling brings us back for more. */
@@ -917,7 +917,7 @@ static void conn_io(uv_poll_t *p, int status, int events) {
     } else {
       char why[GPUPOOL__ERRMSG_MAX + 32];
       snprintf(why, sizeof why, "protocol error: %s", gpupool__errmsg());
-      GP_WARN("client %" PRIu64 " (pid %d): %s", c->cl.id, (int)c->cl.pid, gpupool__errmsg());
+      GPUPOOL__WARN("client %" PRIu64 " (pid %d): %s", c->cl.id, (int)c->cl.pid, gpupool__errmsg());
       if (rc == GPUPOOL_EPROTO && !c->drop_after_flush) {
         /* Tell it why before hanging up (the stream cannot be resynchronised). */
         c->drop_after_flush = 1;
@@ -932,7 +932,7 @@ static void conn_io(uv_poll_t *p, int status, int events) {
 }
 
 static void hs_timeout(uv_timer_t *t) {
-  gp_conn *c = t->data;
+  gpupool__conn *c = t->data;
   char why[96];
   snprintf(why, sizeof why, "no Hello within %u ms", c->srv->cfg->handshake_timeout_ms);
   conn_close(c, why);
@@ -962,34 +962,34 @@ static int id_allowed(const uint32_t *ids, int n, uint32_t id) {
 }
 
 static void on_accept(uv_poll_t *p, int status, int events) {
-  gp_server *s = p->data;
+  gpupool__server *s = p->data;
   (void)events;
   if (status < 0) {
-    GP_ERROR("listening socket error: %s", uv_strerror(status));
+    GPUPOOL__ERROR("listening socket error: %s", uv_strerror(status));
     return;
   }
   for (;;) {
     struct ucred cred;
     socklen_t cl = sizeof cred;
-    gp_conn *c;
+    gpupool__conn *c;
     char msg[256];
     int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EINTR)
         continue;
       if (errno != EAGAIN && errno != EWOULDBLOCK)
-        GP_WARN("accept failed: %s", strerror(errno));
+        GPUPOOL__WARN("accept failed: %s", strerror(errno));
       return;
     }
     if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) != 0) {
-      GP_WARN("cannot read peer credentials: %s", strerror(errno));
+      GPUPOOL__WARN("cannot read peer credentials: %s", strerror(errno));
       close(fd);
       continue;
     }
     if ((s->cfg->n_allow_uids || s->cfg->n_allow_gids) && cred.uid != 0 && cred.uid != geteuid() &&
         !id_allowed((const uint32_t *)s->cfg->allow_uids, s->cfg->n_allow_uids, cred.uid) &&
         !id_allowed((const uint32_t *)s->cfg->allow_gids, s->cfg->n_allow_gids, cred.gid)) {
-      GP_INFO("refused connection from pid %d uid %u gid %u: not in allow_uids/allow_gids", (int)cred.pid,
+      GPUPOOL__INFO("refused connection from pid %d uid %u gid %u: not in allow_uids/allow_gids", (int)cred.pid,
               (unsigned)cred.uid, (unsigned)cred.gid);
       snprintf(msg, sizeof msg,
                "uid %u / gid %u is not allowed by this gpupoold (allow_uids/allow_gids in its config)",
@@ -998,7 +998,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
       continue;
     }
     if (s->cfg->max_clients && s->nconns >= s->cfg->max_clients) {
-      GP_WARN("refused connection from pid %d uid %u: %" PRIu64 " clients connected (max_clients)",
+      GPUPOOL__WARN("refused connection from pid %d uid %u: %" PRIu64 " clients connected (max_clients)",
               (int)cred.pid, (unsigned)cred.uid, s->nconns);
       snprintf(msg, sizeof msg, "gpupoold already serves %" PRIu64 " clients, its limit (max_clients); try later",
                s->nconns);
@@ -1018,7 +1018,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
     c->cl.pidfd = cred.pid > 0 ? (int)syscall(SYS_pidfd_open, cred.pid, 0) : -1;
     snprintf(c->cl.name, sizeof c->cl.name, "-");
     gpupool__wire_inbuf_init(&c->in, s->cfg->max_frame);
-    gp_client_init(s->reg, &c->cl);
+    gpupool__client_init(s->reg, &c->cl);
     uv_poll_init(s->loop, &c->poll, fd);
     c->poll.data = c;
     uv_timer_init(s->loop, &c->hs_timer);
@@ -1031,7 +1031,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
       s->conns->prev = c;
     s->conns = c;
     s->nconns++;
-    GP_DEBUG("accepted pid %d uid %u gid %u as client %" PRIu64, (int)cred.pid, (unsigned)cred.uid,
+    GPUPOOL__DEBUG("accepted pid %d uid %u gid %u as client %" PRIu64, (int)cred.pid, (unsigned)cred.uid,
              (unsigned)cred.gid, c->cl.id);
     conn_update_poll(c);
   }
@@ -1087,13 +1087,13 @@ static int bind_socket(const gpupool__config *cfg, int *out) {
                           "another gpupoold is already listening on %s; stop it first or pass another --socket",
                           cfg->socket_path);
     }
-    GP_INFO("removing stale socket %s", cfg->socket_path);
+    GPUPOOL__INFO("removing stale socket %s", cfg->socket_path);
     unlink(cfg->socket_path);
     if (bind(fd, (struct sockaddr *)&addr, sizeof addr) != 0)
       goto bind_fail;
   }
   if (chmod(cfg->socket_path, cfg->socket_mode) != 0)
-    GP_WARN("cannot chmod %s to %o: %s", cfg->socket_path, (unsigned)cfg->socket_mode, strerror(errno));
+    GPUPOOL__WARN("cannot chmod %s to %o: %s", cfg->socket_path, (unsigned)cfg->socket_mode, strerror(errno));
   if (listen(fd, 128) != 0) {
     rc = gpupool__err(GPUPOOL_EIO, "listen on %s: %s", cfg->socket_path, strerror(errno));
     close(fd);
@@ -1108,16 +1108,16 @@ bind_fail:
   return rc;
 }
 
-int gp_server_start(gp_server **out, uv_loop_t *loop, const gpupool__config *cfg, gp_registry *reg,
+int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool__config *cfg, gpupool__registry *reg,
                     int listen_fd) {
-  gp_server *s = calloc(1, sizeof *s);
+  gpupool__server *s = calloc(1, sizeof *s);
   int rc;
   if (!s)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   s->loop = loop;
   s->cfg = cfg;
   s->reg = reg;
-  s->started_ns = gp_now_ns();
+  s->started_ns = gpupool__now_ns();
   reg->owner = s;
   reg->on_memory = retry_waiters;
   if (listen_fd >= 0) {
@@ -1138,12 +1138,12 @@ int gp_server_start(gp_server **out, uv_loop_t *loop, const gpupool__config *cfg
 }
 
 static void listen_closed(uv_handle_t *h) {
-  gp_server *s = h->data;
+  gpupool__server *s = h->data;
   close(s->listen_fd);
   free(s);
 }
 
-void gp_server_stop(gp_server *s) {
+void gpupool__server_stop(gpupool__server *s) {
   if (s->stopping)
     return;
   s->stopping = 1;

@@ -12,21 +12,21 @@
 #include "config.h"
 #include "registry.h"
 
-typedef struct gp_server gp_server;
+typedef struct gpupool__server gpupool__server;
 
 /* Start serving on listen_fd (already listening, e.g. from systemd) or, when it is -1, on a
  * socket bound at cfg->socket_path (parent directory created; a stale socket file replaced;
  * refused if another daemon answers there). */
-int gp_server_start(gp_server **out, uv_loop_t *loop, const gpupool__config *cfg,
-                    gp_registry *reg, int listen_fd);
+int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool__config *cfg,
+                    gpupool__registry *reg, int listen_fd);
 /* Close the listener and every connection (their holds are dropped). Handles close on the
  * next loop iterations; the server is freed when the last one has closed. */
-void gp_server_stop(gp_server *s);
+void gpupool__server_stop(gpupool__server *s);
 /* Current statistics (the Stats reply's content); free with gpupool__stats_free. */
-int gp_server_stats(void *server, Gpupool__Wire__StatsReply *out);
+int gpupool__server_stats(void *server, Gpupool__Wire__StatsReply *out);
 /* Monotonic ns of the last client input (for busy polling). */
-uint64_t gp_server_last_activity(const gp_server *s);
+uint64_t gpupool__server_last_activity(const gpupool__server *s);
 /* Number of connected clients. */
-uint64_t gp_server_clients(const gp_server *s);
+uint64_t gpupool__server_clients(const gpupool__server *s);
 
 #endif
