@@ -22,7 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cbackend.h"
+#include "backend.h"
 #include "errors.h"
 #include "hmap.h"
 #include "wire.h"
@@ -687,16 +687,21 @@ static int handshake(gpupool_client *c) {
   c->client_id = hr->client_id;
   c->max_frame = hr->max_frame;
   c->backend_kind = hr->backend;
-  if (hr->backend == GPUPOOL__WIRE__BACKEND_KIND__BACKEND_CUDA) {
-    if (!gpupool__cbackend_cuda) {
-      rc = gpupool__err(GPUPOOL_ENOTSUP,
-                        "gpupoold serves CUDA memory but this libgpupool-client was built without CUDA; "
-                        "rebuild it with the CUDA toolkit");
+  {
+    const gpupool__backend_desc *d = gpupool__backend_by_kind(hr->backend);
+    if (!d) {
+      rc = gpupool__err(GPUPOOL_EPROTO, "gpupoold %s runs backend %d, which this library (%s) does "
+                        "not know; upgrade libgpupool-client", hr->daemon_version, hr->backend,
+                        GPUPOOL_VERSION_STRING);
       goto fail;
     }
-    c->be = gpupool__cbackend_cuda;
-  } else {
-    c->be = &gpupool__cbackend_host;
+    if (!d->client) {
+      rc = gpupool__err(GPUPOOL_ENOTSUP,
+                        "gpupoold serves %s but this libgpupool-client was built without it; "
+                        "rebuild it with the CUDA toolkit", d->what);
+      goto fail;
+    }
+    c->be = d->client;
   }
   c->pools = calloc(hr->n_pools ? hr->n_pools : 1, sizeof *c->pools);
   if (!c->pools) {

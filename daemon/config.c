@@ -24,13 +24,11 @@
 #include "errors.h"
 #include "log.h"
 
-#define MIB ((uint64_t)1 << 20)
-
 void gpupool__config_defaults(gpupool__config *c) {
   memset(c, 0, sizeof *c);
   if (gpupool__socket_path(c->socket_path, sizeof c->socket_path, 0) != 0)
     c->socket_path[0] = '\0';
-  c->backend = GPUPOOL_BACKEND_AUTO;
+  c->backend = NULL;
   c->log_level = GPUPOOL_LOG_INFO;
   c->socket_mode = 0660;
   c->max_clients = 1024;
@@ -116,15 +114,12 @@ static int parse_bool(const char *s, int *out) {
   return 0;
 }
 
-static int parse_backend(const char *s, gpupool__backend_choice *out) {
-  if (!strcmp(s, "auto"))
-    *out = GPUPOOL_BACKEND_AUTO;
-  else if (!strcmp(s, "cuda"))
-    *out = GPUPOOL_BACKEND_CUDA;
-  else if (!strcmp(s, "host"))
-    *out = GPUPOOL_BACKEND_HOST;
-  else
-    return gpupool__err(GPUPOOL_EINVAL, "unknown backend '%s' (use auto, cuda or host)", s);
+int gpupool__config_set_backend(gpupool__config *c, const char *name) {
+  const gpupool__backend_desc *d = NULL;
+  if (strcmp(name, "auto") && !(d = gpupool__backend_by_name(name)))
+    return gpupool__err(GPUPOOL_EINVAL, "unknown backend '%s' (use auto, %s)", name,
+                        gpupool__backend_names());
+  c->backend = d;
   return 0;
 }
 
@@ -150,18 +145,6 @@ static int copy_str(char *dst, size_t len, const char *s) {
     return gpupool__err(GPUPOOL_EINVAL, "'%s' is longer than %zu bytes", s, len - 1);
   strcpy(dst, s);
   return 0;
-}
-
-static void pool_defaults(gpupool__pool_config *p) {
-  memset(p, 0, sizeof *p);
-  p->kind = 0; /* decided by gpupool__config_finish from the backend */
-  p->device = -1;
-  p->numa_node = -1;
-  p->release_threshold = -1;
-  p->reuse_follow_event_deps = -1;
-  p->reuse_allow_opportunistic = -1;
-  p->reuse_allow_internal_deps = -1;
-  p->keep_slabs = 1;
 }
 
 static int set_pool_key(gpupool__pool_config *p, const char *k, const char *v) {
@@ -214,7 +197,7 @@ static int set_daemon_key(gpupool__config *c, const char *k, const char *v) {
   if (!strcmp(k, "socket"))
     return copy_str(c->socket_path, sizeof c->socket_path, v);
   if (!strcmp(k, "backend"))
-    return parse_backend(v, &c->backend);
+    return gpupool__config_set_backend(c, v);
   if (!strcmp(k, "log_level"))
     return gpupool__log_parse_level(v, &c->log_level);
   if (!strcmp(k, "socket_mode")) {
@@ -273,7 +256,7 @@ static gpupool__pool_config *find_or_add_pool(gpupool__config *c, const char *na
       return &c->pools[i];
   if (c->n_pools >= GPUPOOL_MAX_POOLS)
     return NULL;
-  pool_defaults(&c->pools[c->n_pools]);
+  gpupool__pool_config_init(&c->pools[c->n_pools]);
   snprintf(c->pools[c->n_pools].name, sizeof c->pools[0].name, "%s", name);
   return &c->pools[c->n_pools++];
 }
@@ -374,7 +357,7 @@ int gpupool__config_add_pool_spec(gpupool__config *c, const char *spec) {
   if (c->n_pools >= GPUPOOL_MAX_POOLS)
     return gpupool__err(GPUPOOL_ECONFIG, "more than %d pools", GPUPOOL_MAX_POOLS);
   strcpy(buf, spec);
-  pool_defaults(&p);
+  gpupool__pool_config_init(&p);
   for (tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
     char *eq = strchr(tok, '=');
     if (!eq)
@@ -396,58 +379,12 @@ int gpupool__config_add_pool_spec(gpupool__config *c, const char *spec) {
   return 0;
 }
 
-int gpupool__config_finish(gpupool__config *c, int backend_is_cuda) {
-  if (c->n_pools == 0) {
-    if (backend_is_cuda) {
-      int rc = gpupool__backend_cuda_default_pools(c);
-      if (rc != 0)
-        return rc;
-    } else {
-      pool_defaults(&c->pools[0]);
-      strcpy(c->pools[0].name, "default");
-      c->pools[0].kind = GPUPOOL_MEM_HOST;
-      c->pools[0].capacity = 1ull << 30;
-      c->n_pools = 1;
-    }
-  }
-  for (int i = 0; i < c->n_pools; i++) {
-    gpupool__pool_config *p = &c->pools[i];
-    if (p->kind == 0)
-      p->kind = backend_is_cuda ? GPUPOOL_MEM_DEVICE : GPUPOOL_MEM_HOST;
-    if (!backend_is_cuda && p->kind != GPUPOOL_MEM_HOST)
-      return gpupool__err(GPUPOOL_ECONFIG,
-                          "pool '%s' asks for %s memory but the daemon runs the host backend "
-                          "(start with --backend cuda on a GPU machine, or set kind = host)",
-                          p->name, p->kind == GPUPOOL_MEM_DEVICE ? "device" : "host-numa");
-    if (backend_is_cuda && p->kind == GPUPOOL_MEM_HOST)
-      return gpupool__err(GPUPOOL_ECONFIG,
-                          "pool '%s' has kind = host, which the cuda backend cannot export with a POSIX fd "
-                          "(use kind = host-numa for pinned host memory, or --backend host)",
-                          p->name);
-    if (p->kind != GPUPOOL_MEM_HOST && p->device < 0)
-      p->device = 0;
-    if (p->kind == GPUPOOL_MEM_HOST_NUMA && p->numa_node < 0)
-      p->numa_node = 0;
-    if (p->slab_size == 0)
-      p->slab_size = backend_is_cuda ? 256 * MIB : 64 * MIB;
-    if (p->alignment == 0)
-      p->alignment = 256;
-    if (p->capacity == 0)
-      p->capacity = backend_is_cuda ? 4ull << 30 : 1ull << 30;
-    if (p->alignment & (p->alignment - 1) || p->alignment > (2 * MIB))
-      return gpupool__err(GPUPOOL_ECONFIG, "pool '%s': alignment %llu must be a power of two up to 2M",
-                          p->name, (unsigned long long)p->alignment);
-    if (p->slab_size > GPUPOOL_SLAB_HARD_MAX)
-      return gpupool__err(GPUPOOL_ECONFIG,
-                          "pool '%s': slab_size %llu exceeds 4G; exported allocations above 4 GiB "
-                          "crash or corrupt importers, so gpupool caps every slab at 4G",
-                          p->name, (unsigned long long)p->slab_size);
-    /* Slabs start at 2 MiB boundaries (the GPU page size; also page-aligned for mmap). */
-    p->slab_size = (p->slab_size + 2 * MIB - 1) & ~(2 * MIB - 1);
-    if (p->capacity < p->slab_size)
-      return gpupool__err(GPUPOOL_ECONFIG, "pool '%s': capacity %llu is smaller than one slab (%llu)",
-                          p->name, (unsigned long long)p->capacity, (unsigned long long)p->slab_size);
-    p->capacity &= ~(2 * MIB - 1);
-  }
+int gpupool__config_finish(gpupool__config *c, const gpupool__backend_desc *backend) {
+  int rc;
+  if (c->n_pools == 0 && (rc = backend->default_pools(c->pools, GPUPOOL_MAX_POOLS, &c->n_pools)) != 0)
+    return rc;
+  for (int i = 0; i < c->n_pools; i++)
+    if ((rc = gpupool__backend_pool_finish(backend, &c->pools[i])) != 0)
+      return rc;
   return 0;
 }

@@ -8,35 +8,15 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "backend.h"
 #include "gpupool/gpupool.h"
 
 #define GPUPOOL_MAX_POOLS 32
 #define GPUPOOL_MAX_ALLOW 32
-/* No exported allocation (slab) may exceed this: importers crash or corrupt above it. */
-#define GPUPOOL_SLAB_HARD_MAX (4ull << 30)
-
-typedef enum { GPUPOOL_BACKEND_AUTO = 0, GPUPOOL_BACKEND_HOST, GPUPOOL_BACKEND_CUDA } gpupool__backend_choice;
-
-typedef struct {
-  char name[64];
-  gpupool_mem_kind kind;    /* HOST (memfd), DEVICE, HOST_NUMA */
-  int device;               /* CUDA ordinal for DEVICE (and the GPU that uses HOST_NUMA) */
-  int numa_node;            /* for HOST_NUMA */
-  uint64_t capacity;        /* max bytes in slabs (IPC pools never shrink: always bounded) */
-  uint64_t slab_size;       /* regular slab size; larger requests get a dedicated slab */
-  uint64_t alignment;       /* default buffer alignment */
-  uint32_t keep_slabs;      /* empty regular slabs kept mapped for reuse */
-  /* CUDA pool attributes; < 0 = leave the driver's default. */
-  int64_t release_threshold;
-  int reuse_follow_event_deps;
-  int reuse_allow_opportunistic;
-  int reuse_allow_internal_deps;
-  int line;                 /* where it was defined (for messages), 0 = command line/default */
-} gpupool__pool_config;
 
 typedef struct {
   char socket_path[108];
-  gpupool__backend_choice backend;
+  const gpupool__backend_desc *backend; /* NULL: auto (cuda with a usable GPU, else host) */
   int log_level;
   mode_t socket_mode;
   /* Limits (0 = unlimited). */
@@ -72,9 +52,11 @@ int gpupool__config_load(gpupool__config *c, const char *path);
 /* Parse a --pool spec "name=x,kind=device|host|host-numa,device=0,numa=0,capacity=8G,
  * slab=256M,align=256,keep=1" and add it. */
 int gpupool__config_add_pool_spec(gpupool__config *c, const char *spec);
-/* Fill unset fields of pools for the chosen backend; add a default pool when none is
- * configured. Checks slab <= 4 GiB, capacity >= slab, power-of-two alignment. */
-int gpupool__config_finish(gpupool__config *c, int backend_is_cuda);
+/* "auto" or a backend's name (as in the file's backend = and --backend). */
+int gpupool__config_set_backend(gpupool__config *c, const char *name);
+/* Fill unset fields of pools from the backend's defaults; add the backend's default pools
+ * when none is configured. Checks slab <= 4 GiB, capacity >= slab, power-of-two alignment. */
+int gpupool__config_finish(gpupool__config *c, const gpupool__backend_desc *backend);
 /* Parse "64M", "8G", "1048576" (K/M/G/T = powers of 1024). 0 or GPUPOOL_EINVAL. */
 int gpupool__parse_size(const char *s, uint64_t *out);
 

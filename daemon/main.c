@@ -154,17 +154,9 @@ int main(int argc, char **argv) {
     fprintf(stderr, "gpupoold: --socket path longer than %zu bytes\n", sizeof cfg.socket_path - 1);
     return 2;
   }
-  if (backend_opt) {
-    if (!strcmp(backend_opt, "auto"))
-      cfg.backend = GPUPOOL_BACKEND_AUTO;
-    else if (!strcmp(backend_opt, "cuda"))
-      cfg.backend = GPUPOOL_BACKEND_CUDA;
-    else if (!strcmp(backend_opt, "host"))
-      cfg.backend = GPUPOOL_BACKEND_HOST;
-    else {
-      fprintf(stderr, "gpupoold: unknown backend '%s' (use auto, cuda or host)\n", backend_opt);
-      return 2;
-    }
+  if (backend_opt && gpupool__config_set_backend(&cfg, backend_opt) != 0) {
+    fprintf(stderr, "gpupoold: %s\n", gpupool__errmsg());
+    return 2;
   }
   {
     const char *bp = getenv("GPUPOOL_BUSY_POLL_US");
@@ -200,12 +192,12 @@ int main(int argc, char **argv) {
   }
 
   if ((rc = gpupool__backend_open(cfg.backend, &be)) != 0) {
-    GPUPOOL__ERROR("cannot open the %s backend: %s", cfg.backend == GPUPOOL_BACKEND_CUDA ? "cuda" : "host",
+    GPUPOOL__ERROR("cannot open the %s backend: %s", cfg.backend ? cfg.backend->name : "host",
              gpupool__errmsg());
     gpupool__sd_notifyf("STATUS=Failed: %s", gpupool__errmsg());
     goto out_fd;
   }
-  if ((rc = gpupool__config_finish(&cfg, be->ops->kind == GPUPOOL__WIRE__BACKEND_KIND__BACKEND_CUDA)) != 0) {
+  if ((rc = gpupool__config_finish(&cfg, be->desc)) != 0) {
     GPUPOOL__ERROR("%s", gpupool__errmsg());
     gpupool__sd_notifyf("STATUS=Failed: %s", gpupool__errmsg());
     goto out_be;
@@ -243,8 +235,8 @@ int main(int argc, char **argv) {
   }
 
   GPUPOOL__INFO("gpupoold %s ready on %s: backend %s, %d pool(s)", GPUPOOL_VERSION_STRING,
-          cfg.socket_path[0] ? cfg.socket_path : "(socket from systemd)", be->ops->name, cfg.n_pools);
-  gpupool__sd_notifyf("READY=1\nSTATUS=Serving %d pool(s) on the %s backend", cfg.n_pools, be->ops->name);
+          cfg.socket_path[0] ? cfg.socket_path : "(socket from systemd)", be->desc->name, cfg.n_pools);
+  gpupool__sd_notifyf("READY=1\nSTATUS=Serving %d pool(s) on the %s backend", cfg.n_pools, be->desc->name);
 
   if (cfg.busy_poll_us == 0) {
     uv_run(d.loop, UV_RUN_DEFAULT);

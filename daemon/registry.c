@@ -970,7 +970,7 @@ void gpupool__fill_pool_info(gpupool__registry *reg, gpupool__pool *p, Gpupool__
   gpupool__wire__pool_info__init(pi);
   pi->id = p->id;
   pi->name = p->cfg.name;
-  pi->backend = reg->be->ops->kind;
+  pi->backend = reg->be->desc->kind;
   pi->location = p->cfg.kind == GPUPOOL_MEM_HOST        ? GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST
                  : p->cfg.kind == GPUPOOL_MEM_HOST_NUMA ? GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST_NUMA
                                                         : GPUPOOL__WIRE__LOCATION_KIND__LOCATION_DEVICE;

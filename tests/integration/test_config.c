@@ -25,7 +25,7 @@ static void test_full_file(void **state) {
   gpupool__config_defaults(&c);
   assert_int_equal(gpupool__config_load(&c, path), 0);
   assert_string_equal(c.socket_path, "/tmp/x.sock");
-  assert_int_equal(c.backend, GPUPOOL_BACKEND_HOST);
+  assert_ptr_equal(c.backend, &gpupool__backend_host);
   assert_int_equal(c.socket_mode, 0600);
   assert_int_equal(c.max_clients, 10);
   assert_int_equal(c.max_bytes_per_uid, 2ull << 30);
@@ -33,7 +33,7 @@ static void test_full_file(void **state) {
   assert_int_equal(c.allow_uids[1], 1000);
   assert_int_equal(c.busy_poll_us, 250);
   assert_int_equal(c.n_pools, 2);
-  assert_int_equal(gpupool__config_finish(&c, 0), 0);
+  assert_int_equal(gpupool__config_finish(&c, &gpupool__backend_host), 0);
   assert_int_equal(c.pools[0].slab_size, 4u << 20); /* rounded up to 2 MiB */
   assert_int_equal(c.pools[0].keep_slabs, 2);
   assert_int_equal(c.pools[1].kind, GPUPOOL_MEM_HOST);
@@ -73,19 +73,19 @@ static void test_pool_checks(void **state) {
   (void)state;
   gpupool__config_defaults(&c);
   assert_int_equal(gpupool__config_add_pool_spec(&c, "name=x,capacity=1G,slab=5G"), 0);
-  assert_int_equal(gpupool__config_finish(&c, 0), GPUPOOL_ECONFIG);
+  assert_int_equal(gpupool__config_finish(&c, &gpupool__backend_host), GPUPOOL_ECONFIG);
   assert_non_null(strstr(gpupool__errmsg(), "4G"));
   gpupool__config_defaults(&c);
   assert_int_equal(gpupool__config_add_pool_spec(&c, "name=x,kind=device"), 0);
-  assert_int_equal(gpupool__config_finish(&c, 0), GPUPOOL_ECONFIG);
+  assert_int_equal(gpupool__config_finish(&c, &gpupool__backend_host), GPUPOOL_ECONFIG);
   assert_non_null(strstr(gpupool__errmsg(), "host backend"));
   gpupool__config_defaults(&c);
   assert_int_equal(gpupool__config_add_pool_spec(&c, "name=x,align=48"), 0);
-  assert_int_equal(gpupool__config_finish(&c, 0), GPUPOOL_ECONFIG);
+  assert_int_equal(gpupool__config_finish(&c, &gpupool__backend_host), GPUPOOL_ECONFIG);
   gpupool__config_defaults(&c);
   assert_int_equal(gpupool__config_add_pool_spec(&c, "nonsense"), GPUPOOL_ECONFIG);
   gpupool__config_defaults(&c);
-  assert_int_equal(gpupool__config_finish(&c, 0), 0); /* a default host pool */
+  assert_int_equal(gpupool__config_finish(&c, &gpupool__backend_host), 0); /* a default host pool */
   assert_int_equal(c.n_pools, 1);
   assert_string_equal(c.pools[0].name, "default");
 }

@@ -79,7 +79,7 @@ static void test_everything_on(void **state) {
   assert_int_equal(c.n_allow_uids, 2);
   assert_string_equal(c.metrics_textfile, "/var/lib/prometheus/node-exporter/gpupool.prom");
   /* The example pools are cuda pools and must pass the daemon's checks. */
-  if (gpupool__config_finish(&c, 1) != 0)
+  if (gpupool__config_finish(&c, &gpupool__backend_cuda) != 0)
     fail_msg("example pools refused: %s", gpupool__errmsg());
   unlink(uncommented);
 }

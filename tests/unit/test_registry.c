@@ -36,8 +36,8 @@ static int setup_with(void **state, void (*tweak)(gpupool__config *)) {
   assert_int_equal(gpupool__config_add_pool_spec(&f->cfg, "name=p,kind=host,capacity=64M,slab=8M,keep=1"), 0);
   if (tweak)
     tweak(&f->cfg);
-  assert_int_equal(gpupool__config_finish(&f->cfg, 0), 0);
-  assert_int_equal(gpupool__backend_host_open(&f->be), 0);
+  assert_int_equal(gpupool__config_finish(&f->cfg, &gpupool__backend_host), 0);
+  assert_int_equal(gpupool__backend_host.open(&f->be), 0);
   assert_int_equal(gpupool__registry_init(&f->reg, &f->loop, &f->cfg, f->be), 0);
   f->a.pidfd = f->b.pidfd = -1;
   f->a.uid = 1000;

@@ -17,9 +17,8 @@
 #include <unistd.h>
 
 #include "alloc.h"
-#include "backend.h"
 #include "errors.h"
-#include "wire.h"
+#include "host.h"
 
 #define SLAB_GRAIN (2ull << 20)
 
@@ -28,11 +27,6 @@ struct gpupool__bpool {
   gpupool__alloc *space;
   uint64_t reserved, reserved_high;
 };
-
-static void put_u64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
 
 static int host_pool_create(gpupool__backend *be, const gpupool__pool_config *cfg,
                             gpupool__bpool **out, int *fd) {
@@ -88,9 +82,8 @@ static int host_slab_alloc(gpupool__bpool *p, uint64_t size, gpupool__bslab *out
     return GPUPOOL_ENOSPC;
   memset(out, 0, sizeof *out);
   out->size = size;
-  put_u64(out->export_data, off);
-  put_u64(out->export_data + 8, size);
-  out->export_len = 16;
+  out->export_len = gpupool__host_export_encode(&(gpupool__host_export){.offset = off, .size = size},
+                                                out->export_data);
   out->priv = (void *)(uintptr_t)off;
   p->reserved += size;
   if (p->reserved > p->reserved_high)
@@ -119,8 +112,6 @@ static int host_pool_stats(gpupool__bpool *p, gpupool__bpool_stats *out) {
 static void host_close(gpupool__backend *be) { free(be); }
 
 static const gpupool__backend_ops host_ops = {
-    .name = "host",
-    .kind = GPUPOOL__WIRE__BACKEND_KIND__BACKEND_HOST,
     .has_events = 0,
     .pool_create = host_pool_create,
     .pool_destroy = host_pool_destroy,
@@ -130,10 +121,11 @@ static const gpupool__backend_ops host_ops = {
     .close = host_close,
 };
 
-int gpupool__backend_host_open(gpupool__backend **out) {
+int gpupool__host_open(gpupool__backend **out) {
   gpupool__backend *be = calloc(1, sizeof *be);
   if (!be)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  be->desc = &gpupool__backend_host;
   be->ops = &host_ops;
   *out = be;
   return 0;

@@ -9,20 +9,13 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "cbackend.h"
 #include "errors.h"
+#include "host.h"
 
 struct gpupool__cpool {
   int fd;
   uint64_t capacity;
 };
-
-static uint64_t get_u64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; i++)
-    v |= (uint64_t)p[i] << (8 * i);
-  return v;
-}
 
 static int host_import(int fd, gpupool_mem_kind kind, int device, uint64_t capacity, gpupool__cpool **out) {
   gpupool__cpool *p;
@@ -58,12 +51,14 @@ static int host_set_access(gpupool__cpool *p, const int *devices, int n) {
 
 static int host_map(gpupool__cpool *p, const uint8_t *export_data, size_t export_len, uint64_t size,
                     void **base, void **priv) {
+  gpupool__host_export e;
   uint64_t off, len;
   void *m;
-  if (export_len != 16)
-    return gpupool__err(GPUPOOL_EPROTO, "host slab export data has %zu bytes, expected 16", export_len);
-  off = get_u64(export_data);
-  len = get_u64(export_data + 8);
+  int rc;
+  if ((rc = gpupool__host_export_decode(export_data, export_len, &e)) != 0)
+    return rc;
+  off = e.offset;
+  len = e.size;
   if (len != size || off > p->capacity || len > p->capacity - off || off % 4096)
     return gpupool__err(GPUPOOL_EPROTO, "host slab (%llu+%llu) does not fit the pool's %llu bytes",
                         (unsigned long long)off, (unsigned long long)len, (unsigned long long)p->capacity);
@@ -85,8 +80,7 @@ static int host_unmap(gpupool__cpool *p, void *base, uint64_t size, void *priv, 
   return 0;
 }
 
-const gpupool__cbackend_ops gpupool__cbackend_host = {
-    .name = "host",
+const gpupool__cbackend_ops gpupool__host_client_ops = {
     .has_events = 0,
     .pool_import = host_import,
     .pool_release = host_release,
@@ -94,7 +88,3 @@ const gpupool__cbackend_ops gpupool__cbackend_host = {
     .slab_map = host_map,
     .slab_unmap = host_unmap,
 };
-
-#ifndef GPUPOOL_HAVE_CUDA
-const gpupool__cbackend_ops *const gpupool__cbackend_cuda = NULL;
-#endif

@@ -19,7 +19,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "cbackend.h"
+#include "cuda.h"
 #include "errors.h"
 #include "hmap.h"
 
@@ -57,29 +57,17 @@ static pthread_mutex_t map_lock = PTHREAD_MUTEX_INITIALIZER;
 static gpupool__hmap map_refs; /* device pointer -> malloc'd uint64_t import count */
 static int map_init;
 
-static int cuda_fail(int code, cudaError_t e, const char *call, int device, const char *fix) {
-  /* The runtime keeps the error as the thread's last error too; the application must not
-   * find ours when it next calls cudaGetLastError(). */
-  (void)cudaGetLastError();
-  if (device < 0)
-    return gpupool__err(code, "%s failed: %s (%s)%s%s", call, cudaGetErrorName(e),
-                        cudaGetErrorString(e), fix ? ": " : "", fix ? fix : "");
-  return gpupool__err(code, "%s failed on CUDA device %d: %s (%s)%s%s", call, device,
-                      cudaGetErrorName(e), cudaGetErrorString(e), fix ? ": " : "",
-                      fix ? fix : "");
-}
-
 /* Make device current, remembering the caller's device in *prev. */
 static int push_device(int device, int *prev) {
   cudaError_t e = cudaGetDevice(prev);
   if (e != cudaSuccess)
-    return cuda_fail(GPUPOOL_EBACKEND, e, "cudaGetDevice", device,
+    return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaGetDevice", device,
                      "check that a CUDA device is visible to this process (CUDA_VISIBLE_DEVICES)");
   if (*prev == device)
     return 0;
   e = cudaSetDevice(device);
   if (e != cudaSuccess)
-    return cuda_fail(GPUPOOL_EBACKEND, e, "cudaSetDevice", device,
+    return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaSetDevice", device,
                      "the pool lives on a device this process cannot see; check "
                      "CUDA_VISIBLE_DEVICES (device ordinals must match the daemon's)");
   return 0;
@@ -98,7 +86,7 @@ static int set_access(cudaMemPool_t pool, int device, enum cudaMemAccessFlags fl
   d.flags = flags;
   cudaError_t e = cudaMemPoolSetAccess(pool, &d, 1);
   if (e != cudaSuccess)
-    return cuda_fail(GPUPOOL_EBACKEND, e, "cudaMemPoolSetAccess", device, NULL);
+    return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaMemPoolSetAccess", device, NULL);
   return 0;
 }
 
@@ -139,7 +127,7 @@ static int cuda_pool_import(int fd, gpupool_mem_kind kind, int device, uint64_t 
   e = cudaMemPoolImportFromShareableHandle(&p->pool, (void *)(uintptr_t)fd,
                                            cudaMemHandleTypePosixFileDescriptor, 0);
   if (e != cudaSuccess) {
-    rc = cuda_fail(GPUPOOL_EBACKEND, e, "cudaMemPoolImportFromShareableHandle", device,
+    rc = gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaMemPoolImportFromShareableHandle", device,
                    "the daemon and this process must share the GPU and driver; in a "
                    "container, share the host's /dev/nvidia* and IPC namespace");
     goto out_dev;
@@ -208,7 +196,7 @@ static int cuda_pool_set_access(gpupool__cpool *p, const int *devices, int n) {
     return gpupool__err(GPUPOOL_EINVAL, "device list is NULL or has a negative length");
   e = cudaGetDeviceCount(&ndev);
   if (e != cudaSuccess)
-    return cuda_fail(GPUPOOL_EBACKEND, e, "cudaGetDeviceCount", p->device, NULL);
+    return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaGetDeviceCount", p->device, NULL);
   /* Check every pair before changing anything, so a refused list leaves no partial access. */
   for (int i = 0; i < n; i++) {
     int d = devices[i], can = 0;
@@ -219,7 +207,7 @@ static int cuda_pool_set_access(gpupool__cpool *p, const int *devices, int n) {
       continue;
     e = cudaDeviceCanAccessPeer(&can, d, p->device);
     if (e != cudaSuccess)
-      return cuda_fail(GPUPOOL_EBACKEND, e, "cudaDeviceCanAccessPeer", d, NULL);
+      return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaDeviceCanAccessPeer", d, NULL);
     if (!can)
       return gpupool__err(GPUPOOL_ENOTSUP,
                           "device %d cannot access memory of device %d (no peer access): the "
@@ -250,11 +238,8 @@ static int cuda_slab_map(gpupool__cpool *p, const uint8_t *export_data, size_t e
   (void)size;
   *base = NULL;
   *priv = NULL;
-  if (export_len != sizeof(d))
-    return gpupool__err(GPUPOOL_EPROTO, "slab export data is %zu bytes, CUDA expects %zu: the "
-                        "daemon and this library disagree on the backend; upgrade both to "
-                        "the same release", export_len, sizeof(d));
-  memcpy(&d, export_data, sizeof(d));
+  if ((rc = gpupool__cuda_export_decode(export_data, export_len, &d)) != 0)
+    return rc;
   pthread_mutex_lock(&map_lock);
   if (!map_init) {
     gpupool__hmap_init(&map_refs);
@@ -262,7 +247,7 @@ static int cuda_slab_map(gpupool__cpool *p, const uint8_t *export_data, size_t e
   }
   e = cudaMemPoolImportPointer(&ptr, p->pool, &d);
   if (e != cudaSuccess) {
-    rc = cuda_fail(e == cudaErrorMemoryAllocation ? GPUPOOL_ENOMEM : GPUPOOL_EBACKEND, e,
+    rc = gpupool__cuda_fail(e == cudaErrorMemoryAllocation ? GPUPOOL_ENOMEM : GPUPOOL_EBACKEND, e,
                    "cudaMemPoolImportPointer", p->device,
                    "the slab may have been freed by the daemon, or this process is out of "
                    "device address space");
@@ -312,7 +297,7 @@ static int cuda_slab_unmap(gpupool__cpool *p, void *base, uint64_t size, void *p
    * an import racing with this unmap is counted before or after it, never in between. */
   e = cudaFreeAsync(base, (cudaStream_t)stream);
   if (e != cudaSuccess)
-    rc = cuda_fail(GPUPOOL_EBACKEND, e, "cudaFreeAsync of an imported slab", p->device,
+    rc = gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaFreeAsync of an imported slab", p->device,
                    "the stream may belong to a destroyed context");
 out:
   pthread_mutex_unlock(&map_lock);
@@ -327,7 +312,7 @@ static int stream_device(void *stream, int *dev) {
   else
     e = cudaStreamGetDevice((cudaStream_t)stream, dev);
   if (e != cudaSuccess)
-    return cuda_fail(GPUPOOL_EBACKEND, e, stream ? "cudaStreamGetDevice" : "cudaGetDevice", -1,
+    return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, stream ? "cudaStreamGetDevice" : "cudaGetDevice", -1,
                      "pass a valid cudaStream_t (or NULL for the default stream)");
   return 0;
 }
@@ -352,7 +337,7 @@ static int open_on(gpupool__cevent *e, int device, cudaEvent_t *out) {
   ce = cudaIpcOpenEventHandle(out, e->handle);
   pop_device(device, prev);
   if (ce != cudaSuccess)
-    return cuda_fail(GPUPOOL_EBACKEND, ce, "cudaIpcOpenEventHandle", device,
+    return gpupool__cuda_fail(GPUPOOL_EBACKEND, ce, "cudaIpcOpenEventHandle", device,
                      "the daemon's event may be gone (daemon restarted?) or IPC is not "
                      "supported between these processes");
   s[e->n].device = device;
@@ -378,7 +363,7 @@ static int cuda_event_open(const uint8_t *handle, size_t len, gpupool__cevent **
   memcpy(&e->handle, handle, sizeof(e->handle));
   ce = cudaGetDevice(&dev);
   if (ce != cudaSuccess) {
-    rc = cuda_fail(GPUPOOL_EBACKEND, ce, "cudaGetDevice", -1, NULL);
+    rc = gpupool__cuda_fail(GPUPOOL_EBACKEND, ce, "cudaGetDevice", -1, NULL);
     goto fail;
   }
   /* Opened now on the current device so a bad handle fails here, not at first use. */
@@ -414,7 +399,7 @@ static int cuda_event_record(gpupool__cevent *e, void *stream) {
     return rc;
   ce = cudaEventRecord(ev, (cudaStream_t)stream);
   if (ce != cudaSuccess)
-    return cuda_fail(GPUPOOL_EBACKEND, ce, "cudaEventRecord of an IPC event", dev, NULL);
+    return gpupool__cuda_fail(GPUPOOL_EBACKEND, ce, "cudaEventRecord of an IPC event", dev, NULL);
   return 0;
 }
 
@@ -423,7 +408,7 @@ static int cuda_stream_wait(gpupool__cevent *e, void *stream) {
   /* A stream may wait on an event of another device, so any opened copy will do. */
   ce = cudaStreamWaitEvent((cudaStream_t)stream, e->slots[0].ev, 0);
   if (ce != cudaSuccess)
-    return cuda_fail(GPUPOOL_EBACKEND, ce, "cudaStreamWaitEvent on an IPC event",
+    return gpupool__cuda_fail(GPUPOOL_EBACKEND, ce, "cudaStreamWaitEvent on an IPC event",
                      e->slots[0].device, "pass a valid cudaStream_t (or NULL)");
   return 0;
 }
@@ -435,7 +420,7 @@ static int cuda_event_query(gpupool__cevent *e) {
   if (ce == cudaErrorNotReady)
     return 0;
   (void)cudaGetLastError();
-  return cuda_fail(GPUPOOL_EBACKEND, ce, "cudaEventQuery on an IPC event", e->slots[0].device, NULL);
+  return gpupool__cuda_fail(GPUPOOL_EBACKEND, ce, "cudaEventQuery on an IPC event", e->slots[0].device, NULL);
 }
 
 static int cuda_stream_idle(void *stream) {
@@ -445,18 +430,17 @@ static int cuda_stream_idle(void *stream) {
   if (ce == cudaErrorNotReady)
     return 0;
   (void)cudaGetLastError();
-  return cuda_fail(GPUPOOL_EBACKEND, ce, "cudaStreamQuery", -1, "pass a valid cudaStream_t (or NULL)");
+  return gpupool__cuda_fail(GPUPOOL_EBACKEND, ce, "cudaStreamQuery", -1, "pass a valid cudaStream_t (or NULL)");
 }
 
 static int cuda_sync(void *stream) {
   cudaError_t ce = cudaStreamSynchronize((cudaStream_t)stream);
   if (ce != cudaSuccess)
-    return cuda_fail(GPUPOOL_EBACKEND, ce, "cudaStreamSynchronize", -1, NULL);
+    return gpupool__cuda_fail(GPUPOOL_EBACKEND, ce, "cudaStreamSynchronize", -1, NULL);
   return 0;
 }
 
-static const gpupool__cbackend_ops ops = {
-    .name = "cuda",
+const gpupool__cbackend_ops gpupool__cuda_client_ops = {
     .has_events = 1,
     .pool_import = cuda_pool_import,
     .pool_release = cuda_pool_release,
@@ -471,5 +455,3 @@ static const gpupool__cbackend_ops ops = {
     .stream_idle = cuda_stream_idle,
     .sync = cuda_sync,
 };
-
-const gpupool__cbackend_ops *const gpupool__cbackend_cuda = &ops;

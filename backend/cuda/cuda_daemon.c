@@ -24,7 +24,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "backend.h"
+#include "cuda.h"
 #include "errors.h"
 #include "gpupool.pb-c.h"
 #include "log.h"
@@ -58,22 +58,10 @@ struct gpupool__bevent {
   int device;
 };
 
-/* Record a message naming the call, the CUDA error and the device, and clear the runtime's
- * per-thread last error so a later unrelated check does not see it. */
-static int cuda_fail(int code, cudaError_t e, const char *call, int device, const char *fix) {
-  (void)cudaGetLastError();
-  if (device >= 0)
-    return gpupool__err(code, "%s failed on CUDA device %d: %s (%s)%s%s", call, device,
-                        cudaGetErrorName(e), cudaGetErrorString(e), fix ? ": " : "",
-                        fix ? fix : "");
-  return gpupool__err(code, "%s failed: %s (%s)%s%s", call, cudaGetErrorName(e),
-                      cudaGetErrorString(e), fix ? ": " : "", fix ? fix : "");
-}
-
 static int set_device(int device) {
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess)
-    return cuda_fail(GPUPOOL_EBACKEND, e, "cudaSetDevice", device,
+    return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaSetDevice", device,
                      "check that the device exists and is not in exclusive or prohibited "
                      "compute mode (nvidia-smi -q -d COMPUTE)");
   return 0;
@@ -96,7 +84,7 @@ static int scan(int *ndev_out, int **usable_out) {
     *usable_out = NULL;
   e = cudaDriverGetVersion(&drv);
   if (e != cudaSuccess) {
-    cuda_fail(GPUPOOL_ENOTSUP, e, "cudaDriverGetVersion", -1,
+    gpupool__cuda_fail(GPUPOOL_ENOTSUP, e, "cudaDriverGetVersion", -1,
               "install the NVIDIA driver or run gpupoold with --backend host");
     return 0;
   }
@@ -126,7 +114,7 @@ static int scan(int *ndev_out, int **usable_out) {
     return 0;
   }
   if (e != cudaSuccess) {
-    cuda_fail(GPUPOOL_ENOTSUP, e, "cudaGetDeviceCount", -1,
+    gpupool__cuda_fail(GPUPOOL_ENOTSUP, e, "cudaGetDeviceCount", -1,
               "check the driver installation (nvidia-smi) or run gpupoold with --backend host");
     return 0;
   }
@@ -174,15 +162,15 @@ static int scan(int *ndev_out, int **usable_out) {
   return nusable;
 }
 
-int gpupool__backend_cuda_probe(void) {
+int gpupool__cuda_probe(void) {
   int ndev = 0;
   return scan(&ndev, NULL) > 0 ? 1 : 0;
 }
 
-int gpupool__backend_cuda_default_pools(gpupool__config *c) {
+int gpupool__cuda_default_pools(gpupool__pool_config *pools, int max, int *n) {
   int ndev = 0, *usable = NULL, rc = 0;
 
-  if (c->n_pools > 0)
+  if (*n > 0)
     return 0;
   if (scan(&ndev, &usable) == 0) {
     free(usable);
@@ -196,14 +184,14 @@ int gpupool__backend_cuda_default_pools(gpupool__config *c) {
 
     if (!usable[d])
       continue;
-    if (c->n_pools >= GPUPOOL_MAX_POOLS) {
+    if (*n >= max) {
       GPUPOOL__WARN("cuda: %d devices but at most %d pools; device %d and later get no default pool",
-              ndev, GPUPOOL_MAX_POOLS, d);
+              ndev, max, d);
       break;
     }
     e = cudaGetDeviceProperties(&prop, d);
     if (e != cudaSuccess) {
-      rc = cuda_fail(GPUPOOL_EBACKEND, e, "cudaGetDeviceProperties", d,
+      rc = gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaGetDeviceProperties", d,
                      "configure pools explicitly with --pool or [pool NAME] sections");
       goto out;
     }
@@ -215,25 +203,18 @@ int gpupool__backend_cuda_default_pools(gpupool__config *c) {
               prop.totalGlobalMem);
       continue;
     }
-    p = &c->pools[c->n_pools];
-    memset(p, 0, sizeof(*p));
+    p = &pools[*n];
+    gpupool__pool_config_init(p);
     snprintf(p->name, sizeof(p->name), "gpu%d", d);
     p->kind = GPUPOOL_MEM_DEVICE;
     p->device = d;
-    p->numa_node = -1;
     p->capacity = cap;
     p->slab_size = DEFAULT_SLAB;
-    p->keep_slabs = 1; /* as for configured pools: one empty slab stays mapped for reuse */
-    p->release_threshold = -1;
-    p->reuse_follow_event_deps = -1;
-    p->reuse_allow_opportunistic = -1;
-    p->reuse_allow_internal_deps = -1;
-    p->line = 0;
-    c->n_pools++;
+    (*n)++;
     GPUPOOL__INFO("cuda: default pool \"%s\" on device %d (%s), capacity %llu MiB", p->name, d,
             prop.name, (unsigned long long)(cap >> 20));
   }
-  if (c->n_pools == 0)
+  if (*n == 0)
     rc = gpupool__err(GPUPOOL_ENOTSUP, "no CUDA device has enough memory for a default pool: "
                       "configure a pool explicitly with --pool");
 out:
@@ -258,7 +239,7 @@ static int dev_stream(cuda_state *st, int device, cudaStream_t *out) {
      * library might queue on the legacy default stream of the same context. */
     e = cudaStreamCreateWithFlags(&d->stream, cudaStreamNonBlocking);
     if (e != cudaSuccess)
-      return cuda_fail(GPUPOOL_EBACKEND, e, "cudaStreamCreateWithFlags", device, NULL);
+      return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaStreamCreateWithFlags", device, NULL);
     d->has_stream = 1;
   }
   *out = d->stream;
@@ -280,7 +261,7 @@ static int set_pool_attr(cudaMemPool_t pool, enum cudaMemPoolAttr attr, const ch
   if (e != cudaSuccess) {
     char call[96];
     snprintf(call, sizeof(call), "cudaMemPoolSetAttribute(%s)", what);
-    return cuda_fail(GPUPOOL_EBACKEND, e, call, device, "remove the setting from the pool");
+    return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, call, device, "remove the setting from the pool");
   }
   return 0;
 }
@@ -319,7 +300,7 @@ static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cf
     int ok = 0;
     e = cudaDeviceGetAttribute(&ok, cudaDevAttrHostNumaMemoryPoolsSupported, cfg->device);
     if (e != cudaSuccess)
-      return cuda_fail(GPUPOOL_EBACKEND, e,
+      return gpupool__cuda_fail(GPUPOOL_EBACKEND, e,
                        "cudaDeviceGetAttribute(cudaDevAttrHostNumaMemoryPoolsSupported)",
                        cfg->device, NULL);
     if (!ok)
@@ -355,7 +336,7 @@ static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cf
   props.maxSize = (size_t)cfg->capacity;
   e = cudaMemPoolCreate(&p->pool, &props);
   if (e != cudaSuccess) {
-    rc = cuda_fail(e == cudaErrorMemoryAllocation ? GPUPOOL_ENOSPC : GPUPOOL_EBACKEND, e,
+    rc = gpupool__cuda_fail(e == cudaErrorMemoryAllocation ? GPUPOOL_ENOSPC : GPUPOOL_EBACKEND, e,
                    "cudaMemPoolCreate (POSIX-fd handles)", cfg->device,
                    "check the pool's capacity against the device memory and, for host-numa, "
                    "that the NUMA node exists");
@@ -379,7 +360,7 @@ static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cf
    * was never exported, and this fd is what every client imports. */
   e = cudaMemPoolExportToShareableHandle(&fd, p->pool, cudaMemHandleTypePosixFileDescriptor, 0);
   if (e != cudaSuccess) {
-    rc = cuda_fail(GPUPOOL_EBACKEND, e, "cudaMemPoolExportToShareableHandle", cfg->device,
+    rc = gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaMemPoolExportToShareableHandle", cfg->device,
                    "check the open-files limit (ulimit -n) and that the driver supports "
                    "POSIX-fd pool export");
     goto fail;
@@ -451,28 +432,26 @@ static int cuda_slab_alloc(gpupool__bpool *p, uint64_t size, gpupool__bslab *out
     return rc;
   e = cudaMallocFromPoolAsync(&ptr, (size_t)size, p->pool, stream);
   if (e == cudaErrorMemoryAllocation)
-    return cuda_fail(GPUPOOL_ENOSPC, e, "cudaMallocFromPoolAsync", p->device,
+    return gpupool__cuda_fail(GPUPOOL_ENOSPC, e, "cudaMallocFromPoolAsync", p->device,
                      "the pool reached its capacity or the device is out of memory; free "
                      "buffers or raise the pool's capacity");
   if (e != cudaSuccess)
-    return cuda_fail(GPUPOOL_EBACKEND, e, "cudaMallocFromPoolAsync", p->device, NULL);
+    return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaMallocFromPoolAsync", p->device, NULL);
   /* Clients import the slab from another process, outside this stream's order: the
    * allocation must have completed before its export data leaves the daemon. */
   e = cudaStreamSynchronize(stream);
   if (e != cudaSuccess) {
-    rc = cuda_fail(GPUPOOL_EBACKEND, e, "cudaStreamSynchronize after cudaMallocFromPoolAsync",
+    rc = gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaStreamSynchronize after cudaMallocFromPoolAsync",
                    p->device, NULL);
     goto fail;
   }
   memset(&exp, 0, sizeof(exp));
   e = cudaMemPoolExportPointer(&exp, ptr);
   if (e != cudaSuccess) {
-    rc = cuda_fail(GPUPOOL_EBACKEND, e, "cudaMemPoolExportPointer", p->device, NULL);
+    rc = gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaMemPoolExportPointer", p->device, NULL);
     goto fail;
   }
-  _Static_assert(sizeof(exp) <= GPUPOOL_EXPORT_MAX, "export data must fit in a bslab");
-  memcpy(out->export_data, &exp, sizeof(exp));
-  out->export_len = (uint32_t)sizeof(exp);
+  out->export_len = gpupool__cuda_export_encode(&exp, out->export_data);
   out->size = size;
   out->priv = ptr;
   return 0;
@@ -533,7 +512,7 @@ static int cuda_pool_stats(gpupool__bpool *p, gpupool__bpool_stats *out) {
     if (e != cudaSuccess) {
       char call[96];
       snprintf(call, sizeof(call), "cudaMemPoolGetAttribute(%s)", attrs[i].name);
-      return cuda_fail(GPUPOOL_EBACKEND, e, call, p->device, NULL);
+      return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, call, p->device, NULL);
     }
   }
   out->reserved_cur = v[0];
@@ -561,14 +540,14 @@ static int cuda_event_create(gpupool__backend *be, gpupool__bevent **out,
     goto fail;
   e = cudaEventCreateWithFlags(&ev->ev, cudaEventInterprocess | cudaEventDisableTiming);
   if (e != cudaSuccess) {
-    rc = cuda_fail(GPUPOOL_EBACKEND, e,
+    rc = gpupool__cuda_fail(GPUPOOL_EBACKEND, e,
                    "cudaEventCreateWithFlags(cudaEventInterprocess|cudaEventDisableTiming)",
                    ev->device, NULL);
     goto fail;
   }
   e = cudaIpcGetEventHandle(&h, ev->ev);
   if (e != cudaSuccess) {
-    rc = cuda_fail(GPUPOOL_EBACKEND, e, "cudaIpcGetEventHandle", ev->device,
+    rc = gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaIpcGetEventHandle", ev->device,
                    "IPC events need a Linux driver with unified addressing");
     (void)cudaEventDestroy(ev->ev);
     goto fail;
@@ -594,7 +573,7 @@ static int cuda_event_query(gpupool__bevent *ev) {
     (void)cudaGetLastError();
     return 0;
   }
-  return cuda_fail(GPUPOOL_EBACKEND, e, "cudaEventQuery", ev->device,
+  return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaEventQuery", ev->device,
                    "a client's work on this buffer failed; the buffer's range is not reused");
 }
 
@@ -634,8 +613,6 @@ static void cuda_close(gpupool__backend *be) {
 }
 
 static const gpupool__backend_ops cuda_ops = {
-    .name = "cuda",
-    .kind = GPUPOOL__WIRE__BACKEND_KIND__BACKEND_CUDA,
     .has_events = 1,
     .pool_create = cuda_pool_create,
     .pool_destroy = cuda_pool_destroy,
@@ -648,7 +625,7 @@ static const gpupool__backend_ops cuda_ops = {
     .close = cuda_close,
 };
 
-int gpupool__backend_cuda_open(gpupool__backend **out) {
+int gpupool__cuda_open(gpupool__backend **out) {
   gpupool__backend *be = NULL;
   cuda_state *st = NULL;
   int ndev = 0, nusable, *usable = NULL, rc;
@@ -680,6 +657,7 @@ int gpupool__backend_cuda_open(gpupool__backend **out) {
       GPUPOOL__WARN("cuda: device %d lacks memory pools with POSIX-fd handles; pools on it are "
               "refused", d);
   }
+  be->desc = &gpupool__backend_cuda;
   be->ops = &cuda_ops;
   be->priv = st;
   free(usable);

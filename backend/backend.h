@@ -1,0 +1,185 @@
+/*
+ * The backend layer: where pool memory comes from, on both sides of the socket.
+ *
+ * A backend is one descriptor (gpupool__backend_desc) in one table (backend.c): its wire kind
+ * and name, the daemon half (create pools that can be shared through one fd, hand out slabs
+ * described by opaque export data, and for CUDA inter-process events), the client half (import
+ * a pool from that fd, map slabs from their export data, open/record/wait on events), the
+ * pool defaults the daemon's config falls back on, and a support check. Each backend lives in
+ * backend/NAME/ with both halves and one header that declares its slab export format, encoded
+ * (daemon half) and decoded (client half) by the same code.
+ *
+ * Layering: common/ below, this layer, then daemon/ and client/ above. Nothing here includes
+ * a daemon or client header. Every function returning int returns 0 or a negative GPUPOOL_E*
+ * code with a message recorded through gpupool__err().
+ */
+#ifndef GPUPOOL_BACKEND_BACKEND_H
+#define GPUPOOL_BACKEND_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gpupool/gpupool.h"
+
+/* No exported allocation (slab) may exceed this: importers crash or corrupt above it. */
+#define GPUPOOL_SLAB_HARD_MAX (4ull << 30)
+#define GPUPOOL_EXPORT_MAX 128
+#define GPUPOOL_EVENT_HANDLE_SIZE 64
+
+/* One pool as configured (config file, --pool, or a backend's defaults). */
+typedef struct {
+  char name[64];
+  gpupool_mem_kind kind;    /* HOST (memfd), DEVICE, HOST_NUMA; 0 = the backend's default */
+  int device;               /* CUDA ordinal for DEVICE (and the GPU that uses HOST_NUMA) */
+  int numa_node;            /* for HOST_NUMA */
+  uint64_t capacity;        /* max bytes in slabs (IPC pools never shrink: always bounded) */
+  uint64_t slab_size;       /* regular slab size; larger requests get a dedicated slab */
+  uint64_t alignment;       /* default buffer alignment */
+  uint32_t keep_slabs;      /* empty regular slabs kept mapped for reuse */
+  /* CUDA pool attributes; < 0 = leave the driver's default. */
+  int64_t release_threshold;
+  int reuse_follow_event_deps;
+  int reuse_allow_opportunistic;
+  int reuse_allow_internal_deps;
+  int line;                 /* where it was defined (for messages), 0 = command line/default */
+} gpupool__pool_config;
+
+/* Unset fields of a pool config (what a [pool] section or --pool starts from). */
+void gpupool__pool_config_init(gpupool__pool_config *p);
+
+typedef struct gpupool__backend_desc gpupool__backend_desc;
+
+/* ---- daemon half ---------------------------------------------------------------------- */
+
+typedef struct gpupool__backend gpupool__backend;
+typedef struct gpupool__bpool gpupool__bpool;   /* backend-private pool */
+typedef struct gpupool__bevent gpupool__bevent; /* backend-private event */
+
+/* A slab as the backend describes it. */
+typedef struct {
+  uint64_t size;
+  uint8_t export_data[GPUPOOL_EXPORT_MAX];
+  uint32_t export_len;
+  void *priv; /* backend's handle (device pointer, offset, ...) */
+} gpupool__bslab;
+
+typedef struct {
+  uint64_t reserved_cur, reserved_high, used_cur, used_high;
+} gpupool__bpool_stats;
+
+typedef struct {
+  int has_events;     /* 1 when event_* are implemented */
+  /* Create a pool per cfg (already checked by the daemon's config). *fd is the pool's
+   * shareable fd, owned by the pool (sent to clients with SCM_RIGHTS, never closed by the
+   * caller). */
+  int (*pool_create)(gpupool__backend *be, const gpupool__pool_config *cfg,
+                     gpupool__bpool **out, int *fd);
+  /* Frees the pool; every slab must have been freed first. */
+  void (*pool_destroy)(gpupool__bpool *p);
+  /* Take a slab of size bytes (<= GPUPOOL_SLAB_HARD_MAX), exported for import by clients.
+   * GPUPOOL_ENOSPC when the pool cannot provide it. */
+  int (*slab_alloc)(gpupool__bpool *p, uint64_t size, gpupool__bslab *out);
+  /* Give a slab back. The daemon calls it only after every client that mapped it has
+   * unmapped it (or exited) and every done event on it has completed. */
+  void (*slab_free)(gpupool__bpool *p, gpupool__bslab *s);
+  int (*pool_stats)(gpupool__bpool *p, gpupool__bpool_stats *out);
+  /* Inter-process events (has_events only). handle receives the IPC handle bytes. */
+  int (*event_create)(gpupool__backend *be, gpupool__bevent **out,
+                      uint8_t handle[GPUPOOL_EVENT_HANDLE_SIZE]);
+  /* 1 when all work recorded in the event has completed, 0 when pending, < 0 on error. */
+  int (*event_query)(gpupool__bevent *e);
+  void (*event_destroy)(gpupool__bevent *e);
+  /* Free the backend (after every pool). */
+  void (*close)(gpupool__backend *be);
+} gpupool__backend_ops;
+
+/* An open backend in the daemon. */
+struct gpupool__backend {
+  const gpupool__backend_desc *desc;
+  const gpupool__backend_ops *ops;
+  void *priv;
+};
+
+/* ---- client half ---------------------------------------------------------------------- */
+
+typedef struct gpupool__cpool gpupool__cpool;   /* backend-private imported pool */
+typedef struct gpupool__cevent gpupool__cevent; /* backend-private opened event */
+
+typedef struct {
+  int has_events;
+  /* Import a pool. Takes ownership of fd (closes it on failure too). kind/device say where
+   * the memory lives. */
+  int (*pool_import)(int fd, gpupool_mem_kind kind, int device, uint64_t capacity,
+                     gpupool__cpool **out);
+  /* Undo pool_import (after every slab is unmapped). */
+  void (*pool_release)(gpupool__cpool *p);
+  /* Give these devices read/write access to the pool (CUDA; host: no-op). */
+  int (*pool_set_access)(gpupool__cpool *p, const int *devices, int n);
+  /* Map a slab; *base is its address in this process, *priv the backend's handle. */
+  int (*slab_map)(gpupool__cpool *p, const uint8_t *export_data, size_t export_len,
+                  uint64_t size, void **base, void **priv);
+  /* Unmap a slab in stream order (CUDA: cudaFreeAsync of the import in stream). */
+  int (*slab_unmap)(gpupool__cpool *p, void *base, uint64_t size, void *priv, void *stream);
+  /* Events (has_events only). */
+  int (*event_open)(const uint8_t *handle, size_t len, gpupool__cevent **out);
+  void (*event_close)(gpupool__cevent *e);
+  int (*event_record)(gpupool__cevent *e, void *stream);
+  int (*stream_wait)(gpupool__cevent *e, void *stream);
+  /* 1 when all work recorded in e has completed, 0 when not, < 0 on error. A stream wait on
+   * an inter-process event costs ~135 us on an H200 even when the event has completed, so
+   * the client queries first and waits only for work still running. */
+  int (*event_query)(gpupool__cevent *e);
+  /* 1 when nothing is queued in stream (then recording an event there orders nothing and
+   * is skipped), 0 when work is pending, < 0 on error. */
+  int (*stream_idle)(void *stream);
+  /* Wait until work queued in stream has run (NULL: nothing to wait for on this backend).
+   * Used before telling the daemon that slabs unmapped outside any caller's stream are gone:
+   * the importer's free must complete before the exporter frees. */
+  int (*sync)(void *stream);
+} gpupool__cbackend_ops;
+
+/* ---- the descriptor ------------------------------------------------------------------- */
+
+struct gpupool__backend_desc {
+  int kind;                 /* GPUPOOL__WIRE__BACKEND_KIND__BACKEND_* */
+  const char *name;         /* "host", "cuda": config, command line, logs */
+  const char *what;         /* what its memory is, for logs */
+  /* Memory kinds its pools may have (bit 1 << gpupool_mem_kind), and the one a pool gets
+   * when its config names none. */
+  unsigned mem_kinds;
+  gpupool_mem_kind default_mem_kind;
+  /* Defaults for pools that leave these unset. */
+  uint64_t default_slab_size;
+  uint64_t default_capacity;
+  /* Why a pool of an unsupported kind is refused, and what to do instead. */
+  const char *(*refuse_kind)(gpupool_mem_kind kind);
+  /* 1 when usable here, 0 when not (the reason in gpupool__errmsg()). */
+  int (*probe)(void);
+  /* Open the daemon half; GPUPOOL_ENOTSUP with a message when it cannot be used. */
+  int (*open)(gpupool__backend **out);
+  /* Add the pools a daemon gets when none are configured (at most max - *n). */
+  int (*default_pools)(gpupool__pool_config *pools, int max, int *n);
+  /* The client half; NULL when this build cannot import this backend's pools. */
+  const gpupool__cbackend_ops *client;
+};
+
+/* The table. NULL when no backend has that name / kind. */
+const gpupool__backend_desc *gpupool__backend_by_name(const char *name);
+const gpupool__backend_desc *gpupool__backend_by_kind(int kind);
+/* "host, cuda" (for help texts and errors). */
+const char *gpupool__backend_names(void);
+
+/* Open the backend named by want, or pick one when want is NULL ("auto": cuda when a usable
+ * GPU is present, host otherwise), logging which and why. The returned backend is freed with
+ * be->ops->close(be). */
+int gpupool__backend_open(const gpupool__backend_desc *want, gpupool__backend **out);
+
+/* Fill a pool's unset fields from its backend's defaults and refuse kinds the backend
+ * cannot serve (GPUPOOL_ECONFIG naming the pool and the fix). */
+int gpupool__backend_pool_finish(const gpupool__backend_desc *d, gpupool__pool_config *p);
+
+/* The backends (backend/host/host.c, backend/cuda/cuda.c). */
+extern const gpupool__backend_desc gpupool__backend_host;
+extern const gpupool__backend_desc gpupool__backend_cuda;
+
+#endif
