@@ -11,6 +11,7 @@
  * length cap is checked before the payload is allocated, so a hostile length costs nothing.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
@@ -511,4 +512,97 @@ int gpupool__wire_inbuf_next(gpupool__wire_inbuf *b, const uint8_t **payload, ui
   if (b->off == b->len)
     b->off = b->len = 0; /* everything handed out: next fill starts at the front */
   return 1;
+}
+
+/* ---- send queue ------------------------------------------------------------------------------ */
+
+struct gpupool__wire_txframe {
+  gpupool__wire_txframe *next;
+  uint8_t *buf;
+  size_t len, off;
+  int fds[GPUPOOL_WIRE_MAX_FDS];
+  int nfds;
+};
+
+void gpupool__wire_txq_init(gpupool__wire_txq *q) { memset(q, 0, sizeof *q); }
+
+static void txframe_free(gpupool__wire_txframe *f) {
+  for (int i = 0; i < f->nfds; i++)
+    if (f->fds[i] >= 0)
+      close(f->fds[i]);
+  free(f->buf);
+  free(f);
+}
+
+static size_t txframe_cost(const gpupool__wire_txframe *f) { return sizeof *f + f->len; }
+
+int gpupool__wire_txq_send(gpupool__wire_txq *q, int sock, uint8_t *buf, size_t len,
+                           const int *fds, int nfds) {
+  gpupool__wire_txframe *f;
+  size_t off = 0;
+
+  if (nfds < 0 || nfds > GPUPOOL_WIRE_MAX_FDS) {
+    free(buf);
+    return gpupool__err(GPUPOOL_EINVAL, "a frame carries at most %d fds", GPUPOOL_WIRE_MAX_FDS);
+  }
+  if (!q->head) {
+    int rc = gpupool__wire_send_some(sock, buf, len, &off, fds, nfds);
+    if (rc != 0) {
+      free(buf);
+      return rc; /* 1: all out; < 0: socket error */
+    }
+  }
+  f = calloc(1, sizeof *f);
+  if (!f) {
+    free(buf);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory queueing a frame");
+  }
+  f->buf = buf;
+  f->len = len;
+  f->off = off;
+  if (off == 0)
+    for (int i = 0; i < nfds; i++) {
+      f->fds[i] = fcntl(fds[i], F_DUPFD_CLOEXEC, 3);
+      if (f->fds[i] < 0) {
+        int e = errno;
+        f->nfds = i;
+        txframe_free(f);
+        return gpupool__err(GPUPOOL_EFD, "cannot duplicate an fd for a queued frame: %s", strerror(e));
+      }
+      f->nfds = i + 1;
+    }
+  if (q->tail)
+    q->tail->next = f;
+  else
+    q->head = f;
+  q->tail = f;
+  q->bytes += len - off;
+  q->cost += txframe_cost(f);
+  return 0;
+}
+
+int gpupool__wire_txq_flush(gpupool__wire_txq *q, int sock) {
+  while (q->head) {
+    gpupool__wire_txframe *f = q->head;
+    size_t before = f->off;
+    int rc = gpupool__wire_send_some(sock, f->buf, f->len, &f->off, f->fds, f->off == 0 ? f->nfds : 0);
+    q->bytes -= f->off - before;
+    if (rc <= 0)
+      return rc;
+    q->head = f->next;
+    if (!q->head)
+      q->tail = NULL;
+    q->cost -= txframe_cost(f);
+    txframe_free(f);
+  }
+  return 1;
+}
+
+void gpupool__wire_txq_clear(gpupool__wire_txq *q) {
+  while (q->head) {
+    gpupool__wire_txframe *f = q->head;
+    q->head = f->next;
+    txframe_free(f);
+  }
+  gpupool__wire_txq_init(q);
 }

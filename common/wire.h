@@ -42,6 +42,30 @@ int gpupool__wire_send(int sock, const uint8_t *buf, size_t len, const int *fds,
 int gpupool__wire_send_some(int sock, const uint8_t *buf, size_t len, size_t *off,
                             const int *fds, int nfds);
 
+/* Send queue for a nonblocking socket: frames that did not fit in the socket wait here, in
+ * order, with duplicates of the fds their first byte carries (the originals stay the
+ * caller's). `cost` counts what the queue really holds on the heap (frames, their headers and
+ * bookkeeping), so a limit on it bounds the memory a peer that never reads can cost. */
+typedef struct gpupool__wire_txframe gpupool__wire_txframe;
+typedef struct {
+  gpupool__wire_txframe *head, *tail;
+  size_t bytes; /* frame bytes not yet written */
+  size_t cost;  /* heap bytes held by the queue */
+} gpupool__wire_txq;
+
+void gpupool__wire_txq_init(gpupool__wire_txq *q);
+/* Send a packed frame, or queue what the socket does not take now. Takes buf (freed here in
+ * every case). 1 when all of it went out, 0 when (some of) it was queued, or GPUPOOL_EIO /
+ * GPUPOOL_ECLOSED (socket error), GPUPOOL_ENOMEM, GPUPOOL_EFD (an fd could not be
+ * duplicated). */
+int gpupool__wire_txq_send(gpupool__wire_txq *q, int sock, uint8_t *buf, size_t len,
+                           const int *fds, int nfds);
+/* Write queued frames: 1 when the queue is empty, 0 when the socket would block, or an error
+ * as above. */
+int gpupool__wire_txq_flush(gpupool__wire_txq *q, int sock);
+/* Drop every queued frame (closing their fds). */
+void gpupool__wire_txq_clear(gpupool__wire_txq *q);
+
 /* Incremental receiver of one frame at a time. */
 typedef struct {
   uint8_t hdr[GPUPOOL_WIRE_HDR];

@@ -29,14 +29,6 @@
 #define MAX_TX_QUEUE (64u << 20)
 #define WAIT_FOREVER UINT32_MAX
 
-typedef struct tx_frame {
-  struct tx_frame *next;
-  uint8_t *buf;
-  size_t len, off;
-  int fds[GPUPOOL_WIRE_MAX_FDS];
-  int nfds;
-} tx_frame;
-
 typedef struct gpupool__conn gpupool__conn;
 
 enum { WAIT_ALLOC = 1, WAIT_GET = 2 };
@@ -65,8 +57,7 @@ struct gpupool__conn {
   int handles_open;
   gpupool__wire_inbuf in;
   int fds_pending;   /* fds arrived (and were closed): refuse the next frame with EFD */
-  tx_frame *txq, *txq_tail;
-  size_t tx_bytes;
+  gpupool__wire_txq txq;
   int hello_done;
   int closing;
   int drop_after_flush;
@@ -113,62 +104,20 @@ static uint64_t count_open_fds(void) {
 
 /* ---- sending -------------------------------------------------------------------------------- */
 
-static void tx_free(tx_frame *f) {
-  for (int i = 0; i < f->nfds; i++)
-    if (f->fds[i] >= 0)
-      close(f->fds[i]);
-  free(f->buf);
-  free(f);
-}
-
-/* Queue or send a packed frame; takes buf. fds are duplicated (the originals stay the caller's). */
+/* Send or queue a packed frame; takes buf. fds are duplicated when queued (the originals
+ * stay the caller's). A client whose queue passes MAX_TX_QUEUE is dropped, not buffered. */
 static void conn_send(gpupool__conn *c, uint8_t *buf, size_t len, const int *fds, int nfds) {
-  tx_frame *f;
-  size_t off = 0;
-
+  int rc;
   if (c->closing) {
     free(buf);
     return;
   }
-  if (!c->txq) {
-    int rc = gpupool__wire_send_some(c->fd, buf, len, &off, fds, nfds);
-    if (rc == 1) {
-      free(buf);
-      return;
-    }
-    if (rc < 0) {
-      free(buf);
-      conn_close(c, "write failed");
-      return;
-    }
-  }
-  f = calloc(1, sizeof *f);
-  if (!f) {
-    free(buf);
-    conn_close(c, "out of memory queueing a reply");
+  rc = gpupool__wire_txq_send(&c->txq, c->fd, buf, len, fds, nfds);
+  if (rc < 0) {
+    conn_close(c, rc == GPUPOOL_EIO || rc == GPUPOOL_ECLOSED ? "write failed" : gpupool__errmsg());
     return;
   }
-  f->buf = buf;
-  f->len = len;
-  f->off = off;
-  if (off == 0)
-    for (int i = 0; i < nfds; i++) {
-      f->fds[i] = fcntl(fds[i], F_DUPFD_CLOEXEC, 3);
-      if (f->fds[i] < 0) {
-        f->nfds = i;
-        tx_free(f);
-        conn_close(c, "cannot duplicate an fd for a queued reply");
-        return;
-      }
-      f->nfds = i + 1;
-    }
-  if (c->txq_tail)
-    c->txq_tail->next = f;
-  else
-    c->txq = f;
-  c->txq_tail = f;
-  c->tx_bytes += len - off;
-  if (c->tx_bytes > MAX_TX_QUEUE) {
+  if (c->txq.bytes > MAX_TX_QUEUE) {
     conn_close(c, "client does not read its replies (more than 64 MiB queued)");
     return;
   }
@@ -176,23 +125,12 @@ static void conn_send(gpupool__conn *c, uint8_t *buf, size_t len, const int *fds
 }
 
 static void conn_flush(gpupool__conn *c) {
-  while (c->txq) {
-    tx_frame *f = c->txq;
-    size_t before = f->off;
-    int rc = gpupool__wire_send_some(c->fd, f->buf, f->len, &f->off, f->fds, f->off == 0 ? f->nfds : 0);
-    c->tx_bytes -= f->off - before;
-    if (rc == 0)
-      break;
-    if (rc < 0) {
-      conn_close(c, "write failed");
-      return;
-    }
-    c->txq = f->next;
-    if (!c->txq)
-      c->txq_tail = NULL;
-    tx_free(f);
+  int rc = gpupool__wire_txq_flush(&c->txq, c->fd);
+  if (rc < 0) {
+    conn_close(c, "write failed");
+    return;
   }
-  if (!c->txq && c->drop_after_flush) {
+  if (rc == 1 && c->drop_after_flush) {
     conn_close(c, "protocol violation");
     return;
   }
@@ -833,11 +771,7 @@ static void conn_handle_closed(uv_handle_t *h) {
   gpupool__conn *c = h->data;
   if (--c->handles_open > 0)
     return;
-  while (c->txq) {
-    tx_frame *f = c->txq;
-    c->txq = f->next;
-    tx_free(f);
-  }
+  gpupool__wire_txq_clear(&c->txq);
   gpupool__wire_inbuf_free(&c->in);
   close(c->fd);
   free(c);
@@ -874,7 +808,7 @@ static void conn_close(gpupool__conn *c, const char *why) {
 static void conn_io(uv_poll_t *p, int status, int events);
 
 static void conn_update_poll(gpupool__conn *c) {
-  int want = UV_READABLE | (c->txq ? UV_WRITABLE : 0);
+  int want = UV_READABLE | (c->txq.head ? UV_WRITABLE : 0);
   if (c->closing || want == c->poll_events)
     return;
   c->poll_events = want;
@@ -907,7 +841,7 @@ static void conn_io(uv_poll_t *p, int status, int events) {
     while (rc >= 0 && !c->closing && !c->drop_after_flush &&
            (rc = gpupool__wire_inbuf_next(&c->in, &payload, &len)) == 1) {
       handle_frame(c, payload, len);
-      if (c->drop_after_flush && !c->txq && !c->closing)
+      if (c->drop_after_flush && !c->txq.head && !c->closing)
         conn_close(c, "protocol violation");
     }
     if (rc >= 0 || c->closing)
@@ -922,7 +856,7 @@ static void conn_io(uv_poll_t *p, int status, int events) {
         /* Tell it why before hanging up (the stream cannot be resynchronised). */
         c->drop_after_flush = 1;
         send_error(c, 0, GPUPOOL_EPROTO, gpupool__errmsg());
-        if (!c->txq && !c->closing)
+        if (!c->txq.head && !c->closing)
           conn_close(c, why);
       } else {
         conn_close(c, why);
@@ -1018,6 +952,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
     c->cl.pidfd = cred.pid > 0 ? (int)syscall(SYS_pidfd_open, cred.pid, 0) : -1;
     snprintf(c->cl.name, sizeof c->cl.name, "-");
     gpupool__wire_inbuf_init(&c->in, s->cfg->max_frame);
+    gpupool__wire_txq_init(&c->txq);
     gpupool__client_init(s->reg, &c->cl);
     uv_poll_init(s->loop, &c->poll, fd);
     c->poll.data = c;
