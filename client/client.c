@@ -503,6 +503,7 @@ static int materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, in
   cpool *p;
   cslab *s;
   gpupool__cevent *ready = NULL, *done = NULL;
+  gpupool_tensor_meta meta;
   int rc, new_slab = 0;
 
   if (!d || !d->slab) {
@@ -570,6 +571,11 @@ static int materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, in
     goto fail_slab;
   if (t_m)
     trace("wait", t_m, 0);
+  if (d->tensor && d->tensor->present && (rc = gpupool__wire_meta_from(d->tensor, d->size, &meta)) != 0) {
+    rc = gpupool__err(GPUPOOL_EPROTO, "gpupoold sent tensor metadata this library refuses: %s",
+                      gpupool__errmsg());
+    goto fail_slab;
+  }
   b = calloc(1, sizeof *b);
   if (!b) {
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
@@ -584,20 +590,9 @@ static int materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, in
   b->read_only = d->read_only;
   b->ready_id = d->ready ? d->ready->id : 0;
   b->done_id = d->done ? d->done->id : 0;
-  if (d->tensor && d->tensor->present && d->tensor->n_shape <= GPUPOOL_MAX_NDIM &&
-      (d->tensor->n_strides == 0 || d->tensor->n_strides == d->tensor->n_shape)) {
-    gpupool_tensor_meta *m = &b->meta;
+  if (d->tensor && d->tensor->present) {
+    b->meta = meta;
     b->has_meta = 1;
-    m->dtype_code = (uint8_t)d->tensor->dtype_code;
-    m->dtype_bits = (uint8_t)d->tensor->dtype_bits;
-    m->dtype_lanes = (uint16_t)d->tensor->dtype_lanes;
-    m->ndim = (int32_t)d->tensor->n_shape;
-    for (size_t i = 0; i < d->tensor->n_shape; i++)
-      m->shape[i] = d->tensor->shape[i];
-    m->strides_present = d->tensor->n_strides != 0;
-    for (size_t i = 0; i < d->tensor->n_strides; i++)
-      m->strides[i] = d->tensor->strides[i];
-    m->byte_offset = d->tensor->byte_offset;
   }
   s->refs++;
   b->next = c->buffers;
@@ -714,9 +709,8 @@ static int handshake(gpupool_client *c) {
     cpool *p = &c->pools[c->npools++];
     p->id = pi->id;
     snprintf(p->name, sizeof p->name, "%s", pi->name ? pi->name : "");
-    p->kind = pi->location == GPUPOOL__WIRE__LOCATION_KIND__LOCATION_DEVICE      ? GPUPOOL_MEM_DEVICE
-              : pi->location == GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST_NUMA ? GPUPOOL_MEM_HOST_NUMA
-                                                                                 : GPUPOOL_MEM_HOST;
+    if ((rc = gpupool__wire_mem_kind(pi->location, &p->kind)) != 0)
+      goto fail;
     p->device = pi->device;
     p->capacity = pi->capacity;
   }
@@ -1225,22 +1219,9 @@ int gpupool_publish_ex(gpupool_buffer *b, const char *name, const gpupool_tensor
   if (strlen(name) == 0 || strlen(name) > GPUPOOL_NAME_MAX)
     return gpupool__err(GPUPOOL_ENAME, "name must be 1 to %d bytes, got %zu", GPUPOOL_NAME_MAX, strlen(name));
   if (meta) {
-    int err;
-    uint64_t span = gpupool_tensor_span(meta, &err);
-    if (err)
-      return err;
-    if (span > b->size)
-      return gpupool__err(GPUPOOL_EMETA, "tensor spans %" PRIu64 " bytes but the buffer has %" PRIu64, span,
-                          b->size);
-    tm.present = 1;
-    tm.dtype_code = meta->dtype_code;
-    tm.dtype_bits = meta->dtype_bits;
-    tm.dtype_lanes = meta->dtype_lanes;
-    tm.n_shape = (size_t)meta->ndim;
-    tm.shape = (int64_t *)meta->shape;
-    tm.n_strides = meta->strides_present ? (size_t)meta->ndim : 0;
-    tm.strides = (int64_t *)meta->strides;
-    tm.byte_offset = meta->byte_offset;
+    if ((rc = gpupool__wire_meta_check(meta, b->size)) != 0)
+      return rc;
+    gpupool__wire_meta_to(meta, &tm);
     pb.tensor = &tm;
   }
   pb.hold_id = b->hold_id;
@@ -1355,9 +1336,8 @@ int gpupool_stats(gpupool_client *c, gpupool_daemon_stats *ds, gpupool_pool_stat
     memset(o, 0, sizeof *o);
     o->id = pi->id;
     snprintf(o->name, sizeof o->name, "%s", pi->name ? pi->name : "");
-    o->kind = pi->location == GPUPOOL__WIRE__LOCATION_KIND__LOCATION_DEVICE      ? GPUPOOL_MEM_DEVICE
-              : pi->location == GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST_NUMA ? GPUPOOL_MEM_HOST_NUMA
-                                                                                 : GPUPOOL_MEM_HOST;
+    if (gpupool__wire_mem_kind(pi->location, &o->kind) != 0)
+      o->kind = GPUPOOL_MEM_HOST; /* a newer daemon's kind: shown as host rather than failing stats */
     o->device = pi->device;
     o->capacity = pi->capacity;
     o->slab_size = pi->slab_size;

@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "gpupool.pb-c.h"
+#include "gpupool/gpupool.h"
 
 #define GPUPOOL_WIRE_HDR 4
 #define GPUPOOL_WIRE_MAX_FDS 4
@@ -118,6 +119,17 @@ int gpupool__wire_inbuf_fill(gpupool__wire_inbuf *b, int sock, int *fds_closed);
  * fill); 0 when none is complete yet; GPUPOOL_EPROTO when the next frame exceeds max_frame
  * (checked on its header, before any payload is read). */
 int gpupool__wire_inbuf_next(gpupool__wire_inbuf *b, const uint8_t **payload, uint32_t *len);
+
+/* Tensor metadata from the wire, checked: ranks, strides, dtype range, and a span (offset
+ * included, overflow-checked) within size bytes. GPUPOOL_EMETA with a message otherwise. */
+int gpupool__wire_meta_from(const Gpupool__Wire__TensorMeta *w, uint64_t size, gpupool_tensor_meta *m);
+/* The same checks on a C struct (what gpupool__wire_meta_from ends with). */
+int gpupool__wire_meta_check(const gpupool_tensor_meta *m, uint64_t size);
+/* Fill w from m; w points into m's arrays, so m must outlive w's packing. */
+void gpupool__wire_meta_to(const gpupool_tensor_meta *m, Gpupool__Wire__TensorMeta *w);
+/* Memory kinds <-> LocationKind. The reverse refuses an unknown value with GPUPOOL_EPROTO. */
+int gpupool__wire_location(gpupool_mem_kind k);
+int gpupool__wire_mem_kind(int location, gpupool_mem_kind *out);
 
 /* Names of the wire enums as shown to people and in metrics ("host", "cuda", "device", ...). */
 const char *gpupool__wire_backend_name(int kind);

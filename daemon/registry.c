@@ -755,30 +755,6 @@ static int name_visible(const gpupool__name *n, const gpupool__client *c) {
   return c->uid == 0 || n->uid == c->uid || n->share_all || (n->share_gid && n->share_gid == c->gid);
 }
 
-static int meta_from_wire(const Gpupool__Wire__TensorMeta *w, gpupool_tensor_meta *m) {
-  memset(m, 0, sizeof *m);
-  if (w->n_shape > GPUPOOL_MAX_NDIM)
-    return gpupool__err(GPUPOOL_EMETA, "tensor has %zu dimensions; the limit is %d", w->n_shape,
-                        GPUPOOL_MAX_NDIM);
-  if (w->n_strides != 0 && w->n_strides != w->n_shape)
-    return gpupool__err(GPUPOOL_EMETA, "tensor has %zu strides for %zu dimensions", w->n_strides,
-                        w->n_shape);
-  if (w->dtype_code > 255 || w->dtype_bits > 255 || w->dtype_lanes > 65535)
-    return gpupool__err(GPUPOOL_EMETA, "dtype (code %u, bits %u, lanes %u) is out of DLPack's range",
-                        w->dtype_code, w->dtype_bits, w->dtype_lanes);
-  m->dtype_code = (uint8_t)w->dtype_code;
-  m->dtype_bits = (uint8_t)w->dtype_bits;
-  m->dtype_lanes = (uint16_t)w->dtype_lanes;
-  m->ndim = (int32_t)w->n_shape;
-  for (size_t i = 0; i < w->n_shape; i++)
-    m->shape[i] = w->shape[i];
-  m->strides_present = w->n_strides != 0;
-  for (size_t i = 0; i < w->n_strides; i++)
-    m->strides[i] = w->strides[i];
-  m->byte_offset = w->byte_offset;
-  return 0;
-}
-
 int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id, const char *name,
                const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all) {
   gpupool__hold *h = NULL;
@@ -790,19 +766,8 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
     return rc;
   if ((rc = gpupool__check_name(name)) != 0)
     return rc;
-  if (has_meta) {
-    uint64_t span;
-    int err;
-    if ((rc = meta_from_wire(meta, &m)) != 0)
-      return rc;
-    span = gpupool_tensor_span(&m, &err);
-    if (err)
-      return err;
-    if (span > h->buf->asked)
-      return gpupool__err(GPUPOOL_EMETA,
-                          "tensor spans %" PRIu64 " bytes (offset included) but the buffer has %" PRIu64,
-                          span, h->buf->asked);
-  }
+  if (has_meta && (rc = gpupool__wire_meta_from(meta, h->buf->asked, &m)) != 0)
+    return rc;
   old = gpupool__smap_get(&reg->names, name);
   if (old)
     return gpupool__err(GPUPOOL_EEXIST,
@@ -971,9 +936,7 @@ void gpupool__fill_pool_info(gpupool__registry *reg, gpupool__pool *p, Gpupool__
   pi->id = p->id;
   pi->name = p->cfg.name;
   pi->backend = reg->be->desc->kind;
-  pi->location = p->cfg.kind == GPUPOOL_MEM_HOST        ? GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST
-                 : p->cfg.kind == GPUPOOL_MEM_HOST_NUMA ? GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST_NUMA
-                                                        : GPUPOOL__WIRE__LOCATION_KIND__LOCATION_DEVICE;
+  pi->location = gpupool__wire_location(p->cfg.kind);
   pi->device = p->cfg.kind == GPUPOOL_MEM_HOST ? -1 : p->cfg.device;
   pi->numa_node = p->cfg.kind == GPUPOOL_MEM_HOST_NUMA ? p->cfg.numa_node : -1;
   pi->capacity = p->cfg.capacity;
@@ -1039,20 +1002,7 @@ void gpupool__fill_desc(gpupool__registry *reg, gpupool__client *c, gpupool__hol
                                                       : NULL;
     if (!m)
       return;
-    gpupool__wire__tensor_meta__init(&s->meta);
-    s->meta.present = 1;
-    s->meta.dtype_code = m->dtype_code;
-    s->meta.dtype_bits = m->dtype_bits;
-    s->meta.dtype_lanes = m->dtype_lanes;
-    for (int i = 0; i < m->ndim; i++) {
-      s->shape[i] = m->shape[i];
-      s->strides[i] = m->strides[i];
-    }
-    s->meta.n_shape = (size_t)m->ndim;
-    s->meta.shape = s->shape;
-    s->meta.n_strides = m->strides_present ? (size_t)m->ndim : 0;
-    s->meta.strides = s->strides;
-    s->meta.byte_offset = m->byte_offset;
+    gpupool__wire_meta_to(m, &s->meta);
     s->desc.tensor = &s->meta;
   }
 }

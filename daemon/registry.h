@@ -216,8 +216,7 @@ typedef struct {
   Gpupool__Wire__BufferDesc desc;
   Gpupool__Wire__SlabRef slab;
   Gpupool__Wire__EventRef ready, done;
-  Gpupool__Wire__TensorMeta meta;
-  int64_t shape[GPUPOOL_MAX_NDIM], strides[GPUPOOL_MAX_NDIM];
+  Gpupool__Wire__TensorMeta meta; /* points into the registry's copy of the metadata */
 } gpupool__desc_storage;
 /* name: the name the hold was got by, if any (its tensor description is sent; otherwise the
  * one the buffer was last published with). */

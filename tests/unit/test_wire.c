@@ -1049,6 +1049,111 @@ static void test_inbuf_fds_closed_oversize_eof(void **state) {
   assert_int_equal(count_fds(), before);
 }
 
+/* The send queue: frames the socket does not take wait in order, with their fds, and come out
+ * whole once the peer reads. */
+static void test_txq_order_and_fds(void **state) {
+  int sv[2], pfd[2];
+  gpupool__wire_txq q;
+  int sndbuf = 4096, queued = 0;
+  (void)state;
+  assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, sv), 0);
+  assert_int_equal(setsockopt(sv[0], SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof sndbuf), 0);
+  assert_int_equal(pipe(pfd), 0);
+  gpupool__wire_txq_init(&q);
+  for (int i = 0; i < 64; i++) {
+    size_t len = 8192;
+    uint8_t *buf = malloc(len);
+    assert_non_null(buf);
+    memset(buf, i, len);
+    int rc = gpupool__wire_txq_send(&q, sv[0], buf, len, i == 40 ? &pfd[0] : NULL, i == 40 ? 1 : 0);
+    assert_true(rc == 0 || rc == 1);
+    queued += rc == 0;
+  }
+  assert_true(queued > 0);
+  assert_true(q.cost >= q.bytes);
+  close(pfd[0]); /* the queue holds its own duplicate */
+  {
+    uint8_t *got = malloc(64 * 8192);
+    size_t have = 0;
+    int fds_seen = 0;
+    while (have < 64 * 8192) {
+      struct msghdr mh = {0};
+      struct iovec iov = {got + have, 64 * 8192 - have};
+      union { char b[CMSG_SPACE(sizeof(int) * 4)]; struct cmsghdr a; } ctl;
+      ssize_t n;
+      mh.msg_iov = &iov;
+      mh.msg_iovlen = 1;
+      mh.msg_control = ctl.b;
+      mh.msg_controllen = sizeof ctl.b;
+      n = recvmsg(sv[1], &mh, MSG_CMSG_CLOEXEC);
+      if (n < 0) {
+        assert_int_equal(errno, EAGAIN);
+        assert_true(gpupool__wire_txq_flush(&q, sv[0]) >= 0);
+        continue;
+      }
+      for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm)) {
+        int fd;
+        memcpy(&fd, CMSG_DATA(cm), sizeof fd);
+        close(fd);
+        fds_seen++;
+        /* with the read that holds the first byte of frame 40 */
+        assert_true(have <= 40 * 8192 && 40 * 8192 < have + (size_t)n);
+      }
+      have += (size_t)n;
+    }
+    for (size_t i = 0; i < have; i++)
+      assert_int_equal(got[i], i / 8192);
+    assert_int_equal(fds_seen, 1);
+    free(got);
+  }
+  assert_int_equal(gpupool__wire_txq_flush(&q, sv[0]), 1);
+  assert_int_equal(q.bytes, 0);
+  assert_int_equal(q.cost, 0);
+  gpupool__wire_txq_clear(&q);
+  close(pfd[1]);
+  close(sv[0]);
+  close(sv[1]);
+}
+
+/* Tensor metadata is checked by the same code on both sides: a description that does not fit
+ * its buffer, or that overflows, is refused with a message. */
+static void test_meta_conversion(void **state) {
+  gpupool_tensor_meta m = {0}, back;
+  Gpupool__Wire__TensorMeta w;
+  int64_t shape[GPUPOOL_MAX_NDIM + 1] = {0};
+  (void)state;
+  m.dtype_code = GPUPOOL_DTYPE_FLOAT;
+  m.dtype_bits = 32;
+  m.dtype_lanes = 1;
+  m.ndim = 2;
+  m.shape[0] = 4;
+  m.shape[1] = 8;
+  gpupool__wire_meta_to(&m, &w);
+  assert_int_equal(gpupool__wire_meta_from(&w, 128, &back), 0);
+  assert_int_equal(back.ndim, 2);
+  assert_int_equal(back.shape[1], 8);
+  assert_int_equal(gpupool__wire_meta_from(&w, 127, &back), GPUPOOL_EMETA);
+  assert_non_null(strstr(gpupool__errmsg(), "spans 128 bytes"));
+  w.n_shape = GPUPOOL_MAX_NDIM + 1;
+  w.shape = shape;
+  w.n_strides = 0;
+  assert_int_equal(gpupool__wire_meta_from(&w, 1 << 20, &back), GPUPOOL_EMETA);
+  m.shape[0] = INT64_MAX;
+  m.shape[1] = INT64_MAX;
+  assert_int_equal(gpupool__wire_meta_check(&m, UINT64_MAX), GPUPOOL_EMETA);
+  assert_non_null(strstr(gpupool__errmsg(), "overflows"));
+}
+
+static void test_mem_kinds(void **state) {
+  gpupool_mem_kind k;
+  (void)state;
+  for (int i = GPUPOOL_MEM_HOST; i <= GPUPOOL_MEM_HOST_NUMA; i++) {
+    assert_int_equal(gpupool__wire_mem_kind(gpupool__wire_location((gpupool_mem_kind)i), &k), 0);
+    assert_int_equal(k, i);
+  }
+  assert_int_equal(gpupool__wire_mem_kind(99, &k), GPUPOOL_EPROTO);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_request_roundtrip),
@@ -1073,6 +1178,9 @@ int main(void) {
       cmocka_unit_test(test_inbuf_many_frames_one_read),
       cmocka_unit_test(test_inbuf_split_and_large),
       cmocka_unit_test(test_inbuf_fds_closed_oversize_eof),
+      cmocka_unit_test(test_txq_order_and_fds),
+      cmocka_unit_test(test_meta_conversion),
+      cmocka_unit_test(test_mem_kinds),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,78 @@
+/*
+ * Conversions between wire messages and the C structs both sides use, with the checks both
+ * sides make: tensor metadata (validated the same way by the daemon when a client publishes
+ * it and by the client when the daemon hands it over) and memory kinds.
+ */
+#include <inttypes.h>
+#include <string.h>
+
+#include "errors.h"
+#include "wire.h"
+
+int gpupool__wire_meta_from(const Gpupool__Wire__TensorMeta *w, uint64_t size, gpupool_tensor_meta *m) {
+  memset(m, 0, sizeof *m);
+  if (w->n_shape > GPUPOOL_MAX_NDIM)
+    return gpupool__err(GPUPOOL_EMETA, "tensor has %zu dimensions; the limit is %d", w->n_shape,
+                        GPUPOOL_MAX_NDIM);
+  if (w->n_strides != 0 && w->n_strides != w->n_shape)
+    return gpupool__err(GPUPOOL_EMETA, "tensor has %zu strides for %zu dimensions", w->n_strides,
+                        w->n_shape);
+  if (w->dtype_code > 255 || w->dtype_bits > 255 || w->dtype_lanes > 65535)
+    return gpupool__err(GPUPOOL_EMETA, "dtype (code %u, bits %u, lanes %u) is out of DLPack's range",
+                        w->dtype_code, w->dtype_bits, w->dtype_lanes);
+  m->dtype_code = (uint8_t)w->dtype_code;
+  m->dtype_bits = (uint8_t)w->dtype_bits;
+  m->dtype_lanes = (uint16_t)w->dtype_lanes;
+  m->ndim = (int32_t)w->n_shape;
+  for (size_t i = 0; i < w->n_shape; i++)
+    m->shape[i] = w->shape[i];
+  m->strides_present = w->n_strides != 0;
+  for (size_t i = 0; i < w->n_strides; i++)
+    m->strides[i] = w->strides[i];
+  m->byte_offset = w->byte_offset;
+  return gpupool__wire_meta_check(m, size);
+}
+
+int gpupool__wire_meta_check(const gpupool_tensor_meta *m, uint64_t size) {
+  int err;
+  uint64_t span = gpupool_tensor_span(m, &err);
+  if (err)
+    return err;
+  if (span > size)
+    return gpupool__err(GPUPOOL_EMETA,
+                        "tensor spans %" PRIu64 " bytes (offset included) but the buffer has %" PRIu64,
+                        span, size);
+  return 0;
+}
+
+void gpupool__wire_meta_to(const gpupool_tensor_meta *m, Gpupool__Wire__TensorMeta *w) {
+  gpupool__wire__tensor_meta__init(w);
+  w->present = 1;
+  w->dtype_code = m->dtype_code;
+  w->dtype_bits = m->dtype_bits;
+  w->dtype_lanes = m->dtype_lanes;
+  w->n_shape = (size_t)m->ndim;
+  w->shape = (int64_t *)m->shape;
+  w->n_strides = m->strides_present ? (size_t)m->ndim : 0;
+  w->strides = (int64_t *)m->strides;
+  w->byte_offset = m->byte_offset;
+}
+
+int gpupool__wire_location(gpupool_mem_kind k) {
+  switch (k) {
+  case GPUPOOL_MEM_HOST: return GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST;
+  case GPUPOOL_MEM_DEVICE: return GPUPOOL__WIRE__LOCATION_KIND__LOCATION_DEVICE;
+  case GPUPOOL_MEM_HOST_NUMA: return GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST_NUMA;
+  }
+  return GPUPOOL__WIRE__LOCATION_KIND__LOCATION_UNSPECIFIED;
+}
+
+int gpupool__wire_mem_kind(int location, gpupool_mem_kind *out) {
+  switch (location) {
+  case GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST: *out = GPUPOOL_MEM_HOST; return 0;
+  case GPUPOOL__WIRE__LOCATION_KIND__LOCATION_DEVICE: *out = GPUPOOL_MEM_DEVICE; return 0;
+  case GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST_NUMA: *out = GPUPOOL_MEM_HOST_NUMA; return 0;
+  }
+  return gpupool__err(GPUPOOL_EPROTO, "unknown memory location %d from the peer; upgrade both sides "
+                      "to the same release", location);
+}
