@@ -20,7 +20,4 @@ const char *gpupool__errmsg(void);
 /* Forget the calling thread's message. */
 void gpupool__err_clear(void);
 
-/* Socket path rules (paths.c): for_client adds the fall-back to the system socket. */
-int gpupool__socket_path(char *buf, size_t len, int for_client);
-
 #endif

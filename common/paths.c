@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include "errors.h"
+#include "paths.h"
 
 #define SYSTEM_SOCKET "/run/gpupool/gpupoold.sock"
 

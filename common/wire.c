@@ -237,10 +237,14 @@ static int take_fds(struct msghdr *msg, int *got, int max, int *extra) {
   return ngot;
 }
 
-/* Receive up to want bytes into dst, collecting fds into rx. Returns bytes read (> 0), 0 on
- * EOF, -EAGAIN when the socket would block, or a negative GPUPOOL_E* code. On a protocol
- * error every fd received by this call has been closed. */
-static ssize_t rx_step(gpupool__wire_rx *rx, int sock, uint8_t *dst, size_t want) {
+/* rx_step's result when the socket would block (errno values and GPUPOOL_E* codes overlap, so
+ * this is neither: a positive value). */
+#define RX_WOULD_BLOCK 1
+
+/* Receive up to want bytes into dst, collecting fds into rx. Returns 0 with *got the bytes
+ * read (0 on EOF), RX_WOULD_BLOCK, or a negative GPUPOOL_E* code. On a protocol error every
+ * fd received by this call has been closed. */
+static int rx_step(gpupool__wire_rx *rx, int sock, uint8_t *dst, size_t want, size_t *got_bytes) {
   struct iovec iov = {.iov_base = dst, .iov_len = want};
   struct msghdr msg;
   ctrl_buf ctrl;
@@ -260,7 +264,7 @@ static ssize_t rx_step(gpupool__wire_rx *rx, int sock, uint8_t *dst, size_t want
     if (errno == EINTR)
       continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK)
-      return -EAGAIN;
+      return RX_WOULD_BLOCK;
     if (errno == ECONNRESET)
       return gpupool__err(GPUPOOL_ECLOSED, "peer reset the connection");
     return gpupool__err(GPUPOOL_EIO, "recvmsg on the gpupool socket failed: %s",
@@ -285,24 +289,23 @@ static ssize_t rx_step(gpupool__wire_rx *rx, int sock, uint8_t *dst, size_t want
   }
   for (int i = 0; i < ngot; i++)
     rx->fds[rx->nfds++] = got[i];
-  return n;
+  *got_bytes = (size_t)n;
+  return 0;
 }
 
 int gpupool__wire_rx_read(gpupool__wire_rx *rx, int sock) {
-  ssize_t n;
+  size_t n = 0;
   int rc;
 
   if (rx->max_frame == 0)
     return gpupool__err(GPUPOOL_EINVAL, "receiver not initialised (gpupool__wire_rx_init)");
 
   while (rx->hdr_have < GPUPOOL_WIRE_HDR) {
-    n = rx_step(rx, sock, rx->hdr + rx->hdr_have, GPUPOOL_WIRE_HDR - rx->hdr_have);
-    if (n == -EAGAIN)
+    rc = rx_step(rx, sock, rx->hdr + rx->hdr_have, GPUPOOL_WIRE_HDR - rx->hdr_have, &n);
+    if (rc == RX_WOULD_BLOCK)
       return 0;
-    if (n < 0) {
-      rc = (int)n;
+    if (rc < 0)
       goto fail;
-    }
     if (n == 0) {
       if (rx->hdr_have == 0 && rx->nfds == 0)
         return gpupool__err(GPUPOOL_ECLOSED, "peer closed the connection");
@@ -333,13 +336,11 @@ int gpupool__wire_rx_read(gpupool__wire_rx *rx, int sock) {
   }
 
   while (rx->payload_have < rx->payload_len) {
-    n = rx_step(rx, sock, rx->payload + rx->payload_have, rx->payload_len - rx->payload_have);
-    if (n == -EAGAIN)
+    rc = rx_step(rx, sock, rx->payload + rx->payload_have, rx->payload_len - rx->payload_have, &n);
+    if (rc == RX_WOULD_BLOCK)
       return 0;
-    if (n < 0) {
-      rc = (int)n;
+    if (rc < 0)
       goto fail;
-    }
     if (n == 0) {
       rc = gpupool__err(GPUPOOL_EPROTO,
                         "peer closed the connection after %u of %u payload bytes",

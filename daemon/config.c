@@ -22,6 +22,7 @@
 #include "backend.h"
 #include "config.h"
 #include "errors.h"
+#include "paths.h"
 #include "log.h"
 
 void gpupool__config_defaults(gpupool__config *c) {
@@ -192,7 +193,7 @@ static int set_pool_key(gpupool__pool_config *p, const char *k, const char *v) {
                       k);
 }
 
-static int set_daemon_key(gpupool__config *c, const char *k, const char *v) {
+int gpupool__config_set(gpupool__config *c, const char *k, const char *v) {
   uint32_t u = 0;
   if (!strcmp(k, "socket"))
     return copy_str(c->socket_path, sizeof c->socket_path, v);
@@ -337,7 +338,7 @@ int gpupool__config_load(gpupool__config *c, const char *path) {
                         path, lineno, k);
       goto out;
     }
-    if ((in_daemon ? set_daemon_key(c, k, v) : set_pool_key(pool, k, v)) != 0) {
+    if ((in_daemon ? gpupool__config_set(c, k, v) : set_pool_key(pool, k, v)) != 0) {
       snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
       rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: %s", path, lineno, msg);
       goto out;

@@ -52,6 +52,9 @@ int gpupool__config_load(gpupool__config *c, const char *path);
 /* Parse a --pool spec "name=x,kind=device|host|host-numa,device=0,numa=0,capacity=8G,
  * slab=256M,align=256,keep=1" and add it. */
 int gpupool__config_add_pool_spec(gpupool__config *c, const char *spec);
+/* Set one key of the [daemon] section (what the file's "key = value" lines do). 0 or
+ * GPUPOOL_EINVAL with a message. */
+int gpupool__config_set(gpupool__config *c, const char *key, const char *value);
 /* "auto" or a backend's name (as in the file's backend = and --backend). */
 int gpupool__config_set_backend(gpupool__config *c, const char *name);
 /* Fill unset fields of pools from the backend's defaults; add the backend's default pools

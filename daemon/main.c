@@ -14,6 +14,7 @@
 #include "backend.h"
 #include "config.h"
 #include "errors.h"
+#include "paths.h"
 #include "log.h"
 #include "metrics.h"
 #include "registry.h"
@@ -160,14 +161,9 @@ int main(int argc, char **argv) {
   }
   {
     const char *bp = getenv("GPUPOOL_BUSY_POLL_US");
-    if (bp && *bp) {
-      char *end;
-      unsigned long v = strtoul(bp, &end, 10);
-      if (*end || v > 1000000) {
-        fprintf(stderr, "gpupoold: GPUPOOL_BUSY_POLL_US='%s' is not a number of microseconds up to 1000000\n", bp);
-        return 2;
-      }
-      cfg.busy_poll_us = (uint32_t)v;
+    if (bp && *bp && gpupool__config_set(&cfg, "busy_poll_us", bp) != 0) {
+      fprintf(stderr, "gpupoold: GPUPOOL_BUSY_POLL_US: %s\n", gpupool__errmsg());
+      return 2;
     }
   }
   if (level_opt && gpupool__log_parse_level(level_opt, &cfg.log_level) != 0) {
