@@ -1,6 +1,6 @@
 /*
- * Hash maps for the registry and the client's caches: uint64 -> void * and string -> void *.
- * Open addressing with linear probing over a power-of-two table, tombstones for deletions.
+ * Hash maps for the registry and the client's caches: uint64 -> void * and string -> void *,
+ * one implementation for both key kinds. Open addressing with linear probing over a power-of-two table, tombstones for deletions.
  *
  * Linear probing is only as good as the hash's low bits, and our keys are sequential ids, so
  * u64 keys go through the splitmix64 finalizer and strings through FNV-1a followed by the
@@ -56,34 +56,37 @@ static size_t rebuild_cap(size_t cap, size_t len) {
   return n;
 }
 
-/* --- uint64 keys ---------------------------------------------------------------------------- */
+/* --- one map for both key kinds -------------------------------------------------------------- */
 
-void gpupool__hmap_init(gpupool__hmap *m) { memset(m, 0, sizeof *m); }
+void gpupool__map_init(gpupool__map *m) { memset(m, 0, sizeof *m); }
 
-void gpupool__hmap_free(gpupool__hmap *m) {
-  free(m->slots);
-  memset(m, 0, sizeof *m);
+int gpupool__map_slot_used(const gpupool__map *m, size_t i) {
+  return i < m->cap && m->slots[i].state == USED;
 }
 
-/* Slot holding key, or SIZE_MAX. */
-static size_t hfind(const gpupool__hmap *m, uint64_t key) {
+static int key_eq(const gpupool__map_slot *s, uint64_t h, uint64_t ikey, const char *skey) {
+  return s->hash == h && (skey ? s->skey && strcmp(s->skey, skey) == 0 : s->ikey == ikey);
+}
+
+/* Slot holding the key (skey when not NULL, else ikey), or SIZE_MAX. */
+static size_t find(const gpupool__map *m, uint64_t h, uint64_t ikey, const char *skey) {
   size_t mask, i;
 
   if (m->cap == 0)
     return SIZE_MAX;
   mask = m->cap - 1;
-  for (i = mix64(key) & mask;; i = (i + 1) & mask) {
-    const gpupool__hmap_slot *s = &m->slots[i];
+  for (i = h & mask;; i = (i + 1) & mask) {
+    const gpupool__map_slot *s = &m->slots[i];
     if (s->state == EMPTY)
       return SIZE_MAX;
-    if (s->state == USED && s->key == key)
+    if (s->state == USED && key_eq(s, h, ikey, skey))
       return i;
   }
 }
 
-static int hrebuild(gpupool__hmap *m) {
+static int rebuild(gpupool__map *m) {
   size_t ncap = rebuild_cap(m->cap, m->len);
-  gpupool__hmap_slot *ns;
+  gpupool__map_slot *ns;
 
   if (ncap == 0 || ncap > SIZE_MAX / sizeof *ns)
     return gpupool__err(GPUPOOL_ENOMEM, "hash map of %zu entries cannot grow further", m->len);
@@ -91,11 +94,11 @@ static int hrebuild(gpupool__hmap *m) {
   if (ns == NULL)
     return gpupool__err(GPUPOOL_ENOMEM, "cannot grow a hash map to %zu slots", ncap);
   for (size_t j = 0; j < m->cap; j++) {
-    const gpupool__hmap_slot *s = &m->slots[j];
+    const gpupool__map_slot *s = &m->slots[j];
     size_t i;
     if (s->state != USED)
       continue;
-    for (i = mix64(s->key) & (ncap - 1); ns[i].state != EMPTY; i = (i + 1) & (ncap - 1))
+    for (i = s->hash & (ncap - 1); ns[i].state != EMPTY; i = (i + 1) & (ncap - 1))
       ;
     ns[i] = *s;
   }
@@ -106,47 +109,44 @@ static int hrebuild(gpupool__hmap *m) {
   return 0;
 }
 
-int gpupool__hmap_put(gpupool__hmap *m, uint64_t key, void *val) {
+/* Insert or replace; skey (already copied, owned by the map on success) or ikey. */
+static int put(gpupool__map *m, uint64_t h, uint64_t ikey, char *skey, void *val, int *replaced) {
   size_t i, mask, tomb = SIZE_MAX;
 
-  i = hfind(m, key);
+  i = find(m, h, ikey, skey);
+  *replaced = i != SIZE_MAX;
   if (i != SIZE_MAX) {
     m->slots[i].val = val;
     return 0;
   }
   if (needs_rebuild(m->cap, m->len, m->dead)) {
-    int rc = hrebuild(m);
+    int rc = rebuild(m);
     if (rc < 0)
       return rc;
   }
   mask = m->cap - 1;
-  for (i = mix64(key) & mask; m->slots[i].state != EMPTY; i = (i + 1) & mask)
+  for (i = h & mask; m->slots[i].state != EMPTY; i = (i + 1) & mask)
     if (m->slots[i].state == DEAD && tomb == SIZE_MAX)
       tomb = i;
   if (tomb != SIZE_MAX) {
     i = tomb;
     m->dead--;
   }
-  m->slots[i].key = key;
+  m->slots[i].hash = h;
+  m->slots[i].ikey = ikey;
+  m->slots[i].skey = skey;
   m->slots[i].val = val;
   m->slots[i].state = USED;
   m->len++;
   return 0;
 }
 
-void *gpupool__hmap_get(const gpupool__hmap *m, uint64_t key) {
-  size_t i = hfind(m, key);
-  return i == SIZE_MAX ? NULL : m->slots[i].val;
-}
+static void *del_at(gpupool__map *m, size_t i) {
+  size_t mask = m->cap - 1;
+  void *val = m->slots[i].val;
 
-void *gpupool__hmap_del(gpupool__hmap *m, uint64_t key) {
-  size_t i = hfind(m, key), mask;
-  void *val;
-
-  if (i == SIZE_MAX)
-    return NULL;
-  mask = m->cap - 1;
-  val = m->slots[i].val;
+  free(m->slots[i].skey);
+  m->slots[i].skey = NULL;
   m->slots[i].val = NULL;
   m->len--;
   if (m->slots[(i + 1) & mask].state == EMPTY) {
@@ -164,138 +164,67 @@ void *gpupool__hmap_del(gpupool__hmap *m, uint64_t key) {
   return val;
 }
 
-int gpupool__hmap_slot_used(const gpupool__hmap *m, size_t i) {
-  return i < m->cap && m->slots[i].state == USED;
-}
-
-/* --- string keys ---------------------------------------------------------------------------- */
-
-void gpupool__smap_init(gpupool__smap *m) { memset(m, 0, sizeof *m); }
-
-void gpupool__smap_free(gpupool__smap *m) {
+static void map_free(gpupool__map *m) {
   for (size_t i = 0; i < m->cap; i++)
     if (m->slots[i].state == USED)
-      free(m->slots[i].key);
+      free(m->slots[i].skey);
   free(m->slots);
   memset(m, 0, sizeof *m);
 }
 
-static size_t sfind(const gpupool__smap *m, const char *key, uint64_t h) {
-  size_t mask, i;
+/* --- uint64 keys ---------------------------------------------------------------------------- */
 
-  if (m->cap == 0)
-    return SIZE_MAX;
-  mask = m->cap - 1;
-  for (i = h & mask;; i = (i + 1) & mask) {
-    const gpupool__smap_slot *s = &m->slots[i];
-    if (s->state == EMPTY)
-      return SIZE_MAX;
-    if (s->state == USED && s->hash == h && strcmp(s->key, key) == 0)
-      return i;
-  }
+void gpupool__hmap_free(gpupool__hmap *m) { map_free(m); }
+
+int gpupool__hmap_put(gpupool__hmap *m, uint64_t key, void *val) {
+  int replaced;
+  return put(m, mix64(key), key, NULL, val, &replaced);
 }
 
-static int srebuild(gpupool__smap *m) {
-  size_t ncap = rebuild_cap(m->cap, m->len);
-  gpupool__smap_slot *ns;
-
-  if (ncap == 0 || ncap > SIZE_MAX / sizeof *ns)
-    return gpupool__err(GPUPOOL_ENOMEM, "hash map of %zu entries cannot grow further", m->len);
-  ns = calloc(ncap, sizeof *ns);
-  if (ns == NULL)
-    return gpupool__err(GPUPOOL_ENOMEM, "cannot grow a hash map to %zu slots", ncap);
-  for (size_t j = 0; j < m->cap; j++) {
-    const gpupool__smap_slot *s = &m->slots[j];
-    size_t i;
-    if (s->state != USED)
-      continue;
-    for (i = s->hash & (ncap - 1); ns[i].state != EMPTY; i = (i + 1) & (ncap - 1))
-      ;
-    ns[i] = *s;
-  }
-  free(m->slots);
-  m->slots = ns;
-  m->cap = ncap;
-  m->dead = 0;
-  return 0;
+void *gpupool__hmap_get(const gpupool__hmap *m, uint64_t key) {
+  size_t i = find(m, mix64(key), key, NULL);
+  return i == SIZE_MAX ? NULL : m->slots[i].val;
 }
+
+void *gpupool__hmap_del(gpupool__hmap *m, uint64_t key) {
+  size_t i = find(m, mix64(key), key, NULL);
+  return i == SIZE_MAX ? NULL : del_at(m, i);
+}
+
+/* --- string keys ---------------------------------------------------------------------------- */
+
+void gpupool__smap_free(gpupool__smap *m) { map_free(m); }
 
 int gpupool__smap_put(gpupool__smap *m, const char *key, void *val) {
-  size_t i, mask, tomb = SIZE_MAX;
   uint64_t h;
   char *copy;
+  int rc, replaced;
 
   if (key == NULL)
     return gpupool__err(GPUPOOL_EINVAL, "string map key is NULL");
   h = hash_str(key);
-  i = sfind(m, key, h);
-  if (i != SIZE_MAX) {
-    m->slots[i].val = val;
-    return 0;
-  }
+  if (find(m, h, 0, key) != SIZE_MAX)
+    return put(m, h, 0, (char *)key, val, &replaced); /* replaces; the key is not taken */
   copy = strdup(key);
   if (copy == NULL)
     return gpupool__err(GPUPOOL_ENOMEM, "cannot copy a %zu-byte map key", strlen(key));
-  if (needs_rebuild(m->cap, m->len, m->dead)) {
-    int rc = srebuild(m);
-    if (rc < 0) {
-      free(copy);
-      return rc;
-    }
-  }
-  mask = m->cap - 1;
-  for (i = h & mask; m->slots[i].state != EMPTY; i = (i + 1) & mask)
-    if (m->slots[i].state == DEAD && tomb == SIZE_MAX)
-      tomb = i;
-  if (tomb != SIZE_MAX) {
-    i = tomb;
-    m->dead--;
-  }
-  m->slots[i].key = copy;
-  m->slots[i].hash = h;
-  m->slots[i].val = val;
-  m->slots[i].state = USED;
-  m->len++;
-  return 0;
+  if ((rc = put(m, h, 0, copy, val, &replaced)) != 0)
+    free(copy);
+  return rc;
 }
 
 void *gpupool__smap_get(const gpupool__smap *m, const char *key) {
   size_t i;
-
   if (key == NULL)
     return NULL;
-  i = sfind(m, key, hash_str(key));
+  i = find(m, hash_str(key), 0, key);
   return i == SIZE_MAX ? NULL : m->slots[i].val;
 }
 
 void *gpupool__smap_del(gpupool__smap *m, const char *key) {
-  size_t i, mask;
-  void *val;
-
+  size_t i;
   if (key == NULL)
     return NULL;
-  i = sfind(m, key, hash_str(key));
-  if (i == SIZE_MAX)
-    return NULL;
-  mask = m->cap - 1;
-  val = m->slots[i].val;
-  free(m->slots[i].key);
-  m->slots[i].key = NULL;
-  m->slots[i].val = NULL;
-  m->len--;
-  if (m->slots[(i + 1) & mask].state == EMPTY) {
-    m->slots[i].state = EMPTY;
-    for (i = (i - 1) & mask; m->slots[i].state == DEAD; i = (i - 1) & mask) {
-      m->slots[i].state = EMPTY;
-      m->dead--;
-    }
-  } else {
-    m->slots[i].state = DEAD;
-    m->dead++;
-  }
-  return val;
-}
-
-int gpupool__smap_slot_used(const gpupool__smap *m, size_t i) {
-  return i < m->cap && m->slots[i].state == USED;
+  i = find(m, hash_str(key), 0, key);
+  return i == SIZE_MAX ? NULL : del_at(m, i);
 }

@@ -2,7 +2,7 @@
  * Hash maps used by the daemon's registry and the client's caches: uint64 keys and string
  * keys, each mapping to a void *value. Open addressing, grows by doubling; deletions keep
  * lookups correct (backward shift or tombstones). Values are not owned by the map.
- * Iteration: for (size_t i = 0; i < m->cap; i++) if (gpupool__hmap_slot_used(m, i)) ...
+ * Iteration: for (size_t i = 0; i < m->cap; i++) if (gpupool__map_slot_used(m, i)) ...
  */
 #ifndef GPUPOOL_COMMON_HMAP_H
 #define GPUPOOL_COMMON_HMAP_H
@@ -10,20 +10,32 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* One map type serves both key kinds: a map holds either uint64 keys (ikey) or string keys
+ * (skey, copied and owned by the map), never both. */
 typedef struct {
-  uint64_t key;
+  uint64_t hash;
+  uint64_t ikey;
+  char *skey;
   void *val;
-  uint8_t state; /* 0 empty, 1 used, 2 deleted (if tombstones are used) */
-} gpupool__hmap_slot;
+  uint8_t state; /* 0 empty, 1 used, 2 deleted */
+} gpupool__map_slot;
 
 typedef struct {
-  gpupool__hmap_slot *slots;
+  gpupool__map_slot *slots;
   size_t cap;   /* power of two or 0 */
   size_t len;   /* used slots */
   size_t dead;  /* tombstones */
-} gpupool__hmap;
+} gpupool__map;
 
-void gpupool__hmap_init(gpupool__hmap *m);
+typedef gpupool__map gpupool__hmap; /* uint64 keys */
+typedef gpupool__map gpupool__smap; /* string keys */
+
+void gpupool__map_init(gpupool__map *m);
+int gpupool__map_slot_used(const gpupool__map *m, size_t i);
+
+/* uint64 keys. */
+#define gpupool__hmap_init gpupool__map_init
+#define gpupool__hmap_slot_used gpupool__map_slot_used
 void gpupool__hmap_free(gpupool__hmap *m);
 /* Insert or replace. 0 or GPUPOOL_ENOMEM. */
 int gpupool__hmap_put(gpupool__hmap *m, uint64_t key, void *val);
@@ -31,28 +43,13 @@ int gpupool__hmap_put(gpupool__hmap *m, uint64_t key, void *val);
 void *gpupool__hmap_get(const gpupool__hmap *m, uint64_t key);
 /* Remove; returns the old value or NULL. */
 void *gpupool__hmap_del(gpupool__hmap *m, uint64_t key);
-int gpupool__hmap_slot_used(const gpupool__hmap *m, size_t i);
 
-/* String-keyed map; keys are copied and owned by the map. */
-typedef struct {
-  char *key;
-  uint64_t hash;
-  void *val;
-  uint8_t state;
-} gpupool__smap_slot;
-
-typedef struct {
-  gpupool__smap_slot *slots;
-  size_t cap;
-  size_t len;
-  size_t dead;
-} gpupool__smap;
-
-void gpupool__smap_init(gpupool__smap *m);
+/* String keys; keys are copied and owned by the map. */
+#define gpupool__smap_init gpupool__map_init
+#define gpupool__smap_slot_used gpupool__map_slot_used
 void gpupool__smap_free(gpupool__smap *m);
 int gpupool__smap_put(gpupool__smap *m, const char *key, void *val);
 void *gpupool__smap_get(const gpupool__smap *m, const char *key);
 void *gpupool__smap_del(gpupool__smap *m, const char *key);
-int gpupool__smap_slot_used(const gpupool__smap *m, size_t i);
 
 #endif

@@ -75,7 +75,7 @@ static void test_u64_growth(void **state) {
   /* Iteration sees every entry exactly once. */
   for (size_t i = 0; i < m.cap; i++)
     if (gpupool__hmap_slot_used(&m, i)) {
-      uint64_t k = m.slots[i].key;
+      uint64_t k = m.slots[i].ikey;
       assert_true(m.slots[i].val == VAL(k) || m.slots[i].val == VAL((k >> 32) + N));
       seen++;
     }
@@ -228,8 +228,8 @@ static void test_smap(void **state) {
     size_t seen = 0;
     for (size_t i = 0; i < m.cap; i++)
       if (gpupool__smap_slot_used(&m, i)) {
-        assert_non_null(m.slots[i].key);
-        assert_ptr_equal(gpupool__smap_get(&m, m.slots[i].key), m.slots[i].val);
+        assert_non_null(m.slots[i].skey);
+        assert_ptr_equal(gpupool__smap_get(&m, m.slots[i].skey), m.slots[i].val);
         seen++;
       }
     assert_int_equal(seen, m.len);
