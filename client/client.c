@@ -1298,14 +1298,19 @@ int gpupool_unpublish(gpupool_client *c, const char *name) {
   return rc;
 }
 
-int gpupool_stats(gpupool_client *c, gpupool_daemon_stats *ds, gpupool_pool_stats *pools, int max_pools,
-                  int *n_pools) {
+int gpupool_stats_sized(gpupool_client *c, gpupool_daemon_stats *ds_out, size_t ds_size,
+                        gpupool_pool_stats *pools, size_t pool_size, int max_pools, int *n_pools) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Stats st = GPUPOOL__WIRE__STATS__INIT;
   gpupool__rep *rep;
   int rc, n = 0;
+  gpupool_daemon_stats ds_full, *ds = ds_out ? &ds_full : NULL;
   if (!c)
     return gpupool__err(GPUPOOL_EINVAL, "stats: client is NULL");
+  /* A caller built against an older header passes smaller structs: fill what it knows. */
+  if ((ds_out && ds_size < GPUPOOL_STATS_MIN_DAEMON_SIZE) || (pools && pool_size < GPUPOOL_STATS_MIN_POOL_SIZE))
+    return gpupool__err(GPUPOOL_EINVAL, "stats: struct sizes %zu/%zu are below the first release's; "
+                        "call gpupool_stats() from gpupool.h", ds_size, pool_size);
   gpupool__err_clear();
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
   req.stats = &st;
@@ -1320,6 +1325,7 @@ int gpupool_stats(gpupool_client *c, gpupool_daemon_stats *ds, gpupool_pool_stat
   }
   if (ds) {
     const Gpupool__Wire__StatsReply *s = rep->stats;
+    memset(ds, 0, sizeof *ds);
     ds->clients = s->clients;
     ds->buffers = s->buffers;
     ds->holds = s->holds;
@@ -1329,10 +1335,11 @@ int gpupool_stats(gpupool_client *c, gpupool_daemon_stats *ds, gpupool_pool_stat
     ds->open_fds = s->open_fds;
     ds->pending_frees = s->pending_frees;
     ds->uptime_s = s->uptime_s;
+    memcpy(ds_out, ds, ds_size < sizeof *ds ? ds_size : sizeof *ds);
   }
   for (size_t i = 0; pools && i < rep->stats->n_pools && n < max_pools; i++, n++) {
     const Gpupool__Wire__PoolInfo *pi = rep->stats->pools[i];
-    gpupool_pool_stats *o = &pools[n];
+    gpupool_pool_stats full, *o = &full;
     memset(o, 0, sizeof *o);
     o->id = pi->id;
     snprintf(o->name, sizeof o->name, "%s", pi->name ? pi->name : "");
@@ -1350,6 +1357,7 @@ int gpupool_stats(gpupool_client *c, gpupool_daemon_stats *ds, gpupool_pool_stat
     o->backend_reserved = pi->backend_reserved;
     o->buffers = pi->buffers;
     o->slabs = pi->slabs;
+    memcpy((char *)pools + (size_t)n * pool_size, o, pool_size < sizeof *o ? pool_size : sizeof *o);
   }
   if (n_pools)
     *n_pools = n;

@@ -126,7 +126,7 @@ typedef enum {
   GPUPOOL_MEM_HOST_NUMA = 3  /* pinned host memory reachable from the GPU */
 } gpupool_mem_kind;
 
-/* Pool usage as the daemon reports it. */
+/* Pool usage as the daemon reports it. New fields are only ever appended (see gpupool_stats). */
 typedef struct {
   uint32_t id;
   char name[64];
@@ -145,7 +145,7 @@ typedef struct {
   uint64_t slabs;
 } gpupool_pool_stats;
 
-/* Daemon-wide counters. */
+/* Daemon-wide counters. New fields are only ever appended (see gpupool_stats). */
 typedef struct {
   uint64_t clients;
   uint64_t buffers;
@@ -247,9 +247,20 @@ GPUPOOL_EXTERN int gpupool_get(gpupool_client *c, const char *name, int timeout_
 /* Remove a name. Holders keep their buffers; the memory goes when the last one lets go. */
 GPUPOOL_EXTERN int gpupool_unpublish(gpupool_client *c, const char *name);
 
-/* Daemon counters and up to max_pools pools (*n_pools set to how many were written). */
-GPUPOOL_EXTERN int gpupool_stats(gpupool_client *c, gpupool_daemon_stats *daemon,
-                                 gpupool_pool_stats *pools, int max_pools, int *n_pools);
+/* Daemon counters and up to max_pools pools (*n_pools set to how many were written).
+ * daemon and pools may be NULL. The structs grow at their end in later releases without an
+ * ABI break: gpupool_stats() passes the sizes this header knows, and the library fills that
+ * much of each (a newer library leaves its newer fields out; an older one zeroes what it does
+ * not know), striding the pools array by the caller's struct size. */
+GPUPOOL_EXTERN int gpupool_stats_sized(gpupool_client *c, gpupool_daemon_stats *daemon,
+                                       size_t daemon_size, gpupool_pool_stats *pools,
+                                       size_t pool_size, int max_pools, int *n_pools);
+#define gpupool_stats(c, daemon, pools, max_pools, n_pools)                                     \
+  gpupool_stats_sized((c), (daemon), sizeof(gpupool_daemon_stats), (pools),                     \
+                      sizeof(gpupool_pool_stats), (max_pools), (n_pools))
+/* The sizes of the first release's structs: the least gpupool_stats_sized accepts. */
+#define GPUPOOL_STATS_MIN_DAEMON_SIZE (9 * sizeof(uint64_t))
+#define GPUPOOL_STATS_MIN_POOL_SIZE (offsetof(gpupool_pool_stats, slabs) + sizeof(uint64_t))
 
 /* Ask the daemon to return unused slabs to the backend. */
 GPUPOOL_EXTERN int gpupool_trim(gpupool_client *c);

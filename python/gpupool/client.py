@@ -721,8 +721,9 @@ class Client:
         d = _lib.DaemonStats()
         pools = (_lib.PoolStats * 64)()
         n = ctypes.c_int(0)
-        check(self._lib.gpupool_stats(self._conn.usable(), ctypes.byref(d), pools, 64,
-                                      ctypes.byref(n)), "stats")
+        check(self._lib.gpupool_stats_sized(self._conn.usable(), ctypes.byref(d),
+                                            ctypes.sizeof(d), pools, ctypes.sizeof(_lib.PoolStats),
+                                            64, ctypes.byref(n)), "stats")
         out = {f: getattr(d, f) for f, _ in _lib.DaemonStats._fields_}
         plist = []
         for i in range(n.value):

@@ -350,6 +350,36 @@ static void test_threads_share_client(void **state) {
   th_wait_idle(&D, 2000);
 }
 
+/* ---- stats ABI ------------------------------------------------------------------------------ */
+
+/* A caller built against an older, smaller gpupool_pool_stats / gpupool_daemon_stats gets
+ * exactly its own fields filled: nothing is written past its structs, and its pools array is
+ * strided by its size, not the library's. */
+static void test_stats_struct_sizes(void **state) {
+  gpupool_client *a = th_connect(&D, "abi");
+  const size_t dsz = GPUPOOL_STATS_MIN_DAEMON_SIZE, psz = GPUPOOL_STATS_MIN_POOL_SIZE;
+  unsigned char dbuf[sizeof(gpupool_daemon_stats) + 64], pbuf[4 * sizeof(gpupool_pool_stats) + 64];
+  gpupool_pool_stats first;
+  int n = 0;
+  (void)state;
+  memset(dbuf, 0xA5, sizeof dbuf);
+  memset(pbuf, 0xA5, sizeof pbuf);
+  assert_int_equal(gpupool_stats_sized(a, (gpupool_daemon_stats *)(void *)dbuf, dsz,
+                                       (gpupool_pool_stats *)(void *)pbuf, psz, 2, &n), 0);
+  assert_true(n >= 1);
+  for (size_t i = dsz; i < sizeof dbuf; i++)
+    assert_int_equal(dbuf[i], 0xA5);
+  for (size_t i = (size_t)n * psz; i < sizeof pbuf; i++)
+    assert_int_equal(pbuf[i], 0xA5);
+  memcpy(&first, pbuf, psz);
+  assert_string_equal(first.name, "default");
+  assert_true(first.capacity > 0);
+  /* Below the first release's sizes is refused, not guessed at. */
+  assert_int_equal(gpupool_stats_sized(a, (gpupool_daemon_stats *)(void *)dbuf, dsz - 8, NULL, 0, 0, &n),
+                   GPUPOOL_EINVAL);
+  gpupool_disconnect(a);
+}
+
 /* ---- holder rules ----------------------------------------------------------------------------- */
 
 static void test_holder_rules(void **state) {
@@ -452,6 +482,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_alloc_waits_for_memory, setup, teardown),
       cmocka_unit_test_setup_teardown(test_threads_share_client, setup, teardown),
       cmocka_unit_test_setup_teardown(test_holder_rules, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_stats_struct_sizes, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
