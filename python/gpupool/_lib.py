@@ -161,12 +161,6 @@ _PROTOTYPES = {
                                               ctypes.POINTER(_c_int)]),
 }
 
-# Present only when the library was built with client/dlpack.c; declared when found.
-_OPTIONAL = {
-    "gpupool_buffer_to_dlpack_versioned": (_c_int, [BufferP, ctypes.POINTER(_vp)]),
-    "gpupool_buffer_to_dlpack": (_c_int, [BufferP, ctypes.POINTER(_vp)]),
-}
-
 _lock = threading.Lock()
 _lib = None
 
@@ -221,11 +215,6 @@ def lib():
                         % (handle._name, name)) from None
                 fn.restype = res
                 fn.argtypes = args
-            for name, (res, args) in _OPTIONAL.items():
-                fn = getattr(handle, name, None)
-                if fn is not None:
-                    fn.restype = res
-                    fn.argtypes = args
             _lib = handle
     return _lib
 
