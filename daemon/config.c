@@ -35,6 +35,12 @@ void gpupool__config_defaults(gpupool__config *c) {
   c->max_clients = 1024;
   c->max_frame = 1u << 20;
   c->max_names = 65536;
+  c->max_clients_per_uid = 256;
+  c->reserved_clients = 8;
+  c->max_waiters_per_client = 1024;
+  c->max_waiters_per_uid = 4096;
+  c->max_queued_bytes_per_client = 64ull << 20;
+  c->max_queued_bytes_total = 1ull << 30;
   c->handshake_timeout_ms = 5000;
   c->metrics_interval_ms = 5000;
 }
@@ -229,6 +235,18 @@ int gpupool__config_set(gpupool__config *c, const char *k, const char *v) {
   }
   if (!strcmp(k, "max_names"))
     return parse_u32(v, &c->max_names);
+  if (!strcmp(k, "max_clients_per_uid"))
+    return parse_u32(v, &c->max_clients_per_uid);
+  if (!strcmp(k, "reserved_clients"))
+    return parse_u32(v, &c->reserved_clients);
+  if (!strcmp(k, "max_waiters_per_client"))
+    return parse_u32(v, &c->max_waiters_per_client);
+  if (!strcmp(k, "max_waiters_per_uid"))
+    return parse_u32(v, &c->max_waiters_per_uid);
+  if (!strcmp(k, "max_queued_bytes_per_client"))
+    return gpupool__parse_size(v, &c->max_queued_bytes_per_client);
+  if (!strcmp(k, "max_queued_bytes_total"))
+    return gpupool__parse_size(v, &c->max_queued_bytes_total);
   if (!strcmp(k, "handshake_timeout_ms"))
     return parse_u32(v, &c->handshake_timeout_ms);
   if (!strcmp(k, "allow_uids"))

@@ -27,6 +27,12 @@ typedef struct {
   uint32_t max_allocs_per_uid;
   uint32_t max_frame;
   uint32_t max_names;
+  uint32_t max_clients_per_uid;       /* connections of one uid (root and the daemon's uid exempt) */
+  uint32_t reserved_clients;          /* of max_clients, kept for root and the daemon's uid */
+  uint32_t max_waiters_per_client;    /* allocations/gets waiting at once */
+  uint32_t max_waiters_per_uid;
+  uint64_t max_queued_bytes_per_client; /* unread replies, counted as the heap they hold */
+  uint64_t max_queued_bytes_total;    /* all queues and input buffers of the daemon */
   uint32_t handshake_timeout_ms;
   /* Allow-lists; empty = everyone who can reach the socket. */
   uid_t allow_uids[GPUPOOL_MAX_ALLOW];

@@ -26,14 +26,22 @@
 #include "metrics.h"
 #include "server.h"
 
-#define MAX_TX_QUEUE (64u << 20)
 #define WAIT_FOREVER UINT32_MAX
 
 typedef struct gpupool__conn gpupool__conn;
 
 enum { WAIT_ALLOC = 1, WAIT_GET = 2 };
 
-typedef struct gpupool__waiter {
+typedef struct gpupool__waiter gpupool__waiter;
+
+/* A FIFO of waiting requests: allocations of one pool, or gets of one name. Appending and
+ * removing are O(1); a pass over a queue touches only the requests that could now succeed. */
+typedef struct {
+  gpupool__waiter *head, *tail;
+  char *name; /* for a queue of gets: the name (the key it is filed under) */
+} wqueue;
+
+struct gpupool__waiter {
   gpupool__conn *conn;
   uint64_t seq;
   int kind;
@@ -44,8 +52,25 @@ typedef struct gpupool__waiter {
   uint64_t started_ns;
   uv_timer_t timer;
   int removed;
-  struct gpupool__waiter *prev, *next;
-} gpupool__waiter;
+  wqueue *q;
+  gpupool__waiter *prev, *next;   /* in q */
+  gpupool__waiter *cprev, *cnext; /* in conn->waiters */
+};
+
+/* What one uid has open in the server (its memory is counted by the registry). */
+typedef struct {
+  uid_t uid;
+  uint32_t conns;
+  uint32_t waiters;
+} srv_uid;
+
+/* At most `burst` lines per interval; the rest are counted and reported once the interval
+ * has passed (journald's RateLimitIntervalSec/RateLimitBurst idea). */
+typedef struct {
+  uint64_t window_ns;
+  uint32_t lines;
+  uint64_t suppressed;
+} ratelimit;
 
 struct gpupool__conn {
   gpupool__client cl;
@@ -58,6 +83,11 @@ struct gpupool__conn {
   gpupool__wire_inbuf in;
   int fds_pending;   /* fds arrived (and were closed): refuse the next frame with EFD */
   gpupool__wire_txq txq;
+  size_t heap;        /* what this connection's queue and input buffer hold (counted in srv) */
+  gpupool__waiter *waiters;
+  uint32_t nwaiters;
+  srv_uid *u;
+  ratelimit log_rl;   /* refused requests */
   int hello_done;
   int closing;
   int drop_after_flush;
@@ -74,7 +104,11 @@ struct gpupool__server {
   int listen_open;
   gpupool__conn *conns;
   uint64_t nconns;
-  gpupool__waiter *waiters;
+  wqueue alloc_q[GPUPOOL_MAX_POOLS]; /* by pool index */
+  gpupool__smap get_q;               /* name -> wqueue */
+  gpupool__hmap uids;                /* uid -> srv_uid */
+  size_t heap;                       /* sum of the connections' heap */
+  ratelimit conn_rl;                 /* connect/disconnect lines */
   uint64_t requests, errors;
   uint64_t started_ns;
   int stopping;
@@ -84,6 +118,8 @@ struct gpupool__server {
 
 static void conn_close(gpupool__conn *c, const char *why);
 static void conn_update_poll(gpupool__conn *c);
+static void conn_drop_after_flush(gpupool__conn *c);
+static void conn_heap(gpupool__conn *c);
 static void retry_waiters(gpupool__registry *reg, gpupool__pool *pool);
 
 uint64_t gpupool__server_clients(const gpupool__server *s) { return s->nconns; }
@@ -117,15 +153,13 @@ static void conn_send(gpupool__conn *c, uint8_t *buf, size_t len, const int *fds
     conn_close(c, rc == GPUPOOL_EIO || rc == GPUPOOL_ECLOSED ? "write failed" : gpupool__errmsg());
     return;
   }
-  if (c->txq.bytes > MAX_TX_QUEUE) {
-    conn_close(c, "client does not read its replies (more than 64 MiB queued)");
-    return;
-  }
+  conn_heap(c);
   conn_update_poll(c);
 }
 
 static void conn_flush(gpupool__conn *c) {
   int rc = gpupool__wire_txq_flush(&c->txq, c->fd);
+  conn_heap(c);
   if (rc < 0) {
     conn_close(c, "write failed");
     return;
@@ -170,19 +204,73 @@ static void waiter_closed(uv_handle_t *h) {
   free(w);
 }
 
-/* Unlinks w; its memory stays valid until the timer's close callback, so a loop over the
- * waiters that triggered this (through a nested disconnect) can still step past it. */
+static int rl_allow(ratelimit *rl, uint32_t burst, uint64_t interval_ns, uint64_t *report) {
+  uint64_t now = gpupool__now_ns();
+  *report = 0;
+  if (now - rl->window_ns >= interval_ns) {
+    *report = rl->suppressed;
+    rl->window_ns = now;
+    rl->lines = 0;
+    rl->suppressed = 0;
+  }
+  if (rl->lines < burst) {
+    rl->lines++;
+    return 1;
+  }
+  rl->suppressed++;
+  return 0;
+}
+
+static srv_uid *uid_get(gpupool__server *s, uid_t uid) {
+  srv_uid *u = gpupool__hmap_get(&s->uids, uid);
+  if (u)
+    return u;
+  u = calloc(1, sizeof *u);
+  if (!u || gpupool__hmap_put(&s->uids, uid, u) != 0) {
+    free(u);
+    return NULL;
+  }
+  u->uid = uid;
+  return u;
+}
+
+static void uid_put(gpupool__server *s, srv_uid *u) {
+  if (u && u->conns == 0 && u->waiters == 0) {
+    gpupool__hmap_del(&s->uids, u->uid);
+    free(u);
+  }
+}
+
+/* Unlinks w; its memory stays valid until the timer's close callback, so a loop over a queue
+ * that triggered this (through a nested disconnect) can still step past it. */
 static void waiter_remove(gpupool__waiter *w) {
-  gpupool__server *s = w->conn->srv;
+  gpupool__conn *c = w->conn;
+  gpupool__server *s = c->srv;
+  wqueue *q = w->q;
   if (w->removed)
     return;
   w->removed = 1;
   if (w->prev)
     w->prev->next = w->next;
   else
-    s->waiters = w->next;
+    q->head = w->next;
   if (w->next)
     w->next->prev = w->prev;
+  else
+    q->tail = w->prev;
+  if (w->cprev)
+    w->cprev->cnext = w->cnext;
+  else
+    c->waiters = w->cnext;
+  if (w->cnext)
+    w->cnext->cprev = w->cprev;
+  c->nwaiters--;
+  c->u->waiters--;
+  if (q->name && !q->head) {
+    gpupool__smap_del(&s->get_q, q->name);
+    free(q->name);
+    free(q);
+  }
   uv_timer_stop(&w->timer);
   uv_close((uv_handle_t *)&w->timer, waiter_closed);
 }
@@ -215,12 +303,47 @@ static void waiter_timeout(uv_timer_t *t) {
   waiter_remove(w);
 }
 
+/* Checks the waiting-request limits of c and its uid. */
+static int waiter_limits(gpupool__conn *c) {
+  const gpupool__config *cfg = c->srv->cfg;
+  if (cfg->max_waiters_per_client && c->nwaiters >= cfg->max_waiters_per_client)
+    return gpupool__err(GPUPOOL_ELIMIT,
+                        "this client already has %u requests waiting, the limit (max_waiters_per_client) "
+                        "is %u; wait for them to finish or time out", c->nwaiters, cfg->max_waiters_per_client);
+  if (cfg->max_waiters_per_uid && c->u->waiters >= cfg->max_waiters_per_uid)
+    return gpupool__err(GPUPOOL_ELIMIT,
+                        "uid %u already has %u requests waiting, the limit (max_waiters_per_uid) is %u",
+                        (unsigned)c->cl.uid, c->u->waiters, cfg->max_waiters_per_uid);
+  return 0;
+}
+
 static int waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout_ms, gpupool__pool *pool,
                       uint64_t size, uint64_t align, const char *name, int read_only) {
   gpupool__server *s = c->srv;
-  gpupool__waiter *w = calloc(1, sizeof *w), **tail;
+  gpupool__waiter *w;
+  wqueue *q;
+  int rc;
+
+  if ((rc = waiter_limits(c)) != 0)
+    return rc;
+  if (kind == WAIT_ALLOC) {
+    q = &s->alloc_q[pool - s->reg->pools];
+  } else if (!(q = gpupool__smap_get(&s->get_q, name))) {
+    if (!(q = calloc(1, sizeof *q)) || !(q->name = strdup(name)) || gpupool__smap_put(&s->get_q, name, q) != 0) {
+      if (q)
+        free(q->name);
+      free(q);
+      return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    }
+  }
+  w = calloc(1, sizeof *w);
   if (!w || (name && !(w->name = strdup(name)))) {
     free(w);
+    if (q->name && !q->head) {
+      gpupool__smap_del(&s->get_q, q->name);
+      free(q->name);
+      free(q);
+    }
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
   w->conn = c;
@@ -231,15 +354,47 @@ static int waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout
   w->align = align;
   w->read_only = read_only;
   w->started_ns = gpupool__now_ns();
+  w->q = q;
   uv_timer_init(s->loop, &w->timer);
   w->timer.data = w;
   if (timeout_ms != WAIT_FOREVER)
     uv_timer_start(&w->timer, waiter_timeout, timeout_ms, 0);
-  /* FIFO: append. */
-  for (tail = &s->waiters; *tail; tail = &(*tail)->next)
-    w->prev = *tail;
-  *tail = w;
+  w->prev = q->tail;
+  if (q->tail)
+    q->tail->next = w;
+  else
+    q->head = w;
+  q->tail = w;
+  w->cnext = c->waiters;
+  if (c->waiters)
+    c->waiters->cprev = w;
+  c->waiters = w;
+  c->nwaiters++;
+  c->u->waiters++;
   return 0;
+}
+
+/* Serve waiting allocations in FIFO order per pool: the head is tried only when the pool has
+ * room for it, and a head that still does not fit keeps the rest waiting behind it. */
+static void retry_pool(gpupool__server *s, int idx) {
+  gpupool__registry *reg = s->reg;
+  wqueue *q = &s->alloc_q[idx];
+  while (q->head) {
+    gpupool__waiter *w = q->head;
+    gpupool__hold *h;
+    int rc;
+    if (w->conn->closing || gpupool__pool_free_bytes(w->pool) < w->size)
+      return;
+    rc = gpupool__allocate(reg, &w->conn->cl, w->pool, w->size, w->align, &h);
+    if (rc == GPUPOOL_ENOSPC)
+      return;
+    if (rc == 0)
+      reply_hold(w->conn, w->seq, WAIT_ALLOC, h, NULL);
+    else
+      send_error(w->conn, w->seq, rc, gpupool__errmsg());
+    gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, rc, gpupool__now_ns() - w->started_ns);
+    waiter_remove(w);
+  }
 }
 
 static void retry_waiters(gpupool__registry *reg, gpupool__pool *pool) {
@@ -249,36 +404,26 @@ static void retry_waiters(gpupool__registry *reg, gpupool__pool *pool) {
     return; /* the running pass picks up what a nested free returned */
   s->in_retry = 1;
   while (reg->memory_returned) {
-    gpupool__waiter *w, *next;
     reg->memory_returned = 0;
-    for (w = s->waiters; w; w = next) {
-      gpupool__hold *h;
-      int rc;
-      next = w->next;
-      if (w->removed || w->kind != WAIT_ALLOC || w->conn->closing)
-        continue;
-      rc = gpupool__allocate(reg, &w->conn->cl, w->pool, w->size, w->align, &h);
-      if (rc == GPUPOOL_ENOSPC)
-        continue;
-      if (rc == 0)
-        reply_hold(w->conn, w->seq, WAIT_ALLOC, h, NULL);
-      else
-        send_error(w->conn, w->seq, rc, gpupool__errmsg());
-      gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, rc, gpupool__now_ns() - w->started_ns);
-      next = w->next;
-      waiter_remove(w);
-    }
+    for (int i = 0; i < reg->npools; i++)
+      retry_pool(s, i);
   }
   s->in_retry = 0;
 }
 
 static void wake_getters(gpupool__server *s, const char *name) {
+  wqueue *q = gpupool__smap_get(&s->get_q, name);
   gpupool__waiter *w, *next;
-  for (w = s->waiters; w; w = next) {
+  if (!q)
+    return;
+  /* waiter_remove frees q with its last waiter: step with the next pointer read first, and
+   * stop when the waiter just served was the last one. */
+  for (w = q->head; w; w = next) {
     gpupool__hold *h = NULL;
-    int rc;
+    int rc, last;
     next = w->next;
-    if (w->removed || w->kind != WAIT_GET || w->conn->closing || strcmp(w->name, name) != 0)
+    last = next == NULL;
+    if (w->removed || w->conn->closing)
       continue;
     rc = gpupool__get(s->reg, &w->conn->cl, name, w->read_only, &h);
     if (rc == GPUPOOL_ENOENT)
@@ -289,6 +434,8 @@ static void wake_getters(gpupool__server *s, const char *name) {
       send_error(w->conn, w->seq, rc, gpupool__errmsg());
     gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_GET, rc, gpupool__now_ns() - w->started_ns);
     waiter_remove(w);
+    if (last)
+      break;
   }
 }
 
@@ -382,7 +529,7 @@ static int handle_hello(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Hel
   if (c->hello_done)
     return gpupool__err(GPUPOOL_EPROTO, "second Hello on one connection");
   if (m->protocol_version != GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION) {
-    c->drop_after_flush = 1;
+    conn_drop_after_flush(c);
     return gpupool__err(GPUPOOL_EVERSION,
                         "client speaks protocol version %u, this gpupoold (%s) speaks %d; "
                         "use a libgpupool-client of the same major version as the daemon",
@@ -394,8 +541,14 @@ static int handle_hello(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Hel
   for (char *p = c->cl.name; *p; p++)
     if ((unsigned char)*p < 0x20)
       *p = '?';
-  GPUPOOL__INFO("client %" PRIu64 " connected: pid %d uid %u gid %u name '%s'", c->cl.id, (int)c->cl.pid,
-          (unsigned)c->cl.uid, (unsigned)c->cl.gid, c->cl.name);
+  {
+    uint64_t report;
+    if (rl_allow(&s->conn_rl, 50, 1000000000ull, &report))
+      GPUPOOL__INFO("client %" PRIu64 " connected: pid %d uid %u gid %u name '%s'", c->cl.id,
+                    (int)c->cl.pid, (unsigned)c->cl.uid, (unsigned)c->cl.gid, c->cl.name);
+    if (report)
+      GPUPOOL__INFO("%" PRIu64 " more connect/disconnect lines were not logged", report);
+  }
   pis = calloc((size_t)s->reg->npools, sizeof *pis);
   pptr = calloc((size_t)s->reg->npools, sizeof *pptr);
   if (!pis || !pptr) {
@@ -684,7 +837,7 @@ static int handle_trim(gpupool__conn *c, uint64_t seq) {
  * for the caller to send. */
 static int dispatch(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   if (!c->hello_done && req->body_case != GPUPOOL__WIRE__REQUEST__BODY_HELLO) {
-    c->drop_after_flush = 1;
+    conn_drop_after_flush(c);
     return gpupool__err(GPUPOOL_EPROTO, "the first request on a connection must be Hello");
   }
   if (req->n_unmapped_slabs)
@@ -741,7 +894,7 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
   req = gpupool__wire__request__unpack(NULL, len, payload);
   if (!req) {
     GPUPOOL__WARN("client %" PRIu64 " (pid %d) sent a malformed frame; dropping it", c->cl.id, (int)c->cl.pid);
-    c->drop_after_flush = 1;
+    conn_drop_after_flush(c);
     send_error(c, 0, GPUPOOL_EPROTO, "malformed request frame (not a valid gpupool Request); closing the connection");
     gpupool__metrics_request(0, GPUPOOL_EPROTO, gpupool__now_ns() - t0);
     return;
@@ -751,9 +904,15 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
   rc = dispatch(c, req, &deferred);
   if (rc != 0) {
     GPUPOOL__DEBUG("client %" PRIu64 ": request %d refused: %s", c->cl.id, body, gpupool__errmsg());
-    if (rc != GPUPOOL_ENOSPC && rc != GPUPOOL_ENOENT && rc != GPUPOOL_ETIMEDOUT)
-      GPUPOOL__INFO("client %" PRIu64 " (pid %d): refused %s: %s", c->cl.id, (int)c->cl.pid, gpupool_err_name(rc),
-              gpupool__errmsg());
+    if (rc != GPUPOOL_ENOSPC && rc != GPUPOOL_ENOENT && rc != GPUPOOL_ETIMEDOUT) {
+      uint64_t report;
+      /* What a client sends must not decide how much the daemon logs. */
+      if (rl_allow(&c->log_rl, 10, 10000000000ull, &report))
+        GPUPOOL__INFO("client %" PRIu64 " (pid %d): refused %s: %s", c->cl.id, (int)c->cl.pid,
+                      gpupool_err_name(rc), gpupool__errmsg());
+      if (report)
+        GPUPOOL__INFO("client %" PRIu64 ": %" PRIu64 " more refused requests were not logged", c->cl.id, report);
+    }
     send_error(c, req->seq, rc, gpupool__errmsg());
   }
   if (!deferred)
@@ -783,13 +942,25 @@ static void conn_close(gpupool__conn *c, const char *why) {
   if (c->closing)
     return;
   c->closing = 1;
-  GPUPOOL__INFO("client %" PRIu64 " disconnected (pid %d uid %u '%s'): %s; had %" PRIu64 " hold(s)", c->cl.id,
-          (int)c->cl.pid, (unsigned)c->cl.uid, c->cl.name, why, c->cl.nholds);
-  for (w = s->waiters; w; w = next) {
-    next = w->next;
-    if (w->conn == c)
-      waiter_remove(w);
+  {
+    uint64_t report;
+    if (rl_allow(&s->conn_rl, 50, 1000000000ull, &report) || c->cl.nholds)
+      GPUPOOL__INFO("client %" PRIu64 " disconnected (pid %d uid %u '%s'): %s; had %" PRIu64 " hold(s)",
+                    c->cl.id, (int)c->cl.pid, (unsigned)c->cl.uid, c->cl.name, why, c->cl.nholds);
+    if (report)
+      GPUPOOL__INFO("%" PRIu64 " more connect/disconnect lines were not logged", report);
   }
+  if (c->log_rl.suppressed)
+    GPUPOOL__INFO("client %" PRIu64 ": %" PRIu64 " more refused requests were not logged", c->cl.id,
+                  c->log_rl.suppressed);
+  for (w = c->waiters; w; w = next) {
+    next = w->cnext;
+    waiter_remove(w);
+  }
+  c->u->conns--;
+  uid_put(s, c->u);
+  s->heap -= c->heap;
+  c->heap = 0;
   gpupool__client_drop(s->reg, &c->cl);
   if (c->prev)
     c->prev->next = c->next;
@@ -807,12 +978,54 @@ static void conn_close(gpupool__conn *c, const char *why) {
 
 static void conn_io(uv_poll_t *p, int status, int events);
 
+/* Reads stop once a connection is to be dropped: nothing it sends after a protocol violation
+ * is looked at, so it cannot make the daemon buffer more. */
 static void conn_update_poll(gpupool__conn *c) {
-  int want = UV_READABLE | (c->txq.head ? UV_WRITABLE : 0);
+  int want = (c->drop_after_flush ? 0 : UV_READABLE) | (c->txq.head ? UV_WRITABLE : 0);
   if (c->closing || want == c->poll_events)
     return;
   c->poll_events = want;
-  uv_poll_start(&c->poll, want, conn_io);
+  if (want)
+    uv_poll_start(&c->poll, want, conn_io);
+  else
+    uv_poll_stop(&c->poll);
+}
+
+static void drop_timeout(uv_timer_t *t) {
+  conn_close(t->data, "it did not read its last reply within 1 s of a protocol violation");
+}
+
+/* After a protocol violation: send what is queued (the error saying why), read nothing more,
+ * and hang up when the queue is out or after a second, whichever comes first. */
+static void conn_drop_after_flush(gpupool__conn *c) {
+  if (c->drop_after_flush || c->closing)
+    return;
+  c->drop_after_flush = 1;
+  uv_timer_start(&c->hs_timer, drop_timeout, 1000, 0);
+  conn_update_poll(c);
+}
+
+/* Recount what this connection's queue and input buffer hold on the heap, and drop it if its
+ * queue passes max_queued_bytes_per_client or the daemon's total passes
+ * max_queued_bytes_total (a client that never reads is dropped, not buffered for). */
+static void conn_heap(gpupool__conn *c) {
+  gpupool__server *s = c->srv;
+  const gpupool__config *cfg = s->cfg;
+  size_t h = c->txq.cost + c->in.cap;
+  char why[200];
+  s->heap = s->heap - c->heap + h;
+  c->heap = h;
+  if (c->closing)
+    return;
+  if (cfg->max_queued_bytes_per_client && c->txq.cost > cfg->max_queued_bytes_per_client) {
+    snprintf(why, sizeof why, "it does not read its replies (%zu bytes queued, over max_queued_bytes_per_client %" PRIu64 ")",
+             c->txq.cost, cfg->max_queued_bytes_per_client);
+    conn_close(c, why);
+  } else if (cfg->max_queued_bytes_total && s->heap > cfg->max_queued_bytes_total && c->txq.cost > 0) {
+    snprintf(why, sizeof why, "the daemon's queues hold %zu bytes, over max_queued_bytes_total %" PRIu64
+             ", and this client has %zu of them unread", s->heap, cfg->max_queued_bytes_total, c->txq.cost);
+    conn_close(c, why);
+  }
 }
 
 static void conn_io(uv_poll_t *p, int status, int events) {
@@ -828,11 +1041,16 @@ static void conn_io(uv_poll_t *p, int status, int events) {
   }
   if (!(events & UV_READABLE))
     return;
+  if (c->drop_after_flush)
+    return;
   c->srv->last_activity_ns = gpupool__now_ns();
   {
     const uint8_t *payload;
     uint32_t len;
     int fds = 0, rc = gpupool__wire_inbuf_fill(&c->in, c->fd, &fds);
+    conn_heap(c);
+    if (c->closing)
+      return;
     if (fds > 0) {
       GPUPOOL__WARN("client %" PRIu64 " (pid %d) sent %d unexpected fd(s); closed them", c->cl.id, (int)c->cl.pid, fds);
       c->fds_pending = 1;
@@ -854,7 +1072,7 @@ static void conn_io(uv_poll_t *p, int status, int events) {
       GPUPOOL__WARN("client %" PRIu64 " (pid %d): %s", c->cl.id, (int)c->cl.pid, gpupool__errmsg());
       if (rc == GPUPOOL_EPROTO && !c->drop_after_flush) {
         /* Tell it why before hanging up (the stream cannot be resynchronised). */
-        c->drop_after_flush = 1;
+        conn_drop_after_flush(c);
         send_error(c, 0, GPUPOOL_EPROTO, gpupool__errmsg());
         if (!c->txq.head && !c->closing)
           conn_close(c, why);
@@ -895,6 +1113,30 @@ static int id_allowed(const uint32_t *ids, int n, uint32_t id) {
   return 0;
 }
 
+/* Connection limits: the total (with reserved_clients slots that only root and the daemon's
+ * own uid may take, so an operator can always get in) and per uid. 0, or -1 with the reason in
+ * msg. */
+static int conn_limits(gpupool__server *s, const struct ucred *cred, char *msg, size_t len) {
+  const gpupool__config *cfg = s->cfg;
+  int admin = cred->uid == 0 || cred->uid == geteuid();
+  srv_uid *u = gpupool__hmap_get(&s->uids, cred->uid);
+  uint64_t cap = cfg->max_clients;
+  if (cap && !admin)
+    cap = cfg->reserved_clients < cap ? cap - cfg->reserved_clients : 0;
+  if (cfg->max_clients && s->nconns >= cap) {
+    snprintf(msg, len, "gpupoold already serves %" PRIu64 " clients, its limit (max_clients %u, of which "
+             "reserved_clients %u are kept for root and the daemon's user); try later",
+             s->nconns, cfg->max_clients, cfg->reserved_clients);
+    return -1;
+  }
+  if (!admin && cfg->max_clients_per_uid && u && u->conns >= cfg->max_clients_per_uid) {
+    snprintf(msg, len, "uid %u already has %u connections to gpupoold, its limit (max_clients_per_uid); "
+             "close some or share one connection between threads", (unsigned)cred->uid, u->conns);
+    return -1;
+  }
+  return 0;
+}
+
 static void on_accept(uv_poll_t *p, int status, int events) {
   gpupool__server *s = p->data;
   (void)events;
@@ -931,19 +1173,22 @@ static void on_accept(uv_poll_t *p, int status, int events) {
       refuse(fd, GPUPOOL_EPERM, msg);
       continue;
     }
-    if (s->cfg->max_clients && s->nconns >= s->cfg->max_clients) {
-      GPUPOOL__WARN("refused connection from pid %d uid %u: %" PRIu64 " clients connected (max_clients)",
-              (int)cred.pid, (unsigned)cred.uid, s->nconns);
-      snprintf(msg, sizeof msg, "gpupoold already serves %" PRIu64 " clients, its limit (max_clients); try later",
-               s->nconns);
+    if (conn_limits(s, &cred, msg, sizeof msg) != 0) {
+      uint64_t report;
+      if (rl_allow(&s->conn_rl, 20, 10000000000ull, &report))
+        GPUPOOL__WARN("refused connection from pid %d uid %u: %s", (int)cred.pid, (unsigned)cred.uid, msg);
+      if (report)
+        GPUPOOL__WARN("%" PRIu64 " more connection refusals were not logged", report);
       refuse(fd, GPUPOOL_ELIMIT, msg);
       continue;
     }
     c = calloc(1, sizeof *c);
-    if (!c) {
+    if (!c || !(c->u = uid_get(s, cred.uid))) {
+      free(c);
       close(fd);
       continue;
     }
+    c->u->conns++;
     c->srv = s;
     c->fd = fd;
     c->cl.pid = cred.pid;
@@ -1053,12 +1298,16 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
   s->cfg = cfg;
   s->reg = reg;
   s->started_ns = gpupool__now_ns();
+  gpupool__smap_init(&s->get_q);
+  gpupool__hmap_init(&s->uids);
   reg->owner = s;
   reg->on_memory = retry_waiters;
   if (listen_fd >= 0) {
     s->listen_fd = listen_fd;
   } else {
     if ((rc = bind_socket(cfg, &s->listen_fd)) != 0) {
+      gpupool__smap_free(&s->get_q);
+      gpupool__hmap_free(&s->uids);
       free(s);
       return rc;
     }
@@ -1075,6 +1324,9 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
 static void listen_closed(uv_handle_t *h) {
   gpupool__server *s = h->data;
   close(s->listen_fd);
+  /* Every connection is closed, so every waiter and uid record is gone. */
+  gpupool__smap_free(&s->get_q);
+  gpupool__hmap_free(&s->uids);
   free(s);
 }
 

@@ -103,6 +103,12 @@ static void test_documented_defaults(void **state) {
   assert_int_equal(c.max_allocs_per_uid, d.max_allocs_per_uid);
   assert_int_equal(c.max_frame, d.max_frame);
   assert_int_equal(c.max_names, d.max_names);
+  assert_int_equal(c.max_clients_per_uid, d.max_clients_per_uid);
+  assert_int_equal(c.reserved_clients, d.reserved_clients);
+  assert_int_equal(c.max_waiters_per_client, d.max_waiters_per_client);
+  assert_int_equal(c.max_waiters_per_uid, d.max_waiters_per_uid);
+  assert_int_equal(c.max_queued_bytes_per_client, d.max_queued_bytes_per_client);
+  assert_int_equal(c.max_queued_bytes_total, d.max_queued_bytes_total);
   assert_int_equal(c.handshake_timeout_ms, d.handshake_timeout_ms);
   assert_int_equal(c.metrics_interval_ms, d.metrics_interval_ms);
 }
