@@ -35,6 +35,9 @@ void gpupool__config_defaults(gpupool__config *c) {
   c->max_clients = 1024;
   c->max_frame = 1u << 20;
   c->max_names = 65536;
+  c->max_names_per_uid = 4096;
+  c->max_holds_per_client = 65536;
+  c->max_holds_per_uid = 262144;
   c->max_clients_per_uid = 256;
   c->reserved_clients = 8;
   c->max_waiters_per_client = 1024;
@@ -235,6 +238,12 @@ int gpupool__config_set(gpupool__config *c, const char *k, const char *v) {
   }
   if (!strcmp(k, "max_names"))
     return parse_u32(v, &c->max_names);
+  if (!strcmp(k, "max_names_per_uid"))
+    return parse_u32(v, &c->max_names_per_uid);
+  if (!strcmp(k, "max_holds_per_client"))
+    return parse_u32(v, &c->max_holds_per_client);
+  if (!strcmp(k, "max_holds_per_uid"))
+    return parse_u32(v, &c->max_holds_per_uid);
   if (!strcmp(k, "max_clients_per_uid"))
     return parse_u32(v, &c->max_clients_per_uid);
   if (!strcmp(k, "reserved_clients"))

@@ -27,6 +27,9 @@ typedef struct {
   uint32_t max_allocs_per_uid;
   uint32_t max_frame;
   uint32_t max_names;
+  uint32_t max_names_per_uid;         /* names one uid has published (they outlive it) */
+  uint32_t max_holds_per_client;
+  uint32_t max_holds_per_uid;
   uint32_t max_clients_per_uid;       /* connections of one uid (root and the daemon's uid exempt) */
   uint32_t reserved_clients;          /* of max_clients, kept for root and the daemon's uid */
   uint32_t max_waiters_per_client;    /* allocations/gets waiting at once */

@@ -336,24 +336,35 @@ static void sweep_timer_update(gpupool__registry *reg) {
   }
 }
 
-static void uid_account(gpupool__registry *reg, uid_t uid, int64_t bytes, int32_t allocs) {
+/* The uid's record, created when create is set; NULL when absent (or out of memory). */
+static gpupool__uid_usage *uid_usage(gpupool__registry *reg, uid_t uid, int create) {
   gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, uid);
-  if (!u) {
-    if (bytes <= 0)
-      return;
-    u = calloc(1, sizeof *u);
-    if (!u || gpupool__hmap_put(&reg->uids, uid, u) != 0) {
-      free(u);
-      return;
-    }
-    u->uid = uid;
+  if (u || !create)
+    return u;
+  u = calloc(1, sizeof *u);
+  if (!u || gpupool__hmap_put(&reg->uids, uid, u) != 0) {
+    free(u);
+    return NULL;
   }
-  u->bytes += (uint64_t)bytes;
-  u->allocs += (uint32_t)allocs;
-  if (u->allocs == 0 && u->bytes == 0) {
-    gpupool__hmap_del(&reg->uids, uid);
+  u->uid = uid;
+  return u;
+}
+
+/* Drop the record once nothing is counted in it. */
+static void uid_usage_put(gpupool__registry *reg, gpupool__uid_usage *u) {
+  if (u && u->allocs == 0 && u->bytes == 0 && u->names == 0 && u->holds == 0) {
+    gpupool__hmap_del(&reg->uids, u->uid);
     free(u);
   }
+}
+
+static void uid_account(gpupool__registry *reg, uid_t uid, int64_t bytes, int32_t allocs) {
+  gpupool__uid_usage *u = uid_usage(reg, uid, bytes > 0);
+  if (!u)
+    return;
+  u->bytes += (uint64_t)bytes;
+  u->allocs += (uint32_t)allocs;
+  uid_usage_put(reg, u);
 }
 
 static void buffer_unref(gpupool__registry *reg, gpupool__buffer *b) {
@@ -500,9 +511,27 @@ static int place(gpupool__registry *reg, gpupool__pool *p, uint64_t asked, uint6
 
 static int hold_new(gpupool__registry *reg, gpupool__client *c, gpupool__buffer *b, int read_only, int owner,
                     gpupool__hold **out) {
-  gpupool__hold *h = calloc(1, sizeof *h);
-  if (!h)
+  const gpupool__config *cfg = reg->cfg;
+  gpupool__uid_usage *u = uid_usage(reg, c->uid, 1);
+  gpupool__hold *h;
+  if (!u)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  if (cfg->max_holds_per_client && c->nholds >= cfg->max_holds_per_client) {
+    uid_usage_put(reg, u);
+    return gpupool__err(GPUPOOL_ELIMIT,
+                        "this client already has %" PRIu64 " holds, the limit (max_holds_per_client) is %u; "
+                        "release buffers it no longer uses", c->nholds, cfg->max_holds_per_client);
+  }
+  if (cfg->max_holds_per_uid && u->holds >= cfg->max_holds_per_uid) {
+    uid_usage_put(reg, u);
+    return gpupool__err(GPUPOOL_ELIMIT, "uid %u already has %" PRIu64 " holds, the limit (max_holds_per_uid) is %u",
+                        (unsigned)c->uid, u->holds, cfg->max_holds_per_uid);
+  }
+  h = calloc(1, sizeof *h);
+  if (!h) {
+    uid_usage_put(reg, u);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  }
   h->id = next_id(reg);
   h->buf = b;
   h->client = c;
@@ -512,14 +541,17 @@ static int hold_new(gpupool__registry *reg, gpupool__client *c, gpupool__buffer 
     h->done = event_get(reg);
     if (!h->done) {
       free(h);
+      uid_usage_put(reg, u);
       return gpupool__err(GPUPOOL_EBACKEND, "cannot create an inter-process event for the hold");
     }
   }
   if (gpupool__hmap_put(&reg->holds, h->id, h) != 0) {
     event_put(reg, h->done);
     free(h);
+    uid_usage_put(reg, u);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
+  u->holds++;
   h->next = c->holds;
   if (c->holds)
     c->holds->prev = h;
@@ -554,6 +586,13 @@ static void hold_drop(gpupool__registry *reg, gpupool__hold *h, int done_recorde
   if (h->next)
     h->next->prev = h->prev;
   c->nholds--;
+  {
+    gpupool__uid_usage *u = uid_usage(reg, c->uid, 0);
+    if (u) {
+      u->holds--;
+      uid_usage_put(reg, u);
+    }
+  }
   gpupool__hmap_del(&reg->holds, h->id);
   if (h->done) {
     if (done_recorded && add_done_dep(b, h->done) == 0)
@@ -776,6 +815,14 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
   if (reg->cfg->max_names && reg->nnames >= reg->cfg->max_names)
     return gpupool__err(GPUPOOL_ELIMIT, "the daemon already holds %" PRIu64 " names, the limit (max_names) is %u",
                         reg->nnames, reg->cfg->max_names);
+  {
+    gpupool__uid_usage *u = uid_usage(reg, c->uid, 0);
+    if (reg->cfg->max_names_per_uid && u && u->names >= reg->cfg->max_names_per_uid)
+      return gpupool__err(GPUPOOL_ELIMIT,
+                          "uid %u already has %u names published, the limit (max_names_per_uid) is %u; "
+                          "unpublish names it no longer needs (names outlive their publisher)",
+                          (unsigned)c->uid, u->names, reg->cfg->max_names_per_uid);
+  }
   n = calloc(1, sizeof *n);
   if (!n || !(n->name = strdup(name))) {
     free(n);
@@ -802,6 +849,11 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
   h->buf->refs++;
   h->buf->names++;
   reg->nnames++;
+  {
+    gpupool__uid_usage *u = uid_usage(reg, c->uid, 1);
+    if (u)
+      u->names++; /* (the record holds at least this client's hold: it exists) */
+  }
   return 0;
 }
 
@@ -832,6 +884,13 @@ int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *n
                         name, (unsigned)n->uid);
   gpupool__smap_del(&reg->names, name);
   reg->nnames--;
+  {
+    gpupool__uid_usage *u = uid_usage(reg, n->uid, 0);
+    if (u) {
+      u->names--;
+      uid_usage_put(reg, u);
+    }
+  }
   n->buf->names--;
   buffer_unref(reg, n->buf);
   free(n->name);

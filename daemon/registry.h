@@ -126,6 +126,8 @@ typedef struct {
   uid_t uid;
   uint64_t bytes;
   uint32_t allocs;
+  uint32_t names;   /* names it published that still exist */
+  uint64_t holds;   /* holds of its connections */
 } gpupool__uid_usage;
 
 /* The registry's part of a connected client (embedded in server.c's connection). */

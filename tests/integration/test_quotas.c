@@ -388,6 +388,61 @@ static void test_refusals_rate_limited(void **state) {
   assert_int_equal(log_contains("more refused requests were not logged"), 1);
 }
 
+/* Names and holds are bounded per uid (names outlive their publisher, so without a bound one
+ * uid could fill the daemon's table for good) and holds per client. */
+static int names_holds_child(const th_daemon *d, int arg) {
+  gpupool_client *c = NULL;
+  gpupool_buffer *b, *o;
+  gpupool_token tok;
+  int published = 0, opened = 0, rc;
+  (void)arg;
+  if (become(NOBODY) != 0)
+    return 2;
+  CHILD_CHECK(gpupool_connect(d->sock, "squatter", &c) == 0, "connect");
+  CHILD_CHECK(gpupool_alloc(c, NULL, 4096, 0, NULL, &b) == 0, "alloc");
+  for (int i = 0; i < 100; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "squat/%d", i);
+    rc = gpupool_publish(b, name, NULL, NULL);
+    if (rc == GPUPOOL_ELIMIT) {
+      break;
+    }
+    CHILD_CHECK(rc == 0, "publish %d", i);
+    published++;
+  }
+  CHILD_CHECK(published == 20, "published %d names, expected the limit of 20", published);
+  CHILD_CHECK(gpupool_share(b, NULL, &tok) == 0, "share");
+  for (int i = 0; i < 100; i++) {
+    rc = gpupool_open(c, &tok, 0, NULL, &o);
+    if (rc == GPUPOOL_ELIMIT)
+      break;
+    CHILD_CHECK(rc == 0, "open %d", i);
+    opened++;
+  }
+  CHILD_CHECK(opened == 29, "opened %d holds, expected 29 (30 with the owner's)", opened);
+  printf("squatter: %d names, %d extra holds, then ELIMIT\n", published, opened);
+  gpupool_disconnect(c);
+  return 0;
+}
+
+static void test_names_and_holds_bounded(void **state) {
+  gpupool_client *c;
+  gpupool_buffer *b;
+  (void)state;
+  start_with("max_names_per_uid = 20\nmax_holds_per_client = 30\n");
+  th_wait_ok(th_spawn(&D, names_holds_child, 0), "name and hold flood");
+  /* (This binary links its own copy of the error module, so the reasons are read from the
+   * daemon's log rather than gpupool_last_error().) */
+  assert_true(log_contains("(max_names_per_uid) is 20") >= 1);
+  assert_true(log_contains("(max_holds_per_client) is 30") >= 1);
+  /* The squatter's names outlive it, but root still publishes. */
+  c = th_connect(&D, "root");
+  assert_int_equal(gpupool_alloc(c, NULL, 4096, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_publish(b, "root/name", NULL, NULL), 0);
+  assert_int_equal(gpupool_release(b, NULL), 0);
+  gpupool_disconnect(c);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_connections_per_uid_and_reserved, teardown),
@@ -395,6 +450,7 @@ int main(void) {
       cmocka_unit_test_teardown(test_violation_stops_reading, teardown),
       cmocka_unit_test_teardown(test_slow_reader_dropped, teardown),
       cmocka_unit_test_teardown(test_refusals_rate_limited, teardown),
+      cmocka_unit_test_teardown(test_names_and_holds_bounded, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
