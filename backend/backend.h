@@ -58,6 +58,10 @@ typedef struct gpupool__bevent gpupool__bevent; /* backend-private event */
 /* A slab as the backend describes it. */
 typedef struct {
   uint64_t size;
+  /* Backends whose clients map slabs from an fd (host): the slab's fd and a read-only fd of
+   * it, sent with the reply that first names the slab to a client. -1 for the others, whose
+   * clients import slabs through the pool (cuda). */
+  int fd, fd_ro;
   uint8_t export_data[GPUPOOL_EXPORT_MAX];
   uint32_t export_len;
   void *priv; /* backend's handle (device pointer, offset, ...) */
@@ -71,7 +75,7 @@ typedef struct {
   int has_events;     /* 1 when event_* are implemented */
   /* Create a pool per cfg (already checked by the daemon's config). *fd is the pool's
    * shareable fd, owned by the pool (sent to clients with SCM_RIGHTS, never closed by the
-   * caller). */
+   * caller), or -1 when clients need none (host: each slab has its own fd). */
   int (*pool_create)(gpupool__backend *be, const gpupool__pool_config *cfg,
                      gpupool__bpool **out, int *fd);
   /* Frees the pool; every slab must have been freed first. */
@@ -107,17 +111,20 @@ typedef struct gpupool__cevent gpupool__cevent; /* backend-private opened event 
 
 typedef struct {
   int has_events;
-  /* Import a pool. Takes ownership of fd (closes it on failure too). kind/device say where
-   * the memory lives. */
+  /* Import a pool. Takes ownership of fd (closes it on failure too; -1 when the daemon sends
+   * none). kind/device say where the memory lives. */
   int (*pool_import)(int fd, gpupool_mem_kind kind, int device, uint64_t capacity,
                      gpupool__cpool **out);
   /* Undo pool_import (after every slab is unmapped). */
   void (*pool_release)(gpupool__cpool *p);
   /* Give these devices read/write access to the pool (CUDA; host: no-op). */
   int (*pool_set_access)(gpupool__cpool *p, const int *devices, int n);
-  /* Map a slab; *base is its address in this process, *priv the backend's handle. */
+  /* Map a slab; *base is its address in this process, *priv the backend's handle. fd is the
+   * slab's own fd when the daemon sent one (taken: closed here in every case), else -1;
+   * writable says whether to map it for writing (an fd sent for a read-only hold is
+   * read-only and cannot be mapped for writing). */
   int (*slab_map)(gpupool__cpool *p, const uint8_t *export_data, size_t export_len,
-                  uint64_t size, void **base, void **priv);
+                  uint64_t size, int fd, int writable, void **base, void **priv);
   /* Unmap a slab in stream order (CUDA: cudaFreeAsync of the import in stream). */
   int (*slab_unmap)(gpupool__cpool *p, void *base, uint64_t size, void *priv, void *stream);
   /* Events (has_events only). */

@@ -41,7 +41,9 @@ typedef struct cpool {
 typedef struct cslab {
   uint64_t id;
   cpool *pool;
-  void *base;
+  void *base;     /* the first mapping: read-write, or read-only when `writable` is 0 */
+  void *base_rw;  /* a second, read-write mapping, made when a writable hold came later */
+  int writable;   /* base is read-write */
   uint64_t size;
   void *priv;
   int dedicated;
@@ -55,6 +57,8 @@ typedef struct slab_export {
   uint32_t pool_id;
   uint64_t size;
   int dedicated;
+  int fd;        /* the slab's own fd, when the frame carried one (host), else -1 */
+  int writable;  /* the fd (or the hold it came for) allows writing */
   size_t len;
   uint8_t data[];
 } slab_export;
@@ -122,6 +126,7 @@ struct gpupool_buffer {
   gpupool_client *c;
   uint64_t hold_id, buffer_id;
   cslab *slab;
+  void *base;     /* the slab mapping this buffer uses (read-only holds may use a read-only one) */
   uint64_t offset, size;
   int read_only;
   uint32_t ready_id, done_id;
@@ -179,10 +184,16 @@ static int broken_err(gpupool_client *c) {
   return gpupool__err(c->broken, "connection to gpupoold is unusable: %s", c->broken_msg);
 }
 
+static void export_free(slab_export *e) {
+  if (e->fd >= 0)
+    close(e->fd);
+  free(e);
+}
+
 static void exports_clear(gpupool_client *c) {
   for (size_t i = 0; i < c->exports.cap; i++)
     if (gpupool__hmap_slot_used(&c->exports, i))
-      free(c->exports.slots[i].val);
+      export_free(c->exports.slots[i].val);
   gpupool__hmap_free(&c->exports);
   gpupool__hmap_init(&c->exports);
 }
@@ -204,11 +215,18 @@ static const Gpupool__Wire__BufferDesc *reply_desc(const gpupool__rep *rep, int 
   }
 }
 
+
+/* Keep how to map a slab from the reply that carries it (and the slab's fd, which comes in the
+ * same frame): a first mapping, or a writable one for a slab mapped read-only so far. */
 static void stash_export(gpupool_client *c, const gpupool__rep *rep) {
   const Gpupool__Wire__BufferDesc *d = reply_desc(rep, 0);
-  slab_export *e;
-  if (!d || !d->slab || !d->slab->export_data.len || gpupool__hmap_get(&c->slabs, d->slab->id) ||
-      gpupool__hmap_get(&c->exports, d->slab->id))
+  const cslab *s;
+  slab_export *e, *old;
+  if (!d || !d->slab || !d->slab->export_data.len)
+    return;
+  s = gpupool__hmap_get(&c->slabs, d->slab->id);
+  old = gpupool__hmap_get(&c->exports, d->slab->id);
+  if ((s && (s->writable || s->base_rw || !d->slab->writable)) || (old && (old->writable || !d->slab->writable)))
     return;
   e = malloc(sizeof *e + d->slab->export_data.len);
   if (!e)
@@ -216,10 +234,20 @@ static void stash_export(gpupool_client *c, const gpupool__rep *rep) {
   e->pool_id = d->slab->pool_id;
   e->size = d->slab->size;
   e->dedicated = d->slab->dedicated;
+  e->writable = d->slab->writable;
+  e->fd = -1;
+  if (d->slab->fd_attached && c->rx.nfds > 0) {
+    e->fd = c->rx.fds[0];
+    c->rx.fds[0] = -1;
+  }
   e->len = d->slab->export_data.len;
   memcpy(e->data, d->slab->export_data.data, e->len);
-  if (gpupool__hmap_put(&c->exports, d->slab->id, e) != 0)
-    free(e);
+  if (gpupool__hmap_put(&c->exports, d->slab->id, e) != 0) {
+    export_free(e);
+    return;
+  }
+  if (old)
+    export_free(old);
 }
 
 /* Read one reply (lock released meanwhile) and hand it to its waiter. Called with c->mu. */
@@ -395,8 +423,16 @@ static void note_unmapped(gpupool_client *c, uint64_t id) {
   c->unmapped[c->nunmapped++] = id;
 }
 
+/* Undo the backend mapping(s) of s. */
+static int be_unmap(gpupool_client *c, cslab *s, void *stream) {
+  int rc = c->be->slab_unmap(s->pool->bp, s->base, s->size, s->priv, stream);
+  if (s->base_rw && c->be->slab_unmap(s->pool->bp, s->base_rw, s->size, NULL, stream) != 0)
+    rc = rc ? rc : GPUPOOL_EBACKEND;
+  return rc;
+}
+
 static void slab_unmap(gpupool_client *c, cslab *s, void *stream) {
-  if (c->be->slab_unmap(s->pool->bp, s->base, s->size, s->priv, stream) != 0)
+  if (be_unmap(c, s, stream) != 0)
     fprintf(stderr, "libgpupool-client: unmapping slab %" PRIu64 ": %s\n", s->id, gpupool__errmsg());
   gpupool__hmap_del(&c->slabs, s->id);
   note_unmapped(c, s->id);
@@ -444,8 +480,7 @@ static int pool_attach(gpupool_client *c, cpool *p) {
   if ((rc = call(c, &req, &rep, &fd)) != 0)
     return rc;
   gpupool__wire__reply__free_unpacked(rep, NULL);
-  if (fd < 0)
-    return gpupool__err(GPUPOOL_EPROTO, "the daemon sent no fd for pool '%s'", p->name);
+  /* fd is -1 for backends without a pool-wide fd (host: slabs come with their own). */
   if ((rc = c->be->pool_import(fd, p->kind, p->device, p->capacity, &bp)) != 0)
     return rc;
   if (c->ndevices > 0 && (rc = c->be->pool_set_access(bp, c->devices, c->ndevices)) != 0) {
@@ -521,6 +556,21 @@ static int materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, in
   if (t_m)
     trace("attach", t_m, d->pool_id);
   s = gpupool__hmap_get(&c->slabs, d->slab->id);
+  if (s && !d->read_only && !s->writable && !s->base_rw) {
+    /* Mapped read-only so far; this hold may write: map it again, read-write. */
+    slab_export *ex = gpupool__hmap_get(&c->exports, d->slab->id);
+    void *priv = NULL;
+    if (!ex || !ex->writable) {
+      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent no writable mapping for slab %" PRIu64, d->slab->id);
+      goto fail;
+    }
+    gpupool__hmap_del(&c->exports, s->id);
+    rc = c->be->slab_map(p->bp, ex->data, ex->len, s->size, ex->fd, 1, &s->base_rw, &priv);
+    ex->fd = -1;
+    export_free(ex);
+    if (rc != 0)
+      goto fail;
+  }
   if (!s) {
     slab_export *ex = gpupool__hmap_get(&c->exports, d->slab->id);
     if (!ex) {
@@ -536,9 +586,11 @@ static int materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, in
     s->pool = p;
     s->size = d->slab->size;
     s->dedicated = d->slab->dedicated;
-    rc = c->be->slab_map(p->bp, ex->data, ex->len, s->size, &s->base, &s->priv);
+    s->writable = ex->writable;
+    rc = c->be->slab_map(p->bp, ex->data, ex->len, s->size, ex->fd, ex->writable, &s->base, &s->priv);
     gpupool__hmap_del(&c->exports, s->id);
-    free(ex);
+    ex->fd = -1; /* taken by slab_map */
+    export_free(ex);
     if (rc != 0) {
       free(s);
       /* Tell the daemon we do not map it, so it does not wait for us. */
@@ -585,6 +637,7 @@ static int materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, in
   b->hold_id = d->hold_id;
   b->buffer_id = d->buffer_id;
   b->slab = s;
+  b->base = d->read_only || s->writable ? s->base : s->base_rw;
   b->offset = d->offset;
   b->size = d->size;
   b->read_only = d->read_only;
@@ -1007,7 +1060,7 @@ static int release_locked(gpupool_client *c, gpupool_buffer *b, void *stream) {
     /* Its daemon is gone: nothing to tell; unmap once no buffer of ours needs the slab. */
     stale_gen *g = s->stale;
     if (s->refs == 0) {
-      c->be->slab_unmap(s->pool->bp, s->base, s->size, s->priv, stream);
+      be_unmap(c, s, stream);
       free(s);
       if (g && --g->live_slabs == 0)
         stale_gen_free(c, g);
@@ -1060,7 +1113,7 @@ void gpupool_disconnect(gpupool_client *c) {
   for (size_t i = 0; i < c->slabs.cap; i++)
     if (gpupool__hmap_slot_used(&c->slabs, i)) {
       cslab *s = c->slabs.slots[i].val;
-      c->be->slab_unmap(s->pool->bp, s->base, s->size, s->priv, NULL);
+      be_unmap(c, s, NULL);
       free(s);
     }
   gpupool__hmap_free(&c->slabs);
@@ -1383,7 +1436,7 @@ int gpupool_trim(gpupool_client *c) {
   return rc;
 }
 
-void *gpupool_buffer_ptr(const gpupool_buffer *b) { return b ? (char *)b->slab->base + b->offset : NULL; }
+void *gpupool_buffer_ptr(const gpupool_buffer *b) { return b ? (char *)b->base + b->offset : NULL; }
 size_t gpupool_buffer_size(const gpupool_buffer *b) { return b ? (size_t)b->size : 0; }
 int gpupool_buffer_device(const gpupool_buffer *b) {
   return b && b->slab->pool->kind != GPUPOOL_MEM_HOST ? b->slab->pool->device : -1;

@@ -189,6 +189,7 @@ static int slab_retire(gpupool__registry *reg, gpupool__slab *s) {
     if (!c)
       continue;
     gpupool__hmap_del(&c->mapped, s->id);
+    gpupool__hmap_del(&c->mapped_ro, s->id);
     client_add_revoke(c, s->id);
   }
   if (s->nbuffers == 0 && s->nmappers == 0) {
@@ -213,7 +214,8 @@ static void slab_maybe_retire(gpupool__registry *reg, gpupool__slab *s) {
     slab_retire(reg, s);
 }
 
-static int slab_new(gpupool__registry *reg, gpupool__pool *p, uint64_t size, int dedicated, gpupool__slab **out) {
+static int slab_new(gpupool__registry *reg, gpupool__pool *p, uint64_t size, int dedicated, uid_t uid,
+                    gpupool__slab **out) {
   gpupool__slab *s;
   int rc;
 
@@ -235,6 +237,7 @@ static int slab_new(gpupool__registry *reg, gpupool__pool *p, uint64_t size, int
   s->id = next_id(reg);
   s->pool = p;
   s->dedicated = dedicated;
+  s->owner_uid = uid;
   if ((rc = gpupool__hmap_put(&reg->slabs, s->id, s)) != 0) {
     gpupool__alloc_delete(s->alloc);
     reg->be->ops->slab_free(p->bp, &s->bs);
@@ -426,10 +429,10 @@ uint64_t gpupool__pool_free_bytes(const gpupool__pool *p) {
   return f;
 }
 
-static int no_space(gpupool__registry *reg, gpupool__pool *p, uint64_t asked, uint64_t rounded) {
-  uint64_t largest = 0, in_slabs = 0, pending_bytes = 0;
+static int no_space(gpupool__registry *reg, gpupool__pool *p, uid_t uid, uint64_t asked, uint64_t rounded) {
+  uint64_t largest = 0, in_slabs = 0, pending_bytes = 0, unreserved = p->cfg.capacity - p->reserved, most;
   for (gpupool__slab *s = p->slabs; s; s = s->next)
-    if (s->alloc && !s->retiring) {
+    if (s->alloc && !s->retiring && s->owner_uid == uid) {
       uint64_t l = gpupool__alloc_largest_free(s->alloc);
       if (l > largest)
         largest = l;
@@ -438,19 +441,31 @@ static int no_space(gpupool__registry *reg, gpupool__pool *p, uint64_t asked, ui
   for (gpupool__buffer *b = reg->pending; b; b = b->pending_next)
     if (b->slab->pool == p)
       pending_bytes += b->size;
+  /* What one request could get now: the largest hole in this user's slabs, or a new slab
+   * (dedicated above slab_size) from the unreserved capacity. */
+  most = unreserved & ~(SLAB_GRAIN - 1);
+  if (most > GPUPOOL_SLAB_HARD_MAX)
+    most = GPUPOOL_SLAB_HARD_MAX;
+  if (most < p->cfg.slab_size) /* too little for a new slab: only the holes are left */
+    most = 0;
+  if (largest > most)
+    most = largest;
   return gpupool__err(GPUPOOL_ENOSPC,
                       "pool '%s' is out of memory: asked for %" PRIu64 " bytes (%" PRIu64
-                      " after alignment); free: %" PRIu64 " bytes inside slabs (largest contiguous %" PRIu64
-                      ") and %" PRIu64 " bytes of unreserved capacity (of %" PRIu64
+                      " after alignment); the largest request that would succeed now is %" PRIu64
+                      " bytes (free: %" PRIu64 " bytes inside this user's slabs, largest contiguous %" PRIu64
+                      ", and %" PRIu64 " bytes of unreserved capacity of %" PRIu64
                       "); %" PRIu64 " bytes wait for holders' GPU work or exited processes before reuse. "
                       "Release buffers, pass a timeout to wait for memory, or raise the pool's capacity",
-                      p->cfg.name, asked, rounded, in_slabs, largest, p->cfg.capacity - p->reserved,
-                      p->cfg.capacity, pending_bytes);
+                      p->cfg.name, asked, rounded, most, in_slabs, largest, unreserved, p->cfg.capacity,
+                      pending_bytes);
 }
 
 /* Place `size` bytes (already aligned) in p. */
-static int place(gpupool__registry *reg, gpupool__pool *p, uint64_t asked, uint64_t size, uint64_t align,
-                 gpupool__slab **slab, uint64_t *off) {
+/* Place a buffer of c's uid: in a slab of that uid only (every holder of a buffer receives
+ * its slab's fd, so slabs are never shared between users), or in a new one. */
+static int place(gpupool__registry *reg, gpupool__pool *p, uid_t uid, uint64_t asked, uint64_t size,
+                 uint64_t align, gpupool__slab **slab, uint64_t *off) {
   int rc, attempt;
   if (size > p->cfg.slab_size) {
     uint64_t dsize = round_up(size, SLAB_GRAIN);
@@ -466,7 +481,7 @@ static int place(gpupool__registry *reg, gpupool__pool *p, uint64_t asked, uint6
                           " bytes); raise the pool's capacity in the config",
                           asked, p->cfg.name, p->cfg.capacity);
     for (attempt = 0; attempt < 2; attempt++) {
-      rc = slab_new(reg, p, dsize, 1, slab);
+      rc = slab_new(reg, p, dsize, 1, uid, slab);
       if (rc == 0) {
         *off = 0;
         return 0;
@@ -481,18 +496,18 @@ static int place(gpupool__registry *reg, gpupool__pool *p, uint64_t asked, uint6
           slab_retire(reg, s);
       }
     }
-    return no_space(reg, p, asked, size);
+    return no_space(reg, p, uid, asked, size);
   }
   for (attempt = 0; attempt < 2; attempt++) {
     for (gpupool__slab *s = p->slabs; s; s = s->next) {
-      if (!s->alloc || s->retiring)
+      if (!s->alloc || s->retiring || s->owner_uid != uid)
         continue;
       if (gpupool__alloc_get(s->alloc, size, align, off) == 0) {
         *slab = s;
         return 0;
       }
     }
-    rc = slab_new(reg, p, p->cfg.slab_size, 0, slab);
+    rc = slab_new(reg, p, p->cfg.slab_size, 0, uid, slab);
     if (rc == 0) {
       if (gpupool__alloc_get((*slab)->alloc, size, align, off) == 0)
         return 0;
@@ -504,7 +519,7 @@ static int place(gpupool__registry *reg, gpupool__pool *p, uint64_t asked, uint6
     if (attempt == 0)
       gpupool__sweep(reg);
   }
-  return no_space(reg, p, asked, size);
+  return no_space(reg, p, uid, asked, size);
 }
 
 /* ---- holds ----------------------------------------------------------------------------------- */
@@ -677,11 +692,11 @@ int gpupool__allocate(gpupool__registry *reg, gpupool__client *c, gpupool__pool 
   if (align < p->cfg.alignment)
     align = p->cfg.alignment;
   if (size > GPUPOOL_SLAB_HARD_MAX)
-    return place(reg, p, size, size, align, &s, &off); /* produces the ETOOBIG message */
+    return place(reg, p, c->uid, size, size, align, &s, &off); /* produces the ETOOBIG message */
   asize = round_up(size, p->cfg.alignment);
   if ((rc = check_limits(reg, c, asize)) != 0)
     return rc;
-  if ((rc = place(reg, p, size, asize, align, &s, &off)) != 0)
+  if ((rc = place(reg, p, c->uid, size, asize, align, &s, &off)) != 0)
     return rc;
   if (s->dedicated)
     asize = s->bs.size;
@@ -702,6 +717,7 @@ int gpupool__allocate(gpupool__registry *reg, gpupool__client *c, gpupool__pool 
   /* The share token's secret: from the kernel-seeded generator in libc, without a system
    * call per allocation. */
   arc4random_buf(b->secret, sizeof b->secret);
+  arc4random_buf(b->secret_ro, sizeof b->secret_ro);
   if (reg->be->ops->has_events && !(b->ready = event_get(reg))) {
     rc = gpupool__err(GPUPOOL_EBACKEND, "cannot create the buffer's ready event");
     goto fail_buf;
@@ -754,7 +770,8 @@ int gpupool__share(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id,
     return rc;
   for (int i = 0; i < 8; i++)
     token[i] = (uint8_t)(h->buf->id >> (8 * i));
-  memcpy(token + 8, h->buf->secret, sizeof h->buf->secret);
+  /* A read-only hold shares read-only: its token carries the read-only secret. */
+  memcpy(token + 8, h->read_only ? h->buf->secret_ro : h->buf->secret, sizeof h->buf->secret);
   return 0;
 }
 
@@ -768,9 +785,17 @@ int gpupool__open(gpupool__registry *reg, gpupool__client *c, const uint8_t *tok
   for (int i = 0; i < 8; i++)
     id |= (uint64_t)token[i] << (8 * i);
   b = gpupool__hmap_get(&reg->buffers, id);
-  if (b)
-    for (size_t i = 0; i < sizeof b->secret; i++)
+  if (b) {
+    uint8_t diff_ro = 0;
+    for (size_t i = 0; i < sizeof b->secret; i++) {
       diff |= (uint8_t)(b->secret[i] ^ token[8 + i]);
+      diff_ro |= (uint8_t)(b->secret_ro[i] ^ token[8 + i]);
+    }
+    if (diff && !diff_ro) {
+      diff = 0;
+      read_only = 1; /* a token from a read-only hold opens read-only, whatever is asked */
+    }
+  }
   if (!b || diff)
     return gpupool__err(GPUPOOL_ENOENT,
                         "share token does not name a live buffer (the buffer was freed, or the token is forged)");
@@ -907,6 +932,7 @@ void gpupool__unmapped(gpupool__registry *reg, gpupool__client *c, const uint64_
         break;
       }
     gpupool__hmap_del(&c->mapped, ids[k]);
+    gpupool__hmap_del(&c->mapped_ro, ids[k]);
     if (!s)
       continue;
     for (uint32_t i = 0; i < s->nmappers; i++)
@@ -940,6 +966,7 @@ void gpupool__client_init(gpupool__registry *reg, gpupool__client *c) {
   c->id = next_id(reg);
   c->connected_ns = gpupool__now_ns();
   gpupool__hmap_init(&c->mapped);
+  gpupool__hmap_init(&c->mapped_ro);
   gpupool__hmap_put(&reg->clients, c->id, c);
 }
 
@@ -979,6 +1006,7 @@ void gpupool__client_drop(gpupool__registry *reg, gpupool__client *c) {
   }
   gpupool__hmap_del(&reg->clients, c->id);
   gpupool__hmap_free(&c->mapped);
+  gpupool__hmap_free(&c->mapped_ro);
   free(c->revoke);
   c->revoke = NULL;
   c->nrevoke = c->caprevoke = 0;
@@ -1032,12 +1060,28 @@ void gpupool__fill_desc(gpupool__registry *reg, gpupool__client *c, gpupool__hol
   s->slab.pool_id = sl->pool->id;
   s->slab.size = sl->bs.size;
   s->slab.dedicated = sl->dedicated;
-  if (!gpupool__hmap_get(&c->mapped, sl->id)) {
-    /* First buffer of this slab for this client: send how to map it, and remember. */
-    s->slab.export_data.data = sl->bs.export_data;
-    s->slab.export_data.len = sl->bs.export_len;
-    if (gpupool__hmap_put(&c->mapped, sl->id, sl) == 0 && slab_add_mapper(sl, c->id) != 0)
-      gpupool__hmap_del(&c->mapped, sl->id);
+  s->fd = -1;
+  {
+    int mapped = gpupool__hmap_get(&c->mapped, sl->id) != NULL;
+    int mapped_ro = mapped && gpupool__hmap_get(&c->mapped_ro, sl->id) != NULL;
+    if (!mapped || (mapped_ro && !h->read_only)) {
+      /* The first buffer of this slab for this client, or the first it may write: send how to
+       * map it, with the slab's fd where the backend has one (read-only for a read-only
+       * hold, so the kernel enforces it), and remember. */
+      s->slab.export_data.data = sl->bs.export_data;
+      s->slab.export_data.len = sl->bs.export_len;
+      s->slab.writable = !h->read_only;
+      if (sl->bs.fd >= 0) {
+        s->fd = h->read_only ? sl->bs.fd_ro : sl->bs.fd;
+        s->slab.fd_attached = 1;
+      }
+      if (!mapped && gpupool__hmap_put(&c->mapped, sl->id, sl) == 0 && slab_add_mapper(sl, c->id) != 0)
+        gpupool__hmap_del(&c->mapped, sl->id);
+      if (h->read_only)
+        (void)gpupool__hmap_put(&c->mapped_ro, sl->id, sl);
+      else
+        gpupool__hmap_del(&c->mapped_ro, sl->id);
+    }
   }
   s->desc.slab = &s->slab;
   if (b->ready) {

@@ -62,6 +62,7 @@ struct gpupool__slab {
   gpupool__bslab bs;
   gpupool__alloc *alloc; /* NULL for a dedicated slab */
   int dedicated;
+  uid_t owner_uid;       /* buffers of other uids never go in it (their holders get its fd) */
   int retiring;          /* empty, being given back: no new buffers */
   uint32_t nbuffers;     /* live or pending buffers inside */
   gpupool__mapper *mappers;
@@ -85,7 +86,8 @@ struct gpupool__buffer {
   uint32_t refs;          /* holds + names */
   uint32_t names;
   gpupool__event *ready;
-  uint8_t secret[16];
+  uint8_t secret[16];      /* a share token with this secret opens read-write... */
+  uint8_t secret_ro[16];   /* ...with this one, read-only (a token never upgrades a hold) */
   int has_meta;
   gpupool_tensor_meta meta;
   uid_t owner_uid;
@@ -144,6 +146,7 @@ struct gpupool__client {
   uint64_t bytes;           /* bytes of buffers it allocated and still live */
   uint32_t allocs;
   gpupool__hmap mapped;     /* slab id -> slab this client has mapped */
+  gpupool__hmap mapped_ro;  /* the subset it has mapped read-only only */
   uint64_t *revoke;         /* slab ids to send in the next reply */
   uint32_t nrevoke, caprevoke;
 };
@@ -219,6 +222,7 @@ typedef struct {
   Gpupool__Wire__SlabRef slab;
   Gpupool__Wire__EventRef ready, done;
   Gpupool__Wire__TensorMeta meta; /* points into the registry's copy of the metadata */
+  int fd;                         /* to send with the reply (the slab's), or -1 */
 } gpupool__desc_storage;
 /* name: the name the hold was got by, if any (its tensor description is sent; otherwise the
  * one the buffer was last published with). */

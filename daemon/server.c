@@ -466,7 +466,7 @@ static void reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *
     rep.open = &orp;
     break;
   }
-  send_reply(c, seq, &rep, NULL, 0);
+  send_reply(c, seq, &rep, ds.fd >= 0 ? &ds.fd : NULL, ds.fd >= 0 ? 1 : 0);
 }
 
 /* ---- stats ---------------------------------------------------------------------------------- */
@@ -586,7 +586,7 @@ static int handle_attach(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__At
   ar.pool = &pi;
   rep.body_case = GPUPOOL__WIRE__REPLY__BODY_ATTACH_POOL;
   rep.attach_pool = &ar;
-  send_reply(c, seq, &rep, &p->fd, 1);
+  send_reply(c, seq, &rep, p->fd >= 0 ? &p->fd : NULL, p->fd >= 0 ? 1 : 0);
   return 0;
 }
 

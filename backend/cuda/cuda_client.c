@@ -104,6 +104,8 @@ static int add_granted(gpupool__cpool *p, int device) {
 
 static int cuda_pool_import(int fd, gpupool_mem_kind kind, int device, uint64_t capacity,
                             gpupool__cpool **out) {
+  if (fd < 0)
+    return gpupool__err(GPUPOOL_EPROTO, "the daemon sent no fd for a CUDA pool");
   gpupool__cpool *p = NULL;
   cudaError_t e;
   int prev = -1, rc;
@@ -228,7 +230,7 @@ static int cuda_pool_set_access(gpupool__cpool *p, const int *devices, int n) {
 }
 
 static int cuda_slab_map(gpupool__cpool *p, const uint8_t *export_data, size_t export_len,
-                         uint64_t size, void **base, void **priv) {
+                         uint64_t size, int fd, int writable, void **base, void **priv) {
   struct cudaMemPoolPtrExportData d;
   uint64_t *count;
   void *ptr = NULL;
@@ -236,6 +238,9 @@ static int cuda_slab_map(gpupool__cpool *p, const uint8_t *export_data, size_t e
   int rc = 0;
 
   (void)size;
+  (void)writable; /* read-only is advisory on CUDA: access flags are the importer's own */
+  if (fd >= 0)
+    close(fd);
   *base = NULL;
   *priv = NULL;
   if ((rc = gpupool__cuda_export_decode(export_data, export_len, &d)) != 0)

@@ -453,6 +453,7 @@ static int cuda_slab_alloc(gpupool__bpool *p, uint64_t size, gpupool__bslab *out
   }
   out->export_len = gpupool__cuda_export_encode(&exp, out->export_data);
   out->size = size;
+  out->fd = out->fd_ro = -1; /* clients import slabs through the pool's fd */
   out->priv = ptr;
   return 0;
 

@@ -1,46 +1,39 @@
 /*
- * Client side of the host backend: the pool is a sealed memfd, a slab is (offset, size)
- * inside it, mapped shared and read/write once per client. No events: host memory written
- * before a publish is visible to every process that maps it.
+ * Client side of the host backend: each slab comes as its own sealed memfd in the reply that
+ * first names it (read-only when the hold is), and is mapped shared once per client, read-write
+ * or read-only as its fd allows. No events: host memory written before a publish is visible to
+ * every process that maps it.
  */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "errors.h"
 #include "host.h"
 
 struct gpupool__cpool {
-  int fd;
   uint64_t capacity;
 };
 
 static int host_import(int fd, gpupool_mem_kind kind, int device, uint64_t capacity, gpupool__cpool **out) {
   gpupool__cpool *p;
   (void)device;
-  if (kind != GPUPOOL_MEM_HOST) {
-    close(fd);
+  if (fd >= 0)
+    close(fd); /* host pools have no pool-wide fd: slabs come with their own */
+  if (kind != GPUPOOL_MEM_HOST)
     return gpupool__err(GPUPOOL_ENOTSUP, "the host backend cannot import a pool of GPU memory");
-  }
   p = calloc(1, sizeof *p);
-  if (!p) {
-    close(fd);
+  if (!p)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
-  }
-  p->fd = fd;
   p->capacity = capacity;
   *out = p;
   return 0;
 }
 
-static void host_release(gpupool__cpool *p) {
-  if (!p)
-    return;
-  close(p->fd);
-  free(p);
-}
+static void host_release(gpupool__cpool *p) { free(p); }
 
 static int host_set_access(gpupool__cpool *p, const int *devices, int n) {
   (void)p;
@@ -50,25 +43,37 @@ static int host_set_access(gpupool__cpool *p, const int *devices, int n) {
 }
 
 static int host_map(gpupool__cpool *p, const uint8_t *export_data, size_t export_len, uint64_t size,
-                    void **base, void **priv) {
+                    int fd, int writable, void **base, void **priv) {
   gpupool__host_export e;
-  uint64_t off, len;
+  struct stat st;
   void *m;
   int rc;
   if ((rc = gpupool__host_export_decode(export_data, export_len, &e)) != 0)
-    return rc;
-  off = e.offset;
-  len = e.size;
-  if (len != size || off > p->capacity || len > p->capacity - off || off % 4096)
-    return gpupool__err(GPUPOOL_EPROTO, "host slab (%llu+%llu) does not fit the pool's %llu bytes",
-                        (unsigned long long)off, (unsigned long long)len, (unsigned long long)p->capacity);
-  m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, p->fd, (off_t)off);
-  if (m == MAP_FAILED)
-    return gpupool__err(GPUPOOL_EBACKEND, "cannot map %llu bytes of the pool: %s (check RLIMIT_AS / vm.max_map_count)",
-                        (unsigned long long)len, strerror(errno));
+    goto out;
+  if (fd < 0) {
+    rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent no fd for a host slab");
+    goto out;
+  }
+  /* The kernel knows the slab's real size: a daemon that got it wrong must not make this
+   * process map past the end of the memfd (SIGBUS on the first touch). */
+  if (e.offset != 0 || e.size != size || fstat(fd, &st) != 0 || (uint64_t)st.st_size < e.size) {
+    rc = gpupool__err(GPUPOOL_EPROTO, "host slab (%llu+%llu) does not match its memfd",
+                      (unsigned long long)e.offset, (unsigned long long)e.size);
+    goto out;
+  }
+  m = mmap(NULL, e.size, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
+  if (m == MAP_FAILED) {
+    rc = gpupool__err(GPUPOOL_EBACKEND, "cannot map %llu bytes of a slab: %s (check RLIMIT_AS / vm.max_map_count)",
+                      (unsigned long long)e.size, strerror(errno));
+    goto out;
+  }
+  (void)p;
   *base = m;
   *priv = NULL;
-  return 0;
+out:
+  if (fd >= 0)
+    close(fd); /* the mapping keeps the memory; the fd is not needed any more */
+  return rc;
 }
 
 static int host_unmap(gpupool__cpool *p, void *base, uint64_t size, void *priv, void *stream) {

@@ -1,10 +1,11 @@
 /*
- * Host backend: a pool is one sealed memfd of the pool's capacity (sparse: pages exist only
- * once touched). Slabs are 2 MiB-aligned ranges of it placed by the range allocator; their
- * export data is (offset, size), which a client mmaps from the pool fd. A freed slab's pages
- * are punched out, so memory really goes back to the system.
+ * Host backend, daemon half: a pool is a capacity; each slab is its own sealed memfd of the
+ * slab's size, with a read-only fd of it made at creation. A client receives, in the reply
+ * that first names a slab, the fd of that slab alone (read-only when its hold is), so it can
+ * map nothing it was not given; a freed slab's memfd is closed, so its pages go back to the
+ * system once the last mapping goes, and a new slab always starts as zeros.
  *
- * The memfd is sealed against shrinking and growing before any client sees it: otherwise a
+ * Every memfd is sealed against shrinking and growing before any client sees it: otherwise a
  * client could ftruncate it and every other process mapping it would die of SIGBUS.
  */
 #include <errno.h>
@@ -16,75 +17,75 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "alloc.h"
 #include "errors.h"
 #include "host.h"
 
 #define SLAB_GRAIN (2ull << 20)
 
 struct gpupool__bpool {
-  int fd;
-  gpupool__alloc *space;
+  char name[64];
+  uint64_t capacity;
   uint64_t reserved, reserved_high;
 };
 
+/* Host pools have no pool-wide fd: every slab is its own memfd, so a client receives (and can
+ * map) only the slabs it was given, and a pool's capacity is never lost to placement. */
 static int host_pool_create(gpupool__backend *be, const gpupool__pool_config *cfg,
                             gpupool__bpool **out, int *fd) {
   gpupool__bpool *p;
-  char name[96];
-  int rc;
 
   (void)be;
   p = calloc(1, sizeof *p);
   if (!p)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
-  snprintf(name, sizeof name, "gpupool:%s", cfg->name);
-  p->fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (p->fd < 0) {
-    rc = gpupool__err(GPUPOOL_EBACKEND, "memfd_create failed: %s", strerror(errno));
-    goto fail;
-  }
-  if (ftruncate(p->fd, (off_t)cfg->capacity) != 0) {
-    rc = gpupool__err(GPUPOOL_EBACKEND, "cannot size the memfd to %llu bytes: %s",
-                      (unsigned long long)cfg->capacity, strerror(errno));
-    goto fail_fd;
-  }
-  if (fcntl(p->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-    rc = gpupool__err(GPUPOOL_EBACKEND, "cannot seal the memfd: %s", strerror(errno));
-    goto fail_fd;
-  }
-  if ((rc = gpupool__alloc_new(cfg->capacity, &p->space)) != 0)
-    goto fail_fd;
+  snprintf(p->name, sizeof p->name, "%s", cfg->name);
+  p->capacity = cfg->capacity;
   *out = p;
-  *fd = p->fd;
+  *fd = -1;
   return 0;
-fail_fd:
-  close(p->fd);
-fail:
-  free(p);
-  return rc;
 }
 
-static void host_pool_destroy(gpupool__bpool *p) {
-  if (!p)
-    return;
-  close(p->fd);
-  gpupool__alloc_delete(p->space);
-  free(p);
-}
+static void host_pool_destroy(gpupool__bpool *p) { free(p); }
 
+/* A slab is a sealed memfd (no client can shrink or grow it under another's mapping, the
+ * SIGBUS trap), mode 0600 so that a read-only fd of it cannot be reopened read-write through
+ * /proc by another user, plus that read-only fd, made once. */
 static int host_slab_alloc(gpupool__bpool *p, uint64_t size, gpupool__bslab *out) {
-  uint64_t off;
+  char name[96], path[64];
+  int fd, ro, rc;
+
   size = (size + SLAB_GRAIN - 1) & ~(SLAB_GRAIN - 1);
   if (size > GPUPOOL_SLAB_HARD_MAX)
     return gpupool__err(GPUPOOL_ETOOBIG, "slab of %llu bytes exceeds 4 GiB", (unsigned long long)size);
-  if (gpupool__alloc_get(p->space, size, SLAB_GRAIN, &off) != 0)
+  if (p->reserved + size > p->capacity)
     return GPUPOOL_ENOSPC;
+  snprintf(name, sizeof name, "gpupool:%s", p->name);
+  fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0)
+    return gpupool__err(errno == EMFILE || errno == ENFILE ? GPUPOOL_EFD : GPUPOOL_EBACKEND,
+                        "memfd_create failed: %s", strerror(errno));
+  if (fchmod(fd, 0600) != 0 || ftruncate(fd, (off_t)size) != 0 ||
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    rc = gpupool__err(GPUPOOL_EBACKEND, "cannot size and seal a memfd of %llu bytes: %s",
+                      (unsigned long long)size, strerror(errno));
+    close(fd);
+    return rc;
+  }
+  snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+  ro = open(path, O_RDONLY | O_CLOEXEC);
+  if (ro < 0) {
+    rc = gpupool__err(errno == EMFILE || errno == ENFILE ? GPUPOOL_EFD : GPUPOOL_EBACKEND,
+                      "cannot open a read-only fd of a slab through %s: %s (is /proc mounted?)", path,
+                      strerror(errno));
+    close(fd);
+    return rc;
+  }
   memset(out, 0, sizeof *out);
   out->size = size;
-  out->export_len = gpupool__host_export_encode(&(gpupool__host_export){.offset = off, .size = size},
+  out->fd = fd;
+  out->fd_ro = ro;
+  out->export_len = gpupool__host_export_encode(&(gpupool__host_export){.offset = 0, .size = size},
                                                 out->export_data);
-  out->priv = (void *)(uintptr_t)off;
   p->reserved += size;
   if (p->reserved > p->reserved_high)
     p->reserved_high = p->reserved;
@@ -92,19 +93,19 @@ static int host_slab_alloc(gpupool__bpool *p, uint64_t size, gpupool__bslab *out
 }
 
 static void host_slab_free(gpupool__bpool *p, gpupool__bslab *s) {
-  uint64_t off = (uint64_t)(uintptr_t)s->priv;
-  /* Give the pages back; the range reads as zeros if anyone still maps it. */
-  fallocate(p->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)off, (off_t)s->size);
-  gpupool__alloc_put(p->space, off, s->size);
+  /* Closing the daemon's fds frees the pages once no client maps them any more (the daemon
+   * frees a slab only after every client that mapped it has unmapped it or gone). */
+  close(s->fd);
+  close(s->fd_ro);
+  s->fd = s->fd_ro = -1;
   p->reserved -= s->size;
 }
 
 static int host_pool_stats(gpupool__bpool *p, gpupool__bpool_stats *out) {
-  struct stat st;
   out->reserved_cur = p->reserved;
   out->reserved_high = p->reserved_high;
-  /* Pages actually present in the memfd. */
-  out->used_cur = fstat(p->fd, &st) == 0 ? (uint64_t)st.st_blocks * 512 : 0;
+  /* Slabs are whole memfds, sized at creation; pages appear as clients touch them. */
+  out->used_cur = 0;
   out->used_high = 0;
   return 0;
 }

@@ -1,0 +1,277 @@
+/*
+ * Users reach only the memory they were given (host backend). Attacks run from another uid
+ * (nobody, when the tests run as root, as CI does): map every memfd the process holds and look
+ * for another user's bytes; write through a read-only hold; turn a read-only share token into
+ * a writable hold; read what another user freed. Also: a pool's capacity is not lost to where
+ * slabs happen to lie, and an out-of-space error says what would succeed.
+ */
+#include <dirent.h>
+#include <grp.h>
+#include <inttypes.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include "harness.h"
+
+#define NOBODY 65534
+#define MIB (1u << 20)
+#define SEED 0xC0FFEEu
+
+static th_daemon D;
+
+static void start_with(const char *pool_line) {
+  char conf[512];
+  th_prepare(&D);
+  assert_int_equal(chmod(D.dir, 0711), 0);
+  snprintf(conf, sizeof conf, "[daemon]\nsocket_mode = 0666\n[pool default]\nkind = host\n%s\n", pool_line);
+  th_write_conf(&D, conf);
+  th_start(&D, 1, NULL);
+}
+
+static pid_t owner_pid; /* a helper process a failed test may leave waiting */
+
+static int teardown(void **state) {
+  (void)state;
+  if (owner_pid > 0) {
+    kill(owner_pid, SIGKILL);
+    waitpid(owner_pid, NULL, 0);
+    owner_pid = 0;
+  }
+  th_stop(&D);
+  return 0;
+}
+
+static int become_nobody(void) {
+  if (getuid() != 0)
+    return 0; /* not root: the attack runs as this same user, which proves less but runs */
+  if (setgroups(0, NULL) != 0 || setgid(NOBODY) != 0 || setuid(NOBODY) != 0)
+    return -1;
+  return 0;
+}
+
+/* Map every memfd this process holds, whole, and look for the secret pattern: 1 if found. */
+static int any_memfd_holds_secret(void) {
+  uint8_t secret[64];
+  DIR *d = opendir("/proc/self/fd");
+  struct dirent *e;
+  int found = 0, scanned = 0;
+  for (uint64_t j = 0; j < sizeof secret; j++)
+    secret[j] = th_byte(SEED, j);
+  if (!d)
+    return -1;
+  while ((e = readdir(d))) {
+    char link[64], target[256];
+    struct stat st;
+    ssize_t n;
+    int fd = atoi(e->d_name);
+    uint8_t *m;
+    if (e->d_name[0] == '.')
+      continue;
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    n = readlink(link, target, sizeof target - 1);
+    if (n <= 0)
+      continue;
+    target[n] = '\0';
+    if (strncmp(target, "/memfd:", 7) != 0 || fstat(fd, &st) != 0 || st.st_size == 0)
+      continue;
+    m = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED)
+      continue;
+    scanned++;
+    if (memmem(m, (size_t)st.st_size, secret, sizeof secret))
+      found = 1;
+    munmap(m, (size_t)st.st_size);
+  }
+  closedir(d);
+  /* And every gpupool mapping the process has. */
+  {
+    FILE *f = fopen("/proc/self/maps", "r");
+    char line[512];
+    while (f && fgets(line, sizeof line, f)) {
+      unsigned long lo, hi;
+      char perms[8];
+      if (!strstr(line, "memfd:gpupool") || sscanf(line, "%lx-%lx %7s", &lo, &hi, perms) != 3 || perms[0] != 'r')
+        continue;
+      scanned++;
+      if (memmem((void *)lo, hi - lo, secret, sizeof secret))
+        found = 1;
+    }
+    if (f)
+      fclose(f);
+  }
+  printf("scanned %d memfd(s) and mappings: %s\n", scanned,
+         found ? "found the other user's bytes" : "nothing of the other user");
+  return found;
+}
+
+static int snoop_child(const th_daemon *d, int arg) {
+  gpupool_client *c = NULL;
+  gpupool_buffer *b;
+  (void)arg;
+  CHILD_CHECK(become_nobody() == 0, "setuid");
+  CHILD_CHECK(gpupool_connect(d->sock, "snoop", &c) == 0, "connect");
+  CHILD_CHECK(gpupool_alloc(c, NULL, 4096, 0, NULL, &b) == 0, "alloc");
+  CHILD_CHECK(any_memfd_holds_secret() == 0, "another user's unshared buffer is reachable");
+  gpupool_release(b, NULL);
+  gpupool_disconnect(c);
+  return 0;
+}
+
+/* Root's client, in a process of its own (a forked child would inherit its mappings): holds
+ * an unshared buffer with the secret pattern until told to let go. */
+static int owner_child(const th_daemon *d, int arg) {
+  gpupool_client *c = NULL;
+  gpupool_buffer *b;
+  int ready = arg & 0xffff, go = arg >> 16;
+  char ch = 1;
+  CHILD_CHECK(gpupool_connect(d->sock, "owner", &c) == 0, "connect");
+  CHILD_CHECK(gpupool_alloc(c, NULL, MIB, 0, NULL, &b) == 0, "alloc");
+  th_fill(gpupool_buffer_ptr(b), SEED, MIB);
+  CHILD_CHECK(write(ready, &ch, 1) == 1 && read(go, &ch, 1) >= 0, "handshake with the test");
+  gpupool_release(b, NULL);
+  gpupool_disconnect(c);
+  return 0;
+}
+
+/* A client receives no fd that maps memory it was not given. */
+static void test_no_fd_reaches_other_users_memory(void **state) {
+  int ready[2], go[2];
+  char ch = 1;
+  (void)state;
+  start_with("capacity = 64M\nslab_size = 4M");
+  assert_int_equal(pipe(ready), 0);
+  assert_int_equal(pipe(go), 0);
+  owner_pid = th_spawn(&D, owner_child, ready[1] | go[0] << 16);
+  assert_int_equal(read(ready[0], &ch, 1), 1);
+  th_wait_ok(th_spawn(&D, snoop_child, 0), "snooping client");
+  assert_int_equal(write(go[1], &ch, 1), 1);
+  th_wait_ok(owner_pid, "owner");
+  owner_pid = 0;
+  close(ready[0]);
+  close(ready[1]);
+  close(go[0]);
+  close(go[1]);
+}
+
+/* Write through p in a grandchild: its exit status says whether the write got through. */
+static int write_survives(volatile uint8_t *p) {
+  int st;
+  pid_t pid = fork();
+  if (pid == 0) {
+    signal(SIGSEGV, SIG_DFL); /* not the test framework's handler: die of it */
+    signal(SIGBUS, SIG_DFL);
+    p[0] ^= 0xff;
+    _exit(0);
+  }
+  if (pid < 0 || waitpid(pid, &st, 0) != pid)
+    return -1;
+  return WIFEXITED(st) && WEXITSTATUS(st) == 0;
+}
+
+static int read_only_child(const th_daemon *d, int arg) {
+  gpupool_client *c = NULL;
+  gpupool_buffer *ro, *up;
+  gpupool_token tok;
+  uint8_t *p;
+  (void)arg;
+  CHILD_CHECK(become_nobody() == 0, "setuid");
+  CHILD_CHECK(gpupool_connect(d->sock, "reader", &c) == 0, "connect");
+  CHILD_CHECK(gpupool_get(c, "ro/weights", 1000, GPUPOOL_READ_ONLY, NULL, &ro) == 0, "get read-only");
+  p = gpupool_buffer_ptr(ro);
+  CHILD_CHECK(th_check(p, SEED, MIB), "bytes of the published buffer");
+  /* The kernel refuses the write, and refuses to make the mapping writable. */
+  CHILD_CHECK(write_survives(p) == 0, "a write through a read-only hold went through");
+  CHILD_CHECK(mprotect((void *)((uintptr_t)p & ~(uintptr_t)4095), 4096, PROT_READ | PROT_WRITE) != 0,
+              "a read-only mapping could be made writable");
+  /* Sharing a read-only hold and opening the token asking for read-write gives read-only. */
+  CHILD_CHECK(gpupool_share(ro, NULL, &tok) == 0, "share");
+  CHILD_CHECK(gpupool_open(c, &tok, 0, NULL, &up) == 0, "open");
+  CHILD_CHECK(gpupool_buffer_read_only(up) == 1, "a read-only token opened a writable hold");
+  CHILD_CHECK(write_survives(gpupool_buffer_ptr(up)) == 0, "a write through the reopened hold went through");
+  gpupool_release(up, NULL);
+  gpupool_release(ro, NULL);
+  gpupool_disconnect(c);
+  return 0;
+}
+
+/* Read-only is enforced by the kernel, and a token never upgrades a hold. */
+static void test_read_only_is_enforced(void **state) {
+  gpupool_client *c;
+  gpupool_buffer *b;
+  (void)state;
+  start_with("capacity = 64M\nslab_size = 4M");
+  c = th_connect(&D, "producer");
+  assert_int_equal(gpupool_alloc(c, NULL, MIB, 0, NULL, &b), 0);
+  th_fill(gpupool_buffer_ptr(b), SEED, MIB);
+  assert_int_equal(gpupool_publish_ex(b, "ro/weights", NULL, NULL, 0, 1), 0);
+  th_wait_ok(th_spawn(&D, read_only_child, 0), "read-only consumer");
+  /* Nothing the consumer tried changed a byte. */
+  assert_true(th_check(gpupool_buffer_ptr(b), SEED, MIB));
+  assert_int_equal(gpupool_unpublish(c, "ro/weights"), 0);
+  assert_int_equal(gpupool_release(b, NULL), 0);
+  gpupool_disconnect(c);
+}
+
+static int fresh_child(const th_daemon *d, int arg) {
+  gpupool_client *c = NULL;
+  gpupool_buffer *b;
+  const uint8_t *p;
+  (void)arg;
+  CHILD_CHECK(become_nobody() == 0, "setuid");
+  CHILD_CHECK(gpupool_connect(d->sock, "next", &c) == 0, "connect");
+  CHILD_CHECK(gpupool_alloc(c, NULL, MIB, 0, NULL, &b) == 0, "alloc");
+  p = gpupool_buffer_ptr(b);
+  for (uint32_t i = 0; i < MIB; i++)
+    CHILD_CHECK(p[i] == 0, "byte %u of a fresh allocation is 0x%02x: another user's data", i, p[i]);
+  gpupool_release(b, NULL);
+  gpupool_disconnect(c);
+  return 0;
+}
+
+/* Memory one user freed never reaches another user with its bytes in it. */
+static void test_freed_memory_is_not_handed_over(void **state) {
+  gpupool_client *c;
+  gpupool_buffer *b;
+  (void)state;
+  start_with("capacity = 64M\nslab_size = 4M");
+  c = th_connect(&D, "first");
+  assert_int_equal(gpupool_alloc(c, NULL, MIB, 0, NULL, &b), 0);
+  memset(gpupool_buffer_ptr(b), 0xab, MIB);
+  assert_int_equal(gpupool_release(b, NULL), 0);
+  th_wait_ok(th_spawn(&D, fresh_child, 0), "next user");
+  gpupool_disconnect(c);
+}
+
+/* Free capacity is usable whatever slabs came and went before, and the error for a request
+ * that cannot fit says what would. */
+static void test_capacity_not_lost_to_placement(void **state) {
+  gpupool_client *c;
+  gpupool_buffer *b[16], *big;
+  (void)state;
+  start_with("capacity = 64M\nslab_size = 4M\nkeep_slabs = 0");
+  c = th_connect(&D, "frag");
+  for (int i = 0; i < 16; i++)
+    assert_int_equal(gpupool_alloc(c, NULL, 3 * MIB, 0, NULL, &b[i]), 0); /* a slab each */
+  for (int i = 0; i < 16; i += 2)
+    assert_int_equal(gpupool_release(b[i], NULL), 0);
+  assert_int_equal(gpupool_trim(c), 0);
+  /* 32 MiB free, in 4 MiB pieces left between live slabs. */
+  assert_int_equal(gpupool_alloc(c, NULL, 20 * MIB, 0, NULL, &big), 0);
+  assert_int_equal(gpupool_release(big, NULL), 0);
+  assert_int_equal(gpupool_alloc(c, NULL, 40 * MIB, 0, NULL, &big), GPUPOOL_ENOSPC);
+  if (!strstr(gpupool_last_error(), "the largest request that would succeed now is 33554432 bytes"))
+    fail_msg("out-of-space error does not say what would succeed: %s", gpupool_last_error());
+  for (int i = 1; i < 16; i += 2)
+    assert_int_equal(gpupool_release(b[i], NULL), 0);
+  gpupool_disconnect(c);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_teardown(test_no_fd_reaches_other_users_memory, teardown),
+      cmocka_unit_test_teardown(test_read_only_is_enforced, teardown),
+      cmocka_unit_test_teardown(test_freed_memory_is_not_handed_over, teardown),
+      cmocka_unit_test_teardown(test_capacity_not_lost_to_placement, teardown),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
