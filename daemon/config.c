@@ -35,6 +35,8 @@ void gpupool__config_defaults(gpupool__config *c) {
   c->max_clients = 1024;
   c->max_frame = 1u << 20;
   c->max_names = 65536;
+  for (int i = 0; i < GPUPOOL_MAX_POOLS; i++)
+    c->pool_share[i] = -1;
   c->max_names_per_uid = 4096;
   c->max_holds_per_client = 65536;
   c->max_holds_per_uid = 262144;
@@ -202,6 +204,36 @@ static int set_pool_key(gpupool__pool_config *p, const char *k, const char *v) {
                       k);
 }
 
+int gpupool__member_of(const gpupool__member_set *m, uid_t uid, gid_t gid) {
+  for (int i = 0; i < m->n_uids; i++)
+    if (m->uids[i] == uid)
+      return 1;
+  for (int i = 0; i < m->n_gids; i++)
+    if (m->gids[i] == gid)
+      return 1;
+  return 0;
+}
+
+static int set_member_key(gpupool__member_set *m, const char *k, const char *v) {
+  if (!strcmp(k, "uids"))
+    return parse_id_list(v, (uint32_t *)m->uids, &m->n_uids);
+  if (!strcmp(k, "gids"))
+    return parse_id_list(v, (uint32_t *)m->gids, &m->n_gids);
+  return gpupool__err(GPUPOOL_EINVAL, "unknown key '%s' in [%s] (use uids = and gids =)", k, m->name);
+}
+
+/* The [tenant NAME] or [group NAME] section of that name, added when new. */
+static gpupool__member_set *find_or_add_set(gpupool__member_set *sets, int *n, const char *name) {
+  for (int i = 0; i < *n; i++)
+    if (!strcmp(sets[i].name, name))
+      return &sets[i];
+  if (*n >= GPUPOOL_MAX_SETS)
+    return NULL;
+  memset(&sets[*n], 0, sizeof sets[*n]);
+  snprintf(sets[*n].name, sizeof sets[*n].name, "%s", name);
+  return &sets[(*n)++];
+}
+
 int gpupool__config_set(gpupool__config *c, const char *k, const char *v) {
   uint32_t u = 0;
   if (!strcmp(k, "socket"))
@@ -304,6 +336,7 @@ int gpupool__config_load(gpupool__config *c, const char *path) {
   char line[1024], msg[GPUPOOL__ERRMSG_MAX];
   int lineno = 0, in_daemon = 0, rc = 0;
   gpupool__pool_config *pool = NULL;
+  gpupool__member_set *set = NULL;
 
   if (!f)
     return gpupool__err(GPUPOOL_ECONFIG, "cannot open config file %s: %s", path, strerror(errno));
@@ -328,9 +361,27 @@ int gpupool__config_load(gpupool__config *c, const char *path) {
       *end = '\0';
       s = trim(s + 1);
       pool = NULL;
+      set = NULL;
       in_daemon = 0;
       if (!strcmp(s, "daemon")) {
         in_daemon = 1;
+      } else if ((!strncmp(s, "tenant", 6) && isspace((unsigned char)s[6])) ||
+                 (!strncmp(s, "group", 5) && isspace((unsigned char)s[5]))) {
+        int is_tenant = s[0] == 't';
+        const char *name = trim(s + (is_tenant ? 6 : 5));
+        if (!*name || strlen(name) >= sizeof set->name || strpbrk(name, "/: ")) {
+          rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [%s NAME] needs a name of 1 to %zu characters without '/', ':' or spaces",
+                            path, lineno, is_tenant ? "tenant" : "group", sizeof set->name - 1);
+          goto out;
+        }
+        set = is_tenant ? find_or_add_set(c->tenants, &c->n_tenants, name)
+                        : find_or_add_set(c->groups, &c->n_groups, name);
+        if (!set) {
+          rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: more than %d [%s] sections", path, lineno, GPUPOOL_MAX_SETS,
+                            is_tenant ? "tenant" : "group");
+          goto out;
+        }
+        set->line = lineno;
       } else if (!strncmp(s, "pool", 4) && (s[4] == '\0' || isspace((unsigned char)s[4]))) {
         const char *name = trim(s + 4);
         if (!*name)
@@ -346,7 +397,7 @@ int gpupool__config_load(gpupool__config *c, const char *path) {
         }
         pool->line = lineno;
       } else {
-        rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: unknown section [%s] (use [daemon] or [pool NAME])",
+        rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: unknown section [%s] (use [daemon], [pool NAME], [tenant NAME] or [group NAME])",
                           path, lineno, s);
         goto out;
       }
@@ -360,12 +411,21 @@ int gpupool__config_load(gpupool__config *c, const char *path) {
     *eq = '\0';
     k = trim(s);
     v = trim(eq + 1);
-    if (!in_daemon && !pool) {
+    if (!in_daemon && !pool && !set) {
       rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: key '%s' outside a section (put it under [daemon] or [pool NAME])",
                         path, lineno, k);
       goto out;
     }
-    if ((in_daemon ? gpupool__config_set(c, k, v) : set_pool_key(pool, k, v)) != 0) {
+    if (pool && !strcmp(k, "share")) {
+      /* Resolved against the [group] sections by gpupool__config_finish (they may come later). */
+      int idx = (int)(pool - c->pools);
+      if (copy_str(c->pool_share_name[idx], sizeof c->pool_share_name[idx], v) != 0) {
+        rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: group name '%s' is too long", path, lineno, v);
+        goto out;
+      }
+      continue;
+    }
+    if ((in_daemon ? gpupool__config_set(c, k, v) : set ? set_member_key(set, k, v) : set_pool_key(pool, k, v)) != 0) {
       snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
       rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: %s", path, lineno, msg);
       goto out;
@@ -409,6 +469,17 @@ int gpupool__config_add_pool_spec(gpupool__config *c, const char *spec) {
 
 int gpupool__config_finish(gpupool__config *c, const gpupool__backend_desc *backend) {
   int rc;
+  for (int i = 0; i < GPUPOOL_MAX_POOLS; i++) {
+    c->pool_share[i] = -1;
+    if (i >= c->n_pools || !c->pool_share_name[i][0])
+      continue;
+    for (int g = 0; g < c->n_groups; g++)
+      if (!strcmp(c->groups[g].name, c->pool_share_name[i]))
+        c->pool_share[i] = g;
+    if (c->pool_share[i] < 0)
+      return gpupool__err(GPUPOOL_ECONFIG, "pool '%s' is shared with group '%s', which has no [group %s] section",
+                          c->pools[i].name, c->pool_share_name[i], c->pool_share_name[i]);
+  }
   if (c->n_pools == 0 && (rc = backend->default_pools(c->pools, GPUPOOL_MAX_POOLS, &c->n_pools)) != 0)
     return rc;
   for (int i = 0; i < c->n_pools; i++)

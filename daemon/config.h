@@ -13,6 +13,19 @@
 
 #define GPUPOOL_MAX_POOLS 32
 #define GPUPOOL_MAX_ALLOW 32
+#define GPUPOOL_MAX_SETS 32
+
+/* Users named by uid or by primary gid: a [tenant NAME] (its members are one tenant: they
+ * share names and memory) or a [group NAME] (pools marked share = NAME are readable and
+ * writable by every member). */
+typedef struct {
+  char name[48];
+  uid_t uids[GPUPOOL_MAX_ALLOW];
+  int n_uids;
+  gid_t gids[GPUPOOL_MAX_ALLOW];
+  int n_gids;
+  int line;
+} gpupool__member_set;
 
 typedef struct {
   char socket_path[108];
@@ -51,7 +64,17 @@ typedef struct {
   uint32_t busy_poll_us;
   gpupool__pool_config pools[GPUPOOL_MAX_POOLS];
   int n_pools;
+  /* For each pool, the index in groups[] of the group it is shared with, or -1. */
+  int pool_share[GPUPOOL_MAX_POOLS];
+  char pool_share_name[GPUPOOL_MAX_POOLS][48];
+  gpupool__member_set tenants[GPUPOOL_MAX_SETS];
+  int n_tenants;
+  gpupool__member_set groups[GPUPOOL_MAX_SETS];
+  int n_groups;
 } gpupool__config;
+
+/* 1 when uid (or its primary gid) is a member of the set. */
+int gpupool__member_of(const gpupool__member_set *m, uid_t uid, gid_t gid);
 
 /* Defaults: socket path by the rules in gpupool_default_socket_path(), backend auto, info. */
 void gpupool__config_defaults(gpupool__config *c);

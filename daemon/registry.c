@@ -214,7 +214,7 @@ static void slab_maybe_retire(gpupool__registry *reg, gpupool__slab *s) {
     slab_retire(reg, s);
 }
 
-static int slab_new(gpupool__registry *reg, gpupool__pool *p, uint64_t size, int dedicated, uid_t uid,
+static int slab_new(gpupool__registry *reg, gpupool__pool *p, uint64_t size, int dedicated, uint64_t owner,
                     gpupool__slab **out) {
   gpupool__slab *s;
   int rc;
@@ -237,7 +237,7 @@ static int slab_new(gpupool__registry *reg, gpupool__pool *p, uint64_t size, int
   s->id = next_id(reg);
   s->pool = p;
   s->dedicated = dedicated;
-  s->owner_uid = uid;
+  s->owner = owner;
   if ((rc = gpupool__hmap_put(&reg->slabs, s->id, s)) != 0) {
     gpupool__alloc_delete(s->alloc);
     reg->be->ops->slab_free(p->bp, &s->bs);
@@ -429,10 +429,10 @@ uint64_t gpupool__pool_free_bytes(const gpupool__pool *p) {
   return f;
 }
 
-static int no_space(gpupool__registry *reg, gpupool__pool *p, uid_t uid, uint64_t asked, uint64_t rounded) {
+static int no_space(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, uint64_t asked, uint64_t rounded) {
   uint64_t largest = 0, in_slabs = 0, pending_bytes = 0, unreserved = p->cfg.capacity - p->reserved, most;
   for (gpupool__slab *s = p->slabs; s; s = s->next)
-    if (s->alloc && !s->retiring && s->owner_uid == uid) {
+    if (s->alloc && !s->retiring && s->owner == owner) {
       uint64_t l = gpupool__alloc_largest_free(s->alloc);
       if (l > largest)
         largest = l;
@@ -453,7 +453,7 @@ static int no_space(gpupool__registry *reg, gpupool__pool *p, uid_t uid, uint64_
   return gpupool__err(GPUPOOL_ENOSPC,
                       "pool '%s' is out of memory: asked for %" PRIu64 " bytes (%" PRIu64
                       " after alignment); the largest request that would succeed now is %" PRIu64
-                      " bytes (free: %" PRIu64 " bytes inside this user's slabs, largest contiguous %" PRIu64
+                      " bytes (free: %" PRIu64 " bytes inside this tenant's slabs, largest contiguous %" PRIu64
                       ", and %" PRIu64 " bytes of unreserved capacity of %" PRIu64
                       "); %" PRIu64 " bytes wait for holders' GPU work or exited processes before reuse. "
                       "Release buffers, pass a timeout to wait for memory, or raise the pool's capacity",
@@ -462,9 +462,68 @@ static int no_space(gpupool__registry *reg, gpupool__pool *p, uid_t uid, uint64_
 }
 
 /* Place `size` bytes (already aligned) in p. */
-/* Place a buffer of c's uid: in a slab of that uid only (every holder of a buffer receives
- * its slab's fd, so slabs are never shared between users), or in a new one. */
-static int place(gpupool__registry *reg, gpupool__pool *p, uid_t uid, uint64_t asked, uint64_t size,
+/* ---- tenants ---------------------------------------------------------------------------------- */
+
+/* Owner ids: a uid alone is its own tenant; [tenant] and [group] sections get ids above any
+ * uid. */
+#define TENANT_SET (1ull << 40)
+#define GROUP_SET (2ull << 40)
+
+uint64_t gpupool__tenant_of(const gpupool__config *cfg, uid_t uid, gid_t gid) {
+  for (int i = 0; i < cfg->n_tenants; i++)
+    if (gpupool__member_of(&cfg->tenants[i], uid, gid))
+      return TENANT_SET | (uint64_t)i;
+  return (uint64_t)uid;
+}
+
+static void owner_label(const gpupool__config *cfg, uint64_t owner, char *buf, size_t len) {
+  if (owner & GROUP_SET)
+    snprintf(buf, len, "group:%s", cfg->groups[owner & 0xffff].name);
+  else if (owner & TENANT_SET)
+    snprintf(buf, len, "tenant:%s", cfg->tenants[owner & 0xffff].name);
+  else
+    snprintf(buf, len, "uid:%u", (unsigned)owner);
+}
+
+/* May c use memory (slabs, buffers, names) owned by owner? */
+static int owner_reachable(const gpupool__registry *reg, const gpupool__client *c, uint64_t owner) {
+  if (owner == c->tenant)
+    return 1;
+  return (owner & GROUP_SET) && gpupool__member_of(&reg->cfg->groups[owner & 0xffff], c->uid, c->gid);
+}
+
+int gpupool__name_key(gpupool__registry *reg, const gpupool__client *c, const char *name, char *key,
+                      size_t len, uint64_t *owner) {
+  char label[80];
+  int rc = gpupool__check_name(name);
+  if (rc != 0)
+    return rc;
+  if (!strncmp(name, "group:", 6)) {
+    const char *g = name + 6, *slash = strchr(g, '/');
+    int idx = -1;
+    for (int i = 0; slash && i < reg->cfg->n_groups; i++)
+      if ((size_t)(slash - g) == strlen(reg->cfg->groups[i].name) && !strncmp(g, reg->cfg->groups[i].name, (size_t)(slash - g)))
+        idx = i;
+    if (!slash || !slash[1])
+      return gpupool__err(GPUPOOL_ENAME, "'%s': a group name is written group:GROUP/NAME", name);
+    if (idx < 0 || !gpupool__member_of(&reg->cfg->groups[idx], c->uid, c->gid))
+      return gpupool__err(GPUPOOL_EPERM, "'%s': this daemon has no group '%.*s' with uid %u or gid %u in it "
+                          "(groups are [group NAME] sections of its config)", name, (int)(slash - g), g,
+                          (unsigned)c->uid, (unsigned)c->gid);
+    *owner = GROUP_SET | (uint64_t)idx;
+    snprintf(key, len, "%s", name);
+    return 0;
+  }
+  *owner = c->tenant;
+  owner_label(reg->cfg, c->tenant, label, sizeof label);
+  snprintf(key, len, "%s/%s", label, name);
+  return 0;
+}
+
+/* Place a buffer for owner (a tenant, or the group a shared pool belongs to): in a slab of
+ * that owner only (every holder of a buffer receives its slab's fd, so slabs are never shared
+ * between tenants), or in a new one. */
+static int place(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, uint64_t asked, uint64_t size,
                  uint64_t align, gpupool__slab **slab, uint64_t *off) {
   int rc, attempt;
   if (size > p->cfg.slab_size) {
@@ -481,7 +540,7 @@ static int place(gpupool__registry *reg, gpupool__pool *p, uid_t uid, uint64_t a
                           " bytes); raise the pool's capacity in the config",
                           asked, p->cfg.name, p->cfg.capacity);
     for (attempt = 0; attempt < 2; attempt++) {
-      rc = slab_new(reg, p, dsize, 1, uid, slab);
+      rc = slab_new(reg, p, dsize, 1, owner, slab);
       if (rc == 0) {
         *off = 0;
         return 0;
@@ -496,18 +555,18 @@ static int place(gpupool__registry *reg, gpupool__pool *p, uid_t uid, uint64_t a
           slab_retire(reg, s);
       }
     }
-    return no_space(reg, p, uid, asked, size);
+    return no_space(reg, p, owner, asked, size);
   }
   for (attempt = 0; attempt < 2; attempt++) {
     for (gpupool__slab *s = p->slabs; s; s = s->next) {
-      if (!s->alloc || s->retiring || s->owner_uid != uid)
+      if (!s->alloc || s->retiring || s->owner != owner)
         continue;
       if (gpupool__alloc_get(s->alloc, size, align, off) == 0) {
         *slab = s;
         return 0;
       }
     }
-    rc = slab_new(reg, p, p->cfg.slab_size, 0, uid, slab);
+    rc = slab_new(reg, p, p->cfg.slab_size, 0, owner, slab);
     if (rc == 0) {
       if (gpupool__alloc_get((*slab)->alloc, size, align, off) == 0)
         return 0;
@@ -519,7 +578,7 @@ static int place(gpupool__registry *reg, gpupool__pool *p, uid_t uid, uint64_t a
     if (attempt == 0)
       gpupool__sweep(reg);
   }
-  return no_space(reg, p, uid, asked, size);
+  return no_space(reg, p, owner, asked, size);
 }
 
 /* ---- holds ----------------------------------------------------------------------------------- */
@@ -680,11 +739,19 @@ int gpupool__allocate(gpupool__registry *reg, gpupool__client *c, gpupool__pool 
                 gpupool__hold **out) {
   gpupool__buffer *b = NULL;
   gpupool__slab *s;
-  uint64_t off, asize;
-  int rc;
+  uint64_t off, asize, owner = c->tenant;
+  int rc, share = reg->cfg->pool_share[p - reg->pools];
 
   if (size == 0)
     return gpupool__err(GPUPOOL_EINVAL, "cannot allocate 0 bytes; ask for at least 1");
+  if (share >= 0) {
+    /* A shared pool's memory belongs to its group: every member can read all of it. */
+    if (!gpupool__member_of(&reg->cfg->groups[share], c->uid, c->gid))
+      return gpupool__err(GPUPOOL_EPERM, "pool '%s' is shared with group '%s', which does not include uid %u "
+                          "or gid %u; allocate from another pool, or ask the operator to add you to the group",
+                          p->cfg.name, reg->cfg->groups[share].name, (unsigned)c->uid, (unsigned)c->gid);
+    owner = GROUP_SET | (uint64_t)share;
+  }
   if (align == 0)
     align = p->cfg.alignment;
   if (align & (align - 1) || align > SLAB_GRAIN)
@@ -692,11 +759,11 @@ int gpupool__allocate(gpupool__registry *reg, gpupool__client *c, gpupool__pool 
   if (align < p->cfg.alignment)
     align = p->cfg.alignment;
   if (size > GPUPOOL_SLAB_HARD_MAX)
-    return place(reg, p, c->uid, size, size, align, &s, &off); /* produces the ETOOBIG message */
+    return place(reg, p, owner, size, size, align, &s, &off); /* produces the ETOOBIG message */
   asize = round_up(size, p->cfg.alignment);
   if ((rc = check_limits(reg, c, asize)) != 0)
     return rc;
-  if ((rc = place(reg, p, c->uid, size, asize, align, &s, &off)) != 0)
+  if ((rc = place(reg, p, owner, size, asize, align, &s, &off)) != 0)
     return rc;
   if (s->dedicated)
     asize = s->bs.size;
@@ -796,9 +863,13 @@ int gpupool__open(gpupool__registry *reg, gpupool__client *c, const uint8_t *tok
       read_only = 1; /* a token from a read-only hold opens read-only, whatever is asked */
     }
   }
-  if (!b || diff)
+  /* A buffer of another tenant is refused like a forged token: its holder would get the fd
+   * of a slab that holds that tenant's other buffers too. */
+  if (!b || diff || !owner_reachable(reg, c, b->slab->owner))
     return gpupool__err(GPUPOOL_ENOENT,
-                        "share token does not name a live buffer (the buffer was freed, or the token is forged)");
+                        "share token does not name a live buffer of your tenant (the buffer was freed, the "
+                        "token is forged, or it belongs to another tenant: share across tenants through a "
+                        "pool shared with a group)");
   return hold_new(reg, c, b, read_only, 0, out);
 }
 
@@ -815,10 +886,6 @@ int gpupool__check_name(const char *name) {
   return 0;
 }
 
-static int name_visible(const gpupool__name *n, const gpupool__client *c) {
-  return c->uid == 0 || n->uid == c->uid || n->share_all || (n->share_gid && n->share_gid == c->gid);
-}
-
 int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id, const char *name,
                const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all) {
   gpupool__hold *h = NULL;
@@ -826,17 +893,32 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
   gpupool_tensor_meta m;
   int rc, has_meta = meta && meta->present;
 
+  char key[GPUPOOL_NAME_KEY_MAX + 1];
+  uint64_t owner;
+
   if ((rc = hold_of(reg, c, hold_id, &h)) != 0)
     return rc;
-  if ((rc = gpupool__check_name(name)) != 0)
+  if (share_gid || share_all)
+    return gpupool__err(GPUPOOL_EINVAL,
+                        "publishing to other users (share_gid/share_all) is gone: its readers would get "
+                        "the fd of a slab holding the publisher's other buffers. Allocate in a pool the "
+                        "operator shares with a group (share = GROUP) and publish as group:GROUP/NAME");
+  if ((rc = gpupool__name_key(reg, c, name, key, sizeof key, &owner)) != 0)
     return rc;
+  if (h->buf->slab->owner != owner) {
+    char label[80];
+    owner_label(reg->cfg, h->buf->slab->owner, label, sizeof label);
+    return gpupool__err(GPUPOOL_EPERM,
+                        "'%s' would make a buffer of %s readable outside it; publish it in that namespace "
+                        "(%s)", name, label,
+                        (h->buf->slab->owner & GROUP_SET) ? "as group:GROUP/NAME" : "under a plain name");
+  }
   if (has_meta && (rc = gpupool__wire_meta_from(meta, h->buf->asked, &m)) != 0)
     return rc;
-  old = gpupool__smap_get(&reg->names, name);
+  old = gpupool__smap_get(&reg->names, key);
   if (old)
-    return gpupool__err(GPUPOOL_EEXIST,
-                        "name '%s' is already published%s; unpublish it first or pick another name", name,
-                        name_visible(old, c) ? "" : " by another user");
+    return gpupool__err(GPUPOOL_EEXIST, "name '%s' is already published; unpublish it first or pick another name",
+                        name);
   if (reg->cfg->max_names && reg->nnames >= reg->cfg->max_names)
     return gpupool__err(GPUPOOL_ELIMIT, "the daemon already holds %" PRIu64 " names, the limit (max_names) is %u",
                         reg->nnames, reg->cfg->max_names);
@@ -849,20 +931,18 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
                           (unsigned)c->uid, u->names, reg->cfg->max_names_per_uid);
   }
   n = calloc(1, sizeof *n);
-  if (!n || !(n->name = strdup(name))) {
+  if (!n || !(n->name = strdup(key))) {
     free(n);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
   n->buf = h->buf;
   n->uid = c->uid;
-  n->share_gid = share_gid;
-  n->share_all = share_all;
   n->created_ns = gpupool__now_ns();
   if (has_meta) {
     n->meta = m;
     n->has_meta = 1;
   }
-  if (gpupool__smap_put(&reg->names, name, n) != 0) {
+  if (gpupool__smap_put(&reg->names, key, n) != 0) {
     free(n->name);
     free(n);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
@@ -884,11 +964,13 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
 
 /* The name as c may see it: ENAME for a malformed name, ENOENT when absent or invisible. */
 static int find_name(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__name **out) {
-  int rc = gpupool__check_name(name);
+  char key[GPUPOOL_NAME_KEY_MAX + 1];
+  uint64_t owner;
+  int rc = gpupool__name_key(reg, c, name, key, sizeof key, &owner);
   if (rc != 0)
     return rc;
-  *out = gpupool__smap_get(&reg->names, name);
-  if (!*out || !name_visible(*out, c))
+  *out = gpupool__smap_get(&reg->names, key);
+  if (!*out)
     return gpupool__err(GPUPOOL_ENOENT, "no buffer is published under '%s'", name);
   return 0;
 }
@@ -904,10 +986,9 @@ int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *n
   int rc = find_name(reg, c, name, &n);
   if (rc != 0)
     return rc;
-  if (n->uid != c->uid && c->uid != 0)
-    return gpupool__err(GPUPOOL_EPERM, "name '%s' was published by uid %u; only that uid or root may unpublish it",
-                        name, (unsigned)n->uid);
-  gpupool__smap_del(&reg->names, name);
+  /* Found in the caller's own namespace (its tenant's, or a group it is in): its members
+   * share it, so any of them may take a name out. */
+  gpupool__smap_del(&reg->names, n->name);
   reg->nnames--;
   {
     gpupool__uid_usage *u = uid_usage(reg, n->uid, 0);
@@ -964,6 +1045,7 @@ void gpupool__trim(gpupool__registry *reg, uint32_t *freed, uint32_t *revoked) {
 
 void gpupool__client_init(gpupool__registry *reg, gpupool__client *c) {
   c->id = next_id(reg);
+  c->tenant = gpupool__tenant_of(reg->cfg, c->uid, c->gid);
   c->connected_ns = gpupool__now_ns();
   gpupool__hmap_init(&c->mapped);
   gpupool__hmap_init(&c->mapped_ro);
@@ -1099,7 +1181,11 @@ void gpupool__fill_desc(gpupool__registry *reg, gpupool__client *c, gpupool__hol
     s->desc.done = &s->done;
   }
   {
-    const gpupool__name *nm = name && *name ? gpupool__smap_get(&reg->names, name) : NULL;
+    char key[GPUPOOL_NAME_KEY_MAX + 1];
+    uint64_t owner;
+    const gpupool__name *nm = name && *name && gpupool__name_key(reg, c, name, key, sizeof key, &owner) == 0
+                                  ? gpupool__smap_get(&reg->names, key)
+                                  : NULL;
     const gpupool_tensor_meta *m = nm && nm->buf == b ? (nm->has_meta ? &nm->meta : NULL)
                                    : b->has_meta      ? &b->meta
                                                       : NULL;

@@ -62,7 +62,8 @@ struct gpupool__slab {
   gpupool__bslab bs;
   gpupool__alloc *alloc; /* NULL for a dedicated slab */
   int dedicated;
-  uid_t owner_uid;       /* buffers of other uids never go in it (their holders get its fd) */
+  uint64_t owner;        /* tenant (or shared group) whose buffers it holds: every holder of
+                          * one of its buffers gets its fd, so others' buffers never go in */
   int retiring;          /* empty, being given back: no new buffers */
   uint32_t nbuffers;     /* live or pending buffers inside */
   gpupool__mapper *mappers;
@@ -113,11 +114,9 @@ struct gpupool__hold {
 };
 
 typedef struct {
-  char *name;
+  char *name;                /* the key: "<namespace>/<name as published>" */
   gpupool__buffer *buf;
-  uid_t uid;
-  gid_t share_gid;
-  int share_all;
+  uid_t uid;                 /* who published it */
   uint64_t created_ns;
   int has_meta;              /* the tensor description published with this name */
   gpupool_tensor_meta meta;
@@ -135,6 +134,7 @@ typedef struct {
 /* The registry's part of a connected client (embedded in server.c's connection). */
 struct gpupool__client {
   uint64_t id;
+  uint64_t tenant;          /* see gpupool__tenant_of() */
   pid_t pid;
   uid_t uid;
   gid_t gid;
@@ -201,6 +201,15 @@ int gpupool__open(gpupool__registry *reg, gpupool__client *c, const uint8_t *tok
             gpupool__hold **out);
 int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id, const char *name,
                const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all);
+/* Tenants. A client's tenant is the [tenant] section naming its uid or primary gid, else its
+ * uid alone; a pool shared with a [group] belongs to that group. Names live in namespaces:
+ * a plain name in the caller's tenant's, "group:G/name" in group G's (members only).
+ * gpupool__name_key writes the key a name is filed under ("uid:1000/weights",
+ * "tenant:ml/weights", "group:ml/weights") and the namespace's owner id. */
+uint64_t gpupool__tenant_of(const gpupool__config *cfg, uid_t uid, gid_t gid);
+int gpupool__name_key(gpupool__registry *reg, const gpupool__client *c, const char *name, char *key,
+                      size_t len, uint64_t *owner);
+#define GPUPOOL_NAME_KEY_MAX (GPUPOOL_NAME_MAX + 64)
 /* Lookup for Get: 0 with *out a new hold, GPUPOOL_ENOENT when absent or not visible. */
 int gpupool__get(gpupool__registry *reg, gpupool__client *c, const char *name, int read_only, gpupool__hold **out);
 int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *name);

@@ -323,13 +323,18 @@ static int waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout
   gpupool__waiter *w;
   wqueue *q;
   int rc;
+  char key[GPUPOOL_NAME_KEY_MAX + 1];
+  uint64_t owner;
 
   if ((rc = waiter_limits(c)) != 0)
     return rc;
+  /* Gets wait filed under the name's key in the caller's namespace: what a publish there wakes. */
+  if (kind == WAIT_GET && (rc = gpupool__name_key(s->reg, &c->cl, name, key, sizeof key, &owner)) != 0)
+    return rc;
   if (kind == WAIT_ALLOC) {
     q = &s->alloc_q[pool - s->reg->pools];
-  } else if (!(q = gpupool__smap_get(&s->get_q, name))) {
-    if (!(q = calloc(1, sizeof *q)) || !(q->name = strdup(name)) || gpupool__smap_put(&s->get_q, name, q) != 0) {
+  } else if (!(q = gpupool__smap_get(&s->get_q, key))) {
+    if (!(q = calloc(1, sizeof *q)) || !(q->name = strdup(key)) || gpupool__smap_put(&s->get_q, key, q) != 0) {
       if (q)
         free(q->name);
       free(q);
@@ -411,8 +416,9 @@ static void retry_waiters(gpupool__registry *reg, gpupool__pool *pool) {
   s->in_retry = 0;
 }
 
-static void wake_getters(gpupool__server *s, const char *name) {
-  wqueue *q = gpupool__smap_get(&s->get_q, name);
+/* Serve the gets waiting for key (a name in one namespace) now that it is published. */
+static void wake_getters(gpupool__server *s, const char *key) {
+  wqueue *q = gpupool__smap_get(&s->get_q, key);
   gpupool__waiter *w, *next;
   if (!q)
     return;
@@ -425,11 +431,11 @@ static void wake_getters(gpupool__server *s, const char *name) {
     last = next == NULL;
     if (w->removed || w->conn->closing)
       continue;
-    rc = gpupool__get(s->reg, &w->conn->cl, name, w->read_only, &h);
+    rc = gpupool__get(s->reg, &w->conn->cl, w->name, w->read_only, &h);
     if (rc == GPUPOOL_ENOENT)
-      continue; /* published, but not visible to this client */
+      continue;
     if (rc == 0)
-      reply_hold(w->conn, w->seq, WAIT_GET, h, name);
+      reply_hold(w->conn, w->seq, WAIT_GET, h, w->name);
     else
       send_error(w->conn, w->seq, rc, gpupool__errmsg());
     gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_GET, rc, gpupool__now_ns() - w->started_ns);
@@ -657,7 +663,12 @@ static int handle_publish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__P
   if (rc != 0)
     return rc;
   /* Consumers blocked on the name first: they are the handoff's critical path. */
-  wake_getters(c->srv, m->name);
+  {
+    char key[GPUPOOL_NAME_KEY_MAX + 1];
+    uint64_t owner;
+    if (gpupool__name_key(c->srv->reg, &c->cl, m->name, key, sizeof key, &owner) == 0)
+      wake_getters(c->srv, key);
+  }
   rep.body_case = GPUPOOL__WIRE__REPLY__BODY_PUBLISH;
   rep.publish = &pr;
   send_reply(c, seq, &rep, NULL, 0);

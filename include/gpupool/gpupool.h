@@ -232,8 +232,11 @@ GPUPOOL_EXTERN int gpupool_open(gpupool_client *c, const gpupool_token *token, u
 GPUPOOL_EXTERN int gpupool_publish(gpupool_buffer *b, const char *name,
                                    const gpupool_tensor_meta *meta, void *stream);
 
-/* Like gpupool_publish, with visibility: share_gid (0 = none) lets that group see the name;
- * share_all lets every uid see it. By default only clients of the publisher's uid do. */
+/* Like gpupool_publish. share_gid and share_all must be 0: publishing to other users this way
+ * is refused (GPUPOOL_EINVAL), because they would receive the slab holding the publisher's
+ * other buffers. Share across tenants through a pool the daemon's config shares with a group,
+ * under the name "group:GROUP/NAME". Names are per tenant: a plain name is seen only by
+ * clients of the publisher's tenant (its uid unless the config groups uids). */
 GPUPOOL_EXTERN int gpupool_publish_ex(gpupool_buffer *b, const char *name,
                                       const gpupool_tensor_meta *meta, void *stream,
                                       uint32_t share_gid, int share_all);

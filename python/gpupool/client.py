@@ -648,7 +648,9 @@ class Client:
         copy. stream: the stream in which the tensor's data is ready (default: the
         framework's current stream for torch and CuPy tensors); the copy runs there and
         consumers wait for it. pool: the pool a copy goes to (default: one on the tensor's
-        device). share_gid / share_all: let that group / every user see the name."""
+        device). Names live in the caller's tenant; to share with other users, allocate in a
+        pool the daemon shares with a group and publish as "group:GROUP/NAME". share_gid /
+        share_all are refused by the daemon (they would expose the publisher's slab)."""
         nb = _encode_name(name)
         s = stream_handle(stream)
         if isinstance(tensor, Tensor):

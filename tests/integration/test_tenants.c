@@ -20,10 +20,14 @@
 static th_daemon D;
 
 static void start_with(const char *pool_line) {
-  char conf[512];
+  char conf[1024];
   th_prepare(&D);
   assert_int_equal(chmod(D.dir, 0711), 0);
-  snprintf(conf, sizeof conf, "[daemon]\nsocket_mode = 0666\n[pool default]\nkind = host\n%s\n", pool_line);
+  /* Root and nobody share only what is in pool "shared", through group "readers". */
+  snprintf(conf, sizeof conf,
+           "[daemon]\nsocket_mode = 0666\n[group readers]\nuids = 0, %d\n"
+           "[pool default]\nkind = host\n%s\n"
+           "[pool shared]\nkind = host\ncapacity = 16M\nslab_size = 4M\nshare = readers\n", NOBODY, pool_line);
   th_write_conf(&D, conf);
   th_start(&D, 1, NULL);
 }
@@ -176,7 +180,7 @@ static int read_only_child(const th_daemon *d, int arg) {
   (void)arg;
   CHILD_CHECK(become_nobody() == 0, "setuid");
   CHILD_CHECK(gpupool_connect(d->sock, "reader", &c) == 0, "connect");
-  CHILD_CHECK(gpupool_get(c, "ro/weights", 1000, GPUPOOL_READ_ONLY, NULL, &ro) == 0, "get read-only");
+  CHILD_CHECK(gpupool_get(c, "group:readers/weights", 1000, GPUPOOL_READ_ONLY, NULL, &ro) == 0, "get read-only");
   p = gpupool_buffer_ptr(ro);
   CHILD_CHECK(th_check(p, SEED, MIB), "bytes of the published buffer");
   /* The kernel refuses the write, and refuses to make the mapping writable. */
@@ -201,13 +205,13 @@ static void test_read_only_is_enforced(void **state) {
   (void)state;
   start_with("capacity = 64M\nslab_size = 4M");
   c = th_connect(&D, "producer");
-  assert_int_equal(gpupool_alloc(c, NULL, MIB, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_alloc(c, "shared", MIB, 0, NULL, &b), 0);
   th_fill(gpupool_buffer_ptr(b), SEED, MIB);
-  assert_int_equal(gpupool_publish_ex(b, "ro/weights", NULL, NULL, 0, 1), 0);
+  assert_int_equal(gpupool_publish(b, "group:readers/weights", NULL, NULL), 0);
   th_wait_ok(th_spawn(&D, read_only_child, 0), "read-only consumer");
   /* Nothing the consumer tried changed a byte. */
   assert_true(th_check(gpupool_buffer_ptr(b), SEED, MIB));
-  assert_int_equal(gpupool_unpublish(c, "ro/weights"), 0);
+  assert_int_equal(gpupool_unpublish(c, "group:readers/weights"), 0);
   assert_int_equal(gpupool_release(b, NULL), 0);
   gpupool_disconnect(c);
 }

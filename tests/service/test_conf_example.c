@@ -72,7 +72,11 @@ static void test_everything_on(void **state) {
   gpupool__config_defaults(&c);
   if (gpupool__config_load(&c, uncommented) != 0)
     fail_msg("with every key switched on: %s", gpupool__errmsg());
-  assert_int_equal(c.n_pools, 2);
+  assert_int_equal(c.n_pools, 3);
+  assert_int_equal(c.n_tenants, 1);
+  assert_int_equal(c.tenants[0].n_uids, 2);
+  assert_int_equal(c.n_groups, 1);
+  assert_string_equal(c.pool_share_name[2], "ml");
   assert_string_equal(c.pools[0].name, "gpu0");
   assert_int_equal(c.pools[0].capacity, 16ull << 30);
   assert_int_equal(c.pools[1].kind, GPUPOOL_MEM_HOST_NUMA);

@@ -33,6 +33,8 @@ MODE, GPUPOOLD, GPUPOOLCTL, HOLDER = sys.argv[1:5]
 # replaces control characters in client names.)
 HOLDER_NAME = 'svc "holder" \\ caf\u00e9'
 PUBLISHED = "svc.test/tensor"
+# gpupoolctl shows every name with its namespace (the publisher's tenant).
+PUBLISHED_KEY = "uid:0/" + PUBLISHED
 
 
 def fail(msg):
@@ -176,7 +178,7 @@ def test_ctl(tmp):
         check(any(c["self"] for c in cl), "gpupoolctl's own connection is not marked self")
 
         bufs = ctl_json(d, "buffers")["buffers"]
-        named = [b for b in bufs if b["name"] == PUBLISHED]
+        named = [b for b in bufs if b["name"] == PUBLISHED_KEY]
         check(len(named) == 1, f"published buffer missing: {bufs}")
         b = named[0]
         check(b["pool"] == "default" and b["size"] >= 1 << 20 and b["owner_pid"] == holder.pid
@@ -186,7 +188,7 @@ def test_ctl(tmp):
         out, _ = ctl(d, "names")
         check(PUBLISHED in out, "names text")
         names = ctl_json(d, "names")["names"]
-        check([n["name"] for n in names] == [PUBLISHED], f"names --json {names}")
+        check([n["name"] for n in names] == [PUBLISHED_KEY], f"names --json {names}")
 
         tr = ctl_json(d, "trim")
         check(isinstance(tr["slabs_freed"], int) and isinstance(tr["slabs_revoked"], int),

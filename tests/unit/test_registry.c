@@ -25,7 +25,8 @@ typedef struct {
   gpupool__config cfg;
   gpupool__backend *be;
   gpupool__registry reg;
-  gpupool__client a, b;
+  gpupool__client a, b; /* uids 1000 and 1001: one tenant ("team") */
+  gpupool__client x;    /* uid 2000: another tenant; with a, in group "ml" */
 } fixture;
 
 static int setup_with(void **state, void (*tweak)(gpupool__config *)) {
@@ -34,16 +35,30 @@ static int setup_with(void **state, void (*tweak)(gpupool__config *)) {
   uv_loop_init(&f->loop);
   gpupool__config_defaults(&f->cfg);
   assert_int_equal(gpupool__config_add_pool_spec(&f->cfg, "name=p,kind=host,capacity=64M,slab=8M,keep=1"), 0);
+  assert_int_equal(gpupool__config_add_pool_spec(&f->cfg, "name=s,kind=host,capacity=16M,slab=4M,keep=1"), 0);
+  f->cfg.n_tenants = 1;
+  snprintf(f->cfg.tenants[0].name, sizeof f->cfg.tenants[0].name, "team");
+  f->cfg.tenants[0].uids[0] = 1000;
+  f->cfg.tenants[0].uids[1] = 1001;
+  f->cfg.tenants[0].n_uids = 2;
+  f->cfg.n_groups = 1;
+  snprintf(f->cfg.groups[0].name, sizeof f->cfg.groups[0].name, "ml");
+  f->cfg.groups[0].uids[0] = 1000;
+  f->cfg.groups[0].uids[1] = 2000;
+  f->cfg.groups[0].n_uids = 2;
+  snprintf(f->cfg.pool_share_name[1], sizeof f->cfg.pool_share_name[1], "ml");
   if (tweak)
     tweak(&f->cfg);
   assert_int_equal(gpupool__config_finish(&f->cfg, &gpupool__backend_host), 0);
   assert_int_equal(gpupool__backend_host.open(&f->be), 0);
   assert_int_equal(gpupool__registry_init(&f->reg, &f->loop, &f->cfg, f->be), 0);
-  f->a.pidfd = f->b.pidfd = -1;
+  f->a.pidfd = f->b.pidfd = f->x.pidfd = -1;
   f->a.uid = 1000;
   f->b.uid = 1001;
+  f->x.uid = 2000;
   gpupool__client_init(&f->reg, &f->a);
   gpupool__client_init(&f->reg, &f->b);
+  gpupool__client_init(&f->reg, &f->x);
   *state = f;
   return 0;
 }
@@ -54,6 +69,7 @@ static int teardown(void **state) {
   fixture *f = *state;
   gpupool__client_drop(&f->reg, &f->a);
   gpupool__client_drop(&f->reg, &f->b);
+  gpupool__client_drop(&f->reg, &f->x);
   gpupool__registry_close(&f->reg);
   uv_run(&f->loop, UV_RUN_DEFAULT);
   f->be->ops->close(f->be);
@@ -73,6 +89,8 @@ static void test_holders_and_exactly_once(void **state) {
   assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 1000, 0, &h), 0);
   assert_int_equal(pool(f)->used, 1024); /* rounded to the 256-byte alignment */
   assert_int_equal(gpupool__share(&f->reg, &f->a, h->id, tok), 0);
+  /* Another tenant's token opens nothing (its holder would get the slab's fd). */
+  assert_int_equal(gpupool__open(&f->reg, &f->x, tok, sizeof tok, 1, &o), GPUPOOL_ENOENT);
   assert_int_equal(gpupool__open(&f->reg, &f->b, tok, sizeof tok, 1, &o), 0);
   assert_ptr_equal(o->buf, h->buf);
   assert_int_equal(h->buf->refs, 2);
@@ -96,7 +114,7 @@ static void test_holders_and_exactly_once(void **state) {
 
 static void test_names(void **state) {
   fixture *f = *state;
-  gpupool__hold *h, *g;
+  gpupool__hold *h, *g, *o;
   int freed;
   Gpupool__Wire__TensorMeta m = GPUPOOL__WIRE__TENSOR_META__INIT;
   int64_t shape[2] = {10, 10};
@@ -112,20 +130,44 @@ static void test_names(void **state) {
   assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "t", NULL, 0, 0), GPUPOOL_EEXIST);
   shape[0] = 11; /* 440 bytes > 400 */
   assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "u", &m, 0, 0), GPUPOOL_EMETA);
-  /* Another uid does not see it; the same uid does, and so does everyone once shared. */
-  assert_int_equal(gpupool__get(&f->reg, &f->b, "t", 0, &g), GPUPOOL_ENOENT);
-  assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "open", NULL, 0, 1), 0);
-  assert_int_equal(gpupool__get(&f->reg, &f->b, "open", 1, &g), 0);
+  /* Another tenant neither sees it nor learns that it exists; the same tenant does. */
+  assert_int_equal(gpupool__get(&f->reg, &f->x, "t", 0, &g), GPUPOOL_ENOENT);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), 400, 0, &o), 0);
+  assert_int_equal(gpupool__publish(&f->reg, &f->x, o->id, "t", NULL, 0, 0), 0); /* its own "t" */
+  assert_null(strstr(gpupool__errmsg(), "another"));
+  assert_int_equal(gpupool__release(&f->reg, &f->x, o->id, 0, &freed), 0);
+  assert_int_equal(gpupool__get(&f->reg, &f->b, "t", 1, &g), 0);
+  assert_ptr_equal(g->buf, h->buf);
   assert_true(g->read_only);
-  assert_int_equal(gpupool__unpublish(&f->reg, &f->b, "open"), GPUPOOL_EPERM);
-  /* The names keep the buffer after every hold is gone. */
   assert_int_equal(gpupool__release(&f->reg, &f->b, g->id, 0, &freed), 0);
+  /* Publishing to everyone is gone: it would hand out the slab. */
+  assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "open", NULL, 0, 1), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "open", NULL, 0, 0), 0);
+  /* Across tenants, through a pool shared with a group, under group:GROUP/NAME. */
+  {
+    gpupool__pool *sp = gpupool__pool_find(&f->reg, "s", 0);
+    gpupool__hold *w, *r;
+    assert_int_equal(gpupool__allocate(&f->reg, &f->b, sp, 100, 0, &w), GPUPOOL_EPERM); /* b is not in ml */
+    assert_int_equal(gpupool__allocate(&f->reg, &f->a, sp, 100, 0, &w), 0);
+    assert_int_equal(gpupool__publish(&f->reg, &f->a, w->id, "w", NULL, 0, 0), GPUPOOL_EPERM);
+    assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "group:ml/t", NULL, 0, 0), GPUPOOL_EPERM);
+    assert_int_equal(gpupool__publish(&f->reg, &f->a, w->id, "group:ml/w", NULL, 0, 0), 0);
+    assert_int_equal(gpupool__get(&f->reg, &f->x, "group:ml/w", 0, &r), 0);
+    assert_ptr_equal(r->buf, w->buf);
+    assert_int_equal(gpupool__get(&f->reg, &f->b, "group:ml/w", 0, &r), GPUPOOL_EPERM);
+    assert_int_equal(gpupool__get(&f->reg, &f->x, "group:nope/w", 0, &r), GPUPOOL_EPERM);
+    assert_int_equal(gpupool__unpublish(&f->reg, &f->x, "group:ml/w"), 0);
+    assert_int_equal(gpupool__release(&f->reg, &f->a, w->id, 0, &freed), 0);
+  }
+  /* The names keep the buffer after every hold is gone. */
   assert_int_equal(gpupool__release(&f->reg, &f->a, h->id, 0, &freed), 0);
   assert_int_equal(freed, 0);
-  assert_int_equal(pool(f)->used, 512);
-  assert_int_equal(gpupool__unpublish(&f->reg, &f->a, "open"), 0);
-  assert_int_equal(pool(f)->used, 512);
+  assert_int_equal(pool(f)->used, 1024); /* this tenant's "t" and the other tenant's "t" */
+  assert_int_equal(gpupool__unpublish(&f->reg, &f->b, "open"), 0); /* one tenant: b may */
+  assert_int_equal(pool(f)->used, 1024);
   assert_int_equal(gpupool__unpublish(&f->reg, &f->a, "t"), 0);
+  assert_int_equal(pool(f)->used, 512);
+  assert_int_equal(gpupool__unpublish(&f->reg, &f->x, "t"), 0);
   assert_int_equal(pool(f)->used, 0);
   assert_int_equal(gpupool__check_name(""), GPUPOOL_ENAME);
   assert_int_equal(gpupool__check_name("a\tb"), GPUPOOL_ENAME);
