@@ -34,6 +34,7 @@ void gpupool__config_defaults(gpupool__config *c) {
   c->max_clients = 1024;
   c->max_frame = 1u << 20;
   c->max_names = 65536;
+  c->max_waiting_leases_per_uid = 64;
   c->handshake_timeout_ms = 5000;
   c->metrics_interval_ms = 5000;
 }
@@ -228,6 +229,8 @@ static int set_daemon_key(gpupool__config *c, const char *k, const char *v) {
   }
   if (!strcmp(k, "max_names"))
     return parse_u32(v, &c->max_names);
+  if (!strcmp(k, "max_waiting_leases_per_uid"))
+    return parse_u32(v, &c->max_waiting_leases_per_uid);
   if (!strcmp(k, "handshake_timeout_ms"))
     return parse_u32(v, &c->handshake_timeout_ms);
   if (!strcmp(k, "allow_uids"))

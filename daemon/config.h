@@ -27,6 +27,9 @@ typedef struct {
   uint32_t max_allocs_per_uid;
   uint32_t max_frame;
   uint32_t max_names;
+  /* Closed connections of one uid whose processes still hold their lease (and so pin the
+   * memory they map); past it that uid gets no new buffers. */
+  uint32_t max_waiting_leases_per_uid;
   uint32_t handshake_timeout_ms;
   /* Allow-lists; empty = everyone who can reach the socket. */
   uid_t allow_uids[GPUPOOL_MAX_ALLOW];

@@ -103,6 +103,7 @@ static void test_documented_defaults(void **state) {
   assert_int_equal(c.max_allocs_per_uid, d.max_allocs_per_uid);
   assert_int_equal(c.max_frame, d.max_frame);
   assert_int_equal(c.max_names, d.max_names);
+  assert_int_equal(c.max_waiting_leases_per_uid, d.max_waiting_leases_per_uid);
   assert_int_equal(c.handshake_timeout_ms, d.handshake_timeout_ms);
   assert_int_equal(c.metrics_interval_ms, d.metrics_interval_ms);
 }

@@ -1,7 +1,8 @@
 /*
  * Unit tests of the daemon's registry on the host backend, without sockets: holders and the
  * exactly-once return of memory, names and their visibility, share tokens, slab placement and
- * dedicated slabs, revocation of surplus slabs, limits, and dropping a client.
+ * dedicated slabs, revocation of surplus slabs, limits, dropping a client, and the lease that
+ * keeps a closed connection's memory until no process holds it.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -12,6 +13,7 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+#include <uv.h>
 
 #include "backend.h"
 #include "config.h"
@@ -26,7 +28,12 @@ typedef struct {
   gpupool__backend *be;
   gpupool__registry reg;
   gpupool__client a, b;
+  int a_peer, b_peer; /* the client ends of their leases, as a client process would hold them */
 } fixture;
+
+static void give_lease(fixture *f, gpupool__client *c, int *peer) {
+  assert_int_equal(gpupool__lease_new(&f->reg, c->uid, 0, &c->lease, peer), 0);
+}
 
 static int setup_with(void **state, void (*tweak)(gpupool__config *)) {
   fixture *f = calloc(1, sizeof *f);
@@ -39,9 +46,10 @@ static int setup_with(void **state, void (*tweak)(gpupool__config *)) {
   assert_int_equal(gpupool__config_finish(&f->cfg, &gpupool__backend_host), 0);
   assert_int_equal(gpupool__backend_host.open(&f->be), 0);
   assert_int_equal(gpupool__registry_init(&f->reg, &f->loop, &f->cfg, f->be), 0);
-  f->a.pidfd = f->b.pidfd = -1;
   f->a.uid = 1000;
   f->b.uid = 1001;
+  give_lease(f, &f->a, &f->a_peer);
+  give_lease(f, &f->b, &f->b_peer);
   gpupool__client_init(&f->reg, &f->a);
   gpupool__client_init(&f->reg, &f->b);
   *state = f;
@@ -52,6 +60,10 @@ static int setup(void **state) { return setup_with(state, NULL); }
 
 static int teardown(void **state) {
   fixture *f = *state;
+  if (f->a_peer >= 0)
+    close(f->a_peer);
+  if (f->b_peer >= 0)
+    close(f->b_peer);
   gpupool__client_drop(&f->reg, &f->a);
   gpupool__client_drop(&f->reg, &f->b);
   gpupool__registry_close(&f->reg);
@@ -226,11 +238,63 @@ static void test_drop_client_releases_everything(void **state) {
   for (int i = 0; i < 5; i++)
     assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100000, 0, &h), 0);
   assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "kept", NULL, 0, 0), 0);
-  /* No pidfd: the process cannot be watched, so it counts as gone at once. */
+  /* Its process is gone (nobody holds the lease): everything comes back at once. */
+  close(f->a_peer);
+  f->a_peer = -1;
   gpupool__client_drop(&f->reg, &f->a);
+  give_lease(f, &f->a, &f->a_peer);
   gpupool__client_init(&f->reg, &f->a); /* teardown drops it again */
   assert_int_equal(pool(f)->nbuffers, 1); /* only the named one survives */
   assert_int_equal(f->reg.holds.len, 0);
+  assert_int_equal(f->reg.nwaiting, 0);
+}
+
+static gpupool__uid_usage *usage(fixture *f, uid_t uid) { return gpupool__hmap_get(&f->reg.uids, uid); }
+
+static void test_lease_keeps_memory_until_gone(void **state) {
+  fixture *f = *state;
+  gpupool__hold *h, *x;
+  int peer_copy;
+  for (int i = 0; i < 3; i++)
+    assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100000, 0, &h), 0);
+  {
+    gpupool__desc_storage ds;
+    gpupool__fill_desc(&f->reg, &f->a, h, NULL, &ds); /* a maps the slab */
+  }
+  /* A forked child holds a copy of the lease; the connection closes, the parent's copy goes. */
+  peer_copy = dup(f->a_peer);
+  close(f->a_peer);
+  f->a_peer = -1;
+  gpupool__client_drop(&f->reg, &f->a);
+  assert_int_equal(f->reg.nwaiting, 1);
+  assert_int_equal(f->reg.npending, 3);
+  assert_int_equal(pool(f)->used, 3 * 100096);
+  /* Still on the uid's account, and the slab stays mapped. */
+  assert_non_null(usage(f, 1000));
+  assert_int_equal(usage(f, 1000)->bytes, 3 * 100096);
+  assert_int_equal(usage(f, 1000)->allocs, 3);
+  assert_int_equal(usage(f, 1000)->leases, 1);
+  assert_int_equal(pool(f)->nslabs, 1);
+  uv_run(&f->loop, UV_RUN_NOWAIT);
+  assert_int_equal(f->reg.npending, 3);
+  /* Another uid is not affected; the same uid past its limit is refused with the reason. */
+  assert_int_equal(gpupool__allocate(&f->reg, &f->b, pool(f), 100, 0, &x), 0);
+  f->reg.cfg = &f->cfg;
+  f->cfg.max_waiting_leases_per_uid = 1;
+  f->a.uid = 1000;
+  give_lease(f, &f->a, &f->a_peer);
+  gpupool__client_init(&f->reg, &f->a);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100, 0, &x), GPUPOOL_ELIMIT);
+  assert_non_null(strstr(gpupool__errmsg(), "max_waiting_leases_per_uid"));
+  assert_int_equal(gpupool__get(&f->reg, &f->a, "none", 0, &x), GPUPOOL_ENOENT);
+  /* The last holder exits: the loop sees the lease gone and everything comes back. */
+  close(peer_copy);
+  for (int i = 0; i < 100 && f->reg.npending; i++)
+    uv_run(&f->loop, UV_RUN_NOWAIT);
+  assert_int_equal(f->reg.npending, 0);
+  assert_int_equal(f->reg.nwaiting, 0);
+  assert_null(usage(f, 1000));
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100, 0, &x), 0);
 }
 
 int main(void) {
@@ -241,6 +305,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_full_pool_message_and_revoke, setup, teardown),
       cmocka_unit_test_setup_teardown(test_limits, setup_limits, teardown),
       cmocka_unit_test_setup_teardown(test_drop_client_releases_everything, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_lease_keeps_memory_until_gone, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
