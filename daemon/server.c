@@ -1058,8 +1058,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
       }
       if (e != EAGAIN && e != EWOULDBLOCK)
         GPUPOOL__WARN("accept failed: %s", strerror(e));
-      if (s->refused_nofd)
-        log_refused_nofd(s, 0, 1);
+      log_refused_nofd(s, 0, 0);
       return;
     }
     if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) != 0) {

@@ -279,8 +279,7 @@ static void test_lease_keeps_memory_until_gone(void **state) {
   assert_int_equal(f->reg.npending, 3);
   /* Another uid is not affected; the same uid past its limit is refused with the reason. */
   assert_int_equal(gpupool__allocate(&f->reg, &f->b, pool(f), 100, 0, &x), 0);
-  f->reg.cfg = &f->cfg;
-  f->cfg.max_waiting_leases_per_uid = 1;
+  f->cfg.max_waiting_leases_per_uid = 1; /* the registry reads the config it was given */
   f->a.uid = 1000;
   give_lease(f, &f->a, &f->a_peer);
   gpupool__client_init(&f->reg, &f->a);
