@@ -17,8 +17,8 @@
  *   churn    10,000 allocate/share/open/release cycles between two processes (some in
  *            dedicated slabs, some verified); then gpupool_trim: backend_used back to the
  *            baseline (0 with nothing live) and the daemon's open fds flat.
- *   killwork a consumer queues work on its buffer (a long kernel, then a write over the whole
- *            buffer) and is SIGKILLed at once; the producer lets go; another client then
+ *   killwork a consumer runs a kernel that keeps writing its buffer for 3 s and is SIGKILLed
+ *            while it runs; the producer lets go; another client then
  *            takes the whole pool, fills it and checks it after the dead consumer's work
  *            would have ended: the range is not handed out before that work is over (the
  *            consumer's lease closes only when its process, CUDA context included, is gone).
@@ -238,8 +238,9 @@ static int w_consumer(char **a) {
   return 0;
 }
 
-/* killer SOCK NAME BYTES SEED SPIN_US: get NAME writable, queue a long kernel and then a fill
- * with SEED over the whole buffer, say QUEUED and wait to be killed with that work in flight. */
+/* killer SOCK NAME BYTES SEED SPIN_US: get NAME writable, queue a kernel that keeps writing
+ * SEED's pattern over the whole buffer for SPIN_US, then a fill, say QUEUED (once the kernel
+ * is running) and wait to be killed with that work in flight. */
 static int w_killer(char **a) {
   const char *sock = a[0], *name = a[1];
   size_t bytes = strtoull(a[2], NULL, 0);
@@ -254,8 +255,14 @@ static int w_killer(char **a) {
     wdie("killer", "gpupool_connect", rc);
   if ((rc = gpupool_get(c, name, STEP_MS, 0, s, &b)) < 0)
     wdie("killer", "gpupool_get", rc);
-  if ((ce = gk_spin(s, spin)) || (ce = gk_fill(gpupool_buffer_ptr(b), bytes, seed, s)))
+  if ((ce = gk_scribble(gpupool_buffer_ptr(b), bytes, seed, spin, s)) ||
+      (ce = gk_fill(gpupool_buffer_ptr(b), bytes, seed, s)))
     cdie("killer", "queueing work", ce);
+  gh_sleep_ms(100); /* the scribbling kernel is on the GPU now */
+  if (cudaStreamQuery(s) != cudaErrorNotReady) {
+    fprintf(stderr, "worker killer: the work ended before the kill; raise SPIN_US\n");
+    return 2;
+  }
   gh_say("QUEUED");
   for (;;)
     pause();
@@ -653,7 +660,7 @@ static int check_killwork(const gh_daemon *d, gpupool_client *c) {
   gh_proc prod, killer, taker;
   char name[64], line[256], bytes[32], sk[32], sw[32], spin[32], wait[32];
   uint32_t seed = fresh_seed();
-  unsigned spin_us = 3000000u; /* the killed consumer's work outlives its process by far */
+  unsigned spin_us = 3000000u; /* the killed consumer's kernel would run this long */
   int rc, got = 0;
   (void)c;
 
@@ -705,8 +712,8 @@ static int check_killwork(const gh_daemon *d, gpupool_client *c) {
   }
   if ((rc = gh_wait(&taker, STEP_MS)) != 0)
     return fail("taker exited with %d", rc);
-  return pass("consumer SIGKILLed with a kernel still queued on its buffer; %d buffers then taken, "
-              "filled and intact after its work would have ended",
+  return pass("consumer SIGKILLed while its kernel kept writing its buffer; %d buffers then taken, "
+              "filled and intact after that kernel would have ended",
               got);
 }
 
