@@ -428,6 +428,7 @@ int gpupool__server_stats(void *server, Gpupool__Wire__StatsReply *st) {
   st->errors = s->errors;
   st->open_fds = count_open_fds();
   st->pending_frees = reg->npending;
+  st->waiting_leases = reg->nwaiting;
   return 0;
 }
 
