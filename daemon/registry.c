@@ -424,9 +424,19 @@ static int buffer_deps_clear(gpupool__registry *reg, gpupool__buffer *b) {
 static void finish_free(gpupool__registry *reg, gpupool__buffer *b) {
   gpupool__slab *s = b->slab;
   gpupool__pool *p = s->pool;
-  if (s->alloc && gpupool__alloc_put(s->alloc, b->offset, b->size) != 0)
+  if (b->died_in_use && s->alloc) {
+    /* Work the dead holder queued may still touch this range until its GPU context is torn
+     * down, which the daemon cannot see: never reuse it inside this slab. */
+    if (!s->retiring)
+      GPUPOOL__INFO("pool %s: slab %" PRIu64 " takes no new buffers and goes back to the backend once empty: "
+                    "buffer %" PRIu64 " in it was held by a client that went away without saying its GPU work on "
+                    "it was done",
+                    p->cfg.name, s->id, b->id);
+    s->retiring = 1;
+  } else if (s->alloc && gpupool__alloc_put(s->alloc, b->offset, b->size) != 0) {
     GPUPOOL__ERROR("pool %s: range %" PRIu64 "+%" PRIu64 " of slab %" PRIu64 " refused by the allocator",
              p->cfg.name, b->offset, b->size, s->id);
+  }
   s->nbuffers--;
   p->used -= b->size;
   p->nbuffers--;
@@ -437,7 +447,10 @@ static void finish_free(gpupool__registry *reg, gpupool__buffer *b) {
   free(b->leases);
   free(b);
   reg->memory_returned = 1;
-  slab_maybe_retire(reg, s);
+  if (s->retiring && s->nbuffers == 0 && !reg->stopped)
+    slab_retire(reg, s);
+  else
+    slab_maybe_retire(reg, s);
 }
 
 static void sweep_timer_cb(uv_timer_t *t) {
@@ -705,6 +718,8 @@ static void hold_drop(gpupool__registry *reg, gpupool__hold *h, int done_recorde
       event_put(reg, h->done);
   }
   free(h);
+  if (lease && !lease->gone && reg->be->ops->has_events)
+    b->died_in_use = 1;
   if (lease && !lease->gone && add_lease_dep(b, lease) != 0) {
     GPUPOOL__ERROR("out of memory recording that buffer %" PRIu64 " waits for a lease; it stays allocated until "
                    "the daemon restarts",

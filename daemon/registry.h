@@ -75,7 +75,7 @@ struct gpupool__slab {
   gpupool__bslab bs;
   gpupool__alloc *alloc; /* NULL for a dedicated slab */
   int dedicated;
-  int retiring;          /* empty, being given back: no new buffers */
+  int retiring;          /* no new buffers: being given back once empty and unmapped */
   uint32_t nbuffers;     /* live or pending buffers inside */
   gpupool__mapper *mappers;
   uint32_t nmappers, capmappers;
@@ -110,6 +110,11 @@ struct gpupool__buffer {
   uint32_t ndone, capdone;
   gpupool__lease **leases;
   uint32_t nleases, capleases;
+  /* A holder's connection closed with it while the process still held its lease, so it never
+   * said its GPU work on the buffer was done. On a backend with GPU work the range is not
+   * handed out again: its slab takes no new buffers and goes back to the backend once empty
+   * (CUDA keeps memory alive for a process that still maps it, whatever its queued work). */
+  int died_in_use;
   gpupool__buffer *pending_next;
 };
 

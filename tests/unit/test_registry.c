@@ -296,6 +296,69 @@ static void test_lease_keeps_memory_until_gone(void **state) {
   assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100, 0, &x), 0);
 }
 
+/* The host backend with inter-process events, as the CUDA backend has them: every event has
+ * completed (what matters here is only that GPU work exists on this backend). */
+static gpupool__backend_ops events_ops;
+
+static int fake_event_create(gpupool__backend *be, gpupool__bevent **out, uint8_t handle[GPUPOOL_EVENT_HANDLE_SIZE]) {
+  (void)be;
+  memset(handle, 0, GPUPOOL_EVENT_HANDLE_SIZE);
+  *out = malloc(1);
+  return *out ? 0 : GPUPOOL_ENOMEM;
+}
+static int fake_event_query(gpupool__bevent *e) {
+  (void)e;
+  return 1;
+}
+static void fake_event_destroy(gpupool__bevent *e) { free(e); }
+
+static int setup_events(void **state) {
+  fixture *f;
+  setup_with(state, NULL);
+  f = *state;
+  events_ops = *f->be->ops;
+  events_ops.has_events = 1;
+  events_ops.event_create = fake_event_create;
+  events_ops.event_query = fake_event_query;
+  events_ops.event_destroy = fake_event_destroy;
+  f->be->ops = &events_ops;
+  return 0;
+}
+
+static void test_dead_holder_range_not_reused_with_gpu_work(void **state) {
+  fixture *f = *state;
+  gpupool__hold *h1, *h2, *o, *x;
+  uint8_t tok[GPUPOOL_TOKEN_SIZE];
+  gpupool__slab *slab;
+  int freed, peer_copy;
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), MIB, 0, &h1), 0);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), MIB, 0, &h2), 0);
+  slab = h1->buf->slab;
+  assert_ptr_equal(h2->buf->slab, slab);
+  assert_int_equal(gpupool__share(&f->reg, &f->a, h1->id, tok), 0);
+  assert_int_equal(gpupool__open(&f->reg, &f->b, tok, sizeof tok, 0, &o), 0);
+  /* b's connection closes with work of its own possibly queued on the buffer. */
+  peer_copy = dup(f->b_peer);
+  close(f->b_peer);
+  f->b_peer = -1;
+  gpupool__client_drop(&f->reg, &f->b);
+  give_lease(f, &f->b, &f->b_peer);
+  gpupool__client_init(&f->reg, &f->b);
+  assert_int_equal(gpupool__release(&f->reg, &f->a, h1->id, 0, &freed), 0);
+  close(peer_copy);
+  for (int i = 0; i < 100 && f->reg.npending; i++)
+    uv_run(&f->loop, UV_RUN_NOWAIT);
+  assert_int_equal(f->reg.npending, 0);
+  assert_int_equal(pool(f)->used, MIB);
+  /* The slab takes no new buffers; it goes back once its last buffer does. */
+  assert_true(slab->retiring);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), MIB, 0, &x), 0);
+  assert_ptr_not_equal(x->buf->slab, slab);
+  assert_int_equal(pool(f)->nslabs, 2);
+  assert_int_equal(gpupool__release(&f->reg, &f->a, h2->id, 0, &freed), 0);
+  assert_int_equal(pool(f)->nslabs, 1);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_holders_and_exactly_once, setup, teardown),
@@ -305,6 +368,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_limits, setup_limits, teardown),
       cmocka_unit_test_setup_teardown(test_drop_client_releases_everything, setup, teardown),
       cmocka_unit_test_setup_teardown(test_lease_keeps_memory_until_gone, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_dead_holder_range_not_reused_with_gpu_work, setup_events, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
