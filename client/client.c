@@ -9,6 +9,11 @@
  *
  * Memory: each pool is imported once, each slab mapped once (refcounted by the buffers this
  * client has in it), each event opened once. A buffer is (slab base + offset).
+ *
+ * Lease: the Hello reply carries an fd this client keeps (close-on-exec) for as long as it maps
+ * any of that daemon's memory; forked children share it. The daemon reuses what a closed
+ * connection held or mapped only once no process holds the lease any more, so it is closed
+ * only after the last mapping of its daemon's memory is gone.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -81,11 +86,13 @@ typedef struct stale_gen {
   int npools;
   gpupool__hmap events;
   uint64_t live_slabs;
+  int lease_fd;            /* closed with the generation's last mapping */
   struct stale_gen *next;
 } stale_gen;
 
 struct gpupool_client {
   int fd;
+  int lease_fd;            /* this connection's lease, or -1 */
   pthread_mutex_t mu;
   pthread_cond_t cv;
   uint64_t next_seq;
@@ -706,7 +713,7 @@ static int handshake(gpupool_client *c) {
   Gpupool__Wire__Hello hello = GPUPOOL__WIRE__HELLO__INIT;
   gpupool__rep *rep = NULL;
   const Gpupool__Wire__HelloReply *hr;
-  int rc, fd = -1;
+  int rc, fd = -1, lease = -1;
 
   if ((rc = connect_socket(c->socket_path, &fd)) != 0)
     return rc;
@@ -719,12 +726,20 @@ static int handshake(gpupool_client *c) {
   hello.pid = (int32_t)getpid();
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
   req.hello = &hello;
-  if ((rc = call(c, &req, &rep, NULL)) != 0)
+  if ((rc = call(c, &req, &rep, &lease)) != 0)
     goto fail;
   hr = rep->hello;
   if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_HELLO || !hr) {
     rc = gpupool__err(GPUPOOL_EPROTO, "the daemon answered Hello with something else");
     goto fail;
+  }
+  if (hr->lease && lease < 0) {
+    rc = gpupool__err(GPUPOOL_EPROTO, "the daemon announced a lease but sent no fd with its Hello reply");
+    goto fail;
+  }
+  if (!hr->lease && lease >= 0) {
+    close(lease); /* an fd this library did not ask for */
+    lease = -1;
   }
   if (hr->protocol_version != GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION) {
     rc = gpupool__err(GPUPOOL_EVERSION, "gpupoold %s speaks protocol %u, this library (%s) speaks %d",
@@ -768,10 +783,13 @@ static int handshake(gpupool_client *c) {
     p->capacity = pi->capacity;
   }
   gpupool__wire__reply__free_unpacked(rep, NULL);
+  c->lease_fd = lease;
   return 0;
 fail:
   if (rep)
     gpupool__wire__reply__free_unpacked(rep, NULL);
+  if (lease >= 0)
+    close(lease);
   close(c->fd);
   c->fd = -1;
   if (!c->broken)
@@ -794,6 +812,9 @@ static void stale_gen_free(gpupool_client *c, stale_gen *g) {
     if (g->pools[i].bp)
       c->be->pool_release(g->pools[i].bp);
   free(g->pools);
+  /* Last: no mapping of that daemon's memory is left in this process. */
+  if (g->lease_fd >= 0)
+    close(g->lease_fd);
   free(g);
 }
 
@@ -820,12 +841,23 @@ static int reconnect(gpupool_client *c) {
     g->pools = c->pools;
     g->npools = c->npools;
     g->events = c->events;
+    g->lease_fd = c->lease_fd;
+    c->lease_fd = -1;
     gpupool__hmap_init(&c->events);
     for (size_t i = 0; i < c->slabs.cap; i++)
       if (gpupool__hmap_slot_used(&c->slabs, i)) {
-        ((cslab *)c->slabs.slots[i].val)->stale = g;
+        cslab *s = c->slabs.slots[i].val;
+        if (s->refs == 0) {
+          /* Kept for reuse by a daemon that is gone: nothing will use it again. */
+          c->be->slab_unmap(s->pool->bp, s->base, s->size, s->priv, NULL);
+          free(s);
+          continue;
+        }
+        s->stale = g;
         g->live_slabs++;
       }
+    if (c->be && c->be->sync)
+      c->be->sync(NULL);
     gpupool__hmap_free(&c->slabs);
     gpupool__hmap_init(&c->slabs);
     exports_clear(c);
@@ -861,7 +893,11 @@ static int reconnect(gpupool_client *c) {
       break;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     now = (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-    if (rc != GPUPOOL_ECONNECT || now - start >= (uint64_t)c->reconnect_ms) {
+    /* Refused outright (wrong version, not allowed, over a limit): give up. Nobody
+     * listening, or a connection that closed before the Hello reply (a daemon still going
+     * down or coming up): try again within the budget. */
+    if ((rc != GPUPOOL_ECONNECT && rc != GPUPOOL_ECLOSED && rc != GPUPOOL_EIO) ||
+        now - start >= (uint64_t)c->reconnect_ms) {
       char msg[GPUPOOL__ERRMSG_MAX];
       snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
       return gpupool__err(rc, "the daemon went away and did not come back within %d ms: %s", c->reconnect_ms, msg);
@@ -944,6 +980,7 @@ int gpupool_connect(const char *socket_path, const char *client_name, gpupool_cl
   gpupool__hmap_init(&c->events);
   gpupool__wire_rx_init(&c->rx, GPUPOOL_WIRE_HARD_MAX_FRAME);
   c->fd = -1;
+  c->lease_fd = -1;
   pthread_mutex_lock(&c->mu);
   rc = handshake(c);
   pthread_mutex_unlock(&c->mu);
@@ -1108,6 +1145,8 @@ void gpupool_disconnect(gpupool_client *c) {
   if (!c)
     return;
   pthread_mutex_lock(&c->mu);
+  /* Lost buffers unmap their dead daemon's slabs as they go, and the last one of a
+   * generation closes that generation's pools, events and lease. */
   while (c->buffers)
     release_locked(c, c->buffers, NULL);
   for (size_t i = 0; i < c->slabs.cap; i++)
@@ -1132,6 +1171,10 @@ void gpupool_disconnect(gpupool_client *c) {
   while (c->stale)
     stale_gen_free(c, c->stale);
   pthread_mutex_unlock(&c->mu);
+  /* Nothing of the daemon's memory is mapped any more: the lease goes first, so the daemon
+   * finds it gone when it sees the connection close. */
+  if (c->lease_fd >= 0)
+    close(c->lease_fd);
   if (c->fd >= 0)
     close(c->fd);
   gpupool__wire_rx_reset(&c->rx);
@@ -1302,6 +1345,29 @@ int gpupool_publish(gpupool_buffer *b, const char *name, const gpupool_tensor_me
   return gpupool_publish_ex(b, name, meta, stream, 0, 0);
 }
 
+/* A get waiting for a publisher when the daemon goes away was dropped with its connection:
+ * ask the next daemon again for what is left of its timeout (a name published there ends the
+ * wait), as often as the daemon restarts within that time. With c->mu held. */
+static int get_across_restarts(gpupool_client *c, gpupool__req *req, Gpupool__Wire__Get *gt, int timeout_ms,
+                               gpupool__rep **out) {
+  uint64_t start = mono_ns() / 1000000;
+  int rc = ensure_connected(c);
+  if (rc != 0)
+    return rc;
+  for (int attempt = 0;; attempt++) {
+    uint64_t spent;
+    int last = attempt > 0 && gt->timeout_ms == 0; /* the final try already asked for no wait */
+    rc = call(c, req, out, NULL);
+    if ((rc != GPUPOOL_ECLOSED && rc != GPUPOOL_EIO) || !c->broken || c->reconnect_ms <= 0 || last)
+      return rc;
+    if ((rc = ensure_connected(c)) != 0)
+      return rc;
+    spent = mono_ns() / 1000000 - start;
+    if (timeout_ms >= 0)
+      gt->timeout_ms = spent >= (uint64_t)timeout_ms ? 0 : (uint32_t)((uint64_t)timeout_ms - spent);
+  }
+}
+
 int gpupool_get(gpupool_client *c, const char *name, int timeout_ms, unsigned flags, void *stream,
                 gpupool_buffer **out) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
@@ -1321,7 +1387,7 @@ int gpupool_get(gpupool_client *c, const char *name, int timeout_ms, unsigned fl
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_GET;
   req.get = &gt;
   pthread_mutex_lock(&c->mu);
-  rc = call_retry(c, &req, &rep);
+  rc = get_across_restarts(c, &req, &gt, timeout_ms, &rep);
   if (rc == 0) {
     rc = materialize(c, reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_GET), 1, stream, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);

@@ -46,6 +46,7 @@ void gpupool__config_defaults(gpupool__config *c) {
   c->max_waiters_per_uid = 4096;
   c->max_queued_bytes_per_client = 64ull << 20;
   c->max_queued_bytes_total = 1ull << 30;
+  c->max_waiting_leases_per_uid = 64;
   c->handshake_timeout_ms = 5000;
   c->metrics_interval_ms = 5000;
 }
@@ -288,6 +289,8 @@ int gpupool__config_set(gpupool__config *c, const char *k, const char *v) {
     return gpupool__parse_size(v, &c->max_queued_bytes_per_client);
   if (!strcmp(k, "max_queued_bytes_total"))
     return gpupool__parse_size(v, &c->max_queued_bytes_total);
+  if (!strcmp(k, "max_waiting_leases_per_uid"))
+    return parse_u32(v, &c->max_waiting_leases_per_uid);
   if (!strcmp(k, "handshake_timeout_ms"))
     return parse_u32(v, &c->handshake_timeout_ms);
   if (!strcmp(k, "allow_uids"))

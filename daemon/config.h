@@ -49,6 +49,9 @@ typedef struct {
   uint32_t max_waiters_per_uid;
   uint64_t max_queued_bytes_per_client; /* unread replies, counted as the heap they hold */
   uint64_t max_queued_bytes_total;    /* all queues and input buffers of the daemon */
+  /* Closed connections of one uid whose processes still hold their lease (and so pin the
+   * memory they map); past it that uid gets no new buffers. */
+  uint32_t max_waiting_leases_per_uid;
   uint32_t handshake_timeout_ms;
   /* Allow-lists; empty = everyone who can reach the socket. */
   uid_t allow_uids[GPUPOOL_MAX_ALLOW];

@@ -67,6 +67,8 @@ static void shutdown_daemon(daemon_ctx *d, const char *why) {
   gpupool__sd_notify("STOPPING=1");
   gpupool__server_stop(d->server);
   d->server = NULL;
+  /* Bounded shutdown: leases and GPU work are not waited for (nothing is reused any more). */
+  gpupool__registry_stop(d->reg);
   gpupool__metrics_stop();
   uv_close((uv_handle_t *)&d->sigint, NULL);
   uv_close((uv_handle_t *)&d->sigterm, NULL);

@@ -221,8 +221,10 @@ static void render_stats(sbuf *b, const Gpupool__Wire__StatsReply *st) {
       {"holds", "Live holds on buffers.", st->holds},
       {"names", "Published names.", st->names},
       {"open_fds", "File descriptors the daemon has open.", st->open_fds},
-      {"pending_frees", "Buffers whose ranges wait on events or a dead process before reuse.",
+      {"pending_frees", "Buffers whose ranges wait on events or a lease before reuse.",
        st->pending_frees},
+      {"waiting_leases", "Closed connections whose processes still hold their lease (memory pinned).",
+       st->waiting_leases},
       {"uptime_seconds", "Seconds since the daemon started.", st->uptime_s},
   };
 

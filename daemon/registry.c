@@ -1,18 +1,20 @@
 /*
- * The daemon's registry: pools, slabs, buffers, holds, names, events and dead clients.
- * See registry.h for who owns what. The rules that keep memory safe:
+ * The daemon's registry: pools, slabs, buffers, holds, names, events and the leases of
+ * closed connections. See registry.h for who owns what. The rules that keep memory safe:
  *   - a buffer's range returns to its slab only in finish_free(), reached once refs == 0
- *     and every dependency (recorded done events, exited holder processes) has cleared;
+ *     and every dependency (recorded done events, leases of holders whose connection
+ *     closed) has cleared;
  *   - a slab returns to the backend only in slab_destroy(), reached once it is empty,
- *     retiring, and no live client or not-yet-exited dead client still maps it.
+ *     retiring, and neither a connected client nor a held lease still maps it;
+ *   - once the daemon stops (gpupool__registry_stop) nothing is reused any more.
  * Everything runs on the daemon's single loop thread.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -83,69 +85,193 @@ static void event_put(gpupool__registry *reg, gpupool__event *e) {
   reg->free_events = e;
 }
 
-/* ---- dead clients -------------------------------------------------------------------------- */
+/* ---- leases ----------------------------------------------------------------------------- */
 
-static void corpse_closed(uv_handle_t *h) {
-  gpupool__corpse *c = h->data;
-  if (c->pidfd >= 0)
-    close(c->pidfd);
-  free(c);
+static gpupool__uid_usage *uid_usage(gpupool__registry *reg, uid_t uid, int create);
+static void uid_usage_put(gpupool__registry *reg, gpupool__uid_usage *u);
+static void uid_account(gpupool__registry *reg, uid_t uid, int64_t bytes, int32_t allocs);
+
+int gpupool__lease_new(gpupool__registry *reg, uid_t uid, pid_t pid, gpupool__lease **out, int *peer) {
+  gpupool__lease *l;
+  int p[2];
+  if (pipe2(p, O_CLOEXEC) != 0) {
+    int e = errno;
+    if (e == EMFILE || e == ENFILE)
+      return gpupool__err(GPUPOOL_ELIMIT,
+                          "gpupoold is out of file descriptors (%s): it cannot give this connection a lease, "
+                          "so it could not tell when the memory it maps is free again, and refuses it instead. "
+                          "Try again later; operators: raise the daemon's fd limit (LimitNOFILE= in "
+                          "gpupoold.service, ulimit -n) or lower max_clients",
+                          strerror(e));
+    return gpupool__err(GPUPOOL_EIO, "gpupoold cannot give this connection a lease (pipe2: %s) and refuses it",
+                        strerror(e));
+  }
+  l = calloc(1, sizeof *l);
+  if (!l) {
+    close(p[0]);
+    close(p[1]);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  }
+  (void)fcntl(p[0], F_SETFL, O_NONBLOCK);
+  /* Nothing is ever written: charge the daemon's user the fewest pipe pages. */
+  (void)fcntl(p[1], F_SETPIPE_SZ, 4096);
+  l->fd = p[0];
+  l->refs = 1;
+  l->uid = uid;
+  l->pid = pid;
+  l->reg = reg;
+  *out = l;
+  *peer = p[1];
+  return 0;
 }
 
-static void corpse_unref(gpupool__corpse *c) {
-  if (--c->refs > 0)
+/* 1 when no process holds the other end any more (EOF on the pipe). Bytes a holder wrote
+ * are read and dropped: only EOF counts. */
+static int lease_probe(gpupool__lease *l) {
+  char buf[4096];
+  for (int i = 0; i < 16; i++) {
+    ssize_t n = read(l->fd, buf, sizeof buf);
+    if (n == 0)
+      return 1;
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n < 0)
+      return 0; /* EAGAIN: still held */
+  }
+  return 0;
+}
+
+static void lease_unwait(gpupool__lease *l) {
+  gpupool__registry *reg = l->reg;
+  gpupool__uid_usage *u;
+  if (!l->waiting)
     return;
-  if (c->pidfd >= 0) {
-    uv_close((uv_handle_t *)&c->poll, corpse_closed);
-  } else {
-    free(c);
+  l->waiting = 0;
+  if (l->prev)
+    l->prev->next = l->next;
+  else
+    reg->waiting = l->next;
+  if (l->next)
+    l->next->prev = l->prev;
+  l->prev = l->next = NULL;
+  reg->nwaiting--;
+  if ((u = uid_usage(reg, l->uid, 0))) {
+    u->leases--;
+    uid_usage_put(reg, u);
   }
 }
 
-static void corpse_exited(uv_poll_t *p, int status, int events) {
-  gpupool__corpse *c = p->data;
-  (void)status;
+static void lease_closed(uv_handle_t *h) {
+  gpupool__lease *l = h->data;
+  if (l->fd >= 0)
+    close(l->fd);
+  l->fd = -1;
+  l->polling = 0;
+  if (l->refs == 0)
+    free(l);
+}
+
+/* Close the daemon's end (through the poll handle when one watches it). */
+static void lease_close_fd(gpupool__lease *l) {
+  if (l->polling) {
+    if (!uv_is_closing((uv_handle_t *)&l->poll))
+      uv_close((uv_handle_t *)&l->poll, lease_closed);
+    return;
+  }
+  if (l->fd >= 0)
+    close(l->fd);
+  l->fd = -1;
+}
+
+static void lease_gone(gpupool__lease *l) {
+  if (l->gone)
+    return;
+  l->gone = 1;
+  if (l->waiting)
+    GPUPOOL__INFO("client %" PRIu64 " (pid %d uid %u): every process holding its lease has exited or closed it, "
+                  "%.1f s after its connection closed; its memory can be reused",
+                  l->client_id, (int)l->pid, (unsigned)l->uid, (double)(gpupool__now_ns() - l->since_ns) / 1e9);
+  lease_unwait(l);
+  lease_close_fd(l);
+}
+
+static void lease_unref(gpupool__lease *l) {
+  if (--l->refs > 0)
+    return;
+  lease_unwait(l);
+  lease_close_fd(l);
+  if (!l->polling)
+    free(l);
+}
+
+void gpupool__lease_discard(gpupool__lease *l) {
+  if (l)
+    lease_unref(l);
+}
+
+static void lease_readable(uv_poll_t *p, int status, int events) {
+  gpupool__lease *l = p->data;
+  gpupool__registry *reg = l->reg;
   (void)events;
-  c->exited = 1;
-  uv_poll_stop(p);
-  GPUPOOL__INFO("client process %d has exited; its memory can be reused", (int)c->pid);
-  gpupool__sweep(c->reg);
-  if (c->reg->on_memory)
-    c->reg->on_memory(c->reg, NULL);
+  if (status < 0) {
+    /* Unknown is never "gone": the memory stays pinned rather than reused under a holder. */
+    GPUPOOL__ERROR("cannot watch the lease of client %" PRIu64 " (pid %d): %s; its memory stays pinned until the "
+                   "daemon restarts",
+                   l->client_id, (int)l->pid, uv_strerror(status));
+    uv_poll_stop(p);
+    return;
+  }
+  if (!lease_probe(l))
+    return;
+  lease_gone(l);
+  gpupool__sweep(reg);
+  if (reg->on_memory)
+    reg->on_memory(reg, NULL);
 }
 
-/* Takes ownership of pidfd (may be -1: no way to watch the process, treated as exited). */
-static gpupool__corpse *corpse_new(gpupool__registry *reg, pid_t pid, int pidfd) {
-  gpupool__corpse *c = calloc(1, sizeof *c);
-  if (!c) {
-    if (pidfd >= 0)
-      close(pidfd);
-    return NULL;
+/* The connection closed while its client held or mapped memory: wait for the lease, unless
+ * it is already gone. Returns 1 when it is waiting. */
+static int lease_wait(gpupool__registry *reg, gpupool__lease *l) {
+  gpupool__uid_usage *u;
+  int rc;
+  if (l->gone)
+    return 0;
+  if (lease_probe(l)) {
+    lease_gone(l);
+    return 0;
   }
-  c->pid = pid;
-  c->pidfd = pidfd;
-  c->reg = reg;
-  c->refs = 1; /* dropped at the end of gpupool__client_drop */
-  if (pidfd < 0 || uv_poll_init(reg->loop, &c->poll, pidfd) != 0) {
-    c->exited = 1;
-    if (pidfd >= 0) {
-      close(pidfd);
-      c->pidfd = -1;
+  l->since_ns = gpupool__now_ns();
+  if (!reg->stopped) {
+    if ((rc = uv_poll_init(reg->loop, &l->poll, l->fd)) != 0) {
+      GPUPOOL__ERROR("cannot watch the lease of client %" PRIu64 " (pid %d): %s; its memory stays pinned until "
+                     "the daemon restarts",
+                     l->client_id, (int)l->pid, uv_strerror(rc));
+    } else {
+      l->polling = 1;
+      l->poll.data = l;
+      uv_poll_start(&l->poll, UV_READABLE, lease_readable);
     }
-    return c;
   }
-  c->poll.data = c;
-  uv_poll_start(&c->poll, UV_READABLE, corpse_exited);
-  return c;
+  l->waiting = 1;
+  l->next = reg->waiting;
+  if (reg->waiting)
+    reg->waiting->prev = l;
+  reg->waiting = l;
+  reg->nwaiting++;
+  if ((u = uid_usage(reg, l->uid, 1)))
+    u->leases++;
+  return 1;
 }
 
 /* ---- slabs ----------------------------------------------------------------------------------- */
 
-static void slab_destroy(gpupool__registry *reg, gpupool__slab *s) {
+static void slab_release(gpupool__registry *reg, gpupool__slab *s, int give_back) {
   gpupool__pool *p = s->pool;
-  GPUPOOL__DEBUG("pool %s: slab %" PRIu64 " (%" PRIu64 " bytes) returned to the backend", p->cfg.name,
-           s->id, s->bs.size);
-  reg->be->ops->slab_free(p->bp, &s->bs);
+  if (give_back) {
+    GPUPOOL__DEBUG("pool %s: slab %" PRIu64 " (%" PRIu64 " bytes) returned to the backend", p->cfg.name, s->id,
+                   s->bs.size);
+    reg->be->ops->slab_free(p->bp, &s->bs);
+  }
   if (s->prev)
     s->prev->next = s->next;
   else
@@ -156,13 +282,15 @@ static void slab_destroy(gpupool__registry *reg, gpupool__slab *s) {
   p->reserved -= s->bs.size;
   p->nslabs--;
   for (uint32_t i = 0; i < s->nmappers; i++)
-    if (s->mappers[i].corpse)
-      corpse_unref(s->mappers[i].corpse);
+    if (s->mappers[i].lease)
+      lease_unref(s->mappers[i].lease);
   gpupool__alloc_delete(s->alloc);
   free(s->mappers);
   free(s);
   reg->memory_returned = 1;
 }
+
+static void slab_destroy(gpupool__registry *reg, gpupool__slab *s) { slab_release(reg, s, 1); }
 
 static void slab_try_release(gpupool__registry *reg, gpupool__slab *s) {
   if (s->retiring && s->nbuffers == 0 && s->nmappers == 0)
@@ -264,7 +392,7 @@ static int slab_add_mapper(gpupool__slab *s, uint64_t client_id) {
   if (grow((void **)&s->mappers, &s->capmappers, s->nmappers + 1, sizeof *s->mappers) != 0)
     return GPUPOOL_ENOMEM;
   s->mappers[s->nmappers].client_id = client_id;
-  s->mappers[s->nmappers].corpse = NULL;
+  s->mappers[s->nmappers].lease = NULL;
   s->nmappers++;
   return 0;
 }
@@ -286,12 +414,12 @@ static int buffer_deps_clear(gpupool__registry *reg, gpupool__buffer *b) {
     event_put(reg, e);
     b->ndone--;
   }
-  while (b->ncorpses > 0) {
-    gpupool__corpse *c = b->corpses[b->ncorpses - 1];
-    if (!c->exited)
+  while (b->nleases > 0) {
+    gpupool__lease *l = b->leases[b->nleases - 1];
+    if (!l->gone)
       return 0;
-    corpse_unref(c);
-    b->ncorpses--;
+    lease_unref(l);
+    b->nleases--;
   }
   return 1;
 }
@@ -299,18 +427,33 @@ static int buffer_deps_clear(gpupool__registry *reg, gpupool__buffer *b) {
 static void finish_free(gpupool__registry *reg, gpupool__buffer *b) {
   gpupool__slab *s = b->slab;
   gpupool__pool *p = s->pool;
-  if (s->alloc && gpupool__alloc_put(s->alloc, b->offset, b->size) != 0)
+  if (b->died_in_use && s->alloc) {
+    /* Work the dead holder queued may still touch this range until its GPU context is torn
+     * down, which the daemon cannot see: never reuse it inside this slab. */
+    if (!s->retiring)
+      GPUPOOL__INFO("pool %s: slab %" PRIu64 " takes no new buffers and goes back to the backend once empty: "
+                    "buffer %" PRIu64 " in it was held by a client that went away without saying its GPU work on "
+                    "it was done",
+                    p->cfg.name, s->id, b->id);
+    s->retiring = 1;
+  } else if (s->alloc && gpupool__alloc_put(s->alloc, b->offset, b->size) != 0) {
     GPUPOOL__ERROR("pool %s: range %" PRIu64 "+%" PRIu64 " of slab %" PRIu64 " refused by the allocator",
              p->cfg.name, b->offset, b->size, s->id);
+  }
   s->nbuffers--;
   p->used -= b->size;
   p->nbuffers--;
   event_put(reg, b->ready);
+  /* Only now is the range really back: until here it stays on its owner's account. */
+  uid_account(reg, b->owner_uid, -(int64_t)b->size, -1);
   free(b->done);
-  free(b->corpses);
+  free(b->leases);
   free(b);
   reg->memory_returned = 1;
-  slab_maybe_retire(reg, s);
+  if (s->retiring && s->nbuffers == 0 && !reg->stopped)
+    slab_retire(reg, s);
+  else
+    slab_maybe_retire(reg, s);
 }
 
 static void sweep_timer_cb(uv_timer_t *t) {
@@ -325,6 +468,8 @@ static void sweep_timer_cb(uv_timer_t *t) {
 
 static void sweep_timer_update(gpupool__registry *reg) {
   int need = 0;
+  if (reg->stopped)
+    return;
   for (gpupool__buffer *b = reg->pending; b; b = b->pending_next)
     if (b->ndone > 0) {
       need = 1;
@@ -355,7 +500,7 @@ static gpupool__uid_usage *uid_usage(gpupool__registry *reg, uid_t uid, int crea
 
 /* Drop the record once nothing is counted in it. */
 static void uid_usage_put(gpupool__registry *reg, gpupool__uid_usage *u) {
-  if (u && u->allocs == 0 && u->bytes == 0 && u->names == 0 && u->holds == 0) {
+  if (u && u->allocs == 0 && u->bytes == 0 && u->names == 0 && u->holds == 0 && u->leases == 0) {
     gpupool__hmap_del(&reg->uids, u->uid);
     free(u);
   }
@@ -380,7 +525,6 @@ static void buffer_unref(gpupool__registry *reg, gpupool__buffer *b) {
     owner->bytes -= b->size;
     owner->allocs--;
   }
-  uid_account(reg, b->owner_uid, -(int64_t)b->size, -1);
   if (buffer_deps_clear(reg, b)) {
     finish_free(reg, b);
     return;
@@ -408,8 +552,8 @@ void gpupool__sweep(gpupool__registry *reg) {
     for (; s; s = next) {
       next = s->next;
       for (uint32_t j = 0; j < s->nmappers;) {
-        if (s->mappers[j].corpse && s->mappers[j].corpse->exited) {
-          corpse_unref(s->mappers[j].corpse);
+        if (s->mappers[j].lease && s->mappers[j].lease->gone) {
+          lease_unref(s->mappers[j].lease);
           slab_remove_mapper_at(s, j);
         } else {
           j++;
@@ -643,14 +787,17 @@ static int add_done_dep(gpupool__buffer *b, gpupool__event *e) {
   return 0;
 }
 
-static void add_corpse_dep(gpupool__buffer *b, gpupool__corpse *c) {
-  if (grow((void **)&b->corpses, &b->capcorpses, b->ncorpses + 1, sizeof *b->corpses) != 0)
-    return; /* cannot track it: the range is reused without waiting (logged by grow) */
-  c->refs++;
-  b->corpses[b->ncorpses++] = c;
+/* 0, or ENOMEM when the dependency cannot be recorded: the caller then keeps the buffer
+ * referenced (leaked until the daemon stops) rather than reuse it under a live holder. */
+static int add_lease_dep(gpupool__buffer *b, gpupool__lease *l) {
+  if (grow((void **)&b->leases, &b->capleases, b->nleases + 1, sizeof *b->leases) != 0)
+    return GPUPOOL_ENOMEM;
+  l->refs++;
+  b->leases[b->nleases++] = l;
+  return 0;
 }
 
-static void hold_drop(gpupool__registry *reg, gpupool__hold *h, int done_recorded, gpupool__corpse *corpse) {
+static void hold_drop(gpupool__registry *reg, gpupool__hold *h, int done_recorded, gpupool__lease *lease) {
   gpupool__client *c = h->client;
   gpupool__buffer *b = h->buf;
   if (h->prev)
@@ -674,9 +821,15 @@ static void hold_drop(gpupool__registry *reg, gpupool__hold *h, int done_recorde
     else
       event_put(reg, h->done);
   }
-  if (corpse && !corpse->exited)
-    add_corpse_dep(b, corpse);
   free(h);
+  if (lease && !lease->gone && reg->be->ops->has_events)
+    b->died_in_use = 1;
+  if (lease && !lease->gone && add_lease_dep(b, lease) != 0) {
+    GPUPOOL__ERROR("out of memory recording that buffer %" PRIu64 " waits for a lease; it stays allocated until "
+                   "the daemon restarts",
+                   b->id);
+    return;
+  }
   buffer_unref(reg, b);
 }
 
@@ -710,9 +863,28 @@ gpupool__pool *gpupool__pool_find(gpupool__registry *reg, const char *name, uint
   return NULL;
 }
 
+/* Refuses new holds to a uid whose closed connections already pin memory through too many
+ * leases: every such hold could become one more (a daemon fd and pinned memory each). */
+static int check_waiting_leases(gpupool__registry *reg, const gpupool__client *c) {
+  const gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, c->uid);
+  uint32_t max = reg->cfg->max_waiting_leases_per_uid;
+  if (!max || !u || u->leases < max)
+    return 0;
+  return gpupool__err(GPUPOOL_ELIMIT,
+                      "uid %u has %u closed connections whose processes still hold their lease and map gpupool "
+                      "memory (the limit, max_waiting_leases_per_uid, is %u): it gets no new buffers until some of "
+                      "those processes exit. Find the processes of this uid that closed their gpupool connection "
+                      "but keep its memory mapped (forked children, workers that closed their sockets), end them "
+                      "or have them call gpupool_disconnect, or raise max_waiting_leases_per_uid",
+                      (unsigned)c->uid, u->leases, max);
+}
+
 static int check_limits(gpupool__registry *reg, gpupool__client *c, uint64_t size) {
   const gpupool__config *cfg = reg->cfg;
   gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, c->uid);
+  int rc;
+  if ((rc = check_waiting_leases(reg, c)) != 0)
+    return rc;
   if (cfg->max_allocs_per_client && c->allocs + 1 > cfg->max_allocs_per_client)
     return gpupool__err(GPUPOOL_ELIMIT,
                         "client already has %u live allocations, the limit (max_allocs_per_client) is %u; "
@@ -847,6 +1019,7 @@ int gpupool__open(gpupool__registry *reg, gpupool__client *c, const uint8_t *tok
   uint64_t id = 0;
   gpupool__buffer *b;
   uint8_t diff = 0;
+  int rc;
   if (len != GPUPOOL_TOKEN_SIZE)
     return gpupool__err(GPUPOOL_EINVAL, "share token has %zu bytes, expected %d", len, GPUPOOL_TOKEN_SIZE);
   for (int i = 0; i < 8; i++)
@@ -870,6 +1043,8 @@ int gpupool__open(gpupool__registry *reg, gpupool__client *c, const uint8_t *tok
                         "share token does not name a live buffer of your tenant (the buffer was freed, the "
                         "token is forged, or it belongs to another tenant: share across tenants through a "
                         "pool shared with a group)");
+  if ((rc = check_waiting_leases(reg, c)) != 0)
+    return rc;
   return hold_new(reg, c, b, read_only, 0, out);
 }
 
@@ -978,6 +1153,8 @@ static int find_name(gpupool__registry *reg, gpupool__client *c, const char *nam
 int gpupool__get(gpupool__registry *reg, gpupool__client *c, const char *name, int read_only, gpupool__hold **out) {
   gpupool__name *n;
   int rc = find_name(reg, c, name, &n);
+  if (rc == 0)
+    rc = check_waiting_leases(reg, c);
   return rc != 0 ? rc : hold_new(reg, c, n->buf, read_only, 0, out);
 }
 
@@ -1053,31 +1230,32 @@ void gpupool__client_init(gpupool__registry *reg, gpupool__client *c) {
 }
 
 void gpupool__client_drop(gpupool__registry *reg, gpupool__client *c) {
-  gpupool__corpse *corpse = NULL;
-  int had_holds = c->nholds > 0, pidfd = c->pidfd;
+  gpupool__lease *lease = c->lease;
+  int waiting = 0;
 
-  c->pidfd = -1;
-  if (had_holds) {
-    corpse = corpse_new(reg, c->pid, pidfd);
-    pidfd = -1;
-    GPUPOOL__INFO("client %" PRIu64 " (pid %d, %s) went away holding %" PRIu64
-            " buffers; their memory is reused once the process has exited",
-            c->id, (int)c->pid, c->name, c->nholds);
-  } else if (pidfd >= 0) {
-    close(pidfd);
+  c->lease = NULL;
+  if (lease) {
+    lease->client_id = c->id;
+    if (c->nholds > 0 || c->mapped.len > 0)
+      waiting = lease_wait(reg, lease);
+    if (waiting)
+      GPUPOOL__INFO("client %" PRIu64 " (pid %d uid %u, %s) closed its connection holding %" PRIu64
+                    " buffer(s) and mapping %zu slab(s) while a process still holds its lease; that memory is "
+                    "reused once every such process has exited or closed the lease",
+                    c->id, (int)c->pid, (unsigned)c->uid, c->name, c->nholds, c->mapped.len);
   }
   while (c->holds)
-    hold_drop(reg, c->holds, 0, corpse);
+    hold_drop(reg, c->holds, 0, waiting ? lease : NULL);
   for (int i = 0; i < reg->npools; i++) {
     for (gpupool__slab *s = reg->pools[i].slabs, *n; s; s = n) {
       n = s->next;
       for (uint32_t j = 0; j < s->nmappers; j++) {
         if (s->mappers[j].client_id != c->id)
           continue;
-        if (corpse && !corpse->exited) {
+        if (waiting) {
           s->mappers[j].client_id = 0;
-          s->mappers[j].corpse = corpse;
-          corpse->refs++;
+          s->mappers[j].lease = lease;
+          lease->refs++;
         } else {
           slab_remove_mapper_at(s, j);
         }
@@ -1092,8 +1270,8 @@ void gpupool__client_drop(gpupool__registry *reg, gpupool__client *c) {
   free(c->revoke);
   c->revoke = NULL;
   c->nrevoke = c->caprevoke = 0;
-  if (corpse)
-    corpse_unref(corpse);
+  if (lease)
+    lease_unref(lease);
   gpupool__sweep(reg);
 }
 
@@ -1240,6 +1418,39 @@ int gpupool__registry_init(gpupool__registry *reg, uv_loop_t *loop, const gpupoo
   return 0;
 }
 
+void gpupool__registry_stop(gpupool__registry *reg) {
+  uint64_t bytes = 0, nbuf = 0, on_leases = 0, mapped_slabs = 0;
+  if (reg->stopped)
+    return;
+  reg->stopped = 1;
+  for (gpupool__buffer *b = reg->pending; b; b = b->pending_next) {
+    nbuf++;
+    bytes += b->size;
+    if (b->nleases)
+      on_leases++;
+  }
+  for (int i = 0; i < reg->npools; i++)
+    for (gpupool__slab *s = reg->pools[i].slabs; s; s = s->next)
+      for (uint32_t j = 0; j < s->nmappers; j++)
+        if (s->mappers[j].lease && !s->mappers[j].lease->gone) {
+          mapped_slabs++;
+          break;
+        }
+  if (reg->nwaiting || nbuf)
+    GPUPOOL__INFO("stopping with %" PRIu64 " closed connection(s) whose processes still hold their lease, %" PRIu64
+                  " buffer(s) (%" PRIu64 " bytes) not yet reusable (%" PRIu64 " waiting for such processes, the rest "
+                  "for GPU work) and %" PRIu64 " slab(s) still mapped by them; not waiting: a stopped daemon "
+                  "reuses nothing, so that memory stays valid for them",
+                  reg->nwaiting, nbuf, bytes, on_leases, mapped_slabs);
+  for (gpupool__lease *l = reg->waiting; l; l = l->next)
+    if (l->polling)
+      uv_poll_stop(&l->poll);
+  if (reg->sweep_timer_on) {
+    uv_timer_stop(&reg->sweep_timer);
+    reg->sweep_timer_on = 0;
+  }
+}
+
 void gpupool__registry_close(gpupool__registry *reg) {
   /* Every client is gone: drop names, then finish every pending free regardless of events
    * (the daemon is exiting; the backend's pools go with it). */
@@ -1258,17 +1469,23 @@ void gpupool__registry_close(gpupool__registry *reg) {
     reg->pending = b->pending_next;
     for (uint32_t i = 0; i < b->ndone; i++)
       event_put(reg, b->done[i]);
-    for (uint32_t i = 0; i < b->ncorpses; i++)
-      corpse_unref(b->corpses[i]);
-    b->ndone = b->ncorpses = 0;
+    for (uint32_t i = 0; i < b->nleases; i++)
+      lease_unref(b->leases[i]);
+    b->ndone = b->nleases = 0;
     finish_free(reg, b);
   }
   for (int i = 0; i < reg->npools; i++) {
     gpupool__pool *p = &reg->pools[i];
     while (p->slabs) {
       gpupool__slab *s = p->slabs;
-      s->nmappers = 0;
-      slab_destroy(reg, s);
+      int mapped = 0;
+      for (uint32_t j = 0; j < s->nmappers; j++)
+        if (s->mappers[j].lease && !s->mappers[j].lease->gone)
+          mapped = 1;
+      /* A slab that a live process still maps is not given back: on the host backend that
+       * would punch its pages out under the process. It goes with the daemon's last
+       * reference to the pool, while the process's own mapping keeps the memory. */
+      slab_release(reg, s, !mapped);
     }
     reg->be->ops->pool_destroy(p->bp);
   }

@@ -3,11 +3,14 @@
  * bookkeeping that decides when memory may be reused. One owner for every resource:
  *   - a pool owns its slabs; a slab owns its sub-allocator;
  *   - a buffer lives while any holder (a client's hold or a published name) refers to it;
- *     when the last one lets go, its range waits for every recorded done event and for
- *     every holder process that died while holding it to have fully exited, then goes back
- *     to the slab (exactly once, in registry_sweep);
+ *     when the last one lets go, its range waits for every recorded done event and for the
+ *     lease of every client whose connection closed while holding it, then goes back to the
+ *     slab (exactly once, in registry_sweep);
  *   - a slab is given back to the backend when it is empty, surplus (or dedicated, or
- *     trimmed) and every client that mapped it has unmapped it or exited.
+ *     trimmed) and every client that mapped it has unmapped it or lost its lease;
+ *   - a lease is one end of a pipe the client keeps while it maps the daemon's memory; the
+ *     kernel closes it when the last process holding it (forked children included) exits
+ *     or closes it, and the daemon sees EOF on its own end. Liveness never comes from a pid.
  * Clients are owned by server.c; the registry keeps per-client holds and mapped slabs in
  * the gpupool__client it is handed.
  */
@@ -29,7 +32,7 @@ typedef struct gpupool__slab gpupool__slab;
 typedef struct gpupool__buffer gpupool__buffer;
 typedef struct gpupool__hold gpupool__hold;
 typedef struct gpupool__event gpupool__event;
-typedef struct gpupool__corpse gpupool__corpse;
+typedef struct gpupool__lease gpupool__lease;
 typedef struct gpupool__client gpupool__client;
 typedef struct gpupool__registry gpupool__registry;
 
@@ -40,20 +43,30 @@ struct gpupool__event {
   gpupool__event *next_free;
 };
 
-/* A client process that went away while it still held memory: its ranges and mappings are
- * reused only once the process has fully exited (pidfd readable). */
-struct gpupool__corpse {
-  pid_t pid;
-  int pidfd;
-  int exited;
-  uint32_t refs;
+/* A connection's lease: the daemon's end (the read end of a pipe) of an fd the client holds
+ * for as long as it maps any of this daemon's memory. The write end travels in the Hello
+ * reply; fork shares it, exec closes it (close-on-exec, like the mappings), and the kernel
+ * closes it with the last process that holds it. A pipe rather than a socketpair: its reader
+ * sees EOF only once every writer is gone, and a holder cannot half-close it. Ranges and
+ * mappings of a client whose connection closed are reused only once the lease is gone. */
+struct gpupool__lease {
+  int fd;                 /* daemon's end; closed once gone */
+  int gone;               /* no process holds the other end any more */
+  int waiting;            /* connection closed, memory pinned: counted in its uid's usage */
+  int polling;            /* poll handle initialised; freed from its close callback */
+  uint32_t refs;          /* the client's, one per pinned buffer and per slab mapping */
+  uid_t uid;
+  pid_t pid;              /* for logs only (0 when the client is in another PID namespace) */
+  uint64_t client_id;     /* for logs */
+  uint64_t since_ns;      /* when the connection closed */
   uv_poll_t poll;
   gpupool__registry *reg;
+  gpupool__lease *prev, *next; /* in reg->waiting while waiting */
 };
 
 typedef struct {
   uint64_t client_id;  /* live mapper, or 0 */
-  gpupool__corpse *corpse;   /* dead mapper awaiting exit, or NULL */
+  gpupool__lease *lease;     /* mapper whose connection closed, until its lease is gone */
 } gpupool__mapper;
 
 struct gpupool__slab {
@@ -64,7 +77,7 @@ struct gpupool__slab {
   int dedicated;
   uint64_t owner;        /* tenant (or shared group) whose buffers it holds: every holder of
                           * one of its buffers gets its fd, so others' buffers never go in */
-  int retiring;          /* empty, being given back: no new buffers */
+  int retiring;          /* no new buffers: being given back once empty and unmapped */
   uint32_t nbuffers;     /* live or pending buffers inside */
   gpupool__mapper *mappers;
   uint32_t nmappers, capmappers;
@@ -98,8 +111,13 @@ struct gpupool__buffer {
   /* Dependencies that must clear before the range is reused (once refs == 0). */
   gpupool__event **done;
   uint32_t ndone, capdone;
-  gpupool__corpse **corpses;
-  uint32_t ncorpses, capcorpses;
+  gpupool__lease **leases;
+  uint32_t nleases, capleases;
+  /* A holder's connection closed with it while the process still held its lease, so it never
+   * said its GPU work on the buffer was done. On a backend with GPU work the range is not
+   * handed out again: its slab takes no new buffers and goes back to the backend once empty
+   * (CUDA keeps memory alive for a process that still maps it, whatever its queued work). */
+  int died_in_use;
   gpupool__buffer *pending_next;
 };
 
@@ -122,13 +140,15 @@ typedef struct {
   gpupool_tensor_meta meta;
 } gpupool__name;
 
-/* Per-uid accounting for the per-uid limits. */
+/* Per-uid accounting for the per-uid limits. A buffer stays on its owner's account until
+ * its range is really back in the slab (done events completed, leases gone). */
 typedef struct {
   uid_t uid;
   uint64_t bytes;
   uint32_t allocs;
   uint32_t names;   /* names it published that still exist */
   uint64_t holds;   /* holds of its connections */
+  uint32_t leases;  /* waiting leases of this uid's closed connections */
 } gpupool__uid_usage;
 
 /* The registry's part of a connected client (embedded in server.c's connection). */
@@ -140,7 +160,7 @@ struct gpupool__client {
   gid_t gid;
   char name[64];
   uint64_t connected_ns;
-  int pidfd;                /* pidfd_open(pid) at connect, or -1 */
+  gpupool__lease *lease;    /* from gpupool__lease_new at connect; owned until client_drop */
   gpupool__hold *holds;           /* list */
   uint64_t nholds;
   uint64_t bytes;           /* bytes of buffers it allocated and still live */
@@ -165,6 +185,9 @@ struct gpupool__registry {
   gpupool__hmap uids;        /* uid -> gpupool__uid_usage */
   gpupool__buffer *pending;        /* refs == 0, waiting on dependencies */
   uint64_t npending;
+  gpupool__lease *waiting;         /* leases of closed connections that still pin memory */
+  uint64_t nwaiting;
+  int stopped;                     /* gpupool__registry_stop was called: reuse nothing more */
   gpupool__event **events;         /* by id (1-based) */
   uint32_t nevents, capevents;
   gpupool__event *free_events;
@@ -183,10 +206,22 @@ int gpupool__registry_init(gpupool__registry *reg, uv_loop_t *loop, const gpupoo
 /* Frees everything: buffers, slabs, pools, events. Call after every client is gone. */
 void gpupool__registry_close(gpupool__registry *reg);
 
+/* Stop watching leases and GPU work (the daemon is shutting down: it reuses nothing from now
+ * on, so memory that live processes map stays valid) and log what was still pending. After
+ * this the loop has nothing of the registry's left to wait for. */
+void gpupool__registry_stop(gpupool__registry *reg);
+
+/* A new lease for a connection of uid (pid for logs). *peer is the end to hand to the client
+ * (the caller sends it in the Hello reply and closes its copy). GPUPOOL_ELIMIT when the
+ * daemon has no fd left: refuse the connection, never serve it unwatched. */
+int gpupool__lease_new(gpupool__registry *reg, uid_t uid, pid_t pid, gpupool__lease **out, int *peer);
+/* Drop a lease that never reached a client (connection refused before client_init). */
+void gpupool__lease_discard(gpupool__lease *l);
+
 void gpupool__client_init(gpupool__registry *reg, gpupool__client *c);
-/* The connection is the lease: drop every hold of c. When it still had holds (it died or
- * never released them), its ranges and mappings wait for its process to exit (c->pidfd,
- * which this takes over). */
+/* The connection closed: drop every hold of c. When it still held or mapped memory, its
+ * ranges and mappings wait for c->lease (taken over here) to be gone; otherwise the lease is
+ * closed at once. */
 void gpupool__client_drop(gpupool__registry *reg, gpupool__client *c);
 
 gpupool__pool *gpupool__pool_find(gpupool__registry *reg, const char *name, uint32_t id);

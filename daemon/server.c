@@ -14,9 +14,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -76,6 +76,7 @@ struct gpupool__conn {
   gpupool__client cl;
   gpupool__server *srv;
   int fd;
+  int lease_peer;    /* the client's end of its lease until the Hello reply carries it, or -1 */
   uv_poll_t poll;
   int poll_events;
   uv_timer_t hs_timer;
@@ -102,6 +103,12 @@ struct gpupool__server {
   int own_socket;
   uv_poll_t listen_poll;
   int listen_open;
+  /* Out of fds at accept: the listener rests, connections that wait are refused with the
+   * reason (through the reserve fd), and one log line per interval counts them. */
+  uv_timer_t accept_timer;
+  int reserve_fd;
+  int accept_paused;
+  uint64_t refused_nofd, refused_logged_ns;
   gpupool__conn *conns;
   uint64_t nconns;
   wqueue alloc_q[GPUPOOL_MAX_POOLS]; /* by pool index */
@@ -512,6 +519,7 @@ int gpupool__server_stats(void *server, Gpupool__Wire__StatsReply *st) {
   st->errors = s->errors;
   st->open_fds = count_open_fds();
   st->pending_frees = reg->npending;
+  st->waiting_leases = reg->nwaiting;
   return 0;
 }
 
@@ -573,9 +581,14 @@ static int handle_hello(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Hel
   hr.pools = pptr;
   hr.client_id = c->cl.id;
   hr.max_frame = s->cfg->max_frame;
+  hr.lease = 1;
   rep.body_case = GPUPOOL__WIRE__REPLY__BODY_HELLO;
   rep.hello = &hr;
-  send_reply(c, seq, &rep, NULL, 0);
+  /* The lease travels with this frame; the daemon's copy of the client's end goes now (a
+   * queued frame holds its own duplicate), so only the client's processes hold it. */
+  send_reply(c, seq, &rep, &c->lease_peer, 1);
+  close(c->lease_peer);
+  c->lease_peer = -1;
   free(pis);
   free(pptr);
   return 0;
@@ -943,6 +956,8 @@ static void conn_handle_closed(uv_handle_t *h) {
     return;
   gpupool__wire_txq_clear(&c->txq);
   gpupool__wire_inbuf_free(&c->in);
+  if (c->lease_peer >= 0)
+    close(c->lease_peer);
   close(c->fd);
   free(c);
 }
@@ -1148,6 +1163,65 @@ static int conn_limits(gpupool__server *s, const struct ucred *cred, char *msg, 
   return 0;
 }
 
+#define ACCEPT_BACKOFF_MS 250
+#define ACCEPT_LOG_INTERVAL_NS (10ull * 1000000000ull)
+#define ACCEPT_REFUSE_BURST 64
+
+static void on_accept(uv_poll_t *p, int status, int events);
+
+static void accept_resume(uv_timer_t *t) {
+  gpupool__server *s = t->data;
+  if (s->stopping || !s->accept_paused)
+    return;
+  s->accept_paused = 0;
+  uv_poll_start(&s->listen_poll, UV_READABLE, on_accept);
+}
+
+static void log_refused_nofd(gpupool__server *s, int err, int force) {
+  uint64_t now = gpupool__now_ns();
+  struct rlimit rl;
+  if (!s->refused_nofd || (!force && s->refused_logged_ns && now - s->refused_logged_ns < ACCEPT_LOG_INTERVAL_NS))
+    return;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
+    rl.rlim_cur = 0;
+  GPUPOOL__WARN("out of file descriptors (%s; %" PRIu64 " open, limit %llu): refused %" PRIu64
+                " connection(s) since the last report and stop accepting for %d ms at a time; clients already "
+                "connected are served. Raise LimitNOFILE= (ulimit -n) or lower max_clients",
+                err ? strerror(err) : "accept", count_open_fds(), (unsigned long long)rl.rlim_cur, s->refused_nofd,
+                ACCEPT_BACKOFF_MS);
+  s->refused_nofd = 0;
+  s->refused_logged_ns = now;
+}
+
+/* accept4 failed for lack of fds. Spinning on a listener that stays readable would take a
+ * core and flood the log: refuse what is waiting (with the reason, through a reserved fd),
+ * rest the listener, and count. */
+static void accept_out_of_fds(gpupool__server *s, int err) {
+  static const char msg[] = "gpupoold is out of file descriptors and cannot take this connection now; try again "
+                            "later. Operators: raise the daemon's fd limit (LimitNOFILE= in gpupoold.service, "
+                            "ulimit -n) or lower max_clients";
+  if (s->reserve_fd >= 0) {
+    close(s->reserve_fd);
+    s->reserve_fd = -1;
+    for (int i = 0; i < ACCEPT_REFUSE_BURST; i++) {
+      int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0)
+        break;
+      refuse(fd, GPUPOOL_ELIMIT, msg);
+      s->refused_nofd++;
+    }
+    s->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  } else {
+    s->refused_nofd++;
+  }
+  log_refused_nofd(s, err, 0);
+  if (!s->accept_paused) {
+    s->accept_paused = 1;
+    uv_poll_stop(&s->listen_poll);
+    uv_timer_start(&s->accept_timer, accept_resume, ACCEPT_BACKOFF_MS, 0);
+  }
+}
+
 static void on_accept(uv_poll_t *p, int status, int events) {
   gpupool__server *s = p->data;
   (void)events;
@@ -1159,13 +1233,20 @@ static void on_accept(uv_poll_t *p, int status, int events) {
     struct ucred cred;
     socklen_t cl = sizeof cred;
     gpupool__conn *c;
-    char msg[256];
-    int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    gpupool__lease *lease = NULL;
+    char msg[512];
+    int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC), peer = -1;
     if (fd < 0) {
-      if (errno == EINTR)
+      int e = errno;
+      if (e == EINTR || e == ECONNABORTED)
         continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK)
-        GPUPOOL__WARN("accept failed: %s", strerror(errno));
+      if (e == EMFILE || e == ENFILE || e == ENOBUFS || e == ENOMEM) {
+        accept_out_of_fds(s, e);
+        return;
+      }
+      if (e != EAGAIN && e != EWOULDBLOCK)
+        GPUPOOL__WARN("accept failed: %s", strerror(e));
+      log_refused_nofd(s, 0, 0);
       return;
     }
     if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) != 0) {
@@ -1193,19 +1274,31 @@ static void on_accept(uv_poll_t *p, int status, int events) {
       refuse(fd, GPUPOOL_ELIMIT, msg);
       continue;
     }
+    /* Liveness comes from the lease, never from the pid: without one the connection is not
+     * served at all (unknown liveness must not read as "exited"). */
+    if (gpupool__lease_new(s->reg, cred.uid, cred.pid, &lease, &peer) != 0) {
+      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+      s->refused_nofd++;
+      log_refused_nofd(s, EMFILE, 0);
+      refuse(fd, GPUPOOL_ELIMIT, msg);
+      continue;
+    }
     c = calloc(1, sizeof *c);
     if (!c || !(c->u = uid_get(s, cred.uid))) {
       free(c);
+      gpupool__lease_discard(lease);
+      close(peer);
       close(fd);
       continue;
     }
     c->u->conns++;
     c->srv = s;
     c->fd = fd;
+    c->lease_peer = peer;
     c->cl.pid = cred.pid;
     c->cl.uid = cred.uid;
     c->cl.gid = cred.gid;
-    c->cl.pidfd = cred.pid > 0 ? (int)syscall(SYS_pidfd_open, cred.pid, 0) : -1;
+    c->cl.lease = lease;
     snprintf(c->cl.name, sizeof c->cl.name, "-");
     gpupool__wire_inbuf_init(&c->in, s->cfg->max_frame);
     gpupool__wire_txq_init(&c->txq);
@@ -1324,6 +1417,10 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
     }
     s->own_socket = 1;
   }
+  /* Kept for refusing connections with the reason when every other fd is taken. */
+  s->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  uv_timer_init(loop, &s->accept_timer);
+  s->accept_timer.data = s;
   uv_poll_init(loop, &s->listen_poll, s->listen_fd);
   s->listen_poll.data = s;
   s->listen_open = 1;
@@ -1334,7 +1431,12 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
 
 static void listen_closed(uv_handle_t *h) {
   gpupool__server *s = h->data;
-  close(s->listen_fd);
+  if (h == (uv_handle_t *)&s->listen_poll)
+    close(s->listen_fd);
+  if (--s->listen_open > 0)
+    return;
+  if (s->reserve_fd >= 0)
+    close(s->reserve_fd);
   /* Every connection is closed, so every waiter and uid record is gone. */
   gpupool__smap_free(&s->get_q);
   gpupool__hmap_free(&s->uids);
@@ -1350,6 +1452,9 @@ void gpupool__server_stop(gpupool__server *s) {
   if (s->own_socket)
     unlink(s->cfg->socket_path);
   s->reg->on_memory = NULL;
+  log_refused_nofd(s, 0, 1);
   uv_poll_stop(&s->listen_poll);
+  s->listen_open = 2;
   uv_close((uv_handle_t *)&s->listen_poll, listen_closed);
+  uv_close((uv_handle_t *)&s->accept_timer, listen_closed);
 }

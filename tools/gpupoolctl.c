@@ -485,6 +485,7 @@ static void json_stats(const ctl *c, const Gpupool__Wire__StatsReply *s) {
   jkv_u64("errors", s->errors, &f);
   jkv_u64("open_fds", s->open_fds, &f);
   jkv_u64("pending_frees", s->pending_frees, &f);
+  jkv_u64("waiting_leases", s->waiting_leases, &f);
   jkey("pools", &f);
   putchar('[');
   for (size_t i = 0; i < s->n_pools; i++) {
@@ -512,10 +513,11 @@ static int cmd_status(ctl *c) {
   printf("gpupoold %s (pid %d) on %s\n", s->daemon_version, (int)c->daemon_pid, c->path);
   printf("backend %s, up %s\n", gpupool__wire_backend_name(s->backend), fmt_age(s->uptime_s, up, sizeof(up)));
   printf("clients %llu, buffers %llu, holds %llu, names %llu, pending frees %llu, "
-         "open fds %llu\n",
+         "waiting leases %llu, open fds %llu\n",
          (unsigned long long)s->clients, (unsigned long long)s->buffers,
          (unsigned long long)s->holds, (unsigned long long)s->names,
-         (unsigned long long)s->pending_frees, (unsigned long long)s->open_fds);
+         (unsigned long long)s->pending_frees, (unsigned long long)s->waiting_leases,
+         (unsigned long long)s->open_fds);
   printf("requests %llu, errors %llu\n\n", (unsigned long long)s->requests,
          (unsigned long long)s->errors);
   table_init(&t, 11);
@@ -562,12 +564,13 @@ static int cmd_stats(ctl *c) {
     /* One "key value" per line, exact numbers: easy to grep, unlike the status table. */
     printf("daemon_version %s\nbackend %s\nuptime_s %llu\nclients %llu\nbuffers %llu\n"
            "holds %llu\nnames %llu\nrequests %llu\nerrors %llu\nopen_fds %llu\n"
-           "pending_frees %llu\n",
+           "pending_frees %llu\nwaiting_leases %llu\n",
            s->daemon_version, gpupool__wire_backend_name(s->backend), (unsigned long long)s->uptime_s,
            (unsigned long long)s->clients, (unsigned long long)s->buffers,
            (unsigned long long)s->holds, (unsigned long long)s->names,
            (unsigned long long)s->requests, (unsigned long long)s->errors,
-           (unsigned long long)s->open_fds, (unsigned long long)s->pending_frees);
+           (unsigned long long)s->open_fds, (unsigned long long)s->pending_frees,
+           (unsigned long long)s->waiting_leases);
     for (size_t i = 0; i < s->n_pools; i++) {
       const Gpupool__Wire__PoolInfo *p = s->pools[i];
       const char *n = p->name;

@@ -176,7 +176,12 @@ GPUPOOL_EXTERN const char *gpupool_version_string(void);
 GPUPOOL_EXTERN int gpupool_default_socket_path(char *buf, size_t len);
 
 /* Connect and handshake. socket_path NULL = default; client_name may be NULL. On success
- * *out is a new client the caller frees with gpupool_disconnect(). */
+ * *out is a new client the caller frees with gpupool_disconnect().
+ * The connection comes with a lease: one close-on-exec fd the library keeps for as long as
+ * this process maps any of the daemon's memory. Children made by fork() share it and may keep
+ * reading buffers mapped before the fork, also after the parent has exited: the daemon reuses
+ * that memory only once every process holding the lease has exited or closed it. A process
+ * that closes every fd but keeps using its mappings defeats this. */
 GPUPOOL_EXTERN int gpupool_connect(const char *socket_path, const char *client_name,
                                    gpupool_client **out);
 
@@ -187,8 +192,10 @@ GPUPOOL_EXTERN int gpupool_connect(const char *socket_path, const char *client_n
  * the host backend. */
 GPUPOOL_EXTERN int gpupool_set_devices(gpupool_client *c, const int *devices, int n);
 
-/* Release every buffer still held through c, unmap everything, close the connection and
- * free c. Buffers obtained from c become invalid. NULL is allowed. */
+/* Release every buffer still held through c, unmap everything (mappings of a daemon that has
+ * since restarted included), then close the lease, then the connection, and free c: the
+ * process keeps no gpupool fd or mapping. Buffers obtained from c become invalid. NULL is
+ * allowed. */
 GPUPOOL_EXTERN void gpupool_disconnect(gpupool_client *c);
 
 /* Allocate size bytes in pool `pool` (NULL or "" = the first pool). When the pool is full,

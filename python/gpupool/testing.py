@@ -105,8 +105,8 @@ class Daemon:
             if self.proc.poll() is None:
                 self.proc.send_signal(signal.SIGTERM)
                 try:
-                    # It stops once every client process that mapped its memory has exited;
-                    # the caller's own process may still be one of them.
+                    # It stops at once: a stopped daemon reuses nothing, so processes
+                    # that still map its memory (this one, perhaps) keep it.
                     self.proc.wait(self.stop_timeout)
                 except subprocess.TimeoutExpired:
                     self.proc.kill()

@@ -1,7 +1,8 @@
 /*
  * Kernels for the GPU tests and the benchmark: a spin kernel that keeps a stream busy (so a
  * consumer that does not wait on the producer's ready event reads unwritten memory), a
- * position-dependent fill, a mismatch counter and a bandwidth read. Host wrappers have C
+ * position-dependent fill, a kernel that keeps rewriting a buffer for a while, a mismatch
+ * counter and a bandwidth read. Host wrappers have C
  * linkage; see gpu_kernels.h.
  */
 #include "gpu_kernels.h"
@@ -32,6 +33,14 @@ __global__ void fill_kernel(uint32_t *p, size_t n, uint32_t seed) {
   size_t stride = (size_t)gridDim.x * blockDim.x;
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
     p[i] = pattern(i, seed);
+}
+
+__global__ void scribble_kernel(uint32_t *p, size_t n, uint32_t seed, uint64_t ns) {
+  size_t stride = (size_t)gridDim.x * blockDim.x;
+  uint64_t start = global_ns();
+  while (global_ns() - start < ns)
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+      p[i] = pattern(i, seed);
 }
 
 __global__ void check_kernel(const uint32_t *p, size_t n, uint32_t seed,
@@ -78,6 +87,15 @@ extern "C" int gk_fill(void *ptr, size_t bytes, uint32_t seed, void *stream) {
     return (int)cudaErrorInvalidValue;
   size_t n = bytes / 4;
   fill_kernel<<<grid_for(n), 256, 0, (cudaStream_t)stream>>>((uint32_t *)ptr, n, seed);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int gk_scribble(void *ptr, size_t bytes, uint32_t seed, unsigned us, void *stream) {
+  if (bytes % 4)
+    return (int)cudaErrorInvalidValue;
+  size_t n = bytes / 4;
+  /* A few blocks: the kernel stays resident for its whole duration without starving others. */
+  scribble_kernel<<<8, 256, 0, (cudaStream_t)stream>>>((uint32_t *)ptr, n, seed, (uint64_t)us * 1000u);
   return (int)cudaGetLastError();
 }
 

@@ -21,6 +21,9 @@ extern "C" {
 int gk_spin(void *stream, unsigned us);
 /* Write the pattern for seed over bytes (a multiple of 4) at ptr. */
 int gk_fill(void *ptr, size_t bytes, uint32_t seed, void *stream);
+/* Keep writing the pattern for seed over bytes (a multiple of 4) at ptr for about us
+ * microseconds: work that still touches a buffer long after it was queued. */
+int gk_scribble(void *ptr, size_t bytes, uint32_t seed, unsigned us, void *stream);
 /* Count words that differ from the pattern; synchronizes the stream to read the count. */
 int gk_count_mismatches(const void *ptr, size_t bytes, uint32_t seed, void *stream,
                         unsigned long long *mismatches);

@@ -1,7 +1,7 @@
 /*
  * GPU checks of gpupool against a real gpupoold with the CUDA backend.
  *
- *   gpupool_gpu_test GPUPOOLD CHECK     CHECK = handoff | kill | orphan | churn | peer | all
+ *   gpupool_gpu_test GPUPOOLD CHECK     CHECK = handoff | kill | killwork | orphan | churn | peer | all
  *
  * Each check starts its own daemon on a private socket (pool gpu0 on device 0, 2 GiB, 64 MiB
  * slabs), drives it from worker processes (this executable re-executed with "worker ROLE
@@ -17,6 +17,11 @@
  *   churn    10,000 allocate/share/open/release cycles between two processes (some in
  *            dedicated slabs, some verified); then gpupool_trim: backend_used back to the
  *            baseline (0 with nothing live) and the daemon's open fds flat.
+ *   killwork a consumer runs a kernel that keeps writing its buffer for 3 s and is SIGKILLed
+ *            while it runs; the producer lets go; another client then
+ *            takes the whole pool, fills it and checks it after the dead consumer's work
+ *            would have ended: the range is not handed out before that work is over (the
+ *            consumer's lease closes only when its process, CUDA context included, is gone).
  *   peer     (2+ GPUs) pool on GPU 0, a consumer on GPU 1 calls gpupool_set_devices({1}) and
  *            reads it there; without peer access that call must fail with GPUPOOL_ENOTSUP
  *            naming both devices (or, if the library imports pools lazily, the first
@@ -233,6 +238,78 @@ static int w_consumer(char **a) {
   return 0;
 }
 
+/* killer SOCK NAME BYTES SEED SPIN_US: get NAME writable, queue a kernel that keeps writing
+ * SEED's pattern over the whole buffer for SPIN_US, then a fill, say QUEUED (once the kernel
+ * is running) and wait to be killed with that work in flight. */
+static int w_killer(char **a) {
+  const char *sock = a[0], *name = a[1];
+  size_t bytes = strtoull(a[2], NULL, 0);
+  uint32_t seed = (uint32_t)strtoul(a[3], NULL, 0);
+  unsigned spin = (unsigned)strtoul(a[4], NULL, 0);
+  int rc, ce;
+  gpupool_client *c;
+  gpupool_buffer *b;
+  cudaStream_t s = wstream("killer", 0);
+
+  if ((rc = gpupool_connect(sock, "gpu-test-killer", &c)) < 0)
+    wdie("killer", "gpupool_connect", rc);
+  if ((rc = gpupool_get(c, name, STEP_MS, 0, s, &b)) < 0)
+    wdie("killer", "gpupool_get", rc);
+  if ((ce = gk_scribble(gpupool_buffer_ptr(b), bytes, seed, spin, s)) ||
+      (ce = gk_fill(gpupool_buffer_ptr(b), bytes, seed, s)))
+    cdie("killer", "queueing work", ce);
+  gh_sleep_ms(100); /* the scribbling kernel is on the GPU now */
+  if (cudaStreamQuery(s) != cudaErrorNotReady) {
+    fprintf(stderr, "worker killer: the work ended before the kill; raise SPIN_US\n");
+    return 2;
+  }
+  gh_say("QUEUED");
+  for (;;)
+    pause();
+  return 0;
+}
+
+/* taker SOCK BYTES SEED WAIT_MS: allocate every BYTES-sized buffer the pool has (the last one
+ * waiting for memory to come back), fill them all with SEED, wait WAIT_MS, count mismatches. */
+static int w_taker(char **a) {
+  const char *sock = a[0];
+  size_t bytes = strtoull(a[1], NULL, 0);
+  uint32_t seed = (uint32_t)strtoul(a[2], NULL, 0);
+  int wait_ms = atoi(a[3]), n = 0, rc, ce;
+  unsigned long long bad = 0, one;
+  gpupool_client *c;
+  gpupool_buffer *b[64];
+  cudaStream_t s = wstream("taker", 0);
+
+  if ((rc = gpupool_connect(sock, "gpu-test-taker", &c)) < 0)
+    wdie("taker", "gpupool_connect", rc);
+  while (n < 63 && gpupool_alloc(c, POOL, bytes, 0, s, &b[n]) == 0)
+    n++;
+  /* The range the killed consumer held comes back only once its process is gone. */
+  if ((rc = gpupool_alloc(c, POOL, bytes, STEP_MS, s, &b[n])) < 0)
+    wdie("taker", "gpupool_alloc (waiting for the killed consumer's range)", rc);
+  n++;
+  gh_say("GOT %d", n);
+  for (int i = 0; i < n; i++)
+    if ((ce = gk_fill(gpupool_buffer_ptr(b[i]), bytes, seed, s)))
+      cdie("taker", "fill kernel", ce);
+  if ((ce = (int)cudaStreamSynchronize(s)))
+    cdie("taker", "cudaStreamSynchronize", ce);
+  gh_sleep_ms(wait_ms);
+  for (int i = 0; i < n; i++) {
+    if ((ce = gk_count_mismatches(gpupool_buffer_ptr(b[i]), bytes, seed, s, &one)))
+      cdie("taker", "mismatch kernel", ce);
+    bad += one;
+  }
+  gh_say("RESULT %llu", bad);
+  for (int i = 0; i < n; i++)
+    gpupool_release(b[i], s);
+  (void)cudaStreamSynchronize(s);
+  gpupool_disconnect(c);
+  (void)cudaStreamDestroy(s);
+  return 0;
+}
+
 /* Message from churn A to churn B: a token, the size asked for, whether to verify. */
 typedef struct {
   gpupool_token token;
@@ -346,6 +423,8 @@ static int worker_main(int argc, char **argv) {
     int (*fn)(char **);
   } roles[] = {{"producer", 7, w_producer},
                {"consumer", 7, w_consumer},
+               {"killer", 5, w_killer},
+               {"taker", 4, w_taker},
                {"churn-a", 2, w_churn_a},
                {"churn-b", 2, w_churn_b}};
   setvbuf(stdout, NULL, _IOLBF, 0);
@@ -577,6 +656,67 @@ static int check_kill(const gh_daemon *d, gpupool_client *c) {
               "to %" PRIu64 " bytes", start_used);
 }
 
+static int check_killwork(const gh_daemon *d, gpupool_client *c) {
+  gh_proc prod, killer, taker;
+  char name[64], line[256], bytes[32], sk[32], sw[32], spin[32], wait[32];
+  uint32_t seed = fresh_seed();
+  unsigned spin_us = 3000000u; /* the killed consumer's kernel would run this long */
+  int rc, got = 0;
+  (void)c;
+
+  snprintf(name, sizeof(name), "killwork-%08x", seed);
+  if (spawn_producer(&prod, d, name, seed, 0, "hold", 0) < 0)
+    return fail("cannot start the producer");
+  if (gh_expect(&prod, "PUBLISHED", line, sizeof(line), STEP_MS) < 0) {
+    gh_wait(&prod, 5000);
+    return fail("producer did not publish");
+  }
+  snprintf(bytes, sizeof(bytes), "%u", BUF_BYTES);
+  snprintf(sk, sizeof(sk), "%u", seed ^ 0x5a5a5a5au);
+  snprintf(sw, sizeof(sw), "%u", seed ^ 0xa5a5a5a5u);
+  snprintf(spin, sizeof(spin), "%u", spin_us);
+  snprintf(wait, sizeof(wait), "%u", 2 * spin_us / 1000);
+  {
+    const char *argv[] = {"", "worker", "killer", d->sock, name, bytes, sk, spin, NULL};
+    if (gh_spawn(&killer, argv, NULL, 0) < 0) {
+      gh_wait(&prod, 5000);
+      return fail("cannot start the consumer to kill");
+    }
+  }
+  if (gh_expect(&killer, "QUEUED", line, sizeof(line), STEP_MS) < 0) {
+    gh_wait(&killer, 1000);
+    gh_wait(&prod, 5000);
+    return fail("the consumer to kill did not queue its work");
+  }
+  gh_signal(&killer, SIGKILL);
+  if ((rc = gh_wait(&killer, 10000)) != 128 + SIGKILL) {
+    gh_wait(&prod, 5000);
+    return fail("the consumer did not die of SIGKILL (%d)", rc);
+  }
+  /* The producer unpublishes and lets go: only the dead consumer's lease keeps the range. */
+  gh_writeline(&prod, "EXIT");
+  if ((rc = gh_wait(&prod, STEP_MS)) != 0)
+    return fail("producer exited with %d", rc);
+  {
+    const char *argv[] = {"", "worker", "taker", d->sock, bytes, sw, wait, NULL};
+    if (gh_spawn(&taker, argv, NULL, 0) < 0)
+      return fail("cannot start the taker");
+  }
+  if (gh_expect(&taker, "GOT", line, sizeof(line), STEP_MS) < 0 || sscanf(line, "GOT %d", &got) != 1) {
+    gh_wait(&taker, 5000);
+    return fail("the taker did not get the whole pool");
+  }
+  if (gh_expect(&taker, "RESULT", line, sizeof(line), STEP_MS) < 0 || strcmp(line, "RESULT 0") != 0) {
+    gh_wait(&taker, 5000);
+    return fail("the killed consumer's work wrote into memory handed to another client (%s)", line);
+  }
+  if ((rc = gh_wait(&taker, STEP_MS)) != 0)
+    return fail("taker exited with %d", rc);
+  return pass("consumer SIGKILLed while its kernel kept writing its buffer; %d buffers then taken, "
+              "filled and intact after that kernel would have ended",
+              got);
+}
+
 static int check_orphan(const gh_daemon *d, gpupool_client *c) {
   gpupool_pool_stats ps;
   gh_proc prod;
@@ -778,7 +918,8 @@ static const struct {
   int gpus;
   int (*fn)(const gh_daemon *, gpupool_client *);
 } checks[] = {
-    {"handoff", 1, check_handoff}, {"kill", 1, check_kill},   {"orphan", 1, check_orphan},
+    {"handoff", 1, check_handoff}, {"kill", 1, check_kill},   {"killwork", 1, check_killwork},
+    {"orphan", 1, check_orphan},
     {"churn", 1, check_churn},     {"peer", 2, check_peer},
 };
 
@@ -817,7 +958,7 @@ int main(int argc, char **argv) {
   if (argc >= 3 && !strcmp(argv[1], "worker"))
     return worker_main(argc, argv);
   if (argc != 3) {
-    fprintf(stderr, "usage: %s GPUPOOLD handoff|kill|orphan|churn|peer|all\n", argv[0]);
+    fprintf(stderr, "usage: %s GPUPOOLD handoff|kill|killwork|orphan|churn|peer|all\n", argv[0]);
     return 2;
   }
   signal(SIGPIPE, SIG_IGN);

@@ -224,7 +224,7 @@ static inline void th_wait_idle(const th_daemon *d, int timeout_ms) {
 
 /* The daemon's open fd count once connections that just closed have been processed (the
  * daemon closes a connection's fd from a close callback, one loop turn later). Counted
- * while the querying connection itself is open, so it includes that one socket + pidfd. */
+ * while the querying connection itself is open, so it includes that one socket + lease. */
 static inline uint64_t th_settled_fds(const th_daemon *d) {
   gpupool_daemon_stats ds;
   uint64_t last = UINT64_MAX;

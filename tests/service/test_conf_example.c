@@ -116,6 +116,7 @@ static void test_documented_defaults(void **state) {
   assert_int_equal(c.max_waiters_per_uid, d.max_waiters_per_uid);
   assert_int_equal(c.max_queued_bytes_per_client, d.max_queued_bytes_per_client);
   assert_int_equal(c.max_queued_bytes_total, d.max_queued_bytes_total);
+  assert_int_equal(c.max_waiting_leases_per_uid, d.max_waiting_leases_per_uid);
   assert_int_equal(c.handshake_timeout_ms, d.handshake_timeout_ms);
   assert_int_equal(c.metrics_interval_ms, d.metrics_interval_ms);
 }

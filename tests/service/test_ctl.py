@@ -334,7 +334,8 @@ def test_metrics(tmp):
         for fam in ("gpupool_pool_reserved_bytes", "gpupool_pool_used_high_bytes",
                     "gpupool_pool_reserved_high_bytes", "gpupool_pool_backend_used_bytes",
                     "gpupool_pool_backend_reserved_bytes", "gpupool_pool_slabs", "gpupool_holds",
-                    "gpupool_open_fds", "gpupool_pending_frees", "gpupool_uptime_seconds",
+                    "gpupool_open_fds", "gpupool_pending_frees", "gpupool_waiting_leases",
+                    "gpupool_uptime_seconds",
                     "gpupool_requests_total", "gpupool_request_duration_seconds"):
             check(fam in types, f"family {fam} missing")
         check(series.get('gpupool_requests_total{type="allocate",result="ok"}', 0) >= 1,

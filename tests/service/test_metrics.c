@@ -208,6 +208,7 @@ static int fake_stats(void *arg, Gpupool__Wire__StatsReply *st) {
   st->backend = GPUPOOL__WIRE__BACKEND_KIND__BACKEND_HOST;
   st->open_fds = 17;
   st->pending_frees = 1;
+  st->waiting_leases = 3;
   return 0;
 }
 
@@ -230,6 +231,7 @@ static void check_stats_text(const char *t) {
   assert_int_equal(sample(t, "gpupool_names"), 2);
   assert_int_equal(sample(t, "gpupool_open_fds"), 17);
   assert_int_equal(sample(t, "gpupool_pending_frees"), 1);
+  assert_int_equal(sample(t, "gpupool_waiting_leases"), 3);
   assert_int_equal(sample(t, "gpupool_uptime_seconds"), 42);
   must_contain(t, "gpupool_build_info{version=\"9.8.7\",backend=\"host\"} 1\n");
   must_contain(t, "gpupool_pool_info{pool=\"default\",id=\"0\",backend=\"host\",location=\"host\","

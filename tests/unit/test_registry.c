@@ -1,7 +1,8 @@
 /*
  * Unit tests of the daemon's registry on the host backend, without sockets: holders and the
  * exactly-once return of memory, names and their visibility, share tokens, slab placement and
- * dedicated slabs, revocation of surplus slabs, limits, and dropping a client.
+ * dedicated slabs, revocation of surplus slabs, limits, dropping a client, and the lease that
+ * keeps a closed connection's memory until no process holds it.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -12,6 +13,7 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+#include <uv.h>
 
 #include "backend.h"
 #include "config.h"
@@ -27,7 +29,12 @@ typedef struct {
   gpupool__registry reg;
   gpupool__client a, b; /* uids 1000 and 1001: one tenant ("team") */
   gpupool__client x;    /* uid 2000: another tenant; with a, in group "ml" */
+  int a_peer, b_peer, x_peer; /* the client ends of their leases, as a client process would hold them */
 } fixture;
+
+static void give_lease(fixture *f, gpupool__client *c, int *peer) {
+  assert_int_equal(gpupool__lease_new(&f->reg, c->uid, 0, &c->lease, peer), 0);
+}
 
 static int setup_with(void **state, void (*tweak)(gpupool__config *)) {
   fixture *f = calloc(1, sizeof *f);
@@ -52,10 +59,12 @@ static int setup_with(void **state, void (*tweak)(gpupool__config *)) {
   assert_int_equal(gpupool__config_finish(&f->cfg, &gpupool__backend_host), 0);
   assert_int_equal(gpupool__backend_host.open(&f->be), 0);
   assert_int_equal(gpupool__registry_init(&f->reg, &f->loop, &f->cfg, f->be), 0);
-  f->a.pidfd = f->b.pidfd = f->x.pidfd = -1;
   f->a.uid = 1000;
   f->b.uid = 1001;
   f->x.uid = 2000;
+  give_lease(f, &f->a, &f->a_peer);
+  give_lease(f, &f->b, &f->b_peer);
+  give_lease(f, &f->x, &f->x_peer);
   gpupool__client_init(&f->reg, &f->a);
   gpupool__client_init(&f->reg, &f->b);
   gpupool__client_init(&f->reg, &f->x);
@@ -67,6 +76,12 @@ static int setup(void **state) { return setup_with(state, NULL); }
 
 static int teardown(void **state) {
   fixture *f = *state;
+  if (f->a_peer >= 0)
+    close(f->a_peer);
+  if (f->b_peer >= 0)
+    close(f->b_peer);
+  if (f->x_peer >= 0)
+    close(f->x_peer);
   gpupool__client_drop(&f->reg, &f->a);
   gpupool__client_drop(&f->reg, &f->b);
   gpupool__client_drop(&f->reg, &f->x);
@@ -268,11 +283,125 @@ static void test_drop_client_releases_everything(void **state) {
   for (int i = 0; i < 5; i++)
     assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100000, 0, &h), 0);
   assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "kept", NULL, 0, 0), 0);
-  /* No pidfd: the process cannot be watched, so it counts as gone at once. */
+  /* Its process is gone (nobody holds the lease): everything comes back at once. */
+  close(f->a_peer);
+  f->a_peer = -1;
   gpupool__client_drop(&f->reg, &f->a);
+  give_lease(f, &f->a, &f->a_peer);
   gpupool__client_init(&f->reg, &f->a); /* teardown drops it again */
   assert_int_equal(pool(f)->nbuffers, 1); /* only the named one survives */
   assert_int_equal(f->reg.holds.len, 0);
+  assert_int_equal(f->reg.nwaiting, 0);
+}
+
+static gpupool__uid_usage *usage(fixture *f, uid_t uid) { return gpupool__hmap_get(&f->reg.uids, uid); }
+
+static void test_lease_keeps_memory_until_gone(void **state) {
+  fixture *f = *state;
+  gpupool__hold *h, *x;
+  int peer_copy;
+  for (int i = 0; i < 3; i++)
+    assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100000, 0, &h), 0);
+  {
+    gpupool__desc_storage ds;
+    gpupool__fill_desc(&f->reg, &f->a, h, NULL, &ds); /* a maps the slab */
+  }
+  /* A forked child holds a copy of the lease; the connection closes, the parent's copy goes. */
+  peer_copy = dup(f->a_peer);
+  close(f->a_peer);
+  f->a_peer = -1;
+  gpupool__client_drop(&f->reg, &f->a);
+  assert_int_equal(f->reg.nwaiting, 1);
+  assert_int_equal(f->reg.npending, 3);
+  assert_int_equal(pool(f)->used, 3 * 100096);
+  /* Still on the uid's account, and the slab stays mapped. */
+  assert_non_null(usage(f, 1000));
+  assert_int_equal(usage(f, 1000)->bytes, 3 * 100096);
+  assert_int_equal(usage(f, 1000)->allocs, 3);
+  assert_int_equal(usage(f, 1000)->leases, 1);
+  assert_int_equal(pool(f)->nslabs, 1);
+  uv_run(&f->loop, UV_RUN_NOWAIT);
+  assert_int_equal(f->reg.npending, 3);
+  /* Another uid is not affected; the same uid past its limit is refused with the reason. */
+  assert_int_equal(gpupool__allocate(&f->reg, &f->b, pool(f), 100, 0, &x), 0);
+  f->cfg.max_waiting_leases_per_uid = 1; /* the registry reads the config it was given */
+  f->a.uid = 1000;
+  give_lease(f, &f->a, &f->a_peer);
+  gpupool__client_init(&f->reg, &f->a);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100, 0, &x), GPUPOOL_ELIMIT);
+  assert_non_null(strstr(gpupool__errmsg(), "max_waiting_leases_per_uid"));
+  assert_int_equal(gpupool__get(&f->reg, &f->a, "none", 0, &x), GPUPOOL_ENOENT);
+  /* The last holder exits: the loop sees the lease gone and everything comes back. */
+  close(peer_copy);
+  for (int i = 0; i < 100 && f->reg.npending; i++)
+    uv_run(&f->loop, UV_RUN_NOWAIT);
+  assert_int_equal(f->reg.npending, 0);
+  assert_int_equal(f->reg.nwaiting, 0);
+  assert_null(usage(f, 1000));
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100, 0, &x), 0);
+}
+
+/* The host backend with inter-process events, as the CUDA backend has them: every event has
+ * completed (what matters here is only that GPU work exists on this backend). */
+static gpupool__backend_ops events_ops;
+
+static int fake_event_create(gpupool__backend *be, gpupool__bevent **out, uint8_t handle[GPUPOOL_EVENT_HANDLE_SIZE]) {
+  (void)be;
+  memset(handle, 0, GPUPOOL_EVENT_HANDLE_SIZE);
+  *out = malloc(1);
+  return *out ? 0 : GPUPOOL_ENOMEM;
+}
+static int fake_event_query(gpupool__bevent *e) {
+  (void)e;
+  return 1;
+}
+static void fake_event_destroy(gpupool__bevent *e) { free(e); }
+
+static int setup_events(void **state) {
+  fixture *f;
+  setup_with(state, NULL);
+  f = *state;
+  events_ops = *f->be->ops;
+  events_ops.has_events = 1;
+  events_ops.event_create = fake_event_create;
+  events_ops.event_query = fake_event_query;
+  events_ops.event_destroy = fake_event_destroy;
+  f->be->ops = &events_ops;
+  return 0;
+}
+
+static void test_dead_holder_range_not_reused_with_gpu_work(void **state) {
+  fixture *f = *state;
+  gpupool__hold *h1, *h2, *o, *x;
+  uint8_t tok[GPUPOOL_TOKEN_SIZE];
+  gpupool__slab *slab;
+  int freed, peer_copy;
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), MIB, 0, &h1), 0);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), MIB, 0, &h2), 0);
+  slab = h1->buf->slab;
+  assert_ptr_equal(h2->buf->slab, slab);
+  assert_int_equal(gpupool__share(&f->reg, &f->a, h1->id, tok), 0);
+  assert_int_equal(gpupool__open(&f->reg, &f->b, tok, sizeof tok, 0, &o), 0);
+  /* b's connection closes with work of its own possibly queued on the buffer. */
+  peer_copy = dup(f->b_peer);
+  close(f->b_peer);
+  f->b_peer = -1;
+  gpupool__client_drop(&f->reg, &f->b);
+  give_lease(f, &f->b, &f->b_peer);
+  gpupool__client_init(&f->reg, &f->b);
+  assert_int_equal(gpupool__release(&f->reg, &f->a, h1->id, 0, &freed), 0);
+  close(peer_copy);
+  for (int i = 0; i < 100 && f->reg.npending; i++)
+    uv_run(&f->loop, UV_RUN_NOWAIT);
+  assert_int_equal(f->reg.npending, 0);
+  assert_int_equal(pool(f)->used, MIB);
+  /* The slab takes no new buffers; it goes back once its last buffer does. */
+  assert_true(slab->retiring);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), MIB, 0, &x), 0);
+  assert_ptr_not_equal(x->buf->slab, slab);
+  assert_int_equal(pool(f)->nslabs, 2);
+  assert_int_equal(gpupool__release(&f->reg, &f->a, h2->id, 0, &freed), 0);
+  assert_int_equal(pool(f)->nslabs, 1);
 }
 
 int main(void) {
@@ -283,6 +412,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_full_pool_message_and_revoke, setup, teardown),
       cmocka_unit_test_setup_teardown(test_limits, setup_limits, teardown),
       cmocka_unit_test_setup_teardown(test_drop_client_releases_everything, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_lease_keeps_memory_until_gone, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_dead_holder_range_not_reused_with_gpu_work, setup_events, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
