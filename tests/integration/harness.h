@@ -292,9 +292,16 @@ static inline void th_wait_ok(pid_t pid, const char *what) {
   } while (0)
 
 /* The fill pattern shared by producers and consumers in the tests. */
+/* Every bit of seed and j reaches the byte (a splitmix64 finish), so buffers filled with
+ * different seeds differ everywhere, whatever the seeds. */
 static inline uint8_t th_byte(uint32_t seed, uint64_t j) {
-  uint64_t x = (j + 1) * 0x9E3779B97F4A7C15ull ^ ((uint64_t)seed << 32 | seed);
-  return (uint8_t)(x >> 56);
+  uint64_t x = (j + 1) ^ ((uint64_t)seed << 32 | seed);
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  return (uint8_t)x;
 }
 
 static inline void th_fill(void *p, uint32_t seed, uint64_t n) {
