@@ -3,7 +3,8 @@
  * that make a pool usable (slab <= 4 GiB, capacity a whole number of slabs, power-of-two
  * alignment). Every error names the file and line (or the --pool spec) and what to write.
  *
- * File format:
+ * File format ('#' or ';' starts a comment at the start of a line; '#' after whitespace
+ * starts one anywhere, so "backend = auto   # auto | cuda | host" is the value "auto"):
  *   # comment
  *   [daemon]
  *   socket = /run/gpupool/gpupoold.sock
@@ -261,6 +262,16 @@ static gpupool__pool_config *find_or_add_pool(gpupool__config *c, const char *na
   return &c->pools[c->n_pools++];
 }
 
+/* Cut an inline comment: a '#' at the start or after whitespace. A '#' inside a word (a path
+ * like /run/a#b) stays part of the value. */
+static void cut_comment(char *s) {
+  for (char *p = s; *p; p++)
+    if (*p == '#' && (p == s || isspace((unsigned char)p[-1]))) {
+      *p = '\0';
+      return;
+    }
+}
+
 static char *trim(char *s) {
   char *e;
   while (isspace((unsigned char)*s))
@@ -288,7 +299,11 @@ int gpupool__config_load(gpupool__config *c, const char *path) {
       goto out;
     }
     s = trim(line);
-    if (*s == '\0' || *s == '#' || *s == ';')
+    if (*s == ';')
+      continue;
+    cut_comment(s);
+    s = trim(s);
+    if (*s == '\0')
       continue;
     if (*s == '[') {
       char *end = strchr(s, ']');

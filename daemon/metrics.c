@@ -558,47 +558,12 @@ static void on_conn(uv_stream_t *srv, int status) {
     conn_close(c);
 }
 
-/* A socket file left by a daemon that did not exit cleanly would make bind fail; one that
- * still answers belongs to a live process and is not ours to take. */
-static int clear_stale_socket(const char *path) {
-  struct stat sb;
-  struct sockaddr_un a;
-  int fd, rc;
-
-  if (lstat(path, &sb) != 0)
-    return errno == ENOENT ? 0
-                           : gpupool__err(GPUPOOL_ECONFIG, "metrics_socket %s: %s", path,
-                                          strerror(errno));
-  if (!S_ISSOCK(sb.st_mode))
-    return gpupool__err(GPUPOOL_ECONFIG,
-                        "metrics_socket %s exists and is not a socket; remove it or choose "
-                        "another metrics_socket path",
-                        path);
-  fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0)
-    return gpupool__err(GPUPOOL_ECONFIG, "metrics_socket: socket(): %s", strerror(errno));
-  memset(&a, 0, sizeof(a));
-  a.sun_family = AF_UNIX;
-  snprintf(a.sun_path, sizeof(a.sun_path), "%s", path);
-  rc = connect(fd, (struct sockaddr *)&a, sizeof(a));
-  close(fd);
-  if (rc == 0)
-    return gpupool__err(GPUPOOL_ECONFIG,
-                        "metrics_socket %s is served by another running process (a second "
-                        "gpupoold?); stop it or choose another metrics_socket path",
-                        path);
-  if (unlink(path) != 0 && errno != ENOENT)
-    return gpupool__err(GPUPOOL_ECONFIG, "metrics_socket %s is stale and cannot be removed: %s",
-                        path, strerror(errno));
-  return 0;
-}
-
 static int start_socket(const gpupool__config *cfg) {
   mode_t mode = cfg->socket_mode ? cfg->socket_mode : 0660;
   mode_t old;
   int rc;
 
-  rc = clear_stale_socket(M.sock);
+  rc = gpupool__clear_stale_socket(M.sock, "metrics_socket");
   if (rc < 0)
     return rc;
   rc = uv_pipe_init(M.loop, &M.srv, 0);
@@ -710,7 +675,7 @@ void gpupool__metrics_stop(void) {
     M.srv_on = 0;
   }
   if (M.sock_bound) {
-    unlink(M.sock);
+    gpupool__unlink_socket(M.sock);
     M.sock_bound = 0;
   }
   for (conn *c = M.conns; c != NULL; c = c->next)

@@ -1069,35 +1069,21 @@ static int bind_socket(const gpupool__config *cfg, int *out) {
   strcpy(addr.sun_path, cfg->socket_path);
   if ((rc = mkdir_parents(cfg->socket_path)) != 0)
     return rc;
+  if ((rc = gpupool__clear_stale_socket(cfg->socket_path, "socket")) < 0)
+    return rc;
+  if (rc == 1)
+    GPUPOOL__INFO("removed the stale socket %s (nothing answered on it)", cfg->socket_path);
   fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0)
     return gpupool__err(GPUPOOL_EIO, "socket: %s", strerror(errno));
-  if (bind(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
-    int probe, live;
-    if (errno != EADDRINUSE)
-      goto bind_fail;
-    /* Live daemon, or a stale file from one that died? */
-    probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    live = probe >= 0 && connect(probe, (struct sockaddr *)&addr, sizeof addr) == 0;
-    if (probe >= 0)
-      close(probe);
-    if (live) {
-      close(fd);
-      return gpupool__err(GPUPOOL_EBUSY,
-                          "another gpupoold is already listening on %s; stop it first or pass another --socket",
-                          cfg->socket_path);
-    }
-    GPUPOOL__INFO("removing stale socket %s", cfg->socket_path);
-    unlink(cfg->socket_path);
-    if (bind(fd, (struct sockaddr *)&addr, sizeof addr) != 0)
-      goto bind_fail;
-  }
+  if (bind(fd, (struct sockaddr *)&addr, sizeof addr) != 0)
+    goto bind_fail;
   if (chmod(cfg->socket_path, cfg->socket_mode) != 0)
     GPUPOOL__WARN("cannot chmod %s to %o: %s", cfg->socket_path, (unsigned)cfg->socket_mode, strerror(errno));
   if (listen(fd, 128) != 0) {
     rc = gpupool__err(GPUPOOL_EIO, "listen on %s: %s", cfg->socket_path, strerror(errno));
     close(fd);
-    unlink(cfg->socket_path);
+    gpupool__unlink_socket(cfg->socket_path);
     return rc;
   }
   *out = fd;
@@ -1150,7 +1136,7 @@ void gpupool__server_stop(gpupool__server *s) {
   while (s->conns)
     conn_close(s->conns, "daemon shutting down");
   if (s->own_socket)
-    unlink(s->cfg->socket_path);
+    gpupool__unlink_socket(s->cfg->socket_path);
   s->reg->on_memory = NULL;
   uv_poll_stop(&s->listen_poll);
   uv_close((uv_handle_t *)&s->listen_poll, listen_closed);
