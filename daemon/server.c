@@ -416,6 +416,8 @@ int gpupool__server_stats(void *server, Gpupool__Wire__StatsReply *st) {
   st->names = reg->nnames;
   st->uptime_s = (gpupool__now_ns() - s->started_ns) / 1000000000ull;
   st->daemon_version = (char *)GPUPOOL_VERSION_STRING;
+  st->daemon_pid = (int32_t)getpid();
+  st->daemon_uid = (uint32_t)geteuid();
   st->backend = reg->be->desc->kind;
   st->requests = s->requests;
   st->errors = s->errors;
@@ -471,6 +473,8 @@ static int handle_hello(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Hel
   }
   hr.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
   hr.daemon_version = (char *)GPUPOOL_VERSION_STRING;
+  hr.daemon_pid = (int32_t)getpid();
+  hr.daemon_uid = (uint32_t)geteuid();
   hr.backend = s->reg->be->desc->kind;
   hr.n_pools = (size_t)s->reg->npools;
   hr.pools = pptr;

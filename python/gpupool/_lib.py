@@ -132,6 +132,7 @@ _PROTOTYPES = {
     "gpupool_version_string": (_cp, []),
     "gpupool_default_socket_path": (_c_int, [_cp, ctypes.c_size_t]),
     "gpupool_connect": (_c_int, [_cp, _cp, ctypes.POINTER(ClientP)]),
+    "gpupool_connect_timeout": (_c_int, [_cp, _cp, _c_int, ctypes.POINTER(ClientP)]),
     "gpupool_set_devices": (_c_int, [ClientP, ctypes.POINTER(_c_int), _c_int]),
     "gpupool_disconnect": (None, [ClientP]),
     "gpupool_alloc": (_c_int, [ClientP, _cp, ctypes.c_size_t, _c_int, _vp,
