@@ -10,8 +10,9 @@
  *   by writing "<path>.tmp" and rename(2)-ing it over the file, so a scraper never reads a
  *   half-written file;
  * - a Unix socket that answers every connection with an HTTP/1.0 200 response holding the
- *   text and then closes. There is deliberately no TCP listener: the daemon's only network
- *   surface stays its Unix sockets, and whoever may connect is decided by file permissions.
+ *   text and then closes; whoever may connect is decided by file permissions;
+ * - opt-in (metrics_listen), the same answer on a TCP address that Prometheus can scrape
+ *   directly: loopback unless the operator names another address.
  *
  * The daemon is single-threaded on its libuv loop, so the state here needs no locking.
  */
@@ -279,7 +280,12 @@ char *gpupool__metrics_render(const Gpupool__Wire__StatsReply *st) {
 static const char http_head[] = "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\r\n";
 
 typedef struct conn {
-  uv_pipe_t pipe;
+  /* Unix or TCP: both stream handles start with the same fields, so the code below uses
+   * `pipe` for either (and `tcp` where the type matters: uv_tcp_init). */
+  union {
+    uv_pipe_t pipe;
+    uv_tcp_t tcp;
+  };
   uv_timer_t timer;
   uv_write_t wr;
   char rbuf[512];
@@ -303,6 +309,9 @@ static struct {
   int timer_on;
   uv_pipe_t srv;
   int srv_on;
+  uv_tcp_t tcp_srv;
+  int tcp_on;
+  char listen[sizeof(((gpupool__config *)0)->metrics_listen)];
   int sock_bound; /* the socket file is ours to remove */
   int write_failing;
   conn *conns;
@@ -522,7 +531,8 @@ static void on_conn(uv_stream_t *srv, int status) {
     drop_conn(srv);
     return;
   }
-  if (uv_pipe_init(M.loop, &c->pipe, 0) != 0) {
+  if ((srv == (uv_stream_t *)&M.tcp_srv ? uv_tcp_init(M.loop, &c->tcp)
+                                          : uv_pipe_init(M.loop, &c->pipe, 0)) != 0) {
     free(c);
     drop_conn(srv);
     return;
@@ -594,6 +604,25 @@ static int start_socket(const gpupool__config *cfg) {
   return 0;
 }
 
+static int start_tcp(const gpupool__config *cfg) {
+  int rc = uv_tcp_init(M.loop, &M.tcp_srv);
+  if (rc != 0)
+    return gpupool__err(GPUPOOL_ECONFIG, "metrics_listen: %s", uv_strerror(rc));
+  M.tcp_on = 1;
+  rc = uv_tcp_bind(&M.tcp_srv, (const struct sockaddr *)&cfg->metrics_addr, 0);
+  if (rc == 0)
+    rc = uv_listen((uv_stream_t *)&M.tcp_srv, 16, on_conn);
+  if (rc != 0)
+    return gpupool__err(GPUPOOL_ECONFIG,
+                        "cannot listen on metrics_listen %s: %s; choose a free port (under "
+                        "systemd, allow the address family and address in a drop-in: "
+                        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6, IPAddressAllow=)",
+                        M.listen, uv_strerror(rc));
+  uv_unref((uv_handle_t *)&M.tcp_srv);
+  GPUPOOL__INFO("metrics: serving Prometheus text on http://%s/metrics (TCP)", M.listen);
+  return 0;
+}
+
 static int start_textfile(const gpupool__config *cfg) {
   uint32_t every = cfg->metrics_interval_ms ? cfg->metrics_interval_ms : 5000;
   int fd, rc;
@@ -635,6 +664,7 @@ int gpupool__metrics_start(uv_loop_t *loop, const gpupool__config *cfg, gpupool_
   snprintf(M.textfile, sizeof(M.textfile), "%s", cfg->metrics_textfile);
   snprintf(M.tmpfile, sizeof(M.tmpfile), "%s.tmp", cfg->metrics_textfile);
   snprintf(M.sock, sizeof(M.sock), "%s", cfg->metrics_socket);
+  snprintf(M.listen, sizeof(M.listen), "%s", cfg->metrics_listen);
   M.started = 1;
   if (M.textfile[0] != '\0') {
     rc = start_textfile(cfg);
@@ -643,6 +673,11 @@ int gpupool__metrics_start(uv_loop_t *loop, const gpupool__config *cfg, gpupool_
   }
   if (M.sock[0] != '\0') {
     rc = start_socket(cfg);
+    if (rc < 0)
+      goto fail;
+  }
+  if (M.listen[0] != '\0') {
+    rc = start_tcp(cfg);
     if (rc < 0)
       goto fail;
   }
@@ -673,6 +708,10 @@ void gpupool__metrics_stop(void) {
   if (M.srv_on) {
     uv_close((uv_handle_t *)&M.srv, NULL);
     M.srv_on = 0;
+  }
+  if (M.tcp_on) {
+    uv_close((uv_handle_t *)&M.tcp_srv, NULL);
+    M.tcp_on = 0;
   }
   if (M.sock_bound) {
     gpupool__unlink_socket(M.sock);

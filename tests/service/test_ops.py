@@ -68,8 +68,11 @@ def host_conf(tmp, sock, extra=""):
 class Notify:
     """A stand-in NOTIFY_SOCKET: collects what the daemon tells its service manager."""
 
+    count = 0
+
     def __init__(self, tmp):
-        self.path = os.path.join(tmp, "notify.sock")
+        Notify.count += 1
+        self.path = os.path.join(tmp, f"notify{Notify.count}.sock")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.path)
 
