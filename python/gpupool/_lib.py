@@ -176,6 +176,10 @@ def _candidates():
     if env:
         return [env], True
     names = []
+    # Installed with pip: the wheel carries the library next to this file.
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libgpupool-client.so")
+    if os.path.exists(here):
+        names.append(here)
     found = ctypes.util.find_library("gpupool-client")
     if found:
         names.append(found)
@@ -194,12 +198,14 @@ def _load():
     if from_env:
         raise LibraryNotFoundError(
             "cannot load GPUPOOL_LIBRARY=%s (%s); set GPUPOOL_LIBRARY to the full path of "
-            "libgpupool-client.so (in a build tree: build/client/libgpupool-client.so)"
+            "libgpupool-client.so (after tools/demo.sh or tools/test.sh: "
+            "build/release/client/libgpupool-client.so)"
             % (names[0], "; ".join(errors)))
     raise LibraryNotFoundError(
-        "cannot find libgpupool-client (tried %s); install gpupool, or set GPUPOOL_LIBRARY "
-        "to the full path of libgpupool-client.so (in a build tree: "
-        "build/client/libgpupool-client.so), or add its directory to LD_LIBRARY_PATH"
+        "cannot find libgpupool-client (tried %s); 'pip install ./python' from the gpupool "
+        "source tree builds it into the package; or install gpupool (cmake --install), or set "
+        "GPUPOOL_LIBRARY to the full path of libgpupool-client.so (after tools/demo.sh or "
+        "tools/test.sh: build/release/client/libgpupool-client.so)"
         % ", ".join(names))
 
 
