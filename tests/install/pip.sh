@@ -16,6 +16,7 @@ die() { echo "FAIL: $*" >&2; exit 1; }
 
 rm -rf "$work"
 mkdir -p "$work"
+work=$(cd "$work" && pwd)
 "$py" -m venv "$work/venv" || die "$py -m venv (python3-venv missing?)"
 # A fresh build directory: what a user's first install does.
 rm -rf "$src/python/build"
@@ -43,7 +44,7 @@ import ctypes, importlib.metadata, os, re, sys
 import gpupool
 sock, src = sys.argv[1:3]
 here = os.path.dirname(gpupool.__file__)
-assert not here.startswith(src), f"imported from the source tree: {here}"
+assert not here.startswith(os.path.join(src, "python", "")), f"imported from the source tree: {here}"
 cmake = re.search(r"project\(gpupool VERSION ([0-9.]+)", open(os.path.join(src, "CMakeLists.txt")).read()).group(1)
 versions = {"CMake project": cmake, "gpupool.__version__": gpupool.__version__,
             "package metadata": importlib.metadata.version("gpupool"),

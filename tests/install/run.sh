@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The installed package as a user meets it. For each variant (without CUDA, and with it when
 # the toolkit is present), from a Release build under -Werror:
-#   1. cmake --install --prefix P writes nothing outside P (install_manifest.txt), and the
-#      tree is relocatable: everything below runs after P is moved elsewhere;
+#   1. cmake --install --prefix P writes nothing outside P (checked in a DESTDIR staging
+#      root), and the tree is relocatable: everything below runs after P is moved elsewhere;
 #   2. gpupool.pc: a ${pcfiledir}-based prefix, Requires.private and Libs.private;
 #   3. tests/install/consumer, a project outside this tree, builds with find_package(gpupool)
 #      against gpupool::client and gpupool::client-static, and with pkg-config (shared, and
@@ -44,12 +44,16 @@ for v in "${variants[@]}"; do
   grep -q 'CMAKE_C_FLAGS_RELEASE.*-O3' "$b/CMakeCache.txt" || die "not a Release build"
   cmake --build "$b" -j"$jobs" >"$b.build.log" 2>&1 || { tail -n 60 "$b.build.log"; die "Release build ($v)"; }
 
-  rm -rf "$work/p-$v" "$work/moved-$v"
+  rm -rf "$work/stage-$v" "$work/moved-$v"
   p=$work/p-$v
-  cmake --install "$b" --prefix "$p" >"$b.install.log" 2>&1 || { cat "$b.install.log"; die "cmake --install ($v)"; }
-  outside=$(grep -v "^$p/" "$b/install_manifest.txt" || true)
+  # Staged with DESTDIR, so that a regression shows up here instead of writing into the
+  # machine's /usr/local or /etc: every file must land under DESTDIR + P.
+  stage=$work/stage-$v
+  DESTDIR=$stage cmake --install "$b" --prefix "$p" >"$b.install.log" 2>&1 || { cat "$b.install.log"; die "cmake --install ($v)"; }
+  outside=$(cd "$stage" && find . ! -type d | sed 's|^\.||' | grep -v "^$p/" || true)
   [ -z "$outside" ] || die "cmake --install --prefix $p wrote outside the prefix:
 $outside"
+  mv "$stage$p" "$p"
   for f in sbin/gpupoold bin/gpupoolctl lib/systemd/system/gpupoold.service lib/systemd/system/gpupoold.socket \
            lib/sysusers.d/gpupool.conf etc/gpupool/gpupoold.conf include/gpupool/gpupool.h; do
     [ -e "$p/$f" ] || die "$f is not installed under the prefix"

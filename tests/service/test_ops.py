@@ -60,8 +60,8 @@ def write(path, text):
 
 def host_conf(tmp, sock, extra=""):
     conf = os.path.join(tmp, "gpupoold.conf")
-    write(conf, f"[daemon]\nsocket = {sock}\nbackend = host   # no GPU needed\n{extra}"
-                "[pool default]\nkind = host\ncapacity = 16M   # small\nslab_size = 2M\n")
+    write(conf, f"[daemon]\nsocket = {sock}\nbackend = host\n{extra}"
+                "[pool default]\nkind = host\ncapacity = 16M\nslab_size = 2M\n")
     return conf
 
 
