@@ -334,6 +334,9 @@ def test_tcp(tmp):
 
 def python_client(sock, code, timeout=60):
     env = dict(CLEAN_ENV, PYTHONPATH=PYTHON_DIR, GPUPOOL_LIBRARY=LIBGPUPOOL)
+    if os.environ.get("GPUPOOL_TEST_PY_PRELOAD"):
+        # The interpreter's own allocations are not ours to check: no leak detection there.
+        env.update(LD_PRELOAD=os.environ["GPUPOOL_TEST_PY_PRELOAD"], ASAN_OPTIONS="detect_leaks=0")
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-c", code, sock], capture_output=True, text=True,
                        env=env, timeout=timeout)
