@@ -580,18 +580,31 @@ static int start_socket(const gpupool__config *cfg) {
   if (rc != 0)
     return gpupool__err(GPUPOOL_ECONFIG, "metrics_socket: %s", uv_strerror(rc));
   M.srv_on = 1;
-  /* Created with no access for anyone but the owner, then opened up to the configured mode,
-   * so there is no moment when the umask's wider mode applies. */
-  old = umask(0177);
-  rc = uv_pipe_bind(&M.srv, M.sock);
-  umask(old);
-  M.sock_bound = rc == 0;
-  if (rc != 0)
-    return gpupool__err(GPUPOOL_ECONFIG,
-                        "cannot bind metrics_socket %s: %s; check that its directory exists "
-                        "and is writable by the daemon (under systemd: in RuntimeDirectory= or "
-                        "ReadWritePaths=)",
-                        M.sock, uv_strerror(rc));
+  /* Bound here, not with uv_pipe_bind(): libuv unlinks a bound pipe's path when it closes
+   * the handle, whatever is at that path by then. Created with no access for anyone but the
+   * owner, then opened up to the configured mode, so there is no moment when the umask's
+   * wider mode applies. */
+  {
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0)
+      return gpupool__err(GPUPOOL_ECONFIG, "metrics_socket: socket(): %s", strerror(errno));
+    snprintf(a.sun_path, sizeof a.sun_path, "%s", M.sock);
+    old = umask(0177);
+    rc = bind(fd, (struct sockaddr *)&a, sizeof a) == 0 ? 0 : -errno;
+    umask(old);
+    if (rc == 0 && (rc = uv_pipe_open(&M.srv, fd)) != 0)
+      unlink(M.sock);
+    if (rc != 0) {
+      close(fd);
+      return gpupool__err(GPUPOOL_ECONFIG,
+                          "cannot bind metrics_socket %s: %s; check that its directory exists "
+                          "and is writable by the daemon (under systemd: in RuntimeDirectory= or "
+                          "ReadWritePaths=)",
+                          M.sock, strerror(-rc));
+    }
+    M.sock_bound = 1;
+  }
   if (chmod(M.sock, mode) != 0)
     return gpupool__err(GPUPOOL_ECONFIG, "cannot chmod metrics_socket %s to %04o: %s", M.sock,
                         (unsigned)mode, strerror(errno));

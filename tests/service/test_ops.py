@@ -237,6 +237,20 @@ def test_unlink(tmp):
           "gpupoold removed a regular file at its socket path when it stopped")
     check(os.path.isfile(mfile), "gpupoold removed the metrics_socket regular file when it stopped")
 
+    # The same for the metrics socket: served, then replaced by a file while the daemon runs.
+    os.unlink(sock)
+    msock = os.path.join(tmp, "metrics.sock")
+    n = Notify(tmp)
+    d = start_daemon(tmp, ["--config", host_conf(tmp, sock, f"metrics_socket = {msock}\n")], notify=n)
+    n.wait("READY=1")
+    check(stat.S_ISSOCK(os.lstat(msock).st_mode), "metrics_socket was not bound")
+    os.unlink(msock)
+    write(msock, "replaced\n")
+    stop(d)
+    check(d.returncode == 0, f"gpupoold exited {d.returncode}")
+    check(os.path.isfile(msock) and open(msock).read() == "replaced\n",
+          "gpupoold removed a regular file at its metrics_socket path when it stopped")
+
 
 # ---- tcp -------------------------------------------------------------------------------------
 
