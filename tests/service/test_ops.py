@@ -11,9 +11,9 @@ client timeouts and what gpupoolctl says about the daemon.
             metrics_socket naming a regular file keeps the file; at exit only sockets go.
   tcp       metrics_listen: off by default; "metrics_listen = PORT" serves Prometheus text
             on 127.0.0.1 only; an explicit address is honoured; a bad value is a config error.
-  timeout   a client (the C library through gpupoolctl, and Python's gpupool.Client) gives
-            up on a SIGSTOPped daemon within its connect timeout with "the daemon did not
-            answer in N s", and on a socket that is not gpupoold with "this socket is not
+  timeout   a client (gpupoolctl, and the C library through Python's gpupool.Client) gives
+            up on a SIGSTOPped daemon, and on a listener whose backlog is full, within its
+            connect timeout with "the daemon did not answer in N s", and on a socket that is not gpupoold with "this socket is not
             gpupoold" (an HTTP server, a server that closes at once).
   identity  Hello and Stats carry the daemon's own pid, uid and version: gpupoolctl status
             shows them even when the daemon was socket-activated; --json prints {"error": ...}
@@ -417,6 +417,36 @@ def test_timeout(tmp):
         os.kill(d.pid, signal.SIGCONT)
     ctl(sock, "status")
     stop(d)
+
+    # A listener whose backlog is full (it never accepts): connect() itself would block.
+    full = os.path.join(tmp, "full.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(full)
+    srv.listen(0)
+    fillers = []
+    while True:
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.setblocking(False)
+        try:
+            c.connect(full)
+        except BlockingIOError:
+            c.close()
+            break
+        fillers.append(c)
+        check(len(fillers) < 1000, "the backlog never filled")
+    env = dict(CLEAN_ENV, GPUPOOL_CONNECT_TIMEOUT_MS="1000")
+    t0 = time.monotonic()
+    _, err = ctl(full, "status", expect=3, env=env)
+    check("did not answer in 1 s" in err and time.monotonic() - t0 < 10,
+          f"gpupoolctl on a full backlog: {err}")
+    p, took = python_client(full, "import sys, gpupool\n"
+                            "try:\n    gpupool.Client(sys.argv[1], connect_timeout=1)\n"
+                            "except gpupool.GpupoolError as e:\n    print(e); sys.exit(7)\n")
+    check(p.returncode == 7 and "did not answer in 1 s" in p.stdout and took < 10,
+          "gpupool.Client() on a full backlog")
+    for c in fillers:
+        c.close()
+    srv.close()
 
     # Not gpupoold: an HTTP server, and one that closes without a word.
     for name, answer in (("http", b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"),
