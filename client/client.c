@@ -22,7 +22,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <grp.h>
+#include <pwd.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -119,6 +123,10 @@ struct gpupool_client {
   char socket_path[108];
   char name[64];
   int reconnect_ms;        /* budget for reconnecting before a request fails */
+  int connect_timeout_ms;  /* connect + Hello; < 0: wait forever */
+  uint64_t hs_deadline_ns; /* while saying Hello: when to give up (0 otherwise) */
+  int hs_closed;           /* the last Hello went unanswered and the peer hung up: on a socket
+                            * that served us before, most likely a daemon restarting */
   int spin_us;             /* GPUPOOL_SPIN_US: poll this long for a reply before sleeping */
   uint64_t reconnects;
   stale_gen *stale;
@@ -273,13 +281,37 @@ static void read_one(gpupool_client *c) {
     while (poll(&pfd, 1, 0) == 0 && mono_ns() < end)
       ;
   }
-  rc = gpupool__wire_rx_read(&c->rx, c->fd);
+  /* Only while saying Hello does the socket have a receive timeout (SO_RCVTIMEO): a read
+   * that times out returns 0 and is tried again until the deadline. */
+  while ((rc = gpupool__wire_rx_read(&c->rx, c->fd)) == 0 && c->hs_deadline_ns &&
+         mono_ns() < c->hs_deadline_ns)
+    ;
   rep = rc == 1 ? gpupool__wire_unpack_reply(&c->rx) : NULL;
   pthread_mutex_lock(&c->mu);
   c->reader_active = 0;
+  if (c->hs_deadline_ns && (rc != 1 || !rep)) {
+    char msg[GPUPOOL__ERRMSG_MAX];
+    if (rc == 0)
+      snprintf(msg, sizeof msg, "the daemon did not answer in %g s: gpupoold at %s accepted the "
+               "connection but did not answer Hello (stopped or stuck? see 'systemctl status "
+               "gpupoold'; the timeout is gpupool_connect_timeout() or GPUPOOL_CONNECT_TIMEOUT_MS)",
+               c->connect_timeout_ms / 1000.0, c->socket_path);
+    else
+      snprintf(msg, sizeof msg, "this socket is not gpupoold: %s %s (%s); check the socket path "
+               "(GPUPOOL_SOCKET)", c->socket_path,
+               rc == GPUPOOL_ECLOSED ? "closed the connection without answering Hello"
+                                     : "answered Hello with something that is not a gpupool reply",
+               rc == 1 ? "the frame does not decode" : gpupool__errmsg());
+    set_broken(c, rc == 0 ? GPUPOOL_ETIMEDOUT : GPUPOOL_EPROTO, msg);
+    c->hs_closed = rc == GPUPOOL_ECLOSED;
+    if (rep)
+      gpupool__wire__reply__free_unpacked(rep, NULL);
+    goto out;
+  }
   if (rc != 1) {
     set_broken(c, rc == GPUPOOL_ECLOSED ? GPUPOOL_ECLOSED : rc,
                rc == GPUPOOL_ECLOSED ? "the daemon closed the connection (stopped, restarted, or dropped this client)"
+               : rc == 0             ? "no reply from the daemon"
                                      : gpupool__errmsg());
     goto out;
   }
@@ -372,6 +404,22 @@ static int call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *f
     int code = refusal(c);
     if (code)
       return code;
+    if (c->hs_deadline_ns) {
+      char msg[160];
+      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+      set_broken(c, rc == GPUPOOL_ETIMEDOUT ? GPUPOOL_ETIMEDOUT : GPUPOOL_EPROTO, "");
+      if (c->broken == GPUPOOL_ETIMEDOUT)
+        snprintf(c->broken_msg, sizeof c->broken_msg,
+                 "the daemon did not answer in %g s: gpupoold at %s does not read (%s)",
+                 c->connect_timeout_ms / 1000.0, c->socket_path, msg);
+      else
+        snprintf(c->broken_msg, sizeof c->broken_msg,
+                 "this socket is not gpupoold, or it is shutting down: %s closed the connection "
+                 "before reading Hello (%s)",
+                 c->socket_path, msg);
+      c->hs_closed = c->broken == GPUPOOL_EPROTO;
+      return gpupool__err(c->broken, "%s", c->broken_msg);
+    }
     set_broken(c, rc, "cannot send to the daemon (it stopped or dropped this client)");
     return broken_err(c);
   }
@@ -676,8 +724,32 @@ fail:
 
 /* ---- public API -------------------------------------------------------------------------------- */
 
-static int connect_socket(const char *path, int *out) {
+/* "owner root, group gpupool, mode 0660" of the socket at path, for permission errors. */
+static void describe_socket(const char *path, char *buf, size_t len) {
+  struct stat st;
+  struct passwd pw, *pwp = NULL;
+  struct group gr, *grp = NULL;
+  char pwbuf[1024], grbuf[4096], u[16], g[16];
+  if (stat(path, &st) != 0) {
+    snprintf(buf, len, "its directory cannot be searched by this user: %s", strerror(errno));
+    return;
+  }
+  (void)getpwuid_r(st.st_uid, &pw, pwbuf, sizeof pwbuf, &pwp);
+  (void)getgrgid_r(st.st_gid, &gr, grbuf, sizeof grbuf, &grp);
+  snprintf(u, sizeof u, "%u", (unsigned)st.st_uid);
+  snprintf(g, sizeof g, "%u", (unsigned)st.st_gid);
+  snprintf(buf, len, "owner %s, group %s, mode %04o", pwp ? pwp->pw_name : u, grp ? grp->gr_name : g,
+           (unsigned)(st.st_mode & 07777));
+}
+
+static void ms_to_timeval(int ms, struct timeval *tv) {
+  tv->tv_sec = ms > 0 ? ms / 1000 : 0;
+  tv->tv_usec = ms > 0 ? (ms % 1000) * 1000 : 0;
+}
+
+static int connect_socket(const char *path, int timeout_ms, int *out) {
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  struct timeval tv;
   int fd;
   if (strlen(path) >= sizeof addr.sun_path)
     return gpupool__err(GPUPOOL_EINVAL, "socket path '%s' is longer than %zu bytes", path, sizeof addr.sun_path - 1);
@@ -685,8 +757,14 @@ static int connect_socket(const char *path, int *out) {
   fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0)
     return gpupool__err(GPUPOOL_ECONNECT, "socket: %s", strerror(errno));
+  /* connect() on a Unix socket whose listener is stopped blocks once the backlog is full:
+   * SO_SNDTIMEO bounds it (and the Hello that follows). */
+  ms_to_timeval(timeout_ms, &tv);
+  (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   while (connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
     int e = errno;
+    char what[160];
     if (e == EINTR)
       continue;
     close(fd);
@@ -695,11 +773,18 @@ static int connect_socket(const char *path, int *out) {
                           "cannot connect to gpupoold at %s: %s; is the daemon running? Start it "
                           "(gpupoold --socket %s, or systemctl start gpupoold.socket) or set GPUPOOL_SOCKET",
                           path, strerror(e), path);
-    if (e == EACCES)
+    if (e == EACCES || e == EPERM) {
+      describe_socket(path, what, sizeof what);
       return gpupool__err(GPUPOOL_ECONNECT,
-                          "cannot connect to gpupoold at %s: permission denied; join the socket's group "
-                          "(gpupool) or ask the operator",
-                          path);
+                          "cannot connect to gpupoold at %s: permission denied (%s); connecting needs "
+                          "write access to the socket: join its group or ask the operator",
+                          path, what);
+    }
+    if (e == EAGAIN || e == EINPROGRESS || e == ETIMEDOUT)
+      return gpupool__err(GPUPOOL_ETIMEDOUT,
+                          "the daemon did not answer in %g s: gpupoold at %s accepts no connections "
+                          "(stopped or stuck? see 'systemctl status gpupoold')",
+                          timeout_ms / 1000.0, path);
     return gpupool__err(GPUPOOL_ECONNECT, "cannot connect to gpupoold at %s: %s", path, strerror(e));
   }
   *out = fd;
@@ -715,19 +800,34 @@ static int handshake(gpupool_client *c) {
   const Gpupool__Wire__HelloReply *hr;
   int rc, fd = -1, lease = -1;
 
-  if ((rc = connect_socket(c->socket_path, &fd)) != 0)
+  c->hs_closed = 0;
+  if ((rc = connect_socket(c->socket_path, c->connect_timeout_ms, &fd)) != 0)
     return rc;
   c->fd = fd;
   c->broken = 0;
   c->broken_msg[0] = '\0';
   gpupool__wire_rx_reset(&c->rx);
+  if (c->connect_timeout_ms > 0)
+    c->hs_deadline_ns = mono_ns() + (uint64_t)c->connect_timeout_ms * 1000000u;
   hello.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
   hello.client_name = c->name;
   hello.pid = (int32_t)getpid();
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
   req.hello = &hello;
-  if ((rc = call(c, &req, &rep, &lease)) != 0)
+  rc = call(c, &req, &rep, &lease);
+  c->hs_deadline_ns = 0;
+  if (rc != 0) {
+    if (c->broken == GPUPOOL_ETIMEDOUT || c->broken == GPUPOOL_EPROTO)
+      rc = gpupool__err(c->broken, "%s", c->broken_msg);
     goto fail;
+  }
+  {
+    /* Requests after Hello wait as long as they need (gets and allocations have their own
+     * timeouts, kept by the daemon). */
+    struct timeval tv = {0, 0};
+    (void)setsockopt(c->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    (void)setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  }
   hr = rep->hello;
   if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_HELLO || !hr) {
     rc = gpupool__err(GPUPOOL_EPROTO, "the daemon answered Hello with something else");
@@ -896,7 +996,8 @@ static int reconnect(gpupool_client *c) {
     /* Refused outright (wrong version, not allowed, over a limit): give up. Nobody
      * listening, or a connection that closed before the Hello reply (a daemon still going
      * down or coming up): try again within the budget. */
-    if ((rc != GPUPOOL_ECONNECT && rc != GPUPOOL_ECLOSED && rc != GPUPOOL_EIO) ||
+    if ((rc != GPUPOOL_ECONNECT && rc != GPUPOOL_ECLOSED && rc != GPUPOOL_EIO &&
+         !(rc == GPUPOOL_EPROTO && c->hs_closed)) ||
         now - start >= (uint64_t)c->reconnect_ms) {
       char msg[GPUPOOL__ERRMSG_MAX];
       snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
@@ -943,6 +1044,11 @@ static int call_retry(gpupool_client *c, gpupool__req *req, gpupool__rep **out) 
 }
 
 int gpupool_connect(const char *socket_path, const char *client_name, gpupool_client **out) {
+  return gpupool_connect_timeout(socket_path, client_name, 0, out);
+}
+
+int gpupool_connect_timeout(const char *socket_path, const char *client_name, int timeout_ms,
+                            gpupool_client **out) {
   gpupool_client *c;
   const char *env;
   int rc;
@@ -969,6 +1075,13 @@ int gpupool_connect(const char *socket_path, const char *client_name, gpupool_cl
   snprintf(c->name, sizeof c->name, "%s", client_name ? client_name : "");
   env = getenv("GPUPOOL_RECONNECT_MS");
   c->reconnect_ms = env && *env ? atoi(env) : 5000;
+  c->connect_timeout_ms = timeout_ms;
+  if (timeout_ms == 0) {
+    env = getenv("GPUPOOL_CONNECT_TIMEOUT_MS");
+    c->connect_timeout_ms = env && *env ? atoi(env) : GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS;
+    if (c->connect_timeout_ms == 0)
+      c->connect_timeout_ms = GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS;
+  }
   env = getenv("GPUPOOL_SPIN_US");
   c->spin_us = env && *env ? atoi(env) : 0;
   if (c->spin_us < 0 || c->spin_us > 1000000)
@@ -1005,6 +1118,16 @@ int gpupool_set_reconnect(gpupool_client *c, int budget_ms) {
     return gpupool__err(GPUPOOL_EINVAL, "set_reconnect: client must not be NULL and the budget must be >= 0");
   pthread_mutex_lock(&c->mu);
   c->reconnect_ms = budget_ms;
+  pthread_mutex_unlock(&c->mu);
+  return 0;
+}
+
+int gpupool_set_connect_timeout(gpupool_client *c, int timeout_ms) {
+  if (!c || timeout_ms == 0)
+    return gpupool__err(GPUPOOL_EINVAL, "set_connect_timeout: client must not be NULL and the "
+                        "timeout must be > 0 ms (or negative to wait forever)");
+  pthread_mutex_lock(&c->mu);
+  c->connect_timeout_ms = timeout_ms;
   pthread_mutex_unlock(&c->mu);
   return 0;
 }

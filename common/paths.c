@@ -1,7 +1,11 @@
 /* Default socket path rules, shared by the daemon, the client library and gpupoolctl. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "errors.h"
@@ -40,3 +44,50 @@ int gpupool__socket_path(char *buf, size_t len, int for_client) {
 int gpupool_default_socket_path(char *buf, size_t len) { return gpupool__socket_path(buf, len, 1); }
 
 const char *gpupool_version_string(void) { return GPUPOOL_VERSION_STRING; }
+
+static const char *file_kind(mode_t m) {
+  return S_ISREG(m) ? "regular file" : S_ISDIR(m) ? "directory" : S_ISLNK(m) ? "symbolic link"
+       : S_ISFIFO(m) ? "FIFO" : S_ISCHR(m) || S_ISBLK(m) ? "device node" : "non-socket file";
+}
+
+/* Only ever a socket: a typo in a socket path must not cost the file that is there. */
+int gpupool__clear_stale_socket(const char *path, const char *what) {
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  struct stat st;
+  int fd, live;
+
+  if (lstat(path, &st) != 0) {
+    if (errno == ENOENT)
+      return 0;
+    return gpupool__err(GPUPOOL_ECONFIG, "%s %s: %s", what, path, strerror(errno));
+  }
+  if (!S_ISSOCK(st.st_mode))
+    return gpupool__err(GPUPOOL_ECONFIG,
+                        "%s %s exists and is a %s, not a socket; refusing to remove it: choose "
+                        "another path, or remove the file yourself if it is not needed",
+                        what, path, file_kind(st.st_mode));
+  if (strlen(path) >= sizeof addr.sun_path)
+    return gpupool__err(GPUPOOL_ECONFIG, "%s %s is longer than %zu bytes", what, path,
+                        sizeof addr.sun_path - 1);
+  strcpy(addr.sun_path, path);
+  fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return gpupool__err(GPUPOOL_EIO, "%s: socket(): %s", what, strerror(errno));
+  live = connect(fd, (struct sockaddr *)&addr, sizeof addr) == 0;
+  close(fd);
+  if (live)
+    return gpupool__err(GPUPOOL_EBUSY,
+                        "%s %s is served by another running process (a second gpupoold?); stop "
+                        "it first or choose another path",
+                        what, path);
+  if (unlink(path) != 0 && errno != ENOENT)
+    return gpupool__err(GPUPOOL_ECONFIG, "%s %s is stale and cannot be removed: %s", what, path,
+                        strerror(errno));
+  return 1;
+}
+
+void gpupool__unlink_socket(const char *path) {
+  struct stat st;
+  if (path[0] && lstat(path, &st) == 0 && S_ISSOCK(st.st_mode))
+    (void)unlink(path);
+}

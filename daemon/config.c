@@ -3,7 +3,8 @@
  * that make a pool usable (slab <= 4 GiB, capacity a whole number of slabs, power-of-two
  * alignment). Every error names the file and line (or the --pool spec) and what to write.
  *
- * File format:
+ * File format ('#' or ';' starts a comment at the start of a line; '#' after whitespace
+ * starts one anywhere, so "backend = auto   # auto | cuda | host" is the value "auto"):
  *   # comment
  *   [daemon]
  *   socket = /run/gpupool/gpupoold.sock
@@ -13,8 +14,10 @@
  *   device = 0
  *   capacity = 16G
  */
+#include <arpa/inet.h>
 #include <ctype.h>
 #include <errno.h>
+#include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -96,6 +99,62 @@ int gpupool__parse_size(const char *s, uint64_t *out) {
   if (__builtin_mul_overflow((uint64_t)v, mul, out))
     return gpupool__err(GPUPOOL_EINVAL, "size '%s' overflows 64 bits", s);
   return 0;
+}
+
+int gpupool__parse_listen(const char *s, struct sockaddr_storage *out) {
+  char host[64];
+  const char *port_s = s;
+  char *end;
+  unsigned long port;
+  size_t hl = 0;
+
+  memset(out, 0, sizeof *out);
+  if (*s == '[') {
+    const char *close = strchr(s, ']');
+    if (!close || close[1] != ':')
+      goto bad;
+    hl = (size_t)(close - s - 1);
+    if (hl >= sizeof host)
+      goto bad;
+    memcpy(host, s + 1, hl);
+    host[hl] = '\0';
+    port_s = close + 2;
+  } else if (strchr(s, ':')) {
+    const char *colon = strrchr(s, ':');
+    hl = (size_t)(colon - s);
+    if (hl >= sizeof host)
+      goto bad;
+    memcpy(host, s, hl);
+    host[hl] = '\0';
+    port_s = colon + 1;
+  } else {
+    strcpy(host, "127.0.0.1"); /* a bare port: loopback only */
+  }
+  if (!isdigit((unsigned char)*port_s))
+    goto bad;
+  errno = 0;
+  port = strtoul(port_s, &end, 10);
+  if (errno || *end || port == 0 || port > 65535)
+    goto bad;
+  if (*s == '[') {
+    struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)out;
+    if (inet_pton(AF_INET6, host, &a6->sin6_addr) != 1)
+      goto bad;
+    a6->sin6_family = AF_INET6;
+    a6->sin6_port = htons((uint16_t)port);
+  } else {
+    struct sockaddr_in *a4 = (struct sockaddr_in *)out;
+    if (inet_pton(AF_INET, host, &a4->sin_addr) != 1)
+      goto bad;
+    a4->sin_family = AF_INET;
+    a4->sin_port = htons((uint16_t)port);
+  }
+  return 0;
+bad:
+  return gpupool__err(GPUPOOL_EINVAL,
+                      "metrics_listen '%s' is not PORT, IPV4:PORT or [IPV6]:PORT (e.g. 9464 for "
+                      "127.0.0.1:9464; a port between 1 and 65535; addresses as numbers, not names)",
+                      s);
 }
 
 static int parse_u32(const char *s, uint32_t *out) {
@@ -301,6 +360,15 @@ int gpupool__config_set(gpupool__config *c, const char *k, const char *v) {
     return copy_str(c->metrics_textfile, sizeof c->metrics_textfile, v);
   if (!strcmp(k, "metrics_socket"))
     return copy_str(c->metrics_socket, sizeof c->metrics_socket, v);
+  if (!strcmp(k, "metrics_listen")) {
+    if (!*v) {
+      c->metrics_listen[0] = '\0';
+      return 0;
+    }
+    if (gpupool__parse_listen(v, &c->metrics_addr) != 0)
+      return GPUPOOL_EINVAL;
+    return copy_str(c->metrics_listen, sizeof c->metrics_listen, v);
+  }
   if (!strcmp(k, "metrics_interval_ms"))
     return parse_u32(v, &c->metrics_interval_ms);
   if (!strcmp(k, "busy_poll_us")) {
@@ -322,6 +390,16 @@ static gpupool__pool_config *find_or_add_pool(gpupool__config *c, const char *na
   gpupool__pool_config_init(&c->pools[c->n_pools]);
   snprintf(c->pools[c->n_pools].name, sizeof c->pools[0].name, "%s", name);
   return &c->pools[c->n_pools++];
+}
+
+/* Cut an inline comment: a '#' at the start or after whitespace. A '#' inside a word (a path
+ * like /run/a#b) stays part of the value. */
+static void cut_comment(char *s) {
+  for (char *p = s; *p; p++)
+    if (*p == '#' && (p == s || isspace((unsigned char)p[-1]))) {
+      *p = '\0';
+      return;
+    }
 }
 
 static char *trim(char *s) {
@@ -352,7 +430,11 @@ int gpupool__config_load(gpupool__config *c, const char *path) {
       goto out;
     }
     s = trim(line);
-    if (*s == '\0' || *s == '#' || *s == ';')
+    if (*s == ';')
+      continue;
+    cut_comment(s);
+    s = trim(s);
+    if (*s == '\0')
       continue;
     if (*s == '[') {
       char *end = strchr(s, ']');

@@ -6,6 +6,7 @@
 #define GPUPOOL_DAEMON_CONFIG_H
 
 #include <stdint.h>
+#include <sys/socket.h>
 #include <sys/types.h>
 
 #include "backend.h"
@@ -61,6 +62,10 @@ typedef struct {
   /* Metrics: Prometheus text written to this file, and/or served on this Unix socket. */
   char metrics_textfile[256];
   char metrics_socket[108];
+  /* Opt-in TCP listener for Prometheus: "PORT" (127.0.0.1), "ADDR:PORT" or "[ADDR6]:PORT";
+   * empty = none. metrics_addr is the parsed address. */
+  char metrics_listen[64];
+  struct sockaddr_storage metrics_addr;
   uint32_t metrics_interval_ms;
   /* Latency mode: after any client activity, keep polling without sleeping for this long
    * (costs a CPU core while traffic flows; 0 = always sleep in the kernel). */
@@ -95,6 +100,8 @@ int gpupool__config_set_backend(gpupool__config *c, const char *name);
 /* Fill unset fields of pools from the backend's defaults; add the backend's default pools
  * when none is configured. Checks slab <= 4 GiB, capacity >= slab, power-of-two alignment. */
 int gpupool__config_finish(gpupool__config *c, const gpupool__backend_desc *backend);
+/* Parse a metrics_listen value into *out (see gpupool__config). 0 or GPUPOOL_EINVAL. */
+int gpupool__parse_listen(const char *s, struct sockaddr_storage *out);
 /* Parse "64M", "8G", "1048576" (K/M/G/T = powers of 1024). 0 or GPUPOOL_EINVAL. */
 int gpupool__parse_size(const char *s, uint64_t *out);
 

@@ -5,6 +5,7 @@
 #include <getopt.h>
 #include <inttypes.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,6 +35,8 @@ static void usage(FILE *f) {
           "\n"
           "Options:\n"
           "  -c, --config FILE        read settings from FILE (INI format, see gpupoold.conf)\n"
+          "      --check-config       check the settings (file and options) and exit: 0 when\n"
+          "                           they are valid, 2 with the reason when they are not\n"
           "  -s, --socket PATH        listen on PATH (default now: %s;\n"
           "                           $GPUPOOL_SOCKET, else /run/gpupool/gpupoold.sock for root,\n"
           "                           else $XDG_RUNTIME_DIR/gpupool/gpupoold.sock)\n"
@@ -47,7 +50,9 @@ static void usage(FILE *f) {
           "  -V, --version            show the version\n"
           "\n"
           "Without --pool or [pool] sections: one pool per GPU (cuda) or a 1 GiB host pool.\n"
-          "Signals: SIGINT/SIGTERM shut down gracefully.\n",
+          "Signals: SIGINT/SIGTERM shut down gracefully.\n"
+          "Exit status: 0 after a clean shutdown, 2 for an invalid configuration (restarting\n"
+          "will not help: fix it), 1 for any other failure.\n",
           def);
 }
 
@@ -85,6 +90,58 @@ static void on_watchdog(uv_timer_t *t) {
   gpupool__sd_notify("WATCHDOG=1");
 }
 
+/* A start-up failure: the reason goes to the log at error priority and, under systemd, to
+ * the unit's status line (systemctl status shows it after the exit). Returns the exit
+ * status: 2 for a configuration error (the unit's RestartPreventExitStatus=2 stops the
+ * restart loop), 1 otherwise. */
+static int start_failed(int rc, const char *what) {
+  int status = rc == GPUPOOL_ECONFIG ? 2 : 1;
+  const char *msg = gpupool__errmsg();
+  if (!*msg)
+    msg = gpupool_strerror(rc);
+  GPUPOOL__ERROR("%s%s%s", what ? what : "", what ? ": " : "", msg);
+  gpupool__sd_notifyf("STATUS=Failed%s: %s%s%s", status == 2 ? " (configuration)" : "",
+                      what ? what : "", what ? ": " : "", msg);
+  return status;
+}
+
+/* An invalid command line or configuration: exit status 2 with the reason. */
+static int config_failed(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int config_failed(const char *fmt, ...) {
+  char msg[GPUPOOL__ERRMSG_MAX];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  gpupool__err(GPUPOOL_ECONFIG, "%s", msg);
+  return start_failed(GPUPOOL_ECONFIG, NULL);
+}
+
+/* --check-config: everything the daemon would check before serving, without serving. The
+ * pools are checked against the backend the daemon would run (auto probes for a GPU, as
+ * at start-up); nothing is bound and no memory is taken. */
+static int check_config(gpupool__config *cfg, const char *path) {
+  gpupool__backend *be = NULL;
+  int rc;
+  gpupool__log_set_level(GPUPOOL_LOG_WARN);
+  if ((rc = gpupool__backend_open(cfg->backend, &be)) != 0) {
+    fprintf(stderr, "gpupoold: cannot open the %s backend to check the pools against: %s\n",
+            cfg->backend ? cfg->backend->name : "auto", gpupool__errmsg());
+    return 1;
+  }
+  rc = gpupool__config_finish(cfg, be->desc);
+  if (rc != 0) {
+    fprintf(stderr, "gpupoold: %s\n", gpupool__errmsg());
+    be->ops->close(be);
+    return 2;
+  }
+  printf("gpupoold: configuration OK (%s): socket %s, backend %s, %d pool(s)\n",
+         path ? path : "no file", cfg->socket_path[0] ? cfg->socket_path : "(from systemd)",
+         be->desc->name, cfg->n_pools);
+  be->ops->close(be);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   static const struct option opts[] = {{"config", required_argument, NULL, 'c'},
                                        {"socket", required_argument, NULL, 's'},
@@ -93,11 +150,12 @@ int main(int argc, char **argv) {
                                        {"log-level", required_argument, NULL, 'l'},
                                        {"help", no_argument, NULL, 'h'},
                                        {"version", no_argument, NULL, 'V'},
+                                       {"check-config", no_argument, NULL, 'C'},
                                        {NULL, 0, NULL, 0}};
   gpupool__config cfg;
   const char *config_path = NULL, *socket_opt = NULL, *backend_opt = NULL, *level_opt = NULL;
   const char *pool_specs[GPUPOOL_MAX_POOLS];
-  int npool_specs = 0, opt, rc, listen_fd, exit_code = 1;
+  int npool_specs = 0, opt, rc, listen_fd, exit_code = 1, check_only = 0;
   gpupool__backend *be = NULL;
   gpupool__registry reg;
   daemon_ctx d = {0};
@@ -115,14 +173,15 @@ int main(int argc, char **argv) {
       backend_opt = optarg;
       break;
     case 'p':
-      if (npool_specs >= GPUPOOL_MAX_POOLS) {
-        fprintf(stderr, "gpupoold: at most %d --pool options\n", GPUPOOL_MAX_POOLS);
-        return 2;
-      }
+      if (npool_specs >= GPUPOOL_MAX_POOLS)
+        return config_failed("at most %d --pool options", GPUPOOL_MAX_POOLS);
       pool_specs[npool_specs++] = optarg;
       break;
     case 'l':
       level_opt = optarg;
+      break;
+    case 'C':
+      check_only = 1;
       break;
     case 'h':
       usage(stdout);
@@ -142,76 +201,58 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  if (optind < argc) {
-    fprintf(stderr, "gpupoold: unexpected argument '%s' (see --help)\n", argv[optind]);
-    return 2;
-  }
+  if (optind < argc)
+    return config_failed("unexpected argument '%s' (see gpupoold --help)", argv[optind]);
 
   gpupool__config_defaults(&cfg);
-  if (config_path && gpupool__config_load(&cfg, config_path) != 0) {
-    fprintf(stderr, "gpupoold: %s\n", gpupool__errmsg());
-    return 2;
-  }
+  if (config_path && gpupool__config_load(&cfg, config_path) != 0)
+    return config_failed("%s", gpupool__errmsg());
   if (socket_opt && snprintf(cfg.socket_path, sizeof cfg.socket_path, "%s", socket_opt) >=
-                        (int)sizeof cfg.socket_path) {
-    fprintf(stderr, "gpupoold: --socket path longer than %zu bytes\n", sizeof cfg.socket_path - 1);
-    return 2;
-  }
-  if (backend_opt && gpupool__config_set_backend(&cfg, backend_opt) != 0) {
-    fprintf(stderr, "gpupoold: %s\n", gpupool__errmsg());
-    return 2;
-  }
+                        (int)sizeof cfg.socket_path)
+    return config_failed("--socket path longer than %zu bytes", sizeof cfg.socket_path - 1);
+  if (backend_opt && gpupool__config_set_backend(&cfg, backend_opt) != 0)
+    return config_failed("%s", gpupool__errmsg());
   {
     const char *bp = getenv("GPUPOOL_BUSY_POLL_US");
-    if (bp && *bp && gpupool__config_set(&cfg, "busy_poll_us", bp) != 0) {
-      fprintf(stderr, "gpupoold: GPUPOOL_BUSY_POLL_US: %s\n", gpupool__errmsg());
-      return 2;
-    }
+    if (bp && *bp && gpupool__config_set(&cfg, "busy_poll_us", bp) != 0)
+      return config_failed("GPUPOOL_BUSY_POLL_US: %s", gpupool__errmsg());
   }
-  if (level_opt && gpupool__log_parse_level(level_opt, &cfg.log_level) != 0) {
-    fprintf(stderr, "gpupoold: %s\n", gpupool__errmsg());
-    return 2;
-  }
+  if (level_opt && gpupool__log_parse_level(level_opt, &cfg.log_level) != 0)
+    return config_failed("%s", gpupool__errmsg());
   for (int i = 0; i < npool_specs; i++)
-    if (gpupool__config_add_pool_spec(&cfg, pool_specs[i]) != 0) {
-      fprintf(stderr, "gpupoold: %s\n", gpupool__errmsg());
-      return 2;
-    }
+    if (gpupool__config_add_pool_spec(&cfg, pool_specs[i]) != 0)
+      return config_failed("%s", gpupool__errmsg());
+  if (check_only)
+    return check_config(&cfg, config_path);
   gpupool__log_set_level(cfg.log_level);
   signal(SIGPIPE, SIG_IGN);
 
   /* Taken before anything else so a bad LISTEN_FDS fails fast and the variables do not leak
    * into children. */
   listen_fd = gpupool__sd_listen_fd();
-  if (listen_fd < -1) {
-    GPUPOOL__ERROR("%s", gpupool__errmsg());
-    gpupool__sd_notifyf("STATUS=Failed: %s", gpupool__errmsg());
-    return 1;
-  }
+  if (listen_fd < -1)
+    return start_failed(listen_fd, NULL);
 
   if ((rc = gpupool__backend_open(cfg.backend, &be)) != 0) {
-    GPUPOOL__ERROR("cannot open the %s backend: %s", cfg.backend ? cfg.backend->name : "host",
-             gpupool__errmsg());
-    gpupool__sd_notifyf("STATUS=Failed: %s", gpupool__errmsg());
+    char what[64];
+    snprintf(what, sizeof what, "cannot open the %s backend", cfg.backend ? cfg.backend->name : "host");
+    exit_code = start_failed(rc, what);
     goto out_fd;
   }
   if ((rc = gpupool__config_finish(&cfg, be->desc)) != 0) {
-    GPUPOOL__ERROR("%s", gpupool__errmsg());
-    gpupool__sd_notifyf("STATUS=Failed: %s", gpupool__errmsg());
+    exit_code = start_failed(GPUPOOL_ECONFIG, NULL);
     goto out_be;
   }
   d.loop = uv_default_loop();
   if ((rc = gpupool__registry_init(&reg, d.loop, &cfg, be)) != 0) {
-    GPUPOOL__ERROR("%s", gpupool__errmsg());
-    gpupool__sd_notifyf("STATUS=Failed: %s", gpupool__errmsg());
+    exit_code = start_failed(rc, NULL);
     gpupool__registry_close(&reg);
     uv_run(d.loop, UV_RUN_DEFAULT);
     goto out_be;
   }
   d.reg = &reg;
   if ((rc = gpupool__server_start(&d.server, d.loop, &cfg, &reg, listen_fd)) != 0) {
-    GPUPOOL__ERROR("%s", gpupool__errmsg());
-    gpupool__sd_notifyf("STATUS=Failed: %s", gpupool__errmsg());
+    exit_code = start_failed(rc, NULL);
     gpupool__registry_close(&reg);
     uv_run(d.loop, UV_RUN_DEFAULT);
     goto out_be;

@@ -10,8 +10,9 @@
  *   by writing "<path>.tmp" and rename(2)-ing it over the file, so a scraper never reads a
  *   half-written file;
  * - a Unix socket that answers every connection with an HTTP/1.0 200 response holding the
- *   text and then closes. There is deliberately no TCP listener: the daemon's only network
- *   surface stays its Unix sockets, and whoever may connect is decided by file permissions.
+ *   text and then closes; whoever may connect is decided by file permissions;
+ * - opt-in (metrics_listen), the same answer on a TCP address that Prometheus can scrape
+ *   directly: loopback unless the operator names another address.
  *
  * The daemon is single-threaded on its libuv loop, so the state here needs no locking.
  */
@@ -28,6 +29,7 @@
 #include <unistd.h>
 
 #include "errors.h"
+#include "paths.h"
 #include "log.h"
 #include "metrics.h"
 
@@ -281,7 +283,12 @@ char *gpupool__metrics_render(const Gpupool__Wire__StatsReply *st) {
 static const char http_head[] = "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\r\n";
 
 typedef struct conn {
-  uv_pipe_t pipe;
+  /* Unix or TCP: both stream handles start with the same fields, so the code below uses
+   * `pipe` for either (and `tcp` where the type matters: uv_tcp_init). */
+  union {
+    uv_pipe_t pipe;
+    uv_tcp_t tcp;
+  };
   uv_timer_t timer;
   uv_write_t wr;
   char rbuf[512];
@@ -305,6 +312,9 @@ static struct {
   int timer_on;
   uv_pipe_t srv;
   int srv_on;
+  uv_tcp_t tcp_srv;
+  int tcp_on;
+  char listen[sizeof(((gpupool__config *)0)->metrics_listen)];
   int sock_bound; /* the socket file is ours to remove */
   int write_failing;
   conn *conns;
@@ -524,7 +534,8 @@ static void on_conn(uv_stream_t *srv, int status) {
     drop_conn(srv);
     return;
   }
-  if (uv_pipe_init(M.loop, &c->pipe, 0) != 0) {
+  if ((srv == (uv_stream_t *)&M.tcp_srv ? uv_tcp_init(M.loop, &c->tcp)
+                                          : uv_pipe_init(M.loop, &c->pipe, 0)) != 0) {
     free(c);
     drop_conn(srv);
     return;
@@ -560,65 +571,43 @@ static void on_conn(uv_stream_t *srv, int status) {
     conn_close(c);
 }
 
-/* A socket file left by a daemon that did not exit cleanly would make bind fail; one that
- * still answers belongs to a live process and is not ours to take. */
-static int clear_stale_socket(const char *path) {
-  struct stat sb;
-  struct sockaddr_un a;
-  int fd, rc;
-
-  if (lstat(path, &sb) != 0)
-    return errno == ENOENT ? 0
-                           : gpupool__err(GPUPOOL_ECONFIG, "metrics_socket %s: %s", path,
-                                          strerror(errno));
-  if (!S_ISSOCK(sb.st_mode))
-    return gpupool__err(GPUPOOL_ECONFIG,
-                        "metrics_socket %s exists and is not a socket; remove it or choose "
-                        "another metrics_socket path",
-                        path);
-  fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0)
-    return gpupool__err(GPUPOOL_ECONFIG, "metrics_socket: socket(): %s", strerror(errno));
-  memset(&a, 0, sizeof(a));
-  a.sun_family = AF_UNIX;
-  snprintf(a.sun_path, sizeof(a.sun_path), "%s", path);
-  rc = connect(fd, (struct sockaddr *)&a, sizeof(a));
-  close(fd);
-  if (rc == 0)
-    return gpupool__err(GPUPOOL_ECONFIG,
-                        "metrics_socket %s is served by another running process (a second "
-                        "gpupoold?); stop it or choose another metrics_socket path",
-                        path);
-  if (unlink(path) != 0 && errno != ENOENT)
-    return gpupool__err(GPUPOOL_ECONFIG, "metrics_socket %s is stale and cannot be removed: %s",
-                        path, strerror(errno));
-  return 0;
-}
-
 static int start_socket(const gpupool__config *cfg) {
   mode_t mode = cfg->socket_mode ? cfg->socket_mode : 0660;
   mode_t old;
   int rc;
 
-  rc = clear_stale_socket(M.sock);
+  rc = gpupool__clear_stale_socket(M.sock, "metrics_socket");
   if (rc < 0)
     return rc;
   rc = uv_pipe_init(M.loop, &M.srv, 0);
   if (rc != 0)
     return gpupool__err(GPUPOOL_ECONFIG, "metrics_socket: %s", uv_strerror(rc));
   M.srv_on = 1;
-  /* Created with no access for anyone but the owner, then opened up to the configured mode,
-   * so there is no moment when the umask's wider mode applies. */
-  old = umask(0177);
-  rc = uv_pipe_bind(&M.srv, M.sock);
-  umask(old);
-  M.sock_bound = rc == 0;
-  if (rc != 0)
-    return gpupool__err(GPUPOOL_ECONFIG,
-                        "cannot bind metrics_socket %s: %s; check that its directory exists "
-                        "and is writable by the daemon (under systemd: in RuntimeDirectory= or "
-                        "ReadWritePaths=)",
-                        M.sock, uv_strerror(rc));
+  /* Bound here, not with uv_pipe_bind(): libuv unlinks a bound pipe's path when it closes
+   * the handle, whatever is at that path by then. Created with no access for anyone but the
+   * owner, then opened up to the configured mode, so there is no moment when the umask's
+   * wider mode applies. */
+  {
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0)
+      return gpupool__err(GPUPOOL_ECONFIG, "metrics_socket: socket(): %s", strerror(errno));
+    snprintf(a.sun_path, sizeof a.sun_path, "%s", M.sock);
+    old = umask(0177);
+    rc = bind(fd, (struct sockaddr *)&a, sizeof a) == 0 ? 0 : -errno;
+    umask(old);
+    if (rc == 0 && (rc = uv_pipe_open(&M.srv, fd)) != 0)
+      unlink(M.sock);
+    if (rc != 0) {
+      close(fd);
+      return gpupool__err(GPUPOOL_ECONFIG,
+                          "cannot bind metrics_socket %s: %s; check that its directory exists "
+                          "and is writable by the daemon (under systemd: in RuntimeDirectory= or "
+                          "ReadWritePaths=)",
+                          M.sock, strerror(-rc));
+    }
+    M.sock_bound = 1;
+  }
   if (chmod(M.sock, mode) != 0)
     return gpupool__err(GPUPOOL_ECONFIG, "cannot chmod metrics_socket %s to %04o: %s", M.sock,
                         (unsigned)mode, strerror(errno));
@@ -628,6 +617,25 @@ static int start_socket(const gpupool__config *cfg) {
                         uv_strerror(rc));
   uv_unref((uv_handle_t *)&M.srv);
   GPUPOOL__INFO("metrics: serving Prometheus text on %s", M.sock);
+  return 0;
+}
+
+static int start_tcp(const gpupool__config *cfg) {
+  int rc = uv_tcp_init(M.loop, &M.tcp_srv);
+  if (rc != 0)
+    return gpupool__err(GPUPOOL_ECONFIG, "metrics_listen: %s", uv_strerror(rc));
+  M.tcp_on = 1;
+  rc = uv_tcp_bind(&M.tcp_srv, (const struct sockaddr *)&cfg->metrics_addr, 0);
+  if (rc == 0)
+    rc = uv_listen((uv_stream_t *)&M.tcp_srv, 16, on_conn);
+  if (rc != 0)
+    return gpupool__err(GPUPOOL_ECONFIG,
+                        "cannot listen on metrics_listen %s: %s; choose a free port (under "
+                        "systemd, allow the address family and address in a drop-in: "
+                        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6, IPAddressAllow=)",
+                        M.listen, uv_strerror(rc));
+  uv_unref((uv_handle_t *)&M.tcp_srv);
+  GPUPOOL__INFO("metrics: serving Prometheus text on http://%s/metrics (TCP)", M.listen);
   return 0;
 }
 
@@ -672,6 +680,7 @@ int gpupool__metrics_start(uv_loop_t *loop, const gpupool__config *cfg, gpupool_
   snprintf(M.textfile, sizeof(M.textfile), "%s", cfg->metrics_textfile);
   snprintf(M.tmpfile, sizeof(M.tmpfile), "%s.tmp", cfg->metrics_textfile);
   snprintf(M.sock, sizeof(M.sock), "%s", cfg->metrics_socket);
+  snprintf(M.listen, sizeof(M.listen), "%s", cfg->metrics_listen);
   M.started = 1;
   if (M.textfile[0] != '\0') {
     rc = start_textfile(cfg);
@@ -680,6 +689,11 @@ int gpupool__metrics_start(uv_loop_t *loop, const gpupool__config *cfg, gpupool_
   }
   if (M.sock[0] != '\0') {
     rc = start_socket(cfg);
+    if (rc < 0)
+      goto fail;
+  }
+  if (M.listen[0] != '\0') {
+    rc = start_tcp(cfg);
     if (rc < 0)
       goto fail;
   }
@@ -711,8 +725,12 @@ void gpupool__metrics_stop(void) {
     uv_close((uv_handle_t *)&M.srv, NULL);
     M.srv_on = 0;
   }
+  if (M.tcp_on) {
+    uv_close((uv_handle_t *)&M.tcp_srv, NULL);
+    M.tcp_on = 0;
+  }
   if (M.sock_bound) {
-    unlink(M.sock);
+    gpupool__unlink_socket(M.sock);
     M.sock_bound = 0;
   }
   for (conn *c = M.conns; c != NULL; c = c->next)

@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "errors.h"
+#include "paths.h"
 #include "log.h"
 #include "metrics.h"
 #include "server.h"
@@ -514,6 +515,8 @@ int gpupool__server_stats(void *server, Gpupool__Wire__StatsReply *st) {
   st->names = reg->nnames;
   st->uptime_s = (gpupool__now_ns() - s->started_ns) / 1000000000ull;
   st->daemon_version = (char *)GPUPOOL_VERSION_STRING;
+  st->daemon_pid = (int32_t)getpid();
+  st->daemon_uid = (uint32_t)geteuid();
   st->backend = reg->be->desc->kind;
   st->requests = s->requests;
   st->errors = s->errors;
@@ -576,6 +579,8 @@ static int handle_hello(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Hel
   }
   hr.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
   hr.daemon_version = (char *)GPUPOOL_VERSION_STRING;
+  hr.daemon_pid = (int32_t)getpid();
+  hr.daemon_uid = (uint32_t)geteuid();
   hr.backend = s->reg->be->desc->kind;
   hr.n_pools = (size_t)s->reg->npools;
   hr.pools = pptr;
@@ -1353,35 +1358,21 @@ static int bind_socket(const gpupool__config *cfg, int *out) {
   strcpy(addr.sun_path, cfg->socket_path);
   if ((rc = mkdir_parents(cfg->socket_path)) != 0)
     return rc;
+  if ((rc = gpupool__clear_stale_socket(cfg->socket_path, "socket")) < 0)
+    return rc;
+  if (rc == 1)
+    GPUPOOL__INFO("removed the stale socket %s (nothing answered on it)", cfg->socket_path);
   fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0)
     return gpupool__err(GPUPOOL_EIO, "socket: %s", strerror(errno));
-  if (bind(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
-    int probe, live;
-    if (errno != EADDRINUSE)
-      goto bind_fail;
-    /* Live daemon, or a stale file from one that died? */
-    probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    live = probe >= 0 && connect(probe, (struct sockaddr *)&addr, sizeof addr) == 0;
-    if (probe >= 0)
-      close(probe);
-    if (live) {
-      close(fd);
-      return gpupool__err(GPUPOOL_EBUSY,
-                          "another gpupoold is already listening on %s; stop it first or pass another --socket",
-                          cfg->socket_path);
-    }
-    GPUPOOL__INFO("removing stale socket %s", cfg->socket_path);
-    unlink(cfg->socket_path);
-    if (bind(fd, (struct sockaddr *)&addr, sizeof addr) != 0)
-      goto bind_fail;
-  }
+  if (bind(fd, (struct sockaddr *)&addr, sizeof addr) != 0)
+    goto bind_fail;
   if (chmod(cfg->socket_path, cfg->socket_mode) != 0)
     GPUPOOL__WARN("cannot chmod %s to %o: %s", cfg->socket_path, (unsigned)cfg->socket_mode, strerror(errno));
   if (listen(fd, 128) != 0) {
     rc = gpupool__err(GPUPOOL_EIO, "listen on %s: %s", cfg->socket_path, strerror(errno));
     close(fd);
-    unlink(cfg->socket_path);
+    gpupool__unlink_socket(cfg->socket_path);
     return rc;
   }
   *out = fd;
@@ -1450,7 +1441,7 @@ void gpupool__server_stop(gpupool__server *s) {
   while (s->conns)
     conn_close(s->conns, "daemon shutting down");
   if (s->own_socket)
-    unlink(s->cfg->socket_path);
+    gpupool__unlink_socket(s->cfg->socket_path);
   s->reg->on_memory = NULL;
   log_refused_nofd(s, 0, 1);
   uv_poll_stop(&s->listen_poll);

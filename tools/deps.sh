@@ -4,7 +4,8 @@
 set -euo pipefail
 
 PKGS=(build-essential cmake ninja-build pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler
-      libcmocka-dev python3 python3-numpy python3-venv python3-pip systemd)
+      libcmocka-dev python3 python3-numpy python3-venv python3-pip systemd
+      debootstrap systemd-container)
 
 missing=()
 for p in "${PKGS[@]}"; do

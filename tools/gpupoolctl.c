@@ -12,12 +12,14 @@
  */
 #include <errno.h>
 #include <getopt.h>
+#include <grp.h>
 #include <pwd.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/time.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -36,6 +38,7 @@ typedef struct {
   int fd;
   uint64_t seq;
   int timeout_s;
+  int hello_timeout_ms; /* connect and Hello: $GPUPOOL_CONNECT_TIMEOUT_MS, else --timeout */
   int json;
   const char *cmd;
   pid_t daemon_pid;
@@ -43,14 +46,25 @@ typedef struct {
   gpupool__rep *hello; /* the HelloReply frame, kept for pool names and the daemon version */
 } ctl;
 
+/* With --json a failure is a JSON document too ({"error": "..."} on stdout), so a script
+ * never has to parse an empty or half-written output. */
+static int json_errors;
+static void jstr(const char *s);
+
 static void die_msg(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void die_msg(const char *fmt, ...) {
+  char msg[2048];
   va_list ap;
-  fputs("gpupoolctl: ", stderr);
   va_start(ap, fmt);
-  vfprintf(stderr, fmt, ap);
+  vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  fputc('\n', stderr);
+  fprintf(stderr, "gpupoolctl: %s\n", msg);
+  if (json_errors) {
+    fputs("{\"error\":", stdout);
+    jstr(msg);
+    puts("}");
+    json_errors = 0; /* one document */
+  }
 }
 
 /* ---- output helpers ------------------------------------------------------------------------ */
@@ -250,11 +264,35 @@ static void table_free(table *t) {
 
 /* ---- talking to the daemon ------------------------------------------------------------------ */
 
+/* "owner root, group gpupool, mode 0660" of the socket at path, or why it cannot be seen. */
+static void describe_socket(const char *path, char *buf, size_t len) {
+  struct stat st;
+  struct passwd *pw;
+  struct group *gr;
+  char u[32], g[32];
+  if (stat(path, &st) != 0) {
+    snprintf(buf, len, "its directory cannot be searched by this user: %s", strerror(errno));
+    return;
+  }
+  pw = getpwuid(st.st_uid);
+  gr = getgrgid(st.st_gid);
+  snprintf(u, sizeof u, "%u", (unsigned)st.st_uid);
+  snprintf(g, sizeof g, "%u", (unsigned)st.st_gid);
+  snprintf(buf, len, "owner %s, group %s, mode %04o", pw ? pw->pw_name : u, gr ? gr->gr_name : g,
+           (unsigned)(st.st_mode & 07777));
+}
+
+static const char *fmt_secs(int ms, char *buf, size_t len) {
+  snprintf(buf, len, "%g s", ms / 1000.0);
+  return buf;
+}
+
 static int connect_daemon(ctl *c) {
   struct sockaddr_un a;
   struct ucred cr;
   socklen_t crl = sizeof(cr);
-  struct timeval tv = {.tv_sec = c->timeout_s, .tv_usec = 0};
+  struct timeval tv = {.tv_sec = c->hello_timeout_ms / 1000,
+                       .tv_usec = (c->hello_timeout_ms % 1000) * 1000};
   int fd, e;
 
   fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -265,7 +303,13 @@ static int connect_daemon(ctl *c) {
   memset(&a, 0, sizeof(a));
   a.sun_family = AF_UNIX;
   memcpy(a.sun_path, c->path, strlen(c->path));
+  /* A stopped daemon's full backlog blocks connect(): SO_SNDTIMEO bounds it. */
+  if (c->hello_timeout_ms > 0) {
+    (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  }
   if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+    char what[160];
     e = errno;
     close(fd);
     if (e == ENOENT || e == ECONNREFUSED)
@@ -274,16 +318,22 @@ static int connect_daemon(ctl *c) {
               "  or point gpupoolctl at the daemon's socket with --socket PATH or GPUPOOL_SOCKET.",
               e == ENOENT ? "there is no socket at" : "nothing accepts connections on",
               c->path, c->path);
-    else if (e == EACCES || e == EPERM)
-      die_msg("permission denied connecting to %s.\n"
-              "  The socket is open to root and the group 'gpupool': add your user with\n"
-              "  'usermod -aG gpupool $USER' and log in again, or run gpupoolctl with sudo.",
-              c->path);
+    else if (e == EACCES || e == EPERM) {
+      describe_socket(c->path, what, sizeof what);
+      die_msg("permission denied connecting to %s (%s).\n"
+              "  Connecting needs write access to the socket: join its group ('usermod -aG GROUP "
+              "$USER', then log in again), or run gpupoolctl with sudo.",
+              c->path, what);
+    } else if (e == EAGAIN || e == EINPROGRESS || e == ETIMEDOUT)
+      die_msg("the daemon did not answer in %s: gpupoold at %s accepts no connections (stopped "
+              "or stuck? see 'systemctl status gpupoold' and 'journalctl -u gpupoold')",
+              fmt_secs(c->hello_timeout_ms, what, sizeof what), c->path);
     else
       die_msg("cannot connect to gpupoold at %s: %s", c->path, strerror(e));
     return -1;
   }
-  /* The daemon's credentials name who may make admin requests when it refuses one. */
+  /* Peer credentials of the socket: the daemon's own, unless a service manager created the
+   * socket (socket activation: then they are the manager's). Hello says who the daemon is. */
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &crl) == 0) {
     c->daemon_pid = cr.pid;
     c->daemon_uid = cr.uid;
@@ -291,12 +341,15 @@ static int connect_daemon(ctl *c) {
     c->daemon_pid = -1;
     c->daemon_uid = (uid_t)-1;
   }
-  if (c->timeout_s > 0) {
-    (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  }
   c->fd = fd;
   return 0;
+}
+
+/* After Hello: every later request waits up to --timeout (0 = forever). */
+static void set_request_timeout(ctl *c) {
+  struct timeval tv = {.tv_sec = c->timeout_s, .tv_usec = 0};
+  (void)setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  (void)setsockopt(c->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 }
 
 static const char *body_name(int body_case) {
@@ -343,9 +396,21 @@ static int call(ctl *c, gpupool__req *req, gpupool__rep **out) {
   }
   rc = gpupool__wire_rx_read(&rx, c->fd);
   if (rc == 0) {
-    die_msg("gpupoold at %s did not answer a %s request within %d s (is the daemon stuck? "
-            "see 'journalctl -u gpupoold')",
-            c->path, body_name(bc), c->timeout_s);
+    char secs[32];
+    die_msg("the daemon did not answer in %s: gpupoold at %s left a %s request unanswered "
+            "(stopped or stuck? see 'systemctl status gpupoold' and 'journalctl -u gpupoold')",
+            fmt_secs(bc == GPUPOOL__WIRE__REQUEST__BODY_HELLO ? c->hello_timeout_ms
+                                                                : c->timeout_s * 1000,
+                     secs, sizeof secs),
+            c->path, body_name(bc));
+    goto out;
+  }
+  if (bc == GPUPOOL__WIRE__REQUEST__BODY_HELLO && rc < 0) {
+    /* Whatever answers here does not speak gpupool's framing. */
+    die_msg("this socket is not gpupoold: %s %s (%s); check --socket or GPUPOOL_SOCKET",
+            c->path, rc == GPUPOOL_ECLOSED ? "closed the connection without answering Hello"
+                                           : "answered Hello with something that is not a gpupool frame",
+            gpupool__errmsg());
     goto out;
   }
   if (rc == GPUPOOL_ECLOSED) {
@@ -361,12 +426,17 @@ static int call(ctl *c, gpupool__req *req, gpupool__rep **out) {
   }
   rep = gpupool__wire_unpack_reply(&rx);
   if (rep == NULL) {
-    die_msg("gpupoold at %s sent a reply that does not decode (a different protocol "
-            "version?)",
-            c->path);
+    if (bc == GPUPOOL__WIRE__REQUEST__BODY_HELLO)
+      die_msg("this socket is not gpupoold: %s answered Hello with a frame that does not decode; "
+              "check --socket or GPUPOOL_SOCKET",
+              c->path);
+    else
+      die_msg("gpupoold at %s sent a reply that does not decode (a different protocol "
+              "version?)",
+              c->path);
     goto out;
   }
-  if (rep->seq != req->seq) {
+  if (rep->seq != req->seq && !(rep->seq == 0 && rep->error != NULL)) {
     die_msg("gpupoold at %s answered request %llu while %llu was expected", c->path,
             (unsigned long long)rep->seq, (unsigned long long)req->seq);
     goto out;
@@ -420,6 +490,12 @@ static int hello(ctl *c) {
   rc = call(c, &req, &c->hello);
   if (rc != 0)
     return EXIT_UNREACHABLE;
+  /* The daemon's own pid and uid (a daemon before 0.2 does not send them). */
+  if (c->hello->hello->daemon_pid > 0) {
+    c->daemon_pid = c->hello->hello->daemon_pid;
+    c->daemon_uid = c->hello->hello->daemon_uid;
+  }
+  set_request_timeout(c);
   return 0;
 }
 
@@ -472,8 +548,10 @@ static void json_stats(const ctl *c, const Gpupool__Wire__StatsReply *s) {
   int f = 1;
   putchar('{');
   jkv_str("socket", c->path, &f);
-  jkv_i64("daemon_pid", c->daemon_pid, &f);
+  jkv_i64("daemon_pid", s->daemon_pid > 0 ? s->daemon_pid : c->daemon_pid, &f);
+  jkv_i64("daemon_uid", s->daemon_pid > 0 ? (int64_t)s->daemon_uid : (int64_t)c->daemon_uid, &f);
   jkv_str("daemon_version", s->daemon_version, &f);
+  jkv_str("version", s->daemon_version, &f);
   jkv_str("backend", gpupool__wire_backend_name(s->backend), &f);
   jkv_u64("protocol_version", c->hello->hello->protocol_version, &f);
   jkv_u64("uptime_s", s->uptime_s, &f);
@@ -510,7 +588,12 @@ static int cmd_status(ctl *c) {
     json_stats(c, s);
     goto out;
   }
-  printf("gpupoold %s (pid %d) on %s\n", s->daemon_version, (int)c->daemon_pid, c->path);
+  {
+    struct passwd *pw = getpwuid(c->daemon_uid);
+    printf("gpupoold %s (pid %d, uid %u%s%s) on %s\n", s->daemon_version,
+           (int)(s->daemon_pid > 0 ? s->daemon_pid : c->daemon_pid), (unsigned)c->daemon_uid,
+           pw ? " " : "", pw ? pw->pw_name : "", c->path);
+  }
   printf("backend %s, up %s\n", gpupool__wire_backend_name(s->backend), fmt_age(s->uptime_s, up, sizeof(up)));
   printf("clients %llu, buffers %llu, holds %llu, names %llu, pending frees %llu, "
          "waiting leases %llu, open fds %llu\n",
@@ -848,10 +931,11 @@ int main(int argc, char **argv) {
   memset(&c, 0, sizeof(c));
   c.fd = -1;
   c.timeout_s = 10;
+  c.hello_timeout_ms = -1;
   while ((o = getopt_long(argc, argv, "s:jt:hV", opts, NULL)) != -1) {
     switch (o) {
     case 's': sock = optarg; break;
-    case 'j': c.json = 1; break;
+    case 'j': c.json = json_errors = 1; break;
     case 't': {
       char *end = NULL;
       long v = strtol(optarg, &end, 10);
@@ -900,6 +984,16 @@ int main(int argc, char **argv) {
     return EXIT_USAGE;
   }
 
+  {
+    const char *env = getenv("GPUPOOL_CONNECT_TIMEOUT_MS");
+    char *end = NULL;
+    long v = env && *env ? strtol(env, &end, 10) : -1;
+    if (env && *env && (*end != '\0' || v < 0 || v > 86400000)) {
+      die_msg("GPUPOOL_CONNECT_TIMEOUT_MS='%s' is not a number of milliseconds", env);
+      return EXIT_USAGE;
+    }
+    c.hello_timeout_ms = v >= 0 ? (int)v : c.timeout_s * 1000;
+  }
   if (connect_daemon(&c) != 0)
     return EXIT_UNREACHABLE;
   rc = hello(&c);

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: installs what is missing, builds gpupool twice (a normal build and one
-# with AddressSanitizer + UndefinedBehaviorSanitizer) and runs every test with ctest in both.
+# with AddressSanitizer + UndefinedBehaviorSanitizer) and runs every test with ctest in both;
+# after the normal build, the install, packaging and systemd checks (tools/service-test.sh).
 # GPU tests (label gpu) skip themselves without a GPU; run tools/gpu-test.sh on a GPU machine.
 #
 #   tools/test.sh            # both builds
@@ -21,6 +22,7 @@ run_suite() {
 
 mkdir -p build
 run_suite build/release -DCMAKE_BUILD_TYPE=RelWithDebInfo
+tools/service-test.sh build/release
 if [ "${GPUPOOL_TEST_SANITIZE:-1}" != 0 ]; then
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     run_suite build/sanitize -DCMAKE_BUILD_TYPE=Debug -DGPUPOOL_SANITIZE=ON

@@ -271,7 +271,7 @@ static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cf
   cuda_state *st = be->priv;
   struct cudaMemPoolProps props;
   gpupool__bpool *p = NULL;
-  cudaStream_t stream;
+  cudaStream_t stream = NULL; /* set by dev_stream; initialised for -O3 -Werror (maybe-uninitialized) */
   cudaError_t e;
   int rc, fd = -1, created = 0;
 
@@ -414,7 +414,7 @@ static void cuda_pool_destroy(gpupool__bpool *p) {
 
 static int cuda_slab_alloc(gpupool__bpool *p, uint64_t size, gpupool__bslab *out) {
   struct cudaMemPoolPtrExportData exp;
-  cudaStream_t stream;
+  cudaStream_t stream = NULL; /* set by dev_stream; initialised for -O3 -Werror (maybe-uninitialized) */
   void *ptr = NULL;
   cudaError_t e;
   int rc;
@@ -470,7 +470,7 @@ fail:
 }
 
 static void cuda_slab_free(gpupool__bpool *p, gpupool__bslab *s) {
-  cudaStream_t stream;
+  cudaStream_t stream = NULL; /* set by dev_stream; initialised for -O3 -Werror (maybe-uninitialized) */
   cudaError_t e;
 
   if (!s || !s->priv)

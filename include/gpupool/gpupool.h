@@ -176,7 +176,8 @@ GPUPOOL_EXTERN const char *gpupool_version_string(void);
 GPUPOOL_EXTERN int gpupool_default_socket_path(char *buf, size_t len);
 
 /* Connect and handshake. socket_path NULL = default; client_name may be NULL. On success
- * *out is a new client the caller frees with gpupool_disconnect().
+ * *out is a new client the caller frees with gpupool_disconnect(). Gives up after the
+ * default connect timeout (see gpupool_connect_timeout).
  * The connection comes with a lease: one close-on-exec fd the library keeps for as long as
  * this process maps any of the daemon's memory. Children made by fork() share it and may keep
  * reading buffers mapped before the fork, also after the parent has exited: the daemon reuses
@@ -184,6 +185,18 @@ GPUPOOL_EXTERN int gpupool_default_socket_path(char *buf, size_t len);
  * that closes every fd but keeps using its mappings defeats this. */
 GPUPOOL_EXTERN int gpupool_connect(const char *socket_path, const char *client_name,
                                    gpupool_client **out);
+
+/* Default time allowed to connect and to get the daemon's answer to Hello. */
+#define GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS 5000
+/* gpupool_connect() with a time limit for connecting and the handshake: timeout_ms > 0,
+ * 0 = $GPUPOOL_CONNECT_TIMEOUT_MS or GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS, < 0 = wait forever.
+ * A daemon that does not answer in time (stopped, stuck) fails with GPUPOOL_ETIMEDOUT ("the
+ * daemon did not answer in N s"); a socket whose peer does not speak gpupool's protocol with
+ * GPUPOOL_EPROTO ("this socket is not gpupoold"). Reconnections use the same limit. */
+GPUPOOL_EXTERN int gpupool_connect_timeout(const char *socket_path, const char *client_name,
+                                           int timeout_ms, gpupool_client **out);
+/* Change the limit later reconnections use (> 0 ms, or < 0 to wait forever). */
+GPUPOOL_EXTERN int gpupool_set_connect_timeout(gpupool_client *c, int timeout_ms);
 
 /* Tell the library which CUDA devices this process will touch pool memory from. Pools
  * imported later (and those already imported) get read/write access for each of them

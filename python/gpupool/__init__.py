@@ -22,7 +22,21 @@ from ._dtypes import DType, dtype
 from ._lib import GpupoolError, LibraryNotFoundError
 from .client import Client, Tensor
 
-__version__ = "0.1.0"
+try:
+    from ._version import __version__  # written by the wheel build (scikit-build-core)
+except ImportError:  # a source tree on PYTHONPATH: the CMake project's version
+    def _source_version():
+        import os
+        import re
+        top = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "CMakeLists.txt")
+        try:
+            with open(top) as f:
+                m = re.search(r"project\(gpupool VERSION ([0-9]+\.[0-9]+\.[0-9]+)", f.read())
+        except OSError:
+            m = None
+        return m.group(1) if m else "0+unknown"
+    __version__ = _source_version()
+    del _source_version
 
 __all__ = ["Client", "Tensor", "GpupoolError", "LibraryNotFoundError", "DType", "dtype",
            "library_version"]

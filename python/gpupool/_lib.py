@@ -132,6 +132,7 @@ _PROTOTYPES = {
     "gpupool_version_string": (_cp, []),
     "gpupool_default_socket_path": (_c_int, [_cp, ctypes.c_size_t]),
     "gpupool_connect": (_c_int, [_cp, _cp, ctypes.POINTER(ClientP)]),
+    "gpupool_connect_timeout": (_c_int, [_cp, _cp, _c_int, ctypes.POINTER(ClientP)]),
     "gpupool_set_devices": (_c_int, [ClientP, ctypes.POINTER(_c_int), _c_int]),
     "gpupool_disconnect": (None, [ClientP]),
     "gpupool_alloc": (_c_int, [ClientP, _cp, ctypes.c_size_t, _c_int, _vp,
@@ -170,6 +171,10 @@ def _candidates():
     if env:
         return [env], True
     names = []
+    # Installed with pip: the wheel carries the library next to this file.
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libgpupool-client.so")
+    if os.path.exists(here):
+        names.append(here)
     found = ctypes.util.find_library("gpupool-client")
     if found:
         names.append(found)
@@ -188,12 +193,14 @@ def _load():
     if from_env:
         raise LibraryNotFoundError(
             "cannot load GPUPOOL_LIBRARY=%s (%s); set GPUPOOL_LIBRARY to the full path of "
-            "libgpupool-client.so (in a build tree: build/client/libgpupool-client.so)"
+            "libgpupool-client.so (after tools/demo.sh or tools/test.sh: "
+            "build/release/client/libgpupool-client.so)"
             % (names[0], "; ".join(errors)))
     raise LibraryNotFoundError(
-        "cannot find libgpupool-client (tried %s); install gpupool, or set GPUPOOL_LIBRARY "
-        "to the full path of libgpupool-client.so (in a build tree: "
-        "build/client/libgpupool-client.so), or add its directory to LD_LIBRARY_PATH"
+        "cannot find libgpupool-client (tried %s); 'pip install ./python' from the gpupool "
+        "source tree builds it into the package; or install gpupool (cmake --install), or set "
+        "GPUPOOL_LIBRARY to the full path of libgpupool-client.so (after tools/demo.sh or "
+        "tools/test.sh: build/release/client/libgpupool-client.so)"
         % ", ".join(names))
 
 

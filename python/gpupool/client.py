@@ -461,16 +461,24 @@ class Client:
     """A connection to gpupoold.
 
     socket: path of the daemon's socket (None: $GPUPOOL_SOCKET or the default path). name:
-    shown in the daemon's logs. Use as a context manager or call close().
+    shown in the daemon's logs. connect_timeout: seconds allowed to connect and get the
+    daemon's answer (None: $GPUPOOL_CONNECT_TIMEOUT_MS or 5 s); a daemon that is stopped or
+    stuck raises GpupoolError ("the daemon did not answer in N s") instead of hanging. Use as a
+    context manager or call close().
     """
 
-    def __init__(self, socket=None, name=None):
+    def __init__(self, socket=None, name=None, connect_timeout=None):
         L = _lib.lib()
         h = _lib.ClientP()
         sock = None if socket is None else _encode_name(str(socket), "socket path")
         nm = None if name is None else _encode_name(name, "client name")
+        ms = 0
+        if connect_timeout is not None:
+            if connect_timeout <= 0:
+                raise ValueError("connect_timeout must be a positive number of seconds")
+            ms = max(1, int(round(connect_timeout * 1000)))
         # The library's message names the socket and how to start the daemon.
-        check(L.gpupool_connect(sock, nm, ctypes.byref(h)))
+        check(L.gpupool_connect_timeout(sock, nm, ms, ctypes.byref(h)))
         self._conn = _Conn(h, L, socket)
         self._lib = L
         self._tensors = weakref.WeakSet()

@@ -5,7 +5,9 @@
  * it is misspelt or out of range); and the commented-out [daemon] keys that claim to show a
  * default do show the parser's default.
  *
- * Usage: test_conf_example PATH_TO_gpupoold.conf
+ * Also the README's "essentials" block, inline comments and all, as a user would copy it.
+ *
+ * Usage: test_conf_example PATH_TO_gpupoold.conf PATH_TO_README.md
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -20,7 +22,7 @@
 #include "config.h"
 #include "errors.h"
 
-static const char *conf_path;
+static const char *conf_path, *readme_path;
 static char uncommented[64];
 
 /* "#key = value" and "#[pool NAME]" lines lose their '#'; prose comments ("# ...") stay. */
@@ -121,16 +123,79 @@ static void test_documented_defaults(void **state) {
   assert_int_equal(c.metrics_interval_ms, d.metrics_interval_ms);
 }
 
+/* The first ```ini block of the README, written to a file as it stands. */
+static void test_readme_essentials(void **state) {
+  FILE *in = fopen(readme_path, "re"), *out;
+  char line[1024], path[] = "/tmp/gpupool-readme-XXXXXX";
+  int fd = mkstemp(path), in_block = 0, lines = 0;
+  gpupool__config c;
+  (void)state;
+  assert_non_null(in);
+  assert_true(fd >= 0);
+  out = fdopen(fd, "w");
+  while (fgets(line, sizeof line, in)) {
+    if (!in_block && strncmp(line, "```ini", 6) == 0) {
+      in_block = 1;
+      continue;
+    }
+    if (in_block && strncmp(line, "```", 3) == 0)
+      break;
+    if (in_block) {
+      fputs(line, out);
+      lines++;
+    }
+  }
+  fclose(in);
+  fclose(out);
+  assert_true(lines > 5);
+  gpupool__config_defaults(&c);
+  if (gpupool__config_load(&c, path) != 0)
+    fail_msg("the README's config block does not load: %s", gpupool__errmsg());
+  unlink(path);
+  assert_null(c.backend); /* "auto   # auto | cuda | host" is auto */
+  assert_int_equal(c.max_clients, 1024);
+  assert_int_equal(c.n_pools, 1);
+  assert_int_equal(c.pools[0].kind, GPUPOOL_MEM_DEVICE);
+  assert_int_equal(c.pools[0].capacity, 16ull << 30);
+  assert_int_equal(c.pools[0].slab_size, 256ull << 20);
+  assert_int_equal(c.pools[0].keep_slabs, 1);
+}
+
+/* Inline comments after values and section headers; '#' inside a value stays. */
+static void test_inline_comments(void **state) {
+  char path[] = "/tmp/gpupool-inline-XXXXXX";
+  const char *text = "[daemon]   # the daemon\nsocket = /tmp/a#b.sock # not part of it\n"
+                     "log_level = debug\t# tab before\n; old style\n[pool p] # a pool\n"
+                     "capacity = 64M # sixty-four\n";
+  int fd = mkstemp(path);
+  gpupool__config c;
+  (void)state;
+  assert_true(fd >= 0);
+  assert_int_equal(write(fd, text, strlen(text)), (ssize_t)strlen(text));
+  close(fd);
+  gpupool__config_defaults(&c);
+  if (gpupool__config_load(&c, path) != 0)
+    fail_msg("%s", gpupool__errmsg());
+  unlink(path);
+  assert_string_equal(c.socket_path, "/tmp/a#b.sock");
+  assert_int_equal(c.log_level, 7);
+  assert_int_equal(c.n_pools, 1);
+  assert_int_equal(c.pools[0].capacity, 64ull << 20);
+}
+
 int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_readme_essentials),
+      cmocka_unit_test(test_inline_comments),
       cmocka_unit_test(test_as_shipped),
       cmocka_unit_test(test_everything_on),
       cmocka_unit_test(test_documented_defaults),
   };
-  if (argc != 2) {
-    fprintf(stderr, "usage: test_conf_example PATH_TO_gpupoold.conf\n");
+  if (argc != 3) {
+    fprintf(stderr, "usage: test_conf_example PATH_TO_gpupoold.conf PATH_TO_README.md\n");
     return 2;
   }
   conf_path = argv[1];
+  readme_path = argv[2];
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -112,8 +112,22 @@ class Daemon:
             sys.stderr.write("---- gpupoold log ----\n" + f.read() + "----\n")
 
 
+def reachable_copy(tmp, exe):
+    """A copy of exe that another uid can run: the build tree may lie in a 0700 home
+    (a clone in /root), which that uid cannot enter."""
+    d = os.path.join(tmp, "bin")
+    os.makedirs(d, exist_ok=True)
+    os.chmod(d, 0o755)
+    dst = os.path.join(d, os.path.basename(exe))
+    if not os.path.exists(dst):
+        shutil.copy2(exe, dst)
+        os.chmod(dst, 0o755)
+    return dst
+
+
 def ctl(daemon, *args, user=None, expect=0, socket_path=None):
-    cmd = [GPUPOOLCTL, "--socket", socket_path or daemon.sock, *args]
+    exe = GPUPOOLCTL if user is None else reachable_copy(daemon.tmp, GPUPOOLCTL)
+    cmd = [exe, "--socket", socket_path or daemon.sock, *args]
     kw = {}
     if user is not None:
         def drop():

@@ -433,7 +433,7 @@ static void test_refuses_bad_paths(void **state) {
     assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
     assert_int_equal(listen(fd, 4), 0);
     rc = gpupool__metrics_start(&loop, &cfg, fake_stats, NULL);
-    assert_int_equal(rc, GPUPOOL_ECONFIG);
+    assert_int_equal(rc, GPUPOOL_EBUSY);
     assert_non_null(strstr(gpupool__errmsg(), "another running process"));
     assert_int_equal(access(cfg.metrics_socket, F_OK), 0);
     close(fd);

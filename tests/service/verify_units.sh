@@ -46,6 +46,9 @@ verify)
   unitdir=$(sed -n 's/^GPUPOOL_SYSTEMD_UNITDIR:PATH=//p' "$build/CMakeCache.txt")
   sysusersdir=$(sed -n 's/^GPUPOOL_SYSUSERSDIR:PATH=//p' "$build/CMakeCache.txt")
   [ -n "$unitdir" ] && [ -n "$sysusersdir" ] || die "unit directories not in the CMake cache"
+  prefix=$(sed -n 's/^CMAKE_INSTALL_PREFIX:PATH=//p' "$build/CMakeCache.txt")
+  case $unitdir in /*) ;; *) unitdir=$prefix/$unitdir ;; esac
+  case $sysusersdir in /*) ;; *) sysusersdir=$prefix/$sysusersdir ;; esac
   for f in "$unitdir/gpupoold.service" "$unitdir/gpupoold.socket" "$sysusersdir/gpupool.conf"; do
     [ -f "$stage$f" ] || die "$f was not installed"
   done

@@ -1,0 +1,566 @@
+#!/usr/bin/env python3
+"""gpupoold as an operator meets it: start-up failures, the socket path, metrics over TCP,
+client timeouts and what gpupoolctl says about the daemon.
+
+  startup   --check-config accepts a valid file and refuses a bad one with exit 2 and the
+            file:line; a daemon started on a bad config exits 2 at once, logs the reason at
+            error priority ("<3>" under journald) and sends it as STATUS= to its service
+            manager; the unit stops restarting on exit 2 (RestartPreventExitStatus=2).
+  unlink    --socket naming a regular file, a directory or a symlink refuses to start and
+            leaves the file as it was; a stale socket (nobody listening) is replaced; a
+            metrics_socket naming a regular file keeps the file; at exit only sockets go.
+  tcp       metrics_listen: off by default; "metrics_listen = PORT" serves Prometheus text
+            on 127.0.0.1 only; an explicit address is honoured; a bad value is a config error.
+  timeout   a client (gpupoolctl, and the C library through Python's gpupool.Client) gives
+            up on a SIGSTOPped daemon, and on a listener whose backlog is full, within its
+            connect timeout with "the daemon did not answer in N s", and on a socket that is not gpupoold with "this socket is not
+            gpupoold" (an HTTP server, a server that closes at once).
+  identity  Hello and Stats carry the daemon's own pid, uid and version: gpupoolctl status
+            shows them even when the daemon was socket-activated; --json prints {"error": ...}
+            on failure; a refused connection names the socket's real owner, group and mode.
+
+Usage: test_ops.py MODE GPUPOOLD GPUPOOLCTL UNIT_TEMPLATE PYTHON_DIR LIBGPUPOOL
+"""
+import grp
+import json
+import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+MODE, GPUPOOLD, GPUPOOLCTL, UNIT_TEMPLATE, PYTHON_DIR, LIBGPUPOOL = sys.argv[1:7]
+CLEAN_ENV = {k: v for k, v in os.environ.items()
+             if k not in ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "WATCHDOG_USEC",
+                          "WATCHDOG_PID", "NOTIFY_SOCKET", "JOURNAL_STREAM", "GPUPOOL_SOCKET")}
+PROCS = []
+
+
+def fail(msg):
+    print("FAIL: " + msg, file=sys.stderr)
+    raise SystemExit(1)
+
+
+def check(cond, msg):
+    if not cond:
+        fail(msg)
+
+
+def write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def host_conf(tmp, sock, extra=""):
+    conf = os.path.join(tmp, "gpupoold.conf")
+    write(conf, f"[daemon]\nsocket = {sock}\nbackend = host\n{extra}"
+                "[pool default]\nkind = host\ncapacity = 16M\nslab_size = 2M\n")
+    return conf
+
+
+class Notify:
+    """A stand-in NOTIFY_SOCKET: collects what the daemon tells its service manager."""
+
+    count = 0
+
+    def __init__(self, tmp):
+        Notify.count += 1
+        self.path = os.path.join(tmp, f"notify{Notify.count}.sock")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+
+    def messages(self, timeout=0.2):
+        out = []
+        self.sock.settimeout(timeout)
+        while True:
+            try:
+                out.append(self.sock.recv(4096).decode())
+            except socket.timeout:
+                return out
+
+    def wait(self, want, timeout=15):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            self.sock.settimeout(max(0.01, end - time.monotonic()))
+            try:
+                msg = self.sock.recv(4096).decode()
+            except socket.timeout:
+                break
+            if want in msg:
+                return msg
+        fail(f"the daemon did not send {want} within {timeout} s")
+
+
+def start_daemon(tmp, args, notify=None, env_extra=None):
+    env = dict(CLEAN_ENV)
+    if notify:
+        env["NOTIFY_SOCKET"] = notify.path
+    env.update(env_extra or {})
+    log = open(os.path.join(tmp, f"gpupoold-{len(PROCS)}.log"), "w+")
+    p = subprocess.Popen([GPUPOOLD, *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+    p.logfile = log
+    PROCS.append(p)
+    return p
+
+
+def log_of(p):
+    p.logfile.flush()
+    with open(p.logfile.name) as f:
+        return f.read()
+
+
+def stop(p):
+    if p.poll() is None:
+        os.kill(p.pid, signal.SIGCONT)
+        p.send_signal(signal.SIGTERM)
+        p.wait(15)
+
+
+def ctl(sock, *args, expect=0, user=None, env=None, timeout=30, exe=None):
+    cmd = [exe or GPUPOOLCTL, "--socket", sock, *args]
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, timeout=timeout, env=env or CLEAN_ENV)
+    out, err = p.stdout.decode(), p.stderr.decode("utf-8", "replace")
+    print(f"$ gpupoolctl {' '.join(args)} -> {p.returncode} in {time.monotonic() - t0:.1f} s\n"
+          f"{out}{err}", end="")
+    if expect is not None and p.returncode != expect:
+        fail(f"gpupoolctl {' '.join(args)} exited {p.returncode}, expected {expect}")
+    return out, err
+
+
+# ---- startup ---------------------------------------------------------------------------------
+
+def test_startup(tmp):
+    sock = os.path.join(tmp, "gp.sock")
+    good = host_conf(tmp, sock)
+    p = subprocess.run([GPUPOOLD, "--check-config", "--config", good], capture_output=True,
+                       text=True, env=CLEAN_ENV, timeout=30)
+    print(p.stdout + p.stderr)
+    check(p.returncode == 0 and "configuration OK" in p.stdout, "--check-config on a good file")
+    check(not os.path.exists(sock), "--check-config bound the socket")
+
+    bad = os.path.join(tmp, "bad.conf")
+    write(bad, "[daemon]\nbackend = host\n[pool p]\nkind = host\ncapacity = lots\n")
+    p = subprocess.run([GPUPOOLD, "--check-config", "--config", bad], capture_output=True,
+                       text=True, env=CLEAN_ENV, timeout=30)
+    print(p.stdout + p.stderr)
+    check(p.returncode == 2, f"--check-config on a bad file exited {p.returncode}, not 2")
+    check(f"{bad}:5:" in p.stderr and "not a size" in p.stderr, "--check-config message")
+    # Pools checked against the backend, not only parsed.
+    write(bad, "[daemon]\nbackend = host\n[pool p]\nkind = host\ncapacity = 1G\nslab_size = 5G\n")
+    p = subprocess.run([GPUPOOLD, "--check-config", "--config", bad], capture_output=True,
+                       text=True, env=CLEAN_ENV, timeout=30)
+    check(p.returncode == 2 and "4G" in p.stderr, f"slab over 4G: {p.returncode} {p.stderr}")
+
+    # Under a service manager: exit 2 at once, the reason at error priority and in STATUS=.
+    write(bad, "[daemon]\nbackend = host\n[pool p]\ncapacity = lots\n")
+    n = Notify(tmp)
+    t0 = time.monotonic()
+    d = start_daemon(tmp, ["--config", bad, "--socket", sock], notify=n,
+                     env_extra={"JOURNAL_STREAM": "8:12345"})
+    rc = d.wait(10)
+    took = time.monotonic() - t0
+    out = log_of(d)
+    print(out)
+    check(rc == 2, f"a bad config made the daemon exit {rc}, not 2")
+    check(took < 5, f"the daemon took {took:.1f} s to refuse its config")
+    lines = [l for l in out.splitlines() if "not a size" in l]
+    check(lines and lines[0].startswith("<3>"), f"the reason is not logged at error priority: {out!r}")
+    msgs = n.messages()
+    status = [m for m in msgs if m.startswith("STATUS=") or "\nSTATUS=" in m]
+    check(any("not a size" in m and f"{bad}:4" in m for m in status),
+          f"STATUS= does not carry the reason: {msgs}")
+    # Unknown options and bad values on the command line are configuration errors too.
+    d = start_daemon(tmp, ["--backend", "tpu", "--socket", sock], notify=n)
+    check(d.wait(10) == 2, "--backend tpu did not exit 2")
+    check(any("tpu" in m for m in n.messages()), "STATUS= lacks the bad --backend")
+
+    with open(UNIT_TEMPLATE) as f:
+        unit = f.read()
+    check(re.search(r"^RestartPreventExitStatus=.*\b2\b", unit, re.M),
+          "gpupoold.service does not stop restarting on exit status 2")
+    check(re.search(r"^Restart=on-failure$", unit, re.M), "gpupoold.service lost Restart=")
+
+
+# ---- unlink ----------------------------------------------------------------------------------
+
+def test_unlink(tmp):
+    path = os.path.join(tmp, "precious.txt")
+    write(path, "do not delete\n")
+    d = start_daemon(tmp, ["--backend", "host", "--socket", path])
+    rc = d.wait(10)
+    out = log_of(d)
+    print(out)
+    check(rc == 2, f"gpupoold on a regular file exited {rc}, not 2")
+    check(os.path.isfile(path) and open(path).read() == "do not delete\n",
+          "gpupoold removed or changed the regular file at --socket")
+    check("not a socket" in out and path in out, "the refusal does not say the path is not a socket")
+
+    os.mkdir(os.path.join(tmp, "adir"))
+    d = start_daemon(tmp, ["--backend", "host", "--socket", os.path.join(tmp, "adir")])
+    check(d.wait(10) == 2 and os.path.isdir(os.path.join(tmp, "adir")), "directory at --socket")
+    link = os.path.join(tmp, "link.sock")
+    os.symlink(path, link)
+    d = start_daemon(tmp, ["--backend", "host", "--socket", link])
+    check(d.wait(10) == 2 and os.path.islink(link) and os.path.isfile(path), "symlink at --socket")
+
+    # A stale socket (bound, nobody listening) is replaced; at exit only the socket goes.
+    sock = os.path.join(tmp, "stale.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(sock)
+    s.close()
+    mfile = os.path.join(tmp, "metrics-file")
+    write(mfile, "keep me\n")
+    n = Notify(tmp)
+    d = start_daemon(tmp, ["--config", host_conf(tmp, sock, f"metrics_socket = {mfile}\n")], notify=n)
+    n.wait("READY=1")
+    out = log_of(d)
+    check("not a socket" in out, f"metrics_socket on a regular file was not refused: {out}")
+    check(open(mfile).read() == "keep me\n", "metrics_socket's regular file was changed")
+    check(stat.S_ISSOCK(os.lstat(sock).st_mode), "the stale socket was not replaced")
+    ctl(sock, "status")
+    # Something else takes the socket's place while the daemon runs: it must survive exit.
+    os.unlink(sock)
+    write(sock, "replaced\n")
+    stop(d)
+    check(d.returncode == 0, f"gpupoold exited {d.returncode}")
+    check(os.path.isfile(sock) and open(sock).read() == "replaced\n",
+          "gpupoold removed a regular file at its socket path when it stopped")
+    check(os.path.isfile(mfile), "gpupoold removed the metrics_socket regular file when it stopped")
+
+    # The same for the metrics socket: served, then replaced by a file while the daemon runs.
+    os.unlink(sock)
+    msock = os.path.join(tmp, "metrics.sock")
+    n = Notify(tmp)
+    d = start_daemon(tmp, ["--config", host_conf(tmp, sock, f"metrics_socket = {msock}\n")], notify=n)
+    n.wait("READY=1")
+    check(stat.S_ISSOCK(os.lstat(msock).st_mode), "metrics_socket was not bound")
+    os.unlink(msock)
+    write(msock, "replaced\n")
+    stop(d)
+    check(d.returncode == 0, f"gpupoold exited {d.returncode}")
+    check(os.path.isfile(msock) and open(msock).read() == "replaced\n",
+          "gpupoold removed a regular file at its metrics_socket path when it stopped")
+
+
+# ---- tcp -------------------------------------------------------------------------------------
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def http_get(host, port, timeout=5):
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return data.decode()
+            data += chunk
+
+
+def non_loopback_ipv4():
+    """An address of this machine outside 127/8, or None."""
+    try:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.connect(("192.0.2.1", 9))  # no packet is sent
+        addr = s.getsockname()[0]
+        s.close()
+        return None if addr.startswith("127.") else addr
+    except OSError:
+        return None
+
+
+def test_tcp(tmp):
+    sock = os.path.join(tmp, "gp.sock")
+    # Off by default: no TCP socket among the daemon's fds.
+    n = Notify(tmp)
+    d = start_daemon(tmp, ["--config", host_conf(tmp, sock)], notify=n)
+    n.wait("READY=1")
+    inodes = set()
+    for fd in os.listdir(f"/proc/{d.pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{d.pid}/fd/{fd}")
+        except OSError:
+            continue
+        m = re.match(r"socket:\[(\d+)\]", target)
+        if m:
+            inodes.add(m.group(1))
+    tcp = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            for line in open(table).readlines()[1:]:
+                f = line.split()
+                if f[9] in inodes:
+                    tcp.append(line)
+    check(not tcp, f"the daemon has TCP sockets without metrics_listen: {tcp}")
+    stop(d)
+
+    port = free_port()
+    n = Notify(tmp)
+    d = start_daemon(tmp, ["--config", host_conf(tmp, sock, f"metrics_listen = {port}\n")], notify=n)
+    n.wait("READY=1")
+    body = http_get("127.0.0.1", port)
+    check(body.startswith("HTTP/1.0 200"), f"TCP metrics answer: {body[:200]!r}")
+    check("gpupool_pool_capacity_bytes{pool=\"default\"} 16777216" in body, "TCP metrics body")
+    other = non_loopback_ipv4()
+    if other:
+        try:
+            http_get(other, port, timeout=2)
+            fail(f"metrics_listen = PORT is reachable on {other}, not only on loopback")
+        except OSError:
+            print(f"not reachable on {other}: ok")
+    else:
+        print("(no non-loopback address here: loopback-only not probed from outside)")
+    stop(d)
+    check(d.returncode == 0, "daemon exit status with TCP metrics")
+
+    port = free_port()
+    n = Notify(tmp)
+    d = start_daemon(tmp, ["--config", host_conf(tmp, sock, f"metrics_listen = 127.0.0.2:{port}\n")],
+                     notify=n)
+    n.wait("READY=1")
+    check(http_get("127.0.0.2", port).startswith("HTTP/1.0 200"), "explicit address")
+    stop(d)
+
+    for bad in ("70000", "localhost:x", "300.1.1.1:9000", "[::1:9000"):
+        p = subprocess.run([GPUPOOLD, "--check-config", "--config",
+                            host_conf(tmp, sock, f"metrics_listen = {bad}\n")],
+                           capture_output=True, text=True, env=CLEAN_ENV, timeout=30)
+        check(p.returncode == 2 and "metrics_listen" in p.stderr, f"metrics_listen = {bad}: {p.stderr}")
+
+
+# ---- timeout ---------------------------------------------------------------------------------
+
+def python_client(sock, code, timeout=60):
+    env = dict(CLEAN_ENV, PYTHONPATH=PYTHON_DIR, GPUPOOL_LIBRARY=LIBGPUPOOL)
+    if os.environ.get("GPUPOOL_TEST_PY_PRELOAD"):
+        # The interpreter's own allocations are not ours to check: no leak detection there.
+        env.update(LD_PRELOAD=os.environ["GPUPOOL_TEST_PY_PRELOAD"], ASAN_OPTIONS="detect_leaks=0")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code, sock], capture_output=True, text=True,
+                       env=env, timeout=timeout)
+    print(f"python -> {p.returncode} in {time.monotonic() - t0:.1f} s\n{p.stdout}{p.stderr}")
+    return p, time.monotonic() - t0
+
+
+def serve_fake(path, answer):
+    """A Unix socket that is not gpupoold: answers every connection with `answer` and closes."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(16)
+
+    def loop():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            try:
+                c.settimeout(2)
+                try:
+                    c.recv(4096)
+                except OSError:
+                    pass
+                c.sendall(answer)
+            except OSError:
+                pass
+            c.close()
+
+    threading.Thread(target=loop, daemon=True).start()
+    return srv
+
+
+def test_timeout(tmp):
+    sock = os.path.join(tmp, "gp.sock")
+    n = Notify(tmp)
+    d = start_daemon(tmp, ["--config", host_conf(tmp, sock)], notify=n)
+    n.wait("READY=1")
+    os.kill(d.pid, signal.SIGSTOP)
+    try:
+        env = dict(CLEAN_ENV, GPUPOOL_CONNECT_TIMEOUT_MS="1500")
+        t0 = time.monotonic()
+        _, err = ctl(sock, "status", expect=3, env=env)
+        took = time.monotonic() - t0
+        check("did not answer in 1.5 s" in err, f"gpupoolctl on a stopped daemon: {err}")
+        check(took < 10, f"gpupoolctl took {took:.1f} s on a stopped daemon")
+        out, _ = ctl(sock, "--json", "status", expect=3, env=env)
+        check("did not answer" in json.loads(out)["error"], "--json error on a stopped daemon")
+
+        # Python: the default timeout (a few seconds), and one set in the constructor.
+        p, took = python_client(sock, "import sys, gpupool\n"
+                                "try:\n    gpupool.Client(sys.argv[1])\n"
+                                "except gpupool.GpupoolError as e:\n    print(e); sys.exit(7)\n")
+        check(p.returncode == 7 and "did not answer in 5 s" in p.stdout,
+              "gpupool.Client() on a stopped daemon did not time out with the message")
+        check(took < 20, f"gpupool.Client() took {took:.1f} s")
+        p, took = python_client(sock, "import sys, gpupool\n"
+                                "try:\n    gpupool.Client(sys.argv[1], connect_timeout=0.5)\n"
+                                "except gpupool.GpupoolError as e:\n    print(e); sys.exit(7)\n")
+        check(p.returncode == 7 and "did not answer in 0.5 s" in p.stdout and took < 10,
+              "gpupool.Client(connect_timeout=0.5)")
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+    ctl(sock, "status")
+    stop(d)
+
+    # A listener whose backlog is full (it never accepts): connect() itself would block.
+    full = os.path.join(tmp, "full.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(full)
+    srv.listen(0)
+    fillers = []
+    while True:
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.setblocking(False)
+        try:
+            c.connect(full)
+        except BlockingIOError:
+            c.close()
+            break
+        fillers.append(c)
+        check(len(fillers) < 1000, "the backlog never filled")
+    env = dict(CLEAN_ENV, GPUPOOL_CONNECT_TIMEOUT_MS="1000")
+    t0 = time.monotonic()
+    _, err = ctl(full, "status", expect=3, env=env)
+    check("did not answer in 1 s" in err and time.monotonic() - t0 < 10,
+          f"gpupoolctl on a full backlog: {err}")
+    p, took = python_client(full, "import sys, gpupool\n"
+                            "try:\n    gpupool.Client(sys.argv[1], connect_timeout=1)\n"
+                            "except gpupool.GpupoolError as e:\n    print(e); sys.exit(7)\n")
+    check(p.returncode == 7 and "did not answer in 1 s" in p.stdout and took < 10,
+          "gpupool.Client() on a full backlog")
+    for c in fillers:
+        c.close()
+    srv.close()
+
+    # Not gpupoold: an HTTP server, and one that closes without a word.
+    for name, answer in (("http", b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"),
+                         ("silent", b"")):
+        path = os.path.join(tmp, f"{name}.sock")
+        srv = serve_fake(path, answer)
+        _, err = ctl(path, "status", expect=3)
+        check("this socket is not gpupoold" in err and path in err, f"{name}: {err}")
+        check("restart" not in err, f"{name}: the message blames a daemon restart: {err}")
+        p, _ = python_client(path, "import sys, gpupool\n"
+                             "try:\n    gpupool.Client(sys.argv[1])\n"
+                             "except gpupool.GpupoolError as e:\n    print(e); sys.exit(7)\n")
+        check(p.returncode == 7 and "this socket is not gpupoold" in p.stdout, f"python {name}")
+        srv.close()
+
+
+# ---- identity --------------------------------------------------------------------------------
+
+def reachable_copy(tmp, exe):
+    """A copy of exe that any uid can run: the build tree may sit in a 0700 home."""
+    d = os.path.join(tmp, "bin")
+    os.makedirs(d, exist_ok=True)
+    os.chmod(d, 0o755)
+    dst = os.path.join(d, os.path.basename(exe))
+    shutil.copy2(exe, dst)
+    os.chmod(dst, 0o755)
+    return dst
+
+
+def test_identity(tmp):
+    os.chmod(tmp, 0o755)
+    sock = os.path.join(tmp, "gp.sock")
+    # Socket activation: the daemon gets a pre-bound socket as fd 3, as under systemd.
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lsock.bind(sock)
+    lsock.listen(16)
+    os.chmod(sock, 0o660)
+    n = Notify(tmp)
+    env = dict(CLEAN_ENV, NOTIFY_SOCKET=n.path, LISTEN_FDS="1")
+    log = open(os.path.join(tmp, "activated.log"), "w+")
+
+    conf = host_conf(tmp, "", "")
+    # LISTEN_PID must name the daemon itself: exec through sh, which keeps its pid.
+    d = subprocess.Popen(["sh", "-c", 'LISTEN_PID=$$ exec "$0" --config "$1" 3<&"$2"', GPUPOOLD,
+                          conf, str(lsock.fileno())], env=env, stdout=log,
+                         stderr=subprocess.STDOUT, pass_fds=(lsock.fileno(),))
+    d.logfile = log
+    PROCS.append(d)
+    lsock.close()
+    n.wait("READY=1")
+    out, _ = ctl(sock, "status")
+    check(re.search(rf"\bpid {d.pid}\b", out), f"status does not show the daemon's pid {d.pid}")
+    check(not re.search(r"\bpid 1\b", out), "status shows pid 1")
+    check(re.search(rf"\buid {os.geteuid()}\b", out), "status does not show the daemon's uid")
+    st = json.loads(ctl(sock, "--json", "status")[0])
+    check(st["daemon_pid"] == d.pid and st["daemon_uid"] == os.geteuid(), f"--json status {st}")
+    check(st["version"] and st["daemon_version"] == st["version"], f"--json version {st}")
+    stats = json.loads(ctl(sock, "--json", "stats")[0])
+    check(stats["daemon_pid"] == d.pid and stats["daemon_uid"] == os.geteuid(), f"stats {stats}")
+
+    # A failure under --json is JSON too.
+    out, err = ctl(os.path.join(tmp, "none.sock"), "--json", "status", expect=3)
+    try:
+        e = json.loads(out)
+    except ValueError:
+        fail(f"--json printed no JSON on failure: {out!r}")
+    check(isinstance(e.get("error"), str) and "none.sock" in e["error"], f"--json error {e}")
+
+    if os.geteuid() != 0:
+        print("(not root: permission messages are not exercised)")
+        stop(d)
+        return
+    # Refused by the socket's mode: the message names its real owner, group and mode.
+    exe = reachable_copy(tmp, GPUPOOLCTL)
+    gid = 4242
+    try:
+        gname = grp.getgrgid(gid).gr_name
+    except KeyError:
+        gname = str(gid)
+    os.chown(sock, 0, gid)
+    os.chmod(sock, 0o660)
+    _, err = ctl(sock, "status", expect=3, user=65534, exe=exe)
+    owner = pwd.getpwuid(0).pw_name
+    check("permission denied" in err and f"owner {owner}" in err and f"group {gname}" in err
+          and "mode 0660" in err, f"permission message: {err}")
+    check("group (gpupool)" not in err, f"message names gpupool whatever the group: {err}")
+    os.chmod(sock, 0o666)
+    out, _ = ctl(sock, "status", user=65534, exe=exe)
+    check(re.search(rf"\bpid {d.pid}\b", out), "status as another uid")
+    _, err = ctl(sock, "clients", user=65534, exe=exe, expect=1)
+    check(f"uid {os.geteuid()}" in err, f"admin refusal does not name the daemon's uid: {err}")
+    stop(d)
+
+
+def main():
+    tmp = tempfile.mkdtemp(prefix="gpupool-ops-")
+    try:
+        {"startup": test_startup, "unlink": test_unlink, "tcp": test_tcp,
+         "timeout": test_timeout, "identity": test_identity}[MODE](tmp)
+    except BaseException:
+        for p in PROCS:
+            if hasattr(p, "logfile"):
+                sys.stderr.write(f"---- daemon {p.pid} log ----\n{log_of(p)}----\n")
+        print(f"files kept in {tmp}", file=sys.stderr)
+        raise
+    finally:
+        for p in PROCS:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+                p.wait()
+    shutil.rmtree(tmp, ignore_errors=True)
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
