@@ -243,20 +243,6 @@ static void test_waiters_bounded(void **state) {
   gpupool_disconnect(c);
 }
 
-static uint64_t daemon_rss_kib(void) {
-  char path[64], line[256];
-  uint64_t kib = 0;
-  FILE *f;
-  snprintf(path, sizeof path, "/proc/%d/status", (int)D.pid);
-  f = fopen(path, "r");
-  assert_non_null(f);
-  while (fgets(line, sizeof line, f))
-    if (sscanf(line, "VmRSS: %" SCNu64, &kib) == 1)
-      break;
-  fclose(f);
-  return kib;
-}
-
 /* After a protocol violation the daemon reads nothing more from that client, and hangs up
  * within about a second even if the client never reads the error. */
 static int violator_child(const th_daemon *d, int arg) {
@@ -294,6 +280,8 @@ static int violator_child(const th_daemon *d, int arg) {
     }
     if (n < 0 && (errno == EPIPE || errno == ECONNRESET)) {
       printf("violator: hung up after %" PRIu64 " ms, %" PRIu64 " bytes sent\n", th_now_ms() - t0, sent);
+      /* What went in is what the socket buffers hold, not what the daemon read. */
+      CHILD_CHECK(sent < (16u << 20), "the daemon took %" PRIu64 " bytes after the violation", sent);
       close(fd);
       return 0;
     }
@@ -305,14 +293,9 @@ static int violator_child(const th_daemon *d, int arg) {
 }
 
 static void test_violation_stops_reading(void **state) {
-  uint64_t before, after;
   (void)state;
   start_with("");
-  before = daemon_rss_kib();
   th_wait_ok(th_spawn(&D, violator_child, 0), "violating client");
-  after = daemon_rss_kib();
-  printf("daemon RSS %" PRIu64 " -> %" PRIu64 " KiB\n", before, after);
-  assert_true(after < before + 16 * 1024);
 }
 
 /* A client that pipelines requests and never reads its replies is dropped once they hold
