@@ -1126,11 +1126,9 @@ void gpupool__registry_close(gpupool__registry *reg) {
   }
   for (int i = 0; i < reg->npools; i++) {
     gpupool__pool *p = &reg->pools[i];
-    while (p->slabs) {
-      gpupool__slab *s = p->slabs;
-      s->nmappers = 0;
-      slab_destroy(reg, s);
-    }
+    /* slab_destroy lets go of the dead mappers' process watches (live mappers are gone). */
+    while (p->slabs)
+      slab_destroy(reg, p->slabs);
     reg->be->ops->pool_destroy(p->bp);
   }
   for (uint32_t i = 0; i < reg->nevents; i++) {

@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -233,6 +234,34 @@ static void test_drop_client_releases_everything(void **state) {
   assert_int_equal(f->reg.holds.len, 0);
 }
 
+/* A client that went away holding a buffer in a slab it mapped, while its process lives on:
+ * the registry watches the process (a pidfd on the loop). Closing the registry must let go of
+ * that watch, or the daemon's last loop run never ends and SIGTERM hangs until the client
+ * exits (found by fuzz_daemon; regression input tests/fuzz/regress/daemon/). */
+static void test_close_with_a_live_dead_client(void **state) {
+  fixture *f = *state;
+  gpupool__hold *h;
+  gpupool__desc_storage ds;
+  int rounds;
+
+  f->a.pid = getpid();
+  f->a.pidfd = (int)syscall(SYS_pidfd_open, getpid(), 0);
+  assert_true(f->a.pidfd >= 0);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 4096, 0, &h), 0);
+  gpupool__fill_desc(&f->reg, &f->a, h, NULL, &ds); /* a maps the slab */
+  assert_non_null(ds.slab.export_data.data);
+  gpupool__client_drop(&f->reg, &f->a);
+  gpupool__client_drop(&f->reg, &f->b);
+  assert_int_equal(f->reg.npending, 1); /* waits for this process to exit */
+  gpupool__registry_close(&f->reg);
+  for (rounds = 0; rounds < 100 && uv_loop_alive(&f->loop); rounds++)
+    uv_run(&f->loop, UV_RUN_NOWAIT);
+  assert_false(uv_loop_alive(&f->loop));
+  f->be->ops->close(f->be);
+  assert_int_equal(uv_loop_close(&f->loop), 0);
+  free(f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_holders_and_exactly_once, setup, teardown),
@@ -241,6 +270,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_full_pool_message_and_revoke, setup, teardown),
       cmocka_unit_test_setup_teardown(test_limits, setup_limits, teardown),
       cmocka_unit_test_setup_teardown(test_drop_client_releases_everything, setup, teardown),
+      cmocka_unit_test_setup(test_close_with_a_live_dead_client, setup),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
