@@ -906,6 +906,7 @@ int gpupool_connect(const char *socket_path, const char *client_name, gpupool_cl
     gpupool__hmap_free(&c->exports);
     gpupool__hmap_free(&c->events);
     free(c->pools);
+    free(c->unmapped); /* revocations the refused Hello reply carried */
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     free(c);
