@@ -4,9 +4,11 @@
  * before a publish is visible to every process that maps it.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "errors.h"
@@ -19,10 +21,34 @@ struct gpupool__cpool {
 
 static int host_import(int fd, gpupool_mem_kind kind, int device, uint64_t capacity, gpupool__cpool **out) {
   gpupool__cpool *p;
+  struct stat st;
+  int seals, rc;
   (void)device;
   if (kind != GPUPOOL_MEM_HOST) {
     close(fd);
     return gpupool__err(GPUPOOL_ENOTSUP, "the host backend cannot import a pool of GPU memory");
+  }
+  /* Slabs are mapped from this fd and then touched by the application: a file shorter than
+   * the pool, or one that may still shrink, kills this process with SIGBUS. gpupoold sends a
+   * memfd of exactly the pool's capacity, sealed against shrinking. */
+  seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
+    close(fd);
+    return gpupool__err(GPUPOOL_EPROTO,
+                        "the pool fd from the daemon is not a memfd sealed against shrinking; the socket "
+                        "is not served by a gpupoold (check GPUPOOL_SOCKET or the path passed to connect)");
+  }
+  if (fstat(fd, &st) != 0) {
+    rc = gpupool__err(GPUPOOL_EPROTO, "cannot stat the pool fd from the daemon: %s", strerror(errno));
+    close(fd);
+    return rc;
+  }
+  if (st.st_size < 0 || (uint64_t)st.st_size < capacity) {
+    close(fd);
+    return gpupool__err(GPUPOOL_EPROTO,
+                        "the pool fd from the daemon holds %lld bytes but the pool claims %llu; the socket "
+                        "is not served by a gpupoold (check GPUPOOL_SOCKET or the path passed to connect)",
+                        (long long)st.st_size, (unsigned long long)capacity);
   }
   p = calloc(1, sizeof *p);
   if (!p) {
