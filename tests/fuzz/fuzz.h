@@ -11,8 +11,8 @@
  *   [ctl: 1 byte][len: 2 bytes little-endian][len bytes]...
  * ctl bits 0-2: fds attached to the chunk (0-7; more than 4 is a protocol error for the
  * receiver); bit 3: those fds are sealed memfds (else unsealed); bits 4-5: memfd size
- * (4 KiB, 2 MiB, 8 MiB, 64 MiB). A chunk whose length runs past the input takes what is
- * left.
+ * (4 KiB, 2 MiB, 8 MiB, 64 MiB); bit 6, in fuzz_daemon only: the replies are not read
+ * right after this chunk. A chunk whose length runs past the input takes what is left.
  */
 #ifndef GPUPOOL_TESTS_FUZZ_H
 #define GPUPOOL_TESTS_FUZZ_H

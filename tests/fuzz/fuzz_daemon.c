@@ -6,7 +6,10 @@
  * server listening on an abstract Unix socket; one client socket connects, the server
  * accepts it (SO_PEERCRED and all), and the input's chunks (fuzz.h) are written as that
  * client's stream, the loop running between chunks while replies are drained. Then the
- * client hangs up and everything is torn down: server, registry, loop. What a connection
+ * client hangs up and everything is torn down: server, registry, loop. The server's end of
+ * the connection gets the smallest send buffer the kernel allows, and a chunk with ctl bit 6
+ * (0x40) is followed by no read of the replies: together they fill the server's reply queue.
+ * What a connection
  * leaves behind shows up as a LeakSanitizer report, a handle that keeps the loop from
  * closing, or an fd count that grew; the last two abort here.
  */
@@ -14,7 +17,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 #include <uv.h>
@@ -63,11 +68,23 @@ static void describe_handle(uv_handle_t *h, void *arg) {
           uv_is_active(h));
 }
 
+#define CTL_NO_READ 0x40
+
 /* Run what is ready on the loop and take what the server wrote. Returns 1 once the client
  * socket saw the end of the stream. */
 static int pump(uv_loop_t *loop, int cli) {
   uv_run(loop, UV_RUN_NOWAIT);
   return fuzz_drain(cli);
+}
+
+/* The lowest free fd: the one the server's accept4 will return (this thread opens nothing
+ * in between). */
+static int next_fd(void) {
+  int fd = fcntl(0, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0)
+    fuzz_fail("F_DUPFD: %s", strerror(errno));
+  close(fd);
+  return fd;
 }
 
 static int listen_abstract(struct sockaddr_un *addr, socklen_t *alen) {
@@ -87,7 +104,7 @@ static int listen_abstract(struct sockaddr_un *addr, socklen_t *alen) {
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   static fuzz_chunk chunks[FUZZ_MAX_CHUNKS];
   size_t nchunks = fuzz_chunks(data, size, chunks, FUZZ_MAX_CHUNKS);
-  int fds_before = fuzz_count_fds(), lfd, cli, eof = 0, rounds;
+  int fds_before = fuzz_count_fds(), lfd, cli, conn_fd, eof = 0, rounds;
   struct sockaddr_un addr;
   socklen_t alen;
   uv_loop_t loop;
@@ -104,10 +121,19 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   cli = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (cli < 0 || connect(cli, (struct sockaddr *)&addr, alen) != 0)
     fuzz_fail("connect: %s", strerror(errno));
+  conn_fd = next_fd();
   for (rounds = 0; gpupool__server_clients(srv) == 0; rounds++) {
     if (rounds > 1000)
       fuzz_fail("the server did not accept the connection");
     uv_run(&loop, UV_RUN_NOWAIT);
+  }
+  {
+    int small = 1; /* the kernel raises it to its minimum, a few KiB */
+    struct stat st;
+    if (fstat(conn_fd, &st) != 0 || !S_ISSOCK(st.st_mode))
+      fuzz_fail("fd %d is not the server's end of the connection", conn_fd);
+    if (setsockopt(conn_fd, SOL_SOCKET, SO_SNDBUF, &small, sizeof small) != 0)
+      fuzz_fail("SO_SNDBUF: %s", strerror(errno));
   }
 
   for (size_t i = 0; i < nchunks && !eof; i++) {
@@ -123,7 +149,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     if (rc < 0)
       break; /* the server hung up: the rest of the input is never read */
-    eof = pump(&loop, cli);
+    if (chunks[i].ctl & CTL_NO_READ)
+      uv_run(&loop, UV_RUN_NOWAIT);
+    else
+      eof = pump(&loop, cli);
   }
 
   /* Hang up and let the server see it; it must close the connection on its own. */

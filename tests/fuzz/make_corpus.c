@@ -92,7 +92,10 @@ static void req_split(sbuf *b, uint8_t ctl, uint64_t seq, gpupool__req *r, size_
   free(f);
 }
 
-static void req(sbuf *b, uint64_t seq, gpupool__req *r) { req_split(b, 0, seq, r, 0); }
+/* ctl of the chunks req() writes. */
+static uint8_t req_ctl;
+
+static void req(sbuf *b, uint64_t seq, gpupool__req *r) { req_split(b, req_ctl, seq, r, 0); }
 
 static void hello(sbuf *b, uint32_t version) {
   gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
@@ -319,6 +322,20 @@ static void daemon_seeds(void) {
     publish(&b, 20 + (uint64_t)i, 4, name, 0, 0);
   }
   emit_free("daemon", "limits", &b);
+
+  /* Pipelined requests whose replies are not read: the server's reply queue fills. */
+  hello(&b, GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION);
+  allocate(&b, 2, "a", 4096, 0, 0);
+  publish(&b, 3, 4, "queued", 1, 0);
+  req_ctl = 0x40; /* fuzz_daemon.c: no read of the replies after these */
+  for (int i = 0; i < 40; i++) {
+    get(&b, 4 + 2 * (uint64_t)i, "queued", 0);
+    simple(&b, 5 + 2 * (uint64_t)i, GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS);
+  }
+  req_ctl = 0;
+  memcpy(raw, "\x05\x00\x00\x00\xff\xff\xff\xff\xff", 9); /* then a malformed frame */
+  chunk(&b, 0x40, raw, 9);
+  emit_free("daemon", "unread_replies", &b);
 
   /* Protocol violations, each answered and followed by a hang-up. */
   simple(&b, 1, GPUPOOL__WIRE__REQUEST__BODY_STATS);
