@@ -8,8 +8,10 @@
  * sequence numbers the seeds answer; make_corpus.c builds them):
  *   1 Hello (gpupool_connect)      2 Stats           3 Allocate, 4 AttachPool (its fd)
  *   5 Share   6 Publish   7 Open   8 Get   9 Trim   10 Unpublish   11-13 Release
- * and touches every byte of each buffer it gets, as an application would. A failed call
- * shifts the numbers; the connection breaking ends the sequence (reconnection is off).
+ * and touches every byte of each buffer it gets, as an application would. The buffer from
+ * Get goes to a DLPack consumer (its tensor description comes from the peer), which reads
+ * the first and last byte of the tensor and releases it (13) through the deleter. A failed
+ * call shifts the numbers; the connection breaking ends the sequence (reconnection is off).
  */
 #include <errno.h>
 #include <poll.h>
@@ -22,6 +24,7 @@
 #include <unistd.h>
 
 #include "fuzz.h"
+#include "gpupool/dlpack.h"
 #include "gpupool/gpupool.h"
 
 static char sock_path[108];
@@ -111,6 +114,39 @@ static void touch(gpupool_buffer *b) {
   }
 }
 
+/* What a DLPack consumer of b may read must lie inside b: read its first and last byte. */
+static void consume_dlpack(gpupool_buffer *b) {
+  DLManagedTensorVersioned *t = NULL;
+  const uint8_t *base = gpupool_buffer_ptr(b);
+  size_t size = gpupool_buffer_size(b);
+  unsigned __int128 last = 0, item;
+  volatile const uint8_t *data;
+  if (gpupool_buffer_to_dlpack_versioned(b, &t) != 0) {
+    gpupool_release(b, NULL);
+    return;
+  }
+  data = (const uint8_t *)t->dl_tensor.data + t->dl_tensor.byte_offset;
+  item = ((unsigned __int128)t->dl_tensor.dtype.bits * t->dl_tensor.dtype.lanes + 7) / 8;
+  for (int i = 0; i < t->dl_tensor.ndim; i++) {
+    if (t->dl_tensor.shape[i] == 0) {
+      item = 0; /* no element at all */
+      break;
+    }
+    if (t->dl_tensor.shape[i] < 0 || t->dl_tensor.strides[i] < 0)
+      fuzz_fail("DLPack tensor with shape %lld, stride %lld", (long long)t->dl_tensor.shape[i],
+                (long long)t->dl_tensor.strides[i]);
+    last += (unsigned __int128)(t->dl_tensor.shape[i] - 1) * (uint64_t)t->dl_tensor.strides[i];
+  }
+  if (item > 0) {
+    unsigned __int128 end = (unsigned __int128)(uintptr_t)(data - base) + (last + 1) * item;
+    if ((const uint8_t *)data < base || end > size)
+      fuzz_fail("a DLPack tensor reaches byte %llu of a %zu-byte buffer", (unsigned long long)end, size);
+    (void)data[0];
+    (void)data[(size_t)((last + 1) * item - 1)];
+  }
+  t->deleter(t);
+}
+
 static void use_client(gpupool_client *c) {
   gpupool_daemon_stats ds;
   gpupool_pool_stats ps[4];
@@ -138,7 +174,7 @@ static void use_client(gpupool_client *c) {
   gpupool_trim(c);
   gpupool_unpublish(c, "fuzz");
   if (got)
-    gpupool_release(got, NULL);
+    consume_dlpack(got);
   if (opened)
     gpupool_release(opened, NULL);
   if (mine)
