@@ -33,7 +33,8 @@ summary=()
 failed=()
 for t in "${targets[@]}"; do
   bin=$dir/tests/fuzz/fuzz_$t
-  seeds=tests/fuzz/corpus/$t
+  seeds=(tests/fuzz/corpus/"$t")
+  [ "$t" != config ] || seeds+=(config) # the example config file with every key
   regress=tests/fuzz/regress/$t
   work=$dir/corpus/$t
   log=$dir/fuzz_$t.log
@@ -52,7 +53,7 @@ for t in "${targets[@]}"; do
   echo "==== gpupool: fuzz_$t: fuzzing for ${secs}s"
   rc=0
   timeout $((secs + 300)) "$bin" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 \
-    -print_final_stats=1 -artifact_prefix="$regress/" "$work" "$seeds" >"$log" 2>&1 || rc=$?
+    -print_final_stats=1 -artifact_prefix="$regress/" "$work" "${seeds[@]}" >"$log" 2>&1 || rc=$?
   done_line=$(grep -E '^#[0-9]+[[:space:]]+DONE' "$log" | tail -n 1 || true)
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
   cov=$(sed -n 's/.* cov: \([0-9]*\) ft: \([0-9]*\) corp: \([0-9]*\).*/\1 \2 \3/p' <<<"$done_line")

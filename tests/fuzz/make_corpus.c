@@ -4,7 +4,7 @@
  * reach deep into each parser. The checked-in tests/fuzz/corpus is this program's output;
  * ctest (fuzz_corpus_current) fails when they differ.
  *
- *   fuzz_make_corpus OUT_DIR CONFIG_EXAMPLE     # e.g. tests/fuzz/corpus config/gpupoold.conf
+ *   fuzz_make_corpus OUT_DIR      # tests/fuzz/corpus to regenerate the checked-in seeds
  *
  * Ids in the daemon's streams follow the registry's numbering for a fresh registry: the
  * client is 1, the first slab 2, then each buffer and hold takes the next number.
@@ -601,22 +601,10 @@ static void client_seeds(void) {
 
 static void text(sbuf *b, const char *s) { put(b, s, strlen(s)); }
 
-static void config_seeds(const char *example) {
+/* config/gpupoold.conf, the commented example with every key, is a seed as well: tools/fuzz.sh
+ * and ctest pass config/ to fuzz_config next to this corpus, so it is never copied here. */
+static void config_seeds(void) {
   sbuf b = {0};
-  FILE *f = fopen(example, "rb");
-  char buf[4096];
-  size_t n;
-  if (!f) {
-    fprintf(stderr, "cannot read %s: %s\n", example, strerror(errno));
-    exit(1);
-  }
-  while ((n = fread(buf, 1, sizeof buf, f)) > 0)
-    put(&b, buf, n);
-  fclose(f);
-  emit("config", "example", &b);
-  put(&b, "", 1);
-  text(&b, "name=gpu0,kind=host,capacity=16G,slab=256M");
-  emit_free("config", "example_and_pool", &b);
 
   text(&b, "[daemon]\nsocket = /tmp/g.sock\nbackend = host\nlog_level = debug\nsocket_mode = 0600\n"
            "max_frame = 64K\nallow_uids = 0, 1000 1001\nallow_gids = 100\nbusy_poll_us = 500\n"
@@ -686,8 +674,8 @@ static void meta_seeds(void) {
 }
 
 int main(int argc, char **argv) {
-  if (argc != 3) {
-    fprintf(stderr, "usage: %s OUT_DIR CONFIG_EXAMPLE (e.g. tests/fuzz/corpus config/gpupoold.conf)\n", argv[0]);
+  if (argc != 2) {
+    fprintf(stderr, "usage: %s OUT_DIR (tests/fuzz/corpus to regenerate the checked-in seeds)\n", argv[0]);
     return 2;
   }
   out_dir = argv[1];
@@ -697,7 +685,7 @@ int main(int argc, char **argv) {
   }
   daemon_seeds();
   client_seeds();
-  config_seeds(argv[2]);
+  config_seeds();
   meta_seeds();
   return 0;
 }
