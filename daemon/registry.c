@@ -136,6 +136,9 @@ static gpupool__corpse *corpse_new(gpupool__registry *reg, pid_t pid, int pidfd)
   }
   c->poll.data = c;
   uv_poll_start(&c->poll, UV_READABLE, corpse_exited);
+  /* The watch matters only while the daemon serves (its own handles keep the loop running);
+   * alone it must not hold up a shutdown until every such client process has exited. */
+  uv_unref((uv_handle_t *)&c->poll);
   return c;
 }
 
