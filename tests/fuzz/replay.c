@@ -67,7 +67,8 @@ static int run_path(const char *path) {
     names[n++] = p;
   }
   closedir(d);
-  qsort(names, n, sizeof *names, cmp);
+  if (n > 1)
+    qsort(names, n, sizeof *names, cmp);
   for (size_t i = 0; i < n; i++) {
     struct stat fst;
     if (stat(names[i], &fst) == 0 && S_ISREG(fst.st_mode))
