@@ -27,7 +27,7 @@
 #include "gpupool/dlpack.h"
 #include "gpupool/gpupool.h"
 
-static char sock_path[108];
+static char sock_dir[64], sock_path[108];
 static int listen_fd = -1;
 
 typedef struct {
@@ -38,10 +38,11 @@ typedef struct {
 static void cleanup(void) {
   if (sock_path[0])
     unlink(sock_path);
+  if (sock_dir[0])
+    rmdir(sock_dir);
 }
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
-  char dir[] = "/tmp/gpupool-fuzz-client-XXXXXX";
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
   (void)argc;
   (void)argv;
@@ -49,9 +50,10 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
   setenv("GPUPOOL_RECONNECT_MS", "0", 1);
   unsetenv("GPUPOOL_SPIN_US");
   unsetenv("GPUPOOL_TRACE");
-  if (!mkdtemp(dir))
+  snprintf(sock_dir, sizeof sock_dir, "/tmp/gpupool-fuzz-client-XXXXXX");
+  if (!mkdtemp(sock_dir))
     fuzz_fail("mkdtemp: %s", strerror(errno));
-  snprintf(sock_path, sizeof sock_path, "%s/s", dir);
+  snprintf(sock_path, sizeof sock_path, "%s/s", sock_dir);
   snprintf(addr.sun_path, sizeof addr.sun_path, "%s", sock_path);
   listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (listen_fd < 0 || bind(listen_fd, (struct sockaddr *)&addr, sizeof addr) != 0 || listen(listen_fd, 4) != 0)
