@@ -1103,6 +1103,7 @@ int gpupool_connect_timeout(const char *socket_path, const char *client_name, in
     gpupool__hmap_free(&c->exports);
     gpupool__hmap_free(&c->events);
     free(c->pools);
+    free(c->unmapped); /* revocations the refused Hello reply carried */
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     free(c);

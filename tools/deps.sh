@@ -4,23 +4,49 @@
 set -euo pipefail
 
 PKGS=(build-essential cmake ninja-build pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler
-      libcmocka-dev python3 python3-numpy python3-venv python3-pip systemd
+      libcmocka-dev python3 python3-numpy python3-venv python3-pip systemd clang
       debootstrap systemd-container)
+
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+
+# libFuzzer and the sanitizer runtimes of clang N (the fuzz targets, tools/fuzz.sh) come in
+# libclang-rt-N-dev on Debian 12 and newer Ubuntu, in libclang-common-N-dev on older ones.
+fuzzer_runtime_pkg() {
+  local ver
+  command -v clang >/dev/null || return 0
+  [ "$(clang -print-file-name=libclang_rt.fuzzer-$(uname -m).a)" = "libclang_rt.fuzzer-$(uname -m).a" ] || return 0
+  ver=$(clang -dumpversion | cut -d. -f1)
+  if apt-cache show "libclang-rt-$ver-dev" >/dev/null 2>&1; then
+    echo "libclang-rt-$ver-dev"
+  else
+    echo "libclang-common-$ver-dev"
+  fi
+}
+
+SUDO=""
+need_root() {
+  if [ "$(id -u)" -ne 0 ] && [ -z "$SUDO" ]; then
+    if command -v sudo >/dev/null; then SUDO="sudo"; else
+      echo "gpupool: need root (or sudo) to install: $*" >&2; exit 1
+    fi
+  fi
+}
+export DEBIAN_FRONTEND=noninteractive
 
 missing=()
 for p in "${PKGS[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  installed "$p" || missing+=("$p")
 done
-if [ ${#missing[@]} -eq 0 ]; then
-  exit 0
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "gpupool: installing missing packages: ${missing[*]}"
+  need_root "${missing[@]}"
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
-echo "gpupool: installing missing packages: ${missing[*]}"
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then
-  if command -v sudo >/dev/null; then SUDO="sudo"; else
-    echo "gpupool: need root (or sudo) to install: ${missing[*]}" >&2; exit 1
-  fi
+rt=$(fuzzer_runtime_pkg)
+if [ -n "$rt" ]; then
+  echo "gpupool: installing libFuzzer for clang: $rt"
+  need_root "$rt"
+  [ ${#missing[@]} -gt 0 ] || $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "$rt"
 fi
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -27,4 +27,5 @@ if [ "${GPUPOOL_TEST_SANITIZE:-1}" != 0 ]; then
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     run_suite build/sanitize -DCMAKE_BUILD_TYPE=Debug -DGPUPOOL_SANITIZE=ON
 fi
+[ "${GPUPOOL_TEST_FUZZ:-1}" = 0 ] || tools/fuzz.sh # each fuzz target for a bounded time; GPUPOOL_TEST_FUZZ=0 skips
 echo "==== gpupool: all tests passed"

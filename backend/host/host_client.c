@@ -5,6 +5,7 @@
  * every process that maps it.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -47,7 +48,7 @@ static int host_map(gpupool__cpool *p, const uint8_t *export_data, size_t export
   gpupool__host_export e;
   struct stat st;
   void *m;
-  int rc;
+  int rc, seals;
   if ((rc = gpupool__host_export_decode(export_data, export_len, &e)) != 0)
     goto out;
   if (fd < 0) {
@@ -59,6 +60,14 @@ static int host_map(gpupool__cpool *p, const uint8_t *export_data, size_t export
   if (e.offset != 0 || e.size != size || fstat(fd, &st) != 0 || (uint64_t)st.st_size < e.size) {
     rc = gpupool__err(GPUPOOL_EPROTO, "host slab (%llu+%llu) does not match its memfd",
                       (unsigned long long)e.offset, (unsigned long long)e.size);
+    goto out;
+  }
+  /* A memfd that may still shrink could be cut under the mapping later: SIGBUS on a touch.
+   * gpupoold seals every slab; anything else is not from gpupoold. */
+  seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
+    rc = gpupool__err(GPUPOOL_EPROTO, "a slab fd from the daemon is not a memfd sealed against shrinking; the "
+                      "socket is not served by a gpupoold (check GPUPOOL_SOCKET or the path passed to connect)");
     goto out;
   }
   m = mmap(NULL, e.size, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);

@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -404,6 +405,36 @@ static void test_dead_holder_range_not_reused_with_gpu_work(void **state) {
   assert_int_equal(pool(f)->nslabs, 1);
 }
 
+/* A client that went away holding a buffer in a slab it mapped, while its process lives on:
+ * the registry watches the process (a pidfd on the loop). Closing the registry must let go of
+ * that watch, or the daemon's last loop run never ends and SIGTERM hangs until the client
+ * exits (found by fuzz_daemon; regression input tests/fuzz/regress/daemon/). */
+static void test_close_with_a_live_dead_client(void **state) {
+  fixture *f = *state;
+  gpupool__hold *h;
+  gpupool__desc_storage ds;
+  int rounds;
+
+  /* a's process lives on (its end of the lease stays open) after its connection is gone. */
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 4096, 0, &h), 0);
+  gpupool__fill_desc(&f->reg, &f->a, h, NULL, &ds); /* a maps the slab */
+  assert_non_null(ds.slab.export_data.data);
+  gpupool__client_drop(&f->reg, &f->a);
+  gpupool__client_drop(&f->reg, &f->b);
+  gpupool__client_drop(&f->reg, &f->x);
+  assert_int_equal(f->reg.npending, 1); /* waits for a's lease */
+  gpupool__registry_close(&f->reg);
+  for (rounds = 0; rounds < 100 && uv_loop_alive(&f->loop); rounds++)
+    uv_run(&f->loop, UV_RUN_NOWAIT);
+  assert_false(uv_loop_alive(&f->loop));
+  f->be->ops->close(f->be);
+  assert_int_equal(uv_loop_close(&f->loop), 0);
+  close(f->a_peer);
+  close(f->b_peer);
+  close(f->x_peer);
+  free(f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_holders_and_exactly_once, setup, teardown),
@@ -414,6 +445,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_drop_client_releases_everything, setup, teardown),
       cmocka_unit_test_setup_teardown(test_lease_keeps_memory_until_gone, setup, teardown),
       cmocka_unit_test_setup_teardown(test_dead_holder_range_not_reused_with_gpu_work, setup_events, teardown),
+      cmocka_unit_test_setup(test_close_with_a_live_dead_client, setup),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
