@@ -269,8 +269,9 @@ static int w_killer(char **a) {
   return 0;
 }
 
-/* taker SOCK BYTES SEED WAIT_MS: allocate every BYTES-sized buffer the pool has (the last one
- * waiting for memory to come back), fill them all with SEED, wait WAIT_MS, count mismatches. */
+/* taker SOCK BYTES SEED WAIT_MS: allocate every BYTES-sized buffer the pool has (waiting for
+ * memory to come back where it must: the killed consumer's range may be back already or not
+ * yet), fill them all with SEED, wait WAIT_MS, count mismatches. */
 static int w_taker(char **a) {
   const char *sock = a[0];
   size_t bytes = strtoull(a[1], NULL, 0);
@@ -283,12 +284,21 @@ static int w_taker(char **a) {
 
   if ((rc = gpupool_connect(sock, "gpu-test-taker", &c)) < 0)
     wdie("taker", "gpupool_connect", rc);
-  while (n < 63 && gpupool_alloc(c, POOL, bytes, 0, s, &b[n]) == 0)
-    n++;
-  /* The range the killed consumer held comes back only once its process is gone. */
-  if ((rc = gpupool_alloc(c, POOL, bytes, STEP_MS, s, &b[n])) < 0)
-    wdie("taker", "gpupool_alloc (waiting for the killed consumer's range)", rc);
-  n++;
+  {
+    gpupool_pool_stats ps[8];
+    int np = 0, want = 0;
+    if ((rc = gpupool_stats(c, NULL, ps, 8, &np)) < 0)
+      wdie("taker", "gpupool_stats", rc);
+    for (int i = 0; i < np; i++)
+      if (!strcmp(ps[i].name, POOL))
+        want = (int)(ps[i].capacity / bytes);
+    if (want < 1 || want > 64)
+      wdie("taker", "pool capacity", GPUPOOL_EINVAL);
+    /* The range the killed consumer held comes back once its process is gone. */
+    for (n = 0; n < want; n++)
+      if ((rc = gpupool_alloc(c, POOL, bytes, STEP_MS, s, &b[n])) < 0)
+        wdie("taker", "gpupool_alloc (waiting for the killed consumer's range)", rc);
+  }
   gh_say("GOT %d", n);
   for (int i = 0; i < n; i++)
     if ((ce = gk_fill(gpupool_buffer_ptr(b[i]), bytes, seed, s)))
