@@ -123,6 +123,8 @@ int gpupool__wire_inbuf_next(gpupool__wire_inbuf *b, const uint8_t **payload, ui
 /* Tensor metadata from the wire, checked: ranks, strides, dtype range, and a span (offset
  * included, overflow-checked) within size bytes. GPUPOOL_EMETA with a message otherwise. */
 int gpupool__wire_meta_from(const Gpupool__Wire__TensorMeta *w, uint64_t size, gpupool_tensor_meta *m);
+/* Only the conversion: what has a C form (ranks, strides, dtype range), unchecked otherwise. */
+int gpupool__wire_meta_convert(const Gpupool__Wire__TensorMeta *w, gpupool_tensor_meta *m);
 /* The same checks on a C struct (what gpupool__wire_meta_from ends with). */
 int gpupool__wire_meta_check(const gpupool_tensor_meta *m, uint64_t size);
 /* Fill w from m; w points into m's arrays, so m must outlive w's packing. */

@@ -9,7 +9,7 @@
 #include "errors.h"
 #include "wire.h"
 
-int gpupool__wire_meta_from(const Gpupool__Wire__TensorMeta *w, uint64_t size, gpupool_tensor_meta *m) {
+int gpupool__wire_meta_convert(const Gpupool__Wire__TensorMeta *w, gpupool_tensor_meta *m) {
   memset(m, 0, sizeof *m);
   if (w->n_shape > GPUPOOL_MAX_NDIM)
     return gpupool__err(GPUPOOL_EMETA, "tensor has %zu dimensions; the limit is %d", w->n_shape,
@@ -30,7 +30,12 @@ int gpupool__wire_meta_from(const Gpupool__Wire__TensorMeta *w, uint64_t size, g
   for (size_t i = 0; i < w->n_strides; i++)
     m->strides[i] = w->strides[i];
   m->byte_offset = w->byte_offset;
-  return gpupool__wire_meta_check(m, size);
+  return 0;
+}
+
+int gpupool__wire_meta_from(const Gpupool__Wire__TensorMeta *w, uint64_t size, gpupool_tensor_meta *m) {
+  int rc = gpupool__wire_meta_convert(w, m);
+  return rc != 0 ? rc : gpupool__wire_meta_check(m, size);
 }
 
 int gpupool__wire_meta_check(const gpupool_tensor_meta *m, uint64_t size) {

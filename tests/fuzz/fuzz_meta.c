@@ -97,24 +97,6 @@ static void check_span(const gpupool_tensor_meta *m, const char *what) {
               (unsigned long long)span, (unsigned long long)ref, ref > UINT64_MAX ? " (more than 64 bits)" : "");
 }
 
-static int wire_to_c(const Gpupool__Wire__TensorMeta *w, gpupool_tensor_meta *m) {
-  memset(m, 0, sizeof *m);
-  if (w->n_shape > GPUPOOL_MAX_NDIM || (w->n_strides && w->n_strides != w->n_shape) || w->dtype_code > 255 ||
-      w->dtype_bits > 255 || w->dtype_lanes > 65535)
-    return -1;
-  m->dtype_code = (uint8_t)w->dtype_code;
-  m->dtype_bits = (uint8_t)w->dtype_bits;
-  m->dtype_lanes = (uint16_t)w->dtype_lanes;
-  m->ndim = (int32_t)w->n_shape;
-  for (size_t i = 0; i < w->n_shape; i++)
-    m->shape[i] = w->shape[i];
-  m->strides_present = w->n_strides != 0;
-  for (size_t i = 0; i < w->n_strides; i++)
-    m->strides[i] = w->strides[i];
-  m->byte_offset = w->byte_offset;
-  return 0;
-}
-
 static void same_meta(const Gpupool__Wire__TensorMeta *a, const Gpupool__Wire__TensorMeta *b) {
   if (!b || !b->present || a->dtype_code != b->dtype_code || a->dtype_bits != b->dtype_bits ||
       a->dtype_lanes != b->dtype_lanes || a->n_shape != b->n_shape || a->n_strides != b->n_strides ||
@@ -157,7 +139,7 @@ static void daemon_path(uint64_t asked, const Gpupool__Wire__TensorMeta *w) {
     Gpupool__Wire__BufferDesc *back;
     uint8_t *buf;
     size_t len;
-    if (wire_to_c(w, &m) != 0)
+    if (gpupool__wire_meta_convert(w, &m) != 0)
       fuzz_fail("the daemon accepted metadata that has no C form");
     if (reference_span(&m, &ref) != 0 || ref > asked)
       fuzz_fail("the daemon accepted a tensor that does not fit its %llu-byte buffer", (unsigned long long)asked);
@@ -200,7 +182,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   w = gpupool__wire__tensor_meta__unpack(NULL, size - 4, data + 4);
   if (!w)
     return 0;
-  if (wire_to_c(w, &m) == 0)
+  if (gpupool__wire_meta_convert(w, &m) == 0)
     check_span(&m, "metadata from the wire");
   daemon_path(asked, w);
   gpupool__wire__tensor_meta__free_unpacked(w, NULL);

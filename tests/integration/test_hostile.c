@@ -6,7 +6,7 @@
 #include <sys/mman.h>
 
 #include "harness.h"
-#include "wire.h"
+#include "raw.h"
 
 static th_daemon D;
 static uint64_t base_fds;
@@ -40,35 +40,16 @@ static int teardown(void **state) {
 }
 
 static int raw_connect(void) {
-  struct sockaddr_un a = {.sun_family = AF_UNIX};
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  struct timeval tv = {5, 0};
-  assert_true(strlen(D.sock) < sizeof a.sun_path);
-  memcpy(a.sun_path, D.sock, strlen(D.sock) + 1);
+  int fd = th_raw_connect(D.sock, 5);
   assert_true(fd >= 0);
-  assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   return fd;
 }
 
 static void raw_send(int fd, gpupool__req *req, const int *fds, int nfds) {
-  uint8_t *buf;
-  size_t len;
-  assert_int_equal(gpupool__wire_pack_request(req, &buf, &len), 0);
-  assert_int_equal(gpupool__wire_send(fd, buf, len, fds, nfds), 0);
-  free(buf);
+  assert_int_equal(th_raw_send(fd, req, fds, nfds), 0);
 }
 
-/* Next reply, or NULL at end of connection. */
-static gpupool__rep *raw_recv(int fd) {
-  gpupool__wire_rx rx;
-  gpupool__rep *rep = NULL;
-  gpupool__wire_rx_init(&rx, GPUPOOL_WIRE_HARD_MAX_FRAME);
-  if (gpupool__wire_rx_read(&rx, fd) == 1)
-    rep = gpupool__wire_unpack_reply(&rx);
-  gpupool__wire_rx_reset(&rx);
-  return rep;
-}
+#define raw_recv th_raw_recv
 
 static void expect_error(int fd, int code, const char *needle) {
   gpupool__rep *rep = raw_recv(fd);

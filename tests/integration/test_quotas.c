@@ -11,7 +11,7 @@
 #include <sys/resource.h>
 
 #include "harness.h"
-#include "wire.h"
+#include "raw.h"
 
 #define NOBODY 65534
 #define OTHER 65533
@@ -45,40 +45,9 @@ static int become(uid_t uid) {
   return 0;
 }
 
-static int raw_connect(void) {
-  struct sockaddr_un a = {.sun_family = AF_UNIX};
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  struct timeval tv = {3, 0};
-  memcpy(a.sun_path, D.sock, strlen(D.sock) + 1);
-  if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
-    if (fd >= 0)
-      close(fd);
-    return -1;
-  }
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  return fd;
-}
-
-static int raw_send(int fd, gpupool__req *req) {
-  uint8_t *buf;
-  size_t len;
-  int rc;
-  if (gpupool__wire_pack_request(req, &buf, &len) != 0)
-    return -1;
-  rc = gpupool__wire_send(fd, buf, len, NULL, 0);
-  free(buf);
-  return rc;
-}
-
-static gpupool__rep *raw_recv(int fd) {
-  gpupool__wire_rx rx;
-  gpupool__rep *rep = NULL;
-  gpupool__wire_rx_init(&rx, GPUPOOL_WIRE_HARD_MAX_FRAME);
-  if (gpupool__wire_rx_read(&rx, fd) == 1)
-    rep = gpupool__wire_unpack_reply(&rx);
-  gpupool__wire_rx_reset(&rx);
-  return rep;
-}
+static int raw_connect(void) { return th_raw_connect(D.sock, 3); }
+static int raw_send(int fd, gpupool__req *req) { return th_raw_send(fd, req, NULL, 0); }
+#define raw_recv th_raw_recv
 
 static int send_hello(int fd) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
