@@ -87,8 +87,6 @@ static void event_put(gpupool__registry *reg, gpupool__event *e) {
 
 /* ---- leases ----------------------------------------------------------------------------- */
 
-static gpupool__uid_usage *uid_usage(gpupool__registry *reg, uid_t uid, int create);
-static void uid_usage_put(gpupool__registry *reg, gpupool__uid_usage *u);
 static void uid_account(gpupool__registry *reg, uid_t uid, int64_t bytes, int32_t allocs);
 
 int gpupool__lease_new(gpupool__registry *reg, uid_t uid, pid_t pid, gpupool__lease **out, int *peer) {
@@ -155,9 +153,9 @@ static void lease_unwait(gpupool__lease *l) {
     l->next->prev = l->prev;
   l->prev = l->next = NULL;
   reg->nwaiting--;
-  if ((u = uid_usage(reg, l->uid, 0))) {
+  if ((u = gpupool__uid_usage_get(reg, l->uid, 0))) {
     u->leases--;
-    uid_usage_put(reg, u);
+    gpupool__uid_usage_put(reg, u);
   }
 }
 
@@ -258,7 +256,7 @@ static int lease_wait(gpupool__registry *reg, gpupool__lease *l) {
     reg->waiting->prev = l;
   reg->waiting = l;
   reg->nwaiting++;
-  if ((u = uid_usage(reg, l->uid, 1)))
+  if ((u = gpupool__uid_usage_get(reg, l->uid, 1)))
     u->leases++;
   return 1;
 }
@@ -485,7 +483,7 @@ static void sweep_timer_update(gpupool__registry *reg) {
 }
 
 /* The uid's record, created when create is set; NULL when absent (or out of memory). */
-static gpupool__uid_usage *uid_usage(gpupool__registry *reg, uid_t uid, int create) {
+gpupool__uid_usage *gpupool__uid_usage_get(gpupool__registry *reg, uid_t uid, int create) {
   gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, uid);
   if (u || !create)
     return u;
@@ -499,20 +497,21 @@ static gpupool__uid_usage *uid_usage(gpupool__registry *reg, uid_t uid, int crea
 }
 
 /* Drop the record once nothing is counted in it. */
-static void uid_usage_put(gpupool__registry *reg, gpupool__uid_usage *u) {
-  if (u && u->allocs == 0 && u->bytes == 0 && u->names == 0 && u->holds == 0 && u->leases == 0) {
+void gpupool__uid_usage_put(gpupool__registry *reg, gpupool__uid_usage *u) {
+  if (u && u->allocs == 0 && u->bytes == 0 && u->names == 0 && u->holds == 0 && u->leases == 0 &&
+      u->conns == 0 && u->waiters == 0) {
     gpupool__hmap_del(&reg->uids, u->uid);
     free(u);
   }
 }
 
 static void uid_account(gpupool__registry *reg, uid_t uid, int64_t bytes, int32_t allocs) {
-  gpupool__uid_usage *u = uid_usage(reg, uid, bytes > 0);
+  gpupool__uid_usage *u = gpupool__uid_usage_get(reg, uid, bytes > 0);
   if (!u)
     return;
   u->bytes += (uint64_t)bytes;
   u->allocs += (uint32_t)allocs;
-  uid_usage_put(reg, u);
+  gpupool__uid_usage_put(reg, u);
 }
 
 static void buffer_unref(gpupool__registry *reg, gpupool__buffer *b) {
@@ -730,24 +729,24 @@ static int place(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, uint6
 static int hold_new(gpupool__registry *reg, gpupool__client *c, gpupool__buffer *b, int read_only, int owner,
                     gpupool__hold **out) {
   const gpupool__config *cfg = reg->cfg;
-  gpupool__uid_usage *u = uid_usage(reg, c->uid, 1);
+  gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->uid, 1);
   gpupool__hold *h;
   if (!u)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   if (cfg->max_holds_per_client && c->nholds >= cfg->max_holds_per_client) {
-    uid_usage_put(reg, u);
+    gpupool__uid_usage_put(reg, u);
     return gpupool__err(GPUPOOL_ELIMIT,
                         "this client already has %" PRIu64 " holds, the limit (max_holds_per_client) is %u; "
                         "release buffers it no longer uses", c->nholds, cfg->max_holds_per_client);
   }
   if (cfg->max_holds_per_uid && u->holds >= cfg->max_holds_per_uid) {
-    uid_usage_put(reg, u);
+    gpupool__uid_usage_put(reg, u);
     return gpupool__err(GPUPOOL_ELIMIT, "uid %u already has %" PRIu64 " holds, the limit (max_holds_per_uid) is %u",
                         (unsigned)c->uid, u->holds, cfg->max_holds_per_uid);
   }
   h = calloc(1, sizeof *h);
   if (!h) {
-    uid_usage_put(reg, u);
+    gpupool__uid_usage_put(reg, u);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
   h->id = next_id(reg);
@@ -759,14 +758,14 @@ static int hold_new(gpupool__registry *reg, gpupool__client *c, gpupool__buffer 
     h->done = event_get(reg);
     if (!h->done) {
       free(h);
-      uid_usage_put(reg, u);
+      gpupool__uid_usage_put(reg, u);
       return gpupool__err(GPUPOOL_EBACKEND, "cannot create an inter-process event for the hold");
     }
   }
   if (gpupool__hmap_put(&reg->holds, h->id, h) != 0) {
     event_put(reg, h->done);
     free(h);
-    uid_usage_put(reg, u);
+    gpupool__uid_usage_put(reg, u);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
   u->holds++;
@@ -808,10 +807,10 @@ static void hold_drop(gpupool__registry *reg, gpupool__hold *h, int done_recorde
     h->next->prev = h->prev;
   c->nholds--;
   {
-    gpupool__uid_usage *u = uid_usage(reg, c->uid, 0);
+    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->uid, 0);
     if (u) {
       u->holds--;
-      uid_usage_put(reg, u);
+      gpupool__uid_usage_put(reg, u);
     }
   }
   gpupool__hmap_del(&reg->holds, h->id);
@@ -1098,7 +1097,7 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
     return gpupool__err(GPUPOOL_ELIMIT, "the daemon already holds %" PRIu64 " names, the limit (max_names) is %u",
                         reg->nnames, reg->cfg->max_names);
   {
-    gpupool__uid_usage *u = uid_usage(reg, c->uid, 0);
+    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->uid, 0);
     if (reg->cfg->max_names_per_uid && u && u->names >= reg->cfg->max_names_per_uid)
       return gpupool__err(GPUPOOL_ELIMIT,
                           "uid %u already has %u names published, the limit (max_names_per_uid) is %u; "
@@ -1130,7 +1129,7 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
   h->buf->names++;
   reg->nnames++;
   {
-    gpupool__uid_usage *u = uid_usage(reg, c->uid, 1);
+    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->uid, 1);
     if (u)
       u->names++; /* (the record holds at least this client's hold: it exists) */
   }
@@ -1168,10 +1167,10 @@ int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *n
   gpupool__smap_del(&reg->names, n->name);
   reg->nnames--;
   {
-    gpupool__uid_usage *u = uid_usage(reg, n->uid, 0);
+    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, n->uid, 0);
     if (u) {
       u->names--;
-      uid_usage_put(reg, u);
+      gpupool__uid_usage_put(reg, u);
     }
   }
   n->buf->names--;

@@ -149,6 +149,8 @@ typedef struct {
   uint32_t names;   /* names it published that still exist */
   uint64_t holds;   /* holds of its connections */
   uint32_t leases;  /* waiting leases of this uid's closed connections */
+  uint32_t conns;   /* its connections (server.c) */
+  uint32_t waiters; /* its requests waiting (server.c) */
 } gpupool__uid_usage;
 
 /* The registry's part of a connected client (embedded in server.c's connection). */
@@ -241,6 +243,11 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
  * a plain name in the caller's tenant's, "group:G/name" in group G's (members only).
  * gpupool__name_key writes the key a name is filed under ("uid:1000/weights",
  * "tenant:ml/weights", "group:ml/weights") and the namespace's owner id. */
+/* What one uid has and holds, counted for its limits: the record (created when create is
+ * set; NULL when absent or out of memory), and its release, which frees it once every count
+ * is zero. */
+gpupool__uid_usage *gpupool__uid_usage_get(gpupool__registry *reg, uid_t uid, int create);
+void gpupool__uid_usage_put(gpupool__registry *reg, gpupool__uid_usage *u);
 uint64_t gpupool__tenant_of(const gpupool__config *cfg, uid_t uid, gid_t gid);
 int gpupool__name_key(gpupool__registry *reg, const gpupool__client *c, const char *name, char *key,
                       size_t len, uint64_t *owner);

@@ -58,13 +58,6 @@ struct gpupool__waiter {
   gpupool__waiter *cprev, *cnext; /* in conn->waiters */
 };
 
-/* What one uid has open in the server (its memory is counted by the registry). */
-typedef struct {
-  uid_t uid;
-  uint32_t conns;
-  uint32_t waiters;
-} srv_uid;
-
 /* At most `burst` lines per interval; the rest are counted and reported once the interval
  * has passed (journald's RateLimitIntervalSec/RateLimitBurst idea). */
 typedef struct {
@@ -88,7 +81,7 @@ struct gpupool__conn {
   size_t heap;        /* what this connection's queue and input buffer hold (counted in srv) */
   gpupool__waiter *waiters;
   uint32_t nwaiters;
-  srv_uid *u;
+  gpupool__uid_usage *u; /* its uid's record in the registry (connections, waiters, ...) */
   ratelimit log_rl;   /* refused requests */
   int hello_done;
   int closing;
@@ -114,7 +107,6 @@ struct gpupool__server {
   uint64_t nconns;
   wqueue alloc_q[GPUPOOL_MAX_POOLS]; /* by pool index */
   gpupool__smap get_q;               /* name -> wqueue */
-  gpupool__hmap uids;                /* uid -> srv_uid */
   size_t heap;                       /* sum of the connections' heap */
   ratelimit conn_rl;                 /* connect/disconnect lines */
   uint64_t requests, errors;
@@ -227,26 +219,6 @@ static int rl_allow(ratelimit *rl, uint32_t burst, uint64_t interval_ns, uint64_
   }
   rl->suppressed++;
   return 0;
-}
-
-static srv_uid *uid_get(gpupool__server *s, uid_t uid) {
-  srv_uid *u = gpupool__hmap_get(&s->uids, uid);
-  if (u)
-    return u;
-  u = calloc(1, sizeof *u);
-  if (!u || gpupool__hmap_put(&s->uids, uid, u) != 0) {
-    free(u);
-    return NULL;
-  }
-  u->uid = uid;
-  return u;
-}
-
-static void uid_put(gpupool__server *s, srv_uid *u) {
-  if (u && u->conns == 0 && u->waiters == 0) {
-    gpupool__hmap_del(&s->uids, u->uid);
-    free(u);
-  }
 }
 
 /* Unlinks w; its memory stays valid until the timer's close callback, so a loop over a queue
@@ -989,7 +961,7 @@ static void conn_close(gpupool__conn *c, const char *why) {
     waiter_remove(w);
   }
   c->u->conns--;
-  uid_put(s, c->u);
+  gpupool__uid_usage_put(s->reg, c->u);
   s->heap -= c->heap;
   c->heap = 0;
   gpupool__client_drop(s->reg, &c->cl);
@@ -1150,7 +1122,7 @@ static int id_allowed(const uint32_t *ids, int n, uint32_t id) {
 static int conn_limits(gpupool__server *s, const struct ucred *cred, char *msg, size_t len) {
   const gpupool__config *cfg = s->cfg;
   int admin = cred->uid == 0 || cred->uid == geteuid();
-  srv_uid *u = gpupool__hmap_get(&s->uids, cred->uid);
+  const gpupool__uid_usage *u = gpupool__uid_usage_get(s->reg, cred->uid, 0);
   uint64_t cap = cfg->max_clients;
   if (cap && !admin)
     cap = cfg->reserved_clients < cap ? cap - cfg->reserved_clients : 0;
@@ -1289,7 +1261,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
       continue;
     }
     c = calloc(1, sizeof *c);
-    if (!c || !(c->u = uid_get(s, cred.uid))) {
+    if (!c || !(c->u = gpupool__uid_usage_get(s->reg, cred.uid, 1))) {
       free(c);
       gpupool__lease_discard(lease);
       close(peer);
@@ -1394,7 +1366,6 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
   s->reg = reg;
   s->started_ns = gpupool__now_ns();
   gpupool__smap_init(&s->get_q);
-  gpupool__hmap_init(&s->uids);
   reg->owner = s;
   reg->on_memory = retry_waiters;
   if (listen_fd >= 0) {
@@ -1402,7 +1373,6 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
   } else {
     if ((rc = bind_socket(cfg, &s->listen_fd)) != 0) {
       gpupool__smap_free(&s->get_q);
-      gpupool__hmap_free(&s->uids);
       free(s);
       return rc;
     }
@@ -1428,9 +1398,8 @@ static void listen_closed(uv_handle_t *h) {
     return;
   if (s->reserve_fd >= 0)
     close(s->reserve_fd);
-  /* Every connection is closed, so every waiter and uid record is gone. */
+  /* Every connection is closed, so every waiter is gone. */
   gpupool__smap_free(&s->get_q);
-  gpupool__hmap_free(&s->uids);
   free(s);
 }
 

@@ -225,10 +225,7 @@ class Desc:
 
     @property
     def numel(self):
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return numel(self.shape)
 
     @property
     def nbytes(self):
@@ -253,6 +250,14 @@ class Desc:
     def __repr__(self):
         return "Desc(data=0x%x, device=%r, dtype=%s, shape=%r, strides=%r)" % (
             self.data or 0, self.device, self.dtype, self.shape, self.strides)
+
+
+def numel(shape):
+    """Number of elements of a tensor of this shape."""
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def contiguous_strides(shape):

@@ -285,10 +285,7 @@ class Tensor:
 
     @property
     def numel(self):
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return _dlpack.numel(self.shape)
 
     @property
     def nbytes(self):

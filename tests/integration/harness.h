@@ -9,6 +9,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -256,6 +257,16 @@ static inline void th_expect_fds(const th_daemon *d, uint64_t expected) {
   th_dump_log(d);
   fail_msg("daemon has %llu fds open, expected %llu", (unsigned long long)ds.open_fds,
            (unsigned long long)expected);
+}
+
+/* In a child: become uid when running as root (CI does), so that an attack runs as another
+ * user; otherwise stay who we are. 0, or -1 when the switch failed. */
+static inline int th_become(uid_t uid) {
+  if (getuid() != 0)
+    return 0;
+  if (setgroups(0, NULL) != 0 || setgid(uid) != 0 || setuid(uid) != 0)
+    return -1;
+  return 0;
 }
 
 typedef int (*th_child_fn)(const th_daemon *d, int arg);

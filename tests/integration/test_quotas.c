@@ -36,15 +36,6 @@ static int teardown(void **state) {
   return 0;
 }
 
-/* In a child: become uid (when root; otherwise stay who we are and return 0). */
-static int become(uid_t uid) {
-  if (getuid() != 0)
-    return 0;
-  if (setgroups(0, NULL) != 0 || setgid(uid) != 0 || setuid(uid) != 0)
-    return -1;
-  return 0;
-}
-
 static int raw_connect(void) { return th_raw_connect(D.sock, 3); }
 static int raw_send(int fd, gpupool__req *req) { return th_raw_send(fd, req, NULL, 0); }
 #define raw_recv th_raw_recv
@@ -89,7 +80,7 @@ static int try_session(const char *limit, int *fd_out) {
 static int open_sessions(uid_t uid, int tries, const char *limit, int ready_fd, int go_fd) {
   int fds[64], served = 0;
   char b = 1;
-  if (become(uid) != 0)
+  if (th_become(uid) != 0)
     return 255;
   for (int i = 0; i < tries && i < 64; i++) {
     int r = try_session(limit, &fds[served]);
@@ -163,7 +154,7 @@ static int waiter_child(const th_daemon *d, int arg) {
   int fd1, fd2, limited = 0;
   (void)d;
   (void)arg;
-  if (become(NOBODY) != 0)
+  if (th_become(NOBODY) != 0)
     return 2;
   CHILD_CHECK(try_session("-", &fd1) == 1, "session 1");
   CHILD_CHECK(try_session("-", &fd2) == 1, "session 2");
@@ -220,7 +211,7 @@ static int violator_child(const th_daemon *d, int arg) {
   uint64_t sent = 0, t0;
   (void)d;
   (void)arg;
-  if (become(NOBODY) != 0)
+  if (th_become(NOBODY) != 0)
     return 2;
   CHILD_CHECK(try_session("-", &fd) == 1, "session");
   /* Replies it does not read pile up in the daemon's queue first... */
@@ -274,7 +265,7 @@ static int slow_reader_child(const th_daemon *d, int arg) {
   gpupool__rep *rep;
   (void)d;
   (void)arg;
-  if (become(NOBODY) != 0)
+  if (th_become(NOBODY) != 0)
     return 2;
   CHILD_CHECK(try_session("-", &fd) == 1, "session");
   for (int i = 0; i < 20000; i++) {
@@ -320,7 +311,7 @@ static int refusal_child(const th_daemon *d, int arg) {
   gpupool_client *c = NULL;
   gpupool_buffer *b;
   (void)arg;
-  if (become(NOBODY) != 0)
+  if (th_become(NOBODY) != 0)
     return 2;
   CHILD_CHECK(gpupool_connect(d->sock, "refused", &c) == 0, "connect");
   CHILD_CHECK(gpupool_alloc(c, NULL, 4096, 0, NULL, &b) == 0, "alloc");
@@ -348,7 +339,7 @@ static int names_holds_child(const th_daemon *d, int arg) {
   gpupool_token tok;
   int published = 0, opened = 0, rc;
   (void)arg;
-  if (become(NOBODY) != 0)
+  if (th_become(NOBODY) != 0)
     return 2;
   CHILD_CHECK(gpupool_connect(d->sock, "squatter", &c) == 0, "connect");
   CHILD_CHECK(gpupool_alloc(c, NULL, 4096, 0, NULL, &b) == 0, "alloc");

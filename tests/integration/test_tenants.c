@@ -45,14 +45,6 @@ static int teardown(void **state) {
   return 0;
 }
 
-static int become_nobody(void) {
-  if (getuid() != 0)
-    return 0; /* not root: the attack runs as this same user, which proves less but runs */
-  if (setgroups(0, NULL) != 0 || setgid(NOBODY) != 0 || setuid(NOBODY) != 0)
-    return -1;
-  return 0;
-}
-
 /* Map every memfd this process holds, whole, and look for the secret pattern: 1 if found. */
 static int any_memfd_holds_secret(void) {
   uint8_t secret[64];
@@ -112,7 +104,7 @@ static int snoop_child(const th_daemon *d, int arg) {
   gpupool_client *c = NULL;
   gpupool_buffer *b;
   (void)arg;
-  CHILD_CHECK(become_nobody() == 0, "setuid");
+  CHILD_CHECK(th_become(NOBODY) == 0, "setuid");
   CHILD_CHECK(gpupool_connect(d->sock, "snoop", &c) == 0, "connect");
   CHILD_CHECK(gpupool_alloc(c, NULL, 4096, 0, NULL, &b) == 0, "alloc");
   CHILD_CHECK(any_memfd_holds_secret() == 0, "another user's unshared buffer is reachable");
@@ -178,7 +170,7 @@ static int read_only_child(const th_daemon *d, int arg) {
   gpupool_token tok;
   uint8_t *p;
   (void)arg;
-  CHILD_CHECK(become_nobody() == 0, "setuid");
+  CHILD_CHECK(th_become(NOBODY) == 0, "setuid");
   CHILD_CHECK(gpupool_connect(d->sock, "reader", &c) == 0, "connect");
   CHILD_CHECK(gpupool_get(c, "group:readers/weights", 1000, GPUPOOL_READ_ONLY, NULL, &ro) == 0, "get read-only");
   p = gpupool_buffer_ptr(ro);
@@ -221,7 +213,7 @@ static int fresh_child(const th_daemon *d, int arg) {
   gpupool_buffer *b;
   const uint8_t *p;
   (void)arg;
-  CHILD_CHECK(become_nobody() == 0, "setuid");
+  CHILD_CHECK(th_become(NOBODY) == 0, "setuid");
   CHILD_CHECK(gpupool_connect(d->sock, "next", &c) == 0, "connect");
   CHILD_CHECK(gpupool_alloc(c, NULL, MIB, 0, NULL, &b) == 0, "alloc");
   p = gpupool_buffer_ptr(b);
