@@ -1436,8 +1436,8 @@ int gpupool_publish_ex(gpupool_buffer *b, const char *name, const gpupool_tensor
     return gpupool__err(GPUPOOL_EINVAL, "publish: buffer and name must not be NULL");
   gpupool__err_clear();
   c = b->c;
-  if (strlen(name) == 0 || strlen(name) > GPUPOOL_NAME_MAX)
-    return gpupool__err(GPUPOOL_ENAME, "name must be 1 to %d bytes, got %zu", GPUPOOL_NAME_MAX, strlen(name));
+  if ((rc = gpupool__wire_check_name(name)) != 0)
+    return rc;
   if (meta) {
     if ((rc = gpupool__wire_meta_check(meta, b->size)) != 0)
       return rc;
@@ -1503,8 +1503,8 @@ int gpupool_get(gpupool_client *c, const char *name, int timeout_ms, unsigned fl
     return gpupool__err(GPUPOOL_EINVAL, "get: client, name and out must not be NULL");
   gpupool__err_clear();
   *out = NULL;
-  if (strlen(name) == 0 || strlen(name) > GPUPOOL_NAME_MAX)
-    return gpupool__err(GPUPOOL_ENAME, "name must be 1 to %d bytes, got %zu", GPUPOOL_NAME_MAX, strlen(name));
+  if ((rc = gpupool__wire_check_name(name)) != 0)
+    return rc;
   gt.name = (char *)name;
   gt.timeout_ms = wire_timeout(timeout_ms);
   gt.read_only = (flags & GPUPOOL_READ_ONLY) != 0;

@@ -133,6 +133,10 @@ void gpupool__wire_meta_to(const gpupool_tensor_meta *m, Gpupool__Wire__TensorMe
 int gpupool__wire_location(gpupool_mem_kind k);
 int gpupool__wire_mem_kind(int location, gpupool_mem_kind *out);
 
+/* A published name: 1..GPUPOOL_NAME_MAX bytes, no control characters. GPUPOOL_ENAME with a
+ * message otherwise. */
+int gpupool__wire_check_name(const char *name);
+
 /* Names of the wire enums as shown to people and in metrics ("host", "cuda", "device", ...). */
 const char *gpupool__wire_backend_name(int kind);
 const char *gpupool__wire_location_name(int kind);

@@ -1,7 +1,7 @@
 /*
  * Conversions between wire messages and the C structs both sides use, with the checks both
  * sides make: tensor metadata (validated the same way by the daemon when a client publishes
- * it and by the client when the daemon hands it over) and memory kinds.
+ * it and by the client when the daemon hands it over), memory kinds and names.
  */
 #include <inttypes.h>
 #include <string.h>
@@ -80,4 +80,18 @@ int gpupool__wire_mem_kind(int location, gpupool_mem_kind *out) {
   }
   return gpupool__err(GPUPOOL_EPROTO, "unknown memory location %d from the peer; upgrade both sides "
                       "to the same release", location);
+}
+
+/* Names are checked the same way by the client (before sending) and the daemon. */
+int gpupool__wire_check_name(const char *name) {
+  size_t n = strlen(name);
+  if (n == 0)
+    return gpupool__err(GPUPOOL_ENAME, "empty name; names are 1 to %d bytes", GPUPOOL_NAME_MAX);
+  if (n > GPUPOOL_NAME_MAX)
+    return gpupool__err(GPUPOOL_ENAME, "name of %zu bytes is longer than the limit of %d", n,
+                        GPUPOOL_NAME_MAX);
+  for (size_t i = 0; i < n; i++)
+    if ((unsigned char)name[i] < 0x20 || name[i] == 0x7f)
+      return gpupool__err(GPUPOOL_ENAME, "name contains a control character at byte %zu", i);
+  return 0;
 }

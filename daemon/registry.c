@@ -638,7 +638,7 @@ static int owner_reachable(const gpupool__registry *reg, const gpupool__client *
 int gpupool__name_key(gpupool__registry *reg, const gpupool__client *c, const char *name, char *key,
                       size_t len, uint64_t *owner) {
   char label[80];
-  int rc = gpupool__check_name(name);
+  int rc = gpupool__wire_check_name(name);
   if (rc != 0)
     return rc;
   if (!strncmp(name, "group:", 6)) {
@@ -1045,19 +1045,6 @@ int gpupool__open(gpupool__registry *reg, gpupool__client *c, const uint8_t *tok
   if ((rc = check_waiting_leases(reg, c)) != 0)
     return rc;
   return hold_new(reg, c, b, read_only, 0, out);
-}
-
-int gpupool__check_name(const char *name) {
-  size_t n = strlen(name);
-  if (n == 0)
-    return gpupool__err(GPUPOOL_ENAME, "empty name; names are 1 to %d bytes", GPUPOOL_NAME_MAX);
-  if (n > GPUPOOL_NAME_MAX)
-    return gpupool__err(GPUPOOL_ENAME, "name of %zu bytes is longer than the limit of %d", n,
-                        GPUPOOL_NAME_MAX);
-  for (size_t i = 0; i < n; i++)
-    if ((unsigned char)name[i] < 0x20 || name[i] == 0x7f)
-      return gpupool__err(GPUPOOL_ENAME, "name contains a control character at byte %zu", i);
-  return 0;
 }
 
 int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id, const char *name,

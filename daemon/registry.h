@@ -261,8 +261,6 @@ void gpupool__unmapped(gpupool__registry *reg, gpupool__client *c, const uint64_
 void gpupool__trim(gpupool__registry *reg, uint32_t *freed, uint32_t *revoked);
 /* Check pending ranges and retiring slabs; frees what is clear. */
 void gpupool__sweep(gpupool__registry *reg);
-/* Validates a name: 1..GPUPOOL_NAME_MAX bytes, printable, no NUL. */
-int gpupool__check_name(const char *name);
 
 /* Free bytes a request of `size` could use right now (for error messages). */
 uint64_t gpupool__pool_free_bytes(const gpupool__pool *p);

@@ -262,12 +262,29 @@ static void test_capacity_not_lost_to_placement(void **state) {
   gpupool_disconnect(c);
 }
 
+/* The library checks a name as the daemon does, and says why it refuses it. */
+static void test_names_checked_in_the_client(void **state) {
+  gpupool_client *c;
+  gpupool_buffer *b, *g;
+  (void)state;
+  start_with("capacity = 16M\nslab_size = 4M");
+  c = th_connect(&D, "names");
+  assert_int_equal(gpupool_alloc(c, NULL, 4096, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_publish(b, "bad\x01name", NULL, NULL), GPUPOOL_ENAME);
+  assert_non_null(strstr(gpupool_last_error(), "control character at byte 3"));
+  assert_int_equal(gpupool_get(c, "", 0, 0, NULL, &g), GPUPOOL_ENAME);
+  assert_non_null(strstr(gpupool_last_error(), "empty name"));
+  assert_int_equal(gpupool_release(b, NULL), 0);
+  gpupool_disconnect(c);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_no_fd_reaches_other_users_memory, teardown),
       cmocka_unit_test_teardown(test_read_only_is_enforced, teardown),
       cmocka_unit_test_teardown(test_freed_memory_is_not_handed_over, teardown),
       cmocka_unit_test_teardown(test_capacity_not_lost_to_placement, teardown),
+      cmocka_unit_test_teardown(test_names_checked_in_the_client, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

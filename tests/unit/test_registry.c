@@ -185,8 +185,8 @@ static void test_names(void **state) {
   assert_int_equal(pool(f)->used, 512);
   assert_int_equal(gpupool__unpublish(&f->reg, &f->x, "t"), 0);
   assert_int_equal(pool(f)->used, 0);
-  assert_int_equal(gpupool__check_name(""), GPUPOOL_ENAME);
-  assert_int_equal(gpupool__check_name("a\tb"), GPUPOOL_ENAME);
+  assert_int_equal(gpupool__wire_check_name(""), GPUPOOL_ENAME);
+  assert_int_equal(gpupool__wire_check_name("a\tb"), GPUPOOL_ENAME);
 }
 
 static void test_slabs_and_dedicated(void **state) {
