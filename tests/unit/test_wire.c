@@ -79,28 +79,7 @@ static void write_all(int fd, const void *p, size_t len) {
 
 /* sendmsg with nfds fds on buf, bypassing the wire module's limits. */
 static ssize_t raw_send(int sock, const void *buf, size_t len, const int *fds, int nfds) {
-  union {
-    struct cmsghdr align;
-    char b[CMSG_SPACE(16 * sizeof(int))];
-  } ctrl;
-  struct iovec iov = {.iov_base = (void *)buf, .iov_len = len};
-  struct msghdr msg;
-
-  memset(&msg, 0, sizeof msg);
-  memset(&ctrl, 0, sizeof ctrl);
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  if (nfds > 0) {
-    struct cmsghdr *c;
-    msg.msg_control = ctrl.b;
-    msg.msg_controllen = CMSG_SPACE((size_t)nfds * sizeof(int));
-    c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN((size_t)nfds * sizeof(int));
-    memcpy(CMSG_DATA(c), fds, (size_t)nfds * sizeof(int));
-  }
-  return sendmsg(sock, &msg, MSG_NOSIGNAL);
+  return gpupool__wire_sendmsg(sock, buf, len, fds, nfds, 0);
 }
 
 static void le32(uint8_t *p, uint32_t v) {
