@@ -13,15 +13,9 @@
 static th_daemon D;
 
 static int setup(void **state) {
-  (void)state;
+  *state = &D;
   th_prepare(&D);
   th_start(&D, 0, "--pool", "name=default,kind=host,capacity=256M,slab=8M", NULL);
-  return 0;
-}
-
-static int teardown(void **state) {
-  (void)state;
-  th_stop(&D);
   return 0;
 }
 
@@ -474,15 +468,15 @@ static void test_holder_rules(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test_setup_teardown(test_producer_consumer, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_one_producer_eight_consumers, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_32_clients_churn, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_sigkill_holder, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_get_waits_for_publish, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_alloc_waits_for_memory, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_threads_share_client, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_holder_rules, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_stats_struct_sizes, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_producer_consumer, setup, th_teardown),
+      cmocka_unit_test_setup_teardown(test_one_producer_eight_consumers, setup, th_teardown),
+      cmocka_unit_test_setup_teardown(test_32_clients_churn, setup, th_teardown),
+      cmocka_unit_test_setup_teardown(test_sigkill_holder, setup, th_teardown),
+      cmocka_unit_test_setup_teardown(test_get_waits_for_publish, setup, th_teardown),
+      cmocka_unit_test_setup_teardown(test_alloc_waits_for_memory, setup, th_teardown),
+      cmocka_unit_test_setup_teardown(test_threads_share_client, setup, th_teardown),
+      cmocka_unit_test_setup_teardown(test_holder_rules, setup, th_teardown),
+      cmocka_unit_test_setup_teardown(test_stats_struct_sizes, setup, th_teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
