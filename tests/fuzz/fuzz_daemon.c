@@ -29,7 +29,6 @@
 #include "errors.h"
 #include "fuzz.h"
 #include "fuzz_pools.h"
-#include "log.h"
 #include "registry.h"
 #include "server.h"
 

@@ -21,7 +21,6 @@
 #include "errors.h"
 #include "fuzz.h"
 #include "fuzz_pools.h"
-#include "log.h"
 #include "registry.h"
 #include "wire.h"
 
