@@ -166,45 +166,46 @@ typedef struct {
   double a_us, b_us;
 } raw_reply;
 
-static int send_fd(int sock, int fd) {
-  char c = 'F';
-  struct iovec iov = {&c, 1};
+/* A one-byte message with room for one fd, as send_fd and recv_fd pass it. */
+typedef struct {
+  char byte;
+  struct iovec iov;
   union {
     char buf[CMSG_SPACE(sizeof(int))];
     struct cmsghdr align;
   } u;
   struct msghdr mh;
-  memset(&mh, 0, sizeof(mh));
-  memset(&u, 0, sizeof(u));
-  mh.msg_iov = &iov;
-  mh.msg_iovlen = 1;
-  mh.msg_control = u.buf;
-  mh.msg_controllen = sizeof(u.buf);
-  struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+} fd_msg;
+
+static void fd_msg_init(fd_msg *m, char byte) {
+  memset(m, 0, sizeof(*m));
+  m->byte = byte;
+  m->iov.iov_base = &m->byte;
+  m->iov.iov_len = 1;
+  m->mh.msg_iov = &m->iov;
+  m->mh.msg_iovlen = 1;
+  m->mh.msg_control = m->u.buf;
+  m->mh.msg_controllen = sizeof(m->u.buf);
+}
+
+static int send_fd(int sock, int fd) {
+  fd_msg m;
+  fd_msg_init(&m, 'F');
+  struct cmsghdr *cm = CMSG_FIRSTHDR(&m.mh);
   cm->cmsg_level = SOL_SOCKET;
   cm->cmsg_type = SCM_RIGHTS;
   cm->cmsg_len = CMSG_LEN(sizeof(int));
   memcpy(CMSG_DATA(cm), &fd, sizeof(int));
-  return sendmsg(sock, &mh, 0) == 1 ? 0 : -1;
+  return sendmsg(sock, &m.mh, 0) == 1 ? 0 : -1;
 }
 
 static int recv_fd(int sock) {
-  char c;
-  struct iovec iov = {&c, 1};
-  union {
-    char buf[CMSG_SPACE(sizeof(int))];
-    struct cmsghdr align;
-  } u;
-  struct msghdr mh;
+  fd_msg m;
   int fd = -1;
-  memset(&mh, 0, sizeof(mh));
-  mh.msg_iov = &iov;
-  mh.msg_iovlen = 1;
-  mh.msg_control = u.buf;
-  mh.msg_controllen = sizeof(u.buf);
-  if (recvmsg(sock, &mh, MSG_CMSG_CLOEXEC) != 1 || (mh.msg_flags & MSG_CTRUNC))
+  fd_msg_init(&m, 0);
+  if (recvmsg(sock, &m.mh, MSG_CMSG_CLOEXEC) != 1 || (m.mh.msg_flags & MSG_CTRUNC))
     return -1;
-  struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+  struct cmsghdr *cm = CMSG_FIRSTHDR(&m.mh);
   if (!cm || cm->cmsg_type != SCM_RIGHTS || cm->cmsg_len != CMSG_LEN(sizeof(int)))
     return -1;
   memcpy(&fd, CMSG_DATA(cm), sizeof(int));

@@ -75,6 +75,15 @@ def _sync(torch, device):
         torch.cuda.current_stream().synchronize()
 
 
+def _arrived(x, n, i, ctl, lat):
+    """On a consumer's receipt of tensor i: records the latency since the t0 the producer
+    sends, and says whether x holds i where checked (both ends, n elements)."""
+    t1 = time.perf_counter_ns()
+    t0 = ctl.recv()
+    lat.append((t1 - t0) / 1e3)
+    return x.numel() == n and float(x[0]) == float(i) and float(x[-1]) == float(i)
+
+
 # --- gpupool ---------------------------------------------------------------------------------
 def gp_producer(socket, device, nbytes, iters, prefix, ctl):
     import gpupool
@@ -119,11 +128,7 @@ def gp_consumer(socket, device, nbytes, iters, prefix, ctl, out):
         else:
             t = c.get(name, timeout=60)
             x = torch.from_dlpack(t)
-        t1 = time.perf_counter_ns()
-        t0 = ctl.recv()
-        lat.append((t1 - t0) / 1e3)
-        if x.numel() != n or float(x[0]) != float(i) or float(x[-1]) != float(i):
-            bad += 1
+        bad += not _arrived(x, n, i, ctl, lat)
         del x
         t.release()
         c.unpublish(name)
@@ -160,11 +165,7 @@ def tmp_consumer(device, nbytes, iters, q, ctl, out):
         x = q.get()
         if cuda:
             torch.cuda.current_stream().synchronize()
-        t1 = time.perf_counter_ns()
-        t0 = ctl.recv()
-        lat.append((t1 - t0) / 1e3)
-        if x.numel() != n or float(x[0]) != float(i) or float(x[-1]) != float(i):
-            bad += 1
+        bad += not _arrived(x, n, i, ctl, lat)
         del x
         ctl.send("consumed")
     ctl.send("done")

@@ -95,17 +95,25 @@ static int send_error(int e) {
  * Returns bytes written, or -errno. */
 static ssize_t send_step(int sock, const uint8_t *buf, size_t len, size_t off, const int *fds,
                          int nfds, int flags) {
-  struct iovec iov;
+  return gpupool__wire_sendmsg(sock, buf + off, len - off, fds, off == 0 ? nfds : 0, flags);
+}
+
+ssize_t gpupool__wire_sendmsg(int sock, const void *buf, size_t len, const int *fds, int nfds,
+                              int flags) {
+  union {
+    struct cmsghdr align;
+    char buf[CMSG_SPACE(GPUPOOL__WIRE_SENDMSG_MAX_FDS * sizeof(int))];
+  } ctrl;
+  struct iovec iov = {.iov_base = (void *)buf, .iov_len = len};
   struct msghdr msg;
-  ctrl_buf ctrl;
   ssize_t n;
 
+  if (nfds > GPUPOOL__WIRE_SENDMSG_MAX_FDS)
+    return -EINVAL;
   memset(&msg, 0, sizeof msg);
-  iov.iov_base = (void *)(buf + off);
-  iov.iov_len = len - off;
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  if (off == 0 && nfds > 0) {
+  if (nfds > 0) {
     struct cmsghdr *c;
     memset(&ctrl, 0, sizeof ctrl);
     msg.msg_control = ctrl.buf;

@@ -14,6 +14,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "gpupool.pb-c.h"
 #include "gpupool/gpupool.h"
@@ -42,6 +43,15 @@ int gpupool__wire_send(int sock, const uint8_t *buf, size_t len, const int *fds,
  * when writable), or GPUPOOL_EIO / GPUPOOL_ECLOSED. */
 int gpupool__wire_send_some(int sock, const uint8_t *buf, size_t len, size_t *off,
                             const int *fds, int nfds);
+
+/* The most fds gpupool__wire_sendmsg attaches: more than a frame may carry, so that tests
+ * and fuzzers can send what a well-behaved peer never would. */
+#define GPUPOOL__WIRE_SENDMSG_MAX_FDS 16
+/* One sendmsg of buf[0..len) with nfds fds (may be NULL/0) as SCM_RIGHTS, retried on EINTR,
+ * MSG_NOSIGNAL added to flags; none of the checks of the frame senders above. Returns the
+ * bytes sent, or -errno (-EINVAL for more than GPUPOOL__WIRE_SENDMSG_MAX_FDS fds). */
+ssize_t gpupool__wire_sendmsg(int sock, const void *buf, size_t len, const int *fds, int nfds,
+                              int flags);
 
 /* Send queue for a nonblocking socket: frames that did not fit in the socket wait here, in
  * order, with duplicates of the fds their first byte carries (the originals stay the

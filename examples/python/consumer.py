@@ -8,7 +8,6 @@ Each name is unpublished after it is checked (unless --keep), so its memory retu
 pool once this process lets go.
 """
 
-import argparse
 import os
 import sys
 import time
@@ -18,17 +17,11 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 sys.path.insert(0, HERE)
 
 import gpupool  # noqa: E402
-from producer import pick_mode, tensor_values  # noqa: E402
+from producer import demo_parser, pick_mode, tensor_values  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--socket", help="gpupoold socket (default: $GPUPOOL_SOCKET or the "
-                                     "system default)")
-    ap.add_argument("--name", default="demo", help="name prefix, as given to producer.py")
-    ap.add_argument("--count", type=int, default=3, help="how many tensors to read")
-    ap.add_argument("--size", type=int, default=1 << 20, help="elements per tensor (float32)")
-    ap.add_argument("--mode", choices=("auto", "torch", "numpy"), default="auto")
+    ap = demo_parser(__doc__, "name prefix, as given to producer.py", "how many tensors to read")
     ap.add_argument("--timeout", type=float, default=30.0,
                     help="seconds to wait for each name to be published")
     ap.add_argument("--keep", action="store_true", help="leave the names published")

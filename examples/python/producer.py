@@ -53,14 +53,21 @@ def pick_mode(client, want):
     return "numpy", None
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def demo_parser(doc, name_help, count_help):
+    """The options producer.py and consumer.py share: they must agree on names and sizes."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--socket", help="gpupoold socket (default: $GPUPOOL_SOCKET or the "
                                      "system default)")
-    ap.add_argument("--name", default="demo", help="name prefix; tensors are NAME/0, NAME/1...")
-    ap.add_argument("--count", type=int, default=3, help="how many tensors to publish")
+    ap.add_argument("--name", default="demo", help=name_help)
+    ap.add_argument("--count", type=int, default=3, help=count_help)
     ap.add_argument("--size", type=int, default=1 << 20, help="elements per tensor (float32)")
     ap.add_argument("--mode", choices=("auto", "torch", "numpy"), default="auto")
+    return ap
+
+
+def main():
+    ap = demo_parser(__doc__, "name prefix; tensors are NAME/0, NAME/1...",
+                     "how many tensors to publish")
     ap.add_argument("--hold", type=float, default=0.0,
                     help="seconds to stay connected after publishing (0: exit at once)")
     args = ap.parse_args()

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "fuzz.h"
+#include "wire.h"
 
 size_t fuzz_chunks(const uint8_t *in, size_t n, fuzz_chunk *out, size_t max) {
   size_t k = 0, pos = 0;
@@ -52,45 +53,23 @@ static int make_memfd(uint8_t ctl) {
 }
 
 int fuzz_send_chunk(int sock, const fuzz_chunk *c, size_t *off) {
-  int fds[8];
+  int fds[8] = {0};
   int nfds = 0;
-  union {
-    struct cmsghdr align;
-    char buf[CMSG_SPACE(sizeof fds)];
-  } ctrl;
-  struct iovec iov;
-  struct msghdr msg;
   ssize_t n;
 
   if (*off >= c->len)
     return 1;
-  memset(&msg, 0, sizeof msg);
-  iov.iov_base = (void *)(c->data + *off);
-  iov.iov_len = c->len - *off;
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  if (*off == 0 && FUZZ_CTL_NFDS(c->ctl) > 0) {
-    struct cmsghdr *cm;
+  if (*off == 0) {
     nfds = FUZZ_CTL_NFDS(c->ctl);
     for (int i = 0; i < nfds; i++)
       fds[i] = make_memfd(c->ctl);
-    memset(&ctrl, 0, sizeof ctrl);
-    msg.msg_control = ctrl.buf;
-    msg.msg_controllen = CMSG_SPACE((size_t)nfds * sizeof(int));
-    cm = CMSG_FIRSTHDR(&msg);
-    cm->cmsg_level = SOL_SOCKET;
-    cm->cmsg_type = SCM_RIGHTS;
-    cm->cmsg_len = CMSG_LEN((size_t)nfds * sizeof(int));
-    memcpy(CMSG_DATA(cm), fds, (size_t)nfds * sizeof(int));
   }
-  do {
-    n = sendmsg(sock, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-  } while (n < 0 && errno == EINTR);
+  n = gpupool__wire_sendmsg(sock, c->data + *off, c->len - *off, fds, nfds, MSG_DONTWAIT);
   /* The receiver has its own copies now (or none, if the send failed). */
   for (int i = 0; i < nfds; i++)
     close(fds[i]);
   if (n < 0)
-    return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
+    return n == -EAGAIN || n == -EWOULDBLOCK ? 0 : -1;
   *off += (size_t)n;
   return *off >= c->len;
 }

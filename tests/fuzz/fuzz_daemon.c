@@ -28,7 +28,7 @@
 #include "config.h"
 #include "errors.h"
 #include "fuzz.h"
-#include "log.h"
+#include "fuzz_pools.h"
 #include "registry.h"
 #include "server.h"
 
@@ -38,8 +38,9 @@ static gpupool__backend *be;
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
   (void)argc;
   (void)argv;
-  if (!getenv("GPUPOOL_FUZZ_LOG"))
-    gpupool__log_set_level(0);
+  static const char *const pools[] = {"name=a,kind=host,capacity=16M,slab=2M,keep=1",
+                                      "name=b,kind=host,capacity=8M,slab=4M,align=4096,keep=0",
+                                      NULL};
   gpupool__config_defaults(&cfg);
   /* Small pools and limits, so that inputs reach "full", dedicated slabs, retirement and
    * every limit within a few requests. */
@@ -47,12 +48,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
   cfg.max_allocs_per_client = 16;
   cfg.max_bytes_per_uid = 48ull << 20;
   cfg.max_names = 8;
-  if (gpupool__config_add_pool_spec(&cfg, "name=a,kind=host,capacity=16M,slab=2M,keep=1") != 0 ||
-      gpupool__config_add_pool_spec(&cfg, "name=b,kind=host,capacity=8M,slab=4M,align=4096,keep=0") != 0 ||
-      gpupool__config_finish(&cfg, &gpupool__backend_host) != 0)
-    fuzz_fail("config: %s", gpupool__errmsg());
-  if (gpupool__backend_host.open(&be) != 0)
-    fuzz_fail("host backend: %s", gpupool__errmsg());
+  fuzz_host_pools(&cfg, pools, &be);
   /* libuv opens a few process-wide fds with its first loop; count fds after that. */
   {
     uv_loop_t warm;

@@ -20,7 +20,7 @@
 #include "config.h"
 #include "errors.h"
 #include "fuzz.h"
-#include "log.h"
+#include "fuzz_pools.h"
 #include "registry.h"
 #include "wire.h"
 
@@ -30,14 +30,9 @@ static gpupool__backend *be;
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
   (void)argc;
   (void)argv;
-  if (!getenv("GPUPOOL_FUZZ_LOG"))
-    gpupool__log_set_level(0);
+  static const char *const pools[] = {"name=t,kind=host,capacity=32M,slab=4M", NULL};
   gpupool__config_defaults(&cfg);
-  if (gpupool__config_add_pool_spec(&cfg, "name=t,kind=host,capacity=32M,slab=4M") != 0 ||
-      gpupool__config_finish(&cfg, &gpupool__backend_host) != 0)
-    fuzz_fail("config: %s", gpupool__errmsg());
-  if (gpupool__backend_host.open(&be) != 0)
-    fuzz_fail("host backend: %s", gpupool__errmsg());
+  fuzz_host_pools(&cfg, pools, &be);
   return 0;
 }
 

@@ -185,6 +185,12 @@ static inline void th_stop(th_daemon *d) {
   rmdir(d->dir);
 }
 
+/* cmocka teardown for tests whose setup left their daemon in *state: th_stop on it. */
+static inline int th_teardown(void **state) {
+  th_stop(*state);
+  return 0;
+}
+
 static inline gpupool_client *th_connect(const th_daemon *d, const char *name) {
   gpupool_client *c = NULL;
   int rc = gpupool_connect(d->sock, name, &c);

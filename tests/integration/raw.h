@@ -45,6 +45,16 @@ static inline int th_raw_send(int fd, gpupool__req *req, const int *fds, int nfd
   return rc;
 }
 
+/* Send a Stats request (the one with no fields) numbered seq, with fds: as th_raw_send. */
+static inline int th_raw_send_stats(int fd, uint64_t seq, const int *fds, int nfds) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Stats st = GPUPOOL__WIRE__STATS__INIT;
+  req.seq = seq;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
+  req.stats = &st;
+  return th_raw_send(fd, &req, fds, nfds);
+}
+
 /* Next reply, or NULL at end of connection (or after the receive timeout). */
 static inline gpupool__rep *th_raw_recv(int fd) {
   gpupool__wire_rx rx;

@@ -13,33 +13,35 @@
 static th_daemon D;
 
 static int setup(void **state) {
-  (void)state;
+  *state = &D;
   th_prepare(&D);
   th_start(&D, 0, "--pool", "name=default,kind=host,capacity=256M,slab=8M", NULL);
   return 0;
 }
 
-static int teardown(void **state) {
-  (void)state;
-  th_stop(&D);
-  return 0;
-}
-
 /* ---- producer / consumers ------------------------------------------------------------------ */
+
+#define TENSOR_NAME_LEN 32
+
+/* Tensor i of the run as producer, consumers and cleanup agree on it: its name, written to
+ * name, and its size in bytes. */
+static uint64_t nth_tensor(int i, char name[TENSOR_NAME_LEN]) {
+  snprintf(name, TENSOR_NAME_LEN, "t%d", i);
+  return (uint64_t)(i + 1) * 100003;
+}
 
 static int producer(const th_daemon *d, int n) {
   gpupool_client *c;
   CHILD_CHECK(gpupool_connect(d->sock, "producer", &c) == 0, "connect");
   for (int i = 0; i < n; i++) {
     gpupool_buffer *b;
-    char name[32];
-    uint64_t size = (uint64_t)(i + 1) * 100003;
+    char name[TENSOR_NAME_LEN];
+    uint64_t size = nth_tensor(i, name);
     gpupool_tensor_meta m = {.dtype_code = GPUPOOL_DTYPE_UINT, .dtype_bits = 8, .dtype_lanes = 1, .ndim = 1};
     m.shape[0] = (int64_t)size;
     CHILD_CHECK(gpupool_alloc(c, NULL, size, 0, NULL, &b) == 0, "alloc %d", i);
     CHILD_CHECK(gpupool_buffer_size(b) == size, "size");
     th_fill(gpupool_buffer_ptr(b), (uint32_t)i, size);
-    snprintf(name, sizeof name, "t%d", i);
     CHILD_CHECK(gpupool_publish(b, name, &m, NULL) == 0, "publish %s", name);
     CHILD_CHECK(gpupool_release(b, NULL) == 0, "release");
   }
@@ -53,9 +55,8 @@ static int consumer(const th_daemon *d, int n) {
   for (int i = 0; i < n; i++) {
     gpupool_buffer *b;
     gpupool_tensor_meta m;
-    char name[32];
-    uint64_t size = (uint64_t)(i + 1) * 100003;
-    snprintf(name, sizeof name, "t%d", i);
+    char name[TENSOR_NAME_LEN];
+    uint64_t size = nth_tensor(i, name);
     CHILD_CHECK(gpupool_get(c, name, 10000, GPUPOOL_READ_ONLY, NULL, &b) == 0, "get %s", name);
     CHILD_CHECK(gpupool_buffer_size(b) == size, "size %zu != %llu", gpupool_buffer_size(b), (unsigned long long)size);
     CHILD_CHECK(gpupool_buffer_read_only(b), "read-only flag");
@@ -70,8 +71,8 @@ static int consumer(const th_daemon *d, int n) {
 static void unpublish_all(int n) {
   gpupool_client *c = th_connect(&D, "cleanup");
   for (int i = 0; i < n; i++) {
-    char name[32];
-    snprintf(name, sizeof name, "t%d", i);
+    char name[TENSOR_NAME_LEN];
+    nth_tensor(i, name);
     assert_int_equal(gpupool_unpublish(c, name), 0);
   }
   gpupool_disconnect(c);
@@ -258,16 +259,24 @@ static int delayed_release(const th_daemon *d, int hold_ms) {
   return 0;
 }
 
+/* A child running delayed_release(hold_ms), returned once c sees its flag: it holds its
+ * memory by then. */
+static pid_t spawn_holder(gpupool_client *c, int hold_ms) {
+  gpupool_buffer *flag;
+  pid_t pid = th_spawn(&D, delayed_release, hold_ms);
+  assert_int_equal(gpupool_get(c, "big-flag", 5000, 0, NULL, &flag), 0);
+  assert_int_equal(gpupool_release(flag, NULL), 0);
+  return pid;
+}
+
 static void test_alloc_waits_for_memory(void **state) {
   gpupool_client *c = th_connect(&D, "needy");
-  gpupool_buffer *b, *flag;
+  gpupool_buffer *b;
   pid_t pid;
   int rc;
   (void)state;
 
-  pid = th_spawn(&D, delayed_release, 300);
-  assert_int_equal(gpupool_get(c, "big-flag", 5000, 0, NULL, &flag), 0);
-  assert_int_equal(gpupool_release(flag, NULL), 0);
+  pid = spawn_holder(c, 300);
   /* 256M pool, 200M taken: 100M cannot fit now. */
   rc = gpupool_alloc(c, NULL, 100 * MIB, 0, NULL, &b);
   assert_int_equal(rc, GPUPOOL_ENOSPC);
@@ -277,9 +286,7 @@ static void test_alloc_waits_for_memory(void **state) {
   th_wait_ok(pid, "holder");
   assert_int_equal(gpupool_release(b, NULL), 0);
   /* A wait that nothing satisfies times out with the sizes in the message. */
-  pid = th_spawn(&D, delayed_release, 600);
-  assert_int_equal(gpupool_get(c, "big-flag", 5000, 0, NULL, &flag), 0);
-  assert_int_equal(gpupool_release(flag, NULL), 0);
+  pid = spawn_holder(c, 600);
   rc = gpupool_alloc(c, NULL, 100 * MIB, 100, NULL, &b);
   assert_int_equal(rc, GPUPOOL_ETIMEDOUT);
   assert_non_null(strstr(gpupool_last_error(), "waiting for memory"));
@@ -474,15 +481,15 @@ static void test_holder_rules(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test_setup_teardown(test_producer_consumer, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_one_producer_eight_consumers, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_32_clients_churn, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_sigkill_holder, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_get_waits_for_publish, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_alloc_waits_for_memory, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_threads_share_client, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_holder_rules, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_stats_struct_sizes, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_producer_consumer, setup, th_teardown),
+      cmocka_unit_test_setup_teardown(test_one_producer_eight_consumers, setup, th_teardown),
+      cmocka_unit_test_setup_teardown(test_32_clients_churn, setup, th_teardown),
+      cmocka_unit_test_setup_teardown(test_sigkill_holder, setup, th_teardown),
+      cmocka_unit_test_setup_teardown(test_get_waits_for_publish, setup, th_teardown),
+      cmocka_unit_test_setup_teardown(test_alloc_waits_for_memory, setup, th_teardown),
+      cmocka_unit_test_setup_teardown(test_threads_share_client, setup, th_teardown),
+      cmocka_unit_test_setup_teardown(test_holder_rules, setup, th_teardown),
+      cmocka_unit_test_setup_teardown(test_stats_struct_sizes, setup, th_teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -89,14 +89,7 @@ static void hello_ok(int fd) {
   gpupool__wire__reply__free_unpacked(rep, NULL);
 }
 
-static void send_stats(int fd, uint64_t seq) {
-  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-  Gpupool__Wire__Stats st = GPUPOOL__WIRE__STATS__INIT;
-  req.seq = seq;
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
-  req.stats = &st;
-  raw_send(fd, &req, NULL, 0);
-}
+static void send_stats(int fd, uint64_t seq) { assert_int_equal(th_raw_send_stats(fd, seq, NULL, 0), 0); }
 
 static void expect_stats(int fd) {
   gpupool__rep *rep = raw_recv(fd);
@@ -167,14 +160,7 @@ static void test_unexpected_fds(void **state) {
   hello_ok(fd);
   for (int i = 0; i < 3; i++)
     fds[i] = mfd;
-  {
-    gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-    Gpupool__Wire__Stats st = GPUPOOL__WIRE__STATS__INIT;
-    req.seq = 9;
-    req.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
-    req.stats = &st;
-    raw_send(fd, &req, fds, 3);
-  }
+  assert_int_equal(th_raw_send_stats(fd, 9, fds, 3), 0);
   expect_error(fd, GPUPOOL_EFD, "file descriptors");
   send_stats(fd, 10);
   expect_stats(fd);

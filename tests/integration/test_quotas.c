@@ -215,14 +215,8 @@ static int violator_child(const th_daemon *d, int arg) {
     return 2;
   CHILD_CHECK(try_session("-", &fd) == 1, "session");
   /* Replies it does not read pile up in the daemon's queue first... */
-  for (int i = 0; i < 4000; i++) {
-    gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-    Gpupool__Wire__Stats st = GPUPOOL__WIRE__STATS__INIT;
-    req.seq = 10 + (uint64_t)i;
-    req.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
-    req.stats = &st;
-    CHILD_CHECK(raw_send(fd, &req) == 0, "stats %d", i);
-  }
+  for (int i = 0; i < 4000; i++)
+    CHILD_CHECK(th_raw_send_stats(fd, 10 + (uint64_t)i, NULL, 0) == 0, "stats %d", i);
   /* ...then a frame that is not a Request: 4 bytes of 0xff, an invalid protobuf tag. */
   memset(junk, 0xff, sizeof junk);
   junk[0] = 4;
@@ -268,15 +262,9 @@ static int slow_reader_child(const th_daemon *d, int arg) {
   if (th_become(NOBODY) != 0)
     return 2;
   CHILD_CHECK(try_session("-", &fd) == 1, "session");
-  for (int i = 0; i < 20000; i++) {
-    gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-    Gpupool__Wire__Stats st = GPUPOOL__WIRE__STATS__INIT;
-    req.seq = 10 + (uint64_t)i;
-    req.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
-    req.stats = &st;
-    if (raw_send(fd, &req) != 0)
+  for (int i = 0; i < 20000; i++)
+    if (th_raw_send_stats(fd, 10 + (uint64_t)i, NULL, 0) != 0)
       break; /* dropped while sending */
-  }
   th_sleep_ms(200);
   while ((rep = raw_recv(fd)) != NULL) {
     gpupool__wire__reply__free_unpacked(rep, NULL);

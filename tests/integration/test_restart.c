@@ -8,15 +8,9 @@
 static th_daemon D;
 
 static int setup(void **state) {
-  (void)state;
+  *state = &D;
   th_prepare(&D);
   th_start(&D, 0, "--pool", "name=default,kind=host,capacity=64M,slab=4M", NULL);
-  return 0;
-}
-
-static int teardown(void **state) {
-  (void)state;
-  th_stop(&D);
   return 0;
 }
 
@@ -97,8 +91,8 @@ static void test_daemon_does_not_come_back(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test_setup_teardown(test_restart_reports_lost, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_daemon_does_not_come_back, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_restart_reports_lost, setup, th_teardown),
+      cmocka_unit_test_setup_teardown(test_daemon_does_not_come_back, setup, th_teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

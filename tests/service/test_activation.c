@@ -127,23 +127,31 @@ static pid_t spawn(const spawn_opts *o) {
   }
 }
 
-/* Read notify datagrams until one contains `want` or timeout_ms passes. All messages are
- * echoed for the log. Returns 1 when found. */
-static int wait_notify(int fd, const char *want, int timeout_ms, char *got, size_t gotlen) {
-  int64_t end = now_ms() + timeout_ms;
+/* The next notify datagram before `end` (a now_ms() time), as a string in buf. Returns 1,
+ * or 0 once end has passed. */
+static int next_notify(int fd, int64_t end, char *buf, size_t len) {
   for (;;) {
     struct pollfd p = {.fd = fd, .events = POLLIN};
     int left = (int)(end - now_ms());
-    char buf[1024];
     ssize_t n;
     if (left <= 0)
       return 0;
     if (poll(&p, 1, left) <= 0)
       continue;
-    n = recv(fd, buf, sizeof(buf) - 1, 0);
+    n = recv(fd, buf, len - 1, 0);
     if (n < 0)
       continue;
     buf[n] = '\0';
+    return 1;
+  }
+}
+
+/* Read notify datagrams until one contains `want` or timeout_ms passes. All messages are
+ * echoed for the log. Returns 1 when found. */
+static int wait_notify(int fd, const char *want, int timeout_ms, char *got, size_t gotlen) {
+  int64_t end = now_ms() + timeout_ms;
+  char buf[1024];
+  while (next_notify(fd, end, buf, sizeof(buf))) {
     if (strcmp(buf, "WATCHDOG=1") != 0)
       printf("  notify: %s\n", buf);
     if (strstr(buf, want) != NULL) {
@@ -152,27 +160,17 @@ static int wait_notify(int fd, const char *want, int timeout_ms, char *got, size
       return 1;
     }
   }
+  return 0;
 }
 
 static int count_notify(int fd, const char *want, int window_ms) {
   int64_t end = now_ms() + window_ms;
+  char buf[256];
   int n = 0;
-  for (;;) {
-    struct pollfd p = {.fd = fd, .events = POLLIN};
-    int left = (int)(end - now_ms());
-    char buf[256];
-    ssize_t r;
-    if (left <= 0)
-      return n;
-    if (poll(&p, 1, left) <= 0)
-      continue;
-    r = recv(fd, buf, sizeof(buf) - 1, 0);
-    if (r < 0)
-      continue;
-    buf[r] = '\0';
+  while (next_notify(fd, end, buf, sizeof(buf)))
     if (strcmp(buf, want) == 0)
       n++;
-  }
+  return n;
 }
 
 /* Exit status of pid within timeout_ms (-1 and SIGKILL on timeout). */
@@ -212,44 +210,103 @@ static int file_contains(const char *path, const char *want) {
   return strstr(buf, want) != NULL;
 }
 
-static int make_dir(const char *name, char *dir, size_t len) {
-  path_in(dir, len, root, name);
-  return mkdir(dir, 0700);
+/* What each case sets up in a directory of its own: the listening sockets handed to the
+ * daemon as LISTEN_FDS, the socket named by its --socket, a notify socket, its stderr log,
+ * and the options spawn() starts it with. */
+typedef struct {
+  char dir[128], listen[2][160], own[160], notify[160], errlog[160];
+  int fds[2];
+  int nfd;
+  pid_t pid;
+  spawn_opts o;
+} svc_case;
+
+/* Directory NAME under root with listen_names[0..n) bound and listening (n at most 2) and
+ * the notify socket bound; the daemon's --socket is own_name there. Returns 0, or -1 with
+ * the cause on stderr; k is fit for case_end() either way. */
+static int case_begin(svc_case *k, const char *name, const char *const *listen_names, int n,
+                      const char *own_name) {
+  memset(k, 0, sizeof(*k));
+  k->fds[0] = k->fds[1] = k->nfd = k->pid = -1;
+  path_in(k->dir, sizeof(k->dir), root, name);
+  path_in(k->own, sizeof(k->own), k->dir, own_name);
+  path_in(k->notify, sizeof(k->notify), k->dir, "notify.sock");
+  path_in(k->errlog, sizeof(k->errlog), k->dir, "stderr.log");
+  if (mkdir(k->dir, 0700) != 0) {
+    perror(k->dir);
+    return -1;
+  }
+  for (int i = 0; i < n; i++) {
+    path_in(k->listen[i], sizeof(k->listen[i]), k->dir, listen_names[i]);
+    if ((k->fds[i] = bind_unix(SOCK_STREAM, k->listen[i], 1)) < 0)
+      return -1;
+  }
+  if ((k->nfd = bind_unix(SOCK_DGRAM, k->notify, 0)) < 0)
+    return -1;
+  k->o.fds = k->fds;
+  k->o.nfds = n;
+  k->o.listen_pid_self = 1;
+  k->o.notify = k->notify;
+  k->o.socket_opt = k->own;
+  k->o.stderr_path = k->errlog;
+  return 0;
+}
+
+/* A daemon still running is killed and its stderr shown; every socket is closed. */
+static void case_end(svc_case *k) {
+  if (k->pid > 0) {
+    kill(k->pid, SIGKILL);
+    waitpid(k->pid, NULL, 0);
+    dump_file(k->errlog);
+  }
+  for (int i = 0; i < 2; i++)
+    if (k->fds[i] >= 0)
+      close(k->fds[i]);
+  if (k->nfd >= 0)
+    close(k->nfd);
+}
+
+/* Starts the case's daemon and waits up to 15 s for its READY=1 (that message in got when
+ * got is not NULL). Returns 0, or -1 with the cause on stderr. */
+static int case_start_ready(svc_case *k, char *got, size_t gotlen) {
+  k->pid = spawn(&k->o);
+  if (k->pid <= 0) {
+    perror("fork");
+    return -1;
+  }
+  if (!wait_notify(k->nfd, "READY=1", 15000, got, gotlen)) {
+    fprintf(stderr, "no READY=1 within 15 s\n");
+    return -1;
+  }
+  return 0;
+}
+
+/* SIGTERM to the case's daemon; its exit status (wait_exit), and it is no longer running. */
+static int case_stop(svc_case *k, int timeout_ms) {
+  int rc;
+  kill(k->pid, SIGTERM);
+  rc = wait_exit(k->pid, timeout_ms);
+  k->pid = -1;
+  return rc;
 }
 
 static void case_activation(void) {
-  char dir[128], sock[160], notify[160], errlog[160], got[1024];
-  int lfd = -1, nfd = -1, rc;
-  pid_t pid = -1;
+  static const char *const listen[] = {"gp.sock"};
+  char got[1024];
+  int rc;
   gpupool_client *c = NULL;
   gpupool_buffer *b = NULL;
   struct stat sb;
-  spawn_opts o;
+  svc_case k;
 
   printf("case activation\n");
-  CHECK(make_dir("activation", dir, sizeof(dir)) == 0, "mkdir %s", dir);
-  path_in(sock, sizeof(sock), dir, "gp.sock");
-  path_in(notify, sizeof(notify), dir, "notify.sock");
-  path_in(errlog, sizeof(errlog), dir, "stderr.log");
-  lfd = bind_unix(SOCK_STREAM, sock, 1);
-  nfd = bind_unix(SOCK_DGRAM, notify, 0);
-  CHECK(lfd >= 0 && nfd >= 0, "sockets");
-  memset(&o, 0, sizeof(o));
-  o.fds = &lfd;
-  o.nfds = 1;
-  o.listen_pid_self = 1;
-  o.notify = notify;
-  o.socket_opt = sock;
-  o.stderr_path = errlog;
-  pid = spawn(&o);
-  CHECK(pid > 0, "fork");
-  close(lfd); /* the daemon holds the only copy now, as with systemd's it would not */
-  lfd = -1;
-
-  CHECK(wait_notify(nfd, "READY=1", 15000, got, sizeof(got)), "no READY=1 within 15 s");
+  CHECK(case_begin(&k, "activation", listen, 1, "gp.sock") == 0, "set-up in %s", k.dir);
+  CHECK(case_start_ready(&k, got, sizeof(got)) == 0, "gpupoold started and ready");
+  close(k.fds[0]); /* the daemon holds the only copy now, as with systemd's it would not */
+  k.fds[0] = -1;
   CHECK(strstr(got, "STATUS=") != NULL, "READY=1 came without STATUS=: '%s'", got);
 
-  rc = gpupool_connect(sock, "svc-activation", &c);
+  rc = gpupool_connect(k.own, "svc-activation", &c);
   CHECK(rc == 0, "gpupool_connect: %s", gpupool_last_error());
   rc = gpupool_alloc(c, NULL, 1 << 20, 0, NULL, &b);
   CHECK(rc == 0, "gpupool_alloc: %s", gpupool_last_error());
@@ -261,64 +318,41 @@ static void case_activation(void) {
   gpupool_disconnect(c);
   c = NULL;
 
-  CHECK(kill(pid, SIGTERM) == 0, "kill");
-  CHECK(wait_notify(nfd, "STOPPING=1", 10000, NULL, 0), "no STOPPING=1 within 10 s");
-  rc = wait_exit(pid, 10000);
-  pid = -1;
+  CHECK(kill(k.pid, SIGTERM) == 0, "kill");
+  CHECK(wait_notify(k.nfd, "STOPPING=1", 10000, NULL, 0), "no STOPPING=1 within 10 s");
+  rc = wait_exit(k.pid, 10000);
+  k.pid = -1;
   CHECK(rc == 0, "gpupoold exited with %d after SIGTERM", rc);
   /* The socket belongs to the service manager: the daemon must not remove it. */
-  CHECK(stat(sock, &sb) == 0 && S_ISSOCK(sb.st_mode), "%s was removed by the daemon", sock);
+  CHECK(stat(k.own, &sb) == 0 && S_ISSOCK(sb.st_mode), "%s was removed by the daemon", k.own);
   printf("ok activation\n");
 out:
   if (b != NULL)
     gpupool_release(b, NULL);
   if (c != NULL)
     gpupool_disconnect(c);
-  if (pid > 0) {
-    kill(pid, SIGKILL);
-    waitpid(pid, NULL, 0);
-    dump_file(errlog);
-  }
-  if (lfd >= 0)
-    close(lfd);
-  if (nfd >= 0)
-    close(nfd);
+  case_end(&k);
 }
 
 static void case_two_fds(void) {
-  char dir[128], s1[160], s2[160], notify[160], errlog[160];
-  int fds[2] = {-1, -1}, nfd = -1, rc;
-  pid_t pid;
-  spawn_opts o;
+  static const char *const listen[] = {"a.sock", "b.sock"};
+  int rc;
+  svc_case k;
 
   printf("case two-fds\n");
-  CHECK(make_dir("two-fds", dir, sizeof(dir)) == 0, "mkdir %s", dir);
-  path_in(s1, sizeof(s1), dir, "a.sock");
-  path_in(s2, sizeof(s2), dir, "b.sock");
-  path_in(notify, sizeof(notify), dir, "notify.sock");
-  path_in(errlog, sizeof(errlog), dir, "stderr.log");
-  fds[0] = bind_unix(SOCK_STREAM, s1, 1);
-  fds[1] = bind_unix(SOCK_STREAM, s2, 1);
-  nfd = bind_unix(SOCK_DGRAM, notify, 0);
-  CHECK(fds[0] >= 0 && fds[1] >= 0 && nfd >= 0, "sockets");
-  memset(&o, 0, sizeof(o));
-  o.fds = fds;
-  o.nfds = 2;
-  o.listen_pid_self = 1;
-  o.notify = notify;
-  o.socket_opt = s1;
-  o.stderr_path = errlog;
-  pid = spawn(&o);
-  CHECK(pid > 0, "fork");
-  rc = wait_exit(pid, 15000);
+  CHECK(case_begin(&k, "two-fds", listen, 2, "a.sock") == 0, "set-up in %s", k.dir);
+  k.pid = spawn(&k.o);
+  CHECK(k.pid > 0, "fork");
+  rc = wait_exit(k.pid, 15000);
+  k.pid = -1;
   CHECK(rc > 0, "gpupoold with LISTEN_FDS=2 exited with %d (want a failure status)", rc);
-  CHECK(file_contains(errlog, "LISTEN_FDS=2"), "its message does not name LISTEN_FDS=2");
-  CHECK(file_contains(errlog, "ListenStream="), "its message does not say how to fix the unit");
+  CHECK(file_contains(k.errlog, "LISTEN_FDS=2"), "its message does not name LISTEN_FDS=2");
+  CHECK(file_contains(k.errlog, "ListenStream="), "its message does not say how to fix the unit");
   /* It must not have announced readiness. */
   {
     char got[512];
     int ready = 0;
-    while (wait_notify(nfd, "=", 200, got, sizeof(got)))
+    while (wait_notify(k.nfd, "=", 200, got, sizeof(got)))
       if (strstr(got, "READY=1"))
         ready = 1;
     CHECK(!ready, "READY=1 sent by a daemon that refused its sockets");
@@ -326,107 +360,51 @@ static void case_two_fds(void) {
   printf("ok two-fds\n");
 out:
   if (failures)
-    dump_file(errlog);
-  for (int i = 0; i < 2; i++)
-    if (fds[i] >= 0)
-      close(fds[i]);
-  if (nfd >= 0)
-    close(nfd);
+    dump_file(k.errlog);
+  case_end(&k);
 }
 
 static void case_watchdog(void) {
-  char dir[128], sock[160], notify[160], errlog[160];
-  int lfd = -1, nfd = -1, n, rc;
-  pid_t pid = -1;
-  spawn_opts o;
+  static const char *const listen[] = {"gp.sock"};
+  int n, rc;
+  svc_case k;
 
   printf("case watchdog\n");
-  CHECK(make_dir("watchdog", dir, sizeof(dir)) == 0, "mkdir %s", dir);
-  path_in(sock, sizeof(sock), dir, "gp.sock");
-  path_in(notify, sizeof(notify), dir, "notify.sock");
-  path_in(errlog, sizeof(errlog), dir, "stderr.log");
-  lfd = bind_unix(SOCK_STREAM, sock, 1);
-  nfd = bind_unix(SOCK_DGRAM, notify, 0);
-  CHECK(lfd >= 0 && nfd >= 0, "sockets");
-  memset(&o, 0, sizeof(o));
-  o.fds = &lfd;
-  o.nfds = 1;
-  o.listen_pid_self = 1;
-  o.notify = notify;
-  o.watchdog_usec = 200000;
-  o.socket_opt = sock;
-  o.stderr_path = errlog;
-  pid = spawn(&o);
-  CHECK(pid > 0, "fork");
-  CHECK(wait_notify(nfd, "READY=1", 15000, NULL, 0), "no READY=1 within 15 s");
-  n = count_notify(nfd, "WATCHDOG=1", 1000);
+  CHECK(case_begin(&k, "watchdog", listen, 1, "gp.sock") == 0, "set-up in %s", k.dir);
+  k.o.watchdog_usec = 200000;
+  CHECK(case_start_ready(&k, NULL, 0) == 0, "gpupoold started and ready");
+  n = count_notify(k.nfd, "WATCHDOG=1", 1000);
   printf("  %d WATCHDOG=1 in 1 s\n", n);
   CHECK(n >= 2, "only %d WATCHDOG=1 in a second with WATCHDOG_USEC=200000", n);
-  kill(pid, SIGTERM);
-  rc = wait_exit(pid, 10000);
-  pid = -1;
+  rc = case_stop(&k, 10000);
   CHECK(rc == 0, "exit status %d", rc);
   printf("ok watchdog\n");
 out:
-  if (pid > 0) {
-    kill(pid, SIGKILL);
-    waitpid(pid, NULL, 0);
-    dump_file(errlog);
-  }
-  if (lfd >= 0)
-    close(lfd);
-  if (nfd >= 0)
-    close(nfd);
+  case_end(&k);
 }
 
 static void case_foreign_pid(void) {
-  char dir[128], decoy[160], own[160], notify[160], errlog[160];
-  int lfd = -1, nfd = -1, rc;
-  pid_t pid = -1;
+  static const char *const listen[] = {"decoy.sock"};
+  int rc;
   gpupool_client *c = NULL;
-  spawn_opts o;
+  svc_case k;
 
   printf("case foreign-pid\n");
-  CHECK(make_dir("foreign-pid", dir, sizeof(dir)) == 0, "mkdir %s", dir);
-  path_in(decoy, sizeof(decoy), dir, "decoy.sock");
-  path_in(own, sizeof(own), dir, "own.sock");
-  path_in(notify, sizeof(notify), dir, "notify.sock");
-  path_in(errlog, sizeof(errlog), dir, "stderr.log");
-  lfd = bind_unix(SOCK_STREAM, decoy, 1);
-  nfd = bind_unix(SOCK_DGRAM, notify, 0);
-  CHECK(lfd >= 0 && nfd >= 0, "sockets");
-  memset(&o, 0, sizeof(o));
-  o.fds = &lfd;
-  o.nfds = 1;
-  o.listen_pid_self = 0;
-  o.notify = notify;
-  o.socket_opt = own;
-  o.stderr_path = errlog;
-  pid = spawn(&o);
-  CHECK(pid > 0, "fork");
-  CHECK(wait_notify(nfd, "READY=1", 15000, NULL, 0), "no READY=1 within 15 s");
-  rc = gpupool_connect(own, "svc-foreign", &c);
+  CHECK(case_begin(&k, "foreign-pid", listen, 1, "own.sock") == 0, "set-up in %s", k.dir);
+  k.o.listen_pid_self = 0;
+  CHECK(case_start_ready(&k, NULL, 0) == 0, "gpupoold started and ready");
+  rc = gpupool_connect(k.own, "svc-foreign", &c);
   CHECK(rc == 0, "connect to the daemon's own socket: %s", gpupool_last_error());
   gpupool_disconnect(c);
   c = NULL;
-  kill(pid, SIGTERM);
-  rc = wait_exit(pid, 10000);
-  pid = -1;
+  rc = case_stop(&k, 10000);
   CHECK(rc == 0, "exit status %d", rc);
-  CHECK(access(own, F_OK) != 0, "the daemon left its own socket %s behind", own);
+  CHECK(access(k.own, F_OK) != 0, "the daemon left its own socket %s behind", k.own);
   printf("ok foreign-pid\n");
 out:
   if (c != NULL)
     gpupool_disconnect(c);
-  if (pid > 0) {
-    kill(pid, SIGKILL);
-    waitpid(pid, NULL, 0);
-    dump_file(errlog);
-  }
-  if (lfd >= 0)
-    close(lfd);
-  if (nfd >= 0)
-    close(nfd);
+  case_end(&k);
 }
 
 int main(int argc, char **argv) {

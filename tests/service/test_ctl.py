@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 
+from svc_common import check, fail, read_to_end, recv_notify
+
 MODE, GPUPOOLD, GPUPOOLCTL, HOLDER = sys.argv[1:5]
 # Quotes, a backslash and UTF-8: what JSON must escape or pass through. (The daemon itself
 # replaces control characters in client names.)
@@ -35,16 +37,6 @@ HOLDER_NAME = 'svc "holder" \\ caf\u00e9'
 PUBLISHED = "svc.test/tensor"
 # gpupoolctl shows every name with its namespace (the publisher's tenant).
 PUBLISHED_KEY = "uid:0/" + PUBLISHED
-
-
-def fail(msg):
-    print("FAIL: " + msg, file=sys.stderr)
-    raise SystemExit(1)
-
-
-def check(cond, msg):
-    if not cond:
-        fail(msg)
 
 
 class Daemon:
@@ -87,15 +79,9 @@ class Daemon:
         self.wait_notify("READY=1", 15)
 
     def wait_notify(self, want, timeout):
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            self.notify.settimeout(max(0.01, end - time.monotonic()))
-            try:
-                msg = self.notify.recv(4096).decode()
-            except socket.timeout:
-                break
-            if want in msg:
-                return msg
+        msg = recv_notify(self.notify, want, timeout)
+        if msg is not None:
+            return msg
         self.dump()
         fail(f"gpupoold did not send {want} within {timeout} s")
 
@@ -308,14 +294,9 @@ def scrape(path):
     s.settimeout(10)
     s.connect(path)
     s.sendall(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
-    data = b""
-    while True:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        data += chunk
+    data = read_to_end(s)
     s.close()
-    return data.decode()
+    return data
 
 
 def test_metrics(tmp):
@@ -377,14 +358,9 @@ def test_metrics(tmp):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(10)
         s.connect(d.msock)
-        data = b""
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            data += chunk
+        data = read_to_end(s)
         s.close()
-        check(data.startswith(head.encode()), "idle connection got no answer")
+        check(data.startswith(head), "idle connection got no answer")
     finally:
         holder.stdin.close()
         holder.wait(15)

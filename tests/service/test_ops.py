@@ -36,21 +36,13 @@ import tempfile
 import threading
 import time
 
+from svc_common import check, fail, read_to_end, recv_notify
+
 MODE, GPUPOOLD, GPUPOOLCTL, UNIT_TEMPLATE, PYTHON_DIR, LIBGPUPOOL = sys.argv[1:7]
 CLEAN_ENV = {k: v for k, v in os.environ.items()
              if k not in ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "WATCHDOG_USEC",
                           "WATCHDOG_PID", "NOTIFY_SOCKET", "JOURNAL_STREAM", "GPUPOOL_SOCKET")}
 PROCS = []
-
-
-def fail(msg):
-    print("FAIL: " + msg, file=sys.stderr)
-    raise SystemExit(1)
-
-
-def check(cond, msg):
-    if not cond:
-        fail(msg)
 
 
 def write(path, text):
@@ -86,15 +78,9 @@ class Notify:
                 return out
 
     def wait(self, want, timeout=15):
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            self.sock.settimeout(max(0.01, end - time.monotonic()))
-            try:
-                msg = self.sock.recv(4096).decode()
-            except socket.timeout:
-                break
-            if want in msg:
-                return msg
+        msg = recv_notify(self.sock, want, timeout)
+        if msg is not None:
+            return msg
         fail(f"the daemon did not send {want} within {timeout} s")
 
 
@@ -107,6 +93,15 @@ def start_daemon(tmp, args, notify=None, env_extra=None):
     p = subprocess.Popen([GPUPOOLD, *args], env=env, stdout=log, stderr=subprocess.STDOUT)
     p.logfile = log
     PROCS.append(p)
+    return p
+
+
+def start_ready(tmp, sock, extra=""):
+    """A daemon on host_conf(tmp, sock, extra), once it has told its service manager it is
+    ready."""
+    n = Notify(tmp)
+    p = start_daemon(tmp, ["--config", host_conf(tmp, sock, extra)], notify=n)
+    n.wait("READY=1")
     return p
 
 
@@ -193,6 +188,17 @@ def test_startup(tmp):
 
 # ---- unlink ----------------------------------------------------------------------------------
 
+def replace_and_stop(d, path, what):
+    """Puts a regular file where daemon d's socket `what` was bound, then stops d: the daemon
+    must exit cleanly and leave the file alone."""
+    os.unlink(path)
+    write(path, "replaced\n")
+    stop(d)
+    check(d.returncode == 0, f"gpupoold exited {d.returncode}")
+    check(os.path.isfile(path) and open(path).read() == "replaced\n",
+          f"gpupoold removed a regular file at its {what} path when it stopped")
+
+
 def test_unlink(tmp):
     path = os.path.join(tmp, "precious.txt")
     write(path, "do not delete\n")
@@ -220,36 +226,22 @@ def test_unlink(tmp):
     s.close()
     mfile = os.path.join(tmp, "metrics-file")
     write(mfile, "keep me\n")
-    n = Notify(tmp)
-    d = start_daemon(tmp, ["--config", host_conf(tmp, sock, f"metrics_socket = {mfile}\n")], notify=n)
-    n.wait("READY=1")
+    d = start_ready(tmp, sock, f"metrics_socket = {mfile}\n")
     out = log_of(d)
     check("not a socket" in out, f"metrics_socket on a regular file was not refused: {out}")
     check(open(mfile).read() == "keep me\n", "metrics_socket's regular file was changed")
     check(stat.S_ISSOCK(os.lstat(sock).st_mode), "the stale socket was not replaced")
     ctl(sock, "status")
     # Something else takes the socket's place while the daemon runs: it must survive exit.
-    os.unlink(sock)
-    write(sock, "replaced\n")
-    stop(d)
-    check(d.returncode == 0, f"gpupoold exited {d.returncode}")
-    check(os.path.isfile(sock) and open(sock).read() == "replaced\n",
-          "gpupoold removed a regular file at its socket path when it stopped")
+    replace_and_stop(d, sock, "socket")
     check(os.path.isfile(mfile), "gpupoold removed the metrics_socket regular file when it stopped")
 
     # The same for the metrics socket: served, then replaced by a file while the daemon runs.
     os.unlink(sock)
     msock = os.path.join(tmp, "metrics.sock")
-    n = Notify(tmp)
-    d = start_daemon(tmp, ["--config", host_conf(tmp, sock, f"metrics_socket = {msock}\n")], notify=n)
-    n.wait("READY=1")
+    d = start_ready(tmp, sock, f"metrics_socket = {msock}\n")
     check(stat.S_ISSOCK(os.lstat(msock).st_mode), "metrics_socket was not bound")
-    os.unlink(msock)
-    write(msock, "replaced\n")
-    stop(d)
-    check(d.returncode == 0, f"gpupoold exited {d.returncode}")
-    check(os.path.isfile(msock) and open(msock).read() == "replaced\n",
-          "gpupoold removed a regular file at its metrics_socket path when it stopped")
+    replace_and_stop(d, msock, "metrics_socket")
 
 
 # ---- tcp -------------------------------------------------------------------------------------
@@ -265,12 +257,7 @@ def free_port():
 def http_get(host, port, timeout=5):
     with socket.create_connection((host, port), timeout=timeout) as s:
         s.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        data = b""
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                return data.decode()
-            data += chunk
+        return read_to_end(s)
 
 
 def non_loopback_ipv4():
@@ -288,9 +275,7 @@ def non_loopback_ipv4():
 def test_tcp(tmp):
     sock = os.path.join(tmp, "gp.sock")
     # Off by default: no TCP socket among the daemon's fds.
-    n = Notify(tmp)
-    d = start_daemon(tmp, ["--config", host_conf(tmp, sock)], notify=n)
-    n.wait("READY=1")
+    d = start_ready(tmp, sock)
     inodes = set()
     for fd in os.listdir(f"/proc/{d.pid}/fd"):
         try:
@@ -311,9 +296,7 @@ def test_tcp(tmp):
     stop(d)
 
     port = free_port()
-    n = Notify(tmp)
-    d = start_daemon(tmp, ["--config", host_conf(tmp, sock, f"metrics_listen = {port}\n")], notify=n)
-    n.wait("READY=1")
+    d = start_ready(tmp, sock, f"metrics_listen = {port}\n")
     body = http_get("127.0.0.1", port)
     check(body.startswith("HTTP/1.0 200"), f"TCP metrics answer: {body[:200]!r}")
     check("gpupool_pool_capacity_bytes{pool=\"default\"} 16777216" in body, "TCP metrics body")
@@ -330,10 +313,7 @@ def test_tcp(tmp):
     check(d.returncode == 0, "daemon exit status with TCP metrics")
 
     port = free_port()
-    n = Notify(tmp)
-    d = start_daemon(tmp, ["--config", host_conf(tmp, sock, f"metrics_listen = 127.0.0.2:{port}\n")],
-                     notify=n)
-    n.wait("READY=1")
+    d = start_ready(tmp, sock, f"metrics_listen = 127.0.0.2:{port}\n")
     check(http_get("127.0.0.2", port).startswith("HTTP/1.0 200"), "explicit address")
     stop(d)
 
@@ -387,9 +367,7 @@ def serve_fake(path, answer):
 
 def test_timeout(tmp):
     sock = os.path.join(tmp, "gp.sock")
-    n = Notify(tmp)
-    d = start_daemon(tmp, ["--config", host_conf(tmp, sock)], notify=n)
-    n.wait("READY=1")
+    d = start_ready(tmp, sock)
     os.kill(d.pid, signal.SIGSTOP)
     try:
         env = dict(CLEAN_ENV, GPUPOOL_CONNECT_TIMEOUT_MS="1500")

@@ -54,24 +54,25 @@ static void test_sealed_slab_maps_and_is_usable(void **state) {
   gpupool__host_client_ops.pool_release(p);
 }
 
-static void test_unsealed_memfd_refused(void **state) {
+/* fd offered as a slab of slab_size: refused with GPUPOOL_EPROTO, nothing mapped, and the
+ * message says why. */
+static void expect_refused(int fd, uint64_t slab_size, const char *why) {
   gpupool__cpool *p = import_pool();
   void *base = NULL;
-  (void)state;
-  assert_int_equal(map(p, memfd(2 * MIB, 0), 2 * MIB, &base), GPUPOOL_EPROTO);
+  assert_int_equal(map(p, fd, slab_size, &base), GPUPOOL_EPROTO);
   assert_null(base);
-  assert_non_null(strstr(gpupool__errmsg(), "sealed"));
+  assert_non_null(strstr(gpupool__errmsg(), why));
   gpupool__host_client_ops.pool_release(p);
 }
 
-static void test_memfd_shorter_than_slab_refused(void **state) {
-  gpupool__cpool *p = import_pool();
-  void *base = NULL;
+static void test_unsealed_memfd_refused(void **state) {
   (void)state;
-  assert_int_equal(map(p, memfd(4096, 1), 2 * MIB, &base), GPUPOOL_EPROTO);
-  assert_null(base);
-  assert_non_null(strstr(gpupool__errmsg(), "does not match its memfd"));
-  gpupool__host_client_ops.pool_release(p);
+  expect_refused(memfd(2 * MIB, 0), 2 * MIB, "sealed");
+}
+
+static void test_memfd_shorter_than_slab_refused(void **state) {
+  (void)state;
+  expect_refused(memfd(4096, 1), 2 * MIB, "does not match its memfd");
 }
 
 static void test_pipe_refused(void **state) {

@@ -45,6 +45,14 @@ static int count_fds(void) {
 
 static void pair(int sv[2]) { assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0); }
 
+/* Close both ends of a pair and check that no fd is left over from the test (base: the
+ * count before it). */
+static void close_pair(int sv[2], int base) {
+  close(sv[0]);
+  close(sv[1]);
+  assert_int_equal(count_fds(), base);
+}
+
 static void set_nonblock(int fd) {
   int fl = fcntl(fd, F_GETFL);
   assert_true(fl >= 0);
@@ -79,28 +87,7 @@ static void write_all(int fd, const void *p, size_t len) {
 
 /* sendmsg with nfds fds on buf, bypassing the wire module's limits. */
 static ssize_t raw_send(int sock, const void *buf, size_t len, const int *fds, int nfds) {
-  union {
-    struct cmsghdr align;
-    char b[CMSG_SPACE(16 * sizeof(int))];
-  } ctrl;
-  struct iovec iov = {.iov_base = (void *)buf, .iov_len = len};
-  struct msghdr msg;
-
-  memset(&msg, 0, sizeof msg);
-  memset(&ctrl, 0, sizeof ctrl);
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  if (nfds > 0) {
-    struct cmsghdr *c;
-    msg.msg_control = ctrl.b;
-    msg.msg_controllen = CMSG_SPACE((size_t)nfds * sizeof(int));
-    c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN((size_t)nfds * sizeof(int));
-    memcpy(CMSG_DATA(c), fds, (size_t)nfds * sizeof(int));
-  }
-  return sendmsg(sock, &msg, MSG_NOSIGNAL);
+  return gpupool__wire_sendmsg(sock, buf, len, fds, nfds, 0);
 }
 
 static void le32(uint8_t *p, uint32_t v) {
@@ -205,9 +192,7 @@ static void test_request_roundtrip(void **state) {
   gpupool__wire__request__free_unpacked(got, NULL);
   gpupool__wire_rx_reset(&rx);
 
-  close(sv[0]);
-  close(sv[1]);
-  assert_int_equal(count_fds(), base);
+  close_pair(sv, base);
 }
 
 static void test_reply_roundtrip(void **state) {
@@ -359,9 +344,7 @@ static void test_fds_passed(void **state) {
   assert_string_equal(text, "slab contents");
   close(mfd);
   close(p[1]);
-  close(sv[0]);
-  close(sv[1]);
-  assert_int_equal(count_fds(), base);
+  close_pair(sv, base);
 }
 
 /* Frames sent back to back, some with fds, before the receiver reads any: each fd must come
@@ -399,9 +382,7 @@ static void test_back_to_back(void **state) {
     }
     gpupool__wire_rx_reset(&rx);
   }
-  close(sv[0]);
-  close(sv[1]);
-  assert_int_equal(count_fds(), base);
+  close_pair(sv, base);
 }
 
 /* --- framing under odd writes ------------------------------------------------------------------ */
@@ -442,9 +423,7 @@ static void test_tiny_writes_nonblocking(void **state) {
   /* Nothing more: would block. */
   assert_int_equal(gpupool__wire_rx_read(&rx, sv[1]), 0);
   free(buf);
-  close(sv[0]);
-  close(sv[1]);
-  assert_int_equal(count_fds(), base);
+  close_pair(sv, base);
 }
 
 /* Several frames from another process in 1..3-byte writes with pauses; a blocking receiver
@@ -589,9 +568,7 @@ static void test_send_some_large(void **state) {
   free(buf);
   free(big);
   close(mfd);
-  close(sv[0]);
-  close(sv[1]);
-  assert_int_equal(count_fds(), base);
+  close_pair(sv, base);
 }
 
 /* The blocking send of a frame larger than the socket buffer, from another process, also on
@@ -780,9 +757,7 @@ static void test_ctrunc(void **state) {
     fds[i] = 0;
   assert_int_equal(gpupool__wire_send(sv[0], buf, len, fds, N), GPUPOOL_EINVAL);
   free(buf);
-  close(sv[0]);
-  close(sv[1]);
-  assert_int_equal(count_fds(), base);
+  close_pair(sv, base);
 }
 
 /* Within limits per recvmsg but too many over one frame: fds on two different bytes. */
@@ -809,9 +784,7 @@ static void test_too_many_fds_in_frame(void **state) {
   assert_int_equal(gpupool__wire_rx_read(&rx, sv[1]), GPUPOOL_EPROTO);
   assert_non_null(strstr(gpupool__errmsg(), "at most 4"));
   assert_int_equal(rx.nfds, 0);
-  close(sv[0]);
-  close(sv[1]);
-  assert_int_equal(count_fds(), base);
+  close_pair(sv, base);
 }
 
 static void test_garbage_payload(void **state) {
