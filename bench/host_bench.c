@@ -11,7 +11,10 @@
  *   - producer -> consumer handoff of a 1 MiB buffer: from the producer's publish call to the
  *     consumer holding a mapped pointer (p50/p99), and handoffs per second;
  *   - allocate+release operations per second summed over N client processes (default 16),
- *     which measures the daemon's single loop thread.
+ *     which measures the daemon's single loop thread;
+ *   - (as root) one client's allocate+release p50/p99 idle, then while another uid (nobody)
+ *     floods the daemon with connections, names, holds and waiting gets up to its limits and
+ *     keeps connecting and sending refused requests: what one user's flood costs another.
  * Starts its own gpupoold (host backend) on a private socket. Not a test: no assertions on
  * time; it fails only if an operation fails.
  */
@@ -21,7 +24,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <grp.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -237,8 +242,111 @@ static void bench_ops(int clients, double seconds) {
   free(pids);
 }
 
+/* p50/p99 of n allocate+release pairs of c, in us. */
+static void alloc_release_pcts(gpupool_client *c, int n, double *p50, double *p99) {
+  uint64_t *t = malloc((size_t)n * sizeof *t);
+  gpupool_buffer *b;
+  int rc;
+  if (!t)
+    die("malloc", GPUPOOL_ENOMEM);
+  for (int i = 0; i < n; i++) {
+    uint64_t t0 = now_ns();
+    if ((rc = gpupool_alloc(c, NULL, 4096, 1000, NULL, &b)) != 0)
+      die("alloc", rc);
+    if ((rc = gpupool_release(b, NULL)) != 0)
+      die("release", rc);
+    t[i] = now_ns() - t0;
+  }
+  *p50 = pct(t, (size_t)n, 0.50);
+  *p99 = pct(t, (size_t)n, 0.99);
+  free(t);
+}
+
+/* The flooder, as uid 65534: take every connection, name, hold and waiting get its limits
+ * allow, then keep connecting and sending refused requests until killed. */
+static void flood(int ready_fd) {
+  enum { MAXC = 512 };
+  static gpupool_client *cs[MAXC];
+  gpupool_buffer *b, *o;
+  gpupool_token tok;
+  int nc = 0, rc;
+  char name[64], ch = 1;
+  if (setgroups(0, NULL) != 0 || setgid(65534) != 0 || setuid(65534) != 0)
+    _exit(3);
+  while (nc < MAXC && gpupool_connect(sock_path, "flood", &cs[nc]) == 0)
+    nc++;
+  if (nc < 2)
+    _exit(4);
+  if (gpupool_alloc(cs[0], NULL, 4096, 0, NULL, &b) == 0) {
+    for (int i = 0; i < 100000; i++) {
+      snprintf(name, sizeof name, "flood/%d", i);
+      if (gpupool_publish(b, name, NULL, NULL) != 0)
+        break;
+    }
+    if (gpupool_share(b, NULL, &tok) == 0)
+      for (int i = 0; i < 1000000 && gpupool_open(cs[1], &tok, 0, NULL, &o) == 0; i++)
+        ;
+  }
+  if (write(ready_fd, &ch, 1) != 1)
+    _exit(5);
+  /* Waiting gets from every connection (each returns ELIMIT once the limits are reached),
+   * then connect/disconnect churn and refused requests, forever. */
+  for (;;) {
+    for (int k = 2; k < nc; k++) {
+      gpupool_buffer *g;
+      snprintf(name, sizeof name, "never/%d", k);
+      rc = gpupool_get(cs[k], name, 1, 0, NULL, &g);
+      (void)rc;
+    }
+    gpupool_disconnect(cs[nc - 1]);
+    if (gpupool_connect(sock_path, "flood", &cs[nc - 1]) != 0)
+      cs[nc - 1] = NULL, nc--;
+    (void)gpupool_publish_ex(b, "x", NULL, NULL, 0, 1); /* refused: logged at most 10 per 10 s */
+  }
+}
+
+static void bench_flood(void) {
+  gpupool_client *c;
+  double i50, i99, f50, f99;
+  int p[2], rc;
+  char ch;
+  pid_t pid;
+  if (getuid() != 0) {
+    printf("flood: skipped (run as root: the flood comes from another uid)\n");
+    return;
+  }
+  if ((rc = gpupool_connect(sock_path, "victim", &c)) != 0)
+    die("connect", rc);
+  alloc_release_pcts(c, 3000, &i50, &i99);
+  if (pipe(p) != 0)
+    die("pipe", GPUPOOL_EIO);
+  pid = fork();
+  if (pid == 0) {
+    close(p[0]);
+    flood(p[1]);
+  }
+  close(p[1]);
+  if (read(p[0], &ch, 1) != 1) {
+    printf("flood: the flooding client failed to start\n");
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    gpupool_disconnect(c);
+    return;
+  }
+  alloc_release_pcts(c, 3000, &f50, &f99);
+  kill(pid, SIGKILL);
+  waitpid(pid, NULL, 0);
+  close(p[0]);
+  gpupool_disconnect(c);
+  printf("alloc+release of one uid, idle:             p50 %7.1f us  p99 %7.1f us\n", i50, i99);
+  printf("  while another uid floods to its limits:   p50 %7.1f us  p99 %7.1f us  (p99 %.2fx idle)\n", f50,
+         f99, f99 / i99);
+  printf("BENCH flood_idle_p99_us %.1f\nBENCH flood_p99_us %.1f\nBENCH flood_p99_ratio %.2f\n", i99, f99,
+         f99 / i99);
+}
+
 int main(int argc, char **argv) {
-  char dir[] = "/tmp/gpupool-bench-XXXXXX";
+  char dir[] = "/tmp/gpupool-bench-XXXXXX", conf[128];
   int clients = 16;
   double seconds = 3, f50, f99;
   pid_t daemon;
@@ -252,13 +360,20 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--seconds"))
       seconds = atof(argv[i + 1]);
   }
-  if (!mkdtemp(dir))
+  if (!mkdtemp(dir) || chmod(dir, 0711) != 0)
     return 1;
   snprintf(sock_path, sizeof sock_path, "%s/s", dir);
+  snprintf(conf, sizeof conf, "%s/c", dir);
+  {
+    /* Reachable by the flooding uid; every limit at its default. */
+    FILE *f = fopen(conf, "w");
+    if (!f || fputs("[daemon]\nsocket_mode = 0666\n", f) < 0 || fclose(f) != 0)
+      return 1;
+  }
   daemon = fork();
   if (daemon == 0) {
-    execl(argv[1], argv[1], "--socket", sock_path, "--backend", "host", "--log-level", "warn", "--pool",
-          "name=default,kind=host,capacity=2G,slab=64M", (char *)NULL);
+    execl(argv[1], argv[1], "--config", conf, "--socket", sock_path, "--backend", "host", "--log-level",
+          "warn", "--pool", "name=default,kind=host,capacity=2G,slab=64M", (char *)NULL);
     _exit(127);
   }
   for (int i = 0; i < 500; i++) {
@@ -280,9 +395,11 @@ int main(int argc, char **argv) {
   bench_alloc(f50);
   bench_handoff();
   bench_ops(clients, seconds);
+  bench_flood();
   kill(daemon, SIGTERM);
   waitpid(daemon, NULL, 0);
   unlink(sock_path);
+  unlink(conf);
   rmdir(dir);
   return 0;
 }
