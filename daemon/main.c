@@ -17,7 +17,6 @@
 #include "errors.h"
 #include "paths.h"
 #include "log.h"
-#include "metrics.h"
 #include "registry.h"
 #include "sd.h"
 #include "server.h"
@@ -74,7 +73,6 @@ static void shutdown_daemon(daemon_ctx *d, const char *why) {
   d->server = NULL;
   /* Bounded shutdown: leases and GPU work are not waited for (nothing is reused any more). */
   gpupool__registry_stop(d->reg);
-  gpupool__metrics_stop();
   uv_close((uv_handle_t *)&d->sigint, NULL);
   uv_close((uv_handle_t *)&d->sigterm, NULL);
   if (d->watchdog_on)
@@ -258,8 +256,6 @@ int main(int argc, char **argv) {
     goto out_be;
   }
   listen_fd = -1; /* the server owns it now */
-  if (gpupool__metrics_start(d.loop, &cfg, gpupool__server_stats, d.server) != 0)
-    GPUPOOL__WARN("metrics disabled: %s", gpupool__errmsg());
 
   uv_signal_init(d.loop, &d.sigint);
   uv_signal_init(d.loop, &d.sigterm);

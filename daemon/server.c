@@ -122,6 +122,7 @@ struct gpupool__server {
   int stopping;
   int in_retry;
   uint64_t last_activity_ns;
+  gpupool__metrics *metrics; /* counters and exporters; closed with the server */
 };
 
 static void conn_close(gpupool__conn *c, const char *why);
@@ -300,13 +301,13 @@ static void waiter_timeout(uv_timer_t *t) {
                (gpupool__now_ns() - w->started_ns) / 1000000, gpupool__errmsg());
       send_error(c, w->seq, rc == GPUPOOL_ENOSPC ? GPUPOOL_ETIMEDOUT : rc, msg);
     }
-    gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, rc == 0 ? 0 : GPUPOOL_ETIMEDOUT,
+    gpupool__metrics_request(c->srv->metrics, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, rc == 0 ? 0 : GPUPOOL_ETIMEDOUT,
                              gpupool__now_ns() - w->started_ns);
   } else {
     snprintf(msg, sizeof msg, "timed out after %" PRIu64 " ms waiting for a producer to publish '%s'",
              (gpupool__now_ns() - w->started_ns) / 1000000, w->name);
     send_error(c, w->seq, GPUPOOL_ETIMEDOUT, msg);
-    gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_GET, GPUPOOL_ETIMEDOUT, gpupool__now_ns() - w->started_ns);
+    gpupool__metrics_request(c->srv->metrics, GPUPOOL__WIRE__REQUEST__BODY_GET, GPUPOOL_ETIMEDOUT, gpupool__now_ns() - w->started_ns);
   }
   waiter_remove(w);
 }
@@ -405,7 +406,7 @@ static void retry_pool(gpupool__server *s, int idx) {
       reply_hold(w->conn, w->seq, WAIT_ALLOC, h, NULL);
     else
       send_error(w->conn, w->seq, rc, gpupool__errmsg());
-    gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, rc, gpupool__now_ns() - w->started_ns);
+    gpupool__metrics_request(s->metrics, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, rc, gpupool__now_ns() - w->started_ns);
     waiter_remove(w);
   }
 }
@@ -446,7 +447,7 @@ static void wake_getters(gpupool__server *s, const char *key) {
       reply_hold(w->conn, w->seq, WAIT_GET, h, w->name);
     else
       send_error(w->conn, w->seq, rc, gpupool__errmsg());
-    gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_GET, rc, gpupool__now_ns() - w->started_ns);
+    gpupool__metrics_request(s->metrics, GPUPOOL__WIRE__REQUEST__BODY_GET, rc, gpupool__now_ns() - w->started_ns);
     waiter_remove(w);
     if (last)
       break;
@@ -925,7 +926,7 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
     GPUPOOL__WARN("client %" PRIu64 " (pid %d) sent a malformed frame; dropping it", c->cl.id, (int)c->cl.pid);
     conn_drop_after_flush(c);
     send_error(c, 0, GPUPOOL_EPROTO, "malformed request frame (not a valid gpupool Request); closing the connection");
-    gpupool__metrics_request(0, GPUPOOL_EPROTO, gpupool__now_ns() - t0);
+    gpupool__metrics_request(s->metrics, 0, GPUPOOL_EPROTO, gpupool__now_ns() - t0);
     return;
   }
   body = (int)req->body_case;
@@ -945,7 +946,7 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
     send_error(c, req->seq, rc, gpupool__errmsg());
   }
   if (!deferred)
-    gpupool__metrics_request(body, rc, gpupool__now_ns() - t0);
+    gpupool__metrics_request(s->metrics, body, rc, gpupool__now_ns() - t0);
   if (gpupool__now_ns() - t0 > 50000)
     GPUPOOL__DEBUG("slow request %d from client %" PRIu64 ": %" PRIu64 " us", body, c->cl.id, (gpupool__now_ns() - t0) / 1000);
   gpupool__wire__request__free_unpacked(req, NULL);
@@ -1383,12 +1384,22 @@ bind_fail:
   return rc;
 }
 
+static void stats_release(void *server, Gpupool__Wire__StatsReply *st) {
+  (void)server;
+  gpupool__stats_free(st);
+}
+
 int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool__config *cfg, gpupool__registry *reg,
                     int listen_fd) {
   gpupool__server *s = calloc(1, sizeof *s);
+  gpupool__stats_source src = {gpupool__server_stats, stats_release, NULL};
   int rc;
   if (!s)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  if ((rc = gpupool__metrics_new(&s->metrics)) != 0) {
+    free(s);
+    return rc;
+  }
   s->loop = loop;
   s->cfg = cfg;
   s->reg = reg;
@@ -1401,8 +1412,11 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
     s->listen_fd = listen_fd;
   } else {
     if ((rc = bind_socket(cfg, &s->listen_fd)) != 0) {
+      reg->owner = NULL;
+      reg->on_memory = NULL;
       gpupool__smap_free(&s->get_q);
       gpupool__hmap_free(&s->uids);
+      gpupool__metrics_close(s->metrics);
       free(s);
       return rc;
     }
@@ -1416,6 +1430,10 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
   s->listen_poll.data = s;
   s->listen_open = 1;
   uv_poll_start(&s->listen_poll, UV_READABLE, on_accept);
+  /* Metrics are a convenience: the daemon serves without them, counting all the same. */
+  src.arg = s;
+  if (gpupool__metrics_start(s->metrics, loop, cfg, &src) != 0)
+    GPUPOOL__WARN("metrics disabled: %s", gpupool__errmsg());
   *out = s;
   return 0;
 }
@@ -1443,6 +1461,8 @@ void gpupool__server_stop(gpupool__server *s) {
   if (s->own_socket)
     gpupool__unlink_socket(s->cfg->socket_path);
   s->reg->on_memory = NULL;
+  gpupool__metrics_close(s->metrics);
+  s->metrics = NULL;
   log_refused_nofd(s, 0, 1);
   uv_poll_stop(&s->listen_poll);
   s->listen_open = 2;

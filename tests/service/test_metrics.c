@@ -123,15 +123,17 @@ static uint64_t sample(const char *text, const char *series) {
 }
 
 static void test_counters_and_histogram(void **state) {
+  gpupool__metrics *m;
   char *t;
   (void)state;
-  gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, 0, 5000);         /* 5 us */
-  gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, GPUPOOL_ENOSPC, 2000000); /* 2 ms */
-  gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, 0, 3000000000ull); /* 3 s */
-  gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_TRIM, 0, 10000); /* exactly 10 us */
-  gpupool__metrics_request(0, GPUPOOL_EPROTO, 1000);
-  gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_GET, -999, 1000);
-  t = gpupool__metrics_render(NULL);
+  assert_int_equal(gpupool__metrics_new(&m), 0);
+  gpupool__metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, 0, 5000);         /* 5 us */
+  gpupool__metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, GPUPOOL_ENOSPC, 2000000); /* 2 ms */
+  gpupool__metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, 0, 3000000000ull); /* 3 s */
+  gpupool__metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_TRIM, 0, 10000); /* exactly 10 us */
+  gpupool__metrics_request(m, 0, GPUPOOL_EPROTO, 1000);
+  gpupool__metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_GET, -999, 1000);
+  t = gpupool__metrics_render(m, NULL);
   assert_non_null(t);
   check_format(t);
   must_contain(t, "# HELP gpupool_requests_total ");
@@ -161,6 +163,7 @@ static void test_counters_and_histogram(void **state) {
   /* Types never seen have no series. */
   assert_null(strstr(t, "type=\"share\""));
   free(t);
+  gpupool__metrics_close(m);
 }
 
 static Gpupool__Wire__PoolInfo *new_pool(uint32_t id, const char *name, uint64_t cap) {
@@ -188,8 +191,7 @@ static Gpupool__Wire__PoolInfo *new_pool(uint32_t id, const char *name, uint64_t
 
 static int fake_calls;
 
-/* Same ownership as the server's stats function: pools malloc'd, freed by
- * gpupool__stats_free(). */
+/* Same ownership as the server's stats source: pools malloc'd by fill, freed by release. */
 static int fake_stats(void *arg, Gpupool__Wire__StatsReply *st) {
   (void)arg;
   fake_calls++;
@@ -211,6 +213,17 @@ static int fake_stats(void *arg, Gpupool__Wire__StatsReply *st) {
   st->waiting_leases = 3;
   return 0;
 }
+
+static void fake_release(void *arg, Gpupool__Wire__StatsReply *st) {
+  (void)arg;
+  for (size_t i = 0; i < st->n_pools; i++)
+    free(st->pools[i]);
+  free(st->pools);
+  st->pools = NULL;
+  st->n_pools = 0;
+}
+
+static const gpupool__stats_source fake_source = {fake_stats, fake_release, NULL};
 
 static void check_stats_text(const char *t) {
   check_format(t);
@@ -243,12 +256,15 @@ static void test_render_stats(void **state) {
   Gpupool__Wire__StatsReply st;
   char *t;
   (void)state;
+  gpupool__metrics *m;
+  assert_int_equal(gpupool__metrics_new(&m), 0);
   assert_int_equal(fake_stats(NULL, &st), 0);
-  t = gpupool__metrics_render(&st);
-  gpupool__stats_free(&st);
+  t = gpupool__metrics_render(m, &st);
+  fake_release(NULL, &st);
   assert_non_null(t);
   check_stats_text(t);
   free(t);
+  gpupool__metrics_close(m);
 }
 
 static char *read_file(const char *path) {
@@ -307,6 +323,7 @@ static pid_t scrape_in_child(const char *sock, const char *out) {
 static void test_exporters(void **state) {
   uv_loop_t loop;
   uv_timer_t keep;
+  gpupool__metrics *m;
   gpupool__config cfg;
   char prom[sizeof(cfg.metrics_textfile)], out[sizeof(prom) + 16];
   struct stat sb;
@@ -323,7 +340,8 @@ static void test_exporters(void **state) {
 
   config_paths(&cfg, "gpupool.prom", "metrics.sock");
   fake_calls = 0;
-  assert_int_equal(gpupool__metrics_start(&loop, &cfg, fake_stats, NULL), 0);
+  assert_int_equal(gpupool__metrics_new(&m), 0);
+  assert_int_equal(gpupool__metrics_start(m, &loop, &cfg, &fake_source), 0);
   assert_int_equal(stat(cfg.metrics_socket, &sb), 0);
   assert_true(S_ISSOCK(sb.st_mode));
   assert_int_equal(sb.st_mode & 0777, 0640);
@@ -367,7 +385,7 @@ static void test_exporters(void **state) {
   }
   free(t);
 
-  gpupool__metrics_stop();
+  gpupool__metrics_close(m);
   uv_timer_stop(&keep);
   uv_close((uv_handle_t *)&keep, NULL);
   uv_run(&loop, UV_RUN_DEFAULT);
@@ -379,6 +397,7 @@ static void test_exporters(void **state) {
 
 static void test_refuses_bad_paths(void **state) {
   uv_loop_t loop;
+  gpupool__metrics *m;
   gpupool__config cfg;
   char path[160];
   FILE *f;
@@ -388,18 +407,22 @@ static void test_refuses_bad_paths(void **state) {
   assert_int_equal(uv_loop_init(&loop), 0);
   /* A textfile in a directory that does not exist: refused at start, with the path. */
   config_paths(&cfg, "missing/dir/gpupool.prom", NULL);
-  rc = gpupool__metrics_start(&loop, &cfg, fake_stats, NULL);
+  assert_int_equal(gpupool__metrics_new(&m), 0);
+  rc = gpupool__metrics_start(m, &loop, &cfg, &fake_source);
   assert_int_equal(rc, GPUPOOL_ECONFIG);
   assert_non_null(strstr(gpupool__errmsg(), "missing/dir/gpupool.prom.tmp"));
+  gpupool__metrics_close(m);
 
   /* A socket path taken by a regular file: refused, the file left alone. */
   config_paths(&cfg, NULL, "notasocket");
   f = fopen(cfg.metrics_socket, "we");
   assert_non_null(f);
   fclose(f);
-  rc = gpupool__metrics_start(&loop, &cfg, fake_stats, NULL);
+  assert_int_equal(gpupool__metrics_new(&m), 0);
+  rc = gpupool__metrics_start(m, &loop, &cfg, &fake_source);
   assert_int_equal(rc, GPUPOOL_ECONFIG);
   assert_non_null(strstr(gpupool__errmsg(), "not a socket"));
+  gpupool__metrics_close(m);
   assert_int_equal(access(cfg.metrics_socket, F_OK), 0);
   uv_run(&loop, UV_RUN_DEFAULT);
 
@@ -414,10 +437,11 @@ static void test_refuses_bad_paths(void **state) {
     assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
     close(fd);
     snprintf(path, sizeof(path), "%s", cfg.metrics_socket);
-    assert_int_equal(gpupool__metrics_start(&loop, &cfg, fake_stats, NULL), 0);
+    assert_int_equal(gpupool__metrics_new(&m), 0);
+    assert_int_equal(gpupool__metrics_start(m, &loop, &cfg, &fake_source), 0);
     /* A second start while it serves is refused. */
-    assert_int_equal(gpupool__metrics_start(&loop, &cfg, fake_stats, NULL), GPUPOOL_EINVAL);
-    gpupool__metrics_stop();
+    assert_int_equal(gpupool__metrics_start(m, &loop, &cfg, &fake_source), GPUPOOL_EINVAL);
+    gpupool__metrics_close(m);
     uv_run(&loop, UV_RUN_DEFAULT);
     assert_int_equal(access(path, F_OK), -1);
   }
@@ -432,9 +456,11 @@ static void test_refuses_bad_paths(void **state) {
     snprintf(a.sun_path, sizeof(a.sun_path), "%s", cfg.metrics_socket);
     assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
     assert_int_equal(listen(fd, 4), 0);
-    rc = gpupool__metrics_start(&loop, &cfg, fake_stats, NULL);
+    assert_int_equal(gpupool__metrics_new(&m), 0);
+    rc = gpupool__metrics_start(m, &loop, &cfg, &fake_source);
     assert_int_equal(rc, GPUPOOL_EBUSY);
     assert_non_null(strstr(gpupool__errmsg(), "another running process"));
+    gpupool__metrics_close(m);
     assert_int_equal(access(cfg.metrics_socket, F_OK), 0);
     close(fd);
     uv_run(&loop, UV_RUN_DEFAULT);
