@@ -65,6 +65,7 @@ static const uint64_t bucket_ns[] = {10000ull,    25000ull,    50000ull,     100
 /* ---- the handle ---------------------------------------------------------------------------- */
 
 #define MAX_CONNS 16
+#define MAX_CONNS_PER_UID GPUPOOL__METRICS_MAX_CONNS_PER_UID
 #define REQ_MAX 8192
 #define REQ_TIMEOUT_MS 1000
 
@@ -84,6 +85,8 @@ typedef struct conn {
   size_t seen;    /* request bytes read so far */
   int answered;
   int open_handles;
+  int has_uid;    /* came in on the Unix socket: uid is the peer's (SO_PEERCRED) */
+  uid_t uid;
   char *resp;
   struct conn *next;
 } conn;
@@ -568,6 +571,26 @@ static void conn_link(gpupool__metrics *m, conn *c) {
   m->nconns++;
 }
 
+/* Whether c, just accepted on the Unix socket, is within its uid's share of the connections;
+ * the peer's uid is recorded in c. TCP peers have no uid and share only the total cap. */
+static int uid_allows(gpupool__metrics *m, conn *c) {
+  struct ucred cred;
+  socklen_t len = sizeof(cred);
+  uv_os_fd_t fd;
+  int n = 0;
+
+  if (uv_fileno((uv_handle_t *)&c->pipe, &fd) != 0 ||
+      getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0)
+    return 0;
+  c->has_uid = 1;
+  c->uid = cred.uid;
+  /* Connections already closing are gone by the next loop turn: they do not count. */
+  for (conn *o = m->conns; o != NULL; o = o->next)
+    if (o != c && o->has_uid && o->uid == c->uid && !uv_is_closing((uv_handle_t *)&o->pipe))
+      n++;
+  return n < MAX_CONNS_PER_UID;
+}
+
 static void on_conn(uv_stream_t *srv, int status) {
   gpupool__metrics *m = srv->data;
   conn *c;
@@ -606,6 +629,11 @@ static void on_conn(uv_stream_t *srv, int status) {
   }
   if (m->nconns > MAX_CONNS) {
     /* Slow or idle scrapers must not pile up connections in the daemon. */
+    conn_close(c);
+    return;
+  }
+  if (srv == (uv_stream_t *)&m->srv && !uid_allows(m, c)) {
+    /* Nor may one user take every slot and lock the others (the scraper) out. */
     conn_close(c);
     return;
   }

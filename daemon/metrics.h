@@ -27,6 +27,11 @@ typedef struct {
   void *arg;
 } gpupool__stats_source;
 
+/* Most metrics-socket connections one uid may hold at once (SO_PEERCRED on the Unix socket),
+ * so one user cannot take every slot; the total over all uids and the TCP listener is capped
+ * apart (16). */
+#define GPUPOOL__METRICS_MAX_CONNS_PER_UID 4
+
 /* A handle with zeroed counters and no exporter: 0 or GPUPOOL_ENOMEM. Free it with
  * gpupool__metrics_close(). */
 int gpupool__metrics_new(gpupool__metrics **out);

@@ -2,10 +2,11 @@
  * Unit tests of daemon/metrics.c, in process: the exposition text (HELP/TYPE before every
  * family, counters by type and result, cumulative histogram buckets, escaped pool names,
  * gauges from a StatsReply), and the two exporters on a real libuv loop (the textfile written
- * atomically, the socket answering HTTP/1.0 200 with the same families, refusal of unusable
- * paths, clean removal on stop with no handle left open).
+ * atomically, the socket answering HTTP/1.0 200 with the same families, connections capped
+ * per uid, refusal of unusable paths, clean removal on stop with no handle left open).
  */
 #include <errno.h>
+#include <poll.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -395,6 +396,133 @@ static void test_exporters(void **state) {
   assert_int_equal(uv_loop_close(&loop), 0);
 }
 
+/* One uid holding connections to the metrics socket: it gets at most
+ * GPUPOOL__METRICS_MAX_CONNS_PER_UID of them (the rest are closed unanswered), and root still
+ * gets an answer while they are held. Needs root, to connect from another uid. */
+#define OTHER_UID 65534
+#define OTHER_CONNS 16 /* the total cap: without a per-uid cap, this uid would take them all */
+
+/* In the child, as OTHER_UID: opens OTHER_CONNS idle connections, says so on `ready` once the
+ * refused ones are closed, and exits with the number that were answered. */
+static void hog_connections(const char *sock, int ready) {
+  struct sockaddr_un a;
+  struct pollfd pf[OTHER_CONNS];
+  int got_data[OTHER_CONNS] = {0}, done[OTHER_CONNS] = {0};
+  int ndone = 0, refused = 0, answered = 0, told = 0;
+  char buf[4096];
+
+  if (setgid(OTHER_UID) != 0 || setuid(OTHER_UID) != 0)
+    _exit(100);
+  memset(&a, 0, sizeof(a));
+  a.sun_family = AF_UNIX;
+  snprintf(a.sun_path, sizeof(a.sun_path), "%s", sock);
+  for (int i = 0; i < OTHER_CONNS; i++) {
+    pf[i].fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    pf[i].events = POLLIN;
+    if (pf[i].fd < 0 || connect(pf[i].fd, (struct sockaddr *)&a, sizeof(a)) != 0)
+      _exit(101);
+  }
+  for (int spins = 0; spins < 500 && ndone < OTHER_CONNS; spins++) {
+    if (poll(pf, OTHER_CONNS, 10) < 0)
+      _exit(102);
+    for (int i = 0; i < OTHER_CONNS; i++) {
+      ssize_t n;
+      if (done[i] || !(pf[i].revents & (POLLIN | POLLHUP)))
+        continue;
+      n = read(pf[i].fd, buf, sizeof(buf));
+      if (n > 0) {
+        got_data[i] = 1;
+        continue;
+      }
+      done[i] = 1;
+      pf[i].fd = -pf[i].fd - 1; /* poll ignores it from now on */
+      ndone++;
+      if (got_data[i])
+        answered++;
+      else
+        refused++;
+    }
+    /* Every connection past the cap has been closed: the daemon holds only what it kept. */
+    if (!told && (refused >= OTHER_CONNS - GPUPOOL__METRICS_MAX_CONNS_PER_UID || ndone == OTHER_CONNS)) {
+      if (write(ready, "x", 1) != 1)
+        _exit(103);
+      told = 1;
+    }
+  }
+  _exit(ndone == OTHER_CONNS ? answered : 104);
+}
+
+static void test_conns_per_uid(void **state) {
+  uv_loop_t loop;
+  uv_timer_t keep;
+  gpupool__metrics *m;
+  gpupool__config cfg;
+  char out[sizeof(cfg.metrics_socket) + 16];
+  char *t;
+  int ready[2], status = -1, rstatus = -1, spins;
+  pid_t hog, root;
+  (void)state;
+
+  if (geteuid() != 0)
+    skip(); /* connecting as another uid needs root */
+  assert_int_equal(uv_loop_init(&loop), 0);
+  assert_int_equal(uv_timer_init(&loop, &keep), 0);
+  assert_int_equal(uv_timer_start(&keep, tick, 10, 10), 0);
+  config_paths(&cfg, NULL, "peruid.sock");
+  cfg.socket_mode = 0666;
+  assert_int_equal(chmod(tmpdir, 0755), 0); /* the other uid must reach the socket */
+  assert_int_equal(gpupool__metrics_new(&m), 0);
+  assert_int_equal(gpupool__metrics_start(m, &loop, &cfg, &fake_source), 0);
+
+  assert_int_equal(pipe(ready), 0);
+  hog = fork();
+  assert_true(hog >= 0);
+  if (hog == 0) {
+    close(ready[0]);
+    hog_connections(cfg.metrics_socket, ready[1]);
+  }
+  close(ready[1]);
+  for (spins = 0; spins < 1000; spins++) {
+    struct pollfd p = {.fd = ready[0], .events = POLLIN};
+    uv_run(&loop, UV_RUN_ONCE);
+    if (poll(&p, 1, 0) == 1)
+      break;
+  }
+  assert_true(spins < 1000);
+  close(ready[0]);
+
+  /* While the other uid holds what it may, root's scrape is answered. */
+  snprintf(out, sizeof(out), "%s/root.out", tmpdir);
+  root = scrape_in_child(cfg.metrics_socket, out);
+  for (spins = 0; spins < 1000 && (rstatus == -1 || status == -1); spins++) {
+    uv_run(&loop, UV_RUN_ONCE);
+    if (rstatus == -1 && waitpid(root, &rstatus, WNOHANG) != root)
+      rstatus = -1;
+    if (status == -1 && waitpid(hog, &status, WNOHANG) != hog)
+      status = -1;
+  }
+  assert_true(WIFEXITED(rstatus));
+  assert_int_equal(WEXITSTATUS(rstatus), 0);
+  t = read_file(out);
+  assert_non_null(t);
+  {
+    const char head[] = "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\r\n";
+    if (strncmp(t, head, sizeof(head) - 1) != 0)
+      fail_msg("root's scrape was not answered while uid %d held connections: '%s'", OTHER_UID, t);
+    check_stats_text(t + sizeof(head) - 1);
+  }
+  free(t);
+  /* The other uid got exactly the cap answered; the rest were closed unanswered. */
+  assert_true(WIFEXITED(status));
+  assert_int_equal(WEXITSTATUS(status), GPUPOOL__METRICS_MAX_CONNS_PER_UID);
+
+  gpupool__metrics_close(m);
+  uv_timer_stop(&keep);
+  uv_close((uv_handle_t *)&keep, NULL);
+  uv_run(&loop, UV_RUN_DEFAULT);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
 static void test_refuses_bad_paths(void **state) {
   uv_loop_t loop;
   gpupool__metrics *m;
@@ -473,6 +601,7 @@ int main(void) {
       cmocka_unit_test(test_counters_and_histogram),
       cmocka_unit_test(test_render_stats),
       cmocka_unit_test(test_exporters),
+      cmocka_unit_test(test_conns_per_uid),
       cmocka_unit_test(test_refuses_bad_paths),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
