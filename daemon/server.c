@@ -1228,6 +1228,47 @@ static void accept_out_of_fds(gpupool__server *s, int err) {
   }
 }
 
+/* The connection of an accepted fd that passed every check, holding its lease; when there is
+ * no memory for it, the fd, the lease and its peer end are closed. */
+static void conn_new(gpupool__server *s, int fd, const struct ucred *cred, gpupool__lease *lease, int peer) {
+  gpupool__conn *c = calloc(1, sizeof *c);
+
+  if (!c || !(c->u = uid_get(s, cred->uid))) {
+    free(c);
+    gpupool__lease_discard(lease);
+    close(peer);
+    close(fd);
+    return;
+  }
+  c->u->conns++;
+  c->srv = s;
+  c->fd = fd;
+  c->lease_peer = peer;
+  c->cl.pid = cred->pid;
+  c->cl.uid = cred->uid;
+  c->cl.gid = cred->gid;
+  c->cl.lease = lease;
+  snprintf(c->cl.name, sizeof c->cl.name, "-");
+  gpupool__wire_inbuf_init(&c->in, s->cfg->max_frame);
+  gpupool__wire_txq_init(&c->txq);
+  gpupool__client_init(s->reg, &c->cl);
+  uv_poll_init(s->loop, &c->poll, fd);
+  c->poll.data = c;
+  uv_timer_init(s->loop, &c->hs_timer);
+  c->hs_timer.data = c;
+  c->handles_open = 2;
+  if (s->cfg->handshake_timeout_ms)
+    uv_timer_start(&c->hs_timer, hs_timeout, s->cfg->handshake_timeout_ms, 0);
+  c->next = s->conns;
+  if (s->conns)
+    s->conns->prev = c;
+  s->conns = c;
+  s->nconns++;
+  GPUPOOL__DEBUG("accepted pid %d uid %u gid %u as client %" PRIu64, (int)cred->pid, (unsigned)cred->uid,
+           (unsigned)cred->gid, c->cl.id);
+  conn_update_poll(c);
+}
+
 static void on_accept(uv_poll_t *p, int status, int events) {
   gpupool__server *s = p->data;
   (void)events;
@@ -1238,7 +1279,6 @@ static void on_accept(uv_poll_t *p, int status, int events) {
   for (;;) {
     struct ucred cred;
     socklen_t cl = sizeof cred;
-    gpupool__conn *c;
     gpupool__lease *lease = NULL;
     char msg[512];
     int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC), peer = -1;
@@ -1289,41 +1329,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
       refuse(fd, GPUPOOL_ELIMIT, msg);
       continue;
     }
-    c = calloc(1, sizeof *c);
-    if (!c || !(c->u = uid_get(s, cred.uid))) {
-      free(c);
-      gpupool__lease_discard(lease);
-      close(peer);
-      close(fd);
-      continue;
-    }
-    c->u->conns++;
-    c->srv = s;
-    c->fd = fd;
-    c->lease_peer = peer;
-    c->cl.pid = cred.pid;
-    c->cl.uid = cred.uid;
-    c->cl.gid = cred.gid;
-    c->cl.lease = lease;
-    snprintf(c->cl.name, sizeof c->cl.name, "-");
-    gpupool__wire_inbuf_init(&c->in, s->cfg->max_frame);
-    gpupool__wire_txq_init(&c->txq);
-    gpupool__client_init(s->reg, &c->cl);
-    uv_poll_init(s->loop, &c->poll, fd);
-    c->poll.data = c;
-    uv_timer_init(s->loop, &c->hs_timer);
-    c->hs_timer.data = c;
-    c->handles_open = 2;
-    if (s->cfg->handshake_timeout_ms)
-      uv_timer_start(&c->hs_timer, hs_timeout, s->cfg->handshake_timeout_ms, 0);
-    c->next = s->conns;
-    if (s->conns)
-      s->conns->prev = c;
-    s->conns = c;
-    s->nconns++;
-    GPUPOOL__DEBUG("accepted pid %d uid %u gid %u as client %" PRIu64, (int)cred.pid, (unsigned)cred.uid,
-             (unsigned)cred.gid, c->cl.id);
-    conn_update_poll(c);
+    conn_new(s, fd, &cred, lease, peer);
   }
 }
 
