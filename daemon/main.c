@@ -17,7 +17,6 @@
 #include "errors.h"
 #include "paths.h"
 #include "log.h"
-#include "metrics.h"
 #include "registry.h"
 #include "sd.h"
 #include "server.h"
@@ -74,7 +73,6 @@ static void shutdown_daemon(daemon_ctx *d, const char *why) {
   d->server = NULL;
   /* Bounded shutdown: leases and GPU work are not waited for (nothing is reused any more). */
   gpupool__registry_stop(d->reg);
-  gpupool__metrics_stop();
   uv_close((uv_handle_t *)&d->sigint, NULL);
   uv_close((uv_handle_t *)&d->sigterm, NULL);
   if (d->watchdog_on)
@@ -142,7 +140,16 @@ static int check_config(gpupool__config *cfg, const char *path) {
   return 0;
 }
 
-int main(int argc, char **argv) {
+/* What the command line asked for; applied over the config file by load_config. */
+typedef struct {
+  const char *config_path, *socket_opt, *backend_opt, *level_opt;
+  const char *pool_specs[GPUPOOL_MAX_POOLS];
+  int npool_specs;
+  int check_only;
+} options;
+
+/* -1 to go on, or the exit status to return now (--help, --version, a bad option). */
+static int parse_options(int argc, char **argv, options *o) {
   static const struct option opts[] = {{"config", required_argument, NULL, 'c'},
                                        {"socket", required_argument, NULL, 's'},
                                        {"backend", required_argument, NULL, 'b'},
@@ -152,36 +159,29 @@ int main(int argc, char **argv) {
                                        {"version", no_argument, NULL, 'V'},
                                        {"check-config", no_argument, NULL, 'C'},
                                        {NULL, 0, NULL, 0}};
-  gpupool__config cfg;
-  const char *config_path = NULL, *socket_opt = NULL, *backend_opt = NULL, *level_opt = NULL;
-  const char *pool_specs[GPUPOOL_MAX_POOLS];
-  int npool_specs = 0, opt, rc, listen_fd, exit_code = 1, check_only = 0;
-  gpupool__backend *be = NULL;
-  gpupool__registry reg;
-  daemon_ctx d = {0};
-  uint64_t wd;
+  int opt;
 
   while ((opt = getopt_long(argc, argv, "c:s:b:p:l:hV", opts, NULL)) != -1) {
     switch (opt) {
     case 'c':
-      config_path = optarg;
+      o->config_path = optarg;
       break;
     case 's':
-      socket_opt = optarg;
+      o->socket_opt = optarg;
       break;
     case 'b':
-      backend_opt = optarg;
+      o->backend_opt = optarg;
       break;
     case 'p':
-      if (npool_specs >= GPUPOOL_MAX_POOLS)
+      if (o->npool_specs >= GPUPOOL_MAX_POOLS)
         return config_failed("at most %d --pool options", GPUPOOL_MAX_POOLS);
-      pool_specs[npool_specs++] = optarg;
+      o->pool_specs[o->npool_specs++] = optarg;
       break;
     case 'l':
-      level_opt = optarg;
+      o->level_opt = optarg;
       break;
     case 'C':
-      check_only = 1;
+      o->check_only = 1;
       break;
     case 'h':
       usage(stdout);
@@ -203,27 +203,125 @@ int main(int argc, char **argv) {
   }
   if (optind < argc)
     return config_failed("unexpected argument '%s' (see gpupoold --help)", argv[optind]);
+  return -1;
+}
 
-  gpupool__config_defaults(&cfg);
-  if (config_path && gpupool__config_load(&cfg, config_path) != 0)
+/* The config file, then the command line and the environment over it. 0, or exit status 2
+ * with the reason. */
+static int load_config(const options *o, gpupool__config *cfg) {
+  const char *bp = getenv("GPUPOOL_BUSY_POLL_US");
+
+  gpupool__config_defaults(cfg);
+  if (o->config_path && gpupool__config_load(cfg, o->config_path) != 0)
     return config_failed("%s", gpupool__errmsg());
-  if (socket_opt && snprintf(cfg.socket_path, sizeof cfg.socket_path, "%s", socket_opt) >=
-                        (int)sizeof cfg.socket_path)
-    return config_failed("--socket path longer than %zu bytes", sizeof cfg.socket_path - 1);
-  if (backend_opt && gpupool__config_set_backend(&cfg, backend_opt) != 0)
+  if (o->socket_opt && snprintf(cfg->socket_path, sizeof cfg->socket_path, "%s", o->socket_opt) >=
+                           (int)sizeof cfg->socket_path)
+    return config_failed("--socket path longer than %zu bytes", sizeof cfg->socket_path - 1);
+  if (o->backend_opt && gpupool__config_set_backend(cfg, o->backend_opt) != 0)
     return config_failed("%s", gpupool__errmsg());
-  {
-    const char *bp = getenv("GPUPOOL_BUSY_POLL_US");
-    if (bp && *bp && gpupool__config_set(&cfg, "busy_poll_us", bp) != 0)
-      return config_failed("GPUPOOL_BUSY_POLL_US: %s", gpupool__errmsg());
-  }
-  if (level_opt && gpupool__log_parse_level(level_opt, &cfg.log_level) != 0)
+  if (bp && *bp && gpupool__config_set(cfg, "busy_poll_us", bp) != 0)
+    return config_failed("GPUPOOL_BUSY_POLL_US: %s", gpupool__errmsg());
+  if (o->level_opt && gpupool__log_parse_level(o->level_opt, &cfg->log_level) != 0)
     return config_failed("%s", gpupool__errmsg());
-  for (int i = 0; i < npool_specs; i++)
-    if (gpupool__config_add_pool_spec(&cfg, pool_specs[i]) != 0)
+  for (int i = 0; i < o->npool_specs; i++)
+    if (gpupool__config_add_pool_spec(cfg, o->pool_specs[i]) != 0)
       return config_failed("%s", gpupool__errmsg());
-  if (check_only)
-    return check_config(&cfg, config_path);
+  return 0;
+}
+
+/* The backend, and the pools checked against it. 0, or the exit status with *out closed. */
+static int open_backend(gpupool__config *cfg, gpupool__backend **out) {
+  gpupool__backend *be = NULL;
+  int rc;
+
+  if ((rc = gpupool__backend_open(cfg->backend, &be)) != 0) {
+    char what[64];
+    snprintf(what, sizeof what, "cannot open the %s backend", cfg->backend ? cfg->backend->name : "host");
+    return start_failed(rc, what);
+  }
+  if (gpupool__config_finish(cfg, be->desc) != 0) {
+    int status = start_failed(GPUPOOL_ECONFIG, NULL);
+    be->ops->close(be);
+    return status;
+  }
+  *out = be;
+  return 0;
+}
+
+/* The registry and the server (which starts the metrics) on d->loop; the server takes
+ * *listen_fd (-1: it binds its own socket). 0, or the exit status with both closed. */
+static int start_serving(daemon_ctx *d, const gpupool__config *cfg, gpupool__backend *be,
+                         gpupool__registry *reg, int *listen_fd) {
+  int rc;
+
+  if ((rc = gpupool__registry_init(reg, d->loop, cfg, be)) != 0) {
+    int status = start_failed(rc, NULL);
+    gpupool__registry_close(reg);
+    uv_run(d->loop, UV_RUN_DEFAULT);
+    return status;
+  }
+  d->reg = reg;
+  if ((rc = gpupool__server_start(&d->server, d->loop, cfg, reg, *listen_fd)) != 0) {
+    int status = start_failed(rc, NULL);
+    gpupool__registry_close(reg);
+    uv_run(d->loop, UV_RUN_DEFAULT);
+    return status;
+  }
+  *listen_fd = -1; /* the server owns it now */
+  return 0;
+}
+
+/* SIGINT/SIGTERM shut down; under a systemd watchdog, a ping every half interval. */
+static void watch_signals(daemon_ctx *d) {
+  uint64_t wd;
+
+  uv_signal_init(d->loop, &d->sigint);
+  uv_signal_init(d->loop, &d->sigterm);
+  d->sigint.data = d->sigterm.data = d;
+  uv_signal_start(&d->sigint, on_signal, SIGINT);
+  uv_signal_start(&d->sigterm, on_signal, SIGTERM);
+  wd = gpupool__sd_watchdog_usec();
+  if (wd) {
+    uv_timer_init(d->loop, &d->watchdog);
+    uv_timer_start(&d->watchdog, on_watchdog, wd / 2000 ? wd / 2000 : 1, wd / 2000 ? wd / 2000 : 1);
+    d->watchdog_on = 1;
+  }
+}
+
+/* Serves until shutdown_daemon has run and the loop has nothing left. */
+static void run_loop(daemon_ctx *d, const gpupool__config *cfg) {
+  if (cfg->busy_poll_us == 0) {
+    uv_run(d->loop, UV_RUN_DEFAULT);
+    return;
+  }
+  /* Latency mode: right after client traffic, poll without sleeping, so a request that
+   * follows soon does not wait for this thread to be woken. */
+  GPUPOOL__INFO("busy polling for %u us after client activity (busy_poll_us)", cfg->busy_poll_us);
+  for (;;) {
+    int more;
+    if (d->server && gpupool__now_ns() - gpupool__server_last_activity(d->server) < (uint64_t)cfg->busy_poll_us * 1000)
+      more = uv_run(d->loop, UV_RUN_NOWAIT);
+    else
+      more = uv_run(d->loop, UV_RUN_ONCE);
+    if (!more && !d->server)
+      break;
+  }
+}
+
+int main(int argc, char **argv) {
+  options o = {0};
+  gpupool__config cfg;
+  gpupool__backend *be = NULL;
+  gpupool__registry reg;
+  daemon_ctx d = {0};
+  int rc, listen_fd, exit_code;
+
+  if ((rc = parse_options(argc, argv, &o)) >= 0)
+    return rc;
+  if ((rc = load_config(&o, &cfg)) != 0)
+    return rc;
+  if (o.check_only)
+    return check_config(&cfg, o.config_path);
   gpupool__log_set_level(cfg.log_level);
   signal(SIGPIPE, SIG_IGN);
 
@@ -233,71 +331,21 @@ int main(int argc, char **argv) {
   if (listen_fd < -1)
     return start_failed(listen_fd, NULL);
 
-  if ((rc = gpupool__backend_open(cfg.backend, &be)) != 0) {
-    char what[64];
-    snprintf(what, sizeof what, "cannot open the %s backend", cfg.backend ? cfg.backend->name : "host");
-    exit_code = start_failed(rc, what);
+  if ((exit_code = open_backend(&cfg, &be)) != 0)
     goto out_fd;
-  }
-  if ((rc = gpupool__config_finish(&cfg, be->desc)) != 0) {
-    exit_code = start_failed(GPUPOOL_ECONFIG, NULL);
-    goto out_be;
-  }
   d.loop = uv_default_loop();
-  if ((rc = gpupool__registry_init(&reg, d.loop, &cfg, be)) != 0) {
-    exit_code = start_failed(rc, NULL);
-    gpupool__registry_close(&reg);
-    uv_run(d.loop, UV_RUN_DEFAULT);
+  if ((exit_code = start_serving(&d, &cfg, be, &reg, &listen_fd)) != 0)
     goto out_be;
-  }
-  d.reg = &reg;
-  if ((rc = gpupool__server_start(&d.server, d.loop, &cfg, &reg, listen_fd)) != 0) {
-    exit_code = start_failed(rc, NULL);
-    gpupool__registry_close(&reg);
-    uv_run(d.loop, UV_RUN_DEFAULT);
-    goto out_be;
-  }
-  listen_fd = -1; /* the server owns it now */
-  if (gpupool__metrics_start(d.loop, &cfg, gpupool__server_stats, d.server) != 0)
-    GPUPOOL__WARN("metrics disabled: %s", gpupool__errmsg());
-
-  uv_signal_init(d.loop, &d.sigint);
-  uv_signal_init(d.loop, &d.sigterm);
-  d.sigint.data = d.sigterm.data = &d;
-  uv_signal_start(&d.sigint, on_signal, SIGINT);
-  uv_signal_start(&d.sigterm, on_signal, SIGTERM);
-  wd = gpupool__sd_watchdog_usec();
-  if (wd) {
-    uv_timer_init(d.loop, &d.watchdog);
-    uv_timer_start(&d.watchdog, on_watchdog, wd / 2000 ? wd / 2000 : 1, wd / 2000 ? wd / 2000 : 1);
-    d.watchdog_on = 1;
-  }
+  watch_signals(&d);
 
   GPUPOOL__INFO("gpupoold %s ready on %s: backend %s, %d pool(s)", GPUPOOL_VERSION_STRING,
           cfg.socket_path[0] ? cfg.socket_path : "(socket from systemd)", be->desc->name, cfg.n_pools);
   gpupool__sd_notifyf("READY=1\nSTATUS=Serving %d pool(s) on the %s backend", cfg.n_pools, be->desc->name);
-
-  if (cfg.busy_poll_us == 0) {
-    uv_run(d.loop, UV_RUN_DEFAULT);
-  } else {
-    /* Latency mode: right after client traffic, poll without sleeping, so a request that
-     * follows soon does not wait for this thread to be woken. */
-    GPUPOOL__INFO("busy polling for %u us after client activity (busy_poll_us)", cfg.busy_poll_us);
-    for (;;) {
-      int more;
-      if (d.server && gpupool__now_ns() - gpupool__server_last_activity(d.server) < (uint64_t)cfg.busy_poll_us * 1000)
-        more = uv_run(d.loop, UV_RUN_NOWAIT);
-      else
-        more = uv_run(d.loop, UV_RUN_ONCE);
-      if (!more && !d.server)
-        break;
-    }
-  }
+  run_loop(&d, &cfg);
 
   gpupool__registry_close(&reg);
   uv_run(d.loop, UV_RUN_DEFAULT); /* close callbacks of what the registry held */
   GPUPOOL__INFO("stopped");
-  exit_code = 0;
 out_be:
   be->ops->close(be);
 out_fd:

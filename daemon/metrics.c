@@ -14,7 +14,9 @@
  * - opt-in (metrics_listen), the same answer on a TCP address that Prometheus can scrape
  *   directly: loopback unless the operator names another address.
  *
- * The daemon is single-threaded on its libuv loop, so the state here needs no locking.
+ * All of that state is one gpupool__metrics handle, owned by the server, which hands in
+ * itself as the stats source; nothing here names the server. The daemon is single-threaded
+ * on its libuv loop, so the state here needs no locking.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -60,28 +62,93 @@ static const uint64_t bucket_ns[] = {10000ull,    25000ull,    50000ull,     100
                                      100000000ull, 250000000ull, 500000000ull, 1000000000ull};
 #define N_BUCKETS ((int)(sizeof(bucket_ns) / sizeof(bucket_ns[0])))
 
-static uint64_t req_count[N_TYPES][N_RESULTS];
-/* Per-bucket (not cumulative) counts; slot N_BUCKETS holds what is above the last bound. */
-static uint64_t lat_bucket[N_TYPES][N_BUCKETS + 1];
-static uint64_t lat_sum_ns[N_TYPES];
-static uint64_t lat_count[N_TYPES];
+/* ---- the handle ---------------------------------------------------------------------------- */
+
+#define MAX_CONNS 16
+#define MAX_CONNS_PER_UID GPUPOOL__METRICS_MAX_CONNS_PER_UID
+#define REQ_MAX 8192
+#define REQ_TIMEOUT_MS 1000
+
+/* One scraper's connection. */
+typedef struct conn {
+  /* Unix or TCP: both stream handles start with the same fields, so the code below uses
+   * `pipe` for either (and `tcp` where the type matters: uv_tcp_init). */
+  union {
+    uv_pipe_t pipe;
+    uv_tcp_t tcp;
+  };
+  gpupool__metrics *m;
+  uv_timer_t timer;
+  uv_write_t wr;
+  char rbuf[512];
+  char tail[4];   /* last bytes seen, to find the blank line across reads */
+  size_t seen;    /* request bytes read so far */
+  int answered;
+  int open_handles;
+  int has_uid;    /* came in on the Unix socket: uid is the peer's (SO_PEERCRED) */
+  uid_t uid;
+  char *resp;
+  struct conn *next;
+} conn;
+
+struct gpupool__metrics {
+  /* Counters, bumped on every request. */
+  uint64_t req_count[N_TYPES][N_RESULTS];
+  /* Per-bucket (not cumulative) counts; slot N_BUCKETS holds what is above the last bound. */
+  uint64_t lat_bucket[N_TYPES][N_BUCKETS + 1];
+  uint64_t lat_sum_ns[N_TYPES];
+  uint64_t lat_count[N_TYPES];
+
+  /* Exporters. */
+  int started;
+  int closing;      /* close() was called: free when the last handle has closed */
+  int open_handles; /* the handles below that are open or closing (conns count apart) */
+  uv_loop_t *loop;
+  gpupool__stats_source src;
+  char textfile[sizeof(((gpupool__config *)0)->metrics_textfile)];
+  char tmpfile[sizeof(((gpupool__config *)0)->metrics_textfile) + 8];
+  char sock[sizeof(((gpupool__config *)0)->metrics_socket)];
+  uv_timer_t timer;
+  int timer_on;
+  uv_pipe_t srv;
+  int srv_on;
+  uv_tcp_t tcp_srv;
+  int tcp_on;
+  char listen[sizeof(((gpupool__config *)0)->metrics_listen)];
+  int sock_bound; /* the socket file is ours to remove */
+  int write_failing;
+  conn *conns;
+  int nconns;
+  /* Takes a connection off the backlog when there is no memory for it: libuv stops accepting
+   * until the pending one is taken, so it must be taken even to be dropped. */
+  uv_pipe_t drop_pipe;
+  int drop_busy;
+};
+
+int gpupool__metrics_new(gpupool__metrics **out) {
+  gpupool__metrics *m = calloc(1, sizeof(*m));
+  if (m == NULL)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory for the metrics");
+  *out = m;
+  return 0;
+}
 
 static int type_index(int body_case) {
   int i = body_case - FIRST_CASE + 1;
   return (i >= 1 && i < N_TYPES) ? i : 0;
 }
 
-void gpupool__metrics_request(int body_case, int result, uint64_t latency_ns) {
+void gpupool__metrics_request(gpupool__metrics *m, int body_case, int result, uint64_t latency_ns) {
   int t = type_index(body_case);
   int r = result == 0 ? 0 : (result < 0 && -result < RESULT_OTHER ? -result : RESULT_OTHER);
   int b = 0;
 
-  req_count[t][r]++;
+  m->req_count[t][r]++;
   while (b < N_BUCKETS && latency_ns > bucket_ns[b])
     b++;
-  lat_bucket[t][b]++;
-  lat_sum_ns[t] += latency_ns;
-  lat_count[t]++;
+  m->lat_bucket[t][b]++;
+  m->lat_sum_ns[t] += latency_ns;
+  m->lat_count[t]++;
 }
 
 /* ---- rendering ----------------------------------------------------------------------------- */
@@ -156,31 +223,31 @@ static const char *result_name(int r) {
   return gpupool_err_name(-r);
 }
 
-static void render_requests(sbuf *b) {
+static void render_requests(sbuf *b, const gpupool__metrics *m) {
   family(b, "requests_total", "counter", "Requests handled, by request type and result.");
   for (int t = 0; t < N_TYPES; t++)
     for (int r = 0; r < N_RESULTS; r++)
-      if (req_count[t][r])
+      if (m->req_count[t][r])
         sb_printf(b, "gpupool_requests_total{type=\"%s\",result=\"%s\"} %llu\n", type_names[t],
-                  result_name(r), (unsigned long long)req_count[t][r]);
+                  result_name(r), (unsigned long long)m->req_count[t][r]);
 
   family(b, "request_duration_seconds", "histogram",
          "Time from reading a request to queuing its reply, by request type.");
   for (int t = 0; t < N_TYPES; t++) {
     uint64_t cum = 0;
-    if (lat_count[t] == 0)
+    if (m->lat_count[t] == 0)
       continue;
     for (int i = 0; i < N_BUCKETS; i++) {
-      cum += lat_bucket[t][i];
+      cum += m->lat_bucket[t][i];
       sb_printf(b, "gpupool_request_duration_seconds_bucket{type=\"%s\",le=\"%s\"} %llu\n",
                 type_names[t], bucket_le[i], (unsigned long long)cum);
     }
     sb_printf(b, "gpupool_request_duration_seconds_bucket{type=\"%s\",le=\"+Inf\"} %llu\n",
-              type_names[t], (unsigned long long)lat_count[t]);
+              type_names[t], (unsigned long long)m->lat_count[t]);
     sb_printf(b, "gpupool_request_duration_seconds_sum{type=\"%s\"} %.9f\n", type_names[t],
-              (double)lat_sum_ns[t] / 1e9);
+              (double)m->lat_sum_ns[t] / 1e9);
     sb_printf(b, "gpupool_request_duration_seconds_count{type=\"%s\"} %llu\n", type_names[t],
-              (unsigned long long)lat_count[t]);
+              (unsigned long long)m->lat_count[t]);
   }
 }
 
@@ -261,12 +328,12 @@ static void render_stats(sbuf *b, const Gpupool__Wire__StatsReply *st) {
   }
 }
 
-char *gpupool__metrics_render(const Gpupool__Wire__StatsReply *st) {
+char *gpupool__metrics_render(const gpupool__metrics *m, const Gpupool__Wire__StatsReply *st) {
   sbuf b = {0};
 
   if (st != NULL)
     render_stats(&b, st);
-  render_requests(&b);
+  render_requests(&b, m);
   if (b.oom) {
     free(b.p);
     return NULL;
@@ -276,68 +343,43 @@ char *gpupool__metrics_render(const Gpupool__Wire__StatsReply *st) {
 
 /* ---- exposition: textfile and socket -------------------------------------------------------- */
 
-#define MAX_CONNS 16
-#define REQ_MAX 8192
-#define REQ_TIMEOUT_MS 1000
-
 static const char http_head[] = "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\r\n";
 
-typedef struct conn {
-  /* Unix or TCP: both stream handles start with the same fields, so the code below uses
-   * `pipe` for either (and `tcp` where the type matters: uv_tcp_init). */
-  union {
-    uv_pipe_t pipe;
-    uv_tcp_t tcp;
-  };
-  uv_timer_t timer;
-  uv_write_t wr;
-  char rbuf[512];
-  char tail[4];   /* last bytes seen, to find the blank line across reads */
-  size_t seen;    /* request bytes read so far */
-  int answered;
-  int open_handles;
-  char *resp;
-  struct conn *next;
-} conn;
+/* Frees m once close() was called and nothing of it is open any more. */
+static void maybe_free(gpupool__metrics *m) {
+  if (m->closing && m->open_handles == 0 && m->conns == NULL)
+    free(m);
+}
 
-static struct {
-  int started;
-  uv_loop_t *loop;
-  gpupool__stats_fn fn;
-  void *arg;
-  char textfile[sizeof(((gpupool__config *)0)->metrics_textfile)];
-  char tmpfile[sizeof(((gpupool__config *)0)->metrics_textfile) + 8];
-  char sock[sizeof(((gpupool__config *)0)->metrics_socket)];
-  uv_timer_t timer;
-  int timer_on;
-  uv_pipe_t srv;
-  int srv_on;
-  uv_tcp_t tcp_srv;
-  int tcp_on;
-  char listen[sizeof(((gpupool__config *)0)->metrics_listen)];
-  int sock_bound; /* the socket file is ours to remove */
-  int write_failing;
-  conn *conns;
-  int nconns;
-} M;
+/* Close callback of m's own handles (timer, listeners, drop pipe). */
+static void handle_closed(uv_handle_t *h) {
+  gpupool__metrics *m = h->data;
+  m->open_handles--;
+  maybe_free(m);
+}
+
+static void close_handle(gpupool__metrics *m, uv_handle_t *h) {
+  h->data = m;
+  uv_close(h, handle_closed);
+}
 
 /* Text for the current state; NULL (logged) when out of memory. */
-static char *snapshot_text(void) {
+static char *snapshot_text(gpupool__metrics *m) {
   Gpupool__Wire__StatsReply st = GPUPOOL__WIRE__STATS_REPLY__INIT;
   char *text;
   int have = 0;
 
-  if (M.fn != NULL) {
-    int rc = M.fn(M.arg, &st);
+  if (m->src.fill != NULL) {
+    int rc = m->src.fill(m->src.arg, &st);
     if (rc == 0)
       have = 1;
     else
       GPUPOOL__WARN("metrics: cannot take a stats snapshot (%s); exporting request counters only",
               gpupool__errmsg()[0] ? gpupool__errmsg() : gpupool_strerror(rc));
   }
-  text = gpupool__metrics_render(have ? &st : NULL);
-  if (have)
-    gpupool__stats_free(&st);
+  text = gpupool__metrics_render(m, have ? &st : NULL);
+  if (have && m->src.release != NULL)
+    m->src.release(m->src.arg, &st);
   if (text == NULL)
     GPUPOOL__WARN("metrics: out of memory rendering the metrics text");
   return text;
@@ -357,14 +399,14 @@ static int write_all(int fd, const char *p, size_t n) {
   return 0;
 }
 
-static void write_textfile(void) {
-  char *text = snapshot_text();
+static void write_textfile(gpupool__metrics *m) {
+  char *text = snapshot_text(m);
   const char *what = NULL;
   int fd = -1, err = 0;
 
   if (text == NULL)
     return;
-  fd = open(M.tmpfile, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+  fd = open(m->tmpfile, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (fd < 0) {
     what = "create";
     err = errno;
@@ -383,7 +425,7 @@ static void write_textfile(void) {
     goto out;
   }
   fd = -1;
-  if (rename(M.tmpfile, M.textfile) != 0) {
+  if (rename(m->tmpfile, m->textfile) != 0) {
     what = "rename";
     err = errno;
     goto out;
@@ -393,39 +435,40 @@ out:
   if (fd >= 0)
     close(fd);
   if (what != NULL) {
-    unlink(M.tmpfile);
+    unlink(m->tmpfile);
     /* Say it once when it starts failing and once when it recovers, not every interval. */
-    if (!M.write_failing)
+    if (!m->write_failing)
       GPUPOOL__WARN("metrics: cannot %s %s: %s; the textfile keeps its last content until this is "
               "fixed",
-              what, what[0] == 'r' ? M.textfile : M.tmpfile, strerror(err));
-    M.write_failing = 1;
-  } else if (M.write_failing) {
-    GPUPOOL__INFO("metrics: writing %s again", M.textfile);
-    M.write_failing = 0;
+              what, what[0] == 'r' ? m->textfile : m->tmpfile, strerror(err));
+    m->write_failing = 1;
+  } else if (m->write_failing) {
+    GPUPOOL__INFO("metrics: writing %s again", m->textfile);
+    m->write_failing = 0;
   }
   free(text);
 }
 
 static void on_timer(uv_timer_t *t) {
-  (void)t;
-  write_textfile();
+  write_textfile(t->data);
 }
 
 static void conn_closed(uv_handle_t *h) {
   conn *c = h->data;
+  gpupool__metrics *m = c->m;
   conn **pp;
 
   if (--c->open_handles > 0)
     return;
-  for (pp = &M.conns; *pp != NULL; pp = &(*pp)->next)
+  for (pp = &m->conns; *pp != NULL; pp = &(*pp)->next)
     if (*pp == c) {
       *pp = c->next;
       break;
     }
-  M.nconns--;
+  m->nconns--;
   free(c->resp);
   free(c);
+  maybe_free(m);
 }
 
 static void conn_close(conn *c) {
@@ -449,7 +492,7 @@ static void conn_answer(conn *c) {
     return;
   c->answered = 1;
   uv_timer_stop(&c->timer);
-  text = snapshot_text();
+  text = snapshot_text(c->m);
   if (text == NULL) {
     conn_close(c);
     return;
@@ -504,65 +547,93 @@ static void on_req_timeout(uv_timer_t *t) {
   conn_answer(t->data);
 }
 
-/* Takes a connection off the backlog when there is no memory for it: libuv stops accepting
- * until the pending one is taken, so it must be taken even to be dropped. */
-static uv_pipe_t drop_pipe;
-static int drop_busy;
-
 static void drop_closed(uv_handle_t *h) {
-  (void)h;
-  drop_busy = 0;
+  gpupool__metrics *m = h->data;
+  m->drop_busy = 0;
+  handle_closed(h);
 }
 
-static void drop_conn(uv_stream_t *srv) {
-  if (drop_busy || uv_pipe_init(M.loop, &drop_pipe, 0) != 0)
+static void drop_conn(gpupool__metrics *m, uv_stream_t *srv) {
+  if (m->drop_busy || uv_pipe_init(m->loop, &m->drop_pipe, 0) != 0)
     return;
-  drop_busy = 1;
-  (void)uv_accept(srv, (uv_stream_t *)&drop_pipe);
-  uv_close((uv_handle_t *)&drop_pipe, drop_closed);
+  m->drop_busy = 1;
+  m->open_handles++;
+  m->drop_pipe.data = m;
+  (void)uv_accept(srv, (uv_stream_t *)&m->drop_pipe);
+  uv_close((uv_handle_t *)&m->drop_pipe, drop_closed);
+}
+
+/* Puts c (its stream initialised, open_handles set) on m's list. */
+static void conn_link(gpupool__metrics *m, conn *c) {
+  c->m = m;
+  c->next = m->conns;
+  m->conns = c;
+  m->nconns++;
+}
+
+/* Whether c, just accepted on the Unix socket, is within its uid's share of the connections;
+ * the peer's uid is recorded in c. TCP peers have no uid and share only the total cap. */
+static int uid_allows(gpupool__metrics *m, conn *c) {
+  struct ucred cred;
+  socklen_t len = sizeof(cred);
+  uv_os_fd_t fd;
+  int n = 0;
+
+  if (uv_fileno((uv_handle_t *)&c->pipe, &fd) != 0 ||
+      getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0)
+    return 0;
+  c->has_uid = 1;
+  c->uid = cred.uid;
+  /* Connections already closing are gone by the next loop turn: they do not count. */
+  for (conn *o = m->conns; o != NULL; o = o->next)
+    if (o != c && o->has_uid && o->uid == c->uid && !uv_is_closing((uv_handle_t *)&o->pipe))
+      n++;
+  return n < MAX_CONNS_PER_UID;
 }
 
 static void on_conn(uv_stream_t *srv, int status) {
+  gpupool__metrics *m = srv->data;
   conn *c;
 
   if (status < 0) {
-    GPUPOOL__WARN("metrics: accept on %s failed: %s", M.sock, uv_strerror(status));
+    GPUPOOL__WARN("metrics: accept on %s failed: %s", m->sock, uv_strerror(status));
     return;
   }
   c = calloc(1, sizeof(*c));
   if (c == NULL) {
-    drop_conn(srv);
+    drop_conn(m, srv);
     return;
   }
-  if ((srv == (uv_stream_t *)&M.tcp_srv ? uv_tcp_init(M.loop, &c->tcp)
-                                          : uv_pipe_init(M.loop, &c->pipe, 0)) != 0) {
+  if ((srv == (uv_stream_t *)&m->tcp_srv ? uv_tcp_init(m->loop, &c->tcp)
+                                           : uv_pipe_init(m->loop, &c->pipe, 0)) != 0) {
     free(c);
-    drop_conn(srv);
+    drop_conn(m, srv);
     return;
   }
-  if (uv_timer_init(M.loop, &c->timer) != 0) {
+  if (uv_timer_init(m->loop, &c->timer) != 0) {
     /* The pipe is a handle now: it goes through close, and conn_closed frees c. */
     c->pipe.data = c;
     c->open_handles = 1;
-    c->next = M.conns;
-    M.conns = c;
-    M.nconns++;
+    conn_link(m, c);
     uv_close((uv_handle_t *)&c->pipe, conn_closed);
-    drop_conn(srv);
+    drop_conn(m, srv);
     return;
   }
   c->pipe.data = c;
   c->timer.data = c;
   c->open_handles = 2;
-  c->next = M.conns;
-  M.conns = c;
-  M.nconns++;
+  conn_link(m, c);
   if (uv_accept(srv, (uv_stream_t *)&c->pipe) != 0) {
     conn_close(c);
     return;
   }
-  if (M.nconns > MAX_CONNS) {
+  if (m->nconns > MAX_CONNS) {
     /* Slow or idle scrapers must not pile up connections in the daemon. */
+    conn_close(c);
+    return;
+  }
+  if (srv == (uv_stream_t *)&m->srv && !uid_allows(m, c)) {
+    /* Nor may one user take every slot and lock the others (the scraper) out. */
     conn_close(c);
     return;
   }
@@ -571,18 +642,20 @@ static void on_conn(uv_stream_t *srv, int status) {
     conn_close(c);
 }
 
-static int start_socket(const gpupool__config *cfg) {
+static int start_socket(gpupool__metrics *m, const gpupool__config *cfg) {
   mode_t mode = cfg->socket_mode ? cfg->socket_mode : 0660;
   mode_t old;
   int rc;
 
-  rc = gpupool__clear_stale_socket(M.sock, "metrics_socket");
+  rc = gpupool__clear_stale_socket(m->sock, "metrics_socket");
   if (rc < 0)
     return rc;
-  rc = uv_pipe_init(M.loop, &M.srv, 0);
+  rc = uv_pipe_init(m->loop, &m->srv, 0);
   if (rc != 0)
     return gpupool__err(GPUPOOL_ECONFIG, "metrics_socket: %s", uv_strerror(rc));
-  M.srv_on = 1;
+  m->srv.data = m;
+  m->open_handles++;
+  m->srv_on = 1;
   /* Bound here, not with uv_pipe_bind(): libuv unlinks a bound pipe's path when it closes
    * the handle, whatever is at that path by then. Created with no access for anyone but the
    * owner, then opened up to the configured mode, so there is no moment when the umask's
@@ -592,147 +665,156 @@ static int start_socket(const gpupool__config *cfg) {
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0)
       return gpupool__err(GPUPOOL_ECONFIG, "metrics_socket: socket(): %s", strerror(errno));
-    snprintf(a.sun_path, sizeof a.sun_path, "%s", M.sock);
+    snprintf(a.sun_path, sizeof a.sun_path, "%s", m->sock);
     old = umask(0177);
     rc = bind(fd, (struct sockaddr *)&a, sizeof a) == 0 ? 0 : -errno;
     umask(old);
-    if (rc == 0 && (rc = uv_pipe_open(&M.srv, fd)) != 0)
-      unlink(M.sock);
+    if (rc == 0 && (rc = uv_pipe_open(&m->srv, fd)) != 0)
+      unlink(m->sock);
     if (rc != 0) {
       close(fd);
       return gpupool__err(GPUPOOL_ECONFIG,
                           "cannot bind metrics_socket %s: %s; check that its directory exists "
                           "and is writable by the daemon (under systemd: in RuntimeDirectory= or "
                           "ReadWritePaths=)",
-                          M.sock, strerror(-rc));
+                          m->sock, strerror(-rc));
     }
-    M.sock_bound = 1;
+    m->sock_bound = 1;
   }
-  if (chmod(M.sock, mode) != 0)
-    return gpupool__err(GPUPOOL_ECONFIG, "cannot chmod metrics_socket %s to %04o: %s", M.sock,
+  if (chmod(m->sock, mode) != 0)
+    return gpupool__err(GPUPOOL_ECONFIG, "cannot chmod metrics_socket %s to %04o: %s", m->sock,
                         (unsigned)mode, strerror(errno));
-  rc = uv_listen((uv_stream_t *)&M.srv, 16, on_conn);
+  rc = uv_listen((uv_stream_t *)&m->srv, 16, on_conn);
   if (rc != 0)
-    return gpupool__err(GPUPOOL_ECONFIG, "cannot listen on metrics_socket %s: %s", M.sock,
+    return gpupool__err(GPUPOOL_ECONFIG, "cannot listen on metrics_socket %s: %s", m->sock,
                         uv_strerror(rc));
-  uv_unref((uv_handle_t *)&M.srv);
-  GPUPOOL__INFO("metrics: serving Prometheus text on %s", M.sock);
+  uv_unref((uv_handle_t *)&m->srv);
+  GPUPOOL__INFO("metrics: serving Prometheus text on %s", m->sock);
   return 0;
 }
 
-static int start_tcp(const gpupool__config *cfg) {
-  int rc = uv_tcp_init(M.loop, &M.tcp_srv);
+static int start_tcp(gpupool__metrics *m, const gpupool__config *cfg) {
+  int rc = uv_tcp_init(m->loop, &m->tcp_srv);
   if (rc != 0)
     return gpupool__err(GPUPOOL_ECONFIG, "metrics_listen: %s", uv_strerror(rc));
-  M.tcp_on = 1;
-  rc = uv_tcp_bind(&M.tcp_srv, (const struct sockaddr *)&cfg->metrics_addr, 0);
+  m->tcp_srv.data = m;
+  m->open_handles++;
+  m->tcp_on = 1;
+  rc = uv_tcp_bind(&m->tcp_srv, (const struct sockaddr *)&cfg->metrics_addr, 0);
   if (rc == 0)
-    rc = uv_listen((uv_stream_t *)&M.tcp_srv, 16, on_conn);
+    rc = uv_listen((uv_stream_t *)&m->tcp_srv, 16, on_conn);
   if (rc != 0)
     return gpupool__err(GPUPOOL_ECONFIG,
                         "cannot listen on metrics_listen %s: %s; choose a free port (under "
                         "systemd, allow the address family and address in a drop-in: "
                         "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6, IPAddressAllow=)",
-                        M.listen, uv_strerror(rc));
-  uv_unref((uv_handle_t *)&M.tcp_srv);
-  GPUPOOL__INFO("metrics: serving Prometheus text on http://%s/metrics (TCP)", M.listen);
+                        m->listen, uv_strerror(rc));
+  uv_unref((uv_handle_t *)&m->tcp_srv);
+  GPUPOOL__INFO("metrics: serving Prometheus text on http://%s/metrics (TCP)", m->listen);
   return 0;
 }
 
-static int start_textfile(const gpupool__config *cfg) {
+static int start_textfile(gpupool__metrics *m, const gpupool__config *cfg) {
   uint32_t every = cfg->metrics_interval_ms ? cfg->metrics_interval_ms : 5000;
   int fd, rc;
 
   /* Find an unwritable directory now, with the configuration at hand, not in a log line
    * every interval later. */
-  fd = open(M.tmpfile, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+  fd = open(m->tmpfile, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (fd < 0)
     return gpupool__err(GPUPOOL_ECONFIG,
                         "cannot create %s for metrics_textfile: %s; create the directory, make "
                         "it writable by the daemon (under systemd: ReadWritePaths=), or change "
                         "metrics_textfile",
-                        M.tmpfile, strerror(errno));
+                        m->tmpfile, strerror(errno));
   close(fd);
-  unlink(M.tmpfile);
-  rc = uv_timer_init(M.loop, &M.timer);
+  unlink(m->tmpfile);
+  rc = uv_timer_init(m->loop, &m->timer);
   if (rc != 0)
     return gpupool__err(GPUPOOL_ECONFIG, "metrics timer: %s", uv_strerror(rc));
-  M.timer_on = 1;
+  m->timer.data = m;
+  m->open_handles++;
+  m->timer_on = 1;
   /* First write on the loop's first turn, once the server is up, then every interval. */
-  rc = uv_timer_start(&M.timer, on_timer, 0, every);
+  rc = uv_timer_start(&m->timer, on_timer, 0, every);
   if (rc != 0)
     return gpupool__err(GPUPOOL_ECONFIG, "metrics timer: %s", uv_strerror(rc));
-  uv_unref((uv_handle_t *)&M.timer);
-  GPUPOOL__INFO("metrics: writing %s every %u ms", M.textfile, every);
+  uv_unref((uv_handle_t *)&m->timer);
+  GPUPOOL__INFO("metrics: writing %s every %u ms", m->textfile, every);
   return 0;
 }
 
-int gpupool__metrics_start(uv_loop_t *loop, const gpupool__config *cfg, gpupool__stats_fn fn,
-                           void *arg) {
+/* Closes every exporter; the handle itself stays (its counters still count). */
+static void stop_exporters(gpupool__metrics *m) {
+  if (m->timer_on) {
+    uv_timer_stop(&m->timer);
+    close_handle(m, (uv_handle_t *)&m->timer);
+    m->timer_on = 0;
+    /* A stopped daemon's numbers must not look current to the textfile collector. */
+    unlink(m->textfile);
+    unlink(m->tmpfile);
+  }
+  if (m->srv_on) {
+    close_handle(m, (uv_handle_t *)&m->srv);
+    m->srv_on = 0;
+  }
+  if (m->tcp_on) {
+    close_handle(m, (uv_handle_t *)&m->tcp_srv);
+    m->tcp_on = 0;
+  }
+  if (m->sock_bound) {
+    gpupool__unlink_socket(m->sock);
+    m->sock_bound = 0;
+  }
+  for (conn *c = m->conns; c != NULL; c = c->next)
+    conn_close(c);
+}
+
+int gpupool__metrics_start(gpupool__metrics *m, uv_loop_t *loop, const gpupool__config *cfg,
+                           const gpupool__stats_source *src) {
   int rc;
 
-  if (M.started)
+  if (m->started)
     return gpupool__err(GPUPOOL_EINVAL, "metrics: already started");
-  memset(&M, 0, sizeof(M));
-  M.loop = loop;
-  M.fn = fn;
-  M.arg = arg;
-  snprintf(M.textfile, sizeof(M.textfile), "%s", cfg->metrics_textfile);
-  snprintf(M.tmpfile, sizeof(M.tmpfile), "%s.tmp", cfg->metrics_textfile);
-  snprintf(M.sock, sizeof(M.sock), "%s", cfg->metrics_socket);
-  snprintf(M.listen, sizeof(M.listen), "%s", cfg->metrics_listen);
-  M.started = 1;
-  if (M.textfile[0] != '\0') {
-    rc = start_textfile(cfg);
+  m->started = 1;
+  m->loop = loop;
+  if (src != NULL)
+    m->src = *src;
+  snprintf(m->textfile, sizeof(m->textfile), "%s", cfg->metrics_textfile);
+  snprintf(m->tmpfile, sizeof(m->tmpfile), "%s.tmp", cfg->metrics_textfile);
+  snprintf(m->sock, sizeof(m->sock), "%s", cfg->metrics_socket);
+  snprintf(m->listen, sizeof(m->listen), "%s", cfg->metrics_listen);
+  if (m->textfile[0] != '\0') {
+    rc = start_textfile(m, cfg);
     if (rc < 0)
       goto fail;
   }
-  if (M.sock[0] != '\0') {
-    rc = start_socket(cfg);
+  if (m->sock[0] != '\0') {
+    rc = start_socket(m, cfg);
     if (rc < 0)
       goto fail;
   }
-  if (M.listen[0] != '\0') {
-    rc = start_tcp(cfg);
+  if (m->listen[0] != '\0') {
+    rc = start_tcp(m, cfg);
     if (rc < 0)
       goto fail;
   }
   return 0;
 
 fail:
-  /* Keep the message: stop() may run calls that record their own. */
+  /* Keep the message: closing may run calls that record their own. */
   {
     char msg[GPUPOOL__ERRMSG_MAX];
     snprintf(msg, sizeof(msg), "%s", gpupool__errmsg());
-    gpupool__metrics_stop();
+    stop_exporters(m);
     return gpupool__err(rc, "%s", msg);
   }
 }
 
-void gpupool__metrics_stop(void) {
-  if (!M.started)
+void gpupool__metrics_close(gpupool__metrics *m) {
+  if (m == NULL || m->closing)
     return;
-  M.started = 0;
-  if (M.timer_on) {
-    uv_timer_stop(&M.timer);
-    uv_close((uv_handle_t *)&M.timer, NULL);
-    M.timer_on = 0;
-    /* A stopped daemon's numbers must not look current to the textfile collector. */
-    unlink(M.textfile);
-    unlink(M.tmpfile);
-  }
-  if (M.srv_on) {
-    uv_close((uv_handle_t *)&M.srv, NULL);
-    M.srv_on = 0;
-  }
-  if (M.tcp_on) {
-    uv_close((uv_handle_t *)&M.tcp_srv, NULL);
-    M.tcp_on = 0;
-  }
-  if (M.sock_bound) {
-    gpupool__unlink_socket(M.sock);
-    M.sock_bound = 0;
-  }
-  for (conn *c = M.conns; c != NULL; c = c->next)
-    conn_close(c);
+  m->closing = 1;
+  stop_exporters(m);
+  maybe_free(m);
 }

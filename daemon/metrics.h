@@ -1,8 +1,11 @@
 /*
  * Prometheus metrics: counters of requests by type and result, a request latency histogram,
  * and gauges from a StatsReply snapshot (pools' bytes, buffers, clients). Exposed as a
- * text-format file rewritten atomically every interval and/or on a Unix socket that answers
- * each connection with an HTTP/1.0 response holding the text. No TCP listener.
+ * text-format file rewritten atomically every interval, on a Unix socket that answers each
+ * connection with an HTTP/1.0 response holding the text, and (opt-in) on a TCP address.
+ *
+ * All of it lives in one handle owned by whoever creates it (the server). The snapshot comes
+ * from a stats source handed in at start, so this module names nothing of the server's.
  */
 #ifndef GPUPOOL_DAEMON_METRICS_H
 #define GPUPOOL_DAEMON_METRICS_H
@@ -13,25 +16,45 @@
 #include "config.h"
 #include "wire.h"
 
-/* Fills *out with the daemon's current stats (the same content as a Stats reply). The
- * metrics module frees its contents with gpupool__stats_free(). */
-typedef int (*gpupool__stats_fn)(void *arg, Gpupool__Wire__StatsReply *out);
-void gpupool__stats_free(Gpupool__Wire__StatsReply *st);
+typedef struct gpupool__metrics gpupool__metrics;
+
+/* Where the gauges come from. fill() puts the daemon's current stats in *out (the same
+ * content as a Stats reply) and returns 0 or a GPUPOOL_E* code with a message; after a
+ * successful fill the metrics call release() on the same reply to free what fill allocated. */
+typedef struct {
+  int (*fill)(void *arg, Gpupool__Wire__StatsReply *out);
+  void (*release)(void *arg, Gpupool__Wire__StatsReply *st);
+  void *arg;
+} gpupool__stats_source;
+
+/* Most metrics-socket connections one uid may hold at once (SO_PEERCRED on the Unix socket),
+ * so one user cannot take every slot; the total over all uids and the TCP listener is capped
+ * apart (16). */
+#define GPUPOOL__METRICS_MAX_CONNS_PER_UID 4
+
+/* A handle with zeroed counters and no exporter: 0 or GPUPOOL_ENOMEM. Free it with
+ * gpupool__metrics_close(). */
+int gpupool__metrics_new(gpupool__metrics **out);
 
 /* Count one handled request: body_case is the Request's oneof case (e.g.
  * GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE), result 0 or a GPUPOOL_E* code. Cheap: called on
  * every request. */
-void gpupool__metrics_request(int body_case, int result, uint64_t latency_ns);
+void gpupool__metrics_request(gpupool__metrics *m, int body_case, int result, uint64_t latency_ns);
 
-/* Prometheus text for the counters and the snapshot; malloc'd, caller frees. */
-char *gpupool__metrics_render(const Gpupool__Wire__StatsReply *st);
+/* Prometheus text for m's counters and the snapshot st (NULL: counters only); malloc'd,
+ * caller frees. */
+char *gpupool__metrics_render(const gpupool__metrics *m, const Gpupool__Wire__StatsReply *st);
 
-/* Start the textfile writer / socket listener configured in cfg (neither = nothing to do).
- * 0 or a GPUPOOL_E* code with a message. */
-int gpupool__metrics_start(uv_loop_t *loop, const gpupool__config *cfg, gpupool__stats_fn fn,
-                           void *arg);
-/* Close the handles opened by start (the loop then runs their close callbacks) and remove the
- * metrics socket file. */
-void gpupool__metrics_stop(void);
+/* Start the textfile writer / socket and TCP listeners configured in cfg on loop (none
+ * configured = nothing to do); src is copied. 0 or a GPUPOOL_E* code with a message; after a
+ * failure the handle keeps counting but exports nothing, and a handle starts only once
+ * (GPUPOOL_EINVAL). */
+int gpupool__metrics_start(gpupool__metrics *m, uv_loop_t *loop, const gpupool__config *cfg,
+                           const gpupool__stats_source *src);
+
+/* Close every exporter (the metrics socket file and the textfile are removed) and free the
+ * handle once the loop has run the close callbacks of its handles (at once when it has none
+ * open). m must not be used afterwards. NULL is ignored. */
+void gpupool__metrics_close(gpupool__metrics *m);
 
 #endif

@@ -114,6 +114,7 @@ struct gpupool__server {
   int stopping;
   int in_retry;
   uint64_t last_activity_ns;
+  gpupool__metrics *metrics; /* counters and exporters; closed with the server */
 };
 
 static void conn_close(gpupool__conn *c, const char *why);
@@ -272,13 +273,13 @@ static void waiter_timeout(uv_timer_t *t) {
                (gpupool__now_ns() - w->started_ns) / 1000000, gpupool__errmsg());
       send_error(c, w->seq, rc == GPUPOOL_ENOSPC ? GPUPOOL_ETIMEDOUT : rc, msg);
     }
-    gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, rc == 0 ? 0 : GPUPOOL_ETIMEDOUT,
+    gpupool__metrics_request(c->srv->metrics, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, rc == 0 ? 0 : GPUPOOL_ETIMEDOUT,
                              gpupool__now_ns() - w->started_ns);
   } else {
     snprintf(msg, sizeof msg, "timed out after %" PRIu64 " ms waiting for a producer to publish '%s'",
              (gpupool__now_ns() - w->started_ns) / 1000000, w->name);
     send_error(c, w->seq, GPUPOOL_ETIMEDOUT, msg);
-    gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_GET, GPUPOOL_ETIMEDOUT, gpupool__now_ns() - w->started_ns);
+    gpupool__metrics_request(c->srv->metrics, GPUPOOL__WIRE__REQUEST__BODY_GET, GPUPOOL_ETIMEDOUT, gpupool__now_ns() - w->started_ns);
   }
   waiter_remove(w);
 }
@@ -377,7 +378,7 @@ static void retry_pool(gpupool__server *s, int idx) {
       reply_hold(w->conn, w->seq, WAIT_ALLOC, h, NULL);
     else
       send_error(w->conn, w->seq, rc, gpupool__errmsg());
-    gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, rc, gpupool__now_ns() - w->started_ns);
+    gpupool__metrics_request(s->metrics, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, rc, gpupool__now_ns() - w->started_ns);
     waiter_remove(w);
   }
 }
@@ -418,7 +419,7 @@ static void wake_getters(gpupool__server *s, const char *key) {
       reply_hold(w->conn, w->seq, WAIT_GET, h, w->name);
     else
       send_error(w->conn, w->seq, rc, gpupool__errmsg());
-    gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_GET, rc, gpupool__now_ns() - w->started_ns);
+    gpupool__metrics_request(s->metrics, GPUPOOL__WIRE__REQUEST__BODY_GET, rc, gpupool__now_ns() - w->started_ns);
     waiter_remove(w);
     if (last)
       break;
@@ -897,7 +898,7 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
     GPUPOOL__WARN("client %" PRIu64 " (pid %d) sent a malformed frame; dropping it", c->cl.id, (int)c->cl.pid);
     conn_drop_after_flush(c);
     send_error(c, 0, GPUPOOL_EPROTO, "malformed request frame (not a valid gpupool Request); closing the connection");
-    gpupool__metrics_request(0, GPUPOOL_EPROTO, gpupool__now_ns() - t0);
+    gpupool__metrics_request(s->metrics, 0, GPUPOOL_EPROTO, gpupool__now_ns() - t0);
     return;
   }
   body = (int)req->body_case;
@@ -917,7 +918,7 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
     send_error(c, req->seq, rc, gpupool__errmsg());
   }
   if (!deferred)
-    gpupool__metrics_request(body, rc, gpupool__now_ns() - t0);
+    gpupool__metrics_request(s->metrics, body, rc, gpupool__now_ns() - t0);
   if (gpupool__now_ns() - t0 > 50000)
     GPUPOOL__DEBUG("slow request %d from client %" PRIu64 ": %" PRIu64 " us", body, c->cl.id, (gpupool__now_ns() - t0) / 1000);
   gpupool__wire__request__free_unpacked(req, NULL);
@@ -1199,6 +1200,47 @@ static void accept_out_of_fds(gpupool__server *s, int err) {
   }
 }
 
+/* The connection of an accepted fd that passed every check, holding its lease; when there is
+ * no memory for it, the fd, the lease and its peer end are closed. */
+static void conn_new(gpupool__server *s, int fd, const struct ucred *cred, gpupool__lease *lease, int peer) {
+  gpupool__conn *c = calloc(1, sizeof *c);
+
+  if (!c || !(c->u = gpupool__uid_usage_get(s->reg, cred->uid, 1))) {
+    free(c);
+    gpupool__lease_discard(lease);
+    close(peer);
+    close(fd);
+    return;
+  }
+  c->u->conns++;
+  c->srv = s;
+  c->fd = fd;
+  c->lease_peer = peer;
+  c->cl.pid = cred->pid;
+  c->cl.uid = cred->uid;
+  c->cl.gid = cred->gid;
+  c->cl.lease = lease;
+  snprintf(c->cl.name, sizeof c->cl.name, "-");
+  gpupool__wire_inbuf_init(&c->in, s->cfg->max_frame);
+  gpupool__wire_txq_init(&c->txq);
+  gpupool__client_init(s->reg, &c->cl);
+  uv_poll_init(s->loop, &c->poll, fd);
+  c->poll.data = c;
+  uv_timer_init(s->loop, &c->hs_timer);
+  c->hs_timer.data = c;
+  c->handles_open = 2;
+  if (s->cfg->handshake_timeout_ms)
+    uv_timer_start(&c->hs_timer, hs_timeout, s->cfg->handshake_timeout_ms, 0);
+  c->next = s->conns;
+  if (s->conns)
+    s->conns->prev = c;
+  s->conns = c;
+  s->nconns++;
+  GPUPOOL__DEBUG("accepted pid %d uid %u gid %u as client %" PRIu64, (int)cred->pid, (unsigned)cred->uid,
+           (unsigned)cred->gid, c->cl.id);
+  conn_update_poll(c);
+}
+
 static void on_accept(uv_poll_t *p, int status, int events) {
   gpupool__server *s = p->data;
   (void)events;
@@ -1209,7 +1251,6 @@ static void on_accept(uv_poll_t *p, int status, int events) {
   for (;;) {
     struct ucred cred;
     socklen_t cl = sizeof cred;
-    gpupool__conn *c;
     gpupool__lease *lease = NULL;
     char msg[512];
     int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC), peer = -1;
@@ -1260,41 +1301,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
       refuse(fd, GPUPOOL_ELIMIT, msg);
       continue;
     }
-    c = calloc(1, sizeof *c);
-    if (!c || !(c->u = gpupool__uid_usage_get(s->reg, cred.uid, 1))) {
-      free(c);
-      gpupool__lease_discard(lease);
-      close(peer);
-      close(fd);
-      continue;
-    }
-    c->u->conns++;
-    c->srv = s;
-    c->fd = fd;
-    c->lease_peer = peer;
-    c->cl.pid = cred.pid;
-    c->cl.uid = cred.uid;
-    c->cl.gid = cred.gid;
-    c->cl.lease = lease;
-    snprintf(c->cl.name, sizeof c->cl.name, "-");
-    gpupool__wire_inbuf_init(&c->in, s->cfg->max_frame);
-    gpupool__wire_txq_init(&c->txq);
-    gpupool__client_init(s->reg, &c->cl);
-    uv_poll_init(s->loop, &c->poll, fd);
-    c->poll.data = c;
-    uv_timer_init(s->loop, &c->hs_timer);
-    c->hs_timer.data = c;
-    c->handles_open = 2;
-    if (s->cfg->handshake_timeout_ms)
-      uv_timer_start(&c->hs_timer, hs_timeout, s->cfg->handshake_timeout_ms, 0);
-    c->next = s->conns;
-    if (s->conns)
-      s->conns->prev = c;
-    s->conns = c;
-    s->nconns++;
-    GPUPOOL__DEBUG("accepted pid %d uid %u gid %u as client %" PRIu64, (int)cred.pid, (unsigned)cred.uid,
-             (unsigned)cred.gid, c->cl.id);
-    conn_update_poll(c);
+    conn_new(s, fd, &cred, lease, peer);
   }
 }
 
@@ -1355,12 +1362,22 @@ bind_fail:
   return rc;
 }
 
+static void stats_release(void *server, Gpupool__Wire__StatsReply *st) {
+  (void)server;
+  gpupool__stats_free(st);
+}
+
 int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool__config *cfg, gpupool__registry *reg,
                     int listen_fd) {
   gpupool__server *s = calloc(1, sizeof *s);
+  gpupool__stats_source src = {gpupool__server_stats, stats_release, NULL};
   int rc;
   if (!s)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  if ((rc = gpupool__metrics_new(&s->metrics)) != 0) {
+    free(s);
+    return rc;
+  }
   s->loop = loop;
   s->cfg = cfg;
   s->reg = reg;
@@ -1372,7 +1389,10 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
     s->listen_fd = listen_fd;
   } else {
     if ((rc = bind_socket(cfg, &s->listen_fd)) != 0) {
+      reg->owner = NULL;
+      reg->on_memory = NULL;
       gpupool__smap_free(&s->get_q);
+      gpupool__metrics_close(s->metrics);
       free(s);
       return rc;
     }
@@ -1386,6 +1406,10 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
   s->listen_poll.data = s;
   s->listen_open = 1;
   uv_poll_start(&s->listen_poll, UV_READABLE, on_accept);
+  /* Metrics are a convenience: the daemon serves without them, counting all the same. */
+  src.arg = s;
+  if (gpupool__metrics_start(s->metrics, loop, cfg, &src) != 0)
+    GPUPOOL__WARN("metrics disabled: %s", gpupool__errmsg());
   *out = s;
   return 0;
 }
@@ -1412,6 +1436,8 @@ void gpupool__server_stop(gpupool__server *s) {
   if (s->own_socket)
     gpupool__unlink_socket(s->cfg->socket_path);
   s->reg->on_memory = NULL;
+  gpupool__metrics_close(s->metrics);
+  s->metrics = NULL;
   log_refused_nofd(s, 0, 1);
   uv_poll_stop(&s->listen_poll);
   s->listen_open = 2;

@@ -16,14 +16,18 @@ typedef struct gpupool__server gpupool__server;
 
 /* Start serving on listen_fd (already listening, e.g. from systemd) or, when it is -1, on a
  * socket bound at cfg->socket_path (parent directory created; a stale socket file replaced;
- * refused if another daemon answers there). */
+ * refused if another daemon answers there). Also starts the metrics exporters configured in
+ * cfg; when they cannot start, that is logged ("metrics disabled: ...") and serving goes on. */
 int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool__config *cfg,
                     gpupool__registry *reg, int listen_fd);
-/* Close the listener and every connection (their holds are dropped). Handles close on the
- * next loop iterations; the server is freed when the last one has closed. */
+/* Close the listener, the metrics and every connection (their holds are dropped). Handles
+ * close on the next loop iterations; the server is freed when the last one has closed. */
 void gpupool__server_stop(gpupool__server *s);
-/* Current statistics (the Stats reply's content); free with gpupool__stats_free. */
+/* Current statistics (the Stats reply's content); free with gpupool__stats_free. Also the
+ * metrics' stats source (the server hands itself in when it starts them). */
 int gpupool__server_stats(void *server, Gpupool__Wire__StatsReply *out);
+/* Frees what gpupool__server_stats allocated in *st (not st itself). */
+void gpupool__stats_free(Gpupool__Wire__StatsReply *st);
 /* Monotonic ns of the last client input (for busy polling). */
 uint64_t gpupool__server_last_activity(const gpupool__server *s);
 /* Number of connected clients. */

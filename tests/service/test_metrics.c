@@ -2,10 +2,11 @@
  * Unit tests of daemon/metrics.c, in process: the exposition text (HELP/TYPE before every
  * family, counters by type and result, cumulative histogram buckets, escaped pool names,
  * gauges from a StatsReply), and the two exporters on a real libuv loop (the textfile written
- * atomically, the socket answering HTTP/1.0 200 with the same families, refusal of unusable
- * paths, clean removal on stop with no handle left open).
+ * atomically, the socket answering HTTP/1.0 200 with the same families, connections capped
+ * per uid, refusal of unusable paths, clean removal on stop with no handle left open).
  */
 #include <errno.h>
+#include <poll.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -123,15 +124,17 @@ static uint64_t sample(const char *text, const char *series) {
 }
 
 static void test_counters_and_histogram(void **state) {
+  gpupool__metrics *m;
   char *t;
   (void)state;
-  gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, 0, 5000);         /* 5 us */
-  gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, GPUPOOL_ENOSPC, 2000000); /* 2 ms */
-  gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, 0, 3000000000ull); /* 3 s */
-  gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_TRIM, 0, 10000); /* exactly 10 us */
-  gpupool__metrics_request(0, GPUPOOL_EPROTO, 1000);
-  gpupool__metrics_request(GPUPOOL__WIRE__REQUEST__BODY_GET, -999, 1000);
-  t = gpupool__metrics_render(NULL);
+  assert_int_equal(gpupool__metrics_new(&m), 0);
+  gpupool__metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, 0, 5000);         /* 5 us */
+  gpupool__metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, GPUPOOL_ENOSPC, 2000000); /* 2 ms */
+  gpupool__metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, 0, 3000000000ull); /* 3 s */
+  gpupool__metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_TRIM, 0, 10000); /* exactly 10 us */
+  gpupool__metrics_request(m, 0, GPUPOOL_EPROTO, 1000);
+  gpupool__metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_GET, -999, 1000);
+  t = gpupool__metrics_render(m, NULL);
   assert_non_null(t);
   check_format(t);
   must_contain(t, "# HELP gpupool_requests_total ");
@@ -161,6 +164,7 @@ static void test_counters_and_histogram(void **state) {
   /* Types never seen have no series. */
   assert_null(strstr(t, "type=\"share\""));
   free(t);
+  gpupool__metrics_close(m);
 }
 
 static Gpupool__Wire__PoolInfo *new_pool(uint32_t id, const char *name, uint64_t cap) {
@@ -188,8 +192,7 @@ static Gpupool__Wire__PoolInfo *new_pool(uint32_t id, const char *name, uint64_t
 
 static int fake_calls;
 
-/* Same ownership as the server's stats function: pools malloc'd, freed by
- * gpupool__stats_free(). */
+/* Same ownership as the server's stats source: pools malloc'd by fill, freed by release. */
 static int fake_stats(void *arg, Gpupool__Wire__StatsReply *st) {
   (void)arg;
   fake_calls++;
@@ -211,6 +214,17 @@ static int fake_stats(void *arg, Gpupool__Wire__StatsReply *st) {
   st->waiting_leases = 3;
   return 0;
 }
+
+static void fake_release(void *arg, Gpupool__Wire__StatsReply *st) {
+  (void)arg;
+  for (size_t i = 0; i < st->n_pools; i++)
+    free(st->pools[i]);
+  free(st->pools);
+  st->pools = NULL;
+  st->n_pools = 0;
+}
+
+static const gpupool__stats_source fake_source = {fake_stats, fake_release, NULL};
 
 static void check_stats_text(const char *t) {
   check_format(t);
@@ -243,12 +257,15 @@ static void test_render_stats(void **state) {
   Gpupool__Wire__StatsReply st;
   char *t;
   (void)state;
+  gpupool__metrics *m;
+  assert_int_equal(gpupool__metrics_new(&m), 0);
   assert_int_equal(fake_stats(NULL, &st), 0);
-  t = gpupool__metrics_render(&st);
-  gpupool__stats_free(&st);
+  t = gpupool__metrics_render(m, &st);
+  fake_release(NULL, &st);
   assert_non_null(t);
   check_stats_text(t);
   free(t);
+  gpupool__metrics_close(m);
 }
 
 static char *read_file(const char *path) {
@@ -307,6 +324,7 @@ static pid_t scrape_in_child(const char *sock, const char *out) {
 static void test_exporters(void **state) {
   uv_loop_t loop;
   uv_timer_t keep;
+  gpupool__metrics *m;
   gpupool__config cfg;
   char prom[sizeof(cfg.metrics_textfile)], out[sizeof(prom) + 16];
   struct stat sb;
@@ -323,7 +341,8 @@ static void test_exporters(void **state) {
 
   config_paths(&cfg, "gpupool.prom", "metrics.sock");
   fake_calls = 0;
-  assert_int_equal(gpupool__metrics_start(&loop, &cfg, fake_stats, NULL), 0);
+  assert_int_equal(gpupool__metrics_new(&m), 0);
+  assert_int_equal(gpupool__metrics_start(m, &loop, &cfg, &fake_source), 0);
   assert_int_equal(stat(cfg.metrics_socket, &sb), 0);
   assert_true(S_ISSOCK(sb.st_mode));
   assert_int_equal(sb.st_mode & 0777, 0640);
@@ -367,7 +386,7 @@ static void test_exporters(void **state) {
   }
   free(t);
 
-  gpupool__metrics_stop();
+  gpupool__metrics_close(m);
   uv_timer_stop(&keep);
   uv_close((uv_handle_t *)&keep, NULL);
   uv_run(&loop, UV_RUN_DEFAULT);
@@ -377,8 +396,136 @@ static void test_exporters(void **state) {
   assert_int_equal(uv_loop_close(&loop), 0);
 }
 
+/* One uid holding connections to the metrics socket: it gets at most
+ * GPUPOOL__METRICS_MAX_CONNS_PER_UID of them (the rest are closed unanswered), and root still
+ * gets an answer while they are held. Needs root, to connect from another uid. */
+#define OTHER_UID 65534
+#define OTHER_CONNS 16 /* the total cap: without a per-uid cap, this uid would take them all */
+
+/* In the child, as OTHER_UID: opens OTHER_CONNS idle connections, says so on `ready` once the
+ * refused ones are closed, and exits with the number that were answered. */
+static void hog_connections(const char *sock, int ready) {
+  struct sockaddr_un a;
+  struct pollfd pf[OTHER_CONNS];
+  int got_data[OTHER_CONNS] = {0}, done[OTHER_CONNS] = {0};
+  int ndone = 0, refused = 0, answered = 0, told = 0;
+  char buf[4096];
+
+  if (setgid(OTHER_UID) != 0 || setuid(OTHER_UID) != 0)
+    _exit(100);
+  memset(&a, 0, sizeof(a));
+  a.sun_family = AF_UNIX;
+  snprintf(a.sun_path, sizeof(a.sun_path), "%s", sock);
+  for (int i = 0; i < OTHER_CONNS; i++) {
+    pf[i].fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    pf[i].events = POLLIN;
+    if (pf[i].fd < 0 || connect(pf[i].fd, (struct sockaddr *)&a, sizeof(a)) != 0)
+      _exit(101);
+  }
+  for (int spins = 0; spins < 500 && ndone < OTHER_CONNS; spins++) {
+    if (poll(pf, OTHER_CONNS, 10) < 0)
+      _exit(102);
+    for (int i = 0; i < OTHER_CONNS; i++) {
+      ssize_t n;
+      if (done[i] || !(pf[i].revents & (POLLIN | POLLHUP)))
+        continue;
+      n = read(pf[i].fd, buf, sizeof(buf));
+      if (n > 0) {
+        got_data[i] = 1;
+        continue;
+      }
+      done[i] = 1;
+      pf[i].fd = -pf[i].fd - 1; /* poll ignores it from now on */
+      ndone++;
+      if (got_data[i])
+        answered++;
+      else
+        refused++;
+    }
+    /* Every connection past the cap has been closed: the daemon holds only what it kept. */
+    if (!told && (refused >= OTHER_CONNS - GPUPOOL__METRICS_MAX_CONNS_PER_UID || ndone == OTHER_CONNS)) {
+      if (write(ready, "x", 1) != 1)
+        _exit(103);
+      told = 1;
+    }
+  }
+  _exit(ndone == OTHER_CONNS ? answered : 104);
+}
+
+static void test_conns_per_uid(void **state) {
+  uv_loop_t loop;
+  uv_timer_t keep;
+  gpupool__metrics *m;
+  gpupool__config cfg;
+  char out[sizeof(cfg.metrics_socket) + 16];
+  char *t;
+  int ready[2], status = -1, rstatus = -1, spins;
+  pid_t hog, root;
+  (void)state;
+
+  if (geteuid() != 0)
+    skip(); /* connecting as another uid needs root */
+  assert_int_equal(uv_loop_init(&loop), 0);
+  assert_int_equal(uv_timer_init(&loop, &keep), 0);
+  assert_int_equal(uv_timer_start(&keep, tick, 10, 10), 0);
+  config_paths(&cfg, NULL, "peruid.sock");
+  cfg.socket_mode = 0666;
+  assert_int_equal(chmod(tmpdir, 0755), 0); /* the other uid must reach the socket */
+  assert_int_equal(gpupool__metrics_new(&m), 0);
+  assert_int_equal(gpupool__metrics_start(m, &loop, &cfg, &fake_source), 0);
+
+  assert_int_equal(pipe(ready), 0);
+  hog = fork();
+  assert_true(hog >= 0);
+  if (hog == 0) {
+    close(ready[0]);
+    hog_connections(cfg.metrics_socket, ready[1]);
+  }
+  close(ready[1]);
+  for (spins = 0; spins < 1000; spins++) {
+    struct pollfd p = {.fd = ready[0], .events = POLLIN};
+    uv_run(&loop, UV_RUN_ONCE);
+    if (poll(&p, 1, 0) == 1)
+      break;
+  }
+  assert_true(spins < 1000);
+  close(ready[0]);
+
+  /* While the other uid holds what it may, root's scrape is answered. */
+  snprintf(out, sizeof(out), "%s/root.out", tmpdir);
+  root = scrape_in_child(cfg.metrics_socket, out);
+  for (spins = 0; spins < 1000 && (rstatus == -1 || status == -1); spins++) {
+    uv_run(&loop, UV_RUN_ONCE);
+    if (rstatus == -1 && waitpid(root, &rstatus, WNOHANG) != root)
+      rstatus = -1;
+    if (status == -1 && waitpid(hog, &status, WNOHANG) != hog)
+      status = -1;
+  }
+  assert_true(WIFEXITED(rstatus));
+  assert_int_equal(WEXITSTATUS(rstatus), 0);
+  t = read_file(out);
+  assert_non_null(t);
+  {
+    const char head[] = "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\r\n";
+    if (strncmp(t, head, sizeof(head) - 1) != 0)
+      fail_msg("root's scrape was not answered while uid %d held connections: '%s'", OTHER_UID, t);
+    check_stats_text(t + sizeof(head) - 1);
+  }
+  free(t);
+  /* The other uid got exactly the cap answered; the rest were closed unanswered. */
+  assert_true(WIFEXITED(status));
+  assert_int_equal(WEXITSTATUS(status), GPUPOOL__METRICS_MAX_CONNS_PER_UID);
+
+  gpupool__metrics_close(m);
+  uv_timer_stop(&keep);
+  uv_close((uv_handle_t *)&keep, NULL);
+  uv_run(&loop, UV_RUN_DEFAULT);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
 static void test_refuses_bad_paths(void **state) {
   uv_loop_t loop;
+  gpupool__metrics *m;
   gpupool__config cfg;
   char path[160];
   FILE *f;
@@ -388,18 +535,22 @@ static void test_refuses_bad_paths(void **state) {
   assert_int_equal(uv_loop_init(&loop), 0);
   /* A textfile in a directory that does not exist: refused at start, with the path. */
   config_paths(&cfg, "missing/dir/gpupool.prom", NULL);
-  rc = gpupool__metrics_start(&loop, &cfg, fake_stats, NULL);
+  assert_int_equal(gpupool__metrics_new(&m), 0);
+  rc = gpupool__metrics_start(m, &loop, &cfg, &fake_source);
   assert_int_equal(rc, GPUPOOL_ECONFIG);
   assert_non_null(strstr(gpupool__errmsg(), "missing/dir/gpupool.prom.tmp"));
+  gpupool__metrics_close(m);
 
   /* A socket path taken by a regular file: refused, the file left alone. */
   config_paths(&cfg, NULL, "notasocket");
   f = fopen(cfg.metrics_socket, "we");
   assert_non_null(f);
   fclose(f);
-  rc = gpupool__metrics_start(&loop, &cfg, fake_stats, NULL);
+  assert_int_equal(gpupool__metrics_new(&m), 0);
+  rc = gpupool__metrics_start(m, &loop, &cfg, &fake_source);
   assert_int_equal(rc, GPUPOOL_ECONFIG);
   assert_non_null(strstr(gpupool__errmsg(), "not a socket"));
+  gpupool__metrics_close(m);
   assert_int_equal(access(cfg.metrics_socket, F_OK), 0);
   uv_run(&loop, UV_RUN_DEFAULT);
 
@@ -414,10 +565,11 @@ static void test_refuses_bad_paths(void **state) {
     assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
     close(fd);
     snprintf(path, sizeof(path), "%s", cfg.metrics_socket);
-    assert_int_equal(gpupool__metrics_start(&loop, &cfg, fake_stats, NULL), 0);
+    assert_int_equal(gpupool__metrics_new(&m), 0);
+    assert_int_equal(gpupool__metrics_start(m, &loop, &cfg, &fake_source), 0);
     /* A second start while it serves is refused. */
-    assert_int_equal(gpupool__metrics_start(&loop, &cfg, fake_stats, NULL), GPUPOOL_EINVAL);
-    gpupool__metrics_stop();
+    assert_int_equal(gpupool__metrics_start(m, &loop, &cfg, &fake_source), GPUPOOL_EINVAL);
+    gpupool__metrics_close(m);
     uv_run(&loop, UV_RUN_DEFAULT);
     assert_int_equal(access(path, F_OK), -1);
   }
@@ -432,9 +584,11 @@ static void test_refuses_bad_paths(void **state) {
     snprintf(a.sun_path, sizeof(a.sun_path), "%s", cfg.metrics_socket);
     assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
     assert_int_equal(listen(fd, 4), 0);
-    rc = gpupool__metrics_start(&loop, &cfg, fake_stats, NULL);
+    assert_int_equal(gpupool__metrics_new(&m), 0);
+    rc = gpupool__metrics_start(m, &loop, &cfg, &fake_source);
     assert_int_equal(rc, GPUPOOL_EBUSY);
     assert_non_null(strstr(gpupool__errmsg(), "another running process"));
+    gpupool__metrics_close(m);
     assert_int_equal(access(cfg.metrics_socket, F_OK), 0);
     close(fd);
     uv_run(&loop, UV_RUN_DEFAULT);
@@ -447,6 +601,7 @@ int main(void) {
       cmocka_unit_test(test_counters_and_histogram),
       cmocka_unit_test(test_render_stats),
       cmocka_unit_test(test_exporters),
+      cmocka_unit_test(test_conns_per_uid),
       cmocka_unit_test(test_refuses_bad_paths),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
