@@ -168,6 +168,15 @@ struct gpupool__backend_desc {
   int (*default_pools)(gpupool__pool_config *pools, int max, int *n);
   /* The client half; NULL when this build cannot import this backend's pools. */
   const gpupool__cbackend_ops *client;
+  /* 1 when a pool's fd gives access to every allocation in it (cuda: an importer can import
+   * any pointer of the pool, and export data is no secret). The daemon then keeps one backend
+   * pool per (configured pool, tenant or shared group), so no client ever receives the fd of
+   * a pool holding another tenant's memory. 0 when clients receive per-slab fds (host). */
+  int pool_fd_maps_all;
+  /* 1 when memory a pool reserved stays with it after its slabs are freed, until the pool is
+   * destroyed (CUDA IPC pools: cudaMemPoolTrimTo is a no-op and the release threshold is
+   * ignored). The daemon then counts the most a pool ever held against the capacity. */
+  int pool_keeps_memory;
 };
 
 /* The table. NULL when no backend has that name / kind. */
