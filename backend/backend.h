@@ -73,12 +73,15 @@ typedef struct {
 
 typedef struct {
   int has_events;     /* 1 when event_* are implemented */
-  /* Create a pool per cfg (already checked by the daemon's config). *fd is the pool's
+  /* Create a pool per cfg (already checked by the daemon's config). Called once per
+   * configured pool, or on backends with pool_fd_maps_all once per tenant that uses it, and
+   * then again for a tenant whose pool was destroyed when idle. *fd is the pool's
    * shareable fd, owned by the pool (sent to clients with SCM_RIGHTS, never closed by the
    * caller), or -1 when clients need none (host: each slab has its own fd). */
   int (*pool_create)(gpupool__backend *be, const gpupool__pool_config *cfg,
                      gpupool__bpool **out, int *fd);
-  /* Frees the pool; every slab must have been freed first. */
+  /* Frees the pool and gives back everything it reserved; every slab must have been freed
+   * first. */
   void (*pool_destroy)(gpupool__bpool *p);
   /* Take a slab of size bytes (<= GPUPOOL_SLAB_HARD_MAX), exported for import by clients.
    * GPUPOOL_ENOSPC when the pool cannot provide it. */
