@@ -288,7 +288,7 @@ static int inst_new(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, gp
     char msg[GPUPOOL__ERRMSG_MAX];
     snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
     free(in);
-    return gpupool__err(rc, "cannot create a backend pool for pool '%s': %s", p->cfg.name, msg);
+    return gpupool__err(rc, "cannot create pool '%s': %s", p->cfg.name, msg);
   }
   in->pool = p;
   in->owner = owner;
@@ -1578,12 +1578,8 @@ int gpupool__registry_init(gpupool__registry *reg, uv_loop_t *loop, const gpupoo
     p->cfg = cfg->pools[i];
     /* One backend pool for every owner, or (per-owner backends) one made and destroyed now
      * so that a pool the backend refuses is refused at startup, not at first use. */
-    rc = inst_new(reg, p, GPUPOOL__OWNER_ANY, &in);
-    if (rc != 0) {
-      char msg[GPUPOOL__ERRMSG_MAX];
-      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
-      return gpupool__err(rc, "cannot create pool '%s': %s", p->cfg.name, msg);
-    }
+    if ((rc = inst_new(reg, p, GPUPOOL__OWNER_ANY, &in)) != 0)
+      return rc; /* the message names the pool */
     if (per_owner(reg)) {
       inst_destroy(reg, in);
       p->insts_created = 0;
