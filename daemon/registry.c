@@ -466,6 +466,13 @@ static int slab_new(gpupool__registry *reg, gpupool__pool *p, uint64_t size, int
     goto fail;
   }
   held = held_with(reg, in, s->bs.size);
+  if (reg->be->desc->pool_keeps_memory) {
+    /* The backend may reserve more than the slab (rounding, or a freed slab's memory that
+     * does not fit this one): count what it says it keeps, from now on. */
+    gpupool__bpool_stats st;
+    if (reg->be->ops->pool_stats(in->bp, &st) == 0 && st.reserved_cur > held)
+      held = st.reserved_cur;
+  }
   p->held += held - in->held;
   in->held = held;
   in->reserved += s->bs.size;
@@ -666,11 +673,14 @@ void gpupool__sweep(gpupool__registry *reg) {
   sweep_timer_update(reg);
 }
 
+/* Capacity no backend pool keeps (the backend may have reserved past it: never below 0). */
+static uint64_t unheld(const gpupool__pool *p) { return p->held < p->cfg.capacity ? p->cfg.capacity - p->held : 0; }
+
 uint64_t gpupool__pool_free_bytes(const gpupool__pool *p) {
   /* Unheld capacity, what owners' backend pools keep beyond their slabs (usable by that owner
    * only: an over-estimate for any one request, which is what a pre-check needs), and the
    * holes in slabs. */
-  uint64_t f = p->cfg.capacity - p->held;
+  uint64_t f = unheld(p);
   for (const gpupool__pinst *in = p->insts; in; in = in->next)
     f += in->held - in->reserved;
   for (gpupool__slab *s = p->slabs; s; s = s->next)
@@ -684,7 +694,7 @@ static int no_space(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, ui
   uint64_t largest = 0, in_slabs = 0, pending_bytes = 0, most;
   /* What a new slab of this owner could take: capacity no backend pool keeps, plus what this
    * owner's own backend pool keeps beyond its slabs. */
-  uint64_t unreserved = p->cfg.capacity - p->held + (in ? in->held - in->reserved : 0);
+  uint64_t unreserved = unheld(p) + (in ? in->held - in->reserved : 0);
   for (gpupool__slab *s = p->slabs; s; s = s->next)
     if (s->alloc && !s->retiring && s->owner == owner) {
       uint64_t l = gpupool__alloc_largest_free(s->alloc);
