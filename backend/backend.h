@@ -73,12 +73,15 @@ typedef struct {
 
 typedef struct {
   int has_events;     /* 1 when event_* are implemented */
-  /* Create a pool per cfg (already checked by the daemon's config). *fd is the pool's
+  /* Create a pool per cfg (already checked by the daemon's config). Called once per
+   * configured pool, or on backends with pool_fd_maps_all once per tenant that uses it, and
+   * then again for a tenant whose pool was destroyed when idle. *fd is the pool's
    * shareable fd, owned by the pool (sent to clients with SCM_RIGHTS, never closed by the
    * caller), or -1 when clients need none (host: each slab has its own fd). */
   int (*pool_create)(gpupool__backend *be, const gpupool__pool_config *cfg,
                      gpupool__bpool **out, int *fd);
-  /* Frees the pool; every slab must have been freed first. */
+  /* Frees the pool and gives back everything it reserved; every slab must have been freed
+   * first. */
   void (*pool_destroy)(gpupool__bpool *p);
   /* Take a slab of size bytes (<= GPUPOOL_SLAB_HARD_MAX), exported for import by clients.
    * GPUPOOL_ENOSPC when the pool cannot provide it. */
@@ -168,6 +171,15 @@ struct gpupool__backend_desc {
   int (*default_pools)(gpupool__pool_config *pools, int max, int *n);
   /* The client half; NULL when this build cannot import this backend's pools. */
   const gpupool__cbackend_ops *client;
+  /* 1 when a pool's fd gives access to every allocation in it (cuda: an importer can import
+   * any pointer of the pool, and export data is no secret). The daemon then keeps one backend
+   * pool per (configured pool, tenant or shared group), so no client ever receives the fd of
+   * a pool holding another tenant's memory. 0 when clients receive per-slab fds (host). */
+  int pool_fd_maps_all;
+  /* 1 when memory a pool reserved stays with it after its slabs are freed, until the pool is
+   * destroyed (CUDA IPC pools: cudaMemPoolTrimTo is a no-op and the release threshold is
+   * ignored). The daemon then counts the most a pool ever held against the capacity. */
+  int pool_keeps_memory;
 };
 
 /* The table. NULL when no backend has that name / kind. */

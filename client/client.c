@@ -1194,8 +1194,14 @@ int gpupool_set_devices(gpupool_client *c, const int *devices, int n) {
   /* Import every pool now, so a device pair without peer access is refused here, not at the
    * first buffer (pool_attach applies c->devices). */
   if ((rc = ensure_connected(c)) == 0)
-    for (int i = 0; i < c->npools && rc == 0; i++)
+    for (int i = 0; i < c->npools && rc == 0; i++) {
       rc = c->pools[i].bp ? c->be->pool_set_access(c->pools[i].bp, devices, n) : pool_attach(c, &c->pools[i]);
+      /* A pool shared with a group this client is not in: it never gets memory of it. */
+      if (rc == GPUPOOL_EPERM) {
+        rc = 0;
+        gpupool__err_clear();
+      }
+    }
   pthread_mutex_unlock(&c->mu);
   return rc;
 }

@@ -261,14 +261,95 @@ static int lease_wait(gpupool__registry *reg, gpupool__lease *l) {
   return 1;
 }
 
+/* ---- backend pool instances ------------------------------------------------------------------ */
+
+/* One backend pool per owner (see gpupool__pinst): the backend's pool fd maps every
+ * allocation in the pool. */
+static int per_owner(const gpupool__registry *reg) { return reg->be->desc->pool_fd_maps_all; }
+
+static void owner_label(const gpupool__config *cfg, uint64_t owner, char *buf, size_t len);
+
+static gpupool__pinst *inst_find(gpupool__pool *p, uint64_t owner) {
+  if (p->insts && p->insts->owner == GPUPOOL__OWNER_ANY)
+    return p->insts;
+  for (gpupool__pinst *in = p->insts; in; in = in->next)
+    if (in->owner == owner)
+      return in;
+  return NULL;
+}
+
+static int inst_new(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, gpupool__pinst **out) {
+  gpupool__pinst *in = calloc(1, sizeof *in);
+  int rc;
+  if (!in)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  rc = reg->be->ops->pool_create(reg->be, &p->cfg, &in->bp, &in->fd);
+  if (rc != 0) {
+    char msg[GPUPOOL__ERRMSG_MAX];
+    snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+    free(in);
+    return gpupool__err(rc, "cannot create pool '%s': %s", p->cfg.name, msg);
+  }
+  in->pool = p;
+  in->owner = owner;
+  in->serial = ++p->insts_created;
+  in->next = p->insts;
+  if (p->insts)
+    p->insts->prev = in;
+  p->insts = in;
+  p->ninsts++;
+  if (owner != GPUPOOL__OWNER_ANY) {
+    char label[80];
+    owner_label(reg->cfg, owner, label, sizeof label);
+    GPUPOOL__DEBUG("pool %s: backend pool #%" PRIu64 " created for %s", p->cfg.name, in->serial, label);
+  }
+  *out = in;
+  return 0;
+}
+
+static void inst_destroy(gpupool__registry *reg, gpupool__pinst *in) {
+  gpupool__pool *p = in->pool;
+  if (in->prev)
+    in->prev->next = in->next;
+  else
+    p->insts = in->next;
+  if (in->next)
+    in->next->prev = in->prev;
+  p->ninsts--;
+  p->held -= in->held;
+  /* Every slab of it was freed first (and on CUDA its stream synchronized); the daemon never
+   * grants its own pools access for other devices, so no access state outlives the handle
+   * (clients clear theirs before destroying their imports, DESIGN.md). */
+  reg->be->ops->pool_destroy(in->bp);
+  free(in);
+  reg->memory_returned = 1;
+}
+
+/* An owner's backend pool that no slab and no connected client uses is destroyed, so that
+ * what it reserved really returns (an IPC pool gives nothing back before). */
+static void inst_maybe_destroy(gpupool__registry *reg, gpupool__pinst *in) {
+  if (!in || in->owner == GPUPOOL__OWNER_ANY || in->nslabs || in->attached)
+    return;
+  GPUPOOL__DEBUG("pool %s: backend pool #%" PRIu64 " is idle; destroyed, %" PRIu64 " bytes return",
+                 in->pool->cfg.name, in->serial, in->held);
+  inst_destroy(reg, in);
+}
+
 /* ---- slabs ----------------------------------------------------------------------------------- */
 
 static void slab_release(gpupool__registry *reg, gpupool__slab *s, int give_back) {
   gpupool__pool *p = s->pool;
+  gpupool__pinst *in = s->inst;
   if (give_back) {
     GPUPOOL__DEBUG("pool %s: slab %" PRIu64 " (%" PRIu64 " bytes) returned to the backend", p->cfg.name, s->id,
                    s->bs.size);
-    reg->be->ops->slab_free(p->bp, &s->bs);
+    reg->be->ops->slab_free(in->bp, &s->bs);
+  }
+  in->reserved -= s->bs.size;
+  in->nslabs--;
+  if (!reg->be->desc->pool_keeps_memory) {
+    in->held -= s->bs.size;
+    p->held -= s->bs.size;
   }
   if (s->prev)
     s->prev->next = s->next;
@@ -286,6 +367,7 @@ static void slab_release(gpupool__registry *reg, gpupool__slab *s, int give_back
   free(s->mappers);
   free(s);
   reg->memory_returned = 1;
+  inst_maybe_destroy(reg, in);
 }
 
 static void slab_destroy(gpupool__registry *reg, gpupool__slab *s) { slab_release(reg, s, 1); }
@@ -340,35 +422,61 @@ static void slab_maybe_retire(gpupool__registry *reg, gpupool__slab *s) {
     slab_retire(reg, s);
 }
 
+/* What instance in would keep from the system with `size` more bytes of slabs. */
+static uint64_t held_with(const gpupool__registry *reg, const gpupool__pinst *in, uint64_t size) {
+  uint64_t held = in ? in->held : 0, after = (in ? in->reserved : 0) + size;
+  return reg->be->desc->pool_keeps_memory && held > after ? held : after;
+}
+
 static int slab_new(gpupool__registry *reg, gpupool__pool *p, uint64_t size, int dedicated, uint64_t owner,
                     gpupool__slab **out) {
+  gpupool__pinst *in = inst_find(p, owner);
   gpupool__slab *s;
+  uint64_t held;
   int rc;
 
-  if (p->reserved + size > p->cfg.capacity)
+  /* The capacity bounds what every owner's backend pool keeps, together. */
+  if (p->held - (in ? in->held : 0) + held_with(reg, in, size) > p->cfg.capacity)
     return GPUPOOL_ENOSPC;
+  if (!in && (rc = inst_new(reg, p, owner, &in)) != 0)
+    return rc;
   s = calloc(1, sizeof *s);
-  if (!s)
-    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
-  rc = reg->be->ops->slab_alloc(p->bp, size, &s->bs);
+  if (!s) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    goto fail;
+  }
+  rc = reg->be->ops->slab_alloc(in->bp, size, &s->bs);
   if (rc != 0)
     goto fail;
   if (!dedicated) {
     rc = gpupool__alloc_new(s->bs.size, &s->alloc);
     if (rc != 0) {
-      reg->be->ops->slab_free(p->bp, &s->bs);
+      reg->be->ops->slab_free(in->bp, &s->bs);
       goto fail;
     }
   }
   s->id = next_id(reg);
   s->pool = p;
+  s->inst = in;
   s->dedicated = dedicated;
   s->owner = owner;
   if ((rc = gpupool__hmap_put(&reg->slabs, s->id, s)) != 0) {
     gpupool__alloc_delete(s->alloc);
-    reg->be->ops->slab_free(p->bp, &s->bs);
+    reg->be->ops->slab_free(in->bp, &s->bs);
     goto fail;
   }
+  held = held_with(reg, in, s->bs.size);
+  if (reg->be->desc->pool_keeps_memory) {
+    /* The backend may reserve more than the slab (rounding, or a freed slab's memory that
+     * does not fit this one): count what it says it keeps, from now on. */
+    gpupool__bpool_stats st;
+    if (reg->be->ops->pool_stats(in->bp, &st) == 0 && st.reserved_cur > held)
+      held = st.reserved_cur;
+  }
+  p->held += held - in->held;
+  in->held = held;
+  in->reserved += s->bs.size;
+  in->nslabs++;
   s->next = p->slabs;
   if (p->slabs)
     p->slabs->prev = s;
@@ -383,6 +491,7 @@ static int slab_new(gpupool__registry *reg, gpupool__pool *p, uint64_t size, int
   return 0;
 fail:
   free(s);
+  inst_maybe_destroy(reg, in);
   return rc;
 }
 
@@ -564,8 +673,16 @@ void gpupool__sweep(gpupool__registry *reg) {
   sweep_timer_update(reg);
 }
 
+/* Capacity no backend pool keeps (the backend may have reserved past it: never below 0). */
+static uint64_t unheld(const gpupool__pool *p) { return p->held < p->cfg.capacity ? p->cfg.capacity - p->held : 0; }
+
 uint64_t gpupool__pool_free_bytes(const gpupool__pool *p) {
-  uint64_t f = p->cfg.capacity - p->reserved;
+  /* Unheld capacity, what owners' backend pools keep beyond their slabs (usable by that owner
+   * only: an over-estimate for any one request, which is what a pre-check needs), and the
+   * holes in slabs. */
+  uint64_t f = unheld(p);
+  for (const gpupool__pinst *in = p->insts; in; in = in->next)
+    f += in->held - in->reserved;
   for (gpupool__slab *s = p->slabs; s; s = s->next)
     if (s->alloc && !s->retiring)
       f += gpupool__alloc_capacity(s->alloc) - gpupool__alloc_used(s->alloc);
@@ -573,7 +690,11 @@ uint64_t gpupool__pool_free_bytes(const gpupool__pool *p) {
 }
 
 static int no_space(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, uint64_t asked, uint64_t rounded) {
-  uint64_t largest = 0, in_slabs = 0, pending_bytes = 0, unreserved = p->cfg.capacity - p->reserved, most;
+  const gpupool__pinst *in = inst_find(p, owner);
+  uint64_t largest = 0, in_slabs = 0, pending_bytes = 0, most;
+  /* What a new slab of this owner could take: capacity no backend pool keeps, plus what this
+   * owner's own backend pool keeps beyond its slabs. */
+  uint64_t unreserved = unheld(p) + (in ? in->held - in->reserved : 0);
   for (gpupool__slab *s = p->slabs; s; s = s->next)
     if (s->alloc && !s->retiring && s->owner == owner) {
       uint64_t l = gpupool__alloc_largest_free(s->alloc);
@@ -598,10 +719,12 @@ static int no_space(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, ui
                       " after alignment); the largest request that would succeed now is %" PRIu64
                       " bytes (free: %" PRIu64 " bytes inside this tenant's slabs, largest contiguous %" PRIu64
                       ", and %" PRIu64 " bytes of unreserved capacity of %" PRIu64
-                      "); %" PRIu64 " bytes wait for holders' GPU work or exited processes before reuse. "
+                      "); %" PRIu64 " bytes wait for holders' GPU work or exited processes before reuse%s. "
                       "Release buffers, pass a timeout to wait for memory, or raise the pool's capacity",
                       p->cfg.name, asked, rounded, most, in_slabs, largest, unreserved, p->cfg.capacity,
-                      pending_bytes);
+                      pending_bytes,
+                      per_owner(reg) ? "; other tenants' backend pools keep what they reserved until they are idle"
+                                     : "");
 }
 
 /* Place `size` bytes (already aligned) in p. */
@@ -663,6 +786,25 @@ int gpupool__name_key(gpupool__registry *reg, const gpupool__client *c, const ch
   return 0;
 }
 
+/* Whose memory c's buffers in p are: the group a shared pool belongs to, else c's tenant.
+ * Every buffer c can receive in p has this owner (allocate places it so; open, get and
+ * publish admit only slabs owner_reachable() allows, and a group owns slabs only in its
+ * shared pool, where every slab is the group's), so on per-owner backends the pool id names
+ * exactly one backend pool for c. */
+static int pool_owner(gpupool__registry *reg, const gpupool__client *c, const gpupool__pool *p, uint64_t *owner) {
+  int share = reg->cfg->pool_share[p - reg->pools];
+  *owner = c->tenant;
+  if (share < 0)
+    return 0;
+  /* A shared pool's memory belongs to its group: every member can read all of it. */
+  if (!gpupool__member_of(&reg->cfg->groups[share], c->uid, c->gid))
+    return gpupool__err(GPUPOOL_EPERM, "pool '%s' is shared with group '%s', which does not include uid %u "
+                        "or gid %u; use another pool, or ask the operator to add you to the group",
+                        p->cfg.name, reg->cfg->groups[share].name, (unsigned)c->uid, (unsigned)c->gid);
+  *owner = GROUP_SET | (uint64_t)share;
+  return 0;
+}
+
 /* Place a buffer for owner (a tenant, or the group a shared pool belongs to): in a slab of
  * that owner only (every holder of a buffer receives its slab's fd, so slabs are never shared
  * between tenants), or in a new one. */
@@ -720,6 +862,14 @@ static int place(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, uint6
       return rc;
     if (attempt == 0)
       gpupool__sweep(reg);
+    /* Other owners' empty cached slabs keep their backend pools (and what those reserved)
+     * alive: give them back, so an idle backend pool goes and its memory returns. */
+    if (attempt == 0 && per_owner(reg))
+      for (gpupool__slab *s = p->slabs, *n; s; s = n) {
+        n = s->next;
+        if (!s->dedicated && !s->retiring && s->nbuffers == 0 && s->owner != owner)
+          slab_retire(reg, s);
+      }
   }
   return no_space(reg, p, owner, asked, size);
 }
@@ -862,6 +1012,35 @@ gpupool__pool *gpupool__pool_find(gpupool__registry *reg, const char *name, uint
   return NULL;
 }
 
+int gpupool__attach(gpupool__registry *reg, gpupool__client *c, gpupool__pool *p, int *fd) {
+  gpupool__pinst *in;
+  uint64_t owner;
+  int rc;
+  *fd = -1;
+  if ((rc = pool_owner(reg, c, p, &owner)) != 0)
+    return rc;
+  if (!per_owner(reg)) {
+    *fd = p->insts->fd;
+    return 0;
+  }
+  in = gpupool__hmap_get(&c->attached, p->id);
+  if (!in) {
+    if (!(in = inst_find(p, owner)) && (rc = inst_new(reg, p, owner, &in)) != 0)
+      return rc;
+    if (gpupool__hmap_put(&c->attached, p->id, in) != 0) {
+      inst_maybe_destroy(reg, in);
+      return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    }
+    in->attached++;
+  }
+  /* Cannot differ (see pool_owner): a client keeps the pool it imported for its connection. */
+  if (in->owner != owner)
+    return gpupool__err(GPUPOOL_EBACKEND, "internal error: pool '%s' changed owner for client %" PRIu64,
+                        p->cfg.name, c->id);
+  *fd = in->fd;
+  return 0;
+}
+
 /* Refuses new holds to a uid whose closed connections already pin memory through too many
  * leases: every such hold could become one more (a daemon fd and pinned memory each). */
 static int check_waiting_leases(gpupool__registry *reg, const gpupool__client *c) {
@@ -910,19 +1089,13 @@ int gpupool__allocate(gpupool__registry *reg, gpupool__client *c, gpupool__pool 
                 gpupool__hold **out) {
   gpupool__buffer *b = NULL;
   gpupool__slab *s;
-  uint64_t off, asize, owner = c->tenant;
-  int rc, share = reg->cfg->pool_share[p - reg->pools];
+  uint64_t off, asize, owner;
+  int rc;
 
   if (size == 0)
     return gpupool__err(GPUPOOL_EINVAL, "cannot allocate 0 bytes; ask for at least 1");
-  if (share >= 0) {
-    /* A shared pool's memory belongs to its group: every member can read all of it. */
-    if (!gpupool__member_of(&reg->cfg->groups[share], c->uid, c->gid))
-      return gpupool__err(GPUPOOL_EPERM, "pool '%s' is shared with group '%s', which does not include uid %u "
-                          "or gid %u; allocate from another pool, or ask the operator to add you to the group",
-                          p->cfg.name, reg->cfg->groups[share].name, (unsigned)c->uid, (unsigned)c->gid);
-    owner = GROUP_SET | (uint64_t)share;
-  }
+  if ((rc = pool_owner(reg, c, p, &owner)) != 0)
+    return rc;
   if (align == 0)
     align = p->cfg.alignment;
   if (align & (align - 1) || align > SLAB_GRAIN)
@@ -1212,6 +1385,7 @@ void gpupool__client_init(gpupool__registry *reg, gpupool__client *c) {
   c->connected_ns = gpupool__now_ns();
   gpupool__hmap_init(&c->mapped);
   gpupool__hmap_init(&c->mapped_ro);
+  gpupool__hmap_init(&c->attached);
   gpupool__hmap_put(&reg->clients, c->id, c);
 }
 
@@ -1251,6 +1425,16 @@ void gpupool__client_drop(gpupool__registry *reg, gpupool__client *c) {
     }
   }
   gpupool__hmap_del(&reg->clients, c->id);
+  /* Its backend pools may go now: a process that still maps slabs of them keeps those slabs
+   * (and so the pools) through its lease; one that only imported a pool holds nothing the
+   * daemon could give to someone else (a destroyed pool is never handed out again). */
+  for (size_t i = 0; i < c->attached.cap; i++)
+    if (gpupool__hmap_slot_used(&c->attached, i)) {
+      gpupool__pinst *in = c->attached.slots[i].val;
+      in->attached--;
+      inst_maybe_destroy(reg, in);
+    }
+  gpupool__hmap_free(&c->attached);
   gpupool__hmap_free(&c->mapped);
   gpupool__hmap_free(&c->mapped_ro);
   free(c->revoke);
@@ -1279,12 +1463,29 @@ void gpupool__fill_pool_info(gpupool__registry *reg, gpupool__pool *p, Gpupool__
   pi->reserved = p->reserved;
   pi->used_high = p->used_high;
   pi->reserved_high = p->reserved_high;
-  if (reg->be->ops->pool_stats(p->bp, &st) == 0) {
-    pi->backend_reserved = st.reserved_cur;
-    pi->backend_used = st.used_cur;
-    pi->backend_reserved_high = st.reserved_high;
-    pi->backend_used_high = st.used_high;
+  /* The backend's counters, summed over the owners' backend pools. */
+  for (gpupool__pinst *in = p->insts; in; in = in->next) {
+    if (reg->be->ops->pool_stats(in->bp, &st) != 0)
+      continue;
+    pi->backend_reserved += st.reserved_cur;
+    pi->backend_used += st.used_cur;
+    if (!per_owner(reg)) {
+      pi->backend_reserved_high = st.reserved_high;
+      pi->backend_used_high = st.used_high;
+    }
   }
+  if (per_owner(reg)) {
+    /* Instances peak at different times and take their marks with them when destroyed: the
+     * highest sum seen. */
+    if (pi->backend_reserved > p->backend_reserved_high)
+      p->backend_reserved_high = pi->backend_reserved;
+    if (pi->backend_used > p->backend_used_high)
+      p->backend_used_high = pi->backend_used;
+    pi->backend_reserved_high = p->backend_reserved_high;
+    pi->backend_used_high = p->backend_used_high;
+  }
+  pi->held = p->held;
+  pi->instances = p->ninsts;
   pi->buffers = p->nbuffers;
   pi->slabs = p->nslabs;
 }
@@ -1382,13 +1583,16 @@ int gpupool__registry_init(gpupool__registry *reg, uv_loop_t *loop, const gpupoo
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   for (int i = 0; i < cfg->n_pools; i++) {
     gpupool__pool *p = &reg->pools[i];
+    gpupool__pinst *in = NULL;
     p->id = (uint32_t)i + 1;
     p->cfg = cfg->pools[i];
-    rc = be->ops->pool_create(be, &p->cfg, &p->bp, &p->fd);
-    if (rc != 0) {
-      char msg[GPUPOOL__ERRMSG_MAX];
-      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
-      return gpupool__err(rc, "cannot create pool '%s': %s", p->cfg.name, msg);
+    /* One backend pool for every owner, or (per-owner backends) one made and destroyed now
+     * so that a pool the backend refuses is refused at startup, not at first use. */
+    if ((rc = inst_new(reg, p, GPUPOOL__OWNER_ANY, &in)) != 0)
+      return rc; /* the message names the pool */
+    if (per_owner(reg)) {
+      inst_destroy(reg, in);
+      p->insts_created = 0;
     }
     reg->npools++;
     char where[64];
@@ -1398,8 +1602,9 @@ int gpupool__registry_init(gpupool__registry *reg, uv_loop_t *loop, const gpupoo
       snprintf(where, sizeof where, "pinned host memory on NUMA node %d", p->cfg.numa_node);
     else
       snprintf(where, sizeof where, "device memory of GPU %d", p->cfg.device);
-    GPUPOOL__INFO("pool '%s' ready: %s, capacity %" PRIu64 " MiB, slabs of %" PRIu64 " MiB, keeps %u empty slab(s)",
-            p->cfg.name, where, p->cfg.capacity / MIB, p->cfg.slab_size / MIB, p->cfg.keep_slabs);
+    GPUPOOL__INFO("pool '%s' ready: %s, capacity %" PRIu64 " MiB, slabs of %" PRIu64 " MiB, keeps %u empty slab(s)%s",
+            p->cfg.name, where, p->cfg.capacity / MIB, p->cfg.slab_size / MIB, p->cfg.keep_slabs,
+            per_owner(reg) ? "; one backend pool per tenant (or shared group), made on first use" : "");
   }
   return 0;
 }
@@ -1473,7 +1678,8 @@ void gpupool__registry_close(gpupool__registry *reg) {
        * reference to the pool, while the process's own mapping keeps the memory. */
       slab_release(reg, s, !mapped);
     }
-    reg->be->ops->pool_destroy(p->bp);
+    while (p->insts)
+      inst_destroy(reg, p->insts);
   }
   for (uint32_t i = 0; i < reg->nevents; i++) {
     reg->be->ops->event_destroy(reg->events[i]->be);

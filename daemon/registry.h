@@ -28,6 +28,7 @@
 #include "wire.h"
 
 typedef struct gpupool__pool gpupool__pool;
+typedef struct gpupool__pinst gpupool__pinst;
 typedef struct gpupool__slab gpupool__slab;
 typedef struct gpupool__buffer gpupool__buffer;
 typedef struct gpupool__hold gpupool__hold;
@@ -72,6 +73,7 @@ typedef struct {
 struct gpupool__slab {
   uint64_t id;
   gpupool__pool *pool;
+  gpupool__pinst *inst;  /* the backend pool it was taken from */
   gpupool__bslab bs;
   gpupool__alloc *alloc; /* NULL for a dedicated slab */
   int dedicated;
@@ -84,13 +86,42 @@ struct gpupool__slab {
   gpupool__slab *prev, *next;  /* in pool->slabs */
 };
 
+/* One backend pool of a configured pool. On a backend whose pool fd maps every allocation
+ * (cuda) there is one per owner (tenant, or the group of a shared pool), created on first use
+ * (an allocation, or an AttachPool of a client of that owner) and destroyed once idle: no
+ * slabs, and no connected client has attached it. A client only ever receives buffers of its
+ * own owner's instance, so the pool id on the wire names exactly one instance per client; an
+ * instance is never destroyed while a connected client has it attached, so a client's
+ * imported pool never goes stale under that id. Elsewhere (host) one instance serves every
+ * owner, for the daemon's life: clients there receive per-slab fds, never a pool fd. */
+struct gpupool__pinst {
+  gpupool__pool *pool;
+  uint64_t owner;        /* GPUPOOL__OWNER_ANY for the single instance of a host pool */
+  uint64_t serial;       /* for logs */
+  gpupool__bpool *bp;
+  int fd;                /* its fd (owned by bp), sent in AttachPool replies; -1 when none */
+  uint64_t reserved;     /* bytes in its slabs */
+  uint64_t held;         /* bytes it keeps from the system: `reserved`, or on a backend whose
+                          * pools keep freed memory the most it ever reserved */
+  uint32_t nslabs;
+  uint32_t attached;     /* connected clients that attached it */
+  gpupool__pinst *prev, *next; /* in pool->insts */
+};
+
+#define GPUPOOL__OWNER_ANY UINT64_MAX
+
 struct gpupool__pool {
   uint32_t id;
   gpupool__pool_config cfg;
-  gpupool__bpool *bp;
-  int fd;
+  gpupool__pinst *insts;
+  uint32_t ninsts;
+  uint64_t insts_created; /* over the daemon's life */
+  uint64_t held;          /* sum of the instances' held bytes: bounded by cfg.capacity */
   gpupool__slab *slabs;
   uint64_t used, reserved, used_high, reserved_high, nbuffers, nslabs;
+  /* Backend counters of destroyed instances' high-water marks are lost with them: the
+   * highest sum of the live instances' counters seen so far. */
+  uint64_t backend_reserved_high, backend_used_high;
 };
 
 struct gpupool__buffer {
@@ -169,6 +200,7 @@ struct gpupool__client {
   uint32_t allocs;
   gpupool__hmap mapped;     /* slab id -> slab this client has mapped */
   gpupool__hmap mapped_ro;  /* the subset it has mapped read-only only */
+  gpupool__hmap attached;   /* pool id -> gpupool__pinst it attached (per-owner backends) */
   uint64_t *revoke;         /* slab ids to send in the next reply */
   uint32_t nrevoke, caprevoke;
 };
@@ -227,6 +259,12 @@ void gpupool__client_init(gpupool__registry *reg, gpupool__client *c);
 void gpupool__client_drop(gpupool__registry *reg, gpupool__client *c);
 
 gpupool__pool *gpupool__pool_find(gpupool__registry *reg, const char *name, uint32_t id);
+
+/* AttachPool: the backend pool c imports for pool p (its owner's instance, created when it
+ * has none), kept alive while c stays connected. *fd is that pool's fd to send (owned by the
+ * registry), or -1 when the backend has none. GPUPOOL_EPERM when p is shared with a group c
+ * is not in. */
+int gpupool__attach(gpupool__registry *reg, gpupool__client *c, gpupool__pool *p, int *fd);
 
 /* Operations. Each returns 0 or a GPUPOOL_E* code with a gpupool__err() message. On success
  * *out is a new hold of c; fill a BufferDesc for it with gpupool__fill_desc. */

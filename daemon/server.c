@@ -577,13 +577,18 @@ static int handle_attach(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__At
   Gpupool__Wire__AttachPoolReply ar = GPUPOOL__WIRE__ATTACH_POOL_REPLY__INIT;
   Gpupool__Wire__PoolInfo pi;
   gpupool__pool *p = gpupool__pool_find(c->srv->reg, NULL, m->pool_id);
+  int fd = -1, rc;
   if (!p || m->pool_id == 0)
     return gpupool__err(GPUPOOL_ENOENT, "no pool with id %u", m->pool_id);
+  /* The fd of the backend pool of the caller's tenant (or the pool's group): never one that
+   * maps another tenant's memory. */
+  if ((rc = gpupool__attach(c->srv->reg, &c->cl, p, &fd)) != 0)
+    return rc;
   gpupool__fill_pool_info(c->srv->reg, p, &pi);
   ar.pool = &pi;
   rep.body_case = GPUPOOL__WIRE__REPLY__BODY_ATTACH_POOL;
   rep.attach_pool = &ar;
-  send_reply(c, seq, &rep, p->fd >= 0 ? &p->fd : NULL, p->fd >= 0 ? 1 : 0);
+  send_reply(c, seq, &rep, fd >= 0 ? &fd : NULL, fd >= 0 ? 1 : 0);
   return 0;
 }
 

@@ -541,6 +541,8 @@ static void json_pool(const Gpupool__Wire__PoolInfo *p) {
   jkv_u64("backend_reserved_high", p->backend_reserved_high, &f);
   jkv_u64("buffers", p->buffers, &f);
   jkv_u64("slabs", p->slabs, &f);
+  jkv_u64("held", p->held, &f);
+  jkv_u64("instances", p->instances, &f);
   putchar('}');
 }
 
@@ -660,13 +662,14 @@ static int cmd_stats(ctl *c) {
       printf("pool.%s.id %u\npool.%s.location %s\npool.%s.device %d\npool.%s.capacity %llu\n"
              "pool.%s.used %llu\npool.%s.reserved %llu\npool.%s.used_high %llu\n"
              "pool.%s.reserved_high %llu\npool.%s.backend_used %llu\n"
-             "pool.%s.backend_reserved %llu\npool.%s.buffers %llu\npool.%s.slabs %llu\n",
+             "pool.%s.backend_reserved %llu\npool.%s.buffers %llu\npool.%s.slabs %llu\n"
+             "pool.%s.held %llu\npool.%s.instances %u\n",
              n, p->id, n, gpupool__wire_location_name(p->location), n, p->device, n,
              (unsigned long long)p->capacity, n, (unsigned long long)p->used, n,
              (unsigned long long)p->reserved, n, (unsigned long long)p->used_high, n,
              (unsigned long long)p->reserved_high, n, (unsigned long long)p->backend_used, n,
              (unsigned long long)p->backend_reserved, n, (unsigned long long)p->buffers, n,
-             (unsigned long long)p->slabs);
+             (unsigned long long)p->slabs, n, (unsigned long long)p->held, n, p->instances);
     }
   }
   gpupool__wire__reply__free_unpacked(rep, NULL);

@@ -375,7 +375,8 @@ static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cf
     st->event_dev = cfg->device;
     st->event_dev_fixed = 1;
   }
-  GPUPOOL__INFO("cuda: pool \"%s\" created on %s %d, max %llu MiB, fd %d", cfg->name,
+  /* Debug: one is made per tenant on first use, which tenants (not the operator) decide. */
+  GPUPOOL__DEBUG("cuda: pool \"%s\" created on %s %d, max %llu MiB, fd %d", cfg->name,
           cfg->kind == GPUPOOL_MEM_DEVICE ? "device" : "NUMA node",
           cfg->kind == GPUPOOL_MEM_DEVICE ? cfg->device : cfg->numa_node,
           (unsigned long long)(cfg->capacity >> 20), fd);
@@ -393,6 +394,11 @@ fail:
   return rc;
 }
 
+/* The registry destroys a tenant's pool once idle: every slab freed (each cudaFreeAsync
+ * synchronized, so nothing of it is outstanding) and no connected client attached. Destroying
+ * is what gives an IPC pool's memory back. The daemon never grants its pools access for other
+ * devices, so there is no access state for a recycled handle to inherit (importers clear
+ * theirs before destroying their imports, cuda_client.c). */
 static void cuda_pool_destroy(gpupool__bpool *p) {
   cudaError_t e;
   if (!p)

@@ -23,6 +23,8 @@ const gpupool__backend_desc gpupool__backend_cuda = {
     .probe = gpupool__cuda_probe,
     .open = gpupool__cuda_open,
     .default_pools = gpupool__cuda_default_pools,
+    .pool_fd_maps_all = 1,
+    .pool_keeps_memory = 1,
 #ifdef GPUPOOL_HAVE_CUDA
     .client = &gpupool__cuda_client_ops,
 #else

@@ -67,4 +67,6 @@ const gpupool__backend_desc gpupool__backend_host = {
     .open = gpupool__host_open,
     .default_pools = host_default_pools,
     .client = &gpupool__host_client_ops,
+    .pool_fd_maps_all = 0, /* no pool fd: each slab is its own memfd */
+    .pool_keeps_memory = 0,
 };

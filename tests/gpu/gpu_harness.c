@@ -131,7 +131,12 @@ int gh_daemon_alive(gh_daemon *d) {
 }
 
 int gh_daemon_start(gh_daemon *d, const char *gpupoold, const char *pool_spec) {
+  return gh_daemon_start_conf(d, gpupoold, pool_spec, NULL);
+}
+
+int gh_daemon_start_conf(gh_daemon *d, const char *gpupoold, const char *pool_spec, const char *conf) {
   const char *tmp = getenv("TMPDIR");
+  char conf_path[340];
   uint64_t end;
   int logfd;
 
@@ -150,6 +155,15 @@ int gh_daemon_start(gh_daemon *d, const char *gpupoold, const char *pool_spec) {
     return -1;
   }
   snprintf(d->log, sizeof(d->log), "%s/gpupoold.log", d->dir);
+  snprintf(conf_path, sizeof(conf_path), "%s/gpupoold.conf", d->dir);
+  if (conf) {
+    FILE *f = fopen(conf_path, "w");
+    if (!f || fputs(conf, f) < 0 || fclose(f) != 0) {
+      fprintf(stderr, "writing %s: %s\n", conf_path, strerror(errno));
+      rm_dir(d->dir);
+      return -1;
+    }
+  }
   logfd = open(d->log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (logfd < 0) {
     fprintf(stderr, "open %s: %s\n", d->log, strerror(errno));
@@ -158,7 +172,7 @@ int gh_daemon_start(gh_daemon *d, const char *gpupoold, const char *pool_spec) {
   }
   {
     const char *argv[] = {gpupoold, "--socket", d->sock, "--backend", "cuda", "--pool",
-                          pool_spec, "--log-level", "info", NULL};
+                          pool_spec, "--log-level", "info", conf ? "--config" : NULL, conf_path, NULL};
     d->pid = fork();
     if (d->pid == 0) {
       int nul = open("/dev/null", O_RDONLY);

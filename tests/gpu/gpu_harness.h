@@ -38,6 +38,8 @@ int gh_gpu_count_or_skip(int need, const char *why);
 /* Start gpupoold --backend cuda with the given pool spec on a private socket and wait until
  * the socket accepts a connection. 0, or -1 with the daemon's log printed to stderr. */
 int gh_daemon_start(gh_daemon *d, const char *gpupoold, const char *pool_spec);
+/* The same with a config file holding conf (NULL: none), written into the private dir. */
+int gh_daemon_start_conf(gh_daemon *d, const char *gpupoold, const char *pool_spec, const char *conf);
 /* 1 while the daemon runs. */
 int gh_daemon_alive(gh_daemon *d);
 /* SIGTERM (then SIGKILL after 10 s), reap, print the log when print_log, remove the dir.

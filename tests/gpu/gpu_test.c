@@ -1,7 +1,8 @@
 /*
  * GPU checks of gpupool against a real gpupoold with the CUDA backend.
  *
- *   gpupool_gpu_test GPUPOOLD CHECK     CHECK = handoff | kill | killwork | orphan | churn | peer | all
+ *   gpupool_gpu_test GPUPOOLD CHECK     CHECK = handoff | kill | killwork | orphan | churn | peer |
+ *                                               tenants | all
  *
  * Each check starts its own daemon on a private socket (pool gpu0 on device 0, 2 GiB, 64 MiB
  * slabs), drives it from worker processes (this executable re-executed with "worker ROLE
@@ -22,6 +23,14 @@
  *            takes the whole pool, fills it and checks it after the dead consumer's work
  *            would have ended: the range is not handed out before that work is over (the
  *            consumer's lease closes only when its process, CUDA context included, is gone).
+ *   tenants  (run as root: the check switches a worker to uid 65534) a root producer publishes
+ *            64 MiB; a root consumer reads it bit-exact; a root worker gets it through the raw
+ *            protocol, keeps the slab's export data from the daemon's reply, and shows that
+ *            export data imports into the pool its own AttachPool returns; a worker that
+ *            setuid(65534) before touching CUDA connects (socket_mode 0666), attaches the
+ *            pool, imports the fd it got, and must fail to import that export data into it
+ *            (its tenant's backend pool is another one). The daemon counts 2 backend pools
+ *            while both tenants are attached and 1 again once uid 65534 has gone.
  *   peer     (2+ GPUs) pool on GPU 0, a consumer on GPU 1 calls gpupool_set_devices({1}) and
  *            reads it there; without peer access that call must fail with GPUPOOL_ENOTSUP
  *            naming both devices (or, if the library imports pools lazily, the first
@@ -35,6 +44,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <grp.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -44,6 +58,7 @@
 #include "gpu_harness.h"
 #include "gpu_kernels.h"
 #include "gpupool/gpupool.h"
+#include "wire.h"
 
 #define POOL "gpu0"
 #define POOL_SPEC "name=gpu0,kind=device,device=0,capacity=2G,slab=64M"
@@ -51,6 +66,7 @@
 #define SPIN_US 500000u /* long enough that an unordered read would see unwritten memory */
 #define STEP_MS 120000  /* generous per-step timeout: CUDA context creation is slow */
 #define CHURN_CYCLES 10000
+#define NOBODY 65534
 
 static const char *g_check = "?";
 
@@ -426,6 +442,228 @@ static int w_churn_b(char **a) {
   return 0;
 }
 
+/* ---- raw protocol, for what the library never shows: a slab's export data, a pool's fd */
+
+static int raw_connect(const char *path) {
+  struct sockaddr_un a;
+  struct timeval tv = {STEP_MS / 1000, 0};
+  int fd;
+  memset(&a, 0, sizeof(a));
+  a.sun_family = AF_UNIX;
+  if (strlen(path) >= sizeof(a.sun_path))
+    return -1;
+  memcpy(a.sun_path, path, strlen(path) + 1);
+  fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+    if (fd >= 0)
+      close(fd);
+    return -1;
+  }
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  return fd;
+}
+
+/* One request; the reply (NULL when none came), and in *fd the fd it carried (-1 if none;
+ * fd NULL: any is closed). A reply carrying an error is printed and freed: NULL. */
+static gpupool__rep *raw_call(const char *role, int sock, gpupool__req *req, int *fd) {
+  gpupool__wire_rx rx;
+  gpupool__rep *rep = NULL;
+  uint8_t *buf;
+  size_t len;
+  int rc;
+  static uint64_t seq;
+  if (fd)
+    *fd = -1;
+  req->seq = ++seq;
+  if ((rc = gpupool__wire_pack_request(req, &buf, &len)) != 0)
+    wdie(role, "packing a request", rc);
+  rc = gpupool__wire_send(sock, buf, len, NULL, 0);
+  free(buf);
+  if (rc != 0)
+    wdie(role, "sending a request", rc);
+  gpupool__wire_rx_init(&rx, GPUPOOL_WIRE_HARD_MAX_FRAME);
+  if (gpupool__wire_rx_read(&rx, sock) == 1 && (rep = gpupool__wire_unpack_reply(&rx)) && fd &&
+      rx.nfds > 0) {
+    *fd = rx.fds[0];
+    rx.fds[0] = -1;
+  }
+  gpupool__wire_rx_reset(&rx);
+  if (rep && rep->error) {
+    fprintf(stderr, "worker %s: request %d refused: %s (%d)\n", role, (int)req->body_case,
+            rep->error->message, rep->error->code);
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+    if (fd && *fd >= 0)
+      close(*fd);
+    return NULL;
+  }
+  return rep;
+}
+
+/* Hello on a raw connection: the first pool's id (the test's only pool). */
+static uint32_t raw_hello(const char *role, int sock) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Hello h = GPUPOOL__WIRE__HELLO__INIT;
+  gpupool__rep *rep;
+  uint32_t id;
+  h.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
+  h.client_name = (char *)role;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
+  req.hello = &h;
+  rep = raw_call(role, sock, &req, NULL); /* the lease fd is closed: this client maps nothing */
+  if (!rep || rep->body_case != GPUPOOL__WIRE__REPLY__BODY_HELLO || rep->hello->n_pools < 1) {
+    fprintf(stderr, "worker %s: no Hello reply with a pool\n", role);
+    exit(2);
+  }
+  id = rep->hello->pools[0]->id;
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  return id;
+}
+
+/* AttachPool on a raw connection, then import the pool fd it returned. */
+static cudaMemPool_t raw_attach_import(const char *role, int sock, uint32_t pool_id) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__AttachPool ap = GPUPOOL__WIRE__ATTACH_POOL__INIT;
+  gpupool__rep *rep;
+  cudaMemPool_t pool;
+  cudaError_t ce;
+  int fd;
+  ap.pool_id = pool_id;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ATTACH_POOL;
+  req.attach_pool = &ap;
+  rep = raw_call(role, sock, &req, &fd);
+  if (!rep || fd < 0) {
+    fprintf(stderr, "worker %s: AttachPool brought no pool fd\n", role);
+    exit(2);
+  }
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  ce = cudaMemPoolImportFromShareableHandle(&pool, (void *)(uintptr_t)fd,
+                                            cudaMemHandleTypePosixFileDescriptor, 0);
+  close(fd);
+  if (ce != cudaSuccess)
+    cdie(role, "cudaMemPoolImportFromShareableHandle of the pool fd AttachPool returned", (int)ce);
+  return pool;
+}
+
+static void hex_encode(const uint8_t *p, size_t n, char *out) {
+  for (size_t i = 0; i < n; i++)
+    sprintf(out + 2 * i, "%02x", p[i]);
+}
+
+static size_t hex_decode(const char *h, uint8_t *out, size_t max) {
+  size_t n = 0;
+  unsigned v;
+  while (n < max && sscanf(h + 2 * n, "%2x", &v) == 1)
+    out[n++] = (uint8_t)v;
+  return n;
+}
+
+/* exporter SOCK NAME BYTES SEED (root): Get NAME raw, say "EXPORT <hex>" with its slab's
+ * export data from the daemon's reply, then show that data imports into the pool this
+ * tenant's AttachPool returns and reads the producer's pattern (the control: the refusal the
+ * other tenant must get is not an artefact of bad export data). */
+static int w_exporter(char **a) {
+  const char *sock = a[0], *name = a[1];
+  size_t bytes = strtoull(a[2], NULL, 0);
+  uint32_t seed = (uint32_t)strtoul(a[3], NULL, 0);
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Get g = GPUPOOL__WIRE__GET__INIT;
+  struct cudaMemPoolPtrExportData exp;
+  char hex[2 * sizeof(exp) + 1];
+  unsigned long long bad = ~0ull;
+  gpupool__rep *rep;
+  cudaMemPool_t pool;
+  cudaStream_t s = wstream("exporter", 0);
+  uint64_t off;
+  uint32_t pool_id;
+  void *ptr = NULL;
+  int fd = raw_connect(sock), ce;
+
+  if (fd < 0)
+    wdie("exporter", "connecting", GPUPOOL_ECLOSED);
+  raw_hello("exporter", fd);
+  g.name = (char *)name;
+  g.read_only = 1;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_GET;
+  req.get = &g;
+  rep = raw_call("exporter", fd, &req, NULL);
+  if (!rep || rep->body_case != GPUPOOL__WIRE__REPLY__BODY_GET || !rep->get->buffer ||
+      !rep->get->buffer->slab || rep->get->buffer->slab->export_data.len != sizeof(exp)) {
+    fprintf(stderr, "worker exporter: Get %s brought no slab export data of %zu bytes\n", name,
+            sizeof(exp));
+    return 2;
+  }
+  memcpy(&exp, rep->get->buffer->slab->export_data.data, sizeof(exp));
+  off = rep->get->buffer->offset;
+  pool_id = rep->get->buffer->pool_id;
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  hex_encode((const uint8_t *)&exp, sizeof(exp), hex);
+  gh_say("EXPORT %s", hex);
+
+  pool = raw_attach_import("exporter", fd, pool_id);
+  if ((ce = (int)cudaMemPoolImportPointer(&ptr, pool, &exp)))
+    cdie("exporter", "cudaMemPoolImportPointer into its own tenant's pool", ce);
+  if ((ce = gk_count_mismatches((char *)ptr + off, bytes, seed, s, &bad)))
+    cdie("exporter", "mismatch kernel", ce);
+  if ((ce = (int)cudaFreeAsync(ptr, s)) || (ce = (int)cudaStreamSynchronize(s)))
+    cdie("exporter", "freeing the imported slab", ce);
+  if ((ce = (int)cudaMemPoolDestroy(pool)))
+    cdie("exporter", "cudaMemPoolDestroy of the imported pool", ce);
+  gh_say("CONTROL %llu", bad);
+  close(fd);
+  (void)cudaStreamDestroy(s);
+  return 0;
+}
+
+/* intruder SOCK: become uid 65534 before touching CUDA, read "EXPORT <hex>" on stdin (another
+ * tenant's slab), attach the pool as this tenant and try to import that slab into the pool
+ * imported from the fd the daemon gave. Says "REFUSED <error>" or "IMPORTED <mismatches>",
+ * then waits for EXIT (so the daemon counts its backend pool meanwhile). */
+static int w_intruder(char **a) {
+  const char *sock = a[0];
+  struct cudaMemPoolPtrExportData exp;
+  char line[512];
+  cudaMemPool_t pool;
+  cudaError_t e;
+  uint32_t pool_id;
+  void *ptr = NULL;
+  int fd;
+
+  if (setgroups(0, NULL) != 0 || setgid(NOBODY) != 0 || setuid(NOBODY) != 0 || getuid() != NOBODY) {
+    fprintf(stderr, "worker intruder: cannot become uid %d: %s (run the GPU tests as root)\n",
+            NOBODY, strerror(errno));
+    return 2;
+  }
+  if (!fgets(line, sizeof(line), stdin) || strncmp(line, "EXPORT ", 7) != 0 ||
+      hex_decode(line + 7, (uint8_t *)&exp, sizeof(exp)) != sizeof(exp)) {
+    fprintf(stderr, "worker intruder: expected \"EXPORT <hex>\" on stdin\n");
+    return 2;
+  }
+  if ((fd = raw_connect(sock)) < 0) {
+    fprintf(stderr, "worker intruder: uid %d cannot connect to %s: %s (socket_mode and the "
+            "directory's mode must let it)\n", NOBODY, sock, strerror(errno));
+    return 2;
+  }
+  pool_id = raw_hello("intruder", fd);
+  pool = raw_attach_import("intruder", fd, pool_id);
+  gh_say("TRYING");
+  e = cudaMemPoolImportPointer(&ptr, pool, &exp);
+  if (e == cudaSuccess) {
+    cudaStream_t s = wstream("intruder", 0);
+    unsigned long long bad = ~0ull;
+    (void)gk_count_mismatches(ptr, 4096, 0, s, &bad);
+    gh_say("IMPORTED %p", ptr);
+    (void)cudaFreeAsync(ptr, s);
+    (void)cudaStreamSynchronize(s);
+  } else {
+    (void)cudaGetLastError();
+    gh_say("REFUSED %s", cudaGetErrorName(e));
+  }
+  wait_stdin_line("intruder", "EXIT");
+  (void)cudaMemPoolDestroy(pool);
+  close(fd);
+  return 0;
+}
+
 static int worker_main(int argc, char **argv) {
   static const struct {
     const char *role;
@@ -436,7 +674,9 @@ static int worker_main(int argc, char **argv) {
                {"killer", 5, w_killer},
                {"taker", 4, w_taker},
                {"churn-a", 2, w_churn_a},
-               {"churn-b", 2, w_churn_b}};
+               {"churn-b", 2, w_churn_b},
+               {"exporter", 4, w_exporter},
+               {"intruder", 1, w_intruder}};
   setvbuf(stdout, NULL, _IOLBF, 0);
   for (size_t i = 0; i < sizeof(roles) / sizeof(roles[0]); i++)
     if (argc >= 3 && !strcmp(argv[2], roles[i].role)) {
@@ -923,6 +1163,141 @@ static int check_peer(const gh_daemon *d, gpupool_client *c) {
               "gpupool_set_devices({1})");
 }
 
+/* Backend pools behind the test pool, from a raw Stats request (not in the public stats). */
+static int pool_instances(const gh_daemon *d) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Stats st = GPUPOOL__WIRE__STATS__INIT;
+  gpupool__rep *rep;
+  int fd = raw_connect(d->sock), n = -1;
+  if (fd < 0)
+    return -1;
+  raw_hello("driver", fd);
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
+  req.stats = &st;
+  rep = raw_call("driver", fd, &req, NULL);
+  if (rep && rep->body_case == GPUPOOL__WIRE__REPLY__BODY_STATS)
+    for (size_t i = 0; i < rep->stats->n_pools; i++)
+      if (!strcmp(rep->stats->pools[i]->name, POOL))
+        n = (int)rep->stats->pools[i]->instances;
+  if (rep)
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  close(fd);
+  return n;
+}
+
+static int wait_instances(const gh_daemon *d, int want, int timeout_ms, int *got) {
+  uint64_t end = gh_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+  do {
+    if ((*got = pool_instances(d)) == want)
+      return 0;
+    gh_sleep_ms(50);
+  } while (gh_now_ns() < end);
+  return -1;
+}
+
+static int check_tenants(const gh_daemon *d, gpupool_client *c) {
+  gh_proc prod, exporter, intruder;
+  char name[64], line[512], exp_line[512], bytes[32], sd[32];
+  uint32_t seed = fresh_seed();
+  int rc, n;
+  (void)c;
+
+  if (geteuid() != 0) {
+    printf("SKIP: tenants needs root (it runs a worker as uid %d)\n", NOBODY);
+    return GH_SKIP;
+  }
+  /* uid 65534 must reach the socket: the daemon made it 0666 (socket_mode), the private
+   * directory must be traversable. */
+  if (chmod(d->dir, 0711) != 0)
+    return fail("chmod %s: %s", d->dir, strerror(errno));
+  snprintf(name, sizeof(name), "tenants-%08x", seed);
+  if (spawn_producer(&prod, d, name, seed, 0, "hold", 0) < 0)
+    return fail("cannot start the producer");
+  if (gh_expect(&prod, "PUBLISHED", line, sizeof(line), STEP_MS) < 0) {
+    gh_wait(&prod, 5000);
+    return fail("producer did not publish %s", name);
+  }
+  /* The same tenant still reads it in place. */
+  if (run_consumers(d, name, seed, 1, NULL) < 0) {
+    gh_wait(&prod, 5000);
+    return 1;
+  }
+  snprintf(bytes, sizeof(bytes), "%u", BUF_BYTES);
+  snprintf(sd, sizeof(sd), "%u", seed);
+  {
+    const char *argv[] = {"", "worker", "exporter", d->sock, name, bytes, sd, NULL};
+    if (gh_spawn(&exporter, argv, NULL, 0) < 0) {
+      gh_wait(&prod, 5000);
+      return fail("cannot start the exporter");
+    }
+  }
+  if (gh_expect(&exporter, "EXPORT ", exp_line, sizeof(exp_line), STEP_MS) < 0 ||
+      gh_expect(&exporter, "CONTROL ", line, sizeof(line), STEP_MS) < 0) {
+    gh_wait(&exporter, 5000);
+    gh_wait(&prod, 5000);
+    return fail("the root exporter got no export data, or could not import it into its own "
+                "tenant's pool (see its stderr)");
+  }
+  rc = gh_wait(&exporter, STEP_MS);
+  if (strcmp(line, "CONTROL 0") != 0 || rc != 0) {
+    gh_wait(&prod, 5000);
+    return fail("root's own import of the slab read wrong data (%s) or the exporter exited %d",
+                line, rc);
+  }
+  {
+    const char *argv[] = {"", "worker", "intruder", d->sock, NULL};
+    if (gh_spawn(&intruder, argv, NULL, 0) < 0) {
+      gh_wait(&prod, 5000);
+      return fail("cannot start the intruder");
+    }
+  }
+  gh_writeline(&intruder, exp_line);
+  if (gh_expect(&intruder, "TRYING", line, sizeof(line), STEP_MS) < 0) {
+    gh_wait(&intruder, 5000);
+    gh_wait(&prod, 5000);
+    return fail("the uid %d worker could not connect, attach the pool or import its fd (see "
+                "its stderr)", NOBODY);
+  }
+  if (gh_readline(&intruder, line, sizeof(line), STEP_MS) < 0) {
+    /* Killed inside cudaMemPoolImportPointer: it got no access either, but say so. */
+    rc = gh_wait(&intruder, 5000);
+    gh_wait(&prod, 5000);
+    if (rc > 128)
+      return pass("uid %d's import of root's slab export data into its own pool killed it "
+                  "(signal %d) rather than failing with an error: no access", NOBODY, rc - 128);
+    return fail("the uid %d worker reported nothing after trying the import (exit %d)", NOBODY, rc);
+  }
+  if (strncmp(line, "REFUSED ", 8) != 0) {
+    gh_writeline(&intruder, "EXIT");
+    gh_wait(&intruder, 5000);
+    gh_wait(&prod, 5000);
+    return fail("uid %d imported root's slab into the pool the daemon gave it: %s", NOBODY, line);
+  }
+  /* Both tenants attached: two backend pools; uid 65534's goes with its connection. */
+  if (wait_instances(d, 2, 10000, &n) < 0) {
+    gh_writeline(&intruder, "EXIT");
+    gh_wait(&intruder, 5000);
+    gh_wait(&prod, 5000);
+    return fail("with root and uid %d attached the pool has %d backend pools, expected 2",
+                NOBODY, n);
+  }
+  gh_writeline(&intruder, "EXIT");
+  if ((rc = gh_wait(&intruder, STEP_MS)) != 0) {
+    gh_wait(&prod, 5000);
+    return fail("the uid %d worker exited with %d", NOBODY, rc);
+  }
+  if (wait_instances(d, 1, 10000, &n) < 0) {
+    gh_wait(&prod, 5000);
+    return fail("after uid %d left the pool still has %d backend pools, expected 1", NOBODY, n);
+  }
+  gh_writeline(&prod, "EXIT");
+  if ((rc = gh_wait(&prod, STEP_MS)) != 0)
+    return fail("producer exited with %d", rc);
+  return pass("root's slab export data imports into root's pool and reads bit-exact; uid %d's "
+              "import of it into the pool AttachPool gave it fails (%s); 2 backend pools while "
+              "both were attached, 1 after", NOBODY, line + 8);
+}
+
 static const struct {
   const char *name;
   int gpus;
@@ -931,6 +1306,7 @@ static const struct {
     {"handoff", 1, check_handoff}, {"kill", 1, check_kill},   {"killwork", 1, check_killwork},
     {"orphan", 1, check_orphan},
     {"churn", 1, check_churn},     {"peer", 2, check_peer},
+    {"tenants", 1, check_tenants},
 };
 
 static int run_check(const char *gpupoold, int idx, int ndev) {
@@ -944,7 +1320,9 @@ static int run_check(const char *gpupoold, int idx, int ndev) {
            ndev);
     return GH_SKIP;
   }
-  if (gh_daemon_start(&d, gpupoold, POOL_SPEC) < 0)
+  /* tenants: a worker of uid 65534 connects too. */
+  if (gh_daemon_start_conf(&d, gpupoold, POOL_SPEC,
+                           checks[idx].fn == check_tenants ? "[daemon]\nsocket_mode = 0666\n" : NULL) < 0)
     return fail("gpupoold did not start");
   if ((rc = gpupool_connect(d.sock, "gpu-test-driver", &c)) < 0) {
     gh_daemon_stop(&d, 1);
@@ -968,7 +1346,7 @@ int main(int argc, char **argv) {
   if (argc >= 3 && !strcmp(argv[1], "worker"))
     return worker_main(argc, argv);
   if (argc != 3) {
-    fprintf(stderr, "usage: %s GPUPOOLD handoff|kill|killwork|orphan|churn|peer|all\n", argv[0]);
+    fprintf(stderr, "usage: %s GPUPOOLD handoff|kill|killwork|orphan|churn|peer|tenants|all\n", argv[0]);
     return 2;
   }
   signal(SIGPIPE, SIG_IGN);

@@ -1,8 +1,9 @@
 /*
  * Unit tests of the daemon's registry on the host backend, without sockets: holders and the
  * exactly-once return of memory, names and their visibility, share tokens, slab placement and
- * dedicated slabs, revocation of surplus slabs, limits, dropping a client, and the lease that
- * keeps a closed connection's memory until no process holds it.
+ * dedicated slabs, revocation of surplus slabs, limits, dropping a client, the lease that
+ * keeps a closed connection's memory until no process holds it, and (with a backend whose
+ * pool fd maps every allocation, as CUDA's does) one backend pool per tenant.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -10,6 +11,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -32,6 +34,9 @@ typedef struct {
   gpupool__client x;    /* uid 2000: another tenant; with a, in group "ml" */
   int a_peer, b_peer, x_peer; /* the client ends of their leases, as a client process would hold them */
 } fixture;
+
+static int g_tenant_pools; /* the next setup uses the per-tenant-pool backend below */
+static void use_tenant_pools(gpupool__backend *be);
 
 static void give_lease(fixture *f, gpupool__client *c, int *peer) {
   assert_int_equal(gpupool__lease_new(&f->reg, c->uid, 0, &c->lease, peer), 0);
@@ -59,6 +64,9 @@ static int setup_with(void **state, void (*tweak)(gpupool__config *)) {
     tweak(&f->cfg);
   assert_int_equal(gpupool__config_finish(&f->cfg, &gpupool__backend_host), 0);
   assert_int_equal(gpupool__backend_host.open(&f->be), 0);
+  if (g_tenant_pools)
+    use_tenant_pools(f->be);
+  g_tenant_pools = 0;
   assert_int_equal(gpupool__registry_init(&f->reg, &f->loop, &f->cfg, f->be), 0);
   f->a.uid = 1000;
   f->b.uid = 1001;
@@ -435,6 +443,235 @@ static void test_close_with_a_live_dead_client(void **state) {
   free(f);
 }
 
+/* The host backend dressed as the CUDA one where tenants are concerned: a pool has an fd that
+ * would map every allocation in it, and keeps what it reserved until it is destroyed. Each
+ * backend pool gets a serial and an fd of its own, so tests can tell them apart. */
+typedef struct {
+  gpupool__bpool *host;
+  int fd;
+  int serial;
+  uint64_t kept;   /* what it reserved and keeps until destroyed */
+  uint64_t in_use;
+} fake_pool;
+
+static gpupool__backend_desc tenant_desc;
+static gpupool__backend_ops tenant_ops;
+static const gpupool__backend_ops *host_ops;
+static int fake_created, fake_live;
+
+static int fake_pool_create(gpupool__backend *be, const gpupool__pool_config *cfg, gpupool__bpool **out, int *fd) {
+  fake_pool *fp = calloc(1, sizeof *fp);
+  int hfd, rc;
+  assert_non_null(fp);
+  rc = host_ops->pool_create(be, cfg, &fp->host, &hfd);
+  if (rc != 0) {
+    free(fp);
+    return rc;
+  }
+  fp->fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  assert_true(fp->fd >= 0);
+  fp->serial = ++fake_created;
+  fake_live++;
+  *out = (gpupool__bpool *)fp;
+  *fd = fp->fd;
+  return 0;
+}
+
+static void fake_pool_destroy(gpupool__bpool *p) {
+  fake_pool *fp = (fake_pool *)p;
+  assert_int_equal(fp->in_use, 0); /* every slab was freed first */
+  host_ops->pool_destroy(fp->host);
+  close(fp->fd);
+  free(fp);
+  fake_live--;
+}
+
+static int fake_slab_alloc(gpupool__bpool *p, uint64_t size, gpupool__bslab *out) {
+  fake_pool *fp = (fake_pool *)p;
+  int rc = host_ops->slab_alloc(fp->host, size, out);
+  if (rc == 0) {
+    fp->in_use += out->size;
+    if (fp->in_use > fp->kept)
+      fp->kept = fp->in_use;
+  }
+  return rc;
+}
+
+static void fake_slab_free(gpupool__bpool *p, gpupool__bslab *s) {
+  fake_pool *fp = (fake_pool *)p;
+  fp->in_use -= s->size;
+  host_ops->slab_free(fp->host, s);
+}
+
+static int fake_pool_stats(gpupool__bpool *p, gpupool__bpool_stats *out) {
+  fake_pool *fp = (fake_pool *)p;
+  memset(out, 0, sizeof *out);
+  out->reserved_cur = out->reserved_high = fp->kept;
+  out->used_cur = fp->in_use;
+  return 0;
+}
+
+static void use_tenant_pools(gpupool__backend *be) {
+  host_ops = be->ops;
+  tenant_ops = *be->ops;
+  tenant_ops.pool_create = fake_pool_create;
+  tenant_ops.pool_destroy = fake_pool_destroy;
+  tenant_ops.slab_alloc = fake_slab_alloc;
+  tenant_ops.slab_free = fake_slab_free;
+  tenant_ops.pool_stats = fake_pool_stats;
+  tenant_desc = *be->desc;
+  tenant_desc.pool_fd_maps_all = 1;
+  tenant_desc.pool_keeps_memory = 1;
+  be->ops = &tenant_ops;
+  be->desc = &tenant_desc;
+}
+
+static int setup_tenant_pools(void **state) {
+  g_tenant_pools = 1;
+  fake_created = fake_live = 0;
+  return setup_with(state, NULL);
+}
+
+static int teardown_tenant_pools(void **state) {
+  teardown(state);
+  assert_int_equal(fake_live, 0); /* every backend pool destroyed */
+  return 0;
+}
+
+static int fake_serial(const gpupool__slab *s) { return ((const fake_pool *)s->inst->bp)->serial; }
+
+static void test_tenant_pools_per_tenant(void **state) {
+  fixture *f = *state;
+  gpupool__hold *ha, *hb, *hx;
+  int fa, fb, fx, freed;
+  Gpupool__Wire__PoolInfo pi;
+
+  /* The startup check made one and destroyed it: nothing exists before first use. */
+  assert_int_equal(fake_live, 0);
+  assert_int_equal(pool(f)->ninsts, 0);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), MIB, 0, &ha), 0);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), MIB, 0, &hx), 0);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->b, pool(f), MIB, 0, &hb), 0);
+  /* Two tenants, two backend pools; a and b are one tenant and share theirs. */
+  assert_int_equal(pool(f)->ninsts, 2);
+  assert_int_equal(fake_live, 2);
+  assert_ptr_not_equal(ha->buf->slab->inst, hx->buf->slab->inst);
+  assert_int_not_equal(fake_serial(ha->buf->slab), fake_serial(hx->buf->slab));
+  assert_ptr_equal(hb->buf->slab->inst, ha->buf->slab->inst);
+  /* AttachPool hands each the fd of its own tenant's backend pool, and makes none anew. */
+  assert_int_equal(gpupool__attach(&f->reg, &f->a, pool(f), &fa), 0);
+  assert_int_equal(gpupool__attach(&f->reg, &f->b, pool(f), &fb), 0);
+  assert_int_equal(gpupool__attach(&f->reg, &f->x, pool(f), &fx), 0);
+  assert_int_equal(fa, ha->buf->slab->inst->fd);
+  assert_int_equal(fb, fa);
+  assert_int_equal(fx, hx->buf->slab->inst->fd);
+  assert_int_not_equal(fx, fa);
+  assert_int_equal(fake_live, 2);
+  /* Stats sum the backend pools. */
+  gpupool__fill_pool_info(&f->reg, pool(f), &pi);
+  assert_int_equal(pi.instances, 2);
+  assert_int_equal(pi.reserved, 16 * MIB);
+  assert_int_equal(pi.backend_reserved, 16 * MIB);
+  assert_int_equal(pi.backend_used, 16 * MIB);
+  assert_int_equal(gpupool__release(&f->reg, &f->a, ha->id, 0, &freed), 0);
+  assert_int_equal(gpupool__release(&f->reg, &f->b, hb->id, 0, &freed), 0);
+  assert_int_equal(gpupool__release(&f->reg, &f->x, hx->id, 0, &freed), 0);
+}
+
+static void test_tenant_pools_group(void **state) {
+  fixture *f = *state;
+  gpupool__pool *sp = gpupool__pool_find(&f->reg, "s", 0);
+  gpupool__hold *ha, *hx;
+  int fa, fx, fb, freed;
+
+  /* A pool shared with group ml: its members (a, x: two tenants) share one backend pool. */
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, sp, MIB, 0, &ha), 0);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->x, sp, MIB, 0, &hx), 0);
+  assert_ptr_equal(ha->buf->slab->inst, hx->buf->slab->inst);
+  assert_int_equal(sp->ninsts, 1);
+  assert_int_equal(gpupool__attach(&f->reg, &f->a, sp, &fa), 0);
+  assert_int_equal(gpupool__attach(&f->reg, &f->x, sp, &fx), 0);
+  assert_int_equal(fa, fx);
+  assert_int_equal(fa, ha->buf->slab->inst->fd);
+  /* A non-member gets no fd of it. */
+  assert_int_equal(gpupool__attach(&f->reg, &f->b, sp, &fb), GPUPOOL_EPERM);
+  assert_int_equal(fb, -1);
+  assert_non_null(strstr(gpupool__errmsg(), "group 'ml'"));
+  assert_int_equal(sp->ninsts, 1);
+  assert_int_equal(gpupool__release(&f->reg, &f->a, ha->id, 0, &freed), 0);
+  assert_int_equal(gpupool__release(&f->reg, &f->x, hx->id, 0, &freed), 0);
+}
+
+static void test_tenant_pools_capacity_shared(void **state) {
+  fixture *f = *state;
+  gpupool__hold *ha, *hx;
+  int freed;
+
+  /* 64 MiB for both tenants together. */
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 40 * MIB, 0, &ha), 0);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), 32 * MIB, 0, &hx), GPUPOOL_ENOSPC);
+  assert_non_null(strstr(gpupool__errmsg(), "pool 'p' is out of memory"));
+  /* A tenant that failed to get its first slab keeps no backend pool. */
+  assert_int_equal(pool(f)->ninsts, 1);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), 24 * MIB, 0, &hx), 0);
+  assert_int_equal(pool(f)->held, 64 * MIB);
+  assert_int_equal(gpupool__release(&f->reg, &f->a, ha->id, 0, &freed), 0);
+  assert_int_equal(gpupool__release(&f->reg, &f->x, hx->id, 0, &freed), 0);
+}
+
+static void test_tenant_pools_idle_destroyed(void **state) {
+  fixture *f = *state;
+  gpupool__hold *hx, *ha;
+  Gpupool__Wire__PoolInfo pi;
+  int fx, freed;
+
+  /* x attaches (its backend pool exists from then on), takes 32 MiB and lets go. */
+  assert_int_equal(gpupool__attach(&f->reg, &f->x, pool(f), &fx), 0);
+  assert_int_equal(fake_live, 1);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), 32 * MIB, 0, &hx), 0);
+  assert_int_equal(gpupool__release(&f->reg, &f->x, hx->id, 0, &freed), 0);
+  assert_int_equal(pool(f)->reserved, 0);
+  /* Its backend pool lives on while x is connected, and keeps what it reserved: a cannot
+   * have that memory yet. */
+  assert_int_equal(pool(f)->ninsts, 1);
+  assert_int_equal(pool(f)->held, 32 * MIB);
+  gpupool__fill_pool_info(&f->reg, pool(f), &pi);
+  assert_int_equal(pi.held, 32 * MIB);
+  assert_int_equal(pi.backend_reserved, 32 * MIB);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 40 * MIB, 0, &ha), GPUPOOL_ENOSPC);
+  assert_int_equal(fake_live, 1);
+  /* x goes: its backend pool is idle, destroyed, and the memory counts as free again. */
+  close(f->x_peer);
+  f->x_peer = -1;
+  gpupool__client_drop(&f->reg, &f->x);
+  give_lease(f, &f->x, &f->x_peer);
+  gpupool__client_init(&f->reg, &f->x);
+  assert_int_equal(fake_live, 0);
+  assert_int_equal(pool(f)->ninsts, 0);
+  assert_int_equal(pool(f)->held, 0);
+  gpupool__fill_pool_info(&f->reg, pool(f), &pi);
+  assert_int_equal(pi.backend_reserved, 0);
+  assert_int_equal(pi.backend_reserved_high, 32 * MIB);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 40 * MIB, 0, &ha), 0);
+  assert_int_equal(fake_live, 1);
+  /* A tenant that never attached loses its backend pool with its last slab. */
+  assert_int_equal(gpupool__release(&f->reg, &f->a, ha->id, 0, &freed), 0);
+  assert_int_equal(fake_live, 0);
+  assert_int_equal(pool(f)->held, 0);
+  /* A new backend pool for x now: never the old one again (its fd may still be out there). */
+  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), MIB, 0, &hx), 0);
+  assert_int_equal(fake_serial(hx->buf->slab), fake_created);
+  assert_true(fake_created >= 4);
+  assert_int_equal(gpupool__release(&f->reg, &f->x, hx->id, 0, &freed), 0);
+  /* Its empty slab is kept (keep_slabs = 1); trimming gives it back and the pool goes. */
+  assert_int_equal(fake_live, 1);
+  {
+    uint32_t fr, rv;
+    gpupool__trim(&f->reg, &fr, &rv);
+  }
+  assert_int_equal(fake_live, 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_holders_and_exactly_once, setup, teardown),
@@ -446,6 +683,10 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_lease_keeps_memory_until_gone, setup, teardown),
       cmocka_unit_test_setup_teardown(test_dead_holder_range_not_reused_with_gpu_work, setup_events, teardown),
       cmocka_unit_test_setup(test_close_with_a_live_dead_client, setup),
+      cmocka_unit_test_setup_teardown(test_tenant_pools_per_tenant, setup_tenant_pools, teardown_tenant_pools),
+      cmocka_unit_test_setup_teardown(test_tenant_pools_group, setup_tenant_pools, teardown_tenant_pools),
+      cmocka_unit_test_setup_teardown(test_tenant_pools_capacity_shared, setup_tenant_pools, teardown_tenant_pools),
+      cmocka_unit_test_setup_teardown(test_tenant_pools_idle_destroyed, setup_tenant_pools, teardown_tenant_pools),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
