@@ -337,14 +337,12 @@ static void inst_maybe_destroy(gpupool__registry *reg, gpupool__pinst *in) {
 
 /* ---- slabs ----------------------------------------------------------------------------------- */
 
-static void slab_release(gpupool__registry *reg, gpupool__slab *s, int give_back) {
+static void slab_destroy(gpupool__registry *reg, gpupool__slab *s) {
   gpupool__pool *p = s->pool;
   gpupool__pinst *in = s->inst;
-  if (give_back) {
-    GPUPOOL__DEBUG("pool %s: slab %" PRIu64 " (%" PRIu64 " bytes) returned to the backend", p->cfg.name, s->id,
-                   s->bs.size);
-    reg->be->ops->slab_free(in->bp, &s->bs);
-  }
+  GPUPOOL__DEBUG("pool %s: slab %" PRIu64 " (%" PRIu64 " bytes) returned to the backend", p->cfg.name, s->id,
+                 s->bs.size);
+  reg->be->ops->slab_free(in->bp, &s->bs);
   in->reserved -= s->bs.size;
   in->nslabs--;
   if (!reg->be->desc->pool_keeps_memory) {
@@ -370,7 +368,6 @@ static void slab_release(gpupool__registry *reg, gpupool__slab *s, int give_back
   inst_maybe_destroy(reg, in);
 }
 
-static void slab_destroy(gpupool__registry *reg, gpupool__slab *s) { slab_release(reg, s, 1); }
 
 static void slab_try_release(gpupool__registry *reg, gpupool__slab *s) {
   if (s->retiring && s->nbuffers == 0 && s->nmappers == 0)
@@ -1667,17 +1664,11 @@ void gpupool__registry_close(gpupool__registry *reg) {
   }
   for (int i = 0; i < reg->npools; i++) {
     gpupool__pool *p = &reg->pools[i];
-    while (p->slabs) {
-      gpupool__slab *s = p->slabs;
-      int mapped = 0;
-      for (uint32_t j = 0; j < s->nmappers; j++)
-        if (s->mappers[j].lease && !s->mappers[j].lease->gone)
-          mapped = 1;
-      /* A slab that a live process still maps is not given back: on the host backend that
-       * would punch its pages out under the process. It goes with the daemon's last
-       * reference to the pool, while the process's own mapping keeps the memory. */
-      slab_release(reg, s, !mapped);
-    }
+    /* Slabs that live processes still map are given back too: what the daemon lets go of is
+     * its own reference (a host slab's memfd, a CUDA allocation), and the processes' own
+     * mappings keep the memory for as long as they need it. */
+    while (p->slabs)
+      slab_destroy(reg, p->slabs);
     while (p->insts)
       inst_destroy(reg, p->insts);
   }
