@@ -788,7 +788,7 @@ int gpupool__name_key(gpupool__registry *reg, const gpupool__client *c, const ch
  * publish admit only slabs owner_reachable() allows, and a group owns slabs only in its
  * shared pool, where every slab is the group's), so on per-owner backends the pool id names
  * exactly one backend pool for c. */
-static int pool_owner(gpupool__registry *reg, const gpupool__client *c, const gpupool__pool *p, uint64_t *owner) {
+int gpupool__pool_owner(gpupool__registry *reg, const gpupool__client *c, const gpupool__pool *p, uint64_t *owner) {
   int share = reg->cfg->pool_share[p - reg->pools];
   *owner = c->tenant;
   if (share < 0)
@@ -1014,7 +1014,7 @@ int gpupool__attach(gpupool__registry *reg, gpupool__client *c, gpupool__pool *p
   uint64_t owner;
   int rc;
   *fd = -1;
-  if ((rc = pool_owner(reg, c, p, &owner)) != 0)
+  if ((rc = gpupool__pool_owner(reg, c, p, &owner)) != 0)
     return rc;
   if (!per_owner(reg)) {
     *fd = p->insts->fd;
@@ -1030,7 +1030,7 @@ int gpupool__attach(gpupool__registry *reg, gpupool__client *c, gpupool__pool *p
     }
     in->attached++;
   }
-  /* Cannot differ (see pool_owner): a client keeps the pool it imported for its connection. */
+  /* Cannot differ (see gpupool__pool_owner): a client keeps the pool it imported for its connection. */
   if (in->owner != owner)
     return gpupool__err(GPUPOOL_EBACKEND, "internal error: pool '%s' changed owner for client %" PRIu64,
                         p->cfg.name, c->id);
@@ -1091,7 +1091,7 @@ int gpupool__allocate(gpupool__registry *reg, gpupool__client *c, gpupool__pool 
 
   if (size == 0)
     return gpupool__err(GPUPOOL_EINVAL, "cannot allocate 0 bytes; ask for at least 1");
-  if ((rc = pool_owner(reg, c, p, &owner)) != 0)
+  if ((rc = gpupool__pool_owner(reg, c, p, &owner)) != 0)
     return rc;
   if (align == 0)
     align = p->cfg.alignment;
@@ -1268,6 +1268,7 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
   }
   n->buf = h->buf;
   n->uid = c->uid;
+  n->read_only = h->read_only; /* a name never upgrades the hold it was published from */
   n->created_ns = gpupool__now_ns();
   if (has_meta) {
     n->meta = m;
@@ -1311,7 +1312,7 @@ int gpupool__get(gpupool__registry *reg, gpupool__client *c, const char *name, i
   int rc = find_name(reg, c, name, &n);
   if (rc == 0)
     rc = check_waiting_leases(reg, c);
-  return rc != 0 ? rc : hold_new(reg, c, n->buf, read_only, 0, out);
+  return rc != 0 ? rc : hold_new(reg, c, n->buf, read_only || n->read_only, 0, out);
 }
 
 int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *name) {

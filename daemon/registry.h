@@ -167,6 +167,7 @@ typedef struct {
   gpupool__buffer *buf;
   uid_t uid;                 /* who published it */
   uint64_t created_ns;
+  int read_only;             /* published from a read-only hold: every get of it is read-only */
   int has_meta;              /* the tensor description published with this name */
   gpupool_tensor_meta meta;
 } gpupool__name;
@@ -286,6 +287,9 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
  * is zero. */
 gpupool__uid_usage *gpupool__uid_usage_get(gpupool__registry *reg, uid_t uid, int create);
 void gpupool__uid_usage_put(gpupool__registry *reg, gpupool__uid_usage *u);
+/* Whose memory c's buffers in p are (the group of a shared pool, else c's tenant); GPUPOOL_EPERM
+ * when c may not use p. */
+int gpupool__pool_owner(gpupool__registry *reg, const gpupool__client *c, const gpupool__pool *p, uint64_t *owner);
 uint64_t gpupool__tenant_of(const gpupool__config *cfg, uid_t uid, gid_t gid);
 int gpupool__name_key(gpupool__registry *reg, const gpupool__client *c, const char *name, char *key,
                       size_t len, uint64_t *owner);

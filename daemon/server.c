@@ -37,10 +37,13 @@ typedef struct gpupool__waiter gpupool__waiter;
 
 /* A FIFO of waiting requests: allocations of one pool, or gets of one name. Appending and
  * removing are O(1); a pass over a queue touches only the requests that could now succeed. */
-typedef struct {
+typedef struct wqueue wqueue;
+struct wqueue {
   gpupool__waiter *head, *tail;
-  char *name; /* for a queue of gets: the name (the key it is filed under) */
-} wqueue;
+  char *name;           /* for a queue of gets: the name (the key it is filed under) */
+  uint64_t akey;        /* for a queue of allocations: owner * 64 + pool index (its key) */
+  wqueue *anext;        /* the next allocation queue of the same pool */
+};
 
 struct gpupool__waiter {
   gpupool__conn *conn;
@@ -105,7 +108,10 @@ struct gpupool__server {
   uint64_t refused_nofd, refused_logged_ns;
   gpupool__conn *conns;
   uint64_t nconns;
-  wqueue alloc_q[GPUPOOL_MAX_POOLS]; /* by pool index */
+  /* Waiting allocations: one FIFO per pool and owner (tenant, or the group of a shared pool),
+   * so one owner's request that does not fit never holds up another owner's. */
+  gpupool__hmap alloc_q;               /* owner * 64 + pool index -> wqueue */
+  wqueue *alloc_lists[GPUPOOL_MAX_POOLS]; /* the queues of each pool */
   gpupool__smap get_q;               /* name -> wqueue */
   size_t heap;                       /* sum of the connections' heap */
   ratelimit conn_rl;                 /* connect/disconnect lines */
@@ -313,7 +319,20 @@ static int waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout
   if (kind == WAIT_GET && (rc = gpupool__name_key(s->reg, &c->cl, name, key, sizeof key, &owner)) != 0)
     return rc;
   if (kind == WAIT_ALLOC) {
-    q = &s->alloc_q[pool - s->reg->pools];
+    int idx = (int)(pool - s->reg->pools);
+    uint64_t akey;
+    if ((rc = gpupool__pool_owner(s->reg, &c->cl, pool, &owner)) != 0)
+      return rc;
+    akey = owner * 64 + (uint64_t)idx;
+    if (!(q = gpupool__hmap_get(&s->alloc_q, akey))) {
+      if (!(q = calloc(1, sizeof *q)) || gpupool__hmap_put(&s->alloc_q, akey, q) != 0) {
+        free(q);
+        return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+      }
+      q->akey = akey;
+      q->anext = s->alloc_lists[idx];
+      s->alloc_lists[idx] = q;
+    }
   } else if (!(q = gpupool__smap_get(&s->get_q, key))) {
     if (!(q = calloc(1, sizeof *q)) || !(q->name = strdup(key)) || gpupool__smap_put(&s->get_q, key, q) != 0) {
       if (q)
@@ -360,26 +379,40 @@ static int waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout
   return 0;
 }
 
-/* Serve waiting allocations in FIFO order per pool: the head is tried only when the pool has
- * room for it, and a head that still does not fit keeps the rest waiting behind it. */
+/* Serve waiting allocations in FIFO order per pool and owner: each owner's head is tried
+ * only when the pool has room for it, and a head that still does not fit keeps that owner's
+ * later requests waiting behind it (but no other owner's). Empty queues are freed here, at
+ * the start of a pass, never while one runs (a nested disconnect may empty any of them). */
 static void retry_pool(gpupool__server *s, int idx) {
   gpupool__registry *reg = s->reg;
-  wqueue *q = &s->alloc_q[idx];
-  while (q->head) {
-    gpupool__waiter *w = q->head;
-    gpupool__hold *h;
-    int rc;
-    if (w->conn->closing || gpupool__pool_free_bytes(w->pool) < w->size)
-      return;
-    rc = gpupool__allocate(reg, &w->conn->cl, w->pool, w->size, w->align, &h);
-    if (rc == GPUPOOL_ENOSPC)
-      return;
-    if (rc == 0)
-      reply_hold(w->conn, w->seq, WAIT_ALLOC, h, NULL);
-    else
-      send_error(w->conn, w->seq, rc, gpupool__errmsg());
-    gpupool__metrics_request(s->metrics, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, rc, gpupool__now_ns() - w->started_ns);
-    waiter_remove(w);
+  wqueue **pq = &s->alloc_lists[idx], *q;
+  while ((q = *pq)) {
+    if (q->head) {
+      pq = &q->anext;
+      continue;
+    }
+    *pq = q->anext;
+    gpupool__hmap_del(&s->alloc_q, q->akey);
+    free(q);
+  }
+  for (q = s->alloc_lists[idx]; q; q = q->anext) {
+    while (q->head) {
+      gpupool__waiter *w = q->head;
+      gpupool__hold *h;
+      int rc;
+      if (w->conn->closing || gpupool__pool_free_bytes(w->pool) < w->size)
+        break;
+      rc = gpupool__allocate(reg, &w->conn->cl, w->pool, w->size, w->align, &h);
+      if (rc == GPUPOOL_ENOSPC)
+        break;
+      if (rc == 0)
+        reply_hold(w->conn, w->seq, WAIT_ALLOC, h, NULL);
+      else
+        send_error(w->conn, w->seq, rc, gpupool__errmsg());
+      gpupool__metrics_request(s->metrics, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, rc,
+                               gpupool__now_ns() - w->started_ns);
+      waiter_remove(w);
+    }
   }
 }
 
@@ -1388,6 +1421,7 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
   s->reg = reg;
   s->started_ns = gpupool__now_ns();
   gpupool__smap_init(&s->get_q);
+  gpupool__hmap_init(&s->alloc_q);
   reg->owner = s;
   reg->on_memory = retry_waiters;
   if (listen_fd >= 0) {
@@ -1397,6 +1431,7 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
       reg->owner = NULL;
       reg->on_memory = NULL;
       gpupool__smap_free(&s->get_q);
+      gpupool__hmap_free(&s->alloc_q);
       gpupool__metrics_close(s->metrics);
       free(s);
       return rc;
@@ -1427,8 +1462,15 @@ static void listen_closed(uv_handle_t *h) {
     return;
   if (s->reserve_fd >= 0)
     close(s->reserve_fd);
-  /* Every connection is closed, so every waiter is gone. */
+  /* Every connection is closed, so every waiter is gone; empty allocation queues remain. */
   gpupool__smap_free(&s->get_q);
+  for (int i = 0; i < GPUPOOL_MAX_POOLS; i++)
+    while (s->alloc_lists[i]) {
+      wqueue *q = s->alloc_lists[i];
+      s->alloc_lists[i] = q->anext;
+      free(q);
+    }
+  gpupool__hmap_free(&s->alloc_q);
   free(s);
 }
 

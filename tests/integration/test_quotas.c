@@ -375,6 +375,65 @@ static void test_names_and_holds_bounded(void **state) {
   gpupool_disconnect(c);
 }
 
+/* Waiting allocations queue per owner: one user's request that cannot fit (here: one that
+ * waits forever for the whole pool) holds up its own later requests, never another user's. */
+static int big_waiter_child(const th_daemon *d, int arg) {
+  gpupool_client *c = NULL;
+  gpupool_buffer *b;
+  (void)arg;
+  if (th_become(NOBODY) != 0)
+    return 2;
+  CHILD_CHECK(gpupool_connect(d->sock, "big", &c) == 0, "connect");
+  CHILD_CHECK(gpupool_alloc(c, NULL, 32u << 20, -1, NULL, &b) == 0, "alloc (waits until killed)");
+  return 0;
+}
+
+static int small_waiter_child(const th_daemon *d, int arg) {
+  gpupool_client *c = NULL;
+  gpupool_buffer *b;
+  (void)arg;
+  CHILD_CHECK(gpupool_connect(d->sock, "small", &c) == 0, "connect");
+  CHILD_CHECK(gpupool_alloc(c, NULL, 4096, -1, NULL, &b) == 0, "alloc");
+  gpupool_release(b, NULL);
+  gpupool_disconnect(c);
+  return 0;
+}
+
+static void test_waiting_queue_per_owner(void **state) {
+  gpupool_client *c;
+  gpupool_buffer *b[4];
+  pid_t big, small;
+  int st = 0, done = 0;
+  (void)state;
+  start_with("");
+  /* start_with's pool: 64M in 4M slabs. Fill it, one slab per buffer. */
+  c = th_connect(&D, "filler");
+  for (int i = 0; i < 4; i++)
+    assert_int_equal(gpupool_alloc(c, NULL, 16u << 20, 0, NULL, &b[i]), 0);
+  big = th_spawn(&D, big_waiter_child, 0);
+  th_sleep_ms(300); /* its request waits first */
+  small = th_spawn(&D, small_waiter_child, 0);
+  th_sleep_ms(300);
+  assert_int_equal(gpupool_release(b[0], NULL), 0); /* 16M back: not enough for nobody's 32M */
+  for (int i = 0; i < 1000 && !done; i++) {
+    if (waitpid(small, &st, WNOHANG) == small)
+      done = 1;
+    else
+      th_sleep_ms(10);
+  }
+  kill(big, SIGKILL);
+  waitpid(big, NULL, 0);
+  if (!done) {
+    kill(small, SIGKILL);
+    waitpid(small, NULL, 0);
+    fail_msg("another user's waiting allocation held up this one after memory came back");
+  }
+  assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  for (int i = 1; i < 4; i++)
+    assert_int_equal(gpupool_release(b[i], NULL), 0);
+  gpupool_disconnect(c);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_connections_per_uid_and_reserved, teardown),
@@ -383,6 +442,7 @@ int main(void) {
       cmocka_unit_test_teardown(test_slow_reader_dropped, teardown),
       cmocka_unit_test_teardown(test_refusals_rate_limited, teardown),
       cmocka_unit_test_teardown(test_names_and_holds_bounded, teardown),
+      cmocka_unit_test_teardown(test_waiting_queue_per_owner, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

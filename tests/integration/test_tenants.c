@@ -184,6 +184,16 @@ static int read_only_child(const th_daemon *d, int arg) {
   CHILD_CHECK(gpupool_open(c, &tok, 0, NULL, &up) == 0, "open");
   CHILD_CHECK(gpupool_buffer_read_only(up) == 1, "a read-only token opened a writable hold");
   CHILD_CHECK(write_survives(gpupool_buffer_ptr(up)) == 0, "a write through the reopened hold went through");
+  /* Nor does publishing it under another name and getting that, asking for read-write. */
+  {
+    gpupool_buffer *again;
+    CHILD_CHECK(gpupool_publish(ro, "group:readers/again", NULL, NULL) == 0, "republish");
+    CHILD_CHECK(gpupool_get(c, "group:readers/again", 0, 0, NULL, &again) == 0, "get republished");
+    CHILD_CHECK(gpupool_buffer_read_only(again) == 1, "a read-only hold republished came back writable");
+    CHILD_CHECK(write_survives(gpupool_buffer_ptr(again)) == 0, "a write through the republished hold went through");
+    gpupool_release(again, NULL);
+    gpupool_unpublish(c, "group:readers/again");
+  }
   gpupool_release(up, NULL);
   gpupool_release(ro, NULL);
   gpupool_disconnect(c);
