@@ -153,10 +153,11 @@ static void lease_unwait(gpupool__lease *l) {
     l->next->prev = l->prev;
   l->prev = l->next = NULL;
   reg->nwaiting--;
-  if ((u = gpupool__uid_usage_get(reg, l->uid, 0))) {
+  if (l->counted && (u = gpupool__uid_usage_get(reg, l->uid, 0))) {
     u->leases--;
     gpupool__uid_usage_put(reg, u);
   }
+  l->counted = 0;
 }
 
 static void lease_closed(uv_handle_t *h) {
@@ -256,7 +257,9 @@ static int lease_wait(gpupool__registry *reg, gpupool__lease *l) {
     reg->waiting->prev = l;
   reg->waiting = l;
   reg->nwaiting++;
-  if ((u = gpupool__uid_usage_get(reg, l->uid, 1)))
+  /* Counted only where the record could be made; lease_unwait takes back only what was. */
+  l->counted = (u = gpupool__uid_usage_get(reg, l->uid, 1)) != NULL;
+  if (l->counted)
     u->leases++;
   return 1;
 }
@@ -1509,10 +1512,20 @@ void gpupool__fill_desc(gpupool__registry *reg, gpupool__client *c, gpupool__hol
   {
     int mapped = gpupool__hmap_get(&c->mapped, sl->id) != NULL;
     int mapped_ro = mapped && gpupool__hmap_get(&c->mapped_ro, sl->id) != NULL;
-    if (!mapped || (mapped_ro && !h->read_only)) {
+    int remembered = mapped;
+    if (!mapped) {
+      /* Remember the mapping first: a slab handed out unrecorded could be freed under it. */
+      remembered = gpupool__hmap_put(&c->mapped, sl->id, sl) == 0;
+      if (remembered && slab_add_mapper(sl, c->id) != 0) {
+        gpupool__hmap_del(&c->mapped, sl->id);
+        remembered = 0;
+      }
+    }
+    if (remembered && (!mapped || (mapped_ro && !h->read_only))) {
       /* The first buffer of this slab for this client, or the first it may write: send how to
        * map it, with the slab's fd where the backend has one (read-only for a read-only
-       * hold, so the kernel enforces it), and remember. */
+       * hold, so the kernel enforces it). Out of memory above, nothing is sent, and the
+       * client refuses the buffer for want of export data (its hold is released). */
       s->slab.export_data.data = sl->bs.export_data;
       s->slab.export_data.len = sl->bs.export_len;
       s->slab.writable = !h->read_only;
@@ -1520,8 +1533,6 @@ void gpupool__fill_desc(gpupool__registry *reg, gpupool__client *c, gpupool__hol
         s->fd = h->read_only ? sl->bs.fd_ro : sl->bs.fd;
         s->slab.fd_attached = 1;
       }
-      if (!mapped && gpupool__hmap_put(&c->mapped, sl->id, sl) == 0 && slab_add_mapper(sl, c->id) != 0)
-        gpupool__hmap_del(&c->mapped, sl->id);
       if (h->read_only)
         (void)gpupool__hmap_put(&c->mapped_ro, sl->id, sl);
       else

@@ -54,6 +54,7 @@ struct gpupool__lease {
   int fd;                 /* daemon's end; closed once gone */
   int gone;               /* no process holds the other end any more */
   int waiting;            /* connection closed, memory pinned: counted in its uid's usage */
+  int counted;            /* its uid's record counts it (the record could be made) */
   int polling;            /* poll handle initialised; freed from its close callback */
   uint32_t refs;          /* the client's, one per pinned buffer and per slab mapping */
   uid_t uid;
