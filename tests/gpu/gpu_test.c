@@ -305,7 +305,7 @@ static int w_taker(char **a) {
     int np = 0, want = 0;
     if ((rc = gpupool_stats(c, NULL, ps, 8, &np)) < 0)
       wdie("taker", "gpupool_stats", rc);
-    for (int i = 0; i < np; i++)
+    for (int i = 0; i < np && i < 8; i++)
       if (!strcmp(ps[i].name, POOL))
         want = (int)(ps[i].capacity / bytes);
     if (want < 1 || want > 64)

@@ -64,7 +64,12 @@ static int bind_unix(int type, const char *path, int do_listen) {
     return -1;
   memset(&a, 0, sizeof(a));
   a.sun_family = AF_UNIX;
-  snprintf(a.sun_path, sizeof(a.sun_path), "%s", path);
+  if (strlen(path) >= sizeof(a.sun_path)) {
+    fprintf(stderr, "%s: longer than a socket path may be\n", path);
+    close(fd);
+    return -1;
+  }
+  memcpy(a.sun_path, path, strlen(path) + 1);
   if (bind(fd, (struct sockaddr *)&a, sizeof(a)) != 0 || (do_listen && listen(fd, 16) != 0)) {
     perror(path);
     close(fd);
