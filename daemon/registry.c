@@ -87,9 +87,9 @@ static void event_put(gpupool__registry *reg, gpupool__event *e) {
 
 /* ---- leases ----------------------------------------------------------------------------- */
 
-static void uid_account(gpupool__registry *reg, uid_t uid, int64_t bytes, int32_t allocs);
+static void uid_account(gpupool__registry *reg, uint64_t tenant, int64_t bytes, int32_t allocs);
 
-int gpupool__lease_new(gpupool__registry *reg, uid_t uid, pid_t pid, gpupool__lease **out, int *peer) {
+int gpupool__lease_new(gpupool__registry *reg, uid_t uid, gid_t gid, pid_t pid, gpupool__lease **out, int *peer) {
   gpupool__lease *l;
   int p[2];
   if (pipe2(p, O_CLOEXEC) != 0) {
@@ -116,6 +116,7 @@ int gpupool__lease_new(gpupool__registry *reg, uid_t uid, pid_t pid, gpupool__le
   l->fd = p[0];
   l->refs = 1;
   l->uid = uid;
+  l->tenant = gpupool__tenant_of(reg->cfg, uid, gid);
   l->pid = pid;
   l->reg = reg;
   *out = l;
@@ -153,7 +154,7 @@ static void lease_unwait(gpupool__lease *l) {
     l->next->prev = l->prev;
   l->prev = l->next = NULL;
   reg->nwaiting--;
-  if (l->counted && (u = gpupool__uid_usage_get(reg, l->uid, 0))) {
+  if (l->counted && (u = gpupool__uid_usage_get(reg, l->tenant, 0))) {
     u->leases--;
     gpupool__uid_usage_put(reg, u);
   }
@@ -258,7 +259,7 @@ static int lease_wait(gpupool__registry *reg, gpupool__lease *l) {
   reg->waiting = l;
   reg->nwaiting++;
   /* Counted only where the record could be made; lease_unwait takes back only what was. */
-  l->counted = (u = gpupool__uid_usage_get(reg, l->uid, 1)) != NULL;
+  l->counted = (u = gpupool__uid_usage_get(reg, l->tenant, 1)) != NULL;
   if (l->counted)
     u->leases++;
   return 1;
@@ -270,7 +271,6 @@ static int lease_wait(gpupool__registry *reg, gpupool__lease *l) {
  * allocation in the pool. */
 static int per_owner(const gpupool__registry *reg) { return reg->be->desc->pool_fd_maps_all; }
 
-static void owner_label(const gpupool__config *cfg, uint64_t owner, char *buf, size_t len);
 
 static gpupool__pinst *inst_find(gpupool__pool *p, uint64_t owner) {
   if (p->insts && p->insts->owner == GPUPOOL__OWNER_ANY)
@@ -303,7 +303,7 @@ static int inst_new(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, gp
   p->ninsts++;
   if (owner != GPUPOOL__OWNER_ANY) {
     char label[80];
-    owner_label(reg->cfg, owner, label, sizeof label);
+    gpupool__tenant_label(reg->cfg, owner, label, sizeof label);
     GPUPOOL__DEBUG("pool %s: backend pool #%" PRIu64 " created for %s", p->cfg.name, in->serial, label);
   }
   *out = in;
@@ -552,7 +552,7 @@ static void finish_free(gpupool__registry *reg, gpupool__buffer *b) {
   p->nbuffers--;
   event_put(reg, b->ready);
   /* Only now is the range really back: until here it stays on its owner's account. */
-  uid_account(reg, b->owner_uid, -(int64_t)b->size, -1);
+  uid_account(reg, b->owner_tenant, -(int64_t)b->size, -1);
   free(b->done);
   free(b->leases);
   free(b);
@@ -592,16 +592,16 @@ static void sweep_timer_update(gpupool__registry *reg) {
 }
 
 /* The uid's record, created when create is set; NULL when absent (or out of memory). */
-gpupool__uid_usage *gpupool__uid_usage_get(gpupool__registry *reg, uid_t uid, int create) {
-  gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, uid);
+gpupool__uid_usage *gpupool__uid_usage_get(gpupool__registry *reg, uint64_t tenant, int create) {
+  gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, tenant);
   if (u || !create)
     return u;
   u = calloc(1, sizeof *u);
-  if (!u || gpupool__hmap_put(&reg->uids, uid, u) != 0) {
+  if (!u || gpupool__hmap_put(&reg->uids, tenant, u) != 0) {
     free(u);
     return NULL;
   }
-  u->uid = uid;
+  u->tenant = tenant;
   return u;
 }
 
@@ -609,13 +609,13 @@ gpupool__uid_usage *gpupool__uid_usage_get(gpupool__registry *reg, uid_t uid, in
 void gpupool__uid_usage_put(gpupool__registry *reg, gpupool__uid_usage *u) {
   if (u && u->allocs == 0 && u->bytes == 0 && u->names == 0 && u->holds == 0 && u->leases == 0 &&
       u->conns == 0 && u->waiters == 0) {
-    gpupool__hmap_del(&reg->uids, u->uid);
+    gpupool__hmap_del(&reg->uids, u->tenant);
     free(u);
   }
 }
 
-static void uid_account(gpupool__registry *reg, uid_t uid, int64_t bytes, int32_t allocs) {
-  gpupool__uid_usage *u = gpupool__uid_usage_get(reg, uid, bytes > 0);
+static void uid_account(gpupool__registry *reg, uint64_t tenant, int64_t bytes, int32_t allocs) {
+  gpupool__uid_usage *u = gpupool__uid_usage_get(reg, tenant, bytes > 0);
   if (!u)
     return;
   u->bytes += (uint64_t)bytes;
@@ -742,7 +742,7 @@ uint64_t gpupool__tenant_of(const gpupool__config *cfg, uid_t uid, gid_t gid) {
   return (uint64_t)uid;
 }
 
-static void owner_label(const gpupool__config *cfg, uint64_t owner, char *buf, size_t len) {
+void gpupool__tenant_label(const gpupool__config *cfg, uint64_t owner, char *buf, size_t len) {
   if (owner & GROUP_SET)
     snprintf(buf, len, "group:%s", cfg->groups[owner & 0xffff].name);
   else if (owner & TENANT_SET)
@@ -781,7 +781,7 @@ int gpupool__name_key(gpupool__registry *reg, const gpupool__client *c, const ch
     return 0;
   }
   *owner = c->tenant;
-  owner_label(reg->cfg, c->tenant, label, sizeof label);
+  gpupool__tenant_label(reg->cfg, c->tenant, label, sizeof label);
   snprintf(key, len, "%s/%s", label, name);
   return 0;
 }
@@ -879,7 +879,7 @@ static int place(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, uint6
 static int hold_new(gpupool__registry *reg, gpupool__client *c, gpupool__buffer *b, int read_only, int owner,
                     gpupool__hold **out) {
   const gpupool__config *cfg = reg->cfg;
-  gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->uid, 1);
+  gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->tenant, 1);
   gpupool__hold *h;
   if (!u)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
@@ -891,8 +891,10 @@ static int hold_new(gpupool__registry *reg, gpupool__client *c, gpupool__buffer 
   }
   if (cfg->max_holds_per_uid && u->holds >= cfg->max_holds_per_uid) {
     gpupool__uid_usage_put(reg, u);
-    return gpupool__err(GPUPOOL_ELIMIT, "uid %u already has %" PRIu64 " holds, the limit (max_holds_per_uid) is %u",
-                        (unsigned)c->uid, u->holds, cfg->max_holds_per_uid);
+    char who[80];
+    gpupool__tenant_label(cfg, c->tenant, who, sizeof who);
+    return gpupool__err(GPUPOOL_ELIMIT, "%s already has %" PRIu64 " holds, the limit (max_holds_per_uid) is %u",
+                        who, u->holds, cfg->max_holds_per_uid);
   }
   h = calloc(1, sizeof *h);
   if (!h) {
@@ -957,7 +959,7 @@ static void hold_drop(gpupool__registry *reg, gpupool__hold *h, int done_recorde
     h->next->prev = h->prev;
   c->nholds--;
   {
-    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->uid, 0);
+    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->tenant, 0);
     if (u) {
       u->holds--;
       gpupool__uid_usage_put(reg, u);
@@ -1044,25 +1046,29 @@ int gpupool__attach(gpupool__registry *reg, gpupool__client *c, gpupool__pool *p
 /* Refuses new holds to a uid whose closed connections already pin memory through too many
  * leases: every such hold could become one more (a daemon fd and pinned memory each). */
 static int check_waiting_leases(gpupool__registry *reg, const gpupool__client *c) {
-  const gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, c->uid);
+  const gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, c->tenant);
   uint32_t max = reg->cfg->max_waiting_leases_per_uid;
+  char who[80];
   if (!max || !u || u->leases < max)
     return 0;
+  gpupool__tenant_label(reg->cfg, c->tenant, who, sizeof who);
   return gpupool__err(GPUPOOL_ELIMIT,
-                      "uid %u has %u closed connections whose processes still hold their lease and map gpupool "
+                      "%s has %u closed connections whose processes still hold their lease and map gpupool "
                       "memory (the limit, max_waiting_leases_per_uid, is %u): it gets no new buffers until some of "
-                      "those processes exit. Find the processes of this uid that closed their gpupool connection "
+                      "those processes exit. Find the processes of this tenant that closed their gpupool connection "
                       "but keep its memory mapped (forked children, workers that closed their sockets), end them "
                       "or have them call gpupool_disconnect, or raise max_waiting_leases_per_uid",
-                      (unsigned)c->uid, u->leases, max);
+                      who, u->leases, max);
 }
 
 static int check_limits(gpupool__registry *reg, gpupool__client *c, uint64_t size) {
   const gpupool__config *cfg = reg->cfg;
-  gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, c->uid);
+  gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, c->tenant);
+  char who[80];
   int rc;
   if ((rc = check_waiting_leases(reg, c)) != 0)
     return rc;
+  gpupool__tenant_label(cfg, c->tenant, who, sizeof who);
   if (cfg->max_allocs_per_client && c->allocs + 1 > cfg->max_allocs_per_client)
     return gpupool__err(GPUPOOL_ELIMIT,
                         "client already has %u live allocations, the limit (max_allocs_per_client) is %u; "
@@ -1075,13 +1081,13 @@ static int check_limits(gpupool__registry *reg, gpupool__client *c, uint64_t siz
                         size, c->bytes + size, cfg->max_bytes_per_client);
   if (cfg->max_allocs_per_uid && u && u->allocs + 1 > cfg->max_allocs_per_uid)
     return gpupool__err(GPUPOOL_ELIMIT,
-                        "uid %u already has %u live allocations, the limit (max_allocs_per_uid) is %u",
-                        (unsigned)c->uid, u->allocs, cfg->max_allocs_per_uid);
+                        "%s already has %u live allocations, the limit (max_allocs_per_uid) is %u",
+                        who, u->allocs, cfg->max_allocs_per_uid);
   if (cfg->max_bytes_per_uid && (u ? u->bytes : 0) + size > cfg->max_bytes_per_uid)
     return gpupool__err(GPUPOOL_ELIMIT,
-                        "allocating %" PRIu64 " bytes would bring uid %u to %" PRIu64
+                        "allocating %" PRIu64 " bytes would bring %s to %" PRIu64
                         " bytes, over its limit (max_bytes_per_uid) of %" PRIu64 " bytes",
-                        size, (unsigned)c->uid, (u ? u->bytes : 0) + size, cfg->max_bytes_per_uid);
+                        size, who, (u ? u->bytes : 0) + size, cfg->max_bytes_per_uid);
   return 0;
 }
 
@@ -1122,6 +1128,7 @@ int gpupool__allocate(gpupool__registry *reg, gpupool__client *c, gpupool__pool 
   b->size = asize;
   b->asked = size;
   b->owner_uid = c->uid;
+  b->owner_tenant = c->tenant;
   b->owner_pid = c->pid;
   b->owner_client = c->id;
   b->created_ns = gpupool__now_ns();
@@ -1144,7 +1151,7 @@ int gpupool__allocate(gpupool__registry *reg, gpupool__client *c, gpupool__pool 
   p->nbuffers++;
   c->bytes += asize;
   c->allocs++;
-  uid_account(reg, c->uid, (int64_t)asize, 1);
+  uid_account(reg, c->tenant, (int64_t)asize, 1);
   rc = hold_new(reg, c, b, 0, 1, out);
   if (rc != 0) {
     /* refs is 0: undo through the normal path so every counter goes back. */
@@ -1241,7 +1248,7 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
     return rc;
   if (h->buf->slab->owner != owner) {
     char label[80];
-    owner_label(reg->cfg, h->buf->slab->owner, label, sizeof label);
+    gpupool__tenant_label(reg->cfg, h->buf->slab->owner, label, sizeof label);
     return gpupool__err(GPUPOOL_EPERM,
                         "'%s' would make a buffer of %s readable outside it; publish it in that namespace "
                         "(%s)", name, label,
@@ -1257,12 +1264,14 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
     return gpupool__err(GPUPOOL_ELIMIT, "the daemon already holds %" PRIu64 " names, the limit (max_names) is %u",
                         reg->nnames, reg->cfg->max_names);
   {
-    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->uid, 0);
+    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->tenant, 0);
+    char who[80];
+    gpupool__tenant_label(reg->cfg, c->tenant, who, sizeof who);
     if (reg->cfg->max_names_per_uid && u && u->names >= reg->cfg->max_names_per_uid)
       return gpupool__err(GPUPOOL_ELIMIT,
-                          "uid %u already has %u names published, the limit (max_names_per_uid) is %u; "
+                          "%s already has %u names published, the limit (max_names_per_uid) is %u; "
                           "unpublish names it no longer needs (names outlive their publisher)",
-                          (unsigned)c->uid, u->names, reg->cfg->max_names_per_uid);
+                          who, u->names, reg->cfg->max_names_per_uid);
   }
   n = calloc(1, sizeof *n);
   if (!n || !(n->name = strdup(key))) {
@@ -1271,6 +1280,7 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
   }
   n->buf = h->buf;
   n->uid = c->uid;
+  n->tenant = c->tenant;
   n->read_only = h->read_only; /* a name never upgrades the hold it was published from */
   n->created_ns = gpupool__now_ns();
   if (has_meta) {
@@ -1290,7 +1300,7 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
   h->buf->names++;
   reg->nnames++;
   {
-    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->uid, 1);
+    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->tenant, 1);
     if (u)
       u->names++; /* (the record holds at least this client's hold: it exists) */
   }
@@ -1328,7 +1338,7 @@ int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *n
   gpupool__smap_del(&reg->names, n->name);
   reg->nnames--;
   {
-    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, n->uid, 0);
+    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, n->tenant, 0);
     if (u) {
       u->names--;
       gpupool__uid_usage_put(reg, u);

@@ -58,6 +58,7 @@ struct gpupool__lease {
   int polling;            /* poll handle initialised; freed from its close callback */
   uint32_t refs;          /* the client's, one per pinned buffer and per slab mapping */
   uid_t uid;
+  uint64_t tenant;        /* whose waiting leases it counts as */
   pid_t pid;              /* for logs only (0 when the client is in another PID namespace) */
   uint64_t client_id;     /* for logs */
   uint64_t since_ns;      /* when the connection closed */
@@ -137,6 +138,7 @@ struct gpupool__buffer {
   int has_meta;
   gpupool_tensor_meta meta;
   uid_t owner_uid;
+  uint64_t owner_tenant;  /* whose limits its bytes count against */
   pid_t owner_pid;
   uint64_t owner_client;  /* 0 once the owner disconnected */
   uint64_t created_ns;
@@ -167,6 +169,7 @@ typedef struct {
   char *name;                /* the key: "<namespace>/<name as published>" */
   gpupool__buffer *buf;
   uid_t uid;                 /* who published it */
+  uint64_t tenant;           /* whose names it counts against */
   uint64_t created_ns;
   int read_only;             /* published from a read-only hold: every get of it is read-only */
   int has_meta;              /* the tensor description published with this name */
@@ -175,8 +178,10 @@ typedef struct {
 
 /* Per-uid accounting for the per-uid limits. A buffer stays on its owner's account until
  * its range is really back in the slab (done events completed, leases gone). */
+/* What one tenant (a uid, unless a [tenant] section groups several) has and holds, counted for
+ * the limits named *_per_uid (per tenant: for an ungrouped uid, the same thing). */
 typedef struct {
-  uid_t uid;
+  uint64_t tenant;  /* gpupool__tenant_of() */
   uint64_t bytes;
   uint32_t allocs;
   uint32_t names;   /* names it published that still exist */
@@ -250,7 +255,7 @@ void gpupool__registry_stop(gpupool__registry *reg);
 /* A new lease for a connection of uid (pid for logs). *peer is the end to hand to the client
  * (the caller sends it in the Hello reply and closes its copy). GPUPOOL_ELIMIT when the
  * daemon has no fd left: refuse the connection, never serve it unwatched. */
-int gpupool__lease_new(gpupool__registry *reg, uid_t uid, pid_t pid, gpupool__lease **out, int *peer);
+int gpupool__lease_new(gpupool__registry *reg, uid_t uid, gid_t gid, pid_t pid, gpupool__lease **out, int *peer);
 /* Drop a lease that never reached a client (connection refused before client_init). */
 void gpupool__lease_discard(gpupool__lease *l);
 
@@ -286,7 +291,9 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
 /* What one uid has and holds, counted for its limits: the record (created when create is
  * set; NULL when absent or out of memory), and its release, which frees it once every count
  * is zero. */
-gpupool__uid_usage *gpupool__uid_usage_get(gpupool__registry *reg, uid_t uid, int create);
+gpupool__uid_usage *gpupool__uid_usage_get(gpupool__registry *reg, uint64_t tenant, int create);
+/* "uid:1000", "tenant:NAME" or "group:NAME", for messages. */
+void gpupool__tenant_label(const gpupool__config *cfg, uint64_t tenant, char *buf, size_t len);
 void gpupool__uid_usage_put(gpupool__registry *reg, gpupool__uid_usage *u);
 /* Whose memory c's buffers in p are (the group of a shared pool, else c's tenant); GPUPOOL_EPERM
  * when c may not use p. */

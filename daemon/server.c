@@ -297,10 +297,12 @@ static int waiter_limits(gpupool__conn *c) {
     return gpupool__err(GPUPOOL_ELIMIT,
                         "this client already has %u requests waiting, the limit (max_waiters_per_client) "
                         "is %u; wait for them to finish or time out", c->nwaiters, cfg->max_waiters_per_client);
-  if (cfg->max_waiters_per_uid && c->u->waiters >= cfg->max_waiters_per_uid)
-    return gpupool__err(GPUPOOL_ELIMIT,
-                        "uid %u already has %u requests waiting, the limit (max_waiters_per_uid) is %u",
-                        (unsigned)c->cl.uid, c->u->waiters, cfg->max_waiters_per_uid);
+  if (cfg->max_waiters_per_uid && c->u->waiters >= cfg->max_waiters_per_uid) {
+    char who[80];
+    gpupool__tenant_label(cfg, c->cl.tenant, who, sizeof who);
+    return gpupool__err(GPUPOOL_ELIMIT, "%s already has %u requests waiting, the limit (max_waiters_per_uid) is %u",
+                        who, c->u->waiters, cfg->max_waiters_per_uid);
+  }
   return 0;
 }
 
@@ -1161,7 +1163,9 @@ static int id_allowed(const uint32_t *ids, int n, uint32_t id) {
 static int conn_limits(gpupool__server *s, const struct ucred *cred, char *msg, size_t len) {
   const gpupool__config *cfg = s->cfg;
   int admin = cred->uid == 0 || cred->uid == geteuid();
-  const gpupool__uid_usage *u = gpupool__uid_usage_get(s->reg, cred->uid, 0);
+  uint64_t tenant = gpupool__tenant_of(cfg, cred->uid, cred->gid);
+  const gpupool__uid_usage *u = gpupool__uid_usage_get(s->reg, tenant, 0);
+  char who[80];
   uint64_t cap = cfg->max_clients;
   if (cap && !admin)
     cap = cfg->reserved_clients < cap ? cap - cfg->reserved_clients : 0;
@@ -1172,8 +1176,9 @@ static int conn_limits(gpupool__server *s, const struct ucred *cred, char *msg, 
     return -1;
   }
   if (!admin && cfg->max_clients_per_uid && u && u->conns >= cfg->max_clients_per_uid) {
-    snprintf(msg, len, "uid %u already has %u connections to gpupoold, its limit (max_clients_per_uid); "
-             "close some or share one connection between threads", (unsigned)cred->uid, u->conns);
+    gpupool__tenant_label(cfg, tenant, who, sizeof who);
+    snprintf(msg, len, "%s already has %u connections to gpupoold, its limit (max_clients_per_uid); "
+             "close some or share one connection between threads", who, u->conns);
     return -1;
   }
   return 0;
@@ -1243,7 +1248,7 @@ static void accept_out_of_fds(gpupool__server *s, int err) {
 static void conn_new(gpupool__server *s, int fd, const struct ucred *cred, gpupool__lease *lease, int peer) {
   gpupool__conn *c = calloc(1, sizeof *c);
 
-  if (!c || !(c->u = gpupool__uid_usage_get(s->reg, cred->uid, 1))) {
+  if (!c || !(c->u = gpupool__uid_usage_get(s->reg, gpupool__tenant_of(s->cfg, cred->uid, cred->gid), 1))) {
     free(c);
     gpupool__lease_discard(lease);
     close(peer);
@@ -1332,7 +1337,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
     }
     /* Liveness comes from the lease, never from the pid: without one the connection is not
      * served at all (unknown liveness must not read as "exited"). */
-    if (gpupool__lease_new(s->reg, cred.uid, cred.pid, &lease, &peer) != 0) {
+    if (gpupool__lease_new(s->reg, cred.uid, cred.gid, cred.pid, &lease, &peer) != 0) {
       snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
       s->refused_nofd++;
       log_refused_nofd(s, EMFILE, 0);

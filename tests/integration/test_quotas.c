@@ -149,6 +149,33 @@ static void test_connections_per_uid_and_reserved(void **state) {
   assert_int_equal(served_by(b, r2), 3); /* 12 - 4 reserved - 5 of the first uid */
 }
 
+static int log_contains(const char *needle) {
+  char line[1024];
+  int n = 0;
+  FILE *f = fopen(D.log, "r");
+  assert_non_null(f);
+  while (fgets(line, sizeof line, f))
+    n += strstr(line, needle) != NULL;
+  fclose(f);
+  return n;
+}
+
+/* A [tenant] of several uids shares one set of limits: its members together get
+ * max_clients_per_uid connections, not each of them. */
+static void test_tenant_shares_its_limits(void **state) {
+  int r1, r2;
+  pid_t a, b;
+  (void)state;
+  if (getuid() != 0)
+    skip();
+  start_with("max_clients_per_uid = 5\n[tenant team]\nuids = 65534, 65533\n");
+  a = spawn_sessions(NOBODY, 8, "max_clients_per_uid", &r1);
+  b = spawn_sessions(OTHER, 8, "max_clients_per_uid", &r2);
+  assert_int_equal(served_by(a, r1), 5);
+  assert_int_equal(served_by(b, r2), 0);
+  assert_true(log_contains("tenant:team already has 5 connections") >= 1);
+}
+
 /* Waiting requests are bounded per client and per uid; the refused ones get ELIMIT at once. */
 static int waiter_child(const th_daemon *d, int arg) {
   int fd1, fd2, limited = 0;
@@ -276,16 +303,6 @@ static int slow_reader_child(const th_daemon *d, int arg) {
   return 0;
 }
 
-static int log_contains(const char *needle) {
-  char line[1024];
-  int n = 0;
-  FILE *f = fopen(D.log, "r");
-  assert_non_null(f);
-  while (fgets(line, sizeof line, f))
-    n += strstr(line, needle) != NULL;
-  fclose(f);
-  return n;
-}
 
 static void test_slow_reader_dropped(void **state) {
   (void)state;
@@ -437,6 +454,7 @@ static void test_waiting_queue_per_owner(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_connections_per_uid_and_reserved, teardown),
+      cmocka_unit_test_teardown(test_tenant_shares_its_limits, teardown),
       cmocka_unit_test_teardown(test_waiters_bounded, teardown),
       cmocka_unit_test_teardown(test_violation_stops_reading, teardown),
       cmocka_unit_test_teardown(test_slow_reader_dropped, teardown),

@@ -39,7 +39,7 @@ static int g_tenant_pools; /* the next setup uses the per-tenant-pool backend be
 static void use_tenant_pools(gpupool__backend *be);
 
 static void give_lease(fixture *f, gpupool__client *c, int *peer) {
-  assert_int_equal(gpupool__lease_new(&f->reg, c->uid, 0, &c->lease, peer), 0);
+  assert_int_equal(gpupool__lease_new(&f->reg, c->uid, c->gid, 0, &c->lease, peer), 0);
 }
 
 static int setup_with(void **state, void (*tweak)(gpupool__config *)) {
@@ -280,9 +280,12 @@ static void test_limits(void **state) {
   assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), MIB, 0, &h2), 0);
   assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), MIB, 0, &h3), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool__errmsg(), "max_allocs_per_client"));
-  /* Another client of another uid has its own budget; the per-uid bytes still apply. */
-  assert_int_equal(gpupool__allocate(&f->reg, &f->b, pool(f), 3 * MIB, 0, &h3), 0);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->b, pool(f), 1, 0, &h3), GPUPOOL_ELIMIT);
+  /* b is another uid of a's tenant: it shares a's bytes (2 MiB of 3 used). */
+  assert_int_equal(gpupool__allocate(&f->reg, &f->b, pool(f), 2 * MIB, 0, &h3), GPUPOOL_ELIMIT);
+  assert_non_null(strstr(gpupool__errmsg(), "tenant:team"));
+  /* x, of another tenant, has its own budget; the per-tenant bytes still apply. */
+  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), 3 * MIB, 0, &h3), 0);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), 1, 0, &h3), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool__errmsg(), "max_bytes_per_uid"));
 }
 
@@ -303,7 +306,10 @@ static void test_drop_client_releases_everything(void **state) {
   assert_int_equal(f->reg.nwaiting, 0);
 }
 
-static gpupool__uid_usage *usage(fixture *f, uid_t uid) { return gpupool__hmap_get(&f->reg.uids, uid); }
+/* The usage record of the tenant of a client of uid (a and b share tenant "team"). */
+static gpupool__uid_usage *usage(fixture *f, uid_t uid) {
+  return gpupool__hmap_get(&f->reg.uids, gpupool__tenant_of(&f->cfg, uid, 0));
+}
 
 static void test_lease_keeps_memory_until_gone(void **state) {
   fixture *f = *state;
@@ -331,8 +337,8 @@ static void test_lease_keeps_memory_until_gone(void **state) {
   assert_int_equal(pool(f)->nslabs, 1);
   uv_run(&f->loop, UV_RUN_NOWAIT);
   assert_int_equal(f->reg.npending, 3);
-  /* Another uid is not affected; the same uid past its limit is refused with the reason. */
-  assert_int_equal(gpupool__allocate(&f->reg, &f->b, pool(f), 100, 0, &x), 0);
+  /* Another tenant is not affected; the same tenant past its limit is refused with the reason. */
+  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), 100, 0, &x), 0);
   f->cfg.max_waiting_leases_per_uid = 1; /* the registry reads the config it was given */
   f->a.uid = 1000;
   give_lease(f, &f->a, &f->a_peer);
