@@ -664,6 +664,64 @@ static int w_intruder(char **a) {
   return 0;
 }
 
+/* fresh SOCK BYTES: as uid 65534, allocate BYTES through the library (a new slab of its own
+ * tenant's pool) and count the bytes that are not zero: another tenant's freed memory must
+ * never arrive with its bytes in it. */
+static int w_fresh(char **a) {
+  const char *sock = a[0];
+  size_t bytes = strtoull(a[1], NULL, 0);
+  unsigned long long nonzero = 0;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Allocate al = GPUPOOL__WIRE__ALLOCATE__INIT;
+  struct cudaMemPoolPtrExportData exp;
+  const Gpupool__Wire__BufferDesc *bd;
+  gpupool__rep *rep;
+  cudaMemPool_t pool;
+  uint32_t pool_id;
+  void *ptr = NULL;
+  uint8_t *host;
+  int fd, ce;
+
+  if (setgroups(0, NULL) != 0 || setgid(NOBODY) != 0 || setuid(NOBODY) != 0 || getuid() != NOBODY) {
+    fprintf(stderr, "worker fresh: cannot become uid %d: %s\n", NOBODY, strerror(errno));
+    return 2;
+  }
+  /* The raw protocol, as the intruder: it needs no IPC event (see README, GPU: a client of
+   * another uid than the daemon cannot open the daemon's IPC events). */
+  if ((fd = raw_connect(sock)) < 0) {
+    fprintf(stderr, "worker fresh: cannot connect to %s: %s\n", sock, strerror(errno));
+    return 2;
+  }
+  pool_id = raw_hello("fresh", fd);
+  pool = raw_attach_import("fresh", fd, pool_id);
+  al.pool_id = pool_id;
+  al.size = bytes;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
+  req.allocate = &al;
+  rep = raw_call("fresh", fd, &req, NULL);
+  bd = rep && rep->allocate ? rep->allocate->buffer : NULL;
+  if (!bd || !bd->slab || bd->slab->export_data.len != sizeof(exp)) {
+    fprintf(stderr, "worker fresh: the Allocate reply carries no slab export data\n");
+    return 2;
+  }
+  memcpy(&exp, bd->slab->export_data.data, sizeof(exp));
+  if ((ce = (int)cudaMemPoolImportPointer(&ptr, pool, &exp)))
+    cdie("fresh", "cudaMemPoolImportPointer of its own new slab", ce);
+  if (!(host = malloc(bytes)))
+    return 2;
+  if ((ce = (int)cudaMemcpy(host, (uint8_t *)ptr + bd->offset, bytes, cudaMemcpyDefault)))
+    cdie("fresh", "cudaMemcpy", ce);
+  for (size_t i = 0; i < bytes; i++)
+    nonzero += host[i] != 0;
+  gh_say("NONZERO %llu", nonzero);
+  free(host);
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  (void)cudaFree(ptr);
+  (void)cudaMemPoolDestroy(pool);
+  close(fd);
+  return 0;
+}
+
 static int worker_main(int argc, char **argv) {
   static const struct {
     const char *role;
@@ -676,7 +734,8 @@ static int worker_main(int argc, char **argv) {
                {"churn-a", 2, w_churn_a},
                {"churn-b", 2, w_churn_b},
                {"exporter", 4, w_exporter},
-               {"intruder", 1, w_intruder}};
+               {"intruder", 1, w_intruder},
+               {"fresh", 2, w_fresh}};
   setvbuf(stdout, NULL, _IOLBF, 0);
   for (size_t i = 0; i < sizeof(roles) / sizeof(roles[0]); i++)
     if (argc >= 3 && !strcmp(argv[2], roles[i].role)) {
@@ -1293,9 +1352,29 @@ static int check_tenants(const gh_daemon *d, gpupool_client *c) {
   gh_writeline(&prod, "EXIT");
   if ((rc = gh_wait(&prod, STEP_MS)) != 0)
     return fail("producer exited with %d", rc);
+  {
+    /* Root's buffer (filled with a pattern) is gone; uid 65534 now gets fresh memory, which
+     * must read as zeros whatever it was before (new CUDA slabs are cleared). */
+    gh_proc fresh;
+    const char *argv[] = {"", "worker", "fresh", d->sock, bytes, NULL};
+    char zl[128];
+    unsigned long long nz = ~0ull;
+    if (gh_spawn(&fresh, argv, NULL, 0) < 0)
+      return fail("cannot start the fresh-memory worker");
+    if (gh_expect(&fresh, "NONZERO ", zl, sizeof(zl), STEP_MS) < 0 || sscanf(zl, "NONZERO %llu", &nz) != 1) {
+      gh_wait(&fresh, 5000);
+      return fail("the fresh-memory worker reported nothing (see its stderr)");
+    }
+    if ((rc = gh_wait(&fresh, STEP_MS)) != 0)
+      return fail("the fresh-memory worker exited with %d", rc);
+    if (nz != 0)
+      return fail("uid %d's new %s-byte buffer holds %llu non-zero bytes: memory passed between "
+                  "tenants uncleared", NOBODY, bytes, nz);
+  }
   return pass("root's slab export data imports into root's pool and reads bit-exact; uid %d's "
               "import of it into the pool AttachPool gave it fails (%s); 2 backend pools while "
-              "both were attached, 1 after", NOBODY, line + 8);
+              "both were attached, 1 after; uid %d's new buffer then read all zeros",
+              NOBODY, line + 8, NOBODY);
 }
 
 static const struct {
