@@ -444,6 +444,10 @@ static int inbuf_reserve(gpupool__wire_inbuf *b, size_t need) {
   ncap = b->cap ? b->cap : INBUF_MIN;
   while (ncap - b->len < need)
     ncap *= 2;
+  /* Never more than one frame (header and largest payload) unless a single need is larger
+   * (it is not: a partial frame needs at most the rest of itself). */
+  if (ncap > (size_t)b->max_frame + GPUPOOL_WIRE_HDR && b->len + need <= (size_t)b->max_frame + GPUPOOL_WIRE_HDR)
+    ncap = (size_t)b->max_frame + GPUPOOL_WIRE_HDR;
   n = realloc(b->buf, ncap);
   if (!n)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory for a receive buffer of %zu bytes", ncap);

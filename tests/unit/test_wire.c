@@ -949,6 +949,33 @@ static void test_inbuf_many_frames_one_read(void **state) {
   close(sv[1]);
 }
 
+/* The input buffer never grows past one frame: a client pipelining many small frames is read
+ * one buffer's worth at a time. */
+static void test_inbuf_capped_at_one_frame(void **state) {
+  int sv[2], fds = -1, got = 0;
+  gpupool__wire_inbuf b;
+  char name[201];
+  (void)state;
+  pair(sv);
+  set_nonblock(sv[1]);
+  memset(name, 'n', 200);
+  name[200] = '\0';
+  gpupool__wire_inbuf_init(&b, 4096);
+  /* 100 frames of ~220 bytes: 22 KB waiting, five times the cap (and within the socket's
+   * buffer, so the sends do not block before the reads). */
+  for (int i = 0; i < 100; i++)
+    send_hello(sv[0], 100 + (uint64_t)i, name, NULL, 0);
+  while (got < 100) {
+    int rc = gpupool__wire_inbuf_fill(&b, sv[1], &fds);
+    assert_true(rc > 0);
+    assert_true(b.cap <= 4096 + GPUPOOL_WIRE_HDR);
+    got += inbuf_drain(&b, 100 + (uint64_t)got);
+  }
+  gpupool__wire_inbuf_free(&b);
+  close(sv[0]);
+  close(sv[1]);
+}
+
 static void test_inbuf_split_and_large(void **state) {
   int sv[2], fds = -1;
   gpupool__wire_inbuf b;
@@ -1150,6 +1177,7 @@ int main(void) {
       cmocka_unit_test(test_passcred_ignored),
       cmocka_unit_test(test_inbuf_many_frames_one_read),
       cmocka_unit_test(test_inbuf_split_and_large),
+      cmocka_unit_test(test_inbuf_capped_at_one_frame),
       cmocka_unit_test(test_inbuf_fds_closed_oversize_eof),
       cmocka_unit_test(test_txq_order_and_fds),
       cmocka_unit_test(test_meta_conversion),
