@@ -101,7 +101,8 @@ int gpupool__parse_size(const char *s, uint64_t *out) {
   return 0;
 }
 
-int gpupool__parse_listen(const char *s, struct sockaddr_storage *out) {
+/* Parse a metrics_listen value into *out (see gpupool__config). 0 or GPUPOOL_EINVAL. */
+static int parse_listen(const char *s, struct sockaddr_storage *out) {
   char host[64];
   const char *port_s = s;
   char *end;
@@ -365,7 +366,7 @@ int gpupool__config_set(gpupool__config *c, const char *k, const char *v) {
       c->metrics_listen[0] = '\0';
       return 0;
     }
-    if (gpupool__parse_listen(v, &c->metrics_addr) != 0)
+    if (parse_listen(v, &c->metrics_addr) != 0)
       return GPUPOOL_EINVAL;
     return copy_str(c->metrics_listen, sizeof c->metrics_listen, v);
   }

@@ -100,8 +100,6 @@ int gpupool__config_set_backend(gpupool__config *c, const char *name);
 /* Fill unset fields of pools from the backend's defaults; add the backend's default pools
  * when none is configured. Checks slab <= 4 GiB, capacity >= slab, power-of-two alignment. */
 int gpupool__config_finish(gpupool__config *c, const gpupool__backend_desc *backend);
-/* Parse a metrics_listen value into *out (see gpupool__config). 0 or GPUPOOL_EINVAL. */
-int gpupool__parse_listen(const char *s, struct sockaddr_storage *out);
 /* Parse "64M", "8G", "1048576" (K/M/G/T = powers of 1024). 0 or GPUPOOL_EINVAL. */
 int gpupool__parse_size(const char *s, uint64_t *out);
 

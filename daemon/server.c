@@ -493,7 +493,8 @@ static void reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *
 
 /* ---- stats ---------------------------------------------------------------------------------- */
 
-void gpupool__stats_free(Gpupool__Wire__StatsReply *st) {
+/* Frees what server_stats allocated in *st (not st itself). */
+static void stats_free(Gpupool__Wire__StatsReply *st) {
   for (size_t i = 0; i < st->n_pools; i++)
     free(st->pools[i]);
   free(st->pools);
@@ -501,7 +502,9 @@ void gpupool__stats_free(Gpupool__Wire__StatsReply *st) {
   st->n_pools = 0;
 }
 
-int gpupool__server_stats(void *server, Gpupool__Wire__StatsReply *st) {
+/* Current statistics (the Stats reply's content); free with stats_free. Also the metrics'
+ * stats source (the server hands itself in when it starts them). */
+static int server_stats(void *server, Gpupool__Wire__StatsReply *st) {
   gpupool__server *s = server;
   gpupool__registry *reg = s->reg;
   gpupool__wire__stats_reply__init(st);
@@ -511,7 +514,7 @@ int gpupool__server_stats(void *server, Gpupool__Wire__StatsReply *st) {
   for (int i = 0; i < reg->npools; i++) {
     st->pools[i] = malloc(sizeof *st->pools[i]);
     if (!st->pools[i]) {
-      gpupool__stats_free(st);
+      stats_free(st);
       return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
     }
     st->n_pools++;
@@ -737,13 +740,13 @@ static int handle_unpublish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire_
 static int handle_stats(gpupool__conn *c, uint64_t seq) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__StatsReply st;
-  int rc = gpupool__server_stats(c->srv, &st);
+  int rc = server_stats(c->srv, &st);
   if (rc != 0)
     return rc;
   rep.body_case = GPUPOOL__WIRE__REPLY__BODY_STATS;
   rep.stats = &st;
   send_reply(c, seq, &rep, NULL, 0);
-  gpupool__stats_free(&st);
+  stats_free(&st);
   return 0;
 }
 
@@ -1407,13 +1410,13 @@ bind_fail:
 
 static void stats_release(void *server, Gpupool__Wire__StatsReply *st) {
   (void)server;
-  gpupool__stats_free(st);
+  stats_free(st);
 }
 
 int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool__config *cfg, gpupool__registry *reg,
                     int listen_fd) {
   gpupool__server *s = calloc(1, sizeof *s);
-  gpupool__stats_source src = {gpupool__server_stats, stats_release, NULL};
+  gpupool__stats_source src = {server_stats, stats_release, NULL};
   int rc;
   if (!s)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");

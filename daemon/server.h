@@ -23,11 +23,6 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
 /* Close the listener, the metrics and every connection (their holds are dropped). Handles
  * close on the next loop iterations; the server is freed when the last one has closed. */
 void gpupool__server_stop(gpupool__server *s);
-/* Current statistics (the Stats reply's content); free with gpupool__stats_free. Also the
- * metrics' stats source (the server hands itself in when it starts them). */
-int gpupool__server_stats(void *server, Gpupool__Wire__StatsReply *out);
-/* Frees what gpupool__server_stats allocated in *st (not st itself). */
-void gpupool__stats_free(Gpupool__Wire__StatsReply *st);
 /* Monotonic ns of the last client input (for busy polling). */
 uint64_t gpupool__server_last_activity(const gpupool__server *s);
 /* Number of connected clients. */
