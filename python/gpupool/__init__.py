@@ -20,7 +20,7 @@ GPUPOOL_LIBRARY to the library's full path when it is not installed where the lo
 
 from ._dtypes import DType, dtype
 from ._lib import GpupoolError, LibraryNotFoundError
-from .client import Client, Tensor
+from .client import Client, Tensor, TensorDict
 
 try:
     from ._version import __version__  # written by the wheel build (scikit-build-core)
@@ -38,7 +38,7 @@ except ImportError:  # a source tree on PYTHONPATH: the CMake project's version
     __version__ = _source_version()
     del _source_version
 
-__all__ = ["Client", "Tensor", "GpupoolError", "LibraryNotFoundError", "DType", "dtype",
+__all__ = ["Client", "Tensor", "TensorDict", "GpupoolError", "LibraryNotFoundError", "DType", "dtype",
            "library_version"]
 
 

@@ -120,6 +120,64 @@ class Token(ctypes.Structure):
     _fields_ = [("bytes", ctypes.c_uint8 * TOKEN_SIZE)]
 
 
+class BundleHandle(ctypes.Structure):
+    """Opaque gpupool_bundle."""
+
+
+class PendingHandle(ctypes.Structure):
+    """Opaque gpupool_pending."""
+
+
+BundleP = ctypes.POINTER(BundleHandle)
+PendingP = ctypes.POINTER(PendingHandle)
+
+# Most members a bundle may have (GPUPOOL_BUNDLE_MAX_MEMBERS; the daemon's limit may be lower).
+BUNDLE_MAX_MEMBERS = 65536
+
+
+class MemberSpec(ctypes.Structure):
+    """gpupool_member_spec: a member asked for by gpupool_bundle_alloc."""
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("size", ctypes.c_uint64),
+        ("meta", ctypes.POINTER(TensorMeta)),
+    ]
+
+
+class Member(ctypes.Structure):
+    """gpupool_member: a member of a bundle as this process sees it."""
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("ptr", ctypes.c_void_p),
+        ("size", ctypes.c_uint64),
+        ("has_meta", ctypes.c_int),
+        ("meta", TensorMeta),
+        ("buffer", ctypes.c_int),
+        ("offset", ctypes.c_uint64),
+    ]
+
+
+class MemberRef(ctypes.Structure):
+    """gpupool_member_ref: a range of a held buffer, published by gpupool_publish_members."""
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("buffer", BufferP),
+        ("offset", ctypes.c_uint64),
+        ("size", ctypes.c_uint64),
+        ("meta", ctypes.POINTER(TensorMeta)),
+    ]
+
+
+# The same structs as struct-module formats (little-endian x86-64/aarch64 layout, padding
+# spelled out), for packing and unpacking whole tables at C speed: reading a 1,000-member
+# table field by field through ctypes costs milliseconds, struct.iter_unpack a fraction.
+# check_layouts() proves them equal to the ctypes mirrors above.
+META_FMT = "<BBHi16q16qi4xQ"
+MEMBER_FMT = "<QQQi4x" + META_FMT[1:] + "i4xQ"
+SPEC_FMT = "<QQQ"
+REF_FMT = "<QQQQQ"
+
+
 _c_int = ctypes.c_int
 _vp = ctypes.c_void_p
 _cp = ctypes.c_char_p
@@ -160,7 +218,54 @@ _PROTOTYPES = {
     "gpupool_trim": (_c_int, [ClientP]),
     "gpupool_tensor_span": (ctypes.c_uint64, [ctypes.POINTER(TensorMeta),
                                               ctypes.POINTER(_c_int)]),
+    # versions
+    "gpupool_publish_version": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp,
+                                         ctypes.POINTER(ctypes.c_uint64)]),
+    "gpupool_get_newer": (_c_int, [ClientP, _cp, ctypes.c_uint64, _c_int, ctypes.c_uint, _vp,
+                                   ctypes.POINTER(BufferP), ctypes.POINTER(ctypes.c_uint64)]),
+    # bundles (the member tables are passed as raw addresses: they are packed with struct)
+    "gpupool_bundle_alloc": (_c_int, [ClientP, _cp, _vp, _c_int, ctypes.c_uint64, _c_int, _vp,
+                                      ctypes.POINTER(BundleP)]),
+    "gpupool_bundle_publish": (_c_int, [BundleP, _cp, _vp, ctypes.POINTER(ctypes.c_uint64)]),
+    "gpupool_publish_members": (_c_int, [ClientP, _cp, _vp, _c_int, _vp,
+                                         ctypes.POINTER(ctypes.c_uint64)]),
+    "gpupool_bundle_get": (_c_int, [ClientP, _cp, ctypes.c_uint64, _c_int, ctypes.c_uint, _vp,
+                                    ctypes.POINTER(BundleP)]),
+    "gpupool_bundle_release": (_c_int, [BundleP, _vp]),
+    "gpupool_bundle_count": (_c_int, [BundleP]),
+    "gpupool_bundle_version": (ctypes.c_uint64, [BundleP]),
+    "gpupool_bundle_member": (_c_int, [BundleP, _c_int, ctypes.POINTER(Member)]),
+    "gpupool_bundle_members": (_c_int, [BundleP, _c_int, _c_int, _vp]),
+    "gpupool_bundle_find": (_c_int, [BundleP, _cp]),
+    "gpupool_bundle_buffers": (_c_int, [BundleP]),
+    "gpupool_bundle_buffer": (BufferP, [BundleP, _c_int]),
+    # pipelining
+    "gpupool_get_begin": (_c_int, [ClientP, _cp, ctypes.c_uint64, _c_int, ctypes.c_uint,
+                                   ctypes.POINTER(PendingP)]),
+    "gpupool_get_end": (_c_int, [PendingP, _vp, ctypes.POINTER(BufferP),
+                                 ctypes.POINTER(ctypes.c_uint64)]),
+    "gpupool_bundle_get_begin": (_c_int, [ClientP, _cp, ctypes.c_uint64, _c_int, ctypes.c_uint,
+                                          ctypes.POINTER(PendingP)]),
+    "gpupool_bundle_get_end": (_c_int, [PendingP, _vp, ctypes.POINTER(BundleP)]),
+    "gpupool_publish_begin": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp,
+                                       ctypes.POINTER(PendingP)]),
+    "gpupool_release_begin": (_c_int, [BufferP, _vp, ctypes.POINTER(PendingP)]),
+    "gpupool_pending_end": (_c_int, [PendingP, ctypes.POINTER(ctypes.c_uint64)]),
+    "gpupool_pending_cancel": (None, [PendingP]),
 }
+
+
+def check_layouts():
+    """Raise if the struct formats above disagree with the ctypes mirrors of the header."""
+    import struct
+
+    for fmt, st in ((META_FMT, TensorMeta), (MEMBER_FMT, Member), (SPEC_FMT, MemberSpec),
+                    (REF_FMT, MemberRef)):
+        if struct.calcsize(fmt) != ctypes.sizeof(st):
+            raise AssertionError("layout of %s: struct %d bytes, ctypes %d"
+                                 % (st.__name__, struct.calcsize(fmt), ctypes.sizeof(st)))
+    if (Member.meta.offset, Member.buffer.offset, Member.offset.offset) != (32, 312, 320):
+        raise AssertionError("unexpected gpupool_member layout on this platform")
 
 _lock = threading.Lock()
 _lib = None

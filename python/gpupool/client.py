@@ -20,15 +20,17 @@ order: host memory with memmove (NumPy for strided views), GPU memory with the p
 framework's own copy (``copy_`` / ``[...] =``) on the producer's stream.
 """
 
+import bisect
 import ctypes
 import math
 import threading
 import weakref
+from collections.abc import Mapping
 
-from . import _cuda, _dlpack, _dtypes, _lib
+from . import _bundle, _cuda, _dlpack, _dtypes, _lib
 from ._lib import GpupoolError, check
 
-__all__ = ["Client", "Tensor"]
+__all__ = ["Client", "Tensor", "TensorDict"]
 
 _HOST_DEVICES = (_dlpack.kDLCPU, _dlpack.kDLCUDAHost, _dlpack.kDLROCMHost)
 
@@ -98,6 +100,7 @@ class _Conn:
         self.disconnected = False
         # Bound here so that releases during interpreter shutdown need no module globals.
         self.c_release = L.gpupool_release
+        self.c_bundle_release = L.gpupool_bundle_release
         self.c_disconnect = L.gpupool_disconnect
 
     def add(self):
@@ -215,6 +218,119 @@ class _Hold:
             pass
 
 
+class _BundleHold:
+    """The holds of one bundle (a C gpupool_bundle: its buffers and member table), released
+    exactly once, with gpupool_bundle_release, when the last Python reference goes: the
+    TensorDict, and every member Tensor or exported view, through the _Part of its buffer.
+    Stream bookkeeping as _Hold's, for the bundle as a whole (one release stream)."""
+
+    def __init__(self, conn, bundle, stream):
+        L = conn.lib
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.safe_stream = stream
+        self.streams = [stream]
+        self.synced = set()
+        self.bundle = bundle
+        conn.add()
+        try:
+            n = L.gpupool_bundle_buffers(bundle)
+            self.parts = [_Part(self, i, L.gpupool_bundle_buffer(bundle, i), L)
+                          for i in range(n)]
+        except BaseException:
+            self.release()
+            raise
+
+    @property
+    def released(self):
+        return self.bundle is None
+
+    def used_in(self, stream, part):
+        if part.kind == _lib.MEM_HOST:
+            return
+        with self.lock:
+            if not any(_cuda.same_stream(stream, s) for s in self.streams):
+                self.streams.append(stream)
+        if not _cuda.same_stream(stream, self.safe_stream):
+            _cuda.stream_wait(stream, self.safe_stream, part.cuda_device)
+
+    def sync_cpu(self, part):
+        if part.kind != _lib.MEM_HOST_NUMA or part.cuda_device in self.synced:
+            return
+        if _cuda.available():
+            _cuda.stream_sync(self.safe_stream, part.cuda_device)
+        self.synced.add(part.cuda_device)
+
+    def release(self):
+        with self.lock:
+            b, self.bundle = self.bundle, None
+            streams = self.streams
+        if b is None:
+            return
+        stream = streams[-1]
+        try:
+            dev = next((p for p in getattr(self, "parts", ()) if p.kind != _lib.MEM_HOST), None)
+            if len(streams) > 1 and dev is not None:
+                for s in streams[:-1]:
+                    _cuda.stream_wait(stream, s, dev.cuda_device)
+            rc = self.conn.c_bundle_release(b, stream)
+        finally:
+            self.conn.drop()
+        if rc < 0:
+            raise _lib.error(rc, "release of a bundle")
+
+    def __del__(self):
+        try:
+            self.release()
+        except BaseException:
+            pass
+
+
+class _Part:
+    """One buffer of a bundle, with the face of a _Hold (what Tensor, DLPack exports and
+    Client._find_hold use). It keeps the whole bundle alive: a member view's export holds
+    its _Part, and so the bundle, until the framework frees it."""
+
+    __slots__ = ("owner", "index", "_buf", "ptr", "size", "kind", "device", "buffer_id",
+                 "read_only", "__weakref__")
+
+    def __init__(self, owner, index, buf, L):
+        self.owner = owner
+        self.index = index
+        self._buf = buf
+        self.ptr = L.gpupool_buffer_ptr(buf) or 0
+        self.size = L.gpupool_buffer_size(buf)
+        self.kind = L.gpupool_buffer_kind(buf)
+        self.device = L.gpupool_buffer_device(buf)
+        self.buffer_id = L.gpupool_buffer_id(buf)
+        self.read_only = bool(L.gpupool_buffer_read_only(buf))
+
+    @property
+    def buf(self):
+        return None if self.owner.bundle is None else self._buf
+
+    @property
+    def released(self):
+        return self.owner.bundle is None
+
+    @property
+    def streams(self):
+        return self.owner.streams
+
+    @property
+    def conn(self):
+        return self.owner.conn
+
+    dl_device = _Hold.dl_device
+    cuda_device = _Hold.cuda_device
+
+    def used_in(self, stream):
+        self.owner.used_in(stream, self)
+
+    def sync_cpu(self):
+        self.owner.sync_cpu(self)
+
+
 def _meta(dtype, shape, strides, byte_offset):
     m = _lib.TensorMeta()
     m.dtype_code, m.dtype_bits, m.dtype_lanes = dtype.code, dtype.bits, dtype.lanes
@@ -264,6 +380,7 @@ class Tensor:
         self.buffer_id = hold.buffer_id
         self.read_only = hold.read_only
         self._dl_device = hold.dl_device
+        self.version = None
 
     # --- description -------------------------------------------------------------------
     @property
@@ -454,6 +571,152 @@ class _ArrayView:
         self.hold = hold
 
 
+class TensorDict(Mapping):
+    """A bundle: member name -> Tensor, in member order (a read-only Mapping).
+
+    From ``Client.alloc_dict`` (to produce into, then ``Client.publish_dict``) or
+    ``Client.get_dict`` (a version of a published name). Values are gpupool Tensors viewing
+    the bundle's memory (DLPack, ``__array_interface__``), made on first access. For many
+    members at once use ``torch()``, ``cupy()`` or ``numpy()``: a plain dict of framework
+    views built from one import per buffer, far cheaper than importing member by member.
+
+    The bundle's memory is released by ``release()``, a ``with`` block, or garbage
+    collection, and only once no member Tensor or framework view made from it is alive.
+
+    Attributes: name (the published name, None for an allocation), version (0 for an
+    allocation), read_only, nbytes (sum of the members' sizes), buffers (how many buffers
+    the members lie in).
+    """
+
+    def __init__(self, client, bhold, layout, version, name):
+        self._client = client
+        self._bhold = bhold
+        self._layout = layout
+        self._members = layout.members
+        self._index = None
+        self._tensors = {}
+        self.version = version
+        self.name = name
+        self.read_only = any(p.read_only for p in bhold.parts)
+        self.buffers = len(bhold.parts)
+
+    # --- Mapping ----------------------------------------------------------------------
+    def _names(self):
+        # name -> index, made on first use (torch() and friends need none).
+        if self._index is None:
+            self._index = {n: i for i, n in enumerate(self._layout.names)}
+        return self._index
+
+    def __getitem__(self, key):
+        t = self._tensors.get(key)
+        if t is not None:
+            return t
+        i = self._names()[key]
+        t = self._member_tensor(i)
+        self._tensors[key] = t
+        return t
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __len__(self):
+        return len(self._members)
+
+    def __contains__(self, key):
+        return key in self._names()
+
+    def keys(self):
+        return self._names().keys()
+
+    def _member_tensor(self, i):
+        bh = self._live()
+        name, part, off, dt, shape, strides, _ = self._members[i]
+        t = self._client._tensor(bh.parts[part], dt, shape, strides, off, name)
+        t.version = self.version
+        return t
+
+    def _live(self):
+        bh = self._bhold
+        if bh is None or bh.released:
+            raise GpupoolError(_lib.CODES["EINVAL"], "EINVAL",
+                               "tensor dict %r was released; get or allocate it again"
+                               % (self.name,))
+        return bh
+
+    # --- description ------------------------------------------------------------------
+    @property
+    def nbytes(self):
+        return sum(m[6] for m in self._members)
+
+    @property
+    def released(self):
+        return self._bhold is None or self._bhold.released
+
+    def member_info(self, key):
+        """(dtype name, shape, strides or None, buffer index, byte offset in the buffer)."""
+        name, part, off, dt, shape, strides, _ = self._members[self._names()[key]]
+        return dt.name, shape, strides, part, off
+
+    def __repr__(self):
+        return "<gpupool.TensorDict%s version=%d members=%d bytes=%d%s%s>" % (
+            " %r" % self.name if self.name else "", self.version, len(self._members),
+            self.nbytes, " read-only" if self.read_only else "",
+            " released" if self.released else "")
+
+    # --- framework views --------------------------------------------------------------
+    def _region(self, part):
+        """The whole buffer `part` as a flat uint8 Tensor, to import once."""
+        p = self._live().parts[part]
+        return Tensor(p, _UINT8, (p.size,), None, 0, self.name, self._client)
+
+    def torch(self):
+        """A plain dict name -> torch.Tensor, views of the bundle's memory (no copy), in
+        member order. Each buffer is imported once (torch.from_dlpack, on torch's current
+        stream, which is made to wait for the producer) and every member is a view of it;
+        the views keep the memory alive after this TensorDict is released."""
+        import torch
+
+        self._live()
+        return _bundle.torch_views(
+            self._layout, lambda part: torch.from_dlpack(self._region(part)),
+            lambda i: torch.from_dlpack(self._member_tensor(i)))
+
+    def cupy(self, raw=False):
+        """A plain dict name -> cupy.ndarray (device memory), as torch() does for torch.
+        raw=True views types CuPy lacks (bfloat16) as unsigned integers of their size."""
+        import cupy
+
+        self._live()
+        return _bundle.cupy_views(self._layout,
+                                  lambda part: cupy.from_dlpack(self._region(part)), raw)
+
+    def numpy(self, raw=False):
+        """A plain dict name -> numpy.ndarray (host memory), as torch() does for torch.
+        raw=True views types NumPy lacks (bfloat16) as unsigned integers of their size."""
+        self._live()
+        return _bundle.numpy_views(self._layout, lambda part: self._region(part).numpy(),
+                                   raw)
+
+    # --- lifetime ---------------------------------------------------------------------
+    def release(self):
+        """Let go of this dict's hold on the bundle and of its member Tensors. Framework
+        views made from them keep the memory until they are freed."""
+        for t in self._tensors.values():
+            t.release()
+        self._tensors = {}
+        self._bhold = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+        return False
+
+
+_UINT8 = _dtypes.dtype("uint8")
+
+
 class Client:
     """A connection to gpupoold.
 
@@ -479,6 +742,7 @@ class Client:
         self._conn = _Conn(h, L, socket)
         self._lib = L
         self._tensors = weakref.WeakSet()
+        self._dicts = weakref.WeakSet()
         self._holds = weakref.WeakSet()
         self._pools = None
 
@@ -500,6 +764,8 @@ class Client:
             return
         for t in list(self._tensors):
             t.release()
+        for d in list(self._dicts):
+            d.release()
         conn.close()
 
     @property
@@ -533,6 +799,24 @@ class Client:
         t = Tensor(hold, dtype, shape, strides, byte_offset, name, self)
         self._tensors.add(t)
         return t
+
+    def _tensor_dict(self, bundle, stream, name):
+        """A TensorDict owning the C bundle (released here if that fails)."""
+        L = self._lib
+        try:
+            bh = _BundleHold(self._conn, bundle, stream)
+        except BaseException:
+            L.gpupool_bundle_release(bundle, stream)
+            raise
+        for p in bh.parts:
+            self._holds.add(p)
+        n = L.gpupool_bundle_count(bundle)
+        raw = ctypes.create_string_buffer(max(n, 1) * _bundle.MEMBER_SIZE)
+        check(L.gpupool_bundle_members(bundle, 0, n, raw), "member table of %r" % (name,))
+        layout = _bundle.parse_members(raw, n)
+        d = TensorDict(self, bh, layout, L.gpupool_bundle_version(bundle), name)
+        self._dicts.add(d)
+        return d
 
     def pools(self):
         """The daemon's pools: a list of dicts (id, name, kind, device, capacity, ...)."""
@@ -614,33 +898,43 @@ class Client:
         hold = self._new_hold(buf, s)
         return self._tensor(hold, dt, shape, None, 0, None)
 
-    def get(self, name, timeout=None, read_only=False, stream=None):
+    def get(self, name, timeout=None, read_only=False, stream=None, newer_than=0):
         """The tensor published under `name`, as a new hold of this process.
 
         timeout: seconds to wait for a producer to publish it (None = forever, 0 = fail at
         once with ENOENT; ETIMEDOUT when it runs out). read_only: ask for a read-only hold.
         stream: the consumer's CUDA stream (int handle, torch or CuPy stream); it waits on
         the producer's ready event without blocking the CPU. Exporting to another stream
-        later (``__dlpack__(stream=...)``) orders that stream too."""
+        later (``__dlpack__(stream=...)``) orders that stream too. newer_than: wait for a
+        version of the name greater than this (0: the version published now); the
+        Tensor's ``version`` says which one came. A name published as a bundle of several
+        members is refused (EINVAL): use get_dict."""
         nb = _encode_name(name)
         s = stream_handle(stream)
         ms = _timeout_ms(timeout, forever=True)
+        newer = _version_arg(newer_than)
         buf = _lib.BufferP()
-        check(self._lib.gpupool_get(self._conn.usable(), nb, ms,
-                                    _lib.READ_ONLY if read_only else 0, s, ctypes.byref(buf)),
-              "get %r" % (name,))
+        ver = ctypes.c_uint64(0)
+        check(self._lib.gpupool_get_newer(self._conn.usable(), nb, newer, ms,
+                                          _lib.READ_ONLY if read_only else 0, s,
+                                          ctypes.byref(buf), ctypes.byref(ver)),
+              "get %r" % (name,) if not newer else "get %r newer than version %d"
+              % (name, newer))
         hold = self._new_hold(buf, s)
         m = _lib.TensorMeta()
         rc = self._lib.gpupool_buffer_tensor(buf, ctypes.byref(m))
         if rc == _lib.CODES["ENOENT"]:
             # Published without a description: the raw bytes.
-            return self._tensor(hold, _dtypes.dtype("uint8"), (hold.size,), None, 0, name)
-        check(rc, "tensor description of %r" % (name,))
-        nd = m.ndim
-        shape = [m.shape[i] for i in range(nd)]
-        strides = [m.strides[i] for i in range(nd)] if m.strides_present else None
-        dt = _dtypes.from_dlpack_code(m.dtype_code, m.dtype_bits, m.dtype_lanes)
-        return self._tensor(hold, dt, shape, strides, m.byte_offset, name)
+            t = self._tensor(hold, _UINT8, (hold.size,), None, 0, name)
+        else:
+            check(rc, "tensor description of %r" % (name,))
+            nd = m.ndim
+            shape = [m.shape[i] for i in range(nd)]
+            strides = [m.strides[i] for i in range(nd)] if m.strides_present else None
+            dt = _dtypes.from_dlpack_code(m.dtype_code, m.dtype_bits, m.dtype_lanes)
+            t = self._tensor(hold, dt, shape, strides, m.byte_offset, name)
+        t.version = ver.value
+        return t
 
     def publish(self, name, tensor, stream=None, pool=None, share_gid=0, share_all=False):
         """Publish `tensor` under `name`; consumers get it with ``Client.get(name)``.
@@ -655,17 +949,19 @@ class Client:
         consumers wait for it. pool: the pool a copy goes to (default: one on the tensor's
         device). Names live in the caller's tenant; to share with other users, allocate in a
         pool the daemon shares with a group and publish as "group:GROUP/NAME". share_gid /
-        share_all are refused by the daemon (they would expose the publisher's slab)."""
+        share_all are refused by the daemon (they would expose the publisher's slab).
+
+        Publishing a name that exists makes its next version (holders of the previous one
+        keep reading it; its memory goes when the last lets go). Returns the version made:
+        1 for a new name."""
         nb = _encode_name(name)
         s = stream_handle(stream)
         if isinstance(tensor, Tensor):
             hold = tensor._live_hold()
             m = _meta(tensor._dtype, tensor.shape, tensor.strides, tensor.byte_offset)
             if s is not None or hold.kind == _lib.MEM_HOST:
-                self._publish(hold, nb, m, s, share_gid, share_all)
-            else:
-                self._publish(hold, nb, m, hold.streams[-1], share_gid, share_all)
-            return
+                return self._publish(hold, nb, m, s, share_gid, share_all)
+            return self._publish(hold, nb, m, hold.streams[-1], share_gid, share_all)
         if s is None and hasattr(tensor, "__dlpack_device__"):
             dev = tensor.__dlpack_device__()
             if int(dev[0]) == _dlpack.kDLCUDA:
@@ -674,8 +970,7 @@ class Client:
         hold = self._find_hold(desc)
         if hold is not None:
             m = _meta(desc.dtype, desc.shape, desc.strides, desc.data - hold.ptr)
-            self._publish(hold, nb, m, s, share_gid, share_all)
-            return
+            return self._publish(hold, nb, m, s, share_gid, share_all)
         if desc.dtype.typestr is None and desc.dtype.name != "bfloat16":
             raise GpupoolError(_lib.CODES["EMETA"], "EMETA",
                                "element type %s has no gpupool equivalent" % desc.dtype.name)
@@ -685,7 +980,7 @@ class Client:
         try:
             _copy_into(t, tensor, desc, s)
             m = _meta(t._dtype, t.shape, None, 0)
-            self._publish(t._hold, nb, m, s, share_gid, share_all)
+            return self._publish(t._hold, nb, m, s, share_gid, share_all)
         finally:
             t.release()
 
@@ -694,12 +989,186 @@ class Client:
         buf = hold.buf
         if buf is None:
             raise GpupoolError(_lib.CODES["EINVAL"], "EINVAL", "buffer was released")
+        ver = ctypes.c_uint64(0)
         if share_gid or share_all:
             rc = self._lib.gpupool_publish_ex(buf, nb, ctypes.byref(meta), s, share_gid,
                                               1 if share_all else 0)
         else:
-            rc = self._lib.gpupool_publish(buf, nb, ctypes.byref(meta), s)
+            rc = self._lib.gpupool_publish_version(buf, nb, ctypes.byref(meta), s,
+                                                   ctypes.byref(ver))
         check(rc, "publish %r" % nb.decode("utf-8", "replace"))
+        return ver.value or None
+
+    # --- bundles: many tensors in one request ------------------------------------------
+    def alloc_dict(self, spec, device=None, pool=None, timeout=0, stream=None, alignment=0):
+        """A new bundle to produce into: a TensorDict of writable C-contiguous Tensors, all
+        allocated in one request (placed one after the other, each aligned, in as few
+        buffers as the pool allows), to publish later with ``publish_dict`` without a copy.
+
+        spec: a mapping name -> (shape, dtype) or name -> an example tensor (anything with
+        ``shape`` and ``dtype``: torch, NumPy, CuPy, a gpupool Tensor), or a sequence of
+        (name, (shape, dtype)), (name, example) or (name, shape, dtype). device, pool,
+        timeout, stream as for ``alloc``; alignment: of every member in bytes (a power of
+        two up to 2 MiB; 0 = the pool's)."""
+        items = _spec_items(spec)
+        if not items:
+            raise GpupoolError(_lib.CODES["EINVAL"], "EINVAL",
+                               "a tensor dict needs at least one member")
+        pool_name = pool if pool is not None else self._pool_for_device(device)
+        bnames, sizes, metas = [], [], []
+        for key, shape, dt in items:
+            bnames.append(_encode_name(key, "member name"))
+            sizes.append(max(_dlpack.numel(shape) * dt.itemsize, 1))
+            metas.append((dt, shape, None, 0))
+        return self._alloc_bundle(bnames, sizes, metas, pool_name, timeout,
+                                  stream_handle(stream), alignment)
+
+    def _alloc_bundle(self, bnames, sizes, metas, pool_name, timeout, s, alignment=0):
+        table, keep = _bundle.pack_specs(bnames, sizes, metas)
+        b = _lib.BundleP()
+        total = sum(sizes)
+        check(self._lib.gpupool_bundle_alloc(
+            self._conn.usable(), None if pool_name is None else _encode_name(pool_name),
+            table, len(bnames), int(alignment), _timeout_ms(timeout, forever=False), s,
+            ctypes.byref(b)),
+            "alloc_dict of %d members, %d bytes" % (len(bnames), total))
+        del keep
+        return self._tensor_dict(b, s, None)
+
+    def publish_dict(self, name, mapping, stream=None, pool=None):
+        """Publish a dict of tensors under `name` as one bundle, in one request: consumers
+        get every member at once (``get_dict``), all of this version or none of it.
+
+        Zero copy for a TensorDict of this client (from ``alloc_dict`` or ``get_dict``),
+        and for members that are gpupool memory of this client (Tensors from ``alloc``,
+        TensorDict members, framework views of them): they are published in place. Any
+        other member is copied once, compacted to C-contiguous, into one new bundle (one
+        allocation request), as ``publish`` copies a single tensor. mapping may also be a
+        sequence of (name, tensor) pairs. stream, pool: as for ``publish``. Publishing a
+        name again makes its next version; returns the version made (1 for a new name)."""
+        nb = _encode_name(name)
+        s = stream_handle(stream)
+        what = "publish_dict %r" % nb.decode("utf-8", "replace")
+        if isinstance(mapping, TensorDict) and mapping._client is self:
+            bh = mapping._live()
+            if s is None and any(p.kind != _lib.MEM_HOST for p in bh.parts):
+                s = bh.streams[-1]
+            ver = ctypes.c_uint64(0)
+            self._conn.usable()
+            check(self._lib.gpupool_bundle_publish(bh.bundle, nb, s, ctypes.byref(ver)), what)
+            return ver.value
+        items = list(mapping.items()) if hasattr(mapping, "items") else list(mapping)
+        if not items:
+            raise GpupoolError(_lib.CODES["EINVAL"], "EINVAL",
+                               "%s: a tensor dict needs at least one member" % what)
+        index = _HoldIndex(self._holds)
+        # Per member: [name, hold or None, offset, size, (dtype, shape, strides, byte_offset),
+        # source, desc]
+        rows = []
+        for key, v in items:
+            bk = _encode_name(key, "member name")
+            if isinstance(v, Tensor) and v._client is self and not v.released \
+                    and not v.read_only and min(v.strides, default=0) >= 0:
+                h = v._hold
+                desc = _dlpack.Desc(v.data_ptr, v._dl_device, v._dtype, v.shape, v.strides)
+            else:
+                if s is None and hasattr(v, "__dlpack_device__"):
+                    dev = v.__dlpack_device__()
+                    if int(dev[0]) == _dlpack.kDLCUDA:
+                        s = _current_stream(v, int(dev[1]))
+                desc = _dlpack.describe(v, s)
+                h = index.find(desc)
+            rows.append([bk, h, desc, v])
+        if s is None:
+            held = [r[1] for r in rows if r[1] is not None and r[1].kind != _lib.MEM_HOST]
+            if held:
+                s = held[0].streams[-1]
+        copies = [r for r in rows if r[1] is None]
+        tmp = None
+        try:
+            if copies:
+                tmp = self._copy_bundle(copies, s, pool, what)
+                if len(copies) == len(rows):
+                    # Everything was copied, in order: the new bundle is the whole dict.
+                    ver = ctypes.c_uint64(0)
+                    check(self._lib.gpupool_bundle_publish(tmp._bhold.bundle, nb, s,
+                                                           ctypes.byref(ver)), what)
+                    return ver.value
+            bnames, bufs, offs, sizes, metas = [], [], [], [], []
+            copied = iter(tmp._copied if tmp is not None else ())
+            for bk, h, desc, _ in rows:
+                if h is None:
+                    h, desc = next(copied)
+                lo, span = desc.span()
+                start = desc.data + lo
+                off = start - h.ptr
+                if span == 0:  # no elements: a 1-byte member inside the buffer
+                    off, span = min(off, h.size - 1), 1
+                bnames.append(bk)
+                bufs.append(ctypes.cast(h.buf, ctypes.c_void_p).value)
+                offs.append(off)
+                sizes.append(span)
+                metas.append((desc.dtype, desc.shape, desc.strides, desc.data - start))
+            table, keep = _bundle.pack_refs(bnames, bufs, offs, sizes, metas)
+            ver = ctypes.c_uint64(0)
+            check(self._lib.gpupool_publish_members(self._conn.usable(), nb, table,
+                                                    len(bnames), s, ctypes.byref(ver)), what)
+            del keep
+            return ver.value
+        finally:
+            if tmp is not None:
+                tmp.release()  # the name holds what it needs
+
+    def _copy_bundle(self, rows, s, pool, what):
+        """One new bundle holding a C-contiguous copy of each row's tensor (rows as in
+        publish_dict), in one allocation request; sets ._copied to [(part, desc of the
+        copy)] in row order."""
+        bnames, sizes, metas = [], [], []
+        for bk, _, desc, _ in rows:
+            if desc.dtype.typestr is None and desc.dtype.name != "bfloat16":
+                raise GpupoolError(_lib.CODES["EMETA"], "EMETA",
+                                   "%s: member %r: element type %s has no gpupool equivalent"
+                                   % (what, bk.decode("utf-8", "replace"), desc.dtype.name))
+            bnames.append(bk)
+            sizes.append(max(desc.nbytes, 1))
+            metas.append((desc.dtype, desc.shape, None, 0))
+        first = rows[0][2].device
+        target = pool if pool is not None else self._pool_for(first[0], first[1], None)
+        tmp = self._alloc_bundle(bnames, sizes, metas, target, 0, s)
+        try:
+            copied = []
+            for i, (bk, _, desc, src) in enumerate(rows):
+                dst = tmp._member_tensor(i)
+                _copy_into(dst, src, desc, s)
+                copied.append((dst._hold, _dlpack.Desc(dst.data_ptr, dst._dl_device,
+                                                       dst._dtype, dst.shape, None)))
+            tmp._copied = copied
+        except BaseException:
+            tmp.release()
+            raise
+        return tmp
+
+    def get_dict(self, name, newer_than=0, timeout=None, read_only=False, stream=None):
+        """The bundle published under `name`, as a TensorDict (member name -> Tensor, in
+        member order; ``version`` says which version came), in one request.
+
+        newer_than: wait for a version greater than this (0: the version published now);
+        pass the version you hold to wait for the next one. timeout: seconds to wait (None
+        = forever, 0 = fail at once with ENOENT). read_only, stream: as for ``get``; the
+        stream waits on one ready event for all members. A name published with
+        ``publish`` comes as a dict of one member named "". Build framework views with
+        ``.torch()``, ``.cupy()`` or ``.numpy()``."""
+        nb = _encode_name(name)
+        s = stream_handle(stream)
+        ms = _timeout_ms(timeout, forever=True)
+        newer = _version_arg(newer_than)
+        b = _lib.BundleP()
+        check(self._lib.gpupool_bundle_get(self._conn.usable(), nb, newer, ms,
+                                           _lib.READ_ONLY if read_only else 0, s,
+                                           ctypes.byref(b)),
+              "get_dict %r" % (name,) if not newer else "get_dict %r newer than version %d"
+              % (name, newer))
+        return self._tensor_dict(b, s, name)
 
     def _find_hold(self, desc):
         """A live hold of this client whose memory contains the whole view, if any."""
@@ -753,6 +1222,75 @@ class Client:
         arr = (ctypes.c_int * max(len(devs), 1))(*devs)
         check(self._lib.gpupool_set_devices(self._conn.usable(), arr, len(devs)),
               "set_devices %r" % (devs,))
+
+
+class _HoldIndex:
+    """The live, writable holds of a client sorted by address, to find the one holding a
+    view of many tensors without a scan each."""
+
+    def __init__(self, holds):
+        hs = sorted((h for h in list(holds) if not h.released and not h.read_only),
+                    key=lambda h: h.ptr)
+        self._ptrs = [h.ptr for h in hs]
+        self._holds = hs
+
+    def find(self, desc):
+        if any(st < 0 for st in desc.strides):
+            return None  # gpupool descriptions have no negative strides: copy instead
+        lo, span = desc.span()
+        start = desc.data + lo
+        cuda = desc.device[0] == _dlpack.kDLCUDA
+        i = bisect.bisect_right(self._ptrs, start) - 1
+        # Buffers do not overlap, but one buffer may be held more than once (an allocation
+        # and a get of its name): look at the few holds starting at or just before `start`.
+        for j in range(i, max(i - 8, -1), -1):
+            h = self._holds[j]
+            if (h.kind == _lib.MEM_DEVICE) == cuda and start + span <= h.ptr + h.size \
+                    and desc.data >= h.ptr and not h.released:
+                return h
+        return None
+
+
+def _version_arg(v):
+    v = int(v)
+    if v < 0:
+        raise ValueError("newer_than must be a version number >= 0, not %d" % v)
+    return v
+
+
+def _spec_items(spec):
+    """[(name, shape tuple, DType)] from alloc_dict's spec forms."""
+    if hasattr(spec, "items"):
+        pairs = list(spec.items())
+    else:
+        pairs = []
+        for e in spec:
+            e = tuple(e)
+            if len(e) == 3:
+                pairs.append((e[0], (e[1], e[2])))
+            elif len(e) == 2:
+                pairs.append(e)
+            else:
+                raise ValueError("alloc_dict spec entries are (name, (shape, dtype)), "
+                                 "(name, example) or (name, shape, dtype), not %r" % (e,))
+    out = []
+    for key, v in pairs:
+        if isinstance(v, (tuple, list)) and len(v) == 2 and \
+                isinstance(v[0], (int, tuple, list)) and not hasattr(v, "shape"):
+            shape, dt = v
+        elif hasattr(v, "shape") and hasattr(v, "dtype"):
+            shape, dt = v.shape, v.dtype
+        else:
+            raise ValueError("alloc_dict: member %r: give (shape, dtype) or an example "
+                             "tensor, not %r" % (key, v))
+        if isinstance(shape, int):
+            shape = (shape,)
+        shape = tuple(int(n) for n in shape)
+        if any(n < 0 for n in shape):
+            raise ValueError("alloc_dict: member %r: negative dimension in shape %r"
+                             % (key, shape))
+        out.append((key, shape, _dtypes.dtype(dt)))
+    return out
 
 
 def _timeout_ms(timeout, forever):
