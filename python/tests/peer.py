@@ -46,6 +46,42 @@ def bf16_bits(n=12):
     return np.array((fixed + list(range(0x4000, 0x4000 + n)))[:n], dtype=np.uint16)
 
 
+# A small state dict: every kind of member a bundle carries (bfloat16 as raw bits).
+DICT_SPEC = (("embed", (16, 8), "float32"), ("layer.0.w", (8, 8), "bfloat16"),
+             ("layer.0.b", (8,), "float16"), ("step", (), "int64"), ("mask", (3, 5), "bool"),
+             ("ids", (7,), "uint16"), ("rot", (2, 2), "complex64"), ("empty", (0, 3), "int32"))
+
+
+def dict_values(seed):
+    """name -> NumPy array for DICT_SPEC, different for every seed (bfloat16 as uint16)."""
+    out = {}
+    for name, shape, dt in DICT_SPEC:
+        if dt == "bfloat16":
+            a = (bf16_bits(int(np.prod(shape))) + seed).astype(np.uint16).reshape(shape)
+        elif dt == "bool":
+            a = sample_array(dt, shape) ^ bool(seed % 2)
+        else:
+            a = (sample_array(dt, shape) + np.array(seed).astype(dt)).astype(dt)
+        out[name] = a
+    return out
+
+
+def produce_dict(c, name, seed):
+    """alloc_dict + write + publish_dict; returns (version, the TensorDict)."""
+    td = c.alloc_dict({n: (shape, dt) for n, shape, dt in DICT_SPEC})
+    views = td.numpy(raw=True)
+    for k, a in dict_values(seed).items():
+        views[k][...] = a
+    return c.publish_dict(name, td), td
+
+
+def dict_matches(td, seed):
+    got = td.numpy(raw=True)
+    want = dict_values(seed)
+    return list(got) == list(want) and all(
+        got[k].shape == want[k].shape and got[k].tobytes() == want[k].tobytes() for k in want)
+
+
 def main():
     import gpupool
 
@@ -103,6 +139,31 @@ def main():
         time.sleep(delay)
         c.publish(name, np.arange(10, dtype=np.int32))
         print("published", flush=True)
+
+    elif cmd == "dict-produce":
+        name, seed = args[0], int(args[1])
+        version, td = produce_dict(c, name, seed)
+        print("version", version, flush=True)
+        print("buffers", td.buffers, flush=True)
+
+    elif cmd == "dict-publish-later":
+        name, delay, seed = args[0], float(args[1]), int(args[2])
+        time.sleep(delay)
+        version, td = produce_dict(c, name, seed)
+        print("version", version, flush=True)
+
+    elif cmd == "dict-check":
+        name, newer, seed = args[0], int(args[1]), int(args[2])
+        with c.get_dict(name, newer_than=newer, timeout=30) as td:
+            print("version", td.version, flush=True)
+            print("match", "yes" if dict_matches(td, seed) else "no", flush=True)
+
+    elif cmd == "dict-get-and-hold":
+        name = args[0]
+        td = c.get_dict(name, timeout=10)
+        views = td.numpy(raw=True)
+        print("held", td.version, len(views), flush=True)
+        time.sleep(3600)
 
     else:
         raise SystemExit("unknown command %r" % cmd)
