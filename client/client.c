@@ -74,6 +74,7 @@ typedef struct slab_export {
 
 typedef struct pending {
   uint64_t seq;
+  uint64_t gen;   /* c->reconnects when it was sent */
   gpupool__rep *rep;
   int fds[GPUPOOL_WIRE_MAX_FDS];
   int nfds;
@@ -232,13 +233,16 @@ static const Gpupool__Wire__BufferDesc *reply_desc(const gpupool__rep *rep, int 
 
 
 /* Keep how to map a slab from the reply that carries it (and the slab's fd, which comes in the
- * same frame): a first mapping, or a writable one for a slab mapped read-only so far. */
-static void stash_export(gpupool_client *c, const gpupool__rep *rep) {
-  const Gpupool__Wire__BufferDesc *d = reply_desc(rep, 0);
+ * same frame): a first mapping, or a writable one for a slab mapped read-only so far. *fdi is
+ * the index of the frame's next fd: each desc with fd_attached took one, in order. */
+static void stash_one(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, int *fdi) {
   const cslab *s;
   slab_export *e, *old;
+  int fd = -1;
   if (!d || !d->slab || !d->slab->export_data.len)
     return;
+  if (d->slab->fd_attached && *fdi < c->rx.nfds)
+    fd = (*fdi)++;
   s = gpupool__hmap_get(&c->slabs, d->slab->id);
   old = gpupool__hmap_get(&c->exports, d->slab->id);
   if ((s && (s->writable || s->base_rw || !d->slab->writable)) || (old && (old->writable || !d->slab->writable)))
@@ -251,9 +255,9 @@ static void stash_export(gpupool_client *c, const gpupool__rep *rep) {
   e->dedicated = d->slab->dedicated;
   e->writable = d->slab->writable;
   e->fd = -1;
-  if (d->slab->fd_attached && c->rx.nfds > 0) {
-    e->fd = c->rx.fds[0];
-    c->rx.fds[0] = -1;
+  if (fd >= 0) {
+    e->fd = c->rx.fds[fd];
+    c->rx.fds[fd] = -1;
   }
   e->len = d->slab->export_data.len;
   memcpy(e->data, d->slab->export_data.data, e->len);
@@ -263,6 +267,26 @@ static void stash_export(gpupool_client *c, const gpupool__rep *rep) {
   }
   if (old)
     export_free(old);
+}
+
+/* The bundle a reply carries, if any. */
+static const Gpupool__Wire__Bundle *reply_bundle(const gpupool__rep *rep) {
+  if (rep->body_case == GPUPOOL__WIRE__REPLY__BODY_ALLOCATE_BUNDLE)
+    return rep->allocate_bundle ? rep->allocate_bundle->bundle : NULL;
+  if (rep->body_case == GPUPOOL__WIRE__REPLY__BODY_GET_BUNDLE)
+    return rep->get_bundle ? rep->get_bundle->bundle : NULL;
+  return NULL;
+}
+
+static void stash_export(gpupool_client *c, const gpupool__rep *rep) {
+  const Gpupool__Wire__Bundle *b = reply_bundle(rep);
+  int fdi = 0;
+  if (b) {
+    for (size_t i = 0; i < b->n_buffers; i++)
+      stash_one(c, b->buffers[i], &fdi);
+    return;
+  }
+  stash_one(c, reply_desc(rep, 0), &fdi);
 }
 
 /* Read one reply (lock released meanwhile) and hand it to its waiter. Called with c->mu. */
@@ -375,14 +399,13 @@ static int refusal(gpupool_client *c) {
   return code;
 }
 
-static int call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *fd_out) {
-  pending p = {0}, **pp;
+/* Send req and register its pending reply (*out, freed by call_wait). With c->mu held. */
+static int call_send(gpupool_client *c, gpupool__req *req, pending **out) {
+  pending *p;
   uint8_t *buf;
   size_t len;
   int rc;
 
-  if (fd_out)
-    *fd_out = -1;
   if (c->broken)
     return broken_err(c);
   req->seq = ++c->next_seq;
@@ -392,13 +415,17 @@ static int call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *f
     return rc;
   if (c->max_frame && len - GPUPOOL_WIRE_HDR > c->max_frame) {
     free(buf);
-    return gpupool__err(GPUPOOL_ETOOBIG, "request of %zu bytes exceeds the daemon's frame limit of %u",
-                        len - GPUPOOL_WIRE_HDR, c->max_frame);
+    return gpupool__err(GPUPOOL_ETOOBIG, "request of %zu bytes exceeds the daemon's frame limit of %u (max_frame "
+                        "in its config)", len - GPUPOOL_WIRE_HDR, c->max_frame);
   }
-  uint64_t t_send = TRACE_ON() ? mono_ns() : 0;
+  if (!(p = calloc(1, sizeof *p))) {
+    free(buf);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  }
   rc = gpupool__wire_send(c->fd, buf, len, NULL, 0);
   free(buf);
   if (rc != 0) {
+    free(p);
     /* The daemon may have refused this connection (too many clients, uid not allowed) and
      * closed it before our request went out: its reason is still readable. */
     int code = refusal(c);
@@ -424,43 +451,87 @@ static int call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *f
     return broken_err(c);
   }
   c->nunmapped = 0;
-  p.seq = req->seq;
-  p.next = c->pend;
-  c->pend = &p;
-  while (!p.done) {
+  p->seq = req->seq;
+  p->gen = c->reconnects;
+  p->next = c->pend;
+  c->pend = p;
+  *out = p;
+  return 0;
+}
+
+/* Wait for p's reply, unlink and free p. On success *out is the reply (caller frees) and it
+ * carried no error; fds it carried go to fds_out (first *nfds_out, at most GPUPOOL_WIRE_MAX_FDS)
+ * or are closed when fds_out is NULL. Handles the slab revocations it carries. With c->mu. */
+static int call_wait(gpupool_client *c, pending *p, gpupool__rep **out, int *fds_out, int *nfds_out) {
+  pending **pp;
+  int rc;
+  uint64_t t_wait = TRACE_ON() ? mono_ns() : 0;
+
+  if (nfds_out)
+    *nfds_out = 0;
+  while (!p->done) {
     if (!c->reader_active)
       read_one(c);
     else
       pthread_cond_wait(&c->cv, &c->mu);
   }
-  for (pp = &c->pend; *pp != &p; pp = &(*pp)->next)
+  for (pp = &c->pend; *pp && *pp != p; pp = &(*pp)->next)
     ;
-  *pp = p.next;
-  if (t_send)
-    trace("rpc", t_send, (uint64_t)req->body_case);
-  if (!p.rep)
-    return gpupool__err(p.err ? p.err : GPUPOOL_EIO,
-                        "connection to gpupoold lost while waiting for the reply: %s (the next request "
-                        "reconnects; holds of the old connection are reported by gpupool_lost_names and "
-                        "gpupool_buffer_lost)",
-                        c->broken_msg);
-  handle_revokes(c, p.rep);
-  if (p.rep->error) {
-    rc = p.rep->error->code < 0 && p.rep->error->code > GPUPOOL_ERRNO_MIN ? p.rep->error->code : GPUPOOL_EPROTO;
-    gpupool__err(rc, "%s", p.rep->error->message ? p.rep->error->message : gpupool_strerror(rc));
-    gpupool__wire__reply__free_unpacked(p.rep, NULL);
-    for (int i = 0; i < p.nfds; i++)
-      close(p.fds[i]);
+  if (*pp)
+    *pp = p->next;
+  if (t_wait)
+    trace("rpc", t_wait, p->seq);
+  if (!p->rep || p->gen != c->reconnects) {
+    rc = gpupool__err(p->err ? p->err : p->rep ? GPUPOOL_ECLOSED : GPUPOOL_EIO,
+                      "connection to gpupoold lost while waiting for the reply: %s (the next request "
+                      "reconnects; holds of the old connection are reported by gpupool_lost_names and "
+                      "gpupool_buffer_lost)",
+                      c->broken_msg[0] ? c->broken_msg : "the client reconnected since");
+    goto fail;
+  }
+  handle_revokes(c, p->rep);
+  if (p->rep->error) {
+    rc = p->rep->error->code < 0 && p->rep->error->code > GPUPOOL_ERRNO_MIN ? p->rep->error->code : GPUPOOL_EPROTO;
+    gpupool__err(rc, "%s", p->rep->error->message ? p->rep->error->message : gpupool_strerror(rc));
+    goto fail;
+  }
+  for (int i = 0; i < p->nfds; i++)
+    if (p->fds[i] >= 0) {
+      if (fds_out && nfds_out)
+        fds_out[(*nfds_out)++] = p->fds[i];
+      else
+        close(p->fds[i]);
+    }
+  *out = p->rep;
+  free(p);
+  return 0;
+fail:
+  if (p->rep)
+    gpupool__wire__reply__free_unpacked(p->rep, NULL);
+  for (int i = 0; i < p->nfds; i++)
+    if (p->fds[i] >= 0)
+      close(p->fds[i]);
+  free(p);
+  return rc;
+}
+
+/* Send req and wait for its reply. Called and returns with c->mu held. On success *rep is
+ * the reply (caller frees) and it carried no error. Handles slab revocations it carries. */
+static int call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *fd_out) {
+  pending *p = NULL;
+  int fds[GPUPOOL_WIRE_MAX_FDS], nfds = 0, rc;
+  if (fd_out)
+    *fd_out = -1;
+  if ((rc = call_send(c, req, &p)) != 0)
     return rc;
+  if ((rc = call_wait(c, p, out, fds, &nfds)) != 0)
+    return rc;
+  for (int i = 0; i < nfds; i++) {
+    if (i == 0 && fd_out)
+      *fd_out = fds[0];
+    else
+      close(fds[i]);
   }
-  if (fd_out && p.nfds > 0) {
-    *fd_out = p.fds[0];
-    p.fds[0] = -1;
-  }
-  for (int i = 0; i < p.nfds; i++)
-    if (p.fds[i] >= 0)
-      close(p.fds[i]);
-  *out = p.rep;
   return 0;
 }
 
@@ -1215,12 +1286,15 @@ static void buffer_unlink(gpupool_client *c, gpupool_buffer *b) {
     b->next->prev = b->prev;
 }
 
-/* Drop b's local state and tell the daemon. With the lock held. */
-static int release_locked(gpupool_client *c, gpupool_buffer *b, void *stream) {
+/* Drop b's local state (and free b). With the lock held. *hold_id is the hold to release at
+ * the daemon (0 when there is none: b's daemon is gone), *recorded whether its done event was
+ * recorded in `stream`. */
+static void release_local(gpupool_client *c, gpupool_buffer *b, void *stream, uint64_t *hold_id, int *recorded) {
   cslab *s = b->slab;
   gpupool__cevent *done = b->done_id ? gpupool__hmap_get(&c->events, b->done_id) : NULL;
-  int rc, recorded = 0;
 
+  *hold_id = 0;
+  *recorded = 0;
   buffer_unlink(c, b);
   s->refs--;
   if (b->lost) {
@@ -1233,7 +1307,7 @@ static int release_locked(gpupool_client *c, gpupool_buffer *b, void *stream) {
         stale_gen_free(c, g);
     }
     free(b);
-    return 0;
+    return;
   }
   /* A dedicated slab holds only this buffer: unmap it now, in stream order, before the done
    * event, so the daemon frees the allocation only after our import is gone. */
@@ -1244,15 +1318,68 @@ static int release_locked(gpupool_client *c, gpupool_buffer *b, void *stream) {
   if (done && c->be->stream_idle && c->be->stream_idle(stream) == 1)
     done = NULL;
   if (done) {
-    if ((rc = c->be->event_record(done, stream)) == 0)
-      recorded = 1;
+    if (c->be->event_record(done, stream) == 0)
+      *recorded = 1;
     else
       fprintf(stderr, "libgpupool-client: recording the done event failed (%s); the daemon will treat the "
                       "buffer as idle\n",
               gpupool__errmsg());
   }
-  rc = send_release(c, b->hold_id, recorded);
+  *hold_id = b->hold_id;
   free(b);
+}
+
+static void release_request(gpupool__req *req, Gpupool__Wire__Release *rl, uint64_t hold_id, int recorded) {
+  gpupool__wire__release__init(rl);
+  rl->hold_id = hold_id;
+  rl->done_recorded = recorded;
+  req->body_case = GPUPOOL__WIRE__REQUEST__BODY_RELEASE;
+  req->release = rl;
+}
+
+/* Drop b's local state and tell the daemon. With the lock held. */
+static int release_locked(gpupool_client *c, gpupool_buffer *b, void *stream) {
+  uint64_t hold_id;
+  int recorded;
+  release_local(c, b, stream, &hold_id, &recorded);
+  return hold_id ? send_release(c, hold_id, recorded) : 0;
+}
+
+/* Release several buffers with their requests in flight together (one round trip). */
+static int release_many_locked(gpupool_client *c, gpupool_buffer **bs, int n, void *stream) {
+  pending **ps = calloc((size_t)n, sizeof *ps);
+  int rc = 0;
+  if (!ps) {
+    for (int i = 0; i < n; i++) {
+      int r = release_locked(c, bs[i], stream);
+      if (!rc)
+        rc = r;
+    }
+    return rc;
+  }
+  for (int i = 0; i < n; i++) {
+    gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+    Gpupool__Wire__Release rl;
+    uint64_t hold_id;
+    int recorded, r;
+    release_local(c, bs[i], stream, &hold_id, &recorded);
+    if (!hold_id)
+      continue;
+    release_request(&req, &rl, hold_id, recorded);
+    if ((r = call_send(c, &req, &ps[i])) != 0 && !rc)
+      rc = r;
+  }
+  for (int i = 0; i < n; i++) {
+    gpupool__rep *rep;
+    int r;
+    if (!ps[i])
+      continue;
+    if ((r = call_wait(c, ps[i], &rep, NULL, NULL)) == 0)
+      gpupool__wire__reply__free_unpacked(rep, NULL);
+    else if (!rc)
+      rc = r;
+  }
+  free(ps);
   return rc;
 }
 
@@ -1429,56 +1556,97 @@ int gpupool_open(gpupool_client *c, const gpupool_token *token, unsigned flags, 
   return rc;
 }
 
-int gpupool_publish_ex(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
-                       uint32_t share_gid, int share_all) {
+/* The version a publish reply carries (0 when the daemon is too old to say). */
+static uint64_t reply_version(const gpupool__rep *rep) {
+  if (rep->body_case == GPUPOOL__WIRE__REPLY__BODY_PUBLISH && rep->publish)
+    return rep->publish->version;
+  if (rep->body_case == GPUPOOL__WIRE__REPLY__BODY_PUBLISH_BUNDLE && rep->publish_bundle)
+    return rep->publish_bundle->version;
+  if (rep->body_case == GPUPOOL__WIRE__REPLY__BODY_GET && rep->get)
+    return rep->get->version;
+  return 0;
+}
+
+/* Checks a publish of b and fills its request (pb, tm: the caller's storage). */
+static int publish_request(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, uint32_t share_gid,
+                           int share_all, gpupool__req *req, Gpupool__Wire__Publish *pb,
+                           Gpupool__Wire__TensorMeta *tm) {
+  int rc;
+  if (!b || !name)
+    return gpupool__err(GPUPOOL_EINVAL, "publish: buffer and name must not be NULL");
+  if ((rc = gpupool__wire_check_name(name)) != 0)
+    return rc;
+  gpupool__wire__publish__init(pb);
+  if (meta) {
+    if ((rc = gpupool__wire_meta_check(meta, b->size)) != 0)
+      return rc;
+    gpupool__wire_meta_to(meta, tm);
+    pb->tensor = tm;
+  }
+  pb->hold_id = b->hold_id;
+  pb->name = (char *)name;
+  pb->share_gid = share_gid;
+  pb->share_all = share_all != 0;
+  req->body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH;
+  req->publish = pb;
+  return 0;
+}
+
+static void published_locally(gpupool_client *c, gpupool_buffer *b, const char *name,
+                              const gpupool_tensor_meta *meta) {
+  note_published(c, name);
+  if (meta) {
+    b->meta = *meta;
+    b->has_meta = 1;
+  }
+}
+
+static int publish_common(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
+                          uint32_t share_gid, int share_all, uint64_t *version) {
   gpupool_client *c;
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-  Gpupool__Wire__Publish pb = GPUPOOL__WIRE__PUBLISH__INIT;
+  Gpupool__Wire__Publish pb;
   Gpupool__Wire__TensorMeta tm = GPUPOOL__WIRE__TENSOR_META__INIT;
   gpupool__rep *rep;
   int rc;
 
-  if (!b || !name)
-    return gpupool__err(GPUPOOL_EINVAL, "publish: buffer and name must not be NULL");
   gpupool__err_clear();
-  c = b->c;
-  if ((rc = gpupool__wire_check_name(name)) != 0)
+  if (version)
+    *version = 0;
+  if ((rc = publish_request(b, name, meta, share_gid, share_all, &req, &pb, &tm)) != 0)
     return rc;
-  if (meta) {
-    if ((rc = gpupool__wire_meta_check(meta, b->size)) != 0)
-      return rc;
-    gpupool__wire_meta_to(meta, &tm);
-    pb.tensor = &tm;
-  }
-  pb.hold_id = b->hold_id;
-  pb.name = (char *)name;
-  pb.share_gid = share_gid;
-  pb.share_all = share_all != 0;
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH;
-  req.publish = &pb;
+  c = b->c;
   pthread_mutex_lock(&c->mu);
   if ((rc = ensure_connected(c)) == 0 && b->lost)
     rc = lost_err(b);
   if (rc == 0 && (rc = record_ready(c, b, stream)) == 0 && (rc = call(c, &req, &rep, NULL)) == 0) {
+    if (version)
+      *version = reply_version(rep);
     gpupool__wire__reply__free_unpacked(rep, NULL);
-    note_published(c, name);
-    if (meta) {
-      b->meta = *meta;
-      b->has_meta = 1;
-    }
+    published_locally(c, b, name, meta);
   }
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
 
+int gpupool_publish_ex(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
+                       uint32_t share_gid, int share_all) {
+  return publish_common(b, name, meta, stream, share_gid, share_all, NULL);
+}
+
 int gpupool_publish(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream) {
-  return gpupool_publish_ex(b, name, meta, stream, 0, 0);
+  return publish_common(b, name, meta, stream, 0, 0, NULL);
+}
+
+int gpupool_publish_version(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
+                            uint64_t *version) {
+  return publish_common(b, name, meta, stream, 0, 0, version);
 }
 
 /* A get waiting for a publisher when the daemon goes away was dropped with its connection:
  * ask the next daemon again for what is left of its timeout (a name published there ends the
  * wait), as often as the daemon restarts within that time. With c->mu held. */
-static int get_across_restarts(gpupool_client *c, gpupool__req *req, Gpupool__Wire__Get *gt, int timeout_ms,
+static int get_across_restarts(gpupool_client *c, gpupool__req *req, uint32_t *wire_timeout_ms, int timeout_ms,
                                gpupool__rep **out) {
   uint64_t start = mono_ns() / 1000000;
   int rc = ensure_connected(c);
@@ -1486,7 +1654,7 @@ static int get_across_restarts(gpupool_client *c, gpupool__req *req, Gpupool__Wi
     return rc;
   for (int attempt = 0;; attempt++) {
     uint64_t spent;
-    int last = attempt > 0 && gt->timeout_ms == 0; /* the final try already asked for no wait */
+    int last = attempt > 0 && *wire_timeout_ms == 0; /* the final try already asked for no wait */
     rc = call(c, req, out, NULL);
     if ((rc != GPUPOOL_ECLOSED && rc != GPUPOOL_EIO) || !c->broken || c->reconnect_ms <= 0 || last)
       return rc;
@@ -1494,14 +1662,29 @@ static int get_across_restarts(gpupool_client *c, gpupool__req *req, Gpupool__Wi
       return rc;
     spent = mono_ns() / 1000000 - start;
     if (timeout_ms >= 0)
-      gt->timeout_ms = spent >= (uint64_t)timeout_ms ? 0 : (uint32_t)((uint64_t)timeout_ms - spent);
+      *wire_timeout_ms = spent >= (uint64_t)timeout_ms ? 0 : (uint32_t)((uint64_t)timeout_ms - spent);
   }
 }
 
-int gpupool_get(gpupool_client *c, const char *name, int timeout_ms, unsigned flags, void *stream,
-                gpupool_buffer **out) {
+static int get_request(const char *name, uint64_t newer_than, int timeout_ms, unsigned flags, gpupool__req *req,
+                       Gpupool__Wire__Get *gt) {
+  int rc;
+  if ((rc = gpupool__wire_check_name(name)) != 0)
+    return rc;
+  gpupool__wire__get__init(gt);
+  gt->name = (char *)name;
+  gt->timeout_ms = wire_timeout(timeout_ms);
+  gt->read_only = (flags & GPUPOOL_READ_ONLY) != 0;
+  gt->newer_than = newer_than;
+  req->body_case = GPUPOOL__WIRE__REQUEST__BODY_GET;
+  req->get = gt;
+  return 0;
+}
+
+int gpupool_get_newer(gpupool_client *c, const char *name, uint64_t newer_than, int timeout_ms, unsigned flags,
+                      void *stream, gpupool_buffer **out, uint64_t *version) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-  Gpupool__Wire__Get gt = GPUPOOL__WIRE__GET__INIT;
+  Gpupool__Wire__Get gt;
   gpupool__rep *rep;
   int rc;
 
@@ -1509,21 +1692,672 @@ int gpupool_get(gpupool_client *c, const char *name, int timeout_ms, unsigned fl
     return gpupool__err(GPUPOOL_EINVAL, "get: client, name and out must not be NULL");
   gpupool__err_clear();
   *out = NULL;
-  if ((rc = gpupool__wire_check_name(name)) != 0)
+  if (version)
+    *version = 0;
+  if ((rc = get_request(name, newer_than, timeout_ms, flags, &req, &gt)) != 0)
     return rc;
-  gt.name = (char *)name;
-  gt.timeout_ms = wire_timeout(timeout_ms);
-  gt.read_only = (flags & GPUPOOL_READ_ONLY) != 0;
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_GET;
-  req.get = &gt;
   pthread_mutex_lock(&c->mu);
-  rc = get_across_restarts(c, &req, &gt, timeout_ms, &rep);
+  rc = get_across_restarts(c, &req, &gt.timeout_ms, timeout_ms, &rep);
   if (rc == 0) {
+    if (version)
+      *version = reply_version(rep);
     rc = materialize(c, reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_GET), 1, stream, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
   }
   pthread_mutex_unlock(&c->mu);
   return rc;
+}
+
+int gpupool_get(gpupool_client *c, const char *name, int timeout_ms, unsigned flags, void *stream,
+                gpupool_buffer **out) {
+  return gpupool_get_newer(c, name, 0, timeout_ms, flags, stream, out, NULL);
+}
+
+/* ---- bundles --------------------------------------------------------------------------------- */
+
+struct gpupool_bundle {
+  gpupool_client *c;
+  gpupool_buffer **bufs;  /* owned: one hold each */
+  int nbufs;
+  gpupool_member *members;
+  int nmembers;
+  char *names;            /* the members' names, each NUL-terminated, back to back */
+  uint64_t version;
+};
+
+static void bundle_free_local(gpupool_bundle *b) {
+  if (!b)
+    return;
+  free(b->bufs);
+  free(b->members);
+  free(b->names);
+  free(b);
+}
+
+/* Send a Release for every hold of a reply's bundle from index `from` on (they never became
+ * buffers here). With c->mu held. */
+static void release_holds_from(gpupool_client *c, const Gpupool__Wire__Bundle *wb, size_t from) {
+  for (size_t i = from; wb && i < wb->n_buffers; i++)
+    if (wb->buffers[i] && wb->buffers[i]->hold_id)
+      send_release(c, wb->buffers[i]->hold_id, 0);
+}
+
+/* Turn a reply's Bundle into a bundle of this process: every buffer materialized (waiting on
+ * its ready event in `stream` when wait_ready), every member checked against its buffer. On
+ * failure every hold it carried is released. With c->mu held. */
+static int bundle_from_reply(gpupool_client *c, const Gpupool__Wire__Bundle *wb, int wait_ready, void *stream,
+                             gpupool_bundle **out) {
+  gpupool_bundle *b = NULL;
+  size_t names_len = 0, i;
+  char *np;
+  int rc;
+
+  if (!wb || wb->n_buffers == 0 || wb->n_members == 0 || wb->n_members > GPUPOOL_BUNDLE_MAX_MEMBERS ||
+      wb->n_buffers > wb->n_members) {
+    release_holds_from(c, wb, 0);
+    return gpupool__err(GPUPOOL_EPROTO, "the daemon sent a malformed bundle (%zu buffers, %zu members)",
+                        wb ? wb->n_buffers : 0, wb ? wb->n_members : 0);
+  }
+  for (i = 0; i < wb->n_members; i++)
+    names_len += (wb->members[i]->name ? strlen(wb->members[i]->name) : 0) + 1;
+  if (!(b = calloc(1, sizeof *b)) || !(b->bufs = calloc(wb->n_buffers, sizeof *b->bufs)) ||
+      !(b->members = calloc(wb->n_members, sizeof *b->members)) || !(b->names = malloc(names_len))) {
+    bundle_free_local(b);
+    release_holds_from(c, wb, 0);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory for a bundle of %zu members", wb->n_members);
+  }
+  b->c = c;
+  b->version = wb->version;
+  for (i = 0; i < wb->n_buffers; i++) {
+    if ((rc = materialize(c, wb->buffers[i], wait_ready, stream, &b->bufs[i])) != 0) {
+      char msg[GPUPOOL__ERRMSG_MAX];
+      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+      release_holds_from(c, wb, i + 1); /* materialize released hold i */
+      release_many_locked(c, b->bufs, (int)i, NULL);
+      bundle_free_local(b);
+      return gpupool__err(rc, "buffer %zu of the bundle: %s", i, msg);
+    }
+    b->nbufs = (int)i + 1;
+  }
+  np = b->names;
+  for (i = 0; i < wb->n_members; i++) {
+    const Gpupool__Wire__BundleMember *wm = wb->members[i];
+    gpupool_member *m = &b->members[i];
+    const gpupool_buffer *buf;
+    size_t len = wm->name ? strlen(wm->name) : 0;
+    if (wm->buffer >= wb->n_buffers) {
+      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent member %zu in buffer %u of %zu", i, wm->buffer, wb->n_buffers);
+      goto fail;
+    }
+    buf = b->bufs[wm->buffer];
+    if (wm->offset > buf->size || wm->size > buf->size - wm->offset) {
+      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent member %zu outside its buffer", i);
+      goto fail;
+    }
+    if (wm->tensor && wm->tensor->present) {
+      if ((rc = gpupool__wire_meta_from(wm->tensor, wm->size, &m->meta)) != 0) {
+        rc = gpupool__err(GPUPOOL_EPROTO, "gpupoold sent tensor metadata this library refuses for member %zu: %s",
+                          i, gpupool__errmsg());
+        goto fail;
+      }
+      m->has_meta = 1;
+    }
+    memcpy(np, wm->name ? wm->name : "", len + 1);
+    m->name = np;
+    np += len + 1;
+    m->ptr = (char *)gpupool_buffer_ptr(buf) + wm->offset;
+    m->size = wm->size;
+    m->buffer = (int)wm->buffer;
+    m->offset = wm->offset;
+  }
+  b->nmembers = (int)wb->n_members;
+  *out = b;
+  return 0;
+fail:
+  release_many_locked(c, b->bufs, b->nbufs, NULL);
+  bundle_free_local(b);
+  return rc;
+}
+
+int gpupool_bundle_alloc(gpupool_client *c, const char *pool, const gpupool_member_spec *members, int n,
+                         uint64_t alignment, int timeout_ms, void *stream, gpupool_bundle **out) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__AllocateBundle ab = GPUPOOL__WIRE__ALLOCATE_BUNDLE__INIT;
+  Gpupool__Wire__MemberSpec *specs = NULL, **sp = NULL;
+  Gpupool__Wire__TensorMeta *tms = NULL;
+  gpupool__rep *rep;
+  int rc;
+
+  if (!c || !out || (n > 0 && !members))
+    return gpupool__err(GPUPOOL_EINVAL, "bundle_alloc: client, members and out must not be NULL");
+  gpupool__err_clear();
+  *out = NULL;
+  if (n <= 0 || n > GPUPOOL_BUNDLE_MAX_MEMBERS)
+    return gpupool__err(GPUPOOL_EINVAL, "a bundle has 1 to %d members, not %d", GPUPOOL_BUNDLE_MAX_MEMBERS, n);
+  if (!(specs = calloc((size_t)n, sizeof *specs)) || !(sp = calloc((size_t)n, sizeof *sp)) ||
+      !(tms = calloc((size_t)n, sizeof *tms))) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory for a bundle of %d members", n);
+    goto out;
+  }
+  for (int i = 0; i < n; i++) {
+    const gpupool_member_spec *m = &members[i];
+    if (!m->name || (rc = gpupool__wire_check_name(m->name)) != 0) {
+      rc = gpupool__err(GPUPOOL_ENAME, "member %d: %s", i, m->name ? gpupool__errmsg() : "name is NULL");
+      goto out;
+    }
+    if (m->size == 0) {
+      rc = gpupool__err(GPUPOOL_EINVAL, "member %d ('%s') has size 0; members need at least 1 byte", i, m->name);
+      goto out;
+    }
+    gpupool__wire__member_spec__init(&specs[i]);
+    specs[i].name = (char *)m->name;
+    specs[i].size = m->size;
+    if (m->meta) {
+      if ((rc = gpupool__wire_meta_check(m->meta, m->size)) != 0) {
+        rc = gpupool__err(rc, "member %d ('%s'): %s", i, m->name, gpupool__errmsg());
+        goto out;
+      }
+      gpupool__wire_meta_to(m->meta, &tms[i]);
+      specs[i].tensor = &tms[i];
+    }
+    sp[i] = &specs[i];
+  }
+  ab.pool_name = (char *)(pool ? pool : "");
+  ab.n_members = (size_t)n;
+  ab.members = sp;
+  ab.alignment = alignment;
+  ab.timeout_ms = wire_timeout(timeout_ms);
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE_BUNDLE;
+  req.allocate_bundle = &ab;
+  pthread_mutex_lock(&c->mu);
+  rc = call_retry(c, &req, &rep);
+  if (rc == 0) {
+    /* Fresh ranges: nothing to wait for (see gpupool_alloc). */
+    rc = bundle_from_reply(c, reply_bundle(rep), 0, stream, out);
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  pthread_mutex_unlock(&c->mu);
+out:
+  free(specs);
+  free(sp);
+  free(tms);
+  return rc;
+}
+
+/* Publish members (wire form, lying in bufs) under name in one request. With c->mu held. */
+static int publish_bundle_locked(gpupool_client *c, const char *name, gpupool_buffer *const *bufs, int nbufs,
+                                 Gpupool__Wire__BundleMember **wm, int n, void *stream, uint64_t *version) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__PublishBundle pb = GPUPOOL__WIRE__PUBLISH_BUNDLE__INIT;
+  uint64_t *holds;
+  gpupool__rep *rep;
+  int rc;
+
+  if ((rc = ensure_connected(c)) != 0)
+    return rc;
+  if (!(holds = calloc((size_t)nbufs, sizeof *holds)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  for (int i = 0; i < nbufs; i++) {
+    if (bufs[i]->lost) {
+      rc = lost_err(bufs[i]);
+      goto out;
+    }
+    /* Every buffer's ready event, so getters wait for everything queued in stream. */
+    if ((rc = record_ready(c, bufs[i], stream)) != 0)
+      goto out;
+    holds[i] = bufs[i]->hold_id;
+  }
+  pb.name = (char *)name;
+  pb.n_hold_ids = (size_t)nbufs;
+  pb.hold_ids = holds;
+  pb.n_members = (size_t)n;
+  pb.members = wm;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_BUNDLE;
+  req.publish_bundle = &pb;
+  if ((rc = call(c, &req, &rep, NULL)) == 0) {
+    if (version)
+      *version = reply_version(rep);
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+    note_published(c, name);
+  }
+out:
+  free(holds);
+  return rc;
+}
+
+/* Wire members for n members: storage the caller frees with members_wire_free. */
+typedef struct {
+  Gpupool__Wire__BundleMember *m, **p;
+  Gpupool__Wire__TensorMeta *t;
+} members_wire;
+
+static int members_wire_new(members_wire *w, int n) {
+  w->m = calloc((size_t)n, sizeof *w->m);
+  w->p = calloc((size_t)n, sizeof *w->p);
+  w->t = calloc((size_t)n, sizeof *w->t);
+  if (w->m && w->p && w->t)
+    return 0;
+  free(w->m);
+  free(w->p);
+  free(w->t);
+  return gpupool__err(GPUPOOL_ENOMEM, "out of memory for a bundle of %d members", n);
+}
+
+static void members_wire_free(members_wire *w) {
+  free(w->m);
+  free(w->p);
+  free(w->t);
+}
+
+static void member_wire(members_wire *w, int i, const char *name, uint32_t buffer, uint64_t offset, uint64_t size,
+                        const gpupool_tensor_meta *meta) {
+  gpupool__wire__bundle_member__init(&w->m[i]);
+  w->m[i].name = (char *)name;
+  w->m[i].buffer = buffer;
+  w->m[i].offset = offset;
+  w->m[i].size = size;
+  if (meta) {
+    gpupool__wire_meta_to(meta, &w->t[i]);
+    w->m[i].tensor = &w->t[i];
+  }
+  w->p[i] = &w->m[i];
+}
+
+int gpupool_bundle_publish(gpupool_bundle *b, const char *name, void *stream, uint64_t *version) {
+  members_wire w;
+  uint64_t v = 0;
+  int rc;
+  if (!b || !name)
+    return gpupool__err(GPUPOOL_EINVAL, "bundle_publish: bundle and name must not be NULL");
+  gpupool__err_clear();
+  if (version)
+    *version = 0;
+  if ((rc = gpupool__wire_check_name(name)) != 0)
+    return rc;
+  if ((rc = members_wire_new(&w, b->nmembers)) != 0)
+    return rc;
+  for (int i = 0; i < b->nmembers; i++) {
+    const gpupool_member *m = &b->members[i];
+    member_wire(&w, i, m->name, (uint32_t)m->buffer, m->offset, m->size, m->has_meta ? &m->meta : NULL);
+  }
+  pthread_mutex_lock(&b->c->mu);
+  rc = publish_bundle_locked(b->c, name, b->bufs, b->nbufs, w.p, b->nmembers, stream, &v);
+  pthread_mutex_unlock(&b->c->mu);
+  members_wire_free(&w);
+  if (rc == 0) {
+    b->version = v;
+    if (version)
+      *version = v;
+  }
+  return rc;
+}
+
+int gpupool_publish_members(gpupool_client *c, const char *name, const gpupool_member_ref *members, int n,
+                            void *stream, uint64_t *version) {
+  gpupool_buffer **bufs = NULL;
+  gpupool__hmap index; /* hold id -> buffer index + 1 */
+  members_wire w = {0};
+  int nbufs = 0, rc;
+
+  if (!c || !name || (n > 0 && !members))
+    return gpupool__err(GPUPOOL_EINVAL, "publish_members: client, name and members must not be NULL");
+  gpupool__err_clear();
+  if (version)
+    *version = 0;
+  if (n <= 0 || n > GPUPOOL_BUNDLE_MAX_MEMBERS)
+    return gpupool__err(GPUPOOL_EINVAL, "a bundle has 1 to %d members, not %d", GPUPOOL_BUNDLE_MAX_MEMBERS, n);
+  if ((rc = gpupool__wire_check_name(name)) != 0)
+    return rc;
+  gpupool__hmap_init(&index);
+  if ((rc = members_wire_new(&w, n)) != 0)
+    return rc;
+  if (!(bufs = calloc((size_t)n, sizeof *bufs))) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+    goto out;
+  }
+  for (int i = 0; i < n; i++) {
+    const gpupool_member_ref *m = &members[i];
+    uintptr_t idx;
+    if (!m->name || (rc = gpupool__wire_check_name(m->name)) != 0) {
+      rc = gpupool__err(GPUPOOL_ENAME, "member %d: %s", i, m->name ? gpupool__errmsg() : "name is NULL");
+      goto out;
+    }
+    if (!m->buffer || m->buffer->c != c) {
+      rc = gpupool__err(GPUPOOL_EINVAL, "member %d ('%s'): %s", i, m->name,
+                        m->buffer ? "its buffer belongs to another client" : "buffer is NULL");
+      goto out;
+    }
+    if (m->size == 0 || m->offset > m->buffer->size || m->size > m->buffer->size - m->offset) {
+      rc = gpupool__err(GPUPOOL_EINVAL, "member %d ('%s'): range [%" PRIu64 ", +%" PRIu64 ") is empty or does not "
+                        "fit in its buffer of %" PRIu64 " bytes", i, m->name, m->offset, m->size, m->buffer->size);
+      goto out;
+    }
+    if (m->meta && (rc = gpupool__wire_meta_check(m->meta, m->size)) != 0) {
+      rc = gpupool__err(rc, "member %d ('%s'): %s", i, m->name, gpupool__errmsg());
+      goto out;
+    }
+    idx = (uintptr_t)gpupool__hmap_get(&index, m->buffer->hold_id);
+    if (!idx) {
+      bufs[nbufs++] = m->buffer;
+      idx = (uintptr_t)nbufs;
+      if (gpupool__hmap_put(&index, m->buffer->hold_id, (void *)idx) != 0) {
+        rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+        goto out;
+      }
+    }
+    member_wire(&w, i, m->name, (uint32_t)(idx - 1), m->offset, m->size, m->meta);
+  }
+  pthread_mutex_lock(&c->mu);
+  rc = publish_bundle_locked(c, name, bufs, nbufs, w.p, n, stream, version);
+  pthread_mutex_unlock(&c->mu);
+out:
+  gpupool__hmap_free(&index);
+  members_wire_free(&w);
+  free(bufs);
+  return rc;
+}
+
+static int bundle_get_request(const char *name, uint64_t newer_than, int timeout_ms, unsigned flags,
+                              gpupool__req *req, Gpupool__Wire__GetBundle *gb) {
+  int rc;
+  if ((rc = gpupool__wire_check_name(name)) != 0)
+    return rc;
+  gpupool__wire__get_bundle__init(gb);
+  gb->name = (char *)name;
+  gb->newer_than = newer_than;
+  gb->timeout_ms = wire_timeout(timeout_ms);
+  gb->read_only = (flags & GPUPOOL_READ_ONLY) != 0;
+  req->body_case = GPUPOOL__WIRE__REQUEST__BODY_GET_BUNDLE;
+  req->get_bundle = gb;
+  return 0;
+}
+
+int gpupool_bundle_get(gpupool_client *c, const char *name, uint64_t newer_than, int timeout_ms, unsigned flags,
+                       void *stream, gpupool_bundle **out) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__GetBundle gb;
+  gpupool__rep *rep;
+  int rc;
+
+  if (!c || !name || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "bundle_get: client, name and out must not be NULL");
+  gpupool__err_clear();
+  *out = NULL;
+  if ((rc = bundle_get_request(name, newer_than, timeout_ms, flags, &req, &gb)) != 0)
+    return rc;
+  pthread_mutex_lock(&c->mu);
+  rc = get_across_restarts(c, &req, &gb.timeout_ms, timeout_ms, &rep);
+  if (rc == 0) {
+    rc = bundle_from_reply(c, reply_bundle(rep), 1, stream, out);
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int gpupool_bundle_release(gpupool_bundle *b, void *stream) {
+  gpupool_client *c;
+  int rc;
+  if (!b)
+    return gpupool__err(GPUPOOL_EINVAL, "bundle_release: bundle is NULL");
+  gpupool__err_clear();
+  c = b->c;
+  pthread_mutex_lock(&c->mu);
+  ensure_connected(c); /* marks the buffers lost if their daemon went away */
+  rc = release_many_locked(c, b->bufs, b->nbufs, stream);
+  pthread_mutex_unlock(&c->mu);
+  bundle_free_local(b);
+  return rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO ? 0 : rc;
+}
+
+int gpupool_bundle_count(const gpupool_bundle *b) { return b ? b->nmembers : 0; }
+uint64_t gpupool_bundle_version(const gpupool_bundle *b) { return b ? b->version : 0; }
+int gpupool_bundle_buffers(const gpupool_bundle *b) { return b ? b->nbufs : 0; }
+gpupool_buffer *gpupool_bundle_buffer(const gpupool_bundle *b, int i) {
+  return b && i >= 0 && i < b->nbufs ? b->bufs[i] : NULL;
+}
+
+int gpupool_bundle_member(const gpupool_bundle *b, int i, gpupool_member *out) {
+  return gpupool_bundle_members(b, i, 1, out);
+}
+
+int gpupool_bundle_members(const gpupool_bundle *b, int first, int n, gpupool_member *out) {
+  if (!b || !out || first < 0 || n < 0 || first > b->nmembers || n > b->nmembers - first)
+    return gpupool__err(GPUPOOL_EINVAL, "members %d..%d asked of a bundle of %d", first, first + n - 1,
+                        b ? b->nmembers : 0);
+  memcpy(out, b->members + first, (size_t)n * sizeof *out);
+  return 0;
+}
+
+int gpupool_bundle_find(const gpupool_bundle *b, const char *name) {
+  if (!b || !name)
+    return gpupool__err(GPUPOOL_EINVAL, "bundle_find: bundle and name must not be NULL");
+  for (int i = 0; i < b->nmembers; i++)
+    if (!strcmp(b->members[i].name, name))
+      return i;
+  return gpupool__err(GPUPOOL_ENOENT, "the bundle has no member '%s'", name);
+}
+
+/* ---- pipelining ------------------------------------------------------------------------------ */
+
+enum { PEND_GET = 1, PEND_BGET, PEND_PUBLISH, PEND_RELEASE };
+
+struct gpupool_pending {
+  gpupool_client *c;
+  pending *p;
+  int kind;
+  gpupool_buffer *pub;        /* PEND_PUBLISH: the buffer published */
+  int has_meta;
+  gpupool_tensor_meta meta;
+  char name[GPUPOOL_NAME_MAX + 1];
+};
+
+/* Send req as a pending request of kind. With c->mu held. */
+static int begin_locked(gpupool_client *c, gpupool__req *req, int kind, gpupool_pending **out) {
+  gpupool_pending *gp = calloc(1, sizeof *gp);
+  int rc;
+  if (!gp)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  if ((rc = ensure_connected(c)) != 0 || (rc = call_send(c, req, &gp->p)) != 0) {
+    free(gp);
+    return rc;
+  }
+  gp->c = c;
+  gp->kind = kind;
+  *out = gp;
+  return 0;
+}
+
+int gpupool_get_begin(gpupool_client *c, const char *name, uint64_t newer_than, int timeout_ms, unsigned flags,
+                      gpupool_pending **out) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Get gt;
+  int rc;
+  if (!c || !name || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "get_begin: client, name and out must not be NULL");
+  gpupool__err_clear();
+  *out = NULL;
+  if ((rc = get_request(name, newer_than, timeout_ms, flags, &req, &gt)) != 0)
+    return rc;
+  pthread_mutex_lock(&c->mu);
+  rc = begin_locked(c, &req, PEND_GET, out);
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int gpupool_bundle_get_begin(gpupool_client *c, const char *name, uint64_t newer_than, int timeout_ms,
+                             unsigned flags, gpupool_pending **out) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__GetBundle gb;
+  int rc;
+  if (!c || !name || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "bundle_get_begin: client, name and out must not be NULL");
+  gpupool__err_clear();
+  *out = NULL;
+  if ((rc = bundle_get_request(name, newer_than, timeout_ms, flags, &req, &gb)) != 0)
+    return rc;
+  pthread_mutex_lock(&c->mu);
+  rc = begin_locked(c, &req, PEND_BGET, out);
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int gpupool_publish_begin(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
+                          gpupool_pending **out) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Publish pb;
+  Gpupool__Wire__TensorMeta tm = GPUPOOL__WIRE__TENSOR_META__INIT;
+  gpupool_client *c;
+  int rc;
+  if (!out)
+    return gpupool__err(GPUPOOL_EINVAL, "publish_begin: out must not be NULL");
+  gpupool__err_clear();
+  *out = NULL;
+  if ((rc = publish_request(b, name, meta, 0, 0, &req, &pb, &tm)) != 0)
+    return rc;
+  c = b->c;
+  pthread_mutex_lock(&c->mu);
+  if ((rc = ensure_connected(c)) == 0 && b->lost)
+    rc = lost_err(b);
+  if (rc == 0 && (rc = record_ready(c, b, stream)) == 0 && (rc = begin_locked(c, &req, PEND_PUBLISH, out)) == 0) {
+    (*out)->pub = b;
+    snprintf((*out)->name, sizeof (*out)->name, "%s", name);
+    if (meta) {
+      (*out)->meta = *meta;
+      (*out)->has_meta = 1;
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int gpupool_release_begin(gpupool_buffer *b, void *stream, gpupool_pending **out) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Release rl;
+  gpupool_client *c;
+  uint64_t hold_id;
+  int recorded, rc = 0;
+  if (!b || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "release_begin: buffer and out must not be NULL");
+  gpupool__err_clear();
+  *out = NULL;
+  c = b->c;
+  pthread_mutex_lock(&c->mu);
+  ensure_connected(c);
+  release_local(c, b, stream, &hold_id, &recorded);
+  if (hold_id) {
+    release_request(&req, &rl, hold_id, recorded);
+    rc = begin_locked(c, &req, PEND_RELEASE, out);
+  }
+  pthread_mutex_unlock(&c->mu);
+  /* Lost with its daemon: nothing to wait for (*out stays NULL, which pending_end accepts). */
+  return rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO ? 0 : rc;
+}
+
+/* Wait for gp's reply (frees gp). With c->mu held. */
+static int end_locked(gpupool_pending *gp, gpupool__rep **rep) {
+  pending *p = gp->p;
+  gpupool_client *c = gp->c;
+  free(gp);
+  return call_wait(c, p, rep, NULL, NULL);
+}
+
+int gpupool_get_end(gpupool_pending *gp, void *stream, gpupool_buffer **out, uint64_t *version) {
+  gpupool_client *c;
+  gpupool__rep *rep;
+  int rc;
+  if (!gp || !out || gp->kind != PEND_GET)
+    return gpupool__err(GPUPOOL_EINVAL, "get_end: needs a pending get from gpupool_get_begin");
+  gpupool__err_clear();
+  *out = NULL;
+  if (version)
+    *version = 0;
+  c = gp->c;
+  pthread_mutex_lock(&c->mu);
+  if ((rc = end_locked(gp, &rep)) == 0) {
+    if (version)
+      *version = reply_version(rep);
+    rc = materialize(c, reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_GET), 1, stream, out);
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int gpupool_bundle_get_end(gpupool_pending *gp, void *stream, gpupool_bundle **out) {
+  gpupool_client *c;
+  gpupool__rep *rep;
+  int rc;
+  if (!gp || !out || gp->kind != PEND_BGET)
+    return gpupool__err(GPUPOOL_EINVAL, "bundle_get_end: needs a pending get from gpupool_bundle_get_begin");
+  gpupool__err_clear();
+  *out = NULL;
+  c = gp->c;
+  pthread_mutex_lock(&c->mu);
+  if ((rc = end_locked(gp, &rep)) == 0) {
+    rc = bundle_from_reply(c, reply_bundle(rep), 1, stream, out);
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int gpupool_pending_end(gpupool_pending *gp, uint64_t *version) {
+  gpupool_client *c;
+  gpupool_buffer *pub;
+  gpupool_tensor_meta meta;
+  char name[GPUPOOL_NAME_MAX + 1];
+  gpupool__rep *rep;
+  int rc, kind, has_meta;
+  if (version)
+    *version = 0;
+  if (!gp)
+    return 0; /* a release_begin of a buffer whose daemon was gone */
+  if (gp->kind != PEND_PUBLISH && gp->kind != PEND_RELEASE)
+    return gpupool__err(GPUPOOL_EINVAL, "pending_end: ends a publish or a release; end gets with gpupool_get_end "
+                        "or gpupool_bundle_get_end");
+  gpupool__err_clear();
+  c = gp->c;
+  kind = gp->kind;
+  pub = gp->pub;
+  has_meta = gp->has_meta;
+  meta = gp->meta;
+  memcpy(name, gp->name, sizeof name);
+  pthread_mutex_lock(&c->mu);
+  if ((rc = end_locked(gp, &rep)) == 0) {
+    if (version)
+      *version = reply_version(rep);
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+    if (kind == PEND_PUBLISH)
+      published_locally(c, pub, name, has_meta ? &meta : NULL);
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (kind == PEND_RELEASE && (rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO))
+    rc = 0; /* a broken connection already dropped the hold */
+  return rc;
+}
+
+void gpupool_pending_cancel(gpupool_pending *gp) {
+  gpupool_client *c;
+  gpupool__rep *rep;
+  int kind;
+  if (!gp)
+    return;
+  c = gp->c;
+  kind = gp->kind;
+  pthread_mutex_lock(&c->mu);
+  if (end_locked(gp, &rep) == 0) {
+    /* Undo what the reply brought: holds this process never turned into buffers. */
+    if (kind == PEND_GET) {
+      const Gpupool__Wire__BufferDesc *d = reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_GET);
+      if (d && d->hold_id)
+        send_release(c, d->hold_id, 0);
+    } else if (kind == PEND_BGET) {
+      release_holds_from(c, reply_bundle(rep), 0);
+    }
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  pthread_mutex_unlock(&c->mu);
 }
 
 int gpupool_unpublish(gpupool_client *c, const char *name) {

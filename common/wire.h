@@ -20,7 +20,7 @@
 #include "gpupool/gpupool.h"
 
 #define GPUPOOL_WIRE_HDR 4
-#define GPUPOOL_WIRE_MAX_FDS 4
+#define GPUPOOL_WIRE_MAX_FDS 16
 /* Default and hard limits on a frame's payload. */
 #define GPUPOOL_WIRE_DEFAULT_MAX_FRAME (1u << 20)
 #define GPUPOOL_WIRE_HARD_MAX_FRAME (64u << 20)
@@ -46,7 +46,7 @@ int gpupool__wire_send_some(int sock, const uint8_t *buf, size_t len, size_t *of
 
 /* The most fds gpupool__wire_sendmsg attaches: more than a frame may carry, so that tests
  * and fuzzers can send what a well-behaved peer never would. */
-#define GPUPOOL__WIRE_SENDMSG_MAX_FDS 16
+#define GPUPOOL__WIRE_SENDMSG_MAX_FDS 32
 /* One sendmsg of buf[0..len) with nfds fds (may be NULL/0) as SCM_RIGHTS, retried on EINTR,
  * MSG_NOSIGNAL added to flags; none of the checks of the frame senders above. Returns the
  * bytes sent, or -errno (-EINVAL for more than GPUPOOL__WIRE_SENDMSG_MAX_FDS fds). */

@@ -41,6 +41,8 @@ void gpupool__config_defaults(gpupool__config *c) {
   for (int i = 0; i < GPUPOOL_MAX_POOLS; i++)
     c->pool_share[i] = -1;
   c->max_names_per_uid = 4096;
+  c->max_bundle_members = 65536;
+  c->max_members_per_uid = 262144;
   c->max_holds_per_client = 65536;
   c->max_holds_per_uid = 262144;
   c->max_clients_per_uid = 256;
@@ -333,6 +335,14 @@ int gpupool__config_set(gpupool__config *c, const char *k, const char *v) {
     return parse_u32(v, &c->max_names);
   if (!strcmp(k, "max_names_per_uid"))
     return parse_u32(v, &c->max_names_per_uid);
+  if (!strcmp(k, "max_bundle_members")) {
+    int rc = parse_u32(v, &c->max_bundle_members);
+    if (rc == 0 && (c->max_bundle_members == 0 || c->max_bundle_members > GPUPOOL_BUNDLE_MAX_MEMBERS))
+      return gpupool__err(GPUPOOL_EINVAL, "max_bundle_members must be between 1 and %d", GPUPOOL_BUNDLE_MAX_MEMBERS);
+    return rc;
+  }
+  if (!strcmp(k, "max_members_per_uid"))
+    return parse_u32(v, &c->max_members_per_uid);
   if (!strcmp(k, "max_holds_per_client"))
     return parse_u32(v, &c->max_holds_per_client);
   if (!strcmp(k, "max_holds_per_uid"))

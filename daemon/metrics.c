@@ -37,13 +37,16 @@
 
 /* ---- counters ------------------------------------------------------------------------------ */
 
-/* Request types, in the order of the Request oneof (case 10 + index - 1); index 0 counts
- * frames whose body was missing or unknown. */
+/* Request types, in the order of the Request oneof: cases 10..23 at index 1..14, cases
+ * 30.. (bundles) from index 15; index 0 counts frames whose body was missing or unknown. */
 static const char *const type_names[] = {
     "unknown",      "hello",        "attach_pool",   "allocate",          "release",
     "share",        "open",         "publish",       "get",               "unpublish",
     "stats",        "admin_clients", "admin_buffers", "admin_drop_client", "trim",
+    "allocate_bundle", "publish_bundle", "get_bundle",
 };
+#define FIRST_BUNDLE_CASE GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE_BUNDLE
+#define FIRST_BUNDLE_INDEX 15
 #define N_TYPES ((int)(sizeof(type_names) / sizeof(type_names[0])))
 #define FIRST_CASE GPUPOOL__WIRE__REQUEST__BODY_HELLO
 
@@ -134,7 +137,10 @@ int gpupool__metrics_new(gpupool__metrics **out) {
 }
 
 static int type_index(int body_case) {
-  int i = body_case - FIRST_CASE + 1;
+  int i = body_case >= FIRST_BUNDLE_CASE ? body_case - FIRST_BUNDLE_CASE + FIRST_BUNDLE_INDEX
+                                         : body_case - FIRST_CASE + 1;
+  if (body_case < FIRST_BUNDLE_CASE && i >= FIRST_BUNDLE_INDEX)
+    return 0;
   return (i >= 1 && i < N_TYPES) ? i : 0;
 }
 

@@ -607,7 +607,8 @@ gpupool__uid_usage *gpupool__uid_usage_get(gpupool__registry *reg, uint64_t tena
 
 /* Drop the record once nothing is counted in it. */
 void gpupool__uid_usage_put(gpupool__registry *reg, gpupool__uid_usage *u) {
-  if (u && u->allocs == 0 && u->bytes == 0 && u->names == 0 && u->holds == 0 && u->leases == 0 &&
+  if (u && u->allocs == 0 && u->bytes == 0 && u->names == 0 && u->members == 0 && u->holds == 0 &&
+      u->leases == 0 &&
       u->conns == 0 && u->waiters == 0) {
     gpupool__hmap_del(&reg->uids, u->tenant);
     free(u);
@@ -1227,15 +1228,164 @@ int gpupool__open(gpupool__registry *reg, gpupool__client *c, const uint8_t *tok
   return hold_new(reg, c, b, read_only, 0, out);
 }
 
+/* ---- names, versions, bundles ----------------------------------------------------------------- */
+
+static void members_free(gpupool__member *m, uint32_t n) {
+  for (uint32_t i = 0; m && i < n; i++) {
+    free(m[i].name);
+    free(m[i].meta);
+  }
+  free(m);
+}
+
+static void members_account(gpupool__registry *reg, uint64_t tenant, int64_t delta) {
+  gpupool__uid_usage *u;
+  if (!delta || !(u = gpupool__uid_usage_get(reg, tenant, 0)))
+    return;
+  u->members = (uint64_t)((int64_t)u->members + delta);
+  gpupool__uid_usage_put(reg, u);
+}
+
+/* Drops what a name's current version refers to (its buffers' references, its members). */
+static void name_clear(gpupool__registry *reg, gpupool__name *n) {
+  members_account(reg, n->tenant, -(int64_t)n->nmembers);
+  members_free(n->members, n->nmembers);
+  n->members = NULL;
+  n->nmembers = 0;
+  for (uint32_t i = 0; i < n->nbufs; i++) {
+    n->bufs[i]->names--;
+    buffer_unref(reg, n->bufs[i]);
+  }
+  free(n->bufs);
+  n->bufs = NULL;
+  n->nbufs = 0;
+}
+
+static void name_free(gpupool__registry *reg, gpupool__name *n) {
+  name_clear(reg, n);
+  free(n->name);
+  free(n);
+}
+
+/* Checks for a publish under `name` by c of buffers bufs: the namespace, the buffers' owner,
+ * the name limits (for a new name) and the member limits. *key gets the name's key and *old
+ * the name's entry when it exists. */
+static int publish_check(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__buffer *const *bufs,
+                         uint32_t nbufs, uint32_t nmembers, char *key, size_t keylen, gpupool__name **old) {
+  const gpupool__config *cfg = reg->cfg;
+  gpupool__uid_usage *u;
+  uint64_t owner, have;
+  char who[80];
+  int rc;
+  if ((rc = gpupool__name_key(reg, c, name, key, keylen, &owner)) != 0)
+    return rc;
+  for (uint32_t i = 0; i < nbufs; i++)
+    if (bufs[i]->slab->owner != owner) {
+      char label[80];
+      gpupool__tenant_label(cfg, bufs[i]->slab->owner, label, sizeof label);
+      return gpupool__err(GPUPOOL_EPERM,
+                          "'%s' would make a buffer of %s readable outside it; publish it in that namespace "
+                          "(%s)", name, label,
+                          (bufs[i]->slab->owner & GROUP_SET) ? "as group:GROUP/NAME" : "under a plain name");
+    }
+  *old = gpupool__smap_get(&reg->names, key);
+  u = gpupool__uid_usage_get(reg, c->tenant, 0);
+  gpupool__tenant_label(cfg, c->tenant, who, sizeof who);
+  if (!*old) {
+    if (cfg->max_names && reg->nnames >= cfg->max_names)
+      return gpupool__err(GPUPOOL_ELIMIT, "the daemon already holds %" PRIu64 " names, the limit (max_names) is %u",
+                          reg->nnames, cfg->max_names);
+    if (cfg->max_names_per_uid && u && u->names >= cfg->max_names_per_uid)
+      return gpupool__err(GPUPOOL_ELIMIT,
+                          "%s already has %u names published, the limit (max_names_per_uid) is %u; "
+                          "unpublish names it no longer needs (names outlive their publisher)",
+                          who, u->names, cfg->max_names_per_uid);
+  }
+  /* The members this publish would leave the tenant with (a new version replaces the old
+   * version's members when the name is its own tenant's). */
+  have = u ? u->members : 0;
+  if (*old && (*old)->tenant == c->tenant)
+    have -= (*old)->nmembers;
+  if (cfg->max_members_per_uid && nmembers && have + nmembers > cfg->max_members_per_uid)
+    return gpupool__err(GPUPOOL_ELIMIT,
+                        "publishing %u members would bring %s to %" PRIu64 " members in published bundles, over "
+                        "the limit (max_members_per_uid) of %u; unpublish bundles it no longer needs",
+                        nmembers, who, have + nmembers, cfg->max_members_per_uid);
+  return 0;
+}
+
+/* Make (bufs, members) the current version of `key`, creating the name or replacing its
+ * previous version in one step. Takes over members and bufs (an array of nbufs buffers, each
+ * given one reference here). Cannot fail once the name exists. */
+static int publish_commit(gpupool__registry *reg, gpupool__client *c, const char *key, gpupool__name *n,
+                          gpupool__buffer **bufs, uint32_t nbufs, gpupool__member *members, uint32_t nmembers,
+                          int read_only, const gpupool_tensor_meta *meta, uint64_t *version) {
+  uint64_t prev = 0;
+  if (!n) {
+    n = calloc(1, sizeof *n);
+    if (!n || !(n->name = strdup(key)) || gpupool__smap_put(&reg->names, key, n) != 0) {
+      if (n)
+        free(n->name);
+      free(n);
+      members_free(members, nmembers);
+      free(bufs);
+      return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    }
+    reg->nnames++;
+    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->tenant, 1);
+    if (u)
+      u->names++; /* (the record holds at least this client's hold: it exists) */
+    n->tenant = c->tenant;
+  } else {
+    prev = n->version;
+  }
+  /* The new version's references first: a buffer kept from the previous version must not
+   * drop to zero in between. */
+  for (uint32_t i = 0; i < nbufs; i++) {
+    bufs[i]->refs++;
+    bufs[i]->names++;
+  }
+  name_clear(reg, n);
+  if (n->tenant != c->tenant) {
+    /* Republished by another member of the namespace: the name now counts against it. */
+    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, n->tenant, 0);
+    if (u) {
+      u->names--;
+      gpupool__uid_usage_put(reg, u);
+    }
+    u = gpupool__uid_usage_get(reg, c->tenant, 1);
+    if (u)
+      u->names++;
+    n->tenant = c->tenant;
+  }
+  n->bufs = bufs;
+  n->nbufs = nbufs;
+  n->members = members;
+  n->nmembers = nmembers;
+  members_account(reg, n->tenant, (int64_t)nmembers);
+  n->version = prev + 1;
+  n->uid = c->uid;
+  n->read_only = read_only;
+  n->created_ns = gpupool__now_ns();
+  n->has_meta = meta != NULL;
+  if (meta) {
+    n->meta = *meta;
+    bufs[0]->meta = *meta;
+    bufs[0]->has_meta = 1;
+  }
+  if (version)
+    *version = n->version;
+  return 0;
+}
+
 int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id, const char *name,
-               const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all) {
+                     const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all, uint64_t *version) {
   gpupool__hold *h = NULL;
-  gpupool__name *n, *old;
+  gpupool__name *old;
+  gpupool__buffer **bufs;
   gpupool_tensor_meta m;
   int rc, has_meta = meta && meta->present;
-
   char key[GPUPOOL_NAME_KEY_MAX + 1];
-  uint64_t owner;
 
   if ((rc = hold_of(reg, c, hold_id, &h)) != 0)
     return rc;
@@ -1244,67 +1394,182 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
                         "publishing to other users (share_gid/share_all) is gone: its readers would get "
                         "the fd of a slab holding the publisher's other buffers. Allocate in a pool the "
                         "operator shares with a group (share = GROUP) and publish as group:GROUP/NAME");
-  if ((rc = gpupool__name_key(reg, c, name, key, sizeof key, &owner)) != 0)
+  if ((rc = publish_check(reg, c, name, &h->buf, 1, 0, key, sizeof key, &old)) != 0)
     return rc;
-  if (h->buf->slab->owner != owner) {
-    char label[80];
-    gpupool__tenant_label(reg->cfg, h->buf->slab->owner, label, sizeof label);
-    return gpupool__err(GPUPOOL_EPERM,
-                        "'%s' would make a buffer of %s readable outside it; publish it in that namespace "
-                        "(%s)", name, label,
-                        (h->buf->slab->owner & GROUP_SET) ? "as group:GROUP/NAME" : "under a plain name");
-  }
   if (has_meta && (rc = gpupool__wire_meta_from(meta, h->buf->asked, &m)) != 0)
     return rc;
-  old = gpupool__smap_get(&reg->names, key);
-  if (old)
-    return gpupool__err(GPUPOOL_EEXIST, "name '%s' is already published; unpublish it first or pick another name",
-                        name);
-  if (reg->cfg->max_names && reg->nnames >= reg->cfg->max_names)
-    return gpupool__err(GPUPOOL_ELIMIT, "the daemon already holds %" PRIu64 " names, the limit (max_names) is %u",
-                        reg->nnames, reg->cfg->max_names);
-  {
-    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->tenant, 0);
-    char who[80];
-    gpupool__tenant_label(reg->cfg, c->tenant, who, sizeof who);
-    if (reg->cfg->max_names_per_uid && u && u->names >= reg->cfg->max_names_per_uid)
-      return gpupool__err(GPUPOOL_ELIMIT,
-                          "%s already has %u names published, the limit (max_names_per_uid) is %u; "
-                          "unpublish names it no longer needs (names outlive their publisher)",
-                          who, u->names, reg->cfg->max_names_per_uid);
-  }
-  n = calloc(1, sizeof *n);
-  if (!n || !(n->name = strdup(key))) {
-    free(n);
+  if (!(bufs = malloc(sizeof *bufs)))
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  bufs[0] = h->buf;
+  /* A name never upgrades the hold it was published from. */
+  return publish_commit(reg, c, key, old, bufs, 1, NULL, 0, h->read_only, has_meta ? &m : NULL, version);
+}
+
+/* A small open-addressing set of member names, to refuse duplicates in O(n). */
+static int names_unique(Gpupool__Wire__BundleMember *const *wm, const char *const *names, size_t n, size_t *dup) {
+  size_t cap = 16, i;
+  uint32_t *slots;
+  while (cap < 2 * n)
+    cap *= 2;
+  if (!(slots = calloc(cap, sizeof *slots)))
+    return GPUPOOL_ENOMEM;
+  for (i = 0; i < n; i++) {
+    const char *a = wm ? wm[i]->name : names[i];
+    uint64_t hsh = 1469598103934665603ull;
+    for (const char *q = a; *q; q++)
+      hsh = (hsh ^ (uint8_t)*q) * 1099511628211ull;
+    size_t k = (size_t)hsh & (cap - 1);
+    while (slots[k]) {
+      const char *b = wm ? wm[slots[k] - 1]->name : names[slots[k] - 1];
+      if (!strcmp(a, b)) {
+        free(slots);
+        *dup = i;
+        return GPUPOOL_EEXIST;
+      }
+      k = (k + 1) & (cap - 1);
+    }
+    slots[k] = (uint32_t)i + 1;
   }
-  n->buf = h->buf;
-  n->uid = c->uid;
-  n->tenant = c->tenant;
-  n->read_only = h->read_only; /* a name never upgrades the hold it was published from */
-  n->created_ns = gpupool__now_ns();
-  if (has_meta) {
-    n->meta = m;
-    n->has_meta = 1;
-  }
-  if (gpupool__smap_put(&reg->names, key, n) != 0) {
-    free(n->name);
-    free(n);
+  free(slots);
+  return 0;
+}
+
+/* Checks a member's name, range and tensor description and copies it into *out. */
+static int member_from_wire(const char *name, uint64_t offset, uint64_t size, const Gpupool__Wire__TensorMeta *tm,
+                            uint64_t limit, size_t idx, gpupool__member *out) {
+  gpupool_tensor_meta m;
+  int rc;
+  if (!name || gpupool__wire_check_name(name) != 0)
+    return gpupool__err(GPUPOOL_ENAME, "member %zu: %s", idx,
+                        name ? gpupool__errmsg() : "no name; every member needs a name of 1..255 bytes");
+  if (size == 0)
+    return gpupool__err(GPUPOOL_EINVAL, "member %zu ('%s') has size 0; members need at least 1 byte", idx, name);
+  if (offset > limit || size > limit - offset)
+    return gpupool__err(GPUPOOL_EINVAL,
+                        "member %zu ('%s'): range [%" PRIu64 ", +%" PRIu64 ") does not fit in its buffer of %" PRIu64
+                        " bytes", idx, name, offset, size, limit);
+  if (tm && tm->present && (rc = gpupool__wire_meta_from(tm, size, &m)) != 0)
+    return gpupool__err(rc, "member %zu ('%s'): %s", idx, name, gpupool__errmsg());
+  memset(out, 0, sizeof *out);
+  out->offset = offset;
+  out->size = size;
+  if (!(out->name = strdup(name)))
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
-  }
-  if (has_meta) {
-    h->buf->meta = m;
-    h->buf->has_meta = 1;
-  }
-  h->buf->refs++;
-  h->buf->names++;
-  reg->nnames++;
-  {
-    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->tenant, 1);
-    if (u)
-      u->names++; /* (the record holds at least this client's hold: it exists) */
+  if (tm && tm->present) {
+    if (!(out->meta = malloc(sizeof *out->meta))) {
+      free(out->name);
+      out->name = NULL;
+      return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    }
+    *out->meta = m;
   }
   return 0;
+}
+
+static int check_member_count(gpupool__registry *reg, size_t n) {
+  if (n == 0)
+    return gpupool__err(GPUPOOL_EINVAL, "a bundle needs at least one member");
+  if (n > reg->cfg->max_bundle_members)
+    return gpupool__err(GPUPOOL_ELIMIT,
+                        "bundle of %zu members is over the limit (max_bundle_members) of %u; split it into "
+                        "several names", n, reg->cfg->max_bundle_members);
+  return 0;
+}
+
+static int dup_error(const char *name, size_t idx) {
+  return gpupool__err(GPUPOOL_EINVAL, "member name '%s' appears twice (again at member %zu); member names must "
+                      "be unique in a bundle", name, idx);
+}
+
+int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const char *name, const uint64_t *hold_ids,
+                            size_t nholds, Gpupool__Wire__BundleMember *const *wm, size_t nmembers,
+                            uint64_t *version) {
+  gpupool__buffer **bufs = NULL;
+  gpupool__member *members = NULL;
+  gpupool__name *old;
+  uint32_t *used = NULL;
+  char key[GPUPOOL_NAME_KEY_MAX + 1];
+  size_t i, dup, nm = 0;
+  uint32_t fd_slabs = 0;
+  int rc, read_only = 0;
+  gpupool__hmap seen;
+
+  gpupool__hmap_init(&seen);
+  if ((rc = check_member_count(reg, nmembers)) != 0)
+    return rc;
+  if (nholds == 0 || nholds > nmembers)
+    return gpupool__err(GPUPOOL_EINVAL, "a bundle of %zu members lies in 1 to %zu buffers, not %zu", nmembers,
+                        nmembers, nholds);
+  if (!(bufs = calloc(nholds, sizeof *bufs)) || !(members = calloc(nmembers, sizeof *members)) ||
+      !(used = calloc(nholds, sizeof *used))) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    goto fail;
+  }
+  /* Buffer and slab ids come from one counter: one set tells repeats of either. */
+  for (i = 0; i < nholds; i++) {
+    gpupool__hold *h = NULL;
+    if ((rc = hold_of(reg, c, hold_ids[i], &h)) != 0)
+      goto fail;
+    if (gpupool__hmap_get(&seen, h->buf->id)) {
+      rc = gpupool__err(GPUPOOL_EINVAL, "buffer %" PRIu64 " is listed twice (hold %" PRIu64 " and another); list "
+                        "each buffer once", h->buf->id, hold_ids[i]);
+      goto fail;
+    }
+    bufs[i] = h->buf;
+    read_only |= h->read_only;
+    /* Each getter needs the fd of every slab it has not mapped, all in one reply frame. */
+    if (h->buf->slab->bs.fd >= 0 && !gpupool__hmap_get(&seen, h->buf->slab->id)) {
+      if (++fd_slabs > GPUPOOL_WIRE_MAX_FDS) {
+        rc = gpupool__err(GPUPOOL_EINVAL,
+                          "the bundle's buffers lie in more than %d slabs, more than one reply can carry; "
+                          "allocate its members with gpupool_bundle_alloc, which packs them into few buffers",
+                          GPUPOOL_WIRE_MAX_FDS);
+        goto fail;
+      }
+      if (gpupool__hmap_put(&seen, h->buf->slab->id, h->buf->slab) != 0) {
+        rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+        goto fail;
+      }
+    }
+    if (gpupool__hmap_put(&seen, h->buf->id, h->buf) != 0) {
+      rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+      goto fail;
+    }
+  }
+  for (nm = 0; nm < nmembers; nm++) {
+    const Gpupool__Wire__BundleMember *m = wm[nm];
+    if (m->buffer >= nholds) {
+      rc = gpupool__err(GPUPOOL_EINVAL, "member %zu ('%s') names buffer %u of a bundle of %zu buffers", nm,
+                        m->name ? m->name : "", m->buffer, nholds);
+      goto fail;
+    }
+    if ((rc = member_from_wire(m->name, m->offset, m->size, m->tensor, bufs[m->buffer]->asked, nm, &members[nm])) != 0)
+      goto fail;
+    members[nm].buffer = m->buffer;
+    used[m->buffer] = 1;
+  }
+  for (i = 0; i < nholds; i++)
+    if (!used[i]) {
+      rc = gpupool__err(GPUPOOL_EINVAL, "no member lies in buffer %zu (hold %" PRIu64 "); list only the buffers "
+                        "the members use", i, hold_ids[i]);
+      goto fail;
+    }
+  if ((rc = names_unique(wm, NULL, nmembers, &dup)) != 0) {
+    rc = rc == GPUPOOL_EEXIST ? dup_error(wm[dup]->name, dup) : gpupool__err(rc, "out of memory in the daemon");
+    goto fail;
+  }
+  if ((rc = publish_check(reg, c, name, bufs, (uint32_t)nholds, (uint32_t)nmembers, key, sizeof key, &old)) != 0)
+    goto fail;
+  free(used);
+  gpupool__hmap_free(&seen);
+  return publish_commit(reg, c, key, old, bufs, (uint32_t)nholds, members, (uint32_t)nmembers, read_only, NULL,
+                        version);
+fail:
+  members_free(members, (uint32_t)nm);
+  free(bufs);
+  free(used);
+  gpupool__hmap_free(&seen);
+  return rc;
 }
 
 /* The name as c may see it: ENAME for a malformed name, ENOENT when absent or invisible. */
@@ -1320,12 +1585,164 @@ static int find_name(gpupool__registry *reg, gpupool__client *c, const char *nam
   return 0;
 }
 
-int gpupool__get(gpupool__registry *reg, gpupool__client *c, const char *name, int read_only, gpupool__hold **out) {
-  gpupool__name *n;
-  int rc = find_name(reg, c, name, &n);
+static int find_newer(gpupool__registry *reg, gpupool__client *c, const char *name, uint64_t newer_than,
+                      gpupool__name **out) {
+  int rc = find_name(reg, c, name, out);
+  if (rc == 0 && (*out)->version <= newer_than)
+    return gpupool__err(GPUPOOL_ENOENT, "'%s' is at version %" PRIu64 ", not newer than %" PRIu64, name,
+                        (*out)->version, newer_than);
   if (rc == 0)
     rc = check_waiting_leases(reg, c);
-  return rc != 0 ? rc : hold_new(reg, c, n->buf, read_only || n->read_only, 0, out);
+  return rc;
+}
+
+int gpupool__get(gpupool__registry *reg, gpupool__client *c, const char *name, int read_only, uint64_t newer_than,
+                 gpupool__hold **out, uint64_t *version) {
+  gpupool__name *n;
+  int rc = find_newer(reg, c, name, newer_than, &n);
+  if (rc != 0)
+    return rc;
+  if (n->nbufs != 1 || n->nmembers > 1)
+    return gpupool__err(GPUPOOL_EINVAL,
+                        "'%s' is a bundle of %u members in %u buffers; get it with gpupool_bundle_get "
+                        "(Python: get_dict)", name, n->nmembers, n->nbufs);
+  if (version)
+    *version = n->version;
+  return hold_new(reg, c, n->bufs[0], read_only || n->read_only, 0, out);
+}
+
+int gpupool__get_bundle(gpupool__registry *reg, gpupool__client *c, const char *name, int read_only,
+                        uint64_t newer_than, gpupool__hold ***holds, const gpupool__name **out) {
+  gpupool__name *n;
+  gpupool__hold **hs;
+  int rc = find_newer(reg, c, name, newer_than, &n);
+  if (rc != 0)
+    return rc;
+  if (!(hs = calloc(n->nbufs, sizeof *hs)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  for (uint32_t i = 0; i < n->nbufs; i++)
+    if ((rc = hold_new(reg, c, n->bufs[i], read_only || n->read_only, 0, &hs[i])) != 0) {
+      while (i-- > 0)
+        hold_drop(reg, hs[i], 0, NULL);
+      free(hs);
+      return rc;
+    }
+  *holds = hs;
+  *out = n;
+  return 0;
+}
+
+void gpupool__hold_discard(gpupool__registry *reg, gpupool__hold *h) { hold_drop(reg, h, 0, NULL); }
+
+void gpupool__bundle_plan_free(gpupool__bundle_plan *plan) {
+  if (!plan)
+    return;
+  members_free(plan->members, plan->nmembers);
+  free(plan->chunks);
+  free(plan);
+}
+
+int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool__pool *p,
+                             Gpupool__Wire__MemberSpec *const *specs, size_t n, uint64_t align,
+                             gpupool__bundle_plan **out) {
+  gpupool__bundle_plan *plan;
+  uint64_t owner, cur = 0, limit;
+  const char **names = NULL;
+  size_t i, dup;
+  int rc;
+
+  if ((rc = check_member_count(reg, n)) != 0)
+    return rc;
+  if ((rc = gpupool__pool_owner(reg, c, p, &owner)) != 0)
+    return rc;
+  if (align == 0)
+    align = p->cfg.alignment;
+  if (align & (align - 1) || align > SLAB_GRAIN)
+    return gpupool__err(GPUPOOL_EINVAL, "alignment %" PRIu64 " must be a power of two up to 2 MiB", align);
+  if (align < p->cfg.alignment)
+    align = p->cfg.alignment;
+  /* A chunk is one exported allocation: at most 4 GiB (the CUDA driver's limit on one). */
+  limit = GPUPOOL_SLAB_HARD_MAX & ~(align - 1);
+  if (!(plan = calloc(1, sizeof *plan)) || !(plan->members = calloc(n, sizeof *plan->members)) ||
+      !(plan->chunks = calloc(n, sizeof *plan->chunks)) || !(names = calloc(n, sizeof *names))) {
+    gpupool__bundle_plan_free(plan);
+    free(names);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  }
+  plan->pool = p;
+  plan->align = align;
+  for (i = 0; i < n; i++) {
+    const Gpupool__Wire__MemberSpec *sp = specs[i];
+    gpupool__member *m = &plan->members[i];
+    uint64_t off;
+    if ((rc = member_from_wire(sp->name, 0, sp->size, sp->tensor, UINT64_MAX, i, m)) != 0)
+      goto fail;
+    plan->nmembers = (uint32_t)i + 1;
+    names[i] = m->name;
+    if (sp->size > limit) {
+      rc = gpupool__err(GPUPOOL_ETOOBIG,
+                        "member %zu ('%s') of %" PRIu64 " bytes is larger than one allocation of pool '%s' may be "
+                        "(%" PRIu64 " bytes); split it", i, sp->name, sp->size, p->cfg.name, limit);
+      goto fail;
+    }
+    off = round_up(cur, align);
+    if (plan->nchunks == 0 || off + sp->size > limit || off < cur) {
+      /* Start a new chunk (the first one, or this member does not fit in the current one). */
+      if (plan->nchunks)
+        plan->chunks[plan->nchunks - 1] = cur;
+      plan->nchunks++;
+      off = 0;
+    }
+    m->buffer = plan->nchunks - 1;
+    m->offset = off;
+    cur = off + sp->size;
+  }
+  plan->chunks[plan->nchunks - 1] = cur;
+  for (i = 0; i < plan->nchunks; i++) {
+    if (plan->total + plan->chunks[i] < plan->total) {
+      rc = gpupool__err(GPUPOOL_EINVAL, "the bundle's total size overflows");
+      goto fail;
+    }
+    plan->total += plan->chunks[i];
+  }
+  if (plan->total > p->cfg.capacity) {
+    rc = gpupool__err(GPUPOOL_ETOOBIG,
+                      "bundle of %" PRIu64 " bytes is larger than pool '%s' (capacity %" PRIu64 " bytes)",
+                      plan->total, p->cfg.name, p->cfg.capacity);
+    goto fail;
+  }
+  if ((rc = names_unique(NULL, names, n, &dup)) != 0) {
+    rc = rc == GPUPOOL_EEXIST ? dup_error(names[dup], dup) : gpupool__err(rc, "out of memory in the daemon");
+    goto fail;
+  }
+  free(names);
+  *out = plan;
+  return 0;
+fail:
+  free(names);
+  gpupool__bundle_plan_free(plan);
+  return rc;
+}
+
+int gpupool__bundle_allocate(gpupool__registry *reg, gpupool__client *c, const gpupool__bundle_plan *plan,
+                             gpupool__hold ***holds) {
+  gpupool__hold **hs = calloc(plan->nchunks, sizeof *hs);
+  int rc = 0;
+  if (!hs)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  for (uint32_t i = 0; i < plan->nchunks; i++)
+    if ((rc = gpupool__allocate(reg, c, plan->pool, plan->chunks[i], plan->align, &hs[i])) != 0) {
+      char msg[GPUPOOL__ERRMSG_MAX];
+      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+      while (i-- > 0)
+        hold_drop(reg, hs[i], 0, NULL);
+      free(hs);
+      if (plan->nchunks > 1)
+        return gpupool__err(rc, "bundle of %" PRIu64 " bytes in %u buffers: %s", plan->total, plan->nchunks, msg);
+      return gpupool__err(rc, "%s", msg);
+    }
+  *holds = hs;
+  return 0;
 }
 
 int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *name) {
@@ -1344,10 +1761,7 @@ int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *n
       gpupool__uid_usage_put(reg, u);
     }
   }
-  n->buf->names--;
-  buffer_unref(reg, n->buf);
-  free(n->name);
-  free(n);
+  name_free(reg, n);
   return 0;
 }
 
@@ -1570,7 +1984,8 @@ void gpupool__fill_desc(gpupool__registry *reg, gpupool__client *c, gpupool__hol
     const gpupool__name *nm = name && *name && gpupool__name_key(reg, c, name, key, sizeof key, &owner) == 0
                                   ? gpupool__smap_get(&reg->names, key)
                                   : NULL;
-    const gpupool_tensor_meta *m = nm && nm->buf == b ? (nm->has_meta ? &nm->meta : NULL)
+    const gpupool_tensor_meta *m = nm && nm->nbufs == 1 && nm->bufs[0] == b && !nm->members
+                                       ? (nm->has_meta ? &nm->meta : NULL)
                                    : b->has_meta      ? &b->meta
                                                       : NULL;
     if (!m)
@@ -1667,11 +2082,7 @@ void gpupool__registry_close(gpupool__registry *reg) {
   for (size_t i = 0; i < reg->names.cap; i++) {
     if (!gpupool__smap_slot_used(&reg->names, i))
       continue;
-    gpupool__name *n = reg->names.slots[i].val;
-    n->buf->names--;
-    buffer_unref(reg, n->buf);
-    free(n->name);
-    free(n);
+    name_free(reg, reg->names.slots[i].val);
   }
   gpupool__smap_free(&reg->names);
   while (reg->pending) {

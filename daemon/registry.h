@@ -165,16 +165,45 @@ struct gpupool__hold {
   gpupool__hold *prev, *next;   /* in client->holds */
 };
 
+/* A member of a bundle: a named range of one of its buffers. */
+typedef struct {
+  char *name;
+  uint32_t buffer;           /* index into the bundle's buffers */
+  uint64_t offset, size;     /* inside that buffer */
+  gpupool_tensor_meta *meta; /* NULL when published without one */
+} gpupool__member;
+
+/* A published name: its current version, one buffer (gpupool_publish) or a bundle (members
+ * lying in one or more buffers). Publishing the name again swaps all of it at once: the
+ * buffers of the previous version lose the name's reference and go when their last holder
+ * lets go. */
 typedef struct {
   char *name;                /* the key: "<namespace>/<name as published>" */
-  gpupool__buffer *buf;
-  uid_t uid;                 /* who published it */
-  uint64_t tenant;           /* whose names it counts against */
+  uint64_t version;          /* 1 for the first publish, +1 for each one after */
+  gpupool__buffer **bufs;    /* each referenced once by the name */
+  uint32_t nbufs;
+  gpupool__member *members;  /* NULL for a single buffer published without members */
+  uint32_t nmembers;
+  uid_t uid;                 /* who published the current version */
+  uint64_t tenant;           /* whose names (and members) it counts against */
   uint64_t created_ns;
   int read_only;             /* published from a read-only hold: every get of it is read-only */
-  int has_meta;              /* the tensor description published with this name */
+  int has_meta;              /* the tensor description published with a single buffer */
   gpupool_tensor_meta meta;
 } gpupool__name;
+
+/* A bundle allocation, checked and laid out before any memory is taken (it waits in this form
+ * when the pool is full): members one after the other, each aligned, cut into chunks of at
+ * most one exported allocation; chunk i becomes buffer i. */
+typedef struct {
+  gpupool__pool *pool;
+  uint64_t align;
+  gpupool__member *members;  /* buffer = chunk index, offset inside the chunk */
+  uint32_t nmembers;
+  uint64_t *chunks;          /* chunk sizes */
+  uint32_t nchunks;
+  uint64_t total;            /* sum of the chunk sizes */
+} gpupool__bundle_plan;
 
 /* Per-uid accounting for the per-uid limits. A buffer stays on its owner's account until
  * its range is really back in the slab (done events completed, leases gone). */
@@ -185,6 +214,7 @@ typedef struct {
   uint64_t bytes;
   uint32_t allocs;
   uint32_t names;   /* names it published that still exist */
+  uint64_t members; /* members of its published bundles */
   uint64_t holds;   /* holds of its connections */
   uint32_t leases;  /* waiting leases of this uid's closed connections */
   uint32_t conns;   /* its connections (server.c) */
@@ -281,8 +311,10 @@ int gpupool__release(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
 int gpupool__share(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id, uint8_t token[GPUPOOL_TOKEN_SIZE]);
 int gpupool__open(gpupool__registry *reg, gpupool__client *c, const uint8_t *token, size_t len, int read_only,
             gpupool__hold **out);
+/* Publish the buffer of a hold under name: a new name (version 1) or the name's next version
+ * (*version gets it). */
 int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id, const char *name,
-               const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all);
+                     const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all, uint64_t *version);
 /* Tenants. A client's tenant is the [tenant] section naming its uid or primary gid, else its
  * uid alone; a pool shared with a [group] belongs to that group. Names live in namespaces:
  * a plain name in the caller's tenant's, "group:G/name" in group G's (members only).
@@ -302,8 +334,33 @@ uint64_t gpupool__tenant_of(const gpupool__config *cfg, uid_t uid, gid_t gid);
 int gpupool__name_key(gpupool__registry *reg, const gpupool__client *c, const char *name, char *key,
                       size_t len, uint64_t *owner);
 #define GPUPOOL_NAME_KEY_MAX (GPUPOOL_NAME_MAX + 64)
-/* Lookup for Get: 0 with *out a new hold, GPUPOOL_ENOENT when absent or not visible. */
-int gpupool__get(gpupool__registry *reg, gpupool__client *c, const char *name, int read_only, gpupool__hold **out);
+/* Lookup for Get: 0 with *out a new hold and *version the name's version; GPUPOOL_ENOENT
+ * when absent, not visible, or not newer than newer_than (wait and try again);
+ * GPUPOOL_EINVAL for a bundle of several buffers. */
+int gpupool__get(gpupool__registry *reg, gpupool__client *c, const char *name, int read_only, uint64_t newer_than,
+                 gpupool__hold **out, uint64_t *version);
+/* Publish a bundle: members (wire form) lying in the buffers of the nholds holds. Checks
+ * everything first; nothing changes on error. *version is the version made. */
+int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const char *name, const uint64_t *hold_ids,
+                            size_t nholds, Gpupool__Wire__BundleMember *const *members, size_t nmembers,
+                            uint64_t *version);
+/* Get a bundle (or single buffer) by name: *holds (an array the caller frees) gets one new
+ * hold per buffer, *name the name entry (valid until the loop runs again). Same codes as
+ * gpupool__get, except that a single buffer is a bundle of one. */
+int gpupool__get_bundle(gpupool__registry *reg, gpupool__client *c, const char *name, int read_only,
+                        uint64_t newer_than, gpupool__hold ***holds, const gpupool__name **out);
+/* Check and lay out a bundle allocation (no memory taken): 0 and *out (free it with
+ * gpupool__bundle_plan_free), or the error. */
+int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool__pool *p,
+                             Gpupool__Wire__MemberSpec *const *specs, size_t n, uint64_t align,
+                             gpupool__bundle_plan **out);
+void gpupool__bundle_plan_free(gpupool__bundle_plan *plan);
+/* Allocate a planned bundle: every chunk or none. *holds (caller frees the array) gets one
+ * new hold per chunk. GPUPOOL_ENOSPC when it does not fit now. */
+int gpupool__bundle_allocate(gpupool__registry *reg, gpupool__client *c, const gpupool__bundle_plan *plan,
+                             gpupool__hold ***holds);
+/* Drop a hold made by the calls above before it reached the client (a reply failed). */
+void gpupool__hold_discard(gpupool__registry *reg, gpupool__hold *h);
 int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *name);
 /* The client reports that it unmapped these slabs. */
 void gpupool__unmapped(gpupool__registry *reg, gpupool__client *c, const uint64_t *ids, size_t n);

@@ -31,7 +31,8 @@
 
 typedef struct gpupool__conn gpupool__conn;
 
-enum { WAIT_ALLOC = 1, WAIT_GET = 2 };
+/* What a waiting request is: an allocation, a get, a bundle get, a bundle allocation. */
+enum { WAIT_ALLOC = 1, WAIT_GET = 2, WAIT_BGET = 3, WAIT_ABUNDLE = 4 };
 
 typedef struct gpupool__waiter gpupool__waiter;
 
@@ -53,6 +54,8 @@ struct gpupool__waiter {
   uint64_t size, align;
   char *name;
   int read_only;
+  uint64_t newer_than;          /* gets: wait for a version past this */
+  gpupool__bundle_plan *plan;   /* WAIT_ABUNDLE: the checked layout (owned) */
   uint64_t started_ns;
   uv_timer_t timer;
   int removed;
@@ -207,6 +210,7 @@ static void send_error(gpupool__conn *c, uint64_t seq, int code, const char *msg
 
 static void waiter_closed(uv_handle_t *h) {
   gpupool__waiter *w = h->data;
+  gpupool__bundle_plan_free(w->plan);
   free(w->name);
   free(w);
 }
@@ -262,30 +266,82 @@ static void waiter_remove(gpupool__waiter *w) {
   uv_close((uv_handle_t *)&w->timer, waiter_closed);
 }
 
-static void reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *h, const char *name);
+static void reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *h, const char *name,
+                       uint64_t version);
+static void reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold **hs, uint32_t nhs,
+                         const gpupool__member *members, uint32_t nmembers, const gpupool__name *nm);
+static int body_of(int kind) {
+  switch (kind) {
+  case WAIT_ALLOC: return GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
+  case WAIT_GET: return GPUPOOL__WIRE__REQUEST__BODY_GET;
+  case WAIT_BGET: return GPUPOOL__WIRE__REQUEST__BODY_GET_BUNDLE;
+  default: return GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE_BUNDLE;
+  }
+}
+
+/* Try a waiting allocation (single or bundle) now: 0 and the reply sent, or the error. */
+static int try_alloc(gpupool__waiter *w) {
+  gpupool__conn *c = w->conn;
+  gpupool__registry *reg = c->srv->reg;
+  int rc;
+  if (w->kind == WAIT_ABUNDLE) {
+    gpupool__hold **hs = NULL;
+    if ((rc = gpupool__bundle_allocate(reg, &c->cl, w->plan, &hs)) == 0) {
+      reply_bundle(c, w->seq, WAIT_ABUNDLE, hs, w->plan->nchunks, w->plan->members, w->plan->nmembers, NULL);
+      free(hs);
+    }
+    return rc;
+  }
+  gpupool__hold *h = NULL;
+  if ((rc = gpupool__allocate(reg, &c->cl, w->pool, w->size, w->align, &h)) == 0)
+    reply_hold(c, w->seq, WAIT_ALLOC, h, NULL, 0);
+  return rc;
+}
+
+/* Try a waiting get now: 0 and the reply sent, or the error (ENOENT: keep waiting). */
+static int try_get(gpupool__waiter *w) {
+  gpupool__conn *c = w->conn;
+  gpupool__registry *reg = c->srv->reg;
+  int rc;
+  if (w->kind == WAIT_BGET) {
+    gpupool__hold **hs = NULL;
+    const gpupool__name *nm = NULL;
+    if ((rc = gpupool__get_bundle(reg, &c->cl, w->name, w->read_only, w->newer_than, &hs, &nm)) == 0) {
+      reply_bundle(c, w->seq, WAIT_BGET, hs, nm->nbufs, nm->members, nm->nmembers, nm);
+      free(hs);
+    }
+    return rc;
+  }
+  gpupool__hold *h = NULL;
+  uint64_t version = 0;
+  if ((rc = gpupool__get(reg, &c->cl, w->name, w->read_only, w->newer_than, &h, &version)) == 0)
+    reply_hold(c, w->seq, WAIT_GET, h, w->name, version);
+  return rc;
+}
 
 static void waiter_timeout(uv_timer_t *t) {
   gpupool__waiter *w = t->data;
   gpupool__conn *c = w->conn;
   char msg[GPUPOOL__ERRMSG_MAX];
-  if (w->kind == WAIT_ALLOC) {
-    gpupool__hold *h = NULL;
+  if (w->kind == WAIT_ALLOC || w->kind == WAIT_ABUNDLE) {
     /* One last try, so the error says exactly how much is free now. */
-    int rc = gpupool__allocate(c->srv->reg, &c->cl, w->pool, w->size, w->align, &h);
-    if (rc == 0) {
-      reply_hold(c, w->seq, WAIT_ALLOC, h, NULL);
-    } else {
+    int rc = try_alloc(w);
+    if (rc != 0) {
       snprintf(msg, sizeof msg, "timed out after %" PRIu64 " ms waiting for memory: %s",
                (gpupool__now_ns() - w->started_ns) / 1000000, gpupool__errmsg());
       send_error(c, w->seq, rc == GPUPOOL_ENOSPC ? GPUPOOL_ETIMEDOUT : rc, msg);
     }
-    gpupool__metrics_request(c->srv->metrics, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, rc == 0 ? 0 : GPUPOOL_ETIMEDOUT,
+    gpupool__metrics_request(c->srv->metrics, body_of(w->kind), rc == 0 ? 0 : GPUPOOL_ETIMEDOUT,
                              gpupool__now_ns() - w->started_ns);
   } else {
-    snprintf(msg, sizeof msg, "timed out after %" PRIu64 " ms waiting for a producer to publish '%s'",
-             (gpupool__now_ns() - w->started_ns) / 1000000, w->name);
+    if (w->newer_than)
+      snprintf(msg, sizeof msg, "timed out after %" PRIu64 " ms waiting for a version of '%s' newer than %" PRIu64,
+               (gpupool__now_ns() - w->started_ns) / 1000000, w->name, w->newer_than);
+    else
+      snprintf(msg, sizeof msg, "timed out after %" PRIu64 " ms waiting for a producer to publish '%s'",
+               (gpupool__now_ns() - w->started_ns) / 1000000, w->name);
     send_error(c, w->seq, GPUPOOL_ETIMEDOUT, msg);
-    gpupool__metrics_request(c->srv->metrics, GPUPOOL__WIRE__REQUEST__BODY_GET, GPUPOOL_ETIMEDOUT, gpupool__now_ns() - w->started_ns);
+    gpupool__metrics_request(c->srv->metrics, body_of(w->kind), GPUPOOL_ETIMEDOUT, gpupool__now_ns() - w->started_ns);
   }
   waiter_remove(w);
 }
@@ -306,8 +362,10 @@ static int waiter_limits(gpupool__conn *c) {
   return 0;
 }
 
+/* Queue a request to be retried. For WAIT_ABUNDLE it takes over plan (also on error). */
 static int waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout_ms, gpupool__pool *pool,
-                      uint64_t size, uint64_t align, const char *name, int read_only) {
+                      uint64_t size, uint64_t align, const char *name, int read_only, uint64_t newer_than,
+                      gpupool__bundle_plan *plan) {
   gpupool__server *s = c->srv;
   gpupool__waiter *w;
   wqueue *q;
@@ -315,20 +373,26 @@ static int waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout
   char key[GPUPOOL_NAME_KEY_MAX + 1];
   uint64_t owner;
 
-  if ((rc = waiter_limits(c)) != 0)
+  if ((rc = waiter_limits(c)) != 0) {
+    gpupool__bundle_plan_free(plan);
     return rc;
+  }
   /* Gets wait filed under the name's key in the caller's namespace: what a publish there wakes. */
-  if (kind == WAIT_GET && (rc = gpupool__name_key(s->reg, &c->cl, name, key, sizeof key, &owner)) != 0)
+  if ((kind == WAIT_GET || kind == WAIT_BGET) &&
+      (rc = gpupool__name_key(s->reg, &c->cl, name, key, sizeof key, &owner)) != 0)
     return rc;
-  if (kind == WAIT_ALLOC) {
+  if (kind == WAIT_ALLOC || kind == WAIT_ABUNDLE) {
     int idx = (int)(pool - s->reg->pools);
     uint64_t akey;
-    if ((rc = gpupool__pool_owner(s->reg, &c->cl, pool, &owner)) != 0)
+    if ((rc = gpupool__pool_owner(s->reg, &c->cl, pool, &owner)) != 0) {
+      gpupool__bundle_plan_free(plan);
       return rc;
+    }
     akey = owner * 64 + (uint64_t)idx;
     if (!(q = gpupool__hmap_get(&s->alloc_q, akey))) {
       if (!(q = calloc(1, sizeof *q)) || gpupool__hmap_put(&s->alloc_q, akey, q) != 0) {
         free(q);
+        gpupool__bundle_plan_free(plan);
         return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
       }
       q->akey = akey;
@@ -346,6 +410,7 @@ static int waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout
   w = calloc(1, sizeof *w);
   if (!w || (name && !(w->name = strdup(name)))) {
     free(w);
+    gpupool__bundle_plan_free(plan);
     if (q->name && !q->head) {
       gpupool__smap_del(&s->get_q, q->name);
       free(q->name);
@@ -360,6 +425,8 @@ static int waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout
   w->size = size;
   w->align = align;
   w->read_only = read_only;
+  w->newer_than = newer_than;
+  w->plan = plan;
   w->started_ns = gpupool__now_ns();
   w->q = q;
   uv_timer_init(s->loop, &w->timer);
@@ -386,7 +453,6 @@ static int waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout
  * later requests waiting behind it (but no other owner's). Empty queues are freed here, at
  * the start of a pass, never while one runs (a nested disconnect may empty any of them). */
 static void retry_pool(gpupool__server *s, int idx) {
-  gpupool__registry *reg = s->reg;
   wqueue **pq = &s->alloc_lists[idx], *q;
   while ((q = *pq)) {
     if (q->head) {
@@ -400,19 +466,15 @@ static void retry_pool(gpupool__server *s, int idx) {
   for (q = s->alloc_lists[idx]; q; q = q->anext) {
     while (q->head) {
       gpupool__waiter *w = q->head;
-      gpupool__hold *h;
       int rc;
       if (w->conn->closing || gpupool__pool_free_bytes(w->pool) < w->size)
         break;
-      rc = gpupool__allocate(reg, &w->conn->cl, w->pool, w->size, w->align, &h);
+      rc = try_alloc(w);
       if (rc == GPUPOOL_ENOSPC)
         break;
-      if (rc == 0)
-        reply_hold(w->conn, w->seq, WAIT_ALLOC, h, NULL);
-      else
+      if (rc != 0)
         send_error(w->conn, w->seq, rc, gpupool__errmsg());
-      gpupool__metrics_request(s->metrics, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, rc,
-                               gpupool__now_ns() - w->started_ns);
+      gpupool__metrics_request(s->metrics, body_of(w->kind), rc, gpupool__now_ns() - w->started_ns);
       waiter_remove(w);
     }
   }
@@ -441,20 +503,17 @@ static void wake_getters(gpupool__server *s, const char *key) {
   /* waiter_remove frees q with its last waiter: step with the next pointer read first, and
    * stop when the waiter just served was the last one. */
   for (w = q->head; w; w = next) {
-    gpupool__hold *h = NULL;
     int rc, last;
     next = w->next;
     last = next == NULL;
     if (w->removed || w->conn->closing)
       continue;
-    rc = gpupool__get(s->reg, &w->conn->cl, w->name, w->read_only, &h);
+    rc = try_get(w);
     if (rc == GPUPOOL_ENOENT)
       continue;
-    if (rc == 0)
-      reply_hold(w->conn, w->seq, WAIT_GET, h, w->name);
-    else
+    if (rc != 0)
       send_error(w->conn, w->seq, rc, gpupool__errmsg());
-    gpupool__metrics_request(s->metrics, GPUPOOL__WIRE__REQUEST__BODY_GET, rc, gpupool__now_ns() - w->started_ns);
+    gpupool__metrics_request(s->metrics, body_of(w->kind), rc, gpupool__now_ns() - w->started_ns);
     waiter_remove(w);
     if (last)
       break;
@@ -463,7 +522,8 @@ static void wake_getters(gpupool__server *s, const char *key) {
 
 /* ---- replies carrying a buffer -------------------------------------------------------------- */
 
-static void reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *h, const char *name) {
+static void reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *h, const char *name,
+                       uint64_t version) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AllocateReply ar = GPUPOOL__WIRE__ALLOCATE_REPLY__INIT;
   Gpupool__Wire__GetReply gr = GPUPOOL__WIRE__GET_REPLY__INIT;
@@ -479,6 +539,7 @@ static void reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *
     break;
   case WAIT_GET:
     gr.buffer = &ds.desc;
+    gr.version = version;
     rep.body_case = GPUPOOL__WIRE__REPLY__BODY_GET;
     rep.get = &gr;
     break;
@@ -489,6 +550,81 @@ static void reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *
     break;
   }
   send_reply(c, seq, &rep, ds.fd >= 0 ? &ds.fd : NULL, ds.fd >= 0 ? 1 : 0);
+}
+
+/* A bundle reply: one BufferDesc per hold (the slab fds that go with them, in that order) and
+ * the member table. nm: the name it was got by (a single buffer without members comes as one
+ * member named ""), or NULL for an allocation. */
+static void reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold **hs, uint32_t nhs,
+                         const gpupool__member *members, uint32_t nmembers, const gpupool__name *nm) {
+  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
+  Gpupool__Wire__AllocateBundleReply ar = GPUPOOL__WIRE__ALLOCATE_BUNDLE_REPLY__INIT;
+  Gpupool__Wire__GetBundleReply gr = GPUPOOL__WIRE__GET_BUNDLE_REPLY__INIT;
+  Gpupool__Wire__Bundle b = GPUPOOL__WIRE__BUNDLE__INIT;
+  gpupool__member single;
+  gpupool__desc_storage *ds = NULL;
+  Gpupool__Wire__BufferDesc **descs = NULL;
+  Gpupool__Wire__BundleMember *wm = NULL, **wmp = NULL;
+  Gpupool__Wire__TensorMeta *tm = NULL;
+  int fds[GPUPOOL_WIRE_MAX_FDS], nfds = 0;
+
+  if (!members) {
+    /* A buffer published on its own: one member covering it, with the name's description. */
+    memset(&single, 0, sizeof single);
+    single.name = (char *)"";
+    single.size = hs[0]->buf->asked;
+    single.meta = nm && nm->has_meta ? (gpupool_tensor_meta *)&nm->meta : NULL;
+    members = &single;
+    nmembers = 1;
+  }
+  if (!(ds = calloc(nhs, sizeof *ds)) || !(descs = calloc(nhs, sizeof *descs)) ||
+      !(wm = calloc(nmembers, sizeof *wm)) || !(wmp = calloc(nmembers, sizeof *wmp)) ||
+      !(tm = calloc(nmembers, sizeof *tm))) {
+    /* The holds go with the connection; the client learns why. */
+    for (uint32_t i = 0; i < nhs; i++)
+      gpupool__hold_discard(c->srv->reg, hs[i]);
+    send_error(c, seq, GPUPOOL_ENOMEM, "out of memory in the daemon building the bundle's reply");
+    goto out;
+  }
+  for (uint32_t i = 0; i < nhs; i++) {
+    gpupool__fill_desc(c->srv->reg, &c->cl, hs[i], NULL, &ds[i]);
+    descs[i] = &ds[i].desc;
+    if (ds[i].fd >= 0 && nfds < GPUPOOL_WIRE_MAX_FDS)
+      fds[nfds++] = ds[i].fd;
+  }
+  for (uint32_t i = 0; i < nmembers; i++) {
+    gpupool__wire__bundle_member__init(&wm[i]);
+    wm[i].name = members[i].name;
+    wm[i].buffer = members[i].buffer;
+    wm[i].offset = members[i].offset;
+    wm[i].size = members[i].size;
+    if (members[i].meta) {
+      gpupool__wire_meta_to(members[i].meta, &tm[i]);
+      wm[i].tensor = &tm[i];
+    }
+    wmp[i] = &wm[i];
+  }
+  b.n_buffers = nhs;
+  b.buffers = descs;
+  b.n_members = nmembers;
+  b.members = wmp;
+  b.version = nm ? nm->version : 0;
+  if (kind == WAIT_ABUNDLE) {
+    ar.bundle = &b;
+    rep.body_case = GPUPOOL__WIRE__REPLY__BODY_ALLOCATE_BUNDLE;
+    rep.allocate_bundle = &ar;
+  } else {
+    gr.bundle = &b;
+    rep.body_case = GPUPOOL__WIRE__REPLY__BODY_GET_BUNDLE;
+    rep.get_bundle = &gr;
+  }
+  send_reply(c, seq, &rep, nfds ? fds : NULL, nfds);
+out:
+  free(ds);
+  free(descs);
+  free(wm);
+  free(wmp);
+  free(tm);
 }
 
 /* ---- stats ---------------------------------------------------------------------------------- */
@@ -642,14 +778,14 @@ static int handle_allocate(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__
   }
   rc = gpupool__allocate(reg, &c->cl, p, m->size, m->alignment, &h);
   if (rc == GPUPOOL_ENOSPC && m->timeout_ms > 0) {
-    if ((rc = waiter_add(c, seq, WAIT_ALLOC, m->timeout_ms, p, m->size, m->alignment, NULL, 0)) != 0)
+    if ((rc = waiter_add(c, seq, WAIT_ALLOC, m->timeout_ms, p, m->size, m->alignment, NULL, 0, 0, NULL)) != 0)
       return rc;
     *deferred = 1;
     return 0;
   }
   if (rc != 0)
     return rc;
-  reply_hold(c, seq, WAIT_ALLOC, h, NULL);
+  reply_hold(c, seq, WAIT_ALLOC, h, NULL, 0);
   return 0;
 }
 
@@ -686,42 +822,122 @@ static int handle_open(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Open
   int rc = gpupool__open(c->srv->reg, &c->cl, m->token.data, m->token.len, m->read_only, &h);
   if (rc != 0)
     return rc;
-  reply_hold(c, seq, 0, h, NULL);
+  reply_hold(c, seq, 0, h, NULL, 0);
   return 0;
+}
+
+/* A name got a new version: serve the gets waiting for it first (they are the handoff's
+ * critical path), before the publisher's own reply. */
+static void published(gpupool__conn *c, const char *name) {
+  char key[GPUPOOL_NAME_KEY_MAX + 1];
+  uint64_t owner;
+  if (gpupool__name_key(c->srv->reg, &c->cl, name, key, sizeof key, &owner) == 0)
+    wake_getters(c->srv, key);
 }
 
 static int handle_publish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Publish *m) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__PublishReply pr = GPUPOOL__WIRE__PUBLISH_REPLY__INIT;
-  int rc = gpupool__publish(c->srv->reg, &c->cl, m->hold_id, m->name, m->tensor, m->share_gid, m->share_all);
+  uint64_t version = 0;
+  int rc = gpupool__publish(c->srv->reg, &c->cl, m->hold_id, m->name, m->tensor, m->share_gid, m->share_all,
+                            &version);
   if (rc != 0)
     return rc;
-  /* Consumers blocked on the name first: they are the handoff's critical path. */
-  {
-    char key[GPUPOOL_NAME_KEY_MAX + 1];
-    uint64_t owner;
-    if (gpupool__name_key(c->srv->reg, &c->cl, m->name, key, sizeof key, &owner) == 0)
-      wake_getters(c->srv, key);
-  }
+  published(c, m->name);
+  pr.version = version;
   rep.body_case = GPUPOOL__WIRE__REPLY__BODY_PUBLISH;
   rep.publish = &pr;
   send_reply(c, seq, &rep, NULL, 0);
-  GPUPOOL__DEBUG("client %" PRIu64 " published '%s'", c->cl.id, m->name);
+  GPUPOOL__DEBUG("client %" PRIu64 " published '%s' version %" PRIu64, c->cl.id, m->name, version);
   return 0;
 }
 
-static int handle_get(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Get *m, int *deferred) {
-  gpupool__hold *h = NULL;
-  int rc = gpupool__get(c->srv->reg, &c->cl, m->name, m->read_only, &h);
+static int handle_publish_bundle(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__PublishBundle *m) {
+  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
+  Gpupool__Wire__PublishBundleReply pr = GPUPOOL__WIRE__PUBLISH_BUNDLE_REPLY__INIT;
+  uint64_t version = 0;
+  int rc = gpupool__publish_bundle(c->srv->reg, &c->cl, m->name, m->hold_ids, m->n_hold_ids, m->members,
+                                   m->n_members, &version);
+  if (rc != 0)
+    return rc;
+  published(c, m->name);
+  pr.version = version;
+  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_PUBLISH_BUNDLE;
+  rep.publish_bundle = &pr;
+  send_reply(c, seq, &rep, NULL, 0);
+  GPUPOOL__DEBUG("client %" PRIu64 " published bundle '%s' (%zu members) version %" PRIu64, c->cl.id, m->name,
+                 m->n_members, version);
+  return 0;
+}
+
+static int handle_allocate_bundle(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__AllocateBundle *m,
+                                  int *deferred) {
+  gpupool__registry *reg = c->srv->reg;
+  gpupool__pool *p = gpupool__pool_find(reg, m->pool_name, m->pool_id);
+  gpupool__bundle_plan *plan = NULL;
+  gpupool__hold **hs = NULL;
+  int rc;
+  if (!p) {
+    if (m->pool_name && *m->pool_name)
+      return gpupool__err(GPUPOOL_ENOENT, "no pool named '%s' (gpupoolctl status lists the pools)", m->pool_name);
+    return gpupool__err(GPUPOOL_ENOENT, "no pool with id %u", m->pool_id);
+  }
+  if ((rc = gpupool__bundle_plan_new(reg, &c->cl, p, m->members, m->n_members, m->alignment, &plan)) != 0)
+    return rc;
+  if (plan->nchunks > GPUPOOL_WIRE_MAX_FDS) {
+    rc = gpupool__err(GPUPOOL_ETOOBIG, "bundle of %" PRIu64 " bytes needs %u buffers, more than the %d one "
+                      "request may hold; split it into several bundles", plan->total, plan->nchunks,
+                      GPUPOOL_WIRE_MAX_FDS);
+    gpupool__bundle_plan_free(plan);
+    return rc;
+  }
+  rc = gpupool__bundle_allocate(reg, &c->cl, plan, &hs);
+  if (rc == GPUPOOL_ENOSPC && m->timeout_ms > 0) {
+    if ((rc = waiter_add(c, seq, WAIT_ABUNDLE, m->timeout_ms, p, plan->total, plan->align, NULL, 0, 0, plan)) != 0)
+      return rc;
+    *deferred = 1;
+    return 0;
+  }
+  if (rc == 0) {
+    reply_bundle(c, seq, WAIT_ABUNDLE, hs, plan->nchunks, plan->members, plan->nmembers, NULL);
+    free(hs);
+  }
+  gpupool__bundle_plan_free(plan);
+  return rc;
+}
+
+static int handle_get_bundle(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__GetBundle *m, int *deferred) {
+  gpupool__hold **hs = NULL;
+  const gpupool__name *nm = NULL;
+  int rc = gpupool__get_bundle(c->srv->reg, &c->cl, m->name, m->read_only, m->newer_than, &hs, &nm);
   if (rc == GPUPOOL_ENOENT && m->timeout_ms > 0) {
-    if ((rc = waiter_add(c, seq, WAIT_GET, m->timeout_ms, NULL, 0, 0, m->name, m->read_only)) != 0)
+    if ((rc = waiter_add(c, seq, WAIT_BGET, m->timeout_ms, NULL, 0, 0, m->name, m->read_only, m->newer_than,
+                         NULL)) != 0)
       return rc;
     *deferred = 1;
     return 0;
   }
   if (rc != 0)
     return rc;
-  reply_hold(c, seq, WAIT_GET, h, m->name);
+  reply_bundle(c, seq, WAIT_BGET, hs, nm->nbufs, nm->members, nm->nmembers, nm);
+  free(hs);
+  return 0;
+}
+
+static int handle_get(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Get *m, int *deferred) {
+  gpupool__hold *h = NULL;
+  uint64_t version = 0;
+  int rc = gpupool__get(c->srv->reg, &c->cl, m->name, m->read_only, m->newer_than, &h, &version);
+  if (rc == GPUPOOL_ENOENT && m->timeout_ms > 0) {
+    if ((rc = waiter_add(c, seq, WAIT_GET, m->timeout_ms, NULL, 0, 0, m->name, m->read_only, m->newer_than,
+                         NULL)) != 0)
+      return rc;
+    *deferred = 1;
+    return 0;
+  }
+  if (rc != 0)
+    return rc;
+  reply_hold(c, seq, WAIT_GET, h, m->name, version);
   return 0;
 }
 
@@ -831,8 +1047,9 @@ static int handle_admin_buffers(gpupool__conn *c, uint64_t seq) {
       continue;
     nm = reg->names.slots[i].val;
     for (size_t k = 0; k < n; k++)
-      if (infos[k].id == nm->buf->id && !*infos[k].name)
-        infos[k].name = nm->name;
+      for (uint32_t j = 0; j < nm->nbufs; j++)
+        if (infos[k].id == nm->bufs[j]->id && !*infos[k].name)
+          infos[k].name = nm->name;
   }
   ar.n_buffers = n;
   ar.buffers = ptrs;
@@ -916,6 +1133,12 @@ static int dispatch(gpupool__conn *c, const Gpupool__Wire__Request *req, int *de
     return handle_admin_drop(c, req->seq, req->admin_drop_client);
   case GPUPOOL__WIRE__REQUEST__BODY_TRIM:
     return handle_trim(c, req->seq);
+  case GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE_BUNDLE:
+    return handle_allocate_bundle(c, req->seq, req->allocate_bundle, deferred);
+  case GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_BUNDLE:
+    return handle_publish_bundle(c, req->seq, req->publish_bundle);
+  case GPUPOOL__WIRE__REQUEST__BODY_GET_BUNDLE:
+    return handle_get_bundle(c, req->seq, req->get_bundle, deferred);
   default:
     return gpupool__err(GPUPOOL_EPROTO,
                         "unknown request type (field %d); this daemon (%s) may be older than the client",

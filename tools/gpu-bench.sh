@@ -3,14 +3,19 @@
 #
 #   tools/gpu-bench.sh [build]  On the build machine: the same build as tools/gpu-test.sh
 #                               (build-gpu/, static libuv and protobuf-c), which includes
-#                               build-gpu/bench/gpupool_bench. Carry the repository, build-gpu/
-#                               included, to the GPU machine.
+#                               build-gpu/bench/gpupool_bench and gpupool_pinned_bench. Carry
+#                               the repository, build-gpu/ included, to the GPU machine.
 #   tools/gpu-bench.sh run      On the GPU machine, from the repository root: runs
 #                               gpupool_bench (its own private gpupoold on GPU 0), then
 #                               bench/torch_peer.py (torch.multiprocessing peer; skipped when
 #                               torch is missing), and prints a table of the key figures with
-#                               ratios. With $OUT set, the full log and the table are written
-#                               to $OUT/gpu-bench.log and $OUT/gpu-bench-table.md.
+#                               ratios; then gpupool_pinned_bench (copy throughput of a
+#                               host-NUMA pool buffer against cudaMallocHost and pageable
+#                               memory, its own private gpupoold; skipped when GPU 0 lacks
+#                               host-NUMA pools), whose table is appended. With $OUT set, the
+#                               full log and the tables are written to $OUT/gpu-bench.log and
+#                               $OUT/gpu-bench-table.md, the pinned table alone also to
+#                               $OUT/pinned-bench-table.md.
 #
 # Paths are relative to the repository root, so the tree may live anywhere on the GPU machine.
 # PYTHON selects the interpreter for the torch peer (default python3).
@@ -23,17 +28,21 @@ die() { echo "gpu-bench.sh: $*" >&2; exit 1; }
 
 run_bench() {
   local bench="$build/bench/gpupool_bench" daemon="$build/daemon/gpupoold" log table rc
+  local pinned="$build/bench/gpupool_pinned_bench" ptable plog
   [ -x "$bench" ] || die "$bench missing: run tools/gpu-bench.sh build on the build machine"
+  [ -x "$pinned" ] || die "$pinned missing: run tools/gpu-bench.sh build on the build machine"
   [ -x "$daemon" ] || die "$daemon missing: run tools/gpu-bench.sh build on the build machine"
   log=$(mktemp)
   table=$(mktemp)
+  ptable=$(mktemp)
+  plog=$(mktemp)
   set +e
   "$bench" "$daemon" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   set -e
   if [ "$rc" = 77 ]; then
     echo "gpu-bench.sh: skipped: no usable CUDA device here (see above)"
-    rm -f "$log" "$table"
+    rm -f "$log" "$table" "$ptable" "$plog"
     exit 77
   fi
   [ "$rc" = 0 ] || die "gpupool_bench failed with status $rc (log above)"
@@ -76,19 +85,38 @@ run_bench() {
       printf "| alloc+release ops/s, 16 processes (64 KiB) | %s |\n", f("alloc_release_ops_per_s_16p")
       printf "| read GB/s shared 1 GiB / local cudaMalloc | %s / %s (%s) |\n", f("bw_shared_gbps"), f("bw_local_gbps"), r("bw_shared_gbps", "bw_local_gbps")
     }' "$log" > "$table"
+
+  # The pinned tier: its own daemon, so it runs after the others are done with theirs.
+  echo
+  set +e
+  "$pinned" "$daemon" "$ptable" 2>&1 | tee "$plog"
+  rc=${PIPESTATUS[0]}
+  set -e
+  cat "$plog" >> "$log"
+  case "$rc" in
+    0) printf '\n' >> "$table"; cat "$ptable" >> "$table" ;;
+    77) echo "gpu-bench.sh: pinned-memory benchmark skipped (see above)"
+        printf '\nPinned host-NUMA benchmark: skipped (%s)\n' \
+          "$(sed -n 's/^SKIP: //p' "$plog" | head -n1)" >> "$table" ;;
+    *) die "gpupool_pinned_bench failed with status $rc (log above)" ;;
+  esac
+
   echo
   cat "$table"
   if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
     cp "$log" "$OUT/gpu-bench.log"
     cp "$table" "$OUT/gpu-bench-table.md"
+    if [ "$rc" = 0 ]; then
+      cp "$ptable" "$OUT/pinned-bench-table.md"
+    fi
   fi
-  rm -f "$log" "$table"
+  rm -f "$log" "$table" "$ptable" "$plog"
 }
 
 case "${1:-build}" in
   build) exec tools/gpu-test.sh build ;;
   run) run_bench ;;
-  -h|--help) sed -n '2,18p' "$0" ;;
+  -h|--help) sed -n '2,23p' "$0" ;;
   *) die "unknown mode '$1' (build or run)" ;;
 esac

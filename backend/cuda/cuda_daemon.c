@@ -13,7 +13,9 @@
  * Traps this code is shaped around (see DESIGN.md): pointer export fails until the pool has
  * been exported once, so pools are exported at creation; plain host pools cannot carry a
  * POSIX fd, so GPUPOOL_MEM_HOST is refused here; a slab must be materialized (its stream
- * synchronized) before a client imports it; no slab may exceed GPUPOOL_SLAB_HARD_MAX.
+ * synchronized) before a client imports it; no slab may exceed GPUPOOL_SLAB_HARD_MAX; a
+ * host-NUMA pool is mapped only for the CPU until cudaMemPoolSetAccess grants a device, and the
+ * daemon's GPU clears every new slab, so the daemon grants its pool's GPU access too.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -50,6 +52,7 @@ struct gpupool__bpool {
   cudaMemPool_t pool;
   int fd;         /* exported POSIX fd, owned here */
   int device;     /* device whose stream allocates and frees (the GPU for HOST_NUMA) */
+  int granted;    /* HOST_NUMA: device was given access here (taken back before destroying) */
   char name[64];
 };
 
@@ -266,6 +269,16 @@ static int set_pool_attr(cudaMemPool_t pool, enum cudaMemPoolAttr attr, const ch
   return 0;
 }
 
+/* Access of one device to a pool in this process (ProtReadWrite or ProtNone). */
+static cudaError_t pool_access(cudaMemPool_t pool, int device, enum cudaMemAccessFlags flags) {
+  struct cudaMemAccessDesc d;
+  memset(&d, 0, sizeof(d));
+  d.location.type = cudaMemLocationTypeDevice;
+  d.location.id = device;
+  d.flags = flags;
+  return cudaMemPoolSetAccess(pool, &d, 1);
+}
+
 static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cfg,
                             gpupool__bpool **out, int *fd_out) {
   cuda_state *st = be->priv;
@@ -355,6 +368,22 @@ static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cf
                           "reuse_allow_internal_deps", cfg->reuse_allow_internal_deps,
                           cfg->device)) < 0)
     goto fail;
+  /* A host-NUMA pool's memory is mapped only for the CPU until a device is granted access
+   * (cudaMemPoolCreate), and the daemon clears every new slab with cudaMemsetAsync on this
+   * GPU's stream: without access that memset would touch memory the GPU does not map.
+   * Access is per process, so this grants no client anything; clients grant their own
+   * (cuda_client.c). */
+  if (cfg->kind == GPUPOOL_MEM_HOST_NUMA) {
+    e = pool_access(p->pool, cfg->device, cudaMemAccessFlagsProtReadWrite);
+    if (e != cudaSuccess) {
+      rc = gpupool__cuda_fail(GPUPOOL_EBACKEND, e,
+                              "cudaMemPoolSetAccess (the pool's GPU on a host-NUMA pool)",
+                              cfg->device, "use kind=device, or a driver that supports "
+                              "host-NUMA memory pools fully");
+      goto fail;
+    }
+    p->granted = 1;
+  }
 
   /* Export once now: cudaMemPoolExportPointer returns cudaErrorInvalidValue on a pool that
    * was never exported, and this fd is what every client imports. */
@@ -385,6 +414,8 @@ static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cf
   return 0;
 
 fail:
+  if (p->granted && pool_access(p->pool, p->device, cudaMemAccessFlagsProtNone) != cudaSuccess)
+    (void)cudaGetLastError();
   if (created) {
     e = cudaMemPoolDestroy(p->pool);
     if (e != cudaSuccess)
@@ -396,14 +427,22 @@ fail:
 
 /* The registry destroys a tenant's pool once idle: every slab freed (each cudaFreeAsync
  * synchronized, so nothing of it is outstanding) and no connected client attached. Destroying
- * is what gives an IPC pool's memory back. The daemon never grants its pools access for other
- * devices, so there is no access state for a recycled handle to inherit (importers clear
- * theirs before destroying their imports, cuda_client.c). */
+ * is what gives an IPC pool's memory back. The only access the daemon grants is its GPU's to a
+ * host-NUMA pool; it is taken back first, so a recycled handle inherits no access state
+ * (importers clear theirs before destroying their imports, cuda_client.c). */
 static void cuda_pool_destroy(gpupool__bpool *p) {
   cudaError_t e;
   if (!p)
     return;
   if (set_device(p->device) == 0) {
+    if (p->granted) {
+      e = pool_access(p->pool, p->device, cudaMemAccessFlagsProtNone);
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        GPUPOOL__WARN("cuda: pool \"%s\": taking back device %d's access before destroying it: "
+                      "%s (%s)", p->name, p->device, cudaGetErrorName(e), cudaGetErrorString(e));
+      }
+    }
     e = cudaMemPoolDestroy(p->pool);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();

@@ -246,7 +246,8 @@ GPUPOOL_EXTERN int gpupool_open(gpupool_client *c, const gpupool_token *token, u
                                 void *stream, gpupool_buffer **out);
 
 /* Publish b under `name` (1..GPUPOOL_NAME_MAX bytes). The name holds the buffer until
- * gpupool_unpublish(), so the caller may release b right after. meta may be NULL; when
+ * gpupool_unpublish() or until the name is published again (its next version, see
+ * gpupool_publish_version), so the caller may release b right after. meta may be NULL; when
  * given, the daemon checks that the tensor fits in the buffer. The ready event is recorded
  * in `stream` first. */
 GPUPOOL_EXTERN int gpupool_publish(gpupool_buffer *b, const char *name,
@@ -301,6 +302,147 @@ GPUPOOL_EXTERN int gpupool_buffer_lost(const gpupool_buffer *b);
 /* Names this client had published that were lost when the daemon went away (not yet
  * reported): copies up to max of them into names, sets *n, and forgets those reported. */
 GPUPOOL_EXTERN int gpupool_lost_names(gpupool_client *c, char (*names)[GPUPOOL_NAME_MAX + 1], int max, int *n);
+
+/* ---- versions ------------------------------------------------------------------------------ */
+
+/* Publishing a name that exists replaces it: the name's version goes from N to N+1 in one
+ * step (a getter sees version N or N+1, never a mix), and version N's buffers go back to the
+ * pool when their last holder lets go; holders of version N keep reading it meanwhile. A new
+ * name starts at version 1; unpublishing forgets the name and its count. */
+
+/* gpupool_publish that also returns the version it made (*version may be NULL). */
+GPUPOOL_EXTERN int gpupool_publish_version(gpupool_buffer *b, const char *name,
+                                           const gpupool_tensor_meta *meta, void *stream,
+                                           uint64_t *version);
+
+/* gpupool_get for a version newer than `newer_than` (0 = the version published now): waits up
+ * to timeout_ms (negative = forever) for a publish past it. *version (may be NULL) is the
+ * version got. The name must hold a single buffer (GPUPOOL_EINVAL for a bundle of several). */
+GPUPOOL_EXTERN int gpupool_get_newer(gpupool_client *c, const char *name, uint64_t newer_than,
+                                     int timeout_ms, unsigned flags, void *stream,
+                                     gpupool_buffer **out, uint64_t *version);
+
+/* ---- bundles -------------------------------------------------------------------------------- */
+
+/* A bundle is a named set of members (a state dict, a batch): each member a named range of a
+ * buffer with its own tensor description. It is allocated in one request, published in one
+ * request (all members become visible at once, as one version of its name), and got in one
+ * request. gpupool_bundle_alloc places members one after the other, each aligned, in as few
+ * buffers as possible (one, up to the pool's largest allocation), so a consumer maps one
+ * region and waits on one ready event for all of them. */
+
+/* Opaque bundle: its buffers (holds) and member table. Freed by gpupool_bundle_release(). */
+typedef struct gpupool_bundle gpupool_bundle;
+
+/* Most members a bundle may have (the daemon's max_bundle_members may be lower). */
+#define GPUPOOL_BUNDLE_MAX_MEMBERS 65536
+
+/* A member asked for by gpupool_bundle_alloc. */
+typedef struct {
+  const char *name;                /* 1..GPUPOOL_NAME_MAX bytes, unique in the bundle */
+  uint64_t size;                   /* bytes, > 0 */
+  const gpupool_tensor_meta *meta; /* optional: must fit in size (byte_offset from the member) */
+} gpupool_member_spec;
+
+/* A member of a bundle as this process sees it. Pointers stay valid while the bundle lives. */
+typedef struct {
+  const char *name;
+  void *ptr;                       /* address in this process (device pointer on device pools) */
+  uint64_t size;
+  int has_meta;
+  gpupool_tensor_meta meta;
+  int buffer;                      /* index of its buffer (gpupool_bundle_buffer) */
+  uint64_t offset;                 /* offset inside that buffer */
+} gpupool_member;
+
+/* A member to publish with gpupool_publish_members: a range of a buffer the caller holds. */
+typedef struct {
+  const char *name;                /* 1..GPUPOOL_NAME_MAX bytes, unique in the bundle */
+  gpupool_buffer *buffer;          /* held by the caller; not taken over */
+  uint64_t offset, size;           /* the range inside the buffer (size > 0) */
+  const gpupool_tensor_meta *meta; /* optional: must fit in size */
+} gpupool_member_ref;
+
+/* Allocate n members (1..GPUPOOL_BUNDLE_MAX_MEMBERS) in pool `pool` (NULL = the first) in one
+ * request. alignment: of each member, a power of two up to 2 MiB, 0 = the pool's. timeout_ms
+ * as for gpupool_alloc. On success *out is a bundle owned by the caller (version 0 until
+ * published), freed by gpupool_bundle_release(). Duplicate or empty member names, sizes that
+ * overflow and tensor descriptions that do not fit are refused (GPUPOOL_EINVAL, GPUPOOL_ENAME,
+ * GPUPOOL_EMETA) with nothing allocated. */
+GPUPOOL_EXTERN int gpupool_bundle_alloc(gpupool_client *c, const char *pool,
+                                        const gpupool_member_spec *members, int n,
+                                        uint64_t alignment, int timeout_ms, void *stream,
+                                        gpupool_bundle **out);
+
+/* Publish bundle b under `name` in one request: a new name (version 1) or the next version
+ * of an existing one. Each buffer's ready event is recorded in `stream` first, so getters see
+ * everything queued there before the call. b stays the caller's (release it when done: the
+ * name keeps its own hold). *version (may be NULL) is the version made. */
+GPUPOOL_EXTERN int gpupool_bundle_publish(gpupool_bundle *b, const char *name, void *stream,
+                                          uint64_t *version);
+
+/* Publish n members that lie in buffers the caller holds (any mix of buffers of this client)
+ * as one bundle, in one request. The buffers stay the caller's. */
+GPUPOOL_EXTERN int gpupool_publish_members(gpupool_client *c, const char *name,
+                                           const gpupool_member_ref *members, int n,
+                                           void *stream, uint64_t *version);
+
+/* Get the bundle published under `name` at a version newer than `newer_than` (0 = the one
+ * published now), waiting up to timeout_ms (0 = fail at once with GPUPOOL_ENOENT, negative =
+ * forever). A name published with gpupool_publish comes as a bundle of one member whose name
+ * is "". flags: GPUPOOL_READ_ONLY. On success *out is a
+ * bundle owned by the caller whose members are usable in `stream`. */
+GPUPOOL_EXTERN int gpupool_bundle_get(gpupool_client *c, const char *name, uint64_t newer_than,
+                                      int timeout_ms, unsigned flags, void *stream,
+                                      gpupool_bundle **out);
+
+/* Drop the bundle's holds (as gpupool_release does for each buffer) and free it. */
+GPUPOOL_EXTERN int gpupool_bundle_release(gpupool_bundle *b, void *stream);
+
+/* Number of members. */
+GPUPOOL_EXTERN int gpupool_bundle_count(const gpupool_bundle *b);
+/* Version the bundle was got or last published at (0 for a fresh allocation). */
+GPUPOOL_EXTERN uint64_t gpupool_bundle_version(const gpupool_bundle *b);
+/* Member i (0 <= i < count) into *out: 0, or GPUPOOL_EINVAL for an index out of range. */
+GPUPOOL_EXTERN int gpupool_bundle_member(const gpupool_bundle *b, int i, gpupool_member *out);
+/* Members first..first+n-1 into out[0..n-1] in one call (for bindings): 0 or GPUPOOL_EINVAL. */
+GPUPOOL_EXTERN int gpupool_bundle_members(const gpupool_bundle *b, int first, int n,
+                                          gpupool_member *out);
+/* Index of the member called name, or GPUPOOL_ENOENT. */
+GPUPOOL_EXTERN int gpupool_bundle_find(const gpupool_bundle *b, const char *name);
+/* Number of buffers, and buffer i (owned by the bundle: do not release it). */
+GPUPOOL_EXTERN int gpupool_bundle_buffers(const gpupool_bundle *b);
+GPUPOOL_EXTERN gpupool_buffer *gpupool_bundle_buffer(const gpupool_bundle *b, int i);
+
+/* ---- pipelining ----------------------------------------------------------------------------- */
+
+/* Several requests in flight from one thread: *_begin sends a request and returns at once
+ * with a pending handle; the matching *_end waits for its reply (in any order) and frees the
+ * handle, so N independent requests cost about one round trip. A pending request must be
+ * ended exactly once (or gpupool_pending_cancel-ed) before its client is disconnected. */
+typedef struct gpupool_pending gpupool_pending;
+
+GPUPOOL_EXTERN int gpupool_get_begin(gpupool_client *c, const char *name, uint64_t newer_than,
+                                     int timeout_ms, unsigned flags, gpupool_pending **out);
+GPUPOOL_EXTERN int gpupool_get_end(gpupool_pending *p, void *stream, gpupool_buffer **out,
+                                   uint64_t *version);
+GPUPOOL_EXTERN int gpupool_bundle_get_begin(gpupool_client *c, const char *name,
+                                            uint64_t newer_than, int timeout_ms, unsigned flags,
+                                            gpupool_pending **out);
+GPUPOOL_EXTERN int gpupool_bundle_get_end(gpupool_pending *p, void *stream,
+                                          gpupool_bundle **out);
+/* Publish and release, pipelined: the ready (or done) event is recorded at begin. The buffer
+ * of a release_begin must not be used after it; its end only reports the daemon's answer. */
+GPUPOOL_EXTERN int gpupool_publish_begin(gpupool_buffer *b, const char *name,
+                                         const gpupool_tensor_meta *meta, void *stream,
+                                         gpupool_pending **out);
+GPUPOOL_EXTERN int gpupool_release_begin(gpupool_buffer *b, void *stream, gpupool_pending **out);
+/* End a publish or release begun above: 0 or the request's error; *version (may be NULL) is
+ * the version a publish made. */
+GPUPOOL_EXTERN int gpupool_pending_end(gpupool_pending *p, uint64_t *version);
+/* Forget a pending request: its reply is waited for and undone (a hold it brings is
+ * released), then the handle is freed. */
+GPUPOOL_EXTERN void gpupool_pending_cancel(gpupool_pending *p);
 
 /* Number of bytes a tensor with this description spans from the buffer start (offset +
  * extent), or 0 with GPUPOOL_EMETA in *err when it is invalid. Shared by both sides. */

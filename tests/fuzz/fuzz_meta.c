@@ -121,7 +121,7 @@ static void daemon_path(uint64_t asked, const Gpupool__Wire__TensorMeta *w) {
   {
     /* The daemon's publish and the client's conversion are the same check: they must agree. */
     gpupool_tensor_meta conv;
-    int published = gpupool__publish(&reg, &cl, h->id, "t", w, 0, 0) == 0;
+    int published = gpupool__publish(&reg, &cl, h->id, "t", w, 0, 0, NULL) == 0;
     int converts = !w->present || gpupool__wire_meta_from(w, asked, &conv) == 0;
     if (published != converts)
       fuzz_fail("publish %s metadata the client's conversion %s", published ? "accepted" : "refused",
@@ -129,7 +129,7 @@ static void daemon_path(uint64_t asked, const Gpupool__Wire__TensorMeta *w) {
     if (published)
       gpupool__unpublish(&reg, &cl, "t");
   }
-  if (gpupool__publish(&reg, &cl, h->id, "t", w, 0, 0) == 0 && w->present) {
+  if (gpupool__publish(&reg, &cl, h->id, "t", w, 0, 0, NULL) == 0 && w->present) {
     gpupool__desc_storage ds;
     Gpupool__Wire__BufferDesc *back;
     uint8_t *buf;
@@ -138,7 +138,7 @@ static void daemon_path(uint64_t asked, const Gpupool__Wire__TensorMeta *w) {
       fuzz_fail("the daemon accepted metadata that has no C form");
     if (reference_span(&m, &ref) != 0 || ref > asked)
       fuzz_fail("the daemon accepted a tensor that does not fit its %llu-byte buffer", (unsigned long long)asked);
-    if (gpupool__get(&reg, &cl, "t", 1, &g) != 0)
+    if (gpupool__get(&reg, &cl, "t", 1, 0, &g, NULL) != 0)
       fuzz_fail("get after publish: %s", gpupool__errmsg());
     gpupool__fill_desc(&reg, &cl, g, "t", &ds);
     len = gpupool__wire__buffer_desc__get_packed_size(&ds.desc);

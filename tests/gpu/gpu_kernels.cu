@@ -77,6 +77,8 @@ static int grid_for(size_t n) {
   return blocks ? (int)blocks : 1;
 }
 
+extern "C" uint32_t gk_pattern(uint64_t i, uint32_t seed) { return pattern(i, seed); }
+
 extern "C" int gk_spin(void *stream, unsigned us) {
   spin_kernel<<<1, 1, 0, (cudaStream_t)stream>>>((uint64_t)us * 1000u);
   return (int)cudaGetLastError();

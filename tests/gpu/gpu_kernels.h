@@ -17,6 +17,9 @@
 extern "C" {
 #endif
 
+/* Word i of the pattern for seed, computed on the CPU (the kernels use the same function):
+ * for checking from the host a buffer a kernel filled. */
+uint32_t gk_pattern(uint64_t i, uint32_t seed);
 /* Occupy the stream for about us microseconds (one thread spinning on the GPU clock). */
 int gk_spin(void *stream, unsigned us);
 /* Write the pattern for seed over bytes (a multiple of 4) at ptr. */

@@ -414,9 +414,15 @@ static void test_holder_rules(void **state) {
   assert_int_equal(gpupool_share(x, NULL, &tok), 0);
   tok.bytes[GPUPOOL_TOKEN_SIZE - 1] ^= 1;
   assert_int_equal(gpupool_open(b, &tok, 0, NULL, &y), GPUPOOL_ENOENT);
-  /* Names: taken once; a long name is refused; unknown names fail. */
-  assert_int_equal(gpupool_publish(x, "dup", NULL, NULL), 0);
-  assert_int_equal(gpupool_publish(x, "dup", NULL, NULL), GPUPOOL_EEXIST);
+  /* Names: publishing again makes the next version; a long name is refused; unknown names
+   * fail. */
+  {
+    uint64_t v = 0;
+    assert_int_equal(gpupool_publish_version(x, "dup", NULL, NULL, &v), 0);
+    assert_int_equal(v, 1);
+    assert_int_equal(gpupool_publish_version(x, "dup", NULL, NULL, &v), 0);
+    assert_int_equal(v, 2);
+  }
   {
     char longname[GPUPOOL_NAME_MAX + 2];
     memset(longname, 'n', sizeof longname - 1);

@@ -150,36 +150,44 @@ static void test_names(void **state) {
   m.dtype_lanes = 1;
   m.n_shape = 2;
   m.shape = shape;
-  assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "t", &m, 0, 0), 0);
-  assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "t", NULL, 0, 0), GPUPOOL_EEXIST);
+  {
+    uint64_t v = 0;
+    assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "t", &m, 0, 0, &v), 0);
+    assert_int_equal(v, 1);
+    /* Publishing again makes the next version. */
+    assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "t", &m, 0, 0, &v), 0);
+    assert_int_equal(v, 2);
+    assert_int_equal(gpupool__get(&f->reg, &f->b, "t", 1, 2, &g, &v), GPUPOOL_ENOENT);
+    assert_non_null(strstr(gpupool__errmsg(), "not newer than 2"));
+  }
   shape[0] = 11; /* 440 bytes > 400 */
-  assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "u", &m, 0, 0), GPUPOOL_EMETA);
+  assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "u", &m, 0, 0, NULL), GPUPOOL_EMETA);
   /* Another tenant neither sees it nor learns that it exists; the same tenant does. */
-  assert_int_equal(gpupool__get(&f->reg, &f->x, "t", 0, &g), GPUPOOL_ENOENT);
+  assert_int_equal(gpupool__get(&f->reg, &f->x, "t", 0, 0, &g, NULL), GPUPOOL_ENOENT);
   assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), 400, 0, &o), 0);
-  assert_int_equal(gpupool__publish(&f->reg, &f->x, o->id, "t", NULL, 0, 0), 0); /* its own "t" */
+  assert_int_equal(gpupool__publish(&f->reg, &f->x, o->id, "t", NULL, 0, 0, NULL), 0); /* its own "t" */
   assert_null(strstr(gpupool__errmsg(), "another"));
   assert_int_equal(gpupool__release(&f->reg, &f->x, o->id, 0, &freed), 0);
-  assert_int_equal(gpupool__get(&f->reg, &f->b, "t", 1, &g), 0);
+  assert_int_equal(gpupool__get(&f->reg, &f->b, "t", 1, 0, &g, NULL), 0);
   assert_ptr_equal(g->buf, h->buf);
   assert_true(g->read_only);
   assert_int_equal(gpupool__release(&f->reg, &f->b, g->id, 0, &freed), 0);
   /* Publishing to everyone is gone: it would hand out the slab. */
-  assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "open", NULL, 0, 1), GPUPOOL_EINVAL);
-  assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "open", NULL, 0, 0), 0);
+  assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "open", NULL, 0, 1, NULL), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "open", NULL, 0, 0, NULL), 0);
   /* Across tenants, through a pool shared with a group, under group:GROUP/NAME. */
   {
     gpupool__pool *sp = gpupool__pool_find(&f->reg, "s", 0);
     gpupool__hold *w, *r;
     assert_int_equal(gpupool__allocate(&f->reg, &f->b, sp, 100, 0, &w), GPUPOOL_EPERM); /* b is not in ml */
     assert_int_equal(gpupool__allocate(&f->reg, &f->a, sp, 100, 0, &w), 0);
-    assert_int_equal(gpupool__publish(&f->reg, &f->a, w->id, "w", NULL, 0, 0), GPUPOOL_EPERM);
-    assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "group:ml/t", NULL, 0, 0), GPUPOOL_EPERM);
-    assert_int_equal(gpupool__publish(&f->reg, &f->a, w->id, "group:ml/w", NULL, 0, 0), 0);
-    assert_int_equal(gpupool__get(&f->reg, &f->x, "group:ml/w", 0, &r), 0);
+    assert_int_equal(gpupool__publish(&f->reg, &f->a, w->id, "w", NULL, 0, 0, NULL), GPUPOOL_EPERM);
+    assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "group:ml/t", NULL, 0, 0, NULL), GPUPOOL_EPERM);
+    assert_int_equal(gpupool__publish(&f->reg, &f->a, w->id, "group:ml/w", NULL, 0, 0, NULL), 0);
+    assert_int_equal(gpupool__get(&f->reg, &f->x, "group:ml/w", 0, 0, &r, NULL), 0);
     assert_ptr_equal(r->buf, w->buf);
-    assert_int_equal(gpupool__get(&f->reg, &f->b, "group:ml/w", 0, &r), GPUPOOL_EPERM);
-    assert_int_equal(gpupool__get(&f->reg, &f->x, "group:nope/w", 0, &r), GPUPOOL_EPERM);
+    assert_int_equal(gpupool__get(&f->reg, &f->b, "group:ml/w", 0, 0, &r, NULL), GPUPOOL_EPERM);
+    assert_int_equal(gpupool__get(&f->reg, &f->x, "group:nope/w", 0, 0, &r, NULL), GPUPOOL_EPERM);
     assert_int_equal(gpupool__unpublish(&f->reg, &f->x, "group:ml/w"), 0);
     assert_int_equal(gpupool__release(&f->reg, &f->a, w->id, 0, &freed), 0);
   }
@@ -294,7 +302,7 @@ static void test_drop_client_releases_everything(void **state) {
   gpupool__hold *h;
   for (int i = 0; i < 5; i++)
     assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100000, 0, &h), 0);
-  assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "kept", NULL, 0, 0), 0);
+  assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "kept", NULL, 0, 0, NULL), 0);
   /* Its process is gone (nobody holds the lease): everything comes back at once. */
   close(f->a_peer);
   f->a_peer = -1;
@@ -345,7 +353,7 @@ static void test_lease_keeps_memory_until_gone(void **state) {
   gpupool__client_init(&f->reg, &f->a);
   assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100, 0, &x), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool__errmsg(), "max_waiting_leases_per_uid"));
-  assert_int_equal(gpupool__get(&f->reg, &f->a, "none", 0, &x), GPUPOOL_ENOENT);
+  assert_int_equal(gpupool__get(&f->reg, &f->a, "none", 0, 0, &x, NULL), GPUPOOL_ENOENT);
   /* The last holder exits: the loop sees the lease gone and everything comes back. */
   close(peer_copy);
   for (int i = 0; i < 100 && f->reg.npending; i++)
@@ -678,10 +686,109 @@ static void test_tenant_pools_idle_destroyed(void **state) {
   assert_int_equal(fake_live, 0);
 }
 
+/* The daemon checks every member of a published bundle itself (a client may send anything):
+ * each refusal names the cause and changes nothing; a good one makes a version. */
+static void test_bundle_checks(void **state) {
+  fixture *f = *state;
+  gpupool__hold *h1, *h2, *x1, **hs = NULL;
+  const gpupool__name *nm;
+  Gpupool__Wire__BundleMember m[3], *mp[3];
+  Gpupool__Wire__TensorMeta tm = GPUPOOL__WIRE__TENSOR_META__INIT;
+  int64_t shape[1] = {11};
+  uint64_t ids[3], v = 0;
+
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100, 0, &h1), 0);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100, 0, &h2), 0);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), 100, 0, &x1), 0);
+  for (int i = 0; i < 3; i++) {
+    gpupool__wire__bundle_member__init(&m[i]);
+    mp[i] = &m[i];
+    m[i].size = 10;
+  }
+  m[0].name = (char *)"a";
+  m[1].name = (char *)"b";
+  m[1].buffer = 1;
+  m[2].name = (char *)"c";
+  ids[0] = h1->id;
+  ids[1] = h2->id;
+  /* Member in a buffer that is not listed. */
+  m[2].buffer = 2;
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), GPUPOOL_EINVAL);
+  assert_non_null(strstr(gpupool__errmsg(), "names buffer 2"));
+  m[2].buffer = 0;
+  /* Range past its buffer, and one whose end overflows. */
+  m[2].offset = 95;
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), GPUPOOL_EINVAL);
+  assert_non_null(strstr(gpupool__errmsg(), "does not fit"));
+  m[2].offset = UINT64_MAX - 5;
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), GPUPOOL_EINVAL);
+  m[2].offset = 20;
+  /* Zero size, no name, duplicate names. */
+  m[2].size = 0;
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), GPUPOOL_EINVAL);
+  m[2].size = 10;
+  m[2].name = NULL;
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), GPUPOOL_ENAME);
+  m[2].name = (char *)"a";
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), GPUPOOL_EINVAL);
+  assert_non_null(strstr(gpupool__errmsg(), "'a' appears twice"));
+  m[2].name = (char *)"c";
+  /* A description larger than its member. */
+  tm.present = 1;
+  tm.dtype_code = GPUPOOL_DTYPE_UINT;
+  tm.dtype_bits = 8;
+  tm.dtype_lanes = 1;
+  tm.n_shape = 1;
+  tm.shape = shape;
+  m[2].tensor = &tm;
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), GPUPOOL_EMETA);
+  assert_non_null(strstr(gpupool__errmsg(), "member 2 ('c')"));
+  shape[0] = 10;
+  /* A buffer listed twice, a buffer no member uses, another client's hold, another tenant's. */
+  ids[1] = h1->id;
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), GPUPOOL_EINVAL);
+  assert_non_null(strstr(gpupool__errmsg(), "listed twice"));
+  ids[1] = h2->id;
+  ids[2] = x1->id;
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 3, mp, 3, &v), GPUPOOL_EPERM);
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->x, "bb", ids, 2, mp, 3, &v), GPUPOOL_EPERM);
+  assert_int_equal(f->reg.nnames, 0);
+  /* Too many holds for the members, none at all. */
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 0, mp, 3, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 0, &v), GPUPOOL_EINVAL);
+  /* Good: version 1, then 2 in the same step; the same tenant gets it whole. */
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), 0);
+  assert_int_equal(v, 1);
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), 0);
+  assert_int_equal(v, 2);
+  assert_int_equal(f->reg.nnames, 1);
+  assert_int_equal(gpupool__get_bundle(&f->reg, &f->b, "bb", 1, 0, &hs, &nm), 0);
+  assert_int_equal(nm->nbufs, 2);
+  assert_int_equal(nm->nmembers, 3);
+  assert_int_equal(nm->version, 2);
+  assert_ptr_equal(hs[0]->buf, h1->buf);
+  assert_non_null(nm->members[2].meta);
+  gpupool__hold_discard(&f->reg, hs[0]);
+  gpupool__hold_discard(&f->reg, hs[1]);
+  free(hs);
+  assert_int_equal(gpupool__get_bundle(&f->reg, &f->b, "bb", 1, 2, &hs, &nm), GPUPOOL_ENOENT);
+  assert_int_equal(gpupool__get_bundle(&f->reg, &f->x, "bb", 1, 0, &hs, &nm), GPUPOOL_ENOENT);
+  assert_int_equal(gpupool__unpublish(&f->reg, &f->a, "bb"), 0);
+  {
+    int freed;
+    assert_int_equal(gpupool__release(&f->reg, &f->a, h1->id, 0, &freed), 0);
+    assert_true(freed);
+    assert_int_equal(gpupool__release(&f->reg, &f->a, h2->id, 0, &freed), 0);
+    assert_int_equal(gpupool__release(&f->reg, &f->x, x1->id, 0, &freed), 0);
+  }
+  assert_int_equal(pool(f)->used, 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_holders_and_exactly_once, setup, teardown),
       cmocka_unit_test_setup_teardown(test_names, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_bundle_checks, setup, teardown),
       cmocka_unit_test_setup_teardown(test_slabs_and_dedicated, setup, teardown),
       cmocka_unit_test_setup_teardown(test_full_pool_message_and_revoke, setup, teardown),
       cmocka_unit_test_setup_teardown(test_limits, setup_limits, teardown),

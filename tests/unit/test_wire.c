@@ -762,27 +762,28 @@ static void test_ctrunc(void **state) {
 
 /* Within limits per recvmsg but too many over one frame: fds on two different bytes. */
 static void test_too_many_fds_in_frame(void **state) {
-  int sv[2], a[3], b[3], base = count_fds();
+  enum { H = GPUPOOL_WIRE_MAX_FDS / 2 + 1 };
+  int sv[2], a[H], b[H], base = count_fds();
   uint8_t *buf;
   size_t len;
   gpupool__wire_rx rx;
 
   pair(sv);
-  for (int i = 0; i < 3; i++) {
+  for (int i = 0; i < H; i++) {
     a[i] = memfd_with("a");
     b[i] = memfd_with("b");
   }
   pack_hello(1, "split", &buf, &len);
-  assert_int_equal(raw_send(sv[0], buf, 1, a, 3), 1);
-  assert_int_equal(raw_send(sv[0], buf + 1, len - 1, b, 3), (ssize_t)len - 1);
-  for (int i = 0; i < 3; i++) {
+  assert_int_equal(raw_send(sv[0], buf, 1, a, H), 1);
+  assert_int_equal(raw_send(sv[0], buf + 1, len - 1, b, H), (ssize_t)len - 1);
+  for (int i = 0; i < H; i++) {
     close(a[i]);
     close(b[i]);
   }
   free(buf);
   gpupool__wire_rx_init(&rx, 0);
   assert_int_equal(gpupool__wire_rx_read(&rx, sv[1]), GPUPOOL_EPROTO);
-  assert_non_null(strstr(gpupool__errmsg(), "at most 4"));
+  assert_non_null(strstr(gpupool__errmsg(), "at most 16"));
   assert_int_equal(rx.nfds, 0);
   close_pair(sv, base);
 }
