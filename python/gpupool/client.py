@@ -222,24 +222,31 @@ class _BundleHold:
     """The holds of one bundle (a C gpupool_bundle: its buffers and member table), released
     exactly once, with gpupool_bundle_release, when the last Python reference goes: the
     TensorDict, and every member Tensor or exported view, through the _Part of its buffer.
-    Stream bookkeeping as _Hold's, for the bundle as a whole (one release stream)."""
+    Stream bookkeeping as _Hold's, for the bundle as a whole (one release stream).
+
+    The parts refer to this object and not the other way round: a reference cycle would
+    leave the release to the cyclic garbage collector, at some later time."""
 
     def __init__(self, conn, bundle, stream):
-        L = conn.lib
         self.conn = conn
         self.lock = threading.Lock()
         self.safe_stream = stream
         self.streams = [stream]
         self.synced = set()
+        self.device = None  # CUDA device of the first buffer in device memory
         self.bundle = bundle
         conn.add()
-        try:
-            n = L.gpupool_bundle_buffers(bundle)
-            self.parts = [_Part(self, i, L.gpupool_bundle_buffer(bundle, i), L)
-                          for i in range(n)]
-        except BaseException:
-            self.release()
-            raise
+
+    def make_parts(self):
+        """The _Part of each buffer (the caller keeps them)."""
+        L = self.conn.lib
+        b = self.bundle
+        parts = [_Part(self, i, L.gpupool_bundle_buffer(b, i), L)
+                 for i in range(L.gpupool_bundle_buffers(b))]
+        dev = next((p for p in parts if p.kind != _lib.MEM_HOST), None)
+        if dev is not None:
+            self.device = dev.cuda_device
+        return parts
 
     @property
     def released(self):
@@ -269,10 +276,9 @@ class _BundleHold:
             return
         stream = streams[-1]
         try:
-            dev = next((p for p in getattr(self, "parts", ()) if p.kind != _lib.MEM_HOST), None)
-            if len(streams) > 1 and dev is not None:
+            if len(streams) > 1 and self.device is not None:
                 for s in streams[:-1]:
-                    _cuda.stream_wait(stream, s, dev.cuda_device)
+                    _cuda.stream_wait(stream, s, self.device)
             rc = self.conn.c_bundle_release(b, stream)
         finally:
             self.conn.drop()
@@ -588,17 +594,24 @@ class TensorDict(Mapping):
     the members lie in).
     """
 
-    def __init__(self, client, bhold, layout, version, name):
+    def __init__(self, client, bhold, parts, layout, version, name):
         self._client = client
         self._bhold = bhold
+        self._parts = parts
         self._layout = layout
         self._members = layout.members
         self._index = None
         self._tensors = {}
         self.version = version
         self.name = name
-        self.read_only = any(p.read_only for p in bhold.parts)
-        self.buffers = len(bhold.parts)
+        self.read_only = any(p.read_only for p in parts)
+        self.buffers = len(parts)
+
+    # Compared and hashed as the object it is (Mapping's content equality would compare
+    # Tensors, which mean memory, not values).
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
 
     # --- Mapping ----------------------------------------------------------------------
     def _names(self):
@@ -629,9 +642,9 @@ class TensorDict(Mapping):
         return self._names().keys()
 
     def _member_tensor(self, i):
-        bh = self._live()
+        self._live()
         name, part, off, dt, shape, strides, _ = self._members[i]
-        t = self._client._tensor(bh.parts[part], dt, shape, strides, off, name)
+        t = self._client._tensor(self._parts[part], dt, shape, strides, off, name)
         t.version = self.version
         return t
 
@@ -666,7 +679,8 @@ class TensorDict(Mapping):
     # --- framework views --------------------------------------------------------------
     def _region(self, part):
         """The whole buffer `part` as a flat uint8 Tensor, to import once."""
-        p = self._live().parts[part]
+        self._live()
+        p = self._parts[part]
         return Tensor(p, _UINT8, (p.size,), None, 0, self.name, self._client)
 
     def torch(self):
@@ -705,6 +719,7 @@ class TensorDict(Mapping):
             t.release()
         self._tensors = {}
         self._bhold = None
+        self._parts = None
 
     def __enter__(self):
         return self
@@ -808,13 +823,14 @@ class Client:
         except BaseException:
             L.gpupool_bundle_release(bundle, stream)
             raise
-        for p in bh.parts:
+        parts = bh.make_parts()
+        for p in parts:
             self._holds.add(p)
         n = L.gpupool_bundle_count(bundle)
         raw = ctypes.create_string_buffer(max(n, 1) * _bundle.MEMBER_SIZE)
         check(L.gpupool_bundle_members(bundle, 0, n, raw), "member table of %r" % (name,))
         layout = _bundle.parse_members(raw, n)
-        d = TensorDict(self, bh, layout, L.gpupool_bundle_version(bundle), name)
+        d = TensorDict(self, bh, parts, layout, L.gpupool_bundle_version(bundle), name)
         self._dicts.add(d)
         return d
 
@@ -1051,7 +1067,7 @@ class Client:
         what = "publish_dict %r" % nb.decode("utf-8", "replace")
         if isinstance(mapping, TensorDict) and mapping._client is self:
             bh = mapping._live()
-            if s is None and any(p.kind != _lib.MEM_HOST for p in bh.parts):
+            if s is None and bh.device is not None:
                 s = bh.streams[-1]
             ver = ctypes.c_uint64(0)
             self._conn.usable()
