@@ -15,7 +15,11 @@
 #                               host-NUMA pools), whose table is appended. With $OUT set, the
 #                               full log and the tables are written to $OUT/gpu-bench.log and
 #                               $OUT/gpu-bench-table.md, the pinned table alone also to
-#                               $OUT/pinned-bench-table.md.
+#                               $OUT/pinned-bench-table.md. Last, bench/weight_sync.py (a
+#                               state dict handed over version after version by
+#                               torch.multiprocessing, a flattened bucket and gpupool
+#                               bundles; skipped without torch): its table is appended and
+#                               also written to $OUT/weight-sync-table.md.
 #
 # Paths are relative to the repository root, so the tree may live anywhere on the GPU machine.
 # PYTHON selects the interpreter for the torch peer (default python3).
@@ -28,7 +32,7 @@ die() { echo "gpu-bench.sh: $*" >&2; exit 1; }
 
 run_bench() {
   local bench="$build/bench/gpupool_bench" daemon="$build/daemon/gpupoold" log table rc
-  local pinned="$build/bench/gpupool_pinned_bench" ptable plog
+  local pinned="$build/bench/gpupool_pinned_bench" ptable plog prc wtable
   [ -x "$bench" ] || die "$bench missing: run tools/gpu-bench.sh build on the build machine"
   [ -x "$pinned" ] || die "$pinned missing: run tools/gpu-bench.sh build on the build machine"
   [ -x "$daemon" ] || die "$daemon missing: run tools/gpu-bench.sh build on the build machine"
@@ -55,7 +59,6 @@ run_bench() {
     77) echo "gpu-bench.sh: torch peer skipped (see above); its columns stay empty" ;;
     *) die "bench/torch_peer.py failed with status $rc (log above)" ;;
   esac
-
   awk '
     $1 == "BENCH" { v[$2] = $3 }
     $1 == "BENCH_INFO" && $2 == "device" { $1 = ""; $2 = ""; sub(/^ +/, ""); dev = $0 }
@@ -100,6 +103,24 @@ run_bench() {
           "$(sed -n 's/^SKIP: //p' "$plog" | head -n1)" >> "$table" ;;
     *) die "gpupool_pinned_bench failed with status $rc (log above)" ;;
   esac
+  prc=$rc
+
+  # Weight sync (issue 12): a state dict handed over version after version by torch.mp, a
+  # flattened bucket and gpupool bundles; its own daemon too. Its table is appended.
+  wtable=$(mktemp)
+  set +e
+  GPUPOOL_LIBRARY="$PWD/$build/client/libgpupool-client.so" OUT= \
+    "${PYTHON:-python3}" bench/weight_sync.py --gpupoold "$daemon" --table "$wtable" 2>&1 |
+    tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  case "$rc" in
+    0) printf '\n' >> "$table"; cat "$wtable" >> "$table" ;;
+    77) echo "gpu-bench.sh: weight-sync benchmark skipped (see above)"
+        printf '\nWeight sync: skipped (%s)\n' \
+          "$(sed -n 's/^weight_sync: SKIP: //p' "$log" | head -n1)" >> "$table" ;;
+    *) die "bench/weight_sync.py failed with status $rc (log above)" ;;
+  esac
 
   echo
   cat "$table"
@@ -107,11 +128,14 @@ run_bench() {
     mkdir -p "$OUT"
     cp "$log" "$OUT/gpu-bench.log"
     cp "$table" "$OUT/gpu-bench-table.md"
-    if [ "$rc" = 0 ]; then
+    if [ "$prc" = 0 ]; then
       cp "$ptable" "$OUT/pinned-bench-table.md"
     fi
+    if [ -s "$wtable" ]; then
+      cp "$wtable" "$OUT/weight-sync-table.md"
+    fi
   fi
-  rm -f "$log" "$table" "$ptable" "$plog"
+  rm -f "$log" "$table" "$ptable" "$plog" "$wtable"
 }
 
 case "${1:-build}" in

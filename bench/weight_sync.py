@@ -1,0 +1,474 @@
+#!/usr/bin/env python3
+"""Weight sync: a trainer process hands a state dict to an inference process, version after
+version, three ways, on one GPU, bit-exact checked.
+
+Workloads: a Llama-3.2-1B-shaped bf16 state dict (embedding 128256x2048, 16 layers of
+q/k/v/o projections, gate/up/down MLP and two norms, a final norm: 146 tensors) and 1,000
+float32 tensors of 64 KiB. Each version the trainer writes new values into a few tensors
+(fill_ with a version-dependent constant) and computes a checksum of the whole dict on the
+GPU; the consumer computes the same checksum of what it received (outside the timed part).
+
+Ways:
+- torch.mp: the trainer puts its dict of CUDA tensors on a torch.multiprocessing Queue
+  (CUDA IPC handles; the consumer's handle cache makes later versions of the same storages
+  cheaper); the consumer takes it off.
+- bucket: the flattened-bucket practice: one CUDA tensor holds every weight; it travels once
+  over a torch.multiprocessing Queue with the offsets; each version the trainer sends a small
+  message and the consumer unflattens by slicing the bucket into a dict of views.
+- gpupool: two bundles from Client.alloc_dict (double buffering: version N+1 is written into
+  one while the consumer may still read version N in the other); the trainer writes the
+  whole state (a copy from the other bundle, then the version's changes) and publish_dict's
+  it; the consumer waits in get_dict(newer_than=last) and builds torch views with
+  TensorDict.torch().
+
+Timing per version: from the trainer starting the handoff (its writes done and synchronized)
+to the consumer holding a dict of torch tensors whose data is ready (after a synchronize of
+its stream), on CLOCK_MONOTONIC (time.perf_counter_ns) shared by both processes. The first
+version is "cold" (mappings and handle caches empty), the rest "warm".
+
+The script starts its own gpupoold (--gpupoold) with a pool of twice the dict plus slack,
+and finds libgpupool-client next to it in a build tree (or at --library /
+$GPUPOOL_LIBRARY), as bench/py_handoff.py does. --device cpu runs the same three ways with
+CPU tensors (shared memory for torch, the host backend for gpupool). Exits 77 when torch (or
+CUDA, for a cuda device) is missing.
+
+    python3 bench/weight_sync.py --gpupoold build-gpu/daemon/gpupoold --versions 30
+"""
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+
+MiB = 1 << 20
+
+
+def llama_layout():
+    """(name, shape) of a Llama-3.2-1B-like state dict: 146 tensors."""
+    h, inter, kv, vocab = 2048, 8192, 512, 128256
+    out = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(16):
+        p = "model.layers.%d." % i
+        out += [(p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
+                (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                (p + "mlp.down_proj.weight", (h, inter)),
+                (p + "input_layernorm.weight", (h,)),
+                (p + "post_attention_layernorm.weight", (h,))]
+    out.append(("model.norm.weight", (h,)))
+    return out
+
+
+def small_layout():
+    """1,000 tensors of 64 KiB (float32 128x128)."""
+    return [("t%04d" % i, (128, 128)) for i in range(1000)]
+
+
+WORKLOADS = {
+    "llama": (llama_layout, "bfloat16"),
+    "small": (small_layout, "float32"),
+}
+
+
+def numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def percentile(xs, p):
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * p / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+# --- helpers shared by the processes ---------------------------------------------------------
+def _torch(device):
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    return torch
+
+
+def _sync(torch, device):
+    if device.startswith("cuda"):
+        torch.cuda.current_stream().synchronize()
+
+
+def _int_view(torch, t):
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.uint8}[t.element_size()]
+    return t.reshape(-1).view(bits)
+
+
+def checksum(torch, tensors):
+    """A position-weighted sum of every tensor's bits (int64, on the tensors' device)."""
+    sums = torch.stack([_int_view(torch, t).sum(dtype=torch.int64) for t in tensors])
+    w = torch.arange(1, len(tensors) + 1, dtype=torch.int64, device=sums.device)
+    return int((sums * w).sum().item())
+
+
+def initial_values(torch, layout, dtype, device):
+    """The trainer's version-0 weights (deterministic)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(1234)
+    dt = getattr(torch, dtype)
+    return [torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dt)
+            for _, shape in layout]
+
+
+def touch(tensors, version):
+    """The trainer's update for `version`: a few tensors get a version-dependent value."""
+    n = len(tensors)
+    for i in sorted({0, n // 2, n - 1, version % n}):
+        tensors[i].fill_(version * 0.5 + i * 0.25)
+
+
+# --- way (i): torch.multiprocessing ----------------------------------------------------------
+def mp_trainer(device, workload, versions, q, ctl):
+    torch = _torch(device)
+    layout_fn, dtype = WORKLOADS[workload]
+    layout = layout_fn()
+    ts = initial_values(torch, layout, dtype, device)
+    if not device.startswith("cuda"):
+        for t in ts:
+            t.share_memory_()
+    names = [n for n, _ in layout]
+    for v in range(1, versions + 1):
+        touch(ts, v)
+        want = checksum(torch, ts)
+        _sync(torch, device)
+        ctl.recv()  # consumer ready, and done with the previous version
+        t0 = time.perf_counter_ns()
+        q.put(dict(zip(names, ts)))
+        ctl.send((t0, want))
+    ctl.recv()
+
+
+def mp_consumer(device, workload, versions, q, ctl, out):
+    torch = _torch(device)
+    lat, bad = [], 0
+    for v in range(1, versions + 1):
+        ctl.send("ready")
+        d = q.get()
+        _sync(torch, device)
+        t1 = time.perf_counter_ns()
+        t0, want = ctl.recv()
+        lat.append((t1 - t0) / 1e3)
+        bad += checksum(torch, list(d.values())) != want
+        del d
+    ctl.send("done")
+    out.put({"lat_us": lat, "bad": bad})
+
+
+# --- way (ii): one flattened bucket ----------------------------------------------------------
+def bucket_trainer(device, workload, versions, q, ctl):
+    torch = _torch(device)
+    layout_fn, dtype = WORKLOADS[workload]
+    layout = layout_fn()
+    init = initial_values(torch, layout, dtype, device)
+    total = sum(numel(s) for _, s in layout)
+    flat = torch.empty(total, dtype=getattr(torch, dtype), device=device)
+    if not device.startswith("cuda"):
+        flat.share_memory_()
+    offsets, o = [], 0
+    for (_, shape), t in zip(layout, init):
+        n = numel(shape)
+        flat[o:o + n].view(shape).copy_(t)
+        offsets.append(o)
+        o += n
+    del init
+    ts = [flat[o:o + numel(s)].view(s) for o, (_, s) in zip(offsets, layout)]
+    for v in range(1, versions + 1):
+        touch(ts, v)
+        want = checksum(torch, ts)
+        _sync(torch, device)
+        ctl.recv()
+        t0 = time.perf_counter_ns()
+        if v == 1:
+            q.put((v, flat, [(n, s, o) for (n, s), o in zip(layout, offsets)]))
+        else:
+            q.put((v, None, None))
+        ctl.send((t0, want))
+    ctl.recv()
+
+
+def bucket_consumer(device, workload, versions, q, ctl, out):
+    torch = _torch(device)
+    lat, bad = [], 0
+    flat = index = None
+    for v in range(1, versions + 1):
+        ctl.send("ready")
+        ver, f, idx = q.get()
+        if f is not None:
+            flat, index = f, idx
+        d = {n: flat[o:o + numel(s)].view(s) for n, s, o in index}
+        _sync(torch, device)
+        t1 = time.perf_counter_ns()
+        t0, want = ctl.recv()
+        lat.append((t1 - t0) / 1e3)
+        bad += (ver != v) + (checksum(torch, list(d.values())) != want)
+        del d
+    ctl.send("done")
+    del flat
+    out.put({"lat_us": lat, "bad": bad})
+
+
+# --- way (iii): gpupool bundles, double-buffered ---------------------------------------------
+def gp_trainer(socket, device, workload, versions, name, ctl):
+    import gpupool
+
+    torch = _torch(device)
+    layout_fn, dtype = WORKLOADS[workload]
+    layout = layout_fn()
+    c = gpupool.Client(socket, name="weight-sync-trainer")
+    gp_dev = device if device.startswith("cuda") else "cpu"
+    spec = {n: (s, dtype) for n, s in layout}
+    init = initial_values(torch, layout, dtype, device)
+    bundles = [c.alloc_dict(spec, device=gp_dev), c.alloc_dict(spec, device=gp_dev)]
+    views = [list(b.torch().values()) for b in bundles]
+    for t, x in zip(views[0], init):  # version 0; version 1 goes to bundles[1]
+        t.copy_(x)
+    del init
+    copy_all = getattr(torch, "_foreach_copy_", None) or (
+        lambda dst, src: [a.copy_(b) for a, b in zip(dst, src)])
+    stream = torch.cuda.current_stream() if device.startswith("cuda") else None
+    for v in range(1, versions + 1):
+        cur, prev = views[v % 2], views[(v - 1) % 2]
+        copy_all(cur, prev)              # the whole state of version v-1 ...
+        touch(cur, v)                    # ... and this version's changes
+        want = checksum(torch, cur)
+        _sync(torch, device)
+        ctl.recv()  # consumer ready, and done with version v-2 (this bundle's last)
+        t0 = time.perf_counter_ns()
+        got = c.publish_dict(name, bundles[v % 2], stream=stream)
+        ctl.send((t0, want, got))
+    ctl.recv()
+    del views
+    for b in bundles:
+        b.release()
+    c.unpublish(name)
+    c.close()
+
+
+def gp_consumer(socket, device, workload, versions, name, ctl, out):
+    import gpupool
+
+    torch = _torch(device)
+    c = gpupool.Client(socket, name="weight-sync-consumer")
+    cuda = device.startswith("cuda")
+    stream = torch.cuda.Stream() if cuda else None
+    lat, bad = [], 0
+    last, held = 0, None
+    for v in range(1, versions + 1):
+        ctl.send("ready")
+        if cuda:
+            with torch.cuda.stream(stream):
+                td = c.get_dict(name, newer_than=last, timeout=60, stream=stream)
+                d = td.torch()
+                stream.synchronize()
+        else:
+            td = c.get_dict(name, newer_than=last, timeout=60)
+            d = td.torch()
+        t1 = time.perf_counter_ns()
+        t0, want, published = ctl.recv()
+        lat.append((t1 - t0) / 1e3)
+        bad += (td.version != published) + (checksum(torch, list(d.values())) != want)
+        last = td.version
+        # Keep version v (as an inference server would until v+1), let go of v-1.
+        if held is not None:
+            held[0].release()
+        held = (td, d)
+        del d
+    ctl.send("done")
+    held[0].release()
+    held = None
+    c.close()
+    out.put({"lat_us": lat, "bad": bad})
+
+
+# --- driver ----------------------------------------------------------------------------------
+def run_pair(ctx, prod, prod_args, cons, cons_args, timeout):
+    a, b = ctx.Pipe()
+    out = ctx.Queue()
+    p = ctx.Process(target=prod, args=prod_args + (a,))
+    c = ctx.Process(target=cons, args=cons_args + (b, out))
+    p.start()
+    c.start()
+    try:
+        res = out.get(timeout=timeout)
+    finally:
+        for proc in (c, p):
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    if p.exitcode not in (0, None) or c.exitcode not in (0, None):
+        raise RuntimeError("trainer exited %s, consumer exited %s" % (p.exitcode, c.exitcode))
+    return res
+
+
+def summarize(res):
+    lat = res.pop("lat_us")
+    warm = lat[1:]
+    res.update(cold_ms=lat[0] / 1e3, p50_ms=percentile(warm, 50) / 1e3,
+               p99_ms=percentile(warm, 99) / 1e3, n=len(lat))
+    return res
+
+
+def table(results):
+    lines = ["Weight sync on %s (torch %s): trainer -> consumer, %d versions per way; times "
+             "in ms, warm = versions 2..N" % (results["gpu"], results["torch"],
+                                              results["versions"]), "",
+             "| workload | tensors | bytes | way | cold | warm p50 | warm p99 | bad |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for wl, row in results["workloads"].items():
+        for way in ("torch.mp", "bucket", "gpupool"):
+            v = row.get(way)
+            if v is None:
+                continue
+            lines.append("| %s | %d | %.2f GB | %s | %.2f | %.3f | %.3f | %d |" % (
+                wl, row["tensors"], row["bytes"] / 1e9, way, v["cold_ms"], v["p50_ms"],
+                v["p99_ms"], v["bad"]))
+    lines += ["", "| workload | warm p50: torch.mp / gpupool | bucket / gpupool | "
+              "cold: torch.mp / gpupool |", "| --- | --- | --- | --- |"]
+    for wl, row in results["workloads"].items():
+        g = row.get("gpupool")
+        if not g:
+            continue
+        t, b = row.get("torch.mp"), row.get("bucket")
+        lines.append("| %s | %s | %s | %s |" % (
+            wl, "%.2fx" % (t["p50_ms"] / g["p50_ms"]) if t else "-",
+            "%.2fx" % (b["p50_ms"] / g["p50_ms"]) if b else "-",
+            "%.2fx" % (t["cold_ms"] / g["cold_ms"]) if t else "-"))
+    lines.append("")
+    lines.append(">1 means gpupool is faster. Targets (issue 12): warm >= 10x torch.mp and >= 2x "
+                 "bucket; cold no slower than torch.mp.")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpupoold", required=True, help="path of the gpupoold binary")
+    ap.add_argument("--library", help="libgpupool-client.so (default: $GPUPOOL_LIBRARY, else "
+                                      "../client/libgpupool-client.so next to --gpupoold)")
+    ap.add_argument("--versions", type=int, default=30, help="versions per way (>= 2)")
+    ap.add_argument("--workloads", default="llama,small", help="llama, small or both")
+    ap.add_argument("--ways", default="torch.mp,bucket,gpupool")
+    ap.add_argument("--device", default="cuda:0", help="cuda:N (default) or cpu")
+    ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--table", help="also write the markdown table to this file")
+    args = ap.parse_args()
+    if args.versions < 2:
+        ap.error("--versions must be at least 2 (one cold, one warm)")
+
+    lib = args.library or os.environ.get("GPUPOOL_LIBRARY")
+    if not lib:
+        guess = os.path.join(os.path.dirname(os.path.abspath(args.gpupoold)), "..", "client",
+                             "libgpupool-client.so")
+        if os.path.exists(guess):
+            lib = os.path.abspath(guess)
+    if lib:
+        os.environ["GPUPOOL_LIBRARY"] = lib  # inherited by the spawned processes
+
+    try:
+        import torch
+    except ImportError as e:
+        print("weight_sync: SKIP: torch is not installed for %s (%s)" % (sys.executable, e))
+        return 77
+    from gpupool.testing import Daemon
+
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        print("weight_sync: SKIP: torch %s sees no CUDA device (--device cpu compares on the "
+              "host backend)" % torch.__version__)
+        return 77
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    ways = [w.strip() for w in args.ways.split(",") if w.strip()]
+    sizes = {}
+    for wl in workloads:
+        layout_fn, dtype = WORKLOADS[wl]
+        layout = layout_fn()
+        item = 2 if dtype == "bfloat16" else 4
+        sizes[wl] = (len(layout), sum(numel(s) for _, s in layout) * item)
+    slab = 256 * MiB
+    biggest = max(b for _, b in sizes.values())
+    # Two bundles (double buffering), each rounded up to whole slabs, plus slack.
+    cap = (2 * ((biggest + slab - 1) // slab) + 4) * slab
+    dev_index = (torch.device(args.device).index or 0) if cuda else 0
+    pool = ("name=bench,kind=device,device=%d,capacity=%d,slab=%d" % (dev_index, cap, slab)
+            if cuda else "name=bench,kind=host,capacity=%d,slab=%d" % (cap, slab))
+
+    import torch.multiprocessing as tmp
+
+    ctx = mp.get_context("spawn")
+    tctx = tmp.get_context("spawn")
+    results = {"device": args.device, "torch": torch.__version__, "versions": args.versions,
+               "gpu": torch.cuda.get_device_name(dev_index) if cuda else "cpu",
+               "workloads": {}}
+    with Daemon(args.gpupoold, backend="cuda" if cuda else "host", pools=[pool]) as d:
+        print("weight_sync: gpupoold %s backend, pool %d MiB; %s; torch %s; %d versions"
+              % ("cuda" if cuda else "host", cap // MiB, results["gpu"], torch.__version__,
+                 args.versions), flush=True)
+        for wl in workloads:
+            n, nbytes = sizes[wl]
+            row = {"tensors": n, "bytes": nbytes}
+            print("weight_sync: %s: %d tensors, %d bytes (%.2f GB)" % (wl, n, nbytes,
+                                                                       nbytes / 1e9),
+                  flush=True)
+            for way in ways:
+                t_start = time.monotonic()
+                if way == "torch.mp":
+                    q = tctx.Queue()
+                    res = run_pair(tctx, mp_trainer, (args.device, wl, args.versions, q),
+                                   mp_consumer, (args.device, wl, args.versions, q), 1200)
+                elif way == "bucket":
+                    q = tctx.Queue()
+                    res = run_pair(tctx, bucket_trainer, (args.device, wl, args.versions, q),
+                                   bucket_consumer, (args.device, wl, args.versions, q), 1200)
+                elif way == "gpupool":
+                    name = "weight-sync/%s" % wl
+                    res = run_pair(ctx, gp_trainer, (d.socket, args.device, wl, args.versions,
+                                                     name),
+                                   gp_consumer, (d.socket, args.device, wl, args.versions,
+                                                 name), 1200)
+                else:
+                    raise SystemExit("unknown way %r" % way)
+                row[way] = summarize(res)
+                print("weight_sync: %s %s: cold %.2f ms, warm p50 %.3f ms, p99 %.3f ms, "
+                      "bad %d (%.0f s)" % (wl, way, row[way]["cold_ms"], row[way]["p50_ms"],
+                                           row[way]["p99_ms"], row[way]["bad"],
+                                           time.monotonic() - t_start), flush=True)
+            results["workloads"][wl] = row
+    text = table(results)
+    print()
+    print(text)
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "weight-sync-table.md"), "w") as f:
+            f.write(text)
+    if args.table:
+        with open(args.table, "w") as f:
+            f.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    bad = sum(v["bad"] for row in results["workloads"].values() for v in row.values()
+              if isinstance(v, dict))
+    return 0 if bad == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
