@@ -26,6 +26,7 @@ therefore works on whole tables:
 
 import ctypes
 import struct
+import threading
 
 from . import _dlpack, _dtypes, _lib
 from ._lib import GpupoolError
@@ -95,6 +96,7 @@ class Layout:
 
 _Q_PER_MEMBER = MEMBER_SIZE // 8
 _cache = []  # the last few Layouts, most recent first
+_cache_lock = threading.Lock()
 _CACHE_SIZE = 4
 
 
@@ -112,14 +114,16 @@ def parse_members(raw, n):
         q[0::_Q_PER_MEMBER] = zeros
         q[1::_Q_PER_MEMBER] = zeros
     names = read_names(view.cast("Q")[0::_Q_PER_MEMBER].tolist() if n else [])
-    for i, lay in enumerate(_cache):
-        if lay.key == key and lay.names == names:
-            if i:
-                _cache.insert(0, _cache.pop(i))
-            return lay
+    with _cache_lock:
+        for i, lay in enumerate(_cache):
+            if lay.key == key and lay.names == names:
+                if i:
+                    _cache.insert(0, _cache.pop(i))
+                return lay
     lay = Layout(key, names, _parse(view, names))
-    _cache.insert(0, lay)
-    del _cache[_CACHE_SIZE:]
+    with _cache_lock:
+        _cache.insert(0, lay)
+        del _cache[_CACHE_SIZE:]
     return lay
 
 
