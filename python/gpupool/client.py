@@ -1112,9 +1112,13 @@ class Client:
                     return ver.value
             bnames, bufs, offs, sizes, metas = [], [], [], [], []
             copied = iter(tmp._copied if tmp is not None else ())
+            # One hold per buffer: the daemon refuses a buffer listed through two holds (an
+            # allocation and a get of the same memory, say); they map the same address.
+            by_buffer = {}
             for bk, h, desc, _ in rows:
                 if h is None:
                     h, desc = next(copied)
+                h = by_buffer.setdefault((h.buffer_id, h.ptr), h)
                 lo, span = desc.span()
                 start = desc.data + lo
                 off = start - h.ptr

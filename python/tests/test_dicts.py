@@ -182,6 +182,20 @@ class Dicts(DaemonTestCase):
                 self.assertTrue(td[k].is_contiguous())
         self.client.unpublish("d/copy")
 
+    def test_one_buffer_through_two_holds(self):
+        td = self.client.alloc_dict({"a": ((4,), "int32"), "b": ((4,), "int32")})
+        td.numpy()["a"][...] = 7
+        self.client.publish_dict("d/two", td)
+        again = self.client.get_dict("d/two", timeout=1)   # a second hold on the same buffer
+        self.client.publish_dict("d/two-mixed", {"a": td["a"], "b": again["b"]})
+        with self.client.get_dict("d/two-mixed", timeout=1) as got:
+            self.assertEqual(np.asarray(got["a"]).tolist(), [7] * 4)
+            self.assertEqual(got["a"].buffer_id, got["b"].buffer_id)
+        again.release()
+        td.release()
+        self.client.unpublish("d/two")
+        self.client.unpublish("d/two-mixed")
+
     def test_mixed_in_place_and_copied(self):
         t = self.client.alloc((5,), "float32")
         np.asarray(t)[...] = 1.5
