@@ -145,10 +145,12 @@ def mp_trainer(device, workload, versions, q, ctl):
             t.share_memory_()
     names = [n for n, _ in layout]
     for v in range(1, versions + 1):
+        # One copy of the weights: wait until the consumer is done with the previous version
+        # (checked and dropped) before writing this one.
+        ctl.recv()
         touch(ts, v)
         want = checksum(torch, ts)
         _sync(torch, device)
-        ctl.recv()  # consumer ready, and done with the previous version
         t0 = time.perf_counter_ns()
         q.put(dict(zip(names, ts)))
         ctl.send((t0, want))
@@ -190,10 +192,10 @@ def bucket_trainer(device, workload, versions, q, ctl):
     del init
     ts = [flat[o:o + numel(s)].view(s) for o, (_, s) in zip(offsets, layout)]
     for v in range(1, versions + 1):
+        ctl.recv()  # one bucket: the consumer is done with the previous version
         touch(ts, v)
         want = checksum(torch, ts)
         _sync(torch, device)
-        ctl.recv()
         t0 = time.perf_counter_ns()
         if v == 1:
             q.put((v, flat, [(n, s, o) for (n, s), o in zip(layout, offsets)]))

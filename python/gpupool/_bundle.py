@@ -25,6 +25,7 @@ therefore works on whole tables:
 """
 
 import ctypes
+import gc
 import struct
 import threading
 
@@ -64,14 +65,36 @@ class Member(tuple):
     size = property(lambda s: s[6])
 
 
-def read_names(addrs):
-    """The C strings at these addresses, decoded, in one pass over an array of char*."""
+def read_raw_names(addrs):
+    """The C strings at these addresses as bytes, in one pass over an array of char*."""
     n = len(addrs)
     if n == 0:
         return []
     ptrs = (ctypes.c_void_p * n)(*addrs)
-    return [b.decode("utf-8", "surrogateescape")
-            for b in (ctypes.c_char_p * n).from_buffer(ptrs)[:]]
+    return (ctypes.c_char_p * n).from_buffer(ptrs)[:]
+
+
+def read_names(addrs):
+    """The C strings at these addresses, decoded."""
+    return [b.decode("utf-8", "surrogateescape") for b in read_raw_names(addrs)]
+
+
+class _NoGC:
+    """Cyclic garbage collection paused while many objects are made at once: a
+    collection that a 1,000-view dict happens to trigger walks every object of the
+    interpreter (torch's included) and costs more than building the views."""
+
+    __slots__ = ("was",)
+
+    def __enter__(self):
+        self.was = gc.isenabled()
+        if self.was:
+            gc.disable()
+
+    def __exit__(self, *exc):
+        if self.was:
+            gc.enable()
+        return False
 
 
 class Layout:
@@ -79,19 +102,38 @@ class Layout:
     (plan_runs). Layouts are cached: the next version of a name, or the other buffer of a
     double-buffered pair, has the same table but for addresses, and is not parsed again."""
 
-    __slots__ = ("key", "names", "members", "_runs")
+    __slots__ = ("key", "raw_names", "names", "members", "_runs", "_torch")
 
-    def __init__(self, key, names, members):
+    def __init__(self, key, raw_names, members):
         self.key = key
-        self.names = names
+        self.raw_names = raw_names
+        self.names = [m[0] for m in members]
         self.members = members
         self._runs = None
+        self._torch = None
 
     @property
     def runs(self):
         if self._runs is None:
             self._runs = plan_runs(self.members)
         return self._runs
+
+    def torch_plan(self, torch):
+        """The runs as torch needs them, computed once per layout: (part, torch dtype or
+        None when the members are imported alone, itemsize, shape, strides, offset and
+        step in elements, member indices)."""
+        if self._torch is None:
+            plan = []
+            for part, dt, shape, strides, off, step, idx, alone in self.runs:
+                tdt = getattr(torch, dt.name, None) if (dt.typestr or
+                                                        dt.name == "bfloat16") else None
+                if alone or not isinstance(tdt, torch.dtype):
+                    tdt = None
+                isz = dt.itemsize
+                st = strides if strides is not None else _dlpack.contiguous_strides(shape)
+                plan.append((part, tdt, isz, shape, st, off // isz, step // isz, tuple(idx)))
+            self._torch = plan
+        return self._torch
 
 
 _Q_PER_MEMBER = MEMBER_SIZE // 8
@@ -113,14 +155,15 @@ def parse_members(raw, n):
         zeros = memoryview(bytes(8 * n)).cast("Q")
         q[0::_Q_PER_MEMBER] = zeros
         q[1::_Q_PER_MEMBER] = zeros
-    names = read_names(view.cast("Q")[0::_Q_PER_MEMBER].tolist() if n else [])
+    raw_names = read_raw_names(view.cast("Q")[0::_Q_PER_MEMBER].tolist() if n else [])
     with _cache_lock:
         for i, lay in enumerate(_cache):
-            if lay.key == key and lay.names == names:
+            if lay.key == key and lay.raw_names == raw_names:
                 if i:
                     _cache.insert(0, _cache.pop(i))
                 return lay
-    lay = Layout(key, names, _parse(view, names))
+    names = [b.decode("utf-8", "surrogateescape") for b in raw_names]
+    lay = Layout(key, raw_names, _parse(view, names))
     with _cache_lock:
         _cache.insert(0, lay)
         del _cache[_CACHE_SIZE:]
@@ -188,33 +231,46 @@ def torch_views(layout, region_of, alone_view):
     torch tensor (imported once); alone_view(i): member i imported on its own."""
     import torch
 
-    members = layout.members
-    views = [None] * len(members)
-    typed = {}
-    for part, dt, shape, strides, off, step, idx, alone in layout.runs:
-        tdt = getattr(torch, dt.name, None) if dt.typestr or dt.name == "bfloat16" else None
-        if alone or not isinstance(tdt, torch.dtype):
-            for i in idx:
-                views[i] = alone_view(i)
-            continue
-        isz = dt.itemsize
-        key = (part, tdt)
-        r = typed.get(key)
-        if r is None:
-            r8 = region_of(part)
-            if tdt is not torch.uint8:
-                n = r8.shape[0]
-                r8 = r8[:n - n % isz] if n % isz else r8
-                r8 = r8.view(tdt)
-            r = typed[key] = r8
-        st = strides if strides is not None else _dlpack.contiguous_strides(shape)
-        if len(idx) == 1:
-            views[idx[0]] = r.as_strided(shape, st, off // isz)
-        else:
-            many = r.as_strided((len(idx),) + shape, (step // isz,) + st, off // isz)
-            for i, v in zip(idx, many.unbind(0)):
-                views[i] = v
-    return dict(zip(layout.names, views))
+    plan = layout.torch_plan(torch)
+    n = len(layout.members)
+    with _NoGC():
+        typed = {}
+        if len(plan) == 1 and plan[0][1] is not None and len(plan[0][7]) == n > 1:
+            # One run of every member in order (equal tensors): one call makes them all.
+            part, tdt, isz, shape, st, off, step, idx = plan[0]
+            r = _typed_region(torch, typed, region_of, part, tdt, isz)
+            return dict(zip(layout.names,
+                            r.as_strided((n,) + shape, (step,) + st, off).unbind(0)))
+        views = [None] * n
+        for part, tdt, isz, shape, st, off, step, idx in plan:
+            if tdt is None:
+                for i in idx:
+                    views[i] = alone_view(i)
+                continue
+            r = _typed_region(torch, typed, region_of, part, tdt, isz)
+            if len(idx) == 1:
+                views[idx[0]] = r.as_strided(shape, st, off)
+            else:
+                for i, v in zip(idx, r.as_strided((len(idx),) + shape, (step,) + st,
+                                                  off).unbind(0)):
+                    views[i] = v
+        return dict(zip(layout.names, views))
+
+
+def _typed_region(torch, typed, region_of, part, tdt, isz):
+    """Buffer `part` as a flat tensor of type tdt (imported once per call of torch_views)."""
+    key = (part, tdt)
+    r = typed.get(key)
+    if r is None:
+        r8 = typed.get(part)
+        if r8 is None:
+            r8 = typed[part] = region_of(part)
+        r = r8
+        if tdt is not torch.uint8:
+            n = r8.shape[0]
+            r = (r8[:n - n % isz] if n % isz else r8).view(tdt)
+        typed[key] = r
+    return r
 
 
 def numpy_views(layout, region_of, raw=False):
@@ -223,6 +279,11 @@ def numpy_views(layout, region_of, raw=False):
     their size."""
     import numpy
 
+    with _NoGC():
+        return _numpy_views(numpy, layout, region_of, raw)
+
+
+def _numpy_views(numpy, layout, region_of, raw):
     members = layout.members
     views = [None] * len(members)
     regions = {}
@@ -265,6 +326,11 @@ def cupy_views(layout, region_of, raw=False):
     flat uint8 CuPy array (imported once)."""
     import cupy
 
+    with _NoGC():
+        return _cupy_views(cupy, layout, region_of, raw)
+
+
+def _cupy_views(cupy, layout, region_of, raw):
     members = layout.members
     views = [None] * len(members)
     regions = {}
