@@ -254,7 +254,8 @@ def gp_trainer(socket, device, workload, versions, name, ctl):
         ctl.recv()  # consumer ready, and done with version v-2 (this bundle's last)
         t0 = time.perf_counter_ns()
         got = c.publish_dict(name, bundles[v % 2], stream=stream)
-        ctl.send((t0, want, got))
+        t_pub = time.perf_counter_ns()
+        ctl.send((t0, want, got, t_pub))
     ctl.recv()
     del views
     for b in bundles:
@@ -271,20 +272,30 @@ def gp_consumer(socket, device, workload, versions, name, ctl, out):
     cuda = device.startswith("cuda")
     stream = torch.cuda.Stream() if cuda else None
     lat, bad = [], 0
+    parts = {"publish call": [], "publish to get_dict return": [], "torch()": [],
+             "stream sync": []}
     last, held = 0, None
     for v in range(1, versions + 1):
         ctl.send("ready")
         if cuda:
             with torch.cuda.stream(stream):
                 td = c.get_dict(name, newer_than=last, timeout=60, stream=stream)
+                t_got = time.perf_counter_ns()
                 d = td.torch()
+                t_views = time.perf_counter_ns()
                 stream.synchronize()
         else:
             td = c.get_dict(name, newer_than=last, timeout=60)
+            t_got = time.perf_counter_ns()
             d = td.torch()
+            t_views = time.perf_counter_ns()
         t1 = time.perf_counter_ns()
-        t0, want, published = ctl.recv()
+        t0, want, published, t_pub = ctl.recv()
         lat.append((t1 - t0) / 1e3)
+        if v > 1:
+            for k, x in (("publish call", t_pub - t0), ("publish to get_dict return", t_got - t0),
+                         ("torch()", t_views - t_got), ("stream sync", t1 - t_views)):
+                parts[k].append(x / 1e3)
         bad += (td.version != published) + (checksum(torch, list(d.values())) != want)
         last = td.version
         # Keep version v (as an inference server would until v+1), let go of v-1.
@@ -296,7 +307,8 @@ def gp_consumer(socket, device, workload, versions, name, ctl, out):
     held[0].release()
     held = None
     c.close()
-    out.put({"lat_us": lat, "bad": bad})
+    out.put({"lat_us": lat, "bad": bad,
+             "parts_p50_ms": {k: percentile(x, 50) / 1e3 for k, x in parts.items()}})
 
 
 # --- driver ----------------------------------------------------------------------------------
@@ -353,6 +365,15 @@ def table(results):
             wl, "%.2fx" % (t["p50_ms"] / g["p50_ms"]) if t else "-",
             "%.2fx" % (b["p50_ms"] / g["p50_ms"]) if b else "-",
             "%.2fx" % (t["cold_ms"] / g["cold_ms"]) if t else "-"))
+    parts = [(wl, row["gpupool"]["parts_p50_ms"]) for wl, row in results["workloads"].items()
+             if "parts_p50_ms" in row.get("gpupool", {})]
+    if parts:
+        keys = list(parts[0][1])
+        lines += ["", "Where a warm gpupool version goes (p50 of each part, ms; from t0):", "",
+                  "| workload | " + " | ".join(keys) + " |",
+                  "| --- |" + " --- |" * len(keys)]
+        for wl, p in parts:
+            lines.append("| %s | %s |" % (wl, " | ".join("%.3f" % p[k] for k in keys)))
     lines.append("")
     lines.append(">1 means gpupool is faster. Targets (issue 12): warm >= 10x torch.mp and >= 2x "
                  "bucket; cold no slower than torch.mp.")
@@ -452,6 +473,11 @@ def main():
                       "bad %d (%.0f s)" % (wl, way, row[way]["cold_ms"], row[way]["p50_ms"],
                                            row[way]["p99_ms"], row[way]["bad"],
                                            time.monotonic() - t_start), flush=True)
+                if "parts_p50_ms" in row[way]:
+                    print("weight_sync: %s %s: where a warm version goes (p50, ms): %s" % (
+                        wl, way, ", ".join("%s %.3f" % kv
+                                           for kv in row[way]["parts_p50_ms"].items())),
+                          flush=True)
             results["workloads"][wl] = row
     text = table(results)
     print()
