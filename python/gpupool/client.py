@@ -1088,11 +1088,15 @@ class Client:
                 h = v._hold
                 desc = _dlpack.Desc(v.data_ptr, v._dl_device, v._dtype, v.shape, v.strides)
             else:
-                if s is None and hasattr(v, "__dlpack_device__"):
-                    dev = v.__dlpack_device__()
-                    if int(dev[0]) == _dlpack.kDLCUDA:
-                        s = _current_stream(v, int(dev[1]))
-                desc = _dlpack.describe(v, s)
+                desc = _torch_desc(v) if _framework(v) == "torch" else None
+                if s is None and desc is not None and desc.device[0] == _dlpack.kDLCUDA:
+                    s = _current_stream(v, desc.device[1])
+                if desc is None:
+                    if s is None and hasattr(v, "__dlpack_device__"):
+                        dev = v.__dlpack_device__()
+                        if int(dev[0]) == _dlpack.kDLCUDA:
+                            s = _current_stream(v, int(dev[1]))
+                    desc = _dlpack.describe(v, s)
                 h = index.find(desc)
             rows.append([bk, h, desc, v])
         if s is None:
@@ -1242,6 +1246,32 @@ class Client:
         arr = (ctypes.c_int * max(len(devs), 1))(*devs)
         check(self._lib.gpupool_set_devices(self._conn.usable(), arr, len(devs)),
               "set_devices %r" % (devs,))
+
+
+_TORCH_DTYPES = {}
+
+
+def _torch_desc(t):
+    """Desc of a torch tensor read from its attributes (about 2 us) instead of through a
+    DLPack export (about 30 us): a 1,000-tensor state dict is described in milliseconds,
+    not tens of them. None for what only DLPack describes right (conjugate or negative
+    views, sparse layouts, other devices, types gpupool lacks)."""
+    try:
+        dt = _TORCH_DTYPES.get(t.dtype)
+        if dt is None:
+            dt = _TORCH_DTYPES[t.dtype] = _dtypes.dtype(t.dtype)
+        if t.is_conj() or t.is_neg() or str(t.layout) != "torch.strided":
+            return None
+        dev = t.device
+        if dev.type == "cuda":
+            device = (_dlpack.kDLCUDA, dev.index if dev.index is not None else 0)
+        elif dev.type == "cpu":
+            device = (_dlpack.kDLCPU, 0)
+        else:
+            return None
+        return _dlpack.Desc(t.data_ptr(), device, dt, tuple(t.shape), tuple(t.stride()))
+    except (ValueError, AttributeError, RuntimeError):
+        return None
 
 
 class _HoldIndex:
