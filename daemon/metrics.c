@@ -43,7 +43,11 @@ static const char *const type_names[] = {
     "unknown",      "hello",        "attach_pool",   "allocate",          "release",
     "share",        "open",         "publish",       "get",               "unpublish",
     "stats",        "admin_clients", "admin_buffers", "admin_drop_client", "trim",
+    "publish_file", "get_file",
 };
+/* Where the file requests (oneof cases 40..) sit in type_names. */
+#define FILE_TYPES 15
+#define FIRST_FILE_CASE GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE
 #define N_TYPES ((int)(sizeof(type_names) / sizeof(type_names[0])))
 #define FIRST_CASE GPUPOOL__WIRE__REQUEST__BODY_HELLO
 
@@ -135,6 +139,8 @@ int gpupool__metrics_new(gpupool__metrics **out) {
 
 static int type_index(int body_case) {
   int i = body_case - FIRST_CASE + 1;
+  if (body_case >= FIRST_FILE_CASE)
+    i = FILE_TYPES + body_case - FIRST_FILE_CASE;
   return (i >= 1 && i < N_TYPES) ? i : 0;
 }
 

@@ -1308,7 +1308,7 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
 }
 
 /* The name as c may see it: ENAME for a malformed name, ENOENT when absent or invisible. */
-static int find_name(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__name **out) {
+int gpupool__find_name(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__name **out) {
   char key[GPUPOOL_NAME_KEY_MAX + 1];
   uint64_t owner;
   int rc = gpupool__name_key(reg, c, name, key, sizeof key, &owner);
@@ -1322,7 +1322,10 @@ static int find_name(gpupool__registry *reg, gpupool__client *c, const char *nam
 
 int gpupool__get(gpupool__registry *reg, gpupool__client *c, const char *name, int read_only, gpupool__hold **out) {
   gpupool__name *n;
-  int rc = find_name(reg, c, name, &n);
+  int rc = gpupool__find_name(reg, c, name, &n);
+  if (rc == 0 && n->file)
+    return gpupool__err(GPUPOOL_EINVAL, "'%s' names a published file, not a buffer: get it with gpupool_get_file "
+                        "(Python: Client.get_file_array)", name);
   if (rc == 0)
     rc = check_waiting_leases(reg, c);
   return rc != 0 ? rc : hold_new(reg, c, n->buf, read_only || n->read_only, 0, out);
@@ -1330,7 +1333,7 @@ int gpupool__get(gpupool__registry *reg, gpupool__client *c, const char *name, i
 
 int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *name) {
   gpupool__name *n;
-  int rc = find_name(reg, c, name, &n);
+  int rc = gpupool__find_name(reg, c, name, &n);
   if (rc != 0)
     return rc;
   /* Found in the caller's own namespace (its tenant's, or a group it is in): its members
@@ -1344,8 +1347,12 @@ int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *n
       gpupool__uid_usage_put(reg, u);
     }
   }
-  n->buf->names--;
-  buffer_unref(reg, n->buf);
+  if (n->file) {
+    gpupool__file_close(reg, n->file);
+  } else {
+    n->buf->names--;
+    buffer_unref(reg, n->buf);
+  }
   free(n->name);
   free(n);
   return 0;
@@ -1668,8 +1675,12 @@ void gpupool__registry_close(gpupool__registry *reg) {
     if (!gpupool__smap_slot_used(&reg->names, i))
       continue;
     gpupool__name *n = reg->names.slots[i].val;
-    n->buf->names--;
-    buffer_unref(reg, n->buf);
+    if (n->file) {
+      gpupool__file_close(reg, n->file);
+    } else {
+      n->buf->names--;
+      buffer_unref(reg, n->buf);
+    }
     free(n->name);
     free(n);
   }
