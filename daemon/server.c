@@ -1031,7 +1031,8 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
     if (nfds > 1) {
       close(c->frame_fd);
       c->frame_fd = -1;
-      send_error(c, 0, GPUPOOL_EFD, "a request carries at most one fd (PublishFile's file); they were closed");
+      send_error(c, 0, GPUPOOL_EFD, "a request carries at most one of the client's file descriptors (PublishFile's file); these were "
+                 "closed");
       return;
     }
   }
@@ -1039,7 +1040,8 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
   if (req && c->frame_fd >= 0 && req->body_case != GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE) {
     close(c->frame_fd);
     c->frame_fd = -1;
-    send_error(c, req->seq, GPUPOOL_EFD, "only PublishFile carries an fd; the one sent with this request was closed");
+    send_error(c, req->seq, GPUPOOL_EFD, "the daemon accepts file descriptors only with PublishFile; the one sent with this "
+                 "request was closed");
     gpupool__wire__request__free_unpacked(req, NULL);
     return;
   }
