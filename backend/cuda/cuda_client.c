@@ -462,7 +462,8 @@ static int cuda_file_register(void *base, size_t len, void **dev) {
                         "it; get the file with GPUPOOL_FILE_HOST_ONLY and copy from the CPU mapping",
                         device);
   }
-  e = cudaHostRegister(base, len, cudaHostRegisterMapped | cudaHostRegisterReadOnly);
+  /* Portable: pinned for every context of the process, not only the current device's. */
+  e = cudaHostRegister(base, len, cudaHostRegisterMapped | cudaHostRegisterPortable | cudaHostRegisterReadOnly);
   if (e != cudaSuccess)
     return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaHostRegister(read-only, mapped) of a file mapping", device,
                               "check the locked-memory limit (ulimit -l) or get the file with "
