@@ -109,6 +109,6 @@ run_bench() {
 case "${1:-build}" in
   build) exec tools/gpu-test.sh build ;;
   run) run_bench ;;
-  -h|--help) sed -n '2,22p' "$0" ;;
+  -h|--help) sed -n '2,19p' "$0" ;;
   *) die "unknown mode '$1' (build or run)" ;;
 esac
