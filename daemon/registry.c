@@ -1248,6 +1248,10 @@ static void members_account(gpupool__registry *reg, uint64_t tenant, int64_t del
 
 /* Drops what a name's current version refers to (its buffers' references, its members). */
 static void name_clear(gpupool__registry *reg, gpupool__name *n) {
+  if (n->file) {
+    gpupool__file_close(reg, n->file);
+    n->file = NULL;
+  }
   members_account(reg, n->tenant, -(int64_t)n->nmembers);
   members_free(n->members, n->nmembers);
   n->members = NULL;
@@ -1289,6 +1293,9 @@ static int publish_check(gpupool__registry *reg, gpupool__client *c, const char 
                           (bufs[i]->slab->owner & GROUP_SET) ? "as group:GROUP/NAME" : "under a plain name");
     }
   *old = gpupool__smap_get(&reg->names, key);
+  if (*old && (*old)->file)
+    return gpupool__err(GPUPOOL_EEXIST, "'%s' names a published file; unpublish it before publishing buffers "
+                        "under that name", name);
   u = gpupool__uid_usage_get(reg, c->tenant, 0);
   gpupool__tenant_label(cfg, c->tenant, who, sizeof who);
   if (!*old) {
@@ -1573,7 +1580,7 @@ fail:
 }
 
 /* The name as c may see it: ENAME for a malformed name, ENOENT when absent or invisible. */
-static int find_name(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__name **out) {
+int gpupool__find_name(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__name **out) {
   char key[GPUPOOL_NAME_KEY_MAX + 1];
   uint64_t owner;
   int rc = gpupool__name_key(reg, c, name, key, sizeof key, &owner);
@@ -1587,7 +1594,10 @@ static int find_name(gpupool__registry *reg, gpupool__client *c, const char *nam
 
 static int find_newer(gpupool__registry *reg, gpupool__client *c, const char *name, uint64_t newer_than,
                       gpupool__name **out) {
-  int rc = find_name(reg, c, name, out);
+  int rc = gpupool__find_name(reg, c, name, out);
+  if (rc == 0 && (*out)->file)
+    return gpupool__err(GPUPOOL_EINVAL, "'%s' names a published file, not a buffer: get it with gpupool_get_file "
+                        "(Python: Client.get_file_array)", name);
   if (rc == 0 && (*out)->version <= newer_than)
     return gpupool__err(GPUPOOL_ENOENT, "'%s' is at version %" PRIu64 ", not newer than %" PRIu64, name,
                         (*out)->version, newer_than);
@@ -1747,7 +1757,7 @@ int gpupool__bundle_allocate(gpupool__registry *reg, gpupool__client *c, const g
 
 int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *name) {
   gpupool__name *n;
-  int rc = find_name(reg, c, name, &n);
+  int rc = gpupool__find_name(reg, c, name, &n);
   if (rc != 0)
     return rc;
   /* Found in the caller's own namespace (its tenant's, or a group it is in): its members

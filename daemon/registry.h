@@ -165,6 +165,22 @@ struct gpupool__hold {
   gpupool__hold *prev, *next;   /* in client->holds */
 };
 
+/* A published read-only file (files.c): the fd the publisher opened O_RDONLY itself and
+ * passed with PublishFile, owned here until the name goes, and the range and identity it had
+ * when published. Consumers receive the same fd; at each get the daemon checks that the file
+ * still has that size and mtime and is long enough for the range. */
+typedef struct {
+  int fd;
+  uint64_t offset, length;   /* the range consumers map (length > 0) */
+  uint64_t size;             /* st_size at publish */
+  uint64_t dev, ino;
+  int64_t mtime_sec;
+  uint32_t mtime_nsec;
+  char *path;                /* as resolved from the fd, for messages */
+  int leased;                /* holds a read lease (F_SETLEASE F_RDLCK) */
+  int stale;                 /* the lease broke: opened for writing or truncated */
+} gpupool__file;
+
 /* A member of a bundle: a named range of one of its buffers. */
 typedef struct {
   char *name;
@@ -184,6 +200,7 @@ typedef struct {
   uint32_t nbufs;
   gpupool__member *members;  /* NULL for a single buffer published without members */
   uint32_t nmembers;
+  gpupool__file *file;       /* a published file (no buffers), or NULL */
   uid_t uid;                 /* who published the current version */
   uint64_t tenant;           /* whose names (and members) it counts against */
   uint64_t created_ns;
@@ -264,6 +281,8 @@ struct gpupool__registry {
   gpupool__event *free_events;
   uint64_t next_id;
   uint64_t nnames;
+  uint64_t nfiles;           /* published files (each holds one fd) */
+  int lease_signal;          /* the server handles SIGIO: file leases may be taken */
   uv_timer_t sweep_timer;
   int sweep_timer_on;
   int memory_returned;       /* set when a range or slab came back; the server retries waiters */
@@ -362,6 +381,23 @@ int gpupool__bundle_allocate(gpupool__registry *reg, gpupool__client *c, const g
 /* Drop a hold made by the calls above before it reached the client (a reply failed). */
 void gpupool__hold_discard(gpupool__registry *reg, gpupool__hold *h);
 int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *name);
+/* Files (files.c). PublishFile: takes fd (closed on failure too), checks it is a regular file
+ * opened read-only, the operator's allow_files / file_paths, the range and the name limits,
+ * and files it under name in c's namespace; *out is the new name. */
+int gpupool__publish_file(gpupool__registry *reg, gpupool__client *c, const char *name, int fd,
+                          uint64_t offset, uint64_t length, const gpupool__name **out);
+/* GetFile: the file name c sees, checked against the file as it is now (GPUPOOL_ESTALE when it
+ * changed since publishing); GPUPOOL_ENOENT when absent, GPUPOOL_EINVAL for a buffer name. */
+int gpupool__get_file(gpupool__registry *reg, gpupool__client *c, const char *name, const gpupool__name **out);
+/* Close a file object (its name is being removed). */
+void gpupool__file_close(gpupool__registry *reg, gpupool__file *f);
+/* SIGIO came: find the files whose lease is breaking, mark them stale and let the lease go. */
+void gpupool__files_lease_check(gpupool__registry *reg);
+/* Let every lease go and take no more (SIGIO is no longer handled). */
+void gpupool__files_unlease(gpupool__registry *reg);
+/* Name lookup shared by buffers and files: ENAME for a malformed name, ENOENT when absent. */
+int gpupool__find_name(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__name **out);
+
 /* The client reports that it unmapped these slabs. */
 void gpupool__unmapped(gpupool__registry *reg, gpupool__client *c, const uint64_t *ids, size_t n);
 /* Give back unused slabs; counts what was freed now and what awaits unmapping. */

@@ -11,6 +11,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,8 +32,9 @@
 
 typedef struct gpupool__conn gpupool__conn;
 
-/* What a waiting request is: an allocation, a get, a bundle get, a bundle allocation. */
-enum { WAIT_ALLOC = 1, WAIT_GET = 2, WAIT_BGET = 3, WAIT_ABUNDLE = 4 };
+/* What a waiting request is: an allocation, a get, a bundle get, a bundle allocation, a get
+ * of a file. */
+enum { WAIT_ALLOC = 1, WAIT_GET = 2, WAIT_BGET = 3, WAIT_ABUNDLE = 4, WAIT_GET_FILE = 5 };
 
 typedef struct gpupool__waiter gpupool__waiter;
 
@@ -83,6 +85,7 @@ struct gpupool__conn {
   int handles_open;
   gpupool__wire_inbuf in;
   int fds_pending;   /* fds arrived (and were closed): refuse the next frame with EFD */
+  int frame_fd;      /* the fd the frame being handled carried (PublishFile), or -1 */
   gpupool__wire_txq txq;
   size_t heap;        /* what this connection's queue and input buffer hold (counted in srv) */
   gpupool__waiter *waiters;
@@ -124,6 +127,8 @@ struct gpupool__server {
   int in_retry;
   uint64_t last_activity_ns;
   gpupool__metrics *metrics; /* counters and exporters; closed with the server */
+  uv_signal_t sigio;         /* file leases breaking (files.c) */
+  int sigio_on;
 };
 
 static void conn_close(gpupool__conn *c, const char *why);
@@ -270,11 +275,13 @@ static void reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *
                        uint64_t version);
 static void reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold **hs, uint32_t nhs,
                          const gpupool__member *members, uint32_t nmembers, const gpupool__name *nm);
+static void reply_file(gpupool__conn *c, uint64_t seq, const gpupool__name *n, const char *name, int kind);
 static int body_of(int kind) {
   switch (kind) {
   case WAIT_ALLOC: return GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
   case WAIT_GET: return GPUPOOL__WIRE__REQUEST__BODY_GET;
   case WAIT_BGET: return GPUPOOL__WIRE__REQUEST__BODY_GET_BUNDLE;
+  case WAIT_GET_FILE: return GPUPOOL__WIRE__REQUEST__BODY_GET_FILE;
   default: return GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE_BUNDLE;
   }
 }
@@ -303,6 +310,12 @@ static int try_get(gpupool__waiter *w) {
   gpupool__conn *c = w->conn;
   gpupool__registry *reg = c->srv->reg;
   int rc;
+  if (w->kind == WAIT_GET_FILE) {
+    const gpupool__name *fn = NULL;
+    if ((rc = gpupool__get_file(reg, &c->cl, w->name, &fn)) == 0)
+      reply_file(c, w->seq, fn, w->name, GPUPOOL__WIRE__REPLY__BODY_GET_FILE);
+    return rc;
+  }
   if (w->kind == WAIT_BGET) {
     gpupool__hold **hs = NULL;
     const gpupool__name *nm = NULL;
@@ -378,7 +391,7 @@ static int waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout
     return rc;
   }
   /* Gets wait filed under the name's key in the caller's namespace: what a publish there wakes. */
-  if ((kind == WAIT_GET || kind == WAIT_BGET) &&
+  if (kind != WAIT_ALLOC && kind != WAIT_ABUNDLE &&
       (rc = gpupool__name_key(s->reg, &c->cl, name, key, sizeof key, &owner)) != 0)
     return rc;
   if (kind == WAIT_ALLOC || kind == WAIT_ABUNDLE) {
@@ -625,6 +638,35 @@ out:
   free(wm);
   free(wmp);
   free(tm);
+}
+
+/* A file name's description, and its fd in the same frame. kind: the reply body case. */
+static void reply_file(gpupool__conn *c, uint64_t seq, const gpupool__name *n, const char *name, int kind) {
+  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
+  Gpupool__Wire__PublishFileReply pr = GPUPOOL__WIRE__PUBLISH_FILE_REPLY__INIT;
+  Gpupool__Wire__GetFileReply gr = GPUPOOL__WIRE__GET_FILE_REPLY__INIT;
+  Gpupool__Wire__FileInfo fi = GPUPOOL__WIRE__FILE_INFO__INIT;
+  const gpupool__file *f = n->file;
+  fi.name = (char *)name;
+  fi.offset = f->offset;
+  fi.length = f->length;
+  fi.size = f->size;
+  fi.dev = f->dev;
+  fi.ino = f->ino;
+  fi.mtime_sec = f->mtime_sec;
+  fi.mtime_nsec = f->mtime_nsec;
+  fi.path = f->path;
+  if (kind == GPUPOOL__WIRE__REPLY__BODY_GET_FILE) {
+    gr.file = &fi;
+    rep.body_case = GPUPOOL__WIRE__REPLY__BODY_GET_FILE;
+    rep.get_file = &gr;
+    send_reply(c, seq, &rep, &f->fd, 1);
+  } else {
+    pr.file = &fi;
+    rep.body_case = GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE;
+    rep.publish_file = &pr;
+    send_reply(c, seq, &rep, NULL, 0);
+  }
 }
 
 /* ---- stats ---------------------------------------------------------------------------------- */
@@ -953,6 +995,38 @@ static int handle_unpublish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire_
   return 0;
 }
 
+static int handle_publish_file(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__PublishFile *m) {
+  const gpupool__name *n = NULL;
+  int fd = c->frame_fd, rc;
+  char key[GPUPOOL_NAME_KEY_MAX + 1];
+  uint64_t owner;
+  c->frame_fd = -1;
+  if (fd < 0)
+    return gpupool__err(GPUPOOL_EFD, "PublishFile carries no fd: the client opens the file O_RDONLY and sends the "
+                        "fd with the request (gpupool_publish_file does)");
+  if ((rc = gpupool__publish_file(c->srv->reg, &c->cl, m->name, fd, m->offset, m->length, &n)) != 0)
+    return rc; /* fd closed there */
+  reply_file(c, seq, n, m->name, GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE);
+  if (gpupool__name_key(c->srv->reg, &c->cl, m->name, key, sizeof key, &owner) == 0)
+    wake_getters(c->srv, key);
+  return 0;
+}
+
+static int handle_get_file(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__GetFile *m, int *deferred) {
+  const gpupool__name *n = NULL;
+  int rc = gpupool__get_file(c->srv->reg, &c->cl, m->name, &n);
+  if (rc == GPUPOOL_ENOENT && m->timeout_ms > 0) {
+    if ((rc = waiter_add(c, seq, WAIT_GET_FILE, m->timeout_ms, NULL, 0, 0, m->name, 1, 0, NULL)) != 0)
+      return rc;
+    *deferred = 1;
+    return 0;
+  }
+  if (rc != 0)
+    return rc;
+  reply_file(c, seq, n, m->name, GPUPOOL__WIRE__REPLY__BODY_GET_FILE);
+  return 0;
+}
+
 static int handle_stats(gpupool__conn *c, uint64_t seq) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__StatsReply st;
@@ -1139,6 +1213,10 @@ static int dispatch(gpupool__conn *c, const Gpupool__Wire__Request *req, int *de
     return handle_publish_bundle(c, req->seq, req->publish_bundle);
   case GPUPOOL__WIRE__REQUEST__BODY_GET_BUNDLE:
     return handle_get_bundle(c, req->seq, req->get_bundle, deferred);
+  case GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE:
+    return handle_publish_file(c, req->seq, req->publish_file);
+  case GPUPOOL__WIRE__REQUEST__BODY_GET_FILE:
+    return handle_get_file(c, req->seq, req->get_file, deferred);
   default:
     return gpupool__err(GPUPOOL_EPROTO,
                         "unknown request type (field %d); this daemon (%s) may be older than the client",
@@ -1159,8 +1237,32 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
     send_error(c, 0, GPUPOOL_EFD, "the daemon accepts no file descriptors from clients; they were closed");
     return;
   }
+  c->frame_fd = -1;
+  if (gpupool__wire_inbuf_frame_nfds(&c->in) > 0) {
+    /* Only PublishFile carries an fd, and only one. */
+    int nfds = gpupool__wire_inbuf_frame_nfds(&c->in);
+    c->frame_fd = gpupool__wire_inbuf_take_fd(&c->in);
+    if (nfds > 1) {
+      close(c->frame_fd);
+      c->frame_fd = -1;
+      send_error(c, 0, GPUPOOL_EFD, "a request carries at most one of the client's file descriptors (PublishFile's file); these were "
+                 "closed");
+      return;
+    }
+  }
   req = gpupool__wire__request__unpack(NULL, len, payload);
+  if (req && c->frame_fd >= 0 && req->body_case != GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE) {
+    close(c->frame_fd);
+    c->frame_fd = -1;
+    send_error(c, req->seq, GPUPOOL_EFD, "the daemon accepts file descriptors only with PublishFile; the one sent with this "
+                 "request was closed");
+    gpupool__wire__request__free_unpacked(req, NULL);
+    return;
+  }
   if (!req) {
+    if (c->frame_fd >= 0)
+      close(c->frame_fd);
+    c->frame_fd = -1;
     GPUPOOL__WARN("client %" PRIu64 " (pid %d) sent a malformed frame; dropping it", c->cl.id, (int)c->cl.pid);
     conn_drop_after_flush(c);
     send_error(c, 0, GPUPOOL_EPROTO, "malformed request frame (not a valid gpupool Request); closing the connection");
@@ -1182,6 +1284,10 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
         GPUPOOL__INFO("client %" PRIu64 ": %" PRIu64 " more refused requests were not logged", c->cl.id, report);
     }
     send_error(c, req->seq, rc, gpupool__errmsg());
+  }
+  if (c->frame_fd >= 0) {
+    close(c->frame_fd); /* refused before the handler took it */
+    c->frame_fd = -1;
   }
   if (!deferred)
     gpupool__metrics_request(s->metrics, body, rc, gpupool__now_ns() - t0);
@@ -1485,6 +1591,7 @@ static void conn_new(gpupool__server *s, int fd, const struct ucred *cred, gpupo
   c->srv = s;
   c->fd = fd;
   c->lease_peer = peer;
+  c->frame_fd = -1;
   c->cl.pid = cred->pid;
   c->cl.uid = cred->uid;
   c->cl.gid = cred->gid;
@@ -1631,6 +1738,12 @@ bind_fail:
   return rc;
 }
 
+static void on_sigio(uv_signal_t *h, int signum) {
+  gpupool__server *s = h->data;
+  (void)signum;
+  gpupool__files_lease_check(s->reg);
+}
+
 static void stats_release(void *server, Gpupool__Wire__StatsReply *st) {
   (void)server;
   stats_free(st);
@@ -1671,6 +1784,14 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
   }
   /* Kept for refusing connections with the reason when every other fd is taken. */
   s->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  /* A breaking file lease is announced with SIGIO, whose default action would end the daemon:
+   * leases are taken only once it is handled. */
+  uv_signal_init(loop, &s->sigio);
+  s->sigio.data = s;
+  if (cfg->file_leases && uv_signal_start(&s->sigio, on_sigio, SIGIO) == 0) {
+    s->sigio_on = 1;
+    reg->lease_signal = 1;
+  }
   uv_timer_init(loop, &s->accept_timer);
   s->accept_timer.data = s;
   uv_poll_init(loop, &s->listen_poll, s->listen_fd);
@@ -1718,7 +1839,16 @@ void gpupool__server_stop(gpupool__server *s) {
   s->metrics = NULL;
   log_refused_nofd(s, 0, 1);
   uv_poll_stop(&s->listen_poll);
-  s->listen_open = 2;
+  s->listen_open = 3;
+  if (s->sigio_on) {
+    /* Nothing handles SIGIO from now on: let every lease go first (a break would otherwise
+     * kill the daemon, or hold a writer up for the kernel's lease-break-time). */
+    gpupool__files_unlease(s->reg);
+    uv_signal_stop(&s->sigio);
+    signal(SIGIO, SIG_IGN);
+  }
+  s->sigio.data = s;
   uv_close((uv_handle_t *)&s->listen_poll, listen_closed);
   uv_close((uv_handle_t *)&s->accept_timer, listen_closed);
+  uv_close((uv_handle_t *)&s->sigio, listen_closed);
 }
