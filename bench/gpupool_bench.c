@@ -18,7 +18,8 @@
  *     one buffer) and 1,000 members of 64 KiB, republished as 40 versions of one name, each
  *     got by a consumer waiting with newer_than: from the producer's gpupool_bundle_publish
  *     call to the consumer holding every member's pointer with the ready event waited on and
- *     its stream synchronized; first version (cold) and the rest (warm) p50/p99;
+ *     its stream synchronized; first version (cold) and the rest (warm) p50/p99; the consumer
+ *     gets with GPUPOOL_KEEP_MAPPED, and the state dict once more without it;
  *   - handoffs per second with 1 producer and 4 consumers (64 KiB buffers);
  *   - warm alloc+release ops/s summed over 16 client processes;
  *   - read bandwidth of a shared 1 GiB buffer in a consumer vs a local cudaMalloc of the
@@ -704,7 +705,7 @@ static int w_bprod(char **a) {
   return 0;
 }
 
-/* bcons SOCK: on "GET name version", waits for a version of name newer than version, holds
+/* bcons SOCK: on "GET name version keep", waits for a version of name newer than version, holds
  * every member's pointer and size (the member table read in full) with the ready event waited
  * on and its stream synchronized, prints T1, releases. */
 static int w_bcons(char **a) {
@@ -712,17 +713,18 @@ static int w_bcons(char **a) {
   gpupool_client *c;
   char line[512], name[256];
   unsigned long long last;
+  int keep;
   GP(gpupool_connect(a[0], "bench-bundle-consumer", &c));
   gh_say("READY");
   for (;;) {
     next_line(line, sizeof(line));
-    if (sscanf(line, "GET %255s %llu", name, &last) == 2) {
+    if (sscanf(line, "GET %255s %llu %d", name, &last, &keep) == 3) {
       gpupool_bundle *b;
       gpupool_member *m;
       uintptr_t sum = 0;
       int n;
       gh_say("WAITING");
-      GP(gpupool_bundle_get(c, name, last, STEP_MS, GPUPOOL_READ_ONLY, s, &b));
+      GP(gpupool_bundle_get(c, name, last, STEP_MS, GPUPOOL_READ_ONLY | (keep ? GPUPOOL_KEEP_MAPPED : 0), s, &b));
       n = gpupool_bundle_count(b);
       if (!(m = malloc((size_t)n * sizeof *m)))
         die("out of memory");
@@ -749,8 +751,10 @@ static int w_bcons(char **a) {
 }
 
 /* Versions of one bundle handed to a consumer waiting with newer_than: the first is cold (the
- * consumer imports the pool and maps the bundle's slab), the rest warm. */
-static void bench_bundle(const gh_daemon *d, int kind, const char *label) {
+ * consumer imports the pool and maps the bundle's slab), the rest warm. keep: the consumer
+ * gets with GPUPOOL_KEEP_MAPPED (its mapping of the bundle's slab survives between versions);
+ * without it, a bundle larger than a slab is imported again for every version. */
+static void bench_bundle(const gh_daemon *d, int kind, int keep, const char *label) {
   enum { N = 40 };
   double t[N];
   char line[256], name[64], key[64], what[128];
@@ -765,7 +769,7 @@ static void bench_bundle(const gh_daemon *d, int kind, const char *label) {
   for (int v = 0; v < N; v++) {
     uint64_t t0, t1;
     unsigned long long got;
-    cmd(&cons, "WAITING", line, sizeof(line), "GET %s %d", name, v);
+    cmd(&cons, "WAITING", line, sizeof(line), "GET %s %d %d", name, v, keep);
     gh_sleep_ms(2); /* let the get reach the daemon */
     cmd(&prod, "T0", line, sizeof(line), "PUB %s", name);
     if (sscanf(line, "T0 %" SCNu64, &t0) != 1)
@@ -782,7 +786,8 @@ static void bench_bundle(const gh_daemon *d, int kind, const char *label) {
   cmd(&prod, "UNPUBLISHED", line, sizeof(line), "UNPUB %s", name);
   cmd(&prod, NULL, line, sizeof(line), "QUIT");
   gh_wait(&prod, STEP_MS);
-  gh_say("%-52s %9.1f us", "bundle handoff cold (first version)", t[0]);
+  snprintf(what, sizeof(what), "bundle %s cold (first version)", label);
+  gh_say("%-52s %9.1f us", what, t[0]);
   snprintf(key, sizeof(key), "bundle_%s_cold_us", label);
   report(key, t[0]);
   snprintf(what, sizeof(what), "bundle %s warm (publish -> members usable)", label);
@@ -1071,8 +1076,9 @@ int main(int argc, char **argv) {
   bench_handoff(&d, 4096, "4KiB");
   bench_handoff(&d, 1u << 20, "1MiB");
   bench_handoff(&d, 64u << 20, "64MiB");
-  bench_bundle(&d, 0, "llama146");
-  bench_bundle(&d, 1, "small1000");
+  bench_bundle(&d, 0, 1, "llama146");
+  bench_bundle(&d, 0, 0, "llama146_nokeep");
+  bench_bundle(&d, 1, 1, "small1000");
   bench_throughput(&d);
   bench_ops(&d);
   bench_bw(&d);

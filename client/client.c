@@ -59,6 +59,7 @@ typedef struct cslab {
   void *priv;
   int dedicated;
   uint32_t refs; /* buffers of this client inside */
+  int keep;      /* dedicated, but stays mapped when empty until revoked (GPUPOOL_KEEP_MAPPED) */
   struct stale_gen *stale; /* set when its daemon connection is gone */
 } cslab;
 
@@ -1319,7 +1320,7 @@ static void release_local(gpupool_client *c, gpupool_buffer *b, void *stream, ui
   }
   /* A dedicated slab holds only this buffer: unmap it now, in stream order, before the done
    * event, so the daemon frees the allocation only after our import is gone. */
-  if (s->refs == 0 && s->dedicated)
+  if (s->refs == 0 && s->dedicated && !s->keep)
     slab_unmap(c, s, stream);
   /* Nothing queued in the stream: the memory is idle now and the daemon may reuse it at once
    * (recording an event would only make it wait for a completed one). */
@@ -1538,6 +1539,12 @@ int gpupool_share(gpupool_buffer *b, void *stream, gpupool_token *out) {
   return rc;
 }
 
+/* GPUPOOL_KEEP_MAPPED: b's slab stays mapped after its last buffer goes, until revoked. */
+static void keep_mapped(gpupool_buffer *b, unsigned flags) {
+  if (b && (flags & GPUPOOL_KEEP_MAPPED))
+    b->slab->keep = 1;
+}
+
 int gpupool_open(gpupool_client *c, const gpupool_token *token, unsigned flags, void *stream,
                  gpupool_buffer **out) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
@@ -1559,6 +1566,8 @@ int gpupool_open(gpupool_client *c, const gpupool_token *token, unsigned flags, 
   if (rc == 0) {
     rc = materialize(c, reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_OPEN), 1, stream, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
+    if (rc == 0)
+      keep_mapped(*out, flags);
   }
   pthread_mutex_unlock(&c->mu);
   return rc;
@@ -1711,6 +1720,8 @@ int gpupool_get_newer(gpupool_client *c, const char *name, uint64_t newer_than, 
       *version = reply_version(rep);
     rc = materialize(c, reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_GET), 1, stream, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
+    if (rc == 0)
+      keep_mapped(*out, flags);
   }
   pthread_mutex_unlock(&c->mu);
   return rc;
@@ -1732,6 +1743,11 @@ struct gpupool_bundle {
   char *names;            /* the members' names, each NUL-terminated, back to back */
   uint64_t version;
 };
+
+static void bundle_keep_mapped(gpupool_bundle *b, unsigned flags) {
+  for (int i = 0; i < b->nbufs; i++)
+    keep_mapped(b->bufs[i], flags);
+}
 
 static void bundle_free_local(gpupool_bundle *b) {
   if (!b)
@@ -2098,6 +2114,8 @@ int gpupool_bundle_get(gpupool_client *c, const char *name, uint64_t newer_than,
   if (rc == 0) {
     rc = bundle_from_reply(c, reply_bundle(rep), 1, stream, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
+    if (rc == 0)
+      bundle_keep_mapped(*out, flags);
   }
   pthread_mutex_unlock(&c->mu);
   return rc;
@@ -2154,6 +2172,7 @@ struct gpupool_pending {
   gpupool_client *c;
   pending *p;
   int kind;
+  unsigned flags;             /* gets: GPUPOOL_KEEP_MAPPED applies when they end */
   gpupool_buffer *pub;        /* PEND_PUBLISH: the buffer published */
   int has_meta;
   gpupool_tensor_meta meta;
@@ -2188,7 +2207,8 @@ int gpupool_get_begin(gpupool_client *c, const char *name, uint64_t newer_than, 
   if ((rc = get_request(name, newer_than, timeout_ms, flags, &req, &gt)) != 0)
     return rc;
   pthread_mutex_lock(&c->mu);
-  rc = begin_locked(c, &req, PEND_GET, out);
+  if ((rc = begin_locked(c, &req, PEND_GET, out)) == 0)
+    (*out)->flags = flags;
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
@@ -2205,7 +2225,8 @@ int gpupool_bundle_get_begin(gpupool_client *c, const char *name, uint64_t newer
   if ((rc = bundle_get_request(name, newer_than, timeout_ms, flags, &req, &gb)) != 0)
     return rc;
   pthread_mutex_lock(&c->mu);
-  rc = begin_locked(c, &req, PEND_BGET, out);
+  if ((rc = begin_locked(c, &req, PEND_BGET, out)) == 0)
+    (*out)->flags = flags;
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
@@ -2273,6 +2294,7 @@ static int end_locked(gpupool_pending *gp, gpupool__rep **rep) {
 int gpupool_get_end(gpupool_pending *gp, void *stream, gpupool_buffer **out, uint64_t *version) {
   gpupool_client *c;
   gpupool__rep *rep;
+  unsigned flags;
   int rc;
   if (!gp || !out || gp->kind != PEND_GET)
     return gpupool__err(GPUPOOL_EINVAL, "get_end: needs a pending get from gpupool_get_begin");
@@ -2281,12 +2303,15 @@ int gpupool_get_end(gpupool_pending *gp, void *stream, gpupool_buffer **out, uin
   if (version)
     *version = 0;
   c = gp->c;
+  flags = gp->flags;
   pthread_mutex_lock(&c->mu);
   if ((rc = end_locked(gp, &rep)) == 0) {
     if (version)
       *version = reply_version(rep);
     rc = materialize(c, reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_GET), 1, stream, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
+    if (rc == 0)
+      keep_mapped(*out, flags);
   }
   pthread_mutex_unlock(&c->mu);
   return rc;
@@ -2295,16 +2320,20 @@ int gpupool_get_end(gpupool_pending *gp, void *stream, gpupool_buffer **out, uin
 int gpupool_bundle_get_end(gpupool_pending *gp, void *stream, gpupool_bundle **out) {
   gpupool_client *c;
   gpupool__rep *rep;
+  unsigned flags;
   int rc;
   if (!gp || !out || gp->kind != PEND_BGET)
     return gpupool__err(GPUPOOL_EINVAL, "bundle_get_end: needs a pending get from gpupool_bundle_get_begin");
   gpupool__err_clear();
   *out = NULL;
   c = gp->c;
+  flags = gp->flags;
   pthread_mutex_lock(&c->mu);
   if ((rc = end_locked(gp, &rep)) == 0) {
     rc = bundle_from_reply(c, reply_bundle(rep), 1, stream, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
+    if (rc == 0)
+      bundle_keep_mapped(*out, flags);
   }
   pthread_mutex_unlock(&c->mu);
   return rc;

@@ -99,6 +99,7 @@ run_bench() {
       printf "| raw cudaIpcOpenEventHandle first / later p50 (us) | %s / %s |\n", f("raw_ipc_open_event_first_us"), f("raw_ipc_open_event_p50_us")
       printf "| raw cudaStreamWaitEvent p50 (us) | %s |\n", f("raw_stream_wait_event_p50_us")
       printf "| bundle from C, 146 bf16 tensors 2.47 GB: cold / warm p50 / warm p99 (us) | %s / %s / %s |\n", f("bundle_llama146_cold_us"), f("bundle_llama146_warm_p50_us"), f("bundle_llama146_warm_p99_us")
+      printf "| same without GPUPOOL_KEEP_MAPPED (the slab imported again each version): cold / warm p50 / warm p99 (us) | %s / %s / %s |\n", f("bundle_llama146_nokeep_cold_us"), f("bundle_llama146_nokeep_warm_p50_us"), f("bundle_llama146_nokeep_warm_p99_us")
       printf "| bundle from C, 1,000 x 64 KiB: cold / warm p50 / warm p99 (us) | %s / %s / %s |\n", f("bundle_small1000_cold_us"), f("bundle_small1000_warm_p50_us"), f("bundle_small1000_warm_p99_us")
       printf "| handoffs/s, 1 producer -> 4 consumers (64 KiB) | %s |\n", f("handoffs_per_s_1p4c")
       printf "| alloc+release ops/s, 16 processes (64 KiB) | %s |\n", f("alloc_release_ops_per_s_16p")
