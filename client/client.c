@@ -137,6 +137,8 @@ struct gpupool_client {
   char **published;        /* names this client published and has not unpublished */
   size_t npublished, cappublished;
   char **lost_names;       /* names lost in a restart, until gpupool_lost_names() reads them */
+  gpupool__smap layout_cache; /* name -> clayout (a reference): member tables got by name */
+  size_t nlayout_cache;
   size_t nlost_names;
   uint64_t holds_lost;
 };
@@ -1001,6 +1003,8 @@ static void stale_gen_free(gpupool_client *c, stale_gen *g) {
 /* The daemon went away: keep what this process still maps (buffers stay readable), mark every
  * hold and published name lost, and connect again with backoff for up to reconnect_ms.
  * With c->mu held. */
+static void layout_cache_clear(gpupool_client *c);
+
 static int reconnect(gpupool_client *c) {
   stale_gen *g;
   uint64_t start = 0;
@@ -1041,6 +1045,7 @@ static int reconnect(gpupool_client *c) {
     gpupool__hmap_free(&c->slabs);
     gpupool__hmap_init(&c->slabs);
     exports_clear(c);
+    layout_cache_clear(c);
     c->pools = NULL;
     c->npools = 0;
     c->nunmapped = 0;
@@ -1171,6 +1176,7 @@ int gpupool_connect_timeout(const char *socket_path, const char *client_name, in
   gpupool__hmap_init(&c->slabs);
   gpupool__hmap_init(&c->exports);
   gpupool__hmap_init(&c->events);
+  gpupool__smap_init(&c->layout_cache);
   gpupool__wire_rx_init(&c->rx, GPUPOOL_WIRE_HARD_MAX_FRAME);
   c->fd = -1;
   c->lease_fd = -1;
@@ -1426,6 +1432,8 @@ void gpupool_disconnect(gpupool_client *c) {
     c->be->sync(NULL); /* imports freed before the daemon sees this connection close */
   exports_clear(c);
   gpupool__hmap_free(&c->exports);
+  layout_cache_clear(c);
+  gpupool__smap_free(&c->layout_cache);
   if (c->be && c->be->has_events)
     for (size_t i = 0; i < c->events.cap; i++)
       if (gpupool__hmap_slot_used(&c->events, i))
@@ -1734,15 +1742,123 @@ int gpupool_get(gpupool_client *c, const char *name, int timeout_ms, unsigned fl
 
 /* ---- bundles --------------------------------------------------------------------------------- */
 
+/* A member table as the daemon sent it, shared by the bundles laid out that way (members'
+ * ptr fields are unset: a bundle adds its buffers' addresses) and cached per name, so a later
+ * get of the same layout receives no members. */
+typedef struct clayout {
+  uint64_t id;               /* the daemon's layout id (0: none, e.g. a single buffer) */
+  uint32_t refs;
+  int n;
+  uint32_t nbufs;
+  gpupool_member *members;   /* ptr is NULL; name points into names */
+  char *names;
+  uint64_t *need;            /* per buffer: where its last member ends */
+} clayout;
+
+/* At most this many names keep a cached layout; past it the cache starts over. */
+#define LAYOUT_CACHE_MAX 256
+
 struct gpupool_bundle {
   gpupool_client *c;
   gpupool_buffer **bufs;  /* owned: one hold each */
   int nbufs;
-  gpupool_member *members;
-  int nmembers;
-  char *names;            /* the members' names, each NUL-terminated, back to back */
+  clayout *layout;        /* a reference */
   uint64_t version;
 };
+
+static void clayout_unref(clayout *l) {
+  if (!l || --l->refs > 0)
+    return;
+  free(l->members);
+  free(l->names);
+  free(l->need);
+  free(l);
+}
+
+/* Forget every cached layout (the daemon's ids mean nothing to another daemon). With c->mu. */
+static void layout_cache_clear(gpupool_client *c) {
+  for (size_t i = 0; i < c->layout_cache.cap; i++)
+    if (gpupool__smap_slot_used(&c->layout_cache, i))
+      clayout_unref(c->layout_cache.slots[i].val);
+  gpupool__smap_free(&c->layout_cache);
+  gpupool__smap_init(&c->layout_cache);
+  c->nlayout_cache = 0;
+}
+
+/* The layout cached for name, or NULL. With c->mu. */
+static clayout *layout_cached(gpupool_client *c, const char *name) {
+  return name ? gpupool__smap_get(&c->layout_cache, name) : NULL;
+}
+
+/* Cache l (a new reference) as name's layout. With c->mu; out of memory it is just not cached. */
+static void layout_cache_put(gpupool_client *c, const char *name, clayout *l) {
+  clayout *old;
+  if (!name || !l->id)
+    return;
+  old = gpupool__smap_get(&c->layout_cache, name);
+  if (old == l)
+    return;
+  if (!old && c->nlayout_cache >= LAYOUT_CACHE_MAX)
+    layout_cache_clear(c);
+  if (old) {
+    gpupool__smap_del(&c->layout_cache, name);
+    clayout_unref(old);
+    c->nlayout_cache--;
+  }
+  if (gpupool__smap_put(&c->layout_cache, name, l) == 0) {
+    l->refs++;
+    c->nlayout_cache++;
+  }
+}
+
+/* A layout from a reply's member table, checked (buffer indexes, descriptions). */
+static int clayout_from_wire(const Gpupool__Wire__Bundle *wb, clayout **out) {
+  clayout *l = calloc(1, sizeof *l);
+  size_t names_len = 0, i;
+  char *np;
+  int rc;
+  for (i = 0; i < wb->n_members; i++)
+    names_len += (wb->members[i]->name ? strlen(wb->members[i]->name) : 0) + 1;
+  if (!l || !(l->members = calloc(wb->n_members, sizeof *l->members)) || !(l->names = malloc(names_len)) ||
+      !(l->need = calloc(wb->n_buffers, sizeof *l->need))) {
+    clayout_unref(l ? (l->refs = 1, l) : NULL);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory for a bundle of %zu members", wb->n_members);
+  }
+  l->refs = 1;
+  l->id = wb->layout_id;
+  l->nbufs = (uint32_t)wb->n_buffers;
+  np = l->names;
+  for (i = 0; i < wb->n_members; i++) {
+    const Gpupool__Wire__BundleMember *wm = wb->members[i];
+    gpupool_member *m = &l->members[i];
+    size_t len = wm->name ? strlen(wm->name) : 0;
+    if (wm->buffer >= wb->n_buffers || wm->size == 0 || wm->offset + wm->size < wm->offset) {
+      clayout_unref(l);
+      return gpupool__err(GPUPOOL_EPROTO, "the daemon sent member %zu in buffer %u of %zu (offset %" PRIu64
+                          ", size %" PRIu64 ")", i, wm->buffer, wb->n_buffers, wm->offset, wm->size);
+    }
+    if (wm->tensor && wm->tensor->present) {
+      if ((rc = gpupool__wire_meta_from(wm->tensor, wm->size, &m->meta)) != 0) {
+        rc = gpupool__err(GPUPOOL_EPROTO, "gpupoold sent tensor metadata this library refuses for member %zu: %s",
+                          i, gpupool__errmsg());
+        clayout_unref(l);
+        return rc;
+      }
+      m->has_meta = 1;
+    }
+    memcpy(np, wm->name ? wm->name : "", len + 1);
+    m->name = np;
+    np += len + 1;
+    m->size = wm->size;
+    m->buffer = (int)wm->buffer;
+    m->offset = wm->offset;
+    if (wm->offset + wm->size > l->need[wm->buffer])
+      l->need[wm->buffer] = wm->offset + wm->size;
+  }
+  l->n = (int)wb->n_members;
+  *out = l;
+  return 0;
+}
 
 static void bundle_keep_mapped(gpupool_bundle *b, unsigned flags) {
   for (int i = 0; i < b->nbufs; i++)
@@ -1752,9 +1868,8 @@ static void bundle_keep_mapped(gpupool_bundle *b, unsigned flags) {
 static void bundle_free_local(gpupool_bundle *b) {
   if (!b)
     return;
+  clayout_unref(b->layout);
   free(b->bufs);
-  free(b->members);
-  free(b->names);
   free(b);
 }
 
@@ -1767,30 +1882,45 @@ static void release_holds_from(gpupool_client *c, const Gpupool__Wire__Bundle *w
 }
 
 /* Turn a reply's Bundle into a bundle of this process: every buffer materialized (waiting on
- * its ready event in `stream` when wait_ready), every member checked against its buffer. On
- * failure every hold it carried is released. With c->mu held. */
+ * its ready event in `stream` when wait_ready), the member table from the reply or, when the
+ * reply left it out, the one cached for name, checked against the buffers. A table that came
+ * with the reply is cached for name (NULL: not cached). On failure every hold it carried is
+ * released. With c->mu held. */
 static int bundle_from_reply(gpupool_client *c, const Gpupool__Wire__Bundle *wb, int wait_ready, void *stream,
-                             gpupool_bundle **out) {
+                             const char *name, gpupool_bundle **out) {
   gpupool_bundle *b = NULL;
-  size_t names_len = 0, i;
-  char *np;
+  clayout *l = NULL;
+  size_t i;
   int rc;
 
-  if (!wb || wb->n_buffers == 0 || wb->n_members == 0 || wb->n_members > GPUPOOL_BUNDLE_MAX_MEMBERS ||
-      wb->n_buffers > wb->n_members) {
+  if (!wb || wb->n_buffers == 0 || wb->n_members > GPUPOOL_BUNDLE_MAX_MEMBERS ||
+      (wb->n_members && wb->n_buffers > wb->n_members)) {
     release_holds_from(c, wb, 0);
     return gpupool__err(GPUPOOL_EPROTO, "the daemon sent a malformed bundle (%zu buffers, %zu members)",
                         wb ? wb->n_buffers : 0, wb ? wb->n_members : 0);
   }
-  for (i = 0; i < wb->n_members; i++)
-    names_len += (wb->members[i]->name ? strlen(wb->members[i]->name) : 0) + 1;
-  if (!(b = calloc(1, sizeof *b)) || !(b->bufs = calloc(wb->n_buffers, sizeof *b->bufs)) ||
-      !(b->members = calloc(wb->n_members, sizeof *b->members)) || !(b->names = malloc(names_len))) {
-    bundle_free_local(b);
+  if (wb->n_members == 0) {
+    /* The daemon saw that we have this table (known_layout). */
+    l = layout_cached(c, name);
+    if (!l || l->id != wb->layout_id || l->nbufs != wb->n_buffers) {
+      release_holds_from(c, wb, 0);
+      return gpupool__err(GPUPOOL_EPROTO, "the daemon sent no members for layout %" PRIu64 ", which this client "
+                          "does not have", wb->layout_id);
+    }
+    l->refs++;
+  } else if ((rc = clayout_from_wire(wb, &l)) != 0) {
     release_holds_from(c, wb, 0);
-    return gpupool__err(GPUPOOL_ENOMEM, "out of memory for a bundle of %zu members", wb->n_members);
+    return rc;
+  }
+  if (!(b = calloc(1, sizeof *b)) || !(b->bufs = calloc(wb->n_buffers, sizeof *b->bufs))) {
+    if (b)
+      free(b);
+    clayout_unref(l);
+    release_holds_from(c, wb, 0);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory for a bundle of %zu buffers", wb->n_buffers);
   }
   b->c = c;
+  b->layout = l;
   b->version = wb->version;
   for (i = 0; i < wb->n_buffers; i++) {
     if ((rc = materialize(c, wb->buffers[i], wait_ready, stream, &b->bufs[i])) != 0) {
@@ -1802,45 +1932,17 @@ static int bundle_from_reply(gpupool_client *c, const Gpupool__Wire__Bundle *wb,
       return gpupool__err(rc, "buffer %zu of the bundle: %s", i, msg);
     }
     b->nbufs = (int)i + 1;
+    if (l->need[i] > b->bufs[i]->size) {
+      release_holds_from(c, wb, i + 1);
+      release_many_locked(c, b->bufs, b->nbufs, NULL);
+      bundle_free_local(b);
+      return gpupool__err(GPUPOOL_EPROTO, "the daemon sent members past the end of buffer %zu", i);
+    }
   }
-  np = b->names;
-  for (i = 0; i < wb->n_members; i++) {
-    const Gpupool__Wire__BundleMember *wm = wb->members[i];
-    gpupool_member *m = &b->members[i];
-    const gpupool_buffer *buf;
-    size_t len = wm->name ? strlen(wm->name) : 0;
-    if (wm->buffer >= wb->n_buffers) {
-      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent member %zu in buffer %u of %zu", i, wm->buffer, wb->n_buffers);
-      goto fail;
-    }
-    buf = b->bufs[wm->buffer];
-    if (wm->offset > buf->size || wm->size > buf->size - wm->offset) {
-      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent member %zu outside its buffer", i);
-      goto fail;
-    }
-    if (wm->tensor && wm->tensor->present) {
-      if ((rc = gpupool__wire_meta_from(wm->tensor, wm->size, &m->meta)) != 0) {
-        rc = gpupool__err(GPUPOOL_EPROTO, "gpupoold sent tensor metadata this library refuses for member %zu: %s",
-                          i, gpupool__errmsg());
-        goto fail;
-      }
-      m->has_meta = 1;
-    }
-    memcpy(np, wm->name ? wm->name : "", len + 1);
-    m->name = np;
-    np += len + 1;
-    m->ptr = (char *)gpupool_buffer_ptr(buf) + wm->offset;
-    m->size = wm->size;
-    m->buffer = (int)wm->buffer;
-    m->offset = wm->offset;
-  }
-  b->nmembers = (int)wb->n_members;
+  if (wb->n_members)
+    layout_cache_put(c, name, l);
   *out = b;
   return 0;
-fail:
-  release_many_locked(c, b->bufs, b->nbufs, NULL);
-  bundle_free_local(b);
-  return rc;
 }
 
 int gpupool_bundle_alloc(gpupool_client *c, const char *pool, const gpupool_member_spec *members, int n,
@@ -1897,7 +1999,7 @@ int gpupool_bundle_alloc(gpupool_client *c, const char *pool, const gpupool_memb
   rc = call_retry(c, &req, &rep);
   if (rc == 0) {
     /* Fresh ranges: nothing to wait for (see gpupool_alloc). */
-    rc = bundle_from_reply(c, reply_bundle(rep), 0, stream, out);
+    rc = bundle_from_reply(c, reply_bundle(rep), 0, stream, NULL, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
   }
   pthread_mutex_unlock(&c->mu);
@@ -1910,7 +2012,8 @@ out:
 
 /* Publish members (wire form, lying in bufs) under name in one request. With c->mu held. */
 static int publish_bundle_locked(gpupool_client *c, const char *name, gpupool_buffer *const *bufs, int nbufs,
-                                 Gpupool__Wire__BundleMember **wm, int n, void *stream, uint64_t *version) {
+                                 Gpupool__Wire__BundleMember **wm, int n, uint64_t layout_id, void *stream,
+                                 uint64_t *version) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__PublishBundle pb = GPUPOOL__WIRE__PUBLISH_BUNDLE__INIT;
   uint64_t *holds;
@@ -1936,6 +2039,7 @@ static int publish_bundle_locked(gpupool_client *c, const char *name, gpupool_bu
   pb.hold_ids = holds;
   pb.n_members = (size_t)n;
   pb.members = wm;
+  pb.layout_id = layout_id;
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_BUNDLE;
   req.publish_bundle = &pb;
   if ((rc = call(c, &req, &rep, NULL)) == 0) {
@@ -1989,6 +2093,7 @@ static void member_wire(members_wire *w, int i, const char *name, uint32_t buffe
 
 int gpupool_bundle_publish(gpupool_bundle *b, const char *name, void *stream, uint64_t *version) {
   members_wire w;
+  const clayout *l;
   uint64_t v = 0;
   int rc;
   if (!b || !name)
@@ -1998,16 +2103,24 @@ int gpupool_bundle_publish(gpupool_bundle *b, const char *name, void *stream, ui
     *version = 0;
   if ((rc = gpupool__wire_check_name(name)) != 0)
     return rc;
-  if ((rc = members_wire_new(&w, b->nmembers)) != 0)
-    return rc;
-  for (int i = 0; i < b->nmembers; i++) {
-    const gpupool_member *m = &b->members[i];
-    member_wire(&w, i, m->name, (uint32_t)m->buffer, m->offset, m->size, m->has_meta ? &m->meta : NULL);
-  }
+  l = b->layout;
   pthread_mutex_lock(&b->c->mu);
-  rc = publish_bundle_locked(b->c, name, b->bufs, b->nbufs, w.p, b->nmembers, stream, &v);
+  /* By the layout's id first: the daemon has the table, so no member travels. It forgets a
+   * table once nothing uses it (a relayed bundle's may be gone): then the members go. */
+  rc = l->id ? publish_bundle_locked(b->c, name, b->bufs, b->nbufs, NULL, 0, l->id, stream, &v) : GPUPOOL_ENOENT;
   pthread_mutex_unlock(&b->c->mu);
-  members_wire_free(&w);
+  if (rc == GPUPOOL_ENOENT) {
+    if ((rc = members_wire_new(&w, l->n)) != 0)
+      return rc;
+    for (int i = 0; i < l->n; i++) {
+      const gpupool_member *m = &l->members[i];
+      member_wire(&w, i, m->name, (uint32_t)m->buffer, m->offset, m->size, m->has_meta ? &m->meta : NULL);
+    }
+    pthread_mutex_lock(&b->c->mu);
+    rc = publish_bundle_locked(b->c, name, b->bufs, b->nbufs, w.p, l->n, 0, stream, &v);
+    pthread_mutex_unlock(&b->c->mu);
+    members_wire_free(&w);
+  }
   if (rc == 0) {
     b->version = v;
     if (version)
@@ -2072,7 +2185,7 @@ int gpupool_publish_members(gpupool_client *c, const char *name, const gpupool_m
     member_wire(&w, i, m->name, (uint32_t)(idx - 1), m->offset, m->size, m->meta);
   }
   pthread_mutex_lock(&c->mu);
-  rc = publish_bundle_locked(c, name, bufs, nbufs, w.p, n, stream, version);
+  rc = publish_bundle_locked(c, name, bufs, nbufs, w.p, n, 0, stream, version);
   pthread_mutex_unlock(&c->mu);
 out:
   gpupool__hmap_free(&index);
@@ -2110,9 +2223,13 @@ int gpupool_bundle_get(gpupool_client *c, const char *name, uint64_t newer_than,
   if ((rc = bundle_get_request(name, newer_than, timeout_ms, flags, &req, &gb)) != 0)
     return rc;
   pthread_mutex_lock(&c->mu);
+  {
+    const clayout *known = layout_cached(c, name);
+    gb.known_layout = known ? known->id : 0;
+  }
   rc = get_across_restarts(c, &req, &gb.timeout_ms, timeout_ms, &rep);
   if (rc == 0) {
-    rc = bundle_from_reply(c, reply_bundle(rep), 1, stream, out);
+    rc = bundle_from_reply(c, reply_bundle(rep), 1, stream, name, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
     if (rc == 0)
       bundle_keep_mapped(*out, flags);
@@ -2136,7 +2253,7 @@ int gpupool_bundle_release(gpupool_bundle *b, void *stream) {
   return rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO ? 0 : rc;
 }
 
-int gpupool_bundle_count(const gpupool_bundle *b) { return b ? b->nmembers : 0; }
+int gpupool_bundle_count(const gpupool_bundle *b) { return b ? b->layout->n : 0; }
 uint64_t gpupool_bundle_version(const gpupool_bundle *b) { return b ? b->version : 0; }
 int gpupool_bundle_buffers(const gpupool_bundle *b) { return b ? b->nbufs : 0; }
 gpupool_buffer *gpupool_bundle_buffer(const gpupool_bundle *b, int i) {
@@ -2148,18 +2265,22 @@ int gpupool_bundle_member(const gpupool_bundle *b, int i, gpupool_member *out) {
 }
 
 int gpupool_bundle_members(const gpupool_bundle *b, int first, int n, gpupool_member *out) {
-  if (!b || !out || first < 0 || n < 0 || first > b->nmembers || n > b->nmembers - first)
-    return gpupool__err(GPUPOOL_EINVAL, "members %d..%d asked of a bundle of %d", first, first + n - 1,
-                        b ? b->nmembers : 0);
-  memcpy(out, b->members + first, (size_t)n * sizeof *out);
+  int count = b ? b->layout->n : 0;
+  if (!b || !out || first < 0 || n < 0 || first > count || n > count - first)
+    return gpupool__err(GPUPOOL_EINVAL, "members %d..%d asked of a bundle of %d", first, first + n - 1, count);
+  for (int i = 0; i < n; i++) {
+    const gpupool_member *m = &b->layout->members[first + i];
+    out[i] = *m;
+    out[i].ptr = (char *)gpupool_buffer_ptr(b->bufs[m->buffer]) + m->offset;
+  }
   return 0;
 }
 
 int gpupool_bundle_find(const gpupool_bundle *b, const char *name) {
   if (!b || !name)
     return gpupool__err(GPUPOOL_EINVAL, "bundle_find: bundle and name must not be NULL");
-  for (int i = 0; i < b->nmembers; i++)
-    if (!strcmp(b->members[i].name, name))
+  for (int i = 0; i < b->layout->n; i++)
+    if (!strcmp(b->layout->members[i].name, name))
       return i;
   return gpupool__err(GPUPOOL_ENOENT, "the bundle has no member '%s'", name);
 }
@@ -2225,8 +2346,14 @@ int gpupool_bundle_get_begin(gpupool_client *c, const char *name, uint64_t newer
   if ((rc = bundle_get_request(name, newer_than, timeout_ms, flags, &req, &gb)) != 0)
     return rc;
   pthread_mutex_lock(&c->mu);
-  if ((rc = begin_locked(c, &req, PEND_BGET, out)) == 0)
+  {
+    const clayout *known = layout_cached(c, name);
+    gb.known_layout = known ? known->id : 0;
+  }
+  if ((rc = begin_locked(c, &req, PEND_BGET, out)) == 0) {
     (*out)->flags = flags;
+    snprintf((*out)->name, sizeof (*out)->name, "%s", name);
+  }
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
@@ -2320,6 +2447,7 @@ int gpupool_get_end(gpupool_pending *gp, void *stream, gpupool_buffer **out, uin
 int gpupool_bundle_get_end(gpupool_pending *gp, void *stream, gpupool_bundle **out) {
   gpupool_client *c;
   gpupool__rep *rep;
+  char name[GPUPOOL_NAME_MAX + 1];
   unsigned flags;
   int rc;
   if (!gp || !out || gp->kind != PEND_BGET)
@@ -2328,9 +2456,10 @@ int gpupool_bundle_get_end(gpupool_pending *gp, void *stream, gpupool_bundle **o
   *out = NULL;
   c = gp->c;
   flags = gp->flags;
+  memcpy(name, gp->name, sizeof name);
   pthread_mutex_lock(&c->mu);
   if ((rc = end_locked(gp, &rep)) == 0) {
-    rc = bundle_from_reply(c, reply_bundle(rep), 1, stream, out);
+    rc = bundle_from_reply(c, reply_bundle(rep), 1, stream, name, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
     if (rc == 0)
       bundle_keep_mapped(*out, flags);

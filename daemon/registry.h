@@ -36,6 +36,7 @@ typedef struct gpupool__event gpupool__event;
 typedef struct gpupool__lease gpupool__lease;
 typedef struct gpupool__client gpupool__client;
 typedef struct gpupool__registry gpupool__registry;
+typedef struct gpupool__layout gpupool__layout;
 
 struct gpupool__event {
   uint32_t id;
@@ -152,6 +153,7 @@ struct gpupool__buffer {
    * handed out again: its slab takes no new buffers and goes back to the backend once empty
    * (CUDA keeps memory alive for a process that still maps it, whatever its queued work). */
   int died_in_use;
+  gpupool__layout *layout; /* the bundle allocation it is a chunk of (a reference), or NULL */
   gpupool__buffer *pending_next;
 };
 
@@ -189,6 +191,19 @@ typedef struct {
   gpupool_tensor_meta *meta; /* NULL when published without one */
 } gpupool__member;
 
+/* A member table, immutable once made: laid out by an allocation (its buffers each keep a
+ * reference) or published as a bundle's members; names of that layout share it. Clients refer
+ * to it by id, so a warm republish or get moves no members. */
+struct gpupool__layout {
+  uint64_t id;
+  uint32_t refs;
+  uint64_t tenant;           /* whose members it counts as; only that tenant may publish by id */
+  gpupool__member *members;
+  uint32_t n;
+  uint32_t nbufs;            /* buffers it spans */
+  uint64_t *need;            /* per buffer: where its last member ends */
+};
+
 /* A published name: its current version, one buffer (gpupool_publish) or a bundle (members
  * lying in one or more buffers). Publishing the name again swaps all of it at once: the
  * buffers of the previous version lose the name's reference and go when their last holder
@@ -198,7 +213,8 @@ typedef struct {
   uint64_t version;          /* 1 for the first publish, +1 for each one after */
   gpupool__buffer **bufs;    /* each referenced once by the name */
   uint32_t nbufs;
-  gpupool__member *members;  /* NULL for a single buffer published without members */
+  gpupool__layout *layout;   /* its member table (a reference), NULL for a single buffer */
+  gpupool__member *members;  /* layout's members, or NULL */
   uint32_t nmembers;
   gpupool__file *file;       /* a published file (no buffers), or NULL */
   uid_t uid;                 /* who published the current version */
@@ -213,9 +229,11 @@ typedef struct {
  * when the pool is full): members one after the other, each aligned, cut into chunks of at
  * most one exported allocation; chunk i becomes buffer i. */
 typedef struct {
+  gpupool__registry *reg;
   gpupool__pool *pool;
   uint64_t align;
-  gpupool__member *members;  /* buffer = chunk index, offset inside the chunk */
+  gpupool__layout *layout;   /* the plan's reference; each allocated chunk takes one more */
+  gpupool__member *members;  /* layout's: buffer = chunk index, offset inside the chunk */
   uint32_t nmembers;
   uint64_t *chunks;          /* chunk sizes */
   uint32_t nchunks;
@@ -270,6 +288,7 @@ struct gpupool__registry {
   gpupool__hmap slabs;       /* id -> gpupool__slab */
   gpupool__hmap clients;     /* id -> gpupool__client */
   gpupool__smap names;       /* name -> gpupool__name */
+  gpupool__hmap layouts;     /* id -> gpupool__layout */
   gpupool__hmap uids;        /* uid -> gpupool__uid_usage */
   gpupool__buffer *pending;        /* refs == 0, waiting on dependencies */
   uint64_t npending;
@@ -362,7 +381,7 @@ int gpupool__get(gpupool__registry *reg, gpupool__client *c, const char *name, i
  * everything first; nothing changes on error. *version is the version made. */
 int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const char *name, const uint64_t *hold_ids,
                             size_t nholds, Gpupool__Wire__BundleMember *const *members, size_t nmembers,
-                            uint64_t *version);
+                            uint64_t layout_id, uint64_t *version);
 /* Get a bundle (or single buffer) by name: *holds (an array the caller frees) gets one new
  * hold per buffer, *name the name entry (valid until the loop runs again). Same codes as
  * gpupool__get, except that a single buffer is a bundle of one. */

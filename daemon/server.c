@@ -57,6 +57,7 @@ struct gpupool__waiter {
   char *name;
   int read_only;
   uint64_t newer_than;          /* gets: wait for a version past this */
+  uint64_t known_layout;   /* bundle gets: the member table the client already has */
   gpupool__bundle_plan *plan;   /* WAIT_ABUNDLE: the checked layout (owned) */
   uint64_t started_ns;
   uv_timer_t timer;
@@ -274,7 +275,7 @@ static void waiter_remove(gpupool__waiter *w) {
 static void reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *h, const char *name,
                        uint64_t version);
 static void reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold **hs, uint32_t nhs,
-                         const gpupool__member *members, uint32_t nmembers, const gpupool__name *nm);
+                         const gpupool__layout *layout, const gpupool__name *nm, uint64_t known_layout);
 static void reply_file(gpupool__conn *c, uint64_t seq, const gpupool__name *n, const char *name, int kind);
 static int body_of(int kind) {
   switch (kind) {
@@ -294,7 +295,7 @@ static int try_alloc(gpupool__waiter *w) {
   if (w->kind == WAIT_ABUNDLE) {
     gpupool__hold **hs = NULL;
     if ((rc = gpupool__bundle_allocate(reg, &c->cl, w->plan, &hs)) == 0) {
-      reply_bundle(c, w->seq, WAIT_ABUNDLE, hs, w->plan->nchunks, w->plan->members, w->plan->nmembers, NULL);
+      reply_bundle(c, w->seq, WAIT_ABUNDLE, hs, w->plan->nchunks, w->plan->layout, NULL, 0);
       free(hs);
     }
     return rc;
@@ -320,7 +321,7 @@ static int try_get(gpupool__waiter *w) {
     gpupool__hold **hs = NULL;
     const gpupool__name *nm = NULL;
     if ((rc = gpupool__get_bundle(reg, &c->cl, w->name, w->read_only, w->newer_than, &hs, &nm)) == 0) {
-      reply_bundle(c, w->seq, WAIT_BGET, hs, nm->nbufs, nm->members, nm->nmembers, nm);
+      reply_bundle(c, w->seq, WAIT_BGET, hs, nm->nbufs, nm->layout, nm, w->known_layout);
       free(hs);
     }
     return rc;
@@ -566,10 +567,13 @@ static void reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *
 }
 
 /* A bundle reply: one BufferDesc per hold (the slab fds that go with them, in that order) and
- * the member table. nm: the name it was got by (a single buffer without members comes as one
- * member named ""), or NULL for an allocation. */
+ * the member table, left out when the client said it has it (known_layout). nm: the name it
+ * was got by (a single buffer without members comes as one member named ""), or NULL for an
+ * allocation. */
 static void reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold **hs, uint32_t nhs,
-                         const gpupool__member *members, uint32_t nmembers, const gpupool__name *nm) {
+                         const gpupool__layout *layout, const gpupool__name *nm, uint64_t known_layout) {
+  const gpupool__member *members = layout ? layout->members : NULL;
+  uint32_t nmembers = layout ? layout->n : 0;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AllocateBundleReply ar = GPUPOOL__WIRE__ALLOCATE_BUNDLE_REPLY__INIT;
   Gpupool__Wire__GetBundleReply gr = GPUPOOL__WIRE__GET_BUNDLE_REPLY__INIT;
@@ -581,7 +585,9 @@ static void reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold
   Gpupool__Wire__TensorMeta *tm = NULL;
   int fds[GPUPOOL_WIRE_MAX_FDS], nfds = 0;
 
-  if (!members) {
+  if (layout && known_layout == layout->id)
+    nmembers = 0; /* the client has this table */
+  else if (!members) {
     /* A buffer published on its own: one member covering it, with the name's description. */
     memset(&single, 0, sizeof single);
     single.name = (char *)"";
@@ -591,8 +597,8 @@ static void reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold
     nmembers = 1;
   }
   if (!(ds = calloc(nhs, sizeof *ds)) || !(descs = calloc(nhs, sizeof *descs)) ||
-      !(wm = calloc(nmembers, sizeof *wm)) || !(wmp = calloc(nmembers, sizeof *wmp)) ||
-      !(tm = calloc(nmembers, sizeof *tm))) {
+      !(wm = calloc(nmembers + 1, sizeof *wm)) || !(wmp = calloc(nmembers + 1, sizeof *wmp)) ||
+      !(tm = calloc(nmembers + 1, sizeof *tm))) {
     /* The holds go with the connection; the client learns why. */
     for (uint32_t i = 0; i < nhs; i++)
       gpupool__hold_discard(c->srv->reg, hs[i]);
@@ -622,6 +628,7 @@ static void reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold
   b.n_members = nmembers;
   b.members = wmp;
   b.version = nm ? nm->version : 0;
+  b.layout_id = layout ? layout->id : 0;
   if (kind == WAIT_ABUNDLE) {
     ar.bundle = &b;
     rep.body_case = GPUPOOL__WIRE__REPLY__BODY_ALLOCATE_BUNDLE;
@@ -899,7 +906,7 @@ static int handle_publish_bundle(gpupool__conn *c, uint64_t seq, const Gpupool__
   Gpupool__Wire__PublishBundleReply pr = GPUPOOL__WIRE__PUBLISH_BUNDLE_REPLY__INIT;
   uint64_t version = 0;
   int rc = gpupool__publish_bundle(c->srv->reg, &c->cl, m->name, m->hold_ids, m->n_hold_ids, m->members,
-                                   m->n_members, &version);
+                                   m->n_members, m->layout_id, &version);
   if (rc != 0)
     return rc;
   published(c, m->name);
@@ -941,7 +948,7 @@ static int handle_allocate_bundle(gpupool__conn *c, uint64_t seq, const Gpupool_
     return 0;
   }
   if (rc == 0) {
-    reply_bundle(c, seq, WAIT_ABUNDLE, hs, plan->nchunks, plan->members, plan->nmembers, NULL);
+    reply_bundle(c, seq, WAIT_ABUNDLE, hs, plan->nchunks, plan->layout, NULL, 0);
     free(hs);
   }
   gpupool__bundle_plan_free(plan);
@@ -956,12 +963,13 @@ static int handle_get_bundle(gpupool__conn *c, uint64_t seq, const Gpupool__Wire
     if ((rc = waiter_add(c, seq, WAIT_BGET, m->timeout_ms, NULL, 0, 0, m->name, m->read_only, m->newer_than,
                          NULL)) != 0)
       return rc;
+    c->waiters->known_layout = m->known_layout; /* waiter_add put it first */
     *deferred = 1;
     return 0;
   }
   if (rc != 0)
     return rc;
-  reply_bundle(c, seq, WAIT_BGET, hs, nm->nbufs, nm->members, nm->nmembers, nm);
+  reply_bundle(c, seq, WAIT_BGET, hs, nm->nbufs, nm->layout, nm, m->known_layout);
   free(hs);
   return 0;
 }
