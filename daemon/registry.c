@@ -1439,7 +1439,7 @@ static int publish_commit(gpupool__registry *reg, gpupool__client *c, const char
 int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id, const char *name,
                      const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all, uint64_t *version) {
   gpupool__hold *h = NULL;
-  gpupool__name *old;
+  gpupool__name *old = NULL;
   gpupool__buffer **bufs;
   gpupool_tensor_meta m;
   int rc, has_meta = meta && meta->present;
@@ -1545,7 +1545,7 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
   gpupool__buffer **bufs = NULL;
   gpupool__member *members = NULL;
   gpupool__layout *layout = NULL;
-  gpupool__name *old;
+  gpupool__name *old = NULL;
   uint32_t *used = NULL;
   char key[GPUPOOL_NAME_KEY_MAX + 1];
   size_t i, dup, nm = 0;
