@@ -146,6 +146,12 @@ typedef struct {
    * Used before telling the daemon that slabs unmapped outside any caller's stream are gone:
    * the importer's free must complete before the exporter frees. */
   int (*sync)(void *stream);
+  /* Read-only file mappings (NULL on backends without a GPU: the mapping is used from the CPU
+   * only). file_register makes len bytes mapped PROT_READ at base (page-aligned) readable by
+   * the GPU in place (CUDA: cudaHostRegister mapped and read-only) and sets *dev to the
+   * device address of base; file_unregister undoes it before the caller unmaps. */
+  int (*file_register)(void *base, size_t len, void **dev);
+  void (*file_unregister)(void *base);
 } gpupool__cbackend_ops;
 
 /* ---- the descriptor ------------------------------------------------------------------- */

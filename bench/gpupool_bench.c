@@ -14,6 +14,12 @@
  *     gpupool_publish call to the consumer holding a pointer with the ready event waited on
  *     (gpupool_get returned and its stream synchronized), p50/p99; warm (slab already mapped
  *     by the consumer) and cold (first import of the slab by a fresh consumer process);
+ *   - bundle handoff from C: a Llama-3.2-1B-shaped bf16 state dict (146 members, 2.47 GB in
+ *     one buffer) and 1,000 members of 64 KiB, republished as 40 versions of one name, each
+ *     got by a consumer waiting with newer_than: from the producer's gpupool_bundle_publish
+ *     call to the consumer holding every member's pointer with the ready event waited on and
+ *     its stream synchronized; first version (cold) and the rest (warm) p50/p99; the consumer
+ *     gets with GPUPOOL_KEEP_MAPPED, and the state dict once more without it;
  *   - handoffs per second with 1 producer and 4 consumers (64 KiB buffers);
  *   - warm alloc+release ops/s summed over 16 client processes;
  *   - read bandwidth of a shared 1 GiB buffer in a consumer vs a local cudaMalloc of the
@@ -617,6 +623,178 @@ static void bench_handoff(const gh_daemon *d, uint64_t size, const char *label) 
   free(cold);
 }
 
+/* ---------------------------------------------------------------- bundle handoff */
+
+/* Member i of a bundle layout: kind 0 is a Llama-3.2-1B-shaped bf16 state dict (146 tensors,
+ * 2.47 GB: embedding 128256x2048, 16 layers of q/k/v/o, gate/up/down and two norms, a final
+ * norm), kind 1 is 1,000 tensors of 64 KiB. Returns the member count; fills name/bytes of i. */
+static int bundle_layout(int kind, int i, char *name, size_t len, uint64_t *bytes) {
+  static const uint64_t h = 2048, inter = 8192, kv = 512, vocab = 128256;
+  if (kind == 1) {
+    if (name) {
+      snprintf(name, len, "t%04d", i);
+      *bytes = 64u << 10;
+    }
+    return 1000;
+  }
+  if (name) {
+    if (i == 0) {
+      snprintf(name, len, "model.embed_tokens.weight");
+      *bytes = vocab * h * 2;
+    } else if (i == 145) {
+      snprintf(name, len, "model.norm.weight");
+      *bytes = h * 2;
+    } else {
+      static const char *const part[9] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                          "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
+                                          "mlp.down_proj",    "input_layernorm",  "post_attention_layernorm"};
+      const uint64_t sz[9] = {h * h, kv * h, kv * h, h * h, inter * h, inter * h, h * inter, h, h};
+      int l = (i - 1) / 9, k = (i - 1) % 9;
+      snprintf(name, len, "model.layers.%d.%s.weight", l, part[k]);
+      *bytes = sz[k] * 2;
+    }
+  }
+  return 146;
+}
+
+/* bprod SOCK KIND: allocates one bundle of layout KIND, fills it once, then on "PUB name"
+ * republishes it (a new version of that name each time; its content is not what is
+ * measured) and prints T0 taken just before the publish call. */
+static int w_bprod(char **a) {
+  cudaStream_t s = new_stream();
+  gpupool_client *c;
+  gpupool_bundle *b;
+  int kind = atoi(a[1]), n = bundle_layout(kind, 0, NULL, 0, NULL);
+  gpupool_member_spec *specs = calloc((size_t)n, sizeof *specs);
+  char (*names)[64] = calloc((size_t)n, sizeof *names);
+  char line[512], name[256];
+  if (!specs || !names)
+    die("out of memory");
+  for (int i = 0; i < n; i++) {
+    bundle_layout(kind, i, names[i], sizeof names[i], &specs[i].size);
+    specs[i].name = names[i];
+  }
+  GP(gpupool_connect(a[0], "bench-bundle-producer", &c));
+  GP(gpupool_bundle_alloc(c, POOL, specs, n, 0, 30000, s, &b));
+  for (int i = 0; i < gpupool_bundle_buffers(b); i++) {
+    gpupool_buffer *buf = gpupool_bundle_buffer(b, i);
+    CK(cudaMemsetAsync(gpupool_buffer_ptr(buf), 0x3c, gpupool_buffer_size(buf), s));
+  }
+  CK(cudaStreamSynchronize(s));
+  gh_say("READY");
+  for (;;) {
+    next_line(line, sizeof(line));
+    if (sscanf(line, "PUB %255s", name) == 1) {
+      uint64_t t0 = gh_now_ns();
+      GP(gpupool_bundle_publish(b, name, s, NULL));
+      gh_say("T0 %" PRIu64, t0);
+    } else if (sscanf(line, "UNPUB %255s", name) == 1) {
+      GP(gpupool_unpublish(c, name));
+      gh_say("UNPUBLISHED");
+    } else if (!strcmp(line, "QUIT")) {
+      break;
+    } else {
+      die("bundle producer: unknown command %s", line);
+    }
+  }
+  GP(gpupool_bundle_release(b, s));
+  CK(cudaStreamSynchronize(s));
+  gpupool_disconnect(c);
+  free(specs);
+  free(names);
+  return 0;
+}
+
+/* bcons SOCK: on "GET name version keep", waits for a version of name newer than version, holds
+ * every member's pointer and size (the member table read in full) with the ready event waited
+ * on and its stream synchronized, prints T1, releases. */
+static int w_bcons(char **a) {
+  cudaStream_t s = new_stream();
+  gpupool_client *c;
+  char line[512], name[256];
+  unsigned long long last;
+  int keep;
+  GP(gpupool_connect(a[0], "bench-bundle-consumer", &c));
+  gh_say("READY");
+  for (;;) {
+    next_line(line, sizeof(line));
+    if (sscanf(line, "GET %255s %llu %d", name, &last, &keep) == 3) {
+      gpupool_bundle *b;
+      gpupool_member *m;
+      uintptr_t sum = 0;
+      int n;
+      gh_say("WAITING");
+      GP(gpupool_bundle_get(c, name, last, STEP_MS, GPUPOOL_READ_ONLY | (keep ? GPUPOOL_KEEP_MAPPED : 0), s, &b));
+      n = gpupool_bundle_count(b);
+      if (!(m = malloc((size_t)n * sizeof *m)))
+        die("out of memory");
+      GP(gpupool_bundle_members(b, 0, n, m));
+      for (int i = 0; i < n; i++)
+        sum += (uintptr_t)m[i].ptr + m[i].size;
+      CK(cudaStreamSynchronize(s));
+      uint64_t t1 = gh_now_ns();
+      if (!sum)
+        die("no members");
+      gh_say("T1 %" PRIu64 " %llu", t1, (unsigned long long)gpupool_bundle_version(b));
+      free(m);
+      GP(gpupool_bundle_release(b, s));
+      CK(cudaStreamSynchronize(s));
+      gh_say("RELEASED");
+    } else if (!strcmp(line, "QUIT")) {
+      break;
+    } else {
+      die("bundle consumer: unknown command %s", line);
+    }
+  }
+  gpupool_disconnect(c);
+  return 0;
+}
+
+/* Versions of one bundle handed to a consumer waiting with newer_than: the first is cold (the
+ * consumer imports the pool and maps the bundle's slab), the rest warm. keep: the consumer
+ * gets with GPUPOOL_KEEP_MAPPED (its mapping of the bundle's slab survives between versions);
+ * without it, a bundle larger than a slab is imported again for every version. */
+static void bench_bundle(const gh_daemon *d, int kind, int keep, const char *label) {
+  enum { N = 40 };
+  double t[N];
+  char line[256], name[64], key[64], what[128];
+  gh_proc prod, cons;
+  const char *avp[] = {"", "worker", "bprod", d->sock, kind ? "1" : "0", NULL};
+  const char *avc[] = {"", "worker", "bcons", d->sock, NULL};
+  if (gh_spawn(&prod, avp, NULL, 0) < 0 || gh_expect(&prod, "READY", line, sizeof(line), STEP_MS) < 0)
+    die("cannot start the bundle producer");
+  if (gh_spawn(&cons, avc, NULL, 0) < 0 || gh_expect(&cons, "READY", line, sizeof(line), STEP_MS) < 0)
+    die("cannot start the bundle consumer");
+  snprintf(name, sizeof(name), "bundle-%s", label);
+  for (int v = 0; v < N; v++) {
+    uint64_t t0, t1;
+    unsigned long long got;
+    cmd(&cons, "WAITING", line, sizeof(line), "GET %s %d %d", name, v, keep);
+    gh_sleep_ms(2); /* let the get reach the daemon */
+    cmd(&prod, "T0", line, sizeof(line), "PUB %s", name);
+    if (sscanf(line, "T0 %" SCNu64, &t0) != 1)
+      die("bad producer line %s", line);
+    if (gh_expect(&cons, "T1", line, sizeof(line), STEP_MS) < 0 ||
+        sscanf(line, "T1 %" SCNu64 " %llu", &t1, &got) != 2 || got != (unsigned long long)v + 1)
+      die("bundle consumer did not get version %d (%s)", v + 1, line);
+    if (gh_expect(&cons, "RELEASED", line, sizeof(line), STEP_MS) < 0)
+      die("bundle consumer did not release");
+    t[v] = (double)(t1 - t0) / 1e3;
+  }
+  cmd(&cons, NULL, line, sizeof(line), "QUIT");
+  gh_wait(&cons, STEP_MS);
+  cmd(&prod, "UNPUBLISHED", line, sizeof(line), "UNPUB %s", name);
+  cmd(&prod, NULL, line, sizeof(line), "QUIT");
+  gh_wait(&prod, STEP_MS);
+  snprintf(what, sizeof(what), "bundle %s cold (first version)", label);
+  gh_say("%-52s %9.1f us", what, t[0]);
+  snprintf(key, sizeof(key), "bundle_%s_cold_us", label);
+  report(key, t[0]);
+  snprintf(what, sizeof(what), "bundle %s warm (publish -> members usable)", label);
+  snprintf(key, sizeof(key), "bundle_%s_warm", label);
+  report_lat(what, key, t + 1, N - 1);
+}
+
 /* ---------------------------------------------------------------- handoff throughput */
 
 /* tp-prod SOCK: fd 3 reads consumers' 4-byte acks. Waits for GO, then publishes TP_ITEMS
@@ -857,7 +1035,8 @@ static int worker_main(int argc, char **argv) {
     int (*fn)(char **);
   } roles[] = {{"echo", 0, w_echo},       {"raw", 0, w_raw},         {"alloc", 3, w_alloc},
                {"prod", 1, w_prod},       {"cons", 1, w_cons},       {"tp-prod", 1, w_tp_prod},
-               {"tp-cons", 1, w_tp_cons}, {"ops", 1, w_ops},         {"bw", 2, w_bw}};
+               {"tp-cons", 1, w_tp_cons}, {"ops", 1, w_ops},         {"bw", 2, w_bw},
+               {"bprod", 2, w_bprod},     {"bcons", 1, w_bcons}};
   setvbuf(stdout, NULL, _IOLBF, 0);
   for (size_t i = 0; i < sizeof(roles) / sizeof(roles[0]); i++)
     if (!strcmp(argv[2], roles[i].role)) {
@@ -897,6 +1076,9 @@ int main(int argc, char **argv) {
   bench_handoff(&d, 4096, "4KiB");
   bench_handoff(&d, 1u << 20, "1MiB");
   bench_handoff(&d, 64u << 20, "64MiB");
+  bench_bundle(&d, 0, 1, "llama146");
+  bench_bundle(&d, 0, 0, "llama146_nokeep");
+  bench_bundle(&d, 1, 1, "small1000");
   bench_throughput(&d);
   bench_ops(&d);
   bench_bw(&d);

@@ -18,8 +18,8 @@ Ways:
 - gpupool: two bundles from Client.alloc_dict (double buffering: version N+1 is written into
   one while the consumer may still read version N in the other); the trainer writes the
   whole state (a copy from the other bundle, then the version's changes) and publish_dict's
-  it; the consumer waits in get_dict(newer_than=last) and builds torch views with
-  TensorDict.torch().
+  it; the consumer waits in get_dict(newer_than=last, keep_mapped=True: the two bundles'
+  memory stays mapped between versions) and builds torch views with TensorDict.torch().
 
 Timing per version: from the trainer starting the handoff (its writes done and synchronized)
 to the consumer holding a dict of torch tensors whose data is ready (after a synchronize of
@@ -279,13 +279,14 @@ def gp_consumer(socket, device, workload, versions, name, ctl, out):
         ctl.send("ready")
         if cuda:
             with torch.cuda.stream(stream):
-                td = c.get_dict(name, newer_than=last, timeout=60, stream=stream)
+                td = c.get_dict(name, newer_than=last, timeout=60, stream=stream,
+                                keep_mapped=True)
                 t_got = time.perf_counter_ns()
                 d = td.torch()
                 t_views = time.perf_counter_ns()
                 stream.synchronize()
         else:
-            td = c.get_dict(name, newer_than=last, timeout=60)
+            td = c.get_dict(name, newer_than=last, timeout=60, keep_mapped=True)
             t_got = time.perf_counter_ns()
             d = td.torch()
             t_views = time.perf_counter_ns()

@@ -24,6 +24,8 @@
 #include <string.h>
 #include <grp.h>
 #include <pwd.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/time.h>
@@ -57,6 +59,7 @@ typedef struct cslab {
   void *priv;
   int dedicated;
   uint32_t refs; /* buffers of this client inside */
+  int keep;      /* dedicated, but stays mapped when empty until revoked (GPUPOOL_KEEP_MAPPED) */
   struct stale_gen *stale; /* set when its daemon connection is gone */
 } cslab;
 
@@ -134,6 +137,8 @@ struct gpupool_client {
   char **published;        /* names this client published and has not unpublished */
   size_t npublished, cappublished;
   char **lost_names;       /* names lost in a restart, until gpupool_lost_names() reads them */
+  gpupool__smap layout_cache; /* name -> clayout (a reference): member tables got by name */
+  size_t nlayout_cache;
   size_t nlost_names;
   uint64_t holds_lost;
 };
@@ -399,8 +404,9 @@ static int refusal(gpupool_client *c) {
   return code;
 }
 
-/* Send req and register its pending reply (*out, freed by call_wait). With c->mu held. */
-static int call_send(gpupool_client *c, gpupool__req *req, pending **out) {
+/* Send req (with send_fd, when >= 0; the caller keeps it) and register its pending reply
+ * (*out, freed by call_wait). With c->mu held. */
+static int call_send(gpupool_client *c, gpupool__req *req, pending **out, int send_fd) {
   pending *p;
   uint8_t *buf;
   size_t len;
@@ -422,7 +428,7 @@ static int call_send(gpupool_client *c, gpupool__req *req, pending **out) {
     free(buf);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   }
-  rc = gpupool__wire_send(c->fd, buf, len, NULL, 0);
+  rc = gpupool__wire_send(c->fd, buf, len, send_fd >= 0 ? &send_fd : NULL, send_fd >= 0 ? 1 : 0);
   free(buf);
   if (rc != 0) {
     free(p);
@@ -515,14 +521,15 @@ fail:
   return rc;
 }
 
-/* Send req and wait for its reply. Called and returns with c->mu held. On success *rep is
- * the reply (caller frees) and it carried no error. Handles slab revocations it carries. */
-static int call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *fd_out) {
+/* Send req (with send_fd when >= 0; the caller keeps it) and wait for its reply. Called and
+ * returns with c->mu held. On success *rep is the reply (caller frees) and it carried no
+ * error; *fd_out (may be NULL) gets the first fd it carried. Handles slab revocations. */
+static int call_fds(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *fd_out, int send_fd) {
   pending *p = NULL;
   int fds[GPUPOOL_WIRE_MAX_FDS], nfds = 0, rc;
   if (fd_out)
     *fd_out = -1;
-  if ((rc = call_send(c, req, &p)) != 0)
+  if ((rc = call_send(c, req, &p, send_fd)) != 0)
     return rc;
   if ((rc = call_wait(c, p, out, fds, &nfds)) != 0)
     return rc;
@@ -533,6 +540,10 @@ static int call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *f
       close(fds[i]);
   }
   return 0;
+}
+
+static int call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *fd_out) {
+  return call_fds(c, req, out, fd_out, -1);
 }
 
 /* ---- slabs, pools, events ------------------------------------------------------------------- */
@@ -992,6 +1003,8 @@ static void stale_gen_free(gpupool_client *c, stale_gen *g) {
 /* The daemon went away: keep what this process still maps (buffers stay readable), mark every
  * hold and published name lost, and connect again with backoff for up to reconnect_ms.
  * With c->mu held. */
+static void layout_cache_clear(gpupool_client *c);
+
 static int reconnect(gpupool_client *c) {
   stale_gen *g;
   uint64_t start = 0;
@@ -1032,6 +1045,7 @@ static int reconnect(gpupool_client *c) {
     gpupool__hmap_free(&c->slabs);
     gpupool__hmap_init(&c->slabs);
     exports_clear(c);
+    layout_cache_clear(c);
     c->pools = NULL;
     c->npools = 0;
     c->nunmapped = 0;
@@ -1162,6 +1176,7 @@ int gpupool_connect_timeout(const char *socket_path, const char *client_name, in
   gpupool__hmap_init(&c->slabs);
   gpupool__hmap_init(&c->exports);
   gpupool__hmap_init(&c->events);
+  gpupool__smap_init(&c->layout_cache);
   gpupool__wire_rx_init(&c->rx, GPUPOOL_WIRE_HARD_MAX_FRAME);
   c->fd = -1;
   c->lease_fd = -1;
@@ -1311,7 +1326,7 @@ static void release_local(gpupool_client *c, gpupool_buffer *b, void *stream, ui
   }
   /* A dedicated slab holds only this buffer: unmap it now, in stream order, before the done
    * event, so the daemon frees the allocation only after our import is gone. */
-  if (s->refs == 0 && s->dedicated)
+  if (s->refs == 0 && s->dedicated && !s->keep)
     slab_unmap(c, s, stream);
   /* Nothing queued in the stream: the memory is idle now and the daemon may reuse it at once
    * (recording an event would only make it wait for a completed one). */
@@ -1366,7 +1381,7 @@ static int release_many_locked(gpupool_client *c, gpupool_buffer **bs, int n, vo
     if (!hold_id)
       continue;
     release_request(&req, &rl, hold_id, recorded);
-    if ((r = call_send(c, &req, &ps[i])) != 0 && !rc)
+    if ((r = call_send(c, &req, &ps[i], -1)) != 0 && !rc)
       rc = r;
   }
   for (int i = 0; i < n; i++) {
@@ -1417,6 +1432,8 @@ void gpupool_disconnect(gpupool_client *c) {
     c->be->sync(NULL); /* imports freed before the daemon sees this connection close */
   exports_clear(c);
   gpupool__hmap_free(&c->exports);
+  layout_cache_clear(c);
+  gpupool__smap_free(&c->layout_cache);
   if (c->be && c->be->has_events)
     for (size_t i = 0; i < c->events.cap; i++)
       if (gpupool__hmap_slot_used(&c->events, i))
@@ -1530,6 +1547,12 @@ int gpupool_share(gpupool_buffer *b, void *stream, gpupool_token *out) {
   return rc;
 }
 
+/* GPUPOOL_KEEP_MAPPED: b's slab stays mapped after its last buffer goes, until revoked. */
+static void keep_mapped(gpupool_buffer *b, unsigned flags) {
+  if (b && (flags & GPUPOOL_KEEP_MAPPED))
+    b->slab->keep = 1;
+}
+
 int gpupool_open(gpupool_client *c, const gpupool_token *token, unsigned flags, void *stream,
                  gpupool_buffer **out) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
@@ -1551,6 +1574,8 @@ int gpupool_open(gpupool_client *c, const gpupool_token *token, unsigned flags, 
   if (rc == 0) {
     rc = materialize(c, reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_OPEN), 1, stream, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
+    if (rc == 0)
+      keep_mapped(*out, flags);
   }
   pthread_mutex_unlock(&c->mu);
   return rc;
@@ -1703,6 +1728,8 @@ int gpupool_get_newer(gpupool_client *c, const char *name, uint64_t newer_than, 
       *version = reply_version(rep);
     rc = materialize(c, reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_GET), 1, stream, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
+    if (rc == 0)
+      keep_mapped(*out, flags);
   }
   pthread_mutex_unlock(&c->mu);
   return rc;
@@ -1715,22 +1742,134 @@ int gpupool_get(gpupool_client *c, const char *name, int timeout_ms, unsigned fl
 
 /* ---- bundles --------------------------------------------------------------------------------- */
 
+/* A member table as the daemon sent it, shared by the bundles laid out that way (members'
+ * ptr fields are unset: a bundle adds its buffers' addresses) and cached per name, so a later
+ * get of the same layout receives no members. */
+typedef struct clayout {
+  uint64_t id;               /* the daemon's layout id (0: none, e.g. a single buffer) */
+  uint32_t refs;
+  int n;
+  uint32_t nbufs;
+  gpupool_member *members;   /* ptr is NULL; name points into names */
+  char *names;
+  uint64_t *need;            /* per buffer: where its last member ends */
+} clayout;
+
+/* At most this many names keep a cached layout; past it the cache starts over. */
+#define LAYOUT_CACHE_MAX 256
+
 struct gpupool_bundle {
   gpupool_client *c;
   gpupool_buffer **bufs;  /* owned: one hold each */
   int nbufs;
-  gpupool_member *members;
-  int nmembers;
-  char *names;            /* the members' names, each NUL-terminated, back to back */
+  clayout *layout;        /* a reference */
   uint64_t version;
 };
+
+static void clayout_unref(clayout *l) {
+  if (!l || --l->refs > 0)
+    return;
+  free(l->members);
+  free(l->names);
+  free(l->need);
+  free(l);
+}
+
+/* Forget every cached layout (the daemon's ids mean nothing to another daemon). With c->mu. */
+static void layout_cache_clear(gpupool_client *c) {
+  for (size_t i = 0; i < c->layout_cache.cap; i++)
+    if (gpupool__smap_slot_used(&c->layout_cache, i))
+      clayout_unref(c->layout_cache.slots[i].val);
+  gpupool__smap_free(&c->layout_cache);
+  gpupool__smap_init(&c->layout_cache);
+  c->nlayout_cache = 0;
+}
+
+/* The layout cached for name, or NULL. With c->mu. */
+static clayout *layout_cached(gpupool_client *c, const char *name) {
+  return name ? gpupool__smap_get(&c->layout_cache, name) : NULL;
+}
+
+/* Cache l (a new reference) as name's layout. With c->mu; out of memory it is just not cached. */
+static void layout_cache_put(gpupool_client *c, const char *name, clayout *l) {
+  clayout *old;
+  if (!name || !l->id)
+    return;
+  old = gpupool__smap_get(&c->layout_cache, name);
+  if (old == l)
+    return;
+  if (!old && c->nlayout_cache >= LAYOUT_CACHE_MAX)
+    layout_cache_clear(c);
+  if (old) {
+    gpupool__smap_del(&c->layout_cache, name);
+    clayout_unref(old);
+    c->nlayout_cache--;
+  }
+  if (gpupool__smap_put(&c->layout_cache, name, l) == 0) {
+    l->refs++;
+    c->nlayout_cache++;
+  }
+}
+
+/* A layout from a reply's member table, checked (buffer indexes, descriptions). */
+static int clayout_from_wire(const Gpupool__Wire__Bundle *wb, clayout **out) {
+  clayout *l = calloc(1, sizeof *l);
+  size_t names_len = 0, i;
+  char *np;
+  int rc;
+  for (i = 0; i < wb->n_members; i++)
+    names_len += (wb->members[i]->name ? strlen(wb->members[i]->name) : 0) + 1;
+  if (!l || !(l->members = calloc(wb->n_members, sizeof *l->members)) || !(l->names = malloc(names_len)) ||
+      !(l->need = calloc(wb->n_buffers, sizeof *l->need))) {
+    clayout_unref(l ? (l->refs = 1, l) : NULL);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory for a bundle of %zu members", wb->n_members);
+  }
+  l->refs = 1;
+  l->id = wb->layout_id;
+  l->nbufs = (uint32_t)wb->n_buffers;
+  np = l->names;
+  for (i = 0; i < wb->n_members; i++) {
+    const Gpupool__Wire__BundleMember *wm = wb->members[i];
+    gpupool_member *m = &l->members[i];
+    size_t len = wm->name ? strlen(wm->name) : 0;
+    if (wm->buffer >= wb->n_buffers || wm->size == 0 || wm->offset + wm->size < wm->offset) {
+      clayout_unref(l);
+      return gpupool__err(GPUPOOL_EPROTO, "the daemon sent member %zu in buffer %u of %zu (offset %" PRIu64
+                          ", size %" PRIu64 ")", i, wm->buffer, wb->n_buffers, wm->offset, wm->size);
+    }
+    if (wm->tensor && wm->tensor->present) {
+      if ((rc = gpupool__wire_meta_from(wm->tensor, wm->size, &m->meta)) != 0) {
+        rc = gpupool__err(GPUPOOL_EPROTO, "gpupoold sent tensor metadata this library refuses for member %zu: %s",
+                          i, gpupool__errmsg());
+        clayout_unref(l);
+        return rc;
+      }
+      m->has_meta = 1;
+    }
+    memcpy(np, wm->name ? wm->name : "", len + 1);
+    m->name = np;
+    np += len + 1;
+    m->size = wm->size;
+    m->buffer = (int)wm->buffer;
+    m->offset = wm->offset;
+    if (wm->offset + wm->size > l->need[wm->buffer])
+      l->need[wm->buffer] = wm->offset + wm->size;
+  }
+  l->n = (int)wb->n_members;
+  *out = l;
+  return 0;
+}
+
+static void bundle_keep_mapped(gpupool_bundle *b, unsigned flags) {
+  for (int i = 0; i < b->nbufs; i++)
+    keep_mapped(b->bufs[i], flags);
+}
 
 static void bundle_free_local(gpupool_bundle *b) {
   if (!b)
     return;
+  clayout_unref(b->layout);
   free(b->bufs);
-  free(b->members);
-  free(b->names);
   free(b);
 }
 
@@ -1743,30 +1882,45 @@ static void release_holds_from(gpupool_client *c, const Gpupool__Wire__Bundle *w
 }
 
 /* Turn a reply's Bundle into a bundle of this process: every buffer materialized (waiting on
- * its ready event in `stream` when wait_ready), every member checked against its buffer. On
- * failure every hold it carried is released. With c->mu held. */
+ * its ready event in `stream` when wait_ready), the member table from the reply or, when the
+ * reply left it out, the one cached for name, checked against the buffers. A table that came
+ * with the reply is cached for name (NULL: not cached). On failure every hold it carried is
+ * released. With c->mu held. */
 static int bundle_from_reply(gpupool_client *c, const Gpupool__Wire__Bundle *wb, int wait_ready, void *stream,
-                             gpupool_bundle **out) {
+                             const char *name, gpupool_bundle **out) {
   gpupool_bundle *b = NULL;
-  size_t names_len = 0, i;
-  char *np;
+  clayout *l = NULL;
+  size_t i;
   int rc;
 
-  if (!wb || wb->n_buffers == 0 || wb->n_members == 0 || wb->n_members > GPUPOOL_BUNDLE_MAX_MEMBERS ||
-      wb->n_buffers > wb->n_members) {
+  if (!wb || wb->n_buffers == 0 || wb->n_members > GPUPOOL_BUNDLE_MAX_MEMBERS ||
+      (wb->n_members && wb->n_buffers > wb->n_members)) {
     release_holds_from(c, wb, 0);
     return gpupool__err(GPUPOOL_EPROTO, "the daemon sent a malformed bundle (%zu buffers, %zu members)",
                         wb ? wb->n_buffers : 0, wb ? wb->n_members : 0);
   }
-  for (i = 0; i < wb->n_members; i++)
-    names_len += (wb->members[i]->name ? strlen(wb->members[i]->name) : 0) + 1;
-  if (!(b = calloc(1, sizeof *b)) || !(b->bufs = calloc(wb->n_buffers, sizeof *b->bufs)) ||
-      !(b->members = calloc(wb->n_members, sizeof *b->members)) || !(b->names = malloc(names_len))) {
-    bundle_free_local(b);
+  if (wb->n_members == 0) {
+    /* The daemon saw that we have this table (known_layout). */
+    l = layout_cached(c, name);
+    if (!l || l->id != wb->layout_id || l->nbufs != wb->n_buffers) {
+      release_holds_from(c, wb, 0);
+      return gpupool__err(GPUPOOL_EPROTO, "the daemon sent no members for layout %" PRIu64 ", which this client "
+                          "does not have", wb->layout_id);
+    }
+    l->refs++;
+  } else if ((rc = clayout_from_wire(wb, &l)) != 0) {
     release_holds_from(c, wb, 0);
-    return gpupool__err(GPUPOOL_ENOMEM, "out of memory for a bundle of %zu members", wb->n_members);
+    return rc;
+  }
+  if (!(b = calloc(1, sizeof *b)) || !(b->bufs = calloc(wb->n_buffers, sizeof *b->bufs))) {
+    if (b)
+      free(b);
+    clayout_unref(l);
+    release_holds_from(c, wb, 0);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory for a bundle of %zu buffers", wb->n_buffers);
   }
   b->c = c;
+  b->layout = l;
   b->version = wb->version;
   for (i = 0; i < wb->n_buffers; i++) {
     if ((rc = materialize(c, wb->buffers[i], wait_ready, stream, &b->bufs[i])) != 0) {
@@ -1778,45 +1932,17 @@ static int bundle_from_reply(gpupool_client *c, const Gpupool__Wire__Bundle *wb,
       return gpupool__err(rc, "buffer %zu of the bundle: %s", i, msg);
     }
     b->nbufs = (int)i + 1;
+    if (l->need[i] > b->bufs[i]->size) {
+      release_holds_from(c, wb, i + 1);
+      release_many_locked(c, b->bufs, b->nbufs, NULL);
+      bundle_free_local(b);
+      return gpupool__err(GPUPOOL_EPROTO, "the daemon sent members past the end of buffer %zu", i);
+    }
   }
-  np = b->names;
-  for (i = 0; i < wb->n_members; i++) {
-    const Gpupool__Wire__BundleMember *wm = wb->members[i];
-    gpupool_member *m = &b->members[i];
-    const gpupool_buffer *buf;
-    size_t len = wm->name ? strlen(wm->name) : 0;
-    if (wm->buffer >= wb->n_buffers) {
-      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent member %zu in buffer %u of %zu", i, wm->buffer, wb->n_buffers);
-      goto fail;
-    }
-    buf = b->bufs[wm->buffer];
-    if (wm->offset > buf->size || wm->size > buf->size - wm->offset) {
-      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent member %zu outside its buffer", i);
-      goto fail;
-    }
-    if (wm->tensor && wm->tensor->present) {
-      if ((rc = gpupool__wire_meta_from(wm->tensor, wm->size, &m->meta)) != 0) {
-        rc = gpupool__err(GPUPOOL_EPROTO, "gpupoold sent tensor metadata this library refuses for member %zu: %s",
-                          i, gpupool__errmsg());
-        goto fail;
-      }
-      m->has_meta = 1;
-    }
-    memcpy(np, wm->name ? wm->name : "", len + 1);
-    m->name = np;
-    np += len + 1;
-    m->ptr = (char *)gpupool_buffer_ptr(buf) + wm->offset;
-    m->size = wm->size;
-    m->buffer = (int)wm->buffer;
-    m->offset = wm->offset;
-  }
-  b->nmembers = (int)wb->n_members;
+  if (wb->n_members)
+    layout_cache_put(c, name, l);
   *out = b;
   return 0;
-fail:
-  release_many_locked(c, b->bufs, b->nbufs, NULL);
-  bundle_free_local(b);
-  return rc;
 }
 
 int gpupool_bundle_alloc(gpupool_client *c, const char *pool, const gpupool_member_spec *members, int n,
@@ -1873,7 +1999,7 @@ int gpupool_bundle_alloc(gpupool_client *c, const char *pool, const gpupool_memb
   rc = call_retry(c, &req, &rep);
   if (rc == 0) {
     /* Fresh ranges: nothing to wait for (see gpupool_alloc). */
-    rc = bundle_from_reply(c, reply_bundle(rep), 0, stream, out);
+    rc = bundle_from_reply(c, reply_bundle(rep), 0, stream, NULL, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
   }
   pthread_mutex_unlock(&c->mu);
@@ -1886,7 +2012,8 @@ out:
 
 /* Publish members (wire form, lying in bufs) under name in one request. With c->mu held. */
 static int publish_bundle_locked(gpupool_client *c, const char *name, gpupool_buffer *const *bufs, int nbufs,
-                                 Gpupool__Wire__BundleMember **wm, int n, void *stream, uint64_t *version) {
+                                 Gpupool__Wire__BundleMember **wm, int n, uint64_t layout_id, void *stream,
+                                 uint64_t *version) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__PublishBundle pb = GPUPOOL__WIRE__PUBLISH_BUNDLE__INIT;
   uint64_t *holds;
@@ -1912,6 +2039,7 @@ static int publish_bundle_locked(gpupool_client *c, const char *name, gpupool_bu
   pb.hold_ids = holds;
   pb.n_members = (size_t)n;
   pb.members = wm;
+  pb.layout_id = layout_id;
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_BUNDLE;
   req.publish_bundle = &pb;
   if ((rc = call(c, &req, &rep, NULL)) == 0) {
@@ -1965,6 +2093,7 @@ static void member_wire(members_wire *w, int i, const char *name, uint32_t buffe
 
 int gpupool_bundle_publish(gpupool_bundle *b, const char *name, void *stream, uint64_t *version) {
   members_wire w;
+  const clayout *l;
   uint64_t v = 0;
   int rc;
   if (!b || !name)
@@ -1974,16 +2103,24 @@ int gpupool_bundle_publish(gpupool_bundle *b, const char *name, void *stream, ui
     *version = 0;
   if ((rc = gpupool__wire_check_name(name)) != 0)
     return rc;
-  if ((rc = members_wire_new(&w, b->nmembers)) != 0)
-    return rc;
-  for (int i = 0; i < b->nmembers; i++) {
-    const gpupool_member *m = &b->members[i];
-    member_wire(&w, i, m->name, (uint32_t)m->buffer, m->offset, m->size, m->has_meta ? &m->meta : NULL);
-  }
+  l = b->layout;
   pthread_mutex_lock(&b->c->mu);
-  rc = publish_bundle_locked(b->c, name, b->bufs, b->nbufs, w.p, b->nmembers, stream, &v);
+  /* By the layout's id first: the daemon has the table, so no member travels. It forgets a
+   * table once nothing uses it (a relayed bundle's may be gone): then the members go. */
+  rc = l->id ? publish_bundle_locked(b->c, name, b->bufs, b->nbufs, NULL, 0, l->id, stream, &v) : GPUPOOL_ENOENT;
   pthread_mutex_unlock(&b->c->mu);
-  members_wire_free(&w);
+  if (rc == GPUPOOL_ENOENT) {
+    if ((rc = members_wire_new(&w, l->n)) != 0)
+      return rc;
+    for (int i = 0; i < l->n; i++) {
+      const gpupool_member *m = &l->members[i];
+      member_wire(&w, i, m->name, (uint32_t)m->buffer, m->offset, m->size, m->has_meta ? &m->meta : NULL);
+    }
+    pthread_mutex_lock(&b->c->mu);
+    rc = publish_bundle_locked(b->c, name, b->bufs, b->nbufs, w.p, l->n, 0, stream, &v);
+    pthread_mutex_unlock(&b->c->mu);
+    members_wire_free(&w);
+  }
   if (rc == 0) {
     b->version = v;
     if (version)
@@ -2048,7 +2185,7 @@ int gpupool_publish_members(gpupool_client *c, const char *name, const gpupool_m
     member_wire(&w, i, m->name, (uint32_t)(idx - 1), m->offset, m->size, m->meta);
   }
   pthread_mutex_lock(&c->mu);
-  rc = publish_bundle_locked(c, name, bufs, nbufs, w.p, n, stream, version);
+  rc = publish_bundle_locked(c, name, bufs, nbufs, w.p, n, 0, stream, version);
   pthread_mutex_unlock(&c->mu);
 out:
   gpupool__hmap_free(&index);
@@ -2086,10 +2223,16 @@ int gpupool_bundle_get(gpupool_client *c, const char *name, uint64_t newer_than,
   if ((rc = bundle_get_request(name, newer_than, timeout_ms, flags, &req, &gb)) != 0)
     return rc;
   pthread_mutex_lock(&c->mu);
+  {
+    const clayout *known = layout_cached(c, name);
+    gb.known_layout = known ? known->id : 0;
+  }
   rc = get_across_restarts(c, &req, &gb.timeout_ms, timeout_ms, &rep);
   if (rc == 0) {
-    rc = bundle_from_reply(c, reply_bundle(rep), 1, stream, out);
+    rc = bundle_from_reply(c, reply_bundle(rep), 1, stream, name, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
+    if (rc == 0)
+      bundle_keep_mapped(*out, flags);
   }
   pthread_mutex_unlock(&c->mu);
   return rc;
@@ -2110,7 +2253,7 @@ int gpupool_bundle_release(gpupool_bundle *b, void *stream) {
   return rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO ? 0 : rc;
 }
 
-int gpupool_bundle_count(const gpupool_bundle *b) { return b ? b->nmembers : 0; }
+int gpupool_bundle_count(const gpupool_bundle *b) { return b ? b->layout->n : 0; }
 uint64_t gpupool_bundle_version(const gpupool_bundle *b) { return b ? b->version : 0; }
 int gpupool_bundle_buffers(const gpupool_bundle *b) { return b ? b->nbufs : 0; }
 gpupool_buffer *gpupool_bundle_buffer(const gpupool_bundle *b, int i) {
@@ -2122,18 +2265,22 @@ int gpupool_bundle_member(const gpupool_bundle *b, int i, gpupool_member *out) {
 }
 
 int gpupool_bundle_members(const gpupool_bundle *b, int first, int n, gpupool_member *out) {
-  if (!b || !out || first < 0 || n < 0 || first > b->nmembers || n > b->nmembers - first)
-    return gpupool__err(GPUPOOL_EINVAL, "members %d..%d asked of a bundle of %d", first, first + n - 1,
-                        b ? b->nmembers : 0);
-  memcpy(out, b->members + first, (size_t)n * sizeof *out);
+  int count = b ? b->layout->n : 0;
+  if (!b || !out || first < 0 || n < 0 || first > count || n > count - first)
+    return gpupool__err(GPUPOOL_EINVAL, "members %d..%d asked of a bundle of %d", first, first + n - 1, count);
+  for (int i = 0; i < n; i++) {
+    const gpupool_member *m = &b->layout->members[first + i];
+    out[i] = *m;
+    out[i].ptr = (char *)gpupool_buffer_ptr(b->bufs[m->buffer]) + m->offset;
+  }
   return 0;
 }
 
 int gpupool_bundle_find(const gpupool_bundle *b, const char *name) {
   if (!b || !name)
     return gpupool__err(GPUPOOL_EINVAL, "bundle_find: bundle and name must not be NULL");
-  for (int i = 0; i < b->nmembers; i++)
-    if (!strcmp(b->members[i].name, name))
+  for (int i = 0; i < b->layout->n; i++)
+    if (!strcmp(b->layout->members[i].name, name))
       return i;
   return gpupool__err(GPUPOOL_ENOENT, "the bundle has no member '%s'", name);
 }
@@ -2146,6 +2293,7 @@ struct gpupool_pending {
   gpupool_client *c;
   pending *p;
   int kind;
+  unsigned flags;             /* gets: GPUPOOL_KEEP_MAPPED applies when they end */
   gpupool_buffer *pub;        /* PEND_PUBLISH: the buffer published */
   int has_meta;
   gpupool_tensor_meta meta;
@@ -2158,7 +2306,7 @@ static int begin_locked(gpupool_client *c, gpupool__req *req, int kind, gpupool_
   int rc;
   if (!gp)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
-  if ((rc = ensure_connected(c)) != 0 || (rc = call_send(c, req, &gp->p)) != 0) {
+  if ((rc = ensure_connected(c)) != 0 || (rc = call_send(c, req, &gp->p, -1)) != 0) {
     free(gp);
     return rc;
   }
@@ -2180,7 +2328,8 @@ int gpupool_get_begin(gpupool_client *c, const char *name, uint64_t newer_than, 
   if ((rc = get_request(name, newer_than, timeout_ms, flags, &req, &gt)) != 0)
     return rc;
   pthread_mutex_lock(&c->mu);
-  rc = begin_locked(c, &req, PEND_GET, out);
+  if ((rc = begin_locked(c, &req, PEND_GET, out)) == 0)
+    (*out)->flags = flags;
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
@@ -2197,7 +2346,14 @@ int gpupool_bundle_get_begin(gpupool_client *c, const char *name, uint64_t newer
   if ((rc = bundle_get_request(name, newer_than, timeout_ms, flags, &req, &gb)) != 0)
     return rc;
   pthread_mutex_lock(&c->mu);
-  rc = begin_locked(c, &req, PEND_BGET, out);
+  {
+    const clayout *known = layout_cached(c, name);
+    gb.known_layout = known ? known->id : 0;
+  }
+  if ((rc = begin_locked(c, &req, PEND_BGET, out)) == 0) {
+    (*out)->flags = flags;
+    snprintf((*out)->name, sizeof (*out)->name, "%s", name);
+  }
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
@@ -2265,6 +2421,7 @@ static int end_locked(gpupool_pending *gp, gpupool__rep **rep) {
 int gpupool_get_end(gpupool_pending *gp, void *stream, gpupool_buffer **out, uint64_t *version) {
   gpupool_client *c;
   gpupool__rep *rep;
+  unsigned flags;
   int rc;
   if (!gp || !out || gp->kind != PEND_GET)
     return gpupool__err(GPUPOOL_EINVAL, "get_end: needs a pending get from gpupool_get_begin");
@@ -2273,12 +2430,15 @@ int gpupool_get_end(gpupool_pending *gp, void *stream, gpupool_buffer **out, uin
   if (version)
     *version = 0;
   c = gp->c;
+  flags = gp->flags;
   pthread_mutex_lock(&c->mu);
   if ((rc = end_locked(gp, &rep)) == 0) {
     if (version)
       *version = reply_version(rep);
     rc = materialize(c, reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_GET), 1, stream, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
+    if (rc == 0)
+      keep_mapped(*out, flags);
   }
   pthread_mutex_unlock(&c->mu);
   return rc;
@@ -2287,16 +2447,22 @@ int gpupool_get_end(gpupool_pending *gp, void *stream, gpupool_buffer **out, uin
 int gpupool_bundle_get_end(gpupool_pending *gp, void *stream, gpupool_bundle **out) {
   gpupool_client *c;
   gpupool__rep *rep;
+  char name[GPUPOOL_NAME_MAX + 1];
+  unsigned flags;
   int rc;
   if (!gp || !out || gp->kind != PEND_BGET)
     return gpupool__err(GPUPOOL_EINVAL, "bundle_get_end: needs a pending get from gpupool_bundle_get_begin");
   gpupool__err_clear();
   *out = NULL;
   c = gp->c;
+  flags = gp->flags;
+  memcpy(name, gp->name, sizeof name);
   pthread_mutex_lock(&c->mu);
   if ((rc = end_locked(gp, &rep)) == 0) {
-    rc = bundle_from_reply(c, reply_bundle(rep), 1, stream, out);
+    rc = bundle_from_reply(c, reply_bundle(rep), 1, stream, name, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
+    if (rc == 0)
+      bundle_keep_mapped(*out, flags);
   }
   pthread_mutex_unlock(&c->mu);
   return rc;
@@ -2482,4 +2648,235 @@ int gpupool_buffer_tensor(const gpupool_buffer *b, gpupool_tensor_meta *out) {
     return gpupool__err(GPUPOOL_ENOENT, "buffer %" PRIu64 " was published without tensor metadata", b->buffer_id);
   *out = b->meta;
   return 0;
+}
+
+/* ---- read-only file objects ----------------------------------------------------------------- */
+
+struct gpupool_file {
+  const gpupool__cbackend_ops *be; /* what registered it (NULL when not registered) */
+  void *map;                       /* the mapping: page-aligned, map_len bytes */
+  size_t map_len;
+  const uint8_t *ptr;              /* the range's first byte inside it */
+  const uint8_t *dev;              /* its device address, or NULL */
+  gpupool_file_info info;
+};
+
+static void file_info_from(const Gpupool__Wire__FileInfo *fi, gpupool_file_info *out) {
+  memset(out, 0, sizeof *out);
+  out->offset = fi->offset;
+  out->length = fi->length;
+  out->size = fi->size;
+  out->dev = fi->dev;
+  out->ino = fi->ino;
+  out->mtime_sec = fi->mtime_sec;
+  out->mtime_nsec = fi->mtime_nsec;
+}
+
+int gpupool_publish_file(gpupool_client *c, const char *name, const char *path, uint64_t offset, uint64_t length,
+                         gpupool_file_info *info) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__PublishFile pf = GPUPOOL__WIRE__PUBLISH_FILE__INIT;
+  gpupool__rep *rep;
+  struct stat st;
+  int rc, fd, fl;
+
+  if (!c || !name || !path)
+    return gpupool__err(GPUPOOL_EINVAL, "publish_file: client, name and path must not be NULL");
+  gpupool__err_clear();
+  if ((rc = gpupool__wire_check_name(name)) != 0)
+    return rc;
+  if (length && offset + length < offset)
+    return gpupool__err(GPUPOOL_EINVAL, "offset %" PRIu64 " + length %" PRIu64 " overflows a 64-bit byte count",
+                        offset, length);
+  /* The caller's own open, with its own credentials: what proves to the daemon that it may
+   * read the file. O_NONBLOCK so that a FIFO does not hang the open; O_NOCTTY for a tty. */
+  fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  if (fd < 0) {
+    int e = errno;
+    return gpupool__err(e == ENOENT || e == ENOTDIR ? GPUPOOL_ENOENT
+                        : e == EACCES || e == EPERM  ? GPUPOOL_EPERM
+                                                     : GPUPOOL_EINVAL,
+                        "cannot open '%s' for reading: %s", path, strerror(e));
+  }
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    close(fd);
+    return gpupool__err(GPUPOOL_EINVAL, "'%s' is %s: only regular files can be published", path,
+                        S_ISDIR(st.st_mode) ? "a directory" : "not a regular file");
+  }
+  if ((fl = fcntl(fd, F_GETFL)) >= 0)
+    (void)fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+  pf.name = (char *)name;
+  pf.path = (char *)path;
+  pf.offset = offset;
+  pf.length = length;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE;
+  req.publish_file = &pf;
+  pthread_mutex_lock(&c->mu);
+  rc = ensure_connected(c);
+  if (rc == 0) {
+    rc = call_fds(c, &req, &rep, NULL, fd);
+    if ((rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO) && c->broken && c->reconnect_ms > 0 &&
+        (rc = ensure_connected(c)) == 0)
+      rc = call_fds(c, &req, &rep, NULL, fd);
+  }
+  if (rc == 0) {
+    if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE || !rep->publish_file ||
+        !rep->publish_file->file) {
+      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon answered PublishFile with something else");
+    } else {
+      if (info)
+        file_info_from(rep->publish_file->file, info);
+      note_published(c, name);
+    }
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  pthread_mutex_unlock(&c->mu);
+  close(fd); /* the daemon has its own copy */
+  return rc;
+}
+
+/* Checks the fd against the description and maps the range. Takes fd. */
+static int file_map(int fd, const Gpupool__Wire__FileInfo *fi, const char *name, gpupool_file *f) {
+  struct stat st;
+  long page = sysconf(_SC_PAGESIZE);
+  uint64_t start, delta;
+  int rc = 0;
+
+  if (page <= 0)
+    page = 4096;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    rc = gpupool__err(GPUPOOL_EPROTO, "the fd the daemon sent for '%s' is not a regular file", name);
+    goto out;
+  }
+  if (fi->length == 0 || fi->offset + fi->length < fi->offset) {
+    rc = gpupool__err(GPUPOOL_EPROTO, "the daemon described '%s' with an invalid range", name);
+    goto out;
+  }
+  if ((uint64_t)st.st_dev != fi->dev || (uint64_t)st.st_ino != fi->ino) {
+    rc = gpupool__err(GPUPOOL_EPROTO, "the fd the daemon sent for '%s' is not the file it describes", name);
+    goto out;
+  }
+  /* The daemon checked this too; the file may have changed since. Never map past the end. */
+  if ((uint64_t)st.st_size < fi->offset + fi->length) {
+    rc = gpupool__err(GPUPOOL_ESTALE,
+                      "file '%s' is now %" PRIu64 " bytes, shorter than the published range of %" PRIu64
+                      " bytes at offset %" PRIu64 " (it was %" PRIu64 " bytes when published)",
+                      name, (uint64_t)st.st_size, fi->length, fi->offset, fi->size);
+    goto out;
+  }
+  if ((uint64_t)st.st_size != fi->size || (int64_t)st.st_mtim.tv_sec != fi->mtime_sec ||
+      (uint32_t)st.st_mtim.tv_nsec != fi->mtime_nsec) {
+    rc = gpupool__err(GPUPOOL_ESTALE, "file '%s' changed since it was published (size %" PRIu64 " -> %" PRIu64
+                      ", or its mtime moved)", name, fi->size, (uint64_t)st.st_size);
+    goto out;
+  }
+  start = fi->offset & ~(uint64_t)(page - 1);
+  delta = fi->offset - start;
+  if (fi->length + delta > SIZE_MAX) {
+    rc = gpupool__err(GPUPOOL_ETOOBIG, "file '%s': a range of %" PRIu64 " bytes does not fit this address space",
+                      name, fi->length);
+    goto out;
+  }
+  f->map_len = (size_t)(fi->length + delta);
+  f->map = mmap(NULL, f->map_len, PROT_READ, MAP_SHARED, fd, (off_t)start);
+  if (f->map == MAP_FAILED) {
+    f->map = NULL;
+    rc = gpupool__err(GPUPOOL_EBACKEND, "cannot map %zu bytes of file '%s': %s (check RLIMIT_AS / vm.max_map_count)",
+                      f->map_len, name, strerror(errno));
+    goto out;
+  }
+  f->ptr = (const uint8_t *)f->map + delta;
+out:
+  close(fd); /* the mapping keeps the file */
+  return rc;
+}
+
+int gpupool_get_file(gpupool_client *c, const char *name, int timeout_ms, unsigned flags, gpupool_file **out) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__GetFile gf = GPUPOOL__WIRE__GET_FILE__INIT;
+  gpupool__rep *rep = NULL;
+  gpupool_file *f = NULL;
+  const Gpupool__Wire__FileInfo *fi;
+  uint64_t start = mono_ns() / 1000000;
+  int rc, fd = -1;
+
+  if (!c || !name || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "get_file: client, name and out must not be NULL");
+  gpupool__err_clear();
+  *out = NULL;
+  if ((rc = gpupool__wire_check_name(name)) != 0)
+    return rc;
+  gf.name = (char *)name;
+  gf.timeout_ms = wire_timeout(timeout_ms);
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_GET_FILE;
+  req.get_file = &gf;
+  pthread_mutex_lock(&c->mu);
+  /* As gpupool_get: a wait cut short by a daemon restart goes on with the next daemon. */
+  for (rc = ensure_connected(c); rc == 0;) {
+    uint64_t spent;
+    int last = gf.timeout_ms == 0;
+    rc = call(c, &req, &rep, &fd);
+    if ((rc != GPUPOOL_ECLOSED && rc != GPUPOOL_EIO) || !c->broken || c->reconnect_ms <= 0 || last)
+      break;
+    if ((rc = ensure_connected(c)) != 0)
+      break;
+    spent = mono_ns() / 1000000 - start;
+    if (timeout_ms >= 0)
+      gf.timeout_ms = spent >= (uint64_t)timeout_ms ? 0 : (uint32_t)((uint64_t)timeout_ms - spent);
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (rc != 0)
+    return rc;
+  if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_GET_FILE || !rep->get_file || !(fi = rep->get_file->file) ||
+      fd < 0) {
+    rc = gpupool__err(GPUPOOL_EPROTO, "the daemon answered GetFile for '%s' without the file or its fd", name);
+    goto fail;
+  }
+  if (!(f = calloc(1, sizeof *f))) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+    goto fail;
+  }
+  rc = file_map(fd, fi, name, f);
+  fd = -1;
+  if (rc != 0)
+    goto fail;
+  file_info_from(fi, &f->info);
+  if (!(flags & GPUPOOL_FILE_HOST_ONLY) && c->be && c->be->file_register) {
+    void *dev = NULL;
+    if ((rc = c->be->file_register(f->map, f->map_len, &dev)) != 0)
+      goto fail;
+    f->be = c->be;
+    f->dev = (const uint8_t *)dev + (f->ptr - (const uint8_t *)f->map);
+  }
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  *out = f;
+  return 0;
+fail:
+  if (fd >= 0)
+    close(fd);
+  if (f && f->map)
+    munmap(f->map, f->map_len);
+  free(f);
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  return rc;
+}
+
+const void *gpupool_file_ptr(const gpupool_file *f) { return f ? f->ptr : NULL; }
+const void *gpupool_file_device_ptr(const gpupool_file *f) { return f ? f->dev : NULL; }
+size_t gpupool_file_size(const gpupool_file *f) { return f ? (size_t)f->info.length : 0; }
+
+int gpupool_file_info_get(const gpupool_file *f, gpupool_file_info *out) {
+  if (!f || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "file_info: file and out must not be NULL");
+  *out = f->info;
+  return 0;
+}
+
+void gpupool_file_release(gpupool_file *f) {
+  if (!f)
+    return;
+  if (f->be && f->be->file_unregister)
+    f->be->file_unregister(f->map);
+  munmap(f->map, f->map_len);
+  free(f);
 }

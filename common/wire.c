@@ -422,7 +422,50 @@ void gpupool__wire_inbuf_init(gpupool__wire_inbuf *b, uint32_t max_frame) {
   b->max_frame = max_frame > GPUPOOL_WIRE_HARD_MAX_FRAME ? GPUPOOL_WIRE_HARD_MAX_FRAME : max_frame;
 }
 
+/* Close the fds of the frame handed out last that the caller did not take. */
+static void inbuf_drop_frame_fds(gpupool__wire_inbuf *b) {
+  close_fd_array(b->frame_fds, b->nframe_fds);
+  b->nframe_fds = 0;
+}
+
+static void inbuf_drop_fds(gpupool__wire_inbuf *b) {
+  close_fd_array(b->fds, b->nfds);
+  b->nfds = 0;
+  inbuf_drop_frame_fds(b);
+}
+
+int gpupool__wire_inbuf_frame_nfds(const gpupool__wire_inbuf *b) { return b->nframe_fds; }
+
+int gpupool__wire_inbuf_take_fd(gpupool__wire_inbuf *b) {
+  for (int i = 0; i < b->nframe_fds; i++)
+    if (b->frame_fds[i] >= 0) {
+      int fd = b->frame_fds[i];
+      b->frame_fds[i] = -1;
+      return fd;
+    }
+  return -1;
+}
+
+/* Where the last frame starting in [from, b->len) starts (frames are walked from b->off,
+ * always a frame start), or SIZE_MAX when none does. */
+static size_t inbuf_last_start(const gpupool__wire_inbuf *b, size_t from) {
+  size_t pos = b->off, last = SIZE_MAX;
+  while (pos < b->len) {
+    uint32_t n;
+    if (pos >= from)
+      last = pos;
+    if (b->len - pos < GPUPOOL_WIRE_HDR)
+      break;
+    n = get_le32(b->buf + pos);
+    if (n > b->max_frame)
+      break; /* inbuf_next refuses it */
+    pos += GPUPOOL_WIRE_HDR + (size_t)n;
+  }
+  return last;
+}
+
 void gpupool__wire_inbuf_free(gpupool__wire_inbuf *b) {
+  inbuf_drop_fds(b);
   free(b->buf);
   b->buf = NULL;
   b->len = b->off = b->cap = 0;
@@ -437,6 +480,8 @@ static int inbuf_reserve(gpupool__wire_inbuf *b, size_t need) {
   if (b->off > 0) {
     memmove(b->buf, b->buf + b->off, b->len - b->off);
     b->len -= b->off;
+    if (b->nfds)
+      b->fd_pos -= b->off; /* a waiting group's frame is never one already handed out */
     b->off = 0;
   }
   if (b->cap - b->len >= need)
@@ -460,11 +505,14 @@ int gpupool__wire_inbuf_fill(gpupool__wire_inbuf *b, int sock, int *fds_closed) 
   struct iovec iov;
   struct msghdr msg;
   ctrl_buf ctrl;
-  size_t need = 4096;
+  size_t need = 4096, start;
+  int got[GPUPOOL_WIRE_MAX_FDS];
+  int ngot, extra = 0;
   ssize_t n;
   int rc;
 
   *fds_closed = 0;
+  inbuf_drop_frame_fds(b);
   /* A partial frame needs room for all of it (its size was checked by inbuf_next). */
   if (b->len - b->off >= GPUPOOL_WIRE_HDR) {
     size_t want = GPUPOOL_WIRE_HDR + (size_t)get_le32(b->buf + b->off);
@@ -473,6 +521,7 @@ int gpupool__wire_inbuf_fill(gpupool__wire_inbuf *b, int sock, int *fds_closed) 
   }
   if ((rc = inbuf_reserve(b, need)) != 0)
     return rc;
+  start = b->len;
   for (;;) {
     memset(&msg, 0, sizeof msg);
     iov.iov_base = b->buf + b->len;
@@ -492,17 +541,33 @@ int gpupool__wire_inbuf_fill(gpupool__wire_inbuf *b, int sock, int *fds_closed) 
       return gpupool__err(GPUPOOL_ECLOSED, "peer reset the connection");
     return gpupool__err(GPUPOOL_EIO, "recvmsg on the gpupool socket failed: %s", strerror(errno));
   }
-  take_fds(&msg, NULL, 0, fds_closed); /* keeps none: every fd is closed and counted */
-  if (msg.msg_flags & MSG_CTRUNC)
+  ngot = take_fds(&msg, got, GPUPOOL_WIRE_MAX_FDS, &extra);
+  *fds_closed = extra;
+  if (msg.msg_flags & MSG_CTRUNC) {
+    close_fd_array(got, ngot);
     return gpupool__err(GPUPOOL_EPROTO,
                         "control data truncated: the peer sent more than %d fds with one frame", GPUPOOL_WIRE_MAX_FDS);
+  }
   if (n == 0) {
+    close_fd_array(got, ngot);
     if (b->len == b->off)
       return gpupool__err(GPUPOOL_ECLOSED, "peer closed the connection");
     return gpupool__err(GPUPOOL_EPROTO, "peer closed the connection in the middle of a frame (%zu bytes of it received)",
                         b->len - b->off);
   }
   b->len += (size_t)n;
+  if (ngot > 0) {
+    /* They belong to the last frame that starts in what was just read. */
+    size_t pos = extra || b->nfds ? SIZE_MAX : inbuf_last_start(b, start);
+    if (pos == SIZE_MAX) {
+      close_fd_array(got, ngot);
+      *fds_closed += ngot;
+    } else {
+      memcpy(b->fds, got, (size_t)ngot * sizeof *got);
+      b->nfds = ngot;
+      b->fd_pos = pos;
+    }
+  }
   return (int)(n > INT32_MAX ? INT32_MAX : n);
 }
 
@@ -519,6 +584,16 @@ int gpupool__wire_inbuf_next(gpupool__wire_inbuf *b, const uint8_t **payload, ui
                         n, b->max_frame);
   if (have - GPUPOOL_WIRE_HDR < n)
     return 0;
+  inbuf_drop_frame_fds(b);
+  if (b->nfds && b->fd_pos <= b->off) {
+    if (b->fd_pos == b->off) {
+      memcpy(b->frame_fds, b->fds, (size_t)b->nfds * sizeof *b->fds);
+      b->nframe_fds = b->nfds;
+    } else {
+      close_fd_array(b->fds, b->nfds); /* cannot happen: fd_pos is always a frame start */
+    }
+    b->nfds = 0;
+  }
   *payload = b->buf + b->off + GPUPOOL_WIRE_HDR;
   *len = n;
   b->off += GPUPOOL_WIRE_HDR + n;

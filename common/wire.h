@@ -108,14 +108,25 @@ gpupool__rep *gpupool__wire_unpack_reply(const gpupool__wire_rx *rx);
 
 /* Buffered receiver for the daemon: one recvmsg takes whatever frames are waiting (a client
  * pipelining requests costs one system call, not two per frame), and complete frames are
- * then handed out in order. The daemon accepts no fds: any that arrive are closed at once and
- * reported, so the caller can refuse the frame they came with. */
+ * then handed out in order.
+ *
+ * fds: a Unix stream recvmsg stops after the segment that carried fds, and a well-behaved
+ * sender attaches them to the first byte of their frame (one sendmsg per frame), so the fds
+ * a fill brings belong to the last frame that starts among the bytes it read. They are kept
+ * with that frame's position and handed out with it (gpupool__wire_inbuf_take_fd); fds that
+ * no frame can own (no frame starts in those bytes, or a previous group is still waiting for
+ * its frame) are closed at once and counted, so the caller can refuse the next frame. */
 typedef struct {
   uint8_t *buf;
   size_t len;         /* bytes held, starting at buf */
   size_t off;         /* start of the first frame not yet handed out */
   size_t cap;
   uint32_t max_frame;
+  int fds[GPUPOOL_WIRE_MAX_FDS]; /* fds waiting for the frame that starts at fd_pos */
+  int nfds;
+  size_t fd_pos;
+  int frame_fds[GPUPOOL_WIRE_MAX_FDS]; /* fds of the frame last handed out (-1 once taken) */
+  int nframe_fds;
 } gpupool__wire_inbuf;
 
 void gpupool__wire_inbuf_init(gpupool__wire_inbuf *b, uint32_t max_frame);
@@ -123,12 +134,17 @@ void gpupool__wire_inbuf_free(gpupool__wire_inbuf *b);
 /* One recvmsg of what is available. > 0 bytes read; 0 when the socket would block;
  * GPUPOOL_ECLOSED on EOF at a frame boundary; GPUPOOL_EPROTO on EOF inside a frame or
  * truncated control data (with a message); GPUPOOL_EIO / GPUPOOL_ENOMEM. *fds_closed counts
- * the fds that came with the bytes (all closed). */
+ * the fds that came with the bytes and that no frame could own (closed). */
 int gpupool__wire_inbuf_fill(gpupool__wire_inbuf *b, int sock, int *fds_closed);
 /* Next complete frame: 1 with payload and len pointing into the buffer (valid until the next
  * fill); 0 when none is complete yet; GPUPOOL_EPROTO when the next frame exceeds max_frame
  * (checked on its header, before any payload is read). */
 int gpupool__wire_inbuf_next(gpupool__wire_inbuf *b, const uint8_t **payload, uint32_t *len);
+/* The fds that came with the frame inbuf_next last handed out: how many, and the first one
+ * not yet taken (the caller then owns it), or -1. Those not taken are closed by the next
+ * inbuf_next, fill or free. */
+int gpupool__wire_inbuf_frame_nfds(const gpupool__wire_inbuf *b);
+int gpupool__wire_inbuf_take_fd(gpupool__wire_inbuf *b);
 
 /* Tensor metadata from the wire, checked: ranks, strides, dtype range, and a span (offset
  * included, overflow-checked) within size bytes. GPUPOOL_EMETA with a message otherwise. */

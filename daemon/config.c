@@ -53,6 +53,9 @@ void gpupool__config_defaults(gpupool__config *c) {
   c->max_queued_bytes_total = 1ull << 30;
   c->max_waiting_leases_per_uid = 64;
   c->handshake_timeout_ms = 5000;
+  c->allow_files = 1;
+  c->max_files = 1024;
+  c->file_leases = 1;
   c->metrics_interval_ms = 5000;
 }
 
@@ -195,6 +198,32 @@ int gpupool__config_set_backend(gpupool__config *c, const char *name) {
     return gpupool__err(GPUPOOL_EINVAL, "unknown backend '%s' (use auto, %s)", name,
                         gpupool__backend_names());
   c->backend = d;
+  return 0;
+}
+
+/* "file_paths = /data /models": absolute directory prefixes, separated by spaces or commas
+ * (empty: any path). Trailing slashes are dropped; "/" alone allows everything. */
+static int parse_file_paths(gpupool__config *c, const char *s) {
+  char buf[GPUPOOL_MAX_FILE_PATHS * 256], *save = NULL, *tok;
+  if (strlen(s) >= sizeof buf)
+    return gpupool__err(GPUPOOL_EINVAL, "file_paths is too long");
+  snprintf(buf, sizeof buf, "%s", s);
+  c->n_file_paths = 0;
+  for (tok = strtok_r(buf, " ,\t", &save); tok; tok = strtok_r(NULL, " ,\t", &save)) {
+    size_t n = strlen(tok);
+    if (tok[0] != '/')
+      return gpupool__err(GPUPOOL_EINVAL, "file_paths entry '%s' is not an absolute path", tok);
+    if (strstr(tok, "/../") || (n >= 3 && !strcmp(tok + n - 3, "/..")) || strstr(tok, "/./"))
+      return gpupool__err(GPUPOOL_EINVAL, "file_paths entry '%s' must be a canonical path (no . or ..)", tok);
+    while (n > 1 && tok[n - 1] == '/')
+      tok[--n] = '\0';
+    if (c->n_file_paths >= GPUPOOL_MAX_FILE_PATHS)
+      return gpupool__err(GPUPOOL_EINVAL, "file_paths has more than %d entries", GPUPOOL_MAX_FILE_PATHS);
+    if (n >= sizeof c->file_paths[0])
+      return gpupool__err(GPUPOOL_EINVAL, "file_paths entry '%s' is longer than %zu bytes", tok,
+                          sizeof c->file_paths[0] - 1);
+    memcpy(c->file_paths[c->n_file_paths++], tok, n + 1);
+  }
   return 0;
 }
 
@@ -363,6 +392,14 @@ int gpupool__config_set(gpupool__config *c, const char *k, const char *v) {
     return parse_u32(v, &c->max_waiting_leases_per_uid);
   if (!strcmp(k, "handshake_timeout_ms"))
     return parse_u32(v, &c->handshake_timeout_ms);
+  if (!strcmp(k, "allow_files"))
+    return parse_bool(v, &c->allow_files);
+  if (!strcmp(k, "file_leases"))
+    return parse_bool(v, &c->file_leases);
+  if (!strcmp(k, "max_files"))
+    return parse_u32(v, &c->max_files);
+  if (!strcmp(k, "file_paths"))
+    return parse_file_paths(c, v);
   if (!strcmp(k, "allow_uids"))
     return parse_id_list(v, (uint32_t *)c->allow_uids, &c->n_allow_uids);
   if (!strcmp(k, "allow_gids"))

@@ -15,6 +15,7 @@
 #define GPUPOOL_MAX_POOLS 32
 #define GPUPOOL_MAX_ALLOW 32
 #define GPUPOOL_MAX_SETS 32
+#define GPUPOOL_MAX_FILE_PATHS 16
 
 /* Users named by uid or by primary gid: a [tenant NAME] (its members are one tenant: they
  * share names and memory) or a [group NAME] (pools marked share = NAME are readable and
@@ -56,6 +57,15 @@ typedef struct {
    * memory they map); past it that uid gets no new buffers. */
   uint32_t max_waiting_leases_per_uid;
   uint32_t handshake_timeout_ms;
+  /* File objects (PublishFile): whether clients may publish files at all, the path prefixes
+   * allowed (checked on the path the daemon resolves from the client's fd; none = any file
+   * the client could open itself), the most files the daemon keeps open at once, and whether
+   * it takes a read lease on each to learn of opens for writing and truncations. */
+  int allow_files;
+  char file_paths[GPUPOOL_MAX_FILE_PATHS][256];
+  int n_file_paths;
+  uint32_t max_files;
+  int file_leases;
   /* Allow-lists; empty = everyone who can reach the socket. */
   uid_t allow_uids[GPUPOOL_MAX_ALLOW];
   int n_allow_uids;

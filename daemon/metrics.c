@@ -37,16 +37,21 @@
 
 /* ---- counters ------------------------------------------------------------------------------ */
 
-/* Request types, in the order of the Request oneof: cases 10..23 at index 1..14, cases
- * 30.. (bundles) from index 15; index 0 counts frames whose body was missing or unknown. */
+/* Request types, in the order of the Request oneof: cases 10..23 at index 1..14, then the
+ * bundle and file requests; index 0 counts frames whose body was missing or unknown. */
 static const char *const type_names[] = {
     "unknown",      "hello",        "attach_pool",   "allocate",          "release",
     "share",        "open",         "publish",       "get",               "unpublish",
     "stats",        "admin_clients", "admin_buffers", "admin_drop_client", "trim",
-    "allocate_bundle", "publish_bundle", "get_bundle",
+    "allocate_bundle", "publish_bundle", "get_bundle", "publish_file", "get_file",
 };
+/* Where the bundle requests (oneof cases 30..32) and the file requests (40..41) sit in
+ * type_names. */
+#define BUNDLE_TYPES 15
 #define FIRST_BUNDLE_CASE GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE_BUNDLE
-#define FIRST_BUNDLE_INDEX 15
+#define LAST_BUNDLE_CASE GPUPOOL__WIRE__REQUEST__BODY_GET_BUNDLE
+#define FILE_TYPES 18
+#define FIRST_FILE_CASE GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE
 #define N_TYPES ((int)(sizeof(type_names) / sizeof(type_names[0])))
 #define FIRST_CASE GPUPOOL__WIRE__REQUEST__BODY_HELLO
 
@@ -137,10 +142,13 @@ int gpupool__metrics_new(gpupool__metrics **out) {
 }
 
 static int type_index(int body_case) {
-  int i = body_case >= FIRST_BUNDLE_CASE ? body_case - FIRST_BUNDLE_CASE + FIRST_BUNDLE_INDEX
-                                         : body_case - FIRST_CASE + 1;
-  if (body_case < FIRST_BUNDLE_CASE && i >= FIRST_BUNDLE_INDEX)
-    return 0;
+  int i = body_case - FIRST_CASE + 1;
+  if (i >= BUNDLE_TYPES)
+    i = 0;
+  if (body_case >= FIRST_BUNDLE_CASE && body_case <= LAST_BUNDLE_CASE)
+    i = BUNDLE_TYPES + body_case - FIRST_BUNDLE_CASE;
+  if (body_case >= FIRST_FILE_CASE)
+    i = FILE_TYPES + body_case - FIRST_FILE_CASE;
   return (i >= 1 && i < N_TYPES) ? i : 0;
 }
 

@@ -88,6 +88,7 @@ static void event_put(gpupool__registry *reg, gpupool__event *e) {
 /* ---- leases ----------------------------------------------------------------------------- */
 
 static void uid_account(gpupool__registry *reg, uint64_t tenant, int64_t bytes, int32_t allocs);
+static void layout_unref(gpupool__registry *reg, gpupool__layout *l);
 
 int gpupool__lease_new(gpupool__registry *reg, uid_t uid, gid_t gid, pid_t pid, gpupool__lease **out, int *peer) {
   gpupool__lease *l;
@@ -551,6 +552,7 @@ static void finish_free(gpupool__registry *reg, gpupool__buffer *b) {
   p->used -= b->size;
   p->nbuffers--;
   event_put(reg, b->ready);
+  layout_unref(reg, b->layout);
   /* Only now is the range really back: until here it stays on its owner's account. */
   uid_account(reg, b->owner_tenant, -(int64_t)b->size, -1);
   free(b->done);
@@ -1246,10 +1248,73 @@ static void members_account(gpupool__registry *reg, uint64_t tenant, int64_t del
   gpupool__uid_usage_put(reg, u);
 }
 
+/* A new layout (one reference, the caller's) over members (taken over; freed on failure), which
+ * lie in nbufs buffers; counted against tenant's members. */
+static int layout_new(gpupool__registry *reg, uint64_t tenant, gpupool__member *members, uint32_t n,
+                      uint32_t nbufs, gpupool__layout **out) {
+  gpupool__layout *l = calloc(1, sizeof *l);
+  if (!l || !(l->need = calloc(nbufs ? nbufs : 1, sizeof *l->need))) {
+    free(l);
+    members_free(members, n);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  }
+  l->id = next_id(reg);
+  l->refs = 1;
+  l->tenant = tenant;
+  l->members = members;
+  l->n = n;
+  l->nbufs = nbufs;
+  for (uint32_t i = 0; i < n; i++)
+    if (members[i].offset + members[i].size > l->need[members[i].buffer])
+      l->need[members[i].buffer] = members[i].offset + members[i].size;
+  if (gpupool__hmap_put(&reg->layouts, l->id, l) != 0) {
+    free(l->need);
+    free(l);
+    members_free(members, n);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  }
+  gpupool__uid_usage *u = gpupool__uid_usage_get(reg, tenant, 1);
+  if (u)
+    u->members += n;
+  *out = l;
+  return 0;
+}
+
+static void layout_unref(gpupool__registry *reg, gpupool__layout *l) {
+  if (!l || --l->refs > 0)
+    return;
+  gpupool__hmap_del(&reg->layouts, l->id);
+  members_account(reg, l->tenant, -(int64_t)l->n);
+  members_free(l->members, l->n);
+  free(l->need);
+  free(l);
+}
+
+/* Whether n more members fit in tenant's max_members_per_uid (less `freed`, members a new
+ * version releases). */
+static int members_fit(gpupool__registry *reg, uint64_t tenant, uint64_t n, uint64_t freed) {
+  const gpupool__config *cfg = reg->cfg;
+  gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, tenant);
+  uint64_t have = u ? u->members : 0;
+  char who[80];
+  have = have > freed ? have - freed : 0;
+  if (!cfg->max_members_per_uid || have + n <= cfg->max_members_per_uid)
+    return 0;
+  gpupool__tenant_label(cfg, tenant, who, sizeof who);
+  return gpupool__err(GPUPOOL_ELIMIT,
+                      "%" PRIu64 " more members would bring %s to %" PRIu64 " members in bundles, over the limit "
+                      "(max_members_per_uid) of %u; unpublish or release bundles it no longer needs",
+                      n, who, have + n, cfg->max_members_per_uid);
+}
+
 /* Drops what a name's current version refers to (its buffers' references, its members). */
 static void name_clear(gpupool__registry *reg, gpupool__name *n) {
-  members_account(reg, n->tenant, -(int64_t)n->nmembers);
-  members_free(n->members, n->nmembers);
+  if (n->file) {
+    gpupool__file_close(reg, n->file);
+    n->file = NULL;
+  }
+  layout_unref(reg, n->layout);
+  n->layout = NULL;
   n->members = NULL;
   n->nmembers = 0;
   for (uint32_t i = 0; i < n->nbufs; i++) {
@@ -1271,10 +1336,10 @@ static void name_free(gpupool__registry *reg, gpupool__name *n) {
  * the name limits (for a new name) and the member limits. *key gets the name's key and *old
  * the name's entry when it exists. */
 static int publish_check(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__buffer *const *bufs,
-                         uint32_t nbufs, uint32_t nmembers, char *key, size_t keylen, gpupool__name **old) {
+                         uint32_t nbufs, char *key, size_t keylen, gpupool__name **old) {
   const gpupool__config *cfg = reg->cfg;
   gpupool__uid_usage *u;
-  uint64_t owner, have;
+  uint64_t owner;
   char who[80];
   int rc;
   if ((rc = gpupool__name_key(reg, c, name, key, keylen, &owner)) != 0)
@@ -1289,6 +1354,9 @@ static int publish_check(gpupool__registry *reg, gpupool__client *c, const char 
                           (bufs[i]->slab->owner & GROUP_SET) ? "as group:GROUP/NAME" : "under a plain name");
     }
   *old = gpupool__smap_get(&reg->names, key);
+  if (*old && (*old)->file)
+    return gpupool__err(GPUPOOL_EEXIST, "'%s' names a published file; unpublish it before publishing buffers "
+                        "under that name", name);
   u = gpupool__uid_usage_get(reg, c->tenant, 0);
   gpupool__tenant_label(cfg, c->tenant, who, sizeof who);
   if (!*old) {
@@ -1301,24 +1369,14 @@ static int publish_check(gpupool__registry *reg, gpupool__client *c, const char 
                           "unpublish names it no longer needs (names outlive their publisher)",
                           who, u->names, cfg->max_names_per_uid);
   }
-  /* The members this publish would leave the tenant with (a new version replaces the old
-   * version's members when the name is its own tenant's). */
-  have = u ? u->members : 0;
-  if (*old && (*old)->tenant == c->tenant)
-    have -= (*old)->nmembers;
-  if (cfg->max_members_per_uid && nmembers && have + nmembers > cfg->max_members_per_uid)
-    return gpupool__err(GPUPOOL_ELIMIT,
-                        "publishing %u members would bring %s to %" PRIu64 " members in published bundles, over "
-                        "the limit (max_members_per_uid) of %u; unpublish bundles it no longer needs",
-                        nmembers, who, have + nmembers, cfg->max_members_per_uid);
   return 0;
 }
 
-/* Make (bufs, members) the current version of `key`, creating the name or replacing its
- * previous version in one step. Takes over members and bufs (an array of nbufs buffers, each
- * given one reference here). Cannot fail once the name exists. */
+/* Make (bufs, layout) the current version of `key`, creating the name or replacing its
+ * previous version in one step. Takes over bufs (an array of nbufs buffers, each given one
+ * reference here) and the caller's reference on layout. Cannot fail once the name exists. */
 static int publish_commit(gpupool__registry *reg, gpupool__client *c, const char *key, gpupool__name *n,
-                          gpupool__buffer **bufs, uint32_t nbufs, gpupool__member *members, uint32_t nmembers,
+                          gpupool__buffer **bufs, uint32_t nbufs, gpupool__layout *layout,
                           int read_only, const gpupool_tensor_meta *meta, uint64_t *version) {
   uint64_t prev = 0;
   if (!n) {
@@ -1327,7 +1385,7 @@ static int publish_commit(gpupool__registry *reg, gpupool__client *c, const char
       if (n)
         free(n->name);
       free(n);
-      members_free(members, nmembers);
+      layout_unref(reg, layout);
       free(bufs);
       return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     }
@@ -1360,9 +1418,9 @@ static int publish_commit(gpupool__registry *reg, gpupool__client *c, const char
   }
   n->bufs = bufs;
   n->nbufs = nbufs;
-  n->members = members;
-  n->nmembers = nmembers;
-  members_account(reg, n->tenant, (int64_t)nmembers);
+  n->layout = layout;
+  n->members = layout ? layout->members : NULL;
+  n->nmembers = layout ? layout->n : 0;
   n->version = prev + 1;
   n->uid = c->uid;
   n->read_only = read_only;
@@ -1381,7 +1439,7 @@ static int publish_commit(gpupool__registry *reg, gpupool__client *c, const char
 int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id, const char *name,
                      const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all, uint64_t *version) {
   gpupool__hold *h = NULL;
-  gpupool__name *old;
+  gpupool__name *old = NULL;
   gpupool__buffer **bufs;
   gpupool_tensor_meta m;
   int rc, has_meta = meta && meta->present;
@@ -1394,7 +1452,7 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
                         "publishing to other users (share_gid/share_all) is gone: its readers would get "
                         "the fd of a slab holding the publisher's other buffers. Allocate in a pool the "
                         "operator shares with a group (share = GROUP) and publish as group:GROUP/NAME");
-  if ((rc = publish_check(reg, c, name, &h->buf, 1, 0, key, sizeof key, &old)) != 0)
+  if ((rc = publish_check(reg, c, name, &h->buf, 1, key, sizeof key, &old)) != 0)
     return rc;
   if (has_meta && (rc = gpupool__wire_meta_from(meta, h->buf->asked, &m)) != 0)
     return rc;
@@ -1402,7 +1460,7 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   bufs[0] = h->buf;
   /* A name never upgrades the hold it was published from. */
-  return publish_commit(reg, c, key, old, bufs, 1, NULL, 0, h->read_only, has_meta ? &m : NULL, version);
+  return publish_commit(reg, c, key, old, bufs, 1, NULL, h->read_only, has_meta ? &m : NULL, version);
 }
 
 /* A small open-addressing set of member names, to refuse duplicates in O(n). */
@@ -1483,10 +1541,11 @@ static int dup_error(const char *name, size_t idx) {
 
 int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const char *name, const uint64_t *hold_ids,
                             size_t nholds, Gpupool__Wire__BundleMember *const *wm, size_t nmembers,
-                            uint64_t *version) {
+                            uint64_t layout_id, uint64_t *version) {
   gpupool__buffer **bufs = NULL;
   gpupool__member *members = NULL;
-  gpupool__name *old;
+  gpupool__layout *layout = NULL;
+  gpupool__name *old = NULL;
   uint32_t *used = NULL;
   char key[GPUPOOL_NAME_KEY_MAX + 1];
   size_t i, dup, nm = 0;
@@ -1495,13 +1554,25 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
   gpupool__hmap seen;
 
   gpupool__hmap_init(&seen);
-  if ((rc = check_member_count(reg, nmembers)) != 0)
+  if (layout_id && nmembers)
+    return gpupool__err(GPUPOOL_EINVAL, "a bundle is published with its members or with a layout id, not both");
+  if (layout_id) {
+    layout = gpupool__hmap_get(&reg->layouts, layout_id);
+    if (!layout || layout->tenant != c->tenant)
+      return gpupool__err(GPUPOOL_ENOENT, "member table %" PRIu64 " is not one this daemon has for your tenant (it "
+                          "went with the last bundle that used it); publish the members themselves", layout_id);
+    if (nholds != layout->nbufs)
+      return gpupool__err(GPUPOOL_EINVAL, "member table %" PRIu64 " spans %u buffers, not %zu", layout_id,
+                          layout->nbufs, nholds);
+    nmembers = layout->n;
+  } else if ((rc = check_member_count(reg, nmembers)) != 0) {
     return rc;
+  }
   if (nholds == 0 || nholds > nmembers)
     return gpupool__err(GPUPOOL_EINVAL, "a bundle of %zu members lies in 1 to %zu buffers, not %zu", nmembers,
                         nmembers, nholds);
-  if (!(bufs = calloc(nholds, sizeof *bufs)) || !(members = calloc(nmembers, sizeof *members)) ||
-      !(used = calloc(nholds, sizeof *used))) {
+  if (!(bufs = calloc(nholds, sizeof *bufs)) || !(used = calloc(nholds, sizeof *used)) ||
+      (!layout && !(members = calloc(nmembers, sizeof *members)))) {
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     goto fail;
   }
@@ -1517,6 +1588,11 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
     }
     bufs[i] = h->buf;
     read_only |= h->read_only;
+    if (layout && layout->need[i] > h->buf->asked) {
+      rc = gpupool__err(GPUPOOL_EINVAL, "member table %" PRIu64 " needs %" PRIu64 " bytes in buffer %zu, which has %"
+                        PRIu64, layout_id, layout->need[i], i, h->buf->asked);
+      goto fail;
+    }
     /* Each getter needs the fd of every slab it has not mapped, all in one reply frame. */
     if (h->buf->slab->bs.fd >= 0 && !gpupool__hmap_get(&seen, h->buf->slab->id)) {
       if (++fd_slabs > GPUPOOL_WIRE_MAX_FDS) {
@@ -1536,34 +1612,50 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
       goto fail;
     }
   }
-  for (nm = 0; nm < nmembers; nm++) {
-    const Gpupool__Wire__BundleMember *m = wm[nm];
-    if (m->buffer >= nholds) {
-      rc = gpupool__err(GPUPOOL_EINVAL, "member %zu ('%s') names buffer %u of a bundle of %zu buffers", nm,
-                        m->name ? m->name : "", m->buffer, nholds);
+  if (!layout) {
+    for (nm = 0; nm < nmembers; nm++) {
+      const Gpupool__Wire__BundleMember *m = wm[nm];
+      if (m->buffer >= nholds) {
+        rc = gpupool__err(GPUPOOL_EINVAL, "member %zu ('%s') names buffer %u of a bundle of %zu buffers", nm,
+                          m->name ? m->name : "", m->buffer, nholds);
+        goto fail;
+      }
+      if ((rc = member_from_wire(m->name, m->offset, m->size, m->tensor, bufs[m->buffer]->asked, nm,
+                                 &members[nm])) != 0)
+        goto fail;
+      members[nm].buffer = m->buffer;
+      used[m->buffer] = 1;
+    }
+    for (i = 0; i < nholds; i++)
+      if (!used[i]) {
+        rc = gpupool__err(GPUPOOL_EINVAL, "no member lies in buffer %zu (hold %" PRIu64 "); list only the buffers "
+                          "the members use", i, hold_ids[i]);
+        goto fail;
+      }
+    if ((rc = names_unique(wm, NULL, nmembers, &dup)) != 0) {
+      rc = rc == GPUPOOL_EEXIST ? dup_error(wm[dup]->name, dup) : gpupool__err(rc, "out of memory in the daemon");
       goto fail;
     }
-    if ((rc = member_from_wire(m->name, m->offset, m->size, m->tensor, bufs[m->buffer]->asked, nm, &members[nm])) != 0)
-      goto fail;
-    members[nm].buffer = m->buffer;
-    used[m->buffer] = 1;
   }
-  for (i = 0; i < nholds; i++)
-    if (!used[i]) {
-      rc = gpupool__err(GPUPOOL_EINVAL, "no member lies in buffer %zu (hold %" PRIu64 "); list only the buffers "
-                        "the members use", i, hold_ids[i]);
+  if ((rc = publish_check(reg, c, name, bufs, (uint32_t)nholds, key, sizeof key, &old)) != 0)
+    goto fail;
+  if (layout) {
+    layout->refs++;
+  } else {
+    /* The previous version's table goes with it when nothing else uses it. */
+    uint64_t freed = old && old->layout && old->layout->refs == 1 && old->layout->tenant == c->tenant
+                         ? old->layout->n : 0;
+    if ((rc = members_fit(reg, c->tenant, nmembers, freed)) != 0)
       goto fail;
-    }
-  if ((rc = names_unique(wm, NULL, nmembers, &dup)) != 0) {
-    rc = rc == GPUPOOL_EEXIST ? dup_error(wm[dup]->name, dup) : gpupool__err(rc, "out of memory in the daemon");
-    goto fail;
+    rc = layout_new(reg, c->tenant, members, (uint32_t)nmembers, (uint32_t)nholds, &layout);
+    members = NULL; /* taken over, also on failure */
+    nm = 0;
+    if (rc != 0)
+      goto fail;
   }
-  if ((rc = publish_check(reg, c, name, bufs, (uint32_t)nholds, (uint32_t)nmembers, key, sizeof key, &old)) != 0)
-    goto fail;
   free(used);
   gpupool__hmap_free(&seen);
-  return publish_commit(reg, c, key, old, bufs, (uint32_t)nholds, members, (uint32_t)nmembers, read_only, NULL,
-                        version);
+  return publish_commit(reg, c, key, old, bufs, (uint32_t)nholds, layout, read_only, NULL, version);
 fail:
   members_free(members, (uint32_t)nm);
   free(bufs);
@@ -1572,8 +1664,7 @@ fail:
   return rc;
 }
 
-/* The name as c may see it: ENAME for a malformed name, ENOENT when absent or invisible. */
-static int find_name(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__name **out) {
+int gpupool__find_name(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__name **out) {
   char key[GPUPOOL_NAME_KEY_MAX + 1];
   uint64_t owner;
   int rc = gpupool__name_key(reg, c, name, key, sizeof key, &owner);
@@ -1587,7 +1678,10 @@ static int find_name(gpupool__registry *reg, gpupool__client *c, const char *nam
 
 static int find_newer(gpupool__registry *reg, gpupool__client *c, const char *name, uint64_t newer_than,
                       gpupool__name **out) {
-  int rc = find_name(reg, c, name, out);
+  int rc = gpupool__find_name(reg, c, name, out);
+  if (rc == 0 && (*out)->file)
+    return gpupool__err(GPUPOOL_EINVAL, "'%s' names a published file, not a buffer: get it with gpupool_get_file "
+                        "(Python: Client.get_file_array)", name);
   if (rc == 0 && (*out)->version <= newer_than)
     return gpupool__err(GPUPOOL_ENOENT, "'%s' is at version %" PRIu64 ", not newer than %" PRIu64, name,
                         (*out)->version, newer_than);
@@ -1637,7 +1731,10 @@ void gpupool__hold_discard(gpupool__registry *reg, gpupool__hold *h) { hold_drop
 void gpupool__bundle_plan_free(gpupool__bundle_plan *plan) {
   if (!plan)
     return;
-  members_free(plan->members, plan->nmembers);
+  if (plan->layout)
+    layout_unref(plan->reg, plan->layout);
+  else
+    members_free(plan->members, plan->nmembers);
   free(plan->chunks);
   free(plan);
 }
@@ -1670,6 +1767,7 @@ int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
   plan->pool = p;
+  plan->reg = reg;
   plan->align = align;
   for (i = 0; i < n; i++) {
     const Gpupool__Wire__MemberSpec *sp = specs[i];
@@ -1715,6 +1813,14 @@ int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool
     rc = rc == GPUPOOL_EEXIST ? dup_error(names[dup], dup) : gpupool__err(rc, "out of memory in the daemon");
     goto fail;
   }
+  if ((rc = members_fit(reg, c->tenant, n, 0)) != 0)
+    goto fail;
+  rc = layout_new(reg, c->tenant, plan->members, (uint32_t)n, plan->nchunks, &plan->layout);
+  if (rc != 0) {
+    plan->members = NULL; /* freed by layout_new */
+    plan->nmembers = 0;
+    goto fail;
+  }
   free(names);
   *out = plan;
   return 0;
@@ -1741,13 +1847,18 @@ int gpupool__bundle_allocate(gpupool__registry *reg, gpupool__client *c, const g
         return gpupool__err(rc, "bundle of %" PRIu64 " bytes in %u buffers: %s", plan->total, plan->nchunks, msg);
       return gpupool__err(rc, "%s", msg);
     }
+  /* Each chunk keeps the layout, so the bundle can be published by its id while it lives. */
+  for (uint32_t i = 0; i < plan->nchunks; i++) {
+    hs[i]->buf->layout = plan->layout;
+    plan->layout->refs++;
+  }
   *holds = hs;
   return 0;
 }
 
 int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *name) {
   gpupool__name *n;
-  int rc = find_name(reg, c, name, &n);
+  int rc = gpupool__find_name(reg, c, name, &n);
   if (rc != 0)
     return rc;
   /* Found in the caller's own namespace (its tenant's, or a group it is in): its members
@@ -2010,6 +2121,7 @@ int gpupool__registry_init(gpupool__registry *reg, uv_loop_t *loop, const gpupoo
   gpupool__hmap_init(&reg->clients);
   gpupool__hmap_init(&reg->uids);
   gpupool__smap_init(&reg->names);
+  gpupool__hmap_init(&reg->layouts);
   uv_timer_init(loop, &reg->sweep_timer);
   reg->sweep_timer.data = reg;
   reg->pools = calloc((size_t)cfg->n_pools, sizeof *reg->pools);
@@ -2110,6 +2222,16 @@ void gpupool__registry_close(gpupool__registry *reg) {
     free(reg->events[i]);
   }
   free(reg->events);
+  /* Layouts still referenced by buffers that were never freed (kept on purpose when a
+   * dependency could not be recorded). */
+  for (size_t i = 0; i < reg->layouts.cap; i++)
+    if (gpupool__hmap_slot_used(&reg->layouts, i)) {
+      gpupool__layout *l = reg->layouts.slots[i].val;
+      members_free(l->members, l->n);
+      free(l->need);
+      free(l);
+    }
+  gpupool__hmap_free(&reg->layouts);
   for (size_t i = 0; i < reg->uids.cap; i++)
     if (gpupool__hmap_slot_used(&reg->uids, i))
       free(reg->uids.slots[i].val);

@@ -36,6 +36,7 @@ typedef struct gpupool__event gpupool__event;
 typedef struct gpupool__lease gpupool__lease;
 typedef struct gpupool__client gpupool__client;
 typedef struct gpupool__registry gpupool__registry;
+typedef struct gpupool__layout gpupool__layout;
 
 struct gpupool__event {
   uint32_t id;
@@ -152,6 +153,7 @@ struct gpupool__buffer {
    * handed out again: its slab takes no new buffers and goes back to the backend once empty
    * (CUDA keeps memory alive for a process that still maps it, whatever its queued work). */
   int died_in_use;
+  gpupool__layout *layout; /* the bundle allocation it is a chunk of (a reference), or NULL */
   gpupool__buffer *pending_next;
 };
 
@@ -165,6 +167,22 @@ struct gpupool__hold {
   gpupool__hold *prev, *next;   /* in client->holds */
 };
 
+/* A published read-only file (files.c): the fd the publisher opened O_RDONLY itself and
+ * passed with PublishFile, owned here until the name goes, and the range and identity it had
+ * when published. Consumers receive the same fd; at each get the daemon checks that the file
+ * still has that size and mtime and is long enough for the range. */
+typedef struct {
+  int fd;
+  uint64_t offset, length;   /* the range consumers map (length > 0) */
+  uint64_t size;             /* st_size at publish */
+  uint64_t dev, ino;
+  int64_t mtime_sec;
+  uint32_t mtime_nsec;
+  char *path;                /* as resolved from the fd, for messages */
+  int leased;                /* holds a read lease (F_SETLEASE F_RDLCK) */
+  int stale;                 /* the lease broke: opened for writing or truncated */
+} gpupool__file;
+
 /* A member of a bundle: a named range of one of its buffers. */
 typedef struct {
   char *name;
@@ -172,6 +190,19 @@ typedef struct {
   uint64_t offset, size;     /* inside that buffer */
   gpupool_tensor_meta *meta; /* NULL when published without one */
 } gpupool__member;
+
+/* A member table, immutable once made: laid out by an allocation (its buffers each keep a
+ * reference) or published as a bundle's members; names of that layout share it. Clients refer
+ * to it by id, so a warm republish or get moves no members. */
+struct gpupool__layout {
+  uint64_t id;
+  uint32_t refs;
+  uint64_t tenant;           /* whose members it counts as; only that tenant may publish by id */
+  gpupool__member *members;
+  uint32_t n;
+  uint32_t nbufs;            /* buffers it spans */
+  uint64_t *need;            /* per buffer: where its last member ends */
+};
 
 /* A published name: its current version, one buffer (gpupool_publish) or a bundle (members
  * lying in one or more buffers). Publishing the name again swaps all of it at once: the
@@ -182,8 +213,10 @@ typedef struct {
   uint64_t version;          /* 1 for the first publish, +1 for each one after */
   gpupool__buffer **bufs;    /* each referenced once by the name */
   uint32_t nbufs;
-  gpupool__member *members;  /* NULL for a single buffer published without members */
+  gpupool__layout *layout;   /* its member table (a reference), NULL for a single buffer */
+  gpupool__member *members;  /* layout's members, or NULL */
   uint32_t nmembers;
+  gpupool__file *file;       /* a published file (no buffers), or NULL */
   uid_t uid;                 /* who published the current version */
   uint64_t tenant;           /* whose names (and members) it counts against */
   uint64_t created_ns;
@@ -196,9 +229,11 @@ typedef struct {
  * when the pool is full): members one after the other, each aligned, cut into chunks of at
  * most one exported allocation; chunk i becomes buffer i. */
 typedef struct {
+  gpupool__registry *reg;
   gpupool__pool *pool;
   uint64_t align;
-  gpupool__member *members;  /* buffer = chunk index, offset inside the chunk */
+  gpupool__layout *layout;   /* the plan's reference; each allocated chunk takes one more */
+  gpupool__member *members;  /* layout's: buffer = chunk index, offset inside the chunk */
   uint32_t nmembers;
   uint64_t *chunks;          /* chunk sizes */
   uint32_t nchunks;
@@ -253,6 +288,7 @@ struct gpupool__registry {
   gpupool__hmap slabs;       /* id -> gpupool__slab */
   gpupool__hmap clients;     /* id -> gpupool__client */
   gpupool__smap names;       /* name -> gpupool__name */
+  gpupool__hmap layouts;     /* id -> gpupool__layout */
   gpupool__hmap uids;        /* uid -> gpupool__uid_usage */
   gpupool__buffer *pending;        /* refs == 0, waiting on dependencies */
   uint64_t npending;
@@ -264,6 +300,8 @@ struct gpupool__registry {
   gpupool__event *free_events;
   uint64_t next_id;
   uint64_t nnames;
+  uint64_t nfiles;           /* published files (each holds one fd) */
+  int lease_signal;          /* the server handles SIGIO: file leases may be taken */
   uv_timer_t sweep_timer;
   int sweep_timer_on;
   int memory_returned;       /* set when a range or slab came back; the server retries waiters */
@@ -343,7 +381,7 @@ int gpupool__get(gpupool__registry *reg, gpupool__client *c, const char *name, i
  * everything first; nothing changes on error. *version is the version made. */
 int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const char *name, const uint64_t *hold_ids,
                             size_t nholds, Gpupool__Wire__BundleMember *const *members, size_t nmembers,
-                            uint64_t *version);
+                            uint64_t layout_id, uint64_t *version);
 /* Get a bundle (or single buffer) by name: *holds (an array the caller frees) gets one new
  * hold per buffer, *name the name entry (valid until the loop runs again). Same codes as
  * gpupool__get, except that a single buffer is a bundle of one. */
@@ -362,6 +400,23 @@ int gpupool__bundle_allocate(gpupool__registry *reg, gpupool__client *c, const g
 /* Drop a hold made by the calls above before it reached the client (a reply failed). */
 void gpupool__hold_discard(gpupool__registry *reg, gpupool__hold *h);
 int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *name);
+/* Files (files.c). PublishFile: takes fd (closed on failure too), checks it is a regular file
+ * opened read-only, the operator's allow_files / file_paths, the range and the name limits,
+ * and files it under name in c's namespace; *out is the new name. */
+int gpupool__publish_file(gpupool__registry *reg, gpupool__client *c, const char *name, int fd,
+                          uint64_t offset, uint64_t length, const gpupool__name **out);
+/* GetFile: the file name c sees, checked against the file as it is now (GPUPOOL_ESTALE when it
+ * changed since publishing); GPUPOOL_ENOENT when absent, GPUPOOL_EINVAL for a buffer name. */
+int gpupool__get_file(gpupool__registry *reg, gpupool__client *c, const char *name, const gpupool__name **out);
+/* Close a file object (its name is being removed). */
+void gpupool__file_close(gpupool__registry *reg, gpupool__file *f);
+/* SIGIO came: find the files whose lease is breaking, mark them stale and let the lease go. */
+void gpupool__files_lease_check(gpupool__registry *reg);
+/* Let every lease go and take no more (SIGIO is no longer handled). */
+void gpupool__files_unlease(gpupool__registry *reg);
+/* Name lookup shared by buffers and files: ENAME for a malformed name, ENOENT when absent. */
+int gpupool__find_name(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__name **out);
+
 /* The client reports that it unmapped these slabs. */
 void gpupool__unmapped(gpupool__registry *reg, gpupool__client *c, const uint64_t *ids, size_t n);
 /* Give back unused slabs; counts what was freed now and what awaits unmapping. */

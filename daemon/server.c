@@ -11,6 +11,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,8 +32,9 @@
 
 typedef struct gpupool__conn gpupool__conn;
 
-/* What a waiting request is: an allocation, a get, a bundle get, a bundle allocation. */
-enum { WAIT_ALLOC = 1, WAIT_GET = 2, WAIT_BGET = 3, WAIT_ABUNDLE = 4 };
+/* What a waiting request is: an allocation, a get, a bundle get, a bundle allocation, a get
+ * of a file. */
+enum { WAIT_ALLOC = 1, WAIT_GET = 2, WAIT_BGET = 3, WAIT_ABUNDLE = 4, WAIT_GET_FILE = 5 };
 
 typedef struct gpupool__waiter gpupool__waiter;
 
@@ -55,6 +57,7 @@ struct gpupool__waiter {
   char *name;
   int read_only;
   uint64_t newer_than;          /* gets: wait for a version past this */
+  uint64_t known_layout;   /* bundle gets: the member table the client already has */
   gpupool__bundle_plan *plan;   /* WAIT_ABUNDLE: the checked layout (owned) */
   uint64_t started_ns;
   uv_timer_t timer;
@@ -83,6 +86,7 @@ struct gpupool__conn {
   int handles_open;
   gpupool__wire_inbuf in;
   int fds_pending;   /* fds arrived (and were closed): refuse the next frame with EFD */
+  int frame_fd;      /* the fd the frame being handled carried (PublishFile), or -1 */
   gpupool__wire_txq txq;
   size_t heap;        /* what this connection's queue and input buffer hold (counted in srv) */
   gpupool__waiter *waiters;
@@ -124,6 +128,8 @@ struct gpupool__server {
   int in_retry;
   uint64_t last_activity_ns;
   gpupool__metrics *metrics; /* counters and exporters; closed with the server */
+  uv_signal_t sigio;         /* file leases breaking (files.c) */
+  int sigio_on;
 };
 
 static void conn_close(gpupool__conn *c, const char *why);
@@ -269,12 +275,14 @@ static void waiter_remove(gpupool__waiter *w) {
 static void reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *h, const char *name,
                        uint64_t version);
 static void reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold **hs, uint32_t nhs,
-                         const gpupool__member *members, uint32_t nmembers, const gpupool__name *nm);
+                         const gpupool__layout *layout, const gpupool__name *nm, uint64_t known_layout);
+static void reply_file(gpupool__conn *c, uint64_t seq, const gpupool__name *n, const char *name, int kind);
 static int body_of(int kind) {
   switch (kind) {
   case WAIT_ALLOC: return GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
   case WAIT_GET: return GPUPOOL__WIRE__REQUEST__BODY_GET;
   case WAIT_BGET: return GPUPOOL__WIRE__REQUEST__BODY_GET_BUNDLE;
+  case WAIT_GET_FILE: return GPUPOOL__WIRE__REQUEST__BODY_GET_FILE;
   default: return GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE_BUNDLE;
   }
 }
@@ -287,7 +295,7 @@ static int try_alloc(gpupool__waiter *w) {
   if (w->kind == WAIT_ABUNDLE) {
     gpupool__hold **hs = NULL;
     if ((rc = gpupool__bundle_allocate(reg, &c->cl, w->plan, &hs)) == 0) {
-      reply_bundle(c, w->seq, WAIT_ABUNDLE, hs, w->plan->nchunks, w->plan->members, w->plan->nmembers, NULL);
+      reply_bundle(c, w->seq, WAIT_ABUNDLE, hs, w->plan->nchunks, w->plan->layout, NULL, 0);
       free(hs);
     }
     return rc;
@@ -303,11 +311,17 @@ static int try_get(gpupool__waiter *w) {
   gpupool__conn *c = w->conn;
   gpupool__registry *reg = c->srv->reg;
   int rc;
+  if (w->kind == WAIT_GET_FILE) {
+    const gpupool__name *fn = NULL;
+    if ((rc = gpupool__get_file(reg, &c->cl, w->name, &fn)) == 0)
+      reply_file(c, w->seq, fn, w->name, GPUPOOL__WIRE__REPLY__BODY_GET_FILE);
+    return rc;
+  }
   if (w->kind == WAIT_BGET) {
     gpupool__hold **hs = NULL;
     const gpupool__name *nm = NULL;
     if ((rc = gpupool__get_bundle(reg, &c->cl, w->name, w->read_only, w->newer_than, &hs, &nm)) == 0) {
-      reply_bundle(c, w->seq, WAIT_BGET, hs, nm->nbufs, nm->members, nm->nmembers, nm);
+      reply_bundle(c, w->seq, WAIT_BGET, hs, nm->nbufs, nm->layout, nm, w->known_layout);
       free(hs);
     }
     return rc;
@@ -378,7 +392,7 @@ static int waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout
     return rc;
   }
   /* Gets wait filed under the name's key in the caller's namespace: what a publish there wakes. */
-  if ((kind == WAIT_GET || kind == WAIT_BGET) &&
+  if (kind != WAIT_ALLOC && kind != WAIT_ABUNDLE &&
       (rc = gpupool__name_key(s->reg, &c->cl, name, key, sizeof key, &owner)) != 0)
     return rc;
   if (kind == WAIT_ALLOC || kind == WAIT_ABUNDLE) {
@@ -553,10 +567,13 @@ static void reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *
 }
 
 /* A bundle reply: one BufferDesc per hold (the slab fds that go with them, in that order) and
- * the member table. nm: the name it was got by (a single buffer without members comes as one
- * member named ""), or NULL for an allocation. */
+ * the member table, left out when the client said it has it (known_layout). nm: the name it
+ * was got by (a single buffer without members comes as one member named ""), or NULL for an
+ * allocation. */
 static void reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold **hs, uint32_t nhs,
-                         const gpupool__member *members, uint32_t nmembers, const gpupool__name *nm) {
+                         const gpupool__layout *layout, const gpupool__name *nm, uint64_t known_layout) {
+  const gpupool__member *members = layout ? layout->members : NULL;
+  uint32_t nmembers = layout ? layout->n : 0;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AllocateBundleReply ar = GPUPOOL__WIRE__ALLOCATE_BUNDLE_REPLY__INIT;
   Gpupool__Wire__GetBundleReply gr = GPUPOOL__WIRE__GET_BUNDLE_REPLY__INIT;
@@ -568,7 +585,9 @@ static void reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold
   Gpupool__Wire__TensorMeta *tm = NULL;
   int fds[GPUPOOL_WIRE_MAX_FDS], nfds = 0;
 
-  if (!members) {
+  if (layout && known_layout == layout->id)
+    nmembers = 0; /* the client has this table */
+  else if (!members) {
     /* A buffer published on its own: one member covering it, with the name's description. */
     memset(&single, 0, sizeof single);
     single.name = (char *)"";
@@ -578,8 +597,8 @@ static void reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold
     nmembers = 1;
   }
   if (!(ds = calloc(nhs, sizeof *ds)) || !(descs = calloc(nhs, sizeof *descs)) ||
-      !(wm = calloc(nmembers, sizeof *wm)) || !(wmp = calloc(nmembers, sizeof *wmp)) ||
-      !(tm = calloc(nmembers, sizeof *tm))) {
+      !(wm = calloc(nmembers + 1, sizeof *wm)) || !(wmp = calloc(nmembers + 1, sizeof *wmp)) ||
+      !(tm = calloc(nmembers + 1, sizeof *tm))) {
     /* The holds go with the connection; the client learns why. */
     for (uint32_t i = 0; i < nhs; i++)
       gpupool__hold_discard(c->srv->reg, hs[i]);
@@ -609,6 +628,7 @@ static void reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold
   b.n_members = nmembers;
   b.members = wmp;
   b.version = nm ? nm->version : 0;
+  b.layout_id = layout ? layout->id : 0;
   if (kind == WAIT_ABUNDLE) {
     ar.bundle = &b;
     rep.body_case = GPUPOOL__WIRE__REPLY__BODY_ALLOCATE_BUNDLE;
@@ -625,6 +645,35 @@ out:
   free(wm);
   free(wmp);
   free(tm);
+}
+
+/* A file name's description, and its fd in the same frame. kind: the reply body case. */
+static void reply_file(gpupool__conn *c, uint64_t seq, const gpupool__name *n, const char *name, int kind) {
+  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
+  Gpupool__Wire__PublishFileReply pr = GPUPOOL__WIRE__PUBLISH_FILE_REPLY__INIT;
+  Gpupool__Wire__GetFileReply gr = GPUPOOL__WIRE__GET_FILE_REPLY__INIT;
+  Gpupool__Wire__FileInfo fi = GPUPOOL__WIRE__FILE_INFO__INIT;
+  const gpupool__file *f = n->file;
+  fi.name = (char *)name;
+  fi.offset = f->offset;
+  fi.length = f->length;
+  fi.size = f->size;
+  fi.dev = f->dev;
+  fi.ino = f->ino;
+  fi.mtime_sec = f->mtime_sec;
+  fi.mtime_nsec = f->mtime_nsec;
+  fi.path = f->path;
+  if (kind == GPUPOOL__WIRE__REPLY__BODY_GET_FILE) {
+    gr.file = &fi;
+    rep.body_case = GPUPOOL__WIRE__REPLY__BODY_GET_FILE;
+    rep.get_file = &gr;
+    send_reply(c, seq, &rep, &f->fd, 1);
+  } else {
+    pr.file = &fi;
+    rep.body_case = GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE;
+    rep.publish_file = &pr;
+    send_reply(c, seq, &rep, NULL, 0);
+  }
 }
 
 /* ---- stats ---------------------------------------------------------------------------------- */
@@ -857,7 +906,7 @@ static int handle_publish_bundle(gpupool__conn *c, uint64_t seq, const Gpupool__
   Gpupool__Wire__PublishBundleReply pr = GPUPOOL__WIRE__PUBLISH_BUNDLE_REPLY__INIT;
   uint64_t version = 0;
   int rc = gpupool__publish_bundle(c->srv->reg, &c->cl, m->name, m->hold_ids, m->n_hold_ids, m->members,
-                                   m->n_members, &version);
+                                   m->n_members, m->layout_id, &version);
   if (rc != 0)
     return rc;
   published(c, m->name);
@@ -899,7 +948,7 @@ static int handle_allocate_bundle(gpupool__conn *c, uint64_t seq, const Gpupool_
     return 0;
   }
   if (rc == 0) {
-    reply_bundle(c, seq, WAIT_ABUNDLE, hs, plan->nchunks, plan->members, plan->nmembers, NULL);
+    reply_bundle(c, seq, WAIT_ABUNDLE, hs, plan->nchunks, plan->layout, NULL, 0);
     free(hs);
   }
   gpupool__bundle_plan_free(plan);
@@ -914,12 +963,13 @@ static int handle_get_bundle(gpupool__conn *c, uint64_t seq, const Gpupool__Wire
     if ((rc = waiter_add(c, seq, WAIT_BGET, m->timeout_ms, NULL, 0, 0, m->name, m->read_only, m->newer_than,
                          NULL)) != 0)
       return rc;
+    c->waiters->known_layout = m->known_layout; /* waiter_add put it first */
     *deferred = 1;
     return 0;
   }
   if (rc != 0)
     return rc;
-  reply_bundle(c, seq, WAIT_BGET, hs, nm->nbufs, nm->members, nm->nmembers, nm);
+  reply_bundle(c, seq, WAIT_BGET, hs, nm->nbufs, nm->layout, nm, m->known_layout);
   free(hs);
   return 0;
 }
@@ -950,6 +1000,38 @@ static int handle_unpublish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire_
   rep.body_case = GPUPOOL__WIRE__REPLY__BODY_UNPUBLISH;
   rep.unpublish = &ur;
   send_reply(c, seq, &rep, NULL, 0);
+  return 0;
+}
+
+static int handle_publish_file(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__PublishFile *m) {
+  const gpupool__name *n = NULL;
+  int fd = c->frame_fd, rc;
+  char key[GPUPOOL_NAME_KEY_MAX + 1];
+  uint64_t owner;
+  c->frame_fd = -1;
+  if (fd < 0)
+    return gpupool__err(GPUPOOL_EFD, "PublishFile carries no fd: the client opens the file O_RDONLY and sends the "
+                        "fd with the request (gpupool_publish_file does)");
+  if ((rc = gpupool__publish_file(c->srv->reg, &c->cl, m->name, fd, m->offset, m->length, &n)) != 0)
+    return rc; /* fd closed there */
+  reply_file(c, seq, n, m->name, GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE);
+  if (gpupool__name_key(c->srv->reg, &c->cl, m->name, key, sizeof key, &owner) == 0)
+    wake_getters(c->srv, key);
+  return 0;
+}
+
+static int handle_get_file(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__GetFile *m, int *deferred) {
+  const gpupool__name *n = NULL;
+  int rc = gpupool__get_file(c->srv->reg, &c->cl, m->name, &n);
+  if (rc == GPUPOOL_ENOENT && m->timeout_ms > 0) {
+    if ((rc = waiter_add(c, seq, WAIT_GET_FILE, m->timeout_ms, NULL, 0, 0, m->name, 1, 0, NULL)) != 0)
+      return rc;
+    *deferred = 1;
+    return 0;
+  }
+  if (rc != 0)
+    return rc;
+  reply_file(c, seq, n, m->name, GPUPOOL__WIRE__REPLY__BODY_GET_FILE);
   return 0;
 }
 
@@ -1139,6 +1221,10 @@ static int dispatch(gpupool__conn *c, const Gpupool__Wire__Request *req, int *de
     return handle_publish_bundle(c, req->seq, req->publish_bundle);
   case GPUPOOL__WIRE__REQUEST__BODY_GET_BUNDLE:
     return handle_get_bundle(c, req->seq, req->get_bundle, deferred);
+  case GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE:
+    return handle_publish_file(c, req->seq, req->publish_file);
+  case GPUPOOL__WIRE__REQUEST__BODY_GET_FILE:
+    return handle_get_file(c, req->seq, req->get_file, deferred);
   default:
     return gpupool__err(GPUPOOL_EPROTO,
                         "unknown request type (field %d); this daemon (%s) may be older than the client",
@@ -1159,8 +1245,32 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
     send_error(c, 0, GPUPOOL_EFD, "the daemon accepts no file descriptors from clients; they were closed");
     return;
   }
+  c->frame_fd = -1;
+  if (gpupool__wire_inbuf_frame_nfds(&c->in) > 0) {
+    /* Only PublishFile carries an fd, and only one. */
+    int nfds = gpupool__wire_inbuf_frame_nfds(&c->in);
+    c->frame_fd = gpupool__wire_inbuf_take_fd(&c->in);
+    if (nfds > 1) {
+      close(c->frame_fd);
+      c->frame_fd = -1;
+      send_error(c, 0, GPUPOOL_EFD, "a request carries at most one of the client's file descriptors (PublishFile's file); these were "
+                 "closed");
+      return;
+    }
+  }
   req = gpupool__wire__request__unpack(NULL, len, payload);
+  if (req && c->frame_fd >= 0 && req->body_case != GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE) {
+    close(c->frame_fd);
+    c->frame_fd = -1;
+    send_error(c, req->seq, GPUPOOL_EFD, "the daemon accepts file descriptors only with PublishFile; the one sent with this "
+                 "request was closed");
+    gpupool__wire__request__free_unpacked(req, NULL);
+    return;
+  }
   if (!req) {
+    if (c->frame_fd >= 0)
+      close(c->frame_fd);
+    c->frame_fd = -1;
     GPUPOOL__WARN("client %" PRIu64 " (pid %d) sent a malformed frame; dropping it", c->cl.id, (int)c->cl.pid);
     conn_drop_after_flush(c);
     send_error(c, 0, GPUPOOL_EPROTO, "malformed request frame (not a valid gpupool Request); closing the connection");
@@ -1182,6 +1292,10 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
         GPUPOOL__INFO("client %" PRIu64 ": %" PRIu64 " more refused requests were not logged", c->cl.id, report);
     }
     send_error(c, req->seq, rc, gpupool__errmsg());
+  }
+  if (c->frame_fd >= 0) {
+    close(c->frame_fd); /* refused before the handler took it */
+    c->frame_fd = -1;
   }
   if (!deferred)
     gpupool__metrics_request(s->metrics, body, rc, gpupool__now_ns() - t0);
@@ -1485,6 +1599,7 @@ static void conn_new(gpupool__server *s, int fd, const struct ucred *cred, gpupo
   c->srv = s;
   c->fd = fd;
   c->lease_peer = peer;
+  c->frame_fd = -1;
   c->cl.pid = cred->pid;
   c->cl.uid = cred->uid;
   c->cl.gid = cred->gid;
@@ -1631,6 +1746,12 @@ bind_fail:
   return rc;
 }
 
+static void on_sigio(uv_signal_t *h, int signum) {
+  gpupool__server *s = h->data;
+  (void)signum;
+  gpupool__files_lease_check(s->reg);
+}
+
 static void stats_release(void *server, Gpupool__Wire__StatsReply *st) {
   (void)server;
   stats_free(st);
@@ -1671,6 +1792,14 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
   }
   /* Kept for refusing connections with the reason when every other fd is taken. */
   s->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  /* A breaking file lease is announced with SIGIO, whose default action would end the daemon:
+   * leases are taken only once it is handled. */
+  uv_signal_init(loop, &s->sigio);
+  s->sigio.data = s;
+  if (cfg->file_leases && uv_signal_start(&s->sigio, on_sigio, SIGIO) == 0) {
+    s->sigio_on = 1;
+    reg->lease_signal = 1;
+  }
   uv_timer_init(loop, &s->accept_timer);
   s->accept_timer.data = s;
   uv_poll_init(loop, &s->listen_poll, s->listen_fd);
@@ -1718,7 +1847,16 @@ void gpupool__server_stop(gpupool__server *s) {
   s->metrics = NULL;
   log_refused_nofd(s, 0, 1);
   uv_poll_stop(&s->listen_poll);
-  s->listen_open = 2;
+  s->listen_open = 3;
+  if (s->sigio_on) {
+    /* Nothing handles SIGIO from now on: let every lease go first (a break would otherwise
+     * kill the daemon, or hold a writer up for the kernel's lease-break-time). */
+    gpupool__files_unlease(s->reg);
+    uv_signal_stop(&s->sigio);
+    signal(SIGIO, SIG_IGN);
+  }
+  s->sigio.data = s;
   uv_close((uv_handle_t *)&s->listen_poll, listen_closed);
   uv_close((uv_handle_t *)&s->accept_timer, listen_closed);
+  uv_close((uv_handle_t *)&s->sigio, listen_closed);
 }

@@ -8,12 +8,15 @@
 #   tools/gpu-bench.sh run      On the GPU machine, from the repository root: runs
 #                               gpupool_bench (its own private gpupoold on GPU 0), then
 #                               bench/torch_peer.py (torch.multiprocessing peer; skipped when
-#                               torch is missing), and prints a table of the key figures with
-#                               ratios; then gpupool_pinned_bench (copy throughput of a
-#                               host-NUMA pool buffer against cudaMallocHost and pageable
-#                               memory, its own private gpupoold; skipped when GPU 0 lacks
-#                               host-NUMA pools), whose table is appended. With $OUT set, the
-#                               full log and the tables are written to $OUT/gpu-bench.log and
+#                               torch is missing), then bench/file_share.py (N = 1, 4, 8
+#                               consumers bring one FILE_SIZE (default 4G) file to the GPU:
+#                               gpupool file object vs np.load / cupy.load), and prints a
+#                               table of the key figures with ratios; then
+#                               gpupool_pinned_bench (copy throughput of a host-NUMA pool
+#                               buffer against cudaMallocHost and pageable memory, its own
+#                               private gpupoold; skipped when GPU 0 lacks host-NUMA pools),
+#                               whose table is appended. With $OUT set, the full log and the
+#                               tables are written to $OUT/gpu-bench.log and
 #                               $OUT/gpu-bench-table.md, the pinned table alone also to
 #                               $OUT/pinned-bench-table.md. Last, bench/weight_sync.py (a
 #                               state dict handed over version after version by
@@ -59,6 +62,21 @@ run_bench() {
     77) echo "gpu-bench.sh: torch peer skipped (see above); its columns stay empty" ;;
     *) die "bench/torch_peer.py failed with status $rc (log above)" ;;
   esac
+  # Read-only file objects: N consumers bring one file to the GPU (FILE_SIZE, default 4G;
+  # FILE_DIR: where the file goes, default $TMPDIR).
+  set +e
+  LD_LIBRARY_PATH="$build/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    "${PYTHON:-python3}" bench/file_share.py --gpupoold "$daemon" \
+    --library "$build/client/libgpupool-client.so" --size "${FILE_SIZE:-4G}" \
+    ${FILE_DIR:+--dir "$FILE_DIR"} 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  case "$rc" in
+    0) ;;
+    77) echo "gpu-bench.sh: file-share benchmark skipped (see above)" ;;
+    *) die "bench/file_share.py failed with status $rc (log above)" ;;
+  esac
+
   awk '
     $1 == "BENCH" { v[$2] = $3 }
     $1 == "BENCH_INFO" && $2 == "device" { $1 = ""; $2 = ""; sub(/^ +/, ""); dev = $0 }
@@ -84,10 +102,16 @@ run_bench() {
       printf "| raw cudaMemPoolImportPointer 1 MiB p50 (us) | %s |\n", f("raw_import_ptr_p50_us")
       printf "| raw cudaIpcOpenEventHandle first / later p50 (us) | %s / %s |\n", f("raw_ipc_open_event_first_us"), f("raw_ipc_open_event_p50_us")
       printf "| raw cudaStreamWaitEvent p50 (us) | %s |\n", f("raw_stream_wait_event_p50_us")
+      printf "| bundle from C, 146 bf16 tensors 2.47 GB: cold / warm p50 / warm p99 (us) | %s / %s / %s |\n", f("bundle_llama146_cold_us"), f("bundle_llama146_warm_p50_us"), f("bundle_llama146_warm_p99_us")
+      printf "| same without GPUPOOL_KEEP_MAPPED (the slab imported again each version): cold / warm p50 / warm p99 (us) | %s / %s / %s |\n", f("bundle_llama146_nokeep_cold_us"), f("bundle_llama146_nokeep_warm_p50_us"), f("bundle_llama146_nokeep_warm_p99_us")
+      printf "| bundle from C, 1,000 x 64 KiB: cold / warm p50 / warm p99 (us) | %s / %s / %s |\n", f("bundle_small1000_cold_us"), f("bundle_small1000_warm_p50_us"), f("bundle_small1000_warm_p99_us")
       printf "| handoffs/s, 1 producer -> 4 consumers (64 KiB) | %s |\n", f("handoffs_per_s_1p4c")
       printf "| alloc+release ops/s, 16 processes (64 KiB) | %s |\n", f("alloc_release_ops_per_s_16p")
       printf "| read GB/s shared 1 GiB / local cudaMalloc | %s / %s (%s) |\n", f("bw_shared_gbps"), f("bw_local_gbps"), r("bw_shared_gbps", "bw_local_gbps")
     }' "$log" > "$table"
+  # The file-share table, as bench/file_share.py printed it.
+  sed -n '/^FILE_SHARE_TABLE_BEGIN$/,/^FILE_SHARE_TABLE_END$/{/^FILE_SHARE_TABLE/d;p}' "$log" |
+    { read -r first && { echo; echo "$first"; cat; } || true; } >> "$table"
 
   # The pinned tier: its own daemon, so it runs after the others are done with theirs.
   echo
@@ -141,6 +165,6 @@ run_bench() {
 case "${1:-build}" in
   build) exec tools/gpu-test.sh build ;;
   run) run_bench ;;
-  -h|--help) sed -n '2,23p' "$0" ;;
+  -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' ;;
   *) die "unknown mode '$1' (build or run)" ;;
 esac

@@ -445,6 +445,42 @@ static int cuda_sync(void *stream) {
   return 0;
 }
 
+/* A file mapping is PROT_READ: pinning it needs cudaHostRegisterReadOnly (the driver would
+ * otherwise ask for write access to the pages and fail). Mapped, so kernels read it in place
+ * over PCIe; copies from it run at pinned speed. Registration is process-wide (every device
+ * with unified addressing sees it). */
+static int cuda_file_register(void *base, size_t len, void **dev) {
+  cudaError_t e;
+  int device = 0, ro = 0;
+  if ((e = cudaGetDevice(&device)) != cudaSuccess)
+    return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaGetDevice", -1, NULL);
+  if (cudaDeviceGetAttribute(&ro, cudaDevAttrHostRegisterReadOnlySupported, device) != cudaSuccess || !ro) {
+    (void)cudaGetLastError();
+    return gpupool__err(GPUPOOL_ENOTSUP,
+                        "CUDA device %d cannot register read-only host memory "
+                        "(cudaDevAttrHostRegisterReadOnlySupported is 0), so a file mapping cannot be pinned for "
+                        "it; get the file with GPUPOOL_FILE_HOST_ONLY and copy from the CPU mapping",
+                        device);
+  }
+  /* Portable: pinned for every context of the process, not only the current device's. */
+  e = cudaHostRegister(base, len, cudaHostRegisterMapped | cudaHostRegisterPortable | cudaHostRegisterReadOnly);
+  if (e != cudaSuccess)
+    return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaHostRegister(read-only, mapped) of a file mapping", device,
+                              "check the locked-memory limit (ulimit -l) or get the file with "
+                              "GPUPOOL_FILE_HOST_ONLY");
+  e = cudaHostGetDevicePointer(dev, base, 0);
+  if (e != cudaSuccess) {
+    (void)cudaHostUnregister(base);
+    return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaHostGetDevicePointer of a file mapping", device, NULL);
+  }
+  return 0;
+}
+
+static void cuda_file_unregister(void *base) {
+  if (cudaHostUnregister(base) != cudaSuccess)
+    (void)cudaGetLastError();
+}
+
 const gpupool__cbackend_ops gpupool__cuda_client_ops = {
     .has_events = 1,
     .pool_import = cuda_pool_import,
@@ -459,4 +495,6 @@ const gpupool__cbackend_ops gpupool__cuda_client_ops = {
     .event_query = cuda_event_query,
     .stream_idle = cuda_stream_idle,
     .sync = cuda_sync,
+    .file_register = cuda_file_register,
+    .file_unregister = cuda_file_unregister,
 };

@@ -101,4 +101,7 @@ const gpupool__cbackend_ops gpupool__host_client_ops = {
     .pool_set_access = host_set_access,
     .slab_map = host_map,
     .slab_unmap = host_unmap,
+    /* No GPU: file mappings are used from the CPU as they are. */
+    .file_register = NULL,
+    .file_unregister = NULL,
 };

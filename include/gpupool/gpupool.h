@@ -65,14 +65,15 @@ extern "C" {
   X(ERDONLY, -20, "buffer is held read-only")                                              \
   X(EFD, -21, "file descriptor error")                                                     \
   X(ECONFIG, -22, "invalid configuration")                                                 \
-  X(ELOST, -23, "hold lost when the daemon restarted")
+  X(ELOST, -23, "hold lost when the daemon restarted")                                     \
+  X(ESTALE, -24, "file changed since it was published")
 
 typedef enum {
 #define GPUPOOL_ERRNO_GEN(name, val, msg) GPUPOOL_##name = (val),
   GPUPOOL_OK = 0,
   GPUPOOL_ERRNO_MAP(GPUPOOL_ERRNO_GEN)
 #undef GPUPOOL_ERRNO_GEN
-  GPUPOOL_ERRNO_MIN = -24
+  GPUPOOL_ERRNO_MIN = -25
 } gpupool_errno_t;
 
 /* Longest published name in bytes (excluding the terminating NUL). */
@@ -82,8 +83,15 @@ typedef enum {
 /* Size of a share token in bytes. */
 #define GPUPOOL_TOKEN_SIZE 24
 
-/* Flags for gpupool_open() and gpupool_get(). */
+/* Flags for gpupool_open() and gpupool_get() (and the bundle and pipelined gets). */
 #define GPUPOOL_READ_ONLY 0x1u
+/* Keep a dedicated slab (a buffer larger than the pool's slab size, such as a bundle's) mapped
+ * after its last buffer here is released, so that getting a later version that lies in it
+ * costs no new import (importing a 2.5 GB allocation takes about 2 ms on an H100). The mapping
+ * goes when the daemon frees the buffer and this client next talks to the daemon (any request)
+ * or disconnects; until then that memory stays out of the pool. For consumers that keep
+ * asking for new versions (weight sync); an idle client holds the memory. */
+#define GPUPOOL_KEEP_MAPPED 0x4u
 
 /* Opaque connection to gpupoold. Created by gpupool_connect(), freed by gpupool_disconnect(). */
 typedef struct gpupool_client gpupool_client;
@@ -270,6 +278,75 @@ GPUPOOL_EXTERN int gpupool_get(gpupool_client *c, const char *name, int timeout_
 
 /* Remove a name. Holders keep their buffers; the memory goes when the last one lets go. */
 GPUPOOL_EXTERN int gpupool_unpublish(gpupool_client *c, const char *name);
+
+/* ---- read-only file objects ----------------------------------------------------------------
+ *
+ * A file (or a range of it) published under a name, which other processes map without reading
+ * it into memory of their own: every consumer maps the same page cache, so a 20 GB dataset is
+ * in RAM once however many workers read it. On the CUDA backend the mapping is also registered
+ * with the GPU (read-only, mapped): kernels read it in place over PCIe, and copies from it run
+ * at pinned-memory speed.
+ *
+ * Permissions: gpupool_publish_file opens the file itself, O_RDONLY with this process's own
+ * credentials, and passes the fd to the daemon, so a process can publish only files it could
+ * read itself; the daemon's config may restrict further (allow_files, file_paths). Consumers
+ * are the clients that see the name (the publisher's tenant, or a group for "group:G/NAME");
+ * each receives a read-only fd of the whole file, although the library maps only the range.
+ *
+ * Changes: a get is refused with GPUPOOL_ESTALE when the file changed since it was published
+ * (its size or mtime moved, or it is now shorter than the range), and the library never maps
+ * past the end of the file. Limit: a file truncated by someone with write access AFTER a
+ * consumer mapped it can still fault (SIGBUS) in that consumer when it touches the pages that
+ * went away; publish files that are complete and that nobody writes any more. */
+
+/* Opaque mapping of a published file. Created by gpupool_get_file(), freed by
+ * gpupool_file_release(). */
+typedef struct gpupool_file gpupool_file;
+
+/* Flag for gpupool_get_file(): map for the CPU only, even on the CUDA backend (no
+ * cudaHostRegister; gpupool_file_device_ptr() then returns NULL). */
+#define GPUPOOL_FILE_HOST_ONLY 0x2u
+
+/* What a published file was when it was published. */
+typedef struct {
+  uint64_t offset;     /* the range in the file */
+  uint64_t length;
+  uint64_t size;       /* the file's size when published */
+  uint64_t dev, ino;   /* its identity (st_dev, st_ino) */
+  int64_t mtime_sec;   /* its mtime when published */
+  uint32_t mtime_nsec;
+} gpupool_file_info;
+
+/* Publish `length` bytes of the file at `path` from `offset` under `name` (length 0 = to the
+ * end of the file). The file is opened here, O_RDONLY, with the caller's own permissions (a
+ * symlink is followed as any open would); the name holds the daemon's copy of the fd until
+ * gpupool_unpublish(name). Errors: GPUPOOL_ENOENT (no such file), GPUPOOL_EPERM (the caller
+ * cannot read it, or the daemon's config does not allow it), GPUPOOL_EINVAL (not a regular
+ * file, empty range, range past the end of the file: the message names the sizes),
+ * GPUPOOL_EEXIST, GPUPOOL_ELIMIT (max_names, max_names_per_uid, max_files). info may be NULL;
+ * otherwise it receives the range as published. */
+GPUPOOL_EXTERN int gpupool_publish_file(gpupool_client *c, const char *name, const char *path, uint64_t offset,
+                                        uint64_t length, gpupool_file_info *info);
+
+/* Map the file published under `name`, waiting up to timeout_ms for it to be published (0 =
+ * fail at once with GPUPOOL_ENOENT; negative = wait forever). The range is mapped once,
+ * read-only and shared (MAP_SHARED, PROT_READ); on the CUDA backend it is also registered with
+ * the current device's context (unless flags has GPUPOOL_FILE_HOST_ONLY). GPUPOOL_ESTALE when
+ * the file changed since it was published. On success *out is owned by the caller, freed with
+ * gpupool_file_release(); it does not depend on c (it stays valid after gpupool_disconnect). */
+GPUPOOL_EXTERN int gpupool_get_file(gpupool_client *c, const char *name, int timeout_ms, unsigned flags,
+                                    gpupool_file **out);
+/* Address of the range's first byte in this process (read-only memory). */
+GPUPOOL_EXTERN const void *gpupool_file_ptr(const gpupool_file *f);
+/* Device address of the range's first byte (CUDA backend, registered mapping), or NULL. */
+GPUPOOL_EXTERN const void *gpupool_file_device_ptr(const gpupool_file *f);
+/* Bytes in the range. */
+GPUPOOL_EXTERN size_t gpupool_file_size(const gpupool_file *f);
+/* What the file was when published. */
+GPUPOOL_EXTERN int gpupool_file_info_get(const gpupool_file *f, gpupool_file_info *out);
+/* Unregister (CUDA) and unmap the range, and free f. Work still queued on the GPU that reads
+ * it must have completed (synchronize first). NULL is allowed. */
+GPUPOOL_EXTERN void gpupool_file_release(gpupool_file *f);
 
 /* Daemon counters and up to max_pools pools (*n_pools set to how many were written).
  * daemon and pools may be NULL. The structs grow at their end in later releases without an

@@ -21,6 +21,8 @@ NAME_MAX = 255
 MAX_NDIM = 16
 TOKEN_SIZE = 24
 READ_ONLY = 0x1
+FILE_HOST_ONLY = 0x2
+KEEP_MAPPED = 0x4
 
 MEM_HOST = 1
 MEM_DEVICE = 2
@@ -34,6 +36,7 @@ _CODE_NAMES = {
     -7: "ENOENT", -8: "EEXIST", -9: "ENOSPC", -10: "ETIMEDOUT", -11: "ETOOBIG", -12: "EPERM",
     -13: "ENOTSUP", -14: "EBACKEND", -15: "ELIMIT", -16: "ECLOSED", -17: "EBUSY",
     -18: "ENAME", -19: "EMETA", -20: "ERDONLY", -21: "EFD", -22: "ECONFIG", -23: "ELOST",
+    -24: "ESTALE",
 }
 CODES = {name: code for code, name in _CODE_NAMES.items()}
 
@@ -114,6 +117,25 @@ class DaemonStats(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint64) for n in (
         "clients", "buffers", "holds", "names", "requests", "errors", "open_fds",
         "pending_frees", "uptime_s")]
+
+
+class File(ctypes.Structure):
+    """Opaque gpupool_file."""
+
+
+FileP = ctypes.POINTER(File)
+
+
+class FileInfo(ctypes.Structure):
+    _fields_ = [
+        ("offset", ctypes.c_uint64),
+        ("length", ctypes.c_uint64),
+        ("size", ctypes.c_uint64),
+        ("dev", ctypes.c_uint64),
+        ("ino", ctypes.c_uint64),
+        ("mtime_sec", ctypes.c_int64),
+        ("mtime_nsec", ctypes.c_uint32),
+    ]
 
 
 class Token(ctypes.Structure):
@@ -216,6 +238,14 @@ _PROTOTYPES = {
                                      ctypes.POINTER(PoolStats), ctypes.c_size_t, _c_int,
                                      ctypes.POINTER(_c_int)]),
     "gpupool_trim": (_c_int, [ClientP]),
+    "gpupool_publish_file": (_c_int, [ClientP, _cp, _cp, ctypes.c_uint64, ctypes.c_uint64,
+                                      ctypes.POINTER(FileInfo)]),
+    "gpupool_get_file": (_c_int, [ClientP, _cp, _c_int, ctypes.c_uint, ctypes.POINTER(FileP)]),
+    "gpupool_file_ptr": (_vp, [FileP]),
+    "gpupool_file_device_ptr": (_vp, [FileP]),
+    "gpupool_file_size": (ctypes.c_size_t, [FileP]),
+    "gpupool_file_info_get": (_c_int, [FileP, ctypes.POINTER(FileInfo)]),
+    "gpupool_file_release": (None, [FileP]),
     "gpupool_tensor_span": (ctypes.c_uint64, [ctypes.POINTER(TensorMeta),
                                               ctypes.POINTER(_c_int)]),
     # versions

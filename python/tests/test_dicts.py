@@ -322,6 +322,27 @@ class Versions(DaemonTestCase):
             got.release()
         self.client.unpublish("v/db")
 
+    def test_keep_mapped(self):
+        gc.collect()
+        base = counters(self.stats())
+        spec = {"w": ((1 << 20,), "float32")}   # 4 MiB
+        a, b = self.client.alloc_dict(spec), self.client.alloc_dict(spec)
+        with gpupool.Client(self.socket, name="keeper") as consumer:
+            last = 0
+            for v in range(1, 5):
+                td = (a, b)[v % 2]
+                td.numpy()["w"][:4] = v
+                self.client.publish_dict("v/km", td)
+                with consumer.get_dict("v/km", newer_than=last, timeout=5,
+                                       keep_mapped=True) as got:
+                    self.assertEqual(got.version, v)
+                    self.assertEqual(got.numpy()["w"][:4].tolist(), [v] * 4)
+                    last = got.version
+        a.release()
+        b.release()
+        self.client.unpublish("v/km")
+        self.wait_stats(lambda st: counters(st) == base, "the baseline %r" % (base,))
+
     def test_consumer_killed_holding_a_version(self):
         base = counters(self.stats())
         version, td = peer.produce_dict(self.client, "v/k", 1)

@@ -226,6 +226,73 @@ static void simple(sbuf *b, uint64_t seq, Gpupool__Wire__Request__BodyCase which
   req(b, seq, &r);
 }
 
+/* AllocateBundle of n members m0.. (each size bytes; member 1 named like member 0 when dup). */
+static void allocate_bundle(sbuf *b, uint64_t seq, int n, uint64_t size, int dup, uint32_t timeout) {
+  gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__AllocateBundle m = GPUPOOL__WIRE__ALLOCATE_BUNDLE__INIT;
+  Gpupool__Wire__MemberSpec specs[8], *sp[8];
+  Gpupool__Wire__TensorMeta t = GPUPOOL__WIRE__TENSOR_META__INIT;
+  char names[8][8];
+  t.present = 1;
+  t.dtype_code = GPUPOOL_DTYPE_FLOAT;
+  t.dtype_bits = 32;
+  t.dtype_lanes = 1;
+  t.n_shape = 2;
+  t.shape = shape2;
+  for (int i = 0; i < n && i < 8; i++) {
+    gpupool__wire__member_spec__init(&specs[i]);
+    snprintf(names[i], sizeof names[i], "m%d", dup && i == 1 ? 0 : i);
+    specs[i].name = names[i];
+    specs[i].size = size;
+    specs[i].tensor = i == 0 ? &t : NULL;
+    sp[i] = &specs[i];
+  }
+  m.pool_name = (char *)"a";
+  m.n_members = (size_t)(n < 8 ? n : 8);
+  m.members = sp;
+  m.timeout_ms = timeout;
+  r.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE_BUNDLE;
+  r.allocate_bundle = &m;
+  req(b, seq, &r);
+}
+
+/* PublishBundle of three members over holds h0 (and h1 when not 0). */
+static void publish_bundle(sbuf *b, uint64_t seq, const char *name, uint64_t h0, uint64_t h1, uint64_t off) {
+  gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__PublishBundle m = GPUPOOL__WIRE__PUBLISH_BUNDLE__INIT;
+  Gpupool__Wire__BundleMember mm[3], *mp[3];
+  uint64_t holds[2] = {h0, h1};
+  static const char *const nm[3] = {"w", "b", "norm"};
+  for (int i = 0; i < 3; i++) {
+    gpupool__wire__bundle_member__init(&mm[i]);
+    mm[i].name = (char *)nm[i];
+    mm[i].buffer = h1 && i == 2 ? 1 : 0;
+    mm[i].offset = off * (uint64_t)i;
+    mm[i].size = 100;
+    mp[i] = &mm[i];
+  }
+  m.name = (char *)name;
+  m.n_hold_ids = h1 ? 2 : 1;
+  m.hold_ids = holds;
+  m.n_members = 3;
+  m.members = mp;
+  r.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_BUNDLE;
+  r.publish_bundle = &m;
+  req(b, seq, &r);
+}
+
+static void get_bundle(sbuf *b, uint64_t seq, const char *name, uint64_t newer_than, uint32_t timeout) {
+  gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__GetBundle m = GPUPOOL__WIRE__GET_BUNDLE__INIT;
+  m.name = (char *)name;
+  m.newer_than = newer_than;
+  m.timeout_ms = timeout;
+  m.read_only = 1;
+  r.body_case = GPUPOOL__WIRE__REQUEST__BODY_GET_BUNDLE;
+  r.get_bundle = &m;
+  req(b, seq, &r);
+}
+
 static void drop_client(sbuf *b, uint64_t seq, int32_t pid) {
   gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__AdminDropClient m = GPUPOOL__WIRE__ADMIN_DROP_CLIENT__INIT;
@@ -257,6 +324,25 @@ static void daemon_seeds(void) {
   release(&b, 11, 4, 0);
   simple(&b, 12, GPUPOOL__WIRE__REQUEST__BODY_TRIM);
   emit_free("daemon", "flow", &b);
+
+  /* Bundles and versions: ids client 1, slab 2, buffer 3, hold 4 (the bundle's one buffer);
+   * then a second allocation (buffer 5, hold 6), versions 1 and 2 of one name, gets at and
+   * past each, a waiting get of a version not yet made, and bad member tables. */
+  hello(&b, GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION);
+  allocate_bundle(&b, 2, 4, 1000, 0, 0);
+  allocate(&b, 3, "a", 1000, 0, 0);
+  publish_bundle(&b, 4, "dict", 4, 0, 256);
+  publish_bundle(&b, 5, "dict", 4, 6, 200);
+  get_bundle(&b, 6, "dict", 0, 0);
+  get_bundle(&b, 7, "dict", 1, 0);
+  get_bundle(&b, 8, "dict", 2, 50);
+  publish_bundle(&b, 9, "bad", 4, 0, 950);
+  allocate_bundle(&b, 10, 3, 100, 1, 0);
+  allocate_bundle(&b, 11, 2, UINT64_MAX / 2, 0, 0);
+  allocate_bundle(&b, 12, 8, 64 << 20, 0, 100);
+  get(&b, 13, "dict", 0);
+  unpublish(&b, 14, "dict");
+  emit_free("daemon", "bundles", &b);
 
   /* The same frames a few bytes at a time. */
   {

@@ -2,7 +2,7 @@
  * GPU checks of gpupool against a real gpupoold with the CUDA backend.
  *
  *   gpupool_gpu_test GPUPOOLD CHECK     CHECK = handoff | kill | killwork | orphan | churn | peer |
- *                                               tenants | all
+ *                                               tenants | bundles | all
  *
  * Each check starts its own daemon on a private socket (pool gpu0 on device 0, 2 GiB, 64 MiB
  * slabs), drives it from worker processes (this executable re-executed with "worker ROLE
@@ -31,6 +31,11 @@
  *            pool, imports the fd it got, and must fail to import that export data into it
  *            (its tenant's backend pool is another one). The daemon counts 2 backend pools
  *            while both tenants are attached and 1 again once uid 65534 has gone.
+ *   bundles  a producer publishes 6 versions of a 146-member bundle (~70 MiB in one buffer),
+ *            each a fresh bundle filled by kernels behind a spin kernel and published without
+ *            synchronizing; a consumer gets each with newer_than and checks every member on
+ *            its own stream, keeps version 1 and checks it again at the end; then the pool's
+ *            used bytes return to their start value.
  *   peer     (2+ GPUs) pool on GPU 0, a consumer on GPU 1 calls gpupool_set_devices({1}) and
  *            reads it there; without peer access that call must fail with GPUPOOL_ENOTSUP
  *            naming both devices (or, if the library imports pools lazily, the first
@@ -722,6 +727,146 @@ static int w_fresh(char **a) {
   return 0;
 }
 
+/* ------------------------------------------------------------------ bundles */
+
+#define BUNDLE_MEMBERS 146
+#define BUNDLE_VERSIONS 6
+
+/* Member i of the bundles check: a multiple of 4 bytes, some large, most small (a state
+ * dict's shape), 146 of them about 70 MiB in all. */
+static size_t bmember_bytes(int i) { return i % 10 == 0 ? (size_t)4 << 20 : (size_t)(i % 9 + 1) * 64 * 1024 + 4u * (size_t)i; }
+
+static uint32_t bseed(uint32_t seed, uint64_t version, int i) { return seed + (uint32_t)version * 1000u + (uint32_t)i; }
+
+/* bproducer SOCK NAME SEED: publishes versions 1..BUNDLE_VERSIONS of bundle NAME, each in a
+ * fresh bundle (double buffering: a reader may still hold the previous one), every member
+ * filled from a kernel queued behind a spin kernel, published without synchronizing. */
+static int w_bproducer(char **a) {
+  const char *sock = a[0], *name = a[1];
+  uint32_t seed = (uint32_t)strtoul(a[2], NULL, 0);
+  gpupool_member_spec specs[BUNDLE_MEMBERS];
+  char names[BUNDLE_MEMBERS][32];
+  gpupool_client *c;
+  cudaStream_t s = wstream("bproducer", 0);
+  int rc, ce;
+
+  for (int i = 0; i < BUNDLE_MEMBERS; i++) {
+    snprintf(names[i], sizeof names[i], "model.layers.%d.weight", i);
+    specs[i] = (gpupool_member_spec){.name = names[i], .size = bmember_bytes(i)};
+  }
+  if ((rc = gpupool_connect(sock, "gpu-test-bproducer", &c)) < 0)
+    wdie("bproducer", "gpupool_connect", rc);
+  for (uint64_t v = 1; v <= BUNDLE_VERSIONS; v++) {
+    gpupool_bundle *b;
+    uint64_t got = 0;
+    if ((rc = gpupool_bundle_alloc(c, POOL, specs, BUNDLE_MEMBERS, 0, 10000, s, &b)) < 0)
+      wdie("bproducer", "gpupool_bundle_alloc", rc);
+    if (gpupool_bundle_buffers(b) != 1) {
+      fprintf(stderr, "worker bproducer: %d buffers for a bundle of 70 MiB, expected 1\n",
+              gpupool_bundle_buffers(b));
+      return 1;
+    }
+    if ((ce = gk_spin(s, SPIN_US / 5)))
+      cdie("bproducer", "spin kernel", ce);
+    for (int i = 0; i < BUNDLE_MEMBERS; i++) {
+      gpupool_member m;
+      gpupool_bundle_member(b, i, &m);
+      if ((ce = gk_fill(m.ptr, m.size, bseed(seed, v, i), s)))
+        cdie("bproducer", "fill kernel", ce);
+    }
+    if ((rc = gpupool_bundle_publish(b, name, s, &got)) < 0)
+      wdie("bproducer", "gpupool_bundle_publish", rc);
+    if (got != v) {
+      fprintf(stderr, "worker bproducer: publish made version %llu, expected %llu\n",
+              (unsigned long long)got, (unsigned long long)v);
+      return 1;
+    }
+    gh_say("PUBLISHED %llu", (unsigned long long)v);
+    if ((rc = gpupool_bundle_release(b, s)) < 0)
+      wdie("bproducer", "gpupool_bundle_release", rc);
+    wait_stdin_line("bproducer", "NEXT");
+  }
+  wait_stdin_line("bproducer", "EXIT");
+  if ((rc = gpupool_unpublish(c, name)) < 0)
+    wdie("bproducer", "gpupool_unpublish", rc);
+  if ((ce = (int)cudaStreamSynchronize(s)))
+    cdie("bproducer", "cudaStreamSynchronize", ce);
+  gpupool_disconnect(c);
+  (void)cudaStreamDestroy(s);
+  return 0;
+}
+
+/* Mismatching words of every member of b against version v's pattern, on b's stream. */
+static unsigned long long bundle_mismatches(gpupool_bundle *b, uint32_t seed, cudaStream_t s) {
+  unsigned long long total = 0;
+  uint64_t v = gpupool_bundle_version(b);
+  for (int i = 0; i < gpupool_bundle_count(b); i++) {
+    gpupool_member m;
+    unsigned long long bad = ~0ull;
+    char want[32];
+    snprintf(want, sizeof want, "model.layers.%d.weight", i);
+    if (gpupool_bundle_member(b, i, &m) != 0 || strcmp(m.name, want) || m.size != bmember_bytes(i))
+      return ~0ull;
+    int ce = gk_count_mismatches(m.ptr, m.size, bseed(seed, v, i), s, &bad);
+    if (ce)
+      cdie("bconsumer", "mismatch kernel", ce);
+    total += bad;
+  }
+  return total;
+}
+
+/* bconsumer SOCK NAME SEED: gets every version with newer_than (waiting for each), checks it
+ * on its own stream (ordered only by the ready event), and keeps version 1 to check it again
+ * after the last version was published. */
+static int w_bconsumer(char **a) {
+  const char *sock = a[0], *name = a[1];
+  uint32_t seed = (uint32_t)strtoul(a[2], NULL, 0);
+  gpupool_client *c;
+  gpupool_bundle *first = NULL;
+  cudaStream_t s = wstream("bconsumer", 0);
+  uint64_t last = 0;
+  unsigned long long bad;
+  int rc, ce;
+
+  if ((rc = gpupool_connect(sock, "gpu-test-bconsumer", &c)) < 0)
+    wdie("bconsumer", "gpupool_connect", rc);
+  gh_say("WAITING");
+  while (last < BUNDLE_VERSIONS) {
+    gpupool_bundle *b;
+    if ((rc = gpupool_bundle_get(c, name, last, STEP_MS, GPUPOOL_READ_ONLY, s, &b)) < 0)
+      wdie("bconsumer", "gpupool_bundle_get", rc);
+    if (gpupool_bundle_version(b) != last + 1) {
+      fprintf(stderr, "worker bconsumer: got version %llu after %llu\n",
+              (unsigned long long)gpupool_bundle_version(b), (unsigned long long)last);
+      return 1;
+    }
+    last = gpupool_bundle_version(b);
+    if ((bad = bundle_mismatches(b, seed, s)) != 0) {
+      fprintf(stderr, "worker bconsumer: version %llu: %llu words differ (or the member table is "
+              "wrong)\n", (unsigned long long)last, bad);
+      return 1;
+    }
+    gh_say("CHECKED %llu", (unsigned long long)last);
+    if (!first)
+      first = b;
+    else if ((rc = gpupool_bundle_release(b, s)) < 0)
+      wdie("bconsumer", "gpupool_bundle_release", rc);
+  }
+  /* Version 1 again, now that five later versions went into other memory. */
+  if ((bad = bundle_mismatches(first, seed, s)) != 0) {
+    fprintf(stderr, "worker bconsumer: version 1, held to the end: %llu words differ\n", bad);
+    return 1;
+  }
+  if ((rc = gpupool_bundle_release(first, s)) < 0)
+    wdie("bconsumer", "gpupool_bundle_release", rc);
+  if ((ce = (int)cudaStreamSynchronize(s)))
+    cdie("bconsumer", "cudaStreamSynchronize", ce);
+  gpupool_disconnect(c);
+  (void)cudaStreamDestroy(s);
+  gh_say("RESULT 0");
+  return 0;
+}
+
 static int worker_main(int argc, char **argv) {
   static const struct {
     const char *role;
@@ -735,7 +880,9 @@ static int worker_main(int argc, char **argv) {
                {"churn-b", 2, w_churn_b},
                {"exporter", 4, w_exporter},
                {"intruder", 1, w_intruder},
-               {"fresh", 2, w_fresh}};
+               {"fresh", 2, w_fresh},
+               {"bproducer", 3, w_bproducer},
+               {"bconsumer", 3, w_bconsumer}};
   setvbuf(stdout, NULL, _IOLBF, 0);
   for (size_t i = 0; i < sizeof(roles) / sizeof(roles[0]); i++)
     if (argc >= 3 && !strcmp(argv[2], roles[i].role)) {
@@ -1377,6 +1524,59 @@ static int check_tenants(const gh_daemon *d, gpupool_client *c) {
               NOBODY, line + 8, NOBODY);
 }
 
+/* A 146-member bundle, six versions: each got whole by a consumer waiting with newer_than,
+ * checked on its stream; version 1 held to the end; then everything back in the pool. */
+static int check_bundles(const gh_daemon *d, gpupool_client *c) {
+  gh_proc prod, cons;
+  char name[64], sd[32], line[256];
+  uint32_t seed = fresh_seed();
+  gpupool_pool_stats ps;
+  uint64_t start, got = 0;
+  int rc;
+
+  if (pool_stats(c, &ps, NULL) < 0)
+    return fail("stats");
+  start = ps.used;
+  snprintf(name, sizeof(name), "bundle-%08x", seed);
+  snprintf(sd, sizeof(sd), "%u", seed);
+  {
+    const char *av[] = {"", "worker", "bconsumer", d->sock, name, sd, NULL};
+    if (gh_spawn(&cons, av, NULL, 0) < 0 || gh_expect(&cons, "WAITING", line, sizeof(line), STEP_MS) < 0)
+      return fail("cannot start the consumer");
+  }
+  {
+    const char *av[] = {"", "worker", "bproducer", d->sock, name, sd, NULL};
+    if (gh_spawn(&prod, av, NULL, 0) < 0)
+      return fail("cannot start the producer");
+  }
+  for (int v = 1; v <= BUNDLE_VERSIONS; v++) {
+    char want[32];
+    if (gh_expect(&prod, "PUBLISHED", line, sizeof(line), STEP_MS) < 0) {
+      gh_wait(&cons, 5000);
+      return fail("producer did not publish version %d", v);
+    }
+    snprintf(want, sizeof want, "CHECKED %d", v);
+    if (gh_expect(&cons, want, line, sizeof(line), STEP_MS) < 0) {
+      gh_wait(&prod, 5000);
+      return fail("consumer did not check version %d (its log above)", v);
+    }
+    gh_writeline(&prod, "NEXT");
+  }
+  if (gh_expect(&cons, "RESULT", line, sizeof(line), STEP_MS) < 0 || strcmp(line, "RESULT 0") != 0)
+    return fail("consumer: %s", line);
+  if ((rc = gh_wait(&cons, STEP_MS)) != 0)
+    return fail("consumer exited with %d", rc);
+  gh_writeline(&prod, "EXIT");
+  if ((rc = gh_wait(&prod, STEP_MS)) != 0)
+    return fail("producer exited with %d", rc);
+  if (wait_used(c, start, 10000, &got) < 0)
+    return fail("pool uses %" PRIu64 " bytes after everything was released, %" PRIu64 " before", got, start);
+  return pass("%d versions of a %d-member bundle, each published behind a %u ms kernel without "
+              "synchronizing and got whole with newer_than, bit-exact; version 1 held and intact "
+              "to the end; the pool back to %" PRIu64 " bytes", BUNDLE_VERSIONS, BUNDLE_MEMBERS,
+              SPIN_US / 5000, start);
+}
+
 static const struct {
   const char *name;
   int gpus;
@@ -1385,7 +1585,7 @@ static const struct {
     {"handoff", 1, check_handoff}, {"kill", 1, check_kill},   {"killwork", 1, check_killwork},
     {"orphan", 1, check_orphan},
     {"churn", 1, check_churn},     {"peer", 2, check_peer},
-    {"tenants", 1, check_tenants},
+    {"tenants", 1, check_tenants}, {"bundles", 1, check_bundles},
 };
 
 static int run_check(const char *gpupoold, int idx, int ndev) {
@@ -1425,7 +1625,7 @@ int main(int argc, char **argv) {
   if (argc >= 3 && !strcmp(argv[1], "worker"))
     return worker_main(argc, argv);
   if (argc != 3) {
-    fprintf(stderr, "usage: %s GPUPOOLD handoff|kill|killwork|orphan|churn|peer|tenants|all\n", argv[0]);
+    fprintf(stderr, "usage: %s GPUPOOLD handoff|kill|killwork|orphan|churn|peer|tenants|bundles|all\n", argv[0]);
     return 2;
   }
   signal(SIGPIPE, SIG_IGN);

@@ -586,6 +586,51 @@ static void test_pipelining(void **state) {
   th_wait_idle(&D, 3000);
 }
 
+/* GPUPOOL_KEEP_MAPPED: a dedicated slab stays mapped between versions (the same mapping comes
+ * back), and once the daemon frees its buffer the mapping goes at the client's next request,
+ * so the memory returns to the pool. */
+static void test_keep_mapped(void **state) {
+  gpupool_client *c = th_connect(&D, "producer");
+  gpupool_client *r = th_connect(&D, "consumer");
+  gpupool_bundle *b, *g;
+  gpupool_member m;
+  gpupool_member_spec spec = {.name = "big", .size = 20 * MIB};
+  gpupool_pool_stats ps0, ps;
+  void *first;
+
+  th_stats(&D, NULL, &ps0);
+  assert_int_equal(gpupool_bundle_alloc(c, NULL, &spec, 1, 0, 0, NULL, &b), 0);
+  gpupool_bundle_member(b, 0, &m);
+  th_fill(m.ptr, 9, m.size);
+  assert_int_equal(gpupool_bundle_publish(b, "kept", NULL, NULL), 0);
+  assert_int_equal(gpupool_bundle_get(r, "kept", 0, 0, GPUPOOL_READ_ONLY | GPUPOOL_KEEP_MAPPED, NULL, &g), 0);
+  gpupool_bundle_member(g, 0, &m);
+  first = m.ptr;
+  assert_int_equal(gpupool_bundle_release(g, NULL), 0);
+  assert_int_equal(gpupool_bundle_publish(b, "kept", NULL, NULL), 0);
+  assert_int_equal(gpupool_bundle_get(r, "kept", 1, 0, GPUPOOL_READ_ONLY | GPUPOOL_KEEP_MAPPED, NULL, &g), 0);
+  gpupool_bundle_member(g, 0, &m);
+  assert_ptr_equal(m.ptr, first); /* no new mapping */
+  assert_true(th_check(m.ptr, 9, m.size));
+  assert_int_equal(gpupool_bundle_release(g, NULL), 0);
+  /* The buffer goes: the daemon revokes the consumer's mapping with its next reply, and the
+   * slab goes back once the consumer has said it unmapped it (its request after that). */
+  assert_int_equal(gpupool_unpublish(c, "kept"), 0);
+  assert_int_equal(gpupool_bundle_release(b, NULL), 0);
+  th_stats(&D, NULL, &ps);
+  assert_true(ps.reserved > ps0.reserved);
+  {
+    gpupool_daemon_stats ds;
+    assert_int_equal(gpupool_stats(r, &ds, NULL, 0, NULL), 0);
+    assert_int_equal(gpupool_stats(r, &ds, NULL, 0, NULL), 0);
+  }
+  th_stats(&D, NULL, &ps);
+  assert_int_equal(ps.reserved, ps0.reserved);
+  gpupool_disconnect(r);
+  gpupool_disconnect(c);
+  th_wait_idle(&D, 3000);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_roundtrip, setup, teardown),
@@ -595,6 +640,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_bad_input, setup, teardown),
       cmocka_unit_test_setup_teardown(test_bundle_alloc_waits, setup, teardown),
       cmocka_unit_test_setup_teardown(test_pipelining, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_keep_mapped, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

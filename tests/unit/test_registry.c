@@ -713,24 +713,24 @@ static void test_bundle_checks(void **state) {
   ids[1] = h2->id;
   /* Member in a buffer that is not listed. */
   m[2].buffer = 2;
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool__errmsg(), "names buffer 2"));
   m[2].buffer = 0;
   /* Range past its buffer, and one whose end overflows. */
   m[2].offset = 95;
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool__errmsg(), "does not fit"));
   m[2].offset = UINT64_MAX - 5;
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
   m[2].offset = 20;
   /* Zero size, no name, duplicate names. */
   m[2].size = 0;
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
   m[2].size = 10;
   m[2].name = NULL;
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), GPUPOOL_ENAME);
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_ENAME);
   m[2].name = (char *)"a";
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool__errmsg(), "'a' appears twice"));
   m[2].name = (char *)"c";
   /* A description larger than its member. */
@@ -741,25 +741,25 @@ static void test_bundle_checks(void **state) {
   tm.n_shape = 1;
   tm.shape = shape;
   m[2].tensor = &tm;
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), GPUPOOL_EMETA);
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EMETA);
   assert_non_null(strstr(gpupool__errmsg(), "member 2 ('c')"));
   shape[0] = 10;
   /* A buffer listed twice, a buffer no member uses, another client's hold, another tenant's. */
   ids[1] = h1->id;
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool__errmsg(), "listed twice"));
   ids[1] = h2->id;
   ids[2] = x1->id;
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 3, mp, 3, &v), GPUPOOL_EPERM);
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->x, "bb", ids, 2, mp, 3, &v), GPUPOOL_EPERM);
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 3, mp, 3, 0, &v), GPUPOOL_EPERM);
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->x, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EPERM);
   assert_int_equal(f->reg.nnames, 0);
   /* Too many holds for the members, none at all. */
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 0, mp, 3, &v), GPUPOOL_EINVAL);
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 0, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 0, mp, 3, 0, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 0, 0, &v), GPUPOOL_EINVAL);
   /* Good: version 1, then 2 in the same step; the same tenant gets it whole. */
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), 0);
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), 0);
   assert_int_equal(v, 1);
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, &v), 0);
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), 0);
   assert_int_equal(v, 2);
   assert_int_equal(f->reg.nnames, 1);
   assert_int_equal(gpupool__get_bundle(&f->reg, &f->b, "bb", 1, 0, &hs, &nm), 0);
@@ -784,11 +784,77 @@ static void test_bundle_checks(void **state) {
   assert_int_equal(pool(f)->used, 0);
 }
 
+/* A bundle allocation's member table is published by its id alone (no members travel): the
+ * holds must be buffers it fits, of the same tenant; the table goes once nothing uses it. */
+static void test_layout_by_id(void **state) {
+  fixture *f = *state;
+  Gpupool__Wire__MemberSpec sp[2], *spp[2];
+  gpupool__bundle_plan *plan = NULL;
+  gpupool__hold **hs = NULL, *small, **got = NULL;
+  const gpupool__name *nm;
+  uint64_t id, ids[2], v = 0;
+  gpupool__uid_usage *u;
+
+  for (int i = 0; i < 2; i++) {
+    gpupool__wire__member_spec__init(&sp[i]);
+    sp[i].size = 1000;
+    spp[i] = &sp[i];
+  }
+  sp[0].name = (char *)"w";
+  sp[1].name = (char *)"b";
+  assert_int_equal(gpupool__bundle_plan_new(&f->reg, &f->a, pool(f), spp, 2, 0, &plan), 0);
+  assert_int_equal(gpupool__bundle_allocate(&f->reg, &f->a, plan, &hs), 0);
+  id = plan->layout->id;
+  gpupool__bundle_plan_free(plan);
+  assert_non_null(gpupool__hmap_get(&f->reg.layouts, id)); /* the buffer keeps it */
+  ids[0] = hs[0]->id;
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "L", ids, 1, NULL, 0, id, &v), 0);
+  assert_int_equal(v, 1);
+  assert_int_equal(gpupool__get_bundle(&f->reg, &f->b, "L", 1, 0, &got, &nm), 0);
+  assert_int_equal(nm->layout->id, id);
+  assert_int_equal(nm->nmembers, 2);
+  gpupool__hold_discard(&f->reg, got[0]);
+  free(got);
+  /* Wrong: another tenant, a buffer too small, a count of buffers the table does not span, an
+   * unknown id, members and an id together. */
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->x, "L", ids, 1, NULL, 0, id, &v), GPUPOOL_ENOENT);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100, 0, &small), 0);
+  ids[1] = small->id;
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "L", ids + 1, 1, NULL, 0, id, &v), GPUPOOL_EINVAL);
+  assert_non_null(strstr(gpupool__errmsg(), "needs"));
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "L", ids, 2, NULL, 0, id, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "L", ids, 1, NULL, 0, id + 1000, &v), GPUPOOL_ENOENT);
+  {
+    Gpupool__Wire__BundleMember m = GPUPOOL__WIRE__BUNDLE_MEMBER__INIT, *mp = &m;
+    m.name = (char *)"x";
+    m.size = 10;
+    assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "L", ids, 1, &mp, 1, id, &v), GPUPOOL_EINVAL);
+  }
+  /* Version 2 by the same id; then everything goes and so does the table and its count. */
+  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "L", ids, 1, NULL, 0, id, &v), 0);
+  assert_int_equal(v, 2);
+  u = gpupool__hmap_get(&f->reg.uids, f->a.tenant);
+  assert_non_null(u);
+  assert_int_equal(u->members, 2);
+  assert_int_equal(gpupool__unpublish(&f->reg, &f->a, "L"), 0);
+  {
+    int freed;
+    assert_int_equal(gpupool__release(&f->reg, &f->a, hs[0]->id, 0, &freed), 0);
+    assert_true(freed);
+    assert_int_equal(gpupool__release(&f->reg, &f->a, small->id, 0, &freed), 0);
+  }
+  free(hs);
+  assert_null(gpupool__hmap_get(&f->reg.layouts, id));
+  u = gpupool__hmap_get(&f->reg.uids, f->a.tenant);
+  assert_true(!u || u->members == 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_holders_and_exactly_once, setup, teardown),
       cmocka_unit_test_setup_teardown(test_names, setup, teardown),
       cmocka_unit_test_setup_teardown(test_bundle_checks, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_layout_by_id, setup, teardown),
       cmocka_unit_test_setup_teardown(test_slabs_and_dedicated, setup, teardown),
       cmocka_unit_test_setup_teardown(test_full_pool_message_and_revoke, setup, teardown),
       cmocka_unit_test_setup_teardown(test_limits, setup_limits, teardown),

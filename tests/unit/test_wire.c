@@ -1009,6 +1009,39 @@ static void test_inbuf_split_and_large(void **state) {
   close(sv[1]);
 }
 
+/* fds go with the frame whose first byte they rode on, also when earlier frames arrive in the
+ * same read; taking one gives it to the caller, the rest are closed with the next frame. */
+static void test_inbuf_fds_follow_their_frame(void **state) {
+  int sv[2], fds = -1, before = count_fds(), m = memfd_with("x"), two[2] = {m, m}, got;
+  gpupool__wire_inbuf b;
+  const uint8_t *p;
+  uint32_t plen;
+  (void)state;
+  pair(sv);
+  set_nonblock(sv[1]);
+  gpupool__wire_inbuf_init(&b, 4096);
+  send_hello(sv[0], 1, "plain", NULL, 0);
+  send_hello(sv[0], 2, "with-fd", two, 2);
+  send_hello(sv[0], 3, "after", NULL, 0);
+  close(m);
+  while (gpupool__wire_inbuf_fill(&b, sv[1], &fds) > 0)
+    assert_int_equal(fds, 0);
+  assert_int_equal(gpupool__wire_inbuf_next(&b, &p, &plen), 1);
+  assert_int_equal(gpupool__wire_inbuf_frame_nfds(&b), 0);
+  assert_int_equal(gpupool__wire_inbuf_take_fd(&b), -1);
+  assert_int_equal(gpupool__wire_inbuf_next(&b, &p, &plen), 1);
+  assert_int_equal(gpupool__wire_inbuf_frame_nfds(&b), 2);
+  got = gpupool__wire_inbuf_take_fd(&b);
+  assert_true(got >= 0);
+  close(got);
+  assert_int_equal(gpupool__wire_inbuf_next(&b, &p, &plen), 1);
+  assert_int_equal(gpupool__wire_inbuf_frame_nfds(&b), 0);
+  gpupool__wire_inbuf_free(&b);
+  close(sv[0]);
+  close(sv[1]);
+  assert_int_equal(count_fds(), before);
+}
+
 static void test_inbuf_fds_closed_oversize_eof(void **state) {
   int sv[2], fds = -1, before = count_fds(), m = memfd_with("x"), three[3] = {m, m, m};
   gpupool__wire_inbuf b;
@@ -1022,8 +1055,9 @@ static void test_inbuf_fds_closed_oversize_eof(void **state) {
   send_hello(sv[0], 1, "with-fds", three, 3);
   close(m);
   assert_true(gpupool__wire_inbuf_fill(&b, sv[1], &fds) > 0);
-  assert_int_equal(fds, 3);
+  assert_int_equal(fds, 0); /* kept with their frame, closed once it is handled */
   assert_int_equal(inbuf_drain(&b, 1), 1);
+  assert_int_equal(gpupool__wire_inbuf_frame_nfds(&b), 3);
   /* Oversized: refused on the header. */
   le32(hdr, 5000);
   write_all(sv[0], hdr, sizeof hdr);
@@ -1180,6 +1214,7 @@ int main(void) {
       cmocka_unit_test(test_inbuf_split_and_large),
       cmocka_unit_test(test_inbuf_capped_at_one_frame),
       cmocka_unit_test(test_inbuf_fds_closed_oversize_eof),
+      cmocka_unit_test(test_inbuf_fds_follow_their_frame),
       cmocka_unit_test(test_txq_order_and_fds),
       cmocka_unit_test(test_meta_conversion),
       cmocka_unit_test(test_mem_kinds),
