@@ -120,8 +120,13 @@ def consumer(method, device, path, size, start_barrier, hold_barrier, out_q):
                 keep.append(t)
                 try:
                     src = torch.from_dlpack(t)  # the registered mapping, seen from the GPU
-                except Exception:
+                    path_used = "dlpack (device view of the registered mapping)"
+                except Exception as e:  # say so: the copy then goes through a host tensor
                     src = torch.from_numpy(np.array(t.numpy(), copy=False))
+                    path_used = "host tensor (torch.from_dlpack refused: %s)" % (e,)
+                print("gpupool consumer %d copy path: %s, src on %s, pinned=%s"
+                      % (os.getpid(), path_used, src.device,
+                         src.is_pinned() if src.device.type == "cpu" else "n/a"), flush=True)
                 dst = torch.empty(size, dtype=torch.uint8, device="cuda")
                 dst.copy_(src)
                 torch.cuda.synchronize()
