@@ -246,12 +246,16 @@ def gp_trainer(socket, device, workload, versions, name, ctl):
         lambda dst, src: [a.copy_(b) for a, b in zip(dst, src)])
     stream = torch.cuda.current_stream() if device.startswith("cuda") else None
     for v in range(1, versions + 1):
+        # The consumer has version v-1 and has let go of v-2, whose bundle this one is; it
+        # keeps reading v-1 while v is written into the other bundle. As in the other ways,
+        # nothing is written while a handoff is being timed: a trainer writing 2.5 GB on the
+        # same GPU during the consumer's get would time-share the GPU with it.
+        ctl.recv()
         cur, prev = views[v % 2], views[(v - 1) % 2]
         copy_all(cur, prev)              # the whole state of version v-1 ...
         touch(cur, v)                    # ... and this version's changes
         want = checksum(torch, cur)
         _sync(torch, device)
-        ctl.recv()  # consumer ready, and done with version v-2 (this bundle's last)
         t0 = time.perf_counter_ns()
         got = c.publish_dict(name, bundles[v % 2], stream=stream)
         t_pub = time.perf_counter_ns()
