@@ -38,8 +38,8 @@ except ImportError:  # a source tree on PYTHONPATH: the CMake project's version
     __version__ = _source_version()
     del _source_version
 
-__all__ = ["Client", "Tensor", "TensorDict", "GpupoolError", "LibraryNotFoundError", "DType", "dtype",
-           "library_version"]
+__all__ = ["Client", "Tensor", "TensorDict", "GpupoolError", "LibraryNotFoundError", "DType",
+           "dtype", "library_version"]
 
 
 def library_version():
