@@ -2132,7 +2132,7 @@ int gpupool_bundle_publish(gpupool_bundle *b, const char *name, void *stream, ui
 int gpupool_publish_members(gpupool_client *c, const char *name, const gpupool_member_ref *members, int n,
                             void *stream, uint64_t *version) {
   gpupool_buffer **bufs = NULL;
-  gpupool__hmap index; /* hold id -> buffer index + 1 */
+  gpupool__hmap index; /* buffer id -> buffer index + 1 */
   members_wire w = {0};
   int nbufs = 0, rc;
 
@@ -2173,11 +2173,12 @@ int gpupool_publish_members(gpupool_client *c, const char *name, const gpupool_m
       rc = gpupool__err(rc, "member %d ('%s'): %s", i, m->name, gpupool__errmsg());
       goto out;
     }
-    idx = (uintptr_t)gpupool__hmap_get(&index, m->buffer->hold_id);
+    /* By buffer, not hold: two holds of one buffer are one buffer of the bundle. */
+    idx = (uintptr_t)gpupool__hmap_get(&index, m->buffer->buffer_id);
     if (!idx) {
       bufs[nbufs++] = m->buffer;
       idx = (uintptr_t)nbufs;
-      if (gpupool__hmap_put(&index, m->buffer->hold_id, (void *)idx) != 0) {
+      if (gpupool__hmap_put(&index, m->buffer->buffer_id, (void *)idx) != 0) {
         rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
         goto out;
       }

@@ -1696,10 +1696,13 @@ int gpupool__get(gpupool__registry *reg, gpupool__client *c, const char *name, i
   int rc = find_newer(reg, c, name, newer_than, &n);
   if (rc != 0)
     return rc;
-  if (n->nbufs != 1 || n->nmembers > 1)
+  /* Any bundle, one member included: a plain get would hand over its whole buffer without
+   * the member's range and description. */
+  if (n->layout || n->nbufs != 1)
     return gpupool__err(GPUPOOL_EINVAL,
-                        "'%s' is a bundle of %u members in %u buffers; get it with gpupool_bundle_get "
-                        "(Python: get_dict)", name, n->nmembers, n->nbufs);
+                        "'%s' is a bundle of %u member%s in %u buffer%s; get it with gpupool_bundle_get "
+                        "(Python: get_dict)", name, n->nmembers, n->nmembers == 1 ? "" : "s", n->nbufs,
+                        n->nbufs == 1 ? "" : "s");
   if (version)
     *version = n->version;
   return hold_new(reg, c, n->bufs[0], read_only || n->read_only, 0, out);

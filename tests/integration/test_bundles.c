@@ -191,6 +191,30 @@ static void test_members_and_single(void **state) {
     assert_int_equal(gpupool_bundle_find(g, "nope"), GPUPOOL_ENOENT);
     assert_int_equal(gpupool_bundle_member(g, 3, &m), GPUPOOL_EINVAL);
     assert_int_equal(gpupool_bundle_release(g, NULL), 0);
+    /* A bundle of one member is still a bundle: a plain get would hand over its whole buffer
+     * without the member's range and description. */
+    {
+      gpupool_buffer *o, *x;
+      assert_int_equal(gpupool_alloc(c, NULL, 64, 0, NULL, &o), 0);
+      byte_meta(&meta, 4);
+      refs[0] = (gpupool_member_ref){.name = "one", .buffer = o, .offset = 16, .size = 4, .meta = &meta};
+      assert_int_equal(gpupool_publish_members(c, "one-member", refs, 1, NULL, NULL), 0);
+      assert_int_equal(gpupool_get(r, "one-member", 0, 0, NULL, &x), GPUPOOL_EINVAL);
+      assert_non_null(strstr(gpupool_last_error(), "gpupool_bundle_get"));
+      assert_int_equal(gpupool_unpublish(c, "one-member"), 0);
+      /* Two holds of one buffer (the client got its own publish back) are one buffer. */
+      assert_int_equal(gpupool_publish(o, "self", NULL, NULL), 0);
+      assert_int_equal(gpupool_get(c, "self", 0, 0, NULL, &x), 0);
+      refs[1] = (gpupool_member_ref){.name = "two", .buffer = x, .offset = 32, .size = 8};
+      assert_int_equal(gpupool_publish_members(c, "two-holds", refs, 2, NULL, NULL), 0);
+      assert_int_equal(gpupool_bundle_get(r, "two-holds", 0, 0, 0, NULL, &g), 0);
+      assert_int_equal(gpupool_bundle_buffers(g), 1);
+      assert_int_equal(gpupool_bundle_release(g, NULL), 0);
+      assert_int_equal(gpupool_release(x, NULL), 0);
+      assert_int_equal(gpupool_unpublish(c, "two-holds"), 0);
+      assert_int_equal(gpupool_unpublish(c, "self"), 0);
+      assert_int_equal(gpupool_release(o, NULL), 0);
+    }
     /* A name published on its own comes as a bundle of one member named "". */
     {
       gpupool_buffer *x;
