@@ -140,6 +140,24 @@ static void consume_tensor(gpupool_buffer *b) {
   gpupool_release(b, NULL);
 }
 
+/* Every member of a bundle must lie inside its buffer: check, then read its first and last byte. */
+static void touch_members(gpupool_bundle *b) {
+  for (int i = 0; i < gpupool_bundle_count(b); i++) {
+    gpupool_member m;
+    const gpupool_buffer *buf;
+    const volatile uint8_t *p;
+    if (gpupool_bundle_member(b, i, &m) != 0)
+      fuzz_fail("member %d of %d cannot be read", i, gpupool_bundle_count(b));
+    buf = gpupool_bundle_buffer(b, m.buffer);
+    if (!buf || (char *)m.ptr < (char *)gpupool_buffer_ptr(buf) || m.size == 0 ||
+        (char *)m.ptr + m.size > (char *)gpupool_buffer_ptr(buf) + gpupool_buffer_size(buf))
+      fuzz_fail("member %d lies outside its buffer", i);
+    p = m.ptr;
+    (void)p[0];
+    (void)p[m.size - 1];
+  }
+}
+
 static void use_client(gpupool_client *c) {
   gpupool_daemon_stats ds;
   gpupool_pool_stats ps[4];
@@ -173,6 +191,14 @@ static void use_client(gpupool_client *c) {
   if (mine)
     gpupool_release(mine, NULL);
   gpupool_lost_names(c, lost, 4, &n);
+  /* A bundle, twice: the second reply may leave the member table out (known layout). */
+  for (int k = 0; k < 2; k++) {
+    gpupool_bundle *bd;
+    if (gpupool_bundle_get(c, "fuzz-dict", 0, 0, GPUPOOL_READ_ONLY, NULL, &bd) == 0) {
+      touch_members(bd);
+      gpupool_bundle_release(bd, NULL);
+    }
+  }
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {

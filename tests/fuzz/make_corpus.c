@@ -574,6 +574,61 @@ static void buffer_reply(sbuf *b, uint64_t seq, Gpupool__Wire__Reply__BodyCase k
   rep(b, 0, seq, &r);
 }
 
+/* A GetBundle reply: one buffer (hold `hold`, 4 KiB in slab 2, already mapped) and, unless
+ * the client has the table (with_members 0), two members, one with a description. */
+static void bundle_reply(sbuf *b, uint64_t seq, uint64_t hold, int with_members, int with_export) {
+  gpupool__rep r = GPUPOOL__WIRE__REPLY__INIT;
+  Gpupool__Wire__GetBundleReply gr = GPUPOOL__WIRE__GET_BUNDLE_REPLY__INIT;
+  Gpupool__Wire__Bundle bd = GPUPOOL__WIRE__BUNDLE__INIT;
+  Gpupool__Wire__BufferDesc d = GPUPOOL__WIRE__BUFFER_DESC__INIT, *dp = &d;
+  Gpupool__Wire__SlabRef s = GPUPOOL__WIRE__SLAB_REF__INIT;
+  Gpupool__Wire__BundleMember m[2], *mp[2];
+  Gpupool__Wire__TensorMeta t = GPUPOOL__WIRE__TENSOR_META__INIT;
+  static int64_t shape1[1] = {256};
+  uint8_t ex[GPUPOOL__HOST_EXPORT_LEN];
+  if (with_export) {
+    /* The slab's own fd rides on this frame (a sealed 2 MiB memfd, as host slabs are). */
+    s.export_data.data = ex;
+    s.export_data.len = gpupool__host_export_encode(&(gpupool__host_export){.offset = 0, .size = SLAB}, ex);
+    s.fd_attached = 1;
+  }
+  d.buffer_id = 3;
+  d.hold_id = hold;
+  d.pool_id = 1;
+  d.size = 4096;
+  d.read_only = 1;
+  s.id = 2;
+  s.pool_id = 1;
+  s.size = SLAB;
+  d.slab = &s;
+  for (int i = 0; i < 2; i++) {
+    gpupool__wire__bundle_member__init(&m[i]);
+    mp[i] = &m[i];
+  }
+  m[0].name = (char *)"w";
+  m[0].size = 1024;
+  t.present = 1;
+  t.dtype_code = GPUPOOL_DTYPE_FLOAT;
+  t.dtype_bits = 32;
+  t.dtype_lanes = 1;
+  t.n_shape = 1;
+  t.shape = shape1;
+  m[0].tensor = &t;
+  m[1].name = (char *)"b";
+  m[1].offset = 1024;
+  m[1].size = 3072;
+  bd.n_buffers = 1;
+  bd.buffers = &dp;
+  bd.n_members = with_members ? 2 : 0;
+  bd.members = mp;
+  bd.version = 1;
+  bd.layout_id = 40;
+  gr.bundle = &bd;
+  r.body_case = GPUPOOL__WIRE__REPLY__BODY_GET_BUNDLE;
+  r.get_bundle = &gr;
+  rep(b, with_export ? (1 | FUZZ_CTL_SEALED | (1 << 4)) : 0, seq, &r);
+}
+
 /* The pool's fd rides on this reply: ctl asks for one sealed memfd of 64 MiB. */
 static void attach_reply(sbuf *b, uint64_t seq, uint8_t ctl) {
   gpupool__rep r = GPUPOOL__WIRE__REPLY__INIT;
@@ -646,6 +701,18 @@ static void client_seeds(void) {
   for (uint64_t s = 11; s <= 13; s++)
     empty_reply(&b, s, GPUPOOL__WIRE__REPLY__BODY_RELEASE);
   emit_free("client", "flow", &b);
+
+  /* Every earlier call refused, then a bundle got twice: with its member table (the pool
+   * attached and the slab mapped on the way), then without it (known layout). */
+  hello_reply(&b, GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION, GPUPOOL__WIRE__BACKEND_KIND__BACKEND_HOST);
+  for (uint64_t s = 2; s <= 6; s++)
+    error_reply(&b, s, GPUPOOL_EPERM, "refused");
+  bundle_reply(&b, 7, 7, 1, 1);
+  attach_reply(&b, 8, CTL_POOL_FD);
+  empty_reply(&b, 9, GPUPOOL__WIRE__REPLY__BODY_RELEASE);
+  bundle_reply(&b, 10, 8, 0, 0);
+  empty_reply(&b, 11, GPUPOOL__WIRE__REPLY__BODY_RELEASE);
+  emit_free("client", "bundles", &b);
 
   /* Buffers in different slabs, one of them dedicated, and a revoked slab. */
   hello_reply(&b, GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION, GPUPOOL__WIRE__BACKEND_KIND__BACKEND_HOST);
