@@ -20,6 +20,9 @@ Ways:
   whole state (a copy from the other bundle, then the version's changes) and publish_dict's
   it; the consumer waits in get_dict(newer_than=last, keep_mapped=True: the two bundles'
   memory stays mapped between versions) and builds torch views with TensorDict.torch().
+- gpupool+reuse: the same, the consumer also asking get_dict(reuse_views=True): a version in
+  a bundle it viewed before comes with the torch views it built then (double buffering
+  alternates between two bundles), so a warm version builds none.
 
 Timing per version: from the trainer starting the handoff (its writes done and synchronized)
 to the consumer holding a dict of torch tensors whose data is ready (after a synchronize of
@@ -268,7 +271,7 @@ def gp_trainer(socket, device, workload, versions, name, ctl):
     c.close()
 
 
-def gp_consumer(socket, device, workload, versions, name, ctl, out):
+def gp_consumer(socket, device, workload, versions, name, reuse, ctl, out):
     import gpupool
 
     torch = _torch(device)
@@ -284,13 +287,14 @@ def gp_consumer(socket, device, workload, versions, name, ctl, out):
         if cuda:
             with torch.cuda.stream(stream):
                 td = c.get_dict(name, newer_than=last, timeout=60, stream=stream,
-                                keep_mapped=True)
+                                keep_mapped=True, reuse_views=reuse)
                 t_got = time.perf_counter_ns()
                 d = td.torch()
                 t_views = time.perf_counter_ns()
                 stream.synchronize()
         else:
-            td = c.get_dict(name, newer_than=last, timeout=60, keep_mapped=True)
+            td = c.get_dict(name, newer_than=last, timeout=60, keep_mapped=True,
+                            reuse_views=reuse)
             t_got = time.perf_counter_ns()
             d = td.torch()
             t_views = time.perf_counter_ns()
@@ -352,26 +356,28 @@ def table(results):
              "| workload | tensors | bytes | way | cold | warm p50 | warm p99 | bad |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for wl, row in results["workloads"].items():
-        for way in ("torch.mp", "bucket", "gpupool"):
+        for way in ("torch.mp", "bucket", "gpupool", "gpupool+reuse"):
             v = row.get(way)
             if v is None:
                 continue
             lines.append("| %s | %d | %.2f GB | %s | %.2f | %.3f | %.3f | %d |" % (
                 wl, row["tensors"], row["bytes"] / 1e9, way, v["cold_ms"], v["p50_ms"],
                 v["p99_ms"], v["bad"]))
-    lines += ["", "| workload | warm p50: torch.mp / gpupool | bucket / gpupool | "
-              "cold: torch.mp / gpupool |", "| --- | --- | --- | --- |"]
+    lines += ["", "| workload | gpupool way | warm p50: torch.mp / gpupool | bucket / gpupool | "
+              "cold: torch.mp / gpupool |", "| --- | --- | --- | --- | --- |"]
     for wl, row in results["workloads"].items():
-        g = row.get("gpupool")
-        if not g:
-            continue
-        t, b = row.get("torch.mp"), row.get("bucket")
-        lines.append("| %s | %s | %s | %s |" % (
-            wl, "%.2fx" % (t["p50_ms"] / g["p50_ms"]) if t else "-",
-            "%.2fx" % (b["p50_ms"] / g["p50_ms"]) if b else "-",
-            "%.2fx" % (t["cold_ms"] / g["cold_ms"]) if t else "-"))
-    parts = [(wl, row["gpupool"]["parts_p50_ms"]) for wl, row in results["workloads"].items()
-             if "parts_p50_ms" in row.get("gpupool", {})]
+        for gw in ("gpupool", "gpupool+reuse"):
+            g = row.get(gw)
+            if not g:
+                continue
+            t, b = row.get("torch.mp"), row.get("bucket")
+            lines.append("| %s | %s | %s | %s | %s |" % (
+                wl, gw, "%.2fx" % (t["p50_ms"] / g["p50_ms"]) if t else "-",
+                "%.2fx" % (b["p50_ms"] / g["p50_ms"]) if b else "-",
+                "%.2fx" % (t["cold_ms"] / g["cold_ms"]) if t else "-"))
+    parts = [("%s, %s" % (wl, gw), row[gw]["parts_p50_ms"])
+             for wl, row in results["workloads"].items() for gw in ("gpupool", "gpupool+reuse")
+             if "parts_p50_ms" in row.get(gw, {})]
     if parts:
         keys = list(parts[0][1])
         lines += ["", "Where a warm gpupool version goes (p50 of each part, ms; from t0):", "",
@@ -393,7 +399,8 @@ def main():
                                       "../client/libgpupool-client.so next to --gpupoold)")
     ap.add_argument("--versions", type=int, default=30, help="versions per way (>= 2)")
     ap.add_argument("--workloads", default="llama,small", help="llama, small or both")
-    ap.add_argument("--ways", default="torch.mp,bucket,gpupool")
+    ap.add_argument("--ways", default="torch.mp,bucket,gpupool,gpupool+reuse",
+                    help="gpupool+reuse: the consumer asks get_dict(reuse_views=True)")
     ap.add_argument("--device", default="cuda:0", help="cuda:N (default) or cpu")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--table", help="also write the markdown table to this file")
@@ -465,12 +472,12 @@ def main():
                     q = tctx.Queue()
                     res = run_pair(tctx, bucket_trainer, (args.device, wl, args.versions, q),
                                    bucket_consumer, (args.device, wl, args.versions, q), 1200)
-                elif way == "gpupool":
-                    name = "weight-sync/%s" % wl
+                elif way in ("gpupool", "gpupool+reuse"):
+                    name = "weight-sync/%s/%s" % (wl, way)
                     res = run_pair(ctx, gp_trainer, (d.socket, args.device, wl, args.versions,
                                                      name),
                                    gp_consumer, (d.socket, args.device, wl, args.versions,
-                                                 name), 1200)
+                                                 name, way == "gpupool+reuse"), 1200)
                 else:
                     raise SystemExit("unknown way %r" % way)
                 row[way] = summarize(res)

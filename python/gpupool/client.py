@@ -21,6 +21,7 @@ framework's own copy (``copy_`` / ``[...] =``) on the producer's stream.
 """
 
 import bisect
+import collections
 import ctypes
 import math
 import os
@@ -626,6 +627,11 @@ class _ArrayView:
         self.hold = hold
 
 
+# get_dict(reuse_views=True): how many bundles' views a client keeps (two alternate under
+# double buffering; a few more for several names).
+_VIEWS_KEPT = 4
+
+
 class TensorDict(Mapping):
     """A bundle: member name -> Tensor, in member order (a read-only Mapping).
 
@@ -655,6 +661,7 @@ class TensorDict(Mapping):
         self.name = name
         self.read_only = any(p.read_only for p in parts)
         self.buffers = len(parts)
+        self._reuse = False  # get_dict(reuse_views=True)
 
     # Compared and hashed as the object it is (Mapping's content equality would compare
     # Tensors, which mean memory, not values).
@@ -740,9 +747,46 @@ class TensorDict(Mapping):
         import torch
 
         self._live()
-        return _bundle.torch_views(
-            self._layout, lambda part: torch.from_dlpack(self._region(part)),
-            lambda i: torch.from_dlpack(self._member_tensor(i)))
+
+        def build():
+            return _bundle.torch_views(
+                self._layout, lambda part: torch.from_dlpack(self._region(part)),
+                lambda i: torch.from_dlpack(self._member_tensor(i)))
+
+        cuda = [p for p in self._parts if p.kind != _lib.MEM_HOST]
+        return self._reused_views(
+            "torch", build,
+            lambda: torch.cuda.current_stream(cuda[0].cuda_device).cuda_stream if cuda else None)
+
+    def _reused_views(self, framework, build, current_stream):
+        """build(), or with reuse_views the views built earlier for the same memory laid out
+        the same way: the same buffers (a buffer id names one allocation for the daemon's
+        life, and the cached views keep theirs alive) and the same layout object. A reused
+        view costs nothing to make; the stream the framework works on now is made to wait for
+        this version's producer, as a fresh import would make it."""
+        if not self._reuse:
+            return build()
+        client = self._client
+        key = (framework, self._layout, self.read_only,
+               tuple((p.buffer_id, p.ptr, p.size) for p in self._parts))
+        with client._views_lock:
+            views = client._views.get(key)
+            if views is not None:
+                client._views.move_to_end(key)
+        if views is not None:
+            stream = current_stream()
+            for p in self._parts:
+                if stream is not None:
+                    p.used_in(stream)
+                else:
+                    p.sync_cpu()
+            return dict(views)
+        views = build()
+        with client._views_lock:
+            client._views[key] = views
+            while len(client._views) > _VIEWS_KEPT:
+                client._views.popitem(last=False)
+        return dict(views)
 
     def cupy(self, raw=False):
         """A plain dict name -> cupy.ndarray (device memory), as torch() does for torch.
@@ -757,8 +801,10 @@ class TensorDict(Mapping):
         """A plain dict name -> numpy.ndarray (host memory), as torch() does for torch.
         raw=True views types NumPy lacks (bfloat16) as unsigned integers of their size."""
         self._live()
-        return _bundle.numpy_views(self._layout, lambda part: self._region(part).numpy(),
-                                   raw)
+        return self._reused_views(
+            "numpy-raw" if raw else "numpy",
+            lambda: _bundle.numpy_views(self._layout, lambda part: self._region(part).numpy(), raw),
+            lambda: None)
 
     # --- lifetime ---------------------------------------------------------------------
     def release(self):
@@ -809,6 +855,10 @@ class Client:
         self._dicts = weakref.WeakSet()
         self._holds = weakref.WeakSet()
         self._pools = None
+        # get_dict(reuse_views=True): framework views by (framework, layout, buffers), the
+        # most recently used last; each keeps the memory it views (see TensorDict.torch).
+        self._views = collections.OrderedDict()
+        self._views_lock = threading.Lock()
 
     @staticmethod
     def default_socket_path():
@@ -826,6 +876,8 @@ class Client:
         conn = getattr(self, "_conn", None)
         if conn is None or conn.close_requested:
             return
+        with self._views_lock:
+            self._views.clear()
         for t in list(self._tensors):
             t.release()
         for d in list(self._dicts):
@@ -1222,7 +1274,7 @@ class Client:
         return tmp
 
     def get_dict(self, name, newer_than=0, timeout=None, read_only=False, stream=None,
-                 keep_mapped=False):
+                 keep_mapped=False, reuse_views=False):
         """The bundle published under `name`, as a TensorDict (member name -> Tensor, in
         member order; ``version`` says which version came), in one request.
 
@@ -1235,7 +1287,13 @@ class Client:
         mapped in this process after it is released (GPUPOOL_KEEP_MAPPED), so that a later
         version in the same place costs no new import (about 2 ms for a 2.5 GB bundle on an
         H100): for consumers that keep asking for new versions; the memory stays out of the
-        pool until this client next talks to the daemon after the daemon freed it."""
+        pool until this client next talks to the daemon after the daemon freed it.
+        reuse_views: ``.torch()`` and ``.numpy()`` hand back the views they built for an
+        earlier version when this one lies in the same buffers with the same layout (a
+        double-buffered producer alternates between two bundles), so a warm version builds
+        no view at all; the dict returned is new, its tensors are the same objects as
+        before. The client keeps the views of the last 4 bundles viewed this way, and with
+        them their memory, until newer ones push them out or the client is closed."""
         nb = _encode_name(name)
         s = stream_handle(stream)
         ms = _timeout_ms(timeout, forever=True)
@@ -1246,7 +1304,9 @@ class Client:
                                            ctypes.byref(b)),
               "get_dict %r" % (name,) if not newer else "get_dict %r newer than version %d"
               % (name, newer))
-        return self._tensor_dict(b, s, name)
+        d = self._tensor_dict(b, s, name)
+        d._reuse = bool(reuse_views)
+        return d
 
     def _find_hold(self, desc):
         """A live hold of this client whose memory contains the whole view, if any."""

@@ -343,6 +343,45 @@ class Versions(DaemonTestCase):
         self.client.unpublish("v/km")
         self.wait_stats(lambda st: counters(st) == base, "the baseline %r" % (base,))
 
+    def test_reuse_views(self):
+        # Double buffering with reuse_views: a version in a bundle already viewed gives back
+        # the same view objects (reading that version's values); a new layout or new memory
+        # builds new ones; the kept views hold their memory until closed.
+        gc.collect()
+        base = counters(self.stats())
+        spec = {"w": ((256,), "float32"), "b": ((4,), "int64")}
+        bufs = [self.client.alloc_dict(spec), self.client.alloc_dict(spec)]
+        seen = {}
+        with gpupool.Client(self.socket, name="reuser") as consumer:
+            last = 0
+            for v in range(1, 7):
+                td = bufs[v % 2]
+                views = td.numpy()
+                views["w"][...] = v
+                views["b"][...] = -v
+                self.client.publish_dict("v/rv", td)
+                with consumer.get_dict("v/rv", newer_than=last, timeout=1,
+                                       reuse_views=True) as got:
+                    g = got.numpy()
+                    self.assertTrue((g["w"] == v).all() and (g["b"] == -v).all())
+                    if v > 2:
+                        self.assertIs(g["w"], seen[v % 2]["w"], "views rebuilt for version %d" % v)
+                    seen.setdefault(v % 2, g)
+                    last = got.version
+            self.assertIsNot(seen[0]["w"], seen[1]["w"])
+            # Without reuse_views: fresh views every time.
+            with consumer.get_dict("v/rv", timeout=1) as got:
+                self.assertIsNot(got.numpy()["w"], seen[last % 2]["w"])
+            # The kept views keep their memory after the producer lets go.
+            for td in bufs:
+                td.release()
+            self.client.unpublish("v/rv")
+            self.assertTrue((seen[0]["w"] == 6).all())
+            seen.clear()
+            del g, views
+        gc.collect()
+        self.wait_stats(lambda st: counters(st) == base, "the baseline %r" % (base,))
+
     def test_consumer_killed_holding_a_version(self):
         base = counters(self.stats())
         version, td = peer.produce_dict(self.client, "v/k", 1)
