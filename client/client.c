@@ -2256,6 +2256,7 @@ int gpupool_bundle_release(gpupool_bundle *b, void *stream) {
 
 int gpupool_bundle_count(const gpupool_bundle *b) { return b ? b->layout->n : 0; }
 uint64_t gpupool_bundle_version(const gpupool_bundle *b) { return b ? b->version : 0; }
+uint64_t gpupool_bundle_layout_id(const gpupool_bundle *b) { return b ? b->layout->id : 0; }
 int gpupool_bundle_buffers(const gpupool_bundle *b) { return b ? b->nbufs : 0; }
 gpupool_buffer *gpupool_bundle_buffer(const gpupool_bundle *b, int i) {
   return b && i >= 0 && i < b->nbufs ? b->bufs[i] : NULL;

@@ -485,6 +485,11 @@ GPUPOOL_EXTERN int gpupool_bundle_member(const gpupool_bundle *b, int i, gpupool
 /* Members first..first+n-1 into out[0..n-1] in one call (for bindings): 0 or GPUPOOL_EINVAL. */
 GPUPOOL_EXTERN int gpupool_bundle_members(const gpupool_bundle *b, int first, int n,
                                           gpupool_member *out);
+/* An id of b's member table (names, sizes, offsets, descriptions): two bundles got through
+ * one connection with the same nonzero id have identical tables, so bindings can keep what
+ * they derived from it (the id is the daemon's; it does not carry over a reconnection, see
+ * gpupool_reconnect_count). 0 when there is none (a single buffer published on its own). */
+GPUPOOL_EXTERN uint64_t gpupool_bundle_layout_id(const gpupool_bundle *b);
 /* Index of the member called name, or GPUPOOL_ENOENT. */
 GPUPOOL_EXTERN int gpupool_bundle_find(const gpupool_bundle *b, const char *name);
 /* Number of buffers, and buffer i (owned by the bundle: do not release it). */

@@ -630,6 +630,8 @@ class _ArrayView:
 # get_dict(reuse_views=True): how many bundles' views a client keeps (two alternate under
 # double buffering; a few more for several names).
 _VIEWS_KEPT = 4
+# Parsed member tables a client keeps by layout id.
+_LAYOUTS_KEPT = 64
 
 
 class TensorDict(Mapping):
@@ -859,6 +861,7 @@ class Client:
         # most recently used last; each keeps the memory it views (see TensorDict.torch).
         self._views = collections.OrderedDict()
         self._views_lock = threading.Lock()
+        self._layouts = collections.OrderedDict()  # (reconnects, layout id) -> Layout
 
     @staticmethod
     def default_socket_path():
@@ -927,10 +930,21 @@ class Client:
         parts = bh.make_parts()
         for p in parts:
             self._holds.add(p)
-        n = L.gpupool_bundle_count(bundle)
-        raw = ctypes.create_string_buffer(max(n, 1) * _bundle.MEMBER_SIZE)
-        check(L.gpupool_bundle_members(bundle, 0, n, raw), "member table of %r" % (name,))
-        layout = _bundle.parse_members(raw, n)
+        # A table this client already parsed comes with the same layout id (the daemon's,
+        # so only within one connection): its Layout is reused without reading the table.
+        lid = L.gpupool_bundle_layout_id(bundle)
+        key = (L.gpupool_reconnect_count(self._conn.handle), lid) if lid else None
+        layout = self._layouts.get(key) if key else None
+        if layout is None:
+            n = L.gpupool_bundle_count(bundle)
+            raw = ctypes.create_string_buffer(max(n, 1) * _bundle.MEMBER_SIZE)
+            check(L.gpupool_bundle_members(bundle, 0, n, raw), "member table of %r" % (name,))
+            layout = _bundle.parse_members(raw, n)
+            if key:
+                with self._views_lock:
+                    self._layouts[key] = layout
+                    while len(self._layouts) > _LAYOUTS_KEPT:
+                        self._layouts.popitem(last=False)
         d = TensorDict(self, bh, parts, layout, L.gpupool_bundle_version(bundle), name)
         self._dicts.add(d)
         return d

@@ -226,6 +226,7 @@ static void test_members_and_single(void **state) {
       assert_int_equal(gpupool_bundle_count(g), 1);
       assert_int_equal(gpupool_bundle_member(g, 0, &m), 0);
       assert_string_equal(m.name, "");
+      assert_int_equal(gpupool_bundle_layout_id(g), 0); /* no member table */
       assert_int_equal(m.size, 500);
       assert_true(m.has_meta && m.meta.shape[0] == 500);
       assert_true(th_check(m.ptr, 3, 500));
@@ -635,6 +636,9 @@ static void test_keep_mapped(void **state) {
   assert_int_equal(gpupool_bundle_get(r, "kept", 1, 0, GPUPOOL_READ_ONLY | GPUPOOL_KEEP_MAPPED, NULL, &g), 0);
   gpupool_bundle_member(g, 0, &m);
   assert_ptr_equal(m.ptr, first); /* no new mapping */
+  /* Same table, same layout id (and the one the allocation had). */
+  assert_true(gpupool_bundle_layout_id(g) != 0);
+  assert_int_equal(gpupool_bundle_layout_id(g), gpupool_bundle_layout_id(b));
   assert_true(th_check(m.ptr, 9, m.size));
   assert_int_equal(gpupool_bundle_release(g, NULL), 0);
   /* The buffer goes: the daemon revokes the consumer's mapping with its next reply, and the
