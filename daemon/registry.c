@@ -1248,11 +1248,81 @@ static void members_account(gpupool__registry *reg, uint64_t tenant, int64_t del
   gpupool__uid_usage_put(reg, u);
 }
 
-/* A new layout (one reference, the caller's) over members (taken over; freed on failure), which
- * lie in nbufs buffers; counted against tenant's members. */
+static uint64_t fnv(uint64_t h, const void *p, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    h = (h ^ ((const uint8_t *)p)[i]) * 1099511628211ull;
+  return h;
+}
+
+/* What identifies a member's description: the fields in use, not the struct's bytes. */
+static uint64_t meta_hash(uint64_t h, const gpupool_tensor_meta *m) {
+  uint8_t present = m != NULL;
+  h = fnv(h, &present, 1);
+  if (!m)
+    return h;
+  h = fnv(h, &m->dtype_code, sizeof m->dtype_code);
+  h = fnv(h, &m->dtype_bits, sizeof m->dtype_bits);
+  h = fnv(h, &m->dtype_lanes, sizeof m->dtype_lanes);
+  h = fnv(h, &m->ndim, sizeof m->ndim);
+  h = fnv(h, m->shape, (size_t)m->ndim * sizeof m->shape[0]);
+  h = fnv(h, &m->strides_present, sizeof m->strides_present);
+  if (m->strides_present)
+    h = fnv(h, m->strides, (size_t)m->ndim * sizeof m->strides[0]);
+  return fnv(h, &m->byte_offset, sizeof m->byte_offset);
+}
+
+static int meta_equal(const gpupool_tensor_meta *a, const gpupool_tensor_meta *b) {
+  if (!a || !b)
+    return a == b;
+  return a->dtype_code == b->dtype_code && a->dtype_bits == b->dtype_bits && a->dtype_lanes == b->dtype_lanes &&
+         a->ndim == b->ndim && !memcmp(a->shape, b->shape, (size_t)a->ndim * sizeof a->shape[0]) &&
+         a->strides_present == b->strides_present &&
+         (!a->strides_present || !memcmp(a->strides, b->strides, (size_t)a->ndim * sizeof a->strides[0])) &&
+         a->byte_offset == b->byte_offset;
+}
+
+static uint64_t table_hash(uint64_t tenant, const gpupool__member *m, uint32_t n, uint32_t nbufs) {
+  uint64_t h = 1469598103934665603ull;
+  h = fnv(h, &tenant, sizeof tenant);
+  h = fnv(h, &n, sizeof n);
+  h = fnv(h, &nbufs, sizeof nbufs);
+  for (uint32_t i = 0; i < n; i++) {
+    h = fnv(h, m[i].name, strlen(m[i].name) + 1);
+    h = fnv(h, &m[i].buffer, sizeof m[i].buffer);
+    h = fnv(h, &m[i].offset, sizeof m[i].offset);
+    h = fnv(h, &m[i].size, sizeof m[i].size);
+    h = meta_hash(h, m[i].meta);
+  }
+  return h | 1;
+}
+
+static int table_equal(const gpupool__layout *l, uint64_t tenant, const gpupool__member *m, uint32_t n,
+                       uint32_t nbufs) {
+  if (l->tenant != tenant || l->n != n || l->nbufs != nbufs)
+    return 0;
+  for (uint32_t i = 0; i < n; i++)
+    if (strcmp(l->members[i].name, m[i].name) || l->members[i].buffer != m[i].buffer ||
+        l->members[i].offset != m[i].offset || l->members[i].size != m[i].size ||
+        !meta_equal(l->members[i].meta, m[i].meta))
+      return 0;
+  return 1;
+}
+
+/* A layout (one reference, the caller's) over members (taken over; freed on failure or when an
+ * equal table of the tenant exists, whose layout is then shared: two bundles allocated alike,
+ * as double buffering does, have one layout id, so a consumer's cached table serves both),
+ * which lie in nbufs buffers; counted against tenant's members once per layout. */
 static int layout_new(gpupool__registry *reg, uint64_t tenant, gpupool__member *members, uint32_t n,
                       uint32_t nbufs, gpupool__layout **out) {
-  gpupool__layout *l = calloc(1, sizeof *l);
+  uint64_t h = table_hash(tenant, members, n, nbufs);
+  gpupool__layout *l = gpupool__hmap_get(&reg->layout_hash, h);
+  if (l && table_equal(l, tenant, members, n, nbufs)) {
+    members_free(members, n);
+    l->refs++;
+    *out = l;
+    return 0;
+  }
+  l = calloc(1, sizeof *l);
   if (!l || !(l->need = calloc(nbufs ? nbufs : 1, sizeof *l->need))) {
     free(l);
     members_free(members, n);
@@ -1273,6 +1343,9 @@ static int layout_new(gpupool__registry *reg, uint64_t tenant, gpupool__member *
     members_free(members, n);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
+  l->hash = h;
+  if (!gpupool__hmap_get(&reg->layout_hash, h))
+    (void)gpupool__hmap_put(&reg->layout_hash, h, l); /* out of memory: just not shared */
   gpupool__uid_usage *u = gpupool__uid_usage_get(reg, tenant, 1);
   if (u)
     u->members += n;
@@ -1284,6 +1357,8 @@ static void layout_unref(gpupool__registry *reg, gpupool__layout *l) {
   if (!l || --l->refs > 0)
     return;
   gpupool__hmap_del(&reg->layouts, l->id);
+  if (gpupool__hmap_get(&reg->layout_hash, l->hash) == l)
+    gpupool__hmap_del(&reg->layout_hash, l->hash);
   members_account(reg, l->tenant, -(int64_t)l->n);
   members_free(l->members, l->n);
   free(l->need);
@@ -2125,6 +2200,7 @@ int gpupool__registry_init(gpupool__registry *reg, uv_loop_t *loop, const gpupoo
   gpupool__hmap_init(&reg->uids);
   gpupool__smap_init(&reg->names);
   gpupool__hmap_init(&reg->layouts);
+  gpupool__hmap_init(&reg->layout_hash);
   uv_timer_init(loop, &reg->sweep_timer);
   reg->sweep_timer.data = reg;
   reg->pools = calloc((size_t)cfg->n_pools, sizeof *reg->pools);
@@ -2235,6 +2311,7 @@ void gpupool__registry_close(gpupool__registry *reg) {
       free(l);
     }
   gpupool__hmap_free(&reg->layouts);
+  gpupool__hmap_free(&reg->layout_hash);
   for (size_t i = 0; i < reg->uids.cap; i++)
     if (gpupool__hmap_slot_used(&reg->uids, i))
       free(reg->uids.slots[i].val);

@@ -196,6 +196,7 @@ typedef struct {
  * to it by id, so a warm republish or get moves no members. */
 struct gpupool__layout {
   uint64_t id;
+  uint64_t hash;             /* of the table and tenant: equal tables share one layout */
   uint32_t refs;
   uint64_t tenant;           /* whose members it counts as; only that tenant may publish by id */
   gpupool__member *members;
@@ -289,6 +290,7 @@ struct gpupool__registry {
   gpupool__hmap clients;     /* id -> gpupool__client */
   gpupool__smap names;       /* name -> gpupool__name */
   gpupool__hmap layouts;     /* id -> gpupool__layout */
+  gpupool__hmap layout_hash; /* hash -> the gpupool__layout filed under it */
   gpupool__hmap uids;        /* uid -> gpupool__uid_usage */
   gpupool__buffer *pending;        /* refs == 0, waiting on dependencies */
   uint64_t npending;

@@ -807,6 +807,22 @@ static void test_layout_by_id(void **state) {
   id = plan->layout->id;
   gpupool__bundle_plan_free(plan);
   assert_non_null(gpupool__hmap_get(&f->reg.layouts, id)); /* the buffer keeps it */
+  /* An equal table of the same tenant shares the layout (double buffering: one id for both
+   * bundles); another tenant's, or another table, does not. */
+  {
+    gpupool__bundle_plan *p2 = NULL;
+    assert_int_equal(gpupool__bundle_plan_new(&f->reg, &f->a, pool(f), spp, 2, 0, &p2), 0);
+    assert_int_equal(p2->layout->id, id);
+    gpupool__bundle_plan_free(p2);
+    assert_int_equal(gpupool__bundle_plan_new(&f->reg, &f->x, pool(f), spp, 2, 0, &p2), 0);
+    assert_true(p2->layout->id != id);
+    gpupool__bundle_plan_free(p2);
+    sp[1].size = 1001;
+    assert_int_equal(gpupool__bundle_plan_new(&f->reg, &f->a, pool(f), spp, 2, 0, &p2), 0);
+    assert_true(p2->layout->id != id);
+    gpupool__bundle_plan_free(p2);
+    sp[1].size = 1000;
+  }
   ids[0] = hs[0]->id;
   assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "L", ids, 1, NULL, 0, id, &v), 0);
   assert_int_equal(v, 1);
