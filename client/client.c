@@ -580,6 +580,13 @@ static int handle_revokes(gpupool_client *c, const gpupool__rep *rep) {
   int unmapped = 0;
   for (size_t i = 0; i < rep->n_revoke_slabs; i++) {
     cslab *s = gpupool__hmap_get(&c->slabs, rep->revoke_slabs[i]);
+    slab_export *e = gpupool__hmap_get(&c->exports, rep->revoke_slabs[i]);
+    if (e) {
+      /* Stashed from a reply whose buffer never became ours (a cancelled or failed get):
+       * its fd would otherwise keep the slab's memory until disconnect. */
+      gpupool__hmap_del(&c->exports, rep->revoke_slabs[i]);
+      export_free(e);
+    }
     if (!s) {
       note_unmapped(c, rep->revoke_slabs[i]);
       continue;
@@ -1672,7 +1679,7 @@ int gpupool_publish_version(gpupool_buffer *b, const char *name, const gpupool_t
  * ask the next daemon again for what is left of its timeout (a name published there ends the
  * wait), as often as the daemon restarts within that time. With c->mu held. */
 static int get_across_restarts(gpupool_client *c, gpupool__req *req, uint32_t *wire_timeout_ms, int timeout_ms,
-                               gpupool__rep **out) {
+                               gpupool__rep **out, uint64_t *known_layout) {
   uint64_t start = mono_ns() / 1000000;
   int rc = ensure_connected(c);
   if (rc != 0)
@@ -1685,6 +1692,8 @@ static int get_across_restarts(gpupool_client *c, gpupool__req *req, uint32_t *w
       return rc;
     if ((rc = ensure_connected(c)) != 0)
       return rc;
+    if (known_layout)
+      *known_layout = 0; /* a layout id of the daemon that went away names nothing here */
     spent = mono_ns() / 1000000 - start;
     if (timeout_ms >= 0)
       *wire_timeout_ms = spent >= (uint64_t)timeout_ms ? 0 : (uint32_t)((uint64_t)timeout_ms - spent);
@@ -1722,7 +1731,7 @@ int gpupool_get_newer(gpupool_client *c, const char *name, uint64_t newer_than, 
   if ((rc = get_request(name, newer_than, timeout_ms, flags, &req, &gt)) != 0)
     return rc;
   pthread_mutex_lock(&c->mu);
-  rc = get_across_restarts(c, &req, &gt.timeout_ms, timeout_ms, &rep);
+  rc = get_across_restarts(c, &req, &gt.timeout_ms, timeout_ms, &rep, NULL);
   if (rc == 0) {
     if (version)
       *version = reply_version(rep);
@@ -1883,11 +1892,12 @@ static void release_holds_from(gpupool_client *c, const Gpupool__Wire__Bundle *w
 
 /* Turn a reply's Bundle into a bundle of this process: every buffer materialized (waiting on
  * its ready event in `stream` when wait_ready), the member table from the reply or, when the
- * reply left it out, the one cached for name, checked against the buffers. A table that came
+ * reply left it out, `known` (the table the request said it had; the caller's reference),
+ * checked against the buffers. A table that came
  * with the reply is cached for name (NULL: not cached). On failure every hold it carried is
  * released. With c->mu held. */
 static int bundle_from_reply(gpupool_client *c, const Gpupool__Wire__Bundle *wb, int wait_ready, void *stream,
-                             const char *name, gpupool_bundle **out) {
+                             const char *name, clayout *known, gpupool_bundle **out) {
   gpupool_bundle *b = NULL;
   clayout *l = NULL;
   size_t i;
@@ -1900,8 +1910,8 @@ static int bundle_from_reply(gpupool_client *c, const Gpupool__Wire__Bundle *wb,
                         wb ? wb->n_buffers : 0, wb ? wb->n_members : 0);
   }
   if (wb->n_members == 0) {
-    /* The daemon saw that we have this table (known_layout). */
-    l = layout_cached(c, name);
+    /* The daemon saw that we have this table (the known_layout the request named). */
+    l = known;
     if (!l || l->id != wb->layout_id || l->nbufs != wb->n_buffers) {
       release_holds_from(c, wb, 0);
       return gpupool__err(GPUPOOL_EPROTO, "the daemon sent no members for layout %" PRIu64 ", which this client "
@@ -1999,7 +2009,7 @@ int gpupool_bundle_alloc(gpupool_client *c, const char *pool, const gpupool_memb
   rc = call_retry(c, &req, &rep);
   if (rc == 0) {
     /* Fresh ranges: nothing to wait for (see gpupool_alloc). */
-    rc = bundle_from_reply(c, reply_bundle(rep), 0, stream, NULL, out);
+    rc = bundle_from_reply(c, reply_bundle(rep), 0, stream, NULL, NULL, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
   }
   pthread_mutex_unlock(&c->mu);
@@ -2215,6 +2225,7 @@ int gpupool_bundle_get(gpupool_client *c, const char *name, uint64_t newer_than,
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__GetBundle gb;
   gpupool__rep *rep;
+  clayout *known;
   int rc;
 
   if (!c || !name || !out)
@@ -2224,17 +2235,24 @@ int gpupool_bundle_get(gpupool_client *c, const char *name, uint64_t newer_than,
   if ((rc = bundle_get_request(name, newer_than, timeout_ms, flags, &req, &gb)) != 0)
     return rc;
   pthread_mutex_lock(&c->mu);
-  {
-    const clayout *known = layout_cached(c, name);
-    gb.known_layout = known ? known->id : 0;
+  /* Connected first, so the table named as known is one of this daemon's; it is held
+   * until the reply is handled, whatever happens to the cache meanwhile. */
+  if ((rc = ensure_connected(c)) != 0) {
+    pthread_mutex_unlock(&c->mu);
+    return rc;
   }
-  rc = get_across_restarts(c, &req, &gb.timeout_ms, timeout_ms, &rep);
+  known = layout_cached(c, name);
+  if (known)
+    known->refs++;
+  gb.known_layout = known ? known->id : 0;
+  rc = get_across_restarts(c, &req, &gb.timeout_ms, timeout_ms, &rep, &gb.known_layout);
   if (rc == 0) {
-    rc = bundle_from_reply(c, reply_bundle(rep), 1, stream, name, out);
+    rc = bundle_from_reply(c, reply_bundle(rep), 1, stream, name, gb.known_layout ? known : NULL, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
     if (rc == 0)
       bundle_keep_mapped(*out, flags);
   }
+  clayout_unref(known);
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
@@ -2249,8 +2267,8 @@ int gpupool_bundle_release(gpupool_bundle *b, void *stream) {
   pthread_mutex_lock(&c->mu);
   ensure_connected(c); /* marks the buffers lost if their daemon went away */
   rc = release_many_locked(c, b->bufs, b->nbufs, stream);
+  bundle_free_local(b); /* its layout is shared with the cache: under the lock */
   pthread_mutex_unlock(&c->mu);
-  bundle_free_local(b);
   return rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO ? 0 : rc;
 }
 
@@ -2296,9 +2314,7 @@ struct gpupool_pending {
   pending *p;
   int kind;
   unsigned flags;             /* gets: GPUPOOL_KEEP_MAPPED applies when they end */
-  gpupool_buffer *pub;        /* PEND_PUBLISH: the buffer published */
-  int has_meta;
-  gpupool_tensor_meta meta;
+  clayout *known;             /* PEND_BGET: the table named as known (a reference), or NULL */
   char name[GPUPOOL_NAME_MAX + 1];
 };
 
@@ -2348,13 +2364,16 @@ int gpupool_bundle_get_begin(gpupool_client *c, const char *name, uint64_t newer
   if ((rc = bundle_get_request(name, newer_than, timeout_ms, flags, &req, &gb)) != 0)
     return rc;
   pthread_mutex_lock(&c->mu);
-  {
-    const clayout *known = layout_cached(c, name);
+  if ((rc = ensure_connected(c)) == 0) {
+    clayout *known = layout_cached(c, name);
     gb.known_layout = known ? known->id : 0;
-  }
-  if ((rc = begin_locked(c, &req, PEND_BGET, out)) == 0) {
-    (*out)->flags = flags;
-    snprintf((*out)->name, sizeof (*out)->name, "%s", name);
+    if ((rc = begin_locked(c, &req, PEND_BGET, out)) == 0) {
+      (*out)->flags = flags;
+      (*out)->known = known;
+      if (known)
+        known->refs++;
+      snprintf((*out)->name, sizeof (*out)->name, "%s", name);
+    }
   }
   pthread_mutex_unlock(&c->mu);
   return rc;
@@ -2378,11 +2397,11 @@ int gpupool_publish_begin(gpupool_buffer *b, const char *name, const gpupool_ten
   if ((rc = ensure_connected(c)) == 0 && b->lost)
     rc = lost_err(b);
   if (rc == 0 && (rc = record_ready(c, b, stream)) == 0 && (rc = begin_locked(c, &req, PEND_PUBLISH, out)) == 0) {
-    (*out)->pub = b;
     snprintf((*out)->name, sizeof (*out)->name, "%s", name);
+    /* Now, not at the end: the caller may release b before ending the publish. */
     if (meta) {
-      (*out)->meta = *meta;
-      (*out)->has_meta = 1;
+      b->meta = *meta;
+      b->has_meta = 1;
     }
   }
   pthread_mutex_unlock(&c->mu);
@@ -2450,6 +2469,7 @@ int gpupool_bundle_get_end(gpupool_pending *gp, void *stream, gpupool_bundle **o
   gpupool_client *c;
   gpupool__rep *rep;
   char name[GPUPOOL_NAME_MAX + 1];
+  clayout *known;
   unsigned flags;
   int rc;
   if (!gp || !out || gp->kind != PEND_BGET)
@@ -2458,25 +2478,25 @@ int gpupool_bundle_get_end(gpupool_pending *gp, void *stream, gpupool_bundle **o
   *out = NULL;
   c = gp->c;
   flags = gp->flags;
+  known = gp->known;
   memcpy(name, gp->name, sizeof name);
   pthread_mutex_lock(&c->mu);
   if ((rc = end_locked(gp, &rep)) == 0) {
-    rc = bundle_from_reply(c, reply_bundle(rep), 1, stream, name, out);
+    rc = bundle_from_reply(c, reply_bundle(rep), 1, stream, name, known, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
     if (rc == 0)
       bundle_keep_mapped(*out, flags);
   }
+  clayout_unref(known);
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
 
 int gpupool_pending_end(gpupool_pending *gp, uint64_t *version) {
   gpupool_client *c;
-  gpupool_buffer *pub;
-  gpupool_tensor_meta meta;
   char name[GPUPOOL_NAME_MAX + 1];
   gpupool__rep *rep;
-  int rc, kind, has_meta;
+  int rc, kind;
   if (version)
     *version = 0;
   if (!gp)
@@ -2487,9 +2507,6 @@ int gpupool_pending_end(gpupool_pending *gp, uint64_t *version) {
   gpupool__err_clear();
   c = gp->c;
   kind = gp->kind;
-  pub = gp->pub;
-  has_meta = gp->has_meta;
-  meta = gp->meta;
   memcpy(name, gp->name, sizeof name);
   pthread_mutex_lock(&c->mu);
   if ((rc = end_locked(gp, &rep)) == 0) {
@@ -2497,7 +2514,7 @@ int gpupool_pending_end(gpupool_pending *gp, uint64_t *version) {
       *version = reply_version(rep);
     gpupool__wire__reply__free_unpacked(rep, NULL);
     if (kind == PEND_PUBLISH)
-      published_locally(c, pub, name, has_meta ? &meta : NULL);
+      note_published(c, name);
   }
   pthread_mutex_unlock(&c->mu);
   if (kind == PEND_RELEASE && (rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO))
@@ -2514,6 +2531,7 @@ void gpupool_pending_cancel(gpupool_pending *gp) {
   c = gp->c;
   kind = gp->kind;
   pthread_mutex_lock(&c->mu);
+  clayout_unref(gp->known);
   if (end_locked(gp, &rep) == 0) {
     /* Undo what the reply brought: holds this process never turned into buffers. */
     if (kind == PEND_GET) {

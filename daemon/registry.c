@@ -1312,6 +1312,13 @@ static int table_equal(const gpupool__layout *l, uint64_t tenant, const gpupool_
  * equal table of the tenant exists, whose layout is then shared: two bundles allocated alike,
  * as double buffering does, have one layout id, so a consumer's cached table serves both),
  * which lie in nbufs buffers; counted against tenant's members once per layout. */
+/* The tenant's layout equal to this table, if any (it would be shared: no new members). */
+static gpupool__layout *layout_equal_to(gpupool__registry *reg, uint64_t tenant, const gpupool__member *members,
+                                        uint32_t n, uint32_t nbufs) {
+  gpupool__layout *l = gpupool__hmap_get(&reg->layout_hash, table_hash(tenant, members, n, nbufs));
+  return l && table_equal(l, tenant, members, n, nbufs) ? l : NULL;
+}
+
 static int layout_new(gpupool__registry *reg, uint64_t tenant, gpupool__member *members, uint32_t n,
                       uint32_t nbufs, gpupool__layout **out) {
   uint64_t h = table_hash(tenant, members, n, nbufs);
@@ -1434,6 +1441,12 @@ static int publish_check(gpupool__registry *reg, gpupool__client *c, const char 
                         "under that name", name);
   u = gpupool__uid_usage_get(reg, c->tenant, 0);
   gpupool__tenant_label(cfg, c->tenant, who, sizeof who);
+  /* Republished by another tenant of the namespace (a group's name), the name moves to its
+   * count: that tenant's limit applies as to a new name. */
+  if (*old && (*old)->tenant != c->tenant && cfg->max_names_per_uid && u && u->names >= cfg->max_names_per_uid)
+    return gpupool__err(GPUPOOL_ELIMIT,
+                        "%s already has %u names published, the limit (max_names_per_uid) is %u; "
+                        "republishing '%s' would make it one more", who, u->names, cfg->max_names_per_uid, name);
   if (!*old) {
     if (cfg->max_names && reg->nnames >= cfg->max_names)
       return gpupool__err(GPUPOOL_ELIMIT, "the daemon already holds %" PRIu64 " names, the limit (max_names) is %u",
@@ -1720,7 +1733,8 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
     /* The previous version's table goes with it when nothing else uses it. */
     uint64_t freed = old && old->layout && old->layout->refs == 1 && old->layout->tenant == c->tenant
                          ? old->layout->n : 0;
-    if ((rc = members_fit(reg, c->tenant, nmembers, freed)) != 0)
+    if (!layout_equal_to(reg, c->tenant, members, (uint32_t)nmembers, (uint32_t)nholds) &&
+        (rc = members_fit(reg, c->tenant, nmembers, freed)) != 0)
       goto fail;
     rc = layout_new(reg, c->tenant, members, (uint32_t)nmembers, (uint32_t)nholds, &layout);
     members = NULL; /* taken over, also on failure */
@@ -1891,7 +1905,8 @@ int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool
     rc = rc == GPUPOOL_EEXIST ? dup_error(names[dup], dup) : gpupool__err(rc, "out of memory in the daemon");
     goto fail;
   }
-  if ((rc = members_fit(reg, c->tenant, n, 0)) != 0)
+  if (!layout_equal_to(reg, c->tenant, plan->members, (uint32_t)n, plan->nchunks) &&
+      (rc = members_fit(reg, c->tenant, n, 0)) != 0)
     goto fail;
   rc = layout_new(reg, c->tenant, plan->members, (uint32_t)n, plan->nchunks, &plan->layout);
   if (rc != 0) {
@@ -1917,9 +1932,14 @@ int gpupool__bundle_allocate(gpupool__registry *reg, gpupool__client *c, const g
   for (uint32_t i = 0; i < plan->nchunks; i++)
     if ((rc = gpupool__allocate(reg, c, plan->pool, plan->chunks[i], plan->align, &hs[i])) != 0) {
       char msg[GPUPOOL__ERRMSG_MAX];
+      int returned = reg->memory_returned;
       snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+      /* Giving back the chunks just taken returns nothing that was free before this call:
+       * it must not wake the waiting allocations (this one among them, which would be
+       * tried again at once, fail the same way, and so on forever). */
       while (i-- > 0)
         hold_drop(reg, hs[i], 0, NULL);
+      reg->memory_returned = returned;
       free(hs);
       if (plan->nchunks > 1)
         return gpupool__err(rc, "bundle of %" PRIu64 " bytes in %u buffers: %s", plan->total, plan->nchunks, msg);

@@ -606,6 +606,50 @@ static void test_pipelining(void **state) {
     assert_int_equal(gpupool_unpublish(c, "bb"), 0);
     assert_int_equal(gpupool_unpublish(c, "one"), 0);
   }
+  /* A publish whose buffer is released before the publish is ended. */
+  {
+    gpupool_buffer *x;
+    gpupool_pending *q;
+    gpupool_tensor_meta meta;
+    byte_meta(&meta, 64);
+    assert_int_equal(gpupool_alloc(c, NULL, 64, 0, NULL, &x), 0);
+    assert_int_equal(gpupool_publish_begin(x, "early", &meta, NULL, &q), 0);
+    assert_int_equal(gpupool_release(x, NULL), 0);
+    assert_int_equal(gpupool_pending_end(q, &v), 0);
+    assert_int_equal(v, 1);
+    assert_int_equal(gpupool_unpublish(c, "early"), 0);
+  }
+  /* A pending bundle get answered without members (its table was known when it was sent)
+   * still finds that table after the client cached another one for the name. */
+  {
+    gpupool_bundle *b1, *b2, *g1, *g2;
+    gpupool_pending *q;
+    gpupool_buffer *o;
+    gpupool_member_ref ref;
+    assert_int_equal(make_bundle(c, 10, 5, &b1), 0);
+    assert_int_equal(gpupool_bundle_publish(b1, "swap", NULL, NULL), 0);
+    assert_int_equal(gpupool_bundle_get(r, "swap", 0, 0, 0, NULL, &g1), 0); /* caches table 1 */
+    assert_int_equal(gpupool_bundle_release(g1, NULL), 0);
+    assert_int_equal(gpupool_bundle_get_begin(r, "swap", 1, 2000, 0, &q), 0);
+    assert_int_equal(make_bundle(c, 10, 6, &b2), 0); /* an equal table: the same layout */
+    assert_int_equal(gpupool_bundle_publish(b2, "swap", NULL, &v), 0);
+    assert_int_equal(v, 2);
+    assert_int_equal(gpupool_alloc(c, NULL, 64, 0, NULL, &o), 0);
+    ref = (gpupool_member_ref){.name = "other", .buffer = o, .offset = 0, .size = 64};
+    assert_int_equal(gpupool_publish_members(c, "swap", &ref, 1, NULL, &v), 0);
+    assert_int_equal(v, 3);
+    assert_int_equal(gpupool_bundle_get(r, "swap", 2, 0, 0, NULL, &g2), 0); /* caches table 2 */
+    assert_int_equal(gpupool_bundle_count(g2), 1);
+    assert_int_equal(gpupool_bundle_get_end(q, NULL, &g1), 0);
+    assert_int_equal(gpupool_bundle_version(g1), 2);
+    assert_true(bundle_ok(g1, 10, 6));
+    assert_int_equal(gpupool_bundle_release(g1, NULL), 0);
+    assert_int_equal(gpupool_bundle_release(g2, NULL), 0);
+    assert_int_equal(gpupool_bundle_release(b1, NULL), 0);
+    assert_int_equal(gpupool_bundle_release(b2, NULL), 0);
+    assert_int_equal(gpupool_release(o, NULL), 0);
+    assert_int_equal(gpupool_unpublish(c, "swap"), 0);
+  }
   gpupool_disconnect(r);
   gpupool_disconnect(c);
   th_wait_idle(&D, 3000);

@@ -865,12 +865,42 @@ static void test_layout_by_id(void **state) {
   assert_true(!u || u->members == 0);
 }
 
+/* A bundle whose last chunk does not fit gives back the chunks it took, and that must not count
+ * as memory coming back: the waiting allocations would be retried (this one first) and fail
+ * the same way, over and over, in one turn of the loop. */
+static void test_bundle_rollback_returns_nothing(void **state) {
+  fixture *f = *state;
+  Gpupool__Wire__MemberSpec sp[2], *spp[2];
+  gpupool__bundle_plan *plan = NULL;
+  gpupool__hold **hs = NULL;
+  uint64_t used = pool(f)->used;
+  for (int i = 0; i < 2; i++) {
+    gpupool__wire__member_spec__init(&sp[i]);
+    sp[i].size = 1 << 20;
+    spp[i] = &sp[i];
+  }
+  sp[0].name = (char *)"a";
+  sp[1].name = (char *)"b";
+  assert_int_equal(gpupool__bundle_plan_new(&f->reg, &f->a, pool(f), spp, 2, 0, &plan), 0);
+  /* Two chunks, the second larger than the pool can hold next to the first. */
+  plan->nchunks = 2;
+  plan->chunks[0] = 1 << 20;
+  plan->chunks[1] = 60ull << 20;
+  f->reg.memory_returned = 0;
+  assert_int_not_equal(gpupool__bundle_allocate(&f->reg, &f->a, plan, &hs), 0);
+  assert_int_equal(f->reg.memory_returned, 0);
+  assert_int_equal(pool(f)->used, used);
+  plan->nchunks = 1;
+  gpupool__bundle_plan_free(plan);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_holders_and_exactly_once, setup, teardown),
       cmocka_unit_test_setup_teardown(test_names, setup, teardown),
       cmocka_unit_test_setup_teardown(test_bundle_checks, setup, teardown),
       cmocka_unit_test_setup_teardown(test_layout_by_id, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_bundle_rollback_returns_nothing, setup, teardown),
       cmocka_unit_test_setup_teardown(test_slabs_and_dedicated, setup, teardown),
       cmocka_unit_test_setup_teardown(test_full_pool_message_and_revoke, setup, teardown),
       cmocka_unit_test_setup_teardown(test_limits, setup_limits, teardown),
