@@ -1094,6 +1094,18 @@ static int check_limits(gpupool__registry *reg, gpupool__client *c, uint64_t siz
   return 0;
 }
 
+/* The alignment an allocation in p gets: *align as asked (0 = the pool's), never below the
+ * pool's; EINVAL unless a power of two up to 2 MiB. */
+static int pool_alignment(const gpupool__pool *p, uint64_t *align) {
+  if (*align == 0)
+    *align = p->cfg.alignment;
+  if (*align & (*align - 1) || *align > SLAB_GRAIN)
+    return gpupool__err(GPUPOOL_EINVAL, "alignment %" PRIu64 " must be a power of two up to 2 MiB", *align);
+  if (*align < p->cfg.alignment)
+    *align = p->cfg.alignment;
+  return 0;
+}
+
 int gpupool__allocate(gpupool__registry *reg, gpupool__client *c, gpupool__pool *p, uint64_t size, uint64_t align,
                 gpupool__hold **out) {
   gpupool__buffer *b = NULL;
@@ -1103,14 +1115,8 @@ int gpupool__allocate(gpupool__registry *reg, gpupool__client *c, gpupool__pool 
 
   if (size == 0)
     return gpupool__err(GPUPOOL_EINVAL, "cannot allocate 0 bytes; ask for at least 1");
-  if ((rc = gpupool__pool_owner(reg, c, p, &owner)) != 0)
+  if ((rc = gpupool__pool_owner(reg, c, p, &owner)) != 0 || (rc = pool_alignment(p, &align)) != 0)
     return rc;
-  if (align == 0)
-    align = p->cfg.alignment;
-  if (align & (align - 1) || align > SLAB_GRAIN)
-    return gpupool__err(GPUPOOL_EINVAL, "alignment %" PRIu64 " must be a power of two up to 2 MiB", align);
-  if (align < p->cfg.alignment)
-    align = p->cfg.alignment;
   if (size > GPUPOOL_SLAB_HARD_MAX)
     return place(reg, p, owner, size, size, align, &s, &off); /* produces the ETOOBIG message */
   asize = round_up(size, p->cfg.alignment);
@@ -1842,14 +1848,8 @@ int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool
 
   if ((rc = check_member_count(reg, n)) != 0)
     return rc;
-  if ((rc = gpupool__pool_owner(reg, c, p, &owner)) != 0)
+  if ((rc = gpupool__pool_owner(reg, c, p, &owner)) != 0 || (rc = pool_alignment(p, &align)) != 0)
     return rc;
-  if (align == 0)
-    align = p->cfg.alignment;
-  if (align & (align - 1) || align > SLAB_GRAIN)
-    return gpupool__err(GPUPOOL_EINVAL, "alignment %" PRIu64 " must be a power of two up to 2 MiB", align);
-  if (align < p->cfg.alignment)
-    align = p->cfg.alignment;
   /* A chunk is one exported allocation: at most 4 GiB (the CUDA driver's limit on one). */
   limit = GPUPOOL_SLAB_HARD_MAX & ~(align - 1);
   if (!(plan = calloc(1, sizeof *plan)) || !(plan->members = calloc(n, sizeof *plan->members)) ||

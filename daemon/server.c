@@ -815,16 +815,22 @@ static int handle_attach(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__At
   return 0;
 }
 
+/* The pool a request names (by name, or by id when the name is empty). */
+static int pool_asked(gpupool__registry *reg, const char *name, uint32_t id, gpupool__pool **out) {
+  if ((*out = gpupool__pool_find(reg, name, id)))
+    return 0;
+  if (name && *name)
+    return gpupool__err(GPUPOOL_ENOENT, "no pool named '%s' (gpupoolctl status lists the pools)", name);
+  return gpupool__err(GPUPOOL_ENOENT, "no pool with id %u", id);
+}
+
 static int handle_allocate(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Allocate *m, int *deferred) {
   gpupool__registry *reg = c->srv->reg;
-  gpupool__pool *p = gpupool__pool_find(reg, m->pool_name, m->pool_id);
+  gpupool__pool *p;
   gpupool__hold *h = NULL;
   int rc;
-  if (!p) {
-    if (m->pool_name && *m->pool_name)
-      return gpupool__err(GPUPOOL_ENOENT, "no pool named '%s' (gpupoolctl status lists the pools)", m->pool_name);
-    return gpupool__err(GPUPOOL_ENOENT, "no pool with id %u", m->pool_id);
-  }
+  if ((rc = pool_asked(reg, m->pool_name, m->pool_id, &p)) != 0)
+    return rc;
   rc = gpupool__allocate(reg, &c->cl, p, m->size, m->alignment, &h);
   if (rc == GPUPOOL_ENOSPC && m->timeout_ms > 0) {
     if ((rc = waiter_add(c, seq, WAIT_ALLOC, m->timeout_ms, p, m->size, m->alignment, NULL, 0, 0, NULL)) != 0)
@@ -922,15 +928,12 @@ static int handle_publish_bundle(gpupool__conn *c, uint64_t seq, const Gpupool__
 static int handle_allocate_bundle(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__AllocateBundle *m,
                                   int *deferred) {
   gpupool__registry *reg = c->srv->reg;
-  gpupool__pool *p = gpupool__pool_find(reg, m->pool_name, m->pool_id);
+  gpupool__pool *p;
   gpupool__bundle_plan *plan = NULL;
   gpupool__hold **hs = NULL;
   int rc;
-  if (!p) {
-    if (m->pool_name && *m->pool_name)
-      return gpupool__err(GPUPOOL_ENOENT, "no pool named '%s' (gpupoolctl status lists the pools)", m->pool_name);
-    return gpupool__err(GPUPOOL_ENOENT, "no pool with id %u", m->pool_id);
-  }
+  if ((rc = pool_asked(reg, m->pool_name, m->pool_id, &p)) != 0)
+    return rc;
   if ((rc = gpupool__bundle_plan_new(reg, &c->cl, p, m->members, m->n_members, m->alignment, &plan)) != 0)
     return rc;
   if (plan->nchunks > GPUPOOL_WIRE_MAX_FDS) {
