@@ -111,7 +111,7 @@ run_bench() {
     }' "$log" > "$table"
   # The file-share table, as bench/file_share.py printed it.
   sed -n '/^FILE_SHARE_TABLE_BEGIN$/,/^FILE_SHARE_TABLE_END$/{/^FILE_SHARE_TABLE/d;p}' "$log" |
-    { read -r first && { echo; echo "$first"; cat; } || true; } >> "$table"
+    { if read -r first; then echo; echo "$first"; cat; fi; } >> "$table"
 
   # The pinned tier: its own daemon, so it runs after the others are done with theirs.
   echo
@@ -133,7 +133,7 @@ run_bench() {
   # flattened bucket and gpupool bundles; its own daemon too. Its table is appended.
   wtable=$(mktemp)
   set +e
-  GPUPOOL_LIBRARY="$PWD/$build/client/libgpupool-client.so" OUT= \
+  GPUPOOL_LIBRARY="$PWD/$build/client/libgpupool-client.so" OUT='' \
     "${PYTHON:-python3}" bench/weight_sync.py --gpupoold "$daemon" --table "$wtable" 2>&1 |
     tee -a "$log"
   rc=${PIPESTATUS[0]}
