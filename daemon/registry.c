@@ -1557,29 +1557,22 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
   return publish_commit(reg, c, key, old, bufs, 1, NULL, h->read_only, has_meta ? &m : NULL, version);
 }
 
-/* A small open-addressing set of member names, to refuse duplicates in O(n). */
-static int names_unique(Gpupool__Wire__BundleMember *const *wm, const char *const *names, size_t n, size_t *dup) {
+/* Refuses a table whose member names repeat (an open-addressing set of the names: O(n)). */
+static int members_unique(const gpupool__member *m, size_t n) {
   size_t cap = 16, i;
   uint32_t *slots;
   while (cap < 2 * n)
     cap *= 2;
   if (!(slots = calloc(cap, sizeof *slots)))
-    return GPUPOOL_ENOMEM;
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   for (i = 0; i < n; i++) {
-    const char *a = wm ? wm[i]->name : names[i];
-    uint64_t hsh = 1469598103934665603ull;
-    for (const char *q = a; *q; q++)
-      hsh = (hsh ^ (uint8_t)*q) * 1099511628211ull;
-    size_t k = (size_t)hsh & (cap - 1);
-    while (slots[k]) {
-      const char *b = wm ? wm[slots[k] - 1]->name : names[slots[k] - 1];
-      if (!strcmp(a, b)) {
+    size_t k = (size_t)fnv(1469598103934665603ull, m[i].name, strlen(m[i].name)) & (cap - 1);
+    for (; slots[k]; k = (k + 1) & (cap - 1))
+      if (!strcmp(m[i].name, m[slots[k] - 1].name)) {
         free(slots);
-        *dup = i;
-        return GPUPOOL_EEXIST;
+        return gpupool__err(GPUPOOL_EINVAL, "member name '%s' appears twice (again at member %zu); member names "
+                            "must be unique in a bundle", m[i].name, i);
       }
-      k = (k + 1) & (cap - 1);
-    }
     slots[k] = (uint32_t)i + 1;
   }
   free(slots);
@@ -1628,11 +1621,6 @@ static int check_member_count(gpupool__registry *reg, size_t n) {
   return 0;
 }
 
-static int dup_error(const char *name, size_t idx) {
-  return gpupool__err(GPUPOOL_EINVAL, "member name '%s' appears twice (again at member %zu); member names must "
-                      "be unique in a bundle", name, idx);
-}
-
 int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const char *name, const uint64_t *hold_ids,
                             size_t nholds, Gpupool__Wire__BundleMember *const *wm, size_t nmembers,
                             uint64_t layout_id, uint64_t *version) {
@@ -1642,7 +1630,7 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
   gpupool__name *old = NULL;
   uint32_t *used = NULL;
   char key[GPUPOOL_NAME_KEY_MAX + 1];
-  size_t i, dup, nm = 0;
+  size_t i, nm = 0;
   uint32_t fd_slabs = 0;
   int rc, read_only = 0;
   gpupool__hmap seen;
@@ -1726,10 +1714,8 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
                           "the members use", i, hold_ids[i]);
         goto fail;
       }
-    if ((rc = names_unique(wm, NULL, nmembers, &dup)) != 0) {
-      rc = rc == GPUPOOL_EEXIST ? dup_error(wm[dup]->name, dup) : gpupool__err(rc, "out of memory in the daemon");
+    if ((rc = members_unique(members, nmembers)) != 0)
       goto fail;
-    }
   }
   if ((rc = publish_check(reg, c, name, bufs, (uint32_t)nholds, key, sizeof key, &old)) != 0)
     goto fail;
@@ -1842,8 +1828,7 @@ int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool
                              gpupool__bundle_plan **out) {
   gpupool__bundle_plan *plan;
   uint64_t owner, cur = 0, limit;
-  const char **names = NULL;
-  size_t i, dup;
+  size_t i;
   int rc;
 
   if ((rc = check_member_count(reg, n)) != 0)
@@ -1853,9 +1838,8 @@ int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool
   /* A chunk is one exported allocation: at most 4 GiB (the CUDA driver's limit on one). */
   limit = GPUPOOL_SLAB_HARD_MAX & ~(align - 1);
   if (!(plan = calloc(1, sizeof *plan)) || !(plan->members = calloc(n, sizeof *plan->members)) ||
-      !(plan->chunks = calloc(n, sizeof *plan->chunks)) || !(names = calloc(n, sizeof *names))) {
+      !(plan->chunks = calloc(n, sizeof *plan->chunks))) {
     gpupool__bundle_plan_free(plan);
-    free(names);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
   plan->pool = p;
@@ -1868,7 +1852,6 @@ int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool
     if ((rc = member_from_wire(sp->name, 0, sp->size, sp->tensor, UINT64_MAX, i, m)) != 0)
       goto fail;
     plan->nmembers = (uint32_t)i + 1;
-    names[i] = m->name;
     if (sp->size > limit) {
       rc = gpupool__err(GPUPOOL_ETOOBIG,
                         "member %zu ('%s') of %" PRIu64 " bytes is larger than one allocation of pool '%s' may be "
@@ -1901,10 +1884,8 @@ int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool
                       plan->total, p->cfg.name, p->cfg.capacity);
     goto fail;
   }
-  if ((rc = names_unique(NULL, names, n, &dup)) != 0) {
-    rc = rc == GPUPOOL_EEXIST ? dup_error(names[dup], dup) : gpupool__err(rc, "out of memory in the daemon");
+  if ((rc = members_unique(plan->members, n)) != 0)
     goto fail;
-  }
   if (!layout_equal_to(reg, c->tenant, plan->members, (uint32_t)n, plan->nchunks) &&
       (rc = members_fit(reg, c->tenant, n, 0)) != 0)
     goto fail;
@@ -1914,11 +1895,9 @@ int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool
     plan->nmembers = 0;
     goto fail;
   }
-  free(names);
   *out = plan;
   return 0;
 fail:
-  free(names);
   gpupool__bundle_plan_free(plan);
   return rc;
 }
