@@ -273,6 +273,21 @@ def _typed_region(torch, typed, region_of, part, tdt, isz):
     return r
 
 
+def _run_type_and_region(members, dt, idx, part, raw, lib, method, regions, region_of):
+    """The array-interface type of a run (its raw unsigned type with raw=True when `lib` lacks
+    it, else TypeError naming the member) and its buffer's region, imported once per part."""
+    typestr = dt.typestr
+    if typestr is None:
+        if not raw:
+            raise TypeError("member %r is %s, which %s lacks: use %s(raw=True) for its bits, "
+                            "or torch()" % (members[idx[0]][0], dt.name, lib, method))
+        typestr = dt.raw_typestr
+    r = regions.get(part)
+    if r is None:
+        r = regions[part] = region_of(part)
+    return typestr, r
+
+
 def numpy_views(layout, region_of, raw=False):
     """name -> NumPy array for every member (host memory). region_of(part): the buffer as a
     flat uint8 array. raw=True views types NumPy lacks (bfloat16) as unsigned integers of
@@ -288,15 +303,8 @@ def _numpy_views(numpy, layout, region_of, raw):
     views = [None] * len(members)
     regions = {}
     for part, dt, shape, strides, off, step, idx, alone in layout.runs:
-        typestr = dt.typestr
-        if typestr is None:
-            if not raw:
-                raise TypeError("member %r is %s, which NumPy lacks: use numpy(raw=True) for "
-                                "its bits, or torch()" % (members[idx[0]][0], dt.name))
-            typestr = dt.raw_typestr
-        r = regions.get(part)
-        if r is None:
-            r = regions[part] = region_of(part)
+        typestr, r = _run_type_and_region(members, dt, idx, part, raw, "NumPy", "numpy",
+                                          regions, region_of)
         isz = dt.itemsize
         bst = None if strides is None else tuple(s * isz for s in strides)
         if alone and strides is not None and min(strides, default=0) < 0:
@@ -335,15 +343,8 @@ def _cupy_views(cupy, layout, region_of, raw):
     views = [None] * len(members)
     regions = {}
     for part, dt, shape, strides, off, step, idx, alone in layout.runs:
-        typestr = dt.typestr
-        if typestr is None:
-            if not raw:
-                raise TypeError("member %r is %s, which CuPy lacks: use cupy(raw=True) for "
-                                "its bits, or torch()" % (members[idx[0]][0], dt.name))
-            typestr = dt.raw_typestr
-        r = regions.get(part)
-        if r is None:
-            r = regions[part] = region_of(part)
+        typestr, r = _run_type_and_region(members, dt, idx, part, raw, "CuPy", "cupy",
+                                          regions, region_of)
         isz = dt.itemsize
         st = strides if strides is not None else _dlpack.contiguous_strides(shape)
         bst = tuple(s * isz for s in st)
