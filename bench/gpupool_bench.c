@@ -3,8 +3,13 @@
  *
  *   gpupool_bench GPUPOOLD
  *
+ * GPUPOOL_BENCH_ONLY=LIST (comma-separated: socket wake raw alloc handoff bundle throughput ops
+ * bw) runs only those sections; GPUPOOL_TRACE=FILE in the environment traces every process.
+ *
  * Measures, in this order:
  *   - the floor of any request/reply: a 1-byte socketpair ping-pong between two processes;
+ *   - the wake-up floor of a handoff whose consumer sleeps: a message to a process that has
+ *     been blocked 2 ms, directly (1 hop) and through another idle process (2 hops);
  *   - raw CUDA floors without gpupool: cudaMemPoolExportPointer (1 MiB allocation),
  *     cudaMemPoolImportPointer in a second process, cudaIpcOpenEventHandle (first and later
  *     opens), cudaStreamWaitEvent on an opened IPC event;
@@ -454,7 +459,84 @@ static void bench_alloc(const gh_daemon *d, double socket_p50) {
   report("alloc_vs_socket_p50_ratio", a50 / socket_p50);
 }
 
+/* ---------------------------------------------------------------- wake-up floor */
+
+/* hop: reads 8-byte timestamps on fd 3; "fwd" passes each on to fd 4 at once, "last" writes
+ * the microseconds since it to fd 4 (as a double). */
+static int w_hop(char **a) {
+  int last = !strcmp(a[0], "last");
+  uint64_t t0;
+  while (read(3, &t0, sizeof t0) == (ssize_t)sizeof t0) {
+    if (last) {
+      double us = us_since(t0);
+      if (write(4, &us, sizeof us) != (ssize_t)sizeof us)
+        return 1;
+    } else if (write(4, &t0, sizeof t0) != (ssize_t)sizeof t0) {
+      return 1;
+    }
+  }
+  return 0;
+}
+
+/* What any handoff in which the consumer sleeps pays before gpupool does anything: a message
+ * to a process blocked in read() for 2 ms (as the handoff's consumer is), through one process
+ * (producer -> consumer) or through two (producer -> daemon -> consumer, where the middle one
+ * was idle too). Pipes, 8 bytes, no other work. */
+static void bench_wake(void) {
+  enum { N = 300 };
+  static double v[N];
+  for (int hops = 1; hops <= 2; hops++) {
+    int in[2], mid[2], out[2];
+    gh_proc last, fwd;
+    const char *av_last[] = {"", "worker", "hop", "last", NULL};
+    const char *av_fwd[] = {"", "worker", "hop", "fwd", NULL};
+    if (pipe2(in, O_CLOEXEC) < 0 || pipe2(mid, O_CLOEXEC) < 0 || pipe2(out, O_CLOEXEC) < 0)
+      die("pipe: %s", strerror(errno));
+    if (hops == 2) {
+      int f[2] = {in[0], mid[1]}, l[2] = {mid[0], out[1]};
+      if (gh_spawn(&fwd, av_fwd, f, 2) < 0 || gh_spawn(&last, av_last, l, 2) < 0)
+        die("cannot start the hop workers");
+    } else {
+      int l[2] = {in[0], out[1]};
+      if (gh_spawn(&last, av_last, l, 2) < 0)
+        die("cannot start the hop worker");
+    }
+    close(in[0]);
+    close(mid[0]);
+    close(mid[1]);
+    close(out[1]);
+    for (int i = 0; i < N + N_WARMUP; i++) {
+      uint64_t t0;
+      double us;
+      gh_sleep_ms(2);
+      t0 = gh_now_ns();
+      if (write(in[1], &t0, sizeof t0) != (ssize_t)sizeof t0 || read(out[0], &us, sizeof us) != (ssize_t)sizeof us)
+        die("hop worker went away");
+      if (i >= N_WARMUP)
+        v[i - N_WARMUP] = us;
+    }
+    close(in[1]);
+    close(out[0]);
+    gh_wait(&last, 10000);
+    if (hops == 2)
+      gh_wait(&fwd, 10000);
+    report_lat(hops == 1 ? "wake-up floor: 1 hop to a process idle 2 ms" : "wake-up floor: 2 hops, both idle 2 ms",
+               hops == 1 ? "wake_1hop" : "wake_2hop", v, N);
+  }
+}
+
 /* ---------------------------------------------------------------- handoff latency */
+
+/* With GPUPOOL_TRACE, the handoff's own start and end go into the trace with the library's and
+ * the daemon's lines, in the same format. */
+static void trace_mark(const char *what, uint64_t t) {
+  static FILE *f;
+  const char *p = getenv("GPUPOOL_TRACE");
+  if (!f && p && *p && (f = fopen(p, "ae")) != NULL)
+    setvbuf(f, NULL, _IOLBF, 0);
+  if (f)
+    fprintf(f, "%d %.1f %s 0.0us 0\n", (int)getpid(), (double)t / 1e3, what);
+}
 
 /* prod SOCK: commands on stdin (ALLOC name size | PUB name | UNPUB name | QUIT). */
 static int w_prod(char **a) {
@@ -478,6 +560,7 @@ static int w_prod(char **a) {
         die("PUB without ALLOC");
       uint64_t t0 = gh_now_ns();
       GP(gpupool_publish(b, name, NULL, s));
+      trace_mark("bench-T0", t0);
       gh_say("T0 %" PRIu64, t0);
       GP(gpupool_release(b, s));
       b = NULL;
@@ -518,6 +601,7 @@ static int w_cons(char **a) {
       uint64_t t1 = gh_now_ns();
       if (!gpupool_buffer_ptr(b))
         die("gpupool_get returned no pointer");
+      trace_mark("bench-T1", t1);
       gh_say("T1 %" PRIu64, t1);
       GP(gpupool_release(b, s));
       CK(cudaStreamSynchronize(s));
@@ -1036,7 +1120,7 @@ static int worker_main(int argc, char **argv) {
   } roles[] = {{"echo", 0, w_echo},       {"raw", 0, w_raw},         {"alloc", 3, w_alloc},
                {"prod", 1, w_prod},       {"cons", 1, w_cons},       {"tp-prod", 1, w_tp_prod},
                {"tp-cons", 1, w_tp_cons}, {"ops", 1, w_ops},         {"bw", 2, w_bw},
-               {"bprod", 2, w_bprod},     {"bcons", 1, w_bcons}};
+               {"bprod", 2, w_bprod},     {"bcons", 1, w_bcons},     {"hop", 1, w_hop}};
   setvbuf(stdout, NULL, _IOLBF, 0);
   for (size_t i = 0; i < sizeof(roles) / sizeof(roles[0]); i++)
     if (!strcmp(argv[2], roles[i].role)) {
@@ -1045,6 +1129,18 @@ static int worker_main(int argc, char **argv) {
       return roles[i].fn(argv + 3);
     }
   die("unknown worker role %s", argv[2]);
+}
+
+/* GPUPOOL_BENCH_ONLY=socket,wake,... runs only those sections (all when unset). */
+static int want(const char *section) {
+  const char *only = getenv("GPUPOOL_BENCH_ONLY");
+  size_t n = strlen(section);
+  if (!only || !*only)
+    return 1;
+  for (const char *p = only; (p = strstr(p, section)) != NULL; p += n)
+    if ((p == only || p[-1] == ',') && (p[n] == '\0' || p[n] == ','))
+      return 1;
+  return 0;
 }
 
 int main(int argc, char **argv) {
@@ -1068,20 +1164,31 @@ int main(int argc, char **argv) {
       (CUDART_VERSION % 1000) / 10);
   gh_say("BENCH_INFO device %s", prop.name);
 
-  double socket_p50 = bench_socket();
-  bench_raw();
+  double socket_p50 = want("socket") ? bench_socket() : 0;
+  if (want("wake"))
+    bench_wake();
+  if (want("raw"))
+    bench_raw();
   if (gh_daemon_start(&d, argv[1], POOL_SPEC) < 0)
     die("gpupoold did not start");
-  bench_alloc(&d, socket_p50);
-  bench_handoff(&d, 4096, "4KiB");
-  bench_handoff(&d, 1u << 20, "1MiB");
-  bench_handoff(&d, 64u << 20, "64MiB");
-  bench_bundle(&d, 0, 1, "llama146");
-  bench_bundle(&d, 0, 0, "llama146_nokeep");
-  bench_bundle(&d, 1, 1, "small1000");
-  bench_throughput(&d);
-  bench_ops(&d);
-  bench_bw(&d);
+  if (want("alloc"))
+    bench_alloc(&d, socket_p50);
+  if (want("handoff")) {
+    bench_handoff(&d, 4096, "4KiB");
+    bench_handoff(&d, 1u << 20, "1MiB");
+    bench_handoff(&d, 64u << 20, "64MiB");
+  }
+  if (want("bundle")) {
+    bench_bundle(&d, 0, 1, "llama146");
+    bench_bundle(&d, 0, 0, "llama146_nokeep");
+    bench_bundle(&d, 1, 1, "small1000");
+  }
+  if (want("throughput"))
+    bench_throughput(&d);
+  if (want("ops"))
+    bench_ops(&d);
+  if (want("bw"))
+    bench_bw(&d);
   if (!gh_daemon_alive(&d)) {
     gh_daemon_stop(&d, 1);
     die("gpupoold died during the benchmark");

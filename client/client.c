@@ -300,6 +300,7 @@ static void read_one(gpupool_client *c) {
   pending *p;
   int rc;
 
+  uint64_t t_read = TRACE_ON() ? mono_ns() : 0;
   c->reader_active = 1;
   pthread_mutex_unlock(&c->mu);
   if (c->spin_us > 0) {
@@ -315,6 +316,8 @@ static void read_one(gpupool_client *c) {
   while ((rc = gpupool__wire_rx_read(&c->rx, c->fd)) == 0 && c->hs_deadline_ns &&
          mono_ns() < c->hs_deadline_ns)
     ;
+  if (t_read)
+    trace("read", t_read, c->rx.payload_len);
   rep = rc == 1 ? gpupool__wire_unpack_reply(&c->rx) : NULL;
   pthread_mutex_lock(&c->mu);
   c->reader_active = 0;

@@ -60,6 +60,11 @@ static void usage(FILE *f) {
           "  file_leases = yes|no      take a read lease on each file to learn of truncation\n"
           "                           and opens for writing (default yes; needs ownership or\n"
           "                           CAP_LEASE, otherwise only checked at get)\n"
+          "Environment (over the config file): GPUPOOL_SOCKET (as --socket),\n"
+          "  GPUPOOL_BUSY_POLL_US=N    poll N us after client traffic instead of sleeping\n"
+          "                           (latency mode, config key busy_poll_us; default 0)\n"
+          "  GPUPOOL_TRACE=FILE        append a line per request: when it came in (monotonic\n"
+          "                           us) and how long it took (bench/trace_breakdown.py)\n"
           "Signals: SIGINT/SIGTERM shut down gracefully.\n"
           "Exit status: 0 after a clean shutdown, 2 for an invalid configuration (restarting\n"
           "will not help: fix it), 1 for any other failure.\n",

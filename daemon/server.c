@@ -130,6 +130,7 @@ struct gpupool__server {
   gpupool__metrics *metrics; /* counters and exporters; closed with the server */
   uv_signal_t sigio;         /* file leases breaking (files.c) */
   int sigio_on;
+  FILE *trace;               /* GPUPOOL_TRACE: a line per request, as the client library writes */
 };
 
 static void conn_close(gpupool__conn *c, const char *why);
@@ -1302,6 +1303,9 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
   }
   if (!deferred)
     gpupool__metrics_request(s->metrics, body, rc, gpupool__now_ns() - t0);
+  if (s->trace)
+    fprintf(s->trace, "%d %.1f daemon-req%d %.1fus %" PRIu64 "\n", (int)getpid(), (double)t0 / 1e3, body,
+            (double)(gpupool__now_ns() - t0) / 1e3, req->seq);
   if (gpupool__now_ns() - t0 > 50000)
     GPUPOOL__DEBUG("slow request %d from client %" PRIu64 ": %" PRIu64 " us", body, c->cl.id, (gpupool__now_ns() - t0) / 1000);
   gpupool__wire__request__free_unpacked(req, NULL);
@@ -1775,6 +1779,15 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
   s->cfg = cfg;
   s->reg = reg;
   s->started_ns = gpupool__now_ns();
+  {
+    /* GPUPOOL_TRACE=FILE: when each request came in (CLOCK_MONOTONIC us) and how long handling
+     * it took, to line up with the clients' traces of the same handoff. */
+    const char *tp = getenv("GPUPOOL_TRACE");
+    if (tp && *tp && (s->trace = fopen(tp, "ae")) != NULL) {
+      setvbuf(s->trace, NULL, _IOLBF, 0);
+      GPUPOOL__INFO("tracing every request to %s (GPUPOOL_TRACE)", tp);
+    }
+  }
   gpupool__smap_init(&s->get_q);
   gpupool__hmap_init(&s->alloc_q);
   reg->owner = s;
@@ -1848,6 +1861,9 @@ void gpupool__server_stop(gpupool__server *s) {
   s->reg->on_memory = NULL;
   gpupool__metrics_close(s->metrics);
   s->metrics = NULL;
+  if (s->trace)
+    fclose(s->trace);
+  s->trace = NULL;
   log_refused_nofd(s, 0, 1);
   uv_poll_stop(&s->listen_poll);
   s->listen_open = 3;
