@@ -132,6 +132,9 @@ struct gpupool_client {
   int hs_closed;           /* the last Hello went unanswered and the peer hung up: on a socket
                             * that served us before, most likely a daemon restarting */
   int spin_us;             /* GPUPOOL_SPIN_US: poll this long for a reply before sleeping */
+  int host_fences_env;     /* GPUPOOL_HOST_FENCES: 1 on, 0 off, -1 decide per connection */
+  int host_fences;         /* this connection orders work by synchronizing streams, not with
+                            * the daemon's IPC events (see gpupool_host_fences) */
   uint64_t reconnects;
   stale_gen *stale;
   char **published;        /* names this client published and has not unpublished */
@@ -420,6 +423,7 @@ static int call_send(gpupool_client *c, gpupool__req *req, pending **out, int se
   req->seq = ++c->next_seq;
   req->n_unmapped_slabs = c->nunmapped;
   req->unmapped_slabs = c->unmapped;
+  req->host_fences = c->host_fences;
   if ((rc = gpupool__wire_pack_request(req, &buf, &len)) != 0)
     return rc;
   if (c->max_frame && len - GPUPOOL_WIRE_HDR > c->max_frame) {
@@ -646,7 +650,7 @@ static int event_get(gpupool_client *c, const Gpupool__Wire__EventRef *ref, gpup
   gpupool__cevent *e;
   int rc;
   *out = NULL;
-  if (!ref || !c->be->has_events)
+  if (!ref || !c->be->has_events || c->host_fences)
     return 0;
   e = gpupool__hmap_get(&c->events, ref->id);
   if (!e) {
@@ -883,6 +887,23 @@ static int connect_socket(const char *path, int timeout_ms, int *out) {
   return 0;
 }
 
+/* Whether this connection orders GPU work without the daemon's inter-process events. CUDA
+ * backs each such event with a file in /dev/shm that only the daemon's uid may open: a client
+ * of another uid (root excepted) synchronizes its stream before Publish and Release instead,
+ * and the daemon holds its gets back until the producer's work is done. GPUPOOL_HOST_FENCES
+ * decides instead when set (1: always, e.g. in a container with its own /dev/shm; 0: never). */
+static int host_fences_for(gpupool_client *c) {
+  struct ucred cr;
+  socklen_t len = sizeof cr;
+  if (!c->be->has_events)
+    return 0;
+  if (c->host_fences_env >= 0)
+    return c->host_fences_env;
+  if (getsockopt(c->fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) != 0)
+    return 0;
+  return geteuid() != 0 && cr.uid != geteuid();
+}
+
 /* Connect to c->socket_path and say Hello; fills the pool list. With c->mu held and
  * c->fd == -1. On failure the fd is closed again. */
 static int handshake(gpupool_client *c) {
@@ -958,6 +979,7 @@ static int handshake(gpupool_client *c) {
     }
     c->be = d->client;
   }
+  c->host_fences = host_fences_for(c);
   c->pools = calloc(hr->n_pools ? hr->n_pools : 1, sizeof *c->pools);
   if (!c->pools) {
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
@@ -1181,6 +1203,8 @@ int gpupool_connect_timeout(const char *socket_path, const char *client_name, in
   c->spin_us = env && *env ? atoi(env) : 0;
   if (c->spin_us < 0 || c->spin_us > 1000000)
     c->spin_us = 0;
+  env = getenv("GPUPOOL_HOST_FENCES");
+  c->host_fences_env = env && *env ? atoi(env) != 0 : -1;
   pthread_mutex_init(&c->mu, NULL);
   pthread_cond_init(&c->cv, NULL);
   gpupool__hmap_init(&c->slabs);
@@ -1342,6 +1366,13 @@ static void release_local(gpupool_client *c, gpupool_buffer *b, void *stream, ui
    * (recording an event would only make it wait for a completed one). */
   if (done && c->be->stream_idle && c->be->stream_idle(stream) == 1)
     done = NULL;
+  if (c->host_fences && c->be->sync && !(c->be->stream_idle && c->be->stream_idle(stream) == 1) &&
+      c->be->sync(stream) != 0)
+    /* No done event to record: the range may be reused once the daemon has the release, so
+     * the work queued on it must be over first. */
+    fprintf(stderr, "libgpupool-client: synchronizing the stream before a release failed (%s); the daemon "
+                    "will treat the buffer as idle\n",
+            gpupool__errmsg());
   if (done) {
     if (c->be->event_record(done, stream) == 0)
       *recorded = 1;
@@ -1521,11 +1552,26 @@ static int record_ready(gpupool_client *c, gpupool_buffer *b, void *stream) {
   uint64_t t0 = TRACE_ON() ? mono_ns() : 0;
   int rc = 0;
   /* An idle stream has nothing for consumers to wait for. */
-  if (e && !(c->be->stream_idle && c->be->stream_idle(stream) == 1))
+  if (c->host_fences) {
+    /* Consumers cannot wait on an event of ours: what they get must be finished already. */
+    if (c->be->sync && !(c->be->stream_idle && c->be->stream_idle(stream) == 1))
+      rc = c->be->sync(stream);
+  } else if (e && !(c->be->stream_idle && c->be->stream_idle(stream) == 1)) {
     rc = c->be->event_record(e, stream);
+  }
   if (t0)
     trace("record_ready", t0, b->ready_id);
   return rc;
+}
+
+int gpupool_host_fences(gpupool_client *c) {
+  int on;
+  if (!c)
+    return 0;
+  pthread_mutex_lock(&c->mu);
+  on = c->host_fences;
+  pthread_mutex_unlock(&c->mu);
+  return on;
 }
 
 int gpupool_share(gpupool_buffer *b, void *stream, gpupool_token *out) {

@@ -75,6 +75,18 @@ typedef struct {
   uint64_t suppressed;
 } ratelimit;
 
+/* A reply held back until the ready events of what it hands over have completed: for a client
+ * that cannot wait on the daemon's inter-process events itself (Request.host_fences). */
+typedef struct fenced {
+  struct fenced *next;
+  uint8_t *buf; /* the packed frame */
+  size_t len;
+  int fds[GPUPOOL_WIRE_MAX_FDS]; /* duplicates, closed once sent */
+  int nfds;
+  uint32_t nev;
+  gpupool__event *ev[]; /* still pending when the reply was parked */
+} fenced;
+
 struct gpupool__conn {
   gpupool__client cl;
   gpupool__server *srv;
@@ -96,6 +108,9 @@ struct gpupool__conn {
   int hello_done;
   int closing;
   int drop_after_flush;
+  int host_fences;    /* its last request said it cannot use the daemon's events */
+  fenced *fenced_head, **fenced_tail;
+  size_t fenced_bytes;
   gpupool__conn *prev, *next;
 };
 
@@ -131,6 +146,8 @@ struct gpupool__server {
   uv_signal_t sigio;         /* file leases breaking (files.c) */
   int sigio_on;
   FILE *trace;               /* GPUPOOL_TRACE: a line per request, as the client library writes */
+  uv_timer_t fence_timer;    /* polls the events of held-back replies while there are any */
+  uint64_t nfenced;          /* replies held back, all connections */
 };
 
 static void conn_close(gpupool__conn *c, const char *why);
@@ -188,19 +205,139 @@ static void conn_flush(gpupool__conn *c) {
   conn_update_poll(c);
 }
 
-static void send_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds) {
-  uint8_t *buf;
-  size_t len;
+static int pack_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, uint8_t **buf, size_t *len) {
   rep->seq = seq;
   /* Piggyback slab revocations on every reply. */
   rep->n_revoke_slabs = c->cl.nrevoke;
   rep->revoke_slabs = c->cl.revoke;
-  if (gpupool__wire_pack_reply(rep, &buf, &len) != 0) {
+  if (gpupool__wire_pack_reply(rep, buf, len) != 0) {
     conn_close(c, "cannot pack a reply");
-    return;
+    return -1;
   }
   c->cl.nrevoke = 0;
-  conn_send(c, buf, len, fds, nfds);
+  return 0;
+}
+
+static void send_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds) {
+  uint8_t *buf;
+  size_t len;
+  if (pack_reply(c, seq, rep, &buf, &len) == 0)
+    conn_send(c, buf, len, fds, nfds);
+}
+
+/* ---- replies held back for clients without events (Request.host_fences) --------------------- */
+
+static void send_error(gpupool__conn *c, uint64_t seq, int code, const char *msg);
+
+static void fenced_free(fenced *f) {
+  for (int i = 0; i < f->nfds; i++)
+    close(f->fds[i]);
+  free(f->buf);
+  free(f);
+}
+
+/* 1 when every event f waits for has completed (one whose query fails counts as completed: it
+ * is logged, and waiting on it could last forever). */
+static int fenced_ready(gpupool__server *s, fenced *f) {
+  while (f->nev > 0) {
+    int q = s->reg->be->ops->event_query(f->ev[f->nev - 1]->be);
+    if (q == 0)
+      return 0;
+    if (q < 0)
+      GPUPOOL__WARN("event %u query failed (%s); answering the client that waits for it", f->ev[f->nev - 1]->id,
+                    gpupool__errmsg());
+    f->nev--;
+  }
+  return 1;
+}
+
+/* Send the held-back replies of c whose events have completed, in the order they were held. */
+static void fenced_flush(gpupool__conn *c) {
+  gpupool__server *s = c->srv;
+  fenced **pp = &c->fenced_head;
+  while (*pp && !c->closing) {
+    fenced *f = *pp;
+    if (!fenced_ready(s, f)) {
+      pp = &f->next;
+      continue;
+    }
+    *pp = f->next;
+    if (c->fenced_tail == &f->next)
+      c->fenced_tail = pp;
+    c->fenced_bytes -= f->len;
+    s->nfenced--;
+    conn_send(c, f->buf, f->len, f->fds, f->nfds); /* takes buf; queues copies of the fds */
+    f->buf = NULL;
+    fenced_free(f);
+  }
+}
+
+static void fence_tick(uv_timer_t *t) {
+  gpupool__server *s = t->data;
+  gpupool__conn *c, *next;
+  for (c = s->conns; c && s->nfenced; c = next) {
+    next = c->next;
+    if (c->fenced_head)
+      fenced_flush(c);
+  }
+  if (!s->nfenced)
+    uv_timer_stop(&s->fence_timer);
+}
+
+static void fenced_drop_all(gpupool__conn *c) {
+  while (c->fenced_head) {
+    fenced *f = c->fenced_head;
+    c->fenced_head = f->next;
+    c->srv->nfenced--;
+    fenced_free(f);
+  }
+  c->fenced_tail = &c->fenced_head;
+  c->fenced_bytes = 0;
+}
+
+/* Send a reply that hands over holds hs: at once, unless c cannot wait on events itself and
+ * the ready event of one of those buffers is still pending; then it is held back and sent
+ * once they have all completed (polled every millisecond). */
+static void send_reply_fenced(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds,
+                              gpupool__hold *const *hs, uint32_t nhs) {
+  gpupool__server *s = c->srv;
+  uint32_t npending = 0;
+  fenced *f;
+  if (c->host_fences && s->reg->be->ops->has_events)
+    for (uint32_t i = 0; i < nhs; i++) {
+      gpupool__event *e = hs[i]->buf->ready;
+      if (e && s->reg->be->ops->event_query(e->be) == 0)
+        npending++;
+    }
+  if (!npending) {
+    send_reply(c, seq, rep, fds, nfds);
+    return;
+  }
+  if (!(f = calloc(1, sizeof *f + npending * sizeof f->ev[0]))) {
+    send_error(c, seq, GPUPOOL_ENOMEM, "out of memory in the daemon holding a reply back until its buffers are ready");
+    return;
+  }
+  for (uint32_t i = 0; i < nhs; i++) {
+    gpupool__event *e = hs[i]->buf->ready;
+    if (e && f->nev < npending && s->reg->be->ops->event_query(e->be) == 0)
+      f->ev[f->nev++] = e;
+  }
+  for (int i = 0; i < nfds; i++)
+    if ((f->fds[f->nfds] = fcntl(fds[i], F_DUPFD_CLOEXEC, 0)) >= 0)
+      f->nfds++;
+  if (f->nfds != nfds || pack_reply(c, seq, rep, &f->buf, &f->len) != 0) {
+    if (f->nfds != nfds && !c->closing)
+      send_error(c, seq, GPUPOOL_ELIMIT, "gpupoold is out of file descriptors holding a reply back until its "
+                 "buffers are ready; try again");
+    fenced_free(f);
+    return;
+  }
+  *c->fenced_tail = f;
+  c->fenced_tail = &f->next;
+  c->fenced_bytes += f->len;
+  if (s->nfenced++ == 0)
+    uv_timer_start(&s->fence_timer, fence_tick, 1, 1);
+  conn_heap(c);
 }
 
 static void send_error(gpupool__conn *c, uint64_t seq, int code, const char *msg) {
@@ -564,7 +701,10 @@ static void reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *
     rep.open = &orp;
     break;
   }
-  send_reply(c, seq, &rep, ds.fd >= 0 ? &ds.fd : NULL, ds.fd >= 0 ? 1 : 0);
+  if (kind == WAIT_ALLOC)
+    send_reply(c, seq, &rep, ds.fd >= 0 ? &ds.fd : NULL, ds.fd >= 0 ? 1 : 0);
+  else
+    send_reply_fenced(c, seq, &rep, ds.fd >= 0 ? &ds.fd : NULL, ds.fd >= 0 ? 1 : 0, &h, 1);
 }
 
 /* A bundle reply: one BufferDesc per hold (the slab fds that go with them, in that order) and
@@ -639,7 +779,10 @@ static void reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold
     rep.body_case = GPUPOOL__WIRE__REPLY__BODY_GET_BUNDLE;
     rep.get_bundle = &gr;
   }
-  send_reply(c, seq, &rep, nfds ? fds : NULL, nfds);
+  if (kind == WAIT_ABUNDLE)
+    send_reply(c, seq, &rep, nfds ? fds : NULL, nfds);
+  else
+    send_reply_fenced(c, seq, &rep, nfds ? fds : NULL, nfds, hs, nhs);
 out:
   free(ds);
   free(descs);
@@ -1282,6 +1425,7 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
     return;
   }
   body = (int)req->body_case;
+  c->host_fences = req->host_fences;
   gpupool__err_clear();
   rc = dispatch(c, req, &deferred);
   if (rc != 0) {
@@ -1348,6 +1492,8 @@ static void conn_close(gpupool__conn *c, const char *why) {
     next = w->cnext;
     waiter_remove(w);
   }
+  /* Before its holds go: the events of those buffers may be handed out again after. */
+  fenced_drop_all(c);
   c->u->conns--;
   gpupool__uid_usage_put(s->reg, c->u);
   s->heap -= c->heap;
@@ -1402,7 +1548,7 @@ static void conn_drop_after_flush(gpupool__conn *c) {
 static void conn_heap(gpupool__conn *c) {
   gpupool__server *s = c->srv;
   const gpupool__config *cfg = s->cfg;
-  size_t h = c->txq.cost + c->in.cap;
+  size_t h = c->txq.cost + c->in.cap + c->fenced_bytes;
   char why[200];
   s->heap = s->heap - c->heap + h;
   c->heap = h;
@@ -1614,6 +1760,7 @@ static void conn_new(gpupool__server *s, int fd, const struct ucred *cred, gpupo
   snprintf(c->cl.name, sizeof c->cl.name, "-");
   gpupool__wire_inbuf_init(&c->in, s->cfg->max_frame);
   gpupool__wire_txq_init(&c->txq);
+  c->fenced_tail = &c->fenced_head;
   gpupool__client_init(s->reg, &c->cl);
   uv_poll_init(s->loop, &c->poll, fd);
   c->poll.data = c;
@@ -1818,6 +1965,8 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
   }
   uv_timer_init(loop, &s->accept_timer);
   s->accept_timer.data = s;
+  uv_timer_init(loop, &s->fence_timer);
+  s->fence_timer.data = s;
   uv_poll_init(loop, &s->listen_poll, s->listen_fd);
   s->listen_poll.data = s;
   s->listen_open = 1;
@@ -1866,7 +2015,7 @@ void gpupool__server_stop(gpupool__server *s) {
   s->trace = NULL;
   log_refused_nofd(s, 0, 1);
   uv_poll_stop(&s->listen_poll);
-  s->listen_open = 3;
+  s->listen_open = 4; /* the handles closed below, each ending in listen_closed */
   if (s->sigio_on) {
     /* Nothing handles SIGIO from now on: let every lease go first (a break would otherwise
      * kill the daemon, or hold a writer up for the kernel's lease-break-time). */
@@ -1877,5 +2026,7 @@ void gpupool__server_stop(gpupool__server *s) {
   s->sigio.data = s;
   uv_close((uv_handle_t *)&s->listen_poll, listen_closed);
   uv_close((uv_handle_t *)&s->accept_timer, listen_closed);
+  uv_timer_stop(&s->fence_timer);
+  uv_close((uv_handle_t *)&s->fence_timer, listen_closed);
   uv_close((uv_handle_t *)&s->sigio, listen_closed);
 }

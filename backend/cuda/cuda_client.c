@@ -343,8 +343,10 @@ static int open_on(gpupool__cevent *e, int device, cudaEvent_t *out) {
   pop_device(device, prev);
   if (ce != cudaSuccess)
     return gpupool__cuda_fail(GPUPOOL_EBACKEND, ce, "cudaIpcOpenEventHandle", device,
-                     "the daemon's event may be gone (daemon restarted?) or IPC is not "
-                     "supported between these processes");
+                     "this process cannot open gpupoold's event files in /dev/shm (another uid "
+                     "than the daemon's, or another /dev/shm, as in a container): set "
+                     "GPUPOOL_HOST_FENCES=1 (chosen by itself for another uid); or the daemon "
+                     "restarted since it sent the event");
   s[e->n].device = device;
   s[e->n].ev = *out;
   e->n++;

@@ -206,6 +206,17 @@ GPUPOOL_EXTERN int gpupool_connect_timeout(const char *socket_path, const char *
 /* Change the limit later reconnections use (> 0 ms, or < 0 to wait forever). */
 GPUPOOL_EXTERN int gpupool_set_connect_timeout(gpupool_client *c, int timeout_ms);
 
+/* 1 when this connection orders GPU work with host-side fences instead of the daemon's
+ * inter-process events, 0 otherwise. CUDA keeps each inter-process event in a file in /dev/shm
+ * that only the daemon's uid may open, so a client of another uid (root excepted) cannot use
+ * them: it then synchronizes the stream it passes to gpupool_publish and gpupool_release (and
+ * their bundle forms) before the request goes out, and the daemon answers its gets and opens
+ * only once the producer's ready event has completed. Correct either way; what it costs is
+ * that publish and release wait for the stream's work on the host. $GPUPOOL_HOST_FENCES=1
+ * forces it (a container with its own /dev/shm), =0 forbids it; unset, the library decides
+ * per connection from the daemon's uid. Always 0 on the host backend. */
+GPUPOOL_EXTERN int gpupool_host_fences(gpupool_client *c);
+
 /* Tell the library which CUDA devices this process will touch pool memory from. Pools
  * imported later (and those already imported) get read/write access for each of them
  * (cudaMemPoolSetAccess; fails with GPUPOOL_ENOTSUP naming the device pair when peers cannot

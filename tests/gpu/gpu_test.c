@@ -31,6 +31,14 @@
  *            pool, imports the fd it got, and must fail to import that export data into it
  *            (its tenant's backend pool is another one). The daemon counts 2 backend pools
  *            while both tenants are attached and 1 again once uid 65534 has gone.
+ *   fences   a root producer publishes 64 MiB behind a 500 ms kernel without synchronizing;
+ *            two consumers with GPUPOOL_HOST_FENCES=1 (they open no event) read it bit-exact:
+ *            the daemon held their gets back until the ready event completed. Then (as root)
+ *            the same with producer and consumers as uid 65534, which cannot open gpupoold's
+ *            events: the library switches to host fences by itself (gpupool_host_fences),
+ *            publish returns with the producer's stream idle, release with the consumer's
+ *            (a read queued behind a spin before it), reads are bit-exact, and the pool's
+ *            used bytes return to their start value.
  *   bundles  a producer publishes 6 versions of a 146-member bundle (~70 MiB in one buffer),
  *            each a fresh bundle filled by kernels behind a spin kernel and published without
  *            synchronizing; a consumer gets each with newer_than and checks every member on
@@ -113,6 +121,13 @@ static void wait_stdin_line(const char *role, const char *want) {
   }
 }
 
+/* GPU_TEST_WANT_FENCES=0|1: what gpupool_host_fences must say in producers and consumers
+ * (-1 when unset: not checked). */
+static int want_fences(void) {
+  const char *e = getenv("GPU_TEST_WANT_FENCES");
+  return e && *e ? atoi(e) != 0 : -1;
+}
+
 /* producer SOCK NAME BYTES SEED SPIN_US MODE(hold|exit) WAITGO(0|1) */
 static int w_producer(char **a) {
   const char *sock = a[0], *name = a[1], *mode = a[5];
@@ -127,6 +142,11 @@ static int w_producer(char **a) {
 
   if ((rc = gpupool_connect(sock, "gpu-test-producer", &c)) < 0)
     wdie("producer", "gpupool_connect", rc);
+  if (want_fences() >= 0 && gpupool_host_fences(c) != want_fences()) {
+    fprintf(stderr, "worker producer (uid %d): host fences %d, expected %d\n", (int)getuid(), gpupool_host_fences(c),
+            want_fences());
+    return 1;
+  }
   if ((rc = gpupool_alloc(c, POOL, bytes, 10000, s, &b)) < 0)
     wdie("producer", "gpupool_alloc", rc);
   if (gpupool_buffer_device(b) != 0 || gpupool_buffer_kind(b) != GPUPOOL_MEM_DEVICE ||
@@ -154,6 +174,11 @@ static int w_producer(char **a) {
   meta.shape[0] = (int64_t)(bytes / 4);
   if ((rc = gpupool_publish(b, name, &meta, s)) < 0)
     wdie("producer", "gpupool_publish", rc);
+  if (gpupool_host_fences(c) && (ce = (int)cudaStreamQuery(s)) != cudaSuccess) {
+    fprintf(stderr, "worker producer: with host fences, gpupool_publish returned while its stream still had work "
+            "(cudaStreamQuery: %s): consumers could read unwritten memory\n", cudaGetErrorName((cudaError_t)ce));
+    return 1;
+  }
   gh_say("PUBLISHED");
   /* The name holds the buffer now. */
   if ((rc = gpupool_release(b, s)) < 0)
@@ -180,7 +205,7 @@ static int w_consumer(char **a) {
   size_t bytes = strtoull(a[2], NULL, 0);
   uint32_t seed = (uint32_t)strtoul(a[3], NULL, 0);
   int hold = atoi(a[4]), dev = atoi(a[5]), rc, ce;
-  unsigned long long bad = ~0ull;
+  unsigned long long bad = ~0ull, sink = 0;
   gpupool_client *c;
   gpupool_buffer *b;
   gpupool_tensor_meta meta;
@@ -188,6 +213,11 @@ static int w_consumer(char **a) {
 
   if ((rc = gpupool_connect(sock, "gpu-test-consumer", &c)) < 0)
     wdie("consumer", "gpupool_connect", rc);
+  if (want_fences() >= 0 && gpupool_host_fences(c) != want_fences()) {
+    fprintf(stderr, "worker consumer (uid %d): host fences %d, expected %d\n", (int)getuid(), gpupool_host_fences(c),
+            want_fences());
+    return 1;
+  }
   if (strcmp(peer, "-") && (rc = gpupool_set_devices(c, &dev, 1)) < 0 &&
       strcmp(peer, "enotsup") != 0)
     wdie("consumer", "gpupool_set_devices", rc);
@@ -245,8 +275,20 @@ static int w_consumer(char **a) {
     for (;;)
       pause();
   }
+  if (gpupool_host_fences(c)) {
+    /* Work still queued on the buffer when it is released: without a done event, the
+     * release itself must wait for it. */
+    if ((ce = gk_spin(s, SPIN_US / 5)) || (ce = gk_read(gpupool_buffer_ptr(b), bytes, s, &sink)))
+      cdie("consumer", "spin and read kernels", ce);
+  }
   if ((rc = gpupool_release(b, s)) < 0)
     wdie("consumer", "gpupool_release", rc);
+  if (gpupool_host_fences(c) && (ce = (int)cudaStreamQuery(s)) != cudaSuccess) {
+    fprintf(stderr, "worker consumer: with host fences, gpupool_release returned while its stream still read the "
+            "buffer (cudaStreamQuery: %s): the range could be reused under that read\n",
+            cudaGetErrorName((cudaError_t)ce));
+    return 1;
+  }
   if ((ce = (int)cudaStreamSynchronize(s)))
     cdie("consumer", "cudaStreamSynchronize", ce);
   gpupool_disconnect(c);
@@ -884,6 +926,11 @@ static int worker_main(int argc, char **argv) {
                {"bproducer", 3, w_bproducer},
                {"bconsumer", 3, w_bconsumer}};
   setvbuf(stdout, NULL, _IOLBF, 0);
+  if (getenv("GPU_TEST_AS_NOBODY") &&
+      (setgroups(0, NULL) != 0 || setgid(NOBODY) != 0 || setuid(NOBODY) != 0 || getuid() != NOBODY)) {
+    fprintf(stderr, "worker: cannot become uid %d: %s (run the GPU tests as root)\n", NOBODY, strerror(errno));
+    return 2;
+  }
   for (size_t i = 0; i < sizeof(roles) / sizeof(roles[0]); i++)
     if (argc >= 3 && !strcmp(argv[2], roles[i].role)) {
       if (argc - 3 != roles[i].nargs) {
@@ -1577,6 +1624,72 @@ static int check_bundles(const gh_daemon *d, gpupool_client *c) {
               SPIN_US / 5000, start);
 }
 
+/* One handoff behind a long kernel, published without synchronizing, read by two consumers;
+ * the environment (set only around the spawns) decides who the workers are. */
+static int fenced_handoff(const gh_daemon *d, const char *what, int prod_nobody, int prod_fences, int cons_nobody,
+                          int cons_force) {
+  gh_proc prod;
+  char name[64], line[256], pf[4], cf[4];
+  uint32_t seed = fresh_seed();
+  int rc;
+  snprintf(name, sizeof name, "fences-%08x", seed);
+  snprintf(pf, sizeof pf, "%d", prod_fences);
+  snprintf(cf, sizeof cf, "%d", cons_nobody || cons_force);
+  if (prod_nobody)
+    setenv("GPU_TEST_AS_NOBODY", "1", 1);
+  setenv("GPU_TEST_WANT_FENCES", pf, 1);
+  rc = spawn_producer(&prod, d, name, seed, SPIN_US, "hold", 1);
+  unsetenv("GPU_TEST_AS_NOBODY");
+  if (rc < 0)
+    return fail("%s: cannot start the producer", what);
+  if (gh_expect(&prod, "ALLOCATED", line, sizeof(line), STEP_MS) < 0) {
+    gh_wait(&prod, 5000);
+    return fail("%s: the producer could not allocate (its stderr above)", what);
+  }
+  if (cons_nobody)
+    setenv("GPU_TEST_AS_NOBODY", "1", 1);
+  if (cons_force)
+    setenv("GPUPOOL_HOST_FENCES", "1", 1);
+  setenv("GPU_TEST_WANT_FENCES", cf, 1);
+  rc = run_consumers(d, name, seed, 2, &prod);
+  unsetenv("GPU_TEST_AS_NOBODY");
+  unsetenv("GPUPOOL_HOST_FENCES");
+  unsetenv("GPU_TEST_WANT_FENCES");
+  gh_writeline(&prod, "EXIT");
+  if (gh_wait(&prod, STEP_MS) != 0)
+    return fail("%s: the producer failed (its stderr above)", what);
+  return rc < 0 ? fail("%s: see above", what) : 0;
+}
+
+static int check_fences(const gh_daemon *d, gpupool_client *c) {
+  uint64_t start, got = 0;
+  gpupool_pool_stats ps;
+  if (pool_stats(c, &ps, NULL) < 0)
+    return 1;
+  start = ps.used;
+  /* The daemon holds a get back until the producer's ready event has completed, for a
+   * consumer that said it cannot wait on it (forced here in root's consumers). */
+  if (fenced_handoff(d, "root producer with events -> consumers with GPUPOOL_HOST_FENCES=1", 0, 0, 0, 1))
+    return 1;
+  if (geteuid() != 0)
+    return pass("consumers with GPUPOOL_HOST_FENCES=1 read bit-exact what a producer with events published behind "
+                "a %u ms kernel; the uid %d part skipped (needs root)", SPIN_US / 1000, NOBODY);
+  /* Another uid than the daemon's cannot open its events: the library sees that by itself;
+   * the producer synchronizes before Publish, the consumers before Release. uid 65534 must
+   * reach the socket (socket_mode 0666) through the private directory. */
+  if (chmod(d->dir, 0711) != 0)
+    return fail("chmod %s: %s", d->dir, strerror(errno));
+  if (fenced_handoff(d, "uid 65534 producer -> uid 65534 consumers", 1, 1, 1, 0))
+    return 1;
+  if (wait_used(c, start, 10000, &got) < 0)
+    return fail("pool uses %" PRIu64 " bytes after everything was released, %" PRIu64 " before", got, start);
+  return pass("a get held back by the daemon until a root producer's %u ms kernel was done (consumers with "
+              "GPUPOOL_HOST_FENCES=1), and uid %d producer and consumers, which cannot open gpupoold's events, "
+              "switched to host fences by themselves: bit-exact reads, publish and release returned with "
+              "their streams idle; the pool back to %" PRIu64 " bytes",
+              SPIN_US / 1000, NOBODY, start);
+}
+
 static const struct {
   const char *name;
   int gpus;
@@ -1586,6 +1699,7 @@ static const struct {
     {"orphan", 1, check_orphan},
     {"churn", 1, check_churn},     {"peer", 2, check_peer},
     {"tenants", 1, check_tenants}, {"bundles", 1, check_bundles},
+    {"fences", 1, check_fences},
 };
 
 static int run_check(const char *gpupoold, int idx, int ndev) {
@@ -1601,7 +1715,9 @@ static int run_check(const char *gpupoold, int idx, int ndev) {
   }
   /* tenants: a worker of uid 65534 connects too. */
   if (gh_daemon_start_conf(&d, gpupoold, POOL_SPEC,
-                           checks[idx].fn == check_tenants ? "[daemon]\nsocket_mode = 0666\n" : NULL) < 0)
+                           checks[idx].fn == check_tenants || checks[idx].fn == check_fences
+                               ? "[daemon]\nsocket_mode = 0666\n"
+                               : NULL) < 0)
     return fail("gpupoold did not start");
   if ((rc = gpupool_connect(d.sock, "gpu-test-driver", &c)) < 0) {
     gh_daemon_stop(&d, 1);
@@ -1625,7 +1741,7 @@ int main(int argc, char **argv) {
   if (argc >= 3 && !strcmp(argv[1], "worker"))
     return worker_main(argc, argv);
   if (argc != 3) {
-    fprintf(stderr, "usage: %s GPUPOOLD handoff|kill|killwork|orphan|churn|peer|tenants|bundles|all\n", argv[0]);
+    fprintf(stderr, "usage: %s GPUPOOLD handoff|kill|killwork|orphan|churn|peer|tenants|bundles|fences|all\n", argv[0]);
     return 2;
   }
   signal(SIGPIPE, SIG_IGN);
