@@ -691,6 +691,10 @@ static int materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, in
   gpupool__cevent *ready = NULL, *done = NULL;
   gpupool_tensor_meta meta;
   int rc, new_slab = 0;
+  /* The connection d came on. Attaching a pool lets go of the lock: if another thread
+   * reconnects meanwhile, d's hold, pool and slab belong to a daemon that is gone, and its
+   * ids may name something else on the new one. */
+  uint64_t gen = c->reconnects;
 
   if (!d || !d->slab) {
     rc = gpupool__err(GPUPOOL_EPROTO, "reply without a buffer description");
@@ -702,7 +706,13 @@ static int materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, in
     goto fail;
   }
   uint64_t t_m = TRACE_ON() ? mono_ns() : 0;
-  if ((rc = pool_attach(c, p)) != 0)
+  rc = pool_attach(c, p);
+  if (c->reconnects != gen) {
+    gpupool__err(GPUPOOL_ELOST, "gpupoold went away while this buffer was being mapped: its hold went with the "
+                 "old daemon (get or allocate it again)");
+    return GPUPOOL_ELOST;
+  }
+  if (rc != 0)
     goto fail;
   if (t_m)
     trace("attach", t_m, d->pool_id);
@@ -1933,7 +1943,11 @@ static void bundle_free_local(gpupool_bundle *b) {
 
 /* Send a Release for every hold of a reply's bundle from index `from` on (they never became
  * buffers here). With c->mu held. */
-static void release_holds_from(gpupool_client *c, const Gpupool__Wire__Bundle *wb, size_t from) {
+static void release_holds_from(gpupool_client *c, const Gpupool__Wire__Bundle *wb, size_t from, uint64_t gen) {
+  /* Holds of a daemon that has gone since the reply came went with it; their ids may name
+   * other holds of the new one. */
+  if (c->reconnects != gen)
+    return;
   for (size_t i = from; wb && i < wb->n_buffers; i++)
     if (wb->buffers[i] && wb->buffers[i]->hold_id)
       send_release(c, wb->buffers[i]->hold_id, 0);
@@ -1951,10 +1965,11 @@ static int bundle_from_reply(gpupool_client *c, const Gpupool__Wire__Bundle *wb,
   clayout *l = NULL;
   size_t i;
   int rc;
+  uint64_t gen = c->reconnects; /* the reply's connection (materialize may let go of the lock) */
 
   if (!wb || wb->n_buffers == 0 || wb->n_members > GPUPOOL_BUNDLE_MAX_MEMBERS ||
       (wb->n_members && wb->n_buffers > wb->n_members)) {
-    release_holds_from(c, wb, 0);
+    release_holds_from(c, wb, 0, gen);
     return gpupool__err(GPUPOOL_EPROTO, "the daemon sent a malformed bundle (%zu buffers, %zu members)",
                         wb ? wb->n_buffers : 0, wb ? wb->n_members : 0);
   }
@@ -1962,20 +1977,20 @@ static int bundle_from_reply(gpupool_client *c, const Gpupool__Wire__Bundle *wb,
     /* The daemon saw that we have this table (the known_layout the request named). */
     l = known;
     if (!l || l->id != wb->layout_id || l->nbufs != wb->n_buffers) {
-      release_holds_from(c, wb, 0);
+      release_holds_from(c, wb, 0, gen);
       return gpupool__err(GPUPOOL_EPROTO, "the daemon sent no members for layout %" PRIu64 ", which this client "
                           "does not have", wb->layout_id);
     }
     l->refs++;
   } else if ((rc = clayout_from_wire(wb, &l)) != 0) {
-    release_holds_from(c, wb, 0);
+    release_holds_from(c, wb, 0, gen);
     return rc;
   }
   if (!(b = calloc(1, sizeof *b)) || !(b->bufs = calloc(wb->n_buffers, sizeof *b->bufs))) {
     if (b)
       free(b);
     clayout_unref(l);
-    release_holds_from(c, wb, 0);
+    release_holds_from(c, wb, 0, gen);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory for a bundle of %zu buffers", wb->n_buffers);
   }
   b->c = c;
@@ -1985,14 +2000,14 @@ static int bundle_from_reply(gpupool_client *c, const Gpupool__Wire__Bundle *wb,
     if ((rc = materialize(c, wb->buffers[i], wait_ready, stream, &b->bufs[i])) != 0) {
       char msg[GPUPOOL__ERRMSG_MAX];
       snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
-      release_holds_from(c, wb, i + 1); /* materialize released hold i */
+      release_holds_from(c, wb, i + 1, gen); /* materialize released hold i */
       release_many_locked(c, b->bufs, (int)i, NULL);
       bundle_free_local(b);
       return gpupool__err(rc, "buffer %zu of the bundle: %s", i, msg);
     }
     b->nbufs = (int)i + 1;
     if (l->need[i] > b->bufs[i]->size) {
-      release_holds_from(c, wb, i + 1);
+      release_holds_from(c, wb, i + 1, gen);
       release_many_locked(c, b->bufs, b->nbufs, NULL);
       bundle_free_local(b);
       return gpupool__err(GPUPOOL_EPROTO, "the daemon sent members past the end of buffer %zu", i);
@@ -2588,7 +2603,7 @@ void gpupool_pending_cancel(gpupool_pending *gp) {
       if (d && d->hold_id)
         send_release(c, d->hold_id, 0);
     } else if (kind == PEND_BGET) {
-      release_holds_from(c, reply_bundle(rep), 0);
+      release_holds_from(c, reply_bundle(rep), 0, c->reconnects);
     }
     gpupool__wire__reply__free_unpacked(rep, NULL);
   }
