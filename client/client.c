@@ -902,16 +902,16 @@ static int connect_socket(const char *path, int timeout_ms, int *out) {
  * of another uid (root excepted) synchronizes its stream before Publish and Release instead,
  * and the daemon holds its gets back until the producer's work is done. GPUPOOL_HOST_FENCES
  * decides instead when set (1: always, e.g. in a container with its own /dev/shm; 0: never). */
-static int host_fences_for(gpupool_client *c) {
-  struct ucred cr;
-  socklen_t len = sizeof cr;
-  if (!c->be->has_events)
+static int host_fences_for(gpupool_client *c, const Gpupool__Wire__HelloReply *hr) {
+  int want;
+  /* A daemon that does not hold gets back would hand over unfinished work: then events it is
+   * (failing with the reason when they cannot be opened). */
+  if (!c->be->has_events || !hr->host_fences)
     return 0;
-  if (c->host_fences_env >= 0)
-    return c->host_fences_env;
-  if (getsockopt(c->fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) != 0)
-    return 0;
-  return geteuid() != 0 && cr.uid != geteuid();
+  /* The daemon's own uid (the socket's peer may be the service manager, under socket
+   * activation). */
+  want = c->host_fences_env >= 0 ? c->host_fences_env : geteuid() != 0 && hr->daemon_uid != geteuid();
+  return want;
 }
 
 /* Connect to c->socket_path and say Hello; fills the pool list. With c->mu held and
@@ -989,7 +989,7 @@ static int handshake(gpupool_client *c) {
     }
     c->be = d->client;
   }
-  c->host_fences = host_fences_for(c);
+  c->host_fences = host_fences_for(c, hr);
   c->pools = calloc(hr->n_pools ? hr->n_pools : 1, sizeof *c->pools);
   if (!c->pools) {
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");

@@ -218,9 +218,18 @@ static int pack_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep,
   return 0;
 }
 
+static void park_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds,
+                       gpupool__event *const *ev, uint32_t nev);
+
 static void send_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds) {
   uint8_t *buf;
   size_t len;
+  /* Replies leave in order: one held back (see send_reply_fenced) may carry the export data
+   * of a slab that later replies only name. */
+  if (c->fenced_head) {
+    park_reply(c, seq, rep, fds, nfds, NULL, 0);
+    return;
+  }
   if (pack_reply(c, seq, rep, &buf, &len) == 0)
     conn_send(c, buf, len, fds, nfds);
 }
@@ -251,22 +260,17 @@ static int fenced_ready(gpupool__server *s, fenced *f) {
   return 1;
 }
 
-/* Send the held-back replies of c whose events have completed, in the order they were held. */
+/* Send c's held-back replies, oldest first, up to the first whose events are still pending. */
 static void fenced_flush(gpupool__conn *c) {
   gpupool__server *s = c->srv;
-  fenced **pp = &c->fenced_head;
-  while (*pp && !c->closing) {
-    fenced *f = *pp;
-    if (!fenced_ready(s, f)) {
-      pp = &f->next;
-      continue;
-    }
-    *pp = f->next;
-    if (c->fenced_tail == &f->next)
-      c->fenced_tail = pp;
+  while (!c->closing && c->fenced_head && fenced_ready(s, c->fenced_head)) {
+    fenced *f = c->fenced_head;
+    c->fenced_head = f->next;
+    if (!c->fenced_head)
+      c->fenced_tail = &c->fenced_head;
     c->fenced_bytes -= f->len;
     s->nfenced--;
-    conn_send(c, f->buf, f->len, f->fds, f->nfds); /* takes buf; queues copies of the fds */
+    conn_send(c, f->buf, f->len, f->fds, f->nfds); /* takes buf (even when it closes c); copies the fds */
     f->buf = NULL;
     fenced_free(f);
   }
@@ -295,41 +299,32 @@ static void fenced_drop_all(gpupool__conn *c) {
   c->fenced_bytes = 0;
 }
 
-/* Send a reply that hands over holds hs: at once, unless c cannot wait on events itself and
- * the ready event of one of those buffers is still pending; then it is held back and sent
- * once they have all completed (polled every millisecond). */
-static void send_reply_fenced(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds,
-                              gpupool__hold *const *hs, uint32_t nhs) {
+/* Queue a reply behind c's held-back ones, to be sent once events ev (and those of every reply
+ * before it) have completed. The reply's holds are already recorded: failing here closes the
+ * connection, which gives them back. */
+static void park_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds,
+                       gpupool__event *const *ev, uint32_t nev) {
   gpupool__server *s = c->srv;
-  uint32_t npending = 0;
   fenced *f;
-  if (c->host_fences && s->reg->be->ops->has_events)
-    for (uint32_t i = 0; i < nhs; i++) {
-      gpupool__event *e = hs[i]->buf->ready;
-      if (e && s->reg->be->ops->event_query(e->be) == 0)
-        npending++;
-    }
-  if (!npending) {
-    send_reply(c, seq, rep, fds, nfds);
+  if (c->closing)
+    return;
+  if (!(f = calloc(1, sizeof *f + nev * sizeof f->ev[0]))) {
+    conn_close(c, "out of memory holding a reply back until its buffers are ready");
     return;
   }
-  if (!(f = calloc(1, sizeof *f + npending * sizeof f->ev[0]))) {
-    send_error(c, seq, GPUPOOL_ENOMEM, "out of memory in the daemon holding a reply back until its buffers are ready");
-    return;
-  }
-  for (uint32_t i = 0; i < nhs; i++) {
-    gpupool__event *e = hs[i]->buf->ready;
-    if (e && f->nev < npending && s->reg->be->ops->event_query(e->be) == 0)
-      f->ev[f->nev++] = e;
-  }
+  for (uint32_t i = 0; i < nev; i++)
+    f->ev[i] = ev[i];
+  f->nev = nev;
   for (int i = 0; i < nfds; i++)
-    if ((f->fds[f->nfds] = fcntl(fds[i], F_DUPFD_CLOEXEC, 0)) >= 0)
+    if ((f->fds[f->nfds] = fcntl(fds[i], F_DUPFD_CLOEXEC, 3)) >= 0)
       f->nfds++;
-  if (f->nfds != nfds || pack_reply(c, seq, rep, &f->buf, &f->len) != 0) {
-    if (f->nfds != nfds && !c->closing)
-      send_error(c, seq, GPUPOOL_ELIMIT, "gpupoold is out of file descriptors holding a reply back until its "
-                 "buffers are ready; try again");
+  if (f->nfds != nfds) {
     fenced_free(f);
+    conn_close(c, "out of file descriptors holding a reply back until its buffers are ready");
+    return;
+  }
+  if (pack_reply(c, seq, rep, &f->buf, &f->len) != 0) {
+    fenced_free(f); /* pack_reply closed the connection */
     return;
   }
   *c->fenced_tail = f;
@@ -338,6 +333,34 @@ static void send_reply_fenced(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Rep
   if (s->nfenced++ == 0)
     uv_timer_start(&s->fence_timer, fence_tick, 1, 1);
   conn_heap(c);
+}
+
+/* Send a reply that hands over holds hs: at once, unless c cannot wait on events itself and
+ * the ready event of one of those buffers is still pending; then it is held back (with every
+ * reply after it) until they have all completed, polled every millisecond. The get's timeout
+ * does not cover that wait, as a stream waiting on the event would not time out either. */
+static void send_reply_fenced(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds,
+                              gpupool__hold *const *hs, uint32_t nhs) {
+  gpupool__server *s = c->srv;
+  gpupool__event *pending[GPUPOOL_WIRE_MAX_FDS], **ev = pending;
+  uint32_t n = 0;
+  if (c->host_fences && s->reg->be->ops->has_events) {
+    if (nhs > GPUPOOL_WIRE_MAX_FDS && !(ev = malloc(nhs * sizeof *ev))) {
+      conn_close(c, "out of memory holding a reply back until its buffers are ready");
+      return;
+    }
+    for (uint32_t i = 0; i < nhs; i++) {
+      gpupool__event *e = hs[i]->buf->ready;
+      if (e && s->reg->be->ops->event_query(e->be) == 0)
+        ev[n++] = e;
+    }
+  }
+  if (n || c->fenced_head)
+    park_reply(c, seq, rep, fds, nfds, ev, n);
+  else
+    send_reply(c, seq, rep, fds, nfds);
+  if (ev != pending)
+    free(ev);
 }
 
 static void send_error(gpupool__conn *c, uint64_t seq, int code, const char *msg) {
@@ -921,6 +944,7 @@ static int handle_hello(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Hel
   hr.daemon_version = (char *)GPUPOOL_VERSION_STRING;
   hr.daemon_pid = (int32_t)getpid();
   hr.daemon_uid = (uint32_t)geteuid();
+  hr.host_fences = 1;
   hr.backend = s->reg->be->desc->kind;
   hr.n_pools = (size_t)s->reg->npools;
   hr.pools = pptr;
