@@ -211,10 +211,14 @@ GPUPOOL_EXTERN int gpupool_set_connect_timeout(gpupool_client *c, int timeout_ms
  * that only the daemon's uid may open, so a client of another uid (root excepted) cannot use
  * them: it then synchronizes the stream it passes to gpupool_publish and gpupool_release (and
  * their bundle forms) before the request goes out, and the daemon answers its gets and opens
- * only once the producer's ready event has completed. Correct either way; what it costs is
- * that publish and release wait for the stream's work on the host. $GPUPOOL_HOST_FENCES=1
+ * only once the producer's ready event has completed (its timeout does not cover that wait,
+ * as a stream's wait on the event would not time out either). Correct either way; what it
+ * costs is that publish and release wait for the stream's work on the host, holding the
+ * client's lock (other threads' requests on the same gpupool_client wait too: give each
+ * thread its own client where that matters). $GPUPOOL_HOST_FENCES=1
  * forces it (a container with its own /dev/shm), =0 forbids it; unset, the library decides
- * per connection from the daemon's uid. Always 0 on the host backend. */
+ * per connection from the daemon's uid. Always 0 on the host backend, and with a gpupoold
+ * too old to hold gets back (then events are used, and fail with the reason). */
 GPUPOOL_EXTERN int gpupool_host_fences(gpupool_client *c);
 
 /* Tell the library which CUDA devices this process will touch pool memory from. Pools
