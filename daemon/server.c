@@ -236,8 +236,6 @@ static void send_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep
 
 /* ---- replies held back for clients without events (Request.host_fences) --------------------- */
 
-static void send_error(gpupool__conn *c, uint64_t seq, int code, const char *msg);
-
 static void fenced_free(fenced *f) {
   for (int i = 0; i < f->nfds; i++)
     close(f->fds[i]);
