@@ -239,6 +239,7 @@ _PROTOTYPES = {
                                      ctypes.POINTER(_c_int)]),
     "gpupool_trim": (_c_int, [ClientP]),
     "gpupool_reconnect_count": (ctypes.c_uint64, [ClientP]),
+    "gpupool_host_fences": (_c_int, [ClientP]),
     "gpupool_publish_file": (_c_int, [ClientP, _cp, _cp, ctypes.c_uint64, ctypes.c_uint64,
                                       ctypes.POINTER(FileInfo)]),
     "gpupool_get_file": (_c_int, [ClientP, _cp, _c_int, ctypes.c_uint, ctypes.POINTER(FileP)]),

@@ -1051,6 +1051,10 @@ class Client:
                                           ctypes.byref(buf), ctypes.byref(ver)),
               "get %r" % (name,) if not newer else "get %r newer than version %d"
               % (name, newer))
+        return self._got_tensor(buf, s, name, ver.value)
+
+    def _got_tensor(self, buf, s, name, version):
+        """The Tensor of a buffer a get brought (its hold is this client's from here on)."""
         hold = self._new_hold(buf, s)
         m = _lib.TensorMeta()
         rc = self._lib.gpupool_buffer_tensor(buf, ctypes.byref(m))
@@ -1064,8 +1068,85 @@ class Client:
             strides = [m.strides[i] for i in range(nd)] if m.strides_present else None
             dt = _dtypes.from_dlpack_code(m.dtype_code, m.dtype_bits, m.dtype_lanes)
             t = self._tensor(hold, dt, shape, strides, m.byte_offset, name)
-        t.version = ver.value
+        t.version = version
         return t
+
+    def _pipelined(self, names, newer_than, begin, end, what):
+        """Send one request per name, then collect the replies in order: N requests cost about
+        one round trip. begin(name bytes, newer) -> PendingP; end(PendingP, i) -> result. On an
+        error the requests still pending are cancelled (what their replies bring is given
+        back), the results collected so far are released, and the first error is raised."""
+        names = list(names)
+        if isinstance(newer_than, (list, tuple)):
+            newers = [_version_arg(v) for v in newer_than]
+            if len(newers) != len(names):
+                raise ValueError("newer_than has %d versions for %d names" % (len(newers), len(names)))
+        else:
+            newers = [_version_arg(newer_than)] * len(names)
+        encoded = [_encode_name(n) for n in names]
+        pend, out = [], []
+        try:
+            for i, nb in enumerate(encoded):
+                p = _lib.PendingP()
+                check(begin(nb, newers[i], ctypes.byref(p)), "%s %r" % (what, names[i]))
+                pend.append(p)
+            for i in range(len(pend)):
+                p, pend[i] = pend[i], None  # an end frees the pending request, failed or not
+                out.append(end(p, i))
+            return out
+        except BaseException:
+            for p in pend:
+                if p is not None:
+                    self._lib.gpupool_pending_cancel(p)
+            for r in out:
+                r.release()
+            raise
+
+    def get_many(self, names, timeout=None, read_only=False, stream=None, newer_than=0):
+        """Several tensors in one round trip: as ``get`` for each name, but every request is
+        sent before any reply is waited for. Returns the Tensors in the order of `names`.
+        newer_than: one version for all names, or a list with one per name. timeout applies
+        to each name (they wait together). If one fails, the others are given back and its
+        error is raised."""
+        s = stream_handle(stream)
+        ms = _timeout_ms(timeout, forever=True)
+        flags = _lib.READ_ONLY if read_only else 0
+        conn = self._conn.usable()
+        names = list(names)
+
+        def begin(nb, newer, pp):
+            return self._lib.gpupool_get_begin(conn, nb, newer, ms, flags, pp)
+
+        def end(p, i):
+            buf = _lib.BufferP()
+            ver = ctypes.c_uint64(0)
+            check(self._lib.gpupool_get_end(p, s, ctypes.byref(buf), ctypes.byref(ver)), "get %r" % (names[i],))
+            return self._got_tensor(buf, s, names[i], ver.value)
+
+        return self._pipelined(names, newer_than, begin, end, "get")
+
+    def get_dicts(self, names, newer_than=0, timeout=None, read_only=False, stream=None, keep_mapped=False,
+                  reuse_views=False):
+        """Several bundles in one round trip: as ``get_dict`` for each name (same arguments),
+        every request sent before any reply is waited for. Returns the TensorDicts in the
+        order of `names`; newer_than may be a list with one version per name."""
+        s = stream_handle(stream)
+        ms = _timeout_ms(timeout, forever=True)
+        flags = (_lib.READ_ONLY if read_only else 0) | (_lib.KEEP_MAPPED if keep_mapped else 0)
+        conn = self._conn.usable()
+        names = list(names)
+
+        def begin(nb, newer, pp):
+            return self._lib.gpupool_bundle_get_begin(conn, nb, newer, ms, flags, pp)
+
+        def end(p, i):
+            b = _lib.BundleP()
+            check(self._lib.gpupool_bundle_get_end(p, s, ctypes.byref(b)), "get_dict %r" % (names[i],))
+            d = self._tensor_dict(b, s, names[i])
+            d._reuse = bool(reuse_views)
+            return d
+
+        return self._pipelined(names, newer_than, begin, end, "get_dict")
 
     def publish(self, name, tensor, stream=None, pool=None, share_gid=0, share_all=False):
         """Publish `tensor` under `name`; consumers get it with ``Client.get(name)``.
@@ -1442,6 +1523,15 @@ class Client:
         out["pools"] = plist
         self._pools = plist
         return out
+
+    @property
+    def host_fences(self):
+        """True when this connection orders GPU work with host-side fences instead of the
+        daemon's inter-process events (a client of another uid than gpupoold's, or
+        GPUPOOL_HOST_FENCES=1): publish and release then wait for the stream's work on the
+        host, and gets come once the producer's work is done. See gpupool_host_fences in
+        gpupool.h."""
+        return bool(self._lib.gpupool_host_fences(self._conn.usable()))
 
     def trim(self):
         """Ask the daemon to give unused slabs back to the backend."""

@@ -468,6 +468,78 @@ class Lifetimes(DaemonTestCase):
         self.assertEqual(counters(self.stats()), base, "freed without waiting for gc")
 
 
+class Pipelined(DaemonTestCase):
+    """get_many / get_dicts: every request sent before any reply is waited for."""
+
+    def test_get_many(self):
+        base = self.stats()["holds"]
+        for i in range(3):
+            self.client.publish("pm/t%d" % i, np.full(4 + i, i, dtype=np.int16))
+        ts = self.client.get_many(["pm/t2", "pm/t0", "pm/t1"], timeout=5)
+        self.assertEqual([np.asarray(t).tolist() for t in ts], [[2] * 6, [0] * 4, [1] * 5])
+        self.assertEqual([t.version for t in ts], [1, 1, 1])
+        self.assertEqual([t.name for t in ts], ["pm/t2", "pm/t0", "pm/t1"])
+        self.assertEqual(self.stats()["holds"], base + 3, "each get holds its buffer")
+        for t in ts:
+            t.release()
+        # One version for all, or one per name.
+        self.client.publish("pm/t0", np.zeros(1, dtype=np.int16))
+        a, b = self.client.get_many(["pm/t0", "pm/t1"], newer_than=[1, 0], timeout=5)
+        self.assertEqual((a.version, b.version), (2, 1))
+        a.release()
+        b.release()
+        with self.assertRaises(ValueError):
+            self.client.get_many(["pm/t0"], newer_than=[0, 0])
+        for i in range(3):
+            self.client.unpublish("pm/t%d" % i)
+        self.wait_stats(lambda st: st["holds"] == base, "no holds left")
+
+    def test_get_many_waits_for_each(self):
+        self.client.publish("pm/now", np.ones(2, dtype=np.int32))
+        p = self.peer("publish-later", "pm/later", 0.3)
+        now, later = self.client.get_many(["pm/now", "pm/later"], timeout=20)
+        self.assertEqual(np.asarray(now).tolist(), [1, 1])
+        self.assertEqual(np.asarray(later).tolist(), list(range(10)))
+        self.assertEqual(p.wait(30), 0)
+        now.release()
+        later.release()
+        self.client.unpublish("pm/now")
+        self.client.unpublish("pm/later")
+
+    def test_failure_gives_the_others_back(self):
+        base = self.stats()
+        self.client.publish("pm/x", np.zeros(8, dtype=np.uint8))
+        self.client.publish("pm/y", np.zeros(8, dtype=np.uint8))
+        with self.assertRaises(gpupool.GpupoolError) as cm:
+            self.client.get_many(["pm/x", "pm/absent", "pm/y"], timeout=0)
+        self.assertEqual(cm.exception.name, "ENOENT")
+        self.assertIn("pm/absent", str(cm.exception))
+        # pm/x was got and released again, pm/y's reply was cancelled: no hold is left.
+        self.wait_stats(lambda st: st["holds"] == base["holds"], "no hold left by the failed get_many")
+        with self.assertRaises(gpupool.GpupoolError):
+            self.client.get_dicts(["pm/x", "pm/absent"], timeout=0)
+        self.wait_stats(lambda st: st["holds"] == base["holds"], "no hold left by the failed get_dicts")
+        self.client.unpublish("pm/x")
+        self.client.unpublish("pm/y")
+        self.wait_stats(lambda st: counters(st) == counters(base), "counters back where they were")
+
+    def test_get_dicts(self):
+        v1, a = peer.produce_dict(self.client, "pm/da", 11)
+        v2, b = peer.produce_dict(self.client, "pm/db", 12)
+        self.assertEqual((v1, v2), (1, 1))
+        da, db = self.client.get_dicts(["pm/da", "pm/db"], timeout=5)
+        self.assertTrue(peer.dict_matches(da, 11))
+        self.assertTrue(peer.dict_matches(db, 12))
+        self.assertEqual((da.name, db.name, da.version, db.version), ("pm/da", "pm/db", 1, 1))
+        for d in (a, b, da, db):
+            d.release()
+        self.client.unpublish("pm/da")
+        self.client.unpublish("pm/db")
+
+    def test_host_fences_off_on_the_host_backend(self):
+        self.assertFalse(self.client.host_fences)
+
+
 class BadInput(DaemonTestCase):
     def test_duplicate_member_names(self):
         base = counters(self.stats())
