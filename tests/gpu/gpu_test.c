@@ -733,8 +733,8 @@ static int w_fresh(char **a) {
     fprintf(stderr, "worker fresh: cannot become uid %d: %s\n", NOBODY, strerror(errno));
     return 2;
   }
-  /* The raw protocol, as the intruder: it needs no IPC event (see README, GPU: a client of
-   * another uid than the daemon cannot open the daemon's IPC events). */
+  /* The raw protocol, as the intruder: the slab's bytes as the daemon hands them over, with
+   * no library in between (gpu_fences checks the library as another uid). */
   if ((fd = raw_connect(sock)) < 0) {
     fprintf(stderr, "worker fresh: cannot connect to %s: %s\n", sock, strerror(errno));
     return 2;
