@@ -1571,18 +1571,25 @@ static void conn_heap(gpupool__conn *c) {
   gpupool__server *s = c->srv;
   const gpupool__config *cfg = s->cfg;
   size_t h = c->txq.cost + c->in.cap + c->fenced_bytes;
-  char why[200];
+  char why[320];
   s->heap = s->heap - c->heap + h;
   c->heap = h;
   if (c->closing)
     return;
-  if (cfg->max_queued_bytes_per_client && c->txq.cost > cfg->max_queued_bytes_per_client) {
-    snprintf(why, sizeof why, "it does not read its replies (%zu bytes queued, over max_queued_bytes_per_client %" PRIu64 ")",
-             c->txq.cost, cfg->max_queued_bytes_per_client);
+  /* Replies held back until their buffers are ready (host fences) are queued output too: a
+   * client that piles requests behind one that never completes is bounded like one that
+   * does not read. */
+  size_t queued = c->txq.cost + c->fenced_bytes;
+  if (cfg->max_queued_bytes_per_client && queued > cfg->max_queued_bytes_per_client) {
+    snprintf(why, sizeof why, "%s (%zu bytes queued, %zu of them held back until its buffers are ready, over "
+             "max_queued_bytes_per_client %" PRIu64 ")",
+             c->fenced_bytes > c->txq.cost ? "its replies pile up behind one that waits for a producer's GPU work"
+                                            : "it does not read its replies",
+             queued, c->fenced_bytes, cfg->max_queued_bytes_per_client);
     conn_close(c, why);
-  } else if (cfg->max_queued_bytes_total && s->heap > cfg->max_queued_bytes_total && c->txq.cost > 0) {
+  } else if (cfg->max_queued_bytes_total && s->heap > cfg->max_queued_bytes_total && queued > 0) {
     snprintf(why, sizeof why, "the daemon's queues hold %zu bytes, over max_queued_bytes_total %" PRIu64
-             ", and this client has %zu of them unread", s->heap, cfg->max_queued_bytes_total, c->txq.cost);
+             ", and this client has %zu of them unsent or unread", s->heap, cfg->max_queued_bytes_total, queued);
     conn_close(c, why);
   }
 }

@@ -11,7 +11,9 @@
  *   - closing a connection with held-back replies gives back their holds and fds (and, under
  *     ASan, leaks and touches nothing freed);
  *   - several connections with several held-back replies each all drain, in order, on
- *     completion.
+ *     completion;
+ *   - held-back replies count against max_queued_bytes_per_client: a client flooding
+ *     requests behind one that never completes is dropped and its holds given back.
  * Only CUDA has events otherwise, so tests/gpu (check_fences) is the only other coverage.
  */
 #include <poll.h>
@@ -377,12 +379,59 @@ static void test_many_connections(void **state) {
   close(p);
 }
 
+/* (6): replies held back count against max_queued_bytes_per_client, as unread ones do: a
+ * client that floods requests behind a reply that never comes is dropped, its holds given
+ * back, instead of growing the daemon's memory without bound. */
+static void test_flood_behind_held_reply(void **state) {
+  int p = producer(NULL), c;
+  uint64_t seq = 100;
+  counts base = stats(p, seq++), now;
+  struct timespec ts = {0, 10 * 1000 * 1000};
+  uint8_t b;
+  ssize_t n = 1;
+  (void)state;
+
+  D.cfg.max_queued_bytes_per_client = 64 * 1024;
+  c = client();
+  send_get(c, 10, 1);
+  for (uint64_t i = 0; i < 4000; i++) { /* ~100 bytes of reply each, all held behind the get */
+    gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
+    Gpupool__Wire__Stats st = GPUPOOL__WIRE__STATS__INIT;
+    r.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
+    r.stats = &st;
+    r.seq = 11 + i;
+    r.host_fences = 1;
+    if (th_raw_send(c, &r, NULL, 0) != 0)
+      break; /* dropped meanwhile */
+  }
+  {
+    struct timeval tv = {10, 0};
+    setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  }
+  while (n > 0) /* nothing but the end of the connection (the event never completes) */
+    if ((n = recv(c, &b, 1, 0)) > 0)
+      fail_msg("a reply came while the ready event was pending");
+  if (n < 0)
+    fail_msg("the flooding client was not dropped within 10 s (%s)", strerror(errno));
+  for (int i = 0; i < 500; i++) {
+    now = stats(p, seq++);
+    if (now.holds == base.holds && now.clients == base.clients)
+      break;
+    nanosleep(&ts, NULL);
+  }
+  assert_int_equal(now.holds, base.holds);
+  assert_int_equal(now.clients, base.clients);
+  close(c);
+  close(p);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_held_back_in_order, setup, teardown),
       cmocka_unit_test_setup_teardown(test_plain_client_not_held, setup, teardown),
       cmocka_unit_test_setup_teardown(test_close_while_held, setup, teardown),
       cmocka_unit_test_setup_teardown(test_many_connections, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_flood_behind_held_reply, setup, teardown),
   };
   signal(SIGPIPE, SIG_IGN);
   return cmocka_run_group_tests(tests, NULL, NULL);
