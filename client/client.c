@@ -1346,6 +1346,23 @@ static void buffer_unlink(gpupool_client *c, gpupool_buffer *b) {
     b->next->prev = b->prev;
 }
 
+/* Order the work queued in `stream` before whoever comes next to a buffer (its consumers, for
+ * the ready event e; the daemon's reuse, for a done event): nothing when the stream is idle
+ * (an event would only make them wait for completed work); with host fences, wait for that
+ * work here (nobody can wait on an event of ours); otherwise record e there, when there is
+ * one. 1 when e was recorded, 0 when nothing was, < 0 on error. */
+static int fence_stream(gpupool_client *c, gpupool__cevent *e, void *stream) {
+  int rc;
+  if (!c->host_fences && !e)
+    return 0;
+  if (c->be->stream_idle && c->be->stream_idle(stream) == 1)
+    return 0;
+  if (c->host_fences)
+    return c->be->sync ? c->be->sync(stream) : 0;
+  rc = c->be->event_record(e, stream);
+  return rc < 0 ? rc : 1;
+}
+
 /* Drop b's local state (and free b). With the lock held. *hold_id is the hold to release at
  * the daemon (0 when there is none: b's daemon is gone), *recorded whether its done event was
  * recorded in `stream`. */
@@ -1373,24 +1390,18 @@ static void release_local(gpupool_client *c, gpupool_buffer *b, void *stream, ui
    * event, so the daemon frees the allocation only after our import is gone. */
   if (s->refs == 0 && s->dedicated && !s->keep)
     slab_unmap(c, s, stream);
-  /* Nothing queued in the stream: the memory is idle now and the daemon may reuse it at once
-   * (recording an event would only make it wait for a completed one). */
-  if (done && c->be->stream_idle && c->be->stream_idle(stream) == 1)
-    done = NULL;
-  if (c->host_fences && c->be->sync && !(c->be->stream_idle && c->be->stream_idle(stream) == 1) &&
-      c->be->sync(stream) != 0)
-    /* No done event to record: the range may be reused once the daemon has the release, so
-     * the work queued on it must be over first. */
-    fprintf(stderr, "libgpupool-client: synchronizing the stream before a release failed (%s); the daemon "
-                    "will treat the buffer as idle\n",
+  /* The daemon may reuse the range once it has the release and the done event (if recorded)
+   * has completed. */
+  switch (fence_stream(c, done, stream)) {
+  case 1:
+    *recorded = 1;
+    break;
+  case 0:
+    break;
+  default:
+    fprintf(stderr, "libgpupool-client: %s failed (%s); the daemon will treat the buffer as idle\n",
+            c->host_fences ? "synchronizing the stream before a release" : "recording the done event",
             gpupool__errmsg());
-  if (done) {
-    if (c->be->event_record(done, stream) == 0)
-      *recorded = 1;
-    else
-      fprintf(stderr, "libgpupool-client: recording the done event failed (%s); the daemon will treat the "
-                      "buffer as idle\n",
-              gpupool__errmsg());
   }
   *hold_id = b->hold_id;
   free(b);
@@ -1561,18 +1572,10 @@ static int lost_err(const gpupool_buffer *b) {
 static int record_ready(gpupool_client *c, gpupool_buffer *b, void *stream) {
   gpupool__cevent *e = b->ready_id ? gpupool__hmap_get(&c->events, b->ready_id) : NULL;
   uint64_t t0 = TRACE_ON() ? mono_ns() : 0;
-  int rc = 0;
-  /* An idle stream has nothing for consumers to wait for. */
-  if (c->host_fences) {
-    /* Consumers cannot wait on an event of ours: what they get must be finished already. */
-    if (c->be->sync && !(c->be->stream_idle && c->be->stream_idle(stream) == 1))
-      rc = c->be->sync(stream);
-  } else if (e && !(c->be->stream_idle && c->be->stream_idle(stream) == 1)) {
-    rc = c->be->event_record(e, stream);
-  }
+  int rc = fence_stream(c, e, stream);
   if (t0)
     trace("record_ready", t0, b->ready_id);
-  return rc;
+  return rc < 0 ? rc : 0;
 }
 
 int gpupool_host_fences(gpupool_client *c) {
