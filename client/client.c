@@ -1156,17 +1156,18 @@ static int ensure_connected(gpupool_client *c) {
 }
 
 /* For requests that do not name a hold of the old connection (allocate, get, open,
- * unpublish, stats, trim): when the daemon turns out to be gone, reconnect and send once
- * more. Safe: whatever the lost connection held was dropped with it. */
-static int call_retry(gpupool_client *c, gpupool__req *req, gpupool__rep **out) {
+ * unpublish, stats, trim, publish_file): when the daemon turns out to be gone, reconnect and
+ * send once more. Safe: whatever the lost connection held was dropped with it. send_fd: an
+ * fd that goes with the request (the caller keeps it), or -1. */
+static int call_retry(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int send_fd) {
   int rc = ensure_connected(c);
   if (rc != 0)
     return rc;
-  rc = call(c, req, out, NULL);
+  rc = call_fds(c, req, out, NULL, send_fd);
   if ((rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO) && c->broken && c->reconnect_ms > 0) {
     if ((rc = ensure_connected(c)) != 0)
       return rc;
-    rc = call(c, req, out, NULL);
+    rc = call_fds(c, req, out, NULL, send_fd);
   }
   return rc;
 }
@@ -1551,7 +1552,7 @@ int gpupool_alloc(gpupool_client *c, const char *pool, size_t size, int timeout_
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
   req.allocate = &al;
   pthread_mutex_lock(&c->mu);
-  rc = call_retry(c, &req, &rep);
+  rc = call_retry(c, &req, &rep, -1);
   if (rc == 0) {
     /* A fresh range: the daemon reuses ranges only after their last holders' done events,
      * so there is nothing to wait for. */
@@ -1640,7 +1641,7 @@ int gpupool_open(gpupool_client *c, const gpupool_token *token, unsigned flags, 
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_OPEN;
   req.open = &op;
   pthread_mutex_lock(&c->mu);
-  rc = call_retry(c, &req, &rep);
+  rc = call_retry(c, &req, &rep, -1);
   if (rc == 0) {
     rc = materialize(c, reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_OPEN), 1, stream, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
@@ -2074,7 +2075,7 @@ int gpupool_bundle_alloc(gpupool_client *c, const char *pool, const gpupool_memb
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE_BUNDLE;
   req.allocate_bundle = &ab;
   pthread_mutex_lock(&c->mu);
-  rc = call_retry(c, &req, &rep);
+  rc = call_retry(c, &req, &rep, -1);
   if (rc == 0) {
     /* Fresh ranges: nothing to wait for (see gpupool_alloc). */
     rc = bundle_from_reply(c, reply_bundle(rep), 0, stream, NULL, NULL, out);
@@ -2626,7 +2627,7 @@ int gpupool_unpublish(gpupool_client *c, const char *name) {
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_UNPUBLISH;
   req.unpublish = &up;
   pthread_mutex_lock(&c->mu);
-  rc = call_retry(c, &req, &rep);
+  rc = call_retry(c, &req, &rep, -1);
   if (rc == 0) {
     gpupool__wire__reply__free_unpacked(rep, NULL);
     note_unpublished(c, name);
@@ -2652,7 +2653,7 @@ int gpupool_stats_sized(gpupool_client *c, gpupool_daemon_stats *ds_out, size_t 
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
   req.stats = &st;
   pthread_mutex_lock(&c->mu);
-  rc = call_retry(c, &req, &rep);
+  rc = call_retry(c, &req, &rep, -1);
   pthread_mutex_unlock(&c->mu);
   if (rc != 0)
     return rc;
@@ -2713,7 +2714,7 @@ int gpupool_trim(gpupool_client *c) {
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_TRIM;
   req.trim = &tr;
   pthread_mutex_lock(&c->mu);
-  rc = call_retry(c, &req, &rep);
+  rc = call_retry(c, &req, &rep, -1);
   if (rc == 0)
     gpupool__wire__reply__free_unpacked(rep, NULL);
   pthread_mutex_unlock(&c->mu);
@@ -2800,13 +2801,7 @@ int gpupool_publish_file(gpupool_client *c, const char *name, const char *path, 
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE;
   req.publish_file = &pf;
   pthread_mutex_lock(&c->mu);
-  rc = ensure_connected(c);
-  if (rc == 0) {
-    rc = call_fds(c, &req, &rep, NULL, fd);
-    if ((rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO) && c->broken && c->reconnect_ms > 0 &&
-        (rc = ensure_connected(c)) == 0)
-      rc = call_fds(c, &req, &rep, NULL, fd);
-  }
+  rc = call_retry(c, &req, &rep, fd);
   if (rc == 0) {
     if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE || !rep->publish_file ||
         !rep->publish_file->file) {
