@@ -1779,6 +1779,20 @@ static int get_request(const char *name, uint64_t newer_than, int timeout_ms, un
   return 0;
 }
 
+/* A Get's reply turned into the caller's buffer (and version), the reply freed; blocking and
+ * pipelined gets alike. With c->mu held. */
+static int get_finish(gpupool_client *c, gpupool__rep *rep, unsigned flags, void *stream, gpupool_buffer **out,
+                      uint64_t *version) {
+  int rc;
+  if (version)
+    *version = reply_version(rep);
+  rc = materialize(c, reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_GET), 1, stream, out);
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  if (rc == 0)
+    keep_mapped(*out, flags);
+  return rc;
+}
+
 int gpupool_get_newer(gpupool_client *c, const char *name, uint64_t newer_than, int timeout_ms, unsigned flags,
                       void *stream, gpupool_buffer **out, uint64_t *version) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
@@ -1796,14 +1810,8 @@ int gpupool_get_newer(gpupool_client *c, const char *name, uint64_t newer_than, 
     return rc;
   pthread_mutex_lock(&c->mu);
   rc = get_across_restarts(c, &req, &gt.timeout_ms, timeout_ms, &rep, NULL);
-  if (rc == 0) {
-    if (version)
-      *version = reply_version(rep);
-    rc = materialize(c, reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_GET), 1, stream, out);
-    gpupool__wire__reply__free_unpacked(rep, NULL);
-    if (rc == 0)
-      keep_mapped(*out, flags);
-  }
+  if (rc == 0)
+    rc = get_finish(c, rep, flags, stream, out, version);
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
@@ -2289,6 +2297,18 @@ static int bundle_get_request(const char *name, uint64_t newer_than, int timeout
   return 0;
 }
 
+/* A GetBundle's reply turned into the caller's bundle, the reply freed; blocking and pipelined
+ * gets alike. known: the table the request named (the caller's reference), or NULL. With
+ * c->mu held. */
+static int bundle_get_finish(gpupool_client *c, gpupool__rep *rep, unsigned flags, void *stream, const char *name,
+                             clayout *known, gpupool_bundle **out) {
+  int rc = bundle_from_reply(c, reply_bundle(rep), 1, stream, name, known, out);
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  if (rc == 0)
+    bundle_keep_mapped(*out, flags);
+  return rc;
+}
+
 int gpupool_bundle_get(gpupool_client *c, const char *name, uint64_t newer_than, int timeout_ms, unsigned flags,
                        void *stream, gpupool_bundle **out) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
@@ -2315,12 +2335,8 @@ int gpupool_bundle_get(gpupool_client *c, const char *name, uint64_t newer_than,
     known->refs++;
   gb.known_layout = known ? known->id : 0;
   rc = get_across_restarts(c, &req, &gb.timeout_ms, timeout_ms, &rep, &gb.known_layout);
-  if (rc == 0) {
-    rc = bundle_from_reply(c, reply_bundle(rep), 1, stream, name, gb.known_layout ? known : NULL, out);
-    gpupool__wire__reply__free_unpacked(rep, NULL);
-    if (rc == 0)
-      bundle_keep_mapped(*out, flags);
-  }
+  if (rc == 0)
+    rc = bundle_get_finish(c, rep, flags, stream, name, gb.known_layout ? known : NULL, out);
   clayout_unref(known);
   pthread_mutex_unlock(&c->mu);
   return rc;
@@ -2522,14 +2538,8 @@ int gpupool_get_end(gpupool_pending *gp, void *stream, gpupool_buffer **out, uin
   c = gp->c;
   flags = gp->flags;
   pthread_mutex_lock(&c->mu);
-  if ((rc = end_locked(gp, &rep)) == 0) {
-    if (version)
-      *version = reply_version(rep);
-    rc = materialize(c, reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_GET), 1, stream, out);
-    gpupool__wire__reply__free_unpacked(rep, NULL);
-    if (rc == 0)
-      keep_mapped(*out, flags);
-  }
+  if ((rc = end_locked(gp, &rep)) == 0)
+    rc = get_finish(c, rep, flags, stream, out, version);
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
@@ -2550,12 +2560,8 @@ int gpupool_bundle_get_end(gpupool_pending *gp, void *stream, gpupool_bundle **o
   known = gp->known;
   memcpy(name, gp->name, sizeof name);
   pthread_mutex_lock(&c->mu);
-  if ((rc = end_locked(gp, &rep)) == 0) {
-    rc = bundle_from_reply(c, reply_bundle(rep), 1, stream, name, known, out);
-    gpupool__wire__reply__free_unpacked(rep, NULL);
-    if (rc == 0)
-      bundle_keep_mapped(*out, flags);
-  }
+  if ((rc = end_locked(gp, &rep)) == 0)
+    rc = bundle_get_finish(c, rep, flags, stream, name, known, out);
   clayout_unref(known);
   pthread_mutex_unlock(&c->mu);
   return rc;
