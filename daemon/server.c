@@ -1175,8 +1175,6 @@ static int handle_unpublish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire_
 static int handle_publish_file(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__PublishFile *m) {
   const gpupool__name *n = NULL;
   int fd = c->frame_fd, rc;
-  char key[GPUPOOL_NAME_KEY_MAX + 1];
-  uint64_t owner;
   c->frame_fd = -1;
   if (fd < 0)
     return gpupool__err(GPUPOOL_EFD, "PublishFile carries no fd: the client opens the file O_RDONLY and sends the "
@@ -1184,8 +1182,7 @@ static int handle_publish_file(gpupool__conn *c, uint64_t seq, const Gpupool__Wi
   if ((rc = gpupool__publish_file(c->srv->reg, &c->cl, m->name, fd, m->offset, m->length, &n)) != 0)
     return rc; /* fd closed there */
   reply_file(c, seq, n, m->name, GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE);
-  if (gpupool__name_key(c->srv->reg, &c->cl, m->name, key, sizeof key, &owner) == 0)
-    wake_getters(c->srv, key);
+  published(c, m->name);
   return 0;
 }
 
