@@ -1314,26 +1314,28 @@ static int table_equal(const gpupool__layout *l, uint64_t tenant, const gpupool_
   return 1;
 }
 
+static int members_fit(gpupool__registry *reg, uint64_t tenant, uint64_t n, uint64_t freed);
+
 /* A layout (one reference, the caller's) over members (taken over; freed on failure or when an
  * equal table of the tenant exists, whose layout is then shared: two bundles allocated alike,
  * as double buffering does, have one layout id, so a consumer's cached table serves both),
- * which lie in nbufs buffers; counted against tenant's members once per layout. */
-/* The tenant's layout equal to this table, if any (it would be shared: no new members). */
-static gpupool__layout *layout_equal_to(gpupool__registry *reg, uint64_t tenant, const gpupool__member *members,
-                                        uint32_t n, uint32_t nbufs) {
-  gpupool__layout *l = gpupool__hmap_get(&reg->layout_hash, table_hash(tenant, members, n, nbufs));
-  return l && table_equal(l, tenant, members, n, nbufs) ? l : NULL;
-}
-
+ * which lie in nbufs buffers; counted against tenant's members once per layout. A new table
+ * must fit in max_members_per_uid (less `freed`, members a new version releases); a shared
+ * one adds no members. */
 static int layout_new(gpupool__registry *reg, uint64_t tenant, gpupool__member *members, uint32_t n,
-                      uint32_t nbufs, gpupool__layout **out) {
+                      uint32_t nbufs, uint64_t freed, gpupool__layout **out) {
   uint64_t h = table_hash(tenant, members, n, nbufs);
-  gpupool__layout *l = gpupool__hmap_get(&reg->layout_hash, h);
-  if (l && table_equal(l, tenant, members, n, nbufs)) {
+  gpupool__layout *same_hash = gpupool__hmap_get(&reg->layout_hash, h), *l;
+  int rc;
+  if (same_hash && table_equal(same_hash, tenant, members, n, nbufs)) {
     members_free(members, n);
-    l->refs++;
-    *out = l;
+    same_hash->refs++;
+    *out = same_hash;
     return 0;
+  }
+  if ((rc = members_fit(reg, tenant, n, freed)) != 0) {
+    members_free(members, n);
+    return rc;
   }
   l = calloc(1, sizeof *l);
   if (!l || !(l->need = calloc(nbufs ? nbufs : 1, sizeof *l->need))) {
@@ -1357,7 +1359,7 @@ static int layout_new(gpupool__registry *reg, uint64_t tenant, gpupool__member *
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
   l->hash = h;
-  if (!gpupool__hmap_get(&reg->layout_hash, h))
+  if (!same_hash) /* (a different table with the same hash keeps the slot) */
     (void)gpupool__hmap_put(&reg->layout_hash, h, l); /* out of memory: just not shared */
   gpupool__uid_usage *u = gpupool__uid_usage_get(reg, tenant, 1);
   if (u)
@@ -1725,10 +1727,7 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
     /* The previous version's table goes with it when nothing else uses it. */
     uint64_t freed = old && old->layout && old->layout->refs == 1 && old->layout->tenant == c->tenant
                          ? old->layout->n : 0;
-    if (!layout_equal_to(reg, c->tenant, members, (uint32_t)nmembers, (uint32_t)nholds) &&
-        (rc = members_fit(reg, c->tenant, nmembers, freed)) != 0)
-      goto fail;
-    rc = layout_new(reg, c->tenant, members, (uint32_t)nmembers, (uint32_t)nholds, &layout);
+    rc = layout_new(reg, c->tenant, members, (uint32_t)nmembers, (uint32_t)nholds, freed, &layout);
     members = NULL; /* taken over, also on failure */
     nm = 0;
     if (rc != 0)
@@ -1886,10 +1885,7 @@ int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool
   }
   if ((rc = members_unique(plan->members, n)) != 0)
     goto fail;
-  if (!layout_equal_to(reg, c->tenant, plan->members, (uint32_t)n, plan->nchunks) &&
-      (rc = members_fit(reg, c->tenant, n, 0)) != 0)
-    goto fail;
-  rc = layout_new(reg, c->tenant, plan->members, (uint32_t)n, plan->nchunks, &plan->layout);
+  rc = layout_new(reg, c->tenant, plan->members, (uint32_t)n, plan->nchunks, 0, &plan->layout);
   if (rc != 0) {
     plan->members = NULL; /* freed by layout_new */
     plan->nmembers = 0;
