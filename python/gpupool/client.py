@@ -137,6 +137,26 @@ class _Conn:
         return self.handle
 
 
+def _note_stream(holder, stream, safe_stream, device):
+    """Make `stream` safe for a holder's memory on `device` (it waits for the safe stream)
+    and add it to holder.streams, so that the release is ordered after work queued there."""
+    with holder.lock:
+        if not any(_cuda.same_stream(stream, s) for s in holder.streams):
+            holder.streams.append(stream)
+    if not _cuda.same_stream(stream, safe_stream):
+        _cuda.stream_wait(stream, safe_stream, device)
+
+
+def _release_stream(streams, device):
+    """The stream a release goes in: the last one used, made to wait for the others (one done
+    event is recorded there, and it must cover them all). device None: host memory."""
+    stream = streams[-1]
+    if len(streams) > 1 and device is not None:
+        for s in streams[:-1]:
+            _cuda.stream_wait(stream, s, device)
+    return stream
+
+
 class _Hold:
     """One hold on a buffer (a C gpupool_buffer), released exactly once: explicitly, or when
     the last Python reference (a Tensor, an exported DLPack view) goes away."""
@@ -178,14 +198,8 @@ class _Hold:
     def used_in(self, stream):
         """Make `stream` safe for this memory (wait for the safe stream) and remember it, so
         the release is ordered after the work queued there."""
-        with self.lock:
-            if self.kind == _lib.MEM_HOST:
-                return
-            known = any(_cuda.same_stream(stream, s) for s in self.streams)
-            if not known:
-                self.streams.append(stream)
-        if not _cuda.same_stream(stream, self.safe_stream):
-            _cuda.stream_wait(stream, self.safe_stream, self.cuda_device)
+        if self.kind != _lib.MEM_HOST:
+            _note_stream(self, stream, self.safe_stream, self.cuda_device)
 
     def sync_cpu(self):
         """Block until host code may read memory a GPU producer wrote (HOST_NUMA)."""
@@ -201,12 +215,8 @@ class _Hold:
             streams = self.streams
         if buf is None:
             return
-        stream = streams[-1]
         try:
-            if len(streams) > 1 and self.kind != _lib.MEM_HOST:
-                # One done event is recorded, in the last stream: make it cover the others.
-                for s in streams[:-1]:
-                    _cuda.stream_wait(stream, s, self.cuda_device)
+            stream = _release_stream(streams, self.cuda_device if self.kind != _lib.MEM_HOST else None)
             rc = self.conn.c_release(buf, stream)
         finally:
             self.conn.drop()
@@ -255,13 +265,8 @@ class _BundleHold:
         return self.bundle is None
 
     def used_in(self, stream, part):
-        if part.kind == _lib.MEM_HOST:
-            return
-        with self.lock:
-            if not any(_cuda.same_stream(stream, s) for s in self.streams):
-                self.streams.append(stream)
-        if not _cuda.same_stream(stream, self.safe_stream):
-            _cuda.stream_wait(stream, self.safe_stream, part.cuda_device)
+        if part.kind != _lib.MEM_HOST:
+            _note_stream(self, stream, self.safe_stream, part.cuda_device)
 
     def sync_cpu(self, part):
         if part.kind != _lib.MEM_HOST_NUMA or part.cuda_device in self.synced:
@@ -276,11 +281,8 @@ class _BundleHold:
             streams = self.streams
         if b is None:
             return
-        stream = streams[-1]
         try:
-            if len(streams) > 1 and self.device is not None:
-                for s in streams[:-1]:
-                    _cuda.stream_wait(stream, s, self.device)
+            stream = _release_stream(streams, self.device)
             rc = self.conn.c_bundle_release(b, stream)
         finally:
             self.conn.drop()
