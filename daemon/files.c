@@ -182,18 +182,9 @@ static int file_inspect(const gpupool__config *cfg, int fd, uint64_t offset, uin
 
 static int name_limits(gpupool__registry *reg, gpupool__client *c) {
   const gpupool__config *cfg = reg->cfg;
-  gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->tenant, 0);
-  char who[80];
-  if (cfg->max_names && reg->nnames >= cfg->max_names)
-    return gpupool__err(GPUPOOL_ELIMIT, "the daemon already holds %" PRIu64 " names, the limit (max_names) is %u",
-                        reg->nnames, cfg->max_names);
-  if (cfg->max_names_per_uid && u && u->names >= cfg->max_names_per_uid) {
-    gpupool__tenant_label(cfg, c->tenant, who, sizeof who);
-    return gpupool__err(GPUPOOL_ELIMIT,
-                        "%s already has %u names published, the limit (max_names_per_uid) is %u; "
-                        "unpublish names it no longer needs (names outlive their publisher)",
-                        who, u->names, cfg->max_names_per_uid);
-  }
+  int rc = gpupool__new_name_fits(reg, c->tenant);
+  if (rc != 0)
+    return rc;
   if (cfg->max_files && reg->nfiles >= cfg->max_files)
     return gpupool__err(GPUPOOL_ELIMIT,
                         "the daemon already keeps %" PRIu64 " files open for published names, the limit "

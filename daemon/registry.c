@@ -1425,6 +1425,23 @@ static void name_free(gpupool__registry *reg, gpupool__name *n) {
 /* Checks for a publish under `name` by c of buffers bufs: the namespace, the buffers' owner,
  * the name limits (for a new name) and the member limits. *key gets the name's key and *old
  * the name's entry when it exists. */
+int gpupool__new_name_fits(gpupool__registry *reg, uint64_t tenant) {
+  const gpupool__config *cfg = reg->cfg;
+  gpupool__uid_usage *u = gpupool__uid_usage_get(reg, tenant, 0);
+  char who[80];
+  if (cfg->max_names && reg->nnames >= cfg->max_names)
+    return gpupool__err(GPUPOOL_ELIMIT, "the daemon already holds %" PRIu64 " names, the limit (max_names) is %u",
+                        reg->nnames, cfg->max_names);
+  if (cfg->max_names_per_uid && u && u->names >= cfg->max_names_per_uid) {
+    gpupool__tenant_label(cfg, tenant, who, sizeof who);
+    return gpupool__err(GPUPOOL_ELIMIT,
+                        "%s already has %u names published, the limit (max_names_per_uid) is %u; "
+                        "unpublish names it no longer needs (names outlive their publisher)",
+                        who, u->names, cfg->max_names_per_uid);
+  }
+  return 0;
+}
+
 static int publish_check(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__buffer *const *bufs,
                          uint32_t nbufs, char *key, size_t keylen, gpupool__name **old) {
   const gpupool__config *cfg = reg->cfg;
@@ -1448,24 +1465,15 @@ static int publish_check(gpupool__registry *reg, gpupool__client *c, const char 
     return gpupool__err(GPUPOOL_EEXIST, "'%s' names a published file; unpublish it before publishing buffers "
                         "under that name", name);
   u = gpupool__uid_usage_get(reg, c->tenant, 0);
-  gpupool__tenant_label(cfg, c->tenant, who, sizeof who);
   /* Republished by another tenant of the namespace (a group's name), the name moves to its
    * count: that tenant's limit applies as to a new name. */
-  if (*old && (*old)->tenant != c->tenant && cfg->max_names_per_uid && u && u->names >= cfg->max_names_per_uid)
+  if (*old && (*old)->tenant != c->tenant && cfg->max_names_per_uid && u && u->names >= cfg->max_names_per_uid) {
+    gpupool__tenant_label(cfg, c->tenant, who, sizeof who);
     return gpupool__err(GPUPOOL_ELIMIT,
                         "%s already has %u names published, the limit (max_names_per_uid) is %u; "
                         "republishing '%s' would make it one more", who, u->names, cfg->max_names_per_uid, name);
-  if (!*old) {
-    if (cfg->max_names && reg->nnames >= cfg->max_names)
-      return gpupool__err(GPUPOOL_ELIMIT, "the daemon already holds %" PRIu64 " names, the limit (max_names) is %u",
-                          reg->nnames, cfg->max_names);
-    if (cfg->max_names_per_uid && u && u->names >= cfg->max_names_per_uid)
-      return gpupool__err(GPUPOOL_ELIMIT,
-                          "%s already has %u names published, the limit (max_names_per_uid) is %u; "
-                          "unpublish names it no longer needs (names outlive their publisher)",
-                          who, u->names, cfg->max_names_per_uid);
   }
-  return 0;
+  return *old ? 0 : gpupool__new_name_fits(reg, c->tenant);
 }
 
 /* Make (bufs, layout) the current version of `key`, creating the name or replacing its
