@@ -1405,8 +1405,6 @@ static void name_clear(gpupool__registry *reg, gpupool__name *n) {
   }
   layout_unref(reg, n->layout);
   n->layout = NULL;
-  n->members = NULL;
-  n->nmembers = 0;
   for (uint32_t i = 0; i < n->nbufs; i++) {
     n->bufs[i]->names--;
     buffer_unref(reg, n->bufs[i]);
@@ -1523,8 +1521,6 @@ static int publish_commit(gpupool__registry *reg, gpupool__client *c, const char
   n->bufs = bufs;
   n->nbufs = nbufs;
   n->layout = layout;
-  n->members = layout ? layout->members : NULL;
-  n->nmembers = layout ? layout->n : 0;
   n->version = prev + 1;
   n->uid = c->uid;
   n->read_only = read_only;
@@ -1789,7 +1785,8 @@ int gpupool__get(gpupool__registry *reg, gpupool__client *c, const char *name, i
   if (n->layout || n->nbufs != 1)
     return gpupool__err(GPUPOOL_EINVAL,
                         "'%s' is a bundle of %u member%s in %u buffer%s; get it with gpupool_bundle_get "
-                        "(Python: get_dict)", name, n->nmembers, n->nmembers == 1 ? "" : "s", n->nbufs,
+                        "(Python: get_dict)", name, n->layout ? n->layout->n : 0,
+                        n->layout && n->layout->n == 1 ? "" : "s", n->nbufs,
                         n->nbufs == 1 ? "" : "s");
   if (version)
     *version = n->version;
@@ -2176,7 +2173,7 @@ void gpupool__fill_desc(gpupool__registry *reg, gpupool__client *c, gpupool__hol
     const gpupool__name *nm = name && *name && gpupool__name_key(reg, c, name, key, sizeof key, &owner) == 0
                                   ? gpupool__smap_get(&reg->names, key)
                                   : NULL;
-    const gpupool_tensor_meta *m = nm && nm->nbufs == 1 && nm->bufs[0] == b && !nm->members
+    const gpupool_tensor_meta *m = nm && nm->nbufs == 1 && nm->bufs[0] == b && !nm->layout
                                        ? (nm->has_meta ? &nm->meta : NULL)
                                    : b->has_meta      ? &b->meta
                                                       : NULL;

@@ -215,8 +215,6 @@ typedef struct {
   gpupool__buffer **bufs;    /* each referenced once by the name */
   uint32_t nbufs;
   gpupool__layout *layout;   /* its member table (a reference), NULL for a single buffer */
-  gpupool__member *members;  /* layout's members, or NULL */
-  uint32_t nmembers;
   gpupool__file *file;       /* a published file (no buffers), or NULL */
   uid_t uid;                 /* who published the current version */
   uint64_t tenant;           /* whose names (and members) it counts against */

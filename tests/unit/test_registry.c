@@ -764,10 +764,10 @@ static void test_bundle_checks(void **state) {
   assert_int_equal(f->reg.nnames, 1);
   assert_int_equal(gpupool__get_bundle(&f->reg, &f->b, "bb", 1, 0, &hs, &nm), 0);
   assert_int_equal(nm->nbufs, 2);
-  assert_int_equal(nm->nmembers, 3);
+  assert_int_equal(nm->layout->n, 3);
   assert_int_equal(nm->version, 2);
   assert_ptr_equal(hs[0]->buf, h1->buf);
-  assert_non_null(nm->members[2].meta);
+  assert_non_null(nm->layout->members[2].meta);
   gpupool__hold_discard(&f->reg, hs[0]);
   gpupool__hold_discard(&f->reg, hs[1]);
   free(hs);
@@ -828,7 +828,7 @@ static void test_layout_by_id(void **state) {
   assert_int_equal(v, 1);
   assert_int_equal(gpupool__get_bundle(&f->reg, &f->b, "L", 1, 0, &got, &nm), 0);
   assert_int_equal(nm->layout->id, id);
-  assert_int_equal(nm->nmembers, 2);
+  assert_int_equal(nm->layout->n, 2);
   gpupool__hold_discard(&f->reg, got[0]);
   free(got);
   /* Wrong: another tenant, a buffer too small, a count of buffers the table does not span, an
