@@ -42,8 +42,11 @@ _REF = struct.Struct(_lib.REF_FMT)
 # byte_offset, buffer, offset.
 _MEMBER_LEAN = struct.Struct("<QQQi4xBBHi16q128xi4xQi4xQ")
 _STRIDES = struct.Struct("<16q")
-_STRIDES_AT = 32 + 136  # offset of meta.strides in gpupool_member
+_STRIDES_AT = _lib.Member.meta.offset + _lib.TensorMeta.strides.offset
 MEMBER_SIZE = _MEMBER_LEAN.size
+if MEMBER_SIZE != ctypes.sizeof(_lib.Member):
+    raise ImportError("gpupool: the lean member format is %d bytes, gpupool_member %d" % (
+        MEMBER_SIZE, ctypes.sizeof(_lib.Member)))
 _UINT8 = _dtypes.dtype("uint8")
 _ZEROS = (0,) * _lib.MAX_NDIM
 
@@ -72,11 +75,6 @@ def read_raw_names(addrs):
         return []
     ptrs = (ctypes.c_void_p * n)(*addrs)
     return (ctypes.c_char_p * n).from_buffer(ptrs)[:]
-
-
-def read_names(addrs):
-    """The C strings at these addresses, decoded."""
-    return [b.decode("utf-8", "surrogateescape") for b in read_raw_names(addrs)]
 
 
 class _NoGC:
