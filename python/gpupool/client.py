@@ -984,22 +984,7 @@ class Client:
     def _pool_for_device(self, device):
         if device is None:
             return None
-        d = device
-        if not isinstance(d, (int, str)):
-            d = str(d)  # torch.device, cupy.cuda.Device print as 'cuda:0' / '<CUDA Device 0>'
-            if d.startswith("<CUDA Device "):
-                d = int(d[len("<CUDA Device "):-1])
-        if isinstance(d, int):
-            return self._pool_for(_dlpack.kDLCUDA, d, "cuda:%d" % d)
-        s = d.strip().lower()
-        if s in ("cpu", "host"):
-            return self._pool_for(_dlpack.kDLCPU, 0, s)
-        if s == "cuda":
-            return self._pool_for(_dlpack.kDLCUDA, 0, s)
-        if s.startswith("cuda:") and s[5:].isdigit():
-            return self._pool_for(_dlpack.kDLCUDA, int(s[5:]), s)
-        raise ValueError("unknown device %r: use None, 'cpu', 'cuda', 'cuda:N' or an int"
-                         % (device,))
+        return self._pool_for(*_parse_device(device))
 
     # --- requests ----------------------------------------------------------------------
     def alloc(self, shape, dtype, device=None, pool=None, timeout=0, stream=None):
@@ -1460,24 +1445,7 @@ class Client:
         changed since it was published."""
         nb = _encode_name(name)
         dt = _dtypes.dtype(dtype)
-        dl = (_dlpack.kDLCPU, 0)
-        if device is not None:
-            d = device
-            if not isinstance(d, (int, str)):
-                d = str(d)
-                if d.startswith("<CUDA Device "):
-                    d = int(d[len("<CUDA Device "):-1])
-            if isinstance(d, int):
-                dl = (_dlpack.kDLCUDA, d)
-            else:
-                s = d.strip().lower()
-                if s == "cuda":
-                    dl = (_dlpack.kDLCUDA, 0)
-                elif s.startswith("cuda:") and s[5:].isdigit():
-                    dl = (_dlpack.kDLCUDA, int(s[5:]))
-                elif s not in ("cpu", "host"):
-                    raise ValueError("unknown device %r: use None, 'cpu', 'cuda', 'cuda:N' or "
-                                     "an int" % (device,))
+        dl = (_dlpack.kDLCPU, 0) if device is None else _parse_device(device)[:2]
         flags = _lib.FILE_HOST_ONLY if dl[0] == _dlpack.kDLCPU else 0
         f = _lib.FileP()
         check(self._lib.gpupool_get_file(self._conn.usable(), nb,
@@ -1598,6 +1566,27 @@ class _HoldIndex:
                     and desc.data >= h.ptr and not h.released:
                 return h
         return None
+
+
+def _parse_device(device):
+    """(DLPack device type, device id, label) of a device argument: an int (a CUDA device),
+    'cpu' or 'host', 'cuda', 'cuda:N', or an object that prints as one (torch.device) or as
+    '<CUDA Device N>' (cupy.cuda.Device)."""
+    d = device
+    if not isinstance(d, (int, str)):
+        d = str(d)
+        if d.startswith("<CUDA Device "):
+            d = int(d[len("<CUDA Device "):-1])
+    if isinstance(d, int):
+        return (_dlpack.kDLCUDA, d, "cuda:%d" % d)
+    s = d.strip().lower()
+    if s in ("cpu", "host"):
+        return (_dlpack.kDLCPU, 0, s)
+    if s == "cuda":
+        return (_dlpack.kDLCUDA, 0, s)
+    if s.startswith("cuda:") and s[5:].isdigit():
+        return (_dlpack.kDLCUDA, int(s[5:]), s)
+    raise ValueError("unknown device %r: use None, 'cpu', 'cuda', 'cuda:N' or an int" % (device,))
 
 
 def _version_arg(v):
