@@ -37,23 +37,36 @@
 
 /* ---- counters ------------------------------------------------------------------------------ */
 
-/* Request types, in the order of the Request oneof: cases 10..23 at index 1..14, then the
- * bundle and file requests; index 0 counts frames whose body was missing or unknown. */
+/* Request types; index 0 counts frames whose body was missing or unknown. */
 static const char *const type_names[] = {
     "unknown",      "hello",        "attach_pool",   "allocate",          "release",
     "share",        "open",         "publish",       "get",               "unpublish",
     "stats",        "admin_clients", "admin_buffers", "admin_drop_client", "trim",
     "allocate_bundle", "publish_bundle", "get_bundle", "publish_file", "get_file",
 };
-/* Where the bundle requests (oneof cases 30..32) and the file requests (40..41) sit in
- * type_names. */
-#define BUNDLE_TYPES 15
-#define FIRST_BUNDLE_CASE GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE_BUNDLE
-#define LAST_BUNDLE_CASE GPUPOOL__WIRE__REQUEST__BODY_GET_BUNDLE
-#define FILE_TYPES 18
-#define FIRST_FILE_CASE GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE
+/* The type_names index of each Request oneof case (the others: 0). */
+static const uint8_t type_of_case[] = {
+    [GPUPOOL__WIRE__REQUEST__BODY_HELLO] = 1,
+    [GPUPOOL__WIRE__REQUEST__BODY_ATTACH_POOL] = 2,
+    [GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE] = 3,
+    [GPUPOOL__WIRE__REQUEST__BODY_RELEASE] = 4,
+    [GPUPOOL__WIRE__REQUEST__BODY_SHARE] = 5,
+    [GPUPOOL__WIRE__REQUEST__BODY_OPEN] = 6,
+    [GPUPOOL__WIRE__REQUEST__BODY_PUBLISH] = 7,
+    [GPUPOOL__WIRE__REQUEST__BODY_GET] = 8,
+    [GPUPOOL__WIRE__REQUEST__BODY_UNPUBLISH] = 9,
+    [GPUPOOL__WIRE__REQUEST__BODY_STATS] = 10,
+    [GPUPOOL__WIRE__REQUEST__BODY_ADMIN_CLIENTS] = 11,
+    [GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS] = 12,
+    [GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT] = 13,
+    [GPUPOOL__WIRE__REQUEST__BODY_TRIM] = 14,
+    [GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE_BUNDLE] = 15,
+    [GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_BUNDLE] = 16,
+    [GPUPOOL__WIRE__REQUEST__BODY_GET_BUNDLE] = 17,
+    [GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE] = 18,
+    [GPUPOOL__WIRE__REQUEST__BODY_GET_FILE] = 19,
+};
 #define N_TYPES ((int)(sizeof(type_names) / sizeof(type_names[0])))
-#define FIRST_CASE GPUPOOL__WIRE__REQUEST__BODY_HELLO
 
 /* Results: index 0 is success, index i (1..) is error code -i; the last slot takes codes
  * outside the known range so a new code is still counted somewhere. */
@@ -142,14 +155,8 @@ int gpupool__metrics_new(gpupool__metrics **out) {
 }
 
 static int type_index(int body_case) {
-  int i = body_case - FIRST_CASE + 1;
-  if (i >= BUNDLE_TYPES)
-    i = 0;
-  if (body_case >= FIRST_BUNDLE_CASE && body_case <= LAST_BUNDLE_CASE)
-    i = BUNDLE_TYPES + body_case - FIRST_BUNDLE_CASE;
-  if (body_case >= FIRST_FILE_CASE)
-    i = FILE_TYPES + body_case - FIRST_FILE_CASE;
-  return (i >= 1 && i < N_TYPES) ? i : 0;
+  int i = body_case >= 0 && body_case < (int)sizeof type_of_case ? type_of_case[body_case] : 0;
+  return i < N_TYPES ? i : 0;
 }
 
 void gpupool__metrics_request(gpupool__metrics *m, int body_case, int result, uint64_t latency_ns) {
