@@ -2032,6 +2032,20 @@ static int bundle_from_reply(gpupool_client *c, const Gpupool__Wire__Bundle *wb,
   return 0;
 }
 
+/* Member i's name and description, checked here before any request goes out (the daemon
+ * checks them again): 0, or the error naming the member. */
+static int member_name_check(int i, const char *name) {
+  int rc;
+  if (!name || (rc = gpupool__wire_check_name(name)) != 0)
+    return gpupool__err(GPUPOOL_ENAME, "member %d: %s", i, name ? gpupool__errmsg() : "name is NULL");
+  return 0;
+}
+
+static int member_meta_check(int i, const char *name, const gpupool_tensor_meta *meta, uint64_t size) {
+  int rc = gpupool__wire_meta_check(meta, size);
+  return rc ? gpupool__err(rc, "member %d ('%s'): %s", i, name, gpupool__errmsg()) : 0;
+}
+
 int gpupool_bundle_alloc(gpupool_client *c, const char *pool, const gpupool_member_spec *members, int n,
                          uint64_t alignment, int timeout_ms, void *stream, gpupool_bundle **out) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
@@ -2054,10 +2068,8 @@ int gpupool_bundle_alloc(gpupool_client *c, const char *pool, const gpupool_memb
   }
   for (int i = 0; i < n; i++) {
     const gpupool_member_spec *m = &members[i];
-    if (!m->name || (rc = gpupool__wire_check_name(m->name)) != 0) {
-      rc = gpupool__err(GPUPOOL_ENAME, "member %d: %s", i, m->name ? gpupool__errmsg() : "name is NULL");
+    if ((rc = member_name_check(i, m->name)) != 0)
       goto out;
-    }
     if (m->size == 0) {
       rc = gpupool__err(GPUPOOL_EINVAL, "member %d ('%s') has size 0; members need at least 1 byte", i, m->name);
       goto out;
@@ -2066,10 +2078,8 @@ int gpupool_bundle_alloc(gpupool_client *c, const char *pool, const gpupool_memb
     specs[i].name = (char *)m->name;
     specs[i].size = m->size;
     if (m->meta) {
-      if ((rc = gpupool__wire_meta_check(m->meta, m->size)) != 0) {
-        rc = gpupool__err(rc, "member %d ('%s'): %s", i, m->name, gpupool__errmsg());
+      if ((rc = member_meta_check(i, m->name, m->meta, m->size)) != 0)
         goto out;
-      }
       gpupool__wire_meta_to(m->meta, &tms[i]);
       specs[i].tensor = &tms[i];
     }
@@ -2242,10 +2252,8 @@ int gpupool_publish_members(gpupool_client *c, const char *name, const gpupool_m
   for (int i = 0; i < n; i++) {
     const gpupool_member_ref *m = &members[i];
     uintptr_t idx;
-    if (!m->name || (rc = gpupool__wire_check_name(m->name)) != 0) {
-      rc = gpupool__err(GPUPOOL_ENAME, "member %d: %s", i, m->name ? gpupool__errmsg() : "name is NULL");
+    if ((rc = member_name_check(i, m->name)) != 0)
       goto out;
-    }
     if (!m->buffer || m->buffer->c != c) {
       rc = gpupool__err(GPUPOOL_EINVAL, "member %d ('%s'): %s", i, m->name,
                         m->buffer ? "its buffer belongs to another client" : "buffer is NULL");
@@ -2256,10 +2264,8 @@ int gpupool_publish_members(gpupool_client *c, const char *name, const gpupool_m
                         "fit in its buffer of %" PRIu64 " bytes", i, m->name, m->offset, m->size, m->buffer->size);
       goto out;
     }
-    if (m->meta && (rc = gpupool__wire_meta_check(m->meta, m->size)) != 0) {
-      rc = gpupool__err(rc, "member %d ('%s'): %s", i, m->name, gpupool__errmsg());
+    if (m->meta && (rc = member_meta_check(i, m->name, m->meta, m->size)) != 0)
       goto out;
-    }
     /* By buffer, not hold: two holds of one buffer are one buffer of the bundle. */
     idx = (uintptr_t)gpupool__hmap_get(&index, m->buffer->buffer_id);
     if (!idx) {
