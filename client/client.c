@@ -1579,6 +1579,16 @@ static int record_ready(gpupool_client *c, gpupool_buffer *b, void *stream) {
   return rc < 0 ? rc : 0;
 }
 
+/* Before b goes to others (share, publish): connected, b not lost with a previous daemon, and
+ * its ready event recorded in stream (or the stream waited for, with host fences). With c->mu
+ * held. */
+static int hand_over_prepare(gpupool_client *c, gpupool_buffer *b, void *stream) {
+  int rc = ensure_connected(c);
+  if (rc == 0 && b->lost)
+    rc = lost_err(b);
+  return rc == 0 ? record_ready(c, b, stream) : rc;
+}
+
 int gpupool_host_fences(gpupool_client *c) {
   int on;
   if (!c)
@@ -1604,9 +1614,7 @@ int gpupool_share(gpupool_buffer *b, void *stream, gpupool_token *out) {
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_SHARE;
   req.share = &sh;
   pthread_mutex_lock(&c->mu);
-  if ((rc = ensure_connected(c)) == 0 && b->lost)
-    rc = lost_err(b);
-  if (rc == 0 && (rc = record_ready(c, b, stream)) == 0 && (rc = call(c, &req, &rep, NULL)) == 0) {
+  if ((rc = hand_over_prepare(c, b, stream)) == 0 && (rc = call(c, &req, &rep, NULL)) == 0) {
     if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_SHARE || !rep->share ||
         rep->share->token.len != GPUPOOL_TOKEN_SIZE)
       rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent a malformed share token");
@@ -1713,9 +1721,7 @@ static int publish_common(gpupool_buffer *b, const char *name, const gpupool_ten
     return rc;
   c = b->c;
   pthread_mutex_lock(&c->mu);
-  if ((rc = ensure_connected(c)) == 0 && b->lost)
-    rc = lost_err(b);
-  if (rc == 0 && (rc = record_ready(c, b, stream)) == 0 && (rc = call(c, &req, &rep, NULL)) == 0) {
+  if ((rc = hand_over_prepare(c, b, stream)) == 0 && (rc = call(c, &req, &rep, NULL)) == 0) {
     if (version)
       *version = reply_version(rep);
     gpupool__wire__reply__free_unpacked(rep, NULL);
@@ -2485,9 +2491,7 @@ int gpupool_publish_begin(gpupool_buffer *b, const char *name, const gpupool_ten
     return rc;
   c = b->c;
   pthread_mutex_lock(&c->mu);
-  if ((rc = ensure_connected(c)) == 0 && b->lost)
-    rc = lost_err(b);
-  if (rc == 0 && (rc = record_ready(c, b, stream)) == 0 && (rc = begin_locked(c, &req, PEND_PUBLISH, out)) == 0) {
+  if ((rc = hand_over_prepare(c, b, stream)) == 0 && (rc = begin_locked(c, &req, PEND_PUBLISH, out)) == 0) {
     snprintf((*out)->name, sizeof (*out)->name, "%s", name);
     /* Now, not at the end: the caller may release b before ending the publish. */
     if (meta) {
