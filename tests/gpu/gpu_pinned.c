@@ -41,6 +41,7 @@
 #include <cuda_runtime_api.h>
 
 #include "gpu_harness.h"
+#include "gpu_worker.h"
 #include "gpu_kernels.h"
 #include "gpupool/gpupool.h"
 
@@ -59,41 +60,6 @@
 #define STEP_MS 120000  /* generous per-step timeout: CUDA context creation is slow */
 
 /* ------------------------------------------------------------------ worker side */
-
-static void wdie(const char *role, const char *what, int rc) {
-  fprintf(stderr, "worker %s (pid %d): %s: %s (%s): %s\n", role, (int)getpid(), what,
-          gpupool_err_name(rc), gpupool_strerror(rc), gpupool_last_error());
-  exit(2);
-}
-
-static void cdie(const char *role, const char *what, int ce) {
-  fprintf(stderr, "worker %s (pid %d): %s: %s: %s\n", role, (int)getpid(), what,
-          cudaGetErrorName((cudaError_t)ce), cudaGetErrorString((cudaError_t)ce));
-  exit(2);
-}
-
-static cudaStream_t wstream(const char *role) {
-  cudaStream_t s;
-  int ce = (int)cudaSetDevice(0);
-  if (ce)
-    cdie(role, "cudaSetDevice(0)", ce);
-  ce = (int)cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-  if (ce)
-    cdie(role, "cudaStreamCreateWithFlags", ce);
-  return s;
-}
-
-static void wait_stdin_line(const char *role, const char *want) {
-  char line[128];
-  for (;;) {
-    if (!fgets(line, sizeof(line), stdin)) {
-      fprintf(stderr, "worker %s: stdin closed while waiting for %s\n", role, want);
-      exit(2);
-    }
-    if (!strncmp(line, want, strlen(want)))
-      return;
-  }
-}
 
 static const char *mem_kind_name(gpupool_mem_kind k) {
   switch (k) {
@@ -167,7 +133,7 @@ static int w_producer(char **a) {
   gpupool_client *c;
   gpupool_buffer *pad, *b;
   gpupool_tensor_meta meta;
-  cudaStream_t s = wstream("producer");
+  cudaStream_t s = wstream("producer", 0);
   int rc, ce;
 
   if ((rc = gpupool_connect(sock, "gpu-pinned-producer", &c)) < 0)
@@ -231,7 +197,7 @@ static void reader_get(const char *role, const char *sock, const char *name, gpu
   gpupool_tensor_meta meta;
   int rc;
 
-  *s = wstream(role);
+  *s = wstream(role, 0);
   if ((rc = gpupool_connect(sock, role, c)) < 0)
     wdie(role, "gpupool_connect", rc);
   gh_say("WAITING");

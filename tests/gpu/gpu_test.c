@@ -69,6 +69,7 @@
 #include <cuda_runtime_api.h>
 
 #include "gpu_harness.h"
+#include "gpu_worker.h"
 #include "gpu_kernels.h"
 #include "gpupool/gpupool.h"
 #include "wire.h"
@@ -84,42 +85,6 @@
 static const char *g_check = "?";
 
 /* ------------------------------------------------------------------ worker side */
-
-static void wdie(const char *role, const char *what, int rc) {
-  fprintf(stderr, "worker %s (pid %d): %s: %s (%s): %s\n", role, (int)getpid(), what,
-          gpupool_err_name(rc), gpupool_strerror(rc), gpupool_last_error());
-  exit(2);
-}
-
-static void cdie(const char *role, const char *what, int ce) {
-  fprintf(stderr, "worker %s (pid %d): %s: %s: %s\n", role, (int)getpid(), what,
-          cudaGetErrorName((cudaError_t)ce), cudaGetErrorString((cudaError_t)ce));
-  exit(2);
-}
-
-static cudaStream_t wstream(const char *role, int device) {
-  cudaStream_t s;
-  int ce = (int)cudaSetDevice(device);
-  if (ce)
-    cdie(role, "cudaSetDevice", ce);
-  ce = (int)cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-  if (ce)
-    cdie(role, "cudaStreamCreateWithFlags", ce);
-  return s;
-}
-
-
-static void wait_stdin_line(const char *role, const char *want) {
-  char line[128];
-  for (;;) {
-    if (!fgets(line, sizeof(line), stdin)) {
-      fprintf(stderr, "worker %s: stdin closed while waiting for %s\n", role, want);
-      exit(2);
-    }
-    if (!strncmp(line, want, strlen(want)))
-      return;
-  }
-}
 
 /* GPU_TEST_WANT_FENCES=0|1: what gpupool_host_fences must say in producers and consumers
  * (-1 when unset: not checked). */
