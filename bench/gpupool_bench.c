@@ -53,6 +53,9 @@
 #include "gpu_kernels.h"
 #include "gpupool/gpupool.h"
 
+#define BENCH_PROG "gpupool_bench"
+#include "bench_util.h"
+
 #define POOL "gpu0"
 #define POOL_SPEC "name=gpu0,kind=device,device=0,capacity=16G,slab=256M"
 #define SLAB_BYTES (256ull << 20)
@@ -76,34 +79,6 @@
 
 static double us_since(uint64_t t0) { return (double)(gh_now_ns() - t0) / 1e3; }
 
-static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-static void die(const char *fmt, ...) {
-  va_list ap;
-  fprintf(stderr, "gpupool_bench (pid %d): ", (int)getpid());
-  va_start(ap, fmt);
-  vfprintf(stderr, fmt, ap);
-  va_end(ap);
-  fputc('\n', stderr);
-  exit(1);
-}
-
-#define CK(call)                                                                            \
-  do {                                                                                      \
-    cudaError_t ck_e = (call);                                                              \
-    if (ck_e != cudaSuccess)                                                                \
-      die("%s: %s: %s", #call, cudaGetErrorName(ck_e), cudaGetErrorString(ck_e));           \
-  } while (0)
-
-#define GP(call)                                                                            \
-  do {                                                                                      \
-    int gpupool__rc = (call);                                                                     \
-    if (gpupool__rc < 0)                                                                          \
-      die("%s: %s: %s", #call, gpupool_err_name(gpupool__rc), gpupool_last_error());              \
-  } while (0)
-
-
-static void report(const char *key, double v) { gh_say("BENCH %s %.3f", key, v); }
-
 /* p50/p99 of v[0..n) as "<key>_p50_us"/"<key>_p99_us", with a human line. */
 static double report_lat(const char *what, const char *key, double *v, size_t n) {
   char k[128];
@@ -121,13 +96,6 @@ static char *next_line(char *buf, size_t len) {
     die("stdin closed");
   buf[strcspn(buf, "\n")] = '\0';
   return buf;
-}
-
-static cudaStream_t new_stream(void) {
-  cudaStream_t s;
-  CK(cudaSetDevice(0));
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  return s;
 }
 
 /* ---------------------------------------------------------------- socket floor */

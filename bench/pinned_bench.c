@@ -39,6 +39,9 @@
 #include "gpu_kernels.h"
 #include "gpupool/gpupool.h"
 
+#define BENCH_PROG "gpupool_pinned_bench"
+#include "bench_util.h"
+
 #define POOL "pinned"
 #define POOL_CAPACITY "2G"
 #define POOL_SLAB "256M"
@@ -65,38 +68,6 @@ static gh_daemon *g_daemon;
 static void stop_daemon_at_exit(void) {
   if (g_daemon)
     gh_daemon_stop(g_daemon, 1);
-}
-
-static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-static void die(const char *fmt, ...) {
-  va_list ap;
-  fprintf(stderr, "gpupool_pinned_bench (pid %d): ", (int)getpid());
-  va_start(ap, fmt);
-  vfprintf(stderr, fmt, ap);
-  va_end(ap);
-  fputc('\n', stderr);
-  exit(1);
-}
-
-#define CK(call)                                                                            \
-  do {                                                                                      \
-    cudaError_t ck_e = (call);                                                              \
-    if (ck_e != cudaSuccess)                                                                \
-      die("%s: %s: %s", #call, cudaGetErrorName(ck_e), cudaGetErrorString(ck_e));           \
-  } while (0)
-
-#define GP(call)                                                                            \
-  do {                                                                                      \
-    int gp_rc = (call);                                                                     \
-    if (gp_rc < 0)                                                                          \
-      die("%s: %s: %s", #call, gpupool_err_name(gp_rc), gpupool_last_error());              \
-  } while (0)
-
-static cudaStream_t new_stream(void) {
-  cudaStream_t s;
-  CK(cudaSetDevice(0));
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  return s;
 }
 
 static void buf_name(char *out, size_t len, size_t size) {
@@ -214,8 +185,6 @@ static void check_contents(void *pool_ptr, void *dev, size_t bytes, cudaStream_t
     die("%llu of %zu words copied from the gpupool buffer of %zu bytes differ from what the "
         "producer's kernel wrote", bad, bytes / 4, bytes);
 }
-
-static void report(const char *key, double v) { gh_say("BENCH %s %.3f", key, v); }
 
 static void print_table(FILE *f, const char *device, int numa, const size_result *res) {
   int met = 1, any = 0;
