@@ -772,6 +772,12 @@ static int materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, in
     rc = gpupool__err(GPUPOOL_EPROTO, "buffer %" PRIu64 "+%" PRIu64 " lies outside its slab", d->offset, d->size);
     goto fail_slab;
   }
+  if (!d->read_only && !s->writable && !s->base_rw) {
+    /* A new slab whose export data came read-only, for a hold that may write. */
+    rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent a read-only mapping of slab %" PRIu64 " for a writable hold",
+                      s->id);
+    goto fail_slab;
+  }
   if (t_m)
     trace("slab", t_m, d->slab->id);
   if ((rc = event_get(c, d->ready, &ready)) != 0 || (rc = event_get(c, d->done, &done)) != 0)
