@@ -17,10 +17,13 @@
 #include <arpa/inet.h>
 #include <ctype.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "backend.h"
 #include "config.h"
@@ -460,15 +463,49 @@ static char *trim(char *s) {
   return s;
 }
 
+/* Opens path for reading only if it is a regular file. Opened non-blocking first so that a FIFO
+ * with no writer cannot hold the daemon at start-up, and checked with fstat on the open fd (not
+ * stat on the name) so the file read is the file checked; a directory would read as empty. */
+static int open_regular(const char *path, FILE **out) {
+  struct stat st;
+  int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC), flags;
+  FILE *f;
+
+  if (fd < 0)
+    return gpupool__err(GPUPOOL_ECONFIG, "cannot open config file %s: %s", path, strerror(errno));
+  if (fstat(fd, &st) != 0) {
+    int e = errno;
+    close(fd);
+    return gpupool__err(GPUPOOL_ECONFIG, "cannot stat config file %s: %s", path, strerror(e));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    close(fd);
+    return gpupool__err(GPUPOOL_ECONFIG, "config file %s is %s, not a regular file; give the path of the file itself",
+                        path,
+                        S_ISDIR(st.st_mode)    ? "a directory"
+                        : S_ISFIFO(st.st_mode) ? "a FIFO"
+                        : S_ISSOCK(st.st_mode) ? "a socket"
+                        : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device"
+                                                                       : "not a file");
+  }
+  if ((flags = fcntl(fd, F_GETFL)) < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0 || !(f = fdopen(fd, "r"))) {
+    int e = errno;
+    close(fd);
+    return gpupool__err(GPUPOOL_ECONFIG, "cannot read config file %s: %s", path, strerror(e));
+  }
+  *out = f;
+  return 0;
+}
+
 int gpupool__config_load(gpupool__config *c, const char *path) {
-  FILE *f = fopen(path, "re");
+  FILE *f = NULL;
   char line[1024], msg[GPUPOOL__ERRMSG_MAX];
-  int lineno = 0, in_daemon = 0, rc = 0;
+  int lineno = 0, in_daemon = 0, daemon_line = 0, rc = 0;
   gpupool__pool_config *pool = NULL;
   gpupool__member_set *set = NULL;
 
-  if (!f)
-    return gpupool__err(GPUPOOL_ECONFIG, "cannot open config file %s: %s", path, strerror(errno));
+  if ((rc = open_regular(path, &f)) != 0)
+    return rc;
   while (fgets(line, sizeof line, f)) {
     char *s, *eq, *k, *v;
     lineno++;
@@ -497,6 +534,13 @@ int gpupool__config_load(gpupool__config *c, const char *path) {
       set = NULL;
       in_daemon = 0;
       if (!strcmp(s, "daemon")) {
+        /* A second section of one name would be merged silently, its keys overriding the first's. */
+        if (daemon_line) {
+          rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [daemon] repeats the section at %s:%d; keep one [daemon] section",
+                            path, lineno, path, daemon_line);
+          goto out;
+        }
+        daemon_line = lineno;
         in_daemon = 1;
       } else if ((!strncmp(s, "tenant", 6) && isspace((unsigned char)s[6])) ||
                  (!strncmp(s, "group", 5) && isspace((unsigned char)s[5]))) {
@@ -514,6 +558,11 @@ int gpupool__config_load(gpupool__config *c, const char *path) {
                             is_tenant ? "tenant" : "group");
           goto out;
         }
+        if (set->line) {
+          rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [%s %s] repeats the section at %s:%d; keep one section per name",
+                            path, lineno, is_tenant ? "tenant" : "group", name, path, set->line);
+          goto out;
+        }
         set->line = lineno;
       } else if (!strncmp(s, "pool", 4) && (s[4] == '\0' || isspace((unsigned char)s[4]))) {
         const char *name = trim(s + 4);
@@ -526,6 +575,11 @@ int gpupool__config_load(gpupool__config *c, const char *path) {
         pool = find_or_add_pool(c, name);
         if (!pool) {
           rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: more than %d pools", path, lineno, GPUPOOL_MAX_POOLS);
+          goto out;
+        }
+        if (pool->line) {
+          rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [pool %s] repeats the section at %s:%d; keep one section per pool",
+                            path, lineno, name, path, pool->line);
           goto out;
         }
         pool->line = lineno;

@@ -2,6 +2,8 @@
  * The config parser and pool checks: a full file, --pool specs, and errors that name the
  * file, the line and the fix. Also the daemon refusing a bad config at start-up.
  */
+#include <sys/stat.h>
+
 #include "harness.h"
 #include "config.h"
 #include "errors.h"
@@ -131,11 +133,90 @@ static void test_daemon_refuses_bad_config(void **state) {
   th_stop(&d);
 }
 
+/* A section named twice would be merged silently; both places are named in the refusal. */
+static void test_duplicate_sections(void **state) {
+  static const struct {
+    const char *text, *needle;
+  } cases[] = {
+      {"[pool p]\ncapacity = 64M\n[pool q]\n[pool p]\nslab = 2M\n", ":4: [pool p] repeats the section at "},
+      {"[tenant t]\nuids = 1\n[tenant t]\nuids = 2\n", ":3: [tenant t] repeats the section at "},
+      {"[group g]\nuids = 1\n\n[group g]\n", ":4: [group g] repeats the section at "},
+      {"[daemon]\nmax_clients = 1\n[daemon]\nmax_clients = 2\n", ":3: [daemon] repeats the section at "},
+  };
+  static const int first[] = {1, 1, 1, 1};
+  (void)state;
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    gpupool__config c;
+    char where[320];
+    strcpy(path, "/tmp/gpupool-conf-XXXXXX");
+    write_file(cases[i].text);
+    gpupool__config_defaults(&c);
+    assert_int_equal(gpupool__config_load(&c, path), GPUPOOL_ECONFIG);
+    snprintf(where, sizeof where, "%s:%d", path, first[i]);
+    if (!strstr(gpupool__errmsg(), cases[i].needle) || !strstr(gpupool__errmsg(), where))
+      fail_msg("case %zu: '%s' lacks '%s' or '%s'", i, gpupool__errmsg(), cases[i].needle, where);
+    unlink(path);
+  }
+}
+
+/* Runs gpupoold --config conf and requires it to exit with status 2 within 10 s, its log
+ * holding `needle`; a daemon that blocks or starts serving is killed and the test fails. */
+static void expect_refused_promptly(th_daemon *d, const char *conf, const char *needle) {
+  uint64_t end = th_now_ms() + 10000;
+  char buf[2048] = "";
+  int st = 0, fd;
+  ssize_t n;
+  pid_t pid = fork(), w = 0;
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    fd = open(d->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 2);
+    execl(GPUPOOLD_PATH, GPUPOOLD_PATH, "--config", conf, "--socket", d->sock, "--backend", "host", NULL);
+    _exit(127);
+  }
+  while ((w = waitpid(pid, &st, WNOHANG)) == 0 && th_now_ms() < end)
+    th_sleep_ms(20);
+  if (w == 0) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &st, 0);
+    th_dump_log(d);
+    fail_msg("gpupoold --config %s neither refused it nor exited within 10 s", conf);
+  }
+  assert_true(WIFEXITED(st));
+  fd = open(d->log, O_RDONLY);
+  assert_true(fd >= 0);
+  n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  buf[n > 0 ? n : 0] = '\0';
+  if (WEXITSTATUS(st) != 2 || !strstr(buf, needle))
+    fail_msg("gpupoold --config %s: status %d, log '%s' (expected 2 and '%s')", conf, WEXITSTATUS(st), buf,
+             needle);
+}
+
+static void test_config_not_a_file(void **state) {
+  th_daemon d;
+  char dir[320], fifo[320];
+  (void)state;
+  th_prepare(&d);
+  snprintf(dir, sizeof dir, "%s/conf.d", d.dir);
+  snprintf(fifo, sizeof fifo, "%s/conf.fifo", d.dir);
+  assert_int_equal(mkdir(dir, 0755), 0);
+  assert_int_equal(mkfifo(fifo, 0644), 0);
+  expect_refused_promptly(&d, dir, "is a directory, not a regular file");
+  /* Nothing ever writes to the FIFO: a blocking open would wait forever. */
+  expect_refused_promptly(&d, fifo, "is a FIFO, not a regular file");
+  rmdir(dir);
+  unlink(fifo);
+  d.pid = 0;
+  th_stop(&d);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_full_file),      cmocka_unit_test(test_errors_name_line),
       cmocka_unit_test(test_pool_checks),    cmocka_unit_test(test_sizes),
-      cmocka_unit_test(test_daemon_refuses_bad_config),
+      cmocka_unit_test(test_daemon_refuses_bad_config), cmocka_unit_test(test_duplicate_sections),
+      cmocka_unit_test(test_config_not_a_file),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
