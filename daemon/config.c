@@ -56,6 +56,7 @@ void gpupool__config_defaults(gpupool__config *c) {
   c->max_queued_bytes_total = 1ull << 30;
   c->max_waiting_leases_per_uid = 64;
   c->handshake_timeout_ms = 5000;
+  c->listen_backlog = 4096;
   c->allow_files = 1;
   c->max_files = 1024;
   c->file_leases = 1;
@@ -395,6 +396,13 @@ int gpupool__config_set(gpupool__config *c, const char *k, const char *v) {
     return parse_u32(v, &c->max_waiting_leases_per_uid);
   if (!strcmp(k, "handshake_timeout_ms"))
     return parse_u32(v, &c->handshake_timeout_ms);
+  if (!strcmp(k, "listen_backlog")) {
+    if (parse_u32(v, &c->listen_backlog) != 0)
+      return GPUPOOL_EINVAL;
+    if (c->listen_backlog < 1 || c->listen_backlog > 65535)
+      return gpupool__err(GPUPOOL_EINVAL, "listen_backlog must be between 1 and 65535, got %s", v);
+    return 0;
+  }
   if (!strcmp(k, "allow_files"))
     return parse_bool(v, &c->allow_files);
   if (!strcmp(k, "file_leases"))

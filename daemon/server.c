@@ -1706,6 +1706,7 @@ static int conn_limits(gpupool__server *s, const struct ucred *cred, char *msg, 
 #define ACCEPT_BACKOFF_MS 250
 #define ACCEPT_LOG_INTERVAL_NS (10ull * 1000000000ull)
 #define ACCEPT_REFUSE_BURST 64
+#define ACCEPT_BATCH 32
 
 static void on_accept(uv_poll_t *p, int status, int events);
 
@@ -1812,7 +1813,9 @@ static void on_accept(uv_poll_t *p, int status, int events) {
     GPUPOOL__ERROR("listening socket error: %s", uv_strerror(status));
     return;
   }
-  for (;;) {
+  /* A bounded batch per wake-up: the poll is level-triggered and comes back for the rest, so
+   * a flood that keeps the queue full cannot keep the loop from serving connected clients. */
+  for (int batch = 0; batch < ACCEPT_BATCH; batch++) {
     struct ucred cred;
     socklen_t cl = sizeof cred;
     gpupool__lease *lease = NULL;
@@ -1912,7 +1915,8 @@ static int bind_socket(const gpupool__config *cfg, int *out) {
     goto bind_fail;
   if (chmod(cfg->socket_path, cfg->socket_mode) != 0)
     GPUPOOL__WARN("cannot chmod %s to %o: %s", cfg->socket_path, (unsigned)cfg->socket_mode, strerror(errno));
-  if (listen(fd, 128) != 0) {
+  /* The kernel caps the backlog at net.core.somaxconn. */
+  if (listen(fd, (int)(cfg->listen_backlog ? cfg->listen_backlog : SOMAXCONN)) != 0) {
     rc = gpupool__err(GPUPOOL_EIO, "listen on %s: %s", cfg->socket_path, strerror(errno));
     close(fd);
     gpupool__unlink_socket(cfg->socket_path);
