@@ -860,10 +860,15 @@ static void ms_to_timeval(int ms, struct timeval *tv) {
   tv->tv_usec = ms > 0 ? (ms % 1000) * 1000 : 0;
 }
 
+/* Backoff between connects refused because the daemon's accept queue is full. */
+#define CONNECT_RETRY_FIRST_MS 1
+#define CONNECT_RETRY_MAX_MS 50
+
 static int connect_socket(const char *path, int timeout_ms, int *out) {
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
   struct timeval tv;
-  int fd;
+  uint64_t start = mono_ns(), deadline = start + (timeout_ms > 0 ? (uint64_t)timeout_ms * 1000000u : 0);
+  int fd, tries = 0, pause_ms = CONNECT_RETRY_FIRST_MS;
   if (strlen(path) >= sizeof addr.sun_path)
     return gpupool__err(GPUPOOL_EINVAL, "socket path '%s' is longer than %zu bytes", path, sizeof addr.sun_path - 1);
   strcpy(addr.sun_path, path);
@@ -875,11 +880,27 @@ static int connect_socket(const char *path, int timeout_ms, int *out) {
   ms_to_timeval(timeout_ms, &tv);
   (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  while (connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
+  while (tries++, connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
     int e = errno;
     char what[160];
+    uint64_t now;
     if (e == EINTR)
       continue;
+    /* The accept queue was full (a flood, or a daemon busy for a moment): a place may open
+     * before the timeout, so try again after a short pause rather than fail at once. */
+    if (e == EAGAIN && (timeout_ms < 0 || (now = mono_ns()) < deadline)) {
+      int ms = pause_ms;
+      if (timeout_ms > 0 && (uint64_t)ms * 1000000u > deadline - now)
+        ms = (int)((deadline - now) / 1000000u) + 1;
+      if (timeout_ms > 0) {
+        /* What is left of the timeout bounds the next wait in connect(). */
+        ms_to_timeval((int)((deadline - now) / 1000000u) + 1, &tv);
+        (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+      }
+      poll(NULL, 0, ms);
+      pause_ms = pause_ms * 2 > CONNECT_RETRY_MAX_MS ? CONNECT_RETRY_MAX_MS : pause_ms * 2;
+      continue;
+    }
     close(fd);
     if (e == ENOENT || e == ECONNREFUSED)
       return gpupool__err(GPUPOOL_ECONNECT,
@@ -893,7 +914,14 @@ static int connect_socket(const char *path, int timeout_ms, int *out) {
                           "write access to the socket: join its group or ask the operator",
                           path, what);
     }
-    if (e == EAGAIN || e == EINPROGRESS || e == ETIMEDOUT)
+    if (e == EAGAIN)
+      return gpupool__err(GPUPOOL_ETIMEDOUT,
+                          "gpupoold at %s kept its queue of waiting connections full for %g s (%d tries): it "
+                          "is stopped, stuck or flooded with connections (see 'systemctl status gpupoold' and "
+                          "its log; the queue is listen_backlog in its config); the timeout is "
+                          "gpupool_connect_timeout() or GPUPOOL_CONNECT_TIMEOUT_MS",
+                          path, (double)(mono_ns() - start) / 1e9, tries);
+    if (e == EINPROGRESS || e == ETIMEDOUT)
       return gpupool__err(GPUPOOL_ETIMEDOUT,
                           "the daemon did not answer in %g s: gpupoold at %s accepts no connections "
                           "(stopped or stuck? see 'systemctl status gpupoold')",

@@ -1,0 +1,202 @@
+/*
+ * The listen backlog under a flood: another user (uid 65534) opens connections that never
+ * send Hello, as fast as the kernel takes them, so the daemon's accept queue is full whenever
+ * that user can make it so. The default queue is deeper than one process's fds; a client whose
+ * connect finds the queue full retries within its timeout, and says so if it gives up.
+ */
+#include <sys/resource.h>
+#include <sys/stat.h>
+
+#include "harness.h"
+
+#define NOBODY 65534
+#define ATTACKERS 2
+#define HELD 1000 /* about what a default RLIMIT_NOFILE of 1024 lets one process hold */
+
+static th_daemon D;
+
+static void start_with(const char *extra) {
+  char conf[512];
+  th_prepare(&D);
+  assert_int_equal(chmod(D.dir, 0711), 0);
+  snprintf(conf, sizeof conf,
+           "[daemon]\nsocket_mode = 0666\nmax_clients_per_uid = 64\n%s"
+           "[pool default]\nkind = host\ncapacity = 16M\nslab_size = 4M\n",
+           extra);
+  th_write_conf(&D, conf);
+  th_start(&D, 1, NULL);
+}
+
+/* Opens connections without blocking and never says Hello: when it holds HELD, closes the
+ * oldest hundred and goes on, so the daemon keeps having new ones to accept and refuse. Runs
+ * until its parent closes the pipe (stop_fd readable). Exits 0; prints how often it found the
+ * backlog full. */
+static int flood(const th_daemon *d, int stop_fd) {
+  struct sockaddr_un a = {.sun_family = AF_UNIX};
+  struct rlimit rl = {1024, 1024};
+  static int held[HELD];
+  int n = 0;
+  uint64_t full = 0, made = 0;
+
+  CHILD_CHECK(setrlimit(RLIMIT_NOFILE, &rl) == 0, "setrlimit");
+  CHILD_CHECK(th_become(NOBODY) == 0, "setuid");
+  memcpy(a.sun_path, d->sock, strlen(d->sock) + 1);
+  for (;;) {
+    char c;
+    int fd;
+    if (read(stop_fd, &c, 1) >= 0 || errno != EAGAIN)
+      break;
+    for (int k = 0; k < 64; k++) {
+      if (n == HELD) {
+        for (int i = 0; i < 100; i++)
+          close(held[i]);
+        memmove(held, held + 100, (HELD - 100) * sizeof held[0]);
+        n -= 100;
+      }
+      fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+      CHILD_CHECK(fd >= 0, "socket: %s", strerror(errno));
+      if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0) {
+        held[n++] = fd;
+        made++;
+      } else {
+        CHILD_CHECK(errno == EAGAIN, "connect: %s", strerror(errno));
+        full++;
+        close(fd);
+      }
+    }
+  }
+  fprintf(stderr, "flood %d: %llu connections made, backlog full %llu times\n", (int)getpid(),
+          (unsigned long long)made, (unsigned long long)full);
+  return 0;
+}
+
+/* Root connects `tries` times with a 5 s timeout (the library's default) while the flood
+ * runs; every connect and a Stats must succeed. */
+static void connect_under_flood(int tries) {
+  pid_t att[ATTACKERS];
+  int stop[2];
+  assert_int_equal(pipe2(stop, O_NONBLOCK | O_CLOEXEC), 0);
+  for (int i = 0; i < ATTACKERS; i++) {
+    att[i] = fork();
+    assert_true(att[i] >= 0);
+    if (att[i] == 0) {
+      close(stop[1]);
+      _exit(flood(&D, stop[0]));
+    }
+  }
+  close(stop[0]);
+  th_sleep_ms(500); /* the flood is under way */
+  for (int i = 0; i < tries; i++) {
+    gpupool_client *c = NULL;
+    gpupool_daemon_stats ds;
+    int rc = gpupool_connect_timeout(D.sock, "root", 5000, &c);
+    if (rc != 0) {
+      close(stop[1]);
+      for (int j = 0; j < ATTACKERS; j++)
+        waitpid(att[j], NULL, 0);
+      fail_msg("root's connect %d of %d failed under the flood: %s: %s", i + 1, tries, gpupool_err_name(rc),
+               gpupool_last_error());
+    }
+    assert_int_equal(gpupool_stats(c, &ds, NULL, 0, NULL), 0);
+    gpupool_disconnect(c);
+  }
+  close(stop[1]);
+  for (int i = 0; i < ATTACKERS; i++)
+    th_wait_ok(att[i], "flood");
+}
+
+/* Opens n connections that never say Hello without blocking, as uid 65534; exits 0 when the
+ * kernel queued every one (and holds them until its parent closes the pipe), 1 otherwise. */
+static int hold_queued(const th_daemon *d, int n) {
+  struct sockaddr_un a = {.sun_family = AF_UNIX};
+  struct rlimit rl = {n + 64, n + 64};
+  CHILD_CHECK(setrlimit(RLIMIT_NOFILE, &rl) == 0, "setrlimit");
+  CHILD_CHECK(th_become(NOBODY) == 0, "setuid");
+  memcpy(a.sun_path, d->sock, strlen(d->sock) + 1);
+  for (int i = 0; i < n; i++) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    CHILD_CHECK(fd >= 0, "socket: %s", strerror(errno));
+    CHILD_CHECK(connect(fd, (struct sockaddr *)&a, sizeof a) == 0, "connection %d of %d not queued: %s", i + 1, n,
+                strerror(errno));
+  }
+  return 0;
+}
+
+/* In a child: root connects with a 10 s timeout and asks for Stats. */
+static int root_connects(const th_daemon *d, int unused) {
+  gpupool_client *c = NULL;
+  gpupool_daemon_stats ds;
+  (void)unused;
+  CHILD_CHECK(gpupool_connect_timeout(d->sock, "root", 10000, &c) == 0, "connect");
+  CHILD_CHECK(gpupool_stats(c, &ds, NULL, 0, NULL) == 0, "stats");
+  gpupool_disconnect(c);
+  return 0;
+}
+
+/* The default backlog is deep: with the daemon not accepting for a moment (stopped), a burst
+ * of 1000 connections from one user is queued whole, and root still gets in once it runs. */
+static void test_default_backlog_is_deep(void **state) {
+  pid_t att, root;
+  (void)state;
+  start_with("");
+  assert_int_equal(kill(D.pid, SIGSTOP), 0);
+  att = th_spawn(&D, hold_queued, HELD);
+  th_wait_ok(att, "1000 queued connections from uid 65534");
+  root = th_spawn(&D, root_connects, 0);
+  th_sleep_ms(200);
+  assert_int_equal(kill(D.pid, SIGCONT), 0);
+  th_wait_ok(root, "root's connect after the burst");
+  th_stop(&D);
+}
+
+/* A backlog of 2 that is full while the daemon is stopped: a client with a short timeout
+ * gives up saying why, and one with a longer timeout gets in once the daemon runs again. */
+static void test_full_backlog(void **state) {
+  struct sockaddr_un a = {.sun_family = AF_UNIX};
+  gpupool_client *c = NULL;
+  int held[16], n = 0, rc;
+  pid_t root;
+  (void)state;
+  start_with("listen_backlog = 2\n");
+  memcpy(a.sun_path, D.sock, strlen(D.sock) + 1);
+  assert_int_equal(kill(D.pid, SIGSTOP), 0);
+  while (n < 16) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    assert_true(fd >= 0);
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+      assert_int_equal(errno, EAGAIN);
+      close(fd);
+      break;
+    }
+    held[n++] = fd;
+  }
+  assert_true(n < 16); /* the queue is full */
+  rc = gpupool_connect_timeout(D.sock, "root", 500, &c);
+  assert_int_equal(rc, GPUPOOL_ETIMEDOUT);
+  if (!strstr(gpupool_last_error(), "queue of waiting connections full") || !strstr(gpupool_last_error(), "tries"))
+    fail_msg("the error does not say the queue stayed full: %s", gpupool_last_error());
+  root = th_spawn(&D, root_connects, 0);
+  th_sleep_ms(300);
+  assert_int_equal(kill(D.pid, SIGCONT), 0);
+  th_wait_ok(root, "root's connect once the daemon runs");
+  while (n > 0)
+    close(held[--n]);
+  th_stop(&D);
+}
+
+/* Root's connects while another user keeps the queue as full as it can. */
+static void test_flood(void **state) {
+  (void)state;
+  start_with("");
+  connect_under_flood(20);
+  th_stop(&D);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_default_backlog_is_deep),
+      cmocka_unit_test(test_full_backlog),
+      cmocka_unit_test(test_flood),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
