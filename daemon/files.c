@@ -258,8 +258,9 @@ int gpupool__publish_file(gpupool__registry *reg, gpupool__client *c, const char
   reg->nnames++;
   reg->nfiles++;
   file_lease(reg, f);
-  GPUPOOL__INFO("client %" PRIu64 " (uid %u) published file %s (%" PRIu64 " bytes at offset %" PRIu64 " of %" PRIu64
-                ") as '%s'%s",
+  GPUPOOL__PEER_INFO(&c->log_rl, c->id,
+                     "client %" PRIu64 " (uid %u) published file %s (%" PRIu64 " bytes at offset %" PRIu64 " of %" PRIu64
+                     ") as '%s'%s",
                 c->id, (unsigned)c->uid, f->path, f->length, f->offset, f->size, name,
                 f->leased ? ", with a read lease" : "");
   *out = n;
@@ -305,7 +306,7 @@ void gpupool__files_lease_check(gpupool__registry *reg) {
       continue;
     f->stale = 1;
     file_lease_drop(f);
-    GPUPOOL__WARN("file %s (name '%s') was opened for writing or truncated by another process: the name is stale "
+    GPUPOOL__PEER_WARN(NULL, 0, "file %s (name '%s') was opened for writing or truncated by another process: the name is stale "
                   "and gets of it are refused; processes that mapped it before keep their mappings (and fault on "
                   "pages a truncation removed)",
                   f->path, n->name);

@@ -189,7 +189,7 @@ static void lease_gone(gpupool__lease *l) {
     return;
   l->gone = 1;
   if (l->waiting)
-    GPUPOOL__INFO("client %" PRIu64 " (pid %d uid %u): every process holding its lease has exited or closed it, "
+    GPUPOOL__PEER_INFO(NULL, 0, "client %" PRIu64 " (pid %d uid %u): every process holding its lease has exited or closed it, "
                   "%.1f s after its connection closed; its memory can be reused",
                   l->client_id, (int)l->pid, (unsigned)l->uid, (double)(gpupool__now_ns() - l->since_ns) / 1e9);
   lease_unwait(l);
@@ -2013,7 +2013,7 @@ void gpupool__client_drop(gpupool__registry *reg, gpupool__client *c) {
     if (c->nholds > 0 || c->mapped.len > 0)
       waiting = lease_wait(reg, lease);
     if (waiting)
-      GPUPOOL__INFO("client %" PRIu64 " (pid %d uid %u, %s) closed its connection holding %" PRIu64
+      GPUPOOL__PEER_INFO(&c->log_rl, c->id, "client %" PRIu64 " (pid %d uid %u, %s) closed its connection holding %" PRIu64
                     " buffer(s) and mapping %zu slab(s) while a process still holds its lease; that memory is "
                     "reused once every such process has exited or closed the lease",
                     c->id, (int)c->pid, (unsigned)c->uid, c->name, c->nholds, c->mapped.len);

@@ -25,6 +25,7 @@
 #include "backend.h"
 #include "config.h"
 #include "hmap.h"
+#include "log.h"
 #include "wire.h"
 
 typedef struct gpupool__pool gpupool__pool;
@@ -274,6 +275,7 @@ struct gpupool__client {
   gpupool__hmap attached;   /* pool id -> gpupool__pinst it attached (per-owner backends) */
   uint64_t *revoke;         /* slab ids to send in the next reply */
   uint32_t nrevoke, caprevoke;
+  gpupool__ratelimit log_rl; /* the lines it causes (gpupool__log_peer) */
 };
 
 struct gpupool__registry {

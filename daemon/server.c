@@ -67,14 +67,6 @@ struct gpupool__waiter {
   gpupool__waiter *cprev, *cnext; /* in conn->waiters */
 };
 
-/* At most `burst` lines per interval; the rest are counted and reported once the interval
- * has passed (journald's RateLimitIntervalSec/RateLimitBurst idea). */
-typedef struct {
-  uint64_t window_ns;
-  uint32_t lines;
-  uint64_t suppressed;
-} ratelimit;
-
 /* A reply held back until the ready events of what it hands over have completed: for a client
  * that cannot wait on the daemon's inter-process events itself (Request.host_fences). */
 typedef struct fenced {
@@ -104,7 +96,6 @@ struct gpupool__conn {
   gpupool__waiter *waiters;
   uint32_t nwaiters;
   gpupool__uid_usage *u; /* its uid's record in the registry (connections, waiters, ...) */
-  ratelimit log_rl;   /* refused requests */
   int hello_done;
   int closing;
   int drop_after_flush;
@@ -136,7 +127,6 @@ struct gpupool__server {
   wqueue *alloc_lists[GPUPOOL_MAX_POOLS]; /* the queues of each pool */
   gpupool__smap get_q;               /* name -> wqueue */
   size_t heap;                       /* sum of the connections' heap */
-  ratelimit conn_rl;                 /* connect/disconnect lines */
   uint64_t requests, errors;
   uint64_t started_ns;
   int stopping;
@@ -147,6 +137,7 @@ struct gpupool__server {
   int sigio_on;
   FILE *trace;               /* GPUPOOL_TRACE: a line per request, as the client library writes */
   uv_timer_t fence_timer;    /* polls the events of held-back replies while there are any */
+  uv_timer_t log_timer;      /* reports what the log rate limits left out, when no line follows */
   uint64_t nfenced;          /* replies held back, all connections */
 };
 
@@ -378,23 +369,6 @@ static void waiter_closed(uv_handle_t *h) {
   gpupool__bundle_plan_free(w->plan);
   free(w->name);
   free(w);
-}
-
-static int rl_allow(ratelimit *rl, uint32_t burst, uint64_t interval_ns, uint64_t *report) {
-  uint64_t now = gpupool__now_ns();
-  *report = 0;
-  if (now - rl->window_ns >= interval_ns) {
-    *report = rl->suppressed;
-    rl->window_ns = now;
-    rl->lines = 0;
-    rl->suppressed = 0;
-  }
-  if (rl->lines < burst) {
-    rl->lines++;
-    return 1;
-  }
-  rl->suppressed++;
-  return 0;
 }
 
 /* Unlinks w; its memory stays valid until the timer's close callback, so a loop over a queue
@@ -919,14 +893,13 @@ static int handle_hello(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Hel
   for (char *p = c->cl.name; *p; p++)
     if ((unsigned char)*p < 0x20)
       *p = '?';
-  {
-    uint64_t report;
-    if (rl_allow(&s->conn_rl, 50, 1000000000ull, &report))
-      GPUPOOL__INFO("client %" PRIu64 " connected: pid %d uid %u gid %u name '%s'", c->cl.id,
-                    (int)c->cl.pid, (unsigned)c->cl.uid, (unsigned)c->cl.gid, c->cl.name);
-    if (report)
-      GPUPOOL__INFO("%" PRIu64 " more connect/disconnect lines were not logged", report);
-  }
+  /* Every connect at debug level; at info, within the limits of what clients may log. */
+  if (gpupool__log_get_level() >= GPUPOOL_LOG_DEBUG)
+    GPUPOOL__DEBUG("client %" PRIu64 " connected: pid %d uid %u gid %u name '%s'", c->cl.id, (int)c->cl.pid,
+                   (unsigned)c->cl.uid, (unsigned)c->cl.gid, c->cl.name);
+  else
+    GPUPOOL__PEER_INFO(&c->cl.log_rl, c->cl.id, "client %" PRIu64 " connected: pid %d uid %u gid %u name '%s'",
+                       c->cl.id, (int)c->cl.pid, (unsigned)c->cl.uid, (unsigned)c->cl.gid, c->cl.name);
   pis = calloc((size_t)s->reg->npools, sizeof *pis);
   pptr = calloc((size_t)s->reg->npools, sizeof *pptr);
   if (!pis || !pptr) {
@@ -1437,7 +1410,8 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
     if (c->frame_fd >= 0)
       close(c->frame_fd);
     c->frame_fd = -1;
-    GPUPOOL__WARN("client %" PRIu64 " (pid %d) sent a malformed frame; dropping it", c->cl.id, (int)c->cl.pid);
+    GPUPOOL__PEER_WARN(&c->cl.log_rl, c->cl.id, "client %" PRIu64 " (pid %d) sent a malformed frame; dropping it",
+                       c->cl.id, (int)c->cl.pid);
     conn_drop_after_flush(c);
     send_error(c, 0, GPUPOOL_EPROTO, "malformed request frame (not a valid gpupool Request); closing the connection");
     gpupool__metrics_request(s->metrics, 0, GPUPOOL_EPROTO, gpupool__now_ns() - t0);
@@ -1449,15 +1423,9 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
   rc = dispatch(c, req, &deferred);
   if (rc != 0) {
     GPUPOOL__DEBUG("client %" PRIu64 ": request %d refused: %s", c->cl.id, body, gpupool__errmsg());
-    if (rc != GPUPOOL_ENOSPC && rc != GPUPOOL_ENOENT && rc != GPUPOOL_ETIMEDOUT) {
-      uint64_t report;
-      /* What a client sends must not decide how much the daemon logs. */
-      if (rl_allow(&c->log_rl, 10, 10000000000ull, &report))
-        GPUPOOL__INFO("client %" PRIu64 " (pid %d): refused %s: %s", c->cl.id, (int)c->cl.pid,
-                      gpupool_err_name(rc), gpupool__errmsg());
-      if (report)
-        GPUPOOL__INFO("client %" PRIu64 ": %" PRIu64 " more refused requests were not logged", c->cl.id, report);
-    }
+    if (rc != GPUPOOL_ENOSPC && rc != GPUPOOL_ENOENT && rc != GPUPOOL_ETIMEDOUT)
+      GPUPOOL__PEER_INFO(&c->cl.log_rl, c->cl.id, "client %" PRIu64 " (pid %d): refused %s: %s", c->cl.id,
+                         (int)c->cl.pid, gpupool_err_name(rc), gpupool__errmsg());
     send_error(c, req->seq, rc, gpupool__errmsg());
   }
   if (c->frame_fd >= 0) {
@@ -1496,17 +1464,13 @@ static void conn_close(gpupool__conn *c, const char *why) {
   if (c->closing)
     return;
   c->closing = 1;
-  {
-    uint64_t report;
-    if (rl_allow(&s->conn_rl, 50, 1000000000ull, &report) || c->cl.nholds)
-      GPUPOOL__INFO("client %" PRIu64 " disconnected (pid %d uid %u '%s'): %s; had %" PRIu64 " hold(s)",
-                    c->cl.id, (int)c->cl.pid, (unsigned)c->cl.uid, c->cl.name, why, c->cl.nholds);
-    if (report)
-      GPUPOOL__INFO("%" PRIu64 " more connect/disconnect lines were not logged", report);
-  }
-  if (c->log_rl.suppressed)
-    GPUPOOL__INFO("client %" PRIu64 ": %" PRIu64 " more refused requests were not logged", c->cl.id,
-                  c->log_rl.suppressed);
+  if (gpupool__log_get_level() >= GPUPOOL_LOG_DEBUG)
+    GPUPOOL__DEBUG("client %" PRIu64 " disconnected (pid %d uid %u '%s'): %s; had %" PRIu64 " hold(s)", c->cl.id,
+                   (int)c->cl.pid, (unsigned)c->cl.uid, c->cl.name, why, c->cl.nholds);
+  else
+    GPUPOOL__PEER_INFO(&c->cl.log_rl, c->cl.id,
+                       "client %" PRIu64 " disconnected (pid %d uid %u '%s'): %s; had %" PRIu64 " hold(s)", c->cl.id,
+                       (int)c->cl.pid, (unsigned)c->cl.uid, c->cl.name, why, c->cl.nholds);
   for (w = c->waiters; w; w = next) {
     next = w->cnext;
     waiter_remove(w);
@@ -1518,6 +1482,7 @@ static void conn_close(gpupool__conn *c, const char *why) {
   s->heap -= c->heap;
   c->heap = 0;
   gpupool__client_drop(s->reg, &c->cl);
+  gpupool__log_peer_flush(&c->cl.log_rl, c->cl.id, 1);
   if (c->prev)
     c->prev->next = c->next;
   else
@@ -1615,7 +1580,8 @@ static void conn_io(uv_poll_t *p, int status, int events) {
     if (c->closing)
       return;
     if (fds > 0) {
-      GPUPOOL__WARN("client %" PRIu64 " (pid %d) sent %d unexpected fd(s); closed them", c->cl.id, (int)c->cl.pid, fds);
+      GPUPOOL__PEER_WARN(&c->cl.log_rl, c->cl.id, "client %" PRIu64 " (pid %d) sent %d unexpected fd(s); closed them",
+                         c->cl.id, (int)c->cl.pid, fds);
       c->fds_pending = 1;
     }
     /* One read takes every waiting frame; level-triggered polling brings us back for more. */
@@ -1632,7 +1598,8 @@ static void conn_io(uv_poll_t *p, int status, int events) {
     } else {
       char why[GPUPOOL__ERRMSG_MAX + 32];
       snprintf(why, sizeof why, "protocol error: %s", gpupool__errmsg());
-      GPUPOOL__WARN("client %" PRIu64 " (pid %d): %s", c->cl.id, (int)c->cl.pid, gpupool__errmsg());
+      GPUPOOL__PEER_WARN(&c->cl.log_rl, c->cl.id, "client %" PRIu64 " (pid %d): %s", c->cl.id, (int)c->cl.pid,
+                         gpupool__errmsg());
       if (rc == GPUPOOL_EPROTO && !c->drop_after_flush) {
         /* Tell it why before hanging up (the stream cannot be resynchronised). */
         conn_drop_after_flush(c);
@@ -1707,6 +1674,9 @@ static int conn_limits(gpupool__server *s, const struct ucred *cred, char *msg, 
 #define ACCEPT_LOG_INTERVAL_NS (10ull * 1000000000ull)
 #define ACCEPT_REFUSE_BURST 64
 #define ACCEPT_BATCH 32
+#define LOG_FLUSH_MS 1000
+
+static void log_tick(uv_timer_t *t);
 
 static void on_accept(uv_poll_t *p, int status, int events);
 
@@ -1842,8 +1812,8 @@ static void on_accept(uv_poll_t *p, int status, int events) {
     if ((s->cfg->n_allow_uids || s->cfg->n_allow_gids) && cred.uid != 0 && cred.uid != geteuid() &&
         !id_allowed((const uint32_t *)s->cfg->allow_uids, s->cfg->n_allow_uids, cred.uid) &&
         !id_allowed((const uint32_t *)s->cfg->allow_gids, s->cfg->n_allow_gids, cred.gid)) {
-      GPUPOOL__INFO("refused connection from pid %d uid %u gid %u: not in allow_uids/allow_gids", (int)cred.pid,
-              (unsigned)cred.uid, (unsigned)cred.gid);
+      GPUPOOL__PEER_INFO(NULL, 0, "refused connection from pid %d uid %u gid %u: not in allow_uids/allow_gids",
+                         (int)cred.pid, (unsigned)cred.uid, (unsigned)cred.gid);
       snprintf(msg, sizeof msg,
                "uid %u / gid %u is not allowed by this gpupoold (allow_uids/allow_gids in its config)",
                (unsigned)cred.uid, (unsigned)cred.gid);
@@ -1851,11 +1821,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
       continue;
     }
     if (conn_limits(s, &cred, msg, sizeof msg) != 0) {
-      uint64_t report;
-      if (rl_allow(&s->conn_rl, 20, 10000000000ull, &report))
-        GPUPOOL__WARN("refused connection from pid %d uid %u: %s", (int)cred.pid, (unsigned)cred.uid, msg);
-      if (report)
-        GPUPOOL__WARN("%" PRIu64 " more connection refusals were not logged", report);
+      GPUPOOL__PEER_WARN(NULL, 0, "refused connection from pid %d uid %u: %s", (int)cred.pid, (unsigned)cred.uid, msg);
       refuse(fd, GPUPOOL_ELIMIT, msg);
       continue;
     }
@@ -1997,6 +1963,10 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
   s->accept_timer.data = s;
   uv_timer_init(loop, &s->fence_timer);
   s->fence_timer.data = s;
+  uv_timer_init(loop, &s->log_timer);
+  s->log_timer.data = s;
+  uv_timer_start(&s->log_timer, log_tick, LOG_FLUSH_MS, LOG_FLUSH_MS);
+  uv_unref((uv_handle_t *)&s->log_timer);
   uv_poll_init(loop, &s->listen_poll, s->listen_fd);
   s->listen_poll.data = s;
   s->listen_open = 1;
@@ -2007,6 +1977,15 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
     GPUPOOL__WARN("metrics disabled: %s", gpupool__errmsg());
   *out = s;
   return 0;
+}
+
+/* What the log rate limits left out is told once their interval is over, even when the
+ * client that caused it says nothing more (or is gone: conn_close told its count then). */
+static void log_tick(uv_timer_t *t) {
+  gpupool__server *s = t->data;
+  for (gpupool__conn *c = s->conns; c; c = c->next)
+    gpupool__log_peer_flush(&c->cl.log_rl, c->cl.id, 0);
+  gpupool__log_peer_flush(NULL, 0, 0);
 }
 
 static void listen_closed(uv_handle_t *h) {
@@ -2045,7 +2024,7 @@ void gpupool__server_stop(gpupool__server *s) {
   s->trace = NULL;
   log_refused_nofd(s, 0, 1);
   uv_poll_stop(&s->listen_poll);
-  s->listen_open = 4; /* the handles closed below, each ending in listen_closed */
+  s->listen_open = 5; /* the handles closed below, each ending in listen_closed */
   if (s->sigio_on) {
     /* Nothing handles SIGIO from now on: let every lease go first (a break would otherwise
      * kill the daemon, or hold a writer up for the kernel's lease-break-time). */
@@ -2058,5 +2037,8 @@ void gpupool__server_stop(gpupool__server *s) {
   uv_close((uv_handle_t *)&s->accept_timer, listen_closed);
   uv_timer_stop(&s->fence_timer);
   uv_close((uv_handle_t *)&s->fence_timer, listen_closed);
+  uv_timer_stop(&s->log_timer);
+  uv_close((uv_handle_t *)&s->log_timer, listen_closed);
+  gpupool__log_peer_flush(NULL, 0, 1);
   uv_close((uv_handle_t *)&s->sigio, listen_closed);
 }
