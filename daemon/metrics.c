@@ -14,12 +14,24 @@
  * - opt-in (metrics_listen), the same answer on a TCP address that Prometheus can scrape
  *   directly: loopback unless the operator names another address.
  *
+ * Scrapers are other users' processes, so their connections are bounded like clients': each
+ * listener has slots of its own (one busy listener cannot lock the other out), a peer holds a
+ * few of them at most (on the Unix socket per uid, from SO_PEERCRED; on TCP per uid too when
+ * the peer is on this host, found through sock_diag, else per source address), a couple are
+ * kept for root and the daemon's uid, and each connection is closed after a short deadline
+ * whether or not the peer reads its answer.
+ *
  * All of that state is one gpupool__metrics handle, owned by the server, which hands in
  * itself as the stats source; nothing here names the server. The daemon is single-threaded
  * on its libuv loop, so the state here needs no locking.
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/inet_diag.h>
+#include <linux/netlink.h>
+#include <linux/sock_diag.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -85,10 +97,14 @@ static const uint64_t bucket_ns[] = {10000ull,    25000ull,    50000ull,     100
 
 /* ---- the handle ---------------------------------------------------------------------------- */
 
-#define MAX_CONNS 16
+#define MAX_CONNS GPUPOOL__METRICS_MAX_CONNS
 #define MAX_CONNS_PER_UID GPUPOOL__METRICS_MAX_CONNS_PER_UID
+#define RESERVED_CONNS GPUPOOL__METRICS_RESERVED_CONNS
 #define REQ_MAX 8192
 #define REQ_TIMEOUT_MS 1000
+/* From the answer being queued to the connection being closed, read or not: a peer that
+ * never reads must not keep its slot. */
+#define WRITE_TIMEOUT_MS 2000
 
 /* One scraper's connection. */
 typedef struct conn {
@@ -106,8 +122,10 @@ typedef struct conn {
   size_t seen;    /* request bytes read so far */
   int answered;
   int open_handles;
-  int has_uid;    /* came in on the Unix socket: uid is the peer's (SO_PEERCRED) */
+  int on_tcp;     /* came in on the TCP listener (its slots are apart from the Unix socket's) */
+  int has_uid;    /* uid is the peer's: SO_PEERCRED on the Unix socket, sock_diag for a local TCP peer */
   uid_t uid;
+  struct sockaddr_storage addr; /* TCP: the peer's address (its port ignored) */
   char *resp;
   struct conn *next;
 } conn;
@@ -504,6 +522,10 @@ static void on_written(uv_write_t *wr, int status) {
   conn_close(wr->data);
 }
 
+static void on_write_timeout(uv_timer_t *t) {
+  conn_close(t->data);
+}
+
 static void conn_answer(conn *c) {
   char *text;
   size_t tl, hl = sizeof(http_head) - 1;
@@ -531,7 +553,8 @@ static void conn_answer(conn *c) {
   free(text);
   buf = uv_buf_init(c->resp, (unsigned)(hl + tl));
   c->wr.data = c;
-  if (uv_write(&c->wr, (uv_stream_t *)&c->pipe, &buf, 1, on_written) != 0)
+  if (uv_write(&c->wr, (uv_stream_t *)&c->pipe, &buf, 1, on_written) != 0 ||
+      uv_timer_start(&c->timer, on_write_timeout, WRITE_TIMEOUT_MS, 0) != 0)
     conn_close(c);
 }
 
@@ -592,28 +615,150 @@ static void conn_link(gpupool__metrics *m, conn *c) {
   m->nconns++;
 }
 
-/* Whether c, just accepted on the Unix socket, is within its uid's share of the connections;
- * the peer's uid is recorded in c. TCP peers have no uid and share only the total cap. */
-static int uid_allows(gpupool__metrics *m, conn *c) {
-  struct ucred cred;
-  socklen_t len = sizeof(cred);
-  uv_os_fd_t fd;
-  int n = 0;
+/* The uid owning the other end of a TCP connection from this host, through sock_diag (the
+ * same lookup as `ss -e`): 0 and *uid, or -1 when the peer is not local or the lookup is not
+ * possible (e.g. netlink denied by the service's sandbox). */
+static int local_tcp_uid(const struct sockaddr_storage *peer, const struct sockaddr_storage *self, uid_t *uid) {
+  struct {
+    struct nlmsghdr nlh;
+    struct inet_diag_req_v2 r;
+  } req;
+  union {
+    struct nlmsghdr nlh;
+    char buf[1024];
+  } rep;
+  struct sockaddr_nl nl = {.nl_family = AF_NETLINK};
+  const struct inet_diag_msg *msg;
+  struct timeval tv = {0, 100000};
+  ssize_t n;
+  int fd, rc = -1;
 
-  if (uv_fileno((uv_handle_t *)&c->pipe, &fd) != 0 ||
-      getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0)
+  if (peer->ss_family != self->ss_family || (peer->ss_family != AF_INET && peer->ss_family != AF_INET6))
+    return -1;
+  memset(&req, 0, sizeof req);
+  req.nlh.nlmsg_len = sizeof req;
+  req.nlh.nlmsg_type = SOCK_DIAG_BY_FAMILY;
+  req.nlh.nlmsg_flags = NLM_F_REQUEST;
+  req.r.sdiag_family = (uint8_t)peer->ss_family;
+  req.r.sdiag_protocol = IPPROTO_TCP;
+  req.r.idiag_states = ~0u;
+  /* The peer's socket: its own address and port first, ours as its destination. */
+  if (peer->ss_family == AF_INET) {
+    const struct sockaddr_in *p = (const void *)peer, *l = (const void *)self;
+    req.r.id.idiag_sport = p->sin_port;
+    req.r.id.idiag_dport = l->sin_port;
+    memcpy(req.r.id.idiag_src, &p->sin_addr, 4);
+    memcpy(req.r.id.idiag_dst, &l->sin_addr, 4);
+  } else {
+    const struct sockaddr_in6 *p = (const void *)peer, *l = (const void *)self;
+    req.r.id.idiag_sport = p->sin6_port;
+    req.r.id.idiag_dport = l->sin6_port;
+    memcpy(req.r.id.idiag_src, &p->sin6_addr, 16);
+    memcpy(req.r.id.idiag_dst, &l->sin6_addr, 16);
+  }
+  req.r.id.idiag_cookie[0] = INET_DIAG_NOCOOKIE;
+  req.r.id.idiag_cookie[1] = INET_DIAG_NOCOOKIE;
+  fd = socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
+  if (fd < 0)
+    return -1;
+  /* The kernel answers at once; the bound only guards the loop against a surprise. */
+  (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  if (sendto(fd, &req, sizeof req, 0, (struct sockaddr *)&nl, sizeof nl) != (ssize_t)sizeof req)
+    goto out;
+  n = recv(fd, &rep, sizeof rep, 0);
+  if (n < (ssize_t)NLMSG_LENGTH(sizeof *msg) || !NLMSG_OK(&rep.nlh, (size_t)n) ||
+      rep.nlh.nlmsg_type != SOCK_DIAG_BY_FAMILY)
+    goto out;
+  msg = NLMSG_DATA(&rep.nlh);
+  *uid = msg->idiag_uid;
+  rc = 0;
+out:
+  close(fd);
+  return rc;
+}
+
+/* Records who is at the other end of c, just accepted: 0, or -1 when that cannot be told. */
+static int conn_identify(conn *c) {
+  uv_os_fd_t fd;
+
+  if (uv_fileno((uv_handle_t *)&c->pipe, &fd) != 0)
+    return -1;
+  if (!c->on_tcp) {
+    struct ucred cred;
+    socklen_t len = sizeof(cred);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0)
+      return -1;
+    c->has_uid = 1;
+    c->uid = cred.uid;
+  } else {
+    struct sockaddr_storage self;
+    int n = sizeof c->addr, ns = sizeof self;
+    if (uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&c->addr, &n) != 0 ||
+        uv_tcp_getsockname(&c->tcp, (struct sockaddr *)&self, &ns) != 0)
+      return -1;
+    c->has_uid = local_tcp_uid(&c->addr, &self, &c->uid) == 0;
+  }
+  return 0;
+}
+
+/* Says (within the limits of what peers may log) why c was closed unanswered. */
+static void refused(gpupool__metrics *m, const conn *c, const char *why) {
+  char who[INET6_ADDRSTRLEN + 32] = "";
+  (void)m;
+  if (c->has_uid)
+    snprintf(who, sizeof who, "uid %u", (unsigned)c->uid);
+  else if (c->addr.ss_family == AF_INET)
+    inet_ntop(AF_INET, &((const struct sockaddr_in *)&c->addr)->sin_addr, who, sizeof who);
+  else if (c->addr.ss_family == AF_INET6)
+    inet_ntop(AF_INET6, &((const struct sockaddr_in6 *)&c->addr)->sin6_addr, who, sizeof who);
+  GPUPOOL__PEER_INFO(NULL, 0, "metrics: closed a %s connection from %s unanswered: %s", c->on_tcp ? "TCP" : "Unix-socket",
+                     who[0] ? who : "an unknown peer", why);
+}
+
+/* Whether a and b count as one peer: the same uid where both are known, else the same
+ * source address. */
+static int same_peer(const conn *a, const conn *b) {
+  if (a->has_uid || b->has_uid)
+    return a->has_uid && b->has_uid && a->uid == b->uid;
+  if (a->addr.ss_family != b->addr.ss_family)
     return 0;
-  c->has_uid = 1;
-  c->uid = cred.uid;
+  if (a->addr.ss_family == AF_INET)
+    return !memcmp(&((const struct sockaddr_in *)&a->addr)->sin_addr,
+                   &((const struct sockaddr_in *)&b->addr)->sin_addr, sizeof(struct in_addr));
+  if (a->addr.ss_family == AF_INET6)
+    return !memcmp(&((const struct sockaddr_in6 *)&a->addr)->sin6_addr,
+                   &((const struct sockaddr_in6 *)&b->addr)->sin6_addr, sizeof(struct in6_addr));
+  return 0;
+}
+
+/* Whether c, just accepted and identified, may take one of its listener's slots: within the
+ * listener's MAX_CONNS, outside the RESERVED_CONNS unless root or the daemon's uid, and within
+ * its peer's MAX_CONNS_PER_UID. Sets *why to the reason when not. */
+static int slot_allows(gpupool__metrics *m, const conn *c, const char **why) {
+  int total = 0, same = 0;
+  int operator = c->has_uid && (c->uid == 0 || c->uid == geteuid());
+
   /* Connections already closing are gone by the next loop turn: they do not count. */
-  for (conn *o = m->conns; o != NULL; o = o->next)
-    if (o != c && o->has_uid && o->uid == c->uid && !uv_is_closing((uv_handle_t *)&o->pipe))
-      n++;
-  return n < MAX_CONNS_PER_UID;
+  for (const conn *o = m->conns; o != NULL; o = o->next) {
+    if (o == c || o->on_tcp != c->on_tcp || uv_is_closing((const uv_handle_t *)&o->pipe))
+      continue;
+    total++;
+    same += same_peer(o, c);
+  }
+  if (total >= MAX_CONNS || (!operator && total >= MAX_CONNS - RESERVED_CONNS)) {
+    *why = "every slot is taken";
+    return 0;
+  }
+  if (same >= MAX_CONNS_PER_UID) {
+    *why = c->has_uid ? "its uid holds its share of the slots" : "its address holds its share of the slots";
+    return 0;
+  }
+  return 1;
 }
 
 static void on_conn(uv_stream_t *srv, int status) {
   gpupool__metrics *m = srv->data;
+  const char *why = NULL;
   conn *c;
 
   if (status < 0) {
@@ -648,13 +793,11 @@ static void on_conn(uv_stream_t *srv, int status) {
     conn_close(c);
     return;
   }
-  if (m->nconns > MAX_CONNS) {
-    /* Slow or idle scrapers must not pile up connections in the daemon. */
-    conn_close(c);
-    return;
-  }
-  if (srv == (uv_stream_t *)&m->srv && !uid_allows(m, c)) {
-    /* Nor may one user take every slot and lock the others (the scraper) out. */
+  c->on_tcp = srv == (uv_stream_t *)&m->tcp_srv;
+  /* Slow or idle scrapers must not pile up connections in the daemon, nor one user take
+   * every slot and lock the others (the scraper) out. */
+  if (conn_identify(c) != 0 || !slot_allows(m, c, &why)) {
+    refused(m, c, why ? why : "its peer cannot be identified");
     conn_close(c);
     return;
   }
@@ -728,7 +871,7 @@ static int start_tcp(gpupool__metrics *m, const gpupool__config *cfg) {
     return gpupool__err(GPUPOOL_ECONFIG,
                         "cannot listen on metrics_listen %s: %s; choose a free port (under "
                         "systemd, allow the address family and address in a drop-in: "
-                        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6, IPAddressAllow=)",
+                        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK, IPAddressAllow=)",
                         m->listen, uv_strerror(rc));
   uv_unref((uv_handle_t *)&m->tcp_srv);
   GPUPOOL__INFO("metrics: serving Prometheus text on http://%s/metrics (TCP)", m->listen);

@@ -27,10 +27,14 @@ typedef struct {
   void *arg;
 } gpupool__stats_source;
 
-/* Most metrics-socket connections one uid may hold at once (SO_PEERCRED on the Unix socket),
- * so one user cannot take every slot; the total over all uids and the TCP listener is capped
- * apart (16). */
+/* Connections each listener (the Unix socket, the TCP address) serves at once; its slots are
+ * its own, so one listener kept busy cannot lock scrapers out of the other. */
+#define GPUPOOL__METRICS_MAX_CONNS 16
+/* Most of those one uid may hold (SO_PEERCRED on the Unix socket; on TCP the uid of a peer on
+ * this host, else its source address), so one user cannot take every slot. */
 #define GPUPOOL__METRICS_MAX_CONNS_PER_UID 4
+/* Of each listener's slots, kept for root and the daemon's uid. */
+#define GPUPOOL__METRICS_RESERVED_CONNS 2
 
 /* A handle with zeroed counters and no exporter: 0 or GPUPOOL_ENOMEM. Free it with
  * gpupool__metrics_close(). */

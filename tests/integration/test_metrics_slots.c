@@ -1,0 +1,163 @@
+/*
+ * Metrics connections under a flood: another user (uid 65534) holds as many connections to the
+ * metrics Unix socket and the metrics TCP address as the daemon lets it, never sending and never
+ * reading, and opens new ones as soon as any is closed. Root's scrapes on both must be answered.
+ */
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+
+#include "harness.h"
+
+#define NOBODY 65534
+#define HOLD 40 /* per listener: more than all of its slots */
+
+static th_daemon D;
+static char msock[320];
+static int port;
+
+/* A port nothing listens on now (the daemon binds it right after). */
+static int free_port(void) {
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t len = sizeof a;
+  int fd = socket(AF_INET, SOCK_STREAM, 0), p;
+  assert_true(fd >= 0);
+  assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+  assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+  p = ntohs(a.sin_port);
+  close(fd);
+  return p;
+}
+
+static int dial(int tcp, int tiny_rcvbuf) {
+  struct sockaddr_un u = {.sun_family = AF_UNIX};
+  struct sockaddr_in in = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  int fd = socket(tcp ? AF_INET : AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
+  if (fd < 0)
+    return -1;
+  if (tiny_rcvbuf)
+    (void)setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &one, sizeof one); /* the kernel's minimum */
+  in.sin_port = htons((uint16_t)port);
+  memcpy(u.sun_path, msock, strlen(msock) + 1);
+  if ((tcp ? connect(fd, (struct sockaddr *)&in, sizeof in) : connect(fd, (struct sockaddr *)&u, sizeof u)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+/* As uid 65534: holds HOLD connections to each listener, replacing every one the daemon
+ * closes and every one older than half a second (before the daemon's request timeout would
+ * answer it), so that the daemon always has fresh idle connections of this uid. Says so on
+ * ready_fd once it holds them; runs until its parent closes the pipe. */
+static int hog(const th_daemon *d, int stop_fd, int ready_fd) {
+  struct pollfd pf[2 * HOLD + 1];
+  uint64_t born[2 * HOLD];
+  (void)d;
+  CHILD_CHECK(th_become(NOBODY) == 0, "setuid");
+  for (int i = 0; i < 2 * HOLD; i++) {
+    pf[i].fd = dial(i >= HOLD, 1);
+    pf[i].events = POLLRDHUP;
+    born[i] = th_now_ms();
+  }
+  pf[2 * HOLD].fd = stop_fd;
+  pf[2 * HOLD].events = POLLIN;
+  CHILD_CHECK(write(ready_fd, "r", 1) == 1, "ready");
+  for (;;) {
+    if (poll(pf, 2 * HOLD + 1, 10) < 0 && errno != EINTR)
+      return 1;
+    if (pf[2 * HOLD].revents)
+      return 0;
+    for (int i = 0; i < 2 * HOLD; i++)
+      if (pf[i].fd < 0 || (pf[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) || th_now_ms() - born[i] > 500) {
+        if (pf[i].fd >= 0)
+          close(pf[i].fd);
+        pf[i].fd = dial(i >= HOLD, 1);
+        born[i] = th_now_ms();
+      }
+  }
+}
+
+/* One scrape: 0 when answered with 200 within 10 s, else -1 and why in buf. */
+static int scrape(int tcp, char *why, size_t len) {
+  static const char req[] = "GET /metrics HTTP/1.0\r\n\r\n";
+  static char buf[1 << 16];
+  struct timeval tv = {10, 0};
+  size_t got = 0;
+  ssize_t n;
+  int fd = dial(tcp, 0);
+  if (fd < 0) {
+    snprintf(why, len, "connect: %s", strerror(errno));
+    return -1;
+  }
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  if (send(fd, req, sizeof req - 1, MSG_NOSIGNAL) != (ssize_t)sizeof req - 1) {
+    snprintf(why, len, "write: %s", strerror(errno));
+    close(fd);
+    return -1;
+  }
+  while (got < sizeof buf - 1 && (n = read(fd, buf + got, sizeof buf - 1 - got)) > 0)
+    got += (size_t)n;
+  close(fd);
+  buf[got] = '\0';
+  if (strncmp(buf, "HTTP/1.0 200 OK", 15) != 0 || !strstr(buf, "gpupool_clients ")) {
+    snprintf(why, len, "%zu bytes of answer: '%.60s'", got, buf);
+    return -1;
+  }
+  return 0;
+}
+
+static void test_root_scrapes_under_flood(void **state) {
+  char conf[800], why[256], r;
+  int stop[2], ready[2], failed[2] = {0, 0};
+  pid_t h;
+  (void)state;
+  th_prepare(&D);
+  assert_int_equal(chmod(D.dir, 0711), 0);
+  snprintf(msock, sizeof msock, "%s/metrics.sock", D.dir);
+  port = free_port();
+  snprintf(conf, sizeof conf,
+           "[daemon]\nsocket_mode = 0666\nmetrics_socket = %s\nmetrics_listen = 127.0.0.1:%d\n"
+           "[pool default]\nkind = host\ncapacity = 16M\nslab_size = 4M\n",
+           msock, port);
+  th_write_conf(&D, conf);
+  th_start(&D, 1, NULL);
+  assert_int_equal(pipe2(stop, O_CLOEXEC), 0);
+  assert_int_equal(pipe2(ready, O_CLOEXEC), 0);
+  h = fork();
+  assert_true(h >= 0);
+  if (h == 0) {
+    close(stop[1]);
+    close(ready[0]);
+    _exit(hog(&D, stop[0], ready[1]));
+  }
+  close(stop[0]);
+  close(ready[1]);
+  assert_int_equal(read(ready[0], &r, 1), 1); /* the hog holds what it can */
+  close(ready[0]);
+  /* Spread over a few seconds, so the hog's connections come and go meanwhile. */
+  for (int i = 0; i < 40; i++) {
+    th_sleep_ms(50);
+    int tcp = i % 2;
+    if (scrape(tcp, why, sizeof why) != 0) {
+      failed[tcp]++;
+      fprintf(stderr, "root's scrape %d on %s: %s\n", i, tcp ? "TCP" : "the Unix socket", why);
+    }
+  }
+  close(stop[1]);
+  th_wait_ok(h, "hog");
+  if (failed[0] || failed[1]) {
+    th_dump_log(&D);
+    fail_msg("root's scrapes failed while uid %d held connections: %d of 20 on the Unix socket, %d of 20 on TCP",
+             NOBODY, failed[0], failed[1]);
+  }
+  th_stop(&D);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_root_scrapes_under_flood),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
