@@ -171,6 +171,10 @@ void gpupool__log_peer_flush(gpupool__ratelimit *rl, uint64_t client_id, int fin
       report_peer(client_id, rl_roll(rl, GPUPOOL__PEER_LOG_INTERVAL_NS, now));
     }
   }
-  if (all_peers.suppressed)
+  if (all_peers.suppressed && rl == NULL && final) {
+    report_all_peers(all_peers.suppressed);
+    all_peers.suppressed = 0;
+  } else if (all_peers.suppressed) {
     report_all_peers(rl_roll(&all_peers, GPUPOOL__ALL_PEERS_LOG_INTERVAL_NS, now));
+  }
 }

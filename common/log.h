@@ -43,7 +43,8 @@ void gpupool__log_peer(gpupool__ratelimit *rl, uint64_t client_id, int level, co
 
 /* Reports what the limits left out in an interval that is over, so a count is told even when
  * no further line comes: rl's (the client client_id's; NULL for none), and the daemon-wide one.
- * `final`: the client is going away, report rl's count now. Call it from a timer. */
+ * Call it from a timer. `final`: report now, whether the interval is over or not: rl's count
+ * (the client is going away), or with rl NULL the daemon-wide count (the daemon is stopping). */
 void gpupool__log_peer_flush(gpupool__ratelimit *rl, uint64_t client_id, int final);
 
 #define GPUPOOL__PEER_WARN(rl, id, ...) gpupool__log_peer(rl, id, GPUPOOL_LOG_WARN, __VA_ARGS__)
