@@ -200,7 +200,10 @@ GPUPOOL_EXTERN int gpupool_connect(const char *socket_path, const char *client_n
  * 0 = $GPUPOOL_CONNECT_TIMEOUT_MS or GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS, < 0 = wait forever.
  * A daemon that does not answer in time (stopped, stuck) fails with GPUPOOL_ETIMEDOUT ("the
  * daemon did not answer in N s"); a socket whose peer does not speak gpupool's protocol with
- * GPUPOOL_EPROTO ("this socket is not gpupoold"). Reconnections use the same limit. */
+ * GPUPOOL_EPROTO ("this socket is not gpupoold"). A connect that finds the daemon's queue of
+ * waiting connections full (a flood) is tried again with a short backoff until the limit, and
+ * then fails with GPUPOOL_ETIMEDOUT saying the queue stayed full. Reconnections use the same
+ * limit. */
 GPUPOOL_EXTERN int gpupool_connect_timeout(const char *socket_path, const char *client_name,
                                            int timeout_ms, gpupool_client **out);
 /* Change the limit later reconnections use (> 0 ms, or < 0 to wait forever). */
