@@ -867,7 +867,7 @@ static void ms_to_timeval(int ms, struct timeval *tv) {
 static int connect_socket(const char *path, int timeout_ms, int *out) {
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
   struct timeval tv;
-  uint64_t start = mono_ns(), deadline = start + (timeout_ms > 0 ? (uint64_t)timeout_ms * 1000000u : 0);
+  uint64_t deadline = mono_ns() + (timeout_ms > 0 ? (uint64_t)timeout_ms * 1000000u : 0);
   int fd, tries = 0, pause_ms = CONNECT_RETRY_FIRST_MS;
   if (strlen(path) >= sizeof addr.sun_path)
     return gpupool__err(GPUPOOL_EINVAL, "socket path '%s' is longer than %zu bytes", path, sizeof addr.sun_path - 1);
@@ -916,11 +916,11 @@ static int connect_socket(const char *path, int timeout_ms, int *out) {
     }
     if (e == EAGAIN)
       return gpupool__err(GPUPOOL_ETIMEDOUT,
-                          "gpupoold at %s kept its queue of waiting connections full for %g s (%d tries): it "
-                          "is stopped, stuck or flooded with connections (see 'systemctl status gpupoold' and "
-                          "its log; the queue is listen_backlog in its config); the timeout is "
-                          "gpupool_connect_timeout() or GPUPOOL_CONNECT_TIMEOUT_MS",
-                          path, (double)(mono_ns() - start) / 1e9, tries);
+                          "the daemon did not answer in %g s: gpupoold at %s kept its queue of waiting "
+                          "connections full all that time (%d tries): it is stopped, stuck or flooded with "
+                          "connections (see 'systemctl status gpupoold' and its log; the queue is listen_backlog "
+                          "in its config); the timeout is gpupool_connect_timeout() or GPUPOOL_CONNECT_TIMEOUT_MS",
+                          timeout_ms / 1000.0, path, tries);
     if (e == EINPROGRESS || e == ETIMEDOUT)
       return gpupool__err(GPUPOOL_ETIMEDOUT,
                           "the daemon did not answer in %g s: gpupoold at %s accepts no connections "
