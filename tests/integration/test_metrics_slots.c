@@ -30,14 +30,20 @@ static int free_port(void) {
   return p;
 }
 
-static int dial(int tcp, int tiny_rcvbuf) {
+/* A connection to the metrics socket or TCP address, or -1. The hog's (hog = 1) has the
+ * smallest receive buffer the kernel allows, and gives up connecting after 0.2 s so that a full
+ * accept queue cannot hold it past its parent's end. */
+static int dial(int tcp, int hog) {
   struct sockaddr_un u = {.sun_family = AF_UNIX};
   struct sockaddr_in in = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  struct timeval tv = {0, 200000};
   int fd = socket(tcp ? AF_INET : AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
   if (fd < 0)
     return -1;
-  if (tiny_rcvbuf)
+  if (hog) {
     (void)setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &one, sizeof one); /* the kernel's minimum */
+    (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  }
   in.sin_port = htons((uint16_t)port);
   memcpy(u.sun_path, msock, strlen(msock) + 1);
   if ((tcp ? connect(fd, (struct sockaddr *)&in, sizeof in) : connect(fd, (struct sockaddr *)&u, sizeof u)) != 0) {
