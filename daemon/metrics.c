@@ -413,14 +413,14 @@ static char *snapshot_text(gpupool__metrics *m) {
     if (rc == 0)
       have = 1;
     else
-      GPUPOOL__WARN("metrics: cannot take a stats snapshot (%s); exporting request counters only",
+      GPUPOOL__PEER_WARN(NULL, 0, "metrics: cannot take a stats snapshot (%s); exporting request counters only",
               gpupool__errmsg()[0] ? gpupool__errmsg() : gpupool_strerror(rc));
   }
   text = gpupool__metrics_render(m, have ? &st : NULL);
   if (have && m->src.release != NULL)
     m->src.release(m->src.arg, &st);
   if (text == NULL)
-    GPUPOOL__WARN("metrics: out of memory rendering the metrics text");
+    GPUPOOL__PEER_WARN(NULL, 0, "metrics: out of memory rendering the metrics text");
   return text;
 }
 
@@ -544,7 +544,7 @@ static void conn_answer(conn *c) {
   c->resp = malloc(hl + tl);
   if (c->resp == NULL) {
     free(text);
-    GPUPOOL__WARN("metrics: out of memory answering a metrics request");
+    GPUPOOL__PEER_WARN(NULL, 0, "metrics: out of memory answering a metrics request");
     conn_close(c);
     return;
   }
@@ -762,7 +762,7 @@ static void on_conn(uv_stream_t *srv, int status) {
   conn *c;
 
   if (status < 0) {
-    GPUPOOL__WARN("metrics: accept on %s failed: %s", m->sock, uv_strerror(status));
+    GPUPOOL__PEER_WARN(NULL, 0, "metrics: accept on %s failed: %s", m->sock, uv_strerror(status));
     return;
   }
   c = calloc(1, sizeof(*c));

@@ -1800,12 +1800,12 @@ static void on_accept(uv_poll_t *p, int status, int events) {
         return;
       }
       if (e != EAGAIN && e != EWOULDBLOCK)
-        GPUPOOL__WARN("accept failed: %s", strerror(e));
+        GPUPOOL__PEER_WARN(NULL, 0, "accept failed: %s", strerror(e));
       log_refused_nofd(s, 0, 0);
       return;
     }
     if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) != 0) {
-      GPUPOOL__WARN("cannot read peer credentials: %s", strerror(errno));
+      GPUPOOL__PEER_WARN(NULL, 0, "cannot read peer credentials: %s", strerror(errno));
       close(fd);
       continue;
     }
