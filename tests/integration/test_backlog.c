@@ -70,7 +70,7 @@ static int flood(const th_daemon *d, int stop_fd) {
   return 0;
 }
 
-/* Root connects `tries` times with a 5 s timeout (the library's default) while the flood
+/* Root connects `tries` times with a generous 10 s timeout while the flood
  * runs; every connect and a Stats must succeed. */
 static void connect_under_flood(int tries) {
   pid_t att[ATTACKERS];
@@ -89,7 +89,7 @@ static void connect_under_flood(int tries) {
   for (int i = 0; i < tries; i++) {
     gpupool_client *c = NULL;
     gpupool_daemon_stats ds;
-    int rc = gpupool_connect_timeout(D.sock, "root", 5000, &c);
+    int rc = gpupool_connect_timeout(D.sock, "root", 10000, &c);
     if (rc != 0) {
       close(stop[1]);
       for (int j = 0; j < ATTACKERS; j++)
