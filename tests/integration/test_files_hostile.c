@@ -15,8 +15,10 @@
 #include <poll.h>
 #include <sched.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <sys/sysmacros.h>
 
 #include "harness.h"
@@ -474,6 +476,365 @@ static void test_admin_only(void **state) {
   close(sock);
 }
 
+/* ---- a FUSE file whose server stops answering ----------------------------------------------- */
+
+#define FUSE_FILE_SIZE 8192
+
+static int fuse_ctl[2] = {-1, -1}, fuse_ack[2] = {-1, -1};
+static pid_t fuse_pid;
+static int fuse_mounted;
+static char fuse_dir[450];
+
+static void fuse_reply(int dev, uint64_t unique, int error, const void *data, size_t len) {
+  struct fuse_out_header h = {.len = (uint32_t)(sizeof h + len), .error = error, .unique = unique};
+  struct iovec iov[2] = {{&h, sizeof h}, {(void *)data, len}};
+  (void)!writev(dev, iov, data && len ? 2 : 1);
+}
+
+static void fuse_fill_attr(struct fuse_attr *a, uint64_t ino) {
+  memset(a, 0, sizeof *a);
+  a->ino = ino;
+  a->blksize = 4096;
+  a->mtime = 1000000;
+  if (ino == FUSE_ROOT_ID) {
+    a->mode = S_IFDIR | 0755;
+    a->nlink = 2;
+  } else {
+    a->mode = S_IFREG | 0644;
+    a->nlink = 1;
+    a->size = FUSE_FILE_SIZE;
+    a->blocks = FUSE_FILE_SIZE / 512;
+  }
+}
+
+/* One file, file.bin, in the root; attributes never cached (every fstat asks). A byte on the
+ * control pipe switches: 's' stops answering, 'r' resumes; each is acknowledged. It starts
+ * stopped: the device reads as an error until it is mounted. */
+static void fuse_serve(int dev) {
+  static char buf[(1 << 17) + 4096];
+  static char data[FUSE_FILE_SIZE];
+  int stalled = 1;
+  memset(data, 'f', sizeof data);
+  for (;;) {
+    struct pollfd p[2] = {{fuse_ctl[0], POLLIN, 0}, {dev, POLLIN, 0}};
+    struct fuse_in_header *in = (struct fuse_in_header *)buf;
+    void *arg = in + 1;
+    ssize_t n;
+    if (poll(p, stalled ? 1 : 2, -1) < 0)
+      continue;
+    if (p[0].revents) {
+      char c;
+      if (read(fuse_ctl[0], &c, 1) != 1)
+        _exit(0);
+      stalled = c == 's';
+      (void)!write(fuse_ack[1], &c, 1);
+      continue;
+    }
+    if (!(p[1].revents & POLLIN)) {
+      if (p[1].revents)
+        _exit(0);
+      continue;
+    }
+    if ((n = read(dev, buf, sizeof buf)) < (ssize_t)sizeof *in) {
+      if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == ENOENT))
+        continue;
+      _exit(0); /* ENODEV: unmounted */
+    }
+    switch (in->opcode) {
+    case FUSE_INIT: {
+      const struct fuse_init_in *ii = arg;
+      struct fuse_init_out o;
+      memset(&o, 0, sizeof o);
+      o.major = FUSE_KERNEL_VERSION;
+      o.minor = ii->minor < FUSE_KERNEL_MINOR_VERSION ? ii->minor : FUSE_KERNEL_MINOR_VERSION;
+      o.max_readahead = ii->max_readahead;
+      o.max_write = 65536;
+      o.max_background = 16;
+      o.congestion_threshold = 12;
+      o.time_gran = 1;
+      fuse_reply(dev, in->unique, 0, &o, sizeof o);
+      break;
+    }
+    case FUSE_LOOKUP: {
+      struct fuse_entry_out e;
+      if (in->nodeid != FUSE_ROOT_ID || strcmp((const char *)arg, "file.bin") != 0) {
+        fuse_reply(dev, in->unique, -ENOENT, NULL, 0);
+        break;
+      }
+      memset(&e, 0, sizeof e);
+      e.nodeid = 2;
+      e.generation = 1;
+      fuse_fill_attr(&e.attr, 2);
+      fuse_reply(dev, in->unique, 0, &e, sizeof e);
+      break;
+    }
+    case FUSE_GETATTR: {
+      struct fuse_attr_out o;
+      memset(&o, 0, sizeof o);
+      fuse_fill_attr(&o.attr, in->nodeid);
+      fuse_reply(dev, in->unique, 0, &o, sizeof o);
+      break;
+    }
+    case FUSE_OPEN: {
+      struct fuse_open_out o;
+      memset(&o, 0, sizeof o);
+      o.fh = 1;
+      fuse_reply(dev, in->unique, 0, &o, sizeof o);
+      break;
+    }
+    case FUSE_READ: {
+      const struct fuse_read_in *r = arg;
+      size_t len = r->offset >= FUSE_FILE_SIZE ? 0 : FUSE_FILE_SIZE - (size_t)r->offset;
+      if (len > r->size)
+        len = r->size;
+      fuse_reply(dev, in->unique, 0, len ? data + r->offset : NULL, len);
+      break;
+    }
+    case FUSE_FLUSH:
+    case FUSE_RELEASE:
+      fuse_reply(dev, in->unique, 0, NULL, 0);
+      break;
+    case FUSE_FORGET:
+    case FUSE_BATCH_FORGET:
+    case FUSE_INTERRUPT:
+      break; /* no answer expected */
+    default:
+      fuse_reply(dev, in->unique, -ENOSYS, NULL, 0);
+    }
+  }
+}
+
+/* Mount the server on fuse_dir: 1, or 0 with the reason in why. */
+static int fuse_start(char *why, size_t len) {
+  char opts[128];
+  int dev = open("/dev/fuse", O_RDWR | O_CLOEXEC);
+  if (dev < 0) {
+    snprintf(why, len, "cannot open /dev/fuse: %s", strerror(errno));
+    return 0;
+  }
+  assert_int_equal(pipe2(fuse_ctl, O_CLOEXEC), 0);
+  assert_int_equal(pipe2(fuse_ack, O_CLOEXEC), 0);
+  fuse_pid = fork();
+  assert_true(fuse_pid >= 0);
+  if (fuse_pid == 0) {
+    close(fuse_ctl[1]);
+    close(fuse_ack[0]);
+    fuse_serve(dev);
+    _exit(0);
+  }
+  snprintf(opts, sizeof opts, "fd=%d,rootmode=40000,user_id=0,group_id=0,allow_other", dev);
+  if (mount("gpupool-test", fuse_dir, "fuse", MS_NOSUID | MS_NODEV, opts) != 0) {
+    snprintf(why, len, "cannot mount a FUSE file system: %s", strerror(errno));
+    close(dev);
+    return 0;
+  }
+  fuse_mounted = 1;
+  close(dev);
+  return 1;
+}
+
+static void fuse_switch(char c);
+
+static void fuse_switch(char c) {
+  char ack = 0;
+  assert_int_equal(write(fuse_ctl[1], &c, 1), 1);
+  assert_int_equal(read(fuse_ack[0], &ack, 1), 1);
+  assert_int_equal(ack, c);
+}
+
+/* The server goes first: its end closing aborts the connection, so nothing (the daemon
+ * included) stays blocked on the file system; then the lazy unmount. */
+static void fuse_stop(void) {
+  if (fuse_pid > 0) {
+    kill(fuse_pid, SIGKILL);
+    waitpid(fuse_pid, NULL, 0);
+    fuse_pid = 0;
+  }
+  if (fuse_mounted) {
+    umount2(fuse_dir, MNT_DETACH);
+    fuse_mounted = 0;
+  }
+  for (int i = 0; i < 2; i++) {
+    if (fuse_ctl[i] >= 0)
+      close(fuse_ctl[i]);
+    if (fuse_ack[i] >= 0)
+      close(fuse_ack[i]);
+    fuse_ctl[i] = fuse_ack[i] = -1;
+  }
+  if (fuse_dir[0])
+    rmdir(fuse_dir);
+  fuse_dir[0] = '\0';
+}
+
+static int teardown_fuse(void **state) {
+  fuse_stop();
+  return teardown(state);
+}
+
+static int has_reply(int sock) {
+  struct pollfd p = {sock, POLLIN, 0};
+  return poll(&p, 1, 0) == 1;
+}
+
+static void test_fuse_stall(void **state) {
+  char why[160], fpath[500];
+  int a, b, c, e, g, fd2, fd3, gfd = -1;
+  uint64_t base;
+  (void)state;
+  if (getuid() != 0) {
+    printf("skipped: needs root to mount a FUSE file system\n");
+    return;
+  }
+  start_conf(NULL);
+  snprintf(fuse_dir, sizeof fuse_dir, "%s/fuse", D.dir);
+  assert_int_equal(mkdir(fuse_dir, 0755), 0);
+  if (!fuse_start(why, sizeof why)) {
+    printf("skipped: %s\n", why);
+    return;
+  }
+  fuse_switch('r');
+  base = th_settled_fds(&D);
+  snprintf(fpath, sizeof fpath, "%s/file.bin", fuse_dir);
+  /* While the server answers, the file publishes like any other. */
+  assert_true((a = rc_connect()) >= 0);
+  assert_int_equal(rc_publish_path(a, "fz", fpath), 0);
+  assert_true((fd2 = open(fpath, O_RDONLY | O_CLOEXEC)) >= 0);
+  assert_true((fd3 = open(fpath, O_RDONLY | O_CLOEXEC)) >= 0);
+  assert_true((b = rc_connect()) >= 0);
+  assert_true((c = rc_connect()) >= 0);
+  assert_true((e = rc_connect()) >= 0);
+  assert_true((g = rc_connect()) >= 0);
+
+  fuse_switch('s');
+  th_sleep_ms(50); /* past the attributes' (zero) validity, so an fstat asks the server */
+  assert_int_equal(rc_send_get(b, 3, "fz"), 0);          /* fstat and reopen: wait */
+  assert_int_equal(rc_send_publish(c, 2, "fz2", fd2), 0); /* fstat: waits */
+  assert_int_equal(th_raw_send_stats(e, 4, &fd3, 1), 0); /* refused; its fd's close waits */
+  assert_int_equal(rc_send_get(g, 3, "fz"), 0);          /* and then its client goes away */
+  close(g);
+  /* Everyone else is served meanwhile. */
+  assert_true(daemon_answers());
+  assert_int_equal(rc_code(rc_recv_fd(e, NULL)), GPUPOOL_EFD);
+  assert_true(daemon_alive());
+  assert_false(has_reply(b));
+  assert_false(has_reply(c));
+
+  fuse_switch('r');
+  assert_int_equal(rc_code(rc_recv_fd(b, &gfd)), 0);
+  assert_true(gfd >= 0);
+  assert_int_equal(rc_code(rc_recv_fd(c, NULL)), 0);
+  {
+    struct stat st;
+    assert_int_equal(fstat(gfd, &st), 0);
+    assert_int_equal(st.st_size, FUSE_FILE_SIZE);
+  }
+  close(gfd);
+  close(fd2);
+  close(fd3);
+  assert_int_equal(admin_unpublish(a, "uid:0/fz"), 0);
+  assert_int_equal(admin_unpublish(a, "uid:0/fz2"), 0);
+  close(a);
+  close(b);
+  close(c);
+  close(e);
+  assert_true(daemon_answers());
+  /* Nothing of the requests kept an fd, the abandoned one included. */
+  th_expect_fds(&D, base);
+}
+
+/* ---- a bind mount in a user namespace ------------------------------------------------------- */
+
+static int write_proc(const char *p, const char *text) {
+  int fd = open(p, O_WRONLY | O_CLOEXEC);
+  int ok = fd >= 0 && write(fd, text, strlen(text)) == (ssize_t)strlen(text);
+  if (fd >= 0)
+    close(fd);
+  return ok ? 0 : -1;
+}
+
+/* As nobody, in a user and mount namespace of its own: bind-mount the daemon's directory (not
+ * under file_paths) onto a directory under file_paths, and publish a file through it. Exit
+ * 77 when the kernel allows no such namespace here. */
+static int bindmount_child(const th_daemon *d, int arg) {
+  char allowed_mnt[500], through[560];
+  int sock, code;
+  (void)arg;
+  snprintf(allowed_mnt, sizeof allowed_mnt, "%s/allowed/mnt", d->dir);
+  snprintf(through, sizeof through, "%s/data.bin", allowed_mnt);
+  CHILD_CHECK(th_become(NOBODY) == 0, "setuid");
+  /* Dumpable again after the uid switch, or /proc/self stays root's and the maps cannot be
+   * written. */
+  CHILD_CHECK(prctl(PR_SET_DUMPABLE, 1) == 0, "PR_SET_DUMPABLE");
+  if (unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0) {
+    printf("skipped: unshare(CLONE_NEWUSER | CLONE_NEWNS) as uid %d: %s\n", NOBODY, strerror(errno));
+    return 77;
+  }
+  CHILD_CHECK(write_proc("/proc/self/setgroups", "deny") == 0, "setgroups");
+  CHILD_CHECK(write_proc("/proc/self/uid_map", "0 65534 1") == 0, "uid_map");
+  CHILD_CHECK(write_proc("/proc/self/gid_map", "0 65534 1") == 0, "gid_map");
+  (void)mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL);
+  if (mount(d->dir, allowed_mnt, NULL, MS_BIND, NULL) != 0) {
+    printf("skipped: bind mount in a user namespace: %s\n", strerror(errno));
+    return 77;
+  }
+  CHILD_CHECK((sock = rc_connect()) >= 0, "connect");
+  code = rc_publish_path(sock, "through", through);
+  CHILD_CHECK(code == GPUPOOL_EPERM, "publish through the bind mount: %d (want EPERM)", code);
+  close(sock);
+  return 0;
+}
+
+/* The same file, under the prefix for real, from the daemon's own mount namespace: fine. */
+static int allowed_child(const th_daemon *d, int arg) {
+  char p[500];
+  int sock, code;
+  (void)arg;
+  snprintf(p, sizeof p, "%s/allowed/real.bin", d->dir);
+  CHILD_CHECK(th_become(NOBODY) == 0, "setuid");
+  CHILD_CHECK((sock = rc_connect()) >= 0, "connect");
+  code = rc_publish_path(sock, "real", p);
+  CHILD_CHECK(code == 0, "publish under file_paths: %d", code);
+  close(sock);
+  return 0;
+}
+
+static void test_bindmount(void **state) {
+  char conf[700], allowed[450], mnt[460], real[470];
+  int st;
+  pid_t p;
+  (void)state;
+  if (getuid() != 0) {
+    printf("skipped: needs root to run a client as another uid\n");
+    return;
+  }
+  th_prepare(&D);
+  assert_int_equal(chmod(D.dir, 0711), 0);
+  snprintf(allowed, sizeof allowed, "%s/allowed", D.dir);
+  snprintf(mnt, sizeof mnt, "%s/mnt", allowed);
+  snprintf(real, sizeof real, "%s/real.bin", allowed);
+  assert_int_equal(mkdir(allowed, 0755), 0);
+  assert_int_equal(mkdir(mnt, 0755), 0);
+  snprintf(conf, sizeof conf,
+           "[daemon]\nsocket_mode = 0666\nfile_paths = %s\n[pool default]\nkind = host\ncapacity = 16M\n"
+           "slab_size = 4M\n",
+           allowed);
+  th_write_conf(&D, conf);
+  th_start(&D, 1, NULL);
+  snprintf(path, sizeof path, "%s/data.bin", D.dir);
+  write_file(path, 65536, 0644);
+  write_file(real, 4096, 0644);
+  th_wait_ok(th_spawn(&D, allowed_child, 0), "publish under file_paths");
+  p = th_spawn(&D, bindmount_child, 0);
+  assert_int_equal(waitpid(p, &st, 0), p);
+  unlink(real);
+  rmdir(mnt);
+  rmdir(allowed);
+  if (WIFEXITED(st) && WEXITSTATUS(st) == 77)
+    return;
+  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
+    fail_msg("the publish through a bind mount was not refused (status 0x%x)", st);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_descriptions, teardown),
@@ -482,6 +843,8 @@ int main(void) {
       cmocka_unit_test_teardown(test_fcntl_setown, teardown),
       cmocka_unit_test_teardown(test_file_slots, teardown),
       cmocka_unit_test_teardown(test_admin_only, teardown),
+      cmocka_unit_test_teardown(test_fuse_stall, teardown_fuse),
+      cmocka_unit_test_teardown(test_bindmount, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
