@@ -25,6 +25,7 @@ typedef struct {
   uint64_t tenant;
   uint32_t running;
   uint32_t nqueued;  /* requests queued (closes not counted) */
+  uint32_t backlog;  /* running and queued, closes included */
   gpupool__fop *head, *tail;
 } tq;
 
@@ -54,10 +55,13 @@ static void tq_maybe_free(gpupool__fileops *ops, tq *q) {
 static void on_after_work(uv_work_t *req, int status) {
   gpupool__fop *op = req->data;
   gpupool__fileops *ops = op->ops;
-  tq *q = gpupool__hmap_get(&ops->tenants, op->tenant);
+  uint64_t tenant = op->tenant;
+  tq *q = gpupool__hmap_get(&ops->tenants, tenant);
+  int drained = 0;
   ops->running--;
   if (q) {
     q->running--;
+    drained = q->backlog-- == GPUPOOL_FILEOPS_BACKLOG_PAUSE;
     tq_maybe_free(ops, q);
   }
   if (status == UV_ECANCELED) {
@@ -66,10 +70,13 @@ static void on_after_work(uv_work_t *req, int status) {
       close_work(op); /* shutting down: the fd still goes */
   }
   op->done(op);
-  if (ops->stopping)
+  if (ops->stopping) {
     ops_free_if_idle(ops);
-  else
-    pump(ops);
+    return;
+  }
+  pump(ops);
+  if (drained && ops->on_drain)
+    ops->on_drain(ops->drain_arg, tenant);
 }
 
 static void start(gpupool__fileops *ops, tq *q, gpupool__fop *op) {
@@ -80,6 +87,7 @@ static void start(gpupool__fileops *ops, tq *q, gpupool__fop *op) {
     /* Cannot happen with a live loop; run it here rather than lose it. */
     op->work(op);
     q->running--;
+    q->backlog--;
     ops->running--;
     op->done(op);
   }
@@ -137,6 +145,7 @@ static void enqueue(gpupool__fileops *ops, tq *q, gpupool__fop *op, int front) {
       q->head = op;
     q->tail = op;
   }
+  q->backlog++;
   ops->queued++;
 }
 
@@ -157,6 +166,11 @@ static void ops_free_if_idle(gpupool__fileops *ops) {
       free(ops->tenants.slots[i].val);
   gpupool__hmap_free(&ops->tenants);
   free(ops);
+}
+
+uint32_t gpupool__fileops_backlog(const gpupool__fileops *ops, uint64_t tenant) {
+  const tq *q = gpupool__hmap_get(&ops->tenants, tenant);
+  return q ? q->backlog : 0;
 }
 
 int gpupool__fileops_submit(gpupool__fileops *ops, gpupool__fop *op) {

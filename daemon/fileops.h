@@ -18,6 +18,9 @@
 #define GPUPOOL_FILEOPS_TOTAL 4
 /* Requests of one tenant queued behind those (closes are never refused: they only wait). */
 #define GPUPOOL_FILEOPS_QUEUE_PER_TENANT 32
+/* A tenant with this many operations, closes included, running or queued: the server stops
+ * reading its connections until they drain (each queued close holds an fd it sent). */
+#define GPUPOOL_FILEOPS_BACKLOG_PAUSE 64
 
 typedef struct gpupool__fop gpupool__fop;
 
@@ -40,6 +43,9 @@ typedef struct gpupool__fileops {
   uint32_t running;      /* on worker threads, all tenants */
   uint64_t queued;       /* waiting for a slot, all tenants */
   int stopping;
+  /* Called on the loop when a tenant's backlog fell below GPUPOOL_FILEOPS_BACKLOG_PAUSE. */
+  void (*on_drain)(void *arg, uint64_t tenant);
+  void *drain_arg;
 } gpupool__fileops;
 
 /* NULL when out of memory. */
@@ -51,6 +57,8 @@ int gpupool__fileops_submit(gpupool__fileops *ops, gpupool__fop *op);
 /* Close fd off the loop (a close on a FUSE file waits for the server's answer to FLUSH). Never
  * fails; fd < 0 is ignored. */
 void gpupool__fileops_close(gpupool__fileops *ops, uint64_t tenant, int fd);
+/* Operations of tenant running or queued, closes included. */
+uint32_t gpupool__fileops_backlog(const gpupool__fileops *ops, uint64_t tenant);
 /* Cancel what has not started (done is called with cancelled set) and free ops once what runs
  * has finished (the loop waits for it). Closes after this happen at once, on the loop. */
 void gpupool__fileops_free(gpupool__fileops *ops);

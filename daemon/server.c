@@ -124,6 +124,7 @@ struct gpupool__conn {
   int hello_done;
   int closing;
   int drop_after_flush;
+  int fops_paused;    /* not read while its tenant's file calls pile up (fileops.c) */
   int host_fences;    /* its last request said it cannot use the daemon's events */
   fenced *fenced_head, **fenced_tail;
   size_t fenced_bytes;
@@ -161,6 +162,7 @@ struct gpupool__server {
   gpupool__metrics *metrics; /* counters and exporters; closed with the server */
   uv_signal_t sigio;         /* file leases breaking (files.c) */
   gpupool__fileops *fops;    /* closes and file calls off the loop (fileops.c) */
+  uint32_t npaused;          /* connections with fops_paused */
   int sigio_on;
   FILE *trace;               /* GPUPOOL_TRACE: a line per request, as the client library writes */
   uv_timer_t fence_timer;    /* polls the events of held-back replies while there are any */
@@ -1658,6 +1660,8 @@ static void conn_close(gpupool__conn *c, const char *why) {
   if (c->closing)
     return;
   c->closing = 1;
+  if (c->fops_paused)
+    s->npaused--;
   {
     uint64_t report;
     if (rl_allow(&s->conn_rl, 50, 1000000000ull, &report) || c->cl.nholds)
@@ -1705,7 +1709,7 @@ static void conn_io(uv_poll_t *p, int status, int events);
 /* Reads stop once a connection is to be dropped: nothing it sends after a protocol violation
  * is looked at, so it cannot make the daemon buffer more. */
 static void conn_update_poll(gpupool__conn *c) {
-  int want = (c->drop_after_flush ? 0 : UV_READABLE) | (c->txq.head ? UV_WRITABLE : 0);
+  int want = (c->drop_after_flush || c->fops_paused ? 0 : UV_READABLE) | (c->txq.head ? UV_WRITABLE : 0);
   if (c->closing || want == c->poll_events)
     return;
   c->poll_events = want;
@@ -1774,6 +1778,15 @@ static void conn_io(uv_poll_t *p, int status, int events) {
     return;
   if (c->drop_after_flush)
     return;
+  if (c->srv->fops && gpupool__fileops_backlog(c->srv->fops, c->cl.tenant) >= GPUPOOL_FILEOPS_BACKLOG_PAUSE) {
+    /* Its tenant's file calls pile up (a file system that does not answer): each fd it sends
+     * would be held until its close can run, so nothing more is read from it until they
+     * drain (fops_drained). */
+    c->fops_paused = 1;
+    c->srv->npaused++;
+    conn_update_poll(c);
+    return;
+  }
   c->srv->last_activity_ns = gpupool__now_ns();
   {
     const uint8_t *payload;
@@ -2102,6 +2115,19 @@ static void on_sigio(uv_signal_t *h, int signum) {
   gpupool__files_lease_check(s->reg);
 }
 
+/* A tenant's file calls drained below the pause mark: read its connections again. */
+static void fops_drained(void *arg, uint64_t tenant) {
+  gpupool__server *s = arg;
+  if (!s->npaused)
+    return;
+  for (gpupool__conn *c = s->conns; c; c = c->next)
+    if (c->fops_paused && c->cl.tenant == tenant) {
+      c->fops_paused = 0;
+      s->npaused--;
+      conn_update_poll(c);
+    }
+}
+
 static void stats_release(void *server, Gpupool__Wire__StatsReply *st) {
   (void)server;
   stats_free(st);
@@ -2128,6 +2154,8 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   }
   reg->fops = s->fops;
+  s->fops->on_drain = fops_drained;
+  s->fops->drain_arg = s;
   {
     /* GPUPOOL_TRACE=FILE: when each request came in (CLOCK_MONOTONIC us) and how long handling
      * it took, to line up with the clients' traces of the same handoff. */

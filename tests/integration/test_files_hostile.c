@@ -19,6 +19,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
+#include <inttypes.h>
 #include <sys/sysmacros.h>
 
 #include "harness.h"
@@ -676,9 +677,41 @@ static int has_reply(int sock) {
   return poll(&p, 1, 0) == 1;
 }
 
+#define STRAY_FLOOD 150
+
+static char flood_path[500];
+
+/* As nobody: open the FUSE file while it answers, then (told to, once it stalled) send
+ * STRAY_FLOOD requests each with an fd of it, and once it answers again read every reply. */
+static int flood_child(const th_daemon *d, int arg) {
+  int sock, fd, code;
+  char b;
+  (void)d;
+  (void)arg;
+  close(ctl_pipe[1]);
+  close(ready_pipe[0]);
+  CHILD_CHECK(th_become(NOBODY) == 0, "setuid");
+  CHILD_CHECK((sock = rc_connect()) >= 0, "connect");
+  CHILD_CHECK((fd = open(flood_path, O_RDONLY | O_CLOEXEC)) >= 0, "open %s: %s", flood_path, strerror(errno));
+  CHILD_CHECK(write(ready_pipe[1], "o", 1) == 1, "ready");
+  CHILD_CHECK(read(ctl_pipe[0], &b, 1) == 1, "go");
+  for (int i = 0; i < STRAY_FLOOD; i++)
+    CHILD_CHECK(th_raw_send_stats(sock, 100 + (uint64_t)i, &fd, 1) == 0, "send %d", i);
+  CHILD_CHECK(write(ready_pipe[1], "s", 1) == 1, "sent");
+  for (int i = 0; i < STRAY_FLOOD; i++) {
+    code = rc_code(rc_recv_fd(sock, NULL));
+    CHILD_CHECK(code == GPUPOOL_EFD, "reply %d: %d (want EFD)", i, code);
+  }
+  close(fd);
+  close(sock);
+  return 0;
+}
+
 static void test_fuse_stall(void **state) {
   char why[160], fpath[500];
   int a, b, c, e, g, fd2, fd3, gfd = -1;
+  pid_t flooder;
+  char ack;
   uint64_t base;
   (void)state;
   if (getuid() != 0) {
@@ -704,6 +737,11 @@ static void test_fuse_stall(void **state) {
   assert_true((c = rc_connect()) >= 0);
   assert_true((e = rc_connect()) >= 0);
   assert_true((g = rc_connect()) >= 0);
+  assert_int_equal(pipe2(ctl_pipe, O_CLOEXEC), 0);
+  assert_int_equal(pipe2(ready_pipe, O_CLOEXEC), 0);
+  snprintf(flood_path, sizeof flood_path, "%s", fpath);
+  flooder = th_spawn(&D, flood_child, 0);
+  assert_int_equal(read(ready_pipe[0], &ack, 1), 1); /* it opened the file */
 
   fuse_switch('s');
   th_sleep_ms(50); /* past the attributes' (zero) validity, so an fstat asks the server */
@@ -718,11 +756,27 @@ static void test_fuse_stall(void **state) {
   assert_true(daemon_alive());
   assert_false(has_reply(b));
   assert_false(has_reply(c));
+  /* A flood of stray fds of the stalled file: each waits to be closed, so the daemon stops
+   * reading the client that sends them (about 64 of its tenant's file calls) rather than hold
+   * all of them; it still answers everyone else. */
+  assert_int_equal(write(ctl_pipe[1], "f", 1), 1);
+  assert_int_equal(read(ready_pipe[0], &ack, 1), 1); /* it sent them all */
+  assert_true(daemon_answers());
+  {
+    uint64_t during = th_settled_fds(&D);
+    printf("daemon fds: %" PRIu64 " before, %" PRIu64 " with %d stray fds sent\n", base, during, STRAY_FLOOD);
+    assert_true(during < base + 64 + 24);
+  }
 
   fuse_switch('r');
   assert_int_equal(rc_code(rc_recv_fd(b, &gfd)), 0);
   assert_true(gfd >= 0);
   assert_int_equal(rc_code(rc_recv_fd(c, NULL)), 0);
+  th_wait_ok(flooder, "stray fd flood"); /* every one of its requests answered */
+  close(ctl_pipe[0]);
+  close(ctl_pipe[1]);
+  close(ready_pipe[0]);
+  close(ready_pipe[1]);
   {
     struct stat st;
     assert_int_equal(fstat(gfd, &st), 0);
