@@ -83,9 +83,8 @@ struct gpupool__file_op {
   gpupool__registry *reg;
   gpupool__file_done done;
   void *arg;                 /* NULL once forgotten */
-  int publish;               /* PublishFile, else GetFile */
-  char *key;                 /* publish: the name's key, and the owner and tenant it counts as */
-  uint64_t owner, tenant;
+  char *key;                 /* publish: the name's key */
+  uint64_t tenant;           /* the requester's: whose names and file calls these are */
   uid_t uid;
   uint64_t client_id;
   char *name;                /* as the client wrote it, for messages */
@@ -477,8 +476,6 @@ int gpupool__publish_file(gpupool__registry *reg, gpupool__client *c, const char
   op->reg = reg;
   op->done = done;
   op->arg = arg;
-  op->publish = 1;
-  op->owner = owner;
   op->tenant = c->tenant;
   op->uid = c->uid;
   op->client_id = c->id;
