@@ -221,7 +221,7 @@ static void close_fd_array(const int *fds, int n) {
 /* Walks msg's control data: keeps up to max SCM_RIGHTS fds in got (returns how many), closes
  * every other fd (pidfds nobody asked for, fds past max) and counts the SCM_RIGHTS ones closed
  * in *extra. No fd that arrived is left unaccounted for. */
-static int take_fds(struct msghdr *msg, int *got, int max, int *extra) {
+static int take_fds(struct msghdr *msg, int *got, int max, int *extra, void (*close_fd)(void *, int), void *arg) {
   int ngot = 0;
   for (struct cmsghdr *c = CMSG_FIRSTHDR(msg); c != NULL; c = CMSG_NXTHDR(msg, c)) {
     size_t bytes;
@@ -238,7 +238,10 @@ static int take_fds(struct msghdr *msg, int *got, int max, int *extra) {
       } else {
         if (c->cmsg_type == SCM_RIGHTS)
           (*extra)++;
-        close(fd);
+        if (close_fd)
+          close_fd(arg, fd);
+        else
+          close(fd);
       }
     }
   }
@@ -279,7 +282,7 @@ static int rx_step(gpupool__wire_rx *rx, int sock, uint8_t *dst, size_t want, si
                         strerror(errno));
   }
 
-  ngot = take_fds(&msg, got, GPUPOOL_WIRE_MAX_FDS, &extra);
+  ngot = take_fds(&msg, got, GPUPOOL_WIRE_MAX_FDS, &extra, NULL, NULL);
 
   if (msg.msg_flags & MSG_CTRUNC) {
     close_fd_array(got, ngot);
@@ -422,14 +425,24 @@ void gpupool__wire_inbuf_init(gpupool__wire_inbuf *b, uint32_t max_frame) {
   b->max_frame = max_frame > GPUPOOL_WIRE_HARD_MAX_FRAME ? GPUPOOL_WIRE_HARD_MAX_FRAME : max_frame;
 }
 
+static void inbuf_close_fds(const gpupool__wire_inbuf *b, const int *fds, int n) {
+  if (!b->close_fd) {
+    close_fd_array(fds, n);
+    return;
+  }
+  for (int i = 0; i < n; i++)
+    if (fds[i] >= 0)
+      b->close_fd(b->close_arg, fds[i]);
+}
+
 /* Close the fds of the frame handed out last that the caller did not take. */
 static void inbuf_drop_frame_fds(gpupool__wire_inbuf *b) {
-  close_fd_array(b->frame_fds, b->nframe_fds);
+  inbuf_close_fds(b, b->frame_fds, b->nframe_fds);
   b->nframe_fds = 0;
 }
 
 static void inbuf_drop_fds(gpupool__wire_inbuf *b) {
-  close_fd_array(b->fds, b->nfds);
+  inbuf_close_fds(b, b->fds, b->nfds);
   b->nfds = 0;
   inbuf_drop_frame_fds(b);
 }
@@ -541,15 +554,15 @@ int gpupool__wire_inbuf_fill(gpupool__wire_inbuf *b, int sock, int *fds_closed) 
       return gpupool__err(GPUPOOL_ECLOSED, "peer reset the connection");
     return gpupool__err(GPUPOOL_EIO, "recvmsg on the gpupool socket failed: %s", strerror(errno));
   }
-  ngot = take_fds(&msg, got, GPUPOOL_WIRE_MAX_FDS, &extra);
+  ngot = take_fds(&msg, got, GPUPOOL_WIRE_MAX_FDS, &extra, b->close_fd, b->close_arg);
   *fds_closed = extra;
   if (msg.msg_flags & MSG_CTRUNC) {
-    close_fd_array(got, ngot);
+    inbuf_close_fds(b, got, ngot);
     return gpupool__err(GPUPOOL_EPROTO,
                         "control data truncated: the peer sent more than %d fds with one frame", GPUPOOL_WIRE_MAX_FDS);
   }
   if (n == 0) {
-    close_fd_array(got, ngot);
+    inbuf_close_fds(b, got, ngot);
     if (b->len == b->off)
       return gpupool__err(GPUPOOL_ECLOSED, "peer closed the connection");
     return gpupool__err(GPUPOOL_EPROTO, "peer closed the connection in the middle of a frame (%zu bytes of it received)",
@@ -560,7 +573,7 @@ int gpupool__wire_inbuf_fill(gpupool__wire_inbuf *b, int sock, int *fds_closed) 
     /* They belong to the last frame that starts in what was just read. */
     size_t pos = extra || b->nfds ? SIZE_MAX : inbuf_last_start(b, start);
     if (pos == SIZE_MAX) {
-      close_fd_array(got, ngot);
+      inbuf_close_fds(b, got, ngot);
       *fds_closed += ngot;
     } else {
       memcpy(b->fds, got, (size_t)ngot * sizeof *got);
@@ -590,7 +603,7 @@ int gpupool__wire_inbuf_next(gpupool__wire_inbuf *b, const uint8_t **payload, ui
       memcpy(b->frame_fds, b->fds, (size_t)b->nfds * sizeof *b->fds);
       b->nframe_fds = b->nfds;
     } else {
-      close_fd_array(b->fds, b->nfds); /* cannot happen: fd_pos is always a frame start */
+      inbuf_close_fds(b, b->fds, b->nfds); /* cannot happen: fd_pos is always a frame start */
     }
     b->nfds = 0;
   }
@@ -614,9 +627,13 @@ struct gpupool__wire_txframe {
 
 void gpupool__wire_txq_init(gpupool__wire_txq *q) { memset(q, 0, sizeof *q); }
 
-static void txframe_free(gpupool__wire_txframe *f) {
+static void txframe_free(const gpupool__wire_txq *q, gpupool__wire_txframe *f) {
   for (int i = 0; i < f->nfds; i++)
-    if (f->fds[i] >= 0)
+    if (f->fds[i] < 0)
+      continue;
+    else if (q->close_fd)
+      q->close_fd(q->close_arg, f->fds[i]);
+    else
       close(f->fds[i]);
   free(f->buf);
   free(f);
@@ -654,7 +671,7 @@ int gpupool__wire_txq_send(gpupool__wire_txq *q, int sock, uint8_t *buf, size_t 
       if (f->fds[i] < 0) {
         int e = errno;
         f->nfds = i;
-        txframe_free(f);
+        txframe_free(q, f);
         return gpupool__err(GPUPOOL_EFD, "cannot duplicate an fd for a queued frame: %s", strerror(e));
       }
       f->nfds = i + 1;
@@ -681,7 +698,7 @@ int gpupool__wire_txq_flush(gpupool__wire_txq *q, int sock) {
     if (!q->head)
       q->tail = NULL;
     q->cost -= txframe_cost(f);
-    txframe_free(f);
+    txframe_free(q, f);
   }
   return 1;
 }
@@ -690,7 +707,13 @@ void gpupool__wire_txq_clear(gpupool__wire_txq *q) {
   while (q->head) {
     gpupool__wire_txframe *f = q->head;
     q->head = f->next;
-    txframe_free(f);
+    txframe_free(q, f);
   }
-  gpupool__wire_txq_init(q);
+  {
+    void (*close_fd)(void *, int) = q->close_fd;
+    void *arg = q->close_arg;
+    gpupool__wire_txq_init(q);
+    q->close_fd = close_fd;
+    q->close_arg = arg;
+  }
 }

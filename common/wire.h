@@ -62,6 +62,8 @@ typedef struct {
   gpupool__wire_txframe *head, *tail;
   size_t bytes; /* frame bytes not yet written */
   size_t cost;  /* heap bytes held by the queue */
+  void (*close_fd)(void *arg, int fd); /* as gpupool__wire_inbuf's; kept by clear */
+  void *close_arg;
 } gpupool__wire_txq;
 
 void gpupool__wire_txq_init(gpupool__wire_txq *q);
@@ -127,6 +129,10 @@ typedef struct {
   size_t fd_pos;
   int frame_fds[GPUPOOL_WIRE_MAX_FDS]; /* fds of the frame last handed out (-1 once taken) */
   int nframe_fds;
+  /* Closes the fds it drops, when set (the daemon closes a client's fds off its loop: a close
+   * can wait on the file's file system); else close(). Set after init. */
+  void (*close_fd)(void *arg, int fd);
+  void *close_arg;
 } gpupool__wire_inbuf;
 
 void gpupool__wire_inbuf_init(gpupool__wire_inbuf *b, uint32_t max_frame);

@@ -59,6 +59,7 @@ void gpupool__config_defaults(gpupool__config *c) {
   c->listen_backlog = 4096;
   c->allow_files = 1;
   c->max_files = 1024;
+  c->max_files_per_uid = 64;
   c->file_leases = 1;
   c->metrics_interval_ms = 5000;
 }
@@ -409,6 +410,8 @@ int gpupool__config_set(gpupool__config *c, const char *k, const char *v) {
     return parse_bool(v, &c->file_leases);
   if (!strcmp(k, "max_files"))
     return parse_u32(v, &c->max_files);
+  if (!strcmp(k, "max_files_per_uid"))
+    return parse_u32(v, &c->max_files_per_uid);
   if (!strcmp(k, "file_paths"))
     return parse_file_paths(c, v);
   if (!strcmp(k, "allow_uids"))

@@ -69,6 +69,7 @@ typedef struct {
   char file_paths[GPUPOOL_MAX_FILE_PATHS][256];
   int n_file_paths;
   uint32_t max_files;
+  uint32_t max_files_per_uid;      /* of those, published by one tenant (one uid cannot take all) */
   int file_leases;
   /* Allow-lists; empty = everyone who can reach the socket. */
   uid_t allow_uids[GPUPOOL_MAX_ALLOW];

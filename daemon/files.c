@@ -10,7 +10,37 @@
  * requires a regular file opened read-only (no O_PATH, no directory, no device, no FIFO) and
  * applies the operator's restrictions: allow_files, and file_paths, prefixes checked on the
  * path the kernel reports for the fd (symlinks were followed when the client opened it, so a
- * link cannot lead outside the prefixes).
+ * link cannot lead outside the prefixes). That path is only meaningful in the daemon's own
+ * mount namespace: a client in a user and mount namespace of its own can bind-mount any
+ * directory it can read onto an allowed prefix, and the kernel then reports the prefix. So
+ * with file_paths set, the fd's mount (mnt_id in /proc/self/fdinfo) must be one of the
+ * daemon's own mounts (/proc/self/mountinfo); a file opened through a mount made in another
+ * mount namespace (a container's, `unshare -m`) is refused. Both reads are of procfs and do
+ * not touch the file's file system.
+ *
+ * Open file descriptions. An fd passed over a socket is the sender's open file description,
+ * and fcntl acts on the description: F_SETSIG, F_SETOWN or F_SETFL by any process holding it
+ * reach every other holder. The lease lives on a description too, and its break is signalled
+ * to the description's owner with its F_SETSIG signal: had consumers received the daemon's
+ * description, one of them could make the daemon's lease break deliver SIGKILL or SIGSTOP to
+ * the daemon, or send it elsewhere and leave writers waiting for lease-break-time. So the
+ * daemon reopens the publisher's fd through /proc/self/fd/N (O_RDONLY, O_NONBLOCK, O_NOCTTY,
+ * O_CLOEXEC: the same inode, a new description, no new path lookup) and keeps only that one,
+ * which no client ever holds; the lease and every check are on it. Each GetFile reopens it the
+ * same way, so each consumer gets a description of its own and none the daemon's. A reopen
+ * checks the daemon's credentials against the file: a daemon not running as root may be
+ * refused one (a 0600 file of another uid). Then the daemon keeps the publisher's own
+ * description, takes no lease on it (so no fcntl of a client can turn a lease against the
+ * daemon) and hands that description to consumers: the size and mtime check at each get
+ * still holds, and a consumer's fcntl reaches only the publisher's and other consumers' use of
+ * that file, which they share by the publisher's choice.
+ *
+ * Never on the loop. fstat, open and close of a file a client handed in can wait on its file
+ * system for as long as it likes (a FUSE server that stops answering; close sends FLUSH). All
+ * of them run off the loop (fileops.c, a few per tenant at a time): the checks and the
+ * daemon's reopen at PublishFile, the size check and the consumer's reopen at GetFile, and
+ * every close of such an fd. The loop files the name and sends the reply when they are done.
+ * A file's fd stays open while an operation uses it (refs), even if the name goes meanwhile.
  *
  * Changes after publishing. A published range must never make a consumer map past the end of
  * the file (SIGBUS on the first touch). Every get compares the file as it is now (fstat of the
@@ -23,6 +53,9 @@
  * anywhere; without one, the fstat check at each get is what remains. No lease can stop a
  * writer: a process that already mapped the range and whose file is then truncated by someone
  * with write access can still be killed by SIGBUS when it touches the lost pages.
+ *
+ * Slots. max_files bounds the fds the daemon keeps for published files, and
+ * max_files_per_uid the share of one tenant, so one uid cannot take every slot.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -34,6 +67,7 @@
 #include <unistd.h>
 
 #include "errors.h"
+#include "fileops.h"
 #include "log.h"
 #include "registry.h"
 
@@ -41,6 +75,26 @@
 #define F_SETLEASE 1024
 #define F_GETLEASE 1025
 #endif
+
+/* A request on worker threads. Inputs are set on the loop; work fills the results; the loop
+ * reads them in done. */
+struct gpupool__file_op {
+  gpupool__fop base;
+  gpupool__registry *reg;
+  gpupool__file_done done;
+  void *arg;                 /* NULL once forgotten */
+  char *key;                 /* publish: the name's key */
+  uint64_t tenant;           /* the requester's: whose names and file calls these are */
+  uid_t uid;
+  uint64_t client_id;
+  gpupool__ratelimit *log_rl; /* the client's log limit; NULL once forgotten, with arg */
+  char *name;                /* as the client wrote it, for messages */
+  int in_fd;                 /* publish: the client's fd */
+  gpupool__file *f;          /* publish: the file being made; get: the file (a ref) */
+  int out_fd;                /* the daemon's reopen (publish) or the consumer's (get), or -1 */
+  int rc;
+  char msg[GPUPOOL__ERRMSG_MAX];
+};
 
 /* The path the kernel reports for fd, or "(unknown)". */
 static void fd_path(int fd, char *buf, size_t len) {
@@ -53,6 +107,48 @@ static void fd_path(int fd, char *buf, size_t len) {
     return;
   }
   buf[n] = '\0';
+}
+
+/* A new open file description of the file behind fd: the same inode, no path lookup, the
+ * daemon's credentials checked. -1 with errno when refused. */
+static int fd_reopen(int fd) {
+  char link[64];
+  snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+  return open(link, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+}
+
+/* The mount fd lies on (mnt_id in /proc/self/fdinfo), or -1. */
+static long fd_mnt_id(int fd) {
+  char p[64], line[256];
+  long id = -1;
+  FILE *in;
+  snprintf(p, sizeof p, "/proc/self/fdinfo/%d", fd);
+  if (!(in = fopen(p, "re")))
+    return -1;
+  while (fgets(line, sizeof line, in))
+    if (!strncmp(line, "mnt_id:", 7)) {
+      id = strtol(line + 7, NULL, 10);
+      break;
+    }
+  fclose(in);
+  return id;
+}
+
+/* 1 when mount id is a mount of the daemon's own mount namespace. */
+static int mount_is_ours(long id) {
+  char line[4096];
+  int found = 0;
+  FILE *in = fopen("/proc/self/mountinfo", "re");
+  if (!in)
+    return 0;
+  while (!found && fgets(line, sizeof line, in)) {
+    size_t n = strlen(line);
+    found = strtol(line, NULL, 10) == id;
+    while (n && line[n - 1] != '\n' && fgets(line, sizeof line, in)) /* the rest of a long line */
+      n = strlen(line);
+  }
+  fclose(in);
+  return found;
 }
 
 /* 1 when path lies under one of the configured prefixes (or none is configured). */
@@ -88,24 +184,38 @@ static void file_lease_drop(gpupool__file *f) {
   }
 }
 
+static void fd_close(gpupool__registry *reg, uint64_t tenant, int fd) {
+  if (reg->fops)
+    gpupool__fileops_close(reg->fops, tenant, fd);
+  else if (fd >= 0)
+    close(fd);
+}
+
+static void file_unref(gpupool__registry *reg, gpupool__file *f) {
+  if (--f->refs > 0)
+    return;
+  fd_close(reg, f->tenant, f->fd);
+  free(f->path);
+  free(f);
+}
+
 void gpupool__file_close(gpupool__registry *reg, gpupool__file *f) {
+  gpupool__uid_usage *u;
   if (!f)
     return;
   file_lease_drop(f);
-  close(f->fd);
-  free(f->path);
-  free(f);
   reg->nfiles--;
+  if ((u = gpupool__uid_usage_get(reg, f->tenant, 0))) {
+    u->files--;
+    gpupool__uid_usage_put(reg, u);
+  }
+  file_unref(reg, f);
 }
 
-/* Checks the kept fd against what it was at publish: 0, or GPUPOOL_ESTALE with the reason. */
+/* Checks the kept fd against what it was at publish (worker thread): 0, or GPUPOOL_ESTALE
+ * with the reason. */
 static int file_check(const gpupool__file *f, const char *name) {
   struct stat st;
-  if (f->stale)
-    return gpupool__err(GPUPOOL_ESTALE,
-                        "file '%s' (%s) was opened for writing or truncated after it was published; "
-                        "unpublish '%s' and publish it again once it is complete",
-                        name, f->path, name);
   if (fstat(f->fd, &st) != 0)
     return gpupool__err(GPUPOOL_ESTALE, "cannot stat file '%s' (%s): %s", name, f->path, strerror(errno));
   if ((uint64_t)st.st_size < f->offset + f->length)
@@ -124,7 +234,14 @@ static int file_check(const gpupool__file *f, const char *name) {
   return 0;
 }
 
-/* Validates fd and the range; fills f. The fd stays the caller's. */
+static int stale_error(const gpupool__file *f, const char *name) {
+  return gpupool__err(GPUPOOL_ESTALE,
+                      "file '%s' (%s) was opened for writing or truncated after it was published; "
+                      "unpublish '%s' and publish it again once it is complete",
+                      name, f->path, name);
+}
+
+/* Validates fd and the range; fills f (worker thread). The fd stays the caller's. */
 static int file_inspect(const gpupool__config *cfg, int fd, uint64_t offset, uint64_t length, gpupool__file *f) {
   struct stat st;
   char path[1024], allowed[GPUPOOL_MAX_FILE_PATHS * 257];
@@ -139,7 +256,7 @@ static int file_inspect(const gpupool__config *cfg, int fd, uint64_t offset, uin
 #endif
   if ((fl & O_ACCMODE) != O_RDONLY)
     return gpupool__err(GPUPOOL_EFD, "the fd of %s is open for writing: publish an fd opened O_RDONLY (readers "
-                        "get this fd)", path);
+                        "get this file)", path);
   if (S_ISDIR(st.st_mode))
     return gpupool__err(GPUPOOL_EINVAL, "%s is a directory: only regular files can be published", path);
   if (!S_ISREG(st.st_mode))
@@ -151,6 +268,15 @@ static int file_inspect(const gpupool__config *cfg, int fd, uint64_t offset, uin
     list_paths(cfg, allowed, sizeof allowed);
     return gpupool__err(GPUPOOL_EPERM, "%s is outside the paths this daemon lets clients publish (file_paths = %s "
                         "in its config)", path, allowed);
+  }
+  if (cfg->n_file_paths > 0) {
+    long mnt = fd_mnt_id(fd);
+    if (mnt < 0 || !mount_is_ours(mnt))
+      return gpupool__err(GPUPOOL_EPERM, "%s was opened through a mount (id %ld) that is not in the daemon's mount "
+                          "namespace (the client runs in a mount namespace of its own, e.g. a container or "
+                          "unshare -m), so the path does not show where the file really is and file_paths "
+                          "cannot be checked; publish it from the daemon's mount namespace",
+                          path, mnt);
   }
   if (offset > (uint64_t)st.st_size)
     return gpupool__err(GPUPOOL_EINVAL, "offset %" PRIu64 " lies past the end of %s (%" PRIu64 " bytes)", offset,
@@ -180,9 +306,12 @@ static int file_inspect(const gpupool__config *cfg, int fd, uint64_t offset, uin
   return 0;
 }
 
-static int name_limits(gpupool__registry *reg, gpupool__client *c) {
+/* 0 when tenant may publish one more file: the name limits, max_files, max_files_per_uid. */
+static int name_limits(gpupool__registry *reg, uint64_t tenant) {
   const gpupool__config *cfg = reg->cfg;
-  int rc = gpupool__new_name_fits(reg, c->tenant);
+  gpupool__uid_usage *u;
+  char who[80];
+  int rc = gpupool__new_name_fits(reg, tenant);
   if (rc != 0)
     return rc;
   if (cfg->max_files && reg->nfiles >= cfg->max_files)
@@ -190,12 +319,21 @@ static int name_limits(gpupool__registry *reg, gpupool__client *c) {
                         "the daemon already keeps %" PRIu64 " files open for published names, the limit "
                         "(max_files) is %u; unpublish files no longer needed",
                         reg->nfiles, cfg->max_files);
+  u = gpupool__uid_usage_get(reg, tenant, 0);
+  if (cfg->max_files_per_uid && u && u->files >= cfg->max_files_per_uid) {
+    gpupool__tenant_label(cfg, tenant, who, sizeof who);
+    return gpupool__err(GPUPOOL_ELIMIT,
+                        "%s already has %u files published, the limit (max_files_per_uid) is %u; unpublish "
+                        "files it no longer needs (names outlive their publisher)",
+                        who, u->files, cfg->max_files_per_uid);
+  }
   return 0;
 }
 
-/* Ask the kernel to tell us (SIGIO) when someone opens the file for writing or truncates it. */
+/* Ask the kernel to tell us (SIGIO) when someone opens the file for writing or truncates it.
+ * Never on a description a client holds (see the top of this file). */
 static void file_lease(gpupool__registry *reg, gpupool__file *f) {
-  if (!reg->cfg->file_leases || !reg->lease_signal)
+  if (!reg->cfg->file_leases || !reg->lease_signal || f->shared)
     return;
   if (fcntl(f->fd, F_SETLEASE, F_RDLCK) == 0) {
     f->leased = 1;
@@ -206,13 +344,112 @@ static void file_lease(gpupool__registry *reg, gpupool__file *f) {
   GPUPOOL__DEBUG("no read lease on %s (%s): changes to it are caught at get time only", f->path, strerror(errno));
 }
 
+static void op_free(gpupool__file_op *op) {
+  free(op->key);
+  free(op->name);
+  free(op);
+}
+
+/* Worker thread: the checks, then the daemon's own description (the client's fd is closed
+ * here when the reopen worked: that close may wait on the file system too). */
+static void publish_work(gpupool__fop *base) {
+  gpupool__file_op *op = (gpupool__file_op *)base;
+  gpupool__file *f = op->f;
+  struct stat st;
+  int fd;
+  gpupool__err_clear();
+  if ((op->rc = file_inspect(op->reg->cfg, op->in_fd, f->offset, f->length, f)) != 0)
+    goto out;
+  fd = fd_reopen(op->in_fd);
+  if (fd >= 0 && (fstat(fd, &st) != 0 || (uint64_t)st.st_dev != f->dev || (uint64_t)st.st_ino != f->ino)) {
+    close(fd);
+    fd = -1;
+    errno = EXDEV;
+  }
+  if (fd < 0) {
+    snprintf(op->msg, sizeof op->msg, "%s", strerror(errno));
+    return; /* the publisher's description is kept (shared) */
+  }
+  close(op->in_fd);
+  op->in_fd = -1;
+  op->out_fd = fd;
+  return;
+out:
+  snprintf(op->msg, sizeof op->msg, "%s", gpupool__errmsg());
+}
+
+static void publish_done(gpupool__fop *base) {
+  gpupool__file_op *op = (gpupool__file_op *)base;
+  gpupool__registry *reg = op->reg;
+  gpupool__file *f = op->f;
+  gpupool__name *n = NULL;
+  gpupool__uid_usage *u = NULL;
+  int rc = op->rc;
+
+  if (base->cancelled)
+    rc = gpupool__err(GPUPOOL_ECLOSED, "the daemon is shutting down");
+  else if (rc != 0)
+    rc = gpupool__err(rc, "%s", op->msg);
+  /* Checked again: the name or a slot may have been taken while the file was looked at. */
+  else if (gpupool__smap_get(&reg->names, op->key))
+    rc = gpupool__err(GPUPOOL_EEXIST, "name '%s' is already published; unpublish it first or pick another name",
+                      op->name);
+  else if ((rc = name_limits(reg, op->tenant)) != 0)
+    ;
+  else if (!(n = calloc(1, sizeof *n)) || !(u = gpupool__uid_usage_get(reg, op->tenant, 1)) ||
+           !(n->name = strdup(op->key)) || gpupool__smap_put(&reg->names, op->key, n) != 0)
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  if (rc != 0) {
+    if (u)
+      gpupool__uid_usage_put(reg, u);
+    if (n)
+      free(n->name);
+    free(n);
+    fd_close(reg, op->tenant, op->in_fd);
+    fd_close(reg, op->tenant, op->out_fd);
+    free(f->path);
+    free(f);
+    if (op->arg)
+      op->done(op->arg, rc, NULL, -1);
+    op_free(op);
+    return;
+  }
+  if (op->out_fd >= 0) {
+    f->fd = op->out_fd;
+  } else {
+    f->fd = op->in_fd;
+    f->shared = 1;
+    GPUPOOL__DEBUG("cannot reopen %s (%s): consumers get the publisher's open file description and the daemon "
+                   "takes no lease on it", f->path, op->msg);
+  }
+  f->refs = 1;
+  f->tenant = op->tenant;
+  n->file = f;
+  n->version = 1; /* a file is not versioned: publishing its name again is refused */
+  n->uid = op->uid;
+  n->tenant = op->tenant;
+  n->read_only = 1;
+  n->created_ns = gpupool__now_ns();
+  u->names++;
+  u->files++;
+  reg->nnames++;
+  reg->nfiles++;
+  file_lease(reg, f);
+  GPUPOOL__PEER_INFO(op->log_rl, op->client_id,
+                     "client %" PRIu64 " (uid %u) published file %s (%" PRIu64 " bytes at offset %" PRIu64
+                     " of %" PRIu64 ") as '%s'%s",
+                     op->client_id, (unsigned)op->uid, f->path, f->length, f->offset, f->size, op->name,
+                     f->leased ? ", with a read lease" : "");
+  if (op->arg)
+    op->done(op->arg, 0, f, -1);
+  op_free(op);
+}
+
 int gpupool__publish_file(gpupool__registry *reg, gpupool__client *c, const char *name, int fd, uint64_t offset,
-                          uint64_t length, const gpupool__name **out) {
+                          uint64_t length, gpupool__file_done done, void *arg, gpupool__file_op **out) {
   char key[GPUPOOL_NAME_KEY_MAX + 1];
   uint64_t owner;
-  gpupool__file *f = NULL;
-  gpupool__name *n = NULL;
-  gpupool__uid_usage *u;
+  gpupool__file_op *op = NULL;
   int rc;
 
   if (!reg->cfg->allow_files) {
@@ -222,71 +459,137 @@ int gpupool__publish_file(gpupool__registry *reg, gpupool__client *c, const char
   }
   if ((rc = gpupool__name_key(reg, c, name, key, sizeof key, &owner)) != 0)
     goto fail;
+  /* What can be refused at once is, before the file is looked at. */
   if (gpupool__smap_get(&reg->names, key)) {
     rc = gpupool__err(GPUPOOL_EEXIST, "name '%s' is already published; unpublish it first or pick another name",
                       name);
     goto fail;
   }
-  if ((rc = name_limits(reg, c)) != 0)
+  if ((rc = name_limits(reg, c->tenant)) != 0)
     goto fail;
-  if (!(f = calloc(1, sizeof *f)) || !(n = calloc(1, sizeof *n))) {
+  if (!(op = calloc(1, sizeof *op)) || !(op->f = calloc(1, sizeof *op->f)) || !(op->key = strdup(key)) ||
+      !(op->name = strdup(name))) {
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     goto fail;
   }
-  if ((rc = file_inspect(reg->cfg, fd, offset, length, f)) != 0)
-    goto fail;
-  /* Needed to count this name: made now, before anything is filed. */
-  if (!(u = gpupool__uid_usage_get(reg, c->tenant, 1)) || !(n->name = strdup(key))) {
-    if (u)
-      gpupool__uid_usage_put(reg, u);
-    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
-    goto fail;
+  op->base.tenant = c->tenant;
+  op->base.work = publish_work;
+  op->base.done = publish_done;
+  op->reg = reg;
+  op->done = done;
+  op->arg = arg;
+  op->tenant = c->tenant;
+  op->uid = c->uid;
+  op->client_id = c->id;
+  op->log_rl = &c->log_rl;
+  op->in_fd = fd;
+  op->out_fd = -1;
+  op->f->fd = -1;
+  op->f->offset = offset;
+  op->f->length = length;
+  if (!reg->fops) {
+    publish_work(&op->base);
+    *out = op;
+    publish_done(&op->base);
+    return 0;
   }
-  if (gpupool__smap_put(&reg->names, key, n) != 0) {
-    gpupool__uid_usage_put(reg, u);
-    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  if ((rc = gpupool__fileops_submit(reg->fops, &op->base)) != 0)
     goto fail;
-  }
-  f->fd = fd;
-  n->file = f;
-  n->version = 1; /* a file is not versioned: publishing its name again is refused */
-  n->uid = c->uid;
-  n->tenant = c->tenant;
-  n->read_only = 1;
-  n->created_ns = gpupool__now_ns();
-  u->names++;
-  reg->nnames++;
-  reg->nfiles++;
-  file_lease(reg, f);
-  GPUPOOL__PEER_INFO(&c->log_rl, c->id,
-                     "client %" PRIu64 " (uid %u) published file %s (%" PRIu64 " bytes at offset %" PRIu64 " of %" PRIu64
-                     ") as '%s'%s",
-                c->id, (unsigned)c->uid, f->path, f->length, f->offset, f->size, name,
-                f->leased ? ", with a read lease" : "");
-  *out = n;
+  *out = op;
   return 0;
 fail:
-  if (n)
-    free(n->name);
-  free(n);
-  if (f)
-    free(f->path);
-  free(f);
-  close(fd);
+  if (op) {
+    free(op->f);
+    op_free(op);
+  }
+  fd_close(reg, c->tenant, fd);
   return rc;
 }
 
-int gpupool__get_file(gpupool__registry *reg, gpupool__client *c, const char *name, const gpupool__name **out) {
+/* Worker thread: the file as it is now, and a description of its own for the consumer. */
+static void get_work(gpupool__fop *base) {
+  gpupool__file_op *op = (gpupool__file_op *)base;
+  gpupool__file *f = op->f;
+  gpupool__err_clear();
+  if ((op->rc = file_check(f, op->name)) != 0) {
+    snprintf(op->msg, sizeof op->msg, "%s", gpupool__errmsg());
+    return;
+  }
+  if (f->shared)
+    return; /* the consumer gets the publisher's description (see the top of this file) */
+  if ((op->out_fd = fd_reopen(f->fd)) < 0) {
+    op->rc = GPUPOOL_EFD;
+    snprintf(op->msg, sizeof op->msg, "cannot open file '%s' (%s) for this client: %s", op->name, f->path,
+             strerror(errno));
+  }
+}
+
+static void get_done(gpupool__fop *base) {
+  gpupool__file_op *op = (gpupool__file_op *)base;
+  gpupool__registry *reg = op->reg;
+  gpupool__file *f = op->f;
+  int rc = op->rc;
+  if (base->cancelled)
+    rc = gpupool__err(GPUPOOL_ECLOSED, "the daemon is shutting down");
+  else if (rc != 0)
+    rc = gpupool__err(rc, "%s", op->msg);
+  else if (f->stale) /* the lease broke while the file was looked at */
+    rc = stale_error(f, op->name);
+  if (op->arg)
+    op->done(op->arg, rc, f, rc != 0 ? -1 : f->shared ? f->fd : op->out_fd);
+  fd_close(reg, op->tenant, op->out_fd);
+  file_unref(reg, f);
+  op_free(op);
+}
+
+int gpupool__get_file(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__file_done done,
+                      void *arg, gpupool__file_op **out) {
   gpupool__name *n;
+  gpupool__file_op *op;
   int rc = gpupool__find_name(reg, c, name, &n);
   if (rc != 0)
     return rc;
   if (!n->file)
     return gpupool__err(GPUPOOL_EINVAL, "'%s' names a buffer, not a file: get it with gpupool_get", name);
-  if ((rc = file_check(n->file, name)) != 0)
+  if (n->file->stale)
+    return stale_error(n->file, name);
+  if (!(op = calloc(1, sizeof *op)) || !(op->name = strdup(name))) {
+    free(op);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  }
+  op->base.tenant = c->tenant;
+  op->base.work = get_work;
+  op->base.done = get_done;
+  op->reg = reg;
+  op->done = done;
+  op->arg = arg;
+  op->tenant = c->tenant;
+  op->uid = c->uid;
+  op->client_id = c->id;
+  op->in_fd = -1;
+  op->out_fd = -1;
+  op->f = n->file;
+  n->file->refs++;
+  if (!reg->fops) {
+    get_work(&op->base);
+    *out = op;
+    get_done(&op->base);
+    return 0;
+  }
+  if ((rc = gpupool__fileops_submit(reg->fops, &op->base)) != 0) {
+    n->file->refs--;
+    op_free(op);
     return rc;
-  *out = n;
+  }
+  *out = op;
   return 0;
+}
+
+void gpupool__file_op_forget(gpupool__file_op *op) {
+  if (op) {
+    op->arg = NULL;
+    op->log_rl = NULL;
+  }
 }
 
 void gpupool__files_lease_check(gpupool__registry *reg) {

@@ -611,7 +611,7 @@ gpupool__uid_usage *gpupool__uid_usage_get(gpupool__registry *reg, uint64_t tena
 void gpupool__uid_usage_put(gpupool__registry *reg, gpupool__uid_usage *u) {
   if (u && u->allocs == 0 && u->bytes == 0 && u->names == 0 && u->members == 0 && u->holds == 0 &&
       u->leases == 0 &&
-      u->conns == 0 && u->waiters == 0) {
+      u->conns == 0 && u->waiters == 0 && u->files == 0) {
     gpupool__hmap_del(&reg->uids, u->tenant);
     free(u);
   }
@@ -1934,6 +1934,18 @@ int gpupool__bundle_allocate(gpupool__registry *reg, gpupool__client *c, const g
   return 0;
 }
 
+/* Take n out of the table and free it. */
+static void name_remove(gpupool__registry *reg, gpupool__name *n) {
+  gpupool__uid_usage *u;
+  gpupool__smap_del(&reg->names, n->name);
+  reg->nnames--;
+  if ((u = gpupool__uid_usage_get(reg, n->tenant, 0))) {
+    u->names--;
+    gpupool__uid_usage_put(reg, u);
+  }
+  name_free(reg, n);
+}
+
 int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *name) {
   gpupool__name *n;
   int rc = gpupool__find_name(reg, c, name, &n);
@@ -1941,16 +1953,16 @@ int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *n
     return rc;
   /* Found in the caller's own namespace (its tenant's, or a group it is in): its members
    * share it, so any of them may take a name out. */
-  gpupool__smap_del(&reg->names, n->name);
-  reg->nnames--;
-  {
-    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, n->tenant, 0);
-    if (u) {
-      u->names--;
-      gpupool__uid_usage_put(reg, u);
-    }
-  }
-  name_free(reg, n);
+  name_remove(reg, n);
+  return 0;
+}
+
+int gpupool__unpublish_key(gpupool__registry *reg, const char *key) {
+  gpupool__name *n = gpupool__smap_get(&reg->names, key);
+  if (!n)
+    return gpupool__err(GPUPOOL_ENOENT, "no name is filed under '%s' (names are listed with their tenant, e.g. "
+                        "uid:1000/weights, by gpupoolctl names)", key);
+  name_remove(reg, n);
   return 0;
 }
 

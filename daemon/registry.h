@@ -168,10 +168,11 @@ struct gpupool__hold {
   gpupool__hold *prev, *next;   /* in client->holds */
 };
 
-/* A published read-only file (files.c): the fd the publisher opened O_RDONLY itself and
- * passed with PublishFile, owned here until the name goes, and the range and identity it had
- * when published. Consumers receive the same fd; at each get the daemon checks that the file
- * still has that size and mtime and is long enough for the range. */
+/* A published read-only file (files.c): the daemon's own open file description of the file
+ * the publisher passed with PublishFile (reopened, so no client shares it), owned here until
+ * the name goes and the last operation using it is done, and the range and identity it had
+ * when published. Consumers each receive a description of their own; at each get the daemon
+ * checks that the file still has that size and mtime and is long enough for the range. */
 typedef struct {
   int fd;
   uint64_t offset, length;   /* the range consumers map (length > 0) */
@@ -182,6 +183,9 @@ typedef struct {
   char *path;                /* as resolved from the fd, for messages */
   int leased;                /* holds a read lease (F_SETLEASE F_RDLCK) */
   int stale;                 /* the lease broke: opened for writing or truncated */
+  int shared;                /* fd is the publisher's own description (it could not be reopened) */
+  uint32_t refs;             /* the name, and each operation on a worker thread using fd */
+  uint64_t tenant;           /* whose max_files_per_uid it counts against */
 } gpupool__file;
 
 /* A member of a bundle: a named range of one of its buffers. */
@@ -254,6 +258,7 @@ typedef struct {
   uint32_t leases;  /* waiting leases of this uid's closed connections */
   uint32_t conns;   /* its connections (server.c) */
   uint32_t waiters; /* its requests waiting (server.c) */
+  uint32_t files;   /* published files of its names (files.c) */
 } gpupool__uid_usage;
 
 /* The registry's part of a connected client (embedded in server.c's connection). */
@@ -303,6 +308,7 @@ struct gpupool__registry {
   uint64_t next_id;
   uint64_t nnames;
   uint64_t nfiles;           /* published files (each holds one fd) */
+  struct gpupool__fileops *fops; /* where files' fds are closed, off the loop (NULL: inline) */
   int lease_signal;          /* the server handles SIGIO: file leases may be taken */
   uv_timer_t sweep_timer;
   int sweep_timer_on;
@@ -405,14 +411,29 @@ int gpupool__bundle_allocate(gpupool__registry *reg, gpupool__client *c, const g
 /* Drop a hold made by the calls above before it reached the client (a reply failed). */
 void gpupool__hold_discard(gpupool__registry *reg, gpupool__hold *h);
 int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *name);
-/* Files (files.c). PublishFile: takes fd (closed on failure too), checks it is a regular file
- * opened read-only, the operator's allow_files / file_paths, the range and the name limits,
- * and files it under name in c's namespace; *out is the new name. */
+/* Files (files.c). Both requests do their system calls on the file off the loop
+ * (fileops.c) and answer through done, on the loop, unless the request is refused at once
+ * (their return value; done is then never called). done's rc is 0 or the error (message in
+ * gpupool__errmsg()); f is the file (valid during the call); fd is the fd to send the client
+ * with the reply or -1, still files.c's: send it (a queued reply duplicates it), do not close
+ * it. *op lets the caller forget the request (gpupool__file_op_forget) if it goes away first.
+ * PublishFile takes fd in every case: checks that it is a regular file opened read-only, the
+ * operator's allow_files / file_paths, the range and the name limits, and files it under name
+ * in c's namespace. GetFile: the file name c sees, checked against the file as it is now
+ * (GPUPOOL_ESTALE when it changed since publishing); GPUPOOL_ENOENT when absent,
+ * GPUPOOL_EINVAL for a buffer name. */
+typedef struct gpupool__file_op gpupool__file_op;
+typedef void (*gpupool__file_done)(void *arg, int rc, const gpupool__file *f, int fd);
 int gpupool__publish_file(gpupool__registry *reg, gpupool__client *c, const char *name, int fd,
-                          uint64_t offset, uint64_t length, const gpupool__name **out);
-/* GetFile: the file name c sees, checked against the file as it is now (GPUPOOL_ESTALE when it
- * changed since publishing); GPUPOOL_ENOENT when absent, GPUPOOL_EINVAL for a buffer name. */
-int gpupool__get_file(gpupool__registry *reg, gpupool__client *c, const char *name, const gpupool__name **out);
+                          uint64_t offset, uint64_t length, gpupool__file_done done, void *arg,
+                          gpupool__file_op **op);
+int gpupool__get_file(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__file_done done,
+                      void *arg, gpupool__file_op **op);
+/* The requester went away: done will not be called; what the request made is let go. */
+void gpupool__file_op_forget(gpupool__file_op *op);
+/* Operator: remove the name filed under key (e.g. "uid:1000/weights", as AdminNames lists it),
+ * whoever published it; GPUPOOL_ENOENT when there is none. */
+int gpupool__unpublish_key(gpupool__registry *reg, const char *key);
 /* Close a file object (its name is being removed). */
 void gpupool__file_close(gpupool__registry *reg, gpupool__file *f);
 /* SIGIO came: find the files whose lease is breaking, mark them stale and let the lease go. */

@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "errors.h"
+#include "fileops.h"
 #include "paths.h"
 #include "log.h"
 #include "metrics.h"
@@ -31,6 +32,20 @@
 #define WAIT_FOREVER UINT32_MAX
 
 typedef struct gpupool__conn gpupool__conn;
+
+/* A PublishFile or GetFile whose system calls run off the loop (files.c): answered when they
+ * are done, or forgotten if the connection goes first. */
+typedef struct fwait fwait;
+struct fwait {
+  gpupool__conn *conn;
+  uint64_t seq;
+  int kind;             /* the reply body case */
+  int count;            /* counted in the metrics when answered (not a waiter's: that was counted) */
+  char *name;
+  gpupool__file_op *op;
+  uint64_t started_ns;
+  fwait *prev, *next;   /* in conn->fwaits */
+};
 
 /* What a waiting request is: an allocation, a get, a bundle get, a bundle allocation, a get
  * of a file. */
@@ -95,10 +110,12 @@ struct gpupool__conn {
   size_t heap;        /* what this connection's queue and input buffer hold (counted in srv) */
   gpupool__waiter *waiters;
   uint32_t nwaiters;
+  fwait *fwaits;
   gpupool__uid_usage *u; /* its uid's record in the registry (connections, waiters, ...) */
   int hello_done;
   int closing;
   int drop_after_flush;
+  int fops_paused;    /* not read while its tenant's file calls pile up (fileops.c) */
   int host_fences;    /* its last request said it cannot use the daemon's events */
   fenced *fenced_head, **fenced_tail;
   size_t fenced_bytes;
@@ -134,6 +151,8 @@ struct gpupool__server {
   uint64_t last_activity_ns;
   gpupool__metrics *metrics; /* counters and exporters; closed with the server */
   uv_signal_t sigio;         /* file leases breaking (files.c) */
+  gpupool__fileops *fops;    /* closes and file calls off the loop (fileops.c) */
+  uint32_t npaused;          /* connections with fops_paused */
   int sigio_on;
   FILE *trace;               /* GPUPOOL_TRACE: a line per request, as the client library writes */
   uv_timer_t fence_timer;    /* polls the events of held-back replies while there are any */
@@ -146,6 +165,16 @@ static void conn_update_poll(gpupool__conn *c);
 static void conn_drop_after_flush(gpupool__conn *c);
 static void conn_heap(gpupool__conn *c);
 static void retry_waiters(gpupool__registry *reg, gpupool__pool *pool);
+
+/* Every fd a client sent, and every copy of a file's fd, is closed off the loop: closing a file
+ * on a stalled file system waits (FUSE sends FLUSH). Charged to the connection's tenant. */
+static void conn_close_fd(void *arg, int fd) {
+  gpupool__conn *c = arg;
+  if (c->srv->fops)
+    gpupool__fileops_close(c->srv->fops, c->cl.tenant, fd);
+  else if (fd >= 0)
+    close(fd);
+}
 
 uint64_t gpupool__server_clients(const gpupool__server *s) { return s->nconns; }
 uint64_t gpupool__server_last_activity(const gpupool__server *s) { return s->last_activity_ns; }
@@ -227,9 +256,9 @@ static void send_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep
 
 /* ---- replies held back for clients without events (Request.host_fences) --------------------- */
 
-static void fenced_free(fenced *f) {
+static void fenced_free(gpupool__conn *c, fenced *f) {
   for (int i = 0; i < f->nfds; i++)
-    close(f->fds[i]);
+    conn_close_fd(c, f->fds[i]);
   free(f->buf);
   free(f);
 }
@@ -261,7 +290,7 @@ static void fenced_flush(gpupool__conn *c) {
     s->nfenced--;
     conn_send(c, f->buf, f->len, f->fds, f->nfds); /* takes buf (even when it closes c); copies the fds */
     f->buf = NULL;
-    fenced_free(f);
+    fenced_free(c, f);
   }
 }
 
@@ -282,7 +311,7 @@ static void fenced_drop_all(gpupool__conn *c) {
     fenced *f = c->fenced_head;
     c->fenced_head = f->next;
     c->srv->nfenced--;
-    fenced_free(f);
+    fenced_free(c, f);
   }
   c->fenced_tail = &c->fenced_head;
   c->fenced_bytes = 0;
@@ -308,12 +337,12 @@ static void park_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep
     if ((f->fds[f->nfds] = fcntl(fds[i], F_DUPFD_CLOEXEC, 3)) >= 0)
       f->nfds++;
   if (f->nfds != nfds) {
-    fenced_free(f);
+    fenced_free(c, f);
     conn_close(c, "out of file descriptors holding a reply back until its buffers are ready");
     return;
   }
   if (pack_reply(c, seq, rep, &f->buf, &f->len) != 0) {
-    fenced_free(f); /* pack_reply closed the connection */
+    fenced_free(c, f); /* pack_reply closed the connection */
     return;
   }
   *c->fenced_tail = f;
@@ -409,7 +438,8 @@ static void reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *
                        uint64_t version);
 static void reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold **hs, uint32_t nhs,
                          const gpupool__layout *layout, const gpupool__name *nm, uint64_t known_layout);
-static void reply_file(gpupool__conn *c, uint64_t seq, const gpupool__name *n, const char *name, int kind);
+static void reply_file(gpupool__conn *c, uint64_t seq, const gpupool__file *f, const char *name, int kind, int fd);
+static int file_get_start(gpupool__conn *c, uint64_t seq, const char *name, int count);
 static int body_of(int kind) {
   switch (kind) {
   case WAIT_ALLOC: return GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
@@ -444,12 +474,8 @@ static int try_get(gpupool__waiter *w) {
   gpupool__conn *c = w->conn;
   gpupool__registry *reg = c->srv->reg;
   int rc;
-  if (w->kind == WAIT_GET_FILE) {
-    const gpupool__name *fn = NULL;
-    if ((rc = gpupool__get_file(reg, &c->cl, w->name, &fn)) == 0)
-      reply_file(c, w->seq, fn, w->name, GPUPOOL__WIRE__REPLY__BODY_GET_FILE);
-    return rc;
-  }
+  if (w->kind == WAIT_GET_FILE)
+    return file_get_start(c, w->seq, w->name, 0); /* answered once the file was looked at */
   if (w->kind == WAIT_BGET) {
     gpupool__hold **hs = NULL;
     const gpupool__name *nm = NULL;
@@ -787,12 +813,11 @@ out:
 }
 
 /* A file name's description, and its fd in the same frame. kind: the reply body case. */
-static void reply_file(gpupool__conn *c, uint64_t seq, const gpupool__name *n, const char *name, int kind) {
+static void reply_file(gpupool__conn *c, uint64_t seq, const gpupool__file *f, const char *name, int kind, int fd) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__PublishFileReply pr = GPUPOOL__WIRE__PUBLISH_FILE_REPLY__INIT;
   Gpupool__Wire__GetFileReply gr = GPUPOOL__WIRE__GET_FILE_REPLY__INIT;
   Gpupool__Wire__FileInfo fi = GPUPOOL__WIRE__FILE_INFO__INIT;
-  const gpupool__file *f = n->file;
   fi.name = (char *)name;
   fi.offset = f->offset;
   fi.length = f->length;
@@ -806,7 +831,7 @@ static void reply_file(gpupool__conn *c, uint64_t seq, const gpupool__name *n, c
     gr.file = &fi;
     rep.body_case = GPUPOOL__WIRE__REPLY__BODY_GET_FILE;
     rep.get_file = &gr;
-    send_reply(c, seq, &rep, &f->fd, 1);
+    send_reply(c, seq, &rep, &fd, 1);
   } else {
     pr.file = &fi;
     rep.body_case = GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE;
@@ -1145,33 +1170,104 @@ static int handle_unpublish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire_
   return 0;
 }
 
-static int handle_publish_file(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__PublishFile *m) {
-  const gpupool__name *n = NULL;
+static void fwait_unlink(fwait *fw) {
+  gpupool__conn *c = fw->conn;
+  if (fw->prev)
+    fw->prev->next = fw->next;
+  else
+    c->fwaits = fw->next;
+  if (fw->next)
+    fw->next->prev = fw->prev;
+}
+
+static fwait *fwait_new(gpupool__conn *c, uint64_t seq, int kind, const char *name, int count) {
+  fwait *fw = calloc(1, sizeof *fw);
+  if (!fw || !(fw->name = strdup(name))) {
+    free(fw);
+    gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    return NULL;
+  }
+  fw->conn = c;
+  fw->seq = seq;
+  fw->kind = kind;
+  fw->count = count;
+  fw->started_ns = gpupool__now_ns();
+  fw->next = c->fwaits;
+  if (c->fwaits)
+    c->fwaits->prev = fw;
+  c->fwaits = fw;
+  return fw;
+}
+
+static void fwait_free(fwait *fw) {
+  free(fw->name);
+  free(fw);
+}
+
+/* files.c is done with a PublishFile or GetFile of c's: answer it. */
+static void file_done(void *arg, int rc, const gpupool__file *f, int fd) {
+  fwait *fw = arg;
+  gpupool__conn *c = fw->conn;
+  fwait_unlink(fw);
+  if (rc != 0)
+    send_error(c, fw->seq, rc, gpupool__errmsg());
+  else
+    reply_file(c, fw->seq, f, fw->name, fw->kind, fd);
+  if (rc == 0 && fw->kind == GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE && !c->closing)
+    published(c, fw->name);
+  if (fw->count && c->srv->metrics)
+    gpupool__metrics_request(c->srv->metrics,
+                             fw->kind == GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE ? GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE
+                                                                               : GPUPOOL__WIRE__REQUEST__BODY_GET_FILE,
+                             rc, gpupool__now_ns() - fw->started_ns);
+  fwait_free(fw);
+}
+
+/* A GetFile of name for c, answered when files.c has looked at the file: 0, or the error now. */
+static int file_get_start(gpupool__conn *c, uint64_t seq, const char *name, int count) {
+  fwait *fw = fwait_new(c, seq, GPUPOOL__WIRE__REPLY__BODY_GET_FILE, name, count);
+  int rc;
+  if (!fw)
+    return GPUPOOL_ENOMEM;
+  if ((rc = gpupool__get_file(c->srv->reg, &c->cl, name, file_done, fw, &fw->op)) != 0) {
+    fwait_unlink(fw);
+    fwait_free(fw);
+  }
+  return rc;
+}
+
+static int handle_publish_file(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__PublishFile *m, int *deferred) {
+  fwait *fw;
   int fd = c->frame_fd, rc;
   c->frame_fd = -1;
   if (fd < 0)
     return gpupool__err(GPUPOOL_EFD, "PublishFile carries no fd: the client opens the file O_RDONLY and sends the "
                         "fd with the request (gpupool_publish_file does)");
-  if ((rc = gpupool__publish_file(c->srv->reg, &c->cl, m->name, fd, m->offset, m->length, &n)) != 0)
-    return rc; /* fd closed there */
-  reply_file(c, seq, n, m->name, GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE);
-  published(c, m->name);
+  if (!(fw = fwait_new(c, seq, GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE, m->name, 1))) {
+    conn_close_fd(c, fd);
+    return GPUPOOL_ENOMEM;
+  }
+  if ((rc = gpupool__publish_file(c->srv->reg, &c->cl, m->name, fd, m->offset, m->length, file_done, fw,
+                                  &fw->op)) != 0) {
+    fwait_unlink(fw); /* fd closed there */
+    fwait_free(fw);
+    return rc;
+  }
+  *deferred = 1;
   return 0;
 }
 
 static int handle_get_file(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__GetFile *m, int *deferred) {
-  const gpupool__name *n = NULL;
-  int rc = gpupool__get_file(c->srv->reg, &c->cl, m->name, &n);
+  int rc = file_get_start(c, seq, m->name, 1);
   if (rc == GPUPOOL_ENOENT && m->timeout_ms > 0) {
     if ((rc = waiter_add(c, seq, WAIT_GET_FILE, m->timeout_ms, NULL, 0, 0, m->name, 1, 0, NULL)) != 0)
       return rc;
     *deferred = 1;
     return 0;
   }
-  if (rc != 0)
-    return rc;
-  reply_file(c, seq, n, m->name, GPUPOOL__WIRE__REPLY__BODY_GET_FILE);
-  return 0;
+  if (rc == 0)
+    *deferred = 1;
+  return rc;
 }
 
 static int handle_stats(gpupool__conn *c, uint64_t seq) {
@@ -1306,6 +1402,70 @@ static int handle_admin_drop(gpupool__conn *c, uint64_t seq, const Gpupool__Wire
   return 0;
 }
 
+/* Every tenant's names, files included: what an operator needs to find and remove names that
+ * outlived their publisher. */
+static int handle_admin_names(gpupool__conn *c, uint64_t seq) {
+  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
+  Gpupool__Wire__AdminNamesReply ar = GPUPOOL__WIRE__ADMIN_NAMES_REPLY__INIT;
+  gpupool__registry *reg = c->srv->reg;
+  Gpupool__Wire__NameInfo *infos = NULL, **ptrs = NULL;
+  uint64_t now = gpupool__now_ns();
+  size_t n = 0;
+  if (!is_admin(c))
+    return admin_denied(c);
+  if (reg->names.len &&
+      (!(infos = calloc(reg->names.len, sizeof *infos)) || !(ptrs = calloc(reg->names.len, sizeof *ptrs)))) {
+    free(infos);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory listing %zu names", reg->names.len);
+  }
+  for (size_t i = 0; i < reg->names.cap && n < reg->names.len; i++) {
+    gpupool__name *nm;
+    Gpupool__Wire__NameInfo *ni = &infos[n];
+    if (!gpupool__smap_slot_used(&reg->names, i))
+      continue;
+    nm = reg->names.slots[i].val;
+    gpupool__wire__name_info__init(ni);
+    ni->key = nm->name;
+    ni->uid = (uint32_t)nm->uid;
+    ni->version = nm->version;
+    ni->age_s = (now - nm->created_ns) / 1000000000ull;
+    ni->path = (char *)"";
+    if (nm->file) {
+      ni->kind = (char *)"file";
+      ni->path = nm->file->path;
+      ni->size = nm->file->length;
+    } else {
+      ni->kind = nm->layout ? (char *)"bundle" : (char *)"buffer";
+      for (uint32_t j = 0; j < nm->nbufs; j++)
+        ni->size += nm->bufs[j]->asked;
+    }
+    ptrs[n++] = ni;
+  }
+  ar.n_names = n;
+  ar.names = ptrs;
+  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_ADMIN_NAMES;
+  rep.admin_names = &ar;
+  send_reply(c, seq, &rep, NULL, 0);
+  free(infos);
+  free(ptrs);
+  return 0;
+}
+
+static int handle_admin_unpublish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__AdminUnpublish *m) {
+  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
+  Gpupool__Wire__AdminUnpublishReply ar = GPUPOOL__WIRE__ADMIN_UNPUBLISH_REPLY__INIT;
+  int rc;
+  if (!is_admin(c))
+    return admin_denied(c);
+  if ((rc = gpupool__unpublish_key(c->srv->reg, m->key)) != 0)
+    return rc;
+  GPUPOOL__INFO("operator (uid %u) unpublished '%s'", (unsigned)c->cl.uid, m->key);
+  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_ADMIN_UNPUBLISH;
+  rep.admin_unpublish = &ar;
+  send_reply(c, seq, &rep, NULL, 0);
+  return 0;
+}
+
 static int handle_trim(gpupool__conn *c, uint64_t seq) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__TrimReply tr = GPUPOOL__WIRE__TRIM_REPLY__INIT;
@@ -1361,9 +1521,13 @@ static int dispatch(gpupool__conn *c, const Gpupool__Wire__Request *req, int *de
   case GPUPOOL__WIRE__REQUEST__BODY_GET_BUNDLE:
     return handle_get_bundle(c, req->seq, req->get_bundle, deferred);
   case GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE:
-    return handle_publish_file(c, req->seq, req->publish_file);
+    return handle_publish_file(c, req->seq, req->publish_file, deferred);
   case GPUPOOL__WIRE__REQUEST__BODY_GET_FILE:
     return handle_get_file(c, req->seq, req->get_file, deferred);
+  case GPUPOOL__WIRE__REQUEST__BODY_ADMIN_NAMES:
+    return handle_admin_names(c, req->seq);
+  case GPUPOOL__WIRE__REQUEST__BODY_ADMIN_UNPUBLISH:
+    return handle_admin_unpublish(c, req->seq, req->admin_unpublish);
   default:
     return gpupool__err(GPUPOOL_EPROTO,
                         "unknown request type (field %d); this daemon (%s) may be older than the client",
@@ -1390,7 +1554,7 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
     int nfds = gpupool__wire_inbuf_frame_nfds(&c->in);
     c->frame_fd = gpupool__wire_inbuf_take_fd(&c->in);
     if (nfds > 1) {
-      close(c->frame_fd);
+      conn_close_fd(c, c->frame_fd);
       c->frame_fd = -1;
       send_error(c, 0, GPUPOOL_EFD, "a request carries at most one of the client's file descriptors (PublishFile's file); these were "
                  "closed");
@@ -1399,7 +1563,7 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
   }
   req = gpupool__wire__request__unpack(NULL, len, payload);
   if (req && c->frame_fd >= 0 && req->body_case != GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE) {
-    close(c->frame_fd);
+    conn_close_fd(c, c->frame_fd);
     c->frame_fd = -1;
     send_error(c, req->seq, GPUPOOL_EFD, "the daemon accepts file descriptors only with PublishFile; the one sent with this "
                  "request was closed");
@@ -1408,7 +1572,7 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
   }
   if (!req) {
     if (c->frame_fd >= 0)
-      close(c->frame_fd);
+      conn_close_fd(c, c->frame_fd);
     c->frame_fd = -1;
     GPUPOOL__PEER_WARN(&c->cl.log_rl, c->cl.id, "client %" PRIu64 " (pid %d) sent a malformed frame; dropping it",
                        c->cl.id, (int)c->cl.pid);
@@ -1429,7 +1593,7 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
     send_error(c, req->seq, rc, gpupool__errmsg());
   }
   if (c->frame_fd >= 0) {
-    close(c->frame_fd); /* refused before the handler took it */
+    conn_close_fd(c, c->frame_fd); /* refused before the handler took it */
     c->frame_fd = -1;
   }
   if (!deferred)
@@ -1464,6 +1628,8 @@ static void conn_close(gpupool__conn *c, const char *why) {
   if (c->closing)
     return;
   c->closing = 1;
+  if (c->fops_paused)
+    s->npaused--;
   if (gpupool__log_get_level() >= GPUPOOL_LOG_DEBUG)
     GPUPOOL__DEBUG("client %" PRIu64 " disconnected (pid %d uid %u '%s'): %s; had %" PRIu64 " hold(s)", c->cl.id,
                    (int)c->cl.pid, (unsigned)c->cl.uid, c->cl.name, why, c->cl.nholds);
@@ -1474,6 +1640,12 @@ static void conn_close(gpupool__conn *c, const char *why) {
   for (w = c->waiters; w; w = next) {
     next = w->cnext;
     waiter_remove(w);
+  }
+  while (c->fwaits) {
+    fwait *fw = c->fwaits;
+    gpupool__file_op_forget(fw->op); /* files.c lets go of what it made */
+    fwait_unlink(fw);
+    fwait_free(fw);
   }
   /* Before its holds go: the events of those buffers may be handed out again after. */
   fenced_drop_all(c);
@@ -1502,7 +1674,7 @@ static void conn_io(uv_poll_t *p, int status, int events);
 /* Reads stop once a connection is to be dropped: nothing it sends after a protocol violation
  * is looked at, so it cannot make the daemon buffer more. */
 static void conn_update_poll(gpupool__conn *c) {
-  int want = (c->drop_after_flush ? 0 : UV_READABLE) | (c->txq.head ? UV_WRITABLE : 0);
+  int want = (c->drop_after_flush || c->fops_paused ? 0 : UV_READABLE) | (c->txq.head ? UV_WRITABLE : 0);
   if (c->closing || want == c->poll_events)
     return;
   c->poll_events = want;
@@ -1571,6 +1743,15 @@ static void conn_io(uv_poll_t *p, int status, int events) {
     return;
   if (c->drop_after_flush)
     return;
+  if (c->srv->fops && gpupool__fileops_backlog(c->srv->fops, c->cl.tenant) >= GPUPOOL_FILEOPS_BACKLOG_PAUSE) {
+    /* Its tenant's file calls pile up (a file system that does not answer): each fd it sends
+     * would be held until its close can run, so nothing more is read from it until they
+     * drain (fops_drained). */
+    c->fops_paused = 1;
+    c->srv->npaused++;
+    conn_update_poll(c);
+    return;
+  }
   c->srv->last_activity_ns = gpupool__now_ns();
   {
     const uint8_t *payload;
@@ -1757,6 +1938,8 @@ static void conn_new(gpupool__server *s, int fd, const struct ucred *cred, gpupo
   snprintf(c->cl.name, sizeof c->cl.name, "-");
   gpupool__wire_inbuf_init(&c->in, s->cfg->max_frame);
   gpupool__wire_txq_init(&c->txq);
+  c->in.close_fd = c->txq.close_fd = conn_close_fd;
+  c->in.close_arg = c->txq.close_arg = c;
   c->fenced_tail = &c->fenced_head;
   gpupool__client_init(s->reg, &c->cl);
   uv_poll_init(s->loop, &c->poll, fd);
@@ -1902,6 +2085,19 @@ static void on_sigio(uv_signal_t *h, int signum) {
   gpupool__files_lease_check(s->reg);
 }
 
+/* A tenant's file calls drained below the pause mark: read its connections again. */
+static void fops_drained(void *arg, uint64_t tenant) {
+  gpupool__server *s = arg;
+  if (!s->npaused)
+    return;
+  for (gpupool__conn *c = s->conns; c; c = c->next)
+    if (c->fops_paused && c->cl.tenant == tenant) {
+      c->fops_paused = 0;
+      s->npaused--;
+      conn_update_poll(c);
+    }
+}
+
 static void stats_release(void *server, Gpupool__Wire__StatsReply *st) {
   (void)server;
   stats_free(st);
@@ -1922,6 +2118,14 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
   s->cfg = cfg;
   s->reg = reg;
   s->started_ns = gpupool__now_ns();
+  if (!(s->fops = gpupool__fileops_new(loop))) {
+    gpupool__metrics_close(s->metrics);
+    free(s);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  }
+  reg->fops = s->fops;
+  s->fops->on_drain = fops_drained;
+  s->fops->drain_arg = s;
   {
     /* GPUPOOL_TRACE=FILE: when each request came in (CLOCK_MONOTONIC us) and how long handling
      * it took, to line up with the clients' traces of the same handoff. */
@@ -1941,6 +2145,8 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
     if ((rc = bind_socket(cfg, &s->listen_fd)) != 0) {
       reg->owner = NULL;
       reg->on_memory = NULL;
+      reg->fops = NULL;
+      gpupool__fileops_free(s->fops);
       gpupool__smap_free(&s->get_q);
       gpupool__hmap_free(&s->alloc_q);
       gpupool__metrics_close(s->metrics);
@@ -2014,6 +2220,10 @@ void gpupool__server_stop(gpupool__server *s) {
   s->stopping = 1;
   while (s->conns)
     conn_close(s->conns, "daemon shutting down");
+  /* What is queued is cancelled, what runs finishes; closes from now on happen here. */
+  s->reg->fops = NULL;
+  gpupool__fileops_free(s->fops);
+  s->fops = NULL;
   if (s->own_socket)
     gpupool__unlink_socket(s->cfg->socket_path);
   s->reg->on_memory = NULL;

@@ -360,6 +360,8 @@ static const char *body_name(int body_case) {
   case GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS: return "AdminBuffers";
   case GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT: return "AdminDropClient";
   case GPUPOOL__WIRE__REQUEST__BODY_TRIM: return "Trim";
+  case GPUPOOL__WIRE__REQUEST__BODY_ADMIN_NAMES: return "AdminNames";
+  case GPUPOOL__WIRE__REQUEST__BODY_ADMIN_UNPUBLISH: return "AdminUnpublish";
   default: return "request";
   }
 }
@@ -367,7 +369,9 @@ static const char *body_name(int body_case) {
 static int is_admin(int body_case) {
   return body_case == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_CLIENTS ||
          body_case == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS ||
-         body_case == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT;
+         body_case == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT ||
+         body_case == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_NAMES ||
+         body_case == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_UNPUBLISH;
 }
 
 /* Send req and read its reply. Returns 0 with *out (the caller frees it), EXIT_REFUSED when
@@ -451,6 +455,8 @@ static int call(ctl *c, gpupool__req *req, gpupool__rep **out) {
               "  Admin requests need root or the daemon's own user (uid %d%s%s); try "
               "'sudo gpupoolctl %s'.",
               c->cmd, msg, (int)c->daemon_uid, pw ? ", " : "", pw ? pw->pw_name : "", c->cmd);
+    } else if (code == GPUPOOL_ENOENT && bc == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_UNPUBLISH) {
+      die_msg("no name is filed under '%s' (see 'gpupoolctl names' for the keys)", req->admin_unpublish->key);
     } else if (code == GPUPOOL_ENOENT && bc == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT) {
       die_msg("no client with pid %d is connected (see 'gpupoolctl clients')",
               (int)req->admin_drop_client->pid);
@@ -742,8 +748,53 @@ static int cmp_by_name(const void *a, const void *b) {
   return strcmp(x->name, y->name);
 }
 
-/* `buffers` lists every live buffer; `names` only the published ones, sorted by name. */
+/* Published files are names without buffers: `names` lists them after the buffers' names, with
+ * the tenant in their key and the uid that published them. */
+static void print_files(ctl *c, const Gpupool__Wire__AdminNamesReply *r) {
+  table t;
+  size_t n = 0;
+  if (c->json) {
+    printf(",\"files\":[");
+    for (size_t i = 0; i < r->n_names; i++) {
+      int f = 1;
+      if (strcmp(r->names[i]->kind, "file") != 0)
+        continue;
+      printf("%s{", n++ ? "," : "");
+      jkv_str("name", r->names[i]->key, &f);
+      jkv_u64("uid", r->names[i]->uid, &f);
+      jkv_u64("size", r->names[i]->size, &f);
+      jkv_u64("age_s", r->names[i]->age_s, &f);
+      jkv_str("path", r->names[i]->path, &f);
+      putchar('}');
+    }
+    putchar(']');
+    return;
+  }
+  table_init(&t, 5);
+  t.right[1] = t.right[2] = t.right[3] = 1;
+  table_row(&t, "FILE NAME", "UID", "SIZE", "AGE", "PATH");
+  for (size_t i = 0; i < r->n_names; i++) {
+    char uid[16], size[32], age[32];
+    if (strcmp(r->names[i]->kind, "file") != 0)
+      continue;
+    snprintf(uid, sizeof(uid), "%u", r->names[i]->uid);
+    fmt_size(r->names[i]->size, size, sizeof(size));
+    fmt_age(r->names[i]->age_s, age, sizeof(age));
+    table_row(&t, r->names[i]->key, uid, size, age, r->names[i]->path);
+    n++;
+  }
+  if (n) {
+    putchar('\n');
+    table_print(&t);
+  }
+  table_free(&t);
+}
+
+/* `buffers` lists every live buffer; `names` only the published ones, sorted by name, and
+ * then the published files. */
 static int cmd_buffers(ctl *c, int names_only) {
+  Gpupool__Wire__AdminNames an = GPUPOOL__WIRE__ADMIN_NAMES__INIT;
+  gpupool__rep *files = NULL;
   Gpupool__Wire__AdminBuffers ab = GPUPOOL__WIRE__ADMIN_BUFFERS__INIT;
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   gpupool__rep *rep;
@@ -753,11 +804,20 @@ static int cmd_buffers(ctl *c, int names_only) {
   table t;
   int rc;
 
+  if (names_only) {
+    req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_NAMES;
+    req.admin_names = &an;
+    if ((rc = call(c, &req, &files)) != 0)
+      return rc;
+  }
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS;
   req.admin_buffers = &ab;
   rc = call(c, &req, &rep);
-  if (rc != 0)
+  if (rc != 0) {
+    if (files)
+      gpupool__wire__reply__free_unpacked(files, NULL);
     return rc;
+  }
   r = rep->admin_buffers;
   v = calloc(r->n_buffers + 1, sizeof(*v));
   if (v == NULL) {
@@ -790,7 +850,10 @@ static int cmd_buffers(ctl *c, int names_only) {
         jkv_str("name", v[i]->name, &f);
       putchar('}');
     }
-    puts("]}");
+    putchar(']');
+    if (files)
+      print_files(c, files->admin_names);
+    puts("}");
     goto out;
   }
   table_init(&t, 7);
@@ -816,8 +879,35 @@ static int cmd_buffers(ctl *c, int names_only) {
   }
   table_print(&t);
   table_free(&t);
+  if (files)
+    print_files(c, files->admin_names);
 out:
   free(v);
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  if (files)
+    gpupool__wire__reply__free_unpacked(files, NULL);
+  return 0;
+}
+
+/* Remove a name of any tenant, by the key `names` shows ("uid:1000/weights"). */
+static int cmd_unpublish(ctl *c, const char *key) {
+  Gpupool__Wire__AdminUnpublish au = GPUPOOL__WIRE__ADMIN_UNPUBLISH__INIT;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  gpupool__rep *rep;
+  int rc;
+  if (key == NULL || !*key) {
+    die_msg("unpublish wants the name's key as 'gpupoolctl names' shows it, e.g. uid:1000/weights");
+    return EXIT_USAGE;
+  }
+  au.key = (char *)key;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_UNPUBLISH;
+  req.admin_unpublish = &au;
+  if ((rc = call(c, &req, &rep)) != 0)
+    return rc;
+  if (c->json)
+    printf("{\"unpublished\":\"%s\"}\n", key);
+  else
+    printf("unpublished %s\n", key);
   gpupool__wire__reply__free_unpacked(rep, NULL);
   return 0;
 }
@@ -902,7 +992,10 @@ static void usage(FILE *f) {
           "  status            daemon version, backend, uptime, clients and pool usage\n"
           "  clients           connected clients: id, pid, user, name, holds, bytes, age (admin)\n"
           "  buffers           live buffers: id, pool, size, holders, age, owner pid, name (admin)\n"
-          "  names             published names and their buffers (admin)\n"
+          "  names             published names and their buffers, then published files, of every\n"
+          "                    tenant (admin)\n"
+          "  unpublish KEY     remove the name filed under KEY, as names shows it (uid:1000/x),\n"
+          "                    whichever tenant published it (admin)\n"
           "  stats             every daemon and pool counter, one per line\n"
           "  drop-client PID   disconnect every connection of process PID, releasing its holds "
           "(admin)\n"
@@ -961,7 +1054,7 @@ int main(int argc, char **argv) {
   c.cmd = argv[optind];
   arg = optind + 1 < argc ? argv[optind + 1] : NULL;
   {
-    int want_arg = strcmp(c.cmd, "drop-client") == 0;
+    int want_arg = strcmp(c.cmd, "drop-client") == 0 || strcmp(c.cmd, "unpublish") == 0;
     if (optind + 1 + want_arg < argc) {
       die_msg("unexpected argument '%s' after '%s'", argv[optind + 1 + want_arg], c.cmd);
       return EXIT_USAGE;
@@ -970,7 +1063,7 @@ int main(int argc, char **argv) {
   if (strcmp(c.cmd, "status") != 0 && strcmp(c.cmd, "clients") != 0 &&
       strcmp(c.cmd, "buffers") != 0 && strcmp(c.cmd, "names") != 0 &&
       strcmp(c.cmd, "stats") != 0 && strcmp(c.cmd, "drop-client") != 0 &&
-      strcmp(c.cmd, "trim") != 0) {
+      strcmp(c.cmd, "trim") != 0 && strcmp(c.cmd, "unpublish") != 0) {
     die_msg("unknown command '%s'; see 'gpupoolctl --help'", c.cmd);
     return EXIT_USAGE;
   }
@@ -1014,6 +1107,8 @@ int main(int argc, char **argv) {
     rc = cmd_buffers(&c, 1);
   else if (strcmp(c.cmd, "drop-client") == 0)
     rc = cmd_drop(&c, arg);
+  else if (strcmp(c.cmd, "unpublish") == 0)
+    rc = cmd_unpublish(&c, arg);
   else
     rc = cmd_trim(&c);
 

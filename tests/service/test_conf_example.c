@@ -110,6 +110,8 @@ static void test_documented_defaults(void **state) {
   assert_int_equal(c.max_frame, d.max_frame);
   assert_int_equal(c.max_names, d.max_names);
   assert_int_equal(c.max_names_per_uid, d.max_names_per_uid);
+  assert_int_equal(c.max_files, d.max_files);
+  assert_int_equal(c.max_files_per_uid, d.max_files_per_uid);
   assert_int_equal(c.max_holds_per_client, d.max_holds_per_client);
   assert_int_equal(c.max_holds_per_uid, d.max_holds_per_uid);
   assert_int_equal(c.max_clients_per_uid, d.max_clients_per_uid);
