@@ -9,7 +9,8 @@
 #   tools/fairness-bench.sh                    # every mode, 3 s each
 #   tools/fairness-bench.sh --modes wake,hash  # some modes (idle always runs)
 #   tools/fairness-bench.sh --seconds 5        # longer measuring time per mode
-#   tools/fairness-bench.sh --quick            # every mode briefly: does it run?
+#   tools/fairness-bench.sh --quick            # every mode once, briefly: does it run?
+#   tools/fairness-bench.sh --repeat 3 --nice -10  # median of 3 runs, ahead of other work
 #
 # With $OUT set, the output is also written to $OUT/fairness-bench.log.
 set -euo pipefail
