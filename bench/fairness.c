@@ -227,25 +227,33 @@ static int raw_hello(const bench *b, int timeout_s) {
   return fd;
 }
 
+/* Ready once, after the first try whatever came of it: a daemon that refuses the flood (drops
+ * the connection at a frame's header, refuses the connection) is measured too. */
+static void ready_once(int *first) {
+  if (*first) {
+    *first = 0;
+    ready();
+  }
+}
+
 /* Raw frames sent over and over on one connection, connecting again whenever the daemon
- * drops it (counted); ready once the daemon has the first frame. close_each: a new connection
- * for every frame, so that what a frame was given goes with its connection (not counted). */
+ * drops it (a refusal, counted); ready once the daemon has the first frame. close_each: a new
+ * connection for every frame, so that what a frame was given goes with its connection. */
 static void raw_loop(const bench *b, const uint8_t *frame, size_t len, int close_each) {
   int fd = -1, first = 1;
   for (;;) {
     gpupool__rep *rep;
-    int got = 0;
+    int got = 0, out;
     if (fd < 0 && (fd = raw_hello(b, 120)) < 0) {
       atomic_fetch_add(&counts->reconnects, 1);
+      ready_once(&first);
       sleep_ms(1);
       continue;
     }
-    if (gpupool__wire_send(fd, frame, len, NULL, 0) == 0) {
+    out = gpupool__wire_send(fd, frame, len, NULL, 0) == 0;
+    ready_once(&first);
+    if (out) {
       atomic_fetch_add(&counts->sent, 1);
-      if (first) {
-        first = 0;
-        ready();
-      }
       if ((rep = th_raw_recv(fd))) {
         got = 1;
         answered(rep->error ? rep->error->code : 0);
@@ -256,8 +264,10 @@ static void raw_loop(const bench *b, const uint8_t *frame, size_t len, int close
     }
     close(fd);
     fd = -1;
-    if (!got)
+    if (!got) {
+      atomic_fetch_add(&counts->refused, 1);
       atomic_fetch_add(&counts->reconnects, 1);
+    }
   }
 }
 
