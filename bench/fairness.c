@@ -433,6 +433,17 @@ static void limits_flood(const bench *b, int idx, int nprocs) {
 
 static int one_proc(const bench *b) { return 1; }
 
+/* After a drop: the publishes still in flight are ended (the library wants every pending
+ * request ended before its client goes), then the publisher connects again. */
+static void wake_reconnect(const bench *b, gpupool_client **pc, gpupool_pending **pub) {
+  for (int i = 0; i < WAKE_DEPTH; i++)
+    if (pub[i]) {
+      gpupool_pending_cancel(pub[i]);
+      pub[i] = NULL;
+    }
+  fl_reconnect(b, pc);
+}
+
 static void wake_flood(const bench *b, int idx, int nprocs) {
   gpupool_client *w[WAKE_WAITERS / WAKE_PER_CONN], *pc = NULL;
   gpupool_pending *pub[WAKE_DEPTH] = {0};
@@ -461,10 +472,9 @@ static void wake_flood(const bench *b, int idx, int nprocs) {
       }
       if (gpupool_alloc(pc, NULL, 4096, 0, NULL, &buf) != 0) {
         buf = NULL;
-        fl_reconnect(b, &pc);
+        wake_reconnect(b, &pc, pub);
         continue;
       }
-      memset(pub, 0, sizeof pub);
     }
     /* Keep WAKE_DEPTH publishes in flight: end the oldest, begin the next. */
     if (pub[head % WAKE_DEPTH]) {
@@ -477,7 +487,7 @@ static void wake_flood(const bench *b, int idx, int nprocs) {
       }
       if (dropped(rc)) {
         buf = NULL;
-        fl_reconnect(b, &pc);
+        wake_reconnect(b, &pc, pub);
         continue;
       }
     }
@@ -486,7 +496,7 @@ static void wake_flood(const bench *b, int idx, int nprocs) {
       pub[head % WAKE_DEPTH] = NULL;
       atomic_fetch_add(&counts->refused, 1);
       buf = NULL;
-      fl_reconnect(b, &pc);
+      wake_reconnect(b, &pc, pub);
       continue;
     }
     head++;
@@ -672,6 +682,13 @@ static void on_alarm(int sig) {
     kill(daemon_pid, SIGKILL); /* the victim's request then fails at once */
 }
 
+/* Interrupted: the daemon goes now; the flooders follow their parent (PR_SET_PDEATHSIG). */
+static void on_stop(int sig) {
+  if (daemon_pid > 0)
+    kill(daemon_pid, SIGKILL);
+  _exit(128 + sig);
+}
+
 static pid_t start_daemon(const bench *b, const char *mode_name) {
   char log[160];
   pid_t pid;
@@ -726,6 +743,8 @@ static pid_t start_flooder(const bench *b, const mode *m, int idx, int nprocs) {
   if (pid != 0)
     return pid;
   signal(SIGALRM, SIG_DFL);
+  signal(SIGINT, SIG_DFL);
+  signal(SIGTERM, SIG_DFL);
   if (setgroups(0, NULL) != 0 || setresgid(NOBODY, NOBODY, NOBODY) != 0 ||
       setresuid(NOBODY, NOBODY, NOBODY) != 0)
     _exit(2);
@@ -920,6 +939,8 @@ int main(int argc, char **argv) {
     die("setpriority(%d): %s", nice_to, strerror(errno));
   signal(SIGPIPE, SIG_IGN);
   signal(SIGALRM, on_alarm);
+  signal(SIGINT, on_stop);
+  signal(SIGTERM, on_stop);
   counts = mmap(NULL, sizeof *counts, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   if (counts == MAP_FAILED)
     die("mmap: %s", strerror(errno));
