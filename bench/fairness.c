@@ -19,7 +19,7 @@
  *           per CPU, 2 to 8: more would measure the kernel's scheduler) sending every kind of
  *           request in turn (allocate/release, waiting gets, stats, publish, share/open,
  *           bundles, files, refused requests, connection churn), after filling the uid's
- *           names and a client's holds up to their limits;
+ *           names and a client's holds up to their limits (as far as 5 s of set-up allows);
  *   wake    4,096 gets parked with newer_than past any version (max_waiters_per_uid), then
  *           publishes of that name pipelined 16 deep: each publish wakes every waiter;
  *   frames  2 connections sending 1 MiB frames of ~349,000 unknown fields back to back;
@@ -81,6 +81,8 @@ typedef struct {
   atomic_uint_fast64_t refused;    /* requests answered with an error */
   atomic_uint_fast64_t reconnects; /* connections made again after a drop or a refused connect */
   atomic_uint_fast64_t ready;      /* flooder processes done with their set-up */
+  atomic_uint_fast64_t names;      /* limits: names held through the flood */
+  atomic_uint_fast64_t holds;      /* limits: holds of one client kept through the flood */
 } flood_counts;
 
 typedef struct {
@@ -118,6 +120,7 @@ typedef struct {
   lat base;             /* with no flood, on the same daemon, just before the flood */
   lat v;                /* during the flood */
   uint64_t sent, ok, refused, reconnects;
+  uint64_t names, holds; /* limits: what the flooder held through its flood */
   int ran;              /* 0: the mode could not be run (see why) */
   char why[160];
 } result;
@@ -394,10 +397,13 @@ static void limits_fill(const bench *b, fl_conn *conns, int n) {
     if (gpupool_publish(conns[0].b, name, NULL, NULL) != 0)
       break;
     count(0);
+    atomic_fetch_add(&counts->names, 1);
   }
   if (gpupool_share(conns[0].b, NULL, &tok) == 0)
-    while (now_ns() < end && gpupool_open(conns[1].c, &tok, 0, NULL, &x) == 0)
+    while (now_ns() < end && gpupool_open(conns[1].c, &tok, 0, NULL, &x) == 0) {
       count(0);
+      atomic_fetch_add(&counts->holds, 1);
+    }
 }
 
 static int limits_procs(const bench *b) { return b->flooders; }
@@ -844,6 +850,8 @@ static void run_mode(const bench *b, const mode *m, result *r) {
   if (nk > 0)
     victim(b, c, &r->v);
   r->sent = atomic_load(&counts->sent);
+  r->names = atomic_load(&counts->names);
+  r->holds = atomic_load(&counts->holds);
   r->ok = atomic_load(&counts->ok);
   r->refused = atomic_load(&counts->refused);
   r->reconnects = atomic_load(&counts->reconnects);
@@ -887,7 +895,7 @@ static int mode_wanted(const char *list, const char *name) {
 int main(int argc, char **argv) {
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
   /* One limits-mode flooder process per CPU (2 to 8): more would measure the scheduler. */
-  bench b = {.seconds = 3, .flooders = ncpu < 2 ? 2 : ncpu > 8 ? 8 : (int)ncpu, .members = 65000, .setup_s = 2,
+  bench b = {.seconds = 3, .flooders = ncpu < 2 ? 2 : ncpu > 8 ? 8 : (int)ncpu, .members = 65000, .setup_s = 5,
              .repeat = 1};
   const char *want = NULL;
   result res[NMODES], runs[MAX_REPEAT];
@@ -1010,6 +1018,9 @@ int main(int argc, char **argv) {
     printf("%-7s %8zu %9.1f %9.1f %11.1f %9.1f %8.2fx %9" PRIu64 " %9" PRIu64 " %9" PRIu64 " %7" PRIu64 "%s\n",
            modes[i].name, r->v.n, r->v.p50, r->v.p99, r->v.max, r->base.p99, ratio(r), r->sent, r->ok,
            r->refused, r->reconnects, r->v.stalled ? "  STALLED: daemon killed" : "");
+    if (r->names + r->holds)
+      printf("        (held through the flood: %" PRIu64 " names, %" PRIu64 " holds on one connection)\n", r->names,
+             r->holds);
     if (r->v.errors + r->base.errors)
       printf("        (the victim's requests were refused %d times)\n", r->v.errors + r->base.errors);
   }
