@@ -1254,27 +1254,23 @@ static void members_account(gpupool__registry *reg, uint64_t tenant, int64_t del
   gpupool__uid_usage_put(reg, u);
 }
 
-static uint64_t fnv(uint64_t h, const void *p, size_t n) {
-  for (size_t i = 0; i < n; i++)
-    h = (h ^ ((const uint8_t *)p)[i]) * 1099511628211ull;
-  return h;
-}
-
+/* Member tables and member names come from clients, so they are hashed with the seeded hash:
+ * a client that cannot predict it cannot line up tables or names on one slot. */
 /* What identifies a member's description: the fields in use, not the struct's bytes. */
-static uint64_t meta_hash(uint64_t h, const gpupool_tensor_meta *m) {
+static void meta_hash(gpupool__hash_state *st, const gpupool_tensor_meta *m) {
   uint8_t present = m != NULL;
-  h = fnv(h, &present, 1);
+  gpupool__hash_update(st, &present, 1);
   if (!m)
-    return h;
-  h = fnv(h, &m->dtype_code, sizeof m->dtype_code);
-  h = fnv(h, &m->dtype_bits, sizeof m->dtype_bits);
-  h = fnv(h, &m->dtype_lanes, sizeof m->dtype_lanes);
-  h = fnv(h, &m->ndim, sizeof m->ndim);
-  h = fnv(h, m->shape, (size_t)m->ndim * sizeof m->shape[0]);
-  h = fnv(h, &m->strides_present, sizeof m->strides_present);
+    return;
+  gpupool__hash_update(st, &m->dtype_code, sizeof m->dtype_code);
+  gpupool__hash_update(st, &m->dtype_bits, sizeof m->dtype_bits);
+  gpupool__hash_update(st, &m->dtype_lanes, sizeof m->dtype_lanes);
+  gpupool__hash_update(st, &m->ndim, sizeof m->ndim);
+  gpupool__hash_update(st, m->shape, (size_t)m->ndim * sizeof m->shape[0]);
+  gpupool__hash_update(st, &m->strides_present, sizeof m->strides_present);
   if (m->strides_present)
-    h = fnv(h, m->strides, (size_t)m->ndim * sizeof m->strides[0]);
-  return fnv(h, &m->byte_offset, sizeof m->byte_offset);
+    gpupool__hash_update(st, m->strides, (size_t)m->ndim * sizeof m->strides[0]);
+  gpupool__hash_update(st, &m->byte_offset, sizeof m->byte_offset);
 }
 
 static int meta_equal(const gpupool_tensor_meta *a, const gpupool_tensor_meta *b) {
@@ -1288,18 +1284,19 @@ static int meta_equal(const gpupool_tensor_meta *a, const gpupool_tensor_meta *b
 }
 
 static uint64_t table_hash(uint64_t tenant, const gpupool__member *m, uint32_t n, uint32_t nbufs) {
-  uint64_t h = 1469598103934665603ull;
-  h = fnv(h, &tenant, sizeof tenant);
-  h = fnv(h, &n, sizeof n);
-  h = fnv(h, &nbufs, sizeof nbufs);
+  gpupool__hash_state st;
+  gpupool__hash_init(&st);
+  gpupool__hash_update(&st, &tenant, sizeof tenant);
+  gpupool__hash_update(&st, &n, sizeof n);
+  gpupool__hash_update(&st, &nbufs, sizeof nbufs);
   for (uint32_t i = 0; i < n; i++) {
-    h = fnv(h, m[i].name, strlen(m[i].name) + 1);
-    h = fnv(h, &m[i].buffer, sizeof m[i].buffer);
-    h = fnv(h, &m[i].offset, sizeof m[i].offset);
-    h = fnv(h, &m[i].size, sizeof m[i].size);
-    h = meta_hash(h, m[i].meta);
+    gpupool__hash_update(&st, m[i].name, strlen(m[i].name) + 1);
+    gpupool__hash_update(&st, &m[i].buffer, sizeof m[i].buffer);
+    gpupool__hash_update(&st, &m[i].offset, sizeof m[i].offset);
+    gpupool__hash_update(&st, &m[i].size, sizeof m[i].size);
+    meta_hash(&st, m[i].meta);
   }
-  return h | 1;
+  return gpupool__hash_final(&st) | 1;
 }
 
 static int table_equal(const gpupool__layout *l, uint64_t tenant, const gpupool__member *m, uint32_t n,
@@ -1563,7 +1560,8 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
   return publish_commit(reg, c, key, old, bufs, 1, NULL, h->read_only, has_meta ? &m : NULL, version);
 }
 
-/* Refuses a table whose member names repeat (an open-addressing set of the names: O(n)). */
+/* Refuses a table whose member names repeat (an open-addressing set of the names: O(n), as
+ * long as the names cannot be chosen to share a slot, hence the seeded hash). */
 static int members_unique(const gpupool__member *m, size_t n) {
   size_t cap = 16, i;
   uint32_t *slots;
@@ -1572,7 +1570,7 @@ static int members_unique(const gpupool__member *m, size_t n) {
   if (!(slots = calloc(cap, sizeof *slots)))
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   for (i = 0; i < n; i++) {
-    size_t k = (size_t)fnv(1469598103934665603ull, m[i].name, strlen(m[i].name)) & (cap - 1);
+    size_t k = (size_t)gpupool__hash_bytes(m[i].name, strlen(m[i].name)) & (cap - 1);
     for (; slots[k]; k = (k + 1) & (cap - 1))
       if (!strcmp(m[i].name, m[slots[k] - 1].name)) {
         free(slots);
