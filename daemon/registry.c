@@ -12,6 +12,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <malloc.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1238,6 +1239,9 @@ int gpupool__open(gpupool__registry *reg, gpupool__client *c, const uint8_t *tok
 
 /* ---- names, versions, bundles ----------------------------------------------------------------- */
 
+/* Freeing a layout of at least this many members gives the freed heap pages back. */
+#define TRIM_AFTER_MEMBERS 4096
+
 static void members_free(gpupool__member *m, uint32_t n) {
   for (uint32_t i = 0; m && i < n; i++) {
     free(m[i].name);
@@ -1361,6 +1365,7 @@ static int layout_new(gpupool__registry *reg, uint64_t tenant, gpupool__member *
   gpupool__uid_usage *u = gpupool__uid_usage_get(reg, tenant, 1);
   if (u)
     u->members += n;
+  reg->nmembers += n;
   *out = l;
   return 0;
 }
@@ -1372,18 +1377,34 @@ static void layout_unref(gpupool__registry *reg, gpupool__layout *l) {
   if (gpupool__hmap_get(&reg->layout_hash, l->hash) == l)
     gpupool__hmap_del(&reg->layout_hash, l->hash);
   members_account(reg, l->tenant, -(int64_t)l->n);
+  reg->nmembers -= l->n;
   members_free(l->members, l->n);
+#ifdef __GLIBC__
+  /* A large table is tens of thousands of small blocks (names, descriptions) spread over the
+   * heap; malloc keeps their pages after free, so the daemon would stay at the high-water
+   * mark of the largest tables a client ever sent. Handing the free pages back costs a walk
+   * of the heap, paid only after tables this large. */
+  if (l->n >= TRIM_AFTER_MEMBERS)
+    malloc_trim(0);
+#endif
   free(l->need);
   free(l);
 }
 
-/* Whether n more members fit in tenant's max_members_per_uid (less `freed`, members a new
- * version releases). */
+/* Whether n more members fit in tenant's max_members_per_uid and in the daemon's max_members
+ * (less `freed`, members a new version releases). */
 static int members_fit(gpupool__registry *reg, uint64_t tenant, uint64_t n, uint64_t freed) {
   const gpupool__config *cfg = reg->cfg;
   gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, tenant);
-  uint64_t have = u ? u->members : 0;
+  uint64_t have = u ? u->members : 0, all = reg->nmembers > freed ? reg->nmembers - freed : 0;
   char who[80];
+  /* The per-tenant limit bounds one user; this one bounds them all together, since every
+   * tenant may fill its own budget. */
+  if (cfg->max_members && all + n > cfg->max_members)
+    return gpupool__err(GPUPOOL_ELIMIT,
+                        "%" PRIu64 " more members would bring the daemon to %" PRIu64 " members in member tables, "
+                        "over its limit (max_members) of %u; release or unpublish bundles, or raise max_members "
+                        "in the daemon's config", n, all + n, cfg->max_members);
   have = have > freed ? have - freed : 0;
   if (!cfg->max_members_per_uid || have + n <= cfg->max_members_per_uid)
     return 0;

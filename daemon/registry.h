@@ -300,6 +300,7 @@ struct gpupool__registry {
   gpupool__event *free_events;
   uint64_t next_id;
   uint64_t nnames;
+  uint64_t nmembers;         /* members of every layout, all tenants (max_members) */
   uint64_t nfiles;           /* published files (each holds one fd) */
   int lease_signal;          /* the server handles SIGIO: file leases may be taken */
   uv_timer_t sweep_timer;
