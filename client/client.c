@@ -1210,6 +1210,15 @@ int gpupool_connect(const char *socket_path, const char *client_name, gpupool_cl
   return gpupool_connect_timeout(socket_path, client_name, 0, out);
 }
 
+/* The daemon refuses a Hello whose client name is not UTF-8 (every string on the wire must
+ * be), and the name is only shown in logs: rather than fail the connect, bytes that are not
+ * UTF-8 become '?', a character cut by the copy's length limit included. */
+static void utf8_scrub(char *s) {
+  size_t bad;
+  while (gpupool__wire_utf8_check((const uint8_t *)s, strlen(s), &bad) != 0)
+    s[bad] = '?';
+}
+
 int gpupool_connect_timeout(const char *socket_path, const char *client_name, int timeout_ms,
                             gpupool_client **out) {
   gpupool_client *c;
@@ -1236,6 +1245,7 @@ int gpupool_connect_timeout(const char *socket_path, const char *client_name, in
     strcpy(c->socket_path, socket_path);
   }
   snprintf(c->name, sizeof c->name, "%s", client_name ? client_name : "");
+  utf8_scrub(c->name);
   env = getenv("GPUPOOL_RECONNECT_MS");
   c->reconnect_ms = env && *env ? atoi(env) : 5000;
   c->connect_timeout_ms = timeout_ms;

@@ -5,6 +5,7 @@
  */
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "errors.h"
 
@@ -38,11 +39,17 @@ const char *gpupool_strerror(int err) {
   }
 }
 
+/* Formats into a temporary first: callers add context to the previous failure with
+ * gpupool__err(rc, "member %d: %s", i, gpupool__errmsg()), and vsnprintf into the buffer it
+ * is reading from is undefined (glibc writes the prefix over the text before copying it,
+ * which came out as "member 0: member 0: ..."). */
 int gpupool__err(int code, const char *fmt, ...) {
+  char tmp[GPUPOOL__ERRMSG_MAX];
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(errmsg, sizeof errmsg, fmt, ap);
+  vsnprintf(tmp, sizeof tmp, fmt, ap);
   va_end(ap);
+  memcpy(errmsg, tmp, sizeof errmsg);
   return code;
 }
 

@@ -3,15 +3,24 @@
  * one implementation for both key kinds. Open addressing with linear probing over a power-of-two table, tombstones for deletions.
  *
  * Linear probing is only as good as the hash's low bits, and our keys are sequential ids, so
- * u64 keys go through the splitmix64 finalizer and strings through FNV-1a followed by the
- * same finalizer. The table is rebuilt when used slots plus tombstones pass 70%: doubled when
+ * u64 keys go through the splitmix64 finalizer (ids are the daemon's own: nobody can choose
+ * them to collide). String keys are names that peers choose, so they go through SipHash-1-3
+ * with a per-process random key: with an unseeded hash (FNV-1a, whose low bits depend only on
+ * the input's low bits) a client can make tens of thousands of names share one home slot and
+ * turn every insert into a walk of the whole run. The table is rebuilt when used slots plus tombstones pass 70%: doubled when
  * live entries need it, rebuilt at the same size when the load is mostly tombstones (a
  * delete/insert churn would otherwise fill the table with them and make misses probe
  * forever). A deletion whose next slot is empty needs no tombstone, so those are cleared at
  * once, along with any tombstones run that ends there.
  */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "errors.h"
 #include "hmap.h"
@@ -29,14 +38,99 @@ static uint64_t mix64(uint64_t x) {
   return x;
 }
 
-static uint64_t hash_str(const char *s) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-    h ^= *p;
-    h *= 0x100000001b3ull;
+/* --- seeded hash: SipHash-1-3 ------------------------------------------------------------- */
+
+static uint64_t sip_key[2];
+static pthread_once_t sip_once = PTHREAD_ONCE_INIT;
+
+/* The key: getrandom(2), never blocking (a daemon started early in boot must not hang on
+ * the entropy pool); if the kernel cannot give one, clocks, pid and addresses, which a
+ * remote peer cannot read either. */
+static void sip_seed(void) {
+  uint8_t k[16];
+  size_t have = 0;
+  while (have < sizeof k) {
+    ssize_t n = getrandom(k + have, sizeof k - have, GRND_NONBLOCK);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      break;
+    have += (size_t)n;
   }
-  return mix64(h);
+  memcpy(sip_key, k, sizeof sip_key);
+  if (have < sizeof k) {
+    struct timespec a, b;
+    clock_gettime(CLOCK_REALTIME, &a);
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    sip_key[0] ^= mix64((uint64_t)a.tv_sec * 1000000000ull + (uint64_t)a.tv_nsec) ^ (uint64_t)(uintptr_t)&a;
+    sip_key[1] ^= mix64((uint64_t)b.tv_nsec ^ (uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)&sip_seed;
+  }
 }
+
+#define ROTL(x, b) (uint64_t)(((x) << (b)) | ((x) >> (64 - (b))))
+
+static void sip_round(uint64_t *v) {
+  v[0] += v[1];
+  v[1] = ROTL(v[1], 13);
+  v[1] ^= v[0];
+  v[0] = ROTL(v[0], 32);
+  v[2] += v[3];
+  v[3] = ROTL(v[3], 16);
+  v[3] ^= v[2];
+  v[0] += v[3];
+  v[3] = ROTL(v[3], 21);
+  v[3] ^= v[0];
+  v[2] += v[1];
+  v[1] = ROTL(v[1], 17);
+  v[1] ^= v[2];
+  v[2] = ROTL(v[2], 32);
+}
+
+static void sip_compress(uint64_t *v, uint64_t m) {
+  v[3] ^= m;
+  sip_round(v);
+  v[0] ^= m;
+}
+
+void gpupool__hash_init(gpupool__hash_state *st) {
+  pthread_once(&sip_once, sip_seed);
+  st->v[0] = sip_key[0] ^ 0x736f6d6570736575ull;
+  st->v[1] = sip_key[1] ^ 0x646f72616e646f6dull;
+  st->v[2] = sip_key[0] ^ 0x6c7967656e657261ull;
+  st->v[3] = sip_key[1] ^ 0x7465646279746573ull;
+  st->tail = 0;
+  st->len = 0;
+}
+
+void gpupool__hash_update(gpupool__hash_state *st, const void *p, size_t n) {
+  const uint8_t *b = p;
+  for (size_t i = 0; i < n; i++) {
+    st->tail |= (uint64_t)b[i] << (8 * (st->len & 7));
+    if ((++st->len & 7) == 0) {
+      sip_compress(st->v, st->tail);
+      st->tail = 0;
+    }
+  }
+}
+
+uint64_t gpupool__hash_final(const gpupool__hash_state *st) {
+  uint64_t v[4] = {st->v[0], st->v[1], st->v[2], st->v[3]};
+  sip_compress(v, st->tail | (uint64_t)st->len << 56);
+  v[2] ^= 0xff;
+  sip_round(v);
+  sip_round(v);
+  sip_round(v);
+  return v[0] ^ v[1] ^ v[2] ^ v[3];
+}
+
+uint64_t gpupool__hash_bytes(const void *p, size_t n) {
+  gpupool__hash_state st;
+  gpupool__hash_init(&st);
+  gpupool__hash_update(&st, p, n);
+  return gpupool__hash_final(&st);
+}
+
+static uint64_t hash_str(const char *s) { return gpupool__hash_bytes(s, strlen(s)); }
 
 /* Whether inserting one more entry would push used + tombstones past 70% of cap. */
 static int needs_rebuild(size_t cap, size_t len, size_t dead) {
@@ -62,6 +156,17 @@ void gpupool__map_init(gpupool__map *m) { memset(m, 0, sizeof *m); }
 
 int gpupool__map_slot_used(const gpupool__map *m, size_t i) {
   return i < m->cap && m->slots[i].state == USED;
+}
+
+size_t gpupool__map_max_probe(const gpupool__map *m) {
+  size_t worst = 0;
+  for (size_t i = 0; i < m->cap; i++)
+    if (m->slots[i].state == USED) {
+      size_t d = (i - (size_t)m->slots[i].hash) & (m->cap - 1);
+      if (d > worst)
+        worst = d;
+    }
+  return worst;
 }
 
 static int key_eq(const gpupool__map_slot *s, uint64_t h, uint64_t ikey, const char *skey) {

@@ -152,6 +152,32 @@ int gpupool__wire_inbuf_next(gpupool__wire_inbuf *b, const uint8_t **payload, ui
 int gpupool__wire_inbuf_frame_nfds(const gpupool__wire_inbuf *b);
 int gpupool__wire_inbuf_take_fd(gpupool__wire_inbuf *b);
 
+/* Most fields one frame may carry that the receiver does not know (counted over nested
+ * messages too). A newer peer adds a few fields; old ones skip them. Nothing in the protocol
+ * depends on more: features are agreed in Hello/HelloReply (HelloReply.host_fences), not by
+ * sending fields and seeing what sticks. */
+#define GPUPOOL_WIRE_MAX_UNKNOWN_FIELDS 64
+
+typedef struct {
+  uint64_t seq;  /* the message's top-level field 1 if it was read (Request.seq, Reply.seq), else 0 */
+  int malformed; /* the bytes are no protobuf encoding of the message (as opposed to refused) */
+} gpupool__wire_verdict;
+
+/* One linear pass over a packed message of type d, allocating nothing, before unpacking it:
+ * 0, or GPUPOOL_EPROTO (malformed: v->malformed set; or more than
+ * GPUPOOL_WIRE_MAX_UNKNOWN_FIELDS unknown fields) or GPUPOOL_EINVAL (a string field holds a
+ * NUL or is not UTF-8), each with a message naming the field ("Request.publish.name"). What
+ * it accepts, protobuf-c unpacks; v->seq lets the refusal answer the request it refuses. */
+int gpupool__wire_validate(const ProtobufCMessageDescriptor *d, const uint8_t *buf, size_t len,
+                           gpupool__wire_verdict *v);
+
+/* Whether s[0..n) is UTF-8 (strict: no overlong forms, surrogates or code points past
+ * U+10FFFF) without NUL: 0, else GPUPOOL__WIRE_UTF8_NUL or GPUPOOL__WIRE_UTF8_INVALID with
+ * *bad the offset of the offending byte. */
+#define GPUPOOL__WIRE_UTF8_NUL 1
+#define GPUPOOL__WIRE_UTF8_INVALID 2
+int gpupool__wire_utf8_check(const uint8_t *s, size_t n, size_t *bad);
+
 /* Tensor metadata from the wire, checked: ranks, strides, dtype range, and a span (offset
  * included, overflow-checked) within size bytes. GPUPOOL_EMETA with a message otherwise. */
 int gpupool__wire_meta_from(const Gpupool__Wire__TensorMeta *w, uint64_t size, gpupool_tensor_meta *m);
@@ -165,8 +191,10 @@ void gpupool__wire_meta_to(const gpupool_tensor_meta *m, Gpupool__Wire__TensorMe
 int gpupool__wire_location(gpupool_mem_kind k);
 int gpupool__wire_mem_kind(int location, gpupool_mem_kind *out);
 
-/* A published name: 1..GPUPOOL_NAME_MAX bytes, no control characters. GPUPOOL_ENAME with a
- * message otherwise. */
+/* A published name or a bundle member's name: 1..GPUPOOL_NAME_MAX bytes of UTF-8, no control
+ * characters. GPUPOOL_ENAME with a message otherwise. The one check of names: the client
+ * library runs it before sending (so the caller hears of a bad name at once), the daemon on
+ * every name it is sent. */
 int gpupool__wire_check_name(const char *name);
 
 /* Names of the wire enums as shown to people and in metrics ("host", "cuda", "device", ...). */

@@ -84,7 +84,7 @@ int gpupool__wire_mem_kind(int location, gpupool_mem_kind *out) {
 
 /* Names are checked the same way by the client (before sending) and the daemon. */
 int gpupool__wire_check_name(const char *name) {
-  size_t n = strlen(name);
+  size_t n = strlen(name), bad;
   if (n == 0)
     return gpupool__err(GPUPOOL_ENAME, "empty name; names are 1 to %d bytes", GPUPOOL_NAME_MAX);
   if (n > GPUPOOL_NAME_MAX)
@@ -93,5 +93,7 @@ int gpupool__wire_check_name(const char *name) {
   for (size_t i = 0; i < n; i++)
     if ((unsigned char)name[i] < 0x20 || name[i] == 0x7f)
       return gpupool__err(GPUPOOL_ENAME, "name contains a control character at byte %zu", i);
+  if (gpupool__wire_utf8_check((const uint8_t *)name, n, &bad) != 0)
+    return gpupool__err(GPUPOOL_ENAME, "name is not valid UTF-8 (at byte %zu); names are UTF-8 text", bad);
   return 0;
 }

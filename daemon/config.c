@@ -46,6 +46,7 @@ void gpupool__config_defaults(gpupool__config *c) {
   c->max_names_per_uid = 4096;
   c->max_bundle_members = 65536;
   c->max_members_per_uid = 262144;
+  c->max_members = 1048576;
   c->max_holds_per_client = 65536;
   c->max_holds_per_uid = 262144;
   c->max_clients_per_uid = 256;
@@ -377,6 +378,8 @@ int gpupool__config_set(gpupool__config *c, const char *k, const char *v) {
   }
   if (!strcmp(k, "max_members_per_uid"))
     return parse_u32(v, &c->max_members_per_uid);
+  if (!strcmp(k, "max_members"))
+    return parse_u32(v, &c->max_members);
   if (!strcmp(k, "max_holds_per_client"))
     return parse_u32(v, &c->max_holds_per_client);
   if (!strcmp(k, "max_holds_per_uid"))

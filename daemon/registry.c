@@ -12,6 +12,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <malloc.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1238,6 +1239,9 @@ int gpupool__open(gpupool__registry *reg, gpupool__client *c, const uint8_t *tok
 
 /* ---- names, versions, bundles ----------------------------------------------------------------- */
 
+/* Freeing a layout of at least this many members gives the freed heap pages back. */
+#define TRIM_AFTER_MEMBERS 4096
+
 static void members_free(gpupool__member *m, uint32_t n) {
   for (uint32_t i = 0; m && i < n; i++) {
     free(m[i].name);
@@ -1254,27 +1258,23 @@ static void members_account(gpupool__registry *reg, uint64_t tenant, int64_t del
   gpupool__uid_usage_put(reg, u);
 }
 
-static uint64_t fnv(uint64_t h, const void *p, size_t n) {
-  for (size_t i = 0; i < n; i++)
-    h = (h ^ ((const uint8_t *)p)[i]) * 1099511628211ull;
-  return h;
-}
-
+/* Member tables and member names come from clients, so they are hashed with the seeded hash:
+ * a client that cannot predict it cannot line up tables or names on one slot. */
 /* What identifies a member's description: the fields in use, not the struct's bytes. */
-static uint64_t meta_hash(uint64_t h, const gpupool_tensor_meta *m) {
+static void meta_hash(gpupool__hash_state *st, const gpupool_tensor_meta *m) {
   uint8_t present = m != NULL;
-  h = fnv(h, &present, 1);
+  gpupool__hash_update(st, &present, 1);
   if (!m)
-    return h;
-  h = fnv(h, &m->dtype_code, sizeof m->dtype_code);
-  h = fnv(h, &m->dtype_bits, sizeof m->dtype_bits);
-  h = fnv(h, &m->dtype_lanes, sizeof m->dtype_lanes);
-  h = fnv(h, &m->ndim, sizeof m->ndim);
-  h = fnv(h, m->shape, (size_t)m->ndim * sizeof m->shape[0]);
-  h = fnv(h, &m->strides_present, sizeof m->strides_present);
+    return;
+  gpupool__hash_update(st, &m->dtype_code, sizeof m->dtype_code);
+  gpupool__hash_update(st, &m->dtype_bits, sizeof m->dtype_bits);
+  gpupool__hash_update(st, &m->dtype_lanes, sizeof m->dtype_lanes);
+  gpupool__hash_update(st, &m->ndim, sizeof m->ndim);
+  gpupool__hash_update(st, m->shape, (size_t)m->ndim * sizeof m->shape[0]);
+  gpupool__hash_update(st, &m->strides_present, sizeof m->strides_present);
   if (m->strides_present)
-    h = fnv(h, m->strides, (size_t)m->ndim * sizeof m->strides[0]);
-  return fnv(h, &m->byte_offset, sizeof m->byte_offset);
+    gpupool__hash_update(st, m->strides, (size_t)m->ndim * sizeof m->strides[0]);
+  gpupool__hash_update(st, &m->byte_offset, sizeof m->byte_offset);
 }
 
 static int meta_equal(const gpupool_tensor_meta *a, const gpupool_tensor_meta *b) {
@@ -1288,18 +1288,19 @@ static int meta_equal(const gpupool_tensor_meta *a, const gpupool_tensor_meta *b
 }
 
 static uint64_t table_hash(uint64_t tenant, const gpupool__member *m, uint32_t n, uint32_t nbufs) {
-  uint64_t h = 1469598103934665603ull;
-  h = fnv(h, &tenant, sizeof tenant);
-  h = fnv(h, &n, sizeof n);
-  h = fnv(h, &nbufs, sizeof nbufs);
+  gpupool__hash_state st;
+  gpupool__hash_init(&st);
+  gpupool__hash_update(&st, &tenant, sizeof tenant);
+  gpupool__hash_update(&st, &n, sizeof n);
+  gpupool__hash_update(&st, &nbufs, sizeof nbufs);
   for (uint32_t i = 0; i < n; i++) {
-    h = fnv(h, m[i].name, strlen(m[i].name) + 1);
-    h = fnv(h, &m[i].buffer, sizeof m[i].buffer);
-    h = fnv(h, &m[i].offset, sizeof m[i].offset);
-    h = fnv(h, &m[i].size, sizeof m[i].size);
-    h = meta_hash(h, m[i].meta);
+    gpupool__hash_update(&st, m[i].name, strlen(m[i].name) + 1);
+    gpupool__hash_update(&st, &m[i].buffer, sizeof m[i].buffer);
+    gpupool__hash_update(&st, &m[i].offset, sizeof m[i].offset);
+    gpupool__hash_update(&st, &m[i].size, sizeof m[i].size);
+    meta_hash(&st, m[i].meta);
   }
-  return h | 1;
+  return gpupool__hash_final(&st) | 1;
 }
 
 static int table_equal(const gpupool__layout *l, uint64_t tenant, const gpupool__member *m, uint32_t n,
@@ -1364,6 +1365,7 @@ static int layout_new(gpupool__registry *reg, uint64_t tenant, gpupool__member *
   gpupool__uid_usage *u = gpupool__uid_usage_get(reg, tenant, 1);
   if (u)
     u->members += n;
+  reg->nmembers += n;
   *out = l;
   return 0;
 }
@@ -1375,18 +1377,34 @@ static void layout_unref(gpupool__registry *reg, gpupool__layout *l) {
   if (gpupool__hmap_get(&reg->layout_hash, l->hash) == l)
     gpupool__hmap_del(&reg->layout_hash, l->hash);
   members_account(reg, l->tenant, -(int64_t)l->n);
+  reg->nmembers -= l->n;
   members_free(l->members, l->n);
+#ifdef __GLIBC__
+  /* A large table is tens of thousands of small blocks (names, descriptions) spread over the
+   * heap; malloc keeps their pages after free, so the daemon would stay at the high-water
+   * mark of the largest tables a client ever sent. Handing the free pages back costs a walk
+   * of the heap, paid only after tables this large. */
+  if (l->n >= TRIM_AFTER_MEMBERS)
+    malloc_trim(0);
+#endif
   free(l->need);
   free(l);
 }
 
-/* Whether n more members fit in tenant's max_members_per_uid (less `freed`, members a new
- * version releases). */
+/* Whether n more members fit in tenant's max_members_per_uid and in the daemon's max_members
+ * (less `freed`, members a new version releases). */
 static int members_fit(gpupool__registry *reg, uint64_t tenant, uint64_t n, uint64_t freed) {
   const gpupool__config *cfg = reg->cfg;
   gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, tenant);
-  uint64_t have = u ? u->members : 0;
+  uint64_t have = u ? u->members : 0, all = reg->nmembers > freed ? reg->nmembers - freed : 0;
   char who[80];
+  /* The per-tenant limit bounds one user; this one bounds them all together, since every
+   * tenant may fill its own budget. */
+  if (cfg->max_members && all + n > cfg->max_members)
+    return gpupool__err(GPUPOOL_ELIMIT,
+                        "%" PRIu64 " more members would bring the daemon to %" PRIu64 " members in member tables, "
+                        "over its limit (max_members) of %u; release or unpublish bundles, or raise max_members "
+                        "in the daemon's config", n, all + n, cfg->max_members);
   have = have > freed ? have - freed : 0;
   if (!cfg->max_members_per_uid || have + n <= cfg->max_members_per_uid)
     return 0;
@@ -1563,7 +1581,8 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
   return publish_commit(reg, c, key, old, bufs, 1, NULL, h->read_only, has_meta ? &m : NULL, version);
 }
 
-/* Refuses a table whose member names repeat (an open-addressing set of the names: O(n)). */
+/* Refuses a table whose member names repeat (an open-addressing set of the names: O(n), as
+ * long as the names cannot be chosen to share a slot, hence the seeded hash). */
 static int members_unique(const gpupool__member *m, size_t n) {
   size_t cap = 16, i;
   uint32_t *slots;
@@ -1572,7 +1591,7 @@ static int members_unique(const gpupool__member *m, size_t n) {
   if (!(slots = calloc(cap, sizeof *slots)))
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   for (i = 0; i < n; i++) {
-    size_t k = (size_t)fnv(1469598103934665603ull, m[i].name, strlen(m[i].name)) & (cap - 1);
+    size_t k = (size_t)gpupool__hash_bytes(m[i].name, strlen(m[i].name)) & (cap - 1);
     for (; slots[k]; k = (k + 1) & (cap - 1))
       if (!strcmp(m[i].name, m[slots[k] - 1].name)) {
         free(slots);

@@ -307,6 +307,7 @@ struct gpupool__registry {
   gpupool__event *free_events;
   uint64_t next_id;
   uint64_t nnames;
+  uint64_t nmembers;         /* members of every layout, all tenants (max_members) */
   uint64_t nfiles;           /* published files (each holds one fd) */
   struct gpupool__fileops *fops; /* where files' fds are closed, off the loop (NULL: inline) */
   int lease_signal;          /* the server handles SIGIO: file leases may be taken */

@@ -1538,6 +1538,7 @@ static int dispatch(gpupool__conn *c, const Gpupool__Wire__Request *req, int *de
 static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len) {
   gpupool__server *s = c->srv;
   Gpupool__Wire__Request *req;
+  gpupool__wire_verdict verdict;
   uint64_t t0 = gpupool__now_ns();
   int rc, deferred = 0, body = 0;
 
@@ -1561,7 +1562,20 @@ static void handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len)
       return;
     }
   }
-  req = gpupool__wire__request__unpack(NULL, len, payload);
+  /* A linear, allocation-free pass first: protobuf-c would allocate for every unknown field
+   * and cut strings at a NUL. A frame it refuses without being malformed is answered and the
+   * connection kept; a malformed one goes the way of any undecodable frame below. */
+  if ((rc = gpupool__wire_validate(&gpupool__wire__request__descriptor, payload, len, &verdict)) != 0 &&
+      !verdict.malformed) {
+    if (c->frame_fd >= 0)
+      close(c->frame_fd);
+    c->frame_fd = -1;
+    GPUPOOL__DEBUG("client %" PRIu64 ": frame refused before decoding: %s", c->cl.id, gpupool__errmsg());
+    send_error(c, verdict.seq, rc, gpupool__errmsg());
+    gpupool__metrics_request(s->metrics, 0, rc, gpupool__now_ns() - t0);
+    return;
+  }
+  req = rc == 0 ? gpupool__wire__request__unpack(NULL, len, payload) : NULL;
   if (req && c->frame_fd >= 0 && req->body_case != GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE) {
     conn_close_fd(c, c->frame_fd);
     c->frame_fd = -1;

@@ -83,7 +83,17 @@ typedef enum {
 /* Size of a share token in bytes. */
 #define GPUPOOL_TOKEN_SIZE 24
 
-/* Flags for gpupool_open() and gpupool_get() (and the bundle and pipelined gets). */
+/* Flags for gpupool_open() and gpupool_get() (and the bundle and pipelined gets).
+ *
+ * GPUPOOL_READ_ONLY: a hold that may not write, and a name published from it (or a token
+ * shared from it) hands out only read-only holds. On the host backend the kernel enforces it
+ * against a process whose holds on the buffer's slab are all read-only: it gets an O_RDONLY
+ * fd of the slab and a PROT_READ mapping. It is not a wall within a tenant: a slab holds
+ * buffers of one tenant, and a process of that tenant with a writable hold on any buffer of
+ * the slab maps the whole slab writable, and may write the read-only buffer through that
+ * mapping (in that process, a read-only hold in such a slab points into the writable
+ * mapping). Tenants that must not write each other's memory are separate tenants. On CUDA
+ * it is advisory (access flags are the importer's choice). */
 #define GPUPOOL_READ_ONLY 0x1u
 /* Keep a dedicated slab (a buffer larger than the pool's slab size, such as a bundle's) mapped
  * after its last buffer here is released, so that getting a later version that lies in it

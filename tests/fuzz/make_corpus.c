@@ -826,6 +826,68 @@ static void meta_seeds(void) {
   meta_seed("fp8", (5u << 20) - 1, 7, 8, 1, 2, s2, 2, st2, 0);
 }
 
+/* ---- wire: single messages for the pre-unpack check ------------------------------------------ */
+
+/* The frame a builder left as the first chunk of b, as a fuzz_wire input: sel (0 Request,
+ * 1 Reply), then the payload; every '#' in it becomes a NUL when nul is set (protobuf-c packs
+ * C strings, which cannot hold one). */
+static void wire_seed(const char *name, uint8_t sel, sbuf *b, int nul, size_t unknown) {
+  sbuf out = {0};
+  size_t n = b->len > FUZZ_CHUNK_HDR + GPUPOOL_WIRE_HDR ? (size_t)b->buf[1] | (size_t)b->buf[2] << 8 : 0;
+  if (n < GPUPOOL_WIRE_HDR || FUZZ_CHUNK_HDR + n > b->len) {
+    fprintf(stderr, "wire seed %s: no frame\n", name);
+    exit(1);
+  }
+  put(&out, &sel, 1);
+  put(&out, b->buf + FUZZ_CHUNK_HDR + GPUPOOL_WIRE_HDR, n - GPUPOOL_WIRE_HDR);
+  for (size_t i = 1; nul && i < out.len; i++)
+    if (out.buf[i] == '#')
+      out.buf[i] = '\0';
+  for (size_t i = 0; i < unknown; i++) /* field 1000, varint 1 */
+    put(&out, "\xc0\x3e\x01", 3);
+  emit_free("wire", name, &out);
+  free(b->buf);
+  memset(b, 0, sizeof *b);
+}
+
+static void wire_seeds(void) {
+  sbuf b = {0};
+  gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
+  uint64_t slabs[3] = {1, 300, 1ull << 40};
+  hello(&b, GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION);
+  wire_seed("hello", 0, &b, 0, 0);
+  publish(&b, 2, 3, "w", 2, 0);
+  wire_seed("publish_meta", 0, &b, 0, 0);
+  publish(&b, 2, 3, "nul#tail", 0, 0);
+  wire_seed("publish_nul", 0, &b, 1, 0);
+  publish(&b, 2, 3, "gr\xc3\xbc\xc3\x9f", 0, 0);
+  wire_seed("publish_utf8", 0, &b, 0, 0);
+  publish(&b, 2, 3, "bad\xc0\xaf", 0, 0);
+  wire_seed("publish_overlong", 0, &b, 0, 0);
+  allocate_bundle(&b, 3, 3, 64, 0, 0);
+  wire_seed("allocate_bundle", 0, &b, 0, 0);
+  publish_bundle(&b, 4, "dict", 4, 6, 200);
+  wire_seed("publish_bundle", 0, &b, 0, 0);
+  get_bundle(&b, 6, "dict", 1, 0);
+  wire_seed("get_bundle", 0, &b, 0, 0);
+  simple(&b, 5, GPUPOOL__WIRE__REQUEST__BODY_STATS);
+  wire_seed("stats_unknown_3", 0, &b, 0, 3);
+  simple(&b, 5, GPUPOOL__WIRE__REQUEST__BODY_STATS);
+  wire_seed("stats_unknown_65", 0, &b, 0, 65);
+  r.n_unmapped_slabs = 3; /* packed repeated varints */
+  r.unmapped_slabs = slabs;
+  r.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
+  r.stats = &(Gpupool__Wire__Stats)GPUPOOL__WIRE__STATS__INIT;
+  req(&b, 9, &r);
+  wire_seed("unmapped_slabs", 0, &b, 0, 0);
+  hello_reply(&b, GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION, GPUPOOL__WIRE__BACKEND_KIND__BACKEND_HOST);
+  wire_seed("hello_reply", 1, &b, 0, 0);
+  stats_reply(&b, 2, 7);
+  wire_seed("stats_reply", 1, &b, 0, 0);
+  bundle_reply(&b, 7, 7, 1, 1);
+  wire_seed("bundle_reply", 1, &b, 0, 0);
+}
+
 int main(int argc, char **argv) {
   if (argc != 2) {
     fprintf(stderr, "usage: %s OUT_DIR (tests/fuzz/corpus to regenerate the checked-in seeds)\n", argv[0]);
@@ -840,5 +902,6 @@ int main(int argc, char **argv) {
   client_seeds();
   config_seeds();
   meta_seeds();
+  wire_seeds();
   return 0;
 }

@@ -2,8 +2,10 @@
  * Unit tests of the u64 and string hash maps: put/get/del/replace, growth through many
  * rebuilds, delete/reinsert churn checked against a shadow table (and that tombstones do not
  * grow the table without bound), iteration, and string keys that share prefixes or hashes'
- * low bits.
+ * low bits. String keys are names peers choose: keys made to collide under the unseeded hash
+ * the map once used must still land spread out (short probes).
  */
+#include <inttypes.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -245,6 +247,77 @@ static void test_smap(void **state) {
   assert_int_equal(m.cap, 0);
 }
 
+/* The hash string keys had before they were seeded: FNV-1a, then the splitmix64 finalizer. An
+ * attacker can compute it offline, so it must not be what the map uses. */
+static uint64_t old_hash(const char *s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (const unsigned char *p = (const unsigned char *)s; *p; p++)
+    h = (h ^ *p) * 0x100000001b3ull;
+  h ^= h >> 30;
+  h *= 0xbf58476d1ce4e5b9ull;
+  h ^= h >> 27;
+  h *= 0x94d049bb133111ebull;
+  return h ^ (h >> 31);
+}
+
+/* How far the farthest key sits from the slot its stored hash points at (computed from the
+ * slots, so it measures the map whatever hash it uses). */
+static size_t max_probe(const gpupool__smap *m) {
+  size_t worst = 0;
+  for (size_t i = 0; i < m->cap; i++)
+    if (gpupool__smap_slot_used(m, i) && ((i - (size_t)m->slots[i].hash) & (m->cap - 1)) > worst)
+      worst = (i - (size_t)m->slots[i].hash) & (m->cap - 1);
+  return worst;
+}
+
+static void test_smap_flood(void **state) {
+  /* N keys whose old hashes agree in their low 12 bits: one home slot at every table size up
+   * to 4096, which N keys fit in. */
+  enum { N = 1500, BITS = 12 };
+  gpupool__smap m;
+  char (*keys)[24] = calloc(N, sizeof *keys);
+  unsigned n = 0;
+  (void)state;
+  assert_non_null(keys);
+  for (uint64_t j = 0; n < N; j++) {
+    char k[24];
+    snprintf(k, sizeof k, "t%" PRIx64, j);
+    if ((old_hash(k) & ((1u << BITS) - 1)) == 0x5a5)
+      memcpy(keys[n++], k, sizeof k);
+  }
+  gpupool__smap_init(&m);
+  for (unsigned i = 0; i < N; i++)
+    assert_int_equal(gpupool__smap_put(&m, keys[i], VAL(i)), 0);
+  assert_true(m.cap <= 1u << BITS);
+  for (unsigned i = 0; i < N; i++)
+    assert_ptr_equal(gpupool__smap_get(&m, keys[i]), VAL(i));
+  /* A random hash spreads 1500 keys over 4096 slots with probes of a few slots; the old hash
+   * put them all in one run, 1500 long. 64 is far from both. */
+  if (max_probe(&m) >= 64)
+    fail_msg("keys that collided under the old hash probe %zu slots", max_probe(&m));
+  assert_int_equal(gpupool__map_max_probe(&m), max_probe(&m));
+  gpupool__smap_free(&m);
+  free(keys);
+}
+
+/* The seeded hash: equal input, equal hash; every byte and the length count; the incremental
+ * form agrees with the one-shot form whatever the split. */
+static void test_seeded_hash(void **state) {
+  const char *s = "abcdefghijklmnopqrstuvwxyz";
+  gpupool__hash_state st;
+  (void)state;
+  assert_int_equal(gpupool__hash_bytes(s, 26), gpupool__hash_bytes(s, 26));
+  assert_int_not_equal(gpupool__hash_bytes(s, 26), gpupool__hash_bytes(s, 25));
+  assert_int_not_equal(gpupool__hash_bytes("a\0", 2), gpupool__hash_bytes("a", 1));
+  assert_int_not_equal(gpupool__hash_bytes("ab", 2), gpupool__hash_bytes("ba", 2));
+  for (size_t cut = 0; cut <= 26; cut++) {
+    gpupool__hash_init(&st);
+    gpupool__hash_update(&st, s, cut);
+    gpupool__hash_update(&st, s + cut, 26 - cut);
+    assert_int_equal(gpupool__hash_final(&st), gpupool__hash_bytes(s, 26));
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_u64_basic),
@@ -253,6 +326,8 @@ int main(void) {
       cmocka_unit_test(test_u64_delete_reinsert),
       cmocka_unit_test(test_u64_sliding_window),
       cmocka_unit_test(test_smap),
+      cmocka_unit_test(test_smap_flood),
+      cmocka_unit_test(test_seeded_hash),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,85 @@
+/*
+ * Names through the client library: the library refuses a name the daemon would (not UTF-8,
+ * control characters) before anything is sent, with GPUPOOL_ENAME and a message that names
+ * the member, said once. The daemon's own refusals of raw frames are in test_costly.c.
+ */
+#include "harness.h"
+
+static th_daemon D;
+
+static int setup(void **state) {
+  (void)state;
+  th_prepare(&D);
+  th_write_conf(&D, "[pool default]\nkind = host\ncapacity = 64M\nslab_size = 4M\n");
+  th_start(&D, 1, NULL);
+  return 0;
+}
+
+static int teardown(void **state) {
+  (void)state;
+  th_stop(&D);
+  return 0;
+}
+
+static void test_local_refusals(void **state) {
+  gpupool_client *c = th_connect(&D, "names");
+  gpupool_buffer *b, *got;
+  gpupool_bundle *bundle;
+  gpupool_member_spec specs[2] = {{.name = "ok", .size = 8}, {.name = "m\xc0\xaf", .size = 8}};
+  (void)state;
+  assert_int_equal(gpupool_alloc(c, NULL, 4096, 0, NULL, &b), 0);
+  /* Not UTF-8: a lone byte past ASCII, an overlong form, a UTF-16 surrogate. The daemon would
+   * say EINVAL naming the wire field; ENAME is the library's own check. */
+  assert_int_equal(gpupool_publish(b, "bad\xff", NULL, NULL), GPUPOOL_ENAME);
+  assert_string_equal(gpupool_last_error(), "name is not valid UTF-8 (at byte 3); names are UTF-8 text");
+  assert_int_equal(gpupool_publish(b, "over\xc0\xaflong", NULL, NULL), GPUPOOL_ENAME);
+  assert_int_equal(gpupool_publish(b, "half\xed\xa0\x80", NULL, NULL), GPUPOOL_ENAME);
+  assert_int_equal(gpupool_get(c, "bad\xff", 0, 0, NULL, &got), GPUPOOL_ENAME);
+  /* A member's name: the message names the member once. */
+  assert_int_equal(gpupool_bundle_alloc(c, NULL, specs, 2, 0, 0, NULL, &bundle), GPUPOOL_ENAME);
+  assert_string_equal(gpupool_last_error(), "member 1: name is not valid UTF-8 (at byte 1); names are UTF-8 text");
+  specs[1].name = "a\x01";
+  assert_int_equal(gpupool_bundle_alloc(c, NULL, specs, 2, 0, 0, NULL, &bundle), GPUPOOL_ENAME);
+  assert_string_equal(gpupool_last_error(), "member 1: name contains a control character at byte 1");
+  /* UTF-8 past ASCII is a name like any other. */
+  assert_int_equal(gpupool_publish(b, "gr\xc3\xbc\xc3\x9f-\xe2\x82\xac-\xf0\x9f\x98\x80", NULL, NULL), 0);
+  assert_int_equal(gpupool_get(c, "gr\xc3\xbc\xc3\x9f-\xe2\x82\xac-\xf0\x9f\x98\x80", 0, 0, NULL, &got), 0);
+  assert_int_equal(gpupool_release(got, NULL), 0);
+  assert_int_equal(gpupool_release(b, NULL), 0);
+  gpupool_disconnect(c);
+}
+
+/* The client's own name is shown in logs only: bytes that are not UTF-8, and a character
+ * cut by the library's length limit, must not make the daemon refuse the Hello. */
+static void test_client_name(void **state) {
+  char name[1024];
+  gpupool_client *c;
+  gpupool_daemon_stats ds;
+  (void)state;
+  assert_int_equal(gpupool_connect(D.sock, "latin1-\xe9t\xe9", &c), 0);
+  assert_int_equal(gpupool_stats(c, &ds, NULL, 0, NULL), 0);
+  gpupool_disconnect(c);
+  /* Two-byte characters from an even offset and an odd one: whatever the limit, one of the
+   * two copies cuts a character in half. */
+  for (size_t i = 0; i + 2 < sizeof name; i += 2)
+    memcpy(name + i, "\xc3\xa9", 2);
+  name[sizeof name - 1] = '\0';
+  assert_int_equal(gpupool_connect(D.sock, name, &c), 0);
+  assert_int_equal(gpupool_stats(c, &ds, NULL, 0, NULL), 0);
+  gpupool_disconnect(c);
+  name[0] = 'x';
+  for (size_t i = 1; i + 2 < sizeof name; i += 2)
+    memcpy(name + i, "\xc3\xa9", 2);
+  name[sizeof name - 1] = '\0';
+  assert_int_equal(gpupool_connect(D.sock, name, &c), 0);
+  assert_int_equal(gpupool_stats(c, &ds, NULL, 0, NULL), 0);
+  gpupool_disconnect(c);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_setup_teardown(test_local_refusals, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_client_name, setup, teardown),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

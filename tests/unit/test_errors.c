@@ -1,0 +1,58 @@
+/*
+ * Unit tests of the error-message buffer: a message may quote the previous one
+ * (gpupool__err(..., "%s", gpupool__errmsg())), as callers do to add the context of a
+ * failure (which member, which file); the result is the exact text, with no repetition.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "errors.h"
+#include "wire.h"
+
+static void test_quotes_previous(void **state) {
+  (void)state;
+  assert_int_equal(gpupool__err(GPUPOOL_EMETA, "tensor has %d dimensions", 9), GPUPOOL_EMETA);
+  assert_int_equal(gpupool__err(GPUPOOL_ENAME, "member %d: %s", 0, gpupool__errmsg()), GPUPOOL_ENAME);
+  assert_string_equal(gpupool__errmsg(), "member 0: tensor has 9 dimensions");
+  /* Twice over, and with the previous message after other text. */
+  gpupool__err(GPUPOOL_EINVAL, "bundle 'w': %s (split it)", gpupool__errmsg());
+  assert_string_equal(gpupool__errmsg(), "bundle 'w': member 0: tensor has 9 dimensions (split it)");
+  gpupool__err_clear();
+  assert_string_equal(gpupool__errmsg(), "");
+}
+
+/* What the name checks say when a caller adds the member's index, as both sides do. */
+static void test_member_name_message(void **state) {
+  (void)state;
+  assert_int_equal(gpupool__wire_check_name("a\x01"), GPUPOOL_ENAME);
+  gpupool__err(GPUPOOL_ENAME, "member %d: %s", 3, gpupool__errmsg());
+  assert_string_equal(gpupool__errmsg(), "member 3: name contains a control character at byte 1");
+}
+
+/* A message that fills the buffer is cut at its end, still terminated. */
+static void test_truncates(void **state) {
+  char big[2 * GPUPOOL__ERRMSG_MAX];
+  (void)state;
+  memset(big, 'x', sizeof big - 1);
+  big[sizeof big - 1] = '\0';
+  gpupool__err(GPUPOOL_EINVAL, "%s", big);
+  assert_int_equal(strlen(gpupool__errmsg()), GPUPOOL__ERRMSG_MAX - 1);
+  gpupool__err(GPUPOOL_EINVAL, "y%s", gpupool__errmsg());
+  assert_int_equal(strlen(gpupool__errmsg()), GPUPOOL__ERRMSG_MAX - 1);
+  assert_int_equal(gpupool__errmsg()[0], 'y');
+  assert_int_equal(gpupool__errmsg()[1], 'x');
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_quotes_previous),
+      cmocka_unit_test(test_member_name_message),
+      cmocka_unit_test(test_truncates),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
