@@ -2827,6 +2827,7 @@ int gpupool_publish_file(gpupool_client *c, const char *name, const char *path, 
   Gpupool__Wire__PublishFile pf = GPUPOOL__WIRE__PUBLISH_FILE__INIT;
   gpupool__rep *rep;
   struct stat st;
+  char *wpath;
   int rc, fd, fl;
 
   if (!c || !name || !path)
@@ -2854,8 +2855,15 @@ int gpupool_publish_file(gpupool_client *c, const char *name, const char *path, 
   }
   if ((fl = fcntl(fd, F_GETFL)) >= 0)
     (void)fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+  /* The path goes along for the daemon's messages only, and every string on the wire must be
+   * UTF-8: a file name that is not (Linux allows any bytes) is sent with '?' for those bytes. */
+  if (!(wpath = strdup(path))) {
+    close(fd);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  }
+  utf8_scrub(wpath);
   pf.name = (char *)name;
-  pf.path = (char *)path;
+  pf.path = wpath;
   pf.offset = offset;
   pf.length = length;
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE;
@@ -2874,6 +2882,7 @@ int gpupool_publish_file(gpupool_client *c, const char *name, const char *path, 
     gpupool__wire__reply__free_unpacked(rep, NULL);
   }
   pthread_mutex_unlock(&c->mu);
+  free(wpath);
   close(fd); /* the daemon has its own copy */
   return rc;
 }

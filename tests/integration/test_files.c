@@ -118,6 +118,28 @@ static void test_round_trip(void **state) {
   th_expect_fds(&D, base);
 }
 
+/* Linux file names may hold any bytes: a file whose name is not UTF-8 is published and read
+ * back (the path the client sends along for messages has '?' for those bytes, since every
+ * string on the wire must be UTF-8). */
+static void test_non_utf8_path(void **state) {
+  char odd[450];
+  gpupool_client *c;
+  gpupool_file *f = NULL;
+  (void)state;
+  start_conf(NULL);
+  snprintf(odd, sizeof odd, "%s/caf\xe9-\xff.bin", D.dir);
+  write_file(odd, 70000, 0644);
+  c = th_connect(&D, "odd");
+  assert_int_equal(gpupool_publish_file(c, "odd", odd, 0, 0, NULL), 0);
+  assert_int_equal(gpupool_get_file(c, "odd", 0, 0, &f), 0);
+  assert_int_equal(gpupool_file_size(f), 70000);
+  assert_true(check_range(gpupool_file_ptr(f), 0, 70000));
+  gpupool_file_release(f);
+  assert_int_equal(gpupool_unpublish(c, "odd"), 0);
+  gpupool_disconnect(c);
+  unlink(odd);
+}
+
 /* Missing, directory, empty, past the end, overflowing, existing names, the wrong kind of name:
  * each refused with what is wrong, and no fd left behind. */
 static void test_bad_input(void **state) {
@@ -379,6 +401,7 @@ static void test_fds_bounded(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_round_trip, teardown),
+      cmocka_unit_test_teardown(test_non_utf8_path, teardown),
       cmocka_unit_test_teardown(test_bad_input, teardown),
       cmocka_unit_test_teardown(test_shrink_checked_at_get, teardown),
       cmocka_unit_test_teardown(test_shrink_with_lease, teardown),
