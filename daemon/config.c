@@ -3,6 +3,12 @@
  * that make a pool usable (slab <= 4 GiB, capacity a whole number of slabs, power-of-two
  * alignment). Every error names the file and line (or the --pool spec) and what to write.
  *
+ * The keys are one table, gpupool__config_keys: a row per key (section, parser, field, range,
+ * default, one line of doc). The [daemon], [pool], [tenant] and [group] lines, the --pool
+ * specs, the defaults, the unknown-key message and --list-config-keys all read the rows, and
+ * test_conf_example holds config/gpupoold.conf to them: a new key is a new row (and its line
+ * in the example file).
+ *
  * File format ('#' or ';' starts a comment at the start of a line; '#' after whitespace
  * starts one anywhere, so "backend = auto   # auto | cuda | host" is the value "auto"):
  *   # comment
@@ -19,6 +25,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,34 +43,15 @@ void gpupool__config_defaults(gpupool__config *c) {
   memset(c, 0, sizeof *c);
   if (gpupool__socket_path(c->socket_path, sizeof c->socket_path, 0) != 0)
     c->socket_path[0] = '\0';
-  c->backend = NULL;
-  c->log_level = GPUPOOL_LOG_INFO;
-  c->socket_mode = 0660;
-  c->max_clients = 1024;
-  c->max_frame = 1u << 20;
-  c->max_names = 65536;
+  /* The rows' defaults go through the rows' own parsers; test_conf_example checks that each
+   * one parses and matches config/gpupoold.conf. */
+  for (size_t i = 0; i < gpupool__n_config_keys; i++) {
+    const gpupool__config_key *k = &gpupool__config_keys[i];
+    if ((k->sections & GPUPOOL__CS_DAEMON) && k->def)
+      (void)gpupool__config_key_set(c, k, k->def);
+  }
   for (int i = 0; i < GPUPOOL_MAX_POOLS; i++)
     c->pool_share[i] = -1;
-  c->max_names_per_uid = 4096;
-  c->max_bundle_members = 65536;
-  c->max_members_per_uid = 262144;
-  c->max_members = 1048576;
-  c->max_holds_per_client = 65536;
-  c->max_holds_per_uid = 262144;
-  c->max_clients_per_uid = 256;
-  c->reserved_clients = 8;
-  c->max_waiters_per_client = 1024;
-  c->max_waiters_per_uid = 4096;
-  c->max_queued_bytes_per_client = 64ull << 20;
-  c->max_queued_bytes_total = 1ull << 30;
-  c->max_waiting_leases_per_uid = 64;
-  c->handshake_timeout_ms = 5000;
-  c->listen_backlog = 4096;
-  c->allow_files = 1;
-  c->max_files = 1024;
-  c->max_files_per_uid = 64;
-  c->file_leases = 1;
-  c->metrics_interval_ms = 5000;
 }
 
 int gpupool__parse_size(const char *s, uint64_t *out) {
@@ -257,51 +246,6 @@ static int copy_str(char *dst, size_t len, const char *s) {
   return 0;
 }
 
-static int set_pool_key(gpupool__pool_config *p, const char *k, const char *v) {
-  uint64_t sz;
-  if (!strcmp(k, "name"))
-    return copy_str(p->name, sizeof p->name, v);
-  if (!strcmp(k, "kind")) {
-    if (!strcmp(v, "device"))
-      p->kind = GPUPOOL_MEM_DEVICE;
-    else if (!strcmp(v, "host"))
-      p->kind = GPUPOOL_MEM_HOST;
-    else if (!strcmp(v, "host-numa"))
-      p->kind = GPUPOOL_MEM_HOST_NUMA;
-    else
-      return gpupool__err(GPUPOOL_EINVAL, "unknown pool kind '%s' (use device, host or host-numa)", v);
-    return 0;
-  }
-  if (!strcmp(k, "device"))
-    return parse_int(v, 0, 1023, &p->device);
-  if (!strcmp(k, "numa_node") || !strcmp(k, "numa"))
-    return parse_int(v, 0, 1023, &p->numa_node);
-  if (!strcmp(k, "capacity"))
-    return gpupool__parse_size(v, &p->capacity);
-  if (!strcmp(k, "slab_size") || !strcmp(k, "slab"))
-    return gpupool__parse_size(v, &p->slab_size);
-  if (!strcmp(k, "alignment") || !strcmp(k, "align"))
-    return gpupool__parse_size(v, &p->alignment);
-  if (!strcmp(k, "keep_slabs") || !strcmp(k, "keep"))
-    return parse_u32(v, &p->keep_slabs);
-  if (!strcmp(k, "release_threshold")) {
-    if (gpupool__parse_size(v, &sz) != 0)
-      return GPUPOOL_EINVAL;
-    p->release_threshold = (int64_t)sz;
-    return 0;
-  }
-  if (!strcmp(k, "reuse_follow_event_deps"))
-    return parse_bool(v, &p->reuse_follow_event_deps);
-  if (!strcmp(k, "reuse_allow_opportunistic"))
-    return parse_bool(v, &p->reuse_allow_opportunistic);
-  if (!strcmp(k, "reuse_allow_internal_deps"))
-    return parse_bool(v, &p->reuse_allow_internal_deps);
-  return gpupool__err(GPUPOOL_EINVAL,
-                      "unknown pool key '%s' (known: kind, device, numa_node, capacity, slab_size, "
-                      "alignment, keep_slabs, release_threshold, reuse_*)",
-                      k);
-}
-
 int gpupool__member_of(const gpupool__member_set *m, uid_t uid, gid_t gid) {
   for (int i = 0; i < m->n_uids; i++)
     if (m->uids[i] == uid)
@@ -310,14 +254,6 @@ int gpupool__member_of(const gpupool__member_set *m, uid_t uid, gid_t gid) {
     if (m->gids[i] == gid)
       return 1;
   return 0;
-}
-
-static int set_member_key(gpupool__member_set *m, const char *k, const char *v) {
-  if (!strcmp(k, "uids"))
-    return parse_id_list(v, (uint32_t *)m->uids, &m->n_uids);
-  if (!strcmp(k, "gids"))
-    return parse_id_list(v, (uint32_t *)m->gids, &m->n_gids);
-  return gpupool__err(GPUPOOL_EINVAL, "unknown key '%s' in [%s] (use uids = and gids =)", k, m->name);
 }
 
 /* The [tenant NAME] or [group NAME] section of that name, added when new. */
@@ -332,118 +268,371 @@ static gpupool__member_set *find_or_add_set(gpupool__member_set *sets, int *n, c
   return &sets[(*n)++];
 }
 
-int gpupool__config_set(gpupool__config *c, const char *k, const char *v) {
-  uint32_t u = 0;
-  if (!strcmp(k, "socket"))
-    return copy_str(c->socket_path, sizeof c->socket_path, v);
-  if (!strcmp(k, "backend"))
-    return gpupool__config_set_backend(c, v);
-  if (!strcmp(k, "log_level"))
-    return gpupool__log_parse_level(v, &c->log_level);
-  if (!strcmp(k, "socket_mode")) {
-    char *end;
-    long m = strtol(v, &end, 8);
-    if (*end || end == v || m < 0 || m > 0777)
-      return gpupool__err(GPUPOOL_EINVAL, "socket_mode '%s' is not an octal mode like 0660", v);
-    c->socket_mode = (mode_t)m;
+/* ---- the keys' own parsers (GPUPOOL__CK_FN rows) ---------------------------------------- */
+
+static int set_backend(void *obj, const char *v) { return gpupool__config_set_backend(obj, v); }
+
+static int set_log_level(void *obj, const char *v) {
+  return gpupool__log_parse_level(v, &((gpupool__config *)obj)->log_level);
+}
+
+static int set_socket_mode(void *obj, const char *v) {
+  char *end;
+  long m = strtol(v, &end, 8);
+  if (*end || end == v || m < 0 || m > 0777)
+    return gpupool__err(GPUPOOL_EINVAL, "socket_mode '%s' is not an octal mode like 0660", v);
+  ((gpupool__config *)obj)->socket_mode = (mode_t)m;
+  return 0;
+}
+
+static int set_file_paths(void *obj, const char *v) { return parse_file_paths(obj, v); }
+
+static int set_metrics_listen(void *obj, const char *v) {
+  gpupool__config *c = obj;
+  if (!*v) {
+    c->metrics_listen[0] = '\0';
     return 0;
   }
-  if (!strcmp(k, "max_clients"))
-    return parse_u32(v, &c->max_clients);
-  if (!strcmp(k, "max_bytes_per_client"))
-    return gpupool__parse_size(v, &c->max_bytes_per_client);
-  if (!strcmp(k, "max_allocs_per_client"))
-    return parse_u32(v, &c->max_allocs_per_client);
-  if (!strcmp(k, "max_bytes_per_uid"))
-    return gpupool__parse_size(v, &c->max_bytes_per_uid);
-  if (!strcmp(k, "max_allocs_per_uid"))
-    return parse_u32(v, &c->max_allocs_per_uid);
-  if (!strcmp(k, "max_frame")) {
+  if (parse_listen(v, &c->metrics_addr) != 0)
+    return GPUPOOL_EINVAL;
+  return copy_str(c->metrics_listen, sizeof c->metrics_listen, v);
+}
+
+static int set_pool_kind(void *obj, const char *v) {
+  gpupool__pool_config *p = obj;
+  if (!strcmp(v, "device"))
+    p->kind = GPUPOOL_MEM_DEVICE;
+  else if (!strcmp(v, "host"))
+    p->kind = GPUPOOL_MEM_HOST;
+  else if (!strcmp(v, "host-numa"))
+    p->kind = GPUPOOL_MEM_HOST_NUMA;
+  else
+    return gpupool__err(GPUPOOL_EINVAL, "unknown pool kind '%s' (use device, host or host-numa)", v);
+  return 0;
+}
+
+static int set_release_threshold(void *obj, const char *v) {
+  uint64_t sz;
+  if (gpupool__parse_size(v, &sz) != 0)
+    return GPUPOOL_EINVAL;
+  ((gpupool__pool_config *)obj)->release_threshold = (int64_t)sz;
+  return 0;
+}
+
+/* ---- the table ---------------------------------------------------------------------------- */
+
+#define DAEMON .sections = GPUPOOL__CS_DAEMON
+#define POOL .sections = GPUPOOL__CS_POOL | GPUPOOL__CS_SPEC
+#define MEMBERS .sections = GPUPOOL__CS_TENANT | GPUPOOL__CS_GROUP
+#define FIELD(type, f) .off = offsetof(type, f), .size = sizeof(((type *)0)->f)
+#define D(f) FIELD(gpupool__config, f)
+#define P(f) FIELD(gpupool__pool_config, f)
+#define M(f) FIELD(gpupool__member_set, f)
+#define U32 .kind = GPUPOOL__CK_U32
+#define SIZE .kind = GPUPOOL__CK_SIZE
+#define BOOL .kind = GPUPOOL__CK_BOOL
+#define STR .kind = GPUPOOL__CK_STR
+#define FN(fn) .kind = GPUPOOL__CK_FN, .set = fn
+
+/* One row per key, in the order config/gpupoold.conf documents them. */
+const gpupool__config_key gpupool__config_keys[] = {
+    {DAEMON, .name = "socket", STR, D(socket_path), .doc = "where clients connect (default: $GPUPOOL_SOCKET, else by user)"},
+    {DAEMON, .name = "backend", FN(set_backend), D(backend), .def = "auto", .doc = "auto, cuda or host"},
+    {DAEMON, .name = "log_level", FN(set_log_level), D(log_level), .def = "info", .doc = "error, warn, info or debug"},
+    {DAEMON, .name = "socket_mode", FN(set_socket_mode), D(socket_mode), .def = "0660", .doc = "mode of the sockets the daemon binds"},
+    {DAEMON, .name = "max_clients", U32, D(max_clients), .def = "1024", .doc = "connections at once (0 = unlimited)"},
+    {DAEMON, .name = "max_bytes_per_client", SIZE, D(max_bytes_per_client), .def = "0", .doc = "memory one connection holds"},
+    {DAEMON, .name = "max_allocs_per_client", U32, D(max_allocs_per_client), .def = "0", .doc = "buffers one connection holds"},
+    {DAEMON, .name = "max_bytes_per_uid", SIZE, D(max_bytes_per_uid), .def = "0", .doc = "memory one tenant holds"},
+    {DAEMON, .name = "max_allocs_per_uid", U32, D(max_allocs_per_uid), .def = "0", .doc = "buffers one tenant holds"},
+    {DAEMON, .name = "max_names", U32, D(max_names), .def = "65536", .doc = "published names, all tenants together"},
+    {DAEMON, .name = "max_waiting_leases_per_uid", U32, D(max_waiting_leases_per_uid), .def = "64",
+     .doc = "closed connections of one uid whose lease a process still holds"},
+    {DAEMON, .name = "max_names_per_uid", U32, D(max_names_per_uid), .def = "4096", .doc = "names one tenant has published"},
+    {DAEMON, .name = "max_bundle_members", U32, D(max_bundle_members), .lo = 1, .hi = GPUPOOL_BUNDLE_MAX_MEMBERS,
+     .def = "65536", .doc = "members of one bundle"},
+    {DAEMON, .name = "max_members_per_uid", U32, D(max_members_per_uid), .def = "262144",
+     .doc = "members of the bundles one tenant has published"},
+    {DAEMON, .name = "max_members", U32, D(max_members), .def = "1048576", .doc = "members of every member table the daemon holds"},
+    {DAEMON, .name = "max_holds_per_client", U32, D(max_holds_per_client), .def = "65536", .doc = "holds of one connection"},
+    {DAEMON, .name = "max_holds_per_uid", U32, D(max_holds_per_uid), .def = "262144", .doc = "holds of one tenant"},
+    {DAEMON, .name = "max_clients_per_uid", U32, D(max_clients_per_uid), .def = "256",
+     .doc = "connections of one uid (root and the daemon's uid exempt)"},
+    {DAEMON, .name = "reserved_clients", U32, D(reserved_clients), .def = "8", .doc = "of max_clients, kept for root and the daemon's uid"},
+    {DAEMON, .name = "max_waiters_per_client", U32, D(max_waiters_per_client), .def = "1024",
+     .doc = "allocations and gets of one connection waiting at once"},
+    {DAEMON, .name = "max_waiters_per_uid", U32, D(max_waiters_per_uid), .def = "4096", .doc = "requests of one tenant waiting at once"},
+    {DAEMON, .name = "max_queued_bytes_per_client", SIZE, D(max_queued_bytes_per_client), .def = "64M",
+     .doc = "unread replies of one connection, counted as the memory they hold"},
+    {DAEMON, .name = "max_queued_bytes_total", SIZE, D(max_queued_bytes_total), .def = "1G",
+     .doc = "all queues and input buffers of the daemon"},
+    {DAEMON, .name = "allow_files", BOOL, D(allow_files), .def = "yes", .doc = "whether clients may publish files"},
+    {DAEMON, .name = "file_paths", FN(set_file_paths), D(file_paths), .doc = "allowed path prefixes of published files (none: any)"},
+    {DAEMON, .name = "max_files", U32, D(max_files), .def = "1024", .doc = "files the daemon keeps open at once"},
+    {DAEMON, .name = "max_files_per_uid", U32, D(max_files_per_uid), .def = "64", .doc = "of those, published by one tenant"},
+    {DAEMON, .name = "file_leases", BOOL, D(file_leases), .def = "yes", .doc = "take a read lease on each published file"},
+    {DAEMON, .name = "max_frame", U32, D(max_frame), .lo = 4096, .hi = 64u << 20, .def = "1M", .flags = GPUPOOL__CF_BYTES,
+     .doc = "largest request frame the daemon accepts"},
+    {DAEMON, .name = "handshake_timeout_ms", U32, D(handshake_timeout_ms), .def = "5000", .doc = "time a client has to say Hello"},
+    {DAEMON, .name = "listen_backlog", U32, D(listen_backlog), .lo = 1, .hi = 65535, .def = "4096",
+     .doc = "connections the kernel queues until accepted"},
+    {DAEMON, .name = "allow_uids", .kind = GPUPOOL__CK_IDS, D(allow_uids), .count_off = offsetof(gpupool__config, n_allow_uids),
+     .doc = "uids let in beyond the socket's permissions (none: everyone)"},
+    {DAEMON, .name = "allow_gids", .kind = GPUPOOL__CK_IDS, D(allow_gids), .count_off = offsetof(gpupool__config, n_allow_gids),
+     .doc = "gids let in beyond the socket's permissions (none: everyone)"},
+    {DAEMON, .name = "metrics_socket", STR, D(metrics_socket), .doc = "Unix socket serving Prometheus metrics"},
+    {DAEMON, .name = "metrics_textfile", STR, D(metrics_textfile), .doc = "file the metrics are written to"},
+    {DAEMON, .name = "metrics_interval_ms", U32, D(metrics_interval_ms), .def = "5000", .doc = "how often metrics_textfile is rewritten"},
+    {DAEMON, .name = "metrics_listen", FN(set_metrics_listen), D(metrics_listen), .doc = "TCP PORT, IPV4:PORT or [IPV6]:PORT for Prometheus"},
+    {DAEMON, .name = "busy_poll_us", U32, D(busy_poll_us), .hi = 1000000, .def = "0",
+     .doc = "poll this long after client traffic instead of sleeping; a few hundred to a few thousand us is typical"},
+
+    {POOL, .name = "name", STR, P(name), .flags = GPUPOOL__CF_CMDLINE, .doc = "the pool's name (in a file, [pool NAME] gives it)"},
+    {POOL, .name = "kind", FN(set_pool_kind), P(kind), .doc = "device, host or host-numa (default: the backend's)"},
+    {POOL, .name = "device", .kind = GPUPOOL__CK_INT, P(device), .lo = 0, .hi = 1023, .doc = "GPU ordinal"},
+    {POOL, .name = "numa_node", .alias = "numa", .kind = GPUPOOL__CK_INT, P(numa_node), .lo = 0, .hi = 1023,
+     .doc = "NUMA node of host-numa memory"},
+    {POOL, .name = "capacity", SIZE, P(capacity), .doc = "most bytes the pool keeps in slabs"},
+    {POOL, .name = "slab_size", .alias = "slab", SIZE, P(slab_size), .doc = "regular slab size (at most 4G)"},
+    {POOL, .name = "alignment", .alias = "align", SIZE, P(alignment), .doc = "default buffer alignment (a power of two)"},
+    {POOL, .name = "keep_slabs", .alias = "keep", U32, P(keep_slabs), .def = "1", .doc = "empty slabs kept mapped for reuse"},
+    {POOL, .name = "release_threshold", FN(set_release_threshold), P(release_threshold), .doc = "CUDA pool attribute"},
+    {POOL, .name = "reuse_follow_event_deps", BOOL, P(reuse_follow_event_deps), .doc = "CUDA pool attribute"},
+    {POOL, .name = "reuse_allow_opportunistic", BOOL, P(reuse_allow_opportunistic), .doc = "CUDA pool attribute"},
+    {POOL, .name = "reuse_allow_internal_deps", BOOL, P(reuse_allow_internal_deps), .doc = "CUDA pool attribute"},
+    {.sections = GPUPOOL__CS_POOL, .name = "share", .kind = GPUPOOL__CK_SECTION, .doc = "the [group NAME] the pool is shared with"},
+
+    {MEMBERS, .name = "uids", .kind = GPUPOOL__CK_IDS, M(uids), .count_off = offsetof(gpupool__member_set, n_uids),
+     .doc = "member uids"},
+    {MEMBERS, .name = "gids", .kind = GPUPOOL__CK_IDS, M(gids), .count_off = offsetof(gpupool__member_set, n_gids),
+     .doc = "member primary gids"},
+};
+const size_t gpupool__n_config_keys = sizeof gpupool__config_keys / sizeof gpupool__config_keys[0];
+
+#undef DAEMON
+#undef POOL
+#undef MEMBERS
+#undef FIELD
+#undef D
+#undef P
+#undef M
+#undef U32
+#undef SIZE
+#undef BOOL
+#undef STR
+#undef FN
+
+/* ---- reading the table -------------------------------------------------------------------- */
+
+const gpupool__config_key *gpupool__config_key_find(unsigned section, const char *key) {
+  for (size_t i = 0; i < gpupool__n_config_keys; i++) {
+    const gpupool__config_key *k = &gpupool__config_keys[i];
+    if ((k->sections & section) && (!strcmp(k->name, key) || (k->alias && !strcmp(k->alias, key))))
+      return k;
+  }
+  return NULL;
+}
+
+/* 4096 as "4K", 1048576 as "1M": how the file writes byte counts. */
+static void fmt_bytes(char *buf, size_t len, uint64_t v) {
+  static const char *const units[] = {"", "K", "M", "G", "T"};
+  size_t u = 0;
+  while (u + 1 < sizeof units / sizeof units[0] && v >= 1024 && v % 1024 == 0) {
+    v /= 1024;
+    u++;
+  }
+  snprintf(buf, len, "%llu%s", (unsigned long long)v, units[u]);
+}
+
+int gpupool__config_key_set(void *obj, const gpupool__config_key *k, const char *v) {
+  char *field = (char *)obj + k->off;
+  uint32_t u = 0;
+  int i = 0;
+
+  switch (k->kind) {
+  case GPUPOOL__CK_U32:
     if (parse_u32(v, &u) != 0)
       return GPUPOOL_EINVAL;
-    if (u < 4096 || u > (64u << 20))
-      return gpupool__err(GPUPOOL_EINVAL, "max_frame must be between 4K and 64M, got %s", v);
-    c->max_frame = u;
-    return 0;
-  }
-  if (!strcmp(k, "max_names"))
-    return parse_u32(v, &c->max_names);
-  if (!strcmp(k, "max_names_per_uid"))
-    return parse_u32(v, &c->max_names_per_uid);
-  if (!strcmp(k, "max_bundle_members")) {
-    int rc = parse_u32(v, &c->max_bundle_members);
-    if (rc == 0 && (c->max_bundle_members == 0 || c->max_bundle_members > GPUPOOL_BUNDLE_MAX_MEMBERS))
-      return gpupool__err(GPUPOOL_EINVAL, "max_bundle_members must be between 1 and %d", GPUPOOL_BUNDLE_MAX_MEMBERS);
-    return rc;
-  }
-  if (!strcmp(k, "max_members_per_uid"))
-    return parse_u32(v, &c->max_members_per_uid);
-  if (!strcmp(k, "max_members"))
-    return parse_u32(v, &c->max_members);
-  if (!strcmp(k, "max_holds_per_client"))
-    return parse_u32(v, &c->max_holds_per_client);
-  if (!strcmp(k, "max_holds_per_uid"))
-    return parse_u32(v, &c->max_holds_per_uid);
-  if (!strcmp(k, "max_clients_per_uid"))
-    return parse_u32(v, &c->max_clients_per_uid);
-  if (!strcmp(k, "reserved_clients"))
-    return parse_u32(v, &c->reserved_clients);
-  if (!strcmp(k, "max_waiters_per_client"))
-    return parse_u32(v, &c->max_waiters_per_client);
-  if (!strcmp(k, "max_waiters_per_uid"))
-    return parse_u32(v, &c->max_waiters_per_uid);
-  if (!strcmp(k, "max_queued_bytes_per_client"))
-    return gpupool__parse_size(v, &c->max_queued_bytes_per_client);
-  if (!strcmp(k, "max_queued_bytes_total"))
-    return gpupool__parse_size(v, &c->max_queued_bytes_total);
-  if (!strcmp(k, "max_waiting_leases_per_uid"))
-    return parse_u32(v, &c->max_waiting_leases_per_uid);
-  if (!strcmp(k, "handshake_timeout_ms"))
-    return parse_u32(v, &c->handshake_timeout_ms);
-  if (!strcmp(k, "listen_backlog")) {
-    if (parse_u32(v, &c->listen_backlog) != 0)
-      return GPUPOOL_EINVAL;
-    if (c->listen_backlog < 1 || c->listen_backlog > 65535)
-      return gpupool__err(GPUPOOL_EINVAL, "listen_backlog must be between 1 and 65535, got %s", v);
-    return 0;
-  }
-  if (!strcmp(k, "allow_files"))
-    return parse_bool(v, &c->allow_files);
-  if (!strcmp(k, "file_leases"))
-    return parse_bool(v, &c->file_leases);
-  if (!strcmp(k, "max_files"))
-    return parse_u32(v, &c->max_files);
-  if (!strcmp(k, "max_files_per_uid"))
-    return parse_u32(v, &c->max_files_per_uid);
-  if (!strcmp(k, "file_paths"))
-    return parse_file_paths(c, v);
-  if (!strcmp(k, "allow_uids"))
-    return parse_id_list(v, (uint32_t *)c->allow_uids, &c->n_allow_uids);
-  if (!strcmp(k, "allow_gids"))
-    return parse_id_list(v, (uint32_t *)c->allow_gids, &c->n_allow_gids);
-  if (!strcmp(k, "metrics_textfile"))
-    return copy_str(c->metrics_textfile, sizeof c->metrics_textfile, v);
-  if (!strcmp(k, "metrics_socket"))
-    return copy_str(c->metrics_socket, sizeof c->metrics_socket, v);
-  if (!strcmp(k, "metrics_listen")) {
-    if (!*v) {
-      c->metrics_listen[0] = '\0';
-      return 0;
+    if ((k->lo || k->hi) && (u < k->lo || u > k->hi)) {
+      char lo[32], hi[32];
+      if (k->flags & GPUPOOL__CF_BYTES) {
+        fmt_bytes(lo, sizeof lo, k->lo);
+        fmt_bytes(hi, sizeof hi, k->hi);
+      } else {
+        snprintf(lo, sizeof lo, "%llu", (unsigned long long)k->lo);
+        snprintf(hi, sizeof hi, "%llu", (unsigned long long)k->hi);
+      }
+      return gpupool__err(GPUPOOL_EINVAL, "%s must be between %s and %s, got %s (%s)", k->name, lo, hi, v, k->doc);
     }
-    if (parse_listen(v, &c->metrics_addr) != 0)
-      return GPUPOOL_EINVAL;
-    return copy_str(c->metrics_listen, sizeof c->metrics_listen, v);
-  }
-  if (!strcmp(k, "metrics_interval_ms"))
-    return parse_u32(v, &c->metrics_interval_ms);
-  if (!strcmp(k, "busy_poll_us")) {
-    if (parse_u32(v, &c->busy_poll_us) != 0)
-      return GPUPOOL_EINVAL;
-    if (c->busy_poll_us > 1000000)
-      return gpupool__err(GPUPOOL_EINVAL, "busy_poll_us %s is over 1 s; a few hundred to a few thousand us is typical", v);
+    memcpy(field, &u, sizeof u);
     return 0;
+  case GPUPOOL__CK_SIZE:
+    return gpupool__parse_size(v, (uint64_t *)(void *)field);
+  case GPUPOOL__CK_INT:
+    if (parse_int(v, (int)k->lo, (int)k->hi, &i) != 0)
+      return GPUPOOL_EINVAL;
+    memcpy(field, &i, sizeof i);
+    return 0;
+  case GPUPOOL__CK_BOOL:
+    if (parse_bool(v, &i) != 0)
+      return GPUPOOL_EINVAL;
+    memcpy(field, &i, sizeof i);
+    return 0;
+  case GPUPOOL__CK_STR:
+    return copy_str(field, k->size, v);
+  case GPUPOOL__CK_IDS:
+    return parse_id_list(v, (uint32_t *)(void *)field, (int *)(void *)((char *)obj + k->count_off));
+  case GPUPOOL__CK_FN:
+    return k->set(obj, v);
+  case GPUPOOL__CK_SECTION:
+    break;
   }
-  return gpupool__err(GPUPOOL_EINVAL, "unknown key '%s' in [daemon]", k);
+  return gpupool__err(GPUPOOL_EINVAL, "key '%s' is read by its section, not here", k->name);
+}
+
+/* Edit distance with transpositions (optimal string alignment), so that max_clinets is one
+ * edit from max_clients. Keys are short; longer input is cut, it only ranks suggestions. */
+static size_t key_distance(const char *a, const char *b) {
+  enum { N = 48 };
+  size_t la = strnlen(a, N - 1), lb = strnlen(b, N - 1), d[N][N];
+  for (size_t i = 0; i <= la; i++)
+    d[i][0] = i;
+  for (size_t j = 0; j <= lb; j++)
+    d[0][j] = j;
+  for (size_t i = 1; i <= la; i++)
+    for (size_t j = 1; j <= lb; j++) {
+      size_t cost = a[i - 1] != b[j - 1], best = d[i - 1][j - 1] + cost;
+      if (d[i - 1][j] + 1 < best)
+        best = d[i - 1][j] + 1;
+      if (d[i][j - 1] + 1 < best)
+        best = d[i][j - 1] + 1;
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] && d[i - 2][j - 2] + 1 < best)
+        best = d[i - 2][j - 2] + 1;
+      d[i][j] = best;
+    }
+  return d[la][lb];
+}
+
+/* The refusal of key, unknown in section: what (e.g. "key 'x' in [daemon]"), the nearest
+ * known key when it is near enough to be a typo, and the section's keys (nearest first and
+ * cut short when they would not fit in a message). */
+static int unknown_key(unsigned section, const char *key, const char *what) {
+  const gpupool__config_key *rows[128];
+  const char *best = NULL;
+  size_t dist[128], n = 0, best_d = SIZE_MAX, off = 0, all = 0, shown = 0;
+  char known[260] = "", hint[96] = "";
+  int sorted = 0;
+
+  for (size_t i = 0; i < gpupool__n_config_keys && n < 128; i++) {
+    const gpupool__config_key *k = &gpupool__config_keys[i];
+    const char *near = k->name;
+    size_t d;
+    if (!(k->sections & section))
+      continue;
+    d = key_distance(key, k->name);
+    if (k->alias && key_distance(key, k->alias) < d) {
+      d = key_distance(key, k->alias);
+      near = k->alias; /* slabb: slab, the spelling it was nearest to */
+    }
+    rows[n] = k;
+    dist[n++] = d;
+    all += strlen(k->name) + 2;
+    if (d < best_d) {
+      best_d = d;
+      best = near;
+    }
+  }
+  /* Near enough to be a typo: one edit in a short key, a few in a long one. */
+  if (best && best_d <= 1 + strlen(best) / 5)
+    snprintf(hint, sizeof hint, "; did you mean '%s'?", best);
+  /* Too many to list: the nearest first, so a cut list still shows the likely ones. */
+  if (all >= sizeof known) {
+    sorted = 1;
+    for (size_t i = 1; i < n; i++)
+      for (size_t j = i; j > 0 && dist[j] < dist[j - 1]; j--) {
+        const gpupool__config_key *t = rows[j];
+        size_t td = dist[j];
+        rows[j] = rows[j - 1], dist[j] = dist[j - 1];
+        rows[j - 1] = t, dist[j - 1] = td;
+      }
+  }
+  for (; shown < n; shown++) {
+    size_t need = strlen(rows[shown]->name) + 2;
+    if (off + need + 40 >= sizeof known)
+      break;
+    off += (size_t)snprintf(known + off, sizeof known - off, "%s%s", shown ? ", " : "", rows[shown]->name);
+  }
+  if (shown < n)
+    snprintf(known + off, sizeof known - off, ", %zu more: gpupoold --list-config-keys", n - shown);
+  return gpupool__err(GPUPOOL_EINVAL, "unknown %s%s (known%s: %s)", what, hint, sorted ? ", nearest first" : "",
+                      known);
+}
+
+/* ---- the sections' setters ---------------------------------------------------------------- */
+
+int gpupool__config_set(gpupool__config *c, const char *k, const char *v) {
+  const gpupool__config_key *row = gpupool__config_key_find(GPUPOOL__CS_DAEMON, k);
+  char what[96];
+  if (row)
+    return gpupool__config_key_set(c, row, v);
+  snprintf(what, sizeof what, "key '%s' in [daemon]", k);
+  return unknown_key(GPUPOOL__CS_DAEMON, k, what);
+}
+
+/* section: GPUPOOL__CS_POOL (a [pool] line; share never reaches here, the reader takes it)
+ * or GPUPOOL__CS_SPEC (--pool). */
+static int set_pool_key(gpupool__pool_config *p, unsigned section, const char *k, const char *v) {
+  const gpupool__config_key *row = gpupool__config_key_find(section, k);
+  char what[96];
+  if (row && row->kind != GPUPOOL__CK_SECTION)
+    return gpupool__config_key_set(p, row, v);
+  snprintf(what, sizeof what, "pool key '%s'", k);
+  return unknown_key(section, k, what);
+}
+
+static int set_member_key(gpupool__member_set *m, unsigned section, const char *k, const char *v) {
+  const gpupool__config_key *row = gpupool__config_key_find(section, k);
+  char what[128];
+  if (row)
+    return gpupool__config_key_set(m, row, v);
+  snprintf(what, sizeof what, "key '%s' in [%s]", k, m->name);
+  return unknown_key(section, k, what);
+}
+
+static const char *section_name(unsigned sections) {
+  return sections & GPUPOOL__CS_DAEMON ? "daemon"
+         : sections & GPUPOOL__CS_POOL ? "pool"
+         : sections & GPUPOOL__CS_SPEC ? "--pool"
+         : sections & GPUPOOL__CS_TENANT ? (sections & GPUPOOL__CS_GROUP ? "tenant/group" : "tenant")
+                                          : "group";
+}
+
+void gpupool__config_list_keys(FILE *f) {
+  for (size_t i = 0; i < gpupool__n_config_keys; i++) {
+    const gpupool__config_key *k = &gpupool__config_keys[i];
+    fprintf(f, "[%s] %s = %s  # %s%s%s%s\n", section_name(k->sections), k->name, k->def ? k->def : "", k->doc,
+            k->alias ? "; also written " : "", k->alias ? k->alias : "",
+            (k->sections & GPUPOOL__CS_SPEC) && (k->sections & GPUPOOL__CS_POOL) ? "; also in --pool" : "");
+  }
+}
+
+void gpupool__config_changed_keys(const gpupool__config *c, char *buf, size_t len) {
+  gpupool__config d;
+  size_t off = 0;
+  gpupool__config_defaults(&d);
+  buf[0] = '\0';
+  for (size_t i = 0; i < gpupool__n_config_keys; i++) {
+    const gpupool__config_key *k = &gpupool__config_keys[i];
+    size_t need;
+    if (!(k->sections & GPUPOOL__CS_DAEMON) || !memcmp((const char *)c + k->off, (const char *)&d + k->off, k->size))
+      continue;
+    need = strlen(k->name) + 2;
+    if (off + need + 4 >= len) {
+      snprintf(buf + off, len - off, "%s...", off ? ", " : "");
+      return;
+    }
+    off += (size_t)snprintf(buf + off, len - off, "%s%s", off ? ", " : "", k->name);
+  }
 }
 
 static gpupool__pool_config *find_or_add_pool(gpupool__config *c, const char *name) {
@@ -517,6 +706,7 @@ int gpupool__config_load(gpupool__config *c, const char *path) {
   int lineno = 0, in_daemon = 0, daemon_line = 0, rc = 0;
   gpupool__pool_config *pool = NULL;
   gpupool__member_set *set = NULL;
+  unsigned set_section = 0;
 
   if ((rc = open_regular(path, &f)) != 0)
     return rc;
@@ -567,6 +757,7 @@ int gpupool__config_load(gpupool__config *c, const char *path) {
         }
         set = is_tenant ? find_or_add_set(c->tenants, &c->n_tenants, name)
                         : find_or_add_set(c->groups, &c->n_groups, name);
+        set_section = is_tenant ? GPUPOOL__CS_TENANT : GPUPOOL__CS_GROUP;
         if (!set) {
           rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: more than %d [%s] sections", path, lineno, GPUPOOL_MAX_SETS,
                             is_tenant ? "tenant" : "group");
@@ -626,7 +817,9 @@ int gpupool__config_load(gpupool__config *c, const char *path) {
       }
       continue;
     }
-    if ((in_daemon ? gpupool__config_set(c, k, v) : set ? set_member_key(set, k, v) : set_pool_key(pool, k, v)) != 0) {
+    if ((in_daemon ? gpupool__config_set(c, k, v)
+         : set     ? set_member_key(set, set_section, k, v)
+                   : set_pool_key(pool, GPUPOOL__CS_POOL, k, v)) != 0) {
       snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
       rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: %s", path, lineno, msg);
       goto out;
@@ -652,7 +845,7 @@ int gpupool__config_add_pool_spec(gpupool__config *c, const char *spec) {
     if (!eq)
       return gpupool__err(GPUPOOL_ECONFIG, "--pool '%s': '%s' is not key=value", spec, tok);
     *eq = '\0';
-    if (set_pool_key(&p, trim(tok), trim(eq + 1)) != 0) {
+    if (set_pool_key(&p, GPUPOOL__CS_SPEC, trim(tok), trim(eq + 1)) != 0) {
       snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
       return gpupool__err(GPUPOOL_ECONFIG, "--pool '%s': %s", spec, msg);
     }

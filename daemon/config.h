@@ -5,7 +5,9 @@
 #ifndef GPUPOOL_DAEMON_CONFIG_H
 #define GPUPOOL_DAEMON_CONFIG_H
 
+#include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 
@@ -98,6 +100,70 @@ typedef struct {
   gpupool__member_set groups[GPUPOOL_MAX_SETS];
   int n_groups;
 } gpupool__config;
+
+/* The config keys, one row each (daemon/config.c, gpupool__config_keys): the file's parser,
+ * the --pool specs, the defaults, the unknown-key message, --list-config-keys and
+ * --check-config all read the rows, so a key is added by adding its row. */
+
+/* Where a key may be written (a row's sections is a mask of these). */
+enum {
+  GPUPOOL__CS_DAEMON = 1 << 0, /* [daemon] (and gpupool__config_set) */
+  GPUPOOL__CS_POOL = 1 << 1,   /* [pool NAME] */
+  GPUPOOL__CS_SPEC = 1 << 2,   /* a --pool spec */
+  GPUPOOL__CS_TENANT = 1 << 3, /* [tenant NAME] */
+  GPUPOOL__CS_GROUP = 1 << 4,  /* [group NAME] */
+};
+
+/* How a key's value is read into its field. */
+typedef enum {
+  GPUPOOL__CK_U32,     /* uint32_t; a number, K/M/G/T allowed; lo..hi when either is set */
+  GPUPOOL__CK_SIZE,    /* uint64_t; a size with K/M/G/T */
+  GPUPOOL__CK_INT,     /* int; a plain decimal number in lo..hi */
+  GPUPOOL__CK_BOOL,    /* int; yes/no, true/false, on/off, 1/0 */
+  GPUPOOL__CK_STR,     /* char[size]; copied whole or refused */
+  GPUPOOL__CK_IDS,     /* uint32_t[GPUPOOL_MAX_ALLOW] counted by the int at count_off */
+  GPUPOOL__CK_FN,      /* the row's own set function (enums, modes, paths, addresses) */
+  GPUPOOL__CK_SECTION, /* read by the section reader itself (it needs more than the section) */
+} gpupool__config_kind;
+
+/* The row is meant for the command line (--pool name=): the example file has no line for it. */
+#define GPUPOOL__CF_CMDLINE 1u
+/* lo and hi are byte counts (messages write them as 4K, 64M). */
+#define GPUPOOL__CF_BYTES 2u
+
+typedef struct {
+  unsigned sections;     /* GPUPOOL__CS_* */
+  const char *name;
+  const char *alias;     /* a short form also accepted (slab for slab_size), or NULL */
+  gpupool__config_kind kind;
+  /* The field in gpupool__config (daemon), gpupool__pool_config (pool, --pool) or
+   * gpupool__member_set (tenant, group); size 0 for GPUPOOL__CK_SECTION. */
+  size_t off, size;
+  size_t count_off;      /* GPUPOOL__CK_IDS: the int that counts the ids */
+  uint64_t lo, hi;       /* GPUPOOL__CK_U32, GPUPOOL__CK_INT: the range accepted */
+  /* The default as config/gpupoold.conf writes it, or NULL where there is none to write
+   * (empty, computed at start-up, or left to the backend). */
+  const char *def;
+  const char *doc;       /* one line: what it does */
+  int (*set)(void *obj, const char *value); /* GPUPOOL__CK_FN */
+  unsigned flags;        /* GPUPOOL__CF_* */
+} gpupool__config_key;
+
+extern const gpupool__config_key gpupool__config_keys[];
+extern const size_t gpupool__n_config_keys;
+
+/* The row of key (or of its alias) among those written in section (a GPUPOOL__CS_* bit), or
+ * NULL. */
+const gpupool__config_key *gpupool__config_key_find(unsigned section, const char *key);
+/* Parse value into the row's field of obj (the struct that the row's section names). 0 or
+ * GPUPOOL_EINVAL with a message. */
+int gpupool__config_key_set(void *obj, const gpupool__config_key *k, const char *value);
+/* Every key, one line each: section, name = default, what it does (gpupoold
+ * --list-config-keys). */
+void gpupool__config_list_keys(FILE *f);
+/* The [daemon] keys whose value differs from the default, comma-separated into buf ("" when
+ * none; cut short with "..." when buf is too small). */
+void gpupool__config_changed_keys(const gpupool__config *c, char *buf, size_t len);
 
 /* 1 when uid (or its primary gid) is a member of the set. */
 int gpupool__member_of(const gpupool__member_set *m, uid_t uid, gid_t gid);

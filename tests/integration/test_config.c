@@ -70,6 +70,46 @@ static void test_errors_name_line(void **state) {
   }
 }
 
+/* An unknown key names the key it is nearest to, when that is close enough to be a typo, and
+ * lists what its section takes; a key nowhere near any gets the list alone. */
+static void test_did_you_mean(void **state) {
+  static const struct {
+    const char *text, *needle, *also;
+  } cases[] = {
+      {"[daemon]\nmax_clinets = 1\n", ":2: unknown key 'max_clinets' in [daemon]; did you mean 'max_clients'? (known",
+       "max_clients, "},
+      {"[daemon]\nbusy_pol_us = 1\n", "did you mean 'busy_poll_us'?", "--list-config-keys"},
+      {"[pool p]\ncapcity = 1G\n", ":2: unknown pool key 'capcity'; did you mean 'capacity'? (known: ",
+       "slab_size, alignment, keep_slabs, release_threshold, reuse_follow_event_deps"},
+      {"[pool p]\nslabb = 2M\n", "did you mean 'slab'?", "share"},
+      {"[tenant t]\nuid = 1\n", ":2: unknown key 'uid' in [t]; did you mean 'uids'? (known: uids, gids)", ""},
+      {"[group g]\ngid = 1\n", "did you mean 'gids'?", ""},
+  };
+  gpupool__config c;
+  (void)state;
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    strcpy(path, "/tmp/gpupool-conf-XXXXXX");
+    write_file(cases[i].text);
+    gpupool__config_defaults(&c);
+    assert_int_equal(gpupool__config_load(&c, path), GPUPOOL_ECONFIG);
+    if (!strstr(gpupool__errmsg(), cases[i].needle) || !strstr(gpupool__errmsg(), cases[i].also))
+      fail_msg("case %zu: '%s' lacks '%s' or '%s'", i, gpupool__errmsg(), cases[i].needle, cases[i].also);
+    unlink(path);
+  }
+  /* Far from every key: no guess, and the daemon's keys listed (nearest first, cut short). */
+  gpupool__config_defaults(&c);
+  assert_int_equal(gpupool__config_set(&c, "bogus", "1"), GPUPOOL_EINVAL);
+  assert_null(strstr(gpupool__errmsg(), "did you mean"));
+  assert_non_null(strstr(gpupool__errmsg(), "unknown key 'bogus' in [daemon] (known, nearest first: "));
+  assert_non_null(strstr(gpupool__errmsg(), "more: gpupoold --list-config-keys"));
+  /* --pool specs take the pool keys but not share, which only a [pool] section can say. */
+  assert_int_equal(gpupool__config_add_pool_spec(&c, "name=x,kepe=2"), GPUPOOL_ECONFIG);
+  assert_non_null(strstr(gpupool__errmsg(), "--pool 'name=x,kepe=2': unknown pool key 'kepe'; did you mean 'keep'?"));
+  assert_int_equal(gpupool__config_add_pool_spec(&c, "share=ml"), GPUPOOL_ECONFIG);
+  assert_non_null(strstr(gpupool__errmsg(), "unknown pool key 'share' (known: name, kind, "));
+  assert_null(strstr(gpupool__errmsg(), "share,"));
+}
+
 static void test_pool_checks(void **state) {
   gpupool__config c;
   (void)state;
@@ -216,7 +256,7 @@ int main(void) {
       cmocka_unit_test(test_full_file),      cmocka_unit_test(test_errors_name_line),
       cmocka_unit_test(test_pool_checks),    cmocka_unit_test(test_sizes),
       cmocka_unit_test(test_daemon_refuses_bad_config), cmocka_unit_test(test_duplicate_sections),
-      cmocka_unit_test(test_config_not_a_file),
+      cmocka_unit_test(test_config_not_a_file), cmocka_unit_test(test_did_you_mean),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
