@@ -42,9 +42,25 @@ static void usage(FILE *f) {
           "  -b, --backend KIND       auto (default: cuda if a usable GPU is present), cuda or host\n"
           "  -p, --pool SPEC          add a pool (repeatable), e.g.\n"
           "                           name=gpu0,kind=device,device=0,capacity=16G,slab=256M\n"
-          "                           keys: name kind(device|host|host-numa) device numa capacity\n"
-          "                           slab align keep release_threshold\n"
+          "                           keys (--list-config-keys says what each takes):\n"
+          "                          ",
+          def);
+  /* The --pool keys as the table has them, short forms where there are. */
+  for (size_t i = 0, col = 26; i < gpupool__n_config_keys; i++) {
+    const gpupool__config_key *k = &gpupool__config_keys[i];
+    const char *name = k->alias ? k->alias : k->name;
+    if (!(k->sections & GPUPOOL__CS_SPEC))
+      continue;
+    if (col + strlen(name) + 1 > 92) {
+      fprintf(f, "\n                          ");
+      col = 26;
+    }
+    col += (size_t)fprintf(f, " %s", name);
+  }
+  fprintf(f,
+          "\n"
           "  -l, --log-level LEVEL    error, warn, info (default) or debug\n"
+          "      --list-config-keys   print every config key: section, default, what it does\n"
           "  -h, --help               show this help\n"
           "  -V, --version            show the version\n"
           "\n"
@@ -67,8 +83,7 @@ static void usage(FILE *f) {
           "                           us) and how long it took (bench/trace_breakdown.py)\n"
           "Signals: SIGINT/SIGTERM shut down gracefully.\n"
           "Exit status: 0 after a clean shutdown, 2 for an invalid configuration (restarting\n"
-          "will not help: fix it), 1 for any other failure.\n",
-          def);
+          "will not help: fix it), 1 for any other failure.\n");
 }
 
 typedef struct {
@@ -136,6 +151,7 @@ static int config_failed(const char *fmt, ...) {
  * at start-up); nothing is bound and no memory is taken. */
 static int check_config(gpupool__config *cfg, const char *path) {
   gpupool__backend *be = NULL;
+  char changed[1024];
   int rc;
   gpupool__log_set_level(GPUPOOL_LOG_WARN);
   if ((rc = gpupool__backend_open(cfg->backend, &be)) != 0) {
@@ -149,9 +165,11 @@ static int check_config(gpupool__config *cfg, const char *path) {
     be->ops->close(be);
     return 2;
   }
-  printf("gpupoold: configuration OK (%s): socket %s, backend %s, %d pool(s)\n",
+  gpupool__config_changed_keys(cfg, changed, sizeof changed);
+  printf("gpupoold: configuration OK (%s): socket %s, backend %s, %d pool(s)\n"
+         "gpupoold: [daemon] keys away from their defaults (file, options, environment): %s\n",
          path ? path : "no file", cfg->socket_path[0] ? cfg->socket_path : "(from systemd)",
-         be->desc->name, cfg->n_pools);
+         be->desc->name, cfg->n_pools, changed[0] ? changed : "none");
   be->ops->close(be);
   return 0;
 }
@@ -174,6 +192,7 @@ static int parse_options(int argc, char **argv, options *o) {
                                        {"help", no_argument, NULL, 'h'},
                                        {"version", no_argument, NULL, 'V'},
                                        {"check-config", no_argument, NULL, 'C'},
+                                       {"list-config-keys", no_argument, NULL, 'K'},
                                        {NULL, 0, NULL, 0}};
   int opt;
 
@@ -199,6 +218,9 @@ static int parse_options(int argc, char **argv, options *o) {
     case 'C':
       o->check_only = 1;
       break;
+    case 'K':
+      gpupool__config_list_keys(stdout);
+      return 0;
     case 'h':
       usage(stdout);
       return 0;
