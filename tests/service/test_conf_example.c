@@ -5,6 +5,10 @@
  * it is misspelt or out of range); and the commented-out [daemon] keys that claim to show a
  * default do show the parser's default.
  *
+ * And the example against the config table (gpupool__config_keys): every key of the table
+ * has a line in the example, with the table's default where the table has one; the example
+ * names no key the table lacks; and the table's defaults are what the parser starts from.
+ *
  * Also the README's "essentials" block, inline comments and all, as a user would copy it.
  *
  * Usage: test_conf_example PATH_TO_gpupoold.conf PATH_TO_README.md
@@ -125,6 +129,108 @@ static void test_documented_defaults(void **state) {
   assert_int_equal(c.metrics_interval_ms, d.metrics_interval_ms);
 }
 
+/* A "key = value" or "#key = value" line of the example, and the section it is in. */
+typedef struct {
+  unsigned section;
+  char key[64], value[256];
+  int line;
+} example_line;
+
+static int read_example(example_line *out, int max) {
+  FILE *in = fopen(conf_path, "re");
+  char line[1024];
+  unsigned section = 0;
+  int n = 0, lineno = 0;
+  assert_non_null(in);
+  while (fgets(line, sizeof line, in)) {
+    char *l = line, *eq, *e;
+    size_t kl;
+    lineno++;
+    if (*l == '#' && (l[1] == '[' || (l[1] >= 'a' && l[1] <= 'z')))
+      l++;
+    if (*l == '[') {
+      section = !strncmp(l, "[daemon]", 8)   ? GPUPOOL__CS_DAEMON
+                : !strncmp(l, "[pool ", 6)   ? GPUPOOL__CS_POOL
+                : !strncmp(l, "[tenant ", 8) ? GPUPOOL__CS_TENANT
+                : !strncmp(l, "[group ", 7)  ? GPUPOOL__CS_GROUP
+                                             : 0;
+      if (!section)
+        fail_msg("gpupoold.conf:%d: a section the test does not know: %s", lineno, l);
+      continue;
+    }
+    kl = strspn(l, "abcdefghijklmnopqrstuvwxyz_");
+    eq = l + kl + strspn(l + kl, " \t");
+    if (kl == 0 || *eq != '=' || l != line + (line[0] == '#'))
+      continue; /* prose */
+    assert_true(n < max);
+    out[n].section = section;
+    out[n].line = lineno;
+    snprintf(out[n].key, sizeof out[n].key, "%.*s", (int)kl, l);
+    eq++;
+    eq += strspn(eq, " \t");
+    for (e = eq; *e && *e != '\n' && !(*e == '#' && (e == eq || e[-1] == ' ')); e++)
+      ;
+    while (e > eq && (e[-1] == ' ' || e[-1] == '\t'))
+      e--;
+    snprintf(out[n].value, sizeof out[n].value, "%.*s", (int)(e - eq), eq);
+    n++;
+  }
+  fclose(in);
+  return n;
+}
+
+/* What the parser starts from for the struct a row's section names. */
+static void *fresh(const gpupool__config_key *k, gpupool__config *c, gpupool__pool_config *p,
+                   gpupool__member_set *m) {
+  gpupool__config_defaults(c);
+  gpupool__pool_config_init(p);
+  memset(m, 0, sizeof *m);
+  return k->sections & GPUPOOL__CS_DAEMON ? (void *)c : k->sections & GPUPOOL__CS_POOL ? (void *)p : (void *)m;
+}
+
+static void test_example_matches_table(void **state) {
+  static example_line lines[256];
+  static gpupool__config c0, c1;
+  gpupool__pool_config p0, p1;
+  gpupool__member_set m0, m1;
+  int n = read_example(lines, 256);
+  (void)state;
+  assert_true(n > 40);
+  for (int i = 0; i < n; i++) {
+    const gpupool__config_key *k = gpupool__config_key_find(lines[i].section, lines[i].key);
+    if (!k || strcmp(k->name, lines[i].key))
+      fail_msg("gpupoold.conf:%d: '%s' is not a key of its section in the config table "
+               "(gpupool__config_keys in daemon/config.c)", lines[i].line, lines[i].key);
+  }
+  for (size_t r = 0; r < gpupool__n_config_keys; r++) {
+    const gpupool__config_key *k = &gpupool__config_keys[r];
+    const example_line *at = NULL;
+    void *start, *set;
+    if (k->flags & GPUPOOL__CF_CMDLINE)
+      continue;
+    for (int i = 0; i < n && !at; i++)
+      if ((lines[i].section & k->sections) && !strcmp(lines[i].key, k->name))
+        at = &lines[i];
+    if (!at)
+      fail_msg("config key '%s' has no line in gpupoold.conf", k->name);
+    if (!k->def)
+      continue;
+    /* The table's default is what the parser starts from... */
+    start = fresh(k, &c0, &p0, &m0);
+    set = fresh(k, &c1, &p1, &m1);
+    if (gpupool__config_key_set(set, k, k->def) != 0)
+      fail_msg("config key '%s': the table's default '%s' does not parse: %s", k->name, k->def, gpupool__errmsg());
+    if (memcmp((char *)start + k->off, (char *)set + k->off, k->size))
+      fail_msg("config key '%s': the table's default '%s' is not the value the parser starts from", k->name, k->def);
+    /* ...and the example shows it. */
+    set = fresh(k, &c1, &p1, &m1);
+    if (gpupool__config_key_set(set, k, at->value) != 0)
+      fail_msg("gpupoold.conf:%d: %s = %s does not parse: %s", at->line, k->name, at->value, gpupool__errmsg());
+    if (memcmp((char *)start + k->off, (char *)set + k->off, k->size))
+      fail_msg("gpupoold.conf:%d: %s = %s, but its default is %s", at->line, k->name, at->value, k->def);
+  }
+}
+
 /* The first ```ini block of the README, written to a file as it stands. */
 static void test_readme_essentials(void **state) {
   FILE *in = fopen(readme_path, "re"), *out;
@@ -192,6 +298,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_as_shipped),
       cmocka_unit_test(test_everything_on),
       cmocka_unit_test(test_documented_defaults),
+      cmocka_unit_test(test_example_matches_table),
   };
   if (argc != 3) {
     fprintf(stderr, "usage: test_conf_example PATH_TO_gpupoold.conf PATH_TO_README.md\n");
