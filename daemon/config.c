@@ -513,10 +513,10 @@ static size_t key_distance(const char *a, const char *b) {
   return d[la][lb];
 }
 
-/* The refusal of key, unknown in section: what (e.g. "key 'x' in [daemon]"), the nearest
- * known key when it is near enough to be a typo, and the section's keys (nearest first and
- * cut short when they would not fit in a message). */
-static int unknown_key(unsigned section, const char *key, const char *what) {
+/* The refusal of key, unknown in section ("unknown NOUN 'key'IN"): the nearest known key
+ * when it is near enough to be a typo, and the section's keys (nearest first and cut short
+ * when they would not fit in a message). */
+static int unknown_key(unsigned section, const char *key, const char *noun, const char *in) {
   const gpupool__config_key *rows[128];
   const char *best = NULL;
   size_t dist[128], n = 0, best_d = SIZE_MAX, off = 0, all = 0, shown = 0;
@@ -564,39 +564,29 @@ static int unknown_key(unsigned section, const char *key, const char *what) {
   }
   if (shown < n)
     snprintf(known + off, sizeof known - off, ", %zu more: gpupoold --list-config-keys", n - shown);
-  return gpupool__err(GPUPOOL_EINVAL, "unknown %s%s (known%s: %s)", what, hint, sorted ? ", nearest first" : "",
-                      known);
+  return gpupool__err(GPUPOOL_EINVAL, "unknown %s '%s'%s%s (known%s: %s)", noun, key, in, hint,
+                      sorted ? ", nearest first" : "", known);
 }
 
 /* ---- the sections' setters ---------------------------------------------------------------- */
 
-int gpupool__config_set(gpupool__config *c, const char *k, const char *v) {
-  const gpupool__config_key *row = gpupool__config_key_find(GPUPOOL__CS_DAEMON, k);
-  char what[96];
-  if (row)
-    return gpupool__config_key_set(c, row, v);
-  snprintf(what, sizeof what, "key '%s' in [daemon]", k);
-  return unknown_key(GPUPOOL__CS_DAEMON, k, what);
+/* Key k of section into obj; refused as "unknown NOUN 'k'IN" when the section has no such
+ * key (or only its section reader takes it, as share). */
+static int set_key(void *obj, unsigned section, const char *k, const char *v, const char *noun, const char *in) {
+  const gpupool__config_key *row = gpupool__config_key_find(section, k);
+  if (row && row->kind != GPUPOOL__CK_SECTION)
+    return gpupool__config_key_set(obj, row, v);
+  return unknown_key(section, k, noun, in);
 }
 
-/* section: GPUPOOL__CS_POOL (a [pool] line; share never reaches here, the reader takes it)
- * or GPUPOOL__CS_SPEC (--pool). */
-static int set_pool_key(gpupool__pool_config *p, unsigned section, const char *k, const char *v) {
-  const gpupool__config_key *row = gpupool__config_key_find(section, k);
-  char what[96];
-  if (row && row->kind != GPUPOOL__CK_SECTION)
-    return gpupool__config_key_set(p, row, v);
-  snprintf(what, sizeof what, "pool key '%s'", k);
-  return unknown_key(section, k, what);
+int gpupool__config_set(gpupool__config *c, const char *k, const char *v) {
+  return set_key(c, GPUPOOL__CS_DAEMON, k, v, "key", " in [daemon]");
 }
 
 static int set_member_key(gpupool__member_set *m, unsigned section, const char *k, const char *v) {
-  const gpupool__config_key *row = gpupool__config_key_find(section, k);
-  char what[128];
-  if (row)
-    return gpupool__config_key_set(m, row, v);
-  snprintf(what, sizeof what, "key '%s' in [%s]", k, m->name);
-  return unknown_key(section, k, what);
+  char in[64];
+  snprintf(in, sizeof in, " in [%s]", m->name);
+  return set_key(m, section, k, v, "key", in);
 }
 
 static const char *section_name(unsigned sections) {
@@ -819,7 +809,7 @@ int gpupool__config_load(gpupool__config *c, const char *path) {
     }
     if ((in_daemon ? gpupool__config_set(c, k, v)
          : set     ? set_member_key(set, set_section, k, v)
-                   : set_pool_key(pool, GPUPOOL__CS_POOL, k, v)) != 0) {
+                   : set_key(pool, GPUPOOL__CS_POOL, k, v, "pool key", "")) != 0) {
       snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
       rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: %s", path, lineno, msg);
       goto out;
@@ -845,7 +835,7 @@ int gpupool__config_add_pool_spec(gpupool__config *c, const char *spec) {
     if (!eq)
       return gpupool__err(GPUPOOL_ECONFIG, "--pool '%s': '%s' is not key=value", spec, tok);
     *eq = '\0';
-    if (set_pool_key(&p, GPUPOOL__CS_SPEC, trim(tok), trim(eq + 1)) != 0) {
+    if (set_key(&p, GPUPOOL__CS_SPEC, trim(tok), trim(eq + 1), "pool key", "") != 0) {
       snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
       return gpupool__err(GPUPOOL_ECONFIG, "--pool '%s': %s", spec, msg);
     }
