@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "test_hooks.h"
 
 /* ---- tracing ------------------------------------------------------------------------------------ */
 
@@ -50,6 +51,8 @@ void gpupool__trace(const char *what, uint64_t t0, uint64_t detail) {
             (double)(gpupool__mono_ns() - t0) / 1e3, detail);
 }
 
+
+void (*gpupool__hook_sent)(gpupool_client *c, const gpupool__req *req);
 
 /* ---- transport -------------------------------------------------------------------------------- */
 
@@ -397,6 +400,11 @@ static int call_fds(gpupool_client *c, gpupool__req *req, gpupool__rep **out, in
     *fd_out = -1;
   if ((rc = gpupool__call_send(c, req, &p, send_fd)) != 0)
     return rc;
+  if (gpupool__hook_sent) {
+    pthread_mutex_unlock(&c->mu);
+    gpupool__hook_sent(c, req);
+    pthread_mutex_lock(&c->mu);
+  }
   if ((rc = gpupool__call_wait(c, p, out, fds, &nfds)) != 0)
     return rc;
   for (int i = 0; i < nfds; i++) {

@@ -97,8 +97,7 @@ typedef struct stale_gen {
 struct gpupool_client {
   int fd;
   int lease_fd;            /* this connection's lease, or -1 */
-  pthread_mutex_t mu;      /* mu and cv stay near the start: test_reconnect_race finds a thread
-                            * waiting on them by address (first 512 bytes) */
+  pthread_mutex_t mu;
   pthread_cond_t cv;
   uint64_t next_seq;
   int reader_active;
