@@ -38,12 +38,6 @@ void gpupool__trace_open(void) {
     setvbuf(gpupool__trace_file, NULL, _IOLBF, 0);
 }
 
-uint64_t gpupool__mono_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 void gpupool__trace(const char *what, uint64_t t0, uint64_t detail) {
   pthread_once(&gpupool__trace_once, gpupool__trace_open);
   if (gpupool__trace_file)
@@ -259,8 +253,7 @@ static int refusal(gpupool_client *c) {
   if (c->reader_active || poll(&pfd, 1, 0) != 1 || !(pfd.revents & POLLIN))
     return 0;
   gpupool__wire_rx_init(&rx, GPUPOOL_WIRE_DEFAULT_MAX_FRAME);
-  if (gpupool__wire_rx_read(&rx, c->fd) == 1)
-    rep = gpupool__wire_unpack_reply(&rx);
+  (void)gpupool__sock_read_reply(&rx, c->fd, &rep);
   gpupool__wire_rx_reset(&rx);
   if (rep && rep->error && rep->error->code < 0 && rep->error->code > GPUPOOL_ERRNO_MIN) {
     code = rep->error->code;
@@ -286,13 +279,8 @@ int gpupool__call_send(gpupool_client *c, gpupool__req *req, pending **out, int 
   req->n_unmapped_slabs = c->nunmapped;
   req->unmapped_slabs = c->unmapped;
   req->host_fences = c->host_fences;
-  if ((rc = gpupool__wire_pack_request(req, &buf, &len)) != 0)
+  if ((rc = gpupool__sock_pack_request(req, c->max_frame, &buf, &len)) != 0)
     return rc;
-  if (c->max_frame && len - GPUPOOL_WIRE_HDR > c->max_frame) {
-    free(buf);
-    return gpupool__err(GPUPOOL_ETOOBIG, "request of %zu bytes exceeds the daemon's frame limit of %u (max_frame "
-                        "in its config)", len - GPUPOOL_WIRE_HDR, c->max_frame);
-  }
   if (!(p = calloc(1, sizeof *p))) {
     free(buf);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");

@@ -24,99 +24,45 @@
 
 #include "internal.h"
 
-/* "owner root, group gpupool, mode 0660" of the socket at path, for permission errors. */
-static void describe_socket(const char *path, char *buf, size_t len) {
-  struct stat st;
-  struct passwd pw, *pwp = NULL;
-  struct group gr, *grp = NULL;
-  char pwbuf[1024], grbuf[4096], u[16], g[16];
-  if (stat(path, &st) != 0) {
-    snprintf(buf, len, "its directory cannot be searched by this user: %s", strerror(errno));
-    return;
-  }
-  (void)getpwuid_r(st.st_uid, &pw, pwbuf, sizeof pwbuf, &pwp);
-  (void)getgrgid_r(st.st_gid, &gr, grbuf, sizeof grbuf, &grp);
-  snprintf(u, sizeof u, "%u", (unsigned)st.st_uid);
-  snprintf(g, sizeof g, "%u", (unsigned)st.st_gid);
-  snprintf(buf, len, "owner %s, group %s, mode %04o", pwp ? pwp->pw_name : u, grp ? grp->gr_name : g,
-           (unsigned)(st.st_mode & 07777));
-}
-
-static void ms_to_timeval(int ms, struct timeval *tv) {
-  tv->tv_sec = ms > 0 ? ms / 1000 : 0;
-  tv->tv_usec = ms > 0 ? (ms % 1000) * 1000 : 0;
-}
-
-/* Backoff between connects refused because the daemon's accept queue is full. */
-#define CONNECT_RETRY_FIRST_MS 1
-#define CONNECT_RETRY_MAX_MS 50
-
+/* Connect to the daemon's socket at path (common/sock.c), a failure worded for a program. */
 static int connect_socket(const char *path, int timeout_ms, int *out) {
-  struct sockaddr_un addr = {.sun_family = AF_UNIX};
-  struct timeval tv;
-  uint64_t deadline = gpupool__mono_ns() + (timeout_ms > 0 ? (uint64_t)timeout_ms * 1000000u : 0);
-  int fd, tries = 0, pause_ms = CONNECT_RETRY_FIRST_MS;
-  if (strlen(path) >= sizeof addr.sun_path)
-    return gpupool__err(GPUPOOL_EINVAL, "socket path '%s' is longer than %zu bytes", path, sizeof addr.sun_path - 1);
-  strcpy(addr.sun_path, path);
-  fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0)
-    return gpupool__err(GPUPOOL_ECONNECT, "socket: %s", strerror(errno));
-  /* connect() on a Unix socket whose listener is stopped blocks once the backlog is full:
-   * SO_SNDTIMEO bounds it (and the Hello that follows). */
-  ms_to_timeval(timeout_ms, &tv);
-  (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-  (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  while (tries++, connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
-    int e = errno;
-    char what[160];
-    uint64_t now;
-    if (e == EINTR)
-      continue;
-    /* The accept queue was full (a flood, or a daemon busy for a moment): a place may open
-     * before the timeout, so try again after a short pause rather than fail at once. */
-    if (e == EAGAIN && (timeout_ms < 0 || (now = gpupool__mono_ns()) < deadline)) {
-      int ms = pause_ms;
-      if (timeout_ms > 0 && (uint64_t)ms * 1000000u > deadline - now)
-        ms = (int)((deadline - now) / 1000000u) + 1;
-      if (timeout_ms > 0) {
-        /* What is left of the timeout bounds the next wait in connect(). */
-        ms_to_timeval((int)((deadline - now) / 1000000u) + 1, &tv);
-        (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-      }
-      poll(NULL, 0, ms);
-      pause_ms = pause_ms * 2 > CONNECT_RETRY_MAX_MS ? CONNECT_RETRY_MAX_MS : pause_ms * 2;
-      continue;
-    }
-    close(fd);
-    if (e == ENOENT || e == ECONNREFUSED)
-      return gpupool__err(GPUPOOL_ECONNECT,
-                          "cannot connect to gpupoold at %s: %s; is the daemon running? Start it "
-                          "(gpupoold --socket %s, or systemctl start gpupoold.socket) or set GPUPOOL_SOCKET",
-                          path, strerror(e), path);
-    if (e == EACCES || e == EPERM) {
-      describe_socket(path, what, sizeof what);
-      return gpupool__err(GPUPOOL_ECONNECT,
-                          "cannot connect to gpupoold at %s: permission denied (%s); connecting needs "
-                          "write access to the socket: join its group or ask the operator",
-                          path, what);
-    }
-    if (e == EAGAIN)
-      return gpupool__err(GPUPOOL_ETIMEDOUT,
-                          "the daemon did not answer in %g s: gpupoold at %s kept its queue of waiting "
-                          "connections full all that time (%d tries): it is stopped, stuck or flooded with "
-                          "connections (see 'systemctl status gpupoold' and its log; the queue is listen_backlog "
-                          "in its config); the timeout is gpupool_connect_timeout() or GPUPOOL_CONNECT_TIMEOUT_MS",
-                          timeout_ms / 1000.0, path, tries);
-    if (e == EINPROGRESS || e == ETIMEDOUT)
-      return gpupool__err(GPUPOOL_ETIMEDOUT,
-                          "the daemon did not answer in %g s: gpupoold at %s accepts no connections "
-                          "(stopped or stuck? see 'systemctl status gpupoold')",
-                          timeout_ms / 1000.0, path);
-    return gpupool__err(GPUPOOL_ECONNECT, "cannot connect to gpupoold at %s: %s", path, strerror(e));
+  char what[160];
+  int tries, fd, e;
+  if (strlen(path) >= sizeof ((struct sockaddr_un *)0)->sun_path)
+    return gpupool__err(GPUPOOL_EINVAL, "socket path '%s' is longer than %zu bytes", path,
+                        sizeof ((struct sockaddr_un *)0)->sun_path - 1);
+  if ((fd = gpupool__sock_connect(path, timeout_ms, 1, &tries)) >= 0) {
+    *out = fd;
+    return 0;
   }
-  *out = fd;
-  return 0;
+  e = -fd;
+  if (tries == 0)
+    return gpupool__err(GPUPOOL_ECONNECT, "socket: %s", strerror(e));
+  if (e == ENOENT || e == ECONNREFUSED)
+    return gpupool__err(GPUPOOL_ECONNECT,
+                        "cannot connect to gpupoold at %s: %s; is the daemon running? Start it "
+                        "(gpupoold --socket %s, or systemctl start gpupoold.socket) or set GPUPOOL_SOCKET",
+                        path, strerror(e), path);
+  if (e == EACCES || e == EPERM) {
+    gpupool__sock_describe(path, what, sizeof what);
+    return gpupool__err(GPUPOOL_ECONNECT,
+                        "cannot connect to gpupoold at %s: permission denied (%s); connecting needs "
+                        "write access to the socket: join its group or ask the operator",
+                        path, what);
+  }
+  if (e == EAGAIN)
+    return gpupool__err(GPUPOOL_ETIMEDOUT,
+                        "the daemon did not answer in %g s: gpupoold at %s kept its queue of waiting "
+                        "connections full all that time (%d tries): it is stopped, stuck or flooded with "
+                        "connections (see 'systemctl status gpupoold' and its log; the queue is listen_backlog "
+                        "in its config); the timeout is gpupool_connect_timeout() or GPUPOOL_CONNECT_TIMEOUT_MS",
+                        timeout_ms / 1000.0, path, tries);
+  if (e == EINPROGRESS || e == ETIMEDOUT)
+    return gpupool__err(GPUPOOL_ETIMEDOUT,
+                        "the daemon did not answer in %g s: gpupoold at %s accepts no connections "
+                        "(stopped or stuck? see 'systemctl status gpupoold')",
+                        timeout_ms / 1000.0, path);
+  return gpupool__err(GPUPOOL_ECONNECT, "cannot connect to gpupoold at %s: %s", path, strerror(e));
 }
 
 /* Whether this connection orders GPU work without the daemon's inter-process events. CUDA

@@ -32,6 +32,7 @@
 #include "backend.h"
 #include "errors.h"
 #include "hmap.h"
+#include "sock.h"
 #include "wire.h"
 
 #define GPUPOOL_WAIT_FOREVER UINT32_MAX
@@ -182,7 +183,6 @@ extern pthread_once_t gpupool__trace_once;
 
 /* conn.c */
 void gpupool__trace_open(void);
-uint64_t gpupool__mono_ns(void);
 void gpupool__trace(const char *what, uint64_t t0, uint64_t detail);
 void gpupool__set_broken(gpupool_client *c, int code, const char *msg);
 void gpupool__export_free(slab_export *e);
