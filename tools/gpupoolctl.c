@@ -27,6 +27,7 @@
 #include "errors.h"
 #include "gpupool/gpupool.h"
 #include "gpupool/version.h"
+#include "sock.h"
 #include "wire.h"
 
 #define EXIT_REFUSED 1
@@ -264,62 +265,30 @@ static void table_free(table *t) {
 
 /* ---- talking to the daemon ------------------------------------------------------------------ */
 
-/* "owner root, group gpupool, mode 0660" of the socket at path, or why it cannot be seen. */
-static void describe_socket(const char *path, char *buf, size_t len) {
-  struct stat st;
-  struct passwd *pw;
-  struct group *gr;
-  char u[32], g[32];
-  if (stat(path, &st) != 0) {
-    snprintf(buf, len, "its directory cannot be searched by this user: %s", strerror(errno));
-    return;
-  }
-  pw = getpwuid(st.st_uid);
-  gr = getgrgid(st.st_gid);
-  snprintf(u, sizeof u, "%u", (unsigned)st.st_uid);
-  snprintf(g, sizeof g, "%u", (unsigned)st.st_gid);
-  snprintf(buf, len, "owner %s, group %s, mode %04o", pw ? pw->pw_name : u, gr ? gr->gr_name : g,
-           (unsigned)(st.st_mode & 07777));
-}
-
 static const char *fmt_secs(int ms, char *buf, size_t len) {
   snprintf(buf, len, "%g s", ms / 1000.0);
   return buf;
 }
 
 static int connect_daemon(ctl *c) {
-  struct sockaddr_un a;
   struct ucred cr;
   socklen_t crl = sizeof(cr);
-  struct timeval tv = {.tv_sec = c->hello_timeout_ms / 1000,
-                       .tv_usec = (c->hello_timeout_ms % 1000) * 1000};
-  int fd, e;
+  int fd, e, tries;
 
-  fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  fd = gpupool__sock_connect(c->path, c->hello_timeout_ms, 0, &tries);
   if (fd < 0) {
-    die_msg("cannot create a socket: %s", strerror(errno));
-    return -1;
-  }
-  memset(&a, 0, sizeof(a));
-  a.sun_family = AF_UNIX;
-  memcpy(a.sun_path, c->path, strlen(c->path));
-  /* A stopped daemon's full backlog blocks connect(): SO_SNDTIMEO bounds it. */
-  if (c->hello_timeout_ms > 0) {
-    (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  }
-  if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
     char what[160];
-    e = errno;
-    close(fd);
-    if (e == ENOENT || e == ECONNREFUSED)
+    e = -fd;
+    if (tries == 0)
+      die_msg("cannot create a socket: %s", strerror(e));
+    else if (e == ENOENT || e == ECONNREFUSED)
       die_msg("gpupoold is not running: %s %s.\n"
               "  Start it with 'systemctl start gpupoold.socket' (or run 'gpupoold --socket %s'),\n"
               "  or point gpupoolctl at the daemon's socket with --socket PATH or GPUPOOL_SOCKET.",
               e == ENOENT ? "there is no socket at" : "nothing accepts connections on",
               c->path, c->path);
     else if (e == EACCES || e == EPERM) {
-      describe_socket(c->path, what, sizeof what);
+      gpupool__sock_describe(c->path, what, sizeof what);
       die_msg("permission denied connecting to %s (%s).\n"
               "  Connecting needs write access to the socket: join its group ('usermod -aG GROUP "
               "$USER', then log in again), or run gpupoolctl with sudo.",
@@ -388,7 +357,7 @@ static int call(ctl *c, gpupool__req *req, gpupool__rep **out) {
   *out = NULL;
   gpupool__wire_rx_init(&rx, GPUPOOL_WIRE_HARD_MAX_FRAME);
   req->seq = ++c->seq;
-  rc = gpupool__wire_pack_request(req, &buf, &len);
+  rc = gpupool__sock_pack_request(req, 0, &buf, &len);
   if (rc < 0) {
     die_msg("cannot encode a %s request: %s", body_name(bc), gpupool__errmsg());
     goto out;
@@ -398,7 +367,7 @@ static int call(ctl *c, gpupool__req *req, gpupool__rep **out) {
     die_msg("cannot send a %s request to %s: %s", body_name(bc), c->path, gpupool__errmsg());
     goto out;
   }
-  rc = gpupool__wire_rx_read(&rx, c->fd);
+  rc = gpupool__sock_read_reply(&rx, c->fd, &rep);
   if (rc == 0) {
     char secs[32];
     die_msg("the daemon did not answer in %s: gpupoold at %s left a %s request unanswered "
@@ -428,7 +397,6 @@ static int call(ctl *c, gpupool__req *req, gpupool__rep **out) {
     die_msg("reading the reply from %s: %s", c->path, gpupool__errmsg());
     goto out;
   }
-  rep = gpupool__wire_unpack_reply(&rx);
   if (rep == NULL) {
     if (bc == GPUPOOL__WIRE__REQUEST__BODY_HELLO)
       die_msg("this socket is not gpupoold: %s answered Hello with a frame that does not decode; "

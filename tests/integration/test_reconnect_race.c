@@ -15,17 +15,19 @@
  *   Release{7} conn 2 sees is B's own, at the end.
  * Parking makes it deterministic: left running, A would take the lock as soon as B's reconnect
  * lets go of it for its Hello round trip, before c->reconnects changes (a Release sent then
- * finds a connection with no holds yet, not the case at stake). A is signalled only once /proc
- * shows it in a futex wait inside the client struct: on the client's condition variable.
+ * finds a connection with no holds yet, not the case at stake). A is parked by the library's
+ * test hook (client/test_hooks.h) right after its AttachPool went out, where it would otherwise
+ * wait for B to read the reply.
  */
 #include <inttypes.h>
 #include <poll.h>
 #include <pthread.h>
 #include <semaphore.h>
+#include <stdatomic.h>
 #include <sys/mman.h>
-#include <sys/syscall.h>
 
 #include "harness.h"
+#include "test_hooks.h"
 #include "wire.h"
 
 #define HOLD 7
@@ -229,40 +231,26 @@ typedef struct {
   const char *name;
   int rc;
   gpupool_buffer *buf;
-  _Atomic pid_t tid;
 } getter;
 
 static void *get_thread(void *arg) {
   getter *g = arg;
-  g->tid = (pid_t)syscall(SYS_gettid);
   g->rc = gpupool_get(g->c, g->name, -1, 0, NULL, &g->buf);
   return NULL;
 }
 
-/* SIGUSR1 parks the thread it hits until a byte comes on gate[0]. */
-static void park(int sig) {
-  int e = errno;
+/* The first AttachPool is A's, on conn 1 (B's comes on conn 2): its thread is parked, the
+ * client's lock released, until a byte comes on gate[0]. */
+static atomic_int attach_parked;
+
+static void park_first_attach(gpupool_client *c, const gpupool__req *req) {
   char ch = 1;
-  (void)sig;
+  (void)c;
+  if (req->body_case != GPUPOOL__WIRE__REQUEST__BODY_ATTACH_POOL || atomic_exchange(&attach_parked, 1))
+    return;
   (void)!write(parked[1], &ch, 1);
   while (read(gate[0], &ch, 1) < 0 && errno == EINTR)
     ;
-  errno = e;
-}
-
-/* Whether thread tid is blocked in a futex wait on a word inside [lo, lo + len). */
-static int futex_waiting_in(pid_t tid, const void *lo, size_t len) {
-  char path[64], line[256];
-  unsigned long nr, addr;
-  FILE *f;
-  int ok = 0;
-  snprintf(path, sizeof path, "/proc/self/task/%d/syscall", (int)tid);
-  if (!(f = fopen(path, "r")))
-    return 0;
-  if (fgets(line, sizeof line, f) && sscanf(line, "%lu %lx", &nr, &addr) == 2)
-    ok = nr == SYS_futex && addr >= (uintptr_t)lo && addr < (uintptr_t)lo + len;
-  fclose(f);
-  return ok;
 }
 
 static void join_s(pthread_t t, const char *who) {
@@ -274,12 +262,10 @@ static void join_s(pthread_t t, const char *who) {
 static void test_no_release_across_reconnect(void **state) {
   char dir[] = "/tmp/gpupool-race-XXXXXX", sock[64];
   struct sockaddr_un a = {.sun_family = AF_UNIX};
-  struct sigaction sa = {.sa_handler = park};
   pthread_t fake, ta, tb;
   getter A = {0}, B = {0};
   gpupool_client *c;
   struct pollfd pp;
-  uint64_t t0;
   char ch = 1;
   (void)state;
 
@@ -295,8 +281,7 @@ static void test_no_release_across_reconnect(void **state) {
   sem_init(&F.go_close, 0, 0);
   assert_int_equal(pipe2(gate, O_CLOEXEC), 0);
   assert_int_equal(pipe2(parked, O_CLOEXEC), 0);
-  sigemptyset(&sa.sa_mask);
-  assert_int_equal(sigaction(SIGUSR1, &sa, NULL), 0);
+  gpupool__hook_sent = park_first_attach;
   assert_int_equal(pthread_create(&fake, NULL, fake_daemon, NULL), 0);
 
   assert_int_equal(gpupool_connect(sock, "race", &c), 0);
@@ -311,13 +296,7 @@ static void test_no_release_across_reconnect(void **state) {
   assert_int_equal(pthread_create(&ta, NULL, get_thread, &A), 0);
   if (sem_wait_s(&F.attach_seen) != 0)
     fail_msg("A never asked to attach the pool of its hold (%s)", F.err);
-  /* After its AttachPool went out A blocks nowhere but on the client's condition variable. */
-  for (t0 = th_now_ms(); !futex_waiting_in(A.tid, c, 512);)
-    if (th_now_ms() - t0 > WAIT_S * 1000)
-      fail_msg("A is not waiting for its AttachPool reply (is /proc/self/task/*/syscall readable?)");
-    else
-      th_sleep_ms(1);
-  assert_int_equal(pthread_kill(ta, SIGUSR1), 0);
+  /* A's AttachPool went out: A is parked before waiting for its reply. */
   pp = (struct pollfd){.fd = parked[0], .events = POLLIN};
   assert_int_equal(poll(&pp, 1, WAIT_S * 1000), 1);
   assert_int_equal(read(parked[0], &ch, 1), 1);

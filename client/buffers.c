@@ -1,0 +1,500 @@
+/*
+ * libgpupool-client, buffers.c: Single buffers: alloc, share and open, publish and get (with their
+ * versions), release, unpublish, and the buffer accessors. See internal.h for how the client is
+ * put together.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <grp.h>
+#include <pwd.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+static void buffer_unlink(gpupool_client *c, gpupool_buffer *b) {
+  if (b->prev)
+    b->prev->next = b->next;
+  else
+    c->buffers = b->next;
+  if (b->next)
+    b->next->prev = b->prev;
+}
+
+/* Order the work queued in `stream` before whoever comes next to a buffer (its consumers, for
+ * the ready event e; the daemon's reuse, for a done event): nothing when the stream is idle
+ * (an event would only make them wait for completed work); with host fences, wait for that
+ * work here (nobody can wait on an event of ours); otherwise record e there, when there is
+ * one. 1 when e was recorded, 0 when nothing was, < 0 on error. */
+static int fence_stream(gpupool_client *c, gpupool__cevent *e, void *stream) {
+  int rc;
+  if (!c->host_fences && !e)
+    return 0;
+  if (c->be->stream_idle && c->be->stream_idle(stream) == 1)
+    return 0;
+  if (c->host_fences)
+    return c->be->sync ? c->be->sync(stream) : 0;
+  rc = c->be->event_record(e, stream);
+  return rc < 0 ? rc : 1;
+}
+
+/* Drop b's local state (and free b). With the lock held. *hold_id is the hold to release at
+ * the daemon (0 when there is none: b's daemon is gone), *recorded whether its done event was
+ * recorded in `stream`. */
+void gpupool__release_local(gpupool_client *c, gpupool_buffer *b, void *stream, uint64_t *hold_id, int *recorded) {
+  cslab *s = b->slab;
+  gpupool__cevent *done = b->done_id ? gpupool__hmap_get(&c->events, b->done_id) : NULL;
+
+  *hold_id = 0;
+  *recorded = 0;
+  buffer_unlink(c, b);
+  s->refs--;
+  if (b->lost) {
+    /* Its daemon is gone: nothing to tell; unmap once no buffer of ours needs the slab. */
+    stale_gen *g = s->stale;
+    if (s->refs == 0) {
+      gpupool__be_unmap(c, s, stream);
+      free(s);
+      if (g && --g->live_slabs == 0)
+        gpupool__stale_gen_free(c, g);
+    }
+    free(b);
+    return;
+  }
+  /* A dedicated slab holds only this buffer: unmap it now, in stream order, before the done
+   * event, so the daemon frees the allocation only after our import is gone. */
+  if (s->refs == 0 && s->dedicated && !s->keep)
+    gpupool__slab_unmap(c, s, stream);
+  /* The daemon may reuse the range once it has the release and the done event (if recorded)
+   * has completed. */
+  switch (fence_stream(c, done, stream)) {
+  case 1:
+    *recorded = 1;
+    break;
+  case 0:
+    break;
+  default:
+    fprintf(stderr, "libgpupool-client: %s failed (%s); the daemon will treat the buffer as idle\n",
+            c->host_fences ? "synchronizing the stream before a release" : "recording the done event",
+            gpupool__errmsg());
+  }
+  *hold_id = b->hold_id;
+  free(b);
+}
+
+void gpupool__release_request(gpupool__req *req, Gpupool__Wire__Release *rl, uint64_t hold_id, int recorded) {
+  gpupool__wire__release__init(rl);
+  rl->hold_id = hold_id;
+  rl->done_recorded = recorded;
+  req->body_case = GPUPOOL__WIRE__REQUEST__BODY_RELEASE;
+  req->release = rl;
+}
+
+/* Drop b's local state and tell the daemon. With the lock held. */
+int gpupool__release_locked(gpupool_client *c, gpupool_buffer *b, void *stream) {
+  uint64_t hold_id;
+  int recorded;
+  gpupool__release_local(c, b, stream, &hold_id, &recorded);
+  return hold_id ? gpupool__send_release(c, hold_id, recorded) : 0;
+}
+
+/* Release several buffers with their requests in flight together (one round trip). */
+int gpupool__release_many_locked(gpupool_client *c, gpupool_buffer **bs, int n, void *stream) {
+  pending **ps = calloc((size_t)n, sizeof *ps);
+  int rc = 0;
+  if (!ps) {
+    for (int i = 0; i < n; i++) {
+      int r = gpupool__release_locked(c, bs[i], stream);
+      if (!rc)
+        rc = r;
+    }
+    return rc;
+  }
+  for (int i = 0; i < n; i++) {
+    gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+    Gpupool__Wire__Release rl;
+    uint64_t hold_id;
+    int recorded, r;
+    gpupool__release_local(c, bs[i], stream, &hold_id, &recorded);
+    if (!hold_id)
+      continue;
+    gpupool__release_request(&req, &rl, hold_id, recorded);
+    if ((r = gpupool__call_send(c, &req, &ps[i], -1)) != 0 && !rc)
+      rc = r;
+  }
+  for (int i = 0; i < n; i++) {
+    gpupool__rep *rep;
+    int r;
+    if (!ps[i])
+      continue;
+    if ((r = gpupool__call_wait(c, ps[i], &rep, NULL, NULL)) == 0)
+      gpupool__wire__reply__free_unpacked(rep, NULL);
+    else if (!rc)
+      rc = r;
+  }
+  free(ps);
+  return rc;
+}
+
+int gpupool_release(gpupool_buffer *b, void *stream) {
+  gpupool_client *c;
+  int rc;
+  if (!b)
+    return gpupool__err(GPUPOOL_EINVAL, "release: buffer is NULL");
+  gpupool__err_clear();
+  c = b->c;
+  pthread_mutex_lock(&c->mu);
+  gpupool__ensure_connected(c); /* marks b lost if its daemon went away */
+  rc = gpupool__release_locked(c, b, stream);
+  pthread_mutex_unlock(&c->mu);
+  /* A broken connection already dropped the hold: the memory is the daemon's again. */
+  return rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO ? 0 : rc;
+}
+
+uint32_t gpupool__wire_timeout(int timeout_ms) {
+  return timeout_ms < 0 ? GPUPOOL_WAIT_FOREVER : (uint32_t)timeout_ms;
+}
+
+int gpupool_alloc(gpupool_client *c, const char *pool, size_t size, int timeout_ms, void *stream,
+                  gpupool_buffer **out) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Allocate al = GPUPOOL__WIRE__ALLOCATE__INIT;
+  gpupool__rep *rep;
+  int rc;
+
+  if (!c || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "alloc: client and out must not be NULL");
+  gpupool__err_clear();
+  *out = NULL;
+  if (size == 0)
+    return gpupool__err(GPUPOOL_EINVAL, "cannot allocate 0 bytes; ask for at least 1");
+  al.pool_name = (char *)(pool ? pool : "");
+  al.size = size;
+  al.timeout_ms = gpupool__wire_timeout(timeout_ms);
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
+  req.allocate = &al;
+  pthread_mutex_lock(&c->mu);
+  rc = gpupool__call_retry(c, &req, &rep, -1);
+  if (rc == 0) {
+    /* A fresh range: the daemon reuses ranges only after their last holders' done events,
+     * so there is nothing to wait for. */
+    rc = gpupool__materialize(c, gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_ALLOCATE), 0, stream, out);
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int gpupool__lost_err(const gpupool_buffer *b) {
+  return gpupool__err(GPUPOOL_ELOST,
+                      "buffer %" PRIu64 " belonged to a gpupoold that has gone away: its hold and names were lost "
+                      "(the memory stays readable here until released); allocate or get it again",
+                      b->buffer_id);
+}
+
+int gpupool__record_ready(gpupool_client *c, gpupool_buffer *b, void *stream) {
+  gpupool__cevent *e = b->ready_id ? gpupool__hmap_get(&c->events, b->ready_id) : NULL;
+  uint64_t t0 = TRACE_ON() ? gpupool__mono_ns() : 0;
+  int rc = fence_stream(c, e, stream);
+  if (t0)
+    gpupool__trace("record_ready", t0, b->ready_id);
+  return rc < 0 ? rc : 0;
+}
+
+/* Before b goes to others (share, publish): connected, b not lost with a previous daemon, and
+ * its ready event recorded in stream (or the stream waited for, with host fences). With c->mu
+ * held. */
+int gpupool__hand_over_prepare(gpupool_client *c, gpupool_buffer *b, void *stream) {
+  int rc = gpupool__ensure_connected(c);
+  if (rc == 0 && b->lost)
+    rc = gpupool__lost_err(b);
+  return rc == 0 ? gpupool__record_ready(c, b, stream) : rc;
+}
+
+int gpupool_host_fences(gpupool_client *c) {
+  int on;
+  if (!c)
+    return 0;
+  pthread_mutex_lock(&c->mu);
+  on = c->host_fences;
+  pthread_mutex_unlock(&c->mu);
+  return on;
+}
+
+int gpupool_share(gpupool_buffer *b, void *stream, gpupool_token *out) {
+  gpupool_client *c;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Share sh = GPUPOOL__WIRE__SHARE__INIT;
+  gpupool__rep *rep;
+  int rc;
+
+  if (!b || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "share: buffer and out must not be NULL");
+  gpupool__err_clear();
+  c = b->c;
+  sh.hold_id = b->hold_id;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_SHARE;
+  req.share = &sh;
+  pthread_mutex_lock(&c->mu);
+  if ((rc = gpupool__hand_over_prepare(c, b, stream)) == 0 && (rc = gpupool__call(c, &req, &rep, NULL)) == 0) {
+    if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_SHARE || !rep->share ||
+        rep->share->token.len != GPUPOOL_TOKEN_SIZE)
+      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent a malformed share token");
+    else
+      memcpy(out->bytes, rep->share->token.data, GPUPOOL_TOKEN_SIZE);
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+/* GPUPOOL_KEEP_MAPPED: b's slab stays mapped after its last buffer goes, until revoked. */
+void gpupool__keep_mapped(gpupool_buffer *b, unsigned flags) {
+  if (b && (flags & GPUPOOL_KEEP_MAPPED))
+    b->slab->keep = 1;
+}
+
+int gpupool_open(gpupool_client *c, const gpupool_token *token, unsigned flags, void *stream,
+                 gpupool_buffer **out) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Open op = GPUPOOL__WIRE__OPEN__INIT;
+  gpupool__rep *rep;
+  int rc;
+
+  if (!c || !token || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "open: client, token and out must not be NULL");
+  gpupool__err_clear();
+  *out = NULL;
+  op.token.data = (uint8_t *)token->bytes;
+  op.token.len = GPUPOOL_TOKEN_SIZE;
+  op.read_only = (flags & GPUPOOL_READ_ONLY) != 0;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_OPEN;
+  req.open = &op;
+  pthread_mutex_lock(&c->mu);
+  rc = gpupool__call_retry(c, &req, &rep, -1);
+  if (rc == 0) {
+    rc = gpupool__materialize(c, gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_OPEN), 1, stream, out);
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+    if (rc == 0)
+      gpupool__keep_mapped(*out, flags);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+/* The version a publish reply carries (0 when the daemon is too old to say). */
+uint64_t gpupool__reply_version(const gpupool__rep *rep) {
+  if (rep->body_case == GPUPOOL__WIRE__REPLY__BODY_PUBLISH && rep->publish)
+    return rep->publish->version;
+  if (rep->body_case == GPUPOOL__WIRE__REPLY__BODY_PUBLISH_BUNDLE && rep->publish_bundle)
+    return rep->publish_bundle->version;
+  if (rep->body_case == GPUPOOL__WIRE__REPLY__BODY_GET && rep->get)
+    return rep->get->version;
+  return 0;
+}
+
+/* Checks a publish of b and fills its request (pb, tm: the caller's storage). */
+int gpupool__publish_request(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, uint32_t share_gid,
+                             int share_all, gpupool__req *req, Gpupool__Wire__Publish *pb,
+                             Gpupool__Wire__TensorMeta *tm) {
+  int rc;
+  if (!b || !name)
+    return gpupool__err(GPUPOOL_EINVAL, "publish: buffer and name must not be NULL");
+  if ((rc = gpupool__wire_check_name(name)) != 0)
+    return rc;
+  gpupool__wire__publish__init(pb);
+  if (meta) {
+    if ((rc = gpupool__wire_meta_check(meta, b->size)) != 0)
+      return rc;
+    gpupool__wire_meta_to(meta, tm);
+    pb->tensor = tm;
+  }
+  pb->hold_id = b->hold_id;
+  pb->name = (char *)name;
+  pb->share_gid = share_gid;
+  pb->share_all = share_all != 0;
+  req->body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH;
+  req->publish = pb;
+  return 0;
+}
+
+static void published_locally(gpupool_client *c, gpupool_buffer *b, const char *name,
+                              const gpupool_tensor_meta *meta) {
+  gpupool__note_published(c, name);
+  if (meta) {
+    b->meta = *meta;
+    b->has_meta = 1;
+  }
+}
+
+static int publish_common(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
+                          uint32_t share_gid, int share_all, uint64_t *version) {
+  gpupool_client *c;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Publish pb;
+  Gpupool__Wire__TensorMeta tm = GPUPOOL__WIRE__TENSOR_META__INIT;
+  gpupool__rep *rep;
+  int rc;
+
+  gpupool__err_clear();
+  if (version)
+    *version = 0;
+  if ((rc = gpupool__publish_request(b, name, meta, share_gid, share_all, &req, &pb, &tm)) != 0)
+    return rc;
+  c = b->c;
+  pthread_mutex_lock(&c->mu);
+  if ((rc = gpupool__hand_over_prepare(c, b, stream)) == 0 && (rc = gpupool__call(c, &req, &rep, NULL)) == 0) {
+    if (version)
+      *version = gpupool__reply_version(rep);
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+    published_locally(c, b, name, meta);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int gpupool_publish_ex(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
+                       uint32_t share_gid, int share_all) {
+  return publish_common(b, name, meta, stream, share_gid, share_all, NULL);
+}
+
+int gpupool_publish(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream) {
+  return publish_common(b, name, meta, stream, 0, 0, NULL);
+}
+
+int gpupool_publish_version(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
+                            uint64_t *version) {
+  return publish_common(b, name, meta, stream, 0, 0, version);
+}
+
+/* A get waiting for a publisher when the daemon goes away was dropped with its connection:
+ * ask the next daemon again for what is left of its timeout (a name published there ends the
+ * wait), as often as the daemon restarts within that time. With c->mu held. */
+int gpupool__get_across_restarts(gpupool_client *c, gpupool__req *req, uint32_t *wire_timeout_ms, int timeout_ms,
+                                 gpupool__rep **out, uint64_t *known_layout) {
+  uint64_t start = gpupool__mono_ns() / 1000000;
+  int rc = gpupool__ensure_connected(c);
+  if (rc != 0)
+    return rc;
+  for (int attempt = 0;; attempt++) {
+    uint64_t spent;
+    int last = attempt > 0 && *wire_timeout_ms == 0; /* the final try already asked for no wait */
+    rc = gpupool__call(c, req, out, NULL);
+    if ((rc != GPUPOOL_ECLOSED && rc != GPUPOOL_EIO) || !c->broken || c->reconnect_ms <= 0 || last)
+      return rc;
+    if ((rc = gpupool__ensure_connected(c)) != 0)
+      return rc;
+    if (known_layout)
+      *known_layout = 0; /* a layout id of the daemon that went away names nothing here */
+    spent = gpupool__mono_ns() / 1000000 - start;
+    if (timeout_ms >= 0)
+      *wire_timeout_ms = spent >= (uint64_t)timeout_ms ? 0 : (uint32_t)((uint64_t)timeout_ms - spent);
+  }
+}
+
+int gpupool__get_request(const char *name, uint64_t newer_than, int timeout_ms, unsigned flags, gpupool__req *req,
+                         Gpupool__Wire__Get *gt) {
+  int rc;
+  if ((rc = gpupool__wire_check_name(name)) != 0)
+    return rc;
+  gpupool__wire__get__init(gt);
+  gt->name = (char *)name;
+  gt->timeout_ms = gpupool__wire_timeout(timeout_ms);
+  gt->read_only = (flags & GPUPOOL_READ_ONLY) != 0;
+  gt->newer_than = newer_than;
+  req->body_case = GPUPOOL__WIRE__REQUEST__BODY_GET;
+  req->get = gt;
+  return 0;
+}
+
+/* A Get's reply turned into the caller's buffer (and version), the reply freed; blocking and
+ * pipelined gets alike. With c->mu held. */
+int gpupool__get_finish(gpupool_client *c, gpupool__rep *rep, unsigned flags, void *stream, gpupool_buffer **out,
+                        uint64_t *version) {
+  int rc;
+  if (version)
+    *version = gpupool__reply_version(rep);
+  rc = gpupool__materialize(c, gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_GET), 1, stream, out);
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  if (rc == 0)
+    gpupool__keep_mapped(*out, flags);
+  return rc;
+}
+
+int gpupool_get_newer(gpupool_client *c, const char *name, uint64_t newer_than, int timeout_ms, unsigned flags,
+                      void *stream, gpupool_buffer **out, uint64_t *version) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Get gt;
+  gpupool__rep *rep;
+  int rc;
+
+  if (!c || !name || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "get: client, name and out must not be NULL");
+  gpupool__err_clear();
+  *out = NULL;
+  if (version)
+    *version = 0;
+  if ((rc = gpupool__get_request(name, newer_than, timeout_ms, flags, &req, &gt)) != 0)
+    return rc;
+  pthread_mutex_lock(&c->mu);
+  rc = gpupool__get_across_restarts(c, &req, &gt.timeout_ms, timeout_ms, &rep, NULL);
+  if (rc == 0)
+    rc = gpupool__get_finish(c, rep, flags, stream, out, version);
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int gpupool_get(gpupool_client *c, const char *name, int timeout_ms, unsigned flags, void *stream,
+                gpupool_buffer **out) {
+  return gpupool_get_newer(c, name, 0, timeout_ms, flags, stream, out, NULL);
+}
+
+int gpupool_unpublish(gpupool_client *c, const char *name) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Unpublish up = GPUPOOL__WIRE__UNPUBLISH__INIT;
+  gpupool__rep *rep;
+  int rc;
+  if (!c || !name)
+    return gpupool__err(GPUPOOL_EINVAL, "unpublish: client and name must not be NULL");
+  gpupool__err_clear();
+  up.name = (char *)name;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_UNPUBLISH;
+  req.unpublish = &up;
+  pthread_mutex_lock(&c->mu);
+  rc = gpupool__call_retry(c, &req, &rep, -1);
+  if (rc == 0) {
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+    gpupool__note_unpublished(c, name);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+void *gpupool_buffer_ptr(const gpupool_buffer *b) { return b ? (char *)b->base + b->offset : NULL; }
+size_t gpupool_buffer_size(const gpupool_buffer *b) { return b ? (size_t)b->size : 0; }
+int gpupool_buffer_device(const gpupool_buffer *b) {
+  return b && b->slab->pool->kind != GPUPOOL_MEM_HOST ? b->slab->pool->device : -1;
+}
+gpupool_mem_kind gpupool_buffer_kind(const gpupool_buffer *b) { return b ? b->slab->pool->kind : GPUPOOL_MEM_HOST; }
+uint64_t gpupool_buffer_id(const gpupool_buffer *b) { return b ? b->buffer_id : 0; }
+int gpupool_buffer_read_only(const gpupool_buffer *b) { return b ? b->read_only : 0; }
+gpupool_client *gpupool_buffer_client(const gpupool_buffer *b) { return b ? b->c : NULL; }
+int gpupool_buffer_tensor(const gpupool_buffer *b, gpupool_tensor_meta *out) {
+  if (!b || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "buffer_tensor: arguments must not be NULL");
+  if (!b->has_meta)
+    return gpupool__err(GPUPOOL_ENOENT, "buffer %" PRIu64 " was published without tensor metadata", b->buffer_id);
+  *out = b->meta;
+  return 0;
+}

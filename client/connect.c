@@ -1,0 +1,625 @@
+/*
+ * libgpupool-client, connect.c: The life of a client: connecting (socket, Hello, lease),
+ * reconnecting after the daemon went away (stale generations, lost names), disconnecting, the
+ * connection's settings, and the daemon-wide requests (stats, trim). See internal.h for how the
+ * client is put together.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <grp.h>
+#include <pwd.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+/* Connect to the daemon's socket at path (common/sock.c), a failure worded for a program. */
+static int connect_socket(const char *path, int timeout_ms, int *out) {
+  char what[160];
+  int tries, fd, e;
+  if (strlen(path) >= sizeof ((struct sockaddr_un *)0)->sun_path)
+    return gpupool__err(GPUPOOL_EINVAL, "socket path '%s' is longer than %zu bytes", path,
+                        sizeof ((struct sockaddr_un *)0)->sun_path - 1);
+  if ((fd = gpupool__sock_connect(path, timeout_ms, 1, &tries)) >= 0) {
+    *out = fd;
+    return 0;
+  }
+  e = -fd;
+  if (tries == 0)
+    return gpupool__err(GPUPOOL_ECONNECT, "socket: %s", strerror(e));
+  if (e == ENOENT || e == ECONNREFUSED)
+    return gpupool__err(GPUPOOL_ECONNECT,
+                        "cannot connect to gpupoold at %s: %s; is the daemon running? Start it "
+                        "(gpupoold --socket %s, or systemctl start gpupoold.socket) or set GPUPOOL_SOCKET",
+                        path, strerror(e), path);
+  if (e == EACCES || e == EPERM) {
+    gpupool__sock_describe(path, what, sizeof what);
+    return gpupool__err(GPUPOOL_ECONNECT,
+                        "cannot connect to gpupoold at %s: permission denied (%s); connecting needs "
+                        "write access to the socket: join its group or ask the operator",
+                        path, what);
+  }
+  if (e == EAGAIN)
+    return gpupool__err(GPUPOOL_ETIMEDOUT,
+                        "the daemon did not answer in %g s: gpupoold at %s kept its queue of waiting "
+                        "connections full all that time (%d tries): it is stopped, stuck or flooded with "
+                        "connections (see 'systemctl status gpupoold' and its log; the queue is listen_backlog "
+                        "in its config); the timeout is gpupool_connect_timeout() or GPUPOOL_CONNECT_TIMEOUT_MS",
+                        timeout_ms / 1000.0, path, tries);
+  if (e == EINPROGRESS || e == ETIMEDOUT)
+    return gpupool__err(GPUPOOL_ETIMEDOUT,
+                        "the daemon did not answer in %g s: gpupoold at %s accepts no connections "
+                        "(stopped or stuck? see 'systemctl status gpupoold')",
+                        timeout_ms / 1000.0, path);
+  return gpupool__err(GPUPOOL_ECONNECT, "cannot connect to gpupoold at %s: %s", path, strerror(e));
+}
+
+/* Whether this connection orders GPU work without the daemon's inter-process events. CUDA
+ * backs each such event with a file in /dev/shm that only the daemon's uid may open: a client
+ * of another uid (root excepted) synchronizes its stream before Publish and Release instead,
+ * and the daemon holds its gets back until the producer's work is done. GPUPOOL_HOST_FENCES
+ * decides instead when set (1: always, e.g. in a container with its own /dev/shm; 0: never). */
+static int host_fences_for(gpupool_client *c, const Gpupool__Wire__HelloReply *hr) {
+  int want;
+  /* A daemon that does not hold gets back would hand over unfinished work: then events it is
+   * (failing with the reason when they cannot be opened). */
+  if (!c->be->has_events || !hr->host_fences)
+    return 0;
+  /* The daemon's own uid (the socket's peer may be the service manager, under socket
+   * activation). */
+  want = c->host_fences_env >= 0 ? c->host_fences_env : geteuid() != 0 && hr->daemon_uid != geteuid();
+  return want;
+}
+
+/* Connect to c->socket_path and say Hello; fills the pool list. With c->mu held and
+ * c->fd == -1. On failure the fd is closed again. */
+static int handshake(gpupool_client *c) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Hello hello = GPUPOOL__WIRE__HELLO__INIT;
+  gpupool__rep *rep = NULL;
+  const Gpupool__Wire__HelloReply *hr;
+  int rc, fd = -1, lease = -1;
+
+  c->hs_closed = 0;
+  if ((rc = connect_socket(c->socket_path, c->connect_timeout_ms, &fd)) != 0)
+    return rc;
+  c->fd = fd;
+  c->broken = 0;
+  c->broken_msg[0] = '\0';
+  gpupool__wire_rx_reset(&c->rx);
+  if (c->connect_timeout_ms > 0)
+    c->hs_deadline_ns = gpupool__mono_ns() + (uint64_t)c->connect_timeout_ms * 1000000u;
+  hello.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
+  hello.client_name = c->name;
+  hello.pid = (int32_t)getpid();
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
+  req.hello = &hello;
+  rc = gpupool__call(c, &req, &rep, &lease);
+  c->hs_deadline_ns = 0;
+  if (rc != 0) {
+    if (c->broken == GPUPOOL_ETIMEDOUT || c->broken == GPUPOOL_EPROTO)
+      rc = gpupool__err(c->broken, "%s", c->broken_msg);
+    goto fail;
+  }
+  {
+    /* Requests after Hello wait as long as they need (gets and allocations have their own
+     * timeouts, kept by the daemon). */
+    struct timeval tv = {0, 0};
+    (void)setsockopt(c->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    (void)setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  }
+  hr = rep->hello;
+  if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_HELLO || !hr) {
+    rc = gpupool__err(GPUPOOL_EPROTO, "the daemon answered Hello with something else");
+    goto fail;
+  }
+  if (hr->lease && lease < 0) {
+    rc = gpupool__err(GPUPOOL_EPROTO, "the daemon announced a lease but sent no fd with its Hello reply");
+    goto fail;
+  }
+  if (!hr->lease && lease >= 0) {
+    close(lease); /* an fd this library did not ask for */
+    lease = -1;
+  }
+  if (hr->protocol_version != GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION) {
+    rc = gpupool__err(GPUPOOL_EVERSION, "gpupoold %s speaks protocol %u, this library (%s) speaks %d",
+                      hr->daemon_version, hr->protocol_version, GPUPOOL_VERSION_STRING,
+                      GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION);
+    goto fail;
+  }
+  c->client_id = hr->client_id;
+  c->max_frame = hr->max_frame;
+  c->backend_kind = hr->backend;
+  {
+    const gpupool__backend_desc *d = gpupool__backend_by_kind(hr->backend);
+    if (!d) {
+      rc = gpupool__err(GPUPOOL_EPROTO, "gpupoold %s runs backend %d, which this library (%s) does "
+                        "not know; upgrade libgpupool-client", hr->daemon_version, hr->backend,
+                        GPUPOOL_VERSION_STRING);
+      goto fail;
+    }
+    if (!d->client) {
+      rc = gpupool__err(GPUPOOL_ENOTSUP,
+                        "gpupoold serves %s but this libgpupool-client was built without it; "
+                        "rebuild it with the CUDA toolkit", d->what);
+      goto fail;
+    }
+    c->be = d->client;
+  }
+  c->host_fences = host_fences_for(c, hr);
+  c->pools = calloc(hr->n_pools ? hr->n_pools : 1, sizeof *c->pools);
+  if (!c->pools) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+    goto fail;
+  }
+  c->npools = 0;
+  for (size_t i = 0; i < hr->n_pools; i++) {
+    const Gpupool__Wire__PoolInfo *pi = hr->pools[i];
+    cpool *p = &c->pools[c->npools++];
+    p->id = pi->id;
+    snprintf(p->name, sizeof p->name, "%s", pi->name ? pi->name : "");
+    if ((rc = gpupool__wire_mem_kind(pi->location, &p->kind)) != 0)
+      goto fail;
+    p->device = pi->device;
+    p->capacity = pi->capacity;
+  }
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  c->lease_fd = lease;
+  return 0;
+fail:
+  if (rep)
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  if (lease >= 0)
+    close(lease);
+  close(c->fd);
+  c->fd = -1;
+  if (!c->broken)
+    gpupool__set_broken(c, GPUPOOL_ECLOSED, gpupool__errmsg());
+  return rc;
+}
+
+void gpupool__stale_gen_free(gpupool_client *c, stale_gen *g) {
+  stale_gen **pp;
+  for (pp = &c->stale; *pp && *pp != g; pp = &(*pp)->next)
+    ;
+  if (*pp)
+    *pp = g->next;
+  if (c->be && c->be->has_events)
+    for (size_t i = 0; i < g->events.cap; i++)
+      if (gpupool__hmap_slot_used(&g->events, i))
+        c->be->event_close(g->events.slots[i].val);
+  gpupool__hmap_free(&g->events);
+  for (int i = 0; i < g->npools; i++)
+    if (g->pools[i].bp)
+      c->be->pool_release(g->pools[i].bp);
+  free(g->pools);
+  /* Last: no mapping of that daemon's memory is left in this process. */
+  if (g->lease_fd >= 0)
+    close(g->lease_fd);
+  free(g);
+}
+
+/* The daemon went away: keep what this process still maps (buffers stay readable), mark every
+ * hold and published name lost, and connect again with backoff for up to reconnect_ms.
+ * With c->mu held. */
+
+int gpupool__reconnect(gpupool_client *c) {
+  stale_gen *g;
+  uint64_t start = 0;
+  long delay_ms = 20;
+  int rc;
+  struct timespec ts;
+
+  while (c->reader_active)
+    pthread_cond_wait(&c->cv, &c->mu);
+  if (!c->broken)
+    return 0; /* another thread reconnected meanwhile */
+  if (c->fd >= 0) {
+    close(c->fd);
+    c->fd = -1;
+    g = calloc(1, sizeof *g);
+    if (!g)
+      return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+    g->pools = c->pools;
+    g->npools = c->npools;
+    g->events = c->events;
+    g->lease_fd = c->lease_fd;
+    c->lease_fd = -1;
+    gpupool__hmap_init(&c->events);
+    for (size_t i = 0; i < c->slabs.cap; i++)
+      if (gpupool__hmap_slot_used(&c->slabs, i)) {
+        cslab *s = c->slabs.slots[i].val;
+        if (s->refs == 0) {
+          /* Kept for reuse by a daemon that is gone: nothing will use it again. */
+          c->be->slab_unmap(s->pool->bp, s->base, s->size, s->priv, NULL);
+          free(s);
+          continue;
+        }
+        s->stale = g;
+        g->live_slabs++;
+      }
+    if (c->be && c->be->sync)
+      c->be->sync(NULL);
+    gpupool__hmap_free(&c->slabs);
+    gpupool__hmap_init(&c->slabs);
+    gpupool__exports_clear(c);
+    gpupool__layout_cache_clear(c);
+    c->pools = NULL;
+    c->npools = 0;
+    c->nunmapped = 0;
+    g->next = c->stale;
+    c->stale = g;
+    if (g->live_slabs == 0)
+      gpupool__stale_gen_free(c, g);
+    for (gpupool_buffer *b = c->buffers; b; b = b->next)
+      if (!b->lost) {
+        b->lost = 1;
+        c->holds_lost++;
+      }
+    for (size_t i = 0; i < c->npublished; i++) {
+      char **n = realloc(c->lost_names, (c->nlost_names + 1) * sizeof *n);
+      if (!n) {
+        free(c->published[i]);
+        continue;
+      }
+      c->lost_names = n;
+      c->lost_names[c->nlost_names++] = c->published[i];
+    }
+    c->npublished = 0;
+  }
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  start = (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+  for (;;) {
+    uint64_t now;
+    rc = handshake(c);
+    if (rc == 0)
+      break;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    now = (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+    /* Refused outright (wrong version, not allowed, over a limit): give up. Nobody
+     * listening, or a connection that closed before the Hello reply (a daemon still going
+     * down or coming up): try again within the budget. */
+    if ((rc != GPUPOOL_ECONNECT && rc != GPUPOOL_ECLOSED && rc != GPUPOOL_EIO &&
+         !(rc == GPUPOOL_EPROTO && c->hs_closed)) ||
+        now - start >= (uint64_t)c->reconnect_ms) {
+      char msg[GPUPOOL__ERRMSG_MAX];
+      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+      return gpupool__err(rc, "the daemon went away and did not come back within %d ms: %s", c->reconnect_ms, msg);
+    }
+    /* Sleep without the lock so other threads can fail fast or see the new connection. */
+    pthread_mutex_unlock(&c->mu);
+    ts.tv_sec = delay_ms / 1000;
+    ts.tv_nsec = (delay_ms % 1000) * 1000000L;
+    nanosleep(&ts, NULL);
+    pthread_mutex_lock(&c->mu);
+    if (!c->broken)
+      return 0;
+    delay_ms = delay_ms * 2 > 500 ? 500 : delay_ms * 2;
+  }
+  c->reconnects++;
+  return 0;
+}
+
+int gpupool_connect(const char *socket_path, const char *client_name, gpupool_client **out) {
+  return gpupool_connect_timeout(socket_path, client_name, 0, out);
+}
+
+/* The daemon refuses a Hello whose client name is not UTF-8 (every string on the wire must
+ * be), and the name is only shown in logs: rather than fail the connect, bytes that are not
+ * UTF-8 become '?', a character cut by the copy's length limit included. */
+void gpupool__utf8_scrub(char *s) {
+  size_t bad;
+  while (gpupool__wire_utf8_check((const uint8_t *)s, strlen(s), &bad) != 0)
+    s[bad] = '?';
+}
+
+int gpupool_connect_timeout(const char *socket_path, const char *client_name, int timeout_ms,
+                            gpupool_client **out) {
+  gpupool_client *c;
+  const char *env;
+  int rc;
+
+  gpupool__err_clear();
+  if (!out)
+    return gpupool__err(GPUPOOL_EINVAL, "out is NULL");
+  *out = NULL;
+  c = calloc(1, sizeof *c);
+  if (!c)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  if (!socket_path || !*socket_path) {
+    if ((rc = gpupool_default_socket_path(c->socket_path, sizeof c->socket_path)) != 0) {
+      free(c);
+      return rc;
+    }
+  } else if (strlen(socket_path) >= sizeof c->socket_path) {
+    free(c);
+    return gpupool__err(GPUPOOL_EINVAL, "socket path '%s' is longer than %zu bytes", socket_path,
+                        sizeof c->socket_path - 1);
+  } else {
+    strcpy(c->socket_path, socket_path);
+  }
+  snprintf(c->name, sizeof c->name, "%s", client_name ? client_name : "");
+  gpupool__utf8_scrub(c->name);
+  env = getenv("GPUPOOL_RECONNECT_MS");
+  c->reconnect_ms = env && *env ? atoi(env) : 5000;
+  c->connect_timeout_ms = timeout_ms;
+  if (timeout_ms == 0) {
+    env = getenv("GPUPOOL_CONNECT_TIMEOUT_MS");
+    c->connect_timeout_ms = env && *env ? atoi(env) : GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS;
+    if (c->connect_timeout_ms == 0)
+      c->connect_timeout_ms = GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS;
+  }
+  env = getenv("GPUPOOL_SPIN_US");
+  c->spin_us = env && *env ? atoi(env) : 0;
+  if (c->spin_us < 0 || c->spin_us > 1000000)
+    c->spin_us = 0;
+  env = getenv("GPUPOOL_HOST_FENCES");
+  c->host_fences_env = env && *env ? atoi(env) != 0 : -1;
+  pthread_mutex_init(&c->mu, NULL);
+  pthread_cond_init(&c->cv, NULL);
+  gpupool__hmap_init(&c->slabs);
+  gpupool__hmap_init(&c->exports);
+  gpupool__hmap_init(&c->events);
+  gpupool__smap_init(&c->layout_cache);
+  gpupool__wire_rx_init(&c->rx, GPUPOOL_WIRE_HARD_MAX_FRAME);
+  c->fd = -1;
+  c->lease_fd = -1;
+  pthread_mutex_lock(&c->mu);
+  rc = handshake(c);
+  pthread_mutex_unlock(&c->mu);
+  if (rc != 0) {
+    gpupool__wire_rx_reset(&c->rx);
+    gpupool__hmap_free(&c->slabs);
+    gpupool__hmap_free(&c->exports);
+    gpupool__hmap_free(&c->events);
+    free(c->pools);
+    free(c->unmapped); /* revocations the refused Hello reply carried */
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv);
+    free(c);
+    return rc;
+  }
+  *out = c;
+  gpupool__err_clear();
+  return 0;
+}
+
+int gpupool_set_reconnect(gpupool_client *c, int budget_ms) {
+  if (!c || budget_ms < 0)
+    return gpupool__err(GPUPOOL_EINVAL, "set_reconnect: client must not be NULL and the budget must be >= 0");
+  pthread_mutex_lock(&c->mu);
+  c->reconnect_ms = budget_ms;
+  pthread_mutex_unlock(&c->mu);
+  return 0;
+}
+
+int gpupool_set_connect_timeout(gpupool_client *c, int timeout_ms) {
+  if (!c || timeout_ms == 0)
+    return gpupool__err(GPUPOOL_EINVAL, "set_connect_timeout: client must not be NULL and the "
+                        "timeout must be > 0 ms (or negative to wait forever)");
+  pthread_mutex_lock(&c->mu);
+  c->connect_timeout_ms = timeout_ms;
+  pthread_mutex_unlock(&c->mu);
+  return 0;
+}
+
+uint64_t gpupool_reconnect_count(gpupool_client *c) {
+  uint64_t n;
+  if (!c)
+    return 0;
+  pthread_mutex_lock(&c->mu);
+  n = c->reconnects;
+  pthread_mutex_unlock(&c->mu);
+  return n;
+}
+
+int gpupool_lost_names(gpupool_client *c, char (*names)[GPUPOOL_NAME_MAX + 1], int max, int *n) {
+  int k = 0;
+  if (!c || !n || max < 0 || (max > 0 && !names))
+    return gpupool__err(GPUPOOL_EINVAL, "lost_names: bad arguments");
+  pthread_mutex_lock(&c->mu);
+  while (k < max && c->nlost_names > 0) {
+    char *nm = c->lost_names[--c->nlost_names];
+    snprintf(names[k++], GPUPOOL_NAME_MAX + 1, "%s", nm);
+    free(nm);
+  }
+  *n = k;
+  pthread_mutex_unlock(&c->mu);
+  return 0;
+}
+
+int gpupool_buffer_lost(const gpupool_buffer *b) { return b ? b->lost : 0; }
+
+void gpupool__note_published(gpupool_client *c, const char *name) {
+  char *dup;
+  if (c->npublished == c->cappublished) {
+    size_t ncap = c->cappublished ? c->cappublished * 2 : 8;
+    char **n = realloc(c->published, ncap * sizeof *n);
+    if (!n)
+      return;
+    c->published = n;
+    c->cappublished = ncap;
+  }
+  if ((dup = strdup(name)))
+    c->published[c->npublished++] = dup;
+}
+
+void gpupool__note_unpublished(gpupool_client *c, const char *name) {
+  for (size_t i = 0; i < c->npublished; i++)
+    if (!strcmp(c->published[i], name)) {
+      free(c->published[i]);
+      c->published[i] = c->published[--c->npublished];
+      return;
+    }
+}
+
+int gpupool_set_devices(gpupool_client *c, const int *devices, int n) {
+  int rc = 0;
+  if (!c || n < 0 || n > 64 || (n > 0 && !devices))
+    return gpupool__err(GPUPOOL_EINVAL, "set_devices: bad arguments (at most 64 devices)");
+  gpupool__err_clear();
+  pthread_mutex_lock(&c->mu);
+  memcpy(c->devices, devices, (size_t)n * sizeof *devices);
+  c->ndevices = n;
+  /* Import every pool now, so a device pair without peer access is refused here, not at the
+   * first buffer (pool_attach applies c->devices). */
+  if ((rc = gpupool__ensure_connected(c)) == 0)
+    for (int i = 0; i < c->npools && rc == 0; i++) {
+      rc = c->pools[i].bp ? c->be->pool_set_access(c->pools[i].bp, devices, n) : gpupool__pool_attach(c, &c->pools[i]);
+      /* A pool shared with a group this client is not in: it never gets memory of it. */
+      if (rc == GPUPOOL_EPERM) {
+        rc = 0;
+        gpupool__err_clear();
+      }
+    }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+void gpupool_disconnect(gpupool_client *c) {
+  if (!c)
+    return;
+  pthread_mutex_lock(&c->mu);
+  /* Lost buffers unmap their dead daemon's slabs as they go, and the last one of a
+   * generation closes that generation's pools, events and lease. */
+  while (c->buffers)
+    gpupool__release_locked(c, c->buffers, NULL);
+  for (size_t i = 0; i < c->slabs.cap; i++)
+    if (gpupool__hmap_slot_used(&c->slabs, i)) {
+      cslab *s = c->slabs.slots[i].val;
+      gpupool__be_unmap(c, s, NULL);
+      free(s);
+    }
+  gpupool__hmap_free(&c->slabs);
+  if (c->be && c->be->sync)
+    c->be->sync(NULL); /* imports freed before the daemon sees this connection close */
+  gpupool__exports_clear(c);
+  gpupool__hmap_free(&c->exports);
+  gpupool__layout_cache_clear(c);
+  gpupool__smap_free(&c->layout_cache);
+  if (c->be && c->be->has_events)
+    for (size_t i = 0; i < c->events.cap; i++)
+      if (gpupool__hmap_slot_used(&c->events, i))
+        c->be->event_close(c->events.slots[i].val);
+  gpupool__hmap_free(&c->events);
+  for (int i = 0; i < c->npools; i++)
+    if (c->pools[i].bp)
+      c->be->pool_release(c->pools[i].bp);
+  while (c->stale)
+    gpupool__stale_gen_free(c, c->stale);
+  pthread_mutex_unlock(&c->mu);
+  /* Nothing of the daemon's memory is mapped any more: the lease goes first, so the daemon
+   * finds it gone when it sees the connection close. */
+  if (c->lease_fd >= 0)
+    close(c->lease_fd);
+  if (c->fd >= 0)
+    close(c->fd);
+  gpupool__wire_rx_reset(&c->rx);
+  free(c->pools);
+  free(c->unmapped);
+  for (size_t i = 0; i < c->npublished; i++)
+    free(c->published[i]);
+  free(c->published);
+  for (size_t i = 0; i < c->nlost_names; i++)
+    free(c->lost_names[i]);
+  free(c->lost_names);
+  pthread_mutex_destroy(&c->mu);
+  pthread_cond_destroy(&c->cv);
+  free(c);
+}
+
+int gpupool_stats_sized(gpupool_client *c, gpupool_daemon_stats *ds_out, size_t ds_size,
+                        gpupool_pool_stats *pools, size_t pool_size, int max_pools, int *n_pools) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Stats st = GPUPOOL__WIRE__STATS__INIT;
+  gpupool__rep *rep;
+  int rc, n = 0;
+  gpupool_daemon_stats ds_full, *ds = ds_out ? &ds_full : NULL;
+  if (!c)
+    return gpupool__err(GPUPOOL_EINVAL, "stats: client is NULL");
+  /* A caller built against an older header passes smaller structs: fill what it knows. */
+  if ((ds_out && ds_size < GPUPOOL_STATS_MIN_DAEMON_SIZE) || (pools && pool_size < GPUPOOL_STATS_MIN_POOL_SIZE))
+    return gpupool__err(GPUPOOL_EINVAL, "stats: struct sizes %zu/%zu are below the first release's; "
+                        "call gpupool_stats() from gpupool.h", ds_size, pool_size);
+  gpupool__err_clear();
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
+  req.stats = &st;
+  pthread_mutex_lock(&c->mu);
+  rc = gpupool__call_retry(c, &req, &rep, -1);
+  pthread_mutex_unlock(&c->mu);
+  if (rc != 0)
+    return rc;
+  if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_STATS || !rep->stats) {
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+    return gpupool__err(GPUPOOL_EPROTO, "the daemon answered Stats with something else");
+  }
+  if (ds) {
+    const Gpupool__Wire__StatsReply *s = rep->stats;
+    memset(ds, 0, sizeof *ds);
+    ds->clients = s->clients;
+    ds->buffers = s->buffers;
+    ds->holds = s->holds;
+    ds->names = s->names;
+    ds->requests = s->requests;
+    ds->errors = s->errors;
+    ds->open_fds = s->open_fds;
+    ds->pending_frees = s->pending_frees;
+    ds->uptime_s = s->uptime_s;
+    memcpy(ds_out, ds, ds_size < sizeof *ds ? ds_size : sizeof *ds);
+  }
+  for (size_t i = 0; pools && i < rep->stats->n_pools && n < max_pools; i++, n++) {
+    const Gpupool__Wire__PoolInfo *pi = rep->stats->pools[i];
+    gpupool_pool_stats full, *o = &full;
+    memset(o, 0, sizeof *o);
+    o->id = pi->id;
+    snprintf(o->name, sizeof o->name, "%s", pi->name ? pi->name : "");
+    if (gpupool__wire_mem_kind(pi->location, &o->kind) != 0)
+      o->kind = GPUPOOL_MEM_HOST; /* a newer daemon's kind: shown as host rather than failing stats */
+    o->device = pi->device;
+    o->capacity = pi->capacity;
+    o->slab_size = pi->slab_size;
+    o->max_alloc = pi->max_alloc;
+    o->used = pi->used;
+    o->reserved = pi->reserved;
+    o->used_high = pi->used_high;
+    o->reserved_high = pi->reserved_high;
+    o->backend_used = pi->backend_used;
+    o->backend_reserved = pi->backend_reserved;
+    o->buffers = pi->buffers;
+    o->slabs = pi->slabs;
+    memcpy((char *)pools + (size_t)n * pool_size, o, pool_size < sizeof *o ? pool_size : sizeof *o);
+  }
+  if (n_pools)
+    *n_pools = n;
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  return 0;
+}
+
+int gpupool_trim(gpupool_client *c) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Trim tr = GPUPOOL__WIRE__TRIM__INIT;
+  gpupool__rep *rep;
+  int rc;
+  if (!c)
+    return gpupool__err(GPUPOOL_EINVAL, "trim: client is NULL");
+  gpupool__err_clear();
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_TRIM;
+  req.trim = &tr;
+  pthread_mutex_lock(&c->mu);
+  rc = gpupool__call_retry(c, &req, &rep, -1);
+  if (rc == 0)
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}

@@ -1,0 +1,251 @@
+/*
+ * libgpupool-client, pending.c: Pipelined requests (gpupool_*_begin / *_end): a request sent now
+ * whose reply is taken later, several in flight together. See internal.h for how the client is put
+ * together.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <grp.h>
+#include <pwd.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+enum { PEND_GET = 1, PEND_BGET, PEND_PUBLISH, PEND_RELEASE };
+
+struct gpupool_pending {
+  gpupool_client *c;
+  pending *p;
+  int kind;
+  unsigned flags;             /* gets: GPUPOOL_KEEP_MAPPED applies when they end */
+  clayout *known;             /* PEND_BGET: the table named as known (a reference), or NULL */
+  char name[GPUPOOL_NAME_MAX + 1];
+};
+
+/* Send req as a pending request of kind. With c->mu held. */
+static int begin_locked(gpupool_client *c, gpupool__req *req, int kind, gpupool_pending **out) {
+  gpupool_pending *gp = calloc(1, sizeof *gp);
+  int rc;
+  if (!gp)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  if ((rc = gpupool__ensure_connected(c)) != 0 || (rc = gpupool__call_send(c, req, &gp->p, -1)) != 0) {
+    free(gp);
+    return rc;
+  }
+  gp->c = c;
+  gp->kind = kind;
+  *out = gp;
+  return 0;
+}
+
+int gpupool_get_begin(gpupool_client *c, const char *name, uint64_t newer_than, int timeout_ms, unsigned flags,
+                      gpupool_pending **out) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Get gt;
+  int rc;
+  if (!c || !name || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "get_begin: client, name and out must not be NULL");
+  gpupool__err_clear();
+  *out = NULL;
+  if ((rc = gpupool__get_request(name, newer_than, timeout_ms, flags, &req, &gt)) != 0)
+    return rc;
+  pthread_mutex_lock(&c->mu);
+  if ((rc = begin_locked(c, &req, PEND_GET, out)) == 0)
+    (*out)->flags = flags;
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int gpupool_bundle_get_begin(gpupool_client *c, const char *name, uint64_t newer_than, int timeout_ms,
+                             unsigned flags, gpupool_pending **out) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__GetBundle gb;
+  int rc;
+  if (!c || !name || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "bundle_get_begin: client, name and out must not be NULL");
+  gpupool__err_clear();
+  *out = NULL;
+  if ((rc = gpupool__bundle_get_request(name, newer_than, timeout_ms, flags, &req, &gb)) != 0)
+    return rc;
+  pthread_mutex_lock(&c->mu);
+  if ((rc = gpupool__ensure_connected(c)) == 0) {
+    clayout *known = gpupool__layout_cached(c, name);
+    gb.known_layout = known ? known->id : 0;
+    if ((rc = begin_locked(c, &req, PEND_BGET, out)) == 0) {
+      (*out)->flags = flags;
+      (*out)->known = known;
+      if (known)
+        known->refs++;
+      snprintf((*out)->name, sizeof (*out)->name, "%s", name);
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int gpupool_publish_begin(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
+                          gpupool_pending **out) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Publish pb;
+  Gpupool__Wire__TensorMeta tm = GPUPOOL__WIRE__TENSOR_META__INIT;
+  gpupool_client *c;
+  int rc;
+  if (!out)
+    return gpupool__err(GPUPOOL_EINVAL, "publish_begin: out must not be NULL");
+  gpupool__err_clear();
+  *out = NULL;
+  if ((rc = gpupool__publish_request(b, name, meta, 0, 0, &req, &pb, &tm)) != 0)
+    return rc;
+  c = b->c;
+  pthread_mutex_lock(&c->mu);
+  if ((rc = gpupool__hand_over_prepare(c, b, stream)) == 0 && (rc = begin_locked(c, &req, PEND_PUBLISH, out)) == 0) {
+    snprintf((*out)->name, sizeof (*out)->name, "%s", name);
+    /* Now, not at the end: the caller may release b before ending the publish. */
+    if (meta) {
+      b->meta = *meta;
+      b->has_meta = 1;
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int gpupool_release_begin(gpupool_buffer *b, void *stream, gpupool_pending **out) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Release rl;
+  gpupool_client *c;
+  uint64_t hold_id;
+  int recorded, rc = 0;
+  if (!b || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "release_begin: buffer and out must not be NULL");
+  gpupool__err_clear();
+  *out = NULL;
+  c = b->c;
+  pthread_mutex_lock(&c->mu);
+  gpupool__ensure_connected(c);
+  gpupool__release_local(c, b, stream, &hold_id, &recorded);
+  if (hold_id) {
+    gpupool__release_request(&req, &rl, hold_id, recorded);
+    rc = begin_locked(c, &req, PEND_RELEASE, out);
+  }
+  pthread_mutex_unlock(&c->mu);
+  /* Lost with its daemon: nothing to wait for (*out stays NULL, which pending_end accepts). */
+  return rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO ? 0 : rc;
+}
+
+/* Wait for gp's reply (frees gp). With c->mu held. */
+static int end_locked(gpupool_pending *gp, gpupool__rep **rep) {
+  pending *p = gp->p;
+  gpupool_client *c = gp->c;
+  free(gp);
+  return gpupool__call_wait(c, p, rep, NULL, NULL);
+}
+
+int gpupool_get_end(gpupool_pending *gp, void *stream, gpupool_buffer **out, uint64_t *version) {
+  gpupool_client *c;
+  gpupool__rep *rep;
+  unsigned flags;
+  int rc;
+  if (!gp || !out || gp->kind != PEND_GET)
+    return gpupool__err(GPUPOOL_EINVAL, "get_end: needs a pending get from gpupool_get_begin");
+  gpupool__err_clear();
+  *out = NULL;
+  if (version)
+    *version = 0;
+  c = gp->c;
+  flags = gp->flags;
+  pthread_mutex_lock(&c->mu);
+  if ((rc = end_locked(gp, &rep)) == 0)
+    rc = gpupool__get_finish(c, rep, flags, stream, out, version);
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int gpupool_bundle_get_end(gpupool_pending *gp, void *stream, gpupool_bundle **out) {
+  gpupool_client *c;
+  gpupool__rep *rep;
+  char name[GPUPOOL_NAME_MAX + 1];
+  clayout *known;
+  unsigned flags;
+  int rc;
+  if (!gp || !out || gp->kind != PEND_BGET)
+    return gpupool__err(GPUPOOL_EINVAL, "bundle_get_end: needs a pending get from gpupool_bundle_get_begin");
+  gpupool__err_clear();
+  *out = NULL;
+  c = gp->c;
+  flags = gp->flags;
+  known = gp->known;
+  memcpy(name, gp->name, sizeof name);
+  pthread_mutex_lock(&c->mu);
+  if ((rc = end_locked(gp, &rep)) == 0)
+    rc = gpupool__bundle_get_finish(c, rep, flags, stream, name, known, out);
+  gpupool__clayout_unref(known);
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int gpupool_pending_end(gpupool_pending *gp, uint64_t *version) {
+  gpupool_client *c;
+  char name[GPUPOOL_NAME_MAX + 1];
+  gpupool__rep *rep;
+  int rc, kind;
+  if (version)
+    *version = 0;
+  if (!gp)
+    return 0; /* a release_begin of a buffer whose daemon was gone */
+  if (gp->kind != PEND_PUBLISH && gp->kind != PEND_RELEASE)
+    return gpupool__err(GPUPOOL_EINVAL, "pending_end: ends a publish or a release; end gets with gpupool_get_end "
+                        "or gpupool_bundle_get_end");
+  gpupool__err_clear();
+  c = gp->c;
+  kind = gp->kind;
+  memcpy(name, gp->name, sizeof name);
+  pthread_mutex_lock(&c->mu);
+  if ((rc = end_locked(gp, &rep)) == 0) {
+    if (version)
+      *version = gpupool__reply_version(rep);
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+    if (kind == PEND_PUBLISH)
+      gpupool__note_published(c, name);
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (kind == PEND_RELEASE && (rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO))
+    rc = 0; /* a broken connection already dropped the hold */
+  return rc;
+}
+
+void gpupool_pending_cancel(gpupool_pending *gp) {
+  gpupool_client *c;
+  gpupool__rep *rep;
+  int kind;
+  if (!gp)
+    return;
+  c = gp->c;
+  kind = gp->kind;
+  pthread_mutex_lock(&c->mu);
+  gpupool__clayout_unref(gp->known);
+  if (end_locked(gp, &rep) == 0) {
+    /* Undo what the reply brought: holds this process never turned into buffers. */
+    if (kind == PEND_GET) {
+      const Gpupool__Wire__BufferDesc *d = gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_GET);
+      if (d && d->hold_id)
+        gpupool__send_release(c, d->hold_id, 0);
+    } else if (kind == PEND_BGET) {
+      gpupool__release_holds_from(c, gpupool__reply_bundle(rep), 0, c->reconnects);
+    }
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  pthread_mutex_unlock(&c->mu);
+}
