@@ -20,7 +20,9 @@ GPUPOOL_LIBRARY to the library's full path when it is not installed where the lo
 
 from ._dtypes import DType, dtype
 from ._lib import GpupoolError, LibraryNotFoundError
-from .client import Client, Tensor, TensorDict
+from ._client import Client
+from ._dict import TensorDict
+from ._tensor import Tensor
 
 try:
     from ._version import __version__  # written by the wheel build (scikit-build-core)

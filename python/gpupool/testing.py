@@ -71,7 +71,7 @@ class Daemon:
         return self
 
     def _wait_ready(self, cmd):
-        from .client import Client
+        from ._client import Client
 
         deadline = time.monotonic() + self.start_timeout
         last = None
