@@ -19,7 +19,7 @@ GPUPOOL_LIBRARY to the library's full path when it is not installed where the lo
 """
 
 from ._dtypes import DType, dtype
-from ._lib import GpupoolError, LibraryNotFoundError
+from ._errors import GpupoolError, LibraryNotFoundError
 from ._client import Client
 from ._dict import TensorDict
 from ._tensor import Tensor

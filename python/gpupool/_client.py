@@ -32,7 +32,8 @@ from . import _bundle, _dlpack, _dtypes, _lib
 from ._copy import _copy_into
 from ._dict import _UINT8, TensorDict
 from ._holds import _BundleHold, _Conn, _FileHold, _Hold
-from ._lib import GpupoolError, check
+from ._errors import code, error
+from ._lib import check
 from ._tensor import Tensor
 from ._util import _current_stream, _encode_name, _framework, stream_handle
 
@@ -44,9 +45,8 @@ def _meta(dtype, shape, strides, byte_offset):
     m = _lib.TensorMeta()
     m.dtype_code, m.dtype_bits, m.dtype_lanes = dtype.code, dtype.bits, dtype.lanes
     if len(shape) > _lib.MAX_NDIM:
-        raise GpupoolError(_lib.CODES["EMETA"], "EMETA",
-                           "tensor has %d dimensions; gpupool carries at most %d"
-                           % (len(shape), _lib.MAX_NDIM))
+        raise error("EMETA", "tensor has %d dimensions; gpupool carries at most %d"
+                    % (len(shape), _lib.MAX_NDIM))
     m.ndim = len(shape)
     for i, n in enumerate(shape):
         m.shape[i] = n
@@ -191,7 +191,7 @@ class Client:
     def _pool_for(self, dev_type, dev_id, what):
         pools = self._pool_list()
         if not pools:
-            raise GpupoolError(_lib.CODES["ENOENT"], "ENOENT", "the daemon has no pools")
+            raise error("ENOENT", "the daemon has no pools")
         if dev_type == _dlpack.kDLCUDA:
             order = [p for p in pools if p["kind"] == "device" and p["device"] == dev_id]
             order += [p for p in pools if p["kind"] == "device"]
@@ -200,8 +200,8 @@ class Client:
             order += [p for p in pools if p["kind"] == "host-numa"]
         if not order:
             if what is not None:
-                raise GpupoolError(
-                    _lib.CODES["ENOENT"], "ENOENT",
+                raise error(
+                    "ENOENT",
                     "no pool for device %s; the daemon has %s (pass pool= or another device)"
                     % (what, ", ".join("%s (%s%s)" % (p["name"], p["kind"],
                                                       ":%d" % p["device"] if p["kind"] == "device"
@@ -273,7 +273,7 @@ class Client:
         hold = self._new_hold(buf, s)
         m = _lib.TensorMeta()
         rc = self._lib.gpupool_buffer_tensor(buf, ctypes.byref(m))
-        if rc == _lib.CODES["ENOENT"]:
+        if rc == code("ENOENT"):
             # Published without a description: the raw bytes.
             t = self._tensor(hold, _UINT8, (hold.size,), None, 0, name)
         else:
@@ -399,8 +399,7 @@ class Client:
             m = _meta(desc.dtype, desc.shape, desc.strides, desc.data - hold.ptr)
             return self._publish(hold, nb, m, s, share_gid, share_all)
         if desc.dtype.typestr is None and desc.dtype.name != "bfloat16":
-            raise GpupoolError(_lib.CODES["EMETA"], "EMETA",
-                               "element type %s has no gpupool equivalent" % desc.dtype.name)
+            raise error("EMETA", "element type %s has no gpupool equivalent" % desc.dtype.name)
         target = pool if pool is not None else self._pool_for(desc.device[0], desc.device[1],
                                                               None)
         t = self._alloc(desc.shape, desc.dtype, target, 0, s)
@@ -415,7 +414,7 @@ class Client:
         self._conn.usable()
         buf = hold.buf
         if buf is None:
-            raise GpupoolError(_lib.CODES["EINVAL"], "EINVAL", "buffer was released")
+            raise error("EINVAL", "buffer was released")
         ver = ctypes.c_uint64(0)
         if share_gid or share_all:
             rc = self._lib.gpupool_publish_ex(buf, nb, ctypes.byref(meta), s, share_gid,
@@ -439,8 +438,7 @@ class Client:
         two up to 2 MiB; 0 = the pool's)."""
         items = _spec_items(spec)
         if not items:
-            raise GpupoolError(_lib.CODES["EINVAL"], "EINVAL",
-                               "a tensor dict needs at least one member")
+            raise error("EINVAL", "a tensor dict needs at least one member")
         pool_name = pool if pool is not None else self._pool_for_device(device)
         bnames, sizes, metas = [], [], []
         for key, shape, dt in items:
@@ -486,8 +484,7 @@ class Client:
             return ver.value
         items = list(mapping.items()) if hasattr(mapping, "items") else list(mapping)
         if not items:
-            raise GpupoolError(_lib.CODES["EINVAL"], "EINVAL",
-                               "%s: a tensor dict needs at least one member" % what)
+            raise error("EINVAL", "%s: a tensor dict needs at least one member" % what)
         index = _HoldIndex(self._holds)
         # Per member: [name, hold or None, offset, size, (dtype, shape, strides, byte_offset),
         # source, desc]
@@ -561,9 +558,8 @@ class Client:
         bnames, sizes, metas = [], [], []
         for bk, _, desc, _ in rows:
             if desc.dtype.typestr is None and desc.dtype.name != "bfloat16":
-                raise GpupoolError(_lib.CODES["EMETA"], "EMETA",
-                                   "%s: member %r: element type %s has no gpupool equivalent"
-                                   % (what, bk.decode("utf-8", "replace"), desc.dtype.name))
+                raise error("EMETA", "%s: member %r: element type %s has no gpupool equivalent"
+                            % (what, bk.decode("utf-8", "replace"), desc.dtype.name))
             bnames.append(bk)
             sizes.append(max(desc.nbytes, 1))
             metas.append((desc.dtype, desc.shape, None, 0))
@@ -682,9 +678,8 @@ class Client:
         hold = _FileHold(self._lib, f, dl)
         if dl[0] == _dlpack.kDLCUDA and not hold.device_ptr:
             hold.release()
-            raise GpupoolError(_lib.CODES["ENOTSUP"], "ENOTSUP",
-                               "file %r has no GPU mapping: the daemon runs the host backend "
-                               "(get it with device=None and copy to the GPU)" % (name,))
+            raise error("ENOTSUP", "file %r has no GPU mapping: the daemon runs the host backend "
+                        "(get it with device=None and copy to the GPU)" % (name,))
         offset = int(offset)
         size = hold.size
         if offset < 0 or offset > size:

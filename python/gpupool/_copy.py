@@ -3,8 +3,8 @@ host, the producing framework's own copy on a GPU."""
 
 import ctypes
 
-from . import _dlpack, _lib
-from ._lib import GpupoolError
+from . import _dlpack
+from ._errors import error
 from ._util import _HOST_DEVICES, _framework
 
 def _copy_into(dst, src, desc, stream):
@@ -20,9 +20,8 @@ def _copy_into(dst, src, desc, stream):
         try:
             import numpy
         except ImportError:
-            raise GpupoolError(_lib.CODES["ENOTSUP"], "ENOTSUP",
-                               "publishing a non-contiguous host tensor needs NumPy to gather "
-                               "it; install numpy or publish a contiguous copy") from None
+            raise error("ENOTSUP", "publishing a non-contiguous host tensor needs NumPy to gather "
+                        "it; install numpy or publish a contiguous copy") from None
         lo, span = desc.span()
         raw = desc.dtype.raw_typestr
         size = desc.dtype.itemsize
@@ -50,10 +49,9 @@ def _framework_copy(dst, src, stream):
             return _cupy_copy(dst, src, stream, fw == "cupy")
         except ImportError as e:
             errors.append(str(e))
-    raise GpupoolError(_lib.CODES["ENOTSUP"], "ENOTSUP",
-                       "copying a %s tensor into gpupool device memory needs torch or CuPy "
-                       "(%s); install one, or allocate with Client.alloc and produce into it"
-                       % (type(src).__name__, "; ".join(errors)))
+    raise error("ENOTSUP", "copying a %s tensor into gpupool device memory needs torch or CuPy "
+                "(%s); install one, or allocate with Client.alloc and produce into it"
+                % (type(src).__name__, "; ".join(errors)))
 
 
 def _torch_copy(dst, src, stream, native):

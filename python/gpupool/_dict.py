@@ -4,7 +4,7 @@ from it, one import per buffer."""
 from collections.abc import Mapping
 
 from . import _bundle, _dtypes, _lib
-from ._lib import GpupoolError
+from ._errors import error
 from ._tensor import Tensor
 
 # get_dict(reuse_views=True): how many bundles' views a client keeps (two alternate under
@@ -87,9 +87,8 @@ class TensorDict(Mapping):
     def _live(self):
         bh = self._bhold
         if bh is None or bh.released:
-            raise GpupoolError(_lib.CODES["EINVAL"], "EINVAL",
-                               "tensor dict %r was released; get or allocate it again"
-                               % (self.name,))
+            raise error("EINVAL", "tensor dict %r was released; get or allocate it again"
+                        % (self.name,))
         return bh
 
     # --- description ------------------------------------------------------------------

@@ -9,7 +9,7 @@ DLPack view) goes; the connection closes only when no hold is left.
 import threading
 
 from . import _cuda, _dlpack, _lib
-from ._lib import GpupoolError
+from ._errors import error
 
 class _Conn:
     """The C connection and a count of live holds: disconnecting unmaps every buffer, so it
@@ -31,8 +31,7 @@ class _Conn:
     def add(self):
         with self.lock:
             if self.close_requested:
-                raise GpupoolError(_lib.CODES["ECLOSED"], "ECLOSED",
-                                   "this gpupool.Client was closed; create a new Client")
+                raise error("ECLOSED", "this gpupool.Client was closed; create a new Client")
             self.holds += 1
 
     def drop(self):
@@ -55,8 +54,7 @@ class _Conn:
 
     def usable(self):
         if self.close_requested:
-            raise GpupoolError(_lib.CODES["ECLOSED"], "ECLOSED",
-                               "this gpupool.Client was closed; create a new Client")
+            raise error("ECLOSED", "this gpupool.Client was closed; create a new Client")
         return self.handle
 
 

@@ -4,7 +4,7 @@ DLPack (torch, CuPy, JAX, NumPy) and NumPy's __array_interface__."""
 import ctypes
 
 from . import _dlpack, _lib
-from ._lib import GpupoolError
+from ._errors import GpupoolError, error
 from ._util import _HOST_DEVICES
 
 class Tensor:
@@ -96,9 +96,8 @@ class Tensor:
     def _live_hold(self):
         h = self._hold
         if h is None or h.released:
-            raise GpupoolError(_lib.CODES["EINVAL"], "EINVAL",
-                               "tensor %r was released; get or allocate it again"
-                               % (self.name or self.buffer_id))
+            raise error("EINVAL", "tensor %r was released; get or allocate it again"
+                        % (self.name or self.buffer_id))
         return h
 
     # --- DLPack ------------------------------------------------------------------------

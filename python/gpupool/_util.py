@@ -2,7 +2,7 @@
 CUDA streams as handles, and which framework a tensor comes from."""
 
 from . import _dlpack, _lib
-from ._lib import GpupoolError
+from ._errors import error
 
 _HOST_DEVICES = (_dlpack.kDLCPU, _dlpack.kDLCUDAHost, _dlpack.kDLROCMHost)
 
@@ -13,9 +13,8 @@ def _encode_name(name, what="name"):
     else:
         b = str(name).encode("utf-8")
     if b"\0" in b:
-        raise GpupoolError(_lib.CODES["ENAME"], "ENAME",
-                           "%s %r contains a NUL byte; names are 1..%d bytes of UTF-8 "
-                           "without NUL" % (what, name, _lib.NAME_MAX))
+        raise error("ENAME", "%s %r contains a NUL byte; names are 1..%d bytes of UTF-8 "
+                    "without NUL" % (what, name, _lib.NAME_MAX))
     return b
 
 

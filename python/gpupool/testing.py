@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 import time
 
-from ._lib import GpupoolError
+from ._errors import GpupoolError
 
 __all__ = ["Daemon", "find_gpupoold"]
 
