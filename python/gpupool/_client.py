@@ -363,7 +363,7 @@ class Client:
 
         return self._pipelined(names, newer_than, begin, end, "get_dict")
 
-    def publish(self, name, tensor, stream=None, pool=None, share_gid=0, share_all=False):
+    def publish(self, name, tensor, stream=None, pool=None):
         """Publish `tensor` under `name`; consumers get it with ``Client.get(name)``.
 
         A Tensor from alloc() or get(), or a framework view of one (``torch.from_dlpack(t)``
@@ -375,8 +375,7 @@ class Client:
         framework's current stream for torch and CuPy tensors); the copy runs there and
         consumers wait for it. pool: the pool a copy goes to (default: one on the tensor's
         device). Names live in the caller's tenant; to share with other users, allocate in a
-        pool the daemon shares with a group and publish as "group:GROUP/NAME". share_gid /
-        share_all are refused by the daemon (they would expose the publisher's slab).
+        pool the daemon shares with a group and publish as "group:GROUP/NAME".
 
         Publishing a name that exists makes its next version (holders of the previous one
         keep reading it; its memory goes when the last lets go). Returns the version made:
@@ -387,8 +386,8 @@ class Client:
             hold = tensor._live_hold()
             m = _meta(tensor._dtype, tensor.shape, tensor.strides, tensor.byte_offset)
             if s is not None or hold.kind == _lib.MEM_HOST:
-                return self._publish(hold, nb, m, s, share_gid, share_all)
-            return self._publish(hold, nb, m, hold.streams[-1], share_gid, share_all)
+                return self._publish(hold, nb, m, s)
+            return self._publish(hold, nb, m, hold.streams[-1])
         if s is None and hasattr(tensor, "__dlpack_device__"):
             dev = tensor.__dlpack_device__()
             if int(dev[0]) == _dlpack.kDLCUDA:
@@ -397,7 +396,7 @@ class Client:
         hold = self._find_hold(desc)
         if hold is not None:
             m = _meta(desc.dtype, desc.shape, desc.strides, desc.data - hold.ptr)
-            return self._publish(hold, nb, m, s, share_gid, share_all)
+            return self._publish(hold, nb, m, s)
         if desc.dtype.typestr is None and desc.dtype.name != "bfloat16":
             raise error("EMETA", "element type %s has no gpupool equivalent" % desc.dtype.name)
         target = pool if pool is not None else self._pool_for(desc.device[0], desc.device[1],
@@ -406,22 +405,17 @@ class Client:
         try:
             _copy_into(t, tensor, desc, s)
             m = _meta(t._dtype, t.shape, None, 0)
-            return self._publish(t._hold, nb, m, s, share_gid, share_all)
+            return self._publish(t._hold, nb, m, s)
         finally:
             t.release()
 
-    def _publish(self, hold, nb, meta, s, share_gid, share_all):
+    def _publish(self, hold, nb, meta, s):
         self._conn.usable()
         buf = hold.buf
         if buf is None:
             raise error("EINVAL", "buffer was released")
         ver = ctypes.c_uint64(0)
-        if share_gid or share_all:
-            rc = self._lib.gpupool_publish_ex(buf, nb, ctypes.byref(meta), s, share_gid,
-                                              1 if share_all else 0)
-        else:
-            rc = self._lib.gpupool_publish_version(buf, nb, ctypes.byref(meta), s,
-                                                   ctypes.byref(ver))
+        rc = self._lib.gpupool_publish_version(buf, nb, ctypes.byref(meta), s, ctypes.byref(ver))
         check(rc, "publish %r" % nb.decode("utf-8", "replace"))
         return ver.value or None
 

@@ -194,8 +194,6 @@ _PROTOTYPES = {
     "gpupool_open": (_c_int, [ClientP, ctypes.POINTER(Token), ctypes.c_uint, _vp,
                               ctypes.POINTER(BufferP)]),
     "gpupool_publish": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp]),
-    "gpupool_publish_ex": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp,
-                                    ctypes.c_uint32, _c_int]),
     "gpupool_get": (_c_int, [ClientP, _cp, _c_int, ctypes.c_uint, _vp,
                              ctypes.POINTER(BufferP)]),
     "gpupool_unpublish": (_c_int, [ClientP, _cp]),
