@@ -27,7 +27,7 @@ from ._tensor import Tensor
 try:
     from ._version import __version__  # written by the wheel build (scikit-build-core)
 except ImportError:  # a source tree on PYTHONPATH: the CMake project's version
-    def _source_version():
+    def _source_version() -> str:
         import os
         import re
         top = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "CMakeLists.txt")
@@ -44,7 +44,7 @@ __all__ = ["Client", "Tensor", "TensorDict", "GpupoolError", "LibraryNotFoundErr
            "dtype", "library_version"]
 
 
-def library_version():
+def library_version() -> str:
     """Version string of the loaded libgpupool-client."""
     from . import _lib
 

@@ -135,7 +135,7 @@ class Layout:
 
 
 _Q_PER_MEMBER = MEMBER_SIZE // 8
-_cache = []  # the last few Layouts, most recent first
+_cache = []  # type: list  # the last few Layouts, most recent first
 _cache_lock = threading.Lock()
 _CACHE_SIZE = 4
 

@@ -20,6 +20,8 @@ order: host memory with memmove (NumPy for strided views), GPU memory with the p
 framework's own copy (``copy_`` / ``[...] =``) on the producer's stream.
 """
 
+from __future__ import annotations
+
 import bisect
 import collections
 import ctypes
@@ -27,15 +29,17 @@ import math
 import os
 import threading
 import weakref
+from typing import Any, Dict, Iterable, List, Literal, Mapping, Sequence, Tuple
 
 from . import _bundle, _dlpack, _dtypes, _lib
 from ._copy import _copy_into
 from ._dict import _UINT8, TensorDict
-from ._holds import _BundleHold, _Conn, _FileHold, _Hold
+from ._dtypes import DTypeLike
 from ._errors import code, error
+from ._holds import _BundleHold, _Conn, _FileHold, _Hold
 from ._lib import check
 from ._tensor import Tensor
-from ._util import _current_stream, _encode_name, _framework, stream_handle
+from ._util import Device, Stream, _current_stream, _encode_name, _framework, stream_handle
 
 # Parsed member tables a client keeps by layout id.
 _LAYOUTS_KEPT = 64
@@ -69,7 +73,8 @@ class Client:
     context manager or call close().
     """
 
-    def __init__(self, socket=None, name=None, connect_timeout=None):
+    def __init__(self, socket: str | os.PathLike[str] | None = None, name: str | None = None,
+                 connect_timeout: float | None = None) -> None:
         L = _lib.lib()
         h = _lib.ClientP()
         sock = None if socket is None else _encode_name(str(socket), "socket path")
@@ -83,18 +88,19 @@ class Client:
         check(L.gpupool_connect_timeout(sock, nm, ms, ctypes.byref(h)))
         self._conn = _Conn(h, L, socket)
         self._lib = L
-        self._tensors = weakref.WeakSet()
-        self._dicts = weakref.WeakSet()
-        self._holds = weakref.WeakSet()
-        self._pools = None
+        self._tensors: weakref.WeakSet[Tensor] = weakref.WeakSet()
+        self._dicts: weakref.WeakSet[TensorDict] = weakref.WeakSet()
+        self._holds: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._pools: List[Dict[str, Any]] | None = None
         # get_dict(reuse_views=True): framework views by (framework, layout, buffers), the
         # most recently used last; each keeps the memory it views (see TensorDict.torch).
-        self._views = collections.OrderedDict()
+        self._views: collections.OrderedDict[Any, Dict[str, Any]] = collections.OrderedDict()
         self._views_lock = threading.Lock()
-        self._layouts = collections.OrderedDict()  # (reconnects, layout id) -> Layout
+        # (reconnects, layout id) -> Layout
+        self._layouts: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
     @staticmethod
-    def default_socket_path():
+    def default_socket_path() -> str:
         L = _lib.lib()
         buf = ctypes.create_string_buffer(4096)
         if L.gpupool_default_socket_path(buf, len(buf)) < 0:
@@ -102,7 +108,7 @@ class Client:
         return buf.value.decode(errors="replace")
 
     # --- lifetime ----------------------------------------------------------------------
-    def close(self):
+    def close(self) -> None:
         """Release the holds of this client's Tensors and disconnect. Views that frameworks
         made from them keep their memory mapped: the connection closes when the last one
         is freed."""
@@ -118,13 +124,13 @@ class Client:
         conn.close()
 
     @property
-    def closed(self):
+    def closed(self) -> bool:
         return self._conn.close_requested
 
-    def __enter__(self):
+    def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.close()
         return False
 
@@ -179,7 +185,7 @@ class Client:
         self._dicts.add(d)
         return d
 
-    def pools(self):
+    def pools(self) -> List[Dict[str, Any]]:
         """The daemon's pools: a list of dicts (id, name, kind, device, capacity, ...)."""
         return self.stats()["pools"]
 
@@ -215,7 +221,9 @@ class Client:
         return self._pool_for(*_parse_device(device))
 
     # --- requests ----------------------------------------------------------------------
-    def alloc(self, shape, dtype, device=None, pool=None, timeout=0, stream=None):
+    def alloc(self, shape: int | Sequence[int], dtype: DTypeLike, device: Device = None,
+              pool: str | None = None, timeout: float | None = 0,
+              stream: Stream = None) -> Tensor:
         """A new C-contiguous tensor in gpupool memory, to produce into directly and publish
         without a copy. device: None (the daemon's first pool), 'cpu', 'cuda', 'cuda:N' or
         an int; pool: a pool name (overrides device). timeout: seconds to wait for memory
@@ -244,7 +252,8 @@ class Client:
         hold = self._new_hold(buf, s)
         return self._tensor(hold, dt, shape, None, 0, None)
 
-    def get(self, name, timeout=None, read_only=False, stream=None, newer_than=0):
+    def get(self, name: str, timeout: float | None = None, read_only: bool = False,
+            stream: Stream = None, newer_than: int = 0) -> Tensor:
         """The tensor published under `name`, as a new hold of this process.
 
         timeout: seconds to wait for a producer to publish it (None = forever, 0 = fail at
@@ -317,7 +326,9 @@ class Client:
                 r.release()
             raise
 
-    def get_many(self, names, timeout=None, read_only=False, stream=None, newer_than=0):
+    def get_many(self, names: Iterable[str], timeout: float | None = None,
+                 read_only: bool = False, stream: Stream = None,
+                 newer_than: int | Sequence[int] = 0) -> List[Tensor]:
         """Several tensors in one round trip: as ``get`` for each name, but every request is
         sent before any reply is waited for. Returns the Tensors in the order of `names`.
         newer_than: one version for all names, or a list with one per name. timeout applies
@@ -340,8 +351,9 @@ class Client:
 
         return self._pipelined(names, newer_than, begin, end, "get")
 
-    def get_dicts(self, names, newer_than=0, timeout=None, read_only=False, stream=None, keep_mapped=False,
-                  reuse_views=False):
+    def get_dicts(self, names: Iterable[str], newer_than: int | Sequence[int] = 0,
+                  timeout: float | None = None, read_only: bool = False, stream: Stream = None,
+                  keep_mapped: bool = False, reuse_views: bool = False) -> List[TensorDict]:
         """Several bundles in one round trip: as ``get_dict`` for each name (same arguments),
         every request sent before any reply is waited for. Returns the TensorDicts in the
         order of `names`; newer_than may be a list with one version per name."""
@@ -363,7 +375,8 @@ class Client:
 
         return self._pipelined(names, newer_than, begin, end, "get_dict")
 
-    def publish(self, name, tensor, stream=None, pool=None):
+    def publish(self, name: str, tensor: Any, stream: Stream = None,
+                pool: str | None = None) -> int | None:
         """Publish `tensor` under `name`; consumers get it with ``Client.get(name)``.
 
         A Tensor from alloc() or get(), or a framework view of one (``torch.from_dlpack(t)``
@@ -420,7 +433,9 @@ class Client:
         return ver.value or None
 
     # --- bundles: many tensors in one request ------------------------------------------
-    def alloc_dict(self, spec, device=None, pool=None, timeout=0, stream=None, alignment=0):
+    def alloc_dict(self, spec: Any, device: Device = None, pool: str | None = None,
+                   timeout: float | None = 0, stream: Stream = None,
+                   alignment: int = 0) -> TensorDict:
         """A new bundle to produce into: a TensorDict of writable C-contiguous Tensors, all
         allocated in one request (placed one after the other, each aligned, in as few
         buffers as the pool allows), to publish later with ``publish_dict`` without a copy.
@@ -454,7 +469,8 @@ class Client:
         del keep
         return self._tensor_dict(b, s, None)
 
-    def publish_dict(self, name, mapping, stream=None, pool=None):
+    def publish_dict(self, name: str, mapping: Mapping[str, Any] | Iterable[Tuple[str, Any]],
+                     stream: Stream = None, pool: str | None = None) -> int:
         """Publish a dict of tensors under `name` as one bundle, in one request: consumers
         get every member at once (``get_dict``), all of this version or none of it.
 
@@ -520,7 +536,7 @@ class Client:
             copied = iter(tmp._copied if tmp is not None else ())
             # One hold per buffer: the daemon refuses a buffer listed through two holds (an
             # allocation and a get of the same memory, say); they map the same address.
-            by_buffer = {}
+            by_buffer: Dict[Any, Any] = {}
             for bk, h, desc, _ in rows:
                 if h is None:
                     h, desc = next(copied)
@@ -573,8 +589,9 @@ class Client:
             raise
         return tmp
 
-    def get_dict(self, name, newer_than=0, timeout=None, read_only=False, stream=None,
-                 keep_mapped=False, reuse_views=False):
+    def get_dict(self, name: str, newer_than: int = 0, timeout: float | None = None,
+                 read_only: bool = False, stream: Stream = None, keep_mapped: bool = False,
+                 reuse_views: bool = False) -> TensorDict:
         """The bundle published under `name`, as a TensorDict (member name -> Tensor, in
         member order; ``version`` says which version came), in one request.
 
@@ -624,12 +641,13 @@ class Client:
                 return h
         return None
 
-    def unpublish(self, name):
+    def unpublish(self, name: str) -> None:
         """Remove a name. Holders keep their tensors; the memory goes when the last lets go."""
         check(self._lib.gpupool_unpublish(self._conn.usable(), _encode_name(name)),
               "unpublish %r" % (name,))
 
-    def publish_file(self, name, path, offset=0, length=None):
+    def publish_file(self, name: str, path: str | bytes | os.PathLike[str], offset: int = 0,
+                     length: int | None = None) -> Dict[str, int]:
         """Publish a read-only file, or `length` bytes of it from `offset` (None: to the end),
         under `name`; consumers map it with ``get_file_array(name, ...)`` without a copy of
         their own (they all share the page cache). The file is opened here with this
@@ -650,7 +668,9 @@ class Client:
               "publish_file %r (%s)" % (name, path))
         return {"offset": info.offset, "length": info.length, "size": info.size}
 
-    def get_file_array(self, name, dtype, shape=None, offset=0, device=None, timeout=0):
+    def get_file_array(self, name: str, dtype: DTypeLike, shape: int | Sequence[int] | None = None,
+                       offset: int = 0, device: Device = None,
+                       timeout: float | None = 0) -> Tensor:
         """A read-only Tensor viewing the file published under `name`, without a copy.
 
         dtype: element type; shape: None for a 1-D array of every whole element from
@@ -690,7 +710,7 @@ class Client:
                              % (shape, dt.name, need, offset, name, size))
         return self._tensor(hold, dt, shape, None, offset, name)
 
-    def stats(self):
+    def stats(self) -> Dict[str, Any]:
         """Daemon counters (clients, buffers, holds, names, requests, errors, open_fds,
         pending_frees, uptime_s) and 'pools': one dict per pool."""
         d = _lib.DaemonStats()
@@ -712,7 +732,7 @@ class Client:
         return out
 
     @property
-    def host_fences(self):
+    def host_fences(self) -> bool:
         """True when this connection orders GPU work with host-side fences instead of the
         daemon's inter-process events (a client of another uid than gpupoold's, or
         GPUPOOL_HOST_FENCES=1): publish and release then wait for the stream's work on the
@@ -720,11 +740,11 @@ class Client:
         gpupool.h."""
         return bool(self._lib.gpupool_host_fences(self._conn.usable()))
 
-    def trim(self):
+    def trim(self) -> None:
         """Ask the daemon to give unused slabs back to the backend."""
         check(self._lib.gpupool_trim(self._conn.usable()), "trim")
 
-    def set_devices(self, devices):
+    def set_devices(self, devices: Iterable[int]) -> None:
         """CUDA devices this process touches pool memory from (cudaMemPoolSetAccess)."""
         devs = [int(d) for d in devices]
         arr = (ctypes.c_int * max(len(devs), 1))(*devs)
@@ -732,7 +752,7 @@ class Client:
               "set_devices %r" % (devs,))
 
 
-_TORCH_DTYPES = {}
+_TORCH_DTYPES: Dict[Any, _dtypes.DType] = {}
 
 
 def _torch_desc(t):

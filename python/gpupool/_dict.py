@@ -1,7 +1,9 @@
 """TensorDict: a bundle of tensors (member name -> Tensor) and the framework views built
 from it, one import per buffer."""
 
-from collections.abc import Mapping
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, KeysView, Literal, Mapping, Optional, Tuple
 
 from . import _bundle, _dtypes, _lib
 from ._errors import error
@@ -12,7 +14,7 @@ from ._tensor import Tensor
 _VIEWS_KEPT = 4
 
 
-class TensorDict(Mapping):
+class TensorDict(Mapping[str, Tensor]):
     """A bundle: member name -> Tensor, in member order (a read-only Mapping).
 
     From ``Client.alloc_dict`` (to produce into, then ``Client.publish_dict``) or
@@ -56,7 +58,7 @@ class TensorDict(Mapping):
             self._index = {n: i for i, n in enumerate(self._layout.names)}
         return self._index
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: str) -> Tensor:
         t = self._tensors.get(key)
         if t is not None:
             return t
@@ -65,16 +67,16 @@ class TensorDict(Mapping):
         self._tensors[key] = t
         return t
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self._names())
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._members)
 
-    def __contains__(self, key):
+    def __contains__(self, key: object) -> bool:
         return key in self._names()
 
-    def keys(self):
+    def keys(self) -> KeysView[str]:
         return self._names().keys()
 
     def _member_tensor(self, i):
@@ -93,19 +95,19 @@ class TensorDict(Mapping):
 
     # --- description ------------------------------------------------------------------
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         return sum(m[6] for m in self._members)
 
     @property
-    def released(self):
+    def released(self) -> bool:
         return self._bhold is None or self._bhold.released
 
-    def member_info(self, key):
+    def member_info(self, key: str) -> Tuple[str, Tuple[int, ...], Optional[Tuple[int, ...]], int, int]:
         """(dtype name, shape, strides or None, buffer index, byte offset in the buffer)."""
         name, part, off, dt, shape, strides, _ = self._members[self._names()[key]]
         return dt.name, shape, strides, part, off
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "<gpupool.TensorDict%s version=%d members=%d bytes=%d%s%s>" % (
             " %r" % self.name if self.name else "", self.version, len(self._members),
             self.nbytes, " read-only" if self.read_only else "",
@@ -118,7 +120,7 @@ class TensorDict(Mapping):
         p = self._parts[part]
         return Tensor(p, _UINT8, (p.size,), None, 0, self.name, self._client)
 
-    def torch(self):
+    def torch(self) -> Dict[str, Any]:
         """A plain dict name -> torch.Tensor, views of the bundle's memory (no copy), in
         member order. Each buffer is imported once (torch.from_dlpack, on torch's current
         stream, which is made to wait for the producer) and every member is a view of it;
@@ -167,7 +169,7 @@ class TensorDict(Mapping):
                 client._views.popitem(last=False)
         return dict(views)
 
-    def cupy(self, raw=False):
+    def cupy(self, raw: bool = False) -> Dict[str, Any]:
         """A plain dict name -> cupy.ndarray (device memory), as torch() does for torch.
         raw=True views types CuPy lacks (bfloat16) as unsigned integers of their size."""
         import cupy
@@ -176,7 +178,7 @@ class TensorDict(Mapping):
         return _bundle.cupy_views(self._layout,
                                   lambda part: cupy.from_dlpack(self._region(part)), raw)
 
-    def numpy(self, raw=False):
+    def numpy(self, raw: bool = False) -> Dict[str, Any]:
         """A plain dict name -> numpy.ndarray (host memory), as torch() does for torch.
         raw=True views types NumPy lacks (bfloat16) as unsigned integers of their size."""
         self._live()
@@ -186,7 +188,7 @@ class TensorDict(Mapping):
             lambda: None)
 
     # --- lifetime ---------------------------------------------------------------------
-    def release(self):
+    def release(self) -> None:
         """Let go of this dict's hold on the bundle and of its member Tensors. Framework
         views made from them keep the memory until they are freed."""
         for t in self._tensors.values():
@@ -195,10 +197,10 @@ class TensorDict(Mapping):
         self._bhold = None
         self._parts = None
 
-    def __enter__(self):
+    def __enter__(self) -> TensorDict:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.release()
         return False
 

@@ -22,7 +22,7 @@ names only the builtins.
 """
 
 import threading
-from typing import Dict, Optional, Tuple, Type, Union
+from typing import Dict, Optional, Tuple, Type, Union, cast
 
 __all__ = ["GpupoolError", "LibraryNotFoundError", "error", "code", "codes"]
 
@@ -130,15 +130,13 @@ def code(name: str) -> int:
 
 def error_class(name: str) -> Type[GpupoolError]:
     """The GpupoolError subclass of an error name, made once."""
-    cls = _classes.get(name)
-    if cls is None:
-        with _lock:
-            cls = _classes.get(name)
-            if cls is None:
-                cls = _ErrorType(name, (GpupoolError,) + _BUILTINS.get(name, ()),
-                                 {"__module__": "gpupool", "__qualname__": "GpupoolError." + name,
-                                  "__doc__": "GpupoolError %s." % name})
-                _classes[name] = cls
+    with _lock:
+        cls = _classes.get(name)
+        if cls is None:
+            made = _ErrorType(name, (GpupoolError,) + _BUILTINS.get(name, ()),
+                              {"__module__": "gpupool", "__qualname__": "GpupoolError." + name,
+                               "__doc__": "GpupoolError %s." % name})
+            cls = _classes[name] = cast(Type[GpupoolError], made)
     return cls
 
 

@@ -1,10 +1,14 @@
 """Tensor: a tensor in gpupool memory handed to users, exported without a copy through
 DLPack (torch, CuPy, JAX, NumPy) and NumPy's __array_interface__."""
 
+from __future__ import annotations
+
 import ctypes
+from typing import Any, Dict, Literal, Optional, Sequence, Tuple
 
 from . import _dlpack, _lib
 from ._errors import GpupoolError, error
+from ._dtypes import DType
 from ._util import _HOST_DEVICES
 
 class Tensor:
@@ -21,8 +25,9 @@ class Tensor:
     buffer_size, buffer_id, byte_offset, read_only, name (if obtained by name).
     """
 
-    def __init__(self, hold, dtype, shape, strides=None, byte_offset=0, name=None,
-                 client=None):
+    def __init__(self, hold: Any, dtype: DType, shape: Sequence[int],
+                 strides: Sequence[int] | None = None, byte_offset: int = 0,
+                 name: str | None = None, client: Any = None) -> None:
         self._hold = hold
         # Keeps the Client (and so its connection) open while this tensor lives.
         self._client = client
@@ -37,58 +42,58 @@ class Tensor:
         self.buffer_id = hold.buffer_id
         self.read_only = hold.read_only
         self._dl_device = hold.dl_device
-        self.version = None
+        self.version: Optional[int] = None
 
     # --- description -------------------------------------------------------------------
     @property
-    def dtype(self):
+    def dtype(self) -> str:
         return self._dtype.name
 
     @property
-    def dlpack_dtype(self):
+    def dlpack_dtype(self) -> Tuple[int, int, int]:
         """(code, bits, lanes) as DLPack spells the element type."""
         return (self._dtype.code, self._dtype.bits, self._dtype.lanes)
 
     @property
-    def itemsize(self):
+    def itemsize(self) -> int:
         return self._dtype.itemsize
 
     @property
-    def ndim(self):
+    def ndim(self) -> int:
         return len(self.shape)
 
     @property
-    def numel(self):
+    def numel(self) -> int:
         return _dlpack.numel(self.shape)
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         return self.numel * self._dtype.itemsize
 
     @property
-    def data_ptr(self):
+    def data_ptr(self) -> int:
         return self.buffer_ptr + self.byte_offset
 
     @property
-    def device(self):
+    def device(self) -> str:
         t, i = self._dl_device
         if t == _dlpack.kDLCUDA:
             return "cuda:%d" % i
         return _dlpack.DEVICE_NAMES.get(t, str(t))
 
     @property
-    def memory_kind(self):
+    def memory_kind(self) -> str:
         """'host' (memfd), 'device' (CUDA device memory) or 'host-numa' (pinned)."""
         return _lib.MEM_KIND_NAMES.get(self._hold.kind if self._hold else 0, "released")
 
-    def is_contiguous(self):
+    def is_contiguous(self) -> bool:
         return _dlpack._is_contiguous(self.shape, self.strides)
 
     @property
-    def released(self):
+    def released(self) -> bool:
         return self._hold is None or self._hold.released
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "<gpupool.Tensor%s shape=%r dtype=%s device=%s%s%s>" % (
             " %r" % self.name if self.name else "", self.shape, self.dtype, self.device,
             " read-only" if self.read_only else "", " released" if self.released else "")
@@ -101,10 +106,12 @@ class Tensor:
         return h
 
     # --- DLPack ------------------------------------------------------------------------
-    def __dlpack_device__(self):
+    def __dlpack_device__(self) -> Tuple[int, int]:
         return self._dl_device
 
-    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+    def __dlpack__(self, *, stream: int | None = None,
+                   max_version: Tuple[int, int] | None = None,
+                   dl_device: Tuple[int, int] | None = None, copy: bool | None = None) -> Any:
         """A DLPack capsule viewing this tensor (the array API's __dlpack__).
 
         max_version >= (1, 0) gives a versioned capsule ("dltensor_versioned", read-only
@@ -146,7 +153,7 @@ class Tensor:
         elif dev[0] in _HOST_DEVICES:
             hold.sync_cpu()
         version = _dlpack.VERSION
-        if versioned and int(max_version[0]) == 1:
+        if versioned and max_version is not None and int(max_version[0]) == 1:
             version = (1, min(_dlpack.VERSION[1], int(max_version[1])))
         if copy:
             # The consumer asked for memory of its own: the bytes this view spans, same
@@ -164,7 +171,7 @@ class Tensor:
 
     # --- NumPy -------------------------------------------------------------------------
     @property
-    def __array_interface__(self):
+    def __array_interface__(self) -> Dict[str, Any]:
         """Host memory as NumPy sees it (numpy.asarray(t): a view, read-only for read-only
         holds). Such a view refers to this object: release() invalidates it, so prefer
         t.numpy() or numpy.from_dlpack(t), whose views keep the memory themselves."""
@@ -188,7 +195,7 @@ class Tensor:
             "strides": None if self.is_contiguous() else tuple(s * size for s in self.strides),
         }
 
-    def numpy(self, raw=False):
+    def numpy(self, raw: bool = False) -> Any:
         """A NumPy view (no copy) of host memory. raw=True views the bits as unsigned
         integers of the element size, for types NumPy lacks (bfloat16)."""
         import numpy
@@ -200,7 +207,7 @@ class Tensor:
         return numpy.asarray(_ArrayView(iface, self._hold))
 
     # --- lifetime ----------------------------------------------------------------------
-    def release(self):
+    def release(self) -> None:
         """Let go of this object's hold. Views a framework made from it stay valid (they
         hold the memory until freed); this object can no longer be exported."""
         h, self._hold = self._hold, None
@@ -208,10 +215,10 @@ class Tensor:
             # Drop our reference; the hold is released now unless an export still has it.
             del h
 
-    def __enter__(self):
+    def __enter__(self) -> Tensor:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.release()
         return False
 

@@ -1,13 +1,23 @@
 """Small pieces every object of the package uses: names as the C library takes them,
 CUDA streams as handles, and which framework a tensor comes from."""
 
+from __future__ import annotations
+
+from typing import Any, Union
+
 from . import _dlpack, _lib
 from ._errors import error
+
+# What the API takes as a CUDA stream: None, an int cudaStream_t, or a torch/CuPy stream.
+Stream = Union[None, int, Any]
+# What the API takes as a device: None, an int (a CUDA device), "cpu", "cuda", "cuda:N", or
+# a torch.device / cupy.cuda.Device.
+Device = Union[None, int, str, Any]
 
 _HOST_DEVICES = (_dlpack.kDLCPU, _dlpack.kDLCUDAHost, _dlpack.kDLROCMHost)
 
 
-def _encode_name(name, what="name"):
+def _encode_name(name: str | bytes, what: str = "name") -> bytes:
     if isinstance(name, bytes):
         b = name
     else:
@@ -18,7 +28,7 @@ def _encode_name(name, what="name"):
     return b
 
 
-def stream_handle(stream):
+def stream_handle(stream: Stream) -> int | None:
     """A raw cudaStream_t value (int) or None from a stream given as None, an int, a
     torch.cuda.Stream (``cuda_stream``) or a CuPy stream (``ptr``)."""
     if stream is None:
