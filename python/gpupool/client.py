@@ -3,7 +3,8 @@ Client`` keeps working. Each lives in a module of its own (_client, _tensor, _di
 
 from ._client import Client
 from ._dict import TensorDict
+from ._errors import GpupoolError
 from ._tensor import Tensor
 from ._util import stream_handle
 
-__all__ = ["Client", "Tensor", "TensorDict", "stream_handle"]
+__all__ = ["Client", "Tensor", "TensorDict", "GpupoolError", "stream_handle"]

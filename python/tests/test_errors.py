@@ -70,6 +70,18 @@ class Factory(unittest.TestCase):
             gpupool.GpupoolError.lowercase  # noqa: B018
 
 
+class Names(unittest.TestCase):
+    def test_old_module_path(self):
+        # The objects moved out of gpupool.client; code importing them from there still works.
+        from gpupool.client import Client, GpupoolError, Tensor, TensorDict, stream_handle
+
+        self.assertIs(Client, gpupool.Client)
+        self.assertIs(Tensor, gpupool.Tensor)
+        self.assertIs(TensorDict, gpupool.TensorDict)
+        self.assertIs(GpupoolError, gpupool.GpupoolError)
+        self.assertEqual(stream_handle(7), 7)
+
+
 class ThroughTheDaemon(DaemonTestCase):
     def test_missing_name_is_lookup_error(self):
         with self.assertRaises(LookupError) as cm:
