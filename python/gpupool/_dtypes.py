@@ -7,7 +7,7 @@ the names. bfloat16 has no NumPy equivalent; it is carried by its DLPack code (4
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 __all__ = ["DType", "DTypeLike", "dtype", "from_dlpack_code"]
 
@@ -15,35 +15,15 @@ __all__ = ["DType", "DTypeLike", "dtype", "from_dlpack_code"]
 INT, UINT, FLOAT, OPAQUE, BFLOAT, COMPLEX, BOOL = 0, 1, 2, 3, 4, 5, 6
 
 
-class DType(tuple):  # type: ignore[type-arg]
+class DType(NamedTuple):
     """(name, code, bits, lanes) with the NumPy array-interface type string, if any."""
 
-    __slots__ = ()
-
-    def __new__(cls, name: str, code: int, bits: int, lanes: int = 1,
-                typestr: Optional[str] = None) -> DType:
-        return tuple.__new__(cls, (name, code, bits, lanes, typestr))
-
-    @property
-    def name(self) -> str:
-        return self[0]  # type: ignore[no-any-return]
-
-    @property
-    def code(self) -> int:
-        return self[1]  # type: ignore[no-any-return]
-
-    @property
-    def bits(self) -> int:
-        return self[2]  # type: ignore[no-any-return]
-
-    @property
-    def lanes(self) -> int:
-        return self[3]  # type: ignore[no-any-return]
-
-    @property
-    def typestr(self) -> Optional[str]:
-        """NumPy __array_interface__ typestr; None when NumPy has no such type (bfloat16)."""
-        return self[4]  # type: ignore[no-any-return]
+    name: str
+    code: int
+    bits: int
+    lanes: int = 1
+    # NumPy __array_interface__ typestr; None when NumPy has no such type (bfloat16).
+    typestr: Optional[str] = None
 
     @property
     def itemsize(self) -> int:
