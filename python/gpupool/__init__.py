@@ -19,13 +19,15 @@ GPUPOOL_LIBRARY to the library's full path when it is not installed where the lo
 """
 
 from ._dtypes import DType, dtype
-from ._lib import GpupoolError, LibraryNotFoundError
-from .client import Client, Tensor, TensorDict
+from ._errors import GpupoolError, LibraryNotFoundError
+from ._client import Client
+from ._dict import TensorDict
+from ._tensor import Tensor
 
 try:
     from ._version import __version__  # written by the wheel build (scikit-build-core)
 except ImportError:  # a source tree on PYTHONPATH: the CMake project's version
-    def _source_version():
+    def _source_version() -> str:
         import os
         import re
         top = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "CMakeLists.txt")
@@ -42,7 +44,7 @@ __all__ = ["Client", "Tensor", "TensorDict", "GpupoolError", "LibraryNotFoundErr
            "dtype", "library_version"]
 
 
-def library_version():
+def library_version() -> str:
     """Version string of the loaded libgpupool-client."""
     from . import _lib
 

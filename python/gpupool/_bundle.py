@@ -30,7 +30,7 @@ import struct
 import threading
 
 from . import _dlpack, _dtypes, _lib
-from ._lib import GpupoolError
+from ._errors import error
 
 __all__ = ["Layout", "Member", "parse_members", "plan_runs", "pack_specs", "pack_refs"]
 
@@ -135,7 +135,7 @@ class Layout:
 
 
 _Q_PER_MEMBER = MEMBER_SIZE // 8
-_cache = []  # the last few Layouts, most recent first
+_cache = []  # type: list  # the last few Layouts, most recent first
 _cache_lock = threading.Lock()
 _CACHE_SIZE = 4
 
@@ -367,9 +367,8 @@ def pack_metas(metas):
     for i, (dt, shape, strides, byte_offset) in enumerate(metas):
         nd = len(shape)
         if nd > _lib.MAX_NDIM:
-            raise GpupoolError(_lib.CODES["EMETA"], "EMETA",
-                               "tensor has %d dimensions; gpupool carries at most %d"
-                               % (nd, _lib.MAX_NDIM))
+            raise error("EMETA", "tensor has %d dimensions; gpupool carries at most %d"
+                        % (nd, _lib.MAX_NDIM))
         sh = tuple(shape) + _ZEROS[nd:]
         if strides is None or _dlpack._is_contiguous(shape, strides):
             pack(buf, i * size, dt.code, dt.bits, dt.lanes, nd, *sh, *_ZEROS, 0, byte_offset)

@@ -21,7 +21,7 @@ CU_EVENT_DISABLE_TIMING = 0x2
 _lock = threading.Lock()
 _drv = None
 _drv_error = None
-_ctx = {}
+_ctx = {}  # type: dict
 
 
 class CudaError(RuntimeError):

@@ -106,7 +106,7 @@ _capsule_set_name = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_ch
 _py_incref = ctypes.PYFUNCTYPE(None, ctypes.py_object)(("Py_IncRef", _api))
 
 # Exports alive in some consumer: struct address -> record (struct, arrays, owner).
-_live = {}
+_live = {}  # type: dict
 _live_lock = threading.Lock()
 
 

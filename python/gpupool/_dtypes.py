@@ -5,41 +5,40 @@ dtype or scalar type, a torch dtype (torch.float32) or anything whose str() ends
 the names. bfloat16 has no NumPy equivalent; it is carried by its DLPack code (4, 16 bits).
 """
 
-__all__ = ["DType", "dtype", "from_dlpack_code"]
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Union
+
+__all__ = ["DType", "DTypeLike", "dtype", "from_dlpack_code"]
 
 # DLPack DLDataTypeCode values.
 INT, UINT, FLOAT, OPAQUE, BFLOAT, COMPLEX, BOOL = 0, 1, 2, 3, 4, 5, 6
 
 
-class DType(tuple):
+class DType(NamedTuple):
     """(name, code, bits, lanes) with the NumPy array-interface type string, if any."""
 
-    __slots__ = ()
-
-    def __new__(cls, name, code, bits, lanes=1, typestr=None):
-        return tuple.__new__(cls, (name, code, bits, lanes, typestr))
-
-    name = property(lambda s: s[0])
-    code = property(lambda s: s[1])
-    bits = property(lambda s: s[2])
-    lanes = property(lambda s: s[3])
+    name: str
+    code: int
+    bits: int
+    lanes: int = 1
     # NumPy __array_interface__ typestr; None when NumPy has no such type (bfloat16).
-    typestr = property(lambda s: s[4])
+    typestr: Optional[str] = None
 
     @property
-    def itemsize(self):
+    def itemsize(self) -> int:
         return (self.bits * self.lanes + 7) // 8
 
     @property
-    def raw_typestr(self):
+    def raw_typestr(self) -> str:
         """A NumPy type of the same size, for copying the bits of any element type."""
         n = self.itemsize
         return {1: "|u1", 2: "<u2", 4: "<u4", 8: "<u8"}.get(n, "|V%d" % n)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "gpupool.dtype(%r)" % self.name
 
-    def __str__(self):
+    def __str__(self) -> str:
         return self.name
 
 
@@ -71,7 +70,11 @@ _ALIASES = {
 }
 
 
-def dtype(d):
+# What the API takes as an element type: a name, a NumPy or torch dtype, or a DType.
+DTypeLike = Union[str, DType, Any]
+
+
+def dtype(d: DTypeLike) -> DType:
     """The DType for d (a name, a NumPy/torch dtype, or a DType); ValueError if unknown."""
     if isinstance(d, DType):
         return d
@@ -107,7 +110,7 @@ def dtype(d):
             % (d, ", ".join(x.name for x in _TABLE))) from None
 
 
-def from_dlpack_code(code, bits, lanes):
+def from_dlpack_code(code: int, bits: int, lanes: int) -> DType:
     """The DType for a DLPack data type, or a DType named after the raw code."""
     d = _BY_CODE.get((code, bits, lanes))
     if d is None:
@@ -115,7 +118,7 @@ def from_dlpack_code(code, bits, lanes):
     return d
 
 
-def from_typestr(typestr, descr_name=None):
+def from_typestr(typestr: str, descr_name: Optional[str] = None) -> DType:
     """The DType for a NumPy array-interface typestr ('<f4', '|b1'); ValueError if none."""
     if descr_name:
         try:

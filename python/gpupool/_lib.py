@@ -2,7 +2,8 @@
 
 This module owns the one handle on the shared library, the ctypes mirrors of the public C
 structs (include/gpupool/gpupool.h), and the translation of a negative GPUPOOL_E* return
-code into GpupoolError with the library's own message (gpupool_last_error()).
+code into an exception with the library's own message (gpupool_last_error(); the classes
+are in _errors).
 
 The library is found, in order, at $GPUPOOL_LIBRARY (a full path), through
 ctypes.util.find_library("gpupool-client"), then by the loader names libgpupool-client.so.0
@@ -14,6 +15,9 @@ import ctypes
 import ctypes.util
 import os
 import threading
+
+from ._errors import GpupoolError, LibraryNotFoundError
+from ._errors import error as _error
 
 __all__ = ["GpupoolError", "LibraryNotFoundError", "lib", "check"]
 
@@ -28,45 +32,6 @@ MEM_HOST = 1
 MEM_DEVICE = 2
 MEM_HOST_NUMA = 3
 MEM_KIND_NAMES = {MEM_HOST: "host", MEM_DEVICE: "device", MEM_HOST_NUMA: "host-numa"}
-
-# Names of the codes, as in GPUPOOL_ERRNO_MAP (include/gpupool/gpupool.h). Used only when
-# the library cannot be asked (gpupool_err_name is the authority once it is loaded).
-_CODE_NAMES = {
-    -1: "EINVAL", -2: "ENOMEM", -3: "ECONNECT", -4: "EPROTO", -5: "EVERSION", -6: "EIO",
-    -7: "ENOENT", -8: "EEXIST", -9: "ENOSPC", -10: "ETIMEDOUT", -11: "ETOOBIG", -12: "EPERM",
-    -13: "ENOTSUP", -14: "EBACKEND", -15: "ELIMIT", -16: "ECLOSED", -17: "EBUSY",
-    -18: "ENAME", -19: "EMETA", -20: "ERDONLY", -21: "EFD", -22: "ECONFIG", -23: "ELOST",
-    -24: "ESTALE",
-}
-CODES = {name: code for code, name in _CODE_NAMES.items()}
-
-
-class GpupoolError(Exception):
-    """A gpupool call failed.
-
-    Attributes: ``code`` (the negative GPUPOOL_E* number), ``name`` ("ENOSPC", ...) and
-    ``message`` (the C library's explanation: what went wrong and what to do about it).
-    """
-
-    def __init__(self, code, name, message):
-        self.code = code
-        self.name = name
-        self.message = message
-        super().__init__("%s: %s" % (name, message) if name else message)
-
-
-GpupoolError.__module__ = "gpupool"
-
-
-class LibraryNotFoundError(GpupoolError, OSError):
-    """libgpupool-client.so could not be loaded."""
-
-    def __init__(self, message):
-        GpupoolError.__init__(self, 0, "ENOLIB", message)
-
-
-LibraryNotFoundError.__module__ = "gpupool"
-
 
 class Buffer(ctypes.Structure):
     """Opaque gpupool_buffer."""
@@ -229,8 +194,6 @@ _PROTOTYPES = {
     "gpupool_open": (_c_int, [ClientP, ctypes.POINTER(Token), ctypes.c_uint, _vp,
                               ctypes.POINTER(BufferP)]),
     "gpupool_publish": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp]),
-    "gpupool_publish_ex": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp,
-                                    ctypes.c_uint32, _c_int]),
     "gpupool_get": (_c_int, [ClientP, _cp, _c_int, ctypes.c_uint, _vp,
                              ctypes.POINTER(BufferP)]),
     "gpupool_unpublish": (_c_int, [ClientP, _cp]),
@@ -368,19 +331,18 @@ def err_name(code):
     try:
         return lib().gpupool_err_name(code).decode()
     except LibraryNotFoundError:
-        return _CODE_NAMES.get(code, "E%d" % code)
+        return "E%d" % code
 
 
 def error(code, context=None):
-    """GpupoolError for a negative return code, with the library's last message."""
+    """The GpupoolError subclass of a negative return code, with the library's last message."""
     L = lib()
-    name = L.gpupool_err_name(code).decode()
     msg = (L.gpupool_last_error() or b"").decode(errors="replace")
     if not msg:
         msg = L.gpupool_strerror(code).decode()
     if context:
         msg = "%s: %s" % (context, msg)
-    return GpupoolError(code, name, msg)
+    return _error(code, msg)
 
 
 def check(rc, context=None):

@@ -10,19 +10,22 @@ until it answers a connection, and stops it (SIGTERM, then SIGKILL) on exit::
 The binary is taken from the argument, else $GPUPOOLD, else `gpupoold` on PATH.
 """
 
+from __future__ import annotations
+
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
+from typing import IO, Iterable, Literal, Optional
 
-from ._lib import GpupoolError
+from ._errors import GpupoolError
 
 __all__ = ["Daemon", "find_gpupoold"]
 
 
-def find_gpupoold(path=None):
+def find_gpupoold(path: Optional[str] = None) -> str:
     p = path or os.environ.get("GPUPOOLD") or shutil.which("gpupoold")
     if not p or not os.access(p, os.X_OK):
         raise FileNotFoundError(
@@ -34,8 +37,9 @@ def find_gpupoold(path=None):
 class Daemon:
     """A gpupoold of its own: backend 'host' or 'cuda', extra --pool specs, extra args."""
 
-    def __init__(self, binary=None, backend="host", pools=(), args=(), log_level="warn",
-                 start_timeout=30.0, stop_timeout=5.0):
+    def __init__(self, binary: Optional[str] = None, backend: str = "host",
+                 pools: Iterable[str] = (), args: Iterable[str] = (), log_level: str = "warn",
+                 start_timeout: float = 30.0, stop_timeout: float = 5.0) -> None:
         self.binary = find_gpupoold(binary)
         self.backend = backend
         self.pools = list(pools)
@@ -43,14 +47,14 @@ class Daemon:
         self.log_level = log_level
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
-        self.died = None
-        self.dir = None
-        self.socket = None
-        self.proc = None
-        self.log_path = None
-        self._log = None
+        self.died: Optional[int] = None
+        self.dir: Optional[str] = None
+        self.socket: Optional[str] = None
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+        self.log_path: Optional[str] = None
+        self._log: Optional[IO[bytes]] = None
 
-    def start(self):
+    def start(self) -> Daemon:
         self.dir = tempfile.mkdtemp(prefix="gpupool-")
         self.socket = os.path.join(self.dir, "gpupoold.sock")
         self.log_path = os.path.join(self.dir, "gpupoold.log")
@@ -71,7 +75,7 @@ class Daemon:
         return self
 
     def _wait_ready(self, cmd):
-        from .client import Client
+        from ._client import Client
 
         deadline = time.monotonic() + self.start_timeout
         last = None
@@ -90,14 +94,14 @@ class Daemon:
         raise RuntimeError("gpupoold did not answer on %s within %.0f s (last error: %s):\n%s"
                            % (self.socket, self.start_timeout, last, self.log()))
 
-    def log(self):
+    def log(self) -> str:
         try:
             with open(self.log_path, "rb") as f:
                 return f.read().decode(errors="replace")
         except OSError:
             return ""
 
-    def stop(self):
+    def stop(self) -> Optional[int]:
         """Stop the daemon; returns its exit status (None if it was not running). If it had
         exited before being asked to, that status is also left in self.died."""
         rc = None
@@ -123,9 +127,9 @@ class Daemon:
             self.dir = None
         return rc
 
-    def __enter__(self):
+    def __enter__(self) -> Daemon:
         return self.start()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.stop()
         return False

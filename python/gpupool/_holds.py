@@ -1,0 +1,310 @@
+"""Holds: what keeps gpupool memory mapped in this process.
+
+Owns the C connection with its count of live holds (_Conn), one hold per buffer (_Hold), per
+bundle (_BundleHold, with a _Part per buffer of it) and per file mapping (_FileHold). Each is
+released exactly once: explicitly, or when the last Python reference (a Tensor, an exported
+DLPack view) goes; the connection closes only when no hold is left.
+"""
+
+import threading
+
+from . import _cuda, _dlpack, _lib
+from ._errors import error
+
+class _Conn:
+    """The C connection and a count of live holds: disconnecting unmaps every buffer, so it
+    waits until no hold (and so no exported view) is left."""
+
+    def __init__(self, handle, L, socket_path):
+        self.handle = handle
+        self.lib = L
+        self.socket_path = socket_path
+        self.lock = threading.Lock()
+        self.holds = 0
+        self.close_requested = False
+        self.disconnected = False
+        # Bound here so that releases during interpreter shutdown need no module globals.
+        self.c_release = L.gpupool_release
+        self.c_bundle_release = L.gpupool_bundle_release
+        self.c_disconnect = L.gpupool_disconnect
+
+    def add(self):
+        with self.lock:
+            if self.close_requested:
+                raise error("ECLOSED", "this gpupool.Client was closed; create a new Client")
+            self.holds += 1
+
+    def drop(self):
+        with self.lock:
+            self.holds -= 1
+            go = self.close_requested and self.holds == 0 and not self.disconnected
+            if go:
+                self.disconnected = True
+        if go:
+            self.c_disconnect(self.handle)
+
+    def close(self):
+        with self.lock:
+            self.close_requested = True
+            go = self.holds == 0 and not self.disconnected
+            if go:
+                self.disconnected = True
+        if go:
+            self.c_disconnect(self.handle)
+
+    def usable(self):
+        if self.close_requested:
+            raise error("ECLOSED", "this gpupool.Client was closed; create a new Client")
+        return self.handle
+
+
+def _note_stream(holder, stream, safe_stream, device):
+    """Make `stream` safe for a holder's memory on `device` (it waits for the safe stream)
+    and add it to holder.streams, so that the release is ordered after work queued there."""
+    with holder.lock:
+        if not any(_cuda.same_stream(stream, s) for s in holder.streams):
+            holder.streams.append(stream)
+    if not _cuda.same_stream(stream, safe_stream):
+        _cuda.stream_wait(stream, safe_stream, device)
+
+
+def _release_stream(streams, device):
+    """The stream a release goes in: the last one used, made to wait for the others (one done
+    event is recorded there, and it must cover them all). device None: host memory."""
+    stream = streams[-1]
+    if len(streams) > 1 and device is not None:
+        for s in streams[:-1]:
+            _cuda.stream_wait(stream, s, device)
+    return stream
+
+
+class _Hold:
+    """One hold on a buffer (a C gpupool_buffer), released exactly once: explicitly, or when
+    the last Python reference (a Tensor, an exported DLPack view) goes away."""
+
+    def __init__(self, conn, buf, stream):
+        L = conn.lib
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.ptr = L.gpupool_buffer_ptr(buf) or 0
+        self.size = L.gpupool_buffer_size(buf)
+        self.kind = L.gpupool_buffer_kind(buf)
+        self.device = L.gpupool_buffer_device(buf)
+        self.buffer_id = L.gpupool_buffer_id(buf)
+        self.read_only = bool(L.gpupool_buffer_read_only(buf))
+        # The stream in which the memory is known to be safe (the C library made it wait on
+        # the ready and done events there), and every stream it was exported to since.
+        self.safe_stream = stream
+        self.streams = [stream]
+        self.cpu_synced = False
+        self.buf = buf
+        conn.add()
+
+    @property
+    def released(self):
+        return self.buf is None
+
+    @property
+    def dl_device(self):
+        if self.kind == _lib.MEM_DEVICE:
+            return (_dlpack.kDLCUDA, self.device)
+        if self.kind == _lib.MEM_HOST_NUMA:
+            return (_dlpack.kDLCUDAHost, 0)
+        return (_dlpack.kDLCPU, 0)
+
+    @property
+    def cuda_device(self):
+        return self.device if self.device >= 0 else 0
+
+    def used_in(self, stream):
+        """Make `stream` safe for this memory (wait for the safe stream) and remember it, so
+        the release is ordered after the work queued there."""
+        if self.kind != _lib.MEM_HOST:
+            _note_stream(self, stream, self.safe_stream, self.cuda_device)
+
+    def sync_cpu(self):
+        """Block until host code may read memory a GPU producer wrote (HOST_NUMA)."""
+        if self.kind != _lib.MEM_HOST_NUMA or self.cpu_synced:
+            return
+        if _cuda.available():
+            _cuda.stream_sync(self.safe_stream, self.cuda_device)
+        self.cpu_synced = True
+
+    def release(self):
+        with self.lock:
+            buf, self.buf = self.buf, None
+            streams = self.streams
+        if buf is None:
+            return
+        try:
+            stream = _release_stream(streams, self.cuda_device if self.kind != _lib.MEM_HOST else None)
+            rc = self.conn.c_release(buf, stream)
+        finally:
+            self.conn.drop()
+        if rc < 0:
+            raise _lib.error(rc, "release of buffer %d" % self.buffer_id)
+
+    def __del__(self):
+        try:
+            self.release()
+        except BaseException:
+            pass
+
+
+class _BundleHold:
+    """The holds of one bundle (a C gpupool_bundle: its buffers and member table), released
+    exactly once, with gpupool_bundle_release, when the last Python reference goes: the
+    TensorDict, and every member Tensor or exported view, through the _Part of its buffer.
+    Stream bookkeeping as _Hold's, for the bundle as a whole (one release stream).
+
+    The parts refer to this object and not the other way round: a reference cycle would
+    leave the release to the cyclic garbage collector, at some later time."""
+
+    def __init__(self, conn, bundle, stream):
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.safe_stream = stream
+        self.streams = [stream]
+        self.synced = set()
+        self.device = None  # CUDA device of the first buffer in device memory
+        self.bundle = bundle
+        conn.add()
+
+    def make_parts(self):
+        """The _Part of each buffer (the caller keeps them)."""
+        L = self.conn.lib
+        b = self.bundle
+        parts = [_Part(self, i, L.gpupool_bundle_buffer(b, i), L)
+                 for i in range(L.gpupool_bundle_buffers(b))]
+        dev = next((p for p in parts if p.kind != _lib.MEM_HOST), None)
+        if dev is not None:
+            self.device = dev.cuda_device
+        return parts
+
+    @property
+    def released(self):
+        return self.bundle is None
+
+    def used_in(self, stream, part):
+        if part.kind != _lib.MEM_HOST:
+            _note_stream(self, stream, self.safe_stream, part.cuda_device)
+
+    def sync_cpu(self, part):
+        if part.kind != _lib.MEM_HOST_NUMA or part.cuda_device in self.synced:
+            return
+        if _cuda.available():
+            _cuda.stream_sync(self.safe_stream, part.cuda_device)
+        self.synced.add(part.cuda_device)
+
+    def release(self):
+        with self.lock:
+            b, self.bundle = self.bundle, None
+            streams = self.streams
+        if b is None:
+            return
+        try:
+            stream = _release_stream(streams, self.device)
+            rc = self.conn.c_bundle_release(b, stream)
+        finally:
+            self.conn.drop()
+        if rc < 0:
+            raise _lib.error(rc, "release of a bundle")
+
+    def __del__(self):
+        try:
+            self.release()
+        except BaseException:
+            pass
+
+
+class _FileHold:
+    """One mapping of a published file (a C gpupool_file), released exactly once when the
+    last Python reference (a Tensor, an exported view) goes. It stands where a _Hold stands
+    for a Tensor: read-only, no events (a file is complete when published), and it does not
+    depend on the connection."""
+
+    kind = _lib.MEM_HOST
+    read_only = True
+
+    def __init__(self, L, f, dl_device):
+        self.lock = threading.Lock()
+        self.f = f
+        self.c_release = L.gpupool_file_release
+        self.host_ptr = L.gpupool_file_ptr(f) or 0
+        self.device_ptr = L.gpupool_file_device_ptr(f) or 0
+        self.size = L.gpupool_file_size(f)
+        self.dl_device = dl_device
+        self.ptr = self.device_ptr if dl_device[0] == _dlpack.kDLCUDA else self.host_ptr
+        self.buffer_id = 0
+        self.device = dl_device[1] if dl_device[0] == _dlpack.kDLCUDA else -1
+
+    @property
+    def released(self):
+        return self.f is None
+
+    @property
+    def cuda_device(self):
+        return self.device if self.device >= 0 else 0
+
+    def used_in(self, stream):
+        """Nothing to order: the file's bytes were there before anyone could get it."""
+
+    def sync_cpu(self):
+        """Nothing to wait for (no GPU writes into a read-only file)."""
+
+    def release(self):
+        with self.lock:
+            f, self.f = self.f, None
+        if f is not None:
+            self.c_release(f)
+
+    def __del__(self):
+        try:
+            self.release()
+        except BaseException:
+            pass
+
+
+class _Part:
+    """One buffer of a bundle, with the face of a _Hold (what Tensor, DLPack exports and
+    Client._find_hold use). It keeps the whole bundle alive: a member view's export holds
+    its _Part, and so the bundle, until the framework frees it."""
+
+    __slots__ = ("owner", "index", "_buf", "ptr", "size", "kind", "device", "buffer_id",
+                 "read_only", "__weakref__")
+
+    def __init__(self, owner, index, buf, L):
+        self.owner = owner
+        self.index = index
+        self._buf = buf
+        self.ptr = L.gpupool_buffer_ptr(buf) or 0
+        self.size = L.gpupool_buffer_size(buf)
+        self.kind = L.gpupool_buffer_kind(buf)
+        self.device = L.gpupool_buffer_device(buf)
+        self.buffer_id = L.gpupool_buffer_id(buf)
+        self.read_only = bool(L.gpupool_buffer_read_only(buf))
+
+    @property
+    def buf(self):
+        return None if self.owner.bundle is None else self._buf
+
+    @property
+    def released(self):
+        return self.owner.bundle is None
+
+    @property
+    def streams(self):
+        return self.owner.streams
+
+    @property
+    def conn(self):
+        return self.owner.conn
+
+    dl_device = _Hold.dl_device
+    cuda_device = _Hold.cuda_device
+
+    def used_in(self, stream):
+        self.owner.used_in(stream, self)
+
+    def sync_cpu(self):
+        self.owner.sync_cpu(self)
