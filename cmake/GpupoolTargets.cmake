@@ -44,3 +44,22 @@ function(gpupool_gpu_support)
   target_compile_options(gpupool_gpu_support PRIVATE $<$<COMPILE_LANGUAGE:C>:${GPUPOOL_WARN}>)
   target_link_libraries(gpupool_gpu_support PUBLIC CUDA::cudart_static)
 endfunction()
+
+# tests/support, shared by the tests and bench/; made once, by whichever directory asks first.
+# gpupool_test_launch (the daemon launcher, the uid switch) needs libc alone;
+# gpupool_test_frames (raw frames) needs the wire module, which its user links: gpupool_common
+# or the static client library that carries it.
+function(gpupool_test_support)
+  if(TARGET gpupool_test_launch)
+    return()
+  endif()
+  set(dir ${CMAKE_SOURCE_DIR}/tests/support)
+  add_library(gpupool_test_launch STATIC ${dir}/daemon.c)
+  target_include_directories(gpupool_test_launch PUBLIC ${dir})
+  target_compile_options(gpupool_test_launch PRIVATE ${GPUPOOL_WARN})
+  add_library(gpupool_test_frames STATIC ${dir}/frames.c)
+  target_include_directories(gpupool_test_frames PUBLIC ${dir}
+    $<TARGET_PROPERTY:gpupool_common_obj,INTERFACE_INCLUDE_DIRECTORIES>)
+  target_compile_options(gpupool_test_frames PRIVATE ${GPUPOOL_WARN})
+  add_dependencies(gpupool_test_frames gpupool_common_obj)
+endfunction()
