@@ -42,7 +42,8 @@ function(gpupool_gpu_support)
   add_library(gpupool_gpu_support STATIC ${dir}/gpu_kernels.cu ${dir}/gpu_harness.c)
   target_include_directories(gpupool_gpu_support PUBLIC ${dir})
   target_compile_options(gpupool_gpu_support PRIVATE $<$<COMPILE_LANGUAGE:C>:${GPUPOOL_WARN}>)
-  target_link_libraries(gpupool_gpu_support PUBLIC CUDA::cudart_static)
+  gpupool_test_support()
+  target_link_libraries(gpupool_gpu_support PUBLIC gpupool_test_launch CUDA::cudart_static)
 endfunction()
 
 # tests/support, shared by the tests and bench/; made once, by whichever directory asks first.
