@@ -34,28 +34,7 @@ static int teardown(void **state) {
 }
 
 /* Connect and say Hello: the socket, or -1. No cmocka here: children use it too. */
-static int session(int timeout_s) {
-  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-  Gpupool__Wire__Hello h = GPUPOOL__WIRE__HELLO__INIT;
-  gpupool__rep *rep;
-  int fd = th_raw_connect(D.sock, timeout_s), ok;
-  if (fd < 0)
-    return -1;
-  h.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
-  h.client_name = "costly";
-  req.seq = 1;
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
-  req.hello = &h;
-  rep = th_raw_send(fd, &req, NULL, 0) == 0 ? th_raw_recv(fd) : NULL;
-  ok = rep && rep->body_case == GPUPOOL__WIRE__REPLY__BODY_HELLO;
-  if (rep)
-    gpupool__wire__reply__free_unpacked(rep, NULL);
-  if (!ok) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
+static int session(int timeout_s) { return ts_raw_session(D.sock, timeout_s, "costly", 0); }
 
 /* The reply to a request: its error code (0 when it succeeded), or 1 when none came. The
  * message goes to msg (may be NULL); *hold gets the first hold id of an allocation. */

@@ -65,33 +65,8 @@ static int teardown(void **state) {
 
 /* ---- raw client helpers (children use them too: no assertions) ------------------------------- */
 
-static int rc_hello(int fd) {
-  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-  Gpupool__Wire__Hello h = GPUPOOL__WIRE__HELLO__INIT;
-  gpupool__rep *rep;
-  int ok;
-  h.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
-  h.client_name = (char *)"hostile-files";
-  h.pid = getpid();
-  req.seq = 1;
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
-  req.hello = &h;
-  if (th_raw_send(fd, &req, NULL, 0) != 0 || !(rep = th_raw_recv(fd)))
-    return -1;
-  ok = rep->error == NULL;
-  gpupool__wire__reply__free_unpacked(rep, NULL);
-  return ok ? 0 : -1;
-}
-
 /* A connected, greeted raw client, or -1. */
-static int rc_connect(void) {
-  int fd = th_raw_connect(D.sock, 10);
-  if (fd >= 0 && rc_hello(fd) != 0) {
-    close(fd);
-    fd = -1;
-  }
-  return fd;
-}
+static int rc_connect(void) { return ts_raw_session(D.sock, 10, "hostile-files", getpid()); }
 
 /* Next reply and the fd it carried (-1 if none; *fd_out may be NULL). NULL on timeout. */
 static gpupool__rep *rc_recv_fd(int sock, int *fd_out) {
