@@ -104,17 +104,24 @@ static inline void th_start(th_daemon *d, int use_conf, ...) {
   th_track(d->pid, 1);
 }
 
-/* A daemon that every uid can reach (its dir 0711, its socket 0666), with [daemon] lines
- * daemon_lines and one host pool "default" of the given capacity and slab size: the
- * preamble of the tests whose children run as another user (th_become). */
-static inline void th_start_shared(th_daemon *d, const char *daemon_lines, const char *capacity,
-                                   const char *slab_size) {
-  char conf[2048];
+/* th_prepare for a daemon that every uid can reach: its dir 0711 (searchable, not listable),
+ * for the tests whose children run as another user (th_become). */
+static inline void th_prepare_shared(th_daemon *d) {
   th_prepare(d);
   assert_int_equal(chmod(d->dir, 0711), 0);
-  snprintf(conf, sizeof conf,
-           "[daemon]\nsocket_mode = 0666\n%s\n[pool default]\nkind = host\ncapacity = %s\nslab_size = %s\n",
-           daemon_lines ? daemon_lines : "", capacity, slab_size);
+}
+
+/* One host pool "default" of capacity and slab_size (config text). */
+#define TH_HOST_POOL(capacity, slab_size) \
+  "[pool default]\nkind = host\ncapacity = " capacity "\nslab_size = " slab_size "\n"
+
+/* Start a daemon every uid can reach (th_prepare_shared, socket_mode 0666) with the further
+ * [daemon] lines daemon_lines (may be NULL) and then the config sections `sections`. */
+static inline void th_start_shared(th_daemon *d, const char *daemon_lines, const char *sections) {
+  char conf[4096];
+  th_prepare_shared(d);
+  snprintf(conf, sizeof conf, "[daemon]\nsocket_mode = 0666\n%s\n%s", daemon_lines ? daemon_lines : "",
+           sections);
   th_write_conf(d, conf);
   th_start(d, 1, NULL);
 }
@@ -212,6 +219,10 @@ static inline void th_expect_fds(const th_daemon *d, uint64_t expected) {
   fail_msg("daemon has %llu fds open, expected %llu", (unsigned long long)ds.open_fds,
            (unsigned long long)expected);
 }
+
+/* The other user of the tests that switch users (the same as TS_NOBODY; spelled out so that a
+ * test's own identical definition stays legal). */
+#define NOBODY 65534
 
 /* In a child: become uid when running as root (CI does), so that an attack runs as another
  * user; otherwise stay who we are. 0, or -1 when the switch failed. */

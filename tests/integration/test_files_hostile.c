@@ -25,7 +25,6 @@
 #include "harness.h"
 #include "raw.h"
 
-#define NOBODY 65534
 
 static th_daemon D;
 static char path[400];
@@ -42,14 +41,7 @@ static void write_file(const char *p, size_t size, mode_t mode) {
 }
 
 static void start_conf(const char *extra) {
-  char conf[2048];
-  th_prepare(&D);
-  assert_int_equal(chmod(D.dir, 0711), 0);
-  snprintf(conf, sizeof conf,
-           "[daemon]\nsocket_mode = 0666\n%s\n[pool default]\nkind = host\ncapacity = 16M\nslab_size = 4M\n",
-           extra ? extra : "");
-  th_write_conf(&D, conf);
-  th_start(&D, 1, NULL);
+  th_start_shared(&D, extra, TH_HOST_POOL("16M", "4M"));
   snprintf(path, sizeof path, "%s/data.bin", D.dir);
   write_file(path, 65536, 0644);
 }
@@ -836,8 +828,7 @@ static void test_bindmount(void **state) {
     printf("skipped: needs root to run a client as another uid\n");
     return;
   }
-  th_prepare(&D);
-  assert_int_equal(chmod(D.dir, 0711), 0);
+  th_prepare_shared(&D);
   snprintf(allowed, sizeof allowed, "%s/allowed", D.dir);
   snprintf(mnt, sizeof mnt, "%s/mnt", allowed);
   snprintf(real, sizeof real, "%s/real.bin", allowed);
