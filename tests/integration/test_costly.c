@@ -11,7 +11,6 @@
 #include "harness.h"
 #include "raw.h"
 
-
 static th_daemon D;
 
 /* A daemon on a socket every uid can reach, with the given [daemon] lines. */

@@ -25,7 +25,6 @@
 #include "harness.h"
 #include "raw.h"
 
-
 static th_daemon D;
 static char path[400];
 

@@ -28,26 +28,28 @@ int ts_raw_connect(const char *path, int timeout_s) {
   return fd;
 }
 
-int ts_raw_send(int fd, gpupool__req *req, const int *fds, int nfds) {
-  uint8_t *buf;
-  size_t len;
-  int rc = gpupool__wire_pack_request(req, &buf, &len);
-  if (rc != 0)
-    return rc;
+/* Send what pack_rc says was packed into buf (freed here): 0 or a GPUPOOL_E* code. */
+static int send_packed(int fd, int pack_rc, uint8_t *buf, size_t len, const int *fds, int nfds) {
+  int rc;
+  if (pack_rc != 0)
+    return pack_rc;
   rc = gpupool__wire_send(fd, buf, len, fds, nfds);
   free(buf);
   return rc;
 }
 
+int ts_raw_send(int fd, gpupool__req *req, const int *fds, int nfds) {
+  uint8_t *buf = NULL;
+  size_t len = 0;
+  int rc = gpupool__wire_pack_request(req, &buf, &len); /* before buf and len are read */
+  return send_packed(fd, rc, buf, len, fds, nfds);
+}
+
 int ts_raw_send_reply(int fd, gpupool__rep *rep, const int *fds, int nfds) {
-  uint8_t *buf;
-  size_t len;
+  uint8_t *buf = NULL;
+  size_t len = 0;
   int rc = gpupool__wire_pack_reply(rep, &buf, &len);
-  if (rc != 0)
-    return rc;
-  rc = gpupool__wire_send(fd, buf, len, fds, nfds);
-  free(buf);
-  return rc;
+  return send_packed(fd, rc, buf, len, fds, nfds);
 }
 
 int ts_raw_send_stats(int fd, uint64_t seq, const int *fds, int nfds) {
