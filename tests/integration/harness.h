@@ -86,6 +86,14 @@ static inline void th_track(pid_t pid, int add) {
     }
 }
 
+/* Start gpupoold as o says (tests/support/daemon.h); it is killed at exit if th_stop is
+ * never reached. */
+static inline void th_start_opts(th_daemon *d, const ts_daemon_opts *o) {
+  if (ts_daemon_start(d, o) != 0)
+    fail_msg("%s", d->why);
+  th_track(d->pid, 1);
+}
+
 /* Start gpupoold with the host backend and extra arguments (NULL-terminated). */
 static inline void th_start(th_daemon *d, int use_conf, ...) {
   const char *extra[24];
@@ -99,9 +107,7 @@ static inline void th_start(th_daemon *d, int use_conf, ...) {
     extra[n++] = a;
   va_end(ap);
   extra[n] = NULL;
-  if (ts_daemon_start(d, &o) != 0)
-    fail_msg("%s", d->why);
-  th_track(d->pid, 1);
+  th_start_opts(d, &o);
 }
 
 /* th_prepare for a daemon that every uid can reach: its dir 0711 (searchable, not listable),

@@ -115,7 +115,7 @@ static void test_daemon_refuses_bad_config(void **state) {
   (void)state;
   th_prepare(&d);
   th_write_conf(&d, "[pool p]\ncapacity = lots\n");
-  pid = ts_exec(argv, d.log, 1, NULL, NULL);
+  pid = ts_exec(argv, d.log, TS_EXEC_STDERR_ONLY, NULL, NULL);
   assert_true(pid > 0);
   waitpid(pid, &st, 0);
   assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 2);
@@ -162,7 +162,7 @@ static void expect_refused_promptly(th_daemon *d, const char *conf, const char *
   int st = 0, fd;
   ssize_t n;
   const char *argv[] = {GPUPOOLD_PATH, "--config", conf, "--socket", d->sock, "--backend", "host", NULL};
-  pid_t pid = ts_exec(argv, d->log, 1, NULL, NULL);
+  pid_t pid = ts_exec(argv, d->log, TS_EXEC_STDERR_ONLY, NULL, NULL);
   assert_true(pid >= 0);
   if (ts_wait_pid(pid, 10000, 1, &st) != 0) {
     th_dump_log(d);

@@ -125,7 +125,7 @@ static int as_service(void *arg) {
 static pid_t spawn(const spawn_opts *o) {
   const char *argv[] = {gpupoold, "--backend", "host", "--socket", o->socket_opt, "--pool",
                         "name=default,kind=host,capacity=64M,slab=4M", NULL};
-  return ts_exec(argv, o->stderr_path, 1, as_service, (void *)o);
+  return ts_exec(argv, o->stderr_path, TS_EXEC_STDERR_ONLY, as_service, (void *)o);
 }
 
 /* The next notify datagram before `end` (a now_ms() time), as a string in buf. Returns 1,

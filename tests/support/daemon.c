@@ -71,7 +71,7 @@ int ts_daemon_write_conf(ts_daemon *d, const char *text) {
   return 0;
 }
 
-pid_t ts_exec(const char *const *argv, const char *log, int stderr_only, ts_child_hook hook, void *arg) {
+pid_t ts_exec(const char *const *argv, const char *log, int flags, ts_child_hook hook, void *arg) {
   pid_t pid = fork();
   if (pid != 0)
     return pid;
@@ -81,14 +81,15 @@ pid_t ts_exec(const char *const *argv, const char *log, int stderr_only, ts_chil
       dup2(nul, 0);
       close(nul);
     }
-    if (log && (fd = open(log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)) >= 0) {
+    if (log && (fd = open(log, O_WRONLY | O_CREAT | O_CLOEXEC | (flags & TS_EXEC_APPEND ? O_APPEND : O_TRUNC),
+                          0644)) >= 0) {
       dup2(fd, 2);
-      if (!stderr_only)
+      if (!(flags & TS_EXEC_STDERR_ONLY))
         dup2(fd, 1);
     }
     if (hook && hook(arg) != 0)
       _exit(120);
-    execv(argv[0], (char *const *)argv);
+    execvp(argv[0], (char *const *)argv);
     _exit(127);
   }
 }
@@ -159,6 +160,8 @@ int ts_daemon_start(ts_daemon *d, const ts_daemon_opts *o) {
   int argc = 0, st;
   uint64_t end;
 
+  for (int i = 0; o->wrapper && o->wrapper[i] && argc < 8; i++)
+    argv[argc++] = o->wrapper[i];
   argv[argc++] = o->gpupoold;
   argv[argc++] = "--socket";
   argv[argc++] = d->sock;
@@ -178,7 +181,7 @@ int ts_daemon_start(ts_daemon *d, const ts_daemon_opts *o) {
     argv[argc++] = o->extra[i];
   argv[argc] = NULL;
   d->why[0] = '\0';
-  if ((d->pid = ts_exec(argv, d->log, 0, o->hook, o->hook_arg)) < 0) {
+  if ((d->pid = ts_exec(argv, d->log, o->append_log ? TS_EXEC_APPEND : 0, o->hook, o->hook_arg)) < 0) {
     int e = errno;
     d->pid = 0;
     return say(d, "fork: %s", strerror(e));

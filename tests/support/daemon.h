@@ -33,6 +33,9 @@ typedef struct {
   int poll_ms;              /* how often to try the socket meanwhile */
   int (*hook)(void *arg);   /* runs in the child before exec (ts_exec); may be NULL */
   void *hook_arg;
+  const char *const *wrapper; /* run under this command (NULL-terminated; found in PATH),
+                               * e.g. unshare --pid --fork; NULL: none */
+  int append_log;           /* append to d->log (a restarted daemon) rather than truncate it */
 } ts_daemon_opts;
 
 /* Runs in the child after its output went to the log and before exec: sets the environment
@@ -57,10 +60,14 @@ void ts_daemon_remove(ts_daemon *d);
 /* Print the daemon's log to stderr between two marker lines. */
 void ts_daemon_dump_log(const ts_daemon *d);
 
-/* fork + exec argv (argv[0] the path) with stdout and stderr (only stderr when
- * stderr_only) sent to the file log (truncated; NULL: inherited) and stdin from /dev/null;
- * hook (may be NULL) runs in the child before exec. The child's pid, or -1. */
-pid_t ts_exec(const char *const *argv, const char *log, int stderr_only, ts_child_hook hook, void *arg);
+/* ts_exec flags: only stderr goes to the log (stdout stays); the log is appended to. */
+#define TS_EXEC_STDERR_ONLY 1
+#define TS_EXEC_APPEND 2
+
+/* fork + exec argv (argv[0] a path, or a name looked up in PATH) with stdout and stderr sent
+ * to the file log (truncated; NULL: inherited) as flags say and stdin from /dev/null; hook
+ * (may be NULL) runs in the child before exec. The child's pid, or -1. */
+pid_t ts_exec(const char *const *argv, const char *log, int flags, ts_child_hook hook, void *arg);
 /* Wait up to timeout_ms (< 0: forever) for pid: 0 with *status set, 1 when it is still
  * running (killed with SIGKILL and reaped when kill_late), -1 on error. */
 int ts_wait_pid(pid_t pid, int timeout_ms, int kill_late, int *status);
