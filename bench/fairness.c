@@ -65,10 +65,11 @@
 #include <unistd.h>
 
 #include "gpupool/gpupool.h"
-#include "raw.h"
+#include "daemon.h"
+#include "frames.h"
 #include "wire.h"
 
-#define NOBODY 65534
+#define NOBODY TS_NOBODY
 #define MAX_FLOODERS 64
 #define MAX_REPEAT 15
 /* The goal: another uid's flood raises the victim's p99 at most this many times. */
@@ -93,10 +94,8 @@ typedef struct {
   double setup_s;       /* most time the limits mode spends filling names and holds */
   int keep_logs;
   int repeat;           /* runs of each mode; the row shown is the one of median ratio */
-  char dir[64];
-  char sock[128];
-  char conf[128];
-  char file[128];       /* what the files mode publishes */
+  ts_daemon d;          /* dir (0711), socket and config of every mode's daemon */
+  char file[300];       /* what the files mode publishes */
   const char *gpupoold;
 } bench;
 
@@ -122,7 +121,7 @@ typedef struct {
   uint64_t sent, ok, refused, reconnects;
   uint64_t names, holds; /* limits: what the flooder held through its flood */
   int ran;              /* 0: the mode could not be run (see why) */
-  char why[160];
+  char why[400];
 } result;
 
 static flood_counts *counts;
@@ -188,7 +187,7 @@ static int dropped(int rc) {
 /* A library connection that does not reconnect on its own: the flooder does it and counts it. */
 static gpupool_client *fl_connect(const bench *b) {
   gpupool_client *c = NULL;
-  if (gpupool_connect_timeout(b->sock, "flood", 10000, &c) != 0)
+  if (gpupool_connect_timeout(b->d.sock, "flood", 10000, &c) != 0)
     return NULL;
   gpupool_set_reconnect(c, 0);
   return c;
@@ -206,28 +205,7 @@ static void ready(void) { atomic_fetch_add(&counts->ready, 1); }
 
 /* A raw connection that has said Hello, or -1. */
 static int raw_hello(const bench *b, int timeout_s) {
-  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-  Gpupool__Wire__Hello h = GPUPOOL__WIRE__HELLO__INIT;
-  gpupool__rep *rep;
-  int fd = th_raw_connect(b->sock, timeout_s), ok;
-  if (fd < 0)
-    return -1;
-  h.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
-  h.client_name = "flood-raw";
-  h.pid = getpid();
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
-  req.hello = &h;
-  if (th_raw_send(fd, &req, NULL, 0) != 0 || !(rep = th_raw_recv(fd))) {
-    close(fd);
-    return -1;
-  }
-  ok = !rep->error && rep->body_case == GPUPOOL__WIRE__REPLY__BODY_HELLO;
-  gpupool__wire__reply__free_unpacked(rep, NULL);
-  if (!ok) {
-    close(fd);
-    return -1;
-  }
-  return fd;
+  return ts_raw_session(b->d.sock, timeout_s, "flood-raw", getpid());
 }
 
 /* Ready once, after the first try whatever came of it: a daemon that refuses the flood (drops
@@ -257,7 +235,7 @@ static void raw_loop(const bench *b, const uint8_t *frame, size_t len, int close
     ready_once(&first);
     if (out) {
       atomic_fetch_add(&counts->sent, 1);
-      if ((rep = th_raw_recv(fd))) {
+      if ((rep = ts_raw_recv(fd))) {
         got = 1;
         answered(rep->error ? rep->error->code : 0);
         gpupool__wire__reply__free_unpacked(rep, NULL);
@@ -695,51 +673,31 @@ static void on_stop(int sig) {
   _exit(128 + sig);
 }
 
+/* In the daemon's child: it never outlives the benchmark. */
+static int die_with_parent(void *arg) {
+  (void)arg;
+  return prctl(PR_SET_PDEATHSIG, SIGKILL) == 0 ? 0 : -1;
+}
+
+/* The mode's daemon on b's socket, its log gpupoold-MODE.log: its pid, or -1. */
 static pid_t start_daemon(const bench *b, const char *mode_name) {
-  char log[160];
-  pid_t pid;
-  snprintf(log, sizeof log, "%s/gpupoold-%s.log", b->dir, mode_name);
-  unlink(b->sock);
-  pid = fork();
-  if (pid < 0)
-    die("fork: %s", strerror(errno));
-  if (pid == 0) {
-    int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (fd >= 0) {
-      dup2(fd, 1);
-      dup2(fd, 2);
-    }
-    execl(b->gpupoold, b->gpupoold, "--config", b->conf, "--socket", b->sock, "--backend", "host",
-          "--log-level", "warn", "--pool", "name=default,kind=host,capacity=4G,slab=64M", (char *)NULL);
-    _exit(127);
+  ts_daemon d = b->d;
+  ts_daemon_opts o = {.gpupoold = b->gpupoold, .backend = "host", .log_level = "warn",
+                      .pool = "name=default,kind=host,capacity=4G,slab=64M", .use_conf = 1,
+                      .ready_ms = 5000, .poll_ms = 10, .hook = die_with_parent};
+  snprintf(d.log, sizeof d.log, "%s/gpupoold-%s.log", b->d.dir, mode_name);
+  unlink(b->d.sock);
+  if (ts_daemon_start(&d, &o) != 0) {
+    fprintf(stderr, "fairness: %s\n", d.why);
+    return -1;
   }
-  for (int i = 0; i < 500; i++) {
-    gpupool_client *c;
-    int st;
-    if (gpupool_connect_timeout(b->sock, "probe", 1000, &c) == 0) {
-      gpupool_disconnect(c);
-      return pid;
-    }
-    if (waitpid(pid, &st, WNOHANG) == pid)
-      return -1;
-    sleep_ms(10);
-  }
-  kill(pid, SIGKILL);
-  waitpid(pid, NULL, 0);
-  return -1;
+  return d.pid;
 }
 
 static void stop_daemon(pid_t pid) {
   int st;
   kill(pid, SIGTERM);
-  for (int i = 0; i < 200; i++) {
-    if (waitpid(pid, &st, WNOHANG) == pid)
-      return;
-    sleep_ms(10);
-  }
-  kill(pid, SIGKILL); /* still busy with a flood's request */
-  waitpid(pid, NULL, 0);
+  ts_wait_pid(pid, 2000, 1, &st); /* then SIGKILL: still busy with a flood's request */
 }
 
 static pid_t start_flooder(const bench *b, const mode *m, int idx, int nprocs) {
@@ -751,8 +709,7 @@ static pid_t start_flooder(const bench *b, const mode *m, int idx, int nprocs) {
   signal(SIGALRM, SIG_DFL);
   signal(SIGINT, SIG_DFL);
   signal(SIGTERM, SIG_DFL);
-  if (setgroups(0, NULL) != 0 || setresgid(NOBODY, NOBODY, NOBODY) != 0 ||
-      setresuid(NOBODY, NOBODY, NOBODY) != 0)
+  if (ts_become(NOBODY) != 0)
     _exit(2);
   /* After the uid change, which clears it: a flooder never outlives the benchmark. */
   prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -808,11 +765,11 @@ static void run_mode(const bench *b, const mode *m, result *r) {
   memset(r, 0, sizeof *r);
   memset(counts, 0, sizeof *counts);
   if ((d = start_daemon(b, m->name)) < 0) {
-    snprintf(r->why, sizeof r->why, "gpupoold did not start (see %s/gpupoold-%s.log)", b->dir, m->name);
+    snprintf(r->why, sizeof r->why, "gpupoold did not start (see %s/gpupoold-%s.log)", b->d.dir, m->name);
     return;
   }
   daemon_pid = d;
-  if (gpupool_connect(b->sock, "victim", &c) != 0) {
+  if (gpupool_connect(b->d.sock, "victim", &c) != 0) {
     snprintf(r->why, sizeof r->why, "the victim could not connect: %s", gpupool_last_error());
     goto out;
   }
@@ -954,18 +911,16 @@ int main(int argc, char **argv) {
     die("mmap: %s", strerror(errno));
 
   /* A private dir the flooding uid can traverse (0711) but not list. */
-  snprintf(b.dir, sizeof b.dir, "/tmp/gpupool-fairness-XXXXXX");
-  if (!mkdtemp(b.dir) || chmod(b.dir, 0711) != 0)
-    die("temp dir: %s", strerror(errno));
-  snprintf(b.sock, sizeof b.sock, "%s/s", b.dir);
-  snprintf(b.conf, sizeof b.conf, "%s/gpupoold.conf", b.dir);
-  snprintf(b.file, sizeof b.file, "%s/data.bin", b.dir);
+  if (ts_daemon_prepare(&b.d, NULL, "gpupool-fairness-") != 0)
+    die("%s", b.d.why);
+  if (chmod(b.d.dir, 0711) != 0)
+    die("chmod %s: %s", b.d.dir, strerror(errno));
+  snprintf(b.file, sizeof b.file, "%s/data.bin", b.d.dir);
   {
     /* Every limit at its default; only the socket opened to other uids. */
-    FILE *f = fopen(b.conf, "w");
     int fd;
-    if (!f || fputs("[daemon]\nsocket_mode = 0666\n", f) < 0 || fclose(f) != 0)
-      die("writing %s failed", b.conf);
+    if (ts_daemon_write_conf(&b.d, "[daemon]\nsocket_mode = 0666\n") != 0)
+      die("%s", b.d.why);
     fd = open(b.file, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0 || ftruncate(fd, 1 << 20) != 0 || close(fd) != 0)
       die("writing %s failed", b.file);
@@ -1050,17 +1005,9 @@ int main(int argc, char **argv) {
   printf("fairness: %s\n", failed ? "some modes could not be run (see above)" : "every mode measured");
 
   if (!b.keep_logs && !failed) {
-    for (size_t i = 0; i < NMODES; i++) {
-      char log[160];
-      snprintf(log, sizeof log, "%s/gpupoold-%s.log", b.dir, modes[i].name);
-      unlink(log);
-    }
-    unlink(b.sock);
-    unlink(b.conf);
-    unlink(b.file);
-    rmdir(b.dir);
+    ts_daemon_remove(&b.d);
   } else {
-    printf("daemon logs kept in %s\n", b.dir);
+    printf("daemon logs kept in %s\n", b.d.dir);
   }
   return failed;
 }

@@ -24,7 +24,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <grp.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -32,9 +31,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "daemon.h"
 #include "gpupool/gpupool.h"
 
-static char sock_path[108];
+static ts_daemon D;
+static const char *sock_path = D.sock;
 
 static uint64_t now_ns(void) {
   struct timespec ts;
@@ -271,7 +272,7 @@ static void flood(int ready_fd) {
   gpupool_token tok;
   int nc = 0, rc;
   char name[64], ch = 1;
-  if (setgroups(0, NULL) != 0 || setgid(65534) != 0 || setuid(65534) != 0)
+  if (ts_become(TS_NOBODY) != 0)
     _exit(3);
   while (nc < MAXC && gpupool_connect(sock_path, "flood", &cs[nc]) == 0)
     nc++;
@@ -346,10 +347,10 @@ static void bench_flood(void) {
 }
 
 int main(int argc, char **argv) {
-  char dir[] = "/tmp/gpupool-bench-XXXXXX", conf[128];
   int clients = 16;
   double seconds = 3, f50, f99;
-  pid_t daemon;
+  ts_daemon_opts o = {.backend = "host", .log_level = "warn", .use_conf = 1, .ready_ms = 5000, .poll_ms = 10,
+                      .pool = "name=default,kind=host,capacity=2G,slab=64M"};
   if (argc < 2) {
     fprintf(stderr, "usage: %s GPUPOOLD [--clients N] [--seconds S]\n", argv[0]);
     return 2;
@@ -360,29 +361,13 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--seconds"))
       seconds = atof(argv[i + 1]);
   }
-  if (!mkdtemp(dir) || chmod(dir, 0711) != 0)
+  /* Reachable by the flooding uid; every limit at its default. */
+  o.gpupoold = argv[1];
+  if (ts_daemon_prepare(&D, NULL, "gpupool-bench-") != 0 || chmod(D.dir, 0711) != 0 ||
+      ts_daemon_write_conf(&D, "[daemon]\nsocket_mode = 0666\n") != 0 || ts_daemon_start(&D, &o) != 0) {
+    fprintf(stderr, "host_bench: %s\n", D.why);
+    ts_daemon_remove(&D);
     return 1;
-  snprintf(sock_path, sizeof sock_path, "%s/s", dir);
-  snprintf(conf, sizeof conf, "%s/c", dir);
-  {
-    /* Reachable by the flooding uid; every limit at its default. */
-    FILE *f = fopen(conf, "w");
-    if (!f || fputs("[daemon]\nsocket_mode = 0666\n", f) < 0 || fclose(f) != 0)
-      return 1;
-  }
-  daemon = fork();
-  if (daemon == 0) {
-    execl(argv[1], argv[1], "--config", conf, "--socket", sock_path, "--backend", "host", "--log-level",
-          "warn", "--pool", "name=default,kind=host,capacity=2G,slab=64M", (char *)NULL);
-    _exit(127);
-  }
-  for (int i = 0; i < 500; i++) {
-    gpupool_client *c;
-    if (gpupool_connect(sock_path, "probe", &c) == 0) {
-      gpupool_disconnect(c);
-      break;
-    }
-    usleep(10000);
   }
   {
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
@@ -396,10 +381,7 @@ int main(int argc, char **argv) {
   bench_handoff();
   bench_ops(clients, seconds);
   bench_flood();
-  kill(daemon, SIGTERM);
-  waitpid(daemon, NULL, 0);
-  unlink(sock_path);
-  unlink(conf);
-  rmdir(dir);
+  ts_daemon_stop(&D, -1);
+  ts_daemon_remove(&D);
   return 0;
 }

@@ -42,5 +42,27 @@ function(gpupool_gpu_support)
   add_library(gpupool_gpu_support STATIC ${dir}/gpu_kernels.cu ${dir}/gpu_harness.c)
   target_include_directories(gpupool_gpu_support PUBLIC ${dir})
   target_compile_options(gpupool_gpu_support PRIVATE $<$<COMPILE_LANGUAGE:C>:${GPUPOOL_WARN}>)
-  target_link_libraries(gpupool_gpu_support PUBLIC CUDA::cudart_static)
+  gpupool_test_support()
+  target_link_libraries(gpupool_gpu_support PUBLIC gpupool_test_launch CUDA::cudart_static)
+endfunction()
+
+# tests/support, shared by the tests and bench/; made once, by whichever directory asks first.
+# gpupool_test_launch (the daemon launcher, the uid switch) needs libc alone;
+# gpupool_test_frames (raw frames) needs the wire module, which its user links: gpupool_common
+# or the static client library that carries it.
+function(gpupool_test_support)
+  if(TARGET gpupool_test_launch)
+    return()
+  endif()
+  set(dir ${CMAKE_SOURCE_DIR}/tests/support)
+  set(launch_src ${dir}/daemon.c)
+  set(frames_src ${dir}/frames.c)
+  foreach(part launch frames)
+    add_library(gpupool_test_${part} STATIC ${${part}_src})
+    target_include_directories(gpupool_test_${part} PUBLIC ${dir})
+    target_compile_options(gpupool_test_${part} PRIVATE ${GPUPOOL_WARN})
+  endforeach()
+  target_include_directories(gpupool_test_frames PUBLIC
+    $<TARGET_PROPERTY:gpupool_common_obj,INTERFACE_INCLUDE_DIRECTORIES>)
+  add_dependencies(gpupool_test_frames gpupool_common_obj)
 endfunction()

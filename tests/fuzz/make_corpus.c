@@ -15,6 +15,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "frames.h"
 #include "fuzz.h"
 #include "host/host.h"
 #include "wire.h"
@@ -98,13 +99,9 @@ static uint8_t req_ctl;
 static void req(sbuf *b, uint64_t seq, gpupool__req *r) { req_split(b, req_ctl, seq, r, 0); }
 
 static void hello(sbuf *b, uint32_t version) {
-  gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
-  Gpupool__Wire__Hello h = GPUPOOL__WIRE__HELLO__INIT;
-  h.protocol_version = version;
-  h.client_name = (char *)"seed";
-  h.pid = 1234;
-  r.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
-  r.hello = &h;
+  gpupool__req r;
+  Gpupool__Wire__Hello h;
+  ts_hello(&r, &h, version, "seed", 1234);
   req(b, 1, &r);
 }
 
@@ -346,12 +343,9 @@ static void daemon_seeds(void) {
 
   /* The same frames a few bytes at a time. */
   {
-    gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
-    Gpupool__Wire__Hello h = GPUPOOL__WIRE__HELLO__INIT;
-    h.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
-    h.client_name = (char *)"split";
-    r.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
-    r.hello = &h;
+    gpupool__req r;
+    Gpupool__Wire__Hello h;
+    ts_hello(&r, &h, GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION, "split", 0);
     req_split(&b, 0, 1, &r, 3);
     allocate(&b, 2, "", 4096, 4096, 0);
     publish(&b, 3, 4, "strided", 2, 1);
@@ -432,11 +426,9 @@ static void daemon_seeds(void) {
   hello(&b, GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION);
   emit_free("daemon", "hello_twice", &b);
   {
-    gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
-    Gpupool__Wire__Hello h = GPUPOOL__WIRE__HELLO__INIT;
-    h.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
-    r.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
-    r.hello = &h;
+    gpupool__req r;
+    Gpupool__Wire__Hello h;
+    ts_hello(&r, &h, GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION, "", 0);
     req_split(&b, 2, 1, &r, 0); /* two fds with the Hello */
     simple(&b, 2, GPUPOOL__WIRE__REQUEST__BODY_STATS);
     req_split(&b, 6, 3, &r, 0); /* six: more than a frame may carry */
@@ -474,14 +466,8 @@ static void rep(sbuf *b, uint8_t ctl, uint64_t seq, gpupool__rep *r) {
 }
 
 static void pool_info(Gpupool__Wire__PoolInfo *p) {
-  gpupool__wire__pool_info__init(p);
-  p->id = 1;
-  p->name = (char *)"default";
-  p->backend = GPUPOOL__WIRE__BACKEND_KIND__BACKEND_HOST;
-  p->location = GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST;
-  p->device = -1;
+  ts_host_pool_info(p, POOL_CAP);
   p->numa_node = -1;
-  p->capacity = POOL_CAP;
   p->slab_size = SLAB;
   p->max_alloc = POOL_CAP;
 }

@@ -5,7 +5,6 @@
  */
 #include "gpu_harness.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -74,167 +73,31 @@ int gh_gpu_count_or_skip(int need, const char *why) {
   return n;
 }
 
-static int wait_timeout(pid_t pid, int timeout_ms, int *status) {
-  uint64_t end = gh_now_ns() + (uint64_t)timeout_ms * 1000000ull;
-  for (;;) {
-    pid_t r = waitpid(pid, status, WNOHANG);
-    if (r == pid)
-      return 0;
-    if (r < 0 && errno != EINTR)
-      return -1;
-    if (gh_now_ns() >= end)
-      return 1;
-    gh_sleep_ms(5);
-  }
-}
-
-static void print_file(const char *path) {
-  char buf[4096];
-  size_t n;
-  FILE *f = fopen(path, "r");
-  if (!f)
-    return;
-  fprintf(stderr, "---- %s ----\n", path);
-  while ((n = fread(buf, 1, sizeof(buf), f)) > 0)
-    fwrite(buf, 1, n, stderr);
-  fprintf(stderr, "---- end of %s ----\n", path);
-  fclose(f);
-}
-
-static void rm_dir(const char *dir) {
-  DIR *d = opendir(dir);
-  struct dirent *de;
-  char path[PATH_MAX];
-  if (d) {
-    while ((de = readdir(d)) != NULL) {
-      if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, ".."))
-        continue;
-      snprintf(path, sizeof(path), "%s/%s", dir, de->d_name);
-      unlink(path);
-    }
-    closedir(d);
-  }
-  rmdir(dir);
-}
-
-int gh_daemon_alive(gh_daemon *d) {
-  int st;
-  if (d->pid <= 0)
-    return 0;
-  if (waitpid(d->pid, &st, WNOHANG) == d->pid) {
-    fprintf(stderr, "gpupoold exited (%s %d)\n", WIFEXITED(st) ? "status" : "signal",
-            WIFEXITED(st) ? WEXITSTATUS(st) : WTERMSIG(st));
-    d->pid = -1;
-    return 0;
-  }
-  return 1;
-}
+int gh_daemon_alive(gh_daemon *d) { return ts_daemon_alive(d); }
 
 int gh_daemon_start(gh_daemon *d, const char *gpupoold, const char *pool_spec) {
   return gh_daemon_start_conf(d, gpupoold, pool_spec, NULL);
 }
 
 int gh_daemon_start_conf(gh_daemon *d, const char *gpupoold, const char *pool_spec, const char *conf) {
-  const char *tmp = getenv("TMPDIR");
-  char conf_path[340];
-  uint64_t end;
-  int logfd;
-
-  memset(d, 0, sizeof(*d));
-  d->pid = -1;
-  snprintf(d->dir, sizeof(d->dir), "%s/gpupool-gpu.XXXXXX", tmp && *tmp ? tmp : "/tmp");
-  if (!mkdtemp(d->dir)) {
-    fprintf(stderr, "mkdtemp %s: %s\n", d->dir, strerror(errno));
-    return -1;
-  }
-  snprintf(d->sock, sizeof(d->sock), "%s/gpupoold.sock", d->dir);
-  if (strlen(d->sock) >= sizeof(((struct sockaddr_un *)0)->sun_path)) {
-    fprintf(stderr, "socket path %s is too long for AF_UNIX: set TMPDIR to a shorter dir\n",
-            d->sock);
-    rm_dir(d->dir);
-    return -1;
-  }
-  snprintf(d->log, sizeof(d->log), "%s/gpupoold.log", d->dir);
-  snprintf(conf_path, sizeof(conf_path), "%s/gpupoold.conf", d->dir);
-  if (conf) {
-    FILE *f = fopen(conf_path, "w");
-    if (!f || fputs(conf, f) < 0 || fclose(f) != 0) {
-      fprintf(stderr, "writing %s: %s\n", conf_path, strerror(errno));
-      rm_dir(d->dir);
-      return -1;
-    }
-  }
-  logfd = open(d->log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (logfd < 0) {
-    fprintf(stderr, "open %s: %s\n", d->log, strerror(errno));
-    rm_dir(d->dir);
-    return -1;
-  }
-  {
-    const char *argv[] = {gpupoold, "--socket", d->sock, "--backend", "cuda", "--pool",
-                          pool_spec, "--log-level", "info", conf ? "--config" : NULL, conf_path, NULL};
-    d->pid = fork();
-    if (d->pid == 0) {
-      int nul = open("/dev/null", O_RDONLY);
-      if (nul >= 0)
-        dup2(nul, 0);
-      dup2(logfd, 1);
-      dup2(logfd, 2);
-      execv(gpupoold, (char *const *)argv);
-      _exit(127);
-    }
-  }
-  close(logfd);
-  if (d->pid < 0) {
-    fprintf(stderr, "fork: %s\n", strerror(errno));
-    rm_dir(d->dir);
-    return -1;
-  }
   /* CUDA initialization in the daemon can take seconds on a cold driver. */
-  end = gh_now_ns() + 60ull * 1000000000ull;
-  while (gh_now_ns() < end) {
-    struct sockaddr_un sa;
-    int s, ok;
-    if (!gh_daemon_alive(d)) {
-      fprintf(stderr, "gpupoold (%s) exited before accepting connections\n", gpupoold);
-      print_file(d->log);
-      rm_dir(d->dir);
-      return -1;
-    }
-    s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    memset(&sa, 0, sizeof(sa));
-    sa.sun_family = AF_UNIX;
-    memcpy(sa.sun_path, d->sock, strlen(d->sock) + 1);
-    ok = s >= 0 && connect(s, (struct sockaddr *)&sa, sizeof(sa)) == 0;
-    if (s >= 0)
-      close(s);
-    if (ok)
-      return 0;
-    gh_sleep_ms(20);
+  ts_daemon_opts o = {.gpupoold = gpupoold, .backend = "cuda", .pool = pool_spec, .log_level = "info",
+                      .use_conf = conf != NULL, .ready_ms = 60000, .poll_ms = 20};
+  if (ts_daemon_prepare(d, getenv("TMPDIR"), "gpupool-gpu.") != 0 ||
+      (conf && ts_daemon_write_conf(d, conf) != 0) || ts_daemon_start(d, &o) != 0) {
+    fprintf(stderr, "%s\n", d->why);
+    ts_daemon_remove(d);
+    return -1;
   }
-  fprintf(stderr, "gpupoold did not accept connections on %s within 60 s\n", d->sock);
-  gh_daemon_stop(d, 1);
-  return -1;
+  return 0;
 }
 
 int gh_daemon_stop(gh_daemon *d, int print_log) {
-  int st = 0, ret = -1;
-  if (d->pid > 0) {
-    kill(d->pid, SIGTERM);
-    if (wait_timeout(d->pid, 10000, &st) == 1) {
-      fprintf(stderr, "gpupoold did not exit within 10 s of SIGTERM; killing it\n");
-      kill(d->pid, SIGKILL);
-      waitpid(d->pid, &st, 0);
-    }
-    ret = st;
-    d->pid = -1;
-  }
+  int st = ts_daemon_stop(d, 10000);
   if (print_log)
-    print_file(d->log);
-  if (d->dir[0])
-    rm_dir(d->dir);
-  d->dir[0] = '\0';
-  return ret;
+    ts_daemon_dump_log(d);
+  ts_daemon_remove(d);
+  return st;
 }
 
 int gh_spawn(gh_proc *p, const char *const *argv, const int *extra, int n_extra) {
@@ -376,7 +239,7 @@ int gh_wait(gh_proc *p, int timeout_ms) {
     close(p->in);
     p->in = -1;
   }
-  r = wait_timeout(p->pid, timeout_ms, &st);
+  r = ts_wait_pid(p->pid, timeout_ms, 0, &st);
   if (r == 1) {
     fprintf(stderr, "worker %d still running after %d ms; killing it\n", (int)p->pid,
             timeout_ms);

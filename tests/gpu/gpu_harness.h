@@ -16,12 +16,10 @@
 
 #define GH_SKIP 77
 
-typedef struct {
-  char dir[256];  /* private temp dir, removed by gh_daemon_stop */
-  char sock[320]; /* socket path inside dir */
-  char log[320];  /* daemon's stdout+stderr */
-  pid_t pid;
-} gh_daemon;
+#include "daemon.h"
+
+/* tests/support's daemon: dir (removed by gh_daemon_stop), sock, log (stdout+stderr). */
+typedef ts_daemon gh_daemon;
 
 typedef struct {
   pid_t pid;

@@ -57,7 +57,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <grp.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/time.h>
@@ -72,6 +71,7 @@
 #include "gpu_worker.h"
 #include "gpu_kernels.h"
 #include "gpupool/gpupool.h"
+#include "frames.h"
 #include "wire.h"
 
 #define POOL "gpu0"
@@ -456,42 +456,19 @@ static int w_churn_b(char **a) {
 
 /* ---- raw protocol, for what the library never shows: a slab's export data, a pool's fd */
 
-static int raw_connect(const char *path) {
-  struct sockaddr_un a;
-  struct timeval tv = {STEP_MS / 1000, 0};
-  int fd;
-  memset(&a, 0, sizeof(a));
-  a.sun_family = AF_UNIX;
-  if (strlen(path) >= sizeof(a.sun_path))
-    return -1;
-  memcpy(a.sun_path, path, strlen(path) + 1);
-  fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
-    if (fd >= 0)
-      close(fd);
-    return -1;
-  }
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  return fd;
-}
+static int raw_connect(const char *path) { return ts_raw_connect(path, STEP_MS / 1000); }
 
 /* One request; the reply (NULL when none came), and in *fd the fd it carried (-1 if none;
  * fd NULL: any is closed). A reply carrying an error is printed and freed: NULL. */
 static gpupool__rep *raw_call(const char *role, int sock, gpupool__req *req, int *fd) {
   gpupool__wire_rx rx;
   gpupool__rep *rep = NULL;
-  uint8_t *buf;
-  size_t len;
   int rc;
   static uint64_t seq;
   if (fd)
     *fd = -1;
   req->seq = ++seq;
-  if ((rc = gpupool__wire_pack_request(req, &buf, &len)) != 0)
-    wdie(role, "packing a request", rc);
-  rc = gpupool__wire_send(sock, buf, len, NULL, 0);
-  free(buf);
-  if (rc != 0)
+  if ((rc = ts_raw_send(sock, req, NULL, 0)) != 0)
     wdie(role, "sending a request", rc);
   gpupool__wire_rx_init(&rx, GPUPOOL_WIRE_HARD_MAX_FRAME);
   if (gpupool__wire_rx_read(&rx, sock) == 1 && (rep = gpupool__wire_unpack_reply(&rx)) && fd &&
@@ -513,14 +490,11 @@ static gpupool__rep *raw_call(const char *role, int sock, gpupool__req *req, int
 
 /* Hello on a raw connection: the first pool's id (the test's only pool). */
 static uint32_t raw_hello(const char *role, int sock) {
-  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-  Gpupool__Wire__Hello h = GPUPOOL__WIRE__HELLO__INIT;
+  gpupool__req req;
+  Gpupool__Wire__Hello h;
   gpupool__rep *rep;
   uint32_t id;
-  h.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
-  h.client_name = (char *)role;
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
-  req.hello = &h;
+  ts_hello(&req, &h, GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION, role, 0);
   rep = raw_call(role, sock, &req, NULL); /* the lease fd is closed: this client maps nothing */
   if (!rep || rep->body_case != GPUPOOL__WIRE__REPLY__BODY_HELLO || rep->hello->n_pools < 1) {
     fprintf(stderr, "worker %s: no Hello reply with a pool\n", role);
@@ -640,7 +614,7 @@ static int w_intruder(char **a) {
   void *ptr = NULL;
   int fd;
 
-  if (setgroups(0, NULL) != 0 || setgid(NOBODY) != 0 || setuid(NOBODY) != 0 || getuid() != NOBODY) {
+  if (ts_become(NOBODY) != 0 || getuid() != NOBODY) {
     fprintf(stderr, "worker intruder: cannot become uid %d: %s (run the GPU tests as root)\n",
             NOBODY, strerror(errno));
     return 2;
@@ -694,7 +668,7 @@ static int w_fresh(char **a) {
   uint8_t *host;
   int fd, ce;
 
-  if (setgroups(0, NULL) != 0 || setgid(NOBODY) != 0 || setuid(NOBODY) != 0 || getuid() != NOBODY) {
+  if (ts_become(NOBODY) != 0 || getuid() != NOBODY) {
     fprintf(stderr, "worker fresh: cannot become uid %d: %s\n", NOBODY, strerror(errno));
     return 2;
   }
@@ -892,7 +866,7 @@ static int worker_main(int argc, char **argv) {
                {"bconsumer", 3, w_bconsumer}};
   setvbuf(stdout, NULL, _IOLBF, 0);
   if (getenv("GPU_TEST_AS_NOBODY") &&
-      (setgroups(0, NULL) != 0 || setgid(NOBODY) != 0 || setuid(NOBODY) != 0 || getuid() != NOBODY)) {
+      (ts_become(NOBODY) != 0 || getuid() != NOBODY)) {
     fprintf(stderr, "worker: cannot become uid %d: %s (run the GPU tests as root)\n", NOBODY, strerror(errno));
     return 2;
   }

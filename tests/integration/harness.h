@@ -2,14 +2,14 @@
  * Integration test harness: starts the real gpupoold on a private socket in a fresh temp
  * directory, waits until it accepts connections, runs scenarios in real child processes,
  * and stops it (checking that it exits cleanly). The daemon's log is kept in the temp dir
- * and printed when a test fails.
+ * and printed when a test fails. The launcher itself is tests/support/daemon.h; this file
+ * is its cmocka face (failures become fail_msg) plus what only cmocka tests use.
  */
 #ifndef GPUPOOL_TEST_HARNESS_H
 #define GPUPOOL_TEST_HARNESS_H
 
 #include <errno.h>
 #include <fcntl.h>
-#include <grp.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -27,13 +28,11 @@
 #include <cmocka.h>
 #include <gpupool/gpupool.h>
 
-typedef struct {
-  char dir[256];
-  char sock[300];
-  char log[300];
-  char conf[300];
-  pid_t pid;
-} th_daemon;
+#include "daemon.h"
+
+/* The daemon of a test: tests/support/daemon.h's, so the same fields (dir, sock, log, conf,
+ * pid) and the same launcher as the GPU harness, the service tests and the benchmarks. */
+typedef ts_daemon th_daemon;
 
 static inline void th_sleep_ms(long ms) {
   struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
@@ -47,49 +46,19 @@ static inline uint64_t th_now_ms(void) {
   return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 }
 
-static inline void th_dump_log(const th_daemon *d) {
-  char buf[4096];
-  size_t n;
-  FILE *f = fopen(d->log, "r");
-  if (!f)
-    return;
-  fprintf(stderr, "---- gpupoold log (%s) ----\n", d->log);
-  while ((n = fread(buf, 1, sizeof buf, f)) > 0)
-    fwrite(buf, 1, n, stderr);
-  fprintf(stderr, "---- end of log ----\n");
-  fclose(f);
-}
+static inline void th_dump_log(const th_daemon *d) { ts_daemon_dump_log(d); }
 
-static inline int th_can_connect(const char *path) {
-  struct sockaddr_un a = {.sun_family = AF_UNIX};
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0), ok;
-  if (strlen(path) >= sizeof a.sun_path) {
-    if (fd >= 0)
-      close(fd);
-    return 0;
-  }
-  memcpy(a.sun_path, path, strlen(path) + 1);
-  ok = fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) == 0;
-  if (fd >= 0)
-    close(fd);
-  return ok;
-}
+static inline int th_can_connect(const char *path) { return ts_can_connect(path); }
 
 /* Write a config file into the daemon's dir (before th_start with use_conf). */
 static inline void th_write_conf(th_daemon *d, const char *text) {
-  FILE *f = fopen(d->conf, "w");
-  assert_non_null(f);
-  fputs(text, f);
-  fclose(f);
+  if (ts_daemon_write_conf(d, text) != 0)
+    fail_msg("%s", d->why);
 }
 
 static inline void th_prepare(th_daemon *d) {
-  memset(d, 0, sizeof *d);
-  snprintf(d->dir, sizeof d->dir, "/tmp/gpupool-test-XXXXXX");
-  assert_non_null(mkdtemp(d->dir));
-  snprintf(d->sock, sizeof d->sock, "%s/gpupoold.sock", d->dir);
-  snprintf(d->log, sizeof d->log, "%s/gpupoold.log", d->dir);
-  snprintf(d->conf, sizeof d->conf, "%s/gpupoold.conf", d->dir);
+  if (ts_daemon_prepare(d, NULL, "gpupool-test-") != 0)
+    fail_msg("%s", d->why);
 }
 
 /* Daemons still running when a failed assertion skips th_stop are killed at exit. */
@@ -117,72 +86,64 @@ static inline void th_track(pid_t pid, int add) {
     }
 }
 
+/* Start gpupoold as o says (tests/support/daemon.h); it is killed at exit if th_stop is
+ * never reached. */
+static inline void th_start_opts(th_daemon *d, const ts_daemon_opts *o) {
+  if (ts_daemon_start(d, o) != 0)
+    fail_msg("%s", d->why);
+  th_track(d->pid, 1);
+}
+
 /* Start gpupoold with the host backend and extra arguments (NULL-terminated). */
 static inline void th_start(th_daemon *d, int use_conf, ...) {
-  const char *argv[32];
-  int argc = 0;
+  const char *extra[24];
+  int n = 0;
   va_list ap;
   const char *a;
-
-  argv[argc++] = GPUPOOLD_PATH;
-  argv[argc++] = "--socket";
-  argv[argc++] = d->sock;
-  argv[argc++] = "--backend";
-  argv[argc++] = "host";
-  argv[argc++] = "--log-level";
-  argv[argc++] = "debug";
-  if (use_conf) {
-    argv[argc++] = "--config";
-    argv[argc++] = d->conf;
-  }
+  ts_daemon_opts o = {.gpupoold = GPUPOOLD_PATH, .backend = "host", .log_level = "debug",
+                      .use_conf = use_conf, .extra = extra, .ready_ms = 5000, .poll_ms = 10};
   va_start(ap, use_conf);
-  while ((a = va_arg(ap, const char *)) && argc < 31)
-    argv[argc++] = a;
+  while ((a = va_arg(ap, const char *)) && n < 23)
+    extra[n++] = a;
   va_end(ap);
-  argv[argc] = NULL;
-  d->pid = fork();
-  assert_true(d->pid >= 0);
-  if (d->pid == 0) {
-    int fd = open(d->log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd >= 0) {
-      dup2(fd, 2);
-      dup2(fd, 1);
-    }
-    execv(argv[0], (char *const *)argv);
-    _exit(127);
-  }
-  th_track(d->pid, 1);
-  for (int i = 0; i < 500; i++) {
-    int st;
-    if (th_can_connect(d->sock))
-      return;
-    if (waitpid(d->pid, &st, WNOHANG) == d->pid) {
-      th_dump_log(d);
-      fail_msg("gpupoold exited during start-up (status %d)", st);
-    }
-    th_sleep_ms(10);
-  }
-  th_dump_log(d);
-  fail_msg("gpupoold did not accept connections within 5 s");
+  extra[n] = NULL;
+  th_start_opts(d, &o);
+}
+
+/* th_prepare for a daemon that every uid can reach: its dir 0711 (searchable, not listable),
+ * for the tests whose children run as another user (th_become). */
+static inline void th_prepare_shared(th_daemon *d) {
+  th_prepare(d);
+  assert_int_equal(chmod(d->dir, 0711), 0);
+}
+
+/* One host pool "default" of capacity and slab_size (config text). */
+#define TH_HOST_POOL(capacity, slab_size) \
+  "[pool default]\nkind = host\ncapacity = " capacity "\nslab_size = " slab_size "\n"
+
+/* Start a daemon every uid can reach (th_prepare_shared, socket_mode 0666) with the further
+ * [daemon] lines daemon_lines (may be NULL) and then the config sections `sections`. */
+static inline void th_start_shared(th_daemon *d, const char *daemon_lines, const char *sections) {
+  char conf[4096];
+  th_prepare_shared(d);
+  snprintf(conf, sizeof conf, "[daemon]\nsocket_mode = 0666\n%s\n%s", daemon_lines ? daemon_lines : "",
+           sections);
+  th_write_conf(d, conf);
+  th_start(d, 1, NULL);
 }
 
 /* SIGTERM, wait, require a clean exit; remove the temp dir. */
 static inline void th_stop(th_daemon *d) {
-  int st = 0;
   if (d->pid > 0) {
-    kill(d->pid, SIGTERM);
-    waitpid(d->pid, &st, 0);
-    th_track(d->pid, 0);
-    d->pid = 0;
+    pid_t pid = d->pid;
+    int st = ts_daemon_stop(d, -1);
+    th_track(pid, 0);
     if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
       th_dump_log(d);
       fail_msg("gpupoold did not exit cleanly on SIGTERM (status 0x%x)", st);
     }
   }
-  unlink(d->sock);
-  unlink(d->log);
-  unlink(d->conf);
-  rmdir(d->dir);
+  ts_daemon_remove(d);
 }
 
 /* cmocka teardown for tests whose setup left their daemon in *state: th_stop on it. */
@@ -265,15 +226,13 @@ static inline void th_expect_fds(const th_daemon *d, uint64_t expected) {
            (unsigned long long)expected);
 }
 
+/* The other user of the tests that switch users (the same as TS_NOBODY; spelled out so that a
+ * test's own identical definition stays legal). */
+#define NOBODY 65534
+
 /* In a child: become uid when running as root (CI does), so that an attack runs as another
  * user; otherwise stay who we are. 0, or -1 when the switch failed. */
-static inline int th_become(uid_t uid) {
-  if (getuid() != 0)
-    return 0;
-  if (setgroups(0, NULL) != 0 || setgid(uid) != 0 || setuid(uid) != 0)
-    return -1;
-  return 0;
-}
+static inline int th_become(uid_t uid) { return ts_become(uid); }
 
 typedef int (*th_child_fn)(const th_daemon *d, int arg);
 

@@ -9,22 +9,15 @@
 
 #include "harness.h"
 
-#define NOBODY 65534
 #define ATTACKERS 2
 #define HELD 1000 /* about what a default RLIMIT_NOFILE of 1024 lets one process hold */
 
 static th_daemon D;
 
 static void start_with(const char *extra) {
-  char conf[512];
-  th_prepare(&D);
-  assert_int_equal(chmod(D.dir, 0711), 0);
-  snprintf(conf, sizeof conf,
-           "[daemon]\nsocket_mode = 0666\nmax_clients_per_uid = 64\n%s"
-           "[pool default]\nkind = host\ncapacity = 16M\nslab_size = 4M\n",
-           extra);
-  th_write_conf(&D, conf);
-  th_start(&D, 1, NULL);
+  char lines[512];
+  snprintf(lines, sizeof lines, "max_clients_per_uid = 64\n%s", extra);
+  th_start_shared(&D, lines, TH_HOST_POOL("16M", "4M"));
 }
 
 /* Opens connections without blocking and never says Hello: when it holds HELD, closes the

@@ -151,16 +151,12 @@ static void test_daemon_refuses_bad_config(void **state) {
   pid_t pid;
   FILE *f;
   char line[512] = "";
+  const char *argv[] = {GPUPOOLD_PATH, "--config", d.conf, "--socket", d.sock, NULL};
   (void)state;
   th_prepare(&d);
   th_write_conf(&d, "[pool p]\ncapacity = lots\n");
-  pid = fork();
-  if (pid == 0) {
-    int fd = open(d.log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    dup2(fd, 2);
-    execl(GPUPOOLD_PATH, GPUPOOLD_PATH, "--config", d.conf, "--socket", d.sock, NULL);
-    _exit(127);
-  }
+  pid = ts_exec(argv, d.log, TS_EXEC_STDERR_ONLY, NULL, NULL);
+  assert_true(pid > 0);
   waitpid(pid, &st, 0);
   assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 2);
   f = fopen(d.log, "r");
@@ -202,23 +198,13 @@ static void test_duplicate_sections(void **state) {
 /* Runs gpupoold --config conf and requires it to exit with status 2 within 10 s, its log
  * holding `needle`; a daemon that blocks or starts serving is killed and the test fails. */
 static void expect_refused_promptly(th_daemon *d, const char *conf, const char *needle) {
-  uint64_t end = th_now_ms() + 10000;
   char buf[2048] = "";
   int st = 0, fd;
   ssize_t n;
-  pid_t pid = fork(), w = 0;
+  const char *argv[] = {GPUPOOLD_PATH, "--config", conf, "--socket", d->sock, "--backend", "host", NULL};
+  pid_t pid = ts_exec(argv, d->log, TS_EXEC_STDERR_ONLY, NULL, NULL);
   assert_true(pid >= 0);
-  if (pid == 0) {
-    fd = open(d->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    dup2(fd, 2);
-    execl(GPUPOOLD_PATH, GPUPOOLD_PATH, "--config", conf, "--socket", d->sock, "--backend", "host", NULL);
-    _exit(127);
-  }
-  while ((w = waitpid(pid, &st, WNOHANG)) == 0 && th_now_ms() < end)
-    th_sleep_ms(20);
-  if (w == 0) {
-    kill(pid, SIGKILL);
-    waitpid(pid, &st, 0);
+  if (ts_wait_pid(pid, 10000, 1, &st) != 0) {
     th_dump_log(d);
     fail_msg("gpupoold --config %s neither refused it nor exited within 10 s", conf);
   }

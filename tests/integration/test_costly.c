@@ -11,20 +11,11 @@
 #include "harness.h"
 #include "raw.h"
 
-#define NOBODY 65534
-
 static th_daemon D;
 
 /* A daemon on a socket every uid can reach, with the given [daemon] lines. */
 static void start_with(const char *daemon_lines) {
-  char conf[1024];
-  th_prepare(&D);
-  assert_int_equal(chmod(D.dir, 0711), 0);
-  snprintf(conf, sizeof conf,
-           "[daemon]\nsocket_mode = 0666\n%s\n[pool default]\nkind = host\ncapacity = 256M\nslab_size = 64M\n",
-           daemon_lines);
-  th_write_conf(&D, conf);
-  th_start(&D, 1, NULL);
+  th_start_shared(&D, daemon_lines, TH_HOST_POOL("256M", "64M"));
 }
 
 static int teardown(void **state) {
@@ -34,28 +25,7 @@ static int teardown(void **state) {
 }
 
 /* Connect and say Hello: the socket, or -1. No cmocka here: children use it too. */
-static int session(int timeout_s) {
-  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-  Gpupool__Wire__Hello h = GPUPOOL__WIRE__HELLO__INIT;
-  gpupool__rep *rep;
-  int fd = th_raw_connect(D.sock, timeout_s), ok;
-  if (fd < 0)
-    return -1;
-  h.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
-  h.client_name = "costly";
-  req.seq = 1;
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
-  req.hello = &h;
-  rep = th_raw_send(fd, &req, NULL, 0) == 0 ? th_raw_recv(fd) : NULL;
-  ok = rep && rep->body_case == GPUPOOL__WIRE__REPLY__BODY_HELLO;
-  if (rep)
-    gpupool__wire__reply__free_unpacked(rep, NULL);
-  if (!ok) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
+static int session(int timeout_s) { return ts_raw_session(D.sock, timeout_s, "costly", 0); }
 
 /* The reply to a request: its error code (0 when it succeeded), or 1 when none came. The
  * message goes to msg (may be NULL); *hold gets the first hold id of an allocation. */

@@ -11,7 +11,6 @@
 
 #include "harness.h"
 
-#define NOBODY 65534
 #define SEED 0xF11Eu
 #define FILE_SIZE (3u * 1024 * 1024 + 123) /* not a multiple of the page size */
 
@@ -41,13 +40,7 @@ static int check_range(const void *p, uint64_t offset, uint64_t n) {
 }
 
 static void start_conf(const char *extra) {
-  char conf[2048];
-  th_prepare(&D);
-  assert_int_equal(chmod(D.dir, 0711), 0);
-  snprintf(conf, sizeof conf, "[daemon]\nsocket_mode = 0666\n%s\n[pool default]\nkind = host\ncapacity = 16M\nslab_size = 4M\n",
-           extra ? extra : "");
-  th_write_conf(&D, conf);
-  th_start(&D, 1, NULL);
+  th_start_shared(&D, extra, TH_HOST_POOL("16M", "4M"));
   snprintf(path, sizeof path, "%s/data.bin", D.dir);
   write_file(path, FILE_SIZE, 0644);
 }
@@ -312,8 +305,7 @@ static void test_config_restrictions(void **state) {
   gpupool_disconnect(c);
   teardown(NULL);
 
-  th_prepare(&D);
-  assert_int_equal(chmod(D.dir, 0711), 0);
+  th_prepare_shared(&D);
   snprintf(inside, sizeof inside, "%s/allowed", D.dir);
   assert_int_equal(mkdir(inside, 0755), 0);
   snprintf(conf, sizeof conf, "[daemon]\nfile_paths = %s\n[pool default]\nkind = host\ncapacity = 16M\nslab_size = 4M\n", inside);

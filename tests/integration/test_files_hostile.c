@@ -25,8 +25,6 @@
 #include "harness.h"
 #include "raw.h"
 
-#define NOBODY 65534
-
 static th_daemon D;
 static char path[400];
 
@@ -42,14 +40,7 @@ static void write_file(const char *p, size_t size, mode_t mode) {
 }
 
 static void start_conf(const char *extra) {
-  char conf[2048];
-  th_prepare(&D);
-  assert_int_equal(chmod(D.dir, 0711), 0);
-  snprintf(conf, sizeof conf,
-           "[daemon]\nsocket_mode = 0666\n%s\n[pool default]\nkind = host\ncapacity = 16M\nslab_size = 4M\n",
-           extra ? extra : "");
-  th_write_conf(&D, conf);
-  th_start(&D, 1, NULL);
+  th_start_shared(&D, extra, TH_HOST_POOL("16M", "4M"));
   snprintf(path, sizeof path, "%s/data.bin", D.dir);
   write_file(path, 65536, 0644);
 }
@@ -65,33 +56,8 @@ static int teardown(void **state) {
 
 /* ---- raw client helpers (children use them too: no assertions) ------------------------------- */
 
-static int rc_hello(int fd) {
-  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-  Gpupool__Wire__Hello h = GPUPOOL__WIRE__HELLO__INIT;
-  gpupool__rep *rep;
-  int ok;
-  h.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
-  h.client_name = (char *)"hostile-files";
-  h.pid = getpid();
-  req.seq = 1;
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
-  req.hello = &h;
-  if (th_raw_send(fd, &req, NULL, 0) != 0 || !(rep = th_raw_recv(fd)))
-    return -1;
-  ok = rep->error == NULL;
-  gpupool__wire__reply__free_unpacked(rep, NULL);
-  return ok ? 0 : -1;
-}
-
 /* A connected, greeted raw client, or -1. */
-static int rc_connect(void) {
-  int fd = th_raw_connect(D.sock, 10);
-  if (fd >= 0 && rc_hello(fd) != 0) {
-    close(fd);
-    fd = -1;
-  }
-  return fd;
-}
+static int rc_connect(void) { return ts_raw_session(D.sock, 10, "hostile-files", getpid()); }
 
 /* Next reply and the fd it carried (-1 if none; *fd_out may be NULL). NULL on timeout. */
 static gpupool__rep *rc_recv_fd(int sock, int *fd_out) {
@@ -861,8 +827,7 @@ static void test_bindmount(void **state) {
     printf("skipped: needs root to run a client as another uid\n");
     return;
   }
-  th_prepare(&D);
-  assert_int_equal(chmod(D.dir, 0711), 0);
+  th_prepare_shared(&D);
   snprintf(allowed, sizeof allowed, "%s/allowed", D.dir);
   snprintf(mnt, sizeof mnt, "%s/mnt", allowed);
   snprintf(real, sizeof real, "%s/real.bin", allowed);

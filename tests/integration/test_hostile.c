@@ -69,13 +69,9 @@ static void expect_eof(int fd) {
 }
 
 static void hello(int fd, uint32_t version) {
-  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-  Gpupool__Wire__Hello h = GPUPOOL__WIRE__HELLO__INIT;
-  h.protocol_version = version;
-  h.client_name = (char *)"hostile";
-  req.seq = 1;
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
-  req.hello = &h;
+  gpupool__req req;
+  Gpupool__Wire__Hello h;
+  ts_hello(&req, &h, version, "hostile", 0);
   raw_send(fd, &req, NULL, 0);
 }
 

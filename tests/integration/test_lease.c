@@ -36,57 +36,23 @@ static long nofile_cap; /* RLIMIT_NOFILE for the daemon, 0 = inherited */
 
 /* ---- starting and stopping the daemon under a PID namespace or an fd limit -------------- */
 
+/* In the daemon's child: the fd limit of the nofile case. */
+static int cap_nofile(void *arg) {
+  (void)arg;
+  if (nofile_cap) {
+    struct rlimit rl = {(rlim_t)nofile_cap, (rlim_t)nofile_cap};
+    setrlimit(RLIMIT_NOFILE, &rl);
+  }
+  return 0;
+}
+
+/* The log is appended to: the restart cases keep every daemon's lines. */
 static void start_daemon(int use_conf) {
-  const char *argv[24];
-  int argc = 0;
-  if (in_pidns) {
-    argv[argc++] = "unshare";
-    argv[argc++] = "--pid";
-    argv[argc++] = "--fork";
-    argv[argc++] = "--kill-child";
-  }
-  argv[argc++] = GPUPOOLD_PATH;
-  argv[argc++] = "--socket";
-  argv[argc++] = D.sock;
-  argv[argc++] = "--backend";
-  argv[argc++] = "host";
-  argv[argc++] = "--log-level";
-  argv[argc++] = "debug";
-  argv[argc++] = "--pool";
-  argv[argc++] = POOL;
-  if (use_conf) {
-    argv[argc++] = "--config";
-    argv[argc++] = D.conf;
-  }
-  argv[argc] = NULL;
-  D.pid = fork();
-  assert_true(D.pid >= 0);
-  if (D.pid == 0) {
-    int fd = open(D.log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    if (fd >= 0) {
-      dup2(fd, 2);
-      dup2(fd, 1);
-    }
-    if (nofile_cap) {
-      struct rlimit rl = {(rlim_t)nofile_cap, (rlim_t)nofile_cap};
-      setrlimit(RLIMIT_NOFILE, &rl);
-    }
-    execvp(argv[0], (char *const *)argv);
-    _exit(127);
-  }
-  th_track(D.pid, 1);
-  for (int i = 0; i < 500; i++) {
-    int st;
-    if (th_can_connect(D.sock))
-      return;
-    if (waitpid(D.pid, &st, WNOHANG) == D.pid) {
-      th_dump_log(&D);
-      fail_msg("gpupoold exited during start-up (status 0x%x)", st);
-    }
-    th_sleep_ms(10);
-  }
-  th_dump_log(&D);
-  fail_msg("gpupoold did not accept connections within 5 s");
+  static const char *const unshare[] = {"unshare", "--pid", "--fork", "--kill-child", NULL};
+  ts_daemon_opts o = {.gpupoold = GPUPOOLD_PATH, .backend = "host", .pool = POOL, .log_level = "debug",
+                      .use_conf = use_conf, .ready_ms = 5000, .poll_ms = 10, .hook = cap_nofile,
+                      .wrapper = in_pidns ? unshare : NULL, .append_log = 1};
+  th_start_opts(&D, &o);
 }
 
 /* The process to signal: the daemon itself, also when unshare forked it. */

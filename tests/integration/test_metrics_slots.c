@@ -10,7 +10,6 @@
 
 #include "harness.h"
 
-#define NOBODY 65534
 #define HOLD 40 /* per listener: more than all of its slots */
 
 static th_daemon D;
@@ -119,8 +118,7 @@ static void test_root_scrapes_under_flood(void **state) {
   int stop[2], ready[2], failed[2] = {0, 0};
   pid_t h;
   (void)state;
-  th_prepare(&D);
-  assert_int_equal(chmod(D.dir, 0711), 0);
+  th_prepare_shared(&D);
   snprintf(msock, sizeof msock, "%s/metrics.sock", D.dir);
   port = free_port();
   snprintf(conf, sizeof conf,

@@ -13,21 +13,13 @@
 #include "harness.h"
 #include "raw.h"
 
-#define NOBODY 65534
 #define OTHER 65533
 
 static th_daemon D;
 
 /* A daemon on a socket every uid can reach, with the given [daemon] lines. */
 static void start_with(const char *daemon_lines) {
-  char conf[1024];
-  th_prepare(&D);
-  assert_int_equal(chmod(D.dir, 0711), 0);
-  snprintf(conf, sizeof conf,
-           "[daemon]\nsocket_mode = 0666\n%s\n[pool default]\nkind = host\ncapacity = 64M\nslab_size = 4M\n",
-           daemon_lines);
-  th_write_conf(&D, conf);
-  th_start(&D, 1, NULL);
+  th_start_shared(&D, daemon_lines, TH_HOST_POOL("64M", "4M"));
 }
 
 static int teardown(void **state) {

@@ -26,6 +26,7 @@
 #include <stdatomic.h>
 #include <sys/mman.h>
 
+#include "frames.h"
 #include "harness.h"
 #include "test_hooks.h"
 #include "wire.h"
@@ -67,25 +68,10 @@ static int sem_wait_s(sem_t *s) {
   return 0;
 }
 
-static void fill_pool(Gpupool__Wire__PoolInfo *pi) {
-  gpupool__wire__pool_info__init(pi);
-  pi->id = 1;
-  pi->name = (char *)"default";
-  pi->backend = GPUPOOL__WIRE__BACKEND_KIND__BACKEND_HOST;
-  pi->location = GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST;
-  pi->device = -1;
-  pi->capacity = 16 * SLAB;
-}
+static void fill_pool(Gpupool__Wire__PoolInfo *pi) { ts_host_pool_info(pi, 16 * SLAB); }
 
 static int send_rep(int fd, gpupool__rep *rep, int send_fd) {
-  uint8_t *buf;
-  size_t len;
-  int rc;
-  if (gpupool__wire_pack_reply(rep, &buf, &len) != 0)
-    return -1;
-  rc = gpupool__wire_send(fd, buf, len, send_fd >= 0 ? &send_fd : NULL, send_fd >= 0 ? 1 : 0);
-  free(buf);
-  return rc;
+  return ts_raw_send_reply(fd, rep, send_fd >= 0 ? &send_fd : NULL, send_fd >= 0 ? 1 : 0) == 0 ? 0 : -1;
 }
 
 /* A GetReply naming hold HOLD in slab 1 of pool 1; with a sealed memfd (and how to map it) when

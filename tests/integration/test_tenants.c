@@ -13,23 +13,19 @@
 
 #include "harness.h"
 
-#define NOBODY 65534
 #define MIB (1u << 20)
 #define SEED 0xC0FFEEu
 
 static th_daemon D;
 
 static void start_with(const char *pool_line) {
-  char conf[1024];
-  th_prepare(&D);
-  assert_int_equal(chmod(D.dir, 0711), 0);
+  char sections[1024];
   /* Root and nobody share only what is in pool "shared", through group "readers". */
-  snprintf(conf, sizeof conf,
-           "[daemon]\nsocket_mode = 0666\n[group readers]\nuids = 0, %d\n"
+  snprintf(sections, sizeof sections,
+           "[group readers]\nuids = 0, %d\n"
            "[pool default]\nkind = host\n%s\n"
            "[pool shared]\nkind = host\ncapacity = 16M\nslab_size = 4M\nshare = readers\n", NOBODY, pool_line);
-  th_write_conf(&D, conf);
-  th_start(&D, 1, NULL);
+  th_start_shared(&D, NULL, sections);
 }
 
 static pid_t owner_pid; /* a helper process a failed test may leave waiting */

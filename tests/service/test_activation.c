@@ -30,6 +30,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "daemon.h"
 #include "gpupool/gpupool.h"
 
 static const char *gpupoold;
@@ -88,48 +89,43 @@ typedef struct {
   const char *stderr_path;
 } spawn_opts;
 
-static pid_t spawn(const spawn_opts *o) {
-  pid_t pid = fork();
-  if (pid != 0)
-    return pid;
-  /* Child: from here on only async-signal-safe work matters in principle; the process is
-   * single-threaded so plain libc calls are fine. */
-  {
-    int high[8], err;
-    char num[32];
-    for (int i = 0; i < o->nfds; i++)
-      high[i] = fcntl(o->fds[i], F_DUPFD, 64); /* out of the way of 3.. */
-    for (int i = 0; i < o->nfds; i++) {
-      if (dup2(high[i], 3 + i) != 3 + i)
-        _exit(120);
-      close(high[i]);
-    }
-    if (o->nfds > 0) {
-      snprintf(num, sizeof(num), "%d", o->nfds);
-      setenv("LISTEN_FDS", num, 1);
-      snprintf(num, sizeof(num), "%d", o->listen_pid_self ? (int)getpid() : 1);
-      setenv("LISTEN_PID", num, 1);
-    }
-    setenv("NOTIFY_SOCKET", o->notify, 1);
-    if (o->watchdog_usec > 0) {
-      snprintf(num, sizeof(num), "%d", o->watchdog_usec);
-      setenv("WATCHDOG_USEC", num, 1);
-      snprintf(num, sizeof(num), "%d", (int)getpid());
-      setenv("WATCHDOG_PID", num, 1);
-    } else {
-      unsetenv("WATCHDOG_USEC");
-      unsetenv("WATCHDOG_PID");
-    }
-    unsetenv("GPUPOOL_SOCKET");
-    err = open(o->stderr_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (err >= 0) {
-      dup2(err, 2);
-      close(err);
-    }
-    execl(gpupoold, gpupoold, "--backend", "host", "--socket", o->socket_opt, "--pool",
-          "name=default,kind=host,capacity=64M,slab=4M", (char *)NULL);
-    _exit(127);
+/* In the child, before exec: the fds at 3, 4, ... and the environment a service manager sets.
+ * Only the child runs this; it is single-threaded, so plain libc calls are fine. */
+static int as_service(void *arg) {
+  const spawn_opts *o = arg;
+  int high[8];
+  char num[32];
+  for (int i = 0; i < o->nfds; i++)
+    high[i] = fcntl(o->fds[i], F_DUPFD, 64); /* out of the way of 3.. */
+  for (int i = 0; i < o->nfds; i++) {
+    if (dup2(high[i], 3 + i) != 3 + i)
+      return -1;
+    close(high[i]);
   }
+  if (o->nfds > 0) {
+    snprintf(num, sizeof(num), "%d", o->nfds);
+    setenv("LISTEN_FDS", num, 1);
+    snprintf(num, sizeof(num), "%d", o->listen_pid_self ? (int)getpid() : 1);
+    setenv("LISTEN_PID", num, 1);
+  }
+  setenv("NOTIFY_SOCKET", o->notify, 1);
+  if (o->watchdog_usec > 0) {
+    snprintf(num, sizeof(num), "%d", o->watchdog_usec);
+    setenv("WATCHDOG_USEC", num, 1);
+    snprintf(num, sizeof(num), "%d", (int)getpid());
+    setenv("WATCHDOG_PID", num, 1);
+  } else {
+    unsetenv("WATCHDOG_USEC");
+    unsetenv("WATCHDOG_PID");
+  }
+  unsetenv("GPUPOOL_SOCKET");
+  return 0;
+}
+
+static pid_t spawn(const spawn_opts *o) {
+  const char *argv[] = {gpupoold, "--backend", "host", "--socket", o->socket_opt, "--pool",
+                        "name=default,kind=host,capacity=64M,slab=4M", NULL};
+  return ts_exec(argv, o->stderr_path, TS_EXEC_STDERR_ONLY, as_service, (void *)o);
 }
 
 /* The next notify datagram before `end` (a now_ms() time), as a string in buf. Returns 1,
@@ -180,28 +176,13 @@ static int count_notify(int fd, const char *want, int window_ms) {
 
 /* Exit status of pid within timeout_ms (-1 and SIGKILL on timeout). */
 static int wait_exit(pid_t pid, int timeout_ms) {
-  int64_t end = now_ms() + timeout_ms;
   int st;
-  while (now_ms() < end) {
-    pid_t r = waitpid(pid, &st, WNOHANG);
-    if (r == pid)
-      return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-    usleep(10000);
-  }
-  kill(pid, SIGKILL);
-  waitpid(pid, &st, 0);
-  return -1;
+  if (ts_wait_pid(pid, timeout_ms, 1, &st) != 0)
+    return -1;
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
-static void dump_file(const char *path) {
-  char buf[512];
-  FILE *f = fopen(path, "r");
-  if (f == NULL)
-    return;
-  while (fgets(buf, sizeof(buf), f))
-    fprintf(stderr, "  gpupoold: %s", buf);
-  fclose(f);
-}
+static void dump_file(const char *path) { ts_print_file(stderr, path, "gpupoold stderr"); }
 
 static int file_contains(const char *path, const char *want) {
   char buf[8192];
