@@ -148,6 +148,9 @@ struct gpupool__server {
   FILE *trace;               /* GPUPOOL_TRACE: a line per request, as the client library writes */
   uv_timer_t fence_timer;    /* polls the events of held-back replies while there are any */
   uint64_t nfenced;          /* replies held back, all connections */
+  /* Waiting gets publishes tried, and answered: equal when a publish touches only the
+   * waiters it serves (Stats waiting_gets_tried/answered). */
+  uint64_t gets_tried, gets_answered;
 };
 
 static void conn_close(gpupool__conn *c, const char *why);
@@ -681,9 +684,11 @@ static void wake_getters(gpupool__server *s, const char *key) {
     last = next == NULL;
     if (w->removed || w->conn->closing)
       continue;
+    s->gets_tried++;
     rc = try_get(w);
     if (rc == GPUPOOL_ENOENT)
       continue;
+    s->gets_answered++;
     if (rc != 0)
       send_error(w->conn, w->seq, rc, gpupool__errmsg());
     gpupool__metrics_request(s->metrics, body_of(w->kind), rc, gpupool__now_ns() - w->started_ns);
@@ -884,6 +889,8 @@ static int server_stats(void *server, Gpupool__Wire__StatsReply *st) {
   st->open_fds = count_open_fds();
   st->pending_frees = reg->npending;
   st->waiting_leases = reg->nwaiting;
+  st->waiting_gets_tried = s->gets_tried;
+  st->waiting_gets_answered = s->gets_answered;
   return 0;
 }
 
