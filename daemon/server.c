@@ -38,15 +38,25 @@ enum { WAIT_ALLOC = 1, WAIT_GET = 2, WAIT_BGET = 3, WAIT_ABUNDLE = 4, WAIT_GET_F
 
 typedef struct gpupool__waiter gpupool__waiter;
 
-/* A FIFO of waiting requests: allocations of one pool, or gets of one name. Appending and
- * removing are O(1); a pass over a queue touches only the requests that could now succeed. */
+/* Waiting requests: the allocations of one pool and owner (a FIFO), or the gets of one name.
+ * Gets sit in a binary min-heap on (newer_than, arrival): a publish of version v serves
+ * exactly those with newer_than < v, which are at the top, so it pops them in O(log n) each
+ * and never looks at a get waiting for a later version (thousands of those parked on a name
+ * would otherwise make every publish of it cost thousands of lookups). Appending and removing
+ * are O(1) for allocations and O(log n) for gets; a pass over a queue touches only the
+ * requests that could now succeed. */
 typedef struct wqueue wqueue;
 struct wqueue {
-  gpupool__waiter *head, *tail;
+  gpupool__waiter *head, *tail; /* allocations, oldest first */
   char *name;           /* for a queue of gets: the name (the key it is filed under) */
   uint64_t akey;        /* for a queue of allocations: owner * 64 + pool index (its key) */
   wqueue *anext;        /* the next allocation queue of the same pool */
+  gpupool__waiter **heap; /* gets */
+  uint32_t n, cap;
+  int waking;           /* a publish is serving it: that pass frees it once empty */
 };
+
+#define NOT_IN_HEAP UINT32_MAX
 
 struct gpupool__waiter {
   gpupool__conn *conn;
@@ -60,10 +70,12 @@ struct gpupool__waiter {
   uint64_t known_layout;   /* bundle gets: the member table the client already has */
   gpupool__bundle_plan *plan;   /* WAIT_ABUNDLE: the checked layout (owned) */
   uint64_t started_ns;
+  uint64_t order;               /* arrival, for FIFO among the gets one publish serves */
   uv_timer_t timer;
   int removed;
   wqueue *q;
-  gpupool__waiter *prev, *next;   /* in q */
+  uint32_t hidx;                /* gets: the position in q->heap, or NOT_IN_HEAP */
+  gpupool__waiter *prev, *next;   /* in q (allocations) */
   gpupool__waiter *cprev, *cnext; /* in conn->waiters */
 };
 
@@ -151,6 +163,7 @@ struct gpupool__server {
   /* Waiting gets publishes tried, and answered: equal when a publish touches only the
    * waiters it serves (Stats waiting_gets_tried/answered). */
   uint64_t gets_tried, gets_answered;
+  uint64_t waiter_order;     /* arrivals of waiting requests, numbered */
 };
 
 static void conn_close(gpupool__conn *c, const char *why);
@@ -400,6 +413,74 @@ static int rl_allow(ratelimit *rl, uint32_t burst, uint64_t interval_ns, uint64_
   return 0;
 }
 
+/* ---- the heap of a name's waiting gets ---- */
+
+static int get_before(const gpupool__waiter *a, const gpupool__waiter *b) {
+  return a->newer_than != b->newer_than ? a->newer_than < b->newer_than : a->order < b->order;
+}
+
+static void heap_set(wqueue *q, uint32_t i, gpupool__waiter *w) {
+  q->heap[i] = w;
+  w->hidx = i;
+}
+
+static void heap_up(wqueue *q, uint32_t i) {
+  gpupool__waiter *w = q->heap[i];
+  while (i > 0 && get_before(w, q->heap[(i - 1) / 2])) {
+    heap_set(q, i, q->heap[(i - 1) / 2]);
+    i = (i - 1) / 2;
+  }
+  heap_set(q, i, w);
+}
+
+static void heap_down(wqueue *q, uint32_t i) {
+  gpupool__waiter *w = q->heap[i];
+  for (;;) {
+    uint32_t m = 2 * i + 1;
+    if (m >= q->n)
+      break;
+    if (m + 1 < q->n && get_before(q->heap[m + 1], q->heap[m]))
+      m++;
+    if (!get_before(q->heap[m], w))
+      break;
+    heap_set(q, i, q->heap[m]);
+    i = m;
+  }
+  heap_set(q, i, w);
+}
+
+static int heap_push(wqueue *q, gpupool__waiter *w) {
+  if (q->n == q->cap) {
+    uint32_t ncap = q->cap ? q->cap * 2 : 8;
+    gpupool__waiter **h = realloc(q->heap, ncap * sizeof *h);
+    if (!h)
+      return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    q->heap = h;
+    q->cap = ncap;
+  }
+  heap_set(q, q->n++, w);
+  heap_up(q, q->n - 1);
+  return 0;
+}
+
+static void heap_del(wqueue *q, gpupool__waiter *w) {
+  uint32_t i = w->hidx;
+  gpupool__waiter *last = q->heap[--q->n];
+  w->hidx = NOT_IN_HEAP;
+  if (i == q->n)
+    return;
+  heap_set(q, i, last);
+  heap_up(q, i);
+  heap_down(q, last->hidx);
+}
+
+static void get_q_free(gpupool__server *s, wqueue *q) {
+  gpupool__smap_del(&s->get_q, q->name);
+  free(q->heap);
+  free(q->name);
+  free(q);
+}
+
 /* Unlinks w; its memory stays valid until the timer's close callback, so a loop over a queue
  * that triggered this (through a nested disconnect) can still step past it. */
 static void waiter_remove(gpupool__waiter *w) {
@@ -409,14 +490,19 @@ static void waiter_remove(gpupool__waiter *w) {
   if (w->removed)
     return;
   w->removed = 1;
-  if (w->prev)
-    w->prev->next = w->next;
-  else
-    q->head = w->next;
-  if (w->next)
-    w->next->prev = w->prev;
-  else
-    q->tail = w->prev;
+  if (q->name) {
+    if (w->hidx != NOT_IN_HEAP)
+      heap_del(q, w);
+  } else {
+    if (w->prev)
+      w->prev->next = w->next;
+    else
+      q->head = w->next;
+    if (w->next)
+      w->next->prev = w->prev;
+    else
+      q->tail = w->prev;
+  }
   if (w->cprev)
     w->cprev->cnext = w->cnext;
   else
@@ -425,11 +511,8 @@ static void waiter_remove(gpupool__waiter *w) {
     w->cnext->cprev = w->cprev;
   c->nwaiters--;
   c->u->waiters--;
-  if (q->name && !q->head) {
-    gpupool__smap_del(&s->get_q, q->name);
-    free(q->name);
-    free(q);
-  }
+  if (q->name && !q->n && !q->waking)
+    get_q_free(s, q);
   uv_timer_stop(&w->timer);
   uv_close((uv_handle_t *)&w->timer, waiter_closed);
 }
@@ -584,14 +667,17 @@ static int waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout
     }
   }
   w = calloc(1, sizeof *w);
-  if (!w || (name && !(w->name = strdup(name)))) {
+  if (w) {
+    w->newer_than = newer_than;
+    w->order = s->waiter_order++;
+  }
+  if (!w || (name && !(w->name = strdup(name))) || (q->name && heap_push(q, w) != 0)) {
+    if (w)
+      free(w->name);
     free(w);
     gpupool__bundle_plan_free(plan);
-    if (q->name && !q->head) {
-      gpupool__smap_del(&s->get_q, q->name);
-      free(q->name);
-      free(q);
-    }
+    if (q->name && !q->n && !q->waking)
+      get_q_free(s, q);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
   w->conn = c;
@@ -601,7 +687,6 @@ static int waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout
   w->size = size;
   w->align = align;
   w->read_only = read_only;
-  w->newer_than = newer_than;
   w->plan = plan;
   w->started_ns = gpupool__now_ns();
   w->q = q;
@@ -609,12 +694,15 @@ static int waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout
   w->timer.data = w;
   if (timeout_ms != WAIT_FOREVER)
     uv_timer_start(&w->timer, waiter_timeout, timeout_ms, 0);
-  w->prev = q->tail;
-  if (q->tail)
-    q->tail->next = w;
-  else
-    q->head = w;
-  q->tail = w;
+  if (!q->name) {
+    w->hidx = NOT_IN_HEAP;
+    w->prev = q->tail;
+    if (q->tail)
+      q->tail->next = w;
+    else
+      q->head = w;
+    q->tail = w;
+  }
   w->cnext = c->waiters;
   if (c->waiters)
     c->waiters->cprev = w;
@@ -670,32 +758,64 @@ static void retry_waiters(gpupool__registry *reg, gpupool__pool *pool) {
   s->in_retry = 0;
 }
 
-/* Serve the gets waiting for key (a name in one namespace) now that it is published. */
-static void wake_getters(gpupool__server *s, const char *key) {
-  wqueue *q = gpupool__smap_get(&s->get_q, key);
-  gpupool__waiter *w, *next;
-  if (!q)
-    return;
-  /* waiter_remove frees q with its last waiter: step with the next pointer read first, and
-   * stop when the waiter just served was the last one. */
-  for (w = q->head; w; w = next) {
-    int rc, last;
-    next = w->next;
-    last = next == NULL;
-    if (w->removed || w->conn->closing)
-      continue;
-    s->gets_tried++;
-    rc = try_get(w);
-    if (rc == GPUPOOL_ENOENT)
-      continue;
-    s->gets_answered++;
-    if (rc != 0)
-      send_error(w->conn, w->seq, rc, gpupool__errmsg());
-    gpupool__metrics_request(s->metrics, body_of(w->kind), rc, gpupool__now_ns() - w->started_ns);
-    waiter_remove(w);
-    if (last)
-      break;
+static int by_arrival(const void *a, const void *b) {
+  uint64_t x = (*(gpupool__waiter *const *)a)->order, y = (*(gpupool__waiter *const *)b)->order;
+  return x < y ? -1 : x > y;
+}
+
+/* Answer one waiting get that a publish reached (already out of q's heap): 1 when it must
+ * wait on after all (the name went away meanwhile), and it is back in the heap. */
+static int serve_get(gpupool__server *s, wqueue *q, gpupool__waiter *w) {
+  int rc;
+  if (w->removed || w->conn->closing)
+    return 0; /* a nested disconnect took it after it was popped */
+  s->gets_tried++;
+  rc = try_get(w);
+  if (rc == GPUPOOL_ENOENT) {
+    if ((rc = heap_push(q, w)) == 0)
+      return 1;
   }
+  s->gets_answered++;
+  if (rc != 0)
+    send_error(w->conn, w->seq, rc, gpupool__errmsg());
+  gpupool__metrics_request(s->metrics, body_of(w->kind), rc, gpupool__now_ns() - w->started_ns);
+  waiter_remove(w);
+  return 0;
+}
+
+/* Serve the gets waiting for key (a name in one namespace) now that it is at version: those
+ * waiting for an older one, and no other (they stay in the heap untouched), in the order they
+ * came. */
+static void wake_getters(gpupool__server *s, const char *key, uint64_t version) {
+  wqueue *q = gpupool__smap_get(&s->get_q, key);
+  gpupool__waiter **batch;
+  uint32_t m = 0;
+  if (!q || !q->n || q->heap[0]->newer_than >= version)
+    return;
+  /* The queue stays (even empty) while this pass holds waiters popped from it. */
+  q->waking++;
+  if ((batch = malloc(q->n * sizeof *batch))) {
+    while (q->n && q->heap[0]->newer_than < version) {
+      batch[m++] = q->heap[0];
+      heap_del(q, q->heap[0]);
+    }
+    /* The heap pops by version first: put them back in arrival order. */
+    if (m > 1)
+      qsort(batch, m, sizeof *batch, by_arrival);
+    for (uint32_t i = 0; i < m; i++)
+      serve_get(s, q, batch[i]);
+    free(batch);
+  } else {
+    /* Out of memory for the batch: one at a time, FIFO within each version waited for. */
+    while (q->n && q->heap[0]->newer_than < version) {
+      gpupool__waiter *w = q->heap[0];
+      heap_del(q, w);
+      if (serve_get(s, q, w))
+        break;
+    }
+  }
+  if (--q->waking == 0 && !q->n)
+    get_q_free(s, q);
 }
 
 /* ---- replies carrying a buffer -------------------------------------------------------------- */
@@ -1056,11 +1176,11 @@ static int handle_open(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Open
 
 /* A name got a new version: serve the gets waiting for it first (they are the handoff's
  * critical path), before the publisher's own reply. */
-static void published(gpupool__conn *c, const char *name) {
+static void published(gpupool__conn *c, const char *name, uint64_t version) {
   char key[GPUPOOL_NAME_KEY_MAX + 1];
   uint64_t owner;
   if (gpupool__name_key(c->srv->reg, &c->cl, name, key, sizeof key, &owner) == 0)
-    wake_getters(c->srv, key);
+    wake_getters(c->srv, key, version);
 }
 
 static int handle_publish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Publish *m) {
@@ -1071,7 +1191,7 @@ static int handle_publish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__P
                             &version);
   if (rc != 0)
     return rc;
-  published(c, m->name);
+  published(c, m->name, version);
   pr.version = version;
   rep.body_case = GPUPOOL__WIRE__REPLY__BODY_PUBLISH;
   rep.publish = &pr;
@@ -1088,7 +1208,7 @@ static int handle_publish_bundle(gpupool__conn *c, uint64_t seq, const Gpupool__
                                    m->n_members, m->layout_id, &version);
   if (rc != 0)
     return rc;
-  published(c, m->name);
+  published(c, m->name, version);
   pr.version = version;
   rep.body_case = GPUPOOL__WIRE__REPLY__BODY_PUBLISH_BUNDLE;
   rep.publish_bundle = &pr;
@@ -1189,7 +1309,7 @@ static int handle_publish_file(gpupool__conn *c, uint64_t seq, const Gpupool__Wi
   if ((rc = gpupool__publish_file(c->srv->reg, &c->cl, m->name, fd, m->offset, m->length, &n)) != 0)
     return rc; /* fd closed there */
   reply_file(c, seq, n, m->name, GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE);
-  published(c, m->name);
+  published(c, m->name, n->version);
   return 0;
 }
 

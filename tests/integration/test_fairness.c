@@ -1,0 +1,246 @@
+/*
+ * A fair loop: one client, or one uid, cannot take the daemon's thread from the others.
+ * - wake: thousands of parked gets that wait for a version far ahead cost a publish nothing
+ *   (the daemon's own count of the waiters a publish looked at, in the Stats reply), those a
+ *   publish does reach are answered in the order they came, and root is served meanwhile.
+ */
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+#include "harness.h"
+#include "raw.h"
+
+#define NOBODY 65534
+
+static th_daemon D;
+
+/* A daemon on a socket every uid can reach. */
+static void start_daemon(void) {
+  th_prepare(&D);
+  assert_int_equal(chmod(D.dir, 0711), 0);
+  th_write_conf(&D, "[daemon]\nsocket_mode = 0666\n[pool default]\nkind = host\ncapacity = 64M\nslab_size = 4M\n");
+  th_start(&D, 1, NULL);
+}
+
+static int teardown(void **state) {
+  (void)state;
+  th_stop(&D);
+  return 0;
+}
+
+/* Connect and say Hello: the socket, or -1. */
+static int session(const char *name) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Hello h = GPUPOOL__WIRE__HELLO__INIT;
+  gpupool__rep *rep;
+  int fd = th_raw_connect(D.sock, 20), ok;
+  if (fd < 0)
+    return -1;
+  h.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
+  h.client_name = (char *)name;
+  req.seq = 1;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
+  req.hello = &h;
+  if (th_raw_send(fd, &req, NULL, 0) != 0 || !(rep = th_raw_recv(fd))) {
+    close(fd);
+    return -1;
+  }
+  ok = rep->body_case == GPUPOOL__WIRE__REPLY__BODY_HELLO;
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  if (!ok) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+/* Append req's frame to the buffer *buf of *len bytes: 0 or -1. */
+static int append_frame(uint8_t **buf, size_t *len, const gpupool__req *req) {
+  uint8_t *f, *n;
+  size_t flen;
+  if (gpupool__wire_pack_request(req, &f, &flen) != 0)
+    return -1;
+  if (!(n = realloc(*buf, *len + flen))) {
+    free(f);
+    return -1;
+  }
+  memcpy(n + *len, f, flen);
+  *buf = n;
+  *len += flen;
+  free(f);
+  return 0;
+}
+
+static int write_all(int fd, const uint8_t *buf, size_t len) {
+  while (len > 0) {
+    ssize_t n = send(fd, buf, len, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      return -1;
+    buf += n;
+    len -= (size_t)n;
+  }
+  return 0;
+}
+
+static int append_get(uint8_t **buf, size_t *len, uint64_t seq, const char *name, uint32_t timeout_ms,
+                      uint64_t newer_than) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Get g = GPUPOOL__WIRE__GET__INIT;
+  g.name = (char *)name;
+  g.timeout_ms = timeout_ms;
+  g.newer_than = newer_than;
+  req.seq = seq;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_GET;
+  req.get = &g;
+  return append_frame(buf, len, &req);
+}
+
+static int append_stats(uint8_t **buf, size_t *len, uint64_t seq) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Stats st = GPUPOOL__WIRE__STATS__INIT;
+  req.seq = seq;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
+  req.stats = &st;
+  return append_frame(buf, len, &req);
+}
+
+/* ---- wake-ups proportional to what a publish delivers ------------------------------------- */
+
+#define WAKE_CONNS 4
+#define WAKE_PER_CONN 1024 /* the default max_waiters_per_client; 4 x 1024 = max_waiters_per_uid */
+#define WAKE_NEAR_EVERY 128 /* on the first connection, every 128th get waits for version 4 only */
+#define WAKE_PUBLISHES 64
+#define FAR_AHEAD (1ull << 40)
+
+/* Child, as uid 65534: park 4,096 gets of "wake" (a few waiting for version 4, the rest for a
+ * version no publish here reaches), then pipeline WAKE_PUBLISHES publishes of it in one write. */
+static int wake_child(const th_daemon *d, int ready_fd) {
+  int fds[WAKE_CONNS], pub;
+  uint8_t *buf = NULL;
+  size_t len = 0;
+  uint64_t hold_id, near = 0, got_near = 0;
+  gpupool__rep *rep;
+  char b = 1;
+  (void)d;
+  if (th_become(NOBODY) != 0)
+    return 2;
+  for (int i = 0; i < WAKE_CONNS; i++) {
+    CHILD_CHECK((fds[i] = session("waiter")) >= 0, "session %d", i);
+    len = 0;
+    for (uint64_t k = 0; k < WAKE_PER_CONN; k++) {
+      int is_near = i == 0 && k % WAKE_NEAR_EVERY == 0;
+      near += (uint64_t)is_near;
+      CHILD_CHECK(append_get(&buf, &len, 100 + k, "wake", 600000, is_near ? 3 : FAR_AHEAD) == 0, "pack");
+    }
+    /* Replies come in order: when the Stats reply is in, every get before it is parked. */
+    CHILD_CHECK(append_stats(&buf, &len, 99) == 0, "pack");
+    CHILD_CHECK(write_all(fds[i], buf, len) == 0, "write the gets of connection %d", i);
+    rep = th_raw_recv(fds[i]);
+    CHILD_CHECK(rep && rep->seq == 99 && rep->body_case == GPUPOOL__WIRE__REPLY__BODY_STATS,
+                "connection %d: expected only the Stats reply, got seq %llu (%s)", i,
+                rep ? (unsigned long long)rep->seq : 0ull, rep && rep->error ? rep->error->message : "no error");
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  CHILD_CHECK((pub = session("publisher")) >= 0, "publisher session");
+  {
+    gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+    Gpupool__Wire__Allocate a = GPUPOOL__WIRE__ALLOCATE__INIT;
+    a.size = 4096;
+    req.seq = 2;
+    req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
+    req.allocate = &a;
+    CHILD_CHECK(th_raw_send(pub, &req, NULL, 0) == 0, "send allocate");
+    rep = th_raw_recv(pub);
+    CHILD_CHECK(rep && rep->allocate && rep->allocate->buffer, "allocate: %s",
+                rep && rep->error ? rep->error->message : "no reply");
+    hold_id = rep->allocate->buffer->hold_id;
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  CHILD_CHECK(write(ready_fd, &b, 1) == 1, "tell the parent");
+  len = 0;
+  for (uint64_t k = 0; k < WAKE_PUBLISHES; k++) {
+    gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+    Gpupool__Wire__Publish p = GPUPOOL__WIRE__PUBLISH__INIT;
+    p.hold_id = hold_id;
+    p.name = (char *)"wake";
+    req.seq = 1000 + k;
+    req.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH;
+    req.publish = &p;
+    CHILD_CHECK(append_frame(&buf, &len, &req) == 0, "pack");
+  }
+  CHILD_CHECK(write_all(pub, buf, len) == 0, "write the publishes");
+  for (uint64_t k = 0; k < WAKE_PUBLISHES; k++) {
+    rep = th_raw_recv(pub);
+    CHILD_CHECK(rep && rep->seq == 1000 + k && rep->publish && rep->publish->version == k + 1,
+                "publish %llu: %s", (unsigned long long)k, rep && rep->error ? rep->error->message : "bad reply");
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  /* The gets that waited for version 4 got it, in the order they were sent. */
+  for (uint64_t k = 0; k < WAKE_PER_CONN; k += WAKE_NEAR_EVERY) {
+    rep = th_raw_recv(fds[0]);
+    CHILD_CHECK(rep && rep->seq == 100 + k && rep->get && rep->get->version == 4,
+                "near get %llu: got seq %llu version %llu (%s)", (unsigned long long)k,
+                rep ? (unsigned long long)rep->seq : 0ull,
+                rep && rep->get ? (unsigned long long)rep->get->version : 0ull,
+                rep && rep->error ? rep->error->message : "no error");
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+    got_near++;
+  }
+  CHILD_CHECK(got_near == near, "%llu of %llu near gets answered", (unsigned long long)got_near,
+              (unsigned long long)near);
+  CHILD_CHECK(th_raw_send_stats(pub, 3, NULL, 0) == 0, "send stats");
+  rep = th_raw_recv(pub);
+  CHILD_CHECK(rep && rep->stats, "stats");
+  printf("%d publishes over %d parked gets: the daemon tried %llu waiting gets and answered %llu\n",
+         WAKE_PUBLISHES, WAKE_CONNS * WAKE_PER_CONN, (unsigned long long)rep->stats->waiting_gets_tried,
+         (unsigned long long)rep->stats->waiting_gets_answered);
+  fflush(stdout);
+  CHILD_CHECK(rep->stats->waiting_gets_answered == near, "answered %llu, expected %llu",
+              (unsigned long long)rep->stats->waiting_gets_answered, (unsigned long long)near);
+  /* Work per publish does not scale with the parked waiters: only those served are tried. */
+  CHILD_CHECK(rep->stats->waiting_gets_tried <= rep->stats->waiting_gets_answered + 4,
+              "publishes tried %llu waiting gets to answer %llu", (unsigned long long)rep->stats->waiting_gets_tried,
+              (unsigned long long)rep->stats->waiting_gets_answered);
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  free(buf);
+  return 0;
+}
+
+static void test_wake_amplification(void **state) {
+  int ready[2], st;
+  char b;
+  pid_t pid;
+  (void)state;
+  start_daemon();
+  assert_int_equal(pipe(ready), 0);
+  pid = th_spawn(&D, wake_child, ready[1]);
+  close(ready[1]);
+  assert_int_equal(read(ready[0], &b, 1), 1);
+  close(ready[0]);
+  /* Root is answered while the publishes run (a generous 10 s each: liveness, not speed). */
+  {
+    gpupool_client *c = th_connect(&D, "root");
+    for (int i = 0; waitpid(pid, &st, WNOHANG) == 0; i++) {
+      gpupool_buffer *bf;
+      uint64_t t0 = th_now_ms();
+      assert_int_equal(gpupool_alloc(c, NULL, 4096, 0, NULL, &bf), 0);
+      assert_int_equal(gpupool_release(bf, NULL), 0);
+      if (th_now_ms() - t0 > 10000)
+        fail_msg("root's allocate+release took %llu ms during the publishes", (unsigned long long)(th_now_ms() - t0));
+    }
+    gpupool_disconnect(c);
+  }
+  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+    th_dump_log(&D);
+    fail_msg("the waiting child failed: status 0x%x", st);
+  }
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_teardown(test_wake_amplification, teardown),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
