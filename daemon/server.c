@@ -1,7 +1,8 @@
 /*
- * gpupoold's connections: accept, peer credentials, handshake, framing, dispatch, replies,
- * waiting requests and disconnects. Single-threaded on the libuv loop; never blocks on a
- * client (replies that do not fit in the socket are queued and flushed when writable).
+ * gpupoold's connections: accept, peer credentials, handshake, framing, who is served next
+ * (the fair loop), dispatch, replies, waiting requests and disconnects. Single-threaded on the
+ * libuv loop; never blocks on a client (replies that do not fit in the socket are queued and
+ * flushed when writable).
  *
  * A connection is freed only from its handles' close callbacks, never inside its own
  * callback. A client that breaks the protocol gets an error reply and is dropped; one whose
@@ -31,6 +32,7 @@
 #define WAIT_FOREVER UINT32_MAX
 
 typedef struct gpupool__conn gpupool__conn;
+typedef struct share share;
 
 /* What a waiting request is: an allocation, a get, a bundle get, a bundle allocation, a get
  * of a file. */
@@ -79,6 +81,20 @@ struct gpupool__waiter {
   gpupool__waiter *cprev, *cnext; /* in conn->waiters */
 };
 
+/* A uid's share of the loop (keyed like its limits: by tenant, which is the uid unless a
+ * [tenant] section groups uids). Frames are read in the poll phase but handled in a pass that
+ * runs after it (turn()): each pick serves one frame of the connection at the head of the
+ * ready uid that used the least loop time lately, then moves that connection behind its uid's
+ * other ready ones. See turn() for why. */
+struct share {
+  uint64_t key;
+  uint32_t conns;        /* connections that refer to it; freed at 0 */
+  uint64_t load_ns;      /* loop time its requests took, decayed (LOAD_HALF_LIFE_NS) */
+  uint64_t stamp_ns;     /* when load_ns was last decayed */
+  gpupool__conn *rhead, *rtail; /* its connections with frames read and not yet handled */
+  share *rprev, *rnext;  /* in srv->ready while rhead is set */
+};
+
 /* At most `burst` lines per interval; the rest are counted and reported once the interval
  * has passed (journald's RateLimitIntervalSec/RateLimitBurst idea). */
 typedef struct {
@@ -123,6 +139,9 @@ struct gpupool__conn {
   int host_fences;    /* its last request said it cannot use the daemon's events */
   fenced *fenced_head, **fenced_tail;
   size_t fenced_bytes;
+  share *sh;          /* its uid's share of the loop */
+  int ready;          /* in sh's ready list: its input buffer may hold frames; not read meanwhile */
+  gpupool__conn *rprev, *rnext;
   gpupool__conn *prev, *next;
 };
 
@@ -164,6 +183,14 @@ struct gpupool__server {
    * waiters it serves (Stats waiting_gets_tried/answered). */
   uint64_t gets_tried, gets_answered;
   uint64_t waiter_order;     /* arrivals of waiting requests, numbered */
+  /* The fair loop: uids with frames waiting, and the handles that run turn() after each poll
+   * (check) and keep the poll from blocking while any is left (idle). */
+  gpupool__hmap shares;      /* tenant -> share */
+  share *ready;
+  share *serving;            /* the share turn() is charging: freed by turn(), not conn_close */
+  uv_check_t turn_check;
+  uv_idle_t turn_idle;
+  int turn_on;
 };
 
 static void conn_close(gpupool__conn *c, const char *why);
@@ -171,6 +198,8 @@ static void conn_update_poll(gpupool__conn *c);
 static void conn_drop_after_flush(gpupool__conn *c);
 static void conn_heap(gpupool__conn *c);
 static void retry_waiters(gpupool__registry *reg, gpupool__pool *pool);
+static void conn_unready(gpupool__conn *c);
+static void share_put(gpupool__server *s, share *sh);
 
 uint64_t gpupool__server_clients(const gpupool__server *s) { return s->nconns; }
 uint64_t gpupool__server_last_activity(const gpupool__server *s) { return s->last_activity_ns; }
@@ -1640,6 +1669,9 @@ static void conn_close(gpupool__conn *c, const char *why) {
   }
   /* Before its holds go: the events of those buffers may be handed out again after. */
   fenced_drop_all(c);
+  conn_unready(c);
+  c->sh->conns--;
+  share_put(s, c->sh);
   c->u->conns--;
   gpupool__uid_usage_put(s->reg, c->u);
   s->heap -= c->heap;
@@ -1718,8 +1750,242 @@ static void conn_heap(gpupool__conn *c) {
   }
 }
 
+/* ---- the fair loop ---------------------------------------------------------------------------
+ *
+ * A readable connection is read once (one recvmsg, at most one input buffer of frames) in the
+ * poll phase, and then put on its uid's ready list instead of having every frame it brought
+ * handled there and then: it is not read again until what it has buffered is handled.
+ * turn(), a check handle that runs right after each poll, handles the buffered frames, one
+ * frame per pick, and goes back to polling after TURN_NS, so a request that arrives meanwhile
+ * waits for at most one pass (and the frame running when the pass ends). An idle handle keeps
+ * that poll from blocking while frames are left.
+ *
+ * Which frame next: the one of the ready uid whose requests took the least loop time lately
+ * (a sum decayed with a half-life of LOAD_HALF_LIFE_NS), and within that uid its connections
+ * in turn. A uid sending a little (a trainer's allocate and release) therefore goes ahead of
+ * one that floods, however many connections the flood comes on and however costly its
+ * requests: it waits for the flood's frame already running, and no more. Two busy uids end up
+ * with equal time, whatever their request mix (counting time, not requests, is what makes a
+ * costly request count as such). Only uids with work are compared, so a lone uid runs at full
+ * speed: nothing is ever kept idle (work-conserving). The half-life is short so that the past
+ * counts for little: a uid that had the loop to itself is, once another busy uid appears,
+ * behind it only until that one has caught up, a few milliseconds at most. Deficit round robin
+ * (a quantum per busy uid and round) would make a light uid wait a quantum of every busy uid
+ * instead. */
+
+#define TURN_NS 50000ull
+#define LOAD_HALF_LIFE_NS 4000000ull
+
+/* 2^(-k/16) in 1/65536ths, k = 0..16: decaying by a fraction of a half-life without libm. */
+static const uint32_t half_frac[17] = {65536, 62757, 60097, 57551, 55109, 52773, 50535, 48393, 46341,
+                                       44376, 42495, 40693, 38968, 37316, 35734, 34219, 32768};
+
+static void share_decay(share *sh, uint64_t now) {
+  uint64_t dt, r, k, f;
+  if (now <= sh->stamp_ns)
+    return;
+  dt = now - sh->stamp_ns;
+  sh->stamp_ns = now;
+  if (dt / LOAD_HALF_LIFE_NS >= 64) {
+    sh->load_ns = 0;
+    return;
+  }
+  sh->load_ns >>= dt / LOAD_HALF_LIFE_NS;
+  r = (dt % LOAD_HALF_LIFE_NS) * 16; /* the rest, in 16ths of a half-life, interpolated */
+  k = r / LOAD_HALF_LIFE_NS;
+  f = half_frac[k] - (half_frac[k] - half_frac[k + 1]) * (r % LOAD_HALF_LIFE_NS) / LOAD_HALF_LIFE_NS;
+  sh->load_ns = sh->load_ns * f >> 16;
+}
+
+/* Charge dt ns of loop time, spent now, to sh. */
+static void share_charge(share *sh, uint64_t now, uint64_t dt) {
+  share_decay(sh, now);
+  sh->load_ns += dt;
+}
+
+static share *share_get(gpupool__server *s, uint64_t key) {
+  share *sh = gpupool__hmap_get(&s->shares, key);
+  if (sh)
+    return sh;
+  if (!(sh = calloc(1, sizeof *sh)))
+    return NULL;
+  sh->key = key;
+  sh->stamp_ns = gpupool__now_ns();
+  if (gpupool__hmap_put(&s->shares, key, sh) != 0) {
+    free(sh);
+    return NULL;
+  }
+  return sh;
+}
+
+/* Frees sh once no connection refers to it (its load goes with it: a uid comes back fresh). */
+static void share_put(gpupool__server *s, share *sh) {
+  if (sh->conns || sh == s->serving)
+    return;
+  gpupool__hmap_del(&s->shares, sh->key);
+  free(sh);
+}
+
+static void turn(uv_check_t *h);
+static void turn_idle(uv_idle_t *h) { (void)h; }
+
+/* c has bytes read that may hold frames: queue it behind its uid's other ready connections.
+ * It is not read again until they are handled (its input buffer never holds more); its
+ * readable events are let by meanwhile rather than unsubscribed, which would cost two system
+ * calls per read. */
+static void conn_ready(gpupool__conn *c) {
+  gpupool__server *s = c->srv;
+  share *sh = c->sh;
+  if (c->ready || c->closing)
+    return;
+  c->ready = 1;
+  c->rnext = NULL;
+  c->rprev = sh->rtail;
+  if (sh->rtail) {
+    sh->rtail->rnext = c;
+  } else {
+    sh->rhead = c;
+    sh->rprev = NULL;
+    sh->rnext = s->ready;
+    if (s->ready)
+      s->ready->rprev = sh;
+    s->ready = sh;
+  }
+  sh->rtail = c;
+  if (!s->turn_on) {
+    uv_check_start(&s->turn_check, turn);
+    uv_idle_start(&s->turn_idle, turn_idle);
+    s->turn_on = 1;
+  }
+}
+
+static void conn_unready(gpupool__conn *c) {
+  gpupool__server *s = c->srv;
+  share *sh = c->sh;
+  if (!c->ready)
+    return;
+  c->ready = 0;
+  if (c->rprev)
+    c->rprev->rnext = c->rnext;
+  else
+    sh->rhead = c->rnext;
+  if (c->rnext)
+    c->rnext->rprev = c->rprev;
+  else
+    sh->rtail = c->rprev;
+  c->rprev = c->rnext = NULL;
+  if (!sh->rhead) {
+    if (sh->rprev)
+      sh->rprev->rnext = sh->rnext;
+    else
+      s->ready = sh->rnext;
+    if (sh->rnext)
+      sh->rnext->rprev = sh->rprev;
+    sh->rprev = sh->rnext = NULL;
+  }
+}
+
+/* After one frame of c: behind the other ready connections of its uid. */
+static void conn_requeue(gpupool__conn *c) {
+  share *sh = c->sh;
+  if (sh->rtail == c)
+    return;
+  if (c->rprev)
+    c->rprev->rnext = c->rnext;
+  else
+    sh->rhead = c->rnext;
+  c->rnext->rprev = c->rprev;
+  c->rprev = sh->rtail;
+  c->rnext = NULL;
+  sh->rtail->rnext = c;
+  sh->rtail = c;
+}
+
+/* What ends reading a connection: end of stream, or a stream that cannot be read on. */
+static void conn_input_error(gpupool__conn *c, int rc) {
+  char why[GPUPOOL__ERRMSG_MAX + 32];
+  if (rc == GPUPOOL_ECLOSED) {
+    conn_close(c, "end of connection");
+    return;
+  }
+  snprintf(why, sizeof why, "protocol error: %s", gpupool__errmsg());
+  GPUPOOL__WARN("client %" PRIu64 " (pid %d): %s", c->cl.id, (int)c->cl.pid, gpupool__errmsg());
+  if (rc == GPUPOOL_EPROTO && !c->drop_after_flush) {
+    /* Tell it why before hanging up (the stream cannot be resynchronised). */
+    conn_drop_after_flush(c);
+    send_error(c, 0, GPUPOOL_EPROTO, gpupool__errmsg());
+    if (!c->txq.head && !c->closing)
+      conn_close(c, why);
+  } else {
+    conn_close(c, why);
+  }
+}
+
+/* Handle c's next buffered frame: 1 when one was handled, 0 when none is complete (or c
+ * can take no more). */
+static int conn_serve(gpupool__conn *c) {
+  const uint8_t *payload;
+  uint32_t len;
+  int rc;
+  if (c->closing || c->drop_after_flush)
+    return 0;
+  rc = gpupool__wire_inbuf_next(&c->in, &payload, &len);
+  if (rc < 0) {
+    conn_input_error(c, rc);
+    return 0;
+  }
+  if (rc == 0)
+    return 0;
+  handle_frame(c, payload, len);
+  if (c->drop_after_flush && !c->txq.head && !c->closing)
+    conn_close(c, "protocol violation");
+  return 1;
+}
+
+static void turn(uv_check_t *h) {
+  gpupool__server *s = h->data;
+  uint64_t start = gpupool__now_ns(), t = start;
+  for (share *sh = s->ready; sh; sh = sh->rnext)
+    share_decay(sh, start);
+  while (s->ready) {
+    share *sh = s->ready;
+    gpupool__conn *c;
+    uint64_t t1;
+    int served;
+    for (share *o = sh->rnext; o; o = o->rnext)
+      if (o->load_ns < sh->load_ns)
+        sh = o;
+    c = sh->rhead;
+    s->serving = sh; /* a disconnect inside may drop the last connection of sh */
+    served = conn_serve(c);
+    s->serving = NULL;
+    t1 = gpupool__now_ns();
+    sh->load_ns += t1 - t;
+    t = t1;
+    if (!sh->conns) {
+      share_put(s, sh); /* c closed, and with it the last connection of its uid */
+    } else if (c->ready) {
+      /* Nothing complete buffered (or no more wanted): it is read again. Else it goes
+       * behind its uid's other ready connections. */
+      if (served && !c->drop_after_flush)
+        conn_requeue(c);
+      else
+        conn_unready(c);
+    }
+    if (t1 - start >= TURN_NS)
+      break;
+  }
+  if (!s->ready && s->turn_on) {
+    uv_check_stop(&s->turn_check);
+    uv_idle_stop(&s->turn_idle);
+    s->turn_on = 0;
+  }
+}
+
 static void conn_io(uv_poll_t *p, int status, int events) {
   gpupool__conn *c = p->data;
+  uint64_t t0;
+  int fds = 0, rc;
   if (status < 0) {
     conn_close(c, uv_strerror(status));
     return;
@@ -1729,48 +1995,23 @@ static void conn_io(uv_poll_t *p, int status, int events) {
     if (c->closing)
       return;
   }
-  if (!(events & UV_READABLE))
+  /* A ready connection is read again only once its buffer has no complete frame left. */
+  if (!(events & UV_READABLE) || c->drop_after_flush || c->ready)
     return;
-  if (c->drop_after_flush)
+  t0 = c->srv->last_activity_ns = gpupool__now_ns();
+  rc = gpupool__wire_inbuf_fill(&c->in, c->fd, &fds);
+  share_charge(c->sh, gpupool__now_ns(), gpupool__now_ns() - t0);
+  conn_heap(c);
+  if (c->closing)
     return;
-  c->srv->last_activity_ns = gpupool__now_ns();
-  {
-    const uint8_t *payload;
-    uint32_t len;
-    int fds = 0, rc = gpupool__wire_inbuf_fill(&c->in, c->fd, &fds);
-    conn_heap(c);
-    if (c->closing)
-      return;
-    if (fds > 0) {
-      GPUPOOL__WARN("client %" PRIu64 " (pid %d) sent %d unexpected fd(s); closed them", c->cl.id, (int)c->cl.pid, fds);
-      c->fds_pending = 1;
-    }
-    /* One read takes every waiting frame; level-triggered polling brings us back for more. */
-    while (rc >= 0 && !c->closing && !c->drop_after_flush &&
-           (rc = gpupool__wire_inbuf_next(&c->in, &payload, &len)) == 1) {
-      handle_frame(c, payload, len);
-      if (c->drop_after_flush && !c->txq.head && !c->closing)
-        conn_close(c, "protocol violation");
-    }
-    if (rc >= 0 || c->closing)
-      return;
-    if (rc == GPUPOOL_ECLOSED) {
-      conn_close(c, "end of connection");
-    } else {
-      char why[GPUPOOL__ERRMSG_MAX + 32];
-      snprintf(why, sizeof why, "protocol error: %s", gpupool__errmsg());
-      GPUPOOL__WARN("client %" PRIu64 " (pid %d): %s", c->cl.id, (int)c->cl.pid, gpupool__errmsg());
-      if (rc == GPUPOOL_EPROTO && !c->drop_after_flush) {
-        /* Tell it why before hanging up (the stream cannot be resynchronised). */
-        conn_drop_after_flush(c);
-        send_error(c, 0, GPUPOOL_EPROTO, gpupool__errmsg());
-        if (!c->txq.head && !c->closing)
-          conn_close(c, why);
-      } else {
-        conn_close(c, why);
-      }
-    }
+  if (fds > 0) {
+    GPUPOOL__WARN("client %" PRIu64 " (pid %d) sent %d unexpected fd(s); closed them", c->cl.id, (int)c->cl.pid, fds);
+    c->fds_pending = 1;
   }
+  if (rc > 0)
+    conn_ready(c); /* turn() handles what came, right after this poll */
+  else if (rc < 0)
+    conn_input_error(c, rc);
 }
 
 static void hs_timeout(uv_timer_t *t) {
@@ -1893,14 +2134,18 @@ static void accept_out_of_fds(gpupool__server *s, int err) {
  * no memory for it, the fd, the lease and its peer end are closed. */
 static void conn_new(gpupool__server *s, int fd, const struct ucred *cred, gpupool__lease *lease, int peer) {
   gpupool__conn *c = calloc(1, sizeof *c);
+  uint64_t tenant = gpupool__tenant_of(s->cfg, cred->uid, cred->gid);
 
-  if (!c || !(c->u = gpupool__uid_usage_get(s->reg, gpupool__tenant_of(s->cfg, cred->uid, cred->gid), 1))) {
+  if (!c || !(c->u = gpupool__uid_usage_get(s->reg, tenant, 1)) || !(c->sh = share_get(s, tenant))) {
+    if (c && c->u)
+      gpupool__uid_usage_put(s->reg, c->u);
     free(c);
     gpupool__lease_discard(lease);
     close(peer);
     close(fd);
     return;
   }
+  c->sh->conns++;
   c->u->conns++;
   c->srv = s;
   c->fd = fd;
@@ -2090,6 +2335,7 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
   }
   gpupool__smap_init(&s->get_q);
   gpupool__hmap_init(&s->alloc_q);
+  gpupool__hmap_init(&s->shares);
   reg->owner = s;
   reg->on_memory = retry_waiters;
   if (listen_fd >= 0) {
@@ -2100,6 +2346,7 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
       reg->on_memory = NULL;
       gpupool__smap_free(&s->get_q);
       gpupool__hmap_free(&s->alloc_q);
+      gpupool__hmap_free(&s->shares);
       gpupool__metrics_close(s->metrics);
       free(s);
       return rc;
@@ -2120,6 +2367,10 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
   s->accept_timer.data = s;
   uv_timer_init(loop, &s->fence_timer);
   s->fence_timer.data = s;
+  uv_check_init(loop, &s->turn_check);
+  s->turn_check.data = s;
+  uv_idle_init(loop, &s->turn_idle);
+  s->turn_idle.data = s;
   uv_poll_init(loop, &s->listen_poll, s->listen_fd);
   s->listen_poll.data = s;
   s->listen_open = 1;
@@ -2149,6 +2400,7 @@ static void listen_closed(uv_handle_t *h) {
       free(q);
     }
   gpupool__hmap_free(&s->alloc_q);
+  gpupool__hmap_free(&s->shares); /* every share went with its last connection */
   free(s);
 }
 
@@ -2168,7 +2420,7 @@ void gpupool__server_stop(gpupool__server *s) {
   s->trace = NULL;
   log_refused_nofd(s, 0, 1);
   uv_poll_stop(&s->listen_poll);
-  s->listen_open = 4; /* the handles closed below, each ending in listen_closed */
+  s->listen_open = 6; /* the handles closed below, each ending in listen_closed */
   if (s->sigio_on) {
     /* Nothing handles SIGIO from now on: let every lease go first (a break would otherwise
      * kill the daemon, or hold a writer up for the kernel's lease-break-time). */
@@ -2182,4 +2434,9 @@ void gpupool__server_stop(gpupool__server *s) {
   uv_timer_stop(&s->fence_timer);
   uv_close((uv_handle_t *)&s->fence_timer, listen_closed);
   uv_close((uv_handle_t *)&s->sigio, listen_closed);
+  uv_check_stop(&s->turn_check);
+  uv_idle_stop(&s->turn_idle);
+  s->turn_on = 0;
+  uv_close((uv_handle_t *)&s->turn_check, listen_closed);
+  uv_close((uv_handle_t *)&s->turn_idle, listen_closed);
 }

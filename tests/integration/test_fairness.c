@@ -2,8 +2,12 @@
  * A fair loop: one client, or one uid, cannot take the daemon's thread from the others.
  * - wake: thousands of parked gets that wait for a version far ahead cost a publish nothing
  *   (the daemon's own count of the waiters a publish looked at, in the Stats reply), those a
- *   publish does reach are answered in the order they came, and root is served meanwhile.
+ *   publish does reach are answered in the order they came, and root is served meanwhile;
+ * - budget: a client that pipelines thousands of requests in one write does not have them all
+ *   handled before another client's request that arrived right after them.
  */
+#include <poll.h>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 
@@ -238,9 +242,141 @@ static void test_wake_amplification(void **state) {
   }
 }
 
+/* ---- a budget per connection and loop turn ------------------------------------------------- */
+
+#define FLOOD 2000
+
+static uint64_t stats_requests(gpupool__rep *rep) { return rep && rep->stats ? rep->stats->requests : 0; }
+
+/* The daemon's request trace (GPUPOOL_TRACE) goes into a pipe the test reads: a line per
+ * request handled. While the test does not read it, the daemon stops once the pipe is full,
+ * in the middle of whatever it was doing: a way to hold it there without any timing. */
+typedef struct {
+  int fd;
+  volatile int stop;
+} drainer;
+
+static void *drain(void *arg) {
+  drainer *dr = arg;
+  char buf[4096];
+  while (!dr->stop) {
+    struct pollfd p = {dr->fd, POLLIN, 0};
+    if (poll(&p, 1, 50) > 0 && read(dr->fd, buf, sizeof buf) == 0)
+      break;
+  }
+  return NULL;
+}
+
+/* Read trace lines until one for a request of type body (the Request oneof's field number). */
+static void wait_trace_body(int fd, int body) {
+  char line[512], tag[32];
+  size_t n = 0;
+  snprintf(tag, sizeof tag, " daemon-req%d ", body);
+  for (;;) {
+    struct pollfd p = {fd, POLLIN, 0};
+    char ch;
+    ssize_t r;
+    if (poll(&p, 1, 20000) <= 0)
+      fail_msg("no trace line for a request of type %d within 20 s", body);
+    if ((r = read(fd, &ch, 1)) <= 0)
+      continue;
+    if (ch != '\n') {
+      if (n < sizeof line - 1)
+        line[n++] = ch;
+      continue;
+    }
+    line[n] = '\0';
+    n = 0;
+    if (strstr(line, tag))
+      return;
+  }
+}
+
+/* One client writes FLOOD gets of a missing name and a Stats in one write. Once the daemon
+ * is handling them (held there by the full trace pipe), another client sends a Stats. It must
+ * be answered before the first client's last request is handled: the daemon's request counter
+ * in the two Stats replies says in which order they were handled. */
+static void test_turn_budget(void **state) {
+  int flood, victim, trace;
+  char fifo[320];
+  uint8_t *buf = NULL;
+  size_t len = 0;
+  uint64_t r_victim, r_flood = 0;
+  gpupool__rep *rep;
+  drainer dr;
+  pthread_t th;
+  (void)state;
+  th_prepare(&D);
+  th_write_conf(&D, "[pool default]\nkind = host\ncapacity = 64M\nslab_size = 4M\n");
+  snprintf(fifo, sizeof fifo, "%s/trace", D.dir);
+  assert_int_equal(mkfifo(fifo, 0600), 0);
+  assert_true((trace = open(fifo, O_RDONLY | O_NONBLOCK | O_CLOEXEC)) >= 0);
+  setenv("GPUPOOL_TRACE", fifo, 1);
+  th_start(&D, 1, NULL);
+  unsetenv("GPUPOOL_TRACE");
+  dr.fd = trace;
+  dr.stop = 0;
+  assert_int_equal(pthread_create(&th, NULL, drain, &dr), 0);
+  assert_true((flood = session("flood")) >= 0);
+  assert_true((victim = session("victim")) >= 0);
+  dr.stop = 1;
+  assert_int_equal(pthread_join(th, NULL), 0);
+
+  for (uint64_t k = 0; k < FLOOD; k++)
+    assert_int_equal(append_get(&buf, &len, 10 + k, "absent", 0, 0), 0);
+  assert_int_equal(append_stats(&buf, &len, 9), 0);
+  assert_true(len < 60000); /* all of it fits in the socket and in one read of the daemon's */
+  assert_int_equal(write_all(flood, buf, len), 0);
+  /* The daemon has read the flood and handles it; the trace of FLOOD requests is more than the
+   * pipe holds, so it cannot finish them before the test reads the pipe again. */
+  wait_trace_body(trace, GPUPOOL__WIRE__REQUEST__BODY_GET);
+  assert_int_equal(th_raw_send_stats(victim, 5, NULL, 0), 0);
+  dr.stop = 0;
+  assert_int_equal(pthread_create(&th, NULL, drain, &dr), 0);
+
+  rep = th_raw_recv(victim);
+  assert_non_null(rep);
+  assert_int_equal(rep->seq, 5);
+  r_victim = stats_requests(rep);
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  for (uint64_t k = 0; k <= FLOOD; k++) {
+    rep = th_raw_recv(flood);
+    assert_non_null(rep);
+    if (k < FLOOD) {
+      assert_int_equal(rep->seq, 10 + k);
+      assert_non_null(rep->error);
+      assert_int_equal(rep->error->code, GPUPOOL_ENOENT);
+    } else {
+      assert_int_equal(rep->seq, 9);
+      r_flood = stats_requests(rep);
+    }
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  dr.stop = 1;
+  assert_int_equal(pthread_join(th, NULL), 0);
+  printf("victim's Stats handled as request %llu, the flood's last as request %llu\n",
+         (unsigned long long)r_victim, (unsigned long long)r_flood);
+  if (r_victim >= r_flood)
+    fail_msg("the victim's request (handled as number %llu) waited for all %d pipelined requests of the other "
+             "client (its last handled as number %llu)", (unsigned long long)r_victim, FLOOD + 1,
+             (unsigned long long)r_flood);
+  free(buf);
+  close(flood);
+  close(victim);
+  /* The daemon keeps writing its trace until it stops: keep reading it until then. */
+  dr.stop = 0;
+  assert_int_equal(pthread_create(&th, NULL, drain, &dr), 0);
+  unlink(fifo);
+  th_stop(&D);
+  dr.stop = 1;
+  assert_int_equal(pthread_join(th, NULL), 0);
+  close(trace);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_wake_amplification, teardown),
+      cmocka_unit_test(test_turn_budget),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
