@@ -4,10 +4,13 @@
  *   (the daemon's own count of the waiters a publish looked at, in the Stats reply), those a
  *   publish does reach are answered in the order they came, and root is served meanwhile;
  * - budget: a client that pipelines thousands of requests in one write does not have them all
- *   handled before another client's request that arrived right after them.
+ *   handled before another client's request that arrived right after them;
+ * - uid shares: while uid 65534 floods on eight connections, root's request is the next one
+ *   handled once it is read, not one behind each of the flood's connections.
  */
 #include <poll.h>
 #include <pthread.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 
@@ -373,10 +376,163 @@ static void test_turn_budget(void **state) {
   close(trace);
 }
 
+/* ---- shares per uid ------------------------------------------------------------------------ */
+
+#define SHARE_CONNS 8
+#define SHARE_FLOOD 1500
+
+/* Child, as uid 65534: SHARE_CONNS sessions; on the first byte of go_fd each pipelines
+ * SHARE_FLOOD gets of a missing name in one write, then a byte goes to done_fd; on the
+ * second byte of go_fd it reads every reply. */
+static int share_child(const th_daemon *d, int fds) {
+  int go_fd = fds & 0xffff, done_fd = fds >> 16, s[SHARE_CONNS];
+  uint8_t *buf = NULL;
+  size_t len = 0;
+  char b = 1;
+  (void)d;
+  if (th_become(NOBODY) != 0)
+    return 2;
+  for (int i = 0; i < SHARE_CONNS; i++)
+    CHILD_CHECK((s[i] = session("flood")) >= 0, "session %d", i);
+  for (uint64_t k = 0; k < SHARE_FLOOD; k++)
+    CHILD_CHECK(append_get(&buf, &len, 10 + k, "absent", 0, 0) == 0, "pack");
+  CHILD_CHECK(write(done_fd, &b, 1) == 1 && read(go_fd, &b, 1) == 1, "sync");
+  for (int i = 0; i < SHARE_CONNS; i++)
+    CHILD_CHECK(write_all(s[i], buf, len) == 0, "write the flood of connection %d", i);
+  CHILD_CHECK(write(done_fd, &b, 1) == 1 && read(go_fd, &b, 1) == 1, "sync");
+  for (int i = 0; i < SHARE_CONNS; i++)
+    for (uint64_t k = 0; k < SHARE_FLOOD; k++) {
+      gpupool__rep *rep = th_raw_recv(s[i]);
+      CHILD_CHECK(rep && rep->seq == 10 + k && rep->error && rep->error->code == GPUPOOL_ENOENT,
+                  "connection %d, reply %llu", i, (unsigned long long)k);
+      gpupool__wire__reply__free_unpacked(rep, NULL);
+    }
+  free(buf);
+  return 0;
+}
+
+/* 1 once pid sleeps in a write to a pipe (its trace pipe is full). */
+static int blocked_in_pipe_write(pid_t pid) {
+  char path[64], w[128] = "";
+  FILE *f;
+  snprintf(path, sizeof path, "/proc/%d/wchan", (int)pid);
+  if ((f = fopen(path, "r"))) {
+    if (!fgets(w, sizeof w, f))
+      w[0] = '\0';
+    fclose(f);
+  }
+  return strstr(w, "pipe_write") != NULL;
+}
+
+/* One trace line from fd (blocking), without its newline; 0 at end. */
+static int trace_line(int fd, char *line, size_t cap) {
+  size_t n = 0;
+  for (;;) {
+    struct pollfd p = {fd, POLLIN, 0};
+    char ch;
+    ssize_t r;
+    if (poll(&p, 1, 20000) <= 0)
+      return 0;
+    if ((r = read(fd, &ch, 1)) == 0)
+      return 0;
+    if (r < 0)
+      continue;
+    if (ch == '\n') {
+      line[n] = '\0';
+      return 1;
+    }
+    if (n < cap - 1)
+      line[n++] = ch;
+  }
+}
+
+/* The daemon is held in the middle of uid 65534's flood (its one-page trace pipe is full),
+ * with every flood connection and root's request waiting in the sockets. Once it goes on, it
+ * finishes the request it was on, polls, and must then handle root's request before any other
+ * flood request: root used no loop time lately, the flooding uid all of it. (Taking the ready
+ * connections in turn alone would put root's behind one request of each flood connection.) */
+static void test_uid_share(void **state) {
+  int victim, trace, go[2], done[2], st;
+  char fifo[320], line[512], b = 1, *skip;
+  int queued = 0;
+  uint64_t before = 0;
+  pid_t child;
+  drainer dr;
+  pthread_t th;
+  (void)state;
+  th_prepare(&D);
+  assert_int_equal(chmod(D.dir, 0711), 0);
+  th_write_conf(&D, "[daemon]\nsocket_mode = 0666\n[pool default]\nkind = host\ncapacity = 64M\nslab_size = 4M\n");
+  snprintf(fifo, sizeof fifo, "%s/trace", D.dir);
+  assert_int_equal(mkfifo(fifo, 0600), 0);
+  assert_true((trace = open(fifo, O_RDONLY | O_NONBLOCK | O_CLOEXEC)) >= 0);
+  assert_true(fcntl(trace, F_SETPIPE_SZ, 4096) > 0);
+  setenv("GPUPOOL_TRACE", fifo, 1);
+  th_start(&D, 1, NULL);
+  unsetenv("GPUPOOL_TRACE");
+  dr.fd = trace;
+  dr.stop = 0;
+  assert_int_equal(pthread_create(&th, NULL, drain, &dr), 0);
+  assert_true((victim = session("root")) >= 0);
+  assert_int_equal(pipe(go), 0);
+  assert_int_equal(pipe(done), 0);
+  child = th_spawn(&D, share_child, go[0] | done[1] << 16);
+  assert_int_equal(read(done[0], &b, 1), 1); /* its sessions are open */
+  dr.stop = 1;
+  assert_int_equal(pthread_join(th, NULL), 0);
+
+  assert_int_equal(write(go[1], &b, 1), 1);
+  assert_int_equal(read(done[0], &b, 1), 1); /* the flood is in the sockets */
+  for (int i = 0; i < 2000 && !blocked_in_pipe_write(D.pid); i++)
+    th_sleep_ms(10);
+  if (!blocked_in_pipe_write(D.pid))
+    fail_msg("the daemon did not stop on its full trace pipe within 20 s");
+  assert_int_equal(th_raw_send_stats(victim, 5, NULL, 0), 0);
+  /* What the pipe holds was written before; the first line after it is the request the
+   * daemon was on. */
+  assert_int_equal(ioctl(trace, FIONREAD, &queued), 0);
+  assert_non_null(skip = malloc((size_t)queued + 1));
+  for (int got = 0; got < queued;) {
+    ssize_t r = read(trace, skip + got, (size_t)(queued - got));
+    assert_true(r > 0);
+    got += (int)r;
+  }
+  free(skip);
+  for (;;) {
+    assert_true(trace_line(trace, line, sizeof line));
+    if (strstr(line, " daemon-req19 "))
+      break;
+    if (strstr(line, " daemon-req17 "))
+      before++;
+  }
+  dr.stop = 0;
+  assert_int_equal(pthread_create(&th, NULL, drain, &dr), 0);
+  printf("flood requests handled between the held one and root's: %llu\n", (unsigned long long)(before - 1));
+  {
+    gpupool__rep *rep = th_raw_recv(victim);
+    assert_non_null(rep);
+    assert_int_equal(rep->seq, 5);
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  assert_int_equal(write(go[1], &b, 1), 1);
+  assert_int_equal(waitpid(child, &st, 0), child);
+  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
+    fail_msg("the flooding child failed: status 0x%x", st);
+  if (before > 1)
+    fail_msg("root's request was handled after %llu more requests of the flooding uid", (unsigned long long)(before - 1));
+  close(victim);
+  unlink(fifo);
+  th_stop(&D);
+  dr.stop = 1;
+  assert_int_equal(pthread_join(th, NULL), 0);
+  close(trace);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_wake_amplification, teardown),
       cmocka_unit_test(test_turn_budget),
+      cmocka_unit_test(test_uid_share),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
