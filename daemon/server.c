@@ -12,6 +12,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -141,6 +142,7 @@ struct gpupool__conn {
   size_t fenced_bytes;
   share *sh;          /* its uid's share of the loop */
   int ready;          /* in sh's ready list: its input buffer may hold frames; not read meanwhile */
+  int ready_paused;   /* ready across a pass: its readable events are unsubscribed meanwhile */
   gpupool__conn *rprev, *rnext;
   gpupool__conn *prev, *next;
 };
@@ -1696,7 +1698,7 @@ static void conn_io(uv_poll_t *p, int status, int events);
 /* Reads stop once a connection is to be dropped: nothing it sends after a protocol violation
  * is looked at, so it cannot make the daemon buffer more. */
 static void conn_update_poll(gpupool__conn *c) {
-  int want = (c->drop_after_flush ? 0 : UV_READABLE) | (c->txq.head ? UV_WRITABLE : 0);
+  int want = (c->drop_after_flush || c->ready_paused ? 0 : UV_READABLE) | (c->txq.head ? UV_WRITABLE : 0);
   if (c->closing || want == c->poll_events)
     return;
   c->poll_events = want;
@@ -1756,9 +1758,12 @@ static void conn_heap(gpupool__conn *c) {
  * poll phase, and then put on its uid's ready list instead of having every frame it brought
  * handled there and then: it is not read again until what it has buffered is handled.
  * turn(), a check handle that runs right after each poll, handles the buffered frames, one
- * frame per pick, and goes back to polling after TURN_NS, so a request that arrives meanwhile
- * waits for at most one pass (and the frame running when the pass ends). An idle handle keeps
- * that poll from blocking while frames are left.
+ * frame per pick, and goes back to polling as soon as anything else waits in the loop (looked
+ * at every CHECK_NS, with a poll(2) of the loop's own epoll fd) or after TURN_NS at most, so a
+ * request that arrives meanwhile waits for about one frame, not for what others pipelined. An
+ * idle handle keeps that poll from blocking while frames are left. A connection still ready
+ * at the end of a pass has its readable events unsubscribed until it is not (the bytes left in
+ * its socket would otherwise read as new work at every look).
  *
  * Which frame next: the one of the ready uid whose requests took the least loop time lately
  * (a sum decayed with a half-life of LOAD_HALF_LIFE_NS), and within that uid its connections
@@ -1773,7 +1778,8 @@ static void conn_heap(gpupool__conn *c) {
  * (a quantum per busy uid and round) would make a light uid wait a quantum of every busy uid
  * instead. */
 
-#define TURN_NS 50000ull
+#define TURN_NS 1000000ull
+#define CHECK_NS 10000ull
 #define LOAD_HALF_LIFE_NS 4000000ull
 
 /* 2^(-k/16) in 1/65536ths, k = 0..16: decaying by a fraction of a half-life without libm. */
@@ -1831,8 +1837,8 @@ static void turn_idle(uv_idle_t *h) { (void)h; }
 
 /* c has bytes read that may hold frames: queue it behind its uid's other ready connections.
  * It is not read again until they are handled (its input buffer never holds more); its
- * readable events are let by meanwhile rather than unsubscribed, which would cost two system
- * calls per read. */
+ * readable events are let by meanwhile, and unsubscribed only if it is still ready after a
+ * pass (two system calls: not for every request of a client that waits for its replies). */
 static void conn_ready(gpupool__conn *c) {
   gpupool__server *s = c->srv;
   share *sh = c->sh;
@@ -1882,6 +1888,10 @@ static void conn_unready(gpupool__conn *c) {
     if (sh->rnext)
       sh->rnext->rprev = sh->rprev;
     sh->rprev = sh->rnext = NULL;
+  }
+  if (c->ready_paused) {
+    c->ready_paused = 0;
+    conn_update_poll(c);
   }
 }
 
@@ -1942,9 +1952,15 @@ static int conn_serve(gpupool__conn *c) {
   return 1;
 }
 
+/* 1 when the loop has something waiting: a request, a connection, a socket to write to. */
+static int loop_has_events(gpupool__server *s) {
+  struct pollfd p = {uv_backend_fd(s->loop), POLLIN, 0};
+  return poll(&p, 1, 0) > 0;
+}
+
 static void turn(uv_check_t *h) {
   gpupool__server *s = h->data;
-  uint64_t start = gpupool__now_ns(), t = start;
+  uint64_t start = gpupool__now_ns(), t = start, looked = start;
   for (share *sh = s->ready; sh; sh = sh->rnext)
     share_decay(sh, start);
   while (s->ready) {
@@ -1974,7 +1990,18 @@ static void turn(uv_check_t *h) {
     }
     if (t1 - start >= TURN_NS)
       break;
+    if (t1 - looked >= CHECK_NS) {
+      looked = t1;
+      if (loop_has_events(s))
+        break;
+    }
   }
+  for (share *sh = s->ready; sh; sh = sh->rnext)
+    for (gpupool__conn *c = sh->rhead; c; c = c->rnext)
+      if (!c->ready_paused) {
+        c->ready_paused = 1;
+        conn_update_poll(c);
+      }
   if (!s->ready && s->turn_on) {
     uv_check_stop(&s->turn_check);
     uv_idle_stop(&s->turn_idle);
