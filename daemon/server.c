@@ -1,7 +1,8 @@
 /*
- * gpupoold's connections: accept, peer credentials, handshake, framing, dispatch, replies,
- * waiting requests and disconnects. Single-threaded on the libuv loop; never blocks on a
- * client (replies that do not fit in the socket are queued and flushed when writable).
+ * gpupoold's connections: accept, peer credentials, handshake, framing, who is served next
+ * (the fair loop), dispatch, replies, waiting requests and disconnects. Single-threaded on the
+ * libuv loop; never blocks on a client (replies that do not fit in the socket are queued and
+ * flushed when writable).
  *
  * A connection is freed only from its handles' close callbacks, never inside its own
  * callback. A client that breaks the protocol gets an error reply and is dropped; one whose
@@ -11,6 +12,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,6 +34,7 @@
 #define WAIT_FOREVER UINT32_MAX
 
 typedef struct gpupool__conn gpupool__conn;
+typedef struct share share;
 
 /* A PublishFile or GetFile whose system calls run off the loop (files.c): answered when they
  * are done, or forgotten if the connection goes first. */
@@ -53,15 +56,25 @@ enum { WAIT_ALLOC = 1, WAIT_GET = 2, WAIT_BGET = 3, WAIT_ABUNDLE = 4, WAIT_GET_F
 
 typedef struct gpupool__waiter gpupool__waiter;
 
-/* A FIFO of waiting requests: allocations of one pool, or gets of one name. Appending and
- * removing are O(1); a pass over a queue touches only the requests that could now succeed. */
+/* Waiting requests: the allocations of one pool and owner (a FIFO), or the gets of one name.
+ * Gets sit in a binary min-heap on (newer_than, arrival): a publish of version v serves
+ * exactly those with newer_than < v, which are at the top, so it pops them in O(log n) each
+ * and never looks at a get waiting for a later version (thousands of those parked on a name
+ * would otherwise make every publish of it cost thousands of lookups). Appending and removing
+ * are O(1) for allocations and O(log n) for gets; a pass over a queue touches only the
+ * requests that could now succeed. */
 typedef struct wqueue wqueue;
 struct wqueue {
-  gpupool__waiter *head, *tail;
+  gpupool__waiter *head, *tail; /* allocations, oldest first */
   char *name;           /* for a queue of gets: the name (the key it is filed under) */
   uint64_t akey;        /* for a queue of allocations: owner * 64 + pool index (its key) */
   wqueue *anext;        /* the next allocation queue of the same pool */
+  gpupool__waiter **heap; /* gets */
+  uint32_t n, cap;
+  int waking;           /* a publish is serving it: that pass frees it once empty */
 };
+
+#define NOT_IN_HEAP UINT32_MAX
 
 struct gpupool__waiter {
   gpupool__conn *conn;
@@ -75,11 +88,27 @@ struct gpupool__waiter {
   uint64_t known_layout;   /* bundle gets: the member table the client already has */
   gpupool__bundle_plan *plan;   /* WAIT_ABUNDLE: the checked layout (owned) */
   uint64_t started_ns;
+  uint64_t order;               /* arrival, for FIFO among the gets one publish serves */
   uv_timer_t timer;
   int removed;
   wqueue *q;
-  gpupool__waiter *prev, *next;   /* in q */
+  uint32_t hidx;                /* gets: the position in q->heap, or NOT_IN_HEAP */
+  gpupool__waiter *prev, *next;   /* in q (allocations) */
   gpupool__waiter *cprev, *cnext; /* in conn->waiters */
+};
+
+/* A uid's share of the loop (keyed like its limits: by tenant, which is the uid unless a
+ * [tenant] section groups uids). Frames are read in the poll phase but handled in a pass that
+ * runs after it (turn()): each pick serves one frame of the connection at the head of the
+ * ready uid that used the least loop time lately, then moves that connection behind its uid's
+ * other ready ones. See turn() for why. */
+struct share {
+  uint64_t key;
+  uint32_t conns;        /* connections that refer to it; freed at 0 */
+  uint64_t load_ns;      /* loop time its requests took, decayed (LOAD_HALF_LIFE_NS) */
+  uint64_t stamp_ns;     /* when load_ns was last decayed */
+  gpupool__conn *rhead, *rtail; /* its connections with frames read and not yet handled */
+  share *rprev, *rnext;  /* in srv->ready while rhead is set */
 };
 
 /* A reply held back until the ready events of what it hands over have completed: for a client
@@ -119,6 +148,10 @@ struct gpupool__conn {
   int host_fences;    /* its last request said it cannot use the daemon's events */
   fenced *fenced_head, **fenced_tail;
   size_t fenced_bytes;
+  share *sh;          /* its uid's share of the loop */
+  int ready;          /* in sh's ready list: its input buffer may hold frames; not read meanwhile */
+  int ready_paused;   /* ready across a pass: its readable events are unsubscribed meanwhile */
+  gpupool__conn *rprev, *rnext;
   gpupool__conn *prev, *next;
 };
 
@@ -158,6 +191,18 @@ struct gpupool__server {
   uv_timer_t fence_timer;    /* polls the events of held-back replies while there are any */
   uv_timer_t log_timer;      /* reports what the log rate limits left out, when no line follows */
   uint64_t nfenced;          /* replies held back, all connections */
+  /* Waiting gets publishes tried, and answered: equal when a publish touches only the
+   * waiters it serves (Stats waiting_gets_tried/answered). */
+  uint64_t gets_tried, gets_answered;
+  uint64_t waiter_order;     /* arrivals of waiting requests, numbered */
+  /* The fair loop: uids with frames waiting, and the handles that run turn() after each poll
+   * (check) and keep the poll from blocking while any is left (idle). */
+  gpupool__hmap shares;      /* tenant -> share */
+  share *ready;
+  share *serving;            /* the share turn() is charging: freed by turn(), not conn_close */
+  uv_check_t turn_check;
+  uv_idle_t turn_idle;
+  int turn_on;
 };
 
 static void conn_close(gpupool__conn *c, const char *why);
@@ -165,6 +210,8 @@ static void conn_update_poll(gpupool__conn *c);
 static void conn_drop_after_flush(gpupool__conn *c);
 static void conn_heap(gpupool__conn *c);
 static void retry_waiters(gpupool__registry *reg, gpupool__pool *pool);
+static void conn_unready(gpupool__conn *c);
+static void share_put(gpupool__server *s, share *sh);
 
 /* Every fd a client sent, and every copy of a file's fd, is closed off the loop: closing a file
  * on a stalled file system waits (FUSE sends FLUSH). Charged to the connection's tenant. */
@@ -400,6 +447,74 @@ static void waiter_closed(uv_handle_t *h) {
   free(w);
 }
 
+/* ---- the heap of a name's waiting gets ---- */
+
+static int get_before(const gpupool__waiter *a, const gpupool__waiter *b) {
+  return a->newer_than != b->newer_than ? a->newer_than < b->newer_than : a->order < b->order;
+}
+
+static void heap_set(wqueue *q, uint32_t i, gpupool__waiter *w) {
+  q->heap[i] = w;
+  w->hidx = i;
+}
+
+static void heap_up(wqueue *q, uint32_t i) {
+  gpupool__waiter *w = q->heap[i];
+  while (i > 0 && get_before(w, q->heap[(i - 1) / 2])) {
+    heap_set(q, i, q->heap[(i - 1) / 2]);
+    i = (i - 1) / 2;
+  }
+  heap_set(q, i, w);
+}
+
+static void heap_down(wqueue *q, uint32_t i) {
+  gpupool__waiter *w = q->heap[i];
+  for (;;) {
+    uint32_t m = 2 * i + 1;
+    if (m >= q->n)
+      break;
+    if (m + 1 < q->n && get_before(q->heap[m + 1], q->heap[m]))
+      m++;
+    if (!get_before(q->heap[m], w))
+      break;
+    heap_set(q, i, q->heap[m]);
+    i = m;
+  }
+  heap_set(q, i, w);
+}
+
+static int heap_push(wqueue *q, gpupool__waiter *w) {
+  if (q->n == q->cap) {
+    uint32_t ncap = q->cap ? q->cap * 2 : 8;
+    gpupool__waiter **h = realloc(q->heap, ncap * sizeof *h);
+    if (!h)
+      return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    q->heap = h;
+    q->cap = ncap;
+  }
+  heap_set(q, q->n++, w);
+  heap_up(q, q->n - 1);
+  return 0;
+}
+
+static void heap_del(wqueue *q, gpupool__waiter *w) {
+  uint32_t i = w->hidx;
+  gpupool__waiter *last = q->heap[--q->n];
+  w->hidx = NOT_IN_HEAP;
+  if (i == q->n)
+    return;
+  heap_set(q, i, last);
+  heap_up(q, i);
+  heap_down(q, last->hidx);
+}
+
+static void get_q_free(gpupool__server *s, wqueue *q) {
+  gpupool__smap_del(&s->get_q, q->name);
+  free(q->heap);
+  free(q->name);
+  free(q);
+}
+
 /* Unlinks w; its memory stays valid until the timer's close callback, so a loop over a queue
  * that triggered this (through a nested disconnect) can still step past it. */
 static void waiter_remove(gpupool__waiter *w) {
@@ -409,14 +524,19 @@ static void waiter_remove(gpupool__waiter *w) {
   if (w->removed)
     return;
   w->removed = 1;
-  if (w->prev)
-    w->prev->next = w->next;
-  else
-    q->head = w->next;
-  if (w->next)
-    w->next->prev = w->prev;
-  else
-    q->tail = w->prev;
+  if (q->name) {
+    if (w->hidx != NOT_IN_HEAP)
+      heap_del(q, w);
+  } else {
+    if (w->prev)
+      w->prev->next = w->next;
+    else
+      q->head = w->next;
+    if (w->next)
+      w->next->prev = w->prev;
+    else
+      q->tail = w->prev;
+  }
   if (w->cprev)
     w->cprev->cnext = w->cnext;
   else
@@ -425,11 +545,8 @@ static void waiter_remove(gpupool__waiter *w) {
     w->cnext->cprev = w->cprev;
   c->nwaiters--;
   c->u->waiters--;
-  if (q->name && !q->head) {
-    gpupool__smap_del(&s->get_q, q->name);
-    free(q->name);
-    free(q);
-  }
+  if (q->name && !q->n && !q->waking)
+    get_q_free(s, q);
   uv_timer_stop(&w->timer);
   uv_close((uv_handle_t *)&w->timer, waiter_closed);
 }
@@ -581,14 +698,17 @@ static int waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout
     }
   }
   w = calloc(1, sizeof *w);
-  if (!w || (name && !(w->name = strdup(name)))) {
+  if (w) {
+    w->newer_than = newer_than;
+    w->order = s->waiter_order++;
+  }
+  if (!w || (name && !(w->name = strdup(name))) || (q->name && heap_push(q, w) != 0)) {
+    if (w)
+      free(w->name);
     free(w);
     gpupool__bundle_plan_free(plan);
-    if (q->name && !q->head) {
-      gpupool__smap_del(&s->get_q, q->name);
-      free(q->name);
-      free(q);
-    }
+    if (q->name && !q->n && !q->waking)
+      get_q_free(s, q);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
   w->conn = c;
@@ -598,7 +718,6 @@ static int waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout
   w->size = size;
   w->align = align;
   w->read_only = read_only;
-  w->newer_than = newer_than;
   w->plan = plan;
   w->started_ns = gpupool__now_ns();
   w->q = q;
@@ -606,12 +725,15 @@ static int waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout
   w->timer.data = w;
   if (timeout_ms != WAIT_FOREVER)
     uv_timer_start(&w->timer, waiter_timeout, timeout_ms, 0);
-  w->prev = q->tail;
-  if (q->tail)
-    q->tail->next = w;
-  else
-    q->head = w;
-  q->tail = w;
+  if (!q->name) {
+    w->hidx = NOT_IN_HEAP;
+    w->prev = q->tail;
+    if (q->tail)
+      q->tail->next = w;
+    else
+      q->head = w;
+    q->tail = w;
+  }
   w->cnext = c->waiters;
   if (c->waiters)
     c->waiters->cprev = w;
@@ -667,30 +789,64 @@ static void retry_waiters(gpupool__registry *reg, gpupool__pool *pool) {
   s->in_retry = 0;
 }
 
-/* Serve the gets waiting for key (a name in one namespace) now that it is published. */
-static void wake_getters(gpupool__server *s, const char *key) {
-  wqueue *q = gpupool__smap_get(&s->get_q, key);
-  gpupool__waiter *w, *next;
-  if (!q)
-    return;
-  /* waiter_remove frees q with its last waiter: step with the next pointer read first, and
-   * stop when the waiter just served was the last one. */
-  for (w = q->head; w; w = next) {
-    int rc, last;
-    next = w->next;
-    last = next == NULL;
-    if (w->removed || w->conn->closing)
-      continue;
-    rc = try_get(w);
-    if (rc == GPUPOOL_ENOENT)
-      continue;
-    if (rc != 0)
-      send_error(w->conn, w->seq, rc, gpupool__errmsg());
-    gpupool__metrics_request(s->metrics, body_of(w->kind), rc, gpupool__now_ns() - w->started_ns);
-    waiter_remove(w);
-    if (last)
-      break;
+static int by_arrival(const void *a, const void *b) {
+  uint64_t x = (*(gpupool__waiter *const *)a)->order, y = (*(gpupool__waiter *const *)b)->order;
+  return x < y ? -1 : x > y;
+}
+
+/* Answer one waiting get that a publish reached (already out of q's heap): 1 when it must
+ * wait on after all (the name went away meanwhile), and it is back in the heap. */
+static int serve_get(gpupool__server *s, wqueue *q, gpupool__waiter *w) {
+  int rc;
+  if (w->removed || w->conn->closing)
+    return 0; /* a nested disconnect took it after it was popped */
+  s->gets_tried++;
+  rc = try_get(w);
+  if (rc == GPUPOOL_ENOENT) {
+    if ((rc = heap_push(q, w)) == 0)
+      return 1;
   }
+  s->gets_answered++;
+  if (rc != 0)
+    send_error(w->conn, w->seq, rc, gpupool__errmsg());
+  gpupool__metrics_request(s->metrics, body_of(w->kind), rc, gpupool__now_ns() - w->started_ns);
+  waiter_remove(w);
+  return 0;
+}
+
+/* Serve the gets waiting for key (a name in one namespace) now that it is at version: those
+ * waiting for an older one, and no other (they stay in the heap untouched), in the order they
+ * came. */
+static void wake_getters(gpupool__server *s, const char *key, uint64_t version) {
+  wqueue *q = gpupool__smap_get(&s->get_q, key);
+  gpupool__waiter **batch;
+  uint32_t m = 0;
+  if (!q || !q->n || q->heap[0]->newer_than >= version)
+    return;
+  /* The queue stays (even empty) while this pass holds waiters popped from it. */
+  q->waking++;
+  if ((batch = malloc(q->n * sizeof *batch))) {
+    while (q->n && q->heap[0]->newer_than < version) {
+      batch[m++] = q->heap[0];
+      heap_del(q, q->heap[0]);
+    }
+    /* The heap pops by version first: put them back in arrival order. */
+    if (m > 1)
+      qsort(batch, m, sizeof *batch, by_arrival);
+    for (uint32_t i = 0; i < m; i++)
+      serve_get(s, q, batch[i]);
+    free(batch);
+  } else {
+    /* Out of memory for the batch: one at a time, FIFO within each version waited for. */
+    while (q->n && q->heap[0]->newer_than < version) {
+      gpupool__waiter *w = q->heap[0];
+      heap_del(q, w);
+      if (serve_get(s, q, w))
+        break;
+    }
+  }
+  if (--q->waking == 0 && !q->n)
+    get_q_free(s, q);
 }
 
 /* ---- replies carrying a buffer -------------------------------------------------------------- */
@@ -883,6 +1039,8 @@ static int server_stats(void *server, Gpupool__Wire__StatsReply *st) {
   st->open_fds = count_open_fds();
   st->pending_frees = reg->npending;
   st->waiting_leases = reg->nwaiting;
+  st->waiting_gets_tried = s->gets_tried;
+  st->waiting_gets_answered = s->gets_answered;
   return 0;
 }
 
@@ -1047,11 +1205,11 @@ static int handle_open(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Open
 
 /* A name got a new version: serve the gets waiting for it first (they are the handoff's
  * critical path), before the publisher's own reply. */
-static void published(gpupool__conn *c, const char *name) {
+static void published(gpupool__conn *c, const char *name, uint64_t version) {
   char key[GPUPOOL_NAME_KEY_MAX + 1];
   uint64_t owner;
   if (gpupool__name_key(c->srv->reg, &c->cl, name, key, sizeof key, &owner) == 0)
-    wake_getters(c->srv, key);
+    wake_getters(c->srv, key, version);
 }
 
 static int handle_publish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Publish *m) {
@@ -1062,7 +1220,7 @@ static int handle_publish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__P
                             &version);
   if (rc != 0)
     return rc;
-  published(c, m->name);
+  published(c, m->name, version);
   pr.version = version;
   rep.body_case = GPUPOOL__WIRE__REPLY__BODY_PUBLISH;
   rep.publish = &pr;
@@ -1079,7 +1237,7 @@ static int handle_publish_bundle(gpupool__conn *c, uint64_t seq, const Gpupool__
                                    m->n_members, m->layout_id, &version);
   if (rc != 0)
     return rc;
-  published(c, m->name);
+  published(c, m->name, version);
   pr.version = version;
   rep.body_case = GPUPOOL__WIRE__REPLY__BODY_PUBLISH_BUNDLE;
   rep.publish_bundle = &pr;
@@ -1214,7 +1372,7 @@ static void file_done(void *arg, int rc, const gpupool__file *f, int fd) {
   else
     reply_file(c, fw->seq, f, fw->name, fw->kind, fd);
   if (rc == 0 && fw->kind == GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE && !c->closing)
-    published(c, fw->name);
+    published(c, fw->name, 1); /* a file is not versioned */
   if (fw->count && c->srv->metrics)
     gpupool__metrics_request(c->srv->metrics,
                              fw->kind == GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE ? GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE
@@ -1663,6 +1821,9 @@ static void conn_close(gpupool__conn *c, const char *why) {
   }
   /* Before its holds go: the events of those buffers may be handed out again after. */
   fenced_drop_all(c);
+  conn_unready(c);
+  c->sh->conns--;
+  share_put(s, c->sh);
   c->u->conns--;
   gpupool__uid_usage_put(s->reg, c->u);
   s->heap -= c->heap;
@@ -1688,7 +1849,8 @@ static void conn_io(uv_poll_t *p, int status, int events);
 /* Reads stop once a connection is to be dropped: nothing it sends after a protocol violation
  * is looked at, so it cannot make the daemon buffer more. */
 static void conn_update_poll(gpupool__conn *c) {
-  int want = (c->drop_after_flush || c->fops_paused ? 0 : UV_READABLE) | (c->txq.head ? UV_WRITABLE : 0);
+  int want = (c->drop_after_flush || c->fops_paused || c->ready_paused ? 0 : UV_READABLE) |
+             (c->txq.head ? UV_WRITABLE : 0);
   if (c->closing || want == c->poll_events)
     return;
   c->poll_events = want;
@@ -1742,8 +1904,268 @@ static void conn_heap(gpupool__conn *c) {
   }
 }
 
+/* ---- the fair loop ---------------------------------------------------------------------------
+ *
+ * A readable connection is read once (one recvmsg, at most one input buffer of frames) in the
+ * poll phase, and then put on its uid's ready list instead of having every frame it brought
+ * handled there and then: it is not read again until what it has buffered is handled.
+ * turn(), a check handle that runs right after each poll, handles the buffered frames, one
+ * frame per pick, and goes back to polling as soon as anything else waits in the loop (looked
+ * at every CHECK_NS, with a poll(2) of the loop's own epoll fd) or after TURN_NS at most, so a
+ * request that arrives meanwhile waits for about one frame, not for what others pipelined. An
+ * idle handle keeps that poll from blocking while frames are left. A connection still ready
+ * at the end of a pass has its readable events unsubscribed until it is not (the bytes left in
+ * its socket would otherwise read as new work at every look).
+ *
+ * Which frame next: the one of the ready uid whose requests took the least loop time lately
+ * (a sum decayed with a half-life of LOAD_HALF_LIFE_NS), and within that uid its connections
+ * in turn. A uid sending a little (a trainer's allocate and release) therefore goes ahead of
+ * one that floods, however many connections the flood comes on and however costly its
+ * requests: it waits for the flood's frame already running, and no more. Two busy uids end up
+ * with equal time, whatever their request mix (counting time, not requests, is what makes a
+ * costly request count as such). Only uids with work are compared, so a lone uid runs at full
+ * speed: nothing is ever kept idle (work-conserving). The half-life is short so that the past
+ * counts for little: a uid that had the loop to itself is, once another busy uid appears,
+ * behind it only until that one has caught up, a few milliseconds at most. Deficit round robin
+ * (a quantum per busy uid and round) would make a light uid wait a quantum of every busy uid
+ * instead. */
+
+#define TURN_NS 1000000ull
+#define CHECK_NS 10000ull
+#define LOAD_HALF_LIFE_NS 4000000ull
+
+/* 2^(-k/16) in 1/65536ths, k = 0..16: decaying by a fraction of a half-life without libm. */
+static const uint32_t half_frac[17] = {65536, 62757, 60097, 57551, 55109, 52773, 50535, 48393, 46341,
+                                       44376, 42495, 40693, 38968, 37316, 35734, 34219, 32768};
+
+static void share_decay(share *sh, uint64_t now) {
+  uint64_t dt, r, k, f;
+  if (now <= sh->stamp_ns)
+    return;
+  dt = now - sh->stamp_ns;
+  sh->stamp_ns = now;
+  if (dt / LOAD_HALF_LIFE_NS >= 64) {
+    sh->load_ns = 0;
+    return;
+  }
+  sh->load_ns >>= dt / LOAD_HALF_LIFE_NS;
+  r = (dt % LOAD_HALF_LIFE_NS) * 16; /* the rest, in 16ths of a half-life, interpolated */
+  k = r / LOAD_HALF_LIFE_NS;
+  f = half_frac[k] - (half_frac[k] - half_frac[k + 1]) * (r % LOAD_HALF_LIFE_NS) / LOAD_HALF_LIFE_NS;
+  sh->load_ns = sh->load_ns * f >> 16;
+}
+
+/* Charge dt ns of loop time, spent now, to sh. */
+static void share_charge(share *sh, uint64_t now, uint64_t dt) {
+  share_decay(sh, now);
+  sh->load_ns += dt;
+}
+
+static share *share_get(gpupool__server *s, uint64_t key) {
+  share *sh = gpupool__hmap_get(&s->shares, key);
+  if (sh)
+    return sh;
+  if (!(sh = calloc(1, sizeof *sh)))
+    return NULL;
+  sh->key = key;
+  sh->stamp_ns = gpupool__now_ns();
+  if (gpupool__hmap_put(&s->shares, key, sh) != 0) {
+    free(sh);
+    return NULL;
+  }
+  return sh;
+}
+
+/* Frees sh once no connection refers to it (its load goes with it: a uid comes back fresh). */
+static void share_put(gpupool__server *s, share *sh) {
+  if (sh->conns || sh == s->serving)
+    return;
+  gpupool__hmap_del(&s->shares, sh->key);
+  free(sh);
+}
+
+static void turn(uv_check_t *h);
+static void turn_idle(uv_idle_t *h) { (void)h; }
+
+/* c has bytes read that may hold frames: queue it behind its uid's other ready connections.
+ * It is not read again until they are handled (its input buffer never holds more); its
+ * readable events are let by meanwhile, and unsubscribed only if it is still ready after a
+ * pass (two system calls: not for every request of a client that waits for its replies). */
+static void conn_ready(gpupool__conn *c) {
+  gpupool__server *s = c->srv;
+  share *sh = c->sh;
+  if (c->ready || c->closing)
+    return;
+  c->ready = 1;
+  c->rnext = NULL;
+  c->rprev = sh->rtail;
+  if (sh->rtail) {
+    sh->rtail->rnext = c;
+  } else {
+    sh->rhead = c;
+    sh->rprev = NULL;
+    sh->rnext = s->ready;
+    if (s->ready)
+      s->ready->rprev = sh;
+    s->ready = sh;
+  }
+  sh->rtail = c;
+  if (!s->turn_on) {
+    uv_check_start(&s->turn_check, turn);
+    uv_idle_start(&s->turn_idle, turn_idle);
+    s->turn_on = 1;
+  }
+}
+
+static void conn_unready(gpupool__conn *c) {
+  gpupool__server *s = c->srv;
+  share *sh = c->sh;
+  if (!c->ready)
+    return;
+  c->ready = 0;
+  if (c->rprev)
+    c->rprev->rnext = c->rnext;
+  else
+    sh->rhead = c->rnext;
+  if (c->rnext)
+    c->rnext->rprev = c->rprev;
+  else
+    sh->rtail = c->rprev;
+  c->rprev = c->rnext = NULL;
+  if (!sh->rhead) {
+    if (sh->rprev)
+      sh->rprev->rnext = sh->rnext;
+    else
+      s->ready = sh->rnext;
+    if (sh->rnext)
+      sh->rnext->rprev = sh->rprev;
+    sh->rprev = sh->rnext = NULL;
+  }
+  if (c->ready_paused) {
+    c->ready_paused = 0;
+    conn_update_poll(c);
+  }
+}
+
+/* After one frame of c: behind the other ready connections of its uid. */
+static void conn_requeue(gpupool__conn *c) {
+  share *sh = c->sh;
+  if (sh->rtail == c)
+    return;
+  if (c->rprev)
+    c->rprev->rnext = c->rnext;
+  else
+    sh->rhead = c->rnext;
+  c->rnext->rprev = c->rprev;
+  c->rprev = sh->rtail;
+  c->rnext = NULL;
+  sh->rtail->rnext = c;
+  sh->rtail = c;
+}
+
+/* What ends reading a connection: end of stream, or a stream that cannot be read on. */
+static void conn_input_error(gpupool__conn *c, int rc) {
+  char why[GPUPOOL__ERRMSG_MAX + 32];
+  if (rc == GPUPOOL_ECLOSED) {
+    conn_close(c, "end of connection");
+    return;
+  }
+  snprintf(why, sizeof why, "protocol error: %s", gpupool__errmsg());
+  GPUPOOL__PEER_WARN(&c->cl.log_rl, c->cl.id, "client %" PRIu64 " (pid %d): %s", c->cl.id, (int)c->cl.pid,
+                     gpupool__errmsg());
+  if (rc == GPUPOOL_EPROTO && !c->drop_after_flush) {
+    /* Tell it why before hanging up (the stream cannot be resynchronised). */
+    conn_drop_after_flush(c);
+    send_error(c, 0, GPUPOOL_EPROTO, gpupool__errmsg());
+    if (!c->txq.head && !c->closing)
+      conn_close(c, why);
+  } else {
+    conn_close(c, why);
+  }
+}
+
+/* Handle c's next buffered frame: 1 when one was handled, 0 when none is complete (or c
+ * can take no more). */
+static int conn_serve(gpupool__conn *c) {
+  const uint8_t *payload;
+  uint32_t len;
+  int rc;
+  if (c->closing || c->drop_after_flush)
+    return 0;
+  rc = gpupool__wire_inbuf_next(&c->in, &payload, &len);
+  if (rc < 0) {
+    conn_input_error(c, rc);
+    return 0;
+  }
+  if (rc == 0)
+    return 0;
+  handle_frame(c, payload, len);
+  if (c->drop_after_flush && !c->txq.head && !c->closing)
+    conn_close(c, "protocol violation");
+  return 1;
+}
+
+/* 1 when the loop has something waiting: a request, a connection, a socket to write to. */
+static int loop_has_events(gpupool__server *s) {
+  struct pollfd p = {uv_backend_fd(s->loop), POLLIN, 0};
+  return poll(&p, 1, 0) > 0;
+}
+
+static void turn(uv_check_t *h) {
+  gpupool__server *s = h->data;
+  uint64_t start = gpupool__now_ns(), t = start, looked = start;
+  for (share *sh = s->ready; sh; sh = sh->rnext)
+    share_decay(sh, start);
+  while (s->ready) {
+    share *sh = s->ready;
+    gpupool__conn *c;
+    uint64_t t1;
+    int served;
+    for (share *o = sh->rnext; o; o = o->rnext)
+      if (o->load_ns < sh->load_ns)
+        sh = o;
+    c = sh->rhead;
+    s->serving = sh; /* a disconnect inside may drop the last connection of sh */
+    served = conn_serve(c);
+    s->serving = NULL;
+    t1 = gpupool__now_ns();
+    sh->load_ns += t1 - t;
+    t = t1;
+    if (!sh->conns) {
+      share_put(s, sh); /* c closed, and with it the last connection of its uid */
+    } else if (c->ready) {
+      /* Nothing complete buffered (or no more wanted): it is read again. Else it goes
+       * behind its uid's other ready connections. */
+      if (served && !c->drop_after_flush)
+        conn_requeue(c);
+      else
+        conn_unready(c);
+    }
+    if (t1 - start >= TURN_NS)
+      break;
+    if (t1 - looked >= CHECK_NS) {
+      looked = t1;
+      if (loop_has_events(s))
+        break;
+    }
+  }
+  for (share *sh = s->ready; sh; sh = sh->rnext)
+    for (gpupool__conn *c = sh->rhead; c; c = c->rnext)
+      if (!c->ready_paused) {
+        c->ready_paused = 1;
+        conn_update_poll(c);
+      }
+  if (!s->ready && s->turn_on) {
+    uv_check_stop(&s->turn_check);
+    uv_idle_stop(&s->turn_idle);
+    s->turn_on = 0;
+  }
+}
+
 static void conn_io(uv_poll_t *p, int status, int events) {
   gpupool__conn *c = p->data;
+  uint64_t t0;
+  int fds = 0, rc;
   if (status < 0) {
     conn_close(c, uv_strerror(status));
     return;
@@ -1753,9 +2175,8 @@ static void conn_io(uv_poll_t *p, int status, int events) {
     if (c->closing)
       return;
   }
-  if (!(events & UV_READABLE))
-    return;
-  if (c->drop_after_flush)
+  /* A ready connection is read again only once its buffer has no complete frame left. */
+  if (!(events & UV_READABLE) || c->drop_after_flush || c->ready)
     return;
   if (c->srv->fops && gpupool__fileops_backlog(c->srv->fops, c->cl.tenant) >= GPUPOOL_FILEOPS_BACKLOG_PAUSE) {
     /* Its tenant's file calls pile up (a file system that does not answer): each fd it sends
@@ -1766,46 +2187,21 @@ static void conn_io(uv_poll_t *p, int status, int events) {
     conn_update_poll(c);
     return;
   }
-  c->srv->last_activity_ns = gpupool__now_ns();
-  {
-    const uint8_t *payload;
-    uint32_t len;
-    int fds = 0, rc = gpupool__wire_inbuf_fill(&c->in, c->fd, &fds);
-    conn_heap(c);
-    if (c->closing)
-      return;
-    if (fds > 0) {
-      GPUPOOL__PEER_WARN(&c->cl.log_rl, c->cl.id, "client %" PRIu64 " (pid %d) sent %d unexpected fd(s); closed them",
-                         c->cl.id, (int)c->cl.pid, fds);
-      c->fds_pending = 1;
-    }
-    /* One read takes every waiting frame; level-triggered polling brings us back for more. */
-    while (rc >= 0 && !c->closing && !c->drop_after_flush &&
-           (rc = gpupool__wire_inbuf_next(&c->in, &payload, &len)) == 1) {
-      handle_frame(c, payload, len);
-      if (c->drop_after_flush && !c->txq.head && !c->closing)
-        conn_close(c, "protocol violation");
-    }
-    if (rc >= 0 || c->closing)
-      return;
-    if (rc == GPUPOOL_ECLOSED) {
-      conn_close(c, "end of connection");
-    } else {
-      char why[GPUPOOL__ERRMSG_MAX + 32];
-      snprintf(why, sizeof why, "protocol error: %s", gpupool__errmsg());
-      GPUPOOL__PEER_WARN(&c->cl.log_rl, c->cl.id, "client %" PRIu64 " (pid %d): %s", c->cl.id, (int)c->cl.pid,
-                         gpupool__errmsg());
-      if (rc == GPUPOOL_EPROTO && !c->drop_after_flush) {
-        /* Tell it why before hanging up (the stream cannot be resynchronised). */
-        conn_drop_after_flush(c);
-        send_error(c, 0, GPUPOOL_EPROTO, gpupool__errmsg());
-        if (!c->txq.head && !c->closing)
-          conn_close(c, why);
-      } else {
-        conn_close(c, why);
-      }
-    }
+  t0 = c->srv->last_activity_ns = gpupool__now_ns();
+  rc = gpupool__wire_inbuf_fill(&c->in, c->fd, &fds);
+  share_charge(c->sh, gpupool__now_ns(), gpupool__now_ns() - t0);
+  conn_heap(c);
+  if (c->closing)
+    return;
+  if (fds > 0) {
+    GPUPOOL__PEER_WARN(&c->cl.log_rl, c->cl.id, "client %" PRIu64 " (pid %d) sent %d unexpected fd(s); closed them",
+                       c->cl.id, (int)c->cl.pid, fds);
+    c->fds_pending = 1;
   }
+  if (rc > 0)
+    conn_ready(c); /* turn() handles what came, right after this poll */
+  else if (rc < 0)
+    conn_input_error(c, rc);
 }
 
 static void hs_timeout(uv_timer_t *t) {
@@ -1932,14 +2328,18 @@ static void accept_out_of_fds(gpupool__server *s, int err) {
  * no memory for it, the fd, the lease and its peer end are closed. */
 static void conn_new(gpupool__server *s, int fd, const struct ucred *cred, gpupool__lease *lease, int peer) {
   gpupool__conn *c = calloc(1, sizeof *c);
+  uint64_t tenant = gpupool__tenant_of(s->cfg, cred->uid, cred->gid);
 
-  if (!c || !(c->u = gpupool__uid_usage_get(s->reg, gpupool__tenant_of(s->cfg, cred->uid, cred->gid), 1))) {
+  if (!c || !(c->u = gpupool__uid_usage_get(s->reg, tenant, 1)) || !(c->sh = share_get(s, tenant))) {
+    if (c && c->u)
+      gpupool__uid_usage_put(s->reg, c->u);
     free(c);
     gpupool__lease_discard(lease);
     close(peer);
     close(fd);
     return;
   }
+  c->sh->conns++;
   c->u->conns++;
   c->srv = s;
   c->fd = fd;
@@ -2151,6 +2551,7 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
   }
   gpupool__smap_init(&s->get_q);
   gpupool__hmap_init(&s->alloc_q);
+  gpupool__hmap_init(&s->shares);
   reg->owner = s;
   reg->on_memory = retry_waiters;
   if (listen_fd >= 0) {
@@ -2163,6 +2564,7 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
       gpupool__fileops_free(s->fops);
       gpupool__smap_free(&s->get_q);
       gpupool__hmap_free(&s->alloc_q);
+      gpupool__hmap_free(&s->shares);
       gpupool__metrics_close(s->metrics);
       free(s);
       return rc;
@@ -2187,6 +2589,10 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
   s->log_timer.data = s;
   uv_timer_start(&s->log_timer, log_tick, LOG_FLUSH_MS, LOG_FLUSH_MS);
   uv_unref((uv_handle_t *)&s->log_timer);
+  uv_check_init(loop, &s->turn_check);
+  s->turn_check.data = s;
+  uv_idle_init(loop, &s->turn_idle);
+  s->turn_idle.data = s;
   uv_poll_init(loop, &s->listen_poll, s->listen_fd);
   s->listen_poll.data = s;
   s->listen_open = 1;
@@ -2225,6 +2631,7 @@ static void listen_closed(uv_handle_t *h) {
       free(q);
     }
   gpupool__hmap_free(&s->alloc_q);
+  gpupool__hmap_free(&s->shares); /* every share went with its last connection */
   free(s);
 }
 
@@ -2248,7 +2655,7 @@ void gpupool__server_stop(gpupool__server *s) {
   s->trace = NULL;
   log_refused_nofd(s, 0, 1);
   uv_poll_stop(&s->listen_poll);
-  s->listen_open = 5; /* the handles closed below, each ending in listen_closed */
+  s->listen_open = 7; /* the handles closed below, each ending in listen_closed */
   if (s->sigio_on) {
     /* Nothing handles SIGIO from now on: let every lease go first (a break would otherwise
      * kill the daemon, or hold a writer up for the kernel's lease-break-time). */
@@ -2265,4 +2672,9 @@ void gpupool__server_stop(gpupool__server *s) {
   uv_close((uv_handle_t *)&s->log_timer, listen_closed);
   gpupool__log_peer_flush(NULL, 0, 1);
   uv_close((uv_handle_t *)&s->sigio, listen_closed);
+  uv_check_stop(&s->turn_check);
+  uv_idle_stop(&s->turn_idle);
+  s->turn_on = 0;
+  uv_close((uv_handle_t *)&s->turn_check, listen_closed);
+  uv_close((uv_handle_t *)&s->turn_idle, listen_closed);
 }
