@@ -1,10 +1,10 @@
 /*
  * The daemon's registry: pools, slabs, buffers, holds, names, events and the leases of
  * closed connections. See registry.h for who owns what. The rules that keep memory safe:
- *   - a buffer's range returns to its slab only in finish_free(), reached once refs == 0
+ *   - a buffer's range returns to its slab only in gpupool__finish_free(), reached once refs == 0
  *     and every dependency (recorded done events, leases of holders whose connection
  *     closed) has cleared;
- *   - a slab returns to the backend only in slab_destroy(), reached once it is empty,
+ *   - a slab returns to the backend only in gpupool__slab_destroy(), reached once it is empty,
  *     retiring, and neither a connected client nor a held lease still maps it;
  *   - once the daemon stops (gpupool__registry_stop) nothing is reused any more.
  * Everything runs on the daemon's single loop thread.
@@ -22,9 +22,7 @@
 #include "errors.h"
 #include "log.h"
 #include "registry.h"
-
-#define MIB ((uint64_t)1 << 20)
-#define SLAB_GRAIN (2 * MIB)
+#include "registry_internal.h"
 
 uint64_t gpupool__now_ns(void) {
   struct timespec ts;
@@ -32,11 +30,11 @@ uint64_t gpupool__now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static uint64_t next_id(gpupool__registry *reg) { return ++reg->next_id; }
+uint64_t gpupool__next_id(gpupool__registry *reg) { return ++reg->next_id; }
 
-static uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) & ~(a - 1); }
+uint64_t gpupool__round_up(uint64_t v, uint64_t a) { return (v + a - 1) & ~(a - 1); }
 
-static int grow(void **arr, uint32_t *cap, uint32_t need, size_t elem) {
+int gpupool__grow(void **arr, uint32_t *cap, uint32_t need, size_t elem) {
   uint32_t ncap;
   void *n;
   if (need <= *cap)
@@ -64,7 +62,7 @@ static gpupool__event *event_get(gpupool__registry *reg) {
     e->next_free = NULL;
     return e;
   }
-  if (grow((void **)&reg->events, &reg->capevents, reg->nevents + 1, sizeof *reg->events) != 0)
+  if (gpupool__grow((void **)&reg->events, &reg->capevents, reg->nevents + 1, sizeof *reg->events) != 0)
     return NULL;
   e = calloc(1, sizeof *e);
   if (!e)
@@ -79,7 +77,7 @@ static gpupool__event *event_get(gpupool__registry *reg) {
   return e;
 }
 
-static void event_put(gpupool__registry *reg, gpupool__event *e) {
+void gpupool__event_put(gpupool__registry *reg, gpupool__event *e) {
   if (!e)
     return;
   e->next_free = reg->free_events;
@@ -87,9 +85,6 @@ static void event_put(gpupool__registry *reg, gpupool__event *e) {
 }
 
 /* ---- leases ----------------------------------------------------------------------------- */
-
-static void uid_account(gpupool__registry *reg, uint64_t tenant, int64_t bytes, int32_t allocs);
-static void layout_unref(gpupool__registry *reg, gpupool__layout *l);
 
 int gpupool__lease_new(gpupool__registry *reg, uid_t uid, gid_t gid, pid_t pid, gpupool__lease **out, int *peer) {
   gpupool__lease *l;
@@ -197,7 +192,7 @@ static void lease_gone(gpupool__lease *l) {
   lease_close_fd(l);
 }
 
-static void lease_unref(gpupool__lease *l) {
+void gpupool__lease_unref(gpupool__lease *l) {
   if (--l->refs > 0)
     return;
   lease_unwait(l);
@@ -208,7 +203,7 @@ static void lease_unref(gpupool__lease *l) {
 
 void gpupool__lease_discard(gpupool__lease *l) {
   if (l)
-    lease_unref(l);
+    gpupool__lease_unref(l);
 }
 
 static void lease_readable(uv_poll_t *p, int status, int events) {
@@ -233,7 +228,7 @@ static void lease_readable(uv_poll_t *p, int status, int events) {
 
 /* The connection closed while its client held or mapped memory: wait for the lease, unless
  * it is already gone. Returns 1 when it is waiting. */
-static int lease_wait(gpupool__registry *reg, gpupool__lease *l) {
+int gpupool__lease_wait(gpupool__registry *reg, gpupool__lease *l) {
   gpupool__uid_usage *u;
   int rc;
   if (l->gone)
@@ -271,8 +266,7 @@ static int lease_wait(gpupool__registry *reg, gpupool__lease *l) {
 
 /* One backend pool per owner (see gpupool__pinst): the backend's pool fd maps every
  * allocation in the pool. */
-static int per_owner(const gpupool__registry *reg) { return reg->be->desc->pool_fd_maps_all; }
-
+int gpupool__per_owner(const gpupool__registry *reg) { return reg->be->desc->pool_fd_maps_all; }
 
 static gpupool__pinst *inst_find(gpupool__pool *p, uint64_t owner) {
   if (p->insts && p->insts->owner == GPUPOOL__OWNER_ANY)
@@ -283,7 +277,7 @@ static gpupool__pinst *inst_find(gpupool__pool *p, uint64_t owner) {
   return NULL;
 }
 
-static int inst_new(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, gpupool__pinst **out) {
+int gpupool__inst_new(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, gpupool__pinst **out) {
   gpupool__pinst *in = calloc(1, sizeof *in);
   int rc;
   if (!in)
@@ -312,7 +306,7 @@ static int inst_new(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, gp
   return 0;
 }
 
-static void inst_destroy(gpupool__registry *reg, gpupool__pinst *in) {
+void gpupool__inst_destroy(gpupool__registry *reg, gpupool__pinst *in) {
   gpupool__pool *p = in->pool;
   if (in->prev)
     in->prev->next = in->next;
@@ -332,17 +326,17 @@ static void inst_destroy(gpupool__registry *reg, gpupool__pinst *in) {
 
 /* An owner's backend pool that no slab and no connected client uses is destroyed, so that
  * what it reserved really returns (an IPC pool gives nothing back before). */
-static void inst_maybe_destroy(gpupool__registry *reg, gpupool__pinst *in) {
+void gpupool__inst_maybe_destroy(gpupool__registry *reg, gpupool__pinst *in) {
   if (!in || in->owner == GPUPOOL__OWNER_ANY || in->nslabs || in->attached)
     return;
   GPUPOOL__DEBUG("pool %s: backend pool #%" PRIu64 " is idle; destroyed, %" PRIu64 " bytes return",
                  in->pool->cfg.name, in->serial, in->held);
-  inst_destroy(reg, in);
+  gpupool__inst_destroy(reg, in);
 }
 
 /* ---- slabs ----------------------------------------------------------------------------------- */
 
-static void slab_destroy(gpupool__registry *reg, gpupool__slab *s) {
+void gpupool__slab_destroy(gpupool__registry *reg, gpupool__slab *s) {
   gpupool__pool *p = s->pool;
   gpupool__pinst *in = s->inst;
   GPUPOOL__DEBUG("pool %s: slab %" PRIu64 " (%" PRIu64 " bytes) returned to the backend", p->cfg.name, s->id,
@@ -365,25 +359,24 @@ static void slab_destroy(gpupool__registry *reg, gpupool__slab *s) {
   p->nslabs--;
   for (uint32_t i = 0; i < s->nmappers; i++)
     if (s->mappers[i].lease)
-      lease_unref(s->mappers[i].lease);
+      gpupool__lease_unref(s->mappers[i].lease);
   gpupool__alloc_delete(s->alloc);
   free(s->mappers);
   free(s);
   reg->memory_returned = 1;
-  inst_maybe_destroy(reg, in);
+  gpupool__inst_maybe_destroy(reg, in);
 }
 
-
-static void slab_try_release(gpupool__registry *reg, gpupool__slab *s) {
+void gpupool__slab_try_release(gpupool__registry *reg, gpupool__slab *s) {
   if (s->retiring && s->nbuffers == 0 && s->nmappers == 0)
-    slab_destroy(reg, s);
+    gpupool__slab_destroy(reg, s);
 }
 
 static void client_add_revoke(gpupool__client *c, uint64_t slab_id) {
   for (uint32_t i = 0; i < c->nrevoke; i++)
     if (c->revoke[i] == slab_id)
       return;
-  if (grow((void **)&c->revoke, &c->caprevoke, c->nrevoke + 1, sizeof *c->revoke) == 0)
+  if (gpupool__grow((void **)&c->revoke, &c->caprevoke, c->nrevoke + 1, sizeof *c->revoke) == 0)
     c->revoke[c->nrevoke++] = slab_id;
 }
 
@@ -403,13 +396,13 @@ static int slab_retire(gpupool__registry *reg, gpupool__slab *s) {
     client_add_revoke(c, s->id);
   }
   if (s->nbuffers == 0 && s->nmappers == 0) {
-    slab_destroy(reg, s);
+    gpupool__slab_destroy(reg, s);
     return 1;
   }
   return 0;
 }
 
-static void slab_maybe_retire(gpupool__registry *reg, gpupool__slab *s) {
+void gpupool__slab_maybe_retire(gpupool__registry *reg, gpupool__slab *s) {
   uint32_t empty = 0;
   if (s->nbuffers != 0 || s->retiring)
     return;
@@ -440,7 +433,7 @@ static int slab_new(gpupool__registry *reg, gpupool__pool *p, uint64_t size, int
   /* The capacity bounds what every owner's backend pool keeps, together. */
   if (p->held - (in ? in->held : 0) + held_with(reg, in, size) > p->cfg.capacity)
     return GPUPOOL_ENOSPC;
-  if (!in && (rc = inst_new(reg, p, owner, &in)) != 0)
+  if (!in && (rc = gpupool__inst_new(reg, p, owner, &in)) != 0)
     return rc;
   s = calloc(1, sizeof *s);
   if (!s) {
@@ -457,7 +450,7 @@ static int slab_new(gpupool__registry *reg, gpupool__pool *p, uint64_t size, int
       goto fail;
     }
   }
-  s->id = next_id(reg);
+  s->id = gpupool__next_id(reg);
   s->pool = p;
   s->inst = in;
   s->dedicated = dedicated;
@@ -493,12 +486,12 @@ static int slab_new(gpupool__registry *reg, gpupool__pool *p, uint64_t size, int
   return 0;
 fail:
   free(s);
-  inst_maybe_destroy(reg, in);
+  gpupool__inst_maybe_destroy(reg, in);
   return rc;
 }
 
-static int slab_add_mapper(gpupool__slab *s, uint64_t client_id) {
-  if (grow((void **)&s->mappers, &s->capmappers, s->nmappers + 1, sizeof *s->mappers) != 0)
+int gpupool__slab_add_mapper(gpupool__slab *s, uint64_t client_id) {
+  if (gpupool__grow((void **)&s->mappers, &s->capmappers, s->nmappers + 1, sizeof *s->mappers) != 0)
     return GPUPOOL_ENOMEM;
   s->mappers[s->nmappers].client_id = client_id;
   s->mappers[s->nmappers].lease = NULL;
@@ -506,7 +499,7 @@ static int slab_add_mapper(gpupool__slab *s, uint64_t client_id) {
   return 0;
 }
 
-static void slab_remove_mapper_at(gpupool__slab *s, uint32_t i) {
+void gpupool__slab_remove_mapper_at(gpupool__slab *s, uint32_t i) {
   s->mappers[i] = s->mappers[--s->nmappers];
 }
 
@@ -520,20 +513,20 @@ static int buffer_deps_clear(gpupool__registry *reg, gpupool__buffer *b) {
       return 0;
     if (q < 0)
       GPUPOOL__WARN("event %u query failed (%s); treating it as complete", e->id, gpupool__errmsg());
-    event_put(reg, e);
+    gpupool__event_put(reg, e);
     b->ndone--;
   }
   while (b->nleases > 0) {
     gpupool__lease *l = b->leases[b->nleases - 1];
     if (!l->gone)
       return 0;
-    lease_unref(l);
+    gpupool__lease_unref(l);
     b->nleases--;
   }
   return 1;
 }
 
-static void finish_free(gpupool__registry *reg, gpupool__buffer *b) {
+void gpupool__finish_free(gpupool__registry *reg, gpupool__buffer *b) {
   gpupool__slab *s = b->slab;
   gpupool__pool *p = s->pool;
   if (b->died_in_use && s->alloc) {
@@ -552,10 +545,10 @@ static void finish_free(gpupool__registry *reg, gpupool__buffer *b) {
   s->nbuffers--;
   p->used -= b->size;
   p->nbuffers--;
-  event_put(reg, b->ready);
-  layout_unref(reg, b->layout);
+  gpupool__event_put(reg, b->ready);
+  gpupool__layout_unref(reg, b->layout);
   /* Only now is the range really back: until here it stays on its owner's account. */
-  uid_account(reg, b->owner_tenant, -(int64_t)b->size, -1);
+  gpupool__uid_account(reg, b->owner_tenant, -(int64_t)b->size, -1);
   free(b->done);
   free(b->leases);
   free(b);
@@ -563,7 +556,7 @@ static void finish_free(gpupool__registry *reg, gpupool__buffer *b) {
   if (s->retiring && s->nbuffers == 0 && !reg->stopped)
     slab_retire(reg, s);
   else
-    slab_maybe_retire(reg, s);
+    gpupool__slab_maybe_retire(reg, s);
 }
 
 static void sweep_timer_cb(uv_timer_t *t) {
@@ -618,7 +611,7 @@ void gpupool__uid_usage_put(gpupool__registry *reg, gpupool__uid_usage *u) {
   }
 }
 
-static void uid_account(gpupool__registry *reg, uint64_t tenant, int64_t bytes, int32_t allocs) {
+void gpupool__uid_account(gpupool__registry *reg, uint64_t tenant, int64_t bytes, int32_t allocs) {
   gpupool__uid_usage *u = gpupool__uid_usage_get(reg, tenant, bytes > 0);
   if (!u)
     return;
@@ -627,7 +620,7 @@ static void uid_account(gpupool__registry *reg, uint64_t tenant, int64_t bytes, 
   gpupool__uid_usage_put(reg, u);
 }
 
-static void buffer_unref(gpupool__registry *reg, gpupool__buffer *b) {
+void gpupool__buffer_unref(gpupool__registry *reg, gpupool__buffer *b) {
   gpupool__client *owner;
   if (--b->refs > 0)
     return;
@@ -638,7 +631,7 @@ static void buffer_unref(gpupool__registry *reg, gpupool__buffer *b) {
     owner->allocs--;
   }
   if (buffer_deps_clear(reg, b)) {
-    finish_free(reg, b);
+    gpupool__finish_free(reg, b);
     return;
   }
   b->pending_next = reg->pending;
@@ -654,7 +647,7 @@ void gpupool__sweep(gpupool__registry *reg) {
     if (buffer_deps_clear(reg, b)) {
       *pp = b->pending_next;
       reg->npending--;
-      finish_free(reg, b);
+      gpupool__finish_free(reg, b);
     } else {
       pp = &b->pending_next;
     }
@@ -665,13 +658,13 @@ void gpupool__sweep(gpupool__registry *reg) {
       next = s->next;
       for (uint32_t j = 0; j < s->nmappers;) {
         if (s->mappers[j].lease && s->mappers[j].lease->gone) {
-          lease_unref(s->mappers[j].lease);
-          slab_remove_mapper_at(s, j);
+          gpupool__lease_unref(s->mappers[j].lease);
+          gpupool__slab_remove_mapper_at(s, j);
         } else {
           j++;
         }
       }
-      slab_try_release(reg, s);
+      gpupool__slab_try_release(reg, s);
     }
   }
   sweep_timer_update(reg);
@@ -727,17 +720,12 @@ static int no_space(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, ui
                       "Release buffers, pass a timeout to wait for memory, or raise the pool's capacity",
                       p->cfg.name, asked, rounded, most, in_slabs, largest, unreserved, p->cfg.capacity,
                       pending_bytes,
-                      per_owner(reg) ? "; other tenants' backend pools keep what they reserved until they are idle"
+                      gpupool__per_owner(reg) ? "; other tenants' backend pools keep what they reserved until they are idle"
                                      : "");
 }
 
 /* Place `size` bytes (already aligned) in p. */
 /* ---- tenants ---------------------------------------------------------------------------------- */
-
-/* Owner ids: a uid alone is its own tenant; [tenant] and [group] sections get ids above any
- * uid. */
-#define TENANT_SET (1ull << 40)
-#define GROUP_SET (2ull << 40)
 
 uint64_t gpupool__tenant_of(const gpupool__config *cfg, uid_t uid, gid_t gid) {
   for (int i = 0; i < cfg->n_tenants; i++)
@@ -756,7 +744,7 @@ void gpupool__tenant_label(const gpupool__config *cfg, uint64_t owner, char *buf
 }
 
 /* May c use memory (slabs, buffers, names) owned by owner? */
-static int owner_reachable(const gpupool__registry *reg, const gpupool__client *c, uint64_t owner) {
+int gpupool__owner_reachable(const gpupool__registry *reg, const gpupool__client *c, uint64_t owner) {
   if (owner == c->tenant)
     return 1;
   return (owner & GROUP_SET) && gpupool__member_of(&reg->cfg->groups[owner & 0xffff], c->uid, c->gid);
@@ -792,7 +780,7 @@ int gpupool__name_key(gpupool__registry *reg, const gpupool__client *c, const ch
 
 /* Whose memory c's buffers in p are: the group a shared pool belongs to, else c's tenant.
  * Every buffer c can receive in p has this owner (allocate places it so; open, get and
- * publish admit only slabs owner_reachable() allows, and a group owns slabs only in its
+ * publish admit only slabs gpupool__owner_reachable() allows, and a group owns slabs only in its
  * shared pool, where every slab is the group's), so on per-owner backends the pool id names
  * exactly one backend pool for c. */
 int gpupool__pool_owner(gpupool__registry *reg, const gpupool__client *c, const gpupool__pool *p, uint64_t *owner) {
@@ -812,11 +800,11 @@ int gpupool__pool_owner(gpupool__registry *reg, const gpupool__client *c, const 
 /* Place a buffer for owner (a tenant, or the group a shared pool belongs to): in a slab of
  * that owner only (every holder of a buffer receives its slab's fd, so slabs are never shared
  * between tenants), or in a new one. */
-static int place(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, uint64_t asked, uint64_t size,
-                 uint64_t align, gpupool__slab **slab, uint64_t *off) {
+int gpupool__place(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, uint64_t asked, uint64_t size,
+                   uint64_t align, gpupool__slab **slab, uint64_t *off) {
   int rc, attempt;
   if (size > p->cfg.slab_size) {
-    uint64_t dsize = round_up(size, SLAB_GRAIN);
+    uint64_t dsize = gpupool__round_up(size, SLAB_GRAIN);
     if (size > GPUPOOL_SLAB_HARD_MAX)
       return gpupool__err(GPUPOOL_ETOOBIG,
                           "allocation of %" PRIu64 " bytes exceeds the 4 GiB limit on one exported allocation "
@@ -868,7 +856,7 @@ static int place(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, uint6
       gpupool__sweep(reg);
     /* Other owners' empty cached slabs keep their backend pools (and what those reserved)
      * alive: give them back, so an idle backend pool goes and its memory returns. */
-    if (attempt == 0 && per_owner(reg))
+    if (attempt == 0 && gpupool__per_owner(reg))
       for (gpupool__slab *s = p->slabs, *n; s; s = n) {
         n = s->next;
         if (!s->dedicated && !s->retiring && s->nbuffers == 0 && s->owner != owner)
@@ -880,8 +868,8 @@ static int place(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, uint6
 
 /* ---- holds ----------------------------------------------------------------------------------- */
 
-static int hold_new(gpupool__registry *reg, gpupool__client *c, gpupool__buffer *b, int read_only, int owner,
-                    gpupool__hold **out) {
+int gpupool__hold_new(gpupool__registry *reg, gpupool__client *c, gpupool__buffer *b, int read_only, int owner,
+                      gpupool__hold **out) {
   const gpupool__config *cfg = reg->cfg;
   gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->tenant, 1);
   gpupool__hold *h;
@@ -905,7 +893,7 @@ static int hold_new(gpupool__registry *reg, gpupool__client *c, gpupool__buffer 
     gpupool__uid_usage_put(reg, u);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
-  h->id = next_id(reg);
+  h->id = gpupool__next_id(reg);
   h->buf = b;
   h->client = c;
   h->read_only = read_only;
@@ -919,7 +907,7 @@ static int hold_new(gpupool__registry *reg, gpupool__client *c, gpupool__buffer 
     }
   }
   if (gpupool__hmap_put(&reg->holds, h->id, h) != 0) {
-    event_put(reg, h->done);
+    gpupool__event_put(reg, h->done);
     free(h);
     gpupool__uid_usage_put(reg, u);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
@@ -936,7 +924,7 @@ static int hold_new(gpupool__registry *reg, gpupool__client *c, gpupool__buffer 
 }
 
 static int add_done_dep(gpupool__buffer *b, gpupool__event *e) {
-  if (grow((void **)&b->done, &b->capdone, b->ndone + 1, sizeof *b->done) != 0)
+  if (gpupool__grow((void **)&b->done, &b->capdone, b->ndone + 1, sizeof *b->done) != 0)
     return GPUPOOL_ENOMEM;
   b->done[b->ndone++] = e;
   return 0;
@@ -945,14 +933,14 @@ static int add_done_dep(gpupool__buffer *b, gpupool__event *e) {
 /* 0, or ENOMEM when the dependency cannot be recorded: the caller then keeps the buffer
  * referenced (leaked until the daemon stops) rather than reuse it under a live holder. */
 static int add_lease_dep(gpupool__buffer *b, gpupool__lease *l) {
-  if (grow((void **)&b->leases, &b->capleases, b->nleases + 1, sizeof *b->leases) != 0)
+  if (gpupool__grow((void **)&b->leases, &b->capleases, b->nleases + 1, sizeof *b->leases) != 0)
     return GPUPOOL_ENOMEM;
   l->refs++;
   b->leases[b->nleases++] = l;
   return 0;
 }
 
-static void hold_drop(gpupool__registry *reg, gpupool__hold *h, int done_recorded, gpupool__lease *lease) {
+void gpupool__hold_drop(gpupool__registry *reg, gpupool__hold *h, int done_recorded, gpupool__lease *lease) {
   gpupool__client *c = h->client;
   gpupool__buffer *b = h->buf;
   if (h->prev)
@@ -974,7 +962,7 @@ static void hold_drop(gpupool__registry *reg, gpupool__hold *h, int done_recorde
     if (done_recorded && add_done_dep(b, h->done) == 0)
       h->done = NULL;
     else
-      event_put(reg, h->done);
+      gpupool__event_put(reg, h->done);
   }
   free(h);
   if (lease && !lease->gone && reg->be->ops->has_events)
@@ -985,10 +973,10 @@ static void hold_drop(gpupool__registry *reg, gpupool__hold *h, int done_recorde
                    b->id);
     return;
   }
-  buffer_unref(reg, b);
+  gpupool__buffer_unref(reg, b);
 }
 
-static int hold_of(gpupool__registry *reg, gpupool__client *c, uint64_t id, gpupool__hold **out) {
+int gpupool__hold_of(gpupool__registry *reg, gpupool__client *c, uint64_t id, gpupool__hold **out) {
   gpupool__hold *h = gpupool__hmap_get(&reg->holds, id);
   if (!h)
     return gpupool__err(GPUPOOL_ENOENT,
@@ -1025,16 +1013,16 @@ int gpupool__attach(gpupool__registry *reg, gpupool__client *c, gpupool__pool *p
   *fd = -1;
   if ((rc = gpupool__pool_owner(reg, c, p, &owner)) != 0)
     return rc;
-  if (!per_owner(reg)) {
+  if (!gpupool__per_owner(reg)) {
     *fd = p->insts->fd;
     return 0;
   }
   in = gpupool__hmap_get(&c->attached, p->id);
   if (!in) {
-    if (!(in = inst_find(p, owner)) && (rc = inst_new(reg, p, owner, &in)) != 0)
+    if (!(in = inst_find(p, owner)) && (rc = gpupool__inst_new(reg, p, owner, &in)) != 0)
       return rc;
     if (gpupool__hmap_put(&c->attached, p->id, in) != 0) {
-      inst_maybe_destroy(reg, in);
+      gpupool__inst_maybe_destroy(reg, in);
       return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     }
     in->attached++;
@@ -1049,7 +1037,7 @@ int gpupool__attach(gpupool__registry *reg, gpupool__client *c, gpupool__pool *p
 
 /* Refuses new holds to a uid whose closed connections already pin memory through too many
  * leases: every such hold could become one more (a daemon fd and pinned memory each). */
-static int check_waiting_leases(gpupool__registry *reg, const gpupool__client *c) {
+int gpupool__check_waiting_leases(gpupool__registry *reg, const gpupool__client *c) {
   const gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, c->tenant);
   uint32_t max = reg->cfg->max_waiting_leases_per_uid;
   char who[80];
@@ -1065,12 +1053,12 @@ static int check_waiting_leases(gpupool__registry *reg, const gpupool__client *c
                       who, u->leases, max);
 }
 
-static int check_limits(gpupool__registry *reg, gpupool__client *c, uint64_t size) {
+int gpupool__check_limits(gpupool__registry *reg, gpupool__client *c, uint64_t size) {
   const gpupool__config *cfg = reg->cfg;
   gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, c->tenant);
   char who[80];
   int rc;
-  if ((rc = check_waiting_leases(reg, c)) != 0)
+  if ((rc = gpupool__check_waiting_leases(reg, c)) != 0)
     return rc;
   gpupool__tenant_label(cfg, c->tenant, who, sizeof who);
   if (cfg->max_allocs_per_client && c->allocs + 1 > cfg->max_allocs_per_client)
@@ -1097,7 +1085,7 @@ static int check_limits(gpupool__registry *reg, gpupool__client *c, uint64_t siz
 
 /* The alignment an allocation in p gets: *align as asked (0 = the pool's), never below the
  * pool's; EINVAL unless a power of two up to 2 MiB. */
-static int pool_alignment(const gpupool__pool *p, uint64_t *align) {
+int gpupool__pool_alignment(const gpupool__pool *p, uint64_t *align) {
   if (*align == 0)
     *align = p->cfg.alignment;
   if (*align & (*align - 1) || *align > SLAB_GRAIN)
@@ -1116,14 +1104,14 @@ int gpupool__allocate(gpupool__registry *reg, gpupool__client *c, gpupool__pool 
 
   if (size == 0)
     return gpupool__err(GPUPOOL_EINVAL, "cannot allocate 0 bytes; ask for at least 1");
-  if ((rc = gpupool__pool_owner(reg, c, p, &owner)) != 0 || (rc = pool_alignment(p, &align)) != 0)
+  if ((rc = gpupool__pool_owner(reg, c, p, &owner)) != 0 || (rc = gpupool__pool_alignment(p, &align)) != 0)
     return rc;
   if (size > GPUPOOL_SLAB_HARD_MAX)
-    return place(reg, p, owner, size, size, align, &s, &off); /* produces the ETOOBIG message */
-  asize = round_up(size, p->cfg.alignment);
-  if ((rc = check_limits(reg, c, asize)) != 0)
+    return gpupool__place(reg, p, owner, size, size, align, &s, &off); /* produces the ETOOBIG message */
+  asize = gpupool__round_up(size, p->cfg.alignment);
+  if ((rc = gpupool__check_limits(reg, c, asize)) != 0)
     return rc;
-  if ((rc = place(reg, p, owner, size, asize, align, &s, &off)) != 0)
+  if ((rc = gpupool__place(reg, p, owner, size, asize, align, &s, &off)) != 0)
     return rc;
   if (s->dedicated)
     asize = s->bs.size;
@@ -1132,7 +1120,7 @@ int gpupool__allocate(gpupool__registry *reg, gpupool__client *c, gpupool__pool 
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     goto fail_range;
   }
-  b->id = next_id(reg);
+  b->id = gpupool__next_id(reg);
   b->slab = s;
   b->offset = off;
   b->size = asize;
@@ -1161,39 +1149,39 @@ int gpupool__allocate(gpupool__registry *reg, gpupool__client *c, gpupool__pool 
   p->nbuffers++;
   c->bytes += asize;
   c->allocs++;
-  uid_account(reg, c->tenant, (int64_t)asize, 1);
-  rc = hold_new(reg, c, b, 0, 1, out);
+  gpupool__uid_account(reg, c->tenant, (int64_t)asize, 1);
+  rc = gpupool__hold_new(reg, c, b, 0, 1, out);
   if (rc != 0) {
     /* refs is 0: undo through the normal path so every counter goes back. */
     b->refs = 1;
-    buffer_unref(reg, b);
+    gpupool__buffer_unref(reg, b);
     return rc;
   }
   return 0;
 fail_ev:
-  event_put(reg, b->ready);
+  gpupool__event_put(reg, b->ready);
 fail_buf:
   free(b);
 fail_range:
   if (s->alloc)
     gpupool__alloc_put(s->alloc, off, asize);
-  slab_maybe_retire(reg, s);
+  gpupool__slab_maybe_retire(reg, s);
   return rc;
 }
 
 int gpupool__release(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id, int done_recorded, int *freed) {
   gpupool__hold *h = NULL;
-  int rc = hold_of(reg, c, hold_id, &h);
+  int rc = gpupool__hold_of(reg, c, hold_id, &h);
   if (rc != 0)
     return rc;
   *freed = h->buf->refs == 1;
-  hold_drop(reg, h, done_recorded, NULL);
+  gpupool__hold_drop(reg, h, done_recorded, NULL);
   return 0;
 }
 
 int gpupool__share(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id, uint8_t token[GPUPOOL_TOKEN_SIZE]) {
   gpupool__hold *h = NULL;
-  int rc = hold_of(reg, c, hold_id, &h);
+  int rc = gpupool__hold_of(reg, c, hold_id, &h);
   if (rc != 0)
     return rc;
   for (int i = 0; i < 8; i++)
@@ -1227,14 +1215,14 @@ int gpupool__open(gpupool__registry *reg, gpupool__client *c, const uint8_t *tok
   }
   /* A buffer of another tenant is refused like a forged token: its holder would get the fd
    * of a slab that holds that tenant's other buffers too. */
-  if (!b || diff || !owner_reachable(reg, c, b->slab->owner))
+  if (!b || diff || !gpupool__owner_reachable(reg, c, b->slab->owner))
     return gpupool__err(GPUPOOL_ENOENT,
                         "share token does not name a live buffer of your tenant (the buffer was freed, the "
                         "token is forged, or it belongs to another tenant: share across tenants through a "
                         "pool shared with a group)");
-  if ((rc = check_waiting_leases(reg, c)) != 0)
+  if ((rc = gpupool__check_waiting_leases(reg, c)) != 0)
     return rc;
-  return hold_new(reg, c, b, read_only, 0, out);
+  return gpupool__hold_new(reg, c, b, read_only, 0, out);
 }
 
 /* ---- names, versions, bundles ----------------------------------------------------------------- */
@@ -1242,7 +1230,7 @@ int gpupool__open(gpupool__registry *reg, gpupool__client *c, const uint8_t *tok
 /* Freeing a layout of at least this many members gives the freed heap pages back. */
 #define TRIM_AFTER_MEMBERS 4096
 
-static void members_free(gpupool__member *m, uint32_t n) {
+void gpupool__members_free(gpupool__member *m, uint32_t n) {
   for (uint32_t i = 0; m && i < n; i++) {
     free(m[i].name);
     free(m[i].meta);
@@ -1315,36 +1303,34 @@ static int table_equal(const gpupool__layout *l, uint64_t tenant, const gpupool_
   return 1;
 }
 
-static int members_fit(gpupool__registry *reg, uint64_t tenant, uint64_t n, uint64_t freed);
-
 /* A layout (one reference, the caller's) over members (taken over; freed on failure or when an
  * equal table of the tenant exists, whose layout is then shared: two bundles allocated alike,
  * as double buffering does, have one layout id, so a consumer's cached table serves both),
  * which lie in nbufs buffers; counted against tenant's members once per layout. A new table
  * must fit in max_members_per_uid (less `freed`, members a new version releases); a shared
  * one adds no members. */
-static int layout_new(gpupool__registry *reg, uint64_t tenant, gpupool__member *members, uint32_t n,
-                      uint32_t nbufs, uint64_t freed, gpupool__layout **out) {
+int gpupool__layout_new(gpupool__registry *reg, uint64_t tenant, gpupool__member *members, uint32_t n,
+                        uint32_t nbufs, uint64_t freed, gpupool__layout **out) {
   uint64_t h = table_hash(tenant, members, n, nbufs);
   gpupool__layout *same_hash = gpupool__hmap_get(&reg->layout_hash, h), *l;
   int rc;
   if (same_hash && table_equal(same_hash, tenant, members, n, nbufs)) {
-    members_free(members, n);
+    gpupool__members_free(members, n);
     same_hash->refs++;
     *out = same_hash;
     return 0;
   }
-  if ((rc = members_fit(reg, tenant, n, freed)) != 0) {
-    members_free(members, n);
+  if ((rc = gpupool__members_fit(reg, tenant, n, freed)) != 0) {
+    gpupool__members_free(members, n);
     return rc;
   }
   l = calloc(1, sizeof *l);
   if (!l || !(l->need = calloc(nbufs ? nbufs : 1, sizeof *l->need))) {
     free(l);
-    members_free(members, n);
+    gpupool__members_free(members, n);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
-  l->id = next_id(reg);
+  l->id = gpupool__next_id(reg);
   l->refs = 1;
   l->tenant = tenant;
   l->members = members;
@@ -1356,7 +1342,7 @@ static int layout_new(gpupool__registry *reg, uint64_t tenant, gpupool__member *
   if (gpupool__hmap_put(&reg->layouts, l->id, l) != 0) {
     free(l->need);
     free(l);
-    members_free(members, n);
+    gpupool__members_free(members, n);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
   l->hash = h;
@@ -1370,7 +1356,7 @@ static int layout_new(gpupool__registry *reg, uint64_t tenant, gpupool__member *
   return 0;
 }
 
-static void layout_unref(gpupool__registry *reg, gpupool__layout *l) {
+void gpupool__layout_unref(gpupool__registry *reg, gpupool__layout *l) {
   if (!l || --l->refs > 0)
     return;
   gpupool__hmap_del(&reg->layouts, l->id);
@@ -1378,7 +1364,7 @@ static void layout_unref(gpupool__registry *reg, gpupool__layout *l) {
     gpupool__hmap_del(&reg->layout_hash, l->hash);
   members_account(reg, l->tenant, -(int64_t)l->n);
   reg->nmembers -= l->n;
-  members_free(l->members, l->n);
+  gpupool__members_free(l->members, l->n);
 #ifdef __GLIBC__
   /* A large table is tens of thousands of small blocks (names, descriptions) spread over the
    * heap; malloc keeps their pages after free, so the daemon would stay at the high-water
@@ -1393,7 +1379,7 @@ static void layout_unref(gpupool__registry *reg, gpupool__layout *l) {
 
 /* Whether n more members fit in tenant's max_members_per_uid and in the daemon's max_members
  * (less `freed`, members a new version releases). */
-static int members_fit(gpupool__registry *reg, uint64_t tenant, uint64_t n, uint64_t freed) {
+int gpupool__members_fit(gpupool__registry *reg, uint64_t tenant, uint64_t n, uint64_t freed) {
   const gpupool__config *cfg = reg->cfg;
   gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, tenant);
   uint64_t have = u ? u->members : 0, all = reg->nmembers > freed ? reg->nmembers - freed : 0;
@@ -1421,18 +1407,18 @@ static void name_clear(gpupool__registry *reg, gpupool__name *n) {
     gpupool__file_close(reg, n->file);
     n->file = NULL;
   }
-  layout_unref(reg, n->layout);
+  gpupool__layout_unref(reg, n->layout);
   n->layout = NULL;
   for (uint32_t i = 0; i < n->nbufs; i++) {
     n->bufs[i]->names--;
-    buffer_unref(reg, n->bufs[i]);
+    gpupool__buffer_unref(reg, n->bufs[i]);
   }
   free(n->bufs);
   n->bufs = NULL;
   n->nbufs = 0;
 }
 
-static void name_free(gpupool__registry *reg, gpupool__name *n) {
+void gpupool__name_free(gpupool__registry *reg, gpupool__name *n) {
   name_clear(reg, n);
   free(n->name);
   free(n);
@@ -1505,7 +1491,7 @@ static int publish_commit(gpupool__registry *reg, gpupool__client *c, const char
       if (n)
         free(n->name);
       free(n);
-      layout_unref(reg, layout);
+      gpupool__layout_unref(reg, layout);
       free(bufs);
       return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     }
@@ -1563,7 +1549,7 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
   int rc, has_meta = meta && meta->present;
   char key[GPUPOOL_NAME_KEY_MAX + 1];
 
-  if ((rc = hold_of(reg, c, hold_id, &h)) != 0)
+  if ((rc = gpupool__hold_of(reg, c, hold_id, &h)) != 0)
     return rc;
   if (share_gid || share_all)
     return gpupool__err(GPUPOOL_EINVAL,
@@ -1583,7 +1569,7 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
 
 /* Refuses a table whose member names repeat (an open-addressing set of the names: O(n), as
  * long as the names cannot be chosen to share a slot, hence the seeded hash). */
-static int members_unique(const gpupool__member *m, size_t n) {
+int gpupool__members_unique(const gpupool__member *m, size_t n) {
   size_t cap = 16, i;
   uint32_t *slots;
   while (cap < 2 * n)
@@ -1605,8 +1591,8 @@ static int members_unique(const gpupool__member *m, size_t n) {
 }
 
 /* Checks a member's name, range and tensor description and copies it into *out. */
-static int member_from_wire(const char *name, uint64_t offset, uint64_t size, const Gpupool__Wire__TensorMeta *tm,
-                            uint64_t limit, size_t idx, gpupool__member *out) {
+int gpupool__member_from_wire(const char *name, uint64_t offset, uint64_t size, const Gpupool__Wire__TensorMeta *tm,
+                              uint64_t limit, size_t idx, gpupool__member *out) {
   gpupool_tensor_meta m;
   int rc;
   if (!name || gpupool__wire_check_name(name) != 0)
@@ -1636,7 +1622,7 @@ static int member_from_wire(const char *name, uint64_t offset, uint64_t size, co
   return 0;
 }
 
-static int check_member_count(gpupool__registry *reg, size_t n) {
+int gpupool__check_member_count(gpupool__registry *reg, size_t n) {
   if (n == 0)
     return gpupool__err(GPUPOOL_EINVAL, "a bundle needs at least one member");
   if (n > reg->cfg->max_bundle_members)
@@ -1672,7 +1658,7 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
       return gpupool__err(GPUPOOL_EINVAL, "member table %" PRIu64 " spans %u buffers, not %zu", layout_id,
                           layout->nbufs, nholds);
     nmembers = layout->n;
-  } else if ((rc = check_member_count(reg, nmembers)) != 0) {
+  } else if ((rc = gpupool__check_member_count(reg, nmembers)) != 0) {
     return rc;
   }
   if (nholds == 0 || nholds > nmembers)
@@ -1686,7 +1672,7 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
   /* Buffer and slab ids come from one counter: one set tells repeats of either. */
   for (i = 0; i < nholds; i++) {
     gpupool__hold *h = NULL;
-    if ((rc = hold_of(reg, c, hold_ids[i], &h)) != 0)
+    if ((rc = gpupool__hold_of(reg, c, hold_ids[i], &h)) != 0)
       goto fail;
     if (gpupool__hmap_get(&seen, h->buf->id)) {
       rc = gpupool__err(GPUPOOL_EINVAL, "buffer %" PRIu64 " is listed twice (hold %" PRIu64 " and another); list "
@@ -1727,7 +1713,7 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
                           m->name ? m->name : "", m->buffer, nholds);
         goto fail;
       }
-      if ((rc = member_from_wire(m->name, m->offset, m->size, m->tensor, bufs[m->buffer]->asked, nm,
+      if ((rc = gpupool__member_from_wire(m->name, m->offset, m->size, m->tensor, bufs[m->buffer]->asked, nm,
                                  &members[nm])) != 0)
         goto fail;
       members[nm].buffer = m->buffer;
@@ -1739,7 +1725,7 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
                           "the members use", i, hold_ids[i]);
         goto fail;
       }
-    if ((rc = members_unique(members, nmembers)) != 0)
+    if ((rc = gpupool__members_unique(members, nmembers)) != 0)
       goto fail;
   }
   if ((rc = publish_check(reg, c, name, bufs, (uint32_t)nholds, key, sizeof key, &old)) != 0)
@@ -1750,7 +1736,7 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
     /* The previous version's table goes with it when nothing else uses it. */
     uint64_t freed = old && old->layout && old->layout->refs == 1 && old->layout->tenant == c->tenant
                          ? old->layout->n : 0;
-    rc = layout_new(reg, c->tenant, members, (uint32_t)nmembers, (uint32_t)nholds, freed, &layout);
+    rc = gpupool__layout_new(reg, c->tenant, members, (uint32_t)nmembers, (uint32_t)nholds, freed, &layout);
     members = NULL; /* taken over, also on failure */
     nm = 0;
     if (rc != 0)
@@ -1760,7 +1746,7 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
   gpupool__hmap_free(&seen);
   return publish_commit(reg, c, key, old, bufs, (uint32_t)nholds, layout, read_only, NULL, version);
 fail:
-  members_free(members, (uint32_t)nm);
+  gpupool__members_free(members, (uint32_t)nm);
   free(bufs);
   free(used);
   gpupool__hmap_free(&seen);
@@ -1789,7 +1775,7 @@ static int find_newer(gpupool__registry *reg, gpupool__client *c, const char *na
     return gpupool__err(GPUPOOL_ENOENT, "'%s' is at version %" PRIu64 ", not newer than %" PRIu64, name,
                         (*out)->version, newer_than);
   if (rc == 0)
-    rc = check_waiting_leases(reg, c);
+    rc = gpupool__check_waiting_leases(reg, c);
   return rc;
 }
 
@@ -1809,7 +1795,7 @@ int gpupool__get(gpupool__registry *reg, gpupool__client *c, const char *name, i
                         n->nbufs == 1 ? "" : "s");
   if (version)
     *version = n->version;
-  return hold_new(reg, c, n->bufs[0], read_only || n->read_only, 0, out);
+  return gpupool__hold_new(reg, c, n->bufs[0], read_only || n->read_only, 0, out);
 }
 
 int gpupool__get_bundle(gpupool__registry *reg, gpupool__client *c, const char *name, int read_only,
@@ -1822,9 +1808,9 @@ int gpupool__get_bundle(gpupool__registry *reg, gpupool__client *c, const char *
   if (!(hs = calloc(n->nbufs, sizeof *hs)))
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   for (uint32_t i = 0; i < n->nbufs; i++)
-    if ((rc = hold_new(reg, c, n->bufs[i], read_only || n->read_only, 0, &hs[i])) != 0) {
+    if ((rc = gpupool__hold_new(reg, c, n->bufs[i], read_only || n->read_only, 0, &hs[i])) != 0) {
       while (i-- > 0)
-        hold_drop(reg, hs[i], 0, NULL);
+        gpupool__hold_drop(reg, hs[i], 0, NULL);
       free(hs);
       return rc;
     }
@@ -1833,15 +1819,15 @@ int gpupool__get_bundle(gpupool__registry *reg, gpupool__client *c, const char *
   return 0;
 }
 
-void gpupool__hold_discard(gpupool__registry *reg, gpupool__hold *h) { hold_drop(reg, h, 0, NULL); }
+void gpupool__hold_discard(gpupool__registry *reg, gpupool__hold *h) { gpupool__hold_drop(reg, h, 0, NULL); }
 
 void gpupool__bundle_plan_free(gpupool__bundle_plan *plan) {
   if (!plan)
     return;
   if (plan->layout)
-    layout_unref(plan->reg, plan->layout);
+    gpupool__layout_unref(plan->reg, plan->layout);
   else
-    members_free(plan->members, plan->nmembers);
+    gpupool__members_free(plan->members, plan->nmembers);
   free(plan->chunks);
   free(plan);
 }
@@ -1854,9 +1840,9 @@ int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool
   size_t i;
   int rc;
 
-  if ((rc = check_member_count(reg, n)) != 0)
+  if ((rc = gpupool__check_member_count(reg, n)) != 0)
     return rc;
-  if ((rc = gpupool__pool_owner(reg, c, p, &owner)) != 0 || (rc = pool_alignment(p, &align)) != 0)
+  if ((rc = gpupool__pool_owner(reg, c, p, &owner)) != 0 || (rc = gpupool__pool_alignment(p, &align)) != 0)
     return rc;
   /* A chunk is one exported allocation: at most 4 GiB (the CUDA driver's limit on one). */
   limit = GPUPOOL_SLAB_HARD_MAX & ~(align - 1);
@@ -1872,7 +1858,7 @@ int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool
     const Gpupool__Wire__MemberSpec *sp = specs[i];
     gpupool__member *m = &plan->members[i];
     uint64_t off;
-    if ((rc = member_from_wire(sp->name, 0, sp->size, sp->tensor, UINT64_MAX, i, m)) != 0)
+    if ((rc = gpupool__member_from_wire(sp->name, 0, sp->size, sp->tensor, UINT64_MAX, i, m)) != 0)
       goto fail;
     plan->nmembers = (uint32_t)i + 1;
     if (sp->size > limit) {
@@ -1881,7 +1867,7 @@ int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool
                         "(%" PRIu64 " bytes); split it", i, sp->name, sp->size, p->cfg.name, limit);
       goto fail;
     }
-    off = round_up(cur, align);
+    off = gpupool__round_up(cur, align);
     if (plan->nchunks == 0 || off + sp->size > limit || off < cur) {
       /* Start a new chunk (the first one, or this member does not fit in the current one). */
       if (plan->nchunks)
@@ -1907,9 +1893,9 @@ int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool
                       plan->total, p->cfg.name, p->cfg.capacity);
     goto fail;
   }
-  if ((rc = members_unique(plan->members, n)) != 0)
+  if ((rc = gpupool__members_unique(plan->members, n)) != 0)
     goto fail;
-  rc = layout_new(reg, c->tenant, plan->members, (uint32_t)n, plan->nchunks, 0, &plan->layout);
+  rc = gpupool__layout_new(reg, c->tenant, plan->members, (uint32_t)n, plan->nchunks, 0, &plan->layout);
   if (rc != 0) {
     plan->members = NULL; /* freed by layout_new */
     plan->nmembers = 0;
@@ -1937,7 +1923,7 @@ int gpupool__bundle_allocate(gpupool__registry *reg, gpupool__client *c, const g
        * it must not wake the waiting allocations (this one among them, which would be
        * tried again at once, fail the same way, and so on forever). */
       while (i-- > 0)
-        hold_drop(reg, hs[i], 0, NULL);
+        gpupool__hold_drop(reg, hs[i], 0, NULL);
       reg->memory_returned = returned;
       free(hs);
       if (plan->nchunks > 1)
@@ -1962,7 +1948,7 @@ static void name_remove(gpupool__registry *reg, gpupool__name *n) {
     u->names--;
     gpupool__uid_usage_put(reg, u);
   }
-  name_free(reg, n);
+  gpupool__name_free(reg, n);
 }
 
 int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *name) {
@@ -1999,10 +1985,10 @@ void gpupool__unmapped(gpupool__registry *reg, gpupool__client *c, const uint64_
       continue;
     for (uint32_t i = 0; i < s->nmappers; i++)
       if (s->mappers[i].client_id == c->id) {
-        slab_remove_mapper_at(s, i);
+        gpupool__slab_remove_mapper_at(s, i);
         break;
       }
-    slab_try_release(reg, s);
+    gpupool__slab_try_release(reg, s);
   }
 }
 
@@ -2025,7 +2011,7 @@ void gpupool__trim(gpupool__registry *reg, uint32_t *freed, uint32_t *revoked) {
 /* ---- clients --------------------------------------------------------------------------------- */
 
 void gpupool__client_init(gpupool__registry *reg, gpupool__client *c) {
-  c->id = next_id(reg);
+  c->id = gpupool__next_id(reg);
   c->tenant = gpupool__tenant_of(reg->cfg, c->uid, c->gid);
   c->connected_ns = gpupool__now_ns();
   gpupool__hmap_init(&c->mapped);
@@ -2042,7 +2028,7 @@ void gpupool__client_drop(gpupool__registry *reg, gpupool__client *c) {
   if (lease) {
     lease->client_id = c->id;
     if (c->nholds > 0 || c->mapped.len > 0)
-      waiting = lease_wait(reg, lease);
+      waiting = gpupool__lease_wait(reg, lease);
     if (waiting)
       GPUPOOL__PEER_INFO(&c->log_rl, c->id, "client %" PRIu64 " (pid %d uid %u, %s) closed its connection holding %" PRIu64
                     " buffer(s) and mapping %zu slab(s) while a process still holds its lease; that memory is "
@@ -2050,7 +2036,7 @@ void gpupool__client_drop(gpupool__registry *reg, gpupool__client *c) {
                     c->id, (int)c->pid, (unsigned)c->uid, c->name, c->nholds, c->mapped.len);
   }
   while (c->holds)
-    hold_drop(reg, c->holds, 0, waiting ? lease : NULL);
+    gpupool__hold_drop(reg, c->holds, 0, waiting ? lease : NULL);
   for (int i = 0; i < reg->npools; i++) {
     for (gpupool__slab *s = reg->pools[i].slabs, *n; s; s = n) {
       n = s->next;
@@ -2062,11 +2048,11 @@ void gpupool__client_drop(gpupool__registry *reg, gpupool__client *c) {
           s->mappers[j].lease = lease;
           lease->refs++;
         } else {
-          slab_remove_mapper_at(s, j);
+          gpupool__slab_remove_mapper_at(s, j);
         }
         break;
       }
-      slab_try_release(reg, s);
+      gpupool__slab_try_release(reg, s);
     }
   }
   gpupool__hmap_del(&reg->clients, c->id);
@@ -2077,7 +2063,7 @@ void gpupool__client_drop(gpupool__registry *reg, gpupool__client *c) {
     if (gpupool__hmap_slot_used(&c->attached, i)) {
       gpupool__pinst *in = c->attached.slots[i].val;
       in->attached--;
-      inst_maybe_destroy(reg, in);
+      gpupool__inst_maybe_destroy(reg, in);
     }
   gpupool__hmap_free(&c->attached);
   gpupool__hmap_free(&c->mapped);
@@ -2086,7 +2072,7 @@ void gpupool__client_drop(gpupool__registry *reg, gpupool__client *c) {
   c->revoke = NULL;
   c->nrevoke = c->caprevoke = 0;
   if (lease)
-    lease_unref(lease);
+    gpupool__lease_unref(lease);
   gpupool__sweep(reg);
 }
 
@@ -2114,12 +2100,12 @@ void gpupool__fill_pool_info(gpupool__registry *reg, gpupool__pool *p, Gpupool__
       continue;
     pi->backend_reserved += st.reserved_cur;
     pi->backend_used += st.used_cur;
-    if (!per_owner(reg)) {
+    if (!gpupool__per_owner(reg)) {
       pi->backend_reserved_high = st.reserved_high;
       pi->backend_used_high = st.used_high;
     }
   }
-  if (per_owner(reg)) {
+  if (gpupool__per_owner(reg)) {
     /* Instances peak at different times and take their marks with them when destroyed: the
      * highest sum seen. */
     if (pi->backend_reserved > p->backend_reserved_high)
@@ -2160,7 +2146,7 @@ void gpupool__fill_desc(gpupool__registry *reg, gpupool__client *c, gpupool__hol
     if (!mapped) {
       /* Remember the mapping first: a slab handed out unrecorded could be freed under it. */
       remembered = gpupool__hmap_put(&c->mapped, sl->id, sl) == 0;
-      if (remembered && slab_add_mapper(sl, c->id) != 0) {
+      if (remembered && gpupool__slab_add_mapper(sl, c->id) != 0) {
         gpupool__hmap_del(&c->mapped, sl->id);
         remembered = 0;
       }
@@ -2244,10 +2230,10 @@ int gpupool__registry_init(gpupool__registry *reg, uv_loop_t *loop, const gpupoo
     p->cfg = cfg->pools[i];
     /* One backend pool for every owner, or (per-owner backends) one made and destroyed now
      * so that a pool the backend refuses is refused at startup, not at first use. */
-    if ((rc = inst_new(reg, p, GPUPOOL__OWNER_ANY, &in)) != 0)
+    if ((rc = gpupool__inst_new(reg, p, GPUPOOL__OWNER_ANY, &in)) != 0)
       return rc; /* the message names the pool */
-    if (per_owner(reg)) {
-      inst_destroy(reg, in);
+    if (gpupool__per_owner(reg)) {
+      gpupool__inst_destroy(reg, in);
       p->insts_created = 0;
     }
     reg->npools++;
@@ -2260,7 +2246,7 @@ int gpupool__registry_init(gpupool__registry *reg, uv_loop_t *loop, const gpupoo
       snprintf(where, sizeof where, "device memory of GPU %d", p->cfg.device);
     GPUPOOL__INFO("pool '%s' ready: %s, capacity %" PRIu64 " MiB, slabs of %" PRIu64 " MiB, keeps %u empty slab(s)%s",
             p->cfg.name, where, p->cfg.capacity / MIB, p->cfg.slab_size / MIB, p->cfg.keep_slabs,
-            per_owner(reg) ? "; one backend pool per tenant (or shared group), made on first use" : "");
+            gpupool__per_owner(reg) ? "; one backend pool per tenant (or shared group), made on first use" : "");
   }
   return 0;
 }
@@ -2304,18 +2290,18 @@ void gpupool__registry_close(gpupool__registry *reg) {
   for (size_t i = 0; i < reg->names.cap; i++) {
     if (!gpupool__smap_slot_used(&reg->names, i))
       continue;
-    name_free(reg, reg->names.slots[i].val);
+    gpupool__name_free(reg, reg->names.slots[i].val);
   }
   gpupool__smap_free(&reg->names);
   while (reg->pending) {
     gpupool__buffer *b = reg->pending;
     reg->pending = b->pending_next;
     for (uint32_t i = 0; i < b->ndone; i++)
-      event_put(reg, b->done[i]);
+      gpupool__event_put(reg, b->done[i]);
     for (uint32_t i = 0; i < b->nleases; i++)
-      lease_unref(b->leases[i]);
+      gpupool__lease_unref(b->leases[i]);
     b->ndone = b->nleases = 0;
-    finish_free(reg, b);
+    gpupool__finish_free(reg, b);
   }
   for (int i = 0; i < reg->npools; i++) {
     gpupool__pool *p = &reg->pools[i];
@@ -2323,9 +2309,9 @@ void gpupool__registry_close(gpupool__registry *reg) {
      * its own reference (a host slab's memfd, a CUDA allocation), and the processes' own
      * mappings keep the memory for as long as they need it. */
     while (p->slabs)
-      slab_destroy(reg, p->slabs);
+      gpupool__slab_destroy(reg, p->slabs);
     while (p->insts)
-      inst_destroy(reg, p->insts);
+      gpupool__inst_destroy(reg, p->insts);
   }
   for (uint32_t i = 0; i < reg->nevents; i++) {
     reg->be->ops->event_destroy(reg->events[i]->be);
@@ -2337,7 +2323,7 @@ void gpupool__registry_close(gpupool__registry *reg) {
   for (size_t i = 0; i < reg->layouts.cap; i++)
     if (gpupool__hmap_slot_used(&reg->layouts, i)) {
       gpupool__layout *l = reg->layouts.slots[i].val;
-      members_free(l->members, l->n);
+      gpupool__members_free(l->members, l->n);
       free(l->need);
       free(l);
     }
