@@ -105,7 +105,7 @@ int gpupool__layout_new(gpupool__registry *reg, uint64_t tenant, gpupool__member
     *out = same_hash;
     return 0;
   }
-  if ((rc = gpupool__members_fit(reg, tenant, n, freed)) != 0) {
+  if ((rc = gpupool__quota_members(reg, tenant, n, freed)) != 0) {
     gpupool__members_free(members, n);
     return rc;
   }
@@ -220,11 +220,7 @@ int gpupool__member_from_wire(const char *name, uint64_t offset, uint64_t size, 
 int gpupool__check_member_count(gpupool__registry *reg, size_t n) {
   if (n == 0)
     return gpupool__err(GPUPOOL_EINVAL, "a bundle needs at least one member");
-  if (n > reg->cfg->max_bundle_members)
-    return gpupool__err(GPUPOOL_ELIMIT,
-                        "bundle of %zu members is over the limit (max_bundle_members) of %u; split it into "
-                        "several names", n, reg->cfg->max_bundle_members);
-  return 0;
+  return gpupool__quota_bundle_members(reg, n);
 }
 
 void gpupool__bundle_plan_free(gpupool__bundle_plan *plan) {

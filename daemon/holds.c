@@ -45,23 +45,14 @@ void gpupool__event_put(gpupool__registry *reg, gpupool__event *e) {
 
 int gpupool__hold_new(gpupool__registry *reg, gpupool__client *c, gpupool__buffer *b, int read_only, int owner,
                       gpupool__hold **out) {
-  const gpupool__config *cfg = reg->cfg;
   gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->tenant, 1);
   gpupool__hold *h;
+  int rc;
   if (!u)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
-  if (cfg->max_holds_per_client && c->nholds >= cfg->max_holds_per_client) {
+  if ((rc = gpupool__quota_holds(reg, c, u)) != 0) {
     gpupool__uid_usage_put(reg, u);
-    return gpupool__err(GPUPOOL_ELIMIT,
-                        "this client already has %" PRIu64 " holds, the limit (max_holds_per_client) is %u; "
-                        "release buffers it no longer uses", c->nholds, cfg->max_holds_per_client);
-  }
-  if (cfg->max_holds_per_uid && u->holds >= cfg->max_holds_per_uid) {
-    gpupool__uid_usage_put(reg, u);
-    char who[80];
-    gpupool__tenant_label(cfg, c->tenant, who, sizeof who);
-    return gpupool__err(GPUPOOL_ELIMIT, "%s already has %" PRIu64 " holds, the limit (max_holds_per_uid) is %u",
-                        who, u->holds, cfg->max_holds_per_uid);
+    return rc;
   }
   h = calloc(1, sizeof *h);
   if (!h) {
@@ -190,7 +181,7 @@ int gpupool__allocate(gpupool__registry *reg, gpupool__client *c, gpupool__pool 
   if (size > GPUPOOL_SLAB_HARD_MAX)
     return gpupool__place(reg, p, owner, size, size, align, &s, &off); /* produces the ETOOBIG message */
   asize = gpupool__round_up(size, p->cfg.alignment);
-  if ((rc = gpupool__check_limits(reg, c, asize)) != 0)
+  if ((rc = gpupool__quota_waiting_leases(reg, c)) != 0 || (rc = gpupool__quota_memory(reg, c, asize)) != 0)
     return rc;
   if ((rc = gpupool__place(reg, p, owner, size, asize, align, &s, &off)) != 0)
     return rc;
@@ -301,7 +292,7 @@ int gpupool__open(gpupool__registry *reg, gpupool__client *c, const uint8_t *tok
                         "share token does not name a live buffer of your tenant (the buffer was freed, the "
                         "token is forged, or it belongs to another tenant: share across tenants through a "
                         "pool shared with a group)");
-  if ((rc = gpupool__check_waiting_leases(reg, c)) != 0)
+  if ((rc = gpupool__quota_waiting_leases(reg, c)) != 0)
     return rc;
   return gpupool__hold_new(reg, c, b, read_only, 0, out);
 }

@@ -40,9 +40,7 @@ void gpupool__name_free(gpupool__registry *reg, gpupool__name *n) {
 static int publish_check(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__buffer *const *bufs,
                          uint32_t nbufs, char *key, size_t keylen, gpupool__name **old) {
   const gpupool__config *cfg = reg->cfg;
-  gpupool__uid_usage *u;
   uint64_t owner;
-  char who[80];
   int rc;
   if ((rc = gpupool__name_key(reg, c, name, key, keylen, &owner)) != 0)
     return rc;
@@ -59,16 +57,9 @@ static int publish_check(gpupool__registry *reg, gpupool__client *c, const char 
   if (*old && (*old)->file)
     return gpupool__err(GPUPOOL_EEXIST, "'%s' names a published file; unpublish it before publishing buffers "
                         "under that name", name);
-  u = gpupool__uid_usage_get(reg, c->tenant, 0);
-  /* Republished by another tenant of the namespace (a group's name), the name moves to its
-   * count: that tenant's limit applies as to a new name. */
-  if (*old && (*old)->tenant != c->tenant && cfg->max_names_per_uid && u && u->names >= cfg->max_names_per_uid) {
-    gpupool__tenant_label(cfg, c->tenant, who, sizeof who);
-    return gpupool__err(GPUPOOL_ELIMIT,
-                        "%s already has %u names published, the limit (max_names_per_uid) is %u; "
-                        "republishing '%s' would make it one more", who, u->names, cfg->max_names_per_uid, name);
-  }
-  return *old ? 0 : gpupool__new_name_fits(reg, c->tenant);
+  if (*old && (*old)->tenant != c->tenant)
+    return gpupool__quota_name_move(reg, c->tenant, name);
+  return *old ? 0 : gpupool__quota_name(reg, c->tenant);
 }
 
 /* Make (bufs, layout) the current version of `key`, creating the name or replacing its
@@ -303,7 +294,7 @@ static int find_newer(gpupool__registry *reg, gpupool__client *c, const char *na
     return gpupool__err(GPUPOOL_ENOENT, "'%s' is at version %" PRIu64 ", not newer than %" PRIu64, name,
                         (*out)->version, newer_than);
   if (rc == 0)
-    rc = gpupool__check_waiting_leases(reg, c);
+    rc = gpupool__quota_waiting_leases(reg, c);
   return rc;
 }
 

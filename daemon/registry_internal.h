@@ -5,7 +5,8 @@
  *
  * The rooms: registry.c (clients, descriptions, lifetime), leases.c, slabs.c (backend pools
  * per owner, slabs, placement, sweeping), holds.c (events, buffers, holds), tenants.c
- * (tenants, uid usage), names.c (names, versions), bundles.c (layouts, bundle plans).
+ * (tenants, uid usage, every limit on what a client may cost), names.c (names, versions),
+ * bundles.c (layouts, bundle plans); files.c (published files) uses the limits too.
  */
 #ifndef GPUPOOL_DAEMON_REGISTRY_INTERNAL_H
 #define GPUPOOL_DAEMON_REGISTRY_INTERNAL_H
@@ -52,12 +53,20 @@ void gpupool__buffer_unref(gpupool__registry *reg, gpupool__buffer *b);
 int gpupool__place(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, uint64_t asked, uint64_t size,
                    uint64_t align, gpupool__slab **slab, uint64_t *off);
 
-/* tenants.c: tenants, uid usage and the limits on what a client may cost */
+/* tenants.c: tenants and uid usage */
 void gpupool__uid_account(gpupool__registry *reg, uint64_t tenant, int64_t bytes, int32_t allocs);
 int gpupool__owner_reachable(const gpupool__registry *reg, const gpupool__client *c, uint64_t owner);
-int gpupool__check_waiting_leases(gpupool__registry *reg, const gpupool__client *c);
-int gpupool__check_limits(gpupool__registry *reg, gpupool__client *c, uint64_t size);
-int gpupool__members_fit(gpupool__registry *reg, uint64_t tenant, uint64_t n, uint64_t freed);
+
+/* tenants.c, the limits on what a client may cost: 0, or GPUPOOL_ELIMIT with a message that
+ * names the count, the limit and what to do. files.c calls gpupool__quota_file. */
+int gpupool__quota_memory(gpupool__registry *reg, const gpupool__client *c, uint64_t size);
+int gpupool__quota_waiting_leases(gpupool__registry *reg, const gpupool__client *c);
+int gpupool__quota_holds(gpupool__registry *reg, const gpupool__client *c, const gpupool__uid_usage *u);
+int gpupool__quota_name(gpupool__registry *reg, uint64_t tenant);
+int gpupool__quota_name_move(gpupool__registry *reg, uint64_t tenant, const char *name);
+int gpupool__quota_file(gpupool__registry *reg, uint64_t tenant);
+int gpupool__quota_members(gpupool__registry *reg, uint64_t tenant, uint64_t n, uint64_t freed);
+int gpupool__quota_bundle_members(gpupool__registry *reg, size_t n);
 
 /* names.c: names and their versions */
 void gpupool__name_free(gpupool__registry *reg, gpupool__name *n);

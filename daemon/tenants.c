@@ -1,6 +1,7 @@
 /*
  * Tenants and what each one uses: owner ids (a uid, a [tenant] or a [group]), who may reach
- * what, the names' namespaces, and the usage counted per uid or tenant.
+ * what, the names' namespaces, the usage counted per uid or tenant, and every limit on what
+ * a client may cost in the registry (the quota checks, below).
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -114,31 +115,22 @@ int gpupool__pool_owner(gpupool__registry *reg, const gpupool__client *c, const 
   return 0;
 }
 
-/* Refuses new holds to a uid whose closed connections already pin memory through too many
- * leases: every such hold could become one more (a daemon fd and pinned memory each). */
-int gpupool__check_waiting_leases(gpupool__registry *reg, const gpupool__client *c) {
-  const gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, c->tenant);
-  uint32_t max = reg->cfg->max_waiting_leases_per_uid;
-  char who[80];
-  if (!max || !u || u->leases < max)
-    return 0;
-  gpupool__tenant_label(reg->cfg, c->tenant, who, sizeof who);
-  return gpupool__err(GPUPOOL_ELIMIT,
-                      "%s has %u closed connections whose processes still hold their lease and map gpupool "
-                      "memory (the limit, max_waiting_leases_per_uid, is %u): it gets no new buffers until some of "
-                      "those processes exit. Find the processes of this tenant that closed their gpupool connection "
-                      "but keep its memory mapped (forked children, workers that closed their sockets), end them "
-                      "or have them call gpupool_disconnect, or raise max_waiting_leases_per_uid",
-                      who, u->leases, max);
-}
+/* ---- the limits on what a client may cost ------------------------------------------------ */
 
-int gpupool__check_limits(gpupool__registry *reg, gpupool__client *c, uint64_t size) {
+/*
+ * Every limit on what a client may cost the daemon in the registry is checked here, one
+ * function per thing counted, and each refusal's message is built here: it names the count,
+ * the limit (the config key) and what to do. Each returns 0, or GPUPOOL_ELIMIT with that
+ * message. The counts themselves are kept where the thing is made and dropped (holds.c,
+ * names.c, bundles.c, files.c); the server keeps the limits on connections, queues and
+ * waiters.
+ */
+
+/* Memory: live allocations and bytes, of the client and of its tenant, with size more. */
+int gpupool__quota_memory(gpupool__registry *reg, const gpupool__client *c, uint64_t size) {
   const gpupool__config *cfg = reg->cfg;
   gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, c->tenant);
   char who[80];
-  int rc;
-  if ((rc = gpupool__check_waiting_leases(reg, c)) != 0)
-    return rc;
   gpupool__tenant_label(cfg, c->tenant, who, sizeof who);
   if (cfg->max_allocs_per_client && c->allocs + 1 > cfg->max_allocs_per_client)
     return gpupool__err(GPUPOOL_ELIMIT,
@@ -162,9 +154,99 @@ int gpupool__check_limits(gpupool__registry *reg, gpupool__client *c, uint64_t s
   return 0;
 }
 
+/* Refuses new holds to a uid whose closed connections already pin memory through too many
+ * leases: every such hold could become one more (a daemon fd and pinned memory each). */
+int gpupool__quota_waiting_leases(gpupool__registry *reg, const gpupool__client *c) {
+  const gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, c->tenant);
+  uint32_t max = reg->cfg->max_waiting_leases_per_uid;
+  char who[80];
+  if (!max || !u || u->leases < max)
+    return 0;
+  gpupool__tenant_label(reg->cfg, c->tenant, who, sizeof who);
+  return gpupool__err(GPUPOOL_ELIMIT,
+                      "%s has %u closed connections whose processes still hold their lease and map gpupool "
+                      "memory (the limit, max_waiting_leases_per_uid, is %u): it gets no new buffers until some of "
+                      "those processes exit. Find the processes of this tenant that closed their gpupool connection "
+                      "but keep its memory mapped (forked children, workers that closed their sockets), end them "
+                      "or have them call gpupool_disconnect, or raise max_waiting_leases_per_uid",
+                      who, u->leases, max);
+}
+
+/* One more hold for c, whose tenant's record is u. */
+int gpupool__quota_holds(gpupool__registry *reg, const gpupool__client *c, const gpupool__uid_usage *u) {
+  const gpupool__config *cfg = reg->cfg;
+  char who[80];
+  if (cfg->max_holds_per_client && c->nholds >= cfg->max_holds_per_client)
+    return gpupool__err(GPUPOOL_ELIMIT,
+                        "this client already has %" PRIu64 " holds, the limit (max_holds_per_client) is %u; "
+                        "release buffers it no longer uses", c->nholds, cfg->max_holds_per_client);
+  if (cfg->max_holds_per_uid && u->holds >= cfg->max_holds_per_uid) {
+    gpupool__tenant_label(cfg, c->tenant, who, sizeof who);
+    return gpupool__err(GPUPOOL_ELIMIT, "%s already has %" PRIu64 " holds, the limit (max_holds_per_uid) is %u",
+                        who, u->holds, cfg->max_holds_per_uid);
+  }
+  return 0;
+}
+
+/* One more name for tenant: max_names, max_names_per_uid. */
+int gpupool__quota_name(gpupool__registry *reg, uint64_t tenant) {
+  const gpupool__config *cfg = reg->cfg;
+  gpupool__uid_usage *u = gpupool__uid_usage_get(reg, tenant, 0);
+  char who[80];
+  if (cfg->max_names && reg->nnames >= cfg->max_names)
+    return gpupool__err(GPUPOOL_ELIMIT, "the daemon already holds %" PRIu64 " names, the limit (max_names) is %u",
+                        reg->nnames, cfg->max_names);
+  if (cfg->max_names_per_uid && u && u->names >= cfg->max_names_per_uid) {
+    gpupool__tenant_label(cfg, tenant, who, sizeof who);
+    return gpupool__err(GPUPOOL_ELIMIT,
+                        "%s already has %u names published, the limit (max_names_per_uid) is %u; "
+                        "unpublish names it no longer needs (names outlive their publisher)",
+                        who, u->names, cfg->max_names_per_uid);
+  }
+  return 0;
+}
+
+/* A name of another tenant of the namespace (a group's name) republished by tenant moves to
+ * its count: that tenant's max_names_per_uid applies as to a new name. */
+int gpupool__quota_name_move(gpupool__registry *reg, uint64_t tenant, const char *name) {
+  const gpupool__config *cfg = reg->cfg;
+  gpupool__uid_usage *u = gpupool__uid_usage_get(reg, tenant, 0);
+  char who[80];
+  if (!cfg->max_names_per_uid || !u || u->names < cfg->max_names_per_uid)
+    return 0;
+  gpupool__tenant_label(cfg, tenant, who, sizeof who);
+  return gpupool__err(GPUPOOL_ELIMIT,
+                      "%s already has %u names published, the limit (max_names_per_uid) is %u; "
+                      "republishing '%s' would make it one more", who, u->names, cfg->max_names_per_uid, name);
+}
+
+/* One more published file for tenant: the name limits, max_files, max_files_per_uid. */
+int gpupool__quota_file(gpupool__registry *reg, uint64_t tenant) {
+  const gpupool__config *cfg = reg->cfg;
+  gpupool__uid_usage *u;
+  char who[80];
+  int rc = gpupool__quota_name(reg, tenant);
+  if (rc != 0)
+    return rc;
+  if (cfg->max_files && reg->nfiles >= cfg->max_files)
+    return gpupool__err(GPUPOOL_ELIMIT,
+                        "the daemon already keeps %" PRIu64 " files open for published names, the limit "
+                        "(max_files) is %u; unpublish files no longer needed",
+                        reg->nfiles, cfg->max_files);
+  u = gpupool__uid_usage_get(reg, tenant, 0);
+  if (cfg->max_files_per_uid && u && u->files >= cfg->max_files_per_uid) {
+    gpupool__tenant_label(cfg, tenant, who, sizeof who);
+    return gpupool__err(GPUPOOL_ELIMIT,
+                        "%s already has %u files published, the limit (max_files_per_uid) is %u; unpublish "
+                        "files it no longer needs (names outlive their publisher)",
+                        who, u->files, cfg->max_files_per_uid);
+  }
+  return 0;
+}
+
 /* Whether n more members fit in tenant's max_members_per_uid and in the daemon's max_members
  * (less `freed`, members a new version releases). */
-int gpupool__members_fit(gpupool__registry *reg, uint64_t tenant, uint64_t n, uint64_t freed) {
+int gpupool__quota_members(gpupool__registry *reg, uint64_t tenant, uint64_t n, uint64_t freed) {
   const gpupool__config *cfg = reg->cfg;
   gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, tenant);
   uint64_t have = u ? u->members : 0, all = reg->nmembers > freed ? reg->nmembers - freed : 0;
@@ -186,19 +268,11 @@ int gpupool__members_fit(gpupool__registry *reg, uint64_t tenant, uint64_t n, ui
                       n, who, have + n, cfg->max_members_per_uid);
 }
 
-int gpupool__new_name_fits(gpupool__registry *reg, uint64_t tenant) {
-  const gpupool__config *cfg = reg->cfg;
-  gpupool__uid_usage *u = gpupool__uid_usage_get(reg, tenant, 0);
-  char who[80];
-  if (cfg->max_names && reg->nnames >= cfg->max_names)
-    return gpupool__err(GPUPOOL_ELIMIT, "the daemon already holds %" PRIu64 " names, the limit (max_names) is %u",
-                        reg->nnames, cfg->max_names);
-  if (cfg->max_names_per_uid && u && u->names >= cfg->max_names_per_uid) {
-    gpupool__tenant_label(cfg, tenant, who, sizeof who);
+/* n members in one bundle: max_bundle_members. */
+int gpupool__quota_bundle_members(gpupool__registry *reg, size_t n) {
+  if (n > reg->cfg->max_bundle_members)
     return gpupool__err(GPUPOOL_ELIMIT,
-                        "%s already has %u names published, the limit (max_names_per_uid) is %u; "
-                        "unpublish names it no longer needs (names outlive their publisher)",
-                        who, u->names, cfg->max_names_per_uid);
-  }
+                        "bundle of %zu members is over the limit (max_bundle_members) of %u; split it into "
+                        "several names", n, reg->cfg->max_bundle_members);
   return 0;
 }
