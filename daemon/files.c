@@ -70,6 +70,7 @@
 #include "fileops.h"
 #include "log.h"
 #include "registry.h"
+#include "registry_internal.h"
 
 #ifndef F_SETLEASE
 #define F_SETLEASE 1024
@@ -306,30 +307,6 @@ static int file_inspect(const gpupool__config *cfg, int fd, uint64_t offset, uin
   return 0;
 }
 
-/* 0 when tenant may publish one more file: the name limits, max_files, max_files_per_uid. */
-static int name_limits(gpupool__registry *reg, uint64_t tenant) {
-  const gpupool__config *cfg = reg->cfg;
-  gpupool__uid_usage *u;
-  char who[80];
-  int rc = gpupool__new_name_fits(reg, tenant);
-  if (rc != 0)
-    return rc;
-  if (cfg->max_files && reg->nfiles >= cfg->max_files)
-    return gpupool__err(GPUPOOL_ELIMIT,
-                        "the daemon already keeps %" PRIu64 " files open for published names, the limit "
-                        "(max_files) is %u; unpublish files no longer needed",
-                        reg->nfiles, cfg->max_files);
-  u = gpupool__uid_usage_get(reg, tenant, 0);
-  if (cfg->max_files_per_uid && u && u->files >= cfg->max_files_per_uid) {
-    gpupool__tenant_label(cfg, tenant, who, sizeof who);
-    return gpupool__err(GPUPOOL_ELIMIT,
-                        "%s already has %u files published, the limit (max_files_per_uid) is %u; unpublish "
-                        "files it no longer needs (names outlive their publisher)",
-                        who, u->files, cfg->max_files_per_uid);
-  }
-  return 0;
-}
-
 /* Ask the kernel to tell us (SIGIO) when someone opens the file for writing or truncates it.
  * Never on a description a client holds (see the top of this file). */
 static void file_lease(gpupool__registry *reg, gpupool__file *f) {
@@ -394,7 +371,7 @@ static void publish_done(gpupool__fop *base) {
   else if (gpupool__smap_get(&reg->names, op->key))
     rc = gpupool__err(GPUPOOL_EEXIST, "name '%s' is already published; unpublish it first or pick another name",
                       op->name);
-  else if ((rc = name_limits(reg, op->tenant)) != 0)
+  else if ((rc = gpupool__quota_file(reg, op->tenant)) != 0)
     ;
   else if (!(n = calloc(1, sizeof *n)) || !(u = gpupool__uid_usage_get(reg, op->tenant, 1)) ||
            !(n->name = strdup(op->key)) || gpupool__smap_put(&reg->names, op->key, n) != 0)
@@ -465,7 +442,7 @@ int gpupool__publish_file(gpupool__registry *reg, gpupool__client *c, const char
                       name);
     goto fail;
   }
-  if ((rc = name_limits(reg, c->tenant)) != 0)
+  if ((rc = gpupool__quota_file(reg, c->tenant)) != 0)
     goto fail;
   if (!(op = calloc(1, sizeof *op)) || !(op->f = calloc(1, sizeof *op->f)) || !(op->key = strdup(key)) ||
       !(op->name = strdup(name))) {

@@ -378,9 +378,6 @@ void gpupool__uid_usage_put(gpupool__registry *reg, gpupool__uid_usage *u);
  * when c may not use p. */
 int gpupool__pool_owner(gpupool__registry *reg, const gpupool__client *c, const gpupool__pool *p, uint64_t *owner);
 uint64_t gpupool__tenant_of(const gpupool__config *cfg, uid_t uid, gid_t gid);
-/* 0 when tenant may publish one more name (max_names, max_names_per_uid), else GPUPOOL_ELIMIT
- * with the limit and what to do. */
-int gpupool__new_name_fits(gpupool__registry *reg, uint64_t tenant);
 int gpupool__name_key(gpupool__registry *reg, const gpupool__client *c, const char *name, char *key,
                       size_t len, uint64_t *owner);
 #define GPUPOOL_NAME_KEY_MAX (GPUPOOL_NAME_MAX + 64)

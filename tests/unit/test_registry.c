@@ -297,6 +297,55 @@ static void test_limits(void **state) {
   assert_non_null(strstr(gpupool__errmsg(), "max_bytes_per_uid"));
 }
 
+/* The per-tenant and daemon-wide limits the tests above do not reach: each refusal names its
+ * limit, and the tenant, whichever of its uids asks. */
+static void tweak_tenant_limits(gpupool__config *c) {
+  c->max_allocs_per_uid = 2;
+  c->max_holds_per_uid = 3;
+  c->max_names = 2;
+  c->max_names_per_uid = 1;
+}
+
+static int setup_tenant_limits(void **state) { return setup_with(state, tweak_tenant_limits); }
+
+static void test_tenant_limits(void **state) {
+  fixture *f = *state;
+  gpupool__pool *sp = gpupool__pool_find(&f->reg, "s", 0);
+  gpupool__hold *h1, *h2, *h3, *o, *w, *v;
+  uint8_t tok[GPUPOOL_TOKEN_SIZE];
+  int freed;
+  /* a and b are one tenant: two allocations between them, then three holds. */
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100, 0, &h1), 0);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->b, pool(f), 100, 0, &h2), 0);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->b, pool(f), 100, 0, &h3), GPUPOOL_ELIMIT);
+  assert_non_null(strstr(gpupool__errmsg(), "tenant:team already has 2 live allocations"));
+  assert_non_null(strstr(gpupool__errmsg(), "max_allocs_per_uid"));
+  assert_int_equal(gpupool__share(&f->reg, &f->a, h1->id, tok), 0);
+  assert_int_equal(gpupool__open(&f->reg, &f->b, tok, sizeof tok, 0, &o), 0);
+  assert_int_equal(gpupool__open(&f->reg, &f->a, tok, sizeof tok, 0, &o), GPUPOOL_ELIMIT);
+  assert_non_null(strstr(gpupool__errmsg(), "tenant:team already has 3 holds"));
+  assert_non_null(strstr(gpupool__errmsg(), "max_holds_per_uid"));
+  /* One name per tenant, two in the daemon. */
+  assert_int_equal(gpupool__publish(&f->reg, &f->a, h1->id, "n1", NULL, 0, 0, NULL), 0);
+  assert_int_equal(gpupool__publish(&f->reg, &f->b, h2->id, "n2", NULL, 0, 0, NULL), GPUPOOL_ELIMIT);
+  assert_non_null(strstr(gpupool__errmsg(), "max_names_per_uid"));
+  assert_int_equal(gpupool__publish(&f->reg, &f->a, h1->id, "n1", NULL, 0, 0, NULL), 0); /* not a new name */
+  /* A group's name republished by another tenant of the group moves to that tenant's count. */
+  assert_int_equal(gpupool__allocate(&f->reg, &f->x, sp, 100, 0, &w), 0);
+  assert_int_equal(gpupool__publish(&f->reg, &f->x, w->id, "group:ml/w", NULL, 0, 0, NULL), 0);
+  assert_int_equal(gpupool__release(&f->reg, &f->b, o->id, 0, &freed), 0);
+  assert_int_equal(gpupool__release(&f->reg, &f->b, h2->id, 0, &freed), 0);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->a, sp, 100, 0, &v), 0);
+  assert_int_equal(gpupool__publish(&f->reg, &f->a, v->id, "group:ml/w", NULL, 0, 0, NULL), GPUPOOL_ELIMIT);
+  assert_non_null(strstr(gpupool__errmsg(), "republishing 'group:ml/w' would make it one more"));
+  /* The daemon's names are all taken: a third tenant's first name is refused too. */
+  assert_int_equal(gpupool__unpublish(&f->reg, &f->a, "n1"), 0);
+  assert_int_equal(gpupool__publish(&f->reg, &f->a, h1->id, "n3", NULL, 0, 0, NULL), 0);
+  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), 100, 0, &h3), 0);
+  assert_int_equal(gpupool__publish(&f->reg, &f->x, h3->id, "n4", NULL, 0, 0, NULL), GPUPOOL_ELIMIT);
+  assert_non_null(strstr(gpupool__errmsg(), "the daemon already holds 2 names, the limit (max_names) is 2"));
+}
+
 static void test_drop_client_releases_everything(void **state) {
   fixture *f = *state;
   gpupool__hold *h;
@@ -904,6 +953,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_slabs_and_dedicated, setup, teardown),
       cmocka_unit_test_setup_teardown(test_full_pool_message_and_revoke, setup, teardown),
       cmocka_unit_test_setup_teardown(test_limits, setup_limits, teardown),
+      cmocka_unit_test_setup_teardown(test_tenant_limits, setup_tenant_limits, teardown),
       cmocka_unit_test_setup_teardown(test_drop_client_releases_everything, setup, teardown),
       cmocka_unit_test_setup_teardown(test_lease_keeps_memory_until_gone, setup, teardown),
       cmocka_unit_test_setup_teardown(test_dead_holder_range_not_reused_with_gpu_work, setup_events, teardown),

@@ -1,0 +1,342 @@
+/*
+ * Layouts (immutable member tables, shared by equal tables of a tenant) and bundle plans:
+ * checking members from the wire and cutting a bundle into chunks of at most 4 GiB.
+ */
+#include <inttypes.h>
+#include <malloc.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "errors.h"
+#include "log.h"
+#include "registry_internal.h"
+
+/* Freeing a layout of at least this many members gives the freed heap pages back. */
+#define TRIM_AFTER_MEMBERS 4096
+
+void gpupool__members_free(gpupool__member *m, uint32_t n) {
+  for (uint32_t i = 0; m && i < n; i++) {
+    free(m[i].name);
+    free(m[i].meta);
+  }
+  free(m);
+}
+
+static void members_account(gpupool__registry *reg, uint64_t tenant, int64_t delta) {
+  gpupool__uid_usage *u;
+  if (!delta || !(u = gpupool__uid_usage_get(reg, tenant, 0)))
+    return;
+  u->members = (uint64_t)((int64_t)u->members + delta);
+  gpupool__uid_usage_put(reg, u);
+}
+
+/* Member tables and member names come from clients, so they are hashed with the seeded hash:
+ * a client that cannot predict it cannot line up tables or names on one slot. */
+/* What identifies a member's description: the fields in use, not the struct's bytes. */
+static void meta_hash(gpupool__hash_state *st, const gpupool_tensor_meta *m) {
+  uint8_t present = m != NULL;
+  gpupool__hash_update(st, &present, 1);
+  if (!m)
+    return;
+  gpupool__hash_update(st, &m->dtype_code, sizeof m->dtype_code);
+  gpupool__hash_update(st, &m->dtype_bits, sizeof m->dtype_bits);
+  gpupool__hash_update(st, &m->dtype_lanes, sizeof m->dtype_lanes);
+  gpupool__hash_update(st, &m->ndim, sizeof m->ndim);
+  gpupool__hash_update(st, m->shape, (size_t)m->ndim * sizeof m->shape[0]);
+  gpupool__hash_update(st, &m->strides_present, sizeof m->strides_present);
+  if (m->strides_present)
+    gpupool__hash_update(st, m->strides, (size_t)m->ndim * sizeof m->strides[0]);
+  gpupool__hash_update(st, &m->byte_offset, sizeof m->byte_offset);
+}
+
+static int meta_equal(const gpupool_tensor_meta *a, const gpupool_tensor_meta *b) {
+  if (!a || !b)
+    return a == b;
+  return a->dtype_code == b->dtype_code && a->dtype_bits == b->dtype_bits && a->dtype_lanes == b->dtype_lanes &&
+         a->ndim == b->ndim && !memcmp(a->shape, b->shape, (size_t)a->ndim * sizeof a->shape[0]) &&
+         a->strides_present == b->strides_present &&
+         (!a->strides_present || !memcmp(a->strides, b->strides, (size_t)a->ndim * sizeof a->strides[0])) &&
+         a->byte_offset == b->byte_offset;
+}
+
+static uint64_t table_hash(uint64_t tenant, const gpupool__member *m, uint32_t n, uint32_t nbufs) {
+  gpupool__hash_state st;
+  gpupool__hash_init(&st);
+  gpupool__hash_update(&st, &tenant, sizeof tenant);
+  gpupool__hash_update(&st, &n, sizeof n);
+  gpupool__hash_update(&st, &nbufs, sizeof nbufs);
+  for (uint32_t i = 0; i < n; i++) {
+    gpupool__hash_update(&st, m[i].name, strlen(m[i].name) + 1);
+    gpupool__hash_update(&st, &m[i].buffer, sizeof m[i].buffer);
+    gpupool__hash_update(&st, &m[i].offset, sizeof m[i].offset);
+    gpupool__hash_update(&st, &m[i].size, sizeof m[i].size);
+    meta_hash(&st, m[i].meta);
+  }
+  return gpupool__hash_final(&st) | 1;
+}
+
+static int table_equal(const gpupool__layout *l, uint64_t tenant, const gpupool__member *m, uint32_t n,
+                       uint32_t nbufs) {
+  if (l->tenant != tenant || l->n != n || l->nbufs != nbufs)
+    return 0;
+  for (uint32_t i = 0; i < n; i++)
+    if (strcmp(l->members[i].name, m[i].name) || l->members[i].buffer != m[i].buffer ||
+        l->members[i].offset != m[i].offset || l->members[i].size != m[i].size ||
+        !meta_equal(l->members[i].meta, m[i].meta))
+      return 0;
+  return 1;
+}
+
+/* A layout (one reference, the caller's) over members (taken over; freed on failure or when an
+ * equal table of the tenant exists, whose layout is then shared: two bundles allocated alike,
+ * as double buffering does, have one layout id, so a consumer's cached table serves both),
+ * which lie in nbufs buffers; counted against tenant's members once per layout. A new table
+ * must fit in max_members_per_uid (less `freed`, members a new version releases); a shared
+ * one adds no members. */
+int gpupool__layout_new(gpupool__registry *reg, uint64_t tenant, gpupool__member *members, uint32_t n,
+                        uint32_t nbufs, uint64_t freed, gpupool__layout **out) {
+  uint64_t h = table_hash(tenant, members, n, nbufs);
+  gpupool__layout *same_hash = gpupool__hmap_get(&reg->layout_hash, h), *l;
+  int rc;
+  if (same_hash && table_equal(same_hash, tenant, members, n, nbufs)) {
+    gpupool__members_free(members, n);
+    same_hash->refs++;
+    *out = same_hash;
+    return 0;
+  }
+  if ((rc = gpupool__quota_members(reg, tenant, n, freed)) != 0) {
+    gpupool__members_free(members, n);
+    return rc;
+  }
+  l = calloc(1, sizeof *l);
+  if (!l || !(l->need = calloc(nbufs ? nbufs : 1, sizeof *l->need))) {
+    free(l);
+    gpupool__members_free(members, n);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  }
+  l->id = gpupool__next_id(reg);
+  l->refs = 1;
+  l->tenant = tenant;
+  l->members = members;
+  l->n = n;
+  l->nbufs = nbufs;
+  for (uint32_t i = 0; i < n; i++)
+    if (members[i].offset + members[i].size > l->need[members[i].buffer])
+      l->need[members[i].buffer] = members[i].offset + members[i].size;
+  if (gpupool__hmap_put(&reg->layouts, l->id, l) != 0) {
+    free(l->need);
+    free(l);
+    gpupool__members_free(members, n);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  }
+  l->hash = h;
+  if (!same_hash) /* (a different table with the same hash keeps the slot) */
+    (void)gpupool__hmap_put(&reg->layout_hash, h, l); /* out of memory: just not shared */
+  gpupool__uid_usage *u = gpupool__uid_usage_get(reg, tenant, 1);
+  if (u)
+    u->members += n;
+  reg->nmembers += n;
+  *out = l;
+  return 0;
+}
+
+void gpupool__layout_unref(gpupool__registry *reg, gpupool__layout *l) {
+  if (!l || --l->refs > 0)
+    return;
+  gpupool__hmap_del(&reg->layouts, l->id);
+  if (gpupool__hmap_get(&reg->layout_hash, l->hash) == l)
+    gpupool__hmap_del(&reg->layout_hash, l->hash);
+  members_account(reg, l->tenant, -(int64_t)l->n);
+  reg->nmembers -= l->n;
+  gpupool__members_free(l->members, l->n);
+#ifdef __GLIBC__
+  /* A large table is tens of thousands of small blocks (names, descriptions) spread over the
+   * heap; malloc keeps their pages after free, so the daemon would stay at the high-water
+   * mark of the largest tables a client ever sent. Handing the free pages back costs a walk
+   * of the heap, paid only after tables this large. */
+  if (l->n >= TRIM_AFTER_MEMBERS)
+    malloc_trim(0);
+#endif
+  free(l->need);
+  free(l);
+}
+
+/* Refuses a table whose member names repeat (an open-addressing set of the names: O(n), as
+ * long as the names cannot be chosen to share a slot, hence the seeded hash). */
+int gpupool__members_unique(const gpupool__member *m, size_t n) {
+  size_t cap = 16, i;
+  uint32_t *slots;
+  while (cap < 2 * n)
+    cap *= 2;
+  if (!(slots = calloc(cap, sizeof *slots)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  for (i = 0; i < n; i++) {
+    size_t k = (size_t)gpupool__hash_bytes(m[i].name, strlen(m[i].name)) & (cap - 1);
+    for (; slots[k]; k = (k + 1) & (cap - 1))
+      if (!strcmp(m[i].name, m[slots[k] - 1].name)) {
+        free(slots);
+        return gpupool__err(GPUPOOL_EINVAL, "member name '%s' appears twice (again at member %zu); member names "
+                            "must be unique in a bundle", m[i].name, i);
+      }
+    slots[k] = (uint32_t)i + 1;
+  }
+  free(slots);
+  return 0;
+}
+
+/* Checks a member's name, range and tensor description and copies it into *out. */
+int gpupool__member_from_wire(const char *name, uint64_t offset, uint64_t size, const Gpupool__Wire__TensorMeta *tm,
+                              uint64_t limit, size_t idx, gpupool__member *out) {
+  gpupool_tensor_meta m;
+  int rc;
+  if (!name || gpupool__wire_check_name(name) != 0)
+    return gpupool__err(GPUPOOL_ENAME, "member %zu: %s", idx,
+                        name ? gpupool__errmsg() : "no name; every member needs a name of 1..255 bytes");
+  if (size == 0)
+    return gpupool__err(GPUPOOL_EINVAL, "member %zu ('%s') has size 0; members need at least 1 byte", idx, name);
+  if (offset > limit || size > limit - offset)
+    return gpupool__err(GPUPOOL_EINVAL,
+                        "member %zu ('%s'): range [%" PRIu64 ", +%" PRIu64 ") does not fit in its buffer of %" PRIu64
+                        " bytes", idx, name, offset, size, limit);
+  if (tm && tm->present && (rc = gpupool__wire_meta_from(tm, size, &m)) != 0)
+    return gpupool__err(rc, "member %zu ('%s'): %s", idx, name, gpupool__errmsg());
+  memset(out, 0, sizeof *out);
+  out->offset = offset;
+  out->size = size;
+  if (!(out->name = strdup(name)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  if (tm && tm->present) {
+    if (!(out->meta = malloc(sizeof *out->meta))) {
+      free(out->name);
+      out->name = NULL;
+      return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    }
+    *out->meta = m;
+  }
+  return 0;
+}
+
+int gpupool__check_member_count(gpupool__registry *reg, size_t n) {
+  if (n == 0)
+    return gpupool__err(GPUPOOL_EINVAL, "a bundle needs at least one member");
+  return gpupool__quota_bundle_members(reg, n);
+}
+
+void gpupool__bundle_plan_free(gpupool__bundle_plan *plan) {
+  if (!plan)
+    return;
+  if (plan->layout)
+    gpupool__layout_unref(plan->reg, plan->layout);
+  else
+    gpupool__members_free(plan->members, plan->nmembers);
+  free(plan->chunks);
+  free(plan);
+}
+
+int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool__pool *p,
+                             Gpupool__Wire__MemberSpec *const *specs, size_t n, uint64_t align,
+                             gpupool__bundle_plan **out) {
+  gpupool__bundle_plan *plan;
+  uint64_t owner, cur = 0, limit;
+  size_t i;
+  int rc;
+
+  if ((rc = gpupool__check_member_count(reg, n)) != 0)
+    return rc;
+  if ((rc = gpupool__pool_owner(reg, c, p, &owner)) != 0 || (rc = gpupool__pool_alignment(p, &align)) != 0)
+    return rc;
+  /* A chunk is one exported allocation: at most 4 GiB (the CUDA driver's limit on one). */
+  limit = GPUPOOL_SLAB_HARD_MAX & ~(align - 1);
+  if (!(plan = calloc(1, sizeof *plan)) || !(plan->members = calloc(n, sizeof *plan->members)) ||
+      !(plan->chunks = calloc(n, sizeof *plan->chunks))) {
+    gpupool__bundle_plan_free(plan);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  }
+  plan->pool = p;
+  plan->reg = reg;
+  plan->align = align;
+  for (i = 0; i < n; i++) {
+    const Gpupool__Wire__MemberSpec *sp = specs[i];
+    gpupool__member *m = &plan->members[i];
+    uint64_t off;
+    if ((rc = gpupool__member_from_wire(sp->name, 0, sp->size, sp->tensor, UINT64_MAX, i, m)) != 0)
+      goto fail;
+    plan->nmembers = (uint32_t)i + 1;
+    if (sp->size > limit) {
+      rc = gpupool__err(GPUPOOL_ETOOBIG,
+                        "member %zu ('%s') of %" PRIu64 " bytes is larger than one allocation of pool '%s' may be "
+                        "(%" PRIu64 " bytes); split it", i, sp->name, sp->size, p->cfg.name, limit);
+      goto fail;
+    }
+    off = gpupool__round_up(cur, align);
+    if (plan->nchunks == 0 || off + sp->size > limit || off < cur) {
+      /* Start a new chunk (the first one, or this member does not fit in the current one). */
+      if (plan->nchunks)
+        plan->chunks[plan->nchunks - 1] = cur;
+      plan->nchunks++;
+      off = 0;
+    }
+    m->buffer = plan->nchunks - 1;
+    m->offset = off;
+    cur = off + sp->size;
+  }
+  plan->chunks[plan->nchunks - 1] = cur;
+  for (i = 0; i < plan->nchunks; i++) {
+    if (plan->total + plan->chunks[i] < plan->total) {
+      rc = gpupool__err(GPUPOOL_EINVAL, "the bundle's total size overflows");
+      goto fail;
+    }
+    plan->total += plan->chunks[i];
+  }
+  if (plan->total > p->cfg.capacity) {
+    rc = gpupool__err(GPUPOOL_ETOOBIG,
+                      "bundle of %" PRIu64 " bytes is larger than pool '%s' (capacity %" PRIu64 " bytes)",
+                      plan->total, p->cfg.name, p->cfg.capacity);
+    goto fail;
+  }
+  if ((rc = gpupool__members_unique(plan->members, n)) != 0)
+    goto fail;
+  rc = gpupool__layout_new(reg, c->tenant, plan->members, (uint32_t)n, plan->nchunks, 0, &plan->layout);
+  if (rc != 0) {
+    plan->members = NULL; /* freed by layout_new */
+    plan->nmembers = 0;
+    goto fail;
+  }
+  *out = plan;
+  return 0;
+fail:
+  gpupool__bundle_plan_free(plan);
+  return rc;
+}
+
+int gpupool__bundle_allocate(gpupool__registry *reg, gpupool__client *c, const gpupool__bundle_plan *plan,
+                             gpupool__hold ***holds) {
+  gpupool__hold **hs = calloc(plan->nchunks, sizeof *hs);
+  int rc = 0;
+  if (!hs)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  for (uint32_t i = 0; i < plan->nchunks; i++)
+    if ((rc = gpupool__allocate(reg, c, plan->pool, plan->chunks[i], plan->align, &hs[i])) != 0) {
+      char msg[GPUPOOL__ERRMSG_MAX];
+      int returned = reg->memory_returned;
+      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+      /* Giving back the chunks just taken returns nothing that was free before this call:
+       * it must not wake the waiting allocations (this one among them, which would be
+       * tried again at once, fail the same way, and so on forever). */
+      while (i-- > 0)
+        gpupool__hold_drop(reg, hs[i], 0, NULL);
+      reg->memory_returned = returned;
+      free(hs);
+      if (plan->nchunks > 1)
+        return gpupool__err(rc, "bundle of %" PRIu64 " bytes in %u buffers: %s", plan->total, plan->nchunks, msg);
+      return gpupool__err(rc, "%s", msg);
+    }
+  /* Each chunk keeps the layout, so the bundle can be published by its id while it lives. */
+  for (uint32_t i = 0; i < plan->nchunks; i++) {
+    hs[i]->buf->layout = plan->layout;
+    plan->layout->refs++;
+  }
+  *holds = hs;
+  return 0;
+}

@@ -1,0 +1,371 @@
+/*
+ * Names and their versions: publishing buffers or a bundle under a name (a new version swaps
+ * buffers and layout in one step), finding, getting and unpublishing them.
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "errors.h"
+#include "log.h"
+#include "registry_internal.h"
+
+/* Drops what a name's current version refers to (its buffers' references, its members). */
+static void name_clear(gpupool__registry *reg, gpupool__name *n) {
+  if (n->file) {
+    gpupool__file_close(reg, n->file);
+    n->file = NULL;
+  }
+  gpupool__layout_unref(reg, n->layout);
+  n->layout = NULL;
+  for (uint32_t i = 0; i < n->nbufs; i++) {
+    n->bufs[i]->names--;
+    gpupool__buffer_unref(reg, n->bufs[i]);
+  }
+  free(n->bufs);
+  n->bufs = NULL;
+  n->nbufs = 0;
+}
+
+void gpupool__name_free(gpupool__registry *reg, gpupool__name *n) {
+  name_clear(reg, n);
+  free(n->name);
+  free(n);
+}
+
+/* Checks for a publish under `name` by c of buffers bufs: the namespace, the buffers' owner,
+ * the name limits (for a new name) and the member limits. *key gets the name's key and *old
+ * the name's entry when it exists. */
+static int publish_check(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__buffer *const *bufs,
+                         uint32_t nbufs, char *key, size_t keylen, gpupool__name **old) {
+  const gpupool__config *cfg = reg->cfg;
+  uint64_t owner;
+  int rc;
+  if ((rc = gpupool__name_key(reg, c, name, key, keylen, &owner)) != 0)
+    return rc;
+  for (uint32_t i = 0; i < nbufs; i++)
+    if (bufs[i]->slab->owner != owner) {
+      char label[80];
+      gpupool__tenant_label(cfg, bufs[i]->slab->owner, label, sizeof label);
+      return gpupool__err(GPUPOOL_EPERM,
+                          "'%s' would make a buffer of %s readable outside it; publish it in that namespace "
+                          "(%s)", name, label,
+                          (bufs[i]->slab->owner & GROUP_SET) ? "as group:GROUP/NAME" : "under a plain name");
+    }
+  *old = gpupool__smap_get(&reg->names, key);
+  if (*old && (*old)->file)
+    return gpupool__err(GPUPOOL_EEXIST, "'%s' names a published file; unpublish it before publishing buffers "
+                        "under that name", name);
+  if (*old && (*old)->tenant != c->tenant)
+    return gpupool__quota_name_move(reg, c->tenant, name);
+  return *old ? 0 : gpupool__quota_name(reg, c->tenant);
+}
+
+/* Make (bufs, layout) the current version of `key`, creating the name or replacing its
+ * previous version in one step. Takes over bufs (an array of nbufs buffers, each given one
+ * reference here) and the caller's reference on layout. Cannot fail once the name exists. */
+static int publish_commit(gpupool__registry *reg, gpupool__client *c, const char *key, gpupool__name *n,
+                          gpupool__buffer **bufs, uint32_t nbufs, gpupool__layout *layout,
+                          int read_only, const gpupool_tensor_meta *meta, uint64_t *version) {
+  uint64_t prev = 0;
+  if (!n) {
+    n = calloc(1, sizeof *n);
+    if (!n || !(n->name = strdup(key)) || gpupool__smap_put(&reg->names, key, n) != 0) {
+      if (n)
+        free(n->name);
+      free(n);
+      gpupool__layout_unref(reg, layout);
+      free(bufs);
+      return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    }
+    reg->nnames++;
+    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->tenant, 1);
+    if (u)
+      u->names++; /* (the record holds at least this client's hold: it exists) */
+    n->tenant = c->tenant;
+  } else {
+    prev = n->version;
+  }
+  /* The new version's references first: a buffer kept from the previous version must not
+   * drop to zero in between. */
+  for (uint32_t i = 0; i < nbufs; i++) {
+    bufs[i]->refs++;
+    bufs[i]->names++;
+  }
+  name_clear(reg, n);
+  if (n->tenant != c->tenant) {
+    /* Republished by another member of the namespace: the name now counts against it. */
+    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, n->tenant, 0);
+    if (u) {
+      u->names--;
+      gpupool__uid_usage_put(reg, u);
+    }
+    u = gpupool__uid_usage_get(reg, c->tenant, 1);
+    if (u)
+      u->names++;
+    n->tenant = c->tenant;
+  }
+  n->bufs = bufs;
+  n->nbufs = nbufs;
+  n->layout = layout;
+  n->version = prev + 1;
+  n->uid = c->uid;
+  n->read_only = read_only;
+  n->created_ns = gpupool__now_ns();
+  n->has_meta = meta != NULL;
+  if (meta) {
+    n->meta = *meta;
+    bufs[0]->meta = *meta;
+    bufs[0]->has_meta = 1;
+  }
+  if (version)
+    *version = n->version;
+  return 0;
+}
+
+int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id, const char *name,
+                     const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all, uint64_t *version) {
+  gpupool__hold *h = NULL;
+  gpupool__name *old = NULL;
+  gpupool__buffer **bufs;
+  gpupool_tensor_meta m;
+  int rc, has_meta = meta && meta->present;
+  char key[GPUPOOL_NAME_KEY_MAX + 1];
+
+  if ((rc = gpupool__hold_of(reg, c, hold_id, &h)) != 0)
+    return rc;
+  if (share_gid || share_all)
+    return gpupool__err(GPUPOOL_EINVAL,
+                        "publishing to other users (share_gid/share_all) is gone: its readers would get "
+                        "the fd of a slab holding the publisher's other buffers. Allocate in a pool the "
+                        "operator shares with a group (share = GROUP) and publish as group:GROUP/NAME");
+  if ((rc = publish_check(reg, c, name, &h->buf, 1, key, sizeof key, &old)) != 0)
+    return rc;
+  if (has_meta && (rc = gpupool__wire_meta_from(meta, h->buf->asked, &m)) != 0)
+    return rc;
+  if (!(bufs = malloc(sizeof *bufs)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  bufs[0] = h->buf;
+  /* A name never upgrades the hold it was published from. */
+  return publish_commit(reg, c, key, old, bufs, 1, NULL, h->read_only, has_meta ? &m : NULL, version);
+}
+
+int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const char *name, const uint64_t *hold_ids,
+                            size_t nholds, Gpupool__Wire__BundleMember *const *wm, size_t nmembers,
+                            uint64_t layout_id, uint64_t *version) {
+  gpupool__buffer **bufs = NULL;
+  gpupool__member *members = NULL;
+  gpupool__layout *layout = NULL;
+  gpupool__name *old = NULL;
+  uint32_t *used = NULL;
+  char key[GPUPOOL_NAME_KEY_MAX + 1];
+  size_t i, nm = 0;
+  uint32_t fd_slabs = 0;
+  int rc, read_only = 0;
+  gpupool__hmap seen;
+
+  gpupool__hmap_init(&seen);
+  if (layout_id && nmembers)
+    return gpupool__err(GPUPOOL_EINVAL, "a bundle is published with its members or with a layout id, not both");
+  if (layout_id) {
+    layout = gpupool__hmap_get(&reg->layouts, layout_id);
+    if (!layout || layout->tenant != c->tenant)
+      return gpupool__err(GPUPOOL_ENOENT, "member table %" PRIu64 " is not one this daemon has for your tenant (it "
+                          "went with the last bundle that used it); publish the members themselves", layout_id);
+    if (nholds != layout->nbufs)
+      return gpupool__err(GPUPOOL_EINVAL, "member table %" PRIu64 " spans %u buffers, not %zu", layout_id,
+                          layout->nbufs, nholds);
+    nmembers = layout->n;
+  } else if ((rc = gpupool__check_member_count(reg, nmembers)) != 0) {
+    return rc;
+  }
+  if (nholds == 0 || nholds > nmembers)
+    return gpupool__err(GPUPOOL_EINVAL, "a bundle of %zu members lies in 1 to %zu buffers, not %zu", nmembers,
+                        nmembers, nholds);
+  if (!(bufs = calloc(nholds, sizeof *bufs)) || !(used = calloc(nholds, sizeof *used)) ||
+      (!layout && !(members = calloc(nmembers, sizeof *members)))) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    goto fail;
+  }
+  /* Buffer and slab ids come from one counter: one set tells repeats of either. */
+  for (i = 0; i < nholds; i++) {
+    gpupool__hold *h = NULL;
+    if ((rc = gpupool__hold_of(reg, c, hold_ids[i], &h)) != 0)
+      goto fail;
+    if (gpupool__hmap_get(&seen, h->buf->id)) {
+      rc = gpupool__err(GPUPOOL_EINVAL, "buffer %" PRIu64 " is listed twice (hold %" PRIu64 " and another); list "
+                        "each buffer once", h->buf->id, hold_ids[i]);
+      goto fail;
+    }
+    bufs[i] = h->buf;
+    read_only |= h->read_only;
+    if (layout && layout->need[i] > h->buf->asked) {
+      rc = gpupool__err(GPUPOOL_EINVAL, "member table %" PRIu64 " needs %" PRIu64 " bytes in buffer %zu, which has %"
+                        PRIu64, layout_id, layout->need[i], i, h->buf->asked);
+      goto fail;
+    }
+    /* Each getter needs the fd of every slab it has not mapped, all in one reply frame. */
+    if (h->buf->slab->bs.fd >= 0 && !gpupool__hmap_get(&seen, h->buf->slab->id)) {
+      if (++fd_slabs > GPUPOOL_WIRE_MAX_FDS) {
+        rc = gpupool__err(GPUPOOL_EINVAL,
+                          "the bundle's buffers lie in more than %d slabs, more than one reply can carry; "
+                          "allocate its members with gpupool_bundle_alloc, which packs them into few buffers",
+                          GPUPOOL_WIRE_MAX_FDS);
+        goto fail;
+      }
+      if (gpupool__hmap_put(&seen, h->buf->slab->id, h->buf->slab) != 0) {
+        rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+        goto fail;
+      }
+    }
+    if (gpupool__hmap_put(&seen, h->buf->id, h->buf) != 0) {
+      rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+      goto fail;
+    }
+  }
+  if (!layout) {
+    for (nm = 0; nm < nmembers; nm++) {
+      const Gpupool__Wire__BundleMember *m = wm[nm];
+      if (m->buffer >= nholds) {
+        rc = gpupool__err(GPUPOOL_EINVAL, "member %zu ('%s') names buffer %u of a bundle of %zu buffers", nm,
+                          m->name ? m->name : "", m->buffer, nholds);
+        goto fail;
+      }
+      if ((rc = gpupool__member_from_wire(m->name, m->offset, m->size, m->tensor, bufs[m->buffer]->asked, nm,
+                                 &members[nm])) != 0)
+        goto fail;
+      members[nm].buffer = m->buffer;
+      used[m->buffer] = 1;
+    }
+    for (i = 0; i < nholds; i++)
+      if (!used[i]) {
+        rc = gpupool__err(GPUPOOL_EINVAL, "no member lies in buffer %zu (hold %" PRIu64 "); list only the buffers "
+                          "the members use", i, hold_ids[i]);
+        goto fail;
+      }
+    if ((rc = gpupool__members_unique(members, nmembers)) != 0)
+      goto fail;
+  }
+  if ((rc = publish_check(reg, c, name, bufs, (uint32_t)nholds, key, sizeof key, &old)) != 0)
+    goto fail;
+  if (layout) {
+    layout->refs++;
+  } else {
+    /* The previous version's table goes with it when nothing else uses it. */
+    uint64_t freed = old && old->layout && old->layout->refs == 1 && old->layout->tenant == c->tenant
+                         ? old->layout->n : 0;
+    rc = gpupool__layout_new(reg, c->tenant, members, (uint32_t)nmembers, (uint32_t)nholds, freed, &layout);
+    members = NULL; /* taken over, also on failure */
+    nm = 0;
+    if (rc != 0)
+      goto fail;
+  }
+  free(used);
+  gpupool__hmap_free(&seen);
+  return publish_commit(reg, c, key, old, bufs, (uint32_t)nholds, layout, read_only, NULL, version);
+fail:
+  gpupool__members_free(members, (uint32_t)nm);
+  free(bufs);
+  free(used);
+  gpupool__hmap_free(&seen);
+  return rc;
+}
+
+int gpupool__find_name(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__name **out) {
+  char key[GPUPOOL_NAME_KEY_MAX + 1];
+  uint64_t owner;
+  int rc = gpupool__name_key(reg, c, name, key, sizeof key, &owner);
+  if (rc != 0)
+    return rc;
+  *out = gpupool__smap_get(&reg->names, key);
+  if (!*out)
+    return gpupool__err(GPUPOOL_ENOENT, "no buffer is published under '%s'", name);
+  return 0;
+}
+
+static int find_newer(gpupool__registry *reg, gpupool__client *c, const char *name, uint64_t newer_than,
+                      gpupool__name **out) {
+  int rc = gpupool__find_name(reg, c, name, out);
+  if (rc == 0 && (*out)->file)
+    return gpupool__err(GPUPOOL_EINVAL, "'%s' names a published file, not a buffer: get it with gpupool_get_file "
+                        "(Python: Client.get_file_array)", name);
+  if (rc == 0 && (*out)->version <= newer_than)
+    return gpupool__err(GPUPOOL_ENOENT, "'%s' is at version %" PRIu64 ", not newer than %" PRIu64, name,
+                        (*out)->version, newer_than);
+  if (rc == 0)
+    rc = gpupool__quota_waiting_leases(reg, c);
+  return rc;
+}
+
+int gpupool__get(gpupool__registry *reg, gpupool__client *c, const char *name, int read_only, uint64_t newer_than,
+                 gpupool__hold **out, uint64_t *version) {
+  gpupool__name *n;
+  int rc = find_newer(reg, c, name, newer_than, &n);
+  if (rc != 0)
+    return rc;
+  /* Any bundle, one member included: a plain get would hand over its whole buffer without
+   * the member's range and description. */
+  if (n->layout || n->nbufs != 1)
+    return gpupool__err(GPUPOOL_EINVAL,
+                        "'%s' is a bundle of %u member%s in %u buffer%s; get it with gpupool_bundle_get "
+                        "(Python: get_dict)", name, n->layout ? n->layout->n : 0,
+                        n->layout && n->layout->n == 1 ? "" : "s", n->nbufs,
+                        n->nbufs == 1 ? "" : "s");
+  if (version)
+    *version = n->version;
+  return gpupool__hold_new(reg, c, n->bufs[0], read_only || n->read_only, 0, out);
+}
+
+int gpupool__get_bundle(gpupool__registry *reg, gpupool__client *c, const char *name, int read_only,
+                        uint64_t newer_than, gpupool__hold ***holds, const gpupool__name **out) {
+  gpupool__name *n;
+  gpupool__hold **hs;
+  int rc = find_newer(reg, c, name, newer_than, &n);
+  if (rc != 0)
+    return rc;
+  if (!(hs = calloc(n->nbufs, sizeof *hs)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  for (uint32_t i = 0; i < n->nbufs; i++)
+    if ((rc = gpupool__hold_new(reg, c, n->bufs[i], read_only || n->read_only, 0, &hs[i])) != 0) {
+      while (i-- > 0)
+        gpupool__hold_drop(reg, hs[i], 0, NULL);
+      free(hs);
+      return rc;
+    }
+  *holds = hs;
+  *out = n;
+  return 0;
+}
+
+/* Take n out of the table and free it. */
+static void name_remove(gpupool__registry *reg, gpupool__name *n) {
+  gpupool__uid_usage *u;
+  gpupool__smap_del(&reg->names, n->name);
+  reg->nnames--;
+  if ((u = gpupool__uid_usage_get(reg, n->tenant, 0))) {
+    u->names--;
+    gpupool__uid_usage_put(reg, u);
+  }
+  gpupool__name_free(reg, n);
+}
+
+int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *name) {
+  gpupool__name *n;
+  int rc = gpupool__find_name(reg, c, name, &n);
+  if (rc != 0)
+    return rc;
+  /* Found in the caller's own namespace (its tenant's, or a group it is in): its members
+   * share it, so any of them may take a name out. */
+  name_remove(reg, n);
+  return 0;
+}
+
+int gpupool__unpublish_key(gpupool__registry *reg, const char *key) {
+  gpupool__name *n = gpupool__smap_get(&reg->names, key);
+  if (!n)
+    return gpupool__err(GPUPOOL_ENOENT, "no name is filed under '%s' (names are listed with their tenant, e.g. "
+                        "uid:1000/weights, by gpupoolctl names)", key);
+  name_remove(reg, n);
+  return 0;
+}
