@@ -162,8 +162,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
   gpupool__server_stop(srv);
   gpupool__registry_close(&reg);
-  for (rounds = 0; rounds < 100 && uv_loop_alive(&loop); rounds++)
+  /* Closing may wait for file calls on worker threads (every fd a client sent is closed off
+   * the loop): give them up to 10 s of wall time, not a number of rounds, so a loaded machine
+   * does not read as a leaked handle; a handle that never closes still fails. */
+  for (uint64_t end = uv_hrtime() + 10000000000ull; uv_loop_alive(&loop) && uv_hrtime() < end;) {
     uv_run(&loop, UV_RUN_NOWAIT);
+    if (uv_loop_alive(&loop))
+      usleep(1000);
+  }
   if (uv_loop_close(&loop) != 0) {
     uv_walk(&loop, describe_handle, NULL);
     fuzz_fail("the loop still has handles after the server and registry were closed");
