@@ -180,11 +180,12 @@ int gpupool__fileops_submit(gpupool__fileops *ops, gpupool__fop *op) {
   if (!(q = tq_get(ops, op->tenant)))
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   if (q->nqueued >= GPUPOOL_FILEOPS_QUEUE_PER_TENANT) {
-    tq_maybe_free(ops, q);
-    return gpupool__err(GPUPOOL_EBUSY,
-                        "%u file operations of this tenant already wait behind %u that run (its files answer "
-                        "slowly, e.g. a stalled FUSE server): try again once they complete",
-                        (unsigned)q->nqueued, (unsigned)q->running);
+    int rc = gpupool__err(GPUPOOL_EBUSY,
+                          "%u file operations of this tenant already wait behind %u that run (its files answer "
+                          "slowly, e.g. a stalled FUSE server): try again once they complete",
+                          (unsigned)q->nqueued, (unsigned)q->running);
+    tq_maybe_free(ops, q); /* after the message: it may free q */
+    return rc;
   }
   q->nqueued++;
   enqueue(ops, q, op, 0);
