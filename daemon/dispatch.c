@@ -21,63 +21,41 @@
 
 #include "server_internal.h"
 
-/* The one dispatch point. Returns 0 when a reply was sent or deferred, else an error code
- * for the caller to send. */
+static int is_admin(const gpupool__conn *c) { return c->cl.uid == 0 || c->cl.uid == geteuid(); }
+
+static int admin_denied(gpupool__conn *c) {
+  return gpupool__err(GPUPOOL_EPERM,
+                      "this request is for operators: it needs root or the daemon's own uid (%u); "
+                      "you are uid %u",
+                      (unsigned)geteuid(), (unsigned)c->cl.uid);
+}
+
+/* Each row's handler, indexed like gpupool__request_kinds. */
+static gpupool__handler *const handlers[GPUPOOL__NREQUESTS] = {
+#define HANDLER(CASE, name, Message, flags) [GPUPOOL__REQ_##CASE] = gpupool__handle_##name,
+    GPUPOOL__REQUEST_MAP(HANDLER)
+#undef HANDLER
+};
+
+/* The one dispatch point: the row of the request's kind says what is checked before its
+ * handler runs. Returns 0 when a reply was sent or deferred, else an error code for the caller
+ * to send. */
 static int dispatch(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
-  if (!c->hello_done && req->body_case != GPUPOOL__WIRE__REQUEST__BODY_HELLO) {
+  int i = gpupool__request_index((int)req->body_case);
+  unsigned flags = i < 0 ? GPUPOOL__REQ_NEEDS_HELLO : gpupool__request_kinds[i].flags;
+  if (!c->hello_done && (flags & GPUPOOL__REQ_NEEDS_HELLO)) {
     gpupool__conn_drop_after_flush(c);
     return gpupool__err(GPUPOOL_EPROTO, "the first request on a connection must be Hello");
   }
   if (req->n_unmapped_slabs)
     gpupool__unmapped(c->srv->reg, &c->cl, req->unmapped_slabs, req->n_unmapped_slabs);
-  switch (req->body_case) {
-  case GPUPOOL__WIRE__REQUEST__BODY_HELLO:
-    return gpupool__handle_hello(c, req->seq, req->hello);
-  case GPUPOOL__WIRE__REQUEST__BODY_ATTACH_POOL:
-    return gpupool__handle_attach(c, req->seq, req->attach_pool);
-  case GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE:
-    return gpupool__handle_allocate(c, req->seq, req->allocate, deferred);
-  case GPUPOOL__WIRE__REQUEST__BODY_RELEASE:
-    return gpupool__handle_release(c, req->seq, req->release);
-  case GPUPOOL__WIRE__REQUEST__BODY_SHARE:
-    return gpupool__handle_share(c, req->seq, req->share);
-  case GPUPOOL__WIRE__REQUEST__BODY_OPEN:
-    return gpupool__handle_open(c, req->seq, req->open);
-  case GPUPOOL__WIRE__REQUEST__BODY_PUBLISH:
-    return gpupool__handle_publish(c, req->seq, req->publish);
-  case GPUPOOL__WIRE__REQUEST__BODY_GET:
-    return gpupool__handle_get(c, req->seq, req->get, deferred);
-  case GPUPOOL__WIRE__REQUEST__BODY_UNPUBLISH:
-    return gpupool__handle_unpublish(c, req->seq, req->unpublish);
-  case GPUPOOL__WIRE__REQUEST__BODY_STATS:
-    return gpupool__handle_stats(c, req->seq);
-  case GPUPOOL__WIRE__REQUEST__BODY_ADMIN_CLIENTS:
-    return gpupool__handle_admin_clients(c, req->seq);
-  case GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS:
-    return gpupool__handle_admin_buffers(c, req->seq);
-  case GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT:
-    return gpupool__handle_admin_drop(c, req->seq, req->admin_drop_client);
-  case GPUPOOL__WIRE__REQUEST__BODY_TRIM:
-    return gpupool__handle_trim(c, req->seq);
-  case GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE_BUNDLE:
-    return gpupool__handle_allocate_bundle(c, req->seq, req->allocate_bundle, deferred);
-  case GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_BUNDLE:
-    return gpupool__handle_publish_bundle(c, req->seq, req->publish_bundle);
-  case GPUPOOL__WIRE__REQUEST__BODY_GET_BUNDLE:
-    return gpupool__handle_get_bundle(c, req->seq, req->get_bundle, deferred);
-  case GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE:
-    return gpupool__handle_publish_file(c, req->seq, req->publish_file, deferred);
-  case GPUPOOL__WIRE__REQUEST__BODY_GET_FILE:
-    return gpupool__handle_get_file(c, req->seq, req->get_file, deferred);
-  case GPUPOOL__WIRE__REQUEST__BODY_ADMIN_NAMES:
-    return gpupool__handle_admin_names(c, req->seq);
-  case GPUPOOL__WIRE__REQUEST__BODY_ADMIN_UNPUBLISH:
-    return gpupool__handle_admin_unpublish(c, req->seq, req->admin_unpublish);
-  default:
+  if (i < 0)
     return gpupool__err(GPUPOOL_EPROTO,
                         "unknown request type (field %d); this daemon (%s) may be older than the client",
                         (int)req->body_case, GPUPOOL_VERSION_STRING);
-  }
+  if ((flags & GPUPOOL__REQ_ADMIN) && !is_admin(c))
+    return admin_denied(c);
+  return handlers[i](c, req, (flags & GPUPOOL__REQ_MAY_WAIT) ? deferred : NULL);
 }
 
 void gpupool__handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len) {
@@ -145,7 +123,8 @@ void gpupool__handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t le
   gpupool__err_clear();
   rc = dispatch(c, req, &deferred);
   if (rc != 0) {
-    GPUPOOL__DEBUG("client %" PRIu64 ": request %d refused: %s", c->cl.id, body, gpupool__errmsg());
+    GPUPOOL__DEBUG("client %" PRIu64 ": %s request refused: %s", c->cl.id, gpupool__request_name(body),
+                   gpupool__errmsg());
     if (rc != GPUPOOL_ENOSPC && rc != GPUPOOL_ENOENT && rc != GPUPOOL_ETIMEDOUT)
       GPUPOOL__PEER_INFO(&c->cl.log_rl, c->cl.id, "client %" PRIu64 " (pid %d): refused %s: %s", c->cl.id,
                          (int)c->cl.pid, gpupool_err_name(rc), gpupool__errmsg());
@@ -161,7 +140,8 @@ void gpupool__handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t le
     fprintf(s->trace, "%d %.1f daemon-req%d %.1fus %" PRIu64 "\n", (int)getpid(), (double)t0 / 1e3, body,
             (double)(gpupool__now_ns() - t0) / 1e3, req->seq);
   if (gpupool__now_ns() - t0 > 50000)
-    GPUPOOL__DEBUG("slow request %d from client %" PRIu64 ": %" PRIu64 " us", body, c->cl.id, (gpupool__now_ns() - t0) / 1000);
+    GPUPOOL__DEBUG("slow %s request from client %" PRIu64 ": %" PRIu64 " us", gpupool__request_name(body), c->cl.id,
+                   (gpupool__now_ns() - t0) / 1000);
   gpupool__wire__request__free_unpacked(req, NULL);
   if (s->reg->memory_returned)
     gpupool__retry_waiters(s->reg, NULL);

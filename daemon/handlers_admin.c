@@ -84,16 +84,9 @@ int gpupool__server_stats(void *server, Gpupool__Wire__StatsReply *st) {
 
 /* ---- request handlers ----------------------------------------------------------------------- */
 
-static int is_admin(const gpupool__conn *c) { return c->cl.uid == 0 || c->cl.uid == geteuid(); }
-
-static int admin_denied(gpupool__conn *c) {
-  return gpupool__err(GPUPOOL_EPERM,
-                      "this request is for operators: it needs root or the daemon's own uid (%u); "
-                      "you are uid %u",
-                      (unsigned)geteuid(), (unsigned)c->cl.uid);
-}
-
-int gpupool__handle_hello(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Hello *m) {
+int gpupool__handle_hello(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__Hello *m = req->hello;
   gpupool__server *s = c->srv;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__HelloReply hr = GPUPOOL__WIRE__HELLO_REPLY__INIT;
@@ -154,7 +147,8 @@ int gpupool__handle_hello(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__H
   free(pptr);
   return 0;
 }
-int gpupool__handle_stats(gpupool__conn *c, uint64_t seq) {
+int gpupool__handle_stats(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__StatsReply st;
   int rc = gpupool__server_stats(c->srv, &st);
@@ -167,15 +161,14 @@ int gpupool__handle_stats(gpupool__conn *c, uint64_t seq) {
   return 0;
 }
 
-int gpupool__handle_admin_clients(gpupool__conn *c, uint64_t seq) {
+int gpupool__handle_admin_clients(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
   gpupool__server *s = c->srv;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AdminClientsReply ar = GPUPOOL__WIRE__ADMIN_CLIENTS_REPLY__INIT;
   Gpupool__Wire__ClientInfo *infos, **ptrs;
   uint64_t now = gpupool__now_ns();
   size_t n = 0;
-  if (!is_admin(c))
-    return admin_denied(c);
   infos = calloc(s->nconns + 1, sizeof *infos);
   ptrs = calloc(s->nconns + 1, sizeof *ptrs);
   if (!infos || !ptrs) {
@@ -209,15 +202,14 @@ int gpupool__handle_admin_clients(gpupool__conn *c, uint64_t seq) {
   return 0;
 }
 
-int gpupool__handle_admin_buffers(gpupool__conn *c, uint64_t seq) {
+int gpupool__handle_admin_buffers(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
   gpupool__registry *reg = c->srv->reg;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AdminBuffersReply ar = GPUPOOL__WIRE__ADMIN_BUFFERS_REPLY__INIT;
   Gpupool__Wire__BufferInfo *infos, **ptrs;
   uint64_t now = gpupool__now_ns();
   size_t n = 0;
-  if (!is_admin(c))
-    return admin_denied(c);
   infos = calloc(reg->buffers.len + 1, sizeof *infos);
   ptrs = calloc(reg->buffers.len + 1, sizeof *ptrs);
   if (!infos || !ptrs) {
@@ -262,12 +254,12 @@ int gpupool__handle_admin_buffers(gpupool__conn *c, uint64_t seq) {
   return 0;
 }
 
-int gpupool__handle_admin_drop(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__AdminDropClient *m) {
+int gpupool__handle_admin_drop_client(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__AdminDropClient *m = req->admin_drop_client;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AdminDropClientReply ar = GPUPOOL__WIRE__ADMIN_DROP_CLIENT_REPLY__INIT;
   gpupool__conn *o, *next;
-  if (!is_admin(c))
-    return admin_denied(c);
   if (m->pid <= 0)
     return gpupool__err(GPUPOOL_EINVAL, "pid %d is not a valid process id", m->pid);
   for (o = c->srv->conns; o; o = next) {
@@ -288,15 +280,14 @@ int gpupool__handle_admin_drop(gpupool__conn *c, uint64_t seq, const Gpupool__Wi
 
 /* Every tenant's names, files included: what an operator needs to find and remove names that
  * outlived their publisher. */
-int gpupool__handle_admin_names(gpupool__conn *c, uint64_t seq) {
+int gpupool__handle_admin_names(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AdminNamesReply ar = GPUPOOL__WIRE__ADMIN_NAMES_REPLY__INIT;
   gpupool__registry *reg = c->srv->reg;
   Gpupool__Wire__NameInfo *infos = NULL, **ptrs = NULL;
   uint64_t now = gpupool__now_ns();
   size_t n = 0;
-  if (!is_admin(c))
-    return admin_denied(c);
   if (reg->names.len &&
       (!(infos = calloc(reg->names.len, sizeof *infos)) || !(ptrs = calloc(reg->names.len, sizeof *ptrs)))) {
     free(infos);
@@ -335,12 +326,12 @@ int gpupool__handle_admin_names(gpupool__conn *c, uint64_t seq) {
   return 0;
 }
 
-int gpupool__handle_admin_unpublish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__AdminUnpublish *m) {
+int gpupool__handle_admin_unpublish(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__AdminUnpublish *m = req->admin_unpublish;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AdminUnpublishReply ar = GPUPOOL__WIRE__ADMIN_UNPUBLISH_REPLY__INIT;
   int rc;
-  if (!is_admin(c))
-    return admin_denied(c);
   if ((rc = gpupool__unpublish_key(c->srv->reg, m->key)) != 0)
     return rc;
   GPUPOOL__INFO("operator (uid %u) unpublished '%s'", (unsigned)c->cl.uid, m->key);
@@ -350,7 +341,8 @@ int gpupool__handle_admin_unpublish(gpupool__conn *c, uint64_t seq, const Gpupoo
   return 0;
 }
 
-int gpupool__handle_trim(gpupool__conn *c, uint64_t seq) {
+int gpupool__handle_trim(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__TrimReply tr = GPUPOOL__WIRE__TRIM_REPLY__INIT;
   gpupool__trim(c->srv->reg, &tr.slabs_freed, &tr.slabs_revoked);

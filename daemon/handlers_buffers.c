@@ -21,7 +21,9 @@
 
 #include "server_internal.h"
 
-int gpupool__handle_attach(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__AttachPool *m) {
+int gpupool__handle_attach_pool(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__AttachPool *m = req->attach_pool;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AttachPoolReply ar = GPUPOOL__WIRE__ATTACH_POOL_REPLY__INIT;
   Gpupool__Wire__PoolInfo pi;
@@ -50,7 +52,9 @@ static int pool_asked(gpupool__registry *reg, const char *name, uint32_t id, gpu
   return gpupool__err(GPUPOOL_ENOENT, "no pool with id %u", id);
 }
 
-int gpupool__handle_allocate(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Allocate *m, int *deferred) {
+int gpupool__handle_allocate(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__Allocate *m = req->allocate;
   gpupool__registry *reg = c->srv->reg;
   gpupool__pool *p;
   gpupool__hold *h = NULL;
@@ -70,7 +74,9 @@ int gpupool__handle_allocate(gpupool__conn *c, uint64_t seq, const Gpupool__Wire
   return 0;
 }
 
-int gpupool__handle_release(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Release *m) {
+int gpupool__handle_release(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__Release *m = req->release;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__ReleaseReply rr = GPUPOOL__WIRE__RELEASE_REPLY__INIT;
   int freed = 0, rc = gpupool__release(c->srv->reg, &c->cl, m->hold_id, m->done_recorded, &freed);
@@ -83,7 +89,9 @@ int gpupool__handle_release(gpupool__conn *c, uint64_t seq, const Gpupool__Wire_
   return 0;
 }
 
-int gpupool__handle_share(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Share *m) {
+int gpupool__handle_share(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__Share *m = req->share;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__ShareReply sr = GPUPOOL__WIRE__SHARE_REPLY__INIT;
   uint8_t token[GPUPOOL_TOKEN_SIZE];
@@ -98,7 +106,9 @@ int gpupool__handle_share(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__S
   return 0;
 }
 
-int gpupool__handle_open(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Open *m) {
+int gpupool__handle_open(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__Open *m = req->open;
   gpupool__hold *h = NULL;
   int rc = gpupool__open(c->srv->reg, &c->cl, m->token.data, m->token.len, m->read_only, &h);
   if (rc != 0)
@@ -116,7 +126,9 @@ void gpupool__published(gpupool__conn *c, const char *name, uint64_t version) {
     gpupool__wake_getters(c->srv, key, version);
 }
 
-int gpupool__handle_publish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Publish *m) {
+int gpupool__handle_publish(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__Publish *m = req->publish;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__PublishReply pr = GPUPOOL__WIRE__PUBLISH_REPLY__INIT;
   uint64_t version = 0;
@@ -133,7 +145,9 @@ int gpupool__handle_publish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire_
   return 0;
 }
 
-int gpupool__handle_publish_bundle(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__PublishBundle *m) {
+int gpupool__handle_publish_bundle(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__PublishBundle *m = req->publish_bundle;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__PublishBundleReply pr = GPUPOOL__WIRE__PUBLISH_BUNDLE_REPLY__INIT;
   uint64_t version = 0;
@@ -151,8 +165,9 @@ int gpupool__handle_publish_bundle(gpupool__conn *c, uint64_t seq, const Gpupool
   return 0;
 }
 
-int gpupool__handle_allocate_bundle(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__AllocateBundle *m,
-                                    int *deferred) {
+int gpupool__handle_allocate_bundle(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__AllocateBundle *m = req->allocate_bundle;
   gpupool__registry *reg = c->srv->reg;
   gpupool__pool *p;
   gpupool__bundle_plan *plan = NULL;
@@ -184,7 +199,9 @@ int gpupool__handle_allocate_bundle(gpupool__conn *c, uint64_t seq, const Gpupoo
   return rc;
 }
 
-int gpupool__handle_get_bundle(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__GetBundle *m, int *deferred) {
+int gpupool__handle_get_bundle(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__GetBundle *m = req->get_bundle;
   gpupool__hold **hs = NULL;
   const gpupool__name *nm = NULL;
   int rc = gpupool__get_bundle(c->srv->reg, &c->cl, m->name, m->read_only, m->newer_than, &hs, &nm);
@@ -203,7 +220,9 @@ int gpupool__handle_get_bundle(gpupool__conn *c, uint64_t seq, const Gpupool__Wi
   return 0;
 }
 
-int gpupool__handle_get(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Get *m, int *deferred) {
+int gpupool__handle_get(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__Get *m = req->get;
   gpupool__hold *h = NULL;
   uint64_t version = 0;
   int rc = gpupool__get(c->srv->reg, &c->cl, m->name, m->read_only, m->newer_than, &h, &version);
@@ -220,7 +239,9 @@ int gpupool__handle_get(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Get
   return 0;
 }
 
-int gpupool__handle_unpublish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Unpublish *m) {
+int gpupool__handle_unpublish(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__Unpublish *m = req->unpublish;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__UnpublishReply ur = GPUPOOL__WIRE__UNPUBLISH_REPLY__INIT;
   int rc = gpupool__unpublish(c->srv->reg, &c->cl, m->name);

@@ -87,7 +87,9 @@ int gpupool__file_get_start(gpupool__conn *c, uint64_t seq, const char *name, in
   return rc;
 }
 
-int gpupool__handle_publish_file(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__PublishFile *m, int *deferred) {
+int gpupool__handle_publish_file(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__PublishFile *m = req->publish_file;
   fwait *fw;
   int fd = c->frame_fd, rc;
   c->frame_fd = -1;
@@ -108,7 +110,9 @@ int gpupool__handle_publish_file(gpupool__conn *c, uint64_t seq, const Gpupool__
   return 0;
 }
 
-int gpupool__handle_get_file(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__GetFile *m, int *deferred) {
+int gpupool__handle_get_file(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__GetFile *m = req->get_file;
   int rc = gpupool__file_get_start(c, seq, m->name, 1);
   if (rc == GPUPOOL_ENOENT && m->timeout_ms > 0) {
     if ((rc = gpupool__waiter_add(c, seq, WAIT_GET_FILE, m->timeout_ms, NULL, 0, 0, m->name, 1, 0, NULL)) != 0)

@@ -15,6 +15,7 @@
 #include "log.h"
 #include "metrics.h"
 #include "paths.h"
+#include "requests.h"
 #include "server.h"
 
 #define WAIT_FOREVER UINT32_MAX
@@ -229,36 +230,23 @@ void gpupool__srv_reply_file(gpupool__conn *c, uint64_t seq, const gpupool__file
 uint64_t gpupool__count_open_fds(void);
 void gpupool__stats_free(Gpupool__Wire__StatsReply *st);
 int gpupool__server_stats(void *server, Gpupool__Wire__StatsReply *st);
-int gpupool__handle_hello(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Hello *m);
-int gpupool__handle_stats(gpupool__conn *c, uint64_t seq);
-int gpupool__handle_admin_clients(gpupool__conn *c, uint64_t seq);
-int gpupool__handle_admin_buffers(gpupool__conn *c, uint64_t seq);
-int gpupool__handle_admin_drop(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__AdminDropClient *m);
-int gpupool__handle_admin_names(gpupool__conn *c, uint64_t seq);
-int gpupool__handle_admin_unpublish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__AdminUnpublish *m);
-int gpupool__handle_trim(gpupool__conn *c, uint64_t seq);
 
 /* ---- handlers_buffers.c: buffers, names and bundles */
-int gpupool__handle_attach(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__AttachPool *m);
-int gpupool__handle_allocate(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Allocate *m, int *deferred);
-int gpupool__handle_release(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Release *m);
-int gpupool__handle_share(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Share *m);
-int gpupool__handle_open(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Open *m);
 void gpupool__published(gpupool__conn *c, const char *name, uint64_t version);
-int gpupool__handle_publish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Publish *m);
-int gpupool__handle_publish_bundle(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__PublishBundle *m);
-int gpupool__handle_allocate_bundle(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__AllocateBundle *m,
-                                    int *deferred);
-int gpupool__handle_get_bundle(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__GetBundle *m, int *deferred);
-int gpupool__handle_get(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Get *m, int *deferred);
-int gpupool__handle_unpublish(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__Unpublish *m);
 
 /* ---- handlers_files.c: published files, their calls off the loop */
 void gpupool__fwait_unlink(fwait *fw);
 void gpupool__fwait_free(fwait *fw);
 int gpupool__file_get_start(gpupool__conn *c, uint64_t seq, const char *name, int count);
-int gpupool__handle_publish_file(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__PublishFile *m, int *deferred);
-int gpupool__handle_get_file(gpupool__conn *c, uint64_t seq, const Gpupool__Wire__GetFile *m, int *deferred);
+
+/* ---- the handlers (handlers_*.c): gpupool__handle_<name> for each row of GPUPOOL__REQUEST_MAP
+ * (common/requests.h), so a row without its handler does not link. Each returns 0 when it sent
+ * the reply or, for a GPUPOOL__REQ_MAY_WAIT row, set *deferred (a handler of another row gets
+ * NULL); else the error code for dispatch to send. The row's flags were checked before. */
+typedef int gpupool__handler(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred);
+#define GPUPOOL__HANDLER_DECL(CASE, name, Message, flags) gpupool__handler gpupool__handle_##name;
+GPUPOOL__REQUEST_MAP(GPUPOOL__HANDLER_DECL)
+#undef GPUPOOL__HANDLER_DECL
 
 /* ---- dispatch.c: a frame in, its handler, its error reply */
 void gpupool__handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len);
