@@ -327,6 +327,37 @@ static void op_free(gpupool__file_op *op) {
   free(op);
 }
 
+/* What every file operation of client c starts with. */
+static void op_init(gpupool__file_op *op, gpupool__registry *reg, const gpupool__client *c,
+                    void (*work)(gpupool__fop *), void (*fdone)(gpupool__fop *), gpupool__file_done done, void *arg) {
+  op->base.tenant = c->tenant;
+  op->base.work = work;
+  op->base.done = fdone;
+  op->reg = reg;
+  op->done = done;
+  op->arg = arg;
+  op->tenant = c->tenant;
+  op->uid = c->uid;
+  op->client_id = c->id;
+  op->out_fd = -1;
+}
+
+/* Runs op on a worker thread, or here and now when the daemon has no file workers (reg->fops
+ * unset). On an error op was not started and is the caller's to free. */
+static int op_run(gpupool__registry *reg, gpupool__file_op *op, gpupool__file_op **out) {
+  int rc;
+  if (!reg->fops) {
+    op->base.work(&op->base);
+    *out = op;
+    op->base.done(&op->base);
+    return 0;
+  }
+  if ((rc = gpupool__fileops_submit(reg->fops, &op->base)) != 0)
+    return rc;
+  *out = op;
+  return 0;
+}
+
 /* Worker thread: the checks, then the daemon's own description (the client's fd is closed
  * here when the reopen worked: that close may wait on the file system too). */
 static void publish_work(gpupool__fop *base) {
@@ -449,30 +480,14 @@ int gpupool__publish_file(gpupool__registry *reg, gpupool__client *c, const char
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     goto fail;
   }
-  op->base.tenant = c->tenant;
-  op->base.work = publish_work;
-  op->base.done = publish_done;
-  op->reg = reg;
-  op->done = done;
-  op->arg = arg;
-  op->tenant = c->tenant;
-  op->uid = c->uid;
-  op->client_id = c->id;
+  op_init(op, reg, c, publish_work, publish_done, done, arg);
   op->log_rl = &c->log_rl;
   op->in_fd = fd;
-  op->out_fd = -1;
   op->f->fd = -1;
   op->f->offset = offset;
   op->f->length = length;
-  if (!reg->fops) {
-    publish_work(&op->base);
-    *out = op;
-    publish_done(&op->base);
-    return 0;
-  }
-  if ((rc = gpupool__fileops_submit(reg->fops, &op->base)) != 0)
+  if ((rc = op_run(reg, op, out)) != 0)
     goto fail;
-  *out = op;
   return 0;
 fail:
   if (op) {
@@ -534,31 +549,15 @@ int gpupool__get_file(gpupool__registry *reg, gpupool__client *c, const char *na
     free(op);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
-  op->base.tenant = c->tenant;
-  op->base.work = get_work;
-  op->base.done = get_done;
-  op->reg = reg;
-  op->done = done;
-  op->arg = arg;
-  op->tenant = c->tenant;
-  op->uid = c->uid;
-  op->client_id = c->id;
+  op_init(op, reg, c, get_work, get_done, done, arg);
   op->in_fd = -1;
-  op->out_fd = -1;
   op->f = n->file;
   n->file->refs++;
-  if (!reg->fops) {
-    get_work(&op->base);
-    *out = op;
-    get_done(&op->base);
-    return 0;
-  }
-  if ((rc = gpupool__fileops_submit(reg->fops, &op->base)) != 0) {
+  if ((rc = op_run(reg, op, out)) != 0) {
     n->file->refs--;
     op_free(op);
     return rc;
   }
-  *out = op;
   return 0;
 }
 

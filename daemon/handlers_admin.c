@@ -149,14 +149,11 @@ int gpupool__handle_hello(gpupool__conn *c, const Gpupool__Wire__Request *req, i
 }
 int gpupool__handle_stats(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
-  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__StatsReply st;
   int rc = gpupool__server_stats(c->srv, &st);
   if (rc != 0)
     return rc;
-  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_STATS;
-  rep.stats = &st;
-  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  GPUPOOL__SEND_BODY(c, seq, STATS, stats, &st);
   gpupool__stats_free(&st);
   return 0;
 }
@@ -164,7 +161,6 @@ int gpupool__handle_stats(gpupool__conn *c, const Gpupool__Wire__Request *req, i
 int gpupool__handle_admin_clients(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   gpupool__server *s = c->srv;
-  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AdminClientsReply ar = GPUPOOL__WIRE__ADMIN_CLIENTS_REPLY__INIT;
   Gpupool__Wire__ClientInfo *infos, **ptrs;
   uint64_t now = gpupool__now_ns();
@@ -194,9 +190,7 @@ int gpupool__handle_admin_clients(gpupool__conn *c, const Gpupool__Wire__Request
   }
   ar.n_clients = n;
   ar.clients = ptrs;
-  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_ADMIN_CLIENTS;
-  rep.admin_clients = &ar;
-  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  GPUPOOL__SEND_BODY(c, seq, ADMIN_CLIENTS, admin_clients, &ar);
   free(infos);
   free(ptrs);
   return 0;
@@ -205,7 +199,6 @@ int gpupool__handle_admin_clients(gpupool__conn *c, const Gpupool__Wire__Request
 int gpupool__handle_admin_buffers(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   gpupool__registry *reg = c->srv->reg;
-  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AdminBuffersReply ar = GPUPOOL__WIRE__ADMIN_BUFFERS_REPLY__INIT;
   Gpupool__Wire__BufferInfo *infos, **ptrs;
   uint64_t now = gpupool__now_ns();
@@ -246,9 +239,7 @@ int gpupool__handle_admin_buffers(gpupool__conn *c, const Gpupool__Wire__Request
   }
   ar.n_buffers = n;
   ar.buffers = ptrs;
-  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_ADMIN_BUFFERS;
-  rep.admin_buffers = &ar;
-  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  GPUPOOL__SEND_BODY(c, seq, ADMIN_BUFFERS, admin_buffers, &ar);
   free(infos);
   free(ptrs);
   return 0;
@@ -257,7 +248,6 @@ int gpupool__handle_admin_buffers(gpupool__conn *c, const Gpupool__Wire__Request
 int gpupool__handle_admin_drop_client(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__AdminDropClient *m = req->admin_drop_client;
-  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AdminDropClientReply ar = GPUPOOL__WIRE__ADMIN_DROP_CLIENT_REPLY__INIT;
   gpupool__conn *o, *next;
   if (m->pid <= 0)
@@ -272,9 +262,7 @@ int gpupool__handle_admin_drop_client(gpupool__conn *c, const Gpupool__Wire__Req
   }
   if (ar.dropped == 0)
     return gpupool__err(GPUPOOL_ENOENT, "no connected client has pid %d", m->pid);
-  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_ADMIN_DROP_CLIENT;
-  rep.admin_drop_client = &ar;
-  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  GPUPOOL__SEND_BODY(c, seq, ADMIN_DROP_CLIENT, admin_drop_client, &ar);
   return 0;
 }
 
@@ -282,7 +270,6 @@ int gpupool__handle_admin_drop_client(gpupool__conn *c, const Gpupool__Wire__Req
  * outlived their publisher. */
 int gpupool__handle_admin_names(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
-  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AdminNamesReply ar = GPUPOOL__WIRE__ADMIN_NAMES_REPLY__INIT;
   gpupool__registry *reg = c->srv->reg;
   Gpupool__Wire__NameInfo *infos = NULL, **ptrs = NULL;
@@ -318,9 +305,7 @@ int gpupool__handle_admin_names(gpupool__conn *c, const Gpupool__Wire__Request *
   }
   ar.n_names = n;
   ar.names = ptrs;
-  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_ADMIN_NAMES;
-  rep.admin_names = &ar;
-  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  GPUPOOL__SEND_BODY(c, seq, ADMIN_NAMES, admin_names, &ar);
   free(infos);
   free(ptrs);
   return 0;
@@ -329,25 +314,19 @@ int gpupool__handle_admin_names(gpupool__conn *c, const Gpupool__Wire__Request *
 int gpupool__handle_admin_unpublish(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__AdminUnpublish *m = req->admin_unpublish;
-  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AdminUnpublishReply ar = GPUPOOL__WIRE__ADMIN_UNPUBLISH_REPLY__INIT;
   int rc;
   if ((rc = gpupool__unpublish_key(c->srv->reg, m->key)) != 0)
     return rc;
   GPUPOOL__INFO("operator (uid %u) unpublished '%s'", (unsigned)c->cl.uid, m->key);
-  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_ADMIN_UNPUBLISH;
-  rep.admin_unpublish = &ar;
-  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  GPUPOOL__SEND_BODY(c, seq, ADMIN_UNPUBLISH, admin_unpublish, &ar);
   return 0;
 }
 
 int gpupool__handle_trim(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
-  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__TrimReply tr = GPUPOOL__WIRE__TRIM_REPLY__INIT;
   gpupool__trim(c->srv->reg, &tr.slabs_freed, &tr.slabs_revoked);
-  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_TRIM;
-  rep.trim = &tr;
-  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  GPUPOOL__SEND_BODY(c, seq, TRIM, trim, &tr);
   return 0;
 }

@@ -77,22 +77,18 @@ int gpupool__handle_allocate(gpupool__conn *c, const Gpupool__Wire__Request *req
 int gpupool__handle_release(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__Release *m = req->release;
-  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__ReleaseReply rr = GPUPOOL__WIRE__RELEASE_REPLY__INIT;
   int freed = 0, rc = gpupool__release(c->srv->reg, &c->cl, m->hold_id, m->done_recorded, &freed);
   if (rc != 0)
     return rc;
   rr.freed = freed;
-  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_RELEASE;
-  rep.release = &rr;
-  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  GPUPOOL__SEND_BODY(c, seq, RELEASE, release, &rr);
   return 0;
 }
 
 int gpupool__handle_share(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__Share *m = req->share;
-  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__ShareReply sr = GPUPOOL__WIRE__SHARE_REPLY__INIT;
   uint8_t token[GPUPOOL_TOKEN_SIZE];
   int rc = gpupool__share(c->srv->reg, &c->cl, m->hold_id, token);
@@ -100,9 +96,7 @@ int gpupool__handle_share(gpupool__conn *c, const Gpupool__Wire__Request *req, i
     return rc;
   sr.token.data = token;
   sr.token.len = sizeof token;
-  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_SHARE;
-  rep.share = &sr;
-  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  GPUPOOL__SEND_BODY(c, seq, SHARE, share, &sr);
   return 0;
 }
 
@@ -129,7 +123,6 @@ void gpupool__published(gpupool__conn *c, const char *name, uint64_t version) {
 int gpupool__handle_publish(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__Publish *m = req->publish;
-  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__PublishReply pr = GPUPOOL__WIRE__PUBLISH_REPLY__INIT;
   uint64_t version = 0;
   int rc = gpupool__publish(c->srv->reg, &c->cl, m->hold_id, m->name, m->tensor, m->share_gid, m->share_all,
@@ -138,9 +131,7 @@ int gpupool__handle_publish(gpupool__conn *c, const Gpupool__Wire__Request *req,
     return rc;
   gpupool__published(c, m->name, version);
   pr.version = version;
-  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_PUBLISH;
-  rep.publish = &pr;
-  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  GPUPOOL__SEND_BODY(c, seq, PUBLISH, publish, &pr);
   GPUPOOL__DEBUG("client %" PRIu64 " gpupool__published '%s' version %" PRIu64, c->cl.id, m->name, version);
   return 0;
 }
@@ -148,7 +139,6 @@ int gpupool__handle_publish(gpupool__conn *c, const Gpupool__Wire__Request *req,
 int gpupool__handle_publish_bundle(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__PublishBundle *m = req->publish_bundle;
-  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__PublishBundleReply pr = GPUPOOL__WIRE__PUBLISH_BUNDLE_REPLY__INIT;
   uint64_t version = 0;
   int rc = gpupool__publish_bundle(c->srv->reg, &c->cl, m->name, m->hold_ids, m->n_hold_ids, m->members,
@@ -157,9 +147,7 @@ int gpupool__handle_publish_bundle(gpupool__conn *c, const Gpupool__Wire__Reques
     return rc;
   gpupool__published(c, m->name, version);
   pr.version = version;
-  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_PUBLISH_BUNDLE;
-  rep.publish_bundle = &pr;
-  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  GPUPOOL__SEND_BODY(c, seq, PUBLISH_BUNDLE, publish_bundle, &pr);
   GPUPOOL__DEBUG("client %" PRIu64 " gpupool__published bundle '%s' (%zu members) version %" PRIu64, c->cl.id, m->name,
                  m->n_members, version);
   return 0;
@@ -242,13 +230,10 @@ int gpupool__handle_get(gpupool__conn *c, const Gpupool__Wire__Request *req, int
 int gpupool__handle_unpublish(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__Unpublish *m = req->unpublish;
-  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__UnpublishReply ur = GPUPOOL__WIRE__UNPUBLISH_REPLY__INIT;
   int rc = gpupool__unpublish(c->srv->reg, &c->cl, m->name);
   if (rc != 0)
     return rc;
-  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_UNPUBLISH;
-  rep.unpublish = &ur;
-  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  GPUPOOL__SEND_BODY(c, seq, UNPUBLISH, unpublish, &ur);
   return 0;
 }

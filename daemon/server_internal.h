@@ -197,6 +197,15 @@ void gpupool__conn_close_fd(void *arg, int fd);
 void gpupool__conn_send(gpupool__conn *c, uint8_t *buf, size_t len, const int *fds, int nfds);
 int gpupool__pack_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, uint8_t **buf, size_t *len);
 void gpupool__send_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds);
+/* Sends the reply whose oneof body is `field` (case GPUPOOL__WIRE__REPLY__BODY_<CASE>) and carries
+ * no fd: how most handlers end, once they have filled their reply message. */
+#define GPUPOOL__SEND_BODY(c, seq, CASE, field, body)                                                      \
+  do {                                                                                                      \
+    Gpupool__Wire__Reply rep_ = GPUPOOL__WIRE__REPLY__INIT;                                                 \
+    rep_.body_case = GPUPOOL__WIRE__REPLY__BODY_##CASE;                                                    \
+    rep_.field = (body);                                                                                    \
+    gpupool__send_reply((c), (seq), &rep_, NULL, 0);                                                        \
+  } while (0)
 void gpupool__send_error(gpupool__conn *c, uint64_t seq, int code, const char *msg);
 void gpupool__conn_close(gpupool__conn *c, const char *why);
 void gpupool__conn_update_poll(gpupool__conn *c);

@@ -188,22 +188,28 @@ int gpupool__quota_holds(gpupool__registry *reg, const gpupool__client *c, const
   return 0;
 }
 
+/* The per-uid limit on what a tenant publishes ("names", "files"; the key is max_<what>_per_uid):
+ * both outlive their publisher, so the fix is the same. */
+static int over_published(const gpupool__config *cfg, uint64_t tenant, const char *what, uint32_t have,
+                          uint32_t max) {
+  char who[80];
+  if (!max || have < max)
+    return 0;
+  gpupool__tenant_label(cfg, tenant, who, sizeof who);
+  return gpupool__err(GPUPOOL_ELIMIT,
+                      "%s already has %u %s published, the limit (max_%s_per_uid) is %u; unpublish %s it no "
+                      "longer needs (names outlive their publisher)",
+                      who, have, what, what, max, what);
+}
+
 /* One more name for tenant: max_names, max_names_per_uid. */
 int gpupool__quota_name(gpupool__registry *reg, uint64_t tenant) {
   const gpupool__config *cfg = reg->cfg;
   gpupool__uid_usage *u = gpupool__uid_usage_get(reg, tenant, 0);
-  char who[80];
   if (cfg->max_names && reg->nnames >= cfg->max_names)
     return gpupool__err(GPUPOOL_ELIMIT, "the daemon already holds %" PRIu64 " names, the limit (max_names) is %u",
                         reg->nnames, cfg->max_names);
-  if (cfg->max_names_per_uid && u && u->names >= cfg->max_names_per_uid) {
-    gpupool__tenant_label(cfg, tenant, who, sizeof who);
-    return gpupool__err(GPUPOOL_ELIMIT,
-                        "%s already has %u names published, the limit (max_names_per_uid) is %u; "
-                        "unpublish names it no longer needs (names outlive their publisher)",
-                        who, u->names, cfg->max_names_per_uid);
-  }
-  return 0;
+  return over_published(cfg, tenant, "names", u ? u->names : 0, cfg->max_names_per_uid);
 }
 
 /* A name of another tenant of the namespace (a group's name) republished by tenant moves to
@@ -224,7 +230,6 @@ int gpupool__quota_name_move(gpupool__registry *reg, uint64_t tenant, const char
 int gpupool__quota_file(gpupool__registry *reg, uint64_t tenant) {
   const gpupool__config *cfg = reg->cfg;
   gpupool__uid_usage *u;
-  char who[80];
   int rc = gpupool__quota_name(reg, tenant);
   if (rc != 0)
     return rc;
@@ -234,14 +239,7 @@ int gpupool__quota_file(gpupool__registry *reg, uint64_t tenant) {
                         "(max_files) is %u; unpublish files no longer needed",
                         reg->nfiles, cfg->max_files);
   u = gpupool__uid_usage_get(reg, tenant, 0);
-  if (cfg->max_files_per_uid && u && u->files >= cfg->max_files_per_uid) {
-    gpupool__tenant_label(cfg, tenant, who, sizeof who);
-    return gpupool__err(GPUPOOL_ELIMIT,
-                        "%s already has %u files published, the limit (max_files_per_uid) is %u; unpublish "
-                        "files it no longer needs (names outlive their publisher)",
-                        who, u->files, cfg->max_files_per_uid);
-  }
-  return 0;
+  return over_published(cfg, tenant, "files", u ? u->files : 0, cfg->max_files_per_uid);
 }
 
 /* Whether n more members fit in tenant's max_members_per_uid and in the daemon's max_members
