@@ -98,6 +98,16 @@ static uint8_t req_ctl;
 
 static void req(sbuf *b, uint64_t seq, gpupool__req *r) { req_split(b, req_ctl, seq, r, 0); }
 
+/* A request whose oneof body is `field` (case GPUPOOL__WIRE__REQUEST__BODY_<CASE>): how each
+ * builder below ends once it has filled its message. */
+#define REQ(b, seq, CASE, field, body)                                                                     \
+  do {                                                                                                      \
+    gpupool__req r_ = GPUPOOL__WIRE__REQUEST__INIT;                                                         \
+    r_.body_case = GPUPOOL__WIRE__REQUEST__BODY_##CASE;                                                    \
+    r_.field = (body);                                                                                      \
+    req((b), (seq), &r_);                                                                                   \
+  } while (0)
+
 static void hello(sbuf *b, uint32_t version) {
   gpupool__req r;
   Gpupool__Wire__Hello h;
@@ -106,47 +116,34 @@ static void hello(sbuf *b, uint32_t version) {
 }
 
 static void attach(sbuf *b, uint64_t seq, uint32_t pool) {
-  gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__AttachPool m = GPUPOOL__WIRE__ATTACH_POOL__INIT;
   m.pool_id = pool;
-  r.body_case = GPUPOOL__WIRE__REQUEST__BODY_ATTACH_POOL;
-  r.attach_pool = &m;
-  req(b, seq, &r);
+  REQ(b, seq, ATTACH_POOL, attach_pool, &m);
 }
 
 static void allocate(sbuf *b, uint64_t seq, const char *pool, uint64_t size, uint64_t align, uint32_t timeout) {
-  gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Allocate m = GPUPOOL__WIRE__ALLOCATE__INIT;
   m.pool_name = (char *)pool;
   m.size = size;
   m.alignment = align;
   m.timeout_ms = timeout;
-  r.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
-  r.allocate = &m;
-  req(b, seq, &r);
+  REQ(b, seq, ALLOCATE, allocate, &m);
 }
 
 static void release(sbuf *b, uint64_t seq, uint64_t hold, int done) {
-  gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Release m = GPUPOOL__WIRE__RELEASE__INIT;
   m.hold_id = hold;
   m.done_recorded = done;
-  r.body_case = GPUPOOL__WIRE__REQUEST__BODY_RELEASE;
-  r.release = &m;
-  req(b, seq, &r);
+  REQ(b, seq, RELEASE, release, &m);
 }
 
 static void share(sbuf *b, uint64_t seq, uint64_t hold) {
-  gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Share m = GPUPOOL__WIRE__SHARE__INIT;
   m.hold_id = hold;
-  r.body_case = GPUPOOL__WIRE__REQUEST__BODY_SHARE;
-  r.share = &m;
-  req(b, seq, &r);
+  REQ(b, seq, SHARE, share, &m);
 }
 
 static void open_token(sbuf *b, uint64_t seq, uint64_t buffer_id) {
-  gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Open m = GPUPOOL__WIRE__OPEN__INIT;
   uint8_t tok[GPUPOOL_TOKEN_SIZE] = {0};
   for (int i = 0; i < 8; i++)
@@ -154,54 +151,38 @@ static void open_token(sbuf *b, uint64_t seq, uint64_t buffer_id) {
   m.token.data = tok;
   m.token.len = sizeof tok;
   m.read_only = 1;
-  r.body_case = GPUPOOL__WIRE__REQUEST__BODY_OPEN;
-  r.open = &m;
-  req(b, seq, &r);
+  REQ(b, seq, OPEN, open, &m);
 }
 
 static int64_t shape2[2] = {10, 25}, strides2[2] = {25, 1};
 
 static void publish(sbuf *b, uint64_t seq, uint64_t hold, const char *name, int with_meta, int share_all) {
-  gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Publish m = GPUPOOL__WIRE__PUBLISH__INIT;
   Gpupool__Wire__TensorMeta t = GPUPOOL__WIRE__TENSOR_META__INIT;
   m.hold_id = hold;
   m.name = (char *)name;
   m.share_all = share_all;
   if (with_meta) {
-    t.present = 1;
-    t.dtype_code = GPUPOOL_DTYPE_FLOAT;
-    t.dtype_bits = 32;
-    t.dtype_lanes = 1;
-    t.n_shape = 2;
-    t.shape = shape2;
+    ts_tensor_meta(&t, GPUPOOL_DTYPE_FLOAT, 32, 2, shape2);
     t.n_strides = with_meta > 1 ? 2 : 0;
     t.strides = strides2;
     m.tensor = &t;
   }
-  r.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH;
-  r.publish = &m;
-  req(b, seq, &r);
+  REQ(b, seq, PUBLISH, publish, &m);
 }
 
 static void get(sbuf *b, uint64_t seq, const char *name, uint32_t timeout) {
-  gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Get m = GPUPOOL__WIRE__GET__INIT;
   m.name = (char *)name;
   m.timeout_ms = timeout;
   m.read_only = 1;
-  r.body_case = GPUPOOL__WIRE__REQUEST__BODY_GET;
-  r.get = &m;
-  req(b, seq, &r);
+  REQ(b, seq, GET, get, &m);
 }
 
 static void unpublish(sbuf *b, uint64_t seq, const char *name) {
-  gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Unpublish m = GPUPOOL__WIRE__UNPUBLISH__INIT;
   m.name = (char *)name;
-  r.body_case = GPUPOOL__WIRE__REQUEST__BODY_UNPUBLISH;
-  r.unpublish = &m;
-  req(b, seq, &r);
+  REQ(b, seq, UNPUBLISH, unpublish, &m);
 }
 
 /* Requests without fields: Stats, Trim, AdminClients, AdminBuffers. */
@@ -225,17 +206,11 @@ static void simple(sbuf *b, uint64_t seq, Gpupool__Wire__Request__BodyCase which
 
 /* AllocateBundle of n members m0.. (each size bytes; member 1 named like member 0 when dup). */
 static void allocate_bundle(sbuf *b, uint64_t seq, int n, uint64_t size, int dup, uint32_t timeout) {
-  gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__AllocateBundle m = GPUPOOL__WIRE__ALLOCATE_BUNDLE__INIT;
   Gpupool__Wire__MemberSpec specs[8], *sp[8];
   Gpupool__Wire__TensorMeta t = GPUPOOL__WIRE__TENSOR_META__INIT;
   char names[8][8];
-  t.present = 1;
-  t.dtype_code = GPUPOOL_DTYPE_FLOAT;
-  t.dtype_bits = 32;
-  t.dtype_lanes = 1;
-  t.n_shape = 2;
-  t.shape = shape2;
+  ts_tensor_meta(&t, GPUPOOL_DTYPE_FLOAT, 32, 2, shape2);
   for (int i = 0; i < n && i < 8; i++) {
     gpupool__wire__member_spec__init(&specs[i]);
     snprintf(names[i], sizeof names[i], "m%d", dup && i == 1 ? 0 : i);
@@ -248,14 +223,11 @@ static void allocate_bundle(sbuf *b, uint64_t seq, int n, uint64_t size, int dup
   m.n_members = (size_t)(n < 8 ? n : 8);
   m.members = sp;
   m.timeout_ms = timeout;
-  r.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE_BUNDLE;
-  r.allocate_bundle = &m;
-  req(b, seq, &r);
+  REQ(b, seq, ALLOCATE_BUNDLE, allocate_bundle, &m);
 }
 
 /* PublishBundle of three members over holds h0 (and h1 when not 0). */
 static void publish_bundle(sbuf *b, uint64_t seq, const char *name, uint64_t h0, uint64_t h1, uint64_t off) {
-  gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__PublishBundle m = GPUPOOL__WIRE__PUBLISH_BUNDLE__INIT;
   Gpupool__Wire__BundleMember mm[3], *mp[3];
   uint64_t holds[2] = {h0, h1};
@@ -273,30 +245,22 @@ static void publish_bundle(sbuf *b, uint64_t seq, const char *name, uint64_t h0,
   m.hold_ids = holds;
   m.n_members = 3;
   m.members = mp;
-  r.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_BUNDLE;
-  r.publish_bundle = &m;
-  req(b, seq, &r);
+  REQ(b, seq, PUBLISH_BUNDLE, publish_bundle, &m);
 }
 
 static void get_bundle(sbuf *b, uint64_t seq, const char *name, uint64_t newer_than, uint32_t timeout) {
-  gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__GetBundle m = GPUPOOL__WIRE__GET_BUNDLE__INIT;
   m.name = (char *)name;
   m.newer_than = newer_than;
   m.timeout_ms = timeout;
   m.read_only = 1;
-  r.body_case = GPUPOOL__WIRE__REQUEST__BODY_GET_BUNDLE;
-  r.get_bundle = &m;
-  req(b, seq, &r);
+  REQ(b, seq, GET_BUNDLE, get_bundle, &m);
 }
 
 static void drop_client(sbuf *b, uint64_t seq, int32_t pid) {
-  gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__AdminDropClient m = GPUPOOL__WIRE__ADMIN_DROP_CLIENT__INIT;
   m.pid = pid;
-  r.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT;
-  r.admin_drop_client = &m;
-  req(b, seq, &r);
+  REQ(b, seq, ADMIN_DROP_CLIENT, admin_drop_client, &m);
 }
 
 static void daemon_seeds(void) {
@@ -465,6 +429,15 @@ static void rep(sbuf *b, uint8_t ctl, uint64_t seq, gpupool__rep *r) {
   free(f);
 }
 
+/* The reply form of REQ, in chunks of ctl. */
+#define REP(b, ctl, seq, CASE, field, body)                                                                \
+  do {                                                                                                      \
+    gpupool__rep r_ = GPUPOOL__WIRE__REPLY__INIT;                                                           \
+    r_.body_case = GPUPOOL__WIRE__REPLY__BODY_##CASE;                                                      \
+    r_.field = (body);                                                                                      \
+    rep((b), (ctl), (seq), &r_);                                                                            \
+  } while (0)
+
 static void pool_info(Gpupool__Wire__PoolInfo *p) {
   ts_host_pool_info(p, POOL_CAP);
   p->numa_node = -1;
@@ -473,7 +446,6 @@ static void pool_info(Gpupool__Wire__PoolInfo *p) {
 }
 
 static void hello_reply(sbuf *b, uint32_t version, int backend) {
-  gpupool__rep r = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__HelloReply h = GPUPOOL__WIRE__HELLO_REPLY__INIT;
   Gpupool__Wire__PoolInfo p, *pp = &p;
   pool_info(&p);
@@ -484,9 +456,7 @@ static void hello_reply(sbuf *b, uint32_t version, int backend) {
   h.pools = &pp;
   h.client_id = 1;
   h.max_frame = 1u << 20;
-  r.body_case = GPUPOOL__WIRE__REPLY__BODY_HELLO;
-  r.hello = &h;
-  rep(b, 0, 1, &r);
+  REP(b, 0, 1, HELLO, hello, &h);
 }
 
 static void stats_reply(sbuf *b, uint64_t seq, uint64_t revoke) {
@@ -538,12 +508,7 @@ static void buffer_reply(sbuf *b, uint64_t seq, Gpupool__Wire__Reply__BodyCase k
   }
   d.slab = &s;
   if (with_meta) {
-    t.present = 1;
-    t.dtype_code = GPUPOOL_DTYPE_FLOAT;
-    t.dtype_bits = 32;
-    t.dtype_lanes = 1;
-    t.n_shape = 2;
-    t.shape = shape_get;
+    ts_tensor_meta(&t, GPUPOOL_DTYPE_FLOAT, 32, 2, shape_get);
     d.tensor = &t;
   }
   r.body_case = kind;
@@ -563,7 +528,6 @@ static void buffer_reply(sbuf *b, uint64_t seq, Gpupool__Wire__Reply__BodyCase k
 /* A GetBundle reply: one buffer (hold `hold`, 4 KiB in slab 2, already mapped) and, unless
  * the client has the table (with_members 0), two members, one with a description. */
 static void bundle_reply(sbuf *b, uint64_t seq, uint64_t hold, int with_members, int with_export) {
-  gpupool__rep r = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__GetBundleReply gr = GPUPOOL__WIRE__GET_BUNDLE_REPLY__INIT;
   Gpupool__Wire__Bundle bd = GPUPOOL__WIRE__BUNDLE__INIT;
   Gpupool__Wire__BufferDesc d = GPUPOOL__WIRE__BUFFER_DESC__INIT, *dp = &d;
@@ -593,12 +557,7 @@ static void bundle_reply(sbuf *b, uint64_t seq, uint64_t hold, int with_members,
   }
   m[0].name = (char *)"w";
   m[0].size = 1024;
-  t.present = 1;
-  t.dtype_code = GPUPOOL_DTYPE_FLOAT;
-  t.dtype_bits = 32;
-  t.dtype_lanes = 1;
-  t.n_shape = 1;
-  t.shape = shape1;
+  ts_tensor_meta(&t, GPUPOOL_DTYPE_FLOAT, 32, 1, shape1);
   m[0].tensor = &t;
   m[1].name = (char *)"b";
   m[1].offset = 1024;
@@ -610,34 +569,26 @@ static void bundle_reply(sbuf *b, uint64_t seq, uint64_t hold, int with_members,
   bd.version = 1;
   bd.layout_id = 40;
   gr.bundle = &bd;
-  r.body_case = GPUPOOL__WIRE__REPLY__BODY_GET_BUNDLE;
-  r.get_bundle = &gr;
-  rep(b, with_export ? (1 | FUZZ_CTL_SEALED | (1 << 4)) : 0, seq, &r);
+  REP(b, with_export ? (1 | FUZZ_CTL_SEALED | (1 << 4)) : 0, seq, GET_BUNDLE, get_bundle, &gr);
 }
 
 /* The pool's fd rides on this reply: ctl asks for one sealed memfd of 64 MiB. */
 static void attach_reply(sbuf *b, uint64_t seq, uint8_t ctl) {
-  gpupool__rep r = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AttachPoolReply a = GPUPOOL__WIRE__ATTACH_POOL_REPLY__INIT;
   Gpupool__Wire__PoolInfo p;
   pool_info(&p);
   a.pool = &p;
-  r.body_case = GPUPOOL__WIRE__REPLY__BODY_ATTACH_POOL;
-  r.attach_pool = &a;
-  rep(b, ctl, seq, &r);
+  REP(b, ctl, seq, ATTACH_POOL, attach_pool, &a);
 }
 
 #define CTL_POOL_FD (1 | FUZZ_CTL_SEALED | (3 << 4))
 
 static void share_reply(sbuf *b, uint64_t seq) {
-  gpupool__rep r = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__ShareReply s = GPUPOOL__WIRE__SHARE_REPLY__INIT;
   uint8_t tok[GPUPOOL_TOKEN_SIZE] = {3};
   s.token.data = tok;
   s.token.len = sizeof tok;
-  r.body_case = GPUPOOL__WIRE__REPLY__BODY_SHARE;
-  r.share = &s;
-  rep(b, 0, seq, &r);
+  REP(b, 0, seq, SHARE, share, &s);
 }
 
 /* Replies without fields worth setting. */
@@ -774,12 +725,8 @@ static void meta_seed(const char *name, uint32_t size, uint32_t code, uint32_t b
   uint8_t hdr[4] = {(uint8_t)size, (uint8_t)(size >> 8), (uint8_t)(size >> 16), (uint8_t)(size >> 24)};
   uint8_t *p;
   size_t n;
-  t.present = 1;
-  t.dtype_code = code;
-  t.dtype_bits = bits;
+  ts_tensor_meta(&t, code, bits, ndim, (int64_t *)shape);
   t.dtype_lanes = lanes;
-  t.n_shape = ndim;
-  t.shape = (int64_t *)shape;
   t.n_strides = nstrides;
   t.strides = (int64_t *)strides;
   t.byte_offset = offset;

@@ -113,3 +113,13 @@ void ts_host_pool_info(Gpupool__Wire__PoolInfo *p, uint64_t capacity) {
   p->device = -1;
   p->capacity = capacity;
 }
+
+void ts_tensor_meta(Gpupool__Wire__TensorMeta *t, uint32_t code, uint32_t bits, size_t ndim, int64_t *shape) {
+  gpupool__wire__tensor_meta__init(t);
+  t->present = 1;
+  t->dtype_code = code;
+  t->dtype_bits = bits;
+  t->dtype_lanes = 1;
+  t->n_shape = ndim;
+  t->shape = shape;
+}

@@ -31,5 +31,8 @@ int ts_raw_hello(int fd, const char *name, int32_t pid);
 int ts_raw_session(const char *path, int timeout_s, const char *name, int32_t pid);
 /* Pool 1 "default" of the host backend in host memory, no device, of capacity bytes. */
 void ts_host_pool_info(Gpupool__Wire__PoolInfo *p, uint64_t capacity);
+/* t describes a dense tensor of ndim dimensions (shape, which t points to, not copies) of
+ * one-lane elements of dtype code and bits; no strides, offset 0. */
+void ts_tensor_meta(Gpupool__Wire__TensorMeta *t, uint32_t code, uint32_t bits, size_t ndim, int64_t *shape);
 
 #endif

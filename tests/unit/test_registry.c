@@ -21,6 +21,7 @@
 #include "backend.h"
 #include "config.h"
 #include "errors.h"
+#include "frames.h"
 #include "registry.h"
 
 #define MIB (1ull << 20)
@@ -144,12 +145,7 @@ static void test_names(void **state) {
   int64_t shape[2] = {10, 10};
 
   assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 400, 0, &h), 0);
-  m.present = 1;
-  m.dtype_code = GPUPOOL_DTYPE_FLOAT;
-  m.dtype_bits = 32;
-  m.dtype_lanes = 1;
-  m.n_shape = 2;
-  m.shape = shape;
+  ts_tensor_meta(&m, GPUPOOL_DTYPE_FLOAT, 32, 2, shape);
   {
     uint64_t v = 0;
     assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "t", &m, 0, 0, &v), 0);
@@ -783,12 +779,7 @@ static void test_bundle_checks(void **state) {
   assert_non_null(strstr(gpupool__errmsg(), "'a' appears twice"));
   m[2].name = (char *)"c";
   /* A description larger than its member. */
-  tm.present = 1;
-  tm.dtype_code = GPUPOOL_DTYPE_UINT;
-  tm.dtype_bits = 8;
-  tm.dtype_lanes = 1;
-  tm.n_shape = 1;
-  tm.shape = shape;
+  ts_tensor_meta(&tm, GPUPOOL_DTYPE_UINT, 8, 1, shape);
   m[2].tensor = &tm;
   assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EMETA);
   assert_non_null(strstr(gpupool__errmsg(), "member 2 ('c')"));
