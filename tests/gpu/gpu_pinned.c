@@ -40,6 +40,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "gpu_driver.h"
 #include "gpu_harness.h"
 #include "gpu_worker.h"
 #include "gpu_kernels.h"
@@ -132,7 +133,6 @@ static int w_producer(char **a) {
   uint32_t seed = (uint32_t)strtoul(a[2], NULL, 0);
   gpupool_client *c;
   gpupool_buffer *pad, *b;
-  gpupool_tensor_meta meta;
   cudaStream_t s = wstream("producer", 0);
   int rc, ce;
 
@@ -148,20 +148,7 @@ static int w_producer(char **a) {
   gh_say("ALLOCATED %zu bytes at %p (pad at %p)", gpupool_buffer_size(b), gpupool_buffer_ptr(b),
          gpupool_buffer_ptr(pad));
   wait_stdin_line("producer", "GO");
-  /* No synchronization from here to publish: readers are ordered only by the ready event
-   * that publish records in s, behind the spin and the fill. */
-  if ((ce = gk_spin(s, SPIN_US)))
-    cdie("producer", "spin kernel", ce);
-  if ((ce = gk_fill(gpupool_buffer_ptr(b), BUF_BYTES, seed, s)))
-    cdie("producer", "fill kernel on the host-NUMA buffer", ce);
-  memset(&meta, 0, sizeof(meta));
-  meta.dtype_code = GPUPOOL_DTYPE_UINT;
-  meta.dtype_bits = 32;
-  meta.dtype_lanes = 1;
-  meta.ndim = 1;
-  meta.shape[0] = (int64_t)(BUF_BYTES / 4);
-  if ((rc = gpupool_publish(b, name, &meta, s)) < 0)
-    wdie("producer", "gpupool_publish", rc);
+  wfill_publish("producer", b, BUF_BYTES, seed, SPIN_US, name, s);
   gh_say("PUBLISHED");
   /* The name holds the buffer now. */
   if ((rc = gpupool_release(b, s)) < 0)
@@ -348,55 +335,12 @@ static int worker_main(int argc, char **argv) {
 
 /* ------------------------------------------------------------------ driver side */
 
-static int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int fail(const char *fmt, ...) {
-  va_list ap;
-  printf("FAIL: pinned: ");
-  va_start(ap, fmt);
-  vprintf(fmt, ap);
-  va_end(ap);
-  putchar('\n');
-  fflush(stdout);
-  return 1;
-}
+#define fail(...) gh_verdict(1, "pinned", __VA_ARGS__)
 
 static uint32_t fresh_seed(void) {
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
   return (uint32_t)ts.tv_nsec ^ ((uint32_t)getpid() << 16) ^ 0x5a5a5a5au;
-}
-
-/* The pinned pool's stats. */
-static int pool_stats(gpupool_client *c, gpupool_pool_stats *ps) {
-  gpupool_pool_stats all[8];
-  int n = 0, rc = gpupool_stats(c, NULL, all, 8, &n);
-  if (rc < 0) {
-    fprintf(stderr, "gpupool_stats: %s: %s\n", gpupool_err_name(rc), gpupool_last_error());
-    return rc;
-  }
-  for (int i = 0; i < n && i < 8; i++)
-    if (!strcmp(all[i].name, POOL)) {
-      *ps = all[i];
-      return 0;
-    }
-  fprintf(stderr, "gpupool_stats lists no pool named %s\n", POOL);
-  return -1;
-}
-
-/* Poll until the pool's used bytes equal want (the daemon frees ranges once the holders'
- * done events complete, asynchronously). */
-static int wait_used(gpupool_client *c, uint64_t want, int timeout_ms, uint64_t *got) {
-  uint64_t end = gh_now_ns() + (uint64_t)timeout_ms * 1000000ull;
-  gpupool_pool_stats ps;
-  do {
-    if (pool_stats(c, &ps) < 0)
-      return -1;
-    *got = ps.used;
-    if (ps.used == want)
-      return 0;
-    gh_sleep_ms(50);
-  } while (gh_now_ns() < end);
-  return -1;
 }
 
 static int spawn(gh_proc *p, const char *role, const gh_daemon *d, const char *name,
@@ -446,7 +390,7 @@ static int check_pinned(const gh_daemon *d, gpupool_client *c) {
   uint64_t start_used, used = 0;
   int rc, r_cpu, r_gpu;
 
-  if (pool_stats(c, &ps) < 0)
+  if (gh_pool_stats(c, POOL, &ps, NULL) < 0)
     return fail("cannot read the stats of pool %s", POOL);
   if (ps.kind != GPUPOOL_MEM_HOST_NUMA)
     return fail("pool %s reports kind %s (%d), expected GPUPOOL_MEM_HOST_NUMA", POOL,
@@ -500,7 +444,7 @@ static int check_pinned(const gh_daemon *d, gpupool_client *c) {
     rc = fail("producer exited with %d", r_cpu);
   if (rc)
     return rc;
-  if (wait_used(c, start_used, 20000, &used) < 0)
+  if (gh_wait_used(c, POOL, start_used, 20000, &used) < 0)
     return fail("pool %s uses %" PRIu64 " bytes 20 s after the last release and the unpublish, "
                 "%" PRIu64 " before the producer started", POOL, used, start_used);
   printf("PASS: pinned: 64 MiB of host-NUMA memory (node %d) filled by a kernel behind a %u ms "
@@ -513,9 +457,8 @@ static int check_pinned(const gh_daemon *d, gpupool_client *c) {
 }
 
 int main(int argc, char **argv) {
-  gpupool_client *c = NULL;
   gh_daemon d;
-  int rc, st, ok = 0, node = -1;
+  int ok = 0, node = -1;
   cudaError_t e;
 
   if (argc >= 3 && !strcmp(argv[1], "worker"))
@@ -545,18 +488,5 @@ int main(int argc, char **argv) {
   printf("  device 0's host NUMA node: %d (the pool is on node %d)\n", node, NUMA_NODE);
   if (gh_daemon_start_conf(&d, argv[1], POOL_SPEC, DEVICE_POOL_CONF) < 0)
     return fail("gpupoold did not start with a host-NUMA pool (%s)", POOL_SPEC);
-  if ((rc = gpupool_connect(d.sock, "gpu-pinned-driver", &c)) < 0) {
-    gh_daemon_stop(&d, 1);
-    return fail("gpupool_connect: %s: %s", gpupool_err_name(rc), gpupool_last_error());
-  }
-  rc = check_pinned(&d, c);
-  gpupool_disconnect(c);
-  if (!gh_daemon_alive(&d)) {
-    gh_daemon_stop(&d, 1);
-    return rc ? rc : fail("gpupoold died during the check");
-  }
-  st = gh_daemon_stop(&d, rc != 0);
-  if (rc == 0 && !(WIFEXITED(st) && WEXITSTATUS(st) == 0))
-    return fail("gpupoold did not exit cleanly on SIGTERM (wait status %d)", st);
-  return rc;
+  return gh_run_on_daemon(&d, "pinned", "gpu-pinned-driver", check_pinned);
 }

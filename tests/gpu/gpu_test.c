@@ -67,6 +67,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "gpu_driver.h"
 #include "gpu_harness.h"
 #include "gpu_worker.h"
 #include "gpu_kernels.h"
@@ -102,7 +103,6 @@ static int w_producer(char **a) {
   int waitgo = atoi(a[6]), rc, ce;
   gpupool_client *c;
   gpupool_buffer *b;
-  gpupool_tensor_meta meta;
   cudaStream_t s = wstream("producer", 0);
 
   if ((rc = gpupool_connect(sock, "gpu-test-producer", &c)) < 0)
@@ -125,20 +125,7 @@ static int w_producer(char **a) {
     gh_say("ALLOCATED");
     wait_stdin_line("producer", "GO");
   }
-  /* No synchronization from here to publish: consumers are ordered only by the ready event
-   * that publish records in s, behind the spin and the fill. */
-  if (spin && (ce = gk_spin(s, spin)))
-    cdie("producer", "spin kernel", ce);
-  if ((ce = gk_fill(gpupool_buffer_ptr(b), bytes, seed, s)))
-    cdie("producer", "fill kernel", ce);
-  memset(&meta, 0, sizeof(meta));
-  meta.dtype_code = GPUPOOL_DTYPE_UINT;
-  meta.dtype_bits = 32;
-  meta.dtype_lanes = 1;
-  meta.ndim = 1;
-  meta.shape[0] = (int64_t)(bytes / 4);
-  if ((rc = gpupool_publish(b, name, &meta, s)) < 0)
-    wdie("producer", "gpupool_publish", rc);
+  wfill_publish("producer", b, bytes, seed, spin, name, s);
   if (gpupool_host_fences(c) && (ce = (int)cudaStreamQuery(s)) != cudaSuccess) {
     fprintf(stderr, "worker producer: with host fences, gpupool_publish returned while its stream still had work "
             "(cudaStreamQuery: %s): consumers could read unwritten memory\n", cudaGetErrorName((cudaError_t)ce));
@@ -885,29 +872,9 @@ static int worker_main(int argc, char **argv) {
 
 /* ------------------------------------------------------------------ driver side */
 
-static int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int fail(const char *fmt, ...) {
-  va_list ap;
-  printf("FAIL: %s: ", g_check);
-  va_start(ap, fmt);
-  vprintf(fmt, ap);
-  va_end(ap);
-  putchar('\n');
-  fflush(stdout);
-  return 1;
-}
-
-static int pass(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int pass(const char *fmt, ...) {
-  va_list ap;
-  printf("PASS: %s: ", g_check);
-  va_start(ap, fmt);
-  vprintf(fmt, ap);
-  va_end(ap);
-  putchar('\n');
-  fflush(stdout);
-  return 0;
-}
+/* The verdict lines of the check now running (g_check). */
+#define fail(...) gh_verdict(1, g_check, __VA_ARGS__)
+#define pass(...) gh_verdict(0, g_check, __VA_ARGS__)
 
 static uint32_t fresh_seed(void) {
   struct timespec ts;
@@ -935,40 +902,6 @@ static int spawn_consumer(gh_proc *p, const gh_daemon *d, const char *name, uint
   snprintf(dv, sizeof(dv), "%d", dev);
   const char *argv[] = {"", "worker", "consumer", d->sock, name, bytes, sd, h, dv, peer, NULL};
   return gh_spawn(p, argv, NULL, 0);
-}
-
-/* The test pool's stats (and the daemon's). */
-static int pool_stats(gpupool_client *c, gpupool_pool_stats *ps, gpupool_daemon_stats *ds) {
-  gpupool_pool_stats all[8];
-  gpupool_daemon_stats dtmp;
-  int n = 0, rc = gpupool_stats(c, ds ? ds : &dtmp, all, 8, &n);
-  if (rc < 0) {
-    fprintf(stderr, "gpupool_stats: %s: %s\n", gpupool_err_name(rc), gpupool_last_error());
-    return rc;
-  }
-  for (int i = 0; i < n; i++)
-    if (!strcmp(all[i].name, POOL)) {
-      *ps = all[i];
-      return 0;
-    }
-  fprintf(stderr, "gpupool_stats lists no pool named %s\n", POOL);
-  return -1;
-}
-
-/* Poll until the pool's used bytes equal want (the daemon drops a dead client's holds and
- * frees ranges once events complete, both asynchronously). */
-static int wait_used(gpupool_client *c, uint64_t want, int timeout_ms, uint64_t *got) {
-  uint64_t end = gh_now_ns() + (uint64_t)timeout_ms * 1000000ull;
-  gpupool_pool_stats ps;
-  do {
-    if (pool_stats(c, &ps, NULL) < 0)
-      return -1;
-    *got = ps.used;
-    if (ps.used == want)
-      return 0;
-    gh_sleep_ms(50);
-  } while (gh_now_ns() < end);
-  return -1;
 }
 
 /* Run n consumers of name at once; all must report 0 mismatches and exit 0. */
@@ -1054,7 +987,7 @@ static int check_kill(const gh_daemon *d, gpupool_client *c) {
   uint64_t start_used, used = 0;
   int rc;
 
-  if (pool_stats(c, &ps, NULL) < 0)
+  if (gh_pool_stats(c, POOL, &ps, NULL) < 0)
     return fail("cannot read pool stats");
   start_used = ps.used;
   snprintf(name, sizeof(name), "kill-%08x", seed);
@@ -1091,7 +1024,7 @@ static int check_kill(const gh_daemon *d, gpupool_client *c) {
   gh_writeline(&prod, "EXIT");
   if ((rc = gh_wait(&prod, STEP_MS)) != 0)
     return fail("producer exited with %d", rc);
-  if (wait_used(c, start_used, 20000, &used) < 0)
+  if (gh_wait_used(c, POOL, start_used, 20000, &used) < 0)
     return fail("pool used is %" PRIu64 " bytes 20 s after the last release, was %" PRIu64
                 " before (the killed client's hold was not dropped)", used, start_used);
   return pass("consumer SIGKILLed while holding; 2 others read correct data; pool used back "
@@ -1167,7 +1100,7 @@ static int check_orphan(const gh_daemon *d, gpupool_client *c) {
   uint64_t start_used, used = 0;
   int rc;
 
-  if (pool_stats(c, &ps, NULL) < 0)
+  if (gh_pool_stats(c, POOL, &ps, NULL) < 0)
     return fail("cannot read pool stats");
   start_used = ps.used;
   snprintf(name, sizeof(name), "orphan-%08x", seed);
@@ -1180,7 +1113,7 @@ static int check_orphan(const gh_daemon *d, gpupool_client *c) {
   if ((rc = gpupool_unpublish(c, name)) < 0)
     return fail("gpupool_unpublish(%s): %s: %s", name, gpupool_err_name(rc),
                 gpupool_last_error());
-  if (wait_used(c, start_used, 20000, &used) < 0)
+  if (gh_wait_used(c, POOL, start_used, 20000, &used) < 0)
     return fail("pool used is %" PRIu64 " bytes after unpublish, was %" PRIu64, used,
                 start_used);
   (void)line;
@@ -1199,7 +1132,7 @@ static int trim_settle(gpupool_client *c, int timeout_ms, gpupool_pool_stats *ps
       fprintf(stderr, "gpupool_trim: %s: %s\n", gpupool_err_name(rc), gpupool_last_error());
       return -1;
     }
-    if (pool_stats(c, ps, ds) < 0)
+    if (gh_pool_stats(c, POOL, ps, ds) < 0)
       return -1;
     if (ps->backend_used == 0 && ps->used == 0)
       return 0;
@@ -1255,7 +1188,7 @@ static int wait_idle(gpupool_client *c, gpupool_pool_stats *ps, gpupool_daemon_s
   uint64_t end = gh_now_ns() + 20ull * 1000000000ull, last = UINT64_MAX;
   int still = 0;
   while (gh_now_ns() < end) {
-    if (pool_stats(c, ps, ds) < 0)
+    if (gh_pool_stats(c, POOL, ps, ds) < 0)
       return -1;
     if (ds->clients == 1 && ds->pending_frees == 0 && ds->open_fds == last) {
       if (++still >= 5)
@@ -1520,7 +1453,7 @@ static int check_bundles(const gh_daemon *d, gpupool_client *c) {
   uint64_t start, got = 0;
   int rc;
 
-  if (pool_stats(c, &ps, NULL) < 0)
+  if (gh_pool_stats(c, POOL, &ps, NULL) < 0)
     return fail("stats");
   start = ps.used;
   snprintf(name, sizeof(name), "bundle-%08x", seed);
@@ -1555,7 +1488,7 @@ static int check_bundles(const gh_daemon *d, gpupool_client *c) {
   gh_writeline(&prod, "EXIT");
   if ((rc = gh_wait(&prod, STEP_MS)) != 0)
     return fail("producer exited with %d", rc);
-  if (wait_used(c, start, 10000, &got) < 0)
+  if (gh_wait_used(c, POOL, start, 10000, &got) < 0)
     return fail("pool uses %" PRIu64 " bytes after everything was released, %" PRIu64 " before", got, start);
   return pass("%d versions of a %d-member bundle, each published behind a %u ms kernel without "
               "synchronizing and got whole with newer_than, bit-exact; version 1 held and intact "
@@ -1603,7 +1536,7 @@ static int fenced_handoff(const gh_daemon *d, const char *what, int prod_nobody,
 static int check_fences(const gh_daemon *d, gpupool_client *c) {
   uint64_t start, got = 0;
   gpupool_pool_stats ps;
-  if (pool_stats(c, &ps, NULL) < 0)
+  if (gh_pool_stats(c, POOL, &ps, NULL) < 0)
     return 1;
   start = ps.used;
   /* The daemon holds a get back until the producer's ready event has completed, for a
@@ -1620,7 +1553,7 @@ static int check_fences(const gh_daemon *d, gpupool_client *c) {
     return fail("chmod %s: %s", d->dir, strerror(errno));
   if (fenced_handoff(d, "uid 65534 producer -> uid 65534 consumers", 1, 1, 1, 0))
     return 1;
-  if (wait_used(c, start, 10000, &got) < 0)
+  if (gh_wait_used(c, POOL, start, 10000, &got) < 0)
     return fail("pool uses %" PRIu64 " bytes after everything was released, %" PRIu64 " before", got, start);
   return pass("a get held back by the daemon until a root producer's %u ms kernel was done (consumers with "
               "GPUPOOL_HOST_FENCES=1), and uid %d producer and consumers, which cannot open gpupoold's events, "
@@ -1643,8 +1576,6 @@ static const struct {
 
 static int run_check(const char *gpupoold, int idx, int ndev) {
   gh_daemon d;
-  gpupool_client *c = NULL;
-  int rc, st;
 
   g_check = checks[idx].name;
   if (ndev < checks[idx].gpus) {
@@ -1658,20 +1589,7 @@ static int run_check(const char *gpupoold, int idx, int ndev) {
                                ? "[daemon]\nsocket_mode = 0666\n"
                                : NULL) < 0)
     return fail("gpupoold did not start");
-  if ((rc = gpupool_connect(d.sock, "gpu-test-driver", &c)) < 0) {
-    gh_daemon_stop(&d, 1);
-    return fail("gpupool_connect: %s: %s", gpupool_err_name(rc), gpupool_last_error());
-  }
-  rc = checks[idx].fn(&d, c);
-  gpupool_disconnect(c);
-  if (!gh_daemon_alive(&d)) {
-    gh_daemon_stop(&d, 1);
-    return rc ? rc : fail("gpupoold died during the check");
-  }
-  st = gh_daemon_stop(&d, rc != 0);
-  if (rc == 0 && !(WIFEXITED(st) && WEXITSTATUS(st) == 0))
-    return fail("gpupoold did not exit cleanly on SIGTERM (wait status %d)", st);
-  return rc;
+  return gh_run_on_daemon(&d, g_check, "gpu-test-driver", checks[idx].fn);
 }
 
 int main(int argc, char **argv) {

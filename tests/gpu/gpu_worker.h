@@ -1,7 +1,7 @@
 /*
  * What the GPU checks' worker processes share: dying with the reason (a gpupool or a CUDA
- * error, naming the worker's role), a non-blocking stream on a device, and waiting for a
- * command line from the driver on stdin.
+ * error, naming the worker's role), a non-blocking stream on a device, filling and publishing
+ * a buffer, and waiting for a command line from the driver on stdin.
  */
 #ifndef GPUPOOL_GPU_WORKER_H
 #define GPUPOOL_GPU_WORKER_H
@@ -13,6 +13,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "gpu_kernels.h"
 #include "gpupool/gpupool.h"
 
 static inline void wdie(const char *role, const char *what, int rc) {
@@ -36,6 +37,27 @@ static inline cudaStream_t wstream(const char *role, int device) {
   if (ce)
     cdie(role, "cudaStreamCreateWithFlags", ce);
   return s;
+}
+
+/* Fill bytes of b with seed's pattern behind a spin of spin_us (0: none) and publish b as name,
+ * a vector of uint32, all without synchronizing: readers are ordered only by the ready event
+ * that publish records in s, behind the spin and the fill. */
+static inline void wfill_publish(const char *role, gpupool_buffer *b, size_t bytes, uint32_t seed, unsigned spin_us,
+                                 const char *name, cudaStream_t s) {
+  gpupool_tensor_meta meta;
+  int rc, ce;
+  if (spin_us && (ce = gk_spin(s, spin_us)))
+    cdie(role, "spin kernel", ce);
+  if ((ce = gk_fill(gpupool_buffer_ptr(b), bytes, seed, s)))
+    cdie(role, "fill kernel", ce);
+  memset(&meta, 0, sizeof(meta));
+  meta.dtype_code = GPUPOOL_DTYPE_UINT;
+  meta.dtype_bits = 32;
+  meta.dtype_lanes = 1;
+  meta.ndim = 1;
+  meta.shape[0] = (int64_t)(bytes / 4);
+  if ((rc = gpupool_publish(b, name, &meta, s)) < 0)
+    wdie(role, "gpupool_publish", rc);
 }
 
 /* Read stdin until a line starting with `want`; exit when stdin closes first. */
