@@ -36,6 +36,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
+from _common import percentile, pool_spec, run_pair, sync, torch_on, use_library  # noqa: E402
+
 
 def parse_size(s):
     s = s.strip().upper()
@@ -52,29 +54,6 @@ def fmt_size(n):
     return "%d B" % n
 
 
-def percentile(xs, p):
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * p / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def _torch_device(device):
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-    return torch
-
-
-def _sync(torch, device):
-    if device.startswith("cuda"):
-        torch.cuda.current_stream().synchronize()
-
-
 def _arrived(x, n, i, ctl, lat):
     """On a consumer's receipt of tensor i: records the latency since the t0 the producer
     sends, and says whether x holds i where checked (both ends, n elements)."""
@@ -88,7 +67,7 @@ def _arrived(x, n, i, ctl, lat):
 def gp_producer(socket, device, nbytes, iters, prefix, ctl):
     import gpupool
 
-    torch = _torch_device(device)
+    torch = torch_on(device)
     n = nbytes // 4
     c = gpupool.Client(socket, name="bench-producer")
     gp_dev = device if device.startswith("cuda") else "cpu"
@@ -97,7 +76,7 @@ def gp_producer(socket, device, nbytes, iters, prefix, ctl):
         t = c.alloc((n,), "float32", device=gp_dev)
         x = torch.from_dlpack(t)
         x.fill_(float(i))
-        _sync(torch, device)
+        sync(torch, device)
         ctl.recv()  # the consumer is ready for tensor i
         t0 = time.perf_counter_ns()
         c.publish("%s/%d" % (prefix, i), t, stream=stream)
@@ -111,7 +90,7 @@ def gp_producer(socket, device, nbytes, iters, prefix, ctl):
 def gp_consumer(socket, device, nbytes, iters, prefix, ctl, out):
     import gpupool
 
-    torch = _torch_device(device)
+    torch = torch_on(device)
     n = nbytes // 4
     c = gpupool.Client(socket, name="bench-consumer")
     cuda = device.startswith("cuda")
@@ -139,13 +118,13 @@ def gp_consumer(socket, device, nbytes, iters, prefix, ctl, out):
 
 # --- torch.multiprocessing -------------------------------------------------------------------
 def tmp_producer(device, nbytes, iters, q, ctl):
-    torch = _torch_device(device)
+    torch = torch_on(device)
     n = nbytes // 4
     for i in range(iters):
         x = torch.full((n,), float(i), dtype=torch.float32, device=device)
         if not device.startswith("cuda"):
             x.share_memory_()  # outside the clock, as gpupool's fill is
-        _sync(torch, device)
+        sync(torch, device)
         ctl.recv()
         t0 = time.perf_counter_ns()
         q.put(x)
@@ -156,7 +135,7 @@ def tmp_producer(device, nbytes, iters, q, ctl):
 
 
 def tmp_consumer(device, nbytes, iters, q, ctl, out):
-    torch = _torch_device(device)
+    torch = torch_on(device)
     n = nbytes // 4
     cuda = device.startswith("cuda")
     lat, bad = [], 0
@@ -172,45 +151,25 @@ def tmp_consumer(device, nbytes, iters, q, ctl, out):
     out.put({"lat_us": lat, "bad": bad})
 
 
-def run_pair(ctx, prod, prod_args, cons, cons_args, timeout):
-    a, b = ctx.Pipe()
-    out = ctx.Queue()
-    p = ctx.Process(target=prod, args=prod_args + (a,))
-    c = ctx.Process(target=cons, args=cons_args + (b, out))
-    p.start()
-    c.start()
-    try:
-        res = out.get(timeout=timeout)
-    finally:
-        for proc in (c, p):
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    if p.exitcode not in (0, None) or c.exitcode not in (0, None):
-        raise RuntimeError("producer exited %s, consumer exited %s" % (p.exitcode, c.exitcode))
-    return res
-
-
 # --- persistence -----------------------------------------------------------------------------
 def persist_producer(socket, device, nbytes, name):
     import gpupool
 
-    torch = _torch_device(device)
+    torch = torch_on(device)
     n = nbytes // 4
     c = gpupool.Client(socket, name="persist-producer")
     t = c.alloc((n,), "float32", device=device if device.startswith("cuda") else "cpu")
     x = torch.from_dlpack(t)
     x.copy_(torch.arange(n, dtype=torch.float32, device=device))
     c.publish(name, t)
-    _sync(torch, device)
+    sync(torch, device)
     # Exit without unpublishing or releasing: the process goes, the tensor must not.
 
 
 def persist_consumer(socket, device, nbytes, name, ctl, out):
     import gpupool
 
-    torch = _torch_device(device)
+    torch = torch_on(device)
     n = nbytes // 4
     want = torch.arange(n, dtype=torch.float32, device=device)
     c = gpupool.Client(socket, name="persist-consumer")
@@ -221,10 +180,10 @@ def persist_consumer(socket, device, nbytes, name, ctl, out):
     ctl.recv()  # the producer has exited
     ok_after = bool(torch.equal(x, want))
     x.add_(1.0)  # still writable, still mapped
-    _sync(torch, device)
+    sync(torch, device)
     ok_write = bool(torch.equal(x, want + 1.0))
     x.sub_(1.0)
-    _sync(torch, device)
+    sync(torch, device)
     del x
     t.release()
     c.close()
@@ -234,7 +193,7 @@ def persist_consumer(socket, device, nbytes, name, ctl, out):
 def late_consumer(socket, device, nbytes, name, out):
     import gpupool
 
-    torch = _torch_device(device)
+    torch = torch_on(device)
     n = nbytes // 4
     c = gpupool.Client(socket, name="late-consumer")
     t = c.get(name, timeout=10)
@@ -284,14 +243,7 @@ def main():
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
 
-    lib = args.library or os.environ.get("GPUPOOL_LIBRARY")
-    if not lib:
-        guess = os.path.join(os.path.dirname(os.path.abspath(args.gpupoold)), "..", "client",
-                             "libgpupool-client.so")
-        if os.path.exists(guess):
-            lib = os.path.abspath(guess)
-    if lib:
-        os.environ["GPUPOOL_LIBRARY"] = lib  # inherited by the spawned processes
+    use_library(args.library, args.gpupoold)
 
     import torch
 
@@ -305,8 +257,7 @@ def main():
     iters = args.iters + args.warmup
     dev_index = torch.device(args.device).index or 0 if cuda else 0
     cap = max(1 << 30, 4 * max(sizes))
-    pool = ("name=bench,kind=device,device=%d,capacity=%d,slab=%d" % (dev_index, cap, 256 << 20)
-            if cuda else "name=bench,kind=host,capacity=%d,slab=%d" % (cap, 256 << 20))
+    pool = pool_spec(cuda, dev_index, cap, 256 << 20)
 
     import torch.multiprocessing as tmp
 

@@ -48,6 +48,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
+from _common import percentile, pool_spec, run_pair, sync, torch_on, use_library  # noqa: E402
+
 MiB = 1 << 20
 
 
@@ -85,30 +87,7 @@ def numel(shape):
     return n
 
 
-def percentile(xs, p):
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * p / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 # --- helpers shared by the processes ---------------------------------------------------------
-def _torch(device):
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-    return torch
-
-
-def _sync(torch, device):
-    if device.startswith("cuda"):
-        torch.cuda.current_stream().synchronize()
-
-
 def _int_view(torch, t):
     bits = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.uint8}[t.element_size()]
     return t.reshape(-1).view(bits)
@@ -139,7 +118,7 @@ def touch(tensors, version):
 
 # --- way (i): torch.multiprocessing ----------------------------------------------------------
 def mp_trainer(device, workload, versions, q, ctl):
-    torch = _torch(device)
+    torch = torch_on(device)
     layout_fn, dtype = WORKLOADS[workload]
     layout = layout_fn()
     ts = initial_values(torch, layout, dtype, device)
@@ -153,7 +132,7 @@ def mp_trainer(device, workload, versions, q, ctl):
         ctl.recv()
         touch(ts, v)
         want = checksum(torch, ts)
-        _sync(torch, device)
+        sync(torch, device)
         t0 = time.perf_counter_ns()
         q.put(dict(zip(names, ts)))
         ctl.send((t0, want))
@@ -161,12 +140,12 @@ def mp_trainer(device, workload, versions, q, ctl):
 
 
 def mp_consumer(device, workload, versions, q, ctl, out):
-    torch = _torch(device)
+    torch = torch_on(device)
     lat, bad = [], 0
     for v in range(1, versions + 1):
         ctl.send("ready")
         d = q.get()
-        _sync(torch, device)
+        sync(torch, device)
         t1 = time.perf_counter_ns()
         t0, want = ctl.recv()
         lat.append((t1 - t0) / 1e3)
@@ -178,7 +157,7 @@ def mp_consumer(device, workload, versions, q, ctl, out):
 
 # --- way (ii): one flattened bucket ----------------------------------------------------------
 def bucket_trainer(device, workload, versions, q, ctl):
-    torch = _torch(device)
+    torch = torch_on(device)
     layout_fn, dtype = WORKLOADS[workload]
     layout = layout_fn()
     init = initial_values(torch, layout, dtype, device)
@@ -198,7 +177,7 @@ def bucket_trainer(device, workload, versions, q, ctl):
         ctl.recv()  # one bucket: the consumer is done with the previous version
         touch(ts, v)
         want = checksum(torch, ts)
-        _sync(torch, device)
+        sync(torch, device)
         t0 = time.perf_counter_ns()
         if v == 1:
             q.put((v, flat, [(n, s, o) for (n, s), o in zip(layout, offsets)]))
@@ -209,7 +188,7 @@ def bucket_trainer(device, workload, versions, q, ctl):
 
 
 def bucket_consumer(device, workload, versions, q, ctl, out):
-    torch = _torch(device)
+    torch = torch_on(device)
     lat, bad = [], 0
     flat = index = None
     for v in range(1, versions + 1):
@@ -218,7 +197,7 @@ def bucket_consumer(device, workload, versions, q, ctl, out):
         if f is not None:
             flat, index = f, idx
         d = {n: flat[o:o + numel(s)].view(s) for n, s, o in index}
-        _sync(torch, device)
+        sync(torch, device)
         t1 = time.perf_counter_ns()
         t0, want = ctl.recv()
         lat.append((t1 - t0) / 1e3)
@@ -233,7 +212,7 @@ def bucket_consumer(device, workload, versions, q, ctl, out):
 def gp_trainer(socket, device, workload, versions, name, ctl):
     import gpupool
 
-    torch = _torch(device)
+    torch = torch_on(device)
     layout_fn, dtype = WORKLOADS[workload]
     layout = layout_fn()
     c = gpupool.Client(socket, name="weight-sync-trainer")
@@ -258,7 +237,7 @@ def gp_trainer(socket, device, workload, versions, name, ctl):
         copy_all(cur, prev)              # the whole state of version v-1 ...
         touch(cur, v)                    # ... and this version's changes
         want = checksum(torch, cur)
-        _sync(torch, device)
+        sync(torch, device)
         t0 = time.perf_counter_ns()
         got = c.publish_dict(name, bundles[v % 2], stream=stream)
         t_pub = time.perf_counter_ns()
@@ -274,7 +253,7 @@ def gp_trainer(socket, device, workload, versions, name, ctl):
 def gp_consumer(socket, device, workload, versions, name, reuse, ctl, out):
     import gpupool
 
-    torch = _torch(device)
+    torch = torch_on(device)
     c = gpupool.Client(socket, name="weight-sync-consumer")
     cuda = device.startswith("cuda")
     stream = torch.cuda.Stream() if cuda else None
@@ -321,26 +300,6 @@ def gp_consumer(socket, device, workload, versions, name, reuse, ctl, out):
 
 
 # --- driver ----------------------------------------------------------------------------------
-def run_pair(ctx, prod, prod_args, cons, cons_args, timeout):
-    a, b = ctx.Pipe()
-    out = ctx.Queue()
-    p = ctx.Process(target=prod, args=prod_args + (a,))
-    c = ctx.Process(target=cons, args=cons_args + (b, out))
-    p.start()
-    c.start()
-    try:
-        res = out.get(timeout=timeout)
-    finally:
-        for proc in (c, p):
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    if p.exitcode not in (0, None) or c.exitcode not in (0, None):
-        raise RuntimeError("trainer exited %s, consumer exited %s" % (p.exitcode, c.exitcode))
-    return res
-
-
 def summarize(res):
     lat = res.pop("lat_us")
     warm = lat[1:]
@@ -408,14 +367,7 @@ def main():
     if args.versions < 2:
         ap.error("--versions must be at least 2 (one cold, one warm)")
 
-    lib = args.library or os.environ.get("GPUPOOL_LIBRARY")
-    if not lib:
-        guess = os.path.join(os.path.dirname(os.path.abspath(args.gpupoold)), "..", "client",
-                             "libgpupool-client.so")
-        if os.path.exists(guess):
-            lib = os.path.abspath(guess)
-    if lib:
-        os.environ["GPUPOOL_LIBRARY"] = lib  # inherited by the spawned processes
+    use_library(args.library, args.gpupoold)
 
     try:
         import torch
@@ -442,13 +394,13 @@ def main():
     # Two bundles (double buffering), each rounded up to whole slabs, plus slack.
     cap = (2 * ((biggest + slab - 1) // slab) + 4) * slab
     dev_index = (torch.device(args.device).index or 0) if cuda else 0
-    pool = ("name=bench,kind=device,device=%d,capacity=%d,slab=%d" % (dev_index, cap, slab)
-            if cuda else "name=bench,kind=host,capacity=%d,slab=%d" % (cap, slab))
+    pool = pool_spec(cuda, dev_index, cap, slab)
 
     import torch.multiprocessing as tmp
 
     ctx = mp.get_context("spawn")
     tctx = tmp.get_context("spawn")
+    pair = dict(timeout=1200, join_s=60, role="trainer")
     results = {"device": args.device, "torch": torch.__version__, "versions": args.versions,
                "gpu": torch.cuda.get_device_name(dev_index) if cuda else "cpu",
                "workloads": {}}
@@ -467,17 +419,17 @@ def main():
                 if way == "torch.mp":
                     q = tctx.Queue()
                     res = run_pair(tctx, mp_trainer, (args.device, wl, args.versions, q),
-                                   mp_consumer, (args.device, wl, args.versions, q), 1200)
+                                   mp_consumer, (args.device, wl, args.versions, q), **pair)
                 elif way == "bucket":
                     q = tctx.Queue()
                     res = run_pair(tctx, bucket_trainer, (args.device, wl, args.versions, q),
-                                   bucket_consumer, (args.device, wl, args.versions, q), 1200)
+                                   bucket_consumer, (args.device, wl, args.versions, q), **pair)
                 elif way in ("gpupool", "gpupool+reuse"):
                     name = "weight-sync/%s/%s" % (wl, way)
                     res = run_pair(ctx, gp_trainer, (d.socket, args.device, wl, args.versions,
                                                      name),
                                    gp_consumer, (d.socket, args.device, wl, args.versions,
-                                                 name, way == "gpupool+reuse"), 1200)
+                                                 name, way == "gpupool+reuse"), **pair)
                 else:
                     raise SystemExit("unknown way %r" % way)
                 row[way] = summarize(res)
