@@ -2,7 +2,21 @@
 (py_handoff.py, weight_sync.py): finding libgpupool-client, the bench pool's spec, a process
 pair over a pipe, torch on the device asked for, and the percentiles they report."""
 
+import argparse
 import os
+
+
+def arg_parser(doc):
+    """The options every such benchmark takes (--gpupoold, --library, --device, --json), the
+    first paragraph of doc as the description."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpupoold", required=True, help="path of the gpupoold binary")
+    ap.add_argument("--library", help="libgpupool-client.so (default: $GPUPOOL_LIBRARY, else "
+                                      "../client/libgpupool-client.so next to --gpupoold)")
+    ap.add_argument("--device", default="cuda:0", help="cuda:N (default) or cpu")
+    ap.add_argument("--json", help="also write the results to this file")
+    return ap
 
 
 def use_library(library, gpupoold):

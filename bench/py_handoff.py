@@ -25,7 +25,6 @@ libgpupool-client next to it in a build tree (or at --library / $GPUPOOL_LIBRARY
     python3 bench/py_handoff.py --gpupoold build/daemon/gpupoold --sizes 1M,64M --iters 200
 """
 
-import argparse
 import json
 import multiprocessing as mp
 import os
@@ -36,7 +35,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
-from _common import percentile, pool_spec, run_pair, sync, torch_on, use_library  # noqa: E402
+from _common import arg_parser, percentile, pool_spec, run_pair, sync, torch_on, use_library  # noqa: E402
 
 
 def parse_size(s):
@@ -230,17 +229,11 @@ def persistence_check(ctx, socket, device, nbytes):
 
 # --- main ------------------------------------------------------------------------------------
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpupoold", required=True, help="path of the gpupoold binary")
-    ap.add_argument("--library", help="libgpupool-client.so (default: $GPUPOOL_LIBRARY, else "
-                                      "../client/libgpupool-client.so next to --gpupoold)")
+    ap = arg_parser(__doc__)
     ap.add_argument("--sizes", default="1M,64M", help="tensor sizes in bytes (K/M/G suffixes)")
     ap.add_argument("--iters", type=int, default=200, help="handoffs per size and method")
     ap.add_argument("--warmup", type=int, default=10, help="leading handoffs not counted")
-    ap.add_argument("--device", default="cuda:0", help="cuda:N (default) or cpu")
     ap.add_argument("--skip-torch-mp", action="store_true", help="measure gpupool only")
-    ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
 
     use_library(args.library, args.gpupoold)

@@ -38,7 +38,6 @@ CUDA, for a cuda device) is missing.
     python3 bench/weight_sync.py --gpupoold build-gpu/daemon/gpupoold --versions 30
 """
 
-import argparse
 import json
 import multiprocessing as mp
 import os
@@ -48,7 +47,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
-from _common import percentile, pool_spec, run_pair, sync, torch_on, use_library  # noqa: E402
+from _common import arg_parser, percentile, pool_spec, run_pair, sync, torch_on, use_library  # noqa: E402
 
 MiB = 1 << 20
 
@@ -351,17 +350,11 @@ def table(results):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpupoold", required=True, help="path of the gpupoold binary")
-    ap.add_argument("--library", help="libgpupool-client.so (default: $GPUPOOL_LIBRARY, else "
-                                      "../client/libgpupool-client.so next to --gpupoold)")
+    ap = arg_parser(__doc__)
     ap.add_argument("--versions", type=int, default=30, help="versions per way (>= 2)")
     ap.add_argument("--workloads", default="llama,small", help="llama, small or both")
     ap.add_argument("--ways", default="torch.mp,bucket,gpupool,gpupool+reuse",
                     help="gpupool+reuse: the consumer asks get_dict(reuse_views=True)")
-    ap.add_argument("--device", default="cuda:0", help="cuda:N (default) or cpu")
-    ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--table", help="also write the markdown table to this file")
     args = ap.parse_args()
     if args.versions < 2:
