@@ -30,27 +30,30 @@ class _Conn:
 
     def add(self):
         with self.lock:
-            if self.close_requested:
-                raise error("ECLOSED", "this gpupool.Client was closed; create a new Client")
+            self.usable()
             self.holds += 1
 
     def drop(self):
         with self.lock:
             self.holds -= 1
-            go = self.close_requested and self.holds == 0 and not self.disconnected
-            if go:
-                self.disconnected = True
+            go = self._disconnect_due()
         if go:
             self.c_disconnect(self.handle)
 
     def close(self):
         with self.lock:
             self.close_requested = True
-            go = self.holds == 0 and not self.disconnected
-            if go:
-                self.disconnected = True
+            go = self._disconnect_due()
         if go:
             self.c_disconnect(self.handle)
+
+    def _disconnect_due(self):
+        """With the lock held: whether the caller is the one to disconnect now (close was
+        asked, no hold is left, and nobody disconnected yet); marks it done if so."""
+        go = self.close_requested and self.holds == 0 and not self.disconnected
+        if go:
+            self.disconnected = True
+        return go
 
     def usable(self):
         if self.close_requested:
@@ -78,6 +81,31 @@ def _release_stream(streams, device):
     return stream
 
 
+def _buffer_facts(obj, L, buf):
+    """What a _Hold or a _Part tells of its C buffer, read once: pointer, size, memory kind,
+    device, id and whether it is read-only."""
+    obj.ptr = L.gpupool_buffer_ptr(buf) or 0
+    obj.size = L.gpupool_buffer_size(buf)
+    obj.kind = L.gpupool_buffer_kind(buf)
+    obj.device = L.gpupool_buffer_device(buf)
+    obj.buffer_id = L.gpupool_buffer_id(buf)
+    obj.read_only = bool(L.gpupool_buffer_read_only(buf))
+
+
+def _release(holder, handle, c_release, device, what):
+    """Release handle, which the caller just took out of holder (a _Hold or a _BundleHold) under
+    its lock (None: released before), in the stream _release_stream picks among holder's, and
+    drop its count on the connection even when the release fails."""
+    if handle is None:
+        return
+    try:
+        rc = c_release(handle, _release_stream(holder.streams, device))
+    finally:
+        holder.conn.drop()
+    if rc < 0:
+        raise _lib.error(rc, what)
+
+
 class _Hold:
     """One hold on a buffer (a C gpupool_buffer), released exactly once: explicitly, or when
     the last Python reference (a Tensor, an exported DLPack view) goes away."""
@@ -86,12 +114,7 @@ class _Hold:
         L = conn.lib
         self.conn = conn
         self.lock = threading.Lock()
-        self.ptr = L.gpupool_buffer_ptr(buf) or 0
-        self.size = L.gpupool_buffer_size(buf)
-        self.kind = L.gpupool_buffer_kind(buf)
-        self.device = L.gpupool_buffer_device(buf)
-        self.buffer_id = L.gpupool_buffer_id(buf)
-        self.read_only = bool(L.gpupool_buffer_read_only(buf))
+        _buffer_facts(self, L, buf)
         # The stream in which the memory is known to be safe (the C library made it wait on
         # the ready and done events there), and every stream it was exported to since.
         self.safe_stream = stream
@@ -133,16 +156,8 @@ class _Hold:
     def release(self):
         with self.lock:
             buf, self.buf = self.buf, None
-            streams = self.streams
-        if buf is None:
-            return
-        try:
-            stream = _release_stream(streams, self.cuda_device if self.kind != _lib.MEM_HOST else None)
-            rc = self.conn.c_release(buf, stream)
-        finally:
-            self.conn.drop()
-        if rc < 0:
-            raise _lib.error(rc, "release of buffer %d" % self.buffer_id)
+        _release(self, buf, self.conn.c_release, self.cuda_device if self.kind != _lib.MEM_HOST else None,
+                 "release of buffer %d" % self.buffer_id)
 
     def __del__(self):
         try:
@@ -199,16 +214,7 @@ class _BundleHold:
     def release(self):
         with self.lock:
             b, self.bundle = self.bundle, None
-            streams = self.streams
-        if b is None:
-            return
-        try:
-            stream = _release_stream(streams, self.device)
-            rc = self.conn.c_bundle_release(b, stream)
-        finally:
-            self.conn.drop()
-        if rc < 0:
-            raise _lib.error(rc, "release of a bundle")
+        _release(self, b, self.conn.c_bundle_release, self.device, "release of a bundle")
 
     def __del__(self):
         try:
@@ -277,12 +283,7 @@ class _Part:
         self.owner = owner
         self.index = index
         self._buf = buf
-        self.ptr = L.gpupool_buffer_ptr(buf) or 0
-        self.size = L.gpupool_buffer_size(buf)
-        self.kind = L.gpupool_buffer_kind(buf)
-        self.device = L.gpupool_buffer_device(buf)
-        self.buffer_id = L.gpupool_buffer_id(buf)
-        self.read_only = bool(L.gpupool_buffer_read_only(buf))
+        _buffer_facts(self, L, buf)
 
     @property
     def buf(self):
