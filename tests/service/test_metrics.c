@@ -324,6 +324,13 @@ static void config_paths(gpupool__config *cfg, const char *textfile, const char 
 
 static void tick(uv_timer_t *t) { (void)t; }
 
+/* a names the Unix socket at path. */
+static void unix_addr(struct sockaddr_un *a, const char *path) {
+  memset(a, 0, sizeof(*a));
+  a->sun_family = AF_UNIX;
+  snprintf(a->sun_path, sizeof(a->sun_path), "%s", path);
+}
+
 /* The child plays a scraper: it sends a request, reads the answer to EOF and saves it. */
 static pid_t scrape_in_child(const char *sock, const char *out) {
   pid_t pid = fork();
@@ -335,9 +342,7 @@ static pid_t scrape_in_child(const char *sock, const char *out) {
     int fd = socket(AF_UNIX, SOCK_STREAM, 0);
     ssize_t n;
     const char req[] = "GET /metrics HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\n\r\n";
-    memset(&a, 0, sizeof(a));
-    a.sun_family = AF_UNIX;
-    snprintf(a.sun_path, sizeof(a.sun_path), "%s", sock);
+    unix_addr(&a, sock);
     if (f == NULL || fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0)
       _exit(2);
     if (write(fd, req, sizeof(req) - 1) != (ssize_t)sizeof(req) - 1)
@@ -441,9 +446,7 @@ static void hog_connections(const char *sock, int ready) {
 
   if (setgid(OTHER_UID) != 0 || setuid(OTHER_UID) != 0)
     _exit(100);
-  memset(&a, 0, sizeof(a));
-  a.sun_family = AF_UNIX;
-  snprintf(a.sun_path, sizeof(a.sun_path), "%s", sock);
+  unix_addr(&a, sock);
   for (int i = 0; i < OTHER_CONNS; i++) {
     pf[i].fd = socket(AF_UNIX, SOCK_STREAM, 0);
     pf[i].events = POLLIN;
@@ -587,9 +590,7 @@ static void test_refuses_bad_paths(void **state) {
     struct sockaddr_un a;
     int fd = socket(AF_UNIX, SOCK_STREAM, 0);
     config_paths(&cfg, NULL, "stale.sock");
-    memset(&a, 0, sizeof(a));
-    a.sun_family = AF_UNIX;
-    snprintf(a.sun_path, sizeof(a.sun_path), "%s", cfg.metrics_socket);
+    unix_addr(&a, cfg.metrics_socket);
     assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
     close(fd);
     snprintf(path, sizeof(path), "%s", cfg.metrics_socket);
@@ -607,9 +608,7 @@ static void test_refuses_bad_paths(void **state) {
     struct sockaddr_un a;
     int fd = socket(AF_UNIX, SOCK_STREAM, 0);
     config_paths(&cfg, NULL, "live.sock");
-    memset(&a, 0, sizeof(a));
-    a.sun_family = AF_UNIX;
-    snprintf(a.sun_path, sizeof(a.sun_path), "%s", cfg.metrics_socket);
+    unix_addr(&a, cfg.metrics_socket);
     assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
     assert_int_equal(listen(fd, 4), 0);
     assert_int_equal(gpupool__metrics_new(&m), 0);
