@@ -1,5 +1,5 @@
 /*
- * The CUDA backend's slab export format and its error helper (see cuda.h).
+ * The CUDA backend's slab export format, pool access and error helper (see cuda.h).
  */
 #include <string.h>
 
@@ -29,4 +29,13 @@ int gpupool__cuda_fail(int code, cudaError_t e, const char *call, int device, co
                         fix ? fix : "");
   return gpupool__err(code, "%s failed: %s (%s)%s%s", call, cudaGetErrorName(e),
                       cudaGetErrorString(e), fix ? ": " : "", fix ? fix : "");
+}
+
+cudaError_t gpupool__cuda_pool_access(cudaMemPool_t pool, int device, enum cudaMemAccessFlags flags) {
+  struct cudaMemAccessDesc d;
+  memset(&d, 0, sizeof(d));
+  d.location.type = cudaMemLocationTypeDevice;
+  d.location.id = device;
+  d.flags = flags;
+  return cudaMemPoolSetAccess(pool, &d, 1);
 }

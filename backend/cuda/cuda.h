@@ -1,7 +1,7 @@
 /*
  * The CUDA backend: stream-ordered memory pools exported with POSIX fds (device memory, or
  * pinned host memory of a NUMA node). cuda_daemon.c is the daemon half, cuda_client.c the
- * client half, cuda.c the slab export format and the error helper both
+ * client half, cuda.c the slab export format, the pool access call and the error helper both
  * halves use; desc.c the descriptor. Without the CUDA toolkit only desc.c and cuda_none.c are
  * built: the backend is still known by name, so its pools get a clear refusal.
  */
@@ -31,6 +31,10 @@ uint32_t gpupool__cuda_export_encode(const struct cudaMemPoolPtrExportData *e, u
 /* GPUPOOL_EPROTO (with a message) when len is not the driver's size. */
 int gpupool__cuda_export_decode(const uint8_t *data, size_t len,
                                 struct cudaMemPoolPtrExportData *e);
+
+/* Access of one device to a pool in this process (ProtReadWrite or ProtNone): both halves
+ * grant it, the daemon to its own device, a client to each device it maps slabs on. */
+cudaError_t gpupool__cuda_pool_access(cudaMemPool_t pool, int device, enum cudaMemAccessFlags flags);
 
 /* Record a message naming the call, the CUDA error, the device (< 0: none) and the fix (may
  * be NULL), clear the runtime's per-thread last error (so neither the daemon's next check nor

@@ -79,12 +79,7 @@ static void pop_device(int device, int prev) {
 }
 
 static int set_access(cudaMemPool_t pool, int device, enum cudaMemAccessFlags flags) {
-  struct cudaMemAccessDesc d;
-  memset(&d, 0, sizeof(d));
-  d.location.type = cudaMemLocationTypeDevice;
-  d.location.id = device;
-  d.flags = flags;
-  cudaError_t e = cudaMemPoolSetAccess(pool, &d, 1);
+  cudaError_t e = gpupool__cuda_pool_access(pool, device, flags);
   if (e != cudaSuccess)
     return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaMemPoolSetAccess", device, NULL);
   return 0;

@@ -269,16 +269,6 @@ static int set_pool_attr(cudaMemPool_t pool, enum cudaMemPoolAttr attr, const ch
   return 0;
 }
 
-/* Access of one device to a pool in this process (ProtReadWrite or ProtNone). */
-static cudaError_t pool_access(cudaMemPool_t pool, int device, enum cudaMemAccessFlags flags) {
-  struct cudaMemAccessDesc d;
-  memset(&d, 0, sizeof(d));
-  d.location.type = cudaMemLocationTypeDevice;
-  d.location.id = device;
-  d.flags = flags;
-  return cudaMemPoolSetAccess(pool, &d, 1);
-}
-
 static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cfg,
                             gpupool__bpool **out, int *fd_out) {
   cuda_state *st = be->priv;
@@ -374,7 +364,7 @@ static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cf
    * Access is per process, so this grants no client anything; clients grant their own
    * (cuda_client.c). */
   if (cfg->kind == GPUPOOL_MEM_HOST_NUMA) {
-    e = pool_access(p->pool, cfg->device, cudaMemAccessFlagsProtReadWrite);
+    e = gpupool__cuda_pool_access(p->pool, cfg->device, cudaMemAccessFlagsProtReadWrite);
     if (e != cudaSuccess) {
       rc = gpupool__cuda_fail(GPUPOOL_EBACKEND, e,
                               "cudaMemPoolSetAccess (the pool's GPU on a host-NUMA pool)",
@@ -414,7 +404,7 @@ static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cf
   return 0;
 
 fail:
-  if (p->granted && pool_access(p->pool, p->device, cudaMemAccessFlagsProtNone) != cudaSuccess)
+  if (p->granted && gpupool__cuda_pool_access(p->pool, p->device, cudaMemAccessFlagsProtNone) != cudaSuccess)
     (void)cudaGetLastError();
   if (created) {
     e = cudaMemPoolDestroy(p->pool);
@@ -436,7 +426,7 @@ static void cuda_pool_destroy(gpupool__bpool *p) {
     return;
   if (set_device(p->device) == 0) {
     if (p->granted) {
-      e = pool_access(p->pool, p->device, cudaMemAccessFlagsProtNone);
+      e = gpupool__cuda_pool_access(p->pool, p->device, cudaMemAccessFlagsProtNone);
       if (e != cudaSuccess) {
         (void)cudaGetLastError();
         GPUPOOL__WARN("cuda: pool \"%s\": taking back device %d's access before destroying it: "
