@@ -33,6 +33,19 @@ build="build-gpu"
 
 die() { echo "gpu-bench.sh: $*" >&2; exit 1; }
 
+# After a benchmark that writes its own table: append_part RC ITS_TABLE WHAT TITLE LOG
+# SKIP_PREFIX PROGRAM appends ITS_TABLE to $table when it ran (RC 0), a "TITLE: skipped (why)"
+# line when it skipped (77; why is the rest of LOG's first line starting with SKIP_PREFIX),
+# and stops when PROGRAM failed.
+append_part() {
+  case "$1" in
+    0) printf '\n' >> "$table"; cat "$2" >> "$table" ;;
+    77) echo "gpu-bench.sh: $3 benchmark skipped (see above)"
+        printf '\n%s: skipped (%s)\n' "$4" "$(sed -n "s/^$6//p" "$5" | head -n1)" >> "$table" ;;
+    *) die "$7 failed with status $1 (log above)" ;;
+  esac
+}
+
 run_bench() {
   local bench="$build/bench/gpupool_bench" daemon="$build/daemon/gpupoold" log table rc
   local pinned="$build/bench/gpupool_pinned_bench" ptable plog prc wtable
@@ -122,13 +135,8 @@ run_bench() {
   rc=${PIPESTATUS[0]}
   set -e
   cat "$plog" >> "$log"
-  case "$rc" in
-    0) printf '\n' >> "$table"; cat "$ptable" >> "$table" ;;
-    77) echo "gpu-bench.sh: pinned-memory benchmark skipped (see above)"
-        printf '\nPinned host-NUMA benchmark: skipped (%s)\n' \
-          "$(sed -n 's/^SKIP: //p' "$plog" | head -n1)" >> "$table" ;;
-    *) die "gpupool_pinned_bench failed with status $rc (log above)" ;;
-  esac
+  append_part "$rc" "$ptable" pinned-memory "Pinned host-NUMA benchmark" "$plog" "SKIP: " \
+    gpupool_pinned_bench
   prc=$rc
 
   # Weight sync (issue 12): a state dict handed over version after version by torch.mp, a
@@ -140,13 +148,8 @@ run_bench() {
     tee -a "$log"
   rc=${PIPESTATUS[0]}
   set -e
-  case "$rc" in
-    0) printf '\n' >> "$table"; cat "$wtable" >> "$table" ;;
-    77) echo "gpu-bench.sh: weight-sync benchmark skipped (see above)"
-        printf '\nWeight sync: skipped (%s)\n' \
-          "$(sed -n 's/^weight_sync: SKIP: //p' "$log" | head -n1)" >> "$table" ;;
-    *) die "bench/weight_sync.py failed with status $rc (log above)" ;;
-  esac
+  append_part "$rc" "$wtable" weight-sync "Weight sync" "$log" "weight_sync: SKIP: " \
+    bench/weight_sync.py
 
   echo
   cat "$table"
