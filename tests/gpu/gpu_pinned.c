@@ -134,7 +134,7 @@ static int w_producer(char **a) {
   gpupool_client *c;
   gpupool_buffer *pad, *b;
   cudaStream_t s = wstream("producer", 0);
-  int rc, ce;
+  int rc;
 
   if ((rc = gpupool_connect(sock, "gpu-pinned-producer", &c)) < 0)
     wdie("producer", "gpupool_connect", rc);
@@ -158,10 +158,7 @@ static int w_producer(char **a) {
     wdie("producer", "gpupool_unpublish", rc);
   if ((rc = gpupool_release(pad, s)) < 0)
     wdie("producer", "gpupool_release (pad)", rc);
-  if ((ce = (int)cudaStreamSynchronize(s)))
-    cdie("producer", "cudaStreamSynchronize", ce);
-  gpupool_disconnect(c);
-  (void)cudaStreamDestroy(s);
+  wfinish("producer", c, s);
   gh_say("DONE");
   return 0;
 }

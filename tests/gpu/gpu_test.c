@@ -241,10 +241,7 @@ static int w_consumer(char **a) {
             cudaGetErrorName((cudaError_t)ce));
     return 1;
   }
-  if ((ce = (int)cudaStreamSynchronize(s)))
-    cdie("consumer", "cudaStreamSynchronize", ce);
-  gpupool_disconnect(c);
-  (void)cudaStreamDestroy(s);
+  wfinish("consumer", c, s);
   if (bad) {
     fprintf(stderr, "worker consumer (pid %d): %llu of %zu words differ from the pattern\n",
             (int)getpid(), bad, bytes / 4);
@@ -384,10 +381,7 @@ static int w_churn_a(char **a) {
     if ((rc = gpupool_release(b, s)) < 0)
       wdie("churn-a", "gpupool_release", rc);
   }
-  if ((ce = (int)cudaStreamSynchronize(s)))
-    cdie("churn-a", "cudaStreamSynchronize", ce);
-  gpupool_disconnect(c);
-  (void)cudaStreamDestroy(s);
+  wfinish("churn-a", c, s);
   gh_say("DONE %d", n);
   return 0;
 }
@@ -433,10 +427,7 @@ static int w_churn_b(char **a) {
     if (!ack)
       return 1;
   }
-  if ((ce = (int)cudaStreamSynchronize(s)))
-    cdie("churn-b", "cudaStreamSynchronize", ce);
-  gpupool_disconnect(c);
-  (void)cudaStreamDestroy(s);
+  wfinish("churn-b", c, s);
   gh_say("DONE %d verified %d", n, verified);
   return 0;
 }
@@ -757,10 +748,7 @@ static int w_bproducer(char **a) {
   wait_stdin_line("bproducer", "EXIT");
   if ((rc = gpupool_unpublish(c, name)) < 0)
     wdie("bproducer", "gpupool_unpublish", rc);
-  if ((ce = (int)cudaStreamSynchronize(s)))
-    cdie("bproducer", "cudaStreamSynchronize", ce);
-  gpupool_disconnect(c);
-  (void)cudaStreamDestroy(s);
+  wfinish("bproducer", c, s);
   return 0;
 }
 
@@ -794,7 +782,7 @@ static int w_bconsumer(char **a) {
   cudaStream_t s = wstream("bconsumer", 0);
   uint64_t last = 0;
   unsigned long long bad;
-  int rc, ce;
+  int rc;
 
   if ((rc = gpupool_connect(sock, "gpu-test-bconsumer", &c)) < 0)
     wdie("bconsumer", "gpupool_connect", rc);
@@ -827,10 +815,7 @@ static int w_bconsumer(char **a) {
   }
   if ((rc = gpupool_bundle_release(first, s)) < 0)
     wdie("bconsumer", "gpupool_bundle_release", rc);
-  if ((ce = (int)cudaStreamSynchronize(s)))
-    cdie("bconsumer", "cudaStreamSynchronize", ce);
-  gpupool_disconnect(c);
-  (void)cudaStreamDestroy(s);
+  wfinish("bconsumer", c, s);
   gh_say("RESULT 0");
   return 0;
 }
@@ -904,6 +889,28 @@ static int spawn_consumer(gh_proc *p, const gh_daemon *d, const char *name, uint
   return gh_spawn(p, argv, NULL, 0);
 }
 
+/* A producer of name (seed's pattern behind a spin of spin µs) that has published it and
+ * holds it until producer_done: 0, or 1 after a FAIL line. */
+static int start_published(gh_proc *prod, const gh_daemon *d, const char *name, uint32_t seed, unsigned spin) {
+  char line[256];
+  if (spawn_producer(prod, d, name, seed, spin, "hold", 0) < 0)
+    return fail("cannot start the producer");
+  if (gh_expect(prod, "PUBLISHED", line, sizeof(line), STEP_MS) < 0) {
+    gh_wait(prod, 5000);
+    return fail("producer did not publish");
+  }
+  return 0;
+}
+
+/* Tell a holding producer to unpublish and exit, and reap it: 0, or 1 after a FAIL line. */
+static int producer_done(gh_proc *prod) {
+  int rc;
+  gh_writeline(prod, "EXIT");
+  if ((rc = gh_wait(prod, STEP_MS)) != 0)
+    return fail("producer exited with %d", rc);
+  return 0;
+}
+
 /* Run n consumers of name at once; all must report 0 mismatches and exit 0. */
 static int run_consumers(const gh_daemon *d, const char *name, uint32_t seed, int n,
                          gh_proc *producer_to_go) {
@@ -971,9 +978,8 @@ static int check_handoff(const gh_daemon *d, gpupool_client *c) {
       gh_wait(&prod, 5000);
       return 1;
     }
-    gh_writeline(&prod, "EXIT");
-    if ((rc = gh_wait(&prod, STEP_MS)) != 0)
-      return fail("producer exited with %d", rc);
+    if ((rc = producer_done(&prod)) != 0)
+      return rc;
   }
   return pass("64 MiB published behind a %u ms kernel without synchronizing; 1 then 4 "
               "consumers read it bit-exact on their own streams", SPIN_US / 1000);
@@ -991,12 +997,8 @@ static int check_kill(const gh_daemon *d, gpupool_client *c) {
     return fail("cannot read pool stats");
   start_used = ps.used;
   snprintf(name, sizeof(name), "kill-%08x", seed);
-  if (spawn_producer(&prod, d, name, seed, 50000, "hold", 0) < 0)
-    return fail("cannot start the producer");
-  if (gh_expect(&prod, "PUBLISHED", line, sizeof(line), STEP_MS) < 0) {
-    gh_wait(&prod, 5000);
-    return fail("producer did not publish");
-  }
+  if ((rc = start_published(&prod, d, name, seed, 50000)) != 0)
+    return rc;
   if (spawn_consumer(&holder, d, name, seed, 1, 0, "-") < 0)
     return fail("cannot start the holding consumer");
   if (gh_expect(&holder, "RESULT", line, sizeof(line), STEP_MS) < 0 ||
@@ -1021,9 +1023,8 @@ static int check_kill(const gh_daemon *d, gpupool_client *c) {
     gh_wait(&prod, 5000);
     return 1;
   }
-  gh_writeline(&prod, "EXIT");
-  if ((rc = gh_wait(&prod, STEP_MS)) != 0)
-    return fail("producer exited with %d", rc);
+  if ((rc = producer_done(&prod)) != 0)
+    return rc;
   if (gh_wait_used(c, POOL, start_used, 20000, &used) < 0)
     return fail("pool used is %" PRIu64 " bytes 20 s after the last release, was %" PRIu64
                 " before (the killed client's hold was not dropped)", used, start_used);
@@ -1040,12 +1041,8 @@ static int check_killwork(const gh_daemon *d, gpupool_client *c) {
   (void)c;
 
   snprintf(name, sizeof(name), "killwork-%08x", seed);
-  if (spawn_producer(&prod, d, name, seed, 0, "hold", 0) < 0)
-    return fail("cannot start the producer");
-  if (gh_expect(&prod, "PUBLISHED", line, sizeof(line), STEP_MS) < 0) {
-    gh_wait(&prod, 5000);
-    return fail("producer did not publish");
-  }
+  if ((rc = start_published(&prod, d, name, seed, 0)) != 0)
+    return rc;
   snprintf(bytes, sizeof(bytes), "%u", BUF_BYTES);
   snprintf(sk, sizeof(sk), "%u", seed ^ 0x5a5a5a5au);
   snprintf(sw, sizeof(sw), "%u", seed ^ 0xa5a5a5a5u);
@@ -1069,9 +1066,8 @@ static int check_killwork(const gh_daemon *d, gpupool_client *c) {
     return fail("the consumer did not die of SIGKILL (%d)", rc);
   }
   /* The producer unpublishes and lets go: only the dead consumer's lease keeps the range. */
-  gh_writeline(&prod, "EXIT");
-  if ((rc = gh_wait(&prod, STEP_MS)) != 0)
-    return fail("producer exited with %d", rc);
+  if ((rc = producer_done(&prod)) != 0)
+    return rc;
   {
     const char *argv[] = {"", "worker", "taker", d->sock, bytes, sw, wait, NULL};
     if (gh_spawn(&taker, argv, NULL, 0) < 0)
@@ -1251,12 +1247,8 @@ static int check_peer(const gh_daemon *d, gpupool_client *c) {
   if (e != cudaSuccess)
     return fail("cudaDeviceCanAccessPeer(1, 0): %s", cudaGetErrorString(e));
   snprintf(name, sizeof(name), "peer-%08x", seed);
-  if (spawn_producer(&prod, d, name, seed, 50000, "hold", 0) < 0)
-    return fail("cannot start the producer");
-  if (gh_expect(&prod, "PUBLISHED", line, sizeof(line), STEP_MS) < 0) {
-    gh_wait(&prod, 5000);
-    return fail("producer did not publish");
-  }
+  if ((rc = start_published(&prod, d, name, seed, 50000)) != 0)
+    return rc;
   if (spawn_consumer(&cons, d, name, seed, 0, 1, can ? "ok" : "enotsup") < 0) {
     gh_wait(&prod, 5000);
     return fail("cannot start the consumer on GPU 1");
@@ -1281,9 +1273,8 @@ static int check_peer(const gh_daemon *d, gpupool_client *c) {
     gh_wait(&prod, 5000);
     return fail("consumer on GPU 1 exited with %d", rc);
   }
-  gh_writeline(&prod, "EXIT");
-  if ((rc = gh_wait(&prod, STEP_MS)) != 0)
-    return fail("producer exited with %d", rc);
+  if ((rc = producer_done(&prod)) != 0)
+    return rc;
   return pass("pool on GPU 0 read bit-exact by a kernel on GPU 1 after "
               "gpupool_set_devices({1})");
 }
@@ -1415,9 +1406,8 @@ static int check_tenants(const gh_daemon *d, gpupool_client *c) {
     gh_wait(&prod, 5000);
     return fail("after uid %d left the pool still has %d backend pools, expected 1", NOBODY, n);
   }
-  gh_writeline(&prod, "EXIT");
-  if ((rc = gh_wait(&prod, STEP_MS)) != 0)
-    return fail("producer exited with %d", rc);
+  if ((rc = producer_done(&prod)) != 0)
+    return rc;
   {
     /* Root's buffer (filled with a pattern) is gone; uid 65534 now gets fresh memory, which
      * must read as zeros whatever it was before (new CUDA slabs are cleared). */
@@ -1485,9 +1475,8 @@ static int check_bundles(const gh_daemon *d, gpupool_client *c) {
     return fail("consumer: %s", line);
   if ((rc = gh_wait(&cons, STEP_MS)) != 0)
     return fail("consumer exited with %d", rc);
-  gh_writeline(&prod, "EXIT");
-  if ((rc = gh_wait(&prod, STEP_MS)) != 0)
-    return fail("producer exited with %d", rc);
+  if ((rc = producer_done(&prod)) != 0)
+    return rc;
   if (gh_wait_used(c, POOL, start, 10000, &got) < 0)
     return fail("pool uses %" PRIu64 " bytes after everything was released, %" PRIu64 " before", got, start);
   return pass("%d versions of a %d-member bundle, each published behind a %u ms kernel without "

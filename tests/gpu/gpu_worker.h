@@ -1,7 +1,7 @@
 /*
  * What the GPU checks' worker processes share: dying with the reason (a gpupool or a CUDA
  * error, naming the worker's role), a non-blocking stream on a device, filling and publishing
- * a buffer, and waiting for a command line from the driver on stdin.
+ * a buffer, the orderly end, and waiting for a command line from the driver on stdin.
  */
 #ifndef GPUPOOL_GPU_WORKER_H
 #define GPUPOOL_GPU_WORKER_H
@@ -58,6 +58,15 @@ static inline void wfill_publish(const char *role, gpupool_buffer *b, size_t byt
   meta.shape[0] = (int64_t)(bytes / 4);
   if ((rc = gpupool_publish(b, name, &meta, s)) < 0)
     wdie(role, "gpupool_publish", rc);
+}
+
+/* A worker's orderly end: wait for the work on its stream, disconnect, drop the stream. */
+static inline void wfinish(const char *role, gpupool_client *c, cudaStream_t s) {
+  int ce = (int)cudaStreamSynchronize(s);
+  if (ce)
+    cdie(role, "cudaStreamSynchronize", ce);
+  gpupool_disconnect(c);
+  (void)cudaStreamDestroy(s);
 }
 
 /* Read stdin until a line starting with `want`; exit when stdin closes first. */
