@@ -23,6 +23,16 @@
 
 #include <cuda_runtime_api.h>
 
+int gh_driver_start(int argc, char **argv, int nargs, const char *usage, int need, const char *why) {
+  if (argc != nargs) {
+    fprintf(stderr, "usage: %s %s\n", argv[0], usage);
+    exit(2);
+  }
+  signal(SIGPIPE, SIG_IGN);
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  return gh_gpu_count_or_skip(need, why);
+}
+
 uint64_t gh_now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);

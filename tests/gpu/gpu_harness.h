@@ -33,6 +33,11 @@ typedef struct {
  * what the test needs) and exits GH_SKIP. */
 int gh_gpu_count_or_skip(int need, const char *why);
 
+/* The driver's start (after the worker dispatch): with argc other than nargs, prints
+ * "usage: PROG usage" and exits 2; then ignores SIGPIPE (a worker that died is seen as a
+ * failed write), line-buffers stdout, and returns gh_gpu_count_or_skip(need, why). */
+int gh_driver_start(int argc, char **argv, int nargs, const char *usage, int need, const char *why);
+
 /* Start gpupoold --backend cuda with the given pool spec on a private socket and wait until
  * the socket accepts a connection. 0, or -1 with the daemon's log printed to stderr. */
 int gh_daemon_start(gh_daemon *d, const char *gpupoold, const char *pool_spec);

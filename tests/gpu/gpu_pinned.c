@@ -460,13 +460,7 @@ int main(int argc, char **argv) {
 
   if (argc >= 3 && !strcmp(argv[1], "worker"))
     return worker_main(argc, argv);
-  if (argc != 2) {
-    fprintf(stderr, "usage: %s GPUPOOLD\n", argv[0]);
-    return 2;
-  }
-  signal(SIGPIPE, SIG_IGN);
-  setvbuf(stdout, NULL, _IOLBF, 0);
-  gh_gpu_count_or_skip(1, "the pinned host-NUMA test");
+  gh_driver_start(argc, argv, 2, "GPUPOOLD", 1, "the pinned host-NUMA test");
   e = cudaDeviceGetAttribute(&ok, cudaDevAttrHostNumaMemoryPoolsSupported, 0);
   if (e != cudaSuccess) {
     printf("SKIP: cudaDeviceGetAttribute(cudaDevAttrHostNumaMemoryPoolsSupported, 0): %s: %s\n",

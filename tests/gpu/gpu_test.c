@@ -1586,13 +1586,9 @@ int main(int argc, char **argv) {
 
   if (argc >= 3 && !strcmp(argv[1], "worker"))
     return worker_main(argc, argv);
-  if (argc != 3) {
-    fprintf(stderr, "usage: %s GPUPOOLD handoff|kill|killwork|orphan|churn|peer|tenants|bundles|fences|all\n", argv[0]);
-    return 2;
-  }
-  signal(SIGPIPE, SIG_IGN);
-  setvbuf(stdout, NULL, _IOLBF, 0);
-  ndev = gh_gpu_count_or_skip(1, "the GPU tests");
+  ndev = gh_driver_start(argc, argv, 3,
+                         "GPUPOOLD handoff|kill|killwork|orphan|churn|peer|tenants|bundles|fences|all", 1,
+                         "the GPU tests");
   for (size_t i = 0; i < sizeof(checks) / sizeof(checks[0]); i++) {
     int rc;
     if (strcmp(argv[2], "all") != 0 && strcmp(argv[2], checks[i].name) != 0)
