@@ -167,6 +167,15 @@ void gpupool__fill_pool_info(gpupool__registry *reg, gpupool__pool *p, Gpupool__
   pi->slabs = p->nslabs;
 }
 
+/* r names event e for the wire (id and IPC handle, which r points to, not copies); returns r. */
+static Gpupool__Wire__EventRef *event_ref(Gpupool__Wire__EventRef *r, gpupool__event *e) {
+  gpupool__wire__event_ref__init(r);
+  r->id = e->id;
+  r->ipc_handle.data = e->handle;
+  r->ipc_handle.len = GPUPOOL_EVENT_HANDLE_SIZE;
+  return r;
+}
+
 void gpupool__fill_desc(gpupool__registry *reg, gpupool__client *c, gpupool__hold *h, const char *name, gpupool__desc_storage *s) {
   gpupool__buffer *b = h->buf;
   gpupool__slab *sl = b->slab;
@@ -216,20 +225,10 @@ void gpupool__fill_desc(gpupool__registry *reg, gpupool__client *c, gpupool__hol
     }
   }
   s->desc.slab = &s->slab;
-  if (b->ready) {
-    gpupool__wire__event_ref__init(&s->ready);
-    s->ready.id = b->ready->id;
-    s->ready.ipc_handle.data = b->ready->handle;
-    s->ready.ipc_handle.len = GPUPOOL_EVENT_HANDLE_SIZE;
-    s->desc.ready = &s->ready;
-  }
-  if (h->done) {
-    gpupool__wire__event_ref__init(&s->done);
-    s->done.id = h->done->id;
-    s->done.ipc_handle.data = h->done->handle;
-    s->done.ipc_handle.len = GPUPOOL_EVENT_HANDLE_SIZE;
-    s->desc.done = &s->done;
-  }
+  if (b->ready)
+    s->desc.ready = event_ref(&s->ready, b->ready);
+  if (h->done)
+    s->desc.done = event_ref(&s->done, h->done);
   {
     char key[GPUPOOL_NAME_KEY_MAX + 1];
     uint64_t owner;
