@@ -19,16 +19,12 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "list.h"
 #include "server_internal.h"
 
 void gpupool__fwait_unlink(fwait *fw) {
   gpupool__conn *c = fw->conn;
-  if (fw->prev)
-    fw->prev->next = fw->next;
-  else
-    c->fwaits = fw->next;
-  if (fw->next)
-    fw->next->prev = fw->prev;
+  GPUPOOL__LIST_UNLINK(c->fwaits, fw, prev, next);
 }
 
 static fwait *fwait_new(gpupool__conn *c, uint64_t seq, int kind, const char *name, int count) {

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "errors.h"
+#include "list.h"
 #include "log.h"
 #include "registry_internal.h"
 
@@ -109,12 +110,7 @@ static int add_lease_dep(gpupool__buffer *b, gpupool__lease *l) {
 void gpupool__hold_drop(gpupool__registry *reg, gpupool__hold *h, int done_recorded, gpupool__lease *lease) {
   gpupool__client *c = h->client;
   gpupool__buffer *b = h->buf;
-  if (h->prev)
-    h->prev->next = h->next;
-  else
-    c->holds = h->next;
-  if (h->next)
-    h->next->prev = h->prev;
+  GPUPOOL__LIST_UNLINK(c->holds, h, prev, next);
   c->nholds--;
   {
     gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->tenant, 0);

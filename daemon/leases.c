@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "errors.h"
+#include "list.h"
 #include "log.h"
 #include "registry_internal.h"
 
@@ -73,12 +74,7 @@ static void lease_unwait(gpupool__lease *l) {
   if (!l->waiting)
     return;
   l->waiting = 0;
-  if (l->prev)
-    l->prev->next = l->next;
-  else
-    reg->waiting = l->next;
-  if (l->next)
-    l->next->prev = l->prev;
+  GPUPOOL__LIST_UNLINK(reg->waiting, l, prev, next);
   l->prev = l->next = NULL;
   reg->nwaiting--;
   if (l->counted && (u = gpupool__uid_usage_get(reg, l->tenant, 0))) {

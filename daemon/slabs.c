@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "errors.h"
+#include "list.h"
 #include "log.h"
 #include "registry_internal.h"
 
@@ -57,12 +58,7 @@ int gpupool__inst_new(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, 
 
 void gpupool__inst_destroy(gpupool__registry *reg, gpupool__pinst *in) {
   gpupool__pool *p = in->pool;
-  if (in->prev)
-    in->prev->next = in->next;
-  else
-    p->insts = in->next;
-  if (in->next)
-    in->next->prev = in->prev;
+  GPUPOOL__LIST_UNLINK(p->insts, in, prev, next);
   p->ninsts--;
   p->held -= in->held;
   /* Every slab of it was freed first (and on CUDA its stream synchronized); the daemon never
@@ -95,12 +91,7 @@ void gpupool__slab_destroy(gpupool__registry *reg, gpupool__slab *s) {
     in->held -= s->bs.size;
     p->held -= s->bs.size;
   }
-  if (s->prev)
-    s->prev->next = s->next;
-  else
-    p->slabs = s->next;
-  if (s->next)
-    s->next->prev = s->prev;
+  GPUPOOL__LIST_UNLINK(p->slabs, s, prev, next);
   gpupool__hmap_del(&reg->slabs, s->id);
   p->reserved -= s->bs.size;
   p->nslabs--;

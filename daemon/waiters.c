@@ -19,6 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "list.h"
 #include "server_internal.h"
 
 /* ---- waiting requests ----------------------------------------------------------------------- */
@@ -120,12 +121,7 @@ void gpupool__waiter_remove(gpupool__waiter *w) {
     else
       q->tail = w->prev;
   }
-  if (w->cprev)
-    w->cprev->cnext = w->cnext;
-  else
-    c->waiters = w->cnext;
-  if (w->cnext)
-    w->cnext->cprev = w->cprev;
+  GPUPOOL__LIST_UNLINK(c->waiters, w, cprev, cnext);
   c->nwaiters--;
   c->u->waiters--;
   if (q->name && !q->n && !q->waking)
