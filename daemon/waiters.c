@@ -112,13 +112,8 @@ void gpupool__waiter_remove(gpupool__waiter *w) {
     if (w->hidx != NOT_IN_HEAP)
       heap_del(q, w);
   } else {
-    if (w->prev)
-      w->prev->next = w->next;
-    else
-      q->head = w->next;
-    if (w->next)
-      w->next->prev = w->prev;
-    else
+    GPUPOOL__LIST_UNLINK(q->head, w, prev, next);
+    if (!w->next)
       q->tail = w->prev;
   }
   GPUPOOL__LIST_UNLINK(c->waiters, w, cprev, cnext);

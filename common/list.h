@@ -1,11 +1,11 @@
 /*
- * Intrusive doubly linked lists, the shape the registry and the server use for holds, pool
+ * Intrusive doubly linked lists, the shape the daemon uses for holds, pool
  * instances, slabs, leases and waiters: each node carries its own prev/next pointers (named by
  * the caller, so one node can sit on two lists), the list is a head pointer. As BSD
  * <sys/queue.h>'s LIST_REMOVE, without its structs.
  */
-#ifndef GPUPOOL_DAEMON_LIST_H
-#define GPUPOOL_DAEMON_LIST_H
+#ifndef GPUPOOL_COMMON_LIST_H
+#define GPUPOOL_COMMON_LIST_H
 
 /* Take node n off the list whose first node is head (an lvalue), through its fields prev and
  * next. n's own pointers are left as they were. */
