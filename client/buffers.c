@@ -147,7 +147,7 @@ int gpupool__release_many_locked(gpupool_client *c, gpupool_buffer **bs, int n, 
   return rc;
 }
 
-int gpupool_release(gpupool_buffer *b, void *stream) {
+int gpupool_buffer_release(gpupool_buffer *b, void *stream) {
   gpupool_client *c;
   int rc;
   if (!b)
@@ -166,8 +166,8 @@ uint32_t gpupool__wire_timeout(int timeout_ms) {
   return timeout_ms < 0 ? GPUPOOL_WAIT_FOREVER : (uint32_t)timeout_ms;
 }
 
-int gpupool_alloc(gpupool_client *c, const char *pool, size_t size, int timeout_ms, void *stream,
-                  gpupool_buffer **out) {
+int gpupool_buffer_alloc(gpupool_client *c, const char *pool, size_t size, int timeout_ms, void *stream,
+                         gpupool_buffer **out) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Allocate al = GPUPOOL__WIRE__ALLOCATE__INIT;
   gpupool__rep *rep;
@@ -222,7 +222,7 @@ int gpupool__hand_over_prepare(gpupool_client *c, gpupool_buffer *b, void *strea
   return rc == 0 ? gpupool__record_ready(c, b, stream) : rc;
 }
 
-int gpupool_host_fences(gpupool_client *c) {
+int gpupool_client_host_fences(gpupool_client *c) {
   int on;
   if (!c)
     return 0;
@@ -232,7 +232,7 @@ int gpupool_host_fences(gpupool_client *c) {
   return on;
 }
 
-int gpupool_share(gpupool_buffer *b, void *stream, gpupool_token *out) {
+int gpupool_buffer_share(gpupool_buffer *b, void *stream, gpupool_token *out) {
   gpupool_client *c;
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Share sh = GPUPOOL__WIRE__SHARE__INIT;
@@ -265,8 +265,8 @@ void gpupool__keep_mapped(gpupool_buffer *b, unsigned flags) {
     b->slab->keep = 1;
 }
 
-int gpupool_open(gpupool_client *c, const gpupool_token *token, unsigned flags, void *stream,
-                 gpupool_buffer **out) {
+int gpupool_buffer_open(gpupool_client *c, const gpupool_token *token, unsigned flags, void *stream,
+                        gpupool_buffer **out) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Open op = GPUPOOL__WIRE__OPEN__INIT;
   gpupool__rep *rep;
@@ -305,9 +305,8 @@ uint64_t gpupool__reply_version(const gpupool__rep *rep) {
 }
 
 /* Checks a publish of b and fills its request (pb, tm: the caller's storage). */
-int gpupool__publish_request(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, uint32_t share_gid,
-                             int share_all, gpupool__req *req, Gpupool__Wire__Publish *pb,
-                             Gpupool__Wire__TensorMeta *tm) {
+int gpupool__publish_request(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, gpupool__req *req,
+                             Gpupool__Wire__Publish *pb, Gpupool__Wire__TensorMeta *tm) {
   int rc;
   if (!b || !name)
     return gpupool__err(GPUPOOL_EINVAL, "publish: buffer and name must not be NULL");
@@ -322,8 +321,6 @@ int gpupool__publish_request(gpupool_buffer *b, const char *name, const gpupool_
   }
   pb->hold_id = b->hold_id;
   pb->name = (char *)name;
-  pb->share_gid = share_gid;
-  pb->share_all = share_all != 0;
   req->body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH;
   req->publish = pb;
   return 0;
@@ -338,8 +335,8 @@ static void published_locally(gpupool_client *c, gpupool_buffer *b, const char *
   }
 }
 
-static int publish_common(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
-                          uint32_t share_gid, int share_all, uint64_t *version) {
+int gpupool_buffer_publish(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
+                           uint64_t *version) {
   gpupool_client *c;
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Publish pb;
@@ -350,7 +347,7 @@ static int publish_common(gpupool_buffer *b, const char *name, const gpupool_ten
   gpupool__err_clear();
   if (version)
     *version = 0;
-  if ((rc = gpupool__publish_request(b, name, meta, share_gid, share_all, &req, &pb, &tm)) != 0)
+  if ((rc = gpupool__publish_request(b, name, meta, &req, &pb, &tm)) != 0)
     return rc;
   c = b->c;
   pthread_mutex_lock(&c->mu);
@@ -362,20 +359,6 @@ static int publish_common(gpupool_buffer *b, const char *name, const gpupool_ten
   }
   pthread_mutex_unlock(&c->mu);
   return rc;
-}
-
-int gpupool_publish_ex(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
-                       uint32_t share_gid, int share_all) {
-  return publish_common(b, name, meta, stream, share_gid, share_all, NULL);
-}
-
-int gpupool_publish(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream) {
-  return publish_common(b, name, meta, stream, 0, 0, NULL);
-}
-
-int gpupool_publish_version(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
-                            uint64_t *version) {
-  return publish_common(b, name, meta, stream, 0, 0, version);
 }
 
 /* A get waiting for a publisher when the daemon goes away was dropped with its connection:
@@ -432,8 +415,8 @@ int gpupool__get_finish(gpupool_client *c, gpupool__rep *rep, unsigned flags, vo
   return rc;
 }
 
-int gpupool_get_newer(gpupool_client *c, const char *name, uint64_t newer_than, int timeout_ms, unsigned flags,
-                      void *stream, gpupool_buffer **out, uint64_t *version) {
+int gpupool_buffer_get(gpupool_client *c, const char *name, uint64_t newer_than, int timeout_ms, unsigned flags,
+                       void *stream, gpupool_buffer **out, uint64_t *version) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Get gt;
   gpupool__rep *rep;
@@ -455,12 +438,7 @@ int gpupool_get_newer(gpupool_client *c, const char *name, uint64_t newer_than, 
   return rc;
 }
 
-int gpupool_get(gpupool_client *c, const char *name, int timeout_ms, unsigned flags, void *stream,
-                gpupool_buffer **out) {
-  return gpupool_get_newer(c, name, 0, timeout_ms, flags, stream, out, NULL);
-}
-
-int gpupool_unpublish(gpupool_client *c, const char *name) {
+int gpupool_name_unpublish(gpupool_client *c, const char *name) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Unpublish up = GPUPOOL__WIRE__UNPUBLISH__INIT;
   gpupool__rep *rep;

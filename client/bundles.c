@@ -274,7 +274,7 @@ int gpupool_bundle_alloc(gpupool_client *c, const char *pool, const gpupool_memb
   pthread_mutex_lock(&c->mu);
   rc = gpupool__call_retry(c, &req, &rep, -1);
   if (rc == 0) {
-    /* Fresh ranges: nothing to wait for (see gpupool_alloc). */
+    /* Fresh ranges: nothing to wait for (see gpupool_buffer_alloc). */
     rc = bundle_from_reply(c, gpupool__reply_bundle(rep), 0, stream, NULL, NULL, out);
     gpupool__wire__reply__free_unpacked(rep, NULL);
   }
@@ -405,8 +405,8 @@ int gpupool_bundle_publish(gpupool_bundle *b, const char *name, void *stream, ui
   return rc;
 }
 
-int gpupool_publish_members(gpupool_client *c, const char *name, const gpupool_member_ref *members, int n,
-                            void *stream, uint64_t *version) {
+int gpupool_bundle_publish_members(gpupool_client *c, const char *name, const gpupool_member_ref *members, int n,
+                                   void *stream, uint64_t *version) {
   gpupool_buffer **bufs = NULL;
   gpupool__hmap index; /* buffer id -> buffer index + 1 */
   members_wire w = {0};

@@ -13,14 +13,14 @@
  *               behind a 500 ms spin kernel, and publishes it without synchronizing: only
  *               the ready event orders the consumers' reads after the fill.
  *   cpu-reader  gets it by name on its own stream, waits for that stream (the get queued
- *               the wait on the ready event there; the CPU does not block in gpupool_get),
+ *               the wait on the ready event there; the CPU does not block in gpupool_buffer_get),
  *               then reads every word FROM THE CPU and compares it with the seeded pattern.
  *   gpu-reader  gets it by name and counts mismatching words in a kernel on its own stream.
  *
  * Both readers check gpupool_buffer_kind == GPUPOOL_MEM_HOST_NUMA and print what
  * cudaPointerGetAttributes says of the pointer in their process; CUDA must know the memory
  * (cudaMemoryTypeHost expected; another registered type is reported as a NOTE) and give a
- * host pointer for it. Both readers wait in gpupool_get
+ * host pointer for it. Both readers wait in gpupool_buffer_get
  * before the producer starts its kernels. After the readers release and the producer
  * unpublishes, the pool's used bytes must return to their start value.
  *
@@ -136,13 +136,13 @@ static int w_producer(char **a) {
   cudaStream_t s = wstream("producer", 0);
   int rc, ce;
 
-  if ((rc = gpupool_connect(sock, "gpu-pinned-producer", &c)) < 0)
-    wdie("producer", "gpupool_connect", rc);
+  if ((rc = gpupool_client_connect(sock, "gpu-pinned-producer", GPUPOOL_TIMEOUT_DEFAULT, &c)) < 0)
+    wdie("producer", "gpupool_client_connect", rc);
   /* The pad puts the tested buffer at an offset inside its slab. */
-  if ((rc = gpupool_alloc(c, POOL, PAD_BYTES, 10000, s, &pad)) < 0)
-    wdie("producer", "gpupool_alloc (pad)", rc);
-  if ((rc = gpupool_alloc(c, POOL, BUF_BYTES, 10000, s, &b)) < 0)
-    wdie("producer", "gpupool_alloc", rc);
+  if ((rc = gpupool_buffer_alloc(c, POOL, PAD_BYTES, 10000, s, &pad)) < 0)
+    wdie("producer", "gpupool_buffer_alloc (pad)", rc);
+  if ((rc = gpupool_buffer_alloc(c, POOL, BUF_BYTES, 10000, s, &b)) < 0)
+    wdie("producer", "gpupool_buffer_alloc", rc);
   if (check_buffer("producer", b, BUF_BYTES))
     return 1;
   gh_say("ALLOCATED %zu bytes at %p (pad at %p)", gpupool_buffer_size(b), gpupool_buffer_ptr(b),
@@ -160,20 +160,20 @@ static int w_producer(char **a) {
   meta.dtype_lanes = 1;
   meta.ndim = 1;
   meta.shape[0] = (int64_t)(BUF_BYTES / 4);
-  if ((rc = gpupool_publish(b, name, &meta, s)) < 0)
-    wdie("producer", "gpupool_publish", rc);
+  if ((rc = gpupool_buffer_publish(b, name, &meta, s, NULL)) < 0)
+    wdie("producer", "gpupool_buffer_publish", rc);
   gh_say("PUBLISHED");
   /* The name holds the buffer now. */
-  if ((rc = gpupool_release(b, s)) < 0)
-    wdie("producer", "gpupool_release", rc);
+  if ((rc = gpupool_buffer_release(b, s)) < 0)
+    wdie("producer", "gpupool_buffer_release", rc);
   wait_stdin_line("producer", "EXIT");
-  if ((rc = gpupool_unpublish(c, name)) < 0)
-    wdie("producer", "gpupool_unpublish", rc);
-  if ((rc = gpupool_release(pad, s)) < 0)
-    wdie("producer", "gpupool_release (pad)", rc);
+  if ((rc = gpupool_name_unpublish(c, name)) < 0)
+    wdie("producer", "gpupool_name_unpublish", rc);
+  if ((rc = gpupool_buffer_release(pad, s)) < 0)
+    wdie("producer", "gpupool_buffer_release (pad)", rc);
   if ((ce = (int)cudaStreamSynchronize(s)))
     cdie("producer", "cudaStreamSynchronize", ce);
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   (void)cudaStreamDestroy(s);
   gh_say("DONE");
   return 0;
@@ -198,11 +198,11 @@ static void reader_get(const char *role, const char *sock, const char *name, gpu
   int rc;
 
   *s = wstream(role, 0);
-  if ((rc = gpupool_connect(sock, role, c)) < 0)
-    wdie(role, "gpupool_connect", rc);
+  if ((rc = gpupool_client_connect(sock, role, GPUPOOL_TIMEOUT_DEFAULT, c)) < 0)
+    wdie(role, "gpupool_client_connect", rc);
   gh_say("WAITING");
-  if ((rc = gpupool_get(*c, name, STEP_MS, GPUPOOL_READ_ONLY, *s, b)) < 0)
-    wdie(role, "gpupool_get", rc);
+  if ((rc = gpupool_buffer_get(*c, name, 0, STEP_MS, GPUPOOL_READ_ONLY, *s, b, NULL)) < 0)
+    wdie(role, "gpupool_buffer_get", rc);
   if (check_buffer(role, *b, BUF_BYTES))
     exit(1);
   if ((rc = gpupool_buffer_tensor(*b, &meta)) < 0)
@@ -219,11 +219,11 @@ static void reader_get(const char *role, const char *sock, const char *name, gpu
 
 static void reader_done(const char *role, gpupool_client *c, gpupool_buffer *b, cudaStream_t s) {
   int rc, ce;
-  if ((rc = gpupool_release(b, s)) < 0)
-    wdie(role, "gpupool_release", rc);
+  if ((rc = gpupool_buffer_release(b, s)) < 0)
+    wdie(role, "gpupool_buffer_release", rc);
   if ((ce = (int)cudaStreamSynchronize(s)))
     cdie(role, "cudaStreamSynchronize after release", ce);
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   (void)cudaStreamDestroy(s);
 }
 
@@ -290,7 +290,7 @@ static int w_cpu_reader(char **a) {
   int ce;
 
   reader_get(role, a[0], a[1], &c, &b, &s);
-  /* gpupool_get queued the wait on the producer's ready event in s and returned without
+  /* gpupool_buffer_get queued the wait on the producer's ready event in s and returned without
    * blocking; the CPU is ordered after the producer's kernel only once s has drained. */
   if ((ce = (int)cudaStreamSynchronize(s)))
     cdie(role, "cudaStreamSynchronize (waiting for the ready event)", ce);
@@ -315,7 +315,7 @@ static int w_gpu_reader(char **a) {
   int ce;
 
   reader_get(role, a[0], a[1], &c, &b, &s);
-  /* The stream waits on the ready event (gpupool_get queued the wait); nothing else orders
+  /* The stream waits on the ready event (gpupool_buffer_get queued the wait); nothing else orders
    * this kernel after the producer's fill. */
   if ((ce = gk_count_mismatches(gpupool_buffer_ptr(b), BUF_BYTES, seed, s, &bad)))
     cdie(role, "mismatch kernel on the host-NUMA buffer", ce);
@@ -369,9 +369,9 @@ static uint32_t fresh_seed(void) {
 /* The pinned pool's stats. */
 static int pool_stats(gpupool_client *c, gpupool_pool_stats *ps) {
   gpupool_pool_stats all[8];
-  int n = 0, rc = gpupool_stats(c, NULL, all, 8, &n);
+  int n = 0, rc = gpupool_client_stats(c, NULL, all, 8, &n);
   if (rc < 0) {
-    fprintf(stderr, "gpupool_stats: %s: %s\n", gpupool_err_name(rc), gpupool_last_error());
+    fprintf(stderr, "gpupool_client_stats: %s: %s\n", gpupool_err_name(rc), gpupool_last_error());
     return rc;
   }
   for (int i = 0; i < n && i < 8; i++)
@@ -379,7 +379,7 @@ static int pool_stats(gpupool_client *c, gpupool_pool_stats *ps) {
       *ps = all[i];
       return 0;
     }
-  fprintf(stderr, "gpupool_stats lists no pool named %s\n", POOL);
+  fprintf(stderr, "gpupool_client_stats lists no pool named %s\n", POOL);
   return -1;
 }
 
@@ -473,9 +473,9 @@ static int check_pinned(const gh_daemon *d, gpupool_client *c) {
   }
   rc = 0;
   if (gh_expect(&cpu, "WAITING", line, sizeof(line), STEP_MS) < 0)
-    rc = fail("cpu-reader never got to gpupool_get");
+    rc = fail("cpu-reader never got to gpupool_buffer_get");
   else if (gh_expect(&gpu, "WAITING", line, sizeof(line), STEP_MS) < 0)
-    rc = fail("gpu-reader never got to gpupool_get");
+    rc = fail("gpu-reader never got to gpupool_buffer_get");
   if (rc == 0) {
     /* Let both Gets reach the daemon before the producer starts its kernels. */
     gh_sleep_ms(200);
@@ -545,12 +545,12 @@ int main(int argc, char **argv) {
   printf("  device 0's host NUMA node: %d (the pool is on node %d)\n", node, NUMA_NODE);
   if (gh_daemon_start_conf(&d, argv[1], POOL_SPEC, DEVICE_POOL_CONF) < 0)
     return fail("gpupoold did not start with a host-NUMA pool (%s)", POOL_SPEC);
-  if ((rc = gpupool_connect(d.sock, "gpu-pinned-driver", &c)) < 0) {
+  if ((rc = gpupool_client_connect(d.sock, "gpu-pinned-driver", GPUPOOL_TIMEOUT_DEFAULT, &c)) < 0) {
     gh_daemon_stop(&d, 1);
-    return fail("gpupool_connect: %s: %s", gpupool_err_name(rc), gpupool_last_error());
+    return fail("gpupool_client_connect: %s: %s", gpupool_err_name(rc), gpupool_last_error());
   }
   rc = check_pinned(&d, c);
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   if (!gh_daemon_alive(&d)) {
     gh_daemon_stop(&d, 1);
     return rc ? rc : fail("gpupoold died during the check");

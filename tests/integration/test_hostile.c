@@ -24,10 +24,10 @@ static int setup(void **state) {
 static void still_serves(void) {
   gpupool_client *c = th_connect(&D, "good");
   gpupool_buffer *b;
-  assert_int_equal(gpupool_alloc(c, NULL, 1000, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_buffer_alloc(c, NULL, 1000, 0, NULL, &b), 0);
   memset(gpupool_buffer_ptr(b), 7, 1000);
-  assert_int_equal(gpupool_release(b, NULL), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
+  gpupool_client_disconnect(c);
 }
 
 static int teardown(void **state) {
@@ -184,7 +184,7 @@ static void test_bad_ids_and_requests(void **state) {
   raw_send(fd, &req, NULL, 0);
   expect_error(fd, GPUPOOL_ENOENT, "does not exist");
   /* Another client's hold: ids are small integers, so try the ones around a's buffer. */
-  assert_int_equal(gpupool_alloc(a, NULL, 100, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_buffer_alloc(a, NULL, 100, 0, NULL, &b), 0);
   for (uint64_t id = 1; id < 64; id++) {
     gpupool__rep *rep;
     rl.hold_id = id;
@@ -196,7 +196,7 @@ static void test_bad_ids_and_requests(void **state) {
     gpupool__wire__reply__free_unpacked(rep, NULL);
   }
   memset(gpupool_buffer_ptr(b), 1, 100); /* a's buffer is untouched by all that */
-  assert_int_equal(gpupool_release(b, NULL), 0);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
   /* Zero size, bigger than the pool, unknown pool. */
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
   req.allocate = &al;
@@ -249,7 +249,7 @@ static void test_bad_ids_and_requests(void **state) {
   send_stats(fd, 99);
   expect_stats(fd);
   close(fd);
-  gpupool_disconnect(a);
+  gpupool_client_disconnect(a);
 }
 
 static void test_eof_mid_frame_and_silence(void **state) {
@@ -277,8 +277,8 @@ static void test_double_release_via_library(void **state) {
   (void)state;
 
   hello_ok(fd);
-  assert_int_equal(gpupool_alloc(a, NULL, 4096, 0, NULL, &x), 0);
-  assert_int_equal(gpupool_share(x, NULL, &tok), 0);
+  assert_int_equal(gpupool_buffer_alloc(a, NULL, 4096, 0, NULL, &x), 0);
+  assert_int_equal(gpupool_buffer_share(x, NULL, &tok), 0);
   /* The raw client opens the buffer and releases its hold twice. */
   op.token.data = tok.bytes;
   op.token.len = sizeof tok.bytes;
@@ -302,10 +302,10 @@ static void test_double_release_via_library(void **state) {
   expect_error(fd, GPUPOOL_ENOENT, "already released");
   /* The owner's buffer is still alive and intact. */
   memset(gpupool_buffer_ptr(x), 3, 4096);
-  assert_int_equal(gpupool_release(x, NULL), 0);
+  assert_int_equal(gpupool_buffer_release(x, NULL), 0);
   close(fd);
-  gpupool_disconnect(a);
-  gpupool_disconnect(b);
+  gpupool_client_disconnect(a);
+  gpupool_client_disconnect(b);
 }
 
 int main(void) {
