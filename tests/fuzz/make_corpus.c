@@ -165,9 +165,15 @@ static void publish(sbuf *b, uint64_t seq, uint64_t hold, const char *name, int 
   gpupool__req r = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Publish m = GPUPOOL__WIRE__PUBLISH__INIT;
   Gpupool__Wire__TensorMeta t = GPUPOOL__WIRE__TENSOR_META__INIT;
+  /* share_all is field 6, reserved: sent as the unknown field an old client would send. */
+  uint8_t one = 1;
+  ProtobufCMessageUnknownField uf = {.tag = 6, .wire_type = PROTOBUF_C_WIRE_TYPE_VARINT, .len = 1, .data = &one};
   m.hold_id = hold;
   m.name = (char *)name;
-  m.share_all = share_all;
+  if (share_all) {
+    m.base.n_unknown_fields = 1;
+    m.base.unknown_fields = &uf;
+  }
   if (with_meta) {
     t.present = 1;
     t.dtype_code = GPUPOOL_DTYPE_FLOAT;

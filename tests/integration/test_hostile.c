@@ -308,6 +308,66 @@ static void test_double_release_via_library(void **state) {
   gpupool_client_disconnect(b);
 }
 
+/* A Publish with share_gid or share_all set (fields 5 and 6, reserved since the library
+ * stopped sending them; an old client's) is refused, not read as a plain publish: its
+ * readers would get the slab of the publisher's other buffers. Zero, as an old client sends
+ * for "not shared", is a plain publish. */
+static void test_publish_shares_refused(void **state) {
+  int fd = raw_connect();
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Allocate al = GPUPOOL__WIRE__ALLOCATE__INIT;
+  Gpupool__Wire__Publish pb = GPUPOOL__WIRE__PUBLISH__INIT;
+  Gpupool__Wire__Unpublish up = GPUPOOL__WIRE__UNPUBLISH__INIT;
+  uint8_t one = 1, gid[2] = {0xe8, 0x07} /* 1000 */, zero = 0;
+  ProtobufCMessageUnknownField uf = {.wire_type = PROTOBUF_C_WIRE_TYPE_VARINT};
+  gpupool__rep *rep;
+  (void)state;
+
+  hello_ok(fd);
+  al.pool_name = (char *)"";
+  al.size = 4096;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
+  req.allocate = &al;
+  raw_send(fd, &req, NULL, 0);
+  rep = raw_recv(fd);
+  assert_non_null(rep);
+  assert_null(rep->error);
+  pb.hold_id = rep->allocate->buffer->hold_id;
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  pb.name = (char *)"shared";
+  pb.base.n_unknown_fields = 1;
+  pb.base.unknown_fields = &uf;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH;
+  req.publish = &pb;
+  uf.tag = 6; /* share_all = true */
+  uf.len = 1;
+  uf.data = &one;
+  raw_send(fd, &req, NULL, 0);
+  expect_error(fd, GPUPOOL_EINVAL, "share_gid/share_all");
+  uf.tag = 5; /* share_gid = 1000 */
+  uf.len = sizeof gid;
+  uf.data = gid;
+  raw_send(fd, &req, NULL, 0);
+  expect_error(fd, GPUPOOL_EINVAL, "share_gid/share_all");
+  uf.tag = 6; /* share_all = false */
+  uf.len = 1;
+  uf.data = &zero;
+  raw_send(fd, &req, NULL, 0);
+  rep = raw_recv(fd);
+  assert_non_null(rep);
+  assert_null(rep->error);
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  up.name = (char *)"shared";
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_UNPUBLISH;
+  req.unpublish = &up;
+  raw_send(fd, &req, NULL, 0);
+  rep = raw_recv(fd);
+  assert_non_null(rep);
+  assert_null(rep->error);
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  close(fd);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_garbage_frame, setup, teardown),
@@ -319,6 +379,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_bad_ids_and_requests, setup, teardown),
       cmocka_unit_test_setup_teardown(test_eof_mid_frame_and_silence, setup, teardown),
       cmocka_unit_test_setup_teardown(test_double_release_via_library, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_publish_shares_refused, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
