@@ -171,6 +171,7 @@ int gpupool_buffer_alloc(gpupool_client *c, const char *pool, size_t size, int t
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Allocate al = GPUPOOL__WIRE__ALLOCATE__INIT;
   gpupool__rep *rep;
+  gpupool__error err; /* why a step after the reply failed */
   int rc;
 
   if (!c || !out)
@@ -184,16 +185,18 @@ int gpupool_buffer_alloc(gpupool_client *c, const char *pool, size_t size, int t
   al.timeout_ms = gpupool__wire_timeout(timeout_ms);
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
   req.allocate = &al;
+  err.code = 0;
   pthread_mutex_lock(&c->mu);
   rc = gpupool__call_retry(c, &req, &rep, -1);
   if (rc == 0) {
     /* A fresh range: the daemon reuses ranges only after their last holders' done events,
      * so there is nothing to wait for. */
-    rc = gpupool__materialize(c, gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_ALLOCATE), 0, stream, out);
+    rc = gpupool__materialize(c, gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_ALLOCATE), 0, stream, out,
+                              &err);
     gpupool__wire__reply__free_unpacked(rep, NULL);
   }
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 int gpupool__lost_err(const gpupool_buffer *b) {
@@ -270,6 +273,7 @@ int gpupool_buffer_open(gpupool_client *c, const gpupool_token *token, unsigned 
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Open op = GPUPOOL__WIRE__OPEN__INIT;
   gpupool__rep *rep;
+  gpupool__error err; /* why a step after the reply failed */
   int rc;
 
   if (!c || !token || !out)
@@ -281,16 +285,17 @@ int gpupool_buffer_open(gpupool_client *c, const gpupool_token *token, unsigned 
   op.read_only = (flags & GPUPOOL_READ_ONLY) != 0;
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_OPEN;
   req.open = &op;
+  err.code = 0;
   pthread_mutex_lock(&c->mu);
   rc = gpupool__call_retry(c, &req, &rep, -1);
   if (rc == 0) {
-    rc = gpupool__materialize(c, gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_OPEN), 1, stream, out);
+    rc = gpupool__materialize(c, gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_OPEN), 1, stream, out, &err);
     gpupool__wire__reply__free_unpacked(rep, NULL);
     if (rc == 0)
       gpupool__keep_mapped(*out, flags);
   }
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 /* The version a publish reply carries (0 when the daemon is too old to say). */
@@ -402,13 +407,13 @@ int gpupool__get_request(const char *name, uint64_t newer_than, int timeout_ms, 
 }
 
 /* A Get's reply turned into the caller's buffer (and version), the reply freed; blocking and
- * pipelined gets alike. With c->mu held. */
+ * pipelined gets alike. With c->mu held; *err says why it failed. */
 int gpupool__get_finish(gpupool_client *c, gpupool__rep *rep, unsigned flags, void *stream, gpupool_buffer **out,
-                        uint64_t *version) {
+                        uint64_t *version, gpupool__error *err) {
   int rc;
   if (version)
     *version = gpupool__reply_version(rep);
-  rc = gpupool__materialize(c, gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_GET), 1, stream, out);
+  rc = gpupool__materialize(c, gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_GET), 1, stream, out, err);
   gpupool__wire__reply__free_unpacked(rep, NULL);
   if (rc == 0)
     gpupool__keep_mapped(*out, flags);
@@ -420,6 +425,7 @@ int gpupool_buffer_get(gpupool_client *c, const char *name, uint64_t newer_than,
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Get gt;
   gpupool__rep *rep;
+  gpupool__error err; /* why a step after the reply failed */
   int rc;
 
   if (!c || !name || !out)
@@ -430,12 +436,13 @@ int gpupool_buffer_get(gpupool_client *c, const char *name, uint64_t newer_than,
     *version = 0;
   if ((rc = gpupool__get_request(name, newer_than, timeout_ms, flags, &req, &gt)) != 0)
     return rc;
+  err.code = 0;
   pthread_mutex_lock(&c->mu);
   rc = gpupool__get_across_restarts(c, &req, &gt.timeout_ms, timeout_ms, &rep, NULL);
   if (rc == 0)
-    rc = gpupool__get_finish(c, rep, flags, stream, out, version);
+    rc = gpupool__get_finish(c, rep, flags, stream, out, version, &err);
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 int gpupool_name_unpublish(gpupool_client *c, const char *name) {

@@ -202,7 +202,7 @@ int gpupool__handle_revokes(gpupool_client *c, const gpupool__rep *rep);
 int gpupool__pool_attach(gpupool_client *c, cpool *p);
 int gpupool__send_release(gpupool_client *c, uint64_t hold_id, int done_recorded);
 int gpupool__materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, int wait_ready, void *stream,
-                         gpupool_buffer **out);
+                         gpupool_buffer **out, gpupool__error *err);
 
 /* connect.c */
 void gpupool__stale_gen_free(gpupool_client *c, stale_gen *g);
@@ -229,7 +229,7 @@ int gpupool__get_across_restarts(gpupool_client *c, gpupool__req *req, uint32_t 
 int gpupool__get_request(const char *name, uint64_t newer_than, int timeout_ms, unsigned flags, gpupool__req *req,
                          Gpupool__Wire__Get *gt);
 int gpupool__get_finish(gpupool_client *c, gpupool__rep *rep, unsigned flags, void *stream, gpupool_buffer **out,
-                        uint64_t *version);
+                        uint64_t *version, gpupool__error *err);
 
 /* bundles.c */
 void gpupool__clayout_unref(clayout *l);
@@ -239,6 +239,6 @@ void gpupool__release_holds_from(gpupool_client *c, const Gpupool__Wire__Bundle 
 int gpupool__bundle_get_request(const char *name, uint64_t newer_than, int timeout_ms, unsigned flags,
                                 gpupool__req *req, Gpupool__Wire__GetBundle *gb);
 int gpupool__bundle_get_finish(gpupool_client *c, gpupool__rep *rep, unsigned flags, void *stream, const char *name,
-                               clayout *known, gpupool_bundle **out);
+                               clayout *known, gpupool_bundle **out, gpupool__error *err);
 
 #endif

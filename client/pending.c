@@ -156,6 +156,7 @@ static int end_locked(gpupool_pending *gp, gpupool__rep **rep) {
 int gpupool_buffer_get_end(gpupool_pending *gp, void *stream, gpupool_buffer **out, uint64_t *version) {
   gpupool_client *c;
   gpupool__rep *rep;
+  gpupool__error err; /* why a step after the reply failed */
   unsigned flags;
   int rc;
   if (!gp || !out || gp->kind != PEND_GET)
@@ -166,11 +167,12 @@ int gpupool_buffer_get_end(gpupool_pending *gp, void *stream, gpupool_buffer **o
     *version = 0;
   c = gp->c;
   flags = gp->flags;
+  err.code = 0;
   pthread_mutex_lock(&c->mu);
   if ((rc = end_locked(gp, &rep)) == 0)
-    rc = gpupool__get_finish(c, rep, flags, stream, out, version);
+    rc = gpupool__get_finish(c, rep, flags, stream, out, version, &err);
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 int gpupool_bundle_get_end(gpupool_pending *gp, void *stream, gpupool_bundle **out) {
@@ -178,6 +180,7 @@ int gpupool_bundle_get_end(gpupool_pending *gp, void *stream, gpupool_bundle **o
   gpupool__rep *rep;
   char name[GPUPOOL_NAME_MAX + 1];
   clayout *known;
+  gpupool__error err; /* why a step after the reply failed */
   unsigned flags;
   int rc;
   if (!gp || !out || gp->kind != PEND_BGET)
@@ -188,12 +191,13 @@ int gpupool_bundle_get_end(gpupool_pending *gp, void *stream, gpupool_bundle **o
   flags = gp->flags;
   known = gp->known;
   memcpy(name, gp->name, sizeof name);
+  err.code = 0;
   pthread_mutex_lock(&c->mu);
   if ((rc = end_locked(gp, &rep)) == 0)
-    rc = gpupool__bundle_get_finish(c, rep, flags, stream, name, known, out);
+    rc = gpupool__bundle_get_finish(c, rep, flags, stream, name, known, out, &err);
   gpupool__clayout_unref(known);
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 int gpupool_pending_end(gpupool_pending *gp, uint64_t *version) {
