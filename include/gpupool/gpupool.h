@@ -439,14 +439,14 @@ GPUPOOL_EXTERN void gpupool_file_release(gpupool_file *f);
 
 /* Daemon counters and up to max_pools pools (*n_pools set to how many were written).
  * daemon and pools may be NULL. The structs grow at their end in later releases without an
- * ABI break: gpupool_client_stats() passes the sizes this header knows, and the library fills that
- * much of each (a newer library leaves its newer fields out; an older one zeroes what it does
- * not know), striding the pools array by the caller's struct size. */
+ * ABI break: gpupool_client_stats() passes the sizes this header knows, and the library fills
+ * that much of each (a newer library leaves its newer fields out; an older one zeroes what it
+ * does not know), striding the pools array by the caller's struct size. */
 GPUPOOL_EXTERN int gpupool_client_stats_sized(gpupool_client *c, gpupool_daemon_stats *daemon,
                                               size_t daemon_size, gpupool_pool_stats *pools,
                                               size_t pool_size, int max_pools, int *n_pools);
-#define gpupool_client_stats(c, daemon, pools, max_pools, n_pools)                                     \
-  gpupool_client_stats_sized((c), (daemon), sizeof(gpupool_daemon_stats), (pools),                     \
+#define gpupool_client_stats(c, daemon, pools, max_pools, n_pools)                              \
+  gpupool_client_stats_sized((c), (daemon), sizeof(gpupool_daemon_stats), (pools),              \
                              sizeof(gpupool_pool_stats), (max_pools), (n_pools))
 /* The sizes of the first release's structs: the least gpupool_client_stats_sized accepts. */
 #define GPUPOOL_STATS_MIN_DAEMON_SIZE (9 * sizeof(uint64_t))

@@ -308,6 +308,17 @@ static void test_double_release_via_library(void **state) {
   gpupool_client_disconnect(b);
 }
 
+/* Send req and return its reply, which must be a success (the caller frees it). */
+static gpupool__rep *call_ok(int fd, gpupool__req *req) {
+  gpupool__rep *rep;
+  raw_send(fd, req, NULL, 0);
+  rep = raw_recv(fd);
+  assert_non_null(rep);
+  if (rep->error)
+    fail_msg("expected success, got %s: %s", gpupool_err_name(rep->error->code), rep->error->message);
+  return rep;
+}
+
 /* A Publish with share_gid or share_all set (fields 5 and 6, reserved since the library
  * stopped sending them; an old client's) is refused, not read as a plain publish: its
  * readers would get the slab of the publisher's other buffers. Zero, as an old client sends
@@ -328,10 +339,7 @@ static void test_publish_shares_refused(void **state) {
   al.size = 4096;
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
   req.allocate = &al;
-  raw_send(fd, &req, NULL, 0);
-  rep = raw_recv(fd);
-  assert_non_null(rep);
-  assert_null(rep->error);
+  rep = call_ok(fd, &req);
   pb.hold_id = rep->allocate->buffer->hold_id;
   gpupool__wire__reply__free_unpacked(rep, NULL);
   pb.name = (char *)"shared";
@@ -352,19 +360,11 @@ static void test_publish_shares_refused(void **state) {
   uf.tag = 6; /* share_all = false */
   uf.len = 1;
   uf.data = &zero;
-  raw_send(fd, &req, NULL, 0);
-  rep = raw_recv(fd);
-  assert_non_null(rep);
-  assert_null(rep->error);
-  gpupool__wire__reply__free_unpacked(rep, NULL);
+  gpupool__wire__reply__free_unpacked(call_ok(fd, &req), NULL);
   up.name = (char *)"shared";
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_UNPUBLISH;
   req.unpublish = &up;
-  raw_send(fd, &req, NULL, 0);
-  rep = raw_recv(fd);
-  assert_non_null(rep);
-  assert_null(rep->error);
-  gpupool__wire__reply__free_unpacked(rep, NULL);
+  gpupool__wire__reply__free_unpacked(call_ok(fd, &req), NULL);
   close(fd);
 }
 
