@@ -83,8 +83,8 @@ static int host_fences_for(gpupool_client *c, const Gpupool__Wire__HelloReply *h
 }
 
 /* Connect to c->socket_path and say Hello; fills the pool list. With c->mu held and
- * c->fd == -1. On failure the fd is closed again. */
-static int handshake(gpupool_client *c) {
+ * c->fd == -1. On failure the fd is closed again, and *err says why. */
+static int handshake(gpupool_client *c, gpupool__error *err) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Hello hello = GPUPOOL__WIRE__HELLO__INIT;
   gpupool__rep *rep = NULL;
@@ -93,7 +93,7 @@ static int handshake(gpupool_client *c) {
 
   c->hs_closed = 0;
   if ((rc = connect_socket(c->socket_path, c->connect_timeout_ms, &fd)) != 0)
-    return rc;
+    return gpupool__error_take(err, rc);
   c->fd = fd;
   c->broken = 0;
   c->broken_msg[0] = '\0';
@@ -178,6 +178,7 @@ static int handshake(gpupool_client *c) {
   c->lease_fd = lease;
   return 0;
 fail:
+  gpupool__error_take(err, rc);
   if (rep)
     gpupool__wire__reply__free_unpacked(rep, NULL);
   if (lease >= 0)
@@ -185,7 +186,7 @@ fail:
   close(c->fd);
   c->fd = -1;
   if (!c->broken)
-    gpupool__set_broken(c, GPUPOOL_ECLOSED, gpupool__errmsg());
+    gpupool__set_broken(c, GPUPOOL_ECLOSED, err->msg);
   return rc;
 }
 
@@ -220,6 +221,7 @@ int gpupool__reconnect(gpupool_client *c) {
   long delay_ms = 20;
   int rc;
   struct timespec ts;
+  gpupool__error why; /* the last handshake's failure */
 
   while (c->reader_active)
     pthread_cond_wait(&c->cv, &c->mu);
@@ -282,7 +284,7 @@ int gpupool__reconnect(gpupool_client *c) {
   start = (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
   for (;;) {
     uint64_t now;
-    rc = handshake(c);
+    rc = handshake(c, &why);
     if (rc == 0)
       break;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -293,9 +295,8 @@ int gpupool__reconnect(gpupool_client *c) {
     if ((rc != GPUPOOL_ECONNECT && rc != GPUPOOL_ECLOSED && rc != GPUPOOL_EIO &&
          !(rc == GPUPOOL_EPROTO && c->hs_closed)) ||
         now - start >= (uint64_t)c->reconnect_ms) {
-      char msg[GPUPOOL__ERRMSG_MAX];
-      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
-      return gpupool__err(rc, "the daemon went away and did not come back within %d ms: %s", c->reconnect_ms, msg);
+      return gpupool__err(rc, "the daemon went away and did not come back within %d ms: %s", c->reconnect_ms,
+                          why.msg);
     }
     /* Sleep without the lock so other threads can fail fast or see the new connection. */
     pthread_mutex_unlock(&c->mu);
@@ -340,6 +341,7 @@ int gpupool_client_connect(const char *socket_path, const char *client_name, int
                            gpupool_client **out) {
   gpupool_client *c;
   const char *env;
+  gpupool__error err; /* why the handshake failed */
   int rc;
 
   gpupool__err_clear();
@@ -382,7 +384,7 @@ int gpupool_client_connect(const char *socket_path, const char *client_name, int
   c->fd = -1;
   c->lease_fd = -1;
   pthread_mutex_lock(&c->mu);
-  rc = handshake(c);
+  rc = handshake(c, &err);
   pthread_mutex_unlock(&c->mu);
   if (rc != 0) {
     gpupool__wire_rx_reset(&c->rx);
@@ -394,7 +396,7 @@ int gpupool_client_connect(const char *socket_path, const char *client_name, int
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     free(c);
-    return rc;
+    return gpupool__error_report(&err, rc);
   }
   *out = c;
   gpupool__err_clear();
