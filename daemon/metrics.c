@@ -46,39 +46,15 @@
 #include "paths.h"
 #include "log.h"
 #include "metrics.h"
+#include "requests.h"
 
 /* ---- counters ------------------------------------------------------------------------------ */
 
-/* Request types; index 0 counts frames whose body was missing or unknown. */
-static const char *const type_names[] = {
-    "unknown",      "hello",        "attach_pool",   "allocate",          "release",
-    "share",        "open",         "publish",       "get",               "unpublish",
-    "stats",        "admin_clients", "admin_buffers", "admin_drop_client", "trim",
-    "allocate_bundle", "publish_bundle", "get_bundle", "publish_file", "get_file",
-};
-/* The type_names index of each Request oneof case (the others: 0). */
-static const uint8_t type_of_case[] = {
-    [GPUPOOL__WIRE__REQUEST__BODY_HELLO] = 1,
-    [GPUPOOL__WIRE__REQUEST__BODY_ATTACH_POOL] = 2,
-    [GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE] = 3,
-    [GPUPOOL__WIRE__REQUEST__BODY_RELEASE] = 4,
-    [GPUPOOL__WIRE__REQUEST__BODY_SHARE] = 5,
-    [GPUPOOL__WIRE__REQUEST__BODY_OPEN] = 6,
-    [GPUPOOL__WIRE__REQUEST__BODY_PUBLISH] = 7,
-    [GPUPOOL__WIRE__REQUEST__BODY_GET] = 8,
-    [GPUPOOL__WIRE__REQUEST__BODY_UNPUBLISH] = 9,
-    [GPUPOOL__WIRE__REQUEST__BODY_STATS] = 10,
-    [GPUPOOL__WIRE__REQUEST__BODY_ADMIN_CLIENTS] = 11,
-    [GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS] = 12,
-    [GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT] = 13,
-    [GPUPOOL__WIRE__REQUEST__BODY_TRIM] = 14,
-    [GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE_BUNDLE] = 15,
-    [GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_BUNDLE] = 16,
-    [GPUPOOL__WIRE__REQUEST__BODY_GET_BUNDLE] = 17,
-    [GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE] = 18,
-    [GPUPOOL__WIRE__REQUEST__BODY_GET_FILE] = 19,
-};
-#define N_TYPES ((int)(sizeof(type_names) / sizeof(type_names[0])))
+/* Request types: index 0 counts frames whose body was missing or unknown, index i + 1 the row
+ * i of the request table (common/requests.h), so every kind is counted under its own name. */
+#define N_TYPES (GPUPOOL__NREQUESTS + 1)
+
+static const char *type_name(int t) { return t == 0 ? "unknown" : gpupool__request_kinds[t - 1].name; }
 
 /* Results: index 0 is success, index i (1..) is error code -i; the last slot takes codes
  * outside the known range so a new code is still counted somewhere. */
@@ -172,13 +148,8 @@ int gpupool__metrics_new(gpupool__metrics **out) {
   return 0;
 }
 
-static int type_index(int body_case) {
-  int i = body_case >= 0 && body_case < (int)sizeof type_of_case ? type_of_case[body_case] : 0;
-  return i < N_TYPES ? i : 0;
-}
-
 void gpupool__metrics_request(gpupool__metrics *m, int body_case, int result, uint64_t latency_ns) {
-  int t = type_index(body_case);
+  int t = gpupool__request_index(body_case) + 1;
   int r = result == 0 ? 0 : (result < 0 && -result < RESULT_OTHER ? -result : RESULT_OTHER);
   int b = 0;
 
@@ -267,7 +238,7 @@ static void render_requests(sbuf *b, const gpupool__metrics *m) {
   for (int t = 0; t < N_TYPES; t++)
     for (int r = 0; r < N_RESULTS; r++)
       if (m->req_count[t][r])
-        sb_printf(b, "gpupool_requests_total{type=\"%s\",result=\"%s\"} %llu\n", type_names[t],
+        sb_printf(b, "gpupool_requests_total{type=\"%s\",result=\"%s\"} %llu\n", type_name(t),
                   result_name(r), (unsigned long long)m->req_count[t][r]);
 
   family(b, "request_duration_seconds", "histogram",
@@ -279,13 +250,13 @@ static void render_requests(sbuf *b, const gpupool__metrics *m) {
     for (int i = 0; i < N_BUCKETS; i++) {
       cum += m->lat_bucket[t][i];
       sb_printf(b, "gpupool_request_duration_seconds_bucket{type=\"%s\",le=\"%s\"} %llu\n",
-                type_names[t], bucket_le[i], (unsigned long long)cum);
+                type_name(t), bucket_le[i], (unsigned long long)cum);
     }
     sb_printf(b, "gpupool_request_duration_seconds_bucket{type=\"%s\",le=\"+Inf\"} %llu\n",
-              type_names[t], (unsigned long long)m->lat_count[t]);
-    sb_printf(b, "gpupool_request_duration_seconds_sum{type=\"%s\"} %.9f\n", type_names[t],
+              type_name(t), (unsigned long long)m->lat_count[t]);
+    sb_printf(b, "gpupool_request_duration_seconds_sum{type=\"%s\"} %.9f\n", type_name(t),
               (double)m->lat_sum_ns[t] / 1e9);
-    sb_printf(b, "gpupool_request_duration_seconds_count{type=\"%s\"} %llu\n", type_names[t],
+    sb_printf(b, "gpupool_request_duration_seconds_count{type=\"%s\"} %llu\n", type_name(t),
               (unsigned long long)m->lat_count[t]);
   }
 }

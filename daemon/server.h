@@ -2,7 +2,9 @@
  * The daemon's socket side: the listening socket, one connection per client (raw sockets
  * watched with uv_poll_t, since libuv pipes cannot pass arbitrary fds), framing through the
  * wire library, the single dispatch point for requests, and requests that wait (allocate
- * until memory comes back, get until a name is published).
+ * until memory comes back, get until a name is published). Its files and what they own are
+ * listed in server_internal.h and docs/ARCHITECTURE.md; the request kinds are one table,
+ * common/requests.h.
  */
 #ifndef GPUPOOL_DAEMON_SERVER_H
 #define GPUPOOL_DAEMON_SERVER_H

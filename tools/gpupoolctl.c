@@ -27,6 +27,7 @@
 #include "errors.h"
 #include "gpupool/gpupool.h"
 #include "gpupool/version.h"
+#include "requests.h"
 #include "sock.h"
 #include "wire.h"
 
@@ -321,26 +322,15 @@ static void set_request_timeout(ctl *c) {
   (void)setsockopt(c->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 }
 
+/* What the messages call a request: its proto message's name ("Hello", "AdminClients"). */
 static const char *body_name(int body_case) {
-  switch (body_case) {
-  case GPUPOOL__WIRE__REQUEST__BODY_HELLO: return "Hello";
-  case GPUPOOL__WIRE__REQUEST__BODY_STATS: return "Stats";
-  case GPUPOOL__WIRE__REQUEST__BODY_ADMIN_CLIENTS: return "AdminClients";
-  case GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS: return "AdminBuffers";
-  case GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT: return "AdminDropClient";
-  case GPUPOOL__WIRE__REQUEST__BODY_TRIM: return "Trim";
-  case GPUPOOL__WIRE__REQUEST__BODY_ADMIN_NAMES: return "AdminNames";
-  case GPUPOOL__WIRE__REQUEST__BODY_ADMIN_UNPUBLISH: return "AdminUnpublish";
-  default: return "request";
-  }
+  int i = gpupool__request_index(body_case);
+  return i < 0 ? "request" : gpupool__request_kinds[i].message;
 }
 
 static int is_admin(int body_case) {
-  return body_case == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_CLIENTS ||
-         body_case == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS ||
-         body_case == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT ||
-         body_case == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_NAMES ||
-         body_case == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_UNPUBLISH;
+  int i = gpupool__request_index(body_case);
+  return i >= 0 && (gpupool__request_kinds[i].flags & GPUPOOL__REQ_ADMIN);
 }
 
 /* Send req and read its reply. Returns 0 with *out (the caller frees it), EXIT_REFUSED when

@@ -1,6 +1,6 @@
 /*
  * Unit tests of daemon/metrics.c, in process: the exposition text (HELP/TYPE before every
- * family, counters by type and result, cumulative histogram buckets, escaped pool names,
+ * family, counters by type and result (every request kind by its name), cumulative histogram buckets, escaped pool names,
  * gauges from a StatsReply), and the two exporters on a real libuv loop (the textfile written
  * atomically, the socket answering HTTP/1.0 200 with the same families, connections capped
  * per uid, refusal of unusable paths, clean removal on stop with no handle left open).
@@ -163,6 +163,34 @@ static void test_counters_and_histogram(void **state) {
       sample(t, "gpupool_request_duration_seconds_bucket{type=\"trim\",le=\"1e-05\"}"), 1);
   /* Types never seen have no series. */
   assert_null(strstr(t, "type=\"share\""));
+  free(t);
+  gpupool__metrics_close(m);
+}
+
+/* Every case of Request's body oneof (walked in the proto's descriptor, not in the request
+ * table) is counted under its field's name: a kind the metrics miss would go to "unknown". */
+static void test_every_kind_named(void **state) {
+  const ProtobufCMessageDescriptor *d = &gpupool__wire__request__descriptor;
+  gpupool__metrics *m;
+  char *t, want[160];
+  int ncases = 0;
+  (void)state;
+  assert_int_equal(gpupool__metrics_new(&m), 0);
+  for (unsigned i = 0; i < d->n_fields; i++)
+    if (d->fields[i].flags & PROTOBUF_C_FIELD_FLAG_ONEOF) {
+      gpupool__metrics_request(m, (int)d->fields[i].id, 0, 1000);
+      ncases++;
+    }
+  assert_true(ncases > 0);
+  t = gpupool__metrics_render(m, NULL);
+  assert_non_null(t);
+  check_format(t);
+  for (unsigned i = 0; i < d->n_fields; i++)
+    if (d->fields[i].flags & PROTOBUF_C_FIELD_FLAG_ONEOF) {
+      snprintf(want, sizeof want, "gpupool_requests_total{type=\"%s\",result=\"ok\"}", d->fields[i].name);
+      assert_int_equal(sample(t, want), 1);
+    }
+  assert_null(strstr(t, "type=\"unknown\""));
   free(t);
   gpupool__metrics_close(m);
 }
@@ -599,6 +627,7 @@ static void test_refuses_bad_paths(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_counters_and_histogram),
+      cmocka_unit_test(test_every_kind_named),
       cmocka_unit_test(test_render_stats),
       cmocka_unit_test(test_exporters),
       cmocka_unit_test(test_conns_per_uid),

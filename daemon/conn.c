@@ -1,0 +1,532 @@
+/*
+ * One connection's life in gpupoold: sending and queueing replies, the fair loop (which
+ * connection's frames are handled next: per-uid shares of the loop, turn()), reading, and
+ * closing (its waiters, held-back replies and file calls go with it; its holds are dropped).
+ *
+ * A connection is freed only from its handles' close callbacks, never inside its own
+ * callback. Replies that do not fit in the socket are queued and flushed when writable; a
+ * client whose queue passes its limit is dropped, not buffered further.
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "server_internal.h"
+
+static void conn_unready(gpupool__conn *c);
+static void share_put(gpupool__server *s, share *sh);
+
+/* Every fd a client sent, and every copy of a file's fd, is closed off the loop: closing a file
+ * on a stalled file system waits (FUSE sends FLUSH). Charged to the connection's tenant. */
+void gpupool__conn_close_fd(void *arg, int fd) {
+  gpupool__conn *c = arg;
+  if (c->srv->fops)
+    gpupool__fileops_close(c->srv->fops, c->cl.tenant, fd);
+  else if (fd >= 0)
+    close(fd);
+}
+
+/* ---- sending -------------------------------------------------------------------------------- */
+
+/* Send or queue a packed frame; takes buf. fds are duplicated when queued (the originals
+ * stay the caller's). A client whose queue passes MAX_TX_QUEUE is dropped, not buffered. */
+void gpupool__conn_send(gpupool__conn *c, uint8_t *buf, size_t len, const int *fds, int nfds) {
+  int rc;
+  if (c->closing) {
+    free(buf);
+    return;
+  }
+  rc = gpupool__wire_txq_send(&c->txq, c->fd, buf, len, fds, nfds);
+  if (rc < 0) {
+    gpupool__conn_close(c, rc == GPUPOOL_EIO || rc == GPUPOOL_ECLOSED ? "write failed" : gpupool__errmsg());
+    return;
+  }
+  gpupool__conn_heap(c);
+  gpupool__conn_update_poll(c);
+}
+
+static void conn_flush(gpupool__conn *c) {
+  int rc = gpupool__wire_txq_flush(&c->txq, c->fd);
+  gpupool__conn_heap(c);
+  if (rc < 0) {
+    gpupool__conn_close(c, "write failed");
+    return;
+  }
+  if (rc == 1 && c->drop_after_flush) {
+    gpupool__conn_close(c, "protocol violation");
+    return;
+  }
+  gpupool__conn_update_poll(c);
+}
+
+int gpupool__pack_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, uint8_t **buf, size_t *len) {
+  rep->seq = seq;
+  /* Piggyback slab revocations on every reply. */
+  rep->n_revoke_slabs = c->cl.nrevoke;
+  rep->revoke_slabs = c->cl.revoke;
+  if (gpupool__wire_pack_reply(rep, buf, len) != 0) {
+    gpupool__conn_close(c, "cannot pack a reply");
+    return -1;
+  }
+  c->cl.nrevoke = 0;
+  return 0;
+}
+
+void gpupool__send_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds) {
+  uint8_t *buf;
+  size_t len;
+  /* Replies leave in order: one held back (see gpupool__send_reply_fenced) may carry the export data
+   * of a slab that later replies only name. */
+  if (c->fenced_head) {
+    gpupool__park_reply(c, seq, rep, fds, nfds, NULL, 0);
+    return;
+  }
+  if (gpupool__pack_reply(c, seq, rep, &buf, &len) == 0)
+    gpupool__conn_send(c, buf, len, fds, nfds);
+}
+
+void gpupool__send_error(gpupool__conn *c, uint64_t seq, int code, const char *msg) {
+  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
+  Gpupool__Wire__Error err = GPUPOOL__WIRE__ERROR__INIT;
+  err.code = code;
+  err.message = (char *)(msg && *msg ? msg : gpupool_strerror(code));
+  rep.error = &err;
+  c->srv->errors++;
+  gpupool__send_reply(c, seq, &rep, NULL, 0);
+}
+
+/* ---- connection lifetime -------------------------------------------------------------------- */
+
+static void conn_handle_closed(uv_handle_t *h) {
+  gpupool__conn *c = h->data;
+  if (--c->handles_open > 0)
+    return;
+  gpupool__wire_txq_clear(&c->txq);
+  gpupool__wire_inbuf_free(&c->in);
+  if (c->lease_peer >= 0)
+    close(c->lease_peer);
+  close(c->fd);
+  free(c);
+}
+
+void gpupool__conn_close(gpupool__conn *c, const char *why) {
+  gpupool__server *s = c->srv;
+  gpupool__waiter *w, *next;
+  if (c->closing)
+    return;
+  c->closing = 1;
+  if (c->fops_paused)
+    s->npaused--;
+  if (gpupool__log_get_level() >= GPUPOOL_LOG_DEBUG)
+    GPUPOOL__DEBUG("client %" PRIu64 " disconnected (pid %d uid %u '%s'): %s; had %" PRIu64 " hold(s)", c->cl.id,
+                   (int)c->cl.pid, (unsigned)c->cl.uid, c->cl.name, why, c->cl.nholds);
+  else
+    GPUPOOL__PEER_INFO(&c->cl.log_rl, c->cl.id,
+                       "client %" PRIu64 " disconnected (pid %d uid %u '%s'): %s; had %" PRIu64 " hold(s)", c->cl.id,
+                       (int)c->cl.pid, (unsigned)c->cl.uid, c->cl.name, why, c->cl.nholds);
+  for (w = c->waiters; w; w = next) {
+    next = w->cnext;
+    gpupool__waiter_remove(w);
+  }
+  while (c->fwaits) {
+    fwait *fw = c->fwaits;
+    gpupool__file_op_forget(fw->op); /* files.c lets go of what it made */
+    gpupool__fwait_unlink(fw);
+    gpupool__fwait_free(fw);
+  }
+  /* Before its holds go: the events of those buffers may be handed out again after. */
+  gpupool__fenced_drop_all(c);
+  conn_unready(c);
+  c->sh->conns--;
+  share_put(s, c->sh);
+  c->u->conns--;
+  gpupool__uid_usage_put(s->reg, c->u);
+  s->heap -= c->heap;
+  c->heap = 0;
+  gpupool__client_drop(s->reg, &c->cl);
+  gpupool__log_peer_flush(&c->cl.log_rl, c->cl.id, 1);
+  if (c->prev)
+    c->prev->next = c->next;
+  else
+    s->conns = c->next;
+  if (c->next)
+    c->next->prev = c->prev;
+  s->nconns--;
+  uv_poll_stop(&c->poll);
+  uv_close((uv_handle_t *)&c->poll, conn_handle_closed);
+  uv_close((uv_handle_t *)&c->hs_timer, conn_handle_closed);
+  if (s->reg->memory_returned)
+    gpupool__retry_waiters(s->reg, NULL);
+}
+
+static void conn_io(uv_poll_t *p, int status, int events);
+
+/* Reads stop once a connection is to be dropped: nothing it sends after a protocol violation
+ * is looked at, so it cannot make the daemon buffer more. */
+void gpupool__conn_update_poll(gpupool__conn *c) {
+  int want = (c->drop_after_flush || c->fops_paused || c->ready_paused ? 0 : UV_READABLE) |
+             (c->txq.head ? UV_WRITABLE : 0);
+  if (c->closing || want == c->poll_events)
+    return;
+  c->poll_events = want;
+  if (want)
+    uv_poll_start(&c->poll, want, conn_io);
+  else
+    uv_poll_stop(&c->poll);
+}
+
+static void drop_timeout(uv_timer_t *t) {
+  gpupool__conn_close(t->data, "it did not read its last reply within 1 s of a protocol violation");
+}
+
+/* After a protocol violation: send what is queued (the error saying why), read nothing more,
+ * and hang up when the queue is out or after a second, whichever comes first. */
+void gpupool__conn_drop_after_flush(gpupool__conn *c) {
+  if (c->drop_after_flush || c->closing)
+    return;
+  c->drop_after_flush = 1;
+  uv_timer_start(&c->hs_timer, drop_timeout, 1000, 0);
+  gpupool__conn_update_poll(c);
+}
+
+/* Recount what this connection's queue and input buffer hold on the heap, and drop it if its
+ * queue passes max_queued_bytes_per_client or the daemon's total passes
+ * max_queued_bytes_total (a client that never reads is dropped, not buffered for). */
+void gpupool__conn_heap(gpupool__conn *c) {
+  gpupool__server *s = c->srv;
+  const gpupool__config *cfg = s->cfg;
+  size_t h = c->txq.cost + c->in.cap + c->fenced_bytes;
+  char why[320];
+  s->heap = s->heap - c->heap + h;
+  c->heap = h;
+  if (c->closing)
+    return;
+  /* Replies held back until their buffers are ready (host fences) are queued output too: a
+   * client that piles requests behind one that never completes is bounded like one that
+   * does not read. */
+  size_t queued = c->txq.cost + c->fenced_bytes;
+  if (cfg->max_queued_bytes_per_client && queued > cfg->max_queued_bytes_per_client) {
+    snprintf(why, sizeof why, "%s (%zu bytes queued, %zu of them held back until its buffers are ready, over "
+             "max_queued_bytes_per_client %" PRIu64 ")",
+             c->fenced_bytes > c->txq.cost ? "its replies pile up behind one that waits for a producer's GPU work"
+                                            : "it does not read its replies",
+             queued, c->fenced_bytes, cfg->max_queued_bytes_per_client);
+    gpupool__conn_close(c, why);
+  } else if (cfg->max_queued_bytes_total && s->heap > cfg->max_queued_bytes_total && queued > 0) {
+    snprintf(why, sizeof why, "the daemon's queues hold %zu bytes, over max_queued_bytes_total %" PRIu64
+             ", and this client has %zu of them unsent or unread", s->heap, cfg->max_queued_bytes_total, queued);
+    gpupool__conn_close(c, why);
+  }
+}
+
+/* ---- the fair loop ---------------------------------------------------------------------------
+ *
+ * A readable connection is read once (one recvmsg, at most one input buffer of frames) in the
+ * poll phase, and then put on its uid's ready list instead of having every frame it brought
+ * handled there and then: it is not read again until what it has buffered is handled.
+ * turn(), a check handle that runs right after each poll, handles the buffered frames, one
+ * frame per pick, and goes back to polling as soon as anything else waits in the loop (looked
+ * at every CHECK_NS, with a poll(2) of the loop's own epoll fd) or after TURN_NS at most, so a
+ * request that arrives meanwhile waits for about one frame, not for what others pipelined. An
+ * idle handle keeps that poll from blocking while frames are left. A connection still ready
+ * at the end of a pass has its readable events unsubscribed until it is not (the bytes left in
+ * its socket would otherwise read as new work at every look).
+ *
+ * Which frame next: the one of the ready uid whose requests took the least loop time lately
+ * (a sum decayed with a half-life of LOAD_HALF_LIFE_NS), and within that uid its connections
+ * in turn. A uid sending a little (a trainer's allocate and release) therefore goes ahead of
+ * one that floods, however many connections the flood comes on and however costly its
+ * requests: it waits for the flood's frame already running, and no more. Two busy uids end up
+ * with equal time, whatever their request mix (counting time, not requests, is what makes a
+ * costly request count as such). Only uids with work are compared, so a lone uid runs at full
+ * speed: nothing is ever kept idle (work-conserving). The half-life is short so that the past
+ * counts for little: a uid that had the loop to itself is, once another busy uid appears,
+ * behind it only until that one has caught up, a few milliseconds at most. Deficit round robin
+ * (a quantum per busy uid and round) would make a light uid wait a quantum of every busy uid
+ * instead. */
+
+#define TURN_NS 1000000ull
+#define CHECK_NS 10000ull
+#define LOAD_HALF_LIFE_NS 4000000ull
+
+/* 2^(-k/16) in 1/65536ths, k = 0..16: decaying by a fraction of a half-life without libm. */
+static const uint32_t half_frac[17] = {65536, 62757, 60097, 57551, 55109, 52773, 50535, 48393, 46341,
+                                       44376, 42495, 40693, 38968, 37316, 35734, 34219, 32768};
+
+static void share_decay(share *sh, uint64_t now) {
+  uint64_t dt, r, k, f;
+  if (now <= sh->stamp_ns)
+    return;
+  dt = now - sh->stamp_ns;
+  sh->stamp_ns = now;
+  if (dt / LOAD_HALF_LIFE_NS >= 64) {
+    sh->load_ns = 0;
+    return;
+  }
+  sh->load_ns >>= dt / LOAD_HALF_LIFE_NS;
+  r = (dt % LOAD_HALF_LIFE_NS) * 16; /* the rest, in 16ths of a half-life, interpolated */
+  k = r / LOAD_HALF_LIFE_NS;
+  f = half_frac[k] - (half_frac[k] - half_frac[k + 1]) * (r % LOAD_HALF_LIFE_NS) / LOAD_HALF_LIFE_NS;
+  sh->load_ns = sh->load_ns * f >> 16;
+}
+
+/* Charge dt ns of loop time, spent now, to sh. */
+static void share_charge(share *sh, uint64_t now, uint64_t dt) {
+  share_decay(sh, now);
+  sh->load_ns += dt;
+}
+
+share *gpupool__share_get(gpupool__server *s, uint64_t key) {
+  share *sh = gpupool__hmap_get(&s->shares, key);
+  if (sh)
+    return sh;
+  if (!(sh = calloc(1, sizeof *sh)))
+    return NULL;
+  sh->key = key;
+  sh->stamp_ns = gpupool__now_ns();
+  if (gpupool__hmap_put(&s->shares, key, sh) != 0) {
+    free(sh);
+    return NULL;
+  }
+  return sh;
+}
+
+/* Frees sh once no connection refers to it (its load goes with it: a uid comes back fresh). */
+static void share_put(gpupool__server *s, share *sh) {
+  if (sh->conns || sh == s->serving)
+    return;
+  gpupool__hmap_del(&s->shares, sh->key);
+  free(sh);
+}
+
+static void turn(uv_check_t *h);
+static void turn_idle(uv_idle_t *h) { (void)h; }
+
+/* c has bytes read that may hold frames: queue it behind its uid's other ready connections.
+ * It is not read again until they are handled (its input buffer never holds more); its
+ * readable events are let by meanwhile, and unsubscribed only if it is still ready after a
+ * pass (two system calls: not for every request of a client that waits for its replies). */
+static void conn_ready(gpupool__conn *c) {
+  gpupool__server *s = c->srv;
+  share *sh = c->sh;
+  if (c->ready || c->closing)
+    return;
+  c->ready = 1;
+  c->rnext = NULL;
+  c->rprev = sh->rtail;
+  if (sh->rtail) {
+    sh->rtail->rnext = c;
+  } else {
+    sh->rhead = c;
+    sh->rprev = NULL;
+    sh->rnext = s->ready;
+    if (s->ready)
+      s->ready->rprev = sh;
+    s->ready = sh;
+  }
+  sh->rtail = c;
+  if (!s->turn_on) {
+    uv_check_start(&s->turn_check, turn);
+    uv_idle_start(&s->turn_idle, turn_idle);
+    s->turn_on = 1;
+  }
+}
+
+static void conn_unready(gpupool__conn *c) {
+  gpupool__server *s = c->srv;
+  share *sh = c->sh;
+  if (!c->ready)
+    return;
+  c->ready = 0;
+  if (c->rprev)
+    c->rprev->rnext = c->rnext;
+  else
+    sh->rhead = c->rnext;
+  if (c->rnext)
+    c->rnext->rprev = c->rprev;
+  else
+    sh->rtail = c->rprev;
+  c->rprev = c->rnext = NULL;
+  if (!sh->rhead) {
+    if (sh->rprev)
+      sh->rprev->rnext = sh->rnext;
+    else
+      s->ready = sh->rnext;
+    if (sh->rnext)
+      sh->rnext->rprev = sh->rprev;
+    sh->rprev = sh->rnext = NULL;
+  }
+  if (c->ready_paused) {
+    c->ready_paused = 0;
+    gpupool__conn_update_poll(c);
+  }
+}
+
+/* After one frame of c: behind the other ready connections of its uid. */
+static void conn_requeue(gpupool__conn *c) {
+  share *sh = c->sh;
+  if (sh->rtail == c)
+    return;
+  if (c->rprev)
+    c->rprev->rnext = c->rnext;
+  else
+    sh->rhead = c->rnext;
+  c->rnext->rprev = c->rprev;
+  c->rprev = sh->rtail;
+  c->rnext = NULL;
+  sh->rtail->rnext = c;
+  sh->rtail = c;
+}
+
+/* What ends reading a connection: end of stream, or a stream that cannot be read on. */
+static void conn_input_error(gpupool__conn *c, int rc) {
+  char why[GPUPOOL__ERRMSG_MAX + 32];
+  if (rc == GPUPOOL_ECLOSED) {
+    gpupool__conn_close(c, "end of connection");
+    return;
+  }
+  snprintf(why, sizeof why, "protocol error: %s", gpupool__errmsg());
+  GPUPOOL__PEER_WARN(&c->cl.log_rl, c->cl.id, "client %" PRIu64 " (pid %d): %s", c->cl.id, (int)c->cl.pid,
+                     gpupool__errmsg());
+  if (rc == GPUPOOL_EPROTO && !c->drop_after_flush) {
+    /* Tell it why before hanging up (the stream cannot be resynchronised). */
+    gpupool__conn_drop_after_flush(c);
+    gpupool__send_error(c, 0, GPUPOOL_EPROTO, gpupool__errmsg());
+    if (!c->txq.head && !c->closing)
+      gpupool__conn_close(c, why);
+  } else {
+    gpupool__conn_close(c, why);
+  }
+}
+
+/* Handle c's next buffered frame: 1 when one was handled, 0 when none is complete (or c
+ * can take no more). */
+static int conn_serve(gpupool__conn *c) {
+  const uint8_t *payload;
+  uint32_t len;
+  int rc;
+  if (c->closing || c->drop_after_flush)
+    return 0;
+  rc = gpupool__wire_inbuf_next(&c->in, &payload, &len);
+  if (rc < 0) {
+    conn_input_error(c, rc);
+    return 0;
+  }
+  if (rc == 0)
+    return 0;
+  gpupool__handle_frame(c, payload, len);
+  if (c->drop_after_flush && !c->txq.head && !c->closing)
+    gpupool__conn_close(c, "protocol violation");
+  return 1;
+}
+
+/* 1 when the loop has something waiting: a request, a connection, a socket to write to. */
+static int loop_has_events(gpupool__server *s) {
+  struct pollfd p = {uv_backend_fd(s->loop), POLLIN, 0};
+  return poll(&p, 1, 0) > 0;
+}
+
+static void turn(uv_check_t *h) {
+  gpupool__server *s = h->data;
+  uint64_t start = gpupool__now_ns(), t = start, looked = start;
+  for (share *sh = s->ready; sh; sh = sh->rnext)
+    share_decay(sh, start);
+  while (s->ready) {
+    share *sh = s->ready;
+    gpupool__conn *c;
+    uint64_t t1;
+    int served;
+    for (share *o = sh->rnext; o; o = o->rnext)
+      if (o->load_ns < sh->load_ns)
+        sh = o;
+    c = sh->rhead;
+    s->serving = sh; /* a disconnect inside may drop the last connection of sh */
+    served = conn_serve(c);
+    s->serving = NULL;
+    t1 = gpupool__now_ns();
+    sh->load_ns += t1 - t;
+    t = t1;
+    if (!sh->conns) {
+      share_put(s, sh); /* c closed, and with it the last connection of its uid */
+    } else if (c->ready) {
+      /* Nothing complete buffered (or no more wanted): it is read again. Else it goes
+       * behind its uid's other ready connections. */
+      if (served && !c->drop_after_flush)
+        conn_requeue(c);
+      else
+        conn_unready(c);
+    }
+    if (t1 - start >= TURN_NS)
+      break;
+    if (t1 - looked >= CHECK_NS) {
+      looked = t1;
+      if (loop_has_events(s))
+        break;
+    }
+  }
+  for (share *sh = s->ready; sh; sh = sh->rnext)
+    for (gpupool__conn *c = sh->rhead; c; c = c->rnext)
+      if (!c->ready_paused) {
+        c->ready_paused = 1;
+        gpupool__conn_update_poll(c);
+      }
+  if (!s->ready && s->turn_on) {
+    uv_check_stop(&s->turn_check);
+    uv_idle_stop(&s->turn_idle);
+    s->turn_on = 0;
+  }
+}
+
+static void conn_io(uv_poll_t *p, int status, int events) {
+  gpupool__conn *c = p->data;
+  uint64_t t0;
+  int fds = 0, rc;
+  if (status < 0) {
+    gpupool__conn_close(c, uv_strerror(status));
+    return;
+  }
+  if (events & UV_WRITABLE) {
+    conn_flush(c);
+    if (c->closing)
+      return;
+  }
+  /* A ready connection is read again only once its buffer has no complete frame left. */
+  if (!(events & UV_READABLE) || c->drop_after_flush || c->ready)
+    return;
+  if (c->srv->fops && gpupool__fileops_backlog(c->srv->fops, c->cl.tenant) >= GPUPOOL_FILEOPS_BACKLOG_PAUSE) {
+    /* Its tenant's file calls pile up (a file system that does not answer): each fd it sends
+     * would be held until its close can run, so nothing more is read from it until they
+     * drain (fops_drained). */
+    c->fops_paused = 1;
+    c->srv->npaused++;
+    gpupool__conn_update_poll(c);
+    return;
+  }
+  t0 = c->srv->last_activity_ns = gpupool__now_ns();
+  rc = gpupool__wire_inbuf_fill(&c->in, c->fd, &fds);
+  share_charge(c->sh, gpupool__now_ns(), gpupool__now_ns() - t0);
+  gpupool__conn_heap(c);
+  if (c->closing)
+    return;
+  if (fds > 0) {
+    GPUPOOL__PEER_WARN(&c->cl.log_rl, c->cl.id, "client %" PRIu64 " (pid %d) sent %d unexpected fd(s); closed them",
+                       c->cl.id, (int)c->cl.pid, fds);
+    c->fds_pending = 1;
+  }
+  if (rc > 0)
+    conn_ready(c); /* turn() handles what came, right after this poll */
+  else if (rc < 0)
+    conn_input_error(c, rc);
+}

@@ -1,0 +1,353 @@
+/*
+ * Daemon-wide requests: Hello (the handshake and the lease), Stats (also the metrics' stats
+ * source), Trim, and the operators' requests (list clients, buffers and names, drop a client,
+ * remove a name).
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "server_internal.h"
+
+uint64_t gpupool__count_open_fds(void) {
+  DIR *d = opendir("/proc/self/fd");
+  struct dirent *e;
+  uint64_t n = 0;
+  if (!d)
+    return 0;
+  while ((e = readdir(d)))
+    if (e->d_name[0] != '.')
+      n++;
+  closedir(d);
+  return n > 0 ? n - 1 : 0; /* not counting the directory's own fd */
+}
+
+/* ---- stats ---------------------------------------------------------------------------------- */
+
+/* Frees what gpupool__server_stats allocated in *st (not st itself). */
+void gpupool__stats_free(Gpupool__Wire__StatsReply *st) {
+  for (size_t i = 0; i < st->n_pools; i++)
+    free(st->pools[i]);
+  free(st->pools);
+  st->pools = NULL;
+  st->n_pools = 0;
+}
+
+/* Current statistics (the Stats reply's content); free with gpupool__stats_free. Also the metrics'
+ * stats source (the server hands itself in when it starts them). */
+int gpupool__server_stats(void *server, Gpupool__Wire__StatsReply *st) {
+  gpupool__server *s = server;
+  gpupool__registry *reg = s->reg;
+  gpupool__wire__stats_reply__init(st);
+  st->pools = calloc((size_t)reg->npools, sizeof *st->pools);
+  if (!st->pools && reg->npools)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  for (int i = 0; i < reg->npools; i++) {
+    st->pools[i] = malloc(sizeof *st->pools[i]);
+    if (!st->pools[i]) {
+      gpupool__stats_free(st);
+      return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+    }
+    st->n_pools++;
+    gpupool__fill_pool_info(reg, &reg->pools[i], st->pools[i]);
+  }
+  st->clients = s->nconns;
+  st->buffers = reg->buffers.len;
+  st->holds = reg->holds.len;
+  st->names = reg->nnames;
+  st->uptime_s = (gpupool__now_ns() - s->started_ns) / 1000000000ull;
+  st->daemon_version = (char *)GPUPOOL_VERSION_STRING;
+  st->daemon_pid = (int32_t)getpid();
+  st->daemon_uid = (uint32_t)geteuid();
+  st->backend = reg->be->desc->kind;
+  st->requests = s->requests;
+  st->errors = s->errors;
+  st->open_fds = gpupool__count_open_fds();
+  st->pending_frees = reg->npending;
+  st->waiting_leases = reg->nwaiting;
+  st->waiting_gets_tried = s->gets_tried;
+  st->waiting_gets_answered = s->gets_answered;
+  return 0;
+}
+
+/* ---- request handlers ----------------------------------------------------------------------- */
+
+int gpupool__handle_hello(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__Hello *m = req->hello;
+  gpupool__server *s = c->srv;
+  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
+  Gpupool__Wire__HelloReply hr = GPUPOOL__WIRE__HELLO_REPLY__INIT;
+  Gpupool__Wire__PoolInfo *pis, **pptr;
+
+  if (c->hello_done)
+    return gpupool__err(GPUPOOL_EPROTO, "second Hello on one connection");
+  if (m->protocol_version != GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION) {
+    gpupool__conn_drop_after_flush(c);
+    return gpupool__err(GPUPOOL_EVERSION,
+                        "client speaks protocol version %u, this gpupoold (%s) speaks %d; "
+                        "use a libgpupool-client of the same major version as the daemon",
+                        m->protocol_version, GPUPOOL_VERSION_STRING, GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION);
+  }
+  c->hello_done = 1;
+  uv_timer_stop(&c->hs_timer);
+  snprintf(c->cl.name, sizeof c->cl.name, "%s", m->client_name && *m->client_name ? m->client_name : "-");
+  for (char *p = c->cl.name; *p; p++)
+    if ((unsigned char)*p < 0x20)
+      *p = '?';
+  /* Every connect at debug level; at info, within the limits of what clients may log. */
+  if (gpupool__log_get_level() >= GPUPOOL_LOG_DEBUG)
+    GPUPOOL__DEBUG("client %" PRIu64 " connected: pid %d uid %u gid %u name '%s'", c->cl.id, (int)c->cl.pid,
+                   (unsigned)c->cl.uid, (unsigned)c->cl.gid, c->cl.name);
+  else
+    GPUPOOL__PEER_INFO(&c->cl.log_rl, c->cl.id, "client %" PRIu64 " connected: pid %d uid %u gid %u name '%s'",
+                       c->cl.id, (int)c->cl.pid, (unsigned)c->cl.uid, (unsigned)c->cl.gid, c->cl.name);
+  pis = calloc((size_t)s->reg->npools, sizeof *pis);
+  pptr = calloc((size_t)s->reg->npools, sizeof *pptr);
+  if (!pis || !pptr) {
+    free(pis);
+    free(pptr);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  }
+  for (int i = 0; i < s->reg->npools; i++) {
+    gpupool__fill_pool_info(s->reg, &s->reg->pools[i], &pis[i]);
+    pptr[i] = &pis[i];
+  }
+  hr.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
+  hr.daemon_version = (char *)GPUPOOL_VERSION_STRING;
+  hr.daemon_pid = (int32_t)getpid();
+  hr.daemon_uid = (uint32_t)geteuid();
+  hr.host_fences = 1;
+  hr.backend = s->reg->be->desc->kind;
+  hr.n_pools = (size_t)s->reg->npools;
+  hr.pools = pptr;
+  hr.client_id = c->cl.id;
+  hr.max_frame = s->cfg->max_frame;
+  hr.lease = 1;
+  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_HELLO;
+  rep.hello = &hr;
+  /* The lease travels with this frame; the daemon's copy of the client's end goes now (a
+   * queued frame holds its own duplicate), so only the client's processes hold it. */
+  gpupool__send_reply(c, seq, &rep, &c->lease_peer, 1);
+  close(c->lease_peer);
+  c->lease_peer = -1;
+  free(pis);
+  free(pptr);
+  return 0;
+}
+int gpupool__handle_stats(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
+  Gpupool__Wire__StatsReply st;
+  int rc = gpupool__server_stats(c->srv, &st);
+  if (rc != 0)
+    return rc;
+  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_STATS;
+  rep.stats = &st;
+  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  gpupool__stats_free(&st);
+  return 0;
+}
+
+int gpupool__handle_admin_clients(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  gpupool__server *s = c->srv;
+  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
+  Gpupool__Wire__AdminClientsReply ar = GPUPOOL__WIRE__ADMIN_CLIENTS_REPLY__INIT;
+  Gpupool__Wire__ClientInfo *infos, **ptrs;
+  uint64_t now = gpupool__now_ns();
+  size_t n = 0;
+  infos = calloc(s->nconns + 1, sizeof *infos);
+  ptrs = calloc(s->nconns + 1, sizeof *ptrs);
+  if (!infos || !ptrs) {
+    free(infos);
+    free(ptrs);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  }
+  for (gpupool__conn *o = s->conns; o && n < s->nconns + 1; o = o->next) {
+    if (o->closing)
+      continue;
+    gpupool__wire__client_info__init(&infos[n]);
+    infos[n].id = o->cl.id;
+    infos[n].pid = o->cl.pid;
+    infos[n].uid = o->cl.uid;
+    infos[n].gid = o->cl.gid;
+    infos[n].name = o->cl.name;
+    infos[n].holds = o->cl.nholds;
+    for (gpupool__hold *h = o->cl.holds; h; h = h->next)
+      infos[n].bytes += h->buf->size;
+    infos[n].age_s = (now - o->cl.connected_ns) / 1000000000ull;
+    ptrs[n] = &infos[n];
+    n++;
+  }
+  ar.n_clients = n;
+  ar.clients = ptrs;
+  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_ADMIN_CLIENTS;
+  rep.admin_clients = &ar;
+  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  free(infos);
+  free(ptrs);
+  return 0;
+}
+
+int gpupool__handle_admin_buffers(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  gpupool__registry *reg = c->srv->reg;
+  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
+  Gpupool__Wire__AdminBuffersReply ar = GPUPOOL__WIRE__ADMIN_BUFFERS_REPLY__INIT;
+  Gpupool__Wire__BufferInfo *infos, **ptrs;
+  uint64_t now = gpupool__now_ns();
+  size_t n = 0;
+  infos = calloc(reg->buffers.len + 1, sizeof *infos);
+  ptrs = calloc(reg->buffers.len + 1, sizeof *ptrs);
+  if (!infos || !ptrs) {
+    free(infos);
+    free(ptrs);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  }
+  for (size_t i = 0; i < reg->buffers.cap; i++) {
+    gpupool__buffer *b;
+    if (!gpupool__hmap_slot_used(&reg->buffers, i))
+      continue;
+    b = reg->buffers.slots[i].val;
+    gpupool__wire__buffer_info__init(&infos[n]);
+    infos[n].id = b->id;
+    infos[n].pool_id = b->slab->pool->id;
+    infos[n].size = b->asked;
+    infos[n].holders = b->refs;
+    infos[n].age_s = (now - b->created_ns) / 1000000000ull;
+    infos[n].owner_pid = b->owner_pid;
+    infos[n].name = (char *)"";
+    ptrs[n] = &infos[n];
+    n++;
+  }
+  /* Names: one lookup pass over the name table. */
+  for (size_t i = 0; i < reg->names.cap; i++) {
+    gpupool__name *nm;
+    if (!gpupool__smap_slot_used(&reg->names, i))
+      continue;
+    nm = reg->names.slots[i].val;
+    for (size_t k = 0; k < n; k++)
+      for (uint32_t j = 0; j < nm->nbufs; j++)
+        if (infos[k].id == nm->bufs[j]->id && !*infos[k].name)
+          infos[k].name = nm->name;
+  }
+  ar.n_buffers = n;
+  ar.buffers = ptrs;
+  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_ADMIN_BUFFERS;
+  rep.admin_buffers = &ar;
+  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  free(infos);
+  free(ptrs);
+  return 0;
+}
+
+int gpupool__handle_admin_drop_client(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__AdminDropClient *m = req->admin_drop_client;
+  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
+  Gpupool__Wire__AdminDropClientReply ar = GPUPOOL__WIRE__ADMIN_DROP_CLIENT_REPLY__INIT;
+  gpupool__conn *o, *next;
+  if (m->pid <= 0)
+    return gpupool__err(GPUPOOL_EINVAL, "pid %d is not a valid process id", m->pid);
+  for (o = c->srv->conns; o; o = next) {
+    next = o->next;
+    if (o != c && !o->closing && o->cl.pid == m->pid) {
+      GPUPOOL__INFO("operator (uid %u) dropped client %" PRIu64 " (pid %d)", (unsigned)c->cl.uid, o->cl.id, m->pid);
+      gpupool__conn_close(o, "dropped by an operator");
+      ar.dropped++;
+    }
+  }
+  if (ar.dropped == 0)
+    return gpupool__err(GPUPOOL_ENOENT, "no connected client has pid %d", m->pid);
+  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_ADMIN_DROP_CLIENT;
+  rep.admin_drop_client = &ar;
+  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  return 0;
+}
+
+/* Every tenant's names, files included: what an operator needs to find and remove names that
+ * outlived their publisher. */
+int gpupool__handle_admin_names(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
+  Gpupool__Wire__AdminNamesReply ar = GPUPOOL__WIRE__ADMIN_NAMES_REPLY__INIT;
+  gpupool__registry *reg = c->srv->reg;
+  Gpupool__Wire__NameInfo *infos = NULL, **ptrs = NULL;
+  uint64_t now = gpupool__now_ns();
+  size_t n = 0;
+  if (reg->names.len &&
+      (!(infos = calloc(reg->names.len, sizeof *infos)) || !(ptrs = calloc(reg->names.len, sizeof *ptrs)))) {
+    free(infos);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory listing %zu names", reg->names.len);
+  }
+  for (size_t i = 0; i < reg->names.cap && n < reg->names.len; i++) {
+    gpupool__name *nm;
+    Gpupool__Wire__NameInfo *ni = &infos[n];
+    if (!gpupool__smap_slot_used(&reg->names, i))
+      continue;
+    nm = reg->names.slots[i].val;
+    gpupool__wire__name_info__init(ni);
+    ni->key = nm->name;
+    ni->uid = (uint32_t)nm->uid;
+    ni->version = nm->version;
+    ni->age_s = (now - nm->created_ns) / 1000000000ull;
+    ni->path = (char *)"";
+    if (nm->file) {
+      ni->kind = (char *)"file";
+      ni->path = nm->file->path;
+      ni->size = nm->file->length;
+    } else {
+      ni->kind = nm->layout ? (char *)"bundle" : (char *)"buffer";
+      for (uint32_t j = 0; j < nm->nbufs; j++)
+        ni->size += nm->bufs[j]->asked;
+    }
+    ptrs[n++] = ni;
+  }
+  ar.n_names = n;
+  ar.names = ptrs;
+  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_ADMIN_NAMES;
+  rep.admin_names = &ar;
+  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  free(infos);
+  free(ptrs);
+  return 0;
+}
+
+int gpupool__handle_admin_unpublish(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__AdminUnpublish *m = req->admin_unpublish;
+  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
+  Gpupool__Wire__AdminUnpublishReply ar = GPUPOOL__WIRE__ADMIN_UNPUBLISH_REPLY__INIT;
+  int rc;
+  if ((rc = gpupool__unpublish_key(c->srv->reg, m->key)) != 0)
+    return rc;
+  GPUPOOL__INFO("operator (uid %u) unpublished '%s'", (unsigned)c->cl.uid, m->key);
+  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_ADMIN_UNPUBLISH;
+  rep.admin_unpublish = &ar;
+  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  return 0;
+}
+
+int gpupool__handle_trim(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
+  Gpupool__Wire__TrimReply tr = GPUPOOL__WIRE__TRIM_REPLY__INIT;
+  gpupool__trim(c->srv->reg, &tr.slabs_freed, &tr.slabs_revoked);
+  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_TRIM;
+  rep.trim = &tr;
+  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  return 0;
+}

@@ -1,0 +1,126 @@
+/*
+ * PublishFile and GetFile: their system calls run off the loop (fileops.c, files.c); the
+ * request waits in the connection's fwaits list until they are done, and is forgotten if the
+ * connection goes first.
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "server_internal.h"
+
+void gpupool__fwait_unlink(fwait *fw) {
+  gpupool__conn *c = fw->conn;
+  if (fw->prev)
+    fw->prev->next = fw->next;
+  else
+    c->fwaits = fw->next;
+  if (fw->next)
+    fw->next->prev = fw->prev;
+}
+
+static fwait *fwait_new(gpupool__conn *c, uint64_t seq, int kind, const char *name, int count) {
+  fwait *fw = calloc(1, sizeof *fw);
+  if (!fw || !(fw->name = strdup(name))) {
+    free(fw);
+    gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    return NULL;
+  }
+  fw->conn = c;
+  fw->seq = seq;
+  fw->kind = kind;
+  fw->count = count;
+  fw->started_ns = gpupool__now_ns();
+  fw->next = c->fwaits;
+  if (c->fwaits)
+    c->fwaits->prev = fw;
+  c->fwaits = fw;
+  return fw;
+}
+
+void gpupool__fwait_free(fwait *fw) {
+  free(fw->name);
+  free(fw);
+}
+
+/* files.c is done with a PublishFile or GetFile of c's: answer it. */
+static void file_done(void *arg, int rc, const gpupool__file *f, int fd) {
+  fwait *fw = arg;
+  gpupool__conn *c = fw->conn;
+  gpupool__fwait_unlink(fw);
+  if (rc != 0)
+    gpupool__send_error(c, fw->seq, rc, gpupool__errmsg());
+  else
+    gpupool__srv_reply_file(c, fw->seq, f, fw->name, fw->kind, fd);
+  if (rc == 0 && fw->kind == GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE && !c->closing)
+    gpupool__published(c, fw->name, 1); /* a file is not versioned */
+  if (fw->count && c->srv->metrics)
+    gpupool__metrics_request(c->srv->metrics,
+                             fw->kind == GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE ? GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE
+                                                                               : GPUPOOL__WIRE__REQUEST__BODY_GET_FILE,
+                             rc, gpupool__now_ns() - fw->started_ns);
+  gpupool__fwait_free(fw);
+}
+
+/* A GetFile of name for c, answered when files.c has looked at the file: 0, or the error now. */
+int gpupool__file_get_start(gpupool__conn *c, uint64_t seq, const char *name, int count) {
+  fwait *fw = fwait_new(c, seq, GPUPOOL__WIRE__REPLY__BODY_GET_FILE, name, count);
+  int rc;
+  if (!fw)
+    return GPUPOOL_ENOMEM;
+  if ((rc = gpupool__get_file(c->srv->reg, &c->cl, name, file_done, fw, &fw->op)) != 0) {
+    gpupool__fwait_unlink(fw);
+    gpupool__fwait_free(fw);
+  }
+  return rc;
+}
+
+int gpupool__handle_publish_file(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__PublishFile *m = req->publish_file;
+  fwait *fw;
+  int fd = c->frame_fd, rc;
+  c->frame_fd = -1;
+  if (fd < 0)
+    return gpupool__err(GPUPOOL_EFD, "PublishFile carries no fd: the client opens the file O_RDONLY and sends the "
+                        "fd with the request (gpupool_file_publish does)");
+  if (!(fw = fwait_new(c, seq, GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE, m->name, 1))) {
+    gpupool__conn_close_fd(c, fd);
+    return GPUPOOL_ENOMEM;
+  }
+  if ((rc = gpupool__publish_file(c->srv->reg, &c->cl, m->name, fd, m->offset, m->length, file_done, fw,
+                                  &fw->op)) != 0) {
+    gpupool__fwait_unlink(fw); /* fd closed there */
+    gpupool__fwait_free(fw);
+    return rc;
+  }
+  *deferred = 1;
+  return 0;
+}
+
+int gpupool__handle_get_file(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__GetFile *m = req->get_file;
+  int rc = gpupool__file_get_start(c, seq, m->name, 1);
+  if (rc == GPUPOOL_ENOENT && m->timeout_ms > 0) {
+    if ((rc = gpupool__waiter_add(c, seq, WAIT_GET_FILE, m->timeout_ms, NULL, 0, 0, m->name, 1, 0, NULL)) != 0)
+      return rc;
+    *deferred = 1;
+    return 0;
+  }
+  if (rc == 0)
+    *deferred = 1;
+  return rc;
+}

@@ -1,0 +1,254 @@
+/*
+ * What the files of gpupoold's server share (not an interface outside daemon/: server.h is):
+ * the connection, the server, waiting requests and held-back replies, and the functions one
+ * file of the server calls in another. Each file's top comment says what it owns.
+ */
+#ifndef GPUPOOL_DAEMON_SERVER_INTERNAL_H
+#define GPUPOOL_DAEMON_SERVER_INTERNAL_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include <uv.h>
+
+#include "errors.h"
+#include "fileops.h"
+#include "log.h"
+#include "metrics.h"
+#include "paths.h"
+#include "requests.h"
+#include "server.h"
+
+#define WAIT_FOREVER UINT32_MAX
+
+typedef struct gpupool__conn gpupool__conn;
+typedef struct share share;
+
+/* A PublishFile or GetFile whose system calls run off the loop (files.c): answered when they
+ * are done, or forgotten if the connection goes first. */
+typedef struct fwait fwait;
+struct fwait {
+  gpupool__conn *conn;
+  uint64_t seq;
+  int kind;             /* the reply body case */
+  int count;            /* counted in the metrics when answered (not a waiter's: that was counted) */
+  char *name;
+  gpupool__file_op *op;
+  uint64_t started_ns;
+  fwait *prev, *next;   /* in conn->fwaits */
+};
+
+/* What a waiting request is: an allocation, a get, a bundle get, a bundle allocation, a get
+ * of a file. */
+enum { WAIT_ALLOC = 1, WAIT_GET = 2, WAIT_BGET = 3, WAIT_ABUNDLE = 4, WAIT_GET_FILE = 5 };
+
+typedef struct gpupool__waiter gpupool__waiter;
+
+/* Waiting requests: the allocations of one pool and owner (a FIFO), or the gets of one name.
+ * Gets sit in a binary min-heap on (newer_than, arrival): a publish of version v serves
+ * exactly those with newer_than < v, which are at the top, so it pops them in O(log n) each
+ * and never looks at a get waiting for a later version (thousands of those parked on a name
+ * would otherwise make every publish of it cost thousands of lookups). Appending and removing
+ * are O(1) for allocations and O(log n) for gets; a pass over a queue touches only the
+ * requests that could now succeed. */
+typedef struct wqueue wqueue;
+struct wqueue {
+  gpupool__waiter *head, *tail; /* allocations, oldest first */
+  char *name;           /* for a queue of gets: the name (the key it is filed under) */
+  uint64_t akey;        /* for a queue of allocations: owner * 64 + pool index (its key) */
+  wqueue *anext;        /* the next allocation queue of the same pool */
+  gpupool__waiter **heap; /* gets */
+  uint32_t n, cap;
+  int waking;           /* a publish is serving it: that pass frees it once empty */
+};
+
+#define NOT_IN_HEAP UINT32_MAX
+
+struct gpupool__waiter {
+  gpupool__conn *conn;
+  uint64_t seq;
+  int kind;
+  gpupool__pool *pool;
+  uint64_t size, align;
+  char *name;
+  int read_only;
+  uint64_t newer_than;          /* gets: wait for a version past this */
+  uint64_t known_layout;   /* bundle gets: the member table the client already has */
+  gpupool__bundle_plan *plan;   /* WAIT_ABUNDLE: the checked layout (owned) */
+  uint64_t started_ns;
+  uint64_t order;               /* arrival, for FIFO among the gets one publish serves */
+  uv_timer_t timer;
+  int removed;
+  wqueue *q;
+  uint32_t hidx;                /* gets: the position in q->heap, or NOT_IN_HEAP */
+  gpupool__waiter *prev, *next;   /* in q (allocations) */
+  gpupool__waiter *cprev, *cnext; /* in conn->waiters */
+};
+
+/* A uid's share of the loop (keyed like its limits: by tenant, which is the uid unless a
+ * [tenant] section groups uids). Frames are read in the poll phase but handled in a pass that
+ * runs after it (turn()): each pick serves one frame of the connection at the head of the
+ * ready uid that used the least loop time lately, then moves that connection behind its uid's
+ * other ready ones. See turn() for why. */
+struct share {
+  uint64_t key;
+  uint32_t conns;        /* connections that refer to it; freed at 0 */
+  uint64_t load_ns;      /* loop time its requests took, decayed (LOAD_HALF_LIFE_NS) */
+  uint64_t stamp_ns;     /* when load_ns was last decayed */
+  gpupool__conn *rhead, *rtail; /* its connections with frames read and not yet handled */
+  share *rprev, *rnext;  /* in srv->ready while rhead is set */
+};
+
+/* A reply held back until the ready events of what it hands over have completed: for a client
+ * that cannot wait on the daemon's inter-process events itself (Request.host_fences). */
+typedef struct fenced {
+  struct fenced *next;
+  uint8_t *buf; /* the packed frame */
+  size_t len;
+  int fds[GPUPOOL_WIRE_MAX_FDS]; /* duplicates, closed once sent */
+  int nfds;
+  uint32_t nev;
+  gpupool__event *ev[]; /* still pending when the reply was parked */
+} fenced;
+
+struct gpupool__conn {
+  gpupool__client cl;
+  gpupool__server *srv;
+  int fd;
+  int lease_peer;    /* the client's end of its lease until the Hello reply carries it, or -1 */
+  uv_poll_t poll;
+  int poll_events;
+  uv_timer_t hs_timer;
+  int handles_open;
+  gpupool__wire_inbuf in;
+  int fds_pending;   /* fds arrived (and were closed): refuse the next frame with EFD */
+  int frame_fd;      /* the fd the frame being handled carried (PublishFile), or -1 */
+  gpupool__wire_txq txq;
+  size_t heap;        /* what this connection's queue and input buffer hold (counted in srv) */
+  gpupool__waiter *waiters;
+  uint32_t nwaiters;
+  fwait *fwaits;
+  gpupool__uid_usage *u; /* its uid's record in the registry (connections, waiters, ...) */
+  int hello_done;
+  int closing;
+  int drop_after_flush;
+  int fops_paused;    /* not read while its tenant's file calls pile up (fileops.c) */
+  int host_fences;    /* its last request said it cannot use the daemon's events */
+  fenced *fenced_head, **fenced_tail;
+  size_t fenced_bytes;
+  share *sh;          /* its uid's share of the loop */
+  int ready;          /* in sh's ready list: its input buffer may hold frames; not read meanwhile */
+  int ready_paused;   /* ready across a pass: its readable events are unsubscribed meanwhile */
+  gpupool__conn *rprev, *rnext;
+  gpupool__conn *prev, *next;
+};
+
+struct gpupool__server {
+  uv_loop_t *loop;
+  const gpupool__config *cfg;
+  gpupool__registry *reg;
+  int listen_fd;
+  int own_socket;
+  uv_poll_t listen_poll;
+  int listen_open;
+  /* Out of fds at accept: the listener rests, connections that wait are refused with the
+   * reason (through the reserve fd), and one log line per interval counts them. */
+  uv_timer_t accept_timer;
+  int reserve_fd;
+  int accept_paused;
+  uint64_t refused_nofd, refused_logged_ns;
+  gpupool__conn *conns;
+  uint64_t nconns;
+  /* Waiting allocations: one FIFO per pool and owner (tenant, or the group of a shared pool),
+   * so one owner's request that does not fit never holds up another owner's. */
+  gpupool__hmap alloc_q;               /* owner * 64 + pool index -> wqueue */
+  wqueue *alloc_lists[GPUPOOL_MAX_POOLS]; /* the queues of each pool */
+  gpupool__smap get_q;               /* name -> wqueue */
+  size_t heap;                       /* sum of the connections' heap */
+  uint64_t requests, errors;
+  uint64_t started_ns;
+  int stopping;
+  int in_retry;
+  uint64_t last_activity_ns;
+  gpupool__metrics *metrics; /* counters and exporters; closed with the server */
+  uv_signal_t sigio;         /* file leases breaking (files.c) */
+  gpupool__fileops *fops;    /* closes and file calls off the loop (fileops.c) */
+  uint32_t npaused;          /* connections with fops_paused */
+  int sigio_on;
+  FILE *trace;               /* GPUPOOL_TRACE: a line per request, as the client library writes */
+  uv_timer_t fence_timer;    /* polls the events of held-back replies while there are any */
+  uv_timer_t log_timer;      /* reports what the log rate limits left out, when no line follows */
+  uint64_t nfenced;          /* replies held back, all connections */
+  /* Waiting gets publishes tried, and answered: equal when a publish touches only the
+   * waiters it serves (Stats waiting_gets_tried/answered). */
+  uint64_t gets_tried, gets_answered;
+  uint64_t waiter_order;     /* arrivals of waiting requests, numbered */
+  /* The fair loop: uids with frames waiting, and the handles that run turn() after each poll
+   * (check) and keep the poll from blocking while any is left (idle). */
+  gpupool__hmap shares;      /* tenant -> share */
+  share *ready;
+  share *serving;            /* the share turn() is charging: freed by turn(), not gpupool__conn_close */
+  uv_check_t turn_check;
+  uv_idle_t turn_idle;
+  int turn_on;
+};
+
+/* ---- conn.c: sending, closing, the fair loop */
+void gpupool__conn_close_fd(void *arg, int fd);
+void gpupool__conn_send(gpupool__conn *c, uint8_t *buf, size_t len, const int *fds, int nfds);
+int gpupool__pack_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, uint8_t **buf, size_t *len);
+void gpupool__send_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds);
+void gpupool__send_error(gpupool__conn *c, uint64_t seq, int code, const char *msg);
+void gpupool__conn_close(gpupool__conn *c, const char *why);
+void gpupool__conn_update_poll(gpupool__conn *c);
+void gpupool__conn_drop_after_flush(gpupool__conn *c);
+void gpupool__conn_heap(gpupool__conn *c);
+share *gpupool__share_get(gpupool__server *s, uint64_t key);
+
+/* ---- fences.c: replies held back until their ready events have completed */
+void gpupool__fenced_drop_all(gpupool__conn *c);
+void gpupool__park_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds,
+                         gpupool__event *const *ev, uint32_t nev);
+void gpupool__send_reply_fenced(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds,
+                                gpupool__hold *const *hs, uint32_t nhs);
+
+/* ---- waiters.c: requests that wait for memory or for a publish */
+void gpupool__waiter_remove(gpupool__waiter *w);
+int gpupool__waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout_ms, gpupool__pool *pool,
+                        uint64_t size, uint64_t align, const char *name, int read_only, uint64_t newer_than,
+                        gpupool__bundle_plan *plan);
+void gpupool__retry_waiters(gpupool__registry *reg, gpupool__pool *pool);
+void gpupool__wake_getters(gpupool__server *s, const char *key, uint64_t version);
+
+/* ---- replies.c: replies that hand over a buffer, a bundle or a file */
+void gpupool__srv_reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *h, const char *name,
+                             uint64_t version);
+void gpupool__srv_reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold **hs, uint32_t nhs,
+                               const gpupool__layout *layout, const gpupool__name *nm, uint64_t known_layout);
+void gpupool__srv_reply_file(gpupool__conn *c, uint64_t seq, const gpupool__file *f, const char *name, int kind, int fd);
+
+/* ---- handlers_admin.c: Hello, Stats, Trim and the operators' requests */
+uint64_t gpupool__count_open_fds(void);
+void gpupool__stats_free(Gpupool__Wire__StatsReply *st);
+int gpupool__server_stats(void *server, Gpupool__Wire__StatsReply *st);
+
+/* ---- handlers_buffers.c: buffers, names and bundles */
+void gpupool__published(gpupool__conn *c, const char *name, uint64_t version);
+
+/* ---- handlers_files.c: published files, their calls off the loop */
+void gpupool__fwait_unlink(fwait *fw);
+void gpupool__fwait_free(fwait *fw);
+int gpupool__file_get_start(gpupool__conn *c, uint64_t seq, const char *name, int count);
+
+/* ---- the handlers (handlers_*.c): gpupool__handle_<name> for each row of GPUPOOL__REQUEST_MAP
+ * (common/requests.h), so a row without its handler does not link. Each returns 0 when it sent
+ * the reply or, for a GPUPOOL__REQ_MAY_WAIT row, set *deferred (a handler of another row gets
+ * NULL); else the error code for dispatch to send. The row's flags were checked before. */
+typedef int gpupool__handler(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred);
+#define GPUPOOL__HANDLER_DECL(CASE, name, Message, flags) gpupool__handler gpupool__handle_##name;
+GPUPOOL__REQUEST_MAP(GPUPOOL__HANDLER_DECL)
+#undef GPUPOOL__HANDLER_DECL
+
+/* ---- dispatch.c: a frame in, its handler, its error reply */
+void gpupool__handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len);
+
+#endif
