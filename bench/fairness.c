@@ -187,15 +187,15 @@ static int dropped(int rc) {
 /* A library connection that does not reconnect on its own: the flooder does it and counts it. */
 static gpupool_client *fl_connect(const bench *b) {
   gpupool_client *c = NULL;
-  if (gpupool_connect_timeout(b->d.sock, "flood", 10000, &c) != 0)
+  if (gpupool_client_connect(b->d.sock, "flood", 10000, &c) != 0)
     return NULL;
-  gpupool_set_reconnect(c, 0);
+  gpupool_client_set_reconnect(c, 0);
   return c;
 }
 
 /* Replace *c after a drop (or a failed connect); NULL while the daemon refuses. */
 static void fl_reconnect(const bench *b, gpupool_client **c) {
-  gpupool_disconnect(*c);
+  gpupool_client_disconnect(*c);
   atomic_fetch_add(&counts->reconnects, 1);
   if (!(*c = fl_connect(b)))
     sleep_ms(1); /* refused: try again later without spinning on the accept queue */
@@ -271,7 +271,7 @@ static void limits_op(const bench *b, fl_conn *k, unsigned op, unsigned serial) 
     return;
   }
   if (!k->b) {
-    count(rc = gpupool_alloc(k->c, NULL, 4096, 0, NULL, &k->b));
+    count(rc = gpupool_buffer_alloc(k->c, NULL, 4096, 0, NULL, &k->b));
     if (rc != 0)
       k->b = NULL;
     goto out;
@@ -279,14 +279,14 @@ static void limits_op(const bench *b, fl_conn *k, unsigned op, unsigned serial) 
   snprintf(name, sizeof name, "limits/%d/%u", (int)getpid(), serial % 64);
   switch (op % 10) {
   case 0: /* allocate + release */
-    count(rc = gpupool_alloc(k->c, NULL, 4096, 0, NULL, &x));
+    count(rc = gpupool_buffer_alloc(k->c, NULL, 4096, 0, NULL, &x));
     if (rc == 0)
-      count(rc = gpupool_release(x, NULL));
+      count(rc = gpupool_buffer_release(x, NULL));
     break;
   case 1: /* a get that waits for a name nobody publishes, then times out */
-    count(rc = gpupool_get(k->c, "limits/never", 1, 0, NULL, &x));
+    count(rc = gpupool_buffer_get(k->c, "limits/never", 0, 1, 0, NULL, &x, NULL));
     if (rc == 0)
-      gpupool_release(x, NULL);
+      gpupool_buffer_release(x, NULL);
     else if (rc == GPUPOOL_ETIMEDOUT || rc == GPUPOOL_ENOENT)
       rc = 0;
     break;
@@ -294,24 +294,24 @@ static void limits_op(const bench *b, fl_conn *k, unsigned op, unsigned serial) 
     gpupool_daemon_stats st;
     gpupool_pool_stats ps[4];
     int np;
-    count(rc = gpupool_stats(k->c, &st, ps, 4, &np));
+    count(rc = gpupool_client_stats(k->c, &st, ps, 4, &np));
     break;
   }
   case 3: /* publish, get, unpublish (refused once the uid's names are at their limit) */
-    count(rc = gpupool_publish(k->b, name, NULL, NULL));
+    count(rc = gpupool_buffer_publish(k->b, name, NULL, NULL, NULL));
     if (rc == 0) {
-      count(rc = gpupool_get(k->c, name, 0, GPUPOOL_READ_ONLY, NULL, &x));
+      count(rc = gpupool_buffer_get(k->c, name, 0, 0, GPUPOOL_READ_ONLY, NULL, &x, NULL));
       if (rc == 0)
-        gpupool_release(x, NULL);
-      count(rc = gpupool_unpublish(k->c, name));
+        gpupool_buffer_release(x, NULL);
+      count(rc = gpupool_name_unpublish(k->c, name));
     }
     break;
   case 4: /* share, open, release */
-    count(rc = gpupool_share(k->b, NULL, &tok));
+    count(rc = gpupool_buffer_share(k->b, NULL, &tok));
     if (rc == 0) {
-      count(rc = gpupool_open(k->c, &tok, 0, NULL, &x));
+      count(rc = gpupool_buffer_open(k->c, &tok, 0, NULL, &x));
       if (rc == 0)
-        count(rc = gpupool_release(x, NULL));
+        count(rc = gpupool_buffer_release(x, NULL));
     }
     break;
   case 5: { /* a small bundle */
@@ -329,26 +329,28 @@ static void limits_op(const bench *b, fl_conn *k, unsigned op, unsigned serial) 
     break;
   }
   case 6: /* a file: publish, get, unpublish */
-    count(rc = gpupool_publish_file(k->c, name, b->file, 0, 0, NULL));
+    count(rc = gpupool_file_publish(k->c, name, b->file, 0, 0, NULL));
     if (rc == 0) {
-      count(rc = gpupool_get_file(k->c, name, 0, GPUPOOL_FILE_HOST_ONLY, &f));
+      count(rc = gpupool_file_get(k->c, name, 0, GPUPOOL_FILE_HOST_ONLY, &f));
       if (rc == 0)
         gpupool_file_release(f);
-      count(rc = gpupool_unpublish(k->c, name));
+      count(rc = gpupool_name_unpublish(k->c, name));
     }
     break;
-  case 7: /* refused by design: a plain buffer published to every uid */
-    count(rc = gpupool_publish_ex(k->b, "limits/all", NULL, NULL, 0, 1));
+  case 7: { /* refused by design: a member alignment that is not a power of two */
+    gpupool_member_spec bad = {.name = "limits/odd", .size = 4096};
+    count(rc = gpupool_bundle_alloc(k->c, NULL, &bad, 1, 3, 0, NULL, &bu));
     if (rc == 0)
-      gpupool_unpublish(k->c, "limits/all");
+      gpupool_bundle_release(bu, NULL);
     break;
+  }
   case 8: /* a get of a bundle name nobody publishes, at once */
     count(rc = gpupool_bundle_get(k->c, "limits/none", 0, 0, 0, NULL, &bu));
     if (rc == 0)
       gpupool_bundle_release(bu, NULL);
     break;
   default: /* connection churn: the uid's connection slots turn over */
-    gpupool_disconnect(k->c);
+    gpupool_client_disconnect(k->c);
     k->b = NULL;
     if (!(k->c = fl_connect(b)))
       atomic_fetch_add(&counts->reconnects, 1);
@@ -372,13 +374,13 @@ static void limits_fill(const bench *b, fl_conn *conns, int n) {
     return;
   for (int i = 0; i < 100000 && now_ns() < end; i++) {
     snprintf(name, sizeof name, "limits/held/%d", i);
-    if (gpupool_publish(conns[0].b, name, NULL, NULL) != 0)
+    if (gpupool_buffer_publish(conns[0].b, name, NULL, NULL, NULL) != 0)
       break;
     count(0);
     atomic_fetch_add(&counts->names, 1);
   }
-  if (gpupool_share(conns[0].b, NULL, &tok) == 0)
-    while (now_ns() < end && gpupool_open(conns[1].c, &tok, 0, NULL, &x) == 0) {
+  if (gpupool_buffer_share(conns[0].b, NULL, &tok) == 0)
+    while (now_ns() < end && gpupool_buffer_open(conns[1].c, &tok, 0, NULL, &x) == 0) {
       count(0);
       atomic_fetch_add(&counts->holds, 1);
     }
@@ -396,7 +398,7 @@ static void limits_flood(const bench *b, int idx, int nprocs) {
   for (; nc < n; nc++) {
     if (!(conns[nc].c = fl_connect(b)))
       break;
-    if (gpupool_alloc(conns[nc].c, NULL, 4096, 0, NULL, &conns[nc].b) != 0)
+    if (gpupool_buffer_alloc(conns[nc].c, NULL, 4096, 0, NULL, &conns[nc].b) != 0)
       conns[nc].b = NULL;
   }
   if (nc == 0)
@@ -442,7 +444,7 @@ static void wake_flood(const bench *b, int idx, int nprocs) {
     for (int i = 0; i < WAKE_PER_CONN; i++) {
       gpupool_pending *p;
       /* Sent only: the answer comes when it times out (or at once if refused). */
-      if (gpupool_get_begin(w[k], "wake", UINT64_C(1) << 60, 600000, 0, &p) != 0)
+      if (gpupool_buffer_get_begin(w[k], "wake", UINT64_C(1) << 60, 600000, 0, &p) != 0)
         break;
       atomic_fetch_add(&counts->sent, 1);
     }
@@ -454,7 +456,7 @@ static void wake_flood(const bench *b, int idx, int nprocs) {
         sleep_ms(1);
         continue;
       }
-      if (gpupool_alloc(pc, NULL, 4096, 0, NULL, &buf) != 0) {
+      if (gpupool_buffer_alloc(pc, NULL, 4096, 0, NULL, &buf) != 0) {
         buf = NULL;
         wake_reconnect(b, &pc, pub);
         continue;
@@ -476,7 +478,7 @@ static void wake_flood(const bench *b, int idx, int nprocs) {
       }
     }
     atomic_fetch_add(&counts->sent, 1);
-    if (gpupool_publish_begin(buf, "wake", NULL, NULL, &pub[head % WAKE_DEPTH]) != 0) {
+    if (gpupool_buffer_publish_begin(buf, "wake", NULL, NULL, &pub[head % WAKE_DEPTH]) != 0) {
       pub[head % WAKE_DEPTH] = NULL;
       atomic_fetch_add(&counts->refused, 1);
       buf = NULL;
@@ -631,13 +633,13 @@ static void files_flood(const bench *b, int idx, int nprocs) {
       continue;
     }
     snprintf(name, sizeof name, "files/%d/%u", idx, i % 16);
-    count(rc = gpupool_publish_file(c, name, b->file, 0, 0, NULL));
+    count(rc = gpupool_file_publish(c, name, b->file, 0, 0, NULL));
     if (rc == 0) {
-      count(rc = gpupool_get_file(c, name, 0, GPUPOOL_FILE_HOST_ONLY, &f));
+      count(rc = gpupool_file_get(c, name, 0, GPUPOOL_FILE_HOST_ONLY, &f));
       if (rc == 0)
         gpupool_file_release(f);
       if (!dropped(rc))
-        count(rc = gpupool_unpublish(c, name));
+        count(rc = gpupool_name_unpublish(c, name));
     }
     if (!announced) {
       announced = 1;
@@ -731,8 +733,8 @@ static void victim(const bench *b, gpupool_client *c, lat *r) {
   end = now_ns() + (uint64_t)(b->seconds * 1e9);
   while (n < cap && now_ns() < end) {
     uint64_t t0 = now_ns();
-    if ((rc = gpupool_alloc(c, NULL, 4096, 1000, NULL, &x)) == 0)
-      rc = gpupool_release(x, NULL);
+    if ((rc = gpupool_buffer_alloc(c, NULL, 4096, 1000, NULL, &x)) == 0)
+      rc = gpupool_buffer_release(x, NULL);
     if (rc != 0) {
       if (dropped(rc)) {
         r->stalled = 1;
@@ -769,14 +771,14 @@ static void run_mode(const bench *b, const mode *m, result *r) {
     return;
   }
   daemon_pid = d;
-  if (gpupool_connect(b->d.sock, "victim", &c) != 0) {
+  if (gpupool_client_connect(b->d.sock, "victim", GPUPOOL_TIMEOUT_DEFAULT, &c) != 0) {
     snprintf(r->why, sizeof r->why, "the victim could not connect: %s", gpupool_last_error());
     goto out;
   }
-  gpupool_set_reconnect(c, 0);
+  gpupool_client_set_reconnect(c, 0);
   for (int i = 0; i < 200; i++) /* warm: the slab gets mapped */
-    if (gpupool_alloc(c, NULL, 4096, 0, NULL, &x) == 0)
-      gpupool_release(x, NULL);
+    if (gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &x) == 0)
+      gpupool_buffer_release(x, NULL);
   /* The baseline on this daemon, seconds before its flood: the machine's load drifts (other
    * work on a shared machine), so each flood is compared with an idle time next to it. */
   victim(b, c, &r->base);
@@ -824,7 +826,7 @@ out:
       kill(kids[i], SIGKILL);
       waitpid(kids[i], NULL, 0);
     }
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   daemon_pid = 0;
   stop_daemon(d);
 }

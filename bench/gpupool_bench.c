@@ -13,11 +13,11 @@
  *   - raw CUDA floors without gpupool: cudaMemPoolExportPointer (1 MiB allocation),
  *     cudaMemPoolImportPointer in a second process, cudaIpcOpenEventHandle (first and later
  *     opens), cudaStreamWaitEvent on an opened IPC event;
- *   - warm gpupool_alloc (pointer usable on return) and alloc+release, p50/p99, and the
+ *   - warm gpupool_buffer_alloc (pointer usable on return) and alloc+release, p50/p99, and the
  *     ratio of alloc to the socket floor;
  *   - producer->consumer handoff for 4 KiB, 1 MiB and 64 MiB: from the producer's
- *     gpupool_publish call to the consumer holding a pointer with the ready event waited on
- *     (gpupool_get returned and its stream synchronized), p50/p99; warm (slab already mapped
+ *     gpupool_buffer_publish call to the consumer holding a pointer with the ready event waited on
+ *     (gpupool_buffer_get returned and its stream synchronized), p50/p99; warm (slab already mapped
  *     by the consumer) and cold (first import of the slab by a fresh consumer process);
  *   - bundle handoff from C: a Llama-3.2-1B-shaped bf16 state dict (146 members, 2.47 GB in
  *     one buffer) and 1,000 members of 64 KiB, republished as 40 versions of one name, each
@@ -380,22 +380,22 @@ static int w_alloc(char **a) {
   double *va = calloc((size_t)n, sizeof(double)), *vp = calloc((size_t)n, sizeof(double));
   if (!va || !vp)
     die("out of memory");
-  GP(gpupool_connect(sock, "bench-alloc", &c));
+  GP(gpupool_client_connect(sock, "bench-alloc", GPUPOOL_TIMEOUT_DEFAULT, &c));
   for (int i = 0; i < 200; i++) { /* maps the slab, fills the client's caches */
-    GP(gpupool_alloc(c, POOL, size, 10000, s, &b));
-    GP(gpupool_release(b, s));
+    GP(gpupool_buffer_alloc(c, POOL, size, 10000, s, &b));
+    GP(gpupool_buffer_release(b, s));
   }
   for (int i = 0; i < n; i++) {
     uint64_t t0 = gh_now_ns();
-    GP(gpupool_alloc(c, POOL, size, 10000, s, &b));
+    GP(gpupool_buffer_alloc(c, POOL, size, 10000, s, &b));
     va[i] = us_since(t0);
     if (!gpupool_buffer_ptr(b))
-      die("gpupool_alloc returned no pointer");
-    GP(gpupool_release(b, s));
+      die("gpupool_buffer_alloc returned no pointer");
+    GP(gpupool_buffer_release(b, s));
     vp[i] = us_since(t0);
   }
   CK(cudaStreamSynchronize(s));
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   CK(cudaStreamDestroy(s));
   gh_say("ALLOC %.3f %.3f %.3f %.3f", gh_percentile(va, (size_t)n, 50),
       gh_percentile(va, (size_t)n, 99), gh_percentile(vp, (size_t)n, 50),
@@ -416,9 +416,9 @@ static void bench_alloc(const gh_daemon *d, double socket_p50) {
       sscanf(line, "ALLOC %lf %lf %lf %lf", &a50, &a99, &p50, &p99) != 4)
     die("alloc worker failed");
   gh_wait(&p, STEP_MS);
-  gh_say("%-52s p50 %9.1f us  p99 %9.1f us  (n=%d)", "warm gpupool_alloc 4 KiB (usable pointer)",
+  gh_say("%-52s p50 %9.1f us  p99 %9.1f us  (n=%d)", "warm gpupool_buffer_alloc 4 KiB (usable pointer)",
       a50, a99, N_ALLOC);
-  gh_say("%-52s p50 %9.1f us  p99 %9.1f us", "warm gpupool_alloc + gpupool_release", p50, p99);
+  gh_say("%-52s p50 %9.1f us  p99 %9.1f us", "warm gpupool_buffer_alloc + gpupool_buffer_release", p50, p99);
   gh_say("%-52s %9.2fx", "alloc p50 / socket floor p50", a50 / socket_p50);
   report("alloc_p50_us", a50);
   report("alloc_p99_us", a99);
@@ -513,12 +513,12 @@ static int w_prod(char **a) {
   gpupool_buffer *b = NULL;
   char line[512], name[256];
   unsigned long long size;
-  GP(gpupool_connect(a[0], "bench-producer", &c));
+  GP(gpupool_client_connect(a[0], "bench-producer", GPUPOOL_TIMEOUT_DEFAULT, &c));
   gh_say("READY");
   for (;;) {
     next_line(line, sizeof(line));
     if (sscanf(line, "ALLOC %255s %llu", name, &size) == 2) {
-      GP(gpupool_alloc(c, POOL, size, 30000, s, &b));
+      GP(gpupool_buffer_alloc(c, POOL, size, 30000, s, &b));
       CK(cudaMemsetAsync(gpupool_buffer_ptr(b), 0x5a, size, s));
       /* The fill is done before the clock starts: the handoff is what is measured. */
       CK(cudaStreamSynchronize(s));
@@ -527,13 +527,13 @@ static int w_prod(char **a) {
       if (!b)
         die("PUB without ALLOC");
       uint64_t t0 = gh_now_ns();
-      GP(gpupool_publish(b, name, NULL, s));
+      GP(gpupool_buffer_publish(b, name, NULL, s, NULL));
       trace_mark("bench-T0", t0);
       gh_say("T0 %" PRIu64, t0);
-      GP(gpupool_release(b, s));
+      GP(gpupool_buffer_release(b, s));
       b = NULL;
     } else if (sscanf(line, "UNPUB %255s", name) == 1) {
-      GP(gpupool_unpublish(c, name));
+      GP(gpupool_name_unpublish(c, name));
       gh_say("UNPUBLISHED");
     } else if (!strcmp(line, "QUIT")) {
       break;
@@ -542,7 +542,7 @@ static int w_prod(char **a) {
     }
   }
   CK(cudaStreamSynchronize(s));
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   CK(cudaStreamDestroy(s));
   return 0;
 }
@@ -553,25 +553,25 @@ static int w_cons(char **a) {
   gpupool_client *c;
   gpupool_buffer *primer = NULL, *b;
   char line[512], name[256];
-  GP(gpupool_connect(a[0], "bench-consumer", &c));
+  GP(gpupool_client_connect(a[0], "bench-consumer", GPUPOOL_TIMEOUT_DEFAULT, &c));
   gh_say("READY");
   for (;;) {
     next_line(line, sizeof(line));
     if (sscanf(line, "PRIME %255s", name) == 1) {
       /* Imports the pool (and maps the primer's own slab) outside the measurement. */
-      GP(gpupool_get(c, name, STEP_MS, GPUPOOL_READ_ONLY, s, &primer));
+      GP(gpupool_buffer_get(c, name, 0, STEP_MS, GPUPOOL_READ_ONLY, s, &primer, NULL));
       CK(cudaStreamSynchronize(s));
       gh_say("PRIMED");
     } else if (sscanf(line, "GET %255s", name) == 1) {
       gh_say("WAITING");
-      GP(gpupool_get(c, name, STEP_MS, GPUPOOL_READ_ONLY, s, &b));
+      GP(gpupool_buffer_get(c, name, 0, STEP_MS, GPUPOOL_READ_ONLY, s, &b, NULL));
       CK(cudaStreamSynchronize(s));
       uint64_t t1 = gh_now_ns();
       if (!gpupool_buffer_ptr(b))
-        die("gpupool_get returned no pointer");
+        die("gpupool_buffer_get returned no pointer");
       trace_mark("bench-T1", t1);
       gh_say("T1 %" PRIu64, t1);
-      GP(gpupool_release(b, s));
+      GP(gpupool_buffer_release(b, s));
       CK(cudaStreamSynchronize(s));
       gh_say("RELEASED");
     } else if (!strcmp(line, "QUIT")) {
@@ -581,9 +581,9 @@ static int w_cons(char **a) {
     }
   }
   if (primer)
-    GP(gpupool_release(primer, s));
+    GP(gpupool_buffer_release(primer, s));
   CK(cudaStreamSynchronize(s));
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   CK(cudaStreamDestroy(s));
   return 0;
 }
@@ -602,7 +602,7 @@ static void cmd(gh_proc *p, const char *expect, char *line, size_t len, const ch
     die("worker %d: no %s after %s", (int)p->pid, expect, buf);
 }
 
-/* One handoff: the consumer is blocked in gpupool_get when the producer publishes. */
+/* One handoff: the consumer is blocked in gpupool_buffer_get when the producer publishes. */
 static double one_handoff(gh_proc *prod, gh_proc *cons, const char *name, uint64_t size) {
   char line[256];
   uint64_t t0, t1;
@@ -726,7 +726,7 @@ static int w_bprod(char **a) {
     bundle_layout(kind, i, names[i], sizeof names[i], &specs[i].size);
     specs[i].name = names[i];
   }
-  GP(gpupool_connect(a[0], "bench-bundle-producer", &c));
+  GP(gpupool_client_connect(a[0], "bench-bundle-producer", GPUPOOL_TIMEOUT_DEFAULT, &c));
   GP(gpupool_bundle_alloc(c, POOL, specs, n, 0, 30000, s, &b));
   for (int i = 0; i < gpupool_bundle_buffers(b); i++) {
     gpupool_buffer *buf = gpupool_bundle_buffer(b, i);
@@ -741,7 +741,7 @@ static int w_bprod(char **a) {
       GP(gpupool_bundle_publish(b, name, s, NULL));
       gh_say("T0 %" PRIu64, t0);
     } else if (sscanf(line, "UNPUB %255s", name) == 1) {
-      GP(gpupool_unpublish(c, name));
+      GP(gpupool_name_unpublish(c, name));
       gh_say("UNPUBLISHED");
     } else if (!strcmp(line, "QUIT")) {
       break;
@@ -751,7 +751,7 @@ static int w_bprod(char **a) {
   }
   GP(gpupool_bundle_release(b, s));
   CK(cudaStreamSynchronize(s));
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   free(specs);
   free(names);
   return 0;
@@ -766,7 +766,7 @@ static int w_bcons(char **a) {
   char line[512], name[256];
   unsigned long long last;
   int keep;
-  GP(gpupool_connect(a[0], "bench-bundle-consumer", &c));
+  GP(gpupool_client_connect(a[0], "bench-bundle-consumer", GPUPOOL_TIMEOUT_DEFAULT, &c));
   gh_say("READY");
   for (;;) {
     next_line(line, sizeof(line));
@@ -798,7 +798,7 @@ static int w_bcons(char **a) {
       die("bundle consumer: unknown command %s", line);
     }
   }
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   return 0;
 }
 
@@ -859,18 +859,18 @@ static int w_tp_prod(char **a) {
   int done = 0; /* items every consumer has taken, in order */
   if (!taken)
     die("out of memory");
-  GP(gpupool_connect(a[0], "bench-tp-producer", &c));
+  GP(gpupool_client_connect(a[0], "bench-tp-producer", GPUPOOL_TIMEOUT_DEFAULT, &c));
   gh_say("READY");
   next_line(line, sizeof(line));
   uint64_t t0 = gh_now_ns();
   for (int i = 0; i < TP_ITEMS || done < TP_ITEMS;) {
     if (i < TP_ITEMS && i - done < TP_WINDOW) {
       gpupool_buffer *b;
-      GP(gpupool_alloc(c, POOL, TP_BYTES, 30000, s, &b));
+      GP(gpupool_buffer_alloc(c, POOL, TP_BYTES, 30000, s, &b));
       CK(cudaMemsetAsync(gpupool_buffer_ptr(b), i & 0xff, TP_BYTES, s));
       snprintf(name, sizeof(name), "tp-%d", i);
-      GP(gpupool_publish(b, name, NULL, s));
-      GP(gpupool_release(b, s));
+      GP(gpupool_buffer_publish(b, name, NULL, s, NULL));
+      GP(gpupool_buffer_release(b, s));
       i++;
       continue;
     }
@@ -879,14 +879,14 @@ static int w_tp_prod(char **a) {
       die("tp consumers went away");
     if (++taken[idx] == TP_CONSUMERS) {
       snprintf(name, sizeof(name), "tp-%u", idx);
-      GP(gpupool_unpublish(c, name));
+      GP(gpupool_name_unpublish(c, name));
     }
     while (done < TP_ITEMS && taken[done] == TP_CONSUMERS)
       done++;
   }
   double secs = (double)(gh_now_ns() - t0) / 1e9;
   CK(cudaStreamSynchronize(s));
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   CK(cudaStreamDestroy(s));
   gh_say("RATE %.1f %.3f", (double)TP_ITEMS * TP_CONSUMERS / secs, secs);
   free(taken);
@@ -898,19 +898,19 @@ static int w_tp_cons(char **a) {
   cudaStream_t s = new_stream();
   gpupool_client *c;
   char line[64], name[64];
-  GP(gpupool_connect(a[0], "bench-tp-consumer", &c));
+  GP(gpupool_client_connect(a[0], "bench-tp-consumer", GPUPOOL_TIMEOUT_DEFAULT, &c));
   gh_say("READY");
   next_line(line, sizeof(line));
   for (uint32_t i = 0; i < TP_ITEMS; i++) {
     gpupool_buffer *b;
     snprintf(name, sizeof(name), "tp-%u", i);
-    GP(gpupool_get(c, name, STEP_MS, GPUPOOL_READ_ONLY, s, &b));
-    GP(gpupool_release(b, s));
+    GP(gpupool_buffer_get(c, name, 0, STEP_MS, GPUPOOL_READ_ONLY, s, &b, NULL));
+    GP(gpupool_buffer_release(b, s));
     if (gh_full_io(3, &i, sizeof(i), 1) < 0)
       die("tp producer went away");
   }
   CK(cudaStreamSynchronize(s));
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   CK(cudaStreamDestroy(s));
   return 0;
 }
@@ -960,21 +960,21 @@ static int w_ops(char **a) {
   gpupool_client *c;
   gpupool_buffer *b;
   char line[64];
-  GP(gpupool_connect(a[0], "bench-ops", &c));
+  GP(gpupool_client_connect(a[0], "bench-ops", GPUPOOL_TIMEOUT_DEFAULT, &c));
   for (int i = 0; i < 50; i++) {
-    GP(gpupool_alloc(c, POOL, OPS_BYTES, 30000, s, &b));
-    GP(gpupool_release(b, s));
+    GP(gpupool_buffer_alloc(c, POOL, OPS_BYTES, 30000, s, &b));
+    GP(gpupool_buffer_release(b, s));
   }
   gh_say("READY");
   next_line(line, sizeof(line));
   uint64_t t0 = gh_now_ns();
   for (int i = 0; i < OPS_N; i++) {
-    GP(gpupool_alloc(c, POOL, OPS_BYTES, 30000, s, &b));
-    GP(gpupool_release(b, s));
+    GP(gpupool_buffer_alloc(c, POOL, OPS_BYTES, 30000, s, &b));
+    GP(gpupool_buffer_release(b, s));
   }
   uint64_t t1 = gh_now_ns();
   CK(cudaStreamSynchronize(s));
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   CK(cudaStreamDestroy(s));
   gh_say("OPS %d %" PRIu64 " %" PRIu64, OPS_N, t0, t1);
   return 0;
@@ -1036,18 +1036,18 @@ static int w_bw(char **a) {
   gpupool_buffer *b;
   unsigned long long *sink;
   void *local;
-  GP(gpupool_connect(a[0], "bench-bw", &c));
-  GP(gpupool_get(c, a[1], STEP_MS, GPUPOOL_READ_ONLY, s, &b));
+  GP(gpupool_client_connect(a[0], "bench-bw", GPUPOOL_TIMEOUT_DEFAULT, &c));
+  GP(gpupool_buffer_get(c, a[1], 0, STEP_MS, GPUPOOL_READ_ONLY, s, &b, NULL));
   CK(cudaMalloc((void **)&sink, sizeof(*sink)));
   double shared = read_gbps(gpupool_buffer_ptr(b), BW_BYTES, s, sink);
-  GP(gpupool_release(b, s));
+  GP(gpupool_buffer_release(b, s));
   CK(cudaMalloc(&local, BW_BYTES));
   CK(cudaMemsetAsync(local, 0x5a, BW_BYTES, s));
   double loc = read_gbps(local, BW_BYTES, s, sink);
   CK(cudaStreamSynchronize(s));
   CK(cudaFree(local));
   CK(cudaFree(sink));
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   CK(cudaStreamDestroy(s));
   gh_say("BW %.1f %.1f", shared, loc);
   return 0;

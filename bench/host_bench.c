@@ -92,19 +92,19 @@ static void bench_alloc(double floor50) {
   gpupool_client *c;
   gpupool_buffer *b;
   int rc;
-  if ((rc = gpupool_connect(sock_path, "bench-alloc", &c)) != 0)
+  if ((rc = gpupool_client_connect(sock_path, "bench-alloc", GPUPOOL_TIMEOUT_DEFAULT, &c)) != 0)
     die("connect", rc);
   for (int i = 0; i < 100; i++) { /* warm: the slab gets mapped */
-    if ((rc = gpupool_alloc(c, NULL, 1 << 20, 0, NULL, &b)) != 0)
+    if ((rc = gpupool_buffer_alloc(c, NULL, 1 << 20, 0, NULL, &b)) != 0)
       die("alloc", rc);
-    gpupool_release(b, NULL);
+    gpupool_buffer_release(b, NULL);
   }
   for (int i = 0; i < N; i++) {
     uint64_t t0 = now_ns(), t1;
-    if ((rc = gpupool_alloc(c, NULL, 1 << 20, 0, NULL, &b)) != 0)
+    if ((rc = gpupool_buffer_alloc(c, NULL, 1 << 20, 0, NULL, &b)) != 0)
       die("alloc", rc);
     t1 = now_ns();
-    if ((rc = gpupool_release(b, NULL)) != 0)
+    if ((rc = gpupool_buffer_release(b, NULL)) != 0)
       die("release", rc);
     ta[i] = t1 - t0;
     tr[i] = now_ns() - t0;
@@ -118,7 +118,7 @@ static void bench_alloc(double floor50) {
            "BENCH host_alloc_release_p50_us %.2f\n",
            a50, a99, a50 / floor50, r50);
   }
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
 }
 
 /* Producer publishes name i, consumer (another process) gets it: latency from publish to a
@@ -136,14 +136,14 @@ static void bench_handoff(void) {
     gpupool_client *c;
     close(go[1]);
     close(done[0]);
-    if ((rc = gpupool_connect(sock_path, "bench-consumer", &c)) != 0)
+    if ((rc = gpupool_client_connect(sock_path, "bench-consumer", GPUPOOL_TIMEOUT_DEFAULT, &c)) != 0)
       die("connect", rc);
     for (int i = 0; i < N; i++) {
       char name[32];
       gpupool_buffer *b;
       uint64_t t0, dt;
       snprintf(name, sizeof name, "h%d", i);
-      if ((rc = gpupool_get(c, name, 10000, GPUPOOL_READ_ONLY, NULL, &b)) != 0)
+      if ((rc = gpupool_buffer_get(c, name, 0, 10000, GPUPOOL_READ_ONLY, NULL, &b, NULL)) != 0)
         die("get", rc);
       dt = now_ns();
       if (((volatile uint8_t *)gpupool_buffer_ptr(b))[0] != (uint8_t)i)
@@ -151,18 +151,18 @@ static void bench_handoff(void) {
       if (read(go[0], &t0, sizeof t0) != sizeof t0)
         _exit(2);
       dt -= t0;
-      gpupool_release(b, NULL);
+      gpupool_buffer_release(b, NULL);
       if (write(done[1], &dt, sizeof dt) != sizeof dt)
         _exit(2);
     }
-    gpupool_disconnect(c);
+    gpupool_client_disconnect(c);
     _exit(0);
   }
   close(go[0]);
   close(done[1]);
   {
     gpupool_client *c;
-    if ((rc = gpupool_connect(sock_path, "bench-producer", &c)) != 0)
+    if ((rc = gpupool_client_connect(sock_path, "bench-producer", GPUPOOL_TIMEOUT_DEFAULT, &c)) != 0)
       die("connect", rc);
     start = now_ns();
     for (int i = 0; i < N; i++) {
@@ -170,20 +170,20 @@ static void bench_handoff(void) {
       gpupool_buffer *b;
       uint64_t t0;
       snprintf(name, sizeof name, "h%d", i);
-      if ((rc = gpupool_alloc(c, NULL, 1 << 20, 1000, NULL, &b)) != 0)
+      if ((rc = gpupool_buffer_alloc(c, NULL, 1 << 20, 1000, NULL, &b)) != 0)
         die("alloc", rc);
       ((uint8_t *)gpupool_buffer_ptr(b))[0] = (uint8_t)i;
       t0 = now_ns();
-      if ((rc = gpupool_publish(b, name, NULL, NULL)) != 0)
+      if ((rc = gpupool_buffer_publish(b, name, NULL, NULL, NULL)) != 0)
         die("publish", rc);
       if (write(go[1], &t0, sizeof t0) != sizeof t0 || read(done[0], &t[i], sizeof t[i]) != sizeof t[i])
         exit(1);
-      gpupool_release(b, NULL);
-      if ((rc = gpupool_unpublish(c, name)) != 0)
+      gpupool_buffer_release(b, NULL);
+      if ((rc = gpupool_name_unpublish(c, name)) != 0)
         die("unpublish", rc);
     }
     total = now_ns() - start;
-    gpupool_disconnect(c);
+    gpupool_client_disconnect(c);
   }
   waitpid(pid, NULL, 0);
   {
@@ -210,17 +210,17 @@ static void bench_ops(int clients, double seconds) {
       uint64_t ops = 0, end;
       int rc;
       close(fds[0]);
-      if ((rc = gpupool_connect(sock_path, "bench-ops", &c)) != 0)
+      if ((rc = gpupool_client_connect(sock_path, "bench-ops", GPUPOOL_TIMEOUT_DEFAULT, &c)) != 0)
         die("connect", rc);
       end = now_ns() + (uint64_t)(seconds * 1e9);
       while (now_ns() < end) {
-        if ((rc = gpupool_alloc(c, NULL, 4096, 1000, NULL, &b)) != 0)
+        if ((rc = gpupool_buffer_alloc(c, NULL, 4096, 1000, NULL, &b)) != 0)
           die("alloc", rc);
-        if ((rc = gpupool_release(b, NULL)) != 0)
+        if ((rc = gpupool_buffer_release(b, NULL)) != 0)
           die("release", rc);
         ops += 2;
       }
-      gpupool_disconnect(c);
+      gpupool_client_disconnect(c);
       if (write(fds[1], &ops, sizeof ops) != sizeof ops)
         _exit(2);
       _exit(0);
@@ -252,9 +252,9 @@ static void alloc_release_pcts(gpupool_client *c, int n, double *p50, double *p9
     die("malloc", GPUPOOL_ENOMEM);
   for (int i = 0; i < n; i++) {
     uint64_t t0 = now_ns();
-    if ((rc = gpupool_alloc(c, NULL, 4096, 1000, NULL, &b)) != 0)
+    if ((rc = gpupool_buffer_alloc(c, NULL, 4096, 1000, NULL, &b)) != 0)
       die("alloc", rc);
-    if ((rc = gpupool_release(b, NULL)) != 0)
+    if ((rc = gpupool_buffer_release(b, NULL)) != 0)
       die("release", rc);
     t[i] = now_ns() - t0;
   }
@@ -269,23 +269,25 @@ static void flood(int ready_fd) {
   enum { MAXC = 512 };
   static gpupool_client *cs[MAXC];
   gpupool_buffer *b, *o;
+  gpupool_member_spec bad = {.name = "x", .size = 4096};
+  gpupool_bundle *bu;
   gpupool_token tok;
   int nc = 0, rc;
   char name[64], ch = 1;
   if (ts_become(TS_NOBODY) != 0)
     _exit(3);
-  while (nc < MAXC && gpupool_connect(sock_path, "flood", &cs[nc]) == 0)
+  while (nc < MAXC && gpupool_client_connect(sock_path, "flood", GPUPOOL_TIMEOUT_DEFAULT, &cs[nc]) == 0)
     nc++;
   if (nc < 2)
     _exit(4);
-  if (gpupool_alloc(cs[0], NULL, 4096, 0, NULL, &b) == 0) {
+  if (gpupool_buffer_alloc(cs[0], NULL, 4096, 0, NULL, &b) == 0) {
     for (int i = 0; i < 100000; i++) {
       snprintf(name, sizeof name, "flood/%d", i);
-      if (gpupool_publish(b, name, NULL, NULL) != 0)
+      if (gpupool_buffer_publish(b, name, NULL, NULL, NULL) != 0)
         break;
     }
-    if (gpupool_share(b, NULL, &tok) == 0)
-      for (int i = 0; i < 1000000 && gpupool_open(cs[1], &tok, 0, NULL, &o) == 0; i++)
+    if (gpupool_buffer_share(b, NULL, &tok) == 0)
+      for (int i = 0; i < 1000000 && gpupool_buffer_open(cs[1], &tok, 0, NULL, &o) == 0; i++)
         ;
   }
   if (write(ready_fd, &ch, 1) != 1)
@@ -296,13 +298,13 @@ static void flood(int ready_fd) {
     for (int k = 2; k < nc; k++) {
       gpupool_buffer *g;
       snprintf(name, sizeof name, "never/%d", k);
-      rc = gpupool_get(cs[k], name, 1, 0, NULL, &g);
+      rc = gpupool_buffer_get(cs[k], name, 0, 1, 0, NULL, &g, NULL);
       (void)rc;
     }
-    gpupool_disconnect(cs[nc - 1]);
-    if (gpupool_connect(sock_path, "flood", &cs[nc - 1]) != 0)
+    gpupool_client_disconnect(cs[nc - 1]);
+    if (gpupool_client_connect(sock_path, "flood", GPUPOOL_TIMEOUT_DEFAULT, &cs[nc - 1]) != 0)
       cs[nc - 1] = NULL, nc--;
-    (void)gpupool_publish_ex(b, "x", NULL, NULL, 0, 1); /* refused: logged at most 10 per 10 s */
+    (void)gpupool_bundle_alloc(cs[0], NULL, &bad, 1, 3, 0, NULL, &bu); /* refused: logged at most 10 per 10 s */
   }
 }
 
@@ -316,7 +318,7 @@ static void bench_flood(void) {
     printf("flood: skipped (run as root: the flood comes from another uid)\n");
     return;
   }
-  if ((rc = gpupool_connect(sock_path, "victim", &c)) != 0)
+  if ((rc = gpupool_client_connect(sock_path, "victim", GPUPOOL_TIMEOUT_DEFAULT, &c)) != 0)
     die("connect", rc);
   alloc_release_pcts(c, 3000, &i50, &i99);
   if (pipe(p) != 0)
@@ -331,14 +333,14 @@ static void bench_flood(void) {
     printf("flood: the flooding client failed to start\n");
     kill(pid, SIGKILL);
     waitpid(pid, NULL, 0);
-    gpupool_disconnect(c);
+    gpupool_client_disconnect(c);
     return;
   }
   alloc_release_pcts(c, 3000, &f50, &f99);
   kill(pid, SIGKILL);
   waitpid(pid, NULL, 0);
   close(p[0]);
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   printf("alloc+release of one uid, idle:             p50 %7.1f us  p99 %7.1f us\n", i50, i99);
   printf("  while another uid floods to its limits:   p50 %7.1f us  p99 %7.1f us  (p99 %.2fx idle)\n", f50,
          f99, f99 / i99);

@@ -86,16 +86,16 @@ static int w_prod(char **a) {
   char name[64], line[64];
   int published[N_SIZES] = {0};
 
-  GP(gpupool_connect(a[0], "pinned-bench-producer", &c));
+  GP(gpupool_client_connect(a[0], "pinned-bench-producer", GPUPOOL_TIMEOUT_DEFAULT, &c));
   for (int i = 0; i < N_SIZES; i++) {
     gpupool_buffer *b;
-    int rc = gpupool_alloc(c, POOL, sizes[i], 0, s, &b), ce;
+    int rc = gpupool_buffer_alloc(c, POOL, sizes[i], 0, s, &b), ce;
     if (rc == GPUPOOL_ENOSPC || rc == GPUPOOL_ETOOBIG) {
       gh_say("SKIP %zu %s: %s", sizes[i], gpupool_err_name(rc), gpupool_last_error());
       continue;
     }
     if (rc < 0)
-      die("gpupool_alloc of %zu bytes in pool %s: %s: %s", sizes[i], POOL, gpupool_err_name(rc),
+      die("gpupool_buffer_alloc of %zu bytes in pool %s: %s: %s", sizes[i], POOL, gpupool_err_name(rc),
           gpupool_last_error());
     if (gpupool_buffer_kind(b) != GPUPOOL_MEM_HOST_NUMA)
       die("pool %s gave a buffer of kind %d, not GPUPOOL_MEM_HOST_NUMA", POOL,
@@ -103,8 +103,8 @@ static int w_prod(char **a) {
     if ((ce = gk_fill(gpupool_buffer_ptr(b), sizes[i], size_seed(sizes[i]), s)))
       die("fill kernel on the host-NUMA buffer: %s", cudaGetErrorString((cudaError_t)ce));
     buf_name(name, sizeof(name), sizes[i]);
-    GP(gpupool_publish(b, name, NULL, s));
-    GP(gpupool_release(b, s));
+    GP(gpupool_buffer_publish(b, name, NULL, s, NULL));
+    GP(gpupool_buffer_release(b, s));
     published[i] = 1;
     gh_say("PUBLISHED %zu", sizes[i]);
   }
@@ -114,10 +114,10 @@ static int w_prod(char **a) {
   for (int i = 0; i < N_SIZES; i++)
     if (published[i]) {
       buf_name(name, sizeof(name), sizes[i]);
-      GP(gpupool_unpublish(c, name));
+      GP(gpupool_name_unpublish(c, name));
     }
   CK(cudaStreamSynchronize(s));
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   CK(cudaStreamDestroy(s));
   return 0;
 }
@@ -173,7 +173,7 @@ static void measure(size_t bytes, void *pool_ptr, void *dev, cudaStream_t s, siz
   free(src[SRC_PAGEABLE]);
 }
 
-/* The producer's bytes arrive through a host->device copy from the pointer gpupool_get gave
+/* The producer's bytes arrive through a host->device copy from the pointer gpupool_buffer_get gave
  * this process: the figures are of the shared memory, not of some other mapping. */
 static void check_contents(void *pool_ptr, void *dev, size_t bytes, cudaStream_t s) {
   unsigned long long bad = ~0ull;
@@ -295,7 +295,7 @@ int main(int argc, char **argv) {
   }
 
   s = new_stream();
-  GP(gpupool_connect(d.sock, "pinned-bench-consumer", &c));
+  GP(gpupool_client_connect(d.sock, "pinned-bench-consumer", GPUPOOL_TIMEOUT_DEFAULT, &c));
   if (max_bytes)
     CK(cudaMalloc(&dev, max_bytes));
   for (int i = 0; i < N_SIZES; i++) {
@@ -306,13 +306,13 @@ int main(int argc, char **argv) {
       continue;
     }
     buf_name(name, sizeof(name), sizes[i]);
-    GP(gpupool_get(c, name, STEP_MS, 0, s, &b));
+    GP(gpupool_buffer_get(c, name, 0, STEP_MS, 0, s, &b, NULL));
     if (gpupool_buffer_kind(b) != GPUPOOL_MEM_HOST_NUMA || gpupool_buffer_size(b) < sizes[i])
       die("%s is of kind %d and %zu bytes, expected GPUPOOL_MEM_HOST_NUMA of %zu", name,
           (int)gpupool_buffer_kind(b), gpupool_buffer_size(b), sizes[i]);
     check_contents(gpupool_buffer_ptr(b), dev, sizes[i], s);
     measure(sizes[i], gpupool_buffer_ptr(b), dev, s, &res[i]);
-    GP(gpupool_release(b, s));
+    GP(gpupool_buffer_release(b, s));
     CK(cudaStreamSynchronize(s));
     for (int k = 0; k < N_SRC; k++)
       for (int dd = 0; dd < N_DIR; dd++) {
@@ -331,7 +331,7 @@ int main(int argc, char **argv) {
   }
   if (dev)
     CK(cudaFree(dev));
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   CK(cudaStreamDestroy(s));
   if (gh_writeline(&prod, "QUIT") < 0 || gh_wait(&prod, STEP_MS) != 0)
     die("the producer did not unpublish and exit cleanly");

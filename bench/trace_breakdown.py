@@ -5,8 +5,8 @@
         build-gpu/bench/gpupool_bench build-gpu/daemon/gpupoold
     python3 bench/trace_breakdown.py trace.txt
 
-gpupool_bench writes bench-T0 (producer, before gpupool_publish) and bench-T1 (consumer, its
-stream synchronized after gpupool_get) into the trace; the client library adds its steps
+gpupool_bench writes bench-T0 (producer, before gpupool_buffer_publish) and bench-T1 (consumer, its
+stream synchronized after gpupool_buffer_get) into the trace; the client library adds its steps
 (record_ready, read, rpc, attach, slab, events, wait) and gpupoold one line per request
 (daemon-req<N>, N the Request body field number: 16 is Publish). Every line is
 "PID START_US WHAT DURATIONus DETAIL" on CLOCK_MONOTONIC. For each handoff this splits T1 - T0

@@ -147,7 +147,7 @@ int gpupool__release_many_locked(gpupool_client *c, gpupool_buffer **bs, int n, 
   return rc;
 }
 
-int gpupool_release(gpupool_buffer *b, void *stream) {
+int gpupool_buffer_release(gpupool_buffer *b, void *stream) {
   gpupool_client *c;
   int rc;
   if (!b)
@@ -166,11 +166,12 @@ uint32_t gpupool__wire_timeout(int timeout_ms) {
   return timeout_ms < 0 ? GPUPOOL_WAIT_FOREVER : (uint32_t)timeout_ms;
 }
 
-int gpupool_alloc(gpupool_client *c, const char *pool, size_t size, int timeout_ms, void *stream,
-                  gpupool_buffer **out) {
+int gpupool_buffer_alloc(gpupool_client *c, const char *pool, size_t size, int timeout_ms, void *stream,
+                         gpupool_buffer **out) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Allocate al = GPUPOOL__WIRE__ALLOCATE__INIT;
   gpupool__rep *rep;
+  gpupool__error err; /* why a step after the reply failed */
   int rc;
 
   if (!c || !out)
@@ -184,16 +185,18 @@ int gpupool_alloc(gpupool_client *c, const char *pool, size_t size, int timeout_
   al.timeout_ms = gpupool__wire_timeout(timeout_ms);
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
   req.allocate = &al;
+  err.code = 0;
   pthread_mutex_lock(&c->mu);
   rc = gpupool__call_retry(c, &req, &rep, -1);
   if (rc == 0) {
     /* A fresh range: the daemon reuses ranges only after their last holders' done events,
      * so there is nothing to wait for. */
-    rc = gpupool__materialize(c, gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_ALLOCATE), 0, stream, out);
+    rc = gpupool__materialize(c, gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_ALLOCATE), 0, stream, out,
+                              &err);
     gpupool__wire__reply__free_unpacked(rep, NULL);
   }
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 int gpupool__lost_err(const gpupool_buffer *b) {
@@ -222,7 +225,7 @@ int gpupool__hand_over_prepare(gpupool_client *c, gpupool_buffer *b, void *strea
   return rc == 0 ? gpupool__record_ready(c, b, stream) : rc;
 }
 
-int gpupool_host_fences(gpupool_client *c) {
+int gpupool_client_host_fences(gpupool_client *c) {
   int on;
   if (!c)
     return 0;
@@ -232,7 +235,7 @@ int gpupool_host_fences(gpupool_client *c) {
   return on;
 }
 
-int gpupool_share(gpupool_buffer *b, void *stream, gpupool_token *out) {
+int gpupool_buffer_share(gpupool_buffer *b, void *stream, gpupool_token *out) {
   gpupool_client *c;
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Share sh = GPUPOOL__WIRE__SHARE__INIT;
@@ -265,11 +268,12 @@ void gpupool__keep_mapped(gpupool_buffer *b, unsigned flags) {
     b->slab->keep = 1;
 }
 
-int gpupool_open(gpupool_client *c, const gpupool_token *token, unsigned flags, void *stream,
-                 gpupool_buffer **out) {
+int gpupool_buffer_open(gpupool_client *c, const gpupool_token *token, unsigned flags, void *stream,
+                        gpupool_buffer **out) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Open op = GPUPOOL__WIRE__OPEN__INIT;
   gpupool__rep *rep;
+  gpupool__error err; /* why a step after the reply failed */
   int rc;
 
   if (!c || !token || !out)
@@ -281,16 +285,17 @@ int gpupool_open(gpupool_client *c, const gpupool_token *token, unsigned flags, 
   op.read_only = (flags & GPUPOOL_READ_ONLY) != 0;
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_OPEN;
   req.open = &op;
+  err.code = 0;
   pthread_mutex_lock(&c->mu);
   rc = gpupool__call_retry(c, &req, &rep, -1);
   if (rc == 0) {
-    rc = gpupool__materialize(c, gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_OPEN), 1, stream, out);
+    rc = gpupool__materialize(c, gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_OPEN), 1, stream, out, &err);
     gpupool__wire__reply__free_unpacked(rep, NULL);
     if (rc == 0)
       gpupool__keep_mapped(*out, flags);
   }
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 /* The version a publish reply carries (0 when the daemon is too old to say). */
@@ -305,9 +310,8 @@ uint64_t gpupool__reply_version(const gpupool__rep *rep) {
 }
 
 /* Checks a publish of b and fills its request (pb, tm: the caller's storage). */
-int gpupool__publish_request(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, uint32_t share_gid,
-                             int share_all, gpupool__req *req, Gpupool__Wire__Publish *pb,
-                             Gpupool__Wire__TensorMeta *tm) {
+int gpupool__publish_request(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, gpupool__req *req,
+                             Gpupool__Wire__Publish *pb, Gpupool__Wire__TensorMeta *tm) {
   int rc;
   if (!b || !name)
     return gpupool__err(GPUPOOL_EINVAL, "publish: buffer and name must not be NULL");
@@ -322,8 +326,6 @@ int gpupool__publish_request(gpupool_buffer *b, const char *name, const gpupool_
   }
   pb->hold_id = b->hold_id;
   pb->name = (char *)name;
-  pb->share_gid = share_gid;
-  pb->share_all = share_all != 0;
   req->body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH;
   req->publish = pb;
   return 0;
@@ -338,8 +340,8 @@ static void published_locally(gpupool_client *c, gpupool_buffer *b, const char *
   }
 }
 
-static int publish_common(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
-                          uint32_t share_gid, int share_all, uint64_t *version) {
+int gpupool_buffer_publish(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
+                           uint64_t *version) {
   gpupool_client *c;
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Publish pb;
@@ -350,7 +352,7 @@ static int publish_common(gpupool_buffer *b, const char *name, const gpupool_ten
   gpupool__err_clear();
   if (version)
     *version = 0;
-  if ((rc = gpupool__publish_request(b, name, meta, share_gid, share_all, &req, &pb, &tm)) != 0)
+  if ((rc = gpupool__publish_request(b, name, meta, &req, &pb, &tm)) != 0)
     return rc;
   c = b->c;
   pthread_mutex_lock(&c->mu);
@@ -362,20 +364,6 @@ static int publish_common(gpupool_buffer *b, const char *name, const gpupool_ten
   }
   pthread_mutex_unlock(&c->mu);
   return rc;
-}
-
-int gpupool_publish_ex(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
-                       uint32_t share_gid, int share_all) {
-  return publish_common(b, name, meta, stream, share_gid, share_all, NULL);
-}
-
-int gpupool_publish(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream) {
-  return publish_common(b, name, meta, stream, 0, 0, NULL);
-}
-
-int gpupool_publish_version(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
-                            uint64_t *version) {
-  return publish_common(b, name, meta, stream, 0, 0, version);
 }
 
 /* A get waiting for a publisher when the daemon goes away was dropped with its connection:
@@ -419,24 +407,25 @@ int gpupool__get_request(const char *name, uint64_t newer_than, int timeout_ms, 
 }
 
 /* A Get's reply turned into the caller's buffer (and version), the reply freed; blocking and
- * pipelined gets alike. With c->mu held. */
+ * pipelined gets alike. With c->mu held; *err says why it failed. */
 int gpupool__get_finish(gpupool_client *c, gpupool__rep *rep, unsigned flags, void *stream, gpupool_buffer **out,
-                        uint64_t *version) {
+                        uint64_t *version, gpupool__error *err) {
   int rc;
   if (version)
     *version = gpupool__reply_version(rep);
-  rc = gpupool__materialize(c, gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_GET), 1, stream, out);
+  rc = gpupool__materialize(c, gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_GET), 1, stream, out, err);
   gpupool__wire__reply__free_unpacked(rep, NULL);
   if (rc == 0)
     gpupool__keep_mapped(*out, flags);
   return rc;
 }
 
-int gpupool_get_newer(gpupool_client *c, const char *name, uint64_t newer_than, int timeout_ms, unsigned flags,
-                      void *stream, gpupool_buffer **out, uint64_t *version) {
+int gpupool_buffer_get(gpupool_client *c, const char *name, uint64_t newer_than, int timeout_ms, unsigned flags,
+                       void *stream, gpupool_buffer **out, uint64_t *version) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Get gt;
   gpupool__rep *rep;
+  gpupool__error err; /* why a step after the reply failed */
   int rc;
 
   if (!c || !name || !out)
@@ -447,20 +436,16 @@ int gpupool_get_newer(gpupool_client *c, const char *name, uint64_t newer_than, 
     *version = 0;
   if ((rc = gpupool__get_request(name, newer_than, timeout_ms, flags, &req, &gt)) != 0)
     return rc;
+  err.code = 0;
   pthread_mutex_lock(&c->mu);
   rc = gpupool__get_across_restarts(c, &req, &gt.timeout_ms, timeout_ms, &rep, NULL);
   if (rc == 0)
-    rc = gpupool__get_finish(c, rep, flags, stream, out, version);
+    rc = gpupool__get_finish(c, rep, flags, stream, out, version, &err);
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
-int gpupool_get(gpupool_client *c, const char *name, int timeout_ms, unsigned flags, void *stream,
-                gpupool_buffer **out) {
-  return gpupool_get_newer(c, name, 0, timeout_ms, flags, stream, out, NULL);
-}
-
-int gpupool_unpublish(gpupool_client *c, const char *name) {
+int gpupool_name_unpublish(gpupool_client *c, const char *name) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Unpublish up = GPUPOOL__WIRE__UNPUBLISH__INIT;
   gpupool__rep *rep;

@@ -150,9 +150,9 @@ void gpupool__release_holds_from(gpupool_client *c, const Gpupool__Wire__Bundle 
  * reply left it out, `known` (the table the request said it had; the caller's reference),
  * checked against the buffers. A table that came
  * with the reply is cached for name (NULL: not cached). On failure every hold it carried is
- * released. With c->mu held. */
+ * released. With c->mu held; *err says why it failed. */
 static int bundle_from_reply(gpupool_client *c, const Gpupool__Wire__Bundle *wb, int wait_ready, void *stream,
-                             const char *name, clayout *known, gpupool_bundle **out) {
+                             const char *name, clayout *known, gpupool_bundle **out, gpupool__error *err) {
   gpupool_bundle *b = NULL;
   clayout *l = NULL;
   size_t i;
@@ -161,48 +161,53 @@ static int bundle_from_reply(gpupool_client *c, const Gpupool__Wire__Bundle *wb,
 
   if (!wb || wb->n_buffers == 0 || wb->n_members > GPUPOOL_BUNDLE_MAX_MEMBERS ||
       (wb->n_members && wb->n_buffers > wb->n_members)) {
+    gpupool__error_set(err, GPUPOOL_EPROTO, "the daemon sent a malformed bundle (%zu buffers, %zu members)",
+                       wb ? wb->n_buffers : 0, wb ? wb->n_members : 0);
     gpupool__release_holds_from(c, wb, 0, gen);
-    return gpupool__err(GPUPOOL_EPROTO, "the daemon sent a malformed bundle (%zu buffers, %zu members)",
-                        wb ? wb->n_buffers : 0, wb ? wb->n_members : 0);
+    return err->code;
   }
   if (wb->n_members == 0) {
     /* The daemon saw that we have this table (the known_layout the request named). */
     l = known;
     if (!l || l->id != wb->layout_id || l->nbufs != wb->n_buffers) {
+      gpupool__error_set(err, GPUPOOL_EPROTO, "the daemon sent no members for layout %" PRIu64 ", which this "
+                         "client does not have", wb->layout_id);
       gpupool__release_holds_from(c, wb, 0, gen);
-      return gpupool__err(GPUPOOL_EPROTO, "the daemon sent no members for layout %" PRIu64 ", which this client "
-                          "does not have", wb->layout_id);
+      return err->code;
     }
     l->refs++;
   } else if ((rc = clayout_from_wire(wb, &l)) != 0) {
+    gpupool__error_take(err, rc);
     gpupool__release_holds_from(c, wb, 0, gen);
     return rc;
   }
   if (!(b = calloc(1, sizeof *b)) || !(b->bufs = calloc(wb->n_buffers, sizeof *b->bufs))) {
     if (b)
       free(b);
+    gpupool__error_set(err, GPUPOOL_ENOMEM, "out of memory for a bundle of %zu buffers", wb->n_buffers);
     gpupool__clayout_unref(l);
     gpupool__release_holds_from(c, wb, 0, gen);
-    return gpupool__err(GPUPOOL_ENOMEM, "out of memory for a bundle of %zu buffers", wb->n_buffers);
+    return err->code;
   }
   b->c = c;
   b->layout = l;
   b->version = wb->version;
   for (i = 0; i < wb->n_buffers; i++) {
-    if ((rc = gpupool__materialize(c, wb->buffers[i], wait_ready, stream, &b->bufs[i])) != 0) {
-      char msg[GPUPOOL__ERRMSG_MAX];
-      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+    gpupool__error why;
+    if ((rc = gpupool__materialize(c, wb->buffers[i], wait_ready, stream, &b->bufs[i], &why)) != 0) {
+      gpupool__error_set(err, rc, "buffer %zu of the bundle: %s", i, why.msg);
       gpupool__release_holds_from(c, wb, i + 1, gen); /* materialize released hold i */
       gpupool__release_many_locked(c, b->bufs, (int)i, NULL);
       bundle_free_local(b);
-      return gpupool__err(rc, "buffer %zu of the bundle: %s", i, msg);
+      return rc;
     }
     b->nbufs = (int)i + 1;
     if (l->need[i] > b->bufs[i]->size) {
+      gpupool__error_set(err, GPUPOOL_EPROTO, "the daemon sent members past the end of buffer %zu", i);
       gpupool__release_holds_from(c, wb, i + 1, gen);
       gpupool__release_many_locked(c, b->bufs, b->nbufs, NULL);
       bundle_free_local(b);
-      return gpupool__err(GPUPOOL_EPROTO, "the daemon sent members past the end of buffer %zu", i);
+      return err->code;
     }
   }
   if (wb->n_members)
@@ -232,6 +237,7 @@ int gpupool_bundle_alloc(gpupool_client *c, const char *pool, const gpupool_memb
   Gpupool__Wire__MemberSpec *specs = NULL, **sp = NULL;
   Gpupool__Wire__TensorMeta *tms = NULL;
   gpupool__rep *rep;
+  gpupool__error err = {.code = 0}; /* why a step after the reply failed */
   int rc;
 
   if (!c || !out || (n > 0 && !members))
@@ -274,8 +280,8 @@ int gpupool_bundle_alloc(gpupool_client *c, const char *pool, const gpupool_memb
   pthread_mutex_lock(&c->mu);
   rc = gpupool__call_retry(c, &req, &rep, -1);
   if (rc == 0) {
-    /* Fresh ranges: nothing to wait for (see gpupool_alloc). */
-    rc = bundle_from_reply(c, gpupool__reply_bundle(rep), 0, stream, NULL, NULL, out);
+    /* Fresh ranges: nothing to wait for (see gpupool_buffer_alloc). */
+    rc = bundle_from_reply(c, gpupool__reply_bundle(rep), 0, stream, NULL, NULL, out, &err);
     gpupool__wire__reply__free_unpacked(rep, NULL);
   }
   pthread_mutex_unlock(&c->mu);
@@ -283,7 +289,7 @@ out:
   free(specs);
   free(sp);
   free(tms);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 /* Publish members (wire form, lying in bufs) under name in one request. With c->mu held. */
@@ -405,8 +411,8 @@ int gpupool_bundle_publish(gpupool_bundle *b, const char *name, void *stream, ui
   return rc;
 }
 
-int gpupool_publish_members(gpupool_client *c, const char *name, const gpupool_member_ref *members, int n,
-                            void *stream, uint64_t *version) {
+int gpupool_bundle_publish_members(gpupool_client *c, const char *name, const gpupool_member_ref *members, int n,
+                                   void *stream, uint64_t *version) {
   gpupool_buffer **bufs = NULL;
   gpupool__hmap index; /* buffer id -> buffer index + 1 */
   members_wire w = {0};
@@ -484,10 +490,10 @@ int gpupool__bundle_get_request(const char *name, uint64_t newer_than, int timeo
 
 /* A GetBundle's reply turned into the caller's bundle, the reply freed; blocking and pipelined
  * gets alike. known: the table the request named (the caller's reference), or NULL. With
- * c->mu held. */
+ * c->mu held; *err says why it failed. */
 int gpupool__bundle_get_finish(gpupool_client *c, gpupool__rep *rep, unsigned flags, void *stream, const char *name,
-                               clayout *known, gpupool_bundle **out) {
-  int rc = bundle_from_reply(c, gpupool__reply_bundle(rep), 1, stream, name, known, out);
+                               clayout *known, gpupool_bundle **out, gpupool__error *err) {
+  int rc = bundle_from_reply(c, gpupool__reply_bundle(rep), 1, stream, name, known, out, err);
   gpupool__wire__reply__free_unpacked(rep, NULL);
   if (rc == 0)
     bundle_keep_mapped(*out, flags);
@@ -500,6 +506,7 @@ int gpupool_bundle_get(gpupool_client *c, const char *name, uint64_t newer_than,
   Gpupool__Wire__GetBundle gb;
   gpupool__rep *rep;
   clayout *known;
+  gpupool__error err; /* why a step after the reply failed */
   int rc;
 
   if (!c || !name || !out)
@@ -508,6 +515,7 @@ int gpupool_bundle_get(gpupool_client *c, const char *name, uint64_t newer_than,
   *out = NULL;
   if ((rc = gpupool__bundle_get_request(name, newer_than, timeout_ms, flags, &req, &gb)) != 0)
     return rc;
+  err.code = 0;
   pthread_mutex_lock(&c->mu);
   /* Connected first, so the table named as known is one of this daemon's; it is held
    * until the reply is handled, whatever happens to the cache meanwhile. */
@@ -521,10 +529,10 @@ int gpupool_bundle_get(gpupool_client *c, const char *name, uint64_t newer_than,
   gb.known_layout = known ? known->id : 0;
   rc = gpupool__get_across_restarts(c, &req, &gb.timeout_ms, timeout_ms, &rep, &gb.known_layout);
   if (rc == 0)
-    rc = gpupool__bundle_get_finish(c, rep, flags, stream, name, gb.known_layout ? known : NULL, out);
+    rc = gpupool__bundle_get_finish(c, rep, flags, stream, name, gb.known_layout ? known : NULL, out, &err);
   gpupool__clayout_unref(known);
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 int gpupool_bundle_release(gpupool_bundle *b, void *stream) {

@@ -189,7 +189,7 @@ static void read_one(gpupool_client *c) {
     if (rc == 0)
       snprintf(msg, sizeof msg, "the daemon did not answer in %g s: gpupoold at %s accepted the "
                "connection but did not answer Hello (stopped or stuck? see 'systemctl status "
-               "gpupoold'; the timeout is gpupool_connect_timeout() or GPUPOOL_CONNECT_TIMEOUT_MS)",
+               "gpupoold'; the timeout is gpupool_client_connect() or GPUPOOL_CONNECT_TIMEOUT_MS)",
                c->connect_timeout_ms / 1000.0, c->socket_path);
     else
       snprintf(msg, sizeof msg, "this socket is not gpupoold: %s %s (%s); check the socket path "
@@ -347,7 +347,7 @@ int gpupool__call_wait(gpupool_client *c, pending *p, gpupool__rep **out, int *f
   if (!p->rep || p->gen != c->reconnects) {
     rc = gpupool__err(p->err ? p->err : p->rep ? GPUPOOL_ECLOSED : GPUPOOL_EIO,
                       "connection to gpupoold lost while waiting for the reply: %s (the next request "
-                      "reconnects; holds of the old connection are reported by gpupool_lost_names and "
+                      "reconnects; holds of the old connection are reported by gpupool_client_lost_names and "
                       "gpupool_buffer_lost)",
                       c->broken_msg[0] ? c->broken_msg : "the client reconnected since");
     goto fail;

@@ -55,7 +55,7 @@ static int connect_socket(const char *path, int timeout_ms, int *out) {
                         "the daemon did not answer in %g s: gpupoold at %s kept its queue of waiting "
                         "connections full all that time (%d tries): it is stopped, stuck or flooded with "
                         "connections (see 'systemctl status gpupoold' and its log; the queue is listen_backlog "
-                        "in its config); the timeout is gpupool_connect_timeout() or GPUPOOL_CONNECT_TIMEOUT_MS",
+                        "in its config); the timeout is gpupool_client_connect() or GPUPOOL_CONNECT_TIMEOUT_MS",
                         timeout_ms / 1000.0, path, tries);
   if (e == EINPROGRESS || e == ETIMEDOUT)
     return gpupool__err(GPUPOOL_ETIMEDOUT,
@@ -83,8 +83,8 @@ static int host_fences_for(gpupool_client *c, const Gpupool__Wire__HelloReply *h
 }
 
 /* Connect to c->socket_path and say Hello; fills the pool list. With c->mu held and
- * c->fd == -1. On failure the fd is closed again. */
-static int handshake(gpupool_client *c) {
+ * c->fd == -1. On failure the fd is closed again, and *err says why. */
+static int handshake(gpupool_client *c, gpupool__error *err) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Hello hello = GPUPOOL__WIRE__HELLO__INIT;
   gpupool__rep *rep = NULL;
@@ -93,7 +93,7 @@ static int handshake(gpupool_client *c) {
 
   c->hs_closed = 0;
   if ((rc = connect_socket(c->socket_path, c->connect_timeout_ms, &fd)) != 0)
-    return rc;
+    return gpupool__error_take(err, rc);
   c->fd = fd;
   c->broken = 0;
   c->broken_msg[0] = '\0';
@@ -178,6 +178,7 @@ static int handshake(gpupool_client *c) {
   c->lease_fd = lease;
   return 0;
 fail:
+  gpupool__error_take(err, rc);
   if (rep)
     gpupool__wire__reply__free_unpacked(rep, NULL);
   if (lease >= 0)
@@ -185,7 +186,7 @@ fail:
   close(c->fd);
   c->fd = -1;
   if (!c->broken)
-    gpupool__set_broken(c, GPUPOOL_ECLOSED, gpupool__errmsg());
+    gpupool__set_broken(c, GPUPOOL_ECLOSED, err->msg);
   return rc;
 }
 
@@ -220,6 +221,7 @@ int gpupool__reconnect(gpupool_client *c) {
   long delay_ms = 20;
   int rc;
   struct timespec ts;
+  gpupool__error why; /* the last handshake's failure */
 
   while (c->reader_active)
     pthread_cond_wait(&c->cv, &c->mu);
@@ -282,7 +284,7 @@ int gpupool__reconnect(gpupool_client *c) {
   start = (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
   for (;;) {
     uint64_t now;
-    rc = handshake(c);
+    rc = handshake(c, &why);
     if (rc == 0)
       break;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -293,9 +295,8 @@ int gpupool__reconnect(gpupool_client *c) {
     if ((rc != GPUPOOL_ECONNECT && rc != GPUPOOL_ECLOSED && rc != GPUPOOL_EIO &&
          !(rc == GPUPOOL_EPROTO && c->hs_closed)) ||
         now - start >= (uint64_t)c->reconnect_ms) {
-      char msg[GPUPOOL__ERRMSG_MAX];
-      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
-      return gpupool__err(rc, "the daemon went away and did not come back within %d ms: %s", c->reconnect_ms, msg);
+      return gpupool__err(rc, "the daemon went away and did not come back within %d ms: %s", c->reconnect_ms,
+                          why.msg);
     }
     /* Sleep without the lock so other threads can fail fast or see the new connection. */
     pthread_mutex_unlock(&c->mu);
@@ -311,10 +312,6 @@ int gpupool__reconnect(gpupool_client *c) {
   return 0;
 }
 
-int gpupool_connect(const char *socket_path, const char *client_name, gpupool_client **out) {
-  return gpupool_connect_timeout(socket_path, client_name, 0, out);
-}
-
 /* The daemon refuses a Hello whose client name is not UTF-8 (every string on the wire must
  * be), and the name is only shown in logs: rather than fail the connect, bytes that are not
  * UTF-8 become '?', a character cut by the copy's length limit included. */
@@ -324,10 +321,27 @@ void gpupool__utf8_scrub(char *s) {
     s[bad] = '?';
 }
 
-int gpupool_connect_timeout(const char *socket_path, const char *client_name, int timeout_ms,
-                            gpupool_client **out) {
+/* The limit a connection keeps for connecting and the handshake (> 0 ms, < 0 forever) from
+ * the caller's timeout_ms. 0 means "do not wait" as everywhere in the API: one try, and the
+ * daemon's answer to Hello must come within a millisecond (the handshake has no limit of 0,
+ * which the connection reads as "none"). */
+static int connect_limit(int timeout_ms) {
+  const char *env;
+  int ms;
+  if (timeout_ms == 0)
+    return 1;
+  if (timeout_ms != GPUPOOL_TIMEOUT_DEFAULT)
+    return timeout_ms;
+  env = getenv("GPUPOOL_CONNECT_TIMEOUT_MS");
+  ms = env && *env ? atoi(env) : GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS;
+  return ms == 0 ? GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS : ms;
+}
+
+int gpupool_client_connect(const char *socket_path, const char *client_name, int timeout_ms,
+                           gpupool_client **out) {
   gpupool_client *c;
   const char *env;
+  gpupool__error err; /* why the handshake failed */
   int rc;
 
   gpupool__err_clear();
@@ -338,7 +352,7 @@ int gpupool_connect_timeout(const char *socket_path, const char *client_name, in
   if (!c)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   if (!socket_path || !*socket_path) {
-    if ((rc = gpupool_default_socket_path(c->socket_path, sizeof c->socket_path)) != 0) {
+    if ((rc = gpupool_client_default_socket_path(c->socket_path, sizeof c->socket_path)) != 0) {
       free(c);
       return rc;
     }
@@ -353,13 +367,7 @@ int gpupool_connect_timeout(const char *socket_path, const char *client_name, in
   gpupool__utf8_scrub(c->name);
   env = getenv("GPUPOOL_RECONNECT_MS");
   c->reconnect_ms = env && *env ? atoi(env) : 5000;
-  c->connect_timeout_ms = timeout_ms;
-  if (timeout_ms == 0) {
-    env = getenv("GPUPOOL_CONNECT_TIMEOUT_MS");
-    c->connect_timeout_ms = env && *env ? atoi(env) : GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS;
-    if (c->connect_timeout_ms == 0)
-      c->connect_timeout_ms = GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS;
-  }
+  c->connect_timeout_ms = connect_limit(timeout_ms);
   env = getenv("GPUPOOL_SPIN_US");
   c->spin_us = env && *env ? atoi(env) : 0;
   if (c->spin_us < 0 || c->spin_us > 1000000)
@@ -376,7 +384,7 @@ int gpupool_connect_timeout(const char *socket_path, const char *client_name, in
   c->fd = -1;
   c->lease_fd = -1;
   pthread_mutex_lock(&c->mu);
-  rc = handshake(c);
+  rc = handshake(c, &err);
   pthread_mutex_unlock(&c->mu);
   if (rc != 0) {
     gpupool__wire_rx_reset(&c->rx);
@@ -388,14 +396,14 @@ int gpupool_connect_timeout(const char *socket_path, const char *client_name, in
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     free(c);
-    return rc;
+    return gpupool__error_report(&err, rc);
   }
   *out = c;
   gpupool__err_clear();
   return 0;
 }
 
-int gpupool_set_reconnect(gpupool_client *c, int budget_ms) {
+int gpupool_client_set_reconnect(gpupool_client *c, int budget_ms) {
   if (!c || budget_ms < 0)
     return gpupool__err(GPUPOOL_EINVAL, "set_reconnect: client must not be NULL and the budget must be >= 0");
   pthread_mutex_lock(&c->mu);
@@ -404,17 +412,16 @@ int gpupool_set_reconnect(gpupool_client *c, int budget_ms) {
   return 0;
 }
 
-int gpupool_set_connect_timeout(gpupool_client *c, int timeout_ms) {
-  if (!c || timeout_ms == 0)
-    return gpupool__err(GPUPOOL_EINVAL, "set_connect_timeout: client must not be NULL and the "
-                        "timeout must be > 0 ms (or negative to wait forever)");
+int gpupool_client_set_connect_timeout(gpupool_client *c, int timeout_ms) {
+  if (!c)
+    return gpupool__err(GPUPOOL_EINVAL, "set_connect_timeout: client must not be NULL");
   pthread_mutex_lock(&c->mu);
-  c->connect_timeout_ms = timeout_ms;
+  c->connect_timeout_ms = connect_limit(timeout_ms);
   pthread_mutex_unlock(&c->mu);
   return 0;
 }
 
-uint64_t gpupool_reconnect_count(gpupool_client *c) {
+uint64_t gpupool_client_reconnect_count(gpupool_client *c) {
   uint64_t n;
   if (!c)
     return 0;
@@ -424,7 +431,7 @@ uint64_t gpupool_reconnect_count(gpupool_client *c) {
   return n;
 }
 
-int gpupool_lost_names(gpupool_client *c, char (*names)[GPUPOOL_NAME_MAX + 1], int max, int *n) {
+int gpupool_client_lost_names(gpupool_client *c, char (*names)[GPUPOOL_NAME_MAX + 1], int max, int *n) {
   int k = 0;
   if (!c || !n || max < 0 || (max > 0 && !names))
     return gpupool__err(GPUPOOL_EINVAL, "lost_names: bad arguments");
@@ -464,7 +471,7 @@ void gpupool__note_unpublished(gpupool_client *c, const char *name) {
     }
 }
 
-int gpupool_set_devices(gpupool_client *c, const int *devices, int n) {
+int gpupool_client_set_devices(gpupool_client *c, const int *devices, int n) {
   int rc = 0;
   if (!c || n < 0 || n > 64 || (n > 0 && !devices))
     return gpupool__err(GPUPOOL_EINVAL, "set_devices: bad arguments (at most 64 devices)");
@@ -487,7 +494,7 @@ int gpupool_set_devices(gpupool_client *c, const int *devices, int n) {
   return rc;
 }
 
-void gpupool_disconnect(gpupool_client *c) {
+void gpupool_client_disconnect(gpupool_client *c) {
   if (!c)
     return;
   pthread_mutex_lock(&c->mu);
@@ -539,8 +546,8 @@ void gpupool_disconnect(gpupool_client *c) {
   free(c);
 }
 
-int gpupool_stats_sized(gpupool_client *c, gpupool_daemon_stats *ds_out, size_t ds_size,
-                        gpupool_pool_stats *pools, size_t pool_size, int max_pools, int *n_pools) {
+int gpupool_client_stats_sized(gpupool_client *c, gpupool_daemon_stats *ds_out, size_t ds_size,
+                               gpupool_pool_stats *pools, size_t pool_size, int max_pools, int *n_pools) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Stats st = GPUPOOL__WIRE__STATS__INIT;
   gpupool__rep *rep;
@@ -551,7 +558,7 @@ int gpupool_stats_sized(gpupool_client *c, gpupool_daemon_stats *ds_out, size_t 
   /* A caller built against an older header passes smaller structs: fill what it knows. */
   if ((ds_out && ds_size < GPUPOOL_STATS_MIN_DAEMON_SIZE) || (pools && pool_size < GPUPOOL_STATS_MIN_POOL_SIZE))
     return gpupool__err(GPUPOOL_EINVAL, "stats: struct sizes %zu/%zu are below the first release's; "
-                        "call gpupool_stats() from gpupool.h", ds_size, pool_size);
+                        "call gpupool_client_stats() from gpupool.h", ds_size, pool_size);
   gpupool__err_clear();
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
   req.stats = &st;
@@ -606,7 +613,7 @@ int gpupool_stats_sized(gpupool_client *c, gpupool_daemon_stats *ds_out, size_t 
   return 0;
 }
 
-int gpupool_trim(gpupool_client *c) {
+int gpupool_client_trim(gpupool_client *c) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Trim tr = GPUPOOL__WIRE__TRIM__INIT;
   gpupool__rep *rep;

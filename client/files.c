@@ -42,7 +42,7 @@ static void file_info_from(const Gpupool__Wire__FileInfo *fi, gpupool_file_info 
   out->mtime_nsec = fi->mtime_nsec;
 }
 
-int gpupool_publish_file(gpupool_client *c, const char *name, const char *path, uint64_t offset, uint64_t length,
+int gpupool_file_publish(gpupool_client *c, const char *name, const char *path, uint64_t offset, uint64_t length,
                          gpupool_file_info *info) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__PublishFile pf = GPUPOOL__WIRE__PUBLISH_FILE__INIT;
@@ -164,7 +164,7 @@ out:
   return rc;
 }
 
-int gpupool_get_file(gpupool_client *c, const char *name, int timeout_ms, unsigned flags, gpupool_file **out) {
+int gpupool_file_get(gpupool_client *c, const char *name, int timeout_ms, unsigned flags, gpupool_file **out) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__GetFile gf = GPUPOOL__WIRE__GET_FILE__INIT;
   gpupool__rep *rep = NULL;
@@ -184,7 +184,7 @@ int gpupool_get_file(gpupool_client *c, const char *name, int timeout_ms, unsign
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_GET_FILE;
   req.get_file = &gf;
   pthread_mutex_lock(&c->mu);
-  /* As gpupool_get: a wait cut short by a daemon restart goes on with the next daemon. */
+  /* As gpupool_buffer_get: a wait cut short by a daemon restart goes on with the next daemon. */
   for (rc = gpupool__ensure_connected(c); rc == 0;) {
     uint64_t spent;
     int last = gf.timeout_ms == 0;

@@ -131,12 +131,12 @@ struct gpupool_client {
   int spin_us;             /* GPUPOOL_SPIN_US: poll this long for a reply before sleeping */
   int host_fences_env;     /* GPUPOOL_HOST_FENCES: 1 on, 0 off, -1 decide per connection */
   int host_fences;         /* this connection orders work by synchronizing streams, not with
-                            * the daemon's IPC events (see gpupool_host_fences) */
+                            * the daemon's IPC events (see gpupool_client_host_fences) */
   uint64_t reconnects;
   stale_gen *stale;
   char **published;        /* names this client published and has not unpublished */
   size_t npublished, cappublished;
-  char **lost_names;       /* names lost in a restart, until gpupool_lost_names() reads them */
+  char **lost_names;       /* names lost in a restart, until gpupool_client_lost_names() reads them */
   gpupool__smap layout_cache; /* name -> clayout (a reference): member tables got by name */
   size_t nlayout_cache;
   size_t nlost_names;
@@ -202,7 +202,7 @@ int gpupool__handle_revokes(gpupool_client *c, const gpupool__rep *rep);
 int gpupool__pool_attach(gpupool_client *c, cpool *p);
 int gpupool__send_release(gpupool_client *c, uint64_t hold_id, int done_recorded);
 int gpupool__materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, int wait_ready, void *stream,
-                         gpupool_buffer **out);
+                         gpupool_buffer **out, gpupool__error *err);
 
 /* connect.c */
 void gpupool__stale_gen_free(gpupool_client *c, stale_gen *g);
@@ -222,15 +222,14 @@ int gpupool__record_ready(gpupool_client *c, gpupool_buffer *b, void *stream);
 int gpupool__hand_over_prepare(gpupool_client *c, gpupool_buffer *b, void *stream);
 void gpupool__keep_mapped(gpupool_buffer *b, unsigned flags);
 uint64_t gpupool__reply_version(const gpupool__rep *rep);
-int gpupool__publish_request(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, uint32_t share_gid,
-                             int share_all, gpupool__req *req, Gpupool__Wire__Publish *pb,
-                             Gpupool__Wire__TensorMeta *tm);
+int gpupool__publish_request(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, gpupool__req *req,
+                             Gpupool__Wire__Publish *pb, Gpupool__Wire__TensorMeta *tm);
 int gpupool__get_across_restarts(gpupool_client *c, gpupool__req *req, uint32_t *wire_timeout_ms, int timeout_ms,
                                  gpupool__rep **out, uint64_t *known_layout);
 int gpupool__get_request(const char *name, uint64_t newer_than, int timeout_ms, unsigned flags, gpupool__req *req,
                          Gpupool__Wire__Get *gt);
 int gpupool__get_finish(gpupool_client *c, gpupool__rep *rep, unsigned flags, void *stream, gpupool_buffer **out,
-                        uint64_t *version);
+                        uint64_t *version, gpupool__error *err);
 
 /* bundles.c */
 void gpupool__clayout_unref(clayout *l);
@@ -240,6 +239,6 @@ void gpupool__release_holds_from(gpupool_client *c, const Gpupool__Wire__Bundle 
 int gpupool__bundle_get_request(const char *name, uint64_t newer_than, int timeout_ms, unsigned flags,
                                 gpupool__req *req, Gpupool__Wire__GetBundle *gb);
 int gpupool__bundle_get_finish(gpupool_client *c, gpupool__rep *rep, unsigned flags, void *stream, const char *name,
-                               clayout *known, gpupool_bundle **out);
+                               clayout *known, gpupool_bundle **out, gpupool__error *err);
 
 #endif

@@ -150,9 +150,9 @@ int gpupool__send_release(gpupool_client *c, uint64_t hold_id, int done_recorded
 
 /* Turn a BufferDesc into a buffer of this process: attach the pool, map the slab, open the
  * events, and (wait_ready) make `stream` wait on the producer's ready event. On failure the
- * daemon's hold is released so nothing stays behind. */
+ * daemon's hold is released so nothing stays behind, and *err says why. */
 int gpupool__materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, int wait_ready, void *stream,
-                         gpupool_buffer **out) {
+                         gpupool_buffer **out, gpupool__error *err) {
   gpupool_buffer *b;
   cpool *p;
   cslab *s;
@@ -176,9 +176,8 @@ int gpupool__materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, 
   uint64_t t_m = TRACE_ON() ? gpupool__mono_ns() : 0;
   rc = gpupool__pool_attach(c, p);
   if (c->reconnects != gen) {
-    gpupool__err(GPUPOOL_ELOST, "gpupoold went away while this buffer was being mapped: its hold went with the "
-                 "old daemon (get or allocate it again)");
-    return GPUPOOL_ELOST;
+    return gpupool__error_set(err, GPUPOOL_ELOST, "gpupoold went away while this buffer was being mapped: its "
+                              "hold went with the old daemon (get or allocate it again)");
   }
   if (rc != 0)
     goto fail;
@@ -290,14 +289,14 @@ int gpupool__materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, 
   *out = b;
   return 0;
 fail_slab:
+  gpupool__error_take(err, rc);
   if (new_slab && s->refs == 0)
     gpupool__slab_unmap(c, s, NULL);
+  goto release;
 fail:
-  if (d && d->hold_id) {
-    char msg[GPUPOOL__ERRMSG_MAX];
-    snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+  gpupool__error_take(err, rc);
+release:
+  if (d && d->hold_id)
     gpupool__send_release(c, d->hold_id, 0);
-    gpupool__err(rc, "%s", msg);
-  }
   return rc;
 }

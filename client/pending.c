@@ -50,8 +50,8 @@ static int begin_locked(gpupool_client *c, gpupool__req *req, int kind, gpupool_
   return 0;
 }
 
-int gpupool_get_begin(gpupool_client *c, const char *name, uint64_t newer_than, int timeout_ms, unsigned flags,
-                      gpupool_pending **out) {
+int gpupool_buffer_get_begin(gpupool_client *c, const char *name, uint64_t newer_than, int timeout_ms, unsigned flags,
+                             gpupool_pending **out) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Get gt;
   int rc;
@@ -95,8 +95,8 @@ int gpupool_bundle_get_begin(gpupool_client *c, const char *name, uint64_t newer
   return rc;
 }
 
-int gpupool_publish_begin(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
-                          gpupool_pending **out) {
+int gpupool_buffer_publish_begin(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
+                                 gpupool_pending **out) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Publish pb;
   Gpupool__Wire__TensorMeta tm = GPUPOOL__WIRE__TENSOR_META__INIT;
@@ -106,7 +106,7 @@ int gpupool_publish_begin(gpupool_buffer *b, const char *name, const gpupool_ten
     return gpupool__err(GPUPOOL_EINVAL, "publish_begin: out must not be NULL");
   gpupool__err_clear();
   *out = NULL;
-  if ((rc = gpupool__publish_request(b, name, meta, 0, 0, &req, &pb, &tm)) != 0)
+  if ((rc = gpupool__publish_request(b, name, meta, &req, &pb, &tm)) != 0)
     return rc;
   c = b->c;
   pthread_mutex_lock(&c->mu);
@@ -122,7 +122,7 @@ int gpupool_publish_begin(gpupool_buffer *b, const char *name, const gpupool_ten
   return rc;
 }
 
-int gpupool_release_begin(gpupool_buffer *b, void *stream, gpupool_pending **out) {
+int gpupool_buffer_release_begin(gpupool_buffer *b, void *stream, gpupool_pending **out) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Release rl;
   gpupool_client *c;
@@ -153,24 +153,26 @@ static int end_locked(gpupool_pending *gp, gpupool__rep **rep) {
   return gpupool__call_wait(c, p, rep, NULL, NULL);
 }
 
-int gpupool_get_end(gpupool_pending *gp, void *stream, gpupool_buffer **out, uint64_t *version) {
+int gpupool_buffer_get_end(gpupool_pending *gp, void *stream, gpupool_buffer **out, uint64_t *version) {
   gpupool_client *c;
   gpupool__rep *rep;
+  gpupool__error err; /* why a step after the reply failed */
   unsigned flags;
   int rc;
   if (!gp || !out || gp->kind != PEND_GET)
-    return gpupool__err(GPUPOOL_EINVAL, "get_end: needs a pending get from gpupool_get_begin");
+    return gpupool__err(GPUPOOL_EINVAL, "get_end: needs a pending get from gpupool_buffer_get_begin");
   gpupool__err_clear();
   *out = NULL;
   if (version)
     *version = 0;
   c = gp->c;
   flags = gp->flags;
+  err.code = 0;
   pthread_mutex_lock(&c->mu);
   if ((rc = end_locked(gp, &rep)) == 0)
-    rc = gpupool__get_finish(c, rep, flags, stream, out, version);
+    rc = gpupool__get_finish(c, rep, flags, stream, out, version, &err);
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 int gpupool_bundle_get_end(gpupool_pending *gp, void *stream, gpupool_bundle **out) {
@@ -178,6 +180,7 @@ int gpupool_bundle_get_end(gpupool_pending *gp, void *stream, gpupool_bundle **o
   gpupool__rep *rep;
   char name[GPUPOOL_NAME_MAX + 1];
   clayout *known;
+  gpupool__error err; /* why a step after the reply failed */
   unsigned flags;
   int rc;
   if (!gp || !out || gp->kind != PEND_BGET)
@@ -188,12 +191,13 @@ int gpupool_bundle_get_end(gpupool_pending *gp, void *stream, gpupool_bundle **o
   flags = gp->flags;
   known = gp->known;
   memcpy(name, gp->name, sizeof name);
+  err.code = 0;
   pthread_mutex_lock(&c->mu);
   if ((rc = end_locked(gp, &rep)) == 0)
-    rc = gpupool__bundle_get_finish(c, rep, flags, stream, name, known, out);
+    rc = gpupool__bundle_get_finish(c, rep, flags, stream, name, known, out, &err);
   gpupool__clayout_unref(known);
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 int gpupool_pending_end(gpupool_pending *gp, uint64_t *version) {
@@ -206,7 +210,7 @@ int gpupool_pending_end(gpupool_pending *gp, uint64_t *version) {
   if (!gp)
     return 0; /* a release_begin of a buffer whose daemon was gone */
   if (gp->kind != PEND_PUBLISH && gp->kind != PEND_RELEASE)
-    return gpupool__err(GPUPOOL_EINVAL, "pending_end: ends a publish or a release; end gets with gpupool_get_end "
+    return gpupool__err(GPUPOOL_EINVAL, "pending_end: ends a publish or a release; end gets with gpupool_buffer_get_end "
                         "or gpupool_bundle_get_end");
   gpupool__err_clear();
   c = gp->c;

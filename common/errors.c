@@ -58,3 +58,25 @@ const char *gpupool__errmsg(void) { return errmsg; }
 void gpupool__err_clear(void) { errmsg[0] = '\0'; }
 
 const char *gpupool_last_error(void) { return errmsg; }
+
+int gpupool__error_set(gpupool__error *e, int code, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(e->msg, sizeof e->msg, fmt, ap);
+  va_end(ap);
+  e->code = code;
+  return code;
+}
+
+int gpupool__error_take(gpupool__error *e, int code) {
+  memcpy(e->msg, errmsg, sizeof e->msg);
+  e->code = code;
+  return code;
+}
+
+int gpupool__error_report(const gpupool__error *e, int rc) {
+  if (!e->code)
+    return rc;
+  memcpy(errmsg, e->msg, sizeof errmsg);
+  return e->code;
+}

@@ -20,4 +20,22 @@ const char *gpupool__errmsg(void);
 /* Forget the calling thread's message. */
 void gpupool__err_clear(void);
 
+/* An error as a value, for an internal step whose message must outlive the calls that follow
+ * its failure (cleanup that can fail and record a message of its own): the step fills it, and
+ * the public entry point reports it with gpupool__error_report(), the one place the message
+ * becomes the thread's last error. Leaf functions (wire checks, backends) keep recording with
+ * gpupool__err(); a step takes their message into its value at once. */
+typedef struct {
+  int code; /* 0: nothing recorded */
+  char msg[GPUPOOL__ERRMSG_MAX];
+} gpupool__error;
+
+/* Fill e with code and a message; returns code. */
+int gpupool__error_set(gpupool__error *e, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* Fill e with code and the message the failing leaf just recorded; returns code. */
+int gpupool__error_take(gpupool__error *e, int code);
+/* At a public entry point: when e holds an error, record its message as the thread's last
+ * and return its code; otherwise return rc (a failure recorded the usual way, or 0). */
+int gpupool__error_report(const gpupool__error *e, int rc);
+
 #endif

@@ -41,7 +41,7 @@ int gpupool__socket_path(char *buf, size_t len, int for_client) {
   return 0;
 }
 
-int gpupool_default_socket_path(char *buf, size_t len) { return gpupool__socket_path(buf, len, 1); }
+int gpupool_client_default_socket_path(char *buf, size_t len) { return gpupool__socket_path(buf, len, 1); }
 
 const char *gpupool_version_string(void) { return GPUPOOL_VERSION_STRING; }
 

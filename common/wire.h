@@ -191,6 +191,11 @@ void gpupool__wire_meta_to(const gpupool_tensor_meta *m, Gpupool__Wire__TensorMe
 int gpupool__wire_location(gpupool_mem_kind k);
 int gpupool__wire_mem_kind(int location, gpupool_mem_kind *out);
 
+/* 1 when a Publish sets field 5 or 6 (share_gid, share_all: reserved, no client sends them
+ * any more), which protobuf-c keeps as unknown fields: an old client asking to publish to
+ * other users, which the daemon refuses. */
+int gpupool__wire_publish_shares(const Gpupool__Wire__Publish *m);
+
 /* A published name or a bundle member's name: 1..GPUPOOL_NAME_MAX bytes of UTF-8, no control
  * characters. GPUPOOL_ENAME with a message otherwise. The one check of names: the client
  * library runs it before sending (so the caller hears of a bad name at once), the daemon on

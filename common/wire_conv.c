@@ -97,3 +97,17 @@ int gpupool__wire_check_name(const char *name) {
     return gpupool__err(GPUPOOL_ENAME, "name is not valid UTF-8 (at byte %zu); names are UTF-8 text", bad);
   return 0;
 }
+
+int gpupool__wire_publish_shares(const Gpupool__Wire__Publish *m) {
+  for (size_t i = 0; i < m->base.n_unknown_fields; i++) {
+    const ProtobufCMessageUnknownField *f = &m->base.unknown_fields[i];
+    if (f->tag != 5 && f->tag != 6)
+      continue;
+    if (f->wire_type != PROTOBUF_C_WIRE_TYPE_VARINT)
+      return 1; /* not what an old client sent, but no reason to publish either */
+    for (size_t j = 0; j < f->len; j++)
+      if (f->data[j] & 0x7f)
+        return 1; /* a varint is nonzero iff one of its 7-bit groups is */
+  }
+  return 0;
+}

@@ -168,7 +168,7 @@ void gpupool__config_changed_keys(const gpupool__config *c, char *buf, size_t le
 /* 1 when uid (or its primary gid) is a member of the set. */
 int gpupool__member_of(const gpupool__member_set *m, uid_t uid, gid_t gid);
 
-/* Defaults: socket path by the rules in gpupool_default_socket_path(), backend auto, info. */
+/* Defaults: socket path by the rules in gpupool_client_default_socket_path(), backend auto, info. */
 void gpupool__config_defaults(gpupool__config *c);
 /* Read a file into c (later keys override earlier ones). 0 or GPUPOOL_ECONFIG with a
  * message naming the file, line and the problem. */

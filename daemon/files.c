@@ -542,7 +542,7 @@ int gpupool__get_file(gpupool__registry *reg, gpupool__client *c, const char *na
   if (rc != 0)
     return rc;
   if (!n->file)
-    return gpupool__err(GPUPOOL_EINVAL, "'%s' names a buffer, not a file: get it with gpupool_get", name);
+    return gpupool__err(GPUPOOL_EINVAL, "'%s' names a buffer, not a file: get it with gpupool_buffer_get", name);
   if (n->file->stale)
     return stale_error(n->file, name);
   if (!(op = calloc(1, sizeof *op)) || !(op->name = strdup(name))) {

@@ -125,7 +125,7 @@ int gpupool__handle_publish(gpupool__conn *c, const Gpupool__Wire__Request *req,
   const Gpupool__Wire__Publish *m = req->publish;
   Gpupool__Wire__PublishReply pr = GPUPOOL__WIRE__PUBLISH_REPLY__INIT;
   uint64_t version = 0;
-  int rc = gpupool__publish(c->srv->reg, &c->cl, m->hold_id, m->name, m->tensor, m->share_gid, m->share_all,
+  int rc = gpupool__publish(c->srv->reg, &c->cl, m->hold_id, m->name, m->tensor, 0, gpupool__wire_publish_shares(m),
                             &version);
   if (rc != 0)
     return rc;

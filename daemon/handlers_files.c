@@ -91,7 +91,7 @@ int gpupool__handle_publish_file(gpupool__conn *c, const Gpupool__Wire__Request 
   c->frame_fd = -1;
   if (fd < 0)
     return gpupool__err(GPUPOOL_EFD, "PublishFile carries no fd: the client opens the file O_RDONLY and sends the "
-                        "fd with the request (gpupool_publish_file does)");
+                        "fd with the request (gpupool_file_publish does)");
   if (!(fw = fwait_new(c, seq, GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE, m->name, 1))) {
     gpupool__conn_close_fd(c, fd);
     return GPUPOOL_ENOMEM;

@@ -288,7 +288,7 @@ static int find_newer(gpupool__registry *reg, gpupool__client *c, const char *na
                       gpupool__name **out) {
   int rc = gpupool__find_name(reg, c, name, out);
   if (rc == 0 && (*out)->file)
-    return gpupool__err(GPUPOOL_EINVAL, "'%s' names a published file, not a buffer: get it with gpupool_get_file "
+    return gpupool__err(GPUPOOL_EINVAL, "'%s' names a published file, not a buffer: get it with gpupool_file_get "
                         "(Python: Client.get_file_array)", name);
   if (rc == 0 && (*out)->version <= newer_than)
     return gpupool__err(GPUPOOL_ENOENT, "'%s' is at version %" PRIu64 ", not newer than %" PRIu64, name,

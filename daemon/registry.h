@@ -210,7 +210,7 @@ struct gpupool__layout {
   uint64_t *need;            /* per buffer: where its last member ends */
 };
 
-/* A published name: its current version, one buffer (gpupool_publish) or a bundle (members
+/* A published name: its current version, one buffer (gpupool_buffer_publish) or a bundle (members
  * lying in one or more buffers). Publishing the name again swaps all of it at once: the
  * buffers of the previous version lose the name's reference and go when their last holder
  * lets go. */

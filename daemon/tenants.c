@@ -168,7 +168,7 @@ int gpupool__quota_waiting_leases(gpupool__registry *reg, const gpupool__client 
                       "memory (the limit, max_waiting_leases_per_uid, is %u): it gets no new buffers until some of "
                       "those processes exit. Find the processes of this tenant that closed their gpupool connection "
                       "but keep its memory mapped (forked children, workers that closed their sockets), end them "
-                      "or have them call gpupool_disconnect, or raise max_waiting_leases_per_uid",
+                      "or have them call gpupool_client_disconnect, or raise max_waiting_leases_per_uid",
                       who, u->leases, max);
 }
 

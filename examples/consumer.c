@@ -34,7 +34,7 @@ int main(int argc, char **argv) {
     }
   }
   snprintf(cname, sizeof cname, "demo-consumer-%d", id);
-  if ((rc = gpupool_connect(sock, cname, &c)) != 0)
+  if ((rc = gpupool_client_connect(sock, cname, GPUPOOL_TIMEOUT_DEFAULT, &c)) != 0)
     demo_die("connect", rc);
   for (uint32_t i = 0; i < count; i++) {
     gpupool_buffer *b;
@@ -44,7 +44,7 @@ int main(int argc, char **argv) {
     uint8_t *tmp;
     uint64_t mismatches = 0;
     snprintf(name, sizeof name, "%s%u", prefix, i);
-    if ((rc = gpupool_get(c, name, timeout_ms, GPUPOOL_READ_ONLY, NULL, &b)) != 0)
+    if ((rc = gpupool_buffer_get(c, name, 0, timeout_ms, GPUPOOL_READ_ONLY, NULL, &b, NULL)) != 0)
       demo_die("get", rc);
     n = gpupool_buffer_size(b);
     if (gpupool_buffer_tensor(b, &meta) == 0)
@@ -59,10 +59,10 @@ int main(int argc, char **argv) {
            mismatches ? "MISMATCH" : "all bytes match");
     bad += mismatches != 0;
     free(tmp);
-    if ((rc = gpupool_release(b, NULL)) != 0)
+    if ((rc = gpupool_buffer_release(b, NULL)) != 0)
       demo_die("release", rc);
   }
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   printf("consumer %d: %s\n", id, bad ? "FAILED" : "ok");
   return bad ? 1 : 0;
 }

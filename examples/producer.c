@@ -41,7 +41,7 @@ int main(int argc, char **argv) {
       return opt == 'h' ? 0 : 2;
     }
   }
-  if ((rc = gpupool_connect(sock, "demo-producer", &c)) != 0)
+  if ((rc = gpupool_client_connect(sock, "demo-producer", GPUPOOL_TIMEOUT_DEFAULT, &c)) != 0)
     demo_die("connect", rc);
   uint8_t *tmp = malloc(size);
   if (!tmp) {
@@ -52,21 +52,21 @@ int main(int argc, char **argv) {
     gpupool_buffer *b;
     char name[GPUPOOL_NAME_MAX + 1];
     gpupool_tensor_meta meta = {.dtype_code = GPUPOOL_DTYPE_UINT, .dtype_bits = 8, .dtype_lanes = 1, .ndim = 1};
-    if ((rc = gpupool_alloc(c, pool, size, 1000, NULL, &b)) != 0)
+    if ((rc = gpupool_buffer_alloc(c, pool, size, 1000, NULL, &b)) != 0)
       demo_die("alloc", rc);
     demo_fill(tmp, i, size);
     if (demo_copy(gpupool_buffer_ptr(b), tmp, size, b) != 0)
       return 1;
     snprintf(name, sizeof name, "%s%u", prefix, i);
     meta.shape[0] = (int64_t)size;
-    if ((rc = gpupool_publish(b, name, &meta, NULL)) != 0)
+    if ((rc = gpupool_buffer_publish(b, name, &meta, NULL, NULL)) != 0)
       demo_die("publish", rc);
     printf("producer: published %-12s %8" PRIu64 " bytes at %p (%s, buffer id %" PRIu64 ")\n", name, size,
            gpupool_buffer_ptr(b), gpupool_buffer_kind(b) == GPUPOOL_MEM_HOST        ? "host memory"
            : gpupool_buffer_kind(b) == GPUPOOL_MEM_HOST_NUMA ? "pinned host memory"
                                                             : "GPU memory",
            gpupool_buffer_id(b));
-    if ((rc = gpupool_release(b, NULL)) != 0)
+    if ((rc = gpupool_buffer_release(b, NULL)) != 0)
       demo_die("release", rc);
   }
   if (hold_ms > 0) {
@@ -77,11 +77,11 @@ int main(int argc, char **argv) {
     for (uint32_t i = 0; i < count; i++) {
       char name[GPUPOOL_NAME_MAX + 1];
       snprintf(name, sizeof name, "%s%u", prefix, i);
-      if ((rc = gpupool_unpublish(c, name)) != 0)
+      if ((rc = gpupool_name_unpublish(c, name)) != 0)
         demo_die("unpublish", rc);
     }
   free(tmp);
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   printf("producer: done (%u buffers)\n", count);
   return 0;
 }

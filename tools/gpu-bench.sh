@@ -108,10 +108,10 @@ run_bench() {
       }
       printf "\n| figure | value |\n| --- | --- |\n"
       printf "| socketpair round trip p50 / p99 (us) | %s / %s |\n", f("socket_rtt_p50_us"), f("socket_rtt_p99_us")
-      printf "| warm gpupool_alloc p50 / p99 (us) | %s / %s |\n", f("alloc_p50_us"), f("alloc_p99_us")
+      printf "| warm gpupool_buffer_alloc p50 / p99 (us) | %s / %s |\n", f("alloc_p50_us"), f("alloc_p99_us")
       printf "| wake-up floor after 2 ms idle, 1 hop / 2 hops, p50 (us) | %s / %s |\n", f("wake_1hop_p50_us"), f("wake_2hop_p50_us")
       printf "| torch 1 MiB p50 / 2-hop wake-up floor p50 (the most any default-mode handoff through a sleeping daemon can reach) | %s |\n", r("torch_handoff_1048576_p50_us", "wake_2hop_p50_us")
-      printf "| gpupool_alloc p50 / socket floor p50 | %s |\n", r("alloc_p50_us", "socket_rtt_p50_us")
+      printf "| gpupool_buffer_alloc p50 / socket floor p50 | %s |\n", r("alloc_p50_us", "socket_rtt_p50_us")
       printf "| warm alloc+release p50 / p99 (us) | %s / %s |\n", f("alloc_release_p50_us"), f("alloc_release_p99_us")
       printf "| raw cudaMemPoolExportPointer 1 MiB p50 (us) | %s |\n", f("raw_export_ptr_p50_us")
       printf "| raw cudaMemPoolImportPointer 1 MiB p50 (us) | %s |\n", f("raw_import_ptr_p50_us")

@@ -1033,7 +1033,7 @@ int main(int argc, char **argv) {
       return EXIT_USAGE;
     }
     snprintf(c.path, sizeof(c.path), "%s", sock);
-  } else if (gpupool_default_socket_path(c.path, sizeof(c.path)) != 0) {
+  } else if (gpupool_client_default_socket_path(c.path, sizeof(c.path)) != 0) {
     die_msg("%s; pass --socket PATH", gpupool__errmsg());
     return EXIT_USAGE;
   }

@@ -1,6 +1,60 @@
 /*
  * gpupool client API.
  *
+ * Every function is gpupool_<object>_<verb>. The functions, by object (each is declared
+ * below with what it owns and frees):
+ *
+ *   errors and version
+ *     gpupool_err_name, gpupool_strerror   name and one-line description of an error code
+ *     gpupool_last_error                   the calling thread's last failure, in full
+ *     gpupool_version_string               "MAJOR.MINOR.PATCH" of the library
+ *   client (a connection to gpupoold)
+ *     gpupool_client_default_socket_path   the socket path used when none is given
+ *     gpupool_client_connect               connect and handshake: a new client
+ *     gpupool_client_disconnect            release everything held, close, free
+ *     gpupool_client_set_connect_timeout   the limit reconnections use
+ *     gpupool_client_set_reconnect         how long a request may spend reconnecting
+ *     gpupool_client_reconnect_count       how many times the client reconnected
+ *     gpupool_client_lost_names            names lost when the daemon went away
+ *     gpupool_client_host_fences           whether GPU work is ordered by host-side fences
+ *     gpupool_client_set_devices           the CUDA devices this process touches memory from
+ *     gpupool_client_stats_sized           daemon and pool counters (gpupool_client_stats)
+ *     gpupool_client_trim                  ask the daemon to return unused slabs
+ *   buffer (a hold on a range of pool memory)
+ *     gpupool_buffer_alloc                 allocate: a new hold
+ *     gpupool_buffer_release               drop a hold and free its handle
+ *     gpupool_buffer_share                 a token another client opens
+ *     gpupool_buffer_open                  open a token: a new hold
+ *     gpupool_buffer_publish               publish under a name (its next version)
+ *     gpupool_buffer_get                   get what a name holds, now or a newer version
+ *     gpupool_buffer_get_begin, _get_end   the same get, pipelined
+ *     gpupool_buffer_publish_begin         the same publish, pipelined (gpupool_pending_end)
+ *     gpupool_buffer_release_begin         the same release, pipelined (gpupool_pending_end)
+ *     gpupool_buffer_ptr, _size, _device, _kind, _id, _read_only, _tensor, _client, _lost
+ *                                          what a buffer is
+ *   name (a published name)
+ *     gpupool_name_unpublish               remove a name
+ *   file (a published read-only file range)
+ *     gpupool_file_publish                 publish a file range under a name
+ *     gpupool_file_get                     map the file a name holds
+ *     gpupool_file_release                 unmap and free
+ *     gpupool_file_ptr, _device_ptr, _size, _info_get
+ *                                          what a mapping is
+ *   bundle (a named set of members: a state dict, a batch)
+ *     gpupool_bundle_alloc                 allocate members in one request
+ *     gpupool_bundle_publish               publish a bundle got from alloc or get
+ *     gpupool_bundle_publish_members       publish ranges of buffers the caller holds
+ *     gpupool_bundle_get                   get what a name holds, as a bundle
+ *     gpupool_bundle_get_begin, _get_end   the same get, pipelined
+ *     gpupool_bundle_release               drop its holds and free it
+ *     gpupool_bundle_count, _version, _member, _members, _layout_id, _find, _buffers, _buffer
+ *                                          what a bundle is
+ *   pending (a pipelined request)
+ *     gpupool_pending_end                  wait for a publish or release begun
+ *     gpupool_pending_cancel               forget a request begun, undoing what it brings
+ *   tensor
+ *     gpupool_tensor_span                  bytes a tensor description spans
+ *
  * A process links libgpupool-client, connects to gpupoold over its Unix socket, and then
  * allocates, shares, publishes and gets buffers that live in pools the daemon owns (CUDA
  * device pools or memfd-backed host pools). Memory is mapped into the process once per slab
@@ -14,7 +68,7 @@
  *
  * Threads: a gpupool_client may be used from several threads at once. Requests from
  * different threads are multiplexed over the one connection; a thread blocked in
- * gpupool_get() or a waiting gpupool_alloc() does not stop other threads' requests.
+ * gpupool_buffer_get() or a waiting gpupool_buffer_alloc() does not stop other threads' requests.
  * A gpupool_buffer must not be released by one thread while another still uses it.
  *
  * Streams: `stream` arguments are a cudaStream_t passed as void* (NULL = the legacy default
@@ -83,29 +137,44 @@ typedef enum {
 /* Size of a share token in bytes. */
 #define GPUPOOL_TOKEN_SIZE 24
 
-/* Flags for gpupool_open() and gpupool_get() (and the bundle and pipelined gets).
+/* Flags of the calls that take `flags` (opens, gets, file gets): one list, one bit each.
  *
- * GPUPOOL_READ_ONLY: a hold that may not write, and a name published from it (or a token
- * shared from it) hands out only read-only holds. On the host backend the kernel enforces it
- * against a process whose holds on the buffer's slab are all read-only: it gets an O_RDONLY
- * fd of the slab and a PROT_READ mapping. It is not a wall within a tenant: a slab holds
- * buffers of one tenant, and a process of that tenant with a writable hold on any buffer of
- * the slab maps the whole slab writable, and may write the read-only buffer through that
- * mapping (in that process, a read-only hold in such a slab points into the writable
- * mapping). Tenants that must not write each other's memory are separate tenants. On CUDA
- * it is advisory (access flags are the importer's choice). */
-#define GPUPOOL_READ_ONLY 0x1u
-/* Keep a dedicated slab (a buffer larger than the pool's slab size, such as a bundle's) mapped
- * after its last buffer here is released, so that getting a later version that lies in it
- * costs no new import (importing a 2.5 GB allocation takes about 2 ms on an H100). The mapping
- * goes when the daemon frees the buffer and this client next talks to the daemon (any request)
- * or disconnects; until then that memory stays out of the pool. For consumers that keep
- * asking for new versions (weight sync); an idle client holds the memory. */
-#define GPUPOOL_KEEP_MAPPED 0x4u
+ * GPUPOOL_READ_ONLY (buffer open and get, bundle get): a hold that may not write, and a name
+ * published from it (or a token shared from it) hands out only read-only holds. On the host
+ * backend the kernel enforces it against a process whose holds on the buffer's slab are all
+ * read-only: it gets an O_RDONLY fd of the slab and a PROT_READ mapping. It is not a wall
+ * within a tenant: a slab holds buffers of one tenant, and a process of that tenant with a
+ * writable hold on any buffer of the slab maps the whole slab writable, and may write the
+ * read-only buffer through that mapping (in that process, a read-only hold in such a slab
+ * points into the writable mapping). Tenants that must not write each other's memory are
+ * separate tenants. On CUDA it is advisory (access flags are the importer's choice).
+ *
+ * GPUPOOL_FILE_HOST_ONLY (gpupool_file_get): map for the CPU only, even on the CUDA backend
+ * (no cudaHostRegister; gpupool_file_device_ptr() then returns NULL).
+ *
+ * GPUPOOL_KEEP_MAPPED (buffer and bundle gets): keep a dedicated slab (a buffer larger than
+ * the pool's slab size, such as a bundle's) mapped after its last buffer here is released, so
+ * that getting a later version that lies in it costs no new import (importing a 2.5 GB
+ * allocation takes about 2 ms on an H100). The mapping goes when the daemon frees the buffer
+ * and this client next talks to the daemon (any request) or disconnects; until then that
+ * memory stays out of the pool. For consumers that keep asking for new versions (weight
+ * sync); an idle client holds the memory. */
+typedef enum {
+  GPUPOOL_READ_ONLY = 0x1,
+  GPUPOOL_FILE_HOST_ONLY = 0x2,
+  GPUPOOL_KEEP_MAPPED = 0x4
+} gpupool_flags;
 
-/* Opaque connection to gpupoold. Created by gpupool_connect(), freed by gpupool_disconnect(). */
+/* Timeouts, in milliseconds, mean the same in every call that takes one: > 0 waits that long,
+ * 0 does not wait (fail at once), GPUPOOL_TIMEOUT_FOREVER (any negative value but
+ * GPUPOOL_TIMEOUT_DEFAULT) waits forever. GPUPOOL_TIMEOUT_DEFAULT asks for the library's
+ * default where one exists (connecting); elsewhere it waits forever like any negative value. */
+#define GPUPOOL_TIMEOUT_FOREVER (-1)
+#define GPUPOOL_TIMEOUT_DEFAULT (-2)
+
+/* Opaque connection to gpupoold. Created by gpupool_client_connect(), freed by gpupool_client_disconnect(). */
 typedef struct gpupool_client gpupool_client;
-/* Opaque hold on a buffer. Created by alloc/open/get, freed by gpupool_release(). */
+/* Opaque hold on a buffer. Created by alloc/open/get, freed by gpupool_buffer_release(). */
 typedef struct gpupool_buffer gpupool_buffer;
 
 /* An opaque, copyable token that lets another client open a shared buffer. */
@@ -144,7 +213,7 @@ typedef enum {
   GPUPOOL_MEM_HOST_NUMA = 3  /* pinned host memory reachable from the GPU */
 } gpupool_mem_kind;
 
-/* Pool usage as the daemon reports it. New fields are only ever appended (see gpupool_stats). */
+/* Pool usage as the daemon reports it. New fields are only ever appended (see gpupool_client_stats). */
 typedef struct {
   uint32_t id;
   char name[64];
@@ -163,7 +232,7 @@ typedef struct {
   uint64_t slabs;
 } gpupool_pool_stats;
 
-/* Daemon-wide counters. New fields are only ever appended (see gpupool_stats). */
+/* Daemon-wide counters. New fields are only ever appended (see gpupool_client_stats). */
 typedef struct {
   uint64_t clients;
   uint64_t buffers;
@@ -187,42 +256,40 @@ GPUPOOL_EXTERN const char *gpupool_last_error(void);
 /* Library version string ("MAJOR.MINOR.PATCH"). */
 GPUPOOL_EXTERN const char *gpupool_version_string(void);
 
-/* Socket path the library uses when gpupool_connect() gets NULL: $GPUPOOL_SOCKET, else
+/* Socket path the library uses when gpupool_client_connect() gets NULL: $GPUPOOL_SOCKET, else
  * /run/gpupool/gpupoold.sock for root, else $XDG_RUNTIME_DIR/gpupool/gpupoold.sock, or
  * /run/gpupool/gpupoold.sock when only that one exists (the system service).
  * Writes into buf (size len); returns 0 or GPUPOOL_EINVAL if it does not fit. */
-GPUPOOL_EXTERN int gpupool_default_socket_path(char *buf, size_t len);
-
-/* Connect and handshake. socket_path NULL = default; client_name may be NULL. On success
- * *out is a new client the caller frees with gpupool_disconnect(). Gives up after the
- * default connect timeout (see gpupool_connect_timeout).
- * The connection comes with a lease: one close-on-exec fd the library keeps for as long as
- * this process maps any of the daemon's memory. Children made by fork() share it and may keep
- * reading buffers mapped before the fork, also after the parent has exited: the daemon reuses
- * that memory only once every process holding the lease has exited or closed it. A process
- * that closes every fd but keeps using its mappings defeats this. */
-GPUPOOL_EXTERN int gpupool_connect(const char *socket_path, const char *client_name,
-                                   gpupool_client **out);
+GPUPOOL_EXTERN int gpupool_client_default_socket_path(char *buf, size_t len);
 
 /* Default time allowed to connect and to get the daemon's answer to Hello. */
 #define GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS 5000
-/* gpupool_connect() with a time limit for connecting and the handshake: timeout_ms > 0,
- * 0 = $GPUPOOL_CONNECT_TIMEOUT_MS or GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS, < 0 = wait forever.
+
+/* Connect and handshake. socket_path NULL = default; client_name may be NULL. On success
+ * *out is a new client the caller frees with gpupool_client_disconnect().
+ * timeout_ms limits connecting and the handshake: GPUPOOL_TIMEOUT_DEFAULT =
+ * $GPUPOOL_CONNECT_TIMEOUT_MS or GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS; > 0 that many ms; 0 = do
+ * not wait (one try; the daemon must answer Hello within a millisecond); negative = forever.
  * A daemon that does not answer in time (stopped, stuck) fails with GPUPOOL_ETIMEDOUT ("the
  * daemon did not answer in N s"); a socket whose peer does not speak gpupool's protocol with
  * GPUPOOL_EPROTO ("this socket is not gpupoold"). A connect that finds the daemon's queue of
  * waiting connections full (a flood) is tried again with a short backoff until the limit, and
  * then fails with GPUPOOL_ETIMEDOUT saying the queue stayed full. Reconnections use the same
- * limit. */
-GPUPOOL_EXTERN int gpupool_connect_timeout(const char *socket_path, const char *client_name,
-                                           int timeout_ms, gpupool_client **out);
-/* Change the limit later reconnections use (> 0 ms, or < 0 to wait forever). */
-GPUPOOL_EXTERN int gpupool_set_connect_timeout(gpupool_client *c, int timeout_ms);
+ * limit.
+ * The connection comes with a lease: one close-on-exec fd the library keeps for as long as
+ * this process maps any of the daemon's memory. Children made by fork() share it and may keep
+ * reading buffers mapped before the fork, also after the parent has exited: the daemon reuses
+ * that memory only once every process holding the lease has exited or closed it. A process
+ * that closes every fd but keeps using its mappings defeats this. */
+GPUPOOL_EXTERN int gpupool_client_connect(const char *socket_path, const char *client_name,
+                                          int timeout_ms, gpupool_client **out);
+/* Change the limit later reconnections use (timeout_ms as for gpupool_client_connect). */
+GPUPOOL_EXTERN int gpupool_client_set_connect_timeout(gpupool_client *c, int timeout_ms);
 
 /* 1 when this connection orders GPU work with host-side fences instead of the daemon's
  * inter-process events, 0 otherwise. CUDA keeps each inter-process event in a file in /dev/shm
  * that only the daemon's uid may open, so a client of another uid (root excepted) cannot use
- * them: it then synchronizes the stream it passes to gpupool_publish and gpupool_release (and
+ * them: it then synchronizes the stream it passes to gpupool_buffer_publish and gpupool_buffer_release (and
  * their bundle forms) before the request goes out, and the daemon answers its gets and opens
  * only once the producer's ready event has completed (its timeout does not cover that wait,
  * as a stream's wait on the event would not time out either). Correct either way; what it
@@ -232,32 +299,32 @@ GPUPOOL_EXTERN int gpupool_set_connect_timeout(gpupool_client *c, int timeout_ms
  * forces it (a container with its own /dev/shm), =0 forbids it; unset, the library decides
  * per connection from the daemon's uid. Always 0 on the host backend, and with a gpupoold
  * too old to hold gets back (then events are used, and fail with the reason). */
-GPUPOOL_EXTERN int gpupool_host_fences(gpupool_client *c);
+GPUPOOL_EXTERN int gpupool_client_host_fences(gpupool_client *c);
 
 /* Tell the library which CUDA devices this process will touch pool memory from. Pools
  * imported later (and those already imported) get read/write access for each of them
  * (cudaMemPoolSetAccess; fails with GPUPOOL_ENOTSUP naming the device pair when peers cannot
  * access each other). Without a call, only each pool's resident device is used. No-op on
  * the host backend. */
-GPUPOOL_EXTERN int gpupool_set_devices(gpupool_client *c, const int *devices, int n);
+GPUPOOL_EXTERN int gpupool_client_set_devices(gpupool_client *c, const int *devices, int n);
 
 /* Release every buffer still held through c, unmap everything (mappings of a daemon that has
  * since restarted included), then close the lease, then the connection, and free c: the
  * process keeps no gpupool fd or mapping. Buffers obtained from c become invalid. NULL is
  * allowed. */
-GPUPOOL_EXTERN void gpupool_disconnect(gpupool_client *c);
+GPUPOOL_EXTERN void gpupool_client_disconnect(gpupool_client *c);
 
 /* Allocate size bytes in pool `pool` (NULL or "" = the first pool). When the pool is full,
  * wait up to timeout_ms for memory to come back (0 = fail at once with GPUPOOL_ENOSPC,
  * whose message says how much was asked and how much is free). On success *out is a hold
- * owned by the caller, freed by gpupool_release(). The memory is usable in `stream`. */
-GPUPOOL_EXTERN int gpupool_alloc(gpupool_client *c, const char *pool, size_t size,
-                                 int timeout_ms, void *stream, gpupool_buffer **out);
+ * owned by the caller, freed by gpupool_buffer_release(). The memory is usable in `stream`. */
+GPUPOOL_EXTERN int gpupool_buffer_alloc(gpupool_client *c, const char *pool, size_t size,
+                                        int timeout_ms, void *stream, gpupool_buffer **out);
 
 /* Drop the hold b and free the handle b. On CUDA, the client's mapping stays valid for
  * work already queued in `stream`; the range is reused only after that work completes.
  * The memory returns to the pool when its last holder lets go. */
-GPUPOOL_EXTERN int gpupool_release(gpupool_buffer *b, void *stream);
+GPUPOOL_EXTERN int gpupool_buffer_release(gpupool_buffer *b, void *stream);
 
 /* Address of the buffer in this process (device pointer on CUDA device pools). */
 GPUPOOL_EXTERN void *gpupool_buffer_ptr(const gpupool_buffer *b);
@@ -273,39 +340,37 @@ GPUPOOL_EXTERN int gpupool_buffer_tensor(const gpupool_buffer *b, gpupool_tensor
 /* The client a buffer came from (not owned by the caller). */
 GPUPOOL_EXTERN gpupool_client *gpupool_buffer_client(const gpupool_buffer *b);
 
-/* Make a token another client can pass to gpupool_open(). On CUDA, the ready event is
+/* Make a token another client can pass to gpupool_buffer_open(). On CUDA, the ready event is
  * recorded in `stream` first, so openers see everything queued there before the call. */
-GPUPOOL_EXTERN int gpupool_share(gpupool_buffer *b, void *stream, gpupool_token *out);
+GPUPOOL_EXTERN int gpupool_buffer_share(gpupool_buffer *b, void *stream, gpupool_token *out);
 
 /* Open a shared buffer: a new hold owned by the caller. flags: GPUPOOL_READ_ONLY. */
-GPUPOOL_EXTERN int gpupool_open(gpupool_client *c, const gpupool_token *token, unsigned flags,
-                                void *stream, gpupool_buffer **out);
+GPUPOOL_EXTERN int gpupool_buffer_open(gpupool_client *c, const gpupool_token *token, unsigned flags,
+                                       void *stream, gpupool_buffer **out);
 
 /* Publish b under `name` (1..GPUPOOL_NAME_MAX bytes). The name holds the buffer until
- * gpupool_unpublish() or until the name is published again (its next version, see
- * gpupool_publish_version), so the caller may release b right after. meta may be NULL; when
- * given, the daemon checks that the tensor fits in the buffer. The ready event is recorded
- * in `stream` first. */
-GPUPOOL_EXTERN int gpupool_publish(gpupool_buffer *b, const char *name,
-                                   const gpupool_tensor_meta *meta, void *stream);
+ * gpupool_name_unpublish() or until the name is published again (its next version, see
+ * "versions" below), so the caller may release b right after. meta may be NULL; when given,
+ * the daemon checks that the tensor fits in the buffer. The ready event is recorded in
+ * `stream` first. *version (may be NULL) receives the version made. Names are per tenant: a
+ * plain name is seen only by clients of the publisher's tenant (its uid unless the config
+ * groups uids); share across tenants through a pool the daemon's config shares with a group,
+ * under the name "group:GROUP/NAME". */
+GPUPOOL_EXTERN int gpupool_buffer_publish(gpupool_buffer *b, const char *name,
+                                          const gpupool_tensor_meta *meta, void *stream,
+                                          uint64_t *version);
 
-/* Like gpupool_publish. share_gid and share_all must be 0: publishing to other users this way
- * is refused (GPUPOOL_EINVAL), because they would receive the slab holding the publisher's
- * other buffers. Share across tenants through a pool the daemon's config shares with a group,
- * under the name "group:GROUP/NAME". Names are per tenant: a plain name is seen only by
- * clients of the publisher's tenant (its uid unless the config groups uids). */
-GPUPOOL_EXTERN int gpupool_publish_ex(gpupool_buffer *b, const char *name,
-                                      const gpupool_tensor_meta *meta, void *stream,
-                                      uint32_t share_gid, int share_all);
-
-/* Get the buffer published under `name`, waiting up to timeout_ms for a producer to
- * publish it (0 = fail at once with GPUPOOL_ENOENT; negative = wait forever). On success
- * *out is a new hold owned by the caller. flags: GPUPOOL_READ_ONLY. */
-GPUPOOL_EXTERN int gpupool_get(gpupool_client *c, const char *name, int timeout_ms,
-                               unsigned flags, void *stream, gpupool_buffer **out);
+/* Get the buffer published under `name` at a version newer than `newer_than` (0 = the
+ * version published now), waiting up to timeout_ms for a producer to publish it (0 = fail at
+ * once with GPUPOOL_ENOENT; negative = wait forever). On success *out is a new hold owned by
+ * the caller and *version (may be NULL) the version got. flags: GPUPOOL_READ_ONLY,
+ * GPUPOOL_KEEP_MAPPED. The name must hold a single buffer (GPUPOOL_EINVAL for a bundle). */
+GPUPOOL_EXTERN int gpupool_buffer_get(gpupool_client *c, const char *name, uint64_t newer_than,
+                                      int timeout_ms, unsigned flags, void *stream,
+                                      gpupool_buffer **out, uint64_t *version);
 
 /* Remove a name. Holders keep their buffers; the memory goes when the last one lets go. */
-GPUPOOL_EXTERN int gpupool_unpublish(gpupool_client *c, const char *name);
+GPUPOOL_EXTERN int gpupool_name_unpublish(gpupool_client *c, const char *name);
 
 /* ---- read-only file objects ----------------------------------------------------------------
  *
@@ -315,7 +380,7 @@ GPUPOOL_EXTERN int gpupool_unpublish(gpupool_client *c, const char *name);
  * with the GPU (read-only, mapped): kernels read it in place over PCIe, and copies from it run
  * at pinned-memory speed.
  *
- * Permissions: gpupool_publish_file opens the file itself, O_RDONLY with this process's own
+ * Permissions: gpupool_file_publish opens the file itself, O_RDONLY with this process's own
  * credentials, and passes the fd to the daemon, so a process can publish only files it could
  * read itself; the daemon's config may restrict further (allow_files, file_paths). Consumers
  * are the clients that see the name (the publisher's tenant, or a group for "group:G/NAME");
@@ -327,13 +392,9 @@ GPUPOOL_EXTERN int gpupool_unpublish(gpupool_client *c, const char *name);
  * consumer mapped it can still fault (SIGBUS) in that consumer when it touches the pages that
  * went away; publish files that are complete and that nobody writes any more. */
 
-/* Opaque mapping of a published file. Created by gpupool_get_file(), freed by
+/* Opaque mapping of a published file. Created by gpupool_file_get(), freed by
  * gpupool_file_release(). */
 typedef struct gpupool_file gpupool_file;
-
-/* Flag for gpupool_get_file(): map for the CPU only, even on the CUDA backend (no
- * cudaHostRegister; gpupool_file_device_ptr() then returns NULL). */
-#define GPUPOOL_FILE_HOST_ONLY 0x2u
 
 /* What a published file was when it was published. */
 typedef struct {
@@ -348,12 +409,12 @@ typedef struct {
 /* Publish `length` bytes of the file at `path` from `offset` under `name` (length 0 = to the
  * end of the file). The file is opened here, O_RDONLY, with the caller's own permissions (a
  * symlink is followed as any open would); the name holds the daemon's copy of the fd until
- * gpupool_unpublish(name). Errors: GPUPOOL_ENOENT (no such file), GPUPOOL_EPERM (the caller
+ * gpupool_name_unpublish(name). Errors: GPUPOOL_ENOENT (no such file), GPUPOOL_EPERM (the caller
  * cannot read it, or the daemon's config does not allow it), GPUPOOL_EINVAL (not a regular
  * file, empty range, range past the end of the file: the message names the sizes),
  * GPUPOOL_EEXIST, GPUPOOL_ELIMIT (max_names, max_names_per_uid, max_files). info may be NULL;
  * otherwise it receives the range as published. */
-GPUPOOL_EXTERN int gpupool_publish_file(gpupool_client *c, const char *name, const char *path, uint64_t offset,
+GPUPOOL_EXTERN int gpupool_file_publish(gpupool_client *c, const char *name, const char *path, uint64_t offset,
                                         uint64_t length, gpupool_file_info *info);
 
 /* Map the file published under `name`, waiting up to timeout_ms for it to be published (0 =
@@ -361,8 +422,8 @@ GPUPOOL_EXTERN int gpupool_publish_file(gpupool_client *c, const char *name, con
  * read-only and shared (MAP_SHARED, PROT_READ); on the CUDA backend it is also registered with
  * the current device's context (unless flags has GPUPOOL_FILE_HOST_ONLY). GPUPOOL_ESTALE when
  * the file changed since it was published. On success *out is owned by the caller, freed with
- * gpupool_file_release(); it does not depend on c (it stays valid after gpupool_disconnect). */
-GPUPOOL_EXTERN int gpupool_get_file(gpupool_client *c, const char *name, int timeout_ms, unsigned flags,
+ * gpupool_file_release(); it does not depend on c (it stays valid after gpupool_client_disconnect). */
+GPUPOOL_EXTERN int gpupool_file_get(gpupool_client *c, const char *name, int timeout_ms, unsigned flags,
                                     gpupool_file **out);
 /* Address of the range's first byte in this process (read-only memory). */
 GPUPOOL_EXTERN const void *gpupool_file_ptr(const gpupool_file *f);
@@ -378,35 +439,35 @@ GPUPOOL_EXTERN void gpupool_file_release(gpupool_file *f);
 
 /* Daemon counters and up to max_pools pools (*n_pools set to how many were written).
  * daemon and pools may be NULL. The structs grow at their end in later releases without an
- * ABI break: gpupool_stats() passes the sizes this header knows, and the library fills that
- * much of each (a newer library leaves its newer fields out; an older one zeroes what it does
- * not know), striding the pools array by the caller's struct size. */
-GPUPOOL_EXTERN int gpupool_stats_sized(gpupool_client *c, gpupool_daemon_stats *daemon,
-                                       size_t daemon_size, gpupool_pool_stats *pools,
-                                       size_t pool_size, int max_pools, int *n_pools);
-#define gpupool_stats(c, daemon, pools, max_pools, n_pools)                                     \
-  gpupool_stats_sized((c), (daemon), sizeof(gpupool_daemon_stats), (pools),                     \
-                      sizeof(gpupool_pool_stats), (max_pools), (n_pools))
-/* The sizes of the first release's structs: the least gpupool_stats_sized accepts. */
+ * ABI break: gpupool_client_stats() passes the sizes this header knows, and the library fills
+ * that much of each (a newer library leaves its newer fields out; an older one zeroes what it
+ * does not know), striding the pools array by the caller's struct size. */
+GPUPOOL_EXTERN int gpupool_client_stats_sized(gpupool_client *c, gpupool_daemon_stats *daemon,
+                                              size_t daemon_size, gpupool_pool_stats *pools,
+                                              size_t pool_size, int max_pools, int *n_pools);
+#define gpupool_client_stats(c, daemon, pools, max_pools, n_pools)                              \
+  gpupool_client_stats_sized((c), (daemon), sizeof(gpupool_daemon_stats), (pools),              \
+                             sizeof(gpupool_pool_stats), (max_pools), (n_pools))
+/* The sizes of the first release's structs: the least gpupool_client_stats_sized accepts. */
 #define GPUPOOL_STATS_MIN_DAEMON_SIZE (9 * sizeof(uint64_t))
 #define GPUPOOL_STATS_MIN_POOL_SIZE (offsetof(gpupool_pool_stats, slabs) + sizeof(uint64_t))
 
 /* Ask the daemon to return unused slabs to the backend. */
-GPUPOOL_EXTERN int gpupool_trim(gpupool_client *c);
+GPUPOOL_EXTERN int gpupool_client_trim(gpupool_client *c);
 
 /* Daemon restarts. When gpupoold goes away (restart, crash), the request in flight fails with
  * GPUPOOL_ECLOSED; the next request reconnects, retrying with backoff for up to budget_ms
  * (default 5000, or $GPUPOOL_RECONNECT_MS; 0 = never reconnect). Holds of the old connection
  * are lost: their buffers stay mapped and readable here until released (release frees only
  * the local side and returns 0), and share/publish on them fail with GPUPOOL_ELOST. */
-GPUPOOL_EXTERN int gpupool_set_reconnect(gpupool_client *c, int budget_ms);
+GPUPOOL_EXTERN int gpupool_client_set_reconnect(gpupool_client *c, int budget_ms);
 /* How many times c has reconnected. */
-GPUPOOL_EXTERN uint64_t gpupool_reconnect_count(gpupool_client *c);
+GPUPOOL_EXTERN uint64_t gpupool_client_reconnect_count(gpupool_client *c);
 /* 1 when b's hold was lost because the daemon went away. */
 GPUPOOL_EXTERN int gpupool_buffer_lost(const gpupool_buffer *b);
 /* Names this client had published that were lost when the daemon went away (not yet
  * reported): copies up to max of them into names, sets *n, and forgets those reported. */
-GPUPOOL_EXTERN int gpupool_lost_names(gpupool_client *c, char (*names)[GPUPOOL_NAME_MAX + 1], int max, int *n);
+GPUPOOL_EXTERN int gpupool_client_lost_names(gpupool_client *c, char (*names)[GPUPOOL_NAME_MAX + 1], int max, int *n);
 
 /* ---- versions ------------------------------------------------------------------------------ */
 
@@ -414,18 +475,6 @@ GPUPOOL_EXTERN int gpupool_lost_names(gpupool_client *c, char (*names)[GPUPOOL_N
  * step (a getter sees version N or N+1, never a mix), and version N's buffers go back to the
  * pool when their last holder lets go; holders of version N keep reading it meanwhile. A new
  * name starts at version 1; unpublishing forgets the name and its count. */
-
-/* gpupool_publish that also returns the version it made (*version may be NULL). */
-GPUPOOL_EXTERN int gpupool_publish_version(gpupool_buffer *b, const char *name,
-                                           const gpupool_tensor_meta *meta, void *stream,
-                                           uint64_t *version);
-
-/* gpupool_get for a version newer than `newer_than` (0 = the version published now): waits up
- * to timeout_ms (negative = forever) for a publish past it. *version (may be NULL) is the
- * version got. The name must hold a single buffer (GPUPOOL_EINVAL for a bundle of several). */
-GPUPOOL_EXTERN int gpupool_get_newer(gpupool_client *c, const char *name, uint64_t newer_than,
-                                     int timeout_ms, unsigned flags, void *stream,
-                                     gpupool_buffer **out, uint64_t *version);
 
 /* ---- bundles -------------------------------------------------------------------------------- */
 
@@ -460,7 +509,7 @@ typedef struct {
   uint64_t offset;                 /* offset inside that buffer */
 } gpupool_member;
 
-/* A member to publish with gpupool_publish_members: a range of a buffer the caller holds. */
+/* A member to publish with gpupool_bundle_publish_members: a range of a buffer the caller holds. */
 typedef struct {
   const char *name;                /* 1..GPUPOOL_NAME_MAX bytes, unique in the bundle */
   gpupool_buffer *buffer;          /* held by the caller; not taken over */
@@ -470,7 +519,7 @@ typedef struct {
 
 /* Allocate n members (1..GPUPOOL_BUNDLE_MAX_MEMBERS) in pool `pool` (NULL = the first) in one
  * request. alignment: of each member, a power of two up to 2 MiB, 0 = the pool's. timeout_ms
- * as for gpupool_alloc. On success *out is a bundle owned by the caller (version 0 until
+ * as for gpupool_buffer_alloc. On success *out is a bundle owned by the caller (version 0 until
  * published), freed by gpupool_bundle_release(). Duplicate or empty member names, sizes that
  * overflow and tensor descriptions that do not fit are refused (GPUPOOL_EINVAL, GPUPOOL_ENAME,
  * GPUPOOL_EMETA) with nothing allocated. */
@@ -488,20 +537,20 @@ GPUPOOL_EXTERN int gpupool_bundle_publish(gpupool_bundle *b, const char *name, v
 
 /* Publish n members that lie in buffers the caller holds (any mix of buffers of this client)
  * as one bundle, in one request. The buffers stay the caller's. */
-GPUPOOL_EXTERN int gpupool_publish_members(gpupool_client *c, const char *name,
-                                           const gpupool_member_ref *members, int n,
-                                           void *stream, uint64_t *version);
+GPUPOOL_EXTERN int gpupool_bundle_publish_members(gpupool_client *c, const char *name,
+                                                  const gpupool_member_ref *members, int n,
+                                                  void *stream, uint64_t *version);
 
 /* Get the bundle published under `name` at a version newer than `newer_than` (0 = the one
  * published now), waiting up to timeout_ms (0 = fail at once with GPUPOOL_ENOENT, negative =
- * forever). A name published with gpupool_publish comes as a bundle of one member whose name
+ * forever). A name published with gpupool_buffer_publish comes as a bundle of one member whose name
  * is "". flags: GPUPOOL_READ_ONLY. On success *out is a
  * bundle owned by the caller whose members are usable in `stream`. */
 GPUPOOL_EXTERN int gpupool_bundle_get(gpupool_client *c, const char *name, uint64_t newer_than,
                                       int timeout_ms, unsigned flags, void *stream,
                                       gpupool_bundle **out);
 
-/* Drop the bundle's holds (as gpupool_release does for each buffer) and free it. */
+/* Drop the bundle's holds (as gpupool_buffer_release does for each buffer) and free it. */
 GPUPOOL_EXTERN int gpupool_bundle_release(gpupool_bundle *b, void *stream);
 
 /* Number of members. */
@@ -516,7 +565,7 @@ GPUPOOL_EXTERN int gpupool_bundle_members(const gpupool_bundle *b, int first, in
 /* An id of b's member table (names, sizes, offsets, descriptions): two bundles got through
  * one connection with the same nonzero id have identical tables, so bindings can keep what
  * they derived from it (the id is the daemon's; it does not carry over a reconnection, see
- * gpupool_reconnect_count). 0 when there is none (a single buffer published on its own). */
+ * gpupool_client_reconnect_count). 0 when there is none (a single buffer published on its own). */
 GPUPOOL_EXTERN uint64_t gpupool_bundle_layout_id(const gpupool_bundle *b);
 /* Index of the member called name, or GPUPOOL_ENOENT. */
 GPUPOOL_EXTERN int gpupool_bundle_find(const gpupool_bundle *b, const char *name);
@@ -532,10 +581,10 @@ GPUPOOL_EXTERN gpupool_buffer *gpupool_bundle_buffer(const gpupool_bundle *b, in
  * ended exactly once (or gpupool_pending_cancel-ed) before its client is disconnected. */
 typedef struct gpupool_pending gpupool_pending;
 
-GPUPOOL_EXTERN int gpupool_get_begin(gpupool_client *c, const char *name, uint64_t newer_than,
-                                     int timeout_ms, unsigned flags, gpupool_pending **out);
-GPUPOOL_EXTERN int gpupool_get_end(gpupool_pending *p, void *stream, gpupool_buffer **out,
-                                   uint64_t *version);
+GPUPOOL_EXTERN int gpupool_buffer_get_begin(gpupool_client *c, const char *name, uint64_t newer_than,
+                                            int timeout_ms, unsigned flags, gpupool_pending **out);
+GPUPOOL_EXTERN int gpupool_buffer_get_end(gpupool_pending *p, void *stream, gpupool_buffer **out,
+                                          uint64_t *version);
 GPUPOOL_EXTERN int gpupool_bundle_get_begin(gpupool_client *c, const char *name,
                                             uint64_t newer_than, int timeout_ms, unsigned flags,
                                             gpupool_pending **out);
@@ -543,10 +592,10 @@ GPUPOOL_EXTERN int gpupool_bundle_get_end(gpupool_pending *p, void *stream,
                                           gpupool_bundle **out);
 /* Publish and release, pipelined: the ready (or done) event is recorded at begin. The buffer
  * of a release_begin must not be used after it; its end only reports the daemon's answer. */
-GPUPOOL_EXTERN int gpupool_publish_begin(gpupool_buffer *b, const char *name,
-                                         const gpupool_tensor_meta *meta, void *stream,
-                                         gpupool_pending **out);
-GPUPOOL_EXTERN int gpupool_release_begin(gpupool_buffer *b, void *stream, gpupool_pending **out);
+GPUPOOL_EXTERN int gpupool_buffer_publish_begin(gpupool_buffer *b, const char *name,
+                                                const gpupool_tensor_meta *meta, void *stream,
+                                                gpupool_pending **out);
+GPUPOOL_EXTERN int gpupool_buffer_release_begin(gpupool_buffer *b, void *stream, gpupool_pending **out);
 /* End a publish or release begun above: 0 or the request's error; *version (may be NULL) is
  * the version a publish made. */
 GPUPOOL_EXTERN int gpupool_pending_end(gpupool_pending *p, uint64_t *version);

@@ -79,13 +79,13 @@ class Client:
         h = _lib.ClientP()
         sock = None if socket is None else _encode_name(str(socket), "socket path")
         nm = None if name is None else _encode_name(name, "client name")
-        ms = 0
+        ms = _lib.TIMEOUT_DEFAULT
         if connect_timeout is not None:
             if connect_timeout <= 0:
                 raise ValueError("connect_timeout must be a positive number of seconds")
             ms = max(1, int(round(connect_timeout * 1000)))
         # The library's message names the socket and how to start the daemon.
-        check(L.gpupool_connect_timeout(sock, nm, ms, ctypes.byref(h)))
+        check(L.gpupool_client_connect(sock, nm, ms, ctypes.byref(h)))
         self._conn = _Conn(h, L, socket)
         self._lib = L
         self._tensors: weakref.WeakSet[Tensor] = weakref.WeakSet()
@@ -103,7 +103,7 @@ class Client:
     def default_socket_path() -> str:
         L = _lib.lib()
         buf = ctypes.create_string_buffer(4096)
-        if L.gpupool_default_socket_path(buf, len(buf)) < 0:
+        if L.gpupool_client_default_socket_path(buf, len(buf)) < 0:
             return "(default socket)"
         return buf.value.decode(errors="replace")
 
@@ -145,7 +145,7 @@ class Client:
         try:
             hold = _Hold(self._conn, buf, stream)
         except BaseException:
-            self._lib.gpupool_release(buf, stream)
+            self._lib.gpupool_buffer_release(buf, stream)
             raise
         self._holds.add(hold)
         return hold
@@ -169,7 +169,7 @@ class Client:
         # A table this client already parsed comes with the same layout id (the daemon's,
         # so only within one connection): its Layout is reused without reading the table.
         lid = L.gpupool_bundle_layout_id(bundle)
-        key = (L.gpupool_reconnect_count(self._conn.handle), lid) if lid else None
+        key = (L.gpupool_client_reconnect_count(self._conn.handle), lid) if lid else None
         layout = self._layouts.get(key) if key else None
         if layout is None:
             n = L.gpupool_bundle_count(bundle)
@@ -245,7 +245,7 @@ class Client:
         nbytes = max(n * dt.itemsize, 1)
         ms = _timeout_ms(timeout, forever=False)
         buf = _lib.BufferP()
-        check(self._lib.gpupool_alloc(self._conn.usable(),
+        check(self._lib.gpupool_buffer_alloc(self._conn.usable(),
                                       None if pool_name is None else _encode_name(pool_name),
                                       nbytes, ms, s, ctypes.byref(buf)),
               "alloc of %d bytes for a %s tensor of shape %r" % (nbytes, dt.name, shape))
@@ -270,7 +270,7 @@ class Client:
         newer = _version_arg(newer_than)
         buf = _lib.BufferP()
         ver = ctypes.c_uint64(0)
-        check(self._lib.gpupool_get_newer(self._conn.usable(), nb, newer, ms,
+        check(self._lib.gpupool_buffer_get(self._conn.usable(), nb, newer, ms,
                                           _lib.READ_ONLY if read_only else 0, s,
                                           ctypes.byref(buf), ctypes.byref(ver)),
               "get %r" % (name,) if not newer else "get %r newer than version %d"
@@ -341,12 +341,12 @@ class Client:
         names = list(names)
 
         def begin(nb, newer, pp):
-            return self._lib.gpupool_get_begin(conn, nb, newer, ms, flags, pp)
+            return self._lib.gpupool_buffer_get_begin(conn, nb, newer, ms, flags, pp)
 
         def end(p, i):
             buf = _lib.BufferP()
             ver = ctypes.c_uint64(0)
-            check(self._lib.gpupool_get_end(p, s, ctypes.byref(buf), ctypes.byref(ver)), "get %r" % (names[i],))
+            check(self._lib.gpupool_buffer_get_end(p, s, ctypes.byref(buf), ctypes.byref(ver)), "get %r" % (names[i],))
             return self._got_tensor(buf, s, names[i], ver.value)
 
         return self._pipelined(names, newer_than, begin, end, "get")
@@ -428,7 +428,7 @@ class Client:
         if buf is None:
             raise error("EINVAL", "buffer was released")
         ver = ctypes.c_uint64(0)
-        rc = self._lib.gpupool_publish_version(buf, nb, ctypes.byref(meta), s, ctypes.byref(ver))
+        rc = self._lib.gpupool_buffer_publish(buf, nb, ctypes.byref(meta), s, ctypes.byref(ver))
         check(rc, "publish %r" % nb.decode("utf-8", "replace"))
         return ver.value or None
 
@@ -553,7 +553,7 @@ class Client:
                 metas.append((desc.dtype, desc.shape, desc.strides, desc.data - start))
             table, keep = _bundle.pack_refs(bnames, bufs, offs, sizes, metas)
             ver = ctypes.c_uint64(0)
-            check(self._lib.gpupool_publish_members(self._conn.usable(), nb, table,
+            check(self._lib.gpupool_bundle_publish_members(self._conn.usable(), nb, table,
                                                     len(bnames), s, ctypes.byref(ver)), what)
             del keep
             return ver.value
@@ -643,7 +643,7 @@ class Client:
 
     def unpublish(self, name: str) -> None:
         """Remove a name. Holders keep their tensors; the memory goes when the last lets go."""
-        check(self._lib.gpupool_unpublish(self._conn.usable(), _encode_name(name)),
+        check(self._lib.gpupool_name_unpublish(self._conn.usable(), _encode_name(name)),
               "unpublish %r" % (name,))
 
     def publish_file(self, name: str, path: str | bytes | os.PathLike[str], offset: int = 0,
@@ -663,7 +663,7 @@ class Client:
         if offset < 0 or length < 0:
             raise ValueError("offset and length must not be negative")
         info = _lib.FileInfo()
-        check(self._lib.gpupool_publish_file(self._conn.usable(), nb, pb, offset, length,
+        check(self._lib.gpupool_file_publish(self._conn.usable(), nb, pb, offset, length,
                                              ctypes.byref(info)),
               "publish_file %r (%s)" % (name, path))
         return {"offset": info.offset, "length": info.length, "size": info.size}
@@ -686,7 +686,7 @@ class Client:
         dl = (_dlpack.kDLCPU, 0) if device is None else _parse_device(device)[:2]
         flags = _lib.FILE_HOST_ONLY if dl[0] == _dlpack.kDLCPU else 0
         f = _lib.FileP()
-        check(self._lib.gpupool_get_file(self._conn.usable(), nb,
+        check(self._lib.gpupool_file_get(self._conn.usable(), nb,
                                          _timeout_ms(timeout, forever=True), flags,
                                          ctypes.byref(f)), "get_file %r" % (name,))
         hold = _FileHold(self._lib, f, dl)
@@ -716,7 +716,7 @@ class Client:
         d = _lib.DaemonStats()
         pools = (_lib.PoolStats * 64)()
         n = ctypes.c_int(0)
-        check(self._lib.gpupool_stats_sized(self._conn.usable(), ctypes.byref(d),
+        check(self._lib.gpupool_client_stats_sized(self._conn.usable(), ctypes.byref(d),
                                             ctypes.sizeof(d), pools, ctypes.sizeof(_lib.PoolStats),
                                             64, ctypes.byref(n)), "stats")
         out = {f: getattr(d, f) for f, _ in _lib.DaemonStats._fields_}
@@ -736,19 +736,19 @@ class Client:
         """True when this connection orders GPU work with host-side fences instead of the
         daemon's inter-process events (a client of another uid than gpupoold's, or
         GPUPOOL_HOST_FENCES=1): publish and release then wait for the stream's work on the
-        host, and gets come once the producer's work is done. See gpupool_host_fences in
+        host, and gets come once the producer's work is done. See gpupool_client_host_fences in
         gpupool.h."""
-        return bool(self._lib.gpupool_host_fences(self._conn.usable()))
+        return bool(self._lib.gpupool_client_host_fences(self._conn.usable()))
 
     def trim(self) -> None:
         """Ask the daemon to give unused slabs back to the backend."""
-        check(self._lib.gpupool_trim(self._conn.usable()), "trim")
+        check(self._lib.gpupool_client_trim(self._conn.usable()), "trim")
 
     def set_devices(self, devices: Iterable[int]) -> None:
         """CUDA devices this process touches pool memory from (cudaMemPoolSetAccess)."""
         devs = [int(d) for d in devices]
         arr = (ctypes.c_int * max(len(devs), 1))(*devs)
-        check(self._lib.gpupool_set_devices(self._conn.usable(), arr, len(devs)),
+        check(self._lib.gpupool_client_set_devices(self._conn.usable(), arr, len(devs)),
               "set_devices %r" % (devs,))
 
 

@@ -24,9 +24,9 @@ class _Conn:
         self.close_requested = False
         self.disconnected = False
         # Bound here so that releases during interpreter shutdown need no module globals.
-        self.c_release = L.gpupool_release
+        self.c_release = L.gpupool_buffer_release
         self.c_bundle_release = L.gpupool_bundle_release
-        self.c_disconnect = L.gpupool_disconnect
+        self.c_disconnect = L.gpupool_client_disconnect
 
     def add(self):
         with self.lock:

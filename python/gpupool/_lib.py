@@ -27,6 +27,10 @@ TOKEN_SIZE = 24
 READ_ONLY = 0x1
 FILE_HOST_ONLY = 0x2
 KEEP_MAPPED = 0x4
+# Timeouts (ms): 0 = do not wait; TIMEOUT_DEFAULT = the library's default (connect only).
+TIMEOUT_FOREVER = -1
+TIMEOUT_DEFAULT = -2
+CONNECT_TIMEOUT_DEFAULT_MS = 5000
 
 MEM_HOST = 1
 MEM_DEVICE = 2
@@ -145,7 +149,7 @@ class Member(ctypes.Structure):
 
 
 class MemberRef(ctypes.Structure):
-    """gpupool_member_ref: a range of a held buffer, published by gpupool_publish_members."""
+    """gpupool_member_ref: a range of a held buffer, published by gpupool_bundle_publish_members."""
     _fields_ = [
         ("name", ctypes.c_char_p),
         ("buffer", BufferP),
@@ -169,85 +173,85 @@ _c_int = ctypes.c_int
 _vp = ctypes.c_void_p
 _cp = ctypes.c_char_p
 
-# name: (restype, argtypes)
+# name: (restype, argtypes), in the order of gpupool.h's table of functions. tests/python
+# test_header.py checks each against the header's declaration.
+_u64 = ctypes.c_uint64
 _PROTOTYPES = {
     "gpupool_err_name": (_cp, [_c_int]),
     "gpupool_strerror": (_cp, [_c_int]),
     "gpupool_last_error": (_cp, []),
     "gpupool_version_string": (_cp, []),
-    "gpupool_default_socket_path": (_c_int, [_cp, ctypes.c_size_t]),
-    "gpupool_connect": (_c_int, [_cp, _cp, ctypes.POINTER(ClientP)]),
-    "gpupool_connect_timeout": (_c_int, [_cp, _cp, _c_int, ctypes.POINTER(ClientP)]),
-    "gpupool_set_devices": (_c_int, [ClientP, ctypes.POINTER(_c_int), _c_int]),
-    "gpupool_disconnect": (None, [ClientP]),
-    "gpupool_alloc": (_c_int, [ClientP, _cp, ctypes.c_size_t, _c_int, _vp,
-                               ctypes.POINTER(BufferP)]),
-    "gpupool_release": (_c_int, [BufferP, _vp]),
+    # client
+    "gpupool_client_default_socket_path": (_c_int, [_cp, ctypes.c_size_t]),
+    "gpupool_client_connect": (_c_int, [_cp, _cp, _c_int, ctypes.POINTER(ClientP)]),
+    "gpupool_client_host_fences": (_c_int, [ClientP]),
+    "gpupool_client_set_devices": (_c_int, [ClientP, ctypes.POINTER(_c_int), _c_int]),
+    "gpupool_client_disconnect": (None, [ClientP]),
+    "gpupool_client_stats_sized": (_c_int, [ClientP, ctypes.POINTER(DaemonStats), ctypes.c_size_t,
+                                            ctypes.POINTER(PoolStats), ctypes.c_size_t, _c_int,
+                                            ctypes.POINTER(_c_int)]),
+    "gpupool_client_trim": (_c_int, [ClientP]),
+    "gpupool_client_reconnect_count": (_u64, [ClientP]),
+    # buffer
+    "gpupool_buffer_alloc": (_c_int, [ClientP, _cp, ctypes.c_size_t, _c_int, _vp,
+                                      ctypes.POINTER(BufferP)]),
+    "gpupool_buffer_release": (_c_int, [BufferP, _vp]),
     "gpupool_buffer_ptr": (_vp, [BufferP]),
     "gpupool_buffer_size": (ctypes.c_size_t, [BufferP]),
     "gpupool_buffer_device": (_c_int, [BufferP]),
     "gpupool_buffer_kind": (_c_int, [BufferP]),
-    "gpupool_buffer_id": (ctypes.c_uint64, [BufferP]),
+    "gpupool_buffer_id": (_u64, [BufferP]),
     "gpupool_buffer_read_only": (_c_int, [BufferP]),
     "gpupool_buffer_tensor": (_c_int, [BufferP, ctypes.POINTER(TensorMeta)]),
-    "gpupool_share": (_c_int, [BufferP, _vp, ctypes.POINTER(Token)]),
-    "gpupool_open": (_c_int, [ClientP, ctypes.POINTER(Token), ctypes.c_uint, _vp,
-                              ctypes.POINTER(BufferP)]),
-    "gpupool_publish": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp]),
-    "gpupool_get": (_c_int, [ClientP, _cp, _c_int, ctypes.c_uint, _vp,
-                             ctypes.POINTER(BufferP)]),
-    "gpupool_unpublish": (_c_int, [ClientP, _cp]),
-    "gpupool_stats_sized": (_c_int, [ClientP, ctypes.POINTER(DaemonStats), ctypes.c_size_t,
-                                     ctypes.POINTER(PoolStats), ctypes.c_size_t, _c_int,
-                                     ctypes.POINTER(_c_int)]),
-    "gpupool_trim": (_c_int, [ClientP]),
-    "gpupool_reconnect_count": (ctypes.c_uint64, [ClientP]),
-    "gpupool_host_fences": (_c_int, [ClientP]),
-    "gpupool_publish_file": (_c_int, [ClientP, _cp, _cp, ctypes.c_uint64, ctypes.c_uint64,
-                                      ctypes.POINTER(FileInfo)]),
-    "gpupool_get_file": (_c_int, [ClientP, _cp, _c_int, ctypes.c_uint, ctypes.POINTER(FileP)]),
+    "gpupool_buffer_share": (_c_int, [BufferP, _vp, ctypes.POINTER(Token)]),
+    "gpupool_buffer_open": (_c_int, [ClientP, ctypes.POINTER(Token), ctypes.c_uint, _vp,
+                                     ctypes.POINTER(BufferP)]),
+    "gpupool_buffer_publish": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp,
+                                        ctypes.POINTER(_u64)]),
+    "gpupool_buffer_get": (_c_int, [ClientP, _cp, _u64, _c_int, ctypes.c_uint, _vp,
+                                    ctypes.POINTER(BufferP), ctypes.POINTER(_u64)]),
+    "gpupool_buffer_get_begin": (_c_int, [ClientP, _cp, _u64, _c_int, ctypes.c_uint,
+                                          ctypes.POINTER(PendingP)]),
+    "gpupool_buffer_get_end": (_c_int, [PendingP, _vp, ctypes.POINTER(BufferP),
+                                        ctypes.POINTER(_u64)]),
+    "gpupool_buffer_publish_begin": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp,
+                                              ctypes.POINTER(PendingP)]),
+    "gpupool_buffer_release_begin": (_c_int, [BufferP, _vp, ctypes.POINTER(PendingP)]),
+    # name
+    "gpupool_name_unpublish": (_c_int, [ClientP, _cp]),
+    # file
+    "gpupool_file_publish": (_c_int, [ClientP, _cp, _cp, _u64, _u64, ctypes.POINTER(FileInfo)]),
+    "gpupool_file_get": (_c_int, [ClientP, _cp, _c_int, ctypes.c_uint, ctypes.POINTER(FileP)]),
     "gpupool_file_ptr": (_vp, [FileP]),
     "gpupool_file_device_ptr": (_vp, [FileP]),
     "gpupool_file_size": (ctypes.c_size_t, [FileP]),
     "gpupool_file_info_get": (_c_int, [FileP, ctypes.POINTER(FileInfo)]),
     "gpupool_file_release": (None, [FileP]),
-    "gpupool_tensor_span": (ctypes.c_uint64, [ctypes.POINTER(TensorMeta),
-                                              ctypes.POINTER(_c_int)]),
-    # versions
-    "gpupool_publish_version": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp,
-                                         ctypes.POINTER(ctypes.c_uint64)]),
-    "gpupool_get_newer": (_c_int, [ClientP, _cp, ctypes.c_uint64, _c_int, ctypes.c_uint, _vp,
-                                   ctypes.POINTER(BufferP), ctypes.POINTER(ctypes.c_uint64)]),
-    # bundles (the member tables are passed as raw addresses: they are packed with struct)
-    "gpupool_bundle_alloc": (_c_int, [ClientP, _cp, _vp, _c_int, ctypes.c_uint64, _c_int, _vp,
+    # bundle (the member tables are passed as raw addresses: they are packed with struct)
+    "gpupool_bundle_alloc": (_c_int, [ClientP, _cp, _vp, _c_int, _u64, _c_int, _vp,
                                       ctypes.POINTER(BundleP)]),
-    "gpupool_bundle_publish": (_c_int, [BundleP, _cp, _vp, ctypes.POINTER(ctypes.c_uint64)]),
-    "gpupool_publish_members": (_c_int, [ClientP, _cp, _vp, _c_int, _vp,
-                                         ctypes.POINTER(ctypes.c_uint64)]),
-    "gpupool_bundle_get": (_c_int, [ClientP, _cp, ctypes.c_uint64, _c_int, ctypes.c_uint, _vp,
+    "gpupool_bundle_publish": (_c_int, [BundleP, _cp, _vp, ctypes.POINTER(_u64)]),
+    "gpupool_bundle_publish_members": (_c_int, [ClientP, _cp, _vp, _c_int, _vp,
+                                                ctypes.POINTER(_u64)]),
+    "gpupool_bundle_get": (_c_int, [ClientP, _cp, _u64, _c_int, ctypes.c_uint, _vp,
                                     ctypes.POINTER(BundleP)]),
+    "gpupool_bundle_get_begin": (_c_int, [ClientP, _cp, _u64, _c_int, ctypes.c_uint,
+                                          ctypes.POINTER(PendingP)]),
+    "gpupool_bundle_get_end": (_c_int, [PendingP, _vp, ctypes.POINTER(BundleP)]),
     "gpupool_bundle_release": (_c_int, [BundleP, _vp]),
     "gpupool_bundle_count": (_c_int, [BundleP]),
-    "gpupool_bundle_version": (ctypes.c_uint64, [BundleP]),
-    "gpupool_bundle_layout_id": (ctypes.c_uint64, [BundleP]),
+    "gpupool_bundle_version": (_u64, [BundleP]),
+    "gpupool_bundle_layout_id": (_u64, [BundleP]),
     "gpupool_bundle_member": (_c_int, [BundleP, _c_int, ctypes.POINTER(Member)]),
     "gpupool_bundle_members": (_c_int, [BundleP, _c_int, _c_int, _vp]),
     "gpupool_bundle_find": (_c_int, [BundleP, _cp]),
     "gpupool_bundle_buffers": (_c_int, [BundleP]),
     "gpupool_bundle_buffer": (BufferP, [BundleP, _c_int]),
-    # pipelining
-    "gpupool_get_begin": (_c_int, [ClientP, _cp, ctypes.c_uint64, _c_int, ctypes.c_uint,
-                                   ctypes.POINTER(PendingP)]),
-    "gpupool_get_end": (_c_int, [PendingP, _vp, ctypes.POINTER(BufferP),
-                                 ctypes.POINTER(ctypes.c_uint64)]),
-    "gpupool_bundle_get_begin": (_c_int, [ClientP, _cp, ctypes.c_uint64, _c_int, ctypes.c_uint,
-                                          ctypes.POINTER(PendingP)]),
-    "gpupool_bundle_get_end": (_c_int, [PendingP, _vp, ctypes.POINTER(BundleP)]),
-    "gpupool_publish_begin": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp,
-                                       ctypes.POINTER(PendingP)]),
-    "gpupool_release_begin": (_c_int, [BufferP, _vp, ctypes.POINTER(PendingP)]),
-    "gpupool_pending_end": (_c_int, [PendingP, ctypes.POINTER(ctypes.c_uint64)]),
+    # pending
+    "gpupool_pending_end": (_c_int, [PendingP, ctypes.POINTER(_u64)]),
     "gpupool_pending_cancel": (None, [PendingP]),
+    # tensor
+    "gpupool_tensor_span": (_u64, [ctypes.POINTER(TensorMeta), ctypes.POINTER(_c_int)]),
 }
 
 

@@ -6,7 +6,7 @@
  *
  * The main thread uses the public API as a producer and consumer would, in this order (the
  * sequence numbers the seeds answer; make_corpus.c builds them):
- *   1 Hello (gpupool_connect)      2 Stats           3 Allocate, 4 AttachPool (its fd)
+ *   1 Hello (gpupool_client_connect)      2 Stats           3 Allocate, 4 AttachPool (its fd)
  *   5 Share   6 Publish   7 Open   8 Get   9 Trim   10 Unpublish   11-13 Release
  * and touches every byte of each buffer it gets, as an application would. The buffer from
  * Get goes to a DLPack consumer (its tensor description comes from the peer), which reads
@@ -137,7 +137,7 @@ static void consume_tensor(gpupool_buffer *b) {
       (void)base[span - 1];
     }
   }
-  gpupool_release(b, NULL);
+  gpupool_buffer_release(b, NULL);
 }
 
 /* Every member of a bundle must lie inside its buffer: check, then read its first and last byte. */
@@ -168,29 +168,29 @@ static void use_client(gpupool_client *c) {
   char lost[4][GPUPOOL_NAME_MAX + 1];
   int n = 0;
 
-  gpupool_stats(c, &ds, ps, 4, &n);
-  if (gpupool_alloc(c, NULL, 4096, 0, NULL, &mine) == 0) {
+  gpupool_client_stats(c, &ds, ps, 4, &n);
+  if (gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &mine) == 0) {
     touch(mine);
-    if (gpupool_share(mine, NULL, &tok) == 0) {
-      gpupool_publish(mine, "fuzz", &meta, NULL);
-      if (gpupool_open(c, &tok, 0, NULL, &opened) == 0)
+    if (gpupool_buffer_share(mine, NULL, &tok) == 0) {
+      gpupool_buffer_publish(mine, "fuzz", &meta, NULL, NULL);
+      if (gpupool_buffer_open(c, &tok, 0, NULL, &opened) == 0)
         touch(opened);
     }
   }
-  if (gpupool_get(c, "fuzz", 0, GPUPOOL_READ_ONLY, NULL, &got) == 0) {
+  if (gpupool_buffer_get(c, "fuzz", 0, 0, GPUPOOL_READ_ONLY, NULL, &got, NULL) == 0) {
     gpupool_tensor_meta m;
     touch(got);
     gpupool_buffer_tensor(got, &m);
   }
-  gpupool_trim(c);
-  gpupool_unpublish(c, "fuzz");
+  gpupool_client_trim(c);
+  gpupool_name_unpublish(c, "fuzz");
   if (got)
     consume_tensor(got);
   if (opened)
-    gpupool_release(opened, NULL);
+    gpupool_buffer_release(opened, NULL);
   if (mine)
-    gpupool_release(mine, NULL);
-  gpupool_lost_names(c, lost, 4, &n);
+    gpupool_buffer_release(mine, NULL);
+  gpupool_client_lost_names(c, lost, 4, &n);
   /* A bundle, twice: the second reply may leave the member table out (known layout). */
   for (int k = 0; k < 2; k++) {
     gpupool_bundle *bd;
@@ -210,9 +210,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   arg.nchunks = fuzz_chunks(data, size, arg.chunks, FUZZ_MAX_CHUNKS);
   if (pthread_create(&th, NULL, peer, &arg) != 0)
     fuzz_fail("pthread_create failed");
-  if (gpupool_connect(sock_path, "fuzz", &c) == 0) {
+  if (gpupool_client_connect(sock_path, "fuzz", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0) {
     use_client(c);
-    gpupool_disconnect(c);
+    gpupool_client_disconnect(c);
   }
   pthread_join(th, NULL);
   if (fuzz_count_fds() != fds_before)

@@ -159,9 +159,15 @@ static int64_t shape2[2] = {10, 25}, strides2[2] = {25, 1};
 static void publish(sbuf *b, uint64_t seq, uint64_t hold, const char *name, int with_meta, int share_all) {
   Gpupool__Wire__Publish m = GPUPOOL__WIRE__PUBLISH__INIT;
   Gpupool__Wire__TensorMeta t = GPUPOOL__WIRE__TENSOR_META__INIT;
+  /* share_all is field 6, reserved: sent as the unknown field an old client would send. */
+  uint8_t one = 1;
+  ProtobufCMessageUnknownField uf = {.tag = 6, .wire_type = PROTOBUF_C_WIRE_TYPE_VARINT, .len = 1, .data = &one};
   m.hold_id = hold;
   m.name = (char *)name;
-  m.share_all = share_all;
+  if (share_all) {
+    m.base.n_unknown_fields = 1;
+    m.base.unknown_fields = &uf;
+  }
   if (with_meta) {
     ts_tensor_meta(&t, GPUPOOL_DTYPE_FLOAT, 32, 2, shape2);
     t.n_strides = with_meta > 1 ? 2 : 0;

@@ -36,9 +36,9 @@ static inline int gh_pool_stats(gpupool_client *c, const char *pool, gpupool_poo
                                 gpupool_daemon_stats *ds) {
   gpupool_pool_stats all[8];
   gpupool_daemon_stats dtmp;
-  int n = 0, rc = gpupool_stats(c, ds ? ds : &dtmp, all, 8, &n);
+  int n = 0, rc = gpupool_client_stats(c, ds ? ds : &dtmp, all, 8, &n);
   if (rc < 0) {
-    fprintf(stderr, "gpupool_stats: %s: %s\n", gpupool_err_name(rc), gpupool_last_error());
+    fprintf(stderr, "gpupool_client_stats: %s: %s\n", gpupool_err_name(rc), gpupool_last_error());
     return rc;
   }
   for (int i = 0; i < n && i < 8; i++)
@@ -46,7 +46,7 @@ static inline int gh_pool_stats(gpupool_client *c, const char *pool, gpupool_poo
       *ps = all[i];
       return 0;
     }
-  fprintf(stderr, "gpupool_stats lists no pool named %s\n", pool);
+  fprintf(stderr, "gpupool_client_stats lists no pool named %s\n", pool);
   return -1;
 }
 
@@ -74,12 +74,12 @@ static inline int gh_run_on_daemon(gh_daemon *d, const char *check, const char *
                                    int (*fn)(const gh_daemon *, gpupool_client *)) {
   gpupool_client *c = NULL;
   int rc, st;
-  if ((rc = gpupool_connect(d->sock, client, &c)) < 0) {
+  if ((rc = gpupool_client_connect(d->sock, client, GPUPOOL_TIMEOUT_DEFAULT, &c)) < 0) {
     gh_daemon_stop(d, 1);
-    return gh_verdict(1, check, "gpupool_connect: %s: %s", gpupool_err_name(rc), gpupool_last_error());
+    return gh_verdict(1, check, "gpupool_client_connect: %s: %s", gpupool_err_name(rc), gpupool_last_error());
   }
   rc = fn(d, c);
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   if (!gh_daemon_alive(d)) {
     gh_daemon_stop(d, 1);
     return rc ? rc : gh_verdict(1, check, "gpupoold died during the check");

@@ -80,8 +80,8 @@ static int w_reader(char **a) {
     gh_say("FAIL no CUDA context");
     return 1;
   }
-  if ((rc = gpupool_connect(sock, "file-reader", &c)) != 0 ||
-      (rc = gpupool_get_file(c, name, 10000, 0, &f)) != 0) {
+  if ((rc = gpupool_client_connect(sock, "file-reader", GPUPOOL_TIMEOUT_DEFAULT, &c)) != 0 ||
+      (rc = gpupool_file_get(c, name, 10000, 0, &f)) != 0) {
     gh_say("FAIL %s: %s", gpupool_err_name(rc), gpupool_last_error());
     return 1;
   }
@@ -116,7 +116,7 @@ static int w_reader(char **a) {
   }
   cudaFree(dst);
   gpupool_file_release(f);
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   gh_say("RESULT mismatches %llu copy_mismatches %llu copy_gbps %.1f", mm, mm_copy,
          ms > 0 ? (double)RANGE_BYTES / (ms * 1e6) : 0.0);
   return mm == 0 && mm_copy == 0 ? 0 : 1;
@@ -146,8 +146,8 @@ int main(int argc, char **argv) {
     gh_daemon_stop(&d, 1);
     return 1;
   }
-  if ((rc = gpupool_connect(d.sock, "file-publisher", &c)) != 0 ||
-      (rc = gpupool_publish_file(c, "gpufile", path, RANGE_OFFSET, RANGE_BYTES, NULL)) != 0) {
+  if ((rc = gpupool_client_connect(d.sock, "file-publisher", GPUPOOL_TIMEOUT_DEFAULT, &c)) != 0 ||
+      (rc = gpupool_file_publish(c, "gpufile", path, RANGE_OFFSET, RANGE_BYTES, NULL)) != 0) {
     fprintf(stderr, "publish_file: %s: %s\n", gpupool_err_name(rc), gpupool_last_error());
     gh_daemon_stop(&d, 1);
     return 1;
@@ -172,9 +172,9 @@ int main(int argc, char **argv) {
     if (gh_wait(&w[i], STEP_MS) != 0)
       failed = 1;
   }
-  if (gpupool_unpublish(c, "gpufile") != 0)
+  if (gpupool_name_unpublish(c, "gpufile") != 0)
     failed = 1;
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   unlink(path);
   if (gh_daemon_stop(&d, failed) != 0)
     failed = 1;

@@ -13,14 +13,14 @@
  *               behind a 500 ms spin kernel, and publishes it without synchronizing: only
  *               the ready event orders the consumers' reads after the fill.
  *   cpu-reader  gets it by name on its own stream, waits for that stream (the get queued
- *               the wait on the ready event there; the CPU does not block in gpupool_get),
+ *               the wait on the ready event there; the CPU does not block in gpupool_buffer_get),
  *               then reads every word FROM THE CPU and compares it with the seeded pattern.
  *   gpu-reader  gets it by name and counts mismatching words in a kernel on its own stream.
  *
  * Both readers check gpupool_buffer_kind == GPUPOOL_MEM_HOST_NUMA and print what
  * cudaPointerGetAttributes says of the pointer in their process; CUDA must know the memory
  * (cudaMemoryTypeHost expected; another registered type is reported as a NOTE) and give a
- * host pointer for it. Both readers wait in gpupool_get
+ * host pointer for it. Both readers wait in gpupool_buffer_get
  * before the producer starts its kernels. After the readers release and the producer
  * unpublishes, the pool's used bytes must return to their start value.
  *
@@ -136,13 +136,13 @@ static int w_producer(char **a) {
   cudaStream_t s = wstream("producer", 0);
   int rc;
 
-  if ((rc = gpupool_connect(sock, "gpu-pinned-producer", &c)) < 0)
-    wdie("producer", "gpupool_connect", rc);
+  if ((rc = gpupool_client_connect(sock, "gpu-pinned-producer", GPUPOOL_TIMEOUT_DEFAULT, &c)) < 0)
+    wdie("producer", "gpupool_client_connect", rc);
   /* The pad puts the tested buffer at an offset inside its slab. */
-  if ((rc = gpupool_alloc(c, POOL, PAD_BYTES, 10000, s, &pad)) < 0)
-    wdie("producer", "gpupool_alloc (pad)", rc);
-  if ((rc = gpupool_alloc(c, POOL, BUF_BYTES, 10000, s, &b)) < 0)
-    wdie("producer", "gpupool_alloc", rc);
+  if ((rc = gpupool_buffer_alloc(c, POOL, PAD_BYTES, 10000, s, &pad)) < 0)
+    wdie("producer", "gpupool_buffer_alloc (pad)", rc);
+  if ((rc = gpupool_buffer_alloc(c, POOL, BUF_BYTES, 10000, s, &b)) < 0)
+    wdie("producer", "gpupool_buffer_alloc", rc);
   if (check_buffer("producer", b, BUF_BYTES))
     return 1;
   gh_say("ALLOCATED %zu bytes at %p (pad at %p)", gpupool_buffer_size(b), gpupool_buffer_ptr(b),
@@ -151,13 +151,13 @@ static int w_producer(char **a) {
   wfill_publish("producer", b, BUF_BYTES, seed, SPIN_US, name, s);
   gh_say("PUBLISHED");
   /* The name holds the buffer now. */
-  if ((rc = gpupool_release(b, s)) < 0)
-    wdie("producer", "gpupool_release", rc);
+  if ((rc = gpupool_buffer_release(b, s)) < 0)
+    wdie("producer", "gpupool_buffer_release", rc);
   wait_stdin_line("producer", "EXIT");
-  if ((rc = gpupool_unpublish(c, name)) < 0)
-    wdie("producer", "gpupool_unpublish", rc);
-  if ((rc = gpupool_release(pad, s)) < 0)
-    wdie("producer", "gpupool_release (pad)", rc);
+  if ((rc = gpupool_name_unpublish(c, name)) < 0)
+    wdie("producer", "gpupool_name_unpublish", rc);
+  if ((rc = gpupool_buffer_release(pad, s)) < 0)
+    wdie("producer", "gpupool_buffer_release (pad)", rc);
   wfinish("producer", c, s);
   gh_say("DONE");
   return 0;
@@ -182,11 +182,11 @@ static void reader_get(const char *role, const char *sock, const char *name, gpu
   int rc;
 
   *s = wstream(role, 0);
-  if ((rc = gpupool_connect(sock, role, c)) < 0)
-    wdie(role, "gpupool_connect", rc);
+  if ((rc = gpupool_client_connect(sock, role, GPUPOOL_TIMEOUT_DEFAULT, c)) < 0)
+    wdie(role, "gpupool_client_connect", rc);
   gh_say("WAITING");
-  if ((rc = gpupool_get(*c, name, STEP_MS, GPUPOOL_READ_ONLY, *s, b)) < 0)
-    wdie(role, "gpupool_get", rc);
+  if ((rc = gpupool_buffer_get(*c, name, 0, STEP_MS, GPUPOOL_READ_ONLY, *s, b, NULL)) < 0)
+    wdie(role, "gpupool_buffer_get", rc);
   if (check_buffer(role, *b, BUF_BYTES))
     exit(1);
   if ((rc = gpupool_buffer_tensor(*b, &meta)) < 0)
@@ -203,11 +203,11 @@ static void reader_get(const char *role, const char *sock, const char *name, gpu
 
 static void reader_done(const char *role, gpupool_client *c, gpupool_buffer *b, cudaStream_t s) {
   int rc, ce;
-  if ((rc = gpupool_release(b, s)) < 0)
-    wdie(role, "gpupool_release", rc);
+  if ((rc = gpupool_buffer_release(b, s)) < 0)
+    wdie(role, "gpupool_buffer_release", rc);
   if ((ce = (int)cudaStreamSynchronize(s)))
     cdie(role, "cudaStreamSynchronize after release", ce);
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   (void)cudaStreamDestroy(s);
 }
 
@@ -274,7 +274,7 @@ static int w_cpu_reader(char **a) {
   int ce;
 
   reader_get(role, a[0], a[1], &c, &b, &s);
-  /* gpupool_get queued the wait on the producer's ready event in s and returned without
+  /* gpupool_buffer_get queued the wait on the producer's ready event in s and returned without
    * blocking; the CPU is ordered after the producer's kernel only once s has drained. */
   if ((ce = (int)cudaStreamSynchronize(s)))
     cdie(role, "cudaStreamSynchronize (waiting for the ready event)", ce);
@@ -299,7 +299,7 @@ static int w_gpu_reader(char **a) {
   int ce;
 
   reader_get(role, a[0], a[1], &c, &b, &s);
-  /* The stream waits on the ready event (gpupool_get queued the wait); nothing else orders
+  /* The stream waits on the ready event (gpupool_buffer_get queued the wait); nothing else orders
    * this kernel after the producer's fill. */
   if ((ce = gk_count_mismatches(gpupool_buffer_ptr(b), BUF_BYTES, seed, s, &bad)))
     cdie(role, "mismatch kernel on the host-NUMA buffer", ce);
@@ -414,9 +414,9 @@ static int check_pinned(const gh_daemon *d, gpupool_client *c) {
   }
   rc = 0;
   if (gh_expect(&cpu, "WAITING", line, sizeof(line), STEP_MS) < 0)
-    rc = fail("cpu-reader never got to gpupool_get");
+    rc = fail("cpu-reader never got to gpupool_buffer_get");
   else if (gh_expect(&gpu, "WAITING", line, sizeof(line), STEP_MS) < 0)
-    rc = fail("gpu-reader never got to gpupool_get");
+    rc = fail("gpu-reader never got to gpupool_buffer_get");
   if (rc == 0) {
     /* Let both Gets reach the daemon before the producer starts its kernels. */
     gh_sleep_ms(200);

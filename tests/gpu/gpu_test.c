@@ -16,7 +16,7 @@
  *            correctly; after unpublish the pool's used bytes return to their start value.
  *   orphan   the producer exits right after publishing; consumers started afterwards read it.
  *   churn    10,000 allocate/share/open/release cycles between two processes (some in
- *            dedicated slabs, some verified); then gpupool_trim: backend_used back to the
+ *            dedicated slabs, some verified); then gpupool_client_trim: backend_used back to the
  *            baseline (0 with nothing live) and the daemon's open fds flat.
  *   killwork a consumer runs a kernel that keeps writing its buffer for 3 s and is SIGKILLed
  *            while it runs; the producer lets go; another client then
@@ -35,7 +35,7 @@
  *            two consumers with GPUPOOL_HOST_FENCES=1 (they open no event) read it bit-exact:
  *            the daemon held their gets back until the ready event completed. Then (as root)
  *            the same with producer and consumers as uid 65534, which cannot open gpupoold's
- *            events: the library switches to host fences by itself (gpupool_host_fences),
+ *            events: the library switches to host fences by itself (gpupool_client_host_fences),
  *            publish returns with the producer's stream idle, release with the consumer's
  *            (a read queued behind a spin before it), reads are bit-exact, and the pool's
  *            used bytes return to their start value.
@@ -44,10 +44,10 @@
  *            synchronizing; a consumer gets each with newer_than and checks every member on
  *            its own stream, keeps version 1 and checks it again at the end; then the pool's
  *            used bytes return to their start value.
- *   peer     (2+ GPUs) pool on GPU 0, a consumer on GPU 1 calls gpupool_set_devices({1}) and
+ *   peer     (2+ GPUs) pool on GPU 0, a consumer on GPU 1 calls gpupool_client_set_devices({1}) and
  *            reads it there; without peer access that call must fail with GPUPOOL_ENOTSUP
  *            naming both devices (or, if the library imports pools lazily, the first
- *            gpupool_get that imports the pool must).
+ *            gpupool_buffer_get that imports the pool must).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -87,7 +87,7 @@ static const char *g_check = "?";
 
 /* ------------------------------------------------------------------ worker side */
 
-/* GPU_TEST_WANT_FENCES=0|1: what gpupool_host_fences must say in producers and consumers
+/* GPU_TEST_WANT_FENCES=0|1: what gpupool_client_host_fences must say in producers and consumers
  * (-1 when unset: not checked). */
 static int want_fences(void) {
   const char *e = getenv("GPU_TEST_WANT_FENCES");
@@ -105,15 +105,15 @@ static int w_producer(char **a) {
   gpupool_buffer *b;
   cudaStream_t s = wstream("producer", 0);
 
-  if ((rc = gpupool_connect(sock, "gpu-test-producer", &c)) < 0)
-    wdie("producer", "gpupool_connect", rc);
-  if (want_fences() >= 0 && gpupool_host_fences(c) != want_fences()) {
-    fprintf(stderr, "worker producer (uid %d): host fences %d, expected %d\n", (int)getuid(), gpupool_host_fences(c),
+  if ((rc = gpupool_client_connect(sock, "gpu-test-producer", GPUPOOL_TIMEOUT_DEFAULT, &c)) < 0)
+    wdie("producer", "gpupool_client_connect", rc);
+  if (want_fences() >= 0 && gpupool_client_host_fences(c) != want_fences()) {
+    fprintf(stderr, "worker producer (uid %d): host fences %d, expected %d\n", (int)getuid(), gpupool_client_host_fences(c),
             want_fences());
     return 1;
   }
-  if ((rc = gpupool_alloc(c, POOL, bytes, 10000, s, &b)) < 0)
-    wdie("producer", "gpupool_alloc", rc);
+  if ((rc = gpupool_buffer_alloc(c, POOL, bytes, 10000, s, &b)) < 0)
+    wdie("producer", "gpupool_buffer_alloc", rc);
   if (gpupool_buffer_device(b) != 0 || gpupool_buffer_kind(b) != GPUPOOL_MEM_DEVICE ||
       gpupool_buffer_size(b) < bytes) {
     fprintf(stderr, "worker producer: buffer is device %d kind %d size %zu, expected device 0 "
@@ -126,26 +126,26 @@ static int w_producer(char **a) {
     wait_stdin_line("producer", "GO");
   }
   wfill_publish("producer", b, bytes, seed, spin, name, s);
-  if (gpupool_host_fences(c) && (ce = (int)cudaStreamQuery(s)) != cudaSuccess) {
-    fprintf(stderr, "worker producer: with host fences, gpupool_publish returned while its stream still had work "
+  if (gpupool_client_host_fences(c) && (ce = (int)cudaStreamQuery(s)) != cudaSuccess) {
+    fprintf(stderr, "worker producer: with host fences, gpupool_buffer_publish returned while its stream still had work "
             "(cudaStreamQuery: %s): consumers could read unwritten memory\n", cudaGetErrorName((cudaError_t)ce));
     return 1;
   }
   gh_say("PUBLISHED");
   /* The name holds the buffer now. */
-  if ((rc = gpupool_release(b, s)) < 0)
-    wdie("producer", "gpupool_release", rc);
+  if ((rc = gpupool_buffer_release(b, s)) < 0)
+    wdie("producer", "gpupool_buffer_release", rc);
   if (!strcmp(mode, "hold")) {
     wait_stdin_line("producer", "EXIT");
-    if ((rc = gpupool_unpublish(c, name)) < 0)
-      wdie("producer", "gpupool_unpublish", rc);
+    if ((rc = gpupool_name_unpublish(c, name)) < 0)
+      wdie("producer", "gpupool_name_unpublish", rc);
   } else {
     /* Leave with nothing pending on the GPU: what is tested is that the published memory
      * outlives this process, not how the driver tears down a context with queued work. */
     if ((ce = (int)cudaStreamSynchronize(s)))
       cdie("producer", "cudaStreamSynchronize", ce);
   }
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   (void)cudaStreamDestroy(s);
   gh_say("DONE");
   return 0;
@@ -163,27 +163,27 @@ static int w_consumer(char **a) {
   gpupool_tensor_meta meta;
   cudaStream_t s = wstream("consumer", dev);
 
-  if ((rc = gpupool_connect(sock, "gpu-test-consumer", &c)) < 0)
-    wdie("consumer", "gpupool_connect", rc);
-  if (want_fences() >= 0 && gpupool_host_fences(c) != want_fences()) {
-    fprintf(stderr, "worker consumer (uid %d): host fences %d, expected %d\n", (int)getuid(), gpupool_host_fences(c),
+  if ((rc = gpupool_client_connect(sock, "gpu-test-consumer", GPUPOOL_TIMEOUT_DEFAULT, &c)) < 0)
+    wdie("consumer", "gpupool_client_connect", rc);
+  if (want_fences() >= 0 && gpupool_client_host_fences(c) != want_fences()) {
+    fprintf(stderr, "worker consumer (uid %d): host fences %d, expected %d\n", (int)getuid(), gpupool_client_host_fences(c),
             want_fences());
     return 1;
   }
-  if (strcmp(peer, "-") && (rc = gpupool_set_devices(c, &dev, 1)) < 0 &&
+  if (strcmp(peer, "-") && (rc = gpupool_client_set_devices(c, &dev, 1)) < 0 &&
       strcmp(peer, "enotsup") != 0)
-    wdie("consumer", "gpupool_set_devices", rc);
+    wdie("consumer", "gpupool_client_set_devices", rc);
   if (!strcmp(peer, "enotsup")) {
-    /* Without peer access the refusal must come from gpupool_set_devices; a library that
+    /* Without peer access the refusal must come from gpupool_client_set_devices; a library that
      * imports pools lazily can only refuse when the first buffer brings the pool in, so a
-     * refusal from gpupool_get (before any memory is touched) is accepted too. */
-    const char *where = "gpupool_set_devices";
+     * refusal from gpupool_buffer_get(before any memory is touched) is accepted too. */
+    const char *where = "gpupool_client_set_devices";
     if (rc == 0) {
-      where = "gpupool_get";
-      rc = gpupool_get(c, name, STEP_MS, GPUPOOL_READ_ONLY, s, &b);
+      where = "gpupool_buffer_get";
+      rc = gpupool_buffer_get(c, name, 0, STEP_MS, GPUPOOL_READ_ONLY, s, &b, NULL);
       if (rc == 0) {
         fprintf(stderr, "worker consumer: device %d has no peer access to device 0, yet "
-                "gpupool_set_devices({%d}) and gpupool_get both succeeded\n", dev, dev);
+                "gpupool_client_set_devices({%d}) and gpupool_buffer_get both succeeded\n", dev, dev);
         return 1;
       }
     }
@@ -193,7 +193,7 @@ static int w_consumer(char **a) {
     snprintf(want_b, sizeof(want_b), "device %d", 0);
     if (rc == GPUPOOL_ENOTSUP && strstr(msg, want_a) && strstr(msg, want_b)) {
       gh_say("ENOTSUP from %s: %s", where, msg);
-      gpupool_disconnect(c);
+      gpupool_client_disconnect(c);
       (void)cudaStreamDestroy(s);
       return 0;
     }
@@ -202,8 +202,8 @@ static int w_consumer(char **a) {
     return 1;
   }
   gh_say("WAITING");
-  if ((rc = gpupool_get(c, name, STEP_MS, GPUPOOL_READ_ONLY, s, &b)) < 0)
-    wdie("consumer", "gpupool_get", rc);
+  if ((rc = gpupool_buffer_get(c, name, 0, STEP_MS, GPUPOOL_READ_ONLY, s, &b, NULL)) < 0)
+    wdie("consumer", "gpupool_buffer_get", rc);
   if (gpupool_buffer_size(b) < bytes || !gpupool_buffer_read_only(b)) {
     fprintf(stderr, "worker consumer: got %zu bytes read_only=%d, expected >= %zu read-only\n",
             gpupool_buffer_size(b), gpupool_buffer_read_only(b), bytes);
@@ -217,7 +217,7 @@ static int w_consumer(char **a) {
             bytes / 4);
     return 1;
   }
-  /* The stream waits on the ready event (gpupool_get queued the wait); nothing else orders
+  /* The stream waits on the ready event (gpupool_buffer_get queued the wait); nothing else orders
    * this read after the producer's writes. */
   if ((ce = gk_count_mismatches(gpupool_buffer_ptr(b), bytes, seed, s, &bad)))
     cdie("consumer", "mismatch kernel", ce);
@@ -227,16 +227,16 @@ static int w_consumer(char **a) {
     for (;;)
       pause();
   }
-  if (gpupool_host_fences(c)) {
+  if (gpupool_client_host_fences(c)) {
     /* Work still queued on the buffer when it is released: without a done event, the
      * release itself must wait for it. */
     if ((ce = gk_spin(s, SPIN_US / 5)) || (ce = gk_read(gpupool_buffer_ptr(b), bytes, s, &sink)))
       cdie("consumer", "spin and read kernels", ce);
   }
-  if ((rc = gpupool_release(b, s)) < 0)
-    wdie("consumer", "gpupool_release", rc);
-  if (gpupool_host_fences(c) && (ce = (int)cudaStreamQuery(s)) != cudaSuccess) {
-    fprintf(stderr, "worker consumer: with host fences, gpupool_release returned while its stream still read the "
+  if ((rc = gpupool_buffer_release(b, s)) < 0)
+    wdie("consumer", "gpupool_buffer_release", rc);
+  if (gpupool_client_host_fences(c) && (ce = (int)cudaStreamQuery(s)) != cudaSuccess) {
+    fprintf(stderr, "worker consumer: with host fences, gpupool_buffer_release returned while its stream still read the "
             "buffer (cudaStreamQuery: %s): the range could be reused under that read\n",
             cudaGetErrorName((cudaError_t)ce));
     return 1;
@@ -263,10 +263,10 @@ static int w_killer(char **a) {
   gpupool_buffer *b;
   cudaStream_t s = wstream("killer", 0);
 
-  if ((rc = gpupool_connect(sock, "gpu-test-killer", &c)) < 0)
-    wdie("killer", "gpupool_connect", rc);
-  if ((rc = gpupool_get(c, name, STEP_MS, 0, s, &b)) < 0)
-    wdie("killer", "gpupool_get", rc);
+  if ((rc = gpupool_client_connect(sock, "gpu-test-killer", GPUPOOL_TIMEOUT_DEFAULT, &c)) < 0)
+    wdie("killer", "gpupool_client_connect", rc);
+  if ((rc = gpupool_buffer_get(c, name, 0, STEP_MS, 0, s, &b, NULL)) < 0)
+    wdie("killer", "gpupool_buffer_get", rc);
   if ((ce = gk_scribble(gpupool_buffer_ptr(b), bytes, seed, spin, s)) ||
       (ce = gk_fill(gpupool_buffer_ptr(b), bytes, seed, s)))
     cdie("killer", "queueing work", ce);
@@ -294,13 +294,13 @@ static int w_taker(char **a) {
   gpupool_buffer *b[64];
   cudaStream_t s = wstream("taker", 0);
 
-  if ((rc = gpupool_connect(sock, "gpu-test-taker", &c)) < 0)
-    wdie("taker", "gpupool_connect", rc);
+  if ((rc = gpupool_client_connect(sock, "gpu-test-taker", GPUPOOL_TIMEOUT_DEFAULT, &c)) < 0)
+    wdie("taker", "gpupool_client_connect", rc);
   {
     gpupool_pool_stats ps[8];
     int np = 0, want = 0;
-    if ((rc = gpupool_stats(c, NULL, ps, 8, &np)) < 0)
-      wdie("taker", "gpupool_stats", rc);
+    if ((rc = gpupool_client_stats(c, NULL, ps, 8, &np)) < 0)
+      wdie("taker", "gpupool_client_stats", rc);
     for (int i = 0; i < np && i < 8; i++)
       if (!strcmp(ps[i].name, POOL))
         want = (int)(ps[i].capacity / bytes);
@@ -308,8 +308,8 @@ static int w_taker(char **a) {
       wdie("taker", "pool capacity", GPUPOOL_EINVAL);
     /* The range the killed consumer held comes back once its process is gone. */
     for (n = 0; n < want; n++)
-      if ((rc = gpupool_alloc(c, POOL, bytes, STEP_MS, s, &b[n])) < 0)
-        wdie("taker", "gpupool_alloc (waiting for the killed consumer's range)", rc);
+      if ((rc = gpupool_buffer_alloc(c, POOL, bytes, STEP_MS, s, &b[n])) < 0)
+        wdie("taker", "gpupool_buffer_alloc (waiting for the killed consumer's range)", rc);
   }
   gh_say("GOT %d", n);
   for (int i = 0; i < n; i++)
@@ -325,9 +325,9 @@ static int w_taker(char **a) {
   }
   gh_say("RESULT %llu", bad);
   for (int i = 0; i < n; i++)
-    gpupool_release(b[i], s);
+    gpupool_buffer_release(b[i], s);
   (void)cudaStreamSynchronize(s);
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   (void)cudaStreamDestroy(s);
   return 0;
 }
@@ -354,8 +354,8 @@ static int w_churn_a(char **a) {
   gpupool_client *c;
   cudaStream_t s = wstream("churn-a", 0);
 
-  if ((rc = gpupool_connect(sock, "gpu-test-churn-a", &c)) < 0)
-    wdie("churn-a", "gpupool_connect", rc);
+  if ((rc = gpupool_client_connect(sock, "gpu-test-churn-a", GPUPOOL_TIMEOUT_DEFAULT, &c)) < 0)
+    wdie("churn-a", "gpupool_client_connect", rc);
   for (int i = 0; i < n; i++) {
     churn_msg m;
     gpupool_buffer *b;
@@ -364,12 +364,12 @@ static int w_churn_a(char **a) {
     m.size = churn_size(i);
     m.verify = i % 250 == 0 || i % 1000 == 999;
     m.seed = (uint32_t)i * 0x9e3779b9u + 1;
-    if ((rc = gpupool_alloc(c, POOL, m.size, 30000, s, &b)) < 0)
-      wdie("churn-a", "gpupool_alloc", rc);
+    if ((rc = gpupool_buffer_alloc(c, POOL, m.size, 30000, s, &b)) < 0)
+      wdie("churn-a", "gpupool_buffer_alloc", rc);
     if (m.verify && (ce = gk_fill(gpupool_buffer_ptr(b), m.size, m.seed, s)))
       cdie("churn-a", "fill kernel", ce);
-    if ((rc = gpupool_share(b, s, &m.token)) < 0)
-      wdie("churn-a", "gpupool_share", rc);
+    if ((rc = gpupool_buffer_share(b, s, &m.token)) < 0)
+      wdie("churn-a", "gpupool_buffer_share", rc);
     if (gh_full_io(3, &m, sizeof(m), 1) < 0 || gh_full_io(4, &ack, 1, 0) < 0) {
       fprintf(stderr, "worker churn-a: peer went away at cycle %d\n", i);
       return 2;
@@ -378,8 +378,8 @@ static int w_churn_a(char **a) {
       fprintf(stderr, "worker churn-a: peer reported failure at cycle %d\n", i);
       return 1;
     }
-    if ((rc = gpupool_release(b, s)) < 0)
-      wdie("churn-a", "gpupool_release", rc);
+    if ((rc = gpupool_buffer_release(b, s)) < 0)
+      wdie("churn-a", "gpupool_buffer_release", rc);
   }
   wfinish("churn-a", c, s);
   gh_say("DONE %d", n);
@@ -393,8 +393,8 @@ static int w_churn_b(char **a) {
   gpupool_client *c;
   cudaStream_t s = wstream("churn-b", 0);
 
-  if ((rc = gpupool_connect(sock, "gpu-test-churn-b", &c)) < 0)
-    wdie("churn-b", "gpupool_connect", rc);
+  if ((rc = gpupool_client_connect(sock, "gpu-test-churn-b", GPUPOOL_TIMEOUT_DEFAULT, &c)) < 0)
+    wdie("churn-b", "gpupool_client_connect", rc);
   for (int i = 0; i < n; i++) {
     churn_msg m;
     gpupool_buffer *b;
@@ -403,8 +403,8 @@ static int w_churn_b(char **a) {
       fprintf(stderr, "worker churn-b: peer went away at cycle %d\n", i);
       return 2;
     }
-    if ((rc = gpupool_open(c, &m.token, 0, s, &b)) < 0)
-      wdie("churn-b", "gpupool_open", rc);
+    if ((rc = gpupool_buffer_open(c, &m.token, 0, s, &b)) < 0)
+      wdie("churn-b", "gpupool_buffer_open", rc);
     if (gpupool_buffer_size(b) < m.size) {
       fprintf(stderr, "worker churn-b: cycle %d opened %zu bytes, expected >= %" PRIu64 "\n", i,
               gpupool_buffer_size(b), m.size);
@@ -420,8 +420,8 @@ static int w_churn_b(char **a) {
       }
       verified++;
     }
-    if ((rc = gpupool_release(b, s)) < 0)
-      wdie("churn-b", "gpupool_release", rc);
+    if ((rc = gpupool_buffer_release(b, s)) < 0)
+      wdie("churn-b", "gpupool_buffer_release", rc);
     if (gh_full_io(4, &ack, 1, 1) < 0)
       return 2;
     if (!ack)
@@ -713,8 +713,8 @@ static int w_bproducer(char **a) {
     snprintf(names[i], sizeof names[i], "model.layers.%d.weight", i);
     specs[i] = (gpupool_member_spec){.name = names[i], .size = bmember_bytes(i)};
   }
-  if ((rc = gpupool_connect(sock, "gpu-test-bproducer", &c)) < 0)
-    wdie("bproducer", "gpupool_connect", rc);
+  if ((rc = gpupool_client_connect(sock, "gpu-test-bproducer", GPUPOOL_TIMEOUT_DEFAULT, &c)) < 0)
+    wdie("bproducer", "gpupool_client_connect", rc);
   for (uint64_t v = 1; v <= BUNDLE_VERSIONS; v++) {
     gpupool_bundle *b;
     uint64_t got = 0;
@@ -746,8 +746,8 @@ static int w_bproducer(char **a) {
     wait_stdin_line("bproducer", "NEXT");
   }
   wait_stdin_line("bproducer", "EXIT");
-  if ((rc = gpupool_unpublish(c, name)) < 0)
-    wdie("bproducer", "gpupool_unpublish", rc);
+  if ((rc = gpupool_name_unpublish(c, name)) < 0)
+    wdie("bproducer", "gpupool_name_unpublish", rc);
   wfinish("bproducer", c, s);
   return 0;
 }
@@ -784,8 +784,8 @@ static int w_bconsumer(char **a) {
   unsigned long long bad;
   int rc;
 
-  if ((rc = gpupool_connect(sock, "gpu-test-bconsumer", &c)) < 0)
-    wdie("bconsumer", "gpupool_connect", rc);
+  if ((rc = gpupool_client_connect(sock, "gpu-test-bconsumer", GPUPOOL_TIMEOUT_DEFAULT, &c)) < 0)
+    wdie("bconsumer", "gpupool_client_connect", rc);
   gh_say("WAITING");
   while (last < BUNDLE_VERSIONS) {
     gpupool_bundle *b;
@@ -927,7 +927,7 @@ static int run_consumers(const gh_daemon *d, const char *name, uint32_t seed, in
   }
   for (int i = 0; ok && i < started; i++)
     if (gh_expect(&cons[i], "WAITING", line, sizeof(line), STEP_MS) < 0) {
-      fail("consumer %d of %d never got to gpupool_get", i + 1, n);
+      fail("consumer %d of %d never got to gpupool_buffer_get", i + 1, n);
       ok = 0;
     }
   if (ok && producer_to_go) {
@@ -1106,8 +1106,8 @@ static int check_orphan(const gh_daemon *d, gpupool_client *c) {
     return fail("producer exited with %d", rc);
   if (run_consumers(d, name, seed, 2, NULL) < 0)
     return 1;
-  if ((rc = gpupool_unpublish(c, name)) < 0)
-    return fail("gpupool_unpublish(%s): %s: %s", name, gpupool_err_name(rc),
+  if ((rc = gpupool_name_unpublish(c, name)) < 0)
+    return fail("gpupool_name_unpublish(%s): %s: %s", name, gpupool_err_name(rc),
                 gpupool_last_error());
   if (gh_wait_used(c, POOL, start_used, 20000, &used) < 0)
     return fail("pool used is %" PRIu64 " bytes after unpublish, was %" PRIu64, used,
@@ -1124,8 +1124,8 @@ static int trim_settle(gpupool_client *c, int timeout_ms, gpupool_pool_stats *ps
   uint64_t end = gh_now_ns() + (uint64_t)timeout_ms * 1000000ull;
   int rc;
   do {
-    if ((rc = gpupool_trim(c)) < 0) {
-      fprintf(stderr, "gpupool_trim: %s: %s\n", gpupool_err_name(rc), gpupool_last_error());
+    if ((rc = gpupool_client_trim(c)) < 0) {
+      fprintf(stderr, "gpupool_client_trim: %s: %s\n", gpupool_err_name(rc), gpupool_last_error());
       return -1;
     }
     if (gh_pool_stats(c, POOL, ps, ds) < 0)
@@ -1259,7 +1259,7 @@ static int check_peer(const gh_daemon *d, gpupool_client *c) {
     gh_writeline(&prod, "EXIT");
     gh_wait(&prod, STEP_MS);
     if (rc < 0 || st != 0)
-      return fail("GPUs 1 and 0 are not peers, and gpupool_set_devices({1}) did not fail with "
+      return fail("GPUs 1 and 0 are not peers, and gpupool_client_set_devices({1}) did not fail with "
                   "ENOTSUP naming both (consumer exit %d)", st);
     return pass("GPUs 1 and 0 are not peers: %s", line);
   }
@@ -1276,7 +1276,7 @@ static int check_peer(const gh_daemon *d, gpupool_client *c) {
   if ((rc = producer_done(&prod)) != 0)
     return rc;
   return pass("pool on GPU 0 read bit-exact by a kernel on GPU 1 after "
-              "gpupool_set_devices({1})");
+              "gpupool_client_set_devices({1})");
 }
 
 /* Backend pools behind the test pool, from a raw Stats request (not in the public stats). */

@@ -56,8 +56,8 @@ static inline void wfill_publish(const char *role, gpupool_buffer *b, size_t byt
   meta.dtype_lanes = 1;
   meta.ndim = 1;
   meta.shape[0] = (int64_t)(bytes / 4);
-  if ((rc = gpupool_publish(b, name, &meta, s)) < 0)
-    wdie(role, "gpupool_publish", rc);
+  if ((rc = gpupool_buffer_publish(b, name, &meta, s, NULL)) < 0)
+    wdie(role, "gpupool_buffer_publish", rc);
 }
 
 /* A worker's orderly end: wait for the work on its stream, disconnect, drop the stream. */
@@ -65,7 +65,7 @@ static inline void wfinish(const char *role, gpupool_client *c, cudaStream_t s) 
   int ce = (int)cudaStreamSynchronize(s);
   if (ce)
     cdie(role, "cudaStreamSynchronize", ce);
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   (void)cudaStreamDestroy(s);
 }
 

@@ -154,7 +154,7 @@ static inline int th_teardown(void **state) {
 
 static inline gpupool_client *th_connect(const th_daemon *d, const char *name) {
   gpupool_client *c = NULL;
-  int rc = gpupool_connect(d->sock, name, &c);
+  int rc = gpupool_client_connect(d->sock, name, GPUPOOL_TIMEOUT_DEFAULT, &c);
   if (rc != 0)
     fail_msg("connect: %s: %s", gpupool_err_name(rc), gpupool_last_error());
   return c;
@@ -163,14 +163,14 @@ static inline gpupool_client *th_connect(const th_daemon *d, const char *name) {
 static inline void th_stats(const th_daemon *d, gpupool_daemon_stats *ds, gpupool_pool_stats *ps) {
   gpupool_client *c = th_connect(d, "stats");
   gpupool_pool_stats tmp[8];
-  int n = 0, rc = gpupool_stats(c, ds, tmp, 8, &n);
+  int n = 0, rc = gpupool_client_stats(c, ds, tmp, 8, &n);
   if (rc != 0)
     fail_msg("stats: %s", gpupool_last_error());
   if (ps) {
     assert_true(n >= 1);
     *ps = tmp[0];
   }
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
 }
 
 /* Poll until the daemon has no buffers, holds or pending frees and pool 0 uses 0 bytes. */
@@ -214,8 +214,8 @@ static inline void th_expect_fds(const th_daemon *d, uint64_t expected) {
     /* An empty slab the pool keeps for reuse holds its memfd (host backend): give cached
      * slabs back first, so what is counted is what a leak would leave. */
     gpupool_client *c = th_connect(d, "trim");
-    assert_int_equal(gpupool_trim(c), 0);
-    gpupool_disconnect(c);
+    assert_int_equal(gpupool_client_trim(c), 0);
+    gpupool_client_disconnect(c);
     th_stats(d, &ds, NULL);
     if (ds.open_fds == expected)
       return;

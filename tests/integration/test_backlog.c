@@ -82,7 +82,7 @@ static void connect_under_flood(int tries) {
   for (int i = 0; i < tries; i++) {
     gpupool_client *c = NULL;
     gpupool_daemon_stats ds;
-    int rc = gpupool_connect_timeout(D.sock, "root", 10000, &c);
+    int rc = gpupool_client_connect(D.sock, "root", 10000, &c);
     if (rc != 0) {
       close(stop[1]);
       for (int j = 0; j < ATTACKERS; j++)
@@ -90,8 +90,8 @@ static void connect_under_flood(int tries) {
       fail_msg("root's connect %d of %d failed under the flood: %s: %s", i + 1, tries, gpupool_err_name(rc),
                gpupool_last_error());
     }
-    assert_int_equal(gpupool_stats(c, &ds, NULL, 0, NULL), 0);
-    gpupool_disconnect(c);
+    assert_int_equal(gpupool_client_stats(c, &ds, NULL, 0, NULL), 0);
+    gpupool_client_disconnect(c);
   }
   close(stop[1]);
   for (int i = 0; i < ATTACKERS; i++)
@@ -120,9 +120,9 @@ static int root_connects(const th_daemon *d, int unused) {
   gpupool_client *c = NULL;
   gpupool_daemon_stats ds;
   (void)unused;
-  CHILD_CHECK(gpupool_connect_timeout(d->sock, "root", 10000, &c) == 0, "connect");
-  CHILD_CHECK(gpupool_stats(c, &ds, NULL, 0, NULL) == 0, "stats");
-  gpupool_disconnect(c);
+  CHILD_CHECK(gpupool_client_connect(d->sock, "root", 10000, &c) == 0, "connect");
+  CHILD_CHECK(gpupool_client_stats(c, &ds, NULL, 0, NULL) == 0, "stats");
+  gpupool_client_disconnect(c);
   return 0;
 }
 
@@ -164,7 +164,7 @@ static void test_full_backlog(void **state) {
     held[n++] = fd;
   }
   assert_true(n < 16); /* the queue is full */
-  rc = gpupool_connect_timeout(D.sock, "root", 500, &c);
+  rc = gpupool_client_connect(D.sock, "root", 500, &c);
   assert_int_equal(rc, GPUPOOL_ETIMEDOUT);
   if (!strstr(gpupool_last_error(), "queue of waiting connections full") || !strstr(gpupool_last_error(), "tries"))
     fail_msg("the error does not say the queue stayed full: %s", gpupool_last_error());

@@ -93,13 +93,13 @@ static int bundle_ok(const gpupool_bundle *b, int n, uint32_t seed) {
 static int reader_of(const th_daemon *d, int n) {
   gpupool_client *c;
   gpupool_bundle *b;
-  CHILD_CHECK(gpupool_connect(d->sock, "reader", &c) == 0, "connect");
+  CHILD_CHECK(gpupool_client_connect(d->sock, "reader", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0, "connect");
   CHILD_CHECK(gpupool_bundle_get(c, "model", 0, 5000, GPUPOOL_READ_ONLY, NULL, &b) == 0, "bundle_get");
   CHILD_CHECK(gpupool_bundle_version(b) == 1, "version %llu", (unsigned long long)gpupool_bundle_version(b));
   CHILD_CHECK(gpupool_bundle_buffers(b) == 1, "%d buffers", gpupool_bundle_buffers(b));
   CHILD_CHECK(bundle_ok(b, n, 100), "bundle contents differ");
   CHILD_CHECK(gpupool_bundle_release(b, NULL) == 0, "release");
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   return 0;
 }
 
@@ -135,11 +135,11 @@ static void test_roundtrip(void **state) {
   /* A bundle is not a single buffer. */
   {
     gpupool_buffer *x;
-    assert_int_equal(gpupool_get(c, "model", 0, 0, NULL, &x), GPUPOOL_EINVAL);
+    assert_int_equal(gpupool_buffer_get(c, "model", 0, 0, 0, NULL, &x, NULL), GPUPOOL_EINVAL);
     assert_non_null(strstr(gpupool_last_error(), "gpupool_bundle_get"));
   }
-  assert_int_equal(gpupool_unpublish(c, "model"), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_name_unpublish(c, "model"), 0);
+  gpupool_client_disconnect(c);
   th_wait_idle(&D, 3000);
 }
 
@@ -153,18 +153,18 @@ static void test_members_and_single(void **state) {
   gpupool_member_ref refs[3];
   uint64_t v;
 
-  assert_int_equal(gpupool_alloc(c, NULL, 3000, 0, NULL, &a), 0);
-  assert_int_equal(gpupool_alloc(c, NULL, 20 * MIB, 0, NULL, &b2), 0); /* a dedicated slab */
+  assert_int_equal(gpupool_buffer_alloc(c, NULL, 3000, 0, NULL, &a), 0);
+  assert_int_equal(gpupool_buffer_alloc(c, NULL, 20 * MIB, 0, NULL, &b2), 0); /* a dedicated slab */
   th_fill(gpupool_buffer_ptr(a), 1, 3000);
   th_fill(gpupool_buffer_ptr(b2), 2, 20 * MIB);
   byte_meta(&meta, 1000);
   refs[0] = (gpupool_member_ref){.name = "a.lo", .buffer = a, .offset = 0, .size = 1000, .meta = &meta};
   refs[1] = (gpupool_member_ref){.name = "big", .buffer = b2, .offset = 0, .size = 20 * MIB};
   refs[2] = (gpupool_member_ref){.name = "a.hi", .buffer = a, .offset = 1000, .size = 2000};
-  assert_int_equal(gpupool_publish_members(c, "mixed", refs, 3, NULL, &v), 0);
+  assert_int_equal(gpupool_bundle_publish_members(c, "mixed", refs, 3, NULL, &v), 0);
   assert_int_equal(v, 1);
-  assert_int_equal(gpupool_release(a, NULL), 0);
-  assert_int_equal(gpupool_release(b2, NULL), 0);
+  assert_int_equal(gpupool_buffer_release(a, NULL), 0);
+  assert_int_equal(gpupool_buffer_release(b2, NULL), 0);
   {
     gpupool_client *r = th_connect(&D, "reader");
     assert_int_equal(gpupool_bundle_get(r, "mixed", 0, 0, 0, NULL, &g), 0);
@@ -195,33 +195,33 @@ static void test_members_and_single(void **state) {
      * without the member's range and description. */
     {
       gpupool_buffer *o, *x;
-      assert_int_equal(gpupool_alloc(c, NULL, 64, 0, NULL, &o), 0);
+      assert_int_equal(gpupool_buffer_alloc(c, NULL, 64, 0, NULL, &o), 0);
       byte_meta(&meta, 4);
       refs[0] = (gpupool_member_ref){.name = "one", .buffer = o, .offset = 16, .size = 4, .meta = &meta};
-      assert_int_equal(gpupool_publish_members(c, "one-member", refs, 1, NULL, NULL), 0);
-      assert_int_equal(gpupool_get(r, "one-member", 0, 0, NULL, &x), GPUPOOL_EINVAL);
+      assert_int_equal(gpupool_bundle_publish_members(c, "one-member", refs, 1, NULL, NULL), 0);
+      assert_int_equal(gpupool_buffer_get(r, "one-member", 0, 0, 0, NULL, &x, NULL), GPUPOOL_EINVAL);
       assert_non_null(strstr(gpupool_last_error(), "gpupool_bundle_get"));
-      assert_int_equal(gpupool_unpublish(c, "one-member"), 0);
+      assert_int_equal(gpupool_name_unpublish(c, "one-member"), 0);
       /* Two holds of one buffer (the client got its own publish back) are one buffer. */
-      assert_int_equal(gpupool_publish(o, "self", NULL, NULL), 0);
-      assert_int_equal(gpupool_get(c, "self", 0, 0, NULL, &x), 0);
+      assert_int_equal(gpupool_buffer_publish(o, "self", NULL, NULL, NULL), 0);
+      assert_int_equal(gpupool_buffer_get(c, "self", 0, 0, 0, NULL, &x, NULL), 0);
       refs[1] = (gpupool_member_ref){.name = "two", .buffer = x, .offset = 32, .size = 8};
-      assert_int_equal(gpupool_publish_members(c, "two-holds", refs, 2, NULL, NULL), 0);
+      assert_int_equal(gpupool_bundle_publish_members(c, "two-holds", refs, 2, NULL, NULL), 0);
       assert_int_equal(gpupool_bundle_get(r, "two-holds", 0, 0, 0, NULL, &g), 0);
       assert_int_equal(gpupool_bundle_buffers(g), 1);
       assert_int_equal(gpupool_bundle_release(g, NULL), 0);
-      assert_int_equal(gpupool_release(x, NULL), 0);
-      assert_int_equal(gpupool_unpublish(c, "two-holds"), 0);
-      assert_int_equal(gpupool_unpublish(c, "self"), 0);
-      assert_int_equal(gpupool_release(o, NULL), 0);
+      assert_int_equal(gpupool_buffer_release(x, NULL), 0);
+      assert_int_equal(gpupool_name_unpublish(c, "two-holds"), 0);
+      assert_int_equal(gpupool_name_unpublish(c, "self"), 0);
+      assert_int_equal(gpupool_buffer_release(o, NULL), 0);
     }
     /* A name published on its own comes as a bundle of one member named "". */
     {
       gpupool_buffer *x;
-      assert_int_equal(gpupool_alloc(c, NULL, 500, 0, NULL, &x), 0);
+      assert_int_equal(gpupool_buffer_alloc(c, NULL, 500, 0, NULL, &x), 0);
       th_fill(gpupool_buffer_ptr(x), 3, 500);
       byte_meta(&meta, 500);
-      assert_int_equal(gpupool_publish(x, "single", &meta, NULL), 0);
+      assert_int_equal(gpupool_buffer_publish(x, "single", &meta, NULL, NULL), 0);
       assert_int_equal(gpupool_bundle_get(r, "single", 0, 0, 0, NULL, &g), 0);
       assert_int_equal(gpupool_bundle_count(g), 1);
       assert_int_equal(gpupool_bundle_member(g, 0, &m), 0);
@@ -231,13 +231,13 @@ static void test_members_and_single(void **state) {
       assert_true(m.has_meta && m.meta.shape[0] == 500);
       assert_true(th_check(m.ptr, 3, 500));
       assert_int_equal(gpupool_bundle_release(g, NULL), 0);
-      assert_int_equal(gpupool_release(x, NULL), 0);
+      assert_int_equal(gpupool_buffer_release(x, NULL), 0);
     }
-    gpupool_disconnect(r);
+    gpupool_client_disconnect(r);
   }
-  assert_int_equal(gpupool_unpublish(c, "mixed"), 0);
-  assert_int_equal(gpupool_unpublish(c, "single"), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_name_unpublish(c, "mixed"), 0);
+  assert_int_equal(gpupool_name_unpublish(c, "single"), 0);
+  gpupool_client_disconnect(c);
   th_wait_idle(&D, 3000);
 }
 
@@ -247,7 +247,7 @@ static void test_members_and_single(void **state) {
  * buffering: each new version in a fresh bundle while the old one may still be read. */
 static int version_writer(const th_daemon *d, int n) {
   gpupool_client *c;
-  CHILD_CHECK(gpupool_connect(d->sock, "writer", &c) == 0, "connect");
+  CHILD_CHECK(gpupool_client_connect(d->sock, "writer", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0, "connect");
   for (int k = 0; k < n; k++) {
     gpupool_bundle *b;
     uint64_t v;
@@ -262,7 +262,7 @@ static int version_writer(const th_daemon *d, int n) {
     CHILD_CHECK(gpupool_bundle_release(b, NULL) == 0, "release");
     th_sleep_ms(k % 3);
   }
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   return 0;
 }
 
@@ -320,7 +320,7 @@ static void test_versions(void **state) {
       assert_int_equal(gpupool_bundle_release(g, NULL), 0);
     }
     th_wait_ok(w, "writer");
-    gpupool_disconnect(r);
+    gpupool_client_disconnect(r);
   }
   /* Version 1 is intact under its reader, and still counted. */
   assert_int_equal(gpupool_bundle_version(held), 1);
@@ -332,8 +332,8 @@ static void test_versions(void **state) {
   th_stats(&D, &ds, &ps2);
   assert_int_equal(ps2.used - ps0.used, ps1.used - ps0.used);
   assert_int_equal(ds.names, 1);
-  assert_int_equal(gpupool_unpublish(c, "v"), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_name_unpublish(c, "v"), 0);
+  gpupool_client_disconnect(c);
   th_wait_idle(&D, 3000);
 }
 
@@ -341,7 +341,7 @@ static void test_versions(void **state) {
 static int holder_then_killed(const th_daemon *d, int fd) {
   gpupool_client *c;
   gpupool_bundle *b;
-  CHILD_CHECK(gpupool_connect(d->sock, "doomed", &c) == 0, "connect");
+  CHILD_CHECK(gpupool_client_connect(d->sock, "doomed", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0, "connect");
   CHILD_CHECK(gpupool_bundle_get(c, "k", 0, 5000, GPUPOOL_READ_ONLY, NULL, &b) == 0, "get");
   CHILD_CHECK(write(fd, "x", 1) == 1, "write");
   for (;;)
@@ -390,10 +390,10 @@ static void test_killed_holder(void **state) {
   assert_int_equal(gpupool_bundle_get(c, "k", 1, 0, 0, NULL, &b), 0);
   assert_true(bundle_ok(b, 32, 8));
   assert_int_equal(gpupool_bundle_release(b, NULL), 0);
-  assert_int_equal(gpupool_unpublish(c, "k"), 0);
+  assert_int_equal(gpupool_name_unpublish(c, "k"), 0);
   close(pfd[0]);
   close(pfd[1]);
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   th_wait_idle(&D, 3000);
 }
 
@@ -457,33 +457,33 @@ static void test_bad_input(void **state) {
   assert_int_equal(gpupool_bundle_alloc(c, NULL, specs, 2, 0, 0, NULL, &b), GPUPOOL_EMETA);
   assert_non_null(strstr(gpupool_last_error(), "member 0 ('w')"));
   /* Ranges outside their buffer, duplicate names and foreign buffers in publish_members. */
-  assert_int_equal(gpupool_alloc(c, NULL, 100, 0, NULL, &x), 0);
+  assert_int_equal(gpupool_buffer_alloc(c, NULL, 100, 0, NULL, &x), 0);
   refs[0] = (gpupool_member_ref){.name = "a", .buffer = x, .offset = 50, .size = 51};
   refs[1] = (gpupool_member_ref){.name = "b", .buffer = x, .offset = 0, .size = 10};
-  assert_int_equal(gpupool_publish_members(c, "p", refs, 2, NULL, NULL), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool_bundle_publish_members(c, "p", refs, 2, NULL, NULL), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool_last_error(), "does not fit"));
   refs[0] = (gpupool_member_ref){.name = "a", .buffer = x, .offset = UINT64_MAX, .size = 2};
-  assert_int_equal(gpupool_publish_members(c, "p", refs, 2, NULL, NULL), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool_bundle_publish_members(c, "p", refs, 2, NULL, NULL), GPUPOOL_EINVAL);
   refs[0] = (gpupool_member_ref){.name = "b", .buffer = x, .offset = 20, .size = 10};
-  assert_int_equal(gpupool_publish_members(c, "p", refs, 2, NULL, NULL), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool_bundle_publish_members(c, "p", refs, 2, NULL, NULL), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool_last_error(), "appears twice"));
   {
     gpupool_client *o = th_connect(&D, "other");
     gpupool_buffer *y;
-    assert_int_equal(gpupool_alloc(o, NULL, 100, 0, NULL, &y), 0);
+    assert_int_equal(gpupool_buffer_alloc(o, NULL, 100, 0, NULL, &y), 0);
     refs[0] = (gpupool_member_ref){.name = "a", .buffer = y, .offset = 0, .size = 10};
-    assert_int_equal(gpupool_publish_members(c, "p", refs, 2, NULL, NULL), GPUPOOL_EINVAL);
+    assert_int_equal(gpupool_bundle_publish_members(c, "p", refs, 2, NULL, NULL), GPUPOOL_EINVAL);
     assert_non_null(strstr(gpupool_last_error(), "another client"));
-    assert_int_equal(gpupool_release(y, NULL), 0);
-    gpupool_disconnect(o);
+    assert_int_equal(gpupool_buffer_release(y, NULL), 0);
+    gpupool_client_disconnect(o);
   }
   {
     gpupool_daemon_stats ds;
     th_stats(&D, &ds, NULL);
     assert_int_equal(ds.names, 0);
   }
-  assert_int_equal(gpupool_release(x, NULL), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_buffer_release(x, NULL), 0);
+  gpupool_client_disconnect(c);
   th_wait_idle(&D, 3000);
   th_expect_fds(&D, fds);
 }
@@ -497,14 +497,14 @@ static int bundle_waiter(const th_daemon *d, int ms) {
   gpupool_bundle *b;
   gpupool_member_spec specs[2] = {{.name = "x", .size = 40 * MIB}, {.name = "y", .size = 40 * MIB}};
   uint64_t t0;
-  CHILD_CHECK(gpupool_connect(d->sock, "waiter", &c) == 0, "connect");
+  CHILD_CHECK(gpupool_client_connect(d->sock, "waiter", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0, "connect");
   t0 = th_now_ms();
   CHILD_CHECK(gpupool_bundle_alloc(c, NULL, specs, 2, 0, 5000, NULL, &b) == 0, "bundle_alloc");
   CHILD_CHECK(th_now_ms() - t0 >= (uint64_t)ms / 2, "got memory after %llu ms, before any was freed",
               (unsigned long long)(th_now_ms() - t0));
   CHILD_CHECK(gpupool_bundle_count(b) == 2, "count");
   CHILD_CHECK(gpupool_bundle_release(b, NULL) == 0, "release");
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   return 0;
 }
 
@@ -516,18 +516,18 @@ static void test_bundle_alloc_waits(void **state) {
   pid_t w;
 
   for (int i = 0; i < 4; i++)
-    assert_int_equal(gpupool_alloc(c, NULL, 60 * MIB, 0, NULL, &hog[i]), 0);
+    assert_int_equal(gpupool_buffer_alloc(c, NULL, 60 * MIB, 0, NULL, &hog[i]), 0);
   assert_int_equal(gpupool_bundle_alloc(c, NULL, specs, 2, 0, 0, NULL, &b), GPUPOOL_ENOSPC);
   assert_int_equal(gpupool_bundle_alloc(c, NULL, specs, 2, 0, 100, NULL, &b), GPUPOOL_ETIMEDOUT);
   assert_non_null(strstr(gpupool_last_error(), "waiting for memory"));
   w = th_spawn(&D, bundle_waiter, 300);
   th_sleep_ms(300);
   for (int i = 0; i < 2; i++)
-    assert_int_equal(gpupool_release(hog[i], NULL), 0);
+    assert_int_equal(gpupool_buffer_release(hog[i], NULL), 0);
   th_wait_ok(w, "bundle waiter");
   for (int i = 2; i < 4; i++)
-    assert_int_equal(gpupool_release(hog[i], NULL), 0);
-  gpupool_disconnect(c);
+    assert_int_equal(gpupool_buffer_release(hog[i], NULL), 0);
+  gpupool_client_disconnect(c);
   th_wait_idle(&D, 3000);
 }
 
@@ -541,10 +541,10 @@ static void test_pipelining(void **state) {
 
   /* 16 publishes in flight together. */
   for (int i = 0; i < 16; i++) {
-    assert_int_equal(gpupool_alloc(c, NULL, 1000 + (size_t)i, 0, NULL, &b[i]), 0);
+    assert_int_equal(gpupool_buffer_alloc(c, NULL, 1000 + (size_t)i, 0, NULL, &b[i]), 0);
     th_fill(gpupool_buffer_ptr(b[i]), 40 + (uint32_t)i, 1000 + (uint64_t)i);
     snprintf(name, sizeof name, "p%d", i);
-    assert_int_equal(gpupool_publish_begin(b[i], name, NULL, NULL, &p[i]), 0);
+    assert_int_equal(gpupool_buffer_publish_begin(b[i], name, NULL, NULL, &p[i]), 0);
   }
   for (int i = 15; i >= 0; i--) {
     assert_int_equal(gpupool_pending_end(p[i], &v), 0);
@@ -553,16 +553,16 @@ static void test_pipelining(void **state) {
   /* 16 gets in flight, ended in another order than issued; one more is cancelled. */
   for (int i = 0; i < 16; i++) {
     snprintf(name, sizeof name, "p%d", i);
-    assert_int_equal(gpupool_get_begin(r, name, 0, 1000, GPUPOOL_READ_ONLY, &p[i]), 0);
+    assert_int_equal(gpupool_buffer_get_begin(r, name, 0, 1000, GPUPOOL_READ_ONLY, &p[i]), 0);
   }
   {
     gpupool_pending *extra;
-    assert_int_equal(gpupool_get_begin(r, "p3", 0, 0, 0, &extra), 0);
+    assert_int_equal(gpupool_buffer_get_begin(r, "p3", 0, 0, 0, &extra), 0);
     gpupool_pending_cancel(extra);
   }
   for (int i = 0; i < 16; i++) {
     int k = (i * 7) % 16;
-    assert_int_equal(gpupool_get_end(p[k], NULL, &g[k], &v), 0);
+    assert_int_equal(gpupool_buffer_get_end(p[k], NULL, &g[k], &v), 0);
     assert_int_equal(v, 1);
     assert_true(th_check(gpupool_buffer_ptr(g[k]), 40 + (uint32_t)k, 1000 + (uint64_t)k));
   }
@@ -570,20 +570,20 @@ static void test_pipelining(void **state) {
   {
     gpupool_buffer *none = (gpupool_buffer *)&v;
     gpupool_pending *q;
-    assert_int_equal(gpupool_get_begin(r, "absent", 0, 0, 0, &q), 0);
-    assert_int_equal(gpupool_get_end(q, NULL, &none, NULL), GPUPOOL_ENOENT);
+    assert_int_equal(gpupool_buffer_get_begin(r, "absent", 0, 0, 0, &q), 0);
+    assert_int_equal(gpupool_buffer_get_end(q, NULL, &none, NULL), GPUPOOL_ENOENT);
     assert_null(none);
     assert_non_null(strstr(gpupool_last_error(), "absent"));
   }
   /* Releases in flight together. */
   for (int i = 0; i < 16; i++)
-    assert_int_equal(gpupool_release_begin(g[i], NULL, &p[i]), 0);
+    assert_int_equal(gpupool_buffer_release_begin(g[i], NULL, &p[i]), 0);
   for (int i = 0; i < 16; i++)
     assert_int_equal(gpupool_pending_end(p[i], NULL), 0);
   for (int i = 0; i < 16; i++) {
     snprintf(name, sizeof name, "p%d", i);
-    assert_int_equal(gpupool_unpublish(c, name), 0);
-    assert_int_equal(gpupool_release(b[i], NULL), 0);
+    assert_int_equal(gpupool_name_unpublish(c, name), 0);
+    assert_int_equal(gpupool_buffer_release(b[i], NULL), 0);
   }
   /* A bundle get in flight next to a plain one. */
   {
@@ -592,19 +592,19 @@ static void test_pipelining(void **state) {
     gpupool_buffer *one;
     assert_int_equal(make_bundle(c, 10, 5, &bb), 0);
     assert_int_equal(gpupool_bundle_publish(bb, "bb", NULL, NULL), 0);
-    assert_int_equal(gpupool_alloc(c, NULL, 64, 0, NULL, &one), 0);
-    assert_int_equal(gpupool_publish(one, "one", NULL, NULL), 0);
+    assert_int_equal(gpupool_buffer_alloc(c, NULL, 64, 0, NULL, &one), 0);
+    assert_int_equal(gpupool_buffer_publish(one, "one", NULL, NULL, NULL), 0);
     assert_int_equal(gpupool_bundle_get_begin(r, "bb", 0, 0, 0, &q1), 0);
-    assert_int_equal(gpupool_get_begin(r, "one", 0, 0, 0, &q2), 0);
-    assert_int_equal(gpupool_get_end(q2, NULL, &g[0], NULL), 0);
+    assert_int_equal(gpupool_buffer_get_begin(r, "one", 0, 0, 0, &q2), 0);
+    assert_int_equal(gpupool_buffer_get_end(q2, NULL, &g[0], NULL), 0);
     assert_int_equal(gpupool_bundle_get_end(q1, NULL, &gb), 0);
     assert_true(bundle_ok(gb, 10, 5));
     assert_int_equal(gpupool_bundle_release(gb, NULL), 0);
-    assert_int_equal(gpupool_release(g[0], NULL), 0);
+    assert_int_equal(gpupool_buffer_release(g[0], NULL), 0);
     assert_int_equal(gpupool_bundle_release(bb, NULL), 0);
-    assert_int_equal(gpupool_release(one, NULL), 0);
-    assert_int_equal(gpupool_unpublish(c, "bb"), 0);
-    assert_int_equal(gpupool_unpublish(c, "one"), 0);
+    assert_int_equal(gpupool_buffer_release(one, NULL), 0);
+    assert_int_equal(gpupool_name_unpublish(c, "bb"), 0);
+    assert_int_equal(gpupool_name_unpublish(c, "one"), 0);
   }
   /* A publish whose buffer is released before the publish is ended. */
   {
@@ -612,12 +612,12 @@ static void test_pipelining(void **state) {
     gpupool_pending *q;
     gpupool_tensor_meta meta;
     byte_meta(&meta, 64);
-    assert_int_equal(gpupool_alloc(c, NULL, 64, 0, NULL, &x), 0);
-    assert_int_equal(gpupool_publish_begin(x, "early", &meta, NULL, &q), 0);
-    assert_int_equal(gpupool_release(x, NULL), 0);
+    assert_int_equal(gpupool_buffer_alloc(c, NULL, 64, 0, NULL, &x), 0);
+    assert_int_equal(gpupool_buffer_publish_begin(x, "early", &meta, NULL, &q), 0);
+    assert_int_equal(gpupool_buffer_release(x, NULL), 0);
     assert_int_equal(gpupool_pending_end(q, &v), 0);
     assert_int_equal(v, 1);
-    assert_int_equal(gpupool_unpublish(c, "early"), 0);
+    assert_int_equal(gpupool_name_unpublish(c, "early"), 0);
   }
   /* A pending bundle get answered without members (its table was known when it was sent)
    * still finds that table after the client cached another one for the name. */
@@ -634,9 +634,9 @@ static void test_pipelining(void **state) {
     assert_int_equal(make_bundle(c, 10, 6, &b2), 0); /* an equal table: the same layout */
     assert_int_equal(gpupool_bundle_publish(b2, "swap", NULL, &v), 0);
     assert_int_equal(v, 2);
-    assert_int_equal(gpupool_alloc(c, NULL, 64, 0, NULL, &o), 0);
+    assert_int_equal(gpupool_buffer_alloc(c, NULL, 64, 0, NULL, &o), 0);
     ref = (gpupool_member_ref){.name = "other", .buffer = o, .offset = 0, .size = 64};
-    assert_int_equal(gpupool_publish_members(c, "swap", &ref, 1, NULL, &v), 0);
+    assert_int_equal(gpupool_bundle_publish_members(c, "swap", &ref, 1, NULL, &v), 0);
     assert_int_equal(v, 3);
     assert_int_equal(gpupool_bundle_get(r, "swap", 2, 0, 0, NULL, &g2), 0); /* caches table 2 */
     assert_int_equal(gpupool_bundle_count(g2), 1);
@@ -647,11 +647,11 @@ static void test_pipelining(void **state) {
     assert_int_equal(gpupool_bundle_release(g2, NULL), 0);
     assert_int_equal(gpupool_bundle_release(b1, NULL), 0);
     assert_int_equal(gpupool_bundle_release(b2, NULL), 0);
-    assert_int_equal(gpupool_release(o, NULL), 0);
-    assert_int_equal(gpupool_unpublish(c, "swap"), 0);
+    assert_int_equal(gpupool_buffer_release(o, NULL), 0);
+    assert_int_equal(gpupool_name_unpublish(c, "swap"), 0);
   }
-  gpupool_disconnect(r);
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(r);
+  gpupool_client_disconnect(c);
   th_wait_idle(&D, 3000);
 }
 
@@ -687,19 +687,19 @@ static void test_keep_mapped(void **state) {
   assert_int_equal(gpupool_bundle_release(g, NULL), 0);
   /* The buffer goes: the daemon revokes the consumer's mapping with its next reply, and the
    * slab goes back once the consumer has said it unmapped it (its request after that). */
-  assert_int_equal(gpupool_unpublish(c, "kept"), 0);
+  assert_int_equal(gpupool_name_unpublish(c, "kept"), 0);
   assert_int_equal(gpupool_bundle_release(b, NULL), 0);
   th_stats(&D, NULL, &ps);
   assert_true(ps.reserved > ps0.reserved);
   {
     gpupool_daemon_stats ds;
-    assert_int_equal(gpupool_stats(r, &ds, NULL, 0, NULL), 0);
-    assert_int_equal(gpupool_stats(r, &ds, NULL, 0, NULL), 0);
+    assert_int_equal(gpupool_client_stats(r, &ds, NULL, 0, NULL), 0);
+    assert_int_equal(gpupool_client_stats(r, &ds, NULL, 0, NULL), 0);
   }
   th_stats(&D, NULL, &ps);
   assert_int_equal(ps.reserved, ps0.reserved);
-  gpupool_disconnect(r);
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(r);
+  gpupool_client_disconnect(c);
   th_wait_idle(&D, 3000);
 }
 

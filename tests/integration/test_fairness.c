@@ -232,12 +232,12 @@ static void test_wake_amplification(void **state) {
     for (int i = 0; waitpid(pid, &st, WNOHANG) == 0; i++) {
       gpupool_buffer *bf;
       uint64_t t0 = th_now_ms();
-      assert_int_equal(gpupool_alloc(c, NULL, 4096, 0, NULL, &bf), 0);
-      assert_int_equal(gpupool_release(bf, NULL), 0);
+      assert_int_equal(gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &bf), 0);
+      assert_int_equal(gpupool_buffer_release(bf, NULL), 0);
       if (th_now_ms() - t0 > 10000)
         fail_msg("root's allocate+release took %llu ms during the publishes", (unsigned long long)(th_now_ms() - t0));
     }
-    gpupool_disconnect(c);
+    gpupool_client_disconnect(c);
   }
   if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
     th_dump_log(&D);

@@ -56,11 +56,11 @@ static int publisher_child(const th_daemon *d, int arg) {
   gpupool_client *c = NULL;
   gpupool_file_info fi;
   (void)arg;
-  CHILD_CHECK(gpupool_connect(d->sock, "publisher", &c) == 0, "connect");
-  CHILD_CHECK(gpupool_publish_file(c, "data", path, 0, 0, &fi) == 0, "publish_file");
+  CHILD_CHECK(gpupool_client_connect(d->sock, "publisher", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0, "connect");
+  CHILD_CHECK(gpupool_file_publish(c, "data", path, 0, 0, &fi) == 0, "publish_file");
   CHILD_CHECK(fi.offset == 0 && fi.length == FILE_SIZE && fi.size == FILE_SIZE, "info");
-  CHILD_CHECK(gpupool_publish_file(c, "range", path, 4097, 100000, NULL) == 0, "publish a range");
-  gpupool_disconnect(c);
+  CHILD_CHECK(gpupool_file_publish(c, "range", path, 4097, 100000, NULL) == 0, "publish a range");
+  gpupool_client_disconnect(c);
   return 0;
 }
 
@@ -69,16 +69,16 @@ static int consumer_child(const th_daemon *d, int arg) {
   gpupool_file *f = NULL, *r = NULL;
   gpupool_file_info fi;
   (void)arg;
-  CHILD_CHECK(gpupool_connect(d->sock, "consumer", &c) == 0, "connect");
-  CHILD_CHECK(gpupool_get_file(c, "data", 5000, 0, &f) == 0, "get_file");
+  CHILD_CHECK(gpupool_client_connect(d->sock, "consumer", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0, "connect");
+  CHILD_CHECK(gpupool_file_get(c, "data", 5000, 0, &f) == 0, "get_file");
   CHILD_CHECK(gpupool_file_size(f) == FILE_SIZE, "size %zu", gpupool_file_size(f));
   CHILD_CHECK(gpupool_file_device_ptr(f) == NULL, "no device pointer on the host backend");
   CHILD_CHECK(check_range(gpupool_file_ptr(f), 0, FILE_SIZE), "bytes differ");
-  CHILD_CHECK(gpupool_get_file(c, "range", 5000, 0, &r) == 0, "get_file range");
+  CHILD_CHECK(gpupool_file_get(c, "range", 5000, 0, &r) == 0, "get_file range");
   CHILD_CHECK(gpupool_file_size(r) == 100000, "range size %zu", gpupool_file_size(r));
   CHILD_CHECK(check_range(gpupool_file_ptr(r), 4097, 100000), "range bytes differ");
   CHILD_CHECK(gpupool_file_info_get(r, &fi) == 0 && fi.offset == 4097 && fi.size == FILE_SIZE, "range info");
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   /* Mappings do not depend on the connection. */
   CHILD_CHECK(check_range(gpupool_file_ptr(f), 0, FILE_SIZE), "bytes differ after disconnect");
   gpupool_file_release(f);
@@ -101,13 +101,13 @@ static void test_round_trip(void **state) {
   th_wait_ok(cons, "consumer");
   th_wait_ok(th_spawn(&D, consumer_child, 0), "second consumer");
   c = th_connect(&D, "cleanup");
-  assert_int_equal(gpupool_unpublish(c, "data"), 0);
-  assert_int_equal(gpupool_unpublish(c, "range"), 0);
+  assert_int_equal(gpupool_name_unpublish(c, "data"), 0);
+  assert_int_equal(gpupool_name_unpublish(c, "range"), 0);
   {
     gpupool_file *f;
-    assert_int_equal(gpupool_get_file(c, "data", 0, 0, &f), GPUPOOL_ENOENT);
+    assert_int_equal(gpupool_file_get(c, "data", 0, 0, &f), GPUPOOL_ENOENT);
   }
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   th_expect_fds(&D, base);
 }
 
@@ -123,13 +123,13 @@ static void test_non_utf8_path(void **state) {
   snprintf(odd, sizeof odd, "%s/caf\xe9-\xff.bin", D.dir);
   write_file(odd, 70000, 0644);
   c = th_connect(&D, "odd");
-  assert_int_equal(gpupool_publish_file(c, "odd", odd, 0, 0, NULL), 0);
-  assert_int_equal(gpupool_get_file(c, "odd", 0, 0, &f), 0);
+  assert_int_equal(gpupool_file_publish(c, "odd", odd, 0, 0, NULL), 0);
+  assert_int_equal(gpupool_file_get(c, "odd", 0, 0, &f), 0);
   assert_int_equal(gpupool_file_size(f), 70000);
   assert_true(check_range(gpupool_file_ptr(f), 0, 70000));
   gpupool_file_release(f);
-  assert_int_equal(gpupool_unpublish(c, "odd"), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_name_unpublish(c, "odd"), 0);
+  gpupool_client_disconnect(c);
   unlink(odd);
 }
 
@@ -146,45 +146,45 @@ static void test_bad_input(void **state) {
   base = th_settled_fds(&D);
   c = th_connect(&D, "bad");
   snprintf(missing, sizeof missing, "%s/missing.bin", D.dir);
-  assert_int_equal(gpupool_publish_file(c, "m", missing, 0, 0, NULL), GPUPOOL_ENOENT);
+  assert_int_equal(gpupool_file_publish(c, "m", missing, 0, 0, NULL), GPUPOOL_ENOENT);
   assert_non_null(strstr(gpupool_last_error(), "missing.bin"));
-  assert_int_equal(gpupool_publish_file(c, "d", D.dir, 0, 0, NULL), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool_file_publish(c, "d", D.dir, 0, 0, NULL), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool_last_error(), "directory"));
-  assert_int_equal(gpupool_publish_file(c, "dev", "/dev/null", 0, 0, NULL), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool_file_publish(c, "dev", "/dev/null", 0, 0, NULL), GPUPOOL_EINVAL);
   snprintf(empty, sizeof empty, "%s/empty.bin", D.dir);
   write_file(empty, 0, 0644);
-  assert_int_equal(gpupool_publish_file(c, "e", empty, 0, 0, NULL), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool_file_publish(c, "e", empty, 0, 0, NULL), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool_last_error(), "empty"));
   unlink(empty);
   /* Past the end: the message names the range and the file's size. */
-  assert_int_equal(gpupool_publish_file(c, "p", path, FILE_SIZE - 10, 11, NULL), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool_file_publish(c, "p", path, FILE_SIZE - 10, 11, NULL), GPUPOOL_EINVAL);
   printf("past the end: %s\n", gpupool_last_error());
   assert_non_null(strstr(gpupool_last_error(), "past the end"));
   assert_non_null(strstr(gpupool_last_error(), "3145851 bytes")); /* FILE_SIZE */
-  assert_int_equal(gpupool_publish_file(c, "p", path, FILE_SIZE + 1, 0, NULL), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool_file_publish(c, "p", path, FILE_SIZE + 1, 0, NULL), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool_last_error(), "past the end"));
-  assert_int_equal(gpupool_publish_file(c, "o", path, UINT64_MAX - 10, 100, NULL), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool_file_publish(c, "o", path, UINT64_MAX - 10, 100, NULL), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool_last_error(), "overflows"));
-  assert_int_equal(gpupool_publish_file(c, "", path, 0, 0, NULL), GPUPOOL_ENAME);
+  assert_int_equal(gpupool_file_publish(c, "", path, 0, 0, NULL), GPUPOOL_ENAME);
   /* A range that ends exactly at the end is fine; the same name again is not. */
-  assert_int_equal(gpupool_publish_file(c, "f", path, FILE_SIZE - 10, 10, NULL), 0);
-  assert_int_equal(gpupool_publish_file(c, "f", path, 0, 0, NULL), GPUPOOL_EEXIST);
+  assert_int_equal(gpupool_file_publish(c, "f", path, FILE_SIZE - 10, 10, NULL), 0);
+  assert_int_equal(gpupool_file_publish(c, "f", path, 0, 0, NULL), GPUPOOL_EEXIST);
   /* Buffers and files share names. */
-  assert_int_equal(gpupool_alloc(c, NULL, 4096, 0, NULL, &b), 0);
-  assert_int_equal(gpupool_publish(b, "f", NULL, NULL), GPUPOOL_EEXIST);
-  assert_int_equal(gpupool_publish(b, "buf", NULL, NULL), 0);
-  assert_int_equal(gpupool_publish_file(c, "buf", path, 0, 0, NULL), GPUPOOL_EEXIST);
-  assert_int_equal(gpupool_get_file(c, "buf", 0, 0, &f), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_buffer_publish(b, "f", NULL, NULL, NULL), GPUPOOL_EEXIST);
+  assert_int_equal(gpupool_buffer_publish(b, "buf", NULL, NULL, NULL), 0);
+  assert_int_equal(gpupool_file_publish(c, "buf", path, 0, 0, NULL), GPUPOOL_EEXIST);
+  assert_int_equal(gpupool_file_get(c, "buf", 0, 0, &f), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool_last_error(), "names a buffer"));
-  assert_int_equal(gpupool_get(c, "f", 0, 0, NULL, &g), GPUPOOL_EINVAL);
-  assert_non_null(strstr(gpupool_last_error(), "gpupool_get_file"));
-  assert_int_equal(gpupool_get_file(c, "f", 0, 0, &f), 0);
+  assert_int_equal(gpupool_buffer_get(c, "f", 0, 0, 0, NULL, &g, NULL), GPUPOOL_EINVAL);
+  assert_non_null(strstr(gpupool_last_error(), "gpupool_file_get"));
+  assert_int_equal(gpupool_file_get(c, "f", 0, 0, &f), 0);
   assert_true(check_range(gpupool_file_ptr(f), FILE_SIZE - 10, 10));
   gpupool_file_release(f);
-  assert_int_equal(gpupool_unpublish(c, "f"), 0);
-  assert_int_equal(gpupool_unpublish(c, "buf"), 0);
-  assert_int_equal(gpupool_release(b, NULL), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_name_unpublish(c, "f"), 0);
+  assert_int_equal(gpupool_name_unpublish(c, "buf"), 0);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
+  gpupool_client_disconnect(c);
   th_expect_fds(&D, base);
 }
 
@@ -194,25 +194,25 @@ static void shrink_case(int leases) {
   gpupool_file *f, *before;
   (void)leases;
   c = th_connect(&D, "shrink");
-  assert_int_equal(gpupool_publish_file(c, "s", path, 8192, 1 << 20, NULL), 0);
+  assert_int_equal(gpupool_file_publish(c, "s", path, 8192, 1 << 20, NULL), 0);
   /* Mapped before the change: this mapping keeps the pages it reads below the cut. */
-  assert_int_equal(gpupool_get_file(c, "s", 0, 0, &before), 0);
+  assert_int_equal(gpupool_file_get(c, "s", 0, 0, &before), 0);
   assert_int_equal(truncate(path, 4096), 0);
-  assert_int_equal(gpupool_get_file(c, "s", 0, 0, &f), GPUPOOL_ESTALE);
+  assert_int_equal(gpupool_file_get(c, "s", 0, 0, &f), GPUPOOL_ESTALE);
   printf("after truncation: %s\n", gpupool_last_error());
   assert_non_null(strstr(gpupool_last_error(), leases ? "truncated" : "shorter than the published range"));
   gpupool_file_release(before);
   /* Grown back to the old size: still refused (the contents are not what was published). */
   write_file(path, FILE_SIZE, 0644);
-  assert_int_equal(gpupool_get_file(c, "s", 0, 0, &f), GPUPOOL_ESTALE);
-  assert_int_equal(gpupool_unpublish(c, "s"), 0);
+  assert_int_equal(gpupool_file_get(c, "s", 0, 0, &f), GPUPOOL_ESTALE);
+  assert_int_equal(gpupool_name_unpublish(c, "s"), 0);
   /* Published again, it serves the new file. */
-  assert_int_equal(gpupool_publish_file(c, "s", path, 8192, 1 << 20, NULL), 0);
-  assert_int_equal(gpupool_get_file(c, "s", 0, 0, &f), 0);
+  assert_int_equal(gpupool_file_publish(c, "s", path, 8192, 1 << 20, NULL), 0);
+  assert_int_equal(gpupool_file_get(c, "s", 0, 0, &f), 0);
   assert_true(check_range(gpupool_file_ptr(f), 8192, 1 << 20));
   gpupool_file_release(f);
-  assert_int_equal(gpupool_unpublish(c, "s"), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_name_unpublish(c, "s"), 0);
+  gpupool_client_disconnect(c);
 }
 
 static void test_shrink_checked_at_get(void **state) {
@@ -231,15 +231,15 @@ static void test_shrink_with_lease(void **state) {
   start_conf(NULL);
   shrink_case(1);
   c = th_connect(&D, "writer");
-  assert_int_equal(gpupool_publish_file(c, "w", path, 0, 0, NULL), 0);
+  assert_int_equal(gpupool_file_publish(c, "w", path, 0, 0, NULL), 0);
   /* Opening it for writing breaks the lease: the open waits until the daemon let go. */
   fd = open(path, O_WRONLY | O_CLOEXEC);
   assert_true(fd >= 0);
   close(fd);
   th_sleep_ms(50);
-  assert_int_equal(gpupool_get_file(c, "w", 0, 0, &f), GPUPOOL_ESTALE);
+  assert_int_equal(gpupool_file_get(c, "w", 0, 0, &f), GPUPOOL_ESTALE);
   assert_non_null(strstr(gpupool_last_error(), "opened for writing"));
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
 }
 
 static int nobody_publish_child(const th_daemon *d, int arg) {
@@ -249,19 +249,19 @@ static int nobody_publish_child(const th_daemon *d, int arg) {
   (void)arg;
   snprintf(secret, sizeof secret, "%s/secret.bin", d->dir);
   CHILD_CHECK(th_become(NOBODY) == 0, "setuid");
-  CHILD_CHECK(gpupool_connect(d->sock, "nobody", &c) == 0, "connect");
+  CHILD_CHECK(gpupool_client_connect(d->sock, "nobody", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0, "connect");
   /* It cannot read the file, so it cannot publish it: the daemon (root) never opens it for it. */
-  CHILD_CHECK(gpupool_publish_file(c, "stolen", secret, 0, 0, NULL) == GPUPOOL_EPERM, "publish of an unreadable file");
+  CHILD_CHECK(gpupool_file_publish(c, "stolen", secret, 0, 0, NULL) == GPUPOOL_EPERM, "publish of an unreadable file");
   CHILD_CHECK(strstr(gpupool_last_error(), "Permission denied") != NULL, "message: %s", gpupool_last_error());
   /* Root's name is in root's namespace: not visible here. */
-  CHILD_CHECK(gpupool_get_file(c, "rootfile", 0, 0, &f) == GPUPOOL_ENOENT, "get of another tenant's file");
+  CHILD_CHECK(gpupool_file_get(c, "rootfile", 0, 0, &f) == GPUPOOL_ENOENT, "get of another tenant's file");
   /* A file it can read is fine, in its own namespace. */
-  CHILD_CHECK(gpupool_publish_file(c, "rootfile", path, 0, 4096, NULL) == 0, "publish a readable file");
-  CHILD_CHECK(gpupool_get_file(c, "rootfile", 0, 0, &f) == 0, "get its own");
+  CHILD_CHECK(gpupool_file_publish(c, "rootfile", path, 0, 4096, NULL) == 0, "publish a readable file");
+  CHILD_CHECK(gpupool_file_get(c, "rootfile", 0, 0, &f) == 0, "get its own");
   CHILD_CHECK(check_range(gpupool_file_ptr(f), 0, 4096), "bytes");
   gpupool_file_release(f);
-  CHILD_CHECK(gpupool_unpublish(c, "rootfile") == 0, "unpublish");
-  gpupool_disconnect(c);
+  CHILD_CHECK(gpupool_name_unpublish(c, "rootfile") == 0, "unpublish");
+  gpupool_client_disconnect(c);
   return 0;
 }
 
@@ -280,14 +280,14 @@ static void test_permissions(void **state) {
   snprintf(secret, sizeof secret, "%s/secret.bin", D.dir);
   write_file(secret, 8192, 0600);
   c = th_connect(&D, "root");
-  assert_int_equal(gpupool_publish_file(c, "rootfile", secret, 0, 0, NULL), 0);
+  assert_int_equal(gpupool_file_publish(c, "rootfile", secret, 0, 0, NULL), 0);
   th_wait_ok(th_spawn(&D, nobody_publish_child, 0), "nobody");
   /* Root's own name was untouched by nobody's publish under the same plain name. */
-  assert_int_equal(gpupool_get_file(c, "rootfile", 0, 0, &f), 0);
+  assert_int_equal(gpupool_file_get(c, "rootfile", 0, 0, &f), 0);
   assert_int_equal(gpupool_file_size(f), 8192);
   gpupool_file_release(f);
-  assert_int_equal(gpupool_unpublish(c, "rootfile"), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_name_unpublish(c, "rootfile"), 0);
+  gpupool_client_disconnect(c);
   unlink(secret);
   th_expect_fds(&D, base);
 }
@@ -300,9 +300,9 @@ static void test_config_restrictions(void **state) {
   (void)state;
   start_conf("allow_files = no");
   c = th_connect(&D, "off");
-  assert_int_equal(gpupool_publish_file(c, "x", path, 0, 0, NULL), GPUPOOL_EPERM);
+  assert_int_equal(gpupool_file_publish(c, "x", path, 0, 0, NULL), GPUPOOL_EPERM);
   assert_non_null(strstr(gpupool_last_error(), "allow_files"));
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   teardown(NULL);
 
   th_prepare_shared(&D);
@@ -314,17 +314,17 @@ static void test_config_restrictions(void **state) {
   snprintf(path, sizeof path, "%s/data.bin", D.dir);
   write_file(path, FILE_SIZE, 0644);
   c = th_connect(&D, "paths");
-  assert_int_equal(gpupool_publish_file(c, "x", path, 0, 0, NULL), GPUPOOL_EPERM);
+  assert_int_equal(gpupool_file_publish(c, "x", path, 0, 0, NULL), GPUPOOL_EPERM);
   assert_non_null(strstr(gpupool_last_error(), "file_paths"));
   snprintf(link, sizeof link, "%s/link.bin", inside);
   assert_int_equal(symlink(path, link), 0);
-  assert_int_equal(gpupool_publish_file(c, "x", link, 0, 0, NULL), GPUPOOL_EPERM);
+  assert_int_equal(gpupool_file_publish(c, "x", link, 0, 0, NULL), GPUPOOL_EPERM);
   unlink(link);
   snprintf(link, sizeof link, "%s/real.bin", inside);
   write_file(link, 5000, 0644);
-  assert_int_equal(gpupool_publish_file(c, "x", link, 0, 0, NULL), 0);
-  assert_int_equal(gpupool_unpublish(c, "x"), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_file_publish(c, "x", link, 0, 0, NULL), 0);
+  assert_int_equal(gpupool_name_unpublish(c, "x"), 0);
+  gpupool_client_disconnect(c);
   unlink(link);
   rmdir(inside);
 }
@@ -338,24 +338,24 @@ static void test_limits(void **state) {
   start_conf("max_files = 2\nmax_names_per_uid = 3");
   base = th_settled_fds(&D);
   c = th_connect(&D, "limits");
-  assert_int_equal(gpupool_publish_file(c, "a", path, 0, 0, NULL), 0);
-  assert_int_equal(gpupool_publish_file(c, "b", path, 0, 0, NULL), 0);
-  assert_int_equal(gpupool_publish_file(c, "c", path, 0, 0, NULL), GPUPOOL_ELIMIT);
+  assert_int_equal(gpupool_file_publish(c, "a", path, 0, 0, NULL), 0);
+  assert_int_equal(gpupool_file_publish(c, "b", path, 0, 0, NULL), 0);
+  assert_int_equal(gpupool_file_publish(c, "c", path, 0, 0, NULL), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool_last_error(), "max_files"));
-  assert_int_equal(gpupool_alloc(c, NULL, 4096, 0, NULL, &b), 0);
-  assert_int_equal(gpupool_publish(b, "buf", NULL, NULL), 0);
-  assert_int_equal(gpupool_unpublish(c, "a"), 0);
-  assert_int_equal(gpupool_publish_file(c, "c", path, 0, 0, NULL), 0);
-  assert_int_equal(gpupool_unpublish(c, "b"), 0);
+  assert_int_equal(gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_buffer_publish(b, "buf", NULL, NULL, NULL), 0);
+  assert_int_equal(gpupool_name_unpublish(c, "a"), 0);
+  assert_int_equal(gpupool_file_publish(c, "c", path, 0, 0, NULL), 0);
+  assert_int_equal(gpupool_name_unpublish(c, "b"), 0);
   /* Three names (one buffer, two files... one file now plus "c"): the tenant's limit. */
-  assert_int_equal(gpupool_publish_file(c, "d", path, 0, 0, NULL), 0);
-  assert_int_equal(gpupool_publish_file(c, "e", path, 0, 0, NULL), GPUPOOL_ELIMIT);
+  assert_int_equal(gpupool_file_publish(c, "d", path, 0, 0, NULL), 0);
+  assert_int_equal(gpupool_file_publish(c, "e", path, 0, 0, NULL), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool_last_error(), "max_names_per_uid"));
-  assert_int_equal(gpupool_unpublish(c, "c"), 0);
-  assert_int_equal(gpupool_unpublish(c, "d"), 0);
-  assert_int_equal(gpupool_unpublish(c, "buf"), 0);
-  assert_int_equal(gpupool_release(b, NULL), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_name_unpublish(c, "c"), 0);
+  assert_int_equal(gpupool_name_unpublish(c, "d"), 0);
+  assert_int_equal(gpupool_name_unpublish(c, "buf"), 0);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
+  gpupool_client_disconnect(c);
   th_expect_fds(&D, base);
 }
 
@@ -372,21 +372,21 @@ static void test_fds_bounded(void **state) {
   c = th_connect(&D, "fds");
   for (int i = 0; i < 20; i++) {
     snprintf(name, sizeof name, "f%d", i);
-    assert_int_equal(gpupool_publish_file(c, name, path, (uint64_t)i * 100, 1000, NULL), 0);
-    assert_int_equal(gpupool_get_file(c, name, 0, 0, &f), 0);
+    assert_int_equal(gpupool_file_publish(c, name, path, (uint64_t)i * 100, 1000, NULL), 0);
+    assert_int_equal(gpupool_file_get(c, name, 0, 0, &f), 0);
     assert_true(check_range(gpupool_file_ptr(f), (uint64_t)i * 100, 1000));
     gpupool_file_release(f);
-    assert_int_equal(gpupool_publish_file(c, name, path, 0, 0, NULL), GPUPOOL_EEXIST);
+    assert_int_equal(gpupool_file_publish(c, name, path, 0, 0, NULL), GPUPOOL_EEXIST);
   }
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   /* Names outlive their publisher: 20 fds, until unpublished. */
   th_expect_fds(&D, base + 20);
   c = th_connect(&D, "fds2");
   for (int i = 0; i < 20; i++) {
     snprintf(name, sizeof name, "f%d", i);
-    assert_int_equal(gpupool_unpublish(c, name), 0);
+    assert_int_equal(gpupool_name_unpublish(c, name), 0);
   }
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   th_expect_fds(&D, base);
 }
 

@@ -24,10 +24,10 @@ static int setup(void **state) {
 static void still_serves(void) {
   gpupool_client *c = th_connect(&D, "good");
   gpupool_buffer *b;
-  assert_int_equal(gpupool_alloc(c, NULL, 1000, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_buffer_alloc(c, NULL, 1000, 0, NULL, &b), 0);
   memset(gpupool_buffer_ptr(b), 7, 1000);
-  assert_int_equal(gpupool_release(b, NULL), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
+  gpupool_client_disconnect(c);
 }
 
 static int teardown(void **state) {
@@ -184,7 +184,7 @@ static void test_bad_ids_and_requests(void **state) {
   raw_send(fd, &req, NULL, 0);
   expect_error(fd, GPUPOOL_ENOENT, "does not exist");
   /* Another client's hold: ids are small integers, so try the ones around a's buffer. */
-  assert_int_equal(gpupool_alloc(a, NULL, 100, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_buffer_alloc(a, NULL, 100, 0, NULL, &b), 0);
   for (uint64_t id = 1; id < 64; id++) {
     gpupool__rep *rep;
     rl.hold_id = id;
@@ -196,7 +196,7 @@ static void test_bad_ids_and_requests(void **state) {
     gpupool__wire__reply__free_unpacked(rep, NULL);
   }
   memset(gpupool_buffer_ptr(b), 1, 100); /* a's buffer is untouched by all that */
-  assert_int_equal(gpupool_release(b, NULL), 0);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
   /* Zero size, bigger than the pool, unknown pool. */
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
   req.allocate = &al;
@@ -249,7 +249,7 @@ static void test_bad_ids_and_requests(void **state) {
   send_stats(fd, 99);
   expect_stats(fd);
   close(fd);
-  gpupool_disconnect(a);
+  gpupool_client_disconnect(a);
 }
 
 static void test_eof_mid_frame_and_silence(void **state) {
@@ -277,8 +277,8 @@ static void test_double_release_via_library(void **state) {
   (void)state;
 
   hello_ok(fd);
-  assert_int_equal(gpupool_alloc(a, NULL, 4096, 0, NULL, &x), 0);
-  assert_int_equal(gpupool_share(x, NULL, &tok), 0);
+  assert_int_equal(gpupool_buffer_alloc(a, NULL, 4096, 0, NULL, &x), 0);
+  assert_int_equal(gpupool_buffer_share(x, NULL, &tok), 0);
   /* The raw client opens the buffer and releases its hold twice. */
   op.token.data = tok.bytes;
   op.token.len = sizeof tok.bytes;
@@ -302,10 +302,70 @@ static void test_double_release_via_library(void **state) {
   expect_error(fd, GPUPOOL_ENOENT, "already released");
   /* The owner's buffer is still alive and intact. */
   memset(gpupool_buffer_ptr(x), 3, 4096);
-  assert_int_equal(gpupool_release(x, NULL), 0);
+  assert_int_equal(gpupool_buffer_release(x, NULL), 0);
   close(fd);
-  gpupool_disconnect(a);
-  gpupool_disconnect(b);
+  gpupool_client_disconnect(a);
+  gpupool_client_disconnect(b);
+}
+
+/* Send req and return its reply, which must be a success (the caller frees it). */
+static gpupool__rep *call_ok(int fd, gpupool__req *req) {
+  gpupool__rep *rep;
+  raw_send(fd, req, NULL, 0);
+  rep = raw_recv(fd);
+  assert_non_null(rep);
+  if (rep->error)
+    fail_msg("expected success, got %s: %s", gpupool_err_name(rep->error->code), rep->error->message);
+  return rep;
+}
+
+/* A Publish with share_gid or share_all set (fields 5 and 6, reserved since the library
+ * stopped sending them; an old client's) is refused, not read as a plain publish: its
+ * readers would get the slab of the publisher's other buffers. Zero, as an old client sends
+ * for "not shared", is a plain publish. */
+static void test_publish_shares_refused(void **state) {
+  int fd = raw_connect();
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Allocate al = GPUPOOL__WIRE__ALLOCATE__INIT;
+  Gpupool__Wire__Publish pb = GPUPOOL__WIRE__PUBLISH__INIT;
+  Gpupool__Wire__Unpublish up = GPUPOOL__WIRE__UNPUBLISH__INIT;
+  uint8_t one = 1, gid[2] = {0xe8, 0x07} /* 1000 */, zero = 0;
+  ProtobufCMessageUnknownField uf = {.wire_type = PROTOBUF_C_WIRE_TYPE_VARINT};
+  gpupool__rep *rep;
+  (void)state;
+
+  hello_ok(fd);
+  al.pool_name = (char *)"";
+  al.size = 4096;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
+  req.allocate = &al;
+  rep = call_ok(fd, &req);
+  pb.hold_id = rep->allocate->buffer->hold_id;
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  pb.name = (char *)"shared";
+  pb.base.n_unknown_fields = 1;
+  pb.base.unknown_fields = &uf;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH;
+  req.publish = &pb;
+  uf.tag = 6; /* share_all = true */
+  uf.len = 1;
+  uf.data = &one;
+  raw_send(fd, &req, NULL, 0);
+  expect_error(fd, GPUPOOL_EINVAL, "share_gid/share_all");
+  uf.tag = 5; /* share_gid = 1000 */
+  uf.len = sizeof gid;
+  uf.data = gid;
+  raw_send(fd, &req, NULL, 0);
+  expect_error(fd, GPUPOOL_EINVAL, "share_gid/share_all");
+  uf.tag = 6; /* share_all = false */
+  uf.len = 1;
+  uf.data = &zero;
+  gpupool__wire__reply__free_unpacked(call_ok(fd, &req), NULL);
+  up.name = (char *)"shared";
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_UNPUBLISH;
+  req.unpublish = &up;
+  gpupool__wire__reply__free_unpacked(call_ok(fd, &req), NULL);
+  close(fd);
 }
 
 int main(void) {
@@ -319,6 +379,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_bad_ids_and_requests, setup, teardown),
       cmocka_unit_test_setup_teardown(test_eof_mid_frame_and_silence, setup, teardown),
       cmocka_unit_test_setup_teardown(test_double_release_via_library, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_publish_shares_refused, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -12,7 +12,7 @@
  *   sigterm   SIGTERM with a live holder: the daemon exits within 1 s, and the holder's
  *             memory stays valid after it
  *   restarts  50 daemon SIGKILL + restart cycles: the client's fds and mappings stay flat,
- *             and gpupool_disconnect leaves none behind
+ *             and gpupool_client_disconnect leaves none behind
  *   getrestart  a get blocked across a daemon restart succeeds on the new daemon
  *   emfile    out of fds at accept: no spin, one log line per interval, connected clients
  *             are served and new ones are refused with the reason
@@ -223,14 +223,14 @@ static taker spawn_taker(uint32_t seed) {
     int got = 0;
     close(a[1]);
     close(b[0]);
-    if (gpupool_connect(D.sock, "taker", &c) != 0) {
+    if (gpupool_client_connect(D.sock, "taker", GPUPOOL_TIMEOUT_DEFAULT, &c) != 0) {
       fprintf(stderr, "taker: %s\n", gpupool_last_error());
       _exit(child_put(b[1], -1));
     }
     child_put(b[1], 1);
     if (child_get(a[0]) != 1)
       _exit(1);
-    while (gpupool_alloc(c, NULL, HOLD_SIZE, 0, NULL, &bf) == 0) {
+    while (gpupool_buffer_alloc(c, NULL, HOLD_SIZE, 0, NULL, &bf) == 0) {
       fill(gpupool_buffer_ptr(bf), seed, HOLD_SIZE);
       got++;
     }
@@ -269,12 +269,12 @@ typedef struct {
 static int holder_main(uint32_t seed, int cmd, int rep, int do_fork) {
   gpupool_client *c;
   gpupool_buffer *b;
-  int rc = gpupool_connect(D.sock, "holder", &c);
+  int rc = gpupool_client_connect(D.sock, "holder", GPUPOOL_TIMEOUT_DEFAULT, &c);
   if (rc != 0) {
     fprintf(stderr, "holder %u: connect refused: %s\n", seed, gpupool_last_error());
     return child_put(rep, rc);
   }
-  if ((rc = gpupool_alloc(c, NULL, HOLD_SIZE, 0, NULL, &b)) != 0) {
+  if ((rc = gpupool_buffer_alloc(c, NULL, HOLD_SIZE, 0, NULL, &b)) != 0) {
     fprintf(stderr, "holder %u: alloc refused: %s\n", seed, gpupool_last_error());
     return child_put(rep, rc);
   }
@@ -442,9 +442,9 @@ static void case_flood(void **state) {
     for (int i = 0; i < 300; i++) {
       gpupool_client *c;
       gpupool_buffer *b;
-      int rc = gpupool_connect(D.sock, "flood", &c);
+      int rc = gpupool_client_connect(D.sock, "flood", GPUPOOL_TIMEOUT_DEFAULT, &c);
       if (rc == 0) {
-        rc = gpupool_alloc(c, NULL, 4096, 0, NULL, &b);
+        rc = gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &b);
         if (rc == 0) {
           good++;
           memset(gpupool_buffer_ptr(b), 1, 4096);
@@ -538,18 +538,18 @@ static void case_restarts(void **state) {
   count_maps(&all0, &pool0);
   fds0 = count_fds();
   c = th_connect(&D, "restarts");
-  assert_int_equal(gpupool_alloc(c, NULL, 4096, 0, NULL, &held), 0);
+  assert_int_equal(gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &held), 0);
   for (int i = 1; i <= 50; i++) {
     crash_and_restart();
     /* The next request reconnects; a fresh buffer comes from the new daemon. */
-    assert_int_equal(gpupool_alloc(c, NULL, 4096, 0, NULL, &b), 0);
+    assert_int_equal(gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &b), 0);
     fill(gpupool_buffer_ptr(b), (uint32_t)i, 4096);
     assert_true(check(gpupool_buffer_ptr(b), (uint32_t)i, 4096));
-    assert_int_equal(gpupool_release(b, NULL), 0);
+    assert_int_equal(gpupool_buffer_release(b, NULL), 0);
     if (i == 1) {
       /* The buffer held since the first daemon keeps its mapping until released. */
       assert_true(gpupool_buffer_lost(held));
-      assert_int_equal(gpupool_release(held, NULL), 0);
+      assert_int_equal(gpupool_buffer_release(held, NULL), 0);
     }
     fds = count_fds();
     count_maps(&all, &pool);
@@ -565,7 +565,7 @@ static void case_restarts(void **state) {
       fail_msg("restart %d: %d fds, %d mappings (%d of gpupool memory); after the first: %d, %d (%d)", i, fds, all,
                pool, fds1, all1, pool1);
   }
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   fds = count_fds();
   count_maps(&all, &pool);
   fprintf(stderr, "restarts: before connecting %d fds, %d mappings (%d gpupool); after disconnect %d, %d (%d)\n", fds0,
@@ -586,10 +586,10 @@ typedef struct {
 static void *blocked_get(void *p) {
   get_arg *a = p;
   gpupool_buffer *b;
-  a->rc = gpupool_get(a->c, "late", 20000, GPUPOOL_READ_ONLY, NULL, &b);
+  a->rc = gpupool_buffer_get(a->c, "late", 0, 20000, GPUPOOL_READ_ONLY, NULL, &b, NULL);
   if (a->rc == 0) {
     a->intact = check(gpupool_buffer_ptr(b), 55, 10000);
-    gpupool_release(b, NULL);
+    gpupool_buffer_release(b, NULL);
   } else {
     fprintf(stderr, "blocked get: %s: %s\n", gpupool_err_name(a->rc), gpupool_last_error());
   }
@@ -642,16 +642,16 @@ static void case_getrestart(void **state) {
   assert_true(dropped >= 1);
   start_daemon(0);
   p = th_connect(&D, "late producer");
-  assert_int_equal(gpupool_alloc(p, NULL, 10000, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_buffer_alloc(p, NULL, 10000, 0, NULL, &b), 0);
   fill(gpupool_buffer_ptr(b), 55, 10000);
-  assert_int_equal(gpupool_publish(b, "late", NULL, NULL), 0);
+  assert_int_equal(gpupool_buffer_publish(b, "late", NULL, NULL, NULL), 0);
   pthread_join(t, NULL);
   assert_int_equal(a.rc, 0);
   assert_true(a.intact);
-  assert_int_equal(gpupool_release(b, NULL), 0);
-  assert_int_equal(gpupool_unpublish(p, "late"), 0);
-  gpupool_disconnect(p);
-  gpupool_disconnect(a.c);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
+  assert_int_equal(gpupool_name_unpublish(p, "late"), 0);
+  gpupool_client_disconnect(p);
+  gpupool_client_disconnect(a.c);
   th_wait_idle(&D, 5000);
 }
 
@@ -679,7 +679,7 @@ static int connect_in_child(int *said_fds) {
     gpupool_client *c;
     int r;
     alarm(10);
-    r = gpupool_connect(D.sock, "late", &c);
+    r = gpupool_client_connect(D.sock, "late", GPUPOOL_TIMEOUT_DEFAULT, &c);
     child_put(p[1], r);
     child_put(p[1], r != 0 && strstr(gpupool_last_error(), "file descriptors") != NULL);
     _exit(0);
@@ -697,8 +697,8 @@ static void case_emfile(void **state) {
   gpupool_buffer *b;
   int raw[80], n = 0, said = 0, rc, lines;
   (void)state;
-  assert_int_equal(gpupool_alloc(c, NULL, 4096, 0, NULL, &b), 0);
-  assert_int_equal(gpupool_release(b, NULL), 0);
+  assert_int_equal(gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
   /* Connections that never say Hello until the daemon has no fd left. */
   for (n = 0; n < 80; n++) {
     struct sockaddr_un a = {.sun_family = AF_UNIX};
@@ -716,8 +716,8 @@ static void case_emfile(void **state) {
   assert_int_equal(rc, GPUPOOL_ELIMIT);
   assert_true(said);
   /* The connected client is still served. */
-  assert_int_equal(gpupool_alloc(c, NULL, 4096, 0, NULL, &b), 0);
-  assert_int_equal(gpupool_release(b, NULL), 0);
+  assert_int_equal(gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
   /* Few log lines about it, not one per failed accept. */
   lines = log_lines_with("accept failed") + log_lines_with("out of file descriptors");
   fprintf(stderr, "emfile: %d log lines about accepting after 1.5 s at the limit\n", lines);
@@ -728,11 +728,11 @@ static void case_emfile(void **state) {
     close(raw[i]);
   /* Fds come back: new clients are served again. */
   th_sleep_ms(600);
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   c = th_connect(&D, "after");
-  assert_int_equal(gpupool_alloc(c, NULL, 4096, 0, NULL, &b), 0);
-  assert_int_equal(gpupool_release(b, NULL), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
+  gpupool_client_disconnect(c);
 }
 
 /* ---- main ------------------------------------------------------------------------------------ */

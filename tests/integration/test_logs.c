@@ -90,11 +90,11 @@ static void test_one_client_publishes(void **state) {
   before = log_lines();
   t0 = th_now_ms();
   for (int i = 0; i < 20000; i++) {
-    if (gpupool_publish_file(c, "f", file, 0, 0, NULL) != 0 || gpupool_unpublish(c, "f") != 0)
+    if (gpupool_file_publish(c, "f", file, 0, 0, NULL) != 0 || gpupool_name_unpublish(c, "f") != 0)
       fail_msg("cycle %d: %s", i, gpupool_last_error());
   }
   check_growth(before, t0, PER_CLIENT, "20000 file publishes by one client");
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   expect_log("more lines were not logged");
   stop();
 }
@@ -116,13 +116,13 @@ static void test_many_clients(void **state) {
   for (int r = 0; r < 100; r++)
     for (int i = 0; i < N; i++) {
       snprintf(name, sizeof name, "f%d", i);
-      if (gpupool_publish_file(cs[i], name, file, 0, 0, NULL) != 0 || gpupool_unpublish(cs[i], name) != 0)
+      if (gpupool_file_publish(cs[i], name, file, 0, 0, NULL) != 0 || gpupool_name_unpublish(cs[i], name) != 0)
         fail_msg("client %d cycle %d: %s", i, r, gpupool_last_error());
     }
   for (int i = 0; i < N; i++)
-    gpupool_disconnect(cs[i]);
+    gpupool_client_disconnect(cs[i]);
   for (int i = 0; i < 2000; i++)
-    gpupool_disconnect(th_connect(&D, "cycle"));
+    gpupool_client_disconnect(th_connect(&D, "cycle"));
   check_growth(before, t0, ALL_CLIENTS, "100 clients' 10000 publishes and 2000 connects");
   expect_log("more lines caused by clients were not logged");
   stop();
@@ -137,11 +137,11 @@ static void test_count_told_without_further_event(void **state) {
   c = th_connect(&D, "burst");
   for (int i = 0; i < 3 * PER_CLIENT; i++) {
     snprintf(name, sizeof name, "b%d", i);
-    if (gpupool_publish_file(c, name, file, 0, 0, NULL) != 0)
+    if (gpupool_file_publish(c, name, file, 0, 0, NULL) != 0)
       fail_msg("publish %d: %s", i, gpupool_last_error());
   }
   expect_log("more lines were not logged");
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   stop();
 }
 

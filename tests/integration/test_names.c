@@ -27,14 +27,14 @@ static void test_local_refusals(void **state) {
   gpupool_bundle *bundle;
   gpupool_member_spec specs[2] = {{.name = "ok", .size = 8}, {.name = "m\xc0\xaf", .size = 8}};
   (void)state;
-  assert_int_equal(gpupool_alloc(c, NULL, 4096, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &b), 0);
   /* Not UTF-8: a lone byte past ASCII, an overlong form, a UTF-16 surrogate. The daemon would
    * say EINVAL naming the wire field; ENAME is the library's own check. */
-  assert_int_equal(gpupool_publish(b, "bad\xff", NULL, NULL), GPUPOOL_ENAME);
+  assert_int_equal(gpupool_buffer_publish(b, "bad\xff", NULL, NULL, NULL), GPUPOOL_ENAME);
   assert_string_equal(gpupool_last_error(), "name is not valid UTF-8 (at byte 3); names are UTF-8 text");
-  assert_int_equal(gpupool_publish(b, "over\xc0\xaflong", NULL, NULL), GPUPOOL_ENAME);
-  assert_int_equal(gpupool_publish(b, "half\xed\xa0\x80", NULL, NULL), GPUPOOL_ENAME);
-  assert_int_equal(gpupool_get(c, "bad\xff", 0, 0, NULL, &got), GPUPOOL_ENAME);
+  assert_int_equal(gpupool_buffer_publish(b, "over\xc0\xaflong", NULL, NULL, NULL), GPUPOOL_ENAME);
+  assert_int_equal(gpupool_buffer_publish(b, "half\xed\xa0\x80", NULL, NULL, NULL), GPUPOOL_ENAME);
+  assert_int_equal(gpupool_buffer_get(c, "bad\xff", 0, 0, 0, NULL, &got, NULL), GPUPOOL_ENAME);
   /* A member's name: the message names the member once. */
   assert_int_equal(gpupool_bundle_alloc(c, NULL, specs, 2, 0, 0, NULL, &bundle), GPUPOOL_ENAME);
   assert_string_equal(gpupool_last_error(), "member 1: name is not valid UTF-8 (at byte 1); names are UTF-8 text");
@@ -42,11 +42,11 @@ static void test_local_refusals(void **state) {
   assert_int_equal(gpupool_bundle_alloc(c, NULL, specs, 2, 0, 0, NULL, &bundle), GPUPOOL_ENAME);
   assert_string_equal(gpupool_last_error(), "member 1: name contains a control character at byte 1");
   /* UTF-8 past ASCII is a name like any other. */
-  assert_int_equal(gpupool_publish(b, "gr\xc3\xbc\xc3\x9f-\xe2\x82\xac-\xf0\x9f\x98\x80", NULL, NULL), 0);
-  assert_int_equal(gpupool_get(c, "gr\xc3\xbc\xc3\x9f-\xe2\x82\xac-\xf0\x9f\x98\x80", 0, 0, NULL, &got), 0);
-  assert_int_equal(gpupool_release(got, NULL), 0);
-  assert_int_equal(gpupool_release(b, NULL), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_buffer_publish(b, "gr\xc3\xbc\xc3\x9f-\xe2\x82\xac-\xf0\x9f\x98\x80", NULL, NULL, NULL), 0);
+  assert_int_equal(gpupool_buffer_get(c, "gr\xc3\xbc\xc3\x9f-\xe2\x82\xac-\xf0\x9f\x98\x80", 0, 0, 0, NULL, &got, NULL), 0);
+  assert_int_equal(gpupool_buffer_release(got, NULL), 0);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
+  gpupool_client_disconnect(c);
 }
 
 /* The client's own name is shown in logs only: bytes that are not UTF-8, and a character
@@ -56,24 +56,24 @@ static void test_client_name(void **state) {
   gpupool_client *c;
   gpupool_daemon_stats ds;
   (void)state;
-  assert_int_equal(gpupool_connect(D.sock, "latin1-\xe9t\xe9", &c), 0);
-  assert_int_equal(gpupool_stats(c, &ds, NULL, 0, NULL), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_client_connect(D.sock, "latin1-\xe9t\xe9", GPUPOOL_TIMEOUT_DEFAULT, &c), 0);
+  assert_int_equal(gpupool_client_stats(c, &ds, NULL, 0, NULL), 0);
+  gpupool_client_disconnect(c);
   /* Two-byte characters from an even offset and an odd one: whatever the limit, one of the
    * two copies cuts a character in half. */
   for (size_t i = 0; i + 2 < sizeof name; i += 2)
     memcpy(name + i, "\xc3\xa9", 2);
   name[sizeof name - 1] = '\0';
-  assert_int_equal(gpupool_connect(D.sock, name, &c), 0);
-  assert_int_equal(gpupool_stats(c, &ds, NULL, 0, NULL), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_client_connect(D.sock, name, GPUPOOL_TIMEOUT_DEFAULT, &c), 0);
+  assert_int_equal(gpupool_client_stats(c, &ds, NULL, 0, NULL), 0);
+  gpupool_client_disconnect(c);
   name[0] = 'x';
   for (size_t i = 1; i + 2 < sizeof name; i += 2)
     memcpy(name + i, "\xc3\xa9", 2);
   name[sizeof name - 1] = '\0';
-  assert_int_equal(gpupool_connect(D.sock, name, &c), 0);
-  assert_int_equal(gpupool_stats(c, &ds, NULL, 0, NULL), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_client_connect(D.sock, name, GPUPOOL_TIMEOUT_DEFAULT, &c), 0);
+  assert_int_equal(gpupool_client_stats(c, &ds, NULL, 0, NULL), 0);
+  gpupool_client_disconnect(c);
 }
 
 int main(void) {

@@ -136,7 +136,7 @@ static void test_connections_per_uid_and_reserved(void **state) {
   /* Both flooders hold their sessions: root still connects, in a reserved slot. */
   root = th_connect(&D, "operator");
   assert_non_null(root);
-  gpupool_disconnect(root);
+  gpupool_client_disconnect(root);
   assert_int_equal(served_by(a, r1), 5);
   assert_int_equal(served_by(b, r2), 3); /* 12 - 4 reserved - 5 of the first uid */
 }
@@ -217,9 +217,9 @@ static void test_waiters_bounded(void **state) {
   th_wait_ok(th_spawn(&D, waiter_child, 0), "waiter flood");
   /* Another client is served, and the flood's waiters went with its connections. */
   c = th_connect(&D, "other");
-  assert_int_equal(gpupool_alloc(c, NULL, 4096, 0, NULL, &b), 0);
-  assert_int_equal(gpupool_release(b, NULL), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
+  gpupool_client_disconnect(c);
 }
 
 /* After a protocol violation the daemon reads nothing more from that client, and hangs up
@@ -306,17 +306,17 @@ static void test_slow_reader_dropped(void **state) {
 /* Refused requests are logged at most 10 times per 10 s per client; the rest are counted. */
 static int refusal_child(const th_daemon *d, int arg) {
   gpupool_client *c = NULL;
-  gpupool_buffer *b;
+  gpupool_member_spec m = {.name = "x", .size = 4096};
+  gpupool_bundle *bu;
   (void)arg;
   if (th_become(NOBODY) != 0)
     return 2;
-  CHILD_CHECK(gpupool_connect(d->sock, "refused", &c) == 0, "connect");
-  CHILD_CHECK(gpupool_alloc(c, NULL, 4096, 0, NULL, &b) == 0, "alloc");
-  /* Refused by the daemon (the library lets it through): publishing to every user. */
+  CHILD_CHECK(gpupool_client_connect(d->sock, "refused", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0, "connect");
+  /* Refused by the daemon (the library lets it through): an alignment that is not a power
+   * of two. */
   for (int i = 0; i < 2000; i++)
-    CHILD_CHECK(gpupool_publish_ex(b, "x", NULL, NULL, 0, 1) == GPUPOOL_EINVAL, "publish %d", i);
-  gpupool_release(b, NULL);
-  gpupool_disconnect(c);
+    CHILD_CHECK(gpupool_bundle_alloc(c, NULL, &m, 1, 3, 0, NULL, &bu) == GPUPOOL_EINVAL, "alloc %d", i);
+  gpupool_client_disconnect(c);
   return 0;
 }
 
@@ -339,12 +339,12 @@ static int names_holds_child(const th_daemon *d, int arg) {
   (void)arg;
   if (th_become(NOBODY) != 0)
     return 2;
-  CHILD_CHECK(gpupool_connect(d->sock, "squatter", &c) == 0, "connect");
-  CHILD_CHECK(gpupool_alloc(c, NULL, 4096, 0, NULL, &b) == 0, "alloc");
+  CHILD_CHECK(gpupool_client_connect(d->sock, "squatter", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0, "connect");
+  CHILD_CHECK(gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &b) == 0, "alloc");
   for (int i = 0; i < 100; i++) {
     char name[32];
     snprintf(name, sizeof name, "squat/%d", i);
-    rc = gpupool_publish(b, name, NULL, NULL);
+    rc = gpupool_buffer_publish(b, name, NULL, NULL, NULL);
     if (rc == GPUPOOL_ELIMIT) {
       break;
     }
@@ -352,9 +352,9 @@ static int names_holds_child(const th_daemon *d, int arg) {
     published++;
   }
   CHILD_CHECK(published == 20, "published %d names, expected the limit of 20", published);
-  CHILD_CHECK(gpupool_share(b, NULL, &tok) == 0, "share");
+  CHILD_CHECK(gpupool_buffer_share(b, NULL, &tok) == 0, "share");
   for (int i = 0; i < 100; i++) {
-    rc = gpupool_open(c, &tok, 0, NULL, &o);
+    rc = gpupool_buffer_open(c, &tok, 0, NULL, &o);
     if (rc == GPUPOOL_ELIMIT)
       break;
     CHILD_CHECK(rc == 0, "open %d", i);
@@ -362,7 +362,7 @@ static int names_holds_child(const th_daemon *d, int arg) {
   }
   CHILD_CHECK(opened == 29, "opened %d holds, expected 29 (30 with the owner's)", opened);
   printf("squatter: %d names, %d extra holds, then ELIMIT\n", published, opened);
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   return 0;
 }
 
@@ -378,10 +378,10 @@ static void test_names_and_holds_bounded(void **state) {
   assert_true(log_contains("(max_holds_per_client) is 30") >= 1);
   /* The squatter's names outlive it, but root still publishes. */
   c = th_connect(&D, "root");
-  assert_int_equal(gpupool_alloc(c, NULL, 4096, 0, NULL, &b), 0);
-  assert_int_equal(gpupool_publish(b, "root/name", NULL, NULL), 0);
-  assert_int_equal(gpupool_release(b, NULL), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_buffer_publish(b, "root/name", NULL, NULL, NULL), 0);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
+  gpupool_client_disconnect(c);
 }
 
 /* Waiting allocations queue per owner: one user's request that cannot fit (here: one that
@@ -392,8 +392,8 @@ static int big_waiter_child(const th_daemon *d, int arg) {
   (void)arg;
   if (th_become(NOBODY) != 0)
     return 2;
-  CHILD_CHECK(gpupool_connect(d->sock, "big", &c) == 0, "connect");
-  CHILD_CHECK(gpupool_alloc(c, NULL, 32u << 20, -1, NULL, &b) == 0, "alloc (waits until killed)");
+  CHILD_CHECK(gpupool_client_connect(d->sock, "big", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0, "connect");
+  CHILD_CHECK(gpupool_buffer_alloc(c, NULL, 32u << 20, -1, NULL, &b) == 0, "alloc (waits until killed)");
   return 0;
 }
 
@@ -401,10 +401,10 @@ static int small_waiter_child(const th_daemon *d, int arg) {
   gpupool_client *c = NULL;
   gpupool_buffer *b;
   (void)arg;
-  CHILD_CHECK(gpupool_connect(d->sock, "small", &c) == 0, "connect");
-  CHILD_CHECK(gpupool_alloc(c, NULL, 4096, -1, NULL, &b) == 0, "alloc");
-  gpupool_release(b, NULL);
-  gpupool_disconnect(c);
+  CHILD_CHECK(gpupool_client_connect(d->sock, "small", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0, "connect");
+  CHILD_CHECK(gpupool_buffer_alloc(c, NULL, 4096, -1, NULL, &b) == 0, "alloc");
+  gpupool_buffer_release(b, NULL);
+  gpupool_client_disconnect(c);
   return 0;
 }
 
@@ -418,12 +418,12 @@ static void test_waiting_queue_per_owner(void **state) {
   /* start_with's pool: 64M in 4M slabs. Fill it, one slab per buffer. */
   c = th_connect(&D, "filler");
   for (int i = 0; i < 4; i++)
-    assert_int_equal(gpupool_alloc(c, NULL, 16u << 20, 0, NULL, &b[i]), 0);
+    assert_int_equal(gpupool_buffer_alloc(c, NULL, 16u << 20, 0, NULL, &b[i]), 0);
   big = th_spawn(&D, big_waiter_child, 0);
   th_sleep_ms(300); /* its request waits first */
   small = th_spawn(&D, small_waiter_child, 0);
   th_sleep_ms(300);
-  assert_int_equal(gpupool_release(b[0], NULL), 0); /* 16M back: not enough for nobody's 32M */
+  assert_int_equal(gpupool_buffer_release(b[0], NULL), 0); /* 16M back: not enough for nobody's 32M */
   for (int i = 0; i < 1000 && !done; i++) {
     if (waitpid(small, &st, WNOHANG) == small)
       done = 1;
@@ -439,8 +439,8 @@ static void test_waiting_queue_per_owner(void **state) {
   }
   assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
   for (int i = 1; i < 4; i++)
-    assert_int_equal(gpupool_release(b[i], NULL), 0);
-  gpupool_disconnect(c);
+    assert_int_equal(gpupool_buffer_release(b[i], NULL), 0);
+  gpupool_client_disconnect(c);
 }
 
 int main(void) {

@@ -221,7 +221,7 @@ typedef struct {
 
 static void *get_thread(void *arg) {
   getter *g = arg;
-  g->rc = gpupool_get(g->c, g->name, -1, 0, NULL, &g->buf);
+  g->rc = gpupool_buffer_get(g->c, g->name, 0, -1, 0, NULL, &g->buf, NULL);
   return NULL;
 }
 
@@ -270,8 +270,8 @@ static void test_no_release_across_reconnect(void **state) {
   gpupool__hook_sent = park_first_attach;
   assert_int_equal(pthread_create(&fake, NULL, fake_daemon, NULL), 0);
 
-  assert_int_equal(gpupool_connect(sock, "race", &c), 0);
-  assert_int_equal(gpupool_set_reconnect(c, 5000), 0);
+  assert_int_equal(gpupool_client_connect(sock, "race", GPUPOOL_TIMEOUT_DEFAULT, &c), 0);
+  assert_int_equal(gpupool_client_set_reconnect(c, 5000), 0);
   /* B first: its get waits, so B is the thread reading the socket when A's replies come. */
   B.c = A.c = c;
   B.name = "y";
@@ -293,7 +293,7 @@ static void test_no_release_across_reconnect(void **state) {
   if (B.rc != 0)
     fail_msg("B's get across the reconnect failed: %s (%s)", gpupool_err_name(B.rc), F.err);
   assert_non_null(B.buf);
-  assert_int_equal(gpupool_reconnect_count(c), 1);
+  assert_int_equal(gpupool_client_reconnect_count(c), 1);
   memset(gpupool_buffer_ptr(B.buf), 0x5a, 100);
 
   /* Now A finds its attach failed, on a connection that is gone. */
@@ -310,8 +310,8 @@ static void test_no_release_across_reconnect(void **state) {
   assert_null(A.buf);
 
   /* B's own release is the one Release{HOLD} conn 2 sees. */
-  assert_int_equal(gpupool_release(B.buf, NULL), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_buffer_release(B.buf, NULL), 0);
+  gpupool_client_disconnect(c);
   join_s(fake, "the fake daemon");
   if (F.err[0])
     fail_msg("%s", F.err);

@@ -8,8 +8,8 @@
 static int holder(const th_daemon *d, int wfd) {
   gpupool_client *c;
   gpupool_buffer *b;
-  CHILD_CHECK(gpupool_connect(d->sock, "holder", &c) == 0, "connect");
-  CHILD_CHECK(gpupool_alloc(c, NULL, 4096, 0, NULL, &b) == 0, "alloc");
+  CHILD_CHECK(gpupool_client_connect(d->sock, "holder", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0, "connect");
+  CHILD_CHECK(gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &b) == 0, "alloc");
   CHILD_CHECK(write(wfd, "R", 1) == 1, "signal ready");
   for (;;)
     pause();

@@ -101,11 +101,11 @@ static int snoop_child(const th_daemon *d, int arg) {
   gpupool_buffer *b;
   (void)arg;
   CHILD_CHECK(th_become(NOBODY) == 0, "setuid");
-  CHILD_CHECK(gpupool_connect(d->sock, "snoop", &c) == 0, "connect");
-  CHILD_CHECK(gpupool_alloc(c, NULL, 4096, 0, NULL, &b) == 0, "alloc");
+  CHILD_CHECK(gpupool_client_connect(d->sock, "snoop", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0, "connect");
+  CHILD_CHECK(gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &b) == 0, "alloc");
   CHILD_CHECK(any_memfd_holds_secret() == 0, "another user's unshared buffer is reachable");
-  gpupool_release(b, NULL);
-  gpupool_disconnect(c);
+  gpupool_buffer_release(b, NULL);
+  gpupool_client_disconnect(c);
   return 0;
 }
 
@@ -116,12 +116,12 @@ static int owner_child(const th_daemon *d, int arg) {
   gpupool_buffer *b;
   int ready = arg & 0xffff, go = arg >> 16;
   char ch = 1;
-  CHILD_CHECK(gpupool_connect(d->sock, "owner", &c) == 0, "connect");
-  CHILD_CHECK(gpupool_alloc(c, NULL, MIB, 0, NULL, &b) == 0, "alloc");
+  CHILD_CHECK(gpupool_client_connect(d->sock, "owner", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0, "connect");
+  CHILD_CHECK(gpupool_buffer_alloc(c, NULL, MIB, 0, NULL, &b) == 0, "alloc");
   th_fill(gpupool_buffer_ptr(b), SEED, MIB);
   CHILD_CHECK(write(ready, &ch, 1) == 1 && read(go, &ch, 1) >= 0, "handshake with the test");
-  gpupool_release(b, NULL);
-  gpupool_disconnect(c);
+  gpupool_buffer_release(b, NULL);
+  gpupool_client_disconnect(c);
   return 0;
 }
 
@@ -167,8 +167,8 @@ static int read_only_child(const th_daemon *d, int arg) {
   uint8_t *p;
   (void)arg;
   CHILD_CHECK(th_become(NOBODY) == 0, "setuid");
-  CHILD_CHECK(gpupool_connect(d->sock, "reader", &c) == 0, "connect");
-  CHILD_CHECK(gpupool_get(c, "group:readers/weights", 1000, GPUPOOL_READ_ONLY, NULL, &ro) == 0, "get read-only");
+  CHILD_CHECK(gpupool_client_connect(d->sock, "reader", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0, "connect");
+  CHILD_CHECK(gpupool_buffer_get(c, "group:readers/weights", 0, 1000, GPUPOOL_READ_ONLY, NULL, &ro, NULL) == 0, "get read-only");
   p = gpupool_buffer_ptr(ro);
   CHILD_CHECK(th_check(p, SEED, MIB), "bytes of the published buffer");
   /* The kernel refuses the write, and refuses to make the mapping writable. */
@@ -176,23 +176,23 @@ static int read_only_child(const th_daemon *d, int arg) {
   CHILD_CHECK(mprotect((void *)((uintptr_t)p & ~(uintptr_t)4095), 4096, PROT_READ | PROT_WRITE) != 0,
               "a read-only mapping could be made writable");
   /* Sharing a read-only hold and opening the token asking for read-write gives read-only. */
-  CHILD_CHECK(gpupool_share(ro, NULL, &tok) == 0, "share");
-  CHILD_CHECK(gpupool_open(c, &tok, 0, NULL, &up) == 0, "open");
+  CHILD_CHECK(gpupool_buffer_share(ro, NULL, &tok) == 0, "share");
+  CHILD_CHECK(gpupool_buffer_open(c, &tok, 0, NULL, &up) == 0, "open");
   CHILD_CHECK(gpupool_buffer_read_only(up) == 1, "a read-only token opened a writable hold");
   CHILD_CHECK(write_survives(gpupool_buffer_ptr(up)) == 0, "a write through the reopened hold went through");
   /* Nor does publishing it under another name and getting that, asking for read-write. */
   {
     gpupool_buffer *again;
-    CHILD_CHECK(gpupool_publish(ro, "group:readers/again", NULL, NULL) == 0, "republish");
-    CHILD_CHECK(gpupool_get(c, "group:readers/again", 0, 0, NULL, &again) == 0, "get republished");
+    CHILD_CHECK(gpupool_buffer_publish(ro, "group:readers/again", NULL, NULL, NULL) == 0, "republish");
+    CHILD_CHECK(gpupool_buffer_get(c, "group:readers/again", 0, 0, 0, NULL, &again, NULL) == 0, "get republished");
     CHILD_CHECK(gpupool_buffer_read_only(again) == 1, "a read-only hold republished came back writable");
     CHILD_CHECK(write_survives(gpupool_buffer_ptr(again)) == 0, "a write through the republished hold went through");
-    gpupool_release(again, NULL);
-    gpupool_unpublish(c, "group:readers/again");
+    gpupool_buffer_release(again, NULL);
+    gpupool_name_unpublish(c, "group:readers/again");
   }
-  gpupool_release(up, NULL);
-  gpupool_release(ro, NULL);
-  gpupool_disconnect(c);
+  gpupool_buffer_release(up, NULL);
+  gpupool_buffer_release(ro, NULL);
+  gpupool_client_disconnect(c);
   return 0;
 }
 
@@ -203,15 +203,15 @@ static void test_read_only_is_enforced(void **state) {
   (void)state;
   start_with("capacity = 64M\nslab_size = 4M");
   c = th_connect(&D, "producer");
-  assert_int_equal(gpupool_alloc(c, "shared", MIB, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_buffer_alloc(c, "shared", MIB, 0, NULL, &b), 0);
   th_fill(gpupool_buffer_ptr(b), SEED, MIB);
-  assert_int_equal(gpupool_publish(b, "group:readers/weights", NULL, NULL), 0);
+  assert_int_equal(gpupool_buffer_publish(b, "group:readers/weights", NULL, NULL, NULL), 0);
   th_wait_ok(th_spawn(&D, read_only_child, 0), "read-only consumer");
   /* Nothing the consumer tried changed a byte. */
   assert_true(th_check(gpupool_buffer_ptr(b), SEED, MIB));
-  assert_int_equal(gpupool_unpublish(c, "group:readers/weights"), 0);
-  assert_int_equal(gpupool_release(b, NULL), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_name_unpublish(c, "group:readers/weights"), 0);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
+  gpupool_client_disconnect(c);
 }
 
 static int fresh_child(const th_daemon *d, int arg) {
@@ -220,13 +220,13 @@ static int fresh_child(const th_daemon *d, int arg) {
   const uint8_t *p;
   (void)arg;
   CHILD_CHECK(th_become(NOBODY) == 0, "setuid");
-  CHILD_CHECK(gpupool_connect(d->sock, "next", &c) == 0, "connect");
-  CHILD_CHECK(gpupool_alloc(c, NULL, MIB, 0, NULL, &b) == 0, "alloc");
+  CHILD_CHECK(gpupool_client_connect(d->sock, "next", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0, "connect");
+  CHILD_CHECK(gpupool_buffer_alloc(c, NULL, MIB, 0, NULL, &b) == 0, "alloc");
   p = gpupool_buffer_ptr(b);
   for (uint32_t i = 0; i < MIB; i++)
     CHILD_CHECK(p[i] == 0, "byte %u of a fresh allocation is 0x%02x: another user's data", i, p[i]);
-  gpupool_release(b, NULL);
-  gpupool_disconnect(c);
+  gpupool_buffer_release(b, NULL);
+  gpupool_client_disconnect(c);
   return 0;
 }
 
@@ -237,11 +237,11 @@ static void test_freed_memory_is_not_handed_over(void **state) {
   (void)state;
   start_with("capacity = 64M\nslab_size = 4M");
   c = th_connect(&D, "first");
-  assert_int_equal(gpupool_alloc(c, NULL, MIB, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_buffer_alloc(c, NULL, MIB, 0, NULL, &b), 0);
   memset(gpupool_buffer_ptr(b), 0xab, MIB);
-  assert_int_equal(gpupool_release(b, NULL), 0);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
   th_wait_ok(th_spawn(&D, fresh_child, 0), "next user");
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
 }
 
 /* Free capacity is usable whatever slabs came and went before, and the error for a request
@@ -253,19 +253,19 @@ static void test_capacity_not_lost_to_placement(void **state) {
   start_with("capacity = 64M\nslab_size = 4M\nkeep_slabs = 0");
   c = th_connect(&D, "frag");
   for (int i = 0; i < 16; i++)
-    assert_int_equal(gpupool_alloc(c, NULL, 3 * MIB, 0, NULL, &b[i]), 0); /* a slab each */
+    assert_int_equal(gpupool_buffer_alloc(c, NULL, 3 * MIB, 0, NULL, &b[i]), 0); /* a slab each */
   for (int i = 0; i < 16; i += 2)
-    assert_int_equal(gpupool_release(b[i], NULL), 0);
-  assert_int_equal(gpupool_trim(c), 0);
+    assert_int_equal(gpupool_buffer_release(b[i], NULL), 0);
+  assert_int_equal(gpupool_client_trim(c), 0);
   /* 32 MiB free, in 4 MiB pieces left between live slabs. */
-  assert_int_equal(gpupool_alloc(c, NULL, 20 * MIB, 0, NULL, &big), 0);
-  assert_int_equal(gpupool_release(big, NULL), 0);
-  assert_int_equal(gpupool_alloc(c, NULL, 40 * MIB, 0, NULL, &big), GPUPOOL_ENOSPC);
+  assert_int_equal(gpupool_buffer_alloc(c, NULL, 20 * MIB, 0, NULL, &big), 0);
+  assert_int_equal(gpupool_buffer_release(big, NULL), 0);
+  assert_int_equal(gpupool_buffer_alloc(c, NULL, 40 * MIB, 0, NULL, &big), GPUPOOL_ENOSPC);
   if (!strstr(gpupool_last_error(), "the largest request that would succeed now is 33554432 bytes"))
     fail_msg("out-of-space error does not say what would succeed: %s", gpupool_last_error());
   for (int i = 1; i < 16; i += 2)
-    assert_int_equal(gpupool_release(b[i], NULL), 0);
-  gpupool_disconnect(c);
+    assert_int_equal(gpupool_buffer_release(b[i], NULL), 0);
+  gpupool_client_disconnect(c);
 }
 
 /* The library checks a name as the daemon does, and says why it refuses it. */
@@ -275,13 +275,13 @@ static void test_names_checked_in_the_client(void **state) {
   (void)state;
   start_with("capacity = 16M\nslab_size = 4M");
   c = th_connect(&D, "names");
-  assert_int_equal(gpupool_alloc(c, NULL, 4096, 0, NULL, &b), 0);
-  assert_int_equal(gpupool_publish(b, "bad\x01name", NULL, NULL), GPUPOOL_ENAME);
+  assert_int_equal(gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_buffer_publish(b, "bad\x01name", NULL, NULL, NULL), GPUPOOL_ENAME);
   assert_non_null(strstr(gpupool_last_error(), "control character at byte 3"));
-  assert_int_equal(gpupool_get(c, "", 0, 0, NULL, &g), GPUPOOL_ENAME);
+  assert_int_equal(gpupool_buffer_get(c, "", 0, 0, 0, NULL, &g, NULL), GPUPOOL_ENAME);
   assert_non_null(strstr(gpupool_last_error(), "empty name"));
-  assert_int_equal(gpupool_release(b, NULL), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
+  gpupool_client_disconnect(c);
 }
 
 int main(void) {

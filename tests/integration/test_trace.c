@@ -23,13 +23,13 @@ static int consumer(const th_daemon *d, int arg) {
   gpupool_client *c;
   gpupool_buffer *b;
   (void)arg;
-  if (gpupool_connect(d->sock, "trace-consumer", &c) != 0 ||
-      gpupool_get(c, "traced", 10000, GPUPOOL_READ_ONLY, NULL, &b) != 0)
+  if (gpupool_client_connect(d->sock, "trace-consumer", GPUPOOL_TIMEOUT_DEFAULT, &c) != 0 ||
+      gpupool_buffer_get(c, "traced", 0, 10000, GPUPOOL_READ_ONLY, NULL, &b, NULL) != 0)
     return 1;
   if (!th_check(gpupool_buffer_ptr(b), 7, 4096))
     return 2;
-  gpupool_release(b, NULL);
-  gpupool_disconnect(c);
+  gpupool_buffer_release(b, NULL);
+  gpupool_client_disconnect(c);
   return 0;
 }
 
@@ -58,14 +58,14 @@ static void test_trace_lines_up(void **state) {
   (void)state;
 
   c = th_connect(&D, "trace-producer");
-  assert_int_equal(gpupool_alloc(c, NULL, 4096, 5000, NULL, &b), 0);
+  assert_int_equal(gpupool_buffer_alloc(c, NULL, 4096, 5000, NULL, &b), 0);
   th_fill(gpupool_buffer_ptr(b), 7, 4096);
   cons = th_spawn(&D, consumer, 0);
   th_sleep_ms(100); /* the consumer's get waits for the publish */
-  assert_int_equal(gpupool_publish(b, "traced", NULL, NULL), 0);
+  assert_int_equal(gpupool_buffer_publish(b, "traced", NULL, NULL, NULL), 0);
   th_wait_ok(cons, "consumer");
-  assert_int_equal(gpupool_release(b, NULL), 0);
-  gpupool_disconnect(c);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
+  gpupool_client_disconnect(c);
 
   n = load(lines, 4096);
   for (int i = 0; i < n; i++) {

@@ -31,23 +31,23 @@ int main(int argc, char **argv) {
   }
   reconnect = strcmp(argv[5], "reconnect") == 0;
   size = (size_t)strtoull(argv[4], NULL, 10);
-  rc = gpupool_connect(argv[1], argv[2], &c);
+  rc = gpupool_client_connect(argv[1], argv[2], GPUPOOL_TIMEOUT_DEFAULT, &c);
   if (rc != 0) {
     fprintf(stderr, "svc_holder: connect: %s\n", gpupool_last_error());
     return 2;
   }
-  if (!reconnect && gpupool_set_reconnect(c, 0) != 0) {
+  if (!reconnect && gpupool_client_set_reconnect(c, 0) != 0) {
     fprintf(stderr, "svc_holder: set_reconnect: %s\n", gpupool_last_error());
     return 2;
   }
-  rc = gpupool_alloc(c, NULL, size, 0, NULL, &b);
+  rc = gpupool_buffer_alloc(c, NULL, size, 0, NULL, &b);
   if (rc != 0) {
     fprintf(stderr, "svc_holder: alloc: %s\n", gpupool_last_error());
     return 2;
   }
   if (gpupool_buffer_kind(b) == GPUPOOL_MEM_HOST)
     memset(gpupool_buffer_ptr(b), 0x5a, size); /* device memory is not the CPU's to touch */
-  rc = gpupool_publish(b, argv[3], NULL, NULL);
+  rc = gpupool_buffer_publish(b, argv[3], NULL, NULL, NULL);
   if (rc != 0) {
     fprintf(stderr, "svc_holder: publish: %s\n", gpupool_last_error());
     return 2;
@@ -57,18 +57,18 @@ int main(int argc, char **argv) {
   if (fgets(line, sizeof(line), stdin) == NULL)
     return 2;
 
-  rc = gpupool_alloc(c, NULL, 4096, 0, NULL, &b2);
+  rc = gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &b2);
   printf("after-wait %d %s reconnects=%llu lost=%d\n", rc, gpupool_err_name(rc),
-         (unsigned long long)gpupool_reconnect_count(c), gpupool_buffer_lost(b));
+         (unsigned long long)gpupool_client_reconnect_count(c), gpupool_buffer_lost(b));
   fflush(stdout);
   if (reconnect) {
-    int ok = rc == 0 && gpupool_reconnect_count(c) == 1 && gpupool_buffer_lost(b) == 1;
-    gpupool_disconnect(c);
+    int ok = rc == 0 && gpupool_client_reconnect_count(c) == 1 && gpupool_buffer_lost(b) == 1;
+    gpupool_client_disconnect(c);
     return ok ? 0 : 1;
   }
   if (rc == 0)
     return 1;
   /* The connection is gone; disconnecting must still be safe. */
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   return rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO ? 0 : 1;
 }

@@ -292,16 +292,16 @@ static void case_activation(void) {
   k.fds[0] = -1;
   CHECK(strstr(got, "STATUS=") != NULL, "READY=1 came without STATUS=: '%s'", got);
 
-  rc = gpupool_connect(k.own, "svc-activation", &c);
-  CHECK(rc == 0, "gpupool_connect: %s", gpupool_last_error());
-  rc = gpupool_alloc(c, NULL, 1 << 20, 0, NULL, &b);
-  CHECK(rc == 0, "gpupool_alloc: %s", gpupool_last_error());
+  rc = gpupool_client_connect(k.own, "svc-activation", GPUPOOL_TIMEOUT_DEFAULT, &c);
+  CHECK(rc == 0, "gpupool_client_connect: %s", gpupool_last_error());
+  rc = gpupool_buffer_alloc(c, NULL, 1 << 20, 0, NULL, &b);
+  CHECK(rc == 0, "gpupool_buffer_alloc: %s", gpupool_last_error());
   CHECK(gpupool_buffer_size(b) >= (1 << 20), "size %zu", gpupool_buffer_size(b));
   memset(gpupool_buffer_ptr(b), 0xa5, 1 << 20);
-  rc = gpupool_release(b, NULL);
+  rc = gpupool_buffer_release(b, NULL);
   b = NULL;
-  CHECK(rc == 0, "gpupool_release: %s", gpupool_last_error());
-  gpupool_disconnect(c);
+  CHECK(rc == 0, "gpupool_buffer_release: %s", gpupool_last_error());
+  gpupool_client_disconnect(c);
   c = NULL;
 
   CHECK(kill(k.pid, SIGTERM) == 0, "kill");
@@ -314,9 +314,9 @@ static void case_activation(void) {
   printf("ok activation\n");
 out:
   if (b != NULL)
-    gpupool_release(b, NULL);
+    gpupool_buffer_release(b, NULL);
   if (c != NULL)
-    gpupool_disconnect(c);
+    gpupool_client_disconnect(c);
   case_end(&k);
 }
 
@@ -379,9 +379,9 @@ static void case_foreign_pid(void) {
   CHECK(case_begin(&k, "foreign-pid", listen, 1, "own.sock") == 0, "set-up in %s", k.dir);
   k.o.listen_pid_self = 0;
   CHECK(case_start_ready(&k, NULL, 0) == 0, "gpupoold started and ready");
-  rc = gpupool_connect(k.own, "svc-foreign", &c);
+  rc = gpupool_client_connect(k.own, "svc-foreign", GPUPOOL_TIMEOUT_DEFAULT, &c);
   CHECK(rc == 0, "connect to the daemon's own socket: %s", gpupool_last_error());
-  gpupool_disconnect(c);
+  gpupool_client_disconnect(c);
   c = NULL;
   rc = case_stop(&k, 10000);
   CHECK(rc == 0, "exit status %d", rc);
@@ -389,7 +389,7 @@ static void case_foreign_pid(void) {
   printf("ok foreign-pid\n");
 out:
   if (c != NULL)
-    gpupool_disconnect(c);
+    gpupool_client_disconnect(c);
   case_end(&k);
 }
 

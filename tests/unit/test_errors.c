@@ -48,11 +48,31 @@ static void test_truncates(void **state) {
   assert_int_equal(gpupool__errmsg()[1], 'x');
 }
 
+/* An error taken as a value survives a later failure that records its own message (a
+ * cleanup), and only reporting it makes it the thread's last error again. */
+static void test_error_value_outlives_cleanup(void **state) {
+  gpupool__error e = {.code = 0};
+  (void)state;
+  assert_int_equal(gpupool__error_report(&e, 0), 0);
+  assert_int_equal(gpupool__error_report(&e, GPUPOOL_EIO), GPUPOOL_EIO); /* nothing taken: rc as is */
+  gpupool__err(GPUPOOL_EBACKEND, "mapping failed");
+  assert_int_equal(gpupool__error_take(&e, GPUPOOL_EBACKEND), GPUPOOL_EBACKEND);
+  gpupool__err(GPUPOOL_EIO, "release after it failed too");
+  assert_string_equal(gpupool_last_error(), "release after it failed too");
+  assert_int_equal(gpupool__error_report(&e, GPUPOOL_EIO), GPUPOOL_EBACKEND);
+  assert_string_equal(gpupool_last_error(), "mapping failed");
+  assert_int_equal(gpupool__error_set(&e, GPUPOOL_EPROTO, "buffer %d of the bundle: %s", 2, "x"), GPUPOOL_EPROTO);
+  gpupool__err_clear();
+  assert_int_equal(gpupool__error_report(&e, 0), GPUPOOL_EPROTO);
+  assert_string_equal(gpupool_last_error(), "buffer 2 of the bundle: x");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_quotes_previous),
       cmocka_unit_test(test_member_name_message),
       cmocka_unit_test(test_truncates),
+      cmocka_unit_test(test_error_value_outlives_cleanup),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -26,18 +26,18 @@ int main(int argc, char **argv) {
     fprintf(stderr, "usage: consumer SOCKET\n");
     return 2;
   }
-  if ((rc = gpupool_connect_timeout(argv[1], "install-consumer", 5000, &a)) != 0)
+  if ((rc = gpupool_client_connect(argv[1], "install-consumer", 5000, &a)) != 0)
     return fail("connect", rc);
-  if ((rc = gpupool_connect(argv[1], "install-consumer-2", &b)) != 0)
+  if ((rc = gpupool_client_connect(argv[1], "install-consumer-2", GPUPOOL_TIMEOUT_DEFAULT, &b)) != 0)
     return fail("connect", rc);
-  if ((rc = gpupool_alloc(a, NULL, n, 1000, NULL, &w)) != 0)
+  if ((rc = gpupool_buffer_alloc(a, NULL, n, 1000, NULL, &w)) != 0)
     return fail("alloc", rc);
   p = gpupool_buffer_ptr(w);
   for (size_t i = 0; i < n; i++)
     p[i] = (unsigned char)(i * 7 + 3);
-  if ((rc = gpupool_publish(w, "install/consumer", NULL, NULL)) != 0)
+  if ((rc = gpupool_buffer_publish(w, "install/consumer", NULL, NULL, NULL)) != 0)
     return fail("publish", rc);
-  if ((rc = gpupool_get(b, "install/consumer", 1000, GPUPOOL_READ_ONLY, NULL, &r)) != 0)
+  if ((rc = gpupool_buffer_get(b, "install/consumer", 0, 1000, GPUPOOL_READ_ONLY, NULL, &r, NULL)) != 0)
     return fail("get", rc);
   p = gpupool_buffer_ptr(r);
   for (size_t i = 0; i < n; i++)
@@ -45,11 +45,11 @@ int main(int argc, char **argv) {
       fprintf(stderr, "consumer: byte %zu differs\n", i);
       return 1;
     }
-  gpupool_release(r, NULL);
-  gpupool_release(w, NULL);
-  gpupool_unpublish(a, "install/consumer");
-  gpupool_disconnect(b);
-  gpupool_disconnect(a);
+  gpupool_buffer_release(r, NULL);
+  gpupool_buffer_release(w, NULL);
+  gpupool_name_unpublish(a, "install/consumer");
+  gpupool_client_disconnect(b);
+  gpupool_client_disconnect(a);
   printf("consumer: libgpupool-client %s: %zu bytes shared and read back\n",
          gpupool_version_string(), n);
   return 0;
