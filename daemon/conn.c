@@ -515,7 +515,7 @@ static void conn_io(uv_poll_t *p, int status, int events) {
     return;
   }
   t0 = c->srv->last_activity_ns = gpupool__now_ns();
-  rc = gpupool__wire_inbuf_fill(&c->in, c->fd, &fds);
+  rc = gpupool__wire_inbuf_fill(&c->in, c->fd, SIZE_MAX, &fds);
   share_charge(c->sh, gpupool__now_ns(), gpupool__now_ns() - t0);
   gpupool__conn_heap(c);
   if (c->closing)
