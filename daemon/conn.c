@@ -517,6 +517,8 @@ static void conn_io(uv_poll_t *p, int status, int events) {
   t0 = c->srv->last_activity_ns = gpupool__now_ns();
   rc = gpupool__wire_inbuf_fill(&c->in, c->fd, SIZE_MAX, &fds);
   share_charge(c->sh, gpupool__now_ns(), gpupool__now_ns() - t0);
+  if (rc > 0)
+    c->srv->bytes_read += (uint64_t)rc;
   gpupool__conn_heap(c);
   if (c->closing)
     return;
