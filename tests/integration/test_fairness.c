@@ -539,6 +539,7 @@ static void test_uid_share(void **state) {
 #define READ_BUDGET (64u << 10) /* the most the daemon reads from one connection per pick */
 #define BIG_CONNS 4
 #define SMALL_CONNS 32
+#define SMALL_NAME 4000 /* bytes of each small connection's request: 32 of them are two budgets */
 
 /* A 1 MiB frame (the default max_frame) of a Get whose name is all of it: what the daemon
  * must take in whole before it can refuse it. */
@@ -565,13 +566,13 @@ static uint8_t *big_frame(size_t *len) {
 /* Child, as uid 65534: a holder session, BIG_CONNS and SMALL_CONNS sessions. On the first
  * byte of go_fd the holder pipelines SHARE_FLOOD gets (the daemon handles them until its trace
  * pipe is full); on the second, each big session writes a 1 MiB frame until its socket is
- * full and each small one a Get; a byte to done_fd after each step; on the third byte of
+ * full and each small one a Get of a 4,000-byte name; a byte to done_fd after each step; on the third byte of
  * go_fd it hangs up. */
 static int read_child(const th_daemon *d, int fds) {
   int go_fd = fds & 0xffff, done_fd = fds >> 16, holder, big[BIG_CONNS], small[SMALL_CONNS];
   uint8_t *buf = NULL, *frame;
   size_t len = 0, flen;
-  char b = 1;
+  char b = 1, name[SMALL_NAME + 1];
   (void)d;
   if (th_become(NOBODY) != 0)
     return 2;
@@ -599,10 +600,12 @@ static int read_child(const th_daemon *d, int fds) {
       break;
     }
   }
+  memset(name, 'n', SMALL_NAME);
+  name[SMALL_NAME] = '\0';
   for (int i = 0; i < SMALL_CONNS; i++) {
     uint8_t *g = NULL;
     size_t glen = 0;
-    CHILD_CHECK(append_get(&g, &glen, 3, "absent", 0, 0) == 0 && write_all(small[i], g, glen) == 0, "small %d", i);
+    CHILD_CHECK(append_get(&g, &glen, 3, name, 0, 0) == 0 && write_all(small[i], g, glen) == 0, "small %d", i);
     free(g);
   }
   CHILD_CHECK(write(done_fd, &b, 1) == 1 && read(go_fd, &b, 1) == 1, "sync");
@@ -627,10 +630,11 @@ static uint64_t stats_bytes_read(int fd, uint64_t seq, uint64_t *requests) {
 }
 
 /* The daemon is held in the middle of the holder's flood (its trace pipe is full) while uid
- * 65534 fills two sockets with a big frame each and sends a request on 32 more, and root sends
- * a Stats. Root's uid used no loop time lately: its request must be read and handled before
- * the daemon reads more than one read budget of what uid 65534 has waiting (reading every
- * readable socket first would take in about a socket buffer of each big frame). */
+ * 65534 fills four sockets with a big frame each and sends a 4 KB request on 32 more, and root
+ * sends a Stats. Root's uid used no loop time lately: its request must be read and handled
+ * before the daemon reads more than one read budget of what uid 65534 has waiting (reading
+ * every readable socket first would take in a buffer's worth of each big frame, and all 32
+ * requests: together twice the budget). */
 static void test_read_share(void **state) {
   int victim, trace, go[2], done[2], st;
   char fifo[320], b = 1;
