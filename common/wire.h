@@ -108,9 +108,9 @@ int gpupool__wire_rx_read(gpupool__wire_rx *rx, int sock);
 gpupool__req *gpupool__wire_unpack_request(const gpupool__wire_rx *rx);
 gpupool__rep *gpupool__wire_unpack_reply(const gpupool__wire_rx *rx);
 
-/* Buffered receiver for the daemon: one recvmsg takes whatever frames are waiting (a client
- * pipelining requests costs one system call, not two per frame), and complete frames are
- * then handed out in order.
+/* Buffered receiver for the daemon: one recvmsg takes whatever frames are waiting, up to the
+ * caller's byte budget (a client pipelining requests costs one system call, not two per
+ * frame), and complete frames are then handed out in order.
  *
  * fds: a Unix stream recvmsg stops after the segment that carried fds, and a well-behaved
  * sender attaches them to the first byte of their frame (one sendmsg per frame), so the fds
