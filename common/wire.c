@@ -514,7 +514,7 @@ static int inbuf_reserve(gpupool__wire_inbuf *b, size_t need) {
   return 0;
 }
 
-int gpupool__wire_inbuf_fill(gpupool__wire_inbuf *b, int sock, int *fds_closed) {
+int gpupool__wire_inbuf_fill(gpupool__wire_inbuf *b, int sock, size_t max, int *fds_closed) {
   struct iovec iov;
   struct msghdr msg;
   ctrl_buf ctrl;
@@ -525,6 +525,8 @@ int gpupool__wire_inbuf_fill(gpupool__wire_inbuf *b, int sock, int *fds_closed) 
   int rc;
 
   *fds_closed = 0;
+  if (max == 0)
+    max = 1; /* a recvmsg of 0 bytes would read as end of stream */
   inbuf_drop_frame_fds(b);
   /* A partial frame needs room for all of it (its size was checked by inbuf_next). */
   if (b->len - b->off >= GPUPOOL_WIRE_HDR) {
@@ -538,7 +540,7 @@ int gpupool__wire_inbuf_fill(gpupool__wire_inbuf *b, int sock, int *fds_closed) 
   for (;;) {
     memset(&msg, 0, sizeof msg);
     iov.iov_base = b->buf + b->len;
-    iov.iov_len = b->cap - b->len;
+    iov.iov_len = b->cap - b->len < max ? b->cap - b->len : max;
     msg.msg_iov = &iov;
     msg.msg_iovlen = 1;
     msg.msg_control = ctrl.buf;
@@ -582,6 +584,15 @@ int gpupool__wire_inbuf_fill(gpupool__wire_inbuf *b, int sock, int *fds_closed) 
     }
   }
   return (int)(n > INT32_MAX ? INT32_MAX : n);
+}
+
+int gpupool__wire_inbuf_complete(const gpupool__wire_inbuf *b) {
+  size_t have = b->len - b->off;
+  uint32_t n;
+  if (have < GPUPOOL_WIRE_HDR)
+    return 0;
+  n = get_le32(b->buf + b->off);
+  return n > b->max_frame || have - GPUPOOL_WIRE_HDR >= n;
 }
 
 int gpupool__wire_inbuf_next(gpupool__wire_inbuf *b, const uint8_t **payload, uint32_t *len) {

@@ -108,9 +108,9 @@ int gpupool__wire_rx_read(gpupool__wire_rx *rx, int sock);
 gpupool__req *gpupool__wire_unpack_request(const gpupool__wire_rx *rx);
 gpupool__rep *gpupool__wire_unpack_reply(const gpupool__wire_rx *rx);
 
-/* Buffered receiver for the daemon: one recvmsg takes whatever frames are waiting (a client
- * pipelining requests costs one system call, not two per frame), and complete frames are
- * then handed out in order.
+/* Buffered receiver for the daemon: one recvmsg takes whatever frames are waiting, up to the
+ * caller's byte budget (a client pipelining requests costs one system call, not two per
+ * frame), and complete frames are then handed out in order.
  *
  * fds: a Unix stream recvmsg stops after the segment that carried fds, and a well-behaved
  * sender attaches them to the first byte of their frame (one sendmsg per frame), so the fds
@@ -137,11 +137,16 @@ typedef struct {
 
 void gpupool__wire_inbuf_init(gpupool__wire_inbuf *b, uint32_t max_frame);
 void gpupool__wire_inbuf_free(gpupool__wire_inbuf *b);
-/* One recvmsg of what is available. > 0 bytes read; 0 when the socket would block;
+/* One recvmsg of what is available, at most max bytes (at least 1): the daemon reads a
+ * connection a budget at a time, so a big frame is taken in over several turns of its sender
+ * instead of in one gulp ahead of everyone else. > 0 bytes read; 0 when the socket would block;
  * GPUPOOL_ECLOSED on EOF at a frame boundary; GPUPOOL_EPROTO on EOF inside a frame or
  * truncated control data (with a message); GPUPOOL_EIO / GPUPOOL_ENOMEM. *fds_closed counts
  * the fds that came with the bytes and that no frame could own (closed). */
-int gpupool__wire_inbuf_fill(gpupool__wire_inbuf *b, int sock, int *fds_closed);
+int gpupool__wire_inbuf_fill(gpupool__wire_inbuf *b, int sock, size_t max, int *fds_closed);
+/* 1 when inbuf_next has something to say without reading: a complete frame, or a header over
+ * max_frame (its refusal). */
+int gpupool__wire_inbuf_complete(const gpupool__wire_inbuf *b);
 /* Next complete frame: 1 with payload and len pointing into the buffer (valid until the next
  * fill); 0 when none is complete yet; GPUPOOL_EPROTO when the next frame exceeds max_frame
  * (checked on its header, before any payload is read). */

@@ -174,9 +174,10 @@ void gpupool__conn_close(gpupool__conn *c, const char *why) {
 static void conn_io(uv_poll_t *p, int status, int events);
 
 /* Reads stop once a connection is to be dropped: nothing it sends after a protocol violation
- * is looked at, so it cannot make the daemon buffer more. */
+ * is looked at, so it cannot make the daemon buffer more. UV_DISCONNECT lets conn_io see a
+ * hang-up without waiting for the connection's turn (see there). */
 void gpupool__conn_update_poll(gpupool__conn *c) {
-  int want = (c->drop_after_flush || c->fops_paused || c->ready_paused ? 0 : UV_READABLE) |
+  int want = (c->drop_after_flush || c->fops_paused || c->ready_paused ? 0 : UV_READABLE | UV_DISCONNECT) |
              (c->txq.head ? UV_WRITABLE : 0);
   if (c->closing || want == c->poll_events)
     return;
@@ -233,16 +234,22 @@ void gpupool__conn_heap(gpupool__conn *c) {
 
 /* ---- the fair loop ---------------------------------------------------------------------------
  *
- * A readable connection is read once (one recvmsg, at most one input buffer of frames) in the
- * poll phase, and then put on its uid's ready list instead of having every frame it brought
- * handled there and then: it is not read again until what it has buffered is handled.
- * turn(), a check handle that runs right after each poll, handles the buffered frames, one
- * frame per pick, and goes back to polling as soon as anything else waits in the loop (looked
- * at every CHECK_NS, with a poll(2) of the loop's own epoll fd) or after TURN_NS at most, so a
- * request that arrives meanwhile waits for about one frame, not for what others pipelined. An
- * idle handle keeps that poll from blocking while frames are left. A connection still ready
- * at the end of a pass has its readable events unsubscribed until it is not (the bytes left in
- * its socket would otherwise read as new work at every look).
+ * Reading is part of the fair pass, not of the poll: a readable connection is only put on its
+ * uid's ready list there, and read when its turn comes. Otherwise every readable socket would
+ * be read (a recvmsg of up to a socket buffer each: hundreds of KiB of a big frame, or one read
+ * for each of hundreds of connections) before the first frame of a light uid is handled.
+ * turn(), a check handle that runs right after each poll, picks a connection at a time: it
+ * handles one complete buffered frame if there is one, else reads once, at most READ_BUDGET
+ * bytes, and handles the frame that read completed, if any. The time of both is charged to
+ * the uid. A connection stays ready while it has a complete frame buffered or its last read
+ * filled the budget (more may wait in its socket); else it leaves the list and waits for its
+ * next readable event (polling is level-triggered: bytes still in its socket bring it back).
+ * turn() goes back to polling as soon as anything else waits in the loop (looked at every
+ * CHECK_NS, with a poll(2) of the loop's own epoll fd) or after TURN_NS at most, so a request
+ * that arrives meanwhile waits for about one pick, not for what others pipelined. An idle
+ * handle keeps that poll from blocking while connections are ready. A connection still ready
+ * at the end of a pass has its readable events unsubscribed until it is not (its socket would
+ * otherwise read as new work at every look, and the loop spin).
  *
  * Which frame next: the one of the ready uid whose requests took the least loop time lately
  * (a sum decayed with a half-life of LOAD_HALF_LIFE_NS), and within that uid its connections
@@ -259,6 +266,7 @@ void gpupool__conn_heap(gpupool__conn *c) {
 
 #define TURN_NS 1000000ull
 #define CHECK_NS 10000ull
+#define READ_BUDGET (64u << 10) /* bytes read from one connection per pick */
 #define LOAD_HALF_LIFE_NS 4000000ull
 
 /* 2^(-k/16) in 1/65536ths, k = 0..16: decaying by a fraction of a half-life without libm. */
@@ -280,12 +288,6 @@ static void share_decay(share *sh, uint64_t now) {
   k = r / LOAD_HALF_LIFE_NS;
   f = half_frac[k] - (half_frac[k] - half_frac[k + 1]) * (r % LOAD_HALF_LIFE_NS) / LOAD_HALF_LIFE_NS;
   sh->load_ns = sh->load_ns * f >> 16;
-}
-
-/* Charge dt ns of loop time, spent now, to sh. */
-static void share_charge(share *sh, uint64_t now, uint64_t dt) {
-  share_decay(sh, now);
-  sh->load_ns += dt;
 }
 
 share *gpupool__share_get(gpupool__server *s, uint64_t key) {
@@ -314,10 +316,10 @@ static void share_put(gpupool__server *s, share *sh) {
 static void turn(uv_check_t *h);
 static void turn_idle(uv_idle_t *h) { (void)h; }
 
-/* c has bytes read that may hold frames: queue it behind its uid's other ready connections.
- * It is not read again until they are handled (its input buffer never holds more); its
- * readable events are let by meanwhile, and unsubscribed only if it is still ready after a
- * pass (two system calls: not for every request of a client that waits for its replies). */
+/* c is readable, or has frames buffered: queue it behind its uid's other ready connections.
+ * While it is queued its readable events are let by, and unsubscribed only if it is still
+ * ready after a pass (two system calls: not for every request of a client that waits for its
+ * replies). */
 static void conn_ready(gpupool__conn *c) {
   gpupool__server *s = c->srv;
   share *sh = c->sh;
@@ -432,6 +434,60 @@ static int conn_serve(gpupool__conn *c) {
   return 1;
 }
 
+/* One read of c's socket, at most READ_BUDGET bytes: how many were read; 0 when none were
+ * (its socket is empty, or its tenant's file calls pile up); < 0 when c is closed or to be. */
+static int conn_read(gpupool__conn *c) {
+  gpupool__server *s = c->srv;
+  int fds = 0, rc;
+  if (s->fops && gpupool__fileops_backlog(s->fops, c->cl.tenant) >= GPUPOOL_FILEOPS_BACKLOG_PAUSE) {
+    /* Its tenant's file calls pile up (a file system that does not answer): each fd it sends
+     * would be held until its close can run, so nothing more is read from it until they
+     * drain (fops_drained). */
+    if (!c->fops_paused) {
+      c->fops_paused = 1;
+      s->npaused++;
+    }
+    gpupool__conn_update_poll(c);
+    return 0;
+  }
+  s->last_activity_ns = gpupool__now_ns();
+  rc = gpupool__wire_inbuf_fill(&c->in, c->fd, READ_BUDGET, &fds);
+  if (rc > 0)
+    s->bytes_read += (uint64_t)rc;
+  gpupool__conn_heap(c);
+  if (c->closing)
+    return -1;
+  if (fds > 0) {
+    GPUPOOL__PEER_WARN(&c->cl.log_rl, c->cl.id, "client %" PRIu64 " (pid %d) sent %d unexpected fd(s); closed them",
+                       c->cl.id, (int)c->cl.pid, fds);
+    c->fds_pending = 1;
+  }
+  if (rc < 0) {
+    conn_input_error(c, rc);
+    return -1;
+  }
+  return rc;
+}
+
+/* One pick of c: its next buffered frame, or else one read and the frame it completed.
+ * 1 when c stays ready (a complete frame is still buffered, or the read filled its budget and
+ * more may wait in the socket); 0 when it is to wait for its next readable event. */
+static int conn_pick(gpupool__conn *c) {
+  int n = 0;
+  if (c->closing || c->drop_after_flush)
+    return 0;
+  if (!gpupool__wire_inbuf_complete(&c->in)) {
+    if ((n = conn_read(c)) <= 0)
+      return 0;
+    if (!gpupool__wire_inbuf_complete(&c->in))
+      return n == READ_BUDGET;
+  }
+  conn_serve(c);
+  if (c->closing || c->drop_after_flush)
+    return 0;
+  return gpupool__wire_inbuf_complete(&c->in) || n == READ_BUDGET;
+}
+
 /* 1 when the loop has something waiting: a request, a connection, a socket to write to. */
 static int loop_has_events(gpupool__server *s) {
   struct pollfd p = {uv_backend_fd(s->loop), POLLIN, 0};
@@ -447,13 +503,13 @@ static void turn(uv_check_t *h) {
     share *sh = s->ready;
     gpupool__conn *c;
     uint64_t t1;
-    int served;
+    int more;
     for (share *o = sh->rnext; o; o = o->rnext)
       if (o->load_ns < sh->load_ns)
         sh = o;
     c = sh->rhead;
     s->serving = sh; /* a disconnect inside may drop the last connection of sh */
-    served = conn_serve(c);
+    more = conn_pick(c);
     s->serving = NULL;
     t1 = gpupool__now_ns();
     sh->load_ns += t1 - t;
@@ -461,9 +517,9 @@ static void turn(uv_check_t *h) {
     if (!sh->conns) {
       share_put(s, sh); /* c closed, and with it the last connection of its uid */
     } else if (c->ready) {
-      /* Nothing complete buffered (or no more wanted): it is read again. Else it goes
-       * behind its uid's other ready connections. */
-      if (served && !c->drop_after_flush)
+      /* Still work: behind its uid's other ready connections. Else it waits for its socket
+       * to be readable again. */
+      if (more)
         conn_requeue(c);
       else
         conn_unready(c);
@@ -491,8 +547,6 @@ static void turn(uv_check_t *h) {
 
 static void conn_io(uv_poll_t *p, int status, int events) {
   gpupool__conn *c = p->data;
-  uint64_t t0;
-  int fds = 0, rc;
   if (status < 0) {
     gpupool__conn_close(c, uv_strerror(status));
     return;
@@ -502,31 +556,18 @@ static void conn_io(uv_poll_t *p, int status, int events) {
     if (c->closing)
       return;
   }
-  /* A ready connection is read again only once its buffer has no complete frame left. */
-  if (!(events & UV_READABLE) || c->drop_after_flush || c->ready)
+  if (!(events & (UV_READABLE | UV_DISCONNECT)) || c->drop_after_flush || c->fops_paused || c->ready)
     return;
-  if (c->srv->fops && gpupool__fileops_backlog(c->srv->fops, c->cl.tenant) >= GPUPOOL_FILEOPS_BACKLOG_PAUSE) {
-    /* Its tenant's file calls pile up (a file system that does not answer): each fd it sends
-     * would be held until its close can run, so nothing more is read from it until they
-     * drain (fops_drained). */
-    c->fops_paused = 1;
-    c->srv->npaused++;
-    gpupool__conn_update_poll(c);
-    return;
+  /* A peer that hung up with nothing left unread is closed at once, as reading would have
+   * done: its slot (max_clients, max_clients_per_uid) is free before a reconnect that comes
+   * in the same poll is accepted. One peek, on hang-ups only. */
+  if (events & UV_DISCONNECT) {
+    char b;
+    if (recv(c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) == 0) {
+      conn_read(c);
+      return;
+    }
   }
-  t0 = c->srv->last_activity_ns = gpupool__now_ns();
-  rc = gpupool__wire_inbuf_fill(&c->in, c->fd, &fds);
-  share_charge(c->sh, gpupool__now_ns(), gpupool__now_ns() - t0);
-  gpupool__conn_heap(c);
-  if (c->closing)
-    return;
-  if (fds > 0) {
-    GPUPOOL__PEER_WARN(&c->cl.log_rl, c->cl.id, "client %" PRIu64 " (pid %d) sent %d unexpected fd(s); closed them",
-                       c->cl.id, (int)c->cl.pid, fds);
-    c->fds_pending = 1;
-  }
-  if (rc > 0)
-    conn_ready(c); /* turn() handles what came, right after this poll */
-  else if (rc < 0)
-    conn_input_error(c, rc);
+  /* Not read here: turn() reads it when its uid's turn comes (see "the fair loop"). */
+  conn_ready(c);
 }

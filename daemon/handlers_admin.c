@@ -79,6 +79,7 @@ int gpupool__server_stats(void *server, Gpupool__Wire__StatsReply *st) {
   st->waiting_leases = reg->nwaiting;
   st->waiting_gets_tried = s->gets_tried;
   st->waiting_gets_answered = s->gets_answered;
+  st->bytes_read = s->bytes_read;
   return 0;
 }
 

@@ -165,6 +165,7 @@ struct gpupool__server {
   gpupool__smap get_q;               /* name -> wqueue */
   size_t heap;                       /* sum of the connections' heap */
   uint64_t requests, errors;
+  uint64_t bytes_read;       /* from clients' sockets, all connections (Stats bytes_read) */
   uint64_t started_ns;
   int stopping;
   int in_retry;

@@ -6,8 +6,14 @@
  * - budget: a client that pipelines thousands of requests in one write does not have them all
  *   handled before another client's request that arrived right after them;
  * - uid shares: while uid 65534 floods on eight connections, root's request is the next one
- *   handled once it is read, not one behind each of the flood's connections.
+ *   handled once it is read, not one behind each of the flood's connections;
+ * - reads in the fair pass: while uid 65534 has big frames waiting in a few sockets and small
+ *   requests in many, root's request is read and handled before more than one read budget of
+ *   the flood is read (the daemon's count of bytes read, in root's Stats reply);
+ * - an idle daemon sleeps: with clients connected, one of them half-way through a frame, it
+ *   uses (almost) no CPU.
  */
+#include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
 #include <sys/ioctl.h>
@@ -528,11 +534,244 @@ static void test_uid_share(void **state) {
   close(trace);
 }
 
+/* ---- reads in the fair pass ---------------------------------------------------------------- */
+
+#define READ_BUDGET (64u << 10) /* the most the daemon reads from one connection per pick */
+#define BIG_CONNS 4
+#define SMALL_CONNS 32
+#define SMALL_NAME 4000 /* bytes of each small connection's request: 32 of them are two budgets */
+
+/* A 1 MiB frame (the default max_frame) of a Get whose name is all of it: what the daemon
+ * must take in whole before it can refuse it. */
+static uint8_t *big_frame(size_t *len) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Get g = GPUPOOL__WIRE__GET__INIT;
+  size_t n = GPUPOOL_WIRE_DEFAULT_MAX_FRAME - 64;
+  char *name = malloc(n + 1);
+  uint8_t *f;
+  if (!name)
+    return NULL;
+  memset(name, 'x', n);
+  name[n] = '\0';
+  g.name = name;
+  req.seq = 7;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_GET;
+  req.get = &g;
+  if (gpupool__wire_pack_request(&req, &f, len) != 0)
+    f = NULL;
+  free(name);
+  return f;
+}
+
+/* Child, as uid 65534: a holder session, BIG_CONNS and SMALL_CONNS sessions. On the first
+ * byte of go_fd the holder pipelines SHARE_FLOOD gets (the daemon handles them until its trace
+ * pipe is full); on the second, each big session writes a 1 MiB frame until its socket is
+ * full and each small one a Get of a 4,000-byte name; a byte to done_fd after each step; on the third byte of
+ * go_fd it hangs up. */
+static int read_child(const th_daemon *d, int fds) {
+  int go_fd = fds & 0xffff, done_fd = fds >> 16, holder, big[BIG_CONNS], small[SMALL_CONNS];
+  uint8_t *buf = NULL, *frame;
+  size_t len = 0, flen;
+  char b = 1, name[SMALL_NAME + 1];
+  (void)d;
+  if (th_become(NOBODY) != 0)
+    return 2;
+  CHILD_CHECK((frame = big_frame(&flen)) != NULL, "pack the big frame");
+  CHILD_CHECK((holder = session("holder")) >= 0, "holder session");
+  for (int i = 0; i < BIG_CONNS; i++)
+    CHILD_CHECK((big[i] = session("big")) >= 0, "big session %d", i);
+  for (int i = 0; i < SMALL_CONNS; i++)
+    CHILD_CHECK((small[i] = session("small")) >= 0, "small session %d", i);
+  for (uint64_t k = 0; k < SHARE_FLOOD; k++)
+    CHILD_CHECK(append_get(&buf, &len, 10 + k, "absent", 0, 0) == 0, "pack");
+  CHILD_CHECK(write(done_fd, &b, 1) == 1 && read(go_fd, &b, 1) == 1, "sync");
+  CHILD_CHECK(write_all(holder, buf, len) == 0, "write the holder's flood");
+  CHILD_CHECK(write(done_fd, &b, 1) == 1 && read(go_fd, &b, 1) == 1, "sync");
+  for (int i = 0; i < BIG_CONNS; i++) {
+    size_t off = 0;
+    CHILD_CHECK(fcntl(big[i], F_SETFL, O_NONBLOCK) == 0, "nonblocking");
+    for (;;) {
+      ssize_t n = send(big[i], frame + off, flen - off, MSG_NOSIGNAL);
+      if (n > 0 && (off += (size_t)n) < flen)
+        continue;
+      CHILD_CHECK(n > 0 || errno == EAGAIN || errno == EINTR, "write a big frame");
+      if (n < 0 && errno == EINTR)
+        continue;
+      break;
+    }
+  }
+  memset(name, 'n', SMALL_NAME);
+  name[SMALL_NAME] = '\0';
+  for (int i = 0; i < SMALL_CONNS; i++) {
+    uint8_t *g = NULL;
+    size_t glen = 0;
+    CHILD_CHECK(append_get(&g, &glen, 3, name, 0, 0) == 0 && write_all(small[i], g, glen) == 0, "small %d", i);
+    free(g);
+  }
+  CHILD_CHECK(write(done_fd, &b, 1) == 1 && read(go_fd, &b, 1) == 1, "sync");
+  free(buf);
+  free(frame);
+  return 0;
+}
+
+static uint64_t stats_bytes_read(int fd, uint64_t seq, uint64_t *requests) {
+  gpupool__rep *rep;
+  uint64_t n;
+  assert_int_equal(th_raw_send_stats(fd, seq, NULL, 0), 0);
+  rep = th_raw_recv(fd);
+  assert_non_null(rep);
+  assert_int_equal(rep->seq, seq);
+  assert_non_null(rep->stats);
+  n = rep->stats->bytes_read;
+  if (requests)
+    *requests = rep->stats->requests;
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  return n;
+}
+
+/* The daemon is held in the middle of the holder's flood (its trace pipe is full) while uid
+ * 65534 fills four sockets with a big frame each and sends a 4 KB request on 32 more, and root
+ * sends a Stats. Root's uid used no loop time lately: its request must be read and handled
+ * before the daemon reads more than one read budget of what uid 65534 has waiting (reading
+ * every readable socket first would take in a buffer's worth of each big frame, and all 32
+ * requests: together twice the budget). */
+static void test_read_share(void **state) {
+  int victim, trace, go[2], done[2], st;
+  char fifo[320], b = 1;
+  uint8_t *hbuf = NULL, *sbuf = NULL;
+  size_t hlen = 0, slen = 0;
+  uint64_t before, after, flood;
+  pid_t child;
+  drainer dr;
+  pthread_t th;
+  (void)state;
+  th_prepare(&D);
+  assert_int_equal(chmod(D.dir, 0711), 0);
+  th_write_conf(&D, "[daemon]\nsocket_mode = 0666\n[pool default]\nkind = host\ncapacity = 64M\nslab_size = 4M\n");
+  snprintf(fifo, sizeof fifo, "%s/trace", D.dir);
+  assert_int_equal(mkfifo(fifo, 0600), 0);
+  assert_true((trace = open(fifo, O_RDONLY | O_NONBLOCK | O_CLOEXEC)) >= 0);
+  assert_true(fcntl(trace, F_SETPIPE_SZ, 4096) > 0);
+  setenv("GPUPOOL_TRACE", fifo, 1);
+  th_start(&D, 1, NULL);
+  unsetenv("GPUPOOL_TRACE");
+  dr.fd = trace;
+  dr.stop = 0;
+  assert_int_equal(pthread_create(&th, NULL, drain, &dr), 0);
+  assert_true((victim = session("root")) >= 0);
+  assert_int_equal(pipe(go), 0);
+  assert_int_equal(pipe(done), 0);
+  child = th_spawn(&D, read_child, go[0] | done[1] << 16);
+  assert_int_equal(read(done[0], &b, 1), 1); /* its sessions are open */
+  before = stats_bytes_read(victim, 4, NULL);
+  dr.stop = 1;
+  assert_int_equal(pthread_join(th, NULL), 0);
+
+  /* What the holder and root send in between, counted out of the total below. */
+  for (uint64_t k = 0; k < SHARE_FLOOD; k++)
+    assert_int_equal(append_get(&hbuf, &hlen, 10 + k, "absent", 0, 0), 0);
+  assert_int_equal(append_stats(&sbuf, &slen, 5), 0);
+  assert_int_equal(write(go[1], &b, 1), 1);
+  assert_int_equal(read(done[0], &b, 1), 1); /* the holder's flood is in its socket */
+  for (int i = 0; i < 2000 && !blocked_in_pipe_write(D.pid); i++)
+    th_sleep_ms(10);
+  if (!blocked_in_pipe_write(D.pid))
+    fail_msg("the daemon did not stop on its full trace pipe within 20 s");
+  assert_int_equal(write(go[1], &b, 1), 1);
+  assert_int_equal(read(done[0], &b, 1), 1); /* the big frames and small requests wait */
+  assert_int_equal(write_all(victim, sbuf, slen), 0);
+  dr.stop = 0;
+  assert_int_equal(pthread_create(&th, NULL, drain, &dr), 0);
+  {
+    gpupool__rep *rep = th_raw_recv(victim);
+    assert_non_null(rep);
+    assert_int_equal(rep->seq, 5);
+    assert_non_null(rep->stats);
+    after = rep->stats->bytes_read;
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  assert_int_equal(write(go[1], &b, 1), 1);
+  assert_int_equal(waitpid(child, &st, 0), child);
+  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
+    fail_msg("the flooding child failed: status 0x%x", st);
+  assert_true(after >= before + slen);
+  flood = after - before - slen;
+  flood = flood > hlen ? flood - hlen : 0;
+  printf("bytes of uid 65534's waiting frames read before root's request was handled: %llu\n",
+         (unsigned long long)flood);
+  if (flood > READ_BUDGET)
+    fail_msg("the daemon read %llu bytes of another uid's waiting frames before handling root's request; at "
+             "most one read budget (%u bytes) was expected", (unsigned long long)flood, READ_BUDGET);
+  free(hbuf);
+  free(sbuf);
+  close(victim);
+  unlink(fifo);
+  th_stop(&D);
+  dr.stop = 1;
+  assert_int_equal(pthread_join(th, NULL), 0);
+  close(trace);
+}
+
+/* ---- an idle daemon sleeps ------------------------------------------------------------------ */
+
+/* utime + stime of pid, in clock ticks. */
+static uint64_t cpu_ticks(pid_t pid) {
+  char path[64], buf[1024], *p;
+  unsigned long long ut = 0, stt = 0;
+  FILE *f;
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  assert_non_null(f = fopen(path, "r"));
+  assert_non_null(fgets(buf, sizeof buf, f));
+  fclose(f);
+  assert_non_null(p = strrchr(buf, ')'));
+  /* after the name: state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime */
+  assert_int_equal(sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &stt), 2);
+  return ut + stt;
+}
+
+/* Clients connected and quiet, one of them half-way through a frame (its daemon-side
+ * connection has bytes buffered and waits for the rest): the daemon must sleep in its poll,
+ * not look at them again and again. Less than 5% of a CPU over a second. */
+static void test_idle_sleeps(void **state) {
+  int idle, partial;
+  uint8_t *buf = NULL;
+  size_t len = 0;
+  uint64_t t0, t1;
+  long hz = sysconf(_SC_CLK_TCK);
+  (void)state;
+  start_daemon();
+  assert_true((idle = session("idle")) >= 0);
+  assert_true((partial = session("partial")) >= 0);
+  assert_int_equal(append_stats(&buf, &len, 3), 0);
+  assert_int_equal(write_all(partial, buf, len - 1), 0);
+  th_sleep_ms(200);
+  t0 = cpu_ticks(D.pid);
+  th_sleep_ms(1000);
+  t1 = cpu_ticks(D.pid);
+  printf("daemon CPU over 1 s idle: %llu ticks of %ld\n", (unsigned long long)(t1 - t0), hz);
+  if ((t1 - t0) * 20 > (uint64_t)hz)
+    fail_msg("the idle daemon used %llu of %ld clock ticks in 1 s (5%% allowed): it does not sleep in its poll",
+             (unsigned long long)(t1 - t0), hz);
+  /* The rest of the frame completes it: still answered. */
+  assert_int_equal(write_all(partial, buf + len - 1, 1), 0);
+  {
+    gpupool__rep *rep = th_raw_recv(partial);
+    assert_non_null(rep);
+    assert_int_equal(rep->seq, 3);
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  free(buf);
+  close(idle);
+  close(partial);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_wake_amplification, teardown),
       cmocka_unit_test(test_turn_budget),
       cmocka_unit_test(test_uid_share),
+      cmocka_unit_test(test_read_share),
+      cmocka_unit_test_teardown(test_idle_sleeps, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -940,11 +940,11 @@ static void test_inbuf_many_frames_one_read(void **state) {
   for (int i = 0; i < 50; i++)
     send_hello(sv[0], 100 + (uint64_t)i, "pipelined", NULL, 0);
   /* One fill takes them all (they are all in the socket already). */
-  assert_true(gpupool__wire_inbuf_fill(&b, sv[1], &fds) > 0);
+  assert_true(gpupool__wire_inbuf_fill(&b, sv[1], SIZE_MAX, &fds) > 0);
   assert_int_equal(fds, 0);
   got = inbuf_drain(&b, 100);
   assert_int_equal(got, 50);
-  assert_int_equal(gpupool__wire_inbuf_fill(&b, sv[1], &fds), 0); /* would block */
+  assert_int_equal(gpupool__wire_inbuf_fill(&b, sv[1], SIZE_MAX, &fds), 0); /* would block */
   gpupool__wire_inbuf_free(&b);
   close(sv[0]);
   close(sv[1]);
@@ -967,7 +967,7 @@ static void test_inbuf_capped_at_one_frame(void **state) {
   for (int i = 0; i < 100; i++)
     send_hello(sv[0], 100 + (uint64_t)i, name, NULL, 0);
   while (got < 100) {
-    int rc = gpupool__wire_inbuf_fill(&b, sv[1], &fds);
+    int rc = gpupool__wire_inbuf_fill(&b, sv[1], SIZE_MAX, &fds);
     assert_true(rc > 0);
     assert_true(b.cap <= 4096 + GPUPOOL_WIRE_HDR);
     got += inbuf_drain(&b, 100 + (uint64_t)got);
@@ -997,12 +997,45 @@ static void test_inbuf_split_and_large(void **state) {
     uint32_t plen;
     write_all(sv[0], buf + off, chunk);
     off += chunk;
-    while (gpupool__wire_inbuf_fill(&b, sv[1], &fds) > 0)
+    while (gpupool__wire_inbuf_fill(&b, sv[1], SIZE_MAX, &fds) > 0)
       ;
     if (off < len)
       assert_int_equal(gpupool__wire_inbuf_next(&b, &p, &plen), 0);
   }
   assert_int_equal(inbuf_drain(&b, 7), 1);
+  free(buf);
+  gpupool__wire_inbuf_free(&b);
+  close(sv[0]);
+  close(sv[1]);
+}
+
+/* A fill reads at most its budget, whatever the socket and the frame hold; the frame comes
+ * together over several fills, and inbuf_complete says so only once it has. */
+static void test_inbuf_fill_budget(void **state) {
+  int sv[2], fds = -1, rc, fills = 0;
+  gpupool__wire_inbuf b;
+  uint8_t *buf;
+  size_t len, got = 0;
+  char big[100000];
+  (void)state;
+  pair(sv);
+  set_nonblock(sv[1]);
+  gpupool__wire_inbuf_init(&b, 1u << 20);
+  memset(big, 'x', sizeof big - 1);
+  big[sizeof big - 1] = '\0';
+  pack_hello(9, big, &buf, &len);
+  write_all(sv[0], buf, len);
+  while (!gpupool__wire_inbuf_complete(&b)) {
+    rc = gpupool__wire_inbuf_fill(&b, sv[1], 4096, &fds);
+    assert_true(rc > 0 && rc <= 4096);
+    got += (size_t)rc;
+    fills++;
+  }
+  assert_int_equal(got, len);
+  assert_true(fills >= (int)(len / 4096));
+  assert_int_equal(inbuf_drain(&b, 9), 1);
+  assert_false(gpupool__wire_inbuf_complete(&b));
+  assert_int_equal(gpupool__wire_inbuf_fill(&b, sv[1], 4096, &fds), 0); /* would block */
   free(buf);
   gpupool__wire_inbuf_free(&b);
   close(sv[0]);
@@ -1024,7 +1057,7 @@ static void test_inbuf_fds_follow_their_frame(void **state) {
   send_hello(sv[0], 2, "with-fd", two, 2);
   send_hello(sv[0], 3, "after", NULL, 0);
   close(m);
-  while (gpupool__wire_inbuf_fill(&b, sv[1], &fds) > 0)
+  while (gpupool__wire_inbuf_fill(&b, sv[1], SIZE_MAX, &fds) > 0)
     assert_int_equal(fds, 0);
   assert_int_equal(gpupool__wire_inbuf_next(&b, &p, &plen), 1);
   assert_int_equal(gpupool__wire_inbuf_frame_nfds(&b), 0);
@@ -1054,14 +1087,14 @@ static void test_inbuf_fds_closed_oversize_eof(void **state) {
   gpupool__wire_inbuf_init(&b, 4096);
   send_hello(sv[0], 1, "with-fds", three, 3);
   close(m);
-  assert_true(gpupool__wire_inbuf_fill(&b, sv[1], &fds) > 0);
+  assert_true(gpupool__wire_inbuf_fill(&b, sv[1], SIZE_MAX, &fds) > 0);
   assert_int_equal(fds, 0); /* kept with their frame, closed once it is handled */
   assert_int_equal(inbuf_drain(&b, 1), 1);
   assert_int_equal(gpupool__wire_inbuf_frame_nfds(&b), 3);
   /* Oversized: refused on the header. */
   le32(hdr, 5000);
   write_all(sv[0], hdr, sizeof hdr);
-  assert_true(gpupool__wire_inbuf_fill(&b, sv[1], &fds) > 0);
+  assert_true(gpupool__wire_inbuf_fill(&b, sv[1], SIZE_MAX, &fds) > 0);
   assert_int_equal(gpupool__wire_inbuf_next(&b, &p, &plen), GPUPOOL_EPROTO);
   assert_non_null(strstr(gpupool__errmsg(), "exceeds the limit of 4096"));
   gpupool__wire_inbuf_free(&b);
@@ -1070,15 +1103,15 @@ static void test_inbuf_fds_closed_oversize_eof(void **state) {
   le32(hdr, 10);
   write_all(sv[0], hdr, sizeof hdr);
   close(sv[0]);
-  while (gpupool__wire_inbuf_fill(&b, sv[1], &fds) > 0)
+  while (gpupool__wire_inbuf_fill(&b, sv[1], SIZE_MAX, &fds) > 0)
     ;
-  assert_int_equal(gpupool__wire_inbuf_fill(&b, sv[1], &fds), GPUPOOL_EPROTO);
+  assert_int_equal(gpupool__wire_inbuf_fill(&b, sv[1], SIZE_MAX, &fds), GPUPOOL_EPROTO);
   gpupool__wire_inbuf_free(&b);
   close(sv[1]);
   pair(sv);
   gpupool__wire_inbuf_init(&b, 4096);
   close(sv[0]);
-  assert_int_equal(gpupool__wire_inbuf_fill(&b, sv[1], &fds), GPUPOOL_ECLOSED);
+  assert_int_equal(gpupool__wire_inbuf_fill(&b, sv[1], SIZE_MAX, &fds), GPUPOOL_ECLOSED);
   gpupool__wire_inbuf_free(&b);
   close(sv[1]);
   assert_int_equal(count_fds(), before);
@@ -1212,6 +1245,7 @@ int main(void) {
       cmocka_unit_test(test_passcred_ignored),
       cmocka_unit_test(test_inbuf_many_frames_one_read),
       cmocka_unit_test(test_inbuf_split_and_large),
+      cmocka_unit_test(test_inbuf_fill_budget),
       cmocka_unit_test(test_inbuf_capped_at_one_frame),
       cmocka_unit_test(test_inbuf_fds_closed_oversize_eof),
       cmocka_unit_test(test_inbuf_fds_follow_their_frame),
