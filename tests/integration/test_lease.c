@@ -788,46 +788,41 @@ static int unshare_works(void) {
   return pid > 0 && waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0;
 }
 
+/* One row per case the ctest entries name (argv[1]): its cmocka test (setup included) and the
+ * file limit it runs under (0: the default). */
+#define LEASE_CASE(which, fn, setup, nofile) {which, cmocka_unit_test_setup_teardown(fn, setup, teardown), nofile}
+static const struct lease_case {
+  const char *which;
+  struct CMUnitTest test;
+  long nofile;
+} cases[] = {
+    LEASE_CASE("pidns", case_pidns, setup_started, 0),
+    LEASE_CASE("nofile", case_nofile, setup_started, 40),
+    LEASE_CASE("fork", case_fork, setup_started, 0),
+    LEASE_CASE("flood", case_flood, setup_flood, 0),
+    LEASE_CASE("sigterm", case_sigterm, setup_started, 0),
+    LEASE_CASE("restarts", case_restarts, setup_started, 0),
+    LEASE_CASE("getrestart", case_getrestart, setup_started, 0),
+    LEASE_CASE("emfile", case_emfile, setup_emfile, 32),
+};
+
 int main(int argc, char **argv) {
   const char *which = argc > 1 ? argv[1] : "";
   signal(SIGPIPE, SIG_IGN);
-  if (!strcmp(which, "pidns")) {
-    const struct CMUnitTest t[] = {cmocka_unit_test_setup_teardown(case_pidns, setup_started, teardown)};
-    if (!unshare_works()) {
-      fprintf(stderr, "skipped: this kernel or sandbox refuses unshare --pid --fork\n");
-      return 77;
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    const struct lease_case *k = &cases[i];
+    const struct CMUnitTest t[] = {k->test};
+    if (strcmp(which, k->which))
+      continue;
+    if (!strcmp(which, "pidns")) {
+      if (!unshare_works()) {
+        fprintf(stderr, "skipped: this kernel or sandbox refuses unshare --pid --fork\n");
+        return 77;
+      }
+      in_pidns = 1;
     }
-    in_pidns = 1;
-    return cmocka_run_group_tests(t, NULL, NULL);
-  }
-  if (!strcmp(which, "nofile")) {
-    const struct CMUnitTest t[] = {cmocka_unit_test_setup_teardown(case_nofile, setup_started, teardown)};
-    nofile_cap = 40;
-    return cmocka_run_group_tests(t, NULL, NULL);
-  }
-  if (!strcmp(which, "fork")) {
-    const struct CMUnitTest t[] = {cmocka_unit_test_setup_teardown(case_fork, setup_started, teardown)};
-    return cmocka_run_group_tests(t, NULL, NULL);
-  }
-  if (!strcmp(which, "flood")) {
-    const struct CMUnitTest t[] = {cmocka_unit_test_setup_teardown(case_flood, setup_flood, teardown)};
-    return cmocka_run_group_tests(t, NULL, NULL);
-  }
-  if (!strcmp(which, "sigterm")) {
-    const struct CMUnitTest t[] = {cmocka_unit_test_setup_teardown(case_sigterm, setup_started, teardown)};
-    return cmocka_run_group_tests(t, NULL, NULL);
-  }
-  if (!strcmp(which, "restarts")) {
-    const struct CMUnitTest t[] = {cmocka_unit_test_setup_teardown(case_restarts, setup_started, teardown)};
-    return cmocka_run_group_tests(t, NULL, NULL);
-  }
-  if (!strcmp(which, "getrestart")) {
-    const struct CMUnitTest t[] = {cmocka_unit_test_setup_teardown(case_getrestart, setup_started, teardown)};
-    return cmocka_run_group_tests(t, NULL, NULL);
-  }
-  if (!strcmp(which, "emfile")) {
-    const struct CMUnitTest t[] = {cmocka_unit_test_setup_teardown(case_emfile, setup_emfile, teardown)};
-    nofile_cap = 32;
+    if (k->nofile)
+      nofile_cap = k->nofile;
     return cmocka_run_group_tests(t, NULL, NULL);
   }
   fprintf(stderr, "usage: test_lease pidns|nofile|fork|flood|sigterm|restarts|getrestart|emfile\n");
