@@ -284,29 +284,16 @@ static void test_descriptions(void **state) {
   close(sock);
 }
 
-static void test_fcntl_sigkill(void **state) {
-  (void)state;
+/* One test for each attack: the attack is the test's state (FCNTL_TEST). */
+static void test_fcntl(void **state) {
   if (!need_root())
     return;
   start_conf("file_leases = yes");
-  fcntl_case(ATTACK_SIGKILL);
+  fcntl_case(*(const int *)*state);
 }
 
-static void test_fcntl_sigstop(void **state) {
-  (void)state;
-  if (!need_root())
-    return;
-  start_conf("file_leases = yes");
-  fcntl_case(ATTACK_SIGSTOP);
-}
-
-static void test_fcntl_setown(void **state) {
-  (void)state;
-  if (!need_root())
-    return;
-  start_conf("file_leases = yes");
-  fcntl_case(ATTACK_SETOWN);
-}
+static const int attack_sigkill = ATTACK_SIGKILL, attack_sigstop = ATTACK_SIGSTOP, attack_setown = ATTACK_SETOWN;
+#define FCNTL_TEST(attack) {"test_fcntl_" #attack, test_fcntl, NULL, teardown, (void *)&attack_##attack}
 
 /* ---- file slots ----------------------------------------------------------------------------- */
 
@@ -857,9 +844,9 @@ static void test_bindmount(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_descriptions, teardown),
-      cmocka_unit_test_teardown(test_fcntl_sigkill, teardown),
-      cmocka_unit_test_teardown(test_fcntl_sigstop, teardown),
-      cmocka_unit_test_teardown(test_fcntl_setown, teardown),
+      FCNTL_TEST(sigkill),
+      FCNTL_TEST(sigstop),
+      FCNTL_TEST(setown),
       cmocka_unit_test_teardown(test_file_slots, teardown),
       cmocka_unit_test_teardown(test_admin_only, teardown),
       cmocka_unit_test_teardown(test_fuse_stall, teardown_fuse),
