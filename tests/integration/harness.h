@@ -29,6 +29,7 @@
 #include <gpupool/gpupool.h>
 
 #include "daemon.h"
+#include "run_tests.h" /* TS_RUN_TESTS, a test file's main */
 
 /* The daemon of a test: tests/support/daemon.h's, so the same fields (dir, sock, log, conf,
  * pid) and the same launcher as the GPU harness, the service tests and the benchmarks. */

@@ -238,11 +238,7 @@ static void test_config_not_a_file(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_full_file),      cmocka_unit_test(test_errors_name_line),
-      cmocka_unit_test(test_pool_checks),    cmocka_unit_test(test_sizes),
-      cmocka_unit_test(test_daemon_refuses_bad_config), cmocka_unit_test(test_duplicate_sections),
-      cmocka_unit_test(test_config_not_a_file), cmocka_unit_test(test_did_you_mean),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(NULL, NULL, test_full_file, test_errors_name_line, test_pool_checks, test_sizes,
+                      test_daemon_refuses_bad_config, test_duplicate_sections, test_config_not_a_file,
+                      test_did_you_mean);
 }

@@ -38,6 +38,7 @@
 #include "errors.h"
 #include "raw.h"
 #include "registry.h"
+#include "run_tests.h"
 #include "server.h"
 
 /* ---- the backend: host memory, events that complete when the test says so ---------------- */
@@ -429,13 +430,7 @@ static void test_flood_behind_held_reply(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test_setup_teardown(test_held_back_in_order, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_plain_client_not_held, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_close_while_held, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_many_connections, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_flood_behind_held_reply, setup, teardown),
-  };
   signal(SIGPIPE, SIG_IGN);
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(setup, teardown, test_held_back_in_order, test_plain_client_not_held, test_close_while_held,
+                      test_many_connections, test_flood_behind_held_reply);
 }

@@ -391,16 +391,7 @@ static void test_fds_bounded(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test_teardown(test_round_trip, teardown),
-      cmocka_unit_test_teardown(test_non_utf8_path, teardown),
-      cmocka_unit_test_teardown(test_bad_input, teardown),
-      cmocka_unit_test_teardown(test_shrink_checked_at_get, teardown),
-      cmocka_unit_test_teardown(test_shrink_with_lease, teardown),
-      cmocka_unit_test_teardown(test_permissions, teardown),
-      cmocka_unit_test_teardown(test_config_restrictions, teardown),
-      cmocka_unit_test_teardown(test_limits, teardown),
-      cmocka_unit_test_teardown(test_fds_bounded, teardown),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(NULL, teardown, test_round_trip, test_non_utf8_path, test_bad_input, test_shrink_checked_at_get,
+                      test_shrink_with_lease, test_permissions, test_config_restrictions, test_limits,
+                      test_fds_bounded);
 }

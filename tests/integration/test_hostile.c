@@ -368,17 +368,8 @@ static void test_publish_shares_refused(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test_setup_teardown(test_garbage_frame, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_oversized_frame, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_wrong_version, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_request_before_hello, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_unknown_request_type, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_unexpected_fds, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_bad_ids_and_requests, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_eof_mid_frame_and_silence, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_double_release_via_library, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_publish_shares_refused, setup, teardown),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(setup, teardown, test_garbage_frame, test_oversized_frame, test_wrong_version,
+                      test_request_before_hello, test_unknown_request_type, test_unexpected_fds,
+                      test_bad_ids_and_requests, test_eof_mid_frame_and_silence, test_double_release_via_library,
+                      test_publish_shares_refused);
 }

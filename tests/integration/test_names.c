@@ -76,9 +76,5 @@ static void test_client_name(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test_setup_teardown(test_local_refusals, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_client_name, setup, teardown),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(setup, teardown, test_local_refusals, test_client_name);
 }
