@@ -392,11 +392,7 @@ class Client:
             if s is not None or hold.kind == _lib.MEM_HOST:
                 return self._publish(hold, nb, m, s)
             return self._publish(hold, nb, m, hold.streams[-1])
-        if s is None and hasattr(tensor, "__dlpack_device__"):
-            dev = tensor.__dlpack_device__()
-            if int(dev[0]) == _dlpack.kDLCUDA:
-                s = _current_stream(tensor, int(dev[1]))
-        desc = _dlpack.describe(tensor, s)
+        desc, s = _describe(tensor, s)
         hold = self._find_hold(desc)
         if hold is not None:
             m = _meta(desc.dtype, desc.shape, desc.strides, desc.data - hold.ptr)
@@ -501,11 +497,7 @@ class Client:
                 if s is None and desc is not None and desc.device[0] == _dlpack.kDLCUDA:
                     s = _current_stream(v, desc.device[1])
                 if desc is None:
-                    if s is None and hasattr(v, "__dlpack_device__"):
-                        dev = v.__dlpack_device__()
-                        if int(dev[0]) == _dlpack.kDLCUDA:
-                            s = _current_stream(v, int(dev[1]))
-                    desc = _dlpack.describe(v, s)
+                    desc, s = _describe(v, s)
                 h = index.find(desc)
             rows.append([bk, h, desc, v])
         if s is None:
@@ -770,6 +762,16 @@ def _torch_desc(t):
         return _dlpack.Desc(t.data_ptr(), device, dt, tuple(t.shape), tuple(t.stride()))
     except (ValueError, AttributeError, RuntimeError):
         return None
+
+
+def _describe(obj, s):
+    """obj's DLPack description and the stream its data is ready in: s, or when s is None
+    the framework's current stream on obj's CUDA device (None for host memory)."""
+    if s is None and hasattr(obj, "__dlpack_device__"):
+        dev = obj.__dlpack_device__()
+        if int(dev[0]) == _dlpack.kDLCUDA:
+            s = _current_stream(obj, int(dev[1]))
+    return _dlpack.describe(obj, s), s
 
 
 def _view_extent(desc):
