@@ -235,6 +235,14 @@ static inline void th_expect_fds(const th_daemon *d, uint64_t expected) {
  * user; otherwise stay who we are. 0, or -1 when the switch failed. */
 static inline int th_become(uid_t uid) { return ts_become(uid); }
 
+/* 1 when running as root; otherwise says the test is skipped, and why it needs root. */
+static inline int th_need_root(const char *for_what) {
+  if (getuid() == 0)
+    return 1;
+  printf("skipped: needs root %s\n", for_what);
+  return 0;
+}
+
 typedef int (*th_child_fn)(const th_daemon *d, int arg);
 
 /* Run fn in a child process; its return value is the exit status. */

@@ -271,10 +271,8 @@ static void test_permissions(void **state) {
   char secret[450];
   uint64_t base;
   (void)state;
-  if (getuid() != 0) {
-    printf("skipped: needs root to run a client as another uid\n");
+  if (!th_need_root("to run a client as another uid"))
     return;
-  }
   start_conf(NULL);
   base = th_settled_fds(&D);
   snprintf(secret, sizeof secret, "%s/secret.bin", D.dir);

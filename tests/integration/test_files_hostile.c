@@ -247,18 +247,11 @@ static int daemon_holds(int fd) {
   return 1;
 }
 
-static int need_root(void) {
-  if (getuid() == 0)
-    return 1;
-  printf("skipped: needs root (a root-run daemon with leases, a client as another uid)\n");
-  return 0;
-}
-
 /* Two consumers and the publisher: three descriptions, none of them the daemon's. */
 static void test_descriptions(void **state) {
   int sock, pubfd, fd1, fd2;
   (void)state;
-  if (!need_root())
+  if (!th_need_root("(a root-run daemon with leases, a client as another uid)"))
     return;
   start_conf("file_leases = yes");
   assert_true((sock = rc_connect()) >= 0);
@@ -286,7 +279,7 @@ static void test_descriptions(void **state) {
 
 /* One test for each attack: the attack is the test's state (FCNTL_TEST). */
 static void test_fcntl(void **state) {
-  if (!need_root())
+  if (!th_need_root("(a root-run daemon with leases, a client as another uid)"))
     return;
   start_conf("file_leases = yes");
   fcntl_case(*(const int *)*state);
@@ -348,10 +341,8 @@ static void test_file_slots(void **state) {
   pid_t p;
   char cfg[64];
   (void)state;
-  if (getuid() != 0) {
-    printf("skipped: needs root to run a client as another uid\n");
+  if (!th_need_root("to run a client as another uid"))
     return;
-  }
   snprintf(cfg, sizeof cfg, "max_files = %d", SLOTS_TOTAL);
   start_conf(cfg);
   base = th_settled_fds(&D);
@@ -418,10 +409,8 @@ static int names_denied_child(const th_daemon *d, int arg) {
 static void test_admin_only(void **state) {
   int sock;
   (void)state;
-  if (getuid() != 0) {
-    printf("skipped: needs root to run a client as another uid\n");
+  if (!th_need_root("to run a client as another uid"))
     return;
-  }
   start_conf(NULL);
   assert_true((sock = rc_connect()) >= 0);
   assert_int_equal(rc_publish_path(sock, "rootfile", path), 0);
@@ -667,10 +656,8 @@ static void test_fuse_stall(void **state) {
   char ack;
   uint64_t base;
   (void)state;
-  if (getuid() != 0) {
-    printf("skipped: needs root to mount a FUSE file system\n");
+  if (!th_need_root("to mount a FUSE file system"))
     return;
-  }
   start_conf(NULL);
   snprintf(fuse_dir, sizeof fuse_dir, "%s/fuse", D.dir);
   assert_int_equal(mkdir(fuse_dir, 0755), 0);
@@ -810,10 +797,8 @@ static void test_bindmount(void **state) {
   int st;
   pid_t p;
   (void)state;
-  if (getuid() != 0) {
-    printf("skipped: needs root to run a client as another uid\n");
+  if (!th_need_root("to run a client as another uid"))
     return;
-  }
   th_prepare_shared(&D);
   snprintf(allowed, sizeof allowed, "%s/allowed", D.dir);
   snprintf(mnt, sizeof mnt, "%s/mnt", allowed);
