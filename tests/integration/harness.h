@@ -301,4 +301,21 @@ static inline int th_check(const void *p, uint32_t seed, uint64_t n) {
   return 1;
 }
 
+/* Write a file of size bytes of seed's fill (th_byte at each offset) at p, mode `mode` (set
+ * again after the write, whatever the umask). */
+static inline void th_write_file(const char *p, uint64_t size, mode_t mode, uint32_t seed) {
+  uint8_t buf[65536];
+  int fd = open(p, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
+  assert_true(fd >= 0);
+  for (uint64_t o = 0; o < size;) {
+    size_t n = size - o < sizeof buf ? (size_t)(size - o) : sizeof buf;
+    for (size_t j = 0; j < n; j++)
+      buf[j] = th_byte(seed, o + j);
+    assert_int_equal(write(fd, buf, n), (ssize_t)n);
+    o += n;
+  }
+  assert_int_equal(fchmod(fd, mode), 0);
+  close(fd);
+}
+
 #endif

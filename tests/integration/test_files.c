@@ -17,20 +17,8 @@
 static th_daemon D;
 static char path[400];
 
-static void write_file(const char *p, uint64_t size, mode_t mode) {
-  uint8_t buf[65536];
-  int fd = open(p, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
-  assert_true(fd >= 0);
-  for (uint64_t o = 0; o < size;) {
-    size_t n = size - o < sizeof buf ? (size_t)(size - o) : sizeof buf;
-    for (size_t j = 0; j < n; j++)
-      buf[j] = th_byte(SEED, o + j);
-    assert_int_equal(write(fd, buf, n), (ssize_t)n);
-    o += n;
-  }
-  assert_int_equal(fchmod(fd, mode), 0);
-  close(fd);
-}
+/* The test file: SEED's bytes (th_byte), so a range read back can be checked. */
+static void write_file(const char *p, uint64_t size, mode_t mode) { th_write_file(p, size, mode, SEED); }
 
 static int check_range(const void *p, uint64_t offset, uint64_t n) {
   for (uint64_t j = 0; j < n; j++)
