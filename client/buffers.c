@@ -22,15 +22,7 @@
 #include <unistd.h>
 
 #include "internal.h"
-
-static void buffer_unlink(gpupool_client *c, gpupool_buffer *b) {
-  if (b->prev)
-    b->prev->next = b->next;
-  else
-    c->buffers = b->next;
-  if (b->next)
-    b->next->prev = b->prev;
-}
+#include "list.h"
 
 /* Order the work queued in `stream` before whoever comes next to a buffer (its consumers, for
  * the ready event e; the daemon's reuse, for a done event): nothing when the stream is idle
@@ -58,7 +50,7 @@ void gpupool__release_local(gpupool_client *c, gpupool_buffer *b, void *stream, 
 
   *hold_id = 0;
   *recorded = 0;
-  buffer_unlink(c, b);
+  GPUPOOL__LIST_UNLINK(c->buffers, b, prev, next);
   s->refs--;
   if (b->lost) {
     /* Its daemon is gone: nothing to tell; unmap once no buffer of ours needs the slab. */

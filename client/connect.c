@@ -190,20 +190,26 @@ fail:
   return rc;
 }
 
+/* Close the backend events and release the pools imported from one daemon: the live
+ * connection's at disconnect, a stale generation's when its last mapping goes. */
+static void release_imports(gpupool_client *c, gpupool__hmap *events, cpool *pools, int npools) {
+  if (c->be && c->be->has_events)
+    for (size_t i = 0; i < events->cap; i++)
+      if (gpupool__hmap_slot_used(events, i))
+        c->be->event_close(events->slots[i].val);
+  gpupool__hmap_free(events);
+  for (int i = 0; i < npools; i++)
+    if (pools[i].bp)
+      c->be->pool_release(pools[i].bp);
+}
+
 void gpupool__stale_gen_free(gpupool_client *c, stale_gen *g) {
   stale_gen **pp;
   for (pp = &c->stale; *pp && *pp != g; pp = &(*pp)->next)
     ;
   if (*pp)
     *pp = g->next;
-  if (c->be && c->be->has_events)
-    for (size_t i = 0; i < g->events.cap; i++)
-      if (gpupool__hmap_slot_used(&g->events, i))
-        c->be->event_close(g->events.slots[i].val);
-  gpupool__hmap_free(&g->events);
-  for (int i = 0; i < g->npools; i++)
-    if (g->pools[i].bp)
-      c->be->pool_release(g->pools[i].bp);
+  release_imports(c, &g->events, g->pools, g->npools);
   free(g->pools);
   /* Last: no mapping of that daemon's memory is left in this process. */
   if (g->lease_fd >= 0)
@@ -515,14 +521,7 @@ void gpupool_client_disconnect(gpupool_client *c) {
   gpupool__hmap_free(&c->exports);
   gpupool__layout_cache_clear(c);
   gpupool__smap_free(&c->layout_cache);
-  if (c->be && c->be->has_events)
-    for (size_t i = 0; i < c->events.cap; i++)
-      if (gpupool__hmap_slot_used(&c->events, i))
-        c->be->event_close(c->events.slots[i].val);
-  gpupool__hmap_free(&c->events);
-  for (int i = 0; i < c->npools; i++)
-    if (c->pools[i].bp)
-      c->be->pool_release(c->pools[i].bp);
+  release_imports(c, &c->events, c->pools, c->npools);
   while (c->stale)
     gpupool__stale_gen_free(c, c->stale);
   pthread_mutex_unlock(&c->mu);

@@ -271,7 +271,7 @@ class Client:
         buf = _lib.BufferP()
         ver = ctypes.c_uint64(0)
         check(self._lib.gpupool_buffer_get(self._conn.usable(), nb, newer, ms,
-                                          _lib.READ_ONLY if read_only else 0, s,
+                                          _get_flags(read_only), s,
                                           ctypes.byref(buf), ctypes.byref(ver)),
               "get %r" % (name,) if not newer else "get %r newer than version %d"
               % (name, newer))
@@ -295,11 +295,14 @@ class Client:
         t.version = version
         return t
 
-    def _pipelined(self, names, newer_than, begin, end, what):
+    def _pipelined(self, names, newer_than, timeout, flags, begin, end, what):
         """Send one request per name, then collect the replies in order: N requests cost about
-        one round trip. begin(name bytes, newer) -> PendingP; end(PendingP, i) -> result. On an
-        error the requests still pending are cancelled (what their replies bring is given
-        back), the results collected so far are released, and the first error is raised."""
+        one round trip. begin: the library's *_get_begin (client, name bytes, newer, timeout
+        ms, flags, PendingP*); end(PendingP, i) -> result. On an error the requests still
+        pending are cancelled (what their replies bring is given back), the results collected
+        so far are released, and the first error is raised."""
+        ms = _timeout_ms(timeout, forever=True)
+        conn = self._conn.usable()
         names = list(names)
         if isinstance(newer_than, (list, tuple)):
             newers = [_version_arg(v) for v in newer_than]
@@ -312,7 +315,7 @@ class Client:
         try:
             for i, nb in enumerate(encoded):
                 p = _lib.PendingP()
-                check(begin(nb, newers[i], ctypes.byref(p)), "%s %r" % (what, names[i]))
+                check(begin(conn, nb, newers[i], ms, flags, ctypes.byref(p)), "%s %r" % (what, names[i]))
                 pend.append(p)
             for i in range(len(pend)):
                 p, pend[i] = pend[i], None  # an end frees the pending request, failed or not
@@ -335,13 +338,7 @@ class Client:
         to each name (they wait together). If one fails, the others are given back and its
         error is raised."""
         s = stream_handle(stream)
-        ms = _timeout_ms(timeout, forever=True)
-        flags = _lib.READ_ONLY if read_only else 0
-        conn = self._conn.usable()
         names = list(names)
-
-        def begin(nb, newer, pp):
-            return self._lib.gpupool_buffer_get_begin(conn, nb, newer, ms, flags, pp)
 
         def end(p, i):
             buf = _lib.BufferP()
@@ -349,7 +346,8 @@ class Client:
             check(self._lib.gpupool_buffer_get_end(p, s, ctypes.byref(buf), ctypes.byref(ver)), "get %r" % (names[i],))
             return self._got_tensor(buf, s, names[i], ver.value)
 
-        return self._pipelined(names, newer_than, begin, end, "get")
+        return self._pipelined(names, newer_than, timeout, _get_flags(read_only),
+                               self._lib.gpupool_buffer_get_begin, end, "get")
 
     def get_dicts(self, names: Iterable[str], newer_than: int | Sequence[int] = 0,
                   timeout: float | None = None, read_only: bool = False, stream: Stream = None,
@@ -358,22 +356,15 @@ class Client:
         every request sent before any reply is waited for. Returns the TensorDicts in the
         order of `names`; newer_than may be a list with one version per name."""
         s = stream_handle(stream)
-        ms = _timeout_ms(timeout, forever=True)
-        flags = (_lib.READ_ONLY if read_only else 0) | (_lib.KEEP_MAPPED if keep_mapped else 0)
-        conn = self._conn.usable()
         names = list(names)
-
-        def begin(nb, newer, pp):
-            return self._lib.gpupool_bundle_get_begin(conn, nb, newer, ms, flags, pp)
 
         def end(p, i):
             b = _lib.BundleP()
             check(self._lib.gpupool_bundle_get_end(p, s, ctypes.byref(b)), "get_dict %r" % (names[i],))
-            d = self._tensor_dict(b, s, names[i])
-            d._reuse = bool(reuse_views)
-            return d
+            return self._got_dict(b, s, names[i], reuse_views)
 
-        return self._pipelined(names, newer_than, begin, end, "get_dict")
+        return self._pipelined(names, newer_than, timeout, _get_flags(read_only, keep_mapped),
+                               self._lib.gpupool_bundle_get_begin, end, "get_dict")
 
     def publish(self, name: str, tensor: Any, stream: Stream = None,
                 pool: str | None = None) -> int | None:
@@ -401,11 +392,7 @@ class Client:
             if s is not None or hold.kind == _lib.MEM_HOST:
                 return self._publish(hold, nb, m, s)
             return self._publish(hold, nb, m, hold.streams[-1])
-        if s is None and hasattr(tensor, "__dlpack_device__"):
-            dev = tensor.__dlpack_device__()
-            if int(dev[0]) == _dlpack.kDLCUDA:
-                s = _current_stream(tensor, int(dev[1]))
-        desc = _dlpack.describe(tensor, s)
+        desc, s = _describe(tensor, s)
         hold = self._find_hold(desc)
         if hold is not None:
             m = _meta(desc.dtype, desc.shape, desc.strides, desc.data - hold.ptr)
@@ -510,11 +497,7 @@ class Client:
                 if s is None and desc is not None and desc.device[0] == _dlpack.kDLCUDA:
                     s = _current_stream(v, desc.device[1])
                 if desc is None:
-                    if s is None and hasattr(v, "__dlpack_device__"):
-                        dev = v.__dlpack_device__()
-                        if int(dev[0]) == _dlpack.kDLCUDA:
-                            s = _current_stream(v, int(dev[1]))
-                    desc = _dlpack.describe(v, s)
+                    desc, s = _describe(v, s)
                 h = index.find(desc)
             rows.append([bk, h, desc, v])
         if s is None:
@@ -616,22 +599,25 @@ class Client:
         ms = _timeout_ms(timeout, forever=True)
         newer = _version_arg(newer_than)
         b = _lib.BundleP()
-        flags = (_lib.READ_ONLY if read_only else 0) | (_lib.KEEP_MAPPED if keep_mapped else 0)
+        flags = _get_flags(read_only, keep_mapped)
         check(self._lib.gpupool_bundle_get(self._conn.usable(), nb, newer, ms, flags, s,
                                            ctypes.byref(b)),
               "get_dict %r" % (name,) if not newer else "get_dict %r newer than version %d"
               % (name, newer))
+        return self._got_dict(b, s, name, reuse_views)
+
+    def _got_dict(self, b, s, name, reuse_views):
+        """The TensorDict of a bundle a get brought; reuse_views as get_dict says."""
         d = self._tensor_dict(b, s, name)
         d._reuse = bool(reuse_views)
         return d
 
     def _find_hold(self, desc):
         """A live hold of this client whose memory contains the whole view, if any."""
-        if any(st < 0 for st in desc.strides):
-            return None  # gpupool descriptions have no negative strides: copy instead
-        lo, span = desc.span()
-        start = desc.data + lo
-        cuda = desc.device[0] == _dlpack.kDLCUDA
+        extent = _view_extent(desc)
+        if extent is None:
+            return None
+        start, span, cuda = extent
         for h in list(self._holds):
             if h.released or h.read_only:
                 continue
@@ -778,6 +764,25 @@ def _torch_desc(t):
         return None
 
 
+def _describe(obj, s):
+    """obj's DLPack description and the stream its data is ready in: s, or when s is None
+    the framework's current stream on obj's CUDA device (None for host memory)."""
+    if s is None and hasattr(obj, "__dlpack_device__"):
+        dev = obj.__dlpack_device__()
+        if int(dev[0]) == _dlpack.kDLCUDA:
+            s = _current_stream(obj, int(dev[1]))
+    return _dlpack.describe(obj, s), s
+
+
+def _view_extent(desc):
+    """(first byte, span, on a CUDA device) of the memory a view reads, for finding the hold
+    it lies in; None when no hold can carry it as it is."""
+    if any(st < 0 for st in desc.strides):
+        return None  # gpupool descriptions have no negative strides: copy instead
+    lo, span = desc.span()
+    return desc.data + lo, span, desc.device[0] == _dlpack.kDLCUDA
+
+
 class _HoldIndex:
     """The live, writable holds of a client sorted by address, to find the one holding a
     view of many tensors without a scan each."""
@@ -789,11 +794,10 @@ class _HoldIndex:
         self._holds = hs
 
     def find(self, desc):
-        if any(st < 0 for st in desc.strides):
-            return None  # gpupool descriptions have no negative strides: copy instead
-        lo, span = desc.span()
-        start = desc.data + lo
-        cuda = desc.device[0] == _dlpack.kDLCUDA
+        extent = _view_extent(desc)
+        if extent is None:
+            return None
+        start, span, cuda = extent
         i = bisect.bisect_right(self._ptrs, start) - 1
         # Buffers do not overlap, but one buffer may be held more than once (an allocation
         # and a get of its name): look at the few holds starting at or just before `start`.
@@ -866,6 +870,11 @@ def _spec_items(spec):
                              % (key, shape))
         out.append((key, shape, _dtypes.dtype(dt)))
     return out
+
+
+def _get_flags(read_only, keep_mapped=False):
+    """The GPUPOOL_* flags of a get: the same for buffers and bundles, one or many."""
+    return (_lib.READ_ONLY if read_only else 0) | (_lib.KEEP_MAPPED if keep_mapped else 0)
 
 
 def _timeout_ms(timeout, forever):

@@ -29,6 +29,7 @@
 #include <gpupool/gpupool.h>
 
 #include "daemon.h"
+#include "run_tests.h" /* TS_RUN_TESTS, a test file's main */
 
 /* The daemon of a test: tests/support/daemon.h's, so the same fields (dir, sock, log, conf,
  * pid) and the same launcher as the GPU harness, the service tests and the benchmarks. */
@@ -234,6 +235,14 @@ static inline void th_expect_fds(const th_daemon *d, uint64_t expected) {
  * user; otherwise stay who we are. 0, or -1 when the switch failed. */
 static inline int th_become(uid_t uid) { return ts_become(uid); }
 
+/* 1 when running as root; otherwise says the test is skipped, and why it needs root. */
+static inline int th_need_root(const char *for_what) {
+  if (getuid() == 0)
+    return 1;
+  printf("skipped: needs root %s\n", for_what);
+  return 0;
+}
+
 typedef int (*th_child_fn)(const th_daemon *d, int arg);
 
 /* Run fn in a child process; its return value is the exit status. */
@@ -290,6 +299,23 @@ static inline int th_check(const void *p, uint32_t seed, uint64_t n) {
     if (((const uint8_t *)p)[j] != th_byte(seed, j))
       return 0;
   return 1;
+}
+
+/* Write a file of size bytes of seed's fill (th_byte at each offset) at p, mode `mode` (set
+ * again after the write, whatever the umask). */
+static inline void th_write_file(const char *p, uint64_t size, mode_t mode, uint32_t seed) {
+  uint8_t buf[65536];
+  int fd = open(p, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
+  assert_true(fd >= 0);
+  for (uint64_t o = 0; o < size;) {
+    size_t n = size - o < sizeof buf ? (size_t)(size - o) : sizeof buf;
+    for (size_t j = 0; j < n; j++)
+      buf[j] = th_byte(seed, o + j);
+    assert_int_equal(write(fd, buf, n), (ssize_t)n);
+    o += n;
+  }
+  assert_int_equal(fchmod(fd, mode), 0);
+  close(fd);
 }
 
 #endif

@@ -186,10 +186,5 @@ static void test_flood(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_default_backlog_is_deep),
-      cmocka_unit_test(test_full_backlog),
-      cmocka_unit_test(test_flood),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(NULL, NULL, test_default_backlog_is_deep, test_full_backlog, test_flood);
 }

@@ -704,15 +704,6 @@ static void test_keep_mapped(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test_setup_teardown(test_roundtrip, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_members_and_single, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_versions, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_killed_holder, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_bad_input, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_bundle_alloc_waits, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_pipelining, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_keep_mapped, setup, teardown),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(setup, teardown, test_roundtrip, test_members_and_single, test_versions, test_killed_holder,
+                      test_bad_input, test_bundle_alloc_waits, test_pipelining, test_keep_mapped);
 }

@@ -17,6 +17,17 @@ static void write_file(const char *text) {
   close(fd);
 }
 
+/* Load text from a fresh temp file (its name in path, for the caller to check and unlink):
+ * the load must be refused with GPUPOOL_ECONFIG. The message it left. */
+static const char *load_refused(const char *text) {
+  gpupool__config c;
+  strcpy(path, "/tmp/gpupool-conf-XXXXXX");
+  write_file(text);
+  gpupool__config_defaults(&c);
+  assert_int_equal(gpupool__config_load(&c, path), GPUPOOL_ECONFIG);
+  return gpupool__errmsg();
+}
+
 static void test_full_file(void **state) {
   gpupool__config c;
   (void)state;
@@ -58,14 +69,10 @@ static void test_errors_name_line(void **state) {
   };
   (void)state;
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-    gpupool__config c;
-    strcpy(path, "/tmp/gpupool-conf-XXXXXX");
-    write_file(cases[i].text);
-    gpupool__config_defaults(&c);
-    assert_int_equal(gpupool__config_load(&c, path), GPUPOOL_ECONFIG);
-    if (!strstr(gpupool__errmsg(), cases[i].needle))
-      fail_msg("case %zu: '%s' lacks '%s'", i, gpupool__errmsg(), cases[i].needle);
-    assert_non_null(strstr(gpupool__errmsg(), path));
+    const char *msg = load_refused(cases[i].text);
+    if (!strstr(msg, cases[i].needle))
+      fail_msg("case %zu: '%s' lacks '%s'", i, msg, cases[i].needle);
+    assert_non_null(strstr(msg, path));
     unlink(path);
   }
 }
@@ -88,12 +95,9 @@ static void test_did_you_mean(void **state) {
   gpupool__config c;
   (void)state;
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-    strcpy(path, "/tmp/gpupool-conf-XXXXXX");
-    write_file(cases[i].text);
-    gpupool__config_defaults(&c);
-    assert_int_equal(gpupool__config_load(&c, path), GPUPOOL_ECONFIG);
-    if (!strstr(gpupool__errmsg(), cases[i].needle) || !strstr(gpupool__errmsg(), cases[i].also))
-      fail_msg("case %zu: '%s' lacks '%s' or '%s'", i, gpupool__errmsg(), cases[i].needle, cases[i].also);
+    const char *msg = load_refused(cases[i].text);
+    if (!strstr(msg, cases[i].needle) || !strstr(msg, cases[i].also))
+      fail_msg("case %zu: '%s' lacks '%s' or '%s'", i, msg, cases[i].needle, cases[i].also);
     unlink(path);
   }
   /* Far from every key: no guess, and the daemon's keys listed (nearest first, cut short). */
@@ -182,15 +186,11 @@ static void test_duplicate_sections(void **state) {
   static const int first[] = {1, 1, 1, 1};
   (void)state;
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-    gpupool__config c;
     char where[320];
-    strcpy(path, "/tmp/gpupool-conf-XXXXXX");
-    write_file(cases[i].text);
-    gpupool__config_defaults(&c);
-    assert_int_equal(gpupool__config_load(&c, path), GPUPOOL_ECONFIG);
+    const char *msg = load_refused(cases[i].text);
     snprintf(where, sizeof where, "%s:%d", path, first[i]);
-    if (!strstr(gpupool__errmsg(), cases[i].needle) || !strstr(gpupool__errmsg(), where))
-      fail_msg("case %zu: '%s' lacks '%s' or '%s'", i, gpupool__errmsg(), cases[i].needle, where);
+    if (!strstr(msg, cases[i].needle) || !strstr(msg, where))
+      fail_msg("case %zu: '%s' lacks '%s' or '%s'", i, msg, cases[i].needle, where);
     unlink(path);
   }
 }
@@ -238,11 +238,7 @@ static void test_config_not_a_file(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_full_file),      cmocka_unit_test(test_errors_name_line),
-      cmocka_unit_test(test_pool_checks),    cmocka_unit_test(test_sizes),
-      cmocka_unit_test(test_daemon_refuses_bad_config), cmocka_unit_test(test_duplicate_sections),
-      cmocka_unit_test(test_config_not_a_file), cmocka_unit_test(test_did_you_mean),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(NULL, NULL, test_full_file, test_errors_name_line, test_pool_checks, test_sizes,
+                      test_daemon_refuses_bad_config, test_duplicate_sections, test_config_not_a_file,
+                      test_did_you_mean);
 }

@@ -382,11 +382,5 @@ static void test_member_cap(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test_teardown(test_member_name_flood, teardown),
-      cmocka_unit_test_teardown(test_unknown_fields, teardown),
-      cmocka_unit_test_teardown(test_strings, teardown),
-      cmocka_unit_test_teardown(test_member_cap, teardown),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(NULL, teardown, test_member_name_flood, test_unknown_fields, test_strings, test_member_cap);
 }

@@ -38,6 +38,7 @@
 #include "errors.h"
 #include "raw.h"
 #include "registry.h"
+#include "run_tests.h"
 #include "server.h"
 
 /* ---- the backend: host memory, events that complete when the test says so ---------------- */
@@ -266,6 +267,21 @@ static counts stats(int fd, uint64_t seq) {
   return n;
 }
 
+/* The counts once the daemon has seen a connection close: asked through p (sequence numbers
+ * from *seq) until holds and clients, and with_fds the open fds, are back to base, for up
+ * to 5 s. The caller checks what they came to. */
+static counts settled(int p, uint64_t *seq, counts base, int with_fds) {
+  struct timespec ts = {0, 10 * 1000 * 1000};
+  counts now = base;
+  for (int i = 0; i < 500; i++) {
+    now = stats(p, (*seq)++);
+    if (now.holds == base.holds && now.clients == base.clients && (!with_fds || now.open_fds == base.open_fds))
+      break;
+    nanosleep(&ts, NULL);
+  }
+  return now;
+}
+
 /* ---- the checks ---------------------------------------------------------------------------- */
 
 /* (1) and (2): held back until ready, and what follows on that connection waits behind it. */
@@ -320,7 +336,6 @@ static void test_close_while_held(void **state) {
   int p = producer(NULL), c;
   uint64_t seq = 100;
   counts base = stats(p, seq++), now;
-  struct timespec ts = {0, 10 * 1000 * 1000};
   (void)state;
 
   c = client();
@@ -332,12 +347,7 @@ static void test_close_while_held(void **state) {
   assert_int_equal(now.holds, base.holds + 2); /* both gets made holds; their replies wait */
   assert_int_equal(now.clients, base.clients + 1);
   close(c);
-  for (int i = 0; i < 500; i++) { /* up to 5 s for the daemon to see the close */
-    now = stats(p, seq++);
-    if (now.holds == base.holds && now.clients == base.clients && now.open_fds == base.open_fds)
-      break;
-    nanosleep(&ts, NULL);
-  }
+  now = settled(p, &seq, base, 1);
   assert_int_equal(now.holds, base.holds);
   assert_int_equal(now.clients, base.clients);
   assert_int_equal(now.open_fds, base.open_fds); /* the parked replies' slab fds are closed */
@@ -386,7 +396,6 @@ static void test_flood_behind_held_reply(void **state) {
   int p = producer(NULL), c;
   uint64_t seq = 100;
   counts base = stats(p, seq++), now;
-  struct timespec ts = {0, 10 * 1000 * 1000};
   uint8_t b;
   ssize_t n = 1;
   (void)state;
@@ -413,12 +422,7 @@ static void test_flood_behind_held_reply(void **state) {
       fail_msg("a reply came while the ready event was pending");
   if (n < 0)
     fail_msg("the flooding client was not dropped within 10 s (%s)", strerror(errno));
-  for (int i = 0; i < 500; i++) {
-    now = stats(p, seq++);
-    if (now.holds == base.holds && now.clients == base.clients)
-      break;
-    nanosleep(&ts, NULL);
-  }
+  now = settled(p, &seq, base, 0);
   assert_int_equal(now.holds, base.holds);
   assert_int_equal(now.clients, base.clients);
   close(c);
@@ -426,13 +430,7 @@ static void test_flood_behind_held_reply(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test_setup_teardown(test_held_back_in_order, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_plain_client_not_held, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_close_while_held, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_many_connections, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_flood_behind_held_reply, setup, teardown),
-  };
   signal(SIGPIPE, SIG_IGN);
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(setup, teardown, test_held_back_in_order, test_plain_client_not_held, test_close_while_held,
+                      test_many_connections, test_flood_behind_held_reply);
 }

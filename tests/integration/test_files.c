@@ -17,20 +17,8 @@
 static th_daemon D;
 static char path[400];
 
-static void write_file(const char *p, uint64_t size, mode_t mode) {
-  uint8_t buf[65536];
-  int fd = open(p, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
-  assert_true(fd >= 0);
-  for (uint64_t o = 0; o < size;) {
-    size_t n = size - o < sizeof buf ? (size_t)(size - o) : sizeof buf;
-    for (size_t j = 0; j < n; j++)
-      buf[j] = th_byte(SEED, o + j);
-    assert_int_equal(write(fd, buf, n), (ssize_t)n);
-    o += n;
-  }
-  assert_int_equal(fchmod(fd, mode), 0);
-  close(fd);
-}
+/* The test file: SEED's bytes (th_byte), so a range read back can be checked. */
+static void write_file(const char *p, uint64_t size, mode_t mode) { th_write_file(p, size, mode, SEED); }
 
 static int check_range(const void *p, uint64_t offset, uint64_t n) {
   for (uint64_t j = 0; j < n; j++)
@@ -271,10 +259,8 @@ static void test_permissions(void **state) {
   char secret[450];
   uint64_t base;
   (void)state;
-  if (getuid() != 0) {
-    printf("skipped: needs root to run a client as another uid\n");
+  if (!th_need_root("to run a client as another uid"))
     return;
-  }
   start_conf(NULL);
   base = th_settled_fds(&D);
   snprintf(secret, sizeof secret, "%s/secret.bin", D.dir);
@@ -391,16 +377,7 @@ static void test_fds_bounded(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test_teardown(test_round_trip, teardown),
-      cmocka_unit_test_teardown(test_non_utf8_path, teardown),
-      cmocka_unit_test_teardown(test_bad_input, teardown),
-      cmocka_unit_test_teardown(test_shrink_checked_at_get, teardown),
-      cmocka_unit_test_teardown(test_shrink_with_lease, teardown),
-      cmocka_unit_test_teardown(test_permissions, teardown),
-      cmocka_unit_test_teardown(test_config_restrictions, teardown),
-      cmocka_unit_test_teardown(test_limits, teardown),
-      cmocka_unit_test_teardown(test_fds_bounded, teardown),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(NULL, teardown, test_round_trip, test_non_utf8_path, test_bad_input, test_shrink_checked_at_get,
+                      test_shrink_with_lease, test_permissions, test_config_restrictions, test_limits,
+                      test_fds_bounded);
 }

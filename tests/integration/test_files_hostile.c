@@ -28,16 +28,8 @@
 static th_daemon D;
 static char path[400];
 
-static void write_file(const char *p, size_t size, mode_t mode) {
-  char buf[4096];
-  int fd = open(p, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
-  assert_true(fd >= 0);
-  memset(buf, 'g', sizeof buf);
-  for (size_t o = 0; o < size; o += sizeof buf)
-    assert_true(write(fd, buf, size - o < sizeof buf ? size - o : sizeof buf) > 0);
-  assert_int_equal(fchmod(fd, mode), 0);
-  close(fd);
-}
+/* What the files hold does not matter here: any seed's bytes. */
+static void write_file(const char *p, size_t size, mode_t mode) { th_write_file(p, size, mode, 1); }
 
 static void start_conf(const char *extra) {
   th_start_shared(&D, extra, TH_HOST_POOL("16M", "4M"));
@@ -247,18 +239,11 @@ static int daemon_holds(int fd) {
   return 1;
 }
 
-static int need_root(void) {
-  if (getuid() == 0)
-    return 1;
-  printf("skipped: needs root (a root-run daemon with leases, a client as another uid)\n");
-  return 0;
-}
-
 /* Two consumers and the publisher: three descriptions, none of them the daemon's. */
 static void test_descriptions(void **state) {
   int sock, pubfd, fd1, fd2;
   (void)state;
-  if (!need_root())
+  if (!th_need_root("(a root-run daemon with leases, a client as another uid)"))
     return;
   start_conf("file_leases = yes");
   assert_true((sock = rc_connect()) >= 0);
@@ -284,29 +269,16 @@ static void test_descriptions(void **state) {
   close(sock);
 }
 
-static void test_fcntl_sigkill(void **state) {
-  (void)state;
-  if (!need_root())
+/* One test for each attack: the attack is the test's state (FCNTL_TEST). */
+static void test_fcntl(void **state) {
+  if (!th_need_root("(a root-run daemon with leases, a client as another uid)"))
     return;
   start_conf("file_leases = yes");
-  fcntl_case(ATTACK_SIGKILL);
+  fcntl_case(*(const int *)*state);
 }
 
-static void test_fcntl_sigstop(void **state) {
-  (void)state;
-  if (!need_root())
-    return;
-  start_conf("file_leases = yes");
-  fcntl_case(ATTACK_SIGSTOP);
-}
-
-static void test_fcntl_setown(void **state) {
-  (void)state;
-  if (!need_root())
-    return;
-  start_conf("file_leases = yes");
-  fcntl_case(ATTACK_SETOWN);
-}
+static const int attack_sigkill = ATTACK_SIGKILL, attack_sigstop = ATTACK_SIGSTOP, attack_setown = ATTACK_SETOWN;
+#define FCNTL_TEST(attack) {"test_fcntl_" #attack, test_fcntl, NULL, teardown, (void *)&attack_##attack}
 
 /* ---- file slots ----------------------------------------------------------------------------- */
 
@@ -361,10 +333,8 @@ static void test_file_slots(void **state) {
   pid_t p;
   char cfg[64];
   (void)state;
-  if (getuid() != 0) {
-    printf("skipped: needs root to run a client as another uid\n");
+  if (!th_need_root("to run a client as another uid"))
     return;
-  }
   snprintf(cfg, sizeof cfg, "max_files = %d", SLOTS_TOTAL);
   start_conf(cfg);
   base = th_settled_fds(&D);
@@ -431,10 +401,8 @@ static int names_denied_child(const th_daemon *d, int arg) {
 static void test_admin_only(void **state) {
   int sock;
   (void)state;
-  if (getuid() != 0) {
-    printf("skipped: needs root to run a client as another uid\n");
+  if (!th_need_root("to run a client as another uid"))
     return;
-  }
   start_conf(NULL);
   assert_true((sock = rc_connect()) >= 0);
   assert_int_equal(rc_publish_path(sock, "rootfile", path), 0);
@@ -680,10 +648,8 @@ static void test_fuse_stall(void **state) {
   char ack;
   uint64_t base;
   (void)state;
-  if (getuid() != 0) {
-    printf("skipped: needs root to mount a FUSE file system\n");
+  if (!th_need_root("to mount a FUSE file system"))
     return;
-  }
   start_conf(NULL);
   snprintf(fuse_dir, sizeof fuse_dir, "%s/fuse", D.dir);
   assert_int_equal(mkdir(fuse_dir, 0755), 0);
@@ -823,10 +789,8 @@ static void test_bindmount(void **state) {
   int st;
   pid_t p;
   (void)state;
-  if (getuid() != 0) {
-    printf("skipped: needs root to run a client as another uid\n");
+  if (!th_need_root("to run a client as another uid"))
     return;
-  }
   th_prepare_shared(&D);
   snprintf(allowed, sizeof allowed, "%s/allowed", D.dir);
   snprintf(mnt, sizeof mnt, "%s/mnt", allowed);
@@ -857,9 +821,9 @@ static void test_bindmount(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_descriptions, teardown),
-      cmocka_unit_test_teardown(test_fcntl_sigkill, teardown),
-      cmocka_unit_test_teardown(test_fcntl_sigstop, teardown),
-      cmocka_unit_test_teardown(test_fcntl_setown, teardown),
+      FCNTL_TEST(sigkill),
+      FCNTL_TEST(sigstop),
+      FCNTL_TEST(setown),
       cmocka_unit_test_teardown(test_file_slots, teardown),
       cmocka_unit_test_teardown(test_admin_only, teardown),
       cmocka_unit_test_teardown(test_fuse_stall, teardown_fuse),

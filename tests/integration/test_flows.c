@@ -486,16 +486,8 @@ static void test_holder_rules(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test_setup_teardown(test_producer_consumer, setup, th_teardown),
-      cmocka_unit_test_setup_teardown(test_one_producer_eight_consumers, setup, th_teardown),
-      cmocka_unit_test_setup_teardown(test_32_clients_churn, setup, th_teardown),
-      cmocka_unit_test_setup_teardown(test_sigkill_holder, setup, th_teardown),
-      cmocka_unit_test_setup_teardown(test_get_waits_for_publish, setup, th_teardown),
-      cmocka_unit_test_setup_teardown(test_alloc_waits_for_memory, setup, th_teardown),
-      cmocka_unit_test_setup_teardown(test_threads_share_client, setup, th_teardown),
-      cmocka_unit_test_setup_teardown(test_holder_rules, setup, th_teardown),
-      cmocka_unit_test_setup_teardown(test_stats_struct_sizes, setup, th_teardown),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(setup, th_teardown, test_producer_consumer, test_one_producer_eight_consumers,
+                      test_32_clients_churn, test_sigkill_holder, test_get_waits_for_publish,
+                      test_alloc_waits_for_memory, test_threads_share_client, test_holder_rules,
+                      test_stats_struct_sizes);
 }

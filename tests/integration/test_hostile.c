@@ -68,6 +68,13 @@ static void expect_eof(int fd) {
   assert_int_equal(recv(fd, &c, 1, 0), 0);
 }
 
+/* The error reply, then the daemon hangs up: what a peer it will not go on serving gets. */
+static void expect_dropped(int fd, int code, const char *needle) {
+  expect_error(fd, code, needle);
+  expect_eof(fd);
+  close(fd);
+}
+
 static void hello(int fd, uint32_t version) {
   gpupool__req req;
   Gpupool__Wire__Hello h;
@@ -102,9 +109,7 @@ static void test_garbage_frame(void **state) {
   hello_ok(fd);
   memset(frame + 4, 0xff, 16); /* not a protobuf message */
   assert_int_equal(gpupool__wire_send(fd, frame, sizeof frame, NULL, 0), 0);
-  expect_error(fd, GPUPOOL_EPROTO, "malformed");
-  expect_eof(fd);
-  close(fd);
+  expect_dropped(fd, GPUPOOL_EPROTO, "malformed");
 }
 
 static void test_oversized_frame(void **state) {
@@ -113,27 +118,21 @@ static void test_oversized_frame(void **state) {
   (void)state;
   hello_ok(fd);
   assert_int_equal(gpupool__wire_send(fd, hdr, sizeof hdr, NULL, 0), 0);
-  expect_error(fd, GPUPOOL_EPROTO, "exceeds");
-  expect_eof(fd);
-  close(fd);
+  expect_dropped(fd, GPUPOOL_EPROTO, "exceeds");
 }
 
 static void test_wrong_version(void **state) {
   int fd = raw_connect();
   (void)state;
   hello(fd, 999);
-  expect_error(fd, GPUPOOL_EVERSION, "protocol version 999");
-  expect_eof(fd);
-  close(fd);
+  expect_dropped(fd, GPUPOOL_EVERSION, "protocol version 999");
 }
 
 static void test_request_before_hello(void **state) {
   int fd = raw_connect();
   (void)state;
   send_stats(fd, 5);
-  expect_error(fd, GPUPOOL_EPROTO, "Hello");
-  expect_eof(fd);
-  close(fd);
+  expect_dropped(fd, GPUPOOL_EPROTO, "Hello");
 }
 
 static void test_unknown_request_type(void **state) {
@@ -369,17 +368,8 @@ static void test_publish_shares_refused(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test_setup_teardown(test_garbage_frame, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_oversized_frame, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_wrong_version, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_request_before_hello, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_unknown_request_type, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_unexpected_fds, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_bad_ids_and_requests, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_eof_mid_frame_and_silence, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_double_release_via_library, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_publish_shares_refused, setup, teardown),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(setup, teardown, test_garbage_frame, test_oversized_frame, test_wrong_version,
+                      test_request_before_hello, test_unknown_request_type, test_unexpected_fds,
+                      test_bad_ids_and_requests, test_eof_mid_frame_and_silence, test_double_release_via_library,
+                      test_publish_shares_refused);
 }

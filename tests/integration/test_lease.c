@@ -203,64 +203,85 @@ static void wait_clients(uint64_t n) {
            (unsigned long long)n);
 }
 
-/* A process that connects, then on command allocates everything the pool will give, writes
- * seed into it and exits: the client that would receive a range reused too early. */
+/* A child on two pipes: commands to it, reports from it. Both kinds below are these. */
 typedef struct {
   pid_t pid;
-  int to, from;
-} taker;
+  int to, from; /* command pipe to it, report pipe from it */
+} piped;
 
-static taker spawn_taker(uint32_t seed) {
-  taker t;
+typedef int (*piped_main)(uint32_t seed, int cmd, int rep, int arg);
+
+/* Fork a child that runs child_main(seed, its command end, its report end, arg) and exits
+ * with what it returns. */
+static piped spawn_piped(piped_main child_main, uint32_t seed, int arg) {
+  piped p;
   int a[2], b[2];
   assert_int_equal(pipe2(a, O_CLOEXEC), 0);
   assert_int_equal(pipe2(b, O_CLOEXEC), 0);
-  t.pid = fork();
-  assert_true(t.pid >= 0);
-  if (t.pid == 0) {
-    gpupool_client *c;
-    gpupool_buffer *bf;
-    int got = 0;
+  p.pid = fork();
+  assert_true(p.pid >= 0);
+  if (p.pid == 0) {
     close(a[1]);
     close(b[0]);
-    if (gpupool_client_connect(D.sock, "taker", GPUPOOL_TIMEOUT_DEFAULT, &c) != 0) {
-      fprintf(stderr, "taker: %s\n", gpupool_last_error());
-      _exit(child_put(b[1], -1));
-    }
-    child_put(b[1], 1);
-    if (child_get(a[0]) != 1)
-      _exit(1);
-    while (gpupool_buffer_alloc(c, NULL, HOLD_SIZE, 0, NULL, &bf) == 0) {
-      fill(gpupool_buffer_ptr(bf), seed, HOLD_SIZE);
-      got++;
-    }
-    _exit(child_put(b[1], got));
+    _exit(child_main(seed, a[0], b[1], arg));
   }
   close(a[0]);
   close(b[1]);
-  t.to = a[1];
-  t.from = b[0];
+  p.to = a[1];
+  p.from = b[0];
+  return p;
+}
+
+/* Send the child its one command and return its answer (within timeout_ms); both pipes are
+ * closed after. */
+static int piped_ask(piped *p, int timeout_ms) {
+  int v;
+  put_int(p->to, 1);
+  v = get_int(p->from, timeout_ms);
+  close(p->to);
+  close(p->from);
+  return v;
+}
+
+/* A process that connects, then on command allocates everything the pool will give, writes
+ * seed into it and exits: the client that would receive a range reused too early. */
+typedef piped taker;
+
+static int taker_main(uint32_t seed, int cmd, int rep, int arg) {
+  gpupool_client *c;
+  gpupool_buffer *bf;
+  int got = 0;
+  (void)arg;
+  if (gpupool_client_connect(D.sock, "taker", GPUPOOL_TIMEOUT_DEFAULT, &c) != 0) {
+    fprintf(stderr, "taker: %s\n", gpupool_last_error());
+    return child_put(rep, -1);
+  }
+  child_put(rep, 1);
+  if (child_get(cmd) != 1)
+    return 1;
+  while (gpupool_buffer_alloc(c, NULL, HOLD_SIZE, 0, NULL, &bf) == 0) {
+    fill(gpupool_buffer_ptr(bf), seed, HOLD_SIZE);
+    got++;
+  }
+  return child_put(rep, got);
+}
+
+static taker spawn_taker(uint32_t seed) {
+  taker t = spawn_piped(taker_main, seed, 0);
   assert_int_equal(get_int(t.from, 10000), 1);
   return t;
 }
 
 /* Returns how many buffers the taker got; it has exited when this returns. */
 static int taker_go(taker *t) {
-  int n;
-  put_int(t->to, 1);
-  n = get_int(t->from, 20000);
-  close(t->to);
-  close(t->from);
+  int n = piped_ask(t, 20000);
   waitpid(t->pid, NULL, 0);
   return n;
 }
 
 /* ---- hang-up holders ------------------------------------------------------------------------ */
 
-typedef struct {
-  pid_t pid;
-  int to, from; /* command pipe to it, report pipe from it */
-} holder;
+typedef piped holder;
 
 /* A child that allocates HOLD_SIZE bytes, fills them with seed, closes its connection but keeps
  * the mapping (and so the lease), reports 1 (or a negative gpupool code when it was refused),
@@ -301,34 +322,10 @@ static int holder_main(uint32_t seed, int cmd, int rep, int do_fork) {
   return child_put(rep, 0);
 }
 
-static holder spawn_holder(uint32_t seed, int do_fork) {
-  holder h;
-  int a[2], b[2];
-  assert_int_equal(pipe2(a, O_CLOEXEC), 0);
-  assert_int_equal(pipe2(b, O_CLOEXEC), 0);
-  h.pid = fork();
-  assert_true(h.pid >= 0);
-  if (h.pid == 0) {
-    close(a[1]);
-    close(b[0]);
-    _exit(holder_main(seed, a[0], b[1], do_fork));
-  }
-  close(a[0]);
-  close(b[1]);
-  h.to = a[1];
-  h.from = b[0];
-  return h;
-}
+static holder spawn_holder(uint32_t seed, int do_fork) { return spawn_piped(holder_main, seed, do_fork); }
 
 /* Tells the holder to check; returns its verdict (0 intact). */
-static int holder_verdict(holder *h) {
-  int v;
-  put_int(h->to, 1);
-  v = get_int(h->from, 10000);
-  close(h->to);
-  close(h->from);
-  return v;
-}
+static int holder_verdict(holder *h) { return piped_ask(h, 10000); }
 
 static void reap_all(void) {
   while (waitpid(-1, NULL, WNOHANG) > 0)
@@ -788,46 +785,41 @@ static int unshare_works(void) {
   return pid > 0 && waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0;
 }
 
+/* One row per case the ctest entries name (argv[1]): its cmocka test (setup included) and the
+ * file limit it runs under (0: the default). */
+#define LEASE_CASE(which, fn, setup, nofile) {which, cmocka_unit_test_setup_teardown(fn, setup, teardown), nofile}
+static const struct lease_case {
+  const char *which;
+  struct CMUnitTest test;
+  long nofile;
+} cases[] = {
+    LEASE_CASE("pidns", case_pidns, setup_started, 0),
+    LEASE_CASE("nofile", case_nofile, setup_started, 40),
+    LEASE_CASE("fork", case_fork, setup_started, 0),
+    LEASE_CASE("flood", case_flood, setup_flood, 0),
+    LEASE_CASE("sigterm", case_sigterm, setup_started, 0),
+    LEASE_CASE("restarts", case_restarts, setup_started, 0),
+    LEASE_CASE("getrestart", case_getrestart, setup_started, 0),
+    LEASE_CASE("emfile", case_emfile, setup_emfile, 32),
+};
+
 int main(int argc, char **argv) {
   const char *which = argc > 1 ? argv[1] : "";
   signal(SIGPIPE, SIG_IGN);
-  if (!strcmp(which, "pidns")) {
-    const struct CMUnitTest t[] = {cmocka_unit_test_setup_teardown(case_pidns, setup_started, teardown)};
-    if (!unshare_works()) {
-      fprintf(stderr, "skipped: this kernel or sandbox refuses unshare --pid --fork\n");
-      return 77;
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    const struct lease_case *k = &cases[i];
+    const struct CMUnitTest t[] = {k->test};
+    if (strcmp(which, k->which))
+      continue;
+    if (!strcmp(which, "pidns")) {
+      if (!unshare_works()) {
+        fprintf(stderr, "skipped: this kernel or sandbox refuses unshare --pid --fork\n");
+        return 77;
+      }
+      in_pidns = 1;
     }
-    in_pidns = 1;
-    return cmocka_run_group_tests(t, NULL, NULL);
-  }
-  if (!strcmp(which, "nofile")) {
-    const struct CMUnitTest t[] = {cmocka_unit_test_setup_teardown(case_nofile, setup_started, teardown)};
-    nofile_cap = 40;
-    return cmocka_run_group_tests(t, NULL, NULL);
-  }
-  if (!strcmp(which, "fork")) {
-    const struct CMUnitTest t[] = {cmocka_unit_test_setup_teardown(case_fork, setup_started, teardown)};
-    return cmocka_run_group_tests(t, NULL, NULL);
-  }
-  if (!strcmp(which, "flood")) {
-    const struct CMUnitTest t[] = {cmocka_unit_test_setup_teardown(case_flood, setup_flood, teardown)};
-    return cmocka_run_group_tests(t, NULL, NULL);
-  }
-  if (!strcmp(which, "sigterm")) {
-    const struct CMUnitTest t[] = {cmocka_unit_test_setup_teardown(case_sigterm, setup_started, teardown)};
-    return cmocka_run_group_tests(t, NULL, NULL);
-  }
-  if (!strcmp(which, "restarts")) {
-    const struct CMUnitTest t[] = {cmocka_unit_test_setup_teardown(case_restarts, setup_started, teardown)};
-    return cmocka_run_group_tests(t, NULL, NULL);
-  }
-  if (!strcmp(which, "getrestart")) {
-    const struct CMUnitTest t[] = {cmocka_unit_test_setup_teardown(case_getrestart, setup_started, teardown)};
-    return cmocka_run_group_tests(t, NULL, NULL);
-  }
-  if (!strcmp(which, "emfile")) {
-    const struct CMUnitTest t[] = {cmocka_unit_test_setup_teardown(case_emfile, setup_emfile, teardown)};
-    nofile_cap = 32;
+    if (k->nofile)
+      nofile_cap = k->nofile;
     return cmocka_run_group_tests(t, NULL, NULL);
   }
   fprintf(stderr, "usage: test_lease pidns|nofile|fork|flood|sigterm|restarts|getrestart|emfile\n");

@@ -89,11 +89,5 @@ static void test_max_clients(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test_setup_teardown(test_allocs_per_client, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_bytes_per_client, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_names, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_max_clients, setup, teardown),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(setup, teardown, test_allocs_per_client, test_bytes_per_client, test_names, test_max_clients);
 }

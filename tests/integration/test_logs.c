@@ -146,10 +146,5 @@ static void test_count_told_without_further_event(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_one_client_publishes),
-      cmocka_unit_test(test_many_clients),
-      cmocka_unit_test(test_count_told_without_further_event),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(NULL, NULL, test_one_client_publishes, test_many_clients, test_count_told_without_further_event);
 }

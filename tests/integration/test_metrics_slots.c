@@ -160,8 +160,5 @@ static void test_root_scrapes_under_flood(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_root_scrapes_under_flood),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(NULL, NULL, test_root_scrapes_under_flood);
 }

@@ -444,15 +444,7 @@ static void test_waiting_queue_per_owner(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test_teardown(test_connections_per_uid_and_reserved, teardown),
-      cmocka_unit_test_teardown(test_tenant_shares_its_limits, teardown),
-      cmocka_unit_test_teardown(test_waiters_bounded, teardown),
-      cmocka_unit_test_teardown(test_violation_stops_reading, teardown),
-      cmocka_unit_test_teardown(test_slow_reader_dropped, teardown),
-      cmocka_unit_test_teardown(test_refusals_rate_limited, teardown),
-      cmocka_unit_test_teardown(test_names_and_holds_bounded, teardown),
-      cmocka_unit_test_teardown(test_waiting_queue_per_owner, teardown),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(NULL, teardown, test_connections_per_uid_and_reserved, test_tenant_shares_its_limits,
+                      test_waiters_bounded, test_violation_stops_reading, test_slow_reader_dropped,
+                      test_refusals_rate_limited, test_names_and_holds_bounded, test_waiting_queue_per_owner);
 }

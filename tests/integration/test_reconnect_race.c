@@ -323,8 +323,5 @@ static void test_no_release_across_reconnect(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_no_release_across_reconnect),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(NULL, NULL, test_no_release_across_reconnect);
 }

@@ -90,9 +90,5 @@ static void test_daemon_does_not_come_back(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test_setup_teardown(test_restart_reports_lost, setup, th_teardown),
-      cmocka_unit_test_setup_teardown(test_daemon_does_not_come_back, setup, th_teardown),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(setup, th_teardown, test_restart_reports_lost, test_daemon_does_not_come_back);
 }

@@ -54,8 +54,5 @@ static void test_sigterm_with_a_live_holder(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_sigterm_with_a_live_holder),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(NULL, NULL, test_sigterm_with_a_live_holder);
 }

@@ -88,11 +88,6 @@ static void test_restart_appends_log(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_long_path_refused),
-      cmocka_unit_test(test_exit_during_startup),
-      cmocka_unit_test(test_start_stop_remove),
-      cmocka_unit_test(test_restart_appends_log),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(NULL, NULL, test_long_path_refused, test_exit_during_startup, test_start_stop_remove,
+                      test_restart_appends_log);
 }

@@ -285,12 +285,7 @@ static void test_names_checked_in_the_client(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test_teardown(test_no_fd_reaches_other_users_memory, teardown),
-      cmocka_unit_test_teardown(test_read_only_is_enforced, teardown),
-      cmocka_unit_test_teardown(test_freed_memory_is_not_handed_over, teardown),
-      cmocka_unit_test_teardown(test_capacity_not_lost_to_placement, teardown),
-      cmocka_unit_test_teardown(test_names_checked_in_the_client, teardown),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(NULL, teardown, test_no_fd_reaches_other_users_memory, test_read_only_is_enforced,
+                      test_freed_memory_is_not_handed_over, test_capacity_not_lost_to_placement,
+                      test_names_checked_in_the_client);
 }
