@@ -11,6 +11,8 @@
 
 #include <cmocka.h>
 
+#include "../support/run_tests.h"
+
 #include "errors.h"
 #include "wire.h"
 
@@ -68,11 +70,8 @@ static void test_error_value_outlives_cleanup(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_quotes_previous),
-      cmocka_unit_test(test_member_name_message),
-      cmocka_unit_test(test_truncates),
-      cmocka_unit_test(test_error_value_outlives_cleanup),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(NULL, NULL, test_quotes_previous,
+                      test_member_name_message,
+                      test_truncates,
+                      test_error_value_outlives_cleanup);
 }

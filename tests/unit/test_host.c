@@ -15,6 +15,8 @@
 
 #include <cmocka.h>
 
+#include "../support/run_tests.h"
+
 #include "errors.h"
 #include "host/host.h"
 
@@ -90,11 +92,8 @@ static void test_pipe_refused(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_sealed_slab_maps_and_is_usable),
-      cmocka_unit_test(test_unsealed_memfd_refused),
-      cmocka_unit_test(test_memfd_shorter_than_slab_refused),
-      cmocka_unit_test(test_pipe_refused),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(NULL, NULL, test_sealed_slab_maps_and_is_usable,
+                      test_unsealed_memfd_refused,
+                      test_memfd_shorter_than_slab_refused,
+                      test_pipe_refused);
 }

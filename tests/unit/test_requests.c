@@ -12,6 +12,8 @@
 
 #include <cmocka.h>
 
+#include "../support/run_tests.h"
+
 #include "requests.h"
 
 static const ProtobufCMessageDescriptor *const req_desc = &gpupool__wire__request__descriptor;
@@ -74,11 +76,8 @@ static void test_flags(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_every_case_has_a_row),
-      cmocka_unit_test(test_every_row_is_a_case),
-      cmocka_unit_test(test_unknown_cases),
-      cmocka_unit_test(test_flags),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(NULL, NULL, test_every_case_has_a_row,
+                      test_every_row_is_a_case,
+                      test_unknown_cases,
+                      test_flags);
 }

@@ -13,6 +13,8 @@
 
 #include <cmocka.h>
 
+#include "../support/run_tests.h"
+
 #include "errors.h"
 #include "wire.h"
 
@@ -195,11 +197,8 @@ static void test_malformed(void **state) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_utf8),
-      cmocka_unit_test(test_unknown_budget),
-      cmocka_unit_test(test_strings_named),
-      cmocka_unit_test(test_malformed),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return TS_RUN_TESTS(NULL, NULL, test_utf8,
+                      test_unknown_budget,
+                      test_strings_named,
+                      test_malformed);
 }
