@@ -276,6 +276,56 @@ static void *drain(void *arg) {
   return NULL;
 }
 
+/* Start the daemon with its request trace going into a FIFO the test holds (one page of pipe
+ * when small_pipe), readable by uid 65534 when shared, and a thread draining the trace until
+ * the test stops it (drain_stop) to hold the daemon. Returns the trace's read end. */
+static char fifo[320]; /* the trace FIFO of the daemon start_traced started */
+
+static int start_traced(int shared, int small_pipe, drainer *dr, pthread_t *th) {
+  int trace;
+  th_prepare(&D);
+  if (shared) {
+    assert_int_equal(chmod(D.dir, 0711), 0);
+    th_write_conf(&D, "[daemon]\nsocket_mode = 0666\n[pool default]\nkind = host\ncapacity = 64M\nslab_size = 4M\n");
+  } else {
+    th_write_conf(&D, "[pool default]\nkind = host\ncapacity = 64M\nslab_size = 4M\n");
+  }
+  snprintf(fifo, sizeof fifo, "%s/trace", D.dir);
+  assert_int_equal(mkfifo(fifo, 0600), 0);
+  assert_true((trace = open(fifo, O_RDONLY | O_NONBLOCK | O_CLOEXEC)) >= 0);
+  if (small_pipe)
+    assert_true(fcntl(trace, F_SETPIPE_SZ, 4096) > 0);
+  setenv("GPUPOOL_TRACE", fifo, 1);
+  th_start(&D, 1, NULL);
+  unsetenv("GPUPOOL_TRACE");
+  dr->fd = trace;
+  dr->stop = 0;
+  assert_int_equal(pthread_create(th, NULL, drain, dr), 0);
+  return trace;
+}
+
+/* Stop draining: from now on the daemon stops once the trace pipe is full. */
+static void drain_stop(drainer *dr, pthread_t th) {
+  dr->stop = 1;
+  assert_int_equal(pthread_join(th, NULL), 0);
+}
+
+/* A daemon started by start_traced, root's session on it, and child (a flooder of uid 65534)
+ * started with its go pipe's read end and its done pipe's write end; returns once the child
+ * says its sessions are open. The trace is still drained: the caller stops that. */
+static pid_t flood_ready(int (*child)(const th_daemon *, int), int *trace, int *victim, int go[2], int done[2],
+                         drainer *dr, pthread_t *th) {
+  char b;
+  pid_t pid;
+  *trace = start_traced(1, 1, dr, th);
+  assert_true((*victim = session("root")) >= 0);
+  assert_int_equal(pipe(go), 0);
+  assert_int_equal(pipe(done), 0);
+  pid = th_spawn(&D, child, go[0] | done[1] << 16);
+  assert_int_equal(read(done[0], &b, 1), 1); /* its sessions are open */
+  return pid;
+}
+
 /* Read trace lines until one for a request of type body (the Request oneof's field number). */
 static void wait_trace_body(int fd, int body) {
   char line[512], tag[32];
@@ -307,7 +357,6 @@ static void wait_trace_body(int fd, int body) {
  * in the two Stats replies says in which order they were handled. */
 static void test_turn_budget(void **state) {
   int flood, victim, trace;
-  char fifo[320];
   uint8_t *buf = NULL;
   size_t len = 0;
   uint64_t r_victim, r_flood = 0;
@@ -315,21 +364,10 @@ static void test_turn_budget(void **state) {
   drainer dr;
   pthread_t th;
   (void)state;
-  th_prepare(&D);
-  th_write_conf(&D, "[pool default]\nkind = host\ncapacity = 64M\nslab_size = 4M\n");
-  snprintf(fifo, sizeof fifo, "%s/trace", D.dir);
-  assert_int_equal(mkfifo(fifo, 0600), 0);
-  assert_true((trace = open(fifo, O_RDONLY | O_NONBLOCK | O_CLOEXEC)) >= 0);
-  setenv("GPUPOOL_TRACE", fifo, 1);
-  th_start(&D, 1, NULL);
-  unsetenv("GPUPOOL_TRACE");
-  dr.fd = trace;
-  dr.stop = 0;
-  assert_int_equal(pthread_create(&th, NULL, drain, &dr), 0);
+  trace = start_traced(0, 0, &dr, &th);
   assert_true((flood = session("flood")) >= 0);
   assert_true((victim = session("victim")) >= 0);
-  dr.stop = 1;
-  assert_int_equal(pthread_join(th, NULL), 0);
+  drain_stop(&dr, th);
 
   for (uint64_t k = 0; k < FLOOD; k++)
     assert_int_equal(append_get(&buf, &len, 10 + k, "absent", 0, 0), 0);
@@ -361,8 +399,7 @@ static void test_turn_budget(void **state) {
     }
     gpupool__wire__reply__free_unpacked(rep, NULL);
   }
-  dr.stop = 1;
-  assert_int_equal(pthread_join(th, NULL), 0);
+  drain_stop(&dr, th);
   printf("victim's Stats handled as request %llu, the flood's last as request %llu\n",
          (unsigned long long)r_victim, (unsigned long long)r_flood);
   if (r_victim >= r_flood)
@@ -377,8 +414,7 @@ static void test_turn_budget(void **state) {
   assert_int_equal(pthread_create(&th, NULL, drain, &dr), 0);
   unlink(fifo);
   th_stop(&D);
-  dr.stop = 1;
-  assert_int_equal(pthread_join(th, NULL), 0);
+  drain_stop(&dr, th);
   close(trace);
 }
 
@@ -459,33 +495,15 @@ static int trace_line(int fd, char *line, size_t cap) {
  * connections in turn alone would put root's behind one request of each flood connection.) */
 static void test_uid_share(void **state) {
   int victim, trace, go[2], done[2], st;
-  char fifo[320], line[512], b = 1, *skip;
+  char line[512], b = 1, *skip;
   int queued = 0;
   uint64_t before = 0;
   pid_t child;
   drainer dr;
   pthread_t th;
   (void)state;
-  th_prepare(&D);
-  assert_int_equal(chmod(D.dir, 0711), 0);
-  th_write_conf(&D, "[daemon]\nsocket_mode = 0666\n[pool default]\nkind = host\ncapacity = 64M\nslab_size = 4M\n");
-  snprintf(fifo, sizeof fifo, "%s/trace", D.dir);
-  assert_int_equal(mkfifo(fifo, 0600), 0);
-  assert_true((trace = open(fifo, O_RDONLY | O_NONBLOCK | O_CLOEXEC)) >= 0);
-  assert_true(fcntl(trace, F_SETPIPE_SZ, 4096) > 0);
-  setenv("GPUPOOL_TRACE", fifo, 1);
-  th_start(&D, 1, NULL);
-  unsetenv("GPUPOOL_TRACE");
-  dr.fd = trace;
-  dr.stop = 0;
-  assert_int_equal(pthread_create(&th, NULL, drain, &dr), 0);
-  assert_true((victim = session("root")) >= 0);
-  assert_int_equal(pipe(go), 0);
-  assert_int_equal(pipe(done), 0);
-  child = th_spawn(&D, share_child, go[0] | done[1] << 16);
-  assert_int_equal(read(done[0], &b, 1), 1); /* its sessions are open */
-  dr.stop = 1;
-  assert_int_equal(pthread_join(th, NULL), 0);
+  child = flood_ready(share_child, &trace, &victim, go, done, &dr, &th);
+  drain_stop(&dr, th);
 
   assert_int_equal(write(go[1], &b, 1), 1);
   assert_int_equal(read(done[0], &b, 1), 1); /* the flood is in the sockets */
@@ -529,8 +547,7 @@ static void test_uid_share(void **state) {
   close(victim);
   unlink(fifo);
   th_stop(&D);
-  dr.stop = 1;
-  assert_int_equal(pthread_join(th, NULL), 0);
+  drain_stop(&dr, th);
   close(trace);
 }
 
@@ -637,7 +654,7 @@ static uint64_t stats_bytes_read(int fd, uint64_t seq, uint64_t *requests) {
  * requests: together twice the budget). */
 static void test_read_share(void **state) {
   int victim, trace, go[2], done[2], st;
-  char fifo[320], b = 1;
+  char b = 1;
   uint8_t *hbuf = NULL, *sbuf = NULL;
   size_t hlen = 0, slen = 0;
   uint64_t before, after, flood;
@@ -645,27 +662,9 @@ static void test_read_share(void **state) {
   drainer dr;
   pthread_t th;
   (void)state;
-  th_prepare(&D);
-  assert_int_equal(chmod(D.dir, 0711), 0);
-  th_write_conf(&D, "[daemon]\nsocket_mode = 0666\n[pool default]\nkind = host\ncapacity = 64M\nslab_size = 4M\n");
-  snprintf(fifo, sizeof fifo, "%s/trace", D.dir);
-  assert_int_equal(mkfifo(fifo, 0600), 0);
-  assert_true((trace = open(fifo, O_RDONLY | O_NONBLOCK | O_CLOEXEC)) >= 0);
-  assert_true(fcntl(trace, F_SETPIPE_SZ, 4096) > 0);
-  setenv("GPUPOOL_TRACE", fifo, 1);
-  th_start(&D, 1, NULL);
-  unsetenv("GPUPOOL_TRACE");
-  dr.fd = trace;
-  dr.stop = 0;
-  assert_int_equal(pthread_create(&th, NULL, drain, &dr), 0);
-  assert_true((victim = session("root")) >= 0);
-  assert_int_equal(pipe(go), 0);
-  assert_int_equal(pipe(done), 0);
-  child = th_spawn(&D, read_child, go[0] | done[1] << 16);
-  assert_int_equal(read(done[0], &b, 1), 1); /* its sessions are open */
+  child = flood_ready(read_child, &trace, &victim, go, done, &dr, &th);
   before = stats_bytes_read(victim, 4, NULL);
-  dr.stop = 1;
-  assert_int_equal(pthread_join(th, NULL), 0);
+  drain_stop(&dr, th);
 
   /* What the holder and root send in between, counted out of the total below. */
   for (uint64_t k = 0; k < SHARE_FLOOD; k++)
@@ -707,8 +706,7 @@ static void test_read_share(void **state) {
   close(victim);
   unlink(fifo);
   th_stop(&D);
-  dr.stop = 1;
-  assert_int_equal(pthread_join(th, NULL), 0);
+  drain_stop(&dr, th);
   close(trace);
 }
 
