@@ -24,7 +24,7 @@ enum {
 #define GPUPOOL__REQ_OPERATOR (GPUPOOL__REQ_NEEDS_HELLO | GPUPOOL__REQ_ADMIN)
 
 /* X(CASE, name, Message, flags): CASE names GPUPOOL__WIRE__REQUEST__BODY_CASE, name is the
- * oneof field's name (the metrics' type label; the daemon's handler is gpupool__handle_<name>),
+ * oneof field's name (the metrics' type label; the daemon's handler is gpd_handle_<name>),
  * Message the proto message's name (what gpupoolctl calls it). In the proto's order. */
 #define GPUPOOL__REQUEST_MAP(X)                                            \
   X(HELLO, hello, Hello, 0)                                                \

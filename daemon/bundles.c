@@ -15,7 +15,7 @@
 /* Freeing a layout of at least this many members gives the freed heap pages back. */
 #define TRIM_AFTER_MEMBERS 4096
 
-void gpupool__members_free(gpupool__member *m, uint32_t n) {
+void gpd_members_free(gpd_member *m, uint32_t n) {
   for (uint32_t i = 0; m && i < n; i++) {
     free(m[i].name);
     free(m[i].meta);
@@ -23,12 +23,12 @@ void gpupool__members_free(gpupool__member *m, uint32_t n) {
   free(m);
 }
 
-static void members_account(gpupool__registry *reg, uint64_t tenant, int64_t delta) {
-  gpupool__uid_usage *u;
-  if (!delta || !(u = gpupool__uid_usage_get(reg, tenant, 0)))
+static void members_account(gpd_registry *reg, uint64_t tenant, int64_t delta) {
+  gpd_uid_usage *u;
+  if (!delta || !(u = gpd_uid_usage_get(reg, tenant, 0)))
     return;
   u->members = (uint64_t)((int64_t)u->members + delta);
-  gpupool__uid_usage_put(reg, u);
+  gpd_uid_usage_put(reg, u);
 }
 
 /* Member tables and member names come from clients, so they are hashed with the seeded hash:
@@ -60,7 +60,7 @@ static int meta_equal(const gpupool_tensor_meta *a, const gpupool_tensor_meta *b
          a->byte_offset == b->byte_offset;
 }
 
-static uint64_t table_hash(uint64_t tenant, const gpupool__member *m, uint32_t n, uint32_t nbufs) {
+static uint64_t table_hash(uint64_t tenant, const gpd_member *m, uint32_t n, uint32_t nbufs) {
   gpupool__hash_state st;
   gpupool__hash_init(&st);
   gpupool__hash_update(&st, &tenant, sizeof tenant);
@@ -76,7 +76,7 @@ static uint64_t table_hash(uint64_t tenant, const gpupool__member *m, uint32_t n
   return gpupool__hash_final(&st) | 1;
 }
 
-static int table_equal(const gpupool__layout *l, uint64_t tenant, const gpupool__member *m, uint32_t n,
+static int table_equal(const gpd_layout *l, uint64_t tenant, const gpd_member *m, uint32_t n,
                        uint32_t nbufs) {
   if (l->tenant != tenant || l->n != n || l->nbufs != nbufs)
     return 0;
@@ -94,28 +94,28 @@ static int table_equal(const gpupool__layout *l, uint64_t tenant, const gpupool_
  * which lie in nbufs buffers; counted against tenant's members once per layout. A new table
  * must fit in max_members_per_uid (less `freed`, members a new version releases); a shared
  * one adds no members. */
-int gpupool__layout_new(gpupool__registry *reg, uint64_t tenant, gpupool__member *members, uint32_t n,
-                        uint32_t nbufs, uint64_t freed, gpupool__layout **out) {
+int gpd_layout_new(gpd_registry *reg, uint64_t tenant, gpd_member *members, uint32_t n,
+                        uint32_t nbufs, uint64_t freed, gpd_layout **out) {
   uint64_t h = table_hash(tenant, members, n, nbufs);
-  gpupool__layout *same_hash = gpupool__hmap_get(&reg->layout_hash, h), *l;
+  gpd_layout *same_hash = gpupool__hmap_get(&reg->layout_hash, h), *l;
   int rc;
   if (same_hash && table_equal(same_hash, tenant, members, n, nbufs)) {
-    gpupool__members_free(members, n);
+    gpd_members_free(members, n);
     same_hash->refs++;
     *out = same_hash;
     return 0;
   }
-  if ((rc = gpupool__quota_members(reg, tenant, n, freed)) != 0) {
-    gpupool__members_free(members, n);
+  if ((rc = gpd_quota_members(reg, tenant, n, freed)) != 0) {
+    gpd_members_free(members, n);
     return rc;
   }
   l = calloc(1, sizeof *l);
   if (!l || !(l->need = calloc(nbufs ? nbufs : 1, sizeof *l->need))) {
     free(l);
-    gpupool__members_free(members, n);
+    gpd_members_free(members, n);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
-  l->id = gpupool__next_id(reg);
+  l->id = gpd_next_id(reg);
   l->refs = 1;
   l->tenant = tenant;
   l->members = members;
@@ -127,13 +127,13 @@ int gpupool__layout_new(gpupool__registry *reg, uint64_t tenant, gpupool__member
   if (gpupool__hmap_put(&reg->layouts, l->id, l) != 0) {
     free(l->need);
     free(l);
-    gpupool__members_free(members, n);
+    gpd_members_free(members, n);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
   l->hash = h;
   if (!same_hash) /* (a different table with the same hash keeps the slot) */
     (void)gpupool__hmap_put(&reg->layout_hash, h, l); /* out of memory: just not shared */
-  gpupool__uid_usage *u = gpupool__uid_usage_get(reg, tenant, 1);
+  gpd_uid_usage *u = gpd_uid_usage_get(reg, tenant, 1);
   if (u)
     u->members += n;
   reg->nmembers += n;
@@ -141,7 +141,7 @@ int gpupool__layout_new(gpupool__registry *reg, uint64_t tenant, gpupool__member
   return 0;
 }
 
-void gpupool__layout_unref(gpupool__registry *reg, gpupool__layout *l) {
+void gpd_layout_unref(gpd_registry *reg, gpd_layout *l) {
   if (!l || --l->refs > 0)
     return;
   gpupool__hmap_del(&reg->layouts, l->id);
@@ -149,7 +149,7 @@ void gpupool__layout_unref(gpupool__registry *reg, gpupool__layout *l) {
     gpupool__hmap_del(&reg->layout_hash, l->hash);
   members_account(reg, l->tenant, -(int64_t)l->n);
   reg->nmembers -= l->n;
-  gpupool__members_free(l->members, l->n);
+  gpd_members_free(l->members, l->n);
 #ifdef __GLIBC__
   /* A large table is tens of thousands of small blocks (names, descriptions) spread over the
    * heap; malloc keeps their pages after free, so the daemon would stay at the high-water
@@ -164,7 +164,7 @@ void gpupool__layout_unref(gpupool__registry *reg, gpupool__layout *l) {
 
 /* Refuses a table whose member names repeat (an open-addressing set of the names: O(n), as
  * long as the names cannot be chosen to share a slot, hence the seeded hash). */
-int gpupool__members_unique(const gpupool__member *m, size_t n) {
+int gpd_members_unique(const gpd_member *m, size_t n) {
   size_t cap = 16, i;
   uint32_t *slots;
   while (cap < 2 * n)
@@ -186,8 +186,8 @@ int gpupool__members_unique(const gpupool__member *m, size_t n) {
 }
 
 /* Checks a member's name, range and tensor description and copies it into *out. */
-int gpupool__member_from_wire(const char *name, uint64_t offset, uint64_t size, const Gpupool__Wire__TensorMeta *tm,
-                              uint64_t limit, size_t idx, gpupool__member *out) {
+int gpd_member_from_wire(const char *name, uint64_t offset, uint64_t size, const Gpupool__Wire__TensorMeta *tm,
+                              uint64_t limit, size_t idx, gpd_member *out) {
   gpupool_tensor_meta m;
   int rc;
   if (!name || gpupool__wire_check_name(name) != 0)
@@ -217,40 +217,40 @@ int gpupool__member_from_wire(const char *name, uint64_t offset, uint64_t size, 
   return 0;
 }
 
-int gpupool__check_member_count(gpupool__registry *reg, size_t n) {
+int gpd_check_member_count(gpd_registry *reg, size_t n) {
   if (n == 0)
     return gpupool__err(GPUPOOL_EINVAL, "a bundle needs at least one member");
-  return gpupool__quota_bundle_members(reg, n);
+  return gpd_quota_bundle_members(reg, n);
 }
 
-void gpupool__bundle_plan_free(gpupool__bundle_plan *plan) {
+void gpd_bundle_plan_free(gpd_bundle_plan *plan) {
   if (!plan)
     return;
   if (plan->layout)
-    gpupool__layout_unref(plan->reg, plan->layout);
+    gpd_layout_unref(plan->reg, plan->layout);
   else
-    gpupool__members_free(plan->members, plan->nmembers);
+    gpd_members_free(plan->members, plan->nmembers);
   free(plan->chunks);
   free(plan);
 }
 
-int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool__pool *p,
+int gpd_bundle_plan_new(gpd_registry *reg, gpd_client *c, gpd_pool *p,
                              Gpupool__Wire__MemberSpec *const *specs, size_t n, uint64_t align,
-                             gpupool__bundle_plan **out) {
-  gpupool__bundle_plan *plan;
+                             gpd_bundle_plan **out) {
+  gpd_bundle_plan *plan;
   uint64_t owner, cur = 0, limit;
   size_t i;
   int rc;
 
-  if ((rc = gpupool__check_member_count(reg, n)) != 0)
+  if ((rc = gpd_check_member_count(reg, n)) != 0)
     return rc;
-  if ((rc = gpupool__pool_owner(reg, c, p, &owner)) != 0 || (rc = gpupool__pool_alignment(p, &align)) != 0)
+  if ((rc = gpd_pool_owner(reg, c, p, &owner)) != 0 || (rc = gpd_pool_alignment(p, &align)) != 0)
     return rc;
   /* A chunk is one exported allocation: at most 4 GiB (the CUDA driver's limit on one). */
   limit = GPUPOOL_SLAB_HARD_MAX & ~(align - 1);
   if (!(plan = calloc(1, sizeof *plan)) || !(plan->members = calloc(n, sizeof *plan->members)) ||
       !(plan->chunks = calloc(n, sizeof *plan->chunks))) {
-    gpupool__bundle_plan_free(plan);
+    gpd_bundle_plan_free(plan);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
   plan->pool = p;
@@ -258,9 +258,9 @@ int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool
   plan->align = align;
   for (i = 0; i < n; i++) {
     const Gpupool__Wire__MemberSpec *sp = specs[i];
-    gpupool__member *m = &plan->members[i];
+    gpd_member *m = &plan->members[i];
     uint64_t off;
-    if ((rc = gpupool__member_from_wire(sp->name, 0, sp->size, sp->tensor, UINT64_MAX, i, m)) != 0)
+    if ((rc = gpd_member_from_wire(sp->name, 0, sp->size, sp->tensor, UINT64_MAX, i, m)) != 0)
       goto fail;
     plan->nmembers = (uint32_t)i + 1;
     if (sp->size > limit) {
@@ -269,7 +269,7 @@ int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool
                         "(%" PRIu64 " bytes); split it", i, sp->name, sp->size, p->cfg.name, limit);
       goto fail;
     }
-    off = gpupool__round_up(cur, align);
+    off = gpd_round_up(cur, align);
     if (plan->nchunks == 0 || off + sp->size > limit || off < cur) {
       /* Start a new chunk (the first one, or this member does not fit in the current one). */
       if (plan->nchunks)
@@ -295,9 +295,9 @@ int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool
                       plan->total, p->cfg.name, p->cfg.capacity);
     goto fail;
   }
-  if ((rc = gpupool__members_unique(plan->members, n)) != 0)
+  if ((rc = gpd_members_unique(plan->members, n)) != 0)
     goto fail;
-  rc = gpupool__layout_new(reg, c->tenant, plan->members, (uint32_t)n, plan->nchunks, 0, &plan->layout);
+  rc = gpd_layout_new(reg, c->tenant, plan->members, (uint32_t)n, plan->nchunks, 0, &plan->layout);
   if (rc != 0) {
     plan->members = NULL; /* freed by layout_new */
     plan->nmembers = 0;
@@ -306,18 +306,18 @@ int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool
   *out = plan;
   return 0;
 fail:
-  gpupool__bundle_plan_free(plan);
+  gpd_bundle_plan_free(plan);
   return rc;
 }
 
-int gpupool__bundle_allocate(gpupool__registry *reg, gpupool__client *c, const gpupool__bundle_plan *plan,
-                             gpupool__hold ***holds) {
-  gpupool__hold **hs = calloc(plan->nchunks, sizeof *hs);
+int gpd_bundle_allocate(gpd_registry *reg, gpd_client *c, const gpd_bundle_plan *plan,
+                             gpd_hold ***holds) {
+  gpd_hold **hs = calloc(plan->nchunks, sizeof *hs);
   int rc = 0;
   if (!hs)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   for (uint32_t i = 0; i < plan->nchunks; i++)
-    if ((rc = gpupool__allocate(reg, c, plan->pool, plan->chunks[i], plan->align, &hs[i])) != 0) {
+    if ((rc = gpd_allocate(reg, c, plan->pool, plan->chunks[i], plan->align, &hs[i])) != 0) {
       char msg[GPUPOOL__ERRMSG_MAX];
       int returned = reg->memory_returned;
       snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
@@ -325,7 +325,7 @@ int gpupool__bundle_allocate(gpupool__registry *reg, gpupool__client *c, const g
        * it must not wake the waiting allocations (this one among them, which would be
        * tried again at once, fail the same way, and so on forever). */
       while (i-- > 0)
-        gpupool__hold_drop(reg, hs[i], 0, NULL);
+        gpd_hold_drop(reg, hs[i], 0, NULL);
       reg->memory_returned = returned;
       free(hs);
       if (plan->nchunks > 1)

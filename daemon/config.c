@@ -3,7 +3,7 @@
  * that make a pool usable (slab <= 4 GiB, capacity a whole number of slabs, power-of-two
  * alignment). Every error names the file and line (or the --pool spec) and what to write.
  *
- * The keys are one table, gpupool__config_keys: a row per key (section, parser, field, range,
+ * The keys are one table, gpd_config_keys: a row per key (section, parser, field, range,
  * default, one line of doc). The [daemon], [pool], [tenant] and [group] lines, the --pool
  * specs, the defaults, the unknown-key message and --list-config-keys all read the rows, and
  * test_conf_example holds config/gpupoold.conf to them: a new key is a new row (and its line
@@ -39,22 +39,22 @@
 #include "paths.h"
 #include "log.h"
 
-void gpupool__config_defaults(gpupool__config *c) {
+void gpd_config_defaults(gpd_config *c) {
   memset(c, 0, sizeof *c);
   if (gpupool__socket_path(c->socket_path, sizeof c->socket_path, 0) != 0)
     c->socket_path[0] = '\0';
   /* The rows' defaults go through the rows' own parsers; test_conf_example checks that each
    * one parses and matches config/gpupoold.conf. */
-  for (size_t i = 0; i < gpupool__n_config_keys; i++) {
-    const gpupool__config_key *k = &gpupool__config_keys[i];
+  for (size_t i = 0; i < gpd_n_config_keys; i++) {
+    const gpd_config_key *k = &gpd_config_keys[i];
     if ((k->sections & GPUPOOL__CS_DAEMON) && k->def)
-      (void)gpupool__config_key_set(c, k, k->def);
+      (void)gpd_config_key_set(c, k, k->def);
   }
   for (int i = 0; i < GPUPOOL_MAX_POOLS; i++)
     c->pool_share[i] = -1;
 }
 
-int gpupool__parse_size(const char *s, uint64_t *out) {
+int gpd_parse_size(const char *s, uint64_t *out) {
   char *end;
   unsigned long long v;
   uint64_t mul = 1;
@@ -101,7 +101,7 @@ int gpupool__parse_size(const char *s, uint64_t *out) {
   return 0;
 }
 
-/* Parse a metrics_listen value into *out (see gpupool__config). 0 or GPUPOOL_EINVAL. */
+/* Parse a metrics_listen value into *out (see gpd_config). 0 or GPUPOOL_EINVAL. */
 static int parse_listen(const char *s, struct sockaddr_storage *out) {
   char host[64];
   const char *port_s = s;
@@ -160,7 +160,7 @@ bad:
 
 static int parse_u32(const char *s, uint32_t *out) {
   uint64_t v = 0;
-  if (gpupool__parse_size(s, &v) != 0 || v > UINT32_MAX)
+  if (gpd_parse_size(s, &v) != 0 || v > UINT32_MAX)
     return gpupool__err(GPUPOOL_EINVAL, "'%s' is not a number between 0 and %u", s, UINT32_MAX);
   *out = (uint32_t)v;
   return 0;
@@ -187,7 +187,7 @@ static int parse_bool(const char *s, int *out) {
   return 0;
 }
 
-int gpupool__config_set_backend(gpupool__config *c, const char *name) {
+int gpd_config_set_backend(gpd_config *c, const char *name) {
   const gpupool__backend_desc *d = NULL;
   if (strcmp(name, "auto") && !(d = gpupool__backend_by_name(name)))
     return gpupool__err(GPUPOOL_EINVAL, "unknown backend '%s' (use auto, %s)", name,
@@ -198,7 +198,7 @@ int gpupool__config_set_backend(gpupool__config *c, const char *name) {
 
 /* "file_paths = /data /models": absolute directory prefixes, separated by spaces or commas
  * (empty: any path). Trailing slashes are dropped; "/" alone allows everything. */
-static int parse_file_paths(gpupool__config *c, const char *s) {
+static int parse_file_paths(gpd_config *c, const char *s) {
   char buf[GPUPOOL_MAX_FILE_PATHS * 256], *save = NULL, *tok;
   if (strlen(s) >= sizeof buf)
     return gpupool__err(GPUPOOL_EINVAL, "file_paths is too long");
@@ -246,7 +246,7 @@ static int copy_str(char *dst, size_t len, const char *s) {
   return 0;
 }
 
-int gpupool__member_of(const gpupool__member_set *m, uid_t uid, gid_t gid) {
+int gpd_member_of(const gpd_member_set *m, uid_t uid, gid_t gid) {
   for (int i = 0; i < m->n_uids; i++)
     if (m->uids[i] == uid)
       return 1;
@@ -257,7 +257,7 @@ int gpupool__member_of(const gpupool__member_set *m, uid_t uid, gid_t gid) {
 }
 
 /* The [tenant NAME] or [group NAME] section of that name, added when new. */
-static gpupool__member_set *find_or_add_set(gpupool__member_set *sets, int *n, const char *name) {
+static gpd_member_set *find_or_add_set(gpd_member_set *sets, int *n, const char *name) {
   for (int i = 0; i < *n; i++)
     if (!strcmp(sets[i].name, name))
       return &sets[i];
@@ -270,10 +270,10 @@ static gpupool__member_set *find_or_add_set(gpupool__member_set *sets, int *n, c
 
 /* ---- the keys' own parsers (GPUPOOL__CK_FN rows) ---------------------------------------- */
 
-static int set_backend(void *obj, const char *v) { return gpupool__config_set_backend(obj, v); }
+static int set_backend(void *obj, const char *v) { return gpd_config_set_backend(obj, v); }
 
 static int set_log_level(void *obj, const char *v) {
-  return gpupool__log_parse_level(v, &((gpupool__config *)obj)->log_level);
+  return gpupool__log_parse_level(v, &((gpd_config *)obj)->log_level);
 }
 
 static int set_socket_mode(void *obj, const char *v) {
@@ -281,14 +281,14 @@ static int set_socket_mode(void *obj, const char *v) {
   long m = strtol(v, &end, 8);
   if (*end || end == v || m < 0 || m > 0777)
     return gpupool__err(GPUPOOL_EINVAL, "socket_mode '%s' is not an octal mode like 0660", v);
-  ((gpupool__config *)obj)->socket_mode = (mode_t)m;
+  ((gpd_config *)obj)->socket_mode = (mode_t)m;
   return 0;
 }
 
 static int set_file_paths(void *obj, const char *v) { return parse_file_paths(obj, v); }
 
 static int set_metrics_listen(void *obj, const char *v) {
-  gpupool__config *c = obj;
+  gpd_config *c = obj;
   if (!*v) {
     c->metrics_listen[0] = '\0';
     return 0;
@@ -313,7 +313,7 @@ static int set_pool_kind(void *obj, const char *v) {
 
 static int set_release_threshold(void *obj, const char *v) {
   uint64_t sz;
-  if (gpupool__parse_size(v, &sz) != 0)
+  if (gpd_parse_size(v, &sz) != 0)
     return GPUPOOL_EINVAL;
   ((gpupool__pool_config *)obj)->release_threshold = (int64_t)sz;
   return 0;
@@ -325,9 +325,9 @@ static int set_release_threshold(void *obj, const char *v) {
 #define POOL .sections = GPUPOOL__CS_POOL | GPUPOOL__CS_SPEC
 #define MEMBERS .sections = GPUPOOL__CS_TENANT | GPUPOOL__CS_GROUP
 #define FIELD(type, f) .off = offsetof(type, f), .size = sizeof(((type *)0)->f)
-#define D(f) FIELD(gpupool__config, f)
+#define D(f) FIELD(gpd_config, f)
 #define P(f) FIELD(gpupool__pool_config, f)
-#define M(f) FIELD(gpupool__member_set, f)
+#define M(f) FIELD(gpd_member_set, f)
 #define U32 .kind = GPUPOOL__CK_U32
 #define SIZE .kind = GPUPOOL__CK_SIZE
 #define BOOL .kind = GPUPOOL__CK_BOOL
@@ -335,7 +335,7 @@ static int set_release_threshold(void *obj, const char *v) {
 #define FN(fn) .kind = GPUPOOL__CK_FN, .set = fn
 
 /* One row per key, in the order config/gpupoold.conf documents them. */
-const gpupool__config_key gpupool__config_keys[] = {
+const gpd_config_key gpd_config_keys[] = {
     {DAEMON, .name = "socket", STR, D(socket_path), .doc = "where clients connect (default: $GPUPOOL_SOCKET, else by user)"},
     {DAEMON, .name = "backend", FN(set_backend), D(backend), .def = "auto", .doc = "auto, cuda or host"},
     {DAEMON, .name = "log_level", FN(set_log_level), D(log_level), .def = "info", .doc = "error, warn, info or debug"},
@@ -376,9 +376,9 @@ const gpupool__config_key gpupool__config_keys[] = {
     {DAEMON, .name = "handshake_timeout_ms", U32, D(handshake_timeout_ms), .def = "5000", .doc = "time a client has to say Hello"},
     {DAEMON, .name = "listen_backlog", U32, D(listen_backlog), .lo = 1, .hi = 65535, .def = "4096",
      .doc = "connections the kernel queues until accepted"},
-    {DAEMON, .name = "allow_uids", .kind = GPUPOOL__CK_IDS, D(allow_uids), .count_off = offsetof(gpupool__config, n_allow_uids),
+    {DAEMON, .name = "allow_uids", .kind = GPUPOOL__CK_IDS, D(allow_uids), .count_off = offsetof(gpd_config, n_allow_uids),
      .doc = "uids let in beyond the socket's permissions (none: everyone)"},
-    {DAEMON, .name = "allow_gids", .kind = GPUPOOL__CK_IDS, D(allow_gids), .count_off = offsetof(gpupool__config, n_allow_gids),
+    {DAEMON, .name = "allow_gids", .kind = GPUPOOL__CK_IDS, D(allow_gids), .count_off = offsetof(gpd_config, n_allow_gids),
      .doc = "gids let in beyond the socket's permissions (none: everyone)"},
     {DAEMON, .name = "metrics_socket", STR, D(metrics_socket), .doc = "Unix socket serving Prometheus metrics"},
     {DAEMON, .name = "metrics_textfile", STR, D(metrics_textfile), .doc = "file the metrics are written to"},
@@ -402,12 +402,12 @@ const gpupool__config_key gpupool__config_keys[] = {
     {POOL, .name = "reuse_allow_internal_deps", BOOL, P(reuse_allow_internal_deps), .doc = "CUDA pool attribute"},
     {.sections = GPUPOOL__CS_POOL, .name = "share", .kind = GPUPOOL__CK_SECTION, .doc = "the [group NAME] the pool is shared with"},
 
-    {MEMBERS, .name = "uids", .kind = GPUPOOL__CK_IDS, M(uids), .count_off = offsetof(gpupool__member_set, n_uids),
+    {MEMBERS, .name = "uids", .kind = GPUPOOL__CK_IDS, M(uids), .count_off = offsetof(gpd_member_set, n_uids),
      .doc = "member uids"},
-    {MEMBERS, .name = "gids", .kind = GPUPOOL__CK_IDS, M(gids), .count_off = offsetof(gpupool__member_set, n_gids),
+    {MEMBERS, .name = "gids", .kind = GPUPOOL__CK_IDS, M(gids), .count_off = offsetof(gpd_member_set, n_gids),
      .doc = "member primary gids"},
 };
-const size_t gpupool__n_config_keys = sizeof gpupool__config_keys / sizeof gpupool__config_keys[0];
+const size_t gpd_n_config_keys = sizeof gpd_config_keys / sizeof gpd_config_keys[0];
 
 #undef DAEMON
 #undef POOL
@@ -424,9 +424,9 @@ const size_t gpupool__n_config_keys = sizeof gpupool__config_keys / sizeof gpupo
 
 /* ---- reading the table -------------------------------------------------------------------- */
 
-const gpupool__config_key *gpupool__config_key_find(unsigned section, const char *key) {
-  for (size_t i = 0; i < gpupool__n_config_keys; i++) {
-    const gpupool__config_key *k = &gpupool__config_keys[i];
+const gpd_config_key *gpd_config_key_find(unsigned section, const char *key) {
+  for (size_t i = 0; i < gpd_n_config_keys; i++) {
+    const gpd_config_key *k = &gpd_config_keys[i];
     if ((k->sections & section) && (!strcmp(k->name, key) || (k->alias && !strcmp(k->alias, key))))
       return k;
   }
@@ -444,7 +444,7 @@ static void fmt_bytes(char *buf, size_t len, uint64_t v) {
   snprintf(buf, len, "%llu%s", (unsigned long long)v, units[u]);
 }
 
-int gpupool__config_key_set(void *obj, const gpupool__config_key *k, const char *v) {
+int gpd_config_key_set(void *obj, const gpd_config_key *k, const char *v) {
   char *field = (char *)obj + k->off;
   uint32_t u = 0;
   int i = 0;
@@ -467,7 +467,7 @@ int gpupool__config_key_set(void *obj, const gpupool__config_key *k, const char 
     memcpy(field, &u, sizeof u);
     return 0;
   case GPUPOOL__CK_SIZE:
-    return gpupool__parse_size(v, (uint64_t *)(void *)field);
+    return gpd_parse_size(v, (uint64_t *)(void *)field);
   case GPUPOOL__CK_INT:
     if (parse_int(v, (int)k->lo, (int)k->hi, &i) != 0)
       return GPUPOOL_EINVAL;
@@ -517,14 +517,14 @@ static size_t key_distance(const char *a, const char *b) {
  * when it is near enough to be a typo, and the section's keys (nearest first and cut short
  * when they would not fit in a message). */
 static int unknown_key(unsigned section, const char *key, const char *noun, const char *in) {
-  const gpupool__config_key *rows[128];
+  const gpd_config_key *rows[128];
   const char *best = NULL;
   size_t dist[128], n = 0, best_d = SIZE_MAX, off = 0, all = 0, shown = 0;
   char known[260] = "", hint[96] = "";
   int sorted = 0;
 
-  for (size_t i = 0; i < gpupool__n_config_keys && n < 128; i++) {
-    const gpupool__config_key *k = &gpupool__config_keys[i];
+  for (size_t i = 0; i < gpd_n_config_keys && n < 128; i++) {
+    const gpd_config_key *k = &gpd_config_keys[i];
     const char *near = k->name;
     size_t d;
     if (!(k->sections & section))
@@ -550,7 +550,7 @@ static int unknown_key(unsigned section, const char *key, const char *noun, cons
     sorted = 1;
     for (size_t i = 1; i < n; i++)
       for (size_t j = i; j > 0 && dist[j] < dist[j - 1]; j--) {
-        const gpupool__config_key *t = rows[j];
+        const gpd_config_key *t = rows[j];
         size_t td = dist[j];
         rows[j] = rows[j - 1], dist[j] = dist[j - 1];
         rows[j - 1] = t, dist[j - 1] = td;
@@ -573,17 +573,17 @@ static int unknown_key(unsigned section, const char *key, const char *noun, cons
 /* Key k of section into obj; refused as "unknown NOUN 'k'IN" when the section has no such
  * key (or only its section reader takes it, as share). */
 static int set_key(void *obj, unsigned section, const char *k, const char *v, const char *noun, const char *in) {
-  const gpupool__config_key *row = gpupool__config_key_find(section, k);
+  const gpd_config_key *row = gpd_config_key_find(section, k);
   if (row && row->kind != GPUPOOL__CK_SECTION)
-    return gpupool__config_key_set(obj, row, v);
+    return gpd_config_key_set(obj, row, v);
   return unknown_key(section, k, noun, in);
 }
 
-int gpupool__config_set(gpupool__config *c, const char *k, const char *v) {
+int gpd_config_set(gpd_config *c, const char *k, const char *v) {
   return set_key(c, GPUPOOL__CS_DAEMON, k, v, "key", " in [daemon]");
 }
 
-static int set_member_key(gpupool__member_set *m, unsigned section, const char *k, const char *v) {
+static int set_member_key(gpd_member_set *m, unsigned section, const char *k, const char *v) {
   char in[64];
   snprintf(in, sizeof in, " in [%s]", m->name);
   return set_key(m, section, k, v, "key", in);
@@ -597,22 +597,22 @@ static const char *section_name(unsigned sections) {
                                           : "group";
 }
 
-void gpupool__config_list_keys(FILE *f) {
-  for (size_t i = 0; i < gpupool__n_config_keys; i++) {
-    const gpupool__config_key *k = &gpupool__config_keys[i];
+void gpd_config_list_keys(FILE *f) {
+  for (size_t i = 0; i < gpd_n_config_keys; i++) {
+    const gpd_config_key *k = &gpd_config_keys[i];
     fprintf(f, "[%s] %s = %s  # %s%s%s%s\n", section_name(k->sections), k->name, k->def ? k->def : "", k->doc,
             k->alias ? "; also written " : "", k->alias ? k->alias : "",
             (k->sections & GPUPOOL__CS_SPEC) && (k->sections & GPUPOOL__CS_POOL) ? "; also in --pool" : "");
   }
 }
 
-void gpupool__config_changed_keys(const gpupool__config *c, char *buf, size_t len) {
-  gpupool__config d;
+void gpd_config_changed_keys(const gpd_config *c, char *buf, size_t len) {
+  gpd_config d;
   size_t off = 0;
-  gpupool__config_defaults(&d);
+  gpd_config_defaults(&d);
   buf[0] = '\0';
-  for (size_t i = 0; i < gpupool__n_config_keys; i++) {
-    const gpupool__config_key *k = &gpupool__config_keys[i];
+  for (size_t i = 0; i < gpd_n_config_keys; i++) {
+    const gpd_config_key *k = &gpd_config_keys[i];
     size_t need;
     if (!(k->sections & GPUPOOL__CS_DAEMON) || !memcmp((const char *)c + k->off, (const char *)&d + k->off, k->size))
       continue;
@@ -625,7 +625,7 @@ void gpupool__config_changed_keys(const gpupool__config *c, char *buf, size_t le
   }
 }
 
-static gpupool__pool_config *find_or_add_pool(gpupool__config *c, const char *name) {
+static gpupool__pool_config *find_or_add_pool(gpd_config *c, const char *name) {
   for (int i = 0; i < c->n_pools; i++)
     if (!strcmp(c->pools[i].name, name))
       return &c->pools[i];
@@ -690,12 +690,12 @@ static int open_regular(const char *path, FILE **out) {
   return 0;
 }
 
-int gpupool__config_load(gpupool__config *c, const char *path) {
+int gpd_config_load(gpd_config *c, const char *path) {
   FILE *f = NULL;
   char line[1024], msg[GPUPOOL__ERRMSG_MAX];
   int lineno = 0, in_daemon = 0, daemon_line = 0, rc = 0;
   gpupool__pool_config *pool = NULL;
-  gpupool__member_set *set = NULL;
+  gpd_member_set *set = NULL;
   unsigned set_section = 0;
 
   if ((rc = open_regular(path, &f)) != 0)
@@ -799,7 +799,7 @@ int gpupool__config_load(gpupool__config *c, const char *path) {
       goto out;
     }
     if (pool && !strcmp(k, "share")) {
-      /* Resolved against the [group] sections by gpupool__config_finish (they may come later). */
+      /* Resolved against the [group] sections by gpd_config_finish (they may come later). */
       int idx = (int)(pool - c->pools);
       if (copy_str(c->pool_share_name[idx], sizeof c->pool_share_name[idx], v) != 0) {
         rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: group name '%s' is too long", path, lineno, v);
@@ -807,7 +807,7 @@ int gpupool__config_load(gpupool__config *c, const char *path) {
       }
       continue;
     }
-    if ((in_daemon ? gpupool__config_set(c, k, v)
+    if ((in_daemon ? gpd_config_set(c, k, v)
          : set     ? set_member_key(set, set_section, k, v)
                    : set_key(pool, GPUPOOL__CS_POOL, k, v, "pool key", "")) != 0) {
       snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
@@ -820,7 +820,7 @@ out:
   return rc;
 }
 
-int gpupool__config_add_pool_spec(gpupool__config *c, const char *spec) {
+int gpd_config_add_pool_spec(gpd_config *c, const char *spec) {
   char buf[512], *save = NULL, *tok, msg[GPUPOOL__ERRMSG_MAX];
   gpupool__pool_config p;
 
@@ -851,7 +851,7 @@ int gpupool__config_add_pool_spec(gpupool__config *c, const char *spec) {
   return 0;
 }
 
-int gpupool__config_finish(gpupool__config *c, const gpupool__backend_desc *backend) {
+int gpd_config_finish(gpd_config *c, const gpupool__backend_desc *backend) {
   int rc;
   for (int i = 0; i < GPUPOOL_MAX_POOLS; i++) {
     c->pool_share[i] = -1;

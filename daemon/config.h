@@ -29,7 +29,7 @@ typedef struct {
   gid_t gids[GPUPOOL_MAX_ALLOW];
   int n_gids;
   int line;
-} gpupool__member_set;
+} gpd_member_set;
 
 typedef struct {
   char socket_path[108];
@@ -95,19 +95,19 @@ typedef struct {
   /* For each pool, the index in groups[] of the group it is shared with, or -1. */
   int pool_share[GPUPOOL_MAX_POOLS];
   char pool_share_name[GPUPOOL_MAX_POOLS][48];
-  gpupool__member_set tenants[GPUPOOL_MAX_SETS];
+  gpd_member_set tenants[GPUPOOL_MAX_SETS];
   int n_tenants;
-  gpupool__member_set groups[GPUPOOL_MAX_SETS];
+  gpd_member_set groups[GPUPOOL_MAX_SETS];
   int n_groups;
-} gpupool__config;
+} gpd_config;
 
-/* The config keys, one row each (daemon/config.c, gpupool__config_keys): the file's parser,
+/* The config keys, one row each (daemon/config.c, gpd_config_keys): the file's parser,
  * the --pool specs, the defaults, the unknown-key message, --list-config-keys and
  * --check-config all read the rows, so a key is added by adding its row. */
 
 /* Where a key may be written (a row's sections is a mask of these). */
 enum {
-  GPUPOOL__CS_DAEMON = 1 << 0, /* [daemon] (and gpupool__config_set) */
+  GPUPOOL__CS_DAEMON = 1 << 0, /* [daemon] (and gpd_config_set) */
   GPUPOOL__CS_POOL = 1 << 1,   /* [pool NAME] */
   GPUPOOL__CS_SPEC = 1 << 2,   /* a --pool spec */
   GPUPOOL__CS_TENANT = 1 << 3, /* [tenant NAME] */
@@ -124,7 +124,7 @@ typedef enum {
   GPUPOOL__CK_IDS,     /* uint32_t[GPUPOOL_MAX_ALLOW] counted by the int at count_off */
   GPUPOOL__CK_FN,      /* the row's own set function (enums, modes, paths, addresses) */
   GPUPOOL__CK_SECTION, /* read by the section reader itself (it needs more than the section) */
-} gpupool__config_kind;
+} gpd_config_kind;
 
 /* The row is meant for the command line (--pool name=): the example file has no line for it. */
 #define GPUPOOL__CF_CMDLINE 1u
@@ -135,9 +135,9 @@ typedef struct {
   unsigned sections;     /* GPUPOOL__CS_* */
   const char *name;
   const char *alias;     /* a short form also accepted (slab for slab_size), or NULL */
-  gpupool__config_kind kind;
-  /* The field in gpupool__config (daemon), gpupool__pool_config (pool, --pool) or
-   * gpupool__member_set (tenant, group); size 0 for GPUPOOL__CK_SECTION. */
+  gpd_config_kind kind;
+  /* The field in gpd_config (daemon), gpupool__pool_config (pool, --pool) or
+   * gpd_member_set (tenant, group); size 0 for GPUPOOL__CK_SECTION. */
   size_t off, size;
   size_t count_off;      /* GPUPOOL__CK_IDS: the int that counts the ids */
   uint64_t lo, hi;       /* GPUPOOL__CK_U32, GPUPOOL__CK_INT: the range accepted */
@@ -147,44 +147,44 @@ typedef struct {
   const char *doc;       /* one line: what it does */
   int (*set)(void *obj, const char *value); /* GPUPOOL__CK_FN */
   unsigned flags;        /* GPUPOOL__CF_* */
-} gpupool__config_key;
+} gpd_config_key;
 
-extern const gpupool__config_key gpupool__config_keys[];
-extern const size_t gpupool__n_config_keys;
+extern const gpd_config_key gpd_config_keys[];
+extern const size_t gpd_n_config_keys;
 
 /* The row of key (or of its alias) among those written in section (a GPUPOOL__CS_* bit), or
  * NULL. */
-const gpupool__config_key *gpupool__config_key_find(unsigned section, const char *key);
+const gpd_config_key *gpd_config_key_find(unsigned section, const char *key);
 /* Parse value into the row's field of obj (the struct that the row's section names). 0 or
  * GPUPOOL_EINVAL with a message. */
-int gpupool__config_key_set(void *obj, const gpupool__config_key *k, const char *value);
+int gpd_config_key_set(void *obj, const gpd_config_key *k, const char *value);
 /* Every key, one line each: section, name = default, what it does (gpupoold
  * --list-config-keys). */
-void gpupool__config_list_keys(FILE *f);
+void gpd_config_list_keys(FILE *f);
 /* The [daemon] keys whose value differs from the default, comma-separated into buf ("" when
  * none; cut short with "..." when buf is too small). */
-void gpupool__config_changed_keys(const gpupool__config *c, char *buf, size_t len);
+void gpd_config_changed_keys(const gpd_config *c, char *buf, size_t len);
 
 /* 1 when uid (or its primary gid) is a member of the set. */
-int gpupool__member_of(const gpupool__member_set *m, uid_t uid, gid_t gid);
+int gpd_member_of(const gpd_member_set *m, uid_t uid, gid_t gid);
 
 /* Defaults: socket path by the rules in gpupool_client_default_socket_path(), backend auto, info. */
-void gpupool__config_defaults(gpupool__config *c);
+void gpd_config_defaults(gpd_config *c);
 /* Read a file into c (later keys override earlier ones). 0 or GPUPOOL_ECONFIG with a
  * message naming the file, line and the problem. */
-int gpupool__config_load(gpupool__config *c, const char *path);
+int gpd_config_load(gpd_config *c, const char *path);
 /* Parse a --pool spec "name=x,kind=device|host|host-numa,device=0,numa=0,capacity=8G,
  * slab=256M,align=256,keep=1" and add it. */
-int gpupool__config_add_pool_spec(gpupool__config *c, const char *spec);
+int gpd_config_add_pool_spec(gpd_config *c, const char *spec);
 /* Set one key of the [daemon] section (what the file's "key = value" lines do). 0 or
  * GPUPOOL_EINVAL with a message. */
-int gpupool__config_set(gpupool__config *c, const char *key, const char *value);
+int gpd_config_set(gpd_config *c, const char *key, const char *value);
 /* "auto" or a backend's name (as in the file's backend = and --backend). */
-int gpupool__config_set_backend(gpupool__config *c, const char *name);
+int gpd_config_set_backend(gpd_config *c, const char *name);
 /* Fill unset fields of pools from the backend's defaults; add the backend's default pools
  * when none is configured. Checks slab <= 4 GiB, capacity >= slab, power-of-two alignment. */
-int gpupool__config_finish(gpupool__config *c, const gpupool__backend_desc *backend);
+int gpd_config_finish(gpd_config *c, const gpupool__backend_desc *backend);
 /* Parse "64M", "8G", "1048576" (K/M/G/T = powers of 1024). 0 or GPUPOOL_EINVAL. */
-int gpupool__parse_size(const char *s, uint64_t *out);
+int gpd_parse_size(const char *s, uint64_t *out);
 
 #endif

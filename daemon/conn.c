@@ -25,15 +25,15 @@
 
 #include "server_internal.h"
 
-static void conn_unready(gpupool__conn *c);
-static void share_put(gpupool__server *s, share *sh);
+static void conn_unready(gpd_conn *c);
+static void share_put(gpd_server *s, share *sh);
 
 /* Every fd a client sent, and every copy of a file's fd, is closed off the loop: closing a file
  * on a stalled file system waits (FUSE sends FLUSH). Charged to the connection's tenant. */
-void gpupool__conn_close_fd(void *arg, int fd) {
-  gpupool__conn *c = arg;
+void gpd_conn_close_fd(void *arg, int fd) {
+  gpd_conn *c = arg;
   if (c->srv->fops)
-    gpupool__fileops_close(c->srv->fops, c->cl.tenant, fd);
+    gpd_fileops_close(c->srv->fops, c->cl.tenant, fd);
   else if (fd >= 0)
     close(fd);
 }
@@ -42,7 +42,7 @@ void gpupool__conn_close_fd(void *arg, int fd) {
 
 /* Send or queue a packed frame; takes buf. fds are duplicated when queued (the originals
  * stay the caller's). A client whose queue passes MAX_TX_QUEUE is dropped, not buffered. */
-void gpupool__conn_send(gpupool__conn *c, uint8_t *buf, size_t len, const int *fds, int nfds) {
+void gpd_conn_send(gpd_conn *c, uint8_t *buf, size_t len, const int *fds, int nfds) {
   int rc;
   if (c->closing) {
     free(buf);
@@ -50,67 +50,67 @@ void gpupool__conn_send(gpupool__conn *c, uint8_t *buf, size_t len, const int *f
   }
   rc = gpupool__wire_txq_send(&c->txq, c->fd, buf, len, fds, nfds);
   if (rc < 0) {
-    gpupool__conn_close(c, rc == GPUPOOL_EIO || rc == GPUPOOL_ECLOSED ? "write failed" : gpupool__errmsg());
+    gpd_conn_close(c, rc == GPUPOOL_EIO || rc == GPUPOOL_ECLOSED ? "write failed" : gpupool__errmsg());
     return;
   }
-  gpupool__conn_heap(c);
-  gpupool__conn_update_poll(c);
+  gpd_conn_heap(c);
+  gpd_conn_update_poll(c);
 }
 
-static void conn_flush(gpupool__conn *c) {
+static void conn_flush(gpd_conn *c) {
   int rc = gpupool__wire_txq_flush(&c->txq, c->fd);
-  gpupool__conn_heap(c);
+  gpd_conn_heap(c);
   if (rc < 0) {
-    gpupool__conn_close(c, "write failed");
+    gpd_conn_close(c, "write failed");
     return;
   }
   if (rc == 1 && c->drop_after_flush) {
-    gpupool__conn_close(c, "protocol violation");
+    gpd_conn_close(c, "protocol violation");
     return;
   }
-  gpupool__conn_update_poll(c);
+  gpd_conn_update_poll(c);
 }
 
-int gpupool__pack_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, uint8_t **buf, size_t *len) {
+int gpd_pack_reply(gpd_conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, uint8_t **buf, size_t *len) {
   rep->seq = seq;
   /* Piggyback slab revocations on every reply. */
   rep->n_revoke_slabs = c->cl.nrevoke;
   rep->revoke_slabs = c->cl.revoke;
   if (gpupool__wire_pack_reply(rep, buf, len) != 0) {
-    gpupool__conn_close(c, "cannot pack a reply");
+    gpd_conn_close(c, "cannot pack a reply");
     return -1;
   }
   c->cl.nrevoke = 0;
   return 0;
 }
 
-void gpupool__send_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds) {
+void gpd_send_reply(gpd_conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds) {
   uint8_t *buf;
   size_t len;
-  /* Replies leave in order: one held back (see gpupool__send_reply_fenced) may carry the export data
+  /* Replies leave in order: one held back (see gpd_send_reply_fenced) may carry the export data
    * of a slab that later replies only name. */
   if (c->fenced_head) {
-    gpupool__park_reply(c, seq, rep, fds, nfds, NULL, 0);
+    gpd_park_reply(c, seq, rep, fds, nfds, NULL, 0);
     return;
   }
-  if (gpupool__pack_reply(c, seq, rep, &buf, &len) == 0)
-    gpupool__conn_send(c, buf, len, fds, nfds);
+  if (gpd_pack_reply(c, seq, rep, &buf, &len) == 0)
+    gpd_conn_send(c, buf, len, fds, nfds);
 }
 
-void gpupool__send_error(gpupool__conn *c, uint64_t seq, int code, const char *msg) {
+void gpd_send_error(gpd_conn *c, uint64_t seq, int code, const char *msg) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__Error err = GPUPOOL__WIRE__ERROR__INIT;
   err.code = code;
   err.message = (char *)(msg && *msg ? msg : gpupool_strerror(code));
   rep.error = &err;
   c->srv->errors++;
-  gpupool__send_reply(c, seq, &rep, NULL, 0);
+  gpd_send_reply(c, seq, &rep, NULL, 0);
 }
 
 /* ---- connection lifetime -------------------------------------------------------------------- */
 
 static void conn_handle_closed(uv_handle_t *h) {
-  gpupool__conn *c = h->data;
+  gpd_conn *c = h->data;
   if (--c->handles_open > 0)
     return;
   gpupool__wire_txq_clear(&c->txq);
@@ -121,9 +121,9 @@ static void conn_handle_closed(uv_handle_t *h) {
   free(c);
 }
 
-void gpupool__conn_close(gpupool__conn *c, const char *why) {
-  gpupool__server *s = c->srv;
-  gpupool__waiter *w, *next;
+void gpd_conn_close(gpd_conn *c, const char *why) {
+  gpd_server *s = c->srv;
+  gpd_waiter *w, *next;
   if (c->closing)
     return;
   c->closing = 1;
@@ -138,24 +138,24 @@ void gpupool__conn_close(gpupool__conn *c, const char *why) {
                        (int)c->cl.pid, (unsigned)c->cl.uid, c->cl.name, why, c->cl.nholds);
   for (w = c->waiters; w; w = next) {
     next = w->cnext;
-    gpupool__waiter_remove(w);
+    gpd_waiter_remove(w);
   }
   while (c->fwaits) {
     fwait *fw = c->fwaits;
-    gpupool__file_op_forget(fw->op); /* files.c lets go of what it made */
-    gpupool__fwait_unlink(fw);
-    gpupool__fwait_free(fw);
+    gpd_file_op_forget(fw->op); /* files.c lets go of what it made */
+    gpd_fwait_unlink(fw);
+    gpd_fwait_free(fw);
   }
   /* Before its holds go: the events of those buffers may be handed out again after. */
-  gpupool__fenced_drop_all(c);
+  gpd_fenced_drop_all(c);
   conn_unready(c);
   c->sh->conns--;
   share_put(s, c->sh);
   c->u->conns--;
-  gpupool__uid_usage_put(s->reg, c->u);
+  gpd_uid_usage_put(s->reg, c->u);
   s->heap -= c->heap;
   c->heap = 0;
-  gpupool__client_drop(s->reg, &c->cl);
+  gpd_client_drop(s->reg, &c->cl);
   gpupool__log_peer_flush(&c->cl.log_rl, c->cl.id, 1);
   if (c->prev)
     c->prev->next = c->next;
@@ -168,7 +168,7 @@ void gpupool__conn_close(gpupool__conn *c, const char *why) {
   uv_close((uv_handle_t *)&c->poll, conn_handle_closed);
   uv_close((uv_handle_t *)&c->hs_timer, conn_handle_closed);
   if (s->reg->memory_returned)
-    gpupool__retry_waiters(s->reg, NULL);
+    gpd_retry_waiters(s->reg, NULL);
 }
 
 static void conn_io(uv_poll_t *p, int status, int events);
@@ -176,7 +176,7 @@ static void conn_io(uv_poll_t *p, int status, int events);
 /* Reads stop once a connection is to be dropped: nothing it sends after a protocol violation
  * is looked at, so it cannot make the daemon buffer more. UV_DISCONNECT lets conn_io see a
  * hang-up without waiting for the connection's turn (see there). */
-void gpupool__conn_update_poll(gpupool__conn *c) {
+void gpd_conn_update_poll(gpd_conn *c) {
   int want = (c->drop_after_flush || c->fops_paused || c->ready_paused ? 0 : UV_READABLE | UV_DISCONNECT) |
              (c->txq.head ? UV_WRITABLE : 0);
   if (c->closing || want == c->poll_events)
@@ -189,25 +189,25 @@ void gpupool__conn_update_poll(gpupool__conn *c) {
 }
 
 static void drop_timeout(uv_timer_t *t) {
-  gpupool__conn_close(t->data, "it did not read its last reply within 1 s of a protocol violation");
+  gpd_conn_close(t->data, "it did not read its last reply within 1 s of a protocol violation");
 }
 
 /* After a protocol violation: send what is queued (the error saying why), read nothing more,
  * and hang up when the queue is out or after a second, whichever comes first. */
-void gpupool__conn_drop_after_flush(gpupool__conn *c) {
+void gpd_conn_drop_after_flush(gpd_conn *c) {
   if (c->drop_after_flush || c->closing)
     return;
   c->drop_after_flush = 1;
   uv_timer_start(&c->hs_timer, drop_timeout, 1000, 0);
-  gpupool__conn_update_poll(c);
+  gpd_conn_update_poll(c);
 }
 
 /* Recount what this connection's queue and input buffer hold on the heap, and drop it if its
  * queue passes max_queued_bytes_per_client or the daemon's total passes
  * max_queued_bytes_total (a client that never reads is dropped, not buffered for). */
-void gpupool__conn_heap(gpupool__conn *c) {
-  gpupool__server *s = c->srv;
-  const gpupool__config *cfg = s->cfg;
+void gpd_conn_heap(gpd_conn *c) {
+  gpd_server *s = c->srv;
+  const gpd_config *cfg = s->cfg;
   size_t h = c->txq.cost + c->in.cap + c->fenced_bytes;
   char why[320];
   s->heap = s->heap - c->heap + h;
@@ -224,11 +224,11 @@ void gpupool__conn_heap(gpupool__conn *c) {
              c->fenced_bytes > c->txq.cost ? "its replies pile up behind one that waits for a producer's GPU work"
                                             : "it does not read its replies",
              queued, c->fenced_bytes, cfg->max_queued_bytes_per_client);
-    gpupool__conn_close(c, why);
+    gpd_conn_close(c, why);
   } else if (cfg->max_queued_bytes_total && s->heap > cfg->max_queued_bytes_total && queued > 0) {
     snprintf(why, sizeof why, "the daemon's queues hold %zu bytes, over max_queued_bytes_total %" PRIu64
              ", and this client has %zu of them unsent or unread", s->heap, cfg->max_queued_bytes_total, queued);
-    gpupool__conn_close(c, why);
+    gpd_conn_close(c, why);
   }
 }
 
@@ -290,14 +290,14 @@ static void share_decay(share *sh, uint64_t now) {
   sh->load_ns = sh->load_ns * f >> 16;
 }
 
-share *gpupool__share_get(gpupool__server *s, uint64_t key) {
+share *gpd_share_get(gpd_server *s, uint64_t key) {
   share *sh = gpupool__hmap_get(&s->shares, key);
   if (sh)
     return sh;
   if (!(sh = calloc(1, sizeof *sh)))
     return NULL;
   sh->key = key;
-  sh->stamp_ns = gpupool__now_ns();
+  sh->stamp_ns = gpd_now_ns();
   if (gpupool__hmap_put(&s->shares, key, sh) != 0) {
     free(sh);
     return NULL;
@@ -306,7 +306,7 @@ share *gpupool__share_get(gpupool__server *s, uint64_t key) {
 }
 
 /* Frees sh once no connection refers to it (its load goes with it: a uid comes back fresh). */
-static void share_put(gpupool__server *s, share *sh) {
+static void share_put(gpd_server *s, share *sh) {
   if (sh->conns || sh == s->serving)
     return;
   gpupool__hmap_del(&s->shares, sh->key);
@@ -320,8 +320,8 @@ static void turn_idle(uv_idle_t *h) { (void)h; }
  * While it is queued its readable events are let by, and unsubscribed only if it is still
  * ready after a pass (two system calls: not for every request of a client that waits for its
  * replies). */
-static void conn_ready(gpupool__conn *c) {
-  gpupool__server *s = c->srv;
+static void conn_ready(gpd_conn *c) {
+  gpd_server *s = c->srv;
   share *sh = c->sh;
   if (c->ready || c->closing)
     return;
@@ -346,8 +346,8 @@ static void conn_ready(gpupool__conn *c) {
   }
 }
 
-static void conn_unready(gpupool__conn *c) {
-  gpupool__server *s = c->srv;
+static void conn_unready(gpd_conn *c) {
+  gpd_server *s = c->srv;
   share *sh = c->sh;
   if (!c->ready)
     return;
@@ -372,12 +372,12 @@ static void conn_unready(gpupool__conn *c) {
   }
   if (c->ready_paused) {
     c->ready_paused = 0;
-    gpupool__conn_update_poll(c);
+    gpd_conn_update_poll(c);
   }
 }
 
 /* After one frame of c: behind the other ready connections of its uid. */
-static void conn_requeue(gpupool__conn *c) {
+static void conn_requeue(gpd_conn *c) {
   share *sh = c->sh;
   if (sh->rtail == c)
     return;
@@ -393,10 +393,10 @@ static void conn_requeue(gpupool__conn *c) {
 }
 
 /* What ends reading a connection: end of stream, or a stream that cannot be read on. */
-static void conn_input_error(gpupool__conn *c, int rc) {
+static void conn_input_error(gpd_conn *c, int rc) {
   char why[GPUPOOL__ERRMSG_MAX + 32];
   if (rc == GPUPOOL_ECLOSED) {
-    gpupool__conn_close(c, "end of connection");
+    gpd_conn_close(c, "end of connection");
     return;
   }
   snprintf(why, sizeof why, "protocol error: %s", gpupool__errmsg());
@@ -404,18 +404,18 @@ static void conn_input_error(gpupool__conn *c, int rc) {
                      gpupool__errmsg());
   if (rc == GPUPOOL_EPROTO && !c->drop_after_flush) {
     /* Tell it why before hanging up (the stream cannot be resynchronised). */
-    gpupool__conn_drop_after_flush(c);
-    gpupool__send_error(c, 0, GPUPOOL_EPROTO, gpupool__errmsg());
+    gpd_conn_drop_after_flush(c);
+    gpd_send_error(c, 0, GPUPOOL_EPROTO, gpupool__errmsg());
     if (!c->txq.head && !c->closing)
-      gpupool__conn_close(c, why);
+      gpd_conn_close(c, why);
   } else {
-    gpupool__conn_close(c, why);
+    gpd_conn_close(c, why);
   }
 }
 
 /* Handle c's next buffered frame: 1 when one was handled, 0 when none is complete (or c
  * can take no more). */
-static int conn_serve(gpupool__conn *c) {
+static int conn_serve(gpd_conn *c) {
   const uint8_t *payload;
   uint32_t len;
   int rc;
@@ -428,18 +428,18 @@ static int conn_serve(gpupool__conn *c) {
   }
   if (rc == 0)
     return 0;
-  gpupool__handle_frame(c, payload, len);
+  gpd_handle_frame(c, payload, len);
   if (c->drop_after_flush && !c->txq.head && !c->closing)
-    gpupool__conn_close(c, "protocol violation");
+    gpd_conn_close(c, "protocol violation");
   return 1;
 }
 
 /* One read of c's socket, at most READ_BUDGET bytes: how many were read; 0 when none were
  * (its socket is empty, or its tenant's file calls pile up); < 0 when c is closed or to be. */
-static int conn_read(gpupool__conn *c) {
-  gpupool__server *s = c->srv;
+static int conn_read(gpd_conn *c) {
+  gpd_server *s = c->srv;
   int fds = 0, rc;
-  if (s->fops && gpupool__fileops_backlog(s->fops, c->cl.tenant) >= GPUPOOL_FILEOPS_BACKLOG_PAUSE) {
+  if (s->fops && gpd_fileops_backlog(s->fops, c->cl.tenant) >= GPUPOOL_FILEOPS_BACKLOG_PAUSE) {
     /* Its tenant's file calls pile up (a file system that does not answer): each fd it sends
      * would be held until its close can run, so nothing more is read from it until they
      * drain (fops_drained). */
@@ -447,14 +447,14 @@ static int conn_read(gpupool__conn *c) {
       c->fops_paused = 1;
       s->npaused++;
     }
-    gpupool__conn_update_poll(c);
+    gpd_conn_update_poll(c);
     return 0;
   }
-  s->last_activity_ns = gpupool__now_ns();
+  s->last_activity_ns = gpd_now_ns();
   rc = gpupool__wire_inbuf_fill(&c->in, c->fd, READ_BUDGET, &fds);
   if (rc > 0)
     s->bytes_read += (uint64_t)rc;
-  gpupool__conn_heap(c);
+  gpd_conn_heap(c);
   if (c->closing)
     return -1;
   if (fds > 0) {
@@ -472,7 +472,7 @@ static int conn_read(gpupool__conn *c) {
 /* One pick of c: its next buffered frame, or else one read and the frame it completed.
  * 1 when c stays ready (a complete frame is still buffered, or the read filled its budget and
  * more may wait in the socket); 0 when it is to wait for its next readable event. */
-static int conn_pick(gpupool__conn *c) {
+static int conn_pick(gpd_conn *c) {
   int n = 0;
   if (c->closing || c->drop_after_flush)
     return 0;
@@ -489,19 +489,19 @@ static int conn_pick(gpupool__conn *c) {
 }
 
 /* 1 when the loop has something waiting: a request, a connection, a socket to write to. */
-static int loop_has_events(gpupool__server *s) {
+static int loop_has_events(gpd_server *s) {
   struct pollfd p = {uv_backend_fd(s->loop), POLLIN, 0};
   return poll(&p, 1, 0) > 0;
 }
 
 static void turn(uv_check_t *h) {
-  gpupool__server *s = h->data;
-  uint64_t start = gpupool__now_ns(), t = start, looked = start;
+  gpd_server *s = h->data;
+  uint64_t start = gpd_now_ns(), t = start, looked = start;
   for (share *sh = s->ready; sh; sh = sh->rnext)
     share_decay(sh, start);
   while (s->ready) {
     share *sh = s->ready;
-    gpupool__conn *c;
+    gpd_conn *c;
     uint64_t t1;
     int more;
     for (share *o = sh->rnext; o; o = o->rnext)
@@ -511,7 +511,7 @@ static void turn(uv_check_t *h) {
     s->serving = sh; /* a disconnect inside may drop the last connection of sh */
     more = conn_pick(c);
     s->serving = NULL;
-    t1 = gpupool__now_ns();
+    t1 = gpd_now_ns();
     sh->load_ns += t1 - t;
     t = t1;
     if (!sh->conns) {
@@ -533,10 +533,10 @@ static void turn(uv_check_t *h) {
     }
   }
   for (share *sh = s->ready; sh; sh = sh->rnext)
-    for (gpupool__conn *c = sh->rhead; c; c = c->rnext)
+    for (gpd_conn *c = sh->rhead; c; c = c->rnext)
       if (!c->ready_paused) {
         c->ready_paused = 1;
-        gpupool__conn_update_poll(c);
+        gpd_conn_update_poll(c);
       }
   if (!s->ready && s->turn_on) {
     uv_check_stop(&s->turn_check);
@@ -546,9 +546,9 @@ static void turn(uv_check_t *h) {
 }
 
 static void conn_io(uv_poll_t *p, int status, int events) {
-  gpupool__conn *c = p->data;
+  gpd_conn *c = p->data;
   if (status < 0) {
-    gpupool__conn_close(c, uv_strerror(status));
+    gpd_conn_close(c, uv_strerror(status));
     return;
   }
   if (events & UV_WRITABLE) {

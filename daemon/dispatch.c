@@ -21,9 +21,9 @@
 
 #include "server_internal.h"
 
-static int is_admin(const gpupool__conn *c) { return c->cl.uid == 0 || c->cl.uid == geteuid(); }
+static int is_admin(const gpd_conn *c) { return c->cl.uid == 0 || c->cl.uid == geteuid(); }
 
-static int admin_denied(gpupool__conn *c) {
+static int admin_denied(gpd_conn *c) {
   return gpupool__err(GPUPOOL_EPERM,
                       "this request is for operators: it needs root or the daemon's own uid (%u); "
                       "you are uid %u",
@@ -31,8 +31,8 @@ static int admin_denied(gpupool__conn *c) {
 }
 
 /* Each row's handler, indexed like gpupool__request_kinds. */
-static gpupool__handler *const handlers[GPUPOOL__NREQUESTS] = {
-#define HANDLER(CASE, name, Message, flags) [GPUPOOL__REQ_##CASE] = gpupool__handle_##name,
+static gpd_handler *const handlers[GPUPOOL__NREQUESTS] = {
+#define HANDLER(CASE, name, Message, flags) [GPUPOOL__REQ_##CASE] = gpd_handle_##name,
     GPUPOOL__REQUEST_MAP(HANDLER)
 #undef HANDLER
 };
@@ -40,15 +40,15 @@ static gpupool__handler *const handlers[GPUPOOL__NREQUESTS] = {
 /* The one dispatch point: the row of the request's kind says what is checked before its
  * handler runs. Returns 0 when a reply was sent or deferred, else an error code for the caller
  * to send. */
-static int dispatch(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+static int dispatch(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   int i = gpupool__request_index((int)req->body_case);
   unsigned flags = i < 0 ? GPUPOOL__REQ_NEEDS_HELLO : gpupool__request_kinds[i].flags;
   if (!c->hello_done && (flags & GPUPOOL__REQ_NEEDS_HELLO)) {
-    gpupool__conn_drop_after_flush(c);
+    gpd_conn_drop_after_flush(c);
     return gpupool__err(GPUPOOL_EPROTO, "the first request on a connection must be Hello");
   }
   if (req->n_unmapped_slabs)
-    gpupool__unmapped(c->srv->reg, &c->cl, req->unmapped_slabs, req->n_unmapped_slabs);
+    gpd_unmapped(c->srv->reg, &c->cl, req->unmapped_slabs, req->n_unmapped_slabs);
   if (i < 0)
     return gpupool__err(GPUPOOL_EPROTO,
                         "unknown request type (field %d); this daemon (%s) may be older than the client",
@@ -58,18 +58,18 @@ static int dispatch(gpupool__conn *c, const Gpupool__Wire__Request *req, int *de
   return handlers[i](c, req, (flags & GPUPOOL__REQ_MAY_WAIT) ? deferred : NULL);
 }
 
-void gpupool__handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len) {
-  gpupool__server *s = c->srv;
+void gpd_handle_frame(gpd_conn *c, const uint8_t *payload, uint32_t len) {
+  gpd_server *s = c->srv;
   Gpupool__Wire__Request *req;
   gpupool__wire_verdict verdict;
-  uint64_t t0 = gpupool__now_ns();
+  uint64_t t0 = gpd_now_ns();
   int rc, deferred = 0, body = 0;
 
   s->requests++;
   if (c->fds_pending) {
     /* Clients never send fds: they were closed on arrival; refuse the frame they came with. */
     c->fds_pending = 0;
-    gpupool__send_error(c, 0, GPUPOOL_EFD, "the daemon accepts no file descriptors from clients; they were closed");
+    gpd_send_error(c, 0, GPUPOOL_EFD, "the daemon accepts no file descriptors from clients; they were closed");
     return;
   }
   c->frame_fd = -1;
@@ -78,9 +78,9 @@ void gpupool__handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t le
     int nfds = gpupool__wire_inbuf_frame_nfds(&c->in);
     c->frame_fd = gpupool__wire_inbuf_take_fd(&c->in);
     if (nfds > 1) {
-      gpupool__conn_close_fd(c, c->frame_fd);
+      gpd_conn_close_fd(c, c->frame_fd);
       c->frame_fd = -1;
-      gpupool__send_error(c, 0, GPUPOOL_EFD, "a request carries at most one of the client's file descriptors (PublishFile's file); these were "
+      gpd_send_error(c, 0, GPUPOOL_EFD, "a request carries at most one of the client's file descriptors (PublishFile's file); these were "
                  "closed");
       return;
     }
@@ -94,28 +94,28 @@ void gpupool__handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t le
       close(c->frame_fd);
     c->frame_fd = -1;
     GPUPOOL__DEBUG("client %" PRIu64 ": frame refused before decoding: %s", c->cl.id, gpupool__errmsg());
-    gpupool__send_error(c, verdict.seq, rc, gpupool__errmsg());
-    gpupool__metrics_request(s->metrics, 0, rc, gpupool__now_ns() - t0);
+    gpd_send_error(c, verdict.seq, rc, gpupool__errmsg());
+    gpd_metrics_request(s->metrics, 0, rc, gpd_now_ns() - t0);
     return;
   }
   req = rc == 0 ? gpupool__wire__request__unpack(NULL, len, payload) : NULL;
   if (req && c->frame_fd >= 0 && req->body_case != GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE) {
-    gpupool__conn_close_fd(c, c->frame_fd);
+    gpd_conn_close_fd(c, c->frame_fd);
     c->frame_fd = -1;
-    gpupool__send_error(c, req->seq, GPUPOOL_EFD, "the daemon accepts file descriptors only with PublishFile; the one sent with this "
+    gpd_send_error(c, req->seq, GPUPOOL_EFD, "the daemon accepts file descriptors only with PublishFile; the one sent with this "
                  "request was closed");
     gpupool__wire__request__free_unpacked(req, NULL);
     return;
   }
   if (!req) {
     if (c->frame_fd >= 0)
-      gpupool__conn_close_fd(c, c->frame_fd);
+      gpd_conn_close_fd(c, c->frame_fd);
     c->frame_fd = -1;
     GPUPOOL__PEER_WARN(&c->cl.log_rl, c->cl.id, "client %" PRIu64 " (pid %d) sent a malformed frame; dropping it",
                        c->cl.id, (int)c->cl.pid);
-    gpupool__conn_drop_after_flush(c);
-    gpupool__send_error(c, 0, GPUPOOL_EPROTO, "malformed request frame (not a valid gpupool Request); closing the connection");
-    gpupool__metrics_request(s->metrics, 0, GPUPOOL_EPROTO, gpupool__now_ns() - t0);
+    gpd_conn_drop_after_flush(c);
+    gpd_send_error(c, 0, GPUPOOL_EPROTO, "malformed request frame (not a valid gpupool Request); closing the connection");
+    gpd_metrics_request(s->metrics, 0, GPUPOOL_EPROTO, gpd_now_ns() - t0);
     return;
   }
   body = (int)req->body_case;
@@ -128,21 +128,21 @@ void gpupool__handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t le
     if (rc != GPUPOOL_ENOSPC && rc != GPUPOOL_ENOENT && rc != GPUPOOL_ETIMEDOUT)
       GPUPOOL__PEER_INFO(&c->cl.log_rl, c->cl.id, "client %" PRIu64 " (pid %d): refused %s: %s", c->cl.id,
                          (int)c->cl.pid, gpupool_err_name(rc), gpupool__errmsg());
-    gpupool__send_error(c, req->seq, rc, gpupool__errmsg());
+    gpd_send_error(c, req->seq, rc, gpupool__errmsg());
   }
   if (c->frame_fd >= 0) {
-    gpupool__conn_close_fd(c, c->frame_fd); /* refused before the handler took it */
+    gpd_conn_close_fd(c, c->frame_fd); /* refused before the handler took it */
     c->frame_fd = -1;
   }
   if (!deferred)
-    gpupool__metrics_request(s->metrics, body, rc, gpupool__now_ns() - t0);
+    gpd_metrics_request(s->metrics, body, rc, gpd_now_ns() - t0);
   if (s->trace)
     fprintf(s->trace, "%d %.1f daemon-req%d %.1fus %" PRIu64 "\n", (int)getpid(), (double)t0 / 1e3, body,
-            (double)(gpupool__now_ns() - t0) / 1e3, req->seq);
-  if (gpupool__now_ns() - t0 > 50000)
+            (double)(gpd_now_ns() - t0) / 1e3, req->seq);
+  if (gpd_now_ns() - t0 > 50000)
     GPUPOOL__DEBUG("slow %s request from client %" PRIu64 ": %" PRIu64 " us", gpupool__request_name(body), c->cl.id,
-                   (gpupool__now_ns() - t0) / 1000);
+                   (gpd_now_ns() - t0) / 1000);
   gpupool__wire__request__free_unpacked(req, NULL);
   if (s->reg->memory_returned)
-    gpupool__retry_waiters(s->reg, NULL);
+    gpd_retry_waiters(s->reg, NULL);
 }

@@ -24,16 +24,16 @@
 
 /* ---- replies held back for clients without events (Request.host_fences) --------------------- */
 
-static void fenced_free(gpupool__conn *c, fenced *f) {
+static void fenced_free(gpd_conn *c, fenced *f) {
   for (int i = 0; i < f->nfds; i++)
-    gpupool__conn_close_fd(c, f->fds[i]);
+    gpd_conn_close_fd(c, f->fds[i]);
   free(f->buf);
   free(f);
 }
 
 /* 1 when every event f waits for has completed (one whose query fails counts as completed: it
  * is logged, and waiting on it could last forever). */
-static int fenced_ready(gpupool__server *s, fenced *f) {
+static int fenced_ready(gpd_server *s, fenced *f) {
   while (f->nev > 0) {
     int q = s->reg->be->ops->event_query(f->ev[f->nev - 1]->be);
     if (q == 0)
@@ -47,8 +47,8 @@ static int fenced_ready(gpupool__server *s, fenced *f) {
 }
 
 /* Send c's held-back replies, oldest first, up to the first whose events are still pending. */
-static void fenced_flush(gpupool__conn *c) {
-  gpupool__server *s = c->srv;
+static void fenced_flush(gpd_conn *c) {
+  gpd_server *s = c->srv;
   while (!c->closing && c->fenced_head && fenced_ready(s, c->fenced_head)) {
     fenced *f = c->fenced_head;
     c->fenced_head = f->next;
@@ -56,15 +56,15 @@ static void fenced_flush(gpupool__conn *c) {
       c->fenced_tail = &c->fenced_head;
     c->fenced_bytes -= f->len;
     s->nfenced--;
-    gpupool__conn_send(c, f->buf, f->len, f->fds, f->nfds); /* takes buf (even when it closes c); copies the fds */
+    gpd_conn_send(c, f->buf, f->len, f->fds, f->nfds); /* takes buf (even when it closes c); copies the fds */
     f->buf = NULL;
     fenced_free(c, f);
   }
 }
 
 static void fence_tick(uv_timer_t *t) {
-  gpupool__server *s = t->data;
-  gpupool__conn *c, *next;
+  gpd_server *s = t->data;
+  gpd_conn *c, *next;
   for (c = s->conns; c && s->nfenced; c = next) {
     next = c->next;
     if (c->fenced_head)
@@ -74,7 +74,7 @@ static void fence_tick(uv_timer_t *t) {
     uv_timer_stop(&s->fence_timer);
 }
 
-void gpupool__fenced_drop_all(gpupool__conn *c) {
+void gpd_fenced_drop_all(gpd_conn *c) {
   while (c->fenced_head) {
     fenced *f = c->fenced_head;
     c->fenced_head = f->next;
@@ -88,14 +88,14 @@ void gpupool__fenced_drop_all(gpupool__conn *c) {
 /* Queue a reply behind c's held-back ones, to be sent once events ev (and those of every reply
  * before it) have completed. The reply's holds are already recorded: failing here closes the
  * connection, which gives them back. */
-void gpupool__park_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds,
-                         gpupool__event *const *ev, uint32_t nev) {
-  gpupool__server *s = c->srv;
+void gpd_park_reply(gpd_conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds,
+                         gpd_event *const *ev, uint32_t nev) {
+  gpd_server *s = c->srv;
   fenced *f;
   if (c->closing)
     return;
   if (!(f = calloc(1, sizeof *f + nev * sizeof f->ev[0]))) {
-    gpupool__conn_close(c, "out of memory holding a reply back until its buffers are ready");
+    gpd_conn_close(c, "out of memory holding a reply back until its buffers are ready");
     return;
   }
   for (uint32_t i = 0; i < nev; i++)
@@ -106,11 +106,11 @@ void gpupool__park_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *r
       f->nfds++;
   if (f->nfds != nfds) {
     fenced_free(c, f);
-    gpupool__conn_close(c, "out of file descriptors holding a reply back until its buffers are ready");
+    gpd_conn_close(c, "out of file descriptors holding a reply back until its buffers are ready");
     return;
   }
-  if (gpupool__pack_reply(c, seq, rep, &f->buf, &f->len) != 0) {
-    fenced_free(c, f); /* gpupool__pack_reply closed the connection */
+  if (gpd_pack_reply(c, seq, rep, &f->buf, &f->len) != 0) {
+    fenced_free(c, f); /* gpd_pack_reply closed the connection */
     return;
   }
   *c->fenced_tail = f;
@@ -118,33 +118,33 @@ void gpupool__park_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *r
   c->fenced_bytes += f->len;
   if (s->nfenced++ == 0)
     uv_timer_start(&s->fence_timer, fence_tick, 1, 1);
-  gpupool__conn_heap(c);
+  gpd_conn_heap(c);
 }
 
 /* Send a reply that hands over holds hs: at once, unless c cannot wait on events itself and
  * the ready event of one of those buffers is still pending; then it is held back (with every
  * reply after it) until they have all completed, polled every millisecond. The get's timeout
  * does not cover that wait, as a stream waiting on the event would not time out either. */
-void gpupool__send_reply_fenced(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds,
-                                gpupool__hold *const *hs, uint32_t nhs) {
-  gpupool__server *s = c->srv;
-  gpupool__event *pending[GPUPOOL_WIRE_MAX_FDS], **ev = pending;
+void gpd_send_reply_fenced(gpd_conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds,
+                                gpd_hold *const *hs, uint32_t nhs) {
+  gpd_server *s = c->srv;
+  gpd_event *pending[GPUPOOL_WIRE_MAX_FDS], **ev = pending;
   uint32_t n = 0;
   if (c->host_fences && s->reg->be->ops->has_events) {
     if (nhs > GPUPOOL_WIRE_MAX_FDS && !(ev = malloc(nhs * sizeof *ev))) {
-      gpupool__conn_close(c, "out of memory holding a reply back until its buffers are ready");
+      gpd_conn_close(c, "out of memory holding a reply back until its buffers are ready");
       return;
     }
     for (uint32_t i = 0; i < nhs; i++) {
-      gpupool__event *e = hs[i]->buf->ready;
+      gpd_event *e = hs[i]->buf->ready;
       if (e && s->reg->be->ops->event_query(e->be) == 0)
         ev[n++] = e;
     }
   }
   if (n || c->fenced_head)
-    gpupool__park_reply(c, seq, rep, fds, nfds, ev, n);
+    gpd_park_reply(c, seq, rep, fds, nfds, ev, n);
   else
-    gpupool__send_reply(c, seq, rep, fds, nfds);
+    gpd_send_reply(c, seq, rep, fds, nfds);
   if (ev != pending)
     free(ev);
 }

@@ -26,26 +26,26 @@ typedef struct {
   uint32_t running;
   uint32_t nqueued;  /* requests queued (closes not counted) */
   uint32_t backlog;  /* running and queued, closes included */
-  gpupool__fop *head, *tail;
+  gpd_fop *head, *tail;
 } tq;
 
 typedef struct {
-  gpupool__fop op;
+  gpd_fop op;
   int fd;
 } close_op;
 
-static void close_work(gpupool__fop *op) { close(((close_op *)op)->fd); }
-static void close_done(gpupool__fop *op) { free(op); }
+static void close_work(gpd_fop *op) { close(((close_op *)op)->fd); }
+static void close_done(gpd_fop *op) { free(op); }
 
-static void pump(gpupool__fileops *ops);
-static void ops_free_if_idle(gpupool__fileops *ops);
+static void pump(gpd_fileops *ops);
+static void ops_free_if_idle(gpd_fileops *ops);
 
 static void on_work(uv_work_t *req) {
-  gpupool__fop *op = req->data;
+  gpd_fop *op = req->data;
   op->work(op);
 }
 
-static void tq_maybe_free(gpupool__fileops *ops, tq *q) {
+static void tq_maybe_free(gpd_fileops *ops, tq *q) {
   if (!q->running && !q->head) {
     gpupool__hmap_del(&ops->tenants, q->tenant);
     free(q);
@@ -53,8 +53,8 @@ static void tq_maybe_free(gpupool__fileops *ops, tq *q) {
 }
 
 static void on_after_work(uv_work_t *req, int status) {
-  gpupool__fop *op = req->data;
-  gpupool__fileops *ops = op->ops;
+  gpd_fop *op = req->data;
+  gpd_fileops *ops = op->ops;
   uint64_t tenant = op->tenant;
   tq *q = gpupool__hmap_get(&ops->tenants, tenant);
   int drained = 0;
@@ -79,7 +79,7 @@ static void on_after_work(uv_work_t *req, int status) {
     ops->on_drain(ops->drain_arg, tenant);
 }
 
-static void start(gpupool__fileops *ops, tq *q, gpupool__fop *op) {
+static void start(gpd_fileops *ops, tq *q, gpd_fop *op) {
   op->req.data = op;
   q->running++;
   ops->running++;
@@ -94,13 +94,13 @@ static void start(gpupool__fileops *ops, tq *q, gpupool__fop *op) {
 }
 
 /* Start what the slots allow: one per tenant per pass, so tenants share the free slots. */
-static void pump(gpupool__fileops *ops) {
+static void pump(gpd_fileops *ops) {
   int progress = 1;
   while (progress && ops->running < GPUPOOL_FILEOPS_TOTAL && ops->queued) {
     progress = 0;
     for (size_t i = 0; i < ops->tenants.cap && ops->running < GPUPOOL_FILEOPS_TOTAL; i++) {
       tq *q;
-      gpupool__fop *op;
+      gpd_fop *op;
       if (!gpupool__hmap_slot_used(&ops->tenants, i))
         continue;
       q = ops->tenants.slots[i].val;
@@ -119,7 +119,7 @@ static void pump(gpupool__fileops *ops) {
   }
 }
 
-static tq *tq_get(gpupool__fileops *ops, uint64_t tenant) {
+static tq *tq_get(gpd_fileops *ops, uint64_t tenant) {
   tq *q = gpupool__hmap_get(&ops->tenants, tenant);
   if (q)
     return q;
@@ -133,7 +133,7 @@ static tq *tq_get(gpupool__fileops *ops, uint64_t tenant) {
   return q;
 }
 
-static void enqueue(gpupool__fileops *ops, tq *q, gpupool__fop *op, int front) {
+static void enqueue(gpd_fileops *ops, tq *q, gpd_fop *op, int front) {
   op->next = NULL;
   if (front && q->head) {
     op->next = q->head;
@@ -149,8 +149,8 @@ static void enqueue(gpupool__fileops *ops, tq *q, gpupool__fop *op, int front) {
   ops->queued++;
 }
 
-gpupool__fileops *gpupool__fileops_new(uv_loop_t *loop) {
-  gpupool__fileops *ops = calloc(1, sizeof *ops);
+gpd_fileops *gpd_fileops_new(uv_loop_t *loop) {
+  gpd_fileops *ops = calloc(1, sizeof *ops);
   if (!ops)
     return NULL;
   ops->loop = loop;
@@ -158,7 +158,7 @@ gpupool__fileops *gpupool__fileops_new(uv_loop_t *loop) {
   return ops;
 }
 
-static void ops_free_if_idle(gpupool__fileops *ops) {
+static void ops_free_if_idle(gpd_fileops *ops) {
   if (!ops->stopping || ops->running)
     return;
   for (size_t i = 0; i < ops->tenants.cap; i++)
@@ -168,12 +168,12 @@ static void ops_free_if_idle(gpupool__fileops *ops) {
   free(ops);
 }
 
-uint32_t gpupool__fileops_backlog(const gpupool__fileops *ops, uint64_t tenant) {
+uint32_t gpd_fileops_backlog(const gpd_fileops *ops, uint64_t tenant) {
   const tq *q = gpupool__hmap_get(&ops->tenants, tenant);
   return q ? q->backlog : 0;
 }
 
-int gpupool__fileops_submit(gpupool__fileops *ops, gpupool__fop *op) {
+int gpd_fileops_submit(gpd_fileops *ops, gpd_fop *op) {
   tq *q;
   op->ops = ops;
   op->cancelled = 0;
@@ -193,7 +193,7 @@ int gpupool__fileops_submit(gpupool__fileops *ops, gpupool__fop *op) {
   return 0;
 }
 
-void gpupool__fileops_close(gpupool__fileops *ops, uint64_t tenant, int fd) {
+void gpd_fileops_close(gpd_fileops *ops, uint64_t tenant, int fd) {
   close_op *op = NULL;
   tq *q;
   if (fd < 0)
@@ -214,7 +214,7 @@ void gpupool__fileops_close(gpupool__fileops *ops, uint64_t tenant, int fd) {
   pump(ops);
 }
 
-void gpupool__fileops_free(gpupool__fileops *ops) {
+void gpd_fileops_free(gpd_fileops *ops) {
   if (!ops)
     return;
   ops->stopping = 1;
@@ -224,7 +224,7 @@ void gpupool__fileops_free(gpupool__fileops *ops) {
       continue;
     q = ops->tenants.slots[i].val;
     while (q->head) {
-      gpupool__fop *op = q->head;
+      gpd_fop *op = q->head;
       q->head = op->next;
       ops->queued--;
       op->cancelled = 1;

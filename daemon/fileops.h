@@ -22,22 +22,22 @@
  * reading its connections until they drain (each queued close holds an fd it sent). */
 #define GPUPOOL_FILEOPS_BACKLOG_PAUSE 64
 
-typedef struct gpupool__fop gpupool__fop;
+typedef struct gpd_fop gpd_fop;
 
 /* One operation. Embed it first in a struct of the caller's with the operation's inputs and
  * results. work runs on a worker thread and touches only the op; done runs on the loop once
  * work ran (or, at shutdown, instead of it: then cancelled is set) and frees the op. */
-struct gpupool__fop {
+struct gpd_fop {
   uv_work_t req;
-  struct gpupool__fileops *ops;
+  struct gpd_fileops *ops;
   uint64_t tenant;
-  void (*work)(gpupool__fop *op);
-  void (*done)(gpupool__fop *op);
+  void (*work)(gpd_fop *op);
+  void (*done)(gpd_fop *op);
   int cancelled;
-  gpupool__fop *next; /* in its tenant's queue */
+  gpd_fop *next; /* in its tenant's queue */
 };
 
-typedef struct gpupool__fileops {
+typedef struct gpd_fileops {
   uv_loop_t *loop;
   gpupool__hmap tenants; /* tenant -> its queue and count */
   uint32_t running;      /* on worker threads, all tenants */
@@ -46,21 +46,21 @@ typedef struct gpupool__fileops {
   /* Called on the loop when a tenant's backlog fell below GPUPOOL_FILEOPS_BACKLOG_PAUSE. */
   void (*on_drain)(void *arg, uint64_t tenant);
   void *drain_arg;
-} gpupool__fileops;
+} gpd_fileops;
 
 /* NULL when out of memory. */
-gpupool__fileops *gpupool__fileops_new(uv_loop_t *loop);
+gpd_fileops *gpd_fileops_new(uv_loop_t *loop);
 /* Run op off the loop (now, or once its tenant and the daemon have a slot). 0, or
  * GPUPOOL_EBUSY with a message when the tenant already has too many waiting; op is then still
  * the caller's. */
-int gpupool__fileops_submit(gpupool__fileops *ops, gpupool__fop *op);
+int gpd_fileops_submit(gpd_fileops *ops, gpd_fop *op);
 /* Close fd off the loop (a close on a FUSE file waits for the server's answer to FLUSH). Never
  * fails; fd < 0 is ignored. */
-void gpupool__fileops_close(gpupool__fileops *ops, uint64_t tenant, int fd);
+void gpd_fileops_close(gpd_fileops *ops, uint64_t tenant, int fd);
 /* Operations of tenant running or queued, closes included. */
-uint32_t gpupool__fileops_backlog(const gpupool__fileops *ops, uint64_t tenant);
+uint32_t gpd_fileops_backlog(const gpd_fileops *ops, uint64_t tenant);
 /* Cancel what has not started (done is called with cancelled set) and free ops once what runs
  * has finished (the loop waits for it). Closes after this happen at once, on the loop. */
-void gpupool__fileops_free(gpupool__fileops *ops);
+void gpd_fileops_free(gpd_fileops *ops);
 
 #endif

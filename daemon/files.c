@@ -79,10 +79,10 @@
 
 /* A request on worker threads. Inputs are set on the loop; work fills the results; the loop
  * reads them in done. */
-struct gpupool__file_op {
-  gpupool__fop base;
-  gpupool__registry *reg;
-  gpupool__file_done done;
+struct gpd_file_op {
+  gpd_fop base;
+  gpd_registry *reg;
+  gpd_file_done done;
   void *arg;                 /* NULL once forgotten */
   char *key;                 /* publish: the name's key */
   uint64_t tenant;           /* the requester's: whose names and file calls these are */
@@ -91,7 +91,7 @@ struct gpupool__file_op {
   gpupool__ratelimit *log_rl; /* the client's log limit; NULL once forgotten, with arg */
   char *name;                /* as the client wrote it, for messages */
   int in_fd;                 /* publish: the client's fd */
-  gpupool__file *f;          /* publish: the file being made; get: the file (a ref) */
+  gpd_file *f;          /* publish: the file being made; get: the file (a ref) */
   int out_fd;                /* the daemon's reopen (publish) or the consumer's (get), or -1 */
   int rc;
   char msg[GPUPOOL__ERRMSG_MAX];
@@ -153,7 +153,7 @@ static int mount_is_ours(long id) {
 }
 
 /* 1 when path lies under one of the configured prefixes (or none is configured). */
-static int path_allowed(const gpupool__config *cfg, const char *path) {
+static int path_allowed(const gpd_config *cfg, const char *path) {
   if (cfg->n_file_paths == 0)
     return 1;
   for (int i = 0; i < cfg->n_file_paths; i++) {
@@ -167,7 +167,7 @@ static int path_allowed(const gpupool__config *cfg, const char *path) {
   return 0;
 }
 
-static void list_paths(const gpupool__config *cfg, char *buf, size_t len) {
+static void list_paths(const gpd_config *cfg, char *buf, size_t len) {
   size_t o = 0;
   buf[0] = '\0';
   for (int i = 0; i < cfg->n_file_paths && o < len; i++) {
@@ -178,21 +178,21 @@ static void list_paths(const gpupool__config *cfg, char *buf, size_t len) {
   }
 }
 
-static void file_lease_drop(gpupool__file *f) {
+static void file_lease_drop(gpd_file *f) {
   if (f->leased) {
     (void)fcntl(f->fd, F_SETLEASE, F_UNLCK);
     f->leased = 0;
   }
 }
 
-static void fd_close(gpupool__registry *reg, uint64_t tenant, int fd) {
+static void fd_close(gpd_registry *reg, uint64_t tenant, int fd) {
   if (reg->fops)
-    gpupool__fileops_close(reg->fops, tenant, fd);
+    gpd_fileops_close(reg->fops, tenant, fd);
   else if (fd >= 0)
     close(fd);
 }
 
-static void file_unref(gpupool__registry *reg, gpupool__file *f) {
+static void file_unref(gpd_registry *reg, gpd_file *f) {
   if (--f->refs > 0)
     return;
   fd_close(reg, f->tenant, f->fd);
@@ -200,22 +200,22 @@ static void file_unref(gpupool__registry *reg, gpupool__file *f) {
   free(f);
 }
 
-void gpupool__file_close(gpupool__registry *reg, gpupool__file *f) {
-  gpupool__uid_usage *u;
+void gpd_file_close(gpd_registry *reg, gpd_file *f) {
+  gpd_uid_usage *u;
   if (!f)
     return;
   file_lease_drop(f);
   reg->nfiles--;
-  if ((u = gpupool__uid_usage_get(reg, f->tenant, 0))) {
+  if ((u = gpd_uid_usage_get(reg, f->tenant, 0))) {
     u->files--;
-    gpupool__uid_usage_put(reg, u);
+    gpd_uid_usage_put(reg, u);
   }
   file_unref(reg, f);
 }
 
 /* Checks the kept fd against what it was at publish (worker thread): 0, or GPUPOOL_ESTALE
  * with the reason. */
-static int file_check(const gpupool__file *f, const char *name) {
+static int file_check(const gpd_file *f, const char *name) {
   struct stat st;
   if (fstat(f->fd, &st) != 0)
     return gpupool__err(GPUPOOL_ESTALE, "cannot stat file '%s' (%s): %s", name, f->path, strerror(errno));
@@ -235,7 +235,7 @@ static int file_check(const gpupool__file *f, const char *name) {
   return 0;
 }
 
-static int stale_error(const gpupool__file *f, const char *name) {
+static int stale_error(const gpd_file *f, const char *name) {
   return gpupool__err(GPUPOOL_ESTALE,
                       "file '%s' (%s) was opened for writing or truncated after it was published; "
                       "unpublish '%s' and publish it again once it is complete",
@@ -243,7 +243,7 @@ static int stale_error(const gpupool__file *f, const char *name) {
 }
 
 /* Validates fd and the range; fills f (worker thread). The fd stays the caller's. */
-static int file_inspect(const gpupool__config *cfg, int fd, uint64_t offset, uint64_t length, gpupool__file *f) {
+static int file_inspect(const gpd_config *cfg, int fd, uint64_t offset, uint64_t length, gpd_file *f) {
   struct stat st;
   char path[1024], allowed[GPUPOOL_MAX_FILE_PATHS * 257];
   int fl = fcntl(fd, F_GETFL);
@@ -309,7 +309,7 @@ static int file_inspect(const gpupool__config *cfg, int fd, uint64_t offset, uin
 
 /* Ask the kernel to tell us (SIGIO) when someone opens the file for writing or truncates it.
  * Never on a description a client holds (see the top of this file). */
-static void file_lease(gpupool__registry *reg, gpupool__file *f) {
+static void file_lease(gpd_registry *reg, gpd_file *f) {
   if (!reg->cfg->file_leases || !reg->lease_signal || f->shared)
     return;
   if (fcntl(f->fd, F_SETLEASE, F_RDLCK) == 0) {
@@ -321,15 +321,15 @@ static void file_lease(gpupool__registry *reg, gpupool__file *f) {
   GPUPOOL__DEBUG("no read lease on %s (%s): changes to it are caught at get time only", f->path, strerror(errno));
 }
 
-static void op_free(gpupool__file_op *op) {
+static void op_free(gpd_file_op *op) {
   free(op->key);
   free(op->name);
   free(op);
 }
 
 /* What every file operation of client c starts with. */
-static void op_init(gpupool__file_op *op, gpupool__registry *reg, const gpupool__client *c,
-                    void (*work)(gpupool__fop *), void (*fdone)(gpupool__fop *), gpupool__file_done done, void *arg) {
+static void op_init(gpd_file_op *op, gpd_registry *reg, const gpd_client *c,
+                    void (*work)(gpd_fop *), void (*fdone)(gpd_fop *), gpd_file_done done, void *arg) {
   op->base.tenant = c->tenant;
   op->base.work = work;
   op->base.done = fdone;
@@ -344,7 +344,7 @@ static void op_init(gpupool__file_op *op, gpupool__registry *reg, const gpupool_
 
 /* Runs op on a worker thread, or here and now when the daemon has no file workers (reg->fops
  * unset). On an error op was not started and is the caller's to free. */
-static int op_run(gpupool__registry *reg, gpupool__file_op *op, gpupool__file_op **out) {
+static int op_run(gpd_registry *reg, gpd_file_op *op, gpd_file_op **out) {
   int rc;
   if (!reg->fops) {
     op->base.work(&op->base);
@@ -352,7 +352,7 @@ static int op_run(gpupool__registry *reg, gpupool__file_op *op, gpupool__file_op
     op->base.done(&op->base);
     return 0;
   }
-  if ((rc = gpupool__fileops_submit(reg->fops, &op->base)) != 0)
+  if ((rc = gpd_fileops_submit(reg->fops, &op->base)) != 0)
     return rc;
   *out = op;
   return 0;
@@ -360,9 +360,9 @@ static int op_run(gpupool__registry *reg, gpupool__file_op *op, gpupool__file_op
 
 /* Worker thread: the checks, then the daemon's own description (the client's fd is closed
  * here when the reopen worked: that close may wait on the file system too). */
-static void publish_work(gpupool__fop *base) {
-  gpupool__file_op *op = (gpupool__file_op *)base;
-  gpupool__file *f = op->f;
+static void publish_work(gpd_fop *base) {
+  gpd_file_op *op = (gpd_file_op *)base;
+  gpd_file *f = op->f;
   struct stat st;
   int fd;
   gpupool__err_clear();
@@ -386,12 +386,12 @@ out:
   snprintf(op->msg, sizeof op->msg, "%s", gpupool__errmsg());
 }
 
-static void publish_done(gpupool__fop *base) {
-  gpupool__file_op *op = (gpupool__file_op *)base;
-  gpupool__registry *reg = op->reg;
-  gpupool__file *f = op->f;
-  gpupool__name *n = NULL;
-  gpupool__uid_usage *u = NULL;
+static void publish_done(gpd_fop *base) {
+  gpd_file_op *op = (gpd_file_op *)base;
+  gpd_registry *reg = op->reg;
+  gpd_file *f = op->f;
+  gpd_name *n = NULL;
+  gpd_uid_usage *u = NULL;
   int rc = op->rc;
 
   if (base->cancelled)
@@ -402,14 +402,14 @@ static void publish_done(gpupool__fop *base) {
   else if (gpupool__smap_get(&reg->names, op->key))
     rc = gpupool__err(GPUPOOL_EEXIST, "name '%s' is already published; unpublish it first or pick another name",
                       op->name);
-  else if ((rc = gpupool__quota_file(reg, op->tenant)) != 0)
+  else if ((rc = gpd_quota_file(reg, op->tenant)) != 0)
     ;
-  else if (!(n = calloc(1, sizeof *n)) || !(u = gpupool__uid_usage_get(reg, op->tenant, 1)) ||
+  else if (!(n = calloc(1, sizeof *n)) || !(u = gpd_uid_usage_get(reg, op->tenant, 1)) ||
            !(n->name = strdup(op->key)) || gpupool__smap_put(&reg->names, op->key, n) != 0)
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   if (rc != 0) {
     if (u)
-      gpupool__uid_usage_put(reg, u);
+      gpd_uid_usage_put(reg, u);
     if (n)
       free(n->name);
     free(n);
@@ -437,7 +437,7 @@ static void publish_done(gpupool__fop *base) {
   n->uid = op->uid;
   n->tenant = op->tenant;
   n->read_only = 1;
-  n->created_ns = gpupool__now_ns();
+  n->created_ns = gpd_now_ns();
   u->names++;
   u->files++;
   reg->nnames++;
@@ -453,11 +453,11 @@ static void publish_done(gpupool__fop *base) {
   op_free(op);
 }
 
-int gpupool__publish_file(gpupool__registry *reg, gpupool__client *c, const char *name, int fd, uint64_t offset,
-                          uint64_t length, gpupool__file_done done, void *arg, gpupool__file_op **out) {
+int gpd_publish_file(gpd_registry *reg, gpd_client *c, const char *name, int fd, uint64_t offset,
+                          uint64_t length, gpd_file_done done, void *arg, gpd_file_op **out) {
   char key[GPUPOOL_NAME_KEY_MAX + 1];
   uint64_t owner;
-  gpupool__file_op *op = NULL;
+  gpd_file_op *op = NULL;
   int rc;
 
   if (!reg->cfg->allow_files) {
@@ -465,7 +465,7 @@ int gpupool__publish_file(gpupool__registry *reg, gpupool__client *c, const char
                       "config)");
     goto fail;
   }
-  if ((rc = gpupool__name_key(reg, c, name, key, sizeof key, &owner)) != 0)
+  if ((rc = gpd_name_key(reg, c, name, key, sizeof key, &owner)) != 0)
     goto fail;
   /* What can be refused at once is, before the file is looked at. */
   if (gpupool__smap_get(&reg->names, key)) {
@@ -473,7 +473,7 @@ int gpupool__publish_file(gpupool__registry *reg, gpupool__client *c, const char
                       name);
     goto fail;
   }
-  if ((rc = gpupool__quota_file(reg, c->tenant)) != 0)
+  if ((rc = gpd_quota_file(reg, c->tenant)) != 0)
     goto fail;
   if (!(op = calloc(1, sizeof *op)) || !(op->f = calloc(1, sizeof *op->f)) || !(op->key = strdup(key)) ||
       !(op->name = strdup(name))) {
@@ -499,9 +499,9 @@ fail:
 }
 
 /* Worker thread: the file as it is now, and a description of its own for the consumer. */
-static void get_work(gpupool__fop *base) {
-  gpupool__file_op *op = (gpupool__file_op *)base;
-  gpupool__file *f = op->f;
+static void get_work(gpd_fop *base) {
+  gpd_file_op *op = (gpd_file_op *)base;
+  gpd_file *f = op->f;
   gpupool__err_clear();
   if ((op->rc = file_check(f, op->name)) != 0) {
     snprintf(op->msg, sizeof op->msg, "%s", gpupool__errmsg());
@@ -516,10 +516,10 @@ static void get_work(gpupool__fop *base) {
   }
 }
 
-static void get_done(gpupool__fop *base) {
-  gpupool__file_op *op = (gpupool__file_op *)base;
-  gpupool__registry *reg = op->reg;
-  gpupool__file *f = op->f;
+static void get_done(gpd_fop *base) {
+  gpd_file_op *op = (gpd_file_op *)base;
+  gpd_registry *reg = op->reg;
+  gpd_file *f = op->f;
   int rc = op->rc;
   if (base->cancelled)
     rc = gpupool__err(GPUPOOL_ECLOSED, "the daemon is shutting down");
@@ -534,11 +534,11 @@ static void get_done(gpupool__fop *base) {
   op_free(op);
 }
 
-int gpupool__get_file(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__file_done done,
-                      void *arg, gpupool__file_op **out) {
-  gpupool__name *n;
-  gpupool__file_op *op;
-  int rc = gpupool__find_name(reg, c, name, &n);
+int gpd_get_file(gpd_registry *reg, gpd_client *c, const char *name, gpd_file_done done,
+                      void *arg, gpd_file_op **out) {
+  gpd_name *n;
+  gpd_file_op *op;
+  int rc = gpd_find_name(reg, c, name, &n);
   if (rc != 0)
     return rc;
   if (!n->file)
@@ -561,19 +561,19 @@ int gpupool__get_file(gpupool__registry *reg, gpupool__client *c, const char *na
   return 0;
 }
 
-void gpupool__file_op_forget(gpupool__file_op *op) {
+void gpd_file_op_forget(gpd_file_op *op) {
   if (op) {
     op->arg = NULL;
     op->log_rl = NULL;
   }
 }
 
-void gpupool__files_lease_check(gpupool__registry *reg) {
+void gpd_files_lease_check(gpd_registry *reg) {
   if (!reg->nfiles)
     return;
   for (size_t i = 0; i < reg->names.cap; i++) {
-    gpupool__name *n;
-    gpupool__file *f;
+    gpd_name *n;
+    gpd_file *f;
     if (!gpupool__smap_slot_used(&reg->names, i))
       continue;
     n = reg->names.slots[i].val;
@@ -592,10 +592,10 @@ void gpupool__files_lease_check(gpupool__registry *reg) {
   }
 }
 
-void gpupool__files_unlease(gpupool__registry *reg) {
+void gpd_files_unlease(gpd_registry *reg) {
   reg->lease_signal = 0;
   for (size_t i = 0; i < reg->names.cap; i++) {
-    gpupool__name *n;
+    gpd_name *n;
     if (!gpupool__smap_slot_used(&reg->names, i))
       continue;
     n = reg->names.slots[i].val;

@@ -21,7 +21,7 @@
 
 #include "server_internal.h"
 
-uint64_t gpupool__count_open_fds(void) {
+uint64_t gpd_count_open_fds(void) {
   DIR *d = opendir("/proc/self/fd");
   struct dirent *e;
   uint64_t n = 0;
@@ -36,8 +36,8 @@ uint64_t gpupool__count_open_fds(void) {
 
 /* ---- stats ---------------------------------------------------------------------------------- */
 
-/* Frees what gpupool__server_stats allocated in *st (not st itself). */
-void gpupool__stats_free(Gpupool__Wire__StatsReply *st) {
+/* Frees what gpd_server_stats allocated in *st (not st itself). */
+void gpd_stats_free(Gpupool__Wire__StatsReply *st) {
   for (size_t i = 0; i < st->n_pools; i++)
     free(st->pools[i]);
   free(st->pools);
@@ -45,11 +45,11 @@ void gpupool__stats_free(Gpupool__Wire__StatsReply *st) {
   st->n_pools = 0;
 }
 
-/* Current statistics (the Stats reply's content); free with gpupool__stats_free. Also the metrics'
+/* Current statistics (the Stats reply's content); free with gpd_stats_free. Also the metrics'
  * stats source (the server hands itself in when it starts them). */
-int gpupool__server_stats(void *server, Gpupool__Wire__StatsReply *st) {
-  gpupool__server *s = server;
-  gpupool__registry *reg = s->reg;
+int gpd_server_stats(void *server, Gpupool__Wire__StatsReply *st) {
+  gpd_server *s = server;
+  gpd_registry *reg = s->reg;
   gpupool__wire__stats_reply__init(st);
   st->pools = calloc((size_t)reg->npools, sizeof *st->pools);
   if (!st->pools && reg->npools)
@@ -57,24 +57,24 @@ int gpupool__server_stats(void *server, Gpupool__Wire__StatsReply *st) {
   for (int i = 0; i < reg->npools; i++) {
     st->pools[i] = malloc(sizeof *st->pools[i]);
     if (!st->pools[i]) {
-      gpupool__stats_free(st);
+      gpd_stats_free(st);
       return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
     }
     st->n_pools++;
-    gpupool__fill_pool_info(reg, &reg->pools[i], st->pools[i]);
+    gpd_fill_pool_info(reg, &reg->pools[i], st->pools[i]);
   }
   st->clients = s->nconns;
   st->buffers = reg->buffers.len;
   st->holds = reg->holds.len;
   st->names = reg->nnames;
-  st->uptime_s = (gpupool__now_ns() - s->started_ns) / 1000000000ull;
+  st->uptime_s = (gpd_now_ns() - s->started_ns) / 1000000000ull;
   st->daemon_version = (char *)GPUPOOL_VERSION_STRING;
   st->daemon_pid = (int32_t)getpid();
   st->daemon_uid = (uint32_t)geteuid();
   st->backend = reg->be->desc->kind;
   st->requests = s->requests;
   st->errors = s->errors;
-  st->open_fds = gpupool__count_open_fds();
+  st->open_fds = gpd_count_open_fds();
   st->pending_frees = reg->npending;
   st->waiting_leases = reg->nwaiting;
   st->waiting_gets_tried = s->gets_tried;
@@ -85,10 +85,10 @@ int gpupool__server_stats(void *server, Gpupool__Wire__StatsReply *st) {
 
 /* ---- request handlers ----------------------------------------------------------------------- */
 
-int gpupool__handle_hello(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_hello(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__Hello *m = req->hello;
-  gpupool__server *s = c->srv;
+  gpd_server *s = c->srv;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__HelloReply hr = GPUPOOL__WIRE__HELLO_REPLY__INIT;
   Gpupool__Wire__PoolInfo *pis, **pptr;
@@ -96,7 +96,7 @@ int gpupool__handle_hello(gpupool__conn *c, const Gpupool__Wire__Request *req, i
   if (c->hello_done)
     return gpupool__err(GPUPOOL_EPROTO, "second Hello on one connection");
   if (m->protocol_version != GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION) {
-    gpupool__conn_drop_after_flush(c);
+    gpd_conn_drop_after_flush(c);
     return gpupool__err(GPUPOOL_EVERSION,
                         "client speaks protocol version %u, this gpupoold (%s) speaks %d; "
                         "use a libgpupool-client of the same major version as the daemon",
@@ -123,7 +123,7 @@ int gpupool__handle_hello(gpupool__conn *c, const Gpupool__Wire__Request *req, i
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   }
   for (int i = 0; i < s->reg->npools; i++) {
-    gpupool__fill_pool_info(s->reg, &s->reg->pools[i], &pis[i]);
+    gpd_fill_pool_info(s->reg, &s->reg->pools[i], &pis[i]);
     pptr[i] = &pis[i];
   }
   hr.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
@@ -141,30 +141,30 @@ int gpupool__handle_hello(gpupool__conn *c, const Gpupool__Wire__Request *req, i
   rep.hello = &hr;
   /* The lease travels with this frame; the daemon's copy of the client's end goes now (a
    * queued frame holds its own duplicate), so only the client's processes hold it. */
-  gpupool__send_reply(c, seq, &rep, &c->lease_peer, 1);
+  gpd_send_reply(c, seq, &rep, &c->lease_peer, 1);
   close(c->lease_peer);
   c->lease_peer = -1;
   free(pis);
   free(pptr);
   return 0;
 }
-int gpupool__handle_stats(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_stats(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   Gpupool__Wire__StatsReply st;
-  int rc = gpupool__server_stats(c->srv, &st);
+  int rc = gpd_server_stats(c->srv, &st);
   if (rc != 0)
     return rc;
   GPUPOOL__SEND_BODY(c, seq, STATS, stats, &st);
-  gpupool__stats_free(&st);
+  gpd_stats_free(&st);
   return 0;
 }
 
-int gpupool__handle_admin_clients(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_admin_clients(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
-  gpupool__server *s = c->srv;
+  gpd_server *s = c->srv;
   Gpupool__Wire__AdminClientsReply ar = GPUPOOL__WIRE__ADMIN_CLIENTS_REPLY__INIT;
   Gpupool__Wire__ClientInfo *infos, **ptrs;
-  uint64_t now = gpupool__now_ns();
+  uint64_t now = gpd_now_ns();
   size_t n = 0;
   infos = calloc(s->nconns + 1, sizeof *infos);
   ptrs = calloc(s->nconns + 1, sizeof *ptrs);
@@ -173,7 +173,7 @@ int gpupool__handle_admin_clients(gpupool__conn *c, const Gpupool__Wire__Request
     free(ptrs);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   }
-  for (gpupool__conn *o = s->conns; o && n < s->nconns + 1; o = o->next) {
+  for (gpd_conn *o = s->conns; o && n < s->nconns + 1; o = o->next) {
     if (o->closing)
       continue;
     gpupool__wire__client_info__init(&infos[n]);
@@ -183,7 +183,7 @@ int gpupool__handle_admin_clients(gpupool__conn *c, const Gpupool__Wire__Request
     infos[n].gid = o->cl.gid;
     infos[n].name = o->cl.name;
     infos[n].holds = o->cl.nholds;
-    for (gpupool__hold *h = o->cl.holds; h; h = h->next)
+    for (gpd_hold *h = o->cl.holds; h; h = h->next)
       infos[n].bytes += h->buf->size;
     infos[n].age_s = (now - o->cl.connected_ns) / 1000000000ull;
     ptrs[n] = &infos[n];
@@ -197,12 +197,12 @@ int gpupool__handle_admin_clients(gpupool__conn *c, const Gpupool__Wire__Request
   return 0;
 }
 
-int gpupool__handle_admin_buffers(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_admin_buffers(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
-  gpupool__registry *reg = c->srv->reg;
+  gpd_registry *reg = c->srv->reg;
   Gpupool__Wire__AdminBuffersReply ar = GPUPOOL__WIRE__ADMIN_BUFFERS_REPLY__INIT;
   Gpupool__Wire__BufferInfo *infos, **ptrs;
-  uint64_t now = gpupool__now_ns();
+  uint64_t now = gpd_now_ns();
   size_t n = 0;
   infos = calloc(reg->buffers.len + 1, sizeof *infos);
   ptrs = calloc(reg->buffers.len + 1, sizeof *ptrs);
@@ -212,7 +212,7 @@ int gpupool__handle_admin_buffers(gpupool__conn *c, const Gpupool__Wire__Request
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   }
   for (size_t i = 0; i < reg->buffers.cap; i++) {
-    gpupool__buffer *b;
+    gpd_buffer *b;
     if (!gpupool__hmap_slot_used(&reg->buffers, i))
       continue;
     b = reg->buffers.slots[i].val;
@@ -229,7 +229,7 @@ int gpupool__handle_admin_buffers(gpupool__conn *c, const Gpupool__Wire__Request
   }
   /* Names: one lookup pass over the name table. */
   for (size_t i = 0; i < reg->names.cap; i++) {
-    gpupool__name *nm;
+    gpd_name *nm;
     if (!gpupool__smap_slot_used(&reg->names, i))
       continue;
     nm = reg->names.slots[i].val;
@@ -246,18 +246,18 @@ int gpupool__handle_admin_buffers(gpupool__conn *c, const Gpupool__Wire__Request
   return 0;
 }
 
-int gpupool__handle_admin_drop_client(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_admin_drop_client(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__AdminDropClient *m = req->admin_drop_client;
   Gpupool__Wire__AdminDropClientReply ar = GPUPOOL__WIRE__ADMIN_DROP_CLIENT_REPLY__INIT;
-  gpupool__conn *o, *next;
+  gpd_conn *o, *next;
   if (m->pid <= 0)
     return gpupool__err(GPUPOOL_EINVAL, "pid %d is not a valid process id", m->pid);
   for (o = c->srv->conns; o; o = next) {
     next = o->next;
     if (o != c && !o->closing && o->cl.pid == m->pid) {
       GPUPOOL__INFO("operator (uid %u) dropped client %" PRIu64 " (pid %d)", (unsigned)c->cl.uid, o->cl.id, m->pid);
-      gpupool__conn_close(o, "dropped by an operator");
+      gpd_conn_close(o, "dropped by an operator");
       ar.dropped++;
     }
   }
@@ -269,12 +269,12 @@ int gpupool__handle_admin_drop_client(gpupool__conn *c, const Gpupool__Wire__Req
 
 /* Every tenant's names, files included: what an operator needs to find and remove names that
  * outlived their publisher. */
-int gpupool__handle_admin_names(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_admin_names(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   Gpupool__Wire__AdminNamesReply ar = GPUPOOL__WIRE__ADMIN_NAMES_REPLY__INIT;
-  gpupool__registry *reg = c->srv->reg;
+  gpd_registry *reg = c->srv->reg;
   Gpupool__Wire__NameInfo *infos = NULL, **ptrs = NULL;
-  uint64_t now = gpupool__now_ns();
+  uint64_t now = gpd_now_ns();
   size_t n = 0;
   if (reg->names.len &&
       (!(infos = calloc(reg->names.len, sizeof *infos)) || !(ptrs = calloc(reg->names.len, sizeof *ptrs)))) {
@@ -282,7 +282,7 @@ int gpupool__handle_admin_names(gpupool__conn *c, const Gpupool__Wire__Request *
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory listing %zu names", reg->names.len);
   }
   for (size_t i = 0; i < reg->names.cap && n < reg->names.len; i++) {
-    gpupool__name *nm;
+    gpd_name *nm;
     Gpupool__Wire__NameInfo *ni = &infos[n];
     if (!gpupool__smap_slot_used(&reg->names, i))
       continue;
@@ -312,22 +312,22 @@ int gpupool__handle_admin_names(gpupool__conn *c, const Gpupool__Wire__Request *
   return 0;
 }
 
-int gpupool__handle_admin_unpublish(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_admin_unpublish(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__AdminUnpublish *m = req->admin_unpublish;
   Gpupool__Wire__AdminUnpublishReply ar = GPUPOOL__WIRE__ADMIN_UNPUBLISH_REPLY__INIT;
   int rc;
-  if ((rc = gpupool__unpublish_key(c->srv->reg, m->key)) != 0)
+  if ((rc = gpd_unpublish_key(c->srv->reg, m->key)) != 0)
     return rc;
   GPUPOOL__INFO("operator (uid %u) unpublished '%s'", (unsigned)c->cl.uid, m->key);
   GPUPOOL__SEND_BODY(c, seq, ADMIN_UNPUBLISH, admin_unpublish, &ar);
   return 0;
 }
 
-int gpupool__handle_trim(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_trim(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   Gpupool__Wire__TrimReply tr = GPUPOOL__WIRE__TRIM_REPLY__INIT;
-  gpupool__trim(c->srv->reg, &tr.slabs_freed, &tr.slabs_revoked);
+  gpd_trim(c->srv->reg, &tr.slabs_freed, &tr.slabs_revoked);
   GPUPOOL__SEND_BODY(c, seq, TRIM, trim, &tr);
   return 0;
 }

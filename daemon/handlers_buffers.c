@@ -21,64 +21,64 @@
 
 #include "server_internal.h"
 
-int gpupool__handle_attach_pool(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_attach_pool(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__AttachPool *m = req->attach_pool;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AttachPoolReply ar = GPUPOOL__WIRE__ATTACH_POOL_REPLY__INIT;
   Gpupool__Wire__PoolInfo pi;
-  gpupool__pool *p = gpupool__pool_find(c->srv->reg, NULL, m->pool_id);
+  gpd_pool *p = gpd_pool_find(c->srv->reg, NULL, m->pool_id);
   int fd = -1, rc;
   if (!p || m->pool_id == 0)
     return gpupool__err(GPUPOOL_ENOENT, "no pool with id %u", m->pool_id);
   /* The fd of the backend pool of the caller's tenant (or the pool's group): never one that
    * maps another tenant's memory. */
-  if ((rc = gpupool__attach(c->srv->reg, &c->cl, p, &fd)) != 0)
+  if ((rc = gpd_attach(c->srv->reg, &c->cl, p, &fd)) != 0)
     return rc;
-  gpupool__fill_pool_info(c->srv->reg, p, &pi);
+  gpd_fill_pool_info(c->srv->reg, p, &pi);
   ar.pool = &pi;
   rep.body_case = GPUPOOL__WIRE__REPLY__BODY_ATTACH_POOL;
   rep.attach_pool = &ar;
-  gpupool__send_reply(c, seq, &rep, fd >= 0 ? &fd : NULL, fd >= 0 ? 1 : 0);
+  gpd_send_reply(c, seq, &rep, fd >= 0 ? &fd : NULL, fd >= 0 ? 1 : 0);
   return 0;
 }
 
 /* The pool a request names (by name, or by id when the name is empty). */
-static int pool_asked(gpupool__registry *reg, const char *name, uint32_t id, gpupool__pool **out) {
-  if ((*out = gpupool__pool_find(reg, name, id)))
+static int pool_asked(gpd_registry *reg, const char *name, uint32_t id, gpd_pool **out) {
+  if ((*out = gpd_pool_find(reg, name, id)))
     return 0;
   if (name && *name)
     return gpupool__err(GPUPOOL_ENOENT, "no pool named '%s' (gpupoolctl status lists the pools)", name);
   return gpupool__err(GPUPOOL_ENOENT, "no pool with id %u", id);
 }
 
-int gpupool__handle_allocate(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_allocate(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__Allocate *m = req->allocate;
-  gpupool__registry *reg = c->srv->reg;
-  gpupool__pool *p;
-  gpupool__hold *h = NULL;
+  gpd_registry *reg = c->srv->reg;
+  gpd_pool *p;
+  gpd_hold *h = NULL;
   int rc;
   if ((rc = pool_asked(reg, m->pool_name, m->pool_id, &p)) != 0)
     return rc;
-  rc = gpupool__allocate(reg, &c->cl, p, m->size, m->alignment, &h);
+  rc = gpd_allocate(reg, &c->cl, p, m->size, m->alignment, &h);
   if (rc == GPUPOOL_ENOSPC && m->timeout_ms > 0) {
-    if ((rc = gpupool__waiter_add(c, seq, WAIT_ALLOC, m->timeout_ms, p, m->size, m->alignment, NULL, 0, 0, NULL)) != 0)
+    if ((rc = gpd_waiter_add(c, seq, WAIT_ALLOC, m->timeout_ms, p, m->size, m->alignment, NULL, 0, 0, NULL)) != 0)
       return rc;
     *deferred = 1;
     return 0;
   }
   if (rc != 0)
     return rc;
-  gpupool__srv_reply_hold(c, seq, WAIT_ALLOC, h, NULL, 0);
+  gpd_srv_reply_hold(c, seq, WAIT_ALLOC, h, NULL, 0);
   return 0;
 }
 
-int gpupool__handle_release(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_release(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__Release *m = req->release;
   Gpupool__Wire__ReleaseReply rr = GPUPOOL__WIRE__RELEASE_REPLY__INIT;
-  int freed = 0, rc = gpupool__release(c->srv->reg, &c->cl, m->hold_id, m->done_recorded, &freed);
+  int freed = 0, rc = gpd_release(c->srv->reg, &c->cl, m->hold_id, m->done_recorded, &freed);
   if (rc != 0)
     return rc;
   rr.freed = freed;
@@ -86,12 +86,12 @@ int gpupool__handle_release(gpupool__conn *c, const Gpupool__Wire__Request *req,
   return 0;
 }
 
-int gpupool__handle_share(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_share(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__Share *m = req->share;
   Gpupool__Wire__ShareReply sr = GPUPOOL__WIRE__SHARE_REPLY__INIT;
   uint8_t token[GPUPOOL_TOKEN_SIZE];
-  int rc = gpupool__share(c->srv->reg, &c->cl, m->hold_id, token);
+  int rc = gpd_share(c->srv->reg, &c->cl, m->hold_id, token);
   if (rc != 0)
     return rc;
   sr.token.data = token;
@@ -100,122 +100,122 @@ int gpupool__handle_share(gpupool__conn *c, const Gpupool__Wire__Request *req, i
   return 0;
 }
 
-int gpupool__handle_open(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_open(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__Open *m = req->open;
-  gpupool__hold *h = NULL;
-  int rc = gpupool__open(c->srv->reg, &c->cl, m->token.data, m->token.len, m->read_only, &h);
+  gpd_hold *h = NULL;
+  int rc = gpd_open(c->srv->reg, &c->cl, m->token.data, m->token.len, m->read_only, &h);
   if (rc != 0)
     return rc;
-  gpupool__srv_reply_hold(c, seq, 0, h, NULL, 0);
+  gpd_srv_reply_hold(c, seq, 0, h, NULL, 0);
   return 0;
 }
 
 /* A name got a new version: serve the gets waiting for it first (they are the handoff's
  * critical path), before the publisher's own reply. */
-void gpupool__published(gpupool__conn *c, const char *name, uint64_t version) {
+void gpd_published(gpd_conn *c, const char *name, uint64_t version) {
   char key[GPUPOOL_NAME_KEY_MAX + 1];
   uint64_t owner;
-  if (gpupool__name_key(c->srv->reg, &c->cl, name, key, sizeof key, &owner) == 0)
-    gpupool__wake_getters(c->srv, key, version);
+  if (gpd_name_key(c->srv->reg, &c->cl, name, key, sizeof key, &owner) == 0)
+    gpd_wake_getters(c->srv, key, version);
 }
 
-int gpupool__handle_publish(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_publish(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__Publish *m = req->publish;
   Gpupool__Wire__PublishReply pr = GPUPOOL__WIRE__PUBLISH_REPLY__INIT;
   uint64_t version = 0;
-  int rc = gpupool__publish(c->srv->reg, &c->cl, m->hold_id, m->name, m->tensor, 0, gpupool__wire_publish_shares(m),
+  int rc = gpd_publish(c->srv->reg, &c->cl, m->hold_id, m->name, m->tensor, 0, gpupool__wire_publish_shares(m),
                             &version);
   if (rc != 0)
     return rc;
-  gpupool__published(c, m->name, version);
+  gpd_published(c, m->name, version);
   pr.version = version;
   GPUPOOL__SEND_BODY(c, seq, PUBLISH, publish, &pr);
-  GPUPOOL__DEBUG("client %" PRIu64 " gpupool__published '%s' version %" PRIu64, c->cl.id, m->name, version);
+  GPUPOOL__DEBUG("client %" PRIu64 " gpd_published '%s' version %" PRIu64, c->cl.id, m->name, version);
   return 0;
 }
 
-int gpupool__handle_publish_bundle(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_publish_bundle(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__PublishBundle *m = req->publish_bundle;
   Gpupool__Wire__PublishBundleReply pr = GPUPOOL__WIRE__PUBLISH_BUNDLE_REPLY__INIT;
   uint64_t version = 0;
-  int rc = gpupool__publish_bundle(c->srv->reg, &c->cl, m->name, m->hold_ids, m->n_hold_ids, m->members,
+  int rc = gpd_publish_bundle(c->srv->reg, &c->cl, m->name, m->hold_ids, m->n_hold_ids, m->members,
                                    m->n_members, m->layout_id, &version);
   if (rc != 0)
     return rc;
-  gpupool__published(c, m->name, version);
+  gpd_published(c, m->name, version);
   pr.version = version;
   GPUPOOL__SEND_BODY(c, seq, PUBLISH_BUNDLE, publish_bundle, &pr);
-  GPUPOOL__DEBUG("client %" PRIu64 " gpupool__published bundle '%s' (%zu members) version %" PRIu64, c->cl.id, m->name,
+  GPUPOOL__DEBUG("client %" PRIu64 " gpd_published bundle '%s' (%zu members) version %" PRIu64, c->cl.id, m->name,
                  m->n_members, version);
   return 0;
 }
 
-int gpupool__handle_allocate_bundle(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_allocate_bundle(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__AllocateBundle *m = req->allocate_bundle;
-  gpupool__registry *reg = c->srv->reg;
-  gpupool__pool *p;
-  gpupool__bundle_plan *plan = NULL;
-  gpupool__hold **hs = NULL;
+  gpd_registry *reg = c->srv->reg;
+  gpd_pool *p;
+  gpd_bundle_plan *plan = NULL;
+  gpd_hold **hs = NULL;
   int rc;
   if ((rc = pool_asked(reg, m->pool_name, m->pool_id, &p)) != 0)
     return rc;
-  if ((rc = gpupool__bundle_plan_new(reg, &c->cl, p, m->members, m->n_members, m->alignment, &plan)) != 0)
+  if ((rc = gpd_bundle_plan_new(reg, &c->cl, p, m->members, m->n_members, m->alignment, &plan)) != 0)
     return rc;
   if (plan->nchunks > GPUPOOL_WIRE_MAX_FDS) {
     rc = gpupool__err(GPUPOOL_ETOOBIG, "bundle of %" PRIu64 " bytes needs %u buffers, more than the %d one "
                       "request may hold; split it into several bundles", plan->total, plan->nchunks,
                       GPUPOOL_WIRE_MAX_FDS);
-    gpupool__bundle_plan_free(plan);
+    gpd_bundle_plan_free(plan);
     return rc;
   }
-  rc = gpupool__bundle_allocate(reg, &c->cl, plan, &hs);
+  rc = gpd_bundle_allocate(reg, &c->cl, plan, &hs);
   if (rc == GPUPOOL_ENOSPC && m->timeout_ms > 0) {
-    if ((rc = gpupool__waiter_add(c, seq, WAIT_ABUNDLE, m->timeout_ms, p, plan->total, plan->align, NULL, 0, 0, plan)) != 0)
+    if ((rc = gpd_waiter_add(c, seq, WAIT_ABUNDLE, m->timeout_ms, p, plan->total, plan->align, NULL, 0, 0, plan)) != 0)
       return rc;
     *deferred = 1;
     return 0;
   }
   if (rc == 0) {
-    gpupool__srv_reply_bundle(c, seq, WAIT_ABUNDLE, hs, plan->nchunks, plan->layout, NULL, 0);
+    gpd_srv_reply_bundle(c, seq, WAIT_ABUNDLE, hs, plan->nchunks, plan->layout, NULL, 0);
     free(hs);
   }
-  gpupool__bundle_plan_free(plan);
+  gpd_bundle_plan_free(plan);
   return rc;
 }
 
-int gpupool__handle_get_bundle(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_get_bundle(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__GetBundle *m = req->get_bundle;
-  gpupool__hold **hs = NULL;
-  const gpupool__name *nm = NULL;
-  int rc = gpupool__get_bundle(c->srv->reg, &c->cl, m->name, m->read_only, m->newer_than, &hs, &nm);
+  gpd_hold **hs = NULL;
+  const gpd_name *nm = NULL;
+  int rc = gpd_get_bundle(c->srv->reg, &c->cl, m->name, m->read_only, m->newer_than, &hs, &nm);
   if (rc == GPUPOOL_ENOENT && m->timeout_ms > 0) {
-    if ((rc = gpupool__waiter_add(c, seq, WAIT_BGET, m->timeout_ms, NULL, 0, 0, m->name, m->read_only, m->newer_than,
+    if ((rc = gpd_waiter_add(c, seq, WAIT_BGET, m->timeout_ms, NULL, 0, 0, m->name, m->read_only, m->newer_than,
                          NULL)) != 0)
       return rc;
-    c->waiters->known_layout = m->known_layout; /* gpupool__waiter_add put it first */
+    c->waiters->known_layout = m->known_layout; /* gpd_waiter_add put it first */
     *deferred = 1;
     return 0;
   }
   if (rc != 0)
     return rc;
-  gpupool__srv_reply_bundle(c, seq, WAIT_BGET, hs, nm->nbufs, nm->layout, nm, m->known_layout);
+  gpd_srv_reply_bundle(c, seq, WAIT_BGET, hs, nm->nbufs, nm->layout, nm, m->known_layout);
   free(hs);
   return 0;
 }
 
-int gpupool__handle_get(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_get(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__Get *m = req->get;
-  gpupool__hold *h = NULL;
+  gpd_hold *h = NULL;
   uint64_t version = 0;
-  int rc = gpupool__get(c->srv->reg, &c->cl, m->name, m->read_only, m->newer_than, &h, &version);
+  int rc = gpd_get(c->srv->reg, &c->cl, m->name, m->read_only, m->newer_than, &h, &version);
   if (rc == GPUPOOL_ENOENT && m->timeout_ms > 0) {
-    if ((rc = gpupool__waiter_add(c, seq, WAIT_GET, m->timeout_ms, NULL, 0, 0, m->name, m->read_only, m->newer_than,
+    if ((rc = gpd_waiter_add(c, seq, WAIT_GET, m->timeout_ms, NULL, 0, 0, m->name, m->read_only, m->newer_than,
                          NULL)) != 0)
       return rc;
     *deferred = 1;
@@ -223,15 +223,15 @@ int gpupool__handle_get(gpupool__conn *c, const Gpupool__Wire__Request *req, int
   }
   if (rc != 0)
     return rc;
-  gpupool__srv_reply_hold(c, seq, WAIT_GET, h, m->name, version);
+  gpd_srv_reply_hold(c, seq, WAIT_GET, h, m->name, version);
   return 0;
 }
 
-int gpupool__handle_unpublish(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_unpublish(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__Unpublish *m = req->unpublish;
   Gpupool__Wire__UnpublishReply ur = GPUPOOL__WIRE__UNPUBLISH_REPLY__INIT;
-  int rc = gpupool__unpublish(c->srv->reg, &c->cl, m->name);
+  int rc = gpd_unpublish(c->srv->reg, &c->cl, m->name);
   if (rc != 0)
     return rc;
   GPUPOOL__SEND_BODY(c, seq, UNPUBLISH, unpublish, &ur);

@@ -22,12 +22,12 @@
 #include "list.h"
 #include "server_internal.h"
 
-void gpupool__fwait_unlink(fwait *fw) {
-  gpupool__conn *c = fw->conn;
+void gpd_fwait_unlink(fwait *fw) {
+  gpd_conn *c = fw->conn;
   GPUPOOL__LIST_UNLINK(c->fwaits, fw, prev, next);
 }
 
-static fwait *fwait_new(gpupool__conn *c, uint64_t seq, int kind, const char *name, int count) {
+static fwait *fwait_new(gpd_conn *c, uint64_t seq, int kind, const char *name, int count) {
   fwait *fw = calloc(1, sizeof *fw);
   if (!fw || !(fw->name = strdup(name))) {
     free(fw);
@@ -38,7 +38,7 @@ static fwait *fwait_new(gpupool__conn *c, uint64_t seq, int kind, const char *na
   fw->seq = seq;
   fw->kind = kind;
   fw->count = count;
-  fw->started_ns = gpupool__now_ns();
+  fw->started_ns = gpd_now_ns();
   fw->next = c->fwaits;
   if (c->fwaits)
     c->fwaits->prev = fw;
@@ -46,44 +46,44 @@ static fwait *fwait_new(gpupool__conn *c, uint64_t seq, int kind, const char *na
   return fw;
 }
 
-void gpupool__fwait_free(fwait *fw) {
+void gpd_fwait_free(fwait *fw) {
   free(fw->name);
   free(fw);
 }
 
 /* files.c is done with a PublishFile or GetFile of c's: answer it. */
-static void file_done(void *arg, int rc, const gpupool__file *f, int fd) {
+static void file_done(void *arg, int rc, const gpd_file *f, int fd) {
   fwait *fw = arg;
-  gpupool__conn *c = fw->conn;
-  gpupool__fwait_unlink(fw);
+  gpd_conn *c = fw->conn;
+  gpd_fwait_unlink(fw);
   if (rc != 0)
-    gpupool__send_error(c, fw->seq, rc, gpupool__errmsg());
+    gpd_send_error(c, fw->seq, rc, gpupool__errmsg());
   else
-    gpupool__srv_reply_file(c, fw->seq, f, fw->name, fw->kind, fd);
+    gpd_srv_reply_file(c, fw->seq, f, fw->name, fw->kind, fd);
   if (rc == 0 && fw->kind == GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE && !c->closing)
-    gpupool__published(c, fw->name, 1); /* a file is not versioned */
+    gpd_published(c, fw->name, 1); /* a file is not versioned */
   if (fw->count && c->srv->metrics)
-    gpupool__metrics_request(c->srv->metrics,
+    gpd_metrics_request(c->srv->metrics,
                              fw->kind == GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE ? GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE
                                                                                : GPUPOOL__WIRE__REQUEST__BODY_GET_FILE,
-                             rc, gpupool__now_ns() - fw->started_ns);
-  gpupool__fwait_free(fw);
+                             rc, gpd_now_ns() - fw->started_ns);
+  gpd_fwait_free(fw);
 }
 
 /* A GetFile of name for c, answered when files.c has looked at the file: 0, or the error now. */
-int gpupool__file_get_start(gpupool__conn *c, uint64_t seq, const char *name, int count) {
+int gpd_file_get_start(gpd_conn *c, uint64_t seq, const char *name, int count) {
   fwait *fw = fwait_new(c, seq, GPUPOOL__WIRE__REPLY__BODY_GET_FILE, name, count);
   int rc;
   if (!fw)
     return GPUPOOL_ENOMEM;
-  if ((rc = gpupool__get_file(c->srv->reg, &c->cl, name, file_done, fw, &fw->op)) != 0) {
-    gpupool__fwait_unlink(fw);
-    gpupool__fwait_free(fw);
+  if ((rc = gpd_get_file(c->srv->reg, &c->cl, name, file_done, fw, &fw->op)) != 0) {
+    gpd_fwait_unlink(fw);
+    gpd_fwait_free(fw);
   }
   return rc;
 }
 
-int gpupool__handle_publish_file(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_publish_file(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__PublishFile *m = req->publish_file;
   fwait *fw;
@@ -93,25 +93,25 @@ int gpupool__handle_publish_file(gpupool__conn *c, const Gpupool__Wire__Request 
     return gpupool__err(GPUPOOL_EFD, "PublishFile carries no fd: the client opens the file O_RDONLY and sends the "
                         "fd with the request (gpupool_file_publish does)");
   if (!(fw = fwait_new(c, seq, GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE, m->name, 1))) {
-    gpupool__conn_close_fd(c, fd);
+    gpd_conn_close_fd(c, fd);
     return GPUPOOL_ENOMEM;
   }
-  if ((rc = gpupool__publish_file(c->srv->reg, &c->cl, m->name, fd, m->offset, m->length, file_done, fw,
+  if ((rc = gpd_publish_file(c->srv->reg, &c->cl, m->name, fd, m->offset, m->length, file_done, fw,
                                   &fw->op)) != 0) {
-    gpupool__fwait_unlink(fw); /* fd closed there */
-    gpupool__fwait_free(fw);
+    gpd_fwait_unlink(fw); /* fd closed there */
+    gpd_fwait_free(fw);
     return rc;
   }
   *deferred = 1;
   return 0;
 }
 
-int gpupool__handle_get_file(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+int gpd_handle_get_file(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__GetFile *m = req->get_file;
-  int rc = gpupool__file_get_start(c, seq, m->name, 1);
+  int rc = gpd_file_get_start(c, seq, m->name, 1);
   if (rc == GPUPOOL_ENOENT && m->timeout_ms > 0) {
-    if ((rc = gpupool__waiter_add(c, seq, WAIT_GET_FILE, m->timeout_ms, NULL, 0, 0, m->name, 1, 0, NULL)) != 0)
+    if ((rc = gpd_waiter_add(c, seq, WAIT_GET_FILE, m->timeout_ms, NULL, 0, 0, m->name, 1, 0, NULL)) != 0)
       return rc;
     *deferred = 1;
     return 0;

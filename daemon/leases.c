@@ -17,8 +17,8 @@
 #include "log.h"
 #include "registry_internal.h"
 
-int gpupool__lease_new(gpupool__registry *reg, uid_t uid, gid_t gid, pid_t pid, gpupool__lease **out, int *peer) {
-  gpupool__lease *l;
+int gpd_lease_new(gpd_registry *reg, uid_t uid, gid_t gid, pid_t pid, gpd_lease **out, int *peer) {
+  gpd_lease *l;
   int p[2];
   if (pipe2(p, O_CLOEXEC) != 0) {
     int e = errno;
@@ -44,7 +44,7 @@ int gpupool__lease_new(gpupool__registry *reg, uid_t uid, gid_t gid, pid_t pid, 
   l->fd = p[0];
   l->refs = 1;
   l->uid = uid;
-  l->tenant = gpupool__tenant_of(reg->cfg, uid, gid);
+  l->tenant = gpd_tenant_of(reg->cfg, uid, gid);
   l->pid = pid;
   l->reg = reg;
   *out = l;
@@ -54,7 +54,7 @@ int gpupool__lease_new(gpupool__registry *reg, uid_t uid, gid_t gid, pid_t pid, 
 
 /* 1 when no process holds the other end any more (EOF on the pipe). Bytes a holder wrote
  * are read and dropped: only EOF counts. */
-static int lease_probe(gpupool__lease *l) {
+static int lease_probe(gpd_lease *l) {
   char buf[4096];
   for (int i = 0; i < 16; i++) {
     ssize_t n = read(l->fd, buf, sizeof buf);
@@ -68,24 +68,24 @@ static int lease_probe(gpupool__lease *l) {
   return 0;
 }
 
-static void lease_unwait(gpupool__lease *l) {
-  gpupool__registry *reg = l->reg;
-  gpupool__uid_usage *u;
+static void lease_unwait(gpd_lease *l) {
+  gpd_registry *reg = l->reg;
+  gpd_uid_usage *u;
   if (!l->waiting)
     return;
   l->waiting = 0;
   GPUPOOL__LIST_UNLINK(reg->waiting, l, prev, next);
   l->prev = l->next = NULL;
   reg->nwaiting--;
-  if (l->counted && (u = gpupool__uid_usage_get(reg, l->tenant, 0))) {
+  if (l->counted && (u = gpd_uid_usage_get(reg, l->tenant, 0))) {
     u->leases--;
-    gpupool__uid_usage_put(reg, u);
+    gpd_uid_usage_put(reg, u);
   }
   l->counted = 0;
 }
 
 static void lease_closed(uv_handle_t *h) {
-  gpupool__lease *l = h->data;
+  gpd_lease *l = h->data;
   if (l->fd >= 0)
     close(l->fd);
   l->fd = -1;
@@ -95,7 +95,7 @@ static void lease_closed(uv_handle_t *h) {
 }
 
 /* Close the daemon's end (through the poll handle when one watches it). */
-static void lease_close_fd(gpupool__lease *l) {
+static void lease_close_fd(gpd_lease *l) {
   if (l->polling) {
     if (!uv_is_closing((uv_handle_t *)&l->poll))
       uv_close((uv_handle_t *)&l->poll, lease_closed);
@@ -106,19 +106,19 @@ static void lease_close_fd(gpupool__lease *l) {
   l->fd = -1;
 }
 
-static void lease_gone(gpupool__lease *l) {
+static void lease_gone(gpd_lease *l) {
   if (l->gone)
     return;
   l->gone = 1;
   if (l->waiting)
     GPUPOOL__PEER_INFO(NULL, 0, "client %" PRIu64 " (pid %d uid %u): every process holding its lease has exited or closed it, "
                   "%.1f s after its connection closed; its memory can be reused",
-                  l->client_id, (int)l->pid, (unsigned)l->uid, (double)(gpupool__now_ns() - l->since_ns) / 1e9);
+                  l->client_id, (int)l->pid, (unsigned)l->uid, (double)(gpd_now_ns() - l->since_ns) / 1e9);
   lease_unwait(l);
   lease_close_fd(l);
 }
 
-void gpupool__lease_unref(gpupool__lease *l) {
+void gpd_lease_unref(gpd_lease *l) {
   if (--l->refs > 0)
     return;
   lease_unwait(l);
@@ -127,14 +127,14 @@ void gpupool__lease_unref(gpupool__lease *l) {
     free(l);
 }
 
-void gpupool__lease_discard(gpupool__lease *l) {
+void gpd_lease_discard(gpd_lease *l) {
   if (l)
-    gpupool__lease_unref(l);
+    gpd_lease_unref(l);
 }
 
 static void lease_readable(uv_poll_t *p, int status, int events) {
-  gpupool__lease *l = p->data;
-  gpupool__registry *reg = l->reg;
+  gpd_lease *l = p->data;
+  gpd_registry *reg = l->reg;
   (void)events;
   if (status < 0) {
     /* Unknown is never "gone": the memory stays pinned rather than reused under a holder. */
@@ -147,15 +147,15 @@ static void lease_readable(uv_poll_t *p, int status, int events) {
   if (!lease_probe(l))
     return;
   lease_gone(l);
-  gpupool__sweep(reg);
+  gpd_sweep(reg);
   if (reg->on_memory)
     reg->on_memory(reg, NULL);
 }
 
 /* The connection closed while its client held or mapped memory: wait for the lease, unless
  * it is already gone. Returns 1 when it is waiting. */
-int gpupool__lease_wait(gpupool__registry *reg, gpupool__lease *l) {
-  gpupool__uid_usage *u;
+int gpd_lease_wait(gpd_registry *reg, gpd_lease *l) {
+  gpd_uid_usage *u;
   int rc;
   if (l->gone)
     return 0;
@@ -163,7 +163,7 @@ int gpupool__lease_wait(gpupool__registry *reg, gpupool__lease *l) {
     lease_gone(l);
     return 0;
   }
-  l->since_ns = gpupool__now_ns();
+  l->since_ns = gpd_now_ns();
   if (!reg->stopped) {
     if ((rc = uv_poll_init(reg->loop, &l->poll, l->fd)) != 0) {
       GPUPOOL__ERROR("cannot watch the lease of client %" PRIu64 " (pid %d): %s; its memory stays pinned until "
@@ -182,7 +182,7 @@ int gpupool__lease_wait(gpupool__registry *reg, gpupool__lease *l) {
   reg->waiting = l;
   reg->nwaiting++;
   /* Counted only where the record could be made; lease_unwait takes back only what was. */
-  l->counted = (u = gpupool__uid_usage_get(reg, l->tenant, 1)) != NULL;
+  l->counted = (u = gpd_uid_usage_get(reg, l->tenant, 1)) != NULL;
   if (l->counted)
     u->leases++;
   return 1;

@@ -21,14 +21,14 @@
 
 #include "server_internal.h"
 
-uint64_t gpupool__server_clients(const gpupool__server *s) { return s->nconns; }
-                                 uint64_t gpupool__server_last_activity(const gpupool__server *s) { return s->last_activity_ns; }
+uint64_t gpd_server_clients(const gpd_server *s) { return s->nconns; }
+                                 uint64_t gpd_server_last_activity(const gpd_server *s) { return s->last_activity_ns; }
                                  
                                  static void hs_timeout(uv_timer_t *t) {
-  gpupool__conn *c = t->data;
+  gpd_conn *c = t->data;
   char why[96];
   snprintf(why, sizeof why, "no Hello within %u ms", c->srv->cfg->handshake_timeout_ms);
-  gpupool__conn_close(c, why);
+  gpd_conn_close(c, why);
 }
 
 /* Refuse a connection with one error frame (best effort, nonblocking) and close it. */
@@ -57,11 +57,11 @@ static int id_allowed(const uint32_t *ids, int n, uint32_t id) {
 /* Connection limits: the total (with reserved_clients slots that only root and the daemon's
  * own uid may take, so an operator can always get in) and per uid. 0, or -1 with the reason in
  * msg. */
-static int conn_limits(gpupool__server *s, const struct ucred *cred, char *msg, size_t len) {
-  const gpupool__config *cfg = s->cfg;
+static int conn_limits(gpd_server *s, const struct ucred *cred, char *msg, size_t len) {
+  const gpd_config *cfg = s->cfg;
   int admin = cred->uid == 0 || cred->uid == geteuid();
-  uint64_t tenant = gpupool__tenant_of(cfg, cred->uid, cred->gid);
-  const gpupool__uid_usage *u = gpupool__uid_usage_get(s->reg, tenant, 0);
+  uint64_t tenant = gpd_tenant_of(cfg, cred->uid, cred->gid);
+  const gpd_uid_usage *u = gpd_uid_usage_get(s->reg, tenant, 0);
   char who[80];
   uint64_t cap = cfg->max_clients;
   if (cap && !admin)
@@ -73,7 +73,7 @@ static int conn_limits(gpupool__server *s, const struct ucred *cred, char *msg, 
     return -1;
   }
   if (!admin && cfg->max_clients_per_uid && u && u->conns >= cfg->max_clients_per_uid) {
-    gpupool__tenant_label(cfg, tenant, who, sizeof who);
+    gpd_tenant_label(cfg, tenant, who, sizeof who);
     snprintf(msg, len, "%s already has %u connections to gpupoold, its limit (max_clients_per_uid); "
              "close some or share one connection between threads", who, u->conns);
     return -1;
@@ -92,15 +92,15 @@ static void log_tick(uv_timer_t *t);
 static void on_accept(uv_poll_t *p, int status, int events);
 
 static void accept_resume(uv_timer_t *t) {
-  gpupool__server *s = t->data;
+  gpd_server *s = t->data;
   if (s->stopping || !s->accept_paused)
     return;
   s->accept_paused = 0;
   uv_poll_start(&s->listen_poll, UV_READABLE, on_accept);
 }
 
-static void log_refused_nofd(gpupool__server *s, int err, int force) {
-  uint64_t now = gpupool__now_ns();
+static void log_refused_nofd(gpd_server *s, int err, int force) {
+  uint64_t now = gpd_now_ns();
   struct rlimit rl;
   if (!s->refused_nofd || (!force && s->refused_logged_ns && now - s->refused_logged_ns < ACCEPT_LOG_INTERVAL_NS))
     return;
@@ -109,7 +109,7 @@ static void log_refused_nofd(gpupool__server *s, int err, int force) {
   GPUPOOL__WARN("out of file descriptors (%s; %" PRIu64 " open, limit %llu): refused %" PRIu64
                 " connection(s) since the last report and stop accepting for %d ms at a time; clients already "
                 "connected are served. Raise LimitNOFILE= (ulimit -n) or lower max_clients",
-                err ? strerror(err) : "accept", gpupool__count_open_fds(), (unsigned long long)rl.rlim_cur, s->refused_nofd,
+                err ? strerror(err) : "accept", gpd_count_open_fds(), (unsigned long long)rl.rlim_cur, s->refused_nofd,
                 ACCEPT_BACKOFF_MS);
   s->refused_nofd = 0;
   s->refused_logged_ns = now;
@@ -118,7 +118,7 @@ static void log_refused_nofd(gpupool__server *s, int err, int force) {
 /* accept4 failed for lack of fds. Spinning on a listener that stays readable would take a
  * core and flood the log: refuse what is waiting (with the reason, through a reserved fd),
  * rest the listener, and count. */
-static void accept_out_of_fds(gpupool__server *s, int err) {
+static void accept_out_of_fds(gpd_server *s, int err) {
   static const char msg[] = "gpupoold is out of file descriptors and cannot take this connection now; try again "
                             "later. Operators: raise the daemon's fd limit (LimitNOFILE= in gpupoold.service, "
                             "ulimit -n) or lower max_clients";
@@ -146,15 +146,15 @@ static void accept_out_of_fds(gpupool__server *s, int err) {
 
 /* The connection of an accepted fd that passed every check, holding its lease; when there is
  * no memory for it, the fd, the lease and its peer end are closed. */
-static void conn_new(gpupool__server *s, int fd, const struct ucred *cred, gpupool__lease *lease, int peer) {
-  gpupool__conn *c = calloc(1, sizeof *c);
-  uint64_t tenant = gpupool__tenant_of(s->cfg, cred->uid, cred->gid);
+static void conn_new(gpd_server *s, int fd, const struct ucred *cred, gpd_lease *lease, int peer) {
+  gpd_conn *c = calloc(1, sizeof *c);
+  uint64_t tenant = gpd_tenant_of(s->cfg, cred->uid, cred->gid);
 
-  if (!c || !(c->u = gpupool__uid_usage_get(s->reg, tenant, 1)) || !(c->sh = gpupool__share_get(s, tenant))) {
+  if (!c || !(c->u = gpd_uid_usage_get(s->reg, tenant, 1)) || !(c->sh = gpd_share_get(s, tenant))) {
     if (c && c->u)
-      gpupool__uid_usage_put(s->reg, c->u);
+      gpd_uid_usage_put(s->reg, c->u);
     free(c);
-    gpupool__lease_discard(lease);
+    gpd_lease_discard(lease);
     close(peer);
     close(fd);
     return;
@@ -172,10 +172,10 @@ static void conn_new(gpupool__server *s, int fd, const struct ucred *cred, gpupo
   snprintf(c->cl.name, sizeof c->cl.name, "-");
   gpupool__wire_inbuf_init(&c->in, s->cfg->max_frame);
   gpupool__wire_txq_init(&c->txq);
-  c->in.close_fd = c->txq.close_fd = gpupool__conn_close_fd;
+  c->in.close_fd = c->txq.close_fd = gpd_conn_close_fd;
   c->in.close_arg = c->txq.close_arg = c;
   c->fenced_tail = &c->fenced_head;
-  gpupool__client_init(s->reg, &c->cl);
+  gpd_client_init(s->reg, &c->cl);
   uv_poll_init(s->loop, &c->poll, fd);
   c->poll.data = c;
   uv_timer_init(s->loop, &c->hs_timer);
@@ -190,11 +190,11 @@ static void conn_new(gpupool__server *s, int fd, const struct ucred *cred, gpupo
   s->nconns++;
   GPUPOOL__DEBUG("accepted pid %d uid %u gid %u as client %" PRIu64, (int)cred->pid, (unsigned)cred->uid,
            (unsigned)cred->gid, c->cl.id);
-  gpupool__conn_update_poll(c);
+  gpd_conn_update_poll(c);
 }
 
 static void on_accept(uv_poll_t *p, int status, int events) {
-  gpupool__server *s = p->data;
+  gpd_server *s = p->data;
   (void)events;
   if (status < 0) {
     GPUPOOL__ERROR("listening socket error: %s", uv_strerror(status));
@@ -205,7 +205,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
   for (int batch = 0; batch < ACCEPT_BATCH; batch++) {
     struct ucred cred;
     socklen_t cl = sizeof cred;
-    gpupool__lease *lease = NULL;
+    gpd_lease *lease = NULL;
     char msg[512];
     int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC), peer = -1;
     if (fd < 0) {
@@ -244,7 +244,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
     }
     /* Liveness comes from the lease, never from the pid: without one the connection is not
      * served at all (unknown liveness must not read as "exited"). */
-    if (gpupool__lease_new(s->reg, cred.uid, cred.gid, cred.pid, &lease, &peer) != 0) {
+    if (gpd_lease_new(s->reg, cred.uid, cred.gid, cred.pid, &lease, &peer) != 0) {
       snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
       s->refused_nofd++;
       log_refused_nofd(s, EMFILE, 0);
@@ -278,7 +278,7 @@ static int mkdir_parents(const char *path) {
   return 0;
 }
 
-static int bind_socket(const gpupool__config *cfg, int *out) {
+static int bind_socket(const gpd_config *cfg, int *out) {
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
   int fd, rc;
   if (strlen(cfg->socket_path) >= sizeof addr.sun_path || !cfg->socket_path[0])
@@ -314,46 +314,46 @@ bind_fail:
 }
 
 static void on_sigio(uv_signal_t *h, int signum) {
-  gpupool__server *s = h->data;
+  gpd_server *s = h->data;
   (void)signum;
-  gpupool__files_lease_check(s->reg);
+  gpd_files_lease_check(s->reg);
 }
 
 /* A tenant's file calls drained below the pause mark: read its connections again. */
 static void fops_drained(void *arg, uint64_t tenant) {
-  gpupool__server *s = arg;
+  gpd_server *s = arg;
   if (!s->npaused)
     return;
-  for (gpupool__conn *c = s->conns; c; c = c->next)
+  for (gpd_conn *c = s->conns; c; c = c->next)
     if (c->fops_paused && c->cl.tenant == tenant) {
       c->fops_paused = 0;
       s->npaused--;
-      gpupool__conn_update_poll(c);
+      gpd_conn_update_poll(c);
     }
 }
 
 static void stats_release(void *server, Gpupool__Wire__StatsReply *st) {
   (void)server;
-  gpupool__stats_free(st);
+  gpd_stats_free(st);
 }
 
-int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool__config *cfg, gpupool__registry *reg,
+int gpd_server_start(gpd_server **out, uv_loop_t *loop, const gpd_config *cfg, gpd_registry *reg,
                           int listen_fd) {
-  gpupool__server *s = calloc(1, sizeof *s);
-  gpupool__stats_source src = {gpupool__server_stats, stats_release, NULL};
+  gpd_server *s = calloc(1, sizeof *s);
+  gpd_stats_source src = {gpd_server_stats, stats_release, NULL};
   int rc;
   if (!s)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
-  if ((rc = gpupool__metrics_new(&s->metrics)) != 0) {
+  if ((rc = gpd_metrics_new(&s->metrics)) != 0) {
     free(s);
     return rc;
   }
   s->loop = loop;
   s->cfg = cfg;
   s->reg = reg;
-  s->started_ns = gpupool__now_ns();
-  if (!(s->fops = gpupool__fileops_new(loop))) {
-    gpupool__metrics_close(s->metrics);
+  s->started_ns = gpd_now_ns();
+  if (!(s->fops = gpd_fileops_new(loop))) {
+    gpd_metrics_close(s->metrics);
     free(s);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   }
@@ -373,7 +373,7 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
   gpupool__hmap_init(&s->alloc_q);
   gpupool__hmap_init(&s->shares);
   reg->owner = s;
-  reg->on_memory = gpupool__retry_waiters;
+  reg->on_memory = gpd_retry_waiters;
   if (listen_fd >= 0) {
     s->listen_fd = listen_fd;
   } else {
@@ -381,11 +381,11 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
       reg->owner = NULL;
       reg->on_memory = NULL;
       reg->fops = NULL;
-      gpupool__fileops_free(s->fops);
+      gpd_fileops_free(s->fops);
       gpupool__smap_free(&s->get_q);
       gpupool__hmap_free(&s->alloc_q);
       gpupool__hmap_free(&s->shares);
-      gpupool__metrics_close(s->metrics);
+      gpd_metrics_close(s->metrics);
       free(s);
       return rc;
     }
@@ -419,23 +419,23 @@ int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool_
   uv_poll_start(&s->listen_poll, UV_READABLE, on_accept);
   /* Metrics are a convenience: the daemon serves without them, counting all the same. */
   src.arg = s;
-  if (gpupool__metrics_start(s->metrics, loop, cfg, &src) != 0)
+  if (gpd_metrics_start(s->metrics, loop, cfg, &src) != 0)
     GPUPOOL__WARN("metrics disabled: %s", gpupool__errmsg());
   *out = s;
   return 0;
 }
 
 /* What the log rate limits left out is told once their interval is over, even when the
- * client that caused it says nothing more (or is gone: gpupool__conn_close told its count then). */
+ * client that caused it says nothing more (or is gone: gpd_conn_close told its count then). */
 static void log_tick(uv_timer_t *t) {
-  gpupool__server *s = t->data;
-  for (gpupool__conn *c = s->conns; c; c = c->next)
+  gpd_server *s = t->data;
+  for (gpd_conn *c = s->conns; c; c = c->next)
     gpupool__log_peer_flush(&c->cl.log_rl, c->cl.id, 0);
   gpupool__log_peer_flush(NULL, 0, 0);
 }
 
 static void listen_closed(uv_handle_t *h) {
-  gpupool__server *s = h->data;
+  gpd_server *s = h->data;
   if (h == (uv_handle_t *)&s->listen_poll)
     close(s->listen_fd);
   if (--s->listen_open > 0)
@@ -455,20 +455,20 @@ static void listen_closed(uv_handle_t *h) {
   free(s);
 }
 
-void gpupool__server_stop(gpupool__server *s) {
+void gpd_server_stop(gpd_server *s) {
   if (s->stopping)
     return;
   s->stopping = 1;
   while (s->conns)
-    gpupool__conn_close(s->conns, "daemon shutting down");
+    gpd_conn_close(s->conns, "daemon shutting down");
   /* What is queued is cancelled, what runs finishes; closes from now on happen here. */
   s->reg->fops = NULL;
-  gpupool__fileops_free(s->fops);
+  gpd_fileops_free(s->fops);
   s->fops = NULL;
   if (s->own_socket)
     gpupool__unlink_socket(s->cfg->socket_path);
   s->reg->on_memory = NULL;
-  gpupool__metrics_close(s->metrics);
+  gpd_metrics_close(s->metrics);
   s->metrics = NULL;
   if (s->trace)
     fclose(s->trace);
@@ -479,7 +479,7 @@ void gpupool__server_stop(gpupool__server *s) {
   if (s->sigio_on) {
     /* Nothing handles SIGIO from now on: let every lease go first (a break would otherwise
      * kill the daemon, or hold a writer up for the kernel's lease-break-time). */
-    gpupool__files_unlease(s->reg);
+    gpd_files_unlease(s->reg);
     uv_signal_stop(&s->sigio);
     signal(SIGIO, SIG_IGN);
   }

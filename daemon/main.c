@@ -46,8 +46,8 @@ static void usage(FILE *f) {
           "                          ",
           def);
   /* The --pool keys as the table has them, short forms where there are. */
-  for (size_t i = 0, col = 26; i < gpupool__n_config_keys; i++) {
-    const gpupool__config_key *k = &gpupool__config_keys[i];
+  for (size_t i = 0, col = 26; i < gpd_n_config_keys; i++) {
+    const gpd_config_key *k = &gpd_config_keys[i];
     const char *name = k->alias ? k->alias : k->name;
     if (!(k->sections & GPUPOOL__CS_SPEC))
       continue;
@@ -88,8 +88,8 @@ static void usage(FILE *f) {
 
 typedef struct {
   uv_loop_t *loop;
-  gpupool__server *server;
-  gpupool__registry *reg;
+  gpd_server *server;
+  gpd_registry *reg;
   uv_signal_t sigint, sigterm;
   uv_timer_t watchdog;
   int watchdog_on;
@@ -99,11 +99,11 @@ static void shutdown_daemon(daemon_ctx *d, const char *why) {
   if (!d->server)
     return;
   GPUPOOL__INFO("shutting down (%s)", why);
-  gpupool__sd_notify("STOPPING=1");
-  gpupool__server_stop(d->server);
+  gpd_sd_notify("STOPPING=1");
+  gpd_server_stop(d->server);
   d->server = NULL;
   /* Bounded shutdown: leases and GPU work are not waited for (nothing is reused any more). */
-  gpupool__registry_stop(d->reg);
+  gpd_registry_stop(d->reg);
   uv_close((uv_handle_t *)&d->sigint, NULL);
   uv_close((uv_handle_t *)&d->sigterm, NULL);
   if (d->watchdog_on)
@@ -116,7 +116,7 @@ static void on_signal(uv_signal_t *h, int signum) {
 
 static void on_watchdog(uv_timer_t *t) {
   (void)t;
-  gpupool__sd_notify("WATCHDOG=1");
+  gpd_sd_notify("WATCHDOG=1");
 }
 
 /* A start-up failure: the reason goes to the log at error priority and, under systemd, to
@@ -129,7 +129,7 @@ static int start_failed(int rc, const char *what) {
   if (!*msg)
     msg = gpupool_strerror(rc);
   GPUPOOL__ERROR("%s%s%s", what ? what : "", what ? ": " : "", msg);
-  gpupool__sd_notifyf("STATUS=Failed%s: %s%s%s", status == 2 ? " (configuration)" : "",
+  gpd_sd_notifyf("STATUS=Failed%s: %s%s%s", status == 2 ? " (configuration)" : "",
                       what ? what : "", what ? ": " : "", msg);
   return status;
 }
@@ -149,7 +149,7 @@ static int config_failed(const char *fmt, ...) {
 /* --check-config: everything the daemon would check before serving, without serving. The
  * pools are checked against the backend the daemon would run (auto probes for a GPU, as
  * at start-up); nothing is bound and no memory is taken. */
-static int check_config(gpupool__config *cfg, const char *path) {
+static int check_config(gpd_config *cfg, const char *path) {
   gpupool__backend *be = NULL;
   char changed[1024];
   int rc;
@@ -159,13 +159,13 @@ static int check_config(gpupool__config *cfg, const char *path) {
             cfg->backend ? cfg->backend->name : "auto", gpupool__errmsg());
     return 1;
   }
-  rc = gpupool__config_finish(cfg, be->desc);
+  rc = gpd_config_finish(cfg, be->desc);
   if (rc != 0) {
     fprintf(stderr, "gpupoold: %s\n", gpupool__errmsg());
     be->ops->close(be);
     return 2;
   }
-  gpupool__config_changed_keys(cfg, changed, sizeof changed);
+  gpd_config_changed_keys(cfg, changed, sizeof changed);
   printf("gpupoold: configuration OK (%s): socket %s, backend %s, %d pool(s)\n"
          "gpupoold: [daemon] keys away from their defaults (file, options, environment): %s\n",
          path ? path : "no file", cfg->socket_path[0] ? cfg->socket_path : "(from systemd)",
@@ -219,7 +219,7 @@ static int parse_options(int argc, char **argv, options *o) {
       o->check_only = 1;
       break;
     case 'K':
-      gpupool__config_list_keys(stdout);
+      gpd_config_list_keys(stdout);
       return 0;
     case 'h':
       usage(stdout);
@@ -246,29 +246,29 @@ static int parse_options(int argc, char **argv, options *o) {
 
 /* The config file, then the command line and the environment over it. 0, or exit status 2
  * with the reason. */
-static int load_config(const options *o, gpupool__config *cfg) {
+static int load_config(const options *o, gpd_config *cfg) {
   const char *bp = getenv("GPUPOOL_BUSY_POLL_US");
 
-  gpupool__config_defaults(cfg);
-  if (o->config_path && gpupool__config_load(cfg, o->config_path) != 0)
+  gpd_config_defaults(cfg);
+  if (o->config_path && gpd_config_load(cfg, o->config_path) != 0)
     return config_failed("%s", gpupool__errmsg());
   if (o->socket_opt && snprintf(cfg->socket_path, sizeof cfg->socket_path, "%s", o->socket_opt) >=
                            (int)sizeof cfg->socket_path)
     return config_failed("--socket path longer than %zu bytes", sizeof cfg->socket_path - 1);
-  if (o->backend_opt && gpupool__config_set_backend(cfg, o->backend_opt) != 0)
+  if (o->backend_opt && gpd_config_set_backend(cfg, o->backend_opt) != 0)
     return config_failed("%s", gpupool__errmsg());
-  if (bp && *bp && gpupool__config_set(cfg, "busy_poll_us", bp) != 0)
+  if (bp && *bp && gpd_config_set(cfg, "busy_poll_us", bp) != 0)
     return config_failed("GPUPOOL_BUSY_POLL_US: %s", gpupool__errmsg());
   if (o->level_opt && gpupool__log_parse_level(o->level_opt, &cfg->log_level) != 0)
     return config_failed("%s", gpupool__errmsg());
   for (int i = 0; i < o->npool_specs; i++)
-    if (gpupool__config_add_pool_spec(cfg, o->pool_specs[i]) != 0)
+    if (gpd_config_add_pool_spec(cfg, o->pool_specs[i]) != 0)
       return config_failed("%s", gpupool__errmsg());
   return 0;
 }
 
 /* The backend, and the pools checked against it. 0, or the exit status with *out closed. */
-static int open_backend(gpupool__config *cfg, gpupool__backend **out) {
+static int open_backend(gpd_config *cfg, gpupool__backend **out) {
   gpupool__backend *be = NULL;
   int rc;
 
@@ -277,7 +277,7 @@ static int open_backend(gpupool__config *cfg, gpupool__backend **out) {
     snprintf(what, sizeof what, "cannot open the %s backend", cfg->backend ? cfg->backend->name : "host");
     return start_failed(rc, what);
   }
-  if (gpupool__config_finish(cfg, be->desc) != 0) {
+  if (gpd_config_finish(cfg, be->desc) != 0) {
     int status = start_failed(GPUPOOL_ECONFIG, NULL);
     be->ops->close(be);
     return status;
@@ -288,20 +288,20 @@ static int open_backend(gpupool__config *cfg, gpupool__backend **out) {
 
 /* The registry and the server (which starts the metrics) on d->loop; the server takes
  * *listen_fd (-1: it binds its own socket). 0, or the exit status with both closed. */
-static int start_serving(daemon_ctx *d, const gpupool__config *cfg, gpupool__backend *be,
-                         gpupool__registry *reg, int *listen_fd) {
+static int start_serving(daemon_ctx *d, const gpd_config *cfg, gpupool__backend *be,
+                         gpd_registry *reg, int *listen_fd) {
   int rc;
 
-  if ((rc = gpupool__registry_init(reg, d->loop, cfg, be)) != 0) {
+  if ((rc = gpd_registry_init(reg, d->loop, cfg, be)) != 0) {
     int status = start_failed(rc, NULL);
-    gpupool__registry_close(reg);
+    gpd_registry_close(reg);
     uv_run(d->loop, UV_RUN_DEFAULT);
     return status;
   }
   d->reg = reg;
-  if ((rc = gpupool__server_start(&d->server, d->loop, cfg, reg, *listen_fd)) != 0) {
+  if ((rc = gpd_server_start(&d->server, d->loop, cfg, reg, *listen_fd)) != 0) {
     int status = start_failed(rc, NULL);
-    gpupool__registry_close(reg);
+    gpd_registry_close(reg);
     uv_run(d->loop, UV_RUN_DEFAULT);
     return status;
   }
@@ -318,7 +318,7 @@ static void watch_signals(daemon_ctx *d) {
   d->sigint.data = d->sigterm.data = d;
   uv_signal_start(&d->sigint, on_signal, SIGINT);
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
-  wd = gpupool__sd_watchdog_usec();
+  wd = gpd_sd_watchdog_usec();
   if (wd) {
     uv_timer_init(d->loop, &d->watchdog);
     uv_timer_start(&d->watchdog, on_watchdog, wd / 2000 ? wd / 2000 : 1, wd / 2000 ? wd / 2000 : 1);
@@ -327,7 +327,7 @@ static void watch_signals(daemon_ctx *d) {
 }
 
 /* Serves until shutdown_daemon has run and the loop has nothing left. */
-static void run_loop(daemon_ctx *d, const gpupool__config *cfg) {
+static void run_loop(daemon_ctx *d, const gpd_config *cfg) {
   if (cfg->busy_poll_us == 0) {
     uv_run(d->loop, UV_RUN_DEFAULT);
     return;
@@ -337,7 +337,7 @@ static void run_loop(daemon_ctx *d, const gpupool__config *cfg) {
   GPUPOOL__INFO("busy polling for %u us after client activity (busy_poll_us)", cfg->busy_poll_us);
   for (;;) {
     int more;
-    if (d->server && gpupool__now_ns() - gpupool__server_last_activity(d->server) < (uint64_t)cfg->busy_poll_us * 1000)
+    if (d->server && gpd_now_ns() - gpd_server_last_activity(d->server) < (uint64_t)cfg->busy_poll_us * 1000)
       more = uv_run(d->loop, UV_RUN_NOWAIT);
     else
       more = uv_run(d->loop, UV_RUN_ONCE);
@@ -348,9 +348,9 @@ static void run_loop(daemon_ctx *d, const gpupool__config *cfg) {
 
 int main(int argc, char **argv) {
   options o = {0};
-  gpupool__config cfg;
+  gpd_config cfg;
   gpupool__backend *be = NULL;
-  gpupool__registry reg;
+  gpd_registry reg;
   daemon_ctx d = {0};
   int rc, listen_fd, exit_code;
 
@@ -365,7 +365,7 @@ int main(int argc, char **argv) {
 
   /* Taken before anything else so a bad LISTEN_FDS fails fast and the variables do not leak
    * into children. */
-  listen_fd = gpupool__sd_listen_fd();
+  listen_fd = gpd_sd_listen_fd();
   if (listen_fd < -1)
     return start_failed(listen_fd, NULL);
 
@@ -378,10 +378,10 @@ int main(int argc, char **argv) {
 
   GPUPOOL__INFO("gpupoold %s ready on %s: backend %s, %d pool(s)", GPUPOOL_VERSION_STRING,
           cfg.socket_path[0] ? cfg.socket_path : "(socket from systemd)", be->desc->name, cfg.n_pools);
-  gpupool__sd_notifyf("READY=1\nSTATUS=Serving %d pool(s) on the %s backend", cfg.n_pools, be->desc->name);
+  gpd_sd_notifyf("READY=1\nSTATUS=Serving %d pool(s) on the %s backend", cfg.n_pools, be->desc->name);
   run_loop(&d, &cfg);
 
-  gpupool__registry_close(&reg);
+  gpd_registry_close(&reg);
   uv_run(d.loop, UV_RUN_DEFAULT); /* close callbacks of what the registry held */
   GPUPOOL__INFO("stopped");
 out_be:

@@ -21,7 +21,7 @@
  * kept for root and the daemon's uid, and each connection is closed after a short deadline
  * whether or not the peer reads its answer.
  *
- * All of that state is one gpupool__metrics handle, owned by the server, which hands in
+ * All of that state is one gpd_metrics handle, owned by the server, which hands in
  * itself as the stats source; nothing here names the server. The daemon is single-threaded
  * on its libuv loop, so the state here needs no locking.
  */
@@ -90,7 +90,7 @@ typedef struct conn {
     uv_pipe_t pipe;
     uv_tcp_t tcp;
   };
-  gpupool__metrics *m;
+  gpd_metrics *m;
   uv_timer_t timer;
   uv_write_t wr;
   char rbuf[512];
@@ -106,7 +106,7 @@ typedef struct conn {
   struct conn *next;
 } conn;
 
-struct gpupool__metrics {
+struct gpd_metrics {
   /* Counters, bumped on every request. */
   uint64_t req_count[N_TYPES][N_RESULTS];
   /* Per-bucket (not cumulative) counts; slot N_BUCKETS holds what is above the last bound. */
@@ -119,17 +119,17 @@ struct gpupool__metrics {
   int closing;      /* close() was called: free when the last handle has closed */
   int open_handles; /* the handles below that are open or closing (conns count apart) */
   uv_loop_t *loop;
-  gpupool__stats_source src;
-  char textfile[sizeof(((gpupool__config *)0)->metrics_textfile)];
-  char tmpfile[sizeof(((gpupool__config *)0)->metrics_textfile) + 8];
-  char sock[sizeof(((gpupool__config *)0)->metrics_socket)];
+  gpd_stats_source src;
+  char textfile[sizeof(((gpd_config *)0)->metrics_textfile)];
+  char tmpfile[sizeof(((gpd_config *)0)->metrics_textfile) + 8];
+  char sock[sizeof(((gpd_config *)0)->metrics_socket)];
   uv_timer_t timer;
   int timer_on;
   uv_pipe_t srv;
   int srv_on;
   uv_tcp_t tcp_srv;
   int tcp_on;
-  char listen[sizeof(((gpupool__config *)0)->metrics_listen)];
+  char listen[sizeof(((gpd_config *)0)->metrics_listen)];
   int sock_bound; /* the socket file is ours to remove */
   int write_failing;
   conn *conns;
@@ -140,15 +140,15 @@ struct gpupool__metrics {
   int drop_busy;
 };
 
-int gpupool__metrics_new(gpupool__metrics **out) {
-  gpupool__metrics *m = calloc(1, sizeof(*m));
+int gpd_metrics_new(gpd_metrics **out) {
+  gpd_metrics *m = calloc(1, sizeof(*m));
   if (m == NULL)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory for the metrics");
   *out = m;
   return 0;
 }
 
-void gpupool__metrics_request(gpupool__metrics *m, int body_case, int result, uint64_t latency_ns) {
+void gpd_metrics_request(gpd_metrics *m, int body_case, int result, uint64_t latency_ns) {
   int t = gpupool__request_index(body_case) + 1;
   int r = result == 0 ? 0 : (result < 0 && -result < RESULT_OTHER ? -result : RESULT_OTHER);
   int b = 0;
@@ -233,7 +233,7 @@ static const char *result_name(int r) {
   return gpupool_err_name(-r);
 }
 
-static void render_requests(sbuf *b, const gpupool__metrics *m) {
+static void render_requests(sbuf *b, const gpd_metrics *m) {
   family(b, "requests_total", "counter", "Requests handled, by request type and result.");
   for (int t = 0; t < N_TYPES; t++)
     for (int r = 0; r < N_RESULTS; r++)
@@ -338,7 +338,7 @@ static void render_stats(sbuf *b, const Gpupool__Wire__StatsReply *st) {
   }
 }
 
-char *gpupool__metrics_render(const gpupool__metrics *m, const Gpupool__Wire__StatsReply *st) {
+char *gpd_metrics_render(const gpd_metrics *m, const Gpupool__Wire__StatsReply *st) {
   sbuf b = {0};
 
   if (st != NULL)
@@ -356,25 +356,25 @@ char *gpupool__metrics_render(const gpupool__metrics *m, const Gpupool__Wire__St
 static const char http_head[] = "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\r\n";
 
 /* Frees m once close() was called and nothing of it is open any more. */
-static void maybe_free(gpupool__metrics *m) {
+static void maybe_free(gpd_metrics *m) {
   if (m->closing && m->open_handles == 0 && m->conns == NULL)
     free(m);
 }
 
 /* Close callback of m's own handles (timer, listeners, drop pipe). */
 static void handle_closed(uv_handle_t *h) {
-  gpupool__metrics *m = h->data;
+  gpd_metrics *m = h->data;
   m->open_handles--;
   maybe_free(m);
 }
 
-static void close_handle(gpupool__metrics *m, uv_handle_t *h) {
+static void close_handle(gpd_metrics *m, uv_handle_t *h) {
   h->data = m;
   uv_close(h, handle_closed);
 }
 
 /* Text for the current state; NULL (logged) when out of memory. */
-static char *snapshot_text(gpupool__metrics *m) {
+static char *snapshot_text(gpd_metrics *m) {
   Gpupool__Wire__StatsReply st = GPUPOOL__WIRE__STATS_REPLY__INIT;
   char *text;
   int have = 0;
@@ -387,7 +387,7 @@ static char *snapshot_text(gpupool__metrics *m) {
       GPUPOOL__PEER_WARN(NULL, 0, "metrics: cannot take a stats snapshot (%s); exporting request counters only",
               gpupool__errmsg()[0] ? gpupool__errmsg() : gpupool_strerror(rc));
   }
-  text = gpupool__metrics_render(m, have ? &st : NULL);
+  text = gpd_metrics_render(m, have ? &st : NULL);
   if (have && m->src.release != NULL)
     m->src.release(m->src.arg, &st);
   if (text == NULL)
@@ -409,7 +409,7 @@ static int write_all(int fd, const char *p, size_t n) {
   return 0;
 }
 
-static void write_textfile(gpupool__metrics *m) {
+static void write_textfile(gpd_metrics *m) {
   char *text = snapshot_text(m);
   const char *what = NULL;
   int fd = -1, err = 0;
@@ -465,7 +465,7 @@ static void on_timer(uv_timer_t *t) {
 
 static void conn_closed(uv_handle_t *h) {
   conn *c = h->data;
-  gpupool__metrics *m = c->m;
+  gpd_metrics *m = c->m;
   conn **pp;
 
   if (--c->open_handles > 0)
@@ -563,12 +563,12 @@ static void on_req_timeout(uv_timer_t *t) {
 }
 
 static void drop_closed(uv_handle_t *h) {
-  gpupool__metrics *m = h->data;
+  gpd_metrics *m = h->data;
   m->drop_busy = 0;
   handle_closed(h);
 }
 
-static void drop_conn(gpupool__metrics *m, uv_stream_t *srv) {
+static void drop_conn(gpd_metrics *m, uv_stream_t *srv) {
   if (m->drop_busy || uv_pipe_init(m->loop, &m->drop_pipe, 0) != 0)
     return;
   m->drop_busy = 1;
@@ -579,7 +579,7 @@ static void drop_conn(gpupool__metrics *m, uv_stream_t *srv) {
 }
 
 /* Puts c (its stream initialised, open_handles set) on m's list. */
-static void conn_link(gpupool__metrics *m, conn *c) {
+static void conn_link(gpd_metrics *m, conn *c) {
   c->m = m;
   c->next = m->conns;
   m->conns = c;
@@ -673,7 +673,7 @@ static int conn_identify(conn *c) {
 }
 
 /* Says (within the limits of what peers may log) why c was closed unanswered. */
-static void refused(gpupool__metrics *m, const conn *c, const char *why) {
+static void refused(gpd_metrics *m, const conn *c, const char *why) {
   char who[INET6_ADDRSTRLEN + 32] = "";
   (void)m;
   if (c->has_uid)
@@ -705,7 +705,7 @@ static int same_peer(const conn *a, const conn *b) {
 /* Whether c, just accepted and identified, may take one of its listener's slots: within the
  * listener's MAX_CONNS, outside the RESERVED_CONNS unless root or the daemon's uid, and within
  * its peer's MAX_CONNS_PER_UID. Sets *why to the reason when not. */
-static int slot_allows(gpupool__metrics *m, const conn *c, const char **why) {
+static int slot_allows(gpd_metrics *m, const conn *c, const char **why) {
   int total = 0, same = 0;
   int operator = c->has_uid && (c->uid == 0 || c->uid == geteuid());
 
@@ -728,7 +728,7 @@ static int slot_allows(gpupool__metrics *m, const conn *c, const char **why) {
 }
 
 static void on_conn(uv_stream_t *srv, int status) {
-  gpupool__metrics *m = srv->data;
+  gpd_metrics *m = srv->data;
   const char *why = NULL;
   conn *c;
 
@@ -777,7 +777,7 @@ static void on_conn(uv_stream_t *srv, int status) {
     conn_close(c);
 }
 
-static int start_socket(gpupool__metrics *m, const gpupool__config *cfg) {
+static int start_socket(gpd_metrics *m, const gpd_config *cfg) {
   mode_t mode = cfg->socket_mode ? cfg->socket_mode : 0660;
   mode_t old;
   int rc;
@@ -828,7 +828,7 @@ static int start_socket(gpupool__metrics *m, const gpupool__config *cfg) {
   return 0;
 }
 
-static int start_tcp(gpupool__metrics *m, const gpupool__config *cfg) {
+static int start_tcp(gpd_metrics *m, const gpd_config *cfg) {
   int rc = uv_tcp_init(m->loop, &m->tcp_srv);
   if (rc != 0)
     return gpupool__err(GPUPOOL_ECONFIG, "metrics_listen: %s", uv_strerror(rc));
@@ -849,7 +849,7 @@ static int start_tcp(gpupool__metrics *m, const gpupool__config *cfg) {
   return 0;
 }
 
-static int start_textfile(gpupool__metrics *m, const gpupool__config *cfg) {
+static int start_textfile(gpd_metrics *m, const gpd_config *cfg) {
   uint32_t every = cfg->metrics_interval_ms ? cfg->metrics_interval_ms : 5000;
   int fd, rc;
 
@@ -880,7 +880,7 @@ static int start_textfile(gpupool__metrics *m, const gpupool__config *cfg) {
 }
 
 /* Closes every exporter; the handle itself stays (its counters still count). */
-static void stop_exporters(gpupool__metrics *m) {
+static void stop_exporters(gpd_metrics *m) {
   if (m->timer_on) {
     uv_timer_stop(&m->timer);
     close_handle(m, (uv_handle_t *)&m->timer);
@@ -905,8 +905,8 @@ static void stop_exporters(gpupool__metrics *m) {
     conn_close(c);
 }
 
-int gpupool__metrics_start(gpupool__metrics *m, uv_loop_t *loop, const gpupool__config *cfg,
-                           const gpupool__stats_source *src) {
+int gpd_metrics_start(gpd_metrics *m, uv_loop_t *loop, const gpd_config *cfg,
+                           const gpd_stats_source *src) {
   int rc;
 
   if (m->started)
@@ -946,7 +946,7 @@ fail:
   }
 }
 
-void gpupool__metrics_close(gpupool__metrics *m) {
+void gpd_metrics_close(gpd_metrics *m) {
   if (m == NULL || m->closing)
     return;
   m->closing = 1;

@@ -16,7 +16,7 @@
 #include "config.h"
 #include "wire.h"
 
-typedef struct gpupool__metrics gpupool__metrics;
+typedef struct gpd_metrics gpd_metrics;
 
 /* Where the gauges come from. fill() puts the daemon's current stats in *out (the same
  * content as a Stats reply) and returns 0 or a GPUPOOL_E* code with a message; after a
@@ -25,7 +25,7 @@ typedef struct {
   int (*fill)(void *arg, Gpupool__Wire__StatsReply *out);
   void (*release)(void *arg, Gpupool__Wire__StatsReply *st);
   void *arg;
-} gpupool__stats_source;
+} gpd_stats_source;
 
 /* Connections each listener (the Unix socket, the TCP address) serves at once; its slots are
  * its own, so one listener kept busy cannot lock scrapers out of the other. */
@@ -37,28 +37,28 @@ typedef struct {
 #define GPUPOOL__METRICS_RESERVED_CONNS 2
 
 /* A handle with zeroed counters and no exporter: 0 or GPUPOOL_ENOMEM. Free it with
- * gpupool__metrics_close(). */
-int gpupool__metrics_new(gpupool__metrics **out);
+ * gpd_metrics_close(). */
+int gpd_metrics_new(gpd_metrics **out);
 
 /* Count one handled request: body_case is the Request's oneof case (e.g.
  * GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE), result 0 or a GPUPOOL_E* code. Cheap: called on
  * every request. */
-void gpupool__metrics_request(gpupool__metrics *m, int body_case, int result, uint64_t latency_ns);
+void gpd_metrics_request(gpd_metrics *m, int body_case, int result, uint64_t latency_ns);
 
 /* Prometheus text for m's counters and the snapshot st (NULL: counters only); malloc'd,
  * caller frees. */
-char *gpupool__metrics_render(const gpupool__metrics *m, const Gpupool__Wire__StatsReply *st);
+char *gpd_metrics_render(const gpd_metrics *m, const Gpupool__Wire__StatsReply *st);
 
 /* Start the textfile writer / socket and TCP listeners configured in cfg on loop (none
  * configured = nothing to do); src is copied. 0 or a GPUPOOL_E* code with a message; after a
  * failure the handle keeps counting but exports nothing, and a handle starts only once
  * (GPUPOOL_EINVAL). */
-int gpupool__metrics_start(gpupool__metrics *m, uv_loop_t *loop, const gpupool__config *cfg,
-                           const gpupool__stats_source *src);
+int gpd_metrics_start(gpd_metrics *m, uv_loop_t *loop, const gpd_config *cfg,
+                           const gpd_stats_source *src);
 
 /* Close every exporter (the metrics socket file and the textfile are removed) and free the
  * handle once the loop has run the close callbacks of its handles (at once when it has none
  * open). m must not be used afterwards. NULL is ignored. */
-void gpupool__metrics_close(gpupool__metrics *m);
+void gpd_metrics_close(gpd_metrics *m);
 
 #endif

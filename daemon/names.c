@@ -12,23 +12,23 @@
 #include "registry_internal.h"
 
 /* Drops what a name's current version refers to (its buffers' references, its members). */
-static void name_clear(gpupool__registry *reg, gpupool__name *n) {
+static void name_clear(gpd_registry *reg, gpd_name *n) {
   if (n->file) {
-    gpupool__file_close(reg, n->file);
+    gpd_file_close(reg, n->file);
     n->file = NULL;
   }
-  gpupool__layout_unref(reg, n->layout);
+  gpd_layout_unref(reg, n->layout);
   n->layout = NULL;
   for (uint32_t i = 0; i < n->nbufs; i++) {
     n->bufs[i]->names--;
-    gpupool__buffer_unref(reg, n->bufs[i]);
+    gpd_buffer_unref(reg, n->bufs[i]);
   }
   free(n->bufs);
   n->bufs = NULL;
   n->nbufs = 0;
 }
 
-void gpupool__name_free(gpupool__registry *reg, gpupool__name *n) {
+void gpd_name_free(gpd_registry *reg, gpd_name *n) {
   name_clear(reg, n);
   free(n->name);
   free(n);
@@ -37,17 +37,17 @@ void gpupool__name_free(gpupool__registry *reg, gpupool__name *n) {
 /* Checks for a publish under `name` by c of buffers bufs: the namespace, the buffers' owner,
  * the name limits (for a new name) and the member limits. *key gets the name's key and *old
  * the name's entry when it exists. */
-static int publish_check(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__buffer *const *bufs,
-                         uint32_t nbufs, char *key, size_t keylen, gpupool__name **old) {
-  const gpupool__config *cfg = reg->cfg;
+static int publish_check(gpd_registry *reg, gpd_client *c, const char *name, gpd_buffer *const *bufs,
+                         uint32_t nbufs, char *key, size_t keylen, gpd_name **old) {
+  const gpd_config *cfg = reg->cfg;
   uint64_t owner;
   int rc;
-  if ((rc = gpupool__name_key(reg, c, name, key, keylen, &owner)) != 0)
+  if ((rc = gpd_name_key(reg, c, name, key, keylen, &owner)) != 0)
     return rc;
   for (uint32_t i = 0; i < nbufs; i++)
     if (bufs[i]->slab->owner != owner) {
       char label[80];
-      gpupool__tenant_label(cfg, bufs[i]->slab->owner, label, sizeof label);
+      gpd_tenant_label(cfg, bufs[i]->slab->owner, label, sizeof label);
       return gpupool__err(GPUPOOL_EPERM,
                           "'%s' would make a buffer of %s readable outside it; publish it in that namespace "
                           "(%s)", name, label,
@@ -58,15 +58,15 @@ static int publish_check(gpupool__registry *reg, gpupool__client *c, const char 
     return gpupool__err(GPUPOOL_EEXIST, "'%s' names a published file; unpublish it before publishing buffers "
                         "under that name", name);
   if (*old && (*old)->tenant != c->tenant)
-    return gpupool__quota_name_move(reg, c->tenant, name);
-  return *old ? 0 : gpupool__quota_name(reg, c->tenant);
+    return gpd_quota_name_move(reg, c->tenant, name);
+  return *old ? 0 : gpd_quota_name(reg, c->tenant);
 }
 
 /* Make (bufs, layout) the current version of `key`, creating the name or replacing its
  * previous version in one step. Takes over bufs (an array of nbufs buffers, each given one
  * reference here) and the caller's reference on layout. Cannot fail once the name exists. */
-static int publish_commit(gpupool__registry *reg, gpupool__client *c, const char *key, gpupool__name *n,
-                          gpupool__buffer **bufs, uint32_t nbufs, gpupool__layout *layout,
+static int publish_commit(gpd_registry *reg, gpd_client *c, const char *key, gpd_name *n,
+                          gpd_buffer **bufs, uint32_t nbufs, gpd_layout *layout,
                           int read_only, const gpupool_tensor_meta *meta, uint64_t *version) {
   uint64_t prev = 0;
   if (!n) {
@@ -75,12 +75,12 @@ static int publish_commit(gpupool__registry *reg, gpupool__client *c, const char
       if (n)
         free(n->name);
       free(n);
-      gpupool__layout_unref(reg, layout);
+      gpd_layout_unref(reg, layout);
       free(bufs);
       return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     }
     reg->nnames++;
-    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, c->tenant, 1);
+    gpd_uid_usage *u = gpd_uid_usage_get(reg, c->tenant, 1);
     if (u)
       u->names++; /* (the record holds at least this client's hold: it exists) */
     n->tenant = c->tenant;
@@ -96,12 +96,12 @@ static int publish_commit(gpupool__registry *reg, gpupool__client *c, const char
   name_clear(reg, n);
   if (n->tenant != c->tenant) {
     /* Republished by another member of the namespace: the name now counts against it. */
-    gpupool__uid_usage *u = gpupool__uid_usage_get(reg, n->tenant, 0);
+    gpd_uid_usage *u = gpd_uid_usage_get(reg, n->tenant, 0);
     if (u) {
       u->names--;
-      gpupool__uid_usage_put(reg, u);
+      gpd_uid_usage_put(reg, u);
     }
-    u = gpupool__uid_usage_get(reg, c->tenant, 1);
+    u = gpd_uid_usage_get(reg, c->tenant, 1);
     if (u)
       u->names++;
     n->tenant = c->tenant;
@@ -112,7 +112,7 @@ static int publish_commit(gpupool__registry *reg, gpupool__client *c, const char
   n->version = prev + 1;
   n->uid = c->uid;
   n->read_only = read_only;
-  n->created_ns = gpupool__now_ns();
+  n->created_ns = gpd_now_ns();
   n->has_meta = meta != NULL;
   if (meta) {
     n->meta = *meta;
@@ -124,16 +124,16 @@ static int publish_commit(gpupool__registry *reg, gpupool__client *c, const char
   return 0;
 }
 
-int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id, const char *name,
+int gpd_publish(gpd_registry *reg, gpd_client *c, uint64_t hold_id, const char *name,
                      const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all, uint64_t *version) {
-  gpupool__hold *h = NULL;
-  gpupool__name *old = NULL;
-  gpupool__buffer **bufs;
+  gpd_hold *h = NULL;
+  gpd_name *old = NULL;
+  gpd_buffer **bufs;
   gpupool_tensor_meta m;
   int rc, has_meta = meta && meta->present;
   char key[GPUPOOL_NAME_KEY_MAX + 1];
 
-  if ((rc = gpupool__hold_of(reg, c, hold_id, &h)) != 0)
+  if ((rc = gpd_hold_of(reg, c, hold_id, &h)) != 0)
     return rc;
   if (share_gid || share_all)
     return gpupool__err(GPUPOOL_EINVAL,
@@ -151,13 +151,13 @@ int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_i
   return publish_commit(reg, c, key, old, bufs, 1, NULL, h->read_only, has_meta ? &m : NULL, version);
 }
 
-int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const char *name, const uint64_t *hold_ids,
+int gpd_publish_bundle(gpd_registry *reg, gpd_client *c, const char *name, const uint64_t *hold_ids,
                             size_t nholds, Gpupool__Wire__BundleMember *const *wm, size_t nmembers,
                             uint64_t layout_id, uint64_t *version) {
-  gpupool__buffer **bufs = NULL;
-  gpupool__member *members = NULL;
-  gpupool__layout *layout = NULL;
-  gpupool__name *old = NULL;
+  gpd_buffer **bufs = NULL;
+  gpd_member *members = NULL;
+  gpd_layout *layout = NULL;
+  gpd_name *old = NULL;
   uint32_t *used = NULL;
   char key[GPUPOOL_NAME_KEY_MAX + 1];
   size_t i, nm = 0;
@@ -177,7 +177,7 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
       return gpupool__err(GPUPOOL_EINVAL, "member table %" PRIu64 " spans %u buffers, not %zu", layout_id,
                           layout->nbufs, nholds);
     nmembers = layout->n;
-  } else if ((rc = gpupool__check_member_count(reg, nmembers)) != 0) {
+  } else if ((rc = gpd_check_member_count(reg, nmembers)) != 0) {
     return rc;
   }
   if (nholds == 0 || nholds > nmembers)
@@ -190,8 +190,8 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
   }
   /* Buffer and slab ids come from one counter: one set tells repeats of either. */
   for (i = 0; i < nholds; i++) {
-    gpupool__hold *h = NULL;
-    if ((rc = gpupool__hold_of(reg, c, hold_ids[i], &h)) != 0)
+    gpd_hold *h = NULL;
+    if ((rc = gpd_hold_of(reg, c, hold_ids[i], &h)) != 0)
       goto fail;
     if (gpupool__hmap_get(&seen, h->buf->id)) {
       rc = gpupool__err(GPUPOOL_EINVAL, "buffer %" PRIu64 " is listed twice (hold %" PRIu64 " and another); list "
@@ -232,7 +232,7 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
                           m->name ? m->name : "", m->buffer, nholds);
         goto fail;
       }
-      if ((rc = gpupool__member_from_wire(m->name, m->offset, m->size, m->tensor, bufs[m->buffer]->asked, nm,
+      if ((rc = gpd_member_from_wire(m->name, m->offset, m->size, m->tensor, bufs[m->buffer]->asked, nm,
                                  &members[nm])) != 0)
         goto fail;
       members[nm].buffer = m->buffer;
@@ -244,7 +244,7 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
                           "the members use", i, hold_ids[i]);
         goto fail;
       }
-    if ((rc = gpupool__members_unique(members, nmembers)) != 0)
+    if ((rc = gpd_members_unique(members, nmembers)) != 0)
       goto fail;
   }
   if ((rc = publish_check(reg, c, name, bufs, (uint32_t)nholds, key, sizeof key, &old)) != 0)
@@ -255,7 +255,7 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
     /* The previous version's table goes with it when nothing else uses it. */
     uint64_t freed = old && old->layout && old->layout->refs == 1 && old->layout->tenant == c->tenant
                          ? old->layout->n : 0;
-    rc = gpupool__layout_new(reg, c->tenant, members, (uint32_t)nmembers, (uint32_t)nholds, freed, &layout);
+    rc = gpd_layout_new(reg, c->tenant, members, (uint32_t)nmembers, (uint32_t)nholds, freed, &layout);
     members = NULL; /* taken over, also on failure */
     nm = 0;
     if (rc != 0)
@@ -265,17 +265,17 @@ int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const ch
   gpupool__hmap_free(&seen);
   return publish_commit(reg, c, key, old, bufs, (uint32_t)nholds, layout, read_only, NULL, version);
 fail:
-  gpupool__members_free(members, (uint32_t)nm);
+  gpd_members_free(members, (uint32_t)nm);
   free(bufs);
   free(used);
   gpupool__hmap_free(&seen);
   return rc;
 }
 
-int gpupool__find_name(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__name **out) {
+int gpd_find_name(gpd_registry *reg, gpd_client *c, const char *name, gpd_name **out) {
   char key[GPUPOOL_NAME_KEY_MAX + 1];
   uint64_t owner;
-  int rc = gpupool__name_key(reg, c, name, key, sizeof key, &owner);
+  int rc = gpd_name_key(reg, c, name, key, sizeof key, &owner);
   if (rc != 0)
     return rc;
   *out = gpupool__smap_get(&reg->names, key);
@@ -284,9 +284,9 @@ int gpupool__find_name(gpupool__registry *reg, gpupool__client *c, const char *n
   return 0;
 }
 
-static int find_newer(gpupool__registry *reg, gpupool__client *c, const char *name, uint64_t newer_than,
-                      gpupool__name **out) {
-  int rc = gpupool__find_name(reg, c, name, out);
+static int find_newer(gpd_registry *reg, gpd_client *c, const char *name, uint64_t newer_than,
+                      gpd_name **out) {
+  int rc = gpd_find_name(reg, c, name, out);
   if (rc == 0 && (*out)->file)
     return gpupool__err(GPUPOOL_EINVAL, "'%s' names a published file, not a buffer: get it with gpupool_file_get "
                         "(Python: Client.get_file_array)", name);
@@ -294,13 +294,13 @@ static int find_newer(gpupool__registry *reg, gpupool__client *c, const char *na
     return gpupool__err(GPUPOOL_ENOENT, "'%s' is at version %" PRIu64 ", not newer than %" PRIu64, name,
                         (*out)->version, newer_than);
   if (rc == 0)
-    rc = gpupool__quota_waiting_leases(reg, c);
+    rc = gpd_quota_waiting_leases(reg, c);
   return rc;
 }
 
-int gpupool__get(gpupool__registry *reg, gpupool__client *c, const char *name, int read_only, uint64_t newer_than,
-                 gpupool__hold **out, uint64_t *version) {
-  gpupool__name *n;
+int gpd_get(gpd_registry *reg, gpd_client *c, const char *name, int read_only, uint64_t newer_than,
+                 gpd_hold **out, uint64_t *version) {
+  gpd_name *n;
   int rc = find_newer(reg, c, name, newer_than, &n);
   if (rc != 0)
     return rc;
@@ -314,22 +314,22 @@ int gpupool__get(gpupool__registry *reg, gpupool__client *c, const char *name, i
                         n->nbufs == 1 ? "" : "s");
   if (version)
     *version = n->version;
-  return gpupool__hold_new(reg, c, n->bufs[0], read_only || n->read_only, 0, out);
+  return gpd_hold_new(reg, c, n->bufs[0], read_only || n->read_only, 0, out);
 }
 
-int gpupool__get_bundle(gpupool__registry *reg, gpupool__client *c, const char *name, int read_only,
-                        uint64_t newer_than, gpupool__hold ***holds, const gpupool__name **out) {
-  gpupool__name *n;
-  gpupool__hold **hs;
+int gpd_get_bundle(gpd_registry *reg, gpd_client *c, const char *name, int read_only,
+                        uint64_t newer_than, gpd_hold ***holds, const gpd_name **out) {
+  gpd_name *n;
+  gpd_hold **hs;
   int rc = find_newer(reg, c, name, newer_than, &n);
   if (rc != 0)
     return rc;
   if (!(hs = calloc(n->nbufs, sizeof *hs)))
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   for (uint32_t i = 0; i < n->nbufs; i++)
-    if ((rc = gpupool__hold_new(reg, c, n->bufs[i], read_only || n->read_only, 0, &hs[i])) != 0) {
+    if ((rc = gpd_hold_new(reg, c, n->bufs[i], read_only || n->read_only, 0, &hs[i])) != 0) {
       while (i-- > 0)
-        gpupool__hold_drop(reg, hs[i], 0, NULL);
+        gpd_hold_drop(reg, hs[i], 0, NULL);
       free(hs);
       return rc;
     }
@@ -339,20 +339,20 @@ int gpupool__get_bundle(gpupool__registry *reg, gpupool__client *c, const char *
 }
 
 /* Take n out of the table and free it. */
-static void name_remove(gpupool__registry *reg, gpupool__name *n) {
-  gpupool__uid_usage *u;
+static void name_remove(gpd_registry *reg, gpd_name *n) {
+  gpd_uid_usage *u;
   gpupool__smap_del(&reg->names, n->name);
   reg->nnames--;
-  if ((u = gpupool__uid_usage_get(reg, n->tenant, 0))) {
+  if ((u = gpd_uid_usage_get(reg, n->tenant, 0))) {
     u->names--;
-    gpupool__uid_usage_put(reg, u);
+    gpd_uid_usage_put(reg, u);
   }
-  gpupool__name_free(reg, n);
+  gpd_name_free(reg, n);
 }
 
-int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *name) {
-  gpupool__name *n;
-  int rc = gpupool__find_name(reg, c, name, &n);
+int gpd_unpublish(gpd_registry *reg, gpd_client *c, const char *name) {
+  gpd_name *n;
+  int rc = gpd_find_name(reg, c, name, &n);
   if (rc != 0)
     return rc;
   /* Found in the caller's own namespace (its tenant's, or a group it is in): its members
@@ -361,8 +361,8 @@ int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *n
   return 0;
 }
 
-int gpupool__unpublish_key(gpupool__registry *reg, const char *key) {
-  gpupool__name *n = gpupool__smap_get(&reg->names, key);
+int gpd_unpublish_key(gpd_registry *reg, const char *key) {
+  gpd_name *n = gpupool__smap_get(&reg->names, key);
   if (!n)
     return gpupool__err(GPUPOOL_ENOENT, "no name is filed under '%s' (names are listed with their tenant, e.g. "
                         "uid:1000/weights, by gpupoolctl names)", key);

@@ -1,12 +1,12 @@
 /*
  * The daemon's registry: pools, slabs, buffers, holds, names, events and the leases of
  * closed connections. See registry.h for who owns what. The rules that keep memory safe:
- *   - a buffer's range returns to its slab only in gpupool__finish_free() (slabs.c), reached
+ *   - a buffer's range returns to its slab only in gpd_finish_free() (slabs.c), reached
  *     once refs == 0 and every dependency (recorded done events, leases of holders whose
  *     connection closed) has cleared;
- *   - a slab returns to the backend only in gpupool__slab_destroy() (slabs.c), reached once
+ *   - a slab returns to the backend only in gpd_slab_destroy() (slabs.c), reached once
  *     it is empty, retiring, and neither a connected client nor a held lease still maps it;
- *   - once the daemon stops (gpupool__registry_stop) nothing is reused any more.
+ *   - once the daemon stops (gpd_registry_stop) nothing is reused any more.
  * Everything runs on the daemon's single loop thread.
  *
  * This file: the registry's lifetime, its clients (a connection's state, and what its going
@@ -28,17 +28,17 @@
 #include "registry.h"
 #include "registry_internal.h"
 
-uint64_t gpupool__now_ns(void) {
+uint64_t gpd_now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-uint64_t gpupool__next_id(gpupool__registry *reg) { return ++reg->next_id; }
+uint64_t gpd_next_id(gpd_registry *reg) { return ++reg->next_id; }
 
-uint64_t gpupool__round_up(uint64_t v, uint64_t a) { return (v + a - 1) & ~(a - 1); }
+uint64_t gpd_round_up(uint64_t v, uint64_t a) { return (v + a - 1) & ~(a - 1); }
 
-int gpupool__grow(void **arr, uint32_t *cap, uint32_t need, size_t elem) {
+int gpd_grow(void **arr, uint32_t *cap, uint32_t need, size_t elem) {
   uint32_t ncap;
   void *n;
   if (need <= *cap)
@@ -56,25 +56,25 @@ int gpupool__grow(void **arr, uint32_t *cap, uint32_t need, size_t elem) {
 
 /* ---- clients --------------------------------------------------------------------------------- */
 
-void gpupool__client_init(gpupool__registry *reg, gpupool__client *c) {
-  c->id = gpupool__next_id(reg);
-  c->tenant = gpupool__tenant_of(reg->cfg, c->uid, c->gid);
-  c->connected_ns = gpupool__now_ns();
+void gpd_client_init(gpd_registry *reg, gpd_client *c) {
+  c->id = gpd_next_id(reg);
+  c->tenant = gpd_tenant_of(reg->cfg, c->uid, c->gid);
+  c->connected_ns = gpd_now_ns();
   gpupool__hmap_init(&c->mapped);
   gpupool__hmap_init(&c->mapped_ro);
   gpupool__hmap_init(&c->attached);
   gpupool__hmap_put(&reg->clients, c->id, c);
 }
 
-void gpupool__client_drop(gpupool__registry *reg, gpupool__client *c) {
-  gpupool__lease *lease = c->lease;
+void gpd_client_drop(gpd_registry *reg, gpd_client *c) {
+  gpd_lease *lease = c->lease;
   int waiting = 0;
 
   c->lease = NULL;
   if (lease) {
     lease->client_id = c->id;
     if (c->nholds > 0 || c->mapped.len > 0)
-      waiting = gpupool__lease_wait(reg, lease);
+      waiting = gpd_lease_wait(reg, lease);
     if (waiting)
       GPUPOOL__PEER_INFO(&c->log_rl, c->id, "client %" PRIu64 " (pid %d uid %u, %s) closed its connection holding %" PRIu64
                     " buffer(s) and mapping %zu slab(s) while a process still holds its lease; that memory is "
@@ -82,9 +82,9 @@ void gpupool__client_drop(gpupool__registry *reg, gpupool__client *c) {
                     c->id, (int)c->pid, (unsigned)c->uid, c->name, c->nholds, c->mapped.len);
   }
   while (c->holds)
-    gpupool__hold_drop(reg, c->holds, 0, waiting ? lease : NULL);
+    gpd_hold_drop(reg, c->holds, 0, waiting ? lease : NULL);
   for (int i = 0; i < reg->npools; i++) {
-    for (gpupool__slab *s = reg->pools[i].slabs, *n; s; s = n) {
+    for (gpd_slab *s = reg->pools[i].slabs, *n; s; s = n) {
       n = s->next;
       for (uint32_t j = 0; j < s->nmappers; j++) {
         if (s->mappers[j].client_id != c->id)
@@ -94,11 +94,11 @@ void gpupool__client_drop(gpupool__registry *reg, gpupool__client *c) {
           s->mappers[j].lease = lease;
           lease->refs++;
         } else {
-          gpupool__slab_remove_mapper_at(s, j);
+          gpd_slab_remove_mapper_at(s, j);
         }
         break;
       }
-      gpupool__slab_try_release(reg, s);
+      gpd_slab_try_release(reg, s);
     }
   }
   gpupool__hmap_del(&reg->clients, c->id);
@@ -107,9 +107,9 @@ void gpupool__client_drop(gpupool__registry *reg, gpupool__client *c) {
    * daemon could give to someone else (a destroyed pool is never handed out again). */
   for (size_t i = 0; i < c->attached.cap; i++)
     if (gpupool__hmap_slot_used(&c->attached, i)) {
-      gpupool__pinst *in = c->attached.slots[i].val;
+      gpd_pinst *in = c->attached.slots[i].val;
       in->attached--;
-      gpupool__inst_maybe_destroy(reg, in);
+      gpd_inst_maybe_destroy(reg, in);
     }
   gpupool__hmap_free(&c->attached);
   gpupool__hmap_free(&c->mapped);
@@ -118,13 +118,13 @@ void gpupool__client_drop(gpupool__registry *reg, gpupool__client *c) {
   c->revoke = NULL;
   c->nrevoke = c->caprevoke = 0;
   if (lease)
-    gpupool__lease_unref(lease);
-  gpupool__sweep(reg);
+    gpd_lease_unref(lease);
+  gpd_sweep(reg);
 }
 
 /* ---- descriptions ---------------------------------------------------------------------------- */
 
-void gpupool__fill_pool_info(gpupool__registry *reg, gpupool__pool *p, Gpupool__Wire__PoolInfo *pi) {
+void gpd_fill_pool_info(gpd_registry *reg, gpd_pool *p, Gpupool__Wire__PoolInfo *pi) {
   gpupool__bpool_stats st = {0};
   gpupool__wire__pool_info__init(pi);
   pi->id = p->id;
@@ -141,17 +141,17 @@ void gpupool__fill_pool_info(gpupool__registry *reg, gpupool__pool *p, Gpupool__
   pi->used_high = p->used_high;
   pi->reserved_high = p->reserved_high;
   /* The backend's counters, summed over the owners' backend pools. */
-  for (gpupool__pinst *in = p->insts; in; in = in->next) {
+  for (gpd_pinst *in = p->insts; in; in = in->next) {
     if (reg->be->ops->pool_stats(in->bp, &st) != 0)
       continue;
     pi->backend_reserved += st.reserved_cur;
     pi->backend_used += st.used_cur;
-    if (!gpupool__per_owner(reg)) {
+    if (!gpd_per_owner(reg)) {
       pi->backend_reserved_high = st.reserved_high;
       pi->backend_used_high = st.used_high;
     }
   }
-  if (gpupool__per_owner(reg)) {
+  if (gpd_per_owner(reg)) {
     /* Instances peak at different times and take their marks with them when destroyed: the
      * highest sum seen. */
     if (pi->backend_reserved > p->backend_reserved_high)
@@ -168,7 +168,7 @@ void gpupool__fill_pool_info(gpupool__registry *reg, gpupool__pool *p, Gpupool__
 }
 
 /* r names event e for the wire (id and IPC handle, which r points to, not copies); returns r. */
-static Gpupool__Wire__EventRef *event_ref(Gpupool__Wire__EventRef *r, gpupool__event *e) {
+static Gpupool__Wire__EventRef *event_ref(Gpupool__Wire__EventRef *r, gpd_event *e) {
   gpupool__wire__event_ref__init(r);
   r->id = e->id;
   r->ipc_handle.data = e->handle;
@@ -176,9 +176,9 @@ static Gpupool__Wire__EventRef *event_ref(Gpupool__Wire__EventRef *r, gpupool__e
   return r;
 }
 
-void gpupool__fill_desc(gpupool__registry *reg, gpupool__client *c, gpupool__hold *h, const char *name, gpupool__desc_storage *s) {
-  gpupool__buffer *b = h->buf;
-  gpupool__slab *sl = b->slab;
+void gpd_fill_desc(gpd_registry *reg, gpd_client *c, gpd_hold *h, const char *name, gpd_desc_storage *s) {
+  gpd_buffer *b = h->buf;
+  gpd_slab *sl = b->slab;
 
   gpupool__wire__buffer_desc__init(&s->desc);
   gpupool__wire__slab_ref__init(&s->slab);
@@ -201,7 +201,7 @@ void gpupool__fill_desc(gpupool__registry *reg, gpupool__client *c, gpupool__hol
     if (!mapped) {
       /* Remember the mapping first: a slab handed out unrecorded could be freed under it. */
       remembered = gpupool__hmap_put(&c->mapped, sl->id, sl) == 0;
-      if (remembered && gpupool__slab_add_mapper(sl, c->id) != 0) {
+      if (remembered && gpd_slab_add_mapper(sl, c->id) != 0) {
         gpupool__hmap_del(&c->mapped, sl->id);
         remembered = 0;
       }
@@ -232,7 +232,7 @@ void gpupool__fill_desc(gpupool__registry *reg, gpupool__client *c, gpupool__hol
   {
     char key[GPUPOOL_NAME_KEY_MAX + 1];
     uint64_t owner;
-    const gpupool__name *nm = name && *name && gpupool__name_key(reg, c, name, key, sizeof key, &owner) == 0
+    const gpd_name *nm = name && *name && gpd_name_key(reg, c, name, key, sizeof key, &owner) == 0
                                   ? gpupool__smap_get(&reg->names, key)
                                   : NULL;
     const gpupool_tensor_meta *m = nm && nm->nbufs == 1 && nm->bufs[0] == b && !nm->layout
@@ -248,7 +248,7 @@ void gpupool__fill_desc(gpupool__registry *reg, gpupool__client *c, gpupool__hol
 
 /* ---- lifetime -------------------------------------------------------------------------------- */
 
-int gpupool__registry_init(gpupool__registry *reg, uv_loop_t *loop, const gpupool__config *cfg,
+int gpd_registry_init(gpd_registry *reg, uv_loop_t *loop, const gpd_config *cfg,
                      gpupool__backend *be) {
   int rc = 0;
   memset(reg, 0, sizeof *reg);
@@ -269,16 +269,16 @@ int gpupool__registry_init(gpupool__registry *reg, uv_loop_t *loop, const gpupoo
   if (!reg->pools)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   for (int i = 0; i < cfg->n_pools; i++) {
-    gpupool__pool *p = &reg->pools[i];
-    gpupool__pinst *in = NULL;
+    gpd_pool *p = &reg->pools[i];
+    gpd_pinst *in = NULL;
     p->id = (uint32_t)i + 1;
     p->cfg = cfg->pools[i];
     /* One backend pool for every owner, or (per-owner backends) one made and destroyed now
      * so that a pool the backend refuses is refused at startup, not at first use. */
-    if ((rc = gpupool__inst_new(reg, p, GPUPOOL__OWNER_ANY, &in)) != 0)
+    if ((rc = gpd_inst_new(reg, p, GPUPOOL__OWNER_ANY, &in)) != 0)
       return rc; /* the message names the pool */
-    if (gpupool__per_owner(reg)) {
-      gpupool__inst_destroy(reg, in);
+    if (gpd_per_owner(reg)) {
+      gpd_inst_destroy(reg, in);
       p->insts_created = 0;
     }
     reg->npools++;
@@ -291,24 +291,24 @@ int gpupool__registry_init(gpupool__registry *reg, uv_loop_t *loop, const gpupoo
       snprintf(where, sizeof where, "device memory of GPU %d", p->cfg.device);
     GPUPOOL__INFO("pool '%s' ready: %s, capacity %" PRIu64 " MiB, slabs of %" PRIu64 " MiB, keeps %u empty slab(s)%s",
             p->cfg.name, where, p->cfg.capacity / MIB, p->cfg.slab_size / MIB, p->cfg.keep_slabs,
-            gpupool__per_owner(reg) ? "; one backend pool per tenant (or shared group), made on first use" : "");
+            gpd_per_owner(reg) ? "; one backend pool per tenant (or shared group), made on first use" : "");
   }
   return 0;
 }
 
-void gpupool__registry_stop(gpupool__registry *reg) {
+void gpd_registry_stop(gpd_registry *reg) {
   uint64_t bytes = 0, nbuf = 0, on_leases = 0, mapped_slabs = 0;
   if (reg->stopped)
     return;
   reg->stopped = 1;
-  for (gpupool__buffer *b = reg->pending; b; b = b->pending_next) {
+  for (gpd_buffer *b = reg->pending; b; b = b->pending_next) {
     nbuf++;
     bytes += b->size;
     if (b->nleases)
       on_leases++;
   }
   for (int i = 0; i < reg->npools; i++)
-    for (gpupool__slab *s = reg->pools[i].slabs; s; s = s->next)
+    for (gpd_slab *s = reg->pools[i].slabs; s; s = s->next)
       for (uint32_t j = 0; j < s->nmappers; j++)
         if (s->mappers[j].lease && !s->mappers[j].lease->gone) {
           mapped_slabs++;
@@ -320,7 +320,7 @@ void gpupool__registry_stop(gpupool__registry *reg) {
                   "for GPU work) and %" PRIu64 " slab(s) still mapped by them; not waiting: a stopped daemon "
                   "reuses nothing, so that memory stays valid for them",
                   reg->nwaiting, nbuf, bytes, on_leases, mapped_slabs);
-  for (gpupool__lease *l = reg->waiting; l; l = l->next)
+  for (gpd_lease *l = reg->waiting; l; l = l->next)
     if (l->polling)
       uv_poll_stop(&l->poll);
   if (reg->sweep_timer_on) {
@@ -329,34 +329,34 @@ void gpupool__registry_stop(gpupool__registry *reg) {
   }
 }
 
-void gpupool__registry_close(gpupool__registry *reg) {
+void gpd_registry_close(gpd_registry *reg) {
   /* Every client is gone: drop names, then finish every pending free regardless of events
    * (the daemon is exiting; the backend's pools go with it). */
   for (size_t i = 0; i < reg->names.cap; i++) {
     if (!gpupool__smap_slot_used(&reg->names, i))
       continue;
-    gpupool__name_free(reg, reg->names.slots[i].val);
+    gpd_name_free(reg, reg->names.slots[i].val);
   }
   gpupool__smap_free(&reg->names);
   while (reg->pending) {
-    gpupool__buffer *b = reg->pending;
+    gpd_buffer *b = reg->pending;
     reg->pending = b->pending_next;
     for (uint32_t i = 0; i < b->ndone; i++)
-      gpupool__event_put(reg, b->done[i]);
+      gpd_event_put(reg, b->done[i]);
     for (uint32_t i = 0; i < b->nleases; i++)
-      gpupool__lease_unref(b->leases[i]);
+      gpd_lease_unref(b->leases[i]);
     b->ndone = b->nleases = 0;
-    gpupool__finish_free(reg, b);
+    gpd_finish_free(reg, b);
   }
   for (int i = 0; i < reg->npools; i++) {
-    gpupool__pool *p = &reg->pools[i];
+    gpd_pool *p = &reg->pools[i];
     /* Slabs that live processes still map are given back too: what the daemon lets go of is
      * its own reference (a host slab's memfd, a CUDA allocation), and the processes' own
      * mappings keep the memory for as long as they need it. */
     while (p->slabs)
-      gpupool__slab_destroy(reg, p->slabs);
+      gpd_slab_destroy(reg, p->slabs);
     while (p->insts)
-      gpupool__inst_destroy(reg, p->insts);
+      gpd_inst_destroy(reg, p->insts);
   }
   for (uint32_t i = 0; i < reg->nevents; i++) {
     reg->be->ops->event_destroy(reg->events[i]->be);
@@ -367,8 +367,8 @@ void gpupool__registry_close(gpupool__registry *reg) {
    * dependency could not be recorded). */
   for (size_t i = 0; i < reg->layouts.cap; i++)
     if (gpupool__hmap_slot_used(&reg->layouts, i)) {
-      gpupool__layout *l = reg->layouts.slots[i].val;
-      gpupool__members_free(l->members, l->n);
+      gpd_layout *l = reg->layouts.slots[i].val;
+      gpd_members_free(l->members, l->n);
       free(l->need);
       free(l);
     }

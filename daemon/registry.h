@@ -12,7 +12,7 @@
  *     kernel closes it when the last process holding it (forked children included) exits
  *     or closes it, and the daemon sees EOF on its own end. Liveness never comes from a pid.
  * Clients are owned by server.c; the registry keeps per-client holds and mapped slabs in
- * the gpupool__client it is handed.
+ * the gpd_client it is handed.
  */
 #ifndef GPUPOOL_DAEMON_REGISTRY_H
 #define GPUPOOL_DAEMON_REGISTRY_H
@@ -28,22 +28,22 @@
 #include "log.h"
 #include "wire.h"
 
-typedef struct gpupool__pool gpupool__pool;
-typedef struct gpupool__pinst gpupool__pinst;
-typedef struct gpupool__slab gpupool__slab;
-typedef struct gpupool__buffer gpupool__buffer;
-typedef struct gpupool__hold gpupool__hold;
-typedef struct gpupool__event gpupool__event;
-typedef struct gpupool__lease gpupool__lease;
-typedef struct gpupool__client gpupool__client;
-typedef struct gpupool__registry gpupool__registry;
-typedef struct gpupool__layout gpupool__layout;
+typedef struct gpd_pool gpd_pool;
+typedef struct gpd_pinst gpd_pinst;
+typedef struct gpd_slab gpd_slab;
+typedef struct gpd_buffer gpd_buffer;
+typedef struct gpd_hold gpd_hold;
+typedef struct gpd_event gpd_event;
+typedef struct gpd_lease gpd_lease;
+typedef struct gpd_client gpd_client;
+typedef struct gpd_registry gpd_registry;
+typedef struct gpd_layout gpd_layout;
 
-struct gpupool__event {
+struct gpd_event {
   uint32_t id;
   gpupool__bevent *be;
   uint8_t handle[GPUPOOL_EVENT_HANDLE_SIZE];
-  gpupool__event *next_free;
+  gpd_event *next_free;
 };
 
 /* A connection's lease: the daemon's end (the read end of a pipe) of an fd the client holds
@@ -52,7 +52,7 @@ struct gpupool__event {
  * closes it with the last process that holds it. A pipe rather than a socketpair: its reader
  * sees EOF only once every writer is gone, and a holder cannot half-close it. Ranges and
  * mappings of a client whose connection closed are reused only once the lease is gone. */
-struct gpupool__lease {
+struct gpd_lease {
   int fd;                 /* daemon's end; closed once gone */
   int gone;               /* no process holds the other end any more */
   int waiting;            /* connection closed, memory pinned: counted in its uid's usage */
@@ -65,19 +65,19 @@ struct gpupool__lease {
   uint64_t client_id;     /* for logs */
   uint64_t since_ns;      /* when the connection closed */
   uv_poll_t poll;
-  gpupool__registry *reg;
-  gpupool__lease *prev, *next; /* in reg->waiting while waiting */
+  gpd_registry *reg;
+  gpd_lease *prev, *next; /* in reg->waiting while waiting */
 };
 
 typedef struct {
   uint64_t client_id;  /* live mapper, or 0 */
-  gpupool__lease *lease;     /* mapper whose connection closed, until its lease is gone */
-} gpupool__mapper;
+  gpd_lease *lease;     /* mapper whose connection closed, until its lease is gone */
+} gpd_mapper;
 
-struct gpupool__slab {
+struct gpd_slab {
   uint64_t id;
-  gpupool__pool *pool;
-  gpupool__pinst *inst;  /* the backend pool it was taken from */
+  gpd_pool *pool;
+  gpd_pinst *inst;  /* the backend pool it was taken from */
   gpupool__bslab bs;
   gpupool__alloc *alloc; /* NULL for a dedicated slab */
   int dedicated;
@@ -85,9 +85,9 @@ struct gpupool__slab {
                           * one of its buffers gets its fd, so others' buffers never go in */
   int retiring;          /* no new buffers: being given back once empty and unmapped */
   uint32_t nbuffers;     /* live or pending buffers inside */
-  gpupool__mapper *mappers;
+  gpd_mapper *mappers;
   uint32_t nmappers, capmappers;
-  gpupool__slab *prev, *next;  /* in pool->slabs */
+  gpd_slab *prev, *next;  /* in pool->slabs */
 };
 
 /* One backend pool of a configured pool. On a backend whose pool fd maps every allocation
@@ -98,8 +98,8 @@ struct gpupool__slab {
  * instance is never destroyed while a connected client has it attached, so a client's
  * imported pool never goes stale under that id. Elsewhere (host) one instance serves every
  * owner, for the daemon's life: clients there receive per-slab fds, never a pool fd. */
-struct gpupool__pinst {
-  gpupool__pool *pool;
+struct gpd_pinst {
+  gpd_pool *pool;
   uint64_t owner;        /* GPUPOOL__OWNER_ANY for the single instance of a host pool */
   uint64_t serial;       /* for logs */
   gpupool__bpool *bp;
@@ -109,32 +109,32 @@ struct gpupool__pinst {
                           * pools keep freed memory the most it ever reserved */
   uint32_t nslabs;
   uint32_t attached;     /* connected clients that attached it */
-  gpupool__pinst *prev, *next; /* in pool->insts */
+  gpd_pinst *prev, *next; /* in pool->insts */
 };
 
 #define GPUPOOL__OWNER_ANY UINT64_MAX
 
-struct gpupool__pool {
+struct gpd_pool {
   uint32_t id;
   gpupool__pool_config cfg;
-  gpupool__pinst *insts;
+  gpd_pinst *insts;
   uint32_t ninsts;
   uint64_t insts_created; /* over the daemon's life */
   uint64_t held;          /* sum of the instances' held bytes: bounded by cfg.capacity */
-  gpupool__slab *slabs;
+  gpd_slab *slabs;
   uint64_t used, reserved, used_high, reserved_high, nbuffers, nslabs;
   /* Backend counters of destroyed instances' high-water marks are lost with them: the
    * highest sum of the live instances' counters seen so far. */
   uint64_t backend_reserved_high, backend_used_high;
 };
 
-struct gpupool__buffer {
+struct gpd_buffer {
   uint64_t id;
-  gpupool__slab *slab;
+  gpd_slab *slab;
   uint64_t offset, size, asked;
   uint32_t refs;          /* holds + names */
   uint32_t names;
-  gpupool__event *ready;
+  gpd_event *ready;
   uint8_t secret[16];      /* a share token with this secret opens read-write... */
   uint8_t secret_ro[16];   /* ...with this one, read-only (a token never upgrades a hold) */
   int has_meta;
@@ -145,27 +145,27 @@ struct gpupool__buffer {
   uint64_t owner_client;  /* 0 once the owner disconnected */
   uint64_t created_ns;
   /* Dependencies that must clear before the range is reused (once refs == 0). */
-  gpupool__event **done;
+  gpd_event **done;
   uint32_t ndone, capdone;
-  gpupool__lease **leases;
+  gpd_lease **leases;
   uint32_t nleases, capleases;
   /* A holder's connection closed with it while the process still held its lease, so it never
    * said its GPU work on the buffer was done. On a backend with GPU work the range is not
    * handed out again: its slab takes no new buffers and goes back to the backend once empty
    * (CUDA keeps memory alive for a process that still maps it, whatever its queued work). */
   int died_in_use;
-  gpupool__layout *layout; /* the bundle allocation it is a chunk of (a reference), or NULL */
-  gpupool__buffer *pending_next;
+  gpd_layout *layout; /* the bundle allocation it is a chunk of (a reference), or NULL */
+  gpd_buffer *pending_next;
 };
 
-struct gpupool__hold {
+struct gpd_hold {
   uint64_t id;
-  gpupool__buffer *buf;
-  gpupool__client *client;
-  gpupool__event *done;
+  gpd_buffer *buf;
+  gpd_client *client;
+  gpd_event *done;
   int read_only;
   int owner;              /* the allocating hold: counts against the client's limits */
-  gpupool__hold *prev, *next;   /* in client->holds */
+  gpd_hold *prev, *next;   /* in client->holds */
 };
 
 /* A published read-only file (files.c): the daemon's own open file description of the file
@@ -186,7 +186,7 @@ typedef struct {
   int shared;                /* fd is the publisher's own description (it could not be reopened) */
   uint32_t refs;             /* the name, and each operation on a worker thread using fd */
   uint64_t tenant;           /* whose max_files_per_uid it counts against */
-} gpupool__file;
+} gpd_file;
 
 /* A member of a bundle: a named range of one of its buffers. */
 typedef struct {
@@ -194,17 +194,17 @@ typedef struct {
   uint32_t buffer;           /* index into the bundle's buffers */
   uint64_t offset, size;     /* inside that buffer */
   gpupool_tensor_meta *meta; /* NULL when published without one */
-} gpupool__member;
+} gpd_member;
 
 /* A member table, immutable once made: laid out by an allocation (its buffers each keep a
  * reference) or published as a bundle's members; names of that layout share it. Clients refer
  * to it by id, so a warm republish or get moves no members. */
-struct gpupool__layout {
+struct gpd_layout {
   uint64_t id;
   uint64_t hash;             /* of the table and tenant: equal tables share one layout */
   uint32_t refs;
   uint64_t tenant;           /* whose members it counts as; only that tenant may publish by id */
-  gpupool__member *members;
+  gpd_member *members;
   uint32_t n;
   uint32_t nbufs;            /* buffers it spans */
   uint64_t *need;            /* per buffer: where its last member ends */
@@ -217,39 +217,39 @@ struct gpupool__layout {
 typedef struct {
   char *name;                /* the key: "<namespace>/<name as published>" */
   uint64_t version;          /* 1 for the first publish, +1 for each one after */
-  gpupool__buffer **bufs;    /* each referenced once by the name */
+  gpd_buffer **bufs;    /* each referenced once by the name */
   uint32_t nbufs;
-  gpupool__layout *layout;   /* its member table (a reference), NULL for a single buffer */
-  gpupool__file *file;       /* a published file (no buffers), or NULL */
+  gpd_layout *layout;   /* its member table (a reference), NULL for a single buffer */
+  gpd_file *file;       /* a published file (no buffers), or NULL */
   uid_t uid;                 /* who published the current version */
   uint64_t tenant;           /* whose names (and members) it counts against */
   uint64_t created_ns;
   int read_only;             /* published from a read-only hold: every get of it is read-only */
   int has_meta;              /* the tensor description published with a single buffer */
   gpupool_tensor_meta meta;
-} gpupool__name;
+} gpd_name;
 
 /* A bundle allocation, checked and laid out before any memory is taken (it waits in this form
  * when the pool is full): members one after the other, each aligned, cut into chunks of at
  * most one exported allocation; chunk i becomes buffer i. */
 typedef struct {
-  gpupool__registry *reg;
-  gpupool__pool *pool;
+  gpd_registry *reg;
+  gpd_pool *pool;
   uint64_t align;
-  gpupool__layout *layout;   /* the plan's reference; each allocated chunk takes one more */
-  gpupool__member *members;  /* layout's: buffer = chunk index, offset inside the chunk */
+  gpd_layout *layout;   /* the plan's reference; each allocated chunk takes one more */
+  gpd_member *members;  /* layout's: buffer = chunk index, offset inside the chunk */
   uint32_t nmembers;
   uint64_t *chunks;          /* chunk sizes */
   uint32_t nchunks;
   uint64_t total;            /* sum of the chunk sizes */
-} gpupool__bundle_plan;
+} gpd_bundle_plan;
 
 /* Per-uid accounting for the per-uid limits. A buffer stays on its owner's account until
  * its range is really back in the slab (done events completed, leases gone). */
 /* What one tenant (a uid, unless a [tenant] section groups several) has and holds, counted for
  * the limits named *_per_uid (per tenant: for an ungrouped uid, the same thing). */
 typedef struct {
-  uint64_t tenant;  /* gpupool__tenant_of() */
+  uint64_t tenant;  /* gpd_tenant_of() */
   uint64_t bytes;
   uint32_t allocs;
   uint32_t names;   /* names it published that still exist */
@@ -259,197 +259,197 @@ typedef struct {
   uint32_t conns;   /* its connections (server.c) */
   uint32_t waiters; /* its requests waiting (server.c) */
   uint32_t files;   /* published files of its names (files.c) */
-} gpupool__uid_usage;
+} gpd_uid_usage;
 
 /* The registry's part of a connected client (embedded in server.c's connection). */
-struct gpupool__client {
+struct gpd_client {
   uint64_t id;
-  uint64_t tenant;          /* see gpupool__tenant_of() */
+  uint64_t tenant;          /* see gpd_tenant_of() */
   pid_t pid;
   uid_t uid;
   gid_t gid;
   char name[64];
   uint64_t connected_ns;
-  gpupool__lease *lease;    /* from gpupool__lease_new at connect; owned until client_drop */
-  gpupool__hold *holds;           /* list */
+  gpd_lease *lease;    /* from gpd_lease_new at connect; owned until client_drop */
+  gpd_hold *holds;           /* list */
   uint64_t nholds;
   uint64_t bytes;           /* bytes of buffers it allocated and still live */
   uint32_t allocs;
   gpupool__hmap mapped;     /* slab id -> slab this client has mapped */
   gpupool__hmap mapped_ro;  /* the subset it has mapped read-only only */
-  gpupool__hmap attached;   /* pool id -> gpupool__pinst it attached (per-owner backends) */
+  gpupool__hmap attached;   /* pool id -> gpd_pinst it attached (per-owner backends) */
   uint64_t *revoke;         /* slab ids to send in the next reply */
   uint32_t nrevoke, caprevoke;
   gpupool__ratelimit log_rl; /* the lines it causes (gpupool__log_peer) */
 };
 
-struct gpupool__registry {
-  const gpupool__config *cfg;
+struct gpd_registry {
+  const gpd_config *cfg;
   gpupool__backend *be;
   uv_loop_t *loop;
-  gpupool__pool *pools;
+  gpd_pool *pools;
   int npools;
-  gpupool__hmap buffers;     /* id -> gpupool__buffer (live, refs > 0) */
-  gpupool__hmap holds;       /* id -> gpupool__hold */
-  gpupool__hmap slabs;       /* id -> gpupool__slab */
-  gpupool__hmap clients;     /* id -> gpupool__client */
-  gpupool__smap names;       /* name -> gpupool__name */
-  gpupool__hmap layouts;     /* id -> gpupool__layout */
-  gpupool__hmap layout_hash; /* hash -> the gpupool__layout filed under it */
-  gpupool__hmap uids;        /* uid -> gpupool__uid_usage */
-  gpupool__buffer *pending;        /* refs == 0, waiting on dependencies */
+  gpupool__hmap buffers;     /* id -> gpd_buffer (live, refs > 0) */
+  gpupool__hmap holds;       /* id -> gpd_hold */
+  gpupool__hmap slabs;       /* id -> gpd_slab */
+  gpupool__hmap clients;     /* id -> gpd_client */
+  gpupool__smap names;       /* name -> gpd_name */
+  gpupool__hmap layouts;     /* id -> gpd_layout */
+  gpupool__hmap layout_hash; /* hash -> the gpd_layout filed under it */
+  gpupool__hmap uids;        /* uid -> gpd_uid_usage */
+  gpd_buffer *pending;        /* refs == 0, waiting on dependencies */
   uint64_t npending;
-  gpupool__lease *waiting;         /* leases of closed connections that still pin memory */
+  gpd_lease *waiting;         /* leases of closed connections that still pin memory */
   uint64_t nwaiting;
-  int stopped;                     /* gpupool__registry_stop was called: reuse nothing more */
-  gpupool__event **events;         /* by id (1-based) */
+  int stopped;                     /* gpd_registry_stop was called: reuse nothing more */
+  gpd_event **events;         /* by id (1-based) */
   uint32_t nevents, capevents;
-  gpupool__event *free_events;
+  gpd_event *free_events;
   uint64_t next_id;
   uint64_t nnames;
   uint64_t nmembers;         /* members of every layout, all tenants (max_members) */
   uint64_t nfiles;           /* published files (each holds one fd) */
-  struct gpupool__fileops *fops; /* where files' fds are closed, off the loop (NULL: inline) */
+  struct gpd_fileops *fops; /* where files' fds are closed, off the loop (NULL: inline) */
   int lease_signal;          /* the server handles SIGIO: file leases may be taken */
   uv_timer_t sweep_timer;
   int sweep_timer_on;
   int memory_returned;       /* set when a range or slab came back; the server retries waiters */
   /* Called when memory came back to a pool (to retry waiting allocations). */
-  void (*on_memory)(gpupool__registry *reg, gpupool__pool *pool);
+  void (*on_memory)(gpd_registry *reg, gpd_pool *pool);
   void *owner;
 };
 
-int gpupool__registry_init(gpupool__registry *reg, uv_loop_t *loop, const gpupool__config *cfg,
+int gpd_registry_init(gpd_registry *reg, uv_loop_t *loop, const gpd_config *cfg,
                      gpupool__backend *be);
 /* Frees everything: buffers, slabs, pools, events. Call after every client is gone. */
-void gpupool__registry_close(gpupool__registry *reg);
+void gpd_registry_close(gpd_registry *reg);
 
 /* Stop watching leases and GPU work (the daemon is shutting down: it reuses nothing from now
  * on, so memory that live processes map stays valid) and log what was still pending. After
  * this the loop has nothing of the registry's left to wait for. */
-void gpupool__registry_stop(gpupool__registry *reg);
+void gpd_registry_stop(gpd_registry *reg);
 
 /* A new lease for a connection of uid (pid for logs). *peer is the end to hand to the client
  * (the caller sends it in the Hello reply and closes its copy). GPUPOOL_ELIMIT when the
  * daemon has no fd left: refuse the connection, never serve it unwatched. */
-int gpupool__lease_new(gpupool__registry *reg, uid_t uid, gid_t gid, pid_t pid, gpupool__lease **out, int *peer);
+int gpd_lease_new(gpd_registry *reg, uid_t uid, gid_t gid, pid_t pid, gpd_lease **out, int *peer);
 /* Drop a lease that never reached a client (connection refused before client_init). */
-void gpupool__lease_discard(gpupool__lease *l);
+void gpd_lease_discard(gpd_lease *l);
 
-void gpupool__client_init(gpupool__registry *reg, gpupool__client *c);
+void gpd_client_init(gpd_registry *reg, gpd_client *c);
 /* The connection closed: drop every hold of c. When it still held or mapped memory, its
  * ranges and mappings wait for c->lease (taken over here) to be gone; otherwise the lease is
  * closed at once. */
-void gpupool__client_drop(gpupool__registry *reg, gpupool__client *c);
+void gpd_client_drop(gpd_registry *reg, gpd_client *c);
 
-gpupool__pool *gpupool__pool_find(gpupool__registry *reg, const char *name, uint32_t id);
+gpd_pool *gpd_pool_find(gpd_registry *reg, const char *name, uint32_t id);
 
 /* AttachPool: the backend pool c imports for pool p (its owner's instance, created when it
  * has none), kept alive while c stays connected. *fd is that pool's fd to send (owned by the
  * registry), or -1 when the backend has none. GPUPOOL_EPERM when p is shared with a group c
  * is not in. */
-int gpupool__attach(gpupool__registry *reg, gpupool__client *c, gpupool__pool *p, int *fd);
+int gpd_attach(gpd_registry *reg, gpd_client *c, gpd_pool *p, int *fd);
 
 /* Operations. Each returns 0 or a GPUPOOL_E* code with a gpupool__err() message. On success
- * *out is a new hold of c; fill a BufferDesc for it with gpupool__fill_desc. */
-int gpupool__allocate(gpupool__registry *reg, gpupool__client *c, gpupool__pool *pool, uint64_t size, uint64_t align,
-                gpupool__hold **out);
-int gpupool__release(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id, int done_recorded, int *freed);
-int gpupool__share(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id, uint8_t token[GPUPOOL_TOKEN_SIZE]);
-int gpupool__open(gpupool__registry *reg, gpupool__client *c, const uint8_t *token, size_t len, int read_only,
-            gpupool__hold **out);
+ * *out is a new hold of c; fill a BufferDesc for it with gpd_fill_desc. */
+int gpd_allocate(gpd_registry *reg, gpd_client *c, gpd_pool *pool, uint64_t size, uint64_t align,
+                gpd_hold **out);
+int gpd_release(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int done_recorded, int *freed);
+int gpd_share(gpd_registry *reg, gpd_client *c, uint64_t hold_id, uint8_t token[GPUPOOL_TOKEN_SIZE]);
+int gpd_open(gpd_registry *reg, gpd_client *c, const uint8_t *token, size_t len, int read_only,
+            gpd_hold **out);
 /* Publish the buffer of a hold under name: a new name (version 1) or the name's next version
  * (*version gets it). */
-int gpupool__publish(gpupool__registry *reg, gpupool__client *c, uint64_t hold_id, const char *name,
+int gpd_publish(gpd_registry *reg, gpd_client *c, uint64_t hold_id, const char *name,
                      const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all, uint64_t *version);
 /* Tenants. A client's tenant is the [tenant] section naming its uid or primary gid, else its
  * uid alone; a pool shared with a [group] belongs to that group. Names live in namespaces:
  * a plain name in the caller's tenant's, "group:G/name" in group G's (members only).
- * gpupool__name_key writes the key a name is filed under ("uid:1000/weights",
+ * gpd_name_key writes the key a name is filed under ("uid:1000/weights",
  * "tenant:ml/weights", "group:ml/weights") and the namespace's owner id. */
 /* What one uid has and holds, counted for its limits: the record (created when create is
  * set; NULL when absent or out of memory), and its release, which frees it once every count
  * is zero. */
-gpupool__uid_usage *gpupool__uid_usage_get(gpupool__registry *reg, uint64_t tenant, int create);
+gpd_uid_usage *gpd_uid_usage_get(gpd_registry *reg, uint64_t tenant, int create);
 /* "uid:1000", "tenant:NAME" or "group:NAME", for messages. */
-void gpupool__tenant_label(const gpupool__config *cfg, uint64_t tenant, char *buf, size_t len);
-void gpupool__uid_usage_put(gpupool__registry *reg, gpupool__uid_usage *u);
+void gpd_tenant_label(const gpd_config *cfg, uint64_t tenant, char *buf, size_t len);
+void gpd_uid_usage_put(gpd_registry *reg, gpd_uid_usage *u);
 /* Whose memory c's buffers in p are (the group of a shared pool, else c's tenant); GPUPOOL_EPERM
  * when c may not use p. */
-int gpupool__pool_owner(gpupool__registry *reg, const gpupool__client *c, const gpupool__pool *p, uint64_t *owner);
-uint64_t gpupool__tenant_of(const gpupool__config *cfg, uid_t uid, gid_t gid);
-int gpupool__name_key(gpupool__registry *reg, const gpupool__client *c, const char *name, char *key,
+int gpd_pool_owner(gpd_registry *reg, const gpd_client *c, const gpd_pool *p, uint64_t *owner);
+uint64_t gpd_tenant_of(const gpd_config *cfg, uid_t uid, gid_t gid);
+int gpd_name_key(gpd_registry *reg, const gpd_client *c, const char *name, char *key,
                       size_t len, uint64_t *owner);
 #define GPUPOOL_NAME_KEY_MAX (GPUPOOL_NAME_MAX + 64)
 /* Lookup for Get: 0 with *out a new hold and *version the name's version; GPUPOOL_ENOENT
  * when absent, not visible, or not newer than newer_than (wait and try again);
  * GPUPOOL_EINVAL for a bundle of several buffers. */
-int gpupool__get(gpupool__registry *reg, gpupool__client *c, const char *name, int read_only, uint64_t newer_than,
-                 gpupool__hold **out, uint64_t *version);
+int gpd_get(gpd_registry *reg, gpd_client *c, const char *name, int read_only, uint64_t newer_than,
+                 gpd_hold **out, uint64_t *version);
 /* Publish a bundle: members (wire form) lying in the buffers of the nholds holds. Checks
  * everything first; nothing changes on error. *version is the version made. */
-int gpupool__publish_bundle(gpupool__registry *reg, gpupool__client *c, const char *name, const uint64_t *hold_ids,
+int gpd_publish_bundle(gpd_registry *reg, gpd_client *c, const char *name, const uint64_t *hold_ids,
                             size_t nholds, Gpupool__Wire__BundleMember *const *members, size_t nmembers,
                             uint64_t layout_id, uint64_t *version);
 /* Get a bundle (or single buffer) by name: *holds (an array the caller frees) gets one new
  * hold per buffer, *name the name entry (valid until the loop runs again). Same codes as
- * gpupool__get, except that a single buffer is a bundle of one. */
-int gpupool__get_bundle(gpupool__registry *reg, gpupool__client *c, const char *name, int read_only,
-                        uint64_t newer_than, gpupool__hold ***holds, const gpupool__name **out);
+ * gpd_get, except that a single buffer is a bundle of one. */
+int gpd_get_bundle(gpd_registry *reg, gpd_client *c, const char *name, int read_only,
+                        uint64_t newer_than, gpd_hold ***holds, const gpd_name **out);
 /* Check and lay out a bundle allocation (no memory taken): 0 and *out (free it with
- * gpupool__bundle_plan_free), or the error. */
-int gpupool__bundle_plan_new(gpupool__registry *reg, gpupool__client *c, gpupool__pool *p,
+ * gpd_bundle_plan_free), or the error. */
+int gpd_bundle_plan_new(gpd_registry *reg, gpd_client *c, gpd_pool *p,
                              Gpupool__Wire__MemberSpec *const *specs, size_t n, uint64_t align,
-                             gpupool__bundle_plan **out);
-void gpupool__bundle_plan_free(gpupool__bundle_plan *plan);
+                             gpd_bundle_plan **out);
+void gpd_bundle_plan_free(gpd_bundle_plan *plan);
 /* Allocate a planned bundle: every chunk or none. *holds (caller frees the array) gets one
  * new hold per chunk. GPUPOOL_ENOSPC when it does not fit now. */
-int gpupool__bundle_allocate(gpupool__registry *reg, gpupool__client *c, const gpupool__bundle_plan *plan,
-                             gpupool__hold ***holds);
+int gpd_bundle_allocate(gpd_registry *reg, gpd_client *c, const gpd_bundle_plan *plan,
+                             gpd_hold ***holds);
 /* Drop a hold made by the calls above before it reached the client (a reply failed). */
-void gpupool__hold_discard(gpupool__registry *reg, gpupool__hold *h);
-int gpupool__unpublish(gpupool__registry *reg, gpupool__client *c, const char *name);
+void gpd_hold_discard(gpd_registry *reg, gpd_hold *h);
+int gpd_unpublish(gpd_registry *reg, gpd_client *c, const char *name);
 /* Files (files.c). Both requests do their system calls on the file off the loop
  * (fileops.c) and answer through done, on the loop, unless the request is refused at once
  * (their return value; done is then never called). done's rc is 0 or the error (message in
  * gpupool__errmsg()); f is the file (valid during the call); fd is the fd to send the client
  * with the reply or -1, still files.c's: send it (a queued reply duplicates it), do not close
- * it. *op lets the caller forget the request (gpupool__file_op_forget) if it goes away first.
+ * it. *op lets the caller forget the request (gpd_file_op_forget) if it goes away first.
  * PublishFile takes fd in every case: checks that it is a regular file opened read-only, the
  * operator's allow_files / file_paths, the range and the name limits, and files it under name
  * in c's namespace. GetFile: the file name c sees, checked against the file as it is now
  * (GPUPOOL_ESTALE when it changed since publishing); GPUPOOL_ENOENT when absent,
  * GPUPOOL_EINVAL for a buffer name. */
-typedef struct gpupool__file_op gpupool__file_op;
-typedef void (*gpupool__file_done)(void *arg, int rc, const gpupool__file *f, int fd);
-int gpupool__publish_file(gpupool__registry *reg, gpupool__client *c, const char *name, int fd,
-                          uint64_t offset, uint64_t length, gpupool__file_done done, void *arg,
-                          gpupool__file_op **op);
-int gpupool__get_file(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__file_done done,
-                      void *arg, gpupool__file_op **op);
+typedef struct gpd_file_op gpd_file_op;
+typedef void (*gpd_file_done)(void *arg, int rc, const gpd_file *f, int fd);
+int gpd_publish_file(gpd_registry *reg, gpd_client *c, const char *name, int fd,
+                          uint64_t offset, uint64_t length, gpd_file_done done, void *arg,
+                          gpd_file_op **op);
+int gpd_get_file(gpd_registry *reg, gpd_client *c, const char *name, gpd_file_done done,
+                      void *arg, gpd_file_op **op);
 /* The requester went away: done will not be called; what the request made is let go. */
-void gpupool__file_op_forget(gpupool__file_op *op);
+void gpd_file_op_forget(gpd_file_op *op);
 /* Operator: remove the name filed under key (e.g. "uid:1000/weights", as AdminNames lists it),
  * whoever published it; GPUPOOL_ENOENT when there is none. */
-int gpupool__unpublish_key(gpupool__registry *reg, const char *key);
+int gpd_unpublish_key(gpd_registry *reg, const char *key);
 /* Close a file object (its name is being removed). */
-void gpupool__file_close(gpupool__registry *reg, gpupool__file *f);
+void gpd_file_close(gpd_registry *reg, gpd_file *f);
 /* SIGIO came: find the files whose lease is breaking, mark them stale and let the lease go. */
-void gpupool__files_lease_check(gpupool__registry *reg);
+void gpd_files_lease_check(gpd_registry *reg);
 /* Let every lease go and take no more (SIGIO is no longer handled). */
-void gpupool__files_unlease(gpupool__registry *reg);
+void gpd_files_unlease(gpd_registry *reg);
 /* Name lookup shared by buffers and files: ENAME for a malformed name, ENOENT when absent. */
-int gpupool__find_name(gpupool__registry *reg, gpupool__client *c, const char *name, gpupool__name **out);
+int gpd_find_name(gpd_registry *reg, gpd_client *c, const char *name, gpd_name **out);
 
 /* The client reports that it unmapped these slabs. */
-void gpupool__unmapped(gpupool__registry *reg, gpupool__client *c, const uint64_t *ids, size_t n);
+void gpd_unmapped(gpd_registry *reg, gpd_client *c, const uint64_t *ids, size_t n);
 /* Give back unused slabs; counts what was freed now and what awaits unmapping. */
-void gpupool__trim(gpupool__registry *reg, uint32_t *freed, uint32_t *revoked);
+void gpd_trim(gpd_registry *reg, uint32_t *freed, uint32_t *revoked);
 /* Check pending ranges and retiring slabs; frees what is clear. */
-void gpupool__sweep(gpupool__registry *reg);
+void gpd_sweep(gpd_registry *reg);
 
 /* Free bytes a request of `size` could use right now (for error messages). */
-uint64_t gpupool__pool_free_bytes(const gpupool__pool *p);
+uint64_t gpd_pool_free_bytes(const gpd_pool *p);
 
 /* Fills d (and its sub-messages, which the caller provides storage for). */
 typedef struct {
@@ -458,13 +458,13 @@ typedef struct {
   Gpupool__Wire__EventRef ready, done;
   Gpupool__Wire__TensorMeta meta; /* points into the registry's copy of the metadata */
   int fd;                         /* to send with the reply (the slab's), or -1 */
-} gpupool__desc_storage;
+} gpd_desc_storage;
 /* name: the name the hold was got by, if any (its tensor description is sent; otherwise the
  * one the buffer was last published with). */
-void gpupool__fill_desc(gpupool__registry *reg, gpupool__client *c, gpupool__hold *h, const char *name,
-                  gpupool__desc_storage *s);
-void gpupool__fill_pool_info(gpupool__registry *reg, gpupool__pool *p, Gpupool__Wire__PoolInfo *pi);
+void gpd_fill_desc(gpd_registry *reg, gpd_client *c, gpd_hold *h, const char *name,
+                  gpd_desc_storage *s);
+void gpd_fill_pool_info(gpd_registry *reg, gpd_pool *p, Gpupool__Wire__PoolInfo *pi);
 
-uint64_t gpupool__now_ns(void);
+uint64_t gpd_now_ns(void);
 
 #endif

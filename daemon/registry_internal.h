@@ -22,63 +22,63 @@
 #define GROUP_SET (2ull << 40)
 
 /* registry.c: ids and arrays */
-uint64_t gpupool__next_id(gpupool__registry *reg);
-uint64_t gpupool__round_up(uint64_t v, uint64_t a);
-int gpupool__grow(void **arr, uint32_t *cap, uint32_t need, size_t elem);
+uint64_t gpd_next_id(gpd_registry *reg);
+uint64_t gpd_round_up(uint64_t v, uint64_t a);
+int gpd_grow(void **arr, uint32_t *cap, uint32_t need, size_t elem);
 
 /* holds.c: events, buffers and holds */
-void gpupool__event_put(gpupool__registry *reg, gpupool__event *e);
-int gpupool__hold_new(gpupool__registry *reg, gpupool__client *c, gpupool__buffer *b, int read_only, int owner,
-                      gpupool__hold **out);
-void gpupool__hold_drop(gpupool__registry *reg, gpupool__hold *h, int done_recorded, gpupool__lease *lease);
-int gpupool__hold_of(gpupool__registry *reg, gpupool__client *c, uint64_t id, gpupool__hold **out);
-int gpupool__pool_alignment(const gpupool__pool *p, uint64_t *align);
+void gpd_event_put(gpd_registry *reg, gpd_event *e);
+int gpd_hold_new(gpd_registry *reg, gpd_client *c, gpd_buffer *b, int read_only, int owner,
+                      gpd_hold **out);
+void gpd_hold_drop(gpd_registry *reg, gpd_hold *h, int done_recorded, gpd_lease *lease);
+int gpd_hold_of(gpd_registry *reg, gpd_client *c, uint64_t id, gpd_hold **out);
+int gpd_pool_alignment(const gpd_pool *p, uint64_t *align);
 
 /* leases.c: the leases of closed connections */
-void gpupool__lease_unref(gpupool__lease *l);
-int gpupool__lease_wait(gpupool__registry *reg, gpupool__lease *l);
+void gpd_lease_unref(gpd_lease *l);
+int gpd_lease_wait(gpd_registry *reg, gpd_lease *l);
 
 /* slabs.c: backend pools per owner, slabs, placement, sweeping */
-int gpupool__per_owner(const gpupool__registry *reg);
-int gpupool__inst_new(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, gpupool__pinst **out);
-void gpupool__inst_destroy(gpupool__registry *reg, gpupool__pinst *in);
-void gpupool__inst_maybe_destroy(gpupool__registry *reg, gpupool__pinst *in);
-void gpupool__slab_destroy(gpupool__registry *reg, gpupool__slab *s);
-void gpupool__slab_try_release(gpupool__registry *reg, gpupool__slab *s);
-void gpupool__slab_maybe_retire(gpupool__registry *reg, gpupool__slab *s);
-int gpupool__slab_add_mapper(gpupool__slab *s, uint64_t client_id);
-void gpupool__slab_remove_mapper_at(gpupool__slab *s, uint32_t i);
-void gpupool__finish_free(gpupool__registry *reg, gpupool__buffer *b);
-void gpupool__buffer_unref(gpupool__registry *reg, gpupool__buffer *b);
-int gpupool__place(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, uint64_t asked, uint64_t size,
-                   uint64_t align, gpupool__slab **slab, uint64_t *off);
+int gpd_per_owner(const gpd_registry *reg);
+int gpd_inst_new(gpd_registry *reg, gpd_pool *p, uint64_t owner, gpd_pinst **out);
+void gpd_inst_destroy(gpd_registry *reg, gpd_pinst *in);
+void gpd_inst_maybe_destroy(gpd_registry *reg, gpd_pinst *in);
+void gpd_slab_destroy(gpd_registry *reg, gpd_slab *s);
+void gpd_slab_try_release(gpd_registry *reg, gpd_slab *s);
+void gpd_slab_maybe_retire(gpd_registry *reg, gpd_slab *s);
+int gpd_slab_add_mapper(gpd_slab *s, uint64_t client_id);
+void gpd_slab_remove_mapper_at(gpd_slab *s, uint32_t i);
+void gpd_finish_free(gpd_registry *reg, gpd_buffer *b);
+void gpd_buffer_unref(gpd_registry *reg, gpd_buffer *b);
+int gpd_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t asked, uint64_t size,
+                   uint64_t align, gpd_slab **slab, uint64_t *off);
 
 /* tenants.c: tenants and uid usage */
-void gpupool__uid_account(gpupool__registry *reg, uint64_t tenant, int64_t bytes, int32_t allocs);
-int gpupool__owner_reachable(const gpupool__registry *reg, const gpupool__client *c, uint64_t owner);
+void gpd_uid_account(gpd_registry *reg, uint64_t tenant, int64_t bytes, int32_t allocs);
+int gpd_owner_reachable(const gpd_registry *reg, const gpd_client *c, uint64_t owner);
 
 /* tenants.c, the limits on what a client may cost: 0, or GPUPOOL_ELIMIT with a message that
- * names the count, the limit and what to do. files.c calls gpupool__quota_file. */
-int gpupool__quota_memory(gpupool__registry *reg, const gpupool__client *c, uint64_t size);
-int gpupool__quota_waiting_leases(gpupool__registry *reg, const gpupool__client *c);
-int gpupool__quota_holds(gpupool__registry *reg, const gpupool__client *c, const gpupool__uid_usage *u);
-int gpupool__quota_name(gpupool__registry *reg, uint64_t tenant);
-int gpupool__quota_name_move(gpupool__registry *reg, uint64_t tenant, const char *name);
-int gpupool__quota_file(gpupool__registry *reg, uint64_t tenant);
-int gpupool__quota_members(gpupool__registry *reg, uint64_t tenant, uint64_t n, uint64_t freed);
-int gpupool__quota_bundle_members(gpupool__registry *reg, size_t n);
+ * names the count, the limit and what to do. files.c calls gpd_quota_file. */
+int gpd_quota_memory(gpd_registry *reg, const gpd_client *c, uint64_t size);
+int gpd_quota_waiting_leases(gpd_registry *reg, const gpd_client *c);
+int gpd_quota_holds(gpd_registry *reg, const gpd_client *c, const gpd_uid_usage *u);
+int gpd_quota_name(gpd_registry *reg, uint64_t tenant);
+int gpd_quota_name_move(gpd_registry *reg, uint64_t tenant, const char *name);
+int gpd_quota_file(gpd_registry *reg, uint64_t tenant);
+int gpd_quota_members(gpd_registry *reg, uint64_t tenant, uint64_t n, uint64_t freed);
+int gpd_quota_bundle_members(gpd_registry *reg, size_t n);
 
 /* names.c: names and their versions */
-void gpupool__name_free(gpupool__registry *reg, gpupool__name *n);
+void gpd_name_free(gpd_registry *reg, gpd_name *n);
 
 /* bundles.c: layouts (member tables) and bundle plans */
-void gpupool__members_free(gpupool__member *m, uint32_t n);
-int gpupool__layout_new(gpupool__registry *reg, uint64_t tenant, gpupool__member *members, uint32_t n,
-                        uint32_t nbufs, uint64_t freed, gpupool__layout **out);
-void gpupool__layout_unref(gpupool__registry *reg, gpupool__layout *l);
-int gpupool__members_unique(const gpupool__member *m, size_t n);
-int gpupool__member_from_wire(const char *name, uint64_t offset, uint64_t size, const Gpupool__Wire__TensorMeta *tm,
-                              uint64_t limit, size_t idx, gpupool__member *out);
-int gpupool__check_member_count(gpupool__registry *reg, size_t n);
+void gpd_members_free(gpd_member *m, uint32_t n);
+int gpd_layout_new(gpd_registry *reg, uint64_t tenant, gpd_member *members, uint32_t n,
+                        uint32_t nbufs, uint64_t freed, gpd_layout **out);
+void gpd_layout_unref(gpd_registry *reg, gpd_layout *l);
+int gpd_members_unique(const gpd_member *m, size_t n);
+int gpd_member_from_wire(const char *name, uint64_t offset, uint64_t size, const Gpupool__Wire__TensorMeta *tm,
+                              uint64_t limit, size_t idx, gpd_member *out);
+int gpd_check_member_count(gpd_registry *reg, size_t n);
 
 #endif

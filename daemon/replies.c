@@ -23,15 +23,15 @@
 
 /* ---- replies carrying a buffer -------------------------------------------------------------- */
 
-void gpupool__srv_reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *h, const char *name,
+void gpd_srv_reply_hold(gpd_conn *c, uint64_t seq, int kind, gpd_hold *h, const char *name,
                              uint64_t version) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AllocateReply ar = GPUPOOL__WIRE__ALLOCATE_REPLY__INIT;
   Gpupool__Wire__GetReply gr = GPUPOOL__WIRE__GET_REPLY__INIT;
   Gpupool__Wire__OpenReply orp = GPUPOOL__WIRE__OPEN_REPLY__INIT;
-  gpupool__desc_storage ds;
+  gpd_desc_storage ds;
 
-  gpupool__fill_desc(c->srv->reg, &c->cl, h, name, &ds);
+  gpd_fill_desc(c->srv->reg, &c->cl, h, name, &ds);
   switch (kind) {
   case WAIT_ALLOC:
     ar.buffer = &ds.desc;
@@ -51,25 +51,25 @@ void gpupool__srv_reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__
     break;
   }
   if (kind == WAIT_ALLOC)
-    gpupool__send_reply(c, seq, &rep, ds.fd >= 0 ? &ds.fd : NULL, ds.fd >= 0 ? 1 : 0);
+    gpd_send_reply(c, seq, &rep, ds.fd >= 0 ? &ds.fd : NULL, ds.fd >= 0 ? 1 : 0);
   else
-    gpupool__send_reply_fenced(c, seq, &rep, ds.fd >= 0 ? &ds.fd : NULL, ds.fd >= 0 ? 1 : 0, &h, 1);
+    gpd_send_reply_fenced(c, seq, &rep, ds.fd >= 0 ? &ds.fd : NULL, ds.fd >= 0 ? 1 : 0, &h, 1);
 }
 
 /* A bundle reply: one BufferDesc per hold (the slab fds that go with them, in that order) and
  * the member table, left out when the client said it has it (known_layout). nm: the name it
  * was got by (a single buffer without members comes as one member named ""), or NULL for an
  * allocation. */
-void gpupool__srv_reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold **hs, uint32_t nhs,
-                               const gpupool__layout *layout, const gpupool__name *nm, uint64_t known_layout) {
-  const gpupool__member *members = layout ? layout->members : NULL;
+void gpd_srv_reply_bundle(gpd_conn *c, uint64_t seq, int kind, gpd_hold **hs, uint32_t nhs,
+                               const gpd_layout *layout, const gpd_name *nm, uint64_t known_layout) {
+  const gpd_member *members = layout ? layout->members : NULL;
   uint32_t nmembers = layout ? layout->n : 0;
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AllocateBundleReply ar = GPUPOOL__WIRE__ALLOCATE_BUNDLE_REPLY__INIT;
   Gpupool__Wire__GetBundleReply gr = GPUPOOL__WIRE__GET_BUNDLE_REPLY__INIT;
   Gpupool__Wire__Bundle b = GPUPOOL__WIRE__BUNDLE__INIT;
-  gpupool__member single;
-  gpupool__desc_storage *ds = NULL;
+  gpd_member single;
+  gpd_desc_storage *ds = NULL;
   Gpupool__Wire__BufferDesc **descs = NULL;
   Gpupool__Wire__BundleMember *wm = NULL, **wmp = NULL;
   Gpupool__Wire__TensorMeta *tm = NULL;
@@ -78,7 +78,7 @@ void gpupool__srv_reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool
   if (layout && known_layout == layout->id)
     nmembers = 0; /* the client has this table */
   else if (!members) {
-    /* A buffer gpupool__published on its own: one member covering it, with the name's description. */
+    /* A buffer gpd_published on its own: one member covering it, with the name's description. */
     memset(&single, 0, sizeof single);
     single.name = (char *)"";
     single.size = hs[0]->buf->asked;
@@ -91,12 +91,12 @@ void gpupool__srv_reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool
       !(tm = calloc(nmembers + 1, sizeof *tm))) {
     /* The holds go with the connection; the client learns why. */
     for (uint32_t i = 0; i < nhs; i++)
-      gpupool__hold_discard(c->srv->reg, hs[i]);
-    gpupool__send_error(c, seq, GPUPOOL_ENOMEM, "out of memory in the daemon building the bundle's reply");
+      gpd_hold_discard(c->srv->reg, hs[i]);
+    gpd_send_error(c, seq, GPUPOOL_ENOMEM, "out of memory in the daemon building the bundle's reply");
     goto out;
   }
   for (uint32_t i = 0; i < nhs; i++) {
-    gpupool__fill_desc(c->srv->reg, &c->cl, hs[i], NULL, &ds[i]);
+    gpd_fill_desc(c->srv->reg, &c->cl, hs[i], NULL, &ds[i]);
     descs[i] = &ds[i].desc;
     if (ds[i].fd >= 0 && nfds < GPUPOOL_WIRE_MAX_FDS)
       fds[nfds++] = ds[i].fd;
@@ -129,9 +129,9 @@ void gpupool__srv_reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool
     rep.get_bundle = &gr;
   }
   if (kind == WAIT_ABUNDLE)
-    gpupool__send_reply(c, seq, &rep, nfds ? fds : NULL, nfds);
+    gpd_send_reply(c, seq, &rep, nfds ? fds : NULL, nfds);
   else
-    gpupool__send_reply_fenced(c, seq, &rep, nfds ? fds : NULL, nfds, hs, nhs);
+    gpd_send_reply_fenced(c, seq, &rep, nfds ? fds : NULL, nfds, hs, nhs);
 out:
   free(ds);
   free(descs);
@@ -141,7 +141,7 @@ out:
 }
 
 /* A file name's description, and its fd in the same frame. kind: the reply body case. */
-void gpupool__srv_reply_file(gpupool__conn *c, uint64_t seq, const gpupool__file *f, const char *name, int kind, int fd) {
+void gpd_srv_reply_file(gpd_conn *c, uint64_t seq, const gpd_file *f, const char *name, int kind, int fd) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__PublishFileReply pr = GPUPOOL__WIRE__PUBLISH_FILE_REPLY__INIT;
   Gpupool__Wire__GetFileReply gr = GPUPOOL__WIRE__GET_FILE_REPLY__INIT;
@@ -159,11 +159,11 @@ void gpupool__srv_reply_file(gpupool__conn *c, uint64_t seq, const gpupool__file
     gr.file = &fi;
     rep.body_case = GPUPOOL__WIRE__REPLY__BODY_GET_FILE;
     rep.get_file = &gr;
-    gpupool__send_reply(c, seq, &rep, &fd, 1);
+    gpd_send_reply(c, seq, &rep, &fd, 1);
   } else {
     pr.file = &fi;
     rep.body_case = GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE;
     rep.publish_file = &pr;
-    gpupool__send_reply(c, seq, &rep, NULL, 0);
+    gpd_send_reply(c, seq, &rep, NULL, 0);
   }
 }

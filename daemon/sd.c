@@ -74,7 +74,7 @@ static void cloexec_range(int first, int n) {
   }
 }
 
-int gpupool__sd_listen_fd(void) {
+int gpd_sd_listen_fd(void) {
   const char *fds_s = getenv("LISTEN_FDS");
   uint64_t nfds = 0;
   int fd = SD_LISTEN_FDS_START;
@@ -185,7 +185,7 @@ static int notify_addr(struct sockaddr_un *addr, socklen_t *alen) {
   return 1;
 }
 
-int gpupool__sd_notify(const char *state) {
+int gpd_sd_notify(const char *state) {
   struct sockaddr_un addr;
   socklen_t alen = 0;
   size_t len;
@@ -225,7 +225,7 @@ out:
   return rc;
 }
 
-int gpupool__sd_notifyf(const char *fmt, ...) {
+int gpd_sd_notifyf(const char *fmt, ...) {
   va_list ap;
   char *s = NULL;
   int n, rc;
@@ -237,12 +237,12 @@ int gpupool__sd_notifyf(const char *fmt, ...) {
   va_end(ap);
   if (n < 0)
     return gpupool__err(GPUPOOL_ENOMEM, "sd_notify: out of memory formatting a state string");
-  rc = gpupool__sd_notify(s);
+  rc = gpd_sd_notify(s);
   free(s);
   return rc;
 }
 
-uint64_t gpupool__sd_watchdog_usec(void) {
+uint64_t gpd_sd_watchdog_usec(void) {
   const char *s = getenv("WATCHDOG_USEC");
   uint64_t usec;
 

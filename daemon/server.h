@@ -14,20 +14,20 @@
 #include "config.h"
 #include "registry.h"
 
-typedef struct gpupool__server gpupool__server;
+typedef struct gpd_server gpd_server;
 
 /* Start serving on listen_fd (already listening, e.g. from systemd) or, when it is -1, on a
  * socket bound at cfg->socket_path (parent directory created; a stale socket file replaced;
  * refused if another daemon answers there). Also starts the metrics exporters configured in
  * cfg; when they cannot start, that is logged ("metrics disabled: ...") and serving goes on. */
-int gpupool__server_start(gpupool__server **out, uv_loop_t *loop, const gpupool__config *cfg,
-                    gpupool__registry *reg, int listen_fd);
+int gpd_server_start(gpd_server **out, uv_loop_t *loop, const gpd_config *cfg,
+                    gpd_registry *reg, int listen_fd);
 /* Close the listener, the metrics and every connection (their holds are dropped). Handles
  * close on the next loop iterations; the server is freed when the last one has closed. */
-void gpupool__server_stop(gpupool__server *s);
+void gpd_server_stop(gpd_server *s);
 /* Monotonic ns of the last client input (for busy polling). */
-uint64_t gpupool__server_last_activity(const gpupool__server *s);
+uint64_t gpd_server_last_activity(const gpd_server *s);
 /* Number of connected clients. */
-uint64_t gpupool__server_clients(const gpupool__server *s);
+uint64_t gpd_server_clients(const gpd_server *s);
 
 #endif

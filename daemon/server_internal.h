@@ -20,19 +20,19 @@
 
 #define WAIT_FOREVER UINT32_MAX
 
-typedef struct gpupool__conn gpupool__conn;
+typedef struct gpd_conn gpd_conn;
 typedef struct share share;
 
 /* A PublishFile or GetFile whose system calls run off the loop (files.c): answered when they
  * are done, or forgotten if the connection goes first. */
 typedef struct fwait fwait;
 struct fwait {
-  gpupool__conn *conn;
+  gpd_conn *conn;
   uint64_t seq;
   int kind;             /* the reply body case */
   int count;            /* counted in the metrics when answered (not a waiter's: that was counted) */
   char *name;
-  gpupool__file_op *op;
+  gpd_file_op *op;
   uint64_t started_ns;
   fwait *prev, *next;   /* in conn->fwaits */
 };
@@ -41,7 +41,7 @@ struct fwait {
  * of a file. */
 enum { WAIT_ALLOC = 1, WAIT_GET = 2, WAIT_BGET = 3, WAIT_ABUNDLE = 4, WAIT_GET_FILE = 5 };
 
-typedef struct gpupool__waiter gpupool__waiter;
+typedef struct gpd_waiter gpd_waiter;
 
 /* Waiting requests: the allocations of one pool and owner (a FIFO), or the gets of one name.
  * Gets sit in a binary min-heap on (newer_than, arrival): a publish of version v serves
@@ -52,36 +52,36 @@ typedef struct gpupool__waiter gpupool__waiter;
  * requests that could now succeed. */
 typedef struct wqueue wqueue;
 struct wqueue {
-  gpupool__waiter *head, *tail; /* allocations, oldest first */
+  gpd_waiter *head, *tail; /* allocations, oldest first */
   char *name;           /* for a queue of gets: the name (the key it is filed under) */
   uint64_t akey;        /* for a queue of allocations: owner * 64 + pool index (its key) */
   wqueue *anext;        /* the next allocation queue of the same pool */
-  gpupool__waiter **heap; /* gets */
+  gpd_waiter **heap; /* gets */
   uint32_t n, cap;
   int waking;           /* a publish is serving it: that pass frees it once empty */
 };
 
 #define NOT_IN_HEAP UINT32_MAX
 
-struct gpupool__waiter {
-  gpupool__conn *conn;
+struct gpd_waiter {
+  gpd_conn *conn;
   uint64_t seq;
   int kind;
-  gpupool__pool *pool;
+  gpd_pool *pool;
   uint64_t size, align;
   char *name;
   int read_only;
   uint64_t newer_than;          /* gets: wait for a version past this */
   uint64_t known_layout;   /* bundle gets: the member table the client already has */
-  gpupool__bundle_plan *plan;   /* WAIT_ABUNDLE: the checked layout (owned) */
+  gpd_bundle_plan *plan;   /* WAIT_ABUNDLE: the checked layout (owned) */
   uint64_t started_ns;
   uint64_t order;               /* arrival, for FIFO among the gets one publish serves */
   uv_timer_t timer;
   int removed;
   wqueue *q;
   uint32_t hidx;                /* gets: the position in q->heap, or NOT_IN_HEAP */
-  gpupool__waiter *prev, *next;   /* in q (allocations) */
-  gpupool__waiter *cprev, *cnext; /* in conn->waiters */
+  gpd_waiter *prev, *next;   /* in q (allocations) */
+  gpd_waiter *cprev, *cnext; /* in conn->waiters */
 };
 
 /* A uid's share of the loop (keyed like its limits: by tenant, which is the uid unless a
@@ -94,7 +94,7 @@ struct share {
   uint32_t conns;        /* connections that refer to it; freed at 0 */
   uint64_t load_ns;      /* loop time its requests took, decayed (LOAD_HALF_LIFE_NS) */
   uint64_t stamp_ns;     /* when load_ns was last decayed */
-  gpupool__conn *rhead, *rtail; /* its connections with frames read and not yet handled */
+  gpd_conn *rhead, *rtail; /* its connections with frames read and not yet handled */
   share *rprev, *rnext;  /* in srv->ready while rhead is set */
 };
 
@@ -107,12 +107,12 @@ typedef struct fenced {
   int fds[GPUPOOL_WIRE_MAX_FDS]; /* duplicates, closed once sent */
   int nfds;
   uint32_t nev;
-  gpupool__event *ev[]; /* still pending when the reply was parked */
+  gpd_event *ev[]; /* still pending when the reply was parked */
 } fenced;
 
-struct gpupool__conn {
-  gpupool__client cl;
-  gpupool__server *srv;
+struct gpd_conn {
+  gpd_client cl;
+  gpd_server *srv;
   int fd;
   int lease_peer;    /* the client's end of its lease until the Hello reply carries it, or -1 */
   uv_poll_t poll;
@@ -124,10 +124,10 @@ struct gpupool__conn {
   int frame_fd;      /* the fd the frame being handled carried (PublishFile), or -1 */
   gpupool__wire_txq txq;
   size_t heap;        /* what this connection's queue and input buffer hold (counted in srv) */
-  gpupool__waiter *waiters;
+  gpd_waiter *waiters;
   uint32_t nwaiters;
   fwait *fwaits;
-  gpupool__uid_usage *u; /* its uid's record in the registry (connections, waiters, ...) */
+  gpd_uid_usage *u; /* its uid's record in the registry (connections, waiters, ...) */
   int hello_done;
   int closing;
   int drop_after_flush;
@@ -138,14 +138,14 @@ struct gpupool__conn {
   share *sh;          /* its uid's share of the loop */
   int ready;          /* in sh's ready list: its input buffer may hold frames; not read meanwhile */
   int ready_paused;   /* ready across a pass: its readable events are unsubscribed meanwhile */
-  gpupool__conn *rprev, *rnext;
-  gpupool__conn *prev, *next;
+  gpd_conn *rprev, *rnext;
+  gpd_conn *prev, *next;
 };
 
-struct gpupool__server {
+struct gpd_server {
   uv_loop_t *loop;
-  const gpupool__config *cfg;
-  gpupool__registry *reg;
+  const gpd_config *cfg;
+  gpd_registry *reg;
   int listen_fd;
   int own_socket;
   uv_poll_t listen_poll;
@@ -156,7 +156,7 @@ struct gpupool__server {
   int reserve_fd;
   int accept_paused;
   uint64_t refused_nofd, refused_logged_ns;
-  gpupool__conn *conns;
+  gpd_conn *conns;
   uint64_t nconns;
   /* Waiting allocations: one FIFO per pool and owner (tenant, or the group of a shared pool),
    * so one owner's request that does not fit never holds up another owner's. */
@@ -170,9 +170,9 @@ struct gpupool__server {
   int stopping;
   int in_retry;
   uint64_t last_activity_ns;
-  gpupool__metrics *metrics; /* counters and exporters; closed with the server */
+  gpd_metrics *metrics; /* counters and exporters; closed with the server */
   uv_signal_t sigio;         /* file leases breaking (files.c) */
-  gpupool__fileops *fops;    /* closes and file calls off the loop (fileops.c) */
+  gpd_fileops *fops;    /* closes and file calls off the loop (fileops.c) */
   uint32_t npaused;          /* connections with fops_paused */
   int sigio_on;
   FILE *trace;               /* GPUPOOL_TRACE: a line per request, as the client library writes */
@@ -187,17 +187,17 @@ struct gpupool__server {
    * (check) and keep the poll from blocking while any is left (idle). */
   gpupool__hmap shares;      /* tenant -> share */
   share *ready;
-  share *serving;            /* the share turn() is charging: freed by turn(), not gpupool__conn_close */
+  share *serving;            /* the share turn() is charging: freed by turn(), not gpd_conn_close */
   uv_check_t turn_check;
   uv_idle_t turn_idle;
   int turn_on;
 };
 
 /* ---- conn.c: sending, closing, the fair loop */
-void gpupool__conn_close_fd(void *arg, int fd);
-void gpupool__conn_send(gpupool__conn *c, uint8_t *buf, size_t len, const int *fds, int nfds);
-int gpupool__pack_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, uint8_t **buf, size_t *len);
-void gpupool__send_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds);
+void gpd_conn_close_fd(void *arg, int fd);
+void gpd_conn_send(gpd_conn *c, uint8_t *buf, size_t len, const int *fds, int nfds);
+int gpd_pack_reply(gpd_conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, uint8_t **buf, size_t *len);
+void gpd_send_reply(gpd_conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds);
 /* Sends the reply whose oneof body is `field` (case GPUPOOL__WIRE__REPLY__BODY_<CASE>) and carries
  * no fd: how most handlers end, once they have filled their reply message. */
 #define GPUPOOL__SEND_BODY(c, seq, CASE, field, body)                                                      \
@@ -205,60 +205,60 @@ void gpupool__send_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *r
     Gpupool__Wire__Reply rep_ = GPUPOOL__WIRE__REPLY__INIT;                                                 \
     rep_.body_case = GPUPOOL__WIRE__REPLY__BODY_##CASE;                                                    \
     rep_.field = (body);                                                                                    \
-    gpupool__send_reply((c), (seq), &rep_, NULL, 0);                                                        \
+    gpd_send_reply((c), (seq), &rep_, NULL, 0);                                                        \
   } while (0)
-void gpupool__send_error(gpupool__conn *c, uint64_t seq, int code, const char *msg);
-void gpupool__conn_close(gpupool__conn *c, const char *why);
-void gpupool__conn_update_poll(gpupool__conn *c);
-void gpupool__conn_drop_after_flush(gpupool__conn *c);
-void gpupool__conn_heap(gpupool__conn *c);
-share *gpupool__share_get(gpupool__server *s, uint64_t key);
+void gpd_send_error(gpd_conn *c, uint64_t seq, int code, const char *msg);
+void gpd_conn_close(gpd_conn *c, const char *why);
+void gpd_conn_update_poll(gpd_conn *c);
+void gpd_conn_drop_after_flush(gpd_conn *c);
+void gpd_conn_heap(gpd_conn *c);
+share *gpd_share_get(gpd_server *s, uint64_t key);
 
 /* ---- fences.c: replies held back until their ready events have completed */
-void gpupool__fenced_drop_all(gpupool__conn *c);
-void gpupool__park_reply(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds,
-                         gpupool__event *const *ev, uint32_t nev);
-void gpupool__send_reply_fenced(gpupool__conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds,
-                                gpupool__hold *const *hs, uint32_t nhs);
+void gpd_fenced_drop_all(gpd_conn *c);
+void gpd_park_reply(gpd_conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds,
+                         gpd_event *const *ev, uint32_t nev);
+void gpd_send_reply_fenced(gpd_conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const int *fds, int nfds,
+                                gpd_hold *const *hs, uint32_t nhs);
 
 /* ---- waiters.c: requests that wait for memory or for a publish */
-void gpupool__waiter_remove(gpupool__waiter *w);
-int gpupool__waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout_ms, gpupool__pool *pool,
+void gpd_waiter_remove(gpd_waiter *w);
+int gpd_waiter_add(gpd_conn *c, uint64_t seq, int kind, uint32_t timeout_ms, gpd_pool *pool,
                         uint64_t size, uint64_t align, const char *name, int read_only, uint64_t newer_than,
-                        gpupool__bundle_plan *plan);
-void gpupool__retry_waiters(gpupool__registry *reg, gpupool__pool *pool);
-void gpupool__wake_getters(gpupool__server *s, const char *key, uint64_t version);
+                        gpd_bundle_plan *plan);
+void gpd_retry_waiters(gpd_registry *reg, gpd_pool *pool);
+void gpd_wake_getters(gpd_server *s, const char *key, uint64_t version);
 
 /* ---- replies.c: replies that hand over a buffer, a bundle or a file */
-void gpupool__srv_reply_hold(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold *h, const char *name,
+void gpd_srv_reply_hold(gpd_conn *c, uint64_t seq, int kind, gpd_hold *h, const char *name,
                              uint64_t version);
-void gpupool__srv_reply_bundle(gpupool__conn *c, uint64_t seq, int kind, gpupool__hold **hs, uint32_t nhs,
-                               const gpupool__layout *layout, const gpupool__name *nm, uint64_t known_layout);
-void gpupool__srv_reply_file(gpupool__conn *c, uint64_t seq, const gpupool__file *f, const char *name, int kind, int fd);
+void gpd_srv_reply_bundle(gpd_conn *c, uint64_t seq, int kind, gpd_hold **hs, uint32_t nhs,
+                               const gpd_layout *layout, const gpd_name *nm, uint64_t known_layout);
+void gpd_srv_reply_file(gpd_conn *c, uint64_t seq, const gpd_file *f, const char *name, int kind, int fd);
 
 /* ---- handlers_admin.c: Hello, Stats, Trim and the operators' requests */
-uint64_t gpupool__count_open_fds(void);
-void gpupool__stats_free(Gpupool__Wire__StatsReply *st);
-int gpupool__server_stats(void *server, Gpupool__Wire__StatsReply *st);
+uint64_t gpd_count_open_fds(void);
+void gpd_stats_free(Gpupool__Wire__StatsReply *st);
+int gpd_server_stats(void *server, Gpupool__Wire__StatsReply *st);
 
 /* ---- handlers_buffers.c: buffers, names and bundles */
-void gpupool__published(gpupool__conn *c, const char *name, uint64_t version);
+void gpd_published(gpd_conn *c, const char *name, uint64_t version);
 
 /* ---- handlers_files.c: published files, their calls off the loop */
-void gpupool__fwait_unlink(fwait *fw);
-void gpupool__fwait_free(fwait *fw);
-int gpupool__file_get_start(gpupool__conn *c, uint64_t seq, const char *name, int count);
+void gpd_fwait_unlink(fwait *fw);
+void gpd_fwait_free(fwait *fw);
+int gpd_file_get_start(gpd_conn *c, uint64_t seq, const char *name, int count);
 
-/* ---- the handlers (handlers_*.c): gpupool__handle_<name> for each row of GPUPOOL__REQUEST_MAP
+/* ---- the handlers (handlers_*.c): gpd_handle_<name> for each row of GPUPOOL__REQUEST_MAP
  * (common/requests.h), so a row without its handler does not link. Each returns 0 when it sent
  * the reply or, for a GPUPOOL__REQ_MAY_WAIT row, set *deferred (a handler of another row gets
  * NULL); else the error code for dispatch to send. The row's flags were checked before. */
-typedef int gpupool__handler(gpupool__conn *c, const Gpupool__Wire__Request *req, int *deferred);
-#define GPUPOOL__HANDLER_DECL(CASE, name, Message, flags) gpupool__handler gpupool__handle_##name;
+typedef int gpd_handler(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred);
+#define GPUPOOL__HANDLER_DECL(CASE, name, Message, flags) gpd_handler gpd_handle_##name;
 GPUPOOL__REQUEST_MAP(GPUPOOL__HANDLER_DECL)
 #undef GPUPOOL__HANDLER_DECL
 
 /* ---- dispatch.c: a frame in, its handler, its error reply */
-void gpupool__handle_frame(gpupool__conn *c, const uint8_t *payload, uint32_t len);
+void gpd_handle_frame(gpd_conn *c, const uint8_t *payload, uint32_t len);
 
 #endif

@@ -1,7 +1,7 @@
 /*
  * Backend pools per owner, slabs, placing a buffer in them and sweeping what is freed: a
- * buffer's range returns to its slab only in gpupool__finish_free() and a slab to the backend
- * only in gpupool__slab_destroy() (see registry.c for the rules), and the capacity of a
+ * buffer's range returns to its slab only in gpd_finish_free() and a slab to the backend
+ * only in gpd_slab_destroy() (see registry.c for the rules), and the capacity of a
  * configured pool bounds its backend pools together.
  */
 #include <inttypes.h>
@@ -14,21 +14,21 @@
 #include "log.h"
 #include "registry_internal.h"
 
-/* One backend pool per owner (see gpupool__pinst): the backend's pool fd maps every
+/* One backend pool per owner (see gpd_pinst): the backend's pool fd maps every
  * allocation in the pool. */
-int gpupool__per_owner(const gpupool__registry *reg) { return reg->be->desc->pool_fd_maps_all; }
+int gpd_per_owner(const gpd_registry *reg) { return reg->be->desc->pool_fd_maps_all; }
 
-static gpupool__pinst *inst_find(gpupool__pool *p, uint64_t owner) {
+static gpd_pinst *inst_find(gpd_pool *p, uint64_t owner) {
   if (p->insts && p->insts->owner == GPUPOOL__OWNER_ANY)
     return p->insts;
-  for (gpupool__pinst *in = p->insts; in; in = in->next)
+  for (gpd_pinst *in = p->insts; in; in = in->next)
     if (in->owner == owner)
       return in;
   return NULL;
 }
 
-int gpupool__inst_new(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, gpupool__pinst **out) {
-  gpupool__pinst *in = calloc(1, sizeof *in);
+int gpd_inst_new(gpd_registry *reg, gpd_pool *p, uint64_t owner, gpd_pinst **out) {
+  gpd_pinst *in = calloc(1, sizeof *in);
   int rc;
   if (!in)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
@@ -49,15 +49,15 @@ int gpupool__inst_new(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, 
   p->ninsts++;
   if (owner != GPUPOOL__OWNER_ANY) {
     char label[80];
-    gpupool__tenant_label(reg->cfg, owner, label, sizeof label);
+    gpd_tenant_label(reg->cfg, owner, label, sizeof label);
     GPUPOOL__DEBUG("pool %s: backend pool #%" PRIu64 " created for %s", p->cfg.name, in->serial, label);
   }
   *out = in;
   return 0;
 }
 
-void gpupool__inst_destroy(gpupool__registry *reg, gpupool__pinst *in) {
-  gpupool__pool *p = in->pool;
+void gpd_inst_destroy(gpd_registry *reg, gpd_pinst *in) {
+  gpd_pool *p = in->pool;
   GPUPOOL__LIST_UNLINK(p->insts, in, prev, next);
   p->ninsts--;
   p->held -= in->held;
@@ -71,17 +71,17 @@ void gpupool__inst_destroy(gpupool__registry *reg, gpupool__pinst *in) {
 
 /* An owner's backend pool that no slab and no connected client uses is destroyed, so that
  * what it reserved really returns (an IPC pool gives nothing back before). */
-void gpupool__inst_maybe_destroy(gpupool__registry *reg, gpupool__pinst *in) {
+void gpd_inst_maybe_destroy(gpd_registry *reg, gpd_pinst *in) {
   if (!in || in->owner == GPUPOOL__OWNER_ANY || in->nslabs || in->attached)
     return;
   GPUPOOL__DEBUG("pool %s: backend pool #%" PRIu64 " is idle; destroyed, %" PRIu64 " bytes return",
                  in->pool->cfg.name, in->serial, in->held);
-  gpupool__inst_destroy(reg, in);
+  gpd_inst_destroy(reg, in);
 }
 
-void gpupool__slab_destroy(gpupool__registry *reg, gpupool__slab *s) {
-  gpupool__pool *p = s->pool;
-  gpupool__pinst *in = s->inst;
+void gpd_slab_destroy(gpd_registry *reg, gpd_slab *s) {
+  gpd_pool *p = s->pool;
+  gpd_pinst *in = s->inst;
   GPUPOOL__DEBUG("pool %s: slab %" PRIu64 " (%" PRIu64 " bytes) returned to the backend", p->cfg.name, s->id,
                  s->bs.size);
   reg->be->ops->slab_free(in->bp, &s->bs);
@@ -97,33 +97,33 @@ void gpupool__slab_destroy(gpupool__registry *reg, gpupool__slab *s) {
   p->nslabs--;
   for (uint32_t i = 0; i < s->nmappers; i++)
     if (s->mappers[i].lease)
-      gpupool__lease_unref(s->mappers[i].lease);
+      gpd_lease_unref(s->mappers[i].lease);
   gpupool__alloc_delete(s->alloc);
   free(s->mappers);
   free(s);
   reg->memory_returned = 1;
-  gpupool__inst_maybe_destroy(reg, in);
+  gpd_inst_maybe_destroy(reg, in);
 }
 
-void gpupool__slab_try_release(gpupool__registry *reg, gpupool__slab *s) {
+void gpd_slab_try_release(gpd_registry *reg, gpd_slab *s) {
   if (s->retiring && s->nbuffers == 0 && s->nmappers == 0)
-    gpupool__slab_destroy(reg, s);
+    gpd_slab_destroy(reg, s);
 }
 
-static void client_add_revoke(gpupool__client *c, uint64_t slab_id) {
+static void client_add_revoke(gpd_client *c, uint64_t slab_id) {
   for (uint32_t i = 0; i < c->nrevoke; i++)
     if (c->revoke[i] == slab_id)
       return;
-  if (gpupool__grow((void **)&c->revoke, &c->caprevoke, c->nrevoke + 1, sizeof *c->revoke) == 0)
+  if (gpd_grow((void **)&c->revoke, &c->caprevoke, c->nrevoke + 1, sizeof *c->revoke) == 0)
     c->revoke[c->nrevoke++] = slab_id;
 }
 
 /* Stop using s; ask its mappers to unmap; destroy it once nobody maps it. Returns 1 when
  * it was destroyed now. */
-static int slab_retire(gpupool__registry *reg, gpupool__slab *s) {
+static int slab_retire(gpd_registry *reg, gpd_slab *s) {
   s->retiring = 1;
   for (uint32_t i = 0; i < s->nmappers; i++) {
-    gpupool__client *c;
+    gpd_client *c;
     if (!s->mappers[i].client_id)
       continue;
     c = gpupool__hmap_get(&reg->clients, s->mappers[i].client_id);
@@ -134,13 +134,13 @@ static int slab_retire(gpupool__registry *reg, gpupool__slab *s) {
     client_add_revoke(c, s->id);
   }
   if (s->nbuffers == 0 && s->nmappers == 0) {
-    gpupool__slab_destroy(reg, s);
+    gpd_slab_destroy(reg, s);
     return 1;
   }
   return 0;
 }
 
-void gpupool__slab_maybe_retire(gpupool__registry *reg, gpupool__slab *s) {
+void gpd_slab_maybe_retire(gpd_registry *reg, gpd_slab *s) {
   uint32_t empty = 0;
   if (s->nbuffers != 0 || s->retiring)
     return;
@@ -148,7 +148,7 @@ void gpupool__slab_maybe_retire(gpupool__registry *reg, gpupool__slab *s) {
     slab_retire(reg, s);
     return;
   }
-  for (gpupool__slab *o = s->pool->slabs; o; o = o->next)
+  for (gpd_slab *o = s->pool->slabs; o; o = o->next)
     if (!o->dedicated && !o->retiring && o->nbuffers == 0)
       empty++;
   if (empty > s->pool->cfg.keep_slabs)
@@ -156,22 +156,22 @@ void gpupool__slab_maybe_retire(gpupool__registry *reg, gpupool__slab *s) {
 }
 
 /* What instance in would keep from the system with `size` more bytes of slabs. */
-static uint64_t held_with(const gpupool__registry *reg, const gpupool__pinst *in, uint64_t size) {
+static uint64_t held_with(const gpd_registry *reg, const gpd_pinst *in, uint64_t size) {
   uint64_t held = in ? in->held : 0, after = (in ? in->reserved : 0) + size;
   return reg->be->desc->pool_keeps_memory && held > after ? held : after;
 }
 
-static int slab_new(gpupool__registry *reg, gpupool__pool *p, uint64_t size, int dedicated, uint64_t owner,
-                    gpupool__slab **out) {
-  gpupool__pinst *in = inst_find(p, owner);
-  gpupool__slab *s;
+static int slab_new(gpd_registry *reg, gpd_pool *p, uint64_t size, int dedicated, uint64_t owner,
+                    gpd_slab **out) {
+  gpd_pinst *in = inst_find(p, owner);
+  gpd_slab *s;
   uint64_t held;
   int rc;
 
   /* The capacity bounds what every owner's backend pool keeps, together. */
   if (p->held - (in ? in->held : 0) + held_with(reg, in, size) > p->cfg.capacity)
     return GPUPOOL_ENOSPC;
-  if (!in && (rc = gpupool__inst_new(reg, p, owner, &in)) != 0)
+  if (!in && (rc = gpd_inst_new(reg, p, owner, &in)) != 0)
     return rc;
   s = calloc(1, sizeof *s);
   if (!s) {
@@ -188,7 +188,7 @@ static int slab_new(gpupool__registry *reg, gpupool__pool *p, uint64_t size, int
       goto fail;
     }
   }
-  s->id = gpupool__next_id(reg);
+  s->id = gpd_next_id(reg);
   s->pool = p;
   s->inst = in;
   s->dedicated = dedicated;
@@ -224,12 +224,12 @@ static int slab_new(gpupool__registry *reg, gpupool__pool *p, uint64_t size, int
   return 0;
 fail:
   free(s);
-  gpupool__inst_maybe_destroy(reg, in);
+  gpd_inst_maybe_destroy(reg, in);
   return rc;
 }
 
-int gpupool__slab_add_mapper(gpupool__slab *s, uint64_t client_id) {
-  if (gpupool__grow((void **)&s->mappers, &s->capmappers, s->nmappers + 1, sizeof *s->mappers) != 0)
+int gpd_slab_add_mapper(gpd_slab *s, uint64_t client_id) {
+  if (gpd_grow((void **)&s->mappers, &s->capmappers, s->nmappers + 1, sizeof *s->mappers) != 0)
     return GPUPOOL_ENOMEM;
   s->mappers[s->nmappers].client_id = client_id;
   s->mappers[s->nmappers].lease = NULL;
@@ -237,34 +237,34 @@ int gpupool__slab_add_mapper(gpupool__slab *s, uint64_t client_id) {
   return 0;
 }
 
-void gpupool__slab_remove_mapper_at(gpupool__slab *s, uint32_t i) {
+void gpd_slab_remove_mapper_at(gpd_slab *s, uint32_t i) {
   s->mappers[i] = s->mappers[--s->nmappers];
 }
 
-static int buffer_deps_clear(gpupool__registry *reg, gpupool__buffer *b) {
+static int buffer_deps_clear(gpd_registry *reg, gpd_buffer *b) {
   while (b->ndone > 0) {
-    gpupool__event *e = b->done[b->ndone - 1];
+    gpd_event *e = b->done[b->ndone - 1];
     int q = reg->be->ops->event_query(e->be);
     if (q == 0)
       return 0;
     if (q < 0)
       GPUPOOL__WARN("event %u query failed (%s); treating it as complete", e->id, gpupool__errmsg());
-    gpupool__event_put(reg, e);
+    gpd_event_put(reg, e);
     b->ndone--;
   }
   while (b->nleases > 0) {
-    gpupool__lease *l = b->leases[b->nleases - 1];
+    gpd_lease *l = b->leases[b->nleases - 1];
     if (!l->gone)
       return 0;
-    gpupool__lease_unref(l);
+    gpd_lease_unref(l);
     b->nleases--;
   }
   return 1;
 }
 
-void gpupool__finish_free(gpupool__registry *reg, gpupool__buffer *b) {
-  gpupool__slab *s = b->slab;
-  gpupool__pool *p = s->pool;
+void gpd_finish_free(gpd_registry *reg, gpd_buffer *b) {
+  gpd_slab *s = b->slab;
+  gpd_pool *p = s->pool;
   if (b->died_in_use && s->alloc) {
     /* Work the dead holder queued may still touch this range until its GPU context is torn
      * down, which the daemon cannot see: never reuse it inside this slab. */
@@ -281,10 +281,10 @@ void gpupool__finish_free(gpupool__registry *reg, gpupool__buffer *b) {
   s->nbuffers--;
   p->used -= b->size;
   p->nbuffers--;
-  gpupool__event_put(reg, b->ready);
-  gpupool__layout_unref(reg, b->layout);
+  gpd_event_put(reg, b->ready);
+  gpd_layout_unref(reg, b->layout);
   /* Only now is the range really back: until here it stays on its owner's account. */
-  gpupool__uid_account(reg, b->owner_tenant, -(int64_t)b->size, -1);
+  gpd_uid_account(reg, b->owner_tenant, -(int64_t)b->size, -1);
   free(b->done);
   free(b->leases);
   free(b);
@@ -292,24 +292,24 @@ void gpupool__finish_free(gpupool__registry *reg, gpupool__buffer *b) {
   if (s->retiring && s->nbuffers == 0 && !reg->stopped)
     slab_retire(reg, s);
   else
-    gpupool__slab_maybe_retire(reg, s);
+    gpd_slab_maybe_retire(reg, s);
 }
 
 static void sweep_timer_cb(uv_timer_t *t) {
-  gpupool__registry *reg = t->data;
-  uint64_t t0 = gpupool__now_ns(), n = reg->npending;
-  gpupool__sweep(reg);
-  if (gpupool__now_ns() - t0 > 50000)
-    GPUPOOL__DEBUG("slow sweep: %" PRIu64 " us over %" PRIu64 " pending buffers", (gpupool__now_ns() - t0) / 1000, n);
+  gpd_registry *reg = t->data;
+  uint64_t t0 = gpd_now_ns(), n = reg->npending;
+  gpd_sweep(reg);
+  if (gpd_now_ns() - t0 > 50000)
+    GPUPOOL__DEBUG("slow sweep: %" PRIu64 " us over %" PRIu64 " pending buffers", (gpd_now_ns() - t0) / 1000, n);
   if (reg->memory_returned && reg->on_memory)
     reg->on_memory(reg, NULL);
 }
 
-static void sweep_timer_update(gpupool__registry *reg) {
+static void sweep_timer_update(gpd_registry *reg) {
   int need = 0;
   if (reg->stopped)
     return;
-  for (gpupool__buffer *b = reg->pending; b; b = b->pending_next)
+  for (gpd_buffer *b = reg->pending; b; b = b->pending_next)
     if (b->ndone > 0) {
       need = 1;
       break;
@@ -323,8 +323,8 @@ static void sweep_timer_update(gpupool__registry *reg) {
   }
 }
 
-void gpupool__buffer_unref(gpupool__registry *reg, gpupool__buffer *b) {
-  gpupool__client *owner;
+void gpd_buffer_unref(gpd_registry *reg, gpd_buffer *b) {
+  gpd_client *owner;
   if (--b->refs > 0)
     return;
   gpupool__hmap_del(&reg->buffers, b->id);
@@ -334,7 +334,7 @@ void gpupool__buffer_unref(gpupool__registry *reg, gpupool__buffer *b) {
     owner->allocs--;
   }
   if (buffer_deps_clear(reg, b)) {
-    gpupool__finish_free(reg, b);
+    gpd_finish_free(reg, b);
     return;
   }
   b->pending_next = reg->pending;
@@ -343,66 +343,66 @@ void gpupool__buffer_unref(gpupool__registry *reg, gpupool__buffer *b) {
   sweep_timer_update(reg);
 }
 
-void gpupool__sweep(gpupool__registry *reg) {
-  gpupool__buffer **pp = &reg->pending;
+void gpd_sweep(gpd_registry *reg) {
+  gpd_buffer **pp = &reg->pending;
   while (*pp) {
-    gpupool__buffer *b = *pp;
+    gpd_buffer *b = *pp;
     if (buffer_deps_clear(reg, b)) {
       *pp = b->pending_next;
       reg->npending--;
-      gpupool__finish_free(reg, b);
+      gpd_finish_free(reg, b);
     } else {
       pp = &b->pending_next;
     }
   }
   for (int i = 0; i < reg->npools; i++) {
-    gpupool__slab *s = reg->pools[i].slabs, *next;
+    gpd_slab *s = reg->pools[i].slabs, *next;
     for (; s; s = next) {
       next = s->next;
       for (uint32_t j = 0; j < s->nmappers;) {
         if (s->mappers[j].lease && s->mappers[j].lease->gone) {
-          gpupool__lease_unref(s->mappers[j].lease);
-          gpupool__slab_remove_mapper_at(s, j);
+          gpd_lease_unref(s->mappers[j].lease);
+          gpd_slab_remove_mapper_at(s, j);
         } else {
           j++;
         }
       }
-      gpupool__slab_try_release(reg, s);
+      gpd_slab_try_release(reg, s);
     }
   }
   sweep_timer_update(reg);
 }
 
 /* Capacity no backend pool keeps (the backend may have reserved past it: never below 0). */
-static uint64_t unheld(const gpupool__pool *p) { return p->held < p->cfg.capacity ? p->cfg.capacity - p->held : 0; }
+static uint64_t unheld(const gpd_pool *p) { return p->held < p->cfg.capacity ? p->cfg.capacity - p->held : 0; }
 
-uint64_t gpupool__pool_free_bytes(const gpupool__pool *p) {
+uint64_t gpd_pool_free_bytes(const gpd_pool *p) {
   /* Unheld capacity, what owners' backend pools keep beyond their slabs (usable by that owner
    * only: an over-estimate for any one request, which is what a pre-check needs), and the
    * holes in slabs. */
   uint64_t f = unheld(p);
-  for (const gpupool__pinst *in = p->insts; in; in = in->next)
+  for (const gpd_pinst *in = p->insts; in; in = in->next)
     f += in->held - in->reserved;
-  for (gpupool__slab *s = p->slabs; s; s = s->next)
+  for (gpd_slab *s = p->slabs; s; s = s->next)
     if (s->alloc && !s->retiring)
       f += gpupool__alloc_capacity(s->alloc) - gpupool__alloc_used(s->alloc);
   return f;
 }
 
-static int no_space(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, uint64_t asked, uint64_t rounded) {
-  const gpupool__pinst *in = inst_find(p, owner);
+static int no_space(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t asked, uint64_t rounded) {
+  const gpd_pinst *in = inst_find(p, owner);
   uint64_t largest = 0, in_slabs = 0, pending_bytes = 0, most;
   /* What a new slab of this owner could take: capacity no backend pool keeps, plus what this
    * owner's own backend pool keeps beyond its slabs. */
   uint64_t unreserved = unheld(p) + (in ? in->held - in->reserved : 0);
-  for (gpupool__slab *s = p->slabs; s; s = s->next)
+  for (gpd_slab *s = p->slabs; s; s = s->next)
     if (s->alloc && !s->retiring && s->owner == owner) {
       uint64_t l = gpupool__alloc_largest_free(s->alloc);
       if (l > largest)
         largest = l;
       in_slabs += gpupool__alloc_capacity(s->alloc) - gpupool__alloc_used(s->alloc);
     }
-  for (gpupool__buffer *b = reg->pending; b; b = b->pending_next)
+  for (gpd_buffer *b = reg->pending; b; b = b->pending_next)
     if (b->slab->pool == p)
       pending_bytes += b->size;
   /* What one request could get now: the largest hole in this user's slabs, or a new slab
@@ -423,7 +423,7 @@ static int no_space(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, ui
                       "Release buffers, pass a timeout to wait for memory, or raise the pool's capacity",
                       p->cfg.name, asked, rounded, most, in_slabs, largest, unreserved, p->cfg.capacity,
                       pending_bytes,
-                      gpupool__per_owner(reg) ? "; other tenants' backend pools keep what they reserved until they are idle"
+                      gpd_per_owner(reg) ? "; other tenants' backend pools keep what they reserved until they are idle"
                                      : "");
 }
 
@@ -431,11 +431,11 @@ static int no_space(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, ui
 /* Place a buffer for owner (a tenant, or the group a shared pool belongs to): in a slab of
  * that owner only (every holder of a buffer receives its slab's fd, so slabs are never shared
  * between tenants), or in a new one. */
-int gpupool__place(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, uint64_t asked, uint64_t size,
-                   uint64_t align, gpupool__slab **slab, uint64_t *off) {
+int gpd_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t asked, uint64_t size,
+                   uint64_t align, gpd_slab **slab, uint64_t *off) {
   int rc, attempt;
   if (size > p->cfg.slab_size) {
-    uint64_t dsize = gpupool__round_up(size, SLAB_GRAIN);
+    uint64_t dsize = gpd_round_up(size, SLAB_GRAIN);
     if (size > GPUPOOL_SLAB_HARD_MAX)
       return gpupool__err(GPUPOOL_ETOOBIG,
                           "allocation of %" PRIu64 " bytes exceeds the 4 GiB limit on one exported allocation "
@@ -456,8 +456,8 @@ int gpupool__place(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, uin
       if (rc != GPUPOOL_ENOSPC)
         return rc;
       /* Make room: finish what can be finished and give back empty cached slabs. */
-      gpupool__sweep(reg);
-      for (gpupool__slab *s = p->slabs, *n; s; s = n) {
+      gpd_sweep(reg);
+      for (gpd_slab *s = p->slabs, *n; s; s = n) {
         n = s->next;
         if (!s->dedicated && !s->retiring && s->nbuffers == 0)
           slab_retire(reg, s);
@@ -466,7 +466,7 @@ int gpupool__place(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, uin
     return no_space(reg, p, owner, asked, size);
   }
   for (attempt = 0; attempt < 2; attempt++) {
-    for (gpupool__slab *s = p->slabs; s; s = s->next) {
+    for (gpd_slab *s = p->slabs; s; s = s->next) {
       if (!s->alloc || s->retiring || s->owner != owner)
         continue;
       if (gpupool__alloc_get(s->alloc, size, align, off) == 0) {
@@ -484,11 +484,11 @@ int gpupool__place(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, uin
     if (rc != GPUPOOL_ENOSPC)
       return rc;
     if (attempt == 0)
-      gpupool__sweep(reg);
+      gpd_sweep(reg);
     /* Other owners' empty cached slabs keep their backend pools (and what those reserved)
      * alive: give them back, so an idle backend pool goes and its memory returns. */
-    if (attempt == 0 && gpupool__per_owner(reg))
-      for (gpupool__slab *s = p->slabs, *n; s; s = n) {
+    if (attempt == 0 && gpd_per_owner(reg))
+      for (gpd_slab *s = p->slabs, *n; s; s = n) {
         n = s->next;
         if (!s->dedicated && !s->retiring && s->nbuffers == 0 && s->owner != owner)
           slab_retire(reg, s);
@@ -497,7 +497,7 @@ int gpupool__place(gpupool__registry *reg, gpupool__pool *p, uint64_t owner, uin
   return no_space(reg, p, owner, asked, size);
 }
 
-gpupool__pool *gpupool__pool_find(gpupool__registry *reg, const char *name, uint32_t id) {
+gpd_pool *gpd_pool_find(gpd_registry *reg, const char *name, uint32_t id) {
   if (name && *name) {
     for (int i = 0; i < reg->npools; i++)
       if (!strcmp(reg->pools[i].cfg.name, name))
@@ -512,28 +512,28 @@ gpupool__pool *gpupool__pool_find(gpupool__registry *reg, const char *name, uint
   return NULL;
 }
 
-int gpupool__attach(gpupool__registry *reg, gpupool__client *c, gpupool__pool *p, int *fd) {
-  gpupool__pinst *in;
+int gpd_attach(gpd_registry *reg, gpd_client *c, gpd_pool *p, int *fd) {
+  gpd_pinst *in;
   uint64_t owner;
   int rc;
   *fd = -1;
-  if ((rc = gpupool__pool_owner(reg, c, p, &owner)) != 0)
+  if ((rc = gpd_pool_owner(reg, c, p, &owner)) != 0)
     return rc;
-  if (!gpupool__per_owner(reg)) {
+  if (!gpd_per_owner(reg)) {
     *fd = p->insts->fd;
     return 0;
   }
   in = gpupool__hmap_get(&c->attached, p->id);
   if (!in) {
-    if (!(in = inst_find(p, owner)) && (rc = gpupool__inst_new(reg, p, owner, &in)) != 0)
+    if (!(in = inst_find(p, owner)) && (rc = gpd_inst_new(reg, p, owner, &in)) != 0)
       return rc;
     if (gpupool__hmap_put(&c->attached, p->id, in) != 0) {
-      gpupool__inst_maybe_destroy(reg, in);
+      gpd_inst_maybe_destroy(reg, in);
       return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     }
     in->attached++;
   }
-  /* Cannot differ (see gpupool__pool_owner): a client keeps the pool it imported for its connection. */
+  /* Cannot differ (see gpd_pool_owner): a client keeps the pool it imported for its connection. */
   if (in->owner != owner)
     return gpupool__err(GPUPOOL_EBACKEND, "internal error: pool '%s' changed owner for client %" PRIu64,
                         p->cfg.name, c->id);
@@ -541,9 +541,9 @@ int gpupool__attach(gpupool__registry *reg, gpupool__client *c, gpupool__pool *p
   return 0;
 }
 
-void gpupool__unmapped(gpupool__registry *reg, gpupool__client *c, const uint64_t *ids, size_t n) {
+void gpd_unmapped(gpd_registry *reg, gpd_client *c, const uint64_t *ids, size_t n) {
   for (size_t k = 0; k < n; k++) {
-    gpupool__slab *s = gpupool__hmap_get(&reg->slabs, ids[k]);
+    gpd_slab *s = gpupool__hmap_get(&reg->slabs, ids[k]);
     for (uint32_t i = 0; i < c->nrevoke; i++)
       if (c->revoke[i] == ids[k]) {
         c->revoke[i] = c->revoke[--c->nrevoke];
@@ -555,18 +555,18 @@ void gpupool__unmapped(gpupool__registry *reg, gpupool__client *c, const uint64_
       continue;
     for (uint32_t i = 0; i < s->nmappers; i++)
       if (s->mappers[i].client_id == c->id) {
-        gpupool__slab_remove_mapper_at(s, i);
+        gpd_slab_remove_mapper_at(s, i);
         break;
       }
-    gpupool__slab_try_release(reg, s);
+    gpd_slab_try_release(reg, s);
   }
 }
 
-void gpupool__trim(gpupool__registry *reg, uint32_t *freed, uint32_t *revoked) {
+void gpd_trim(gpd_registry *reg, uint32_t *freed, uint32_t *revoked) {
   *freed = *revoked = 0;
-  gpupool__sweep(reg);
+  gpd_sweep(reg);
   for (int i = 0; i < reg->npools; i++) {
-    for (gpupool__slab *s = reg->pools[i].slabs, *n; s; s = n) {
+    for (gpd_slab *s = reg->pools[i].slabs, *n; s; s = n) {
       n = s->next;
       if (s->retiring || s->nbuffers != 0)
         continue;

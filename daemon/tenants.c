@@ -13,8 +13,8 @@
 #include "registry_internal.h"
 
 /* The uid's record, created when create is set; NULL when absent (or out of memory). */
-gpupool__uid_usage *gpupool__uid_usage_get(gpupool__registry *reg, uint64_t tenant, int create) {
-  gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, tenant);
+gpd_uid_usage *gpd_uid_usage_get(gpd_registry *reg, uint64_t tenant, int create) {
+  gpd_uid_usage *u = gpupool__hmap_get(&reg->uids, tenant);
   if (u || !create)
     return u;
   u = calloc(1, sizeof *u);
@@ -27,7 +27,7 @@ gpupool__uid_usage *gpupool__uid_usage_get(gpupool__registry *reg, uint64_t tena
 }
 
 /* Drop the record once nothing is counted in it. */
-void gpupool__uid_usage_put(gpupool__registry *reg, gpupool__uid_usage *u) {
+void gpd_uid_usage_put(gpd_registry *reg, gpd_uid_usage *u) {
   if (u && u->allocs == 0 && u->bytes == 0 && u->names == 0 && u->members == 0 && u->holds == 0 &&
       u->leases == 0 &&
       u->conns == 0 && u->waiters == 0 && u->files == 0) {
@@ -36,23 +36,23 @@ void gpupool__uid_usage_put(gpupool__registry *reg, gpupool__uid_usage *u) {
   }
 }
 
-void gpupool__uid_account(gpupool__registry *reg, uint64_t tenant, int64_t bytes, int32_t allocs) {
-  gpupool__uid_usage *u = gpupool__uid_usage_get(reg, tenant, bytes > 0);
+void gpd_uid_account(gpd_registry *reg, uint64_t tenant, int64_t bytes, int32_t allocs) {
+  gpd_uid_usage *u = gpd_uid_usage_get(reg, tenant, bytes > 0);
   if (!u)
     return;
   u->bytes += (uint64_t)bytes;
   u->allocs += (uint32_t)allocs;
-  gpupool__uid_usage_put(reg, u);
+  gpd_uid_usage_put(reg, u);
 }
 
-uint64_t gpupool__tenant_of(const gpupool__config *cfg, uid_t uid, gid_t gid) {
+uint64_t gpd_tenant_of(const gpd_config *cfg, uid_t uid, gid_t gid) {
   for (int i = 0; i < cfg->n_tenants; i++)
-    if (gpupool__member_of(&cfg->tenants[i], uid, gid))
+    if (gpd_member_of(&cfg->tenants[i], uid, gid))
       return TENANT_SET | (uint64_t)i;
   return (uint64_t)uid;
 }
 
-void gpupool__tenant_label(const gpupool__config *cfg, uint64_t owner, char *buf, size_t len) {
+void gpd_tenant_label(const gpd_config *cfg, uint64_t owner, char *buf, size_t len) {
   if (owner & GROUP_SET)
     snprintf(buf, len, "group:%s", cfg->groups[owner & 0xffff].name);
   else if (owner & TENANT_SET)
@@ -62,13 +62,13 @@ void gpupool__tenant_label(const gpupool__config *cfg, uint64_t owner, char *buf
 }
 
 /* May c use memory (slabs, buffers, names) owned by owner? */
-int gpupool__owner_reachable(const gpupool__registry *reg, const gpupool__client *c, uint64_t owner) {
+int gpd_owner_reachable(const gpd_registry *reg, const gpd_client *c, uint64_t owner) {
   if (owner == c->tenant)
     return 1;
-  return (owner & GROUP_SET) && gpupool__member_of(&reg->cfg->groups[owner & 0xffff], c->uid, c->gid);
+  return (owner & GROUP_SET) && gpd_member_of(&reg->cfg->groups[owner & 0xffff], c->uid, c->gid);
 }
 
-int gpupool__name_key(gpupool__registry *reg, const gpupool__client *c, const char *name, char *key,
+int gpd_name_key(gpd_registry *reg, const gpd_client *c, const char *name, char *key,
                       size_t len, uint64_t *owner) {
   char label[80];
   int rc = gpupool__wire_check_name(name);
@@ -82,7 +82,7 @@ int gpupool__name_key(gpupool__registry *reg, const gpupool__client *c, const ch
         idx = i;
     if (!slash || !slash[1])
       return gpupool__err(GPUPOOL_ENAME, "'%s': a group name is written group:GROUP/NAME", name);
-    if (idx < 0 || !gpupool__member_of(&reg->cfg->groups[idx], c->uid, c->gid))
+    if (idx < 0 || !gpd_member_of(&reg->cfg->groups[idx], c->uid, c->gid))
       return gpupool__err(GPUPOOL_EPERM, "'%s': this daemon has no group '%.*s' with uid %u or gid %u in it "
                           "(groups are [group NAME] sections of its config)", name, (int)(slash - g), g,
                           (unsigned)c->uid, (unsigned)c->gid);
@@ -91,23 +91,23 @@ int gpupool__name_key(gpupool__registry *reg, const gpupool__client *c, const ch
     return 0;
   }
   *owner = c->tenant;
-  gpupool__tenant_label(reg->cfg, c->tenant, label, sizeof label);
+  gpd_tenant_label(reg->cfg, c->tenant, label, sizeof label);
   snprintf(key, len, "%s/%s", label, name);
   return 0;
 }
 
 /* Whose memory c's buffers in p are: the group a shared pool belongs to, else c's tenant.
  * Every buffer c can receive in p has this owner (allocate places it so; open, get and
- * publish admit only slabs gpupool__owner_reachable() allows, and a group owns slabs only in its
+ * publish admit only slabs gpd_owner_reachable() allows, and a group owns slabs only in its
  * shared pool, where every slab is the group's), so on per-owner backends the pool id names
  * exactly one backend pool for c. */
-int gpupool__pool_owner(gpupool__registry *reg, const gpupool__client *c, const gpupool__pool *p, uint64_t *owner) {
+int gpd_pool_owner(gpd_registry *reg, const gpd_client *c, const gpd_pool *p, uint64_t *owner) {
   int share = reg->cfg->pool_share[p - reg->pools];
   *owner = c->tenant;
   if (share < 0)
     return 0;
   /* A shared pool's memory belongs to its group: every member can read all of it. */
-  if (!gpupool__member_of(&reg->cfg->groups[share], c->uid, c->gid))
+  if (!gpd_member_of(&reg->cfg->groups[share], c->uid, c->gid))
     return gpupool__err(GPUPOOL_EPERM, "pool '%s' is shared with group '%s', which does not include uid %u "
                         "or gid %u; use another pool, or ask the operator to add you to the group",
                         p->cfg.name, reg->cfg->groups[share].name, (unsigned)c->uid, (unsigned)c->gid);
@@ -127,11 +127,11 @@ int gpupool__pool_owner(gpupool__registry *reg, const gpupool__client *c, const 
  */
 
 /* Memory: live allocations and bytes, of the client and of its tenant, with size more. */
-int gpupool__quota_memory(gpupool__registry *reg, const gpupool__client *c, uint64_t size) {
-  const gpupool__config *cfg = reg->cfg;
-  gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, c->tenant);
+int gpd_quota_memory(gpd_registry *reg, const gpd_client *c, uint64_t size) {
+  const gpd_config *cfg = reg->cfg;
+  gpd_uid_usage *u = gpupool__hmap_get(&reg->uids, c->tenant);
   char who[80];
-  gpupool__tenant_label(cfg, c->tenant, who, sizeof who);
+  gpd_tenant_label(cfg, c->tenant, who, sizeof who);
   if (cfg->max_allocs_per_client && c->allocs + 1 > cfg->max_allocs_per_client)
     return gpupool__err(GPUPOOL_ELIMIT,
                         "client already has %u live allocations, the limit (max_allocs_per_client) is %u; "
@@ -156,13 +156,13 @@ int gpupool__quota_memory(gpupool__registry *reg, const gpupool__client *c, uint
 
 /* Refuses new holds to a uid whose closed connections already pin memory through too many
  * leases: every such hold could become one more (a daemon fd and pinned memory each). */
-int gpupool__quota_waiting_leases(gpupool__registry *reg, const gpupool__client *c) {
-  const gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, c->tenant);
+int gpd_quota_waiting_leases(gpd_registry *reg, const gpd_client *c) {
+  const gpd_uid_usage *u = gpupool__hmap_get(&reg->uids, c->tenant);
   uint32_t max = reg->cfg->max_waiting_leases_per_uid;
   char who[80];
   if (!max || !u || u->leases < max)
     return 0;
-  gpupool__tenant_label(reg->cfg, c->tenant, who, sizeof who);
+  gpd_tenant_label(reg->cfg, c->tenant, who, sizeof who);
   return gpupool__err(GPUPOOL_ELIMIT,
                       "%s has %u closed connections whose processes still hold their lease and map gpupool "
                       "memory (the limit, max_waiting_leases_per_uid, is %u): it gets no new buffers until some of "
@@ -173,15 +173,15 @@ int gpupool__quota_waiting_leases(gpupool__registry *reg, const gpupool__client 
 }
 
 /* One more hold for c, whose tenant's record is u. */
-int gpupool__quota_holds(gpupool__registry *reg, const gpupool__client *c, const gpupool__uid_usage *u) {
-  const gpupool__config *cfg = reg->cfg;
+int gpd_quota_holds(gpd_registry *reg, const gpd_client *c, const gpd_uid_usage *u) {
+  const gpd_config *cfg = reg->cfg;
   char who[80];
   if (cfg->max_holds_per_client && c->nholds >= cfg->max_holds_per_client)
     return gpupool__err(GPUPOOL_ELIMIT,
                         "this client already has %" PRIu64 " holds, the limit (max_holds_per_client) is %u; "
                         "release buffers it no longer uses", c->nholds, cfg->max_holds_per_client);
   if (cfg->max_holds_per_uid && u->holds >= cfg->max_holds_per_uid) {
-    gpupool__tenant_label(cfg, c->tenant, who, sizeof who);
+    gpd_tenant_label(cfg, c->tenant, who, sizeof who);
     return gpupool__err(GPUPOOL_ELIMIT, "%s already has %" PRIu64 " holds, the limit (max_holds_per_uid) is %u",
                         who, u->holds, cfg->max_holds_per_uid);
   }
@@ -190,12 +190,12 @@ int gpupool__quota_holds(gpupool__registry *reg, const gpupool__client *c, const
 
 /* The per-uid limit on what a tenant publishes ("names", "files"; the key is max_<what>_per_uid):
  * both outlive their publisher, so the fix is the same. */
-static int over_published(const gpupool__config *cfg, uint64_t tenant, const char *what, uint32_t have,
+static int over_published(const gpd_config *cfg, uint64_t tenant, const char *what, uint32_t have,
                           uint32_t max) {
   char who[80];
   if (!max || have < max)
     return 0;
-  gpupool__tenant_label(cfg, tenant, who, sizeof who);
+  gpd_tenant_label(cfg, tenant, who, sizeof who);
   return gpupool__err(GPUPOOL_ELIMIT,
                       "%s already has %u %s published, the limit (max_%s_per_uid) is %u; unpublish %s it no "
                       "longer needs (names outlive their publisher)",
@@ -203,9 +203,9 @@ static int over_published(const gpupool__config *cfg, uint64_t tenant, const cha
 }
 
 /* One more name for tenant: max_names, max_names_per_uid. */
-int gpupool__quota_name(gpupool__registry *reg, uint64_t tenant) {
-  const gpupool__config *cfg = reg->cfg;
-  gpupool__uid_usage *u = gpupool__uid_usage_get(reg, tenant, 0);
+int gpd_quota_name(gpd_registry *reg, uint64_t tenant) {
+  const gpd_config *cfg = reg->cfg;
+  gpd_uid_usage *u = gpd_uid_usage_get(reg, tenant, 0);
   if (cfg->max_names && reg->nnames >= cfg->max_names)
     return gpupool__err(GPUPOOL_ELIMIT, "the daemon already holds %" PRIu64 " names, the limit (max_names) is %u",
                         reg->nnames, cfg->max_names);
@@ -214,23 +214,23 @@ int gpupool__quota_name(gpupool__registry *reg, uint64_t tenant) {
 
 /* A name of another tenant of the namespace (a group's name) republished by tenant moves to
  * its count: that tenant's max_names_per_uid applies as to a new name. */
-int gpupool__quota_name_move(gpupool__registry *reg, uint64_t tenant, const char *name) {
-  const gpupool__config *cfg = reg->cfg;
-  gpupool__uid_usage *u = gpupool__uid_usage_get(reg, tenant, 0);
+int gpd_quota_name_move(gpd_registry *reg, uint64_t tenant, const char *name) {
+  const gpd_config *cfg = reg->cfg;
+  gpd_uid_usage *u = gpd_uid_usage_get(reg, tenant, 0);
   char who[80];
   if (!cfg->max_names_per_uid || !u || u->names < cfg->max_names_per_uid)
     return 0;
-  gpupool__tenant_label(cfg, tenant, who, sizeof who);
+  gpd_tenant_label(cfg, tenant, who, sizeof who);
   return gpupool__err(GPUPOOL_ELIMIT,
                       "%s already has %u names published, the limit (max_names_per_uid) is %u; "
                       "republishing '%s' would make it one more", who, u->names, cfg->max_names_per_uid, name);
 }
 
 /* One more published file for tenant: the name limits, max_files, max_files_per_uid. */
-int gpupool__quota_file(gpupool__registry *reg, uint64_t tenant) {
-  const gpupool__config *cfg = reg->cfg;
-  gpupool__uid_usage *u;
-  int rc = gpupool__quota_name(reg, tenant);
+int gpd_quota_file(gpd_registry *reg, uint64_t tenant) {
+  const gpd_config *cfg = reg->cfg;
+  gpd_uid_usage *u;
+  int rc = gpd_quota_name(reg, tenant);
   if (rc != 0)
     return rc;
   if (cfg->max_files && reg->nfiles >= cfg->max_files)
@@ -238,15 +238,15 @@ int gpupool__quota_file(gpupool__registry *reg, uint64_t tenant) {
                         "the daemon already keeps %" PRIu64 " files open for published names, the limit "
                         "(max_files) is %u; unpublish files no longer needed",
                         reg->nfiles, cfg->max_files);
-  u = gpupool__uid_usage_get(reg, tenant, 0);
+  u = gpd_uid_usage_get(reg, tenant, 0);
   return over_published(cfg, tenant, "files", u ? u->files : 0, cfg->max_files_per_uid);
 }
 
 /* Whether n more members fit in tenant's max_members_per_uid and in the daemon's max_members
  * (less `freed`, members a new version releases). */
-int gpupool__quota_members(gpupool__registry *reg, uint64_t tenant, uint64_t n, uint64_t freed) {
-  const gpupool__config *cfg = reg->cfg;
-  gpupool__uid_usage *u = gpupool__hmap_get(&reg->uids, tenant);
+int gpd_quota_members(gpd_registry *reg, uint64_t tenant, uint64_t n, uint64_t freed) {
+  const gpd_config *cfg = reg->cfg;
+  gpd_uid_usage *u = gpupool__hmap_get(&reg->uids, tenant);
   uint64_t have = u ? u->members : 0, all = reg->nmembers > freed ? reg->nmembers - freed : 0;
   char who[80];
   /* The per-tenant limit bounds one user; this one bounds them all together, since every
@@ -259,7 +259,7 @@ int gpupool__quota_members(gpupool__registry *reg, uint64_t tenant, uint64_t n, 
   have = have > freed ? have - freed : 0;
   if (!cfg->max_members_per_uid || have + n <= cfg->max_members_per_uid)
     return 0;
-  gpupool__tenant_label(cfg, tenant, who, sizeof who);
+  gpd_tenant_label(cfg, tenant, who, sizeof who);
   return gpupool__err(GPUPOOL_ELIMIT,
                       "%" PRIu64 " more members would bring %s to %" PRIu64 " members in bundles, over the limit "
                       "(max_members_per_uid) of %u; unpublish or release bundles it no longer needs",
@@ -267,7 +267,7 @@ int gpupool__quota_members(gpupool__registry *reg, uint64_t tenant, uint64_t n, 
 }
 
 /* n members in one bundle: max_bundle_members. */
-int gpupool__quota_bundle_members(gpupool__registry *reg, size_t n) {
+int gpd_quota_bundle_members(gpd_registry *reg, size_t n) {
   if (n > reg->cfg->max_bundle_members)
     return gpupool__err(GPUPOOL_ELIMIT,
                         "bundle of %zu members is over the limit (max_bundle_members) of %u; split it into "

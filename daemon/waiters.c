@@ -25,25 +25,25 @@
 /* ---- waiting requests ----------------------------------------------------------------------- */
 
 static void waiter_closed(uv_handle_t *h) {
-  gpupool__waiter *w = h->data;
-  gpupool__bundle_plan_free(w->plan);
+  gpd_waiter *w = h->data;
+  gpd_bundle_plan_free(w->plan);
   free(w->name);
   free(w);
 }
 
 /* ---- the heap of a name's waiting gets ---- */
 
-static int get_before(const gpupool__waiter *a, const gpupool__waiter *b) {
+static int get_before(const gpd_waiter *a, const gpd_waiter *b) {
   return a->newer_than != b->newer_than ? a->newer_than < b->newer_than : a->order < b->order;
 }
 
-static void heap_set(wqueue *q, uint32_t i, gpupool__waiter *w) {
+static void heap_set(wqueue *q, uint32_t i, gpd_waiter *w) {
   q->heap[i] = w;
   w->hidx = i;
 }
 
 static void heap_up(wqueue *q, uint32_t i) {
-  gpupool__waiter *w = q->heap[i];
+  gpd_waiter *w = q->heap[i];
   while (i > 0 && get_before(w, q->heap[(i - 1) / 2])) {
     heap_set(q, i, q->heap[(i - 1) / 2]);
     i = (i - 1) / 2;
@@ -52,7 +52,7 @@ static void heap_up(wqueue *q, uint32_t i) {
 }
 
 static void heap_down(wqueue *q, uint32_t i) {
-  gpupool__waiter *w = q->heap[i];
+  gpd_waiter *w = q->heap[i];
   for (;;) {
     uint32_t m = 2 * i + 1;
     if (m >= q->n)
@@ -67,10 +67,10 @@ static void heap_down(wqueue *q, uint32_t i) {
   heap_set(q, i, w);
 }
 
-static int heap_push(wqueue *q, gpupool__waiter *w) {
+static int heap_push(wqueue *q, gpd_waiter *w) {
   if (q->n == q->cap) {
     uint32_t ncap = q->cap ? q->cap * 2 : 8;
-    gpupool__waiter **h = realloc(q->heap, ncap * sizeof *h);
+    gpd_waiter **h = realloc(q->heap, ncap * sizeof *h);
     if (!h)
       return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     q->heap = h;
@@ -81,9 +81,9 @@ static int heap_push(wqueue *q, gpupool__waiter *w) {
   return 0;
 }
 
-static void heap_del(wqueue *q, gpupool__waiter *w) {
+static void heap_del(wqueue *q, gpd_waiter *w) {
   uint32_t i = w->hidx;
-  gpupool__waiter *last = q->heap[--q->n];
+  gpd_waiter *last = q->heap[--q->n];
   w->hidx = NOT_IN_HEAP;
   if (i == q->n)
     return;
@@ -92,7 +92,7 @@ static void heap_del(wqueue *q, gpupool__waiter *w) {
   heap_down(q, last->hidx);
 }
 
-static void get_q_free(gpupool__server *s, wqueue *q) {
+static void get_q_free(gpd_server *s, wqueue *q) {
   gpupool__smap_del(&s->get_q, q->name);
   free(q->heap);
   free(q->name);
@@ -101,9 +101,9 @@ static void get_q_free(gpupool__server *s, wqueue *q) {
 
 /* Unlinks w; its memory stays valid until the timer's close callback, so a loop over a queue
  * that triggered this (through a nested disconnect) can still step past it. */
-void gpupool__waiter_remove(gpupool__waiter *w) {
-  gpupool__conn *c = w->conn;
-  gpupool__server *s = c->srv;
+void gpd_waiter_remove(gpd_waiter *w) {
+  gpd_conn *c = w->conn;
+  gpd_server *s = c->srv;
   wqueue *q = w->q;
   if (w->removed)
     return;
@@ -136,84 +136,84 @@ static int body_of(int kind) {
 }
 
 /* Try a waiting allocation (single or bundle) now: 0 and the reply sent, or the error. */
-static int try_alloc(gpupool__waiter *w) {
-  gpupool__conn *c = w->conn;
-  gpupool__registry *reg = c->srv->reg;
+static int try_alloc(gpd_waiter *w) {
+  gpd_conn *c = w->conn;
+  gpd_registry *reg = c->srv->reg;
   int rc;
   if (w->kind == WAIT_ABUNDLE) {
-    gpupool__hold **hs = NULL;
-    if ((rc = gpupool__bundle_allocate(reg, &c->cl, w->plan, &hs)) == 0) {
-      gpupool__srv_reply_bundle(c, w->seq, WAIT_ABUNDLE, hs, w->plan->nchunks, w->plan->layout, NULL, 0);
+    gpd_hold **hs = NULL;
+    if ((rc = gpd_bundle_allocate(reg, &c->cl, w->plan, &hs)) == 0) {
+      gpd_srv_reply_bundle(c, w->seq, WAIT_ABUNDLE, hs, w->plan->nchunks, w->plan->layout, NULL, 0);
       free(hs);
     }
     return rc;
   }
-  gpupool__hold *h = NULL;
-  if ((rc = gpupool__allocate(reg, &c->cl, w->pool, w->size, w->align, &h)) == 0)
-    gpupool__srv_reply_hold(c, w->seq, WAIT_ALLOC, h, NULL, 0);
+  gpd_hold *h = NULL;
+  if ((rc = gpd_allocate(reg, &c->cl, w->pool, w->size, w->align, &h)) == 0)
+    gpd_srv_reply_hold(c, w->seq, WAIT_ALLOC, h, NULL, 0);
   return rc;
 }
 
 /* Try a waiting get now: 0 and the reply sent, or the error (ENOENT: keep waiting). */
-static int try_get(gpupool__waiter *w) {
-  gpupool__conn *c = w->conn;
-  gpupool__registry *reg = c->srv->reg;
+static int try_get(gpd_waiter *w) {
+  gpd_conn *c = w->conn;
+  gpd_registry *reg = c->srv->reg;
   int rc;
   if (w->kind == WAIT_GET_FILE)
-    return gpupool__file_get_start(c, w->seq, w->name, 0); /* answered once the file was looked at */
+    return gpd_file_get_start(c, w->seq, w->name, 0); /* answered once the file was looked at */
   if (w->kind == WAIT_BGET) {
-    gpupool__hold **hs = NULL;
-    const gpupool__name *nm = NULL;
-    if ((rc = gpupool__get_bundle(reg, &c->cl, w->name, w->read_only, w->newer_than, &hs, &nm)) == 0) {
-      gpupool__srv_reply_bundle(c, w->seq, WAIT_BGET, hs, nm->nbufs, nm->layout, nm, w->known_layout);
+    gpd_hold **hs = NULL;
+    const gpd_name *nm = NULL;
+    if ((rc = gpd_get_bundle(reg, &c->cl, w->name, w->read_only, w->newer_than, &hs, &nm)) == 0) {
+      gpd_srv_reply_bundle(c, w->seq, WAIT_BGET, hs, nm->nbufs, nm->layout, nm, w->known_layout);
       free(hs);
     }
     return rc;
   }
-  gpupool__hold *h = NULL;
+  gpd_hold *h = NULL;
   uint64_t version = 0;
-  if ((rc = gpupool__get(reg, &c->cl, w->name, w->read_only, w->newer_than, &h, &version)) == 0)
-    gpupool__srv_reply_hold(c, w->seq, WAIT_GET, h, w->name, version);
+  if ((rc = gpd_get(reg, &c->cl, w->name, w->read_only, w->newer_than, &h, &version)) == 0)
+    gpd_srv_reply_hold(c, w->seq, WAIT_GET, h, w->name, version);
   return rc;
 }
 
 static void waiter_timeout(uv_timer_t *t) {
-  gpupool__waiter *w = t->data;
-  gpupool__conn *c = w->conn;
+  gpd_waiter *w = t->data;
+  gpd_conn *c = w->conn;
   char msg[GPUPOOL__ERRMSG_MAX];
   if (w->kind == WAIT_ALLOC || w->kind == WAIT_ABUNDLE) {
     /* One last try, so the error says exactly how much is free now. */
     int rc = try_alloc(w);
     if (rc != 0) {
       snprintf(msg, sizeof msg, "timed out after %" PRIu64 " ms waiting for memory: %s",
-               (gpupool__now_ns() - w->started_ns) / 1000000, gpupool__errmsg());
-      gpupool__send_error(c, w->seq, rc == GPUPOOL_ENOSPC ? GPUPOOL_ETIMEDOUT : rc, msg);
+               (gpd_now_ns() - w->started_ns) / 1000000, gpupool__errmsg());
+      gpd_send_error(c, w->seq, rc == GPUPOOL_ENOSPC ? GPUPOOL_ETIMEDOUT : rc, msg);
     }
-    gpupool__metrics_request(c->srv->metrics, body_of(w->kind), rc == 0 ? 0 : GPUPOOL_ETIMEDOUT,
-                             gpupool__now_ns() - w->started_ns);
+    gpd_metrics_request(c->srv->metrics, body_of(w->kind), rc == 0 ? 0 : GPUPOOL_ETIMEDOUT,
+                             gpd_now_ns() - w->started_ns);
   } else {
     if (w->newer_than)
       snprintf(msg, sizeof msg, "timed out after %" PRIu64 " ms waiting for a version of '%s' newer than %" PRIu64,
-               (gpupool__now_ns() - w->started_ns) / 1000000, w->name, w->newer_than);
+               (gpd_now_ns() - w->started_ns) / 1000000, w->name, w->newer_than);
     else
       snprintf(msg, sizeof msg, "timed out after %" PRIu64 " ms waiting for a producer to publish '%s'",
-               (gpupool__now_ns() - w->started_ns) / 1000000, w->name);
-    gpupool__send_error(c, w->seq, GPUPOOL_ETIMEDOUT, msg);
-    gpupool__metrics_request(c->srv->metrics, body_of(w->kind), GPUPOOL_ETIMEDOUT, gpupool__now_ns() - w->started_ns);
+               (gpd_now_ns() - w->started_ns) / 1000000, w->name);
+    gpd_send_error(c, w->seq, GPUPOOL_ETIMEDOUT, msg);
+    gpd_metrics_request(c->srv->metrics, body_of(w->kind), GPUPOOL_ETIMEDOUT, gpd_now_ns() - w->started_ns);
   }
-  gpupool__waiter_remove(w);
+  gpd_waiter_remove(w);
 }
 
 /* Checks the waiting-request limits of c and its uid. */
-static int waiter_limits(gpupool__conn *c) {
-  const gpupool__config *cfg = c->srv->cfg;
+static int waiter_limits(gpd_conn *c) {
+  const gpd_config *cfg = c->srv->cfg;
   if (cfg->max_waiters_per_client && c->nwaiters >= cfg->max_waiters_per_client)
     return gpupool__err(GPUPOOL_ELIMIT,
                         "this client already has %u requests waiting, the limit (max_waiters_per_client) "
                         "is %u; wait for them to finish or time out", c->nwaiters, cfg->max_waiters_per_client);
   if (cfg->max_waiters_per_uid && c->u->waiters >= cfg->max_waiters_per_uid) {
     char who[80];
-    gpupool__tenant_label(cfg, c->cl.tenant, who, sizeof who);
+    gpd_tenant_label(cfg, c->cl.tenant, who, sizeof who);
     return gpupool__err(GPUPOOL_ELIMIT, "%s already has %u requests waiting, the limit (max_waiters_per_uid) is %u",
                         who, c->u->waiters, cfg->max_waiters_per_uid);
   }
@@ -221,36 +221,36 @@ static int waiter_limits(gpupool__conn *c) {
 }
 
 /* Queue a request to be retried. For WAIT_ABUNDLE it takes over plan (also on error). */
-int gpupool__waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeout_ms, gpupool__pool *pool,
+int gpd_waiter_add(gpd_conn *c, uint64_t seq, int kind, uint32_t timeout_ms, gpd_pool *pool,
                         uint64_t size, uint64_t align, const char *name, int read_only, uint64_t newer_than,
-                        gpupool__bundle_plan *plan) {
-  gpupool__server *s = c->srv;
-  gpupool__waiter *w;
+                        gpd_bundle_plan *plan) {
+  gpd_server *s = c->srv;
+  gpd_waiter *w;
   wqueue *q;
   int rc;
   char key[GPUPOOL_NAME_KEY_MAX + 1];
   uint64_t owner;
 
   if ((rc = waiter_limits(c)) != 0) {
-    gpupool__bundle_plan_free(plan);
+    gpd_bundle_plan_free(plan);
     return rc;
   }
   /* Gets wait filed under the name's key in the caller's namespace: what a publish there wakes. */
   if (kind != WAIT_ALLOC && kind != WAIT_ABUNDLE &&
-      (rc = gpupool__name_key(s->reg, &c->cl, name, key, sizeof key, &owner)) != 0)
+      (rc = gpd_name_key(s->reg, &c->cl, name, key, sizeof key, &owner)) != 0)
     return rc;
   if (kind == WAIT_ALLOC || kind == WAIT_ABUNDLE) {
     int idx = (int)(pool - s->reg->pools);
     uint64_t akey;
-    if ((rc = gpupool__pool_owner(s->reg, &c->cl, pool, &owner)) != 0) {
-      gpupool__bundle_plan_free(plan);
+    if ((rc = gpd_pool_owner(s->reg, &c->cl, pool, &owner)) != 0) {
+      gpd_bundle_plan_free(plan);
       return rc;
     }
     akey = owner * 64 + (uint64_t)idx;
     if (!(q = gpupool__hmap_get(&s->alloc_q, akey))) {
       if (!(q = calloc(1, sizeof *q)) || gpupool__hmap_put(&s->alloc_q, akey, q) != 0) {
         free(q);
-        gpupool__bundle_plan_free(plan);
+        gpd_bundle_plan_free(plan);
         return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
       }
       q->akey = akey;
@@ -274,7 +274,7 @@ int gpupool__waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeo
     if (w)
       free(w->name);
     free(w);
-    gpupool__bundle_plan_free(plan);
+    gpd_bundle_plan_free(plan);
     if (q->name && !q->n && !q->waking)
       get_q_free(s, q);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
@@ -287,7 +287,7 @@ int gpupool__waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeo
   w->align = align;
   w->read_only = read_only;
   w->plan = plan;
-  w->started_ns = gpupool__now_ns();
+  w->started_ns = gpd_now_ns();
   w->q = q;
   uv_timer_init(s->loop, &w->timer);
   w->timer.data = w;
@@ -315,7 +315,7 @@ int gpupool__waiter_add(gpupool__conn *c, uint64_t seq, int kind, uint32_t timeo
  * only when the pool has room for it, and a head that still does not fit keeps that owner's
  * later requests waiting behind it (but no other owner's). Empty queues are freed here, at
  * the start of a pass, never while one runs (a nested disconnect may empty any of them). */
-static void retry_pool(gpupool__server *s, int idx) {
+static void retry_pool(gpd_server *s, int idx) {
   wqueue **pq = &s->alloc_lists[idx], *q;
   while ((q = *pq)) {
     if (q->head) {
@@ -328,23 +328,23 @@ static void retry_pool(gpupool__server *s, int idx) {
   }
   for (q = s->alloc_lists[idx]; q; q = q->anext) {
     while (q->head) {
-      gpupool__waiter *w = q->head;
+      gpd_waiter *w = q->head;
       int rc;
-      if (w->conn->closing || gpupool__pool_free_bytes(w->pool) < w->size)
+      if (w->conn->closing || gpd_pool_free_bytes(w->pool) < w->size)
         break;
       rc = try_alloc(w);
       if (rc == GPUPOOL_ENOSPC)
         break;
       if (rc != 0)
-        gpupool__send_error(w->conn, w->seq, rc, gpupool__errmsg());
-      gpupool__metrics_request(s->metrics, body_of(w->kind), rc, gpupool__now_ns() - w->started_ns);
-      gpupool__waiter_remove(w);
+        gpd_send_error(w->conn, w->seq, rc, gpupool__errmsg());
+      gpd_metrics_request(s->metrics, body_of(w->kind), rc, gpd_now_ns() - w->started_ns);
+      gpd_waiter_remove(w);
     }
   }
 }
 
-void gpupool__retry_waiters(gpupool__registry *reg, gpupool__pool *pool) {
-  gpupool__server *s = reg->owner;
+void gpd_retry_waiters(gpd_registry *reg, gpd_pool *pool) {
+  gpd_server *s = reg->owner;
   (void)pool;
   if (!s || s->in_retry)
     return; /* the running pass picks up what a nested free returned */
@@ -358,13 +358,13 @@ void gpupool__retry_waiters(gpupool__registry *reg, gpupool__pool *pool) {
 }
 
 static int by_arrival(const void *a, const void *b) {
-  uint64_t x = (*(gpupool__waiter *const *)a)->order, y = (*(gpupool__waiter *const *)b)->order;
+  uint64_t x = (*(gpd_waiter *const *)a)->order, y = (*(gpd_waiter *const *)b)->order;
   return x < y ? -1 : x > y;
 }
 
 /* Answer one waiting get that a publish reached (already out of q's heap): 1 when it must
  * wait on after all (the name went away meanwhile), and it is back in the heap. */
-static int serve_get(gpupool__server *s, wqueue *q, gpupool__waiter *w) {
+static int serve_get(gpd_server *s, wqueue *q, gpd_waiter *w) {
   int rc;
   if (w->removed || w->conn->closing)
     return 0; /* a nested disconnect took it after it was popped */
@@ -376,18 +376,18 @@ static int serve_get(gpupool__server *s, wqueue *q, gpupool__waiter *w) {
   }
   s->gets_answered++;
   if (rc != 0)
-    gpupool__send_error(w->conn, w->seq, rc, gpupool__errmsg());
-  gpupool__metrics_request(s->metrics, body_of(w->kind), rc, gpupool__now_ns() - w->started_ns);
-  gpupool__waiter_remove(w);
+    gpd_send_error(w->conn, w->seq, rc, gpupool__errmsg());
+  gpd_metrics_request(s->metrics, body_of(w->kind), rc, gpd_now_ns() - w->started_ns);
+  gpd_waiter_remove(w);
   return 0;
 }
 
 /* Serve the gets waiting for key (a name in one namespace) now that it is at version: those
  * waiting for an older one, and no other (they stay in the heap untouched), in the order they
  * came. */
-void gpupool__wake_getters(gpupool__server *s, const char *key, uint64_t version) {
+void gpd_wake_getters(gpd_server *s, const char *key, uint64_t version) {
   wqueue *q = gpupool__smap_get(&s->get_q, key);
-  gpupool__waiter **batch;
+  gpd_waiter **batch;
   uint32_t m = 0;
   if (!q || !q->n || q->heap[0]->newer_than >= version)
     return;
@@ -407,7 +407,7 @@ void gpupool__wake_getters(gpupool__server *s, const char *key, uint64_t version
   } else {
     /* Out of memory for the batch: one at a time, FIFO within each version waited for. */
     while (q->n && q->heap[0]->newer_than < version) {
-      gpupool__waiter *w = q->heap[0];
+      gpd_waiter *w = q->heap[0];
       heap_del(q, w);
       if (serve_get(s, q, w))
         break;

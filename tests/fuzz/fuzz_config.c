@@ -1,6 +1,6 @@
 /*
  * Fuzz target: gpupoold's configuration parsers. The input up to its first NUL byte is a
- * config file (read through gpupool__config_load from a memfd); every NUL-separated piece
+ * config file (read through gpd_config_load from a memfd); every NUL-separated piece
  * after it is a --pool spec. When everything parses, the final checks run against the host
  * backend, and a configuration they accept must hold what they promise (the daemon sizes
  * memfds and slabs from it without further checks).
@@ -49,7 +49,7 @@ static void check_pool(const gpupool__pool_config *p) {
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-  gpupool__config cfg;
+  gpd_config cfg;
   const uint8_t *nul = memchr(data, '\0', size);
   size_t flen = nul ? (size_t)(nul - data) : size;
   char *specs;
@@ -57,8 +57,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
   if (ftruncate(file_fd, 0) != 0 || pwrite(file_fd, data, flen, 0) != (ssize_t)flen)
     fuzz_fail("writing the config memfd: %s", strerror(errno));
-  gpupool__config_defaults(&cfg);
-  ok = gpupool__config_load(&cfg, file_path) == 0;
+  gpd_config_defaults(&cfg);
+  ok = gpd_config_load(&cfg, file_path) == 0;
 
   /* The specs, each NUL-terminated in a copy (the input is not). */
   specs = malloc(size - flen + 1);
@@ -68,11 +68,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     memcpy(specs, nul + 1, size - flen - 1);
     specs[size - flen - 1] = '\0';
     for (char *s = specs; ok && s < specs + (size - flen - 1); s += strlen(s) + 1)
-      ok = gpupool__config_add_pool_spec(&cfg, s) == 0;
+      ok = gpd_config_add_pool_spec(&cfg, s) == 0;
   }
   free(specs);
 
-  if (ok && gpupool__config_finish(&cfg, &gpupool__backend_host) == 0) {
+  if (ok && gpd_config_finish(&cfg, &gpupool__backend_host) == 0) {
     if (cfg.n_pools < 1 || cfg.n_pools > GPUPOOL_MAX_POOLS)
       fuzz_fail("%d pools after finishing", cfg.n_pools);
     for (int i = 0; i < cfg.n_pools; i++)

@@ -32,7 +32,7 @@
 #include "registry.h"
 #include "server.h"
 
-static gpupool__config cfg;
+static gpd_config cfg;
 static gpupool__backend *be;
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
@@ -41,7 +41,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
   static const char *const pools[] = {"name=a,kind=host,capacity=16M,slab=2M,keep=1",
                                       "name=b,kind=host,capacity=8M,slab=4M,align=4096,keep=0",
                                       NULL};
-  gpupool__config_defaults(&cfg);
+  gpd_config_defaults(&cfg);
   /* Small pools and limits, so that inputs reach "full", dedicated slabs, retirement and
    * every limit within a few requests. */
   cfg.handshake_timeout_ms = 0;
@@ -104,21 +104,21 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   struct sockaddr_un addr;
   socklen_t alen;
   uv_loop_t loop;
-  gpupool__registry reg;
-  gpupool__server *srv;
+  gpd_registry reg;
+  gpd_server *srv;
 
   if (uv_loop_init(&loop) != 0)
     fuzz_fail("uv_loop_init failed");
-  if (gpupool__registry_init(&reg, &loop, &cfg, be) != 0)
+  if (gpd_registry_init(&reg, &loop, &cfg, be) != 0)
     fuzz_fail("registry: %s", gpupool__errmsg());
   lfd = listen_abstract(&addr, &alen);
-  if (gpupool__server_start(&srv, &loop, &cfg, &reg, lfd) != 0)
+  if (gpd_server_start(&srv, &loop, &cfg, &reg, lfd) != 0)
     fuzz_fail("server: %s", gpupool__errmsg());
   cli = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (cli < 0 || connect(cli, (struct sockaddr *)&addr, alen) != 0)
     fuzz_fail("connect: %s", strerror(errno));
   conn_fd = next_fd();
-  for (rounds = 0; gpupool__server_clients(srv) == 0; rounds++) {
+  for (rounds = 0; gpd_server_clients(srv) == 0; rounds++) {
     if (rounds > 1000)
       fuzz_fail("the server did not accept the connection");
     uv_run(&loop, UV_RUN_NOWAIT);
@@ -153,15 +153,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
   /* Hang up and let the server see it; it must close the connection on its own. */
   shutdown(cli, SHUT_WR);
-  for (rounds = 0; gpupool__server_clients(srv) > 0; rounds++) {
+  for (rounds = 0; gpd_server_clients(srv) > 0; rounds++) {
     if (rounds > 10000)
       fuzz_fail("the server kept a connection after its client hung up");
     pump(&loop, cli);
   }
   close(cli);
 
-  gpupool__server_stop(srv);
-  gpupool__registry_close(&reg);
+  gpd_server_stop(srv);
+  gpd_registry_close(&reg);
   /* Closing may wait for file calls on worker threads (every fd a client sent is closed off
    * the loop): give them up to 10 s of wall time, not a number of rounds, so a loaded machine
    * does not read as a leaked handle; a handle that never closes still fails. */

@@ -24,14 +24,14 @@
 #include "registry.h"
 #include "wire.h"
 
-static gpupool__config cfg;
+static gpd_config cfg;
 static gpupool__backend *be;
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
   (void)argc;
   (void)argv;
   static const char *const pools[] = {"name=t,kind=host,capacity=32M,slab=4M", NULL};
-  gpupool__config_defaults(&cfg);
+  gpd_config_defaults(&cfg);
   fuzz_host_pools(&cfg, pools, &be);
   return 0;
 }
@@ -104,33 +104,33 @@ static void same_meta(const Gpupool__Wire__TensorMeta *a, const Gpupool__Wire__T
 /* Publish, then Get: what comes back must be what went in, and must fit. */
 static void daemon_path(uint64_t asked, const Gpupool__Wire__TensorMeta *w) {
   uv_loop_t loop;
-  gpupool__registry reg;
-  gpupool__client cl;
-  gpupool__hold *h = NULL, *g = NULL;
+  gpd_registry reg;
+  gpd_client cl;
+  gpd_hold *h = NULL, *g = NULL;
   gpupool_tensor_meta m;
   u128 ref;
 
   uv_loop_init(&loop);
-  if (gpupool__registry_init(&reg, &loop, &cfg, be) != 0)
+  if (gpd_registry_init(&reg, &loop, &cfg, be) != 0)
     fuzz_fail("registry: %s", gpupool__errmsg());
   memset(&cl, 0, sizeof cl); /* no lease: as a connection closed before it got one */
   cl.uid = 1000;
-  gpupool__client_init(&reg, &cl);
-  if (gpupool__allocate(&reg, &cl, gpupool__pool_find(&reg, "t", 0), asked, 0, &h) != 0)
+  gpd_client_init(&reg, &cl);
+  if (gpd_allocate(&reg, &cl, gpd_pool_find(&reg, "t", 0), asked, 0, &h) != 0)
     fuzz_fail("allocating %llu bytes: %s", (unsigned long long)asked, gpupool__errmsg());
   {
     /* The daemon's publish and the client's conversion are the same check: they must agree. */
     gpupool_tensor_meta conv;
-    int published = gpupool__publish(&reg, &cl, h->id, "t", w, 0, 0, NULL) == 0;
+    int published = gpd_publish(&reg, &cl, h->id, "t", w, 0, 0, NULL) == 0;
     int converts = !w->present || gpupool__wire_meta_from(w, asked, &conv) == 0;
     if (published != converts)
       fuzz_fail("publish %s metadata the client's conversion %s", published ? "accepted" : "refused",
                 converts ? "accepts" : "refuses");
     if (published)
-      gpupool__unpublish(&reg, &cl, "t");
+      gpd_unpublish(&reg, &cl, "t");
   }
-  if (gpupool__publish(&reg, &cl, h->id, "t", w, 0, 0, NULL) == 0 && w->present) {
-    gpupool__desc_storage ds;
+  if (gpd_publish(&reg, &cl, h->id, "t", w, 0, 0, NULL) == 0 && w->present) {
+    gpd_desc_storage ds;
     Gpupool__Wire__BufferDesc *back;
     uint8_t *buf;
     size_t len;
@@ -138,9 +138,9 @@ static void daemon_path(uint64_t asked, const Gpupool__Wire__TensorMeta *w) {
       fuzz_fail("the daemon accepted metadata that has no C form");
     if (reference_span(&m, &ref) != 0 || ref > asked)
       fuzz_fail("the daemon accepted a tensor that does not fit its %llu-byte buffer", (unsigned long long)asked);
-    if (gpupool__get(&reg, &cl, "t", 1, 0, &g, NULL) != 0)
+    if (gpd_get(&reg, &cl, "t", 1, 0, &g, NULL) != 0)
       fuzz_fail("get after publish: %s", gpupool__errmsg());
-    gpupool__fill_desc(&reg, &cl, g, "t", &ds);
+    gpd_fill_desc(&reg, &cl, g, "t", &ds);
     len = gpupool__wire__buffer_desc__get_packed_size(&ds.desc);
     buf = malloc(len ? len : 1);
     if (!buf)
@@ -153,8 +153,8 @@ static void daemon_path(uint64_t asked, const Gpupool__Wire__TensorMeta *w) {
     same_meta(w, back->tensor);
     gpupool__wire__buffer_desc__free_unpacked(back, NULL);
   }
-  gpupool__client_drop(&reg, &cl);
-  gpupool__registry_close(&reg);
+  gpd_client_drop(&reg, &cl);
+  gpd_registry_close(&reg);
   uv_run(&loop, UV_RUN_DEFAULT);
   if (uv_loop_close(&loop) != 0)
     fuzz_fail("the loop still has handles after the registry was closed");

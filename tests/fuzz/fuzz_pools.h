@@ -12,6 +12,6 @@
 /* Quiets the daemon's log unless GPUPOOL_FUZZ_LOG is set, adds each pool spec of the
  * NULL-terminated specs to cfg (already given its defaults and any limits), finishes it for
  * the host backend and opens that backend into *be. Any failure is fatal (fuzz_fail). */
-void fuzz_host_pools(gpupool__config *cfg, const char *const *specs, gpupool__backend **be);
+void fuzz_host_pools(gpd_config *cfg, const char *const *specs, gpupool__backend **be);
 
 #endif

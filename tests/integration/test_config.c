@@ -20,23 +20,23 @@ static void write_file(const char *text) {
 /* Load text from a fresh temp file (its name in path, for the caller to check and unlink):
  * the load must be refused with GPUPOOL_ECONFIG. The message it left. */
 static const char *load_refused(const char *text) {
-  gpupool__config c;
+  gpd_config c;
   strcpy(path, "/tmp/gpupool-conf-XXXXXX");
   write_file(text);
-  gpupool__config_defaults(&c);
-  assert_int_equal(gpupool__config_load(&c, path), GPUPOOL_ECONFIG);
+  gpd_config_defaults(&c);
+  assert_int_equal(gpd_config_load(&c, path), GPUPOOL_ECONFIG);
   return gpupool__errmsg();
 }
 
 static void test_full_file(void **state) {
-  gpupool__config c;
+  gpd_config c;
   (void)state;
   write_file("# comment\n[daemon]\nsocket = /tmp/x.sock\nbackend = host\nlog_level = debug\n"
              "socket_mode = 0600\nmax_clients = 10\nmax_bytes_per_uid = 2G\nallow_uids = 0, 1000\nbusy_poll_us = 250\n"
              "[pool a]\nkind = host\ncapacity = 128M\nslab_size = 3M\nkeep_slabs = 2\n"
              "[pool b]\ncapacity = 64M\n");
-  gpupool__config_defaults(&c);
-  assert_int_equal(gpupool__config_load(&c, path), 0);
+  gpd_config_defaults(&c);
+  assert_int_equal(gpd_config_load(&c, path), 0);
   assert_string_equal(c.socket_path, "/tmp/x.sock");
   assert_ptr_equal(c.backend, &gpupool__backend_host);
   assert_int_equal(c.socket_mode, 0600);
@@ -46,7 +46,7 @@ static void test_full_file(void **state) {
   assert_int_equal(c.allow_uids[1], 1000);
   assert_int_equal(c.busy_poll_us, 250);
   assert_int_equal(c.n_pools, 2);
-  assert_int_equal(gpupool__config_finish(&c, &gpupool__backend_host), 0);
+  assert_int_equal(gpd_config_finish(&c, &gpupool__backend_host), 0);
   assert_int_equal(c.pools[0].slab_size, 4u << 20); /* rounded up to 2 MiB */
   assert_int_equal(c.pools[0].keep_slabs, 2);
   assert_int_equal(c.pools[1].kind, GPUPOOL_MEM_HOST);
@@ -92,7 +92,7 @@ static void test_did_you_mean(void **state) {
       {"[tenant t]\nuid = 1\n", ":2: unknown key 'uid' in [t]; did you mean 'uids'? (known: uids, gids)", ""},
       {"[group g]\ngid = 1\n", "did you mean 'gids'?", ""},
   };
-  gpupool__config c;
+  gpd_config c;
   (void)state;
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     const char *msg = load_refused(cases[i].text);
@@ -101,37 +101,37 @@ static void test_did_you_mean(void **state) {
     unlink(path);
   }
   /* Far from every key: no guess, and the daemon's keys listed (nearest first, cut short). */
-  gpupool__config_defaults(&c);
-  assert_int_equal(gpupool__config_set(&c, "bogus", "1"), GPUPOOL_EINVAL);
+  gpd_config_defaults(&c);
+  assert_int_equal(gpd_config_set(&c, "bogus", "1"), GPUPOOL_EINVAL);
   assert_null(strstr(gpupool__errmsg(), "did you mean"));
   assert_non_null(strstr(gpupool__errmsg(), "unknown key 'bogus' in [daemon] (known, nearest first: "));
   assert_non_null(strstr(gpupool__errmsg(), "more: gpupoold --list-config-keys"));
   /* --pool specs take the pool keys but not share, which only a [pool] section can say. */
-  assert_int_equal(gpupool__config_add_pool_spec(&c, "name=x,kepe=2"), GPUPOOL_ECONFIG);
+  assert_int_equal(gpd_config_add_pool_spec(&c, "name=x,kepe=2"), GPUPOOL_ECONFIG);
   assert_non_null(strstr(gpupool__errmsg(), "--pool 'name=x,kepe=2': unknown pool key 'kepe'; did you mean 'keep'?"));
-  assert_int_equal(gpupool__config_add_pool_spec(&c, "share=ml"), GPUPOOL_ECONFIG);
+  assert_int_equal(gpd_config_add_pool_spec(&c, "share=ml"), GPUPOOL_ECONFIG);
   assert_non_null(strstr(gpupool__errmsg(), "unknown pool key 'share' (known: name, kind, "));
   assert_null(strstr(gpupool__errmsg(), "share,"));
 }
 
 static void test_pool_checks(void **state) {
-  gpupool__config c;
+  gpd_config c;
   (void)state;
-  gpupool__config_defaults(&c);
-  assert_int_equal(gpupool__config_add_pool_spec(&c, "name=x,capacity=1G,slab=5G"), 0);
-  assert_int_equal(gpupool__config_finish(&c, &gpupool__backend_host), GPUPOOL_ECONFIG);
+  gpd_config_defaults(&c);
+  assert_int_equal(gpd_config_add_pool_spec(&c, "name=x,capacity=1G,slab=5G"), 0);
+  assert_int_equal(gpd_config_finish(&c, &gpupool__backend_host), GPUPOOL_ECONFIG);
   assert_non_null(strstr(gpupool__errmsg(), "4G"));
-  gpupool__config_defaults(&c);
-  assert_int_equal(gpupool__config_add_pool_spec(&c, "name=x,kind=device"), 0);
-  assert_int_equal(gpupool__config_finish(&c, &gpupool__backend_host), GPUPOOL_ECONFIG);
+  gpd_config_defaults(&c);
+  assert_int_equal(gpd_config_add_pool_spec(&c, "name=x,kind=device"), 0);
+  assert_int_equal(gpd_config_finish(&c, &gpupool__backend_host), GPUPOOL_ECONFIG);
   assert_non_null(strstr(gpupool__errmsg(), "host backend"));
-  gpupool__config_defaults(&c);
-  assert_int_equal(gpupool__config_add_pool_spec(&c, "name=x,align=48"), 0);
-  assert_int_equal(gpupool__config_finish(&c, &gpupool__backend_host), GPUPOOL_ECONFIG);
-  gpupool__config_defaults(&c);
-  assert_int_equal(gpupool__config_add_pool_spec(&c, "nonsense"), GPUPOOL_ECONFIG);
-  gpupool__config_defaults(&c);
-  assert_int_equal(gpupool__config_finish(&c, &gpupool__backend_host), 0); /* a default host pool */
+  gpd_config_defaults(&c);
+  assert_int_equal(gpd_config_add_pool_spec(&c, "name=x,align=48"), 0);
+  assert_int_equal(gpd_config_finish(&c, &gpupool__backend_host), GPUPOOL_ECONFIG);
+  gpd_config_defaults(&c);
+  assert_int_equal(gpd_config_add_pool_spec(&c, "nonsense"), GPUPOOL_ECONFIG);
+  gpd_config_defaults(&c);
+  assert_int_equal(gpd_config_finish(&c, &gpupool__backend_host), 0); /* a default host pool */
   assert_int_equal(c.n_pools, 1);
   assert_string_equal(c.pools[0].name, "default");
 }
@@ -139,14 +139,14 @@ static void test_pool_checks(void **state) {
 static void test_sizes(void **state) {
   uint64_t v;
   (void)state;
-  assert_int_equal(gpupool__parse_size("4096", &v), 0);
+  assert_int_equal(gpd_parse_size("4096", &v), 0);
   assert_int_equal(v, 4096);
-  assert_int_equal(gpupool__parse_size("64M", &v), 0);
+  assert_int_equal(gpd_parse_size("64M", &v), 0);
   assert_int_equal(v, 64u << 20);
-  assert_int_equal(gpupool__parse_size("2GiB", &v), 0);
+  assert_int_equal(gpd_parse_size("2GiB", &v), 0);
   assert_int_equal(v, 2ull << 30);
-  assert_int_equal(gpupool__parse_size("-1", &v), GPUPOOL_EINVAL);
-  assert_int_equal(gpupool__parse_size("99999999999T", &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_parse_size("-1", &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_parse_size("99999999999T", &v), GPUPOOL_EINVAL);
 }
 
 static void test_daemon_refuses_bad_config(void **state) {

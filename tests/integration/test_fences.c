@@ -78,19 +78,19 @@ static void fake_event_destroy(gpupool__bevent *e) {
 
 static struct {
   char dir[64];
-  gpupool__config cfg;
+  gpd_config cfg;
   gpupool__backend *be;
   gpupool__backend_ops ops;
-  gpupool__registry reg;
-  gpupool__server *srv;
+  gpd_registry reg;
+  gpd_server *srv;
   uv_loop_t loop;
   uv_async_t stop;
   pthread_t thread;
 } D;
 
 static void on_stop(uv_async_t *a) {
-  gpupool__server_stop(D.srv);
-  gpupool__registry_stop(&D.reg);
+  gpd_server_stop(D.srv);
+  gpd_registry_stop(&D.reg);
   uv_close((uv_handle_t *)a, NULL);
 }
 
@@ -105,10 +105,10 @@ static int setup(void **state) {
   atomic_store(&g_done, 0);
   snprintf(D.dir, sizeof D.dir, "/tmp/gpupool-fence-XXXXXX");
   assert_non_null(mkdtemp(D.dir));
-  gpupool__config_defaults(&D.cfg);
+  gpd_config_defaults(&D.cfg);
   snprintf(D.cfg.socket_path, sizeof D.cfg.socket_path, "%s/d.sock", D.dir);
-  assert_int_equal(gpupool__config_add_pool_spec(&D.cfg, "name=p,kind=host,capacity=64M,slab=4M"), 0);
-  assert_int_equal(gpupool__config_finish(&D.cfg, &gpupool__backend_host), 0);
+  assert_int_equal(gpd_config_add_pool_spec(&D.cfg, "name=p,kind=host,capacity=64M,slab=4M"), 0);
+  assert_int_equal(gpd_config_finish(&D.cfg, &gpupool__backend_host), 0);
   assert_int_equal(gpupool__backend_host.open(&D.be), 0);
   D.ops = *D.be->ops;
   D.ops.has_events = 1;
@@ -117,8 +117,8 @@ static int setup(void **state) {
   D.ops.event_destroy = fake_event_destroy;
   D.be->ops = &D.ops;
   assert_int_equal(uv_loop_init(&D.loop), 0);
-  assert_int_equal(gpupool__registry_init(&D.reg, &D.loop, &D.cfg, D.be), 0);
-  assert_int_equal(gpupool__server_start(&D.srv, &D.loop, &D.cfg, &D.reg, -1), 0);
+  assert_int_equal(gpd_registry_init(&D.reg, &D.loop, &D.cfg, D.be), 0);
+  assert_int_equal(gpd_server_start(&D.srv, &D.loop, &D.cfg, &D.reg, -1), 0);
   assert_int_equal(uv_async_init(&D.loop, &D.stop, on_stop), 0);
   assert_int_equal(pthread_create(&D.thread, NULL, serve, NULL), 0);
   return 0;
@@ -129,7 +129,7 @@ static int teardown(void **state) {
   atomic_store(&g_done, 1);
   uv_async_send(&D.stop);
   pthread_join(D.thread, NULL);
-  gpupool__registry_close(&D.reg);
+  gpd_registry_close(&D.reg);
   uv_run(&D.loop, UV_RUN_DEFAULT);
   D.be->ops->close(D.be);
   assert_int_equal(uv_loop_close(&D.loop), 0); /* no handle left behind */

@@ -5,7 +5,7 @@
  * it is misspelt or out of range); and the commented-out [daemon] keys that claim to show a
  * default do show the parser's default.
  *
- * And the example against the config table (gpupool__config_keys): every key of the table
+ * And the example against the config table (gpd_config_keys): every key of the table
  * has a line in the example, with the table's default where the table has one; the example
  * names no key the table lacks; and the table's defaults are what the parser starts from.
  *
@@ -60,10 +60,10 @@ static int write_uncommented(int daemon_only) {
 }
 
 static void test_as_shipped(void **state) {
-  gpupool__config c;
+  gpd_config c;
   (void)state;
-  gpupool__config_defaults(&c);
-  if (gpupool__config_load(&c, conf_path) != 0)
+  gpd_config_defaults(&c);
+  if (gpd_config_load(&c, conf_path) != 0)
     fail_msg("%s", gpupool__errmsg());
   /* Same path as ListenStream= in gpupoold.socket and the clients' default for root. */
   assert_string_equal(c.socket_path, "/run/gpupool/gpupoold.sock");
@@ -72,11 +72,11 @@ static void test_as_shipped(void **state) {
 }
 
 static void test_everything_on(void **state) {
-  gpupool__config c;
+  gpd_config c;
   (void)state;
   assert_int_equal(write_uncommented(0), 0);
-  gpupool__config_defaults(&c);
-  if (gpupool__config_load(&c, uncommented) != 0)
+  gpd_config_defaults(&c);
+  if (gpd_config_load(&c, uncommented) != 0)
     fail_msg("with every key switched on: %s", gpupool__errmsg());
   assert_int_equal(c.n_pools, 3);
   assert_int_equal(c.n_tenants, 1);
@@ -89,18 +89,18 @@ static void test_everything_on(void **state) {
   assert_int_equal(c.n_allow_uids, 2);
   assert_string_equal(c.metrics_textfile, "/var/lib/prometheus/node-exporter/gpupool.prom");
   /* The example pools are cuda pools and must pass the daemon's checks. */
-  if (gpupool__config_finish(&c, &gpupool__backend_cuda) != 0)
+  if (gpd_config_finish(&c, &gpupool__backend_cuda) != 0)
     fail_msg("example pools refused: %s", gpupool__errmsg());
   unlink(uncommented);
 }
 
 static void test_documented_defaults(void **state) {
-  gpupool__config d, c;
+  gpd_config d, c;
   (void)state;
   assert_int_equal(write_uncommented(1), 0);
-  gpupool__config_defaults(&d);
-  gpupool__config_defaults(&c);
-  if (gpupool__config_load(&c, uncommented) != 0)
+  gpd_config_defaults(&d);
+  gpd_config_defaults(&c);
+  if (gpd_config_load(&c, uncommented) != 0)
     fail_msg("%s", gpupool__errmsg());
   unlink(uncommented);
   assert_int_equal(c.backend, d.backend);
@@ -180,9 +180,9 @@ static int read_example(example_line *out, int max) {
 }
 
 /* What the parser starts from for the struct a row's section names. */
-static void *fresh(const gpupool__config_key *k, gpupool__config *c, gpupool__pool_config *p,
-                   gpupool__member_set *m) {
-  gpupool__config_defaults(c);
+static void *fresh(const gpd_config_key *k, gpd_config *c, gpupool__pool_config *p,
+                   gpd_member_set *m) {
+  gpd_config_defaults(c);
   gpupool__pool_config_init(p);
   memset(m, 0, sizeof *m);
   return k->sections & GPUPOOL__CS_DAEMON ? (void *)c : k->sections & GPUPOOL__CS_POOL ? (void *)p : (void *)m;
@@ -190,20 +190,20 @@ static void *fresh(const gpupool__config_key *k, gpupool__config *c, gpupool__po
 
 static void test_example_matches_table(void **state) {
   static example_line lines[256];
-  static gpupool__config c0, c1;
+  static gpd_config c0, c1;
   gpupool__pool_config p0, p1;
-  gpupool__member_set m0, m1;
+  gpd_member_set m0, m1;
   int n = read_example(lines, 256);
   (void)state;
   assert_true(n > 40);
   for (int i = 0; i < n; i++) {
-    const gpupool__config_key *k = gpupool__config_key_find(lines[i].section, lines[i].key);
+    const gpd_config_key *k = gpd_config_key_find(lines[i].section, lines[i].key);
     if (!k || strcmp(k->name, lines[i].key))
       fail_msg("gpupoold.conf:%d: '%s' is not a key of its section in the config table "
-               "(gpupool__config_keys in daemon/config.c)", lines[i].line, lines[i].key);
+               "(gpd_config_keys in daemon/config.c)", lines[i].line, lines[i].key);
   }
-  for (size_t r = 0; r < gpupool__n_config_keys; r++) {
-    const gpupool__config_key *k = &gpupool__config_keys[r];
+  for (size_t r = 0; r < gpd_n_config_keys; r++) {
+    const gpd_config_key *k = &gpd_config_keys[r];
     const example_line *at = NULL;
     void *start, *set;
     if (k->flags & GPUPOOL__CF_CMDLINE)
@@ -218,13 +218,13 @@ static void test_example_matches_table(void **state) {
     /* The table's default is what the parser starts from... */
     start = fresh(k, &c0, &p0, &m0);
     set = fresh(k, &c1, &p1, &m1);
-    if (gpupool__config_key_set(set, k, k->def) != 0)
+    if (gpd_config_key_set(set, k, k->def) != 0)
       fail_msg("config key '%s': the table's default '%s' does not parse: %s", k->name, k->def, gpupool__errmsg());
     if (memcmp((char *)start + k->off, (char *)set + k->off, k->size))
       fail_msg("config key '%s': the table's default '%s' is not the value the parser starts from", k->name, k->def);
     /* ...and the example shows it. */
     set = fresh(k, &c1, &p1, &m1);
-    if (gpupool__config_key_set(set, k, at->value) != 0)
+    if (gpd_config_key_set(set, k, at->value) != 0)
       fail_msg("gpupoold.conf:%d: %s = %s does not parse: %s", at->line, k->name, at->value, gpupool__errmsg());
     if (memcmp((char *)start + k->off, (char *)set + k->off, k->size))
       fail_msg("gpupoold.conf:%d: %s = %s, but its default is %s", at->line, k->name, at->value, k->def);
@@ -236,7 +236,7 @@ static void test_readme_essentials(void **state) {
   FILE *in = fopen(readme_path, "re"), *out;
   char line[1024], path[] = "/tmp/gpupool-readme-XXXXXX";
   int fd = mkstemp(path), in_block = 0, lines = 0;
-  gpupool__config c;
+  gpd_config c;
   (void)state;
   assert_non_null(in);
   assert_true(fd >= 0);
@@ -256,8 +256,8 @@ static void test_readme_essentials(void **state) {
   fclose(in);
   fclose(out);
   assert_true(lines > 5);
-  gpupool__config_defaults(&c);
-  if (gpupool__config_load(&c, path) != 0)
+  gpd_config_defaults(&c);
+  if (gpd_config_load(&c, path) != 0)
     fail_msg("the README's config block does not load: %s", gpupool__errmsg());
   unlink(path);
   assert_null(c.backend); /* "auto   # auto | cuda | host" is auto */
@@ -276,13 +276,13 @@ static void test_inline_comments(void **state) {
                      "log_level = debug\t# tab before\n; old style\n[pool p] # a pool\n"
                      "capacity = 64M # sixty-four\n";
   int fd = mkstemp(path);
-  gpupool__config c;
+  gpd_config c;
   (void)state;
   assert_true(fd >= 0);
   assert_int_equal(write(fd, text, strlen(text)), (ssize_t)strlen(text));
   close(fd);
-  gpupool__config_defaults(&c);
-  if (gpupool__config_load(&c, path) != 0)
+  gpd_config_defaults(&c);
+  if (gpd_config_load(&c, path) != 0)
     fail_msg("%s", gpupool__errmsg());
   unlink(path);
   assert_string_equal(c.socket_path, "/tmp/a#b.sock");

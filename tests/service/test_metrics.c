@@ -124,17 +124,17 @@ static uint64_t sample(const char *text, const char *series) {
 }
 
 static void test_counters_and_histogram(void **state) {
-  gpupool__metrics *m;
+  gpd_metrics *m;
   char *t;
   (void)state;
-  assert_int_equal(gpupool__metrics_new(&m), 0);
-  gpupool__metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, 0, 5000);         /* 5 us */
-  gpupool__metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, GPUPOOL_ENOSPC, 2000000); /* 2 ms */
-  gpupool__metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, 0, 3000000000ull); /* 3 s */
-  gpupool__metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_TRIM, 0, 10000); /* exactly 10 us */
-  gpupool__metrics_request(m, 0, GPUPOOL_EPROTO, 1000);
-  gpupool__metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_GET, -999, 1000);
-  t = gpupool__metrics_render(m, NULL);
+  assert_int_equal(gpd_metrics_new(&m), 0);
+  gpd_metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, 0, 5000);         /* 5 us */
+  gpd_metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, GPUPOOL_ENOSPC, 2000000); /* 2 ms */
+  gpd_metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE, 0, 3000000000ull); /* 3 s */
+  gpd_metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_TRIM, 0, 10000); /* exactly 10 us */
+  gpd_metrics_request(m, 0, GPUPOOL_EPROTO, 1000);
+  gpd_metrics_request(m, GPUPOOL__WIRE__REQUEST__BODY_GET, -999, 1000);
+  t = gpd_metrics_render(m, NULL);
   assert_non_null(t);
   check_format(t);
   must_contain(t, "# HELP gpupool_requests_total ");
@@ -164,25 +164,25 @@ static void test_counters_and_histogram(void **state) {
   /* Types never seen have no series. */
   assert_null(strstr(t, "type=\"share\""));
   free(t);
-  gpupool__metrics_close(m);
+  gpd_metrics_close(m);
 }
 
 /* Every case of Request's body oneof (walked in the proto's descriptor, not in the request
  * table) is counted under its field's name: a kind the metrics miss would go to "unknown". */
 static void test_every_kind_named(void **state) {
   const ProtobufCMessageDescriptor *d = &gpupool__wire__request__descriptor;
-  gpupool__metrics *m;
+  gpd_metrics *m;
   char *t, want[160];
   int ncases = 0;
   (void)state;
-  assert_int_equal(gpupool__metrics_new(&m), 0);
+  assert_int_equal(gpd_metrics_new(&m), 0);
   for (unsigned i = 0; i < d->n_fields; i++)
     if (d->fields[i].flags & PROTOBUF_C_FIELD_FLAG_ONEOF) {
-      gpupool__metrics_request(m, (int)d->fields[i].id, 0, 1000);
+      gpd_metrics_request(m, (int)d->fields[i].id, 0, 1000);
       ncases++;
     }
   assert_true(ncases > 0);
-  t = gpupool__metrics_render(m, NULL);
+  t = gpd_metrics_render(m, NULL);
   assert_non_null(t);
   check_format(t);
   for (unsigned i = 0; i < d->n_fields; i++)
@@ -192,7 +192,7 @@ static void test_every_kind_named(void **state) {
     }
   assert_null(strstr(t, "type=\"unknown\""));
   free(t);
-  gpupool__metrics_close(m);
+  gpd_metrics_close(m);
 }
 
 static Gpupool__Wire__PoolInfo *new_pool(uint32_t id, const char *name, uint64_t cap) {
@@ -252,7 +252,7 @@ static void fake_release(void *arg, Gpupool__Wire__StatsReply *st) {
   st->n_pools = 0;
 }
 
-static const gpupool__stats_source fake_source = {fake_stats, fake_release, NULL};
+static const gpd_stats_source fake_source = {fake_stats, fake_release, NULL};
 
 static void check_stats_text(const char *t) {
   check_format(t);
@@ -285,15 +285,15 @@ static void test_render_stats(void **state) {
   Gpupool__Wire__StatsReply st;
   char *t;
   (void)state;
-  gpupool__metrics *m;
-  assert_int_equal(gpupool__metrics_new(&m), 0);
+  gpd_metrics *m;
+  assert_int_equal(gpd_metrics_new(&m), 0);
   assert_int_equal(fake_stats(NULL, &st), 0);
-  t = gpupool__metrics_render(m, &st);
+  t = gpd_metrics_render(m, &st);
   fake_release(NULL, &st);
   assert_non_null(t);
   check_stats_text(t);
   free(t);
-  gpupool__metrics_close(m);
+  gpd_metrics_close(m);
 }
 
 static char *read_file(const char *path) {
@@ -312,7 +312,7 @@ static char *read_file(const char *path) {
   return buf;
 }
 
-static void config_paths(gpupool__config *cfg, const char *textfile, const char *sock) {
+static void config_paths(gpd_config *cfg, const char *textfile, const char *sock) {
   memset(cfg, 0, sizeof(*cfg));
   cfg->socket_mode = 0640;
   cfg->metrics_interval_ms = 50;
@@ -357,8 +357,8 @@ static pid_t scrape_in_child(const char *sock, const char *out) {
 static void test_exporters(void **state) {
   uv_loop_t loop;
   uv_timer_t keep;
-  gpupool__metrics *m;
-  gpupool__config cfg;
+  gpd_metrics *m;
+  gpd_config cfg;
   char prom[sizeof(cfg.metrics_textfile)], out[sizeof(prom) + 16];
   struct stat sb;
   char *t;
@@ -374,8 +374,8 @@ static void test_exporters(void **state) {
 
   config_paths(&cfg, "gpupool.prom", "metrics.sock");
   fake_calls = 0;
-  assert_int_equal(gpupool__metrics_new(&m), 0);
-  assert_int_equal(gpupool__metrics_start(m, &loop, &cfg, &fake_source), 0);
+  assert_int_equal(gpd_metrics_new(&m), 0);
+  assert_int_equal(gpd_metrics_start(m, &loop, &cfg, &fake_source), 0);
   assert_int_equal(stat(cfg.metrics_socket, &sb), 0);
   assert_true(S_ISSOCK(sb.st_mode));
   assert_int_equal(sb.st_mode & 0777, 0640);
@@ -419,7 +419,7 @@ static void test_exporters(void **state) {
   }
   free(t);
 
-  gpupool__metrics_close(m);
+  gpd_metrics_close(m);
   uv_timer_stop(&keep);
   uv_close((uv_handle_t *)&keep, NULL);
   uv_run(&loop, UV_RUN_DEFAULT);
@@ -486,8 +486,8 @@ static void hog_connections(const char *sock, int ready) {
 static void test_conns_per_uid(void **state) {
   uv_loop_t loop;
   uv_timer_t keep;
-  gpupool__metrics *m;
-  gpupool__config cfg;
+  gpd_metrics *m;
+  gpd_config cfg;
   char out[sizeof(cfg.metrics_socket) + 16];
   char *t;
   int ready[2], status = -1, rstatus = -1, spins;
@@ -502,8 +502,8 @@ static void test_conns_per_uid(void **state) {
   config_paths(&cfg, NULL, "peruid.sock");
   cfg.socket_mode = 0666;
   assert_int_equal(chmod(tmpdir, 0755), 0); /* the other uid must reach the socket */
-  assert_int_equal(gpupool__metrics_new(&m), 0);
-  assert_int_equal(gpupool__metrics_start(m, &loop, &cfg, &fake_source), 0);
+  assert_int_equal(gpd_metrics_new(&m), 0);
+  assert_int_equal(gpd_metrics_start(m, &loop, &cfg, &fake_source), 0);
 
   assert_int_equal(pipe(ready), 0);
   hog = fork();
@@ -547,7 +547,7 @@ static void test_conns_per_uid(void **state) {
   assert_true(WIFEXITED(status));
   assert_int_equal(WEXITSTATUS(status), GPUPOOL__METRICS_MAX_CONNS_PER_UID);
 
-  gpupool__metrics_close(m);
+  gpd_metrics_close(m);
   uv_timer_stop(&keep);
   uv_close((uv_handle_t *)&keep, NULL);
   uv_run(&loop, UV_RUN_DEFAULT);
@@ -556,8 +556,8 @@ static void test_conns_per_uid(void **state) {
 
 static void test_refuses_bad_paths(void **state) {
   uv_loop_t loop;
-  gpupool__metrics *m;
-  gpupool__config cfg;
+  gpd_metrics *m;
+  gpd_config cfg;
   char path[160];
   FILE *f;
   int rc;
@@ -566,22 +566,22 @@ static void test_refuses_bad_paths(void **state) {
   assert_int_equal(uv_loop_init(&loop), 0);
   /* A textfile in a directory that does not exist: refused at start, with the path. */
   config_paths(&cfg, "missing/dir/gpupool.prom", NULL);
-  assert_int_equal(gpupool__metrics_new(&m), 0);
-  rc = gpupool__metrics_start(m, &loop, &cfg, &fake_source);
+  assert_int_equal(gpd_metrics_new(&m), 0);
+  rc = gpd_metrics_start(m, &loop, &cfg, &fake_source);
   assert_int_equal(rc, GPUPOOL_ECONFIG);
   assert_non_null(strstr(gpupool__errmsg(), "missing/dir/gpupool.prom.tmp"));
-  gpupool__metrics_close(m);
+  gpd_metrics_close(m);
 
   /* A socket path taken by a regular file: refused, the file left alone. */
   config_paths(&cfg, NULL, "notasocket");
   f = fopen(cfg.metrics_socket, "we");
   assert_non_null(f);
   fclose(f);
-  assert_int_equal(gpupool__metrics_new(&m), 0);
-  rc = gpupool__metrics_start(m, &loop, &cfg, &fake_source);
+  assert_int_equal(gpd_metrics_new(&m), 0);
+  rc = gpd_metrics_start(m, &loop, &cfg, &fake_source);
   assert_int_equal(rc, GPUPOOL_ECONFIG);
   assert_non_null(strstr(gpupool__errmsg(), "not a socket"));
-  gpupool__metrics_close(m);
+  gpd_metrics_close(m);
   assert_int_equal(access(cfg.metrics_socket, F_OK), 0);
   uv_run(&loop, UV_RUN_DEFAULT);
 
@@ -594,11 +594,11 @@ static void test_refuses_bad_paths(void **state) {
     assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
     close(fd);
     snprintf(path, sizeof(path), "%s", cfg.metrics_socket);
-    assert_int_equal(gpupool__metrics_new(&m), 0);
-    assert_int_equal(gpupool__metrics_start(m, &loop, &cfg, &fake_source), 0);
+    assert_int_equal(gpd_metrics_new(&m), 0);
+    assert_int_equal(gpd_metrics_start(m, &loop, &cfg, &fake_source), 0);
     /* A second start while it serves is refused. */
-    assert_int_equal(gpupool__metrics_start(m, &loop, &cfg, &fake_source), GPUPOOL_EINVAL);
-    gpupool__metrics_close(m);
+    assert_int_equal(gpd_metrics_start(m, &loop, &cfg, &fake_source), GPUPOOL_EINVAL);
+    gpd_metrics_close(m);
     uv_run(&loop, UV_RUN_DEFAULT);
     assert_int_equal(access(path, F_OK), -1);
   }
@@ -611,11 +611,11 @@ static void test_refuses_bad_paths(void **state) {
     unix_addr(&a, cfg.metrics_socket);
     assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
     assert_int_equal(listen(fd, 4), 0);
-    assert_int_equal(gpupool__metrics_new(&m), 0);
-    rc = gpupool__metrics_start(m, &loop, &cfg, &fake_source);
+    assert_int_equal(gpd_metrics_new(&m), 0);
+    rc = gpd_metrics_start(m, &loop, &cfg, &fake_source);
     assert_int_equal(rc, GPUPOOL_EBUSY);
     assert_non_null(strstr(gpupool__errmsg(), "another running process"));
-    gpupool__metrics_close(m);
+    gpd_metrics_close(m);
     assert_int_equal(access(cfg.metrics_socket, F_OK), 0);
     close(fd);
     uv_run(&loop, UV_RUN_DEFAULT);

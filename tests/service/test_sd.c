@@ -107,7 +107,7 @@ static void assert_env_cleared(void) {
 static void test_not_activated(void **state) {
   (void)state;
   clear_env();
-  assert_int_equal(gpupool__sd_listen_fd(), -1);
+  assert_int_equal(gpd_sd_listen_fd(), -1);
 }
 
 static void test_activated(void **state) {
@@ -116,7 +116,7 @@ static void test_activated(void **state) {
   clear_env();
   place(unix_socket(SOCK_STREAM, "a.sock", 1), 3);
   activate(1);
-  fd = gpupool__sd_listen_fd();
+  fd = gpd_sd_listen_fd();
   assert_int_equal(fd, 3);
   fl = fcntl(3, F_GETFL);
   assert_true(fl >= 0 && (fl & O_NONBLOCK));
@@ -124,7 +124,7 @@ static void test_activated(void **state) {
   assert_true(fl >= 0 && (fl & FD_CLOEXEC));
   assert_env_cleared();
   /* A second call finds no variables: not activated. */
-  assert_int_equal(gpupool__sd_listen_fd(), -1);
+  assert_int_equal(gpd_sd_listen_fd(), -1);
   close(3);
 }
 
@@ -134,7 +134,7 @@ static void test_other_pid(void **state) {
   place(unix_socket(SOCK_STREAM, "b.sock", 1), 3);
   activate(1);
   set_pid_env("LISTEN_PID", getpid() + 1);
-  assert_int_equal(gpupool__sd_listen_fd(), -1);
+  assert_int_equal(gpd_sd_listen_fd(), -1);
   assert_env_cleared();
   /* Not ours: left alone, still open and still blocking. */
   assert_true(fcntl(3, F_GETFD) >= 0);
@@ -149,7 +149,7 @@ static void test_two_fds(void **state) {
   place(unix_socket(SOCK_STREAM, "c1.sock", 1), 3);
   place(unix_socket(SOCK_STREAM, "c2.sock", 1), 4);
   activate(2);
-  rc = gpupool__sd_listen_fd();
+  rc = gpd_sd_listen_fd();
   assert_int_equal(rc, GPUPOOL_ECONFIG);
   assert_non_null(strstr(gpupool__errmsg(), "LISTEN_FDS=2"));
   assert_non_null(strstr(gpupool__errmsg(), "ListenStream="));
@@ -165,21 +165,21 @@ static void test_zero_and_garbage(void **state) {
   (void)state;
   clear_env();
   activate(0);
-  assert_int_equal(gpupool__sd_listen_fd(), -1);
+  assert_int_equal(gpd_sd_listen_fd(), -1);
   activate(1);
   setenv("LISTEN_FDS", "one", 1);
-  assert_int_equal(gpupool__sd_listen_fd(), GPUPOOL_ECONFIG);
+  assert_int_equal(gpd_sd_listen_fd(), GPUPOOL_ECONFIG);
   assert_non_null(strstr(gpupool__errmsg(), "LISTEN_FDS='one'"));
   activate(1);
   setenv("LISTEN_PID", "12x", 1);
-  assert_int_equal(gpupool__sd_listen_fd(), -1);
+  assert_int_equal(gpd_sd_listen_fd(), -1);
   assert_env_cleared();
 }
 
 static void expect_refused(const char *why) {
   int rc;
   activate(1);
-  rc = gpupool__sd_listen_fd();
+  rc = gpd_sd_listen_fd();
   assert_int_equal(rc, GPUPOOL_ECONFIG);
   if (strstr(gpupool__errmsg(), why) == NULL)
     fail_msg("message '%s' does not mention '%s'", gpupool__errmsg(), why);
@@ -251,8 +251,8 @@ static void expect_datagram(int fd, const char *want) {
 static void test_notify_unset(void **state) {
   (void)state;
   clear_env();
-  assert_int_equal(gpupool__sd_notify("READY=1"), 0);
-  assert_int_equal(gpupool__sd_notifyf("STATUS=%d", 1), 0);
+  assert_int_equal(gpd_sd_notify("READY=1"), 0);
+  assert_int_equal(gpd_sd_notifyf("STATUS=%d", 1), 0);
 }
 
 static void test_notify_path(void **state) {
@@ -265,14 +265,14 @@ static void test_notify_path(void **state) {
   snprintf(a.sun_path, sizeof(a.sun_path), "%s/notify", tmpdir);
   fd = notify_receiver(&a, sizeof(a));
   setenv("NOTIFY_SOCKET", a.sun_path, 1);
-  assert_int_equal(gpupool__sd_notify("READY=1\nSTATUS=serving"), 0);
+  assert_int_equal(gpd_sd_notify("READY=1\nSTATUS=serving"), 0);
   expect_datagram(fd, "READY=1\nSTATUS=serving");
-  assert_int_equal(gpupool__sd_notifyf("STATUS=%d pools on %s", 3, "host"), 0);
+  assert_int_equal(gpd_sd_notifyf("STATUS=%d pools on %s", 3, "host"), 0);
   expect_datagram(fd, "STATUS=3 pools on host");
   close(fd);
   /* Nobody listening any more: an error, with the socket named. */
   unlink(a.sun_path);
-  assert_int_equal(gpupool__sd_notify("WATCHDOG=1"), GPUPOOL_EIO);
+  assert_int_equal(gpd_sd_notify("WATCHDOG=1"), GPUPOOL_EIO);
   assert_non_null(strstr(gpupool__errmsg(), a.sun_path));
   clear_env();
 }
@@ -291,7 +291,7 @@ static void test_notify_abstract(void **state) {
   a.sun_path[0] = '\0';
   fd = notify_receiver(&a, (socklen_t)(offsetof(struct sockaddr_un, sun_path) + n));
   setenv("NOTIFY_SOCKET", name, 1);
-  assert_int_equal(gpupool__sd_notify("WATCHDOG=1"), 0);
+  assert_int_equal(gpd_sd_notify("WATCHDOG=1"), 0);
   expect_datagram(fd, "WATCHDOG=1");
   close(fd);
   clear_env();
@@ -301,7 +301,7 @@ static void test_notify_bad_address(void **state) {
   (void)state;
   clear_env();
   setenv("NOTIFY_SOCKET", "relative/path", 1);
-  assert_int_equal(gpupool__sd_notify("READY=1"), GPUPOOL_EIO);
+  assert_int_equal(gpd_sd_notify("READY=1"), GPUPOOL_EIO);
   assert_non_null(strstr(gpupool__errmsg(), "NOTIFY_SOCKET"));
   clear_env();
 }
@@ -309,18 +309,18 @@ static void test_notify_bad_address(void **state) {
 static void test_watchdog(void **state) {
   (void)state;
   clear_env();
-  assert_int_equal(gpupool__sd_watchdog_usec(), 0);
+  assert_int_equal(gpd_sd_watchdog_usec(), 0);
   setenv("WATCHDOG_USEC", "200000", 1);
-  assert_int_equal(gpupool__sd_watchdog_usec(), 200000);
+  assert_int_equal(gpd_sd_watchdog_usec(), 200000);
   set_pid_env("WATCHDOG_PID", getpid());
-  assert_int_equal(gpupool__sd_watchdog_usec(), 200000);
+  assert_int_equal(gpd_sd_watchdog_usec(), 200000);
   set_pid_env("WATCHDOG_PID", getpid() + 1);
-  assert_int_equal(gpupool__sd_watchdog_usec(), 0);
+  assert_int_equal(gpd_sd_watchdog_usec(), 0);
   unsetenv("WATCHDOG_PID");
   setenv("WATCHDOG_USEC", "20ms", 1);
-  assert_int_equal(gpupool__sd_watchdog_usec(), 0);
+  assert_int_equal(gpd_sd_watchdog_usec(), 0);
   setenv("WATCHDOG_USEC", "0", 1);
-  assert_int_equal(gpupool__sd_watchdog_usec(), 0);
+  assert_int_equal(gpd_sd_watchdog_usec(), 0);
   clear_env();
 }
 

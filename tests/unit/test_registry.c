@@ -28,28 +28,28 @@
 
 typedef struct {
   uv_loop_t loop;
-  gpupool__config cfg;
+  gpd_config cfg;
   gpupool__backend *be;
-  gpupool__registry reg;
-  gpupool__client a, b; /* uids 1000 and 1001: one tenant ("team") */
-  gpupool__client x;    /* uid 2000: another tenant; with a, in group "ml" */
+  gpd_registry reg;
+  gpd_client a, b; /* uids 1000 and 1001: one tenant ("team") */
+  gpd_client x;    /* uid 2000: another tenant; with a, in group "ml" */
   int a_peer, b_peer, x_peer; /* the client ends of their leases, as a client process would hold them */
 } fixture;
 
 static int g_tenant_pools; /* the next setup uses the per-tenant-pool backend below */
 static void use_tenant_pools(gpupool__backend *be);
 
-static void give_lease(fixture *f, gpupool__client *c, int *peer) {
-  assert_int_equal(gpupool__lease_new(&f->reg, c->uid, c->gid, 0, &c->lease, peer), 0);
+static void give_lease(fixture *f, gpd_client *c, int *peer) {
+  assert_int_equal(gpd_lease_new(&f->reg, c->uid, c->gid, 0, &c->lease, peer), 0);
 }
 
-static int setup_with(void **state, void (*tweak)(gpupool__config *)) {
+static int setup_with(void **state, void (*tweak)(gpd_config *)) {
   fixture *f = calloc(1, sizeof *f);
   assert_non_null(f);
   uv_loop_init(&f->loop);
-  gpupool__config_defaults(&f->cfg);
-  assert_int_equal(gpupool__config_add_pool_spec(&f->cfg, "name=p,kind=host,capacity=64M,slab=8M,keep=1"), 0);
-  assert_int_equal(gpupool__config_add_pool_spec(&f->cfg, "name=s,kind=host,capacity=16M,slab=4M,keep=1"), 0);
+  gpd_config_defaults(&f->cfg);
+  assert_int_equal(gpd_config_add_pool_spec(&f->cfg, "name=p,kind=host,capacity=64M,slab=8M,keep=1"), 0);
+  assert_int_equal(gpd_config_add_pool_spec(&f->cfg, "name=s,kind=host,capacity=16M,slab=4M,keep=1"), 0);
   f->cfg.n_tenants = 1;
   snprintf(f->cfg.tenants[0].name, sizeof f->cfg.tenants[0].name, "team");
   f->cfg.tenants[0].uids[0] = 1000;
@@ -63,21 +63,21 @@ static int setup_with(void **state, void (*tweak)(gpupool__config *)) {
   snprintf(f->cfg.pool_share_name[1], sizeof f->cfg.pool_share_name[1], "ml");
   if (tweak)
     tweak(&f->cfg);
-  assert_int_equal(gpupool__config_finish(&f->cfg, &gpupool__backend_host), 0);
+  assert_int_equal(gpd_config_finish(&f->cfg, &gpupool__backend_host), 0);
   assert_int_equal(gpupool__backend_host.open(&f->be), 0);
   if (g_tenant_pools)
     use_tenant_pools(f->be);
   g_tenant_pools = 0;
-  assert_int_equal(gpupool__registry_init(&f->reg, &f->loop, &f->cfg, f->be), 0);
+  assert_int_equal(gpd_registry_init(&f->reg, &f->loop, &f->cfg, f->be), 0);
   f->a.uid = 1000;
   f->b.uid = 1001;
   f->x.uid = 2000;
   give_lease(f, &f->a, &f->a_peer);
   give_lease(f, &f->b, &f->b_peer);
   give_lease(f, &f->x, &f->x_peer);
-  gpupool__client_init(&f->reg, &f->a);
-  gpupool__client_init(&f->reg, &f->b);
-  gpupool__client_init(&f->reg, &f->x);
+  gpd_client_init(&f->reg, &f->a);
+  gpd_client_init(&f->reg, &f->b);
+  gpd_client_init(&f->reg, &f->x);
   *state = f;
   return 0;
 }
@@ -92,10 +92,10 @@ static int teardown(void **state) {
     close(f->b_peer);
   if (f->x_peer >= 0)
     close(f->x_peer);
-  gpupool__client_drop(&f->reg, &f->a);
-  gpupool__client_drop(&f->reg, &f->b);
-  gpupool__client_drop(&f->reg, &f->x);
-  gpupool__registry_close(&f->reg);
+  gpd_client_drop(&f->reg, &f->a);
+  gpd_client_drop(&f->reg, &f->b);
+  gpd_client_drop(&f->reg, &f->x);
+  gpd_registry_close(&f->reg);
   uv_run(&f->loop, UV_RUN_DEFAULT);
   f->be->ops->close(f->be);
   assert_int_equal(uv_loop_close(&f->loop), 0);
@@ -103,99 +103,99 @@ static int teardown(void **state) {
   return 0;
 }
 
-static gpupool__pool *pool(fixture *f) { return gpupool__pool_find(&f->reg, "p", 0); }
+static gpd_pool *pool(fixture *f) { return gpd_pool_find(&f->reg, "p", 0); }
 
 static void test_holders_and_exactly_once(void **state) {
   fixture *f = *state;
-  gpupool__hold *h, *o;
+  gpd_hold *h, *o;
   uint8_t tok[GPUPOOL_TOKEN_SIZE];
   int freed = -1;
 
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 1000, 0, &h), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 1000, 0, &h), 0);
   assert_int_equal(pool(f)->used, 1024); /* rounded to the 256-byte alignment */
-  assert_int_equal(gpupool__share(&f->reg, &f->a, h->id, tok), 0);
+  assert_int_equal(gpd_share(&f->reg, &f->a, h->id, tok), 0);
   /* Another tenant's token opens nothing (its holder would get the slab's fd). */
-  assert_int_equal(gpupool__open(&f->reg, &f->x, tok, sizeof tok, 1, &o), GPUPOOL_ENOENT);
-  assert_int_equal(gpupool__open(&f->reg, &f->b, tok, sizeof tok, 1, &o), 0);
+  assert_int_equal(gpd_open(&f->reg, &f->x, tok, sizeof tok, 1, &o), GPUPOOL_ENOENT);
+  assert_int_equal(gpd_open(&f->reg, &f->b, tok, sizeof tok, 1, &o), 0);
   assert_ptr_equal(o->buf, h->buf);
   assert_int_equal(h->buf->refs, 2);
   /* b cannot release a's hold, a cannot release b's. */
-  assert_int_equal(gpupool__release(&f->reg, &f->b, h->id, 0, &freed), GPUPOOL_EPERM);
-  assert_int_equal(gpupool__release(&f->reg, &f->a, o->id, 0, &freed), GPUPOOL_EPERM);
+  assert_int_equal(gpd_release(&f->reg, &f->b, h->id, 0, &freed), GPUPOOL_EPERM);
+  assert_int_equal(gpd_release(&f->reg, &f->a, o->id, 0, &freed), GPUPOOL_EPERM);
   uint64_t hid = h->id, oid = o->id;
-  assert_int_equal(gpupool__release(&f->reg, &f->a, hid, 0, &freed), 0);
+  assert_int_equal(gpd_release(&f->reg, &f->a, hid, 0, &freed), 0);
   assert_int_equal(freed, 0);
   assert_int_equal(pool(f)->used, 1024); /* the opener still holds it */
-  assert_int_equal(gpupool__release(&f->reg, &f->b, oid, 0, &freed), 0);
+  assert_int_equal(gpd_release(&f->reg, &f->b, oid, 0, &freed), 0);
   assert_int_equal(freed, 1);
   assert_int_equal(pool(f)->used, 0);
   assert_int_equal(pool(f)->nbuffers, 0);
   /* Released holds are gone; the token names nothing now. */
-  assert_int_equal(gpupool__release(&f->reg, &f->b, oid, 0, &freed), GPUPOOL_ENOENT);
-  assert_int_equal(gpupool__open(&f->reg, &f->b, tok, sizeof tok, 0, &o), GPUPOOL_ENOENT);
+  assert_int_equal(gpd_release(&f->reg, &f->b, oid, 0, &freed), GPUPOOL_ENOENT);
+  assert_int_equal(gpd_open(&f->reg, &f->b, tok, sizeof tok, 0, &o), GPUPOOL_ENOENT);
   assert_int_equal(f->reg.buffers.len, 0);
   assert_int_equal(f->reg.holds.len, 0);
 }
 
 static void test_names(void **state) {
   fixture *f = *state;
-  gpupool__hold *h, *g, *o;
+  gpd_hold *h, *g, *o;
   int freed;
   Gpupool__Wire__TensorMeta m = GPUPOOL__WIRE__TENSOR_META__INIT;
   int64_t shape[2] = {10, 10};
 
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 400, 0, &h), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 400, 0, &h), 0);
   ts_tensor_meta(&m, GPUPOOL_DTYPE_FLOAT, 32, 2, shape);
   {
     uint64_t v = 0;
-    assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "t", &m, 0, 0, &v), 0);
+    assert_int_equal(gpd_publish(&f->reg, &f->a, h->id, "t", &m, 0, 0, &v), 0);
     assert_int_equal(v, 1);
     /* Publishing again makes the next version. */
-    assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "t", &m, 0, 0, &v), 0);
+    assert_int_equal(gpd_publish(&f->reg, &f->a, h->id, "t", &m, 0, 0, &v), 0);
     assert_int_equal(v, 2);
-    assert_int_equal(gpupool__get(&f->reg, &f->b, "t", 1, 2, &g, &v), GPUPOOL_ENOENT);
+    assert_int_equal(gpd_get(&f->reg, &f->b, "t", 1, 2, &g, &v), GPUPOOL_ENOENT);
     assert_non_null(strstr(gpupool__errmsg(), "not newer than 2"));
   }
   shape[0] = 11; /* 440 bytes > 400 */
-  assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "u", &m, 0, 0, NULL), GPUPOOL_EMETA);
+  assert_int_equal(gpd_publish(&f->reg, &f->a, h->id, "u", &m, 0, 0, NULL), GPUPOOL_EMETA);
   /* Another tenant neither sees it nor learns that it exists; the same tenant does. */
-  assert_int_equal(gpupool__get(&f->reg, &f->x, "t", 0, 0, &g, NULL), GPUPOOL_ENOENT);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), 400, 0, &o), 0);
-  assert_int_equal(gpupool__publish(&f->reg, &f->x, o->id, "t", NULL, 0, 0, NULL), 0); /* its own "t" */
+  assert_int_equal(gpd_get(&f->reg, &f->x, "t", 0, 0, &g, NULL), GPUPOOL_ENOENT);
+  assert_int_equal(gpd_allocate(&f->reg, &f->x, pool(f), 400, 0, &o), 0);
+  assert_int_equal(gpd_publish(&f->reg, &f->x, o->id, "t", NULL, 0, 0, NULL), 0); /* its own "t" */
   assert_null(strstr(gpupool__errmsg(), "another"));
-  assert_int_equal(gpupool__release(&f->reg, &f->x, o->id, 0, &freed), 0);
-  assert_int_equal(gpupool__get(&f->reg, &f->b, "t", 1, 0, &g, NULL), 0);
+  assert_int_equal(gpd_release(&f->reg, &f->x, o->id, 0, &freed), 0);
+  assert_int_equal(gpd_get(&f->reg, &f->b, "t", 1, 0, &g, NULL), 0);
   assert_ptr_equal(g->buf, h->buf);
   assert_true(g->read_only);
-  assert_int_equal(gpupool__release(&f->reg, &f->b, g->id, 0, &freed), 0);
+  assert_int_equal(gpd_release(&f->reg, &f->b, g->id, 0, &freed), 0);
   /* Publishing to everyone is gone: it would hand out the slab. */
-  assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "open", NULL, 0, 1, NULL), GPUPOOL_EINVAL);
-  assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "open", NULL, 0, 0, NULL), 0);
+  assert_int_equal(gpd_publish(&f->reg, &f->a, h->id, "open", NULL, 0, 1, NULL), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish(&f->reg, &f->a, h->id, "open", NULL, 0, 0, NULL), 0);
   /* Across tenants, through a pool shared with a group, under group:GROUP/NAME. */
   {
-    gpupool__pool *sp = gpupool__pool_find(&f->reg, "s", 0);
-    gpupool__hold *w, *r;
-    assert_int_equal(gpupool__allocate(&f->reg, &f->b, sp, 100, 0, &w), GPUPOOL_EPERM); /* b is not in ml */
-    assert_int_equal(gpupool__allocate(&f->reg, &f->a, sp, 100, 0, &w), 0);
-    assert_int_equal(gpupool__publish(&f->reg, &f->a, w->id, "w", NULL, 0, 0, NULL), GPUPOOL_EPERM);
-    assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "group:ml/t", NULL, 0, 0, NULL), GPUPOOL_EPERM);
-    assert_int_equal(gpupool__publish(&f->reg, &f->a, w->id, "group:ml/w", NULL, 0, 0, NULL), 0);
-    assert_int_equal(gpupool__get(&f->reg, &f->x, "group:ml/w", 0, 0, &r, NULL), 0);
+    gpd_pool *sp = gpd_pool_find(&f->reg, "s", 0);
+    gpd_hold *w, *r;
+    assert_int_equal(gpd_allocate(&f->reg, &f->b, sp, 100, 0, &w), GPUPOOL_EPERM); /* b is not in ml */
+    assert_int_equal(gpd_allocate(&f->reg, &f->a, sp, 100, 0, &w), 0);
+    assert_int_equal(gpd_publish(&f->reg, &f->a, w->id, "w", NULL, 0, 0, NULL), GPUPOOL_EPERM);
+    assert_int_equal(gpd_publish(&f->reg, &f->a, h->id, "group:ml/t", NULL, 0, 0, NULL), GPUPOOL_EPERM);
+    assert_int_equal(gpd_publish(&f->reg, &f->a, w->id, "group:ml/w", NULL, 0, 0, NULL), 0);
+    assert_int_equal(gpd_get(&f->reg, &f->x, "group:ml/w", 0, 0, &r, NULL), 0);
     assert_ptr_equal(r->buf, w->buf);
-    assert_int_equal(gpupool__get(&f->reg, &f->b, "group:ml/w", 0, 0, &r, NULL), GPUPOOL_EPERM);
-    assert_int_equal(gpupool__get(&f->reg, &f->x, "group:nope/w", 0, 0, &r, NULL), GPUPOOL_EPERM);
-    assert_int_equal(gpupool__unpublish(&f->reg, &f->x, "group:ml/w"), 0);
-    assert_int_equal(gpupool__release(&f->reg, &f->a, w->id, 0, &freed), 0);
+    assert_int_equal(gpd_get(&f->reg, &f->b, "group:ml/w", 0, 0, &r, NULL), GPUPOOL_EPERM);
+    assert_int_equal(gpd_get(&f->reg, &f->x, "group:nope/w", 0, 0, &r, NULL), GPUPOOL_EPERM);
+    assert_int_equal(gpd_unpublish(&f->reg, &f->x, "group:ml/w"), 0);
+    assert_int_equal(gpd_release(&f->reg, &f->a, w->id, 0, &freed), 0);
   }
   /* The names keep the buffer after every hold is gone. */
-  assert_int_equal(gpupool__release(&f->reg, &f->a, h->id, 0, &freed), 0);
+  assert_int_equal(gpd_release(&f->reg, &f->a, h->id, 0, &freed), 0);
   assert_int_equal(freed, 0);
   assert_int_equal(pool(f)->used, 1024); /* this tenant's "t" and the other tenant's "t" */
-  assert_int_equal(gpupool__unpublish(&f->reg, &f->b, "open"), 0); /* one tenant: b may */
+  assert_int_equal(gpd_unpublish(&f->reg, &f->b, "open"), 0); /* one tenant: b may */
   assert_int_equal(pool(f)->used, 1024);
-  assert_int_equal(gpupool__unpublish(&f->reg, &f->a, "t"), 0);
+  assert_int_equal(gpd_unpublish(&f->reg, &f->a, "t"), 0);
   assert_int_equal(pool(f)->used, 512);
-  assert_int_equal(gpupool__unpublish(&f->reg, &f->x, "t"), 0);
+  assert_int_equal(gpd_unpublish(&f->reg, &f->x, "t"), 0);
   assert_int_equal(pool(f)->used, 0);
   assert_int_equal(gpupool__wire_check_name(""), GPUPOOL_ENAME);
   assert_int_equal(gpupool__wire_check_name("a\tb"), GPUPOOL_ENAME);
@@ -203,74 +203,74 @@ static void test_names(void **state) {
 
 static void test_slabs_and_dedicated(void **state) {
   fixture *f = *state;
-  gpupool__hold *h[4], *big;
+  gpd_hold *h[4], *big;
   int freed;
 
   /* Four 3 MiB buffers in 8 MiB slabs: two per slab. */
   for (int i = 0; i < 4; i++)
-    assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 3 * MIB, 0, &h[i]), 0);
+    assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 3 * MIB, 0, &h[i]), 0);
   assert_int_equal(pool(f)->nslabs, 2);
   assert_ptr_equal(h[0]->buf->slab, h[1]->buf->slab);
   assert_true(h[0]->buf->offset + h[0]->buf->size <= h[1]->buf->offset ||
               h[1]->buf->offset + h[1]->buf->size <= h[0]->buf->offset);
   /* Larger than a slab: a dedicated slab, returned as soon as the buffer goes. */
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 20 * MIB, 0, &big), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 20 * MIB, 0, &big), 0);
   assert_true(big->buf->slab->dedicated);
   assert_int_equal(pool(f)->nslabs, 3);
-  assert_int_equal(gpupool__release(&f->reg, &f->a, big->id, 0, &freed), 0);
+  assert_int_equal(gpd_release(&f->reg, &f->a, big->id, 0, &freed), 0);
   assert_int_equal(pool(f)->nslabs, 2);
   /* Emptying both regular slabs keeps one (keep_slabs = 1) and returns the other. */
   for (int i = 0; i < 4; i++)
-    assert_int_equal(gpupool__release(&f->reg, &f->a, h[i]->id, 0, &freed), 0);
+    assert_int_equal(gpd_release(&f->reg, &f->a, h[i]->id, 0, &freed), 0);
   assert_int_equal(pool(f)->nslabs, 1);
   assert_int_equal(pool(f)->reserved, 8 * MIB);
   assert_int_equal(pool(f)->used, 0);
   /* More than 4 GiB or the pool is refused with the reason. */
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 5ull << 30, 0, &big), GPUPOOL_ETOOBIG);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 5ull << 30, 0, &big), GPUPOOL_ETOOBIG);
   assert_non_null(strstr(gpupool__errmsg(), "4 GiB"));
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100 * MIB, 0, &big), GPUPOOL_ETOOBIG);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 0, 0, &big), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 100 * MIB, 0, &big), GPUPOOL_ETOOBIG);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 0, 0, &big), GPUPOOL_EINVAL);
 }
 
 static void test_full_pool_message_and_revoke(void **state) {
   fixture *f = *state;
-  gpupool__hold *h[9], *x;
-  gpupool__desc_storage ds;
+  gpd_hold *h[9], *x;
+  gpd_desc_storage ds;
   uint32_t fr, rv;
   int freed;
 
   /* 64 MiB = 8 slabs of 8 MiB, each filled by one 8 MiB buffer. */
   for (int i = 0; i < 8; i++)
-    assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 8 * MIB, 0, &h[i]), 0);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 1, 0, &x), GPUPOOL_ENOSPC);
+    assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 8 * MIB, 0, &h[i]), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 1, 0, &x), GPUPOOL_ENOSPC);
   assert_non_null(strstr(gpupool__errmsg(), "asked for 1 bytes"));
   assert_non_null(strstr(gpupool__errmsg(), "pool 'p'"));
   /* b maps slab 0 (through an open); a releases everything: the slab b maps stays until b
    * reports it unmapped, and b is asked to. */
   {
     uint8_t tok[GPUPOOL_TOKEN_SIZE];
-    gpupool__hold *o;
-    assert_int_equal(gpupool__share(&f->reg, &f->a, h[0]->id, tok), 0);
-    assert_int_equal(gpupool__open(&f->reg, &f->b, tok, sizeof tok, 0, &o), 0);
-    gpupool__fill_desc(&f->reg, &f->b, o, NULL, &ds);
+    gpd_hold *o;
+    assert_int_equal(gpd_share(&f->reg, &f->a, h[0]->id, tok), 0);
+    assert_int_equal(gpd_open(&f->reg, &f->b, tok, sizeof tok, 0, &o), 0);
+    gpd_fill_desc(&f->reg, &f->b, o, NULL, &ds);
     assert_true(ds.slab.export_data.len == 16); /* first time: how to map it */
-    gpupool__fill_desc(&f->reg, &f->b, o, NULL, &ds);
+    gpd_fill_desc(&f->reg, &f->b, o, NULL, &ds);
     assert_int_equal(ds.slab.export_data.len, 0); /* already mapped */
-    assert_int_equal(gpupool__release(&f->reg, &f->b, o->id, 0, &freed), 0);
+    assert_int_equal(gpd_release(&f->reg, &f->b, o->id, 0, &freed), 0);
   }
   uint64_t slab0 = h[0]->buf->slab->id;
   for (int i = 0; i < 8; i++)
-    assert_int_equal(gpupool__release(&f->reg, &f->a, h[i]->id, 0, &freed), 0);
-  gpupool__trim(&f->reg, &fr, &rv);
+    assert_int_equal(gpd_release(&f->reg, &f->a, h[i]->id, 0, &freed), 0);
+  gpd_trim(&f->reg, &fr, &rv);
   assert_int_equal(f->b.nrevoke, 1);
   assert_int_equal(f->b.revoke[0], slab0);
   assert_true(pool(f)->nslabs >= 1);
-  gpupool__unmapped(&f->reg, &f->b, &slab0, 1);
+  gpd_unmapped(&f->reg, &f->b, &slab0, 1);
   assert_int_equal(pool(f)->nslabs, 0);
   assert_int_equal(pool(f)->reserved, 0);
 }
 
-static void tweak_limits(gpupool__config *c) {
+static void tweak_limits(gpd_config *c) {
   c->max_allocs_per_client = 2;
   c->max_bytes_per_uid = 3 * MIB;
 }
@@ -279,23 +279,23 @@ static int setup_limits(void **state) { return setup_with(state, tweak_limits); 
 
 static void test_limits(void **state) {
   fixture *f = *state;
-  gpupool__hold *h1, *h2, *h3;
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), MIB, 0, &h1), 0);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), MIB, 0, &h2), 0);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), MIB, 0, &h3), GPUPOOL_ELIMIT);
+  gpd_hold *h1, *h2, *h3;
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), MIB, 0, &h1), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), MIB, 0, &h2), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), MIB, 0, &h3), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool__errmsg(), "max_allocs_per_client"));
   /* b is another uid of a's tenant: it shares a's bytes (2 MiB of 3 used). */
-  assert_int_equal(gpupool__allocate(&f->reg, &f->b, pool(f), 2 * MIB, 0, &h3), GPUPOOL_ELIMIT);
+  assert_int_equal(gpd_allocate(&f->reg, &f->b, pool(f), 2 * MIB, 0, &h3), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool__errmsg(), "tenant:team"));
   /* x, of another tenant, has its own budget; the per-tenant bytes still apply. */
-  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), 3 * MIB, 0, &h3), 0);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), 1, 0, &h3), GPUPOOL_ELIMIT);
+  assert_int_equal(gpd_allocate(&f->reg, &f->x, pool(f), 3 * MIB, 0, &h3), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->x, pool(f), 1, 0, &h3), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool__errmsg(), "max_bytes_per_uid"));
 }
 
 /* The per-tenant and daemon-wide limits the tests above do not reach: each refusal names its
  * limit, and the tenant, whichever of its uids asks. */
-static void tweak_tenant_limits(gpupool__config *c) {
+static void tweak_tenant_limits(gpd_config *c) {
   c->max_allocs_per_uid = 2;
   c->max_holds_per_uid = 3;
   c->max_names = 2;
@@ -306,79 +306,79 @@ static int setup_tenant_limits(void **state) { return setup_with(state, tweak_te
 
 static void test_tenant_limits(void **state) {
   fixture *f = *state;
-  gpupool__pool *sp = gpupool__pool_find(&f->reg, "s", 0);
-  gpupool__hold *h1, *h2, *h3, *o, *w, *v;
+  gpd_pool *sp = gpd_pool_find(&f->reg, "s", 0);
+  gpd_hold *h1, *h2, *h3, *o, *w, *v;
   uint8_t tok[GPUPOOL_TOKEN_SIZE];
   int freed;
   /* a and b are one tenant: two allocations between them, then three holds. */
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100, 0, &h1), 0);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->b, pool(f), 100, 0, &h2), 0);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->b, pool(f), 100, 0, &h3), GPUPOOL_ELIMIT);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 100, 0, &h1), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->b, pool(f), 100, 0, &h2), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->b, pool(f), 100, 0, &h3), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool__errmsg(), "tenant:team already has 2 live allocations"));
   assert_non_null(strstr(gpupool__errmsg(), "max_allocs_per_uid"));
-  assert_int_equal(gpupool__share(&f->reg, &f->a, h1->id, tok), 0);
-  assert_int_equal(gpupool__open(&f->reg, &f->b, tok, sizeof tok, 0, &o), 0);
-  assert_int_equal(gpupool__open(&f->reg, &f->a, tok, sizeof tok, 0, &o), GPUPOOL_ELIMIT);
+  assert_int_equal(gpd_share(&f->reg, &f->a, h1->id, tok), 0);
+  assert_int_equal(gpd_open(&f->reg, &f->b, tok, sizeof tok, 0, &o), 0);
+  assert_int_equal(gpd_open(&f->reg, &f->a, tok, sizeof tok, 0, &o), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool__errmsg(), "tenant:team already has 3 holds"));
   assert_non_null(strstr(gpupool__errmsg(), "max_holds_per_uid"));
   /* One name per tenant, two in the daemon. */
-  assert_int_equal(gpupool__publish(&f->reg, &f->a, h1->id, "n1", NULL, 0, 0, NULL), 0);
-  assert_int_equal(gpupool__publish(&f->reg, &f->b, h2->id, "n2", NULL, 0, 0, NULL), GPUPOOL_ELIMIT);
+  assert_int_equal(gpd_publish(&f->reg, &f->a, h1->id, "n1", NULL, 0, 0, NULL), 0);
+  assert_int_equal(gpd_publish(&f->reg, &f->b, h2->id, "n2", NULL, 0, 0, NULL), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool__errmsg(), "max_names_per_uid"));
-  assert_int_equal(gpupool__publish(&f->reg, &f->a, h1->id, "n1", NULL, 0, 0, NULL), 0); /* not a new name */
+  assert_int_equal(gpd_publish(&f->reg, &f->a, h1->id, "n1", NULL, 0, 0, NULL), 0); /* not a new name */
   /* A group's name republished by another tenant of the group moves to that tenant's count. */
-  assert_int_equal(gpupool__allocate(&f->reg, &f->x, sp, 100, 0, &w), 0);
-  assert_int_equal(gpupool__publish(&f->reg, &f->x, w->id, "group:ml/w", NULL, 0, 0, NULL), 0);
-  assert_int_equal(gpupool__release(&f->reg, &f->b, o->id, 0, &freed), 0);
-  assert_int_equal(gpupool__release(&f->reg, &f->b, h2->id, 0, &freed), 0);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, sp, 100, 0, &v), 0);
-  assert_int_equal(gpupool__publish(&f->reg, &f->a, v->id, "group:ml/w", NULL, 0, 0, NULL), GPUPOOL_ELIMIT);
+  assert_int_equal(gpd_allocate(&f->reg, &f->x, sp, 100, 0, &w), 0);
+  assert_int_equal(gpd_publish(&f->reg, &f->x, w->id, "group:ml/w", NULL, 0, 0, NULL), 0);
+  assert_int_equal(gpd_release(&f->reg, &f->b, o->id, 0, &freed), 0);
+  assert_int_equal(gpd_release(&f->reg, &f->b, h2->id, 0, &freed), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, sp, 100, 0, &v), 0);
+  assert_int_equal(gpd_publish(&f->reg, &f->a, v->id, "group:ml/w", NULL, 0, 0, NULL), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool__errmsg(), "republishing 'group:ml/w' would make it one more"));
   /* The daemon's names are all taken: a third tenant's first name is refused too. */
-  assert_int_equal(gpupool__unpublish(&f->reg, &f->a, "n1"), 0);
-  assert_int_equal(gpupool__publish(&f->reg, &f->a, h1->id, "n3", NULL, 0, 0, NULL), 0);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), 100, 0, &h3), 0);
-  assert_int_equal(gpupool__publish(&f->reg, &f->x, h3->id, "n4", NULL, 0, 0, NULL), GPUPOOL_ELIMIT);
+  assert_int_equal(gpd_unpublish(&f->reg, &f->a, "n1"), 0);
+  assert_int_equal(gpd_publish(&f->reg, &f->a, h1->id, "n3", NULL, 0, 0, NULL), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->x, pool(f), 100, 0, &h3), 0);
+  assert_int_equal(gpd_publish(&f->reg, &f->x, h3->id, "n4", NULL, 0, 0, NULL), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool__errmsg(), "the daemon already holds 2 names, the limit (max_names) is 2"));
 }
 
 static void test_drop_client_releases_everything(void **state) {
   fixture *f = *state;
-  gpupool__hold *h;
+  gpd_hold *h;
   for (int i = 0; i < 5; i++)
-    assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100000, 0, &h), 0);
-  assert_int_equal(gpupool__publish(&f->reg, &f->a, h->id, "kept", NULL, 0, 0, NULL), 0);
+    assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 100000, 0, &h), 0);
+  assert_int_equal(gpd_publish(&f->reg, &f->a, h->id, "kept", NULL, 0, 0, NULL), 0);
   /* Its process is gone (nobody holds the lease): everything comes back at once. */
   close(f->a_peer);
   f->a_peer = -1;
-  gpupool__client_drop(&f->reg, &f->a);
+  gpd_client_drop(&f->reg, &f->a);
   give_lease(f, &f->a, &f->a_peer);
-  gpupool__client_init(&f->reg, &f->a); /* teardown drops it again */
+  gpd_client_init(&f->reg, &f->a); /* teardown drops it again */
   assert_int_equal(pool(f)->nbuffers, 1); /* only the named one survives */
   assert_int_equal(f->reg.holds.len, 0);
   assert_int_equal(f->reg.nwaiting, 0);
 }
 
 /* The usage record of the tenant of a client of uid (a and b share tenant "team"). */
-static gpupool__uid_usage *usage(fixture *f, uid_t uid) {
-  return gpupool__hmap_get(&f->reg.uids, gpupool__tenant_of(&f->cfg, uid, 0));
+static gpd_uid_usage *usage(fixture *f, uid_t uid) {
+  return gpupool__hmap_get(&f->reg.uids, gpd_tenant_of(&f->cfg, uid, 0));
 }
 
 static void test_lease_keeps_memory_until_gone(void **state) {
   fixture *f = *state;
-  gpupool__hold *h, *x;
+  gpd_hold *h, *x;
   int peer_copy;
   for (int i = 0; i < 3; i++)
-    assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100000, 0, &h), 0);
+    assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 100000, 0, &h), 0);
   {
-    gpupool__desc_storage ds;
-    gpupool__fill_desc(&f->reg, &f->a, h, NULL, &ds); /* a maps the slab */
+    gpd_desc_storage ds;
+    gpd_fill_desc(&f->reg, &f->a, h, NULL, &ds); /* a maps the slab */
   }
   /* A forked child holds a copy of the lease; the connection closes, the parent's copy goes. */
   peer_copy = dup(f->a_peer);
   close(f->a_peer);
   f->a_peer = -1;
-  gpupool__client_drop(&f->reg, &f->a);
+  gpd_client_drop(&f->reg, &f->a);
   assert_int_equal(f->reg.nwaiting, 1);
   assert_int_equal(f->reg.npending, 3);
   assert_int_equal(pool(f)->used, 3 * 100096);
@@ -391,14 +391,14 @@ static void test_lease_keeps_memory_until_gone(void **state) {
   uv_run(&f->loop, UV_RUN_NOWAIT);
   assert_int_equal(f->reg.npending, 3);
   /* Another tenant is not affected; the same tenant past its limit is refused with the reason. */
-  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), 100, 0, &x), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->x, pool(f), 100, 0, &x), 0);
   f->cfg.max_waiting_leases_per_uid = 1; /* the registry reads the config it was given */
   f->a.uid = 1000;
   give_lease(f, &f->a, &f->a_peer);
-  gpupool__client_init(&f->reg, &f->a);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100, 0, &x), GPUPOOL_ELIMIT);
+  gpd_client_init(&f->reg, &f->a);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 100, 0, &x), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool__errmsg(), "max_waiting_leases_per_uid"));
-  assert_int_equal(gpupool__get(&f->reg, &f->a, "none", 0, 0, &x, NULL), GPUPOOL_ENOENT);
+  assert_int_equal(gpd_get(&f->reg, &f->a, "none", 0, 0, &x, NULL), GPUPOOL_ENOENT);
   /* The last holder exits: the loop sees the lease gone and everything comes back. */
   close(peer_copy);
   for (int i = 0; i < 100 && f->reg.npending; i++)
@@ -406,7 +406,7 @@ static void test_lease_keeps_memory_until_gone(void **state) {
   assert_int_equal(f->reg.npending, 0);
   assert_int_equal(f->reg.nwaiting, 0);
   assert_null(usage(f, 1000));
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100, 0, &x), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 100, 0, &x), 0);
 }
 
 /* The host backend with inter-process events, as the CUDA backend has them: every event has
@@ -440,24 +440,24 @@ static int setup_events(void **state) {
 
 static void test_dead_holder_range_not_reused_with_gpu_work(void **state) {
   fixture *f = *state;
-  gpupool__hold *h1, *h2, *o, *x;
+  gpd_hold *h1, *h2, *o, *x;
   uint8_t tok[GPUPOOL_TOKEN_SIZE];
-  gpupool__slab *slab;
+  gpd_slab *slab;
   int freed, peer_copy;
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), MIB, 0, &h1), 0);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), MIB, 0, &h2), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), MIB, 0, &h1), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), MIB, 0, &h2), 0);
   slab = h1->buf->slab;
   assert_ptr_equal(h2->buf->slab, slab);
-  assert_int_equal(gpupool__share(&f->reg, &f->a, h1->id, tok), 0);
-  assert_int_equal(gpupool__open(&f->reg, &f->b, tok, sizeof tok, 0, &o), 0);
+  assert_int_equal(gpd_share(&f->reg, &f->a, h1->id, tok), 0);
+  assert_int_equal(gpd_open(&f->reg, &f->b, tok, sizeof tok, 0, &o), 0);
   /* b's connection closes with work of its own possibly queued on the buffer. */
   peer_copy = dup(f->b_peer);
   close(f->b_peer);
   f->b_peer = -1;
-  gpupool__client_drop(&f->reg, &f->b);
+  gpd_client_drop(&f->reg, &f->b);
   give_lease(f, &f->b, &f->b_peer);
-  gpupool__client_init(&f->reg, &f->b);
-  assert_int_equal(gpupool__release(&f->reg, &f->a, h1->id, 0, &freed), 0);
+  gpd_client_init(&f->reg, &f->b);
+  assert_int_equal(gpd_release(&f->reg, &f->a, h1->id, 0, &freed), 0);
   close(peer_copy);
   for (int i = 0; i < 100 && f->reg.npending; i++)
     uv_run(&f->loop, UV_RUN_NOWAIT);
@@ -465,10 +465,10 @@ static void test_dead_holder_range_not_reused_with_gpu_work(void **state) {
   assert_int_equal(pool(f)->used, MIB);
   /* The slab takes no new buffers; it goes back once its last buffer does. */
   assert_true(slab->retiring);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), MIB, 0, &x), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), MIB, 0, &x), 0);
   assert_ptr_not_equal(x->buf->slab, slab);
   assert_int_equal(pool(f)->nslabs, 2);
-  assert_int_equal(gpupool__release(&f->reg, &f->a, h2->id, 0, &freed), 0);
+  assert_int_equal(gpd_release(&f->reg, &f->a, h2->id, 0, &freed), 0);
   assert_int_equal(pool(f)->nslabs, 1);
 }
 
@@ -478,19 +478,19 @@ static void test_dead_holder_range_not_reused_with_gpu_work(void **state) {
  * exits (found by fuzz_daemon; regression input tests/fuzz/regress/daemon/). */
 static void test_close_with_a_live_dead_client(void **state) {
   fixture *f = *state;
-  gpupool__hold *h;
-  gpupool__desc_storage ds;
+  gpd_hold *h;
+  gpd_desc_storage ds;
   int rounds;
 
   /* a's process lives on (its end of the lease stays open) after its connection is gone. */
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 4096, 0, &h), 0);
-  gpupool__fill_desc(&f->reg, &f->a, h, NULL, &ds); /* a maps the slab */
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 4096, 0, &h), 0);
+  gpd_fill_desc(&f->reg, &f->a, h, NULL, &ds); /* a maps the slab */
   assert_non_null(ds.slab.export_data.data);
-  gpupool__client_drop(&f->reg, &f->a);
-  gpupool__client_drop(&f->reg, &f->b);
-  gpupool__client_drop(&f->reg, &f->x);
+  gpd_client_drop(&f->reg, &f->a);
+  gpd_client_drop(&f->reg, &f->b);
+  gpd_client_drop(&f->reg, &f->x);
   assert_int_equal(f->reg.npending, 1); /* waits for a's lease */
-  gpupool__registry_close(&f->reg);
+  gpd_registry_close(&f->reg);
   for (rounds = 0; rounds < 100 && uv_loop_alive(&f->loop); rounds++)
     uv_run(&f->loop, UV_RUN_NOWAIT);
   assert_false(uv_loop_alive(&f->loop));
@@ -597,20 +597,20 @@ static int teardown_tenant_pools(void **state) {
   return 0;
 }
 
-static int fake_serial(const gpupool__slab *s) { return ((const fake_pool *)s->inst->bp)->serial; }
+static int fake_serial(const gpd_slab *s) { return ((const fake_pool *)s->inst->bp)->serial; }
 
 static void test_tenant_pools_per_tenant(void **state) {
   fixture *f = *state;
-  gpupool__hold *ha, *hb, *hx;
+  gpd_hold *ha, *hb, *hx;
   int fa, fb, fx, freed;
   Gpupool__Wire__PoolInfo pi;
 
   /* The startup check made one and destroyed it: nothing exists before first use. */
   assert_int_equal(fake_live, 0);
   assert_int_equal(pool(f)->ninsts, 0);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), MIB, 0, &ha), 0);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), MIB, 0, &hx), 0);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->b, pool(f), MIB, 0, &hb), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), MIB, 0, &ha), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->x, pool(f), MIB, 0, &hx), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->b, pool(f), MIB, 0, &hb), 0);
   /* Two tenants, two backend pools; a and b are one tenant and share theirs. */
   assert_int_equal(pool(f)->ninsts, 2);
   assert_int_equal(fake_live, 2);
@@ -618,115 +618,115 @@ static void test_tenant_pools_per_tenant(void **state) {
   assert_int_not_equal(fake_serial(ha->buf->slab), fake_serial(hx->buf->slab));
   assert_ptr_equal(hb->buf->slab->inst, ha->buf->slab->inst);
   /* AttachPool hands each the fd of its own tenant's backend pool, and makes none anew. */
-  assert_int_equal(gpupool__attach(&f->reg, &f->a, pool(f), &fa), 0);
-  assert_int_equal(gpupool__attach(&f->reg, &f->b, pool(f), &fb), 0);
-  assert_int_equal(gpupool__attach(&f->reg, &f->x, pool(f), &fx), 0);
+  assert_int_equal(gpd_attach(&f->reg, &f->a, pool(f), &fa), 0);
+  assert_int_equal(gpd_attach(&f->reg, &f->b, pool(f), &fb), 0);
+  assert_int_equal(gpd_attach(&f->reg, &f->x, pool(f), &fx), 0);
   assert_int_equal(fa, ha->buf->slab->inst->fd);
   assert_int_equal(fb, fa);
   assert_int_equal(fx, hx->buf->slab->inst->fd);
   assert_int_not_equal(fx, fa);
   assert_int_equal(fake_live, 2);
   /* Stats sum the backend pools. */
-  gpupool__fill_pool_info(&f->reg, pool(f), &pi);
+  gpd_fill_pool_info(&f->reg, pool(f), &pi);
   assert_int_equal(pi.instances, 2);
   assert_int_equal(pi.reserved, 16 * MIB);
   assert_int_equal(pi.backend_reserved, 16 * MIB);
   assert_int_equal(pi.backend_used, 16 * MIB);
-  assert_int_equal(gpupool__release(&f->reg, &f->a, ha->id, 0, &freed), 0);
-  assert_int_equal(gpupool__release(&f->reg, &f->b, hb->id, 0, &freed), 0);
-  assert_int_equal(gpupool__release(&f->reg, &f->x, hx->id, 0, &freed), 0);
+  assert_int_equal(gpd_release(&f->reg, &f->a, ha->id, 0, &freed), 0);
+  assert_int_equal(gpd_release(&f->reg, &f->b, hb->id, 0, &freed), 0);
+  assert_int_equal(gpd_release(&f->reg, &f->x, hx->id, 0, &freed), 0);
 }
 
 static void test_tenant_pools_group(void **state) {
   fixture *f = *state;
-  gpupool__pool *sp = gpupool__pool_find(&f->reg, "s", 0);
-  gpupool__hold *ha, *hx;
+  gpd_pool *sp = gpd_pool_find(&f->reg, "s", 0);
+  gpd_hold *ha, *hx;
   int fa, fx, fb, freed;
 
   /* A pool shared with group ml: its members (a, x: two tenants) share one backend pool. */
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, sp, MIB, 0, &ha), 0);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->x, sp, MIB, 0, &hx), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, sp, MIB, 0, &ha), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->x, sp, MIB, 0, &hx), 0);
   assert_ptr_equal(ha->buf->slab->inst, hx->buf->slab->inst);
   assert_int_equal(sp->ninsts, 1);
-  assert_int_equal(gpupool__attach(&f->reg, &f->a, sp, &fa), 0);
-  assert_int_equal(gpupool__attach(&f->reg, &f->x, sp, &fx), 0);
+  assert_int_equal(gpd_attach(&f->reg, &f->a, sp, &fa), 0);
+  assert_int_equal(gpd_attach(&f->reg, &f->x, sp, &fx), 0);
   assert_int_equal(fa, fx);
   assert_int_equal(fa, ha->buf->slab->inst->fd);
   /* A non-member gets no fd of it. */
-  assert_int_equal(gpupool__attach(&f->reg, &f->b, sp, &fb), GPUPOOL_EPERM);
+  assert_int_equal(gpd_attach(&f->reg, &f->b, sp, &fb), GPUPOOL_EPERM);
   assert_int_equal(fb, -1);
   assert_non_null(strstr(gpupool__errmsg(), "group 'ml'"));
   assert_int_equal(sp->ninsts, 1);
-  assert_int_equal(gpupool__release(&f->reg, &f->a, ha->id, 0, &freed), 0);
-  assert_int_equal(gpupool__release(&f->reg, &f->x, hx->id, 0, &freed), 0);
+  assert_int_equal(gpd_release(&f->reg, &f->a, ha->id, 0, &freed), 0);
+  assert_int_equal(gpd_release(&f->reg, &f->x, hx->id, 0, &freed), 0);
 }
 
 static void test_tenant_pools_capacity_shared(void **state) {
   fixture *f = *state;
-  gpupool__hold *ha, *hx;
+  gpd_hold *ha, *hx;
   int freed;
 
   /* 64 MiB for both tenants together. */
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 40 * MIB, 0, &ha), 0);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), 32 * MIB, 0, &hx), GPUPOOL_ENOSPC);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 40 * MIB, 0, &ha), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->x, pool(f), 32 * MIB, 0, &hx), GPUPOOL_ENOSPC);
   assert_non_null(strstr(gpupool__errmsg(), "pool 'p' is out of memory"));
   /* A tenant that failed to get its first slab keeps no backend pool. */
   assert_int_equal(pool(f)->ninsts, 1);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), 24 * MIB, 0, &hx), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->x, pool(f), 24 * MIB, 0, &hx), 0);
   assert_int_equal(pool(f)->held, 64 * MIB);
-  assert_int_equal(gpupool__release(&f->reg, &f->a, ha->id, 0, &freed), 0);
-  assert_int_equal(gpupool__release(&f->reg, &f->x, hx->id, 0, &freed), 0);
+  assert_int_equal(gpd_release(&f->reg, &f->a, ha->id, 0, &freed), 0);
+  assert_int_equal(gpd_release(&f->reg, &f->x, hx->id, 0, &freed), 0);
 }
 
 static void test_tenant_pools_idle_destroyed(void **state) {
   fixture *f = *state;
-  gpupool__hold *hx, *ha;
+  gpd_hold *hx, *ha;
   Gpupool__Wire__PoolInfo pi;
   int fx, freed;
 
   /* x attaches (its backend pool exists from then on), takes 32 MiB and lets go. */
-  assert_int_equal(gpupool__attach(&f->reg, &f->x, pool(f), &fx), 0);
+  assert_int_equal(gpd_attach(&f->reg, &f->x, pool(f), &fx), 0);
   assert_int_equal(fake_live, 1);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), 32 * MIB, 0, &hx), 0);
-  assert_int_equal(gpupool__release(&f->reg, &f->x, hx->id, 0, &freed), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->x, pool(f), 32 * MIB, 0, &hx), 0);
+  assert_int_equal(gpd_release(&f->reg, &f->x, hx->id, 0, &freed), 0);
   assert_int_equal(pool(f)->reserved, 0);
   /* Its backend pool lives on while x is connected, and keeps what it reserved: a cannot
    * have that memory yet. */
   assert_int_equal(pool(f)->ninsts, 1);
   assert_int_equal(pool(f)->held, 32 * MIB);
-  gpupool__fill_pool_info(&f->reg, pool(f), &pi);
+  gpd_fill_pool_info(&f->reg, pool(f), &pi);
   assert_int_equal(pi.held, 32 * MIB);
   assert_int_equal(pi.backend_reserved, 32 * MIB);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 40 * MIB, 0, &ha), GPUPOOL_ENOSPC);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 40 * MIB, 0, &ha), GPUPOOL_ENOSPC);
   assert_int_equal(fake_live, 1);
   /* x goes: its backend pool is idle, destroyed, and the memory counts as free again. */
   close(f->x_peer);
   f->x_peer = -1;
-  gpupool__client_drop(&f->reg, &f->x);
+  gpd_client_drop(&f->reg, &f->x);
   give_lease(f, &f->x, &f->x_peer);
-  gpupool__client_init(&f->reg, &f->x);
+  gpd_client_init(&f->reg, &f->x);
   assert_int_equal(fake_live, 0);
   assert_int_equal(pool(f)->ninsts, 0);
   assert_int_equal(pool(f)->held, 0);
-  gpupool__fill_pool_info(&f->reg, pool(f), &pi);
+  gpd_fill_pool_info(&f->reg, pool(f), &pi);
   assert_int_equal(pi.backend_reserved, 0);
   assert_int_equal(pi.backend_reserved_high, 32 * MIB);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 40 * MIB, 0, &ha), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 40 * MIB, 0, &ha), 0);
   assert_int_equal(fake_live, 1);
   /* A tenant that never attached loses its backend pool with its last slab. */
-  assert_int_equal(gpupool__release(&f->reg, &f->a, ha->id, 0, &freed), 0);
+  assert_int_equal(gpd_release(&f->reg, &f->a, ha->id, 0, &freed), 0);
   assert_int_equal(fake_live, 0);
   assert_int_equal(pool(f)->held, 0);
   /* A new backend pool for x now: never the old one again (its fd may still be out there). */
-  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), MIB, 0, &hx), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->x, pool(f), MIB, 0, &hx), 0);
   assert_int_equal(fake_serial(hx->buf->slab), fake_created);
   assert_true(fake_created >= 4);
-  assert_int_equal(gpupool__release(&f->reg, &f->x, hx->id, 0, &freed), 0);
+  assert_int_equal(gpd_release(&f->reg, &f->x, hx->id, 0, &freed), 0);
   /* Its empty slab is kept (keep_slabs = 1); trimming gives it back and the pool goes. */
   assert_int_equal(fake_live, 1);
   {
     uint32_t fr, rv;
-    gpupool__trim(&f->reg, &fr, &rv);
+    gpd_trim(&f->reg, &fr, &rv);
   }
   assert_int_equal(fake_live, 0);
 }
@@ -735,16 +735,16 @@ static void test_tenant_pools_idle_destroyed(void **state) {
  * each refusal names the cause and changes nothing; a good one makes a version. */
 static void test_bundle_checks(void **state) {
   fixture *f = *state;
-  gpupool__hold *h1, *h2, *x1, **hs = NULL;
-  const gpupool__name *nm;
+  gpd_hold *h1, *h2, *x1, **hs = NULL;
+  const gpd_name *nm;
   Gpupool__Wire__BundleMember m[3], *mp[3];
   Gpupool__Wire__TensorMeta tm = GPUPOOL__WIRE__TENSOR_META__INIT;
   int64_t shape[1] = {11};
   uint64_t ids[3], v = 0;
 
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100, 0, &h1), 0);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100, 0, &h2), 0);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->x, pool(f), 100, 0, &x1), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 100, 0, &h1), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 100, 0, &h2), 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->x, pool(f), 100, 0, &x1), 0);
   for (int i = 0; i < 3; i++) {
     gpupool__wire__bundle_member__init(&m[i]);
     mp[i] = &m[i];
@@ -758,68 +758,68 @@ static void test_bundle_checks(void **state) {
   ids[1] = h2->id;
   /* Member in a buffer that is not listed. */
   m[2].buffer = 2;
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool__errmsg(), "names buffer 2"));
   m[2].buffer = 0;
   /* Range past its buffer, and one whose end overflows. */
   m[2].offset = 95;
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool__errmsg(), "does not fit"));
   m[2].offset = UINT64_MAX - 5;
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
   m[2].offset = 20;
   /* Zero size, no name, duplicate names. */
   m[2].size = 0;
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
   m[2].size = 10;
   m[2].name = NULL;
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_ENAME);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_ENAME);
   m[2].name = (char *)"a";
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool__errmsg(), "'a' appears twice"));
   m[2].name = (char *)"c";
   /* A description larger than its member. */
   ts_tensor_meta(&tm, GPUPOOL_DTYPE_UINT, 8, 1, shape);
   m[2].tensor = &tm;
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EMETA);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EMETA);
   assert_non_null(strstr(gpupool__errmsg(), "member 2 ('c')"));
   shape[0] = 10;
   /* A buffer listed twice, a buffer no member uses, another client's hold, another tenant's. */
   ids[1] = h1->id;
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool__errmsg(), "listed twice"));
   ids[1] = h2->id;
   ids[2] = x1->id;
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 3, mp, 3, 0, &v), GPUPOOL_EPERM);
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->x, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EPERM);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 3, mp, 3, 0, &v), GPUPOOL_EPERM);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->x, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EPERM);
   assert_int_equal(f->reg.nnames, 0);
   /* Too many holds for the members, none at all. */
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 0, mp, 3, 0, &v), GPUPOOL_EINVAL);
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 0, 0, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 0, mp, 3, 0, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 0, 0, &v), GPUPOOL_EINVAL);
   /* Good: version 1, then 2 in the same step; the same tenant gets it whole. */
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), 0);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), 0);
   assert_int_equal(v, 1);
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), 0);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), 0);
   assert_int_equal(v, 2);
   assert_int_equal(f->reg.nnames, 1);
-  assert_int_equal(gpupool__get_bundle(&f->reg, &f->b, "bb", 1, 0, &hs, &nm), 0);
+  assert_int_equal(gpd_get_bundle(&f->reg, &f->b, "bb", 1, 0, &hs, &nm), 0);
   assert_int_equal(nm->nbufs, 2);
   assert_int_equal(nm->layout->n, 3);
   assert_int_equal(nm->version, 2);
   assert_ptr_equal(hs[0]->buf, h1->buf);
   assert_non_null(nm->layout->members[2].meta);
-  gpupool__hold_discard(&f->reg, hs[0]);
-  gpupool__hold_discard(&f->reg, hs[1]);
+  gpd_hold_discard(&f->reg, hs[0]);
+  gpd_hold_discard(&f->reg, hs[1]);
   free(hs);
-  assert_int_equal(gpupool__get_bundle(&f->reg, &f->b, "bb", 1, 2, &hs, &nm), GPUPOOL_ENOENT);
-  assert_int_equal(gpupool__get_bundle(&f->reg, &f->x, "bb", 1, 0, &hs, &nm), GPUPOOL_ENOENT);
-  assert_int_equal(gpupool__unpublish(&f->reg, &f->a, "bb"), 0);
+  assert_int_equal(gpd_get_bundle(&f->reg, &f->b, "bb", 1, 2, &hs, &nm), GPUPOOL_ENOENT);
+  assert_int_equal(gpd_get_bundle(&f->reg, &f->x, "bb", 1, 0, &hs, &nm), GPUPOOL_ENOENT);
+  assert_int_equal(gpd_unpublish(&f->reg, &f->a, "bb"), 0);
   {
     int freed;
-    assert_int_equal(gpupool__release(&f->reg, &f->a, h1->id, 0, &freed), 0);
+    assert_int_equal(gpd_release(&f->reg, &f->a, h1->id, 0, &freed), 0);
     assert_true(freed);
-    assert_int_equal(gpupool__release(&f->reg, &f->a, h2->id, 0, &freed), 0);
-    assert_int_equal(gpupool__release(&f->reg, &f->x, x1->id, 0, &freed), 0);
+    assert_int_equal(gpd_release(&f->reg, &f->a, h2->id, 0, &freed), 0);
+    assert_int_equal(gpd_release(&f->reg, &f->x, x1->id, 0, &freed), 0);
   }
   assert_int_equal(pool(f)->used, 0);
 }
@@ -829,11 +829,11 @@ static void test_bundle_checks(void **state) {
 static void test_layout_by_id(void **state) {
   fixture *f = *state;
   Gpupool__Wire__MemberSpec sp[2], *spp[2];
-  gpupool__bundle_plan *plan = NULL;
-  gpupool__hold **hs = NULL, *small, **got = NULL;
-  const gpupool__name *nm;
+  gpd_bundle_plan *plan = NULL;
+  gpd_hold **hs = NULL, *small, **got = NULL;
+  const gpd_name *nm;
   uint64_t id, ids[2], v = 0;
-  gpupool__uid_usage *u;
+  gpd_uid_usage *u;
 
   for (int i = 0; i < 2; i++) {
     gpupool__wire__member_spec__init(&sp[i]);
@@ -842,62 +842,62 @@ static void test_layout_by_id(void **state) {
   }
   sp[0].name = (char *)"w";
   sp[1].name = (char *)"b";
-  assert_int_equal(gpupool__bundle_plan_new(&f->reg, &f->a, pool(f), spp, 2, 0, &plan), 0);
-  assert_int_equal(gpupool__bundle_allocate(&f->reg, &f->a, plan, &hs), 0);
+  assert_int_equal(gpd_bundle_plan_new(&f->reg, &f->a, pool(f), spp, 2, 0, &plan), 0);
+  assert_int_equal(gpd_bundle_allocate(&f->reg, &f->a, plan, &hs), 0);
   id = plan->layout->id;
-  gpupool__bundle_plan_free(plan);
+  gpd_bundle_plan_free(plan);
   assert_non_null(gpupool__hmap_get(&f->reg.layouts, id)); /* the buffer keeps it */
   /* An equal table of the same tenant shares the layout (double buffering: one id for both
    * bundles); another tenant's, or another table, does not. */
   {
-    gpupool__bundle_plan *p2 = NULL;
-    assert_int_equal(gpupool__bundle_plan_new(&f->reg, &f->a, pool(f), spp, 2, 0, &p2), 0);
+    gpd_bundle_plan *p2 = NULL;
+    assert_int_equal(gpd_bundle_plan_new(&f->reg, &f->a, pool(f), spp, 2, 0, &p2), 0);
     assert_int_equal(p2->layout->id, id);
-    gpupool__bundle_plan_free(p2);
-    assert_int_equal(gpupool__bundle_plan_new(&f->reg, &f->x, pool(f), spp, 2, 0, &p2), 0);
+    gpd_bundle_plan_free(p2);
+    assert_int_equal(gpd_bundle_plan_new(&f->reg, &f->x, pool(f), spp, 2, 0, &p2), 0);
     assert_true(p2->layout->id != id);
-    gpupool__bundle_plan_free(p2);
+    gpd_bundle_plan_free(p2);
     sp[1].size = 1001;
-    assert_int_equal(gpupool__bundle_plan_new(&f->reg, &f->a, pool(f), spp, 2, 0, &p2), 0);
+    assert_int_equal(gpd_bundle_plan_new(&f->reg, &f->a, pool(f), spp, 2, 0, &p2), 0);
     assert_true(p2->layout->id != id);
-    gpupool__bundle_plan_free(p2);
+    gpd_bundle_plan_free(p2);
     sp[1].size = 1000;
   }
   ids[0] = hs[0]->id;
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "L", ids, 1, NULL, 0, id, &v), 0);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "L", ids, 1, NULL, 0, id, &v), 0);
   assert_int_equal(v, 1);
-  assert_int_equal(gpupool__get_bundle(&f->reg, &f->b, "L", 1, 0, &got, &nm), 0);
+  assert_int_equal(gpd_get_bundle(&f->reg, &f->b, "L", 1, 0, &got, &nm), 0);
   assert_int_equal(nm->layout->id, id);
   assert_int_equal(nm->layout->n, 2);
-  gpupool__hold_discard(&f->reg, got[0]);
+  gpd_hold_discard(&f->reg, got[0]);
   free(got);
   /* Wrong: another tenant, a buffer too small, a count of buffers the table does not span, an
    * unknown id, members and an id together. */
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->x, "L", ids, 1, NULL, 0, id, &v), GPUPOOL_ENOENT);
-  assert_int_equal(gpupool__allocate(&f->reg, &f->a, pool(f), 100, 0, &small), 0);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->x, "L", ids, 1, NULL, 0, id, &v), GPUPOOL_ENOENT);
+  assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 100, 0, &small), 0);
   ids[1] = small->id;
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "L", ids + 1, 1, NULL, 0, id, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "L", ids + 1, 1, NULL, 0, id, &v), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool__errmsg(), "needs"));
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "L", ids, 2, NULL, 0, id, &v), GPUPOOL_EINVAL);
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "L", ids, 1, NULL, 0, id + 1000, &v), GPUPOOL_ENOENT);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "L", ids, 2, NULL, 0, id, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "L", ids, 1, NULL, 0, id + 1000, &v), GPUPOOL_ENOENT);
   {
     Gpupool__Wire__BundleMember m = GPUPOOL__WIRE__BUNDLE_MEMBER__INIT, *mp = &m;
     m.name = (char *)"x";
     m.size = 10;
-    assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "L", ids, 1, &mp, 1, id, &v), GPUPOOL_EINVAL);
+    assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "L", ids, 1, &mp, 1, id, &v), GPUPOOL_EINVAL);
   }
   /* Version 2 by the same id; then everything goes and so does the table and its count. */
-  assert_int_equal(gpupool__publish_bundle(&f->reg, &f->a, "L", ids, 1, NULL, 0, id, &v), 0);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "L", ids, 1, NULL, 0, id, &v), 0);
   assert_int_equal(v, 2);
   u = gpupool__hmap_get(&f->reg.uids, f->a.tenant);
   assert_non_null(u);
   assert_int_equal(u->members, 2);
-  assert_int_equal(gpupool__unpublish(&f->reg, &f->a, "L"), 0);
+  assert_int_equal(gpd_unpublish(&f->reg, &f->a, "L"), 0);
   {
     int freed;
-    assert_int_equal(gpupool__release(&f->reg, &f->a, hs[0]->id, 0, &freed), 0);
+    assert_int_equal(gpd_release(&f->reg, &f->a, hs[0]->id, 0, &freed), 0);
     assert_true(freed);
-    assert_int_equal(gpupool__release(&f->reg, &f->a, small->id, 0, &freed), 0);
+    assert_int_equal(gpd_release(&f->reg, &f->a, small->id, 0, &freed), 0);
   }
   free(hs);
   assert_null(gpupool__hmap_get(&f->reg.layouts, id));
@@ -911,8 +911,8 @@ static void test_layout_by_id(void **state) {
 static void test_bundle_rollback_returns_nothing(void **state) {
   fixture *f = *state;
   Gpupool__Wire__MemberSpec sp[2], *spp[2];
-  gpupool__bundle_plan *plan = NULL;
-  gpupool__hold **hs = NULL;
+  gpd_bundle_plan *plan = NULL;
+  gpd_hold **hs = NULL;
   uint64_t used = pool(f)->used;
   for (int i = 0; i < 2; i++) {
     gpupool__wire__member_spec__init(&sp[i]);
@@ -921,17 +921,17 @@ static void test_bundle_rollback_returns_nothing(void **state) {
   }
   sp[0].name = (char *)"a";
   sp[1].name = (char *)"b";
-  assert_int_equal(gpupool__bundle_plan_new(&f->reg, &f->a, pool(f), spp, 2, 0, &plan), 0);
+  assert_int_equal(gpd_bundle_plan_new(&f->reg, &f->a, pool(f), spp, 2, 0, &plan), 0);
   /* Two chunks, the second larger than the pool can hold next to the first. */
   plan->nchunks = 2;
   plan->chunks[0] = 1 << 20;
   plan->chunks[1] = 60ull << 20;
   f->reg.memory_returned = 0;
-  assert_int_not_equal(gpupool__bundle_allocate(&f->reg, &f->a, plan, &hs), 0);
+  assert_int_not_equal(gpd_bundle_allocate(&f->reg, &f->a, plan, &hs), 0);
   assert_int_equal(f->reg.memory_returned, 0);
   assert_int_equal(pool(f)->used, used);
   plan->nchunks = 1;
-  gpupool__bundle_plan_free(plan);
+  gpd_bundle_plan_free(plan);
 }
 
 int main(void) {
