@@ -288,15 +288,16 @@ int gpupool__call_send(gpupool_client *c, gpupool__req *req, pending **out, int 
   rc = gpupool__wire_send(c->fd, buf, len, send_fd >= 0 ? &send_fd : NULL, send_fd >= 0 ? 1 : 0);
   free(buf);
   if (rc != 0) {
+    char msg[160];
+    int code;
+    /* The send's own reason, taken before refusal() may read (and fail to read) a reply. */
+    snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
     free(p);
     /* The daemon may have refused this connection (too many clients, uid not allowed) and
      * closed it before our request went out: its reason is still readable. */
-    int code = refusal(c);
-    if (code)
+    if ((code = refusal(c)) != 0)
       return code;
     if (c->hs_deadline_ns) {
-      char msg[160];
-      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
       gpupool__set_broken(c, rc == GPUPOOL_ETIMEDOUT ? GPUPOOL_ETIMEDOUT : GPUPOOL_EPROTO, "");
       if (c->broken == GPUPOOL_ETIMEDOUT)
         snprintf(c->broken_msg, sizeof c->broken_msg,
