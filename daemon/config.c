@@ -24,6 +24,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <netinet/in.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -287,6 +288,31 @@ static int set_socket_mode(void *obj, const char *v) {
 
 static int set_file_paths(void *obj, const char *v) { return parse_file_paths(obj, v); }
 
+static int set_metrics_socket_group(void *obj, const char *v) {
+  gpd_config *c = obj;
+  const struct group *g;
+  char *end;
+  unsigned long n;
+
+  if (!*v) {
+    c->metrics_socket_group[0] = '\0';
+    return 0;
+  }
+  n = strtoul(v, &end, 10);
+  if (*end == '\0' && end != v && n < (gid_t)-1) {
+    c->metrics_socket_gid = (gid_t)n;
+  } else {
+    g = getgrnam(v);
+    if (g == NULL)
+      return gpupool__err(GPUPOOL_EINVAL,
+                          "metrics_socket_group '%s' is no group on this system; create it "
+                          "(groupadd, or a sysusers.d line) or give a gid",
+                          v);
+    c->metrics_socket_gid = g->gr_gid;
+  }
+  return copy_str(c->metrics_socket_group, sizeof c->metrics_socket_group, v);
+}
+
 static int set_metrics_listen(void *obj, const char *v) {
   gpd_config *c = obj;
   if (!*v) {
@@ -381,6 +407,8 @@ const gpd_config_key gpd_config_keys[] = {
     {DAEMON, .name = "allow_gids", .kind = GPUPOOL__CK_IDS, D(allow_gids), .count_off = offsetof(gpd_config, n_allow_gids),
      .doc = "gids let in beyond the socket's permissions (none: everyone)"},
     {DAEMON, .name = "metrics_socket", STR, D(metrics_socket), .doc = "Unix socket serving Prometheus metrics"},
+    {DAEMON, .name = "metrics_socket_group", FN(set_metrics_socket_group), D(metrics_socket_group),
+     .doc = "group owning metrics_socket (name or gid; none: the daemon's)"},
     {DAEMON, .name = "metrics_textfile", STR, D(metrics_textfile), .doc = "file the metrics are written to"},
     {DAEMON, .name = "metrics_interval_ms", U32, D(metrics_interval_ms), .def = "5000", .doc = "how often metrics_textfile is rewritten"},
     {DAEMON, .name = "metrics_listen", FN(set_metrics_listen), D(metrics_listen), .doc = "TCP PORT, IPV4:PORT or [IPV6]:PORT for Prometheus"},

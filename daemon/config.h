@@ -82,6 +82,10 @@ typedef struct {
   /* Metrics: Prometheus text written to this file, and/or served on this Unix socket. */
   char metrics_textfile[256];
   char metrics_socket[108];
+  /* Group given to metrics_socket (name or number; empty = the daemon's group), so scrapers
+   * need not be in the daemon's group, which lets them allocate. metrics_socket_gid is it resolved. */
+  char metrics_socket_group[64];
+  gid_t metrics_socket_gid;
   /* Opt-in TCP listener for Prometheus: "PORT" (127.0.0.1), "ADDR:PORT" or "[ADDR6]:PORT";
    * empty = none. metrics_addr is the parsed address. */
   char metrics_listen[64];

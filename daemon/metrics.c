@@ -4,15 +4,21 @@
  * This file owns three things: the request counters and latency histogram that the server
  * bumps on every request (plain arrays indexed by request type and result, so counting costs
  * a few additions on the hot path), the rendering of those together with a StatsReply
- * snapshot into the text exposition format 0.0.4, and the two ways the text leaves the
- * process:
+ * snapshot (and the standard process_* families) into the text exposition format 0.0.4, and
+ * the three ways the text leaves the process:
  * - a textfile (for node_exporter's textfile collector) rewritten every metrics_interval_ms
  *   by writing "<path>.tmp" and rename(2)-ing it over the file, so a scraper never reads a
  *   half-written file;
- * - a Unix socket that answers every connection with an HTTP/1.0 200 response holding the
- *   text and then closes; whoever may connect is decided by file permissions;
+ * - a Unix socket that answers every connection with one HTTP/1.0 response and then closes
+ *   (GET or HEAD of /metrics or / gets the text with its Content-Length, another path 404,
+ *   another method 405); whoever may connect is decided by file permissions and the
+ *   socket's group (metrics_socket_group, so scrapers need not be in the daemon's group);
  * - opt-in (metrics_listen), the same answer on a TCP address that Prometheus can scrape
  *   directly: loopback unless the operator names another address.
+ *
+ * Each of the three starts and fails on its own: one that cannot start is logged as degraded
+ * with its reason (gpd_metrics_degraded() gives the list to a status line) while the others
+ * serve, and the textfile one keeps retrying on its timer.
  *
  * Scrapers are other users' processes, so their connections are bounded like clients': each
  * listener has slots of its own (one busy listener cannot lock the other out), a peer holds a
@@ -26,6 +32,7 @@
  * on its libuv loop, so the state here needs no locking.
  */
 #include <errno.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <linux/inet_diag.h>
 #include <linux/netlink.h>
@@ -37,6 +44,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -96,6 +104,9 @@ typedef struct conn {
   char rbuf[512];
   char tail[4];   /* last bytes seen, to find the blank line across reads */
   size_t seen;    /* request bytes read so far */
+  char line[128]; /* the start of the request line ("GET /metrics HTTP/1.1") */
+  size_t linelen;
+  int line_done;
   int answered;
   int open_handles;
   int on_tcp;     /* came in on the TCP listener (its slots are apart from the Unix socket's) */
@@ -131,6 +142,10 @@ struct gpd_metrics {
   int tcp_on;
   char listen[sizeof(((gpd_config *)0)->metrics_listen)];
   int sock_bound; /* the socket file is ours to remove */
+  /* Why each exporter is not serving ("" while it is): each starts and fails on its own. */
+  char why_textfile[GPUPOOL__ERRMSG_MAX];
+  char why_socket[GPUPOOL__ERRMSG_MAX];
+  char why_tcp[GPUPOOL__ERRMSG_MAX];
   int write_failing;
   conn *conns;
   int nconns;
@@ -338,12 +353,78 @@ static void render_stats(sbuf *b, const Gpupool__Wire__StatsReply *st) {
   }
 }
 
+/* The standard process_* families (Prometheus client libraries' names and types), from
+ * /proc/self: what a dashboard made for any exporter shows without knowing gpupool. A value
+ * that cannot be read is left out rather than shown as 0. */
+static void render_process(sbuf *b) {
+  long tck = sysconf(_SC_CLK_TCK), page = sysconf(_SC_PAGESIZE);
+  unsigned long long utime = 0, stime = 0, start = 0, vsize = 0, btime = 0;
+  long long rss = 0;
+  int have_stat = 0, fds = -1;
+  struct rlimit rl;
+  char buf[1024];
+  FILE *f;
+
+  f = fopen("/proc/self/stat", "re");
+  if (f != NULL) {
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    char *p;
+    buf[n] = '\0';
+    fclose(f);
+    /* Fields after the command name, which may hold spaces: state is field 3. */
+    p = strrchr(buf, ')');
+    if (p != NULL &&
+        sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu %*d %*d %*d %*d %*d %*d "
+                      "%llu %llu %lld", &utime, &stime, &start, &vsize, &rss) == 5)
+      have_stat = 1;
+  }
+  f = fopen("/proc/stat", "re");
+  if (f != NULL) {
+    while (fgets(buf, sizeof buf, f) != NULL)
+      if (sscanf(buf, "btime %llu", &btime) == 1)
+        break;
+    fclose(f);
+  }
+  {
+    DIR *d = opendir("/proc/self/fd");
+    if (d != NULL) {
+      struct dirent *e;
+      fds = 0;
+      while ((e = readdir(d)) != NULL)
+        fds += e->d_name[0] != '.';
+      fds--; /* the directory's own fd */
+      closedir(d);
+    }
+  }
+  if (have_stat && tck > 0) {
+    sb_printf(b, "# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.\n"
+                 "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total %.2f\n",
+              (double)(utime + stime) / (double)tck);
+    sb_printf(b, "# HELP process_resident_memory_bytes Resident memory size in bytes.\n"
+                 "# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes %lld\n",
+              rss * (long long)page);
+    sb_printf(b, "# HELP process_virtual_memory_bytes Virtual memory size in bytes.\n"
+                 "# TYPE process_virtual_memory_bytes gauge\nprocess_virtual_memory_bytes %llu\n", vsize);
+    if (btime > 0)
+      sb_printf(b, "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n"
+                   "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds %.2f\n",
+                (double)btime + (double)start / (double)tck);
+  }
+  if (fds >= 0)
+    sb_printf(b, "# HELP process_open_fds Number of open file descriptors.\n"
+                 "# TYPE process_open_fds gauge\nprocess_open_fds %d\n", fds);
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
+    sb_printf(b, "# HELP process_max_fds Maximum number of open file descriptors.\n"
+                 "# TYPE process_max_fds gauge\nprocess_max_fds %llu\n", (unsigned long long)rl.rlim_cur);
+}
+
 char *gpd_metrics_render(const gpd_metrics *m, const Gpupool__Wire__StatsReply *st) {
   sbuf b = {0};
 
   if (st != NULL)
     render_stats(&b, st);
   render_requests(&b, m);
+  render_process(&b);
   if (b.oom) {
     free(b.p);
     return NULL;
@@ -353,7 +434,7 @@ char *gpd_metrics_render(const gpd_metrics *m, const Gpupool__Wire__StatsReply *
 
 /* ---- exposition: textfile and socket -------------------------------------------------------- */
 
-static const char http_head[] = "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\r\n";
+#define CT_METRICS "text/plain; version=0.0.4; charset=utf-8"
 
 /* Frees m once close() was called and nothing of it is open any more. */
 static void maybe_free(gpd_metrics *m) {
@@ -447,14 +528,18 @@ out:
   if (what != NULL) {
     unlink(m->tmpfile);
     /* Say it once when it starts failing and once when it recovers, not every interval. */
-    if (!m->write_failing)
-      GPUPOOL__WARN("metrics: cannot %s %s: %s; the textfile keeps its last content until this is "
-              "fixed",
-              what, what[0] == 'r' ? m->textfile : m->tmpfile, strerror(err));
+    if (!m->write_failing) {
+      snprintf(m->why_textfile, sizeof m->why_textfile, "cannot %s %s: %s", what,
+               what[0] == 'r' ? m->textfile : m->tmpfile, strerror(err));
+      GPUPOOL__WARN("metrics: textfile exporter degraded: %s; the textfile keeps its last content "
+                    "and is retried every interval",
+                    m->why_textfile);
+    }
     m->write_failing = 1;
   } else if (m->write_failing) {
-    GPUPOOL__INFO("metrics: writing %s again", m->textfile);
+    GPUPOOL__INFO("metrics: textfile exporter recovered: writing %s again", m->textfile);
     m->write_failing = 0;
+    m->why_textfile[0] = '\0';
   }
   free(text);
 }
@@ -497,21 +582,70 @@ static void on_write_timeout(uv_timer_t *t) {
   conn_close(t->data);
 }
 
+/* What the request line asks for: the status line, extra headers and whether the metrics
+ * (or a short text) go in the body. Only GET and HEAD of /metrics (or /) are served, as
+ * Prometheus and curl ask; an empty request (a peer that sends nothing) gets the metrics. */
+typedef struct {
+  const char *status;
+  const char *extra;
+  const char *body; /* NULL: the metrics text */
+  int head_only;
+} http_answer;
+
+static http_answer route(const conn *c) {
+  char method[16] = "", target[96] = "";
+  http_answer a = {"200 OK", "", NULL, 0};
+  char *q;
+
+  if (c->linelen == 0)
+    return a;
+  if (sscanf(c->line, "%15s %95s", method, target) != 2 || target[0] != '/') {
+    a.status = "400 Bad Request";
+    a.body = "bad request: send GET /metrics\n";
+    return a;
+  }
+  if ((q = strchr(target, '?')) != NULL)
+    *q = '\0';
+  if (strcmp(method, "GET") != 0 && strcmp(method, "HEAD") != 0) {
+    a.status = "405 Method Not Allowed";
+    a.extra = "Allow: GET, HEAD\r\n";
+    a.body = "method not allowed: use GET or HEAD\n";
+    return a;
+  }
+  a.head_only = method[0] == 'H';
+  if (strcmp(target, "/metrics") != 0 && strcmp(target, "/") != 0) {
+    a.status = "404 Not Found";
+    a.body = "not found: the metrics are at /metrics\n";
+  }
+  return a;
+}
+
 static void conn_answer(conn *c) {
-  char *text;
-  size_t tl, hl = sizeof(http_head) - 1;
+  http_answer a = route(c);
+  char *text = NULL;
+  const char *body;
+  char head[256];
+  size_t tl, hl;
   uv_buf_t buf;
 
   if (c->answered)
     return;
   c->answered = 1;
   uv_timer_stop(&c->timer);
-  text = snapshot_text(c->m);
-  if (text == NULL) {
-    conn_close(c);
-    return;
+  if (a.body == NULL) {
+    text = snapshot_text(c->m);
+    if (text == NULL) {
+      conn_close(c);
+      return;
+    }
   }
-  tl = strlen(text);
+  body = text != NULL ? text : a.body;
+  tl = strlen(body);
+  hl = (size_t)snprintf(head, sizeof head,
+                        "HTTP/1.0 %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%sConnection: close\r\n\r\n",
+                        a.status, text != NULL ? CT_METRICS : "text/plain; charset=utf-8", tl, a.extra);
+  if (a.head_only)
+    tl = 0;
   c->resp = malloc(hl + tl);
   if (c->resp == NULL) {
     free(text);
@@ -519,8 +653,8 @@ static void conn_answer(conn *c) {
     conn_close(c);
     return;
   }
-  memcpy(c->resp, http_head, hl);
-  memcpy(c->resp + hl, text, tl);
+  memcpy(c->resp, head, hl);
+  memcpy(c->resp + hl, body, tl);
   free(text);
   buf = uv_buf_init(c->resp, (unsigned)(hl + tl));
   c->wr.data = c;
@@ -535,8 +669,9 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
   *buf = uv_buf_init(c->rbuf, sizeof(c->rbuf));
 }
 
-/* The request is read (so closing does not reset the peer's connection) and ignored; the
- * answer goes out at the blank line that ends the request head, at EOF, or after a second. */
+/* The request is read (so closing does not reset the peer's connection); its line decides
+ * the answer, its headers are ignored. The answer goes out at the blank line that ends the
+ * request head, at EOF, or after a second. */
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
   conn *c = s->data;
 
@@ -548,6 +683,12 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
     return;
   }
   for (ssize_t i = 0; i < nread && !c->answered; i++) {
+    if (!c->line_done) {
+      if (buf->base[i] == '\r' || buf->base[i] == '\n')
+        c->line_done = c->linelen > 0;
+      else if (c->linelen < sizeof c->line - 1)
+        c->line[c->linelen++] = buf->base[i];
+    }
     memmove(c->tail, c->tail + 1, sizeof(c->tail) - 1);
     c->tail[sizeof(c->tail) - 1] = buf->base[i];
     if (memcmp(c->tail, "\r\n\r\n", 4) == 0 || memcmp(c->tail + 2, "\n\n", 2) == 0)
@@ -819,6 +960,13 @@ static int start_socket(gpd_metrics *m, const gpd_config *cfg) {
   if (chmod(m->sock, mode) != 0)
     return gpupool__err(GPUPOOL_ECONFIG, "cannot chmod metrics_socket %s to %04o: %s", m->sock,
                         (unsigned)mode, strerror(errno));
+  /* Scrapers join this group instead of the daemon's, which would let them allocate. */
+  if (cfg->metrics_socket_group[0] != '\0' && chown(m->sock, (uid_t)-1, cfg->metrics_socket_gid) != 0)
+    return gpupool__err(GPUPOOL_ECONFIG,
+                        "cannot give metrics_socket %s the group %s (gid %u): %s; the daemon must "
+                        "be root or a member of that group (under systemd: SupplementaryGroups=)",
+                        m->sock, cfg->metrics_socket_group, (unsigned)cfg->metrics_socket_gid,
+                        strerror(errno));
   rc = uv_listen((uv_stream_t *)&m->srv, 16, on_conn);
   if (rc != 0)
     return gpupool__err(GPUPOOL_ECONFIG, "cannot listen on metrics_socket %s: %s", m->sock,
@@ -845,7 +993,23 @@ static int start_tcp(gpd_metrics *m, const gpd_config *cfg) {
                         "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK, IPAddressAllow=)",
                         m->listen, uv_strerror(rc));
   uv_unref((uv_handle_t *)&m->tcp_srv);
-  GPUPOOL__INFO("metrics: serving Prometheus text on http://%s/metrics (TCP)", m->listen);
+  {
+    /* The address really bound (metrics_listen may be a bare port), as a scraper names it. */
+    struct sockaddr_storage a;
+    char ip[INET6_ADDRSTRLEN] = "?";
+    int n = sizeof a, port = 0;
+    if (uv_tcp_getsockname(&m->tcp_srv, (struct sockaddr *)&a, &n) == 0) {
+      if (a.ss_family == AF_INET6) {
+        uv_ip6_name((const struct sockaddr_in6 *)&a, ip, sizeof ip);
+        port = ntohs(((const struct sockaddr_in6 *)&a)->sin6_port);
+      } else {
+        uv_ip4_name((const struct sockaddr_in *)&a, ip, sizeof ip);
+        port = ntohs(((const struct sockaddr_in *)&a)->sin_port);
+      }
+    }
+    GPUPOOL__INFO("metrics: serving Prometheus text on http://%s%s%s:%d/metrics (TCP)",
+                  a.ss_family == AF_INET6 ? "[" : "", ip, a.ss_family == AF_INET6 ? "]" : "", port);
+  }
   return 0;
 }
 
@@ -856,14 +1020,19 @@ static int start_textfile(gpd_metrics *m, const gpd_config *cfg) {
   /* Find an unwritable directory now, with the configuration at hand, not in a log line
    * every interval later. */
   fd = open(m->tmpfile, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
-  if (fd < 0)
-    return gpupool__err(GPUPOOL_ECONFIG,
-                        "cannot create %s for metrics_textfile: %s; create the directory, make "
-                        "it writable by the daemon (under systemd: ReadWritePaths=), or change "
-                        "metrics_textfile",
-                        m->tmpfile, strerror(errno));
-  close(fd);
-  unlink(m->tmpfile);
+  if (fd < 0) {
+    /* Degraded, not given up: the timer below retries every interval, so a directory made
+     * later (e.g. node_exporter installed after the daemon started) is picked up. */
+    snprintf(m->why_textfile, sizeof m->why_textfile, "cannot create %s: %s", m->tmpfile, strerror(errno));
+    GPUPOOL__WARN("metrics: textfile exporter degraded: %s; create the directory, make it writable "
+                  "by the daemon (under systemd: ReadWritePaths=), or change metrics_textfile; "
+                  "retried every %u ms",
+                  m->why_textfile, every);
+    m->write_failing = 1;
+  } else {
+    close(fd);
+    unlink(m->tmpfile);
+  }
   rc = uv_timer_init(m->loop, &m->timer);
   if (rc != 0)
     return gpupool__err(GPUPOOL_ECONFIG, "metrics timer: %s", uv_strerror(rc));
@@ -875,12 +1044,12 @@ static int start_textfile(gpd_metrics *m, const gpd_config *cfg) {
   if (rc != 0)
     return gpupool__err(GPUPOOL_ECONFIG, "metrics timer: %s", uv_strerror(rc));
   uv_unref((uv_handle_t *)&m->timer);
-  GPUPOOL__INFO("metrics: writing %s every %u ms", m->textfile, every);
+  if (!m->write_failing)
+    GPUPOOL__INFO("metrics: writing %s every %u ms", m->textfile, every);
   return 0;
 }
 
-/* Closes every exporter; the handle itself stays (its counters still count). */
-static void stop_exporters(gpd_metrics *m) {
+static void stop_textfile(gpd_metrics *m) {
   if (m->timer_on) {
     uv_timer_stop(&m->timer);
     close_handle(m, (uv_handle_t *)&m->timer);
@@ -889,26 +1058,69 @@ static void stop_exporters(gpd_metrics *m) {
     unlink(m->textfile);
     unlink(m->tmpfile);
   }
+}
+
+static void stop_socket(gpd_metrics *m) {
   if (m->srv_on) {
     close_handle(m, (uv_handle_t *)&m->srv);
     m->srv_on = 0;
-  }
-  if (m->tcp_on) {
-    close_handle(m, (uv_handle_t *)&m->tcp_srv);
-    m->tcp_on = 0;
   }
   if (m->sock_bound) {
     gpupool__unlink_socket(m->sock);
     m->sock_bound = 0;
   }
+}
+
+static void stop_tcp(gpd_metrics *m) {
+  if (m->tcp_on) {
+    close_handle(m, (uv_handle_t *)&m->tcp_srv);
+    m->tcp_on = 0;
+  }
+}
+
+/* Closes every exporter; the handle itself stays (its counters still count). */
+static void stop_exporters(gpd_metrics *m) {
+  stop_textfile(m);
+  stop_socket(m);
+  stop_tcp(m);
   for (conn *c = m->conns; c != NULL; c = c->next)
     conn_close(c);
 }
 
+/* Runs one exporter's start; on failure closes that one only, keeps why and logs it. */
+static void start_one(gpd_metrics *m, const gpd_config *cfg, const char *what, char *why, size_t whylen,
+                      int (*start)(gpd_metrics *, const gpd_config *), void (*stop)(gpd_metrics *)) {
+  if (start(m, cfg) == 0)
+    return;
+  /* Keep the message: closing may run calls that record their own. */
+  snprintf(why, whylen, "%s", gpupool__errmsg());
+  stop(m);
+  GPUPOOL__WARN("metrics: %s exporter degraded: %s; the other exporters serve all the same", what, why);
+}
+
+int gpd_metrics_degraded(const gpd_metrics *m, char *buf, size_t len) {
+  const struct {
+    const char *name, *why;
+  } e[] = {{"textfile", m->why_textfile}, {"socket", m->why_socket}, {"tcp", m->why_tcp}};
+  size_t at = 0;
+  int n = 0;
+
+  if (len > 0)
+    buf[0] = '\0';
+  for (size_t i = 0; i < sizeof e / sizeof e[0]; i++) {
+    if (e[i].why[0] == '\0')
+      continue;
+    if (at < len) {
+      int w = snprintf(buf + at, len - at, "%smetrics %s: %s", n ? "; " : "", e[i].name, e[i].why);
+      at = w < 0 ? len : at + (size_t)w;
+    }
+    n++;
+  }
+  return n;
+}
+
 int gpd_metrics_start(gpd_metrics *m, uv_loop_t *loop, const gpd_config *cfg,
                            const gpd_stats_source *src) {
-  int rc;
-
   if (m->started)
     return gpupool__err(GPUPOOL_EINVAL, "metrics: already started");
   m->started = 1;
@@ -919,31 +1131,13 @@ int gpd_metrics_start(gpd_metrics *m, uv_loop_t *loop, const gpd_config *cfg,
   snprintf(m->tmpfile, sizeof(m->tmpfile), "%s.tmp", cfg->metrics_textfile);
   snprintf(m->sock, sizeof(m->sock), "%s", cfg->metrics_socket);
   snprintf(m->listen, sizeof(m->listen), "%s", cfg->metrics_listen);
-  if (m->textfile[0] != '\0') {
-    rc = start_textfile(m, cfg);
-    if (rc < 0)
-      goto fail;
-  }
-  if (m->sock[0] != '\0') {
-    rc = start_socket(m, cfg);
-    if (rc < 0)
-      goto fail;
-  }
-  if (m->listen[0] != '\0') {
-    rc = start_tcp(m, cfg);
-    if (rc < 0)
-      goto fail;
-  }
+  if (m->textfile[0] != '\0')
+    start_one(m, cfg, "textfile", m->why_textfile, sizeof m->why_textfile, start_textfile, stop_textfile);
+  if (m->sock[0] != '\0')
+    start_one(m, cfg, "socket", m->why_socket, sizeof m->why_socket, start_socket, stop_socket);
+  if (m->listen[0] != '\0')
+    start_one(m, cfg, "tcp", m->why_tcp, sizeof m->why_tcp, start_tcp, stop_tcp);
   return 0;
-
-fail:
-  /* Keep the message: closing may run calls that record their own. */
-  {
-    char msg[GPUPOOL__ERRMSG_MAX];
-    snprintf(msg, sizeof(msg), "%s", gpupool__errmsg());
-    stop_exporters(m);
-    return gpupool__err(rc, "%s", msg);
-  }
 }
 
 void gpd_metrics_close(gpd_metrics *m) {

@@ -10,6 +10,7 @@
 #ifndef GPUPOOL_DAEMON_METRICS_H
 #define GPUPOOL_DAEMON_METRICS_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <uv.h>
 
@@ -50,11 +51,17 @@ void gpd_metrics_request(gpd_metrics *m, int body_case, int result, uint64_t lat
 char *gpd_metrics_render(const gpd_metrics *m, const Gpupool__Wire__StatsReply *st);
 
 /* Start the textfile writer / socket and TCP listeners configured in cfg on loop (none
- * configured = nothing to do); src is copied. 0 or a GPUPOOL_E* code with a message; after a
- * failure the handle keeps counting but exports nothing, and a handle starts only once
- * (GPUPOOL_EINVAL). */
+ * configured = nothing to do); src is copied. Each exporter starts or fails on its own: one
+ * that fails is logged and left out (see gpd_metrics_degraded; the textfile one is retried
+ * every interval) while the others serve, so this returns 0 unless the handle was already
+ * started (GPUPOOL_EINVAL). */
 int gpd_metrics_start(gpd_metrics *m, uv_loop_t *loop, const gpd_config *cfg,
                            const gpd_stats_source *src);
+
+/* Which configured exporters are not serving and why, for a status line: writes
+ * "metrics socket: <why>; metrics tcp: <why>" (or "" when all serve) into buf (truncated to
+ * len) and returns how many are degraded. */
+int gpd_metrics_degraded(const gpd_metrics *m, char *buf, size_t len);
 
 /* Close every exporter (the metrics socket file and the textfile are removed) and free the
  * handle once the loop has run the close callbacks of its handles (at once when it has none

@@ -341,9 +341,12 @@ def test_metrics(tmp):
         check(not os.path.exists(d.prom + ".tmp"), "temporary textfile left behind")
 
         resp = scrape(d.msock)
-        head = "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\r\n"
-        check(resp.startswith(head), f"socket answer head: {resp[:120]!r}")
-        stypes, sseries = parse_exposition(resp[len(head):])
+        head, _, body = resp.partition("\r\n\r\n")
+        check(head.startswith("HTTP/1.0 200 OK\r\n")
+              and "\r\nContent-Type: text/plain; version=0.0.4" in head
+              and f"\r\nContent-Length: {len(body.encode())}" in head,
+              f"socket answer head: {resp[:200]!r}")
+        stypes, sseries = parse_exposition(body)
         check(stypes == types, "socket and textfile expose different families")
         for key in ('gpupool_pool_capacity_bytes{pool="default"}',
                     'gpupool_pool_used_bytes{pool="default"}', "gpupool_names"):

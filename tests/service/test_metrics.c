@@ -6,8 +6,13 @@
  * per uid, refusal of unusable paths, clean removal on stop with no handle left open).
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <setjmp.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <strings.h>
+#include <time.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -76,7 +81,8 @@ static void check_format(const char *text) {
       for (int i = 0; i < nfam; i++)
         if (strcmp(fam[i], fam[nfam]) == 0)
           fail_msg("family %s declared twice", fam[i]);
-      assert_int_equal(strncmp(fam[nfam], "gpupool_", 8), 0);
+      if (strncmp(fam[nfam], "gpupool_", 8) != 0 && strncmp(fam[nfam], "process_", 8) != 0)
+        fail_msg("family %s is neither gpupool_* nor a standard process_* one", fam[nfam]);
       nfam++;
     } else {
       char name[96];
@@ -331,27 +337,94 @@ static void unix_addr(struct sockaddr_un *a, const char *path) {
   snprintf(a->sun_path, sizeof(a->sun_path), "%s", path);
 }
 
-/* The child plays a scraper: it sends a request, reads the answer to EOF and saves it. */
-static pid_t scrape_in_child(const char *sock, const char *out) {
+/* The child plays a scraper: it sends req, reads the answer to EOF and saves it. */
+static pid_t request_in_child_at(const char *sock, int tcp_port, const char *out, const char *req);
+static pid_t request_in_child(const char *sock, const char *out, const char *req) {
+  return request_in_child_at(sock, 0, out, req);
+}
+
+/* The same on 127.0.0.1:tcp_port when sock is NULL. */
+static pid_t request_in_child_at(const char *sock, int tcp_port, const char *out, const char *req) {
   pid_t pid = fork();
   assert_true(pid >= 0);
   if (pid == 0) {
     struct sockaddr_un a;
+    struct sockaddr_in in = {.sin_family = AF_INET, .sin_port = htons((uint16_t)tcp_port)};
     char buf[4096];
     FILE *f = fopen(out, "we");
-    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    int fd = socket(sock ? AF_UNIX : AF_INET, SOCK_STREAM, 0);
     ssize_t n;
-    const char req[] = "GET /metrics HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\n\r\n";
-    unix_addr(&a, sock);
-    if (f == NULL || fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0)
+    int rc;
+    unix_addr(&a, sock ? sock : "");
+    in.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    rc = sock ? connect(fd, (struct sockaddr *)&a, sizeof(a)) : connect(fd, (struct sockaddr *)&in, sizeof in);
+    if (f == NULL || fd < 0 || rc != 0)
       _exit(2);
-    if (write(fd, req, sizeof(req) - 1) != (ssize_t)sizeof(req) - 1)
+    if (write(fd, req, strlen(req)) != (ssize_t)strlen(req))
       _exit(3);
     while ((n = read(fd, buf, sizeof(buf))) > 0)
       fwrite(buf, 1, (size_t)n, f);
     _exit(n == 0 && fclose(f) == 0 ? 0 : 4);
   }
   return pid;
+}
+
+static pid_t scrape_in_child(const char *sock, const char *out) {
+  return request_in_child(sock, out, "GET /metrics HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\n\r\n");
+}
+
+/* Runs loop until child exits; asserts it exited 0. */
+static void wait_child(uv_loop_t *loop, pid_t child) {
+  int status = -1;
+  for (int spins = 0; spins < 1000; spins++) {
+    uv_run(loop, UV_RUN_ONCE);
+    if (waitpid(child, &status, WNOHANG) == child)
+      break;
+  }
+  assert_true(WIFEXITED(status));
+  assert_int_equal(WEXITSTATUS(status), 0);
+}
+
+/* The value of header `name` in the HTTP answer t (NULL when absent); static storage. */
+static const char *header(const char *t, const char *name) {
+  static char v[128];
+  const char *end = strstr(t, "\r\n\r\n");
+  size_t nl = strlen(name);
+  assert_non_null(end);
+  for (const char *l = strstr(t, "\r\n"); l != NULL && l < end; l = strstr(l + 2, "\r\n")) {
+    if (strncasecmp(l + 2, name, nl) == 0 && l[2 + nl] == ':') {
+      const char *p = l + 3 + nl, *e;
+      while (*p == ' ')
+        p++;
+      e = strstr(p, "\r\n");
+      snprintf(v, sizeof v, "%.*s", (int)(e - p), p);
+      return v;
+    }
+  }
+  return NULL;
+}
+
+/* Checks t is "HTTP/1.0 <status>" with a Content-Length that matches its body (or, for a HEAD,
+ * no body at all), and returns the body. */
+static const char *http_body(const char *t, const char *status, int head_only) {
+  char want[64];
+  const char *cl = NULL, *body;
+  snprintf(want, sizeof want, "HTTP/1.0 %s\r\n", status);
+  if (strncmp(t, want, strlen(want)) != 0)
+    fail_msg("answer is not '%s': '%.200s'", status, t);
+  body = strstr(t, "\r\n\r\n");
+  assert_non_null(body);
+  body += 4;
+  cl = header(t, "Content-Length");
+  if (cl == NULL)
+    fail_msg("answer has no Content-Length: '%.200s'", t);
+  if (head_only) {
+    assert_int_equal(strlen(body), 0);
+    assert_true(strtoul(cl, NULL, 10) > 0);
+  } else {
+    assert_int_equal(strtoul(cl, NULL, 10), strlen(body));
+  }
+  return body;
 }
 
 static void test_exporters(void **state) {
@@ -412,11 +485,8 @@ static void test_exporters(void **state) {
   assert_int_equal(WEXITSTATUS(status), 0);
   t = read_file(out);
   assert_non_null(t);
-  {
-    const char head[] = "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\r\n";
-    assert_int_equal(strncmp(t, head, sizeof(head) - 1), 0);
-    check_stats_text(t + sizeof(head) - 1);
-  }
+  check_stats_text(http_body(t, "200 OK", 0));
+  assert_non_null(strstr(header(t, "Content-Type"), "text/plain; version=0.0.4"));
   free(t);
 
   gpd_metrics_close(m);
@@ -537,10 +607,9 @@ static void test_conns_per_uid(void **state) {
   t = read_file(out);
   assert_non_null(t);
   {
-    const char head[] = "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\r\n";
-    if (strncmp(t, head, sizeof(head) - 1) != 0)
+    if (strncmp(t, "HTTP/1.0 200 OK\r\n", 17) != 0)
       fail_msg("root's scrape was not answered while uid %d held connections: '%s'", OTHER_UID, t);
-    check_stats_text(t + sizeof(head) - 1);
+    check_stats_text(http_body(t, "200 OK", 0));
   }
   free(t);
   /* The other uid got exactly the cap answered; the rest were closed unanswered. */
@@ -558,19 +627,21 @@ static void test_refuses_bad_paths(void **state) {
   uv_loop_t loop;
   gpd_metrics *m;
   gpd_config cfg;
-  char path[160];
+  char path[160], why[512];
   FILE *f;
   int rc;
   (void)state;
 
   assert_int_equal(uv_loop_init(&loop), 0);
-  /* A textfile in a directory that does not exist: refused at start, with the path. */
+  /* A textfile in a directory that does not exist: degraded at start, with the path. */
   config_paths(&cfg, "missing/dir/gpupool.prom", NULL);
   assert_int_equal(gpd_metrics_new(&m), 0);
   rc = gpd_metrics_start(m, &loop, &cfg, &fake_source);
-  assert_int_equal(rc, GPUPOOL_ECONFIG);
-  assert_non_null(strstr(gpupool__errmsg(), "missing/dir/gpupool.prom.tmp"));
+  assert_int_equal(rc, 0);
+  assert_int_equal(gpd_metrics_degraded(m, why, sizeof why), 1);
+  assert_non_null(strstr(why, "missing/dir/gpupool.prom.tmp"));
   gpd_metrics_close(m);
+  uv_run(&loop, UV_RUN_DEFAULT);
 
   /* A socket path taken by a regular file: refused, the file left alone. */
   config_paths(&cfg, NULL, "notasocket");
@@ -579,8 +650,9 @@ static void test_refuses_bad_paths(void **state) {
   fclose(f);
   assert_int_equal(gpd_metrics_new(&m), 0);
   rc = gpd_metrics_start(m, &loop, &cfg, &fake_source);
-  assert_int_equal(rc, GPUPOOL_ECONFIG);
-  assert_non_null(strstr(gpupool__errmsg(), "not a socket"));
+  assert_int_equal(rc, 0);
+  assert_int_equal(gpd_metrics_degraded(m, why, sizeof why), 1);
+  assert_non_null(strstr(why, "not a socket"));
   gpd_metrics_close(m);
   assert_int_equal(access(cfg.metrics_socket, F_OK), 0);
   uv_run(&loop, UV_RUN_DEFAULT);
@@ -613,14 +685,263 @@ static void test_refuses_bad_paths(void **state) {
     assert_int_equal(listen(fd, 4), 0);
     assert_int_equal(gpd_metrics_new(&m), 0);
     rc = gpd_metrics_start(m, &loop, &cfg, &fake_source);
-    assert_int_equal(rc, GPUPOOL_EBUSY);
-    assert_non_null(strstr(gpupool__errmsg(), "another running process"));
+    assert_int_equal(rc, 0);
+    assert_int_equal(gpd_metrics_degraded(m, why, sizeof why), 1);
+    assert_non_null(strstr(why, "another running process"));
     gpd_metrics_close(m);
     assert_int_equal(access(cfg.metrics_socket, F_OK), 0);
     close(fd);
     uv_run(&loop, UV_RUN_DEFAULT);
   }
   assert_int_equal(uv_loop_close(&loop), 0);
+}
+
+/* Sends req to the exporter (the Unix socket, or 127.0.0.1:tcp_port when sock is NULL) from a
+ * child and returns its whole answer (malloc'd). */
+static char *ask(uv_loop_t *loop, const char *sock, int tcp_port, const char *req) {
+  char out[128];
+  snprintf(out, sizeof out, "%s/ask.out", tmpdir);
+  wait_child(loop, request_in_child_at(sock, tcp_port, out, req));
+  return read_file(out);
+}
+
+/* A free TCP port on 127.0.0.1 (bound and released; fd >= 0 keeps it taken, listening). */
+static int tcp_port(int *keep) {
+  struct sockaddr_in a = {.sin_family = AF_INET};
+  socklen_t len = sizeof a;
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+  assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+  if (keep != NULL) {
+    assert_int_equal(listen(fd, 4), 0);
+    *keep = fd;
+  } else {
+    close(fd);
+  }
+  return ntohs(a.sin_port);
+}
+
+static void config_tcp(gpd_config *cfg, int port) {
+  struct sockaddr_in *in = (struct sockaddr_in *)&cfg->metrics_addr;
+  snprintf(cfg->metrics_listen, sizeof cfg->metrics_listen, "127.0.0.1:%d", port);
+  memset(&cfg->metrics_addr, 0, sizeof cfg->metrics_addr);
+  assert_int_equal(uv_ip4_addr("127.0.0.1", port, in), 0);
+}
+
+static void loop_done(uv_loop_t *loop, uv_timer_t *keep, gpd_metrics *m) {
+  gpd_metrics_close(m);
+  uv_timer_stop(keep);
+  uv_close((uv_handle_t *)keep, NULL);
+  uv_run(loop, UV_RUN_DEFAULT);
+  assert_int_equal(uv_loop_close(loop), 0);
+}
+
+static void loop_begin(uv_loop_t *loop, uv_timer_t *keep) {
+  assert_int_equal(uv_loop_init(loop), 0);
+  assert_int_equal(uv_timer_init(loop, keep), 0);
+  assert_int_equal(uv_timer_start(keep, tick, 10, 10), 0);
+}
+
+/* A textfile directory that does not exist degrades the textfile exporter only: the socket
+ * serves, the degraded state names the path, and the textfile appears once the directory does. */
+static void test_textfile_missing_dir(void **state) {
+  uv_loop_t loop;
+  uv_timer_t keep;
+  gpd_metrics *m;
+  gpd_config cfg;
+  char dir[128], why[512], *t;
+  int spins;
+  (void)state;
+
+  loop_begin(&loop, &keep);
+  config_paths(&cfg, "later/gpupool.prom", "metrics.sock");
+  assert_int_equal(gpd_metrics_new(&m), 0);
+  assert_int_equal(gpd_metrics_start(m, &loop, &cfg, &fake_source), 0);
+  assert_int_equal(gpd_metrics_degraded(m, why, sizeof why), 1);
+  assert_non_null(strstr(why, "metrics textfile: "));
+  assert_non_null(strstr(why, "later/gpupool.prom.tmp"));
+
+  t = ask(&loop, cfg.metrics_socket, 0, "GET /metrics HTTP/1.1\r\n\r\n");
+  check_stats_text(http_body(t, "200 OK", 0));
+  free(t);
+
+  /* Retried on its timer: the directory made later is written to. */
+  snprintf(dir, sizeof dir, "%s/later", tmpdir);
+  assert_int_equal(mkdir(dir, 0755), 0);
+  for (spins = 0; spins < 1000 && access(cfg.metrics_textfile, F_OK) != 0; spins++)
+    uv_run(&loop, UV_RUN_ONCE);
+  t = read_file(cfg.metrics_textfile);
+  assert_non_null(t);
+  check_stats_text(t);
+  free(t);
+  assert_int_equal(gpd_metrics_degraded(m, why, sizeof why), 0);
+  assert_string_equal(why, "");
+  loop_done(&loop, &keep, m);
+}
+
+/* A TCP port already taken degrades the TCP exporter only: the socket file stays and serves. */
+static void test_tcp_taken(void **state) {
+  uv_loop_t loop;
+  uv_timer_t keep;
+  gpd_metrics *m;
+  gpd_config cfg;
+  struct stat sb;
+  char why[512], *t;
+  int holder, port;
+  (void)state;
+
+  loop_begin(&loop, &keep);
+  port = tcp_port(&holder);
+  config_paths(&cfg, NULL, "metrics.sock");
+  config_tcp(&cfg, port);
+  assert_int_equal(gpd_metrics_new(&m), 0);
+  assert_int_equal(gpd_metrics_start(m, &loop, &cfg, &fake_source), 0);
+  assert_int_equal(gpd_metrics_degraded(m, why, sizeof why), 1);
+  assert_non_null(strstr(why, "metrics tcp: "));
+  assert_non_null(strstr(why, cfg.metrics_listen));
+  assert_int_equal(stat(cfg.metrics_socket, &sb), 0);
+  assert_true(S_ISSOCK(sb.st_mode));
+  t = ask(&loop, cfg.metrics_socket, 0, "GET /metrics HTTP/1.1\r\n\r\n");
+  check_stats_text(http_body(t, "200 OK", 0));
+  free(t);
+  close(holder);
+  loop_done(&loop, &keep, m);
+}
+
+/* GET /metrics and / are 200, HEAD has the headers only, other paths 404, other methods 405
+ * with Allow; over TCP as over the Unix socket, and the log names the bound address. */
+static void test_http(void **state) {
+  uv_loop_t loop;
+  uv_timer_t keep;
+  gpd_metrics *m;
+  gpd_config cfg;
+  char logpath[128], want[96], *t, *log;
+  int port, saved;
+  (void)state;
+
+  loop_begin(&loop, &keep);
+  port = tcp_port(NULL);
+  config_paths(&cfg, NULL, "metrics.sock");
+  config_tcp(&cfg, port);
+  assert_int_equal(gpd_metrics_new(&m), 0);
+  /* The log is stderr: catch what start says. */
+  snprintf(logpath, sizeof logpath, "%s/log", tmpdir);
+  fflush(stderr);
+  saved = dup(2);
+  {
+    int fd = open(logpath, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    assert_true(fd >= 0);
+    dup2(fd, 2);
+    close(fd);
+  }
+  assert_int_equal(gpd_metrics_start(m, &loop, &cfg, &fake_source), 0);
+  fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  log = read_file(logpath);
+  assert_non_null(log);
+  snprintf(want, sizeof want, "http://127.0.0.1:%d/metrics", port);
+  if (strstr(log, want) == NULL)
+    fail_msg("the log does not name %s:\n%s", want, log);
+  free(log);
+
+  for (int tcp = 0; tcp < 2; tcp++) {
+    const char *sock = tcp ? NULL : cfg.metrics_socket;
+    int p = tcp ? port : 0;
+    const char *body;
+    size_t len;
+
+    t = ask(&loop, sock, p, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    body = http_body(t, "200 OK", 0);
+    check_stats_text(body);
+    len = strlen(body);
+    assert_non_null(strstr(header(t, "Content-Type"), "text/plain; version=0.0.4"));
+    free(t);
+
+    t = ask(&loop, sock, p, "GET / HTTP/1.0\r\n\r\n");
+    check_stats_text(http_body(t, "200 OK", 0));
+    free(t);
+
+    t = ask(&loop, sock, p, "HEAD /metrics HTTP/1.1\r\n\r\n");
+    http_body(t, "200 OK", 1);
+    /* The length a GET gets, give or take the counters' digits. */
+    assert_true(strtoul(header(t, "Content-Length"), NULL, 10) + 64 > len);
+    free(t);
+
+    t = ask(&loop, sock, p, "GET /nonexistent HTTP/1.1\r\n\r\n");
+    http_body(t, "404 Not Found", 0);
+    free(t);
+
+    t = ask(&loop, sock, p, "POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n");
+    http_body(t, "405 Method Not Allowed", 0);
+    assert_non_null(header(t, "Allow"));
+    assert_string_equal(header(t, "Allow"), "GET, HEAD");
+    free(t);
+  }
+  loop_done(&loop, &keep, m);
+}
+
+/* metrics_socket_group gives the socket that group (root only: chown to any group). */
+static void test_socket_group(void **state) {
+  uv_loop_t loop;
+  uv_timer_t keep;
+  gpd_metrics *m;
+  gpd_config cfg;
+  struct stat sb;
+  char why[256];
+  (void)state;
+
+  if (geteuid() != 0)
+    skip();
+  loop_begin(&loop, &keep);
+  config_paths(&cfg, NULL, "metrics.sock");
+  snprintf(cfg.metrics_socket_group, sizeof cfg.metrics_socket_group, "65534");
+  cfg.metrics_socket_gid = 65534;
+  assert_int_equal(gpd_metrics_new(&m), 0);
+  assert_int_equal(gpd_metrics_start(m, &loop, &cfg, &fake_source), 0);
+  assert_int_equal(gpd_metrics_degraded(m, why, sizeof why), 0);
+  assert_int_equal(stat(cfg.metrics_socket, &sb), 0);
+  assert_int_equal(sb.st_gid, 65534);
+  assert_int_equal(sb.st_mode & 0777, 0640);
+  loop_done(&loop, &keep, m);
+}
+
+static double value_of(const char *text, const char *name) {
+  char want[96];
+  const char *p;
+  snprintf(want, sizeof want, "\n%s ", name);
+  p = strstr(text, want);
+  if (p == NULL)
+    fail_msg("no %s in:\n%s", name, text);
+  return strtod(p + strlen(want), NULL);
+}
+
+/* The standard process_* families, with their types and plausible values. */
+static void test_process_metrics(void **state) {
+  gpd_metrics *m;
+  char *t;
+  double now = (double)time(NULL);
+  (void)state;
+
+  assert_int_equal(gpd_metrics_new(&m), 0);
+  t = gpd_metrics_render(m, NULL);
+  assert_non_null(t);
+  check_format(t);
+  must_contain(t, "# TYPE process_cpu_seconds_total counter\n");
+  must_contain(t, "# TYPE process_resident_memory_bytes gauge\n");
+  must_contain(t, "# TYPE process_open_fds gauge\n");
+  must_contain(t, "# TYPE process_max_fds gauge\n");
+  must_contain(t, "# TYPE process_start_time_seconds gauge\n");
+  assert_true(value_of(t, "process_cpu_seconds_total") >= 0);
+  assert_true(value_of(t, "process_resident_memory_bytes") > 4096);
+  assert_true(value_of(t, "process_open_fds") >= 3);
+  assert_true(value_of(t, "process_open_fds") <= value_of(t, "process_max_fds"));
+  /* Started before now, and not before this test binary could have been started. */
+  assert_true(value_of(t, "process_start_time_seconds") <= now + 1);
+  assert_true(value_of(t, "process_start_time_seconds") > now - 3600);
+  free(t);
+  gpd_metrics_close(m);
 }
 
 int main(void) {
@@ -631,6 +952,11 @@ int main(void) {
       cmocka_unit_test(test_exporters),
       cmocka_unit_test(test_conns_per_uid),
       cmocka_unit_test(test_refuses_bad_paths),
+      cmocka_unit_test(test_textfile_missing_dir),
+      cmocka_unit_test(test_tcp_taken),
+      cmocka_unit_test(test_http),
+      cmocka_unit_test(test_socket_group),
+      cmocka_unit_test(test_process_metrics),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
