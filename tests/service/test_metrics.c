@@ -907,6 +907,21 @@ static void test_socket_group(void **state) {
   loop_done(&loop, &keep, m);
 }
 
+/* The key takes a group name or a gid, and refuses a name that is no group, saying so. */
+static void test_socket_group_key(void **state) {
+  gpd_config cfg;
+  (void)state;
+
+  gpd_config_defaults(&cfg);
+  assert_string_equal(cfg.metrics_socket_group, "");
+  assert_int_equal(gpd_config_set(&cfg, "metrics_socket_group", "root"), 0);
+  assert_int_equal(cfg.metrics_socket_gid, 0);
+  assert_int_equal(gpd_config_set(&cfg, "metrics_socket_group", "4242"), 0);
+  assert_int_equal(cfg.metrics_socket_gid, 4242);
+  assert_int_not_equal(gpd_config_set(&cfg, "metrics_socket_group", "no-such-group-here"), 0);
+  assert_non_null(strstr(gpupool__errmsg(), "no-such-group-here' is no group"));
+}
+
 static double value_of(const char *text, const char *name) {
   char want[96];
   const char *p;
@@ -956,6 +971,7 @@ int main(void) {
       cmocka_unit_test(test_tcp_taken),
       cmocka_unit_test(test_http),
       cmocka_unit_test(test_socket_group),
+      cmocka_unit_test(test_socket_group_key),
       cmocka_unit_test(test_process_metrics),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
