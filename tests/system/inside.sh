@@ -78,6 +78,50 @@ exec 3>&-
 wait "$holder" || die "the client did not reconnect with its hold reported lost: $(cat /tmp/holder.out)"
 echo "client reconnected after restart (pid $old -> $new): $(tail -n 1 /tmp/holder.out)"
 
+step "metrics: each exporter starts or fails on its own; HTTP answers; a scrapers' group"
+MSOCK=/run/gpupool/metrics.sock
+# USER REQUEST-LINE: the whole answer of the metrics socket to that request, as USER.
+scrape() {
+  as "$1" perl -MIO::Socket::UNIX -e '
+    my $s = IO::Socket::UNIX->new(Peer => $ARGV[0]) or die "connect $ARGV[0]: $!\n";
+    print $s "$ARGV[1]\r\nHost: x\r\n\r\n"; local $/; print <$s>;' "$MSOCK" "$2"
+}
+groupadd -r gpupool-metrics
+useradd -m -G gpupool-metrics carol
+cp "$CONF" /tmp/metrics-good.conf
+# The textfile's directory does not exist (no node_exporter here) and the unit allows no TCP:
+# both exporters fail, and the socket must serve all the same.
+sed -i 's|^metrics_socket = .*|&\nmetrics_socket_group = gpupool-metrics\nmetrics_textfile = /var/lib/prometheus/node-exporter/gpupool.prom\nmetrics_listen = 9464|' "$CONF"
+mkdir -p /run/systemd/system/gpupoold.service.d
+printf '[Service]\nSupplementaryGroups=gpupool-metrics\n' >/run/systemd/system/gpupoold.service.d/metrics.conf
+systemctl daemon-reload
+systemctl restart gpupoold.service || die "gpupoold did not start with the metrics settings"
+wait_for 10 ctl_ok || die "gpupoold did not answer with the metrics settings"
+wait_for 10 test -S "$MSOCK" || die "no metrics socket although only the textfile and TCP exporters failed"
+mperm=$(stat -c '%G %a' "$MSOCK")
+[ "$mperm" = "gpupool-metrics 660" ] || die "metrics socket group/mode: $mperm (want gpupool-metrics 660)"
+journalctl --no-pager -u gpupoold -n 200 | grep -q "textfile exporter degraded: cannot create /var/lib/prometheus/node-exporter/gpupool.prom.tmp" ||
+  die "no 'textfile exporter degraded' line in the journal"
+journalctl --no-pager -u gpupoold -n 200 | grep -q "tcp exporter degraded" || die "no 'tcp exporter degraded' line in the journal"
+journalctl --no-pager -u gpupoold -n 200 | grep -q "metrics disabled" && die "the journal says metrics are disabled"
+ans=$(scrape carol "GET /metrics HTTP/1.1") || die "carol (group gpupool-metrics) cannot scrape: $ans"
+echo "$ans" | head -n 1 | grep -q "^HTTP/1.0 200 OK" || die "GET /metrics: $(echo "$ans" | head -n 3)"
+echo "$ans" | grep -q "^Content-Length: [0-9]" || die "GET /metrics has no Content-Length"
+for fam in gpupool_pool_capacity_bytes process_cpu_seconds_total process_resident_memory_bytes \
+           process_open_fds process_max_fds process_start_time_seconds; do
+  echo "$ans" | grep -q "^# TYPE $fam " || die "no $fam in the scrape"
+done
+scrape carol "GET /nonexistent HTTP/1.1" | head -n 1 | grep -q "^HTTP/1.0 404" || die "GET /nonexistent is not 404"
+scrape carol "POST /metrics HTTP/1.1" | grep -q "^Allow: GET, HEAD" || die "POST has no 405 with Allow"
+[ "$(scrape carol "HEAD /metrics HTTP/1.1" | sed -n '/^\r$/,$p' | wc -c)" -le 2 ] || die "HEAD sent a body"
+if out=$(as carol /usr/local/bin/gpupoolctl status 2>&1); then die "carol, a scraper only, could use the daemon"; fi
+echo "carol scrapes $MSOCK ($mperm) and is refused by the daemon"
+rm -f /run/systemd/system/gpupoold.service.d/metrics.conf
+cp /tmp/metrics-good.conf "$CONF"
+systemctl daemon-reload
+systemctl restart gpupoold.service
+wait_for 10 ctl_ok || die "gpupoold did not come back with the shipped configuration"
+
 step "a configuration error fails fast, with its reason in systemctl status and the journal"
 cp "$CONF" /tmp/good.conf
 printf '[pool broken]\ncapacity = lots\n' >>"$CONF"
