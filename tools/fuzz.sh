@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 secs=${GPUPOOL_FUZZ_SECONDS:-45}
 jobs=$(nproc 2>/dev/null || echo 2)
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(daemon client config meta)
+[ ${#targets[@]} -gt 0 ] || targets=(daemon client config meta wire)
 dir=build/fuzz
 
 if ! command -v clang >/dev/null; then
