@@ -5,19 +5,15 @@ With torch and a GPU the consumer works on a stream of its own: get() makes that
 for the producer's ready event (the CPU does not block) and torch.from_dlpack() gives a
 CUDA tensor over the producer's memory. Otherwise NumPy views gpupool host memory.
 Each name is unpublished after it is checked (unless --keep), so its memory returns to the
-pool once this process lets go.
+pool once this process lets go. Run it as producer.py says (the installed package).
 """
 
-import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
-sys.path.insert(0, HERE)
-
-import gpupool  # noqa: E402
-from producer import demo_parser, pick_mode, tensor_values  # noqa: E402
+import gpupool
+# The script's own directory is first on sys.path when it runs: producer.py is beside it.
+from producer import demo_parser, pick_mode, tensor_values
 
 
 def main():

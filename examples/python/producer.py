@@ -12,16 +12,17 @@ Values follow tensor_values() so the consumer can check them bit for bit.
 
 The published names outlive this process: the daemon keeps each tensor until a consumer
 (or anyone) unpublishes it and the last holder lets go.
+
+These examples import the installed package: `pip install "./python[numpy]"` first. From a
+build tree without installing, point Python at the sources and the built library:
+PYTHONPATH=python GPUPOOL_LIBRARY=build/release/client/libgpupool-client.so.
 """
 
 import argparse
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
-
-import gpupool  # noqa: E402
+import gpupool
 
 
 def tensor_values(xp, n, i, device=None):

@@ -19,7 +19,7 @@ GPUPOOL_LIBRARY to the library's full path when it is not installed where the lo
 """
 
 from ._dtypes import DType, dtype
-from ._errors import GpupoolError, LibraryNotFoundError
+from ._errors import FrameworkMissingError, GpupoolError, LibraryNotFoundError
 from ._client import Client
 from ._dict import TensorDict
 from ._tensor import Tensor
@@ -40,7 +40,8 @@ except ImportError:  # a source tree on PYTHONPATH: the CMake project's version
     __version__ = _source_version()
     del _source_version
 
-__all__ = ["Client", "Tensor", "TensorDict", "GpupoolError", "LibraryNotFoundError", "DType",
+__all__ = ["Client", "Tensor", "TensorDict", "GpupoolError", "LibraryNotFoundError",
+           "FrameworkMissingError", "DType",
            "dtype", "library_version"]
 
 

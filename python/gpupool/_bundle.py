@@ -30,7 +30,7 @@ import struct
 import threading
 
 from . import _dlpack, _dtypes, _lib
-from ._errors import error
+from ._errors import error, framework
 
 __all__ = ["Layout", "Member", "parse_members", "plan_runs", "pack_specs", "pack_refs"]
 
@@ -227,7 +227,7 @@ def plan_runs(members):
 def torch_views(layout, region_of, alone_view):
     """name -> torch tensor for every member. region_of(part): the buffer as a flat uint8
     torch tensor (imported once); alone_view(i): member i imported on its own."""
-    import torch
+    torch = framework("torch", "TensorDict.torch()")
 
     plan = layout.torch_plan(torch)
     n = len(layout.members)
@@ -290,7 +290,7 @@ def numpy_views(layout, region_of, raw=False):
     """name -> NumPy array for every member (host memory). region_of(part): the buffer as a
     flat uint8 array. raw=True views types NumPy lacks (bfloat16) as unsigned integers of
     their size."""
-    import numpy
+    numpy = framework("numpy", "TensorDict.numpy()")
 
     with _NoGC():
         return _numpy_views(numpy, layout, region_of, raw)
@@ -330,7 +330,7 @@ def _numpy_views(numpy, layout, region_of, raw):
 def cupy_views(layout, region_of, raw=False):
     """name -> CuPy array for every member (device memory). region_of(part): the buffer as a
     flat uint8 CuPy array (imported once)."""
-    import cupy
+    cupy = framework("cupy", "TensorDict.cupy()")
 
     with _NoGC():
         return _cupy_views(cupy, layout, region_of, raw)

@@ -4,7 +4,7 @@ host, the producing framework's own copy on a GPU."""
 import ctypes
 
 from . import _dlpack
-from ._errors import error
+from ._errors import error, framework
 from ._util import _HOST_DEVICES, _framework
 
 def _copy_into(dst, src, desc, stream):
@@ -17,11 +17,8 @@ def _copy_into(dst, src, desc, stream):
         if desc.is_contiguous():
             ctypes.memmove(dst.data_ptr, desc.data, desc.nbytes)
             return
-        try:
-            import numpy
-        except ImportError:
-            raise error("ENOTSUP", "publishing a non-contiguous host tensor needs NumPy to gather "
-                        "it; install numpy or publish a contiguous copy") from None
+        numpy = framework("numpy", "publishing a non-contiguous host tensor (NumPy gathers it; "
+                          "or publish a contiguous copy)")
         lo, span = desc.span()
         raw = desc.dtype.raw_typestr
         size = desc.dtype.itemsize

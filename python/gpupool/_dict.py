@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterator, KeysView, Literal, Mapping, Optional, Tuple
 
 from . import _bundle, _dtypes, _lib
-from ._errors import error
+from ._errors import error, framework
 from ._tensor import Tensor
 
 # get_dict(reuse_views=True): how many bundles' views a client keeps (two alternate under
@@ -125,7 +125,7 @@ class TensorDict(Mapping[str, Tensor]):
         member order. Each buffer is imported once (torch.from_dlpack, on torch's current
         stream, which is made to wait for the producer) and every member is a view of it;
         the views keep the memory alive after this TensorDict is released."""
-        import torch
+        torch = framework("torch", "TensorDict.torch()")
 
         self._live()
 
@@ -172,7 +172,7 @@ class TensorDict(Mapping[str, Tensor]):
     def cupy(self, raw: bool = False) -> Dict[str, Any]:
         """A plain dict name -> cupy.ndarray (device memory), as torch() does for torch.
         raw=True views types CuPy lacks (bfloat16) as unsigned integers of their size."""
-        import cupy
+        cupy = framework("cupy", "TensorDict.cupy()")
 
         self._live()
         return _bundle.cupy_views(self._layout,

@@ -24,7 +24,8 @@ names only the builtins.
 import threading
 from typing import Dict, Optional, Tuple, Type, Union, cast
 
-__all__ = ["GpupoolError", "LibraryNotFoundError", "error", "code", "codes"]
+__all__ = ["GpupoolError", "LibraryNotFoundError", "FrameworkMissingError", "framework", "error",
+           "code", "codes"]
 
 _BUILTINS: Dict[str, Tuple[type, ...]] = {
     "ETIMEDOUT": (TimeoutError,),
@@ -94,6 +95,41 @@ class LibraryNotFoundError(GpupoolError, OSError):
 
 
 LibraryNotFoundError.__module__ = "gpupool"
+
+# What to install for each optional framework, said in the error when it is missing.
+_INSTALL = {
+    "numpy": "pip install 'gpupool[numpy]' (or pip install numpy)",
+    "torch": "pip install torch (https://pytorch.org for the build matching your CUDA)",
+    "cupy": "pip install cupy-cuda12x (or the CuPy package matching your CUDA version)",
+}
+
+
+class FrameworkMissingError(GpupoolError, ImportError):  # type: ignore[misc]  # .name: "ENOMODULE"
+    """An optional framework (NumPy, torch, CuPy) that a call needs is not installed.
+    ``module`` names it; the message says what to install."""
+
+    def __init__(self, module: str, message: str) -> None:
+        GpupoolError.__init__(self, 0, "ENOMODULE", message)
+        self.module = module
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (FrameworkMissingError, (self.module, self.message))
+
+
+FrameworkMissingError.__module__ = "gpupool"
+
+
+def framework(module: str, what: str):  # type: ignore[no-untyped-def]
+    """Import an optional framework for `what` (a call, "Tensor.numpy()"), or raise
+    FrameworkMissingError naming the package to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise FrameworkMissingError(module, "%s needs %s, which is not installed (%s): %s"
+                                    % (what, module, e, _INSTALL.get(module, "pip install "
+                                                                     + module))) from None
 
 _lock = threading.Lock()
 _classes: Dict[str, Type[GpupoolError]] = {}

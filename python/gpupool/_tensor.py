@@ -7,7 +7,7 @@ import ctypes
 from typing import Any, Dict, Literal, Optional, Sequence, Tuple
 
 from . import _dlpack, _lib
-from ._errors import GpupoolError, error
+from ._errors import GpupoolError, error, framework
 from ._dtypes import DType
 from ._util import _HOST_DEVICES
 
@@ -197,8 +197,9 @@ class Tensor:
 
     def numpy(self, raw: bool = False) -> Any:
         """A NumPy view (no copy) of host memory. raw=True views the bits as unsigned
-        integers of the element size, for types NumPy lacks (bfloat16)."""
-        import numpy
+        integers of the element size, for types NumPy lacks (bfloat16). Without NumPy:
+        FrameworkMissingError (an ImportError) naming pip install 'gpupool[numpy]'."""
+        numpy = framework("numpy", "Tensor.numpy()")
 
         if raw:
             iface = self._host_interface(self._dtype.raw_typestr)
