@@ -38,6 +38,8 @@ static int connect_socket(const char *path, int timeout_ms, int *out) {
   e = -fd;
   if (tries == 0)
     return gpupool__err(GPUPOOL_ECONNECT, "socket: %s", strerror(e));
+  if (e == ECONNREFUSED && gpupool__sock_describe(path, what, sizeof what) == 1)
+    return gpupool__err(GPUPOOL_ECONNECT, "cannot connect to gpupoold: %s", what);
   if (e == ENOENT || e == ECONNREFUSED)
     return gpupool__err(GPUPOOL_ECONNECT,
                         "cannot connect to gpupoold at %s: %s; is the daemon running? Start it "

@@ -40,7 +40,7 @@ enum {
   X(ADMIN_CLIENTS, admin_clients, AdminClients, GPUPOOL__REQ_OPERATOR)     \
   X(ADMIN_BUFFERS, admin_buffers, AdminBuffers, GPUPOOL__REQ_OPERATOR)     \
   X(ADMIN_DROP_CLIENT, admin_drop_client, AdminDropClient, GPUPOOL__REQ_OPERATOR) \
-  X(TRIM, trim, Trim, GPUPOOL__REQ_CLIENT)                                 \
+  X(TRIM, trim, Trim, GPUPOOL__REQ_OPERATOR)                               \
   X(ALLOCATE_BUNDLE, allocate_bundle, AllocateBundle, GPUPOOL__REQ_WAITS)  \
   X(PUBLISH_BUNDLE, publish_bundle, PublishBundle, GPUPOOL__REQ_CLIENT)    \
   X(GET_BUNDLE, get_bundle, GetBundle, GPUPOOL__REQ_WAITS)                 \

@@ -78,14 +78,33 @@ int gpupool__sock_connect(const char *path, int timeout_ms, int busy_retry, int 
   return fd;
 }
 
-void gpupool__sock_describe(const char *path, char *buf, size_t len) {
+static const char *file_kind(mode_t m) {
+  switch (m & S_IFMT) {
+  case S_IFDIR: return "a directory";
+  case S_IFREG: return "a regular file";
+  case S_IFLNK: return "a symbolic link";
+  case S_IFIFO: return "a named pipe";
+  case S_IFCHR: return "a character device";
+  case S_IFBLK: return "a block device";
+  default: return "something else";
+  }
+}
+
+int gpupool__sock_describe(const char *path, char *buf, size_t len) {
   struct stat st;
   struct passwd pw, *pwp = NULL;
   struct group gr, *grp = NULL;
   char pwbuf[1024], grbuf[4096], u[16], g[16];
   if (stat(path, &st) != 0) {
     snprintf(buf, len, "its directory cannot be searched by this user: %s", strerror(errno));
-    return;
+    return -1;
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    /* connect() says only "Connection refused" here: name what is in the way, and the fix. */
+    snprintf(buf, len, "%s is %s, not a socket: remove it (or fix what created it) and restart the "
+             "daemon, or point at the daemon's socket with --socket PATH or GPUPOOL_SOCKET",
+             path, file_kind(st.st_mode));
+    return 1;
   }
   (void)getpwuid_r(st.st_uid, &pw, pwbuf, sizeof pwbuf, &pwp);
   (void)getgrgid_r(st.st_gid, &gr, grbuf, sizeof grbuf, &grp);
@@ -93,6 +112,21 @@ void gpupool__sock_describe(const char *path, char *buf, size_t len) {
   snprintf(g, sizeof g, "%u", (unsigned)st.st_gid);
   snprintf(buf, len, "owner %s, group %s, mode %04o", pwp ? pwp->pw_name : u, grp ? grp->gr_name : g,
            (unsigned)(st.st_mode & 07777));
+  return 0;
+}
+
+int gpupool__sock_group(const char *path, char *buf, size_t len) {
+  struct stat st;
+  struct group gr, *grp = NULL;
+  char grbuf[4096];
+  if (stat(path, &st) != 0)
+    return -1;
+  (void)getgrgid_r(st.st_gid, &gr, grbuf, sizeof grbuf, &grp);
+  if (grp)
+    snprintf(buf, len, "%s", grp->gr_name);
+  else
+    snprintf(buf, len, "%u", (unsigned)st.st_gid);
+  return 0;
 }
 
 int gpupool__sock_pack_request(gpupool__req *req, uint32_t max_frame, uint8_t **buf, size_t *len) {

@@ -22,9 +22,13 @@ uint64_t gpupool__mono_ns(void);
  * calls were made (0: the socket itself could not be made, or path is too long). */
 int gpupool__sock_connect(const char *path, int timeout_ms, int busy_retry, int *tries);
 
-/* "owner root, group gpupool, mode 0660" of the socket at path, or why it cannot be seen: for
- * permission errors. */
-void gpupool__sock_describe(const char *path, char *buf, size_t len);
+/* "owner root, group gpupool, mode 0660" of the socket at path (0); or, when something other
+ * than a socket is there, what it is and the fix (1); or why it cannot be seen (-1). */
+int gpupool__sock_describe(const char *path, char *buf, size_t len);
+
+/* The name of the group owning path (its number when it has no name): 0, or -1 when path
+ * cannot be seen. For "usermod -aG <group> $USER". */
+int gpupool__sock_group(const char *path, char *buf, size_t len);
 
 /* req packed into a frame (*buf, the caller frees it; *len bytes). max_frame > 0: the daemon's
  * frame cap, checked here (GPUPOOL_ETOOBIG) so that an oversized request is refused before it

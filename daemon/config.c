@@ -728,6 +728,7 @@ int gpd_config_load(gpd_config *c, const char *path) {
 
   if ((rc = open_regular(path, &f)) != 0)
     return rc;
+  snprintf(c->path, sizeof c->path, "%s", path);
   while (fgets(line, sizeof line, f)) {
     char *s, *eq, *k, *v;
     lineno++;
@@ -879,8 +880,20 @@ int gpd_config_add_pool_spec(gpd_config *c, const char *spec) {
   return 0;
 }
 
+/* Where pool p was written, as a message prefix: "FILE:LINE: [pool NAME] " for a file's
+ * section, "--pool NAME: " for a command-line spec, "" for a backend's default pool. */
+static void pool_where(const gpd_config *c, const gpupool__pool_config *p, char *buf, size_t len) {
+  if (p->line > 0 && c->path[0])
+    snprintf(buf, len, "%s:%d: [pool %s] ", c->path, p->line, p->name);
+  else if (p->line == 0 && p->name[0])
+    snprintf(buf, len, "--pool %s: ", p->name);
+  else
+    buf[0] = '\0';
+}
+
 int gpd_config_finish(gpd_config *c, const gpupool__backend_desc *backend) {
-  int rc;
+  char where[512], msg[GPUPOOL__ERRMSG_MAX];
+  int rc, defaults = c->n_pools == 0;
   for (int i = 0; i < GPUPOOL_MAX_POOLS; i++) {
     c->pool_share[i] = -1;
     if (i >= c->n_pools || !c->pool_share_name[i][0])
@@ -888,14 +901,22 @@ int gpd_config_finish(gpd_config *c, const gpupool__backend_desc *backend) {
     for (int g = 0; g < c->n_groups; g++)
       if (!strcmp(c->groups[g].name, c->pool_share_name[i]))
         c->pool_share[i] = g;
-    if (c->pool_share[i] < 0)
-      return gpupool__err(GPUPOOL_ECONFIG, "pool '%s' is shared with group '%s', which has no [group %s] section",
-                          c->pools[i].name, c->pool_share_name[i], c->pool_share_name[i]);
+    if (c->pool_share[i] < 0) {
+      pool_where(c, &c->pools[i], where, sizeof where);
+      return gpupool__err(GPUPOOL_ECONFIG, "%spool '%s' is shared with group '%s', which has no [group %s] section",
+                          where, c->pools[i].name, c->pool_share_name[i], c->pool_share_name[i]);
+    }
   }
-  if (c->n_pools == 0 && (rc = backend->default_pools(c->pools, GPUPOOL_MAX_POOLS, &c->n_pools)) != 0)
+  if (defaults && (rc = backend->default_pools(c->pools, GPUPOOL_MAX_POOLS, &c->n_pools)) != 0)
     return rc;
   for (int i = 0; i < c->n_pools; i++)
-    if ((rc = gpupool__backend_pool_finish(backend, &c->pools[i])) != 0)
-      return rc;
+    if ((rc = gpupool__backend_pool_finish(backend, &c->pools[i])) != 0) {
+      if (defaults)
+        return rc;
+      /* The backend's check knows the pool, not where it was written: add the file and line. */
+      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+      pool_where(c, &c->pools[i], where, sizeof where);
+      return gpupool__err(rc, "%s%s", where, msg);
+    }
   return 0;
 }

@@ -103,6 +103,8 @@ typedef struct {
   int n_tenants;
   gpd_member_set groups[GPUPOOL_MAX_SETS];
   int n_groups;
+  /* The file gpd_config_load read (empty: none), for messages naming its sections' lines. */
+  char path[256];
 } gpd_config;
 
 /* The config keys, one row each (daemon/config.c, gpd_config_keys): the file's parser,

@@ -197,13 +197,19 @@ int gpd_handle_admin_clients(gpd_conn *c, const Gpupool__Wire__Request *req, int
   return 0;
 }
 
+static int cmp_str(const void *a, const void *b) {
+  return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* Every live buffer with all its names (gpupoolctl sorts them). */
 int gpd_handle_admin_buffers(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   gpd_registry *reg = c->srv->reg;
   Gpupool__Wire__AdminBuffersReply ar = GPUPOOL__WIRE__ADMIN_BUFFERS_REPLY__INIT;
   Gpupool__Wire__BufferInfo *infos, **ptrs;
+  char **keys = NULL;
   uint64_t now = gpd_now_ns();
-  size_t n = 0;
+  size_t n = 0, total = 0;
   infos = calloc(reg->buffers.len + 1, sizeof *infos);
   ptrs = calloc(reg->buffers.len + 1, sizeof *ptrs);
   if (!infos || !ptrs) {
@@ -227,20 +233,48 @@ int gpd_handle_admin_buffers(gpd_conn *c, const Gpupool__Wire__Request *req, int
     ptrs[n] = &infos[n];
     n++;
   }
-  /* Names: one lookup pass over the name table. */
-  for (size_t i = 0; i < reg->names.cap; i++) {
-    gpd_name *nm;
-    if (!gpupool__smap_slot_used(&reg->names, i))
-      continue;
-    nm = reg->names.slots[i].val;
-    for (size_t k = 0; k < n; k++)
-      for (uint32_t j = 0; j < nm->nbufs; j++)
-        if (infos[k].id == nm->bufs[j]->id && !*infos[k].name)
-          infos[k].name = nm->name;
+  /* Names: every name of every buffer (several names may file one buffer), counted in a
+   * first pass over the name table and filed in a second, each buffer's slice sorted. */
+  for (size_t i = 0; i < reg->names.cap; i++)
+    if (gpupool__smap_slot_used(&reg->names, i))
+      total += ((gpd_name *)reg->names.slots[i].val)->nbufs;
+  if (total && !(keys = calloc(total, sizeof *keys))) {
+    free(infos);
+    free(ptrs);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory listing %zu names", total);
   }
+  for (int pass = 0; pass < 2; pass++) {
+    size_t at = 0;
+    if (pass == 1) /* slices: each buffer's n_names counted in pass 0 */
+      for (size_t k = 0; k < n; k++) {
+        infos[k].names = keys + at;
+        at += infos[k].n_names;
+        infos[k].n_names = 0;
+      }
+    for (size_t i = 0; i < reg->names.cap; i++) {
+      gpd_name *nm;
+      if (!gpupool__smap_slot_used(&reg->names, i))
+        continue;
+      nm = reg->names.slots[i].val;
+      for (uint32_t j = 0; j < nm->nbufs; j++)
+        for (size_t k = 0; k < n; k++)
+          if (infos[k].id == nm->bufs[j]->id) {
+            if (pass == 1)
+              infos[k].names[infos[k].n_names] = nm->name;
+            infos[k].n_names++;
+            break;
+          }
+    }
+  }
+  for (size_t k = 0; k < n; k++)
+    if (infos[k].n_names) {
+      qsort(infos[k].names, infos[k].n_names, sizeof *infos[k].names, cmp_str);
+      infos[k].name = infos[k].names[0];
+    }
   ar.n_buffers = n;
   ar.buffers = ptrs;
   GPUPOOL__SEND_BODY(c, seq, ADMIN_BUFFERS, admin_buffers, &ar);
+  free(keys);
   free(infos);
   free(ptrs);
   return 0;
@@ -274,11 +308,18 @@ int gpd_handle_admin_names(gpd_conn *c, const Gpupool__Wire__Request *req, int *
   Gpupool__Wire__AdminNamesReply ar = GPUPOOL__WIRE__ADMIN_NAMES_REPLY__INIT;
   gpd_registry *reg = c->srv->reg;
   Gpupool__Wire__NameInfo *infos = NULL, **ptrs = NULL;
+  uint64_t *ids = NULL;
   uint64_t now = gpd_now_ns();
-  size_t n = 0;
+  size_t n = 0, total = 0, at = 0;
+  for (size_t i = 0; i < reg->names.cap; i++)
+    if (gpupool__smap_slot_used(&reg->names, i))
+      total += ((gpd_name *)reg->names.slots[i].val)->nbufs;
+  if (total && !(ids = calloc(total, sizeof *ids)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory listing %zu names", reg->names.len);
   if (reg->names.len &&
       (!(infos = calloc(reg->names.len, sizeof *infos)) || !(ptrs = calloc(reg->names.len, sizeof *ptrs)))) {
     free(infos);
+    free(ids);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory listing %zu names", reg->names.len);
   }
   for (size_t i = 0; i < reg->names.cap && n < reg->names.len; i++) {
@@ -299,14 +340,20 @@ int gpd_handle_admin_names(gpd_conn *c, const Gpupool__Wire__Request *req, int *
       ni->size = nm->file->length;
     } else {
       ni->kind = nm->layout ? (char *)"bundle" : (char *)"buffer";
-      for (uint32_t j = 0; j < nm->nbufs; j++)
+      ni->members = nm->layout ? nm->layout->n : nm->nbufs;
+      ni->buffer_ids = ids + at;
+      ni->n_buffer_ids = nm->nbufs;
+      for (uint32_t j = 0; j < nm->nbufs; j++) {
         ni->size += nm->bufs[j]->asked;
+        ids[at++] = nm->bufs[j]->id;
+      }
     }
     ptrs[n++] = ni;
   }
   ar.n_names = n;
   ar.names = ptrs;
   GPUPOOL__SEND_BODY(c, seq, ADMIN_NAMES, admin_names, &ar);
+  free(ids);
   free(infos);
   free(ptrs);
   return 0;

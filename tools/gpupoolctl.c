@@ -282,6 +282,8 @@ static int connect_daemon(ctl *c) {
     e = -fd;
     if (tries == 0)
       die_msg("cannot create a socket: %s", strerror(e));
+    else if (e == ECONNREFUSED && gpupool__sock_describe(c->path, what, sizeof what) == 1)
+      die_msg("cannot connect to gpupoold: %s.", what);
     else if (e == ENOENT || e == ECONNREFUSED)
       die_msg("gpupoold is not running: %s %s.\n"
               "  Start it with 'systemctl start gpupoold.socket' (or run 'gpupoold --socket %s'),\n"
@@ -289,11 +291,14 @@ static int connect_daemon(ctl *c) {
               e == ENOENT ? "there is no socket at" : "nothing accepts connections on",
               c->path, c->path);
     else if (e == EACCES || e == EPERM) {
+      char group[64];
       gpupool__sock_describe(c->path, what, sizeof what);
+      if (gpupool__sock_group(c->path, group, sizeof group) != 0)
+        snprintf(group, sizeof group, "<the socket's group>");
       die_msg("permission denied connecting to %s (%s).\n"
-              "  Connecting needs write access to the socket: join its group ('usermod -aG GROUP "
+              "  Connecting needs write access to the socket: join its group ('sudo usermod -aG %s "
               "$USER', then log in again), or run gpupoolctl with sudo.",
-              c->path, what);
+              c->path, what, group);
     } else if (e == EAGAIN || e == EINPROGRESS || e == ETIMEDOUT)
       die_msg("the daemon did not answer in %s: gpupoold at %s accepts no connections (stopped "
               "or stuck? see 'systemctl status gpupoold' and 'journalctl -u gpupoold')",
@@ -700,103 +705,84 @@ out:
   return 0;
 }
 
-static int cmp_by_name(const void *a, const void *b) {
+static int cmp_by_id(const void *a, const void *b) {
   const Gpupool__Wire__BufferInfo *x = *(Gpupool__Wire__BufferInfo *const *)a;
   const Gpupool__Wire__BufferInfo *y = *(Gpupool__Wire__BufferInfo *const *)b;
-  return strcmp(x->name, y->name);
+  return x->id < y->id ? -1 : x->id > y->id;
 }
 
-/* Published files are names without buffers: `names` lists them after the buffers' names, with
- * the tenant in their key and the uid that published them. */
-static void print_files(ctl *c, const Gpupool__Wire__AdminNamesReply *r) {
-  table t;
-  size_t n = 0;
-  if (c->json) {
-    printf(",\"files\":[");
-    for (size_t i = 0; i < r->n_names; i++) {
-      int f = 1;
-      if (strcmp(r->names[i]->kind, "file") != 0)
-        continue;
-      printf("%s{", n++ ? "," : "");
-      jkv_str("name", r->names[i]->key, &f);
-      jkv_u64("uid", r->names[i]->uid, &f);
-      jkv_u64("size", r->names[i]->size, &f);
-      jkv_u64("age_s", r->names[i]->age_s, &f);
-      jkv_str("path", r->names[i]->path, &f);
-      putchar('}');
-    }
-    putchar(']');
-    return;
-  }
-  table_init(&t, 5);
-  t.right[1] = t.right[2] = t.right[3] = 1;
-  table_row(&t, "FILE NAME", "UID", "SIZE", "AGE", "PATH");
-  for (size_t i = 0; i < r->n_names; i++) {
-    char uid[16], size[32], age[32];
-    if (strcmp(r->names[i]->kind, "file") != 0)
-      continue;
-    snprintf(uid, sizeof(uid), "%u", r->names[i]->uid);
-    fmt_size(r->names[i]->size, size, sizeof(size));
-    fmt_age(r->names[i]->age_s, age, sizeof(age));
-    table_row(&t, r->names[i]->key, uid, size, age, r->names[i]->path);
-    n++;
-  }
-  if (n) {
-    putchar('\n');
-    table_print(&t);
-  }
-  table_free(&t);
+static int cmp_by_key(const void *a, const void *b) {
+  const Gpupool__Wire__NameInfo *x = *(Gpupool__Wire__NameInfo *const *)a;
+  const Gpupool__Wire__NameInfo *y = *(Gpupool__Wire__NameInfo *const *)b;
+  return strcmp(x->key, y->key);
 }
 
-/* `buffers` lists every live buffer; `names` only the published ones, sorted by name, and
- * then the published files. */
-static int cmd_buffers(ctl *c, int names_only) {
-  Gpupool__Wire__AdminNames an = GPUPOOL__WIRE__ADMIN_NAMES__INIT;
-  gpupool__rep *files = NULL;
+static void jkv_strs(const char *k, char **v, size_t n, int *first) {
+  jkey(k, first);
+  putchar('[');
+  for (size_t i = 0; i < n; i++) {
+    if (i)
+      putchar(',');
+    jstr(v[i]);
+  }
+  putchar(']');
+}
+
+static void jkv_u64s(const char *k, const uint64_t *v, size_t n, int *first) {
+  jkey(k, first);
+  putchar('[');
+  for (size_t i = 0; i < n; i++)
+    printf("%s%llu", i ? "," : "", (unsigned long long)v[i]);
+  putchar(']');
+}
+
+/* "a, b, c": a buffer's names for the text table (the caller frees it). */
+static char *join_names(char **v, size_t n) {
+  size_t len = 1;
+  char *s, *p;
+  for (size_t i = 0; i < n; i++)
+    len += strlen(v[i]) + 2;
+  if (!(s = p = malloc(len)))
+    return NULL;
+  *p = '\0';
+  for (size_t i = 0; i < n; i++)
+    p += sprintf(p, "%s%s", i ? ", " : "", v[i]);
+  return s;
+}
+
+static const Gpupool__Wire__BufferInfo *find_buffer(const Gpupool__Wire__AdminBuffersReply *r, uint64_t id) {
+  for (size_t i = 0; i < r->n_buffers; i++)
+    if (r->buffers[i]->id == id)
+      return r->buffers[i];
+  return NULL;
+}
+
+/* `buffers`: every live buffer, sorted by id (allocation order), with all its names. */
+static int cmd_buffers(ctl *c) {
   Gpupool__Wire__AdminBuffers ab = GPUPOOL__WIRE__ADMIN_BUFFERS__INIT;
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   gpupool__rep *rep;
   Gpupool__Wire__AdminBuffersReply *r;
-  Gpupool__Wire__BufferInfo **v = NULL;
-  size_t n = 0;
+  Gpupool__Wire__BufferInfo **v;
+  size_t n;
   table t;
   int rc;
 
-  if (names_only) {
-    req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_NAMES;
-    req.admin_names = &an;
-    if ((rc = call(c, &req, &files)) != 0)
-      return rc;
-  }
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS;
   req.admin_buffers = &ab;
-  rc = call(c, &req, &rep);
-  if (rc != 0) {
-    if (files)
-      gpupool__wire__reply__free_unpacked(files, NULL);
+  if ((rc = call(c, &req, &rep)) != 0)
     return rc;
-  }
   r = rep->admin_buffers;
-  v = calloc(r->n_buffers + 1, sizeof(*v));
-  if (v == NULL) {
-    die_msg("out of memory");
-    gpupool__wire__reply__free_unpacked(rep, NULL);
-    return EXIT_UNREACHABLE;
-  }
-  for (size_t i = 0; i < r->n_buffers; i++)
-    if (!names_only || (r->buffers[i]->name && r->buffers[i]->name[0]))
-      v[n++] = r->buffers[i];
-  if (names_only)
-    qsort(v, n, sizeof(*v), cmp_by_name);
+  v = r->buffers;
+  n = r->n_buffers;
+  qsort(v, n, sizeof(*v), cmp_by_id);
 
   if (c->json) {
-    printf("{\"%s\":[", names_only ? "names" : "buffers");
+    printf("{\"buffers\":[");
     for (size_t i = 0; i < n; i++) {
       char pb[16];
       int f = 1;
       printf("%s{", i ? "," : "");
-      if (names_only)
-        jkv_str("name", v[i]->name, &f);
       jkv_u64("id", v[i]->id, &f);
       jkv_u64("pool_id", v[i]->pool_id, &f);
       jkv_str("pool", pool_name(c, v[i]->pool_id, pb, sizeof(pb)), &f);
@@ -804,46 +790,125 @@ static int cmd_buffers(ctl *c, int names_only) {
       jkv_u64("holders", v[i]->holders, &f);
       jkv_u64("age_s", v[i]->age_s, &f);
       jkv_i64("owner_pid", v[i]->owner_pid, &f);
-      if (!names_only)
-        jkv_str("name", v[i]->name, &f);
+      jkv_str("name", v[i]->name, &f);
+      jkv_strs("names", v[i]->names, v[i]->n_names, &f);
       putchar('}');
     }
-    putchar(']');
-    if (files)
-      print_files(c, files->admin_names);
-    puts("}");
+    puts("]}");
     goto out;
   }
   table_init(&t, 7);
-  if (names_only) {
-    t.right[1] = t.right[3] = t.right[4] = t.right[5] = t.right[6] = 1;
-    table_row(&t, "NAME", "BUFFER", "POOL", "SIZE", "HOLDERS", "AGE", "OWNER PID");
-  } else {
-    t.right[0] = t.right[2] = t.right[3] = t.right[4] = t.right[5] = 1;
-    table_row(&t, "ID", "POOL", "SIZE", "HOLDERS", "AGE", "OWNER PID", "NAME");
-  }
+  t.right[0] = t.right[2] = t.right[3] = t.right[4] = t.right[5] = 1;
+  table_row(&t, "ID", "POOL", "SIZE", "HOLDERS", "AGE", "OWNER PID", "NAMES");
   for (size_t i = 0; i < n; i++) {
     char id[24], pb[16], size[32], holders[16], age[32], pid[16];
-    const char *pool = pool_name(c, v[i]->pool_id, pb, sizeof(pb));
+    char *names = join_names(v[i]->names, v[i]->n_names);
     snprintf(id, sizeof(id), "%llu", (unsigned long long)v[i]->id);
     snprintf(holders, sizeof(holders), "%u", v[i]->holders);
     snprintf(pid, sizeof(pid), "%d", v[i]->owner_pid);
     fmt_size(v[i]->size, size, sizeof(size));
     fmt_age(v[i]->age_s, age, sizeof(age));
-    if (names_only)
-      table_row(&t, v[i]->name, id, pool, size, holders, age, pid);
-    else
-      table_row(&t, id, pool, size, holders, age, pid, v[i]->name);
+    table_row(&t, id, pool_name(c, v[i]->pool_id, pb, sizeof(pb)), size, holders, age, pid,
+              names ? names : "");
+    free(names);
   }
   table_print(&t);
   table_free(&t);
-  if (files)
-    print_files(c, files->admin_names);
 out:
-  free(v);
   gpupool__wire__reply__free_unpacked(rep, NULL);
-  if (files)
-    gpupool__wire__reply__free_unpacked(files, NULL);
+  return 0;
+}
+
+/* `names`: every published name of every tenant, sorted by key, one row per name (a buffer
+ * published under three names is three rows): buffers with their id, pool and holders,
+ * bundles with their version and member count, files with their path. */
+static int cmd_names(ctl *c) {
+  Gpupool__Wire__AdminNames an = GPUPOOL__WIRE__ADMIN_NAMES__INIT;
+  Gpupool__Wire__AdminBuffers ab = GPUPOOL__WIRE__ADMIN_BUFFERS__INIT;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  gpupool__rep *names, *bufs;
+  Gpupool__Wire__NameInfo **v;
+  size_t n;
+  table t;
+  int rc;
+
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_NAMES;
+  req.admin_names = &an;
+  if ((rc = call(c, &req, &names)) != 0)
+    return rc;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS;
+  req.admin_buffers = &ab;
+  if ((rc = call(c, &req, &bufs)) != 0) {
+    gpupool__wire__reply__free_unpacked(names, NULL);
+    return rc;
+  }
+  v = names->admin_names->names;
+  n = names->admin_names->n_names;
+  qsort(v, n, sizeof(*v), cmp_by_key);
+
+  if (c->json) {
+    printf("{\"names\":[");
+    for (size_t i = 0; i < n; i++) {
+      const Gpupool__Wire__BufferInfo *b =
+          v[i]->n_buffer_ids ? find_buffer(bufs->admin_buffers, v[i]->buffer_ids[0]) : NULL;
+      char pb[16];
+      int f = 1;
+      printf("%s{", i ? "," : "");
+      jkv_str("name", v[i]->key, &f);
+      jkv_str("kind", v[i]->kind, &f);
+      jkv_u64("uid", v[i]->uid, &f);
+      jkv_u64("version", v[i]->version, &f);
+      jkv_u64("size", v[i]->size, &f);
+      jkv_u64("age_s", v[i]->age_s, &f);
+      jkv_u64("members", v[i]->members, &f);
+      jkv_u64s("buffers", v[i]->buffer_ids, v[i]->n_buffer_ids, &f);
+      jkv_str("path", v[i]->path, &f);
+      if (b) { /* the (first) buffer's: what `buffers` shows of it */
+        jkv_u64("id", b->id, &f);
+        jkv_str("pool", pool_name(c, b->pool_id, pb, sizeof(pb)), &f);
+        jkv_u64("holders", b->holders, &f);
+        jkv_i64("owner_pid", b->owner_pid, &f);
+      }
+      putchar('}');
+    }
+    printf("],\"files\":[");
+    for (size_t i = 0, k = 0; i < n; i++) {
+      int f = 1;
+      if (strcmp(v[i]->kind, "file") != 0)
+        continue;
+      printf("%s{", k++ ? "," : "");
+      jkv_str("name", v[i]->key, &f);
+      jkv_u64("uid", v[i]->uid, &f);
+      jkv_u64("size", v[i]->size, &f);
+      jkv_u64("age_s", v[i]->age_s, &f);
+      jkv_str("path", v[i]->path, &f);
+      putchar('}');
+    }
+    puts("]}");
+    goto out;
+  }
+  table_init(&t, 9);
+  t.right[2] = t.right[3] = t.right[4] = t.right[6] = t.right[7] = 1;
+  table_row(&t, "NAME", "KIND", "VERSION", "SIZE", "UID", "POOL", "BUFFER", "AGE", "MEMBERS/PATH");
+  for (size_t i = 0; i < n; i++) {
+    const Gpupool__Wire__BufferInfo *b =
+        v[i]->n_buffer_ids ? find_buffer(bufs->admin_buffers, v[i]->buffer_ids[0]) : NULL;
+    char ver[24], size[32], uid[16], pb[16], id[24], age[32], what[32];
+    snprintf(ver, sizeof(ver), "%llu", (unsigned long long)v[i]->version);
+    fmt_size(v[i]->size, size, sizeof(size));
+    snprintf(uid, sizeof(uid), "%u", v[i]->uid);
+    snprintf(id, sizeof(id), "%llu", b ? (unsigned long long)b->id : 0ull);
+    fmt_age(v[i]->age_s, age, sizeof(age));
+    snprintf(what, sizeof(what), "%u member%s", v[i]->members, v[i]->members == 1 ? "" : "s");
+    table_row(&t, v[i]->key, v[i]->kind, ver, size, uid, b ? pool_name(c, b->pool_id, pb, sizeof(pb)) : "-",
+              b ? id : "-", age, strcmp(v[i]->kind, "file") == 0 ? v[i]->path
+                                 : strcmp(v[i]->kind, "bundle") == 0 ? what : "");
+  }
+  table_print(&t);
+  table_free(&t);
+out:
+  gpupool__wire__reply__free_unpacked(bufs, NULL);
+  gpupool__wire__reply__free_unpacked(names, NULL);
   return 0;
 }
 
@@ -949,15 +1014,16 @@ static void usage(FILE *f) {
           "Commands:\n"
           "  status            daemon version, backend, uptime, clients and pool usage\n"
           "  clients           connected clients: id, pid, user, name, holds, bytes, age (admin)\n"
-          "  buffers           live buffers: id, pool, size, holders, age, owner pid, name (admin)\n"
-          "  names             published names and their buffers, then published files, of every\n"
-          "                    tenant (admin)\n"
+          "  buffers           live buffers sorted by id: pool, size, holders, age, owner pid and\n"
+          "                    every name (admin)\n"
+          "  names             every tenant's published names sorted by key, one row each: buffers,\n"
+          "                    bundles (version, members) and files (path) (admin)\n"
           "  unpublish KEY     remove the name filed under KEY, as names shows it (uid:1000/x),\n"
           "                    whichever tenant published it (admin)\n"
           "  stats             every daemon and pool counter, one per line\n"
           "  drop-client PID   disconnect every connection of process PID, releasing its holds "
           "(admin)\n"
-          "  trim              give empty slabs back to the backend\n"
+          "  trim              give every tenant's empty slabs back to the backend (admin)\n"
           "\n"
           "Options:\n"
           "  -s, --socket PATH   daemon socket (default: $GPUPOOL_SOCKET, else\n"
@@ -1060,9 +1126,9 @@ int main(int argc, char **argv) {
   else if (strcmp(c.cmd, "clients") == 0)
     rc = cmd_clients(&c);
   else if (strcmp(c.cmd, "buffers") == 0)
-    rc = cmd_buffers(&c, 0);
+    rc = cmd_buffers(&c);
   else if (strcmp(c.cmd, "names") == 0)
-    rc = cmd_buffers(&c, 1);
+    rc = cmd_names(&c);
   else if (strcmp(c.cmd, "drop-client") == 0)
     rc = cmd_drop(&c, arg);
   else if (strcmp(c.cmd, "unpublish") == 0)

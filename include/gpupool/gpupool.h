@@ -452,7 +452,8 @@ GPUPOOL_EXTERN int gpupool_client_stats_sized(gpupool_client *c, gpupool_daemon_
 #define GPUPOOL_STATS_MIN_DAEMON_SIZE (9 * sizeof(uint64_t))
 #define GPUPOOL_STATS_MIN_POOL_SIZE (offsetof(gpupool_pool_stats, slabs) + sizeof(uint64_t))
 
-/* Ask the daemon to return unused slabs to the backend. */
+/* Ask the daemon to return every tenant's unused slabs to the backend. An operator's request:
+ * GPUPOOL_EPERM unless the caller is root or the daemon's own uid. */
 GPUPOOL_EXTERN int gpupool_client_trim(gpupool_client *c);
 
 /* Daemon restarts. When gpupoold goes away (restart, crash), the request in flight fails with

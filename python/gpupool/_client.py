@@ -727,7 +727,9 @@ class Client:
         return bool(self._lib.gpupool_client_host_fences(self._conn.usable()))
 
     def trim(self) -> None:
-        """Ask the daemon to give unused slabs back to the backend."""
+        """Ask the daemon to give every tenant's unused slabs back to the backend.
+
+        Operators only (root or the daemon's own uid): others get PermissionError."""
         check(self._lib.gpupool_client_trim(self._conn.usable()), "trim")
 
     def set_devices(self, devices: Iterable[int]) -> None:

@@ -66,6 +66,21 @@ static void test_errors_name_line(void **state) {
       {"[pool p]\nkind = gpu\n", "unknown pool kind"},
       {"[daemon]\nbackend = tpu\n", "unknown backend"},
       {"[daemon]\nmax_clients\n", "expected 'key = value'"},
+      /* Every parser's refusal, each reached through the file (so each carries file:line). */
+      {"[pool p]\ncapacity = lots\n", ":2: 'lots' is not a size"},
+      {"[pool p]\ncapacity = 64Mx\n", ":2: size '64Mx' has"},
+      {"[pool p]\ncapacity = 99999999999T\n", ":2: size '99999999999T'"},
+      {"[daemon]\nmax_clients = -3\n", ":2: '-3' is not a number"},
+      {"[daemon]\nlisten_backlog = 0\n", ":2: listen_backlog must be between"},
+      {"[pool p]\ndevice = 5000\n", ":2: '5000' is not a whole number"},
+      {"[daemon]\nfile_leases = maybe\n", ":2: 'maybe' is not a boolean"},
+      {"[daemon]\nfile_paths = data\n", ":2: file_paths entry 'data' is not an absolute path"},
+      {"[daemon]\nfile_paths = /data/../etc\n", ":2: file_paths entry '/data/../etc' must be a canonical"},
+      {"[daemon]\nsocket_mode = rw\n", ":2: socket_mode 'rw' is not an octal mode"},
+      {"[daemon]\nallow_uids = x\n", ":2: "},
+      {"[pool p]\nbogus = 1\n", ":2: unknown"},
+      {"[pool " "p123456789012345678901234567890123456789012345678901234567890123456789" "]\n", ":1: pool name"},
+      {"[tenant a/b]\n", ":1: [tenant NAME] needs a name"},
   };
   (void)state;
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -121,6 +136,7 @@ static void test_pool_checks(void **state) {
   assert_int_equal(gpd_config_add_pool_spec(&c, "name=x,capacity=1G,slab=5G"), 0);
   assert_int_equal(gpd_config_finish(&c, &gpupool__backend_host), GPUPOOL_ECONFIG);
   assert_non_null(strstr(gpupool__errmsg(), "4G"));
+  assert_non_null(strstr(gpupool__errmsg(), "--pool x: "));
   gpd_config_defaults(&c);
   assert_int_equal(gpd_config_add_pool_spec(&c, "name=x,kind=device"), 0);
   assert_int_equal(gpd_config_finish(&c, &gpupool__backend_host), GPUPOOL_ECONFIG);
@@ -134,6 +150,35 @@ static void test_pool_checks(void **state) {
   assert_int_equal(gpd_config_finish(&c, &gpupool__backend_host), 0); /* a default host pool */
   assert_int_equal(c.n_pools, 1);
   assert_string_equal(c.pools[0].name, "default");
+}
+
+/* What the pool checks refuse once the file is read (slab_size over 4G, a kind the backend
+ * lacks, an alignment, a capacity under one slab, a share with no group) names the file and
+ * the line of the pool's section, as the parser's errors do; a --pool spec is named as such. */
+static void test_pool_checks_name_line(void **state) {
+  static const struct {
+    const char *text, *needle;
+  } cases[] = {
+      {"[daemon]\nbackend = host\n\n[pool a]\nslab_size = 8G\n", ":4: [pool a] pool 'a': slab_size"},
+      {"[pool a]\ncapacity = 64M\n[pool b]\nkind = device\n", ":3: [pool b] pool 'b' asks for device memory"},
+      {"[pool a]\nalignment = 48\n", ":1: [pool a] pool 'a': alignment 48"},
+      {"[pool a]\ncapacity = 1M\nslab_size = 4M\n", ":1: [pool a] pool 'a': capacity"},
+      {"[pool a]\nshare = nobody\n", ":1: [pool a] pool 'a' is shared with group 'nobody'"},
+  };
+  (void)state;
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    gpd_config c;
+    char where[320];
+    strcpy(path, "/tmp/gpupool-conf-XXXXXX");
+    write_file(cases[i].text);
+    gpd_config_defaults(&c);
+    assert_int_equal(gpd_config_load(&c, path), 0);
+    assert_int_equal(gpd_config_finish(&c, &gpupool__backend_host), GPUPOOL_ECONFIG);
+    snprintf(where, sizeof where, "%s%s", path, cases[i].needle);
+    if (!strstr(gpupool__errmsg(), where))
+      fail_msg("case %zu: '%s' lacks '%s'", i, gpupool__errmsg(), where);
+    unlink(path);
+  }
 }
 
 static void test_sizes(void **state) {
@@ -240,5 +285,5 @@ static void test_config_not_a_file(void **state) {
 int main(void) {
   return TS_RUN_TESTS(NULL, NULL, test_full_file, test_errors_name_line, test_pool_checks, test_sizes,
                       test_daemon_refuses_bad_config, test_duplicate_sections, test_config_not_a_file,
-                      test_did_you_mean);
+                      test_did_you_mean, test_pool_checks_name_line);
 }

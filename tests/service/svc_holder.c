@@ -8,7 +8,11 @@
  *   reconnect  the library's default: the request reconnects and succeeds, and the hold of
  *              the dropped connection is reported lost.
  *
- * Usage: svc_holder SOCKET CLIENT_NAME PUBLISH_NAME SIZE closed|reconnect
+ * PUBLISH_NAME may be several names separated by commas: the one buffer is published under each.
+ * Each EXTRA adds a name of another kind before "ready": bundle=NAME publishes a bundle of two
+ * members, file=NAME:PATH the whole file at PATH.
+ *
+ * Usage: svc_holder SOCKET CLIENT_NAME PUBLISH_NAME SIZE closed|reconnect [EXTRA...]
  * Exit: 0 when the request after the wait behaved as the mode says, 1 when it did not (the
  *       client was not dropped), 2 on setup failure.
  */
@@ -25,8 +29,8 @@ int main(int argc, char **argv) {
   size_t size;
   int rc, reconnect;
 
-  if (argc != 6 || (strcmp(argv[5], "closed") != 0 && strcmp(argv[5], "reconnect") != 0)) {
-    fprintf(stderr, "usage: svc_holder SOCKET CLIENT_NAME PUBLISH_NAME SIZE closed|reconnect\n");
+  if (argc < 6 || (strcmp(argv[5], "closed") != 0 && strcmp(argv[5], "reconnect") != 0)) {
+    fprintf(stderr, "usage: svc_holder SOCKET CLIENT_NAME PUBLISH_NAME SIZE closed|reconnect [EXTRA...]\n");
     return 2;
   }
   reconnect = strcmp(argv[5], "reconnect") == 0;
@@ -47,10 +51,33 @@ int main(int argc, char **argv) {
   }
   if (gpupool_buffer_kind(b) == GPUPOOL_MEM_HOST)
     memset(gpupool_buffer_ptr(b), 0x5a, size); /* device memory is not the CPU's to touch */
-  rc = gpupool_buffer_publish(b, argv[3], NULL, NULL, NULL);
-  if (rc != 0) {
-    fprintf(stderr, "svc_holder: publish: %s\n", gpupool_last_error());
-    return 2;
+  for (char *save = NULL, *nm = strtok_r(argv[3], ",", &save); nm; nm = strtok_r(NULL, ",", &save))
+    if (gpupool_buffer_publish(b, nm, NULL, NULL, NULL) != 0) {
+      fprintf(stderr, "svc_holder: publish %s: %s\n", nm, gpupool_last_error());
+      return 2;
+    }
+  for (int i = 6; i < argc; i++) {
+    if (strncmp(argv[i], "bundle=", 7) == 0) {
+      gpupool_member_spec m[2] = {{"weight", 8192, NULL}, {"bias", 4096, NULL}};
+      gpupool_bundle *bd;
+      if (gpupool_bundle_alloc(c, NULL, m, 2, 0, 0, NULL, &bd) != 0 ||
+          gpupool_bundle_publish(bd, argv[i] + 7, NULL, NULL) != 0 ||
+          gpupool_bundle_publish(bd, argv[i] + 7, NULL, NULL) != 0) { /* version 2 */
+        fprintf(stderr, "svc_holder: %s: %s\n", argv[i], gpupool_last_error());
+        return 2;
+      }
+      gpupool_bundle_release(bd, NULL);
+    } else if (strncmp(argv[i], "file=", 5) == 0 && strchr(argv[i], ':')) {
+      char *path = strchr(argv[i], ':');
+      *path++ = '\0';
+      if (gpupool_file_publish(c, argv[i] + 5, path, 0, 0, NULL) != 0) {
+        fprintf(stderr, "svc_holder: %s: %s\n", argv[i], gpupool_last_error());
+        return 2;
+      }
+    } else {
+      fprintf(stderr, "svc_holder: unknown extra '%s'\n", argv[i]);
+      return 2;
+    }
   }
   printf("ready\n");
   fflush(stdout);

@@ -112,7 +112,8 @@ def reachable_copy(tmp, exe):
 
 
 def ctl(daemon, *args, user=None, expect=0, socket_path=None):
-    exe = GPUPOOLCTL if user is None else reachable_copy(daemon.tmp, GPUPOOLCTL)
+    exe = GPUPOOLCTL if user is None else reachable_copy(
+        daemon.tmp if daemon else os.path.dirname(socket_path), GPUPOOLCTL)
     cmd = [exe, "--socket", socket_path or daemon.sock, *args]
     kw = {}
     if user is not None:
@@ -137,8 +138,11 @@ def ctl_json(daemon, *args):
         fail(f"gpupoolctl --json {' '.join(args)} printed invalid JSON ({e}):\n{out}")
 
 
-def start_holder(daemon, mode="closed", name=HOLDER_NAME, published=PUBLISHED):
-    h = subprocess.Popen([HOLDER, daemon.sock, name, published, str(1 << 20), mode],
+def start_holder(daemon, mode="closed", name=HOLDER_NAME, published=PUBLISHED, extras=(),
+                 size=1 << 20):
+    """published: one name, or several separated by commas, all for the one buffer; extras:
+    "bundle=NAME" (two members, published twice: version 2), "file=NAME:PATH"."""
+    h = subprocess.Popen([HOLDER, daemon.sock, name, published, str(size), mode, *extras],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     line = h.stdout.readline()
     check(line.strip() == "ready", f"svc_holder did not get ready: {line!r}")
@@ -249,6 +253,129 @@ def test_ctl(tmp):
             holder.kill()
             holder.wait()
     d.stop()
+
+
+# What a script gets from `buffers --json` and `names --json`: every column of the text
+# tables, and the ids that join them.
+BUFFER_FIELDS = {"id", "pool_id", "pool", "size", "holders", "age_s", "owner_pid", "name", "names"}
+NAME_FIELDS = {"name", "kind", "uid", "version", "size", "age_s", "members", "buffers", "path"}
+NAME_BUFFER_FIELDS = NAME_FIELDS | {"id", "pool", "holders", "owner_pid"}
+
+
+def test_listing(tmp):
+    """Every name is listed: three names on one buffer, a bundle, a file; buffers sorted by id."""
+    d = Daemon(tmp)
+    ns = f"uid:{os.geteuid()}/"
+    fpath = os.path.join(tmp, "weights.bin")
+    with open(fpath, "wb") as f:
+        f.write(b"w" * 12345)
+    # Published in an order that is not the sorted one.
+    three = ["svc.c/third", "svc.a/first", "svc.b/second"]
+    first = start_holder(d, name="three-names", published=",".join(three),
+                         extras=["bundle=svc.bundle", f"file=svc.file:{fpath}"])
+    second = start_holder(d, name="one-name", published="svc.0/later", size=1 << 16)
+    try:
+        st = ctl_json(d, "stats")
+        check(st["names"] == 6, f"stats counts {st['names']} names, expected 6")
+
+        names = ctl_json(d, "names")["names"]
+        keys = [n["name"] for n in names]
+        want = sorted([ns + k for k in three] + [ns + "svc.bundle", ns + "svc.file", ns + "svc.0/later"])
+        check(keys == want, f"names --json lists {keys}, expected {want}")
+        by = {n["name"]: n for n in names}
+        for n in names:
+            need = NAME_BUFFER_FIELDS if n["kind"] != "file" else NAME_FIELDS
+            check(need <= set(n), f"names --json entry lacks {need - set(n)}: {n}")
+        ids = {by[ns + k]["id"] for k in three}
+        check(len(ids) == 1, f"the three names are not of one buffer: {ids}")
+        for k in three:
+            n = by[ns + k]
+            check(n["kind"] == "buffer" and n["members"] == 1 and n["version"] == 1
+                  and n["size"] == 1 << 20 and n["owner_pid"] == first.pid
+                  and n["pool"] == "default" and n["uid"] == os.geteuid(), f"buffer name {n}")
+        b = by[ns + "svc.bundle"]
+        check(b["kind"] == "bundle" and b["version"] == 2 and b["members"] == 2
+              and b["size"] >= 8192 + 4096 and len(b["buffers"]) >= 1, f"bundle name {b}")
+        f = by[ns + "svc.file"]
+        check(f["kind"] == "file" and f["size"] == 12345 and f["members"] == 0
+              and os.path.realpath(f["path"]) == os.path.realpath(fpath), f"file name {f}")
+        files = ctl_json(d, "names")["files"]
+        check([x["name"] for x in files] == [ns + "svc.file"], f"names --json files {files}")
+
+        out, _ = ctl(d, "names")
+        rows = [ln.split()[0] for ln in out.splitlines()[1:] if ln.strip()]
+        check(rows == want, f"names text lists {rows}, expected {want}")
+        check(re.search(r"svc\.bundle\s+bundle\s+2\s.*2 members$", out, re.M),
+              f"names text lacks the bundle's version and members:\n{out}")
+        check(re.search(r"svc\.file\s+file\s.*12\.1 KiB.*" + re.escape(os.path.realpath(fpath)) + "$",
+                        out, re.M) or fpath in out, f"names text lacks the file's path:\n{out}")
+
+        bufs = ctl_json(d, "buffers")["buffers"]
+        for x in bufs:
+            check(BUFFER_FIELDS <= set(x), f"buffers --json entry lacks {BUFFER_FIELDS - set(x)}: {x}")
+        got = [x["id"] for x in bufs]
+        check(got == sorted(got), f"buffers --json not sorted by id: {got}")
+        mine = [x for x in bufs if x["id"] in ids]
+        check(len(mine) == 1 and mine[0]["names"] == sorted(ns + k for k in three)
+              and mine[0]["name"] == ns + "svc.a/first", f"buffer with three names: {mine}")
+        out, _ = ctl(d, "buffers")
+        text_ids = [int(ln.split()[0]) for ln in out.splitlines()[1:] if ln.strip()]
+        check(text_ids == got, f"buffers text order {text_ids}, json {got}")
+        check(", ".join(sorted(ns + k for k in three)) in out,
+              f"buffers text lacks the three names:\n{out}")
+
+        if os.geteuid() == 0:
+            # Trim gives back every tenant's empty slabs: an operator's request.
+            os.chmod(tmp, 0o755)
+            _, err = ctl(d, "trim", user=65534, expect=1)
+            check("permission denied" in err and "for operators" in err, f"non-admin trim: {err}")
+            _, err = ctl(d, "names", user=65534, expect=1)
+            check("permission denied" in err, f"non-admin names: {err}")
+        else:
+            print("(not root: the non-admin trim refusal is not exercised)")
+        ctl(d, "trim")
+    finally:
+        for h in (first, second):
+            if h.poll() is None:
+                h.kill()
+                h.wait()
+    d.stop()
+
+
+def test_messages(tmp):
+    """What a failed connect says: a directory in the way, and the socket's real group."""
+    os.chmod(tmp, 0o755)
+    dpath = os.path.join(tmp, "gp.sock")
+    os.mkdir(dpath)
+    _, err = ctl(None, "status", socket_path=dpath, expect=3)
+    check("is a directory, not a socket" in err and "remove it" in err and dpath in err,
+          f"directory at the socket path: {err}")
+    check("is the daemon running" not in err and "not running" not in err,
+          f"directory message blames the daemon: {err}")
+    p = subprocess.run([HOLDER, dpath, "msg", "x", "4096", "closed"], capture_output=True, text=True,
+                       timeout=30)
+    check(p.returncode == 2 and "is a directory, not a socket" in p.stderr,
+          f"the library's message for a directory: {p.stderr}")
+    os.rmdir(dpath)
+
+    if os.geteuid() != 0:
+        print("(not root: the permission message is not exercised)")
+        return
+    import grp
+    group = grp.getgrgid(1).gr_name if any(g.gr_gid == 1 for g in grp.getgrall()) else None
+    gid = 1 if group else 0
+    group = group or grp.getgrgid(0).gr_name
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(dpath)
+    s.listen(1)
+    os.chown(dpath, 0, gid)
+    os.chmod(dpath, 0o660)
+    try:
+        _, err = ctl(None, "status", socket_path=dpath, user=65534, expect=3)
+        check(f"usermod -aG {group} $USER" in err and "GROUP" not in err,
+              f"permission message does not name the group {group}: {err}")
+    finally:
+        s.close()
 
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*"'
@@ -375,7 +502,8 @@ def test_metrics(tmp):
 def main():
     tmp = tempfile.mkdtemp(prefix="gpupool-ctl-")
     try:
-        {"ctl": test_ctl, "metrics": test_metrics}[MODE](tmp)
+        {"ctl": test_ctl, "metrics": test_metrics, "listing": test_listing,
+         "messages": test_messages}[MODE](tmp)
     except BaseException:
         print(f"files kept in {tmp}", file=sys.stderr)
         raise

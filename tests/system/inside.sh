@@ -58,8 +58,30 @@ echo "$out" | head -n 1
 real=$(stat -c 'owner %U, group %G, mode 0%a' "$SOCK")
 echo "$out" | grep -q "($real)" || die "bob's refusal does not name the socket's $real: $out"
 echo "$out" | grep -q "gpupool" || die "bob's refusal does not name the group"
+echo "$out" | grep -q 'usermod -aG gpupool \$USER' || die "bob's refusal does not say 'usermod -aG gpupool \$USER': $out"
 out=$(as bob /usr/local/bin/gpupoolctl --json status 2>/dev/null || true)
 echo "$out" | grep -q '^{"error":"permission denied' || die "--json refusal: $out"
+
+step "trim is an operator's request; names lists every name of a buffer"
+if out=$(as alice /usr/local/bin/gpupoolctl trim 2>&1); then die "alice (not an operator) could trim: $out"; fi
+echo "$out" | grep -q "permission denied" || die "alice's trim refusal: $out"
+/usr/local/bin/gpupoolctl trim >/dev/null || die "root could not trim"
+mkfifo /tmp/names.in
+chmod 666 /tmp/names.in
+as alice "$T/svc_holder" "$SOCK" systest-names systest/c,systest/a,systest/b 4096 closed </tmp/names.in >/tmp/names.out 2>&1 &
+namer=$!
+exec 4>/tmp/names.in
+wait_for 10 grep -q ready /tmp/names.out || die "svc_holder did not get ready: $(cat /tmp/names.out)"
+au=$(id -u alice)
+out=$(/usr/local/bin/gpupoolctl names)
+echo "$out"
+n=$(echo "$out" | grep -c "^uid:$au/systest/[abc] ") || true
+[ "$n" = 3 ] || die "names shows $n of alice's 3 names"
+/usr/local/bin/gpupoolctl --json buffers | grep -q "\"names\":\[\"uid:$au/systest/a\",\"uid:$au/systest/b\",\"uid:$au/systest/c\"\]" ||
+  die "buffers --json lacks the buffer's three names: $(/usr/local/bin/gpupoolctl --json buffers)"
+exec 4>&-
+kill "$namer" 2>/dev/null || true
+wait "$namer" 2>/dev/null || true
 
 step "a live client across a service restart"
 mkfifo /tmp/holder.in
