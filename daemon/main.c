@@ -1,11 +1,13 @@
 /*
  * gpupoold: command line, configuration, backend and pools, the listening socket (its own or
- * systemd's), readiness and watchdog, and a graceful shutdown on SIGINT/SIGTERM.
+ * systemd's), readiness, status and watchdog, a reload on SIGHUP, and a graceful shutdown on
+ * SIGINT/SIGTERM.
  */
 #include <getopt.h>
 #include <inttypes.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <time.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -81,18 +83,34 @@ static void usage(FILE *f) {
           "                           (latency mode, config key busy_poll_us; default 0)\n"
           "  GPUPOOL_TRACE=FILE        append a line per request: when it came in (monotonic\n"
           "                           us) and how long it took (bench/trace_breakdown.py)\n"
-          "Signals: SIGINT/SIGTERM shut down gracefully.\n"
+          "Signals: SIGINT/SIGTERM shut down gracefully; SIGHUP re-reads the configuration\n"
+          "  (what can change while serving changes; the log says what did and what waits\n"
+          "  for a restart; a file that does not parse changes nothing).\n"
           "Exit status: 0 after a clean shutdown, 2 for an invalid configuration (restarting\n"
           "will not help: fix it), 1 for any other failure.\n");
 }
+
+/* What the command line asked for; applied over the config file by load_config (at start
+ * and at each reload). */
+typedef struct {
+  const char *config_path, *socket_opt, *backend_opt, *level_opt;
+  const char *pool_specs[GPUPOOL_MAX_POOLS];
+  int npool_specs;
+  int check_only;
+} options;
 
 typedef struct {
   uv_loop_t *loop;
   gpd_server *server;
   gpd_registry *reg;
-  uv_signal_t sigint, sigterm;
-  uv_timer_t watchdog;
+  gpd_config *cfg;         /* what the server and registry read: a reload changes it in place */
+  const options *opts;
+  gpupool__backend *be;
+  uv_signal_t sigint, sigterm, sighup;
+  uv_timer_t watchdog, status;
   int watchdog_on;
+  char last_status[512];   /* the STATUS= last sent, to send only changes */
+  char reload_note[256];   /* after a failed reload, kept in STATUS= until the next one */
 } daemon_ctx;
 
 static void shutdown_daemon(daemon_ctx *d, const char *why) {
@@ -106,12 +124,76 @@ static void shutdown_daemon(daemon_ctx *d, const char *why) {
   gpd_registry_stop(d->reg);
   uv_close((uv_handle_t *)&d->sigint, NULL);
   uv_close((uv_handle_t *)&d->sigterm, NULL);
+  uv_close((uv_handle_t *)&d->sighup, NULL);
+  uv_close((uv_handle_t *)&d->status, NULL);
   if (d->watchdog_on)
     uv_close((uv_handle_t *)&d->watchdog, NULL);
 }
 
 static void on_signal(uv_signal_t *h, int signum) {
   shutdown_daemon(h->data, signum == SIGINT ? "SIGINT" : "SIGTERM");
+}
+
+/* The live figures for STATUS= (systemctl status): clients, memory, names. Sent when they
+ * changed, at most once a second (the status timer), so a busy daemon does not flood PID 1. */
+static void update_status(daemon_ctx *d) {
+  char buf[sizeof d->last_status];
+  uint64_t used = 0, cap = 0;
+  if (!d->server)
+    return;
+  for (int i = 0; i < d->reg->npools; i++) {
+    used += d->reg->pools[i].used;
+    cap += d->reg->pools[i].cfg.capacity;
+  }
+  snprintf(buf, sizeof buf, "%s%sServing %d pool(s) on the %s backend: %" PRIu64 " client(s), %" PRIu64
+           " of %" PRIu64 " MiB used, %" PRIu64 " name(s)",
+           d->reload_note, d->reload_note[0] ? "; " : "", d->cfg->n_pools, d->be->desc->name,
+           gpd_server_clients(d->server), used >> 20, cap >> 20, d->reg->nnames);
+  if (!strcmp(buf, d->last_status))
+    return;
+  memcpy(d->last_status, buf, sizeof buf);
+  gpd_sd_notifyf("STATUS=%s", buf);
+}
+
+static void on_status_timer(uv_timer_t *t) { update_status(t->data); }
+
+static int load_config(const options *o, gpd_config *cfg);
+
+/* SIGHUP (systemctl reload): read the configuration again and apply what can change while
+ * serving (gpd_config_reload says what). A file that no longer parses changes nothing; why
+ * goes to the log and to STATUS=. RELOADING=1 ... READY=1 frame it for systemd. */
+static void reload(daemon_ctx *d) {
+  gpd_config next;
+  char applied[1024], kept[512];
+  struct timespec ts;
+
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  gpd_sd_notifyf("RELOADING=1\nMONOTONIC_USEC=%llu\nSTATUS=Reloading the configuration",
+                 (unsigned long long)ts.tv_sec * 1000000ull + (unsigned long long)ts.tv_nsec / 1000);
+  d->last_status[0] = '\0';
+  if (load_config(d->opts, &next) != 0 || gpd_config_finish(&next, d->be->desc) != 0) {
+    GPUPOOL__ERROR("reload: configuration not changed: %s (check it with gpupoold --check-config%s%s)",
+                   gpupool__errmsg(), d->opts->config_path ? " --config " : "",
+                   d->opts->config_path ? d->opts->config_path : "");
+    snprintf(d->reload_note, sizeof d->reload_note, "Reload failed, old configuration kept: %s",
+             gpupool__errmsg());
+    update_status(d);
+    gpd_sd_notify("READY=1");
+    return;
+  }
+  d->reload_note[0] = '\0';
+  gpd_config_reload(d->cfg, &next, applied, sizeof applied, kept, sizeof kept);
+  gpupool__log_set_level(d->cfg->log_level);
+  GPUPOOL__INFO("reloaded %s: changed: %s%s%s%s", d->opts->config_path ? d->opts->config_path : "(no file)",
+                applied[0] ? applied : "nothing", kept[0] ? "; not changed until a restart: " : "", kept,
+                kept[0] ? " (they stay as they were)" : "");
+  update_status(d);
+  gpd_sd_notify("READY=1");
+}
+
+static void on_sighup(uv_signal_t *h, int signum) {
+  (void)signum;
+  reload(h->data);
 }
 
 static void on_watchdog(uv_timer_t *t) {
@@ -173,14 +255,6 @@ static int check_config(gpd_config *cfg, const char *path) {
   be->ops->close(be);
   return 0;
 }
-
-/* What the command line asked for; applied over the config file by load_config. */
-typedef struct {
-  const char *config_path, *socket_opt, *backend_opt, *level_opt;
-  const char *pool_specs[GPUPOOL_MAX_POOLS];
-  int npool_specs;
-  int check_only;
-} options;
 
 /* -1 to go on, or the exit status to return now (--help, --version, a bad option). */
 static int parse_options(int argc, char **argv, options *o) {
@@ -244,27 +318,33 @@ static int parse_options(int argc, char **argv, options *o) {
   return -1;
 }
 
-/* The config file, then the command line and the environment over it. 0, or exit status 2
- * with the reason. */
+/* The config file, then the command line and the environment over it. 0, or
+ * GPUPOOL_ECONFIG with the reason (gpupool__errmsg). */
 static int load_config(const options *o, gpd_config *cfg) {
   const char *bp = getenv("GPUPOOL_BUSY_POLL_US");
+  char why[GPUPOOL__ERRMSG_MAX];
 
   gpd_config_defaults(cfg);
   if (o->config_path && gpd_config_load(cfg, o->config_path) != 0)
-    return config_failed("%s", gpupool__errmsg());
+    goto fail;
   if (o->socket_opt && snprintf(cfg->socket_path, sizeof cfg->socket_path, "%s", o->socket_opt) >=
                            (int)sizeof cfg->socket_path)
-    return config_failed("--socket path longer than %zu bytes", sizeof cfg->socket_path - 1);
+    return gpupool__err(GPUPOOL_ECONFIG, "--socket path longer than %zu bytes", sizeof cfg->socket_path - 1);
   if (o->backend_opt && gpd_config_set_backend(cfg, o->backend_opt) != 0)
-    return config_failed("%s", gpupool__errmsg());
-  if (bp && *bp && gpd_config_set(cfg, "busy_poll_us", bp) != 0)
-    return config_failed("GPUPOOL_BUSY_POLL_US: %s", gpupool__errmsg());
+    goto fail;
+  if (bp && *bp && gpd_config_set(cfg, "busy_poll_us", bp) != 0) {
+    snprintf(why, sizeof why, "%s", gpupool__errmsg());
+    return gpupool__err(GPUPOOL_ECONFIG, "GPUPOOL_BUSY_POLL_US: %s", why);
+  }
   if (o->level_opt && gpupool__log_parse_level(o->level_opt, &cfg->log_level) != 0)
-    return config_failed("%s", gpupool__errmsg());
+    goto fail;
   for (int i = 0; i < o->npool_specs; i++)
     if (gpd_config_add_pool_spec(cfg, o->pool_specs[i]) != 0)
-      return config_failed("%s", gpupool__errmsg());
+      goto fail;
   return 0;
+fail:
+  snprintf(why, sizeof why, "%s", gpupool__errmsg());
+  return gpupool__err(GPUPOOL_ECONFIG, "%s", why);
 }
 
 /* The backend, and the pools checked against it. 0, or the exit status with *out closed. */
@@ -309,15 +389,21 @@ static int start_serving(daemon_ctx *d, const gpd_config *cfg, gpupool__backend 
   return 0;
 }
 
-/* SIGINT/SIGTERM shut down; under a systemd watchdog, a ping every half interval. */
+/* SIGINT/SIGTERM shut down, SIGHUP reloads; STATUS= follows the live figures; under a
+ * systemd watchdog, a ping every half interval. */
 static void watch_signals(daemon_ctx *d) {
   uint64_t wd;
 
   uv_signal_init(d->loop, &d->sigint);
   uv_signal_init(d->loop, &d->sigterm);
-  d->sigint.data = d->sigterm.data = d;
+  uv_signal_init(d->loop, &d->sighup);
+  d->sigint.data = d->sigterm.data = d->sighup.data = d;
   uv_signal_start(&d->sigint, on_signal, SIGINT);
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
+  uv_signal_start(&d->sighup, on_sighup, SIGHUP);
+  uv_timer_init(d->loop, &d->status);
+  d->status.data = d;
+  uv_timer_start(&d->status, on_status_timer, 1000, 1000);
   wd = gpd_sd_watchdog_usec();
   if (wd) {
     uv_timer_init(d->loop, &d->watchdog);
@@ -356,8 +442,8 @@ int main(int argc, char **argv) {
 
   if ((rc = parse_options(argc, argv, &o)) >= 0)
     return rc;
-  if ((rc = load_config(&o, &cfg)) != 0)
-    return rc;
+  if (load_config(&o, &cfg) != 0)
+    return config_failed("%s", gpupool__errmsg());
   if (o.check_only)
     return check_config(&cfg, o.config_path);
   gpupool__log_set_level(cfg.log_level);
@@ -374,11 +460,15 @@ int main(int argc, char **argv) {
   d.loop = uv_default_loop();
   if ((exit_code = start_serving(&d, &cfg, be, &reg, &listen_fd)) != 0)
     goto out_be;
+  d.cfg = &cfg;
+  d.opts = &o;
+  d.be = be;
   watch_signals(&d);
 
   GPUPOOL__INFO("gpupoold %s ready on %s: backend %s, %d pool(s)", GPUPOOL_VERSION_STRING,
           cfg.socket_path[0] ? cfg.socket_path : "(socket from systemd)", be->desc->name, cfg.n_pools);
-  gpd_sd_notifyf("READY=1\nSTATUS=Serving %d pool(s) on the %s backend", cfg.n_pools, be->desc->name);
+  gpd_sd_notify("READY=1");
+  update_status(&d);
   run_loop(&d, &cfg);
 
   gpd_registry_close(&reg);
