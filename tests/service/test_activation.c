@@ -16,7 +16,8 @@
  *  config-error an invalid config file: the daemon stays up on the passed socket, answers a
  *               client's Hello with GPUPOOL_ECONFIG and the reason (exiting would leave the
  *               connection queued and systemd would restart it into its start limit);
- *               after the file is fixed, SIGHUP makes it serve.
+ *               after the file is fixed, SIGHUP makes it serve; broken again, a SIGHUP
+ *               changes nothing and STATUS= says why.
  *
  * Usage: test_activation PATH_TO_GPUPOOLD [CASE]. Exit 0 when every case passes.
  */
@@ -473,6 +474,17 @@ static void case_config_error(void) {
   CHECK(rc == 0, "gpupool_client_connect after the fix: %s", gpupool_last_error());
   rc = gpupool_buffer_alloc(c, NULL, 1 << 20, 0, NULL, &b);
   CHECK(rc == 0, "gpupool_buffer_alloc: %s", gpupool_last_error());
+  rc = gpupool_buffer_release(b, NULL);
+  b = NULL;
+  CHECK(rc == 0, "gpupool_buffer_release: %s", gpupool_last_error());
+  /* Broken again while serving: a reload changes nothing, says why in STATUS=, and the
+   * connected client stays served. */
+  CHECK(write_file(conf, "[daemon]\nmax_clients = several\n") == 0, "writing %s", conf);
+  CHECK(kill(k.pid, SIGHUP) == 0, "kill");
+  CHECK(wait_notify(k.nfd, "STATUS=Reload failed", 15000, got, sizeof(got)), "no failed reload in STATUS=");
+  CHECK(strstr(got, "'several'") && strstr(got, "Serving"), "the status after a failed reload: '%s'", got);
+  rc = gpupool_buffer_alloc(c, NULL, 1 << 20, 0, NULL, &b);
+  CHECK(rc == 0, "gpupool_buffer_alloc after the failed reload: %s", gpupool_last_error());
   rc = gpupool_buffer_release(b, NULL);
   b = NULL;
   CHECK(rc == 0, "gpupool_buffer_release: %s", gpupool_last_error());
