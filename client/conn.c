@@ -191,11 +191,15 @@ static void read_one(gpupool_client *c) {
                "connection but did not answer Hello (stopped or stuck? see 'systemctl status "
                "gpupoold'; the timeout is gpupool_client_connect() or GPUPOOL_CONNECT_TIMEOUT_MS)",
                c->connect_timeout_ms / 1000.0, c->socket_path);
+    else if (rc == GPUPOOL_ECLOSED)
+      /* What a socket-activated gpupoold that failed to start looks like from here. */
+      snprintf(msg, sizeof msg, "%s closed the connection without answering Hello: gpupoold failed "
+               "to start (see 'systemctl status gpupoold' and 'journalctl -u gpupoold'; check the "
+               "configuration with 'gpupoold --check-config'), or this socket is not gpupoold "
+               "(check the socket path, GPUPOOL_SOCKET)", c->socket_path);
     else
-      snprintf(msg, sizeof msg, "this socket is not gpupoold: %s %s (%s); check the socket path "
-               "(GPUPOOL_SOCKET)", c->socket_path,
-               rc == GPUPOOL_ECLOSED ? "closed the connection without answering Hello"
-                                     : "answered Hello with something that is not a gpupool reply",
+      snprintf(msg, sizeof msg, "this socket is not gpupoold: %s answered Hello with something that "
+               "is not a gpupool reply (%s); check the socket path (GPUPOOL_SOCKET)", c->socket_path,
                rc == 1 ? "the frame does not decode" : gpupool__errmsg());
     gpupool__set_broken(c, rc == 0 ? GPUPOOL_ETIMEDOUT : GPUPOOL_EPROTO, msg);
     c->hs_closed = rc == GPUPOOL_ECLOSED;

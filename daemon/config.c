@@ -362,10 +362,10 @@ static int set_release_threshold(void *obj, const char *v) {
 
 /* One row per key, in the order config/gpupoold.conf documents them. */
 const gpd_config_key gpd_config_keys[] = {
-    {DAEMON, .name = "socket", STR, D(socket_path), .doc = "where clients connect (default: $GPUPOOL_SOCKET, else by user)"},
-    {DAEMON, .name = "backend", FN(set_backend), D(backend), .def = "auto", .doc = "auto, cuda or host"},
+    {DAEMON, .name = "socket", STR, D(socket_path), .flags = GPUPOOL__CF_RESTART, .doc = "where clients connect (default: $GPUPOOL_SOCKET, else by user)"},
+    {DAEMON, .name = "backend", FN(set_backend), D(backend), .def = "auto", .flags = GPUPOOL__CF_RESTART, .doc = "auto, cuda or host"},
     {DAEMON, .name = "log_level", FN(set_log_level), D(log_level), .def = "info", .doc = "error, warn, info or debug"},
-    {DAEMON, .name = "socket_mode", FN(set_socket_mode), D(socket_mode), .def = "0660", .doc = "mode of the sockets the daemon binds"},
+    {DAEMON, .name = "socket_mode", FN(set_socket_mode), D(socket_mode), .def = "0660", .flags = GPUPOOL__CF_RESTART, .doc = "mode of the sockets the daemon binds"},
     {DAEMON, .name = "max_clients", U32, D(max_clients), .def = "1024", .doc = "connections at once (0 = unlimited)"},
     {DAEMON, .name = "max_bytes_per_client", SIZE, D(max_bytes_per_client), .def = "0", .doc = "memory one connection holds"},
     {DAEMON, .name = "max_allocs_per_client", U32, D(max_allocs_per_client), .def = "0", .doc = "buffers one connection holds"},
@@ -401,19 +401,19 @@ const gpd_config_key gpd_config_keys[] = {
      .doc = "largest request frame the daemon accepts"},
     {DAEMON, .name = "handshake_timeout_ms", U32, D(handshake_timeout_ms), .def = "5000", .doc = "time a client has to say Hello"},
     {DAEMON, .name = "listen_backlog", U32, D(listen_backlog), .lo = 1, .hi = 65535, .def = "4096",
-     .doc = "connections the kernel queues until accepted"},
+     .flags = GPUPOOL__CF_RESTART, .doc = "connections the kernel queues until accepted"},
     {DAEMON, .name = "allow_uids", .kind = GPUPOOL__CK_IDS, D(allow_uids), .count_off = offsetof(gpd_config, n_allow_uids),
      .doc = "uids let in beyond the socket's permissions (none: everyone)"},
     {DAEMON, .name = "allow_gids", .kind = GPUPOOL__CK_IDS, D(allow_gids), .count_off = offsetof(gpd_config, n_allow_gids),
      .doc = "gids let in beyond the socket's permissions (none: everyone)"},
-    {DAEMON, .name = "metrics_socket", STR, D(metrics_socket), .doc = "Unix socket serving Prometheus metrics"},
+    {DAEMON, .name = "metrics_socket", STR, D(metrics_socket), .flags = GPUPOOL__CF_RESTART, .doc = "Unix socket serving Prometheus metrics"},
     {DAEMON, .name = "metrics_socket_group", FN(set_metrics_socket_group), D(metrics_socket_group),
-     .doc = "group owning metrics_socket (name or gid; none: the daemon's)"},
-    {DAEMON, .name = "metrics_textfile", STR, D(metrics_textfile), .doc = "file the metrics are written to"},
-    {DAEMON, .name = "metrics_interval_ms", U32, D(metrics_interval_ms), .def = "5000", .doc = "how often metrics_textfile is rewritten"},
-    {DAEMON, .name = "metrics_listen", FN(set_metrics_listen), D(metrics_listen), .doc = "TCP PORT, IPV4:PORT or [IPV6]:PORT for Prometheus"},
+     .flags = GPUPOOL__CF_RESTART, .doc = "group owning metrics_socket (name or gid; none: the daemon's)"},
+    {DAEMON, .name = "metrics_textfile", STR, D(metrics_textfile), .flags = GPUPOOL__CF_RESTART, .doc = "file the metrics are written to"},
+    {DAEMON, .name = "metrics_interval_ms", U32, D(metrics_interval_ms), .def = "5000", .flags = GPUPOOL__CF_RESTART, .doc = "how often metrics_textfile is rewritten"},
+    {DAEMON, .name = "metrics_listen", FN(set_metrics_listen), D(metrics_listen), .flags = GPUPOOL__CF_RESTART, .doc = "TCP PORT, IPV4:PORT or [IPV6]:PORT for Prometheus"},
     {DAEMON, .name = "busy_poll_us", U32, D(busy_poll_us), .hi = 1000000, .def = "0",
-     .doc = "poll this long after client traffic instead of sleeping; a few hundred to a few thousand us is typical"},
+     .flags = GPUPOOL__CF_RESTART, .doc = "poll this long after client traffic instead of sleeping; a few hundred to a few thousand us is typical"},
 
     {POOL, .name = "name", STR, P(name), .flags = GPUPOOL__CF_CMDLINE, .doc = "the pool's name (in a file, [pool NAME] gives it)"},
     {POOL, .name = "kind", FN(set_pool_kind), P(kind), .doc = "device, host or host-numa (default: the backend's)"},
@@ -651,6 +651,99 @@ void gpd_config_changed_keys(const gpd_config *c, char *buf, size_t len) {
     }
     off += (size_t)snprintf(buf + off, len - off, "%s%s", off ? ", " : "", k->name);
   }
+}
+
+/* Append name to a comma-separated list in buf, "..." once it is full. */
+static void list_add(char *buf, size_t len, const char *name) {
+  size_t off = strlen(buf);
+  if (off >= 3 && !strcmp(buf + off - 3, "..."))
+    return;
+  if (off + strlen(name) + 6 >= len) {
+    snprintf(buf + off, len - off, "%s...", off ? ", " : "");
+    return;
+  }
+  snprintf(buf + off, len - off, "%s%s", off ? ", " : "", name);
+}
+
+/* The sets of next keep every set of live by name and position (see gpd_config_reload). */
+static int sets_compatible(const gpd_member_set *live, int nlive, const gpd_member_set *next, int nnext) {
+  if (nnext < nlive)
+    return 0;
+  for (int i = 0; i < nlive; i++)
+    if (strcmp(live[i].name, next[i].name))
+      return 0;
+  return 1;
+}
+
+static void reload_sets(gpd_member_set *live, int *nlive, const gpd_member_set *next, int nnext, const char *what,
+                        char *applied, size_t alen, char *kept, size_t klen) {
+  /* Line numbers differ when only comments moved: compare the members. */
+  int same = *nlive == nnext;
+  for (int i = 0; same && i < nnext; i++)
+    same = !strcmp(live[i].name, next[i].name) && live[i].n_uids == next[i].n_uids &&
+           live[i].n_gids == next[i].n_gids &&
+           !memcmp(live[i].uids, next[i].uids, sizeof live[i].uids) &&
+           !memcmp(live[i].gids, next[i].gids, sizeof live[i].gids);
+  if (same)
+    return;
+  if (!sets_compatible(live, *nlive, next, nnext)) {
+    char why[96];
+    snprintf(why, sizeof why, "%s (one was renamed or removed)", what);
+    list_add(kept, klen, why);
+    return;
+  }
+  memcpy(live, next, sizeof *live * GPUPOOL_MAX_SETS);
+  *nlive = nnext;
+  list_add(applied, alen, what);
+}
+
+/* The same pools, wherever in the file they are written. */
+static int pools_same(const gpd_config *a, const gpd_config *b) {
+  if (a->n_pools != b->n_pools || memcmp(a->pool_share, b->pool_share, sizeof a->pool_share))
+    return 0;
+  for (int i = 0; i < a->n_pools; i++) {
+    gpupool__pool_config p = b->pools[i];
+    p.line = a->pools[i].line;
+    if (memcmp(&a->pools[i], &p, sizeof p))
+      return 0;
+  }
+  return 1;
+}
+
+void gpd_config_reload(gpd_config *live, const gpd_config *next, char *applied, size_t alen, char *kept,
+                       size_t klen) {
+  applied[0] = kept[0] = '\0';
+  for (size_t i = 0; i < gpd_n_config_keys; i++) {
+    const gpd_config_key *k = &gpd_config_keys[i];
+    char *dst = (char *)live + k->off;
+    const char *src = (const char *)next + k->off;
+    int same;
+    if (!(k->sections & GPUPOOL__CS_DAEMON))
+      continue;
+    same = !memcmp(dst, src, k->size);
+    if (k->kind == GPUPOOL__CK_IDS)
+      same = same && !memcmp((char *)live + k->count_off, (const char *)next + k->count_off, sizeof(int));
+    if (k->kind == GPUPOOL__CK_FN && k->set == set_file_paths)
+      same = same && live->n_file_paths == next->n_file_paths;
+    if (k->kind == GPUPOOL__CK_FN && k->set == set_metrics_listen)
+      same = same && !memcmp(&live->metrics_addr, &next->metrics_addr, sizeof live->metrics_addr);
+    if (same)
+      continue;
+    if (k->flags & GPUPOOL__CF_RESTART) {
+      list_add(kept, klen, k->name);
+      continue;
+    }
+    memcpy(dst, src, k->size);
+    if (k->kind == GPUPOOL__CK_IDS)
+      memcpy((char *)live + k->count_off, (const char *)next + k->count_off, sizeof(int));
+    if (k->kind == GPUPOOL__CK_FN && k->set == set_file_paths)
+      live->n_file_paths = next->n_file_paths;
+    list_add(applied, alen, k->name);
+  }
+  if (!pools_same(live, next))
+    list_add(kept, klen, "pools");
+  reload_sets(live->tenants, &live->n_tenants, next->tenants, next->n_tenants, "tenants", applied, alen, kept, klen);
+  reload_sets(live->groups, &live->n_groups, next->groups, next->n_groups, "groups", applied, alen, kept, klen);
 }
 
 static gpupool__pool_config *find_or_add_pool(gpd_config *c, const char *name) {

@@ -136,6 +136,9 @@ typedef enum {
 #define GPUPOOL__CF_CMDLINE 1u
 /* lo and hi are byte counts (messages write them as 4K, 64M). */
 #define GPUPOOL__CF_BYTES 2u
+/* A reload (SIGHUP) cannot change it: it shaped what was set up at start (the socket, the
+ * backend, the exporters, the loop); a new value is reported and waits for a restart. */
+#define GPUPOOL__CF_RESTART 4u
 
 typedef struct {
   unsigned sections;     /* GPUPOOL__CS_* */
@@ -170,6 +173,16 @@ void gpd_config_list_keys(FILE *f);
 /* The [daemon] keys whose value differs from the default, comma-separated into buf ("" when
  * none; cut short with "..." when buf is too small). */
 void gpd_config_changed_keys(const gpd_config *c, char *buf, size_t len);
+
+/* A reload: bring live (the configuration the daemon serves with) to next (read afresh and
+ * finished against the same backend) wherever that can be done while serving: the [daemon]
+ * keys without GPUPOOL__CF_RESTART, and tenants and groups when every existing set keeps its
+ * name and place (clients and names refer to sets by position; new sets may be added after
+ * them). Everything else (rows marked GPUPOOL__CF_RESTART, pools, renamed or removed sets)
+ * stays as it was. The names of what changed go, comma-separated, to applied, and of what
+ * was left to kept ("" when none). */
+void gpd_config_reload(gpd_config *live, const gpd_config *next, char *applied, size_t alen, char *kept,
+                       size_t klen);
 
 /* 1 when uid (or its primary gid) is a member of the set. */
 int gpd_member_of(const gpd_member_set *m, uid_t uid, gid_t gid);

@@ -1,6 +1,7 @@
 /*
  * gpupoold: command line, configuration, backend and pools, the listening socket (its own or
- * systemd's), readiness and watchdog, and a graceful shutdown on SIGINT/SIGTERM.
+ * systemd's), readiness, status and watchdog, a reload on SIGHUP, and a graceful shutdown on
+ * SIGINT/SIGTERM.
  */
 #include <getopt.h>
 #include <inttypes.h>
@@ -9,6 +10,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <time.h>
 #include <unistd.h>
 #include <uv.h>
 
@@ -20,6 +24,7 @@
 #include "registry.h"
 #include "sd.h"
 #include "server.h"
+#include "wire.h"
 
 static void usage(FILE *f) {
   char def[108];
@@ -81,18 +86,34 @@ static void usage(FILE *f) {
           "                           (latency mode, config key busy_poll_us; default 0)\n"
           "  GPUPOOL_TRACE=FILE        append a line per request: when it came in (monotonic\n"
           "                           us) and how long it took (bench/trace_breakdown.py)\n"
-          "Signals: SIGINT/SIGTERM shut down gracefully.\n"
+          "Signals: SIGINT/SIGTERM shut down gracefully; SIGHUP re-reads the configuration\n"
+          "  (what can change while serving changes; the log says what did and what waits\n"
+          "  for a restart; a file that does not parse changes nothing).\n"
           "Exit status: 0 after a clean shutdown, 2 for an invalid configuration (restarting\n"
           "will not help: fix it), 1 for any other failure.\n");
 }
+
+/* What the command line asked for; applied over the config file by load_config (at start
+ * and at each reload). */
+typedef struct {
+  const char *config_path, *socket_opt, *backend_opt, *level_opt;
+  const char *pool_specs[GPUPOOL_MAX_POOLS];
+  int npool_specs;
+  int check_only;
+} options;
 
 typedef struct {
   uv_loop_t *loop;
   gpd_server *server;
   gpd_registry *reg;
-  uv_signal_t sigint, sigterm;
-  uv_timer_t watchdog;
+  gpd_config *cfg;         /* what the server and registry read: a reload changes it in place */
+  const options *opts;
+  gpupool__backend *be;
+  uv_signal_t sigint, sigterm, sighup;
+  uv_timer_t watchdog, status;
   int watchdog_on;
+  char last_status[512];   /* the STATUS= last sent, to send only changes */
+  char reload_note[256];   /* after a failed reload, kept in STATUS= until the next one */
 } daemon_ctx;
 
 static void shutdown_daemon(daemon_ctx *d, const char *why) {
@@ -106,12 +127,79 @@ static void shutdown_daemon(daemon_ctx *d, const char *why) {
   gpd_registry_stop(d->reg);
   uv_close((uv_handle_t *)&d->sigint, NULL);
   uv_close((uv_handle_t *)&d->sigterm, NULL);
+  uv_close((uv_handle_t *)&d->sighup, NULL);
+  uv_close((uv_handle_t *)&d->status, NULL);
   if (d->watchdog_on)
     uv_close((uv_handle_t *)&d->watchdog, NULL);
 }
 
 static void on_signal(uv_signal_t *h, int signum) {
   shutdown_daemon(h->data, signum == SIGINT ? "SIGINT" : "SIGTERM");
+}
+
+/* The live figures for STATUS= (systemctl status): clients, memory, names. Sent when they
+ * changed, at most once a second (the status timer), so a busy daemon does not flood PID 1. */
+static void status_text(daemon_ctx *d, char *buf, size_t len) {
+  uint64_t used = 0, cap = 0;
+  for (int i = 0; i < d->reg->npools; i++) {
+    used += d->reg->pools[i].used;
+    cap += d->reg->pools[i].cfg.capacity;
+  }
+  snprintf(buf, len, "%s%sServing %d pool(s) on the %s backend: %" PRIu64 " client(s), %" PRIu64
+           " of %" PRIu64 " MiB used, %" PRIu64 " name(s)",
+           d->reload_note, d->reload_note[0] ? "; " : "", d->cfg->n_pools, d->be->desc->name,
+           gpd_server_clients(d->server), used >> 20, cap >> 20, d->reg->nnames);
+}
+
+/* STATUS= when it changed; with READY=1 in the same message when ready is set (systemd
+ * shows the status the moment the unit becomes active). */
+static void update_status(daemon_ctx *d, int ready) {
+  char buf[sizeof d->last_status];
+  if (!d->server)
+    return;
+  status_text(d, buf, sizeof buf);
+  if (!ready && !strcmp(buf, d->last_status))
+    return;
+  memcpy(d->last_status, buf, sizeof buf);
+  gpd_sd_notifyf("%sSTATUS=%s", ready ? "READY=1\n" : "", buf);
+}
+
+static void on_status_timer(uv_timer_t *t) { update_status(t->data, 0); }
+
+static int load_config(const options *o, gpd_config *cfg);
+
+/* SIGHUP (systemctl reload): read the configuration again and apply what can change while
+ * serving (gpd_config_reload says what). A file that no longer parses changes nothing; why
+ * goes to the log and to STATUS=. RELOADING=1 ... READY=1 frame it for systemd. */
+static void reload(daemon_ctx *d) {
+  gpd_config next;
+  char applied[1024], kept[512];
+  struct timespec ts;
+
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  gpd_sd_notifyf("RELOADING=1\nMONOTONIC_USEC=%llu\nSTATUS=Reloading the configuration",
+                 (unsigned long long)ts.tv_sec * 1000000ull + (unsigned long long)ts.tv_nsec / 1000);
+  if (load_config(d->opts, &next) != 0 || gpd_config_finish(&next, d->be->desc) != 0) {
+    GPUPOOL__ERROR("reload: configuration not changed: %s (check it with gpupoold --check-config%s%s)",
+                   gpupool__errmsg(), d->opts->config_path ? " --config " : "",
+                   d->opts->config_path ? d->opts->config_path : "");
+    snprintf(d->reload_note, sizeof d->reload_note, "Reload failed, old configuration kept: %s",
+             gpupool__errmsg());
+    update_status(d, 1);
+    return;
+  }
+  d->reload_note[0] = '\0';
+  gpd_config_reload(d->cfg, &next, applied, sizeof applied, kept, sizeof kept);
+  gpupool__log_set_level(d->cfg->log_level);
+  GPUPOOL__INFO("reloaded %s: changed: %s%s%s%s", d->opts->config_path ? d->opts->config_path : "(no file)",
+                applied[0] ? applied : "nothing", kept[0] ? "; not changed until a restart: " : "", kept,
+                kept[0] ? " (they stay as they were)" : "");
+  update_status(d, 1);
+}
+
+static void on_sighup(uv_signal_t *h, int signum) {
+  (void)signum;
+  reload(h->data);
 }
 
 static void on_watchdog(uv_timer_t *t) {
@@ -173,14 +261,6 @@ static int check_config(gpd_config *cfg, const char *path) {
   be->ops->close(be);
   return 0;
 }
-
-/* What the command line asked for; applied over the config file by load_config. */
-typedef struct {
-  const char *config_path, *socket_opt, *backend_opt, *level_opt;
-  const char *pool_specs[GPUPOOL_MAX_POOLS];
-  int npool_specs;
-  int check_only;
-} options;
 
 /* -1 to go on, or the exit status to return now (--help, --version, a bad option). */
 static int parse_options(int argc, char **argv, options *o) {
@@ -244,46 +324,33 @@ static int parse_options(int argc, char **argv, options *o) {
   return -1;
 }
 
-/* The config file, then the command line and the environment over it. 0, or exit status 2
- * with the reason. */
+/* The config file, then the command line and the environment over it. 0, or
+ * GPUPOOL_ECONFIG with the reason (gpupool__errmsg). */
 static int load_config(const options *o, gpd_config *cfg) {
   const char *bp = getenv("GPUPOOL_BUSY_POLL_US");
+  char why[GPUPOOL__ERRMSG_MAX];
 
   gpd_config_defaults(cfg);
   if (o->config_path && gpd_config_load(cfg, o->config_path) != 0)
-    return config_failed("%s", gpupool__errmsg());
+    goto fail;
   if (o->socket_opt && snprintf(cfg->socket_path, sizeof cfg->socket_path, "%s", o->socket_opt) >=
                            (int)sizeof cfg->socket_path)
-    return config_failed("--socket path longer than %zu bytes", sizeof cfg->socket_path - 1);
+    return gpupool__err(GPUPOOL_ECONFIG, "--socket path longer than %zu bytes", sizeof cfg->socket_path - 1);
   if (o->backend_opt && gpd_config_set_backend(cfg, o->backend_opt) != 0)
-    return config_failed("%s", gpupool__errmsg());
-  if (bp && *bp && gpd_config_set(cfg, "busy_poll_us", bp) != 0)
-    return config_failed("GPUPOOL_BUSY_POLL_US: %s", gpupool__errmsg());
+    goto fail;
+  if (bp && *bp && gpd_config_set(cfg, "busy_poll_us", bp) != 0) {
+    snprintf(why, sizeof why, "%s", gpupool__errmsg());
+    return gpupool__err(GPUPOOL_ECONFIG, "GPUPOOL_BUSY_POLL_US: %s", why);
+  }
   if (o->level_opt && gpupool__log_parse_level(o->level_opt, &cfg->log_level) != 0)
-    return config_failed("%s", gpupool__errmsg());
+    goto fail;
   for (int i = 0; i < o->npool_specs; i++)
     if (gpd_config_add_pool_spec(cfg, o->pool_specs[i]) != 0)
-      return config_failed("%s", gpupool__errmsg());
+      goto fail;
   return 0;
-}
-
-/* The backend, and the pools checked against it. 0, or the exit status with *out closed. */
-static int open_backend(gpd_config *cfg, gpupool__backend **out) {
-  gpupool__backend *be = NULL;
-  int rc;
-
-  if ((rc = gpupool__backend_open(cfg->backend, &be)) != 0) {
-    char what[64];
-    snprintf(what, sizeof what, "cannot open the %s backend", cfg->backend ? cfg->backend->name : "host");
-    return start_failed(rc, what);
-  }
-  if (gpd_config_finish(cfg, be->desc) != 0) {
-    int status = start_failed(GPUPOOL_ECONFIG, NULL);
-    be->ops->close(be);
-    return status;
-  }
-  *out = be;
-  return 0;
+fail:
+  snprintf(why, sizeof why, "%s", gpupool__errmsg());
+  return gpupool__err(GPUPOOL_ECONFIG, "%s", why);
 }
 
 /* The registry and the server (which starts the metrics) on d->loop; the server takes
@@ -309,15 +376,21 @@ static int start_serving(daemon_ctx *d, const gpd_config *cfg, gpupool__backend 
   return 0;
 }
 
-/* SIGINT/SIGTERM shut down; under a systemd watchdog, a ping every half interval. */
+/* SIGINT/SIGTERM shut down, SIGHUP reloads; STATUS= follows the live figures; under a
+ * systemd watchdog, a ping every half interval. */
 static void watch_signals(daemon_ctx *d) {
   uint64_t wd;
 
   uv_signal_init(d->loop, &d->sigint);
   uv_signal_init(d->loop, &d->sigterm);
-  d->sigint.data = d->sigterm.data = d;
+  uv_signal_init(d->loop, &d->sighup);
+  d->sigint.data = d->sigterm.data = d->sighup.data = d;
   uv_signal_start(&d->sigint, on_signal, SIGINT);
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
+  uv_signal_start(&d->sighup, on_sighup, SIGHUP);
+  uv_timer_init(d->loop, &d->status);
+  d->status.data = d;
+  uv_timer_start(&d->status, on_status_timer, 1000, 1000);
   wd = gpd_sd_watchdog_usec();
   if (wd) {
     uv_timer_init(d->loop, &d->watchdog);
@@ -346,6 +419,154 @@ static void run_loop(daemon_ctx *d, const gpd_config *cfg) {
   }
 }
 
+/* ---- a configuration error under socket activation ------------------------------------------
+ *
+ * Exiting on a bad configuration jams a socket-activated service: the connection that
+ * started the daemon stays in the socket's queue, so systemd starts it again at once, five
+ * times in a fraction of a second, hits the start limit and fails the socket; the client
+ * only sees its connection closed. Instead the daemon stays up holding the socket, answers
+ * every Hello with GPUPOOL_ECONFIG and the reason (so `gpupoolctl status` says what is
+ * wrong), and on SIGHUP (systemctl reload) or a restart reads the configuration again. */
+
+typedef struct {
+  daemon_ctx *d;
+  int listen_fd;
+  uv_poll_t poll;
+  uv_signal_t sigint, sigterm, sighup;
+  uv_timer_t watchdog;
+  int watchdog_on, fixed;
+  gpd_config *cfg;
+  gpupool__backend **be;
+  char why[GPUPOOL__ERRMSG_MAX];
+} config_error_ctx;
+
+/* Read the client's first frame (a Hello) and answer it with the configuration error. The
+ * socket is blocking with short timeouts: nothing else is served meanwhile. */
+static void answer_config_error(config_error_ctx *e, int fd) {
+  struct timeval tv = {1, 0};
+  gpupool__wire_rx rx;
+  gpupool__req *req = NULL;
+  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
+  Gpupool__Wire__Error err = GPUPOOL__WIRE__ERROR__INIT;
+  char msg[GPUPOOL__ERRMSG_MAX + 256];
+  uint8_t *buf = NULL;
+  size_t len;
+
+  (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  gpupool__wire_rx_init(&rx, GPUPOOL_WIRE_DEFAULT_MAX_FRAME);
+  if (gpupool__wire_rx_read(&rx, fd) == 1 && (req = gpupool__wire_unpack_request(&rx)) != NULL) {
+    snprintf(msg, sizeof msg,
+             "gpupoold is not serving: its configuration is invalid: %s; fix it (check with "
+             "'gpupoold --check-config'), then 'systemctl reload gpupoold'",
+             e->why);
+    err.code = GPUPOOL_ECONFIG;
+    err.message = msg;
+    rep.seq = req->seq;
+    rep.error = &err;
+    if (gpupool__wire_pack_reply(&rep, &buf, &len) == 0)
+      (void)gpupool__wire_send(fd, buf, len, NULL, 0);
+    free(buf);
+    gpupool__wire__request__free_unpacked(req, NULL);
+  }
+  gpupool__wire_rx_reset(&rx);
+  close(fd);
+}
+
+static void on_config_error_conn(uv_poll_t *h, int status, int events) {
+  config_error_ctx *e = h->data;
+  int fd;
+  (void)status;
+  (void)events;
+  while ((fd = accept4(e->listen_fd, NULL, NULL, SOCK_CLOEXEC)) >= 0)
+    answer_config_error(e, fd);
+}
+
+static void config_error_stop(config_error_ctx *e) {
+  uv_close((uv_handle_t *)&e->poll, NULL);
+  uv_close((uv_handle_t *)&e->sigint, NULL);
+  uv_close((uv_handle_t *)&e->sigterm, NULL);
+  uv_close((uv_handle_t *)&e->sighup, NULL);
+  if (e->watchdog_on)
+    uv_close((uv_handle_t *)&e->watchdog, NULL);
+}
+
+static void note_config_error(config_error_ctx *e) {
+  snprintf(e->why, sizeof e->why, "%s", gpupool__errmsg());
+  GPUPOOL__ERROR("configuration error, not serving: %s (clients are told so; fix it and run "
+                 "'systemctl reload gpupoold')", e->why);
+  gpd_sd_notifyf("STATUS=Configuration error, not serving: %s", e->why);
+}
+
+/* The configuration and the backend it names; 0 with *be open, or an error (message set). */
+static int try_config(const options *o, gpd_config *cfg, gpupool__backend **be) {
+  int rc;
+  if (load_config(o, cfg) != 0)
+    return GPUPOOL_ECONFIG;
+  if ((rc = gpupool__backend_open(cfg->backend, be)) != 0)
+    return rc;
+  if (gpd_config_finish(cfg, (*be)->desc) != 0) {
+    (*be)->ops->close(*be);
+    *be = NULL;
+    return GPUPOOL_ECONFIG;
+  }
+  return 0;
+}
+
+static void on_config_error_signal(uv_signal_t *h, int signum) {
+  config_error_ctx *e = h->data;
+  struct timespec ts;
+  if (signum != SIGHUP) {
+    GPUPOOL__INFO("shutting down (%s) with the configuration still invalid", signum == SIGINT ? "SIGINT" : "SIGTERM");
+    gpd_sd_notify("STOPPING=1");
+    config_error_stop(e);
+    return;
+  }
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  gpd_sd_notifyf("RELOADING=1\nMONOTONIC_USEC=%llu",
+                 (unsigned long long)ts.tv_sec * 1000000ull + (unsigned long long)ts.tv_nsec / 1000);
+  if (try_config(e->d->opts, e->cfg, e->be) != 0) {
+    note_config_error(e);
+    gpd_sd_notify("READY=1");
+    return;
+  }
+  GPUPOOL__INFO("reload: the configuration is valid now; starting to serve");
+  e->fixed = 1;
+  config_error_stop(e);
+}
+
+static void on_config_error_watchdog(uv_timer_t *t) {
+  (void)t;
+  gpd_sd_notify("WATCHDOG=1");
+}
+
+/* Wait, answering clients, until SIGHUP brings a valid configuration (1, with *be open and
+ * cfg loaded) or SIGINT/SIGTERM ends the daemon (0). */
+static int wait_for_config(daemon_ctx *d, int listen_fd, gpd_config *cfg, gpupool__backend **be) {
+  config_error_ctx e = {.d = d, .listen_fd = listen_fd, .cfg = cfg, .be = be};
+  uint64_t wd = gpd_sd_watchdog_usec();
+
+  note_config_error(&e);
+  uv_poll_init(d->loop, &e.poll, listen_fd);
+  uv_signal_init(d->loop, &e.sigint);
+  uv_signal_init(d->loop, &e.sigterm);
+  uv_signal_init(d->loop, &e.sighup);
+  e.poll.data = e.sigint.data = e.sigterm.data = e.sighup.data = &e;
+  uv_poll_start(&e.poll, UV_READABLE, on_config_error_conn);
+  uv_signal_start(&e.sigint, on_config_error_signal, SIGINT);
+  uv_signal_start(&e.sigterm, on_config_error_signal, SIGTERM);
+  uv_signal_start(&e.sighup, on_config_error_signal, SIGHUP);
+  if (wd) {
+    uv_timer_init(d->loop, &e.watchdog);
+    uv_timer_start(&e.watchdog, on_config_error_watchdog, wd / 2000 ? wd / 2000 : 1, wd / 2000 ? wd / 2000 : 1);
+    e.watchdog_on = 1;
+  }
+  /* Ready: the socket is answered (systemd would otherwise time the start out and retry). */
+  gpd_sd_notify("READY=1");
+  uv_run(d->loop, UV_RUN_DEFAULT);
+  return e.fixed;
+}
+
 int main(int argc, char **argv) {
   options o = {0};
   gpd_config cfg;
@@ -356,11 +577,11 @@ int main(int argc, char **argv) {
 
   if ((rc = parse_options(argc, argv, &o)) >= 0)
     return rc;
-  if ((rc = load_config(&o, &cfg)) != 0)
-    return rc;
-  if (o.check_only)
+  if (o.check_only) {
+    if (load_config(&o, &cfg) != 0)
+      return config_failed("%s", gpupool__errmsg());
     return check_config(&cfg, o.config_path);
-  gpupool__log_set_level(cfg.log_level);
+  }
   signal(SIGPIPE, SIG_IGN);
 
   /* Taken before anything else so a bad LISTEN_FDS fails fast and the variables do not leak
@@ -368,24 +589,43 @@ int main(int argc, char **argv) {
   listen_fd = gpd_sd_listen_fd();
   if (listen_fd < -1)
     return start_failed(listen_fd, NULL);
-
-  if ((exit_code = open_backend(&cfg, &be)) != 0)
-    goto out_fd;
   d.loop = uv_default_loop();
+  d.opts = &o;
+
+  rc = try_config(&o, &cfg, &be);
+  if (rc == GPUPOOL_ECONFIG && listen_fd >= 0) {
+    /* Socket-activated: stay and say why (see wait_for_config). */
+    if (!wait_for_config(&d, listen_fd, &cfg, &be)) {
+      exit_code = 0;
+      goto out_fd;
+    }
+  } else if (rc == GPUPOOL_ECONFIG) {
+    exit_code = start_failed(rc, NULL);
+    goto out_fd;
+  } else if (rc != 0) {
+    char what[64];
+    snprintf(what, sizeof what, "cannot open the %s backend", cfg.backend ? cfg.backend->name : "host");
+    exit_code = start_failed(rc, what);
+    goto out_fd;
+  }
+  gpupool__log_set_level(cfg.log_level);
   if ((exit_code = start_serving(&d, &cfg, be, &reg, &listen_fd)) != 0)
     goto out_be;
+  d.cfg = &cfg;
+  d.be = be;
   watch_signals(&d);
 
   GPUPOOL__INFO("gpupoold %s ready on %s: backend %s, %d pool(s)", GPUPOOL_VERSION_STRING,
           cfg.socket_path[0] ? cfg.socket_path : "(socket from systemd)", be->desc->name, cfg.n_pools);
-  gpd_sd_notifyf("READY=1\nSTATUS=Serving %d pool(s) on the %s backend", cfg.n_pools, be->desc->name);
+  update_status(&d, 1);
   run_loop(&d, &cfg);
 
   gpd_registry_close(&reg);
   uv_run(d.loop, UV_RUN_DEFAULT); /* close callbacks of what the registry held */
   GPUPOOL__INFO("stopped");
 out_be:
-  be->ops->close(be);
+  if (be)
+    be->ops->close(be);
 out_fd:
   if (listen_fd >= 0)
     close(listen_fd);

@@ -375,10 +375,14 @@ static int call(ctl *c, gpupool__req *req, gpupool__rep **out) {
   }
   if (bc == GPUPOOL__WIRE__REQUEST__BODY_HELLO && rc < 0) {
     /* Whatever answers here does not speak gpupool's framing. */
-    die_msg("this socket is not gpupoold: %s %s (%s); check --socket or GPUPOOL_SOCKET",
-            c->path, rc == GPUPOOL_ECLOSED ? "closed the connection without answering Hello"
-                                           : "answered Hello with something that is not a gpupool frame",
-            gpupool__errmsg());
+    if (rc == GPUPOOL_ECLOSED)
+      die_msg("%s closed the connection without answering Hello: gpupoold failed to start (see "
+              "'systemctl status gpupoold' and 'journalctl -u gpupoold'; check the configuration "
+              "with 'gpupoold --check-config'), or this socket is not gpupoold (check --socket or "
+              "GPUPOOL_SOCKET)", c->path);
+    else
+      die_msg("this socket is not gpupoold: %s answered Hello with something that is not a "
+              "gpupool frame (%s); check --socket or GPUPOOL_SOCKET", c->path, gpupool__errmsg());
     goto out;
   }
   if (rc == GPUPOOL_ECLOSED) {

@@ -12,6 +12,12 @@
  *  watchdog     WATCHDOG_USEC=200000 for the child's pid: at least two WATCHDOG=1 per second.
  *  foreign-pid  LISTEN_PID names another process: fd 3 is ignored and the daemon binds its
  *               own --socket, which it removes again on exit.
+ *  status       STATUS= follows the live figures: a client and a published name show up.
+ *  config-error an invalid config file: the daemon stays up on the passed socket, answers a
+ *               client's Hello with GPUPOOL_ECONFIG and the reason (exiting would leave the
+ *               connection queued and systemd would restart it into its start limit);
+ *               after the file is fixed, SIGHUP makes it serve; broken again, a SIGHUP
+ *               changes nothing and STATUS= says why.
  *
  * Usage: test_activation PATH_TO_GPUPOOLD [CASE]. Exit 0 when every case passes.
  */
@@ -87,6 +93,7 @@ typedef struct {
   int watchdog_usec;   /* 0 = none */
   const char *socket_opt;
   const char *stderr_path;
+  const char *conf;    /* --config FILE, or NULL */
 } spawn_opts;
 
 /* In the child, before exec: the fds at 3, 4, ... and the environment a service manager sets.
@@ -124,7 +131,8 @@ static int as_service(void *arg) {
 
 static pid_t spawn(const spawn_opts *o) {
   const char *argv[] = {gpupoold, "--backend", "host", "--socket", o->socket_opt, "--pool",
-                        "name=default,kind=host,capacity=64M,slab=4M", NULL};
+                        "name=default,kind=host,capacity=64M,slab=4M", o->conf ? "--config" : NULL,
+                        o->conf, NULL};
   return ts_exec(argv, o->stderr_path, TS_EXEC_STDERR_ONLY, as_service, (void *)o);
 }
 
@@ -393,13 +401,115 @@ out:
   case_end(&k);
 }
 
+static void case_status(void) {
+  static const char *const listen[] = {"gp.sock"};
+  char got[1024];
+  int rc;
+  gpupool_client *c = NULL;
+  gpupool_buffer *b = NULL;
+  svc_case k;
+
+  printf("case status\n");
+  CHECK(case_begin(&k, "status", listen, 1, "gp.sock") == 0, "set-up in %s", k.dir);
+  CHECK(case_start_ready(&k, got, sizeof(got)) == 0, "gpupoold started and ready");
+  CHECK(strstr(got, "0 client(s)") && strstr(got, "0 name(s)"), "READY=1 status: '%s'", got);
+  rc = gpupool_client_connect(k.own, "svc-status", GPUPOOL_TIMEOUT_DEFAULT, &c);
+  CHECK(rc == 0, "gpupool_client_connect: %s", gpupool_last_error());
+  rc = gpupool_buffer_alloc(c, NULL, 1 << 20, 0, NULL, &b);
+  CHECK(rc == 0, "gpupool_buffer_alloc: %s", gpupool_last_error());
+  rc = gpupool_buffer_publish(b, "status-name", NULL, NULL, NULL);
+  CHECK(rc == 0, "gpupool_buffer_publish: %s", gpupool_last_error());
+  CHECK(wait_notify(k.nfd, "1 name(s)", 10000, got, sizeof(got)), "STATUS= never showed the name");
+  CHECK(strstr(got, "1 client(s)") != NULL, "STATUS= without the client: '%s'", got);
+  rc = case_stop(&k, 10000);
+  CHECK(rc == 0, "exit status %d", rc);
+  printf("ok status\n");
+out:
+  if (b != NULL)
+    gpupool_buffer_release(b, NULL);
+  if (c != NULL)
+    gpupool_client_disconnect(c);
+  case_end(&k);
+}
+
+static int write_file(const char *path, const char *text) {
+  FILE *f = fopen(path, "w");
+  if (f == NULL)
+    return -1;
+  fputs(text, f);
+  return fclose(f);
+}
+
+static void case_config_error(void) {
+  static const char *const listen[] = {"gp.sock"};
+  char conf[200], got[1024];
+  int rc;
+  gpupool_client *c = NULL;
+  gpupool_buffer *b = NULL;
+  svc_case k;
+
+  printf("case config-error\n");
+  CHECK(case_begin(&k, "config-error", listen, 1, "gp.sock") == 0, "set-up in %s", k.dir);
+  path_in(conf, sizeof(conf), k.dir, "gpupoold.conf");
+  CHECK(write_file(conf, "[daemon]\nmax_clients = many\n") == 0, "writing %s", conf);
+  k.o.conf = conf;
+  k.pid = spawn(&k.o);
+  CHECK(k.pid > 0, "fork");
+  CHECK(wait_notify(k.nfd, "STATUS=Configuration error", 15000, got, sizeof(got)), "no configuration error status");
+  CHECK(strstr(got, "'many'") != NULL, "the status does not say what is wrong: '%s'", got);
+  CHECK(wait_notify(k.nfd, "READY=1", 15000, NULL, 0), "no READY=1 from the daemon holding the socket");
+  /* Twice: the daemon is still there for the second client. */
+  for (int i = 0; i < 2; i++) {
+    rc = gpupool_client_connect(k.own, "svc-config-error", GPUPOOL_TIMEOUT_DEFAULT, &c);
+    CHECK(rc == GPUPOOL_ECONFIG, "connect #%d: %s (%s), want ECONFIG", i, gpupool_err_name(rc), gpupool_last_error());
+    CHECK(strstr(gpupool_last_error(), "'many'") && strstr(gpupool_last_error(), "--check-config"),
+          "the client is not told what is wrong and how to check: %s", gpupool_last_error());
+    c = NULL;
+  }
+  /* Fixed, then reloaded: it serves. */
+  CHECK(write_file(conf, "[daemon]\nmax_clients = 64\n") == 0, "writing %s", conf);
+  CHECK(kill(k.pid, SIGHUP) == 0, "kill");
+  CHECK(wait_notify(k.nfd, "STATUS=Serving", 15000, got, sizeof(got)), "not serving after the fix and SIGHUP");
+  rc = gpupool_client_connect(k.own, "svc-config-fixed", GPUPOOL_TIMEOUT_DEFAULT, &c);
+  CHECK(rc == 0, "gpupool_client_connect after the fix: %s", gpupool_last_error());
+  rc = gpupool_buffer_alloc(c, NULL, 1 << 20, 0, NULL, &b);
+  CHECK(rc == 0, "gpupool_buffer_alloc: %s", gpupool_last_error());
+  rc = gpupool_buffer_release(b, NULL);
+  b = NULL;
+  CHECK(rc == 0, "gpupool_buffer_release: %s", gpupool_last_error());
+  /* Broken again while serving: a reload changes nothing, says why in STATUS=, and the
+   * connected client stays served. */
+  CHECK(write_file(conf, "[daemon]\nmax_clients = several\n") == 0, "writing %s", conf);
+  CHECK(kill(k.pid, SIGHUP) == 0, "kill");
+  CHECK(wait_notify(k.nfd, "STATUS=Reload failed", 15000, got, sizeof(got)), "no failed reload in STATUS=");
+  CHECK(strstr(got, "'several'") && strstr(got, "Serving"), "the status after a failed reload: '%s'", got);
+  rc = gpupool_buffer_alloc(c, NULL, 1 << 20, 0, NULL, &b);
+  CHECK(rc == 0, "gpupool_buffer_alloc after the failed reload: %s", gpupool_last_error());
+  rc = gpupool_buffer_release(b, NULL);
+  b = NULL;
+  CHECK(rc == 0, "gpupool_buffer_release: %s", gpupool_last_error());
+  gpupool_client_disconnect(c);
+  c = NULL;
+  rc = case_stop(&k, 10000);
+  CHECK(rc == 0, "exit status %d", rc);
+  printf("ok config-error\n");
+out:
+  if (b != NULL)
+    gpupool_buffer_release(b, NULL);
+  if (c != NULL)
+    gpupool_client_disconnect(c);
+  if (failures)
+    dump_file(k.errlog);
+  case_end(&k);
+}
+
 int main(int argc, char **argv) {
   const char *only = argc > 2 ? argv[2] : NULL;
   char cmd[128];
 
   if (argc < 2) {
     fprintf(stderr, "usage: test_activation PATH_TO_GPUPOOLD [activation|two-fds|watchdog|"
-                    "foreign-pid]\n");
+                    "foreign-pid|status|config-error]\n");
     return 2;
   }
   gpupoold = argv[1];
@@ -417,6 +527,10 @@ int main(int argc, char **argv) {
     case_watchdog();
   if (!only || !strcmp(only, "foreign-pid"))
     case_foreign_pid();
+  if (!only || !strcmp(only, "status"))
+    case_status();
+  if (!only || !strcmp(only, "config-error"))
+    case_config_error();
   snprintf(cmd, sizeof(cmd), "rm -rf '%s'", root);
   if (failures == 0 && system(cmd) != 0)
     fprintf(stderr, "could not remove %s\n", root);

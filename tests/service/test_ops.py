@@ -434,6 +434,10 @@ def test_timeout(tmp):
         _, err = ctl(path, "status", expect=3)
         check("this socket is not gpupoold" in err and path in err, f"{name}: {err}")
         check("restart" not in err, f"{name}: the message blames a daemon restart: {err}")
+        # A socket closed before Hello is also what a gpupoold that failed to start looks
+        # like: the message says where to look.
+        check(name != "silent" or ("journalctl -u gpupoold" in err and "--check-config" in err),
+              f"{name}: the message does not say where to look: {err}")
         p, _ = python_client(path, "import sys, gpupool\n"
                              "try:\n    gpupool.Client(sys.argv[1])\n"
                              "except gpupool.GpupoolError as e:\n    print(e); sys.exit(7)\n")
