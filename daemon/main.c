@@ -5,6 +5,7 @@
  */
 #include <getopt.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -573,6 +574,7 @@ int main(int argc, char **argv) {
   gpupool__backend *be = NULL;
   gpd_registry reg;
   daemon_ctx d = {0};
+  sigset_t stop_sigs;
   int rc, listen_fd, exit_code;
 
   if ((rc = parse_options(argc, argv, &o)) >= 0)
@@ -609,11 +611,19 @@ int main(int argc, char **argv) {
     goto out_fd;
   }
   gpupool__log_set_level(cfg.log_level);
+  /* A client may connect, and a supervisor send SIGTERM, as soon as the socket listens: keep
+   * those signals pending until their handlers are in place, not let them end the daemon. */
+  sigemptyset(&stop_sigs);
+  sigaddset(&stop_sigs, SIGINT);
+  sigaddset(&stop_sigs, SIGTERM);
+  sigaddset(&stop_sigs, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &stop_sigs, NULL);
   if ((exit_code = start_serving(&d, &cfg, be, &reg, &listen_fd)) != 0)
     goto out_be;
   d.cfg = &cfg;
   d.be = be;
   watch_signals(&d);
+  pthread_sigmask(SIG_UNBLOCK, &stop_sigs, NULL);
 
   GPUPOOL__INFO("gpupoold %s ready on %s: backend %s, %d pool(s)", GPUPOOL_VERSION_STRING,
           cfg.socket_path[0] ? cfg.socket_path : "(socket from systemd)", be->desc->name, cfg.n_pools);
