@@ -14,9 +14,11 @@
  * mount namespace: a client in a user and mount namespace of its own can bind-mount any
  * directory it can read onto an allowed prefix, and the kernel then reports the prefix. So
  * with file_paths set, the fd's mount (mnt_id in /proc/self/fdinfo) must be one of the
- * daemon's own mounts (/proc/self/mountinfo); a file opened through a mount made in another
- * mount namespace (a container's, `unshare -m`) is refused. Both reads are of procfs and do
- * not touch the file's file system.
+ * daemon's own mounts (/proc/self/mountinfo), or the reported path, looked up by the daemon
+ * itself, must lead to the same file (a daemon in a chroot sees only the mounts under its
+ * root); a file opened through a mount made in another mount namespace (a container's,
+ * `unshare -m`) passes neither and is refused. This runs on a worker thread with the other
+ * calls that may touch the file's file system.
  *
  * Open file descriptions. An fd passed over a socket is the sender's open file description,
  * and fcntl acts on the description: F_SETSIG, F_SETOWN or F_SETFL by any process holding it
@@ -272,7 +274,13 @@ static int file_inspect(const gpd_config *cfg, int fd, uint64_t offset, uint64_t
   }
   if (cfg->n_file_paths > 0) {
     long mnt = fd_mnt_id(fd);
-    if (mnt < 0 || !mount_is_ours(mnt))
+    struct stat at;
+    /* The path must be where the file is in the daemon's own view: its mount is one of the
+     * daemon's, or (a daemon in a chroot lists only the mounts under its root) the path
+     * names this very file when the daemon looks it up itself (on a worker thread: it may
+     * touch a slow file system). A mount made in another namespace passes neither. */
+    if (!(mnt >= 0 && mount_is_ours(mnt)) &&
+        !(stat(path, &at) == 0 && at.st_dev == st.st_dev && at.st_ino == st.st_ino))
       return gpupool__err(GPUPOOL_EPERM, "%s was opened through a mount (id %ld) that is not in the daemon's mount "
                           "namespace (the client runs in a mount namespace of its own, e.g. a container or "
                           "unshare -m), so the path does not show where the file really is and file_paths "
