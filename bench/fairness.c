@@ -831,12 +831,12 @@ out:
   stop_daemon(d);
 }
 
-static void usage(const char *prog) {
-  fprintf(stderr,
+static void usage(const char *prog, int status) {
+  fprintf(status ? stderr : stdout,
           "usage: %s GPUPOOLD [--seconds S] [--quick] [--modes idle,limits,wake,frames,hash,files]\n"
           "       [--flooders N] [--members N] [--repeat N] [--nice N] [--keep-logs]\n",
           prog);
-  exit(2);
+  exit(status);
 }
 
 static int mode_wanted(const char *list, const char *name) {
@@ -861,8 +861,10 @@ int main(int argc, char **argv) {
   double lo[NMODES], hi[NMODES];
   int nice_to = 0;
   int failed = 0;
+  if (argc >= 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")))
+    usage(argv[0], 0);
   if (argc < 2 || argv[1][0] == '-')
-    usage(argv[0]);
+    usage(argv[0], 2);
   b.gpupoold = argv[1];
   for (int i = 2; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -883,7 +885,7 @@ int main(int argc, char **argv) {
     } else if (v && !strcmp(a, "--members")) {
       b.members = atoi(v), i++;
     } else {
-      usage(argv[0]);
+      usage(argv[0], 2);
     }
   }
   if (b.quick) { /* every mode, briefly: that it runs, not what it measures */
@@ -895,7 +897,7 @@ int main(int argc, char **argv) {
   }
   if (b.seconds <= 0 || b.flooders < 1 || b.flooders > MAX_FLOODERS || b.members < 1 || b.members > 65536 ||
       b.repeat < 1 || b.repeat > MAX_REPEAT || nice_to < -20 || nice_to > 19)
-    usage(argv[0]);
+    usage(argv[0], 2);
   if (geteuid() != 0) {
     printf("fairness: skipped (run as root: the floods come from uid %d)\n", NOBODY);
     return 77;

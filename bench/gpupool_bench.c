@@ -1118,6 +1118,12 @@ int main(int argc, char **argv) {
 
   if (argc >= 3 && !strcmp(argv[1], "worker"))
     return worker_main(argc, argv);
+  if (argc >= 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
+    printf("usage: %s GPUPOOLD\n"
+           "Allocation, handoff and copy benchmarks on GPU 0 against a private gpupoold started\n"
+           "from the GPUPOOLD binary (tools/gpu-bench.sh runs it).\n", argv[0]);
+    return 0;
+  }
   gh_driver_start(argc, argv, 2, "GPUPOOLD", 1, "the benchmark");
   CK(cudaGetDeviceProperties(&prop, 0));
   CK(cudaDriverGetVersion(&drv));

@@ -353,7 +353,13 @@ int main(int argc, char **argv) {
   double seconds = 3, f50, f99;
   ts_daemon_opts o = {.backend = "host", .log_level = "warn", .use_conf = 1, .ready_ms = 5000, .poll_ms = 10,
                       .pool = "name=default,kind=host,capacity=2G,slab=64M"};
-  if (argc < 2) {
+  if (argc >= 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
+    printf("usage: %s GPUPOOLD [--clients N] [--seconds S]\n"
+           "Latency of one uid's allocate+release, idle and while another uid floods gpupoold\n"
+           "(host backend, a private daemon started from the GPUPOOLD binary).\n", argv[0]);
+    return 0;
+  }
+  if (argc < 2 || argv[1][0] == '-') {
     fprintf(stderr, "usage: %s GPUPOOLD [--clients N] [--seconds S]\n", argv[0]);
     return 2;
   }

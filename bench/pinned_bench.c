@@ -235,7 +235,13 @@ int main(int argc, char **argv) {
       return w_prod(argv + 3);
     die("unknown worker role %s or wrong arguments", argv[2]);
   }
-  if (argc != 2 && argc != 3) {
+  if (argc >= 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
+    printf("usage: %s GPUPOOLD [TABLE_FILE]\n"
+           "Copy throughput of a gpupool host-NUMA buffer against cudaMallocHost and pageable\n"
+           "memory on GPU 0; TABLE_FILE receives the table as well.\n", argv[0]);
+    return 0;
+  }
+  if ((argc != 2 && argc != 3) || argv[1][0] == '-') {
     fprintf(stderr, "usage: %s GPUPOOLD [TABLE_FILE]\n", argv[0]);
     return 2;
   }

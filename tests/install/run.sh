@@ -8,7 +8,10 @@
 #      against gpupool::client and gpupool::client-static, and with pkg-config (shared, and
 #      static from the .pc's private requirements alone);
 #   4. each consumer runs against the installed gpupoold (host backend): allocate, publish,
-#      get from a second connection, every byte checked.
+#      get from a second connection, every byte checked;
+#   5. the man pages are installed under share/man, the installed programs answer --help,
+#      Libs.private names the CUDA library directory the build found, and
+#      -DBUILD_SHARED_LIBS=OFF is refused at configure time with a message saying what to use.
 #
 #   tests/install/run.sh [WORKDIR]     (default build/install-test)
 set -euo pipefail
@@ -32,6 +35,35 @@ cleanup() {
   if [ -n "$daemon_pid" ]; then kill "$daemon_pid" 2>/dev/null || true; wait "$daemon_pid" 2>/dev/null || true; fi
 }
 trap cleanup EXIT
+
+# BUILD_SHARED_LIBS=OFF cannot be honoured (gpupoold, gpupoolctl and the Python package link
+# the shared library; the static one is always installed too): refused, not silently ignored.
+if cmake -S "$src" -B "$work/build-static-only" -G Ninja -DBUILD_SHARED_LIBS=OFF \
+     >"$work/build-static-only.log" 2>&1; then
+  die "-DBUILD_SHARED_LIBS=OFF configured without a word (it would be ignored)"
+fi
+grep -q 'BUILD_SHARED_LIBS=OFF is not supported' "$work/build-static-only.log" ||
+  { cat "$work/build-static-only.log"; die "-DBUILD_SHARED_LIBS=OFF failed without saying why"; }
+grep -q 'gpupool::client-static' "$work/build-static-only.log" ||
+  die "the BUILD_SHARED_LIBS=OFF refusal does not name the static target to use"
+rm -rf "$work/build-static-only"
+
+# Libs.private follows the toolkit the build finds: the toolkit's directories linked into
+# another root and named by CUDAToolkit_ROOT must show up in gpupool.pc as that root.
+if [[ " ${variants[*]} " == *" cuda "* ]]; then
+  nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  croot=$(dirname "$(dirname "$(readlink -f "$nvcc")")")
+  alt=$work/cuda-elsewhere
+  rm -rf "$alt" "$work/build-cuda-elsewhere"
+  mkdir -p "$alt"
+  for d in "$croot"/*; do ln -s "$(readlink -f "$d")" "$alt/$(basename "$d")"; done
+  cmake -S "$src" -B "$work/build-cuda-elsewhere" -G Ninja -DGPUPOOL_CUDA=ON -DCUDAToolkit_ROOT="$alt" \
+        -DGPUPOOL_BUILD_TESTS=OFF -DGPUPOOL_BUILD_EXAMPLES=OFF >"$work/build-cuda-elsewhere.log" 2>&1 ||
+    { cat "$work/build-cuda-elsewhere.log"; die "configure with CUDAToolkit_ROOT=$alt"; }
+  grep -q "^Libs.private: -L$alt/lib[^ ]* -lcudart_static" "$work/build-cuda-elsewhere/gpupool.pc" ||
+    die "with the toolkit found in $alt, gpupool.pc still says: $(grep ^Libs.private "$work/build-cuda-elsewhere/gpupool.pc")"
+  rm -rf "$alt" "$work/build-cuda-elsewhere"
+fi
 
 for v in "${variants[@]}"; do
   echo "==== install test: $v"
@@ -57,15 +89,27 @@ for v in "${variants[@]}"; do
 $outside"
   mv "$stage$p" "$p"
   for f in sbin/gpupoold bin/gpupoolctl lib/systemd/system/gpupoold.service lib/systemd/system/gpupoold.socket \
-           lib/sysusers.d/gpupool.conf etc/gpupool/gpupoold.conf include/gpupool/gpupool.h; do
+           lib/sysusers.d/gpupool.conf etc/gpupool/gpupoold.conf include/gpupool/gpupool.h \
+           share/man/man8/gpupoold.8 share/man/man1/gpupoolctl.1 share/man/man5/gpupoold.conf.5; do
     [ -e "$p/$f" ] || die "$f is not installed under the prefix"
+  done
+  for exe in "$p/sbin/gpupoold" "$p/bin/gpupoolctl"; do
+    out=$(timeout 20 "$exe" --help) || die "installed $exe --help failed or hung"
+    printf '%s' "$out" | grep -qi '^usage:' || die "installed $exe --help printed no usage"
   done
   pc=$(find "$p" -name gpupool.pc)
   [ -n "$pc" ] || die "no gpupool.pc"
   grep -q '^prefix=${pcfiledir}/' "$pc" || die "gpupool.pc does not find its prefix from \${pcfiledir}: $(grep ^prefix= "$pc")"
   grep -q '^Requires.private: libprotobuf-c' "$pc" || die "gpupool.pc lacks Requires.private: libprotobuf-c"
   grep -q '^Libs.private: .*-lpthread' "$pc" || die "gpupool.pc lacks Libs.private"
-  if [ "$v" = cuda ]; then grep -q '^Libs.private: .*-lcudart_static' "$pc" || die "gpupool.pc lacks -lcudart_static"; fi
+  if [ "$v" = cuda ]; then
+    grep -q '^Libs.private: .*-lcudart_static' "$pc" || die "gpupool.pc lacks -lcudart_static"
+    # The directory of the cudart_static the build linked, not a guessed /usr/local/cuda/lib.
+    cudart=$(sed -n 's/^CUDA_cudart_static_LIBRARY:FILEPATH=//p' "$b/CMakeCache.txt")
+    [ -n "$cudart" ] || die "the CUDA build found no cudart_static"
+    grep -q "^Libs.private: -L$(dirname "$cudart") " "$pc" ||
+      die "gpupool.pc's Libs.private does not name the CUDA library directory the build found ($(dirname "$cudart")): $(grep ^Libs.private "$pc")"
+  fi
   if grep -rq "$p" "$pc" "$(dirname "$pc")/../cmake/gpupool/"*.cmake 2>/dev/null; then
     die "the pkg-config or CMake files name the install prefix $p literally (not relocatable)"
   fi

@@ -34,6 +34,15 @@ systemctl daemon-reload
 /usr/local/sbin/gpupoold --check-config --config "$CONF" || die "the shipped configuration does not pass --check-config"
 systemctl cat gpupoold.service | grep -q '^RestartPreventExitStatus=2' || die "the installed unit lacks RestartPreventExitStatus=2"
 
+step "man pages and --help of the installed programs"
+for m in man8/gpupoold.8 man1/gpupoolctl.1 man5/gpupoold.conf.5; do
+  [ -s "/usr/local/share/man/$m" ] || die "the man page $m is not installed under /usr/local/share/man"
+done
+for exe in /usr/local/sbin/gpupoold /usr/local/bin/gpupoolctl; do
+  out=$(timeout 20 "$exe" --help) || die "$exe --help failed or hung"
+  echo "$out" | grep -qi '^usage:' || die "$exe --help printed no usage"
+done
+
 step "gpupoold.socket"
 systemctl start gpupoold.socket
 [ -S "$SOCK" ] || die "no socket at $SOCK"
