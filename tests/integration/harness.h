@@ -147,6 +147,13 @@ static inline void th_stop(th_daemon *d) {
   ts_daemon_remove(d);
 }
 
+/* A fresh temp dir, the config text conf, and the daemon started on it. */
+static inline void th_start_conf(th_daemon *d, const char *conf) {
+  th_prepare(d);
+  th_write_conf(d, conf);
+  th_start(d, 1, NULL);
+}
+
 /* cmocka teardown for tests whose setup left their daemon in *state: th_stop on it. */
 static inline int th_teardown(void **state) {
   th_stop(*state);

@@ -102,6 +102,23 @@ static void expect_stats(int fd) {
   gpupool__wire__reply__free_unpacked(rep, NULL);
 }
 
+/* Send req and return its reply, which must be a success (the caller frees it). */
+static gpupool__rep *call_ok(int fd, gpupool__req *req) {
+  gpupool__rep *rep;
+  raw_send(fd, req, NULL, 0);
+  rep = raw_recv(fd);
+  assert_non_null(rep);
+  if (rep->error)
+    fail_msg("expected success, got %s: %s", gpupool_err_name(rep->error->code), rep->error->message);
+  return rep;
+}
+
+/* After what the daemon refused, the connection carries on: a Stats (seq) is answered. */
+static void still_answers(int fd, uint64_t seq) {
+  send_stats(fd, seq);
+  expect_stats(fd);
+}
+
 static void test_garbage_frame(void **state) {
   uint8_t frame[4 + 16] = {16, 0, 0, 0};
   int fd = raw_connect();
@@ -143,8 +160,7 @@ static void test_unknown_request_type(void **state) {
   req.seq = 2; /* no body: what an unknown message type unpacks to */
   raw_send(fd, &req, NULL, 0);
   expect_error(fd, GPUPOOL_EPROTO, "unknown request type");
-  send_stats(fd, 3); /* the connection carries on */
-  expect_stats(fd);
+  still_answers(fd, 3);
   close(fd);
 }
 
@@ -157,8 +173,7 @@ static void test_unexpected_fds(void **state) {
     fds[i] = mfd;
   assert_int_equal(th_raw_send_stats(fd, 9, fds, 3), 0);
   expect_error(fd, GPUPOOL_EFD, "file descriptors");
-  send_stats(fd, 10);
-  expect_stats(fd);
+  still_answers(fd, 10);
   close(mfd);
   close(fd);
 }
@@ -245,8 +260,7 @@ static void test_bad_ids_and_requests(void **state) {
     expect_error(fd, GPUPOOL_EINVAL, "token");
   }
   /* Admin requests from a normal uid are refused only for non-root; as root they work. */
-  send_stats(fd, 99);
-  expect_stats(fd);
+  still_answers(fd, 99);
   close(fd);
   gpupool_client_disconnect(a);
 }
@@ -283,20 +297,13 @@ static void test_double_release_via_library(void **state) {
   op.token.len = sizeof tok.bytes;
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_OPEN;
   req.open = &op;
-  raw_send(fd, &req, NULL, 0);
-  rep = raw_recv(fd);
-  assert_non_null(rep);
-  assert_null(rep->error);
+  rep = call_ok(fd, &req);
   hold = rep->open->buffer->hold_id;
   gpupool__wire__reply__free_unpacked(rep, NULL);
   rl.hold_id = hold;
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_RELEASE;
   req.release = &rl;
-  raw_send(fd, &req, NULL, 0);
-  rep = raw_recv(fd);
-  assert_non_null(rep);
-  assert_null(rep->error);
-  gpupool__wire__reply__free_unpacked(rep, NULL);
+  gpupool__wire__reply__free_unpacked(call_ok(fd, &req), NULL);
   raw_send(fd, &req, NULL, 0);
   expect_error(fd, GPUPOOL_ENOENT, "already released");
   /* The owner's buffer is still alive and intact. */
@@ -305,17 +312,6 @@ static void test_double_release_via_library(void **state) {
   close(fd);
   gpupool_client_disconnect(a);
   gpupool_client_disconnect(b);
-}
-
-/* Send req and return its reply, which must be a success (the caller frees it). */
-static gpupool__rep *call_ok(int fd, gpupool__req *req) {
-  gpupool__rep *rep;
-  raw_send(fd, req, NULL, 0);
-  rep = raw_recv(fd);
-  assert_non_null(rep);
-  if (rep->error)
-    fail_msg("expected success, got %s: %s", gpupool_err_name(rep->error->code), rep->error->message);
-  return rep;
 }
 
 /* A Publish with share_gid or share_all set (fields 5 and 6, reserved since the library

@@ -8,16 +8,8 @@
 static th_daemon D;
 
 static int setup(void **state) {
-  (void)state;
-  th_prepare(&D);
-  th_write_conf(&D, "[pool default]\nkind = host\ncapacity = 64M\nslab_size = 4M\n");
-  th_start(&D, 1, NULL);
-  return 0;
-}
-
-static int teardown(void **state) {
-  (void)state;
-  th_stop(&D);
+  th_start_conf(&D, "[pool default]\nkind = host\ncapacity = 64M\nslab_size = 4M\n");
+  *state = &D;
   return 0;
 }
 
@@ -76,5 +68,5 @@ static void test_client_name(void **state) {
 }
 
 int main(void) {
-  return TS_RUN_TESTS(setup, teardown, test_local_refusals, test_client_name);
+  return TS_RUN_TESTS(setup, th_teardown, test_local_refusals, test_client_name);
 }

@@ -11,16 +11,8 @@ static th_daemon D;
 #define POOL "[pool default]\nkind = host\ncapacity = 64M\nslab_size = 4M\n"
 
 static int setup(void **state) {
-  (void)state;
-  th_prepare(&D);
-  th_write_conf(&D, "[daemon]\nlisten_backlog = 64\n" POOL);
-  th_start(&D, 1, NULL);
-  return 0;
-}
-
-static int teardown(void **state) {
-  (void)state;
-  th_stop(&D);
+  th_start_conf(&D, "[daemon]\nlisten_backlog = 64\n" POOL);
+  *state = &D;
   return 0;
 }
 
@@ -172,5 +164,5 @@ static void test_reload_keeps_clients(void **state) {
 }
 
 int main(void) {
-  return TS_RUN_TESTS(setup, teardown, test_reload_keeps_clients);
+  return TS_RUN_TESTS(setup, th_teardown, test_reload_keeps_clients);
 }

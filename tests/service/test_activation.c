@@ -247,6 +247,14 @@ static int case_begin(svc_case *k, const char *name, const char *const *listen_n
 }
 
 /* A daemon still running is killed and its stderr shown; every socket is closed. */
+/* What a case still holds when it ends: its buffer (may be NULL), then its client (may be NULL). */
+static void drop_client(gpupool_buffer *b, gpupool_client *c) {
+  if (b != NULL)
+    gpupool_buffer_release(b, NULL);
+  if (c != NULL)
+    gpupool_client_disconnect(c);
+}
+
 static void case_end(svc_case *k) {
   if (k->pid > 0) {
     kill(k->pid, SIGKILL);
@@ -321,10 +329,7 @@ static void case_activation(void) {
   CHECK(stat(k.own, &sb) == 0 && S_ISSOCK(sb.st_mode), "%s was removed by the daemon", k.own);
   printf("ok activation\n");
 out:
-  if (b != NULL)
-    gpupool_buffer_release(b, NULL);
-  if (c != NULL)
-    gpupool_client_disconnect(c);
+  drop_client(b, c);
   case_end(&k);
 }
 
@@ -425,10 +430,7 @@ static void case_status(void) {
   CHECK(rc == 0, "exit status %d", rc);
   printf("ok status\n");
 out:
-  if (b != NULL)
-    gpupool_buffer_release(b, NULL);
-  if (c != NULL)
-    gpupool_client_disconnect(c);
+  drop_client(b, c);
   case_end(&k);
 }
 
@@ -494,10 +496,7 @@ static void case_config_error(void) {
   CHECK(rc == 0, "exit status %d", rc);
   printf("ok config-error\n");
 out:
-  if (b != NULL)
-    gpupool_buffer_release(b, NULL);
-  if (c != NULL)
-    gpupool_client_disconnect(c);
+  drop_client(b, c);
   if (failures)
     dump_file(k.errlog);
   case_end(&k);

@@ -23,6 +23,16 @@ wait_for() { # SECONDS COMMAND...: until COMMAND succeeds
   return 1
 }
 ctl_ok() { as alice /usr/local/bin/gpupoolctl status >/dev/null 2>&1; }
+# start_holder TAG CLIENT NAME MODE: alice's svc_holder holding NAME (1 MiB), fed through the
+# FIFO /tmp/TAG.in on fd 3, output in /tmp/TAG.out, its pid in $holder; returns once it is ready.
+start_holder() {
+  mkfifo "/tmp/$1.in"
+  chmod 666 "/tmp/$1.in"
+  as alice "$T/svc_holder" "$SOCK" "$2" "$3" 1048576 "$4" <"/tmp/$1.in" >"/tmp/$1.out" 2>&1 &
+  holder=$!
+  exec 3>"/tmp/$1.in"
+  wait_for 10 grep -q ready "/tmp/$1.out" || die "svc_holder did not get ready: $(cat "/tmp/$1.out")"
+}
 
 step "install: sysusers, libraries, units"
 systemd-sysusers
@@ -93,12 +103,7 @@ kill "$namer" 2>/dev/null || true
 wait "$namer" 2>/dev/null || true
 
 step "a live client across a service restart"
-mkfifo /tmp/holder.in
-chmod 666 /tmp/holder.in
-as alice "$T/svc_holder" "$SOCK" systest-holder systest/tensor 1048576 reconnect </tmp/holder.in >/tmp/holder.out 2>&1 &
-holder=$!
-exec 3>/tmp/holder.in
-wait_for 10 grep -q ready /tmp/holder.out || die "svc_holder did not get ready: $(cat /tmp/holder.out)"
+start_holder holder systest-holder systest/tensor reconnect
 old=$(main_pid)
 systemctl restart gpupoold.service
 new=$(main_pid)
@@ -154,14 +159,9 @@ systemctl restart gpupoold.service
 wait_for 10 ctl_ok || die "gpupoold did not come back with the shipped configuration"
 
 step "systemctl reload with a client holding a name: the name and its connection survive"
-mkfifo /tmp/reload.in
-chmod 666 /tmp/reload.in
 # Mode "closed": reconnection off, so its request after the reload succeeds only if the
 # daemon kept its connection (svc_holder then exits 1, "not dropped").
-as alice "$T/svc_holder" "$SOCK" systest-reload systest/reload 1048576 closed </tmp/reload.in >/tmp/reload.out 2>&1 &
-holder=$!
-exec 3>/tmp/reload.in
-wait_for 10 grep -q ready /tmp/reload.out || die "svc_holder did not get ready: $(cat /tmp/reload.out)"
+start_holder reload systest-reload systest/reload closed
 pid=$(main_pid)
 cp "$CONF" /tmp/good.conf
 sed -i -e 's/^#max_clients_per_uid = .*/max_clients_per_uid = 200/' -e 's/^#listen_backlog = .*/listen_backlog = 64/' "$CONF"
