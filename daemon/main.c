@@ -117,6 +117,15 @@ typedef struct {
   char reload_note[256];   /* after a failed reload, kept in STATUS= until the next one */
 } daemon_ctx;
 
+/* Close the three signal handles and the watchdog timer (NULL: none) of a loop that ends. */
+static void close_watch(uv_signal_t *sigint, uv_signal_t *sigterm, uv_signal_t *sighup, uv_timer_t *watchdog) {
+  uv_close((uv_handle_t *)sigint, NULL);
+  uv_close((uv_handle_t *)sigterm, NULL);
+  uv_close((uv_handle_t *)sighup, NULL);
+  if (watchdog)
+    uv_close((uv_handle_t *)watchdog, NULL);
+}
+
 static void shutdown_daemon(daemon_ctx *d, const char *why) {
   if (!d->server)
     return;
@@ -126,12 +135,8 @@ static void shutdown_daemon(daemon_ctx *d, const char *why) {
   d->server = NULL;
   /* Bounded shutdown: leases and GPU work are not waited for (nothing is reused any more). */
   gpd_registry_stop(d->reg);
-  uv_close((uv_handle_t *)&d->sigint, NULL);
-  uv_close((uv_handle_t *)&d->sigterm, NULL);
-  uv_close((uv_handle_t *)&d->sighup, NULL);
+  close_watch(&d->sigint, &d->sigterm, &d->sighup, d->watchdog_on ? &d->watchdog : NULL);
   uv_close((uv_handle_t *)&d->status, NULL);
-  if (d->watchdog_on)
-    uv_close((uv_handle_t *)&d->watchdog, NULL);
 }
 
 static void on_signal(uv_signal_t *h, int signum) {
@@ -485,11 +490,7 @@ static void on_config_error_conn(uv_poll_t *h, int status, int events) {
 
 static void config_error_stop(config_error_ctx *e) {
   uv_close((uv_handle_t *)&e->poll, NULL);
-  uv_close((uv_handle_t *)&e->sigint, NULL);
-  uv_close((uv_handle_t *)&e->sigterm, NULL);
-  uv_close((uv_handle_t *)&e->sighup, NULL);
-  if (e->watchdog_on)
-    uv_close((uv_handle_t *)&e->watchdog, NULL);
+  close_watch(&e->sigint, &e->sigterm, &e->sighup, e->watchdog_on ? &e->watchdog : NULL);
 }
 
 static void note_config_error(config_error_ctx *e) {

@@ -761,10 +761,22 @@ static const Gpupool__Wire__BufferInfo *find_buffer(const Gpupool__Wire__AdminBu
   return NULL;
 }
 
-/* `buffers`: every live buffer, sorted by id (allocation order), with all its names. */
-static int cmd_buffers(ctl *c) {
+/* AdminBuffers: every live buffer, sorted by id (allocation order); *rep is the caller's. */
+static int admin_buffers(ctl *c, gpupool__rep **rep) {
   Gpupool__Wire__AdminBuffers ab = GPUPOOL__WIRE__ADMIN_BUFFERS__INIT;
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  int rc;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS;
+  req.admin_buffers = &ab;
+  if ((rc = call(c, &req, rep)) != 0)
+    return rc;
+  qsort((*rep)->admin_buffers->buffers, (*rep)->admin_buffers->n_buffers, sizeof(*(*rep)->admin_buffers->buffers),
+        cmp_by_id);
+  return 0;
+}
+
+/* `buffers`: every live buffer, sorted by id (allocation order), with all its names. */
+static int cmd_buffers(ctl *c) {
   gpupool__rep *rep;
   Gpupool__Wire__AdminBuffersReply *r;
   Gpupool__Wire__BufferInfo **v;
@@ -772,14 +784,11 @@ static int cmd_buffers(ctl *c) {
   table t;
   int rc;
 
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS;
-  req.admin_buffers = &ab;
-  if ((rc = call(c, &req, &rep)) != 0)
+  if ((rc = admin_buffers(c, &rep)) != 0)
     return rc;
   r = rep->admin_buffers;
   v = r->buffers;
   n = r->n_buffers;
-  qsort(v, n, sizeof(*v), cmp_by_id);
 
   if (c->json) {
     printf("{\"buffers\":[");
@@ -828,7 +837,6 @@ out:
  * bundles with their version and member count, files with their path. */
 static int cmd_names(ctl *c) {
   Gpupool__Wire__AdminNames an = GPUPOOL__WIRE__ADMIN_NAMES__INIT;
-  Gpupool__Wire__AdminBuffers ab = GPUPOOL__WIRE__ADMIN_BUFFERS__INIT;
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   gpupool__rep *names, *bufs;
   Gpupool__Wire__NameInfo **v;
@@ -840,9 +848,7 @@ static int cmd_names(ctl *c) {
   req.admin_names = &an;
   if ((rc = call(c, &req, &names)) != 0)
     return rc;
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS;
-  req.admin_buffers = &ab;
-  if ((rc = call(c, &req, &bufs)) != 0) {
+  if ((rc = admin_buffers(c, &bufs)) != 0) {
     gpupool__wire__reply__free_unpacked(names, NULL);
     return rc;
   }
