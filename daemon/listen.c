@@ -22,7 +22,16 @@
 #include "server_internal.h"
 
 uint64_t gpd_server_clients(const gpd_server *s) { return s->nconns; }
-                                 uint64_t gpd_server_last_activity(const gpd_server *s) { return s->last_activity_ns; }
+uint64_t gpd_server_last_activity(const gpd_server *s) { return s->last_activity_ns; }
+
+int gpd_server_metrics_degraded(const gpd_server *s, char *buf, size_t len) {
+  if (!s->metrics) {
+    if (len)
+      buf[0] = '\0';
+    return 0;
+  }
+  return gpd_metrics_degraded(s->metrics, buf, len);
+}
                                  
                                  static void hs_timeout(uv_timer_t *t) {
   gpd_conn *c = t->data;

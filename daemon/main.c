@@ -147,14 +147,18 @@ static void on_signal(uv_signal_t *h, int signum) {
  * changed, at most once a second (the status timer), so a busy daemon does not flood PID 1. */
 static void status_text(daemon_ctx *d, char *buf, size_t len) {
   uint64_t used = 0, cap = 0;
+  char degraded[256];
   for (int i = 0; i < d->reg->npools; i++) {
     used += d->reg->pools[i].used;
     cap += d->reg->pools[i].cfg.capacity;
   }
+  if (gpd_server_metrics_degraded(d->server, degraded, sizeof degraded) <= 0)
+    degraded[0] = '\0';
   snprintf(buf, len, "%s%sServing %d pool(s) on the %s backend: %" PRIu64 " client(s), %" PRIu64
-           " of %" PRIu64 " MiB used, %" PRIu64 " name(s)",
+           " of %" PRIu64 " MiB used, %" PRIu64 " name(s)%s%s",
            d->reload_note, d->reload_note[0] ? "; " : "", d->cfg->n_pools, d->be->desc->name,
-           gpd_server_clients(d->server), used >> 20, cap >> 20, d->reg->nnames);
+           gpd_server_clients(d->server), used >> 20, cap >> 20, d->reg->nnames,
+           degraded[0] ? "; degraded: " : "", degraded);
 }
 
 /* STATUS= when it changed; with READY=1 in the same message when ready is set (systemd

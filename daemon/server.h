@@ -29,5 +29,8 @@ void gpd_server_stop(gpd_server *s);
 uint64_t gpd_server_last_activity(const gpd_server *s);
 /* Number of connected clients. */
 uint64_t gpd_server_clients(const gpd_server *s);
+/* The metrics exporters that failed and why ("metrics textfile: ...; ..."), for STATUS=: how
+ * many (0: all serve, or none configured). */
+int gpd_server_metrics_degraded(const gpd_server *s, char *buf, size_t len);
 
 #endif

@@ -246,7 +246,6 @@ static int case_begin(svc_case *k, const char *name, const char *const *listen_n
   return 0;
 }
 
-/* A daemon still running is killed and its stderr shown; every socket is closed. */
 /* What a case still holds when it ends: its buffer (may be NULL), then its client (may be NULL). */
 static void drop_client(gpupool_buffer *b, gpupool_client *c) {
   if (b != NULL)
@@ -255,6 +254,7 @@ static void drop_client(gpupool_buffer *b, gpupool_client *c) {
     gpupool_client_disconnect(c);
 }
 
+/* A daemon still running is killed and its stderr shown; every socket is closed. */
 static void case_end(svc_case *k) {
   if (k->pid > 0) {
     kill(k->pid, SIGKILL);
@@ -406,9 +406,18 @@ out:
   case_end(&k);
 }
 
+static int write_file(const char *path, const char *text) {
+  FILE *f = fopen(path, "w");
+  if (f == NULL)
+    return -1;
+  fputs(text, f);
+  return fclose(f);
+}
+
+/* STATUS= follows the clients and names, and says which metrics exporter is degraded. */
 static void case_status(void) {
   static const char *const listen[] = {"gp.sock"};
-  char got[1024];
+  char got[1024], conf[200], text[600];
   int rc;
   gpupool_client *c = NULL;
   gpupool_buffer *b = NULL;
@@ -416,8 +425,14 @@ static void case_status(void) {
 
   printf("case status\n");
   CHECK(case_begin(&k, "status", listen, 1, "gp.sock") == 0, "set-up in %s", k.dir);
+  /* A textfile exporter whose directory does not exist: degraded, the rest serves. */
+  path_in(conf, sizeof(conf), k.dir, "gpupoold.conf");
+  snprintf(text, sizeof text, "[daemon]\nmetrics_textfile = %s/missing/gpupool.prom\n", k.dir);
+  CHECK(write_file(conf, text) == 0, "writing %s", conf);
+  k.o.conf = conf;
   CHECK(case_start_ready(&k, got, sizeof(got)) == 0, "gpupoold started and ready");
   CHECK(strstr(got, "0 client(s)") && strstr(got, "0 name(s)"), "READY=1 status: '%s'", got);
+  CHECK(strstr(got, "degraded: metrics textfile") != NULL, "STATUS= does not name the degraded exporter: '%s'", got);
   rc = gpupool_client_connect(k.own, "svc-status", GPUPOOL_TIMEOUT_DEFAULT, &c);
   CHECK(rc == 0, "gpupool_client_connect: %s", gpupool_last_error());
   rc = gpupool_buffer_alloc(c, NULL, 1 << 20, 0, NULL, &b);
@@ -432,14 +447,6 @@ static void case_status(void) {
 out:
   drop_client(b, c);
   case_end(&k);
-}
-
-static int write_file(const char *path, const char *text) {
-  FILE *f = fopen(path, "w");
-  if (f == NULL)
-    return -1;
-  fputs(text, f);
-  return fclose(f);
 }
 
 static void case_config_error(void) {
