@@ -208,6 +208,7 @@ int gpd_handle_admin_buffers(gpd_conn *c, const Gpupool__Wire__Request *req, int
   Gpupool__Wire__AdminBuffersReply ar = GPUPOOL__WIRE__ADMIN_BUFFERS_REPLY__INIT;
   Gpupool__Wire__BufferInfo *infos, **ptrs;
   char **keys = NULL;
+  gpupool__hmap rows;
   uint64_t now = gpd_now_ns();
   size_t n = 0, total = 0;
   infos = calloc(reg->buffers.len + 1, sizeof *infos);
@@ -234,18 +235,28 @@ int gpd_handle_admin_buffers(gpd_conn *c, const Gpupool__Wire__Request *req, int
     n++;
   }
   /* Names: every name of every buffer (several names may file one buffer), counted in a
-   * first pass over the name table and filed in a second, each buffer's slice sorted. */
+   * first pass over the name table and filed in a second, each buffer's slice sorted. A map
+   * from buffer id to its row keeps both passes linear in names and buffers. */
+  gpupool__hmap_init(&rows);
+  for (size_t k = 0; k < n; k++)
+    if (gpupool__hmap_put(&rows, infos[k].id, (void *)(uintptr_t)(k + 1)) != 0) {
+      gpupool__hmap_free(&rows);
+      free(infos);
+      free(ptrs);
+      return gpupool__err(GPUPOOL_ENOMEM, "out of memory listing %zu buffers", n);
+    }
   for (size_t i = 0; i < reg->names.cap; i++)
     if (gpupool__smap_slot_used(&reg->names, i))
       total += ((gpd_name *)reg->names.slots[i].val)->nbufs;
   if (total && !(keys = calloc(total, sizeof *keys))) {
+    gpupool__hmap_free(&rows);
     free(infos);
     free(ptrs);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory listing %zu names", total);
   }
   for (int pass = 0; pass < 2; pass++) {
     size_t at = 0;
-    if (pass == 1) /* slices: each buffer's n_names counted in pass 0 */
+    if (pass == 1 && keys) /* slices: each buffer's n_names counted in pass 0 */
       for (size_t k = 0; k < n; k++) {
         infos[k].names = keys + at;
         at += infos[k].n_names;
@@ -256,16 +267,17 @@ int gpd_handle_admin_buffers(gpd_conn *c, const Gpupool__Wire__Request *req, int
       if (!gpupool__smap_slot_used(&reg->names, i))
         continue;
       nm = reg->names.slots[i].val;
-      for (uint32_t j = 0; j < nm->nbufs; j++)
-        for (size_t k = 0; k < n; k++)
-          if (infos[k].id == nm->bufs[j]->id) {
-            if (pass == 1)
-              infos[k].names[infos[k].n_names] = nm->name;
-            infos[k].n_names++;
-            break;
-          }
+      for (uint32_t j = 0; j < nm->nbufs; j++) {
+        uintptr_t row = (uintptr_t)gpupool__hmap_get(&rows, nm->bufs[j]->id);
+        if (!row)
+          continue;
+        if (pass == 1)
+          infos[row - 1].names[infos[row - 1].n_names] = nm->name;
+        infos[row - 1].n_names++;
+      }
     }
   }
+  gpupool__hmap_free(&rows);
   for (size_t k = 0; k < n; k++)
     if (infos[k].n_names) {
       qsort(infos[k].names, infos[k].n_names, sizeof *infos[k].names, cmp_str);
