@@ -420,7 +420,9 @@ static void test_flood_behind_held_reply(void **state) {
   while (n > 0) /* nothing but the end of the connection (the event never completes) */
     if ((n = recv(c, &b, 1, 0)) > 0)
       fail_msg("a reply came while the ready event was pending");
-  if (n < 0)
+  /* ECONNRESET is the end too: the daemon hung up with some of the flood still unread (it
+   * reads a connection's bytes a budget at a time, in its uid's turn). */
+  if (n < 0 && errno != ECONNRESET)
     fail_msg("the flooding client was not dropped within 10 s (%s)", strerror(errno));
   now = settled(p, &seq, base, 0);
   assert_int_equal(now.holds, base.holds);
