@@ -71,6 +71,23 @@ typedef struct {
   uint64_t reserved_cur, reserved_high, used_cur, used_high;
 } gpupool__bpool_stats;
 
+/* Where bytes of a copy lie: a pool, one of its slabs, an offset into the slab. */
+typedef struct {
+  gpupool__bpool *pool;
+  gpupool__bslab *slab;
+  uint64_t off;
+} gpupool__bloc;
+
+#define GPUPOOL_COPY_MAX_DSTS 16
+/* One segment of a copy job: len bytes from src to each of ndst destinations (chain order). */
+typedef struct gpupool__bcopy_seg {
+  gpupool__bloc src;
+  gpupool__bloc dst[GPUPOOL_COPY_MAX_DSTS];
+  uint64_t len;
+} gpupool__bcopy_seg;
+
+typedef struct gpupool__bcopy gpupool__bcopy; /* backend-private copy job */
+
 typedef struct {
   int has_events;     /* 1 when event_* are implemented */
   /* Create a pool per cfg (already checked by the daemon's config). Called once per
@@ -98,6 +115,21 @@ typedef struct {
   void (*event_destroy)(gpupool__bevent *e);
   /* Free the backend (after every pool). */
   void (*close)(gpupool__backend *be);
+
+  /* Copies between pools (replicas of a version on another device). Optional: NULL when the
+   * backend cannot copy. One job copies every segment: each segment's bytes go from src to
+   * dst[0], and from dst[i-1] to dst[i] for the later destinations (a chain, pipelined chunk
+   * by chunk, so n destinations cost about one copy time rather than n). The copy runs on
+   * the backend's own engines (CUDA: its streams and copy engines; host: a thread), never on
+   * the caller's thread; copy_poll says how it stands without blocking. */
+  int (*copy_start)(gpupool__backend *be, const struct gpupool__bcopy_seg *segs, size_t nsegs,
+                    int ndst, struct gpupool__bcopy **out);
+  /* 1 when every byte of every segment is in every destination, 0 while running, < 0 when
+   * the copy failed (error set; destinations hold unspecified bytes). */
+  int (*copy_poll)(struct gpupool__bcopy *c);
+  /* Stop a running copy (returns only once no engine touches its slabs any more) or forget a
+   * finished one, and free it. */
+  void (*copy_free)(struct gpupool__bcopy *c);
 } gpupool__backend_ops;
 
 /* An open backend in the daemon. */
