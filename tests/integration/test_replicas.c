@@ -241,7 +241,7 @@ static void test_eight_getters_one_copy(void **state) {
   pid_t kids[8];
   counters k;
   (void)state;
-  setenv("GPUPOOL_TEST_COPY_DELAY_MS", "10", 1); /* a copy that takes a while: they all ask meanwhile */
+  setenv("GPUPOOL_TEST_COPY_DELAY_MS", "100", 1); /* a copy that takes a while: they all ask meanwhile */
   start_sim(NULL);
   p = publish_pattern("w", 4 * MIB, 11, NULL);
   for (int i = 0; i < 8; i++)
@@ -431,7 +431,7 @@ static void test_copy_failure_fails_waiters_then_retries(void **state) {
   int rc;
   (void)state;
   setenv("GPUPOOL_TEST_COPY_FAIL", "1", 1);       /* the first copy fails after its first chunk */
-  setenv("GPUPOOL_TEST_COPY_DELAY_MS", "30", 1);  /* slow enough for a second waiter to join */
+  setenv("GPUPOOL_TEST_COPY_DELAY_MS", "200", 1); /* slow enough for a second waiter to join */
   start_sim(NULL);
   p = publish_pattern("w", 3 * MIB, 9, NULL);
   c = th_connect(&D, "consumer");
