@@ -477,8 +477,8 @@ void gpd_replicate(gpd_registry *reg, gpd_client *c, const char *name, const uin
   if (ndev && chain) {
     gpd_copy *cp;
     if (copy_new(reg, nm->bufs, nm->nbufs, devs, ndev, &cp) != 0)
-      GPUPOOL__WARN("replicas of '%s' on %d device(s) not started: %s; gets on those devices make them",
-                    name, ndev, gpupool__errmsg());
+      GPUPOOL__PEER_WARN(&c->log_rl, c->id, "client %" PRIu64 ": replicas of '%s' on %d device(s) not started: "
+                         "%s; gets on those devices make them", c->id, name, ndev, gpupool__errmsg());
   } else {
     for (int d = 0; d < ndev; d++) {
       uint32_t k = 0;
@@ -490,8 +490,8 @@ void gpd_replicate(gpd_registry *reg, gpd_client *c, const char *name, const uin
           need[k++] = nm->bufs[j];
       }
       if (k && copy_new(reg, need, k, &devs[d], 1, &cp) != 0)
-        GPUPOOL__WARN("replica of '%s' on device %d not started: %s; gets on that device make it", name,
-                      devs[d], gpupool__errmsg());
+        GPUPOOL__PEER_WARN(&c->log_rl, c->id, "client %" PRIu64 ": replica of '%s' on device %d not started: %s; "
+                           "gets on that device make it", c->id, name, devs[d], gpupool__errmsg());
     }
   }
   free(need);
