@@ -396,11 +396,14 @@ static void test_getter_killed_while_waiting(void **state) {
   for (uint64_t end = th_now_ms() + 5000; replica_counters().running == 0 && th_now_ms() < end;)
     th_sleep_ms(5);
   assert_int_equal(replica_counters().running, 1);
+  /* A getter's own timeout applies while it waits for the copy. */
+  c = th_connect(&D, "consumer");
+  assert_int_equal(gpupool_buffer_get(c, "w", 0, 30, GPUPOOL_ON_DEVICE(1), NULL, &g, NULL), GPUPOOL_ETIMEDOUT);
+  assert_non_null(strstr(gpupool_last_error(), "replica of 'w' on device 1"));
   kill(kid, SIGKILL);
   assert_int_equal(waitpid(kid, &st, 0), kid);
   assert_true(WIFSIGNALED(st));
   /* Another getter still gets the one copy, complete. */
-  c = th_connect(&D, "consumer");
   assert_int_equal(gpupool_buffer_get(c, "w", 0, 20000, GPUPOOL_ON_DEVICE(1), NULL, &g, NULL), 0);
   assert_true(th_check(gpupool_buffer_ptr(g), 5, 8 * MIB));
   assert_int_equal(replica_counters().copies, 1);
@@ -513,6 +516,47 @@ static void test_daemon_killed_mid_copy(void **state) {
   wait_all_idle();
 }
 
+/* ---- getters waiting for the publish ---- */
+
+static void *late_get(void *arg) {
+  gpupool_client *c = arg;
+  gpupool_bundle *g = NULL;
+  gpupool_member m;
+  intptr_t rc = gpupool_bundle_get(c, "late", 0, 20000, GPUPOOL_ON_DEVICE(1), NULL, &g);
+  if (rc == 0) {
+    gpupool_bundle_member(g, 0, &m);
+    rc = th_check(m.ptr, 61, m.size) ? 0 : -100;
+    gpupool_bundle_release(g, NULL);
+  }
+  return (void *)rc;
+}
+
+/* Gets parked on a name that is not published yet, on device 1: the publish wakes them, they
+ * wait for the replica's copy (started by the first), and come with it. */
+static void test_getters_waiting_for_the_publish(void **state) {
+  gpupool_client *p, *c[3];
+  pthread_t th[3];
+  void *r;
+  (void)state;
+  setenv("GPUPOOL_TEST_COPY_DELAY_MS", "20", 1);
+  start_sim(NULL);
+  for (int i = 0; i < 3; i++) {
+    c[i] = th_connect(&D, "late");
+    assert_int_equal(pthread_create(&th[i], NULL, late_get, c[i]), 0);
+  }
+  th_sleep_ms(100); /* (their gets wait for the name either way: this only makes it likely) */
+  p = publish_pattern("late", 3 * MIB, 61, NULL);
+  for (int i = 0; i < 3; i++) {
+    assert_int_equal(pthread_join(th[i], &r), 0);
+    assert_int_equal((intptr_t)r, 0);
+    gpupool_client_disconnect(c[i]);
+  }
+  assert_int_equal(replica_counters().copies, 1);
+  assert_int_equal(gpupool_name_unpublish(p, "late"), 0);
+  gpupool_client_disconnect(p);
+  wait_all_idle();
+}
+
 /* ---- broadcast ---- */
 
 static void test_broadcast_on_publish(void **state) {
@@ -605,5 +649,6 @@ int main(void) {
   return TS_RUN_TESTS(NULL, teardown, test_buffer_replica_bit_exact, test_bundle_replica_bit_exact,
                       test_eight_getters_one_copy, test_more_copies_than_slots, test_replica_freed_with_version,
                       test_getter_killed_while_waiting, test_copy_failure_fails_waiters_then_retries,
-                      test_daemon_killed_mid_copy, test_broadcast_on_publish, test_replica_over_quota);
+                      test_daemon_killed_mid_copy, test_getters_waiting_for_the_publish, test_broadcast_on_publish,
+                      test_replica_over_quota);
 }
