@@ -332,20 +332,43 @@ static void published_locally(gpupool_client *c, gpupool_buffer *b, const char *
   }
 }
 
+/* The devices of a broadcast publish, as the wire has them: 0 or an error naming the bad one. */
+int gpupool__replicate_to(const int *devices, int n, uint32_t *out) {
+  if (n < 0 || n > 16 || (n > 0 && !devices))
+    return gpupool__err(GPUPOOL_EINVAL, "publish_to: 0 to 16 devices, not %d%s", n,
+                        n > 0 && !devices ? " with no array" : "");
+  for (int i = 0; i < n; i++) {
+    if (devices[i] < 0 || devices[i] > 1023)
+      return gpupool__err(GPUPOOL_EINVAL, "publish_to: device %d is no device ordinal (0..1023)", devices[i]);
+    out[i] = (uint32_t)devices[i];
+  }
+  return 0;
+}
+
 int gpupool_buffer_publish(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
                            uint64_t *version) {
+  return gpupool_buffer_publish_to(b, name, meta, stream, NULL, 0, version);
+}
+
+int gpupool_buffer_publish_to(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
+                              const int *devices, int n, uint64_t *version) {
   gpupool_client *c;
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Publish pb;
   Gpupool__Wire__TensorMeta tm = GPUPOOL__WIRE__TENSOR_META__INIT;
   gpupool__rep *rep;
+  uint32_t devs[16];
   int rc;
 
   gpupool__err_clear();
   if (version)
     *version = 0;
+  if ((rc = gpupool__replicate_to(devices, n, devs)) != 0)
+    return rc;
   if ((rc = gpupool__publish_request(b, name, meta, &req, &pb, &tm)) != 0)
     return rc;
+  pb.n_replicate_to = (size_t)n;
+  pb.replicate_to = devs;
   c = b->c;
   pthread_mutex_lock(&c->mu);
   if ((rc = gpupool__hand_over_prepare(c, b, stream)) == 0 && (rc = gpupool__call(c, &req, &rep, NULL)) == 0) {
@@ -393,6 +416,7 @@ int gpupool__get_request(const char *name, uint64_t newer_than, int timeout_ms, 
   gt->timeout_ms = gpupool__wire_timeout(timeout_ms);
   gt->read_only = (flags & GPUPOOL_READ_ONLY) != 0;
   gt->newer_than = newer_than;
+  gt->target_device = gpupool__target_device(flags);
   req->body_case = GPUPOOL__WIRE__REQUEST__BODY_GET;
   req->get = gt;
   return 0;

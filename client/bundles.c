@@ -295,7 +295,7 @@ out:
 /* Publish members (wire form, lying in bufs) under name in one request. With c->mu held. */
 static int publish_bundle_locked(gpupool_client *c, const char *name, gpupool_buffer *const *bufs, int nbufs,
                                  Gpupool__Wire__BundleMember **wm, int n, uint64_t layout_id, void *stream,
-                                 uint64_t *version) {
+                                 const uint32_t *devs, int ndevs, uint64_t *version) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__PublishBundle pb = GPUPOOL__WIRE__PUBLISH_BUNDLE__INIT;
   uint64_t *holds;
@@ -322,6 +322,8 @@ static int publish_bundle_locked(gpupool_client *c, const char *name, gpupool_bu
   pb.n_members = (size_t)n;
   pb.members = wm;
   pb.layout_id = layout_id;
+  pb.n_replicate_to = (size_t)ndevs;
+  pb.replicate_to = (uint32_t *)devs;
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_BUNDLE;
   req.publish_bundle = &pb;
   if ((rc = gpupool__call(c, &req, &rep, NULL)) == 0) {
@@ -374,22 +376,28 @@ static void member_wire(members_wire *w, int i, const char *name, uint32_t buffe
 }
 
 int gpupool_bundle_publish(gpupool_bundle *b, const char *name, void *stream, uint64_t *version) {
+  return gpupool_bundle_publish_to(b, name, stream, NULL, 0, version);
+}
+
+int gpupool_bundle_publish_to(gpupool_bundle *b, const char *name, void *stream, const int *devices, int ndevs,
+                              uint64_t *version) {
   members_wire w;
   const clayout *l;
   uint64_t v = 0;
+  uint32_t devs[16];
   int rc;
   if (!b || !name)
     return gpupool__err(GPUPOOL_EINVAL, "bundle_publish: bundle and name must not be NULL");
   gpupool__err_clear();
   if (version)
     *version = 0;
-  if ((rc = gpupool__wire_check_name(name)) != 0)
+  if ((rc = gpupool__wire_check_name(name)) != 0 || (rc = gpupool__replicate_to(devices, ndevs, devs)) != 0)
     return rc;
   l = b->layout;
   pthread_mutex_lock(&b->c->mu);
   /* By the layout's id first: the daemon has the table, so no member travels. It forgets a
    * table once nothing uses it (a relayed bundle's may be gone): then the members go. */
-  rc = l->id ? publish_bundle_locked(b->c, name, b->bufs, b->nbufs, NULL, 0, l->id, stream, &v) : GPUPOOL_ENOENT;
+  rc = l->id ? publish_bundle_locked(b->c, name, b->bufs, b->nbufs, NULL, 0, l->id, stream, devs, ndevs, &v) : GPUPOOL_ENOENT;
   pthread_mutex_unlock(&b->c->mu);
   if (rc == GPUPOOL_ENOENT) {
     if ((rc = members_wire_new(&w, l->n)) != 0)
@@ -399,7 +407,7 @@ int gpupool_bundle_publish(gpupool_bundle *b, const char *name, void *stream, ui
       member_wire(&w, i, m->name, (uint32_t)m->buffer, m->offset, m->size, m->has_meta ? &m->meta : NULL);
     }
     pthread_mutex_lock(&b->c->mu);
-    rc = publish_bundle_locked(b->c, name, b->bufs, b->nbufs, w.p, l->n, 0, stream, &v);
+    rc = publish_bundle_locked(b->c, name, b->bufs, b->nbufs, w.p, l->n, 0, stream, devs, ndevs, &v);
     pthread_mutex_unlock(&b->c->mu);
     members_wire_free(&w);
   }
@@ -464,7 +472,7 @@ int gpupool_bundle_publish_members(gpupool_client *c, const char *name, const gp
     member_wire(&w, i, m->name, (uint32_t)(idx - 1), m->offset, m->size, m->meta);
   }
   pthread_mutex_lock(&c->mu);
-  rc = publish_bundle_locked(c, name, bufs, nbufs, w.p, n, 0, stream, version);
+  rc = publish_bundle_locked(c, name, bufs, nbufs, w.p, n, 0, stream, NULL, 0, version);
   pthread_mutex_unlock(&c->mu);
 out:
   gpupool__hmap_free(&index);
@@ -483,6 +491,7 @@ int gpupool__bundle_get_request(const char *name, uint64_t newer_than, int timeo
   gb->newer_than = newer_than;
   gb->timeout_ms = gpupool__wire_timeout(timeout_ms);
   gb->read_only = (flags & GPUPOOL_READ_ONLY) != 0;
+  gb->target_device = gpupool__target_device(flags);
   req->body_case = GPUPOOL__WIRE__REQUEST__BODY_GET_BUNDLE;
   req->get_bundle = gb;
   return 0;

@@ -595,6 +595,7 @@ int gpupool_client_stats_sized(gpupool_client *c, gpupool_daemon_stats *ds_out, 
     if (gpupool__wire_mem_kind(pi->location, &o->kind) != 0)
       o->kind = GPUPOOL_MEM_HOST; /* a newer daemon's kind: shown as host rather than failing stats */
     o->device = pi->device;
+    o->simulated_device = pi->simulated_device ? (int32_t)pi->simulated_device - 1 : -1;
     o->capacity = pi->capacity;
     o->slab_size = pi->slab_size;
     o->max_alloc = pi->max_alloc;

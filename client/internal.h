@@ -226,6 +226,13 @@ int gpupool__publish_request(gpupool_buffer *b, const char *name, const gpupool_
                              Gpupool__Wire__Publish *pb, Gpupool__Wire__TensorMeta *tm);
 int gpupool__get_across_restarts(gpupool_client *c, gpupool__req *req, uint32_t *wire_timeout_ms, int timeout_ms,
                                  gpupool__rep **out, uint64_t *known_layout);
+/* Get.target_device / GetBundle.target_device from a get's flags (GPUPOOL_ON_DEVICE(d)): 1 + d,
+ * or 0 for wherever the version lies. */
+static inline uint32_t gpupool__target_device(unsigned flags) {
+  return (flags & GPUPOOL_TARGET_DEVICE) ? ((flags >> 16) & 0x3ffu) + 1 : 0;
+}
+/* The devices of a broadcast publish (n of them, 0..16) checked and copied to out. */
+int gpupool__replicate_to(const int *devices, int n, uint32_t *out);
 int gpupool__get_request(const char *name, uint64_t newer_than, int timeout_ms, unsigned flags, gpupool__req *req,
                          Gpupool__Wire__Get *gt);
 int gpupool__get_finish(gpupool_client *c, gpupool__rep *rep, unsigned flags, void *stream, gpupool_buffer **out,

@@ -417,7 +417,8 @@ const gpd_config_key gpd_config_keys[] = {
 
     {POOL, .name = "name", STR, P(name), .flags = GPUPOOL__CF_CMDLINE, .doc = "the pool's name (in a file, [pool NAME] gives it)"},
     {POOL, .name = "kind", FN(set_pool_kind), P(kind), .doc = "device, host or host-numa (default: the backend's)"},
-    {POOL, .name = "device", .kind = GPUPOOL__CK_INT, P(device), .lo = 0, .hi = 1023, .doc = "GPU ordinal"},
+    {POOL, .name = "device", .kind = GPUPOOL__CK_INT, P(device), .lo = 0, .hi = 1023,
+     .doc = "GPU ordinal (host backend: the GPU a memfd pool stands for, simulated)"},
     {POOL, .name = "numa_node", .alias = "numa", .kind = GPUPOOL__CK_INT, P(numa_node), .lo = 0, .hi = 1023,
      .doc = "NUMA node of host-numa memory"},
     {POOL, .name = "capacity", SIZE, P(capacity), .doc = "most bytes the pool keeps in slabs"},

@@ -80,6 +80,10 @@ int gpd_server_stats(void *server, Gpupool__Wire__StatsReply *st) {
   st->waiting_gets_tried = s->gets_tried;
   st->waiting_gets_answered = s->gets_answered;
   st->bytes_read = s->bytes_read;
+  st->replica_copies = reg->copies_started;
+  st->replica_bytes = reg->copy_bytes;
+  st->replica_copies_running = reg->ncopies;
+  st->replica_copies_failed = reg->copies_failed;
   return 0;
 }
 
@@ -231,6 +235,8 @@ int gpd_handle_admin_buffers(gpd_conn *c, const Gpupool__Wire__Request *req, int
     infos[n].age_s = (now - b->created_ns) / 1000000000ull;
     infos[n].owner_pid = b->owner_pid;
     infos[n].name = (char *)"";
+    infos[n].replica_of = b->replica_of;
+    infos[n].device = gpd_pool_device(reg, b->slab->pool);
     ptrs[n] = &infos[n];
     n++;
   }

@@ -125,10 +125,14 @@ int gpd_handle_publish(gpd_conn *c, const Gpupool__Wire__Request *req, int *defe
   const Gpupool__Wire__Publish *m = req->publish;
   Gpupool__Wire__PublishReply pr = GPUPOOL__WIRE__PUBLISH_REPLY__INIT;
   uint64_t version = 0;
-  int rc = gpd_publish(c->srv->reg, &c->cl, m->hold_id, m->name, m->tensor, 0, gpupool__wire_publish_shares(m),
-                            &version);
+  int rc = gpd_replicate_check(c->srv->reg, &c->cl, m->hold_id, m->replicate_to, m->n_replicate_to);
+  if (rc == 0)
+    rc = gpd_publish(c->srv->reg, &c->cl, m->hold_id, m->name, m->tensor, 0, gpupool__wire_publish_shares(m),
+                     &version);
   if (rc != 0)
     return rc;
+  /* The copies first: getters the publish wakes on those devices then wait for them. */
+  gpd_replicate(c->srv->reg, &c->cl, m->name, m->replicate_to, m->n_replicate_to);
   gpd_published(c, m->name, version);
   pr.version = version;
   GPUPOOL__SEND_BODY(c, seq, PUBLISH, publish, &pr);
@@ -141,10 +145,15 @@ int gpd_handle_publish_bundle(gpd_conn *c, const Gpupool__Wire__Request *req, in
   const Gpupool__Wire__PublishBundle *m = req->publish_bundle;
   Gpupool__Wire__PublishBundleReply pr = GPUPOOL__WIRE__PUBLISH_BUNDLE_REPLY__INIT;
   uint64_t version = 0;
-  int rc = gpd_publish_bundle(c->srv->reg, &c->cl, m->name, m->hold_ids, m->n_hold_ids, m->members,
-                                   m->n_members, m->layout_id, &version);
+  int rc = m->n_replicate_to && m->n_hold_ids
+               ? gpd_replicate_check(c->srv->reg, &c->cl, m->hold_ids[0], m->replicate_to, m->n_replicate_to)
+               : 0;
+  if (rc == 0)
+    rc = gpd_publish_bundle(c->srv->reg, &c->cl, m->name, m->hold_ids, m->n_hold_ids, m->members,
+                            m->n_members, m->layout_id, &version);
   if (rc != 0)
     return rc;
+  gpd_replicate(c->srv->reg, &c->cl, m->name, m->replicate_to, m->n_replicate_to);
   gpd_published(c, m->name, version);
   pr.version = version;
   GPUPOOL__SEND_BODY(c, seq, PUBLISH_BUNDLE, publish_bundle, &pr);
@@ -187,17 +196,49 @@ int gpd_handle_allocate_bundle(gpd_conn *c, const Gpupool__Wire__Request *req, i
   return rc;
 }
 
+/* The device a get asks for (target_device is 1 + the ordinal), or -1 for wherever it lies. */
+static int target_device(uint32_t target, int *device) {
+  *device = target ? (int)target - 1 : -1;
+  if (target > 1024)
+    return gpupool__err(GPUPOOL_EINVAL, "target device %u is no device ordinal", target - 1);
+  return 0;
+}
+
+/* A get that must wait: for a publish (ENOENT with a timeout), or for the copy of the replica
+ * it asked for (EBUSY: waits however the timeout is set, within it when one is set, since the
+ * copy always ends). 0 when it waits (the handler is deferred), else rc. */
+static int get_wait(gpd_conn *c, uint64_t seq, int kind, int rc, uint32_t timeout_ms, const char *name,
+                    int read_only, uint64_t newer_than, int device, uint64_t copy_id, uint64_t known_layout) {
+  if (!(rc == GPUPOOL_ENOENT && timeout_ms > 0) && rc != GPUPOOL_EBUSY)
+    return rc;
+  if (rc == GPUPOOL_EBUSY && timeout_ms == 0)
+    timeout_ms = WAIT_FOREVER;
+  if ((rc = gpd_waiter_add(c, seq, kind, timeout_ms, NULL, 0, 0, name, read_only, newer_than, NULL)) != 0)
+    return rc;
+  /* gpd_waiter_add put it first */
+  c->waiters->known_layout = known_layout;
+  c->waiters->device = device;
+  if (copy_id && (rc = gpd_waiter_on_copy(c->waiters, copy_id)) != 0) {
+    gpd_waiter_remove(c->waiters);
+    return rc;
+  }
+  return 0;
+}
+
 int gpd_handle_get_bundle(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__GetBundle *m = req->get_bundle;
   gpd_hold **hs = NULL;
   const gpd_name *nm = NULL;
-  int rc = gpd_get_bundle(c->srv->reg, &c->cl, m->name, m->read_only, m->newer_than, &hs, &nm);
-  if (rc == GPUPOOL_ENOENT && m->timeout_ms > 0) {
-    if ((rc = gpd_waiter_add(c, seq, WAIT_BGET, m->timeout_ms, NULL, 0, 0, m->name, m->read_only, m->newer_than,
-                         NULL)) != 0)
+  uint64_t copy_id = 0;
+  int device, rc;
+  if ((rc = target_device(m->target_device, &device)) != 0)
+    return rc;
+  rc = gpd_get_bundle_on(c->srv->reg, &c->cl, m->name, m->read_only, m->newer_than, device, &hs, &nm, &copy_id);
+  if (rc == GPUPOOL_EBUSY || (rc == GPUPOOL_ENOENT && m->timeout_ms > 0)) {
+    if ((rc = get_wait(c, seq, WAIT_BGET, rc, m->timeout_ms, m->name, m->read_only, m->newer_than, device, copy_id,
+                       m->known_layout)) != 0)
       return rc;
-    c->waiters->known_layout = m->known_layout; /* gpd_waiter_add put it first */
     *deferred = 1;
     return 0;
   }
@@ -212,11 +253,14 @@ int gpd_handle_get(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred
   uint64_t seq = req->seq;
   const Gpupool__Wire__Get *m = req->get;
   gpd_hold *h = NULL;
-  uint64_t version = 0;
-  int rc = gpd_get(c->srv->reg, &c->cl, m->name, m->read_only, m->newer_than, &h, &version);
-  if (rc == GPUPOOL_ENOENT && m->timeout_ms > 0) {
-    if ((rc = gpd_waiter_add(c, seq, WAIT_GET, m->timeout_ms, NULL, 0, 0, m->name, m->read_only, m->newer_than,
-                         NULL)) != 0)
+  uint64_t version = 0, copy_id = 0;
+  int device, rc;
+  if ((rc = target_device(m->target_device, &device)) != 0)
+    return rc;
+  rc = gpd_get_on(c->srv->reg, &c->cl, m->name, m->read_only, m->newer_than, device, &h, &version, &copy_id);
+  if (rc == GPUPOOL_EBUSY || (rc == GPUPOOL_ENOENT && m->timeout_ms > 0)) {
+    if ((rc = get_wait(c, seq, WAIT_GET, rc, m->timeout_ms, m->name, m->read_only, m->newer_than, device, copy_id,
+                       0)) != 0)
       return rc;
     *deferred = 1;
     return 0;

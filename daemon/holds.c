@@ -163,22 +163,14 @@ int gpd_pool_alignment(const gpd_pool *p, uint64_t *align) {
   return 0;
 }
 
-int gpd_allocate(gpd_registry *reg, gpd_client *c, gpd_pool *p, uint64_t size, uint64_t align,
-                gpd_hold **out) {
+/* Place a new buffer of size bytes (asize rounded) in p for owner: in the buffer table, counted in
+ * its slab and pool, refs 0, no owner fields set. */
+int gpd_buffer_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t size, uint64_t asize,
+                     uint64_t align, gpd_buffer **out) {
   gpd_buffer *b = NULL;
   gpd_slab *s;
-  uint64_t off, asize, owner;
+  uint64_t off;
   int rc;
-
-  if (size == 0)
-    return gpupool__err(GPUPOOL_EINVAL, "cannot allocate 0 bytes; ask for at least 1");
-  if ((rc = gpd_pool_owner(reg, c, p, &owner)) != 0 || (rc = gpd_pool_alignment(p, &align)) != 0)
-    return rc;
-  if (size > GPUPOOL_SLAB_HARD_MAX)
-    return gpd_place(reg, p, owner, size, size, align, &s, &off); /* produces the ETOOBIG message */
-  asize = gpd_round_up(size, p->cfg.alignment);
-  if ((rc = gpd_quota_waiting_leases(reg, c)) != 0 || (rc = gpd_quota_memory(reg, c, asize)) != 0)
-    return rc;
   if ((rc = gpd_place(reg, p, owner, size, asize, align, &s, &off)) != 0)
     return rc;
   if (s->dedicated)
@@ -193,10 +185,6 @@ int gpd_allocate(gpd_registry *reg, gpd_client *c, gpd_pool *p, uint64_t size, u
   b->offset = off;
   b->size = asize;
   b->asked = size;
-  b->owner_uid = c->uid;
-  b->owner_tenant = c->tenant;
-  b->owner_pid = c->pid;
-  b->owner_client = c->id;
   b->created_ns = gpd_now_ns();
   /* The share token's secret: from the kernel-seeded generator in libc, without a system
    * call per allocation. */
@@ -215,16 +203,7 @@ int gpd_allocate(gpd_registry *reg, gpd_client *c, gpd_pool *p, uint64_t size, u
   if (p->used > p->used_high)
     p->used_high = p->used;
   p->nbuffers++;
-  c->bytes += asize;
-  c->allocs++;
-  gpd_uid_account(reg, c->tenant, (int64_t)asize, 1);
-  rc = gpd_hold_new(reg, c, b, 0, 1, out);
-  if (rc != 0) {
-    /* refs is 0: undo through the normal path so every counter goes back. */
-    b->refs = 1;
-    gpd_buffer_unref(reg, b);
-    return rc;
-  }
+  *out = b;
   return 0;
 fail_ev:
   gpd_event_put(reg, b->ready);
@@ -235,6 +214,41 @@ fail_range:
     gpupool__alloc_put(s->alloc, off, asize);
   gpd_slab_maybe_retire(reg, s);
   return rc;
+}
+
+int gpd_allocate(gpd_registry *reg, gpd_client *c, gpd_pool *p, uint64_t size, uint64_t align,
+                gpd_hold **out) {
+  gpd_buffer *b = NULL;
+  gpd_slab *s;
+  uint64_t off, asize, owner;
+  int rc;
+
+  if (size == 0)
+    return gpupool__err(GPUPOOL_EINVAL, "cannot allocate 0 bytes; ask for at least 1");
+  if ((rc = gpd_pool_owner(reg, c, p, &owner)) != 0 || (rc = gpd_pool_alignment(p, &align)) != 0)
+    return rc;
+  if (size > GPUPOOL_SLAB_HARD_MAX)
+    return gpd_place(reg, p, owner, size, size, align, &s, &off); /* produces the ETOOBIG message */
+  asize = gpd_round_up(size, p->cfg.alignment);
+  if ((rc = gpd_quota_waiting_leases(reg, c)) != 0 || (rc = gpd_quota_memory(reg, c, asize)) != 0)
+    return rc;
+  if ((rc = gpd_buffer_place(reg, p, owner, size, asize, align, &b)) != 0)
+    return rc;
+  b->owner_uid = c->uid;
+  b->owner_tenant = c->tenant;
+  b->owner_pid = c->pid;
+  b->owner_client = c->id;
+  c->bytes += b->size;
+  c->allocs++;
+  gpd_uid_account(reg, c->tenant, (int64_t)b->size, 1);
+  rc = gpd_hold_new(reg, c, b, 0, 1, out);
+  if (rc != 0) {
+    /* refs is 0: undo through the normal path so every counter goes back. */
+    b->refs = 1;
+    gpd_buffer_unref(reg, b);
+    return rc;
+  }
+  return 0;
 }
 
 int gpd_release(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int done_recorded, int *freed) {

@@ -379,19 +379,23 @@ int gpd_server_start(gpd_server **out, uv_loop_t *loop, const gpd_config *cfg, g
     }
   }
   gpupool__smap_init(&s->get_q);
+  gpupool__hmap_init(&s->copy_q);
   gpupool__hmap_init(&s->alloc_q);
   gpupool__hmap_init(&s->shares);
   reg->owner = s;
   reg->on_memory = gpd_retry_waiters;
+  reg->on_copy = gpd_copy_ended;
   if (listen_fd >= 0) {
     s->listen_fd = listen_fd;
   } else {
     if ((rc = bind_socket(cfg, &s->listen_fd)) != 0) {
       reg->owner = NULL;
       reg->on_memory = NULL;
+      reg->on_copy = NULL;
       reg->fops = NULL;
       gpd_fileops_free(s->fops);
       gpupool__smap_free(&s->get_q);
+      gpupool__hmap_free(&s->copy_q);
       gpupool__hmap_free(&s->alloc_q);
       gpupool__hmap_free(&s->shares);
       gpd_metrics_close(s->metrics);
@@ -453,6 +457,7 @@ static void listen_closed(uv_handle_t *h) {
     close(s->reserve_fd);
   /* Every connection is closed, so every waiter is gone; empty allocation queues remain. */
   gpupool__smap_free(&s->get_q);
+  gpupool__hmap_free(&s->copy_q);
   for (int i = 0; i < GPUPOOL_MAX_POOLS; i++)
     while (s->alloc_lists[i]) {
       wqueue *q = s->alloc_lists[i];
@@ -477,6 +482,7 @@ void gpd_server_stop(gpd_server *s) {
   if (s->own_socket)
     gpupool__unlink_socket(s->cfg->socket_path);
   s->reg->on_memory = NULL;
+  s->reg->on_copy = NULL;
   gpd_metrics_close(s->metrics);
   s->metrics = NULL;
   if (s->trace)

@@ -320,6 +320,19 @@ static void render_stats(sbuf *b, const Gpupool__Wire__StatsReply *st) {
       {"waiting_leases", "Closed connections whose processes still hold their lease (memory pinned).",
        st->waiting_leases},
       {"uptime_seconds", "Seconds since the daemon started.", st->uptime_s},
+      {"replica_copies_in_flight", "Replica copy jobs not yet ended (running, or waiting for a copy slot).",
+       st->replica_copies_running},
+  };
+  struct {
+    const char *name, *help;
+    uint64_t v;
+  } ctr[] = {
+      {"replica_copies_total", "Replica copy jobs started (one per version and device, or per broadcast).",
+       st->replica_copies},
+      {"replica_bytes_copied_total", "Bytes copied into replicas by completed jobs, per destination.",
+       st->replica_bytes},
+      {"replica_copies_failed_total", "Replica copy jobs that failed or were cancelled.",
+       st->replica_copies_failed},
   };
 
   family(b, "build_info", "gauge", "Daemon version and backend; the value is always 1.");
@@ -329,6 +342,10 @@ static void render_stats(sbuf *b, const Gpupool__Wire__StatsReply *st) {
   for (size_t i = 0; i < sizeof(g) / sizeof(g[0]); i++) {
     family(b, g[i].name, "gauge", g[i].help);
     sb_printf(b, "gpupool_%s %llu\n", g[i].name, (unsigned long long)g[i].v);
+  }
+  for (size_t i = 0; i < sizeof(ctr) / sizeof(ctr[0]); i++) {
+    family(b, ctr[i].name, "counter", ctr[i].help);
+    sb_printf(b, "gpupool_%s %llu\n", ctr[i].name, (unsigned long long)ctr[i].v);
   }
 
   family(b, "pool_info", "gauge", "Where each pool's memory lives; the value is always 1.");

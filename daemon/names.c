@@ -92,6 +92,8 @@ static int publish_commit(gpd_registry *reg, gpd_client *c, const char *key, gpd
   for (uint32_t i = 0; i < nbufs; i++) {
     bufs[i]->refs++;
     bufs[i]->names++;
+    /* Its replicas copy what it held at an earlier publish: a new version gets new ones. */
+    gpd_replicas_drop(reg, bufs[i]);
   }
   name_clear(reg, n);
   if (n->tenant != c->tenant) {
@@ -284,8 +286,8 @@ int gpd_find_name(gpd_registry *reg, gpd_client *c, const char *name, gpd_name *
   return 0;
 }
 
-static int find_newer(gpd_registry *reg, gpd_client *c, const char *name, uint64_t newer_than,
-                      gpd_name **out) {
+int gpd_find_newer(gpd_registry *reg, gpd_client *c, const char *name, uint64_t newer_than,
+                   gpd_name **out) {
   int rc = gpd_find_name(reg, c, name, out);
   if (rc == 0 && (*out)->file)
     return gpupool__err(GPUPOOL_EINVAL, "'%s' names a published file, not a buffer: get it with gpupool_file_get "
@@ -298,10 +300,9 @@ static int find_newer(gpd_registry *reg, gpd_client *c, const char *name, uint64
   return rc;
 }
 
-int gpd_get(gpd_registry *reg, gpd_client *c, const char *name, int read_only, uint64_t newer_than,
-                 gpd_hold **out, uint64_t *version) {
+int gpd_find_single(gpd_registry *reg, gpd_client *c, const char *name, uint64_t newer_than, gpd_name **out) {
   gpd_name *n;
-  int rc = find_newer(reg, c, name, newer_than, &n);
+  int rc = gpd_find_newer(reg, c, name, newer_than, &n);
   if (rc != 0)
     return rc;
   /* Any bundle, one member included: a plain get would hand over its whole buffer without
@@ -312,6 +313,16 @@ int gpd_get(gpd_registry *reg, gpd_client *c, const char *name, int read_only, u
                         "(Python: get_dict)", name, n->layout ? n->layout->n : 0,
                         n->layout && n->layout->n == 1 ? "" : "s", n->nbufs,
                         n->nbufs == 1 ? "" : "s");
+  *out = n;
+  return 0;
+}
+
+int gpd_get(gpd_registry *reg, gpd_client *c, const char *name, int read_only, uint64_t newer_than,
+                 gpd_hold **out, uint64_t *version) {
+  gpd_name *n;
+  int rc = gpd_find_single(reg, c, name, newer_than, &n);
+  if (rc != 0)
+    return rc;
   if (version)
     *version = n->version;
   return gpd_hold_new(reg, c, n->bufs[0], read_only || n->read_only, 0, out);
@@ -321,7 +332,7 @@ int gpd_get_bundle(gpd_registry *reg, gpd_client *c, const char *name, int read_
                         uint64_t newer_than, gpd_hold ***holds, const gpd_name **out) {
   gpd_name *n;
   gpd_hold **hs;
-  int rc = find_newer(reg, c, name, newer_than, &n);
+  int rc = gpd_find_newer(reg, c, name, newer_than, &n);
   if (rc != 0)
     return rc;
   if (!(hs = calloc(n->nbufs, sizeof *hs)))

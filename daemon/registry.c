@@ -163,6 +163,8 @@ void gpd_fill_pool_info(gpd_registry *reg, gpd_pool *p, Gpupool__Wire__PoolInfo 
   }
   pi->held = p->held;
   pi->instances = p->ninsts;
+  if (p->cfg.kind == GPUPOOL_MEM_HOST && gpd_pool_device(reg, p) >= 0)
+    pi->simulated_device = (uint32_t)gpd_pool_device(reg, p) + 1;
   pi->buffers = p->nbuffers;
   pi->slabs = p->nslabs;
 }
@@ -265,6 +267,7 @@ int gpd_registry_init(gpd_registry *reg, uv_loop_t *loop, const gpd_config *cfg,
   gpupool__hmap_init(&reg->layout_hash);
   uv_timer_init(loop, &reg->sweep_timer);
   reg->sweep_timer.data = reg;
+  gpd_replicas_init(reg);
   reg->pools = calloc((size_t)cfg->n_pools, sizeof *reg->pools);
   if (!reg->pools)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
@@ -282,8 +285,11 @@ int gpd_registry_init(gpd_registry *reg, uv_loop_t *loop, const gpd_config *cfg,
       p->insts_created = 0;
     }
     reg->npools++;
-    char where[64];
-    if (p->cfg.kind == GPUPOOL_MEM_HOST)
+    char where[128];
+    if (p->cfg.kind == GPUPOOL_MEM_HOST && gpd_pool_device(reg, p) >= 0)
+      snprintf(where, sizeof where, "SIMULATED device memory of GPU %d (memfd standing for it, to test "
+               "replicas without GPUs)", p->cfg.device);
+    else if (p->cfg.kind == GPUPOOL_MEM_HOST)
       snprintf(where, sizeof where, "host memory (memfd)");
     else if (p->cfg.kind == GPUPOOL_MEM_HOST_NUMA)
       snprintf(where, sizeof where, "pinned host memory on NUMA node %d", p->cfg.numa_node);
@@ -323,6 +329,7 @@ void gpd_registry_stop(gpd_registry *reg) {
   for (gpd_lease *l = reg->waiting; l; l = l->next)
     if (l->polling)
       uv_poll_stop(&l->poll);
+  gpd_copies_stop(reg);
   if (reg->sweep_timer_on) {
     uv_timer_stop(&reg->sweep_timer);
     reg->sweep_timer_on = 0;
@@ -330,8 +337,10 @@ void gpd_registry_stop(gpd_registry *reg) {
 }
 
 void gpd_registry_close(gpd_registry *reg) {
-  /* Every client is gone: drop names, then finish every pending free regardless of events
-   * (the daemon is exiting; the backend's pools go with it). */
+  /* Every client is gone: stop the copies (they hold their sources), drop names, then finish
+   * every pending free regardless of events (the daemon is exiting; the backend's pools go
+   * with it). */
+  gpd_replicas_close(reg);
   for (size_t i = 0; i < reg->names.cap; i++) {
     if (!gpupool__smap_slot_used(&reg->names, i))
       continue;

@@ -38,6 +38,8 @@ typedef struct gpd_lease gpd_lease;
 typedef struct gpd_client gpd_client;
 typedef struct gpd_registry gpd_registry;
 typedef struct gpd_layout gpd_layout;
+typedef struct gpd_replica gpd_replica;
+typedef struct gpd_copy gpd_copy;
 
 struct gpd_event {
   uint32_t id;
@@ -156,6 +158,37 @@ struct gpd_buffer {
   int died_in_use;
   gpd_layout *layout; /* the bundle allocation it is a chunk of (a reference), or NULL */
   gpd_buffer *pending_next;
+  /* Its replicas on other devices (replicas.c), each holding one reference on its replica
+   * buffer: they go when this buffer's last holder lets go, or when it is published again. */
+  gpd_replica *replicas;
+  uint64_t replica_of;    /* for a replica: the id of the buffer it copies, else 0 */
+};
+
+/* A replica of a source buffer (one version's) on another device: a buffer in a pool of that
+ * device, filled by a copy job; handed out only once the copy is complete. */
+struct gpd_replica {
+  gpd_buffer *src;       /* the buffer it copies (it lists this record while attached) */
+  gpd_buffer *buf;       /* the replica (this record's reference) */
+  int device;
+  int attached;          /* in src->replicas: 0 once the source was published again */
+  gpd_copy *copy;        /* the job filling it, NULL once ready */
+  gpd_replica *next;     /* in src->replicas */
+};
+
+/* A running copy job: one backend job filling replicas (one segment per source buffer, one
+ * destination per device along a chain). It holds a reference on each source buffer, so no
+ * source range is reused while an engine reads it. */
+struct gpd_copy {
+  uint64_t id;
+  gpupool__bcopy *job;   /* NULL while it waits for a slot (GPD_COPIES_RUNNING_MAX) */
+  gpupool__bcopy_seg *segs; /* what it copies, until it starts */
+  int ndst;
+  gpd_replica **reps;    /* the replicas it fills */
+  uint32_t nreps;
+  gpd_buffer **srcs;     /* referenced once each while it runs */
+  uint32_t nsrcs;
+  uint64_t bytes;        /* bytes it writes, all destinations */
+  gpd_copy *prev, *next; /* in reg->copies */
 };
 
 struct gpd_hold {
@@ -314,6 +347,16 @@ struct gpd_registry {
   uv_timer_t sweep_timer;
   int sweep_timer_on;
   int memory_returned;       /* set when a range or slab came back; the server retries waiters */
+  /* Replica copies (replicas.c), oldest first: at most GPD_COPIES_RUNNING_MAX started on the
+   * backend, the others waiting for a slot; polled by copy_timer while there are any. */
+  gpd_copy *copies, *copies_tail;
+  uint64_t ncopies, ncopies_started;
+  uv_timer_t copy_timer;
+  int copy_timer_on;
+  uint64_t copies_started, copies_failed, copy_bytes;
+  /* Called when a copy job ended (rc 0, or the error with its message) after its replicas
+   * became ready or were dropped: the server answers or retries the gets waiting on it. */
+  void (*on_copy)(gpd_registry *reg, uint64_t copy_id, int rc, const char *msg);
   /* Called when memory came back to a pool (to retry waiting allocations). */
   void (*on_memory)(gpd_registry *reg, gpd_pool *pool);
   void *owner;
@@ -386,6 +429,25 @@ int gpd_name_key(gpd_registry *reg, const gpd_client *c, const char *name, char 
  * GPUPOOL_EINVAL for a bundle of several buffers. */
 int gpd_get(gpd_registry *reg, gpd_client *c, const char *name, int read_only, uint64_t newer_than,
                  gpd_hold **out, uint64_t *version);
+/* Replicas (replicas.c). A get for `device` (>= 0; -1 = wherever the version lies): the version's
+ * buffers on that device, their replicas there when ready, or GPUPOOL_EBUSY with *copy_id the
+ * copy job to wait for (started here when none runs). Same codes as gpd_get / gpd_get_bundle
+ * otherwise, and the reason when no replica can be made (no pool of that device, quota, room).
+ * The device of a pool: a device pool's GPU, a simulated one's (host backend), else -1. */
+int gpd_pool_device(const gpd_registry *reg, const gpd_pool *p);
+int gpd_get_on(gpd_registry *reg, gpd_client *c, const char *name, int read_only, uint64_t newer_than,
+               int device, gpd_hold **out, uint64_t *version, uint64_t *copy_id);
+int gpd_get_bundle_on(gpd_registry *reg, gpd_client *c, const char *name, int read_only,
+                      uint64_t newer_than, int device, gpd_hold ***holds, const gpd_name **out,
+                      uint64_t *copy_id);
+/* Broadcast: make replicas of the name's current version on each of the n devices now (one
+ * copy job along them as a chain). Devices it cannot serve are told in the log and left to
+ * the gets. Checked before the publish (gpd_replicate_check, with the hold of its first
+ * buffer): at most 16 devices, each once, each with a pool the buffer's owner may use. */
+int gpd_replicate_check(gpd_registry *reg, gpd_client *c, uint64_t hold_id, const uint32_t *devices, size_t n);
+void gpd_replicate(gpd_registry *reg, gpd_client *c, const char *name, const uint32_t *devices, size_t n);
+/* Stop every running copy (the daemon is stopping): its replicas are dropped. */
+void gpd_copies_stop(gpd_registry *reg);
 /* Publish a bundle: members (wire form) lying in the buffers of the nholds holds. Checks
  * everything first; nothing changes on error. *version is the version made. */
 int gpd_publish_bundle(gpd_registry *reg, gpd_client *c, const char *name, const uint64_t *hold_ids,

@@ -33,6 +33,16 @@ int gpd_hold_new(gpd_registry *reg, gpd_client *c, gpd_buffer *b, int read_only,
 void gpd_hold_drop(gpd_registry *reg, gpd_hold *h, int done_recorded, gpd_lease *lease);
 int gpd_hold_of(gpd_registry *reg, gpd_client *c, uint64_t id, gpd_hold **out);
 int gpd_pool_alignment(const gpd_pool *p, uint64_t *align);
+int gpd_buffer_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t size, uint64_t asize,
+                     uint64_t align, gpd_buffer **out);
+
+/* replicas.c: replicas of a version on other devices */
+/* b's last holder let go, or b was published again (still held): its replicas go. */
+void gpd_replicas_drop(gpd_registry *reg, gpd_buffer *b);
+int gpd_quota_replica(gpd_registry *reg, uint64_t tenant, uint64_t size, int device);
+void gpd_replicas_init(gpd_registry *reg);
+/* Cancels every running copy and closes the timer (the registry is closing). */
+void gpd_replicas_close(gpd_registry *reg);
 
 /* leases.c: the leases of closed connections */
 void gpd_lease_unref(gpd_lease *l);
@@ -70,6 +80,10 @@ int gpd_quota_bundle_members(gpd_registry *reg, size_t n);
 
 /* names.c: names and their versions */
 void gpd_name_free(gpd_registry *reg, gpd_name *n);
+/* The name c sees, at a version newer than newer_than (ENOENT otherwise); _single: one that
+ * holds a single buffer (EINVAL for a bundle). */
+int gpd_find_newer(gpd_registry *reg, gpd_client *c, const char *name, uint64_t newer_than, gpd_name **out);
+int gpd_find_single(gpd_registry *reg, gpd_client *c, const char *name, uint64_t newer_than, gpd_name **out);
 
 /* bundles.c: layouts (member tables) and bundle plans */
 void gpd_members_free(gpd_member *m, uint32_t n);

@@ -55,10 +55,11 @@ struct wqueue {
   gpd_waiter *head, *tail; /* allocations, oldest first */
   char *name;           /* for a queue of gets: the name (the key it is filed under) */
   uint64_t akey;        /* for a queue of allocations: owner * 64 + pool index (its key) */
+  uint64_t copy_id;     /* for a queue of gets waiting on a replica copy: the job (its key) */
   wqueue *anext;        /* the next allocation queue of the same pool */
   gpd_waiter **heap; /* gets */
   uint32_t n, cap;
-  int waking;           /* a publish is serving it: that pass frees it once empty */
+  int waking;           /* a publish (or a copy's end) is serving it: that pass frees it once empty */
 };
 
 #define NOT_IN_HEAP UINT32_MAX
@@ -72,6 +73,7 @@ struct gpd_waiter {
   char *name;
   int read_only;
   uint64_t newer_than;          /* gets: wait for a version past this */
+  int device;                   /* gets: the device asked for (Get.target_device - 1), or -1 */
   uint64_t known_layout;   /* bundle gets: the member table the client already has */
   gpd_bundle_plan *plan;   /* WAIT_ABUNDLE: the checked layout (owned) */
   uint64_t started_ns;
@@ -163,6 +165,7 @@ struct gpd_server {
   gpupool__hmap alloc_q;               /* owner * 64 + pool index -> wqueue */
   wqueue *alloc_lists[GPUPOOL_MAX_POOLS]; /* the queues of each pool */
   gpupool__smap get_q;               /* name -> wqueue */
+  gpupool__hmap copy_q;              /* copy job id -> wqueue of the gets waiting for its replicas */
   size_t heap;                       /* sum of the connections' heap */
   uint64_t requests, errors;
   uint64_t bytes_read;       /* from clients' sockets, all connections (Stats bytes_read) */
@@ -228,6 +231,10 @@ int gpd_waiter_add(gpd_conn *c, uint64_t seq, int kind, uint32_t timeout_ms, gpd
                         gpd_bundle_plan *plan);
 void gpd_retry_waiters(gpd_registry *reg, gpd_pool *pool);
 void gpd_wake_getters(gpd_server *s, const char *key, uint64_t version);
+/* A get (the connection's newest waiter, just added) waits for copy job copy_id instead. */
+int gpd_waiter_on_copy(gpd_waiter *w, uint64_t copy_id);
+/* The registry's on_copy: answer or move on the gets waiting for that job. */
+void gpd_copy_ended(gpd_registry *reg, uint64_t copy_id, int rc, const char *msg);
 
 /* ---- replies.c: replies that hand over a buffer, a bundle or a file */
 void gpd_srv_reply_hold(gpd_conn *c, uint64_t seq, int kind, gpd_hold *h, const char *name,

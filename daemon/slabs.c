@@ -327,6 +327,7 @@ void gpd_buffer_unref(gpd_registry *reg, gpd_buffer *b) {
   gpd_client *owner;
   if (--b->refs > 0)
     return;
+  gpd_replicas_drop(reg, b);
   gpupool__hmap_del(&reg->buffers, b->id);
   owner = b->owner_client ? gpupool__hmap_get(&reg->clients, b->owner_client) : NULL;
   if (owner) {

@@ -154,6 +154,28 @@ int gpd_quota_memory(gpd_registry *reg, const gpd_client *c, uint64_t size) {
   return 0;
 }
 
+/* A replica of size bytes on device, counted against the tenant of the version it copies. */
+int gpd_quota_replica(gpd_registry *reg, uint64_t tenant, uint64_t size, int device) {
+  const gpd_config *cfg = reg->cfg;
+  gpd_uid_usage *u = gpupool__hmap_get(&reg->uids, tenant);
+  char who[80];
+  gpd_tenant_label(cfg, tenant, who, sizeof who);
+  if (cfg->max_allocs_per_uid && u && u->allocs + 1 > cfg->max_allocs_per_uid)
+    return gpupool__err(GPUPOOL_ELIMIT,
+                        "a replica on device %d would be one more live allocation of %s, which has %u, the "
+                        "limit (max_allocs_per_uid) is %u: replicas count against the tenant of the version "
+                        "they copy; release buffers, or get the version where it lies (no target device)",
+                        device, who, u->allocs, cfg->max_allocs_per_uid);
+  if (cfg->max_bytes_per_uid && (u ? u->bytes : 0) + size > cfg->max_bytes_per_uid)
+    return gpupool__err(GPUPOOL_ELIMIT,
+                        "a replica of %" PRIu64 " bytes on device %d would bring %s to %" PRIu64 " bytes, over "
+                        "its limit (max_bytes_per_uid) of %" PRIu64 " bytes: replicas count against the tenant "
+                        "of the version they copy; release buffers, ask the operator to raise the limit, or "
+                        "get the version where it lies (no target device)",
+                        size, device, who, (u ? u->bytes : 0) + size, cfg->max_bytes_per_uid);
+  return 0;
+}
+
 /* Refuses new holds to a uid whose closed connections already pin memory through too many
  * leases: every such hold could become one more (a daemon fd and pinned memory each). */
 int gpd_quota_waiting_leases(gpd_registry *reg, const gpd_client *c) {

@@ -99,6 +99,28 @@ static void get_q_free(gpd_server *s, wqueue *q) {
   free(q);
 }
 
+static void copy_q_free(gpd_server *s, wqueue *q) {
+  gpupool__hmap_del(&s->copy_q, q->copy_id);
+  free(q);
+}
+
+static void list_unlink(wqueue *q, gpd_waiter *w) {
+  GPUPOOL__LIST_UNLINK(q->head, w, prev, next);
+  if (!w->next)
+    q->tail = w->prev;
+  w->prev = w->next = NULL;
+}
+
+static void list_append(wqueue *q, gpd_waiter *w) {
+  w->next = NULL;
+  w->prev = q->tail;
+  if (q->tail)
+    q->tail->next = w;
+  else
+    q->head = w;
+  q->tail = w;
+}
+
 /* Unlinks w; its memory stays valid until the timer's close callback, so a loop over a queue
  * that triggered this (through a nested disconnect) can still step past it. */
 void gpd_waiter_remove(gpd_waiter *w) {
@@ -112,15 +134,15 @@ void gpd_waiter_remove(gpd_waiter *w) {
     if (w->hidx != NOT_IN_HEAP)
       heap_del(q, w);
   } else {
-    GPUPOOL__LIST_UNLINK(q->head, w, prev, next);
-    if (!w->next)
-      q->tail = w->prev;
+    list_unlink(q, w);
   }
   GPUPOOL__LIST_UNLINK(c->waiters, w, cprev, cnext);
   c->nwaiters--;
   c->u->waiters--;
   if (q->name && !q->n && !q->waking)
     get_q_free(s, q);
+  else if (q->copy_id && !q->head && !q->waking)
+    copy_q_free(s, q);
   uv_timer_stop(&w->timer);
   uv_close((uv_handle_t *)&w->timer, waiter_closed);
 }
@@ -154,8 +176,9 @@ static int try_alloc(gpd_waiter *w) {
   return rc;
 }
 
-/* Try a waiting get now: 0 and the reply sent, or the error (ENOENT: keep waiting). */
-static int try_get(gpd_waiter *w) {
+/* Try a waiting get now: 0 and the reply sent, or the error (ENOENT: keep waiting; EBUSY: wait
+ * for copy *copy_id, the replica it needs). */
+static int try_get(gpd_waiter *w, uint64_t *copy_id) {
   gpd_conn *c = w->conn;
   gpd_registry *reg = c->srv->reg;
   int rc;
@@ -164,7 +187,8 @@ static int try_get(gpd_waiter *w) {
   if (w->kind == WAIT_BGET) {
     gpd_hold **hs = NULL;
     const gpd_name *nm = NULL;
-    if ((rc = gpd_get_bundle(reg, &c->cl, w->name, w->read_only, w->newer_than, &hs, &nm)) == 0) {
+    if ((rc = gpd_get_bundle_on(reg, &c->cl, w->name, w->read_only, w->newer_than, w->device, &hs, &nm,
+                                copy_id)) == 0) {
       gpd_srv_reply_bundle(c, w->seq, WAIT_BGET, hs, nm->nbufs, nm->layout, nm, w->known_layout);
       free(hs);
     }
@@ -172,7 +196,7 @@ static int try_get(gpd_waiter *w) {
   }
   gpd_hold *h = NULL;
   uint64_t version = 0;
-  if ((rc = gpd_get(reg, &c->cl, w->name, w->read_only, w->newer_than, &h, &version)) == 0)
+  if ((rc = gpd_get_on(reg, &c->cl, w->name, w->read_only, w->newer_than, w->device, &h, &version, copy_id)) == 0)
     gpd_srv_reply_hold(c, w->seq, WAIT_GET, h, w->name, version);
   return rc;
 }
@@ -192,7 +216,11 @@ static void waiter_timeout(uv_timer_t *t) {
     gpd_metrics_request(c->srv->metrics, body_of(w->kind), rc == 0 ? 0 : GPUPOOL_ETIMEDOUT,
                              gpd_now_ns() - w->started_ns);
   } else {
-    if (w->newer_than)
+    if (w->q->copy_id)
+      snprintf(msg, sizeof msg, "timed out after %" PRIu64 " ms waiting for the replica of '%s' on device %d to be "
+               "copied (it goes on for the other getters; a later get finds it)",
+               (gpd_now_ns() - w->started_ns) / 1000000, w->name, w->device);
+    else if (w->newer_than)
       snprintf(msg, sizeof msg, "timed out after %" PRIu64 " ms waiting for a version of '%s' newer than %" PRIu64,
                (gpd_now_ns() - w->started_ns) / 1000000, w->name, w->newer_than);
     else
@@ -270,6 +298,8 @@ int gpd_waiter_add(gpd_conn *c, uint64_t seq, int kind, uint32_t timeout_ms, gpd
     w->newer_than = newer_than;
     w->order = s->waiter_order++;
   }
+  if (w)
+    w->device = -1;
   if (!w || (name && !(w->name = strdup(name))) || (q->name && heap_push(q, w) != 0)) {
     if (w)
       free(w->name);
@@ -365,14 +395,19 @@ static int by_arrival(const void *a, const void *b) {
 /* Answer one waiting get that a publish reached (already out of q's heap): 1 when it must
  * wait on after all (the name went away meanwhile), and it is back in the heap. */
 static int serve_get(gpd_server *s, wqueue *q, gpd_waiter *w) {
+  uint64_t copy_id = 0;
   int rc;
   if (w->removed || w->conn->closing)
     return 0; /* a nested disconnect took it after it was popped */
   s->gets_tried++;
-  rc = try_get(w);
+  rc = try_get(w, &copy_id);
   if (rc == GPUPOOL_ENOENT) {
     if ((rc = heap_push(q, w)) == 0)
       return 1;
+  }
+  if (rc == GPUPOOL_EBUSY && (rc = gpd_waiter_on_copy(w, copy_id)) == 0) {
+    s->gets_answered++; /* this publish is done with it: the copy's end answers it */
+    return 0;
   }
   s->gets_answered++;
   if (rc != 0)
@@ -415,4 +450,68 @@ void gpd_wake_getters(gpd_server *s, const char *key, uint64_t version) {
   }
   if (--q->waking == 0 && !q->n)
     get_q_free(s, q);
+}
+
+/* ---- gets waiting for a replica ---- */
+
+int gpd_waiter_on_copy(gpd_waiter *w, uint64_t copy_id) {
+  gpd_server *s = w->conn->srv;
+  wqueue *old = w->q, *q = gpupool__hmap_get(&s->copy_q, copy_id);
+  if (!q) {
+    if (!(q = calloc(1, sizeof *q)) || gpupool__hmap_put(&s->copy_q, copy_id, q) != 0) {
+      free(q);
+      return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    }
+    q->copy_id = copy_id;
+  }
+  if (old->name) {
+    if (w->hidx != NOT_IN_HEAP)
+      heap_del(old, w);
+    if (!old->n && !old->waking)
+      get_q_free(s, old);
+  } else {
+    list_unlink(old, w);
+    if (old->copy_id && !old->head && !old->waking)
+      copy_q_free(s, old);
+  }
+  w->hidx = NOT_IN_HEAP;
+  w->q = q;
+  list_append(q, w);
+  return 0;
+}
+
+void gpd_copy_ended(gpd_registry *reg, uint64_t copy_id, int rc, const char *msg) {
+  gpd_server *s = reg->owner;
+  wqueue *q = s ? gpupool__hmap_get(&s->copy_q, copy_id) : NULL;
+  gpd_waiter *w;
+  char why[GPUPOOL__ERRMSG_MAX];
+  if (!q)
+    return;
+  q->waking++;
+  /* Each waiter leaves q below (answered, or on to another copy): the loop ends. */
+  while ((w = q->head)) {
+    uint64_t next = 0;
+    int r = rc;
+    if (w->removed || w->conn->closing) {
+      gpd_waiter_remove(w);
+      continue;
+    }
+    if (r == 0) {
+      r = try_get(w, &next);
+      if (r == GPUPOOL_EBUSY && next != copy_id && (r = gpd_waiter_on_copy(w, next)) == 0)
+        continue;
+      if (r == GPUPOOL_EBUSY)
+        r = gpupool__err(GPUPOOL_EBACKEND, "the replica of '%s' is not ready after its copy ended", w->name);
+      snprintf(why, sizeof why, "%s", r ? gpupool__errmsg() : "");
+    } else {
+      snprintf(why, sizeof why, "copying the replica of '%s' to device %d failed: %s; the next get starts a new "
+               "copy", w->name, w->device, msg);
+    }
+    if (r != 0)
+      gpd_send_error(w->conn, w->seq, r, why);
+    gpd_metrics_request(s->metrics, body_of(w->kind), r, gpd_now_ns() - w->started_ns);
+    gpd_waiter_remove(w);
+  }
+  if (--q->waking == 0 && !q->head)
+    copy_q_free(s, q);
 }

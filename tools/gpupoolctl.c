@@ -516,6 +516,7 @@ static void json_pool(const Gpupool__Wire__PoolInfo *p) {
   jkv_u64("slabs", p->slabs, &f);
   jkv_u64("held", p->held, &f);
   jkv_u64("instances", p->instances, &f);
+  jkv_i64("simulated_device", p->simulated_device ? (int64_t)p->simulated_device - 1 : -1, &f);
   putchar('}');
 }
 
@@ -539,6 +540,10 @@ static void json_stats(const ctl *c, const Gpupool__Wire__StatsReply *s) {
   jkv_u64("open_fds", s->open_fds, &f);
   jkv_u64("pending_frees", s->pending_frees, &f);
   jkv_u64("waiting_leases", s->waiting_leases, &f);
+  jkv_u64("replica_copies", s->replica_copies, &f);
+  jkv_u64("replica_bytes", s->replica_bytes, &f);
+  jkv_u64("replica_copies_running", s->replica_copies_running, &f);
+  jkv_u64("replica_copies_failed", s->replica_copies_failed, &f);
   jkey("pools", &f);
   putchar('[');
   for (size_t i = 0; i < s->n_pools; i++) {
@@ -590,6 +595,8 @@ static int cmd_status(ctl *c) {
       snprintf(where, sizeof(where), "gpu%d", p->device);
     else if (p->location == GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST_NUMA)
       snprintf(where, sizeof(where), "pinned numa%d", p->numa_node);
+    else if (p->location == GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST && p->simulated_device)
+      snprintf(where, sizeof(where), "memfd as gpu%u (SIMULATED)", p->simulated_device - 1);
     else if (p->location == GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST)
       snprintf(where, sizeof(where), "memfd");
     else
@@ -629,6 +636,9 @@ static int cmd_stats(ctl *c) {
            (unsigned long long)s->requests, (unsigned long long)s->errors,
            (unsigned long long)s->open_fds, (unsigned long long)s->pending_frees,
            (unsigned long long)s->waiting_leases);
+    printf("replica_copies %llu\nreplica_bytes %llu\nreplica_copies_running %llu\nreplica_copies_failed %llu\n",
+           (unsigned long long)s->replica_copies, (unsigned long long)s->replica_bytes,
+           (unsigned long long)s->replica_copies_running, (unsigned long long)s->replica_copies_failed);
     for (size_t i = 0; i < s->n_pools; i++) {
       const Gpupool__Wire__PoolInfo *p = s->pools[i];
       const char *n = p->name;
@@ -643,6 +653,8 @@ static int cmd_stats(ctl *c) {
              (unsigned long long)p->reserved_high, n, (unsigned long long)p->backend_used, n,
              (unsigned long long)p->backend_reserved, n, (unsigned long long)p->buffers, n,
              (unsigned long long)p->slabs, n, (unsigned long long)p->held, n, p->instances);
+      if (p->simulated_device)
+        printf("pool.%s.simulated_device %u\n", n, p->simulated_device - 1);
     }
   }
   gpupool__wire__reply__free_unpacked(rep, NULL);
@@ -805,23 +817,27 @@ static int cmd_buffers(ctl *c) {
       jkv_i64("owner_pid", v[i]->owner_pid, &f);
       jkv_str("name", v[i]->name, &f);
       jkv_strs("names", v[i]->names, v[i]->n_names, &f);
+      jkv_i64("device", v[i]->device, &f);
+      jkv_u64("replica_of", v[i]->replica_of, &f);
       putchar('}');
     }
     puts("]}");
     goto out;
   }
-  table_init(&t, 7);
+  table_init(&t, 8);
   t.right[0] = t.right[2] = t.right[3] = t.right[4] = t.right[5] = 1;
-  table_row(&t, "ID", "POOL", "SIZE", "HOLDERS", "AGE", "OWNER PID", "NAMES");
+  table_row(&t, "ID", "POOL", "SIZE", "HOLDERS", "AGE", "OWNER PID", "REPLICA OF", "NAMES");
   for (size_t i = 0; i < n; i++) {
-    char id[24], pb[16], size[32], holders[16], age[32], pid[16];
+    char id[24], pb[16], size[32], holders[16], age[32], pid[16], repl[48] = "-";
     char *names = join_names(v[i]->names, v[i]->n_names);
     snprintf(id, sizeof(id), "%llu", (unsigned long long)v[i]->id);
+    if (v[i]->replica_of)
+      snprintf(repl, sizeof(repl), "%llu on gpu%d", (unsigned long long)v[i]->replica_of, v[i]->device);
     snprintf(holders, sizeof(holders), "%u", v[i]->holders);
     snprintf(pid, sizeof(pid), "%d", v[i]->owner_pid);
     fmt_size(v[i]->size, size, sizeof(size));
     fmt_age(v[i]->age_s, age, sizeof(age));
-    table_row(&t, id, pool_name(c, v[i]->pool_id, pb, sizeof(pb)), size, holders, age, pid,
+    table_row(&t, id, pool_name(c, v[i]->pool_id, pb, sizeof(pb)), size, holders, age, pid, repl,
               names ? names : "");
     free(names);
   }
@@ -1024,8 +1040,8 @@ static void usage(FILE *f) {
           "Commands:\n"
           "  status            daemon version, backend, uptime, clients and pool usage\n"
           "  clients           connected clients: id, pid, user, name, holds, bytes, age (admin)\n"
-          "  buffers           live buffers sorted by id: pool, size, holders, age, owner pid and\n"
-          "                    every name (admin)\n"
+          "  buffers           live buffers sorted by id: pool, size, holders, age, owner pid, the\n"
+          "                    buffer a replica copies and its device, and every name (admin)\n"
           "  names             every tenant's published names sorted by key, one row each: buffers,\n"
           "                    bundles (version, members) and files (path) (admin)\n"
           "  unpublish KEY     remove the name filed under KEY, as names shows it (uid:1000/x),\n"

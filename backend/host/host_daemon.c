@@ -7,14 +7,27 @@
  *
  * Every memfd is sealed against shrinking and growing before any client sees it: otherwise a
  * client could ftruncate it and every other process mapping it would die of SIGBUS.
+ *
+ * Copies between pools (replicas): a thread per job reads each segment's source in chunks with
+ * pread and writes every chunk to each destination along the chain with pwrite, so the daemon's
+ * loop never waits on a copy; it polls the job's state. copy_free asks the thread to stop after
+ * its current chunk and joins it, so no thread touches a slab after copy_free returns.
+ *
+ * Test hooks (read at each copy_start, for the integration tests of replica logic):
+ * GPUPOOL_TEST_COPY_FAIL=N fails the first N jobs of this daemon after their first chunk;
+ * GPUPOOL_TEST_COPY_DELAY_MS=M sleeps M ms before each chunk (a copy that takes a while, to
+ * kill or wait on).
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "errors.h"
@@ -110,6 +123,146 @@ static int host_pool_stats(gpupool__bpool *p, gpupool__bpool_stats *out) {
   return 0;
 }
 
+/* ---- copies ---------------------------------------------------------------------------- */
+
+#define COPY_CHUNK (1u << 20)
+
+struct gpupool__bcopy {
+  pthread_t thread;
+  gpupool__bcopy_seg *segs;
+  size_t nsegs;
+  int ndst;
+  int fail;             /* test hook: fail after the first chunk */
+  long delay_ms;        /* test hook: sleep before each chunk */
+  atomic_int cancel;    /* copy_free asks the thread to stop */
+  atomic_int state;     /* 0 running, 1 done, -1 failed (err set before) */
+  char err[200];
+};
+
+/* Jobs that GPUPOOL_TEST_COPY_FAIL still asks to fail (the daemon's one thread starts jobs). */
+static long copy_fails_left = -1;
+
+static int copy_fd(const gpupool__bloc *l) { return l->slab->fd; }
+
+static int copy_chunk(gpupool__bcopy *c, const gpupool__bcopy_seg *sg, uint64_t at, uint8_t *buf, size_t n) {
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = pread(copy_fd(&sg->src), buf + got, n - got, (off_t)(sg->src.off + at + got));
+    if (r <= 0) {
+      snprintf(c->err, sizeof c->err, "reading the source slab at %llu: %s",
+               (unsigned long long)(sg->src.off + at + got), r < 0 ? strerror(errno) : "end of file");
+      return -1;
+    }
+    got += (size_t)r;
+  }
+  /* The chain: dst[0] from the source, dst[i] from dst[i-1]; on the host the chunk read once is
+   * those bytes. */
+  for (int d = 0; d < c->ndst; d++) {
+    size_t put = 0;
+    while (put < n) {
+      ssize_t w = pwrite(copy_fd(&sg->dst[d]), buf + put, n - put, (off_t)(sg->dst[d].off + at + put));
+      if (w <= 0) {
+        snprintf(c->err, sizeof c->err, "writing destination %d at %llu: %s", d,
+                 (unsigned long long)(sg->dst[d].off + at + put), w < 0 ? strerror(errno) : "no progress");
+        return -1;
+      }
+      put += (size_t)w;
+    }
+  }
+  return 0;
+}
+
+static void *copy_main(void *arg) {
+  gpupool__bcopy *c = arg;
+  uint8_t *buf = malloc(COPY_CHUNK);
+  int chunks = 0;
+  if (!buf) {
+    snprintf(c->err, sizeof c->err, "out of memory for a copy buffer");
+    atomic_store(&c->state, -1);
+    return NULL;
+  }
+  for (size_t i = 0; i < c->nsegs; i++) {
+    const gpupool__bcopy_seg *sg = &c->segs[i];
+    for (uint64_t at = 0; at < sg->len; at += COPY_CHUNK) {
+      size_t n = sg->len - at < COPY_CHUNK ? (size_t)(sg->len - at) : COPY_CHUNK;
+      if (c->delay_ms > 0) {
+        struct timespec ts = {c->delay_ms / 1000, (c->delay_ms % 1000) * 1000000L};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+          ;
+      }
+      if (atomic_load(&c->cancel)) {
+        snprintf(c->err, sizeof c->err, "cancelled");
+        goto failed;
+      }
+      if (c->fail && chunks > 0) {
+        snprintf(c->err, sizeof c->err, "failed on purpose (GPUPOOL_TEST_COPY_FAIL)");
+        goto failed;
+      }
+      if (copy_chunk(c, sg, at, buf, n) != 0)
+        goto failed;
+      chunks++;
+    }
+  }
+  free(buf);
+  atomic_store(&c->state, 1);
+  return NULL;
+failed:
+  free(buf);
+  atomic_store(&c->state, -1);
+  return NULL;
+}
+
+static int host_copy_start(gpupool__backend *be, const gpupool__bcopy_seg *segs, size_t nsegs, int ndst,
+                           gpupool__bcopy **out) {
+  gpupool__bcopy *c;
+  const char *env;
+  int rc;
+  (void)be;
+  if (ndst < 1 || ndst > GPUPOOL_COPY_MAX_DSTS || nsegs == 0)
+    return gpupool__err(GPUPOOL_EINVAL, "a copy goes to 1 to %d destinations, with at least one segment",
+                        GPUPOOL_COPY_MAX_DSTS);
+  if (!(c = calloc(1, sizeof *c)) || !(c->segs = malloc(nsegs * sizeof *segs))) {
+    free(c);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  }
+  memcpy(c->segs, segs, nsegs * sizeof *segs);
+  c->nsegs = nsegs;
+  c->ndst = ndst;
+  if (copy_fails_left < 0)
+    copy_fails_left = (env = getenv("GPUPOOL_TEST_COPY_FAIL")) ? strtol(env, NULL, 10) : 0;
+  if (copy_fails_left > 0) {
+    copy_fails_left--;
+    c->fail = 1;
+  }
+  if ((env = getenv("GPUPOOL_TEST_COPY_DELAY_MS")))
+    c->delay_ms = strtol(env, NULL, 10);
+  atomic_init(&c->cancel, 0);
+  atomic_init(&c->state, 0);
+  if ((rc = pthread_create(&c->thread, NULL, copy_main, c)) != 0) {
+    free(c->segs);
+    free(c);
+    return gpupool__err(GPUPOOL_EBACKEND, "cannot start a copy thread: %s", strerror(rc));
+  }
+  *out = c;
+  return 0;
+}
+
+static int host_copy_poll(gpupool__bcopy *c) {
+  int st = atomic_load(&c->state);
+  if (st < 0)
+    return gpupool__err(GPUPOOL_EBACKEND, "copy between host pools failed: %s", c->err);
+  return st;
+}
+
+static void host_copy_free(gpupool__bcopy *c) {
+  if (!c)
+    return;
+  atomic_store(&c->cancel, 1);
+  pthread_join(c->thread, NULL);
+  free(c->segs);
+  free(c);
+}
+
 static void host_close(gpupool__backend *be) { free(be); }
 
 static const gpupool__backend_ops host_ops = {
@@ -120,6 +273,9 @@ static const gpupool__backend_ops host_ops = {
     .slab_free = host_slab_free,
     .pool_stats = host_pool_stats,
     .close = host_close,
+    .copy_start = host_copy_start,
+    .copy_poll = host_copy_poll,
+    .copy_free = host_copy_free,
 };
 
 int gpupool__host_open(gpupool__backend **out) {

@@ -26,6 +26,7 @@
  *     gpupool_buffer_share                 a token another client opens
  *     gpupool_buffer_open                  open a token: a new hold
  *     gpupool_buffer_publish               publish under a name (its next version)
+ *     gpupool_buffer_publish_to            the same, with replicas on other devices at once
  *     gpupool_buffer_get                   get what a name holds, now or a newer version
  *     gpupool_buffer_get_begin, _get_end   the same get, pipelined
  *     gpupool_buffer_publish_begin         the same publish, pipelined (gpupool_pending_end)
@@ -43,6 +44,7 @@
  *   bundle (a named set of members: a state dict, a batch)
  *     gpupool_bundle_alloc                 allocate members in one request
  *     gpupool_bundle_publish               publish a bundle got from alloc or get
+ *     gpupool_bundle_publish_to            the same, with replicas on other devices at once
  *     gpupool_bundle_publish_members       publish ranges of buffers the caller holds
  *     gpupool_bundle_get                   get what a name holds, as a bundle
  *     gpupool_bundle_get_begin, _get_end   the same get, pipelined
@@ -158,12 +160,27 @@ typedef enum {
  * allocation takes about 2 ms on an H100). The mapping goes when the daemon frees the buffer
  * and this client next talks to the daemon (any request) or disconnects; until then that
  * memory stays out of the pool. For consumers that keep asking for new versions (weight
- * sync); an idle client holds the memory. */
+ * sync); an idle client holds the memory.
+ *
+ * GPUPOOL_ON_DEVICE(d) (buffer and bundle gets, blocking and pipelined): the caller wants the
+ * version on device d (a CUDA ordinal, 0..1023; on the host backend a pool configured with
+ * `device = d` stands for it). When the version lies in a pool of another device, the daemon
+ * makes a replica in a pool of device d (once per version and device, however many getters
+ * ask at once), fills it with its own copy engines, and hands it over only once every byte is
+ * in: the get waits for the copy (within timeout_ms when one is set; with 0 it still waits
+ * for the copy, which always ends) and fails with the copy's error when it fails (the next get
+ * starts a new one). A replica is held read-only, counts against the tenant of the version it
+ * copies, and goes when the version's last holder lets go. Without the flag a get hands over
+ * the version where it lies (a GPU of another device maps it over peer access, see
+ * gpupool_client_set_devices). GPUPOOL_TARGET_DEVICE is the flag's bit; the device sits in
+ * bits 16..25. */
 typedef enum {
   GPUPOOL_READ_ONLY = 0x1,
   GPUPOOL_FILE_HOST_ONLY = 0x2,
-  GPUPOOL_KEEP_MAPPED = 0x4
+  GPUPOOL_KEEP_MAPPED = 0x4,
+  GPUPOOL_TARGET_DEVICE = 0x8
 } gpupool_flags;
+#define GPUPOOL_ON_DEVICE(d) ((unsigned)GPUPOOL_TARGET_DEVICE | (((unsigned)(d) & 0x3ffu) << 16))
 
 /* Timeouts, in milliseconds, mean the same in every call that takes one: > 0 waits that long,
  * 0 does not wait (fail at once), GPUPOOL_TIMEOUT_FOREVER (any negative value but
@@ -230,6 +247,9 @@ typedef struct {
   uint64_t backend_reserved;
   uint64_t buffers;
   uint64_t slabs;
+  /* Host backend: the GPU this memfd pool stands for (`device = N` in its [pool] section,
+   * simulated device memory for testing replicas without GPUs), -1 otherwise. */
+  int32_t simulated_device;
 } gpupool_pool_stats;
 
 /* Daemon-wide counters. New fields are only ever appended (see gpupool_client_stats). */
@@ -359,6 +379,15 @@ GPUPOOL_EXTERN int gpupool_buffer_open(gpupool_client *c, const gpupool_token *t
 GPUPOOL_EXTERN int gpupool_buffer_publish(gpupool_buffer *b, const char *name,
                                           const gpupool_tensor_meta *meta, void *stream,
                                           uint64_t *version);
+
+/* Publish as gpupool_buffer_publish, and make replicas of the version on each of the n
+ * devices (1..16, each once) at once (broadcast): one copy job along them as a chain, so that
+ * getters with GPUPOOL_ON_DEVICE(d) find the replica ready or in progress. Refused before
+ * publishing (GPUPOOL_EINVAL naming the device) when a device has no pool the buffer's tenant
+ * may use. devices may be NULL when n is 0. */
+GPUPOOL_EXTERN int gpupool_buffer_publish_to(gpupool_buffer *b, const char *name,
+                                             const gpupool_tensor_meta *meta, void *stream,
+                                             const int *devices, int n, uint64_t *version);
 
 /* Get the buffer published under `name` at a version newer than `newer_than` (0 = the
  * version published now), waiting up to timeout_ms for a producer to publish it (0 = fail at
@@ -535,6 +564,12 @@ GPUPOOL_EXTERN int gpupool_bundle_alloc(gpupool_client *c, const char *pool,
  * name keeps its own hold). *version (may be NULL) is the version made. */
 GPUPOOL_EXTERN int gpupool_bundle_publish(gpupool_bundle *b, const char *name, void *stream,
                                           uint64_t *version);
+
+/* Publish as gpupool_bundle_publish, with replicas on each of the n devices at once (as
+ * gpupool_buffer_publish_to): a new weight version is local on every device when its getters
+ * ask. */
+GPUPOOL_EXTERN int gpupool_bundle_publish_to(gpupool_bundle *b, const char *name, void *stream,
+                                             const int *devices, int n, uint64_t *version);
 
 /* Publish n members that lie in buffers the caller holds (any mix of buffers of this client)
  * as one bundle, in one request. The buffers stay the caller's. */

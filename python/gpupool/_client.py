@@ -200,6 +200,8 @@ class Client:
             raise error("ENOENT", "the daemon has no pools")
         if dev_type == _dlpack.kDLCUDA:
             order = [p for p in pools if p["kind"] == "device" and p["device"] == dev_id]
+            # memfd pools standing for GPUs (host backend, testing replicas without GPUs)
+            order += [p for p in pools if p.get("simulated_device", -1) == dev_id]
             order += [p for p in pools if p["kind"] == "device"]
         else:
             order = [p for p in pools if p["kind"] == "host"]
@@ -253,7 +255,7 @@ class Client:
         return self._tensor(hold, dt, shape, None, 0, None)
 
     def get(self, name: str, timeout: float | None = None, read_only: bool = False,
-            stream: Stream = None, newer_than: int = 0) -> Tensor:
+            stream: Stream = None, newer_than: int = 0, device: Device = None) -> Tensor:
         """The tensor published under `name`, as a new hold of this process.
 
         timeout: seconds to wait for a producer to publish it (None = forever, 0 = fail at
@@ -263,7 +265,11 @@ class Client:
         later (``__dlpack__(stream=...)``) orders that stream too. newer_than: wait for a
         version of the name greater than this (0: the version published now); the
         Tensor's ``version`` says which one came. A name published as a bundle of several
-        members is refused (EINVAL): use get_dict."""
+        members is refused (EINVAL): use get_dict. device: the GPU the caller wants the
+        tensor on (an int, 'cuda:N', a torch or CuPy device; None or 'cpu': wherever it
+        lies, mapped over peer access): when the version lies on another device, the
+        daemon copies it once into a pool of that device and hands over that replica
+        (read-only), waiting for the copy (GPUPOOL_ON_DEVICE)."""
         nb = _encode_name(name)
         s = stream_handle(stream)
         ms = _timeout_ms(timeout, forever=True)
@@ -271,7 +277,7 @@ class Client:
         buf = _lib.BufferP()
         ver = ctypes.c_uint64(0)
         check(self._lib.gpupool_buffer_get(self._conn.usable(), nb, newer, ms,
-                                          _get_flags(read_only), s,
+                                          _get_flags(read_only, device=device), s,
                                           ctypes.byref(buf), ctypes.byref(ver)),
               "get %r" % (name,) if not newer else "get %r newer than version %d"
               % (name, newer))
@@ -367,7 +373,7 @@ class Client:
                                self._lib.gpupool_bundle_get_begin, end, "get_dict")
 
     def publish(self, name: str, tensor: Any, stream: Stream = None,
-                pool: str | None = None) -> int | None:
+                pool: str | None = None, devices: Sequence[Device] | None = None) -> int | None:
         """Publish `tensor` under `name`; consumers get it with ``Client.get(name)``.
 
         A Tensor from alloc() or get(), or a framework view of one (``torch.from_dlpack(t)``
@@ -383,20 +389,22 @@ class Client:
 
         Publishing a name that exists makes its next version (holders of the previous one
         keep reading it; its memory goes when the last lets go). Returns the version made:
-        1 for a new name."""
+        1 for a new name. devices: GPUs (at most 16) that get a replica of this version at
+        once (broadcast), so that ``get(name, device=d)`` finds it local."""
         nb = _encode_name(name)
         s = stream_handle(stream)
+        devs = _devices_arg(devices)
         if isinstance(tensor, Tensor):
             hold = tensor._live_hold()
             m = _meta(tensor._dtype, tensor.shape, tensor.strides, tensor.byte_offset)
             if s is not None or hold.kind == _lib.MEM_HOST:
-                return self._publish(hold, nb, m, s)
-            return self._publish(hold, nb, m, hold.streams[-1])
+                return self._publish(hold, nb, m, s, devs)
+            return self._publish(hold, nb, m, hold.streams[-1], devs)
         desc, s = _describe(tensor, s)
         hold = self._find_hold(desc)
         if hold is not None:
             m = _meta(desc.dtype, desc.shape, desc.strides, desc.data - hold.ptr)
-            return self._publish(hold, nb, m, s)
+            return self._publish(hold, nb, m, s, devs)
         if desc.dtype.typestr is None and desc.dtype.name != "bfloat16":
             raise error("EMETA", "element type %s has no gpupool equivalent" % desc.dtype.name)
         target = pool if pool is not None else self._pool_for(desc.device[0], desc.device[1],
@@ -405,17 +413,18 @@ class Client:
         try:
             _copy_into(t, tensor, desc, s)
             m = _meta(t._dtype, t.shape, None, 0)
-            return self._publish(t._hold, nb, m, s)
+            return self._publish(t._hold, nb, m, s, devs)
         finally:
             t.release()
 
-    def _publish(self, hold, nb, meta, s):
+    def _publish(self, hold, nb, meta, s, devs=(None, 0)):
         self._conn.usable()
         buf = hold.buf
         if buf is None:
             raise error("EINVAL", "buffer was released")
         ver = ctypes.c_uint64(0)
-        rc = self._lib.gpupool_buffer_publish(buf, nb, ctypes.byref(meta), s, ctypes.byref(ver))
+        rc = self._lib.gpupool_buffer_publish_to(buf, nb, ctypes.byref(meta), s, devs[0], devs[1],
+                                                 ctypes.byref(ver))
         check(rc, "publish %r" % nb.decode("utf-8", "replace"))
         return ver.value or None
 
@@ -457,7 +466,8 @@ class Client:
         return self._tensor_dict(b, s, None)
 
     def publish_dict(self, name: str, mapping: Mapping[str, Any] | Iterable[Tuple[str, Any]],
-                     stream: Stream = None, pool: str | None = None) -> int:
+                     stream: Stream = None, pool: str | None = None,
+                     devices: Sequence[Device] | None = None) -> int:
         """Publish a dict of tensors under `name` as one bundle, in one request: consumers
         get every member at once (``get_dict``), all of this version or none of it.
 
@@ -467,17 +477,22 @@ class Client:
         other member is copied once, compacted to C-contiguous, into one new bundle (one
         allocation request), as ``publish`` copies a single tensor. mapping may also be a
         sequence of (name, tensor) pairs. stream, pool: as for ``publish``. Publishing a
-        name again makes its next version; returns the version made (1 for a new name)."""
+        name again makes its next version; returns the version made (1 for a new name).
+        devices: GPUs that get a replica of this version at once (as for ``publish``), one
+        copy job along them; for a TensorDict of this client or a dict copied whole (EINVAL
+        for a mix of members in place and copied)."""
         nb = _encode_name(name)
         s = stream_handle(stream)
         what = "publish_dict %r" % nb.decode("utf-8", "replace")
+        devs = _devices_arg(devices)
         if isinstance(mapping, TensorDict) and mapping._client is self:
             bh = mapping._live()
             if s is None and bh.device is not None:
                 s = bh.streams[-1]
             ver = ctypes.c_uint64(0)
             self._conn.usable()
-            check(self._lib.gpupool_bundle_publish(bh.bundle, nb, s, ctypes.byref(ver)), what)
+            check(self._lib.gpupool_bundle_publish_to(bh.bundle, nb, s, devs[0], devs[1],
+                                                      ctypes.byref(ver)), what)
             return ver.value
         items = list(mapping.items()) if hasattr(mapping, "items") else list(mapping)
         if not items:
@@ -512,9 +527,13 @@ class Client:
                 if len(copies) == len(rows):
                     # Everything was copied, in order: the new bundle is the whole dict.
                     ver = ctypes.c_uint64(0)
-                    check(self._lib.gpupool_bundle_publish(tmp._bhold.bundle, nb, s,
-                                                           ctypes.byref(ver)), what)
+                    check(self._lib.gpupool_bundle_publish_to(tmp._bhold.bundle, nb, s, devs[0],
+                                                              devs[1], ctypes.byref(ver)), what)
                     return ver.value
+            if devs[1]:
+                raise error("EINVAL", "%s: devices= needs a TensorDict of this client or members "
+                            "that are all copied; publish members in place without it and "
+                            "let gets on each device make the replicas" % what)
             bnames, bufs, offs, sizes, metas = [], [], [], [], []
             copied = iter(tmp._copied if tmp is not None else ())
             # One hold per buffer: the daemon refuses a buffer listed through two holds (an
@@ -574,7 +593,7 @@ class Client:
 
     def get_dict(self, name: str, newer_than: int = 0, timeout: float | None = None,
                  read_only: bool = False, stream: Stream = None, keep_mapped: bool = False,
-                 reuse_views: bool = False) -> TensorDict:
+                 reuse_views: bool = False, device: Device = None) -> TensorDict:
         """The bundle published under `name`, as a TensorDict (member name -> Tensor, in
         member order; ``version`` says which version came), in one request.
 
@@ -593,13 +612,15 @@ class Client:
         double-buffered producer alternates between two bundles), so a warm version builds
         no view at all; the dict returned is new, its tensors are the same objects as
         before. The client keeps the views of the last 4 bundles viewed this way, and with
-        them their memory, until newer ones push them out or the client is closed."""
+        them their memory, until newer ones push them out or the client is closed.
+        device: as for ``get``: every member on that GPU, from replicas the daemon makes
+        once per version and device."""
         nb = _encode_name(name)
         s = stream_handle(stream)
         ms = _timeout_ms(timeout, forever=True)
         newer = _version_arg(newer_than)
         b = _lib.BundleP()
-        flags = _get_flags(read_only, keep_mapped)
+        flags = _get_flags(read_only, keep_mapped, device)
         check(self._lib.gpupool_bundle_get(self._conn.usable(), nb, newer, ms, flags, s,
                                            ctypes.byref(b)),
               "get_dict %r" % (name,) if not newer else "get_dict %r newer than version %d"
@@ -874,9 +895,30 @@ def _spec_items(spec):
     return out
 
 
-def _get_flags(read_only, keep_mapped=False):
-    """The GPUPOOL_* flags of a get: the same for buffers and bundles, one or many."""
-    return (_lib.READ_ONLY if read_only else 0) | (_lib.KEEP_MAPPED if keep_mapped else 0)
+def _get_flags(read_only, keep_mapped=False, device=None):
+    """The GPUPOOL_* flags of a get: the same for buffers and bundles, one or many. device:
+    the GPU wanted (GPUPOOL_ON_DEVICE), None or 'cpu' for wherever the version lies."""
+    flags = (_lib.READ_ONLY if read_only else 0) | (_lib.KEEP_MAPPED if keep_mapped else 0)
+    if device is not None:
+        dev_type, dev_id, _ = _parse_device(device)
+        if dev_type == _dlpack.kDLCUDA:
+            if not 0 <= dev_id <= 1023:
+                raise ValueError("device %r: GPU ordinals are 0..1023" % (device,))
+            flags |= _lib.TARGET_DEVICE | (dev_id << 16)
+    return flags
+
+
+def _devices_arg(devices):
+    """(ctypes int array or None, n) of a broadcast's devices: GPU ordinals or devices."""
+    if not devices:
+        return None, 0
+    ids = []
+    for d in devices:
+        dev_type, dev_id, _ = _parse_device(d)
+        if dev_type != _dlpack.kDLCUDA:
+            raise ValueError("devices: %r is no GPU" % (d,))
+        ids.append(dev_id)
+    return (ctypes.c_int * len(ids))(*ids), len(ids)
 
 
 def _timeout_ms(timeout, forever):

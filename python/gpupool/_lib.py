@@ -27,6 +27,7 @@ TOKEN_SIZE = 24
 READ_ONLY = 0x1
 FILE_HOST_ONLY = 0x2
 KEEP_MAPPED = 0x4
+TARGET_DEVICE = 0x8
 # Timeouts (ms): 0 = do not wait; TIMEOUT_DEFAULT = the library's default (connect only).
 TIMEOUT_FOREVER = -1
 TIMEOUT_DEFAULT = -2
@@ -79,6 +80,7 @@ class PoolStats(ctypes.Structure):
         ("backend_reserved", ctypes.c_uint64),
         ("buffers", ctypes.c_uint64),
         ("slabs", ctypes.c_uint64),
+        ("simulated_device", ctypes.c_int32),
     ]
 
 
@@ -208,6 +210,8 @@ _PROTOTYPES = {
                                      ctypes.POINTER(BufferP)]),
     "gpupool_buffer_publish": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp,
                                         ctypes.POINTER(_u64)]),
+    "gpupool_buffer_publish_to": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp,
+                                           ctypes.POINTER(_c_int), _c_int, ctypes.POINTER(_u64)]),
     "gpupool_buffer_get": (_c_int, [ClientP, _cp, _u64, _c_int, ctypes.c_uint, _vp,
                                     ctypes.POINTER(BufferP), ctypes.POINTER(_u64)]),
     "gpupool_buffer_get_begin": (_c_int, [ClientP, _cp, _u64, _c_int, ctypes.c_uint,
@@ -231,6 +235,8 @@ _PROTOTYPES = {
     "gpupool_bundle_alloc": (_c_int, [ClientP, _cp, _vp, _c_int, _u64, _c_int, _vp,
                                       ctypes.POINTER(BundleP)]),
     "gpupool_bundle_publish": (_c_int, [BundleP, _cp, _vp, ctypes.POINTER(_u64)]),
+    "gpupool_bundle_publish_to": (_c_int, [BundleP, _cp, _vp, ctypes.POINTER(_c_int), _c_int,
+                                           ctypes.POINTER(_u64)]),
     "gpupool_bundle_publish_members": (_c_int, [ClientP, _cp, _vp, _c_int, _vp,
                                                 ctypes.POINTER(_u64)]),
     "gpupool_bundle_get": (_c_int, [ClientP, _cp, _u64, _c_int, ctypes.c_uint, _vp,

@@ -246,6 +246,10 @@ static int fake_stats(void *arg, Gpupool__Wire__StatsReply *st) {
   st->open_fds = 17;
   st->pending_frees = 1;
   st->waiting_leases = 3;
+  st->replica_copies = 5;
+  st->replica_bytes = 123456;
+  st->replica_copies_running = 2;
+  st->replica_copies_failed = 1;
   return 0;
 }
 
@@ -281,6 +285,12 @@ static void check_stats_text(const char *t) {
   assert_int_equal(sample(t, "gpupool_pending_frees"), 1);
   assert_int_equal(sample(t, "gpupool_waiting_leases"), 3);
   assert_int_equal(sample(t, "gpupool_uptime_seconds"), 42);
+  assert_int_equal(sample(t, "gpupool_replica_copies_total"), 5);
+  assert_int_equal(sample(t, "gpupool_replica_bytes_copied_total"), 123456);
+  assert_int_equal(sample(t, "gpupool_replica_copies_in_flight"), 2);
+  assert_int_equal(sample(t, "gpupool_replica_copies_failed_total"), 1);
+  must_contain(t, "# TYPE gpupool_replica_copies_total counter\n");
+  must_contain(t, "# TYPE gpupool_replica_copies_in_flight gauge\n");
   must_contain(t, "gpupool_build_info{version=\"9.8.7\",backend=\"host\"} 1\n");
   must_contain(t, "gpupool_pool_info{pool=\"default\",id=\"0\",backend=\"host\",location=\"host\","
                   "device=\"-1\",numa_node=\"-1\"} 1\n");

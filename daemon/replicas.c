@@ -1,0 +1,508 @@
+/*
+ * Replicas: a version's buffers on another device. A get for a device where the version does
+ * not lie gets a replica there: a buffer in a pool of that device, made once per (version,
+ * device) however many getters ask at once, filled by a copy job of the backend (its own
+ * engines: CUDA streams and copy engines, a thread on the host backend) that the daemon polls
+ * from its loop without blocking, and handed out only once every byte is in. Getters wait for
+ * the job as gets wait for a publish; a job that fails drops its replicas and fails its
+ * waiters, and the next get starts again. A broadcast publish starts the replicas at once,
+ * one job along the devices as a chain.
+ *
+ * Ownership: the source buffer lists its replicas and holds one reference on each replica
+ * buffer; holders of a replica hold it as any buffer. The source's last holder letting go (its
+ * version replaced and every hold gone), or the source being published again, drops that
+ * reference. A running job holds a reference on each source buffer, so no source range is
+ * reused while an engine reads it; it ends (complete, failed, or cancelled when the daemon
+ * stops) before its replicas are dropped or handed out. A replica counts against the tenant
+ * of the buffer it copies (its limits and its pools).
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "errors.h"
+#include "list.h"
+#include "log.h"
+#include "registry_internal.h"
+
+/* Copy jobs the backend runs at once (host: a thread each; CUDA: streams); the others wait,
+ * oldest first. However many replicas clients ask for, the daemon runs this many copies. */
+#define GPD_COPIES_RUNNING_MAX 8
+
+int gpd_pool_device(const gpd_registry *reg, const gpd_pool *p) {
+  if (p->cfg.kind == GPUPOOL_MEM_DEVICE)
+    return p->cfg.device;
+  /* memfd memory standing for a GPU: for testing replica logic without GPUs */
+  if (p->cfg.kind == GPUPOOL_MEM_HOST && reg->be->desc == &gpupool__backend_host && p->cfg.device >= 0)
+    return p->cfg.device;
+  return -1;
+}
+
+/* The pool of `device` where a replica of owner's memory goes: the first such pool not shared
+ * with a group for a tenant's memory, the first shared with that group for a group's. */
+static gpd_pool *pool_on(gpd_registry *reg, int device, uint64_t owner) {
+  for (int i = 0; i < reg->npools; i++) {
+    gpd_pool *p = &reg->pools[i];
+    int share = reg->cfg->pool_share[i];
+    if (gpd_pool_device(reg, p) != device)
+      continue;
+    if ((owner & GROUP_SET) ? share >= 0 && (uint64_t)share == (owner & ~GROUP_SET) : share < 0)
+      return p;
+  }
+  return NULL;
+}
+
+/* EINVAL, not ENOENT: a get waiting for a publish takes ENOENT for "not yet". */
+static int no_pool(gpd_registry *reg, int device, uint64_t owner) {
+  char label[80];
+  gpd_tenant_label(reg->cfg, owner, label, sizeof label);
+  return gpupool__err(GPUPOOL_EINVAL,
+                      "no pool of device %d can hold a replica of memory of %s: configure a [pool] with "
+                      "device = %d%s (gpupoolctl status lists the pools and their devices)",
+                      device, label, device, (owner & GROUP_SET) ? " shared with that group" : "");
+}
+
+static gpd_replica *replica_find(gpd_buffer *b, int device) {
+  for (gpd_replica *r = b->replicas; r; r = r->next)
+    if (r->device == device)
+      return r;
+  return NULL;
+}
+
+static void replica_unlink(gpd_replica *r) {
+  gpd_replica **pp = &r->src->replicas;
+  while (*pp && *pp != r)
+    pp = &(*pp)->next;
+  if (*pp)
+    *pp = r->next;
+  r->attached = 0;
+  r->next = NULL;
+}
+
+void gpd_replicas_drop(gpd_registry *reg, gpd_buffer *b) {
+  gpd_replica *r = b->replicas, *next;
+  b->replicas = NULL;
+  for (; r; r = next) {
+    next = r->next;
+    r->attached = 0;
+    r->next = NULL;
+    if (r->copy)
+      continue; /* its job drops it when it ends */
+    gpd_buffer_unref(reg, r->buf);
+    free(r);
+  }
+}
+
+/* A replica buffer of src in a pool of device: on src's owner's account, one reference. */
+static int replica_buffer(gpd_registry *reg, gpd_buffer *src, int device, gpd_buffer **out) {
+  uint64_t owner = src->slab->owner, align = 0, asize;
+  gpd_pool *p = pool_on(reg, device, owner);
+  gpd_buffer *b;
+  int rc;
+  if (!p)
+    return no_pool(reg, device, owner);
+  if ((rc = gpd_pool_alignment(p, &align)) != 0)
+    return rc;
+  asize = gpd_round_up(src->asked, p->cfg.alignment);
+  if ((rc = gpd_quota_replica(reg, src->owner_tenant, asize, device)) != 0)
+    return rc;
+  if ((rc = gpd_buffer_place(reg, p, owner, src->asked, asize, align, &b)) != 0) {
+    if (rc == GPUPOOL_ENOSPC)
+      rc = gpupool__err(GPUPOOL_ENOSPC, "no room for a replica of %" PRIu64 " bytes in pool '%s' (device %d): "
+                        "%" PRIu64 " bytes free; release buffers there or raise its capacity",
+                        src->asked, p->cfg.name, device, gpd_pool_free_bytes(p));
+    return rc;
+  }
+  b->owner_uid = src->owner_uid;
+  b->owner_tenant = src->owner_tenant;
+  b->owner_pid = src->owner_pid;
+  b->replica_of = src->id;
+  b->has_meta = src->has_meta;
+  b->meta = src->meta;
+  b->refs = 1;
+  gpd_uid_account(reg, b->owner_tenant, (int64_t)b->size, 1);
+  *out = b;
+  return 0;
+}
+
+static gpupool__bloc loc_of(const gpd_buffer *b) {
+  return (gpupool__bloc){.pool = b->slab->inst->bp, .slab = (gpupool__bslab *)&b->slab->bs, .off = b->offset};
+}
+
+static void copy_timer_update(gpd_registry *reg);
+
+/* Start one job copying each of the n sources to each of the ndev devices (a chain along
+ * them): replicas made and attached, sources referenced. Nothing changes on error. */
+static int copy_new(gpd_registry *reg, gpd_buffer *const *srcs, uint32_t n, const int *devs, int ndev,
+                    gpd_copy **out) {
+  const gpupool__backend_ops *ops = reg->be->ops;
+  gpupool__bcopy_seg *segs = NULL;
+  gpd_copy *cp = NULL;
+  uint32_t made = 0, total = n * (uint32_t)ndev;
+  int rc;
+
+  if (!ops->copy_start)
+    return gpupool__err(GPUPOOL_ENOTSUP, "the %s backend cannot copy between pools: get the buffer where it "
+                        "lies (no target device)", reg->be->desc->name);
+  if (reg->stopped)
+    return gpupool__err(GPUPOOL_ECLOSED, "the daemon is stopping: it starts no copy");
+  if (ndev < 1 || ndev > GPUPOOL_COPY_MAX_DSTS)
+    return gpupool__err(GPUPOOL_EINVAL, "a copy goes to 1 to %d devices, not %d", GPUPOOL_COPY_MAX_DSTS, ndev);
+  if (!(cp = calloc(1, sizeof *cp)) || !(cp->reps = calloc(total, sizeof *cp->reps)) ||
+      !(cp->srcs = calloc(n, sizeof *cp->srcs)) || !(segs = calloc(n, sizeof *segs))) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    goto fail;
+  }
+  for (uint32_t i = 0; i < n; i++) {
+    segs[i].src = loc_of(srcs[i]);
+    segs[i].len = srcs[i]->asked;
+    for (int d = 0; d < ndev; d++) {
+      gpd_replica *r = calloc(1, sizeof *r);
+      if (!r) {
+        rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+        goto fail;
+      }
+      if ((rc = replica_buffer(reg, srcs[i], devs[d], &r->buf)) != 0) {
+        free(r);
+        goto fail;
+      }
+      r->src = srcs[i];
+      r->device = devs[d];
+      r->copy = cp;
+      cp->reps[made++] = r;
+      segs[i].dst[d] = loc_of(r->buf);
+      cp->bytes += srcs[i]->asked;
+    }
+  }
+  /* Started now only when a slot is free and no older job waits for one. */
+  if (reg->ncopies_started < GPD_COPIES_RUNNING_MAX && reg->ncopies == reg->ncopies_started) {
+    if ((rc = ops->copy_start(reg->be, segs, n, ndev, &cp->job)) != 0)
+      goto fail;
+    reg->ncopies_started++;
+    free(segs);
+  } else {
+    cp->segs = segs; /* started when a slot frees (copy_launch) */
+    cp->ndst = ndev;
+  }
+  cp->id = gpd_next_id(reg);
+  cp->nreps = made;
+  cp->nsrcs = n;
+  for (uint32_t i = 0; i < n; i++) {
+    cp->srcs[i] = srcs[i];
+    srcs[i]->refs++;
+  }
+  for (uint32_t k = 0; k < made; k++) {
+    gpd_replica *r = cp->reps[k];
+    r->attached = 1;
+    r->next = r->src->replicas;
+    r->src->replicas = r;
+  }
+  cp->prev = reg->copies_tail;
+  if (reg->copies_tail)
+    reg->copies_tail->next = cp;
+  else
+    reg->copies = cp;
+  reg->copies_tail = cp;
+  reg->ncopies++;
+  reg->copies_started++;
+  copy_timer_update(reg);
+  GPUPOOL__DEBUG("copy %" PRIu64 ": %u buffer(s) to %d device(s), %" PRIu64 " bytes", cp->id, n, ndev, cp->bytes);
+  *out = cp;
+  return 0;
+fail:
+  if (cp) {
+    for (uint32_t k = 0; k < made; k++) {
+      gpd_buffer_unref(reg, cp->reps[k]->buf);
+      free(cp->reps[k]);
+    }
+    free(cp->reps);
+    free(cp->srcs);
+    free(cp);
+  }
+  free(segs);
+  return rc;
+}
+
+/* A job ended (rc 0: every byte is in): its replicas become ready (those still attached) or
+ * go, its sources are let go, and the gets waiting on it are told. */
+static void copy_end(gpd_registry *reg, gpd_copy *cp, int rc, const char *msg) {
+  uint64_t id = cp->id;
+  if (cp->job) {
+    reg->be->ops->copy_free(cp->job);
+    reg->ncopies_started--;
+  }
+  free(cp->segs);
+  if (reg->copies_tail == cp)
+    reg->copies_tail = cp->prev;
+  GPUPOOL__LIST_UNLINK(reg->copies, cp, prev, next);
+  reg->ncopies--;
+  if (rc == 0)
+    reg->copy_bytes += cp->bytes;
+  else
+    reg->copies_failed++;
+  for (uint32_t k = 0; k < cp->nreps; k++) {
+    gpd_replica *r = cp->reps[k];
+    r->copy = NULL;
+    if (rc == 0 && r->attached)
+      continue; /* ready: handed out from now on */
+    if (r->attached)
+      replica_unlink(r);
+    gpd_buffer_unref(reg, r->buf);
+    free(r);
+  }
+  for (uint32_t i = 0; i < cp->nsrcs; i++)
+    gpd_buffer_unref(reg, cp->srcs[i]);
+  free(cp->reps);
+  free(cp->srcs);
+  free(cp);
+  if (rc != 0)
+    GPUPOOL__WARN("copy %" PRIu64 " of replicas failed: %s; the next get starts a new one", id, msg);
+  copy_timer_update(reg);
+  if (reg->on_copy)
+    reg->on_copy(reg, id, rc, msg);
+  if (reg->memory_returned && reg->on_memory)
+    reg->on_memory(reg, NULL);
+}
+
+/* Each tick polls every started job once (at most GPD_COPIES_RUNNING_MAX): a load of its
+ * state (host) or an event query (CUDA), never a wait; then starts waiting jobs in the slots
+ * that freed, oldest first. */
+static void copy_timer_cb(uv_timer_t *t) {
+  gpd_registry *reg = t->data;
+  gpd_copy *done[GPD_COPIES_RUNNING_MAX * 2];
+  int rcs[GPD_COPIES_RUNNING_MAX * 2], nd = 0;
+  char msgs[GPD_COPIES_RUNNING_MAX * 2][256];
+  for (gpd_copy *cp = reg->copies; cp && nd < GPD_COPIES_RUNNING_MAX; cp = cp->next) {
+    int q;
+    if (!cp->job)
+      continue;
+    q = reg->be->ops->copy_poll(cp->job);
+    if (q == 0)
+      continue;
+    rcs[nd] = q > 0 ? 0 : q;
+    snprintf(msgs[nd], sizeof msgs[nd], "%s", q > 0 ? "" : gpupool__errmsg());
+    done[nd++] = cp;
+  }
+  /* Waiting jobs whose slot freed: a start that fails ends the job with its error. */
+  for (gpd_copy *cp = reg->copies; cp && reg->ncopies_started < GPD_COPIES_RUNNING_MAX &&
+                                   nd < GPD_COPIES_RUNNING_MAX * 2; cp = cp->next) {
+    if (cp->job)
+      continue;
+    if (reg->be->ops->copy_start(reg->be, cp->segs, cp->nsrcs, cp->ndst, &cp->job) != 0) {
+      rcs[nd] = GPUPOOL_EBACKEND;
+      snprintf(msgs[nd], sizeof msgs[nd], "%s", gpupool__errmsg());
+      done[nd++] = cp;
+      continue;
+    }
+    reg->ncopies_started++;
+    free(cp->segs);
+    cp->segs = NULL;
+  }
+  for (int i = 0; i < nd; i++)
+    copy_end(reg, done[i], rcs[i], msgs[i]);
+}
+
+static void copy_timer_update(gpd_registry *reg) {
+  if (reg->copies && !reg->copy_timer_on && !reg->stopped) {
+    uv_timer_start(&reg->copy_timer, copy_timer_cb, 1, 1);
+    reg->copy_timer_on = 1;
+  } else if (!reg->copies && reg->copy_timer_on) {
+    uv_timer_stop(&reg->copy_timer);
+    reg->copy_timer_on = 0;
+  }
+}
+
+void gpd_copies_stop(gpd_registry *reg) {
+  while (reg->copies)
+    copy_end(reg, reg->copies, GPUPOOL_ECLOSED, "the daemon is stopping");
+  if (reg->copy_timer_on) {
+    uv_timer_stop(&reg->copy_timer);
+    reg->copy_timer_on = 0;
+  }
+}
+
+/* ---- gets on a device ------------------------------------------------------------------- */
+
+/* What a getter on `device` gets of buffer b: *use (b itself, or its ready replica), or
+ * GPUPOOL_EBUSY with *copy the job filling the replica, or 1 when a replica is needed and none
+ * exists yet. */
+static int on_device(gpd_registry *reg, gpd_buffer *b, int device, gpd_buffer **use, gpd_copy **copy) {
+  gpd_replica *r;
+  if (gpd_pool_device(reg, b->slab->pool) == device) {
+    *use = b;
+    return 0;
+  }
+  if (!(r = replica_find(b, device)))
+    return 1;
+  if (r->copy) {
+    *copy = r->copy;
+    return GPUPOOL_EBUSY;
+  }
+  *use = r->buf;
+  return 0;
+}
+
+int gpd_get_on(gpd_registry *reg, gpd_client *c, const char *name, int read_only, uint64_t newer_than,
+               int device, gpd_hold **out, uint64_t *version, uint64_t *copy_id) {
+  gpd_name *n;
+  gpd_buffer *use = NULL;
+  gpd_copy *cp = NULL;
+  int rc;
+  if (device < 0)
+    return gpd_get(reg, c, name, read_only, newer_than, out, version);
+  if ((rc = gpd_find_single(reg, c, name, newer_than, &n)) != 0)
+    return rc;
+  rc = on_device(reg, n->bufs[0], device, &use, &cp);
+  if (rc == 1 && (rc = copy_new(reg, n->bufs, 1, &device, 1, &cp)) == 0)
+    rc = GPUPOOL_EBUSY;
+  if (rc == GPUPOOL_EBUSY) {
+    *copy_id = cp->id;
+    return rc;
+  }
+  if (rc != 0)
+    return rc;
+  if (version)
+    *version = n->version;
+  /* A replica is the version's for every getter on its device: nobody writes it. */
+  return gpd_hold_new(reg, c, use, read_only || n->read_only || use != n->bufs[0], 0, out);
+}
+
+int gpd_get_bundle_on(gpd_registry *reg, gpd_client *c, const char *name, int read_only,
+                      uint64_t newer_than, int device, gpd_hold ***holds, const gpd_name **out,
+                      uint64_t *copy_id) {
+  gpd_name *n;
+  gpd_hold **hs;
+  gpd_buffer **use, **need;
+  gpd_copy *wait = NULL;
+  uint32_t nneed = 0, i;
+  int rc;
+  if (device < 0)
+    return gpd_get_bundle(reg, c, name, read_only, newer_than, holds, out);
+  if ((rc = gpd_find_newer(reg, c, name, newer_than, &n)) != 0)
+    return rc;
+  use = calloc(n->nbufs, sizeof *use);
+  need = calloc(n->nbufs, sizeof *need);
+  if (!use || !need) {
+    free(use);
+    free(need);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  }
+  for (i = 0; i < n->nbufs; i++) {
+    gpd_copy *cp = NULL;
+    rc = on_device(reg, n->bufs[i], device, &use[i], &cp);
+    if (rc == 1)
+      need[nneed++] = n->bufs[i];
+    else if (rc == GPUPOOL_EBUSY && !wait)
+      wait = cp;
+  }
+  /* Every missing replica of the version in one job. */
+  if (nneed && (rc = copy_new(reg, need, nneed, &device, 1, &wait)) != 0)
+    goto out;
+  if (wait) {
+    *copy_id = wait->id;
+    rc = GPUPOOL_EBUSY;
+    goto out;
+  }
+  if (!(hs = calloc(n->nbufs, sizeof *hs))) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    goto out;
+  }
+  for (i = 0; i < n->nbufs; i++)
+    if ((rc = gpd_hold_new(reg, c, use[i], read_only || n->read_only || use[i] != n->bufs[i], 0, &hs[i])) != 0) {
+      while (i-- > 0)
+        gpd_hold_drop(reg, hs[i], 0, NULL);
+      free(hs);
+      goto out;
+    }
+  *holds = hs;
+  *out = n;
+  rc = 0;
+out:
+  free(use);
+  free(need);
+  return rc;
+}
+
+/* ---- broadcast -------------------------------------------------------------------------- */
+
+int gpd_replicate_check(gpd_registry *reg, gpd_client *c, uint64_t hold_id, const uint32_t *devices, size_t n) {
+  gpd_hold *h;
+  int rc;
+  if (n == 0)
+    return 0;
+  if (!reg->be->ops->copy_start)
+    return gpupool__err(GPUPOOL_ENOTSUP, "the %s backend cannot copy between pools: publish without "
+                        "replicate_to", reg->be->desc->name);
+  if (n > GPUPOOL_COPY_MAX_DSTS)
+    return gpupool__err(GPUPOOL_EINVAL, "a publish replicates to at most %d devices, not %zu",
+                        GPUPOOL_COPY_MAX_DSTS, n);
+  if ((rc = gpd_hold_of(reg, c, hold_id, &h)) != 0)
+    return rc;
+  for (size_t i = 0; i < n; i++) {
+    if (devices[i] > 1023)
+      return gpupool__err(GPUPOOL_EINVAL, "device %u is no device ordinal", devices[i]);
+    for (size_t j = 0; j < i; j++)
+      if (devices[j] == devices[i])
+        return gpupool__err(GPUPOOL_EINVAL, "device %u is listed twice in replicate_to", devices[i]);
+    if (!pool_on(reg, (int)devices[i], h->buf->slab->owner))
+      return no_pool(reg, (int)devices[i], h->buf->slab->owner);
+  }
+  return 0;
+}
+
+void gpd_replicate(gpd_registry *reg, gpd_client *c, const char *name, const uint32_t *devices, size_t n) {
+  gpd_name *nm;
+  int devs[GPUPOOL_COPY_MAX_DSTS], ndev = 0, chain = 1;
+  gpd_buffer **need;
+  if (n == 0 || gpd_find_name(reg, c, name, &nm) != 0 || !nm->nbufs)
+    return;
+  if (!(need = calloc(nm->nbufs, sizeof *need)))
+    return;
+  /* The devices where some buffer needs a replica; one chain when every buffer needs one on
+   * each of them (the usual case: a version in one pool), else a job per device. */
+  for (size_t i = 0; i < n && ndev < GPUPOOL_COPY_MAX_DSTS; i++) {
+    uint32_t k = 0;
+    for (uint32_t j = 0; j < nm->nbufs; j++) {
+      gpd_buffer *use = NULL;
+      gpd_copy *cp = NULL;
+      if (on_device(reg, nm->bufs[j], (int)devices[i], &use, &cp) == 1)
+        k++;
+    }
+    if (k)
+      devs[ndev++] = (int)devices[i];
+    if (k && k != nm->nbufs)
+      chain = 0;
+  }
+  if (ndev && chain) {
+    gpd_copy *cp;
+    if (copy_new(reg, nm->bufs, nm->nbufs, devs, ndev, &cp) != 0)
+      GPUPOOL__PEER_WARN(&c->log_rl, c->id, "client %" PRIu64 ": replicas of '%s' on %d device(s) not started: "
+                         "%s; gets on those devices make them", c->id, name, ndev, gpupool__errmsg());
+  } else {
+    for (int d = 0; d < ndev; d++) {
+      uint32_t k = 0;
+      gpd_copy *cp;
+      for (uint32_t j = 0; j < nm->nbufs; j++) {
+        gpd_buffer *use = NULL;
+        gpd_copy *busy = NULL;
+        if (on_device(reg, nm->bufs[j], devs[d], &use, &busy) == 1)
+          need[k++] = nm->bufs[j];
+      }
+      if (k && copy_new(reg, need, k, &devs[d], 1, &cp) != 0)
+        GPUPOOL__PEER_WARN(&c->log_rl, c->id, "client %" PRIu64 ": replica of '%s' on device %d not started: %s; "
+                           "gets on that device make it", c->id, name, devs[d], gpupool__errmsg());
+    }
+  }
+  free(need);
+}
+
+void gpd_replicas_init(gpd_registry *reg) {
+  uv_timer_init(reg->loop, &reg->copy_timer);
+  reg->copy_timer.data = reg;
+}
+
+void gpd_replicas_close(gpd_registry *reg) {
+  gpd_copies_stop(reg);
+  uv_close((uv_handle_t *)&reg->copy_timer, NULL);
+}
