@@ -19,8 +19,9 @@
  *           the target's, so both directions of PCIe run at once. The piece in a slot serves
  *           every staged hop of the chain (it is the same bytes), so a staged broadcast reads
  *           the source once.
- * The segments are cut into pieces of at most PIECE bytes (small segments share one) and the
- * whole job is queued at copy_start, piece by piece: piece k of hop h waits (an event, on the
+ * The segments are cut into pieces (32 MiB when a hop stages, 64 MiB along a chain of peer
+ * copies, none for one destination without staging; small segments share one) and the whole
+ * job is queued at copy_start, piece by piece: piece k of hop h waits (an event, on the
  * GPU) for piece k of hop h-1, so dst[1] gets piece k-1 from dst[0] while dst[0] gets piece k,
  * and n destinations cost about one copy time plus n-1 pieces. Each hop records its piece into
  * one of SLOTS events (a ring: a stream wait takes the event's most recent record, and a
@@ -44,8 +45,13 @@
 #include "errors.h"
 #include "log.h"
 
-/* Bytes per pipelined piece, which is also the size of a staging slot. */
+/* Bytes per piece of a job that stages (the size of a staging slot), of a chain of peer
+ * copies (small enough that filling the chain costs little, large enough that the gaps
+ * between copies do not show), and of a job with one destination and no staging, which has
+ * nothing to pipeline (the largest slab: a segment is never cut). */
 #define PIECE (32ull << 20)
+#define PIECE_CHAIN (64ull << 20)
+#define PIECE_ONE GPUPOOL_SLAB_HARD_MAX
 /* Staging slots in a ring, and events per hop. */
 #define SLOTS 4
 
@@ -72,6 +78,7 @@ struct gpupool__bcopy {
   void *stage;         /* pinned ring of SLOTS * PIECE bytes; NULL when no hop stages */
   cudaEvent_t d2h_ev;  /* the piece now in the ring has landed there */
   int has_d2h_ev;
+  uint64_t piece;      /* bytes per piece */
   uint64_t npieces;    /* pieces queued */
   int done;            /* every final event completed */
 };
@@ -281,6 +288,7 @@ static int plan(gpupool__bcopy *c, const gpupool__bcopy_seg *segs, size_t nsegs)
       c->has_d2h_ev = 1;
     }
   }
+  c->piece = staged_seen ? PIECE : c->ndst > 1 ? PIECE_CHAIN : PIECE_ONE;
   if (staged_seen) {
     if (st->nstage_idle > 0) {
       c->stage = st->stage_idle[--st->nstage_idle];
@@ -298,9 +306,9 @@ static int plan(gpupool__bcopy *c, const gpupool__bcopy_seg *segs, size_t nsegs)
 }
 
 /* The end of the piece that starts at cur: as many whole segments or parts of one as fit in
- * PIECE bytes. */
-static cursor piece_end(const gpupool__bcopy_seg *segs, size_t nsegs, cursor cur) {
-  uint64_t room = PIECE;
+ * piece bytes. */
+static cursor piece_end(const gpupool__bcopy_seg *segs, size_t nsegs, cursor cur, uint64_t piece) {
+  uint64_t room = piece;
   while (cur.seg < nsegs && room > 0) {
     uint64_t left = segs[cur.seg].len - cur.off;
     if (left > room) {
@@ -465,7 +473,7 @@ int gpupool__cuda_copy_start(gpupool__backend *be, const gpupool__bcopy_seg *seg
   if ((rc = plan(c, segs, nsegs)) < 0)
     goto fail;
   while (a.seg < nsegs) {
-    cursor b = piece_end(segs, nsegs, a);
+    cursor b = piece_end(segs, nsegs, a, c->piece);
     if ((rc = queue_piece(c, segs, c->npieces, a, b)) < 0) {
       job_drain(c);
       goto fail;
