@@ -359,6 +359,10 @@ static int queue_piece(gpupool__bcopy *c, const gpupool__bcopy_seg *segs, uint64
     uint64_t poff, off, len;
     cursor r;
     if (H->kind == HOP_STAGED && H->fills_stage) {
+      /* cudaMemcpyAsync refuses (cudaErrorInvalidValue) a stream of another device than the
+       * current one when pool memory is involved: every hop sets its device first. */
+      if ((rc = gpupool__cuda_set_device(H->from_dev)) < 0)
+        return rc;
       /* The slot is free once every staged hop has read the piece SLOTS before this one. */
       if (k >= SLOTS)
         for (int g = h; g < c->ndst; g++)
@@ -378,6 +382,8 @@ static int queue_piece(gpupool__bcopy *c, const gpupool__bcopy_seg *segs, uint64
                    H->from_dev)) < 0)
         return rc;
     }
+    if ((rc = gpupool__cuda_set_device(H->dev)) < 0)
+      return rc;
     if (H->kind == HOP_STAGED) {
       if ((rc = cu(cudaStreamWaitEvent(H->stream, c->d2h_ev, 0), "cudaStreamWaitEvent (staging)",
                    H->dev)) < 0)
