@@ -49,11 +49,21 @@
  * copies (small enough that filling the chain costs little, large enough that the gaps
  * between copies do not show), and of a job with one destination and no staging, which has
  * nothing to pipeline (the largest slab: a segment is never cut). */
-#define PIECE (32ull << 20)
-#define PIECE_CHAIN (64ull << 20)
+#define PIECE ((uint64_t)GPUPOOL__COPY_SLOT_MIB << 20)
+#define PIECE_CHAIN ((uint64_t)GPUPOOL__COPY_CHAIN_MIB << 20)
 #define PIECE_ONE GPUPOOL_SLAB_HARD_MAX
 /* Staging slots in a ring, and events per hop. */
-#define SLOTS 4
+#define SLOTS GPUPOOL__COPY_SLOTS
+/* Defaults of the three, which a build may set (-D) to measure others (bench/RESULTS.md). */
+#ifndef GPUPOOL__COPY_SLOT_MIB
+#define GPUPOOL__COPY_SLOT_MIB 32
+#endif
+#ifndef GPUPOOL__COPY_CHAIN_MIB
+#define GPUPOOL__COPY_CHAIN_MIB 64
+#endif
+#ifndef GPUPOOL__COPY_SLOTS
+#define GPUPOOL__COPY_SLOTS 4
+#endif
 
 typedef enum { HOP_LOCAL, HOP_PEER, HOP_DIRECT, HOP_STAGED } hop_kind;
 
@@ -297,8 +307,9 @@ static int plan(gpupool__bcopy *c, const gpupool__bcopy_seg *segs, size_t nsegs)
       if (e != cudaSuccess) {
         c->stage = NULL;
         return gpupool__cuda_fail(GPUPOOL_ENOMEM, e, "cudaHostAlloc (staging ring)", -1,
-                                  "the staged copy needs 128 MiB of pinned host memory: raise "
-                                  "the locked-memory limit (LimitMEMLOCK=) or free host memory");
+                                  "a staged copy needs a ring of pinned host memory (128 MiB "
+                                  "as built by default): raise the locked-memory limit "
+                                  "(LimitMEMLOCK=) or free host memory");
       }
     }
   }
