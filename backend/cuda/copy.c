@@ -19,7 +19,7 @@
  *           the target's, so both directions of PCIe run at once. The piece in a slot serves
  *           every staged hop of the chain (it is the same bytes), so a staged broadcast reads
  *           the source once.
- * The segments are cut into pieces (32 MiB when a hop stages, 64 MiB along a chain of peer
+ * The segments are cut into pieces (16 MiB when a hop stages, 128 MiB along a chain of peer
  * copies, none for one destination without staging; small segments share one) and the whole
  * job is queued at copy_start, piece by piece: piece k of hop h waits (an event, on the
  * GPU) for piece k of hop h-1, so dst[1] gets piece k-1 from dst[0] while dst[0] gets piece k,
@@ -29,7 +29,7 @@
  * ago), so a job holds ndst * SLOTS + 1 events however long it is.
  *
  * Costs on the caller's thread: copy_start issues about (pieces + segments) * ndst CUDA calls
- * (a few microseconds each: ~5 ms for a 290-tensor 15 GB broadcast to three GPUs); the first
+ * (a few microseconds each: 2.3 ms for a 290-tensor 15 GB broadcast to three GPUs); the first
  * staged job pins its ring (tens of ms, once); copy_poll queries ndst events; copy_free of a
  * running job waits until its queued copies have run (at most the job's remaining copy time:
  * CUDA cannot take back queued copies, and the caller frees the slabs as soon as it returns).
@@ -54,15 +54,18 @@
 #define PIECE_ONE GPUPOOL_SLAB_HARD_MAX
 /* Staging slots in a ring, and events per hop. */
 #define SLOTS GPUPOOL__COPY_SLOTS
-/* Defaults of the three, which a build may set (-D) to measure others (bench/RESULTS.md). */
+/* Defaults of the three, which a build may set (-D) to measure others. Measured on 4 H200
+ * (bench/RESULTS.md) against 32 MiB x 4 slots / 64 MiB chain pieces and 8 MiB x 16 / 256 MiB:
+ * the staged copy gains most from smaller slots (a shorter fill before both directions run),
+ * the chained broadcast is the same within 1%, and fewer chain pieces halve copy_start. */
 #ifndef GPUPOOL__COPY_SLOT_MIB
-#define GPUPOOL__COPY_SLOT_MIB 32
+#define GPUPOOL__COPY_SLOT_MIB 16
 #endif
 #ifndef GPUPOOL__COPY_CHAIN_MIB
-#define GPUPOOL__COPY_CHAIN_MIB 64
+#define GPUPOOL__COPY_CHAIN_MIB 128
 #endif
 #ifndef GPUPOOL__COPY_SLOTS
-#define GPUPOOL__COPY_SLOTS 4
+#define GPUPOOL__COPY_SLOTS 8
 #endif
 
 typedef enum { HOP_LOCAL, HOP_PEER, HOP_DIRECT, HOP_STAGED } hop_kind;

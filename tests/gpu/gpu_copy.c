@@ -337,7 +337,7 @@ static int check_chain(void) {
       char what[64];
       memset(segs, 0, sizeof(segs));
       segs[0].src = loc(&v, s, 0);
-      segs[0].len = 150 * MiB + 12; /* 5 pieces: the chain's pieces overlap */
+      segs[0].len = 150 * MiB + 12; /* several pieces: the hops overlap */
       segs[1].src = loc(&v, s, 160 * MiB);
       segs[1].len = 32 * MiB;
       for (int h = 0; h < n; h++) {
