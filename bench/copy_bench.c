@@ -412,6 +412,13 @@ static void bench_broadcast(int ngpu) {
 int main(int argc, char **argv) {
   int ngpu, rc;
   const char *mode;
+  if (argc == 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
+    printf("usage: %s peer|staged|broadcast [--table FILE]\n"
+           "The CUDA copy engine against cudaMemcpyPeerAsync (peer), cudaMemcpyPeer without\n"
+           "peer access (staged) and a 290-tensor broadcast from GPU 0 to GPUs 1-3 (broadcast);\n"
+           "two GPUs or more. tools/gpu-bench.sh multi runs all three.\n", argv[0]);
+    return 0;
+  }
   if (argc != 2 && !(argc == 4 && !strcmp(argv[2], "--table"))) {
     fprintf(stderr, "usage: %s peer|staged|broadcast [--table FILE]\n", argv[0]);
     return 2;
