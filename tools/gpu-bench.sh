@@ -23,6 +23,16 @@
 #                               torch.multiprocessing, a flattened bucket and gpupool
 #                               bundles; skipped without torch): its table is appended and
 #                               also written to $OUT/weight-sync-table.md.
+#   tools/gpu-bench.sh multi    On a GPU machine with two GPUs or more (four for the whole
+#                               broadcast): prints `nvidia-smi topo -m`, then runs
+#                               build-gpu/bench/gpupool_copy_bench peer, staged and broadcast
+#                               (the CUDA copy engine against raw cudaMemcpyPeerAsync, against
+#                               cudaMemcpyPeer without peer access, and a 290-tensor broadcast
+#                               from GPU 0 to GPUs 1-3 through one chained job), each in a
+#                               process of its own, then bench/broadcast_nccl.py (the same
+#                               broadcast with torch.distributed and NCCL, 4 ranks; skipped
+#                               without torch). With $OUT set, the log and the tables go to
+#                               $OUT/multi-bench.log and $OUT/multi-bench-table.md.
 #
 # Paths are relative to the repository root, so the tree may live anywhere on the GPU machine.
 # PYTHON selects the interpreter for the torch peer (default python3).
@@ -167,9 +177,55 @@ run_bench() {
   rm -f "$log" "$table" "$ptable" "$plog" "$wtable"
 }
 
+# Several GPUs: the copy engine and NCCL's broadcast (issue 24).
+run_multi() {
+  local cb="$build/bench/gpupool_copy_bench" log table rc
+  [ -x "$cb" ] || die "$cb missing: run tools/gpu-bench.sh build on the build machine"
+  log=$(mktemp)
+  table=$(mktemp)
+  {
+    echo "Copy engine on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1)" \
+         "x $(nvidia-smi -L | wc -l), driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -n1)"
+    echo
+    echo '```'
+    nvidia-smi topo -m
+    echo '```'
+  } > "$table" 2>&1 || true
+  cat "$table"
+  for mode in peer staged broadcast; do
+    set +e
+    LD_LIBRARY_PATH="$build/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$cb" "$mode" --table "$table" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+    set -e
+    case "$rc" in
+      0) ;;
+      77) echo "gpu-bench.sh: copy benchmark skipped (fewer than two GPUs)"; rm -f "$log" "$table"; exit 77 ;;
+      *) die "gpupool_copy_bench $mode failed with status $rc (log above)" ;;
+    esac
+  done
+  set +e
+  "${PYTHON:-python3}" bench/broadcast_nccl.py --table "$table" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  case "$rc" in
+    0) ;;
+    77) echo "gpu-bench.sh: NCCL broadcast skipped (see above)"; printf '\nNCCL broadcast: skipped\n' >> "$table" ;;
+    *) die "bench/broadcast_nccl.py failed with status $rc (log above)" ;;
+  esac
+  echo
+  cat "$table"
+  if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT"
+    cp "$log" "$OUT/multi-bench.log"
+    cp "$table" "$OUT/multi-bench-table.md"
+  fi
+  rm -f "$log" "$table"
+}
+
 case "${1:-build}" in
   build) exec tools/gpu-test.sh build ;;
   run) run_bench ;;
+  multi) run_multi ;;
   -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' ;;
-  *) die "unknown mode '$1' (build or run)" ;;
+  *) die "unknown mode '$1' (build, run or multi)" ;;
 esac

@@ -27,6 +27,7 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda.h"
+#include "cuda_daemon.h"
 #include "errors.h"
 #include "gpupool.pb-c.h"
 #include "log.h"
@@ -34,34 +35,15 @@
 /* Slab size of the pools made when none is configured. */
 #define DEFAULT_SLAB (256ull << 20)
 
-typedef struct {
-  int usable;          /* pools with POSIX-fd handles are supported */
-  cudaStream_t stream; /* daemon stream, created on first use */
-  int has_stream;
-} cuda_dev;
-
-typedef struct {
-  int ndev;
-  cuda_dev *dev;
-  int event_dev; /* device the IPC events live on: the first pool's, else the first usable */
-  int event_dev_fixed;
-} cuda_state;
-
-struct gpupool__bpool {
-  cuda_state *st;
-  cudaMemPool_t pool;
-  int fd;         /* exported POSIX fd, owned here */
-  int device;     /* device whose stream allocates and frees (the GPU for HOST_NUMA) */
-  int granted;    /* HOST_NUMA: device was given access here (taken back before destroying) */
-  char name[64];
-};
+typedef gpupool__cuda_dev cuda_dev;
+typedef gpupool__cuda_state cuda_state;
 
 struct gpupool__bevent {
   cudaEvent_t ev;
   int device;
 };
 
-static int set_device(int device) {
+int gpupool__cuda_set_device(int device) {
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess)
     return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaSetDevice", device,
@@ -235,7 +217,7 @@ static int dev_stream(cuda_state *st, int device, cudaStream_t *out) {
     return gpupool__err(GPUPOOL_EINVAL, "CUDA device %d does not exist (%d visible): fix the "
                         "pool's device= setting", device, st->ndev);
   d = &st->dev[device];
-  if ((rc = set_device(device)) < 0)
+  if ((rc = gpupool__cuda_set_device(device)) < 0)
     return rc;
   if (!d->has_stream) {
     /* Non-blocking: the daemon's allocations and frees must not serialize with anything a
@@ -323,6 +305,7 @@ static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cf
   p->st = st;
   p->fd = -1;
   p->device = cfg->device;
+  p->host = cfg->kind == GPUPOOL_MEM_HOST_NUMA;
   snprintf(p->name, sizeof(p->name), "%s", cfg->name);
 
   memset(&props, 0, sizeof(props));
@@ -417,14 +400,16 @@ fail:
 
 /* The registry destroys a tenant's pool once idle: every slab freed (each cudaFreeAsync
  * synchronized, so nothing of it is outstanding) and no connected client attached. Destroying
- * is what gives an IPC pool's memory back. The only access the daemon grants is its GPU's to a
- * host-NUMA pool; it is taken back first, so a recycled handle inherits no access state
- * (importers clear theirs before destroying their imports, cuda_client.c). */
+ * is what gives an IPC pool's memory back. The access the daemon granted (its GPU's to a
+ * host-NUMA pool, other GPUs' for the copy engine) is taken back first, so a recycled handle
+ * inherits no access state (importers clear theirs before destroying their imports,
+ * cuda_client.c). */
 static void cuda_pool_destroy(gpupool__bpool *p) {
   cudaError_t e;
   if (!p)
     return;
-  if (set_device(p->device) == 0) {
+  gpupool__cuda_copy_pool_forget(p);
+  if (gpupool__cuda_set_device(p->device) == 0) {
     if (p->granted) {
       e = gpupool__cuda_pool_access(p->pool, p->device, cudaMemAccessFlagsProtNone);
       if (e != cudaSuccess) {
@@ -581,7 +566,7 @@ static int cuda_event_create(gpupool__backend *be, gpupool__bevent **out,
   if (!ev)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory creating an IPC event");
   ev->device = st->event_dev;
-  if ((rc = set_device(ev->device)) < 0)
+  if ((rc = gpupool__cuda_set_device(ev->device)) < 0)
     goto fail;
   e = cudaEventCreateWithFlags(&ev->ev, cudaEventInterprocess | cudaEventDisableTiming);
   if (e != cudaSuccess) {
@@ -609,7 +594,7 @@ fail:
 static int cuda_event_query(gpupool__bevent *ev) {
   cudaError_t e;
   int rc;
-  if ((rc = set_device(ev->device)) < 0)
+  if ((rc = gpupool__cuda_set_device(ev->device)) < 0)
     return rc;
   e = cudaEventQuery(ev->ev);
   if (e == cudaSuccess)
@@ -626,7 +611,7 @@ static void cuda_event_destroy(gpupool__bevent *ev) {
   cudaError_t e;
   if (!ev)
     return;
-  if (set_device(ev->device) == 0) {
+  if (gpupool__cuda_set_device(ev->device) == 0) {
     e = cudaEventDestroy(ev->ev);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
@@ -643,6 +628,7 @@ static void cuda_close(gpupool__backend *be) {
     return;
   st = be->priv;
   if (st) {
+    gpupool__cuda_copy_close(st);
     for (int d = 0; d < st->ndev; d++) {
       if (!st->dev[d].has_stream)
         continue;
@@ -651,6 +637,7 @@ static void cuda_close(gpupool__backend *be) {
       (void)cudaGetLastError();
       GPUPOOL__WARN("cuda: cannot destroy the daemon stream of device %d", d);
     }
+    free(st->peer);
     free(st->dev);
     free(st);
   }
@@ -668,6 +655,9 @@ static const gpupool__backend_ops cuda_ops = {
     .event_query = cuda_event_query,
     .event_destroy = cuda_event_destroy,
     .close = cuda_close,
+    .copy_start = gpupool__cuda_copy_start,
+    .copy_poll = gpupool__cuda_copy_poll,
+    .copy_free = gpupool__cuda_copy_free,
 };
 
 int gpupool__cuda_open(gpupool__backend **out) {
@@ -688,7 +678,8 @@ int gpupool__cuda_open(gpupool__backend **out) {
     goto fail;
   }
   st->dev = calloc((size_t)ndev, sizeof(*st->dev));
-  if (!st->dev) {
+  st->peer = calloc((size_t)ndev * (size_t)ndev, sizeof(*st->peer));
+  if (!st->dev || !st->peer) {
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory opening the CUDA backend");
     goto fail;
   }
@@ -717,8 +708,10 @@ int gpupool__cuda_open(gpupool__backend **out) {
   return 0;
 
 fail:
-  if (st)
+  if (st) {
+    free(st->peer);
     free(st->dev);
+  }
   free(st);
   free(be);
   free(usable);

@@ -1,0 +1,65 @@
+/*
+ * What the daemon half of the CUDA backend shares between its files: the backend's state
+ * (devices, their streams, peer access, the staging cache), the pool, and the copy engine's
+ * entry points (copy.c). Not seen outside backend/cuda/.
+ */
+#ifndef GPUPOOL_BACKEND_CUDA_DAEMON_H
+#define GPUPOOL_BACKEND_CUDA_DAEMON_H
+
+#include <stdint.h>
+
+#include "cuda.h"
+
+/* Pinned staging rings kept for the next staged copy once their job ends. */
+#define GPUPOOL__CUDA_STAGE_KEEP 2
+
+typedef struct {
+  int usable;          /* pools with POSIX-fd handles are supported */
+  cudaStream_t stream; /* daemon stream (allocations, frees), created on first use */
+  int has_stream;
+  /* Copy stream: the copy engine's own (cudaStreamNonBlocking), so that a slab allocation's
+   * synchronize never waits for a multi-gigabyte copy queued before it. */
+  cudaStream_t copy_stream;
+  int has_copy_stream;
+} gpupool__cuda_dev;
+
+typedef struct {
+  int ndev;
+  gpupool__cuda_dev *dev;
+  int event_dev; /* device the IPC events live on: the first pool's, else the first usable */
+  int event_dev_fixed;
+  /* peer[a * ndev + b]: can device b's copy engines reach device a's memory, and is that
+   * enabled in this process: 0 not asked yet, 1 enabled, -1 not possible. */
+  signed char *peer;
+  /* Idle pinned staging rings (GPUPOOL__CUDA_STAGE_KEEP at most). */
+  void *stage_idle[GPUPOOL__CUDA_STAGE_KEEP];
+  int nstage_idle;
+} gpupool__cuda_state;
+
+struct gpupool__bpool {
+  gpupool__cuda_state *st;
+  cudaMemPool_t pool;
+  int fd;         /* exported POSIX fd, owned here */
+  int device;     /* device whose stream allocates and frees (the GPU for HOST_NUMA) */
+  int host;       /* 1 for HOST_NUMA (pinned host memory), 0 for device memory */
+  int granted;    /* HOST_NUMA: device was given access here (taken back before destroying) */
+  /* Devices other than `device` the copy engine gave access to this pool (bit d = device d,
+   * devices below 64), taken back before the pool is destroyed. */
+  uint64_t copy_access;
+  char name[64];
+};
+
+/* cudaSetDevice with an error naming the device and the fix. */
+int gpupool__cuda_set_device(int device);
+
+/* The copy engine (copy.c): the backend ops of backend.h. */
+int gpupool__cuda_copy_start(gpupool__backend *be, const gpupool__bcopy_seg *segs, size_t nsegs,
+                             int ndst, gpupool__bcopy **out);
+int gpupool__cuda_copy_poll(gpupool__bcopy *c);
+void gpupool__cuda_copy_free(gpupool__bcopy *c);
+/* Free what the copy engine keeps in st (staging rings, copy streams), at backend close. */
+void gpupool__cuda_copy_close(gpupool__cuda_state *st);
+/* Take back the access the copy engine gave other devices to p, before it is destroyed. */
+void gpupool__cuda_copy_pool_forget(gpupool__bpool *p);
+
+#endif
