@@ -132,6 +132,21 @@ static gpupool__bloc loc_of(const gpd_buffer *b) {
 
 static void copy_timer_update(gpd_registry *reg);
 
+/* 1 when every source's ready event has completed (what its producer queued before publishing
+ * is in memory), 0 while one is pending: a copy starts only then, since the copy engine's
+ * streams do not wait on the producer's. A query error counts as done: the copy then reads
+ * what is there, as a getter would. */
+static int srcs_ready(const gpd_registry *reg, gpd_buffer *const *srcs, uint32_t n) {
+  if (!reg->be->ops->has_events)
+    return 1;
+  for (uint32_t i = 0; i < n; i++) {
+    gpd_event *e = srcs[i]->ready;
+    if (e && e->be && reg->be->ops->event_query(e->be) == 0)
+      return 0;
+  }
+  return 1;
+}
+
 /* Start one job copying each of the n sources to each of the ndev devices (a chain along
  * them): replicas made and attached, sources referenced. Nothing changes on error. */
 static int copy_new(gpd_registry *reg, gpd_buffer *const *srcs, uint32_t n, const int *devs, int ndev,
@@ -176,7 +191,8 @@ static int copy_new(gpd_registry *reg, gpd_buffer *const *srcs, uint32_t n, cons
     }
   }
   /* Started now only when a slot is free and no older job waits for one. */
-  if (reg->ncopies_started < GPD_COPIES_RUNNING_MAX && reg->ncopies == reg->ncopies_started) {
+  if (reg->ncopies_started < GPD_COPIES_RUNNING_MAX && reg->ncopies == reg->ncopies_started &&
+      srcs_ready(reg, srcs, n)) {
     if ((rc = ops->copy_start(reg->be, segs, n, ndev, &cp->job)) != 0)
       goto fail;
     reg->ncopies_started++;
@@ -287,7 +303,7 @@ static void copy_timer_cb(uv_timer_t *t) {
   /* Waiting jobs whose slot freed: a start that fails ends the job with its error. */
   for (gpd_copy *cp = reg->copies; cp && reg->ncopies_started < GPD_COPIES_RUNNING_MAX &&
                                    nd < GPD_COPIES_RUNNING_MAX * 2; cp = cp->next) {
-    if (cp->job)
+    if (cp->job || !srcs_ready(reg, cp->srcs, cp->nsrcs))
       continue;
     if (reg->be->ops->copy_start(reg->be, cp->segs, cp->nsrcs, cp->ndst, &cp->job) != 0) {
       rcs[nd] = GPUPOOL_EBACKEND;
