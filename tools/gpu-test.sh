@@ -13,6 +13,7 @@
 #                               runs the tests labelled gpu with ctest
 #                               (LD_LIBRARY_PATH=build-gpu/lib) and
 #                               writes the log to $OUT/gpu-test.log when $OUT is set.
+#                               GPU_TEST_ARGS="-R replicas" passes more arguments to ctest.
 #
 # ctest files hold the absolute source and build paths of the build machine. When the tree
 # now lives elsewhere, run mode rewrites those paths in build-gpu/**/CTestTestfile.cmake to
@@ -31,7 +32,7 @@ die() { echo "gpu-test.sh: $*" >&2; exit 1; }
 # What the GPU machine runs: the daemon, the GPU tests, the benchmarks, gpupoolctl, the demo
 # programs and the shared client library (for the Python tests; it links the shared
 # protobuf-c, copied into build-gpu/lib below). GPU_BUILD_TARGETS=all builds the whole tree.
-targets=${GPU_BUILD_TARGETS:-gpupoold gpupool_gpu_test gpupool_gpu_pinned gpupool_gpu_files gpupool_gpu_copy gpupool_bench gpupool_copy_bench gpupool_pinned_bench gpupool_host_bench gpupoolctl gpupool-client gpupool-producer gpupool-consumer}
+targets=${GPU_BUILD_TARGETS:-gpupoold gpupool_gpu_test gpupool_gpu_pinned gpupool_gpu_files gpupool_gpu_copy gpupool_gpu_replicas gpupool_bench gpupool_copy_bench gpupool_pinned_bench gpupool_host_bench gpupoolctl gpupool-client gpupool-producer gpupool-consumer}
 
 build_tree() {
   cmake -S . -B "$build" -DGPUPOOL_STATIC_DEPS=ON -DGPUPOOL_CUDA=ON -DGPUPOOL_PYTHON_GPU=python3 \
@@ -75,7 +76,7 @@ run_tests() {
   log=$(mktemp)
   set +e
   LD_LIBRARY_PATH="$root/$build/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    ctest --test-dir "$build" -L gpu --output-on-failure 2>&1 | tee "$log"
+    ctest --test-dir "$build" -L gpu --output-on-failure ${GPU_TEST_ARGS:-} 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   set -e
   if [ -n "${OUT:-}" ]; then
