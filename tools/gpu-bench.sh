@@ -225,7 +225,8 @@ run_multi() {
   # The replicas end to end: each mode with its own gpupoold, in a process of its own.
   for mode in peer staged broadcast getters; do
     set +e
-    "$rb" "$mode" "$build/daemon/gpupoold" "$build/tools/gpupoolctl" --table "$table" \
+    LD_LIBRARY_PATH="$build/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+      "$rb" "$mode" "$build/daemon/gpupoold" "$build/tools/gpupoolctl" --table "$table" \
       ${MULTI_QUICK:+--quick} 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}
     set -e
@@ -236,20 +237,20 @@ run_multi() {
       *) die "gpupool_replica_bench $mode failed with status $rc (log above)" ;;
     esac
   done
-  # The broadcast end to end next to the engine alone and NCCL (ratio: that figure's time over
-  # gpupool's end to end, above 1 where gpupool is faster).
+  # The broadcast end to end next to the engine alone and NCCL (ratio: gpupool's end to end time
+  # over that figure's; at most 1 where gpupool is no slower).
   awk '
     $1 == "BENCH" { v[$2] = $3 }
     END {
       g = "replica_broadcast_ms"
       if (!(g in v)) exit
-      printf "\n| state dict broadcast, GPU 0 -> GPUs 1-3 | ms (median) | that / gpupool end to end |\n| --- | --- | --- |\n"
+      printf "\n| state dict broadcast, GPU 0 -> GPUs 1-3 | ms (median) | gpupool end to end / this |\n| --- | --- | --- |\n"
       printf "| gpupool end to end: gpupool_bundle_publish_to until every getter holds a usable replica | %.1f | 1.00 |\n", v[g]
       split("copy_broadcast_chain_ms nccl_broadcast_per_tensor_ms nccl_broadcast_bucket_ms", k, " ")
       split("copy engine alone, one chained job (copy_bench)|NCCL torch.distributed.broadcast per tensor|NCCL one flat bucket", lab, "|")
       for (i = 1; i <= 3; i++)
         if (k[i] in v)
-          printf "| %s | %.1f | %.2f |\n", lab[i], v[k[i]], v[k[i]] / v[g]
+          printf "| %s | %.1f | %.2f |\n", lab[i], v[k[i]], v[g] / v[k[i]]
         else
           printf "| %s | - | - |\n", lab[i]
     }' "$log" | tee -a "$table"
