@@ -181,7 +181,7 @@ static int w_bproducer(char **a) {
   int ndev = atoi(a[2]), nt = layout(), rc, ce, devs[MAXDEV];
   cudaStream_t s = wstream(role, 0);
   gpupool_member_spec spec[NT];
-  char names[NT][8], line[128];
+  char names[NT][16], line[128];
   gpupool_client *c;
   gpupool_bundle *b;
   gpupool_member m;
