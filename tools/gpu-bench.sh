@@ -31,8 +31,17 @@
 #                               from GPU 0 to GPUs 1-3 through one chained job), each in a
 #                               process of its own, then bench/broadcast_nccl.py (the same
 #                               broadcast with torch.distributed and NCCL, 4 ranks; skipped
-#                               without torch). With $OUT set, the log and the tables go to
-#                               $OUT/multi-bench.log and $OUT/multi-bench-table.md.
+#                               without torch), then build-gpu/bench/gpupool_replica_bench
+#                               peer, staged, broadcast and getters (the same figures end to
+#                               end through a private gpupoold: a get on GPU 1 against raw
+#                               cudaMemcpyPeerAsync, staged against cudaMemcpyPeer, the state
+#                               dict published with gpupool_bundle_publish_to to getters
+#                               waiting on GPUs 1-3, 8 getters sharing one copy), and last a
+#                               table of the broadcast end to end next to NCCL's, with the
+#                               ratios. MULTI_QUICK=1 passes --quick (two runs of each
+#                               figure: to check that it runs). With $OUT set, the log and
+#                               the tables go to $OUT/multi-bench.log and
+#                               $OUT/multi-bench-table.md.
 #
 # Paths are relative to the repository root, so the tree may live anywhere on the GPU machine.
 # PYTHON selects the interpreter for the torch peer (default python3).
@@ -179,8 +188,9 @@ run_bench() {
 
 # Several GPUs: the copy engine and NCCL's broadcast (issue 24).
 run_multi() {
-  local cb="$build/bench/gpupool_copy_bench" log table rc
+  local cb="$build/bench/gpupool_copy_bench" rb="$build/bench/gpupool_replica_bench" log table rc
   [ -x "$cb" ] || die "$cb missing: run tools/gpu-bench.sh build on the build machine"
+  [ -x "$rb" ] || die "$rb missing: run tools/gpu-bench.sh build on the build machine"
   log=$(mktemp)
   table=$(mktemp)
   {
@@ -212,6 +222,38 @@ run_multi() {
     77) echo "gpu-bench.sh: NCCL broadcast skipped (see above)"; printf '\nNCCL broadcast: skipped\n' >> "$table" ;;
     *) die "bench/broadcast_nccl.py failed with status $rc (log above)" ;;
   esac
+  # The replicas end to end: each mode with its own gpupoold, in a process of its own.
+  for mode in peer staged broadcast getters; do
+    set +e
+    LD_LIBRARY_PATH="$build/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+      "$rb" "$mode" "$build/daemon/gpupoold" "$build/tools/gpupoolctl" --table "$table" \
+      ${MULTI_QUICK:+--quick} 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+    set -e
+    case "$rc" in
+      0) ;;
+      77) echo "gpu-bench.sh: replica benchmark $mode skipped (see above)"
+          printf '\nReplica benchmark %s: skipped\n' "$mode" >> "$table" ;;
+      *) die "gpupool_replica_bench $mode failed with status $rc (log above)" ;;
+    esac
+  done
+  # The broadcast end to end next to the engine alone and NCCL (ratio: gpupool's end to end time
+  # over that figure's; at most 1 where gpupool is no slower).
+  awk '
+    $1 == "BENCH" { v[$2] = $3 }
+    END {
+      g = "replica_broadcast_ms"
+      if (!(g in v)) exit
+      printf "\n| state dict broadcast, GPU 0 -> GPUs 1-3 | ms (median) | gpupool end to end / this |\n| --- | --- | --- |\n"
+      printf "| gpupool end to end: gpupool_bundle_publish_to until every getter holds a usable replica | %.1f | 1.00 |\n", v[g]
+      split("copy_broadcast_chain_ms nccl_broadcast_per_tensor_ms nccl_broadcast_bucket_ms", k, " ")
+      split("copy engine alone, one chained job (copy_bench)|NCCL torch.distributed.broadcast per tensor|NCCL one flat bucket", lab, "|")
+      for (i = 1; i <= 3; i++)
+        if (k[i] in v)
+          printf "| %s | %.1f | %.2f |\n", lab[i], v[k[i]], v[g] / v[k[i]]
+        else
+          printf "| %s | - | - |\n", lab[i]
+    }' "$log" | tee -a "$table"
   echo
   cat "$table"
   if [ -n "${OUT:-}" ]; then
