@@ -265,6 +265,7 @@ int gpd_registry_init(gpd_registry *reg, uv_loop_t *loop, const gpd_config *cfg,
   gpupool__hmap_init(&reg->layout_hash);
   uv_timer_init(loop, &reg->sweep_timer);
   reg->sweep_timer.data = reg;
+  gpd_keeps_init(reg);
   reg->pools = calloc((size_t)cfg->n_pools, sizeof *reg->pools);
   if (!reg->pools)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
@@ -327,11 +328,14 @@ void gpd_registry_stop(gpd_registry *reg) {
     uv_timer_stop(&reg->sweep_timer);
     reg->sweep_timer_on = 0;
   }
+  gpd_keeps_stop(reg);
 }
 
 void gpd_registry_close(gpd_registry *reg) {
   /* Every client is gone: drop names, then finish every pending free regardless of events
-   * (the daemon is exiting; the backend's pools go with it). */
+   * (the daemon is exiting; the backend's pools go with it). Kept shares go first: they are
+   * references like names. */
+  gpd_keeps_close(reg);
   for (size_t i = 0; i < reg->names.cap; i++) {
     if (!gpupool__smap_slot_used(&reg->names, i))
       continue;

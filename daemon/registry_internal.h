@@ -33,6 +33,11 @@ int gpd_hold_new(gpd_registry *reg, gpd_client *c, gpd_buffer *b, int read_only,
 void gpd_hold_drop(gpd_registry *reg, gpd_hold *h, int done_recorded, gpd_lease *lease);
 int gpd_hold_of(gpd_registry *reg, gpd_client *c, uint64_t id, gpd_hold **out);
 int gpd_pool_alignment(const gpd_pool *p, uint64_t *align);
+/* Kept shares: the timer that expires them (init with the registry), and dropping them all
+ * (registry_stop stops the timer, registry_close drops every keep first). */
+void gpd_keeps_init(gpd_registry *reg);
+void gpd_keeps_stop(gpd_registry *reg);
+void gpd_keeps_close(gpd_registry *reg);
 
 /* leases.c: the leases of closed connections */
 void gpd_lease_unref(gpd_lease *l);
@@ -62,6 +67,7 @@ int gpd_owner_reachable(const gpd_registry *reg, const gpd_client *c, uint64_t o
 int gpd_quota_memory(gpd_registry *reg, const gpd_client *c, uint64_t size);
 int gpd_quota_waiting_leases(gpd_registry *reg, const gpd_client *c);
 int gpd_quota_holds(gpd_registry *reg, const gpd_client *c, const gpd_uid_usage *u);
+int gpd_quota_kept_shares(gpd_registry *reg, const gpd_client *c, const gpd_uid_usage *u);
 int gpd_quota_name(gpd_registry *reg, uint64_t tenant);
 int gpd_quota_name_move(gpd_registry *reg, uint64_t tenant, const char *name);
 int gpd_quota_file(gpd_registry *reg, uint64_t tenant);
