@@ -73,7 +73,7 @@ static void set_error(const char *what, int rc) {
 }
 
 /* Where the allocator connects (NULL: $GPUPOOL_SOCKET or the default) and the pool of each
- * device (pool_names[i] for device i; NULL or "" = the daemon's first pool). Call before the
+ * device (pool_names[i] for device i; NULL or "": allocations there fail). Call before the
  * first allocation; 0, or -1 when out of memory. */
 EXPORT int gpupool_torch_alloc_configure(const char *socket, const char *const *pool_names, int n) {
   int rc = 0;
@@ -110,8 +110,14 @@ EXPORT void *gpupool_torch_alloc(size_t size, int device, void *stream) {
     snprintf(last_error, sizeof last_error, "gpupool torch allocator: out of host memory for its table");
     goto fail;
   }
-  rc = gpupool_buffer_alloc(cli, device >= 0 && device < MAX_DEVICES ? pools[device] : NULL, size ? size : 1, 0,
-                            stream, &b);
+  if (device < 0 || device >= MAX_DEVICES || !pools[device]) {
+    snprintf(last_error, sizeof last_error,
+             "gpupool torch allocator: no gpupool pool for CUDA device %d (the daemon has no device pool "
+             "there, or use_allocator(pools=...) named none)", device);
+    free(e);
+    goto fail;
+  }
+  rc = gpupool_buffer_alloc(cli, pools[device], size ? size : 1, 0, stream, &b);
   if (rc != 0) {
     char what[96];
     snprintf(what, sizeof what, "gpupool torch allocator: allocation of %zu bytes on device %d", size, device);

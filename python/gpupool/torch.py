@@ -37,7 +37,7 @@ from ._dict import _UINT8
 from ._errors import GpupoolError, error
 
 __all__ = ["install", "uninstall", "installed", "empty", "zeros", "empty_like", "use_allocator",
-           "allocator_counts"]
+           "allocator_counts", "allocator_last_error", "GpupoolError"]
 
 log = logging.getLogger("gpupool.torch")
 
@@ -68,6 +68,7 @@ class _State:
         self.client: Optional[Client] = None   # the process-wide client, of pid `pid`
         self.pid = os.getpid()
         self.user_client = False                 # install(client=...) gave it
+        self.client_socket = None                # the socket our own client connected to
         self.stale: list = []                    # clients inherited through fork: never used
         self.saved: dict = {}                    # ForkingPickler reducers install() replaced
         self.fallback_said = False
@@ -98,6 +99,7 @@ def _client() -> Client:
         if _S.client is None:
             sock = _S.opts.socket if _S.opts is not None else None
             _S.client = Client(sock, name="torch pid %d" % os.getpid())
+            _S.client_socket = sock
             _S.user_client = False
         return _S.client
 
@@ -318,6 +320,34 @@ def _rebuild_tensor(cls, storage, dtype, offset, size, stride, requires_grad):
     return t
 
 
+# --- children ------------------------------------------------------------------------------
+# A spawn or forkserver child that sends tensors before it receives any would use torch's own
+# sharing: the Process object it unpickles first thing carries install()'s options, so the
+# child installs before its target runs (Pool workers included). A fork child inherits the
+# registrations.
+def _process_types():
+    import multiprocessing.context as ctx
+
+    return [t for t in (getattr(ctx, "SpawnProcess", None), getattr(ctx, "ForkServerProcess", None))
+            if t is not None]
+
+
+def _reduce_process(p):
+    rv = p.__reduce_ex__(2)  # object's own: (copyreg.__newobj__, (cls,), state)
+    return (_rebuild_process, (_S.opts.spec() if _S.opts is not None else None, rv[1][0], rv[2]))
+
+
+def _rebuild_process(spec, cls, state):
+    if spec is not None and _S.opts is None:
+        install(copy=spec[0], cpu=spec[1], pool=spec[2], fallback=spec[3], socket=spec[4])
+    obj = cls.__new__(cls)
+    if isinstance(state, tuple):
+        state = state[0]
+    if state:
+        obj.__dict__.update(state)
+    return obj
+
+
 # --- install -------------------------------------------------------------------------------
 def _tensor_types():
     types = [torch.Tensor, torch.nn.parameter.Parameter]
@@ -338,10 +368,10 @@ def install(client: Optional[Client] = None, *, copy: bool = True, cpu: bool = F
     the pool copies go to (default: one on the storage's device). fallback: when gpupoold is
     unreachable, log a warning and use torch's own sharing instead of raising.
 
-    Receiving processes need nothing: unpickling a gpupool tensor connects a client of their
-    own and installs the same options there, so tensors they send back travel the same way.
-    A Pool worker that sends tensors before it receives any should call install() in its
-    initializer."""
+    Children need nothing: a spawn or forkserver child (a Process, a Pool worker) installs
+    the same options before its target runs, a fork child inherits them, and any process
+    that unpickles a gpupool tensor installs them too; each connects a client of its own on
+    first use."""
     import torch.multiprocessing  # noqa: F401  (registers torch's reductions first)
 
     opts = _Options(copy, cpu, pool, fallback, socket)
@@ -353,6 +383,8 @@ def install(client: Optional[Client] = None, *, copy: bool = True, cpu: bool = F
             _S.client = client
             _S.user_client = True
         else:
+            if _S.client is not None and (_S.user_client or _S.client_socket != opts.socket):
+                _S.client = None  # another daemon (or the user's client no more): connect anew
             try:
                 _client()
             except GpupoolError as e:
@@ -367,9 +399,13 @@ def install(client: Optional[Client] = None, *, copy: bool = True, cpu: bool = F
                 _S.saved[t] = reducers.get(t, _torch_reductions.reduce_tensor)
             _S.saved[torch.UntypedStorage] = reducers.get(torch.UntypedStorage,
                                                           _torch_reductions.reduce_storage)
+            for t in _process_types():
+                _S.saved[t] = reducers.get(t)
         for t in _tensor_types():
             ForkingPickler.register(t, _reduce_tensor)
         ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
+        for t in _process_types():
+            ForkingPickler.register(t, _reduce_process)
         os.environ[_ENV] = repr(opts.spec())
 
 
@@ -377,7 +413,10 @@ def uninstall() -> None:
     """Give torch its own reductions back (tensors sent from now on use torch's sharing)."""
     with _S.lock:
         for t, r in _S.saved.items():
-            ForkingPickler.register(t, r)
+            if r is None:
+                ForkingPickler._extra_reducers.pop(t, None)
+            else:
+                ForkingPickler.register(t, r)
         _S.saved = {}
         _S.opts = None
         os.environ.pop(_ENV, None)
@@ -482,6 +521,8 @@ def use_allocator(socket: Optional[str] = None, pools: Optional[Sequence[Optiona
     socket: the daemon (default: $GPUPOOL_SOCKET or the default); pools: a pool name per
     device index (default: the daemon's device pool for each device). Each allocation and
     free is a request to gpupoold (no caching): docs/TORCH.md gives what that costs."""
+    if _S.alloc_lib is not None:
+        raise error("EBUSY", "gpupool.torch.use_allocator() already runs in this process")
     path = _alloc_library_path()
     try:
         L = ctypes.CDLL(path)
@@ -497,14 +538,13 @@ def use_allocator(socket: Optional[str] = None, pools: Optional[Sequence[Optiona
     if socket is None and _S.opts is not None:
         socket = _S.opts.socket
     if pools is None:
+        # The daemon's device pool of each device (none: allocations there fail, saying so).
         with Client(socket, name="torch allocator setup") as c:
-            n = torch.cuda.device_count()
-            pools = []
-            for d in range(n):
-                try:
-                    pools.append(c._pool_for(_dlpack.kDLCUDA, d, "cuda:%d" % d))
-                except GpupoolError:
-                    pools.append(None)
+            have = c.pools()
+        pools = []
+        for d in range(torch.cuda.device_count()):
+            mine = [p["name"] for p in have if p["kind"] == "device" and p["device"] == d]
+            pools.append(mine[0] if mine else None)
     names = (ctypes.c_char_p * max(len(pools), 1))(*[None if p is None else p.encode() for p in pools])
     if L.gpupool_torch_alloc_configure(None if socket is None else str(socket).encode(), names,
                                        len(pools)) != 0:
