@@ -286,7 +286,7 @@ def _rebuild_storage(token, offset, nbytes, spec):
                 return st
     t = c._open_hold_tensor(hold, offset, nbytes)
     x = torch.from_dlpack(t)  # the storage's deleter drops the hold
-    del t, hold
+    del t
     st = x.untyped_storage()
     with _S.lock:
         _S.received[key] = _torch_reductions.StorageWeakRef(st)
@@ -294,19 +294,8 @@ def _rebuild_storage(token, offset, nbytes, spec):
             for k in [k for k, r in _S.received.items() if r.expired()]:
                 del _S.received[k]
             _S.received_prune = max(1024, 2 * len(_S.received))
-    for h in _holds_of(x, c):
-        _remember(st.data_ptr(), h, offset)
+    _remember(st.data_ptr(), hold, offset)  # sent on from here: shared in place
     return st
-
-
-def _holds_of(x, c):
-    """The hold behind a tensor just made from a gpupool Tensor (the newest hold of c that
-    contains its data)."""
-    ptr = x.data_ptr()
-    for h in reversed(list(c._holds)):
-        if not h.released and h.ptr <= ptr < h.ptr + h.size:
-            return [h]
-    return []
 
 
 def _rebuild_tensor(cls, storage, dtype, offset, size, stride, requires_grad):
