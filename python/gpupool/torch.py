@@ -139,12 +139,13 @@ def _stream_of(device):
 
 # --- sending -------------------------------------------------------------------------------
 def _remember(storage_ptr, hold, offset):
-    owned = _S.owned
-    owned[storage_ptr] = (weakref.ref(hold), offset)
-    if len(owned) > _S.owned_prune:
-        for k in [k for k, (r, _) in owned.items() if r() is None or r().released]:
-            del owned[k]
-        _S.owned_prune = max(1024, 2 * len(owned))
+    with _S.lock:  # feeder threads of several queues share it
+        owned = _S.owned
+        owned[storage_ptr] = (weakref.ref(hold), offset)
+        if len(owned) > _S.owned_prune:
+            for k in [k for k, (r, _) in owned.items() if r() is None or r().released]:
+                del owned[k]
+            _S.owned_prune = max(1024, 2 * len(owned))
 
 
 def _find(storage, c):
@@ -254,7 +255,10 @@ def _reduce_tensor(t):
 def _reduce_storage(storage):
     opts = _S.opts
     saved = _S.saved.get(torch.UntypedStorage)
-    if opts is None or not _handled(storage.device) or not _usable():
+    # A CPU storage that is a gpupool buffer goes as one even with cpu=False: torch's own
+    # sharing would move it into a shared-memory file of its own, away from gpupool.
+    mine = storage.device.type == "cpu" and storage.data_ptr() in _S.owned
+    if opts is None or not (_handled(storage.device) or mine) or not _usable():
         return saved(storage)
     if storage.nbytes() == 0:
         return (_rebuild_empty, (str(storage.device),))

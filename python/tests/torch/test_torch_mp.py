@@ -372,6 +372,15 @@ class Options(TorchTestCase):
         self.assertEqual(self.counters(), before)  # no gpupool buffer was made
         self.assertTrue(torch.equal(pickle.loads(data), torch.ones(1000)))
 
+    def test_cpu_false_still_shares_gpupool_cpu_storages(self):
+        gt.install(cpu=False, socket=self.daemon.socket)
+        g = gt.zeros(8)
+        ptr = g.untyped_storage().data_ptr()
+        y = pickle.loads(ForkingPickler.dumps(g))
+        # torch's own sharing would have moved g into a shared-memory file of its own.
+        self.assertEqual(g.untyped_storage().data_ptr(), ptr)
+        self.assertEqual(y.untyped_storage().data_ptr(), ptr)
+
     def test_unreachable_daemon(self):
         missing = os.path.join(tempfile.mkdtemp(prefix="gpupool-none-"), "none.sock")
         with self.assertRaises(ConnectionError) as cm:
