@@ -41,12 +41,6 @@ __all__ = ["install", "uninstall", "installed", "empty", "zeros", "empty_like", 
 
 log = logging.getLogger("gpupool.torch")
 
-# Options a sender's install() passes to the processes that unpickle its tensors (spawn and
-# forkserver children install the same on their first gpupool tensor) and to children
-# through the environment.
-_ENV = "GPUPOOL_TORCH_INSTALL"
-
-
 class _Options:
     __slots__ = ("copy", "cpu", "pool", "fallback", "socket")
 
@@ -399,7 +393,6 @@ def install(client: Optional[Client] = None, *, copy: bool = True, cpu: bool = F
         ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
         for t in _process_types():
             ForkingPickler.register(t, _reduce_process)
-        os.environ[_ENV] = repr(opts.spec())
 
 
 def uninstall() -> None:
@@ -412,20 +405,10 @@ def uninstall() -> None:
                 ForkingPickler.register(t, r)
         _S.saved = {}
         _S.opts = None
-        os.environ.pop(_ENV, None)
 
 
 def installed() -> bool:
     return _S.opts is not None
-
-
-def _from_env():
-    """install() as a parent said through the environment (a sitecustomize may call this)."""
-    spec = os.environ.get(_ENV)
-    if spec and _S.opts is None:
-        import ast
-        c, cpu, pool, fb, sock = ast.literal_eval(spec)
-        install(copy=c, cpu=cpu, pool=pool, fallback=fb, socket=sock)
 
 
 # --- allocating for sharing ----------------------------------------------------------------
