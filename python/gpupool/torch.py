@@ -41,6 +41,7 @@ __all__ = ["install", "uninstall", "installed", "empty", "zeros", "empty_like", 
 
 log = logging.getLogger("gpupool.torch")
 
+
 class _Options:
     __slots__ = ("copy", "cpu", "pool", "fallback", "socket")
 
@@ -121,8 +122,16 @@ def _forget_parent():
     _S.pid = os.getpid()
 
 
+def _after_fork_in_child():
+    # Another thread of the parent may have held the lock at the fork: the child's copy
+    # would stay held forever.
+    _S.lock = threading.RLock()
+    if _S.pid != os.getpid():
+        _forget_parent()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=lambda: _S.pid != os.getpid() and _forget_parent())
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _stream_of(device):
