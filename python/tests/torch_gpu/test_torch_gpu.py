@@ -1,7 +1,8 @@
 """gpupool.torch with CUDA tensors: torch.multiprocessing (spawn) sends them as kept shares of
 gpupool device buffers, bit-exact; a gpupool storage stays one storage in both processes
-(writes seen both ways, views aliased); a sender that exits before the receiver reads; the
-daemon back at its baseline. The same with use_allocator() in a fresh process (every CUDA
+(writes seen both ways, views aliased); a sender that exits before the receiver reads; a
+receiver SIGKILLed while holding; 1,000 tensors through a queue; the daemon back at its
+baseline after each. The same with use_allocator() in a fresh process (every CUDA
 tensor is a gpupool buffer: shared without a copy), see alloc_main.py."""
 
 import gc
@@ -49,6 +50,20 @@ def put_and_exit(q):
     q.put(x[::2])
     q.close()
     q.join_thread()
+
+
+def hold_then_wait(q, r):
+    got = [q.get(timeout=120) for _ in range(2)]
+    torch.cuda.current_stream().synchronize()
+    r.put([digest(t) for t in got])
+    time.sleep(300)
+
+
+def sum_many(q, r, n):
+    h = hashlib.sha256()
+    for _ in range(n):
+        h.update(q.get(timeout=120).to("cpu").numpy().tobytes())
+    r.put(h.hexdigest())
 
 
 class CudaTensors(unittest.TestCase):
@@ -120,6 +135,39 @@ class CudaTensors(unittest.TestCase):
         self.assertTrue(torch.equal(a, x * 3))
         self.assertTrue(torch.equal(b, x[::2]))
         del a, b
+        self.wait_counters(base)
+
+    def test_receiver_sigkilled_while_holding(self):
+        base = self.counters()
+        ctx = mp.get_context("spawn")
+        q, r = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=hold_then_wait, args=(q, r))
+        p.start()
+        ts = [torch.randn(1 << 18, device="cuda"), gt.zeros(1000, device="cuda")]
+        for t in ts:
+            q.put(t)
+        self.assertEqual(r.get(timeout=180), [digest(t) for t in ts])
+        p.kill()
+        p.join(60)
+        del ts, t
+        self.wait_counters(base)
+
+    def test_thousand_tensors_through_a_queue(self):
+        base = self.counters()
+        n = 1000
+        ctx = mp.get_context("spawn")
+        q, r = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=sum_many, args=(q, r, n))
+        p.start()
+        h = hashlib.sha256()
+        for i in range(n):
+            t = torch.arange(64, dtype=torch.float32, device="cuda") + i
+            h.update(t.to("cpu").numpy().tobytes())
+            q.put(t)
+        self.assertEqual(r.get(timeout=300), h.hexdigest())
+        p.join(60)
+        self.assertEqual(p.exitcode, 0)
+        del t
         self.wait_counters(base)
 
     def test_use_allocator(self):
