@@ -227,7 +227,7 @@ int gpupool_client_host_fences(gpupool_client *c) {
   return on;
 }
 
-int gpupool_buffer_share(gpupool_buffer *b, void *stream, gpupool_token *out) {
+static int share(gpupool_buffer *b, void *stream, int keep, gpupool_token *out) {
   gpupool_client *c;
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Share sh = GPUPOOL__WIRE__SHARE__INIT;
@@ -239,6 +239,7 @@ int gpupool_buffer_share(gpupool_buffer *b, void *stream, gpupool_token *out) {
   gpupool__err_clear();
   c = b->c;
   sh.hold_id = b->hold_id;
+  sh.keep = keep;
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_SHARE;
   req.share = &sh;
   pthread_mutex_lock(&c->mu);
@@ -252,6 +253,14 @@ int gpupool_buffer_share(gpupool_buffer *b, void *stream, gpupool_token *out) {
   }
   pthread_mutex_unlock(&c->mu);
   return rc;
+}
+
+int gpupool_buffer_share(gpupool_buffer *b, void *stream, gpupool_token *out) {
+  return share(b, stream, 0, out);
+}
+
+int gpupool_buffer_share_kept(gpupool_buffer *b, void *stream, gpupool_token *out) {
+  return share(b, stream, 1, out);
 }
 
 /* GPUPOOL_KEEP_MAPPED: b's slab stays mapped after its last buffer goes, until revoked. */

@@ -50,6 +50,8 @@ typedef struct {
   uint32_t max_members;               /* members of every member table the daemon holds */
   uint32_t max_holds_per_client;
   uint32_t max_holds_per_uid;
+  uint32_t max_kept_shares_per_client; /* kept shares one connection has made and not yet opened */
+  uint32_t share_keep_ms;             /* how long an unopened kept share keeps its buffer */
   uint32_t max_clients_per_uid;       /* connections of one uid (root and the daemon's uid exempt) */
   uint32_t reserved_clients;          /* of max_clients, kept for root and the daemon's uid */
   uint32_t max_waiters_per_client;    /* allocations/gets waiting at once */

@@ -65,7 +65,7 @@ int gpd_server_stats(void *server, Gpupool__Wire__StatsReply *st) {
   }
   st->clients = s->nconns;
   st->buffers = reg->buffers.len;
-  st->holds = reg->holds.len;
+  st->holds = reg->holds.len + reg->keeps.len; /* kept shares are the daemon's own holds */
   st->names = reg->nnames;
   st->uptime_s = (gpd_now_ns() - s->started_ns) / 1000000000ull;
   st->daemon_version = (char *)GPUPOOL_VERSION_STRING;

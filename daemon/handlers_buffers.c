@@ -91,7 +91,7 @@ int gpd_handle_share(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferr
   const Gpupool__Wire__Share *m = req->share;
   Gpupool__Wire__ShareReply sr = GPUPOOL__WIRE__SHARE_REPLY__INIT;
   uint8_t token[GPUPOOL_TOKEN_SIZE];
-  int rc = gpd_share(c->srv->reg, &c->cl, m->hold_id, token);
+  int rc = gpd_share(c->srv->reg, &c->cl, m->hold_id, m->keep, token);
   if (rc != 0)
     return rc;
   sr.token.data = token;

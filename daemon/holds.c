@@ -261,15 +261,140 @@ int gpd_release(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int done_rec
   return 0;
 }
 
-int gpd_share(gpd_registry *reg, gpd_client *c, uint64_t hold_id, uint8_t token[GPUPOOL_TOKEN_SIZE]) {
+static void keep_timer_arm(gpd_registry *reg);
+
+/* Drop a kept share: its buffer loses the keep's reference (and goes if that was the last). */
+static void keep_drop(gpd_registry *reg, gpd_keep *k) {
+  gpd_uid_usage *u = gpd_uid_usage_get(reg, k->tenant, 0);
+  gpd_client *maker = gpupool__hmap_get(&reg->clients, k->client_id);
+  if (k->prev)
+    k->prev->next = k->next;
+  else
+    reg->keeps_head = k->next;
+  if (k->next)
+    k->next->prev = k->prev;
+  else
+    reg->keeps_tail = k->prev;
+  gpupool__hmap_del(&reg->keeps, k->id);
+  if (u) {
+    u->holds--;
+    gpd_uid_usage_put(reg, u);
+  }
+  if (maker)
+    maker->nkept--;
+  gpd_buffer_unref(reg, k->buf);
+  free(k);
+}
+
+static void keep_timer_cb(uv_timer_t *t) {
+  gpd_registry *reg = t->data;
+  uint64_t now = gpd_now_ns(), n = 0;
+  reg->keep_timer_on = 0;
+  while (reg->keeps_head && reg->keeps_head->expires_ns <= now) {
+    keep_drop(reg, reg->keeps_head);
+    n++;
+  }
+  if (n)
+    GPUPOOL__DEBUG("%" PRIu64 " kept share(s) expired unopened after share_keep_ms", n);
+  keep_timer_arm(reg);
+}
+
+static void keep_timer_arm(gpd_registry *reg) {
+  uint64_t now = gpd_now_ns(), ms;
+  if (reg->keep_timer_on || reg->stopped || !reg->keeps_head)
+    return;
+  ms = reg->keeps_head->expires_ns > now ? (reg->keeps_head->expires_ns - now + 999999) / 1000000 : 0;
+  uv_timer_start(&reg->keep_timer, keep_timer_cb, ms, 0);
+  reg->keep_timer_on = 1;
+}
+
+void gpd_keeps_init(gpd_registry *reg) {
+  gpupool__hmap_init(&reg->keeps);
+  uv_timer_init(reg->loop, &reg->keep_timer);
+  reg->keep_timer.data = reg;
+}
+
+void gpd_keeps_stop(gpd_registry *reg) {
+  if (reg->keep_timer_on)
+    uv_timer_stop(&reg->keep_timer);
+  reg->keep_timer_on = 0;
+}
+
+void gpd_keeps_close(gpd_registry *reg) {
+  gpd_keeps_stop(reg);
+  while (reg->keeps_head)
+    keep_drop(reg, reg->keeps_head);
+  gpupool__hmap_free(&reg->keeps);
+  uv_close((uv_handle_t *)&reg->keep_timer, NULL);
+}
+
+static int keep_new(gpd_registry *reg, gpd_client *c, gpd_hold *h, gpd_keep **out) {
+  gpd_uid_usage *u = gpd_uid_usage_get(reg, c->tenant, 1);
+  gpd_keep *k;
+  int rc;
+  if (!u)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  if ((rc = gpd_quota_kept_shares(reg, c, u)) != 0) {
+    gpd_uid_usage_put(reg, u);
+    return rc;
+  }
+  if (!(k = calloc(1, sizeof *k))) {
+    gpd_uid_usage_put(reg, u);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  }
+  k->id = gpd_next_id(reg);
+  k->buf = h->buf;
+  k->read_only = h->read_only;
+  k->tenant = c->tenant;
+  k->client_id = c->id;
+  k->expires_ns = gpd_now_ns() + (uint64_t)reg->cfg->share_keep_ms * 1000000u;
+  arc4random_buf(k->secret, sizeof k->secret);
+  if (gpupool__hmap_put(&reg->keeps, k->id, k) != 0) {
+    free(k);
+    gpd_uid_usage_put(reg, u);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  }
+  u->holds++;
+  c->nkept++;
+  k->buf->refs++;
+  k->prev = reg->keeps_tail;
+  if (reg->keeps_tail)
+    reg->keeps_tail->next = k;
+  else
+    reg->keeps_head = k;
+  reg->keeps_tail = k;
+  keep_timer_arm(reg);
+  *out = k;
+  return 0;
+}
+
+static void token_put(uint8_t token[GPUPOOL_TOKEN_SIZE], uint64_t id, const uint8_t secret[16]) {
+  for (int i = 0; i < 8; i++)
+    token[i] = (uint8_t)(id >> (8 * i));
+  memcpy(token + 8, secret, 16);
+}
+
+static int secret_differs(const uint8_t *a, const uint8_t *b) {
+  uint8_t diff = 0;
+  for (size_t i = 0; i < 16; i++)
+    diff |= (uint8_t)(a[i] ^ b[i]);
+  return diff != 0;
+}
+
+int gpd_share(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int keep, uint8_t token[GPUPOOL_TOKEN_SIZE]) {
   gpd_hold *h = NULL;
+  gpd_keep *k = NULL;
   int rc = gpd_hold_of(reg, c, hold_id, &h);
   if (rc != 0)
     return rc;
-  for (int i = 0; i < 8; i++)
-    token[i] = (uint8_t)(h->buf->id >> (8 * i));
+  if (keep) {
+    if ((rc = keep_new(reg, c, h, &k)) != 0)
+      return rc;
+    token_put(token, k->id, k->secret);
+    return 0;
+  }
   /* A read-only hold shares read-only: its token carries the read-only secret. */
-  memcpy(token + 8, h->read_only ? h->buf->secret_ro : h->buf->secret, sizeof h->buf->secret);
+  token_put(token, h->buf->id, h->read_only ? h->buf->secret_ro : h->buf->secret);
   return 0;
 }
 
@@ -277,34 +402,42 @@ int gpd_open(gpd_registry *reg, gpd_client *c, const uint8_t *token, size_t len,
             gpd_hold **out) {
   uint64_t id = 0;
   gpd_buffer *b;
-  uint8_t diff = 0;
-  int rc;
+  gpd_keep *k = NULL;
+  int bad = 0, rc;
   if (len != GPUPOOL_TOKEN_SIZE)
     return gpupool__err(GPUPOOL_EINVAL, "share token has %zu bytes, expected %d", len, GPUPOOL_TOKEN_SIZE);
   for (int i = 0; i < 8; i++)
     id |= (uint64_t)token[i] << (8 * i);
   b = gpupool__hmap_get(&reg->buffers, id);
   if (b) {
-    uint8_t diff_ro = 0;
-    for (size_t i = 0; i < sizeof b->secret; i++) {
-      diff |= (uint8_t)(b->secret[i] ^ token[8 + i]);
-      diff_ro |= (uint8_t)(b->secret_ro[i] ^ token[8 + i]);
-    }
-    if (diff && !diff_ro) {
-      diff = 0;
+    if (!secret_differs(b->secret, token + 8))
+      ;
+    else if (!secret_differs(b->secret_ro, token + 8))
       read_only = 1; /* a token from a read-only hold opens read-only, whatever is asked */
-    }
+    else
+      bad = 1;
+  } else if ((k = gpupool__hmap_get(&reg->keeps, id))) {
+    /* A kept share opens once: the opener's hold takes the keep's place. */
+    b = k->buf;
+    bad = secret_differs(k->secret, token + 8);
+    if (k->read_only)
+      read_only = 1;
   }
   /* A buffer of another tenant is refused like a forged token: its holder would get the fd
    * of a slab that holds that tenant's other buffers too. */
-  if (!b || diff || !gpd_owner_reachable(reg, c, b->slab->owner))
+  if (!b || bad || !gpd_owner_reachable(reg, c, b->slab->owner))
     return gpupool__err(GPUPOOL_ENOENT,
-                        "share token does not name a live buffer of your tenant (the buffer was freed, the "
-                        "token is forged, or it belongs to another tenant: share across tenants through a "
-                        "pool shared with a group)");
+                        "share token does not name a live buffer of your tenant (the buffer was freed, a "
+                        "kept share was opened already or expired after share_keep_ms, the token is forged, "
+                        "or it belongs to another tenant: share across tenants through a pool shared with "
+                        "a group)");
   if ((rc = gpd_quota_waiting_leases(reg, c)) != 0)
     return rc;
-  return gpd_hold_new(reg, c, b, read_only, 0, out);
+  if ((rc = gpd_hold_new(reg, c, b, read_only, 0, out)) != 0)
+    return rc;
+  if (k)
+    keep_drop(reg, k);
+  return 0;
 }
 
 void gpd_hold_discard(gpd_registry *reg, gpd_hold *h) { gpd_hold_drop(reg, h, 0, NULL); }

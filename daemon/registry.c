@@ -268,6 +268,7 @@ int gpd_registry_init(gpd_registry *reg, uv_loop_t *loop, const gpd_config *cfg,
   uv_timer_init(loop, &reg->sweep_timer);
   reg->sweep_timer.data = reg;
   gpd_replicas_init(reg);
+  gpd_keeps_init(reg);
   reg->pools = calloc((size_t)cfg->n_pools, sizeof *reg->pools);
   if (!reg->pools)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
@@ -334,13 +335,15 @@ void gpd_registry_stop(gpd_registry *reg) {
     uv_timer_stop(&reg->sweep_timer);
     reg->sweep_timer_on = 0;
   }
+  gpd_keeps_stop(reg);
 }
 
 void gpd_registry_close(gpd_registry *reg) {
-  /* Every client is gone: stop the copies (they hold their sources), drop names, then finish
-   * every pending free regardless of events (the daemon is exiting; the backend's pools go
-   * with it). */
+  /* Every client is gone: stop the copies (they hold their sources), drop kept shares (they
+   * are references like names), drop names, then finish every pending free regardless of
+   * events (the daemon is exiting; the backend's pools go with it). */
   gpd_replicas_close(reg);
+  gpd_keeps_close(reg);
   for (size_t i = 0; i < reg->names.cap; i++) {
     if (!gpupool__smap_slot_used(&reg->names, i))
       continue;

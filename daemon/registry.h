@@ -33,6 +33,7 @@ typedef struct gpd_pinst gpd_pinst;
 typedef struct gpd_slab gpd_slab;
 typedef struct gpd_buffer gpd_buffer;
 typedef struct gpd_hold gpd_hold;
+typedef struct gpd_keep gpd_keep;
 typedef struct gpd_event gpd_event;
 typedef struct gpd_lease gpd_lease;
 typedef struct gpd_client gpd_client;
@@ -201,6 +202,23 @@ struct gpd_hold {
   gpd_hold *prev, *next;   /* in client->holds */
 };
 
+/* A kept share: a hold the daemon keeps on a buffer for a token in flight (a tensor pickled
+ * into a queue), so the token opens after its maker released the buffer or exited. It goes
+ * when the token is opened (the opener's new hold takes its place) or share_keep_ms after it
+ * was made, whichever comes first: a message never read leaks nothing for longer. It counts
+ * as a hold of its maker's tenant, and against max_kept_shares_per_client of its maker's
+ * connection while that is open. */
+struct gpd_keep {
+  uint64_t id;             /* from the registry's id space: never a buffer's id */
+  gpd_buffer *buf;
+  uint8_t secret[16];
+  int read_only;           /* made from a read-only hold: opens read-only */
+  uint64_t tenant;         /* whose holds it counts as */
+  uint64_t client_id;      /* the connection that made it (gone when not in reg->clients) */
+  uint64_t expires_ns;
+  gpd_keep *prev, *next;   /* in reg->keeps_head..keeps_tail, oldest first */
+};
+
 /* A published read-only file (files.c): the daemon's own open file description of the file
  * the publisher passed with PublishFile (reopened, so no client shares it), owned here until
  * the name goes and the last operation using it is done, and the range and identity it had
@@ -311,6 +329,7 @@ struct gpd_client {
   gpupool__hmap mapped;     /* slab id -> slab this client has mapped */
   gpupool__hmap mapped_ro;  /* the subset it has mapped read-only only */
   gpupool__hmap attached;   /* pool id -> gpd_pinst it attached (per-owner backends) */
+  uint32_t nkept;           /* kept shares it made that are not yet opened or expired */
   uint64_t *revoke;         /* slab ids to send in the next reply */
   uint32_t nrevoke, caprevoke;
   gpupool__ratelimit log_rl; /* the lines it causes (gpupool__log_peer) */
@@ -346,6 +365,10 @@ struct gpd_registry {
   int lease_signal;          /* the server handles SIGIO: file leases may be taken */
   uv_timer_t sweep_timer;
   int sweep_timer_on;
+  gpupool__hmap keeps;       /* id -> gpd_keep */
+  gpd_keep *keeps_head, *keeps_tail; /* by expiry (share_keep_ms is fixed until restart) */
+  uv_timer_t keep_timer;
+  int keep_timer_on;
   int memory_returned;       /* set when a range or slab came back; the server retries waiters */
   /* Replica copies (replicas.c), oldest first: at most GPD_COPIES_RUNNING_MAX started on the
    * backend, the others waiting for a slot; polled by copy_timer while there are any. */
@@ -398,7 +421,8 @@ int gpd_attach(gpd_registry *reg, gpd_client *c, gpd_pool *p, int *fd);
 int gpd_allocate(gpd_registry *reg, gpd_client *c, gpd_pool *pool, uint64_t size, uint64_t align,
                 gpd_hold **out);
 int gpd_release(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int done_recorded, int *freed);
-int gpd_share(gpd_registry *reg, gpd_client *c, uint64_t hold_id, uint8_t token[GPUPOOL_TOKEN_SIZE]);
+/* keep: a kept share (see gpd_keep), the token names the keep instead of the buffer. */
+int gpd_share(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int keep, uint8_t token[GPUPOOL_TOKEN_SIZE]);
 int gpd_open(gpd_registry *reg, gpd_client *c, const uint8_t *token, size_t len, int read_only,
             gpd_hold **out);
 /* Publish the buffer of a hold under name: a new name (version 1) or the name's next version

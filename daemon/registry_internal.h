@@ -43,6 +43,11 @@ int gpd_quota_replica(gpd_registry *reg, uint64_t tenant, uint64_t size, int dev
 void gpd_replicas_init(gpd_registry *reg);
 /* Cancels every running copy and closes the timer (the registry is closing). */
 void gpd_replicas_close(gpd_registry *reg);
+/* Kept shares: the timer that expires them (init with the registry), and dropping them all
+ * (registry_stop stops the timer, registry_close drops every keep first). */
+void gpd_keeps_init(gpd_registry *reg);
+void gpd_keeps_stop(gpd_registry *reg);
+void gpd_keeps_close(gpd_registry *reg);
 
 /* leases.c: the leases of closed connections */
 void gpd_lease_unref(gpd_lease *l);
@@ -72,6 +77,7 @@ int gpd_owner_reachable(const gpd_registry *reg, const gpd_client *c, uint64_t o
 int gpd_quota_memory(gpd_registry *reg, const gpd_client *c, uint64_t size);
 int gpd_quota_waiting_leases(gpd_registry *reg, const gpd_client *c);
 int gpd_quota_holds(gpd_registry *reg, const gpd_client *c, const gpd_uid_usage *u);
+int gpd_quota_kept_shares(gpd_registry *reg, const gpd_client *c, const gpd_uid_usage *u);
 int gpd_quota_name(gpd_registry *reg, uint64_t tenant);
 int gpd_quota_name_move(gpd_registry *reg, uint64_t tenant, const char *name);
 int gpd_quota_file(gpd_registry *reg, uint64_t tenant);

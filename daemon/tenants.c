@@ -210,6 +210,25 @@ int gpd_quota_holds(gpd_registry *reg, const gpd_client *c, const gpd_uid_usage 
   return 0;
 }
 
+/* One more kept share made by c: a hold of its tenant, and one of the connection's kept
+ * shares (they outlive it, so the connection's holds do not count them). */
+int gpd_quota_kept_shares(gpd_registry *reg, const gpd_client *c, const gpd_uid_usage *u) {
+  const gpd_config *cfg = reg->cfg;
+  char who[80];
+  if (cfg->max_kept_shares_per_client && c->nkept >= cfg->max_kept_shares_per_client)
+    return gpupool__err(GPUPOOL_ELIMIT,
+                        "this client already has %u kept shares not yet opened, the limit "
+                        "(max_kept_shares_per_client) is %u; have receivers open them, or wait for "
+                        "share_keep_ms (%u ms) to expire those never read",
+                        c->nkept, cfg->max_kept_shares_per_client, cfg->share_keep_ms);
+  if (cfg->max_holds_per_uid && u->holds >= cfg->max_holds_per_uid) {
+    gpd_tenant_label(cfg, c->tenant, who, sizeof who);
+    return gpupool__err(GPUPOOL_ELIMIT, "%s already has %" PRIu64 " holds (kept shares included), the limit "
+                        "(max_holds_per_uid) is %u", who, u->holds, cfg->max_holds_per_uid);
+  }
+  return 0;
+}
+
 /* The per-uid limit on what a tenant publishes ("names", "files"; the key is max_<what>_per_uid):
  * both outlive their publisher, so the fix is the same. */
 static int over_published(const gpd_config *cfg, uint64_t tenant, const char *what, uint32_t have,

@@ -21,6 +21,10 @@ run_suite() {
 }
 
 mkdir -p build
+# Python tests: python_host needs only python3-numpy; python_torch needs torch, which CI
+# images lack and PyPI has: its venv is made here once (cached for later runs) so that both
+# builds' tests use it. Without it they skip, saying why.
+tests/python/torch_tests.sh --prepare || echo "gpupool: no torch venv; the python_torch tests will skip"
 run_suite build/release -DCMAKE_BUILD_TYPE=RelWithDebInfo
 tools/service-test.sh build/release
 if [ "${GPUPOOL_TEST_SANITIZE:-1}" != 0 ]; then

@@ -24,6 +24,7 @@
  *     gpupool_buffer_alloc                 allocate: a new hold
  *     gpupool_buffer_release               drop a hold and free its handle
  *     gpupool_buffer_share                 a token another client opens
+ *     gpupool_buffer_share_kept            the same, alive without this hold until opened once
  *     gpupool_buffer_open                  open a token: a new hold
  *     gpupool_buffer_publish               publish under a name (its next version)
  *     gpupool_buffer_publish_to            the same, with replicas on other devices at once
@@ -363,6 +364,14 @@ GPUPOOL_EXTERN gpupool_client *gpupool_buffer_client(const gpupool_buffer *b);
 /* Make a token another client can pass to gpupool_buffer_open(). On CUDA, the ready event is
  * recorded in `stream` first, so openers see everything queued there before the call. */
 GPUPOOL_EXTERN int gpupool_buffer_share(gpupool_buffer *b, void *stream, gpupool_token *out);
+
+/* A kept share: as gpupool_buffer_share, but the daemon keeps a hold of its own on the buffer
+ * until the token is opened once (the opener's hold takes its place) or until the daemon's
+ * share_keep_ms passes, so the caller may release b, disconnect or exit at once: the token of
+ * a message still in flight (a tensor pickled into a queue) stays good. A second open of the
+ * token, or one after expiry, fails with GPUPOOL_ENOENT. Each kept share counts as a hold of
+ * the caller's tenant; GPUPOOL_ELIMIT past max_kept_shares_per_client unopened ones. */
+GPUPOOL_EXTERN int gpupool_buffer_share_kept(gpupool_buffer *b, void *stream, gpupool_token *out);
 
 /* Open a shared buffer: a new hold owned by the caller. flags: GPUPOOL_READ_ONLY. */
 GPUPOOL_EXTERN int gpupool_buffer_open(gpupool_client *c, const gpupool_token *token, unsigned flags,

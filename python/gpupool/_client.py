@@ -633,6 +633,50 @@ class Client:
         d._reuse = bool(reuse_views)
         return d
 
+    def share(self, tensor: Tensor, keep: bool = True, stream: Stream = None) -> bytes:
+        """A token another client opens with ``Client.open`` (a Tensor of this client).
+
+        keep=True makes a kept share: the daemon keeps the buffer alive for the token until
+        it is opened once or the daemon's share_keep_ms passes, so this client may release
+        the tensor, close or exit at once (a token in a message still in flight stays
+        good). keep=False gives a token that opens for as long as some hold keeps the buffer.
+        stream: where the data is ready (CUDA: the openers' streams wait for it)."""
+        return self._share_hold(tensor._live_hold(), keep, stream_handle(stream))
+
+    def _share_hold(self, hold, keep, s):
+        buf = hold.buf
+        if buf is None:
+            raise error("EINVAL", "buffer was released")
+        return self._share_buf(buf, keep, s)
+
+    def _share_buf(self, buf, keep, s):
+        """A token for a C buffer handle (a hold of this client or of another in this process)."""
+        self._conn.usable()
+        tok = _lib.Token()
+        fn = self._lib.gpupool_buffer_share_kept if keep else self._lib.gpupool_buffer_share
+        check(fn(buf, s, ctypes.byref(tok)), "share of a buffer")
+        return bytes(tok.bytes)
+
+    def open(self, token: bytes, read_only: bool = False, stream: Stream = None) -> Tensor:
+        """The buffer a token from ``Client.share`` names, as a new hold of this process: a
+        Tensor of its raw bytes (uint8). A kept share opens once."""
+        return self._open_hold_tensor(self._open_hold(token, read_only, stream_handle(stream)))
+
+    def _open_hold(self, token, read_only, s):
+        if len(token) != _lib.TOKEN_SIZE:
+            raise ValueError("a share token has %d bytes, not %d" % (_lib.TOKEN_SIZE, len(token)))
+        tok = _lib.Token()
+        ctypes.memmove(tok.bytes, bytes(token), _lib.TOKEN_SIZE)
+        buf = _lib.BufferP()
+        check(self._lib.gpupool_buffer_open(self._conn.usable(), ctypes.byref(tok),
+                                            _get_flags(read_only), s, ctypes.byref(buf)),
+              "open of a share token")
+        return self._new_hold(buf, s)
+
+    def _open_hold_tensor(self, hold, offset=0, nbytes=None):
+        n = hold.size - offset if nbytes is None else nbytes
+        return self._tensor(hold, _UINT8, (n,), None, offset, None)
+
     def _find_hold(self, desc):
         """A live hold of this client whose memory contains the whole view, if any."""
         extent = _view_extent(desc)

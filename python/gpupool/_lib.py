@@ -206,6 +206,7 @@ _PROTOTYPES = {
     "gpupool_buffer_read_only": (_c_int, [BufferP]),
     "gpupool_buffer_tensor": (_c_int, [BufferP, ctypes.POINTER(TensorMeta)]),
     "gpupool_buffer_share": (_c_int, [BufferP, _vp, ctypes.POINTER(Token)]),
+    "gpupool_buffer_share_kept": (_c_int, [BufferP, _vp, ctypes.POINTER(Token)]),
     "gpupool_buffer_open": (_c_int, [ClientP, ctypes.POINTER(Token), ctypes.c_uint, _vp,
                                      ctypes.POINTER(BufferP)]),
     "gpupool_buffer_publish": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp,

@@ -142,6 +142,29 @@ class Lifetimes(DaemonTestCase):
         self.client.unpublish("life/f")
 
 
+class Tokens(DaemonTestCase):
+    def test_kept_share_outlives_its_client_and_opens_once(self):
+        maker = gpupool.Client(self.socket, name="maker")
+        t = maker.alloc(1000, "uint8", device="cpu")
+        np.asarray(t)[:] = np.arange(1000) % 251
+        token = maker.share(t)              # kept: the daemon holds the buffer for it
+        plain = maker.share(t, keep=False)  # dies with the last hold
+        t.release()
+        maker.close()
+        o = self.client.open(token)
+        self.assertTrue(np.array_equal(np.asarray(o), (np.arange(1000) % 251).astype(np.uint8)))
+        with self.assertRaises(gpupool.GpupoolError.ENOENT):
+            self.client.open(token)         # a kept share opens once
+        o2 = self.client.open(plain)        # the buffer lives (o holds it): a plain token opens
+        self.assertEqual(o2.buffer_id, o.buffer_id)
+        o.release()
+        o2.release()
+        with self.assertRaises(gpupool.GpupoolError.ENOENT):
+            self.client.open(plain)
+        with self.assertRaises(ValueError):
+            self.client.open(b"short")
+
+
 class WaitsAndErrors(DaemonTestCase):
     def test_get_waits_for_a_later_publish(self):
         p = self.peer("publish-later", "wait/a", 0.5)

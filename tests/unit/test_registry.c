@@ -113,7 +113,7 @@ static void test_holders_and_exactly_once(void **state) {
 
   assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 1000, 0, &h), 0);
   assert_int_equal(pool(f)->used, 1024); /* rounded to the 256-byte alignment */
-  assert_int_equal(gpd_share(&f->reg, &f->a, h->id, tok), 0);
+  assert_int_equal(gpd_share(&f->reg, &f->a, h->id, 0, tok), 0);
   /* Another tenant's token opens nothing (its holder would get the slab's fd). */
   assert_int_equal(gpd_open(&f->reg, &f->x, tok, sizeof tok, 1, &o), GPUPOOL_ENOENT);
   assert_int_equal(gpd_open(&f->reg, &f->b, tok, sizeof tok, 1, &o), 0);
@@ -250,7 +250,7 @@ static void test_full_pool_message_and_revoke(void **state) {
   {
     uint8_t tok[GPUPOOL_TOKEN_SIZE];
     gpd_hold *o;
-    assert_int_equal(gpd_share(&f->reg, &f->a, h[0]->id, tok), 0);
+    assert_int_equal(gpd_share(&f->reg, &f->a, h[0]->id, 0, tok), 0);
     assert_int_equal(gpd_open(&f->reg, &f->b, tok, sizeof tok, 0, &o), 0);
     gpd_fill_desc(&f->reg, &f->b, o, NULL, &ds);
     assert_true(ds.slab.export_data.len == 16); /* first time: how to map it */
@@ -316,7 +316,7 @@ static void test_tenant_limits(void **state) {
   assert_int_equal(gpd_allocate(&f->reg, &f->b, pool(f), 100, 0, &h3), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool__errmsg(), "tenant:team already has 2 live allocations"));
   assert_non_null(strstr(gpupool__errmsg(), "max_allocs_per_uid"));
-  assert_int_equal(gpd_share(&f->reg, &f->a, h1->id, tok), 0);
+  assert_int_equal(gpd_share(&f->reg, &f->a, h1->id, 0, tok), 0);
   assert_int_equal(gpd_open(&f->reg, &f->b, tok, sizeof tok, 0, &o), 0);
   assert_int_equal(gpd_open(&f->reg, &f->a, tok, sizeof tok, 0, &o), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool__errmsg(), "tenant:team already has 3 holds"));
@@ -448,7 +448,7 @@ static void test_dead_holder_range_not_reused_with_gpu_work(void **state) {
   assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), MIB, 0, &h2), 0);
   slab = h1->buf->slab;
   assert_ptr_equal(h2->buf->slab, slab);
-  assert_int_equal(gpd_share(&f->reg, &f->a, h1->id, tok), 0);
+  assert_int_equal(gpd_share(&f->reg, &f->a, h1->id, 0, tok), 0);
   assert_int_equal(gpd_open(&f->reg, &f->b, tok, sizeof tok, 0, &o), 0);
   /* b's connection closes with work of its own possibly queued on the buffer. */
   peer_copy = dup(f->b_peer);

@@ -1,0 +1,561 @@
+"""PyTorch code as it is, on gpupool: torch.multiprocessing, Pool and DataLoader results travel
+as gpupool holds instead of CUDA IPC handles or shared-memory files.
+
+    import gpupool.torch
+    gpupool.torch.install()            # once, in the process that sends tensors
+
+After ``install()`` every tensor torch pickles across processes (``mp.Queue``, ``SimpleQueue``,
+``Pipe``, ``Pool`` arguments and results, ``Process(args=...)`` under spawn and forkserver) is
+sent as a kept share of a gpupool buffer: a storage that is a gpupool buffer (from
+``gpupool.torch.empty``/``zeros``/``empty_like``, from ``use_allocator()``, or received from
+another process) is shared without a copy and stays one storage in both processes; any other
+storage is copied once into gpupool memory on the sender's current stream, so the sender may
+free it, reuse it or exit at once. The receiver holds the buffer for exactly as long as its
+storage lives (the hold goes with the storage's deleter), needs no ``ipc_collect``, and gets
+storages that alias as the sender's did. Nothing of it needs ptrace, pidfd_getfd or a shared
+PID namespace: only the daemon's socket.
+
+Importing this module imports torch; ``import gpupool`` does not import it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import weakref
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Optional, Sequence
+
+import torch
+from torch.multiprocessing import reductions as _torch_reductions
+
+from . import _dlpack, _lib
+from ._client import Client
+from ._dict import _UINT8
+from ._errors import GpupoolError, error
+
+__all__ = ["install", "uninstall", "installed", "empty", "zeros", "empty_like", "use_allocator",
+           "allocator_counts", "allocator_last_error", "GpupoolError"]
+
+log = logging.getLogger("gpupool.torch")
+
+
+class _Options:
+    __slots__ = ("copy", "cpu", "pool", "fallback", "socket")
+
+    def __init__(self, copy=True, cpu=False, pool=None, fallback=False, socket=None):
+        self.copy = bool(copy)
+        self.cpu = bool(cpu)
+        self.pool = pool
+        self.fallback = bool(fallback)
+        self.socket = None if socket is None else str(socket)
+
+    def spec(self):
+        return (self.copy, self.cpu, self.pool, self.fallback, self.socket)
+
+
+class _State:
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.opts: Optional[_Options] = None
+        self.client: Optional[Client] = None   # the process-wide client, of pid `pid`
+        self.pid = os.getpid()
+        self.user_client = False                 # install(client=...) gave it
+        self.client_socket = None                # the socket our own client connected to
+        self.stale: list = []                    # clients inherited through fork: never used
+        self.saved: dict = {}                    # ForkingPickler reducers install() replaced
+        self.fallback_said = False
+        # storage data pointer -> (weakref to the hold, offset of the storage in the buffer)
+        self.owned: dict = {}
+        self.owned_prune = 1024
+        # (buffer id, offset, bytes) -> torch's weak storage reference, so that every storage
+        # received for the same memory is one storage here too
+        self.received: dict = {}
+        self.received_prune = 1024
+        self.alloc_lib = None                    # libgpupool-torch-alloc once use_allocator() ran
+
+
+_S = _State()
+
+
+# --- the process-wide client ---------------------------------------------------------------
+def _client() -> Client:
+    """This process's client: install()'s, or one connected on first use (a spawned child
+    unpickling its arguments). A client inherited through fork is never used: the child
+    connects its own."""
+    c = _S.client
+    if c is not None and _S.pid == os.getpid():
+        return c
+    with _S.lock:
+        if _S.pid != os.getpid():
+            _forget_parent()
+        if _S.client is None:
+            sock = _S.opts.socket if _S.opts is not None else None
+            _S.client = Client(sock, name="torch pid %d" % os.getpid())
+            _S.client_socket = sock
+            _S.user_client = False
+        return _S.client
+
+
+def _neutralize(c):
+    """A client inherited through fork: its connection is the parent's. Releasing or closing
+    it from the child would act on the parent's holds, so the child never does."""
+    conn = getattr(c, "_conn", None)
+    if conn is None:
+        return
+    conn.c_release = lambda *a: 0
+    conn.c_bundle_release = lambda *a: 0
+    conn.c_disconnect = lambda *a: None
+    conn.close_requested = True
+
+
+def _forget_parent():
+    if _S.client is not None:
+        _neutralize(_S.client)
+        _S.stale.append(_S.client)
+    _S.client = None
+    _S.user_client = False
+    _S.owned = {}
+    _S.received = {}
+    _S.pid = os.getpid()
+
+
+def _after_fork_in_child():
+    # Another thread of the parent may have held the lock at the fork: the child's copy
+    # would stay held forever.
+    _S.lock = threading.RLock()
+    if _S.pid != os.getpid():
+        _forget_parent()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _stream_of(device):
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+# --- sending -------------------------------------------------------------------------------
+def _remember(storage_ptr, hold, offset):
+    with _S.lock:  # feeder threads of several queues share it
+        owned = _S.owned
+        owned[storage_ptr] = (weakref.ref(hold), offset)
+        if len(owned) > _S.owned_prune:
+            for k in [k for k, (r, _) in owned.items() if r() is None or r().released]:
+                del owned[k]
+            _S.owned_prune = max(1024, 2 * len(owned))
+
+
+def _find(storage, c):
+    """How storage is gpupool memory shared as it is: (C buffer handle, offset of the storage
+    in it), or None."""
+    ptr = storage.data_ptr()
+    n = storage.nbytes()
+    got = _S.owned.get(ptr)
+    if got is not None:
+        h = got[0]()
+        if h is not None and not h.released and h.conn is c._conn and got[1] + n <= h.size:
+            return h.buf, got[1]
+    if _S.alloc_lib is not None and storage.device.type == "cuda":
+        buf = _lib.BufferP()
+        if _S.alloc_lib.gpupool_torch_alloc_find(ctypes.c_void_p(ptr), ctypes.byref(buf)):
+            return buf, 0
+    if _S.user_client:
+        # A user's client: its own allocations viewed through torch.from_dlpack.
+        dev = (_dlpack.kDLCUDA, storage.device.index or 0) if storage.device.type == "cuda" \
+            else (_dlpack.kDLCPU, 0)
+        h = c._find_hold(_dlpack.Desc(ptr, dev, _UINT8, (n,), (1,)))
+        if h is not None:
+            return h.buf, ptr - h.ptr
+    return None
+
+
+def _share(storage):
+    """(token, offset, bytes) of a kept share of storage's memory, copying it first into a new
+    gpupool buffer when it is not gpupool memory (and copy=True)."""
+    opts = _S.opts
+    c = _client()
+    dev = storage.device
+    n = storage.nbytes()
+    s = _stream_of(dev)
+    found = _find(storage, c)
+    if found is not None:
+        buf, off = found
+        return c._share_buf(buf, True, s), off, n
+    if not opts.copy:
+        raise error("EINVAL", "a %s storage of %d bytes is not gpupool memory and install(copy=False) "
+                    "refuses to copy it: allocate it with gpupool.torch.empty/zeros/empty_like or "
+                    "under gpupool.torch.use_allocator(), or install(copy=True)" % (dev, n))
+    if dev.type == "cuda":
+        pool = opts.pool if opts.pool is not None else c._pool_for(_dlpack.kDLCUDA, dev.index or 0, str(dev))
+    else:
+        pool = opts.pool if opts.pool is not None else c._pool_for(_dlpack.kDLCPU, 0, "cpu")
+    t = c._alloc((n,), _UINT8, pool, 0, s)
+    try:
+        if dev.type == "cuda":
+            dst = torch.from_dlpack(t)
+            if dst.device != dev:
+                raise error("EINVAL", "pool %r is on %s, not on %s where the storage is: pass "
+                            "install(pool=...) naming a pool of each device, or none" % (pool, dst.device, dev))
+            src = torch.empty(0, dtype=torch.uint8, device=dev).set_(storage, 0, (n,), (1,))
+            dst.copy_(src)  # on the current stream: the share records the ready event there
+            del dst, src
+        else:
+            ctypes.memmove(t.data_ptr, storage.data_ptr(), n)
+        return c._share_hold(t._hold, True, s), 0, n
+    finally:
+        t.release()  # the kept share holds the copy from here on
+
+
+def _say_fallback(why):
+    if not _S.fallback_said:
+        _S.fallback_said = True
+        log.warning("gpupool.torch: %s; tensors travel by torch's own sharing from now on "
+                    "(install(fallback=True))", why)
+
+
+def _usable():
+    """Whether gpupool serves this send: True, or False after saying why when fallback is on;
+    raises when the daemon is unreachable and fallback is off."""
+    try:
+        _client()
+        return True
+    except GpupoolError as e:
+        if _S.opts.fallback:
+            _say_fallback("gpupoold is unreachable (%s)" % e)
+            return False
+        raise error("ECONNECT", "gpupool.torch cannot send a tensor: %s. Start gpupoold (or point "
+                    "GPUPOOL_SOCKET at it), or install(fallback=True) to fall back to torch's "
+                    "own sharing" % e) from e
+
+
+def _handled(device):
+    return device.type == "cuda" or (device.type == "cpu" and _S.opts.cpu)
+
+
+def _reduce_tensor(t):
+    opts = _S.opts
+    saved = _S.saved.get(torch.Tensor)
+    if opts is None or t.is_nested or t.layout != torch.strided or not _handled(t.device) \
+            or not _usable():
+        return saved(t)
+    if t.requires_grad and not t.is_leaf:
+        raise RuntimeError(
+            "Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd "
+            "does not support crossing process boundaries. If you just want to transfer the "
+            "data, call detach() on the tensor before serializing (e.g., putting it on the queue).")
+    # The storage goes as an object of its own: the pickler's memo sends a storage that two
+    # tensors of one message share once, and _reduce_storage turns it into a kept share.
+    return (_rebuild_tensor, (type(t), t.untyped_storage(), t.dtype, t.storage_offset(),
+                              tuple(t.size()), tuple(t.stride()), t.requires_grad))
+
+
+def _reduce_storage(storage):
+    opts = _S.opts
+    saved = _S.saved.get(torch.UntypedStorage)
+    # A CPU storage that is a gpupool buffer goes as one even with cpu=False: torch's own
+    # sharing would move it into a shared-memory file of its own, away from gpupool.
+    mine = storage.device.type == "cpu" and storage.data_ptr() in _S.owned
+    if opts is None or not (_handled(storage.device) or mine) or not _usable():
+        return saved(storage)
+    if storage.nbytes() == 0:
+        return (_rebuild_empty, (str(storage.device),))
+    tok, off, n = _share(storage)
+    return (_rebuild_storage, (tok, off, n, opts.spec()))
+
+
+# --- receiving -----------------------------------------------------------------------------
+def _rebuild_empty(device):
+    return torch.UntypedStorage(0, device=device)
+
+
+def _rebuild_storage(token, offset, nbytes, spec):
+    if _S.opts is None:
+        # A child unpickling its first gpupool tensor: it sends as its parent does.
+        install(copy=spec[0], cpu=spec[1], pool=spec[2], fallback=spec[3], socket=spec[4])
+    c = _client()
+    hold = c._open_hold(token, False, None)
+    if hold.kind == _lib.MEM_DEVICE:
+        # The receiver's current stream on the buffer's device waits on the ready event.
+        hold.used_in(torch.cuda.current_stream(hold.cuda_device).cuda_stream)
+    key = (hold.buffer_id, offset, nbytes)
+    with _S.lock:
+        ref = _S.received.get(key)
+        if ref is not None and not ref.expired():
+            st = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            if st is not None:
+                hold.release()  # this process holds the buffer already, through that storage
+                return st
+    t = c._open_hold_tensor(hold, offset, nbytes)
+    x = torch.from_dlpack(t)  # the storage's deleter drops the hold
+    del t
+    st = x.untyped_storage()
+    with _S.lock:
+        _S.received[key] = _torch_reductions.StorageWeakRef(st)
+        if len(_S.received) > _S.received_prune:
+            for k in [k for k, r in _S.received.items() if r.expired()]:
+                del _S.received[k]
+            _S.received_prune = max(1024, 2 * len(_S.received))
+    _remember(st.data_ptr(), hold, offset)  # sent on from here: shared in place
+    return st
+
+
+def _rebuild_tensor(cls, storage, dtype, offset, size, stride, requires_grad):
+    t = torch.empty((0,), dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+    if cls is torch.nn.parameter.Parameter:
+        # requires_grad goes to the constructor: integer parameters must not get it later
+        return torch.nn.parameter.Parameter(t, requires_grad=requires_grad)
+    if cls is not torch.Tensor and issubclass(cls, torch.Tensor):
+        t = t.as_subclass(cls)
+    t.requires_grad = requires_grad
+    return t
+
+
+# --- children ------------------------------------------------------------------------------
+# A spawn or forkserver child that sends tensors before it receives any would use torch's own
+# sharing: the Process object it unpickles first thing carries install()'s options, so the
+# child installs before its target runs (Pool workers included). A fork child inherits the
+# registrations.
+def _process_types():
+    import multiprocessing.context as ctx
+
+    return [t for t in (getattr(ctx, "SpawnProcess", None), getattr(ctx, "ForkServerProcess", None))
+            if t is not None]
+
+
+def _reduce_process(p):
+    rv = p.__reduce_ex__(2)  # object's own: (copyreg.__newobj__, (cls,), state)
+    return (_rebuild_process, (_S.opts.spec() if _S.opts is not None else None, rv[1][0], rv[2]))
+
+
+def _rebuild_process(spec, cls, state):
+    if spec is not None and _S.opts is None:
+        install(copy=spec[0], cpu=spec[1], pool=spec[2], fallback=spec[3], socket=spec[4])
+    obj = cls.__new__(cls)
+    if isinstance(state, tuple):
+        state = state[0]
+    if state:
+        obj.__dict__.update(state)
+    return obj
+
+
+# --- install -------------------------------------------------------------------------------
+def _tensor_types():
+    types = [torch.Tensor, torch.nn.parameter.Parameter]
+    types += [t for t in getattr(torch, "_tensor_classes", ()) if t not in types]
+    return types
+
+
+def install(client: Optional[Client] = None, *, copy: bool = True, cpu: bool = False,
+            pool: Optional[str] = None, fallback: bool = False,
+            socket: Optional[str] = None) -> None:
+    """Send every tensor torch pickles across processes as a gpupool hold.
+
+    client: the Client to share through (default: one per process, connected now to
+    `socket`, $GPUPOOL_SOCKET or the default socket; after fork the child connects its own).
+    copy: copy storages that are not gpupool memory into a new gpupool buffer (True) or
+    refuse them with GpupoolError (False). cpu: route CPU storages through gpupool's host
+    pools too (default: only CUDA storages; CPU tensors keep torch's shared memory). pool:
+    the pool copies go to (default: one on the storage's device). fallback: when gpupoold is
+    unreachable, log a warning and use torch's own sharing instead of raising.
+
+    Children need nothing: a spawn or forkserver child (a Process, a Pool worker) installs
+    the same options before its target runs, a fork child inherits them, and any process
+    that unpickles a gpupool tensor installs them too; each connects a client of its own on
+    first use."""
+    import torch.multiprocessing  # noqa: F401  (registers torch's reductions first)
+
+    opts = _Options(copy, cpu, pool, fallback, socket)
+    with _S.lock:
+        if _S.pid != os.getpid():
+            _forget_parent()
+        _S.opts = opts
+        if client is not None:
+            _S.client = client
+            _S.user_client = True
+        else:
+            if _S.client is not None and (_S.user_client or _S.client_socket != opts.socket):
+                _S.client = None  # another daemon (or the user's client no more): connect anew
+            try:
+                _client()
+            except GpupoolError as e:
+                if not fallback:
+                    raise error("ECONNECT", "gpupool.torch.install: cannot connect to gpupoold: %s. "
+                                "Start gpupoold (or point GPUPOOL_SOCKET at it), or install(fallback=True) "
+                                "to fall back to torch's own sharing" % e) from e
+                _say_fallback("gpupoold is unreachable (%s)" % e)
+        reducers = ForkingPickler._extra_reducers
+        if not _S.saved:
+            for t in _tensor_types():
+                _S.saved[t] = reducers.get(t, _torch_reductions.reduce_tensor)
+            _S.saved[torch.UntypedStorage] = reducers.get(torch.UntypedStorage,
+                                                          _torch_reductions.reduce_storage)
+            for t in _process_types():
+                _S.saved[t] = reducers.get(t)
+        for t in _tensor_types():
+            ForkingPickler.register(t, _reduce_tensor)
+        ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
+        for t in _process_types():
+            ForkingPickler.register(t, _reduce_process)
+
+
+def uninstall() -> None:
+    """Give torch its own reductions back (tensors sent from now on use torch's sharing)."""
+    with _S.lock:
+        for t, r in _S.saved.items():
+            if r is None:
+                ForkingPickler._extra_reducers.pop(t, None)
+            else:
+                ForkingPickler.register(t, r)
+        _S.saved = {}
+        _S.opts = None
+
+
+def installed() -> bool:
+    return _S.opts is not None
+
+
+# --- allocating for sharing ----------------------------------------------------------------
+def _size_arg(size):
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    return tuple(int(n) for n in size)
+
+
+def empty(*size: Any, dtype: Optional[torch.dtype] = None, device: Any = None,
+          requires_grad: bool = False, pool: Optional[str] = None,
+          client: Optional[Client] = None) -> torch.Tensor:
+    """torch.empty whose storage is a gpupool buffer of its own: install() shares it without a
+    copy, and both processes see each other's writes. device: as torch's (default: torch's
+    default device); pool: a pool name instead of the pool of that device."""
+    shape = _size_arg(size)
+    dtype = dtype if dtype is not None else torch.get_default_dtype()
+    dev = torch.device(device) if device is not None else torch.get_default_device()
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    c = client if client is not None else _client()
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if pool is None:
+        pool = c._pool_for(_dlpack.kDLCUDA, dev.index, str(dev)) if dev.type == "cuda" \
+            else c._pool_for(_dlpack.kDLCPU, 0, "cpu")
+    s = _stream_of(dev)
+    g = c._alloc((max(nbytes, 1),), _UINT8, pool, 0, s)
+    hold = g._hold
+    x = torch.from_dlpack(g)
+    if x.device != dev:
+        raise error("EINVAL", "pool %r holds %s memory, not %s" % (pool, x.device, dev))
+    st = x.untyped_storage()
+    _remember(st.data_ptr(), hold, 0)
+    del g
+    strides = []
+    acc = 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    t = torch.empty((0,), dtype=dtype, device=dev).set_(st, 0, shape, tuple(reversed(strides)))
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def zeros(*size: Any, **kw: Any) -> torch.Tensor:
+    """gpupool.torch.empty filled with zeros."""
+    t = empty(*size, **kw)
+    with torch.no_grad():
+        t.zero_()
+    return t
+
+
+def empty_like(other: torch.Tensor, *, dtype: Optional[torch.dtype] = None, device: Any = None,
+               requires_grad: bool = False, pool: Optional[str] = None,
+               client: Optional[Client] = None) -> torch.Tensor:
+    """gpupool.torch.empty of other's shape, dtype and device (C-contiguous)."""
+    return empty(tuple(other.shape), dtype=dtype or other.dtype,
+                 device=device if device is not None else other.device,
+                 requires_grad=requires_grad, pool=pool, client=client)
+
+
+# --- the whole-process allocator -----------------------------------------------------------
+def _alloc_library_path():
+    env = os.environ.get("GPUPOOL_TORCH_ALLOC_LIBRARY")
+    if env:
+        return env
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libgpupool-torch-alloc.so")
+    if os.path.exists(here):
+        return here
+    client_lib = os.environ.get("GPUPOOL_LIBRARY")
+    if client_lib:
+        p = os.path.join(os.path.dirname(client_lib), "libgpupool-torch-alloc.so")
+        if os.path.exists(p):
+            return p
+    return "libgpupool-torch-alloc.so"
+
+
+def use_allocator(socket: Optional[str] = None, pools: Optional[Sequence[Optional[str]]] = None) -> None:
+    """Make every CUDA tensor of this process a gpupool buffer of its own, through torch's
+    CUDAPluggableAllocator: install() then shares every CUDA storage without a copy. Call it
+    before the process's first CUDA allocation (torch cannot swap an allocator in use).
+    socket: the daemon (default: $GPUPOOL_SOCKET or the default); pools: a pool name per
+    device index (default: the daemon's device pool for each device). Each allocation and
+    free is a request to gpupoold (no caching): docs/TORCH.md gives what that costs."""
+    if _S.alloc_lib is not None:
+        raise error("EBUSY", "gpupool.torch.use_allocator() already runs in this process")
+    path = _alloc_library_path()
+    try:
+        L = ctypes.CDLL(path)
+    except OSError as e:
+        raise error("ENOENT", "cannot load %s (%s): build gpupool (target gpupool-torch-alloc) "
+                    "or set GPUPOOL_TORCH_ALLOC_LIBRARY to the library's full path" % (path, e)) from None
+    L.gpupool_torch_alloc_find.argtypes = [ctypes.c_void_p, ctypes.POINTER(_lib.BufferP)]
+    L.gpupool_torch_alloc_find.restype = ctypes.c_int
+    L.gpupool_torch_alloc_last_error.restype = ctypes.c_char_p
+    L.gpupool_torch_alloc_configure.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p),
+                                                ctypes.c_int]
+    L.gpupool_torch_alloc_counts.argtypes = [ctypes.POINTER(ctypes.c_uint64)] * 3
+    if socket is None and _S.opts is not None:
+        socket = _S.opts.socket
+    if pools is None:
+        # The daemon's device pool of each device (none: allocations there fail, saying so).
+        with Client(socket, name="torch allocator setup") as c:
+            have = c.pools()
+        pools = []
+        for d in range(torch.cuda.device_count()):
+            mine = [p["name"] for p in have if p["kind"] == "device" and p["device"] == d]
+            pools.append(mine[0] if mine else None)
+    names = (ctypes.c_char_p * max(len(pools), 1))(*[None if p is None else p.encode() for p in pools])
+    if L.gpupool_torch_alloc_configure(None if socket is None else str(socket).encode(), names,
+                                       len(pools)) != 0:
+        raise error("ENOMEM", "out of memory configuring the gpupool torch allocator")
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "gpupool_torch_alloc", "gpupool_torch_free")
+    try:
+        torch.cuda.memory.change_current_allocator(alloc)
+    except RuntimeError as e:
+        raise error("EINVAL", "gpupool.torch.use_allocator() must run before this process's first "
+                    "CUDA allocation (torch cannot swap an allocator already in use: %s); call it "
+                    "first thing, e.g. right after import torch" % e) from None
+    _S.alloc_lib = L
+
+
+def allocator_counts() -> dict:
+    """Allocations and frees use_allocator()'s allocator made, and those live now."""
+    if _S.alloc_lib is None:
+        return {"allocs": 0, "frees": 0, "live": 0}
+    v = [ctypes.c_uint64() for _ in range(3)]
+    _S.alloc_lib.gpupool_torch_alloc_counts(*[ctypes.byref(x) for x in v])
+    return {"allocs": v[0].value, "frees": v[1].value, "live": v[2].value}
+
+
+def allocator_last_error() -> str:
+    """Why use_allocator()'s allocator last failed ("" if it never did)."""
+    if _S.alloc_lib is None:
+        return ""
+    return _S.alloc_lib.gpupool_torch_alloc_last_error().decode(errors="replace")
+

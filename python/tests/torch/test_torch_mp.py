@@ -1,0 +1,404 @@
+"""gpupool.torch on the host backend: CPU tensors through torch.multiprocessing with
+install(cpu=True), every path a PyTorch program sends tensors by, bit-exact, against a real
+gpupoold; the daemon's buffers, holds and fds back where they started after each.
+
+Run by tests/python/torch_tests.sh (ctest python_torch), which provides torch in a venv.
+"""
+
+import hashlib
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYROOT = os.path.dirname(os.path.dirname(HERE))
+if PYROOT not in sys.path:
+    sys.path.insert(0, PYROOT)
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from multiprocessing.reduction import ForkingPickler  # noqa: E402
+
+import gpupool  # noqa: E402
+import gpupool.torch as gt  # noqa: E402
+from gpupool.testing import Daemon  # noqa: E402
+
+PEER = os.path.join(HERE, "torch_peer.py")
+POOLS = ["name=main,kind=host,capacity=512M,slab=16M"]
+
+
+def digest(t):
+    t = t.detach().contiguous()
+    b = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return hashlib.sha256(b).hexdigest()
+
+
+def sample():
+    """Tensors of every kind a message carries: a gpupool storage and a view of it, a
+    non-contiguous view of ordinary memory, a Parameter, and a few dtypes."""
+    g = gt.empty(64, dtype=torch.float32)
+    g.copy_(torch.arange(64, dtype=torch.float32))
+    y = torch.arange(24, dtype=torch.float64).reshape(4, 6).t()[1:]
+    p = torch.nn.Parameter(torch.randn(3, 5))
+    z = torch.randint(-2**40, 2**40, (33,), dtype=torch.int64)
+    w = torch.randn(17).to(torch.bfloat16)
+    m = torch.rand(9) > 0.5
+    return [g, g[10:20], y, p, z, w, m]
+
+
+# --- what the children run (module level: spawn and forkserver import them by name) ------
+def echo_child(q, r):
+    got = q.get(timeout=60)
+    g, v = got[0], got[1]
+    r.put(([digest(t) for t in got], [type(t).__name__ for t in got], [t.requires_grad for t in got],
+           g.untyped_storage().data_ptr() == v.untyped_storage().data_ptr(),
+           v.data_ptr() - g.data_ptr(), [tuple(t.stride()) for t in got]))
+    g[0] = 1234.0          # the parent's storage: it sees this write
+    r.put(got[2])          # a received storage goes back without a copy (gpupool memory now)
+    assert q.get(timeout=60) == "seen"
+
+
+def square(t):
+    return t * t
+
+
+def exit_after_put(q, n):
+    keep = gt.zeros(8)
+    keep += 3
+    ts = [torch.full((n,), float(i)) for i in range(4)] + [keep, keep[2:5]]
+    for t in ts:
+        q.put(t)
+    q.close()
+    q.join_thread()        # flushed into the pipe; then the process exits with its client
+
+
+def receive_and_wait(q, r):
+    got = [q.get(timeout=60) for _ in range(3)]
+    r.put([digest(t) for t in got])
+    time.sleep(120)
+
+
+def sum_many(q, r, n):
+    acc = 0.0
+    h = hashlib.sha256()
+    for _ in range(n):
+        t = q.get(timeout=60)
+        h.update(t.numpy().tobytes())
+        acc += float(t.sum())
+    r.put((h.hexdigest(), acc))
+
+
+def spawn_arg_child(t, expect, p):
+    sys.exit(0 if digest(t) == expect and isinstance(t, torch.nn.Parameter) == p else 3)
+
+
+class TorchTestCase(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        if not os.environ.get("GPUPOOLD"):
+            raise unittest.SkipTest("set GPUPOOLD and GPUPOOL_LIBRARY (ctest does)")
+        cls.daemon = Daemon(pools=POOLS).start()
+        os.environ["GPUPOOL_SOCKET"] = cls.daemon.socket
+        gt.install(cpu=True, socket=cls.daemon.socket)
+
+    @classmethod
+    def tearDownClass(cls):
+        gt.uninstall()
+        d = getattr(cls, "daemon", None)
+        if d is not None:
+            d.stop()
+            if d.died is not None:
+                raise AssertionError("gpupoold died: %s\n%s" % (d.died, d.log()))
+
+    def counters(self):
+        import gc
+        gc.collect()
+        with gpupool.Client(self.daemon.socket, name="counters") as c:
+            # An empty slab the pool keeps for reuse holds its memfd: give it back first, so
+            # what is counted is what a leak would leave. This process's client unmaps it
+            # when a reply tells it to and says so in its next request: two requests.
+            c.trim()
+            if gt.installed():
+                gt._client().stats()
+                gt._client().stats()
+            s = c.stats()
+        return s["buffers"], s["holds"], s["open_fds"]
+
+    def wait_counters(self, want, timeout=20.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.counters()
+            if got == want or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        self.assertEqual(got, want, "daemon (buffers, holds, fds) not back at the baseline\n"
+                         + self.daemon.log()[-3000:])
+
+    def baseline(self):
+        return self.counters()
+
+
+class SharingPaths(TorchTestCase):
+    def run_echo(self, method):
+        ctx = mp.get_context(method)
+        q, r = ctx.Queue(), ctx.Queue()
+        sent = sample()
+        want = [digest(t) for t in sent]
+        p = ctx.Process(target=echo_child, args=(q, r))
+        p.start()
+        q.put(sent)
+        digests, types, grads, alias, gap, strides = r.get(timeout=120)
+        self.assertEqual(digests, want, method)
+        self.assertEqual(types[3], "Parameter")
+        self.assertEqual(grads, [t.requires_grad for t in sent])
+        self.assertTrue(alias, "two views of one storage arrived as two storages")
+        self.assertEqual(gap, 40)
+        self.assertEqual(strides, [tuple(t.stride()) for t in sent])
+        back = r.get(timeout=60)
+        self.assertEqual(digest(back), want[2])
+        deadline = time.monotonic() + 10
+        while sent[0][0].item() != 1234.0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(sent[0][0].item(), 1234.0, "the child's write to a gpupool storage was not seen")
+        q.put("seen")
+        p.join(60)
+        self.assertEqual(p.exitcode, 0)
+
+    def test_queue_fork_spawn_forkserver(self):
+        base = self.baseline()
+        for method in ("fork", "spawn", "forkserver"):
+            with self.subTest(method=method):
+                self.run_echo(method)
+        self.wait_counters(base)
+
+    def test_pipe_simplequeue_pool(self):
+        base = self.baseline()
+        ctx = mp.get_context("fork")
+        a, b = ctx.Pipe()
+        x = torch.randn(5, 7).t()
+        a.send(x)
+        y = b.recv()
+        self.assertTrue(torch.equal(x, y))
+        sq = ctx.SimpleQueue()
+        sq.put((x, x[1]))
+        u, v = sq.get()
+        self.assertTrue(torch.equal(u, x) and torch.equal(v, x[1]))
+        self.assertEqual(u.untyped_storage().data_ptr(), v.untyped_storage().data_ptr())
+        del a, b, y, u, v, sq
+        with ctx.Pool(2) as pool:
+            ins = [torch.randn(100) for _ in range(8)]
+            outs = pool.map(square, ins)
+        for i, o in zip(ins, outs):
+            self.assertTrue(torch.equal(i * i, o))
+        del ins, outs, i, o
+        self.wait_counters(base)
+
+    def test_spawn_arguments(self):
+        base = self.baseline()
+        ctx = mp.get_context("spawn")
+        for t in (torch.randn(4, 4).t(), torch.nn.Parameter(torch.ones(3)), gt.zeros(7, dtype=torch.int16)):
+            p = ctx.Process(target=spawn_arg_child,
+                            args=(t, digest(t), isinstance(t, torch.nn.Parameter)))
+            p.start()
+            p.join(120)
+            self.assertEqual(p.exitcode, 0, "spawned child got a different tensor")
+        del t
+        self.wait_counters(base)
+
+    def test_sender_exits_before_receiver_reads(self):
+        base = self.baseline()
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=exit_after_put, args=(q, 1000))
+        p.start()
+        p.join(60)
+        self.assertEqual(p.exitcode, 0)
+        got = [q.get(timeout=30) for _ in range(6)]
+        for i in range(4):
+            self.assertTrue(torch.equal(got[i], torch.full((1000,), float(i))))
+        self.assertTrue(torch.equal(got[4], torch.full((8,), 3.0)))
+        self.assertTrue(torch.equal(got[5], torch.full((3,), 3.0)))
+        del got
+        self.wait_counters(base)
+
+    def test_spawned_sender_that_never_received(self):
+        # The child's module does not import gpupool: the Process object carries install().
+        import plain_child
+
+        base = self.baseline()
+        for method in ("spawn", "forkserver"):
+            ctx = mp.get_context(method)
+            q = ctx.Queue()
+            p = ctx.Process(target=plain_child.put_and_exit, args=(q,))
+            p.start()
+            p.join(120)
+            self.assertEqual(p.exitcode, 0)
+            a, b = q.get(timeout=30), q.get(timeout=30)
+            x = torch.arange(5000, dtype=torch.float32)
+            self.assertTrue(torch.equal(a, x * 3) and torch.equal(b, x[::2]))
+            self.assertEqual(self.counters()[:2], (2, 2), "the child's tensors did not come as gpupool buffers")
+            del a, b
+            self.wait_counters(base)
+
+    def test_receiver_sigkilled_while_holding(self):
+        base = self.baseline()
+        ctx = mp.get_context("fork")
+        q, r = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=receive_and_wait, args=(q, r))
+        p.start()
+        ts = [torch.randn(1000), gt.zeros(10), torch.arange(6.).reshape(2, 3).t()]
+        for t in ts:
+            q.put(t)
+        self.assertEqual(r.get(timeout=60), [digest(t) for t in ts])
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(30)
+        del ts
+        self.wait_counters(base)
+
+    def test_ten_thousand_tensors_through_a_queue(self):
+        base = self.baseline()
+        n = 10000
+        ctx = mp.get_context("fork")
+        q, r = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=sum_many, args=(q, r, n))
+        p.start()
+        h = hashlib.sha256()
+        acc = 0.0
+        for i in range(n):
+            t = torch.arange(16, dtype=torch.float32) + i
+            h.update(t.numpy().tobytes())
+            acc += float(t.sum())
+            q.put(t)
+        self.assertEqual(r.get(timeout=300), (h.hexdigest(), acc))
+        p.join(60)
+        self.assertEqual(p.exitcode, 0)
+        self.wait_counters(base)
+
+
+def _peer_env(socket, pythonpath, library):
+    env = dict(os.environ)
+    env.update(GPUPOOL_SOCKET=socket, PYTHONPATH=pythonpath, GPUPOOL_LIBRARY=library)
+    return env
+
+
+class Isolation(TorchTestCase):
+    def peer_lines(self, prefix, payload, env, script=PEER):
+        out = subprocess.run(prefix + [sys.executable, script], input=payload, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
+        self.assertEqual(out.returncode, 0, out.stderr.decode(errors="replace"))
+        return [line.split() for line in out.stdout.decode().splitlines()]
+
+    def test_pid_namespace(self):
+        if os.getuid() != 0 or shutil.which("unshare") is None:
+            self.skipTest("needs root and unshare(1) for a PID namespace")
+        probe = subprocess.run(["unshare", "--pid", "--fork", "true"], stderr=subprocess.PIPE)
+        if probe.returncode != 0:
+            self.skipTest("this machine refuses a new PID namespace (%s)" % probe.stderr.decode().strip())
+        base = self.baseline()
+        ts = [torch.randn(300), gt.zeros(5) + 2]
+        payload = bytes(ForkingPickler.dumps(ts))
+        lines = self.peer_lines(["unshare", "--pid", "--fork"], payload,
+                                _peer_env(self.daemon.socket, PYROOT, os.environ["GPUPOOL_LIBRARY"]))
+        self.assertEqual([ln[0] for ln in lines], [digest(t) for t in ts])
+        self.assertEqual(lines[0][-1], "1", "the receiver was not pid 1 of a namespace of its own")
+        del ts, payload
+        self.wait_counters(base)
+
+    def test_another_uid(self):
+        if os.getuid() != 0 or shutil.which("setpriv") is None:
+            self.skipTest("needs root and setpriv(1) to run the receiver as another uid")
+        uid = 65534
+        probe = subprocess.run(["setpriv", "--reuid=%d" % uid, "--regid=%d" % uid, "--clear-groups",
+                                sys.executable, "-c", "import torch"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)
+        if probe.returncode != 0:
+            self.skipTest("uid %d cannot run %s with torch (%s): put the venv where every uid "
+                          "can read it (GPUPOOL_TORCH_VENV)" % (uid, sys.executable,
+                                                                 probe.stderr.decode()[-200:]))
+        work = tempfile.mkdtemp(prefix="gpupool-torch-uid-")
+        self.addCleanup(shutil.rmtree, work, True)
+        os.chmod(work, 0o755)
+        # What the receiver runs, where it can reach it.
+        shutil.copytree(os.path.join(PYROOT, "gpupool"), os.path.join(work, "gpupool"),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        lib = os.path.join(work, "libgpupool-client.so")
+        shutil.copy(os.environ["GPUPOOL_LIBRARY"], lib)
+        script = os.path.join(work, "torch_peer.py")
+        shutil.copy(PEER, script)
+        for root, dirs, files in os.walk(work):
+            for n in dirs + files:
+                os.chmod(os.path.join(root, n), 0o755)
+        conf = os.path.join(work, "gpupoold.conf")
+        with open(conf, "w") as f:
+            f.write("[daemon]\nsocket_mode = 0666\n[group xfer]\nuids = 0, %d\n"
+                    "[pool xfer]\nkind = host\ncapacity = 64M\nslab_size = 4M\nshare = xfer\n" % uid)
+        d = Daemon(args=["--config", conf]).start()
+        self.addCleanup(d.stop)
+        os.chmod(d.dir, 0o711)
+        try:
+            gt.install(cpu=True, pool="xfer", socket=d.socket)
+            ts = [torch.randn(77), torch.arange(10, dtype=torch.int32)[::3]]
+            payload = bytes(ForkingPickler.dumps(ts))
+            lines = self.peer_lines(["setpriv", "--reuid=%d" % uid, "--regid=%d" % uid, "--clear-groups"],
+                                    payload, _peer_env(d.socket, work, lib), script)
+            self.assertEqual([ln[0] for ln in lines], [digest(t) for t in ts])
+        finally:
+            gt.install(cpu=True, socket=self.daemon.socket)
+
+
+class Options(TorchTestCase):
+    def tearDown(self):
+        gt.install(cpu=True, socket=self.daemon.socket)
+
+    def test_copy_false_refuses_ordinary_memory(self):
+        gt.install(cpu=True, copy=False, socket=self.daemon.socket)
+        g = gt.zeros(4)
+        self.assertIsInstance(pickle.loads(ForkingPickler.dumps(g)), torch.Tensor)
+        with self.assertRaises(gpupool.GpupoolError) as cm:
+            ForkingPickler.dumps(torch.zeros(4))
+        self.assertIn("copy=False", str(cm.exception))
+        self.assertIn("gpupool.torch.empty", str(cm.exception))
+
+    def test_cpu_false_leaves_cpu_tensors_to_torch(self):
+        gt.install(cpu=False, socket=self.daemon.socket)
+        before = self.counters()
+        data = ForkingPickler.dumps(torch.ones(1000))
+        self.assertEqual(self.counters(), before)  # no gpupool buffer was made
+        self.assertTrue(torch.equal(pickle.loads(data), torch.ones(1000)))
+
+    def test_cpu_false_still_shares_gpupool_cpu_storages(self):
+        gt.install(cpu=False, socket=self.daemon.socket)
+        g = gt.zeros(8)
+        ptr = g.untyped_storage().data_ptr()
+        y = pickle.loads(ForkingPickler.dumps(g))
+        # torch's own sharing would have moved g into a shared-memory file of its own.
+        self.assertEqual(g.untyped_storage().data_ptr(), ptr)
+        self.assertEqual(y.untyped_storage().data_ptr(), ptr)
+
+    def test_unreachable_daemon(self):
+        missing = os.path.join(tempfile.mkdtemp(prefix="gpupool-none-"), "none.sock")
+        with self.assertRaises(ConnectionError) as cm:
+            gt.install(cpu=True, socket=missing)
+        self.assertIn("fallback=True", str(cm.exception))
+        with self.assertLogs("gpupool.torch", level="WARNING") as logs:
+            gt.install(cpu=True, socket=missing, fallback=True)
+        self.assertIn("torch's own sharing", "\n".join(logs.output))
+        t = torch.randn(10)
+        self.assertTrue(torch.equal(pickle.loads(ForkingPickler.dumps(t)), t))
+
+    def test_gpupool_storage_is_shared_in_place(self):
+        g = gt.zeros(16, dtype=torch.int32)
+        g2 = pickle.loads(ForkingPickler.dumps(g))   # this process: the same memory again
+        self.assertEqual(g2.untyped_storage().data_ptr(), g.untyped_storage().data_ptr())
+        e = gt.empty_like(torch.empty(2, 3, dtype=torch.float16))
+        self.assertEqual((e.shape, e.dtype), (torch.Size([2, 3]), torch.float16))
+
+
+if __name__ == "__main__":
+    unittest.main()

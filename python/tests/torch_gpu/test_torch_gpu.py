@@ -1,0 +1,184 @@
+"""gpupool.torch with CUDA tensors: torch.multiprocessing (spawn) sends them as kept shares of
+gpupool device buffers, bit-exact; a gpupool storage stays one storage in both processes
+(writes seen both ways, views aliased); a sender that exits before the receiver reads; a
+receiver SIGKILLed while holding; 1,000 tensors through a queue; the daemon back at its
+baseline after each. The same with use_allocator() in a fresh process (every CUDA
+tensor is a gpupool buffer: shared without a copy), see alloc_main.py."""
+
+import gc
+import hashlib
+import os
+import subprocess
+import sys
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, PYROOT)
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import gpupool  # noqa: E402
+import gpupool.torch as gt  # noqa: E402
+from gpupool.testing import Daemon  # noqa: E402
+
+POOLS = ("name=gpu0,kind=device,device=0,capacity=2G,slab=256M",)
+
+
+def digest(t):
+    t = t.detach().to("cpu").contiguous()
+    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def echo_child(q, r):
+    got = q.get(timeout=120)
+    g, v = got[0], got[1]
+    torch.cuda.current_stream().synchronize()
+    r.put(([digest(t) for t in got], [t.device.type for t in got], type(got[3]).__name__,
+           got[3].requires_grad, g.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()))
+    g.fill_(7.0)
+    torch.cuda.synchronize()
+    r.put(got[2])          # received: gpupool memory now, sent back without a copy
+    assert q.get(timeout=120) == "seen"
+
+
+def put_and_exit(q):
+    x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    q.put(x * 3)           # a temporary: its memory goes back to torch's cache at once
+    q.put(x[::2])
+    q.close()
+    q.join_thread()
+
+
+def hold_then_wait(q, r):
+    got = [q.get(timeout=120) for _ in range(2)]
+    torch.cuda.current_stream().synchronize()
+    r.put([digest(t) for t in got])
+    time.sleep(300)
+
+
+def sum_many(q, r, n):
+    h = hashlib.sha256()
+    for _ in range(n):
+        h.update(q.get(timeout=120).to("cpu").numpy().tobytes())
+    r.put(h.hexdigest())
+
+
+class CudaTensors(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        try:
+            cls.daemon = Daemon(backend="cuda", pools=POOLS).start()
+        except RuntimeError as e:
+            raise unittest.SkipTest("gpupoold cannot run its CUDA backend here: %s" % e)
+        os.environ["GPUPOOL_SOCKET"] = cls.daemon.socket
+        gt.install(socket=cls.daemon.socket)
+
+    @classmethod
+    def tearDownClass(cls):
+        gt.uninstall()
+        cls.daemon.stop()
+
+    def counters(self):
+        gc.collect()
+        torch.cuda.synchronize()
+        with gpupool.Client(self.daemon.socket, name="counters") as c:
+            s = c.stats()
+        return s["buffers"], s["holds"]
+
+    def wait_counters(self, want, timeout=30):
+        deadline = time.monotonic() + timeout
+        while self.counters() != want and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertEqual(self.counters(), want, self.daemon.log()[-3000:])
+
+    def test_queue_spawn(self):
+        base = self.counters()
+        ctx = mp.get_context("spawn")
+        q, r = ctx.Queue(), ctx.Queue()
+        g = gt.empty(1 << 16, device="cuda")
+        g.copy_(torch.arange(1 << 16, dtype=torch.float32, device="cuda"))
+        plain = torch.randn(256, 512, device="cuda").t()          # torch's caching allocator
+        p_ = torch.nn.Parameter(torch.randn(33, device="cuda"))
+        sent = [g, g[100:200], plain, p_, torch.randint(0, 9, (77,), device="cuda", dtype=torch.int64)]
+        want = [digest(t) for t in sent]
+        p = ctx.Process(target=echo_child, args=(q, r))
+        p.start()
+        q.put(sent)
+        digests, devs, ptype, grad, alias = r.get(timeout=180)
+        self.assertEqual(digests, want)
+        self.assertEqual(set(devs), {"cuda"})
+        self.assertEqual((ptype, grad), ("Parameter", True))
+        self.assertTrue(alias)
+        back = r.get(timeout=60)
+        self.assertEqual(digest(back), want[2])
+        torch.cuda.synchronize()
+        self.assertTrue(bool((g == 7.0).all()), "the child's write to a gpupool storage was not seen")
+        q.put("seen")
+        p.join(60)
+        self.assertEqual(p.exitcode, 0)
+        del sent, g, back, p_
+        self.wait_counters(base)
+
+    def test_sender_exits_first(self):
+        base = self.counters()
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=put_and_exit, args=(q,))
+        p.start()
+        p.join(120)
+        self.assertEqual(p.exitcode, 0)
+        a, b = q.get(timeout=60), q.get(timeout=60)
+        x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+        self.assertTrue(torch.equal(a, x * 3))
+        self.assertTrue(torch.equal(b, x[::2]))
+        del a, b
+        self.wait_counters(base)
+
+    def test_receiver_sigkilled_while_holding(self):
+        base = self.counters()
+        ctx = mp.get_context("spawn")
+        q, r = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=hold_then_wait, args=(q, r))
+        p.start()
+        ts = [torch.randn(1 << 18, device="cuda"), gt.zeros(1000, device="cuda")]
+        for t in ts:
+            q.put(t)
+        self.assertEqual(r.get(timeout=180), [digest(t) for t in ts])
+        p.kill()
+        p.join(60)
+        del ts, t
+        self.wait_counters(base)
+
+    def test_thousand_tensors_through_a_queue(self):
+        base = self.counters()
+        n = 1000
+        ctx = mp.get_context("spawn")
+        q, r = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=sum_many, args=(q, r, n))
+        p.start()
+        h = hashlib.sha256()
+        for i in range(n):
+            t = torch.arange(64, dtype=torch.float32, device="cuda") + i
+            h.update(t.to("cpu").numpy().tobytes())
+            q.put(t)
+        self.assertEqual(r.get(timeout=300), h.hexdigest())
+        p.join(60)
+        self.assertEqual(p.exitcode, 0)
+        del t
+        self.wait_counters(base)
+
+    def test_use_allocator(self):
+        env = dict(os.environ, PYTHONPATH=PYROOT)
+        out = subprocess.run([sys.executable, os.path.join(HERE, "alloc_main.py"), self.daemon.socket],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+        text = out.stdout.decode(errors="replace")
+        self.assertEqual(out.returncode, 0, text)
+        self.assertIn("ALLOCATOR OK", text)
+        out = subprocess.run([sys.executable, os.path.join(HERE, "alloc_main.py"), self.daemon.socket, "late"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+        text = out.stdout.decode(errors="replace")
+        self.assertEqual(out.returncode, 0, text)
+        self.assertIn("LATE REFUSED OK", text)

@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# PyTorch's own test/test_multiprocessing.py with gpupool.torch active in every process, on a
+# GPU machine: once with install() and use_allocator() (every CUDA tensor a gpupool buffer),
+# once with install() alone (CUDA storages copied into gpupool memory when sent), and once
+# with neither (torch as it is, for comparison). A sitecustomize.py on PYTHONPATH does it, so
+# spawned and forkserver children run it too. Prints each CUDA test as passed, failed or
+# skipped per mode, and what changes between modes.
+#
+#   tools/torch-mp-suite.sh --test-file PATH [--python PY] [--build DIR] [--modes "allocator install none"]
+#
+# PATH: test/test_multiprocessing.py of the PyTorch source matching the installed torch (the
+# wheel ships torch.testing._internal, which it imports, but not the test itself); without
+# --test-file the script tries GitHub (raw.githubusercontent.com, tag v<torch version>) and
+# stops saying so when that cannot be reached. DIR: a build tree with gpupoold,
+# libgpupool-client.so and libgpupool-torch-alloc.so (default: build-gpu). Logs go to $OUT
+# (or a temp dir): <mode>.log and summary.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+py=${PYTHON:-python3}
+build=build-gpu
+test_file=""
+modes="allocator install none"
+while [ $# -gt 0 ]; do
+  case $1 in
+    --test-file) test_file=$2; shift 2 ;;
+    --python) py=$2; shift 2 ;;
+    --build) build=$2; shift 2 ;;
+    --modes) modes=$2; shift 2 ;;
+    *) echo "usage: $0 --test-file PATH [--python PY] [--build DIR] [--modes \"allocator install none\"]" >&2; exit 2 ;;
+  esac
+done
+out=${OUT:-$(mktemp -d)}
+mkdir -p "$out"
+die() { echo "torch-mp-suite.sh: $*" >&2; exit 1; }
+
+ver=$("$py" -c "import torch; print(torch.__version__.split('+')[0])") || die "$py cannot import torch"
+"$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || die "torch sees no CUDA device"
+if [ -z "$test_file" ]; then
+  test_file=$out/test_multiprocessing.py
+  curl -fsSL -m 30 -o "$test_file" \
+    "https://raw.githubusercontent.com/pytorch/pytorch/v$ver/test/test_multiprocessing.py" ||
+    die "cannot fetch test_multiprocessing.py for torch $ver from GitHub; pass --test-file PATH (from a PyTorch v$ver checkout)"
+fi
+[ -f "$test_file" ] || die "no such file: $test_file"
+for f in daemon/gpupoold client/libgpupool-client.so client/libgpupool-torch-alloc.so; do
+  [ -e "$build/$f" ] || die "$build/$f missing: build the tree (GPU_BUILD_TARGETS includes gpupool-torch-alloc)"
+done
+
+work=$(mktemp -d)
+trap 'kill "$dpid" 2>/dev/null; rm -rf "$work"' EXIT
+sock=$work/gpupoold.sock
+"$build/daemon/gpupoold" --backend cuda --socket "$sock" --log-level warn \
+  --pool "name=gpu0,kind=device,device=0,capacity=16G,slab=1G" \
+  --pool "name=host,kind=host,capacity=4G,slab=256M" >"$out/gpupoold.log" 2>&1 &
+dpid=$!
+for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
+[ -S "$sock" ] || die "gpupoold did not start: $(tail -5 "$out/gpupoold.log")"
+
+# Runs in every Python process started with this PYTHONPATH, children included.
+mkdir -p "$work/site"
+cat >"$work/site/sitecustomize.py" <<'PYEOF'
+import os
+mode = os.environ.get("GPUPOOL_TORCH_SUITE_MODE", "none")
+if mode in ("allocator", "install"):
+    import gpupool.torch as _gt
+    if mode == "allocator":
+        try:
+            _gt.use_allocator()
+        except Exception as e:  # a process that made CUDA memory before (none should)
+            import sys
+            sys.stderr.write("gpupool sitecustomize: use_allocator failed: %s\n" % e)
+    _gt.install()
+PYEOF
+
+cp "$test_file" "$work/test_multiprocessing.py"
+for mode in $modes; do
+  echo "==== torch-mp-suite: mode $mode"
+  (cd "$work" &&
+    GPUPOOL_TORCH_SUITE_MODE=$mode GPUPOOL_SOCKET=$sock PYTHONPATH="$work/site:$root/python" \
+    GPUPOOL_LIBRARY=$root/$build/client/libgpupool-client.so \
+    GPUPOOL_TORCH_ALLOC_LIBRARY=$root/$build/client/libgpupool-torch-alloc.so \
+    timeout 3000 "$py" test_multiprocessing.py -v >"$out/$mode.log" 2>&1)
+  echo "exit status $?" >>"$out/$mode.log"
+done
+
+# One line per CUDA test and mode: passed, failed (FAIL/ERROR) or skipped (with the reason).
+"$py" - "$out" $modes <<'PYEOF' | tee "$out/summary.txt"
+import re, sys
+out, modes = sys.argv[1], sys.argv[2:]
+res = {}
+for m in modes:
+    try:
+        text = open("%s/%s.log" % (out, m), errors="replace").read()
+    except OSError:
+        continue
+    for ln in text.splitlines():
+        mm = re.match(r"^(test\w+) \(([\w.]+)\) \.\.\. (.*)$", ln)
+        if not mm:
+            continue
+        name, st = mm.group(1), mm.group(3).strip()
+        if "cuda" not in name.lower():
+            continue
+        st = "passed" if st == "ok" else "failed" if st in ("FAIL", "ERROR") else st
+        res.setdefault(name, {})[m] = st
+print("%-60s %s" % ("CUDA test", "  ".join("%-24s" % m for m in modes)))
+for name in sorted(res):
+    print("%-60s %s" % (name, "  ".join("%-24s" % res[name].get(m, "-")[:24] for m in modes)))
+for m in modes:
+    vals = [r.get(m) for r in res.values()]
+    print("%s: %d passed, %d failed, %d skipped" % (m, vals.count("passed"), vals.count("failed"),
+          sum(1 for v in vals if v and v.startswith("skipped"))))
+PYEOF
