@@ -7,6 +7,11 @@
 # skipped per mode, and what changes between modes.
 #
 #   tools/torch-mp-suite.sh --test-file PATH [--python PY] [--build DIR] [--modes "allocator install none"]
+#                           [--tests "cuda event leaf_variable"]
+#
+# --tests: unittest -k patterns (default: the tests that touch CUDA: every name with "cuda",
+# the CUDA event tests and the leaf-variable test that shares a CUDA tensor); "" runs the
+# whole file (its CPU tests repeat 30 times and take minutes).
 #
 # PATH: test/test_multiprocessing.py of the PyTorch source matching the installed torch (the
 # wheel ships torch.testing._internal, which it imports, but not the test itself); without
@@ -21,12 +26,14 @@ py=${PYTHON:-python3}
 build=build-gpu
 test_file=""
 modes="allocator install none"
+tests="cuda event leaf_variable"
 while [ $# -gt 0 ]; do
   case $1 in
     --test-file) test_file=$2; shift 2 ;;
     --python) py=$2; shift 2 ;;
     --build) build=$2; shift 2 ;;
     --modes) modes=$2; shift 2 ;;
+    --tests) tests=$2; shift 2 ;;
     *) echo "usage: $0 --test-file PATH [--python PY] [--build DIR] [--modes \"allocator install none\"]" >&2; exit 2 ;;
   esac
 done
@@ -50,9 +57,14 @@ done
 work=$(mktemp -d)
 trap 'kill "$dpid" 2>/dev/null; rm -rf "$work"' EXIT
 sock=$work/gpupoold.sock
-"$build/daemon/gpupoold" --backend cuda --socket "$sock" --log-level warn \
-  --pool "name=gpu0,kind=device,device=0,capacity=16G,slab=1G" \
-  --pool "name=host,kind=host,capacity=4G,slab=256M" >"$out/gpupoold.log" 2>&1 &
+# A device pool on every GPU (the multi-GPU tests put tensors on cuda:1), and a host pool.
+ngpu=$("$py" -c "import torch; print(torch.cuda.device_count())")
+pools=()
+for ((d = 0; d < ngpu; d++)); do
+  pools+=(--pool "name=gpu$d,kind=device,device=$d,capacity=16G,slab=1G")
+done
+"$build/daemon/gpupoold" --backend cuda --socket "$sock" --log-level warn "${pools[@]}" \
+  --pool "name=host,kind=host-numa,device=0,numa=0,capacity=4G,slab=256M" >"$out/gpupoold.log" 2>&1 &
 dpid=$!
 for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
 [ -S "$sock" ] || die "gpupoold did not start: $(tail -5 "$out/gpupoold.log")"
@@ -74,13 +86,15 @@ if mode in ("allocator", "install"):
 PYEOF
 
 cp "$test_file" "$work/test_multiprocessing.py"
+kargs=()
+for k in $tests; do kargs+=(-k "$k"); done
 for mode in $modes; do
   echo "==== torch-mp-suite: mode $mode"
   (cd "$work" &&
     GPUPOOL_TORCH_SUITE_MODE=$mode GPUPOOL_SOCKET=$sock PYTHONPATH="$work/site:$root/python" \
     GPUPOOL_LIBRARY=$root/$build/client/libgpupool-client.so \
     GPUPOOL_TORCH_ALLOC_LIBRARY=$root/$build/client/libgpupool-torch-alloc.so \
-    timeout 3000 "$py" test_multiprocessing.py -v >"$out/$mode.log" 2>&1)
+    timeout 3000 "$py" test_multiprocessing.py -v "${kargs[@]}" >"$out/$mode.log" 2>&1)
   echo "exit status $?" >>"$out/$mode.log"
 done
 
@@ -99,7 +113,7 @@ for m in modes:
         if not mm:
             continue
         name, st = mm.group(1), mm.group(3).strip()
-        if "cuda" not in name.lower():
+        if not any(k in name.lower() for k in ("cuda", "event", "leaf_variable")):
             continue
         st = "passed" if st == "ok" else "failed" if st in ("FAIL", "ERROR") else st
         res.setdefault(name, {})[m] = st
