@@ -47,7 +47,7 @@ class PinnedLoaderCuda(unittest.TestCase):
         cls.daemon.stop()
 
     def test_batches_pinned_bit_exact_and_returned(self):
-        import datasets
+        import loader_samples as datasets
         from gpupool.torch_data import PinnedLoader
 
         torch.cuda.init()  # the main process uses CUDA before the workers start

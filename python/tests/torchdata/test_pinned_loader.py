@@ -9,7 +9,7 @@ import sys
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)                    # datasets (spawned workers import it too)
+sys.path.insert(0, HERE)                    # loader_samples (spawned workers import it too)
 sys.path.insert(0, os.path.dirname(HERE))   # python/tests: support
 
 import torch  # noqa: E402
@@ -20,7 +20,7 @@ import gpupool  # noqa: E402
 from gpupool.torch_data import PinnedLoader  # noqa: E402
 from support import DaemonTestCase  # noqa: E402
 
-import datasets  # noqa: E402
+import loader_samples as datasets  # noqa: E402
 
 
 def leaves(x):
