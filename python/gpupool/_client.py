@@ -31,7 +31,7 @@ import threading
 import weakref
 from typing import Any, Dict, Iterable, List, Literal, Mapping, Sequence, Tuple
 
-from . import _bundle, _dlpack, _dtypes, _lib
+from . import _bundle, _dict, _dlpack, _dtypes, _lib
 from ._copy import _copy_into
 from ._dict import _UINT8, TensorDict
 from ._dtypes import DTypeLike
@@ -598,6 +598,9 @@ class Client:
         s = stream_handle(stream)
         ms = _timeout_ms(timeout, forever=True)
         newer = _version_arg(newer_than)
+        if keep_mapped and newer and not reuse_views:
+            # A consumer following versions: what it will view next, built while it waits.
+            _dict.build_ahead(self)
         b = _lib.BundleP()
         flags = _get_flags(read_only, keep_mapped)
         check(self._lib.gpupool_bundle_get(self._conn.usable(), nb, newer, ms, flags, s,
