@@ -25,6 +25,11 @@ gpupool's host pool, and the main process receives it without a copy.
    the main process is freed. A batch the main process never opened (an early exit, a
    worker killed) is released when its worker's connection closes.
 
+A worker forked from the main process shares the main process's connection with every
+object it inherits: cyclic garbage collection leaves those objects alone in the worker, so
+that a batch the main process was about to collect is never released on its behalf from a
+worker.
+
 On the CUDA backend the workers need a CUDA context of their own to map host-NUMA memory,
 which a forked child of a process that has used CUDA cannot create: PinnedLoader then starts
 its workers with "spawn" unless told otherwise, and refuses "fork". The main process marks
@@ -38,6 +43,7 @@ stream is done.
 from __future__ import annotations
 
 import ctypes
+import gc
 import io
 import os
 import pickle
@@ -306,6 +312,19 @@ class _Channel:
 
 
 _channels: Dict[str, _Channel] = {}
+
+
+def _forked_child():
+    """In a child forked while a PinnedLoader starts its workers: every object inherited
+    from the main process is left out of cyclic garbage collection. Garbage the main process
+    had not collected yet (a batch in a reference cycle) would otherwise be collected here,
+    and its hold released on the main process's connection, which the child shares: the
+    main process would lose memory it still uses."""
+    if _channels:
+        gc.freeze()
+
+
+os.register_at_fork(after_in_child=_forked_child)
 
 
 def _stream_now(device):

@@ -73,3 +73,16 @@ class WorkerIds(torch.utils.data.Dataset):
     def __getitem__(self, i):
         return torch.tensor([i, int(os.environ.get("TORCH_DATA_TEST_WORKER", "-1")),
                              os.getpid()])
+
+
+class Collecting(torch.utils.data.Dataset):
+    """Each sample runs the cyclic garbage collector first, as any worker's code may."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        import gc
+
+        gc.collect()
+        return torch.tensor([i])

@@ -224,6 +224,32 @@ class PinnedLoaderTest(DaemonTestCase):
                 del kept
                 self.back_to_baseline()
 
+    def test_forked_worker_leaves_the_main_process_holds_alone(self):
+        # A forked worker inherits the main process's objects, gpupool holds among them,
+        # with the main process's connection. Garbage that the main process has not
+        # collected yet (a batch in a reference cycle) must not be released from a worker:
+        # that release would go out on the main process's connection.
+        batch = next(iter(self.loader(datasets.Big(), batch_size=4)))
+        gc.collect()
+        gc.disable()
+        try:
+            cycle = [batch]
+            cycle.append(cycle)
+            del batch, cycle
+            held = self.stats()["holds"]
+            self.assertGreaterEqual(held, 1)
+            got = [b.item() for b in self.loader(datasets.Collecting(), batch_size=None,
+                                                 num_workers=1, timeout=20)]
+            self.assertEqual(got, [0, 1, 2, 3])
+            self.assertEqual(self.stats()["holds"], held, "a worker released a hold of the "
+                             "main process")
+            gc.enable()
+            gc.collect()
+            self.assertEqual(self.stats()["holds"], held - 1)
+        finally:
+            gc.enable()
+        self.back_to_baseline()
+
     def test_pool_choice(self):
         self.assertEqual(self.loader(datasets.Big()).pool, "main")
         with self.assertRaisesRegex(gpupool.GpupoolError, "no pool 'nope'"):
