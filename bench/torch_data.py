@@ -58,7 +58,7 @@ def pattern(torch, device):
             .remainder_(1021.0).view(SHAPE))
 
 
-def run_way(torch, loader, batch, timed_batches, device):
+def run_way(torch, loader, timed_batches, device):
     """(batches/s, main-process CPU ms per batch, bad batches) of the epoch after a warm-up."""
     base = pattern(torch, device)
     bad = 0
@@ -125,7 +125,7 @@ def main():
                  lambda: PinnedLoader(ds, socket=d.socket, **common))]
         for name, make in ways:
             loader = make()
-            bps, cpu_ms, bad = run_way(torch, loader, args.batch_size, args.batches, device)
+            bps, cpu_ms, bad = run_way(torch, loader, args.batches, device)
             del loader
             res[name] = {"batches_per_s": bps, "main_cpu_ms_per_batch": cpu_ms, "bad": bad}
             print("torch_data: %s: %.1f batches/s (%.2f GB/s), main process CPU %.2f ms a "

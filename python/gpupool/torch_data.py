@@ -50,7 +50,7 @@ import pickle
 import threading
 import uuid
 import weakref
-from typing import Any, Callable, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.utils.data
@@ -66,7 +66,7 @@ from ._tensor import Tensor
 __all__ = ["PinnedLoader", "pinned_collate"]
 
 # Leaves are placed at multiples of this in a batch's buffer: every element type's
-# alignment, and a cache line so that two workers never share one.
+# alignment, and each leaf starts a cache line.
 _ALIGN = 64
 _UINT8 = _dtypes.dtype("uint8")
 _PROTOCOL = pickle.HIGHEST_PROTOCOL

@@ -216,8 +216,10 @@ class PinnedLoaderTest(DaemonTestCase):
                         kept.append(b)
                     del b
                     gc.collect()
-                    # Only the batches kept (and the ones the workers made ahead) are held.
-                    self.assertLessEqual(self.stats()["holds"], len(kept) + 2 * workers + 1)
+                    # Only the batches kept are held, and the few the workers made ahead
+                    # (prefetch_factor 2 each) or whose opening they have not heard of yet:
+                    # a bound that does not grow with the batches seen.
+                    self.assertLessEqual(self.stats()["holds"], len(kept) + 4 * workers + 2)
                 self.assertEqual(len(kept), 8)
                 self.wait_stats(lambda s: s["holds"] == len(kept), "one hold per batch kept")
                 self.assertTrue(torch.equal(kept[1][0], torch.full((64, 1024), 8.0)))
