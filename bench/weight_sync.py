@@ -349,16 +349,87 @@ def table(results):
     return "\n".join(lines) + "\n"
 
 
+def run_ways(args, wl, ways, size, d, ctx, tctx, pair, run):
+    """One run of every way for workload wl: its row of results."""
+    n, nbytes = size
+    row = {"tensors": n, "bytes": nbytes}
+    print("weight_sync: run %d: %s: %d tensors, %d bytes (%.2f GB)" % (
+        run + 1, wl, n, nbytes, nbytes / 1e9), flush=True)
+    for way in ways:
+        t_start = time.monotonic()
+        if way == "torch.mp":
+            q = tctx.Queue()
+            res = run_pair(tctx, mp_trainer, (args.device, wl, args.versions, q),
+                           mp_consumer, (args.device, wl, args.versions, q), **pair)
+        elif way == "bucket":
+            q = tctx.Queue()
+            res = run_pair(tctx, bucket_trainer, (args.device, wl, args.versions, q),
+                           bucket_consumer, (args.device, wl, args.versions, q), **pair)
+        elif way in ("gpupool", "gpupool+reuse"):
+            name = "weight-sync/%s/%s/%d" % (wl, way, run)
+            res = run_pair(ctx, gp_trainer, (d.socket, args.device, wl, args.versions, name),
+                           gp_consumer, (d.socket, args.device, wl, args.versions, name,
+                                         way == "gpupool+reuse"), **pair)
+        else:
+            raise SystemExit("unknown way %r" % way)
+        row[way] = summarize(res)
+        print("weight_sync: run %d: %s %s: cold %.2f ms, warm p50 %.3f ms, p99 %.3f ms, "
+              "bad %d (%.0f s)" % (run + 1, wl, way, row[way]["cold_ms"], row[way]["p50_ms"],
+                                   row[way]["p99_ms"], row[way]["bad"],
+                                   time.monotonic() - t_start), flush=True)
+        if "parts_p50_ms" in row[way]:
+            print("weight_sync: run %d: %s %s: where a warm version goes (p50, ms): %s" % (
+                run + 1, wl, way, ", ".join("%s %.3f" % kv
+                                            for kv in row[way]["parts_p50_ms"].items())),
+                  flush=True)
+    return row
+
+
+def spread(results):
+    """The warm p50 of every way in every run, its spread, and each gpupool way's ratio to
+    the bucket per run (issue 23: plain get_dict(...).torch() at least 3x the bucket in
+    every run)."""
+    runs = results["runs"]
+    if len(runs) < 2:
+        return ""
+    lines = ["", "Across %d runs (fresh processes each; the tables above are the last run): "
+             "warm p50 in ms, each run, then min - max" % len(runs), "",
+             "| workload | way | " + " | ".join("run %d" % (i + 1) for i in range(len(runs)))
+             + " | min - max |", "| --- | --- |" + " --- |" * (len(runs) + 1)]
+    for wl in runs[0]:
+        for way in ("torch.mp", "bucket", "gpupool", "gpupool+reuse"):
+            vals = [r[wl][way]["p50_ms"] for r in runs if way in r.get(wl, {})]
+            if len(vals) == len(runs):
+                lines.append("| %s | %s | %s | %.3f - %.3f |" % (
+                    wl, way, " | ".join("%.3f" % v for v in vals), min(vals), max(vals)))
+    for wl in runs[0]:
+        for way in ("gpupool", "gpupool+reuse"):
+            if not all("bucket" in r[wl] and way in r[wl] for r in runs):
+                continue
+            ratios = [r[wl]["bucket"]["p50_ms"] / r[wl][way]["p50_ms"] for r in runs]
+            lines.append("")
+            lines.append("%s, %s: bucket / %s per run %s (min %.2fx)%s" % (
+                wl, way, way, ", ".join("%.2fx" % x for x in ratios), min(ratios),
+                "; target >= 3x in every run: %s" % ("met" if min(ratios) >= 3 else "missed")
+                if way == "gpupool" else ""))
+    return "\n".join(lines) + "\n"
+
+
 def main():
     ap = arg_parser(__doc__)
     ap.add_argument("--versions", type=int, default=30, help="versions per way (>= 2)")
     ap.add_argument("--workloads", default="llama,small", help="llama, small or both")
     ap.add_argument("--ways", default="torch.mp,bucket,gpupool,gpupool+reuse",
                     help="gpupool+reuse: the consumer asks get_dict(reuse_views=True)")
+    ap.add_argument("--runs", type=int, default=5,
+                    help="repeat every way this many times (fresh processes each run) and "
+                         "report the spread of the warm p50 across runs")
     ap.add_argument("--table", help="also write the markdown table to this file")
     args = ap.parse_args()
     if args.versions < 2:
         ap.error("--versions must be at least 2 (one cold, one warm)")
+    if args.runs < 1:
+        ap.error("--runs must be at least 1")
 
     use_library(args.library, args.gpupoold)
 
@@ -397,46 +468,19 @@ def main():
     results = {"device": args.device, "torch": torch.__version__, "versions": args.versions,
                "gpu": torch.cuda.get_device_name(dev_index) if cuda else "cpu",
                "workloads": {}}
+    all_runs = []
     with Daemon(args.gpupoold, backend="cuda" if cuda else "host", pools=[pool]) as d:
         print("weight_sync: gpupoold %s backend, pool %d MiB; %s; torch %s; %d versions"
               % ("cuda" if cuda else "host", cap // MiB, results["gpu"], torch.__version__,
                  args.versions), flush=True)
-        for wl in workloads:
-            n, nbytes = sizes[wl]
-            row = {"tensors": n, "bytes": nbytes}
-            print("weight_sync: %s: %d tensors, %d bytes (%.2f GB)" % (wl, n, nbytes,
-                                                                       nbytes / 1e9),
-                  flush=True)
-            for way in ways:
-                t_start = time.monotonic()
-                if way == "torch.mp":
-                    q = tctx.Queue()
-                    res = run_pair(tctx, mp_trainer, (args.device, wl, args.versions, q),
-                                   mp_consumer, (args.device, wl, args.versions, q), **pair)
-                elif way == "bucket":
-                    q = tctx.Queue()
-                    res = run_pair(tctx, bucket_trainer, (args.device, wl, args.versions, q),
-                                   bucket_consumer, (args.device, wl, args.versions, q), **pair)
-                elif way in ("gpupool", "gpupool+reuse"):
-                    name = "weight-sync/%s/%s" % (wl, way)
-                    res = run_pair(ctx, gp_trainer, (d.socket, args.device, wl, args.versions,
-                                                     name),
-                                   gp_consumer, (d.socket, args.device, wl, args.versions,
-                                                 name, way == "gpupool+reuse"), **pair)
-                else:
-                    raise SystemExit("unknown way %r" % way)
-                row[way] = summarize(res)
-                print("weight_sync: %s %s: cold %.2f ms, warm p50 %.3f ms, p99 %.3f ms, "
-                      "bad %d (%.0f s)" % (wl, way, row[way]["cold_ms"], row[way]["p50_ms"],
-                                           row[way]["p99_ms"], row[way]["bad"],
-                                           time.monotonic() - t_start), flush=True)
-                if "parts_p50_ms" in row[way]:
-                    print("weight_sync: %s %s: where a warm version goes (p50, ms): %s" % (
-                        wl, way, ", ".join("%s %.3f" % kv
-                                           for kv in row[way]["parts_p50_ms"].items())),
-                          flush=True)
-            results["workloads"][wl] = row
-    text = table(results)
+        for run in range(args.runs):
+            results["workloads"] = {}
+            for wl in workloads:
+                row = run_ways(args, wl, ways, sizes[wl], d, ctx, tctx, pair, run)
+                results["workloads"][wl] = row
+            all_runs.append(results["workloads"])
+    results["runs"] = all_runs
+    text = table(results) + spread(results)
     print()
     print(text)
     out = os.environ.get("OUT")
@@ -450,7 +494,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
-    bad = sum(v["bad"] for row in results["workloads"].values() for v in row.values()
+    bad = sum(v["bad"] for rows in all_runs for row in rows.values() for v in row.values()
               if isinstance(v, dict))
     return 0 if bad == 0 else 1
 

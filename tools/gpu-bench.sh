@@ -22,7 +22,13 @@
 #                               state dict handed over version after version by
 #                               torch.multiprocessing, a flattened bucket and gpupool
 #                               bundles; skipped without torch): its table is appended and
-#                               also written to $OUT/weight-sync-table.md.
+#                               also written to $OUT/weight-sync-table.md (five runs,
+#                               with their spread). Then bench/torch_data.py (DataLoader
+#                               batches to the GPU: pin_memory=True against PinnedLoader)
+#                               and bench/torch_queue.py (CUDA tensors and a state dict
+#                               through mp.Queue with and without gpupool.torch.install();
+#                               skipped without it): tables appended, and written to
+#                               $OUT/torch-data-table.md and $OUT/torch-queue-table.md.
 #   tools/gpu-bench.sh multi    On a GPU machine with two GPUs or more (four for the whole
 #                               broadcast): prints `nvidia-smi topo -m`, then runs
 #                               build-gpu/bench/gpupool_copy_bench peer, staged and broadcast
@@ -170,6 +176,28 @@ run_bench() {
   append_part "$rc" "$wtable" weight-sync "Weight sync" "$log" "weight_sync: SKIP: " \
     bench/weight_sync.py
 
+  # PyTorch code as it is (issue 23): DataLoader batches to the GPU, pin_memory=True against
+  # PinnedLoader; CUDA tensors and a state dict through mp.Queue with and without
+  # gpupool.torch.install() (skipped where this tree lacks install()). Each its own daemon.
+  dtable=$(mktemp)
+  qtable=$(mktemp)
+  set +e
+  GPUPOOL_LIBRARY="$PWD/$build/client/libgpupool-client.so" OUT='' \
+    "${PYTHON:-python3}" bench/torch_data.py --gpupoold "$daemon" --table "$dtable" 2>&1 |
+    tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  append_part "$rc" "$dtable" dataloader "DataLoader batches" "$log" "torch_data: SKIP: " \
+    bench/torch_data.py
+  set +e
+  GPUPOOL_LIBRARY="$PWD/$build/client/libgpupool-client.so" OUT='' \
+    "${PYTHON:-python3}" bench/torch_queue.py --gpupoold "$daemon" --table "$qtable" 2>&1 |
+    tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  append_part "$rc" "$qtable" torch-queue "torch.multiprocessing Queue" "$log" \
+    "torch_queue: SKIP: " bench/torch_queue.py
+
   echo
   cat "$table"
   if [ -n "${OUT:-}" ]; then
@@ -182,8 +210,10 @@ run_bench() {
     if [ -s "$wtable" ]; then
       cp "$wtable" "$OUT/weight-sync-table.md"
     fi
+    [ ! -s "$dtable" ] || cp "$dtable" "$OUT/torch-data-table.md"
+    [ ! -s "$qtable" ] || cp "$qtable" "$OUT/torch-queue-table.md"
   fi
-  rm -f "$log" "$table" "$ptable" "$plog" "$wtable"
+  rm -f "$log" "$table" "$ptable" "$plog" "$wtable" "$dtable" "$qtable"
 }
 
 # Several GPUs: the copy engine and NCCL's broadcast (issue 24).

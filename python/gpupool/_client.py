@@ -31,7 +31,7 @@ import threading
 import weakref
 from typing import Any, Dict, Iterable, List, Literal, Mapping, Sequence, Tuple
 
-from . import _bundle, _dlpack, _dtypes, _lib
+from . import _bundle, _dict, _dlpack, _dtypes, _lib
 from ._copy import _copy_into
 from ._dict import _UINT8, TensorDict
 from ._dtypes import DTypeLike
@@ -606,7 +606,11 @@ class Client:
         mapped in this process after it is released (GPUPOOL_KEEP_MAPPED), so that a later
         version in the same place costs no new import (about 2 ms for a 2.5 GB bundle on an
         H100): for consumers that keep asking for new versions; the memory stays out of the
-        pool until this client next talks to the daemon after the daemon freed it.
+        pool until this client next talks to the daemon after the daemon freed it. With
+        keep_mapped and newer_than, before waiting, the client also builds the torch views
+        of the memory the next version most likely lies in (the bundle viewed before the
+        last one: double buffering), so that ``.torch()`` of that version only hands them
+        out, each set once: tensors of that version's own, as without it.
         reuse_views: ``.torch()`` and ``.numpy()`` hand back the views they built for an
         earlier version when this one lies in the same buffers with the same layout (a
         double-buffered producer alternates between two bundles), so a warm version builds
@@ -619,6 +623,9 @@ class Client:
         s = stream_handle(stream)
         ms = _timeout_ms(timeout, forever=True)
         newer = _version_arg(newer_than)
+        if keep_mapped and newer and not reuse_views:
+            # A consumer following versions: what it will view next, built while it waits.
+            _dict.build_ahead(self)
         b = _lib.BundleP()
         flags = _get_flags(read_only, keep_mapped, device)
         check(self._lib.gpupool_bundle_get(self._conn.usable(), nb, newer, ms, flags, s,

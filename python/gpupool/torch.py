@@ -559,3 +559,12 @@ def allocator_last_error() -> str:
         return ""
     return _S.alloc_lib.gpupool_torch_alloc_last_error().decode(errors="replace")
 
+
+
+def __getattr__(name: str):
+    # gpupool.torch.PinnedLoader is gpupool.torch_data.PinnedLoader, imported on first use
+    # (DataLoader machinery is not loaded by code that only sends tensors).
+    if name == "PinnedLoader":
+        from .torch_data import PinnedLoader
+        return PinnedLoader
+    raise AttributeError("module 'gpupool.torch' has no attribute %r" % (name,))

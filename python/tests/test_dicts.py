@@ -70,6 +70,32 @@ class MemberTables(unittest.TestCase):
         self.assertEqual([r[6] for r in runs], [[0, 1], [2], [3], [4]])
         self.assertEqual(runs[0][5], 256)
 
+    def test_runs_of_interleaved_layers(self):
+        # A model's layers interleave members of one shape (q and o projections, two
+        # norms): each kind repeats with a period and is viewed as a few runs, not pairs.
+        bf16 = gpupool.dtype("bfloat16")
+        h, kv, inter, layers = 64, 16, 256, 16
+        order = [("q", (h, h)), ("k", (kv, h)), ("v", (kv, h)), ("o", (h, h)),
+                 ("gate", (inter, h)), ("up", (inter, h)), ("down", (h, inter)),
+                 ("ln1", (h,)), ("ln2", (h,))]
+        members, off = [], 0
+        for name, shape in [("embed", (1000, h))] + [
+                ("l%d.%s" % (i, n), s) for i in range(layers) for n, s in order] + [
+                ("norm", (h,))]:
+            size = int(np.prod(shape)) * 2
+            members.append(_bundle.Member((name, 0, off, bf16, shape, None, size)))
+            off += (size + 255) // 256 * 256
+        runs = _bundle.plan_runs(members)
+        # embed, q, k, v, o, gate, up, down, ln1, ln2, norm
+        self.assertEqual(len(runs), 11)
+        self.assertEqual(sorted(i for r in runs for i in r[6]), list(range(len(members))))
+        for part, dt, shape, strides, first, step, idx, alone in runs:
+            self.assertFalse(alone)
+            for k, i in enumerate(idx):
+                self.assertEqual(members[i][2], first + k * step)
+                self.assertEqual(members[i][4], shape)
+        self.assertEqual([r[6][0] for r in runs], sorted(r[6][0] for r in runs))
+
     def test_numpy_views_of_runs(self):
         n = 6
         region = np.zeros(n * 64, dtype=np.uint8)

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""PyTorch code as it is: CUDA tensors through a torch.multiprocessing Queue, with and
+without gpupool.torch.install(), same run, bit-exact checked.
+
+Workloads: one CUDA tensor of 1 MiB, one of 64 MiB, and the 146-tensor Llama-shaped bf16
+state dict of bench/weight_sync.py put on the Queue as one dict. Per version the producer
+writes new values (and their checksum, on the GPU), synchronizes, and puts the object; the
+consumer gets it, synchronizes its stream and checks the checksum outside the timed part.
+Timed: from the producer starting put() to the consumer holding the tensors with their
+data ready (time.perf_counter_ns, CLOCK_MONOTONIC, shared by both processes).
+
+Ways: "torch" (torch's own CUDA IPC reductions) and "install()" (both processes call
+gpupool.torch.install() before anything is put: the tensor travels as a gpupool hold; a
+tensor that is not in gpupool memory is copied once into it on the sender's stream).
+Ratios are torch / install(). The script starts its own gpupoold (CUDA backend) and
+exits 77 without torch, CUDA or gpupool.torch.install (this module's absence is said).
+
+    python3 bench/torch_queue.py --gpupoold build-gpu/daemon/gpupoold
+"""
+
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+sys.path.insert(0, HERE)
+
+from _common import arg_parser, percentile, run_pair, sync, torch_on, use_library  # noqa: E402
+from weight_sync import checksum, initial_values, llama_layout, touch  # noqa: E402
+
+MiB = 1 << 20
+WORKLOADS = {
+    "1 MiB tensor": lambda: [("t", (MiB // 4,))],
+    "64 MiB tensor": lambda: [("t", (64 * MiB // 4,))],
+    "146-tensor state dict": llama_layout,
+}
+DTYPES = {"1 MiB tensor": "float32", "64 MiB tensor": "float32",
+          "146-tensor state dict": "bfloat16"}
+
+
+def _setup(device, install):
+    torch = torch_on(device)
+    if install:
+        import gpupool.torch as gt
+
+        gt.install()
+    return torch
+
+
+def producer(device, workload, versions, install, q, ctl):
+    torch = _setup(device, install)
+    layout = WORKLOADS[workload]()
+    ts = initial_values(torch, layout, DTYPES[workload], device)
+    names = [n for n, _ in layout]
+    for v in range(1, versions + 1):
+        ctl.recv()  # the consumer is done with the previous version
+        touch(ts, v)
+        want = checksum(torch, ts)
+        sync(torch, device)
+        t0 = time.perf_counter_ns()
+        q.put(ts[0] if len(ts) == 1 else dict(zip(names, ts)))
+        ctl.send((t0, want))
+    ctl.recv()
+
+
+def consumer(device, workload, versions, install, q, ctl, out):
+    torch = _setup(device, install)
+    lat, bad = [], 0
+    for v in range(1, versions + 1):
+        ctl.send("ready")
+        obj = q.get()
+        sync(torch, device)
+        t1 = time.perf_counter_ns()
+        t0, want = ctl.recv()
+        lat.append((t1 - t0) / 1e3)
+        tensors = list(obj.values()) if isinstance(obj, dict) else [obj]
+        bad += checksum(torch, tensors) != want
+        del obj, tensors
+    ctl.send("done")
+    out.put({"lat_us": lat, "bad": bad})
+
+
+def main():
+    ap = arg_parser(__doc__)
+    ap.add_argument("--versions", type=int, default=30, help="handoffs per way (>= 2)")
+    ap.add_argument("--table", help="also write the markdown table to this file")
+    args = ap.parse_args()
+    use_library(args.library, args.gpupoold)
+    try:
+        import torch
+    except ImportError as e:
+        print("torch_queue: SKIP: torch is not installed for %s (%s)" % (sys.executable, e))
+        return 77
+    if not torch.cuda.is_available():
+        print("torch_queue: SKIP: torch %s sees no CUDA device" % torch.__version__)
+        return 77
+    try:
+        import gpupool.torch as gt
+        gt.install  # noqa: B018
+    except (ImportError, AttributeError) as e:
+        print("torch_queue: SKIP: gpupool.torch.install is not in this tree (%s)" % e)
+        return 77
+    from gpupool.testing import Daemon
+
+    dev = torch.device(args.device)
+    pool = "name=gpu,kind=device,device=%d,capacity=%d,slab=%d" % (dev.index or 0, 12 << 30,
+                                                                     256 << 20)
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("spawn")
+    res = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+           "versions": args.versions, "workloads": {}}
+    with Daemon(args.gpupoold, backend="cuda", pools=[pool]) as d:
+        os.environ["GPUPOOL_SOCKET"] = d.socket  # inherited by the spawned processes
+        for wl in WORKLOADS:
+            row = res["workloads"][wl] = {}
+            versions = args.versions if "state dict" not in wl else max(2, args.versions // 3)
+            for way, install in (("torch", False), ("install()", True)):
+                r = run_pair(ctx, producer, (args.device, wl, versions, install),
+                             consumer, (args.device, wl, versions, install), timeout=600,
+                             join_s=60)
+                lat = r["lat_us"]
+                row[way] = {"cold_ms": lat[0] / 1e3, "p50_ms": percentile(lat[1:], 50) / 1e3,
+                            "p99_ms": percentile(lat[1:], 99) / 1e3, "bad": r["bad"],
+                            "n": len(lat)}
+                print("torch_queue: %s, %s: cold %.3f ms, warm p50 %.3f ms, p99 %.3f ms, bad %d"
+                      % (wl, way, row[way]["cold_ms"], row[way]["p50_ms"], row[way]["p99_ms"],
+                         r["bad"]), flush=True)
+    lines = ["torch.multiprocessing Queue on %s (torch %s): warm p50 / p99 in ms, cold = "
+             "first handoff" % (res["gpu"], res["torch"]), "",
+             "| workload | torch | install() | torch / install() (p50) | cold torch / install() "
+             "| bad |", "| --- | --- | --- | --- | --- | --- |"]
+    targets = {"1 MiB tensor": 3.0, "146-tensor state dict": 5.0}
+    verdicts = []
+    for wl, row in res["workloads"].items():
+        t, g = row["torch"], row["install()"]
+        ratio = t["p50_ms"] / g["p50_ms"]
+        lines.append("| %s | %.3f / %.3f | %.3f / %.3f | %.2fx | %.2fx | %d |" % (
+            wl, t["p50_ms"], t["p99_ms"], g["p50_ms"], g["p99_ms"], ratio,
+            t["cold_ms"] / g["cold_ms"], t["bad"] + g["bad"]))
+        if wl in targets:
+            verdicts.append("%s >= %.0fx: %s (%.2fx)" % (
+                wl, targets[wl], "met" if ratio >= targets[wl] else "missed", ratio))
+    lines += ["", "Targets (issue 23): " + "; ".join(verdicts) + ".", ""]
+    text = "\n".join(lines)
+    print()
+    print(text)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "torch-queue-table.md"), "w") as f:
+            f.write(text)
+    if args.table:
+        with open(args.table, "w") as f:
+            f.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    bad = sum(v["bad"] for row in res["workloads"].values() for v in row.values())
+    return 0 if bad == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
