@@ -7,6 +7,7 @@
 #
 #   tests/python/torch_tests.sh              # prepare when needed, then run the tests
 #   tests/python/torch_tests.sh --prepare    # only make the venv (tools/test.sh does, once)
+#   tests/python/torch_tests.sh --data       # the PinnedLoader tests (python/tests/torchdata)
 #
 # GPUPOOL_TORCH_VENV: where the venv lives (default: /var/cache/gpupool/torch-venv for root,
 # where the test that runs a receiver as another uid can read it; else
@@ -56,4 +57,5 @@ else
 fi
 [ "${1:-}" = "--prepare" ] && exit 0
 [ -n "${GPUPOOLD:-}" ] || skip "GPUPOOLD is not set (ctest sets it)"
+[ "${1:-}" = "--data" ] && exec "$py" "$src/python/tests/torchdata/run.py"
 cd "$src/python/tests/torch" && exec "$py" -m unittest discover -s . -v

@@ -2,7 +2,7 @@
 backend, or exits 77 (ctest's "skipped") saying what is missing: they need torch (CPU is
 enough), a gpupoold ($GPUPOOLD) and libgpupool-client ($GPUPOOL_LIBRARY).
 
-The interpreter is the one running this (GPUPOOL_PYTHON_TORCH in CMake); when it has no
+The interpreter is the one running this (tests/python/torch_tests.sh --data: the torch venv); when it has no
 torch, $GPUPOOL_TORCH_PYTHON or the torch venv tools/test.sh prepares for CI
 ($GPUPOOL_TORCH_VENV, else /var/cache/gpupool/torch-venv for root, else
 ~/.cache/gpupool/torch-venv) is used instead when there is one."""
@@ -20,7 +20,7 @@ def missing():
     try:
         import torch  # noqa: F401
     except ImportError as e:
-        return "torch is not installed for %s (%s); set GPUPOOL_PYTHON_TORCH to an " \
+        return "torch is not installed for %s (%s); set GPUPOOL_TORCH_PYTHON to an " \
                "interpreter that has it" % (sys.executable, e)
     return None
 
