@@ -91,7 +91,7 @@ for k in $tests; do kargs+=(-k "$k"); done
 for mode in $modes; do
   echo "==== torch-mp-suite: mode $mode"
   (cd "$work" &&
-    GPUPOOL_TORCH_SUITE_MODE=$mode GPUPOOL_SOCKET=$sock PYTHONPATH="$work/site:$root/python" \
+    GPUPOOL_TORCH_SUITE_MODE=$mode GPUPOOL_SOCKET=$sock PYTHONPATH="$work/site:$root/python${PYTHONPATH:+:$PYTHONPATH}" \
     GPUPOOL_LIBRARY=$root/$build/client/libgpupool-client.so \
     GPUPOOL_TORCH_ALLOC_LIBRARY=$root/$build/client/libgpupool-torch-alloc.so \
     timeout 3000 "$py" test_multiprocessing.py -v "${kargs[@]}" >"$out/$mode.log" 2>&1)
