@@ -118,8 +118,9 @@ def main():
             row = res["workloads"][wl] = {}
             versions = args.versions if "state dict" not in wl else max(2, args.versions // 3)
             for way, install in (("torch", False), ("install()", True)):
-                r = run_pair(ctx, producer, (args.device, wl, versions, install),
-                             consumer, (args.device, wl, versions, install), timeout=600,
+                q = ctx.Queue()
+                r = run_pair(ctx, producer, (args.device, wl, versions, install, q),
+                             consumer, (args.device, wl, versions, install, q), timeout=600,
                              join_s=60)
                 lat = r["lat_us"]
                 row[way] = {"cold_ms": lat[0] / 1e3, "p50_ms": percentile(lat[1:], 50) / 1e3,
