@@ -19,6 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "peers.h"
 #include "server_internal.h"
 
 uint64_t gpd_server_clients(const gpd_server *s) { return s->nconns; }
@@ -430,6 +431,12 @@ int gpd_server_start(gpd_server **out, uv_loop_t *loop, const gpd_config *cfg, g
   src.arg = s;
   if (gpd_metrics_start(s->metrics, loop, cfg, &src) != 0)
     GPUPOOL__WARN("metrics disabled: %s", gpupool__errmsg());
+  if ((rc = gpd_peers_start(s)) != 0) {
+    char msg[GPUPOOL__ERRMSG_MAX];
+    snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+    gpd_server_stop(s);
+    return gpupool__err(rc, "%s", msg);
+  }
   *out = s;
   return 0;
 }
@@ -468,6 +475,7 @@ void gpd_server_stop(gpd_server *s) {
   if (s->stopping)
     return;
   s->stopping = 1;
+  gpd_peers_stop(s);
   while (s->conns)
     gpd_conn_close(s->conns, "daemon shutting down");
   /* What is queued is cancelled, what runs finishes; closes from now on happen here. */
