@@ -342,15 +342,33 @@ static void fops_drained(void *arg, uint64_t tenant) {
     }
 }
 
+/* The metrics' snapshot: the Stats reply's content and the peers' counters. */
+static int metrics_stats(void *server, Gpupool__Wire__StatsReply *st) {
+  gpd_server *s = server;
+  Gpupool__Wire__AdminPeersReply ap = GPUPOOL__WIRE__ADMIN_PEERS_REPLY__INIT;
+  int rc = gpd_server_stats(server, st);
+  if (rc == 0 && gpd_peers_admin(s, &ap) == 0) {
+    st->n_peers = ap.n_peers;
+    st->peers = ap.peers;
+  }
+  return rc;
+}
+
 static void stats_release(void *server, Gpupool__Wire__StatsReply *st) {
+  Gpupool__Wire__AdminPeersReply ap = GPUPOOL__WIRE__ADMIN_PEERS_REPLY__INIT;
   (void)server;
+  ap.n_peers = st->n_peers;
+  ap.peers = st->peers;
+  gpd_peers_admin_free(&ap);
+  st->n_peers = 0;
+  st->peers = NULL;
   gpd_stats_free(st);
 }
 
 int gpd_server_start(gpd_server **out, uv_loop_t *loop, const gpd_config *cfg, gpd_registry *reg,
                           int listen_fd) {
   gpd_server *s = calloc(1, sizeof *s);
-  gpd_stats_source src = {gpd_server_stats, stats_release, NULL};
+  gpd_stats_source src = {metrics_stats, stats_release, NULL};
   int rc;
   if (!s)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");

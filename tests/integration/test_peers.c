@@ -62,9 +62,10 @@ static void node_start(node *n, const char *exports, ...) {
   const char *name;
   off = snprintf(conf, sizeof conf,
                  "[daemon]\npeer_listen = 127.0.0.1:%d\npeer_secret_file = %s\npeer_fetch_timeout_ms = 20000\n"
+                 "metrics_textfile = %s/metrics.prom\nmetrics_interval_ms = 100\n"
                  "[pool default]\nkind = host\ncapacity = 3G\nslab_size = 64M\n"
                  "[tenant t]\nuids = %u\n%s%s%s",
-                 n->port, n->secret, (unsigned)getuid(), exports ? "export_peers = " : "", exports ? exports : "",
+                 n->port, n->secret, n->d.dir, (unsigned)getuid(), exports ? "export_peers = " : "", exports ? exports : "",
                  exports ? "\n" : "");
   va_start(ap, exports);
   while ((name = va_arg(ap, const char *))) {
@@ -537,6 +538,14 @@ static void test_many_getters_one_transfer(void **state) {
   assert_int_equal(row(&B, "A").fetches, 1);
   assert_int_equal(row(&A, "B").served, 1);
   assert_int_equal(row(&B, "A").bytes, 16u << 20);
+  /* The same counts in the metrics, per peer. */
+  {
+    node m = B;
+    snprintf(m.d.log, sizeof m.d.log, "%.250s/metrics.prom", B.d.dir);
+    assert_true(log_gets(&m, "gpupool_peer_fetches_total{peer=\"A\"} 1"));
+    assert_true(log_gets(&m, "gpupool_peer_fetched_bytes_total{peer=\"A\"} 16777216"));
+    assert_true(log_gets(&m, "gpupool_peer_up{peer=\"A\"} 1"));
+  }
   pair_stop();
 }
 
