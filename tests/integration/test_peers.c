@@ -586,6 +586,83 @@ static void test_reserve(void **state) {
   node_stop(&A);
 }
 
+/* A TCP connection to A's peer_listen, or -1. */
+static int tcp_to(const node *n) {
+  struct sockaddr_in a = {.sin_family = AF_INET};
+  struct timeval tv = {15, 0};
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons((uint16_t)n->port);
+  if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+    if (fd >= 0)
+      close(fd);
+    return -1;
+  }
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  return fd;
+}
+
+/* 1 when the daemon ends the connection (EOF or reset) within the receive timeout. */
+static int closed_by_daemon(int fd) {
+  char buf[4096];
+  ssize_t r;
+  while ((r = read(fd, buf, sizeof buf)) > 0)
+    ;
+  return r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
+}
+
+/* What arrives on peer_listen before authentication is capped and checked: a huge length, a
+ * frame that does not decode, a client request instead of a Hello, and silence each end that
+ * connection only; the daemon goes on serving its peers. */
+static void test_hostile_peer_connections(void **state) {
+  static const uint8_t huge[4] = {0x00, 0x00, 0x00, 0x40};           /* 1 GiB */
+  static const uint8_t garbage[8] = {0x04, 0x00, 0x00, 0x00, 0xff, 0xff, 0xff, 0xff};
+  static const uint8_t stats[6] = {0x02, 0x00, 0x00, 0x00, 0x9a, 0x01}; /* field 19 of a Request */
+  const struct {
+    const uint8_t *bytes;
+    size_t len;
+  } sends[] = {{huge, sizeof huge}, {garbage, sizeof garbage}, {stats, sizeof stats}, {NULL, 0}};
+  gpupool_client *c;
+  gpupool_buffer *b = NULL;
+  (void)state;
+  pair_start(SECRET, "B");
+  publish(&A, "weights", 4096, 5);
+  for (size_t i = 0; i < sizeof sends / sizeof sends[0]; i++) {
+    int fd = tcp_to(&A);
+    assert_true(fd >= 0);
+    if (sends[i].len)
+      assert_int_equal(write(fd, sends[i].bytes, sends[i].len), (ssize_t)sends[i].len);
+    if (!closed_by_daemon(fd))
+      fail_msg("case %zu: the daemon kept the connection", i);
+    close(fd);
+  }
+  c = th_connect(&B.d, "consumer");
+  assert_int_equal(gpupool_buffer_get(c, "A:weights", 0, 10000, 0, NULL, &b, NULL), 0);
+  assert_true(same(gpupool_buffer_ptr(b), 4096, 5));
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
+  gpupool_client_disconnect(c);
+  pair_stop();
+}
+
+/* A peer that is not running: the getter is told where it was looked for. */
+static void test_unreachable(void **state) {
+  gpupool_client *c;
+  gpupool_buffer *b = NULL;
+  (void)state;
+  node_prepare(&A, SECRET);
+  node_prepare(&B, SECRET);
+  node_start(&B, "*", "A", &A, NULL);
+  c = th_connect(&B.d, "consumer");
+  assert_int_equal(gpupool_buffer_get(c, "A:weights", 0, 5000, 0, NULL, &b, NULL), GPUPOOL_EPEER);
+  if (!strstr(gpupool_last_error(), "unreachable at 127.0.0.1:") ||
+      !strstr(gpupool_last_error(), "is gpupoold running there with peer_listen?"))
+    fail_msg("the getter was told: %s", gpupool_last_error());
+  gpupool_client_disconnect(c);
+  assert_string_equal(row(&B, "A").state, "down");
+  node_stop(&B);
+  ts_daemon_remove(&A.d);
+}
+
 /* A secret file others can read stops the daemon at start, naming the file and the fix. */
 static void test_secret_mode(void **state) {
   char conf[1024];
@@ -611,6 +688,6 @@ int main(void) {
   setenv("UCX_NET_DEVICES", "lo", 1);
   signal(SIGPIPE, SIG_IGN);
   return TS_RUN_TESTS(NULL, NULL, test_secret_mode, test_buffer_and_versions, test_bundle, test_wrong_secret,
-                      test_not_exported, test_many_getters_one_transfer, test_getter_killed, test_source_killed,
+                      test_not_exported, test_hostile_peer_connections, test_unreachable, test_many_getters_one_transfer, test_getter_killed, test_source_killed,
                       test_reserve);
 }
