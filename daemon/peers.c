@@ -164,6 +164,7 @@ struct gpd_peers {
   uint64_t next_id;
   char listen_addr[64];
   int closing;           /* handles whose close callback has not come yet */
+  gpupool__ratelimit log_rl; /* lines that connections to peer_listen cause */
 };
 
 static void link_close(plink *l, const char *why);
@@ -1113,9 +1114,9 @@ static void link_close(plink *l, const char *why) {
     }
   } else {
     if (p)
-      GPUPOOL__INFO("peers: connection from %s (%s) closed: %s", p->conf->name, l->addr, why);
+      GPUPOOL__PEER_INFO(&P->log_rl, 0, "peers: connection from %s (%s) closed: %s", p->conf->name, l->addr, why);
     else
-      GPUPOOL__INFO("peers: connection from %s closed: %s", l->addr, why);
+      GPUPOOL__PEER_INFO(&P->log_rl, 0, "peers: connection from %s closed: %s", l->addr, why);
     while (l->serves)
       serve_free(l->serves);
   }
@@ -1144,7 +1145,10 @@ static void auth_failed(plink *l, const char *who) {
   char msg[256];
   snprintf(msg, sizeof msg, "peer %s: peer authentication failed: wrong secret (check secret_file on both daemons)",
            who);
-  GPUPOOL__WARN("peers: %s (%s)", msg, l->addr);
+  if (l->outgoing)
+    GPUPOOL__WARN("peers: %s (%s)", msg, l->addr);
+  else
+    GPUPOOL__PEER_WARN(&l->P->log_rl, 0, "peers: %s (%s)", msg, l->addr);
   if (l->peer)
     snprintf(l->peer->last_error, sizeof l->peer->last_error, "%s", msg);
 }
@@ -1162,7 +1166,7 @@ static void on_hello(plink *l, const Gpupool__Wire__PeerHello *m) {
     snprintf(msg, sizeof msg, "protocol %u, this daemon speaks %d: run the same gpupool version on both", m->protocol,
              GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION);
     send_error(l, GPUPOOL_EVERSION, msg);
-    GPUPOOL__WARN("peers: %s refused: %s", l->addr, msg);
+    GPUPOOL__PEER_WARN(&P->log_rl, 0, "peers: %s refused: %s", l->addr, msg);
     link_close_after_send(l, msg);
     return;
   }
@@ -1182,7 +1186,7 @@ static void on_hello(plink *l, const Gpupool__Wire__PeerHello *m) {
   if (found < 0 || by_ip > 1) {
     snprintf(msg, sizeof msg, "this daemon has no [peer] section for %s (listening at '%s'); add one with its address "
              "and secret", l->addr, m->listen ? m->listen : "");
-    GPUPOOL__WARN("peers: connection from %s refused: %s", l->addr, msg);
+    GPUPOOL__PEER_WARN(&P->log_rl, 0, "peers: connection from %s refused: %s", l->addr, msg);
     send_error(l, GPUPOOL_EPERM, msg);
     link_close_after_send(l, msg);
     return;
