@@ -619,18 +619,49 @@ static void on_peer_done(plink *l, uint64_t id) {
     }
 }
 
-void gpd_peers_published(gpd_server *s, const char *key, uint64_t version) {
-  gpd_peers *P = s->peers;
-  if (!P)
-    return;
-  for (plink *l = P->links; l; l = l->next) {
-    serve *sv = l->serves, *next;
-    for (; sv; sv = next) {
-      next = sv->next;
-      if (sv->waiting && sv->newer_than < version && !strcmp(sv->key, key))
-        serve_try(sv);
+/* Try again the waiting serves of key (NULL: every waiting serve) past version (0: any) whose
+ * deadline passed or whose name moved on. Answering one may end others (a failed fetch answers
+ * every serve of its name), so the matches are taken by id first and looked up again each
+ * time; connections are freed only from their close callbacks, never inside this loop. */
+static void serves_retry(gpd_peers *P, const char *key, uint64_t version, uint64_t now) {
+  struct {
+    plink *l;
+    uint64_t id;
+  } *hit = NULL;
+  size_t n = 0, cap = 0;
+  for (plink *l = P->links; l; l = l->next)
+    for (serve *sv = l->serves; sv; sv = sv->next) {
+      if (!sv->waiting)
+        continue;
+      if (key ? (sv->newer_than >= version || strcmp(sv->key, key)) : now < sv->deadline_ns)
+        continue;
+      if (n == cap) {
+        size_t ncap = cap ? cap * 2 : 16;
+        void *nh = realloc(hit, ncap * sizeof *hit);
+        if (!nh)
+          break;
+        hit = nh;
+        cap = ncap;
+      }
+      hit[n].l = l;
+      hit[n++].id = sv->id;
     }
+  for (size_t i = 0; i < n; i++) {
+    if (hit[i].l->closing)
+      continue;
+    for (serve *sv = hit[i].l->serves; sv; sv = sv->next)
+      if (sv->id == hit[i].id) {
+        if (sv->waiting)
+          serve_try(sv);
+        break;
+      }
   }
+  free(hit);
+}
+
+void gpd_peers_published(gpd_server *s, const char *key, uint64_t version) {
+  if (s->peers)
+    serves_retry(s->peers, key, version, 0);
 }
 
 /* ---- fetching ------------------------------------------------------------------------------- */
@@ -1278,12 +1309,15 @@ static void on_welcome(plink *l, const Gpupool__Wire__PeerWelcome *m) {
   l->state = L_UP;
   p->last_error[0] = '\0';
   GPUPOOL__INFO("peers: connected to %s at %s", p->conf->name, l->addr);
-  for (sub *sb = P->subs, *next; sb; sb = next) {
-    next = sb->next;
-    if (sb->peer == p && sb->state == S_QUEUED) {
-      sb->state = S_IDLE;
-      sub_ask(sb);
-    }
+  /* Asking may close the connection (and fail the others): look for the next one afresh. */
+  for (;;) {
+    sub *sb = P->subs;
+    while (sb && !(sb->peer == p && sb->state == S_QUEUED))
+      sb = sb->next;
+    if (!sb || p->out != l || l->closing)
+      break;
+    sb->state = S_IDLE;
+    sub_ask(sb);
   }
 }
 
@@ -1457,12 +1491,11 @@ static void link_connect(gpd_peers *P, peer *p) {
   snprintf(l->addr, sizeof l->addr, "%s", p->conf->address);
   p->out = l;
   l->connect.data = l;
-  if ((rc = uv_tcp_connect(&l->connect, &l->tcp, (const struct sockaddr *)&p->conf->addr, on_connected)) != 0) {
-    char why[256];
-    snprintf(why, sizeof why, "peer %s unreachable at %s: %s (is gpupoold running there with peer_listen?)",
+  /* A connect that fails at once is closed by the next tick: its caller may be walking lists
+   * that closing it would change. */
+  if ((rc = uv_tcp_connect(&l->connect, &l->tcp, (const struct sockaddr *)&p->conf->addr, on_connected)) != 0)
+    snprintf(l->why, sizeof l->why, "peer %s unreachable at %s: %s (is gpupoold running there with peer_listen?)",
              p->conf->name, p->conf->address, uv_strerror(rc));
-    link_close(l, why);
-  }
 }
 
 static void on_accept(uv_stream_t *server, int status) {
@@ -1491,16 +1524,13 @@ static void on_tick(uv_timer_t *t) {
   uint64_t now = now_ns(), limit = (uint64_t)P->cfg->peer_fetch_timeout_ms * 1000000ull;
   for (plink *l = P->links, *next; l; l = next) {
     next = l->next;
-    if (l->state != L_UP && now - l->since_ns > AUTH_TIMEOUT_NS) {
-      link_close(l, l->state == L_CONNECTING ? "no connection within 5 s" : "no authentication within 5 s");
+    if (l->state != L_UP && (l->why[0] || now - l->since_ns > AUTH_TIMEOUT_NS)) {
+      link_close(l, l->why[0] ? l->why
+                    : l->state == L_CONNECTING ? "no connection within 5 s" : "no authentication within 5 s");
       continue;
     }
-    for (serve *sv = l->serves, *sn; sv; sv = sn) {
-      sn = sv->next;
-      if (sv->waiting && now >= sv->deadline_ns)
-        serve_try(sv);
-    }
   }
+  serves_retry(P, NULL, 0, now);
   for (sub *sb = P->subs, *next; sb; sb = next) {
     next = sb->next;
     if (sb->state == S_ASKED && now - sb->asked_ns > sb->wait_ms * 1000000ull + limit && sb->link) {
