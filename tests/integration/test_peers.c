@@ -46,6 +46,9 @@ static void write_secret(node *n, const char *secret) {
   assert_int_equal(chmod(n->secret, 0600), 0);
 }
 
+/* What node_start writes for the next daemon: its pool's capacity, and more [daemon] lines. */
+static const char *next_capacity = "3G", *next_daemon_lines = "";
+
 /* Prepare node n (its dir, port and secret); start it later with node_start. */
 static void node_prepare(node *n, const char *secret) {
   th_prepare(&n->d);
@@ -62,10 +65,10 @@ static void node_start(node *n, const char *exports, ...) {
   const char *name;
   off = snprintf(conf, sizeof conf,
                  "[daemon]\npeer_listen = 127.0.0.1:%d\npeer_secret_file = %s\npeer_fetch_timeout_ms = 20000\n"
-                 "metrics_textfile = %s/metrics.prom\nmetrics_interval_ms = 100\n"
-                 "[pool default]\nkind = host\ncapacity = 3G\nslab_size = 64M\n"
+                 "metrics_textfile = %s/metrics.prom\nmetrics_interval_ms = 100\n%s"
+                 "[pool default]\nkind = host\ncapacity = %s\nslab_size = 64M\n"
                  "[tenant t]\nuids = %u\n%s%s%s",
-                 n->port, n->secret, n->d.dir, (unsigned)getuid(), exports ? "export_peers = " : "", exports ? exports : "",
+                 n->port, n->secret, n->d.dir, next_daemon_lines, next_capacity, (unsigned)getuid(), exports ? "export_peers = " : "", exports ? exports : "",
                  exports ? "\n" : "");
   va_start(ap, exports);
   while ((name = va_arg(ap, const char *))) {
@@ -75,6 +78,8 @@ static void node_start(node *n, const char *exports, ...) {
   va_end(ap);
   th_write_conf(&n->d, conf);
   th_start(&n->d, 1, NULL);
+  next_capacity = "3G";
+  next_daemon_lines = "";
 }
 
 static void node_stop(node *n) { th_stop(&n->d); }
@@ -663,6 +668,76 @@ static void test_unreachable(void **state) {
   ts_daemon_remove(&A.d);
 }
 
+/* The local copy is allocated in the getter's tenant's pool: when it does not fit, the
+ * getter is told so, and nothing is left on either side. */
+static void test_copy_does_not_fit(void **state) {
+  gpupool_client *c;
+  gpupool_buffer *b = NULL;
+  (void)state;
+  node_prepare(&A, SECRET);
+  node_prepare(&B, SECRET);
+  node_start(&A, "B", "B", &B, NULL);
+  next_capacity = "128M";
+  node_start(&B, "*", "A", &A, NULL);
+  publish(&A, "big", 200u << 20, 3);
+  c = th_connect(&B.d, "consumer");
+  assert_int_not_equal(gpupool_buffer_get(c, "A:big", 0, 10000, 0, NULL, &b, NULL), 0);
+  if (!strstr(gpupool_last_error(), "fetch of A:big v1") || !strstr(gpupool_last_error(), "failed"))
+    fail_msg("the getter was told: %s", gpupool_last_error());
+  gpupool_client_disconnect(c);
+  expect_baseline(&B, "fetching side after a copy that did not fit");
+  assert_int_equal(row(&A, "B").serving_now, 0);
+  pair_stop();
+}
+
+/* One peer may have peer_max_fetches gets in flight at a daemon: the next is refused at
+ * once with ELIMIT (those waiting there keep their place). */
+enum { OVER = 5 };
+static int over_rc[OVER];
+static char over_msg[OVER][512];
+
+static void *absent_getter(void *arg) {
+  intptr_t i = (intptr_t)arg;
+  gpupool_client *c = NULL;
+  gpupool_buffer *b = NULL;
+  char name[32];
+  snprintf(name, sizeof name, "A:absent%d", (int)i);
+  if (gpupool_client_connect(B.d.sock, "getter", GPUPOOL_TIMEOUT_DEFAULT, &c) != 0) {
+    over_rc[i] = -1000;
+    return NULL;
+  }
+  over_rc[i] = gpupool_buffer_get(c, name, 0, 3000, 0, NULL, &b, NULL);
+  snprintf(over_msg[i], sizeof over_msg[i], "%s", gpupool_last_error());
+  gpupool_client_disconnect(c);
+  return NULL;
+}
+
+static void test_fetches_per_peer_capped(void **state) {
+  pthread_t t[OVER];
+  int limited = 0;
+  (void)state;
+  node_prepare(&A, SECRET);
+  node_prepare(&B, SECRET);
+  next_daemon_lines = "peer_max_fetches = 4\n";
+  node_start(&A, "B", "B", &B, NULL);
+  node_start(&B, "*", "A", &A, NULL);
+  for (intptr_t i = 0; i < OVER; i++)
+    assert_int_equal(pthread_create(&t[i], NULL, absent_getter, (void *)i), 0);
+  for (int i = 0; i < OVER; i++)
+    pthread_join(t[i], NULL);
+  for (int i = 0; i < OVER; i++) {
+    if (over_rc[i] == GPUPOOL_ELIMIT) {
+      limited++;
+      if (!strstr(over_msg[i], "peer_max_fetches"))
+        fail_msg("getter %d was told: %s", i, over_msg[i]);
+    } else if (over_rc[i] != GPUPOOL_ETIMEDOUT && over_rc[i] != GPUPOOL_ENOENT) {
+      fail_msg("getter %d: %d (%s)", i, over_rc[i], over_msg[i]);
+    }
+  }
+  assert_int_equal(limited, 1);
+  pair_stop();
+}
+
 /* A secret file others can read stops the daemon at start, naming the file and the fix. */
 static void test_secret_mode(void **state) {
   char conf[1024];
@@ -688,6 +763,6 @@ int main(void) {
   setenv("UCX_NET_DEVICES", "lo", 1);
   signal(SIGPIPE, SIG_IGN);
   return TS_RUN_TESTS(NULL, NULL, test_secret_mode, test_buffer_and_versions, test_bundle, test_wrong_secret,
-                      test_not_exported, test_hostile_peer_connections, test_unreachable, test_many_getters_one_transfer, test_getter_killed, test_source_killed,
+                      test_not_exported, test_hostile_peer_connections, test_unreachable, test_many_getters_one_transfer, test_getter_killed, test_source_killed, test_copy_does_not_fit, test_fetches_per_peer_capped,
                       test_reserve);
 }
