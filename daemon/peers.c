@@ -56,6 +56,10 @@
 #define MAX_SECRET 4096
 #define MAX_WRITE_QUEUE (64u << 20)
 #define READ_CHUNK (64u << 10)
+/* A fetch reads its buffers in gets of at most GET_CHUNK bytes, GET_WINDOW of them in flight:
+ * the transfer is pipelined, and what one completion hands the loop stays small. */
+#define GET_CHUNK (8u << 20)
+#define GET_WINDOW 8
 
 enum { L_CONNECTING, L_AWAIT_HELLO, L_AWAIT_CHALLENGE, L_AWAIT_AUTH, L_AWAIT_WELCOME, L_UP };
 enum { S_IDLE, S_QUEUED, S_ASKED, S_TRANSFER };
@@ -123,6 +127,8 @@ struct sub {
   gpd_ucx_reg **regs;
   uint32_t n;
   uint32_t pending;      /* gets not yet completed */
+  uint32_t cur_seg;      /* where the next get starts: buffer, and offset in it */
+  uint64_t cur_off;
   int aborted;
   char err[GPUPOOL__ERRMSG_MAX + 256];
   int err_code;
@@ -874,8 +880,37 @@ static void sub_finish(sub *sb) {
   sub_next(sb);
 }
 
+static void on_get_done(void *arg, int status);
+
+/* Post gets until GET_WINDOW are in flight or every chunk is posted. */
+static void post_gets(sub *sb) {
+  Gpupool__Wire__PeerGetReply *r = sb->rep->get_reply;
+  long page = sysconf(_SC_PAGESIZE);
+  while (!sb->aborted && sb->pending < GET_WINDOW && sb->cur_seg < r->n_segments) {
+    const Gpupool__Wire__PeerSegment *sg = r->segments[sb->cur_seg];
+    uint8_t *base = (uint8_t *)sb->maps[sb->cur_seg] + (sb->holds[sb->cur_seg]->buf->offset % (uint64_t)page);
+    uint64_t len = sg->length - sb->cur_off < GET_CHUNK ? sg->length - sb->cur_off : GET_CHUNK;
+    int rc = gpd_ucx_get(sb->peer->ep, base + sb->cur_off, sb->regs[sb->cur_seg], sg->address + sb->cur_off,
+                         sg->rkey.data, sg->rkey.len, len, on_get_done, sb);
+    if (rc != 0) {
+      sb->aborted = 1;
+      sb->err_code = rc;
+      snprintf(sb->err, sizeof sb->err, "fetch of %s:%s v%" PRIu64 " failed: %.300s; retry", sb->peer->conf->name,
+               sb->rname, r->version, gpupool__errmsg());
+      break;
+    }
+    sb->pending++;
+    sb->cur_off += len;
+    if (sb->cur_off == sg->length) {
+      sb->cur_seg++;
+      sb->cur_off = 0;
+    }
+  }
+}
+
 static void on_get_done(void *arg, int status) {
   sub *sb = arg;
+  sb->pending--;
   if (status != 0 && !sb->aborted) {
     char why[GPUPOOL__ERRMSG_MAX];
     snprintf(why, sizeof why, "%s", gpupool__errmsg());
@@ -888,7 +923,8 @@ static void on_get_done(void *arg, int status) {
     if (sb->peer->out)
       link_close(sb->peer->out, why);
   }
-  if (--sb->pending == 0)
+  post_gets(sb);
+  if (sb->pending == 0)
     sub_finish(sb);
 }
 
@@ -953,22 +989,13 @@ static void sub_transfer(sub *sb, Gpupool__Wire__PeerFrame *fr) {
       goto fail;
     sb->bytes += sg->length;
   }
-  /* Every range is in place: read them all (each get completes on its own). */
-  for (uint32_t i = 0; i < r->n_segments; i++) {
-    const Gpupool__Wire__PeerSegment *sg = r->segments[i];
-    void *base = (uint8_t *)sb->maps[i] + (sb->holds[i]->buf->offset % (uint64_t)sysconf(_SC_PAGESIZE));
-    sb->pending++;
-    if ((rc = gpd_ucx_get(sb->peer->ep, base, sb->regs[i], sg->address, sg->rkey.data, sg->rkey.len, sg->length,
-                          on_get_done, sb)) != 0) {
-      sb->pending--;
-      if (sb->pending == 0)
-        goto fail;
-      sb->aborted = 1;
-      sb->err_code = rc;
-      snprintf(sb->err, sizeof sb->err, "fetch of %s:%s v%" PRIu64 " failed: %s; retry", sb->peer->conf->name, sb->rname,
-               r->version, gpupool__errmsg());
-      return; /* the gets posted end first */
-    }
+  /* Every range is in place: read them, a window of chunks at a time. */
+  sb->cur_seg = 0;
+  sb->cur_off = 0;
+  post_gets(sb);
+  if (sb->pending == 0) {
+    send_done(sb->link, sb->id);
+    sub_failed(sb, sb->err_code ? sb->err_code : GPUPOOL_EPEER, sb->err);
   }
   return;
 fail:
