@@ -58,10 +58,10 @@
 #define READ_CHUNK (64u << 10)
 /* A fetch reads its buffers in gets of at most GET_CHUNK bytes, GET_WINDOW of them in flight:
  * the transfer is pipelined, and what one completion hands the loop stays small. */
-#define GET_CHUNK (8u << 20)
-#define GET_WINDOW 8
+#define GET_CHUNK (1u << 20)
+#define GET_WINDOW 2
 
-enum { L_CONNECTING, L_AWAIT_HELLO, L_AWAIT_CHALLENGE, L_AWAIT_AUTH, L_AWAIT_WELCOME, L_UP };
+enum { L_CONNECTING, L_AWAIT_HELLO, L_AWAIT_CHALLENGE, L_AWAIT_AUTH, L_AWAIT_WELCOME, L_AWAIT_EP, L_UP };
 enum { S_IDLE, S_QUEUED, S_ASKED, S_TRANSFER };
 
 typedef struct plink plink;
@@ -92,6 +92,8 @@ struct plink {
   int outgoing;
   int closing;
   char why[256];         /* why it closes once what was sent is out */
+  int flushing;          /* its endpoint's flush is in flight: freed once it ends */
+  int freed_later;
   peer *peer;            /* outgoing: the peer; incoming: once known from its Hello */
   char addr[64];         /* where it connects from / to, for logs */
   uint8_t nonce_mine[NONCE_LEN], nonce_theirs[NONCE_LEN];
@@ -171,6 +173,7 @@ struct gpd_peers {
   char listen_addr[64];
   int closing;           /* handles whose close callback has not come yet */
   gpupool__ratelimit log_rl; /* lines that connections to peer_listen cause */
+  struct grave *graves;  /* served ranges a gone peer may still be reading */
 };
 
 static void link_close(plink *l, const char *why);
@@ -377,9 +380,50 @@ static int map_range(gpd_peers *P, int fd, uint64_t off, uint64_t len, int writa
 
 /* ---- serving --------------------------------------------------------------------------------- */
 
-static void serve_release(serve *sv) {
+/* A served range the peer may still be reading when its connection ended (the serving
+ * side's UCX sends the data of a get from it on its own time): its mapping is replaced by
+ * zero pages at once, so the slab's memory can go back to the pool and nothing of it leaves
+ * any more, and the placeholder and its registration are let go only later. */
+typedef struct grave {
+  void *map;
+  size_t len;
+  gpd_ucx_reg *reg;
+  uint64_t until_ns;
+  struct grave *next;
+} grave;
+
+static void graves_free(gpd_peers *P, uint64_t now, int all) {
+  grave **g = &P->graves;
+  while (*g) {
+    grave *x = *g;
+    if (!all && now < x->until_ns) {
+      g = &x->next;
+      continue;
+    }
+    *g = x->next;
+    gpd_ucx_reg_free(x->reg);
+    munmap(x->map, x->len);
+    free(x);
+  }
+}
+
+/* Let go of the served ranges; reading: the peer may still be reading them. */
+static void serve_release(serve *sv, int reading) {
   gpd_peers *P = sv->link->P;
   for (uint32_t i = 0; i < sv->n; i++) {
+    grave *g = reading && sv->maps[i] ? calloc(1, sizeof *g) : NULL;
+    if (g && mmap(sv->maps[i], sv->maplens[i], PROT_READ, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1,
+                  0) != MAP_FAILED) {
+      uint64_t hold = 2ull * P->cfg->peer_fetch_timeout_ms * 1000000ull;
+      g->map = sv->maps[i];
+      g->len = sv->maplens[i];
+      g->reg = sv->regs[i];
+      g->until_ns = now_ns() + (hold > 10000000000ull ? hold : 10000000000ull);
+      g->next = P->graves;
+      P->graves = g;
+      continue;
+    }
+    free(g);
     gpd_ucx_reg_free(sv->regs[i]);
     if (sv->maps[i])
       munmap(sv->maps[i], sv->maplens[i]);
@@ -396,14 +440,16 @@ static void serve_release(serve *sv) {
   }
 }
 
-static void serve_free(serve *sv) {
+static void serve_free_reading(serve *sv, int reading) {
   plink *l = sv->link;
-  serve_release(sv);
+  serve_release(sv, reading);
   GPUPOOL__LIST_UNLINK(l->serves, sv, prev, next);
   l->nserves--;
   free(sv->key);
   free(sv);
 }
+
+static void serve_free(serve *sv) { serve_free_reading(sv, 0); }
 
 static void serve_send(serve *sv, gpd_name *n) {
   plink *l = sv->link;
@@ -895,8 +941,13 @@ static void post_gets(sub *sb) {
     if (rc != 0) {
       sb->aborted = 1;
       sb->err_code = rc;
-      snprintf(sb->err, sizeof sb->err, "fetch of %s:%s v%" PRIu64 " failed: %.300s; retry", sb->peer->conf->name,
-               sb->rname, r->version, gpupool__errmsg());
+      if (!sb->peer->out || sb->peer->out->closing)
+        snprintf(sb->err, sizeof sb->err, "fetch of %s:%s v%" PRIu64 " failed: peer %s closed the connection "
+                 "mid-transfer (%.200s); retry", sb->peer->conf->name, sb->rname, r->version, sb->peer->conf->name,
+                 gpupool__errmsg());
+      else
+        snprintf(sb->err, sizeof sb->err, "fetch of %s:%s v%" PRIu64 " failed: %.300s; retry", sb->peer->conf->name,
+                 sb->rname, r->version, gpupool__errmsg());
       break;
     }
     sb->pending++;
@@ -1176,11 +1227,15 @@ static void link_close(plink *l, const char *why) {
     else
       GPUPOOL__PEER_INFO(&P->log_rl, 0, "peers: connection from %s closed: %s", l->addr, why);
     while (l->serves)
-      serve_free(l->serves);
+      serve_free_reading(l->serves, 1);
   }
   GPUPOOL__LIST_UNLINK(P->links, l, prev, next);
   uv_read_stop((uv_stream_t *)&l->tcp);
   l->tcp.data = l;
+  if (l->flushing) {
+    l->freed_later = 1; /* the flush's callback (the endpoint was closed: it comes) frees it */
+    return;
+  }
   uv_close((uv_handle_t *)&l->tcp, link_freed);
 }
 
@@ -1319,15 +1374,20 @@ static void on_auth(plink *l, const Gpupool__Wire__PeerAuth *m) {
   send_frame(l, &f);
 }
 
-static void on_welcome(plink *l, const Gpupool__Wire__PeerWelcome *m) {
+/* The UCX endpoint to the peer is connected both ways: fetches may start. (A peer that
+ * went away while UCX was still setting up its side of the endpoint trips an assertion in
+ * UCX 1.13's error path; no fetch starts before that is over.) */
+static void on_ep_ready(void *arg, int status) {
+  plink *l = arg;
   gpd_peers *P = l->P;
   peer *p = l->peer;
-  int rc;
-  if (!m->worker_address.len) {
-    link_close(l, "its welcome has no UCX worker address");
+  l->flushing = 0;
+  if (l->closing) {
+    if (l->freed_later)
+      uv_close((uv_handle_t *)&l->tcp, link_freed);
     return;
   }
-  if ((rc = gpd_ucx_ep_new(P->ucx, m->worker_address.data, m->worker_address.len, &p->ep)) != 0) {
+  if (status != 0) {
     char why[GPUPOOL__ERRMSG_MAX];
     snprintf(why, sizeof why, "%s", gpupool__errmsg());
     link_close(l, why);
@@ -1346,6 +1406,25 @@ static void on_welcome(plink *l, const Gpupool__Wire__PeerWelcome *m) {
     sb->state = S_IDLE;
     sub_ask(sb);
   }
+}
+
+static void on_welcome(plink *l, const Gpupool__Wire__PeerWelcome *m) {
+  gpd_peers *P = l->P;
+  peer *p = l->peer;
+  int rc;
+  if (!m->worker_address.len) {
+    link_close(l, "its welcome has no UCX worker address");
+    return;
+  }
+  if ((rc = gpd_ucx_ep_new(P->ucx, m->worker_address.data, m->worker_address.len, &p->ep)) != 0 ||
+      (rc = gpd_ucx_ep_flush(p->ep, on_ep_ready, l)) != 0) {
+    char why[GPUPOOL__ERRMSG_MAX];
+    snprintf(why, sizeof why, "%s", gpupool__errmsg());
+    link_close(l, why);
+    return;
+  }
+  l->flushing = 1;
+  l->state = L_AWAIT_EP;
 }
 
 static void on_frame(plink *l, const uint8_t *buf, size_t len) {
@@ -1558,6 +1637,7 @@ static void on_tick(uv_timer_t *t) {
     }
   }
   serves_retry(P, NULL, 0, now);
+  graves_free(P, now, 0);
   for (sub *sb = P->subs, *next; sb; sb = next) {
     next = sb->next;
     if (sb->state == S_ASKED && now - sb->asked_ns > sb->wait_ms * 1000000ull + limit && sb->link) {
@@ -1644,13 +1724,17 @@ void gpd_peers_stop(gpd_server *s) {
     return;
   while (P->links)
     link_close(P->links, "daemon shutting down");
-  /* Transfers whose endpoint was closed end now, as the worker is flushed. */
-  gpd_ucx_close(P->ucx);
+  /* Transfers whose endpoint was closed end now (their getters are told), then what is left
+   * lets go of its memory while UCX still knows the registrations. */
+  gpd_ucx_flush(P->ucx);
+  graves_free(P, 0, 1);
   while (P->subs) {
     sub *sb = P->subs;
+    sub_fail_waiters(sb, GPUPOOL_ECLOSED, "gpupoold is shutting down", 0);
     sub_release(sb);
     sub_free(sb);
   }
+  gpd_ucx_close(P->ucx);
   P->closing = 1 + P->listening;
   if (P->listening)
     uv_close((uv_handle_t *)&P->listener, tick_closed);

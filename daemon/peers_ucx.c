@@ -256,16 +256,26 @@ static void free_after_close(uv_handle_t *h) {
     free(u);
 }
 
+void gpd_ucx_flush(gpd_ucx *u) {
+  for (int i = 0; i < 1000 && ucp_worker_progress(u->worker); i++)
+    ;
+  drain(u);
+}
+
 void gpd_ucx_close(gpd_ucx *u) {
   if (!u)
     return;
-  /* Flush what completed: its owners free their state. */
-  for (int i = 0; i < 16 && ucp_worker_progress(u->worker); i++)
-    ;
-  drain(u);
+  gpd_ucx_flush(u);
   ucp_worker_release_address(u->worker, u->addr);
   ucp_worker_destroy(u->worker);
   ucp_cleanup(u->ctx);
+  /* What the worker's end completed: nobody waits for it any more. */
+  while (u->completed) {
+    op *o = u->completed;
+    u->completed = o->next;
+    free(o);
+  }
+  u->completed_tail = &u->completed;
   uv_idle_stop(&u->idle);
   uv_poll_stop(&u->poll);
   u->poll.data = u->idle.data = u;
@@ -347,6 +357,32 @@ int gpd_ucx_ep_new(gpd_ucx *u, const void *addr, size_t len, gpd_ucx_ep **out) {
   e->u = u;
   *out = e;
   kick(u);
+  return 0;
+}
+
+int gpd_ucx_ep_flush(gpd_ucx_ep *e, gpd_ucx_done done, void *arg) {
+  ucp_request_param_t p;
+  void *req;
+  op *o = calloc(1, sizeof *o);
+  if (!o)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  o->u = e->u;
+  o->done = done;
+  o->arg = arg;
+  memset(&p, 0, sizeof p);
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.send = on_get;
+  p.user_data = o;
+  req = ucp_ep_flush_nbx(e->ep, &p);
+  if (UCS_PTR_IS_ERR(req)) {
+    free(o);
+    return ucs_err(UCS_PTR_STATUS(req), "connecting to the peer's UCX worker");
+  }
+  o->ep = e;
+  e->ops++;
+  if (req == NULL)
+    complete(o, UCS_OK);
+  kick(e->u);
   return 0;
 }
 

@@ -23,7 +23,11 @@ typedef void (*gpd_ucx_done)(void *arg, int status);
 /* The context and worker on loop; logs the transports and how device memory would move.
  * 0 or GPUPOOL_EBACKEND with the reason. */
 int gpd_ucx_open(uv_loop_t *loop, gpd_ucx **out);
-/* Closes the worker and context (every endpoint and registration first). */
+/* Progress until nothing is left to do (bounded), handing out what completed: after closing
+ * the endpoints at shutdown, so that their gets end before their memory goes. */
+void gpd_ucx_flush(gpd_ucx *u);
+/* Closes the worker and context (every registration first). Gets that never completed are
+ * dropped without their callbacks. */
 void gpd_ucx_close(gpd_ucx *u);
 /* The worker's address (owned by u), to hand to peers. */
 void gpd_ucx_address(gpd_ucx *u, const void **addr, size_t *len);
@@ -38,6 +42,8 @@ void gpd_ucx_reg_free(gpd_ucx_reg *r);
 
 /* An endpoint to the worker at addr. */
 int gpd_ucx_ep_new(gpd_ucx *u, const void *addr, size_t len, gpd_ucx_ep **out);
+/* done is called once the endpoint is connected both ways (its wireup finished), or failed. */
+int gpd_ucx_ep_flush(gpd_ucx_ep *ep, gpd_ucx_done done, void *arg);
 /* Close it: gets still running on it end with an error (their callbacks still come, later,
  * from the loop); ep is freed once they have. */
 void gpd_ucx_ep_close(gpd_ucx_ep *ep);
