@@ -8,23 +8,28 @@
  * address when one section alone has it), the serving side answers Challenge (its nonce and
  * HMAC-SHA256(secret, "gpupool peer server" | nonce_f | nonce_s)), the fetching side checks it
  * and answers Auth (the same with "gpupool peer client"), and the serving side checks that and
- * says Welcome with its UCX worker address. Both compare in constant time; a wrong secret is
+ * connects its UCX endpoint to the fetching side's worker (the address came in Hello) and says
+ * Welcome once UCX is connected both ways. Both compare in constant time; a wrong secret is
  * logged on both sides, and nothing but Hello, Challenge, Auth and Error is read before.
  *
  * Fetching: a subscription per local name key (what the waiting getters are filed under)
  * asks the peer for a version newer than the oldest version any of them waits past (PeerGet,
- * which may wait there for a publish); the reply names each buffer's address, length and
- * packed rkey; the local copy is allocated in the getters' tenant's pool, read with UCX gets,
- * published under the local name with the peer's version number (which wakes the getters),
- * and PeerDone lets the peer release its hold. One subscription, one fetch at a time: 200
+ * which may wait there for a publish); the reply gives the layout and each buffer's length;
+ * the local copy is allocated in the getters' tenant's pool and PeerReady asks for the data,
+ * which the peer sends as UCX active messages (1 MiB each, a window of them in flight) copied
+ * into place as they arrive; the copy is published under the local name with the peer's
+ * version number (which wakes the getters), and PeerDone lets the peer release its hold.
+ * The serving side sends and the fetching side only receives: a daemon whose peer dies never
+ * has UCX answer that peer on its behalf (UCX 1.13's software RMA over TCP aborts the serving
+ * process when a get's reply cannot be sent). One subscription, one fetch at a time: 200
  * getters of one version cause one transfer. A fetch that fails (peer gone, timeout, quota)
  * frees the local copy, answers every getter of the name with the reason, and the next get
  * starts a new one. A fetch that completes when nobody waits any more is dropped.
  *
  * Serving: a PeerGet is looked up in the tenant (or group) it names, which must export to the
  * asking peer (ENOENT otherwise, the answer for an absent name: no leak of existence); the
- * version's buffers are held (a hold of a client of the daemon's own, per fetch) and mapped
- * and registered for exactly their ranges until PeerDone or the connection's end. A get that
+ * version's buffers are held (a hold of a client of the daemon's own, per fetch), mapped and
+ * registered with UCX for exactly their ranges until PeerDone or the connection's end. A get that
  * finds no newer version waits (bounded by peer_max_fetches per peer) for a publish. A name
  * this daemon itself fetches from another peer (a tree: A -> B -> C) is fetched for the
  * waiting peer like for a local getter, and re-served once here.
@@ -56,10 +61,11 @@
 #define MAX_SECRET 4096
 #define MAX_WRITE_QUEUE (64u << 20)
 #define READ_CHUNK (64u << 10)
-/* A fetch reads its buffers in gets of at most GET_CHUNK bytes, GET_WINDOW of them in flight:
+/* A version is sent in messages of at most SEND_CHUNK bytes, SEND_WINDOW of them in flight:
  * the transfer is pipelined, and what one completion hands the loop stays small. */
-#define GET_CHUNK (1u << 20)
-#define GET_WINDOW 2
+#define SEND_CHUNK (1u << 20)
+#define SEND_WINDOW 4
+#define DATA_HDR 20 /* fetch id (8), buffer index (4), offset (8), little-endian */
 
 enum { L_CONNECTING, L_AWAIT_HELLO, L_AWAIT_CHALLENGE, L_AWAIT_AUTH, L_AWAIT_WELCOME, L_AWAIT_EP, L_UP };
 enum { S_IDLE, S_QUEUED, S_ASKED, S_TRANSFER };
@@ -75,7 +81,6 @@ typedef struct {
   uint8_t secret[MAX_SECRET];
   size_t secret_len;
   plink *out;             /* the connection this daemon opened to it, or NULL */
-  gpd_ucx_ep *ep;        /* to its worker, once authenticated */
   char last_error[256];
   uint32_t in_flight;    /* fetches from it */
   uint64_t fetches, failures, bytes_fetched;
@@ -94,6 +99,9 @@ struct plink {
   char why[256];         /* why it closes once what was sent is out */
   int flushing;          /* its endpoint's flush is in flight: freed once it ends */
   int freed_later;
+  gpd_ucx_ep *ep;        /* incoming: to the fetching daemon's worker (the data goes there) */
+  uint8_t *waddr;        /* incoming: that worker's address, from Hello */
+  size_t waddr_len;
   peer *peer;            /* outgoing: the peer; incoming: once known from its Hello */
   char addr[64];         /* where it connects from / to, for logs */
   uint8_t nonce_mine[NONCE_LEN], nonce_theirs[NONCE_LEN];
@@ -126,15 +134,10 @@ struct sub {
   gpd_hold **holds;
   void **maps;
   size_t *maplens;
-  gpd_ucx_reg **regs;
   uint32_t n;
-  uint32_t pending;      /* gets not yet completed */
-  uint32_t cur_seg;      /* where the next get starts: buffer, and offset in it */
-  uint64_t cur_off;
-  int aborted;
-  char err[GPUPOOL__ERRMSG_MAX + 256];
-  int err_code;
-  uint64_t bytes;
+  uint64_t bytes, received;
+  int receiving;         /* in P->receiving under id */
+  int complete;          /* every byte is in: finished from the loop */
   sub *prev, *next;      /* in P->subs */
 };
 
@@ -151,8 +154,20 @@ struct serve {
   void **maps;
   size_t *maplens;
   gpd_ucx_reg **regs;
+  uint64_t *lens;
+  void **bases;
   uint32_t n;
+  struct push *push;     /* while sending: what its sends' callbacks find it by */
+  uint32_t cur_seg;      /* where the next message starts: buffer, and offset in it */
+  uint64_t cur_off;
   serve *prev, *next;
+};
+
+/* A serve's sends in flight: their callbacks come from the loop, possibly after the serve
+ * went; the last one frees this. */
+struct push {
+  serve *sv;             /* NULL once the serve went */
+  uint32_t inflight;
 };
 
 struct gpd_peers {
@@ -174,6 +189,8 @@ struct gpd_peers {
   int closing;           /* handles whose close callback has not come yet */
   gpupool__ratelimit log_rl; /* lines that connections to peer_listen cause */
   struct grave *graves;  /* served ranges a gone peer may still be reading */
+  gpupool__hmap receiving; /* fetch id -> sub whose data is arriving */
+  int finish_posted;     /* a deferred call will finish the subs whose data is all in */
 };
 
 static void link_close(plink *l, const char *why);
@@ -407,9 +424,16 @@ static void graves_free(gpd_peers *P, uint64_t now, int all) {
   }
 }
 
-/* Let go of the served ranges; reading: the peer may still be reading them. */
+/* Let go of the served ranges; reading: UCX may still be sending from them. */
 static void serve_release(serve *sv, int reading) {
   gpd_peers *P = sv->link->P;
+  if (sv->push) {
+    reading |= sv->push->inflight > 0;
+    sv->push->sv = NULL;
+    if (!sv->push->inflight)
+      free(sv->push);
+    sv->push = NULL;
+  }
   for (uint32_t i = 0; i < sv->n; i++) {
     grave *g = reading && sv->maps[i] ? calloc(1, sizeof *g) : NULL;
     if (g && mmap(sv->maps[i], sv->maplens[i], PROT_READ, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1,
@@ -431,7 +455,9 @@ static void serve_release(serve *sv, int reading) {
   free(sv->regs);
   free(sv->maps);
   free(sv->maplens);
-  sv->regs = NULL, sv->maps = NULL, sv->maplens = NULL, sv->n = 0;
+  free(sv->lens);
+  free(sv->bases);
+  sv->regs = NULL, sv->maps = NULL, sv->maplens = NULL, sv->lens = NULL, sv->bases = NULL, sv->n = 0;
   if (sv->cl_on) {
     gpd_client_drop(P->reg, &sv->cl);
     sv->cl_on = 0;
@@ -472,7 +498,8 @@ static void serve_send(serve *sv, gpd_name *n) {
   sv->cl_on = 1;
   l->peer->serving_now++;
   if (!(sv->regs = calloc(n->nbufs, sizeof *sv->regs)) || !(sv->maps = calloc(n->nbufs, sizeof *sv->maps)) ||
-      !(sv->maplens = calloc(n->nbufs, sizeof *sv->maplens)) || !(segs = calloc(n->nbufs, sizeof *segs)) ||
+      !(sv->maplens = calloc(n->nbufs, sizeof *sv->maplens)) || !(sv->lens = calloc(n->nbufs, sizeof *sv->lens)) ||
+      !(sv->bases = calloc(n->nbufs, sizeof *sv->bases)) || !(segs = calloc(n->nbufs, sizeof *segs)) ||
       !(segp = calloc(n->nbufs, sizeof *segp))) {
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     goto fail;
@@ -480,21 +507,15 @@ static void serve_send(serve *sv, gpd_name *n) {
   for (uint32_t i = 0; i < n->nbufs; i++) {
     gpd_buffer *b = n->bufs[i];
     gpd_hold *h = NULL;
-    void *base = NULL, *rkey = NULL;
-    size_t rkl = 0;
     if ((rc = gpd_hold_new(reg, &sv->cl, b, 1, 0, &h)) != 0)
       goto fail;
     sv->n = i + 1;
-    if ((rc = map_range(P, b->slab->bs.fd, b->offset, b->asked, 0, &sv->maps[i], &sv->maplens[i], &base,
+    if ((rc = map_range(P, b->slab->bs.fd, b->offset, b->asked, 0, &sv->maps[i], &sv->maplens[i], &sv->bases[i],
                         &sv->regs[i])) != 0)
       goto fail;
-    if ((rc = gpd_ucx_rkey(sv->regs[i], &rkey, &rkl)) != 0)
-      goto fail;
+    sv->lens[i] = b->asked;
     gpupool__wire__peer_segment__init(&segs[i]);
-    segs[i].address = (uint64_t)(uintptr_t)base;
     segs[i].length = b->asked;
-    segs[i].rkey.data = rkey;
-    segs[i].rkey.len = rkl;
     segp[i] = &segs[i];
     bytes += b->asked;
   }
@@ -536,8 +557,6 @@ static void serve_send(serve *sv, gpd_name *n) {
   l->peer->bytes_served += bytes;
   GPUPOOL__DEBUG("peers: serving %s v%" PRIu64 " (%" PRIu64 " bytes) to %s", sv->key, n->version, bytes,
                  l->peer->conf->name);
-  for (uint32_t i = 0; i < n->nbufs; i++)
-    segp[i] = &segs[i];
   send_frame(l, &f);
   goto out;
 fail:
@@ -548,13 +567,75 @@ fail:
     serve_free(sv);
   }
 out:
-  for (uint32_t i = 0; segs && i < n->nbufs; i++)
-    free(segs[i].rkey.data);
   free(segs);
   free(segp);
   free(mem);
   free(memp);
   free(metas);
+}
+
+static void on_chunk_sent(void *arg, int status);
+
+/* Send sv's data until SEND_WINDOW messages are in flight or all of it is on its way. */
+static void post_sends(serve *sv) {
+  plink *l = sv->link;
+  while (sv->push->inflight < SEND_WINDOW && sv->cur_seg < sv->n) {
+    uint64_t len = sv->lens[sv->cur_seg] - sv->cur_off < SEND_CHUNK ? sv->lens[sv->cur_seg] - sv->cur_off : SEND_CHUNK;
+    uint8_t hdr[DATA_HDR];
+    int rc;
+    for (int i = 0; i < 8; i++)
+      hdr[i] = (uint8_t)(sv->id >> (8 * i));
+    for (int i = 0; i < 4; i++)
+      hdr[8 + i] = (uint8_t)(sv->cur_seg >> (8 * i));
+    for (int i = 0; i < 8; i++)
+      hdr[12 + i] = (uint8_t)(sv->cur_off >> (8 * i));
+    rc = gpd_ucx_send(l->ep, hdr, sizeof hdr, (uint8_t *)sv->bases[sv->cur_seg] + sv->cur_off, len,
+                      sv->regs[sv->cur_seg], on_chunk_sent, sv->push);
+    if (rc != 0) {
+      char why[GPUPOOL__ERRMSG_MAX];
+      snprintf(why, sizeof why, "sending it data failed: %s", gpupool__errmsg());
+      link_close(l, why);
+      return;
+    }
+    sv->push->inflight++;
+    sv->cur_off += len;
+    if (sv->cur_off == sv->lens[sv->cur_seg]) {
+      sv->cur_seg++;
+      sv->cur_off = 0;
+    }
+  }
+}
+
+static void on_chunk_sent(void *arg, int status) {
+  struct push *pu = arg;
+  serve *sv = pu->sv;
+  pu->inflight--;
+  if (!sv) {
+    if (!pu->inflight)
+      free(pu);
+    return;
+  }
+  if (status != 0) {
+    char why[GPUPOOL__ERRMSG_MAX];
+    snprintf(why, sizeof why, "sending it data failed: %s", gpupool__errmsg());
+    link_close(sv->link, why);
+    return;
+  }
+  post_sends(sv);
+}
+
+/* The fetching side has its copy allocated: send the data. */
+static void on_peer_ready(plink *l, uint64_t id) {
+  for (serve *sv = l->serves; sv; sv = sv->next)
+    if (sv->id == id && sv->cl_on && !sv->push) {
+      if (!(sv->push = calloc(1, sizeof *sv->push))) {
+        link_close(l, "out of memory in the daemon");
+        return;
+      }
+      sv->push->sv = sv;
+      post_sends(sv);
+      return;
+    }
 }
 
 /* Serve sv now if its name has a version newer than it asks for; otherwise leave it waiting
@@ -751,18 +832,20 @@ static void sub_free(sub *sb) {
   free(sb);
 }
 
-/* Let go of the local copy (freed unless it was published) and the transfer's state. */
+/* Let go of the local copy (freed unless it was published) and the transfer's state. Data
+ * still arriving for it finds no fetch under its id and is dropped. */
 static void sub_release(sub *sb) {
-  for (uint32_t i = 0; i < sb->n; i++) {
-    gpd_ucx_reg_free(sb->regs ? sb->regs[i] : NULL);
+  if (sb->receiving) {
+    gpupool__hmap_del(&sb->P->receiving, sb->id);
+    sb->receiving = 0;
+  }
+  for (uint32_t i = 0; i < sb->n; i++)
     if (sb->maps && sb->maps[i])
       munmap(sb->maps[i], sb->maplens[i]);
-  }
-  free(sb->regs);
   free(sb->maps);
   free(sb->maplens);
   free(sb->holds);
-  sb->regs = NULL, sb->maps = NULL, sb->maplens = NULL, sb->holds = NULL, sb->n = 0;
+  sb->maps = NULL, sb->maplens = NULL, sb->holds = NULL, sb->n = 0;
   if (sb->cl_on) {
     gpd_client_drop(sb->P->reg, &sb->cl);
     sb->cl_on = 0;
@@ -774,8 +857,8 @@ static void sub_release(sub *sb) {
   if (sb->state == S_TRANSFER || sb->state == S_ASKED)
     sb->peer->in_flight--;
   sb->state = S_IDLE;
-  sb->aborted = 0;
-  sb->pending = 0;
+  sb->complete = 0;
+  sb->received = 0;
 }
 
 /* Ask the peer (its connection is up) for the version the waiters want. */
@@ -868,7 +951,7 @@ static void sub_failed(sub *sb, int code, const char *msg) {
   sub_free(sb);
 }
 
-/* Every get of the local copy is in: publish it (or drop it when nobody waits any more). */
+/* Every byte of the local copy is in: publish it (or drop it when nobody waits any more). */
 static void sub_finish(sub *sb) {
   gpd_peers *P = sb->P;
   gpd_registry *reg = P->reg;
@@ -879,10 +962,6 @@ static void sub_finish(sub *sb) {
 
   if (sb->link && !sb->link->closing)
     send_done(sb->link, sb->id);
-  if (sb->aborted) {
-    sub_failed(sb, sb->err_code, sb->err);
-    return;
-  }
   if (!local_waiters(P->s, sb->key, &min_newer) && !serve_waiters(P, sb->key, &min_newer)) {
     GPUPOOL__DEBUG("peers: fetched %s v%" PRIu64 " but nobody waits for it any more: dropped", sb->local_name,
                    r->version);
@@ -926,57 +1005,58 @@ static void sub_finish(sub *sb) {
   sub_next(sb);
 }
 
-static void on_get_done(void *arg, int status);
-
-/* Post gets until GET_WINDOW are in flight or every chunk is posted. */
-static void post_gets(sub *sb) {
-  Gpupool__Wire__PeerGetReply *r = sb->rep->get_reply;
-  long page = sysconf(_SC_PAGESIZE);
-  while (!sb->aborted && sb->pending < GET_WINDOW && sb->cur_seg < r->n_segments) {
-    const Gpupool__Wire__PeerSegment *sg = r->segments[sb->cur_seg];
-    uint8_t *base = (uint8_t *)sb->maps[sb->cur_seg] + (sb->holds[sb->cur_seg]->buf->offset % (uint64_t)page);
-    uint64_t len = sg->length - sb->cur_off < GET_CHUNK ? sg->length - sb->cur_off : GET_CHUNK;
-    int rc = gpd_ucx_get(sb->peer->ep, base + sb->cur_off, sb->regs[sb->cur_seg], sg->address + sb->cur_off,
-                         sg->rkey.data, sg->rkey.len, len, on_get_done, sb);
-    if (rc != 0) {
-      sb->aborted = 1;
-      sb->err_code = rc;
-      if (!sb->peer->out || sb->peer->out->closing)
-        snprintf(sb->err, sizeof sb->err, "fetch of %s:%s v%" PRIu64 " failed: peer %s closed the connection "
-                 "mid-transfer (%.200s); retry", sb->peer->conf->name, sb->rname, r->version, sb->peer->conf->name,
-                 gpupool__errmsg());
-      else
-        snprintf(sb->err, sizeof sb->err, "fetch of %s:%s v%" PRIu64 " failed: %.300s; retry", sb->peer->conf->name,
-                 sb->rname, r->version, gpupool__errmsg());
-      break;
+/* From the loop: finish the fetches whose data is all in (one at a time, looked up afresh:
+ * finishing one may end others). */
+static void on_received(void *arg, int status) {
+  gpd_peers *P = arg;
+  (void)status;
+  P->finish_posted = 0;
+  for (;;) {
+    sub *sb = P->subs;
+    while (sb && !(sb->complete && sb->state == S_TRANSFER))
+      sb = sb->next;
+    if (!sb)
+      return;
+    sb->complete = 0;
+    if (sb->receiving) {
+      gpupool__hmap_del(&P->receiving, sb->id);
+      sb->receiving = 0;
     }
-    sb->pending++;
-    sb->cur_off += len;
-    if (sb->cur_off == sg->length) {
-      sb->cur_seg++;
-      sb->cur_off = 0;
-    }
+    sub_finish(sb);
   }
 }
 
-static void on_get_done(void *arg, int status) {
-  sub *sb = arg;
-  sb->pending--;
-  if (status != 0 && !sb->aborted) {
-    char why[GPUPOOL__ERRMSG_MAX];
-    snprintf(why, sizeof why, "%s", gpupool__errmsg());
-    sb->aborted = 1;
-    sb->err_code = GPUPOOL_EPEER;
-    snprintf(sb->err, sizeof sb->err, "fetch of %s:%s v%" PRIu64 " failed: peer %s closed the connection "
-             "mid-transfer (%.200s); retry", sb->peer->conf->name, sb->rname, sb->rep->get_reply->version,
-             sb->peer->conf->name, why);
-    /* The data path to the peer is gone: so is the connection (the next fetch starts afresh). */
-    if (sb->peer->out)
-      link_close(sb->peer->out, why);
+/* A data message (inside UCX's progress): copy it into place, count it. */
+static void on_data(void *arg, const void *header, size_t hlen, const void *data, size_t len) {
+  gpd_peers *P = arg;
+  const uint8_t *h = header;
+  uint64_t id = 0, off = 0;
+  uint32_t seg = 0;
+  sub *sb;
+  if (hlen != DATA_HDR)
+    return;
+  for (int i = 0; i < 8; i++)
+    id |= (uint64_t)h[i] << (8 * i);
+  for (int i = 0; i < 4; i++)
+    seg |= (uint32_t)h[8 + i] << (8 * i);
+  for (int i = 0; i < 8; i++)
+    off |= (uint64_t)h[12 + i] << (8 * i);
+  sb = gpupool__hmap_get(&P->receiving, id);
+  if (!sb || sb->complete || seg >= sb->n)
+    return;
+  {
+    const Gpupool__Wire__PeerSegment *sg = sb->rep->get_reply->segments[seg];
+    long page = sysconf(_SC_PAGESIZE);
+    if (off > sg->length || len > sg->length - off || len > sb->bytes - sb->received)
+      return; /* not a range of the fetch: dropped (the fetch then times out) */
+    memcpy((uint8_t *)sb->maps[seg] + (sb->holds[seg]->buf->offset % (uint64_t)page) + off, data, len);
   }
-  post_gets(sb);
-  if (sb->pending == 0)
-    sub_finish(sb);
+  sb->received += len;
+  if (sb->received == sb->bytes) {
+    sb->complete = 1;
+    if (!P->finish_posted && gpd_ucx_defer(P->ucx, on_received, P) == 0)
+      P->finish_posted = 1;
+  }
 }
 
 /* The first pool the local copy may go in: not shared with a group. */
@@ -987,10 +1067,12 @@ static gpd_pool *copy_pool(gpd_peers *P) {
   return NULL;
 }
 
-/* The peer answered with a version: allocate the local copy and read it. */
+/* The peer answered with a version: allocate the local copy and ask for the data. */
 static void sub_transfer(sub *sb, Gpupool__Wire__PeerFrame *fr) {
   gpd_peers *P = sb->P;
   Gpupool__Wire__PeerGetReply *r = fr->get_reply;
+  Gpupool__Wire__PeerFrame f = GPUPOOL__WIRE__PEER_FRAME__INIT;
+  Gpupool__Wire__PeerReady rd = GPUPOOL__WIRE__PEER_READY__INIT;
   gpd_pool *pool = copy_pool(P);
   uint64_t min_newer = UINT64_MAX;
   char msg[GPUPOOL__ERRMSG_MAX + 256];
@@ -1005,10 +1087,9 @@ static void sub_transfer(sub *sb, Gpupool__Wire__PeerFrame *fr) {
     sub_free(sb);
     return;
   }
-  if (!pool || r->n_segments == 0 || r->n_segments > GPUPOOL_WIRE_MAX_FDS || !sb->peer->ep) {
+  if (!pool || r->n_segments == 0 || r->n_segments > GPUPOOL_WIRE_MAX_FDS) {
     rc = gpupool__err(GPUPOOL_EPROTO, "%s", !pool ? "this daemon has no pool that is not shared with a group"
-                                             : !sb->peer->ep ? "no UCX endpoint to the peer"
-                                                             : "the peer's answer has no or too many buffers");
+                                                   : "the peer's answer has no or too many buffers");
     goto fail;
   }
   sb->cl.uid = sb->uid;
@@ -1016,18 +1097,19 @@ static void sub_transfer(sub *sb, Gpupool__Wire__PeerFrame *fr) {
   gpd_client_init(P->reg, &sb->cl);
   snprintf(sb->cl.name, sizeof sb->cl.name, "fetch from %s", sb->peer->conf->name);
   sb->cl_on = 1;
-  if (!(sb->holds = calloc(r->n_segments, sizeof *sb->holds)) || !(sb->regs = calloc(r->n_segments, sizeof *sb->regs)) ||
-      !(sb->maps = calloc(r->n_segments, sizeof *sb->maps)) ||
+  if (!(sb->holds = calloc(r->n_segments, sizeof *sb->holds)) || !(sb->maps = calloc(r->n_segments, sizeof *sb->maps)) ||
       !(sb->maplens = calloc(r->n_segments, sizeof *sb->maplens))) {
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     goto fail;
   }
   sb->bytes = 0;
+  sb->received = 0;
   for (uint32_t i = 0; i < r->n_segments; i++) {
     const Gpupool__Wire__PeerSegment *sg = r->segments[i];
     gpd_hold *h = NULL;
-    void *base = NULL;
-    if (!sg->length || !sg->rkey.len) {
+    long page = sysconf(_SC_PAGESIZE);
+    uint64_t start;
+    if (!sg->length) {
       rc = gpupool__err(GPUPOOL_EPROTO, "the peer's answer has an empty buffer");
       goto fail;
     }
@@ -1035,19 +1117,31 @@ static void sub_transfer(sub *sb, Gpupool__Wire__PeerFrame *fr) {
       goto fail;
     sb->holds[i] = h;
     sb->n = i + 1;
-    if ((rc = map_range(P, h->buf->slab->bs.fd, h->buf->offset, sg->length, 1, &sb->maps[i], &sb->maplens[i], &base,
-                        &sb->regs[i])) != 0)
+    if (h->buf->slab->bs.fd < 0) {
+      rc = gpupool__err(GPUPOOL_ENOTSUP, "peers move host pools only in this build: this pool's memory is not a "
+                        "host slab the daemon can map (device pools are not fetched or served yet)");
       goto fail;
+    }
+    start = h->buf->offset - h->buf->offset % (uint64_t)page;
+    sb->maplens[i] = (size_t)(h->buf->offset + sg->length - start);
+    sb->maps[i] = mmap(NULL, sb->maplens[i], PROT_READ | PROT_WRITE, MAP_SHARED, h->buf->slab->bs.fd, (off_t)start);
+    if (sb->maps[i] == MAP_FAILED) {
+      sb->maps[i] = NULL;
+      rc = gpupool__err(GPUPOOL_EBACKEND, "cannot map %zu bytes of a slab for a peer transfer: %s", sb->maplens[i],
+                        strerror(errno));
+      goto fail;
+    }
     sb->bytes += sg->length;
   }
-  /* Every range is in place: read them, a window of chunks at a time. */
-  sb->cur_seg = 0;
-  sb->cur_off = 0;
-  post_gets(sb);
-  if (sb->pending == 0) {
-    send_done(sb->link, sb->id);
-    sub_failed(sb, sb->err_code ? sb->err_code : GPUPOOL_EPEER, sb->err);
+  if (gpupool__hmap_put(&P->receiving, sb->id, sb) != 0) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    goto fail;
   }
+  sb->receiving = 1;
+  rd.id = sb->id;
+  f.body_case = GPUPOOL__WIRE__PEER_FRAME__BODY_READY;
+  f.ready = &rd;
+  send_frame(sb->link, &f);
   return;
 fail:
   snprintf(msg, sizeof msg, "fetch of %s:%s v%" PRIu64 " (%" PRIu64 " bytes) failed: %s", sb->peer->conf->name,
@@ -1171,6 +1265,7 @@ int gpd_peers_want(gpd_server *s, gpd_conn *c, const char *name, uint64_t newer_
 static void link_freed(uv_handle_t *h) {
   plink *l = h->data;
   gpupool__hmap_free(&l->asked);
+  free(l->waddr);
   free(l->rbuf);
   free(l);
 }
@@ -1183,43 +1278,29 @@ static void link_close(plink *l, const char *why) {
   l->closing = 1;
   if (l->outgoing) {
     char msg[GPUPOOL__ERRMSG_MAX];
-    int mid = 0;
     snprintf(msg, sizeof msg, "%s", why);
     if (p) {
       snprintf(p->last_error, sizeof p->last_error, "%s", why);
       p->out = NULL;
     }
     GPUPOOL__WARN("peers: connection to %s (%s) closed: %s", p ? p->conf->name : "?", l->addr, why);
-    /* Fetches in flight on it fail; the gets still reading data end first (the endpoint is
-     * closed, so they do, with an error), then their local copies go. */
+    /* Fetches in flight on it fail, and their local copies go: this side only receives, so
+     * nothing of UCX's still refers to them (late data finds no fetch under its id). */
     for (sub *sb = P->subs, *next; sb; sb = next) {
+      char m2[GPUPOOL__ERRMSG_MAX + 256];
       next = sb->next;
-      if (sb->peer != p)
+      if (sb->peer != p || sb->state == S_IDLE)
         continue;
-      if (sb->state == S_TRANSFER && sb->pending) {
-        mid = 1;
-        if (!sb->aborted) {
-          sb->aborted = 1;
-          sb->err_code = GPUPOOL_EPEER;
-          snprintf(sb->err, sizeof sb->err, "fetch of %s:%s v%" PRIu64 " failed: peer %s closed the connection "
-                   "mid-transfer (%s); retry", p->conf->name, sb->rname, sb->rep->get_reply->version, p->conf->name,
-                   why);
-        }
-        sb->link = NULL;
-      } else if (sb->state == S_ASKED || sb->state == S_QUEUED) {
-        char m2[GPUPOOL__ERRMSG_MAX + 128];
-        if (sb->state == S_QUEUED)
-          snprintf(m2, sizeof m2, "%s", msg);
-        else
-          snprintf(m2, sizeof m2, "fetch of %s:%s failed: peer %s closed the connection (%s); retry", p->conf->name,
-                   sb->rname, p->conf->name, why);
-        sub_failed(sb, GPUPOOL_EPEER, m2);
-      }
-    }
-    (void)mid;
-    if (p && p->ep) {
-      gpd_ucx_ep_close(p->ep);
-      p->ep = NULL;
+      if (sb->state == S_TRANSFER)
+        snprintf(m2, sizeof m2, "fetch of %s:%s v%" PRIu64 " failed: peer %s closed the connection mid-transfer (%s); "
+                 "retry", p->conf->name, sb->rname, sb->rep->get_reply->version, p->conf->name, why);
+      else if (sb->state == S_QUEUED)
+        snprintf(m2, sizeof m2, "%s", msg);
+      else
+        snprintf(m2, sizeof m2, "fetch of %s:%s failed: peer %s closed the connection (%s); retry", p->conf->name,
+                 sb->rname, p->conf->name, why);
+      sb->link = NULL;
+      sub_failed(sb, GPUPOOL_EPEER, m2);
     }
   } else {
     if (p)
@@ -1228,6 +1309,10 @@ static void link_close(plink *l, const char *why) {
       GPUPOOL__PEER_INFO(&P->log_rl, 0, "peers: connection from %s closed: %s", l->addr, why);
     while (l->serves)
       serve_free_reading(l->serves, 1);
+    if (l->ep) {
+      gpd_ucx_ep_close(l->ep);
+      l->ep = NULL;
+    }
   }
   GPUPOOL__LIST_UNLINK(P->links, l, prev, next);
   uv_read_stop((uv_stream_t *)&l->tcp);
@@ -1284,6 +1369,12 @@ static void on_hello(plink *l, const Gpupool__Wire__PeerHello *m) {
     return;
   }
   memcpy(l->nonce_theirs, m->nonce.data, NONCE_LEN);
+  if (!m->worker_address.len || m->worker_address.len > 4096 || !(l->waddr = malloc(m->worker_address.len))) {
+    link_close(l, "its Hello has no usable UCX worker address");
+    return;
+  }
+  memcpy(l->waddr, m->worker_address.data, m->worker_address.len);
+  l->waddr_len = m->worker_address.len;
   memset(&src, 0, sizeof src);
   uv_tcp_getpeername(&l->tcp, (struct sockaddr *)&src, &len);
   if (m->listen && *m->listen && gpd_parse_hostport(m->listen, "listen", &adv) == 0)
@@ -1349,38 +1440,13 @@ static void on_challenge(plink *l, const Gpupool__Wire__PeerChallenge *m) {
   l->state = L_AWAIT_WELCOME;
 }
 
-static void on_auth(plink *l, const Gpupool__Wire__PeerAuth *m) {
-  gpd_peers *P = l->P;
-  Gpupool__Wire__PeerFrame f = GPUPOOL__WIRE__PEER_FRAME__INIT;
-  Gpupool__Wire__PeerWelcome w = GPUPOOL__WIRE__PEER_WELCOME__INIT;
-  uint8_t want[32];
-  const void *addr;
-  size_t alen;
-  mac(l->peer, "gpupool peer client", l->nonce_theirs, l->nonce_mine, want);
-  if (m->mac.len != 32 || !gpupool__ct_equal(want, m->mac.data, 32)) {
-    auth_failed(l, l->peer->conf->name);
-    send_error(l, GPUPOOL_EPERM, "peer authentication failed: wrong secret (check secret_file on both daemons)");
-    link_close_after_send(l, "peer authentication failed: wrong secret");
-    return;
-  }
-  gpd_ucx_address(P->ucx, &addr, &alen);
-  w.worker_address.data = (uint8_t *)addr;
-  w.worker_address.len = alen;
-  w.you_are = (char *)l->peer->conf->name;
-  f.body_case = GPUPOOL__WIRE__PEER_FRAME__BODY_WELCOME;
-  f.welcome = &w;
-  l->state = L_UP;
-  GPUPOOL__INFO("peers: %s authenticated from %s", l->peer->conf->name, l->addr);
-  send_frame(l, &f);
-}
-
-/* The UCX endpoint to the peer is connected both ways: fetches may start. (A peer that
- * went away while UCX was still setting up its side of the endpoint trips an assertion in
- * UCX 1.13's error path; no fetch starts before that is over.) */
+/* The serving side's UCX endpoint to the fetching daemon is connected both ways: say Welcome.
+ * (A peer that went away while UCX was still setting up trips an assertion in UCX 1.13's error
+ * path; no data moves before that is over.) */
 static void on_ep_ready(void *arg, int status) {
   plink *l = arg;
-  gpd_peers *P = l->P;
-  peer *p = l->peer;
+  Gpupool__Wire__PeerFrame f = GPUPOOL__WIRE__PEER_FRAME__INIT;
+  Gpupool__Wire__PeerWelcome w = GPUPOOL__WIRE__PEER_WELCOME__INIT;
   l->flushing = 0;
   if (l->closing) {
     if (l->freed_later)
@@ -1389,10 +1455,44 @@ static void on_ep_ready(void *arg, int status) {
   }
   if (status != 0) {
     char why[GPUPOOL__ERRMSG_MAX];
-    snprintf(why, sizeof why, "%s", gpupool__errmsg());
+    snprintf(why, sizeof why, "its UCX worker cannot be reached: %s", gpupool__errmsg());
     link_close(l, why);
     return;
   }
+  w.you_are = (char *)l->peer->conf->name;
+  f.body_case = GPUPOOL__WIRE__PEER_FRAME__BODY_WELCOME;
+  f.welcome = &w;
+  l->state = L_UP;
+  GPUPOOL__INFO("peers: %s authenticated from %s", l->peer->conf->name, l->addr);
+  send_frame(l, &f);
+}
+
+static void on_auth(plink *l, const Gpupool__Wire__PeerAuth *m) {
+  gpd_peers *P = l->P;
+  uint8_t want[32];
+  int rc;
+  mac(l->peer, "gpupool peer client", l->nonce_theirs, l->nonce_mine, want);
+  if (m->mac.len != 32 || !gpupool__ct_equal(want, m->mac.data, 32)) {
+    auth_failed(l, l->peer->conf->name);
+    send_error(l, GPUPOOL_EPERM, "peer authentication failed: wrong secret (check secret_file on both daemons)");
+    link_close_after_send(l, "peer authentication failed: wrong secret");
+    return;
+  }
+  if ((rc = gpd_ucx_ep_new(P->ucx, l->waddr, l->waddr_len, &l->ep)) != 0 ||
+      (rc = gpd_ucx_ep_flush(l->ep, on_ep_ready, l)) != 0) {
+    char why[GPUPOOL__ERRMSG_MAX];
+    snprintf(why, sizeof why, "its UCX worker cannot be reached: %s", gpupool__errmsg());
+    link_close(l, why);
+    return;
+  }
+  l->flushing = 1;
+  l->state = L_AWAIT_EP;
+}
+
+static void on_welcome(plink *l, const Gpupool__Wire__PeerWelcome *m) {
+  gpd_peers *P = l->P;
+  peer *p = l->peer;
+  (void)m;
   l->state = L_UP;
   p->last_error[0] = '\0';
   GPUPOOL__INFO("peers: connected to %s at %s", p->conf->name, l->addr);
@@ -1406,25 +1506,6 @@ static void on_ep_ready(void *arg, int status) {
     sb->state = S_IDLE;
     sub_ask(sb);
   }
-}
-
-static void on_welcome(plink *l, const Gpupool__Wire__PeerWelcome *m) {
-  gpd_peers *P = l->P;
-  peer *p = l->peer;
-  int rc;
-  if (!m->worker_address.len) {
-    link_close(l, "its welcome has no UCX worker address");
-    return;
-  }
-  if ((rc = gpd_ucx_ep_new(P->ucx, m->worker_address.data, m->worker_address.len, &p->ep)) != 0 ||
-      (rc = gpd_ucx_ep_flush(p->ep, on_ep_ready, l)) != 0) {
-    char why[GPUPOOL__ERRMSG_MAX];
-    snprintf(why, sizeof why, "%s", gpupool__errmsg());
-    link_close(l, why);
-    return;
-  }
-  l->flushing = 1;
-  l->state = L_AWAIT_EP;
 }
 
 static void on_frame(plink *l, const uint8_t *buf, size_t len) {
@@ -1472,6 +1553,10 @@ static void on_frame(plink *l, const uint8_t *buf, size_t len) {
     case GPUPOOL__WIRE__PEER_FRAME__BODY_DONE:
       if (!l->outgoing)
         on_peer_done(l, f->done->id);
+      break;
+    case GPUPOOL__WIRE__PEER_FRAME__BODY_READY:
+      if (!l->outgoing)
+        on_peer_ready(l, f->ready->id);
       break;
     case GPUPOOL__WIRE__PEER_FRAME__BODY_GET_REPLY:
       if (l->outgoing) {
@@ -1578,6 +1663,13 @@ static void on_connected(uv_connect_t *req, int status) {
   h.nonce.data = l->nonce_mine;
   h.nonce.len = NONCE_LEN;
   h.listen = P->listen_addr;
+  {
+    const void *addr;
+    size_t alen;
+    gpd_ucx_address(P->ucx, &addr, &alen);
+    h.worker_address.data = (uint8_t *)addr;
+    h.worker_address.len = alen;
+  }
   f.body_case = GPUPOOL__WIRE__PEER_FRAME__BODY_HELLO;
   f.hello = &h;
   l->state = L_AWAIT_CHALLENGE;
@@ -1679,7 +1771,8 @@ int gpd_peers_start(gpd_server *s) {
   }
   if (cfg->peer_listen[0] && !cfg->n_peers)
     GPUPOOL__WARN("peers: peer_listen is set but no [peer] section: no daemon can authenticate to this one");
-  if ((rc = gpd_ucx_open(s->loop, &P->ucx)) != 0)
+  gpupool__hmap_init(&P->receiving);
+  if ((rc = gpd_ucx_open(s->loop, on_data, P, &P->ucx)) != 0)
     goto fail;
   if (cfg->peer_listen[0]) {
     uv_tcp_init(s->loop, &P->listener);
@@ -1715,6 +1808,7 @@ static void tick_closed(uv_handle_t *h) {
   if (--P->closing)
     return;
   gpupool__smap_free(&P->subs_by_key);
+  gpupool__hmap_free(&P->receiving);
   free(P);
 }
 

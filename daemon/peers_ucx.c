@@ -19,15 +19,16 @@
 #include "peers_ucx.h"
 
 #define PROGRESS_BUDGET 256
+#define AM_DATA 1
 
 typedef struct op op;
 struct op {
   gpd_ucx *u;
   gpd_ucx_ep *ep;
-  ucp_rkey_h rkey;
   gpd_ucx_done done;
   void *arg;
   int status;
+  uint8_t hdr[32];
   op *next; /* in u->completed */
 };
 
@@ -44,6 +45,8 @@ struct gpd_ucx {
   op *completed, **completed_tail;
   int draining;
   int closing;   /* handles whose close callback has not come yet */
+  gpd_ucx_recv recv;
+  void *recv_arg;
   char describe[256];
 };
 
@@ -84,7 +87,7 @@ static void drain(gpd_ucx *u) {
       ep_maybe_free(o->ep);
     }
     if (o->status != 0)
-      gpupool__err(GPUPOOL_EPEER, "UCX get failed: %s", ucs_status_string((ucs_status_t)o->status));
+      gpupool__err(GPUPOOL_EPEER, "UCX: %s", ucs_status_string((ucs_status_t)o->status));
     o->done(o->arg, o->status ? GPUPOOL_EPEER : 0);
     free(o);
   }
@@ -138,17 +141,13 @@ static void kick(gpd_ucx *u) {
 
 static void complete(op *o, ucs_status_t st) {
   gpd_ucx *u = o->u;
-  if (o->rkey) {
-    ucp_rkey_destroy(o->rkey);
-    o->rkey = NULL;
-  }
   o->status = st == UCS_OK ? 0 : (int)st;
   o->next = NULL;
   *u->completed_tail = o;
   u->completed_tail = &o->next;
 }
 
-static void on_get(void *request, ucs_status_t st, void *user) {
+static void on_sent(void *request, ucs_status_t st, void *user) {
   complete(user, st);
   ucp_request_free(request);
 }
@@ -175,7 +174,23 @@ static void list_resources(ucp_context_h ctx, char *out, size_t len) {
   free(text);
 }
 
-int gpd_ucx_open(uv_loop_t *loop, gpd_ucx **out) {
+/* A data message: eager only (the sender forces it), so data is here, whole, for this call. */
+static ucs_status_t on_am(void *arg, const void *header, size_t hlen, void *data, size_t len,
+                          const ucp_am_recv_param_t *param) {
+  gpd_ucx *u = arg;
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+    ucp_am_data_release(u->worker, data);
+    return UCS_OK;
+  }
+  u->recv(u->recv_arg, header, hlen, data, len);
+  if (!u->idle_on) {
+    uv_idle_start(&u->idle, on_idle);
+    u->idle_on = 1;
+  }
+  return UCS_OK;
+}
+
+int gpd_ucx_open(uv_loop_t *loop, gpd_ucx_recv recv, void *recv_arg, gpd_ucx **out) {
   gpd_ucx *u = calloc(1, sizeof *u);
   ucp_config_t *config = NULL;
   ucp_params_t params;
@@ -189,6 +204,8 @@ int gpd_ucx_open(uv_loop_t *loop, gpd_ucx **out) {
   if (!u)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   u->loop = loop;
+  u->recv = recv;
+  u->recv_arg = recv_arg;
   u->completed_tail = &u->completed;
   u->efd = -1;
   if ((st = ucp_config_read(NULL, NULL, &config)) != UCS_OK) {
@@ -197,7 +214,7 @@ int gpd_ucx_open(uv_loop_t *loop, gpd_ucx **out) {
   }
   memset(&params, 0, sizeof params);
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   st = ucp_init(&params, config, &u->ctx);
   ucp_config_release(config);
   if (st != UCS_OK) {
@@ -214,6 +231,20 @@ int gpd_ucx_open(uv_loop_t *loop, gpd_ucx **out) {
   if ((st = ucp_worker_get_address(u->worker, &u->addr, &u->addr_len)) != UCS_OK) {
     rc = ucs_err(st, "getting the UCX worker's address");
     goto fail;
+  }
+  {
+    ucp_am_handler_param_t hp;
+    memset(&hp, 0, sizeof hp);
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                    UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    hp.id = AM_DATA;
+    hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+    hp.cb = on_am;
+    hp.arg = u;
+    if ((st = ucp_worker_set_am_recv_handler(u->worker, &hp)) != UCS_OK) {
+      rc = ucs_err(st, "setting the UCX data handler");
+      goto fail;
+    }
   }
   if ((st = ucp_worker_get_efd(u->worker, &u->efd)) != UCS_OK) {
     rc = ucs_err(st, "getting the UCX worker's event fd");
@@ -310,18 +341,6 @@ int gpd_ucx_reg_new(gpd_ucx *u, void *addr, size_t len, gpd_ucx_reg **out) {
   return 0;
 }
 
-int gpd_ucx_rkey(gpd_ucx_reg *r, void **buf, size_t *len) {
-  void *packed = NULL;
-  ucs_status_t st = ucp_rkey_pack(r->u->ctx, r->memh, &packed, len);
-  if (st != UCS_OK)
-    return ucs_err(st, "packing a UCX rkey");
-  *buf = malloc(*len);
-  if (*buf)
-    memcpy(*buf, packed, *len);
-  ucp_rkey_buffer_release(packed);
-  return *buf ? 0 : gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
-}
-
 void gpd_ucx_reg_free(gpd_ucx_reg *r) {
   if (!r)
     return;
@@ -371,7 +390,7 @@ int gpd_ucx_ep_flush(gpd_ucx_ep *e, gpd_ucx_done done, void *arg) {
   o->arg = arg;
   memset(&p, 0, sizeof p);
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  p.cb.send = on_get;
+  p.cb.send = on_sent;
   p.user_data = o;
   req = ucp_ep_flush_nbx(e->ep, &p);
   if (UCS_PTR_IS_ERR(req)) {
@@ -409,41 +428,51 @@ void gpd_ucx_ep_close(gpd_ucx_ep *e) {
   ep_maybe_free(e);
 }
 
-int gpd_ucx_get(gpd_ucx_ep *e, void *local, gpd_ucx_reg *lreg, uint64_t raddr, const void *rkey, size_t rkeylen,
-                size_t len, gpd_ucx_done done, void *arg) {
+int gpd_ucx_send(gpd_ucx_ep *e, const void *header, size_t hlen, const void *data, size_t len, gpd_ucx_reg *reg,
+                 gpd_ucx_done done, void *arg) {
   ucp_request_param_t p;
-  ucs_status_t st;
   void *req;
   op *o;
-  (void)rkeylen;
   if (e->failed || e->closed)
     return gpupool__err(GPUPOOL_EPEER, "the UCX connection to the peer failed");
+  if (hlen > sizeof o->hdr)
+    return gpupool__err(GPUPOOL_EINVAL, "a data message header of %zu bytes", hlen);
   if (!(o = calloc(1, sizeof *o)))
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   o->u = e->u;
   o->done = done;
   o->arg = arg;
-  if ((st = ucp_ep_rkey_unpack(e->ep, rkey, &o->rkey)) != UCS_OK) {
-    free(o);
-    return ucs_err(st, "unpacking the peer's rkey");
-  }
+  memcpy(o->hdr, header, hlen);
   memset(&p, 0, sizeof p);
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
-  p.cb.send = on_get;
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.cb.send = on_sent;
   p.user_data = o;
-  p.memh = lreg ? lreg->memh : NULL;
-  if (!lreg)
-    p.op_attr_mask &= ~(uint32_t)UCP_OP_ATTR_FIELD_MEMH;
-  req = ucp_get_nbx(e->ep, local, len, raddr, o->rkey, &p);
+  p.flags = UCP_AM_SEND_FLAG_EAGER;
+  if (reg) {
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    p.memh = reg->memh;
+  }
+  req = ucp_am_send_nbx(e->ep, AM_DATA, o->hdr, hlen, data, len, &p);
   if (UCS_PTR_IS_ERR(req)) {
-    ucp_rkey_destroy(o->rkey);
     free(o);
-    return ucs_err(UCS_PTR_STATUS(req), "reading from the peer (ucp_get_nbx)");
+    return ucs_err(UCS_PTR_STATUS(req), "sending to the peer (ucp_am_send_nbx)");
   }
   o->ep = e;
   e->ops++;
   if (req == NULL)
     complete(o, UCS_OK); /* done at once: handed out from the loop like the others */
   kick(e->u);
+  return 0;
+}
+
+int gpd_ucx_defer(gpd_ucx *u, gpd_ucx_done done, void *arg) {
+  op *o = calloc(1, sizeof *o);
+  if (!o)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  o->u = u;
+  o->done = done;
+  o->arg = arg;
+  complete(o, UCS_OK);
+  kick(u);
   return 0;
 }

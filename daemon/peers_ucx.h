@@ -1,9 +1,12 @@
 /*
  * The peers' data plane (peers_ucx.c): one UCX ucp context and worker, driven from the
  * daemon's libuv loop (the worker's event fd in a uv_poll, ucp_worker_arm, a bounded number of
- * progress calls per loop turn), registrations of memory ranges with packed rkeys for exactly
- * those ranges, endpoints to other daemons' workers, and RMA gets. peers.c is its only user.
- * Compiled only when UCX is found (GPUPOOL_HAVE_UCX).
+ * progress calls per loop turn), registrations of the memory ranges sent from, endpoints to
+ * other daemons' workers, and the data itself as active messages that the serving daemon
+ * sends (eager only: the receiving side of an eager message sends nothing back, so a daemon
+ * never has UCX send on behalf of a peer that may be gone; UCX 1.13 aborts the process when
+ * such a send fails, which its software RMA over TCP does for gets). peers.c is its only
+ * user. Compiled only when UCX is found (GPUPOOL_HAVE_UCX).
  */
 #ifndef GPUPOOL_DAEMON_PEERS_UCX_H
 #define GPUPOOL_DAEMON_PEERS_UCX_H
@@ -16,13 +19,15 @@ typedef struct gpd_ucx gpd_ucx;
 typedef struct gpd_ucx_reg gpd_ucx_reg;
 typedef struct gpd_ucx_ep gpd_ucx_ep;
 
-/* A get finished: status 0, or a GPUPOOL_E* code (its message in gpupool__errmsg()). Called
- * from the loop after the progress calls, never from inside UCX. */
+/* An operation finished: status 0, or a GPUPOOL_E* code (its message in gpupool__errmsg()).
+ * Called from the loop after the progress calls, never from inside UCX. */
 typedef void (*gpd_ucx_done)(void *arg, int status);
+/* A data message arrived (called inside UCX's progress: copy it, free nothing, close nothing). */
+typedef void (*gpd_ucx_recv)(void *arg, const void *header, size_t hlen, const void *data, size_t len);
 
-/* The context and worker on loop; logs the transports and how device memory would move.
- * 0 or GPUPOOL_EBACKEND with the reason. */
-int gpd_ucx_open(uv_loop_t *loop, gpd_ucx **out);
+/* The context and worker on loop, data messages going to recv(arg, ...); logs the transports
+ * and how device memory would move. 0 or an error with the reason. */
+int gpd_ucx_open(uv_loop_t *loop, gpd_ucx_recv recv, void *arg, gpd_ucx **out);
 /* Progress until nothing is left to do (bounded), handing out what completed: after closing
  * the endpoints at shutdown, so that their gets end before their memory goes. */
 void gpd_ucx_flush(gpd_ucx *u);
@@ -36,8 +41,6 @@ const char *gpd_ucx_describe(gpd_ucx *u);
 
 /* Register [addr, addr + len) (host memory the daemon maps). */
 int gpd_ucx_reg_new(gpd_ucx *u, void *addr, size_t len, gpd_ucx_reg **out);
-/* The packed rkey of the whole registration (*buf malloc'd: the caller frees it). */
-int gpd_ucx_rkey(gpd_ucx_reg *r, void **buf, size_t *len);
 void gpd_ucx_reg_free(gpd_ucx_reg *r);
 
 /* An endpoint to the worker at addr. */
@@ -48,9 +51,12 @@ int gpd_ucx_ep_flush(gpd_ucx_ep *ep, gpd_ucx_done done, void *arg);
  * from the loop); ep is freed once they have. */
 void gpd_ucx_ep_close(gpd_ucx_ep *ep);
 
-/* Read len bytes at raddr (rkey: a packed rkey of the peer's) into local (inside lreg). done
- * is called exactly once, also when the endpoint is closed first. */
-int gpd_ucx_get(gpd_ucx_ep *ep, void *local, gpd_ucx_reg *lreg, uint64_t raddr, const void *rkey, size_t rkeylen,
-                size_t len, gpd_ucx_done done, void *arg);
+/* Send a data message: header (at most 32 bytes, copied) and len bytes at data (inside reg,
+ * which may be NULL), which must stay valid until done is called: exactly once, also when the
+ * endpoint is closed first. */
+int gpd_ucx_send(gpd_ucx_ep *ep, const void *header, size_t hlen, const void *data, size_t len, gpd_ucx_reg *reg,
+                 gpd_ucx_done done, void *arg);
+/* Call done(arg, 0) from the loop after the current progress calls. */
+int gpd_ucx_defer(gpd_ucx *u, gpd_ucx_done done, void *arg);
 
 #endif

@@ -509,6 +509,63 @@ static void test_getter_killed(void **state) {
   pair_stop();
 }
 
+/* The fetching daemon itself stops mid-transfer: it exits cleanly, and the source lets its
+ * version go. */
+static void test_fetcher_stops(void **state) {
+  const size_t len = 1u << 30;
+  uint64_t end;
+  pid_t p;
+  int st = 0;
+  (void)state;
+  pair_start(SECRET, "B");
+  publish(&A, "big", len, 12);
+  p = start_big_fetch(ANY_FAILURE);
+  node_stop(&B); /* requires a clean exit */
+  assert_int_equal(ts_wait_pid(p, 30000, 1, &st), 0);
+  assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  end = th_now_ms() + 20000;
+  while (th_now_ms() < end && row(&A, "B").serving_now)
+    th_sleep_ms(20);
+  assert_int_equal(row(&A, "B").serving_now, 0);
+  node_stop(&A);
+}
+
+/* The fetching daemon is killed mid-transfer: the source goes on serving (it is the one that
+ * sends, and nothing of its UCX answers for the dead peer), lets its version go, and serves
+ * the next fetch. */
+static void test_fetcher_killed(void **state) {
+  const size_t len = 1u << 30;
+  uint64_t end;
+  pid_t p;
+  gpupool_client *c;
+  gpupool_buffer *b = NULL;
+  (void)state;
+  pair_start(SECRET, "B");
+  publish(&A, "big", len, 13);
+  p = start_big_fetch(ANY_FAILURE);
+  kill(B.d.pid, SIGKILL);
+  assert_int_equal(ts_wait_pid(B.d.pid, 10000, 1, NULL), 0);
+  B.d.pid = 0;
+  assert_int_equal(ts_wait_pid(p, 30000, 1, NULL), 0);
+  end = th_now_ms() + 20000;
+  while (th_now_ms() < end && row(&A, "B").serving_now)
+    th_sleep_ms(20);
+  assert_int_equal(row(&A, "B").serving_now, 0);
+  ts_daemon_remove(&B.d);
+  node_prepare(&B, SECRET);
+  node_stop(&A);
+  node_prepare(&A, SECRET);
+  node_start(&A, "B", "B", &B, NULL);
+  node_start(&B, "*", "A", &A, NULL);
+  publish(&A, "big", 4u << 20, 14);
+  c = th_connect(&B.d, "retry");
+  assert_int_equal(gpupool_buffer_get(c, "A:big", 0, 10000, 0, NULL, &b, NULL), 0);
+  assert_true(same(gpupool_buffer_ptr(b), 4u << 20, 14));
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
+  gpupool_client_disconnect(c);
+  pair_stop();
+}
+
 /* ---- 200 getters, one transfer ---------------------------------------------------------- */
 
 enum { GETTERS = 200 };
@@ -768,6 +825,6 @@ int main(void) {
   setenv("UCX_NET_DEVICES", "lo", 1);
   signal(SIGPIPE, SIG_IGN);
   return TS_RUN_TESTS(NULL, NULL, test_secret_mode, test_buffer_and_versions, test_bundle, test_wrong_secret,
-                      test_not_exported, test_hostile_peer_connections, test_unreachable, test_many_getters_one_transfer, test_getter_killed, test_source_killed, test_copy_does_not_fit, test_fetches_per_peer_capped,
+                      test_not_exported, test_hostile_peer_connections, test_unreachable, test_many_getters_one_transfer, test_getter_killed, test_source_killed, test_fetcher_stops, test_fetcher_killed, test_copy_does_not_fit, test_fetches_per_peer_capped,
                       test_reserve);
 }
