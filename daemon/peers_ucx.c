@@ -58,7 +58,7 @@ struct gpd_ucx_reg {
 struct gpd_ucx_ep {
   gpd_ucx *u;
   ucp_ep_h ep;
-  uint32_t ops;   /* gets whose callback has not been handed out */
+  uint32_t ops;   /* sends and flushes whose callback has not been handed out */
   int closed;     /* gpd_ucx_ep_close was called: freed once ops is 0 */
   int failed;
 };
@@ -72,7 +72,7 @@ static void ep_maybe_free(gpd_ucx_ep *ep) {
     free(ep);
 }
 
-/* Hand out what completed; the callbacks may post new gets (they append to the list). */
+/* Hand out what completed; the callbacks may post new sends (they append to the list). */
 static void drain(gpd_ucx *u) {
   if (u->draining)
     return;
