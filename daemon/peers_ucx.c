@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <ucp/api/ucp.h>
 
@@ -19,6 +20,9 @@
 #include "peers_ucx.h"
 
 #define PROGRESS_BUDGET 256
+/* ...and at most this long: what arrives is copied into place inside progress, so a turn is
+ * bounded in time as well as in calls, and the clients' requests wait for one turn at most. */
+#define PROGRESS_NS 1000000ull
 #define AM_DATA 1
 
 typedef struct op op;
@@ -59,7 +63,9 @@ struct gpd_ucx_ep {
   gpd_ucx *u;
   ucp_ep_h ep;
   uint32_t ops;   /* sends and flushes whose callback has not been handed out */
-  int closed;     /* gpd_ucx_ep_close was called: freed once ops is 0 */
+  int closed;     /* gpd_ucx_ep_close was called: freed once ops is 0 and UCX closed it */
+  int close_started; /* ucp_ep_close_nbx was called (once no operation was in flight) */
+  int close_done; /* UCX's close completed: it calls on_ep_error no more */
   int failed;
 };
 
@@ -67,8 +73,14 @@ static int ucs_err(ucs_status_t st, const char *what) {
   return gpupool__err(GPUPOOL_EPEER, "%s: %s", what, ucs_status_string(st));
 }
 
+static void ep_close_now(gpd_ucx_ep *e);
+
+/* A closed endpoint is closed in UCX once none of its operations is in flight (closing it
+ * under in-flight sends trips UCX 1.13's error paths), and freed once UCX is done with it. */
 static void ep_maybe_free(gpd_ucx_ep *ep) {
-  if (ep->closed && ep->ops == 0)
+  if (ep->closed && !ep->close_started && ep->ops == 0)
+    ep_close_now(ep);
+  else if (ep->closed && ep->close_done && ep->ops == 0)
     free(ep);
 }
 
@@ -97,11 +109,21 @@ static void drain(gpd_ucx *u) {
 static void on_idle(uv_idle_t *h);
 
 /* Progress within the budget, re-arm the event fd, hand out completions. */
+static uint64_t mono_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
 static void drive(gpd_ucx *u) {
   int armed = 0;
+  uint64_t start = mono_ns();
   for (int i = 0; i < PROGRESS_BUDGET; i++) {
-    if (ucp_worker_progress(u->worker))
+    if (ucp_worker_progress(u->worker)) {
+      if ((i & 7) == 7 && mono_ns() - start > PROGRESS_NS)
+        break;
       continue;
+    }
     ucs_status_t st = ucp_worker_arm(u->worker);
     if (st == UCS_OK) {
       armed = 1;
@@ -406,23 +428,37 @@ int gpd_ucx_ep_flush(gpd_ucx_ep *e, gpd_ucx_done done, void *arg) {
 }
 
 static void on_closed(void *request, ucs_status_t st, void *user) {
+  gpd_ucx_ep *e = user;
   (void)st;
-  (void)user;
   ucp_request_free(request);
+  e->close_done = 1;
+  ep_maybe_free(e);
+}
+
+static void ep_close_now(gpd_ucx_ep *e) {
+  ucp_request_param_t p;
+  void *req;
+  memset(&p, 0, sizeof p);
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  p.cb.send = on_closed;
+  p.user_data = e;
+  e->close_started = 1;
+  req = ucp_ep_close_nbx(e->ep, &p);
+  /* Until the close completes UCX may still report the endpoint's failure to e. */
+  if (req == NULL || UCS_PTR_IS_ERR(req)) {
+    if (UCS_PTR_IS_ERR(req))
+      GPUPOOL__DEBUG("peers: closing a UCX endpoint: %s", ucs_status_string(UCS_PTR_STATUS(req)));
+    e->close_done = 1;
+    free(e);
+    return;
+  }
+  kick(e->u);
 }
 
 void gpd_ucx_ep_close(gpd_ucx_ep *e) {
-  ucp_request_param_t p;
-  void *req;
   if (!e)
     return;
-  memset(&p, 0, sizeof p);
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK;
-  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-  p.cb.send = on_closed;
-  req = ucp_ep_close_nbx(e->ep, &p);
-  if (UCS_PTR_IS_ERR(req))
-    GPUPOOL__DEBUG("peers: closing a UCX endpoint: %s", ucs_status_string(UCS_PTR_STATUS(req)));
   e->closed = 1;
   kick(e->u);
   ep_maybe_free(e);
