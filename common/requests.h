@@ -47,7 +47,8 @@ enum {
   X(PUBLISH_FILE, publish_file, PublishFile, GPUPOOL__REQ_WAITS)           \
   X(GET_FILE, get_file, GetFile, GPUPOOL__REQ_WAITS)                       \
   X(ADMIN_NAMES, admin_names, AdminNames, GPUPOOL__REQ_OPERATOR)           \
-  X(ADMIN_UNPUBLISH, admin_unpublish, AdminUnpublish, GPUPOOL__REQ_OPERATOR)
+  X(ADMIN_UNPUBLISH, admin_unpublish, AdminUnpublish, GPUPOOL__REQ_OPERATOR) \
+  X(ADMIN_PEERS, admin_peers, AdminPeers, GPUPOOL__REQ_OPERATOR)
 
 /* A row's index: GPUPOOL__REQ_HELLO, ..., and the number of rows. */
 enum {

@@ -102,8 +102,7 @@ int gpd_parse_size(const char *s, uint64_t *out) {
   return 0;
 }
 
-/* Parse a metrics_listen value into *out (see gpd_config). 0 or GPUPOOL_EINVAL. */
-static int parse_listen(const char *s, struct sockaddr_storage *out) {
+int gpd_parse_hostport(const char *s, const char *what, struct sockaddr_storage *out) {
   char host[64];
   const char *port_s = s;
   char *end;
@@ -154,9 +153,9 @@ static int parse_listen(const char *s, struct sockaddr_storage *out) {
   return 0;
 bad:
   return gpupool__err(GPUPOOL_EINVAL,
-                      "metrics_listen '%s' is not PORT, IPV4:PORT or [IPV6]:PORT (e.g. 9464 for "
+                      "%s '%s' is not PORT, IPV4:PORT or [IPV6]:PORT (e.g. 9464 for "
                       "127.0.0.1:9464; a port between 1 and 65535; addresses as numbers, not names)",
-                      s);
+                      what, s);
 }
 
 static int parse_u32(const char *s, uint32_t *out) {
@@ -319,9 +318,54 @@ static int set_metrics_listen(void *obj, const char *v) {
     c->metrics_listen[0] = '\0';
     return 0;
   }
-  if (parse_listen(v, &c->metrics_addr) != 0)
+  if (gpd_parse_hostport(v, "metrics_listen", &c->metrics_addr) != 0)
     return GPUPOOL_EINVAL;
   return copy_str(c->metrics_listen, sizeof c->metrics_listen, v);
+}
+
+static int set_peer_listen(void *obj, const char *v) {
+  gpd_config *c = obj;
+  if (!*v) {
+    c->peer_listen[0] = '\0';
+    return 0;
+  }
+  if (gpd_parse_hostport(v, "peer_listen", &c->peer_addr) != 0)
+    return GPUPOOL_EINVAL;
+  return copy_str(c->peer_listen, sizeof c->peer_listen, v);
+}
+
+static int set_peer_address(void *obj, const char *v) {
+  gpd_peer_conf *p = obj;
+  if (gpd_parse_hostport(v, "address", &p->addr) != 0)
+    return GPUPOOL_EINVAL;
+  return copy_str(p->address, sizeof p->address, v);
+}
+
+const gpd_peer_conf *gpd_peer_find(const gpd_config *c, const char *name) {
+  for (int i = 0; i < c->n_peers; i++)
+    if (!strcmp(c->peers[i].name, name))
+      return &c->peers[i];
+  return NULL;
+}
+
+int gpd_exports_to(const gpd_member_set *m, const char *peer) {
+  char buf[sizeof m->export_peers], *save = NULL, *tok;
+  snprintf(buf, sizeof buf, "%s", m->export_peers);
+  for (tok = strtok_r(buf, ", \t", &save); tok; tok = strtok_r(NULL, ", \t", &save))
+    if (!strcmp(tok, "*") || !strcmp(tok, peer))
+      return 1;
+  return 0;
+}
+
+/* A [peer] or [tenant]/[group] name: [A-Za-z0-9_-]{1,32}. */
+static int peer_name_ok(const char *s) {
+  size_t n = strlen(s);
+  if (n == 0 || n > 32)
+    return 0;
+  for (size_t i = 0; i < n; i++)
+    if (!isalnum((unsigned char)s[i]) && s[i] != '_' && s[i] != '-')
+      return 0;
+  return 1;
 }
 
 static int set_pool_kind(void *obj, const char *v) {
@@ -354,6 +398,8 @@ static int set_release_threshold(void *obj, const char *v) {
 #define D(f) FIELD(gpd_config, f)
 #define P(f) FIELD(gpupool__pool_config, f)
 #define M(f) FIELD(gpd_member_set, f)
+#define PEER .sections = GPUPOOL__CS_PEER
+#define PC(f) FIELD(gpd_peer_conf, f)
 #define U32 .kind = GPUPOOL__CK_U32
 #define SIZE .kind = GPUPOOL__CK_SIZE
 #define BOOL .kind = GPUPOOL__CK_BOOL
@@ -418,6 +464,16 @@ const gpd_config_key gpd_config_keys[] = {
     {DAEMON, .name = "metrics_listen", FN(set_metrics_listen), D(metrics_listen), .flags = GPUPOOL__CF_RESTART, .doc = "TCP PORT, IPV4:PORT or [IPV6]:PORT for Prometheus"},
     {DAEMON, .name = "busy_poll_us", U32, D(busy_poll_us), .hi = 1000000, .def = "0",
      .flags = GPUPOOL__CF_RESTART, .doc = "poll this long after client traffic instead of sleeping; a few hundred to a few thousand us is typical"},
+    {DAEMON, .name = "peer_listen", FN(set_peer_listen), D(peer_listen), .flags = GPUPOOL__CF_RESTART,
+     .doc = "ADDR:PORT where other gpupoolds fetch from this one (none: serves no peer)"},
+    {DAEMON, .name = "peer_secret_file", STR, D(peer_secret_file), .flags = GPUPOOL__CF_RESTART,
+     .doc = "secret the peers share (at least 16 bytes; mode 0600)"},
+    {DAEMON, .name = "peer_max_frame", U32, D(peer_max_frame), .lo = 4096, .hi = 64u << 20, .def = "16M",
+     .flags = GPUPOOL__CF_BYTES | GPUPOOL__CF_RESTART, .doc = "largest frame one peer may send (a bundle's member table)"},
+    {DAEMON, .name = "peer_max_fetches", U32, D(peer_max_fetches), .lo = 1, .hi = 65536, .def = "64",
+     .doc = "fetches one peer may have in flight from this daemon"},
+    {DAEMON, .name = "peer_fetch_timeout_ms", U32, D(peer_fetch_timeout_ms), .lo = 100, .hi = 3600000, .def = "60000",
+     .doc = "a fetch from a peer that takes longer fails"},
 
     {POOL, .name = "name", STR, P(name), .flags = GPUPOOL__CF_CMDLINE, .doc = "the pool's name (in a file, [pool NAME] gives it)"},
     {POOL, .name = "kind", FN(set_pool_kind), P(kind), .doc = "device, host or host-numa (default: the backend's)"},
@@ -439,6 +495,12 @@ const gpd_config_key gpd_config_keys[] = {
      .doc = "member uids"},
     {MEMBERS, .name = "gids", .kind = GPUPOOL__CK_IDS, M(gids), .count_off = offsetof(gpd_member_set, n_gids),
      .doc = "member primary gids"},
+    {MEMBERS, .name = "export_peers", STR, M(export_peers),
+     .doc = "[peer] names that may fetch this set's names (* = every peer; none: no peer)"},
+
+    {PEER, .name = "address", FN(set_peer_address), PC(address), .doc = "ADDR:PORT of the peer's peer_listen"},
+    {PEER, .name = "secret_file", STR, PC(secret_file), .doc = "the secret shared with it (default: peer_secret_file)"},
+    {PEER, .name = "prefix", STR, PC(prefix), .doc = "local names starting with it map to the peer (the rest is the remote name)"},
 };
 const size_t gpd_n_config_keys = sizeof gpd_config_keys / sizeof gpd_config_keys[0];
 
@@ -449,6 +511,8 @@ const size_t gpd_n_config_keys = sizeof gpd_config_keys / sizeof gpd_config_keys
 #undef D
 #undef P
 #undef M
+#undef PEER
+#undef PC
 #undef U32
 #undef SIZE
 #undef BOOL
@@ -627,6 +691,7 @@ static const char *section_name(unsigned sections) {
          : sections & GPUPOOL__CS_POOL ? "pool"
          : sections & GPUPOOL__CS_SPEC ? "--pool"
          : sections & GPUPOOL__CS_TENANT ? (sections & GPUPOOL__CS_GROUP ? "tenant/group" : "tenant")
+         : sections & GPUPOOL__CS_PEER   ? "peer"
                                           : "group";
 }
 
@@ -688,7 +753,8 @@ static void reload_sets(gpd_member_set *live, int *nlive, const gpd_member_set *
     same = !strcmp(live[i].name, next[i].name) && live[i].n_uids == next[i].n_uids &&
            live[i].n_gids == next[i].n_gids &&
            !memcmp(live[i].uids, next[i].uids, sizeof live[i].uids) &&
-           !memcmp(live[i].gids, next[i].gids, sizeof live[i].gids);
+           !memcmp(live[i].gids, next[i].gids, sizeof live[i].gids) &&
+           !strcmp(live[i].export_peers, next[i].export_peers);
   if (same)
     return;
   if (!sets_compatible(live, *nlive, next, nnext)) {
@@ -747,6 +813,16 @@ void gpd_config_reload(gpd_config *live, const gpd_config *next, char *applied, 
   }
   if (!pools_same(live, next))
     list_add(kept, klen, "pools");
+  if (live->n_peers != next->n_peers)
+    list_add(kept, klen, "peers");
+  for (int i = 0; i < live->n_peers && i < next->n_peers; i++) {
+    gpd_peer_conf p = next->peers[i];
+    p.line = live->peers[i].line;
+    if (memcmp(&p, &live->peers[i], sizeof p)) {
+      list_add(kept, klen, "peers");
+      break;
+    }
+  }
   reload_sets(live->tenants, &live->n_tenants, next->tenants, next->n_tenants, "tenants", applied, alen, kept, klen);
   reload_sets(live->groups, &live->n_groups, next->groups, next->n_groups, "groups", applied, alen, kept, klen);
 }
@@ -822,6 +898,7 @@ int gpd_config_load(gpd_config *c, const char *path) {
   int lineno = 0, in_daemon = 0, daemon_line = 0, rc = 0;
   gpupool__pool_config *pool = NULL;
   gpd_member_set *set = NULL;
+  gpd_peer_conf *peer = NULL;
   unsigned set_section = 0;
 
   if ((rc = open_regular(path, &f)) != 0)
@@ -853,6 +930,7 @@ int gpd_config_load(gpd_config *c, const char *path) {
       s = trim(s + 1);
       pool = NULL;
       set = NULL;
+      peer = NULL;
       in_daemon = 0;
       if (!strcmp(s, "daemon")) {
         /* A second section of one name would be merged silently, its keys overriding the first's. */
@@ -886,6 +964,27 @@ int gpd_config_load(gpd_config *c, const char *path) {
           goto out;
         }
         set->line = lineno;
+      } else if (!strncmp(s, "peer", 4) && isspace((unsigned char)s[4])) {
+        const char *name = trim(s + 4);
+        if (!peer_name_ok(name)) {
+          rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [peer NAME] needs a name of 1 to 32 letters, digits, '_' or '-', "
+                            "not '%s'", path, lineno, name);
+          goto out;
+        }
+        for (int i = 0; i < c->n_peers; i++)
+          if (!strcmp(c->peers[i].name, name)) {
+            rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [peer %s] repeats the section at %s:%d; keep one section per peer",
+                              path, lineno, name, path, c->peers[i].line);
+            goto out;
+          }
+        if (c->n_peers >= GPUPOOL_MAX_PEERS) {
+          rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: more than %d [peer] sections", path, lineno, GPUPOOL_MAX_PEERS);
+          goto out;
+        }
+        peer = &c->peers[c->n_peers++];
+        memset(peer, 0, sizeof *peer);
+        snprintf(peer->name, sizeof peer->name, "%s", name);
+        peer->line = lineno;
       } else if (!strncmp(s, "pool", 4) && (s[4] == '\0' || isspace((unsigned char)s[4]))) {
         const char *name = trim(s + 4);
         if (!*name)
@@ -906,7 +1005,7 @@ int gpd_config_load(gpd_config *c, const char *path) {
         }
         pool->line = lineno;
       } else {
-        rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: unknown section [%s] (use [daemon], [pool NAME], [tenant NAME] or [group NAME])",
+        rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: unknown section [%s] (use [daemon], [pool NAME], [tenant NAME], [group NAME] or [peer NAME])",
                           path, lineno, s);
         goto out;
       }
@@ -920,7 +1019,7 @@ int gpd_config_load(gpd_config *c, const char *path) {
     *eq = '\0';
     k = trim(s);
     v = trim(eq + 1);
-    if (!in_daemon && !pool && !set) {
+    if (!in_daemon && !pool && !set && !peer) {
       rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: key '%s' outside a section (put it under [daemon] or [pool NAME])",
                         path, lineno, k);
       goto out;
@@ -934,9 +1033,16 @@ int gpd_config_load(gpd_config *c, const char *path) {
       }
       continue;
     }
-    if ((in_daemon ? gpd_config_set(c, k, v)
-         : set     ? set_member_key(set, set_section, k, v)
-                   : set_key(pool, GPUPOOL__CS_POOL, k, v, "pool key", "")) != 0) {
+    if (peer) {
+      char in[64];
+      snprintf(in, sizeof in, " in [peer %s]", peer->name);
+      rc = set_key(peer, GPUPOOL__CS_PEER, k, v, "key", in);
+    } else {
+      rc = in_daemon ? gpd_config_set(c, k, v)
+           : set     ? set_member_key(set, set_section, k, v)
+                     : set_key(pool, GPUPOOL__CS_POOL, k, v, "pool key", "");
+    }
+    if (rc != 0) {
       snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
       rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: %s", path, lineno, msg);
       goto out;
@@ -989,9 +1095,47 @@ static void pool_where(const gpd_config *c, const gpupool__pool_config *p, char 
     buf[0] = '\0';
 }
 
+/* The [peer] sections and export_peers against each other and the [group] sections. */
+static int peers_check(const gpd_config *c) {
+  const char *path = c->path[0] ? c->path : "gpupoold.conf";
+  for (int i = 0; i < c->n_peers; i++) {
+    const gpd_peer_conf *p = &c->peers[i];
+    if (!p->address[0])
+      return gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [peer %s] has no address; add address = ADDR:PORT (the "
+                          "peer_listen of that gpupoold)", path, p->line, p->name);
+    if (!p->secret_file[0] && !c->peer_secret_file[0])
+      return gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [peer %s] has no secret: set peer_secret_file in [daemon] or "
+                          "secret_file here", path, p->line, p->name);
+    for (int g = 0; g < c->n_groups; g++)
+      if (!strcmp(c->groups[g].name, p->name))
+        return gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [peer %s] has the name of [group %s] at %s:%d (PEER:NAME and "
+                            "group:NAME would read alike); rename one of them", path, p->line, p->name,
+                            c->groups[g].name, path, c->groups[g].line);
+    if (!strcmp(p->name, "group"))
+      return gpupool__err(GPUPOOL_ECONFIG, "%s:%d: a peer cannot be named 'group' (group:NAME/... names a group's "
+                          "names); rename it", path, p->line);
+  }
+  if (c->peer_listen[0] && !c->peer_secret_file[0])
+    return gpupool__err(GPUPOOL_ECONFIG, "%s: peer_listen is set but peer_secret_file is not: peers authenticate "
+                        "with that shared secret; set it in [daemon]", path);
+  for (int t = 0; t < c->n_tenants + c->n_groups; t++) {
+    const gpd_member_set *m = t < c->n_tenants ? &c->tenants[t] : &c->groups[t - c->n_tenants];
+    char buf[sizeof m->export_peers], *save = NULL, *tok;
+    snprintf(buf, sizeof buf, "%s", m->export_peers);
+    for (tok = strtok_r(buf, ", \t", &save); tok; tok = strtok_r(NULL, ", \t", &save))
+      if (strcmp(tok, "*") && !gpd_peer_find(c, tok))
+        return gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [%s %s] export_peers names '%s', which has no [peer %s] "
+                            "section; add one (address, secret) or remove the name", path, m->line,
+                            t < c->n_tenants ? "tenant" : "group", m->name, tok, tok);
+  }
+  return 0;
+}
+
 int gpd_config_finish(gpd_config *c, const gpupool__backend_desc *backend) {
   char where[512], msg[GPUPOOL__ERRMSG_MAX];
   int rc, defaults = c->n_pools == 0;
+  if ((rc = peers_check(c)) != 0)
+    return rc;
   for (int i = 0; i < GPUPOOL_MAX_POOLS; i++) {
     c->pool_share[i] = -1;
     if (i >= c->n_pools || !c->pool_share_name[i][0])

@@ -18,6 +18,7 @@
 #define GPUPOOL_MAX_ALLOW 32
 #define GPUPOOL_MAX_SETS 32
 #define GPUPOOL_MAX_FILE_PATHS 16
+#define GPUPOOL_MAX_PEERS 32
 
 /* Users named by uid or by primary gid: a [tenant NAME] (its members are one tenant: they
  * share names and memory) or a [group NAME] (pools marked share = NAME are readable and
@@ -28,8 +29,21 @@ typedef struct {
   int n_uids;
   gid_t gids[GPUPOOL_MAX_ALLOW];
   int n_gids;
+  /* export_peers: the [peer] names that may fetch this set's names ("*": every peer). */
+  char export_peers[256];
   int line;
 } gpd_member_set;
+
+/* A [peer NAME] section: another gpupoold this one fetches from (and that may fetch from
+ * this one: a peer authenticates as the name this daemon gives it, with the same secret). */
+typedef struct {
+  char name[33];          /* [A-Za-z0-9_-]{1,32} */
+  char address[64];       /* ADDR:PORT as written */
+  struct sockaddr_storage addr;
+  char secret_file[256];  /* empty: [daemon] peer_secret_file */
+  char prefix[64];        /* local names starting with it map to this peer (empty: none) */
+  int line;
+} gpd_peer_conf;
 
 typedef struct {
   char socket_path[108];
@@ -96,6 +110,16 @@ typedef struct {
   /* Latency mode: after any client activity, keep polling without sleeping for this long
    * (costs a CPU core while traffic flows; 0 = always sleep in the kernel). */
   uint32_t busy_poll_us;
+  /* Peers: where this daemon serves other gpupoolds ("ADDR:PORT"; empty: it serves none),
+   * the secret they share, and the limits on what one peer may cost. */
+  char peer_listen[64];
+  struct sockaddr_storage peer_addr;
+  char peer_secret_file[256];
+  uint32_t peer_max_frame;
+  uint32_t peer_max_fetches;      /* fetches one peer may have in flight from this daemon */
+  uint32_t peer_fetch_timeout_ms; /* a fetch (metadata and data) that takes longer fails */
+  gpd_peer_conf peers[GPUPOOL_MAX_PEERS];
+  int n_peers;
   gpupool__pool_config pools[GPUPOOL_MAX_POOLS];
   int n_pools;
   /* For each pool, the index in groups[] of the group it is shared with, or -1. */
@@ -120,6 +144,7 @@ enum {
   GPUPOOL__CS_SPEC = 1 << 2,   /* a --pool spec */
   GPUPOOL__CS_TENANT = 1 << 3, /* [tenant NAME] */
   GPUPOOL__CS_GROUP = 1 << 4,  /* [group NAME] */
+  GPUPOOL__CS_PEER = 1 << 5,   /* [peer NAME] */
 };
 
 /* How a key's value is read into its field. */
@@ -148,7 +173,7 @@ typedef struct {
   const char *alias;     /* a short form also accepted (slab for slab_size), or NULL */
   gpd_config_kind kind;
   /* The field in gpd_config (daemon), gpupool__pool_config (pool, --pool) or
-   * gpd_member_set (tenant, group); size 0 for GPUPOOL__CK_SECTION. */
+   * gpd_member_set (tenant, group) or gpd_peer_conf (peer); size 0 for GPUPOOL__CK_SECTION. */
   size_t off, size;
   size_t count_off;      /* GPUPOOL__CK_IDS: the int that counts the ids */
   uint64_t lo, hi;       /* GPUPOOL__CK_U32, GPUPOOL__CK_INT: the range accepted */
@@ -205,6 +230,13 @@ int gpd_config_set_backend(gpd_config *c, const char *name);
 /* Fill unset fields of pools from the backend's defaults; add the backend's default pools
  * when none is configured. Checks slab <= 4 GiB, capacity >= slab, power-of-two alignment. */
 int gpd_config_finish(gpd_config *c, const gpupool__backend_desc *backend);
+/* Parse "ADDR:PORT", "[ADDR6]:PORT" or a bare PORT (127.0.0.1) into *out; what names the
+ * value in messages. 0 or GPUPOOL_EINVAL. */
+int gpd_parse_hostport(const char *s, const char *what, struct sockaddr_storage *out);
+/* The [peer] section named name, or NULL. */
+const gpd_peer_conf *gpd_peer_find(const gpd_config *c, const char *name);
+/* 1 when the set's export_peers lets the peer named peer fetch its names. */
+int gpd_exports_to(const gpd_member_set *m, const char *peer);
 /* Parse "64M", "8G", "1048576" (K/M/G/T = powers of 1024). 0 or GPUPOOL_EINVAL. */
 int gpd_parse_size(const char *s, uint64_t *out);
 

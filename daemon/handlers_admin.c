@@ -19,6 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "peers.h"
 #include "server_internal.h"
 
 uint64_t gpd_count_open_fds(void) {
@@ -394,5 +395,16 @@ int gpd_handle_trim(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferre
   Gpupool__Wire__TrimReply tr = GPUPOOL__WIRE__TRIM_REPLY__INIT;
   gpd_trim(c->srv->reg, &tr.slabs_freed, &tr.slabs_revoked);
   GPUPOOL__SEND_BODY(c, seq, TRIM, trim, &tr);
+  return 0;
+}
+
+int gpd_handle_admin_peers(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  Gpupool__Wire__AdminPeersReply ar = GPUPOOL__WIRE__ADMIN_PEERS_REPLY__INIT;
+  int rc = gpd_peers_admin(c->srv, &ar);
+  if (rc != 0)
+    return rc;
+  GPUPOOL__SEND_BODY(c, seq, ADMIN_PEERS, admin_peers, &ar);
+  gpd_peers_admin_free(&ar);
   return 0;
 }

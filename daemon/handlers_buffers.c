@@ -19,6 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "peers.h"
 #include "server_internal.h"
 
 int gpd_handle_attach_pool(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
@@ -116,8 +117,31 @@ int gpd_handle_open(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferre
 void gpd_published(gpd_conn *c, const char *name, uint64_t version) {
   char key[GPUPOOL_NAME_KEY_MAX + 1];
   uint64_t owner;
-  if (gpd_name_key(c->srv->reg, &c->cl, name, key, sizeof key, &owner) == 0)
+  if (gpd_name_key(c->srv->reg, &c->cl, name, key, sizeof key, &owner) == 0) {
     gpd_wake_getters(c->srv, key, version);
+    gpd_peers_published(c->srv, key, version);
+  }
+}
+
+/* A get of a peer's name with nothing newer here waits (also when it asked not to: the
+ * fetch takes its time) while a fetch runs for it. 0 with the waiter queued, or the error. */
+static int wait_remote(gpd_conn *c, uint64_t seq, int kind, const char *name, int read_only, uint64_t newer_than,
+                       uint32_t timeout_ms, int device) {
+  uint32_t t = timeout_ms ? timeout_ms : c->srv->cfg->peer_fetch_timeout_ms;
+  gpd_waiter *w;
+  int rc = gpd_waiter_add(c, seq, kind, t, NULL, 0, 0, name, read_only, newer_than, NULL);
+  if (rc != 0)
+    return rc;
+  w = c->waiters; /* gpd_waiter_add put it first */
+  w->peer_nowait = timeout_ms == 0;
+  w->device = device; /* the local copy, once fetched, is got on that device like any version */
+  if ((rc = gpd_peers_want(c->srv, c, name, newer_than, timeout_ms)) != 0) {
+    char msg[GPUPOOL__ERRMSG_MAX];
+    snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+    gpd_waiter_remove(w);
+    return gpupool__err(rc, "%s", msg);
+  }
+  return 0;
 }
 
 int gpd_handle_publish(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
@@ -235,6 +259,13 @@ int gpd_handle_get_bundle(gpd_conn *c, const Gpupool__Wire__Request *req, int *d
   if ((rc = target_device(m->target_device, &device)) != 0)
     return rc;
   rc = gpd_get_bundle_on(c->srv->reg, &c->cl, m->name, m->read_only, m->newer_than, device, &hs, &nm, &copy_id);
+  if (rc == GPUPOOL_ENOENT && gpd_peers_is_remote(c->srv, m->name)) {
+    if ((rc = wait_remote(c, seq, WAIT_BGET, m->name, m->read_only, m->newer_than, m->timeout_ms, device)) != 0)
+      return rc;
+    c->waiters->known_layout = m->known_layout;
+    *deferred = 1;
+    return 0;
+  }
   if (rc == GPUPOOL_EBUSY || (rc == GPUPOOL_ENOENT && m->timeout_ms > 0)) {
     if ((rc = get_wait(c, seq, WAIT_BGET, rc, m->timeout_ms, m->name, m->read_only, m->newer_than, device, copy_id,
                        m->known_layout)) != 0)
@@ -258,6 +289,12 @@ int gpd_handle_get(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred
   if ((rc = target_device(m->target_device, &device)) != 0)
     return rc;
   rc = gpd_get_on(c->srv->reg, &c->cl, m->name, m->read_only, m->newer_than, device, &h, &version, &copy_id);
+  if (rc == GPUPOOL_ENOENT && gpd_peers_is_remote(c->srv, m->name)) {
+    if ((rc = wait_remote(c, seq, WAIT_GET, m->name, m->read_only, m->newer_than, m->timeout_ms, device)) != 0)
+      return rc;
+    *deferred = 1;
+    return 0;
+  }
   if (rc == GPUPOOL_EBUSY || (rc == GPUPOOL_ENOENT && m->timeout_ms > 0)) {
     if ((rc = get_wait(c, seq, WAIT_GET, rc, m->timeout_ms, m->name, m->read_only, m->newer_than, device, copy_id,
                        0)) != 0)

@@ -19,6 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "peers.h"
 #include "server_internal.h"
 
 uint64_t gpd_server_clients(const gpd_server *s) { return s->nconns; }
@@ -341,15 +342,33 @@ static void fops_drained(void *arg, uint64_t tenant) {
     }
 }
 
+/* The metrics' snapshot: the Stats reply's content and the peers' counters. */
+static int metrics_stats(void *server, Gpupool__Wire__StatsReply *st) {
+  gpd_server *s = server;
+  Gpupool__Wire__AdminPeersReply ap = GPUPOOL__WIRE__ADMIN_PEERS_REPLY__INIT;
+  int rc = gpd_server_stats(server, st);
+  if (rc == 0 && gpd_peers_admin(s, &ap) == 0) {
+    st->n_peers = ap.n_peers;
+    st->peers = ap.peers;
+  }
+  return rc;
+}
+
 static void stats_release(void *server, Gpupool__Wire__StatsReply *st) {
+  Gpupool__Wire__AdminPeersReply ap = GPUPOOL__WIRE__ADMIN_PEERS_REPLY__INIT;
   (void)server;
+  ap.n_peers = st->n_peers;
+  ap.peers = st->peers;
+  gpd_peers_admin_free(&ap);
+  st->n_peers = 0;
+  st->peers = NULL;
   gpd_stats_free(st);
 }
 
 int gpd_server_start(gpd_server **out, uv_loop_t *loop, const gpd_config *cfg, gpd_registry *reg,
                           int listen_fd) {
   gpd_server *s = calloc(1, sizeof *s);
-  gpd_stats_source src = {gpd_server_stats, stats_release, NULL};
+  gpd_stats_source src = {metrics_stats, stats_release, NULL};
   int rc;
   if (!s)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
@@ -434,6 +453,12 @@ int gpd_server_start(gpd_server **out, uv_loop_t *loop, const gpd_config *cfg, g
   src.arg = s;
   if (gpd_metrics_start(s->metrics, loop, cfg, &src) != 0)
     GPUPOOL__WARN("metrics disabled: %s", gpupool__errmsg());
+  if ((rc = gpd_peers_start(s)) != 0) {
+    char msg[GPUPOOL__ERRMSG_MAX];
+    snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+    gpd_server_stop(s);
+    return gpupool__err(rc, "%s", msg);
+  }
   *out = s;
   return 0;
 }
@@ -473,6 +498,7 @@ void gpd_server_stop(gpd_server *s) {
   if (s->stopping)
     return;
   s->stopping = 1;
+  gpd_peers_stop(s);
   while (s->conns)
     gpd_conn_close(s->conns, "daemon shutting down");
   /* What is queued is cancelled, what runs finishes; closes from now on happen here. */

@@ -323,6 +323,11 @@ static int parse_options(int argc, char **argv, options *o) {
              ""
 #endif
       );
+#ifdef GPUPOOL_HAVE_UCX
+      printf("peers: ucx %s\n", GPUPOOL_UCX_VERSION);
+#else
+      printf("peers: not built (no UCX found by pkg-config)\n");
+#endif
       return 0;
     default:
       usage(stderr);

@@ -357,6 +357,45 @@ static void render_stats(sbuf *b, const Gpupool__Wire__StatsReply *st) {
               pi->id, gpupool__wire_backend_name(pi->backend), gpupool__wire_location_name(pi->location), pi->device,
               pi->numa_node);
   }
+  if (st->n_peers) {
+    /* Each [peer]: what was fetched from it and served to it. */
+    static const struct {
+      const char *name, *type, *help;
+      size_t off;
+    } pg[] = {
+        {"peer_up", "gauge", "1 while the connection to the peer is up and authenticated.", 0},
+        {"peer_fetches_in_flight", "gauge", "Fetches from the peer in flight.",
+         offsetof(Gpupool__Wire__PeerInfo, fetches_in_flight)},
+        {"peer_fetches_total", "counter", "Versions fetched from the peer.", offsetof(Gpupool__Wire__PeerInfo, fetches)},
+        {"peer_fetch_failures_total", "counter", "Fetches from the peer that failed.",
+         offsetof(Gpupool__Wire__PeerInfo, failures)},
+        {"peer_fetched_bytes_total", "counter", "Bytes fetched from the peer.",
+         offsetof(Gpupool__Wire__PeerInfo, bytes_fetched)},
+        {"peer_versions_served_total", "counter", "Versions served to the peer.",
+         offsetof(Gpupool__Wire__PeerInfo, versions_served)},
+        {"peer_served_bytes_total", "counter", "Bytes of the versions served to the peer.",
+         offsetof(Gpupool__Wire__PeerInfo, bytes_served)},
+    };
+    for (size_t i = 0; i < sizeof(pg) / sizeof(pg[0]); i++) {
+      family(b, pg[i].name, pg[i].type, pg[i].help);
+      for (size_t p = 0; p < st->n_peers; p++) {
+        const Gpupool__Wire__PeerInfo *pi = st->peers[p];
+        unsigned long long v;
+        if (i == 0)
+          v = !strcmp(pi->state, "connected");
+        else if (pg[i].off == offsetof(Gpupool__Wire__PeerInfo, fetches_in_flight))
+          v = pi->fetches_in_flight;
+        else {
+          uint64_t x;
+          memcpy(&x, (const char *)pi + pg[i].off, sizeof x);
+          v = x;
+        }
+        sb_printf(b, "gpupool_%s{peer=\"", pg[i].name);
+        sb_label(b, pi->name);
+        sb_printf(b, "\"} %llu\n", v);
+      }
+    }
+  }
   for (size_t i = 0; i < sizeof(pool_gauges) / sizeof(pool_gauges[0]); i++) {
     family(b, pool_gauges[i].name, "gauge", pool_gauges[i].help);
     for (size_t p = 0; p < st->n_pools; p++) {

@@ -78,6 +78,8 @@ struct gpd_waiter {
   gpd_bundle_plan *plan;   /* WAIT_ABUNDLE: the checked layout (owned) */
   uint64_t started_ns;
   uint64_t order;               /* arrival, for FIFO among the gets one publish serves */
+  int peer_nowait;              /* a get of a peer's name that asked not to wait: answered
+                                 * once the peer says it has nothing newer */
   uv_timer_t timer;
   int removed;
   wqueue *q;
@@ -194,6 +196,7 @@ struct gpd_server {
   uv_check_t turn_check;
   uv_idle_t turn_idle;
   int turn_on;
+  struct gpd_peers *peers;   /* other gpupoolds (peers.c), or NULL when none is configured */
 };
 
 /* ---- conn.c: sending, closing, the fair loop */
@@ -235,6 +238,9 @@ void gpd_wake_getters(gpd_server *s, const char *key, uint64_t version);
 int gpd_waiter_on_copy(gpd_waiter *w, uint64_t copy_id);
 /* The registry's on_copy: answer or move on the gets waiting for that job. */
 void gpd_copy_ended(gpd_registry *reg, uint64_t copy_id, int rc, const char *msg);
+/* Answer the gets waiting for key with an error (only_nowait: only those of peers' names
+ * that asked not to wait), and take them out. */
+void gpd_fail_getters(gpd_server *s, const char *key, int code, const char *msg, int only_nowait);
 
 /* ---- replies.c: replies that hand over a buffer, a bundle or a file */
 void gpd_srv_reply_hold(gpd_conn *c, uint64_t seq, int kind, gpd_hold *h, const char *name,

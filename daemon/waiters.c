@@ -515,3 +515,30 @@ void gpd_copy_ended(gpd_registry *reg, uint64_t copy_id, int rc, const char *msg
   if (--q->waking == 0 && !q->head)
     copy_q_free(s, q);
 }
+
+void gpd_fail_getters(gpd_server *s, const char *key, int code, const char *msg, int only_nowait) {
+  wqueue *q = gpupool__smap_get(&s->get_q, key);
+  gpd_waiter **batch;
+  uint32_t m = 0;
+  if (!q || !q->n)
+    return;
+  q->waking++;
+  if ((batch = malloc(q->n * sizeof *batch))) {
+    for (uint32_t i = 0; i < q->n; i++)
+      if (!only_nowait || q->heap[i]->peer_nowait)
+        batch[m++] = q->heap[i];
+    if (m > 1)
+      qsort(batch, m, sizeof *batch, by_arrival);
+    for (uint32_t i = 0; i < m; i++) {
+      gpd_waiter *w = batch[i];
+      if (w->removed || w->conn->closing)
+        continue;
+      gpd_send_error(w->conn, w->seq, code, msg);
+      gpd_metrics_request(s->metrics, body_of(w->kind), code, gpd_now_ns() - w->started_ns);
+      gpd_waiter_remove(w);
+    }
+    free(batch);
+  }
+  if (--q->waking == 0 && !q->n)
+    get_q_free(s, q);
+}

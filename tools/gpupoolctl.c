@@ -938,6 +938,67 @@ out:
   return 0;
 }
 
+/* `peers`: the configured peers, how each stands, and what was fetched from and served to it. */
+static int cmd_peers(ctl *c) {
+  Gpupool__Wire__AdminPeers ap = GPUPOOL__WIRE__ADMIN_PEERS__INIT;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  gpupool__rep *rep;
+  const Gpupool__Wire__AdminPeersReply *r;
+  table t;
+  int rc;
+
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_PEERS;
+  req.admin_peers = &ap;
+  if ((rc = call(c, &req, &rep)) != 0)
+    return rc;
+  r = rep->admin_peers;
+  if (c->json) {
+    int f = 1;
+    putchar('{');
+    jkv_str("transport", r->transport, &f);
+    jkv_str("listen", r->listen, &f);
+    printf(",\"peers\":[");
+    for (size_t i = 0; i < r->n_peers; i++) {
+      const Gpupool__Wire__PeerInfo *p = r->peers[i];
+      int g = 1;
+      printf("%s{", i ? "," : "");
+      jkv_str("name", p->name, &g);
+      jkv_str("address", p->address, &g);
+      jkv_str("state", p->state, &g);
+      jkv_str("last_error", p->last_error, &g);
+      jkv_u64("fetches_in_flight", p->fetches_in_flight, &g);
+      jkv_u64("fetches", p->fetches, &g);
+      jkv_u64("failures", p->failures, &g);
+      jkv_u64("bytes_fetched", p->bytes_fetched, &g);
+      jkv_u64("versions_served", p->versions_served, &g);
+      jkv_u64("bytes_served", p->bytes_served, &g);
+      jkv_u64("serving_now", p->serving_now, &g);
+      putchar('}');
+    }
+    puts("]}");
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+    return 0;
+  }
+  printf("transport: %s\nlisten: %s\n", r->transport, r->listen && *r->listen ? r->listen : "(serves no peer)");
+  table_init(&t, 9);
+  t.right[3] = t.right[4] = t.right[5] = t.right[6] = t.right[7] = 1;
+  table_row(&t, "PEER", "ADDRESS", "STATE", "IN FLIGHT", "FETCHES", "FAILED", "FETCHED", "SERVED", "LAST ERROR");
+  for (size_t i = 0; i < r->n_peers; i++) {
+    const Gpupool__Wire__PeerInfo *p = r->peers[i];
+    char fl[16], fe[24], fa[24], by[32], sv[24];
+    snprintf(fl, sizeof(fl), "%u", p->fetches_in_flight);
+    snprintf(fe, sizeof(fe), "%llu", (unsigned long long)p->fetches);
+    snprintf(fa, sizeof(fa), "%llu", (unsigned long long)p->failures);
+    fmt_size(p->bytes_fetched, by, sizeof(by));
+    snprintf(sv, sizeof(sv), "%llu", (unsigned long long)p->versions_served);
+    table_row(&t, p->name, p->address, p->state, fl, fe, fa, by, sv, p->last_error);
+  }
+  table_print(&t);
+  table_free(&t);
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  return 0;
+}
+
 /* Remove a name of any tenant, by the key `names` shows ("uid:1000/weights"). */
 static int cmd_unpublish(ctl *c, const char *key) {
   Gpupool__Wire__AdminUnpublish au = GPUPOOL__WIRE__ADMIN_UNPUBLISH__INIT;
@@ -1046,6 +1107,8 @@ static void usage(FILE *f) {
           "                    bundles (version, members) and files (path) (admin)\n"
           "  unpublish KEY     remove the name filed under KEY, as names shows it (uid:1000/x),\n"
           "                    whichever tenant published it (admin)\n"
+          "  peers             the peer daemons: address, state, fetches in flight, fetched,\n"
+          "                    failed, versions served and the last error (admin)\n"
           "  stats             every daemon and pool counter, one per line\n"
           "  drop-client PID   disconnect every connection of process PID, releasing its holds "
           "(admin)\n"
@@ -1113,7 +1176,7 @@ int main(int argc, char **argv) {
   if (strcmp(c.cmd, "status") != 0 && strcmp(c.cmd, "clients") != 0 &&
       strcmp(c.cmd, "buffers") != 0 && strcmp(c.cmd, "names") != 0 &&
       strcmp(c.cmd, "stats") != 0 && strcmp(c.cmd, "drop-client") != 0 &&
-      strcmp(c.cmd, "trim") != 0 && strcmp(c.cmd, "unpublish") != 0) {
+      strcmp(c.cmd, "trim") != 0 && strcmp(c.cmd, "unpublish") != 0 && strcmp(c.cmd, "peers") != 0) {
     die_msg("unknown command '%s'; see 'gpupoolctl --help'", c.cmd);
     return EXIT_USAGE;
   }
@@ -1155,6 +1218,8 @@ int main(int argc, char **argv) {
     rc = cmd_buffers(&c);
   else if (strcmp(c.cmd, "names") == 0)
     rc = cmd_names(&c);
+  else if (strcmp(c.cmd, "peers") == 0)
+    rc = cmd_peers(&c);
   else if (strcmp(c.cmd, "drop-client") == 0)
     rc = cmd_drop(&c, arg);
   else if (strcmp(c.cmd, "unpublish") == 0)

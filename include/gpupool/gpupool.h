@@ -123,14 +123,15 @@ extern "C" {
   X(EFD, -21, "file descriptor error")                                                     \
   X(ECONFIG, -22, "invalid configuration")                                                 \
   X(ELOST, -23, "hold lost when the daemon restarted")                                     \
-  X(ESTALE, -24, "file changed since it was published")
+  X(ESTALE, -24, "file changed since it was published")                                    \
+  X(EPEER, -25, "a peer gpupoold could not be reached or failed the fetch")
 
 typedef enum {
 #define GPUPOOL_ERRNO_GEN(name, val, msg) GPUPOOL_##name = (val),
   GPUPOOL_OK = 0,
   GPUPOOL_ERRNO_MAP(GPUPOOL_ERRNO_GEN)
 #undef GPUPOOL_ERRNO_GEN
-  GPUPOOL_ERRNO_MIN = -25
+  GPUPOOL_ERRNO_MIN = -26
 } gpupool_errno_t;
 
 /* Longest published name in bytes (excluding the terminating NUL). */

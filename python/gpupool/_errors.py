@@ -13,7 +13,7 @@ of failure, so ``except TimeoutError`` works as well as ``except GpupoolError`` 
     EPERM, ERDONLY             PermissionError
     ENOMEM, ENOSPC             MemoryError (host memory, or the pool's, ran out)
     EINVAL, ENAME, EMETA       ValueError
-    ECONNECT, EIO              ConnectionError
+    ECONNECT, EIO, EPEER       ConnectionError
 
 Other codes (ETOOBIG, ELIMIT, EBUSY, ECLOSED, ENOTSUP, ...) have no builtin that means the
 same and derive from GpupoolError alone. The codes and their names are the C library's
@@ -40,6 +40,7 @@ _BUILTINS: Dict[str, Tuple[type, ...]] = {
     "EMETA": (ValueError,),
     "ECONNECT": (ConnectionError,),
     "EIO": (ConnectionError,),
+    "EPEER": (ConnectionError,),
 }
 
 

@@ -20,8 +20,8 @@ CAUGHT_BY = {
     PermissionError: {"EPERM", "ERDONLY"},
     MemoryError: {"ENOMEM", "ENOSPC"},
     ValueError: {"EINVAL", "ENAME", "EMETA"},
-    ConnectionError: {"ECONNECT", "EIO"},
-    OSError: {"ETIMEDOUT", "ENOENT", "EEXIST", "EPERM", "ERDONLY", "ECONNECT", "EIO"},
+    ConnectionError: {"ECONNECT", "EIO", "EPEER"},
+    OSError: {"ETIMEDOUT", "ENOENT", "EEXIST", "EPERM", "ERDONLY", "ECONNECT", "EIO", "EPEER"},
 }
 
 

@@ -104,7 +104,7 @@ static void test_did_you_mean(void **state) {
       {"[pool p]\ncapcity = 1G\n", ":2: unknown pool key 'capcity'; did you mean 'capacity'? (known: ",
        "slab_size, alignment, keep_slabs, release_threshold, reuse_follow_event_deps"},
       {"[pool p]\nslabb = 2M\n", "did you mean 'slab'?", "share"},
-      {"[tenant t]\nuid = 1\n", ":2: unknown key 'uid' in [t]; did you mean 'uids'? (known: uids, gids)", ""},
+      {"[tenant t]\nuid = 1\n", ":2: unknown key 'uid' in [t]; did you mean 'uids'? (known: uids, gids, export_peers)", ""},
       {"[group g]\ngid = 1\n", "did you mean 'gids'?", ""},
   };
   gpd_config c;
@@ -282,8 +282,62 @@ static void test_config_not_a_file(void **state) {
   th_stop(&d);
 }
 
+/* Load text and finish it against the host backend: the refusal (load or finish) it left,
+ * or "" when it was accepted. */
+static const char *load_finish(const char *text, gpd_config *c) {
+  strcpy(path, "/tmp/gpupool-conf-XXXXXX");
+  write_file(text);
+  gpd_config_defaults(c);
+  if (gpd_config_load(c, path) != 0 || gpd_config_finish(c, &gpupool__backend_host) != 0)
+    return gpupool__errmsg();
+  return "";
+}
+
+/* [peer NAME] sections, export_peers and the peer keys of [daemon]: read into their fields,
+ * and every refusal names the file, the line and what to write. */
+static void test_peer_sections(void **state) {
+  static const struct {
+    const char *text, *needle;
+  } bad[] = {
+      {"[peer a.b]\n", ":1: [peer NAME] needs a name of 1 to 32 letters"},
+      {"[peer a]\naddress = 10.0.0.1:1\n[peer a]\n", ":3: [peer a] repeats the section at"},
+      {"[peer a]\nadress = 10.0.0.1:1\n", ":2: unknown key 'adress' in [peer a]; did you mean 'address'?"},
+      {"[peer a]\naddress = host:1\n", ":2: address 'host:1' is not PORT"},
+      {"[daemon]\npeer_listen = 1.2.3.4:0\n", ":2: peer_listen '1.2.3.4:0' is not PORT"},
+      {"[daemon]\npeer_secret_file = /s\n[peer a]\n", ":3: [peer a] has no address"},
+      {"[peer a]\naddress = 10.0.0.1:1\n", ":1: [peer a] has no secret: set peer_secret_file"},
+      {"[daemon]\npeer_secret_file = /s\n[group ml]\ngids = 1\n[peer ml]\naddress = 10.0.0.1:1\n",
+       ":5: [peer ml] has the name of [group ml] at"},
+      {"[daemon]\npeer_secret_file = /s\n[tenant t]\nuids = 1\nexport_peers = b\n",
+       ":3: [tenant t] export_peers names 'b', which has no [peer b] section"},
+      {"[daemon]\npeer_listen = 7470\n", "peer_listen is set but peer_secret_file is not"},
+  };
+  gpd_config c;
+  (void)state;
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    const char *msg = load_finish(bad[i].text, &c);
+    if (!strstr(msg, bad[i].needle))
+      fail_msg("case %zu: '%s' lacks '%s'", i, msg, bad[i].needle);
+    unlink(path);
+  }
+  assert_string_equal(load_finish("[daemon]\npeer_listen = 127.0.0.1:7470\npeer_secret_file = /etc/s\n"
+                                  "[tenant t]\nuids = 1\nexport_peers = b, c\n[group g]\ngids = 2\nexport_peers = *\n"
+                                  "[peer b]\naddress = 10.0.0.2:7470\nprefix = remote/\n"
+                                  "[peer c]\naddress = 10.0.0.3:7471\nsecret_file = /etc/c\n", &c), "");
+  unlink(path);
+  assert_string_equal(c.peer_listen, "127.0.0.1:7470");
+  assert_int_equal(c.n_peers, 2);
+  assert_string_equal(gpd_peer_find(&c, "b")->prefix, "remote/");
+  assert_string_equal(gpd_peer_find(&c, "c")->secret_file, "/etc/c");
+  assert_null(gpd_peer_find(&c, "d"));
+  assert_true(gpd_exports_to(&c.tenants[0], "c"));
+  assert_false(gpd_exports_to(&c.tenants[0], "d"));
+  assert_true(gpd_exports_to(&c.groups[0], "d"));
+  assert_int_equal(c.peer_max_fetches, 64);
+}
+
 int main(void) {
   return TS_RUN_TESTS(NULL, NULL, test_full_file, test_errors_name_line, test_pool_checks, test_sizes,
                       test_daemon_refuses_bad_config, test_duplicate_sections, test_config_not_a_file,
-                      test_did_you_mean, test_pool_checks_name_line);
+                      test_did_you_mean, test_pool_checks_name_line, test_peer_sections);
 }

@@ -153,6 +153,7 @@ static int read_example(example_line *out, int max) {
                 : !strncmp(l, "[pool ", 6)   ? GPUPOOL__CS_POOL
                 : !strncmp(l, "[tenant ", 8) ? GPUPOOL__CS_TENANT
                 : !strncmp(l, "[group ", 7)  ? GPUPOOL__CS_GROUP
+                : !strncmp(l, "[peer ", 6)   ? GPUPOOL__CS_PEER
                                              : 0;
       if (!section)
         fail_msg("gpupoold.conf:%d: a section the test does not know: %s", lineno, l);
