@@ -11,6 +11,10 @@
 # node I has the veth `gpv<I>` (its end) whose peer `gpb<I>` is a port of bridge `gpbr0` in gpnbr.
 # A test daemon runs as `ip netns exec gpn<I> ...` with UCX_NET_DEVICES=gpv<I>.
 #
+# GPUPOOL_NETNS_RATE (e.g. 400mbit) caps what the bridge sends to each node (a tbf qdisc on
+# every bridge port), so a transfer lasts long enough for a test to kill something in its
+# middle; when the kernel has no tbf it exits 77 saying so.
+#
 # GPUPOOL_NETNS_PREFIX (default gpn) changes the namespace names, so two suites can run side by
 # side; the addresses are then 10.77.<GPUPOOL_NETNS_SUBNET>.x (default 0). Needs root and `ip`
 # (iproute2); without them it exits 77 (the ctest skip status) naming what is missing.
@@ -69,6 +73,12 @@ up() {
     ip -n "$ns" link add "gpv$i" type veth peer name "gpb$i" netns "$BRNS"
     ip -n "$BRNS" link set "gpb$i" master "$BR"
     ip -n "$BRNS" link set "gpb$i" up
+    if [ -n "${GPUPOOL_NETNS_RATE:-}" ] &&
+      ! ip netns exec "$BRNS" tc qdisc add dev "gpb$i" root tbf rate "$GPUPOOL_NETNS_RATE" \
+        burst 256kb latency 50ms 2>/dev/null; then
+      down
+      skip "cannot cap the link at $GPUPOOL_NETNS_RATE: no 'tc' or no tbf qdisc in this kernel"
+    fi
     ip -n "$ns" addr add "$addr/24" dev "gpv$i"
     ip -n "$ns" link set "gpv$i" up
   done

@@ -1,0 +1,93 @@
+"""A fetch killed on either side leaves nothing behind, the getter is told why, and the next
+fetch works. The links are capped (netns.sh GPUPOOL_NETNS_RATE) so that a 1 GiB fetch lasts
+seconds and the kill lands in its middle: the tests wait until bytes are moving and the
+fetch is still in flight, then SIGKILL.
+
+- The source daemon (A) dies mid-fetch: B's getter gets an error naming peer A and saying to
+  retry; B is back to its baseline (buffers, holds, names, pool bytes); A restarted and the
+  name published again, the next fetch is bit-exact.
+- The getter process on B dies mid-fetch: B drops the fetch and A lets go of the version it
+  held for it (A's holds back to baseline); B back to baseline; a new getter fetches it.
+"""
+
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from cluster import GIB, Cluster, run_tests, wait_for  # noqa: E402
+
+RATE = "800mbit"  # about 100 MB/s: 1 GiB takes about 10 s
+SIZE = GIB
+SEED = 42
+
+
+def publish_big(node):
+    p = node.worker("publish", "big", SIZE, SEED)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0 and out.startswith("published"), (out, err)
+    return int(out.split()[1])
+
+
+def mid_fetch(b, peer):
+    """Wait until B's fetch from peer is in flight with some bytes moved (not all)."""
+    def moving():
+        row = b.peer(peer)
+        return row if row["fetches_in_flight"] >= 1 and 0 < row["bytes_fetched"] < SIZE else None
+    return wait_for(moving, "a fetch from %s in flight with bytes moving" % peer, timeout=120,
+                    interval=0.05)
+
+
+def test_source_killed_mid_fetch():
+    with Cluster(("A", "B"), rate=RATE) as cl:
+        a, b = cl["A"], cl["B"]
+        publish_big(a)
+        base_b = b.usage()
+        getter = b.worker("get", "A:big", 600)
+        assert getter.stdout.readline().strip() == "started"
+        mid_fetch(b, "A")
+        a.kill(signal.SIGKILL)
+        out, err = getter.communicate(timeout=120)
+        assert getter.returncode == 3, (getter.returncode, out, err)
+        assert out.startswith("error "), out
+        assert "peer A" in out and "retry" in out, "the getter was not told why: " + out
+        wait_for(lambda: b.peer("A")["fetches_in_flight"] == 0, "B's fetch from A ended", 30)
+        wait_for(lambda: b.usage() == base_b, "B back to %r" % base_b, 30)
+        assert b.peer("A")["state"] == "down", b.peer("A")
+        # A comes back (its names are gone with it): published again, fetched whole.
+        a.start()
+        publish_big(a)
+        getter = b.worker("get", "A:big", 600, SEED)
+        out, err = getter.communicate(timeout=600)
+        assert getter.returncode == 0 and "ok" in out, (out, err)
+        assert b.peer("A")["state"] == "connected", b.peer("A")
+
+
+def test_getter_killed_mid_fetch():
+    with Cluster(("A", "B"), rate=RATE) as cl:
+        a, b = cl["A"], cl["B"]
+        publish_big(a)
+        base_a, base_b = a.usage(), b.usage()
+        served = a.peer("B")["versions_served"]
+        getter = b.worker("get", "A:big", 600)
+        assert getter.stdout.readline().strip() == "started"
+        mid_fetch(b, "A")
+        wait_for(lambda: a.usage()["holds"] > base_a["holds"], "A holds the version for B", 30)
+        getter.send_signal(signal.SIGKILL)
+        getter.communicate()
+        wait_for(lambda: b.peer("A")["fetches_in_flight"] == 0, "B's fetch from A ended", 60)
+        wait_for(lambda: b.usage() == base_b, "B back to %r" % base_b, 60)
+        wait_for(lambda: a.usage() == base_a, "A back to %r" % base_a, 60)
+        assert b.peer("A")["state"] == "connected", b.peer("A")
+        # The next fetch works, and is a fetch of its own.
+        before = b.peer("A")["bytes_fetched"]
+        getter = b.worker("get", "A:big", 600, SEED)
+        out, err = getter.communicate(timeout=600)
+        assert getter.returncode == 0 and "ok" in out, (out, err)
+        assert b.peer("A")["bytes_fetched"] - before >= SIZE, b.peer("A")
+        assert a.peer("B")["versions_served"] >= served + 1, a.peer("B")
+
+
+if __name__ == "__main__":
+    run_tests([(k, v) for k, v in globals().items() if k.startswith("test_")])
