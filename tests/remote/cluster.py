@@ -109,8 +109,12 @@ class Node:
         lines = ["[daemon]", "socket_mode = 0666", "log_level = info",
                  "peer_listen = %s:%d" % (self.addr, PEER_PORT),
                  "peer_secret_file = %s" % self.secret_file, "",
-                 "[pool main]", "kind = host", "capacity = %s" % cl.capacity,
-                 "slab_size = %s" % cl.slab_size, ""]
+                 "[pool main]"]
+        if cl.backend == "cuda":
+            lines += ["kind = device", "device = %d" % cl.device]
+        else:
+            lines.append("kind = host")
+        lines += ["capacity = %s" % cl.capacity, "slab_size = %s" % cl.slab_size, ""]
         for p in self.peers:
             lines += ["[peer %s]" % p, "address = %s:%d" % (cl[p].addr, PEER_PORT), ""]
         lines += ["[tenant %s]" % TENANT, "uids = 0"]
@@ -122,7 +126,7 @@ class Node:
 
     def start(self):
         self.write_config()
-        env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES=self.dev)
+        env = dict(os.environ, UCX_TLS=self.cluster.tls, UCX_NET_DEVICES=self.dev)
         for k in ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "NOTIFY_SOCKET"):
             env.pop(k, None)
         if "libasan" in env.get("LD_PRELOAD", ""):
@@ -133,7 +137,8 @@ class Node:
         self._log = open(self.log_path, "ab")
         # ip netns exec execs the daemon: self.proc.pid is gpupoold's own.
         self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.ns, self.cluster.gpupoold, "--backend", "host",
+            ["ip", "netns", "exec", self.ns, self.cluster.gpupoold, "--backend",
+             self.cluster.backend,
              "--config", self.conf, "--socket", self.sock],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 30
@@ -244,11 +249,16 @@ class Node:
 
 
 class Cluster:
-    """Nodes named by names, started in order; rate caps every link (netns.sh)."""
+    """Nodes named by names, started in order; rate caps every link (netns.sh). backend "cuda"
+    gives each daemon a device pool on GPU device (benchmarks on a GPU machine); tls is what
+    UCX may use (UCX_TLS; UCX_NET_DEVICES is always the node's veth)."""
 
     def __init__(self, names=("A", "B"), capacity="3G", slab_size="256M", rate=None,
-                 configure=None):
+                 configure=None, backend="host", device=0, tls="tcp"):
         self.names = list(names)
+        self.backend = backend
+        self.device = device
+        self.tls = tls
         self.capacity = capacity
         self.slab_size = slab_size
         self.rate = rate
@@ -286,9 +296,15 @@ class Cluster:
         if r.returncode != 0:
             raise AssertionError("netns.sh %s failed:\n%s%s" % (" ".join(args), r.stdout, r.stderr))
 
+    def up(self):
+        """The namespaces alone (__enter__ does this, then starts the daemons)."""
+        if not self._up:
+            self.netns("up", str(len(self.nodes)))
+            self._up = True
+        return self
+
     def __enter__(self):
-        self.netns("up", str(len(self.nodes)))
-        self._up = True
+        self.up()
         try:
             for n in self.nodes:
                 n.start()
