@@ -45,10 +45,9 @@ HIDDEN_UID = 65534       # nobody: the tenant "hidden", which exports nothing
 GIB = 1 << 30
 MIB = 1 << 20
 
-# What `gpupoolctl --json peers` reports for one peer (docs/REMOTE.md, "Operating"): the keys
-# the tests read, in one place.
-K_NAME, K_STATE, K_IN_FLIGHT = "name", "state", "fetches_in_flight"
-K_BYTES_FETCHED, K_SERVED, K_ERROR = "bytes_fetched", "versions_served", "last_error"
+# `gpupoolctl --json peers` gives {"peers": [row, ...]}; the tests read these keys of a row:
+# name, state (connected | connecting | authenticating | down), last_error, fetches_in_flight,
+# fetches (completed), bytes_fetched (counted when a fetch completes), versions_served.
 
 
 def skip(reason):
@@ -97,7 +96,7 @@ class Node:
         self.conf = os.path.join(cluster.dir, "%s.conf" % self.ns)
         self.log_path = os.path.join(cluster.dir, "%s.log" % self.ns)
         self.secret_file = cluster.secret_file
-        self.peers = [n for n in cluster.names if n != name]  # [peer] sections
+        self.peer_names = [n for n in cluster.names if n != name]  # [peer] sections
         self.exports = "*"            # export_peers of tenant ml
         self.extra = ""               # more config text
         self.proc = None
@@ -108,14 +107,16 @@ class Node:
         cl = self.cluster
         lines = ["[daemon]", "socket_mode = 0666", "log_level = info",
                  "peer_listen = %s:%d" % (self.addr, PEER_PORT),
-                 "peer_secret_file = %s" % self.secret_file, "",
+                 "peer_secret_file = %s" % self.secret_file,
+                 # No fetch here is slow by design; a loaded CI machine may be.
+                 "peer_fetch_timeout_ms = 600000", "",
                  "[pool main]"]
         if cl.backend == "cuda":
             lines += ["kind = device", "device = %d" % cl.device]
         else:
             lines.append("kind = host")
         lines += ["capacity = %s" % cl.capacity, "slab_size = %s" % cl.slab_size, ""]
-        for p in self.peers:
+        for p in self.peer_names:
             lines += ["[peer %s]" % p, "address = %s:%d" % (cl[p].addr, PEER_PORT), ""]
         lines += ["[tenant %s]" % TENANT, "uids = 0"]
         if self.exports:
@@ -218,7 +219,7 @@ class Node:
         """name -> that peer's row of `gpupoolctl --json peers`."""
         doc = self.ctl("peers")
         rows = doc.get("peers", []) if isinstance(doc, dict) else doc
-        return {r[K_NAME]: r for r in rows}
+        return {r["name"]: r for r in rows}
 
     def peer(self, name):
         rows = self.peers()
@@ -288,6 +289,7 @@ class Cluster:
 
     def netns(self, *args):
         env = dict(os.environ, GPUPOOL_NETNS_PREFIX=self.prefix)
+        env.pop("LD_PRELOAD", None)  # a sanitizer build's runtime is for the interpreter only
         if self.rate:
             env["GPUPOOL_NETNS_RATE"] = self.rate
         r = subprocess.run([NETNS] + list(args), env=env, capture_output=True, text=True)

@@ -41,18 +41,21 @@ def test_200_consumers_one_transfer():
         a, b = cl["A"], cl["B"]
         assert publish(a, 1) == 1
         fetched0 = b.peer("A")["bytes_fetched"]
+        fetches0 = b.peer("A")["fetches"]
         served0 = a.peer("B")["versions_served"]
         assert consume(b, 0, 1) == 1
         moved = b.peer("A")["bytes_fetched"] - fetched0
         assert SIZE <= moved < 2 * SIZE, "200 consumers moved %d bytes for one %d-byte version" \
             % (moved, SIZE)
         assert a.peer("B")["versions_served"] - served0 == 1, a.peer("B")
+        assert b.peer("A")["fetches"] - fetches0 == 1, b.peer("A")
 
         # Waiting for the next version: all 200 wait on B, A publishes once, one transfer.
         assert consume(b, 1, 2, before_publish=lambda: publish(a, 2)) == 2
         moved = b.peer("A")["bytes_fetched"] - fetched0
         assert 2 * SIZE <= moved < 3 * SIZE, "two versions moved %d bytes" % moved
         assert a.peer("B")["versions_served"] - served0 == 2, a.peer("B")
+        assert b.peer("A")["fetches"] - fetches0 == 2, b.peer("A")
 
 
 if __name__ == "__main__":

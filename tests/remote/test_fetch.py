@@ -12,8 +12,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
-import gpupool  # noqa: E402
 from cluster import GIB, MIB, Cluster, pattern, run_tests, wait_for  # noqa: E402
+import gpupool  # noqa: E402
 
 DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
           "float32", "float64", "bool", "complex64", "complex128")
@@ -167,7 +167,7 @@ def test_errors():
             except gpupool.GpupoolError as e:
                 msg = e.message
                 assert "peer C" in msg and "unreachable" in msg and c.addr in msg, msg
-            assert b.peer("C")["state"] == "down", b.peer("C")
+            assert b.peer("C")["state"] != "connected", b.peer("C")
             assert b.peer("C")["last_error"], b.peer("C")
             # A name that is no peer's stays a local name.
             try:

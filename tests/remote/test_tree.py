@@ -17,9 +17,9 @@ SIZE = 256 * MIB
 
 
 def configure(cl):
-    cl["A"].peers = ["B"]
-    cl["B"].peers = ["A", "C"]
-    cl["C"].peers = ["B"]
+    cl["A"].peer_names = ["B"]
+    cl["B"].peer_names = ["A", "C"]
+    cl["C"].peer_names = ["B"]
 
 
 def test_tree():
