@@ -7,7 +7,8 @@ Two namespaces joined by veth pairs on a bridge (tests/remote/netns.sh), one gpu
 halves, each printed with its figures; the ratios last:
 
 1. ucx_perftest -t ucp_get between the same namespaces, same UCX_TLS and UCX_NET_DEVICES, at
-   the bundle's member size and at its whole size: what UCX itself moves over this link.
+   the size of the daemon's own gets (--get-size), the bundle's member size and its whole
+   size: what UCX itself moves over this link.
 2. torch.distributed broadcast (gloo, GLOO_SOCKET_IFNAME the node's veth) of the 146 tensors
    of bench/weight_sync.py's Llama-3.2-1B-shaped state dict (bf16, about 2.5 GB) from rank 0
    in A's namespace to rank 1 in B's: rank 1's time from a barrier to the last tensor in.
@@ -260,6 +261,9 @@ def main():
     ap.add_argument("--size", type=int, default=GIB, help="bundle bytes (default 1 GiB)")
     ap.add_argument("--members", type=int, default=16, help="bundle members (default 16)")
     ap.add_argument("--reps", type=int, default=3, help="versions per figure (default 3)")
+    ap.add_argument("--get-size", type=int, default=8 * MIB,
+                    help="also run ucx_perftest at the size of the daemon's gets (default 8 MiB; "
+                         "0: not)")
     ap.add_argument("--tls", default="tcp", help="UCX_TLS for everything (default tcp)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--torch-python", default=sys.executable,
@@ -298,7 +302,9 @@ def main():
             msize = args.size // args.members
             mem = "cuda" if cuda else "host"
             res["perftest_MBps"] = {}
-            for size, iters in ((msize, max(2, 4 * args.members)), (args.size, 4)):
+            sizes = [(args.get_size, max(4, 2 * args.size // args.get_size))] if args.get_size else []
+            sizes += [(msize, max(2, 4 * args.members)), (args.size, 4)]
+            for size, iters in sizes:
                 mbps = perftest(cl, size, iters, args.tls, mem)
                 res["perftest_MBps"][str(size)] = mbps
                 log("ucx_perftest ucp_get %11d B x %3d (%s): %8.1f MB/s" % (size, iters,
