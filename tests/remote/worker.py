@@ -12,6 +12,7 @@ on stdout what came of it, one line, so that a test can run it as another uid or
 """
 
 import os
+import resource
 import sys
 import threading
 
@@ -66,6 +67,14 @@ def main(argv):
 
 
 def consumers(n, name, timeout, newer_than, seed):
+    # Each connection takes a socket and a lease, and each mapping of the copy an fd while it
+    # is imported: 200 of them need more than a 1024-fd soft limit leaves to spare.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 8 * n
+    if soft != resource.RLIM_INFINITY and soft < want:
+        if hard != resource.RLIM_INFINITY:
+            want = min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     clients = [gpupool.Client(name="remote-consumer-%d" % i) for i in range(n)]
     results = [None] * n
     gate = threading.Barrier(n + 1)
