@@ -190,6 +190,10 @@ class Node:
         if died is not None:
             raise AssertionError("gpupoold of %s died during the test with status %s:\n%s"
                                  % (self.name, died, self.log()))
+        log = self.log()
+        for mark in ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:"):
+            if mark in log:
+                raise AssertionError("gpupoold of %s reported '%s':\n%s" % (self.name, mark, log))
         return rc
 
     def log(self):

@@ -8,6 +8,7 @@ fetch is still in flight, then SIGKILL.
   name published again, the next fetch is bit-exact.
 - The getter process on B dies mid-fetch: B drops the fetch and A lets go of the version it
   held for it (A's holds back to baseline); B back to baseline; a new getter fetches it.
+- The source stops right after serving, five times over: B stays up through each.
 """
 
 import os
@@ -16,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cluster import GIB, Cluster, run_tests, wait_for  # noqa: E402
+from cluster import GIB, Cluster, pattern, run_tests, wait_for  # noqa: E402
 
 RATE = "800mbit"  # about 100 MB/s: 1 GiB takes about 10 s
 SIZE = GIB
@@ -92,6 +93,26 @@ def test_getter_killed_mid_fetch():
         assert getter.returncode == 0 and "ok" in out, (out, err)
         assert b.peer("A")["bytes_fetched"] - before >= SIZE, b.peer("A")
         assert a.peer("B")["versions_served"] >= served + 1, a.peer("B")
+
+
+def test_source_stopped_after_fetches():
+    """A source that stops (SIGTERM) right after serving, again and again: the fetching daemon
+    stays up, says the peer is gone, and fetches again once it is back."""
+    with Cluster(("A", "B")) as cl:
+        a, b = cl["A"], cl["B"]
+        for round_ in range(5):
+            with a.client() as ca:
+                ca.publish_dict("state", {"x%d" % i: pattern(round_ * 100 + i, 4096)
+                                          for i in range(100)})
+            with b.client() as cb:
+                td = cb.get_dict("A:state", timeout=60, newer_than=0)
+                assert td.numpy()["x7"].tobytes() == pattern(round_ * 100 + 7, 4096).tobytes()
+                td.release()
+                cb.unpublish("A:state")
+            a.stop()
+            wait_for(lambda: b.peer("A")["state"] != "connected", "B sees A gone", 30)
+            assert b.proc.poll() is None, "B died when A stopped:\n" + b.log()
+            a.start()
 
 
 if __name__ == "__main__":
