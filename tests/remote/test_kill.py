@@ -8,7 +8,7 @@ fetch is still in flight, then SIGKILL.
   name published again, the next fetch is bit-exact.
 - The getter process on B dies mid-fetch: B drops the fetch and A lets go of the version it
   held for it (A's holds back to baseline); B back to baseline; a new getter fetches it.
-- The source stops right after serving, five times over: B stays up through each.
+- The source stops just after serving, 30 times over: B stays up through each.
 """
 
 import os
@@ -96,20 +96,27 @@ def test_getter_killed_mid_fetch():
 
 
 def test_source_stopped_after_fetches():
-    """A source that stops (SIGTERM) right after serving, again and again: the fetching daemon
-    stays up, says the peer is gone, and fetches again once it is back."""
+    """A source that stops (SIGTERM) just after serving, 30 times over, at three points (at
+    once, after the getter read the copy, after it let go of it): the fetching daemon stays
+    up, says the peer is gone, and fetches again once it is back. Each restart makes B's UCX
+    connect anew, and the stop lands while that connection may still be settling."""
     with Cluster(("A", "B")) as cl:
         a, b = cl["A"], cl["B"]
-        for round_ in range(5):
+        for round_ in range(30):
             with a.client() as ca:
                 ca.publish_dict("state", {"x%d" % i: pattern(round_ * 100 + i, 4096)
-                                          for i in range(100)})
+                                          for i in range(16)})
             with b.client() as cb:
                 td = cb.get_dict("A:state", timeout=60, newer_than=0)
+                if round_ % 3 == 0:
+                    a.stop()
                 assert td.numpy()["x7"].tobytes() == pattern(round_ * 100 + 7, 4096).tobytes()
+                if round_ % 3 == 1:
+                    a.stop()
                 td.release()
                 cb.unpublish("A:state")
-            a.stop()
+            if round_ % 3 == 2:
+                a.stop()
             wait_for(lambda: b.peer("A")["state"] != "connected", "B sees A gone", 30)
             assert b.proc.poll() is None, "B died when A stopped:\n" + b.log()
             a.start()
