@@ -28,14 +28,19 @@ As root (namespaces), from the repository root, on a build tree:
     python3 bench/remote_bench.py --build build-gpu --device cuda --tls tcp,cuda_copy  # GPU
 
 UCX_* variables of the environment (UCX_TCP_TX_SEG_SIZE, ...) reach ucx_perftest and both
-daemons alike; the output names them. --device cuda gives both daemons a device pool on GPU 0 (ucx_perftest then uses -m cuda, which
-needs a UCX built with CUDA). Figures are medians of --reps runs. --json FILE writes them.
+daemons alike; the output names them. --device cuda gives both daemons a device pool on GPU 0
+(ucx_perftest then uses -m cuda, which needs a UCX built with CUDA, such as the libucx-cu13
+wheel's: --perftest $W/bin/ucx_perftest with LD_LIBRARY_PATH=$W/lib); a daemon that does not
+fetch device pools answers ENOTSUP and that half says so. On a GPU machine --device cpu
+measures the same host path as here. Figures are medians of --reps runs. --json FILE writes
+them. Needs numpy in the interpreter that runs it (/usr/bin/python3 on Debian).
 """
 
 import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -64,18 +69,18 @@ def llama():
 
 # ---- 1. ucx_perftest --------------------------------------------------------------------
 
-def perftest(cl, size, iters, tls, mem):
+def perftest(cl, size, iters, tls, mem, binary):
     """MB/s (10^6 bytes) of ucp_get of size bytes from A's namespace to B's."""
     a, b = cl.nodes[0], cl.nodes[1]
     mflag = ["-m", "%s,%s" % (mem, mem)] if mem != "host" else []
     env = dict(os.environ, UCX_TLS=tls)
     srv = subprocess.Popen(["ip", "netns", "exec", a.ns, "env", "UCX_NET_DEVICES=" + a.dev,
-                            "ucx_perftest", "-p", str(PERF_PORT)] + mflag,
+                            binary, "-p", str(PERF_PORT)] + mflag,
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for attempt in range(50):
             r = subprocess.run(["ip", "netns", "exec", b.ns, "env", "UCX_NET_DEVICES=" + b.dev,
-                                "ucx_perftest", a.addr, "-p", str(PERF_PORT), "-t", "ucp_get",
+                                binary, a.addr, "-p", str(PERF_PORT), "-t", "ucp_get",
                                 "-s", str(size), "-n", str(iters), "-w", "1"] + mflag,
                                env=env, capture_output=True, text=True, timeout=900)
             m = re.search(r"^Final:\s+(.*)$", r.stdout, re.M)
@@ -266,6 +271,9 @@ def main():
                          "0: not)")
     ap.add_argument("--tls", default="tcp", help="UCX_TLS for everything (default tcp)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--perftest", default="ucx_perftest",
+                    help="the ucx_perftest to run (default: on PATH; the libucx-cu13 wheel has "
+                         "one in libucx/bin, run with LD_LIBRARY_PATH at libucx/lib)")
     ap.add_argument("--torch-python", default=sys.executable,
                     help="interpreter with torch for the gloo half (default: this one)")
     ap.add_argument("--skip", default="", help="comma list of halves to leave out: "
@@ -298,14 +306,18 @@ def main():
                  backend="cuda" if cuda else "host", tls=args.tls)
     try:
         cl.up()
-        if "perftest" not in skip:
+        perftest_bin = shutil.which(args.perftest)
+        if "perftest" not in skip and not perftest_bin:
+            res["perftest_skipped"] = "no %s (ucx-utils, or --perftest PATH)" % args.perftest
+            log("ucx_perftest: SKIPPED: " + res["perftest_skipped"])
+        elif "perftest" not in skip:
             msize = args.size // args.members
             mem = "cuda" if cuda else "host"
             res["perftest_MBps"] = {}
             sizes = [(args.get_size, max(4, 2 * args.size // args.get_size))] if args.get_size else []
             sizes += [(msize, max(2, 4 * args.members)), (args.size, 4)]
             for size, iters in sizes:
-                mbps = perftest(cl, size, iters, args.tls, mem)
+                mbps = perftest(cl, size, iters, args.tls, mem, perftest_bin)
                 res["perftest_MBps"][str(size)] = mbps
                 log("ucx_perftest ucp_get %11d B x %3d (%s): %8.1f MB/s" % (size, iters,
                                                                            args.tls, mbps))
@@ -320,12 +332,21 @@ def main():
                 res["gloo_skipped"] = why
                 log("gloo broadcast: SKIPPED: " + why)
         if "remote" not in skip:
+            r = None
             why = peers_support(os.environ["GPUPOOLD"])
-            if why:
+            if not why:
+                import gpupool
+
+                try:
+                    r = remote_half(cl, args, cuda)
+                except gpupool.GpupoolError as e:
+                    if e.name != "ENOTSUP":  # device pools the daemon does not fetch
+                        raise
+                    why = e.message
+            if r is None:
                 res["remote_skipped"] = why
                 log("gpupool remote fetch: SKIPPED: " + why)
             else:
-                r = remote_half(cl, args, cuda)
                 res["remote"] = r
                 for k in ("bundle", "state_dict"):
                     log("gpupool remote fetch, %s %.2f GB: %.3f s median (%.1f MB/s)"
