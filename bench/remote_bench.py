@@ -173,8 +173,6 @@ def peers_support(gpupoold):
 
 def fetch_series(ca, cb, name, td, reps, check):
     """Publish td on A reps times; B fetches each version: seconds per fetch."""
-    import gpupool  # noqa: F401
-
     times = []
     for rep in range(reps):
         v = ca.publish_dict(name, td)

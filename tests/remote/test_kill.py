@@ -1,7 +1,7 @@
 """A fetch killed on either side leaves nothing behind, the getter is told why, and the next
 fetch works. The links are capped (netns.sh GPUPOOL_NETNS_RATE) so that a 1 GiB fetch lasts
-seconds and the kill lands in its middle: the tests wait until bytes are moving and the
-fetch is still in flight, then SIGKILL.
+seconds and the kill lands in its middle: the tests wait until the fetch is in flight on B
+and A holds the version for it, then SIGKILL.
 
 - The source daemon (A) dies mid-fetch: B's getter gets an error naming peer A and saying to
   retry; B is back to its baseline (buffers, holds, names, pool bytes); A restarted and the
@@ -76,7 +76,7 @@ def test_getter_killed_mid_fetch():
         served = a.peer("B")["versions_served"]
         getter = b.worker("get", "A:big", 600)
         assert getter.stdout.readline().strip() == "started"
-        fetched = mid_fetch(a, b, base_a)
+        mid_fetch(a, b, base_a)
         getter.send_signal(signal.SIGKILL)
         getter.communicate()
         wait_for(lambda: b.peer("A")["fetches_in_flight"] == 0, "B's fetch from A ended", 60)
@@ -85,7 +85,6 @@ def test_getter_killed_mid_fetch():
         # Nothing was published from the abandoned fetch (it may have run to its end).
         assert b.stats()["names"] == base_b["names"], b.stats()
         assert b.peer("A")["state"] == "connected", b.peer("A")
-        del fetched
         # The next fetch works, and is a fetch of its own.
         before = b.peer("A")["bytes_fetched"]
         getter = b.worker("get", "A:big", 600, SEED)
