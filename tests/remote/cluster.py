@@ -270,7 +270,8 @@ class Cluster:
         self.gpupoold = binary("GPUPOOLD", "gpupoold")
         self.gpupoolctl = binary("GPUPOOLCTL", "gpupoolctl")
         # One prefix per run: two suites side by side never share a namespace.
-        self.prefix = "gpr%d" % (os.getpid() % 100000)
+        reap_stale()
+        self.prefix = "gpr%d-" % os.getpid()
         self.dir = tempfile.mkdtemp(prefix="gpupool-remote-")
         os.chmod(self.dir, 0o755)  # the hidden tenant's client (nobody) reaches the sockets
         self.secret_file = self.write_secret("secret", b"remote-tests-shared-secret-0123456789")
@@ -347,6 +348,24 @@ class Cluster:
         return False
 
 
+def reap_stale():
+    """Namespaces of runs that were killed before their cleanup (a ctest timeout kills with
+    SIGKILL): gpr<pid>-... whose pid is gone. Their daemons are killed, the namespaces removed."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for ns in (line.split()[0] for line in out.splitlines() if line.strip()):
+        m = re.match(r"^gpr(\d+)-(br|\d+)$", ns)
+        if not m or os.path.exists("/proc/%s" % m.group(1)):
+            continue
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                              text=True).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+
+
 def wait_for(pred, what, timeout=60.0, interval=0.02):
     """Poll until pred() returns a true value, which is returned."""
     deadline = time.monotonic() + timeout
@@ -374,6 +393,9 @@ def pattern(seed, nbytes):
 def run_tests(tests):
     """Run each (name, fn) in order, print PASS/FAIL lines; exit 1 if any failed."""
     require()
+    # SIGTERM (ctest stopping the run, a user) unwinds like an exception: daemons stopped,
+    # namespaces removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     failed = []
     for name, fn in tests:
         t0 = time.monotonic()
