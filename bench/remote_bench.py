@@ -6,9 +6,10 @@ Two namespaces joined by veth pairs on a bridge (tests/remote/netns.sh), one gpu
 (tests/remote/cluster.py: A serves, B fetches; UCX over TCP unless --tls says otherwise). Three
 halves, each printed with its figures; the ratios last:
 
-1. ucx_perftest -t ucp_get between the same namespaces, same UCX_TLS and UCX_NET_DEVICES, at
-   the size of the daemon's own gets (--get-size), the bundle's member size and its whole
-   size: what UCX itself moves over this link.
+1. ucx_perftest between the same namespaces, same UCX_TLS and UCX_NET_DEVICES: -t ucp_get at
+   the bundle's member size and at its whole size (the target's reference), and -t ucp_am_bw
+   at the size of the daemon's own messages (--msg-size; the serving daemon sends a version as
+   UCX active messages): what UCX itself moves over this link.
 2. torch.distributed broadcast (gloo, GLOO_SOCKET_IFNAME the node's veth) of the 146 tensors
    of bench/weight_sync.py's Llama-3.2-1B-shaped state dict (bf16, about 2.5 GB) from rank 0
    in A's namespace to rank 1 in B's: rank 1's time from a barrier to the last tensor in.
@@ -19,7 +20,8 @@ halves, each printed with its figures; the ratios last:
    each version is a full fetch). The first version is checked bit-exact. Needs a gpupoold
    with peer support (`gpupoold --version` prints `peers: ucx ...`); skipped without.
 
-Ratios: remote 1 GiB fetch / ucx_perftest at the same size (target >= 0.90), and gloo
+Ratios: remote 1 GiB fetch / ucx_perftest ucp_get at the same size (target >= 0.90), the
+same against the best perftest figure and against ucp_am_bw, and gloo
 broadcast time / remote fetch time of the state dict (> 1: gpupool faster).
 
 As root (namespaces), from the repository root, on a build tree:
@@ -69,9 +71,12 @@ def llama():
 
 # ---- 1. ucx_perftest --------------------------------------------------------------------
 
-def perftest(cl, size, iters, tls, mem, binary):
-    """MB/s (10^6 bytes) of ucp_get of size bytes from A's namespace to B's."""
+def perftest(cl, test, size, iters, tls, mem, binary):
+    """MB/s (10^6 bytes) that ucx_perftest -t test moves from A's namespace to B's: ucp_get
+    reads A's memory from B (the client in B), ucp_am_bw sends from A (the client in A)."""
     a, b = cl.nodes[0], cl.nodes[1]
+    if test != "ucp_get":
+        a, b = b, a  # the server is where the data goes
     mflag = ["-m", "%s,%s" % (mem, mem)] if mem != "host" else []
     env = dict(os.environ, UCX_TLS=tls)
     srv = subprocess.Popen(["ip", "netns", "exec", a.ns, "env", "UCX_NET_DEVICES=" + a.dev,
@@ -80,7 +85,7 @@ def perftest(cl, size, iters, tls, mem, binary):
     try:
         for attempt in range(50):
             r = subprocess.run(["ip", "netns", "exec", b.ns, "env", "UCX_NET_DEVICES=" + b.dev,
-                                binary, a.addr, "-p", str(PERF_PORT), "-t", "ucp_get",
+                                binary, a.addr, "-p", str(PERF_PORT), "-t", test,
                                 "-s", str(size), "-n", str(iters), "-w", "1"] + mflag,
                                env=env, capture_output=True, text=True, timeout=900)
             m = re.search(r"^Final:\s+(.*)$", r.stdout, re.M)
@@ -264,9 +269,9 @@ def main():
     ap.add_argument("--size", type=int, default=GIB, help="bundle bytes (default 1 GiB)")
     ap.add_argument("--members", type=int, default=16, help="bundle members (default 16)")
     ap.add_argument("--reps", type=int, default=3, help="versions per figure (default 3)")
-    ap.add_argument("--get-size", type=int, default=8 * MIB,
-                    help="also run ucx_perftest at the size of the daemon's gets (default 8 MiB; "
-                         "0: not)")
+    ap.add_argument("--msg-size", type=int, default=MIB,
+                    help="ucx_perftest -t ucp_am_bw at this size too: the daemon's own messages "
+                         "(active messages of 1 MiB, the default; 0: not)")
     ap.add_argument("--tls", default="tcp", help="UCX_TLS for everything (default tcp)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--perftest", default="ucx_perftest",
@@ -312,13 +317,14 @@ def main():
             msize = args.size // args.members
             mem = "cuda" if cuda else "host"
             res["perftest_MBps"] = {}
-            sizes = [(args.get_size, max(4, 2 * args.size // args.get_size))] if args.get_size else []
-            sizes += [(msize, max(2, 4 * args.members)), (args.size, 4)]
-            for size, iters in sizes:
-                mbps = perftest(cl, size, iters, args.tls, mem, perftest_bin)
-                res["perftest_MBps"][str(size)] = mbps
-                log("ucx_perftest ucp_get %11d B x %3d (%s): %8.1f MB/s" % (size, iters,
-                                                                           args.tls, mbps))
+            runs = [("ucp_get", msize, max(2, 4 * args.members)), ("ucp_get", args.size, 4)]
+            if args.msg_size:
+                runs.append(("ucp_am_bw", args.msg_size, max(16, 2 * args.size // args.msg_size)))
+            for test, size, iters in runs:
+                mbps = perftest(cl, test, size, iters, args.tls, mem, perftest_bin)
+                res["perftest_MBps"]["%s %d" % (test, size)] = mbps
+                log("ucx_perftest %-9s %11d B x %4d (%s): %8.1f MB/s" % (test, size, iters,
+                                                                         args.tls, mbps))
         if "gloo" not in skip:
             g, why = gloo_half(cl, args)
             if g:
@@ -355,10 +361,12 @@ def main():
 
     ratios = {}
     if "remote" in res and "perftest_MBps" in res:
-        whole = res["perftest_MBps"][str(args.size)]
+        pt = res["perftest_MBps"]
         got = res["remote"]["bundle"]["bytes"] / res["remote"]["bundle"]["median_s"] / 1e6
-        ratios["remote_bundle_vs_perftest_same_size"] = got / whole
-        ratios["remote_bundle_vs_perftest_best"] = got / max(res["perftest_MBps"].values())
+        ratios["remote_bundle_vs_perftest_get_same_size"] = got / pt["ucp_get %d" % args.size]
+        ratios["remote_bundle_vs_perftest_best"] = got / max(pt.values())
+        if "ucp_am_bw %d" % args.msg_size in pt:
+            ratios["remote_bundle_vs_perftest_am_bw"] = got / pt["ucp_am_bw %d" % args.msg_size]
     if "remote" in res and "gloo" in res:
         ratios["gloo_time_over_remote_time_state_dict"] = (
             res["gloo"]["median_s"] / res["remote"]["state_dict"]["median_s"])
