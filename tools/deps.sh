@@ -9,6 +9,9 @@ PKGS=(build-essential cmake ninja-build pkg-config libuv1-dev libprotobuf-c-dev 
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 
+# The peer tests (tests/remote): network namespaces (ip netns, tc) and a round trip to check them.
+PKGS+=(iproute2 iputils-ping)
+
 # libFuzzer and the sanitizer runtimes of clang N (the fuzz targets, tools/fuzz.sh) come in
 # libclang-rt-N-dev on Debian 12 and newer Ubuntu, in libclang-common-N-dev on older ones.
 fuzzer_runtime_pkg() {
