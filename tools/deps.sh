@@ -5,7 +5,11 @@ set -euo pipefail
 
 PKGS=(build-essential cmake ninja-build pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler
       libcmocka-dev python3 python3-numpy python3-venv python3-pip systemd clang groff-base
-      debootstrap systemd-container ca-certificates libucx-dev ucx-utils iproute2)
+      debootstrap systemd-container ca-certificates)
+
+# Peers (daemon-to-daemon fetches, daemon/peers*.c): UCX, found by pkg-config; without it the
+# daemon builds without peers and says so.
+PKGS+=(libucx-dev ucx-utils)
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 
