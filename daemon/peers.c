@@ -1769,6 +1769,16 @@ int gpd_peers_start(gpd_server *s) {
                           &p->secret_len)) != 0)
       goto fail;
   }
+  /* The default secret is checked even when no [peer] uses it yet: a file others can read is
+   * refused at start, not first when a [peer] section is added and the daemon restarted. */
+  if (cfg->peer_secret_file[0]) {
+    uint8_t secret[MAX_SECRET];
+    size_t len;
+    rc = read_secret(cfg->peer_secret_file, secret, &len);
+    explicit_bzero(secret, sizeof secret);
+    if (rc != 0)
+      goto fail;
+  }
   if (cfg->peer_listen[0] && !cfg->n_peers)
     GPUPOOL__WARN("peers: peer_listen is set but no [peer] section: no daemon can authenticate to this one");
   gpupool__hmap_init(&P->receiving);
