@@ -86,15 +86,32 @@ if mode in ("allocator", "install"):
 PYEOF
 
 cp "$test_file" "$work/test_multiprocessing.py"
-kargs=()
-for k in $tests; do kargs+=(-k "$k"); done
+# The tests to run, by name (read from the file without importing it), minus those that cannot
+# apply to a mode: under use_allocator() test_rebuild_cuda_tensor calls torch's internal
+# storage._share_cuda_(), which CUDAPluggableAllocator refuses ("does not yet support
+# shareIPcHandle"); its child dies and the parent waits on queue.get() with no timeout.
+names() { # MODE
+  "$py" - "$work/test_multiprocessing.py" "$1" "$tests" <<'PYEOF'
+import ast, sys
+path, mode, pats = sys.argv[1], sys.argv[2], sys.argv[3].split()
+na = {"allocator": {"test_rebuild_cuda_tensor"}}.get(mode, set())
+tree = ast.parse(open(path).read())
+for cls in tree.body:
+    if isinstance(cls, ast.ClassDef) and cls.name == "TestMultiprocessing":
+        for f in cls.body:
+            if isinstance(f, ast.FunctionDef) and f.name.startswith("test") and f.name not in na \
+                    and (not pats or any(p in f.name for p in pats)):
+                print("TestMultiprocessing." + f.name)
+PYEOF
+}
 for mode in $modes; do
   echo "==== torch-mp-suite: mode $mode"
+  [ "$mode" != allocator ] || echo "not applicable under use_allocator(): test_rebuild_cuda_tensor (see above)" >"$out/$mode.na"
   (cd "$work" &&
     GPUPOOL_TORCH_SUITE_MODE=$mode GPUPOOL_SOCKET=$sock PYTHONPATH="$work/site:$root/python${PYTHONPATH:+:$PYTHONPATH}" \
     GPUPOOL_LIBRARY=$root/$build/client/libgpupool-client.so \
     GPUPOOL_TORCH_ALLOC_LIBRARY=$root/$build/client/libgpupool-torch-alloc.so \
-    timeout 3000 "$py" test_multiprocessing.py -v "${kargs[@]}" >"$out/$mode.log" 2>&1)
+    timeout 3000 "$py" test_multiprocessing.py -v $(names "$mode") >"$out/$mode.log" 2>&1)
   echo "exit status $?" >>"$out/$mode.log"
 done
 
