@@ -876,7 +876,14 @@ static void sub_ask(sub *sb) {
   }
   if (n && n->version > min_newer)
     min_newer = n->version;
-  sb->id = ++P->next_id;
+  /* The fetch's id names it in the data messages the source sends to this daemon's UCX
+   * worker, which any peer that learnt the worker's address can send to: an id another peer
+   * could guess (a counter) would let it fill someone else's fetch with bytes of its own. A
+   * random 64-bit id, unique among this daemon's fetches, cannot be guessed. */
+  do {
+    if (getrandom(&sb->id, sizeof sb->id, 0) != (ssize_t)sizeof sb->id)
+      sb->id = ++P->next_id ^ (now * 0x9E3779B97F4A7C15ull); /* no entropy: still unique below */
+  } while (!sb->id || gpupool__hmap_get(&l->asked, sb->id) || gpupool__hmap_get(&P->receiving, sb->id));
   if (gpupool__hmap_put(&l->asked, sb->id, sb) != 0) {
     sub_fail_waiters(sb, GPUPOOL_ENOMEM, "out of memory in the daemon", 0);
     sub_free(sb);
