@@ -301,7 +301,7 @@ int gpd_find_newer(gpd_registry *reg, gpd_client *c, const char *name, uint64_t 
 }
 
 int gpd_find_single(gpd_registry *reg, gpd_client *c, const char *name, uint64_t newer_than, gpd_name **out) {
-  gpd_name *n;
+  gpd_name *n = NULL;
   int rc = gpd_find_newer(reg, c, name, newer_than, &n);
   if (rc != 0)
     return rc;
@@ -319,7 +319,7 @@ int gpd_find_single(gpd_registry *reg, gpd_client *c, const char *name, uint64_t
 
 int gpd_get(gpd_registry *reg, gpd_client *c, const char *name, int read_only, uint64_t newer_than,
                  gpd_hold **out, uint64_t *version) {
-  gpd_name *n;
+  gpd_name *n = NULL;
   int rc = gpd_find_single(reg, c, name, newer_than, &n);
   if (rc != 0)
     return rc;
@@ -330,7 +330,7 @@ int gpd_get(gpd_registry *reg, gpd_client *c, const char *name, int read_only, u
 
 int gpd_get_bundle(gpd_registry *reg, gpd_client *c, const char *name, int read_only,
                         uint64_t newer_than, gpd_hold ***holds, const gpd_name **out) {
-  gpd_name *n;
+  gpd_name *n = NULL;
   gpd_hold **hs;
   int rc = gpd_find_newer(reg, c, name, newer_than, &n);
   if (rc != 0)
@@ -362,7 +362,7 @@ static void name_remove(gpd_registry *reg, gpd_name *n) {
 }
 
 int gpd_unpublish(gpd_registry *reg, gpd_client *c, const char *name) {
-  gpd_name *n;
+  gpd_name *n = NULL;
   int rc = gpd_find_name(reg, c, name, &n);
   if (rc != 0)
     return rc;
