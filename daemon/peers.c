@@ -126,6 +126,7 @@ struct sub {
   plink *link;            /* that it went on */
   uint64_t deadline_ns;  /* the latest any getter waits to */
   uint64_t asked_ns, wait_ms, started_ns;
+  uint64_t asked_newer; /* the newer_than the get asked the peer for */
   int asked_once;        /* a first PeerGet went out (later ones only while getters have time) */
   /* The transfer: a client of the daemon's own holding the local copy until published. */
   gpd_client cl;
@@ -899,6 +900,7 @@ static void sub_ask(sub *sb) {
   g.tenant = sb->rtenant;
   g.name = sb->rname;
   g.newer_than = min_newer;
+  sb->asked_newer = min_newer;
   g.wait_ms = (uint32_t)sb->wait_ms;
   f.body_case = GPUPOOL__WIRE__PEER_FRAME__BODY_GET;
   f.get = &g;
@@ -1182,6 +1184,17 @@ static void on_get_reply(plink *l, Gpupool__Wire__PeerFrame *fr) {
       sb->state = S_ASKED;
       sub_failed(sb, code, msg);
     }
+    return;
+  }
+  if (r->version <= sb->asked_newer) {
+    /* A peer that answers with a version not newer than asked would make this daemon publish
+     * older bytes over newer ones, and fetch again and again. */
+    snprintf(msg, sizeof msg, "peer %s answered '%s' with version %" PRIu64 ", not newer than the %" PRIu64
+             " asked for (a peer daemon that does not follow the protocol; check its version)",
+             l->peer->conf->name, sb->rname, r->version, sb->asked_newer);
+    send_done(l, r->id);
+    gpupool__wire__peer_frame__free_unpacked(fr, NULL);
+    sub_failed(sb, GPUPOOL_EPROTO, msg);
     return;
   }
   sub_transfer(sb, fr);
