@@ -1381,8 +1381,12 @@ static void on_hello(plink *l, const Gpupool__Wire__PeerHello *m) {
   char msg[256];
 
   if (m->protocol != GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION || m->nonce.len != NONCE_LEN) {
-    snprintf(msg, sizeof msg, "protocol %u, this daemon speaks %d: run the same gpupool version on both", m->protocol,
-             GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION);
+    if (m->protocol != GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION)
+      snprintf(msg, sizeof msg, "protocol %u, this daemon speaks %d: run the same gpupool version on both",
+               m->protocol, GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION);
+    else
+      snprintf(msg, sizeof msg, "its Hello has a nonce of %zu bytes, not %d: not a gpupoold of this version",
+               m->nonce.len, NONCE_LEN);
     send_error(l, GPUPOOL_EVERSION, msg);
     GPUPOOL__PEER_WARN(&P->log_rl, 0, "peers: %s refused: %s", l->addr, msg);
     link_close_after_send(l, msg);
@@ -1408,8 +1412,12 @@ static void on_hello(plink *l, const Gpupool__Wire__PeerHello *m) {
         found = i;
       }
   if (found < 0 || by_ip > 1) {
-    snprintf(msg, sizeof msg, "this daemon has no [peer] section for %s (listening at '%s'); add one with its address "
-             "and secret", l->addr, m->listen ? m->listen : "");
+    if (by_ip > 1)
+      snprintf(msg, sizeof msg, "%d [peer] sections match %s's address and its Hello names no peer_listen to tell "
+               "them apart; set peer_listen on that daemon", by_ip, l->addr);
+    else
+      snprintf(msg, sizeof msg, "this daemon has no [peer] section for %s (listening at '%s'); add one with its "
+               "address and secret", l->addr, m->listen ? m->listen : "");
     GPUPOOL__PEER_WARN(&P->log_rl, 0, "peers: connection from %s refused: %s", l->addr, msg);
     send_error(l, GPUPOOL_EPERM, msg);
     link_close_after_send(l, msg);
