@@ -356,8 +356,10 @@ def _rebuild(chan_id, worker_id, bid, token, payload, table):
         raise error("EINVAL", "a PinnedLoader batch reached a process that did not start its "
                     "workers (or its iterator is gone): batches are opened only by the "
                     "DataLoader iterator that made them")
-    t = _open(chan.client, token, None)
     try:
+        # The worker keeps its hold until told, whether or not the open worked: a failed open
+        # (a limit, a daemon restart) must not leave the batch's buffer pending in the worker.
+        t = _open(chan.client, token, None)
         # The release is ordered after the work queued on the stream current now (where the
         # batch's copy to the GPU is expected).
         stream = _stream_now(torch.cuda.current_device()
