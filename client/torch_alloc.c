@@ -94,35 +94,45 @@ EXPORT int gpupool_torch_alloc_configure(const char *socket, const char *const *
 
 EXPORT void *gpupool_torch_alloc(size_t size, int device, void *stream) {
   gpupool_buffer *b = NULL;
+  gpupool_client *c;
+  const char *pool;
   entry *e;
   int rc;
+  /* The lock covers the connection's making and the table, not the round trip to the daemon:
+   * other threads' frees and lookups (a gpupool.torch send) do not wait behind an allocation. */
   pthread_mutex_lock(&mu);
   if (!cli && (rc = gpupool_client_connect(socket_path, "torch-allocator", GPUPOOL_TIMEOUT_DEFAULT, &cli)) != 0) {
     cli = NULL;
     set_error("gpupool torch allocator: cannot connect to gpupoold", rc);
-    goto fail;
-  }
-  if ((nentries + 1) * 2 > nbuckets && grow() != 0) {
-    snprintf(last_error, sizeof last_error, "gpupool torch allocator: out of host memory for its table");
-    goto fail;
-  }
-  if (!(e = malloc(sizeof *e))) {
-    snprintf(last_error, sizeof last_error, "gpupool torch allocator: out of host memory for its table");
-    goto fail;
+    pthread_mutex_unlock(&mu);
+    return NULL;
   }
   if (device < 0 || device >= MAX_DEVICES || !pools[device]) {
     snprintf(last_error, sizeof last_error,
              "gpupool torch allocator: no gpupool pool for CUDA device %d (the daemon has no device pool "
              "there, or use_allocator(pools=...) named none)", device);
-    free(e);
-    goto fail;
+    pthread_mutex_unlock(&mu);
+    return NULL;
   }
-  rc = gpupool_buffer_alloc(cli, pools[device], size ? size : 1, 0, stream, &b);
+  c = cli;
+  pool = pools[device];
+  pthread_mutex_unlock(&mu);
+  if (!(e = malloc(sizeof *e))) {
+    pthread_mutex_lock(&mu);
+    snprintf(last_error, sizeof last_error, "gpupool torch allocator: out of host memory for its table");
+    pthread_mutex_unlock(&mu);
+    return NULL;
+  }
+  rc = gpupool_buffer_alloc(c, pool, size ? size : 1, 0, stream, &b);
+  pthread_mutex_lock(&mu);
   if (rc != 0) {
     char what[96];
     snprintf(what, sizeof what, "gpupool torch allocator: allocation of %zu bytes on device %d", size, device);
     set_error(what, rc);
-    free(e);
+    goto fail;
+  }
+  if ((nentries + 1) * 2 > nbuckets && grow() != 0) {
+    snprintf(last_error, sizeof last_error, "gpupool torch allocator: out of host memory for its table");
     goto fail;
   }
   e->ptr = (uintptr_t)gpupool_buffer_ptr(b);
@@ -136,6 +146,9 @@ EXPORT void *gpupool_torch_alloc(size_t size, int device, void *stream) {
   return (void *)e->ptr;
 fail:
   pthread_mutex_unlock(&mu);
+  free(e);
+  if (b)
+    (void)gpupool_buffer_release(b, stream);
   return NULL;
 }
 
