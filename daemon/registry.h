@@ -184,8 +184,9 @@ struct gpd_copy {
   gpupool__bcopy *job;   /* NULL while it waits for a slot (GPD_COPIES_RUNNING_MAX) */
   gpupool__bcopy_seg *segs; /* what it copies, until it starts */
   int ndst;
-  gpd_replica **reps;    /* the replicas it fills */
+  gpd_replica **reps;    /* the replicas it fills (source i to device d: reps[i * ndst + d]) */
   uint32_t nreps;
+  uint32_t nmade;        /* replica buffers made so far: it starts once all nreps exist */
   gpd_buffer **srcs;     /* referenced once each while it runs */
   uint32_t nsrcs;
   uint64_t bytes;        /* bytes it writes, all destinations */
@@ -376,6 +377,10 @@ struct gpd_registry {
   uint64_t ncopies, ncopies_started;
   uv_timer_t copy_timer;
   int copy_timer_on;
+  /* Jobs whose replica buffers are still being made, a slice of loop time per turn. */
+  uint64_t ncopies_making;
+  uv_idle_t copy_make_idle;
+  int copy_make_on;
   uint64_t copies_started, copies_failed, copy_bytes;
   /* Called when a copy job ended (rc 0, or the error with its message) after its replicas
    * became ready or were dropped: the server answers or retries the gets waiting on it. */

@@ -6,7 +6,8 @@
  * from its loop without blocking, and handed out only once every byte is in. Getters wait for
  * the job as gets wait for a publish; a job that fails drops its replicas and fails its
  * waiters, and the next get starts again. A broadcast publish starts the replicas at once,
- * one job along the devices as a chain.
+ * one job along the devices as a chain. A job's replica buffers are made a slice of loop time
+ * per turn (copy_make), so one big job does not hold the loop for all its allocations.
  *
  * Ownership: the source buffer lists its replicas and holds one reference on each replica
  * buffer; holders of a replica hold it as any buffer. The source's last holder letting go (its
@@ -147,14 +148,60 @@ static int srcs_ready(const gpd_registry *reg, gpd_buffer *const *srcs, uint32_t
   return 1;
 }
 
+/* Loop time one turn spends making replica buffers (each is a slab allocation on the backend at
+ * worst: on CUDA an allocation, a memset, a sync and an export): a broadcast of a big bundle
+ * makes its buffers over many turns, and the loop serves every other client in between. */
+#define GPD_COPY_MAKE_SLICE_NS 1000000ull
+
+static void copy_make_update(gpd_registry *reg);
+
+/* Make cp's next replica buffers until every one exists or the slice ends at `until` (at
+ * least one each call): 0, or the error of the one that could not be made. */
+static int copy_make(gpd_registry *reg, gpd_copy *cp, uint64_t until) {
+  while (cp->nmade < cp->nreps) {
+    gpd_replica *r = cp->reps[cp->nmade];
+    uint32_t i = cp->nmade / (uint32_t)cp->ndst, d = cp->nmade % (uint32_t)cp->ndst;
+    int rc = replica_buffer(reg, r->src, r->device, &r->buf);
+    if (rc != 0)
+      return rc;
+    cp->segs[i].dst[d] = loc_of(r->buf);
+    cp->bytes += r->src->asked;
+    cp->nmade++;
+    if (uv_hrtime() >= until)
+      break;
+  }
+  return 0;
+}
+
+/* Free a job not yet registered (copy_new failing): its replica records and buffers. */
+static void copy_discard(gpd_registry *reg, gpd_copy *cp, gpupool__bcopy_seg *segs) {
+  if (cp) {
+    for (uint32_t k = 0; k < cp->nreps; k++) {
+      if (!cp->reps[k])
+        continue;
+      if (cp->reps[k]->buf)
+        gpd_buffer_unref(reg, cp->reps[k]->buf);
+      free(cp->reps[k]);
+    }
+    free(cp->reps);
+    free(cp->srcs);
+    free(cp);
+  }
+  free(segs);
+}
+
 /* Start one job copying each of the n sources to each of the ndev devices (a chain along
- * them): replicas made and attached, sources referenced. Nothing changes on error. */
+ * them): replicas attached, sources referenced. Its replica buffers are made a slice of loop
+ * time at a time: the first slice here (a small job is complete at once, and an error there,
+ * such as a quota, is returned with nothing changed), the rest on the next turns
+ * (copy_make_cb); an error there ends the job, its getters told. The copy starts once every
+ * buffer exists. */
 static int copy_new(gpd_registry *reg, gpd_buffer *const *srcs, uint32_t n, const int *devs, int ndev,
                     gpd_copy **out) {
   const gpupool__backend_ops *ops = reg->be->ops;
   gpupool__bcopy_seg *segs = NULL;
   gpd_copy *cp = NULL;
-  uint32_t made = 0, total = n * (uint32_t)ndev;
+  uint32_t total = n * (uint32_t)ndev;
   int rc;
 
   if (!ops->copy_start)
@@ -164,51 +211,58 @@ static int copy_new(gpd_registry *reg, gpd_buffer *const *srcs, uint32_t n, cons
     return gpupool__err(GPUPOOL_ECLOSED, "the daemon is stopping: it starts no copy");
   if (ndev < 1 || ndev > GPUPOOL_COPY_MAX_DSTS)
     return gpupool__err(GPUPOOL_EINVAL, "a copy goes to 1 to %d devices, not %d", GPUPOOL_COPY_MAX_DSTS, ndev);
+  /* Every device has a pool for it, checked before anything is made. */
+  for (uint32_t i = 0; i < n; i++)
+    for (int d = 0; d < ndev; d++)
+      if (!pool_on(reg, devs[d], srcs[i]->slab->owner))
+        return no_pool(reg, devs[d], srcs[i]->slab->owner);
   if (!(cp = calloc(1, sizeof *cp)) || !(cp->reps = calloc(total, sizeof *cp->reps)) ||
       !(cp->srcs = calloc(n, sizeof *cp->srcs)) || !(segs = calloc(n, sizeof *segs))) {
-    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
-    goto fail;
+    copy_discard(reg, cp, segs);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
+  cp->nreps = total;
+  cp->ndst = ndev;
   for (uint32_t i = 0; i < n; i++) {
     segs[i].src = loc_of(srcs[i]);
     segs[i].len = srcs[i]->asked;
     for (int d = 0; d < ndev; d++) {
       gpd_replica *r = calloc(1, sizeof *r);
       if (!r) {
-        rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
-        goto fail;
-      }
-      if ((rc = replica_buffer(reg, srcs[i], devs[d], &r->buf)) != 0) {
-        free(r);
-        goto fail;
+        copy_discard(reg, cp, segs);
+        return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
       }
       r->src = srcs[i];
       r->device = devs[d];
       r->copy = cp;
-      cp->reps[made++] = r;
-      segs[i].dst[d] = loc_of(r->buf);
-      cp->bytes += srcs[i]->asked;
+      cp->reps[i * (uint32_t)ndev + (uint32_t)d] = r;
     }
   }
-  /* Started now only when a slot is free and no older job waits for one. */
-  if (reg->ncopies_started < GPD_COPIES_RUNNING_MAX && reg->ncopies == reg->ncopies_started &&
-      srcs_ready(reg, srcs, n)) {
-    if ((rc = ops->copy_start(reg->be, segs, n, ndev, &cp->job)) != 0)
-      goto fail;
+  cp->segs = segs;
+  if ((rc = copy_make(reg, cp, uv_hrtime() + GPD_COPY_MAKE_SLICE_NS)) != 0) {
+    copy_discard(reg, cp, segs);
+    return rc;
+  }
+  /* Started now only when complete, a slot is free and no older job waits for one (jobs
+   * still making their buffers wait for nothing yet). */
+  if (cp->nmade == cp->nreps && reg->ncopies_started < GPD_COPIES_RUNNING_MAX &&
+      reg->ncopies - reg->ncopies_started == reg->ncopies_making && srcs_ready(reg, srcs, n)) {
+    if ((rc = ops->copy_start(reg->be, segs, n, ndev, &cp->job)) != 0) {
+      copy_discard(reg, cp, segs);
+      return rc;
+    }
     reg->ncopies_started++;
     free(segs);
-  } else {
-    cp->segs = segs; /* started when a slot frees (copy_launch) */
-    cp->ndst = ndev;
+    cp->segs = NULL;
   }
+  /* Otherwise started when its buffers exist and a slot frees (copy_timer_cb). */
   cp->id = gpd_next_id(reg);
-  cp->nreps = made;
   cp->nsrcs = n;
   for (uint32_t i = 0; i < n; i++) {
     cp->srcs[i] = srcs[i];
     srcs[i]->refs++;
   }
-  for (uint32_t k = 0; k < made; k++) {
+  for (uint32_t k = 0; k < total; k++) {
     gpd_replica *r = cp->reps[k];
     r->attached = 1;
     r->next = r->src->replicas;
@@ -222,22 +276,14 @@ static int copy_new(gpd_registry *reg, gpd_buffer *const *srcs, uint32_t n, cons
   reg->copies_tail = cp;
   reg->ncopies++;
   reg->copies_started++;
+  if (cp->nmade < cp->nreps)
+    reg->ncopies_making++;
   copy_timer_update(reg);
-  GPUPOOL__DEBUG("copy %" PRIu64 ": %u buffer(s) to %d device(s), %" PRIu64 " bytes", cp->id, n, ndev, cp->bytes);
+  copy_make_update(reg);
+  GPUPOOL__DEBUG("copy %" PRIu64 ": %u buffer(s) to %d device(s), %u of %u replica buffer(s) made", cp->id, n,
+                 ndev, cp->nmade, cp->nreps);
   *out = cp;
   return 0;
-fail:
-  if (cp) {
-    for (uint32_t k = 0; k < made; k++) {
-      gpd_buffer_unref(reg, cp->reps[k]->buf);
-      free(cp->reps[k]);
-    }
-    free(cp->reps);
-    free(cp->srcs);
-    free(cp);
-  }
-  free(segs);
-  return rc;
 }
 
 /* A job ended (rc 0: every byte is in): its replicas become ready (those still attached) or
@@ -248,6 +294,8 @@ static void copy_end(gpd_registry *reg, gpd_copy *cp, int rc, const char *msg) {
     reg->be->ops->copy_free(cp->job);
     reg->ncopies_started--;
   }
+  if (cp->nmade < cp->nreps)
+    reg->ncopies_making--;
   free(cp->segs);
   if (reg->copies_tail == cp)
     reg->copies_tail = cp->prev;
@@ -264,7 +312,8 @@ static void copy_end(gpd_registry *reg, gpd_copy *cp, int rc, const char *msg) {
       continue; /* ready: handed out from now on */
     if (r->attached)
       replica_unlink(r);
-    gpd_buffer_unref(reg, r->buf);
+    if (r->buf) /* NULL: not made yet */
+      gpd_buffer_unref(reg, r->buf);
     free(r);
   }
   for (uint32_t i = 0; i < cp->nsrcs; i++)
@@ -275,6 +324,7 @@ static void copy_end(gpd_registry *reg, gpd_copy *cp, int rc, const char *msg) {
   if (rc != 0)
     GPUPOOL__WARN("copy %" PRIu64 " of replicas failed: %s; the next get starts a new one", id, msg);
   copy_timer_update(reg);
+  copy_make_update(reg);
   if (reg->on_copy)
     reg->on_copy(reg, id, rc, msg);
   if (reg->memory_returned && reg->on_memory)
@@ -303,7 +353,7 @@ static void copy_timer_cb(uv_timer_t *t) {
   /* Waiting jobs whose slot freed: a start that fails ends the job with its error. */
   for (gpd_copy *cp = reg->copies; cp && reg->ncopies_started < GPD_COPIES_RUNNING_MAX &&
                                    nd < GPD_COPIES_RUNNING_MAX * 2; cp = cp->next) {
-    if (cp->job || !srcs_ready(reg, cp->srcs, cp->nsrcs))
+    if (cp->job || cp->nmade < cp->nreps || !srcs_ready(reg, cp->srcs, cp->nsrcs))
       continue;
     if (reg->be->ops->copy_start(reg->be, cp->segs, cp->nsrcs, cp->ndst, &cp->job) != 0) {
       rcs[nd] = GPUPOOL_EBACKEND;
@@ -329,12 +379,51 @@ static void copy_timer_update(gpd_registry *reg) {
   }
 }
 
+/* One slice of loop time a turn making the buffers of the jobs that still lack some, oldest
+ * first; a buffer that cannot be made (quota, room) ends its job with that error. */
+static void copy_make_cb(uv_idle_t *h) {
+  gpd_registry *reg = h->data;
+  uint64_t until = uv_hrtime() + GPD_COPY_MAKE_SLICE_NS;
+  char msg[256];
+  for (gpd_copy *cp = reg->copies; cp; cp = cp->next) {
+    int rc;
+    if (cp->nmade == cp->nreps)
+      continue;
+    if ((rc = copy_make(reg, cp, until)) != 0) {
+      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+      copy_end(reg, cp, rc, msg); /* may change the list: the next turn goes on */
+      return;
+    }
+    if (cp->nmade == cp->nreps) {
+      reg->ncopies_making--;
+      GPUPOOL__DEBUG("copy %" PRIu64 ": its %u replica buffer(s) made", cp->id, cp->nreps);
+    }
+    if (uv_hrtime() >= until)
+      break;
+  }
+  copy_make_update(reg);
+}
+
+static void copy_make_update(gpd_registry *reg) {
+  if (reg->ncopies_making && !reg->copy_make_on && !reg->stopped) {
+    uv_idle_start(&reg->copy_make_idle, copy_make_cb);
+    reg->copy_make_on = 1;
+  } else if (!reg->ncopies_making && reg->copy_make_on) {
+    uv_idle_stop(&reg->copy_make_idle);
+    reg->copy_make_on = 0;
+  }
+}
+
 void gpd_copies_stop(gpd_registry *reg) {
   while (reg->copies)
     copy_end(reg, reg->copies, GPUPOOL_ECLOSED, "the daemon is stopping");
   if (reg->copy_timer_on) {
     uv_timer_stop(&reg->copy_timer);
     reg->copy_timer_on = 0;
+  }
+  if (reg->copy_make_on) {
+    uv_idle_stop(&reg->copy_make_idle);
+    reg->copy_make_on = 0;
   }
 }
 
@@ -516,9 +605,12 @@ void gpd_replicate(gpd_registry *reg, gpd_client *c, const char *name, const uin
 void gpd_replicas_init(gpd_registry *reg) {
   uv_timer_init(reg->loop, &reg->copy_timer);
   reg->copy_timer.data = reg;
+  uv_idle_init(reg->loop, &reg->copy_make_idle);
+  reg->copy_make_idle.data = reg;
 }
 
 void gpd_replicas_close(gpd_registry *reg) {
   gpd_copies_stop(reg);
   uv_close((uv_handle_t *)&reg->copy_timer, NULL);
+  uv_close((uv_handle_t *)&reg->copy_make_idle, NULL);
 }

@@ -16,7 +16,9 @@
  * Test hooks (read at each copy_start, for the integration tests of replica logic):
  * GPUPOOL_TEST_COPY_FAIL=N fails the first N jobs of this daemon after their first chunk;
  * GPUPOOL_TEST_COPY_DELAY_MS=M sleeps M ms before each chunk (a copy that takes a while, to
- * kill or wait on).
+ * kill or wait on). GPUPOOL_TEST_SLAB_ALLOC_DELAY_MS=M (read at each slab_alloc) sleeps M ms
+ * in each slab allocation, on the daemon's thread: slabs as slow to make as GPU memory, for
+ * the tests that the daemon makes many of them a few per loop turn.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -65,8 +67,15 @@ static void host_pool_destroy(gpupool__bpool *p) { free(p); }
  * /proc by another user, plus that read-only fd, made once. */
 static int host_slab_alloc(gpupool__bpool *p, uint64_t size, gpupool__bslab *out) {
   char name[96], path[64];
+  const char *env = getenv("GPUPOOL_TEST_SLAB_ALLOC_DELAY_MS");
   int fd, ro, rc;
 
+  if (env) {
+    long ms = strtol(env, NULL, 10);
+    struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L};
+    while (ms > 0 && nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+  }
   size = (size + SLAB_GRAIN - 1) & ~(SLAB_GRAIN - 1);
   if (size > GPUPOOL_SLAB_HARD_MAX)
     return gpupool__err(GPUPOOL_ETOOBIG, "slab of %llu bytes exceeds 4 GiB", (unsigned long long)size);

@@ -30,6 +30,7 @@ static int teardown(void **state) {
   th_stop(&D);
   unsetenv("GPUPOOL_TEST_COPY_DELAY_MS");
   unsetenv("GPUPOOL_TEST_COPY_FAIL");
+  unsetenv("GPUPOOL_TEST_SLAB_ALLOC_DELAY_MS");
   return 0;
 }
 
@@ -618,6 +619,123 @@ static void test_broadcast_on_publish(void **state) {
   wait_all_idle();
 }
 
+/* ---- replica buffers made a few per loop turn ---- */
+
+#define NSPREAD 6
+
+/* Publish NSPREAD buffers of 5 MiB in gpu0 (each its own slab, and so each replica), member i
+ * filled with seed + i, as one bundle `name`, replicated to the ndev devices at once when ndev
+ * > 0; the producer's client is returned, its holds released. */
+static gpupool_client *publish_spread(const char *name, uint32_t seed, const int *devs, int ndev) {
+  gpupool_client *p = th_connect(&D, "producer");
+  gpupool_buffer *b[NSPREAD];
+  gpupool_member_ref refs[NSPREAD];
+  char names[NSPREAD][8];
+  for (int i = 0; i < NSPREAD; i++) {
+    assert_int_equal(gpupool_buffer_alloc(p, "gpu0", 5 * MIB, 0, NULL, &b[i]), 0);
+    th_fill(gpupool_buffer_ptr(b[i]), seed + (uint32_t)i, 5 * MIB);
+    snprintf(names[i], sizeof names[i], "m%d", i);
+    refs[i] = (gpupool_member_ref){names[i], b[i], 0, 5 * MIB, NULL};
+  }
+  assert_int_equal(gpupool_bundle_publish_members(p, name, refs, NSPREAD, NULL, NULL), 0);
+  for (int i = 0; i < NSPREAD; i++)
+    assert_int_equal(gpupool_buffer_release(b[i], NULL), 0);
+  if (ndev) {
+    /* published again, replicated this time (version 2, same memory) */
+    gpupool_bundle *g;
+    assert_int_equal(gpupool_bundle_get(p, name, 0, 0, 0, NULL, &g), 0);
+    assert_int_equal(gpupool_bundle_publish_to(g, name, NULL, devs, ndev, NULL), 0);
+    assert_int_equal(gpupool_bundle_release(g, NULL), 0);
+  }
+  return p;
+}
+
+static void check_spread(gpupool_client *c, const char *name, uint32_t seed, int device) {
+  gpupool_bundle *g;
+  gpupool_member m;
+  assert_int_equal(gpupool_bundle_get(c, name, 0, 20000, GPUPOOL_ON_DEVICE(device), NULL, &g), 0);
+  for (int i = 0; i < NSPREAD; i++) {
+    assert_int_equal(gpupool_bundle_member(g, i, &m), 0);
+    assert_true(th_check(m.ptr, seed + (uint32_t)i, m.size));
+  }
+  assert_int_equal(gpupool_bundle_release(g, NULL), 0);
+}
+
+/* A broadcast whose replica buffers are slow to make (each a slab, as on GPUs) does not stall
+ * the daemon: its publish is answered, and other clients' requests after it, while most of
+ * the replicas are still to be made; the getters then get them all, bit-exact. */
+static void test_broadcast_made_between_requests(void **state) {
+  const int devs[2] = {1, 2};
+  gpupool_client *p, *c;
+  (void)state;
+  setenv("GPUPOOL_TEST_SLAB_ALLOC_DELAY_MS", "100", 1);
+  start_sim(NULL);
+  p = publish_spread("wide", 80, devs, 2);
+  /* Another client's stats, answered after the publish: not every replica exists yet. */
+  assert_true(pool_used(1) + pool_used(2) < 2 * NSPREAD * 5 * MIB);
+  assert_int_equal(replica_counters().running, 1);
+  c = th_connect(&D, "consumer");
+  check_spread(c, "wide", 80, 1);
+  check_spread(c, "wide", 80, 2);
+  assert_int_equal(pool_used(1), NSPREAD * 5 * MIB);
+  assert_int_equal(pool_used(2), NSPREAD * 5 * MIB);
+  assert_int_equal(replica_counters().copies, 1);
+  assert_int_equal(gpupool_name_unpublish(p, "wide"), 0);
+  gpupool_client_disconnect(c);
+  gpupool_client_disconnect(p);
+  unsetenv("GPUPOOL_TEST_SLAB_ALLOC_DELAY_MS");
+  wait_all_idle();
+}
+
+/* No room for every replica of a bundle: the making fails midway, after the get was told to
+ * wait. The getter gets the reason, the replicas made so far go, and once there is room the
+ * next get makes them all. */
+static void test_making_fails_midway(void **state) {
+  gpupool_client *p, *c, *f;
+  gpupool_buffer *filler;
+  gpupool_bundle *g;
+  uint64_t before;
+  counters k;
+  (void)state;
+  setenv("GPUPOOL_TEST_SLAB_ALLOC_DELAY_MS", "20", 1);
+  start_sim(NULL);
+  f = th_connect(&D, "filler");
+  assert_int_equal(gpupool_buffer_alloc(f, "gpu1", 40 * MIB, 0, NULL, &filler), 0);
+  before = pool_used(1);
+  p = publish_spread("tight", 90, NULL, 0);
+  c = th_connect(&D, "consumer");
+  assert_int_equal(gpupool_bundle_get(c, "tight", 0, 20000, GPUPOOL_ON_DEVICE(1), NULL, &g), GPUPOOL_ENOSPC);
+  assert_non_null(strstr(gpupool_last_error(), "no room for a replica"));
+  k = replica_counters();
+  assert_int_equal(k.copies, 1);
+  assert_int_equal(k.failed, 1);
+  assert_int_equal(k.running, 0);
+  assert_int_equal(pool_used(1), before);
+  assert_int_equal(gpupool_buffer_release(filler, NULL), 0);
+  gpupool_client_disconnect(f);
+  check_spread(c, "tight", 90, 1);
+  assert_int_equal(replica_counters().copies, 2);
+  assert_int_equal(gpupool_name_unpublish(p, "tight"), 0);
+  gpupool_client_disconnect(c);
+  gpupool_client_disconnect(p);
+  unsetenv("GPUPOOL_TEST_SLAB_ALLOC_DELAY_MS");
+  wait_all_idle();
+}
+
+/* The daemon told to stop while a broadcast's replicas are still being made: it frees them
+ * and exits cleanly (th_stop requires exit status 0; under ASan a leak fails it). */
+static void test_stopped_while_making(void **state) {
+  const int devs[2] = {1, 2};
+  gpupool_client *p;
+  (void)state;
+  setenv("GPUPOOL_TEST_SLAB_ALLOC_DELAY_MS", "100", 1);
+  start_sim(NULL);
+  p = publish_spread("gone", 70, devs, 2);
+  assert_int_equal(replica_counters().running, 1);
+  gpupool_client_disconnect(p);
+  th_stop(&D);
+}
+
 /* ---- quotas ---- */
 
 static void test_replica_over_quota(void **state) {
@@ -650,5 +768,6 @@ int main(void) {
                       test_eight_getters_one_copy, test_more_copies_than_slots, test_replica_freed_with_version,
                       test_getter_killed_while_waiting, test_copy_failure_fails_waiters_then_retries,
                       test_daemon_killed_mid_copy, test_getters_waiting_for_the_publish, test_broadcast_on_publish,
-                      test_replica_over_quota);
+                      test_replica_over_quota, test_broadcast_made_between_requests, test_making_fails_midway,
+                      test_stopped_while_making);
 }
