@@ -190,6 +190,8 @@ struct gpd_copy {
   gpd_buffer **srcs;     /* referenced once each while it runs */
   uint32_t nsrcs;
   uint64_t bytes;        /* bytes it writes, all destinations */
+  uint64_t created_ns;   /* when it was asked for: it waits for its sources' ready events
+                          * at most GPD_COPY_READY_WAIT_NS from then */
   gpd_copy *prev, *next; /* in reg->copies */
 };
 
@@ -374,6 +376,7 @@ struct gpd_registry {
   /* Replica copies (replicas.c), oldest first: at most GPD_COPIES_RUNNING_MAX started on the
    * backend, the others waiting for a slot; polled by copy_timer while there are any. */
   gpd_copy *copies, *copies_tail;
+  uint64_t copy_ready_scan; /* the id of the last job whose sources' readiness a tick checked */
   uint64_t ncopies, ncopies_started;
   uv_timer_t copy_timer;
   int copy_timer_on;

@@ -137,16 +137,30 @@ static void copy_timer_update(gpd_registry *reg);
  * is in memory), 0 while one is pending: a copy starts only then, since the copy engine's
  * streams do not wait on the producer's. A query error counts as done: the copy then reads
  * what is there, as a getter would. */
-static int srcs_ready(const gpd_registry *reg, gpd_buffer *const *srcs, uint32_t n) {
+static int srcs_ready(const gpd_registry *reg, gpd_buffer *const *srcs, uint32_t n, uint32_t *budget) {
   if (!reg->be->ops->has_events)
     return 1;
   for (uint32_t i = 0; i < n; i++) {
     gpd_event *e = srcs[i]->ready;
-    if (e && e->be && reg->be->ops->event_query(e->be) == 0)
+    if (!e || !e->be)
+      continue;
+    if (budget && !*budget)
+      return 0;
+    if (budget)
+      (*budget)--;
+    if (reg->be->ops->event_query(e->be) == 0)
       return 0;
   }
   return 1;
 }
+
+/* A job waits this long for its sources' ready events (its producer's work queued before the
+ * publish), then fails: a producer whose stream never drains (a kernel that spins, a process
+ * stopped with work queued) would otherwise keep the replicas' memory and its getters forever. */
+#define GPD_COPY_READY_WAIT_NS (60ull * 1000000000ull)
+/* Ready-event queries one tick may make over all waiting jobs (the loop's one thread makes
+ * them): jobs beyond are checked on later ticks, in turn. */
+#define GPD_COPY_READY_QUERIES 64
 
 /* Loop time one turn spends making replica buffers (each is a slab allocation on the backend at
  * worst: on CUDA an allocation, a memset, a sync and an export): a broadcast of a big bundle
@@ -246,7 +260,7 @@ static int copy_new(gpd_registry *reg, gpd_buffer *const *srcs, uint32_t n, cons
   /* Started now only when complete, a slot is free and no older job waits for one (jobs
    * still making their buffers wait for nothing yet). */
   if (cp->nmade == cp->nreps && reg->ncopies_started < GPD_COPIES_RUNNING_MAX &&
-      reg->ncopies - reg->ncopies_started == reg->ncopies_making && srcs_ready(reg, srcs, n)) {
+      reg->ncopies - reg->ncopies_started == reg->ncopies_making && srcs_ready(reg, srcs, n, NULL)) {
     if ((rc = ops->copy_start(reg->be, segs, n, ndev, &cp->job)) != 0) {
       copy_discard(reg, cp, segs);
       return rc;
@@ -257,6 +271,7 @@ static int copy_new(gpd_registry *reg, gpd_buffer *const *srcs, uint32_t n, cons
   }
   /* Otherwise started when its buffers exist and a slot frees (copy_timer_cb). */
   cp->id = gpd_next_id(reg);
+  cp->created_ns = gpd_now_ns();
   cp->nsrcs = n;
   for (uint32_t i = 0; i < n; i++) {
     cp->srcs[i] = srcs[i];
@@ -350,11 +365,29 @@ static void copy_timer_cb(uv_timer_t *t) {
     snprintf(msgs[nd], sizeof msgs[nd], "%s", q > 0 ? "" : gpupool__errmsg());
     done[nd++] = cp;
   }
-  /* Waiting jobs whose slot freed: a start that fails ends the job with its error. */
+  /* Waiting jobs whose slot freed, in turn from after the last one checked (so that jobs whose
+   * sources stay busy cannot keep later ones from being checked): a start that fails ends the
+   * job with its error; a job whose sources were not ready in GPD_COPY_READY_WAIT_NS ends. */
+  uint32_t budget = GPD_COPY_READY_QUERIES;
+  uint64_t now = gpd_now_ns(), last = reg->copy_ready_scan;
+  for (int pass = 0; pass < 2; pass++)
   for (gpd_copy *cp = reg->copies; cp && reg->ncopies_started < GPD_COPIES_RUNNING_MAX &&
-                                   nd < GPD_COPIES_RUNNING_MAX * 2; cp = cp->next) {
-    if (cp->job || cp->nmade < cp->nreps || !srcs_ready(reg, cp->srcs, cp->nsrcs))
+                                   nd < GPD_COPIES_RUNNING_MAX * 2 && budget; cp = cp->next) {
+    if (pass == 0 ? cp->id <= last : cp->id > last)
       continue;
+    if (cp->job || cp->nmade < cp->nreps)
+      continue;
+    reg->copy_ready_scan = cp->id;
+    if (!srcs_ready(reg, cp->srcs, cp->nsrcs, &budget)) {
+      if (now - cp->created_ns > GPD_COPY_READY_WAIT_NS) {
+        rcs[nd] = GPUPOOL_ETIMEDOUT;
+        snprintf(msgs[nd], sizeof msgs[nd], "its source's producer has work queued before the publish that "
+                 "has not completed in %llu s (a stream that never drains, or a producer stopped with work "
+                 "queued)", (unsigned long long)(GPD_COPY_READY_WAIT_NS / 1000000000ull));
+        done[nd++] = cp;
+      }
+      continue;
+    }
     if (reg->be->ops->copy_start(reg->be, cp->segs, cp->nsrcs, cp->ndst, &cp->job) != 0) {
       rcs[nd] = GPUPOOL_EBACKEND;
       snprintf(msgs[nd], sizeof msgs[nd], "%s", gpupool__errmsg());
