@@ -22,8 +22,8 @@ build=$(cd "${1:?usage: nspawn.sh BUILD_DIR}" && pwd)
 cache=${GPUPOOL_NSPAWN_CACHE:-/var/cache/gpupool-nspawn}
 mirror=${GPUPOOL_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 # Bump the suffix when the package list changes: a new tree is built next to the old one.
-pkgs=systemd,systemd-sysv,dbus,libuv1,libprotobuf-c1
-tree=$cache/bookworm-minbase-1
+pkgs=systemd,systemd-sysv,dbus,libuv1,libprotobuf-c1,libucx0
+tree=$cache/bookworm-minbase-2
 
 skip() { echo "SKIP: $*"; exit 77; }
 die() { echo "FAIL: $*" >&2; exit 1; }
