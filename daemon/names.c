@@ -20,7 +20,11 @@ static void name_clear(gpd_registry *reg, gpd_name *n) {
   gpd_layout_unref(reg, n->layout);
   n->layout = NULL;
   for (uint32_t i = 0; i < n->nbufs; i++) {
-    n->bufs[i]->names--;
+    /* A buffer no name holds any more is a version no get can reach (gets go by name): its
+     * replicas go now, not when its last holder lets go (a producer that double-buffers
+     * keeps it). Getters holding a replica keep their own reference to it. */
+    if (--n->bufs[i]->names == 0)
+      gpd_replicas_drop(reg, n->bufs[i]);
     gpd_buffer_unref(reg, n->bufs[i]);
   }
   free(n->bufs);

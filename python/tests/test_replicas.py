@@ -60,6 +60,30 @@ class Replicas(DaemonTestCase):
         self.assertEqual(self.used("gpu1"), 0)
         self.assertEqual(self.used("gpu2"), 0)
 
+    def test_replaced_version_frees_its_replicas(self):
+        # The producer keeps version 1's buffer (double buffering) and publishes version 2 in
+        # another: no get can reach version 1's replica any more, so it goes at once rather than
+        # when the producer lets version 1's buffer go.
+        c = self.client
+        v1 = c.alloc((1 << 18,), "uint8", device=0)
+        v1.numpy()[:] = 1
+        c.publish("py/dbl", v1, devices=[1])
+        r1 = c.get("py/dbl", timeout=5, device=1)  # the broadcast's copy is done
+        self.assertTrue(np.all(r1.numpy() == 1))
+        r1.release()
+        self.assertGreater(self.used("gpu1"), 0)
+        v2 = c.alloc((1 << 18,), "uint8", device=0)
+        v2.numpy()[:] = 2
+        c.publish("py/dbl", v2)
+        self.assertEqual(self.used("gpu1"), 0)
+        r = c.get("py/dbl", timeout=5, device=1)  # version 2's own replica
+        self.assertTrue(np.all(r.numpy() == 2))
+        r.release()
+        for x in (v1, v2):
+            x.release()
+        c.unpublish("py/dbl")
+        self.assertEqual(self.used("gpu1"), 0)
+
     def test_device_without_pool(self):
         c = self.client
         t = c.alloc(16, "uint8", device=0)
