@@ -1,0 +1,521 @@
+/*
+ * Peers' fetching side (see peers.c): a subscription per local name key asks the peer for a
+ * newer version, allocates the local copy from the reply's layout, receives the data as UCX
+ * active messages copied into place, publishes the copy under the local name with the peer's
+ * version number and tells the peer it is done; a fetch that fails answers every getter.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <pwd.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include "peers_internal.h"
+
+/* The getters waiting for key here: how many, and the oldest version they wait past. */
+static uint32_t local_waiters(gpd_server *s, const char *key, uint64_t *min_newer) {
+  wqueue *q = gpupool__smap_get(&s->get_q, key);
+  if (!q || !q->n)
+    return 0;
+  if (q->heap[0]->newer_than < *min_newer)
+    *min_newer = q->heap[0]->newer_than;
+  return q->n;
+}
+
+/* Peers' gets waiting here for key. */
+static uint32_t serve_waiters(gpd_peers *P, const char *key, uint64_t *min_newer) {
+  uint32_t n = 0;
+  for (plink *l = P->links; l; l = l->next)
+    for (serve *sv = l->serves; sv; sv = sv->next)
+      if (sv->waiting && !strcmp(sv->key, key)) {
+        n++;
+        if (sv->newer_than < *min_newer)
+          *min_newer = sv->newer_than;
+      }
+  return n;
+}
+
+/* ---- fetching ------------------------------------------------------------------------------- */
+
+/* Which peer a local name is, and the remote tenant and name it means. */
+static peer *route(gpd_peers *P, const char *name, const char **rest) {
+  for (int i = 0; i < P->npeers; i++) {
+    const gpd_peer_conf *c = P->peers[i].conf;
+    size_t nl = strlen(c->name), pl = strlen(c->prefix);
+    if (!strncmp(name, c->name, nl) && name[nl] == ':' && name[nl + 1]) {
+      *rest = name + nl + 1;
+      return &P->peers[i];
+    }
+    if (pl && !strncmp(name, c->prefix, pl) && name[pl]) {
+      *rest = name + pl;
+      return &P->peers[i];
+    }
+  }
+  return NULL;
+}
+
+int gpd_peers_is_remote(gpd_server *s, const char *name) {
+  const char *rest;
+  return s->peers && route(s->peers, name, &rest) != NULL;
+}
+
+void gpd_pr_sub_free(sub *sb) {
+  gpd_peers *P = sb->P;
+  gpupool__smap_del(&P->subs_by_key, sb->key);
+  GPUPOOL__LIST_UNLINK(P->subs, sb, prev, next);
+  free(sb->key);
+  free(sb->local_name);
+  free(sb->rtenant);
+  free(sb->rname);
+  free(sb);
+}
+
+/* Let go of the local copy (freed unless it was published) and the transfer's state. Data
+ * still arriving for it finds no fetch under its id and is dropped. */
+void gpd_pr_sub_release(sub *sb) {
+  if (sb->receiving) {
+    gpupool__hmap_del(&sb->P->receiving, sb->id);
+    sb->receiving = 0;
+  }
+  for (uint32_t i = 0; i < sb->n; i++)
+    if (sb->maps && sb->maps[i])
+      munmap(sb->maps[i], sb->maplens[i]);
+  free(sb->maps);
+  free(sb->maplens);
+  free(sb->holds);
+  sb->maps = NULL, sb->maplens = NULL, sb->holds = NULL, sb->n = 0;
+  if (sb->cl_on) {
+    gpd_client_drop(sb->P->reg, &sb->cl);
+    sb->cl_on = 0;
+  }
+  if (sb->rep) {
+    gpupool__wire__peer_frame__free_unpacked(sb->rep, NULL);
+    sb->rep = NULL;
+  }
+  if (sb->state == S_TRANSFER || sb->state == S_ASKED)
+    sb->peer->in_flight--;
+  sb->state = S_IDLE;
+  sb->complete = 0;
+  sb->received = 0;
+}
+
+/* Ask the peer (its connection is up) for the version the waiters want. */
+void gpd_pr_sub_ask(sub *sb) {
+  gpd_peers *P = sb->P;
+  plink *l = sb->peer->out;
+  Gpupool__Wire__PeerFrame f = GPUPOOL__WIRE__PEER_FRAME__INIT;
+  Gpupool__Wire__PeerGet g = GPUPOOL__WIRE__PEER_GET__INIT;
+  uint64_t min_newer = UINT64_MAX, now = now_ns();
+  gpd_name *n = gpupool__smap_get(&P->reg->names, sb->key);
+  uint32_t waiters = local_waiters(P->s, sb->key, &min_newer) + serve_waiters(P, sb->key, &min_newer);
+  if (!waiters) {
+    gpd_pr_sub_free(sb);
+    return;
+  }
+  if (n && n->version > min_newer)
+    min_newer = n->version;
+  /* The fetch's id names it in the data messages the source sends to this daemon's UCX
+   * worker, which any peer that learnt the worker's address can send to: an id another peer
+   * could guess (a counter) would let it fill someone else's fetch with bytes of its own. A
+   * random 64-bit id, unique among this daemon's fetches, cannot be guessed. */
+  do {
+    if (getrandom(&sb->id, sizeof sb->id, 0) != (ssize_t)sizeof sb->id)
+      sb->id = ++P->next_id ^ (now * 0x9E3779B97F4A7C15ull); /* no entropy: still unique below */
+  } while (!sb->id || gpupool__hmap_get(&l->asked, sb->id) || gpupool__hmap_get(&P->receiving, sb->id));
+  if (gpupool__hmap_put(&l->asked, sb->id, sb) != 0) {
+    gpd_pr_sub_fail_waiters(sb, GPUPOOL_ENOMEM, "out of memory in the daemon", 0);
+    gpd_pr_sub_free(sb);
+    return;
+  }
+  sb->link = l;
+  sb->asked_once = 1;
+  sb->state = S_ASKED;
+  sb->peer->in_flight++;
+  sb->asked_ns = now;
+  sb->wait_ms = sb->deadline_ns > now ? (sb->deadline_ns - now) / 1000000 : 0;
+  g.id = sb->id;
+  g.tenant = sb->rtenant;
+  g.name = sb->rname;
+  g.newer_than = min_newer;
+  sb->asked_newer = min_newer;
+  g.wait_ms = (uint32_t)sb->wait_ms;
+  f.body_case = GPUPOOL__WIRE__PEER_FRAME__BODY_GET;
+  f.get = &g;
+  gpd_pr_send_frame(l, &f);
+}
+
+
+/* Next step of a subscription whose last fetch ended: ask again while getters wait. */
+static void sub_next(sub *sb) {
+  uint64_t min_newer = UINT64_MAX;
+  gpd_peers *P = sb->P;
+  if (sb->state != S_IDLE)
+    return;
+  if (!local_waiters(P->s, sb->key, &min_newer) && !serve_waiters(P, sb->key, &min_newer)) {
+    gpd_pr_sub_free(sb);
+    return;
+  }
+  if (sb->asked_once && now_ns() >= sb->deadline_ns) {
+    gpd_pr_sub_free(sb); /* the waiters time out on their own */
+    return;
+  }
+  if (sb->peer->out && sb->peer->out->state == L_UP) {
+    gpd_pr_sub_ask(sb);
+    return;
+  }
+  sb->state = S_QUEUED;
+  if (!sb->peer->out)
+    gpd_pr_link_connect(P, sb->peer);
+}
+
+/* Answer the waiters of sb's key (local getters and peers' gets) with an error; only_nowait:
+ * only the gets that asked not to wait. */
+void gpd_pr_sub_fail_waiters(sub *sb, int code, const char *msg, int only_nowait) {
+  gpd_peers *P = sb->P;
+  gpd_fail_getters(P->s, sb->key, code, msg, only_nowait);
+  if (only_nowait)
+    return;
+  for (plink *l = P->links; l; l = l->next) {
+    serve *sv = l->serves, *next;
+    for (; sv; sv = next) {
+      next = sv->next;
+      if (sv->waiting && !strcmp(sv->key, sb->key)) {
+        gpd_pr_send_get_error(l, sv->id, code, msg);
+        gpd_pr_serve_free(sv);
+      }
+    }
+  }
+}
+
+void gpd_pr_sub_failed(sub *sb, int code, const char *msg) {
+  sb->peer->failures++;
+  snprintf(sb->peer->last_error, sizeof sb->peer->last_error, "%s", msg);
+  GPUPOOL__WARN("peers: %s", msg);
+  gpd_pr_sub_fail_waiters(sb, code, msg, 0);
+  gpd_pr_sub_release(sb);
+  gpd_pr_sub_free(sb);
+}
+
+/* Every byte of the local copy is in: publish it (or drop it when nobody waits any more). */
+static void sub_finish(sub *sb) {
+  gpd_peers *P = sb->P;
+  gpd_registry *reg = P->reg;
+  Gpupool__Wire__PeerGetReply *r = sb->rep->get_reply;
+  uint64_t version = 0, min_newer = UINT64_MAX;
+  char msg[GPUPOOL__ERRMSG_MAX + 256];
+  int rc;
+
+  if (sb->link && !sb->link->closing)
+    gpd_pr_send_done(sb->link, sb->id);
+  if (!local_waiters(P->s, sb->key, &min_newer) && !serve_waiters(P, sb->key, &min_newer)) {
+    GPUPOOL__DEBUG("peers: fetched %s v%" PRIu64 " but nobody waits for it any more: dropped", sb->local_name,
+                   r->version);
+    gpd_pr_sub_release(sb);
+    gpd_pr_sub_free(sb);
+    return;
+  }
+  if (r->bundle) {
+    uint64_t *ids = calloc(sb->n, sizeof *ids);
+    if (!ids) {
+      rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    } else {
+      for (uint32_t i = 0; i < sb->n; i++)
+        ids[i] = sb->holds[i]->id;
+      rc = gpd_publish_bundle(reg, &sb->cl, sb->local_name, ids, sb->n, r->members, r->n_members, 0, &version);
+      free(ids);
+    }
+  } else {
+    rc = gpd_publish(reg, &sb->cl, sb->holds[0]->id, sb->local_name, r->tensor, 0, 0, &version);
+  }
+  if (rc != 0) {
+    snprintf(msg, sizeof msg, "fetch of %s:%s v%" PRIu64 " failed: publishing the local copy: %s", sb->peer->conf->name,
+             sb->rname, r->version, gpupool__errmsg());
+    gpd_pr_sub_failed(sb, rc, msg);
+    return;
+  }
+  {
+    /* The local version is the peer's. */
+    gpd_name *n = gpupool__smap_get(&reg->names, sb->key);
+    if (n)
+      n->version = r->version;
+  }
+  sb->peer->fetches++;
+  sb->peer->bytes_fetched += sb->bytes;
+  GPUPOOL__INFO("peers: fetched %s v%" PRIu64 " from %s (%" PRIu64 " bytes in %" PRIu64 " us)", sb->local_name,
+                r->version, sb->peer->conf->name, sb->bytes, (now_ns() - sb->started_ns) / 1000);
+  version = r->version;
+  gpd_pr_sub_release(sb);
+  gpd_wake_getters(P->s, sb->key, version);
+  gpd_peers_published(P->s, sb->key, version);
+  sub_next(sb);
+}
+
+/* From the loop: finish the fetches whose data is all in (one at a time, looked up afresh:
+ * finishing one may end others). */
+static void on_received(void *arg, int status) {
+  gpd_peers *P = arg;
+  (void)status;
+  P->finish_posted = 0;
+  for (;;) {
+    sub *sb = P->subs;
+    while (sb && !(sb->complete && sb->state == S_TRANSFER))
+      sb = sb->next;
+    if (!sb)
+      return;
+    sb->complete = 0;
+    if (sb->receiving) {
+      gpupool__hmap_del(&P->receiving, sb->id);
+      sb->receiving = 0;
+    }
+    sub_finish(sb);
+  }
+}
+
+/* A data message (inside UCX's progress): copy it into place, count it. */
+void gpd_pr_on_data(void *arg, const void *header, size_t hlen, const void *data, size_t len) {
+  gpd_peers *P = arg;
+  const uint8_t *h = header;
+  uint64_t id = 0, off = 0;
+  uint32_t seg = 0;
+  sub *sb;
+  if (hlen != DATA_HDR)
+    return;
+  for (int i = 0; i < 8; i++)
+    id |= (uint64_t)h[i] << (8 * i);
+  for (int i = 0; i < 4; i++)
+    seg |= (uint32_t)h[8 + i] << (8 * i);
+  for (int i = 0; i < 8; i++)
+    off |= (uint64_t)h[12 + i] << (8 * i);
+  sb = gpupool__hmap_get(&P->receiving, id);
+  if (!sb || sb->complete || seg >= sb->n)
+    return;
+  {
+    const Gpupool__Wire__PeerSegment *sg = sb->rep->get_reply->segments[seg];
+    long page = sysconf(_SC_PAGESIZE);
+    if (off > sg->length || len > sg->length - off || len > sb->bytes - sb->received)
+      return; /* not a range of the fetch: dropped (the fetch then times out) */
+    memcpy((uint8_t *)sb->maps[seg] + (sb->holds[seg]->buf->offset % (uint64_t)page) + off, data, len);
+  }
+  sb->received += len;
+  if (sb->received == sb->bytes) {
+    sb->complete = 1;
+    if (!P->finish_posted && gpd_ucx_defer(P->ucx, on_received, P) == 0)
+      P->finish_posted = 1;
+  }
+}
+
+/* The first pool the local copy may go in: not shared with a group. */
+static gpd_pool *copy_pool(gpd_peers *P) {
+  for (int i = 0; i < P->reg->npools; i++)
+    if (P->cfg->pool_share[i] < 0)
+      return &P->reg->pools[i];
+  return NULL;
+}
+
+/* The peer answered with a version: allocate the local copy and ask for the data. */
+static void sub_transfer(sub *sb, Gpupool__Wire__PeerFrame *fr) {
+  gpd_peers *P = sb->P;
+  Gpupool__Wire__PeerGetReply *r = fr->get_reply;
+  Gpupool__Wire__PeerFrame f = GPUPOOL__WIRE__PEER_FRAME__INIT;
+  Gpupool__Wire__PeerReady rd = GPUPOOL__WIRE__PEER_READY__INIT;
+  gpd_pool *pool = copy_pool(P);
+  uint64_t min_newer = UINT64_MAX;
+  char msg[GPUPOOL__ERRMSG_MAX + 256];
+  int rc;
+
+  sb->rep = fr;
+  sb->state = S_TRANSFER;
+  sb->started_ns = now_ns();
+  if (!local_waiters(P->s, sb->key, &min_newer) && !serve_waiters(P, sb->key, &min_newer)) {
+    gpd_pr_send_done(sb->link, sb->id);
+    gpd_pr_sub_release(sb);
+    gpd_pr_sub_free(sb);
+    return;
+  }
+  if (!pool || r->n_segments == 0 || r->n_segments > GPUPOOL_WIRE_MAX_FDS) {
+    rc = gpupool__err(GPUPOOL_EPROTO, "%s", !pool ? "this daemon has no pool that is not shared with a group"
+                                                   : "the peer's answer has no or too many buffers");
+    goto fail;
+  }
+  sb->cl.uid = sb->uid;
+  sb->cl.gid = sb->gid;
+  gpd_client_init(P->reg, &sb->cl);
+  snprintf(sb->cl.name, sizeof sb->cl.name, "fetch from %s", sb->peer->conf->name);
+  sb->cl_on = 1;
+  if (!(sb->holds = calloc(r->n_segments, sizeof *sb->holds)) || !(sb->maps = calloc(r->n_segments, sizeof *sb->maps)) ||
+      !(sb->maplens = calloc(r->n_segments, sizeof *sb->maplens))) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    goto fail;
+  }
+  sb->bytes = 0;
+  sb->received = 0;
+  for (uint32_t i = 0; i < r->n_segments; i++) {
+    const Gpupool__Wire__PeerSegment *sg = r->segments[i];
+    gpd_hold *h = NULL;
+    long page = sysconf(_SC_PAGESIZE);
+    uint64_t start;
+    if (!sg->length) {
+      rc = gpupool__err(GPUPOOL_EPROTO, "the peer's answer has an empty buffer");
+      goto fail;
+    }
+    if ((rc = gpd_allocate(P->reg, &sb->cl, pool, sg->length, 0, &h)) != 0)
+      goto fail;
+    sb->holds[i] = h;
+    sb->n = i + 1;
+    if (h->buf->slab->bs.fd < 0) {
+      rc = gpupool__err(GPUPOOL_ENOTSUP, "peers move host pools only in this build: this pool's memory is not a "
+                        "host slab the daemon can map (device pools are not fetched or served yet)");
+      goto fail;
+    }
+    start = h->buf->offset - h->buf->offset % (uint64_t)page;
+    sb->maplens[i] = (size_t)(h->buf->offset + sg->length - start);
+    sb->maps[i] = mmap(NULL, sb->maplens[i], PROT_READ | PROT_WRITE, MAP_SHARED, h->buf->slab->bs.fd, (off_t)start);
+    if (sb->maps[i] == MAP_FAILED) {
+      sb->maps[i] = NULL;
+      rc = gpupool__err(GPUPOOL_EBACKEND, "cannot map %zu bytes of a slab for a peer transfer: %s", sb->maplens[i],
+                        strerror(errno));
+      goto fail;
+    }
+    sb->bytes += sg->length;
+  }
+  if (gpupool__hmap_put(&P->receiving, sb->id, sb) != 0) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    goto fail;
+  }
+  sb->receiving = 1;
+  rd.id = sb->id;
+  f.body_case = GPUPOOL__WIRE__PEER_FRAME__BODY_READY;
+  f.ready = &rd;
+  gpd_pr_send_frame(sb->link, &f);
+  return;
+fail:
+  snprintf(msg, sizeof msg, "fetch of %s:%s v%" PRIu64 " (%" PRIu64 " bytes) failed: %s", sb->peer->conf->name,
+           sb->rname, r->version, sb->bytes, gpupool__errmsg());
+  gpd_pr_send_done(sb->link, sb->id);
+  gpd_pr_sub_failed(sb, rc, msg);
+}
+
+void gpd_pr_on_get_reply(plink *l, Gpupool__Wire__PeerFrame *fr) {
+  Gpupool__Wire__PeerGetReply *r = fr->get_reply;
+  sub *sb = gpupool__hmap_del(&l->asked, r->id);
+  char msg[GPUPOOL__ERRMSG_MAX + 256];
+  if (!sb) {
+    if (!r->error)
+      gpd_pr_send_done(l, r->id);
+    gpupool__wire__peer_frame__free_unpacked(fr, NULL);
+    return;
+  }
+  if (r->error) {
+    int code = r->error->code < 0 && r->error->code > GPUPOOL_ERRNO_MIN ? r->error->code : GPUPOOL_EPEER;
+    snprintf(msg, sizeof msg, "peer %s: %s", l->peer->conf->name, r->error->message ? r->error->message : "");
+    gpupool__wire__peer_frame__free_unpacked(fr, NULL);
+    sb->peer->in_flight--;
+    sb->state = S_IDLE;
+    if (code == GPUPOOL_ENOENT) {
+      /* Nothing newer there yet: the gets that would not wait are answered; the others wait on. */
+      gpd_pr_sub_fail_waiters(sb, code, msg, 1);
+      sub_next(sb);
+    } else {
+      sb->peer->in_flight++;
+      sb->state = S_ASKED;
+      gpd_pr_sub_failed(sb, code, msg);
+    }
+    return;
+  }
+  if (r->version <= sb->asked_newer) {
+    /* A peer that answers with a version not newer than asked would make this daemon publish
+     * older bytes over newer ones, and fetch again and again. */
+    snprintf(msg, sizeof msg, "peer %s answered '%s' with version %" PRIu64 ", not newer than the %" PRIu64
+             " asked for (a peer daemon that does not follow the protocol; check its version)",
+             l->peer->conf->name, sb->rname, r->version, sb->asked_newer);
+    gpd_pr_send_done(l, r->id);
+    gpupool__wire__peer_frame__free_unpacked(fr, NULL);
+    gpd_pr_sub_failed(sb, GPUPOOL_EPROTO, msg);
+    return;
+  }
+  sub_transfer(sb, fr);
+}
+
+static int tenant_name(gpd_peers *P, const gpd_client *c, char *buf, size_t len) {
+  struct passwd pw, *res = NULL;
+  char tmp[1024];
+  if (c->tenant & TENANT_SET) {
+    snprintf(buf, len, "%s", P->cfg->tenants[c->tenant & 0xffff].name);
+    return 0;
+  }
+  if (getpwuid_r(c->uid, &pw, tmp, sizeof tmp, &res) == 0 && res) {
+    snprintf(buf, len, "%s", res->pw_name);
+    return 0;
+  }
+  snprintf(buf, len, "%u", (unsigned)c->uid);
+  return 0;
+}
+
+/* Make sure a fetch runs for the local name filed under key. */
+int gpd_pr_want_key(gpd_peers *P, const char *local_name, const char *key, uid_t uid, gid_t gid,
+                    const char *tenant_name_, uint32_t wait_ms) {
+  const char *rest = NULL, *slash;
+  peer *p = route(P, local_name, &rest);
+  sub *sb = gpupool__smap_get(&P->subs_by_key, key);
+  uint64_t deadline = now_ns() + (uint64_t)wait_ms * 1000000ull;
+  if (!p)
+    return gpupool__err(GPUPOOL_ENOENT, "'%s' names no peer", local_name);
+  if (sb) {
+    if (deadline > sb->deadline_ns)
+      sb->deadline_ns = deadline;
+    if (sb->state == S_IDLE)
+      sub_next(sb);
+    return 0;
+  }
+  if (!(sb = calloc(1, sizeof *sb)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  sb->P = P;
+  sb->peer = p;
+  sb->uid = uid;
+  sb->gid = gid;
+  sb->deadline_ns = deadline;
+  sb->key = strdup(key);
+  sb->local_name = strdup(local_name);
+  if (!strncmp(rest, "group:", 6) && (slash = strchr(rest, '/'))) {
+    sb->rtenant = strndup(rest, (size_t)(slash - rest));
+    sb->rname = strdup(slash + 1);
+  } else if ((slash = strchr(rest, '/'))) {
+    sb->rtenant = strndup(rest, (size_t)(slash - rest));
+    sb->rname = strdup(slash + 1);
+  } else {
+    sb->rtenant = strdup(tenant_name_);
+    sb->rname = strdup(rest);
+  }
+  if (!sb->key || !sb->local_name || !sb->rtenant || !sb->rname || gpupool__smap_put(&P->subs_by_key, key, sb) != 0) {
+    free(sb->key);
+    free(sb->local_name);
+    free(sb->rtenant);
+    free(sb->rname);
+    free(sb);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  }
+  sb->next = P->subs;
+  if (P->subs)
+    P->subs->prev = sb;
+  P->subs = sb;
+  sub_next(sb);
+  return 0;
+}
+
+int gpd_peers_want(gpd_server *s, gpd_conn *c, const char *name, uint64_t newer_than, uint32_t wait_ms) {
+  gpd_peers *P = s->peers;
+  char key[GPUPOOL_NAME_KEY_MAX + 1], tn[64];
+  uint64_t owner;
+  int rc;
+  (void)newer_than;
+  if (!P)
+    return gpupool__err(GPUPOOL_ENOENT, "no peers");
+  if ((rc = gpd_name_key(s->reg, &c->cl, name, key, sizeof key, &owner)) != 0)
+    return rc;
+  tenant_name(P, &c->cl, tn, sizeof tn);
+  return gpd_pr_want_key(P, name, key, c->cl.uid, c->cl.gid, tn, wait_ms);
+}

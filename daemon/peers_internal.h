@@ -1,0 +1,192 @@
+/*
+ * Peers, private to daemon/peers*.c: the types the files share (the configured peers, the
+ * control connections, the subscriptions and the gets being served) and the functions one
+ * file calls in another. See peers.c for the whole feature: peers_link.c holds the
+ * connections and their authentication, peers_fetch.c the fetching side, peers_serve.c the
+ * serving side.
+ */
+#ifndef GPUPOOLD_PEERS_INTERNAL_H
+#define GPUPOOLD_PEERS_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "list.h"
+#include "peers.h"
+#include "peers_ucx.h"
+#include "registry_internal.h"
+#include "server_internal.h"
+
+#define NONCE_LEN 32
+#define AUTH_TIMEOUT_NS (5ull * 1000000000ull)
+#define TICK_MS 100
+#define MAX_SECRET 4096
+#define MAX_WRITE_QUEUE (64u << 20)
+#define READ_CHUNK (64u << 10)
+/* A version is sent in messages of at most SEND_CHUNK bytes, SEND_WINDOW of them in flight:
+ * the transfer is pipelined, and what one completion hands the loop stays small. */
+#define SEND_CHUNK (1u << 20)
+#define SEND_WINDOW 4
+#define DATA_HDR 20 /* fetch id (8), buffer index (4), offset (8), little-endian */
+
+enum { L_CONNECTING, L_AWAIT_HELLO, L_AWAIT_CHALLENGE, L_AWAIT_AUTH, L_AWAIT_WELCOME, L_AWAIT_EP, L_UP };
+enum { S_IDLE, S_QUEUED, S_ASKED, S_TRANSFER };
+
+typedef struct plink plink;
+typedef struct sub sub;
+typedef struct serve serve;
+
+/* A configured [peer]: its secret, the connection to it (when fetching) and its counters. */
+typedef struct {
+  struct gpd_peers *P;
+  const gpd_peer_conf *conf;
+  uint8_t secret[MAX_SECRET];
+  size_t secret_len;
+  plink *out;             /* the connection this daemon opened to it, or NULL */
+  char last_error[256];
+  uint32_t in_flight;    /* fetches from it */
+  uint64_t fetches, failures, bytes_fetched;
+  uint64_t versions_served, bytes_served;
+  uint32_t serving_now;
+} peer;
+
+struct plink {
+  struct gpd_peers *P;
+  uv_tcp_t tcp;
+  uv_connect_t connect;
+  uv_shutdown_t shutdown;
+  int state;
+  int outgoing;
+  int closing;
+  char why[256];         /* why it closes once what was sent is out */
+  int flushing;          /* its endpoint's flush is in flight: freed once it ends */
+  int freed_later;
+  gpd_ucx_ep *ep;        /* incoming: to the fetching daemon's worker (the data goes there) */
+  uint8_t *waddr;        /* incoming: that worker's address, from Hello */
+  size_t waddr_len;
+  peer *peer;            /* outgoing: the peer; incoming: once known from its Hello */
+  char addr[64];         /* where it connects from / to, for logs */
+  uint8_t nonce_mine[NONCE_LEN], nonce_theirs[NONCE_LEN];
+  uint64_t since_ns;
+  uint8_t *rbuf;
+  size_t rlen, rcap;
+  gpupool__hmap asked;   /* outgoing: PeerGet id -> sub */
+  serve *serves;         /* incoming: the gets served or waiting */
+  uint32_t nserves;
+  plink *prev, *next;     /* in P->links */
+};
+
+/* A subscription: the fetches of one local name key. */
+struct sub {
+  struct gpd_peers *P;
+  peer *peer;
+  char *key, *local_name, *rtenant, *rname;
+  uid_t uid;
+  gid_t gid;
+  int state;
+  uint64_t id;           /* of the PeerGet in flight */
+  plink *link;            /* that it went on */
+  uint64_t deadline_ns;  /* the latest any getter waits to */
+  uint64_t asked_ns, wait_ms, started_ns;
+  uint64_t asked_newer; /* the newer_than the get asked the peer for */
+  int asked_once;        /* a first PeerGet went out (later ones only while getters have time) */
+  /* The transfer: a client of the daemon's own holding the local copy until published. */
+  gpd_client cl;
+  int cl_on;
+  Gpupool__Wire__PeerFrame *rep;
+  gpd_hold **holds;
+  void **maps;
+  size_t *maplens;
+  uint32_t n;
+  uint64_t bytes, received;
+  int receiving;         /* in P->receiving under id */
+  int complete;          /* every byte is in: finished from the loop */
+  sub *prev, *next;      /* in P->subs */
+};
+
+/* A peer's get being served here: waiting for a version, or holding one until PeerDone. */
+struct serve {
+  plink *link;
+  uint64_t id;
+  char *key;
+  uint64_t newer_than;
+  uint64_t deadline_ns;
+  int waiting;
+  gpd_client cl;
+  int cl_on;
+  void **maps;
+  size_t *maplens;
+  gpd_ucx_reg **regs;
+  uint64_t *lens;
+  void **bases;
+  uint32_t n;
+  struct push *push;     /* while sending: what its sends' callbacks find it by */
+  uint32_t cur_seg;      /* where the next message starts: buffer, and offset in it */
+  uint64_t cur_off;
+  serve *prev, *next;
+};
+
+/* A serve's sends in flight: their callbacks come from the loop, possibly after the serve
+ * went; the last one frees this. */
+struct push {
+  serve *sv;             /* NULL once the serve went */
+  uint32_t inflight;
+};
+
+struct gpd_peers {
+  gpd_server *s;
+  uv_loop_t *loop;
+  const gpd_config *cfg;
+  gpd_registry *reg;
+  gpd_ucx *ucx;
+  uv_tcp_t listener;
+  int listening;
+  uv_timer_t tick;
+  peer peers[GPUPOOL_MAX_PEERS];
+  int npeers;
+  plink *links;
+  gpupool__smap subs_by_key;
+  sub *subs;
+  uint64_t next_id;
+  char listen_addr[64];
+  int closing;           /* handles whose close callback has not come yet */
+  gpupool__ratelimit log_rl; /* lines that connections to peer_listen cause */
+  struct grave *graves;  /* served ranges a gone peer may still be reading */
+  gpupool__hmap receiving; /* fetch id -> sub whose data is arriving */
+  int finish_posted;     /* a deferred call will finish the subs whose data is all in */
+};
+
+static inline uint64_t now_ns(void) { return gpd_now_ns(); }
+
+/* What one file calls in another, by the file that defines it. */
+
+/* peers_link.c */
+int gpd_pr_send_frame(plink *l, const Gpupool__Wire__PeerFrame *f);
+void gpd_pr_send_get_error(plink *l, uint64_t id, int code, const char *msg);
+void gpd_pr_send_done(plink *l, uint64_t id);
+void gpd_pr_link_close(plink *l, const char *why);
+void gpd_pr_link_connect(gpd_peers *P, peer *p);
+void gpd_pr_on_accept(uv_stream_t *server, int status);
+
+/* peers_fetch.c */
+void gpd_pr_sub_free(sub *sb);
+void gpd_pr_sub_release(sub *sb);
+void gpd_pr_sub_ask(sub *sb);
+void gpd_pr_sub_fail_waiters(sub *sb, int code, const char *msg, int only_nowait);
+void gpd_pr_sub_failed(sub *sb, int code, const char *msg);
+void gpd_pr_on_data(void *arg, const void *header, size_t hlen, const void *data, size_t len);
+void gpd_pr_on_get_reply(plink *l, Gpupool__Wire__PeerFrame *fr);
+int gpd_pr_want_key(gpd_peers *P, const char *local_name, const char *key, uid_t uid, gid_t gid,
+                    const char *tenant_name_, uint32_t wait_ms);
+
+/* peers_serve.c */
+void gpd_pr_graves_free(gpd_peers *P, uint64_t now, int all);
+void gpd_pr_serve_free_reading(serve *sv, int reading);
+void gpd_pr_serve_free(serve *sv);
+void gpd_pr_on_peer_ready(plink *l, uint64_t id);
+void gpd_pr_on_peer_get(plink *l, const Gpupool__Wire__PeerGet *m);
+void gpd_pr_on_peer_done(plink *l, uint64_t id);
+void gpd_pr_serves_retry(gpd_peers *P, const char *key, uint64_t version, uint64_t now);
+
+#endif
