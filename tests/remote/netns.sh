@@ -37,6 +37,13 @@ check() {
   if ! ip netns add "$probe" 2>/dev/null; then
     skip "this kernel or container does not allow 'ip netns add' (no CAP_SYS_ADMIN or no netns support)"
   fi
+  # ip netns exec remounts / as a slave and /sys in the namespace: in a chroot whose / is not a
+  # mount point that fails ("mount --make-rslave /" failed: Invalid argument).
+  local err
+  if ! err=$(ip netns exec "$probe" true 2>&1); then
+    ip netns delete "$probe" 2>/dev/null || true
+    skip "'ip netns exec' does not work here ($(echo "$err" | head -n1)); in a chroot, make its / a mount point (mount --bind DIR DIR) or run on the machine itself"
+  fi
   ip netns delete "$probe" 2>/dev/null || true
 }
 
