@@ -54,4 +54,26 @@ static inline cudaStream_t new_stream(void) {
 
 static inline void report(const char *key, double v) { gh_say("BENCH %s %.3f", key, v); }
 
+/* A CUDA call's error, by the call's result and what it was. */
+static inline void bench_ck(cudaError_t e, const char *what) {
+  if (e != cudaSuccess)
+    die("%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
+/* A line of a markdown table: to stdout, and to table too when it is open. */
+static inline void bench_row(FILE *table, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static inline void bench_row(FILE *table, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vprintf(fmt, ap);
+  va_end(ap);
+  if (table) {
+    va_start(ap, fmt);
+    vfprintf(table, fmt, ap);
+    va_end(ap);
+  }
+}
+
+static inline double bench_median(double *v, int n) { return gh_percentile(v, (size_t)n, 50); }
+
 #endif

@@ -30,6 +30,8 @@
 
 #include "backend.h"
 #include "errors.h"
+#define BENCH_PROG "copy_bench"
+#include "bench_util.h"
 #include "gpu_harness.h"
 #include "gpu_kernels.h"
 
@@ -38,36 +40,6 @@
 
 static FILE *table;
 
-static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-static void die(const char *fmt, ...) {
-  va_list ap;
-  fprintf(stderr, "copy_bench: ");
-  va_start(ap, fmt);
-  vfprintf(stderr, fmt, ap);
-  va_end(ap);
-  fputc('\n', stderr);
-  exit(1);
-}
-
-static void ck(cudaError_t e, const char *what) {
-  if (e != cudaSuccess)
-    die("%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
-}
-
-static void row(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void row(const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vprintf(fmt, ap);
-  va_end(ap);
-  if (table) {
-    va_start(ap, fmt);
-    vfprintf(table, fmt, ap);
-    va_end(ap);
-  }
-}
-
-static double median(double *v, int n) { return gh_percentile(v, (size_t)n, 50); }
 
 static gpupool__backend *be;
 
@@ -138,16 +110,16 @@ static double jobs(gpupool__bcopy_seg *const *segs, const size_t *n, int njobs) 
 
 static void check_pattern(int device, const void *p, uint64_t len, uint32_t seed, const char *what) {
   unsigned long long bad = 0;
-  ck(cudaSetDevice(device), "cudaSetDevice");
-  ck((cudaError_t)gk_count_mismatches(p, len, seed, NULL, &bad), "gk_count_mismatches");
+  bench_ck(cudaSetDevice(device), "cudaSetDevice");
+  bench_ck((cudaError_t)gk_count_mismatches(p, len, seed, NULL, &bad), "gk_count_mismatches");
   if (bad)
     die("%s: %llu words differ from the source on device %d: not bit-exact", what, bad, device);
 }
 
 static void fill_pattern(int device, void *p, uint64_t len, uint32_t seed) {
-  ck(cudaSetDevice(device), "cudaSetDevice");
-  ck((cudaError_t)gk_fill(p, len, seed, NULL), "gk_fill");
-  ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  bench_ck(cudaSetDevice(device), "cudaSetDevice");
+  bench_ck((cudaError_t)gk_fill(p, len, seed, NULL), "gk_fill");
+  bench_ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
 
 static int iters_for(uint64_t size) { return size >= 4 * GiB ? 3 : size >= GiB ? 5 : 10; }
@@ -157,21 +129,21 @@ static double raw_peer(void *dst, void *src, uint64_t size, int on, int async) {
   cudaStream_t s;
   double t[16];
   int n = iters_for(size);
-  ck(cudaSetDevice(on), "cudaSetDevice");
-  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  bench_ck(cudaSetDevice(on), "cudaSetDevice");
+  bench_ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
   for (int i = -1; i < n; i++) {
     uint64_t t0 = gh_now_ns();
     if (async) {
-      ck(cudaMemcpyPeerAsync(dst, 1, src, 0, size, s), "cudaMemcpyPeerAsync");
-      ck(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+      bench_ck(cudaMemcpyPeerAsync(dst, 1, src, 0, size, s), "cudaMemcpyPeerAsync");
+      bench_ck(cudaStreamSynchronize(s), "cudaStreamSynchronize");
     } else {
-      ck(cudaMemcpyPeer(dst, 1, src, 0, size), "cudaMemcpyPeer");
+      bench_ck(cudaMemcpyPeer(dst, 1, src, 0, size), "cudaMemcpyPeer");
     }
     if (i >= 0)
       t[i] = (double)(gh_now_ns() - t0) / 1e9;
   }
-  ck(cudaStreamDestroy(s), "cudaStreamDestroy");
-  return median(t, n);
+  bench_ck(cudaStreamDestroy(s), "cudaStreamDestroy");
+  return bench_median(t, n);
 }
 
 static double engine_pair(gpupool__bpool *ps, gpupool__bpool *pd, uint64_t size) {
@@ -194,7 +166,7 @@ static double engine_pair(gpupool__bpool *ps, gpupool__bpool *pd, uint64_t size)
   check_pattern(1, d.priv, size, 5, "engine copy");
   be->ops->slab_free(ps, &s);
   be->ops->slab_free(pd, &d);
-  return median(t, n);
+  return bench_median(t, n);
 }
 
 static void bench_pair(int staged) {
@@ -202,36 +174,36 @@ static void bench_pair(int staged) {
   gpupool__bpool *ps = mkpool("src", 0, 4 * GiB), *pd = mkpool("dst", 1, 4 * GiB);
   int can = 0;
 
-  ck(cudaDeviceCanAccessPeer(&can, 1, 0), "cudaDeviceCanAccessPeer");
+  bench_ck(cudaDeviceCanAccessPeer(&can, 1, 0), "cudaDeviceCanAccessPeer");
   if (staged) {
     setenv("GPUPOOL_NO_PEER", "1", 1);
-    row("\n| GPU 0 -> GPU 1, no peer access | cudaMemcpyPeer GB/s | engine staged GB/s | engine / raw |\n"
+    bench_row(table, "\n| GPU 0 -> GPU 1, no peer access | cudaMemcpyPeer GB/s | engine staged GB/s | engine / raw |\n"
         "| --- | --- | --- | --- |\n");
   } else {
     if (!can)
       printf("NOTE: device 1 cannot access device 0 as a peer: the peer rows compare staged copies\n");
-    row("\n| GPU 0 -> GPU 1, peer access | raw cudaMemcpyPeerAsync GB/s (target's stream / source's) "
+    bench_row(table, "\n| GPU 0 -> GPU 1, peer access | raw cudaMemcpyPeerAsync GB/s (target's stream / source's) "
         "| engine GB/s | engine / best raw |\n| --- | --- | --- | --- |\n");
   }
   for (size_t i = staged ? 1 : 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
     uint64_t size = sizes[i];
     void *a = NULL, *b = NULL;
     double raw_pull, raw_push = 0, raw, eng;
-    ck(cudaSetDevice(0), "cudaSetDevice");
-    ck(cudaMalloc(&a, size), "cudaMalloc");
+    bench_ck(cudaSetDevice(0), "cudaSetDevice");
+    bench_ck(cudaMalloc(&a, size), "cudaMalloc");
     fill_pattern(0, a, size, 3);
-    ck(cudaSetDevice(1), "cudaSetDevice");
-    ck(cudaMalloc(&b, size), "cudaMalloc");
+    bench_ck(cudaSetDevice(1), "cudaSetDevice");
+    bench_ck(cudaMalloc(&b, size), "cudaMalloc");
     if (!staged && can) {
       cudaError_t e;
-      ck(cudaSetDevice(1), "cudaSetDevice");
+      bench_ck(cudaSetDevice(1), "cudaSetDevice");
       e = cudaDeviceEnablePeerAccess(0, 0);
       if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled)
-        ck(e, "cudaDeviceEnablePeerAccess");
-      ck(cudaSetDevice(0), "cudaSetDevice");
+        bench_ck(e, "cudaDeviceEnablePeerAccess");
+      bench_ck(cudaSetDevice(0), "cudaSetDevice");
       e = cudaDeviceEnablePeerAccess(1, 0);
       if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled)
-        ck(e, "cudaDeviceEnablePeerAccess");
+        bench_ck(e, "cudaDeviceEnablePeerAccess");
       (void)cudaGetLastError();
     }
     if (staged) {
@@ -242,18 +214,18 @@ static void bench_pair(int staged) {
       raw = raw_pull < raw_push ? raw_pull : raw_push;
     }
     check_pattern(1, b, size, 3, "raw copy");
-    ck(cudaFree(a), "cudaFree");
-    ck(cudaFree(b), "cudaFree");
+    bench_ck(cudaFree(a), "cudaFree");
+    bench_ck(cudaFree(b), "cudaFree");
     eng = engine_pair(ps, pd, size);
     printf("BENCH copy_%s_raw_%" PRIu64 "_gbps %.1f\n", staged ? "staged" : "peer", size,
            (double)size / raw / 1e9);
     printf("BENCH copy_%s_engine_%" PRIu64 "_gbps %.1f\n", staged ? "staged" : "peer", size,
            (double)size / eng / 1e9);
     if (staged)
-      row("| %" PRIu64 " MiB | %.1f | %.1f | %.2fx |\n", size / MiB, (double)size / raw / 1e9,
+      bench_row(table, "| %" PRIu64 " MiB | %.1f | %.1f | %.2fx |\n", size / MiB, (double)size / raw / 1e9,
           (double)size / eng / 1e9, raw / eng);
     else
-      row("| %" PRIu64 " MiB | %.1f / %.1f | %.1f | %.1f%% |\n", size / MiB,
+      bench_row(table, "| %" PRIu64 " MiB | %.1f / %.1f | %.1f | %.1f%% |\n", size / MiB,
           (double)size / raw_pull / 1e9, (double)size / raw_push / 1e9, (double)size / eng / 1e9,
           100.0 * raw / eng);
   }
@@ -285,10 +257,10 @@ static int layout(void) {
  * that variant wrote. */
 static void clear_targets(gpupool__bslab (*slab)[8], int ndst, int nslab) {
   for (int h = 1; h <= ndst; h++) {
-    ck(cudaSetDevice(h), "cudaSetDevice");
+    bench_ck(cudaSetDevice(h), "cudaSetDevice");
     for (int s = 0; s < nslab; s++)
-      ck(cudaMemset(slab[h][s].priv, 0xa5, slab[h][s].size), "cudaMemset");
-    ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      bench_ck(cudaMemset(slab[h][s].priv, 0xa5, slab[h][s].size), "cudaMemset");
+    bench_ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   }
 }
 
@@ -333,12 +305,12 @@ static void bench_broadcast(int ngpu) {
     for (int s = 0; s < nslab; s++)
       mkslab(pool[g], used[s], &slab[g][s]);
   }
-  ck(cudaSetDevice(0), "cudaSetDevice");
+  bench_ck(cudaSetDevice(0), "cudaSetDevice");
   for (int i = 0; i < nt; i++)
-    ck((cudaError_t)gk_fill((char *)slab[0][slab_of[i]].priv + off[i], tensor_bytes[i],
+    bench_ck((cudaError_t)gk_fill((char *)slab[0][slab_of[i]].priv + off[i], tensor_bytes[i],
                             1000 + (uint32_t)i, NULL), "gk_fill");
-  ck(cudaSetDevice(0), "cudaSetDevice");
-  ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  bench_ck(cudaSetDevice(0), "cudaSetDevice");
+  bench_ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   printf("BENCH_INFO broadcast %d tensors, %.2f GB (%.2f GiB) in %d slabs per GPU, GPU 0 -> %d GPUs\n",
          nt, (double)total / 1e9, (double)total / GiB, nslab, ndst);
   for (int i = 0; i < nt; i++) {
@@ -384,20 +356,20 @@ static void bench_broadcast(int ngpu) {
   }
   unsetenv("GPUPOOL_NO_PEER");
   check_targets(slab, ndst, nt, slab_of, off, "staged broadcast");
-  printf("BENCH copy_broadcast_chain_ms %.2f\n", median(tc, n) * 1e3);
-  printf("BENCH copy_broadcast_start_ms %.2f\n", median(tstart, n) * 1e3);
-  printf("BENCH copy_broadcast_fanout_ms %.2f\n", median(tf, n) * 1e3);
-  printf("BENCH copy_broadcast_staged_ms %.2f\n", median(ts, 3) * 1e3);
-  row("\n| broadcast, %d bf16 tensors %.2f GB, GPU 0 -> %d GPUs | ms (median) | GB/s per target |\n"
+  printf("BENCH copy_broadcast_chain_ms %.2f\n", bench_median(tc, n) * 1e3);
+  printf("BENCH copy_broadcast_start_ms %.2f\n", bench_median(tstart, n) * 1e3);
+  printf("BENCH copy_broadcast_fanout_ms %.2f\n", bench_median(tf, n) * 1e3);
+  printf("BENCH copy_broadcast_staged_ms %.2f\n", bench_median(ts, 3) * 1e3);
+  bench_row(table, "\n| broadcast, %d bf16 tensors %.2f GB, GPU 0 -> %d GPUs | ms (median) | GB/s per target |\n"
       "| --- | --- | --- |\n", nt, (double)total / 1e9, ndst);
-  row("| engine, one chained job (0 -> 1 -> 2 -> 3), peer | %.1f | %.1f |\n", median(tc, n) * 1e3,
-      (double)total / median(tc, n) / 1e9);
-  row("| (of which copy_start on the caller's thread, queueing the chained job) | %.1f | |\n",
-      median(tstart, n) * 1e3);
-  row("| engine, %d one-destination jobs at once (GPU 0 fans out), peer | %.1f | %.1f |\n", ndst,
-      median(tf, n) * 1e3, (double)total / median(tf, n) / 1e9);
-  row("| engine, one chained job, staged (GPUPOOL_NO_PEER=1) | %.1f | %.1f |\n",
-      median(ts, 3) * 1e3, (double)total / median(ts, 3) / 1e9);
+  bench_row(table, "| engine, one chained job (0 -> 1 -> 2 -> 3), peer | %.1f | %.1f |\n", bench_median(tc, n) * 1e3,
+      (double)total / bench_median(tc, n) / 1e9);
+  bench_row(table, "| (of which copy_start on the caller's thread, queueing the chained job) | %.1f | |\n",
+      bench_median(tstart, n) * 1e3);
+  bench_row(table, "| engine, %d one-destination jobs at once (GPU 0 fans out), peer | %.1f | %.1f |\n", ndst,
+      bench_median(tf, n) * 1e3, (double)total / bench_median(tf, n) / 1e9);
+  bench_row(table, "| engine, one chained job, staged (GPUPOOL_NO_PEER=1) | %.1f | %.1f |\n",
+      bench_median(ts, 3) * 1e3, (double)total / bench_median(ts, 3) / 1e9);
   for (int g = 0; g <= ndst; g++) {
     for (int s = 0; s < nslab; s++)
       be->ops->slab_free(pool[g], &slab[g][s]);

@@ -45,6 +45,8 @@
 
 #include <cuda_runtime_api.h>
 
+#define BENCH_PROG "replica_bench"
+#include "bench_util.h"
 #include "gpu_harness.h"
 #include "gpu_kernels.h"
 #include "gpu_worker.h"
@@ -61,36 +63,6 @@
 static FILE *table;
 static int quick;
 
-static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-static void die(const char *fmt, ...) {
-  va_list ap;
-  fprintf(stderr, "replica_bench: ");
-  va_start(ap, fmt);
-  vfprintf(stderr, fmt, ap);
-  va_end(ap);
-  fputc('\n', stderr);
-  exit(1);
-}
-
-static void ck(cudaError_t e, const char *what) {
-  if (e != cudaSuccess)
-    die("%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
-}
-
-static void row(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void row(const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vprintf(fmt, ap);
-  va_end(ap);
-  if (table) {
-    va_start(ap, fmt);
-    vfprintf(table, fmt, ap);
-    va_end(ap);
-  }
-}
-
-static double median(double *v, int n) { return gh_percentile(v, (size_t)n, 50); }
 
 static int iters_for(uint64_t size) {
   if (quick)
@@ -423,17 +395,17 @@ static uint64_t replica_copies(void) {
 
 static void enable_peer(void) {
   int can = 0;
-  ck(cudaDeviceCanAccessPeer(&can, 1, 0), "cudaDeviceCanAccessPeer");
+  bench_ck(cudaDeviceCanAccessPeer(&can, 1, 0), "cudaDeviceCanAccessPeer");
   if (!can) {
     printf("NOTE: device 1 cannot access device 0 as a peer: the raw column is a staged copy\n");
     return;
   }
   for (int d = 0; d < 2; d++) {
     cudaError_t e;
-    ck(cudaSetDevice(d), "cudaSetDevice");
+    bench_ck(cudaSetDevice(d), "cudaSetDevice");
     e = cudaDeviceEnablePeerAccess(1 - d, 0);
     if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled)
-      ck(e, "cudaDeviceEnablePeerAccess");
+      bench_ck(e, "cudaDeviceEnablePeerAccess");
     (void)cudaGetLastError();
   }
 }
@@ -446,36 +418,36 @@ static double raw_peer(uint64_t size, int on, int async) {
   cudaStream_t s;
   double t[16];
   int n = iters_for(size);
-  ck(cudaSetDevice(0), "cudaSetDevice");
-  ck(cudaMalloc(&src, size), "cudaMalloc");
-  ck((cudaError_t)gk_fill(src, size, 3, NULL), "gk_fill");
-  ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  ck(cudaSetDevice(1), "cudaSetDevice");
-  ck(cudaMalloc(&dst, size), "cudaMalloc");
-  ck(cudaMemset(dst, 0xa5, size), "cudaMemset");
-  ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  ck(cudaSetDevice(on), "cudaSetDevice");
-  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  bench_ck(cudaSetDevice(0), "cudaSetDevice");
+  bench_ck(cudaMalloc(&src, size), "cudaMalloc");
+  bench_ck((cudaError_t)gk_fill(src, size, 3, NULL), "gk_fill");
+  bench_ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  bench_ck(cudaSetDevice(1), "cudaSetDevice");
+  bench_ck(cudaMalloc(&dst, size), "cudaMalloc");
+  bench_ck(cudaMemset(dst, 0xa5, size), "cudaMemset");
+  bench_ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  bench_ck(cudaSetDevice(on), "cudaSetDevice");
+  bench_ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
   for (int i = -1; i < n; i++) {
     uint64_t t0 = gh_now_ns();
     if (async) {
-      ck(cudaMemcpyPeerAsync(dst, 1, src, 0, size, s), "cudaMemcpyPeerAsync");
-      ck(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+      bench_ck(cudaMemcpyPeerAsync(dst, 1, src, 0, size, s), "cudaMemcpyPeerAsync");
+      bench_ck(cudaStreamSynchronize(s), "cudaStreamSynchronize");
     } else {
-      ck(cudaMemcpyPeer(dst, 1, src, 0, size), "cudaMemcpyPeer");
+      bench_ck(cudaMemcpyPeer(dst, 1, src, 0, size), "cudaMemcpyPeer");
     }
     if (i >= 0)
       t[i] = (double)(gh_now_ns() - t0) / 1e9;
   }
-  ck(cudaStreamDestroy(s), "cudaStreamDestroy");
-  ck(cudaSetDevice(1), "cudaSetDevice");
-  ck((cudaError_t)gk_count_mismatches(dst, size, 3, NULL, &bad), "gk_count_mismatches");
+  bench_ck(cudaStreamDestroy(s), "cudaStreamDestroy");
+  bench_ck(cudaSetDevice(1), "cudaSetDevice");
+  bench_ck((cudaError_t)gk_count_mismatches(dst, size, 3, NULL, &bad), "gk_count_mismatches");
   if (bad)
     die("raw copy of %" PRIu64 " bytes: %llu words differ on device 1: not bit-exact", size, bad);
-  ck(cudaFree(dst), "cudaFree");
-  ck(cudaSetDevice(0), "cudaSetDevice");
-  ck(cudaFree(src), "cudaFree");
-  return median(t, n);
+  bench_ck(cudaFree(dst), "cudaFree");
+  bench_ck(cudaSetDevice(0), "cudaSetDevice");
+  bench_ck(cudaFree(src), "cudaFree");
+  return bench_median(t, n);
 }
 
 /* One "T ..." line of a getter: the clocks, checked bit-exact and at version want. */
@@ -536,7 +508,7 @@ static double get_pair(uint64_t size, uint32_t seed) {
   }
   finish(&get, "the getter");
   finish(&prod, "the producer");
-  return median(t, n);
+  return bench_median(t, n);
 }
 
 static void bench_pair(int staged) {
@@ -546,11 +518,11 @@ static void bench_pair(int staged) {
 
   if (staged) {
     setenv("GPUPOOL_NO_PEER", "1", 1); /* read by the daemon's CUDA copy engine */
-    row("\n| GPU 0 -> GPU 1 through gpupoold, GPUPOOL_NO_PEER=1 | cudaMemcpyPeer (no peer access) ms / GB/s "
+    bench_row(table, "\n| GPU 0 -> GPU 1 through gpupoold, GPUPOOL_NO_PEER=1 | cudaMemcpyPeer (no peer access) ms / GB/s "
         "| get on GPU 1 until usable ms / GB/s | raw / get | get - raw (us) |\n| --- | --- | --- | --- | --- |\n");
   } else {
     enable_peer();
-    row("\n| GPU 0 -> GPU 1 through gpupoold, peer | raw cudaMemcpyPeerAsync ms / GB/s (best of target's and "
+    bench_row(table, "\n| GPU 0 -> GPU 1 through gpupoold, peer | raw cudaMemcpyPeerAsync ms / GB/s (best of target's and "
         "source's stream) | get on GPU 1 until usable ms / GB/s | raw / get | get - raw (us) |\n"
         "| --- | --- | --- | --- | --- |\n");
   }
@@ -567,7 +539,7 @@ static void bench_pair(int staged) {
     get = get_pair(size, seed + (uint32_t)i);
     printf("BENCH replica_%s_raw_%" PRIu64 "_us %.1f\n", k, size, raw * 1e6);
     printf("BENCH replica_%s_get_%" PRIu64 "_us %.1f\n", k, size, get * 1e6);
-    row("| %" PRIu64 " %s%s | %.3f / %.1f | %.3f / %.1f | %.1f%% | %.0f |\n", size >= GiB ? size / GiB : size / MiB,
+    bench_row(table, "| %" PRIu64 " %s%s | %.3f / %.1f | %.3f / %.1f | %.1f%% | %.0f |\n", size >= GiB ? size / GiB : size / MiB,
         size >= GiB ? "GiB" : "MiB", size < 64 * MiB ? " (the fixed cost of a get that makes a replica)" : "",
         raw * 1e3, (double)size / raw / 1e9, get * 1e3, (double)size / get / 1e9, 100.0 * raw / get,
         (get - raw) * 1e6);
@@ -632,13 +604,13 @@ static void bench_broadcast(int ngpu) {
     finish(&get[h], "a getter");
   finish(&prod, "the producer");
   stop_daemon(0);
-  printf("BENCH replica_broadcast_ms %.2f\n", median(t, n) * 1e3);
-  printf("BENCH replica_broadcast_publish_call_ms %.2f\n", median(tcall, n) * 1e3);
-  row("\n| broadcast through gpupoold, %d bf16 tensors %.2f GB, GPU 0 -> %d GPUs | ms (median) | GB/s per target |\n"
+  printf("BENCH replica_broadcast_ms %.2f\n", bench_median(t, n) * 1e3);
+  printf("BENCH replica_broadcast_publish_call_ms %.2f\n", bench_median(tcall, n) * 1e3);
+  bench_row(table, "\n| broadcast through gpupoold, %d bf16 tensors %.2f GB, GPU 0 -> %d GPUs | ms (median) | GB/s per target |\n"
       "| --- | --- | --- |\n", nt, (double)total / 1e9, ndst);
-  row("| gpupool_bundle_publish_to, from the call until every getter's replica is usable | %.1f | %.1f |\n",
-      median(t, n) * 1e3, (double)total / median(t, n) / 1e9);
-  row("| (of which the publish call itself) | %.1f | |\n", median(tcall, n) * 1e3);
+  bench_row(table, "| gpupool_bundle_publish_to, from the call until every getter's replica is usable | %.1f | %.1f |\n",
+      bench_median(t, n) * 1e3, (double)total / bench_median(t, n) / 1e9);
+  bench_row(table, "| (of which the publish call itself) | %.1f | |\n", bench_median(tcall, n) * 1e3);
 }
 
 /* (d): 8 getters at once on GPU 1, one copy. */
@@ -687,9 +659,9 @@ static void bench_getters(void) {
   stop_daemon(0);
   printf("BENCH replica_getters_copies %" PRIu64 "\n", after - before);
   printf("BENCH replica_getters_ms %.2f\n", (double)(end - t0) / 1e6);
-  row("\n| %d getters at once on GPU 1, 256 MiB on GPU 0 | value |\n| --- | --- |\n", NGETTERS);
-  row("| copies made (gpupoolctl stats replica_copies) | %" PRIu64 " |\n", after - before);
-  row("| from the first get until all %d hold it, bit-exact (ms) | %.1f |\n", NGETTERS,
+  bench_row(table, "\n| %d getters at once on GPU 1, 256 MiB on GPU 0 | value |\n| --- | --- |\n", NGETTERS);
+  bench_row(table, "| copies made (gpupoolctl stats replica_copies) | %" PRIu64 " |\n", after - before);
+  bench_row(table, "| from the first get until all %d hold it, bit-exact (ms) | %.1f |\n", NGETTERS,
       (double)(end - t0) / 1e6);
 }
 
