@@ -7,8 +7,11 @@
 # skipped per mode, and what changes between modes.
 #
 #   tools/torch-mp-suite.sh --test-file PATH [--python PY] [--build DIR] [--modes "allocator install none"]
-#                           [--tests "cuda event leaf_variable"]
+#                           [--tests "cuda event leaf_variable"] [--per-test-timeout S]
 #
+# Each test runs in a process of its own under a time limit (--per-test-timeout, default 120 s):
+# a test that hangs (a child that died while its parent waits on a queue with no timeout) is
+# reported as "timed out" and the next one runs.
 # --tests: unittest -k patterns (default: the tests that touch CUDA: every name with "cuda",
 # the CUDA event tests and the leaf-variable test that shares a CUDA tensor); "" runs the
 # whole file (its CPU tests repeat 30 times and take minutes).
@@ -27,6 +30,7 @@ build=build-gpu
 test_file=""
 modes="allocator install none"
 tests="cuda event leaf_variable"
+per_test=120
 while [ $# -gt 0 ]; do
   case $1 in
     --test-file) test_file=$2; shift 2 ;;
@@ -34,7 +38,8 @@ while [ $# -gt 0 ]; do
     --build) build=$2; shift 2 ;;
     --modes) modes=$2; shift 2 ;;
     --tests) tests=$2; shift 2 ;;
-    *) echo "usage: $0 --test-file PATH [--python PY] [--build DIR] [--modes \"allocator install none\"]" >&2; exit 2 ;;
+    --per-test-timeout) per_test=$2; shift 2 ;;
+    *) echo "usage: $0 --test-file PATH [--python PY] [--build DIR] [--modes \"allocator install none\"] [--tests \"...\"] [--per-test-timeout S]" >&2; exit 2 ;;
   esac
 done
 out=${OUT:-$(mktemp -d)}
@@ -107,12 +112,19 @@ PYEOF
 for mode in $modes; do
   echo "==== torch-mp-suite: mode $mode"
   [ "$mode" != allocator ] || echo "not applicable under use_allocator(): test_rebuild_cuda_tensor (see above)" >"$out/$mode.na"
-  (cd "$work" &&
-    GPUPOOL_TORCH_SUITE_MODE=$mode GPUPOOL_SOCKET=$sock PYTHONPATH="$work/site:$root/python${PYTHONPATH:+:$PYTHONPATH}" \
-    GPUPOOL_LIBRARY=$root/$build/client/libgpupool-client.so \
-    GPUPOOL_TORCH_ALLOC_LIBRARY=$root/$build/client/libgpupool-torch-alloc.so \
-    timeout 3000 "$py" test_multiprocessing.py -v $(names "$mode") >"$out/$mode.log" 2>&1)
-  echo "exit status $?" >>"$out/$mode.log"
+  : >"$out/$mode.log"
+  for t in $(names "$mode"); do
+    (cd "$work" &&
+      GPUPOOL_TORCH_SUITE_MODE=$mode GPUPOOL_SOCKET=$sock PYTHONPATH="$work/site:$root/python${PYTHONPATH:+:$PYTHONPATH}" \
+      GPUPOOL_LIBRARY=$root/$build/client/libgpupool-client.so \
+      GPUPOOL_TORCH_ALLOC_LIBRARY=$root/$build/client/libgpupool-torch-alloc.so \
+      timeout -k 5 "$per_test" "$py" test_multiprocessing.py -v "$t" >>"$out/$mode.log" 2>&1)
+    rc=$?
+    if [ $rc = 124 ] || [ $rc = 137 ]; then
+      printf "\n%s (%s) ... timed out after %s s\n" "${t#*.}" "$t" "$per_test" >>"$out/$mode.log"
+    fi
+    echo "exit status $rc ($t)" >>"$out/$mode.log"
+  done
 done
 
 # One line per CUDA test and mode: passed, failed (FAIL/ERROR) or skipped (with the reason).
@@ -132,13 +144,15 @@ for m in modes:
         name, st = mm.group(1), mm.group(3).strip()
         if not any(k in name.lower() for k in ("cuda", "event", "leaf_variable")):
             continue
-        st = "passed" if st == "ok" else "failed" if st in ("FAIL", "ERROR") else st
+        st = "passed" if st == "ok" else "failed" if st in ("FAIL", "ERROR") else \
+            "failed (timed out)" if st.startswith("timed out") else st
         res.setdefault(name, {})[m] = st
 print("%-60s %s" % ("CUDA test", "  ".join("%-24s" % m for m in modes)))
 for name in sorted(res):
     print("%-60s %s" % (name, "  ".join("%-24s" % res[name].get(m, "-")[:24] for m in modes)))
 for m in modes:
     vals = [r.get(m) for r in res.values()]
-    print("%s: %d passed, %d failed, %d skipped" % (m, vals.count("passed"), vals.count("failed"),
+    print("%s: %d passed, %d failed, %d skipped" % (m, vals.count("passed"),
+          sum(1 for v in vals if v and v.startswith("failed")),
           sum(1 for v in vals if v and v.startswith("skipped"))))
 PYEOF
