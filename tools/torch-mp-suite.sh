@@ -7,11 +7,12 @@
 # skipped per mode, and what changes between modes.
 #
 #   tools/torch-mp-suite.sh --test-file PATH [--python PY] [--build DIR] [--modes "allocator install none"]
-#                           [--tests "cuda event leaf_variable"] [--per-test-timeout S]
+#                           [--tests "cuda event leaf_variable"] [--per-test-timeout S] [--jobs N]
 #
 # Each test runs in a process of its own under a time limit (--per-test-timeout, default 120 s):
 # a test that hangs (a child that died while its parent waits on a queue with no timeout) is
-# reported as "timed out" and the next one runs.
+# reported as "timed out" and the next one runs. --jobs N runs N tests at once (default 1; the
+# tests are separate processes sharing the one gpupoold).
 # --tests: unittest -k patterns (default: the tests that touch CUDA: every name with "cuda",
 # the CUDA event tests and the leaf-variable test that shares a CUDA tensor); "" runs the
 # whole file (its CPU tests repeat 30 times and take minutes).
@@ -31,6 +32,7 @@ test_file=""
 modes="allocator install none"
 tests="cuda event leaf_variable"
 per_test=120
+jobs=1
 while [ $# -gt 0 ]; do
   case $1 in
     --test-file) test_file=$2; shift 2 ;;
@@ -39,7 +41,8 @@ while [ $# -gt 0 ]; do
     --modes) modes=$2; shift 2 ;;
     --tests) tests=$2; shift 2 ;;
     --per-test-timeout) per_test=$2; shift 2 ;;
-    *) echo "usage: $0 --test-file PATH [--python PY] [--build DIR] [--modes \"allocator install none\"] [--tests \"...\"] [--per-test-timeout S]" >&2; exit 2 ;;
+    --jobs) jobs=$2; shift 2 ;;
+    *) echo "usage: $0 --test-file PATH [--python PY] [--build DIR] [--modes \"allocator install none\"] [--tests \"...\"] [--per-test-timeout S] [--jobs N]" >&2; exit 2 ;;
   esac
 done
 out=${OUT:-$(mktemp -d)}
@@ -113,18 +116,22 @@ for mode in $modes; do
   echo "==== torch-mp-suite: mode $mode"
   [ "$mode" != allocator ] || echo "not applicable under use_allocator(): test_rebuild_cuda_tensor (see above)" >"$out/$mode.na"
   : >"$out/$mode.log"
-  for t in $(names "$mode"); do
+  mkdir -p "$work/logs/$mode"
+  export mode sock work root build py per_test
+  names "$mode" | xargs -P "$jobs" -I{} bash -c '
+    t={}
+    log=$work/logs/$mode/$t.log
     (cd "$work" &&
       GPUPOOL_TORCH_SUITE_MODE=$mode GPUPOOL_SOCKET=$sock PYTHONPATH="$work/site:$root/python${PYTHONPATH:+:$PYTHONPATH}" \
       GPUPOOL_LIBRARY=$root/$build/client/libgpupool-client.so \
       GPUPOOL_TORCH_ALLOC_LIBRARY=$root/$build/client/libgpupool-torch-alloc.so \
-      timeout -k 5 "$per_test" "$py" test_multiprocessing.py -v "$t" >>"$out/$mode.log" 2>&1)
+      timeout -k 5 "$per_test" "$py" test_multiprocessing.py -v "$t" >"$log" 2>&1)
     rc=$?
     if [ $rc = 124 ] || [ $rc = 137 ]; then
-      printf "\n%s (%s) ... timed out after %s s\n" "${t#*.}" "$t" "$per_test" >>"$out/$mode.log"
+      printf "\n%s (%s) ... timed out after %s s\n" "${t#*.}" "$t" "$per_test" >>"$log"
     fi
-    echo "exit status $rc ($t)" >>"$out/$mode.log"
-  done
+    echo "exit status $rc ($t)" >>"$log"'
+  for t in $(names "$mode"); do cat "$work/logs/$mode/$t.log" >>"$out/$mode.log"; done
 done
 
 # One line per CUDA test and mode: passed, failed (FAIL/ERROR) or skipped (with the reason).
