@@ -134,32 +134,44 @@ for mode in $modes; do
   for t in $(names "$mode"); do cat "$work/logs/$mode/$t.log" >>"$out/$mode.log"; done
 done
 
-# One line per CUDA test and mode: passed, failed (FAIL/ERROR) or skipped (with the reason).
+# One line per CUDA test and mode: passed, failed (with the error's last line) or skipped (with
+# the reason), read from each test's own log (it ends with the "exit status" line above):
+# unittest's "... ok" can come lines after the test's name when the test prints warnings.
 "$py" - "$out" $modes <<'PYEOF' | tee "$out/summary.txt"
 import re, sys
 out, modes = sys.argv[1], sys.argv[2:]
-res = {}
+res, why = {}, {}
 for m in modes:
     try:
         text = open("%s/%s.log" % (out, m), errors="replace").read()
     except OSError:
         continue
+    seg = []
     for ln in text.splitlines():
-        mm = re.match(r"^(test\w+) \(([\w.]+)\) \.\.\. (.*)$", ln)
+        mm = re.match(r"^exit status (\d+) \([\w]+\.(test\w+)\)$", ln)
         if not mm:
+            seg.append(ln)
             continue
-        name, st = mm.group(1), mm.group(3).strip()
-        if not any(k in name.lower() for k in ("cuda", "event", "leaf_variable")):
-            continue
-        st = "passed" if st == "ok" else "failed" if st in ("FAIL", "ERROR") else \
-            "failed (timed out)" if st.startswith("timed out") else st
+        rc, name, body = int(mm.group(1)), mm.group(2), "\n".join(seg)
+        seg = []
+        if " ... timed out after " in body:
+            st = "failed (timed out)"
+        elif rc == 0:
+            sk = re.search(r"skipped '([^']*)'", body)
+            st = "skipped: " + sk.group(1) if sk else "passed"
+        else:
+            st = "failed"
+            errs = [l for l in body.splitlines() if re.match(r"^\w*(Error|Exception)\b.*", l)]
+            why[(name, m)] = errs[-1] if errs else "exit status %d" % rc
         res.setdefault(name, {})[m] = st
-print("%-60s %s" % ("CUDA test", "  ".join("%-24s" % m for m in modes)))
+print("%-48s %s" % ("CUDA test", "  ".join("%-20s" % m for m in modes)))
 for name in sorted(res):
-    print("%-60s %s" % (name, "  ".join("%-24s" % res[name].get(m, "-")[:24] for m in modes)))
+    print("%-48s %s" % (name, "  ".join("%-20s" % res[name].get(m, "-")[:20] for m in modes)))
 for m in modes:
     vals = [r.get(m) for r in res.values()]
     print("%s: %d passed, %d failed, %d skipped" % (m, vals.count("passed"),
           sum(1 for v in vals if v and v.startswith("failed")),
           sum(1 for v in vals if v and v.startswith("skipped"))))
+for (name, m), w in sorted(why.items()):
+    print("failed in %s: %s: %s" % (m, name, w[:160]))
 PYEOF
