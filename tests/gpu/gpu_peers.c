@@ -1,0 +1,235 @@
+/*
+ * GPU check of peers with device memory: two gpupoolds (CUDA backend) on this machine peer
+ * over 127.0.0.1 (UCX as the environment sets it: the caller passes UCX_TLS=tcp or
+ * tcp,cuda_copy, so UCX stays on the network path), each with a device pool (A on GPU 0, B on
+ * GPU 1, or both on GPU 0 with one GPU). A buffer and a bundle (BYTES in all, half each; the
+ * bundle of four members) are filled by a kernel behind a 300 ms spin and published on A
+ * without synchronizing (the serving side's copies must wait for the producer's ready event);
+ * B's client gets them as A:NAME, and a kernel on B's GPU counts mismatching words. Then the
+ * buffer is published again and fetched warm (UCX connected, staging slots made). Prints each
+ * fetch's throughput (bytes / time of the get, which includes the fetch), the daemons'
+ * "peers:" log lines (how device memory moves, the transports, each fetch), and one PASS or FAIL
+ * line.
+ *
+ *   gpupool_gpu_peers GPUPOOLD          (GPUPOOL_PEERS_BYTES=N overrides 1 GiB)
+ *
+ * Exit status 0 pass, 1 fail, 77 skip (no GPU, or gpupoold built without UCX).
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cuda_runtime_api.h>
+
+#include "gpu_driver.h"
+#include "gpu_harness.h"
+#include "gpu_kernels.h"
+#include "gpu_worker.h"
+#include "gpupool/gpupool.h"
+
+#define CHECK "peers_device"
+#define STEP_MS 120000
+#define fail(...) gh_verdict(1, CHECK, __VA_ARGS__)
+
+static int free_port(void) {
+  struct sockaddr_in a = {.sin_family = AF_INET};
+  socklen_t len = sizeof a;
+  int fd = socket(AF_INET, SOCK_STREAM, 0), port = -1;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+    port = ntohs(a.sin_port);
+  if (fd >= 0)
+    close(fd);
+  return port;
+}
+
+static void conf_of(char *out, size_t len, int port, const char *secret, int device, const char *peer, int peer_port) {
+  snprintf(out, len,
+           "[daemon]\npeer_listen = 127.0.0.1:%d\npeer_secret_file = %s\npeer_fetch_timeout_ms = 120000\n"
+           "[pool gpu]\nkind = device\ndevice = %d\ncapacity = 6G\nslab_size = 1G\n"
+           "[tenant t]\nuids = %u\nexport_peers = *\n[peer %s]\naddress = 127.0.0.1:%d\n",
+           port, secret, device, (unsigned)getuid(), peer, peer_port);
+}
+
+/* The daemon's "peers:" lines (and the copy engine's), to stdout. */
+static void print_peer_lines(const gh_daemon *d, const char *who) {
+  FILE *f = fopen(d->log, "r");
+  char line[2048];
+  if (!f)
+    return;
+  while (fgets(line, sizeof line, f))
+    if (strstr(line, "peers:") || strstr(line, "UCX") || strstr(line, "error"))
+      printf("  %s| %s", who, line);
+  fclose(f);
+}
+
+static double secs(uint64_t a, uint64_t b) { return (double)(b - a) / 1e9; }
+
+/* Get name on B (newer than newer), count mismatches against seeds (one per member). */
+static int fetch_check(gpupool_client *c, const char *name, uint64_t newer, int dev, cudaStream_t s,
+                       const uint32_t *seeds, int nseeds, size_t bytes, const char *label) {
+  gpupool_bundle *g = NULL;
+  unsigned long long bad = 0, n;
+  uint64_t t0 = gh_now_ns(), t1;
+  int rc, ce;
+  if ((rc = gpupool_bundle_get(c, name, newer, STEP_MS, 0, s, &g)) < 0)
+    return fail("get %s on B: %s (%s)", name, gpupool_err_name(rc), gpupool_last_error());
+  t1 = gh_now_ns();
+  if (gpupool_bundle_count(g) != nseeds) {
+    gpupool_bundle_release(g, s);
+    return fail("%s has %d members, %d expected", name, gpupool_bundle_count(g), nseeds);
+  }
+  for (int i = 0; i < gpupool_bundle_buffers(g); i++)
+    if (gpupool_buffer_device(gpupool_bundle_buffer(g, i)) != dev ||
+        gpupool_buffer_kind(gpupool_bundle_buffer(g, i)) != GPUPOOL_MEM_DEVICE) {
+      gpupool_bundle_release(g, s);
+      return fail("%s: buffer %d of the fetched copy is not device memory of GPU %d", name, i, dev);
+    }
+  for (int i = 0; i < nseeds; i++) {
+    gpupool_member m;
+    gpupool_bundle_member(g, i, &m);
+    if ((ce = gk_count_mismatches(m.ptr, m.size, seeds[i], s, &n)))
+      cdie("driver", "mismatch kernel", ce);
+    bad += n;
+  }
+  gpupool_bundle_release(g, s);
+  cudaStreamSynchronize(s);
+  printf("fetch %-28s %10zu bytes in %8.3f s = %6.2f GB/s, mismatching words: %llu\n", label, bytes, secs(t0, t1),
+         (double)bytes / secs(t0, t1) / 1e9, bad);
+  return bad ? fail("%s: %llu words differ on B", name, bad) : 0;
+}
+
+int main(int argc, char **argv) {
+  gh_daemon A, B;
+  char dir[] = "/tmp/gpupool-peers.XXXXXX", secret[256], confa[2048], confb[2048], cmd[1024], out[256] = "";
+  const char *env = getenv("GPUPOOL_PEERS_BYTES");
+  size_t total = env ? (size_t)strtoull(env, NULL, 0) : (size_t)1 << 30, half, quarter;
+  int ngpu, dev_b, pa, pb, rc = 0, ce;
+  gpupool_client *ca = NULL, *cb = NULL;
+  cudaStream_t sa, sb;
+  uint32_t seed = (uint32_t)time(NULL) ^ ((uint32_t)getpid() << 8), seeds[4];
+  FILE *f, *p;
+
+  ngpu = gh_driver_start(argc, argv, 2, "GPUPOOLD", 1, "peers need a GPU");
+  snprintf(cmd, sizeof cmd, "%s --version", argv[1]);
+  if ((p = popen(cmd, "r"))) {
+    while (fgets(out, sizeof out, p))
+      if (!strncmp(out, "peers: ", 7))
+        break;
+    pclose(p);
+  }
+  if (strncmp(out, "peers: ucx", 10) != 0) {
+    printf("SKIP: gpupoold %s", out[0] ? out : "says nothing about peers\n");
+    return GH_SKIP;
+  }
+  printf("gpupoold %s", out);
+  half = (total / 2) & ~(size_t)4095;
+  quarter = (half / 4) & ~(size_t)4095;
+  dev_b = ngpu > 1 ? 1 : 0;
+  printf("UCX_TLS=%s, A on GPU 0, B on GPU %d, %zu bytes\n", getenv("UCX_TLS") ? getenv("UCX_TLS") : "(default)",
+         dev_b, half + 4 * quarter);
+  if (!mkdtemp(dir))
+    return fail("mkdtemp: %s", strerror(errno));
+  snprintf(secret, sizeof secret, "%s/secret", dir);
+  if (!(f = fopen(secret, "w")))
+    return fail("cannot write %s", secret);
+  fputs("gpu-peers-check-secret-0123456789", f);
+  fclose(f);
+  chmod(secret, 0600);
+  pa = free_port();
+  pb = free_port();
+  conf_of(confa, sizeof confa, pa, secret, 0, "B", pb);
+  conf_of(confb, sizeof confb, pb, secret, dev_b, "A", pa);
+  if (gh_daemon_start_conf(&A, argv[1], NULL, confa) < 0)
+    return fail("daemon A did not start");
+  if (gh_daemon_start_conf(&B, argv[1], NULL, confb) < 0) {
+    gh_daemon_stop(&A, 1);
+    return fail("daemon B did not start");
+  }
+  sa = wstream("driver", 0);
+  sb = wstream("driver", dev_b);
+  if ((rc = gpupool_client_connect(A.sock, "gpu-peers-producer", GPUPOOL_TIMEOUT_DEFAULT, &ca)) < 0 ||
+      (rc = gpupool_client_connect(B.sock, "gpu-peers-getter", GPUPOOL_TIMEOUT_DEFAULT, &cb)) < 0) {
+    rc = fail("connect: %s", gpupool_last_error());
+    goto out;
+  }
+  {
+    /* A buffer and a bundle of four members on A, filled behind a spin, not synchronized. */
+    gpupool_buffer *b;
+    gpupool_bundle *bb;
+    gpupool_member_spec spec[4] = {{"m0", quarter, NULL}, {"m1", quarter, NULL}, {"m2", quarter, NULL},
+                                   {"m3", quarter, NULL}};
+    cudaSetDevice(0);
+    if ((rc = gpupool_buffer_alloc(ca, "gpu", half, 10000, sa, &b)) < 0) {
+      rc = fail("alloc on A: %s", gpupool_last_error());
+      goto out;
+    }
+    wfill_publish("driver", b, half, seed, 300000, "buf", sa);
+    gpupool_buffer_release(b, sa);
+    if ((rc = gpupool_bundle_alloc(ca, "gpu", spec, 4, 0, 10000, sa, &bb)) < 0) {
+      rc = fail("bundle alloc on A: %s", gpupool_last_error());
+      goto out;
+    }
+    if ((ce = gk_spin(sa, 300000)))
+      cdie("driver", "spin kernel", ce);
+    for (int i = 0; i < 4; i++) {
+      gpupool_member m;
+      gpupool_bundle_member(bb, i, &m);
+      if ((ce = gk_fill(m.ptr, m.size, seed + 1 + (uint32_t)i, sa)))
+        cdie("driver", "fill kernel", ce);
+    }
+    if ((rc = gpupool_bundle_publish(bb, "model", sa, NULL)) < 0) {
+      rc = fail("bundle publish on A: %s", gpupool_last_error());
+      goto out;
+    }
+    gpupool_bundle_release(bb, sa);
+  }
+  cudaSetDevice(dev_b);
+  seeds[0] = seed;
+  if ((rc = fetch_check(cb, "A:buf", 0, dev_b, sb, seeds, 1, half, "buffer (cold)")) != 0)
+    goto out;
+  for (int i = 0; i < 4; i++)
+    seeds[i] = seed + 1 + (uint32_t)i;
+  if ((rc = fetch_check(cb, "A:model", 0, dev_b, sb, seeds, 4, 4 * quarter, "bundle of 4 members")) != 0)
+    goto out;
+  {
+    gpupool_buffer *b;
+    cudaSetDevice(0);
+    if ((rc = gpupool_buffer_alloc(ca, "gpu", half, 10000, sa, &b)) < 0) {
+      rc = fail("alloc on A: %s", gpupool_last_error());
+      goto out;
+    }
+    wfill_publish("driver", b, half, seed + 7, 0, "buf", sa);
+    gpupool_buffer_release(b, sa);
+    cudaStreamSynchronize(sa);
+  }
+  cudaSetDevice(dev_b);
+  seeds[0] = seed + 7;
+  if ((rc = fetch_check(cb, "A:buf", 1, dev_b, sb, seeds, 1, half, "buffer v2 (warm)")) != 0)
+    goto out;
+  rc = 0;
+out:
+  if (ca)
+    gpupool_client_disconnect(ca);
+  if (cb)
+    gpupool_client_disconnect(cb);
+  print_peer_lines(&A, "A");
+  print_peer_lines(&B, "B");
+  gh_daemon_stop(&B, rc != 0);
+  gh_daemon_stop(&A, rc != 0);
+  unlink(secret);
+  rmdir(dir);
+  if (rc)
+    return rc;
+  return gh_verdict(0, CHECK, "a buffer and a 4-member bundle in device memory fetched from daemon A (GPU 0) into "
+                    "daemon B's device pool (GPU %d) over UCX_TLS=%s, bit-exact, cold and warm", dev_b,
+                    getenv("UCX_TLS") ? getenv("UCX_TLS") : "(default)");
+}
