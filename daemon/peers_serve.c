@@ -312,7 +312,14 @@ int gpd_pr_serve_stage_step(serve *sv) {
   }
   if (sv->push && !l->closing)
     post_sends(sv);
-  return l->closing;
+  if (l->closing)
+    return 1;
+  if (sv->sent == sv->st->total && !sv->st->nring) {
+    /* Every byte sent and every slot back: the serve only waits for PeerDone now. */
+    gpd_pr_stager_free(sv->st);
+    sv->st = NULL;
+  }
+  return 0;
 }
 
 static void on_chunk_sent(void *arg, int status) {

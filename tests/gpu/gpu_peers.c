@@ -11,6 +11,10 @@
  * "peers:" log lines (how device memory moves, the transports, each fetch), and one PASS or FAIL
  * line.
  *
+ * GPUPOOL_PEERS_HOST=1 runs the same fetches between two daemons with the host backend and
+ * host pools (filled and checked on the CPU): the network path without staging, the
+ * reference the staged figures are read against.
+ *
  *   gpupool_gpu_peers GPUPOOLD          (GPUPOOL_PEERS_BYTES=N overrides 1 GiB)
  *
  * Exit status 0 pass, 1 fail, 77 skip (no GPU, or gpupoold built without UCX).
@@ -51,12 +55,53 @@ static int free_port(void) {
   return port;
 }
 
+static int g_host; /* GPUPOOL_PEERS_HOST: host backend and host pools, CPU fill and check */
+
 static void conf_of(char *out, size_t len, int port, const char *secret, int device, const char *peer, int peer_port) {
+  char pool[128];
+  if (g_host)
+    snprintf(pool, sizeof pool, "[pool gpu]\nkind = host\ncapacity = 6G\nslab_size = 1G\n");
+  else
+    snprintf(pool, sizeof pool, "[pool gpu]\nkind = device\ndevice = %d\ncapacity = 6G\nslab_size = 1G\n", device);
   snprintf(out, len,
-           "[daemon]\npeer_listen = 127.0.0.1:%d\npeer_secret_file = %s\npeer_fetch_timeout_ms = 120000\n"
-           "[pool gpu]\nkind = device\ndevice = %d\ncapacity = 6G\nslab_size = 1G\n"
+           "[daemon]\npeer_listen = 127.0.0.1:%d\npeer_secret_file = %s\npeer_fetch_timeout_ms = 120000\n%s"
            "[tenant t]\nuids = %u\nexport_peers = *\n[peer %s]\naddress = 127.0.0.1:%d\n",
-           port, secret, device, (unsigned)getuid(), peer, peer_port);
+           port, secret, pool, (unsigned)getuid(), peer, peer_port);
+}
+
+static int start(gh_daemon *d, const char *gpupoold, const char *conf) {
+  ts_daemon_opts o = {.gpupoold = gpupoold, .backend = "host", .log_level = "info", .use_conf = 1,
+                      .ready_ms = 60000, .poll_ms = 20};
+  if (!g_host)
+    return gh_daemon_start_conf(d, gpupoold, NULL, conf);
+  if (ts_daemon_prepare(d, getenv("TMPDIR"), "gpupool-gpu.") != 0 || ts_daemon_write_conf(d, conf) != 0 ||
+      ts_daemon_start(d, &o) != 0) {
+    fprintf(stderr, "%s\n", d->why);
+    ts_daemon_remove(d);
+    return -1;
+  }
+  return 0;
+}
+
+/* Host mode: fill or check bytes at p (CPU memory) with seed's pattern; mismatching words. */
+static unsigned long long cpu_pattern(void *p, size_t bytes, uint32_t seed, int check) {
+  uint32_t *w = p;
+  unsigned long long bad = 0;
+  for (size_t i = 0; i < bytes / 4; i++) {
+    uint32_t x = gk_pattern(i, seed);
+    if (!check)
+      w[i] = x;
+    else if (w[i] != x)
+      bad++;
+  }
+  return bad;
+}
+
+static int fill(void *p, size_t bytes, uint32_t seed, cudaStream_t s) {
+  if (!g_host)
+    return gk_fill(p, bytes, seed, s);
+  cpu_pattern(p, bytes, seed, 0);
+  return 0;
 }
 
 /* The daemon's "peers:" lines (and the copy engine's), to stdout. */
@@ -87,7 +132,7 @@ static int fetch_check(gpupool_client *c, const char *name, uint64_t newer, int 
     gpupool_bundle_release(g, s);
     return fail("%s has %d members, %d expected", name, gpupool_bundle_count(g), nseeds);
   }
-  for (int i = 0; i < gpupool_bundle_buffers(g); i++)
+  for (int i = 0; i < gpupool_bundle_buffers(g) && !g_host; i++)
     if (gpupool_buffer_device(gpupool_bundle_buffer(g, i)) != dev ||
         gpupool_buffer_kind(gpupool_bundle_buffer(g, i)) != GPUPOOL_MEM_DEVICE) {
       gpupool_bundle_release(g, s);
@@ -96,12 +141,15 @@ static int fetch_check(gpupool_client *c, const char *name, uint64_t newer, int 
   for (int i = 0; i < nseeds; i++) {
     gpupool_member m;
     gpupool_bundle_member(g, i, &m);
-    if ((ce = gk_count_mismatches(m.ptr, m.size, seeds[i], s, &n)))
+    if (g_host)
+      n = cpu_pattern(m.ptr, m.size, seeds[i], 1);
+    else if ((ce = gk_count_mismatches(m.ptr, m.size, seeds[i], s, &n)))
       cdie("driver", "mismatch kernel", ce);
     bad += n;
   }
-  gpupool_bundle_release(g, s);
-  cudaStreamSynchronize(s);
+  gpupool_bundle_release(g, g_host ? NULL : s);
+  if (!g_host)
+    cudaStreamSynchronize(s);
   printf("fetch %-28s %10zu bytes in %8.3f s = %6.2f GB/s, mismatching words: %llu\n", label, bytes, secs(t0, t1),
          (double)bytes / secs(t0, t1) / 1e9, bad);
   return bad ? fail("%s: %llu words differ on B", name, bad) : 0;
@@ -118,6 +166,7 @@ int main(int argc, char **argv) {
   uint32_t seed = (uint32_t)time(NULL) ^ ((uint32_t)getpid() << 8), seeds[4];
   FILE *f, *p;
 
+  g_host = getenv("GPUPOOL_PEERS_HOST") && strcmp(getenv("GPUPOOL_PEERS_HOST"), "0") != 0;
   ngpu = gh_driver_start(argc, argv, 2, "GPUPOOLD", 1, "peers need a GPU");
   snprintf(cmd, sizeof cmd, "%s --version", argv[1]);
   if ((p = popen(cmd, "r"))) {
@@ -134,8 +183,12 @@ int main(int argc, char **argv) {
   half = (total / 2) & ~(size_t)4095;
   quarter = (half / 4) & ~(size_t)4095;
   dev_b = ngpu > 1 ? 1 : 0;
-  printf("UCX_TLS=%s, A on GPU 0, B on GPU %d, %zu bytes\n", getenv("UCX_TLS") ? getenv("UCX_TLS") : "(default)",
-         dev_b, half + 4 * quarter);
+  if (g_host)
+    printf("UCX_TLS=%s, host backend and host pools on both sides (reference), %zu bytes\n",
+           getenv("UCX_TLS") ? getenv("UCX_TLS") : "(default)", half + 4 * quarter);
+  else
+    printf("UCX_TLS=%s, A on GPU 0, B on GPU %d, %zu bytes\n", getenv("UCX_TLS") ? getenv("UCX_TLS") : "(default)",
+           dev_b, half + 4 * quarter);
   if (!mkdtemp(dir))
     return fail("mkdtemp: %s", strerror(errno));
   snprintf(secret, sizeof secret, "%s/secret", dir);
@@ -148,14 +201,14 @@ int main(int argc, char **argv) {
   pb = free_port();
   conf_of(confa, sizeof confa, pa, secret, 0, "B", pb);
   conf_of(confb, sizeof confb, pb, secret, dev_b, "A", pa);
-  if (gh_daemon_start_conf(&A, argv[1], NULL, confa) < 0)
+  if (start(&A, argv[1], confa) < 0)
     return fail("daemon A did not start");
-  if (gh_daemon_start_conf(&B, argv[1], NULL, confb) < 0) {
+  if (start(&B, argv[1], confb) < 0) {
     gh_daemon_stop(&A, 1);
     return fail("daemon B did not start");
   }
-  sa = wstream("driver", 0);
-  sb = wstream("driver", dev_b);
+  sa = g_host ? NULL : wstream("driver", 0);
+  sb = g_host ? NULL : wstream("driver", dev_b);
   if ((rc = gpupool_client_connect(A.sock, "gpu-peers-producer", GPUPOOL_TIMEOUT_DEFAULT, &ca)) < 0 ||
       (rc = gpupool_client_connect(B.sock, "gpu-peers-getter", GPUPOOL_TIMEOUT_DEFAULT, &cb)) < 0) {
     rc = fail("connect: %s", gpupool_last_error());
@@ -167,23 +220,29 @@ int main(int argc, char **argv) {
     gpupool_bundle *bb;
     gpupool_member_spec spec[4] = {{"m0", quarter, NULL}, {"m1", quarter, NULL}, {"m2", quarter, NULL},
                                    {"m3", quarter, NULL}};
-    cudaSetDevice(0);
+    if (!g_host)
+      cudaSetDevice(0);
     if ((rc = gpupool_buffer_alloc(ca, "gpu", half, 10000, sa, &b)) < 0) {
       rc = fail("alloc on A: %s", gpupool_last_error());
       goto out;
     }
-    wfill_publish("driver", b, half, seed, 300000, "buf", sa);
+    if (g_host) {
+      fill(gpupool_buffer_ptr(b), half, seed, sa);
+      gpupool_buffer_publish(b, "buf", NULL, NULL, NULL);
+    } else {
+      wfill_publish("driver", b, half, seed, 300000, "buf", sa);
+    }
     gpupool_buffer_release(b, sa);
     if ((rc = gpupool_bundle_alloc(ca, "gpu", spec, 4, 0, 10000, sa, &bb)) < 0) {
       rc = fail("bundle alloc on A: %s", gpupool_last_error());
       goto out;
     }
-    if ((ce = gk_spin(sa, 300000)))
+    if (!g_host && (ce = gk_spin(sa, 300000)))
       cdie("driver", "spin kernel", ce);
     for (int i = 0; i < 4; i++) {
       gpupool_member m;
       gpupool_bundle_member(bb, i, &m);
-      if ((ce = gk_fill(m.ptr, m.size, seed + 1 + (uint32_t)i, sa)))
+      if ((ce = fill(m.ptr, m.size, seed + 1 + (uint32_t)i, sa)))
         cdie("driver", "fill kernel", ce);
     }
     if ((rc = gpupool_bundle_publish(bb, "model", sa, NULL)) < 0) {
@@ -192,7 +251,8 @@ int main(int argc, char **argv) {
     }
     gpupool_bundle_release(bb, sa);
   }
-  cudaSetDevice(dev_b);
+  if (!g_host)
+    cudaSetDevice(dev_b);
   seeds[0] = seed;
   if ((rc = fetch_check(cb, "A:buf", 0, dev_b, sb, seeds, 1, half, "buffer (cold)")) != 0)
     goto out;
@@ -202,16 +262,24 @@ int main(int argc, char **argv) {
     goto out;
   {
     gpupool_buffer *b;
-    cudaSetDevice(0);
+    if (!g_host)
+      cudaSetDevice(0);
     if ((rc = gpupool_buffer_alloc(ca, "gpu", half, 10000, sa, &b)) < 0) {
       rc = fail("alloc on A: %s", gpupool_last_error());
       goto out;
     }
-    wfill_publish("driver", b, half, seed + 7, 0, "buf", sa);
+    if (g_host) {
+      fill(gpupool_buffer_ptr(b), half, seed + 7, sa);
+      gpupool_buffer_publish(b, "buf", NULL, NULL, NULL);
+    } else {
+      wfill_publish("driver", b, half, seed + 7, 0, "buf", sa);
+    }
     gpupool_buffer_release(b, sa);
-    cudaStreamSynchronize(sa);
+    if (!g_host)
+      cudaStreamSynchronize(sa);
   }
-  cudaSetDevice(dev_b);
+  if (!g_host)
+    cudaSetDevice(dev_b);
   seeds[0] = seed + 7;
   if ((rc = fetch_check(cb, "A:buf", 1, dev_b, sb, seeds, 1, half, "buffer v2 (warm)")) != 0)
     goto out;
@@ -229,6 +297,9 @@ out:
   rmdir(dir);
   if (rc)
     return rc;
+  if (g_host)
+    return gh_verdict(0, CHECK, "reference: a buffer and a 4-member bundle in host pools (host backend) fetched "
+                      "over UCX_TLS=%s, bit-exact, cold and warm", getenv("UCX_TLS") ? getenv("UCX_TLS") : "(default)");
   return gh_verdict(0, CHECK, "a buffer and a 4-member bundle in device memory fetched from daemon A (GPU 0) into "
                     "daemon B's device pool (GPU %d) over UCX_TLS=%s, bit-exact, cold and warm", dev_b,
                     getenv("UCX_TLS") ? getenv("UCX_TLS") : "(default)");

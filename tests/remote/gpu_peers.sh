@@ -6,6 +6,8 @@
 #   2. the same with UCX_TLS=tcp,cuda_copy when that UCX lists cuda_copy;
 #   3. a UCX carried next to the build in BUILD/lib/ucx113 (Debian 12's libucx0 1.13: the
 #      libraries, libnuma, the cma module and ucx_info), UCX_TLS=tcp, when present.
+# Runs 1 and 3 are each followed by the same fetches between host pools (GPUPOOL_PEERS_HOST=1:
+# host backend, no staging), the reference for their throughput.
 # First it prints what UCX is here (ucx_info -v, its transports and memory types, ldconfig).
 #
 #   tests/remote/gpu_peers.sh [BUILD]     BUILD defaults to build-gpu; run from the repository
@@ -46,6 +48,7 @@ if ldd "$daemon" | grep -q "libucp.so.0 => not found"; then
 else
   tls=$(timeout 20 ucx_info -d 2>/dev/null | grep -i "transport: cuda_copy" | head -1)
   run "run 1: UCX as found, UCX_TLS=tcp" UCX_TLS=tcp UCX_NET_DEVICES=lo
+  run "run 1 reference: host pools, UCX as found, UCX_TLS=tcp" GPUPOOL_PEERS_HOST=1 UCX_TLS=tcp UCX_NET_DEVICES=lo
   if [ -n "$tls" ]; then
     run "run 2: UCX as found, UCX_TLS=tcp,cuda_copy" UCX_TLS=tcp,cuda_copy UCX_NET_DEVICES=lo
   else
@@ -55,6 +58,9 @@ fi
 if [ -f "$carried/libucp.so.0" ]; then
   echo "== carried UCX: $(LD_LIBRARY_PATH=$carried${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} "$carried/ucx_info" -v 2>&1 | head -1)"
   run "run 3: carried UCX ($carried), UCX_TLS=tcp" \
+    LD_LIBRARY_PATH="$carried${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" UCX_MODULE_DIR="$carried/ucx" \
+    UCX_TLS=tcp UCX_NET_DEVICES=lo
+  run "run 3 reference: host pools, carried UCX, UCX_TLS=tcp" GPUPOOL_PEERS_HOST=1 \
     LD_LIBRARY_PATH="$carried${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" UCX_MODULE_DIR="$carried/ucx" \
     UCX_TLS=tcp UCX_NET_DEVICES=lo
 fi
