@@ -31,7 +31,8 @@
 #define DATA_HDR 20 /* fetch id (8), buffer index (4), offset (8), little-endian */
 /* Device memory is staged through pinned host memory (peers_stage.c) in slots of STAGE_SLOT
  * bytes: a transfer uses at most STAGE_RING of them at once (a ring: one fills while others
- * copy or travel), and a daemon makes at most STAGE_SLOTS_MAX, kept for later transfers. */
+ * copy or travel), and a daemon makes at most STAGE_SLOTS_MAX, kept for later transfers, half
+ * of them for fetches and half for serves. */
 #ifndef GPUPOOL__STAGE_SLOT_MIB
 #define GPUPOOL__STAGE_SLOT_MIB 8
 #endif
@@ -58,6 +59,7 @@ struct stage_slot {
   uint32_t sends;        /* UCX sends from it in flight */
   int taken;
   int orphan;            /* its transfer went with sends in flight: freed once they end */
+  int fetching;          /* taken by a fetch (1) or a serve (0) */
   stage_slot *next_free;
 };
 
@@ -222,7 +224,8 @@ struct gpd_peers {
   gpupool__bpool *stage_bp;  /* the daemon's own pinned host pool for slots; NULL: none */
   char device_memory[256];   /* the start-up choice, for logs and gpupoolctl peers */
   stage_slot slots[STAGE_SLOTS_MAX];
-  uint32_t nslots, slots_taken;
+  uint32_t nslots, slots_taken, slots_max;
+  uint32_t slots_side[2];    /* taken by serves [0] and fetches [1]: each at most half */
   stage_slot *free_slots;
   uv_timer_t stage_timer;    /* polls the copies while any staged transfer runs */
   int stage_timer_on;

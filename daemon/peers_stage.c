@@ -21,6 +21,9 @@
  * stand for GPUs (as for replicas), so the staged path runs in tests without a GPU. Whether
  * the UCX build can move CUDA memory itself is logged at start-up; device memory is staged
  * either way (sending device memory directly is not built).
+ *
+ * Test hook (read at start-up): GPUPOOL_TEST_STAGE_SLOTS=N makes at most N slots (2 to
+ * STAGE_SLOTS_MAX), so the tests run out of slots with few transfers.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -60,6 +63,11 @@ int gpd_pr_stage_open(gpd_peers *P) {
 
   uv_timer_init(P->loop, &P->stage_timer);
   P->stage_timer.data = P;
+  P->slots_max = STAGE_SLOTS_MAX;
+  if (getenv("GPUPOOL_TEST_STAGE_SLOTS")) {
+    long n = strtol(getenv("GPUPOOL_TEST_STAGE_SLOTS"), NULL, 10);
+    P->slots_max = n < 2 ? 2 : n > STAGE_SLOTS_MAX ? STAGE_SLOTS_MAX : (uint32_t)n;
+  }
   for (int i = 0; i < reg->npools; i++) {
     const gpd_pool *p = &reg->pools[i];
     if (host_be ? gpd_pool_device(reg, p) < 0 : 0)
@@ -124,14 +132,19 @@ void gpd_pr_stage_close(gpd_peers *P) {
 }
 
 /* A free slot, made when none is free and fewer than STAGE_SLOTS_MAX exist: 1 and *out, 0
- * when none can be had now, < 0 when none could be made (error set). */
-static int slot_get(gpd_peers *P, stage_slot **out) {
+ * when none can be had now, < 0 when none could be made (error set). Fetches and serves each
+ * take at most half of the slots: a serve holds its slots until the fetching side's credit
+ * comes, and that fetching side needs slots of its own to give credit, so if serves could
+ * take every slot of two daemons serving each other, neither side's fetches could move. */
+static int slot_get(gpd_peers *P, int fetching, stage_slot **out) {
   stage_slot *s = P->free_slots;
   int rc;
+  if (P->slots_side[fetching] >= P->slots_max / 2)
+    return 0;
   if (s) {
     P->free_slots = s->next_free;
   } else {
-    if (!P->stage_bp || P->nslots >= STAGE_SLOTS_MAX)
+    if (!P->stage_bp || P->nslots >= P->slots_max)
       return 0;
     s = &P->slots[P->nslots];
     memset(s, 0, sizeof *s);
@@ -152,8 +165,10 @@ static int slot_get(gpd_peers *P, stage_slot **out) {
   }
   s->taken = 1;
   s->orphan = 0;
+  s->fetching = fetching;
   s->next_free = NULL;
   P->slots_taken++;
+  P->slots_side[fetching]++;
   *out = s;
   return 1;
 }
@@ -168,6 +183,7 @@ static void slot_put(gpd_peers *P, stage_slot *s) {
   s->next_free = P->free_slots;
   P->free_slots = s;
   P->slots_taken--;
+  P->slots_side[s->fetching]--;
   gpd_pr_stage_kick(P); /* transfers may wait for a slot */
 }
 
@@ -327,7 +343,7 @@ void gpd_pr_stager_serve_poll(stager *st, uint64_t sent) {
     uint64_t a = st->copy_pos, b = a + STAGE_SLOT < st->total ? a + STAGE_SLOT : st->total;
     uint32_t i = buf_at(st, a);
     stage_ent *e;
-    int rc = slot_get(P, &s);
+    int rc = slot_get(P, 0, &s);
     if (rc < 0 && !st->nring) {
       st_fail(st, "making a staging slot");
       return;
@@ -380,7 +396,7 @@ uint32_t gpd_pr_stager_take(stager *st) {
   while (st->nring < want) {
     stage_slot *s = NULL;
     stage_ent *e = &st->ring[st->nring];
-    int rc = slot_get(st->P, &s);
+    int rc = slot_get(st->P, 1, &s);
     if (rc < 0 && !st->nring) {
       st_fail(st, "making a staging slot");
       return 0;

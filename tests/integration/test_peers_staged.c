@@ -8,7 +8,8 @@
  * staged bytes and shows the staging memory back to nothing in use once a transfer ends; a
  * transfer holds at most its ring. A source killed mid-staging, a fetching daemon killed or
  * stopped mid-staging, leave no staging chunk, buffer or hold behind on the other side, and
- * the next fetch works. Copies are slowed down (GPUPOOL_TEST_COPY_DELAY_MS) where a test must
+ * the next fetch works; two daemons serving each other more transfers than they have staging
+ * chunks all finish. Copies are slowed down (GPUPOOL_TEST_COPY_DELAY_MS) where a test must
  * kill something while they run. Skipped (77) when gpupoold was built without UCX.
  */
 #include <arpa/inet.h>
@@ -62,15 +63,24 @@ static void node_prepare(node *n) {
 #define GPU1 "[pool gpu1]\nkind = host\ndevice = 1\ncapacity = 2G\nslab_size = 64M\n"
 #define HOSTP "[pool mem]\nkind = host\ncapacity = 2G\nslab_size = 64M\n"
 
+static char *peers_json(const node *n);
+
+/* More lines for the [peer] section of the next node_start (then reset). */
+static const char *next_peer_lines = "";
+
 /* Start n with `pools`, peering with o (named peer_name there). */
 static void node_start(node *n, const char *pools, const char *peer_name, const node *o) {
   char conf[4096];
   snprintf(conf, sizeof conf,
            "[daemon]\npeer_listen = 127.0.0.1:%d\npeer_secret_file = %s\npeer_fetch_timeout_ms = 20000\n%s"
-           "[tenant t]\nuids = %u\nexport_peers = *\n[peer %s]\naddress = 127.0.0.1:%d\n",
-           n->port, n->secret, pools, (unsigned)getuid(), peer_name, o->port);
+           "[tenant t]\nuids = %u\nexport_peers = *\n[peer %s]\naddress = 127.0.0.1:%d\n%s",
+           n->port, n->secret, pools, (unsigned)getuid(), peer_name, o->port, next_peer_lines);
+  next_peer_lines = "";
   th_write_conf(&n->d, conf);
   th_start(&n->d, 1, NULL);
+  /* The client socket accepts before the peer listener is bound (the daemon listens first,
+   * then starts its peers): an answered request means the start is over. */
+  free(peers_json(n));
 }
 
 /* A serves with pools_a, B fetches into pools_b. */
@@ -443,6 +453,84 @@ static void test_fetcher_stops(void **state) {
   th_stop(&A.d);
 }
 
+/* Two daemons serving each other more staged transfers at once than they have staging slots
+ * for. A serve takes its slots as soon as its version is there, a fetch when the reply comes:
+ * if serves could take every slot, each side's fetches would wait for slots held by serves
+ * that wait for those very fetches' credit, and all would time out. Here each daemon has 8
+ * slots and three fetches of the other's name under three local names (PEER:NAME,
+ * PEER:TENANT/NAME and a prefix) wait at the source; both sides then publish at once, and
+ * one publish serves all three at once (9 slots wanted), with slots slow to make (the
+ * publish's serves hold the loop while the other side's replies arrive). */
+static const char *const VIA[3] = {"%s:%s", "%s:t/%s", "r/%s"};
+
+static void test_both_ways_many(void **state) {
+  const size_t len = (size_t)3 * SLOT;
+  pid_t kids[6], pa, pb;
+  int sa = 0, sb = 0;
+  (void)state;
+  setenv("GPUPOOL_TEST_STAGE_SLOTS", "8", 1);
+  setenv("GPUPOOL_TEST_SLAB_ALLOC_DELAY_MS", "300", 1);
+  node_prepare(&A);
+  node_prepare(&B);
+  next_peer_lines = "prefix = r/\n";
+  node_start(&A, GPU0, "B", &B);
+  next_peer_lines = "prefix = r/\n";
+  node_start(&B, GPU0, "A", &A);
+  unsetenv("GPUPOOL_TEST_STAGE_SLOTS");
+  unsetenv("GPUPOOL_TEST_SLAB_ALLOC_DELAY_MS");
+  for (int k = 0; k < 6; k++) {
+    pid_t p = fork();
+    if (p == 0) {
+      int from_a = k % 2;
+      gpupool_client *c = NULL;
+      gpupool_buffer *b = NULL;
+      char name[64];
+      snprintf(name, sizeof name, VIA[k / 2], from_a ? "A" : "B", from_a ? "x" : "y");
+      if (k / 2 == 2)
+        snprintf(name, sizeof name, VIA[2], from_a ? "x" : "y");
+      if (gpupool_client_connect(from_a ? B.d.sock : A.d.sock, "getter", GPUPOOL_TIMEOUT_DEFAULT, &c) != 0)
+        _exit(10);
+      if (gpupool_buffer_get(c, name, 0, 40000, 0, NULL, &b, NULL) != 0) {
+        fprintf(stderr, "get %s: %s\n", name, gpupool_last_error());
+        _exit(11);
+      }
+      if (gpupool_buffer_size(b) != len || !same(gpupool_buffer_ptr(b), len, from_a ? 21 : 22)) {
+        fprintf(stderr, "%s differs\n", name);
+        _exit(12);
+      }
+      _exit(0);
+    }
+    assert_true(p > 0);
+    kids[k] = p;
+  }
+  th_sleep_ms(1500); /* every get waits at its source */
+  pa = fork();
+  if (pa == 0) {
+    publish(&A, NULL, "x", len, 21);
+    _exit(0);
+  }
+  pb = fork();
+  if (pb == 0) {
+    publish(&B, NULL, "y", len, 22);
+    _exit(0);
+  }
+  assert_int_equal(ts_wait_pid(pa, 30000, 1, &sa), 0);
+  assert_int_equal(ts_wait_pid(pb, 30000, 1, &sb), 0);
+  assert_true(WIFEXITED(sa) && WEXITSTATUS(sa) == 0 && WIFEXITED(sb) && WEXITSTATUS(sb) == 0);
+  for (int k = 0; k < 6; k++) {
+    int st = 0;
+    assert_int_equal(ts_wait_pid(kids[k], 60000, 1, &st), 0);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+      th_dump_log(&A.d);
+      th_dump_log(&B.d);
+      fail_msg("getter %d failed (status %d)", k, st);
+    }
+  }
+  expect_staging_free(&A, "A after fetching and serving at once");
+  expect_staging_free(&B, "B after fetching and serving at once");
+  pair_stop();
+}
+
 int main(void) {
   if (skip_without_ucx())
     return 77;
@@ -450,5 +538,5 @@ int main(void) {
   setenv("UCX_NET_DEVICES", "lo", 1);
   signal(SIGPIPE, SIG_IGN);
   return TS_RUN_TESTS(NULL, NULL, test_device_to_device, test_host_and_device, test_source_killed,
-                      test_fetcher_killed, test_fetcher_stops);
+                      test_fetcher_killed, test_fetcher_stops, test_both_ways_many);
 }
