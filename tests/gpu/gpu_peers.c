@@ -11,6 +11,13 @@
  * "peers:" log lines (how device memory moves, the transports, each fetch), and one PASS or FAIL
  * line.
  *
+ * Then (device pools only) the kills: B is killed in the middle of fetching a 2 GiB buffer, and A
+ * must let go of the serve and of every staging chunk (gpupoolctl peers: serving_now and
+ * staging_in_use back to 0); a restarted B fetches it bit-exact (its throughput printed); then
+ * A is killed in the middle of B fetching a new version of it, and B must be back where it
+ * was (its pool's used bytes, no staging in use, no fetch in flight); a restarted A serves a
+ * new name to B bit-exact. GPUPOOL_PEERS_KILL=0 leaves the kills out.
+ *
  * GPUPOOL_PEERS_HOST=1 runs the same fetches between two daemons with the host backend and
  * host pools (filled and checked on the CPU): the network path without staging, the
  * reference the staged figures are read against.
@@ -27,6 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -60,9 +68,9 @@ static int g_host; /* GPUPOOL_PEERS_HOST: host backend and host pools, CPU fill 
 static void conf_of(char *out, size_t len, int port, const char *secret, int device, const char *peer, int peer_port) {
   char pool[128];
   if (g_host)
-    snprintf(pool, sizeof pool, "[pool gpu]\nkind = host\ncapacity = 6G\nslab_size = 1G\n");
+    snprintf(pool, sizeof pool, "[pool gpu]\nkind = host\ncapacity = 12G\nslab_size = 1G\n");
   else
-    snprintf(pool, sizeof pool, "[pool gpu]\nkind = device\ndevice = %d\ncapacity = 6G\nslab_size = 1G\n", device);
+    snprintf(pool, sizeof pool, "[pool gpu]\nkind = device\ndevice = %d\ncapacity = 12G\nslab_size = 1G\n", device);
   snprintf(out, len,
            "[daemon]\npeer_listen = 127.0.0.1:%d\npeer_secret_file = %s\npeer_fetch_timeout_ms = 120000\n%s"
            "[tenant t]\nuids = %u\nexport_peers = *\n[peer %s]\naddress = 127.0.0.1:%d\n",
@@ -153,6 +161,139 @@ static int fetch_check(gpupool_client *c, const char *name, uint64_t newer, int 
   printf("fetch %-28s %10zu bytes in %8.3f s = %6.2f GB/s, mismatching words: %llu\n", label, bytes, secs(t0, t1),
          (double)bytes / secs(t0, t1) / 1e9, bad);
   return bad ? fail("%s: %llu words differ on B", name, bad) : 0;
+}
+
+/* A number of `gpupoolctl --json peers` of d (the daemon's, or its one peer's): -1 when
+ * unreadable. */
+static long long ctl_num(const char *ctl, const gh_daemon *d, const char *key) {
+  char cmd[1024], buf[16384], k[64];
+  const char *at;
+  size_t n;
+  FILE *p;
+  snprintf(cmd, sizeof cmd, "%s --socket %s --json peers", ctl, d->sock);
+  if (!(p = popen(cmd, "r")))
+    return -1;
+  n = fread(buf, 1, sizeof buf - 1, p);
+  pclose(p);
+  buf[n] = '\0';
+  snprintf(k, sizeof k, "\"%s\":", key);
+  return (at = strstr(buf, k)) ? strtoll(at + strlen(k), NULL, 10) : -1;
+}
+
+/* Wait (15 s at most) until both numbers of d are 0: the ms it took, or -1. */
+static long wait_zero(const char *ctl, const gh_daemon *d, const char *k1, const char *k2) {
+  uint64_t t0 = gh_now_ns();
+  while (gh_now_ns() - t0 < 15000000000ull) {
+    if (ctl_num(ctl, d, k1) == 0 && ctl_num(ctl, d, k2) == 0)
+      return (long)((gh_now_ns() - t0) / 1000000);
+    gh_sleep_ms(20);
+  }
+  fprintf(stderr, "%s: %s = %lld, %s = %lld\n", d->sock, k1, ctl_num(ctl, d, k1), k2, ctl_num(ctl, d, k2));
+  return -1;
+}
+
+/* A child that SIGKILLs pid after ms (only async-signal-safe calls: the parent uses CUDA). */
+static pid_t kill_later(pid_t pid, int ms) {
+  pid_t k = fork();
+  if (k == 0) {
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+    kill(pid, SIGKILL);
+    _exit(0);
+  }
+  return k;
+}
+
+/* Publish `bytes` of seed's pattern as name on c (GPU 0), synchronized. */
+static int publish_dev(gpupool_client *c, const char *name, size_t bytes, uint32_t seed, cudaStream_t s) {
+  gpupool_buffer *b;
+  int rc;
+  cudaSetDevice(0);
+  if ((rc = gpupool_buffer_alloc(c, "gpu", bytes, 10000, s, &b)) < 0)
+    return fail("alloc of %zu bytes on A: %s", bytes, gpupool_last_error());
+  wfill_publish("driver", b, bytes, seed, 0, name, s);
+  gpupool_buffer_release(b, s);
+  cudaStreamSynchronize(s);
+  return 0;
+}
+
+/* The daemon d was SIGKILLed: reap it and remove its dir. */
+static void reap(gh_daemon *d) {
+  ts_wait_pid(d->pid, 10000, 1, NULL);
+  d->pid = 0;
+  ts_daemon_remove(d);
+}
+
+static int kill_checks(const char *gpupoold, const char *ctl, gh_daemon *A, gh_daemon *B, const char *confa,
+                       const char *confb, gpupool_client **ca, gpupool_client **cb, cudaStream_t sa, cudaStream_t sb,
+                       int dev_b, uint32_t seed) {
+  const size_t big = (size_t)2 << 30;
+  gpupool_bundle *g = NULL;
+  gpupool_pool_stats ps;
+  uint64_t used0 = 0, got = 0;
+  uint32_t seeds[1];
+  pid_t k;
+  long ms;
+  int rc;
+
+  /* The fetching daemon dies mid-fetch. */
+  if ((rc = publish_dev(*ca, "big", big, seed + 11, sa)) != 0)
+    return rc;
+  cudaSetDevice(dev_b);
+  k = kill_later(B->pid, 250);
+  rc = gpupool_bundle_get(*cb, "A:big", 0, STEP_MS, 0, sb, &g);
+  ts_wait_pid(k, 5000, 1, NULL);
+  if (rc == 0) {
+    gpupool_bundle_release(g, sb);
+    return fail("the 2 GiB fetch ended within 250 ms, before B was killed: the kill was not checked");
+  }
+  reap(B);
+  gpupool_client_disconnect(*cb);
+  *cb = NULL;
+  if ((ms = wait_zero(ctl, A, "serving_now", "staging_in_use")) < 0)
+    return fail("A still serves B or holds staging chunks 15 s after B was killed mid-fetch");
+  printf("kill of the fetching daemon mid-fetch: A let go of the serve and its staging in %ld ms\n", ms);
+  if (start(B, gpupoold, confb) < 0)
+    return fail("B did not start again");
+  if ((rc = gpupool_client_connect(B->sock, "gpu-peers-getter", GPUPOOL_TIMEOUT_DEFAULT, cb)) < 0)
+    return fail("connect to the restarted B: %s", gpupool_last_error());
+  seeds[0] = seed + 11;
+  if ((rc = fetch_check(*cb, "A:big", 0, dev_b, sb, seeds, 1, big, "2 GiB, restarted B")) != 0)
+    return rc;
+
+  /* The serving daemon dies mid-fetch. */
+  if (gh_pool_stats(*cb, "gpu", &ps, NULL) < 0)
+    return fail("cannot read B's pool");
+  used0 = ps.used;
+  if ((rc = publish_dev(*ca, "big", big, seed + 12, sa)) != 0)
+    return rc;
+  cudaSetDevice(dev_b);
+  k = kill_later(A->pid, 250);
+  rc = gpupool_bundle_get(*cb, "A:big", 1, STEP_MS, 0, sb, &g);
+  ts_wait_pid(k, 5000, 1, NULL);
+  if (rc == 0) {
+    gpupool_bundle_release(g, sb);
+    return fail("the 2 GiB fetch ended within 250 ms, before A was killed: the kill was not checked");
+  }
+  printf("kill of the serving daemon mid-fetch: B's get failed with %s (%s)\n", gpupool_err_name(rc),
+         gpupool_last_error());
+  reap(A);
+  gpupool_client_disconnect(*ca);
+  *ca = NULL;
+  if ((ms = wait_zero(ctl, B, "staging_in_use", "fetches_in_flight")) < 0)
+    return fail("B holds staging chunks or a fetch 15 s after A was killed mid-fetch");
+  if (gh_wait_used(*cb, "gpu", used0, 15000, &got) < 0)
+    return fail("B's pool uses %" PRIu64 " bytes after the failed fetch, %" PRIu64 " before", got, used0);
+  printf("kill of the serving daemon mid-fetch: B back to its staging and pool usage in %ld ms\n", ms);
+  if (start(A, gpupoold, confa) < 0)
+    return fail("A did not start again");
+  if ((rc = gpupool_client_connect(A->sock, "gpu-peers-producer", GPUPOOL_TIMEOUT_DEFAULT, ca)) < 0)
+    return fail("connect to the restarted A: %s", gpupool_last_error());
+  if ((rc = publish_dev(*ca, "again", (size_t)64 << 20, seed + 13, sa)) != 0)
+    return rc;
+  cudaSetDevice(dev_b);
+  seeds[0] = seed + 13;
+  return fetch_check(*cb, "A:again", 0, dev_b, sb, seeds, 1, (size_t)64 << 20, "64 MiB, restarted A");
 }
 
 int main(int argc, char **argv) {
@@ -283,16 +424,35 @@ int main(int argc, char **argv) {
   seeds[0] = seed + 7;
   if ((rc = fetch_check(cb, "A:buf", 1, dev_b, sb, seeds, 1, half, "buffer v2 (warm)")) != 0)
     goto out;
+  if (!g_host && !(getenv("GPUPOOL_PEERS_KILL") && !strcmp(getenv("GPUPOOL_PEERS_KILL"), "0"))) {
+    char ctl[1024], *slash;
+    snprintf(ctl, sizeof ctl, "%s", argv[1]);
+    /* BUILD/daemon/gpupoold -> BUILD/tools/gpupoolctl */
+    if ((slash = strrchr(ctl, '/')))
+      *slash = '\0';
+    if ((slash = strrchr(ctl, '/')))
+      snprintf(slash, sizeof ctl - (size_t)(slash - ctl), "/tools/gpupoolctl");
+    if (access(ctl, X_OK) != 0) {
+      rc = fail("no gpupoolctl at %s (build it next to gpupoold)", ctl);
+      goto out;
+    }
+    if ((rc = kill_checks(argv[1], ctl, &A, &B, confa, confb, &ca, &cb, sa, sb, dev_b, seed)) != 0)
+      goto out;
+  }
   rc = 0;
 out:
   if (ca)
     gpupool_client_disconnect(ca);
   if (cb)
     gpupool_client_disconnect(cb);
-  print_peer_lines(&A, "A");
-  print_peer_lines(&B, "B");
-  gh_daemon_stop(&B, rc != 0);
-  gh_daemon_stop(&A, rc != 0);
+  if (A.pid)
+    print_peer_lines(&A, "A");
+  if (B.pid)
+    print_peer_lines(&B, "B");
+  if (B.pid)
+    gh_daemon_stop(&B, rc != 0);
+  if (A.pid)
+    gh_daemon_stop(&A, rc != 0);
   unlink(secret);
   rmdir(dir);
   if (rc)
@@ -301,6 +461,7 @@ out:
     return gh_verdict(0, CHECK, "reference: a buffer and a 4-member bundle in host pools (host backend) fetched "
                       "over UCX_TLS=%s, bit-exact, cold and warm", getenv("UCX_TLS") ? getenv("UCX_TLS") : "(default)");
   return gh_verdict(0, CHECK, "a buffer and a 4-member bundle in device memory fetched from daemon A (GPU 0) into "
-                    "daemon B's device pool (GPU %d) over UCX_TLS=%s, bit-exact, cold and warm", dev_b,
+                    "daemon B's device pool (GPU %d) over UCX_TLS=%s, bit-exact, cold and warm; each side killed "
+                    "mid-fetch left nothing behind on the other", dev_b,
                     getenv("UCX_TLS") ? getenv("UCX_TLS") : "(default)");
 }
