@@ -6,6 +6,10 @@
 #   2. the same with UCX_TLS=tcp,cuda_copy when that UCX lists cuda_copy;
 #   3. a UCX carried next to the build in BUILD/lib/ucx113 (Debian 12's libucx0 1.13: the
 #      libraries, libnuma, the cma module and ucx_info), UCX_TLS=tcp, when present.
+#   4. the UCX of the libucx-cu13 wheel carried in BUILD/lib/ucxwheel (its libucx/lib with
+#      libucp, libuct, libucs, libucm, the cuda, cma modules and ucx_info, and
+#      libucx_cu13.libs beside it, as the wheel lays them out), UCX_TLS=tcp,cuda_copy, when
+#      present: gpupoold then runs against UCX 1.22 with CUDA support (it still stages).
 # Runs 1 and 3 are each followed by the same fetches between host pools (GPUPOOL_PEERS_HOST=1:
 # host backend, no staging), the reference for their throughput.
 # First it prints what UCX is here (ucx_info -v, its transports and memory types, ldconfig).
@@ -63,5 +67,14 @@ if [ -f "$carried/libucp.so.0" ]; then
   run "run 3 reference: host pools, carried UCX, UCX_TLS=tcp" GPUPOOL_PEERS_HOST=1 \
     LD_LIBRARY_PATH="$carried${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" UCX_MODULE_DIR="$carried/ucx" \
     UCX_TLS=tcp UCX_NET_DEVICES=lo
+fi
+wheel=$PWD/$build/lib/ucxwheel
+if [ -f "$wheel/libucx/lib/libucp.so.0" ]; then
+  wl="$wheel/libucx/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  echo "== wheel UCX: $(LD_LIBRARY_PATH=$wl UCX_MODULE_DIR=$wheel/libucx/lib/ucx "$wheel/libucx/bin/ucx_info" -v 2>&1 | head -1)"
+  LD_LIBRARY_PATH=$wl UCX_MODULE_DIR=$wheel/libucx/lib/ucx timeout 20 "$wheel/libucx/bin/ucx_info" -d 2>&1 |
+    grep -i -E "transport|memory" | sort | uniq -c
+  run "run 4: wheel UCX ($wheel), UCX_TLS=tcp,cuda_copy" LD_LIBRARY_PATH="$wl" \
+    UCX_MODULE_DIR="$wheel/libucx/lib/ucx" UCX_TLS=tcp,cuda_copy UCX_NET_DEVICES=lo
 fi
 exit $rc
