@@ -19,7 +19,7 @@
 # Each run is bounded by GPU_PEERS_TIMEOUT seconds (70). Exit status: 0 when every run that
 # could start passed, 1 otherwise.
 set -u
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 build=${1:-build-gpu}
 limit=${GPU_PEERS_TIMEOUT:-70}
 daemon=$build/daemon/gpupoold
