@@ -7,7 +7,7 @@
  * pool into a device pool and back; gpupoolctl peers says how device memory moves, counts the
  * staged bytes and shows the staging memory back to nothing in use once a transfer ends; a
  * transfer holds at most its ring. A source killed mid-staging, a fetching daemon killed or
- * stopped mid-staging, leave no staging chunk, buffer or hold behind on the other side, and
+ * stopped mid-staging, and a getter killed mid-staging, leave no staging chunk, buffer or hold behind on the other side, and
  * the next fetch works; two daemons serving each other more transfers than they have staging
  * chunks all finish. Copies are slowed down (GPUPOOL_TEST_COPY_DELAY_MS) where a test must
  * kill something while they run. Skipped (77) when gpupoold was built without UCX.
@@ -435,6 +435,30 @@ static void test_fetcher_killed(void **state) {
   pair_stop();
 }
 
+/* The getter dies mid-staging: the fetch runs to its end and, nobody waiting any more, is
+ * dropped; both sides let go of everything, and the next get fetches again. */
+static void test_getter_killed(void **state) {
+  pid_t p;
+  uint64_t end;
+  (void)state;
+  setenv("GPUPOOL_TEST_COPY_DELAY_MS", "5", 1);
+  pair_start(GPU0, GPU0);
+  unsetenv("GPUPOOL_TEST_COPY_DELAY_MS");
+  publish(&A, NULL, "big", BIG, 11);
+  p = start_big_fetch(0);
+  kill(p, SIGKILL);
+  assert_int_equal(ts_wait_pid(p, 10000, 1, NULL), 0);
+  end = th_now_ms() + 30000;
+  while (th_now_ms() < end && (peers_num(&B, "fetches_in_flight") || peers_num(&A, "serving_now")))
+    th_sleep_ms(20);
+  expect_staging_free(&A, "serving side after the getter died");
+  expect_staging_free(&B, "fetching side after the getter died");
+  expect_baseline(&B, "fetching side after the getter died");
+  get_check(&B, "A:big", BIG, 11);
+  expect_baseline(&B, "fetching side after the retry");
+  pair_stop();
+}
+
 /* The fetching daemon stops mid-staging: it exits cleanly (its copies stopped, its chunks
  * given back before the backend goes), and the source lets everything go. */
 static void test_fetcher_stops(void **state) {
@@ -538,5 +562,5 @@ int main(void) {
   setenv("UCX_NET_DEVICES", "lo", 1);
   signal(SIGPIPE, SIG_IGN);
   return TS_RUN_TESTS(NULL, NULL, test_device_to_device, test_host_and_device, test_source_killed,
-                      test_fetcher_killed, test_fetcher_stops, test_both_ways_many);
+                      test_getter_killed, test_fetcher_killed, test_fetcher_stops, test_both_ways_many);
 }
