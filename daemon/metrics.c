@@ -375,6 +375,9 @@ static void render_stats(sbuf *b, const Gpupool__Wire__StatsReply *st) {
          offsetof(Gpupool__Wire__PeerInfo, versions_served)},
         {"peer_served_bytes_total", "counter", "Bytes of the versions served to the peer.",
          offsetof(Gpupool__Wire__PeerInfo, bytes_served)},
+        {"peer_staged_bytes_total", "counter",
+         "Bytes fetched from or served to the peer through pinned host staging (device memory).",
+         offsetof(Gpupool__Wire__PeerInfo, bytes_staged)},
     };
     for (size_t i = 0; i < sizeof(pg) / sizeof(pg[0]); i++) {
       family(b, pg[i].name, pg[i].type, pg[i].help);

@@ -34,10 +34,17 @@
  * this daemon itself fetches from another peer (a tree: A -> B -> C) is fetched for the
  * waiting peer like for a local getter, and re-served once here.
  *
+ * Device memory (device pools, and every pool of the CUDA backend, whose slabs the daemon
+ * cannot map) is staged through pinned host memory in a bounded ring of chunks per transfer,
+ * copied by the backend's copy jobs and polled from the loop (peers_stage.c); the fetching side
+ * gives the serving side a window (PeerReady.window) and acknowledges what reached device
+ * memory (PeerCredit). How device memory moves is decided and logged at start-up.
+ *
  * The parts: this file starts and stops the peers (reading the secrets, the listener, the
  * tick that enforces the timeouts) and lists them for gpupoolctl peers; peers_link.c holds the
  * TCP connections, their framing and Hello/Challenge/Auth; peers_fetch.c the subscriptions
- * and fetches; peers_serve.c the peers' gets served here; peers_internal.h what they share.
+ * and fetches; peers_serve.c the peers' gets served here; peers_stage.c the staging of device
+ * memory; peers_internal.h what they share.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -166,6 +173,7 @@ int gpd_peers_start(gpd_server *s) {
   P->tick.data = P;
   uv_timer_start(&P->tick, on_tick, TICK_MS, TICK_MS);
   uv_unref((uv_handle_t *)&P->tick);
+  gpd_pr_stage_open(P); /* logs how device memory moves; never fails the start */
   s->peers = P;
   return 0;
 fail:
@@ -202,9 +210,12 @@ void gpd_peers_stop(gpd_server *s) {
     gpd_pr_sub_free(sb);
   }
   gpd_ucx_close(P->ucx);
-  P->closing = 1 + P->listening;
+  /* UCX sends from no slot any more. */
+  gpd_pr_stage_close(P);
+  P->closing = 2 + P->listening;
   if (P->listening)
     uv_close((uv_handle_t *)&P->listener, tick_closed);
+  uv_close((uv_handle_t *)&P->stage_timer, tick_closed);
   uv_timer_stop(&P->tick);
   uv_close((uv_handle_t *)&P->tick, tick_closed);
   s->peers = NULL;
@@ -232,6 +243,9 @@ int gpd_peers_admin(gpd_server *s, Gpupool__Wire__AdminPeersReply *r) {
   }
   r->transport = (char *)gpd_ucx_describe(P->ucx);
   r->listen = P->listen_addr;
+  r->device_memory = P->device_memory;
+  r->staging_in_use = P->slots_taken * STAGE_SLOT;
+  r->staging_made = P->nslots * STAGE_SLOT;
   if (!P->npeers)
     return 0;
   infos = calloc((size_t)P->npeers, sizeof *infos);
@@ -255,6 +269,7 @@ int gpd_peers_admin(gpd_server *s, Gpupool__Wire__AdminPeersReply *r) {
     infos[i].versions_served = p->versions_served;
     infos[i].bytes_served = p->bytes_served;
     infos[i].serving_now = p->serving_now;
+    infos[i].bytes_staged = p->bytes_staged;
     ptrs[i] = &infos[i];
   }
   r->n_peers = (size_t)P->npeers;

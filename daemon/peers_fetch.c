@@ -81,6 +81,11 @@ void gpd_pr_sub_release(sub *sb) {
     gpupool__hmap_del(&sb->P->receiving, sb->id);
     sb->receiving = 0;
   }
+  /* Its copies end before its buffers go (an engine may be writing them). */
+  gpd_pr_stager_free(sb->st);
+  sb->st = NULL;
+  sb->stage_wait = 0;
+  sb->bad_data = 0;
   for (uint32_t i = 0; i < sb->n; i++)
     if (sb->maps && sb->maps[i])
       munmap(sb->maps[i], sb->maplens[i]);
@@ -293,6 +298,19 @@ void gpd_pr_on_data(void *arg, const void *header, size_t hlen, const void *data
   sb = gpupool__hmap_get(&P->receiving, id);
   if (!sb || sb->complete || seg >= sb->n)
     return;
+  if (sb->st) {
+    /* Into the staging ring; copied to device memory from the loop. Data outside the window
+     * this daemon gave fails the fetch (from the loop). */
+    const Gpupool__Wire__PeerSegment *sg = sb->rep->get_reply->segments[seg];
+    if (sb->bad_data)
+      return;
+    if (sb->stage_wait || off > sg->length || len > sg->length - off ||
+        gpd_pr_stager_recv(sb->st, sb->st->starts[seg] + off, data, len) != 0) {
+      sb->bad_data = 1;
+      gpd_pr_stage_kick(P);
+    }
+    return;
+  }
   {
     const Gpupool__Wire__PeerSegment *sg = sb->rep->get_reply->segments[seg];
     long page = sysconf(_SC_PAGESIZE);
@@ -325,7 +343,7 @@ static void sub_transfer(sub *sb, Gpupool__Wire__PeerFrame *fr) {
   gpd_pool *pool = copy_pool(P);
   uint64_t min_newer = UINT64_MAX;
   char msg[GPUPOOL__ERRMSG_MAX + 256];
-  int rc;
+  int rc, staged = 0;
 
   sb->rep = fr;
   sb->state = S_TRANSFER;
@@ -366,10 +384,10 @@ static void sub_transfer(sub *sb, Gpupool__Wire__PeerFrame *fr) {
       goto fail;
     sb->holds[i] = h;
     sb->n = i + 1;
-    if (h->buf->slab->bs.fd < 0) {
-      rc = gpupool__err(GPUPOOL_ENOTSUP, "peers move host pools only in this build: this pool's memory is not a "
-                        "host slab the daemon can map (device pools are not fetched or served yet)");
-      goto fail;
+    sb->bytes += sg->length;
+    if (gpd_pr_stage_needed(P, h->buf)) {
+      staged = 1;
+      continue;
     }
     start = h->buf->offset - h->buf->offset % (uint64_t)page;
     sb->maplens[i] = (size_t)(h->buf->offset + sg->length - start);
@@ -380,13 +398,39 @@ static void sub_transfer(sub *sb, Gpupool__Wire__PeerFrame *fr) {
                         strerror(errno));
       goto fail;
     }
-    sb->bytes += sg->length;
+  }
+  if (staged) {
+    /* Device memory (the pool is the same for every buffer): staged through host slots. */
+    uint64_t *lens = calloc(sb->n, sizeof *lens);
+    gpd_buffer **bufs = calloc(sb->n, sizeof *bufs);
+    if (!P->stage_bp) {
+      rc = gpupool__err(GPUPOOL_ENOTSUP, "the local copy goes to device memory, which this daemon does not move "
+                        "from peers: %s", P->device_memory);
+    } else if (!lens || !bufs) {
+      rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    } else {
+      for (uint32_t i = 0; i < sb->n; i++) {
+        lens[i] = r->segments[i]->length;
+        bufs[i] = sb->holds[i]->buf;
+      }
+      rc = (sb->st = gpd_pr_stager_new(P, 1, bufs, lens, sb->n)) ? 0 : GPUPOOL_ENOMEM;
+    }
+    free(lens);
+    free(bufs);
+    if (rc != 0)
+      goto fail;
   }
   if (gpupool__hmap_put(&P->receiving, sb->id, sb) != 0) {
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     goto fail;
   }
   sb->receiving = 1;
+  if (sb->st) {
+    sb->peer->bytes_staged += sb->bytes;
+    sb->stage_wait = 1; /* PeerReady goes once slots are taken (gpd_pr_sub_stage_step) */
+    gpd_pr_sub_stage_step(sb);
+    return;
+  }
   rd.id = sb->id;
   f.body_case = GPUPOOL__WIRE__PEER_FRAME__BODY_READY;
   f.ready = &rd;
@@ -397,6 +441,70 @@ fail:
            sb->rname, r->version, sb->bytes, gpupool__errmsg());
   gpd_pr_send_done(sb->link, sb->id);
   gpd_pr_sub_failed(sb, rc, msg);
+}
+
+static void send_ready(sub *sb, uint64_t window) {
+  Gpupool__Wire__PeerFrame f = GPUPOOL__WIRE__PEER_FRAME__INIT;
+  Gpupool__Wire__PeerReady rd = GPUPOOL__WIRE__PEER_READY__INIT;
+  rd.id = sb->id;
+  rd.window = window;
+  f.body_case = GPUPOOL__WIRE__PEER_FRAME__BODY_READY;
+  f.ready = &rd;
+  gpd_pr_send_frame(sb->link, &f);
+}
+
+/* A staged fetch: take its slots (then PeerReady, with the window they give), copy what
+ * arrived into device memory, acknowledge what is there (PeerCredit), finish once all is. */
+int gpd_pr_sub_stage_step(sub *sb) {
+  gpd_peers *P = sb->P;
+  stager *st = sb->st;
+  char msg[GPUPOOL__ERRMSG_MAX + 512];
+  uint64_t before;
+  if (sb->state != S_TRANSFER || !st || sb->complete || !sb->link || sb->link->closing)
+    return 0;
+  if (sb->bad_data) {
+    snprintf(msg, sizeof msg, "fetch of %s:%s failed: the peer sent data outside the window this daemon gave "
+             "(PeerReady.window; a peer daemon that does not follow the protocol: run the same gpupool version "
+             "on both)", sb->peer->conf->name, sb->rname);
+    gpd_pr_send_done(sb->link, sb->id);
+    gpd_pr_sub_failed(sb, GPUPOOL_EPROTO, msg);
+    return 1;
+  }
+  if (sb->stage_wait) {
+    if (!gpd_pr_stager_take(st)) {
+      if (!st->failed)
+        return 0; /* every slot is busy: the tick's transfer timeout bounds the wait */
+    } else {
+      sb->stage_wait = 0;
+      send_ready(sb, st->nring * STAGE_SLOT);
+      return 0;
+    }
+  }
+  before = st->drained;
+  gpd_pr_stager_fetch_poll(st);
+  if (st->failed) {
+    snprintf(msg, sizeof msg, "fetch of %s:%s (%" PRIu64 " bytes) failed: %s", sb->peer->conf->name, sb->rname,
+             sb->bytes, st->why);
+    gpd_pr_send_done(sb->link, sb->id);
+    gpd_pr_sub_failed(sb, GPUPOOL_EBACKEND, msg);
+    return 1;
+  }
+  if (st->drained == before)
+    return 0;
+  if (st->drained == st->total) {
+    sb->complete = 1;
+    if (!P->finish_posted && gpd_ucx_defer(P->ucx, on_received, P) == 0)
+      P->finish_posted = 1;
+  } else {
+    Gpupool__Wire__PeerFrame f = GPUPOOL__WIRE__PEER_FRAME__INIT;
+    Gpupool__Wire__PeerCredit c = GPUPOOL__WIRE__PEER_CREDIT__INIT;
+    c.id = sb->id;
+    c.bytes = st->drained;
+    f.body_case = GPUPOOL__WIRE__PEER_FRAME__BODY_CREDIT;
+    f.credit = &c;
+    gpd_pr_send_frame(sb->link, &f);
+  }
+  return 0;
 }
 
 void gpd_pr_on_get_reply(plink *l, Gpupool__Wire__PeerFrame *fr) {

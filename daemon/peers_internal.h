@@ -29,6 +29,16 @@
 #define SEND_CHUNK (1u << 20)
 #define SEND_WINDOW 4
 #define DATA_HDR 20 /* fetch id (8), buffer index (4), offset (8), little-endian */
+/* Device memory is staged through pinned host memory (peers_stage.c) in slots of STAGE_SLOT
+ * bytes: a transfer uses at most STAGE_RING of them at once (a ring: one fills while others
+ * copy or travel), and a daemon makes at most STAGE_SLOTS_MAX, kept for later transfers, half
+ * of them for fetches and half for serves. */
+#ifndef GPUPOOL__STAGE_SLOT_MIB
+#define GPUPOOL__STAGE_SLOT_MIB 8
+#endif
+#define STAGE_SLOT ((uint64_t)GPUPOOL__STAGE_SLOT_MIB << 20)
+#define STAGE_RING 4
+#define STAGE_SLOTS_MAX 32
 
 enum { L_CONNECTING, L_AWAIT_HELLO, L_AWAIT_CHALLENGE, L_AWAIT_AUTH, L_AWAIT_WELCOME, L_AWAIT_EP, L_UP };
 enum { S_IDLE, S_QUEUED, S_ASKED, S_TRANSFER };
@@ -36,6 +46,53 @@ enum { S_IDLE, S_QUEUED, S_ASKED, S_TRANSFER };
 typedef struct plink plink;
 typedef struct sub sub;
 typedef struct serve serve;
+typedef struct stage_slot stage_slot;
+typedef struct stager stager;
+
+/* A slot of pinned host memory (a slab of the daemon's own staging pool), owned by the peers
+ * for the daemon's life: free, taken by a transfer, or waiting for sends from it to end after
+ * its transfer went. */
+struct stage_slot {
+  gpupool__bslab bs;
+  uint8_t *map;          /* its bytes on the CPU */
+  size_t maplen;         /* mapped here (host backend), 0 when the backend's pointer is used */
+  uint32_t sends;        /* UCX sends from it in flight */
+  int taken;
+  int orphan;            /* its transfer went with sends in flight: freed once they end */
+  int fetching;          /* taken by a fetch (1) or a serve (0) */
+  stage_slot *next_free;
+};
+
+/* One ring entry of a staged transfer: the slot and the bytes of the transfer's stream (the
+ * buffers one after another) it holds now. */
+typedef struct {
+  stage_slot *slot;
+  uint64_t start, end;   /* [start, end) of the stream */
+  uint64_t got;          /* fetching: bytes received into it */
+  gpupool__bcopy *job;   /* the copy between it and device memory, while it runs */
+  int state;             /* ST_* */
+} stage_ent;
+
+/* A transfer between device memory and the network through the ring: the serving side copies
+ * device -> slot and sends the slot; the fetching side receives into a slot and copies slot ->
+ * device. Polled from the loop (peers_stage.c), never waited on. */
+struct stager {
+  struct gpd_peers *P;
+  int fetching;
+  uint32_t n;            /* buffers */
+  gpupool__bloc *locs;   /* where each buffer lies */
+  uint64_t *starts;      /* where each begins in the stream */
+  uint64_t *lens;
+  uint64_t total;
+  stage_ent ring[STAGE_RING];
+  uint32_t nring;        /* entries in use (fetching: fixed once the slots are taken) */
+  uint64_t copy_pos;     /* serving: the next byte to copy out of device memory */
+  uint64_t drained;      /* fetching: the bytes in device memory (a prefix of the stream) */
+  int ready;             /* serving: the sources' ready events completed */
+  gpd_event **events;    /* serving: those events */
+  int failed;            /* a copy failed: the owner ends the transfer (why in why) */
+  char why[256];
+};
 
 /* A configured [peer]: its secret, the connection to it (when fetching) and its counters. */
 typedef struct {
@@ -49,6 +106,7 @@ typedef struct {
   uint64_t fetches, failures, bytes_fetched;
   uint64_t versions_served, bytes_served;
   uint32_t serving_now;
+  uint64_t bytes_staged;
 } peer;
 
 struct plink {
@@ -102,6 +160,9 @@ struct sub {
   uint64_t bytes, received;
   int receiving;         /* in P->receiving under id */
   int complete;          /* every byte is in: finished from the loop */
+  stager *st;            /* staged into device memory (NULL: copied into mapped host memory) */
+  int stage_wait;        /* staged, waiting for free slots before PeerReady goes */
+  int bad_data;          /* the peer sent data outside the window: failed from the loop */
   sub *prev, *next;      /* in P->subs */
 };
 
@@ -124,6 +185,10 @@ struct serve {
   struct push *push;     /* while sending: what its sends' callbacks find it by */
   uint32_t cur_seg;      /* where the next message starts: buffer, and offset in it */
   uint64_t cur_off;
+  uint64_t sent;         /* bytes of the stream sent so far */
+  uint64_t window;       /* PeerReady's window (0: none) */
+  uint64_t limit;        /* send no byte at or past this (the fetching side's credit) */
+  stager *st;            /* staged out of device memory (NULL: sent from mapped host memory) */
   serve *prev, *next;
 };
 
@@ -155,6 +220,17 @@ struct gpd_peers {
   struct grave *graves;  /* served ranges a gone peer may still be reading */
   gpupool__hmap receiving; /* fetch id -> sub whose data is arriving */
   int finish_posted;     /* a deferred call will finish the subs whose data is all in */
+  /* Staging of device memory (peers_stage.c). */
+  gpupool__bpool *stage_bp;  /* the daemon's own pinned host pool for slots; NULL: none */
+  char device_memory[256];   /* the start-up choice, for logs and gpupoolctl peers */
+  stage_slot slots[STAGE_SLOTS_MAX];
+  uint32_t nslots, slots_taken, slots_max;
+  uint32_t slots_side[2];    /* taken by serves [0] and fetches [1]: each at most half */
+  stage_slot *free_slots;
+  uv_timer_t stage_timer;    /* polls the copies while any staged transfer runs */
+  int stage_timer_on;
+  uint32_t nstaged;          /* staged transfers (serves and fetches) */
+  int stage_posted;          /* a deferred call will run the staged transfers */
 };
 
 static inline uint64_t now_ns(void) { return gpd_now_ns(); }
@@ -177,14 +253,47 @@ void gpd_pr_sub_fail_waiters(sub *sb, int code, const char *msg, int only_nowait
 void gpd_pr_sub_failed(sub *sb, int code, const char *msg);
 void gpd_pr_on_data(void *arg, const void *header, size_t hlen, const void *data, size_t len);
 void gpd_pr_on_get_reply(plink *l, Gpupool__Wire__PeerFrame *fr);
+/* Run a staged fetch: 1 when it ended (the lists changed). */
+int gpd_pr_sub_stage_step(sub *sb);
 int gpd_pr_want_key(gpd_peers *P, const char *local_name, const char *key, uid_t uid, gid_t gid,
                     const char *tenant_name_, uint32_t wait_ms);
 
+/* peers_stage.c */
+int gpd_pr_stage_open(gpd_peers *P);
+void gpd_pr_stage_close(gpd_peers *P);
+/* 1 when the buffer's memory must be staged (device memory, or memory the daemon cannot map). */
+int gpd_pr_stage_needed(gpd_peers *P, const gpd_buffer *b);
+/* A stager for the n buffers (their stream lengths lens): fetching or serving. NULL on error
+ * (set). */
+stager *gpd_pr_stager_new(gpd_peers *P, int fetching, gpd_buffer *const *bufs, const uint64_t *lens, uint32_t n);
+/* Stop its copies (returns once no engine touches its memory) and give back its slots. */
+void gpd_pr_stager_free(stager *st);
+/* Fetching: take slots for the ring; 0 when none is free yet (try again later). */
+uint32_t gpd_pr_stager_take(stager *st);
+/* Fetching: data at [pos, pos + len) of the stream (inside UCX progress: copies only). -1 when
+ * it lies outside the window. */
+int gpd_pr_stager_recv(stager *st, uint64_t pos, const void *data, size_t len);
+/* Fetching: start and poll the copies into device memory; st->drained moves on. */
+void gpd_pr_stager_fetch_poll(stager *st);
+/* Serving: poll the copies out of device memory and start the next (sent: bytes sent). */
+void gpd_pr_stager_serve_poll(stager *st, uint64_t sent);
+/* Serving: the message that can go from stream byte pos (at most max bytes): 1 with its bytes,
+ * slot (its sends count it: gpd_pr_stage_sent when it ends) and *len; 0 when not copied yet. */
+int gpd_pr_stager_next(stager *st, uint64_t pos, uint64_t max, const uint8_t **data, stage_slot **slot,
+                       uint64_t *len);
+/* A send from slot ended. */
+void gpd_pr_stage_sent(gpd_peers *P, stage_slot *slot);
+/* Run the staged transfers soon (from the loop). */
+void gpd_pr_stage_kick(gpd_peers *P);
+
 /* peers_serve.c */
+void gpd_pr_on_peer_credit(plink *l, uint64_t id, uint64_t bytes);
+/* Run a staged serve: 1 when it ended its link (the lists changed). */
+int gpd_pr_serve_stage_step(serve *sv);
 void gpd_pr_graves_free(gpd_peers *P, uint64_t now, int all);
 void gpd_pr_serve_free_reading(serve *sv, int reading);
 void gpd_pr_serve_free(serve *sv);
-void gpd_pr_on_peer_ready(plink *l, uint64_t id);
+void gpd_pr_on_peer_ready(plink *l, uint64_t id, uint64_t window);
 void gpd_pr_on_peer_get(plink *l, const Gpupool__Wire__PeerGet *m);
 void gpd_pr_on_peer_done(plink *l, uint64_t id);
 void gpd_pr_serves_retry(gpd_peers *P, const char *key, uint64_t version, uint64_t now);

@@ -432,7 +432,11 @@ static void on_frame(plink *l, const uint8_t *buf, size_t len) {
       break;
     case GPUPOOL__WIRE__PEER_FRAME__BODY_READY:
       if (!l->outgoing)
-        gpd_pr_on_peer_ready(l, f->ready->id);
+        gpd_pr_on_peer_ready(l, f->ready->id, f->ready->window);
+      break;
+    case GPUPOOL__WIRE__PEER_FRAME__BODY_CREDIT:
+      if (!l->outgoing)
+        gpd_pr_on_peer_credit(l, f->credit->id, f->credit->bytes);
       break;
     case GPUPOOL__WIRE__PEER_FRAME__BODY_GET_REPLY:
       if (l->outgoing) {

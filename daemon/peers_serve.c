@@ -24,9 +24,8 @@ static int map_range(gpd_peers *P, int fd, uint64_t off, uint64_t len, int writa
   size_t ml = (size_t)(off + len - start);
   void *m;
   int rc;
-  if (fd < 0)
-    return gpupool__err(GPUPOOL_ENOTSUP, "peers move host pools only in this build: this pool's memory is not a "
-                        "host slab the daemon can map (device pools are not fetched or served yet)");
+  if (fd < 0) /* such memory is staged (gpd_pr_stage_needed): never here */
+    return gpupool__err(GPUPOOL_EINVAL, "a slab without an fd cannot be mapped for a peer transfer");
   m = mmap(NULL, ml, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, (off_t)start);
   if (m == MAP_FAILED)
     return gpupool__err(GPUPOOL_EBACKEND, "cannot map %zu bytes of a slab for a peer transfer: %s", ml,
@@ -73,6 +72,9 @@ void gpd_pr_graves_free(gpd_peers *P, uint64_t now, int all) {
 /* Let go of the served ranges; reading: UCX may still be sending from them. */
 static void serve_release(serve *sv, int reading) {
   gpd_peers *P = sv->link->P;
+  /* Its copies end before its holds go (an engine may be reading the buffers). */
+  gpd_pr_stager_free(sv->st);
+  sv->st = NULL;
   if (sv->push) {
     reading |= sv->push->inflight > 0;
     sv->push->sv = NULL;
@@ -133,7 +135,7 @@ static void serve_send(serve *sv, gpd_name *n) {
   Gpupool__Wire__BundleMember *mem = NULL, **memp = NULL;
   Gpupool__Wire__TensorMeta *metas = NULL, tensor;
   uint64_t bytes = 0;
-  int rc = 0;
+  int rc = 0, staged = 0;
 
   sv->waiting = 0;
   sv->cl.uid = 0;
@@ -150,20 +152,36 @@ static void serve_send(serve *sv, gpd_name *n) {
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     goto fail;
   }
+  for (uint32_t i = 0; i < n->nbufs; i++)
+    staged |= gpd_pr_stage_needed(P, n->bufs[i]);
+  if (staged && !P->stage_bp) {
+    rc = gpupool__err(GPUPOOL_ENOTSUP, "this version lies in device memory, which this daemon does not move to "
+                      "peers: %s", P->device_memory);
+    goto fail;
+  }
   for (uint32_t i = 0; i < n->nbufs; i++) {
     gpd_buffer *b = n->bufs[i];
     gpd_hold *h = NULL;
     if ((rc = gpd_hold_new(reg, &sv->cl, b, 1, 0, &h)) != 0)
       goto fail;
     sv->n = i + 1;
-    if ((rc = map_range(P, b->slab->bs.fd, b->offset, b->asked, 0, &sv->maps[i], &sv->maplens[i], &sv->bases[i],
-                        &sv->regs[i])) != 0)
+    if (!staged && (rc = map_range(P, b->slab->bs.fd, b->offset, b->asked, 0, &sv->maps[i], &sv->maplens[i],
+                                   &sv->bases[i], &sv->regs[i])) != 0)
       goto fail;
     sv->lens[i] = b->asked;
     gpupool__wire__peer_segment__init(&segs[i]);
     segs[i].length = b->asked;
     segp[i] = &segs[i];
     bytes += b->asked;
+  }
+  /* Device memory: copied out through the staging ring, starting now (before PeerReady). */
+  if (staged) {
+    if (!(sv->st = gpd_pr_stager_new(P, 0, n->bufs, sv->lens, n->nbufs))) {
+      rc = GPUPOOL_ENOMEM;
+      goto fail;
+    }
+    l->peer->bytes_staged += bytes;
+    gpd_pr_stager_serve_poll(sv->st, 0);
   }
   if (n->layout) {
     uint32_t nm = n->layout->n;
@@ -223,29 +241,58 @@ out:
 
 static void on_chunk_sent(void *arg, int status);
 
-/* Send sv's data until SEND_WINDOW messages are in flight or all of it is on its way. */
+/* One data message in flight: its serve's sends, and the staging slot it reads (or NULL). */
+typedef struct {
+  gpd_peers *P;
+  struct push *push;
+  stage_slot *slot;
+} sendrec;
+
+/* Send sv's data until SEND_WINDOW messages are in flight, all of it is on its way, the
+ * fetching side's credit runs out or (staged) the next bytes are not in a slot yet. */
 static void post_sends(serve *sv) {
   plink *l = sv->link;
-  while (sv->push->inflight < SEND_WINDOW && sv->cur_seg < sv->n) {
+  while (sv->push->inflight < SEND_WINDOW && sv->cur_seg < sv->n && sv->sent < sv->limit) {
     uint64_t len = sv->lens[sv->cur_seg] - sv->cur_off < SEND_CHUNK ? sv->lens[sv->cur_seg] - sv->cur_off : SEND_CHUNK;
+    const uint8_t *data;
+    stage_slot *slot = NULL;
+    gpd_ucx_reg *reg = NULL;
     uint8_t hdr[DATA_HDR];
+    sendrec *rec;
     int rc;
+    if (len > sv->limit - sv->sent)
+      len = sv->limit - sv->sent;
+    if (sv->st) {
+      if (!gpd_pr_stager_next(sv->st, sv->sent, len, &data, &slot, &len))
+        return; /* copied out of device memory soon */
+    } else {
+      data = (const uint8_t *)sv->bases[sv->cur_seg] + sv->cur_off;
+      reg = sv->regs[sv->cur_seg];
+    }
     for (int i = 0; i < 8; i++)
       hdr[i] = (uint8_t)(sv->id >> (8 * i));
     for (int i = 0; i < 4; i++)
       hdr[8 + i] = (uint8_t)(sv->cur_seg >> (8 * i));
     for (int i = 0; i < 8; i++)
       hdr[12 + i] = (uint8_t)(sv->cur_off >> (8 * i));
-    rc = gpd_ucx_send(l->ep, hdr, sizeof hdr, (uint8_t *)sv->bases[sv->cur_seg] + sv->cur_off, len,
-                      sv->regs[sv->cur_seg], on_chunk_sent, sv->push);
+    if ((rec = malloc(sizeof *rec))) {
+      *rec = (sendrec){.P = l->P, .push = sv->push, .slot = slot};
+      rc = gpd_ucx_send(l->ep, hdr, sizeof hdr, data, len, reg, on_chunk_sent, rec);
+    } else {
+      rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    }
     if (rc != 0) {
       char why[GPUPOOL__ERRMSG_MAX];
+      free(rec);
+      if (slot)
+        gpd_pr_stage_sent(l->P, slot);
       snprintf(why, sizeof why, "sending it data failed: %s", gpupool__errmsg());
       gpd_pr_link_close(l, why);
       return;
     }
     sv->push->inflight++;
     sv->cur_off += len;
+    sv->sent += len;
     if (sv->cur_off == sv->lens[sv->cur_seg]) {
       sv->cur_seg++;
       sv->cur_off = 0;
@@ -253,9 +300,35 @@ static void post_sends(serve *sv) {
   }
 }
 
+int gpd_pr_serve_stage_step(serve *sv) {
+  plink *l = sv->link;
+  gpd_pr_stager_serve_poll(sv->st, sv->sent);
+  if (sv->st->failed) {
+    char why[300];
+    snprintf(why, sizeof why, "serving it %s: %s", sv->key, sv->st->why);
+    GPUPOOL__WARN("peers: %s", why);
+    gpd_pr_link_close(l, why);
+    return 1;
+  }
+  if (sv->push && !l->closing)
+    post_sends(sv);
+  if (l->closing)
+    return 1;
+  if (sv->sent == sv->st->total && !sv->st->nring) {
+    /* Every byte sent and every slot back: the serve only waits for PeerDone now. */
+    gpd_pr_stager_free(sv->st);
+    sv->st = NULL;
+  }
+  return 0;
+}
+
 static void on_chunk_sent(void *arg, int status) {
-  struct push *pu = arg;
+  sendrec *rec = arg;
+  struct push *pu = rec->push;
   serve *sv = pu->sv;
+  if (rec->slot)
+    gpd_pr_stage_sent(rec->P, rec->slot);
+  free(rec);
   pu->inflight--;
   if (!sv) {
     if (!pu->inflight)
@@ -268,11 +341,14 @@ static void on_chunk_sent(void *arg, int status) {
     gpd_pr_link_close(sv->link, why);
     return;
   }
-  post_sends(sv);
+  if (sv->st)
+    gpd_pr_serve_stage_step(sv);
+  else
+    post_sends(sv);
 }
 
 /* The fetching side has its copy allocated: send the data. */
-void gpd_pr_on_peer_ready(plink *l, uint64_t id) {
+void gpd_pr_on_peer_ready(plink *l, uint64_t id, uint64_t window) {
   for (serve *sv = l->serves; sv; sv = sv->next)
     if (sv->id == id && sv->cl_on && !sv->push) {
       if (!(sv->push = calloc(1, sizeof *sv->push))) {
@@ -280,7 +356,26 @@ void gpd_pr_on_peer_ready(plink *l, uint64_t id) {
         return;
       }
       sv->push->sv = sv;
-      post_sends(sv);
+      sv->window = window;
+      sv->limit = window ? window : UINT64_MAX;
+      if (sv->st)
+        gpd_pr_serve_stage_step(sv);
+      else
+        post_sends(sv);
+      return;
+    }
+}
+
+/* The fetching side has the first `bytes` bytes in place: it takes window more. */
+void gpd_pr_on_peer_credit(plink *l, uint64_t id, uint64_t bytes) {
+  for (serve *sv = l->serves; sv; sv = sv->next)
+    if (sv->id == id && sv->push && sv->window) {
+      if (bytes <= UINT64_MAX - sv->window && bytes + sv->window > sv->limit)
+        sv->limit = bytes + sv->window;
+      if (sv->st)
+        gpd_pr_serve_stage_step(sv);
+      else
+        post_sends(sv);
       return;
     }
 }

@@ -51,6 +51,7 @@ struct gpd_ucx {
   int closing;   /* handles whose close callback has not come yet */
   gpd_ucx_recv recv;
   void *recv_arg;
+  int cuda;      /* its memory types include CUDA */
   char describe[256];
 };
 
@@ -278,11 +279,9 @@ int gpd_ucx_open(uv_loop_t *loop, gpd_ucx_recv recv, void *recv_arg, gpd_ucx **o
   ucp_get_version(&major, &minor, &release);
   list_resources(u->ctx, res, sizeof res);
   snprintf(u->describe, sizeof u->describe, "ucx %u.%u.%u (%s)", major, minor, release, res[0] ? res : "no transport");
-  GPUPOOL__INFO("peers: UCX %u.%u.%u, transports: %s (UCX_TLS=%s); device memory: %s", major, minor, release,
-                res[0] ? res : "none", getenv("UCX_TLS") ? getenv("UCX_TLS") : "default",
-                (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA))
-                    ? "direct (this UCX moves CUDA memory)"
-                    : "staged through pinned host memory (this UCX has no CUDA support); host pools move directly");
+  u->cuda = (attr.field_mask & UCP_ATTR_FIELD_MEMORY_TYPES) && (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA));
+  GPUPOOL__INFO("peers: UCX %u.%u.%u, transports: %s (UCX_TLS=%s); memory types: host%s", major, minor, release,
+                res[0] ? res : "none", getenv("UCX_TLS") ? getenv("UCX_TLS") : "default", u->cuda ? ", cuda" : "");
   uv_poll_init(loop, &u->poll, u->efd);
   u->poll.data = u;
   uv_idle_init(loop, &u->idle);
@@ -343,6 +342,8 @@ void gpd_ucx_address(gpd_ucx *u, const void **addr, size_t *len) {
 }
 
 const char *gpd_ucx_describe(gpd_ucx *u) { return u->describe; }
+
+int gpd_ucx_moves_cuda(gpd_ucx *u) { return u->cuda; }
 
 int gpd_ucx_reg_new(gpd_ucx *u, void *addr, size_t len, gpd_ucx_reg **out) {
   ucp_mem_map_params_t p;

@@ -36,6 +36,8 @@ void gpd_ucx_flush(gpd_ucx *u);
 void gpd_ucx_close(gpd_ucx *u);
 /* The worker's address (owned by u), to hand to peers. */
 void gpd_ucx_address(gpd_ucx *u, const void **addr, size_t *len);
+/* 1 when this UCX can move CUDA memory itself (its memory types include CUDA). */
+int gpd_ucx_moves_cuda(gpd_ucx *u);
 /* "ucx 1.13.1 (tcp, ...)" for logs and gpupoolctl. */
 const char *gpd_ucx_describe(gpd_ucx *u);
 

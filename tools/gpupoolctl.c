@@ -957,6 +957,9 @@ static int cmd_peers(ctl *c) {
     putchar('{');
     jkv_str("transport", r->transport, &f);
     jkv_str("listen", r->listen, &f);
+    jkv_str("device_memory", r->device_memory, &f);
+    jkv_u64("staging_in_use", r->staging_in_use, &f);
+    jkv_u64("staging_made", r->staging_made, &f);
     printf(",\"peers\":[");
     for (size_t i = 0; i < r->n_peers; i++) {
       const Gpupool__Wire__PeerInfo *p = r->peers[i];
@@ -973,6 +976,7 @@ static int cmd_peers(ctl *c) {
       jkv_u64("versions_served", p->versions_served, &g);
       jkv_u64("bytes_served", p->bytes_served, &g);
       jkv_u64("serving_now", p->serving_now, &g);
+      jkv_u64("bytes_staged", p->bytes_staged, &g);
       putchar('}');
     }
     puts("]}");
@@ -980,6 +984,12 @@ static int cmd_peers(ctl *c) {
     return 0;
   }
   printf("transport: %s\nlisten: %s\n", r->transport, r->listen && *r->listen ? r->listen : "(serves no peer)");
+  if (r->device_memory && *r->device_memory) {
+    char use[32], made[32];
+    fmt_size(r->staging_in_use, use, sizeof(use));
+    fmt_size(r->staging_made, made, sizeof(made));
+    printf("device memory: %s\nstaging: %s in use of %s made\n", r->device_memory, use, made);
+  }
   table_init(&t, 9);
   t.right[3] = t.right[4] = t.right[5] = t.right[6] = t.right[7] = 1;
   table_row(&t, "PEER", "ADDRESS", "STATE", "IN FLIGHT", "FETCHES", "FAILED", "FETCHED", "SERVED", "LAST ERROR");
