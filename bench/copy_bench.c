@@ -59,7 +59,7 @@ static gpupool__bpool *mkpool(const char *name, int device, uint64_t cap) {
 }
 
 static void mkslab(gpupool__bpool *p, uint64_t size, gpupool__bslab *s) {
-  int rc = be->ops->slab_alloc(p, size, s);
+  int rc = be->ops->slab_alloc(p, size, 0, s);
   if (rc < 0)
     die("slab_alloc %" PRIu64 ": %s: %s", size, gpupool_err_name(rc), gpupool__errmsg());
 }

@@ -84,6 +84,9 @@ struct gpd_slab {
   gpupool__bslab bs;
   gpupool__alloc *alloc; /* NULL for a dedicated slab */
   int dedicated;
+  int replica;           /* a dedicated slab made for a replica: kept (and left mapped by its
+                          * clients) once empty, for the replica of the next version of its
+                          * owner and size on this device (slabs.c, gpd_place) */
   uint64_t owner;        /* tenant (or shared group) whose buffers it holds: every holder of
                           * one of its buffers gets its fd, so others' buffers never go in */
   int retiring;          /* no new buffers: being given back once empty and unmapped */

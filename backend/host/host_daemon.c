@@ -65,11 +65,12 @@ static void host_pool_destroy(gpupool__bpool *p) { free(p); }
 /* A slab is a sealed memfd (no client can shrink or grow it under another's mapping, the
  * SIGBUS trap), mode 0600 so that a read-only fd of it cannot be reopened read-write through
  * /proc by another user, plus that read-only fd, made once. */
-static int host_slab_alloc(gpupool__bpool *p, uint64_t size, gpupool__bslab *out) {
+static int host_slab_alloc(gpupool__bpool *p, uint64_t size, uint64_t filled, gpupool__bslab *out) {
   char name[96], path[64];
   const char *env = getenv("GPUPOOL_TEST_SLAB_ALLOC_DELAY_MS");
   int fd, ro, rc;
 
+  (void)filled; /* a new memfd reads as zeros: nothing to clear */
   if (env) {
     long ms = strtol(env, NULL, 10);
     struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L};

@@ -107,7 +107,7 @@ static int mkpool(env *v, const char *name, gpupool_mem_kind kind, int device, u
 
 /* A slab of size bytes in pool p: its index, or -1. */
 static int mkslab(env *v, int p, uint64_t size) {
-  int rc = v->be->ops->slab_alloc(v->pool[p], size, &v->slab[v->nslab]);
+  int rc = v->be->ops->slab_alloc(v->pool[p], size, 0, &v->slab[v->nslab]);
   if (rc < 0) {
     fprintf(stderr, "slab_alloc of %" PRIu64 " bytes: %s: %s\n", size, gpupool_err_name(rc),
             gpupool__errmsg());
