@@ -133,6 +133,10 @@ typedef struct {
   /* Stop a running copy (returns only once no engine touches its slabs any more) or forget a
    * finished one, and free it. */
   void (*copy_free)(struct gpupool__bcopy *c);
+  /* Optional: an eventfd (owned by the backend, closed by close) that its engines make
+   * readable when a copy job may have ended, so that the caller polls its jobs then rather than
+   * only on a timer; the caller reads its 8 bytes to reset it. < 0 when there is none. */
+  int (*copy_notify_fd)(gpupool__backend *be);
 } gpupool__backend_ops;
 
 /* An open backend in the daemon. */

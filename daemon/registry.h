@@ -387,6 +387,10 @@ struct gpd_registry {
   uint64_t ncopies_making;
   uv_idle_t copy_make_idle;
   int copy_make_on;
+  /* The backend's copy notifier (copy_notify_fd), watched for as long as the registry lives:
+   * a job that ends is polled at once, not up to a timer tick later. */
+  uv_poll_t copy_notify;
+  int copy_notify_fd; /* -1: none, the timer alone polls */
   uint64_t copies_started, copies_failed, copy_bytes;
   /* Called when a copy job ended (rc 0, or the error with its message) after its replicas
    * became ready or were dropped: the server answers or retries the gets waiting on it. */

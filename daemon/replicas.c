@@ -17,10 +17,12 @@
  * stops) before its replicas are dropped or handed out. A replica counts against the tenant
  * of the buffer it copies (its limits and its pools).
  */
+#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "errors.h"
 #include "list.h"
@@ -458,6 +460,8 @@ void gpd_copies_stop(gpd_registry *reg) {
     uv_idle_stop(&reg->copy_make_idle);
     reg->copy_make_on = 0;
   }
+  if (reg->copy_notify_fd >= 0)
+    uv_poll_stop(&reg->copy_notify); /* a stopping loop ends once nothing it watches is active */
 }
 
 /* ---- gets on a device ------------------------------------------------------------------- */
@@ -635,15 +639,43 @@ void gpd_replicate(gpd_registry *reg, gpd_client *c, const char *name, const uin
   free(need);
 }
 
+/* A copy engine said a job may have ended: poll the jobs now (what the timer would do on its
+ * next tick, a millisecond or more later: that wait was most of a small replica's cost). */
+static void copy_notify_cb(uv_poll_t *h, int status, int events) {
+  gpd_registry *reg = h->data;
+  uint64_t n;
+  (void)status;
+  (void)events;
+  if (read(reg->copy_notify_fd, &n, sizeof n) < 0 && errno != EAGAIN)
+    GPUPOOL__DEBUG("reading the copy notifier: %s", strerror(errno));
+  if (reg->copies && !reg->stopped)
+    copy_timer_cb(&reg->copy_timer);
+}
+
 void gpd_replicas_init(gpd_registry *reg) {
+  const gpupool__backend_ops *ops = reg->be->ops;
   uv_timer_init(reg->loop, &reg->copy_timer);
   reg->copy_timer.data = reg;
   uv_idle_init(reg->loop, &reg->copy_make_idle);
   reg->copy_make_idle.data = reg;
+  reg->copy_notify_fd = ops->copy_start && ops->copy_notify_fd ? ops->copy_notify_fd(reg->be) : -1;
+  if (reg->copy_notify_fd >= 0) {
+    if (uv_poll_init(reg->loop, &reg->copy_notify, reg->copy_notify_fd) == 0) {
+      reg->copy_notify.data = reg;
+      uv_poll_start(&reg->copy_notify, UV_READABLE, copy_notify_cb);
+    } else {
+      reg->copy_notify_fd = -1;
+    }
+  }
 }
 
 void gpd_replicas_close(gpd_registry *reg) {
   gpd_copies_stop(reg);
   uv_close((uv_handle_t *)&reg->copy_timer, NULL);
   uv_close((uv_handle_t *)&reg->copy_make_idle, NULL);
+  if (reg->copy_notify_fd >= 0) {
+    uv_poll_stop(&reg->copy_notify);
+    uv_close((uv_handle_t *)&reg->copy_notify, NULL);
+    reg->copy_notify_fd = -1;
+  }
 }

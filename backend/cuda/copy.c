@@ -37,6 +37,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <cuda_runtime_api.h>
 
@@ -470,6 +472,21 @@ static void job_drain(gpupool__bcopy *c) {
   }
 }
 
+int gpupool__cuda_copy_notify_fd(gpupool__backend *be) {
+  gpupool__cuda_state *st = be->priv;
+  if (st->copy_efd < 0)
+    st->copy_efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  return st->copy_efd;
+}
+
+/* Runs on a CUDA driver thread once a hop's stream reaches it: no CUDA call here. */
+static void CUDART_CB notify_cb(void *arg) {
+  gpupool__cuda_state *st = arg;
+  uint64_t one = 1;
+  ssize_t r = write(st->copy_efd, &one, sizeof one);
+  (void)r; /* the counter saturating still leaves it readable */
+}
+
 int gpupool__cuda_copy_start(gpupool__backend *be, const gpupool__bcopy_seg *segs, size_t nsegs,
                              int ndst, gpupool__bcopy **out) {
   gpupool__bcopy *c;
@@ -501,6 +518,12 @@ int gpupool__cuda_copy_start(gpupool__backend *be, const gpupool__bcopy_seg *seg
     c->npieces++;
     a = b;
   }
+  /* Tell the loop when each hop is through (its last piece's event is then complete); a hop
+   * whose host function cannot be queued is still found by the caller's timer. */
+  if (c->st->copy_efd >= 0)
+    for (int h = 0; h < ndst; h++)
+      if (cudaLaunchHostFunc(c->hops[h].stream, notify_cb, c->st) != cudaSuccess)
+        (void)cudaGetLastError();
   for (size_t i = 0; i < nsegs; i++)
     bytes += segs[i].len;
   if (gpupool__log_get_level() >= GPUPOOL_LOG_DEBUG) {
@@ -575,10 +598,17 @@ void gpupool__cuda_copy_close(gpupool__cuda_state *st) {
   for (int d = 0; d < st->ndev; d++) {
     if (!st->dev[d].has_copy_stream)
       continue;
+    /* Its last host functions run before the eventfd they write to is closed. */
+    if (cudaSetDevice(d) != cudaSuccess || cudaStreamSynchronize(st->dev[d].copy_stream) != cudaSuccess)
+      (void)cudaGetLastError();
     if (cudaSetDevice(d) != cudaSuccess || cudaStreamDestroy(st->dev[d].copy_stream) != cudaSuccess) {
       (void)cudaGetLastError();
       GPUPOOL__WARN("cuda: cannot destroy the copy stream of device %d", d);
     }
     st->dev[d].has_copy_stream = 0;
+  }
+  if (st->copy_efd >= 0) {
+    close(st->copy_efd);
+    st->copy_efd = -1;
   }
 }

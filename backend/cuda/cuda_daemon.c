@@ -661,6 +661,7 @@ static const gpupool__backend_ops cuda_ops = {
     .copy_start = gpupool__cuda_copy_start,
     .copy_poll = gpupool__cuda_copy_poll,
     .copy_free = gpupool__cuda_copy_free,
+    .copy_notify_fd = gpupool__cuda_copy_notify_fd,
 };
 
 int gpupool__cuda_open(gpupool__backend **out) {
@@ -688,6 +689,7 @@ int gpupool__cuda_open(gpupool__backend **out) {
   }
   st->ndev = ndev;
   st->event_dev = -1;
+  st->copy_efd = -1;
   for (int d = 0; d < ndev; d++) {
     st->dev[d].usable = usable[d];
     if (usable[d] && st->event_dev < 0)
