@@ -9,7 +9,8 @@
  *   gpupool_gpu_copy CHECK
  *
  *   peer     GPU 0 -> GPU 1, segments at odd offsets and lengths; the target GPU was given
- *            access to the source pool (when the pair can peer); bad jobs are refused.
+ *            access to the source pool (when the pair can peer); the job's end is written to
+ *            the backend's copy notifier; bad jobs are refused.
  *   staged   the same with GPUPOOL_NO_PEER=1: no access granted, bytes through the pinned ring
  *            (more pieces than ring slots, so slots are reused).
  *   chain    1, 2 and 3 destinations along GPUs 1, 2, 3 (1, 0, 1 on two GPUs), peer and staged,
@@ -30,6 +31,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
+#include <unistd.h>
 
 #include <cuda_runtime_api.h>
 
@@ -246,7 +249,7 @@ static enum cudaMemAccessFlags access_of(gpupool__bpool *p, int device) {
 static int check_pair(int staged) {
   const char *check = staged ? "staged" : "peer";
   env v;
-  int ps, pd, s, d, polls = 0, rc, can = 0;
+  int ps, pd, s, d, polls = 0, rc, can = 0, nfd;
   uint8_t *img[MAXS] = {0};
   gpupool__bcopy_seg segs[3];
   gpupool__bcopy *c = NULL;
@@ -271,11 +274,20 @@ static int check_pair(int staged) {
   segs[2].dst[0] = loc(&v, d, 320 * MiB - 1);
   segs[2].len = 1;
   no_peer(staged);
+  if ((nfd = v.be->ops->copy_notify_fd(v.be)) < 0)
+    return fail(check, "the CUDA backend gives no copy notifier (eventfd)");
   rc = run_job(&v, segs, 3, 1, &polls);
   if (rc < 0)
     return fail(check, "copy job: %s: %s", gpupool_err_name(rc), gpupool__errmsg());
   if (verify(&v, check, "three segments", segs, 3, 1, img))
     return 1;
+  /* The job's end was told on the notifier (what gpupoold's loop waits on). */
+  {
+    struct pollfd pf = {.fd = nfd, .events = POLLIN};
+    uint64_t n = 0;
+    if (poll(&pf, 1, 5000) != 1 || read(nfd, &n, sizeof n) != (ssize_t)sizeof n || n == 0)
+      return fail(check, "the copy notifier was not written when the job ended");
+  }
   (void)cudaDeviceCanAccessPeer(&can, 1, 0);
   if (staged && access_of(v.pool[ps], 1) != cudaMemAccessFlagsProtNone)
     return fail(check, "GPUPOOL_NO_PEER=1 but device 1 was given access to the source pool");
