@@ -7,7 +7,8 @@
  *     lease of every client whose connection closed while holding it, then goes back to the
  *     slab (exactly once, in registry_sweep);
  *   - a slab is given back to the backend when it is empty, surplus (or dedicated, or
- *     trimmed) and every client that mapped it has unmapped it or lost its lease;
+ *     trimmed) and every client that mapped it has unmapped it or lost its lease; a replica's
+ *     dedicated slab waits, empty, for the next version's replica (slabs.c);
  *   - a lease is one end of a pipe the client keeps while it maps the daemon's memory; the
  *     kernel closes it when the last process holding it (forked children included) exits
  *     or closes it, and the daemon sees EOF on its own end. Liveness never comes from a pid.
