@@ -472,11 +472,11 @@ static void job_drain(gpupool__bcopy *c) {
   }
 }
 
-int gpupool__cuda_copy_notify_fd(gpupool__backend *be) {
-  gpupool__cuda_state *st = be->priv;
-  if (st->copy_efd < 0)
-    st->copy_efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  return st->copy_efd;
+int gpupool__cuda_copy_notify_fd(gpupool__backend *be) { return ((gpupool__cuda_state *)be->priv)->copy_efd; }
+
+void gpupool__cuda_copy_init(gpupool__cuda_state *st) {
+  /* -1 when the kernel refuses one: the caller's timer then polls alone. */
+  st->copy_efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 }
 
 /* Runs on a CUDA driver thread once a hop's stream reaches it: no CUDA call here. */

@@ -689,7 +689,7 @@ int gpupool__cuda_open(gpupool__backend **out) {
   }
   st->ndev = ndev;
   st->event_dev = -1;
-  st->copy_efd = -1;
+  gpupool__cuda_copy_init(st);
   for (int d = 0; d < ndev; d++) {
     st->dev[d].usable = usable[d];
     if (usable[d] && st->event_dev < 0)

@@ -34,8 +34,8 @@ typedef struct {
   /* Idle pinned staging rings (GPUPOOL__CUDA_STAGE_KEEP at most). */
   void *stage_idle[GPUPOOL__CUDA_STAGE_KEEP];
   int nstage_idle;
-  /* eventfd written by a host function queued after each hop of a copy job (-1 until asked
-   * for): the daemon's loop hears of a finished copy at once instead of on its next timer. */
+  /* eventfd written by a host function queued after each hop of a copy job (-1: none): the
+   * daemon's loop hears of a finished copy at once instead of on its next timer. */
   int copy_efd;
 } gpupool__cuda_state;
 
@@ -61,6 +61,8 @@ int gpupool__cuda_copy_start(gpupool__backend *be, const gpupool__bcopy_seg *seg
 int gpupool__cuda_copy_poll(gpupool__bcopy *c);
 void gpupool__cuda_copy_free(gpupool__bcopy *c);
 int gpupool__cuda_copy_notify_fd(gpupool__backend *be);
+/* Make what the copy engine keeps in st from the backend's open (its notifier). */
+void gpupool__cuda_copy_init(gpupool__cuda_state *st);
 /* Free what the copy engine keeps in st (staging rings, copy streams), at backend close. */
 void gpupool__cuda_copy_close(gpupool__cuda_state *st);
 /* Take back the access the copy engine gave other devices to p, before it is destroyed. */

@@ -136,8 +136,7 @@ static int host_pool_stats(gpupool__bpool *p, gpupool__bpool_stats *out) {
 
 /* ---- copies ---------------------------------------------------------------------------- */
 
-/* The daemon half's state: the eventfd copy threads write when their job ends (-1 until the
- * daemon asks for it). */
+/* The daemon half's state: the eventfd copy threads write when their job ends (-1: none). */
 typedef struct {
   int copy_efd;
 } host_state;
@@ -293,12 +292,7 @@ static void host_copy_free(gpupool__bcopy *c) {
   free(c);
 }
 
-static int host_copy_notify_fd(gpupool__backend *be) {
-  host_state *st = be->priv;
-  if (st->copy_efd < 0)
-    st->copy_efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  return st->copy_efd;
-}
+static int host_copy_notify_fd(gpupool__backend *be) { return ((host_state *)be->priv)->copy_efd; }
 
 /* After every copy job was freed (its thread joined): nothing writes the eventfd any more. */
 static void host_close(gpupool__backend *be) {
@@ -331,7 +325,9 @@ int gpupool__host_open(gpupool__backend **out) {
     free(st);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   }
-  st->copy_efd = -1;
+  /* Made with the backend, which owns it until close: -1 (no notifier, the caller's timer
+   * polls) if the kernel refuses one. */
+  st->copy_efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   be->desc = &gpupool__backend_host;
   be->ops = &host_ops;
   be->priv = st;
