@@ -201,9 +201,11 @@ static int w_bproducer(char **a) {
  * says WAITING, gets NAME on DEVICE (GPUPOOL_ON_DEVICE), synchronizes its stream, then checks
  * every byte on DEVICE against the pattern (SEED for a buffer, 1000+i for member i of a
  * bundle), releases, and says "T <clock at the call> <clock when usable> <mismatching words>
- * <buffer id> <version> <clock when the get returned> <ns of a second get>": a buffer is then
- * got again once released (its replica now ready: what any get costs, for the breakdown);
- * 0 for a bundle. Stops on "EXIT". */
+ * <buffer id> <version> <clock when the get returned> <ns of a second get> <address>": a
+ * buffer is then got again once released (its replica now ready: what any get costs, for the
+ * breakdown; 0 for a bundle); the address is the buffer's (a bundle's first buffer's) in this
+ * process, the same from version to version when the replica went in the slab of the one
+ * before. Stops on "EXIT". */
 static int w_getter(char **a) {
   const char *role = "getter", *sock = a[0], *name = a[1];
   int bundle = !strcmp(a[2], "bundle"), dev = atoi(a[4]), rc, ce;
@@ -220,7 +222,7 @@ static int w_getter(char **a) {
   gh_say("READY");
   for (;;) {
     unsigned long long bad = 0, n;
-    uint64_t newer, t0, t1, tr, again = 0, id, v = 0;
+    uint64_t newer, t0, t1, tr, again = 0, id, v = 0, addr;
     read_cmd(role, line, sizeof line);
     if (!strcmp(line, "EXIT"))
       break;
@@ -246,6 +248,7 @@ static int w_getter(char **a) {
       if ((ce = gk_count_mismatches(gpupool_buffer_ptr(b), gpupool_buffer_size(b), seed, s, &bad)))
         cdie(role, "mismatch kernel", ce);
       id = gpupool_buffer_id(b);
+      addr = (uint64_t)(uintptr_t)gpupool_buffer_ptr(b);
       if ((rc = gpupool_buffer_release(b, s)) < 0)
         wdie(role, "gpupool_buffer_release", rc);
       if ((ce = cudaStreamSynchronize(s)))
@@ -298,13 +301,14 @@ static int w_getter(char **a) {
         bad += n;
       }
       id = gpupool_buffer_id(gpupool_bundle_buffer(b, 0));
+      addr = (uint64_t)(uintptr_t)gpupool_buffer_ptr(gpupool_bundle_buffer(b, 0));
       if ((rc = gpupool_bundle_release(b, s)) < 0)
         wdie(role, "gpupool_bundle_release", rc);
     }
     if ((ce = cudaStreamSynchronize(s)))
       cdie(role, "cudaStreamSynchronize", ce);
-    gh_say("T %" PRIu64 " %" PRIu64 " %llu %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64, t0, t1, bad, id, v, tr,
-           again);
+    gh_say("T %" PRIu64 " %" PRIu64 " %llu %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64, t0, t1, bad, id,
+           v, tr, again, addr);
   }
   wfinish(role, c, s);
   gh_say("DONE");
@@ -474,7 +478,7 @@ static double raw_peer(uint64_t size, int on, int async) {
 
 /* One "T ..." line of a getter: the clocks, checked bit-exact and at version want. */
 typedef struct {
-  uint64_t t0, t1, id, v, tr, again;
+  uint64_t t0, t1, id, v, tr, again, addr;
 } got_t;
 
 static got_t read_got(gh_proc *p, uint64_t want, const char *who) {
@@ -482,8 +486,8 @@ static got_t read_got(gh_proc *p, uint64_t want, const char *who) {
   unsigned long long bad;
   got_t g;
   expect(p, "T ", line, sizeof line, who);
-  if (sscanf(line, "T %" SCNu64 " %" SCNu64 " %llu %" SCNu64 " %" SCNu64 " %" SCNu64 " %" SCNu64, &g.t0, &g.t1, &bad,
-             &g.id, &g.v, &g.tr, &g.again) != 7)
+  if (sscanf(line, "T %" SCNu64 " %" SCNu64 " %llu %" SCNu64 " %" SCNu64 " %" SCNu64 " %" SCNu64 " %" SCNu64, &g.t0,
+             &g.t1, &bad, &g.id, &g.v, &g.tr, &g.again, &g.addr) != 8)
     fail("%s said '%s'", who, line);
   if (bad)
     fail("%s read %llu words that differ from the source: the replica is not bit-exact", who, bad);
@@ -508,6 +512,7 @@ static uint64_t publish(gh_proc *prod, uint64_t *src) {
  * the same version once its replica is ready (the fixed cost of any get). */
 typedef struct {
   double first, returned, ready;
+  int same, n; /* versions after the first whose replica lay where the one before did */
 } breakdown;
 
 /* (a) and (b): one size, one getter on GPU 1; seconds from the get's call to usable, median
@@ -516,6 +521,7 @@ static double get_pair(uint64_t size, uint32_t seed, breakdown *bd) {
   char name[64], by[32], sd[32], line[256];
   gh_proc prod, get;
   double t[16], tret[16], tready[16];
+  uint64_t prev = 0;
   int n = iters_for(size);
   snprintf(name, sizeof name, "replica-bench-%" PRIu64, size);
   snprintf(by, sizeof by, "%" PRIu64, size);
@@ -538,9 +544,12 @@ static double get_pair(uint64_t size, uint32_t seed, breakdown *bd) {
       t[i] = (double)(g.t1 - g.t0) / 1e9;
       tret[i] = (double)(g.tr - g.t0) / 1e9;
       tready[i] = (double)g.again / 1e9;
+      bd->same += g.addr == prev;
+      bd->n++;
     } else {
       bd->first = (double)(g.t1 - g.t0) / 1e9;
     }
+    prev = g.addr;
   }
   finish(&get, "the getter");
   finish(&prod, "the producer");
@@ -569,7 +578,7 @@ static void bench_pair(int staged) {
   start_daemon(2, "12G");
   for (size_t i = staged ? 2 : 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
     uint64_t size = sizes[i];
-    breakdown bd = {0, 0, 0};
+    breakdown bd = {0, 0, 0, 0, 0};
     double raw, get;
     if (staged) {
       raw = raw_peer(size, 1, 0);
@@ -583,6 +592,8 @@ static void bench_pair(int staged) {
     printf("BENCH replica_%s_first_get_%" PRIu64 "_us %.1f\n", k, size, bd.first * 1e6);
     printf("BENCH replica_%s_get_returned_%" PRIu64 "_us %.1f\n", k, size, bd.returned * 1e6);
     printf("BENCH replica_%s_ready_get_%" PRIu64 "_us %.1f\n", k, size, bd.ready * 1e6);
+    printf("BENCH_INFO replica %s %" PRIu64 " bytes: %d of %d versions after the first had their replica at the "
+           "address of the one before (its slab kept)\n", k, size, bd.same, bd.n);
     bench_row(table, "| %" PRIu64 " %s%s | %.3f / %.1f | %.3f / %.1f | %.1f%% | %.0f | %.3f | %.0f | %.0f |\n",
         size >= GiB ? size / GiB : size / MiB, size >= GiB ? "GiB" : "MiB",
         size < 64 * MiB ? " (the fixed cost of a get that makes a replica)" : "", raw * 1e3, (double)size / raw / 1e9,
@@ -600,7 +611,8 @@ static void bench_broadcast(int ngpu) {
   char name[64], dv[16], line[256], nd[16];
   gh_proc prod, get[3];
   double t[8], tcall[8], first = 0, first_call = 0;
-  uint64_t total = 0, last = 0;
+  uint64_t total = 0, last = 0, prev[3] = {0, 0, 0};
+  int same = 0, nsame = 0;
 
   for (int i = 0; i < nt; i++)
     total += tensor_bytes[i];
@@ -636,6 +648,11 @@ static void bench_broadcast(int ngpu) {
       got_t g = read_got(&get[h], v, "a getter");
       if (g.t1 > end)
         end = g.t1;
+      if (i >= 0) {
+        same += g.addr == prev[h];
+        nsame++;
+      }
+      prev[h] = g.addr;
       if (g.t0 > t0)
         fail("getter on GPU %d called its get after the publish: raise the wait before publishing", h + 1);
     }
@@ -655,6 +672,8 @@ static void bench_broadcast(int ngpu) {
   printf("BENCH replica_broadcast_ms %.2f\n", bench_median(t, n) * 1e3);
   printf("BENCH replica_broadcast_publish_call_ms %.2f\n", bench_median(tcall, n) * 1e3);
   printf("BENCH replica_broadcast_first_ms %.2f\n", first * 1e3);
+  printf("BENCH_INFO replica broadcast: %d of %d replicas after the first version at the address of the one "
+         "before (their slabs kept)\n", same, nsame);
   printf("BENCH replica_broadcast_first_publish_call_ms %.2f\n", first_call * 1e3);
   bench_row(table, "\n| broadcast through gpupoold, %d bf16 tensors %.2f GB, GPU 0 -> %d GPUs | ms (median) | GB/s per target |\n"
       "| --- | --- | --- |\n", nt, (double)total / 1e9, ndst);
