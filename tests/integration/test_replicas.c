@@ -959,6 +959,32 @@ static void test_broadcast_steady_state_reuses(void **state) {
   trim_to_baseline();
 }
 
+/* A kept replica slab is memory nobody uses: a placement that needs its room takes it back
+ * (here a buffer that fits the pool only without it). */
+static void test_kept_replica_slab_gives_way(void **state) {
+  gpupool_client *c, *f;
+  gpupool_buffer *g, *big;
+  (void)state;
+  start_sim(NULL);
+  c = th_connect(&D, "consumer");
+  gpupool_client_disconnect(publish_pattern("big", BIG, 61, NULL));
+  g = get_on_1(c, "big", 0, 61, BIG);
+  assert_int_equal(gpupool_buffer_release(g, NULL), 0);
+  assert_int_equal(gpupool_name_unpublish(c, "big"), 0);
+  gpupool_client_disconnect(c);
+  wait_all_idle();
+  assert_int_equal(pool_stat(1).slabs, 1); /* kept for a next version */
+  /* 56 MiB of the pool's 64 fit only once the 14 MiB slab goes. */
+  f = th_connect(&D, "filler");
+  if (gpupool_buffer_alloc(f, "gpu1", 56 * MIB, 0, NULL, &big) != 0)
+    fail_msg("56 MiB in gpu1 next to a kept replica slab: %s", gpupool_last_error());
+  assert_int_equal(pool_stat(1).slabs, 1);
+  assert_int_equal(gpupool_buffer_release(big, NULL), 0);
+  gpupool_client_disconnect(f);
+  wait_all_idle();
+  trim_to_baseline();
+}
+
 int main(void) {
   return TS_RUN_TESTS(NULL, teardown, test_buffer_replica_bit_exact, test_bundle_replica_bit_exact,
                       test_eight_getters_one_copy, test_more_copies_than_slots, test_replica_freed_with_version,
@@ -966,5 +992,6 @@ int main(void) {
                       test_daemon_killed_mid_copy, test_getters_waiting_for_the_publish, test_broadcast_on_publish,
                       test_replica_over_quota, test_broadcast_made_between_requests, test_making_fails_midway,
                       test_stopped_while_making, test_replica_slab_reused_across_versions,
-                      test_reused_replica_never_under_a_holder, test_broadcast_steady_state_reuses);
+                      test_reused_replica_never_under_a_holder, test_broadcast_steady_state_reuses,
+                      test_kept_replica_slab_gives_way);
 }
