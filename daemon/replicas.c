@@ -209,10 +209,10 @@ static void copy_discard(gpd_registry *reg, gpd_copy *cp, gpupool__bcopy_seg *se
 /* Start one job copying each of the n sources to each of the ndev devices (a chain along
  * them): replicas attached, sources referenced. Its replica buffers are made a slice of loop
  * time at a time: the first slice here (a small job is complete at once, and an error there,
- * such as a quota, is returned with nothing changed), the rest on the next turns
- * (copy_make_cb); an error there ends the job, its getters told. The copy starts once every
- * buffer exists. */
-static int copy_new(gpd_registry *reg, gpd_buffer *const *srcs, uint32_t n, const int *devs, int ndev,
+ * such as a quota, is returned with nothing changed) unless `later` (a broadcast, whose
+ * publish is answered first), the rest on the next turns (copy_make_cb); an error there ends
+ * the job, its getters told. The copy starts once every buffer exists. */
+static int copy_new(gpd_registry *reg, gpd_buffer *const *srcs, uint32_t n, const int *devs, int ndev, int later,
                     gpd_copy **out) {
   const gpupool__backend_ops *ops = reg->be->ops;
   gpupool__bcopy_seg *segs = NULL;
@@ -255,7 +255,7 @@ static int copy_new(gpd_registry *reg, gpd_buffer *const *srcs, uint32_t n, cons
     }
   }
   cp->segs = segs;
-  if ((rc = copy_make(reg, cp, uv_hrtime() + GPD_COPY_MAKE_SLICE_NS)) != 0) {
+  if (!later && (rc = copy_make(reg, cp, uv_hrtime() + GPD_COPY_MAKE_SLICE_NS)) != 0) {
     copy_discard(reg, cp, segs);
     return rc;
   }
@@ -419,6 +419,7 @@ static void copy_timer_update(gpd_registry *reg) {
 static void copy_make_cb(uv_idle_t *h) {
   gpd_registry *reg = h->data;
   uint64_t until = uv_hrtime() + GPD_COPY_MAKE_SLICE_NS;
+  int complete = 0;
   char msg[256];
   for (gpd_copy *cp = reg->copies; cp; cp = cp->next) {
     int rc;
@@ -431,12 +432,16 @@ static void copy_make_cb(uv_idle_t *h) {
     }
     if (cp->nmade == cp->nreps) {
       reg->ncopies_making--;
+      complete = 1;
       GPUPOOL__DEBUG("copy %" PRIu64 ": its %u replica buffer(s) made", cp->id, cp->nreps);
     }
     if (uv_hrtime() >= until)
       break;
   }
   copy_make_update(reg);
+  /* Start what is complete now, not on the timer's next tick. */
+  if (complete)
+    copy_timer_cb(&reg->copy_timer);
 }
 
 static void copy_make_update(gpd_registry *reg) {
@@ -496,7 +501,7 @@ int gpd_get_on(gpd_registry *reg, gpd_client *c, const char *name, int read_only
   if ((rc = gpd_find_single(reg, c, name, newer_than, &n)) != 0)
     return rc;
   rc = on_device(reg, n->bufs[0], device, &use, &cp);
-  if (rc == 1 && (rc = copy_new(reg, n->bufs, 1, &device, 1, &cp)) == 0)
+  if (rc == 1 && (rc = copy_new(reg, n->bufs, 1, &device, 1, 0, &cp)) == 0)
     rc = GPUPOOL_EBUSY;
   if (rc == GPUPOOL_EBUSY) {
     *copy_id = cp->id;
@@ -539,7 +544,7 @@ int gpd_get_bundle_on(gpd_registry *reg, gpd_client *c, const char *name, int re
       wait = cp;
   }
   /* Every missing replica of the version in one job. */
-  if (nneed && (rc = copy_new(reg, need, nneed, &device, 1, &wait)) != 0)
+  if (nneed && (rc = copy_new(reg, need, nneed, &device, 1, 0, &wait)) != 0)
     goto out;
   if (wait) {
     *copy_id = wait->id;
@@ -618,7 +623,7 @@ void gpd_replicate(gpd_registry *reg, gpd_client *c, const char *name, const uin
   }
   if (ndev && chain) {
     gpd_copy *cp;
-    if (copy_new(reg, nm->bufs, nm->nbufs, devs, ndev, &cp) != 0)
+    if (copy_new(reg, nm->bufs, nm->nbufs, devs, ndev, 1, &cp) != 0)
       GPUPOOL__PEER_WARN(&c->log_rl, c->id, "client %" PRIu64 ": replicas of '%s' on %d device(s) not started: "
                          "%s; gets on those devices make them", c->id, name, ndev, gpupool__errmsg());
   } else {
@@ -631,7 +636,7 @@ void gpd_replicate(gpd_registry *reg, gpd_client *c, const char *name, const uin
         if (on_device(reg, nm->bufs[j], devs[d], &use, &busy) == 1)
           need[k++] = nm->bufs[j];
       }
-      if (k && copy_new(reg, need, k, &devs[d], 1, &cp) != 0)
+      if (k && copy_new(reg, need, k, &devs[d], 1, 1, &cp) != 0)
         GPUPOOL__PEER_WARN(&c->log_rl, c->id, "client %" PRIu64 ": replica of '%s' on device %d not started: %s; "
                            "gets on that device make it", c->id, name, devs[d], gpupool__errmsg());
     }
