@@ -286,7 +286,14 @@ static int plan(gpupool__bcopy *c, const gpupool__bcopy_seg *segs, size_t nsegs)
       }
     }
     for (int k = 0; k < SLOTS; k++) {
-      cudaError_t e = cudaEventCreateWithFlags(&H->ev[k], cudaEventDisableTiming);
+      gpupool__cuda_dev *D = &st->dev[H->dev];
+      cudaError_t e;
+      if (D->nev_idle > 0) { /* the device is current (copy_stream above) */
+        H->ev[k] = D->ev_idle[--D->nev_idle];
+        H->nev++;
+        continue;
+      }
+      e = cudaEventCreateWithFlags(&H->ev[k], cudaEventDisableTiming);
       if (e != cudaSuccess)
         return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaEventCreateWithFlags (copy)", H->dev,
                                   NULL);
@@ -448,12 +455,19 @@ static void stage_put(gpupool__bcopy *c) {
   c->stage = NULL;
 }
 
-/* Free c's events and ring; its work must have completed (or never been queued). */
+/* Free c's events (kept for the next jobs while there is room: every record in them has
+ * completed, and a job's first waits on a slot it has not recorded yet then wait for nothing)
+ * and ring; its work must have completed (or never been queued). */
 static void job_free(gpupool__bcopy *c) {
-  for (int h = 0; h < c->ndst; h++)
-    for (int k = 0; k < c->hops[h].nev; k++)
-      if (cudaEventDestroy(c->hops[h].ev[k]) != cudaSuccess)
+  for (int h = 0; h < c->ndst; h++) {
+    gpupool__cuda_dev *D = &c->st->dev[c->hops[h].dev];
+    for (int k = 0; k < c->hops[h].nev; k++) {
+      if (D->nev_idle < GPUPOOL__CUDA_EVENTS_KEEP)
+        D->ev_idle[D->nev_idle++] = c->hops[h].ev[k];
+      else if (cudaEventDestroy(c->hops[h].ev[k]) != cudaSuccess)
         (void)cudaGetLastError();
+    }
+  }
   if (c->has_d2h_ev && cudaEventDestroy(c->d2h_ev) != cudaSuccess)
     (void)cudaGetLastError();
   stage_put(c);
@@ -598,6 +612,11 @@ void gpupool__cuda_copy_close(gpupool__cuda_state *st) {
   for (int d = 0; d < st->ndev; d++) {
     if (!st->dev[d].has_copy_stream)
       continue;
+    if (st->dev[d].nev_idle > 0 && cudaSetDevice(d) != cudaSuccess)
+      (void)cudaGetLastError();
+    while (st->dev[d].nev_idle > 0)
+      if (cudaEventDestroy(st->dev[d].ev_idle[--st->dev[d].nev_idle]) != cudaSuccess)
+        (void)cudaGetLastError();
     /* Its last host functions run before the eventfd they write to is closed. */
     if (cudaSetDevice(d) != cudaSuccess || cudaStreamSynchronize(st->dev[d].copy_stream) != cudaSuccess)
       (void)cudaGetLastError();

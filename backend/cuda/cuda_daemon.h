@@ -12,6 +12,9 @@
 
 /* Pinned staging rings kept for the next staged copy once their job ends. */
 #define GPUPOOL__CUDA_STAGE_KEEP 2
+/* Copy events kept per device for the next jobs (a hop takes 8): creating and destroying
+ * them was 16 CUDA calls per hop of every job, tens of microseconds of a replica's get. */
+#define GPUPOOL__CUDA_EVENTS_KEEP 64
 
 typedef struct {
   int usable;          /* pools with POSIX-fd handles are supported */
@@ -21,6 +24,9 @@ typedef struct {
    * synchronize never waits for a multi-gigabyte copy queued before it. */
   cudaStream_t copy_stream;
   int has_copy_stream;
+  /* Idle copy events of this device (every record in them completed). */
+  cudaEvent_t ev_idle[GPUPOOL__CUDA_EVENTS_KEEP];
+  int nev_idle;
 } gpupool__cuda_dev;
 
 typedef struct {
