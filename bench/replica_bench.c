@@ -437,8 +437,10 @@ static void enable_peer(void) {
 }
 
 /* Raw copy of size bytes from device 0 to 1 on a stream of device `on` (async) or with
- * cudaMemcpyPeer: seconds, the median; the copy checked bit-exact. */
-static double raw_peer(uint64_t size, int on, int async) {
+ * cudaMemcpyPeer: seconds, the median; the copy checked bit-exact. gap_ms: the GPUs left idle
+ * that long before each timed copy (a replica's copy starts after such a gap: the getter's
+ * check, its release, the next publish). */
+static double raw_peer(uint64_t size, int on, int async, int gap_ms) {
   void *src = NULL, *dst = NULL;
   unsigned long long bad = 0;
   cudaStream_t s;
@@ -455,7 +457,10 @@ static double raw_peer(uint64_t size, int on, int async) {
   bench_ck(cudaSetDevice(on), "cudaSetDevice");
   bench_ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
   for (int i = -1; i < n; i++) {
-    uint64_t t0 = gh_now_ns();
+    uint64_t t0;
+    if (gap_ms)
+      gh_sleep_ms(gap_ms);
+    t0 = gh_now_ns();
     if (async) {
       bench_ck(cudaMemcpyPeerAsync(dst, 1, src, 0, size, s), "cudaMemcpyPeerAsync");
       bench_ck(cudaStreamSynchronize(s), "cudaStreamSynchronize");
@@ -579,12 +584,15 @@ static void bench_pair(int staged) {
   for (size_t i = staged ? 2 : 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
     uint64_t size = sizes[i];
     breakdown bd = {0, 0, 0, 0, 0};
-    double raw, get;
+    double raw, get, idle = 0;
     if (staged) {
-      raw = raw_peer(size, 1, 0);
+      raw = raw_peer(size, 1, 0, 0);
     } else {
-      double pull = raw_peer(size, 1, 1), push = raw_peer(size, 0, 1);
+      double pull = raw_peer(size, 1, 1, 0), push = raw_peer(size, 0, 1, 0);
       raw = pull < push ? pull : push;
+      /* The daemon's way (the target's stream) after the GPUs sat idle: for the breakdown. */
+      idle = raw_peer(size, 1, 1, 5);
+      printf("BENCH replica_peer_raw_after_idle_%" PRIu64 "_us %.1f\n", size, idle * 1e6);
     }
     get = get_pair(size, seed + (uint32_t)i, &bd);
     printf("BENCH replica_%s_raw_%" PRIu64 "_us %.1f\n", k, size, raw * 1e6);
