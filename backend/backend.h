@@ -100,9 +100,12 @@ typedef struct {
   /* Frees the pool and gives back everything it reserved; every slab must have been freed
    * first. */
   void (*pool_destroy)(gpupool__bpool *p);
-  /* Take a slab of size bytes (<= GPUPOOL_SLAB_HARD_MAX), exported for import by clients.
+  /* Take a slab of size bytes (<= GPUPOOL_SLAB_HARD_MAX), exported for import by clients,
+   * cleared past its first `filled` bytes: those the caller overwrites in full before any
+   * client is told of the slab (a replica's copy), so clearing them first would only cost
+   * time (CUDA: a memset of up to 4 GiB on the daemon's thread). 0 clears all of it.
    * GPUPOOL_ENOSPC when the pool cannot provide it. */
-  int (*slab_alloc)(gpupool__bpool *p, uint64_t size, gpupool__bslab *out);
+  int (*slab_alloc)(gpupool__bpool *p, uint64_t size, uint64_t filled, gpupool__bslab *out);
   /* Give a slab back. The daemon calls it only after every client that mapped it has
    * unmapped it (or exited) and every done event on it has completed. */
   void (*slab_free)(gpupool__bpool *p, gpupool__bslab *s);
@@ -130,6 +133,10 @@ typedef struct {
   /* Stop a running copy (returns only once no engine touches its slabs any more) or forget a
    * finished one, and free it. */
   void (*copy_free)(struct gpupool__bcopy *c);
+  /* Optional: an eventfd (owned by the backend, closed by close) that its engines make
+   * readable when a copy job may have ended, so that the caller polls its jobs then rather than
+   * only on a timer; the caller reads its 8 bytes to reset it. < 0 when there is none. */
+  int (*copy_notify_fd)(gpupool__backend *be);
 } gpupool__backend_ops;
 
 /* An open backend in the daemon. */

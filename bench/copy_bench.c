@@ -14,13 +14,20 @@
  *                                  embeddings: 15.0 GB) from GPU 0 to GPUs 1..3 through one
  *                                  chained job; also three one-destination jobs at once (the
  *                                  source fanning out), and the chain staged (GPUPOOL_NO_PEER).
+ *   gpupool_copy_bench notify      what the end of a job costs to learn, GPU 0 -> GPU 1 peer,
+ *                                  1 MiB and 256 MiB: copy_start on the caller's thread, then
+ *                                  the job's end seen by spinning on copy_poll, and seen
+ *                                  through the backend's notifier (poll() on its eventfd, as
+ *                                  gpupoold's loop waits), each from the start.
  *
  * Times are wall-clock from copy_start (or the raw call) to completion seen by copy_poll (or a
  * stream synchronize), the median of several runs after one warm-up. Prints "BENCH key value"
  * lines and a markdown table (also to FILE with --table FILE). Exit 77 with fewer than two GPUs.
  */
 #include <inttypes.h>
+#include <poll.h>
 #include <sched.h>
+#include <unistd.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -59,7 +66,7 @@ static gpupool__bpool *mkpool(const char *name, int device, uint64_t cap) {
 }
 
 static void mkslab(gpupool__bpool *p, uint64_t size, gpupool__bslab *s) {
-  int rc = be->ops->slab_alloc(p, size, s);
+  int rc = be->ops->slab_alloc(p, size, 0, s);
   if (rc < 0)
     die("slab_alloc %" PRIu64 ": %s: %s", size, gpupool_err_name(rc), gpupool__errmsg());
 }
@@ -167,6 +174,70 @@ static double engine_pair(gpupool__bpool *ps, gpupool__bpool *pd, uint64_t size)
   be->ops->slab_free(ps, &s);
   be->ops->slab_free(pd, &d);
   return bench_median(t, n);
+}
+
+/* The notifier against spinning, per size: medians in seconds. */
+static void bench_notify(void) {
+  static const uint64_t sizes[] = {MiB, 256 * MiB};
+  gpupool__bpool *ps = mkpool("src", 0, GiB), *pd = mkpool("dst", 1, GiB);
+  int nfd = be->ops->copy_notify_fd ? be->ops->copy_notify_fd(be) : -1;
+  if (nfd < 0)
+    die("the CUDA backend has no copy notifier");
+  bench_row(table, "\n| GPU 0 -> GPU 1, one-destination job | copy_start (us) | end seen spinning on copy_poll (us) "
+      "| end seen through the notifier (us) | notifier - spinning (us) |\n| --- | --- | --- | --- | --- |\n");
+  for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
+    uint64_t size = sizes[i], junk;
+    gpupool__bslab s, d;
+    gpupool__bcopy_seg seg;
+    double tstart[20], tspin[20], tfd[20];
+    const int n = 20;
+    mkslab(ps, size, &s);
+    mkslab(pd, size, &d);
+    fill_pattern(0, s.priv, size, 6);
+    memset(&seg, 0, sizeof(seg));
+    seg.src = (gpupool__bloc){ps, &s, 0};
+    seg.dst[0] = (gpupool__bloc){pd, &d, 0};
+    seg.len = size;
+    for (int k = -1; k < n; k++) {
+      double x = job(&seg, 1, 1); /* spinning */
+      gpupool__bcopy *c = NULL;
+      struct pollfd pf = {.fd = nfd, .events = POLLIN};
+      uint64_t t0;
+      int rc;
+      gh_sleep_ms(2);
+      while (read(nfd, &junk, sizeof junk) > 0) {
+      }
+      if (k >= 0) {
+        tspin[k] = x;
+        tstart[k] = last_start;
+      }
+      gh_sleep_ms(2);
+      t0 = gh_now_ns();
+      if ((rc = be->ops->copy_start(be, &seg, 1, 1, &c)) < 0)
+        die("copy_start: %s: %s", gpupool_err_name(rc), gpupool__errmsg());
+      if (poll(&pf, 1, 5000) != 1)
+        die("the notifier was not written within 5 s of a %" PRIu64 "-byte job", size);
+      x = (double)(gh_now_ns() - t0) / 1e9;
+      while ((rc = be->ops->copy_poll(c)) == 0)
+        sched_yield();
+      if (rc < 0)
+        die("copy_poll: %s: %s", gpupool_err_name(rc), gpupool__errmsg());
+      be->ops->copy_free(c);
+      if (k >= 0)
+        tfd[k] = x;
+    }
+    check_pattern(1, d.priv, size, 6, "engine copy");
+    be->ops->slab_free(ps, &s);
+    be->ops->slab_free(pd, &d);
+    printf("BENCH copy_notify_start_%" PRIu64 "_us %.1f\n", size, bench_median(tstart, n) * 1e6);
+    printf("BENCH copy_notify_spin_%" PRIu64 "_us %.1f\n", size, bench_median(tspin, n) * 1e6);
+    printf("BENCH copy_notify_fd_%" PRIu64 "_us %.1f\n", size, bench_median(tfd, n) * 1e6);
+    bench_row(table, "| %" PRIu64 " MiB | %.1f | %.1f | %.1f | %.1f |\n", size / MiB, bench_median(tstart, n) * 1e6,
+        bench_median(tspin, n) * 1e6, bench_median(tfd, n) * 1e6,
+        (bench_median(tfd, n) - bench_median(tspin, n)) * 1e6);
+  }
+  be->ops->pool_destroy(ps);
+  be->ops->pool_destroy(pd);
 }
 
 static void bench_pair(int staged) {
@@ -385,14 +456,15 @@ int main(int argc, char **argv) {
   int ngpu, rc;
   const char *mode;
   if (argc == 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
-    printf("usage: %s peer|staged|broadcast [--table FILE]\n"
+    printf("usage: %s peer|staged|broadcast|notify [--table FILE]\n"
            "The CUDA copy engine against cudaMemcpyPeerAsync (peer), cudaMemcpyPeer without\n"
-           "peer access (staged) and a 290-tensor broadcast from GPU 0 to GPUs 1-3 (broadcast);\n"
+           "peer access (staged), a 290-tensor broadcast from GPU 0 to GPUs 1-3 (broadcast), and\n"
+           "what learning of a job's end costs, spinning or through the notifier (notify);\n"
            "two GPUs or more. tools/gpu-bench.sh multi runs all three.\n", argv[0]);
     return 0;
   }
   if (argc != 2 && !(argc == 4 && !strcmp(argv[2], "--table"))) {
-    fprintf(stderr, "usage: %s peer|staged|broadcast [--table FILE]\n", argv[0]);
+    fprintf(stderr, "usage: %s peer|staged|broadcast|notify [--table FILE]\n", argv[0]);
     return 2;
   }
   mode = argv[1];
@@ -408,6 +480,8 @@ int main(int argc, char **argv) {
     bench_pair(1);
   else if (!strcmp(mode, "broadcast"))
     bench_broadcast(ngpu);
+  else if (!strcmp(mode, "notify"))
+    bench_notify();
   else
     die("unknown mode %s", mode);
   be->ops->close(be);

@@ -201,7 +201,11 @@ static int w_bproducer(char **a) {
  * says WAITING, gets NAME on DEVICE (GPUPOOL_ON_DEVICE), synchronizes its stream, then checks
  * every byte on DEVICE against the pattern (SEED for a buffer, 1000+i for member i of a
  * bundle), releases, and says "T <clock at the call> <clock when usable> <mismatching words>
- * <buffer id> <version>"; stops on "EXIT". */
+ * <buffer id> <version> <clock when the get returned> <ns of a second get> <address>": a
+ * buffer is then got again once released (its replica now ready: what any get costs, for the
+ * breakdown; 0 for a bundle); the address is the buffer's (a bundle's first buffer's) in this
+ * process, the same from version to version when the replica went in the slab of the one
+ * before. Stops on "EXIT". */
 static int w_getter(char **a) {
   const char *role = "getter", *sock = a[0], *name = a[1];
   int bundle = !strcmp(a[2], "bundle"), dev = atoi(a[4]), rc, ce;
@@ -218,7 +222,7 @@ static int w_getter(char **a) {
   gh_say("READY");
   for (;;) {
     unsigned long long bad = 0, n;
-    uint64_t newer, t0, t1, id, v = 0;
+    uint64_t newer, t0, t1, tr, again = 0, id, v = 0, addr;
     read_cmd(role, line, sizeof line);
     if (!strcmp(line, "EXIT"))
       break;
@@ -232,6 +236,7 @@ static int w_getter(char **a) {
       t0 = gh_now_ns();
       if ((rc = gpupool_buffer_get(c, name, newer, STEP_MS, flags, s, &b, &v)) < 0)
         wdie(role, "gpupool_buffer_get", rc);
+      tr = gh_now_ns();
       if ((ce = cudaStreamSynchronize(s)))
         cdie(role, "cudaStreamSynchronize", ce);
       t1 = gh_now_ns();
@@ -243,14 +248,33 @@ static int w_getter(char **a) {
       if ((ce = gk_count_mismatches(gpupool_buffer_ptr(b), gpupool_buffer_size(b), seed, s, &bad)))
         cdie(role, "mismatch kernel", ce);
       id = gpupool_buffer_id(b);
+      addr = (uint64_t)(uintptr_t)gpupool_buffer_ptr(b);
       if ((rc = gpupool_buffer_release(b, s)) < 0)
         wdie(role, "gpupool_buffer_release", rc);
+      if ((ce = cudaStreamSynchronize(s)))
+        cdie(role, "cudaStreamSynchronize", ce);
+      {
+        uint64_t a0 = gh_now_ns();
+        if ((rc = gpupool_buffer_get(c, name, newer, STEP_MS, flags, s, &b, NULL)) < 0)
+          wdie(role, "gpupool_buffer_get (again)", rc);
+        if ((ce = cudaStreamSynchronize(s)))
+          cdie(role, "cudaStreamSynchronize", ce);
+        again = gh_now_ns() - a0;
+        if (gpupool_buffer_id(b) != id) {
+          fprintf(stderr, "worker getter: a second get of the version gave buffer %" PRIu64 ", not its replica %" PRIu64
+                  ": a second copy\n", gpupool_buffer_id(b), id);
+          return 1;
+        }
+        if ((rc = gpupool_buffer_release(b, s)) < 0)
+          wdie(role, "gpupool_buffer_release", rc);
+      }
     } else {
       gpupool_bundle *b;
       gpupool_member m;
       t0 = gh_now_ns();
       if ((rc = gpupool_bundle_get(c, name, newer, STEP_MS, flags, s, &b)) < 0)
         wdie(role, "gpupool_bundle_get", rc);
+      tr = gh_now_ns();
       if ((ce = cudaStreamSynchronize(s)))
         cdie(role, "cudaStreamSynchronize", ce);
       t1 = gh_now_ns();
@@ -277,12 +301,14 @@ static int w_getter(char **a) {
         bad += n;
       }
       id = gpupool_buffer_id(gpupool_bundle_buffer(b, 0));
+      addr = (uint64_t)(uintptr_t)gpupool_buffer_ptr(gpupool_bundle_buffer(b, 0));
       if ((rc = gpupool_bundle_release(b, s)) < 0)
         wdie(role, "gpupool_bundle_release", rc);
     }
     if ((ce = cudaStreamSynchronize(s)))
       cdie(role, "cudaStreamSynchronize", ce);
-    gh_say("T %" PRIu64 " %" PRIu64 " %llu %" PRIu64 " %" PRIu64, t0, t1, bad, id, v);
+    gh_say("T %" PRIu64 " %" PRIu64 " %llu %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64, t0, t1, bad, id,
+           v, tr, again, addr);
   }
   wfinish(role, c, s);
   gh_say("DONE");
@@ -411,8 +437,10 @@ static void enable_peer(void) {
 }
 
 /* Raw copy of size bytes from device 0 to 1 on a stream of device `on` (async) or with
- * cudaMemcpyPeer: seconds, the median; the copy checked bit-exact. */
-static double raw_peer(uint64_t size, int on, int async) {
+ * cudaMemcpyPeer: seconds, the median; the copy checked bit-exact. gap_ms: the GPUs left idle
+ * that long before each timed copy (a replica's copy starts after such a gap: the getter's
+ * check, its release, the next publish). */
+static double raw_peer(uint64_t size, int on, int async, int gap_ms) {
   void *src = NULL, *dst = NULL;
   unsigned long long bad = 0;
   cudaStream_t s;
@@ -429,7 +457,10 @@ static double raw_peer(uint64_t size, int on, int async) {
   bench_ck(cudaSetDevice(on), "cudaSetDevice");
   bench_ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
   for (int i = -1; i < n; i++) {
-    uint64_t t0 = gh_now_ns();
+    uint64_t t0;
+    if (gap_ms)
+      gh_sleep_ms(gap_ms);
+    t0 = gh_now_ns();
     if (async) {
       bench_ck(cudaMemcpyPeerAsync(dst, 1, src, 0, size, s), "cudaMemcpyPeerAsync");
       bench_ck(cudaStreamSynchronize(s), "cudaStreamSynchronize");
@@ -452,7 +483,7 @@ static double raw_peer(uint64_t size, int on, int async) {
 
 /* One "T ..." line of a getter: the clocks, checked bit-exact and at version want. */
 typedef struct {
-  uint64_t t0, t1, id, v;
+  uint64_t t0, t1, id, v, tr, again, addr;
 } got_t;
 
 static got_t read_got(gh_proc *p, uint64_t want, const char *who) {
@@ -460,7 +491,8 @@ static got_t read_got(gh_proc *p, uint64_t want, const char *who) {
   unsigned long long bad;
   got_t g;
   expect(p, "T ", line, sizeof line, who);
-  if (sscanf(line, "T %" SCNu64 " %" SCNu64 " %llu %" SCNu64 " %" SCNu64, &g.t0, &g.t1, &bad, &g.id, &g.v) != 5)
+  if (sscanf(line, "T %" SCNu64 " %" SCNu64 " %llu %" SCNu64 " %" SCNu64 " %" SCNu64 " %" SCNu64 " %" SCNu64, &g.t0,
+             &g.t1, &bad, &g.id, &g.v, &g.tr, &g.again, &g.addr) != 8)
     fail("%s said '%s'", who, line);
   if (bad)
     fail("%s read %llu words that differ from the source: the replica is not bit-exact", who, bad);
@@ -480,11 +512,21 @@ static uint64_t publish(gh_proc *prod, uint64_t *src) {
   return v;
 }
 
-/* (a) and (b): one size, one getter on GPU 1; seconds from the get's call to usable, median. */
-static double get_pair(uint64_t size, uint32_t seed) {
+/* Where a get's time goes (medians, seconds): the first version's get (its replica's memory
+ * made: a new slab), the get until it returned (before the stream synchronize), and a get of
+ * the same version once its replica is ready (the fixed cost of any get). */
+typedef struct {
+  double first, returned, ready;
+  int same, n; /* versions after the first whose replica lay where the one before did */
+} breakdown;
+
+/* (a) and (b): one size, one getter on GPU 1; seconds from the get's call to usable, median
+ * of the versions after the first (steady state: each replica in the slab of the one before). */
+static double get_pair(uint64_t size, uint32_t seed, breakdown *bd) {
   char name[64], by[32], sd[32], line[256];
   gh_proc prod, get;
-  double t[16];
+  double t[16], tret[16], tready[16];
+  uint64_t prev = 0;
   int n = iters_for(size);
   snprintf(name, sizeof name, "replica-bench-%" PRIu64, size);
   snprintf(by, sizeof by, "%" PRIu64, size);
@@ -503,11 +545,21 @@ static double get_pair(uint64_t size, uint32_t seed) {
     g = read_got(&get, v, "the getter");
     if (g.id == src)
       fail("the getter on GPU 1 got the source buffer %" PRIu64 " itself, not a replica", src);
-    if (i >= 0)
+    if (i >= 0) {
       t[i] = (double)(g.t1 - g.t0) / 1e9;
+      tret[i] = (double)(g.tr - g.t0) / 1e9;
+      tready[i] = (double)g.again / 1e9;
+      bd->same += g.addr == prev;
+      bd->n++;
+    } else {
+      bd->first = (double)(g.t1 - g.t0) / 1e9;
+    }
+    prev = g.addr;
   }
   finish(&get, "the getter");
   finish(&prod, "the producer");
+  bd->returned = bench_median(tret, n);
+  bd->ready = bench_median(tready, n);
   return bench_median(t, n);
 }
 
@@ -519,30 +571,42 @@ static void bench_pair(int staged) {
   if (staged) {
     setenv("GPUPOOL_NO_PEER", "1", 1); /* read by the daemon's CUDA copy engine */
     bench_row(table, "\n| GPU 0 -> GPU 1 through gpupoold, GPUPOOL_NO_PEER=1 | cudaMemcpyPeer (no peer access) ms / GB/s "
-        "| get on GPU 1 until usable ms / GB/s | raw / get | get - raw (us) |\n| --- | --- | --- | --- | --- |\n");
+        "| get on GPU 1 until usable ms / GB/s | raw / get | get - raw (us) | first version's get ms | get returned (us) "
+        "| get of a ready replica (us) |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n");
   } else {
     enable_peer();
     bench_row(table, "\n| GPU 0 -> GPU 1 through gpupoold, peer | raw cudaMemcpyPeerAsync ms / GB/s (best of target's and "
-        "source's stream) | get on GPU 1 until usable ms / GB/s | raw / get | get - raw (us) |\n"
-        "| --- | --- | --- | --- | --- |\n");
+        "source's stream) | get on GPU 1 until usable ms / GB/s | raw / get | get - raw (us) | first version's get ms "
+        "| get returned (us) | get of a ready replica (us) |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- |\n");
   }
   start_daemon(2, "12G");
   for (size_t i = staged ? 2 : 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
     uint64_t size = sizes[i];
-    double raw, get;
+    breakdown bd = {0, 0, 0, 0, 0};
+    double raw, get, idle = 0;
     if (staged) {
-      raw = raw_peer(size, 1, 0);
+      raw = raw_peer(size, 1, 0, 0);
     } else {
-      double pull = raw_peer(size, 1, 1), push = raw_peer(size, 0, 1);
+      double pull = raw_peer(size, 1, 1, 0), push = raw_peer(size, 0, 1, 0);
       raw = pull < push ? pull : push;
+      /* The daemon's way (the target's stream) after the GPUs sat idle: for the breakdown. */
+      idle = raw_peer(size, 1, 1, 5);
+      printf("BENCH replica_peer_raw_after_idle_%" PRIu64 "_us %.1f\n", size, idle * 1e6);
     }
-    get = get_pair(size, seed + (uint32_t)i);
+    get = get_pair(size, seed + (uint32_t)i, &bd);
     printf("BENCH replica_%s_raw_%" PRIu64 "_us %.1f\n", k, size, raw * 1e6);
     printf("BENCH replica_%s_get_%" PRIu64 "_us %.1f\n", k, size, get * 1e6);
-    bench_row(table, "| %" PRIu64 " %s%s | %.3f / %.1f | %.3f / %.1f | %.1f%% | %.0f |\n", size >= GiB ? size / GiB : size / MiB,
-        size >= GiB ? "GiB" : "MiB", size < 64 * MiB ? " (the fixed cost of a get that makes a replica)" : "",
-        raw * 1e3, (double)size / raw / 1e9, get * 1e3, (double)size / get / 1e9, 100.0 * raw / get,
-        (get - raw) * 1e6);
+    printf("BENCH replica_%s_first_get_%" PRIu64 "_us %.1f\n", k, size, bd.first * 1e6);
+    printf("BENCH replica_%s_get_returned_%" PRIu64 "_us %.1f\n", k, size, bd.returned * 1e6);
+    printf("BENCH replica_%s_ready_get_%" PRIu64 "_us %.1f\n", k, size, bd.ready * 1e6);
+    printf("BENCH_INFO replica %s %" PRIu64 " bytes: %d of %d versions after the first had their replica at the "
+           "address of the one before (its slab kept)\n", k, size, bd.same, bd.n);
+    bench_row(table, "| %" PRIu64 " %s%s | %.3f / %.1f | %.3f / %.1f | %.1f%% | %.0f | %.3f | %.0f | %.0f |\n",
+        size >= GiB ? size / GiB : size / MiB, size >= GiB ? "GiB" : "MiB",
+        size < 64 * MiB ? " (the fixed cost of a get that makes a replica)" : "", raw * 1e3, (double)size / raw / 1e9,
+        get * 1e3, (double)size / get / 1e9, 100.0 * raw / get, (get - raw) * 1e6, bd.first * 1e3, bd.returned * 1e6,
+        bd.ready * 1e6);
   }
   stop_daemon(0);
   unsetenv("GPUPOOL_NO_PEER");
@@ -554,8 +618,9 @@ static void bench_broadcast(int ngpu) {
   int nt = layout(), ndst = ngpu - 1 < 3 ? ngpu - 1 : 3, n = quick ? 2 : 5;
   char name[64], dv[16], line[256], nd[16];
   gh_proc prod, get[3];
-  double t[8], tcall[8];
-  uint64_t total = 0, last = 0;
+  double t[8], tcall[8], first = 0, first_call = 0;
+  uint64_t total = 0, last = 0, prev[3] = {0, 0, 0};
+  int same = 0, nsame = 0;
 
   for (int i = 0; i < nt; i++)
     total += tensor_bytes[i];
@@ -591,12 +656,20 @@ static void bench_broadcast(int ngpu) {
       got_t g = read_got(&get[h], v, "a getter");
       if (g.t1 > end)
         end = g.t1;
+      if (i >= 0) {
+        same += g.addr == prev[h];
+        nsame++;
+      }
+      prev[h] = g.addr;
       if (g.t0 > t0)
         fail("getter on GPU %d called its get after the publish: raise the wait before publishing", h + 1);
     }
     if (i >= 0) {
       t[i] = (double)(end - t0) / 1e9;
       tcall[i] = (double)(t1 - t0) / 1e9;
+    } else {
+      first = (double)(end - t0) / 1e9;
+      first_call = (double)(t1 - t0) / 1e9;
     }
     last = v;
   }
@@ -606,11 +679,18 @@ static void bench_broadcast(int ngpu) {
   stop_daemon(0);
   printf("BENCH replica_broadcast_ms %.2f\n", bench_median(t, n) * 1e3);
   printf("BENCH replica_broadcast_publish_call_ms %.2f\n", bench_median(tcall, n) * 1e3);
+  printf("BENCH replica_broadcast_first_ms %.2f\n", first * 1e3);
+  printf("BENCH_INFO replica broadcast: %d of %d replicas after the first version at the address of the one "
+         "before (their slabs kept)\n", same, nsame);
+  printf("BENCH replica_broadcast_first_publish_call_ms %.2f\n", first_call * 1e3);
   bench_row(table, "\n| broadcast through gpupoold, %d bf16 tensors %.2f GB, GPU 0 -> %d GPUs | ms (median) | GB/s per target |\n"
       "| --- | --- | --- |\n", nt, (double)total / 1e9, ndst);
   bench_row(table, "| gpupool_bundle_publish_to, from the call until every getter's replica is usable | %.1f | %.1f |\n",
       bench_median(t, n) * 1e3, (double)total / bench_median(t, n) / 1e9);
   bench_row(table, "| (of which the publish call itself) | %.1f | |\n", bench_median(tcall, n) * 1e3);
+  bench_row(table, "| the first version (its replicas' memory made: new slabs), until usable | %.1f | %.1f |\n",
+      first * 1e3, (double)total / first / 1e9);
+  bench_row(table, "| (of which the first publish call) | %.1f | |\n", first_call * 1e3);
 }
 
 /* (d): 8 getters at once on GPU 1, one copy. */

@@ -166,12 +166,12 @@ int gpd_pool_alignment(const gpd_pool *p, uint64_t *align) {
 /* Place a new buffer of size bytes (asize rounded) in p for owner: in the buffer table, counted in
  * its slab and pool, refs 0, no owner fields set. */
 int gpd_buffer_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t size, uint64_t asize,
-                     uint64_t align, gpd_buffer **out) {
+                     uint64_t align, int replica, gpd_buffer **out) {
   gpd_buffer *b = NULL;
   gpd_slab *s;
   uint64_t off;
   int rc;
-  if ((rc = gpd_place(reg, p, owner, size, asize, align, &s, &off)) != 0)
+  if ((rc = gpd_place(reg, p, owner, size, asize, align, replica, &s, &off)) != 0)
     return rc;
   if (s->dedicated)
     asize = s->bs.size;
@@ -228,11 +228,11 @@ int gpd_allocate(gpd_registry *reg, gpd_client *c, gpd_pool *p, uint64_t size, u
   if ((rc = gpd_pool_owner(reg, c, p, &owner)) != 0 || (rc = gpd_pool_alignment(p, &align)) != 0)
     return rc;
   if (size > GPUPOOL_SLAB_HARD_MAX)
-    return gpd_place(reg, p, owner, size, size, align, &s, &off); /* produces the ETOOBIG message */
+    return gpd_place(reg, p, owner, size, size, align, 0, &s, &off); /* produces the ETOOBIG message */
   asize = gpd_round_up(size, p->cfg.alignment);
   if ((rc = gpd_quota_waiting_leases(reg, c)) != 0 || (rc = gpd_quota_memory(reg, c, asize)) != 0)
     return rc;
-  if ((rc = gpd_buffer_place(reg, p, owner, size, asize, align, &b)) != 0)
+  if ((rc = gpd_buffer_place(reg, p, owner, size, asize, align, 0, &b)) != 0)
     return rc;
   b->owner_uid = c->uid;
   b->owner_tenant = c->tenant;

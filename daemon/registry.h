@@ -7,7 +7,8 @@
  *     lease of every client whose connection closed while holding it, then goes back to the
  *     slab (exactly once, in registry_sweep);
  *   - a slab is given back to the backend when it is empty, surplus (or dedicated, or
- *     trimmed) and every client that mapped it has unmapped it or lost its lease;
+ *     trimmed) and every client that mapped it has unmapped it or lost its lease; a replica's
+ *     dedicated slab waits, empty, for the next version's replica (slabs.c);
  *   - a lease is one end of a pipe the client keeps while it maps the daemon's memory; the
  *     kernel closes it when the last process holding it (forked children included) exits
  *     or closes it, and the daemon sees EOF on its own end. Liveness never comes from a pid.
@@ -84,6 +85,9 @@ struct gpd_slab {
   gpupool__bslab bs;
   gpupool__alloc *alloc; /* NULL for a dedicated slab */
   int dedicated;
+  int replica;           /* a dedicated slab made for a replica: kept (and left mapped by its
+                          * clients) once empty, for the replica of the next version of its
+                          * owner and size on this device (slabs.c, gpd_place) */
   uint64_t owner;        /* tenant (or shared group) whose buffers it holds: every holder of
                           * one of its buffers gets its fd, so others' buffers never go in */
   int retiring;          /* no new buffers: being given back once empty and unmapped */
@@ -384,6 +388,10 @@ struct gpd_registry {
   uint64_t ncopies_making;
   uv_idle_t copy_make_idle;
   int copy_make_on;
+  /* The backend's copy notifier (copy_notify_fd), watched for as long as the registry lives:
+   * a job that ends is polled at once, not up to a timer tick later. */
+  uv_poll_t copy_notify;
+  int copy_notify_fd; /* -1: none, the timer alone polls */
   uint64_t copies_started, copies_failed, copy_bytes;
   /* Called when a copy job ended (rc 0, or the error with its message) after its replicas
    * became ready or were dropped: the server answers or retries the gets waiting on it. */

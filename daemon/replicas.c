@@ -17,10 +17,12 @@
  * stops) before its replicas are dropped or handed out. A replica counts against the tenant
  * of the buffer it copies (its limits and its pools).
  */
+#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "errors.h"
 #include "list.h"
@@ -108,7 +110,7 @@ static int replica_buffer(gpd_registry *reg, gpd_buffer *src, int device, gpd_bu
   asize = gpd_round_up(src->asked, p->cfg.alignment);
   if ((rc = gpd_quota_replica(reg, src->owner_tenant, asize, device)) != 0)
     return rc;
-  if ((rc = gpd_buffer_place(reg, p, owner, src->asked, asize, align, &b)) != 0) {
+  if ((rc = gpd_buffer_place(reg, p, owner, src->asked, asize, align, 1, &b)) != 0) {
     if (rc == GPUPOOL_ENOSPC)
       rc = gpupool__err(GPUPOOL_ENOSPC, "no room for a replica of %" PRIu64 " bytes in pool '%s' (device %d): "
                         "%" PRIu64 " bytes free; release buffers there or raise its capacity",
@@ -207,10 +209,10 @@ static void copy_discard(gpd_registry *reg, gpd_copy *cp, gpupool__bcopy_seg *se
 /* Start one job copying each of the n sources to each of the ndev devices (a chain along
  * them): replicas attached, sources referenced. Its replica buffers are made a slice of loop
  * time at a time: the first slice here (a small job is complete at once, and an error there,
- * such as a quota, is returned with nothing changed), the rest on the next turns
- * (copy_make_cb); an error there ends the job, its getters told. The copy starts once every
- * buffer exists. */
-static int copy_new(gpd_registry *reg, gpd_buffer *const *srcs, uint32_t n, const int *devs, int ndev,
+ * such as a quota, is returned with nothing changed) unless `later` (a broadcast, whose
+ * publish is answered first), the rest on the next turns (copy_make_cb); an error there ends
+ * the job, its getters told. The copy starts once every buffer exists. */
+static int copy_new(gpd_registry *reg, gpd_buffer *const *srcs, uint32_t n, const int *devs, int ndev, int later,
                     gpd_copy **out) {
   const gpupool__backend_ops *ops = reg->be->ops;
   gpupool__bcopy_seg *segs = NULL;
@@ -253,7 +255,7 @@ static int copy_new(gpd_registry *reg, gpd_buffer *const *srcs, uint32_t n, cons
     }
   }
   cp->segs = segs;
-  if ((rc = copy_make(reg, cp, uv_hrtime() + GPD_COPY_MAKE_SLICE_NS)) != 0) {
+  if (!later && (rc = copy_make(reg, cp, uv_hrtime() + GPD_COPY_MAKE_SLICE_NS)) != 0) {
     copy_discard(reg, cp, segs);
     return rc;
   }
@@ -417,6 +419,7 @@ static void copy_timer_update(gpd_registry *reg) {
 static void copy_make_cb(uv_idle_t *h) {
   gpd_registry *reg = h->data;
   uint64_t until = uv_hrtime() + GPD_COPY_MAKE_SLICE_NS;
+  int complete = 0;
   char msg[256];
   for (gpd_copy *cp = reg->copies; cp; cp = cp->next) {
     int rc;
@@ -429,12 +432,16 @@ static void copy_make_cb(uv_idle_t *h) {
     }
     if (cp->nmade == cp->nreps) {
       reg->ncopies_making--;
+      complete = 1;
       GPUPOOL__DEBUG("copy %" PRIu64 ": its %u replica buffer(s) made", cp->id, cp->nreps);
     }
     if (uv_hrtime() >= until)
       break;
   }
   copy_make_update(reg);
+  /* Start what is complete now, not on the timer's next tick. */
+  if (complete)
+    copy_timer_cb(&reg->copy_timer);
 }
 
 static void copy_make_update(gpd_registry *reg) {
@@ -458,6 +465,8 @@ void gpd_copies_stop(gpd_registry *reg) {
     uv_idle_stop(&reg->copy_make_idle);
     reg->copy_make_on = 0;
   }
+  if (reg->copy_notify_fd >= 0)
+    uv_poll_stop(&reg->copy_notify); /* a stopping loop ends once nothing it watches is active */
 }
 
 /* ---- gets on a device ------------------------------------------------------------------- */
@@ -492,7 +501,7 @@ int gpd_get_on(gpd_registry *reg, gpd_client *c, const char *name, int read_only
   if ((rc = gpd_find_single(reg, c, name, newer_than, &n)) != 0)
     return rc;
   rc = on_device(reg, n->bufs[0], device, &use, &cp);
-  if (rc == 1 && (rc = copy_new(reg, n->bufs, 1, &device, 1, &cp)) == 0)
+  if (rc == 1 && (rc = copy_new(reg, n->bufs, 1, &device, 1, 0, &cp)) == 0)
     rc = GPUPOOL_EBUSY;
   if (rc == GPUPOOL_EBUSY) {
     *copy_id = cp->id;
@@ -535,7 +544,7 @@ int gpd_get_bundle_on(gpd_registry *reg, gpd_client *c, const char *name, int re
       wait = cp;
   }
   /* Every missing replica of the version in one job. */
-  if (nneed && (rc = copy_new(reg, need, nneed, &device, 1, &wait)) != 0)
+  if (nneed && (rc = copy_new(reg, need, nneed, &device, 1, 0, &wait)) != 0)
     goto out;
   if (wait) {
     *copy_id = wait->id;
@@ -614,7 +623,7 @@ void gpd_replicate(gpd_registry *reg, gpd_client *c, const char *name, const uin
   }
   if (ndev && chain) {
     gpd_copy *cp;
-    if (copy_new(reg, nm->bufs, nm->nbufs, devs, ndev, &cp) != 0)
+    if (copy_new(reg, nm->bufs, nm->nbufs, devs, ndev, 1, &cp) != 0)
       GPUPOOL__PEER_WARN(&c->log_rl, c->id, "client %" PRIu64 ": replicas of '%s' on %d device(s) not started: "
                          "%s; gets on those devices make them", c->id, name, ndev, gpupool__errmsg());
   } else {
@@ -627,7 +636,7 @@ void gpd_replicate(gpd_registry *reg, gpd_client *c, const char *name, const uin
         if (on_device(reg, nm->bufs[j], devs[d], &use, &busy) == 1)
           need[k++] = nm->bufs[j];
       }
-      if (k && copy_new(reg, need, k, &devs[d], 1, &cp) != 0)
+      if (k && copy_new(reg, need, k, &devs[d], 1, 1, &cp) != 0)
         GPUPOOL__PEER_WARN(&c->log_rl, c->id, "client %" PRIu64 ": replica of '%s' on device %d not started: %s; "
                            "gets on that device make it", c->id, name, devs[d], gpupool__errmsg());
     }
@@ -635,15 +644,43 @@ void gpd_replicate(gpd_registry *reg, gpd_client *c, const char *name, const uin
   free(need);
 }
 
+/* A copy engine said a job may have ended: poll the jobs now (what the timer would do on its
+ * next tick, a millisecond or more later: that wait was most of a small replica's cost). */
+static void copy_notify_cb(uv_poll_t *h, int status, int events) {
+  gpd_registry *reg = h->data;
+  uint64_t n;
+  (void)status;
+  (void)events;
+  if (read(reg->copy_notify_fd, &n, sizeof n) < 0 && errno != EAGAIN)
+    GPUPOOL__DEBUG("reading the copy notifier: %s", strerror(errno));
+  if (reg->copies && !reg->stopped)
+    copy_timer_cb(&reg->copy_timer);
+}
+
 void gpd_replicas_init(gpd_registry *reg) {
+  const gpupool__backend_ops *ops = reg->be->ops;
   uv_timer_init(reg->loop, &reg->copy_timer);
   reg->copy_timer.data = reg;
   uv_idle_init(reg->loop, &reg->copy_make_idle);
   reg->copy_make_idle.data = reg;
+  reg->copy_notify_fd = ops->copy_start && ops->copy_notify_fd ? ops->copy_notify_fd(reg->be) : -1;
+  if (reg->copy_notify_fd >= 0) {
+    if (uv_poll_init(reg->loop, &reg->copy_notify, reg->copy_notify_fd) == 0) {
+      reg->copy_notify.data = reg;
+      uv_poll_start(&reg->copy_notify, UV_READABLE, copy_notify_cb);
+    } else {
+      reg->copy_notify_fd = -1;
+    }
+  }
 }
 
 void gpd_replicas_close(gpd_registry *reg) {
   gpd_copies_stop(reg);
   uv_close((uv_handle_t *)&reg->copy_timer, NULL);
   uv_close((uv_handle_t *)&reg->copy_make_idle, NULL);
+  if (reg->copy_notify_fd >= 0) {
+    uv_poll_stop(&reg->copy_notify);
+    uv_close((uv_handle_t *)&reg->copy_notify, NULL);
+    reg->copy_notify_fd = -1;
+  }
 }

@@ -140,11 +140,26 @@ static int slab_retire(gpd_registry *reg, gpd_slab *s) {
   return 0;
 }
 
+/* An empty slab a placement may take back at once: a regular one, or a kept replica slab. */
+static int slab_spare(const gpd_slab *s) {
+  return !s->retiring && s->nbuffers == 0 && (!s->dedicated || s->replica);
+}
+
 void gpd_slab_maybe_retire(gpd_registry *reg, gpd_slab *s) {
   uint32_t empty = 0;
   if (s->nbuffers != 0 || s->retiring)
     return;
   if (s->dedicated) {
+    /* A replica's slab waits for the next version's replica (of its owner and size), up to
+     * GPD_REPLICA_SLABS_KEPT of them in a pool; a placement that needs the room takes it back
+     * (gpd_place), as does gpupoolctl trim. */
+    if (s->replica && !reg->stopped) {
+      for (gpd_slab *o = s->pool->slabs; o; o = o->next)
+        if (o->replica && slab_spare(o))
+          empty++;
+      if (empty <= GPD_REPLICA_SLABS_KEPT)
+        return;
+    }
     slab_retire(reg, s);
     return;
   }
@@ -161,7 +176,9 @@ static uint64_t held_with(const gpd_registry *reg, const gpd_pinst *in, uint64_t
   return reg->be->desc->pool_keeps_memory && held > after ? held : after;
 }
 
-static int slab_new(gpd_registry *reg, gpd_pool *p, uint64_t size, int dedicated, uint64_t owner,
+/* filled: bytes from the start of the slab that the caller overwrites before any client is
+ * told of it (the backend need not clear them). */
+static int slab_new(gpd_registry *reg, gpd_pool *p, uint64_t size, int dedicated, uint64_t filled, uint64_t owner,
                     gpd_slab **out) {
   gpd_pinst *in = inst_find(p, owner);
   gpd_slab *s;
@@ -178,7 +195,7 @@ static int slab_new(gpd_registry *reg, gpd_pool *p, uint64_t size, int dedicated
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     goto fail;
   }
-  rc = reg->be->ops->slab_alloc(in->bp, size, &s->bs);
+  rc = reg->be->ops->slab_alloc(in->bp, size, filled, &s->bs);
   if (rc != 0)
     goto fail;
   if (!dedicated) {
@@ -274,6 +291,8 @@ void gpd_finish_free(gpd_registry *reg, gpd_buffer *b) {
                     "it was done",
                     p->cfg.name, s->id, b->id);
     s->retiring = 1;
+  } else if (b->died_in_use && s->replica) {
+    s->retiring = 1; /* never kept for the next replica either */
   } else if (s->alloc && gpupool__alloc_put(s->alloc, b->offset, b->size) != 0) {
     GPUPOOL__ERROR("pool %s: range %" PRIu64 "+%" PRIu64 " of slab %" PRIu64 " refused by the allocator",
              p->cfg.name, b->offset, b->size, s->id);
@@ -387,6 +406,8 @@ uint64_t gpd_pool_free_bytes(const gpd_pool *p) {
   for (gpd_slab *s = p->slabs; s; s = s->next)
     if (s->alloc && !s->retiring)
       f += gpupool__alloc_capacity(s->alloc) - gpupool__alloc_used(s->alloc);
+    else if (s->replica && slab_spare(s))
+      f += s->bs.size; /* a kept replica slab, taken back when a placement needs its room */
   return f;
 }
 
@@ -433,7 +454,7 @@ static int no_space(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t ask
  * that owner only (every holder of a buffer receives its slab's fd, so slabs are never shared
  * between tenants), or in a new one. */
 int gpd_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t asked, uint64_t size,
-                   uint64_t align, gpd_slab **slab, uint64_t *off) {
+                   uint64_t align, int replica, gpd_slab **slab, uint64_t *off) {
   int rc, attempt;
   if (size > p->cfg.slab_size) {
     uint64_t dsize = gpd_round_up(size, SLAB_GRAIN);
@@ -448,9 +469,24 @@ int gpd_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t asked, ui
                           "allocation of %" PRIu64 " bytes is larger than pool '%s' (capacity %" PRIu64
                           " bytes); raise the pool's capacity in the config",
                           asked, p->cfg.name, p->cfg.capacity);
+    /* A replica takes a kept replica slab of its owner and size when there is one: the
+     * previous version's replica on this device, freed (no holder left, every done event
+     * complete), and still mapped by the clients that held it. Nothing to allocate, clear,
+     * export or import: the copy overwrites what the replica uses, and the rest held only
+     * this owner's bytes. */
+    if (replica)
+      for (gpd_slab *s = p->slabs; s; s = s->next)
+        if (s->replica && slab_spare(s) && s->owner == owner && s->bs.size == dsize) {
+          GPUPOOL__DEBUG("pool %s: kept replica slab %" PRIu64 " of %" PRIu64 " bytes reused", p->cfg.name, s->id,
+                         s->bs.size);
+          *slab = s;
+          *off = 0;
+          return 0;
+        }
     for (attempt = 0; attempt < 2; attempt++) {
-      rc = slab_new(reg, p, dsize, 1, owner, slab);
+      rc = slab_new(reg, p, dsize, 1, replica ? asked : 0, owner, slab);
       if (rc == 0) {
+        (*slab)->replica = replica;
         *off = 0;
         return 0;
       }
@@ -460,7 +496,7 @@ int gpd_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t asked, ui
       gpd_sweep(reg);
       for (gpd_slab *s = p->slabs, *n; s; s = n) {
         n = s->next;
-        if (!s->dedicated && !s->retiring && s->nbuffers == 0)
+        if (slab_spare(s))
           slab_retire(reg, s);
       }
     }
@@ -475,7 +511,7 @@ int gpd_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t asked, ui
         return 0;
       }
     }
-    rc = slab_new(reg, p, p->cfg.slab_size, 0, owner, slab);
+    rc = slab_new(reg, p, p->cfg.slab_size, 0, 0, owner, slab);
     if (rc == 0) {
       if (gpupool__alloc_get((*slab)->alloc, size, align, off) == 0)
         return 0;
@@ -487,11 +523,12 @@ int gpd_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t asked, ui
     if (attempt == 0)
       gpd_sweep(reg);
     /* Other owners' empty cached slabs keep their backend pools (and what those reserved)
-     * alive: give them back, so an idle backend pool goes and its memory returns. */
-    if (attempt == 0 && gpd_per_owner(reg))
+     * alive: give them back, so an idle backend pool goes and its memory returns. Kept
+     * replica slabs (of any owner: this request fits none of them) go as well. */
+    if (attempt == 0)
       for (gpd_slab *s = p->slabs, *n; s; s = n) {
         n = s->next;
-        if (!s->dedicated && !s->retiring && s->nbuffers == 0 && s->owner != owner)
+        if (slab_spare(s) && (s->replica || (gpd_per_owner(reg) && s->owner != owner)))
           slab_retire(reg, s);
       }
   }

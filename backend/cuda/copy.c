@@ -37,6 +37,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <cuda_runtime_api.h>
 
@@ -284,7 +286,14 @@ static int plan(gpupool__bcopy *c, const gpupool__bcopy_seg *segs, size_t nsegs)
       }
     }
     for (int k = 0; k < SLOTS; k++) {
-      cudaError_t e = cudaEventCreateWithFlags(&H->ev[k], cudaEventDisableTiming);
+      gpupool__cuda_dev *D = &st->dev[H->dev];
+      cudaError_t e;
+      if (D->nev_idle > 0) { /* the device is current (copy_stream above) */
+        H->ev[k] = D->ev_idle[--D->nev_idle];
+        H->nev++;
+        continue;
+      }
+      e = cudaEventCreateWithFlags(&H->ev[k], cudaEventDisableTiming);
       if (e != cudaSuccess)
         return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaEventCreateWithFlags (copy)", H->dev,
                                   NULL);
@@ -446,12 +455,19 @@ static void stage_put(gpupool__bcopy *c) {
   c->stage = NULL;
 }
 
-/* Free c's events and ring; its work must have completed (or never been queued). */
+/* Free c's events (kept for the next jobs while there is room: every record in them has
+ * completed, and a job's first waits on a slot it has not recorded yet then wait for nothing)
+ * and ring; its work must have completed (or never been queued). */
 static void job_free(gpupool__bcopy *c) {
-  for (int h = 0; h < c->ndst; h++)
-    for (int k = 0; k < c->hops[h].nev; k++)
-      if (cudaEventDestroy(c->hops[h].ev[k]) != cudaSuccess)
+  for (int h = 0; h < c->ndst; h++) {
+    gpupool__cuda_dev *D = &c->st->dev[c->hops[h].dev];
+    for (int k = 0; k < c->hops[h].nev; k++) {
+      if (D->nev_idle < GPUPOOL__CUDA_EVENTS_KEEP)
+        D->ev_idle[D->nev_idle++] = c->hops[h].ev[k];
+      else if (cudaEventDestroy(c->hops[h].ev[k]) != cudaSuccess)
         (void)cudaGetLastError();
+    }
+  }
   if (c->has_d2h_ev && cudaEventDestroy(c->d2h_ev) != cudaSuccess)
     (void)cudaGetLastError();
   stage_put(c);
@@ -468,6 +484,21 @@ static void job_drain(gpupool__bcopy *c) {
     if (H->d2h_stream && cudaStreamSynchronize(H->d2h_stream) != cudaSuccess)
       (void)cudaGetLastError();
   }
+}
+
+int gpupool__cuda_copy_notify_fd(gpupool__backend *be) { return ((gpupool__cuda_state *)be->priv)->copy_efd; }
+
+void gpupool__cuda_copy_init(gpupool__cuda_state *st) {
+  /* -1 when the kernel refuses one: the caller's timer then polls alone. */
+  st->copy_efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+}
+
+/* Runs on a CUDA driver thread once a hop's stream reaches it: no CUDA call here. */
+static void CUDART_CB notify_cb(void *arg) {
+  gpupool__cuda_state *st = arg;
+  uint64_t one = 1;
+  ssize_t r = write(st->copy_efd, &one, sizeof one);
+  (void)r; /* the counter saturating still leaves it readable */
 }
 
 int gpupool__cuda_copy_start(gpupool__backend *be, const gpupool__bcopy_seg *segs, size_t nsegs,
@@ -501,6 +532,12 @@ int gpupool__cuda_copy_start(gpupool__backend *be, const gpupool__bcopy_seg *seg
     c->npieces++;
     a = b;
   }
+  /* Tell the loop when each hop is through (its last piece's event is then complete); a hop
+   * whose host function cannot be queued is still found by the caller's timer. */
+  if (c->st->copy_efd >= 0)
+    for (int h = 0; h < ndst; h++)
+      if (cudaLaunchHostFunc(c->hops[h].stream, notify_cb, c->st) != cudaSuccess)
+        (void)cudaGetLastError();
   for (size_t i = 0; i < nsegs; i++)
     bytes += segs[i].len;
   if (gpupool__log_get_level() >= GPUPOOL_LOG_DEBUG) {
@@ -575,10 +612,22 @@ void gpupool__cuda_copy_close(gpupool__cuda_state *st) {
   for (int d = 0; d < st->ndev; d++) {
     if (!st->dev[d].has_copy_stream)
       continue;
+    if (st->dev[d].nev_idle > 0 && cudaSetDevice(d) != cudaSuccess)
+      (void)cudaGetLastError();
+    while (st->dev[d].nev_idle > 0)
+      if (cudaEventDestroy(st->dev[d].ev_idle[--st->dev[d].nev_idle]) != cudaSuccess)
+        (void)cudaGetLastError();
+    /* Its last host functions run before the eventfd they write to is closed. */
+    if (cudaSetDevice(d) != cudaSuccess || cudaStreamSynchronize(st->dev[d].copy_stream) != cudaSuccess)
+      (void)cudaGetLastError();
     if (cudaSetDevice(d) != cudaSuccess || cudaStreamDestroy(st->dev[d].copy_stream) != cudaSuccess) {
       (void)cudaGetLastError();
       GPUPOOL__WARN("cuda: cannot destroy the copy stream of device %d", d);
     }
     st->dev[d].has_copy_stream = 0;
+  }
+  if (st->copy_efd >= 0) {
+    close(st->copy_efd);
+    st->copy_efd = -1;
   }
 }

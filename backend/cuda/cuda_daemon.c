@@ -432,7 +432,7 @@ static void cuda_pool_destroy(gpupool__bpool *p) {
   free(p);
 }
 
-static int cuda_slab_alloc(gpupool__bpool *p, uint64_t size, gpupool__bslab *out) {
+static int cuda_slab_alloc(gpupool__bpool *p, uint64_t size, uint64_t filled, gpupool__bslab *out) {
   struct cudaMemPoolPtrExportData exp;
   cudaStream_t stream = NULL; /* set by dev_stream; initialised for -O3 -Werror (maybe-uninitialized) */
   void *ptr = NULL;
@@ -459,12 +459,15 @@ static int cuda_slab_alloc(gpupool__bpool *p, uint64_t size, gpupool__bslab *out
     return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaMallocFromPoolAsync", p->device, NULL);
   /* A new slab may be memory another tenant's pool gave back to the driver inside this
    * process, which the driver does not clear: zero it before anyone sees it (in stream
-   * order, so the synchronize below covers it). Slabs are made seldom; reuse of ranges inside
-   * a slab never crosses tenants (each tenant has its own pool). */
-  e = cudaMemsetAsync(ptr, 0, (size_t)size, stream);
-  if (e != cudaSuccess) {
-    rc = gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaMemsetAsync clearing a new slab", p->device, NULL);
-    goto fail;
+   * order, so the synchronize below covers it), except the first `filled` bytes, which the
+   * caller overwrites before any client is told of the slab. Reuse of ranges inside a slab
+   * never crosses tenants (each tenant has its own pool). */
+  if (filled < size) {
+    e = cudaMemsetAsync((char *)ptr + filled, 0, (size_t)(size - filled), stream);
+    if (e != cudaSuccess) {
+      rc = gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaMemsetAsync clearing a new slab", p->device, NULL);
+      goto fail;
+    }
   }
   /* Clients import the slab from another process, outside this stream's order: the
    * allocation must have completed before its export data leaves the daemon. */
@@ -658,6 +661,7 @@ static const gpupool__backend_ops cuda_ops = {
     .copy_start = gpupool__cuda_copy_start,
     .copy_poll = gpupool__cuda_copy_poll,
     .copy_free = gpupool__cuda_copy_free,
+    .copy_notify_fd = gpupool__cuda_copy_notify_fd,
 };
 
 int gpupool__cuda_open(gpupool__backend **out) {
@@ -685,6 +689,7 @@ int gpupool__cuda_open(gpupool__backend **out) {
   }
   st->ndev = ndev;
   st->event_dev = -1;
+  gpupool__cuda_copy_init(st);
   for (int d = 0; d < ndev; d++) {
     st->dev[d].usable = usable[d];
     if (usable[d] && st->event_dev < 0)

@@ -12,6 +12,9 @@
 
 /* Pinned staging rings kept for the next staged copy once their job ends. */
 #define GPUPOOL__CUDA_STAGE_KEEP 2
+/* Copy events kept per device for the next jobs (a hop takes 8): creating and destroying
+ * them was 16 CUDA calls per hop of every job, tens of microseconds of a replica's get. */
+#define GPUPOOL__CUDA_EVENTS_KEEP 64
 
 typedef struct {
   int usable;          /* pools with POSIX-fd handles are supported */
@@ -21,6 +24,9 @@ typedef struct {
    * synchronize never waits for a multi-gigabyte copy queued before it. */
   cudaStream_t copy_stream;
   int has_copy_stream;
+  /* Idle copy events of this device (every record in them completed). */
+  cudaEvent_t ev_idle[GPUPOOL__CUDA_EVENTS_KEEP];
+  int nev_idle;
 } gpupool__cuda_dev;
 
 typedef struct {
@@ -34,6 +40,9 @@ typedef struct {
   /* Idle pinned staging rings (GPUPOOL__CUDA_STAGE_KEEP at most). */
   void *stage_idle[GPUPOOL__CUDA_STAGE_KEEP];
   int nstage_idle;
+  /* eventfd written by a host function queued after each hop of a copy job (-1: none): the
+   * daemon's loop hears of a finished copy at once instead of on its next timer. */
+  int copy_efd;
 } gpupool__cuda_state;
 
 struct gpupool__bpool {
@@ -57,6 +66,9 @@ int gpupool__cuda_copy_start(gpupool__backend *be, const gpupool__bcopy_seg *seg
                              int ndst, gpupool__bcopy **out);
 int gpupool__cuda_copy_poll(gpupool__bcopy *c);
 void gpupool__cuda_copy_free(gpupool__bcopy *c);
+int gpupool__cuda_copy_notify_fd(gpupool__backend *be);
+/* Make what the copy engine keeps in st from the backend's open (its notifier). */
+void gpupool__cuda_copy_init(gpupool__cuda_state *st);
 /* Free what the copy engine keeps in st (staging rings, copy streams), at backend close. */
 void gpupool__cuda_copy_close(gpupool__cuda_state *st);
 /* Take back the access the copy engine gave other devices to p, before it is destroyed. */

@@ -9,7 +9,8 @@
  *   gpupool_gpu_copy CHECK
  *
  *   peer     GPU 0 -> GPU 1, segments at odd offsets and lengths; the target GPU was given
- *            access to the source pool (when the pair can peer); bad jobs are refused.
+ *            access to the source pool (when the pair can peer); the job's end is written to
+ *            the backend's copy notifier; bad jobs are refused.
  *   staged   the same with GPUPOOL_NO_PEER=1: no access granted, bytes through the pinned ring
  *            (more pieces than ring slots, so slots are reused).
  *   chain    1, 2 and 3 destinations along GPUs 1, 2, 3 (1, 0, 1 on two GPUs), peer and staged,
@@ -20,6 +21,9 @@
  *   many     2,000 segments of 1 byte to 3 MiB to two destinations, peer and staged.
  *   host     a host-NUMA pool (node 0) in the chain: GPU 0 -> host -> GPU 1, and host -> GPU 1
  *            (skipped when GPU 0 lacks host-NUMA pools).
+ *   clear    a slab made over memory a freed slab left full of a pattern: slab_alloc clears
+ *            every byte past its `filled` argument (those a replica's copy does not cover),
+ *            and every byte with filled 0.
  *
  * Each check ends by freeing its slabs (every pool's used bytes back to 0) and destroying its
  * pools. Prints one "PASS: ..." or "FAIL: ..." line; exit status 0 pass, 1 fail, 77 skip (fewer
@@ -30,6 +34,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
+#include <unistd.h>
 
 #include <cuda_runtime_api.h>
 
@@ -107,7 +113,7 @@ static int mkpool(env *v, const char *name, gpupool_mem_kind kind, int device, u
 
 /* A slab of size bytes in pool p: its index, or -1. */
 static int mkslab(env *v, int p, uint64_t size) {
-  int rc = v->be->ops->slab_alloc(v->pool[p], size, &v->slab[v->nslab]);
+  int rc = v->be->ops->slab_alloc(v->pool[p], size, 0, &v->slab[v->nslab]);
   if (rc < 0) {
     fprintf(stderr, "slab_alloc of %" PRIu64 " bytes: %s: %s\n", size, gpupool_err_name(rc),
             gpupool__errmsg());
@@ -246,7 +252,7 @@ static enum cudaMemAccessFlags access_of(gpupool__bpool *p, int device) {
 static int check_pair(int staged) {
   const char *check = staged ? "staged" : "peer";
   env v;
-  int ps, pd, s, d, polls = 0, rc, can = 0;
+  int ps, pd, s, d, polls = 0, rc, can = 0, nfd;
   uint8_t *img[MAXS] = {0};
   gpupool__bcopy_seg segs[3];
   gpupool__bcopy *c = NULL;
@@ -271,11 +277,20 @@ static int check_pair(int staged) {
   segs[2].dst[0] = loc(&v, d, 320 * MiB - 1);
   segs[2].len = 1;
   no_peer(staged);
+  if ((nfd = v.be->ops->copy_notify_fd(v.be)) < 0)
+    return fail(check, "the CUDA backend gives no copy notifier (eventfd)");
   rc = run_job(&v, segs, 3, 1, &polls);
   if (rc < 0)
     return fail(check, "copy job: %s: %s", gpupool_err_name(rc), gpupool__errmsg());
   if (verify(&v, check, "three segments", segs, 3, 1, img))
     return 1;
+  /* The job's end was told on the notifier (what gpupoold's loop waits on). */
+  {
+    struct pollfd pf = {.fd = nfd, .events = POLLIN};
+    uint64_t n = 0;
+    if (poll(&pf, 1, 5000) != 1 || read(nfd, &n, sizeof n) != (ssize_t)sizeof n || n == 0)
+      return fail(check, "the copy notifier was not written when the job ended");
+  }
   (void)cudaDeviceCanAccessPeer(&can, 1, 0);
   if (staged && access_of(v.pool[ps], 1) != cudaMemAccessFlagsProtNone)
     return fail(check, "GPUPOOL_NO_PEER=1 but device 1 was given access to the source pool");
@@ -554,9 +569,57 @@ static int check_host(void) {
   return gh_verdict(0, check, "GPU 0 -> host-NUMA pool -> GPU 1 and host-NUMA -> GPU 1 bit-exact");
 }
 
+/* Bytes of slab s in [from, to) that are not zero (-1 when they cannot be read). */
+static int64_t nonzero(env *v, int s, uint64_t from, uint64_t to) {
+  uint8_t *b = readback(v, s);
+  int64_t n = 0;
+  if (!b)
+    return -1;
+  for (uint64_t i = from; i < to; i++)
+    n += b[i] != 0;
+  free(b);
+  return n;
+}
+
+static int check_clear(void) {
+  const char *check = "clear";
+  const uint64_t size = 64 * MiB, filled = 40 * MiB + 3;
+  env v;
+  int p, s;
+  int64_t bad;
+  void *at;
+
+  if (env_open(&v) < 0)
+    return fail(check, "cannot open the CUDA backend");
+  if ((p = mkpool(&v, "clear", GPUPOOL_MEM_DEVICE, 0, 256 * MiB)) < 0)
+    return fail(check, "cannot make the pool");
+  for (int round = 0; round < 2; round++) {
+    uint64_t keep = round == 0 ? filled : 0;
+    int rc;
+    /* A slab full of the pattern, freed: its memory stays in the pool for the next. */
+    if ((s = mkslab(&v, p, size)) < 0 || fill(&v, s, 99) < 0)
+      return fail(check, "cannot make and fill a slab");
+    at = v.slab[s].priv;
+    v.be->ops->slab_free(v.slab_pool[s], &v.slab[s]);
+    v.nslab--;
+    rc = v.be->ops->slab_alloc(v.pool[p], size, keep, &v.slab[s]);
+    if (rc < 0)
+      return fail(check, "slab_alloc: %s: %s", gpupool_err_name(rc), gpupool__errmsg());
+    v.nslab++;
+    if (v.slab[s].priv != at)
+      printf("NOTE: the new slab is not at the freed one's address: the pool gave other memory\n");
+    if ((bad = nonzero(&v, s, keep, size)) != 0)
+      return fail(check, "filled %" PRIu64 ": %" PRId64 " bytes past it are not zero", keep, bad);
+  }
+  if (env_close(&v, check))
+    return 1;
+  return gh_verdict(0, check, "a new slab over a freed one's pattern reads zero past `filled` (%" PRIu64
+                    " of %" PRIu64 " bytes) and everywhere with filled 0", filled, size);
+}
+
 int main(int argc, char **argv) {
   const char *check;
-  gh_driver_start(argc, argv, 2, "peer|staged|chain|running|many|host", 2,
+  gh_driver_start(argc, argv, 2, "peer|staged|chain|running|many|host|clear", 2,
                   "the copy engine check");
   gpupool__log_set_level(GPUPOOL_LOG_DEBUG);
   check = argv[1];
@@ -572,6 +635,8 @@ int main(int argc, char **argv) {
     return check_many();
   if (!strcmp(check, "host"))
     return check_host();
+  if (!strcmp(check, "clear"))
+    return check_clear();
   fprintf(stderr, "unknown check %s\n", check);
   return 2;
 }

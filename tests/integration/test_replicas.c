@@ -763,11 +763,235 @@ static void test_replica_over_quota(void **state) {
   wait_all_idle();
 }
 
+/* ---- replica memory reused across versions ---- */
+
+#define BIG (12 * MIB + 5) /* over the pools' 8M slab size: each replica a dedicated slab */
+
+/* The inode of the file mapping of this process that holds p: a host slab is a memfd of its
+ * own, so two buffers lie in one slab exactly when their mappings share an inode. */
+static unsigned long map_inode(const void *p) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  char line[512];
+  unsigned long ino = 0;
+  assert_non_null(f);
+  while (fgets(line, sizeof line, f)) {
+    unsigned long lo, hi, inode;
+    if (sscanf(line, "%lx-%lx %*s %*s %*s %lu", &lo, &hi, &inode) == 3 && (uintptr_t)p >= lo &&
+        (uintptr_t)p < hi) {
+      ino = inode;
+      break;
+    }
+  }
+  fclose(f);
+  if (!ino)
+    fail_msg("no file mapping of this process holds %p", p);
+  return ino;
+}
+
+/* Pool gpuN as stats give it. */
+static gpupool_pool_stats pool_stat(int n) {
+  gpupool_client *c = th_connect(&D, "stats");
+  gpupool_daemon_stats ds;
+  gpupool_pool_stats ps[8];
+  int np = 0;
+  assert_int_equal(gpupool_client_stats(c, &ds, ps, 8, &np), 0);
+  gpupool_client_disconnect(c);
+  assert_true(n < np);
+  return ps[n];
+}
+
+/* Get `name` newer than `newer` on device 1, check seed's pattern: the buffer. */
+static gpupool_buffer *get_on_1(gpupool_client *c, const char *name, uint64_t newer, uint32_t seed, uint64_t size) {
+  gpupool_buffer *g;
+  if (gpupool_buffer_get(c, name, newer, 5000, GPUPOOL_ON_DEVICE(1), NULL, &g, NULL) != 0)
+    fail_msg("get of '%s' on device 1: %s", name, gpupool_last_error());
+  assert_int_equal(gpupool_buffer_size(g), size);
+  assert_true(th_check(gpupool_buffer_ptr(g), seed, size));
+  return g;
+}
+
+/* Every slab back to the backend once nobody maps them (operator trim): the pools at their
+ * baseline, kept replica slabs included. */
+static void trim_to_baseline(void) {
+  gpupool_client *c = th_connect(&D, "operator");
+  assert_int_equal(gpupool_client_trim(c), 0);
+  gpupool_client_disconnect(c);
+  for (int i = 0; i < 3; i++) {
+    gpupool_pool_stats ps = pool_stat(i);
+    if (ps.used || ps.reserved || ps.slabs || ps.buffers)
+      fail_msg("pool gpu%d after trim: used %llu, reserved %llu, %llu slabs, %llu buffers", i,
+               (unsigned long long)ps.used, (unsigned long long)ps.reserved, (unsigned long long)ps.slabs,
+               (unsigned long long)ps.buffers);
+  }
+}
+
+/* A new version of the same size gets its replica in the slab of the previous version's,
+ * freed: no new slab (on CUDA: no allocation, clearing or export), and the getter, which kept
+ * the slab mapped, imports nothing. */
+static void test_replica_slab_reused_across_versions(void **state) {
+  gpupool_client *c;
+  gpupool_buffer *g;
+  gpupool_pool_stats first;
+  unsigned long ino;
+  (void)state;
+  start_sim(NULL);
+  c = th_connect(&D, "consumer");
+  gpupool_client_disconnect(publish_pattern("big", BIG, 41, NULL));
+  g = get_on_1(c, "big", 0, 41, BIG);
+  ino = map_inode(gpupool_buffer_ptr(g));
+  first = pool_stat(1);
+  assert_int_equal(first.slabs, 1);
+  assert_int_equal(gpupool_buffer_release(g, NULL), 0);
+  for (uint32_t v = 2; v <= 4; v++) {
+    gpupool_pool_stats now;
+    gpupool_client_disconnect(publish_pattern("big", BIG, 40 + v, NULL));
+    g = get_on_1(c, "big", v - 1, 40 + v, BIG);
+    if (map_inode(gpupool_buffer_ptr(g)) != ino)
+      fail_msg("version %u's replica is in another slab than version 1's: a new slab per version", v);
+    now = pool_stat(1);
+    assert_int_equal(now.slabs, 1);
+    assert_int_equal(now.reserved_high, first.reserved_high);
+    assert_int_equal(gpupool_buffer_release(g, NULL), 0);
+  }
+  assert_int_equal(replica_counters().copies, 4);
+  assert_int_equal(replica_counters().failed, 0);
+  assert_int_equal(gpupool_name_unpublish(c, "big"), 0);
+  gpupool_client_disconnect(c);
+  wait_all_idle();
+  trim_to_baseline();
+}
+
+/* A replica's range is reused only once nobody holds the old replica: a holder of version 1's
+ * replica keeps reading version 1 while versions 2 and 3 get theirs elsewhere. */
+static void test_reused_replica_never_under_a_holder(void **state) {
+  gpupool_client *a, *b;
+  gpupool_buffer *ga, *gb;
+  unsigned long ino_a, ino_b, ino;
+  (void)state;
+  start_sim(NULL);
+  a = th_connect(&D, "holder");
+  b = th_connect(&D, "getter");
+  gpupool_client_disconnect(publish_pattern("big", BIG, 51, NULL));
+  ga = get_on_1(a, "big", 0, 51, BIG);
+  ino_a = map_inode(gpupool_buffer_ptr(ga));
+  /* Version 2: a still holds version 1's replica, so version 2's goes elsewhere. */
+  gpupool_client_disconnect(publish_pattern("big", BIG, 52, NULL));
+  gb = get_on_1(b, "big", 1, 52, BIG);
+  ino_b = map_inode(gpupool_buffer_ptr(gb));
+  assert_true(ino_b != ino_a);
+  assert_true(th_check(gpupool_buffer_ptr(ga), 51, BIG));
+  assert_int_equal(gpupool_buffer_release(gb, NULL), 0);
+  /* Version 3: version 2's slab is free, version 1's still held. */
+  gpupool_client_disconnect(publish_pattern("big", BIG, 53, NULL));
+  gb = get_on_1(b, "big", 2, 53, BIG);
+  assert_true(map_inode(gpupool_buffer_ptr(gb)) == ino_b);
+  assert_true(th_check(gpupool_buffer_ptr(ga), 51, BIG));
+  assert_int_equal(pool_stat(1).slabs, 2);
+  assert_int_equal(gpupool_buffer_release(gb, NULL), 0);
+  /* The holder lets go: version 4 takes one of the two, and no third is made. */
+  assert_int_equal(gpupool_buffer_release(ga, NULL), 0);
+  gpupool_client_disconnect(publish_pattern("big", BIG, 54, NULL));
+  gb = get_on_1(b, "big", 3, 54, BIG);
+  ino = map_inode(gpupool_buffer_ptr(gb));
+  assert_true(ino == ino_a || ino == ino_b);
+  assert_int_equal(pool_stat(1).slabs, 2);
+  assert_int_equal(gpupool_buffer_release(gb, NULL), 0);
+  assert_int_equal(gpupool_name_unpublish(b, "big"), 0);
+  gpupool_client_disconnect(a);
+  gpupool_client_disconnect(b);
+  wait_all_idle();
+  trim_to_baseline();
+}
+
+/* A bundle broadcast again and again (the same buffers published with new bytes, as a
+ * trainer does): one chained copy per publish, and from the second on, every replica in the
+ * slab of the one before on its device. */
+static void test_broadcast_steady_state_reuses(void **state) {
+  gpupool_member_spec specs[2] = {{"a", 9 * MIB + 7, NULL}, {"b", 10 * MIB, NULL}};
+  const int devs[2] = {1, 2};
+  gpupool_client *p, *c;
+  gpupool_bundle *b, *g;
+  gpupool_member m;
+  unsigned long ino[2][2] = {{0}};
+  uint64_t high[3] = {0}, copies;
+  (void)state;
+  start_sim(NULL);
+  p = th_connect(&D, "producer");
+  c = th_connect(&D, "consumer");
+  assert_int_equal(gpupool_bundle_alloc(p, "gpu0", specs, 2, 0, 0, NULL, &b), 0);
+  for (uint32_t v = 1; v <= 3; v++) {
+    for (int i = 0; i < 2; i++) {
+      assert_int_equal(gpupool_bundle_member(b, i, &m), 0);
+      th_fill(m.ptr, 60 * v + (uint32_t)i, m.size);
+    }
+    copies = replica_counters().copies;
+    assert_int_equal(gpupool_bundle_publish_to(b, "dict", NULL, devs, 2, NULL), 0);
+    for (int d = 0; d < 2; d++) {
+      if (gpupool_bundle_get(c, "dict", v - 1, 5000, GPUPOOL_ON_DEVICE(devs[d]), NULL, &g) != 0)
+        fail_msg("version %u on device %d: %s", v, devs[d], gpupool_last_error());
+      assert_int_equal(gpupool_bundle_version(g), v);
+      for (int i = 0; i < 2; i++) {
+        unsigned long at;
+        assert_int_equal(gpupool_bundle_member(g, i, &m), 0);
+        assert_int_equal(m.size, specs[i].size);
+        assert_true(th_check(m.ptr, 60 * v + (uint32_t)i, m.size));
+        at = map_inode(m.ptr);
+        if (v == 1)
+          ino[d][i] = at;
+        else if (at != ino[d][i])
+          fail_msg("version %u: member %d's replica on device %d is in a new slab", v, i, devs[d]);
+      }
+      assert_int_equal(gpupool_bundle_release(g, NULL), 0);
+    }
+    assert_int_equal(replica_counters().copies, copies + 1); /* one chained job per publish */
+    for (int d = 1; d <= 2; d++) {
+      if (v == 1)
+        high[d] = pool_stat(d).reserved_high;
+      else
+        assert_int_equal(pool_stat(d).reserved_high, high[d]);
+    }
+  }
+  assert_int_equal(gpupool_bundle_release(b, NULL), 0);
+  assert_int_equal(gpupool_name_unpublish(p, "dict"), 0);
+  gpupool_client_disconnect(c);
+  gpupool_client_disconnect(p);
+  wait_all_idle();
+  trim_to_baseline();
+}
+
+/* A kept replica slab is memory nobody uses: a placement that needs its room takes it back
+ * (here a buffer that fits the pool only without it). */
+static void test_kept_replica_slab_gives_way(void **state) {
+  gpupool_client *c, *f;
+  gpupool_buffer *g, *big;
+  (void)state;
+  start_sim(NULL);
+  c = th_connect(&D, "consumer");
+  gpupool_client_disconnect(publish_pattern("big", BIG, 61, NULL));
+  g = get_on_1(c, "big", 0, 61, BIG);
+  assert_int_equal(gpupool_buffer_release(g, NULL), 0);
+  assert_int_equal(gpupool_name_unpublish(c, "big"), 0);
+  gpupool_client_disconnect(c);
+  wait_all_idle();
+  assert_int_equal(pool_stat(1).slabs, 1); /* kept for a next version */
+  /* 56 MiB of the pool's 64 fit only once the 14 MiB slab goes. */
+  f = th_connect(&D, "filler");
+  if (gpupool_buffer_alloc(f, "gpu1", 56 * MIB, 0, NULL, &big) != 0)
+    fail_msg("56 MiB in gpu1 next to a kept replica slab: %s", gpupool_last_error());
+  assert_int_equal(pool_stat(1).slabs, 1);
+  assert_int_equal(gpupool_buffer_release(big, NULL), 0);
+  gpupool_client_disconnect(f);
+  wait_all_idle();
+  trim_to_baseline();
+}
+
 int main(void) {
   return TS_RUN_TESTS(NULL, teardown, test_buffer_replica_bit_exact, test_bundle_replica_bit_exact,
                       test_eight_getters_one_copy, test_more_copies_than_slots, test_replica_freed_with_version,
                       test_getter_killed_while_waiting, test_copy_failure_fails_waiters_then_retries,
                       test_daemon_killed_mid_copy, test_getters_waiting_for_the_publish, test_broadcast_on_publish,
                       test_replica_over_quota, test_broadcast_made_between_requests, test_making_fails_midway,
-                      test_stopped_while_making);
+                      test_stopped_while_making, test_replica_slab_reused_across_versions,
+                      test_reused_replica_never_under_a_holder, test_broadcast_steady_state_reuses,
+                      test_kept_replica_slab_gives_way);
 }

@@ -40,7 +40,7 @@ static void open_fixture(fixture *f, uint64_t size) {
   assert_int_equal(gpupool__host_open(&f->be), 0);
   assert_int_equal(f->be->ops->pool_create(f->be, &cfg, &f->pool, &fd), 0);
   for (int i = 0; i < 3; i++) {
-    assert_int_equal(f->be->ops->slab_alloc(f->pool, size, &f->slab[i]), 0);
+    assert_int_equal(f->be->ops->slab_alloc(f->pool, size, 0, &f->slab[i]), 0);
     f->map[i] = mmap(NULL, f->slab[i].size, PROT_READ | PROT_WRITE, MAP_SHARED, f->slab[i].fd, 0);
     assert_true(f->map[i] != MAP_FAILED);
   }

@@ -545,9 +545,9 @@ static void fake_pool_destroy(gpupool__bpool *p) {
   fake_live--;
 }
 
-static int fake_slab_alloc(gpupool__bpool *p, uint64_t size, gpupool__bslab *out) {
+static int fake_slab_alloc(gpupool__bpool *p, uint64_t size, uint64_t filled, gpupool__bslab *out) {
   fake_pool *fp = (fake_pool *)p;
-  int rc = host_ops->slab_alloc(fp->host, size, out);
+  int rc = host_ops->slab_alloc(fp->host, size, filled, out);
   if (rc == 0) {
     fp->in_use += out->size;
     if (fp->in_use > fp->kept)
