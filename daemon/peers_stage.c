@@ -148,7 +148,7 @@ static int slot_get(gpd_peers *P, int fetching, stage_slot **out) {
       return 0;
     s = &P->slots[P->nslots];
     memset(s, 0, sizeof *s);
-    if ((rc = ops_of(P)->slab_alloc(P->stage_bp, STAGE_SLOT, &s->bs)) != 0)
+    if ((rc = ops_of(P)->slab_alloc(P->stage_bp, STAGE_SLOT, 0, &s->bs)) != 0)
       return rc == GPUPOOL_ENOSPC && P->slots_taken ? 0 : rc;
     if (s->bs.fd >= 0) {
       void *m = mmap(NULL, (size_t)s->bs.size, PROT_READ | PROT_WRITE, MAP_SHARED, s->bs.fd, 0);
