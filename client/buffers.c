@@ -263,6 +263,117 @@ int gpupool_buffer_share_kept(gpupool_buffer *b, void *stream, gpupool_token *ou
   return share(b, stream, 1, out);
 }
 
+/* bufs[0..n) non-NULL and of one client: that client, or NULL after setting the error. */
+static gpupool_client *client_of_all(gpupool_buffer *const *bufs, int n, const char *what) {
+  gpupool_client *c;
+  if (!bufs || n <= 0) {
+    gpupool__err(GPUPOOL_EINVAL, "%s: at least one buffer is needed", what);
+    return NULL;
+  }
+  for (int i = 0; i < n; i++)
+    if (!bufs[i]) {
+      gpupool__err(GPUPOOL_EINVAL, "%s: buffer %d is NULL", what, i);
+      return NULL;
+    }
+  c = bufs[0]->c;
+  for (int i = 1; i < n; i++)
+    if (bufs[i]->c != c) {
+      gpupool__err(GPUPOOL_EINVAL, "%s: buffer %d belongs to another client than buffer 0; one request "
+                   "names holds of one client", what, i);
+      return NULL;
+    }
+  return c;
+}
+
+int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *stream, gpupool_token *out) {
+  gpupool_client *c;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Share sh = GPUPOOL__WIRE__SHARE__INIT;
+  gpupool__rep *rep;
+  uint64_t *more = NULL;
+  int rc = 0;
+
+  gpupool__err_clear();
+  if (!(c = client_of_all(bufs, n, "share_kept_many")))
+    return GPUPOOL_EINVAL;
+  if (!out)
+    return gpupool__err(GPUPOOL_EINVAL, "share_kept_many: out must not be NULL");
+  if (n > 1 && !(more = malloc((size_t)(n - 1) * sizeof *more)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  sh.hold_id = bufs[0]->hold_id;
+  for (int i = 1; i < n; i++)
+    more[i - 1] = bufs[i]->hold_id;
+  sh.n_more_hold_ids = (size_t)(n - 1);
+  sh.more_hold_ids = more;
+  sh.keep = 1;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_SHARE;
+  req.share = &sh;
+  pthread_mutex_lock(&c->mu);
+  for (int i = 0; i < n && rc == 0; i++)
+    rc = gpupool__hand_over_prepare(c, bufs[i], stream);
+  if (rc == 0 && (rc = gpupool__call(c, &req, &rep, NULL)) == 0) {
+    const Gpupool__Wire__ShareReply *r = rep->share;
+    int ok = rep->body_case == GPUPOOL__WIRE__REPLY__BODY_SHARE && r && r->token.len == GPUPOOL_TOKEN_SIZE &&
+             r->n_more_tokens == (size_t)(n - 1);
+    for (size_t i = 0; ok && i < r->n_more_tokens; i++)
+      ok = r->more_tokens[i].len == GPUPOOL_TOKEN_SIZE;
+    if (!ok)
+      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon answered a share of %d buffers with %s: it may be older than "
+                        "this library (share them one by one)", n,
+                        r && r->token.len ? "a different number of tokens" : "a malformed reply");
+    else {
+      memcpy(out[0].bytes, r->token.data, GPUPOOL_TOKEN_SIZE);
+      for (size_t i = 0; i < r->n_more_tokens; i++)
+        memcpy(out[i + 1].bytes, r->more_tokens[i].data, GPUPOOL_TOKEN_SIZE);
+    }
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  pthread_mutex_unlock(&c->mu);
+  free(more);
+  return rc;
+}
+
+int gpupool_buffer_idle_many(gpupool_buffer *const *bufs, int n, int *idle) {
+  gpupool_client *c;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Idle id = GPUPOOL__WIRE__IDLE__INIT;
+  gpupool__rep *rep;
+  uint64_t *ids;
+  int rc;
+
+  gpupool__err_clear();
+  if (!(c = client_of_all(bufs, n, "idle_many")))
+    return GPUPOOL_EINVAL;
+  if (!idle)
+    return gpupool__err(GPUPOOL_EINVAL, "idle_many: idle must not be NULL");
+  for (int i = 0; i < n; i++)
+    idle[i] = 0;
+  if (!(ids = malloc((size_t)n * sizeof *ids)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  for (int i = 0; i < n; i++)
+    ids[i] = bufs[i]->hold_id;
+  id.n_hold_ids = (size_t)n;
+  id.hold_ids = ids;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_IDLE;
+  req.idle = &id;
+  pthread_mutex_lock(&c->mu);
+  rc = gpupool__ensure_connected(c);
+  for (int i = 0; rc == 0 && i < n; i++)
+    if (bufs[i]->lost)
+      rc = gpupool__lost_err(bufs[i]);
+  if (rc == 0 && (rc = gpupool__call(c, &req, &rep, NULL)) == 0) {
+    if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_IDLE || !rep->idle || rep->idle->n_idle != (size_t)n)
+      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent a malformed answer to Idle");
+    else
+      for (int i = 0; i < n; i++)
+        idle[i] = rep->idle->idle[i] != 0;
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  pthread_mutex_unlock(&c->mu);
+  free(ids);
+  return rc;
+}
+
 /* GPUPOOL_KEEP_MAPPED: b's slab stays mapped after its last buffer goes, until revoked. */
 void gpupool__keep_mapped(gpupool_buffer *b, unsigned flags) {
   if (b && (flags & GPUPOOL_KEEP_MAPPED))
@@ -296,6 +407,81 @@ int gpupool_buffer_open(gpupool_client *c, const gpupool_token *token, unsigned 
       gpupool__keep_mapped(*out, flags);
   }
   pthread_mutex_unlock(&c->mu);
+  return gpupool__error_report(&err, rc);
+}
+
+int gpupool_buffer_open_many(gpupool_client *c, const gpupool_token *tokens, int n, unsigned flags, void *stream,
+                             gpupool_buffer **out) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Open op = GPUPOOL__WIRE__OPEN__INIT;
+  ProtobufCBinaryData *more = NULL;
+  gpupool__error err; /* why a step after the reply failed */
+  int rc = 0, done = 0;
+
+  if (!c || !tokens || !out || n <= 0)
+    return gpupool__err(GPUPOOL_EINVAL, "open_many: client, tokens and out must not be NULL, n at least 1");
+  gpupool__err_clear();
+  for (int i = 0; i < n; i++)
+    out[i] = NULL;
+  if (n > 1 && !(more = calloc((size_t)(n - 1), sizeof *more)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  op.read_only = (flags & GPUPOOL_READ_ONLY) != 0;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_OPEN;
+  req.open = &op;
+  err.code = 0;
+  pthread_mutex_lock(&c->mu);
+  /* A request per run of tokens the daemon opens at once (all of them, unless their slabs need
+   * more fds than one reply carries). */
+  while (done < n && rc == 0) {
+    gpupool__rep *rep;
+    const Gpupool__Wire__OpenReply *r;
+    size_t got;
+    op.token.data = (uint8_t *)tokens[done].bytes;
+    op.token.len = GPUPOOL_TOKEN_SIZE;
+    for (int i = done + 1; i < n; i++) {
+      more[i - done - 1].data = (uint8_t *)tokens[i].bytes;
+      more[i - done - 1].len = GPUPOOL_TOKEN_SIZE;
+    }
+    op.n_more_tokens = (size_t)(n - done - 1);
+    op.more_tokens = more;
+    if ((rc = gpupool__call_retry(c, &req, &rep, -1)) != 0)
+      break;
+    r = rep->body_case == GPUPOOL__WIRE__REPLY__BODY_OPEN ? rep->open : NULL;
+    got = r ? 1 + r->n_more : 0;
+    if (!r || got > (size_t)(n - done)) {
+      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon answered an open of %d tokens with %zu buffers", n - done,
+                        got);
+      for (size_t i = 0; r && i < got; i++) {
+        const Gpupool__Wire__BufferDesc *d = i == 0 ? r->buffer : r->more[i - 1];
+        if (d && d->hold_id)
+          gpupool__send_release(c, d->hold_id, 0);
+      }
+      gpupool__wire__reply__free_unpacked(rep, NULL);
+      break;
+    }
+    for (size_t i = 0; i < got; i++) {
+      const Gpupool__Wire__BufferDesc *d = i == 0 ? r->buffer : r->more[i - 1];
+      if (rc == 0) {
+        rc = gpupool__materialize(c, d, 1, stream, &out[done + (int)i], &err);
+        if (rc == 0)
+          gpupool__keep_mapped(out[done + (int)i], flags);
+      } else if (d && d->hold_id) {
+        gpupool__send_release(c, d->hold_id, 0); /* all or nothing: the rest of this reply goes too */
+      }
+    }
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+    done += (int)got;
+  }
+  if (rc != 0) {
+    /* All or nothing: what this call opened goes back. */
+    for (int i = 0; i < n; i++)
+      if (out[i]) {
+        gpupool__release_locked(c, out[i], NULL);
+        out[i] = NULL;
+      }
+  }
+  pthread_mutex_unlock(&c->mu);
+  free(more);
   return gpupool__error_report(&err, rc);
 }
 

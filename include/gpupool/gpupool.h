@@ -26,6 +26,9 @@
  *     gpupool_buffer_share                 a token another client opens
  *     gpupool_buffer_share_kept            the same, alive without this hold until opened once
  *     gpupool_buffer_open                  open a token: a new hold
+ *     gpupool_buffer_share_kept_many       kept shares of many buffers in one request
+ *     gpupool_buffer_open_many             open many tokens in one request
+ *     gpupool_buffer_idle_many             which buffers only the caller references now
  *     gpupool_buffer_publish               publish under a name (its next version)
  *     gpupool_buffer_publish_to            the same, with replicas on other devices at once
  *     gpupool_buffer_get                   get what a name holds, now or a newer version
@@ -377,6 +380,28 @@ GPUPOOL_EXTERN int gpupool_buffer_share_kept(gpupool_buffer *b, void *stream, gp
 /* Open a shared buffer: a new hold owned by the caller. flags: GPUPOOL_READ_ONLY. */
 GPUPOOL_EXTERN int gpupool_buffer_open(gpupool_client *c, const gpupool_token *token, unsigned flags,
                                        void *stream, gpupool_buffer **out);
+
+/* Kept shares (gpupool_buffer_share_kept) of bufs[0..n), all of one client, in one request:
+ * out[i] is the token of bufs[i]. All or nothing: when one cannot be shared (GPUPOOL_ELIMIT
+ * past max_kept_shares_per_client, a buffer lost with a previous daemon), none is. The ready
+ * event of each is recorded in `stream` first. GPUPOOL_EINVAL past the daemon's
+ * max_share_batch (default 1024): split larger sets. */
+GPUPOOL_EXTERN int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *stream,
+                                                  gpupool_token *out);
+
+/* Open tokens[0..n) (as gpupool_buffer_open, same flags) with as few requests as the slabs
+ * allow: one, unless the buffers lie in more slabs new to this process than one reply can
+ * carry the fds of. All or nothing: on error no buffer is opened (out[] all NULL) and no kept
+ * share is used up by the request that failed. GPUPOOL_EINVAL past max_share_batch. */
+GPUPOOL_EXTERN int gpupool_buffer_open_many(gpupool_client *c, const gpupool_token *tokens, int n, unsigned flags,
+                                            void *stream, gpupool_buffer **out);
+
+/* Whether each of bufs[0..n) (all of one client) is referenced by the caller's hold alone:
+ * idle[i] = 1 when nobody else holds it (no other hold, kept share not yet opened, name or
+ * copy), every earlier holder's done event has completed and no holder that went away may
+ * still touch it; then the caller may write it again without anyone seeing the write. One
+ * request; GPUPOOL_EINVAL past max_share_batch. */
+GPUPOOL_EXTERN int gpupool_buffer_idle_many(gpupool_buffer *const *bufs, int n, int *idle);
 
 /* Publish b under `name` (1..GPUPOOL_NAME_MAX bytes). The name holds the buffer until
  * gpupool_name_unpublish() or until the name is published again (its next version, see
