@@ -21,8 +21,10 @@ Importing this module imports torch; ``import gpupool`` does not import it.
 from __future__ import annotations
 
 import ctypes
+import io
 import logging
 import os
+import pickle
 import threading
 import weakref
 from multiprocessing.reduction import ForkingPickler
@@ -37,7 +39,7 @@ from ._dict import _UINT8
 from ._errors import GpupoolError, error
 
 __all__ = ["install", "uninstall", "installed", "empty", "zeros", "empty_like", "use_allocator",
-           "allocator_counts", "allocator_last_error", "GpupoolError"]
+           "allocator_counts", "allocator_last_error", "trim", "GpupoolError"]
 
 log = logging.getLogger("gpupool.torch")
 
@@ -75,9 +77,23 @@ class _State:
         self.received: dict = {}
         self.received_prune = 1024
         self.alloc_lib = None                    # libgpupool-torch-alloc once use_allocator() ran
+        # Copy buffers kept for the next messages: (pool, bytes) -> [_Entry], their bytes, and
+        # the number of messages sent (an entry unused for _CACHE_AGE messages goes).
+        self.cache: dict = {}
+        self.cache_bytes = 0
+        self.cache_max = _CACHE_MAX
+        self.msgno = 0
+        self.pickler = None                      # ForkingPickler's own (__init__, dump)
 
+
+# Holds one Share or Open request names (gpupoold's max_share_batch, by default).
+_BATCH_MAX = 1024
+# Copy buffers are kept for reuse up to this many bytes in all, and for this many messages.
+_CACHE_MAX = 8 << 30
+_CACHE_AGE = 8
 
 _S = _State()
+_tls = threading.local()   # .batch: the message being pickled; .received: its storages
 
 
 # --- the process-wide client ---------------------------------------------------------------
@@ -119,6 +135,8 @@ def _forget_parent():
     _S.user_client = False
     _S.owned = {}
     _S.received = {}
+    _S.cache = {}          # the parent's holds: never released nor reused here
+    _S.cache_bytes = 0
     _S.pid = os.getpid()
 
 
@@ -265,8 +283,283 @@ def _reduce_storage(storage):
         return saved(storage)
     if storage.nbytes() == 0:
         return (_rebuild_empty, (str(storage.device),))
+    batch = getattr(_tls, "batch", None)
+    if batch is not None:
+        # A message being pickled (ForkingPickler.dump): its storages are shared together once
+        # the whole message is known, and this one goes as its place among them.
+        return (_batched_storage, (batch.add(storage),))
     tok, off, n = _share(storage)
     return (_rebuild_storage, (tok, off, n, opts.spec()))
+
+
+# --- one request per message ----------------------------------------------------------------
+# install() wraps ForkingPickler's dump, through which every multiprocessing channel pickles
+# (Queue, SimpleQueue, Connection.send, Pool, spawn): the message is pickled first with its
+# storages only numbered, then every storage is shared in ONE Share request (copies into reused
+# buffers made first), and what goes on the channel is a small wrapper: the tokens, each
+# storage's place, and the message's pickle. The receiver opens every token in ONE Open
+# request before it unpickles the message, whose storages then take theirs.
+class _Batch:
+    __slots__ = ("storages", "index")
+
+    def __init__(self):
+        self.storages = []
+        self.index = {}
+
+    def add(self, storage):
+        d = storage.device
+        key = (d.type, d.index, storage.data_ptr(), storage.nbytes())
+        i = self.index.get(key)
+        if i is None:
+            i = self.index[key] = len(self.storages)
+            self.storages.append(storage)
+        return i
+
+
+class _Entry:
+    """A copy buffer of this process, kept to carry the next messages' copies."""
+    __slots__ = ("hold", "dst", "n", "key", "used", "busy")
+
+    def __init__(self, hold, dst, n, key):
+        self.hold = hold
+        self.dst = dst      # the torch view of a CUDA buffer (None for host memory)
+        self.n = n
+        self.key = key
+        self.used = 0
+        self.busy = True
+
+
+_ORIG_PICKLER = (ForkingPickler.__init__, ForkingPickler.dump)
+
+
+def _pickler_init(self, *args, **kw):
+    _ORIG_PICKLER[0](self, *args, **kw)
+    self._gp_file = args[0] if args else kw.get("file")
+    self._gp_protocol = args[1] if len(args) > 1 else kw.get("protocol")
+
+
+def _pickler_dump(self, obj):
+    dump = _ORIG_PICKLER[1]
+    f = getattr(self, "_gp_file", None)
+    if _S.opts is None or getattr(_tls, "batch", None) is not None or f is None:
+        return dump(self, obj)
+    batch = _tls.batch = _Batch()
+    try:
+        buf = io.BytesIO()
+        dump(type(self)(buf, self._gp_protocol), obj)
+    finally:
+        _tls.batch = None
+    if not batch.storages:
+        f.write(buf.getbuffer())  # nothing of gpupool's in it: the message as it is
+        return None
+    return dump(self, _send_batch(batch.storages, buf.getvalue()))
+
+
+class _Message:
+    """What goes on the channel for a message with storages: unpickled, it opens them."""
+    __slots__ = ("args",)
+
+    def __init__(self, args):
+        self.args = args
+
+    def __reduce__(self):
+        return (_open_message, self.args)
+
+
+def _send_batch(storages, payload):
+    opts = _S.opts
+    c = _client()
+    n = len(storages)
+    bufs = [None] * n
+    offs = [0] * n
+    sizes = [st.nbytes() for st in storages]
+    devs = [st.device.index if st.device.type == "cuda" else -1 for st in storages]
+    copies = []
+    for i, st in enumerate(storages):
+        found = _find(st, c)
+        if found is not None:
+            bufs[i], offs[i] = found
+        elif not opts.copy:
+            raise error("EINVAL", "a %s storage of %d bytes is not gpupool memory and install(copy=False) "
+                        "refuses to copy it: allocate it with gpupool.torch.empty/zeros/empty_like or "
+                        "under gpupool.torch.use_allocator(), or install(copy=True)" % (st.device, sizes[i]))
+        else:
+            copies.append(i)
+    entries = _copy_targets(c, [storages[i] for i in copies]) if copies else []
+    try:
+        for i, e in zip(copies, entries):
+            st = storages[i]
+            bufs[i] = e.hold.buf
+            if e.dst is not None:
+                src = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, 0, (sizes[i],), (1,))
+                e.dst[:sizes[i]].copy_(src)  # on the current stream: the share records the ready event there
+            else:
+                ctypes.memmove(e.hold.ptr, st.data_ptr(), sizes[i])
+        # One request per device (the ready events are recorded in its current stream), and
+        # per _BATCH_MAX storages.
+        tokens = [None] * n
+        for d in sorted(set(devs)):
+            idx = [i for i in range(n) if devs[i] == d]
+            s = torch.cuda.current_stream(d).cuda_stream if d >= 0 else None
+            for k in range(0, len(idx), _BATCH_MAX):
+                part = idx[k:k + _BATCH_MAX]
+                blob = c._share_kept_many([bufs[i] for i in part], s)
+                for j, i in enumerate(part):
+                    tokens[i] = blob[j * _lib.TOKEN_SIZE:(j + 1) * _lib.TOKEN_SIZE]
+    finally:
+        _copies_done(entries)
+    return _Message((opts.spec(), b"".join(tokens), offs, sizes, devs, payload))
+
+
+def _copy_targets(c, storages):
+    """A copy buffer per storage: one kept from earlier messages that the daemon says nobody
+    else holds any more (one Idle request for all), else a new one."""
+    opts = _S.opts
+    keys = []
+    for st in storages:
+        dev = st.device
+        if opts.pool is not None:
+            pool = opts.pool
+        elif dev.type == "cuda":
+            pool = c._pool_for(_dlpack.kDLCUDA, dev.index or 0, str(dev))
+        else:
+            pool = c._pool_for(_dlpack.kDLCPU, 0, "cpu")
+        keys.append((pool, st.nbytes(), dev.type, dev.index))
+    picked = [None] * len(storages)
+    with _S.lock:
+        _S.msgno += 1
+        for i, k in enumerate(keys):
+            for e in _S.cache.get(k, ()):
+                if not e.busy:
+                    e.busy = True
+                    picked[i] = e
+                    break
+    cands = [i for i, e in enumerate(picked) if e is not None]
+    if cands:
+        try:
+            idle = c._idle([picked[i].hold.buf for i in cands])
+        except BaseException:
+            _copies_done([picked[i] for i in cands])
+            raise
+        for i, ok in zip(cands, idle):
+            if not ok:
+                # Someone still holds it (a receiver, a kept share not yet opened): never write it.
+                picked[i].busy = False
+                picked[i] = None
+    try:
+        for i, e in enumerate(picked):
+            if e is None:
+                picked[i] = _new_entry(c, storages[i], keys[i])
+    except BaseException:
+        _copies_done([e for e in picked if e is not None])
+        raise
+    return picked
+
+
+def _new_entry(c, storage, key):
+    dev = storage.device
+    n = storage.nbytes()
+    t = c._alloc((n,), _UINT8, key[0], 0, _stream_of(dev))
+    try:
+        dst = None
+        if dev.type == "cuda":
+            dst = torch.from_dlpack(t)
+            if dst.device != dev:
+                raise error("EINVAL", "pool %r is on %s, not on %s where the storage is: pass "
+                            "install(pool=...) naming a pool of each device, or none" % (key[0], dst.device, dev))
+        e = _Entry(t._hold, dst, n, key)
+    finally:
+        t.release()  # the entry's hold (and view) keep the buffer
+    with _S.lock:
+        if _S.cache_bytes + n <= _S.cache_max:
+            _S.cache.setdefault(key, []).append(e)
+            _S.cache_bytes += n
+        else:
+            e.key = None  # not kept: released once this message's share holds it
+    return e
+
+
+def _copies_done(entries):
+    """The message's copies are shared (or failed): their buffers may carry later messages;
+    those unused for _CACHE_AGE messages go."""
+    drop = []
+    with _S.lock:
+        for e in entries:
+            e.busy = False
+            e.used = _S.msgno
+        for key, lst in list(_S.cache.items()):
+            keep = [e for e in lst if e.busy or _S.msgno - e.used <= _CACHE_AGE]
+            if len(keep) != len(lst):
+                drop += [e for e in lst if e not in keep]
+                if keep:
+                    _S.cache[key] = keep
+                else:
+                    del _S.cache[key]
+        for e in drop:
+            _S.cache_bytes -= e.n
+    drop += [e for e in entries if e.key is None]
+    for e in drop:
+        e.dst = None
+        e.hold = None   # released with the last reference
+
+
+def trim() -> int:
+    """Give back the copy buffers this process keeps to carry the next messages' copies (the
+    receivers' holds are theirs and stay). Returns how many were kept."""
+    with _S.lock:
+        if _S.pid != os.getpid():
+            return 0
+        lst = [e for v in _S.cache.values() for e in v if not e.busy]
+        for e in lst:
+            _S.cache[e.key].remove(e)
+            if not _S.cache[e.key]:
+                del _S.cache[e.key]
+            _S.cache_bytes -= e.n
+    for e in lst:
+        e.dst = None
+        e.hold = None
+    return len(lst)
+
+
+def _open_message(spec, tokens, offs, sizes, devs, payload):
+    if _S.opts is None:
+        # A child unpickling its first gpupool tensor: it sends as its parent does.
+        install(copy=spec[0], cpu=spec[1], pool=spec[2], fallback=spec[3], socket=spec[4])
+    c = _client()
+    n = len(offs)
+    cuda = {d for d in devs if d >= 0}
+    # The receiver's current stream waits on the ready events; with one device, the C library
+    # makes it wait as it opens (no stream bookkeeping per storage).
+    s = torch.cuda.current_stream(next(iter(cuda))).cuda_stream if len(cuda) == 1 else None
+    holds = []
+    T = _lib.TOKEN_SIZE
+    try:
+        for k in range(0, n, _BATCH_MAX):
+            holds += c._open_holds(tokens[k * T:(k + _BATCH_MAX) * T], False, s)
+        storages = [None] * n
+        for i in range(n):
+            h = holds[i]
+            if h.kind == _lib.MEM_DEVICE and s is None:
+                h.used_in(torch.cuda.current_stream(h.cuda_device).cuda_stream)
+            storages[i] = _storage_of(c, h, offs[i], sizes[i])
+            holds[i] = None
+    finally:
+        for h in holds:
+            if h is not None:
+                h.release()  # a storage that could not be made: its hold goes
+    prev = getattr(_tls, "received", None)
+    _tls.received = storages
+    try:
+        return pickle.loads(payload)
+    finally:
+        _tls.received = prev  # storages the message did not use go with this list
+
+
+def _batched_storage(i):
+    got = getattr(_tls, "received", None)
+    if got is None:
+        raise RuntimeError("a gpupool.torch storage unpickled outside its message")
+    return got[i]
 
 
 # --- receiving -----------------------------------------------------------------------------
@@ -283,6 +576,12 @@ def _rebuild_storage(token, offset, nbytes, spec):
     if hold.kind == _lib.MEM_DEVICE:
         # The receiver's current stream on the buffer's device waits on the ready event.
         hold.used_in(torch.cuda.current_stream(hold.cuda_device).cuda_stream)
+    return _storage_of(c, hold, offset, nbytes)
+
+
+def _storage_of(c, hold, offset, nbytes):
+    """The storage of a received hold (this process's storage of that memory when it has one
+    already: the hold then goes)."""
     key = (hold.buffer_id, offset, nbytes)
     with _S.lock:
         ref = _S.received.get(key)
@@ -402,6 +701,11 @@ def install(client: Optional[Client] = None, *, copy: bool = True, cpu: bool = F
         ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
         for t in _process_types():
             ForkingPickler.register(t, _reduce_process)
+        if _S.pickler is None:
+            _S.pickler = (ForkingPickler.__init__, ForkingPickler.dump,
+                          "__init__" in ForkingPickler.__dict__, "dump" in ForkingPickler.__dict__)
+            ForkingPickler.__init__ = _pickler_init
+            ForkingPickler.dump = _pickler_dump
 
 
 def uninstall() -> None:
@@ -414,6 +718,17 @@ def uninstall() -> None:
                 ForkingPickler.register(t, r)
         _S.saved = {}
         _S.opts = None
+        if _S.pickler is not None:
+            init, dump, had_init, had_dump = _S.pickler
+            if had_init:
+                ForkingPickler.__init__ = init
+            else:
+                del ForkingPickler.__init__
+            if had_dump:
+                ForkingPickler.dump = dump
+            else:
+                del ForkingPickler.dump
+            _S.pickler = None
 
 
 def installed() -> bool:
