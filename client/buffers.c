@@ -285,21 +285,32 @@ static gpupool_client *client_of_all(gpupool_buffer *const *bufs, int n, const c
   return c;
 }
 
-int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *stream, gpupool_token *out) {
+int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *stream, gpupool_token *out,
+                                   gpupool_buffer *const *ask, int nask, int *idle) {
   gpupool_client *c;
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Share sh = GPUPOOL__WIRE__SHARE__INIT;
   gpupool__rep *rep;
-  uint64_t *more = NULL;
+  uint64_t *more = NULL, *asked = NULL;
   int rc = 0;
 
   gpupool__err_clear();
   if (!(c = client_of_all(bufs, n, "share_kept_many")))
     return GPUPOOL_EINVAL;
-  if (!out)
-    return gpupool__err(GPUPOOL_EINVAL, "share_kept_many: out must not be NULL");
-  if (n > 1 && !(more = malloc((size_t)(n - 1) * sizeof *more)))
+  if (!out || nask < 0 || (nask > 0 && (!idle || client_of_all(ask, nask, "share_kept_many (ask)") != c)))
+    return gpupool__err(GPUPOOL_EINVAL, "share_kept_many: out must not be NULL, and ask (nask >= 0, with idle) "
+                        "must name buffers of the same client");
+  for (int i = 0; i < nask; i++)
+    idle[i] = 0;
+  if ((n > 1 && !(more = malloc((size_t)(n - 1) * sizeof *more))) ||
+      (nask > 0 && !(asked = malloc((size_t)nask * sizeof *asked)))) {
+    free(more);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  }
+  for (int i = 0; i < nask; i++)
+    asked[i] = ask[i]->hold_id;
+  sh.n_idle_hold_ids = (size_t)nask;
+  sh.idle_hold_ids = asked;
   sh.hold_id = bufs[0]->hold_id;
   for (int i = 1; i < n; i++)
     more[i - 1] = bufs[i]->hold_id;
@@ -317,6 +328,9 @@ int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *str
              r->n_more_tokens == (size_t)(n - 1);
     for (size_t i = 0; ok && i < r->n_more_tokens; i++)
       ok = r->more_tokens[i].len == GPUPOOL_TOKEN_SIZE;
+    if (ok && r->n_idle == (size_t)nask)
+      for (int i = 0; i < nask; i++)
+        idle[i] = r->idle[i] != 0;
     if (!ok)
       rc = gpupool__err(GPUPOOL_EPROTO, "the daemon answered a share of %d buffers with %s: it may be older than "
                         "this library (share them one by one)", n,
@@ -330,6 +344,7 @@ int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *str
   }
   pthread_mutex_unlock(&c->mu);
   free(more);
+  free(asked);
   return rc;
 }
 

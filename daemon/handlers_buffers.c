@@ -104,9 +104,12 @@ int gpd_handle_share(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferr
   uint64_t one[1], *ids = one;
   uint8_t token[1][GPUPOOL_TOKEN_SIZE], (*tokens)[GPUPOOL_TOKEN_SIZE] = token;
   ProtobufCBinaryData *more = NULL;
+  protobuf_c_boolean *idle = NULL;
   int rc;
-  if ((rc = batch_ok(c, n, "Share")) != 0)
+  if ((rc = batch_ok(c, n, "Share")) != 0 || (rc = batch_ok(c, m->n_idle_hold_ids, "Share (idle_hold_ids)")) != 0)
     return rc;
+  if (m->n_idle_hold_ids && !(idle = calloc(m->n_idle_hold_ids, sizeof *idle)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   if (n > 1 && (!(ids = malloc(n * sizeof *ids)) || !(tokens = malloc(n * sizeof *tokens)) ||
                 !(more = calloc(n - 1, sizeof *more)))) {
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
@@ -125,6 +128,13 @@ int gpd_handle_share(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferr
   }
   sr.n_more_tokens = n - 1;
   sr.more_tokens = more;
+  for (size_t i = 0; i < m->n_idle_hold_ids; i++) {
+    int on = 0;
+    (void)gpd_hold_idle(c->srv->reg, &c->cl, m->idle_hold_ids[i], &on); /* not this client's: not idle */
+    idle[i] = on;
+  }
+  sr.n_idle = m->n_idle_hold_ids;
+  sr.idle = idle;
   GPUPOOL__SEND_BODY(c, seq, SHARE, share, &sr);
 out:
   if (ids != one)
@@ -132,6 +142,7 @@ out:
   if (tokens != token)
     free(tokens);
   free(more);
+  free(idle);
   return rc;
 }
 

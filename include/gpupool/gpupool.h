@@ -384,10 +384,13 @@ GPUPOOL_EXTERN int gpupool_buffer_open(gpupool_client *c, const gpupool_token *t
 /* Kept shares (gpupool_buffer_share_kept) of bufs[0..n), all of one client, in one request:
  * out[i] is the token of bufs[i]. All or nothing: when one cannot be shared (GPUPOOL_ELIMIT
  * past max_kept_shares_per_client, a buffer lost with a previous daemon), none is. The ready
- * event of each is recorded in `stream` first. GPUPOOL_EINVAL past the daemon's
- * max_share_batch (default 1024): split larger sets. */
+ * event of each is recorded in `stream` first. In the same round trip, ask[0..nask) (buffers
+ * of the same client; ask may be NULL when nask is 0) are reported on as
+ * gpupool_buffer_idle_many does, in idle[0..nask). GPUPOOL_EINVAL past the daemon's
+ * max_share_batch (default 1024) for either set: split larger ones. */
 GPUPOOL_EXTERN int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *stream,
-                                                  gpupool_token *out);
+                                                  gpupool_token *out, gpupool_buffer *const *ask, int nask,
+                                                  int *idle);
 
 /* Open tokens[0..n) (as gpupool_buffer_open, same flags) with as few requests as the slabs
  * allow: one, unless the buffers lie in more slabs new to this process than one reply can

@@ -680,16 +680,19 @@ class Client:
               "open of a share token")
         return self._new_hold(buf, s)
 
-    def _share_kept_many(self, bufs, s):
-        """Kept shares of C buffer handles (of this client or another in this process), one
-        request: the tokens, concatenated (TOKEN_SIZE bytes each, in order)."""
+    def _share_kept_many(self, bufs, s, ask=()):
+        """Kept shares of C buffer handles (all of one client), one request: the tokens,
+        concatenated (TOKEN_SIZE bytes each, in order), and for the handles in `ask` (of that
+        client too) whether each is idle, learned in the same round trip."""
         self._conn.usable()
-        n = len(bufs)
+        n, na = len(bufs), len(ask)
         arr = (_lib.BufferP * n)(*bufs)
         toks = (_lib.Token * n)()
-        check(self._lib.gpupool_buffer_share_kept_many(arr, n, s, toks),
+        asked = (_lib.BufferP * na)(*ask) if na else None
+        idle = (ctypes.c_int * na)() if na else None
+        check(self._lib.gpupool_buffer_share_kept_many(arr, n, s, toks, asked, na, idle),
               "share of %d buffers" % n)
-        return bytes(memoryview(toks).cast("B"))
+        return bytes(memoryview(toks).cast("B")), [bool(x) for x in idle] if na else []
 
     def _open_holds(self, tokens, read_only, s):
         """Holds for concatenated tokens (as _share_kept_many makes), opened in one request

@@ -92,7 +92,7 @@ static void test_one_request_each(void **state) {
   r0 = requests(st);
   r1 = requests(st);
   idle_cost = r1 - r0; /* what asking costs by itself */
-  assert_int_equal(gpupool_buffer_share_kept_many(b, N, NULL, tok), 0);
+  assert_int_equal(gpupool_buffer_share_kept_many(b, N, NULL, tok, NULL, 0, NULL), 0);
   assert_int_equal(gpupool_buffer_open_many(r, tok, N, 0, NULL, o), 0);
   r2 = requests(st);
   assert_int_equal(r2 - r1 - idle_cost, 2); /* one Share, one Open for all 40 */
@@ -121,11 +121,11 @@ static void test_batch_cap(void **state) {
   start_with("max_share_batch = 8", TH_HOST_POOL("64M", "4M"));
   a = th_connect(&D, "sender");
   alloc_filled(a, b, 9, 100, 1);
-  assert_int_equal(gpupool_buffer_share_kept_many(b, 9, NULL, tok), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool_buffer_share_kept_many(b, 9, NULL, tok, NULL, 0, NULL), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool_last_error(), "max_share_batch"));
   holds_now(&nb, &nh);
   assert_int_equal(nh, 9); /* no kept share made */
-  assert_int_equal(gpupool_buffer_share_kept_many(b, 8, NULL, tok), 0);
+  assert_int_equal(gpupool_buffer_share_kept_many(b, 8, NULL, tok, NULL, 0, NULL), 0);
   assert_int_equal(gpupool_buffer_share_kept(b[8], NULL, &tok[8]), 0);
   assert_int_equal(gpupool_buffer_open_many(a, tok, 9, 0, NULL, o), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool_last_error(), "max_share_batch"));
@@ -150,7 +150,7 @@ static void test_bad_token_in_the_middle(void **state) {
   a = th_connect(&D, "sender");
   r = th_connect(&D, "receiver");
   alloc_filled(a, b, N, 4096, 3);
-  assert_int_equal(gpupool_buffer_share_kept_many(b, N, NULL, tok), 0);
+  assert_int_equal(gpupool_buffer_share_kept_many(b, N, NULL, tok, NULL, 0, NULL), 0);
   /* Forged: one byte of token 5's secret flipped. */
   memcpy(bad, tok, sizeof tok);
   bad[5].bytes[12] ^= 0x5a;
@@ -183,12 +183,12 @@ static void test_quota_midway(void **state) {
   start_with("max_kept_shares_per_client = 5", TH_HOST_POOL("64M", "4M"));
   a = th_connect(&D, "sender");
   alloc_filled(a, b, 6, 100, 9);
-  assert_int_equal(gpupool_buffer_share_kept_many(b, 6, NULL, tok), GPUPOOL_ELIMIT);
+  assert_int_equal(gpupool_buffer_share_kept_many(b, 6, NULL, tok, NULL, 0, NULL), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool_last_error(), "max_kept_shares_per_client"));
   assert_non_null(strstr(gpupool_last_error(), "none of the 6 holds"));
   holds_now(&nb, &nh);
   assert_int_equal(nh, 6); /* the five made before the sixth failed are gone */
-  assert_int_equal(gpupool_buffer_share_kept_many(b, 5, NULL, tok), 0);
+  assert_int_equal(gpupool_buffer_share_kept_many(b, 5, NULL, tok, NULL, 0, NULL), 0);
   assert_int_equal(gpupool_buffer_open_many(a, tok, 5, 0, NULL, o), 0);
   check_filled(o, 5, 100, 9);
   release_all(o, 5);
@@ -209,7 +209,7 @@ static void test_more_slabs_than_one_reply_carries(void **state) {
   a = th_connect(&D, "sender");
   r = th_connect(&D, "receiver");
   alloc_filled(a, b, N, 2 << 20, 11);
-  assert_int_equal(gpupool_buffer_share_kept_many(b, N, NULL, tok), 0);
+  assert_int_equal(gpupool_buffer_share_kept_many(b, N, NULL, tok, NULL, 0, NULL), 0);
   assert_int_equal(gpupool_buffer_open_many(r, tok, N, 0, NULL, o), 0);
   check_filled(o, N, 2 << 20, 11);
   release_all(o, N);
@@ -244,6 +244,20 @@ static void test_idle_only_when_alone(void **state) {
   release_all(&o, 1);
   assert_int_equal(gpupool_buffer_idle_many(b, 2, idle), 0);
   assert_true(idle[0] && idle[1]);
+  /* The same answer in a Share's round trip. */
+  {
+    gpupool_token t1, t0;
+    gpupool_buffer *o1, *o0;
+    int one = -1;
+    assert_int_equal(gpupool_buffer_share_kept_many(&b[1], 1, NULL, &t1, &b[0], 1, &one), 0);
+    assert_int_equal(one, 1);
+    assert_int_equal(gpupool_buffer_share_kept_many(&b[0], 1, NULL, &t0, &b[1], 1, &one), 0);
+    assert_int_equal(one, 0); /* its kept share is not opened yet */
+    assert_int_equal(gpupool_buffer_open(r, &t1, 0, NULL, &o1), 0);
+    assert_int_equal(gpupool_buffer_open(r, &t0, 0, NULL, &o0), 0);
+    release_all(&o1, 1);
+    release_all(&o0, 1);
+  }
   release_all(b, 2);
   gpupool_client_disconnect(a);
   gpupool_client_disconnect(r);
