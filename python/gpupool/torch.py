@@ -91,6 +91,14 @@ _BATCH_MAX = 1024
 # Copy buffers are kept for reuse up to this many bytes in all, and for this many messages.
 _CACHE_MAX = 8 << 30
 _CACHE_AGE = 8
+# Up to this size a copy buffer is kept in two sets (one written while the other may still be
+# held), so a steady stream of messages needs no round trip to ask before copying.
+_SMALL = 16 << 20
+
+if hasattr(torch._C, "_from_dlpack"):
+    _from_dlpack = torch._C._from_dlpack
+else:
+    from torch.utils.dlpack import from_dlpack as _from_dlpack
 
 _S = _State()
 _tls = threading.local()   # .batch: the message being pickled; .received: its storages
@@ -162,6 +170,12 @@ def _stream_of(device):
 def _remember(storage_ptr, hold, offset):
     with _S.lock:  # feeder threads of several queues share it
         owned = _S.owned
+        old = owned.get(storage_ptr)
+        h = old[0]() if old is not None else None
+        if h is not None and not h.released and h is not hold:
+            # Memory this process holds already (its own buffer, received back in the same
+            # process): that hold stays the one it is shared by, since it lives longer.
+            return
         owned[storage_ptr] = (weakref.ref(hold), offset)
         if len(owned) > _S.owned_prune:
             for k in [k for k, (r, _) in owned.items() if r() is None or r().released]:
@@ -318,7 +332,7 @@ class _Batch:
 
 class _Entry:
     """A copy buffer of this process, kept to carry the next messages' copies."""
-    __slots__ = ("hold", "dst", "n", "key", "used", "busy")
+    __slots__ = ("hold", "dst", "n", "key", "used", "busy", "idle")
 
     def __init__(self, hold, dst, n, key):
         self.hold = hold
@@ -326,7 +340,11 @@ class _Entry:
         self.n = n
         self.key = key
         self.used = 0
-        self.busy = True
+        self.busy = True    # in a message being sent
+        # The daemon said no one else holds it, since it was last shared: it stays so until
+        # this process shares it again (nobody else can open it once its kept shares are
+        # opened or expired).
+        self.idle = False
 
 
 _ORIG_PICKLER = (ForkingPickler.__init__, ForkingPickler.dump)
@@ -396,14 +414,22 @@ def _send_batch(storages, payload):
             else:
                 ctypes.memmove(e.hold.ptr, st.data_ptr(), sizes[i])
         # One request per device (the ready events are recorded in its current stream), and
-        # per _BATCH_MAX storages.
+        # per _BATCH_MAX storages. The first also asks which kept copy buffers nobody holds
+        # any more, so that the next message writes them without asking.
         tokens = [None] * n
+        ask = _ask_idle(entries)
         for d in sorted(set(devs)):
             idx = [i for i in range(n) if devs[i] == d]
             s = torch.cuda.current_stream(d).cuda_stream if d >= 0 else None
             for k in range(0, len(idx), _BATCH_MAX):
                 part = idx[k:k + _BATCH_MAX]
-                blob = c._share_kept_many([bufs[i] for i in part], s)
+                blob, idle = c._share_kept_many([bufs[i] for i in part], s,
+                                                [e.hold.buf for e, _ in ask])
+                with _S.lock:
+                    for (e, used), ok in zip(ask, idle):
+                        if not e.busy and e.used == used:  # not sent meanwhile by another thread
+                            e.idle = ok
+                ask = []
                 for j, i in enumerate(part):
                     tokens[i] = blob[j * _lib.TOKEN_SIZE:(j + 1) * _lib.TOKEN_SIZE]
     finally:
@@ -411,9 +437,19 @@ def _send_batch(storages, payload):
     return _Message((opts.spec(), b"".join(tokens), offs, sizes, devs, payload))
 
 
+def _ask_idle(entries):
+    """The kept copy buffers this message does not use whose idleness is not known (at most
+    _BATCH_MAX), to ask about in the message's Share."""
+    mine = {id(e) for e in entries}
+    with _S.lock:
+        return [(e, e.used) for lst in _S.cache.values() for e in lst
+                if not e.idle and not e.busy and id(e) not in mine and e.hold is not None][:_BATCH_MAX]
+
+
 def _copy_targets(c, storages):
-    """A copy buffer per storage: one kept from earlier messages that the daemon says nobody
-    else holds any more (one Idle request for all), else a new one."""
+    """A copy buffer per storage: one kept from earlier messages that the daemon said nobody
+    else holds any more (in an earlier Share's reply, or else one Idle request for all), else
+    a new one."""
     opts = _S.opts
     keys = []
     for st in storages:
@@ -429,12 +465,22 @@ def _copy_targets(c, storages):
     with _S.lock:
         _S.msgno += 1
         for i, k in enumerate(keys):
-            for e in _S.cache.get(k, ()):
-                if not e.busy:
-                    e.busy = True
-                    picked[i] = e
-                    break
-    cands = [i for i, e in enumerate(picked) if e is not None]
+            free = [e for e in _S.cache.get(k, ()) if not e.busy]
+            for e in sorted(free, key=lambda e: not e.idle):  # known idle first
+                e.busy = True
+                picked[i] = e
+                break
+        # A small buffer whose state is not known yet: rather than ask (a round trip before
+        # the copy), take a new one while the key has fewer than two per storage of this
+        # message; the Share asks about the old ones, so the next message finds them known.
+        want = {}
+        for k in keys:
+            want[k] = want.get(k, 0) + 1
+        for i, e in enumerate(picked):
+            if e is not None and not e.idle and e.n <= _SMALL and len(_S.cache.get(keys[i], ())) < 2 * want[keys[i]]:
+                e.busy = False
+                picked[i] = None
+    cands = [i for i, e in enumerate(picked) if e is not None and not e.idle]
     if cands:
         try:
             idle = c._idle([picked[i].hold.buf for i in cands])
@@ -486,6 +532,7 @@ def _copies_done(entries):
     with _S.lock:
         for e in entries:
             e.busy = False
+            e.idle = False  # shared again (or its state unknown after a failure)
             e.used = _S.msgno
         for key, lst in list(_S.cache.items()):
             keep = [e for e in lst if e.busy or _S.msgno - e.used <= _CACHE_AGE]
@@ -590,10 +637,9 @@ def _storage_of(c, hold, offset, nbytes):
             if st is not None:
                 hold.release()  # this process holds the buffer already, through that storage
                 return st
-    t = c._open_hold_tensor(hold, offset, nbytes)
-    x = torch.from_dlpack(t)  # the storage's deleter drops the hold
-    del t
-    st = x.untyped_storage()
+    # The storage's deleter drops the hold (the capsule keeps it referenced till then).
+    cap = _dlpack.bytes_capsule(hold.ptr + offset, hold.dl_device, nbytes, hold)
+    st = _from_dlpack(cap).untyped_storage()
     with _S.lock:
         _S.received[key] = _torch_reductions.StorageWeakRef(st)
         if len(_S.received) > _S.received_prune:

@@ -396,7 +396,7 @@ class Batching(TorchTestCase):
         gp = [gt.zeros(100) + i for i in range(20)]              # shared in place
         plain = [torch.full((100,), float(i)) for i in range(20)]  # copied
         with gpupool.Client(self.daemon.socket, name="requests") as c:
-            for version in (1, 2, 3):
+            for version in (1, 2, 3, 4, 5):
                 for t in gp + plain:
                     t += 1
                 msg = gp + plain
@@ -408,9 +408,10 @@ class Batching(TorchTestCase):
                 self.assertEqual(r.get(timeout=60), [digest(t) for t in msg])
                 r3 = self.requests(c)
                 b3 = c.stats()["buffers"]
-                if version > 1:
-                    # Idle + Share from the sender, Open from the receiver: 3 for 40 storages.
-                    self.assertEqual((r3 - r2) - (r1 - r0), 3, "requests for one message of 40 storages")
+                if version > 2:
+                    # A Share from the sender (with, at most, an Idle before it), an Open from
+                    # the receiver: 2 or 3 for 40 storages.
+                    self.assertLessEqual((r3 - r2) - (r1 - r0), 3, "requests for one message of 40 storages")
                     # The copies went into the buffers of the message before: no new allocation.
                     self.assertEqual(b3, b1, "copy buffers were not reused")
                 q.put("drop")
@@ -432,13 +433,15 @@ class Batching(TorchTestCase):
         first = [digest(x), digest(y)]
         q.put([x, y])
         self.assertEqual(r.get(timeout=60), first)
-        x.fill_(2.0)
-        y += 7
-        second = [digest(x), digest(y)]
-        q.put([x, y])                      # the receiver still holds the first message
-        self.assertEqual(r.get(timeout=60), second)
+        held = [first]
+        for v in (2, 3, 4):
+            x.fill_(float(v))
+            y += 7
+            held.append([digest(x), digest(y)])
+            q.put([x, y])                  # the receiver still holds every message before
+            self.assertEqual(r.get(timeout=60), held[-1])
         q.put("again")
-        self.assertEqual(r.get(timeout=60), [first, second], "a held message was overwritten")
+        self.assertEqual(r.get(timeout=60), held, "a held message was overwritten")
         q.put("drop")
         self.assertEqual(r.get(timeout=60), "dropped")
         with gpupool.Client(self.daemon.socket, name="buffers") as c:
