@@ -191,6 +191,66 @@ int gpupool_buffer_alloc(gpupool_client *c, const char *pool, size_t size, int t
   return gpupool__error_report(&err, rc);
 }
 
+int gpupool_buffer_alloc_many(gpupool_client *c, const char *pool, const size_t *sizes, int n, void *stream,
+                              gpupool_buffer **out) {
+  pending **ps;
+  gpupool__error err; /* why a step after a reply failed */
+  int rc = 0;
+
+  if (!c || !sizes || !out || n <= 0)
+    return gpupool__err(GPUPOOL_EINVAL, "alloc_many: client, sizes and out must not be NULL, n at least 1");
+  gpupool__err_clear();
+  for (int i = 0; i < n; i++) {
+    out[i] = NULL;
+    if (sizes[i] == 0)
+      return gpupool__err(GPUPOOL_EINVAL, "alloc_many: size %d is 0; ask for at least 1 byte", i);
+  }
+  if (!(ps = calloc((size_t)n, sizeof *ps)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  err.code = 0;
+  pthread_mutex_lock(&c->mu);
+  rc = gpupool__ensure_connected(c);
+  /* Every request in flight at once: one round trip, the daemon answering them in order. */
+  for (int i = 0; i < n && rc == 0; i++) {
+    gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+    Gpupool__Wire__Allocate al = GPUPOOL__WIRE__ALLOCATE__INIT;
+    al.pool_name = (char *)(pool ? pool : "");
+    al.size = sizes[i];
+    req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
+    req.allocate = &al;
+    rc = gpupool__call_send(c, &req, &ps[i], -1);
+  }
+  for (int i = 0; i < n; i++) {
+    gpupool__rep *rep;
+    int r;
+    if (!ps[i])
+      continue;
+    if ((r = gpupool__call_wait(c, ps[i], &rep, NULL, NULL)) != 0) {
+      if (!rc)
+        rc = r;
+      continue;
+    }
+    if (rc == 0)
+      rc = gpupool__materialize(c, gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_ALLOCATE), 0, stream,
+                                &out[i], &err);
+    else {
+      const Gpupool__Wire__BufferDesc *d = gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_ALLOCATE);
+      if (d && d->hold_id)
+        gpupool__send_release(c, d->hold_id, 0); /* all or nothing */
+    }
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  if (rc != 0)
+    for (int i = 0; i < n; i++)
+      if (out[i]) {
+        gpupool__release_locked(c, out[i], NULL);
+        out[i] = NULL;
+      }
+  pthread_mutex_unlock(&c->mu);
+  free(ps);
+  return gpupool__error_report(&err, rc);
+}
+
 int gpupool__lost_err(const gpupool_buffer *b) {
   return gpupool__err(GPUPOOL_ELOST,
                       "buffer %" PRIu64 " belonged to a gpupoold that has gone away: its hold and names were lost "

@@ -26,6 +26,7 @@
  *     gpupool_buffer_share                 a token another client opens
  *     gpupool_buffer_share_kept            the same, alive without this hold until opened once
  *     gpupool_buffer_open                  open a token: a new hold
+ *     gpupool_buffer_alloc_many            allocate many buffers, their requests in flight together
  *     gpupool_buffer_share_kept_many       kept shares of many buffers in one request
  *     gpupool_buffer_open_many             open many tokens in one request
  *     gpupool_buffer_idle_many             which buffers only the caller references now
@@ -380,6 +381,12 @@ GPUPOOL_EXTERN int gpupool_buffer_share_kept(gpupool_buffer *b, void *stream, gp
 /* Open a shared buffer: a new hold owned by the caller. flags: GPUPOOL_READ_ONLY. */
 GPUPOOL_EXTERN int gpupool_buffer_open(gpupool_client *c, const gpupool_token *token, unsigned flags,
                                        void *stream, gpupool_buffer **out);
+
+/* n buffers of pool (NULL: the default) of sizes[0..n) bytes, as gpupool_buffer_alloc with no
+ * wait for memory (GPUPOOL_ENOSPC at once), their requests in flight together: one round
+ * trip. All or nothing: on error out[] is all NULL and nothing stays allocated. */
+GPUPOOL_EXTERN int gpupool_buffer_alloc_many(gpupool_client *c, const char *pool, const size_t *sizes, int n,
+                                             void *stream, gpupool_buffer **out);
 
 /* Kept shares (gpupool_buffer_share_kept) of bufs[0..n), all of one client, in one request:
  * out[i] is the token of bufs[i]. All or nothing: when one cannot be shared (GPUPOOL_ELIMIT

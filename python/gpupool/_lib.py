@@ -209,6 +209,8 @@ _PROTOTYPES = {
     "gpupool_buffer_share_kept": (_c_int, [BufferP, _vp, ctypes.POINTER(Token)]),
     "gpupool_buffer_open": (_c_int, [ClientP, ctypes.POINTER(Token), ctypes.c_uint, _vp,
                                      ctypes.POINTER(BufferP)]),
+    "gpupool_buffer_alloc_many": (_c_int, [ClientP, _cp, ctypes.POINTER(ctypes.c_size_t), _c_int,
+                                           _vp, ctypes.POINTER(BufferP)]),
     "gpupool_buffer_share_kept_many": (_c_int, [ctypes.POINTER(BufferP), _c_int, _vp,
                                                 ctypes.POINTER(Token), ctypes.POINTER(BufferP),
                                                 _c_int, ctypes.POINTER(_c_int)]),

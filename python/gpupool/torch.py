@@ -493,29 +493,33 @@ def _copy_targets(c, storages):
                 picked[i].busy = False
                 picked[i] = None
     try:
+        # The new buffers of each pool in one round trip (their Allocate requests together).
+        groups = {}
         for i, e in enumerate(picked):
             if e is None:
-                picked[i] = _new_entry(c, storages[i], keys[i])
+                groups.setdefault(keys[i][0], []).append(i)
+        for pool, idx in groups.items():
+            dev = storages[idx[0]].device
+            holds = c._alloc_holds(pool, [storages[i].nbytes() for i in idx], _stream_of(dev))
+            for i, h in zip(idx, holds):
+                picked[i] = _new_entry(h, storages[i], keys[i])
     except BaseException:
         _copies_done([e for e in picked if e is not None])
         raise
     return picked
 
 
-def _new_entry(c, storage, key):
+def _new_entry(hold, storage, key):
     dev = storage.device
     n = storage.nbytes()
-    t = c._alloc((n,), _UINT8, key[0], 0, _stream_of(dev))
-    try:
-        dst = None
-        if dev.type == "cuda":
-            dst = torch.from_dlpack(t)
-            if dst.device != dev:
-                raise error("EINVAL", "pool %r is on %s, not on %s where the storage is: pass "
-                            "install(pool=...) naming a pool of each device, or none" % (key[0], dst.device, dev))
-        e = _Entry(t._hold, dst, n, key)
-    finally:
-        t.release()  # the entry's hold (and view) keep the buffer
+    dst = None
+    if dev.type == "cuda":
+        # A view that keeps the hold (the entry drops both together).
+        dst = _from_dlpack(_dlpack.bytes_capsule(hold.ptr, hold.dl_device, n, hold))
+        if dst.device != dev:
+            raise error("EINVAL", "pool %r is on %s, not on %s where the storage is: pass "
+                        "install(pool=...) naming a pool of each device, or none" % (key[0], dst.device, dev))
+    e = _Entry(hold, dst, n, key)
     with _S.lock:
         if _S.cache_bytes + n <= _S.cache_max:
             _S.cache.setdefault(key, []).append(e)

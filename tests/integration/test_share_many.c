@@ -5,7 +5,8 @@
  * by the daemon's request counter), the bytes right, max_share_batch refused with nothing left
  * behind, a forged or repeated token in the middle of a batch opens nothing and uses up no kept
  * share, a kept-share quota hit midway leaves no kept share, a set whose slabs need more fds
- * than one reply carries opens whole, and a buffer is idle only once nobody else holds it.
+ * than one reply carries opens whole, a buffer is idle only once nobody else holds it, and
+ * many allocations in flight together are all or nothing.
  */
 #include <inttypes.h>
 
@@ -264,7 +265,38 @@ static void test_idle_only_when_alone(void **state) {
   th_wait_idle(&D, 3000);
 }
 
+/* Many allocations in one go: every buffer usable; one that cannot be had (more than the
+ * pool holds) fails the call and leaves nothing allocated. */
+static void test_alloc_many_all_or_nothing(void **state) {
+  enum { N = 12 };
+  gpupool_client *a;
+  gpupool_buffer *b[N];
+  size_t sizes[N];
+  uint64_t nb, nh;
+  (void)state;
+  start_with("", TH_HOST_POOL("64M", "4M"));
+  a = th_connect(&D, "sender");
+  for (int i = 0; i < N; i++)
+    sizes[i] = 1000 + 4096 * (size_t)i;
+  assert_int_equal(gpupool_buffer_alloc_many(a, NULL, sizes, N, NULL, b), 0);
+  for (int i = 0; i < N; i++) {
+    assert_true(gpupool_buffer_size(b[i]) >= sizes[i]);
+    memset(gpupool_buffer_ptr(b[i]), i, sizes[i]);
+  }
+  check_filled(b, 1, sizes[0], 0);
+  release_all(b, N);
+  sizes[7] = 128 << 20; /* more than the pool's 64M */
+  assert_true(gpupool_buffer_alloc_many(a, NULL, sizes, N, NULL, b) < 0);
+  for (int i = 0; i < N; i++)
+    assert_null(b[i]);
+  holds_now(&nb, &nh);
+  assert_int_equal(nh, 0);
+  gpupool_client_disconnect(a);
+  th_wait_idle(&D, 3000);
+}
+
 int main(void) {
   return TS_RUN_TESTS(NULL, teardown, test_one_request_each, test_batch_cap, test_bad_token_in_the_middle,
-                      test_quota_midway, test_more_slabs_than_one_reply_carries, test_idle_only_when_alone);
+                      test_quota_midway, test_more_slabs_than_one_reply_carries, test_idle_only_when_alone,
+                      test_alloc_many_all_or_nothing);
 }
