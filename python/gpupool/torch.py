@@ -416,20 +416,27 @@ def _send_batch(storages, payload):
         # One request per device (the ready events are recorded in its current stream), and
         # per _BATCH_MAX storages. The first also asks which kept copy buffers nobody holds
         # any more, so that the next message writes them without asking.
+        # A request names buffers of one client: use_allocator()'s storages are buffers of
+        # the allocator's own client.
         tokens = [None] * n
         ask = _ask_idle(entries)
-        for d in sorted(set(devs)):
-            idx = [i for i in range(n) if devs[i] == d]
+        L = c._lib
+        mine = ctypes.cast(c._conn.handle, ctypes.c_void_p).value
+        owner = [L.gpupool_buffer_client(b) or 0 for b in bufs]
+        for d, o in sorted(set(zip(devs, owner))):
+            idx = [i for i in range(n) if devs[i] == d and owner[i] == o]
             s = torch.cuda.current_stream(d).cuda_stream if d >= 0 else None
             for k in range(0, len(idx), _BATCH_MAX):
                 part = idx[k:k + _BATCH_MAX]
+                asked = ask if o == mine else []
                 blob, idle = c._share_kept_many([bufs[i] for i in part], s,
-                                                [e.hold.buf for e, _ in ask])
+                                                [e.hold.buf for e, _ in asked])
+                if asked:
+                    ask = []
                 with _S.lock:
-                    for (e, used), ok in zip(ask, idle):
+                    for (e, used), ok in zip(asked, idle):
                         if not e.busy and e.used == used:  # not sent meanwhile by another thread
                             e.idle = ok
-                ask = []
                 for j, i in enumerate(part):
                     tokens[i] = blob[j * _lib.TOKEN_SIZE:(j + 1) * _lib.TOKEN_SIZE]
     finally:
