@@ -204,7 +204,7 @@ _PROTOTYPES = {
     "gpupool_buffer_kind": (_c_int, [BufferP]),
     "gpupool_buffer_id": (_u64, [BufferP]),
     "gpupool_buffer_read_only": (_c_int, [BufferP]),
-    "gpupool_buffer_client": (_vp, [BufferP]),
+    "gpupool_buffer_client": (ClientP, [BufferP]),
     "gpupool_buffer_tensor": (_c_int, [BufferP, ctypes.POINTER(TensorMeta)]),
     "gpupool_buffer_share": (_c_int, [BufferP, _vp, ctypes.POINTER(Token)]),
     "gpupool_buffer_share_kept": (_c_int, [BufferP, _vp, ctypes.POINTER(Token)]),

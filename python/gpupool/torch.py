@@ -420,9 +420,12 @@ def _send_batch(storages, payload):
         # the allocator's own client.
         tokens = [None] * n
         ask = _ask_idle(entries)
-        L = c._lib
         mine = ctypes.cast(c._conn.handle, ctypes.c_void_p).value
-        owner = [L.gpupool_buffer_client(b) or 0 for b in bufs]
+        if _S.alloc_lib is None:
+            owner = [mine] * n
+        else:
+            who = c._lib.gpupool_buffer_client
+            owner = [ctypes.cast(who(b), ctypes.c_void_p).value for b in bufs]
         for d, o in sorted(set(zip(devs, owner))):
             idx = [i for i in range(n) if devs[i] == d and owner[i] == o]
             s = torch.cuda.current_stream(d).cuda_stream if d >= 0 else None
