@@ -26,6 +26,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Optional, Sequence
@@ -99,6 +100,24 @@ if hasattr(torch._C, "_from_dlpack"):
     _from_dlpack = torch._C._from_dlpack
 else:
     from torch.utils.dlpack import from_dlpack as _from_dlpack
+
+# GPUPOOL_TORCH_PROFILE=1: the time of each step of sending and receiving a message is
+# recorded (bench/torch_queue.py --profile prints their medians); off, it costs a test each.
+_PROFILE = os.environ.get("GPUPOOL_TORCH_PROFILE") == "1"
+_steps: dict = {}
+
+
+def _step(name, t0):
+    """Record a step that began at t0 (perf_counter_ns); returns now, the next step's start."""
+    t = time.perf_counter_ns()
+    _steps.setdefault(name, []).append(t - t0)
+    return t
+
+
+def _profile():
+    """The recorded steps: name -> list of nanoseconds (empty unless GPUPOOL_TORCH_PROFILE=1)."""
+    return {k: list(v) for k, v in _steps.items()}
+
 
 _S = _State()
 _tls = threading.local()   # .batch: the message being pickled; .received: its storages
@@ -361,6 +380,7 @@ def _pickler_dump(self, obj):
     f = getattr(self, "_gp_file", None)
     if _S.opts is None or getattr(_tls, "batch", None) is not None or f is None:
         return dump(self, obj)
+    t0 = time.perf_counter_ns() if _PROFILE else 0
     batch = _tls.batch = _Batch()
     try:
         buf = io.BytesIO()
@@ -370,7 +390,14 @@ def _pickler_dump(self, obj):
     if not batch.storages:
         f.write(buf.getbuffer())  # nothing of gpupool's in it: the message as it is
         return None
-    return dump(self, _send_batch(batch.storages, buf.getvalue()))
+    if t0:
+        t0 = _step("send: pickle", t0)
+    msg = _send_batch(batch.storages, buf.getvalue())
+    if t0:
+        t0 = _step("send: copies and share", t0)
+    dump(self, msg)
+    if t0:
+        _step("send: wrap", t0)
 
 
 class _Message:
@@ -403,7 +430,10 @@ def _send_batch(storages, payload):
                         "under gpupool.torch.use_allocator(), or install(copy=True)" % (st.device, sizes[i]))
         else:
             copies.append(i)
+    t0 = time.perf_counter_ns() if _PROFILE else 0
     entries = _copy_targets(c, [storages[i] for i in copies]) if copies else []
+    if t0:
+        t0 = _step("send: find and pick buffers", t0)
     try:
         for i, e in zip(copies, entries):
             st = storages[i]
@@ -413,6 +443,8 @@ def _send_batch(storages, payload):
                 e.dst[:sizes[i]].copy_(src)  # on the current stream: the share records the ready event there
             else:
                 ctypes.memmove(e.hold.ptr, st.data_ptr(), sizes[i])
+        if t0:
+            t0 = _step("send: copies queued", t0)
         # One request per device (the ready events are recorded in its current stream), and
         # per _BATCH_MAX storages. The first also asks which kept copy buffers nobody holds
         # any more, so that the next message writes them without asking.
@@ -442,6 +474,8 @@ def _send_batch(storages, payload):
                             e.idle = ok
                 for j, i in enumerate(part):
                     tokens[i] = blob[j * _lib.TOKEN_SIZE:(j + 1) * _lib.TOKEN_SIZE]
+        if t0:
+            t0 = _step("send: share request", t0)
     finally:
         _copies_done(entries)
     return _Message((opts.spec(), b"".join(tokens), offs, sizes, devs, payload))
@@ -594,9 +628,12 @@ def _open_message(spec, tokens, offs, sizes, devs, payload):
     s = torch.cuda.current_stream(next(iter(cuda))).cuda_stream if len(cuda) == 1 else None
     holds = []
     T = _lib.TOKEN_SIZE
+    t0 = time.perf_counter_ns() if _PROFILE else 0
     try:
         for k in range(0, n, _BATCH_MAX):
             holds += c._open_holds(tokens[k * T:(k + _BATCH_MAX) * T], False, s)
+        if t0:
+            t0 = _step("receive: open", t0)
         storages = [None] * n
         for i in range(n):
             h = holds[i]
@@ -608,12 +645,16 @@ def _open_message(spec, tokens, offs, sizes, devs, payload):
         for h in holds:
             if h is not None:
                 h.release()  # a storage that could not be made: its hold goes
+    if t0:
+        t0 = _step("receive: storages", t0)
     prev = getattr(_tls, "received", None)
     _tls.received = storages
     try:
         return pickle.loads(payload)
     finally:
         _tls.received = prev  # storages the message did not use go with this list
+        if t0:
+            _step("receive: unpickle", t0)
 
 
 def _batched_storage(i):
