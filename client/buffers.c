@@ -380,8 +380,22 @@ int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *str
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_SHARE;
   req.share = &sh;
   pthread_mutex_lock(&c->mu);
+  rc = gpupool__ensure_connected(c);
   for (int i = 0; i < n && rc == 0; i++)
-    rc = gpupool__hand_over_prepare(c, bufs[i], stream);
+    if (bufs[i]->lost)
+      rc = gpupool__lost_err(bufs[i]);
+  /* Each ready event recorded in stream, as gpupool_buffer_share does, but the stream asked
+   * once whether it is idle (then there is nothing to wait for), not once per buffer. */
+  if (rc == 0 && !(c->be->stream_idle && c->be->stream_idle(stream) == 1)) {
+    if (c->host_fences)
+      rc = c->be->sync ? c->be->sync(stream) : 0;
+    else
+      for (int i = 0; i < n && rc == 0; i++) {
+        gpupool__cevent *e = bufs[i]->ready_id ? gpupool__hmap_get(&c->events, bufs[i]->ready_id) : NULL;
+        if (e && (rc = c->be->event_record(e, stream)) > 0)
+          rc = 0;
+      }
+  }
   if (rc == 0 && (rc = gpupool__call(c, &req, &rep, NULL)) == 0) {
     const Gpupool__Wire__ShareReply *r = rep->share;
     int ok = rep->body_case == GPUPOOL__WIRE__REPLY__BODY_SHARE && r && r->token.len == GPUPOOL_TOKEN_SIZE &&
