@@ -393,7 +393,7 @@ class Batching(TorchTestCase):
         q, r = ctx.Queue(), ctx.Queue()
         p = ctx.Process(target=hold_messages, args=(q, r))
         p.start()
-        gp = [gt.zeros(100) + i for i in range(20)]              # shared in place
+        gp = [gt.zeros(100).add_(i) for i in range(20)]          # shared in place
         plain = [torch.full((100,), float(i)) for i in range(20)]  # copied
         with gpupool.Client(self.daemon.socket, name="requests") as c:
             for version in (1, 2, 3, 4, 5):

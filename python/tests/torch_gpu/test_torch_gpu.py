@@ -151,7 +151,7 @@ class CudaTensors(unittest.TestCase):
         p = ctx.Process(target=hold_messages, args=(q, r))
         p.start()
         plain = [torch.full((1 << 16,), float(i), device="cuda") for i in range(16)]
-        gp = [gt.zeros(1 << 10, device="cuda") + i for i in range(16)]
+        gp = [gt.zeros(1 << 10, device="cuda").add_(i) for i in range(16)]   # shared in place
         first = [digest(t) for t in plain + gp]
         q.put(plain + gp)
         self.assertEqual(r.get(timeout=180), first)
@@ -161,7 +161,11 @@ class CudaTensors(unittest.TestCase):
         q.put(plain + gp)                       # the first message is still held
         self.assertEqual(r.get(timeout=120), second)
         q.put("again")
-        self.assertEqual(r.get(timeout=120), [first, second], "a held message was overwritten")
+        again = r.get(timeout=120)
+        # The copies of the first message are intact; its gpupool storages are the sender's
+        # memory, shared in place: the sender's write shows there too.
+        self.assertEqual([h[:16] for h in again], [first[:16], second[:16]], "a held copy was overwritten")
+        self.assertEqual([h[16:] for h in again], [second[16:], second[16:]])
         q.put("drop")
         self.assertEqual(r.get(timeout=120), "dropped")
         with gpupool.Client(self.daemon.socket, name="requests") as c:
