@@ -15,6 +15,11 @@ storage lives (the hold goes with the storage's deleter), needs no ``ipc_collect
 storages that alias as the sender's did. Nothing of it needs ptrace, pidfd_getfd or a shared
 PID namespace: only the daemon's socket.
 
+A message is one request each way, whatever its number of tensors: the sender shares every
+storage of it in one Share request, the receiver opens them in one Open request (install()
+wraps ForkingPickler's dump for that). The buffers copies go into are kept and written again
+for later messages once the daemon says nobody holds them any more; ``trim()`` gives them back.
+
 Importing this module imports torch; ``import gpupool`` does not import it.
 """
 
