@@ -773,6 +773,16 @@ int gpupool_buffer_device(const gpupool_buffer *b) {
 }
 gpupool_mem_kind gpupool_buffer_kind(const gpupool_buffer *b) { return b ? b->slab->pool->kind : GPUPOOL_MEM_HOST; }
 uint64_t gpupool_buffer_id(const gpupool_buffer *b) { return b ? b->buffer_id : 0; }
+void gpupool_buffer_facts(const gpupool_buffer *b, uint64_t *out) {
+  if (!out)
+    return;
+  out[0] = (uint64_t)(uintptr_t)gpupool_buffer_ptr(b);
+  out[1] = gpupool_buffer_size(b);
+  out[2] = (uint64_t)gpupool_buffer_kind(b);
+  out[3] = (uint64_t)(gpupool_buffer_device(b) + 1);
+  out[4] = gpupool_buffer_id(b);
+  out[5] = (uint64_t)gpupool_buffer_read_only(b);
+}
 int gpupool_buffer_read_only(const gpupool_buffer *b) { return b ? b->read_only : 0; }
 gpupool_client *gpupool_buffer_client(const gpupool_buffer *b) { return b ? b->c : NULL; }
 int gpupool_buffer_tensor(const gpupool_buffer *b, gpupool_tensor_meta *out) {
