@@ -9,11 +9,19 @@ consumer gets it, synchronizes its stream and checks the checksum outside the ti
 Timed: from the producer starting put() to the consumer holding the tensors with their
 data ready (time.perf_counter_ns, CLOCK_MONOTONIC, shared by both processes).
 
-Ways: "torch" (torch's own CUDA IPC reductions) and "install()" (both processes call
-gpupool.torch.install() before anything is put: the tensor travels as a gpupool hold; a
-tensor that is not in gpupool memory is copied once into it on the sender's stream).
-Ratios are torch / install(). The script starts its own gpupoold (CUDA backend) and
+Ways: "torch" (torch's own CUDA IPC reductions); "install()" (both processes call
+gpupool.torch.install() before anything is put: the tensors, made by torch's caching
+allocator, are copied once into gpupool buffers on the sender's stream, buffers the sender
+reuses for the next message once the daemon says no one holds them); "install() + empty"
+(the same, with the producer's tensors made by gpupool.torch.empty: shared in place, no
+copy). Every message is one Share request and one Open request, whatever its number of
+tensors. Ratios are torch / the way. The script starts its own gpupoold (CUDA backend) and
 exits 77 without torch, CUDA or gpupool.torch.install (this module's absence is said).
+
+A first row measures the channel alone: a 64-byte object (no tensor) through the same Queue,
+the floor under every way. --profile records the time of each step of gpupool.torch's send
+(feeder thread) and receive (GPUPOOL_TORCH_PROFILE=1) and prints their medians per way.
+--workloads picks rows (comma-separated prefixes, e.g. "1 MiB,queue").
 
     python3 bench/torch_queue.py --gpupoold build-gpu/daemon/gpupoold
 """
@@ -31,12 +39,15 @@ from _common import arg_parser, percentile, run_pair, sync, torch_on, use_librar
 from weight_sync import checksum, initial_values, llama_layout, touch  # noqa: E402
 
 MiB = 1 << 20
+WAYS = (("torch", False), ("install()", True), ("install() + empty", "empty"))
+FLOOR = "queue alone (64 B, no tensor)"
 WORKLOADS = {
+    FLOOR: lambda: [],
     "1 MiB tensor": lambda: [("t", (MiB // 4,))],
     "64 MiB tensor": lambda: [("t", (64 * MiB // 4,))],
     "146-tensor state dict": llama_layout,
 }
-DTYPES = {"1 MiB tensor": "float32", "64 MiB tensor": "float32",
+DTYPES = {FLOOR: "float32", "1 MiB tensor": "float32", "64 MiB tensor": "float32",
           "146-tensor state dict": "bfloat16"}
 
 
@@ -49,10 +60,34 @@ def _setup(device, install):
     return torch
 
 
+def _medians(install):
+    """Per recorded step of gpupool.torch, the median in ms (the first message left out)."""
+    if not install:
+        return {}
+    import gpupool.torch as gt
+
+    prof = getattr(gt, "_profile", lambda: {})()
+    return {k: percentile([x / 1e6 for x in v[1:]], 50) for k, v in prof.items() if len(v) > 1}
+
+
 def producer(device, workload, versions, install, q, ctl):
     torch = _setup(device, install)
+    if workload == FLOOR:
+        for v in range(1, versions + 1):
+            ctl.recv()
+            t0 = time.perf_counter_ns()
+            q.put(b"x" * 64)
+            ctl.send((t0, 0))
+        ctl.recv()
+        ctl.send({})
+        return
     layout = WORKLOADS[workload]()
     ts = initial_values(torch, layout, DTYPES[workload], device)
+    if install == "empty":
+        import gpupool.torch as gt
+
+        ts = [gt.empty_like(t).copy_(t) for t in ts]  # gpupool memory from the start
+        sync(torch, device)
     names = [n for n, _ in layout]
     for v in range(1, versions + 1):
         ctl.recv()  # the consumer is done with the previous version
@@ -63,6 +98,7 @@ def producer(device, workload, versions, install, q, ctl):
         q.put(ts[0] if len(ts) == 1 else dict(zip(names, ts)))
         ctl.send((t0, want))
     ctl.recv()
+    ctl.send(_medians(install))
 
 
 def consumer(device, workload, versions, install, q, ctl, out):
@@ -75,18 +111,26 @@ def consumer(device, workload, versions, install, q, ctl, out):
         t1 = time.perf_counter_ns()
         t0, want = ctl.recv()
         lat.append((t1 - t0) / 1e3)
-        tensors = list(obj.values()) if isinstance(obj, dict) else [obj]
-        bad += checksum(torch, tensors) != want
-        del obj, tensors
+        if workload != FLOOR:
+            tensors = list(obj.values()) if isinstance(obj, dict) else [obj]
+            bad += checksum(torch, tensors) != want
+            del tensors
+        del obj
     ctl.send("done")
-    out.put({"lat_us": lat, "bad": bad})
+    sender = ctl.recv()
+    out.put({"lat_us": lat, "bad": bad, "sender": sender, "receiver": _medians(install)})
 
 
 def main():
     ap = arg_parser(__doc__)
     ap.add_argument("--versions", type=int, default=30, help="handoffs per way (>= 2)")
     ap.add_argument("--table", help="also write the markdown table to this file")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the median of each step of gpupool.torch's send and receive")
+    ap.add_argument("--workloads", help="comma-separated prefixes of the rows to run (default: all)")
     args = ap.parse_args()
+    if args.profile:
+        os.environ["GPUPOOL_TORCH_PROFILE"] = "1"  # read by gpupool.torch in the spawned processes
     use_library(args.library, args.gpupoold)
     try:
         import torch
@@ -114,10 +158,13 @@ def main():
            "versions": args.versions, "workloads": {}}
     with Daemon(args.gpupoold, backend="cuda", pools=[pool]) as d:
         os.environ["GPUPOOL_SOCKET"] = d.socket  # inherited by the spawned processes
+        picks = [w.strip() for w in args.workloads.split(",")] if args.workloads else None
         for wl in WORKLOADS:
+            if picks and not any(wl.startswith(p) for p in picks):
+                continue
             row = res["workloads"][wl] = {}
             versions = args.versions if "state dict" not in wl else max(2, args.versions // 3)
-            for way, install in (("torch", False), ("install()", True)):
+            for way, install in (WAYS[:1] if wl == FLOOR else WAYS):
                 q = ctx.Queue()
                 r = run_pair(ctx, producer, (args.device, wl, versions, install, q),
                              consumer, (args.device, wl, versions, install, q), timeout=600,
@@ -129,21 +176,33 @@ def main():
                 print("torch_queue: %s, %s: cold %.3f ms, warm p50 %.3f ms, p99 %.3f ms, bad %d"
                       % (wl, way, row[way]["cold_ms"], row[way]["p50_ms"], row[way]["p99_ms"],
                          r["bad"]), flush=True)
+                steps = dict(r.get("sender") or {}, **(r.get("receiver") or {}))
+                if steps:
+                    row[way]["steps_ms"] = steps
+                    print("torch_queue: %s, %s: step p50s (ms): %s" % (wl, way, ", ".join(
+                        "%s %.3f" % kv for kv in sorted(steps.items()))), flush=True)
     lines = ["torch.multiprocessing Queue on %s (torch %s): warm p50 / p99 in ms, cold = "
-             "first handoff" % (res["gpu"], res["torch"]), "",
-             "| workload | torch | install() | torch / install() (p50) | cold torch / install() "
-             "| bad |", "| --- | --- | --- | --- | --- | --- |"]
+             "first handoff; x = torch's p50 / the way's" % (res["gpu"], res["torch"]), "",
+             "| workload | torch | install() (copy) | x | install() + empty (no copy) | x "
+             "| cold: torch / copy / no copy | bad |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     targets = {"1 MiB tensor": 3.0, "146-tensor state dict": 5.0}
     verdicts = []
     for wl, row in res["workloads"].items():
-        t, g = row["torch"], row["install()"]
-        ratio = t["p50_ms"] / g["p50_ms"]
-        lines.append("| %s | %.3f / %.3f | %.3f / %.3f | %.2fx | %.2fx | %d |" % (
-            wl, t["p50_ms"], t["p99_ms"], g["p50_ms"], g["p99_ms"], ratio,
-            t["cold_ms"] / g["cold_ms"], t["bad"] + g["bad"]))
+        if wl == FLOOR:
+            t = row["torch"]
+            lines.append("| %s | %.3f / %.3f | | | | | %.3f | |" % (wl, t["p50_ms"], t["p99_ms"], t["cold_ms"]))
+            continue
+        t, g, e = row["torch"], row["install()"], row["install() + empty"]
+        rg, re_ = t["p50_ms"] / g["p50_ms"], t["p50_ms"] / e["p50_ms"]
+        lines.append("| %s | %.3f / %.3f | %.3f / %.3f | %.2fx | %.3f / %.3f | %.2fx | %.3f / %.3f / %.3f "
+                     "| %d |" % (wl, t["p50_ms"], t["p99_ms"], g["p50_ms"], g["p99_ms"], rg, e["p50_ms"],
+                                 e["p99_ms"], re_, t["cold_ms"], g["cold_ms"], e["cold_ms"],
+                                 t["bad"] + g["bad"] + e["bad"]))
         if wl in targets:
-            verdicts.append("%s >= %.0fx: %s (%.2fx)" % (
-                wl, targets[wl], "met" if ratio >= targets[wl] else "missed", ratio))
+            for name, ratio in (("copy", rg), ("no copy", re_)):
+                verdicts.append("%s >= %.0fx (%s): %s (%.2fx)" % (
+                    wl, targets[wl], name, "met" if ratio >= targets[wl] else "missed", ratio))
     lines += ["", "Targets (issue 23): " + "; ".join(verdicts) + ".", ""]
     text = "\n".join(lines)
     print()

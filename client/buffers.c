@@ -191,6 +191,66 @@ int gpupool_buffer_alloc(gpupool_client *c, const char *pool, size_t size, int t
   return gpupool__error_report(&err, rc);
 }
 
+int gpupool_buffer_alloc_many(gpupool_client *c, const char *pool, const size_t *sizes, int n, void *stream,
+                              gpupool_buffer **out) {
+  pending **ps;
+  gpupool__error err; /* why a step after a reply failed */
+  int rc = 0;
+
+  if (!c || !sizes || !out || n <= 0)
+    return gpupool__err(GPUPOOL_EINVAL, "alloc_many: client, sizes and out must not be NULL, n at least 1");
+  gpupool__err_clear();
+  for (int i = 0; i < n; i++) {
+    out[i] = NULL;
+    if (sizes[i] == 0)
+      return gpupool__err(GPUPOOL_EINVAL, "alloc_many: size %d is 0; ask for at least 1 byte", i);
+  }
+  if (!(ps = calloc((size_t)n, sizeof *ps)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  err.code = 0;
+  pthread_mutex_lock(&c->mu);
+  rc = gpupool__ensure_connected(c);
+  /* Every request in flight at once: one round trip, the daemon answering them in order. */
+  for (int i = 0; i < n && rc == 0; i++) {
+    gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+    Gpupool__Wire__Allocate al = GPUPOOL__WIRE__ALLOCATE__INIT;
+    al.pool_name = (char *)(pool ? pool : "");
+    al.size = sizes[i];
+    req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
+    req.allocate = &al;
+    rc = gpupool__call_send(c, &req, &ps[i], -1);
+  }
+  for (int i = 0; i < n; i++) {
+    gpupool__rep *rep;
+    int r;
+    if (!ps[i])
+      continue;
+    if ((r = gpupool__call_wait(c, ps[i], &rep, NULL, NULL)) != 0) {
+      if (!rc)
+        rc = r;
+      continue;
+    }
+    if (rc == 0)
+      rc = gpupool__materialize(c, gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_ALLOCATE), 0, stream,
+                                &out[i], &err);
+    else {
+      const Gpupool__Wire__BufferDesc *d = gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_ALLOCATE);
+      if (d && d->hold_id)
+        gpupool__send_release(c, d->hold_id, 0); /* all or nothing */
+    }
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  if (rc != 0)
+    for (int i = 0; i < n; i++)
+      if (out[i]) {
+        gpupool__release_locked(c, out[i], NULL);
+        out[i] = NULL;
+      }
+  pthread_mutex_unlock(&c->mu);
+  free(ps);
+  return gpupool__error_report(&err, rc);
+}
+
 int gpupool__lost_err(const gpupool_buffer *b) {
   return gpupool__err(GPUPOOL_ELOST,
                       "buffer %" PRIu64 " belonged to a gpupoold that has gone away: its hold and names were lost "
@@ -263,6 +323,146 @@ int gpupool_buffer_share_kept(gpupool_buffer *b, void *stream, gpupool_token *ou
   return share(b, stream, 1, out);
 }
 
+/* bufs[0..n) non-NULL and of one client: that client, or NULL after setting the error. */
+static gpupool_client *client_of_all(gpupool_buffer *const *bufs, int n, const char *what) {
+  gpupool_client *c;
+  if (!bufs || n <= 0) {
+    gpupool__err(GPUPOOL_EINVAL, "%s: at least one buffer is needed", what);
+    return NULL;
+  }
+  for (int i = 0; i < n; i++)
+    if (!bufs[i]) {
+      gpupool__err(GPUPOOL_EINVAL, "%s: buffer %d is NULL", what, i);
+      return NULL;
+    }
+  c = bufs[0]->c;
+  for (int i = 1; i < n; i++)
+    if (bufs[i]->c != c) {
+      gpupool__err(GPUPOOL_EINVAL, "%s: buffer %d belongs to another client than buffer 0; one request "
+                   "names holds of one client", what, i);
+      return NULL;
+    }
+  return c;
+}
+
+int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *stream, gpupool_token *out,
+                                   gpupool_buffer *const *ask, int nask, int *idle) {
+  gpupool_client *c;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Share sh = GPUPOOL__WIRE__SHARE__INIT;
+  gpupool__rep *rep;
+  uint64_t *more = NULL, *asked = NULL;
+  int rc = 0;
+
+  gpupool__err_clear();
+  if (!(c = client_of_all(bufs, n, "share_kept_many")))
+    return GPUPOOL_EINVAL;
+  if (!out || nask < 0 || (nask > 0 && (!idle || client_of_all(ask, nask, "share_kept_many (ask)") != c)))
+    return gpupool__err(GPUPOOL_EINVAL, "share_kept_many: out must not be NULL, and ask (nask >= 0, with idle) "
+                        "must name buffers of the same client");
+  for (int i = 0; i < nask; i++)
+    idle[i] = 0;
+  if ((n > 1 && !(more = malloc((size_t)(n - 1) * sizeof *more))) ||
+      (nask > 0 && !(asked = malloc((size_t)nask * sizeof *asked)))) {
+    free(more);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  }
+  for (int i = 0; i < nask; i++)
+    asked[i] = ask[i]->hold_id;
+  sh.n_idle_hold_ids = (size_t)nask;
+  sh.idle_hold_ids = asked;
+  sh.hold_id = bufs[0]->hold_id;
+  for (int i = 1; i < n; i++)
+    more[i - 1] = bufs[i]->hold_id;
+  sh.n_more_hold_ids = (size_t)(n - 1);
+  sh.more_hold_ids = more;
+  sh.keep = 1;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_SHARE;
+  req.share = &sh;
+  pthread_mutex_lock(&c->mu);
+  rc = gpupool__ensure_connected(c);
+  for (int i = 0; i < n && rc == 0; i++)
+    if (bufs[i]->lost)
+      rc = gpupool__lost_err(bufs[i]);
+  /* Each ready event recorded in stream, as gpupool_buffer_share does, but the stream asked
+   * once whether it is idle (then there is nothing to wait for), not once per buffer. */
+  if (rc == 0 && !(c->be->stream_idle && c->be->stream_idle(stream) == 1)) {
+    if (c->host_fences)
+      rc = c->be->sync ? c->be->sync(stream) : 0;
+    else
+      for (int i = 0; i < n && rc == 0; i++) {
+        gpupool__cevent *e = bufs[i]->ready_id ? gpupool__hmap_get(&c->events, bufs[i]->ready_id) : NULL;
+        if (e && (rc = c->be->event_record(e, stream)) > 0)
+          rc = 0;
+      }
+  }
+  if (rc == 0 && (rc = gpupool__call(c, &req, &rep, NULL)) == 0) {
+    const Gpupool__Wire__ShareReply *r = rep->share;
+    int ok = rep->body_case == GPUPOOL__WIRE__REPLY__BODY_SHARE && r && r->token.len == GPUPOOL_TOKEN_SIZE &&
+             r->n_more_tokens == (size_t)(n - 1);
+    for (size_t i = 0; ok && i < r->n_more_tokens; i++)
+      ok = r->more_tokens[i].len == GPUPOOL_TOKEN_SIZE;
+    if (ok && r->n_idle == (size_t)nask)
+      for (int i = 0; i < nask; i++)
+        idle[i] = r->idle[i] != 0;
+    if (!ok)
+      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon answered a share of %d buffers with %s: it may be older than "
+                        "this library (share them one by one)", n,
+                        r && r->token.len ? "a different number of tokens" : "a malformed reply");
+    else {
+      memcpy(out[0].bytes, r->token.data, GPUPOOL_TOKEN_SIZE);
+      for (size_t i = 0; i < r->n_more_tokens; i++)
+        memcpy(out[i + 1].bytes, r->more_tokens[i].data, GPUPOOL_TOKEN_SIZE);
+    }
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  pthread_mutex_unlock(&c->mu);
+  free(more);
+  free(asked);
+  return rc;
+}
+
+int gpupool_buffer_idle_many(gpupool_buffer *const *bufs, int n, int *idle) {
+  gpupool_client *c;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Idle id = GPUPOOL__WIRE__IDLE__INIT;
+  gpupool__rep *rep;
+  uint64_t *ids;
+  int rc;
+
+  gpupool__err_clear();
+  if (!(c = client_of_all(bufs, n, "idle_many")))
+    return GPUPOOL_EINVAL;
+  if (!idle)
+    return gpupool__err(GPUPOOL_EINVAL, "idle_many: idle must not be NULL");
+  for (int i = 0; i < n; i++)
+    idle[i] = 0;
+  if (!(ids = malloc((size_t)n * sizeof *ids)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  for (int i = 0; i < n; i++)
+    ids[i] = bufs[i]->hold_id;
+  id.n_hold_ids = (size_t)n;
+  id.hold_ids = ids;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_IDLE;
+  req.idle = &id;
+  pthread_mutex_lock(&c->mu);
+  rc = gpupool__ensure_connected(c);
+  for (int i = 0; rc == 0 && i < n; i++)
+    if (bufs[i]->lost)
+      rc = gpupool__lost_err(bufs[i]);
+  if (rc == 0 && (rc = gpupool__call(c, &req, &rep, NULL)) == 0) {
+    if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_IDLE || !rep->idle || rep->idle->n_idle != (size_t)n)
+      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent a malformed answer to Idle");
+    else
+      for (int i = 0; i < n; i++)
+        idle[i] = rep->idle->idle[i] != 0;
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  pthread_mutex_unlock(&c->mu);
+  free(ids);
+  return rc;
+}
+
 /* GPUPOOL_KEEP_MAPPED: b's slab stays mapped after its last buffer goes, until revoked. */
 void gpupool__keep_mapped(gpupool_buffer *b, unsigned flags) {
   if (b && (flags & GPUPOOL_KEEP_MAPPED))
@@ -296,6 +496,81 @@ int gpupool_buffer_open(gpupool_client *c, const gpupool_token *token, unsigned 
       gpupool__keep_mapped(*out, flags);
   }
   pthread_mutex_unlock(&c->mu);
+  return gpupool__error_report(&err, rc);
+}
+
+int gpupool_buffer_open_many(gpupool_client *c, const gpupool_token *tokens, int n, unsigned flags, void *stream,
+                             gpupool_buffer **out) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Open op = GPUPOOL__WIRE__OPEN__INIT;
+  ProtobufCBinaryData *more = NULL;
+  gpupool__error err; /* why a step after the reply failed */
+  int rc = 0, done = 0;
+
+  if (!c || !tokens || !out || n <= 0)
+    return gpupool__err(GPUPOOL_EINVAL, "open_many: client, tokens and out must not be NULL, n at least 1");
+  gpupool__err_clear();
+  for (int i = 0; i < n; i++)
+    out[i] = NULL;
+  if (n > 1 && !(more = calloc((size_t)(n - 1), sizeof *more)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  op.read_only = (flags & GPUPOOL_READ_ONLY) != 0;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_OPEN;
+  req.open = &op;
+  err.code = 0;
+  pthread_mutex_lock(&c->mu);
+  /* A request per run of tokens the daemon opens at once (all of them, unless their slabs need
+   * more fds than one reply carries). */
+  while (done < n && rc == 0) {
+    gpupool__rep *rep;
+    const Gpupool__Wire__OpenReply *r;
+    size_t got;
+    op.token.data = (uint8_t *)tokens[done].bytes;
+    op.token.len = GPUPOOL_TOKEN_SIZE;
+    for (int i = done + 1; i < n; i++) {
+      more[i - done - 1].data = (uint8_t *)tokens[i].bytes;
+      more[i - done - 1].len = GPUPOOL_TOKEN_SIZE;
+    }
+    op.n_more_tokens = (size_t)(n - done - 1);
+    op.more_tokens = more;
+    if ((rc = gpupool__call_retry(c, &req, &rep, -1)) != 0)
+      break;
+    r = rep->body_case == GPUPOOL__WIRE__REPLY__BODY_OPEN ? rep->open : NULL;
+    got = r ? 1 + r->n_more : 0;
+    if (!r || got > (size_t)(n - done)) {
+      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon answered an open of %d tokens with %zu buffers", n - done,
+                        got);
+      for (size_t i = 0; r && i < got; i++) {
+        const Gpupool__Wire__BufferDesc *d = i == 0 ? r->buffer : r->more[i - 1];
+        if (d && d->hold_id)
+          gpupool__send_release(c, d->hold_id, 0);
+      }
+      gpupool__wire__reply__free_unpacked(rep, NULL);
+      break;
+    }
+    for (size_t i = 0; i < got; i++) {
+      const Gpupool__Wire__BufferDesc *d = i == 0 ? r->buffer : r->more[i - 1];
+      if (rc == 0) {
+        rc = gpupool__materialize(c, d, 1, stream, &out[done + (int)i], &err);
+        if (rc == 0)
+          gpupool__keep_mapped(out[done + (int)i], flags);
+      } else if (d && d->hold_id) {
+        gpupool__send_release(c, d->hold_id, 0); /* all or nothing: the rest of this reply goes too */
+      }
+    }
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+    done += (int)got;
+  }
+  if (rc != 0) {
+    /* All or nothing: what this call opened goes back. */
+    for (int i = 0; i < n; i++)
+      if (out[i]) {
+        gpupool__release_locked(c, out[i], NULL);
+        out[i] = NULL;
+      }
+  }
+  pthread_mutex_unlock(&c->mu);
+  free(more);
   return gpupool__error_report(&err, rc);
 }
 
@@ -498,6 +773,16 @@ int gpupool_buffer_device(const gpupool_buffer *b) {
 }
 gpupool_mem_kind gpupool_buffer_kind(const gpupool_buffer *b) { return b ? b->slab->pool->kind : GPUPOOL_MEM_HOST; }
 uint64_t gpupool_buffer_id(const gpupool_buffer *b) { return b ? b->buffer_id : 0; }
+void gpupool_buffer_facts(const gpupool_buffer *b, uint64_t *out) {
+  if (!out)
+    return;
+  out[0] = (uint64_t)(uintptr_t)gpupool_buffer_ptr(b);
+  out[1] = gpupool_buffer_size(b);
+  out[2] = (uint64_t)gpupool_buffer_kind(b);
+  out[3] = (uint64_t)(gpupool_buffer_device(b) + 1);
+  out[4] = gpupool_buffer_id(b);
+  out[5] = (uint64_t)gpupool_buffer_read_only(b);
+}
 int gpupool_buffer_read_only(const gpupool_buffer *b) { return b ? b->read_only : 0; }
 gpupool_client *gpupool_buffer_client(const gpupool_buffer *b) { return b ? b->c : NULL; }
 int gpupool_buffer_tensor(const gpupool_buffer *b, gpupool_tensor_meta *out) {

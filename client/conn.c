@@ -155,6 +155,9 @@ static void stash_export(gpupool_client *c, const gpupool__rep *rep) {
     return;
   }
   stash_one(c, gpupool__reply_desc(rep, 0), &fdi);
+  if (rep->body_case == GPUPOOL__WIRE__REPLY__BODY_OPEN && rep->open)
+    for (size_t i = 0; i < rep->open->n_more; i++)
+      stash_one(c, rep->open->more[i], &fdi);
 }
 
 /* Read one reply (lock released meanwhile) and hand it to its waiter. Called with c->mu. */

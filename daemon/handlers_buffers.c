@@ -87,29 +87,121 @@ int gpd_handle_release(gpd_conn *c, const Gpupool__Wire__Request *req, int *defe
   return 0;
 }
 
+/* A request naming n holds or tokens: EINVAL past max_share_batch. */
+static int batch_ok(gpd_conn *c, size_t n, const char *what) {
+  uint32_t max = c->srv->cfg->max_share_batch;
+  if (n > max)
+    return gpupool__err(GPUPOOL_EINVAL, "one %s request names %zu holds or tokens; the daemon takes at most %u "
+                        "(max_share_batch): split it", what, n, max);
+  return 0;
+}
+
 int gpd_handle_share(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__Share *m = req->share;
   Gpupool__Wire__ShareReply sr = GPUPOOL__WIRE__SHARE_REPLY__INIT;
-  uint8_t token[GPUPOOL_TOKEN_SIZE];
-  int rc = gpd_share(c->srv->reg, &c->cl, m->hold_id, m->keep, token);
-  if (rc != 0)
+  size_t n = 1 + m->n_more_hold_ids;
+  uint64_t one[1], *ids = one;
+  uint8_t token[1][GPUPOOL_TOKEN_SIZE], (*tokens)[GPUPOOL_TOKEN_SIZE] = token;
+  ProtobufCBinaryData *more = NULL;
+  protobuf_c_boolean *idle = NULL;
+  int rc;
+  if ((rc = batch_ok(c, n, "Share")) != 0 || (rc = batch_ok(c, m->n_idle_hold_ids, "Share (idle_hold_ids)")) != 0)
     return rc;
-  sr.token.data = token;
-  sr.token.len = sizeof token;
+  if (m->n_idle_hold_ids && !(idle = calloc(m->n_idle_hold_ids, sizeof *idle)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  if (n > 1 && (!(ids = malloc(n * sizeof *ids)) || !(tokens = malloc(n * sizeof *tokens)) ||
+                !(more = calloc(n - 1, sizeof *more)))) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    goto out;
+  }
+  ids[0] = m->hold_id;
+  for (size_t i = 1; i < n; i++)
+    ids[i] = m->more_hold_ids[i - 1];
+  if ((rc = gpd_share_many(c->srv->reg, &c->cl, ids, n, m->keep, tokens)) != 0)
+    goto out;
+  sr.token.data = tokens[0];
+  sr.token.len = GPUPOOL_TOKEN_SIZE;
+  for (size_t i = 1; i < n; i++) {
+    more[i - 1].data = tokens[i];
+    more[i - 1].len = GPUPOOL_TOKEN_SIZE;
+  }
+  sr.n_more_tokens = n - 1;
+  sr.more_tokens = more;
+  for (size_t i = 0; i < m->n_idle_hold_ids; i++) {
+    int on = 0;
+    (void)gpd_hold_idle(c->srv->reg, &c->cl, m->idle_hold_ids[i], &on); /* not this client's: not idle */
+    idle[i] = on;
+  }
+  sr.n_idle = m->n_idle_hold_ids;
+  sr.idle = idle;
   GPUPOOL__SEND_BODY(c, seq, SHARE, share, &sr);
-  return 0;
+out:
+  if (ids != one)
+    free(ids);
+  if (tokens != token)
+    free(tokens);
+  free(more);
+  free(idle);
+  return rc;
 }
 
 int gpd_handle_open(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__Open *m = req->open;
-  gpd_hold *h = NULL;
-  int rc = gpd_open(c->srv->reg, &c->cl, m->token.data, m->token.len, m->read_only, &h);
-  if (rc != 0)
+  gpd_hold *h = NULL, **hs = NULL;
+  const uint8_t **toks = NULL;
+  size_t *lens = NULL, n = 1 + m->n_more_tokens, opened = 0;
+  int rc;
+  if (n == 1) {
+    if ((rc = gpd_open(c->srv->reg, &c->cl, m->token.data, m->token.len, m->read_only, &h)) != 0)
+      return rc;
+    gpd_srv_reply_hold(c, seq, 0, h, NULL, 0);
+    return 0;
+  }
+  if ((rc = batch_ok(c, n, "Open")) != 0)
     return rc;
-  gpd_srv_reply_hold(c, seq, 0, h, NULL, 0);
-  return 0;
+  if (!(hs = calloc(n, sizeof *hs)) || !(toks = calloc(n, sizeof *toks)) || !(lens = calloc(n, sizeof *lens))) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    goto out;
+  }
+  toks[0] = m->token.data;
+  lens[0] = m->token.len;
+  for (size_t i = 1; i < n; i++) {
+    toks[i] = m->more_tokens[i - 1].data;
+    lens[i] = m->more_tokens[i - 1].len;
+  }
+  if ((rc = gpd_open_many(c->srv->reg, &c->cl, toks, lens, n, m->read_only, GPUPOOL_WIRE_MAX_FDS, hs, &opened)) == 0)
+    gpd_srv_reply_open_many(c, seq, hs, (uint32_t)opened);
+out:
+  free(hs);
+  free(toks);
+  free(lens);
+  return rc;
+}
+
+int gpd_handle_idle(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  uint64_t seq = req->seq;
+  const Gpupool__Wire__Idle *m = req->idle;
+  Gpupool__Wire__IdleReply ir = GPUPOOL__WIRE__IDLE_REPLY__INIT;
+  protobuf_c_boolean *idle = NULL;
+  int rc;
+  if ((rc = batch_ok(c, m->n_hold_ids, "Idle")) != 0)
+    return rc;
+  if (m->n_hold_ids && !(idle = calloc(m->n_hold_ids, sizeof *idle)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  for (size_t i = 0; i < m->n_hold_ids; i++) {
+    int on = 0;
+    if ((rc = gpd_hold_idle(c->srv->reg, &c->cl, m->hold_ids[i], &on)) != 0)
+      goto out;
+    idle[i] = on;
+  }
+  ir.n_idle = m->n_hold_ids;
+  ir.idle = idle;
+  GPUPOOL__SEND_BODY(c, seq, IDLE, idle, &ir);
+out:
+  free(idle);
+  return rc;
 }
 
 /* A name got a new version: serve the gets waiting for it first (they are the handoff's

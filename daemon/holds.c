@@ -90,7 +90,20 @@ int gpd_hold_new(gpd_registry *reg, gpd_client *c, gpd_buffer *b, int read_only,
   return 0;
 }
 
-static int add_done_dep(gpd_buffer *b, gpd_event *e) {
+static int add_done_dep(gpd_registry *reg, gpd_buffer *b, gpd_event *e) {
+  /* A buffer that lives on while holder after holder lets go (one sent again and again)
+   * would gather their done events without end: before the table grows, give back those
+   * that have completed (amortized: only when it is full). */
+  if (b->ndone > 0 && b->ndone == b->capdone) {
+    uint32_t keep = 0;
+    for (uint32_t i = 0; i < b->ndone; i++) {
+      if (reg->be->ops->event_query(b->done[i]->be) == 0)
+        b->done[keep++] = b->done[i];
+      else
+        gpd_event_put(reg, b->done[i]);
+    }
+    b->ndone = keep;
+  }
   if (gpd_grow((void **)&b->done, &b->capdone, b->ndone + 1, sizeof *b->done) != 0)
     return GPUPOOL_ENOMEM;
   b->done[b->ndone++] = e;
@@ -121,7 +134,7 @@ void gpd_hold_drop(gpd_registry *reg, gpd_hold *h, int done_recorded, gpd_lease 
   }
   gpupool__hmap_del(&reg->holds, h->id);
   if (h->done) {
-    if (done_recorded && add_done_dep(b, h->done) == 0)
+    if (done_recorded && add_done_dep(reg, b, h->done) == 0)
       h->done = NULL;
     else
       gpd_event_put(reg, h->done);
@@ -398,12 +411,49 @@ int gpd_share(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int keep, uint
   return 0;
 }
 
-int gpd_open(gpd_registry *reg, gpd_client *c, const uint8_t *token, size_t len, int read_only,
-            gpd_hold **out) {
+int gpd_share_many(gpd_registry *reg, gpd_client *c, const uint64_t *hold_ids, size_t n, int keep,
+                   uint8_t (*tokens)[GPUPOOL_TOKEN_SIZE]) {
+  gpd_hold *h = NULL;
+  gpd_keep **ks = NULL;
+  size_t made = 0;
+  int rc = 0;
+  for (size_t i = 0; i < n; i++)
+    if ((rc = gpd_hold_of(reg, c, hold_ids[i], &h)) != 0)
+      return rc;
+  if (!keep) {
+    for (size_t i = 0; i < n; i++)
+      if ((rc = gpd_share(reg, c, hold_ids[i], 0, tokens[i])) != 0)
+        return rc;
+    return 0;
+  }
+  if (n && !(ks = calloc(n, sizeof *ks)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  for (; made < n; made++) {
+    h = gpupool__hmap_get(&reg->holds, hold_ids[made]);
+    if ((rc = keep_new(reg, c, h, &ks[made])) != 0)
+      break;
+    token_put(tokens[made], ks[made]->id, ks[made]->secret);
+  }
+  if (rc != 0) {
+    /* All or nothing: the kept shares made so far go (their buffers keep the client's holds). */
+    char msg[GPUPOOL__ERRMSG_MAX];
+    snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+    while (made > 0)
+      keep_drop(reg, ks[--made]);
+    rc = gpupool__err(rc, "%s (none of the %zu holds of this request was shared)", msg, n);
+  }
+  free(ks);
+  return rc;
+}
+
+/* The buffer a token names for c (and its kept share, if it is one), or ENOENT. *read_only
+ * becomes 1 when the token opens read-only whatever is asked. */
+static int token_resolve(gpd_registry *reg, gpd_client *c, const uint8_t *token, size_t len, int *read_only,
+                         gpd_buffer **bp, gpd_keep **kp) {
   uint64_t id = 0;
   gpd_buffer *b;
   gpd_keep *k = NULL;
-  int bad = 0, rc;
+  int bad = 0;
   if (len != GPUPOOL_TOKEN_SIZE)
     return gpupool__err(GPUPOOL_EINVAL, "share token has %zu bytes, expected %d", len, GPUPOOL_TOKEN_SIZE);
   for (int i = 0; i < 8; i++)
@@ -413,15 +463,15 @@ int gpd_open(gpd_registry *reg, gpd_client *c, const uint8_t *token, size_t len,
     if (!secret_differs(b->secret, token + 8))
       ;
     else if (!secret_differs(b->secret_ro, token + 8))
-      read_only = 1; /* a token from a read-only hold opens read-only, whatever is asked */
+      *read_only = 1; /* a token from a read-only hold opens read-only, whatever is asked */
     else
       bad = 1;
   } else if ((k = gpupool__hmap_get(&reg->keeps, id))) {
     /* A kept share opens once: the opener's hold takes the keep's place. */
     b = k->buf;
-    bad = secret_differs(k->secret, token + 8);
+    bad = secret_differs(k->secret, token + 8) || k->claimed;
     if (k->read_only)
-      read_only = 1;
+      *read_only = 1;
   }
   /* A buffer of another tenant is refused like a forged token: its holder would get the fd
    * of a slab that holds that tenant's other buffers too. */
@@ -431,12 +481,117 @@ int gpd_open(gpd_registry *reg, gpd_client *c, const uint8_t *token, size_t len,
                         "kept share was opened already or expired after share_keep_ms, the token is forged, "
                         "or it belongs to another tenant: share across tenants through a pool shared with "
                         "a group)");
+  *bp = b;
+  *kp = k;
+  return 0;
+}
+
+int gpd_open(gpd_registry *reg, gpd_client *c, const uint8_t *token, size_t len, int read_only,
+            gpd_hold **out) {
+  gpd_buffer *b = NULL;
+  gpd_keep *k = NULL;
+  int rc;
+  if ((rc = token_resolve(reg, c, token, len, &read_only, &b, &k)) != 0)
+    return rc;
   if ((rc = gpd_quota_waiting_leases(reg, c)) != 0)
     return rc;
   if ((rc = gpd_hold_new(reg, c, b, read_only, 0, out)) != 0)
     return rc;
   if (k)
     keep_drop(reg, k);
+  return 0;
+}
+
+/* Whether handing b to c (read_only) sends the fd of its slab (the client has not mapped the
+ * slab, or mapped it read-only only and may now write). */
+static int needs_slab_fd(gpd_client *c, const gpd_buffer *b, int read_only) {
+  const gpd_slab *sl = b->slab;
+  if (sl->bs.fd < 0)
+    return 0;
+  if (!gpupool__hmap_get(&c->mapped, sl->id))
+    return 1;
+  return !read_only && gpupool__hmap_get(&c->mapped_ro, sl->id) != NULL;
+}
+
+int gpd_open_many(gpd_registry *reg, gpd_client *c, const uint8_t *const *tokens, const size_t *lens, size_t n,
+                  int read_only, unsigned max_fds, gpd_hold **out, size_t *opened) {
+  gpd_buffer **bs = NULL;
+  gpd_keep **ks = NULL;
+  int *ro = NULL;
+  const gpd_slab *fd_slabs[GPUPOOL_WIRE_MAX_FDS];
+  unsigned nfd = 0;
+  size_t m = 0, made = 0;
+  int rc = 0;
+  *opened = 0;
+  if (max_fds > GPUPOOL_WIRE_MAX_FDS)
+    max_fds = GPUPOOL_WIRE_MAX_FDS;
+  if (!(bs = calloc(n, sizeof *bs)) || !(ks = calloc(n, sizeof *ks)) || !(ro = calloc(n, sizeof *ro))) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    goto out;
+  }
+  /* Every token first, changing nothing but the claim marks (a kept share named twice in one
+   * request opens once: the second is refused like an opened one). */
+  for (; m < n; m++) {
+    ro[m] = read_only;
+    if ((rc = token_resolve(reg, c, tokens[m], lens[m], &ro[m], &bs[m], &ks[m])) != 0) {
+      char msg[GPUPOOL__ERRMSG_MAX];
+      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+      rc = gpupool__err(rc, "token %zu of %zu: %s (none of this request's tokens was opened)", m + 1, n, msg);
+      goto unclaim;
+    }
+    if (needs_slab_fd(c, bs[m], ro[m])) {
+      unsigned j = 0;
+      while (j < nfd && fd_slabs[j] != bs[m]->slab)
+        j++;
+      if (j == nfd) {
+        if (nfd == max_fds && m > 0)
+          break; /* the rest in another request */
+        if (nfd < max_fds)
+          fd_slabs[nfd++] = bs[m]->slab;
+      }
+    }
+    if (ks[m])
+      ks[m]->claimed = 1;
+  }
+  if ((rc = gpd_quota_waiting_leases(reg, c)) != 0)
+    goto unclaim;
+  for (; made < m; made++)
+    if ((rc = gpd_hold_new(reg, c, bs[made], ro[made], 0, &out[made])) != 0)
+      break;
+  if (rc != 0) {
+    char msg[GPUPOOL__ERRMSG_MAX];
+    snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+    while (made > 0)
+      gpd_hold_discard(reg, out[--made]);
+    rc = gpupool__err(rc, "%s (none of this request's %zu tokens was opened)", msg, n);
+    goto unclaim;
+  }
+  for (size_t i = 0; i < m; i++)
+    if (ks[i])
+      keep_drop(reg, ks[i]);
+  *opened = m;
+  goto out;
+unclaim:
+  for (size_t i = 0; i < m; i++)
+    if (ks[i])
+      ks[i]->claimed = 0;
+out:
+  free(bs);
+  free(ks);
+  free(ro);
+  return rc;
+}
+
+int gpd_hold_idle(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int *idle) {
+  gpd_hold *h = NULL;
+  gpd_buffer *b;
+  int rc = gpd_hold_of(reg, c, hold_id, &h);
+  *idle = 0;
+  if (rc != 0)
+    return rc;
+  b = h->buf;
+  /* refs counts holds, names, kept shares and copies reading it: 1 is this hold alone. */
+  *idle = b->refs == 1 && !b->names && !b->died_in_use && !h->read_only && gpd_buffer_deps_clear(reg, b);
   return 0;
 }
 

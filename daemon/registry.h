@@ -223,6 +223,7 @@ struct gpd_keep {
   uint64_t tenant;         /* whose holds it counts as */
   uint64_t client_id;      /* the connection that made it (gone when not in reg->clients) */
   uint64_t expires_ns;
+  int claimed;             /* named by an earlier token of the Open being handled */
   gpd_keep *prev, *next;   /* in reg->keeps_head..keeps_tail, oldest first */
 };
 
@@ -439,6 +440,21 @@ int gpd_allocate(gpd_registry *reg, gpd_client *c, gpd_pool *pool, uint64_t size
 int gpd_release(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int done_recorded, int *freed);
 /* keep: a kept share (see gpd_keep), the token names the keep instead of the buffer. */
 int gpd_share(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int keep, uint8_t token[GPUPOOL_TOKEN_SIZE]);
+/* Share hold_ids[0..n) in one go (tokens[i] for hold_ids[i]): all or nothing, no kept share
+ * left behind when one fails. */
+int gpd_share_many(gpd_registry *reg, gpd_client *c, const uint64_t *hold_ids, size_t n, int keep,
+                   uint8_t (*tokens)[GPUPOOL_TOKEN_SIZE]);
+/* Open n tokens for c: all or nothing. *opened: how many were (the first ones; fewer than n
+ * only when the rest would need more new slab fds than one reply carries, max_fds); out[i]
+ * the hold of token i. The tokens not opened are untouched. */
+int gpd_open_many(gpd_registry *reg, gpd_client *c, const uint8_t *const *tokens, const size_t *lens, size_t n,
+                  int read_only, unsigned max_fds, gpd_hold **out, size_t *opened);
+/* Whether c's hold hold_id is its buffer's only reference with every earlier holder's GPU work
+ * on it done (completed done events are given back on the way): *idle 1 or 0. */
+int gpd_hold_idle(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int *idle);
+/* Whether b's done events have completed and its dead holders' leases are gone (giving back
+ * what has): 1 or 0. */
+int gpd_buffer_deps_clear(gpd_registry *reg, gpd_buffer *b);
 int gpd_open(gpd_registry *reg, gpd_client *c, const uint8_t *token, size_t len, int read_only,
             gpd_hold **out);
 /* Publish the buffer of a hold under name: a new name (version 1) or the name's next version

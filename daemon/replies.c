@@ -56,6 +56,36 @@ void gpd_srv_reply_hold(gpd_conn *c, uint64_t seq, int kind, gpd_hold *h, const 
     gpd_send_reply_fenced(c, seq, &rep, ds.fd >= 0 ? &ds.fd : NULL, ds.fd >= 0 ? 1 : 0, &h, 1);
 }
 
+void gpd_srv_reply_open_many(gpd_conn *c, uint64_t seq, gpd_hold **hs, uint32_t nhs) {
+  Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
+  Gpupool__Wire__OpenReply orp = GPUPOOL__WIRE__OPEN_REPLY__INIT;
+  gpd_desc_storage *ds = NULL;
+  Gpupool__Wire__BufferDesc **more = NULL;
+  int fds[GPUPOOL_WIRE_MAX_FDS], nfds = 0;
+  if (!(ds = calloc(nhs, sizeof *ds)) || !(more = calloc(nhs, sizeof *more))) {
+    for (uint32_t i = 0; i < nhs; i++)
+      gpd_hold_discard(c->srv->reg, hs[i]);
+    gpd_send_error(c, seq, GPUPOOL_ENOMEM, "out of memory in the daemon building the open's reply");
+    goto out;
+  }
+  for (uint32_t i = 0; i < nhs; i++) {
+    gpd_fill_desc(c->srv->reg, &c->cl, hs[i], NULL, &ds[i]);
+    if (i > 0)
+      more[i - 1] = &ds[i].desc;
+    if (ds[i].fd >= 0 && nfds < GPUPOOL_WIRE_MAX_FDS)
+      fds[nfds++] = ds[i].fd;
+  }
+  orp.buffer = &ds[0].desc;
+  orp.n_more = nhs - 1;
+  orp.more = more;
+  rep.body_case = GPUPOOL__WIRE__REPLY__BODY_OPEN;
+  rep.open = &orp;
+  gpd_send_reply_fenced(c, seq, &rep, nfds ? fds : NULL, nfds, hs, nhs);
+out:
+  free(ds);
+  free(more);
+}
+
 /* A bundle reply: one BufferDesc per hold (the slab fds that go with them, in that order) and
  * the member table, left out when the client said it has it (known_layout). nm: the name it
  * was got by (a single buffer without members comes as one member named ""), or NULL for an

@@ -245,6 +245,9 @@ void gpd_fail_getters(gpd_server *s, const char *key, int code, const char *msg,
 /* ---- replies.c: replies that hand over a buffer, a bundle or a file */
 void gpd_srv_reply_hold(gpd_conn *c, uint64_t seq, int kind, gpd_hold *h, const char *name,
                              uint64_t version);
+/* An Open reply for several tokens: hs[0] as its buffer, the rest as its more (the slab fds
+ * that go with them, in order). */
+void gpd_srv_reply_open_many(gpd_conn *c, uint64_t seq, gpd_hold **hs, uint32_t nhs);
 void gpd_srv_reply_bundle(gpd_conn *c, uint64_t seq, int kind, gpd_hold **hs, uint32_t nhs,
                                const gpd_layout *layout, const gpd_name *nm, uint64_t known_layout);
 void gpd_srv_reply_file(gpd_conn *c, uint64_t seq, const gpd_file *f, const char *name, int kind, int fd);

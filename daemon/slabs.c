@@ -258,7 +258,7 @@ void gpd_slab_remove_mapper_at(gpd_slab *s, uint32_t i) {
   s->mappers[i] = s->mappers[--s->nmappers];
 }
 
-static int buffer_deps_clear(gpd_registry *reg, gpd_buffer *b) {
+int gpd_buffer_deps_clear(gpd_registry *reg, gpd_buffer *b) {
   while (b->ndone > 0) {
     gpd_event *e = b->done[b->ndone - 1];
     int q = reg->be->ops->event_query(e->be);
@@ -353,7 +353,7 @@ void gpd_buffer_unref(gpd_registry *reg, gpd_buffer *b) {
     owner->bytes -= b->size;
     owner->allocs--;
   }
-  if (buffer_deps_clear(reg, b)) {
+  if (gpd_buffer_deps_clear(reg, b)) {
     gpd_finish_free(reg, b);
     return;
   }
@@ -367,7 +367,7 @@ void gpd_sweep(gpd_registry *reg) {
   gpd_buffer **pp = &reg->pending;
   while (*pp) {
     gpd_buffer *b = *pp;
-    if (buffer_deps_clear(reg, b)) {
+    if (gpd_buffer_deps_clear(reg, b)) {
       *pp = b->pending_next;
       reg->npending--;
       gpd_finish_free(reg, b);

@@ -26,6 +26,10 @@
  *     gpupool_buffer_share                 a token another client opens
  *     gpupool_buffer_share_kept            the same, alive without this hold until opened once
  *     gpupool_buffer_open                  open a token: a new hold
+ *     gpupool_buffer_alloc_many            allocate many buffers, their requests in flight together
+ *     gpupool_buffer_share_kept_many       kept shares of many buffers in one request
+ *     gpupool_buffer_open_many             open many tokens in one request
+ *     gpupool_buffer_idle_many             which buffers only the caller references now
  *     gpupool_buffer_publish               publish under a name (its next version)
  *     gpupool_buffer_publish_to            the same, with replicas on other devices at once
  *     gpupool_buffer_get                   get what a name holds, now or a newer version
@@ -356,6 +360,9 @@ GPUPOOL_EXTERN int gpupool_buffer_device(const gpupool_buffer *b);
 GPUPOOL_EXTERN gpupool_mem_kind gpupool_buffer_kind(const gpupool_buffer *b);
 /* Daemon-wide id of the buffer (same in every process that holds it). */
 GPUPOOL_EXTERN uint64_t gpupool_buffer_id(const gpupool_buffer *b);
+/* The accessors' answers in one call (for bindings that pay per call), in out[0..6): [0] pointer, [1]
+ * size, [2] kind (gpupool_mem_kind), [3] device + 1 (0 for host memory), [4] id, [5] read-only. */
+GPUPOOL_EXTERN void gpupool_buffer_facts(const gpupool_buffer *b, uint64_t *out);
 GPUPOOL_EXTERN int gpupool_buffer_read_only(const gpupool_buffer *b);
 /* Tensor description the buffer was published with: 0 and *out filled, or GPUPOOL_ENOENT. */
 GPUPOOL_EXTERN int gpupool_buffer_tensor(const gpupool_buffer *b, gpupool_tensor_meta *out);
@@ -377,6 +384,37 @@ GPUPOOL_EXTERN int gpupool_buffer_share_kept(gpupool_buffer *b, void *stream, gp
 /* Open a shared buffer: a new hold owned by the caller. flags: GPUPOOL_READ_ONLY. */
 GPUPOOL_EXTERN int gpupool_buffer_open(gpupool_client *c, const gpupool_token *token, unsigned flags,
                                        void *stream, gpupool_buffer **out);
+
+/* n buffers of pool (NULL: the default) of sizes[0..n) bytes, as gpupool_buffer_alloc with no
+ * wait for memory (GPUPOOL_ENOSPC at once), their requests in flight together: one round
+ * trip. All or nothing: on error out[] is all NULL and nothing stays allocated. */
+GPUPOOL_EXTERN int gpupool_buffer_alloc_many(gpupool_client *c, const char *pool, const size_t *sizes, int n,
+                                             void *stream, gpupool_buffer **out);
+
+/* Kept shares (gpupool_buffer_share_kept) of bufs[0..n), all of one client, in one request:
+ * out[i] is the token of bufs[i]. All or nothing: when one cannot be shared (GPUPOOL_ELIMIT
+ * past max_kept_shares_per_client, a buffer lost with a previous daemon), none is. The ready
+ * event of each is recorded in `stream` first. In the same round trip, ask[0..nask) (buffers
+ * of the same client; ask may be NULL when nask is 0) are reported on as
+ * gpupool_buffer_idle_many does, in idle[0..nask). GPUPOOL_EINVAL past the daemon's
+ * max_share_batch (default 1024) for either set: split larger ones. */
+GPUPOOL_EXTERN int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *stream,
+                                                  gpupool_token *out, gpupool_buffer *const *ask, int nask,
+                                                  int *idle);
+
+/* Open tokens[0..n) (as gpupool_buffer_open, same flags) with as few requests as the slabs
+ * allow: one, unless the buffers lie in more slabs new to this process than one reply can
+ * carry the fds of. All or nothing: on error no buffer is opened (out[] all NULL) and no kept
+ * share is used up by the request that failed. GPUPOOL_EINVAL past max_share_batch. */
+GPUPOOL_EXTERN int gpupool_buffer_open_many(gpupool_client *c, const gpupool_token *tokens, int n, unsigned flags,
+                                            void *stream, gpupool_buffer **out);
+
+/* Whether each of bufs[0..n) (all of one client) is referenced by the caller's hold alone:
+ * idle[i] = 1 when nobody else holds it (no other hold, kept share not yet opened, name or
+ * copy), every earlier holder's done event has completed and no holder that went away may
+ * still touch it; then the caller may write it again without anyone seeing the write. One
+ * request; GPUPOOL_EINVAL past max_share_batch. */
+GPUPOOL_EXTERN int gpupool_buffer_idle_many(gpupool_buffer *const *bufs, int n, int *idle);
 
 /* Publish b under `name` (1..GPUPOOL_NAME_MAX bytes). The name holds the buffer until
  * gpupool_name_unpublish() or until the name is published again (its next version, see

@@ -680,6 +680,72 @@ class Client:
               "open of a share token")
         return self._new_hold(buf, s)
 
+    def _share_kept_many(self, bufs, s, ask=()):
+        """Kept shares of C buffer handles (all of one client), one request: the tokens,
+        concatenated (TOKEN_SIZE bytes each, in order), and for the handles in `ask` (of that
+        client too) whether each is idle, learned in the same round trip."""
+        self._conn.usable()
+        n, na = len(bufs), len(ask)
+        arr = (_lib.BufferP * n)(*bufs)
+        toks = (_lib.Token * n)()
+        asked = (_lib.BufferP * na)(*ask) if na else None
+        idle = (ctypes.c_int * na)() if na else None
+        check(self._lib.gpupool_buffer_share_kept_many(arr, n, s, toks, asked, na, idle),
+              "share of %d buffers" % n)
+        return bytes(memoryview(toks).cast("B")), [bool(x) for x in idle] if na else []
+
+    def _alloc_holds(self, pool_name, sizes, s):
+        """Holds on new buffers of sizes bytes in pool_name, their Allocate requests in
+        flight together (all or none; no wait for memory)."""
+        n = len(sizes)
+        out = (_lib.BufferP * n)()
+        check(self._lib.gpupool_buffer_alloc_many(
+            self._conn.usable(), None if pool_name is None else _encode_name(pool_name),
+            (ctypes.c_size_t * n)(*sizes), n, s, out),
+            "alloc of %d buffers (%d bytes)" % (n, sum(sizes)))
+        holds = []
+        try:
+            for i in range(n):
+                holds.append(self._new_hold(out[i], s))  # releases out[i] itself if it fails
+        except BaseException:
+            for j in range(len(holds) + 1, n):
+                self._lib.gpupool_buffer_release(out[j], s)
+            for h in holds:
+                h.release()
+            raise
+        return holds
+
+    def _open_holds(self, tokens, read_only, s):
+        """Holds for concatenated tokens (as _share_kept_many makes), opened in one request
+        (all of them or none); stream s waits on their ready events."""
+        n, rest = divmod(len(tokens), _lib.TOKEN_SIZE)
+        if rest or n == 0:
+            raise ValueError("%d bytes are no whole number of share tokens" % len(tokens))
+        toks = (_lib.Token * n).from_buffer_copy(tokens)
+        out = (_lib.BufferP * n)()
+        check(self._lib.gpupool_buffer_open_many(self._conn.usable(), toks, n,
+                                                 _get_flags(read_only), s, out),
+              "open of %d share tokens" % n)
+        holds = []
+        try:
+            for i in range(n):
+                holds.append(self._new_hold(out[i], s))  # releases out[i] itself if it fails
+        except BaseException:
+            for j in range(len(holds) + 1, n):
+                self._lib.gpupool_buffer_release(out[j], s)
+            for h in holds:
+                h.release()
+            raise
+        return holds
+
+    def _idle(self, bufs):
+        """Per C buffer handle (all of this client): whether only its hold references it."""
+        n = len(bufs)
+        arr = (_lib.BufferP * n)(*bufs)
+        out = (ctypes.c_int * n)()
+        check(self._lib.gpupool_buffer_idle_many(arr, n, out), "idle check of %d buffers" % n)
+        return [bool(x) for x in out]
+
     def _open_hold_tensor(self, hold, offset=0, nbytes=None):
         n = hold.size - offset if nbytes is None else nbytes
         return self._tensor(hold, _UINT8, (n,), None, offset, None)

@@ -208,6 +208,42 @@ def make_capsule(data, device, dtype, shape, strides, owner, versioned, read_onl
         raise
 
 
+class _BytesManaged(ctypes.Structure):
+    """A DLManagedTensor (legacy) of nbytes uint8 elements, flat, with its one-element shape
+    kept after the struct: one ctypes object per export instead of five."""
+    _fields_ = [
+        ("data", ctypes.c_void_p), ("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32),
+        ("ndim", ctypes.c_int32), ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8),
+        ("lanes", ctypes.c_uint16), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+        ("byte_offset", ctypes.c_uint64), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+    ]
+
+
+_BYTES_SHAPE_AT = _BytesManaged.n.offset
+assert _BytesManaged.manager_ctx.offset == ctypes.sizeof(DLTensor)
+
+
+def bytes_capsule(data, device, nbytes, owner):
+    """A legacy DLPack capsule of nbytes bytes (uint8, 1-D, compact) at data on device (type,
+    id), keeping owner referenced until the consumer's deleter runs: make_capsule's result for
+    that case, at a fraction of its cost (a receiver makes one per storage)."""
+    rec = _Record()
+    m = _BytesManaged(data, device[0], device[1], 1, 1, 8, 1, None, None, 0, None, _DELETER_ADDR, nbytes)
+    addr = ctypes.addressof(m)
+    m.shape = addr + _BYTES_SHAPE_AT
+    rec.struct = m
+    rec.owner = owner
+    with _live_lock:
+        _live[addr] = rec
+    try:
+        return _capsule_new(addr, NAME_LEGACY, _DESTRUCTOR_ADDR)
+    except BaseException:
+        with _live_lock:
+            _live.pop(addr, None)
+        raise
+
+
 class Desc:
     """What a tensor is, without owning it: data (address of element 0), device (type,
     id), dtype (_dtypes.DType), shape, strides (in elements; C-contiguous filled in when

@@ -6,6 +6,7 @@ released exactly once: explicitly, or when the last Python reference (a Tensor, 
 DLPack view) goes; the connection closes only when no hold is left.
 """
 
+import ctypes
 import threading
 
 from . import _cuda, _dlpack, _lib
@@ -81,15 +82,18 @@ def _release_stream(streams, device):
     return stream
 
 
+_Facts = ctypes.c_uint64 * 6
+
+
 def _buffer_facts(obj, L, buf):
-    """What a _Hold or a _Part tells of its C buffer, read once: pointer, size, memory kind,
-    device, id and whether it is read-only."""
-    obj.ptr = L.gpupool_buffer_ptr(buf) or 0
-    obj.size = L.gpupool_buffer_size(buf)
-    obj.kind = L.gpupool_buffer_kind(buf)
-    obj.device = L.gpupool_buffer_device(buf)
-    obj.buffer_id = L.gpupool_buffer_id(buf)
-    obj.read_only = bool(L.gpupool_buffer_read_only(buf))
+    """What a _Hold or a _Part tells of its C buffer, read once (one call): pointer, size,
+    memory kind, device, id and whether it is read-only."""
+    f = _Facts()
+    L.gpupool_buffer_facts(buf, f)
+    obj.ptr, obj.size, obj.kind = f[0], f[1], f[2]
+    obj.device = f[3] - 1
+    obj.buffer_id = f[4]
+    obj.read_only = bool(f[5])
 
 
 def _release(holder, handle, c_release, device, what):

@@ -15,15 +15,23 @@ storage lives (the hold goes with the storage's deleter), needs no ``ipc_collect
 storages that alias as the sender's did. Nothing of it needs ptrace, pidfd_getfd or a shared
 PID namespace: only the daemon's socket.
 
+A message is one request each way, whatever its number of tensors: the sender shares every
+storage of it in one Share request, the receiver opens them in one Open request (install()
+wraps ForkingPickler's dump for that). The buffers copies go into are kept and written again
+for later messages once the daemon says nobody holds them any more; ``trim()`` gives them back.
+
 Importing this module imports torch; ``import gpupool`` does not import it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import io
 import logging
 import os
+import pickle
 import threading
+import time
 import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Optional, Sequence
@@ -37,7 +45,7 @@ from ._dict import _UINT8
 from ._errors import GpupoolError, error
 
 __all__ = ["install", "uninstall", "installed", "empty", "zeros", "empty_like", "use_allocator",
-           "allocator_counts", "allocator_last_error", "GpupoolError"]
+           "allocator_counts", "allocator_last_error", "trim", "GpupoolError"]
 
 log = logging.getLogger("gpupool.torch")
 
@@ -75,9 +83,49 @@ class _State:
         self.received: dict = {}
         self.received_prune = 1024
         self.alloc_lib = None                    # libgpupool-torch-alloc once use_allocator() ran
+        # Copy buffers kept for the next messages: (pool, bytes) -> [_Entry], their bytes, and
+        # the number of messages sent (an entry unused for _CACHE_AGE messages goes).
+        self.cache: dict = {}
+        self.cache_bytes = 0
+        self.cache_max = _CACHE_MAX
+        self.msgno = 0
+        self.pickler = None                      # ForkingPickler's own (__init__, dump)
+
+
+# Holds one Share or Open request names (gpupoold's max_share_batch, by default).
+_BATCH_MAX = 1024
+# Copy buffers are kept for reuse up to this many bytes in all, and for this many messages.
+_CACHE_MAX = 8 << 30
+_CACHE_AGE = 8
+# Up to this size a copy buffer is kept in two sets (one written while the other may still be
+# held), so a steady stream of messages needs no round trip to ask before copying.
+_SMALL = 16 << 20
+
+if hasattr(torch._C, "_from_dlpack"):
+    _from_dlpack = torch._C._from_dlpack
+else:
+    from torch.utils.dlpack import from_dlpack as _from_dlpack
+
+# GPUPOOL_TORCH_PROFILE=1: the time of each step of sending and receiving a message is
+# recorded (bench/torch_queue.py --profile prints their medians); off, it costs a test each.
+_PROFILE = os.environ.get("GPUPOOL_TORCH_PROFILE") == "1"
+_steps: dict = {}
+
+
+def _step(name, t0):
+    """Record a step that began at t0 (perf_counter_ns); returns now, the next step's start."""
+    t = time.perf_counter_ns()
+    _steps.setdefault(name, []).append(t - t0)
+    return t
+
+
+def _profile():
+    """The recorded steps: name -> list of nanoseconds (empty unless GPUPOOL_TORCH_PROFILE=1)."""
+    return {k: list(v) for k, v in _steps.items()}
 
 
 _S = _State()
+_tls = threading.local()   # .batch: the message being pickled; .received: its storages
 
 
 # --- the process-wide client ---------------------------------------------------------------
@@ -119,6 +167,8 @@ def _forget_parent():
     _S.user_client = False
     _S.owned = {}
     _S.received = {}
+    _S.cache = {}          # the parent's holds: never released nor reused here
+    _S.cache_bytes = 0
     _S.pid = os.getpid()
 
 
@@ -144,6 +194,12 @@ def _stream_of(device):
 def _remember(storage_ptr, hold, offset):
     with _S.lock:  # feeder threads of several queues share it
         owned = _S.owned
+        old = owned.get(storage_ptr)
+        h = old[0]() if old is not None else None
+        if h is not None and not h.released and h is not hold:
+            # Memory this process holds already (its own buffer, received back in the same
+            # process): that hold stays the one it is shared by, since it lives longer.
+            return
         owned[storage_ptr] = (weakref.ref(hold), offset)
         if len(owned) > _S.owned_prune:
             for k in [k for k, (r, _) in owned.items() if r() is None or r().released]:
@@ -265,8 +321,360 @@ def _reduce_storage(storage):
         return saved(storage)
     if storage.nbytes() == 0:
         return (_rebuild_empty, (str(storage.device),))
+    batch = getattr(_tls, "batch", None)
+    if batch is not None:
+        # A message being pickled (ForkingPickler.dump): its storages are shared together once
+        # the whole message is known, and this one goes as its place among them.
+        return (_batched_storage, (batch.add(storage),))
     tok, off, n = _share(storage)
     return (_rebuild_storage, (tok, off, n, opts.spec()))
+
+
+# --- one request per message ----------------------------------------------------------------
+# install() wraps ForkingPickler's dump, through which every multiprocessing channel pickles
+# (Queue, SimpleQueue, Connection.send, Pool, spawn): the message is pickled first with its
+# storages only numbered, then every storage is shared in ONE Share request (copies into reused
+# buffers made first), and what goes on the channel is a small wrapper: the tokens, each
+# storage's place, and the message's pickle. The receiver opens every token in ONE Open
+# request before it unpickles the message, whose storages then take theirs.
+class _Batch:
+    __slots__ = ("storages", "index")
+
+    def __init__(self):
+        self.storages = []
+        self.index = {}
+
+    def add(self, storage):
+        d = storage.device
+        key = (d.type, d.index, storage.data_ptr(), storage.nbytes())
+        i = self.index.get(key)
+        if i is None:
+            i = self.index[key] = len(self.storages)
+            self.storages.append(storage)
+        return i
+
+
+class _Entry:
+    """A copy buffer of this process, kept to carry the next messages' copies."""
+    __slots__ = ("hold", "dst", "n", "key", "used", "busy", "idle")
+
+    def __init__(self, hold, dst, n, key):
+        self.hold = hold
+        self.dst = dst      # the torch view of a CUDA buffer (None for host memory)
+        self.n = n
+        self.key = key
+        self.used = 0
+        self.busy = True    # in a message being sent
+        # The daemon said no one else holds it, since it was last shared: it stays so until
+        # this process shares it again (nobody else can open it once its kept shares are
+        # opened or expired).
+        self.idle = False
+
+
+_ORIG_PICKLER = (ForkingPickler.__init__, ForkingPickler.dump)
+
+
+def _pickler_init(self, *args, **kw):
+    _ORIG_PICKLER[0](self, *args, **kw)
+    self._gp_file = args[0] if args else kw.get("file")
+    self._gp_protocol = args[1] if len(args) > 1 else kw.get("protocol")
+
+
+def _pickler_dump(self, obj):
+    dump = _ORIG_PICKLER[1]
+    f = getattr(self, "_gp_file", None)
+    if _S.opts is None or getattr(_tls, "batch", None) is not None or f is None:
+        return dump(self, obj)
+    t0 = time.perf_counter_ns() if _PROFILE else 0
+    batch = _tls.batch = _Batch()
+    try:
+        buf = io.BytesIO()
+        dump(type(self)(buf, self._gp_protocol), obj)
+    finally:
+        _tls.batch = None
+    if not batch.storages:
+        f.write(buf.getbuffer())  # nothing of gpupool's in it: the message as it is
+        return None
+    if t0:
+        t0 = _step("send: pickle", t0)
+    msg = _send_batch(batch.storages, buf.getvalue())
+    if t0:
+        t0 = _step("send: copies and share", t0)
+    dump(self, msg)
+    if t0:
+        _step("send: wrap", t0)
+
+
+class _Message:
+    """What goes on the channel for a message with storages: unpickled, it opens them."""
+    __slots__ = ("args",)
+
+    def __init__(self, args):
+        self.args = args
+
+    def __reduce__(self):
+        return (_open_message, self.args)
+
+
+def _send_batch(storages, payload):
+    opts = _S.opts
+    c = _client()
+    n = len(storages)
+    bufs = [None] * n
+    offs = [0] * n
+    sizes = [st.nbytes() for st in storages]
+    devs = [st.device.index if st.device.type == "cuda" else -1 for st in storages]
+    copies = []
+    for i, st in enumerate(storages):
+        found = _find(st, c)
+        if found is not None:
+            bufs[i], offs[i] = found
+        elif not opts.copy:
+            raise error("EINVAL", "a %s storage of %d bytes is not gpupool memory and install(copy=False) "
+                        "refuses to copy it: allocate it with gpupool.torch.empty/zeros/empty_like or "
+                        "under gpupool.torch.use_allocator(), or install(copy=True)" % (st.device, sizes[i]))
+        else:
+            copies.append(i)
+    t0 = time.perf_counter_ns() if _PROFILE else 0
+    entries = _copy_targets(c, [storages[i] for i in copies]) if copies else []
+    if t0:
+        t0 = _step("send: find and pick buffers", t0)
+    try:
+        for i, e in zip(copies, entries):
+            st = storages[i]
+            bufs[i] = e.hold.buf
+            if e.dst is not None:
+                src = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, 0, (sizes[i],), (1,))
+                e.dst[:sizes[i]].copy_(src)  # on the current stream: the share records the ready event there
+            else:
+                ctypes.memmove(e.hold.ptr, st.data_ptr(), sizes[i])
+        # The copies and whatever else the stream holds are waited for here, once, by the
+        # thread that pickles (a Queue's feeder thread): an idle stream records no ready
+        # events, so the receiver waits on none (an inter-process event wait costs ~0.1 ms
+        # per buffer even once complete; a state dict has hundreds).
+        for d in {x for x in devs if x >= 0}:
+            st = torch.cuda.current_stream(d)
+            if not st.query():
+                st.synchronize()
+        if t0:
+            t0 = _step("send: copies done", t0)
+        # One request per device (the ready events are recorded in its current stream), and
+        # per _BATCH_MAX storages. The first also asks which kept copy buffers nobody holds
+        # any more, so that the next message writes them without asking.
+        # A request names buffers of one client: use_allocator()'s storages are buffers of
+        # the allocator's own client.
+        tokens = [None] * n
+        ask = _ask_idle(entries)
+        mine = ctypes.cast(c._conn.handle, ctypes.c_void_p).value
+        if _S.alloc_lib is None:
+            owner = [mine] * n
+        else:
+            who = c._lib.gpupool_buffer_client
+            owner = [ctypes.cast(who(b), ctypes.c_void_p).value for b in bufs]
+        for d, o in sorted(set(zip(devs, owner))):
+            idx = [i for i in range(n) if devs[i] == d and owner[i] == o]
+            s = torch.cuda.current_stream(d).cuda_stream if d >= 0 else None
+            for k in range(0, len(idx), _BATCH_MAX):
+                part = idx[k:k + _BATCH_MAX]
+                asked = ask if o == mine else []
+                blob, idle = c._share_kept_many([bufs[i] for i in part], s,
+                                                [e.hold.buf for e, _ in asked])
+                if asked:
+                    ask = []
+                with _S.lock:
+                    for (e, used), ok in zip(asked, idle):
+                        if not e.busy and e.used == used:  # not sent meanwhile by another thread
+                            e.idle = ok
+                for j, i in enumerate(part):
+                    tokens[i] = blob[j * _lib.TOKEN_SIZE:(j + 1) * _lib.TOKEN_SIZE]
+        if t0:
+            t0 = _step("send: share request", t0)
+    finally:
+        _copies_done(entries)
+    return _Message((opts.spec(), b"".join(tokens), offs, sizes, devs, payload))
+
+
+def _ask_idle(entries):
+    """The kept copy buffers this message does not use whose idleness is not known (at most
+    _BATCH_MAX), to ask about in the message's Share."""
+    mine = {id(e) for e in entries}
+    with _S.lock:
+        return [(e, e.used) for lst in _S.cache.values() for e in lst
+                if not e.idle and not e.busy and id(e) not in mine and e.hold is not None][:_BATCH_MAX]
+
+
+def _copy_targets(c, storages):
+    """A copy buffer per storage: one kept from earlier messages that the daemon said nobody
+    else holds any more (in an earlier Share's reply, or else one Idle request for all), else
+    a new one."""
+    opts = _S.opts
+    keys = []
+    for st in storages:
+        dev = st.device
+        if opts.pool is not None:
+            pool = opts.pool
+        elif dev.type == "cuda":
+            pool = c._pool_for(_dlpack.kDLCUDA, dev.index or 0, str(dev))
+        else:
+            pool = c._pool_for(_dlpack.kDLCPU, 0, "cpu")
+        keys.append((pool, st.nbytes(), dev.type, dev.index))
+    picked = [None] * len(storages)
+    with _S.lock:
+        _S.msgno += 1
+        for i, k in enumerate(keys):
+            free = [e for e in _S.cache.get(k, ()) if not e.busy]
+            for e in sorted(free, key=lambda e: not e.idle):  # known idle first
+                e.busy = True
+                picked[i] = e
+                break
+        # A small buffer whose state is not known yet: rather than ask (a round trip before
+        # the copy), take a new one while the key has fewer than two per storage of this
+        # message; the Share asks about the old ones, so the next message finds them known.
+        want = {}
+        for k in keys:
+            want[k] = want.get(k, 0) + 1
+        for i, e in enumerate(picked):
+            if e is not None and not e.idle and e.n <= _SMALL and len(_S.cache.get(keys[i], ())) < 2 * want[keys[i]]:
+                e.busy = False
+                picked[i] = None
+    cands = [i for i, e in enumerate(picked) if e is not None and not e.idle]
+    if cands:
+        try:
+            idle = c._idle([picked[i].hold.buf for i in cands])
+        except BaseException:
+            _copies_done([picked[i] for i in cands])
+            raise
+        for i, ok in zip(cands, idle):
+            if not ok:
+                # Someone still holds it (a receiver, a kept share not yet opened): never write it.
+                picked[i].busy = False
+                picked[i] = None
+    try:
+        # The new buffers of each pool in one round trip (their Allocate requests together).
+        groups = {}
+        for i, e in enumerate(picked):
+            if e is None:
+                groups.setdefault(keys[i][0], []).append(i)
+        for pool, idx in groups.items():
+            dev = storages[idx[0]].device
+            holds = c._alloc_holds(pool, [storages[i].nbytes() for i in idx], _stream_of(dev))
+            for i, h in zip(idx, holds):
+                picked[i] = _new_entry(h, storages[i], keys[i])
+    except BaseException:
+        _copies_done([e for e in picked if e is not None])
+        raise
+    return picked
+
+
+def _new_entry(hold, storage, key):
+    dev = storage.device
+    n = storage.nbytes()
+    dst = None
+    if dev.type == "cuda":
+        # A view that keeps the hold (the entry drops both together).
+        dst = _from_dlpack(_dlpack.bytes_capsule(hold.ptr, hold.dl_device, n, hold))
+        if dst.device != dev:
+            raise error("EINVAL", "pool %r is on %s, not on %s where the storage is: pass "
+                        "install(pool=...) naming a pool of each device, or none" % (key[0], dst.device, dev))
+    e = _Entry(hold, dst, n, key)
+    with _S.lock:
+        if _S.cache_bytes + n <= _S.cache_max:
+            _S.cache.setdefault(key, []).append(e)
+            _S.cache_bytes += n
+        else:
+            e.key = None  # not kept: released once this message's share holds it
+    return e
+
+
+def _copies_done(entries):
+    """The message's copies are shared (or failed): their buffers may carry later messages;
+    those unused for _CACHE_AGE messages go."""
+    drop = []
+    with _S.lock:
+        for e in entries:
+            e.busy = False
+            e.idle = False  # shared again (or its state unknown after a failure)
+            e.used = _S.msgno
+        for key, lst in list(_S.cache.items()):
+            keep = [e for e in lst if e.busy or _S.msgno - e.used <= _CACHE_AGE]
+            if len(keep) != len(lst):
+                drop += [e for e in lst if e not in keep]
+                if keep:
+                    _S.cache[key] = keep
+                else:
+                    del _S.cache[key]
+        for e in drop:
+            _S.cache_bytes -= e.n
+    drop += [e for e in entries if e.key is None]
+    for e in drop:
+        e.dst = None
+        e.hold = None   # released with the last reference
+
+
+def trim() -> int:
+    """Give back the copy buffers this process keeps to carry the next messages' copies (the
+    receivers' holds are theirs and stay). Returns how many were kept."""
+    with _S.lock:
+        if _S.pid != os.getpid():
+            return 0
+        lst = [e for v in _S.cache.values() for e in v if not e.busy]
+        for e in lst:
+            _S.cache[e.key].remove(e)
+            if not _S.cache[e.key]:
+                del _S.cache[e.key]
+            _S.cache_bytes -= e.n
+    for e in lst:
+        e.dst = None
+        e.hold = None
+    return len(lst)
+
+
+def _open_message(spec, tokens, offs, sizes, devs, payload):
+    if _S.opts is None:
+        # A child unpickling its first gpupool tensor: it sends as its parent does.
+        install(copy=spec[0], cpu=spec[1], pool=spec[2], fallback=spec[3], socket=spec[4])
+    c = _client()
+    n = len(offs)
+    cuda = {d for d in devs if d >= 0}
+    # The receiver's current stream waits on the ready events; with one device, the C library
+    # makes it wait as it opens (no stream bookkeeping per storage).
+    s = torch.cuda.current_stream(next(iter(cuda))).cuda_stream if len(cuda) == 1 else None
+    holds = []
+    T = _lib.TOKEN_SIZE
+    t0 = time.perf_counter_ns() if _PROFILE else 0
+    try:
+        for k in range(0, n, _BATCH_MAX):
+            holds += c._open_holds(tokens[k * T:(k + _BATCH_MAX) * T], False, s)
+        if t0:
+            t0 = _step("receive: open", t0)
+        storages = [None] * n
+        for i in range(n):
+            h = holds[i]
+            if h.kind == _lib.MEM_DEVICE and s is None:
+                h.used_in(torch.cuda.current_stream(h.cuda_device).cuda_stream)
+            storages[i] = _storage_of(c, h, offs[i], sizes[i])
+            holds[i] = None
+    finally:
+        for h in holds:
+            if h is not None:
+                h.release()  # a storage that could not be made: its hold goes
+    if t0:
+        t0 = _step("receive: storages", t0)
+    prev = getattr(_tls, "received", None)
+    _tls.received = storages
+    try:
+        return pickle.loads(payload)
+    finally:
+        _tls.received = prev  # storages the message did not use go with this list
+        if t0:
+            _step("receive: unpickle", t0)
+
+
+def _batched_storage(i):
+    got = getattr(_tls, "received", None)
+    if got is None:
+        raise RuntimeError("a gpupool.torch storage unpickled outside its message")
+    return got[i]
 
 
 # --- receiving -----------------------------------------------------------------------------
@@ -283,6 +691,12 @@ def _rebuild_storage(token, offset, nbytes, spec):
     if hold.kind == _lib.MEM_DEVICE:
         # The receiver's current stream on the buffer's device waits on the ready event.
         hold.used_in(torch.cuda.current_stream(hold.cuda_device).cuda_stream)
+    return _storage_of(c, hold, offset, nbytes)
+
+
+def _storage_of(c, hold, offset, nbytes):
+    """The storage of a received hold (this process's storage of that memory when it has one
+    already: the hold then goes)."""
     key = (hold.buffer_id, offset, nbytes)
     with _S.lock:
         ref = _S.received.get(key)
@@ -291,10 +705,9 @@ def _rebuild_storage(token, offset, nbytes, spec):
             if st is not None:
                 hold.release()  # this process holds the buffer already, through that storage
                 return st
-    t = c._open_hold_tensor(hold, offset, nbytes)
-    x = torch.from_dlpack(t)  # the storage's deleter drops the hold
-    del t
-    st = x.untyped_storage()
+    # The storage's deleter drops the hold (the capsule keeps it referenced till then).
+    cap = _dlpack.bytes_capsule(hold.ptr + offset, hold.dl_device, nbytes, hold)
+    st = _from_dlpack(cap).untyped_storage()
     with _S.lock:
         _S.received[key] = _torch_reductions.StorageWeakRef(st)
         if len(_S.received) > _S.received_prune:
@@ -402,6 +815,11 @@ def install(client: Optional[Client] = None, *, copy: bool = True, cpu: bool = F
         ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
         for t in _process_types():
             ForkingPickler.register(t, _reduce_process)
+        if _S.pickler is None:
+            _S.pickler = (ForkingPickler.__init__, ForkingPickler.dump,
+                          "__init__" in ForkingPickler.__dict__, "dump" in ForkingPickler.__dict__)
+            ForkingPickler.__init__ = _pickler_init
+            ForkingPickler.dump = _pickler_dump
 
 
 def uninstall() -> None:
@@ -414,6 +832,17 @@ def uninstall() -> None:
                 ForkingPickler.register(t, r)
         _S.saved = {}
         _S.opts = None
+        if _S.pickler is not None:
+            init, dump, had_init, had_dump = _S.pickler
+            if had_init:
+                ForkingPickler.__init__ = init
+            else:
+                del ForkingPickler.__init__
+            if had_dump:
+                ForkingPickler.dump = dump
+            else:
+                del ForkingPickler.dump
+            _S.pickler = None
 
 
 def installed() -> bool:

@@ -94,6 +94,33 @@ def sum_many(q, r, n):
     r.put((h.hexdigest(), acc))
 
 
+def hold_messages(q, r):
+    """Receives messages and reports their digests; on "drop" lets go of every one held (and
+    says so), on "again" reports the digests of those held once more; "stop" ends."""
+    held = []
+    while True:
+        m = q.get(timeout=60)
+        if m == "stop":
+            return
+        if m == "drop":
+            held = []
+            r.put("dropped")
+        elif m == "again":
+            r.put([[digest(t) for t in h] for h in held])
+        else:
+            held.append(m)
+            r.put([digest(t) for t in m])
+
+
+def _boom():
+    raise ValueError("this object cannot be unpickled")
+
+
+class Boom:
+    def __reduce__(self):
+        return (_boom, ())
+
+
 def spawn_arg_child(t, expect, p):
     sys.exit(0 if digest(t) == expect and isinstance(t, torch.nn.Parameter) == p else 3)
 
@@ -119,6 +146,7 @@ class TorchTestCase(unittest.TestCase):
     def counters(self):
         import gc
         gc.collect()
+        gt.trim()  # the copy buffers this process keeps for its next messages
         with gpupool.Client(self.daemon.socket, name="counters") as c:
             # An empty slab the pool keeps for reuse holds its memfd: give it back first, so
             # what is counted is what a leak would leave. This process's client unmaps it
@@ -350,6 +378,105 @@ class Isolation(TorchTestCase):
             self.assertEqual([ln[0] for ln in lines], [digest(t) for t in ts])
         finally:
             gt.install(cpu=True, socket=self.daemon.socket)
+
+
+class Batching(TorchTestCase):
+    """A message of many storages is one Share and one Open; copy buffers are reused only once
+    nobody holds them."""
+
+    def requests(self, c):
+        return c.stats()["requests"]
+
+    def test_one_share_and_one_open_per_message(self):
+        base = self.baseline()
+        ctx = mp.get_context("fork")
+        q, r = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=hold_messages, args=(q, r))
+        p.start()
+        gp = [gt.zeros(100).add_(i) for i in range(20)]          # shared in place
+        plain = [torch.full((100,), float(i)) for i in range(20)]  # copied
+        with gpupool.Client(self.daemon.socket, name="requests") as c:
+            for version in (1, 2, 3, 4, 5):
+                for t in gp + plain:
+                    t += 1
+                msg = gp + plain
+                r0 = self.requests(c)
+                r1 = self.requests(c)
+                b1 = c.stats()["buffers"]
+                r2 = self.requests(c)
+                q.put(msg)
+                self.assertEqual(r.get(timeout=60), [digest(t) for t in msg])
+                r3 = self.requests(c)
+                b3 = c.stats()["buffers"]
+                if version > 2:
+                    # A Share from the sender (with, at most, an Idle before it), an Open from
+                    # the receiver: 2 or 3 for 40 storages.
+                    self.assertLessEqual((r3 - r2) - (r1 - r0), 3, "requests for one message of 40 storages")
+                    # The copies went into the buffers of the message before: no new allocation.
+                    self.assertEqual(b3, b1, "copy buffers were not reused")
+                q.put("drop")
+                self.assertEqual(r.get(timeout=60), "dropped")
+        q.put("stop")
+        p.join(60)
+        self.assertEqual(p.exitcode, 0)
+        del gp, plain, msg, t
+        self.wait_counters(base)
+
+    def test_reuse_never_overwrites_a_held_buffer(self):
+        base = self.baseline()
+        ctx = mp.get_context("fork")
+        q, r = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=hold_messages, args=(q, r))
+        p.start()
+        x = torch.full((4096,), 1.0)
+        y = torch.arange(300, dtype=torch.int64)
+        first = [digest(x), digest(y)]
+        q.put([x, y])
+        self.assertEqual(r.get(timeout=60), first)
+        held = [first]
+        for v in (2, 3, 4):
+            x.fill_(float(v))
+            y += 7
+            held.append([digest(x), digest(y)])
+            q.put([x, y])                  # the receiver still holds every message before
+            self.assertEqual(r.get(timeout=60), held[-1])
+        q.put("again")
+        self.assertEqual(r.get(timeout=60), held, "a held message was overwritten")
+        q.put("drop")
+        self.assertEqual(r.get(timeout=60), "dropped")
+        with gpupool.Client(self.daemon.socket, name="buffers") as c:
+            before = c.stats()["buffers"]
+            x.fill_(3.0)
+            q.put([x, y])                  # nobody holds the buffers now: written again
+            self.assertEqual(r.get(timeout=60), [digest(x), digest(y)])
+            self.assertEqual(c.stats()["buffers"], before, "copy buffers were not reused")
+        q.put("stop")
+        p.join(60)
+        self.assertEqual(p.exitcode, 0)
+        self.wait_counters(base)
+
+    def test_partial_unpickle_leaks_nothing(self):
+        base = self.baseline()
+        msg = [torch.randn(50), gt.zeros(9), Boom(), torch.randn(70)]
+        data = ForkingPickler.dumps(msg)
+        with self.assertRaises(ValueError):
+            pickle.loads(data)
+        del msg, data
+        self.wait_counters(base)
+
+    def test_receiver_of_a_message_sigkilled(self):
+        base = self.baseline()
+        ctx = mp.get_context("fork")
+        q, r = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=hold_messages, args=(q, r))
+        p.start()
+        msg = [torch.randn(1000) for _ in range(30)] + [gt.zeros(10)]
+        q.put(msg)
+        self.assertEqual(r.get(timeout=60), [digest(t) for t in msg])
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(30)
+        del msg
+        self.wait_counters(base)
 
 
 class Options(TorchTestCase):

@@ -59,6 +59,25 @@ def hold_then_wait(q, r):
     time.sleep(300)
 
 
+def hold_messages(q, r):
+    """Receives messages and reports their digests; "again": the digests of those held once
+    more; "drop": lets go of them; "stop" ends."""
+    held = []
+    while True:
+        m = q.get(timeout=120)
+        if m == "stop":
+            return
+        if m == "drop":
+            held = []
+            torch.cuda.synchronize()
+            r.put("dropped")
+        elif m == "again":
+            r.put([[digest(t) for t in h] for h in held])
+        else:
+            held.append(m)
+            r.put([digest(t) for t in m])
+
+
 def sum_many(q, r, n):
     h = hashlib.sha256()
     for _ in range(n):
@@ -84,6 +103,7 @@ class CudaTensors(unittest.TestCase):
     def counters(self):
         gc.collect()
         torch.cuda.synchronize()
+        gt.trim()  # the copy buffers this process keeps for its next messages
         with gpupool.Client(self.daemon.socket, name="counters") as c:
             s = c.stats()
         return s["buffers"], s["holds"]
@@ -120,6 +140,51 @@ class CudaTensors(unittest.TestCase):
         p.join(60)
         self.assertEqual(p.exitcode, 0)
         del sent, g, back, p_
+        self.wait_counters(base)
+
+    def test_message_batched_and_copies_reused(self):
+        """A message of many CUDA storages is one Share and one Open; a copy buffer the
+        receiver still holds is never written again, one it let go of is."""
+        base = self.counters()
+        ctx = mp.get_context("spawn")
+        q, r = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=hold_messages, args=(q, r))
+        p.start()
+        plain = [torch.full((1 << 16,), float(i), device="cuda") for i in range(16)]
+        gp = [gt.zeros(1 << 10, device="cuda").add_(i) for i in range(16)]   # shared in place
+        first = [digest(t) for t in plain + gp]
+        q.put(plain + gp)
+        self.assertEqual(r.get(timeout=180), first)
+        for t in plain + gp:
+            t += 1
+        second = [digest(t) for t in plain + gp]
+        q.put(plain + gp)                       # the first message is still held
+        self.assertEqual(r.get(timeout=120), second)
+        q.put("again")
+        again = r.get(timeout=120)
+        # The copies of the first message are intact; its gpupool storages are the sender's
+        # memory, shared in place: the sender's write shows there too.
+        self.assertEqual([h[:16] for h in again], [first[:16], second[:16]], "a held copy was overwritten")
+        self.assertEqual([h[16:] for h in again], [second[16:], second[16:]])
+        q.put("drop")
+        self.assertEqual(r.get(timeout=120), "dropped")
+        with gpupool.Client(self.daemon.socket, name="requests") as c:
+            r0 = c.stats()["requests"]
+            r1 = c.stats()["requests"]
+            b1 = c.stats()["buffers"]
+            r2 = c.stats()["requests"]
+            for t in plain + gp:
+                t += 1
+            q.put(plain + gp)
+            self.assertEqual(r.get(timeout=120), [digest(t) for t in plain + gp])
+            r3 = c.stats()["requests"]
+            b3 = c.stats()["buffers"]
+        self.assertEqual((r3 - r2) - (r1 - r0), 3, "Idle + Share + Open for 32 storages")
+        self.assertEqual(b3, b1, "copy buffers were not reused")
+        q.put("stop")
+        p.join(60)
+        self.assertEqual(p.exitcode, 0)
+        del plain, gp, t
         self.wait_counters(base)
 
     def test_sender_exits_first(self):
