@@ -694,15 +694,9 @@ class Client:
               "share of %d buffers" % n)
         return bytes(memoryview(toks).cast("B")), [bool(x) for x in idle] if na else []
 
-    def _alloc_holds(self, pool_name, sizes, s):
-        """Holds on new buffers of sizes bytes in pool_name, their Allocate requests in
-        flight together (all or none; no wait for memory)."""
-        n = len(sizes)
-        out = (_lib.BufferP * n)()
-        check(self._lib.gpupool_buffer_alloc_many(
-            self._conn.usable(), None if pool_name is None else _encode_name(pool_name),
-            (ctypes.c_size_t * n)(*sizes), n, s, out),
-            "alloc of %d buffers (%d bytes)" % (n, sum(sizes)))
+    def _new_holds(self, out, n, s):
+        """Holds for the n C buffer handles in out, all or none: when one cannot be made,
+        every handle is released (the holds made so far with it)."""
         holds = []
         try:
             for i in range(n):
@@ -715,6 +709,17 @@ class Client:
             raise
         return holds
 
+    def _alloc_holds(self, pool_name, sizes, s):
+        """Holds on new buffers of sizes bytes in pool_name, their Allocate requests in
+        flight together (all or none; no wait for memory)."""
+        n = len(sizes)
+        out = (_lib.BufferP * n)()
+        check(self._lib.gpupool_buffer_alloc_many(
+            self._conn.usable(), None if pool_name is None else _encode_name(pool_name),
+            (ctypes.c_size_t * n)(*sizes), n, s, out),
+            "alloc of %d buffers (%d bytes)" % (n, sum(sizes)))
+        return self._new_holds(out, n, s)
+
     def _open_holds(self, tokens, read_only, s):
         """Holds for concatenated tokens (as _share_kept_many makes), opened in one request
         (all of them or none); stream s waits on their ready events."""
@@ -726,17 +731,7 @@ class Client:
         check(self._lib.gpupool_buffer_open_many(self._conn.usable(), toks, n,
                                                  _get_flags(read_only), s, out),
               "open of %d share tokens" % n)
-        holds = []
-        try:
-            for i in range(n):
-                holds.append(self._new_hold(out[i], s))  # releases out[i] itself if it fails
-        except BaseException:
-            for j in range(len(holds) + 1, n):
-                self._lib.gpupool_buffer_release(out[j], s)
-            for h in holds:
-                h.release()
-            raise
-        return holds
+        return self._new_holds(out, n, s)
 
     def _idle(self, bufs):
         """Per C buffer handle (all of this client): whether only its hold references it."""
