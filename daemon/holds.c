@@ -231,6 +231,11 @@ fail_range:
 
 int gpd_allocate(gpd_registry *reg, gpd_client *c, gpd_pool *p, uint64_t size, uint64_t align,
                 gpd_hold **out) {
+  return gpd_allocate_as(reg, c, p, size, align, 0, out);
+}
+
+int gpd_allocate_as(gpd_registry *reg, gpd_client *c, gpd_pool *p, uint64_t size, uint64_t align, int place,
+                    gpd_hold **out) {
   gpd_buffer *b = NULL;
   gpd_slab *s;
   uint64_t off, asize, owner;
@@ -245,7 +250,7 @@ int gpd_allocate(gpd_registry *reg, gpd_client *c, gpd_pool *p, uint64_t size, u
   asize = gpd_round_up(size, p->cfg.alignment);
   if ((rc = gpd_quota_waiting_leases(reg, c)) != 0 || (rc = gpd_quota_memory(reg, c, asize)) != 0)
     return rc;
-  if ((rc = gpd_buffer_place(reg, p, owner, size, asize, align, 0, &b)) != 0)
+  if ((rc = gpd_buffer_place(reg, p, owner, size, asize, align, place, &b)) != 0)
     return rc;
   b->owner_uid = c->uid;
   b->owner_tenant = c->tenant;

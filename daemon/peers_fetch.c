@@ -86,13 +86,9 @@ void gpd_pr_sub_release(sub *sb) {
   sb->st = NULL;
   sb->stage_wait = 0;
   sb->bad_data = 0;
-  for (uint32_t i = 0; i < sb->n; i++)
-    if (sb->maps && sb->maps[i])
-      munmap(sb->maps[i], sb->maplens[i]);
-  free(sb->maps);
-  free(sb->maplens);
+  free(sb->bases);
   free(sb->holds);
-  sb->maps = NULL, sb->maplens = NULL, sb->holds = NULL, sb->n = 0;
+  sb->bases = NULL, sb->holds = NULL, sb->n = 0;
   if (sb->cl_on) {
     gpd_client_drop(sb->P->reg, &sb->cl);
     sb->cl_on = 0;
@@ -313,10 +309,9 @@ void gpd_pr_on_data(void *arg, const void *header, size_t hlen, const void *data
   }
   {
     const Gpupool__Wire__PeerSegment *sg = sb->rep->get_reply->segments[seg];
-    long page = sysconf(_SC_PAGESIZE);
     if (off > sg->length || len > sg->length - off || len > sb->bytes - sb->received)
       return; /* not a range of the fetch: dropped (the fetch then times out) */
-    memcpy((uint8_t *)sb->maps[seg] + (sb->holds[seg]->buf->offset % (uint64_t)page) + off, data, len);
+    memcpy(sb->bases[seg] + off, data, len);
   }
   sb->received += len;
   if (sb->received == sb->bytes) {
@@ -364,8 +359,7 @@ static void sub_transfer(sub *sb, Gpupool__Wire__PeerFrame *fr) {
   gpd_client_init(P->reg, &sb->cl);
   snprintf(sb->cl.name, sizeof sb->cl.name, "fetch from %s", sb->peer->conf->name);
   sb->cl_on = 1;
-  if (!(sb->holds = calloc(r->n_segments, sizeof *sb->holds)) || !(sb->maps = calloc(r->n_segments, sizeof *sb->maps)) ||
-      !(sb->maplens = calloc(r->n_segments, sizeof *sb->maplens))) {
+  if (!(sb->holds = calloc(r->n_segments, sizeof *sb->holds)) || !(sb->bases = calloc(r->n_segments, sizeof *sb->bases))) {
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     goto fail;
   }
@@ -374,13 +368,12 @@ static void sub_transfer(sub *sb, Gpupool__Wire__PeerFrame *fr) {
   for (uint32_t i = 0; i < r->n_segments; i++) {
     const Gpupool__Wire__PeerSegment *sg = r->segments[i];
     gpd_hold *h = NULL;
-    long page = sysconf(_SC_PAGESIZE);
-    uint64_t start;
+    uint8_t *base;
     if (!sg->length) {
       rc = gpupool__err(GPUPOOL_EPROTO, "the peer's answer has an empty buffer");
       goto fail;
     }
-    if ((rc = gpd_allocate(P->reg, &sb->cl, pool, sg->length, 0, &h)) != 0)
+    if ((rc = gpd_allocate_as(P->reg, &sb->cl, pool, sg->length, 0, GPD_PLACE_FETCHED, &h)) != 0)
       goto fail;
     sb->holds[i] = h;
     sb->n = i + 1;
@@ -389,15 +382,11 @@ static void sub_transfer(sub *sb, Gpupool__Wire__PeerFrame *fr) {
       staged = 1;
       continue;
     }
-    start = h->buf->offset - h->buf->offset % (uint64_t)page;
-    sb->maplens[i] = (size_t)(h->buf->offset + sg->length - start);
-    sb->maps[i] = mmap(NULL, sb->maplens[i], PROT_READ | PROT_WRITE, MAP_SHARED, h->buf->slab->bs.fd, (off_t)start);
-    if (sb->maps[i] == MAP_FAILED) {
-      sb->maps[i] = NULL;
-      rc = gpupool__err(GPUPOOL_EBACKEND, "cannot map %zu bytes of a slab for a peer transfer: %s", sb->maplens[i],
-                        strerror(errno));
+    /* The slab's mapping in the daemon stays for the slab's life: the next version fetched
+     * into a kept slab finds its pages mapped already (no fault per page). */
+    if ((rc = gpd_slab_daemon_map(h->buf->slab, &base)) != 0)
       goto fail;
-    }
+    sb->bases[i] = base + h->buf->offset;
   }
   if (staged) {
     /* Device memory (the pool is the same for every buffer): staged through host slots. */

@@ -154,8 +154,7 @@ struct sub {
   int cl_on;
   Gpupool__Wire__PeerFrame *rep;
   gpd_hold **holds;
-  void **maps;
-  size_t *maplens;
+  uint8_t **bases;       /* where each buffer starts in its slab's daemon mapping (host memory) */
   uint32_t n;
   uint64_t bytes, received;
   int receiving;         /* in P->receiving under id */

@@ -94,6 +94,8 @@ struct gpd_slab {
   uint32_t nbuffers;     /* live or pending buffers inside */
   gpd_mapper *mappers;
   uint32_t nmappers, capmappers;
+  uint8_t *daemon_map;   /* the whole slab mapped read-write in the daemon (peer fetches write
+                          * host slabs through it), or NULL; unmapped when the slab goes */
   gpd_slab *prev, *next;  /* in pool->slabs */
 };
 
@@ -437,6 +439,13 @@ int gpd_attach(gpd_registry *reg, gpd_client *c, gpd_pool *p, int *fd);
  * *out is a new hold of c; fill a BufferDesc for it with gpd_fill_desc. */
 int gpd_allocate(gpd_registry *reg, gpd_client *c, gpd_pool *pool, uint64_t size, uint64_t align,
                 gpd_hold **out);
+/* s mapped read-write in the daemon (made once, kept until s goes): *base is its start. Host
+ * slabs only (those with an fd); EBACKEND with the reason otherwise. */
+int gpd_slab_daemon_map(gpd_slab *s, uint8_t **base);
+/* The same for a buffer the daemon fills in full before anyone gets it: place is
+ * GPD_PLACE_FETCHED (registry_internal.h) for a version's copy fetched from a peer. */
+int gpd_allocate_as(gpd_registry *reg, gpd_client *c, gpd_pool *pool, uint64_t size, uint64_t align, int place,
+                    gpd_hold **out);
 int gpd_release(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int done_recorded, int *freed);
 /* keep: a kept share (see gpd_keep), the token names the keep instead of the buffer. */
 int gpd_share(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int keep, uint8_t token[GPUPOOL_TOKEN_SIZE]);

@@ -18,6 +18,16 @@
 /* Empty replica slabs a pool keeps for the next versions' replicas (slabs.c): a bundle's
  * buffers on one device, each a dedicated slab. */
 #define GPD_REPLICA_SLABS_KEPT 32
+/* What gpd_place's `replica` argument says of a buffer: made by the daemon, filled in full by a
+ * copy before anyone gets it (its slab may be a kept one, not cleared first), and its slab kept
+ * once empty for the next version of the same owner and size. A replica on another device
+ * (replicas.c), or a version's local copy fetched from a peer (peers_fetch.c), which is put in
+ * a dedicated slab of its own from GPD_COPY_DEDICATED_MIN bytes on so the next version fetched
+ * lands in pages already there (a fresh slab's pages are zeroed by the kernel or cleared by the
+ * backend: on a host pool that is most of a fetch's time). */
+#define GPD_PLACE_REPLICA 1
+#define GPD_PLACE_FETCHED 2
+#define GPD_COPY_DEDICATED_MIN (16 * MIB)
 
 /* Owner ids: a uid alone is its own tenant; [tenant] and [group] sections get ids above any
  * uid. */

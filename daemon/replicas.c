@@ -110,7 +110,7 @@ static int replica_buffer(gpd_registry *reg, gpd_buffer *src, int device, gpd_bu
   asize = gpd_round_up(src->asked, p->cfg.alignment);
   if ((rc = gpd_quota_replica(reg, src->owner_tenant, asize, device)) != 0)
     return rc;
-  if ((rc = gpd_buffer_place(reg, p, owner, src->asked, asize, align, 1, &b)) != 0) {
+  if ((rc = gpd_buffer_place(reg, p, owner, src->asked, asize, align, GPD_PLACE_REPLICA, &b)) != 0) {
     if (rc == GPUPOOL_ENOSPC)
       rc = gpupool__err(GPUPOOL_ENOSPC, "no room for a replica of %" PRIu64 " bytes in pool '%s' (device %d): "
                         "%" PRIu64 " bytes free; release buffers there or raise its capacity",

@@ -4,10 +4,12 @@
  * only in gpd_slab_destroy() (see registry.c for the rules), and the capacity of a
  * configured pool bounds its backend pools together.
  */
+#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "errors.h"
 #include "list.h"
@@ -84,6 +86,8 @@ void gpd_slab_destroy(gpd_registry *reg, gpd_slab *s) {
   gpd_pinst *in = s->inst;
   GPUPOOL__DEBUG("pool %s: slab %" PRIu64 " (%" PRIu64 " bytes) returned to the backend", p->cfg.name, s->id,
                  s->bs.size);
+  if (s->daemon_map)
+    munmap(s->daemon_map, (size_t)s->bs.size);
   reg->be->ops->slab_free(in->bp, &s->bs);
   in->reserved -= s->bs.size;
   in->nslabs--;
@@ -103,6 +107,21 @@ void gpd_slab_destroy(gpd_registry *reg, gpd_slab *s) {
   free(s);
   reg->memory_returned = 1;
   gpd_inst_maybe_destroy(reg, in);
+}
+
+int gpd_slab_daemon_map(gpd_slab *s, uint8_t **base) {
+  void *m;
+  if (!s->daemon_map) {
+    if (s->bs.fd < 0) /* device memory: staged (gpd_pr_stage_needed), never mapped here */
+      return gpupool__err(GPUPOOL_EBACKEND, "slab %" PRIu64 " has no fd the daemon could map", s->id);
+    m = mmap(NULL, (size_t)s->bs.size, PROT_READ | PROT_WRITE, MAP_SHARED, s->bs.fd, 0);
+    if (m == MAP_FAILED)
+      return gpupool__err(GPUPOOL_EBACKEND, "cannot map slab %" PRIu64 " (%" PRIu64 " bytes) in the daemon: %s",
+                          s->id, s->bs.size, strerror(errno));
+    s->daemon_map = m;
+  }
+  *base = s->daemon_map;
+  return 0;
 }
 
 void gpd_slab_try_release(gpd_registry *reg, gpd_slab *s) {
@@ -456,7 +475,7 @@ static int no_space(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t ask
 int gpd_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t asked, uint64_t size,
                    uint64_t align, int replica, gpd_slab **slab, uint64_t *off) {
   int rc, attempt;
-  if (size > p->cfg.slab_size) {
+  if (size > p->cfg.slab_size || (replica == GPD_PLACE_FETCHED && size >= GPD_COPY_DEDICATED_MIN)) {
     uint64_t dsize = gpd_round_up(size, SLAB_GRAIN);
     if (size > GPUPOOL_SLAB_HARD_MAX)
       return gpupool__err(GPUPOOL_ETOOBIG,
@@ -469,10 +488,10 @@ int gpd_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t asked, ui
                           "allocation of %" PRIu64 " bytes is larger than pool '%s' (capacity %" PRIu64
                           " bytes); raise the pool's capacity in the config",
                           asked, p->cfg.name, p->cfg.capacity);
-    /* A replica takes a kept replica slab of its owner and size when there is one: the
-     * previous version's replica on this device, freed (no holder left, every done event
+    /* A replica (or a fetched copy) takes a kept slab of its owner and size when there is
+     * one: the previous version's on this device, freed (no holder left, every done event
      * complete), and still mapped by the clients that held it. Nothing to allocate, clear,
-     * export or import: the copy overwrites what the replica uses, and the rest held only
+     * export or import: the copy overwrites what the buffer uses, and the rest held only
      * this owner's bytes. */
     if (replica)
       for (gpd_slab *s = p->slabs; s; s = s->next)
