@@ -34,8 +34,9 @@ daemons alike; the output names them. --device cuda gives both daemons a device 
 (ucx_perftest then uses -m cuda, which needs a UCX built with CUDA, such as the libucx-cu13
 wheel's: --perftest $W/bin/ucx_perftest with LD_LIBRARY_PATH=$W/lib); a daemon that does not
 fetch device pools answers ENOTSUP and that half says so. On a GPU machine --device cpu
-measures the same host path as here. Figures are medians of --reps runs. --json FILE writes
-them. Needs numpy in the interpreter that runs it (/usr/bin/python3 on Debian).
+measures the same host path as here. Figures are medians of --reps runs; the remote fetch's
+come after --warmup versions (reported apart: their local copies go in memory new to the
+pool, which the later versions reuse). --json FILE writes them. Needs numpy in the interpreter that runs it (/usr/bin/python3 on Debian).
 """
 
 import argparse
@@ -176,10 +177,14 @@ def peers_support(gpupoold):
     return None
 
 
-def fetch_series(ca, cb, name, td, reps, check):
-    """Publish td on A reps times; B fetches each version: seconds per fetch."""
+def fetch_series(ca, cb, name, td, reps, warmup, check):
+    """Publish td on A warmup + reps times; B fetches each version: seconds per fetch of the
+    first warmup versions and of the reps after them. B's local copy of a version goes in
+    memory new to the pool until the one two versions back is freed (its slabs are kept for
+    the next version of the same sizes): the first versions pay for that memory (on a host
+    pool, the kernel zeroing every page), the later ones measure the transfer."""
     times = []
-    for rep in range(reps):
+    for rep in range(warmup + reps):
         v = ca.publish_dict(name, td)
         t0 = time.perf_counter()
         got = cb.get_dict("A:" + name, newer_than=v - 1, timeout=1800)
@@ -189,7 +194,7 @@ def fetch_series(ca, cb, name, td, reps, check):
         if rep == 0:
             check(got)
         got.release()
-    return times
+    return times[:warmup], times[warmup:]
 
 
 def remote_half(cl, args, cuda):
@@ -214,9 +219,9 @@ def remote_half(cl, args, cuda):
             if bad:
                 raise RuntimeError("member %s of the fetched bundle differs" % bad[0])
 
-        times = fetch_series(ca, cb, "bundle", td, args.reps, check_bundle)
+        first, times = fetch_series(ca, cb, "bundle", td, args.reps, args.warmup, check_bundle)
         out["bundle"] = {"bytes": msize * args.members, "median_s": statistics.median(times),
-                         "times_s": times}
+                         "times_s": times, "first_versions_s": first}
         td.release()
         ca.unpublish("bundle")
 
@@ -230,9 +235,10 @@ def remote_half(cl, args, cuda):
             if bad:
                 raise RuntimeError("tensor %s of the fetched state dict differs" % bad[0])
 
-        times = fetch_series(ca, cb, "state", sd, args.reps, check_sd)
+        first, times = fetch_series(ca, cb, "state", sd, args.reps, args.warmup, check_sd)
         out["state_dict"] = {"bytes": sd.nbytes, "tensors": len(layout),
-                             "median_s": statistics.median(times), "times_s": times}
+                             "median_s": statistics.median(times), "times_s": times,
+                             "first_versions_s": first}
         sd.release()
     out["peer_B_sees_A"] = b.peer("A")
     return out
@@ -269,6 +275,9 @@ def main():
     ap.add_argument("--size", type=int, default=GIB, help="bundle bytes (default 1 GiB)")
     ap.add_argument("--members", type=int, default=16, help="bundle members (default 16)")
     ap.add_argument("--reps", type=int, default=3, help="versions per figure (default 3)")
+    ap.add_argument("--warmup", type=int, default=2,
+                    help="versions fetched before those timed, reported apart (default 2: "
+                         "the first two local copies go in memory new to the pool)")
     ap.add_argument("--msg-size", type=int, default=MIB,
                     help="ucx_perftest -t ucp_am_bw at this size too: the daemon's own messages "
                          "(active messages of 1 MiB, the default; 0: not)")
@@ -302,7 +311,7 @@ def main():
     # UCX_* variables of the environment reach ucx_perftest and both daemons alike.
     ucx_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")}
     res = {"tls": args.tls, "device": args.device, "size": args.size, "members": args.members,
-           "reps": args.reps, "ucx_env": ucx_env}
+           "reps": args.reps, "warmup": args.warmup, "ucx_env": ucx_env}
     log("UCX_TLS=%s, device %s%s" % (args.tls, args.device, "".join(
         ", %s=%s" % kv for kv in ucx_env.items())))
     cl = Cluster(("A", "B"), capacity="%dG" % (3 * args.size // GIB + 8), slab_size="1G",
@@ -353,9 +362,11 @@ def main():
             else:
                 res["remote"] = r
                 for k in ("bundle", "state_dict"):
-                    log("gpupool remote fetch, %s %.2f GB: %.3f s median (%.1f MB/s)"
+                    log("gpupool remote fetch, %s %.2f GB: %.3f s median (%.1f MB/s); "
+                        "first %d version(s): %s s"
                         % (k, r[k]["bytes"] / 1e9, r[k]["median_s"],
-                           r[k]["bytes"] / r[k]["median_s"] / 1e6))
+                           r[k]["bytes"] / r[k]["median_s"] / 1e6, len(r[k]["first_versions_s"]),
+                           " ".join("%.3f" % t for t in r[k]["first_versions_s"]) or "-"))
     finally:
         cl.__exit__(*sys.exc_info())
 
