@@ -40,9 +40,12 @@ typedef struct {
   /* Idle pinned staging rings (GPUPOOL__CUDA_STAGE_KEEP at most). */
   void *stage_idle[GPUPOOL__CUDA_STAGE_KEEP];
   int nstage_idle;
-  /* eventfd written by a host function queued after each hop of a copy job (-1: none): the
-   * daemon's loop hears of a finished copy at once instead of on its next timer. */
+  /* eventfd written when a copy job ends (-1: none): the daemon's loop hears of a finished
+   * copy at once instead of on its next timer. Written by the copy watcher (copy.c), a thread
+   * that queries the running jobs' last events; by a host function queued after each hop
+   * when that thread could not be started. */
   int copy_efd;
+  struct gpupool__cuda_watch *watch; /* NULL: no watcher thread */
 } gpupool__cuda_state;
 
 struct gpupool__bpool {
