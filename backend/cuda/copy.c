@@ -30,8 +30,8 @@
  *
  * The end of a job: a watcher thread (one per daemon) queries the last event of each hop of
  * every running job and writes the notifier's eventfd when a job's are all complete. It polls
- * each job at an interval of 1/64 of the time the job has run so far (4 us to 1 ms), so it
- * learns of an end at most about 1.6% of the job's time late, with a few hundred queries per
+ * each job at an interval of 1/256 of the time the job has run so far (4 us to 1 ms), so it
+ * learns of an end at most about 0.4% of the job's time late, with a few thousand queries per
  * job however long, and sleeps on a condition variable while no job runs. A host function
  * (cudaLaunchHostFunc) after each hop did this before: measured on 2x H100, the eventfd came
  * 155-161 us after the copy had ended (`gpupool_copy_bench notify`), most of what a get that
@@ -175,7 +175,7 @@ static void *watch_main(void *arg) {
       break;
     now = mono_ns();
     for (gpupool__bcopy *c = w->head, *n; c; c = n) {
-      uint64_t iv = (now - c->started_ns) / 64;
+      uint64_t iv = (now - c->started_ns) / 256;
       n = c->wnext;
       if (job_ended(c)) {
         watch_unlink(w, c);
