@@ -496,6 +496,18 @@ int gpd_pr_sub_stage_step(sub *sb) {
   return 0;
 }
 
+void gpd_pr_on_peer_failed(plink *l, const Gpupool__Wire__PeerFailed *m) {
+  sub *sb = gpupool__hmap_get(&l->P->receiving, m->id);
+  char msg[GPUPOOL__ERRMSG_MAX + 256];
+  /* Only a fetch of this link, and only while its data comes (ids are secret to the pair). */
+  if (!sb || sb->link != l || sb->complete)
+    return;
+  snprintf(msg, sizeof msg, "fetch of %s:%s v%" PRIu64 " failed: peer %s: %s; retry", l->peer->conf->name, sb->rname,
+           sb->rep ? sb->rep->get_reply->version : 0, l->peer->conf->name,
+           m->error && m->error->message ? m->error->message : "no reason given");
+  gpd_pr_sub_failed(sb, GPUPOOL_EPEER, msg);
+}
+
 void gpd_pr_on_get_reply(plink *l, Gpupool__Wire__PeerFrame *fr) {
   Gpupool__Wire__PeerGetReply *r = fr->get_reply;
   sub *sb = gpupool__hmap_del(&l->asked, r->id);

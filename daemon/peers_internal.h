@@ -252,6 +252,8 @@ void gpd_pr_sub_fail_waiters(sub *sb, int code, const char *msg, int only_nowait
 void gpd_pr_sub_failed(sub *sb, int code, const char *msg);
 void gpd_pr_on_data(void *arg, const void *header, size_t hlen, const void *data, size_t len);
 void gpd_pr_on_get_reply(plink *l, Gpupool__Wire__PeerFrame *fr);
+/* The peer of l failed one of this daemon's fetches after its reply (PeerFailed). */
+void gpd_pr_on_peer_failed(plink *l, const Gpupool__Wire__PeerFailed *m);
 /* Run a staged fetch: 1 when it ended (the lists changed). */
 int gpd_pr_sub_stage_step(sub *sb);
 int gpd_pr_want_key(gpd_peers *P, const char *local_name, const char *key, uid_t uid, gid_t gid,

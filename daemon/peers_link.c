@@ -438,6 +438,10 @@ static void on_frame(plink *l, const uint8_t *buf, size_t len) {
       if (!l->outgoing)
         gpd_pr_on_peer_credit(l, f->credit->id, f->credit->bytes);
       break;
+    case GPUPOOL__WIRE__PEER_FRAME__BODY_FAILED:
+      if (l->outgoing)
+        gpd_pr_on_peer_failed(l, f->failed);
+      break;
     case GPUPOOL__WIRE__PEER_FRAME__BODY_GET_REPLY:
       if (l->outgoing) {
         gpd_pr_on_get_reply(l, f);

@@ -304,10 +304,22 @@ int gpd_pr_serve_stage_step(serve *sv) {
   plink *l = sv->link;
   gpd_pr_stager_serve_poll(sv->st, sv->sent);
   if (sv->st->failed) {
-    char why[300];
-    snprintf(why, sizeof why, "serving it %s: %s", sv->key, sv->st->why);
-    GPUPOOL__WARN("peers: %s", why);
-    gpd_pr_link_close(l, why);
+    /* This fetch alone fails: the peer is told why, and the link's other fetches go on. */
+    Gpupool__Wire__PeerFrame f = GPUPOOL__WIRE__PEER_FRAME__INIT;
+    Gpupool__Wire__PeerFailed pf = GPUPOOL__WIRE__PEER_FAILED__INIT;
+    Gpupool__Wire__Error e = GPUPOOL__WIRE__ERROR__INIT;
+    char why[400];
+    snprintf(why, sizeof why, "it could not read its version: %s", sv->st->why);
+    GPUPOOL__WARN("peers: serving %s to %s: %s; that fetch fails, the connection stays", sv->key,
+                  l->peer ? l->peer->conf->name : "a peer", sv->st->why);
+    e.code = GPUPOOL_EBACKEND;
+    e.message = why;
+    pf.id = sv->id;
+    pf.error = &e;
+    f.body_case = GPUPOOL__WIRE__PEER_FRAME__BODY_FAILED;
+    f.failed = &pf;
+    gpd_pr_send_frame(l, &f);
+    gpd_pr_serve_free_reading(sv, 1);
     return 1;
   }
   if (sv->push && !l->closing)

@@ -9,7 +9,8 @@
  * transfer holds at most its ring. A source killed mid-staging, a fetching daemon killed or
  * stopped mid-staging, and a getter killed mid-staging, leave no staging chunk, buffer or hold behind on the other side, and
  * the next fetch works; two daemons serving each other more transfers than they have staging
- * chunks all finish. Copies are slowed down (GPUPOOL_TEST_COPY_DELAY_MS) where a test must
+ * chunks all finish; a copy that fails on the serving side fails that fetch alone, with its
+ * reason, and the connection stays. Copies are slowed down (GPUPOOL_TEST_COPY_DELAY_MS) where a test must
  * kill something while they run. Skipped (77) when gpupoold was built without UCX.
  */
 #include <arpa/inet.h>
@@ -555,6 +556,56 @@ static void test_both_ways_many(void **state) {
   pair_stop();
 }
 
+static int log_count(const node *n, const char *needle) {
+  FILE *f = fopen(n->d.log, "r");
+  char line[4096];
+  int count = 0;
+  if (!f)
+    return 0;
+  while (fgets(line, sizeof line, f))
+    count += strstr(line, needle) != NULL;
+  fclose(f);
+  return count;
+}
+
+/* A device copy on the serving side fails mid-transfer (GPUPOOL_TEST_COPY_FAIL on A): that
+ * fetch alone fails, and its getter is told the serving side's reason; the connection between
+ * the daemons stays up (B connected to A once in all), both sides let go of everything, and
+ * the next fetch of the same name, on the same connection, works. */
+static void test_source_copy_fails(void **state) {
+  gpupool_client *c;
+  gpupool_buffer *b = NULL;
+  const char *err;
+  (void)state;
+  node_prepare(&A);
+  node_prepare(&B);
+  setenv("GPUPOOL_TEST_COPY_FAIL", "1", 1); /* A's first copy job fails after 1 MiB */
+  node_start(&A, GPU0, "B", &B);
+  unsetenv("GPUPOOL_TEST_COPY_FAIL");
+  node_start(&B, GPU0, "A", &A);
+  publish(&A, NULL, "big", (size_t)40 << 20, 21);
+  c = th_connect(&B.d, "getter");
+  if (gpupool_buffer_get(c, "A:big", 0, 20000, 0, NULL, &b, NULL) == 0)
+    fail_msg("the get of A:big succeeded although A's copy out of device memory failed");
+  err = gpupool_last_error();
+  if (!strstr(err, "failed on purpose") || !strstr(err, "retry")) {
+    th_dump_log(&A.d);
+    th_dump_log(&B.d);
+    fail_msg("the getter was not told the serving side's reason: %s", err);
+  }
+  gpupool_client_disconnect(c);
+  expect_staging_free(&A, "serving side after its copy failed");
+  expect_staging_free(&B, "fetching side after the peer's copy failed");
+  expect_baseline(&B, "fetching side after the peer's copy failed");
+  get_check(&B, "A:big", (size_t)40 << 20, 21);
+  if (log_count(&B, "peers: connected to A") != 1) {
+    th_dump_log(&B.d);
+    fail_msg("the connection to A was closed and made again: one failed copy took down the link");
+  }
+  expect_staging_free(&A, "serving side after the retry");
+  pair_stop();
+}
+
 int main(void) {
   if (skip_without_ucx())
     return 77;
@@ -562,5 +613,6 @@ int main(void) {
   setenv("UCX_NET_DEVICES", "lo", 1);
   signal(SIGPIPE, SIG_IGN);
   return TS_RUN_TESTS(NULL, NULL, test_device_to_device, test_host_and_device, test_source_killed,
-                      test_getter_killed, test_fetcher_killed, test_fetcher_stops, test_both_ways_many);
+                      test_getter_killed, test_fetcher_killed, test_fetcher_stops, test_both_ways_many,
+                      test_source_copy_fails);
 }
