@@ -25,7 +25,9 @@
  *   frames  2 connections sending 1 MiB frames of ~349,000 unknown fields back to back;
  *   hash    AllocateBundle of 65,000 member names (a 910 KB frame) whose unseeded FNV-1a
  *           hashes share the low bits the daemon's uniqueness check indexes by, repeated;
- *   files   publish_file / get_file / unpublish loops (2 processes).
+ *   files   publish_file / get_file / unpublish loops (2 processes);
+ *   batches kept Shares (with an Idle question), Opens by a connection that then closes, and
+ *           Idle requests, of 1024 buffers each (max_share_batch; 2 processes).
  *
  * --repeat N runs each mode N times and shows the run of median ratio with the range of all;
  * --nice N sets the priority that the daemon, the victim and the flooders all inherit (on a
@@ -650,6 +652,65 @@ static void files_flood(const bench *b, int idx, int nprocs) {
   }
 }
 
+/* ---- batches: Share, Open and Idle of max_share_batch buffers each ------------------------- */
+
+/* The daemon's default max_share_batch: the most buffers one Share, Open or Idle names. */
+#define BATCH 1024
+
+/* What gpupool.torch does per message, at the largest batch the daemon takes: kept shares of
+ * 1024 buffers with an Idle question about the same 1024 in one request, an Open of the 1024
+ * tokens by a second connection, which then closes (the daemon drops its 1024 holds at once:
+ * a receiver that exits), then an Idle request of 1024. */
+static void batches_flood(const bench *b, int idx, int nprocs) {
+  gpupool_client *c = fl_connect(b), *rx = NULL;
+  gpupool_buffer **bufs = calloc(BATCH, sizeof *bufs), **opened = calloc(BATCH, sizeof *opened);
+  gpupool_token *tok = calloc(BATCH, sizeof *tok);
+  size_t *sizes = calloc(BATCH, sizeof *sizes);
+  int *idle = calloc(BATCH, sizeof *idle), have = 0, announced = 0;
+  (void)idx;
+  (void)nprocs;
+  if (!bufs || !opened || !tok || !sizes || !idle)
+    _exit(3);
+  for (int i = 0; i < BATCH; i++)
+    sizes[i] = 4096;
+  for (;;) {
+    int rc;
+    if (!c) {
+      fl_reconnect(b, &c);
+      have = 0;
+      continue;
+    }
+    if (!have) {
+      count(rc = gpupool_buffer_alloc_many(c, NULL, sizes, BATCH, NULL, bufs));
+      if (rc != 0) {
+        if (dropped(rc))
+          fl_reconnect(b, &c);
+        else
+          sleep_ms(1);
+        continue;
+      }
+      have = 1;
+    }
+    count(rc = gpupool_buffer_share_kept_many(bufs, BATCH, NULL, tok, bufs, BATCH, idle));
+    if (rc == 0 && (rx = fl_connect(b))) {
+      int orc;
+      count(orc = gpupool_buffer_open_many(rx, tok, BATCH, 0, NULL, opened));
+      gpupool_client_disconnect(rx); /* its holds go with it */
+      rx = NULL;
+    }
+    if (rc == 0)
+      count(rc = gpupool_buffer_idle_many(bufs, BATCH, idle));
+    if (!announced) {
+      announced = 1;
+      ready();
+    }
+    if (dropped(rc)) {
+      fl_reconnect(b, &c);
+      have = 0;
+    }
+  }
+}
+
 static const mode modes[] = {
     {"idle", "no other client", NULL, NULL},
     {"limits", "256 conns, every request kind, names/holds at limits", limits_procs, limits_flood},
@@ -657,6 +718,7 @@ static const mode modes[] = {
     {"frames", "2 conns, 1 MiB frames of unknown fields", two_procs, frames_flood},
     {"hash", "AllocateBundle of colliding member names", one_proc, hash_flood},
     {"files", "publish_file/get_file/unpublish loops", two_procs, files_flood},
+    {"batches", "2 procs: Share+Idle, Open (then close), Idle of 1024 buffers", two_procs, batches_flood},
 };
 #define NMODES (sizeof modes / sizeof modes[0])
 
@@ -833,7 +895,7 @@ out:
 
 static void usage(const char *prog, int status) {
   fprintf(status ? stderr : stdout,
-          "usage: %s GPUPOOLD [--seconds S] [--quick] [--modes idle,limits,wake,frames,hash,files]\n"
+          "usage: %s GPUPOOLD [--seconds S] [--quick] [--modes idle,limits,wake,frames,hash,files,batches]\n"
           "       [--flooders N] [--members N] [--repeat N] [--nice N] [--keep-logs]\n",
           prog);
   exit(status);
