@@ -145,19 +145,29 @@ static void watch_unlink(struct gpupool__cuda_watch *w, gpupool__bcopy *c) {
   c->watched = 0;
 }
 
-/* 1 when every hop's last event of c has completed (or failed: copy_poll reports that). */
-static int job_ended(const gpupool__bcopy *c) {
+/* 0 while the last event of a hop of c is pending, 1 once every one has completed, -1 when
+ * one failed (*which and *err say which hop and how). Queries only: from either thread. */
+static int job_state(const gpupool__bcopy *c, int *which, cudaError_t *err) {
   int slot = (int)((c->npieces - 1) % SLOTS);
   for (int h = 0; h < c->ndst; h++) {
     cudaError_t e = cudaEventQuery(c->hops[h].ev[slot]);
-    if (e == cudaErrorNotReady) {
-      (void)cudaGetLastError();
+    if (e == cudaSuccess)
+      continue;
+    (void)cudaGetLastError();
+    if (e == cudaErrorNotReady)
       return 0;
-    }
-    if (e != cudaSuccess)
-      (void)cudaGetLastError();
+    *which = h;
+    *err = e;
+    return -1;
   }
   return 1;
+}
+
+/* 1 when c is over, well or not (copy_poll reports a failure). */
+static int job_ended(const gpupool__bcopy *c) {
+  int h;
+  cudaError_t e;
+  return job_state(c, &h, &e) != 0;
 }
 
 static void *watch_main(void *arg) {
@@ -740,19 +750,15 @@ fail:
 }
 
 int gpupool__cuda_copy_poll(gpupool__bcopy *c) {
-  int slot = (int)((c->npieces - 1) % SLOTS);
+  int h = 0, q;
+  cudaError_t e = cudaSuccess;
   if (c->done)
     return 1;
-  for (int h = 0; h < c->ndst; h++) {
-    cudaError_t e = cudaEventQuery(c->hops[h].ev[slot]);
-    if (e == cudaErrorNotReady) {
-      (void)cudaGetLastError();
-      return 0;
-    }
-    if (e != cudaSuccess)
-      return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaEventQuery (copy job)", c->hops[h].dev,
-                                "the copy failed; its destinations hold unspecified bytes");
-  }
+  if ((q = job_state(c, &h, &e)) == 0)
+    return 0;
+  if (q < 0)
+    return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaEventQuery (copy job)", c->hops[h].dev,
+                              "the copy failed; its destinations hold unspecified bytes");
   c->done = 1;
   stage_put(c); /* every read of the ring has completed */
   return 1;

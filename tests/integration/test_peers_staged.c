@@ -207,17 +207,20 @@ static void expect_baseline(const node *n, const char *what) {
            (uint64_t)ds.holds, (uint64_t)ps.used);
 }
 
-static int log_has(const node *n, const char *needle) {
+/* Lines of n's log that contain needle. */
+static int log_count(const node *n, const char *needle) {
   FILE *f = fopen(n->d.log, "r");
   char line[4096];
-  int found = 0;
+  int count = 0;
   if (!f)
     return 0;
-  while (!found && fgets(line, sizeof line, f))
-    found = strstr(line, needle) != NULL;
+  while (fgets(line, sizeof line, f))
+    count += strstr(line, needle) != NULL;
   fclose(f);
-  return found;
+  return count;
 }
+
+static int log_has(const node *n, const char *needle) { return log_count(n, needle) > 0; }
 
 static void get_check(node *n, const char *name, size_t len, uint32_t seed) {
   gpupool_client *c = th_connect(&n->d, "consumer");
@@ -554,18 +557,6 @@ static void test_both_ways_many(void **state) {
   expect_staging_free(&A, "A after fetching and serving at once");
   expect_staging_free(&B, "B after fetching and serving at once");
   pair_stop();
-}
-
-static int log_count(const node *n, const char *needle) {
-  FILE *f = fopen(n->d.log, "r");
-  char line[4096];
-  int count = 0;
-  if (!f)
-    return 0;
-  while (fgets(line, sizeof line, f))
-    count += strstr(line, needle) != NULL;
-  fclose(f);
-  return count;
 }
 
 /* A device copy on the serving side fails mid-transfer (GPUPOOL_TEST_COPY_FAIL on A): that
