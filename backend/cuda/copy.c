@@ -58,6 +58,7 @@
 #include "cuda.h"
 #include "cuda_daemon.h"
 #include "errors.h"
+#include "list.h"
 #include "log.h"
 
 /* Bytes per piece of a job that stages (the size of a staging slot), of a chain of peer
@@ -135,12 +136,7 @@ static uint64_t mono_ns(void) {
 }
 
 static void watch_unlink(struct gpupool__cuda_watch *w, gpupool__bcopy *c) {
-  if (c->wprev)
-    c->wprev->wnext = c->wnext;
-  else
-    w->head = c->wnext;
-  if (c->wnext)
-    c->wnext->wprev = c->wprev;
+  GPUPOOL__LIST_UNLINK(w->head, c, wprev, wnext);
   c->wprev = c->wnext = NULL;
   c->watched = 0;
 }
