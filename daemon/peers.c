@@ -128,6 +128,13 @@ int gpd_peers_start(gpd_server *s) {
   P->s = s;
   P->loop = s->loop;
   P->cfg = cfg;
+  P->revision = PEER_REVISION;
+  if (getenv("GPUPOOL_TEST_PEER_REVISION")) {
+    long r = strtol(getenv("GPUPOOL_TEST_PEER_REVISION"), NULL, 10);
+    P->revision = r >= 1 && r <= 1000 ? (uint32_t)r : PEER_REVISION;
+    GPUPOOL__WARN("peers: speaking peer revision %u (GPUPOOL_TEST_PEER_REVISION; this build's is %d)", P->revision,
+                  PEER_REVISION);
+  }
   P->reg = s->reg;
   gpupool__smap_init(&P->subs_by_key);
   snprintf(P->listen_addr, sizeof P->listen_addr, "%s", cfg->peer_listen);

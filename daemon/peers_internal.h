@@ -19,6 +19,10 @@
 #include "server_internal.h"
 
 #define NONCE_LEN 32
+/* Revision of the daemon-to-daemon frames this daemon speaks (PeerHello.peer_revision); a
+ * daemon that sends none is revision 1. GPUPOOL_TEST_PEER_REVISION=N in the environment makes
+ * a daemon announce (and expect) N: the tests' older peer. */
+#define PEER_REVISION 2
 #define AUTH_TIMEOUT_NS (5ull * 1000000000ull)
 #define TICK_MS 100
 #define MAX_SECRET 4096
@@ -199,6 +203,7 @@ struct push {
 };
 
 struct gpd_peers {
+  uint32_t revision;     /* PEER_REVISION, or the test's */
   gpd_server *s;
   uv_loop_t *loop;
   const gpd_config *cfg;

@@ -240,6 +240,14 @@ static void on_hello(plink *l, const Gpupool__Wire__PeerHello *m) {
     link_close_after_send(l, msg);
     return;
   }
+  if ((m->peer_revision ? m->peer_revision : 1) != P->revision) {
+    snprintf(msg, sizeof msg, "peer revision %u, this daemon speaks %u (the daemons' frames differ): run the same "
+             "gpupool version on both", m->peer_revision ? m->peer_revision : 1, P->revision);
+    send_error(l, GPUPOOL_EVERSION, msg);
+    GPUPOOL__PEER_WARN(&P->log_rl, 0, "peers: %s refused: %s", l->addr, msg);
+    link_close_after_send(l, msg);
+    return;
+  }
   memcpy(l->nonce_theirs, m->nonce.data, NONCE_LEN);
   if (!m->worker_address.len || m->worker_address.len > 4096 || !(l->waddr = malloc(m->worker_address.len))) {
     gpd_pr_link_close(l, "its Hello has no usable UCX worker address");
@@ -281,6 +289,7 @@ static void on_hello(plink *l, const Gpupool__Wire__PeerHello *m) {
   ch.nonce.len = NONCE_LEN;
   ch.mac.data = macv;
   ch.mac.len = sizeof macv;
+  ch.peer_revision = P->revision;
   f.body_case = GPUPOOL__WIRE__PEER_FRAME__BODY_CHALLENGE;
   f.challenge = &ch;
   l->state = L_AWAIT_AUTH;
@@ -294,6 +303,15 @@ static void on_challenge(plink *l, const Gpupool__Wire__PeerChallenge *m) {
   int ok;
   if (m->nonce.len != NONCE_LEN || m->mac.len != 32) {
     gpd_pr_link_close(l, "malformed challenge");
+    return;
+  }
+  if ((m->peer_revision ? m->peer_revision : 1) != l->P->revision) {
+    char why[256];
+    snprintf(why, sizeof why, "peer %s speaks peer revision %u, this daemon %u (the daemons' frames differ): run the "
+             "same gpupool version on both", l->peer->conf->name, m->peer_revision ? m->peer_revision : 1,
+             l->P->revision);
+    GPUPOOL__WARN("peers: %s", why);
+    gpd_pr_link_close(l, why);
     return;
   }
   memcpy(l->nonce_theirs, m->nonce.data, NONCE_LEN);
@@ -544,6 +562,7 @@ static void on_connected(uv_connect_t *req, int status) {
   }
   uv_read_start((uv_stream_t *)&l->tcp, on_alloc, on_read);
   h.protocol = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
+  h.peer_revision = P->revision;
   h.nonce.data = l->nonce_mine;
   h.nonce.len = NONCE_LEN;
   h.listen = P->listen_addr;

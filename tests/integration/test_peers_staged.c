@@ -597,6 +597,38 @@ static void test_source_copy_fails(void **state) {
   pair_stop();
 }
 
+/* A daemon of an older peer revision (GPUPOOL_TEST_PEER_REVISION=1: before staged device
+ * memory, the credit window and PeerFailed) and this one refuse each other at connect, each
+ * naming both revisions, instead of failing fetches later; same revisions fetch as before. */
+static void test_peer_revision_mismatch(void **state) {
+  gpupool_client *c;
+  gpupool_buffer *b = NULL;
+  const char *err;
+  (void)state;
+  node_prepare(&A);
+  node_prepare(&B);
+  node_start(&A, GPU0, "B", &B);
+  setenv("GPUPOOL_TEST_PEER_REVISION", "1", 1);
+  node_start(&B, GPU0, "A", &A);
+  unsetenv("GPUPOOL_TEST_PEER_REVISION");
+  publish(&A, NULL, "w", (size_t)1 << 20, 31);
+  c = th_connect(&B.d, "getter");
+  if (gpupool_buffer_get(c, "A:w", 0, 10000, 0, NULL, &b, NULL) == 0)
+    fail_msg("a daemon of peer revision 1 fetched from one of revision 2");
+  err = gpupool_last_error();
+  if (!strstr(err, "peer revision 1") || !strstr(err, "same gpupool version")) {
+    th_dump_log(&A.d);
+    th_dump_log(&B.d);
+    fail_msg("the getter was not told of the revisions: %s", err);
+  }
+  gpupool_client_disconnect(c);
+  if (!log_has(&A, "peer revision 1, this daemon speaks 2"))
+    fail_msg("the serving daemon did not log why it refused the older peer");
+  expect_baseline(&B, "the fetching side after the refusal");
+  expect_staging_free(&A, "the serving side after the refusal");
+  pair_stop();
+}
+
 int main(void) {
   if (skip_without_ucx())
     return 77;
@@ -605,5 +637,5 @@ int main(void) {
   signal(SIGPIPE, SIG_IGN);
   return TS_RUN_TESTS(NULL, NULL, test_device_to_device, test_host_and_device, test_source_killed,
                       test_getter_killed, test_fetcher_killed, test_fetcher_stops, test_both_ways_many,
-                      test_source_copy_fails);
+                      test_source_copy_fails, test_peer_revision_mismatch);
 }
