@@ -507,17 +507,6 @@ int gpd_open(gpd_registry *reg, gpd_client *c, const uint8_t *token, size_t len,
   return 0;
 }
 
-/* Whether handing b to c (read_only) sends the fd of its slab (the client has not mapped the
- * slab, or mapped it read-only only and may now write). */
-static int needs_slab_fd(gpd_client *c, const gpd_buffer *b, int read_only) {
-  const gpd_slab *sl = b->slab;
-  if (sl->bs.fd < 0)
-    return 0;
-  if (!gpupool__hmap_get(&c->mapped, sl->id))
-    return 1;
-  return !read_only && gpupool__hmap_get(&c->mapped_ro, sl->id) != NULL;
-}
-
 int gpd_open_many(gpd_registry *reg, gpd_client *c, const uint8_t *const *tokens, const size_t *lens, size_t n,
                   int read_only, unsigned max_fds, gpd_hold **out, size_t *opened) {
   gpd_buffer **bs = NULL;
@@ -544,7 +533,8 @@ int gpd_open_many(gpd_registry *reg, gpd_client *c, const uint8_t *const *tokens
       rc = gpupool__err(rc, "token %zu of %zu: %s (none of this request's tokens was opened)", m + 1, n, msg);
       goto unclaim;
     }
-    if (needs_slab_fd(c, bs[m], ro[m])) {
+    /* The reply carries the fd of each slab gpd_fill_desc will send. */
+    if (bs[m]->slab->bs.fd >= 0 && gpd_desc_sends_slab(c, bs[m]->slab, ro[m])) {
       unsigned j = 0;
       while (j < nfd && fd_slabs[j] != bs[m]->slab)
         j++;

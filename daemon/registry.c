@@ -178,6 +178,12 @@ static Gpupool__Wire__EventRef *event_ref(Gpupool__Wire__EventRef *r, gpd_event 
   return r;
 }
 
+int gpd_desc_sends_slab(const gpd_client *c, const gpd_slab *sl, int read_only) {
+  if (!gpupool__hmap_get(&c->mapped, sl->id))
+    return 1;
+  return !read_only && gpupool__hmap_get(&c->mapped_ro, sl->id) != NULL;
+}
+
 void gpd_fill_desc(gpd_registry *reg, gpd_client *c, gpd_hold *h, const char *name, gpd_desc_storage *s) {
   gpd_buffer *b = h->buf;
   gpd_slab *sl = b->slab;
@@ -200,7 +206,7 @@ void gpd_fill_desc(gpd_registry *reg, gpd_client *c, gpd_hold *h, const char *na
   s->fd = -1;
   {
     int mapped = gpupool__hmap_get(&c->mapped, sl->id) != NULL;
-    int mapped_ro = mapped && gpupool__hmap_get(&c->mapped_ro, sl->id) != NULL;
+    int send = gpd_desc_sends_slab(c, sl, h->read_only);
     int remembered = mapped;
     if (!mapped) {
       /* Remember the mapping first: a slab handed out unrecorded could be freed under it. */
@@ -210,7 +216,7 @@ void gpd_fill_desc(gpd_registry *reg, gpd_client *c, gpd_hold *h, const char *na
         remembered = 0;
       }
     }
-    if (remembered && (!mapped || (mapped_ro && !h->read_only))) {
+    if (remembered && send) {
       /* The first buffer of this slab for this client, or the first it may write: send how to
        * map it, with the slab's fd where the backend has one (read-only for a read-only
        * hold, so the kernel enforces it). Out of memory above, nothing is sent, and the

@@ -586,6 +586,9 @@ typedef struct {
   Gpupool__Wire__TensorMeta meta; /* points into the registry's copy of the metadata */
   int fd;                         /* to send with the reply (the slab's), or -1 */
 } gpd_desc_storage;
+/* Whether gpd_fill_desc of a hold (read_only or not) in sl sends c how to map sl (with the
+ * slab's fd where it has one): c has not mapped it, or mapped it read-only and may now write. */
+int gpd_desc_sends_slab(const gpd_client *c, const gpd_slab *sl, int read_only);
 /* name: the name the hold was got by, if any (its tensor description is sent; otherwise the
  * one the buffer was last published with). */
 void gpd_fill_desc(gpd_registry *reg, gpd_client *c, gpd_hold *h, const char *name,
