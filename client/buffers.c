@@ -191,6 +191,15 @@ int gpupool_buffer_alloc(gpupool_client *c, const char *pool, size_t size, int t
   return gpupool__error_report(&err, rc);
 }
 
+/* All or nothing: a *_many call that failed gives back what it had made of out[0..n). c->mu held. */
+static void release_made_locked(gpupool_client *c, gpupool_buffer **out, int n) {
+  for (int i = 0; i < n; i++)
+    if (out[i]) {
+      gpupool__release_locked(c, out[i], NULL);
+      out[i] = NULL;
+    }
+}
+
 int gpupool_buffer_alloc_many(gpupool_client *c, const char *pool, const size_t *sizes, int n, void *stream,
                               gpupool_buffer **out) {
   pending **ps;
@@ -241,11 +250,7 @@ int gpupool_buffer_alloc_many(gpupool_client *c, const char *pool, const size_t 
     gpupool__wire__reply__free_unpacked(rep, NULL);
   }
   if (rc != 0)
-    for (int i = 0; i < n; i++)
-      if (out[i]) {
-        gpupool__release_locked(c, out[i], NULL);
-        out[i] = NULL;
-      }
+    release_made_locked(c, out, n);
   pthread_mutex_unlock(&c->mu);
   free(ps);
   return gpupool__error_report(&err, rc);
@@ -323,6 +328,14 @@ int gpupool_buffer_share_kept(gpupool_buffer *b, void *stream, gpupool_token *ou
   return share(b, stream, 1, out);
 }
 
+/* 0, or the ELOST error of the first of bufs[0..n) that belonged to a daemon gone since. */
+static int lost_among(gpupool_buffer *const *bufs, int n) {
+  for (int i = 0; i < n; i++)
+    if (bufs[i]->lost)
+      return gpupool__lost_err(bufs[i]);
+  return 0;
+}
+
 /* bufs[0..n) non-NULL and of one client: that client, or NULL after setting the error. */
 static gpupool_client *client_of_all(gpupool_buffer *const *bufs, int n, const char *what) {
   gpupool_client *c;
@@ -380,10 +393,8 @@ int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *str
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_SHARE;
   req.share = &sh;
   pthread_mutex_lock(&c->mu);
-  rc = gpupool__ensure_connected(c);
-  for (int i = 0; i < n && rc == 0; i++)
-    if (bufs[i]->lost)
-      rc = gpupool__lost_err(bufs[i]);
+  if ((rc = gpupool__ensure_connected(c)) == 0)
+    rc = lost_among(bufs, n);
   /* Each ready event recorded in stream, as gpupool_buffer_share does, but the stream asked
    * once whether it is idle (then there is nothing to wait for), not once per buffer. */
   if (rc == 0 && !(c->be->stream_idle && c->be->stream_idle(stream) == 1)) {
@@ -446,10 +457,8 @@ int gpupool_buffer_idle_many(gpupool_buffer *const *bufs, int n, int *idle) {
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_IDLE;
   req.idle = &id;
   pthread_mutex_lock(&c->mu);
-  rc = gpupool__ensure_connected(c);
-  for (int i = 0; rc == 0 && i < n; i++)
-    if (bufs[i]->lost)
-      rc = gpupool__lost_err(bufs[i]);
+  if ((rc = gpupool__ensure_connected(c)) == 0)
+    rc = lost_among(bufs, n);
   if (rc == 0 && (rc = gpupool__call(c, &req, &rep, NULL)) == 0) {
     if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_IDLE || !rep->idle || rep->idle->n_idle != (size_t)n)
       rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent a malformed answer to Idle");
@@ -561,14 +570,8 @@ int gpupool_buffer_open_many(gpupool_client *c, const gpupool_token *tokens, int
     gpupool__wire__reply__free_unpacked(rep, NULL);
     done += (int)got;
   }
-  if (rc != 0) {
-    /* All or nothing: what this call opened goes back. */
-    for (int i = 0; i < n; i++)
-      if (out[i]) {
-        gpupool__release_locked(c, out[i], NULL);
-        out[i] = NULL;
-      }
-  }
+  if (rc != 0)
+    release_made_locked(c, out, n);
   pthread_mutex_unlock(&c->mu);
   free(more);
   return gpupool__error_report(&err, rc);
