@@ -559,14 +559,29 @@ static void test_both_ways_many(void **state) {
   pair_stop();
 }
 
+/* A get of name on n must fail (within timeout_ms) and its message say both want_a and want_b;
+ * `what` names the failure the test caused. */
+static void get_fails_with(node *n, const char *name, int timeout_ms, const char *want_a, const char *want_b,
+                           const char *what) {
+  gpupool_client *c = th_connect(&n->d, "getter");
+  gpupool_buffer *b = NULL;
+  const char *err;
+  if (gpupool_buffer_get(c, name, 0, timeout_ms, 0, NULL, &b, NULL) == 0)
+    fail_msg("the get of %s succeeded although %s", name, what);
+  err = gpupool_last_error();
+  if (!strstr(err, want_a) || !strstr(err, want_b)) {
+    th_dump_log(&A.d);
+    th_dump_log(&B.d);
+    fail_msg("the getter of %s was not told that %s: %s", name, what, err);
+  }
+  gpupool_client_disconnect(c);
+}
+
 /* A device copy on the serving side fails mid-transfer (GPUPOOL_TEST_COPY_FAIL on A): that
  * fetch alone fails, and its getter is told the serving side's reason; the connection between
  * the daemons stays up (B connected to A once in all), both sides let go of everything, and
  * the next fetch of the same name, on the same connection, works. */
 static void test_source_copy_fails(void **state) {
-  gpupool_client *c;
-  gpupool_buffer *b = NULL;
-  const char *err;
   (void)state;
   node_prepare(&A);
   node_prepare(&B);
@@ -575,16 +590,7 @@ static void test_source_copy_fails(void **state) {
   unsetenv("GPUPOOL_TEST_COPY_FAIL");
   node_start(&B, GPU0, "A", &A);
   publish(&A, NULL, "big", (size_t)40 << 20, 21);
-  c = th_connect(&B.d, "getter");
-  if (gpupool_buffer_get(c, "A:big", 0, 20000, 0, NULL, &b, NULL) == 0)
-    fail_msg("the get of A:big succeeded although A's copy out of device memory failed");
-  err = gpupool_last_error();
-  if (!strstr(err, "failed on purpose") || !strstr(err, "retry")) {
-    th_dump_log(&A.d);
-    th_dump_log(&B.d);
-    fail_msg("the getter was not told the serving side's reason: %s", err);
-  }
-  gpupool_client_disconnect(c);
+  get_fails_with(&B, "A:big", 20000, "failed on purpose", "retry", "A's copy out of device memory failed");
   expect_staging_free(&A, "serving side after its copy failed");
   expect_staging_free(&B, "fetching side after the peer's copy failed");
   expect_baseline(&B, "fetching side after the peer's copy failed");
@@ -599,11 +605,9 @@ static void test_source_copy_fails(void **state) {
 
 /* A daemon of an older peer revision (GPUPOOL_TEST_PEER_REVISION=1: before staged device
  * memory, the credit window and PeerFailed) and this one refuse each other at connect, each
- * naming both revisions, instead of failing fetches later; same revisions fetch as before. */
+ * naming both revisions, instead of failing fetches later (every other test here fetches
+ * between daemons of the same revision). */
 static void test_peer_revision_mismatch(void **state) {
-  gpupool_client *c;
-  gpupool_buffer *b = NULL;
-  const char *err;
   (void)state;
   node_prepare(&A);
   node_prepare(&B);
@@ -612,16 +616,8 @@ static void test_peer_revision_mismatch(void **state) {
   node_start(&B, GPU0, "A", &A);
   unsetenv("GPUPOOL_TEST_PEER_REVISION");
   publish(&A, NULL, "w", (size_t)1 << 20, 31);
-  c = th_connect(&B.d, "getter");
-  if (gpupool_buffer_get(c, "A:w", 0, 10000, 0, NULL, &b, NULL) == 0)
-    fail_msg("a daemon of peer revision 1 fetched from one of revision 2");
-  err = gpupool_last_error();
-  if (!strstr(err, "peer revision 1") || !strstr(err, "same gpupool version")) {
-    th_dump_log(&A.d);
-    th_dump_log(&B.d);
-    fail_msg("the getter was not told of the revisions: %s", err);
-  }
-  gpupool_client_disconnect(c);
+  get_fails_with(&B, "A:w", 10000, "peer revision 1", "same gpupool version",
+                 "B (peer revision 1) fetched from A (revision 2)");
   if (!log_has(&A, "peer revision 1, this daemon speaks 2"))
     fail_msg("the serving daemon did not log why it refused the older peer");
   expect_baseline(&B, "the fetching side after the refusal");
