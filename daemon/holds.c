@@ -179,12 +179,12 @@ int gpd_pool_alignment(const gpd_pool *p, uint64_t *align) {
 /* Place a new buffer of size bytes (asize rounded) in p for owner: in the buffer table, counted in
  * its slab and pool, refs 0, no owner fields set. */
 int gpd_buffer_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t size, uint64_t asize,
-                     uint64_t align, int replica, gpd_buffer **out) {
+                     uint64_t align, int place, gpd_buffer **out) {
   gpd_buffer *b = NULL;
   gpd_slab *s;
   uint64_t off;
   int rc;
-  if ((rc = gpd_place(reg, p, owner, size, asize, align, replica, &s, &off)) != 0)
+  if ((rc = gpd_place(reg, p, owner, size, asize, align, place, &s, &off)) != 0)
     return rc;
   if (s->dedicated)
     asize = s->bs.size;

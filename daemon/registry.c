@@ -200,9 +200,10 @@ void gpd_fill_desc(gpd_registry *reg, gpd_client *c, gpd_hold *h, const char *na
   s->slab.id = sl->id;
   s->slab.pool_id = sl->pool->id;
   s->slab.size = sl->bs.size;
-  /* A replica's slab stays mapped by its clients when empty, as a regular slab does: the
-   * next version's replica on this device goes in it (gpd_place), with nothing to import. */
-  s->slab.dedicated = sl->dedicated && !sl->replica;
+  /* A kept slab (a replica's or a fetched copy's) stays mapped by its clients when empty, as a
+   * regular slab does: the next version's on this device goes in it (gpd_place), with nothing
+   * to import. */
+  s->slab.dedicated = sl->dedicated && !sl->kept;
   s->fd = -1;
   {
     int mapped = gpupool__hmap_get(&c->mapped, sl->id) != NULL;

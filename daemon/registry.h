@@ -85,9 +85,10 @@ struct gpd_slab {
   gpupool__bslab bs;
   gpupool__alloc *alloc; /* NULL for a dedicated slab */
   int dedicated;
-  int replica;           /* a dedicated slab made for a replica: kept (and left mapped by its
-                          * clients) once empty, for the replica of the next version of its
-                          * owner and size on this device (slabs.c, gpd_place) */
+  int kept;              /* a dedicated slab made for a replica or a fetched copy (the
+                          * GPD_PLACE_* it was placed for): kept (and left mapped by its
+                          * clients) once empty, for the next version's of its owner and size
+                          * on this device (slabs.c, gpd_place) */
   uint64_t owner;        /* tenant (or shared group) whose buffers it holds: every holder of
                           * one of its buffers gets its fd, so others' buffers never go in */
   int retiring;          /* no new buffers: being given back once empty and unmapped */

@@ -15,10 +15,10 @@
 
 #define MIB ((uint64_t)1 << 20)
 #define SLAB_GRAIN (2 * MIB)
-/* Empty replica slabs a pool keeps for the next versions' replicas (slabs.c): a bundle's
- * buffers on one device, each a dedicated slab. */
+/* Empty kept slabs (replicas' and fetched copies') a pool keeps for the next versions (slabs.c):
+ * a bundle's buffers on one device, each a dedicated slab. */
 #define GPD_REPLICA_SLABS_KEPT 32
-/* What gpd_place's `replica` argument says of a buffer: made by the daemon, filled in full by a
+/* What gpd_place's `place` argument says of a buffer: made by the daemon, filled in full by a
  * copy before anyone gets it (its slab may be a kept one, not cleared first), and its slab kept
  * once empty for the next version of the same owner and size. A replica on another device
  * (replicas.c), or a version's local copy fetched from a peer (peers_fetch.c), which is put in
@@ -46,10 +46,10 @@ int gpd_hold_new(gpd_registry *reg, gpd_client *c, gpd_buffer *b, int read_only,
 void gpd_hold_drop(gpd_registry *reg, gpd_hold *h, int done_recorded, gpd_lease *lease);
 int gpd_hold_of(gpd_registry *reg, gpd_client *c, uint64_t id, gpd_hold **out);
 int gpd_pool_alignment(const gpd_pool *p, uint64_t *align);
-/* replica: the buffer is a replica, filled in full by a copy before anyone gets it (its memory
- * may be a kept replica slab, and is not cleared first; gpd_place). */
+/* place: 0, or GPD_PLACE_REPLICA / GPD_PLACE_FETCHED for a buffer filled in full by a copy
+ * before anyone gets it (its memory may be a kept slab, and is not cleared first; gpd_place). */
 int gpd_buffer_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t size, uint64_t asize,
-                     uint64_t align, int replica, gpd_buffer **out);
+                     uint64_t align, int place, gpd_buffer **out);
 
 /* replicas.c: replicas of a version on other devices */
 /* b's last holder let go, or b was published again (still held): its replicas go. */
@@ -81,7 +81,7 @@ void gpd_slab_remove_mapper_at(gpd_slab *s, uint32_t i);
 void gpd_finish_free(gpd_registry *reg, gpd_buffer *b);
 void gpd_buffer_unref(gpd_registry *reg, gpd_buffer *b);
 int gpd_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t asked, uint64_t size,
-                   uint64_t align, int replica, gpd_slab **slab, uint64_t *off);
+                   uint64_t align, int place, gpd_slab **slab, uint64_t *off);
 
 /* tenants.c: tenants and uid usage */
 void gpd_uid_account(gpd_registry *reg, uint64_t tenant, int64_t bytes, int32_t allocs);

@@ -159,9 +159,9 @@ static int slab_retire(gpd_registry *reg, gpd_slab *s) {
   return 0;
 }
 
-/* An empty slab a placement may take back at once: a regular one, or a kept replica slab. */
+/* An empty slab a placement may take back at once: a regular one, or a kept slab. */
 static int slab_spare(const gpd_slab *s) {
-  return !s->retiring && s->nbuffers == 0 && (!s->dedicated || s->replica);
+  return !s->retiring && s->nbuffers == 0 && (!s->dedicated || s->kept);
 }
 
 void gpd_slab_maybe_retire(gpd_registry *reg, gpd_slab *s) {
@@ -169,12 +169,12 @@ void gpd_slab_maybe_retire(gpd_registry *reg, gpd_slab *s) {
   if (s->nbuffers != 0 || s->retiring)
     return;
   if (s->dedicated) {
-    /* A replica's slab waits for the next version's replica (of its owner and size), up to
-     * GPD_REPLICA_SLABS_KEPT of them in a pool; a placement that needs the room takes it back
-     * (gpd_place), as does gpupoolctl trim. */
-    if (s->replica && !reg->stopped) {
+    /* A kept slab (a replica's or a fetched copy's) waits for the next version's of its owner
+     * and size, up to GPD_REPLICA_SLABS_KEPT of them in a pool; a placement that needs the room
+     * takes it back (gpd_place), as does gpupoolctl trim. */
+    if (s->kept && !reg->stopped) {
       for (gpd_slab *o = s->pool->slabs; o; o = o->next)
-        if (o->replica && slab_spare(o))
+        if (o->kept && slab_spare(o))
           empty++;
       if (empty <= GPD_REPLICA_SLABS_KEPT)
         return;
@@ -310,7 +310,7 @@ void gpd_finish_free(gpd_registry *reg, gpd_buffer *b) {
                     "it was done",
                     p->cfg.name, s->id, b->id);
     s->retiring = 1;
-  } else if (b->died_in_use && s->replica) {
+  } else if (b->died_in_use && s->kept) {
     s->retiring = 1; /* never kept for the next replica either */
   } else if (s->alloc && gpupool__alloc_put(s->alloc, b->offset, b->size) != 0) {
     GPUPOOL__ERROR("pool %s: range %" PRIu64 "+%" PRIu64 " of slab %" PRIu64 " refused by the allocator",
@@ -425,8 +425,8 @@ uint64_t gpd_pool_free_bytes(const gpd_pool *p) {
   for (gpd_slab *s = p->slabs; s; s = s->next)
     if (s->alloc && !s->retiring)
       f += gpupool__alloc_capacity(s->alloc) - gpupool__alloc_used(s->alloc);
-    else if (s->replica && slab_spare(s))
-      f += s->bs.size; /* a kept replica slab, taken back when a placement needs its room */
+    else if (s->kept && slab_spare(s))
+      f += s->bs.size; /* a kept slab, taken back when a placement needs its room */
   return f;
 }
 
@@ -473,9 +473,9 @@ static int no_space(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t ask
  * that owner only (every holder of a buffer receives its slab's fd, so slabs are never shared
  * between tenants), or in a new one. */
 int gpd_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t asked, uint64_t size,
-                   uint64_t align, int replica, gpd_slab **slab, uint64_t *off) {
+                   uint64_t align, int place, gpd_slab **slab, uint64_t *off) {
   int rc, attempt;
-  if (size > p->cfg.slab_size || (replica == GPD_PLACE_FETCHED && size >= GPD_COPY_DEDICATED_MIN)) {
+  if (size > p->cfg.slab_size || (place == GPD_PLACE_FETCHED && size >= GPD_COPY_DEDICATED_MIN)) {
     uint64_t dsize = gpd_round_up(size, SLAB_GRAIN);
     if (size > GPUPOOL_SLAB_HARD_MAX)
       return gpupool__err(GPUPOOL_ETOOBIG,
@@ -493,19 +493,19 @@ int gpd_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t asked, ui
      * complete), and still mapped by the clients that held it. Nothing to allocate, clear,
      * export or import: the copy overwrites what the buffer uses, and the rest held only
      * this owner's bytes. */
-    if (replica)
+    if (place)
       for (gpd_slab *s = p->slabs; s; s = s->next)
-        if (s->replica && slab_spare(s) && s->owner == owner && s->bs.size == dsize) {
-          GPUPOOL__DEBUG("pool %s: kept replica slab %" PRIu64 " of %" PRIu64 " bytes reused", p->cfg.name, s->id,
+        if (s->kept && slab_spare(s) && s->owner == owner && s->bs.size == dsize) {
+          GPUPOOL__DEBUG("pool %s: kept slab %" PRIu64 " of %" PRIu64 " bytes reused", p->cfg.name, s->id,
                          s->bs.size);
           *slab = s;
           *off = 0;
           return 0;
         }
     for (attempt = 0; attempt < 2; attempt++) {
-      rc = slab_new(reg, p, dsize, 1, replica ? asked : 0, owner, slab);
+      rc = slab_new(reg, p, dsize, 1, place ? asked : 0, owner, slab);
       if (rc == 0) {
-        (*slab)->replica = replica;
+        (*slab)->kept = place;
         *off = 0;
         return 0;
       }
@@ -543,11 +543,11 @@ int gpd_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t asked, ui
       gpd_sweep(reg);
     /* Other owners' empty cached slabs keep their backend pools (and what those reserved)
      * alive: give them back, so an idle backend pool goes and its memory returns. Kept
-     * replica slabs (of any owner: this request fits none of them) go as well. */
+     * slabs (of any owner: this request fits none of them) go as well. */
     if (attempt == 0)
       for (gpd_slab *s = p->slabs, *n; s; s = n) {
         n = s->next;
-        if (slab_spare(s) && (s->replica || (gpd_per_owner(reg) && s->owner != owner)))
+        if (slab_spare(s) && (s->kept || (gpd_per_owner(reg) && s->owner != owner)))
           slab_retire(reg, s);
       }
   }
