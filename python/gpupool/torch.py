@@ -509,34 +509,39 @@ def _copy_targets(c, storages):
     a new one."""
     opts = _S.opts
     keys = []
+    pools = {}   # (device type, index) -> pool: looked up once per device, not per storage
     for st in storages:
         dev = st.device
-        if opts.pool is not None:
-            pool = opts.pool
-        elif dev.type == "cuda":
-            pool = c._pool_for(_dlpack.kDLCUDA, dev.index or 0, str(dev))
-        else:
-            pool = c._pool_for(_dlpack.kDLCPU, 0, "cpu")
+        where = (dev.type, dev.index)
+        pool = pools.get(where)
+        if pool is None:
+            if opts.pool is not None:
+                pool = opts.pool
+            elif dev.type == "cuda":
+                pool = c._pool_for(_dlpack.kDLCUDA, dev.index or 0, str(dev))
+            else:
+                pool = c._pool_for(_dlpack.kDLCPU, 0, "cpu")
+            pools[where] = pool
         keys.append((pool, st.nbytes(), dev.type, dev.index))
+    wanted = {}  # key -> the places of this message's storages of that key
+    for i, k in enumerate(keys):
+        wanted.setdefault(k, []).append(i)
     picked = [None] * len(storages)
     with _S.lock:
         _S.msgno += 1
-        for i, k in enumerate(keys):
-            free = [e for e in _S.cache.get(k, ()) if not e.busy]
-            for e in sorted(free, key=lambda e: not e.idle):  # known idle first
+        # One pass over each key's kept buffers (a state dict has many storages of one size):
+        # those known idle first, then those whose state is not known yet, asked about below.
+        # A small buffer of unknown state is left alone (a new one taken instead: no round
+        # trip before the copy) while the key has fewer than two per storage of this message;
+        # the Share asks about the old ones, so the next message finds them known.
+        for k, idx in wanted.items():
+            lst = _S.cache.get(k, ())
+            free = [e for e in lst if not e.busy and e.idle]
+            if not (k[1] <= _SMALL and len(lst) < 2 * len(idx)):
+                free += [e for e in lst if not e.busy and not e.idle]
+            for i, e in zip(idx, free):
                 e.busy = True
                 picked[i] = e
-                break
-        # A small buffer whose state is not known yet: rather than ask (a round trip before
-        # the copy), take a new one while the key has fewer than two per storage of this
-        # message; the Share asks about the old ones, so the next message finds them known.
-        want = {}
-        for k in keys:
-            want[k] = want.get(k, 0) + 1
-        for i, e in enumerate(picked):
-            if e is not None and not e.idle and e.n <= _SMALL and len(_S.cache.get(keys[i], ())) < 2 * want[keys[i]]:
-                e.busy = False
-                picked[i] = None
     cands = [i for i, e in enumerate(picked) if e is not None and not e.idle]
     if cands:
         try:
@@ -598,7 +603,7 @@ def _copies_done(entries):
         for key, lst in list(_S.cache.items()):
             keep = [e for e in lst if e.busy or _S.msgno - e.used <= _CACHE_AGE]
             if len(keep) != len(lst):
-                drop += [e for e in lst if e not in keep]
+                drop += [e for e in lst if not (e.busy or _S.msgno - e.used <= _CACHE_AGE)]
                 if keep:
                     _S.cache[key] = keep
                 else:
