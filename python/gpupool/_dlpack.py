@@ -18,6 +18,7 @@ style ``__array_interface__``) into a plain ``Desc`` without taking ownership of
 """
 
 import ctypes
+import struct
 import threading
 
 from . import _dtypes
@@ -242,6 +243,49 @@ def bytes_capsule(data, device, nbytes, owner):
         with _live_lock:
             _live.pop(addr, None)
         raise
+
+
+# _BytesManaged's bytes, written in one call per export by bytes_capsules.
+_BYTES_PACK = struct.Struct("=QiiiBBHQQQQQq")
+assert _BYTES_PACK.size == ctypes.sizeof(_BytesManaged)
+
+
+def bytes_capsules(device, items):
+    """bytes_capsule for many (data, nbytes, owner) on one device (type, id): their structs
+    in one array (kept until the last of their deleters has run), written one call each and
+    registered under one lock. Returns the capsules in the order of items."""
+    n = len(items)
+    if n == 0:
+        return []
+    size = _BYTES_PACK.size
+    arr = (_BytesManaged * n)()
+    base = ctypes.addressof(arr)
+    raw = (ctypes.c_char * (size * n)).from_buffer(arr)
+    pack = _BYTES_PACK.pack_into
+    dtype, did = device
+    addrs, recs = [], []
+    for i, (data, nbytes, owner) in enumerate(items):
+        addr = base + i * size
+        pack(raw, i * size, data, dtype, did, 1, 1, 8, 1, addr + _BYTES_SHAPE_AT, 0, 0, 0,
+             _DELETER_ADDR, nbytes)
+        rec = _Record()
+        rec.struct = arr
+        rec.owner = owner
+        addrs.append(addr)
+        recs.append(rec)
+    with _live_lock:
+        for addr, rec in zip(addrs, recs):
+            _live[addr] = rec
+    caps = []
+    try:
+        for addr in addrs:
+            caps.append(_capsule_new(addr, NAME_LEGACY, _DESTRUCTOR_ADDR))
+    except BaseException:
+        with _live_lock:  # those made into capsules go with their capsules
+            for addr in addrs[len(caps):]:
+                _live.pop(addr, None)
+        raise
+    return caps
 
 
 class Desc:

@@ -296,19 +296,35 @@ def _handled(device):
 
 def _reduce_tensor(t):
     opts = _S.opts
-    saved = _S.saved.get(torch.Tensor)
-    if opts is None or t.is_nested or t.layout != torch.strided or not _handled(t.device) \
-            or not _usable():
-        return saved(t)
+    if opts is None or t.is_nested or t.layout != torch.strided:
+        return _S.saved[torch.Tensor](t)
+    dev = t.device
+    if not (dev.type == "cuda" or (dev.type == "cpu" and opts.cpu)):
+        return _S.saved[torch.Tensor](t)
+    batch = getattr(_tls, "batch", None)
+    usable = batch.usable if batch is not None else None
+    if usable is None:
+        usable = _usable()
+        if batch is not None:
+            batch.usable = usable  # asked once per message
+    if not usable:
+        return _S.saved[torch.Tensor](t)
     if t.requires_grad and not t.is_leaf:
         raise RuntimeError(
             "Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd "
             "does not support crossing process boundaries. If you just want to transfer the "
             "data, call detach() on the tensor before serializing (e.g., putting it on the queue).")
+    st = t.untyped_storage()
+    if batch is not None and st.nbytes():
+        # In a message (ForkingPickler.dump): the storage goes as its place among the
+        # message's storages (a storage two tensors share has one place), shared with them
+        # once the whole message is known.
+        return (_rebuild_batched, (type(t), batch.add(st, dev), t.dtype, t.storage_offset(),
+                                   tuple(t.size()), tuple(t.stride()), t.requires_grad))
     # The storage goes as an object of its own: the pickler's memo sends a storage that two
     # tensors of one message share once, and _reduce_storage turns it into a kept share.
-    return (_rebuild_tensor, (type(t), t.untyped_storage(), t.dtype, t.storage_offset(),
-                              tuple(t.size()), tuple(t.stride()), t.requires_grad))
+    return (_rebuild_tensor, (type(t), st, t.dtype, t.storage_offset(), tuple(t.size()),
+                              tuple(t.stride()), t.requires_grad))
 
 
 def _reduce_storage(storage):
@@ -325,7 +341,7 @@ def _reduce_storage(storage):
     if batch is not None:
         # A message being pickled (ForkingPickler.dump): its storages are shared together once
         # the whole message is known, and this one goes as its place among them.
-        return (_batched_storage, (batch.add(storage),))
+        return (_batched_storage, (batch.add(storage, storage.device),))
     tok, off, n = _share(storage)
     return (_rebuild_storage, (tok, off, n, opts.spec()))
 
@@ -338,19 +354,24 @@ def _reduce_storage(storage):
 # storage's place, and the message's pickle. The receiver opens every token in ONE Open
 # request before it unpickles the message, whose storages then take theirs.
 class _Batch:
-    __slots__ = ("storages", "index")
+    __slots__ = ("storages", "sizes", "devs", "index", "usable")
 
     def __init__(self):
         self.storages = []
+        self.sizes = []
+        self.devs = []     # CUDA device index, -1 for host memory
         self.index = {}
+        self.usable = None  # whether gpupool serves this message (asked at its first tensor)
 
-    def add(self, storage):
-        d = storage.device
-        key = (d.type, d.index, storage.data_ptr(), storage.nbytes())
+    def add(self, storage, device):
+        n = storage.nbytes()
+        key = (device.type, device.index, storage.data_ptr(), n)
         i = self.index.get(key)
         if i is None:
             i = self.index[key] = len(self.storages)
             self.storages.append(storage)
+            self.sizes.append(n)
+            self.devs.append(device.index if device.type == "cuda" else -1)
         return i
 
 
@@ -397,7 +418,7 @@ def _pickler_dump(self, obj):
         return None
     if t0:
         t0 = _step("send: pickle", t0)
-    msg = _send_batch(batch.storages, buf.getvalue())
+    msg = _send_batch(batch, buf.getvalue())
     if t0:
         t0 = _step("send: copies and share", t0)
     dump(self, msg)
@@ -416,14 +437,13 @@ class _Message:
         return (_open_message, self.args)
 
 
-def _send_batch(storages, payload):
+def _send_batch(batch, payload):
     opts = _S.opts
     c = _client()
+    storages, sizes, devs = batch.storages, batch.sizes, batch.devs
     n = len(storages)
     bufs = [None] * n
     offs = [0] * n
-    sizes = [st.nbytes() for st in storages]
-    devs = [st.device.index if st.device.type == "cuda" else -1 for st in storages]
     copies = []
     for i, st in enumerate(storages):
         found = _find(st, c)
@@ -652,13 +672,11 @@ def _open_message(spec, tokens, offs, sizes, devs, payload):
             holds += c._open_holds(tokens[k * T:(k + _BATCH_MAX) * T], False, s)
         if t0:
             t0 = _step("receive: open", t0)
-        storages = [None] * n
-        for i in range(n):
-            h = holds[i]
-            if h.kind == _lib.MEM_DEVICE and s is None:
-                h.used_in(torch.cuda.current_stream(h.cuda_device).cuda_stream)
-            storages[i] = _storage_of(c, h, offs[i], sizes[i])
-            holds[i] = None
+        if s is None:
+            for h in holds:
+                if h.kind == _lib.MEM_DEVICE:
+                    h.used_in(torch.cuda.current_stream(h.cuda_device).cuda_stream)
+        storages = _storages_of(holds, offs, sizes)  # takes the holds out of the list
     finally:
         for h in holds:
             if h is not None:
@@ -682,6 +700,13 @@ def _batched_storage(i):
     return got[i]
 
 
+def _rebuild_batched(cls, i, dtype, offset, size, stride, requires_grad):
+    got = getattr(_tls, "received", None)
+    if got is None:
+        raise RuntimeError("a gpupool.torch tensor unpickled outside its message")
+    return _rebuild_tensor(cls, got[i], dtype, offset, size, stride, requires_grad)
+
+
 # --- receiving -----------------------------------------------------------------------------
 def _rebuild_empty(device):
     return torch.UntypedStorage(0, device=device)
@@ -702,29 +727,68 @@ def _rebuild_storage(token, offset, nbytes, spec):
 def _storage_of(c, hold, offset, nbytes):
     """The storage of a received hold (this process's storage of that memory when it has one
     already: the hold then goes)."""
-    key = (hold.buffer_id, offset, nbytes)
+    return _storages_of([hold], [offset], [nbytes])[0]
+
+
+def _storages_of(holds, offs, sizes):
+    """The storage of each received hold (holds[i] at offs[i], sizes[i] bytes): this process's
+    storage of that memory when it has one already (the hold then goes), else a new one whose
+    deleter drops the hold. Each hold is taken out of `holds` (set to None) once a storage
+    owns it, so that the caller releases only those left on a failure."""
+    n = len(holds)
+    storages = [None] * n
+    keys = [(h.buffer_id, offs[i], sizes[i]) for i, h in enumerate(holds)]
     with _S.lock:
-        ref = _S.received.get(key)
+        refs = [_S.received.get(k) for k in keys]
+    new = []
+    for i, ref in enumerate(refs):
         if ref is not None and not ref.expired():
             st = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
             if st is not None:
-                hold.release()  # this process holds the buffer already, through that storage
-                return st
-    # The storage's deleter drops the hold (the capsule keeps it referenced till then).
-    cap = _dlpack.bytes_capsule(hold.ptr + offset, hold.dl_device, nbytes, hold)
-    st = _from_dlpack(cap).untyped_storage()
+                storages[i] = st
+                h, holds[i] = holds[i], None
+                h.release()  # this process holds the buffer already, through that storage
+                continue
+        new.append(i)
+    # The storages' deleters drop the holds (each capsule keeps its hold referenced till then).
+    by_dev = {}
+    for i in new:
+        by_dev.setdefault(holds[i].dl_device, []).append(i)
+    for dev, idx in by_dev.items():
+        caps = _dlpack.bytes_capsules(dev, [(holds[i].ptr + offs[i], sizes[i], holds[i]) for i in idx])
+        for i, cap in zip(idx, caps):
+            storages[i] = _from_dlpack(cap).untyped_storage()
+    made = [(i, holds[i]) for i in new]
+    for i in new:
+        holds[i] = None
+    weak = [(_torch_reductions.StorageWeakRef(storages[i]), storages[i].data_ptr()) for i in new]
     with _S.lock:
-        _S.received[key] = _torch_reductions.StorageWeakRef(st)
-        if len(_S.received) > _S.received_prune:
-            for k in [k for k, r in _S.received.items() if r.expired()]:
-                del _S.received[k]
-            _S.received_prune = max(1024, 2 * len(_S.received))
-    _remember(st.data_ptr(), hold, offset)  # sent on from here: shared in place
-    return st
+        received, owned = _S.received, _S.owned
+        for (i, h), (ref, ptr) in zip(made, weak):
+            received[keys[i]] = ref
+            # Sent on from here: shared in place, by the hold it came with (unless this
+            # process holds that memory already by a hold that lives longer: it stays).
+            old = owned.get(ptr)
+            oh = old[0]() if old is not None else None
+            if oh is None or oh.released or oh is h:
+                owned[ptr] = (weakref.ref(h), offs[i])
+        if len(received) > _S.received_prune:
+            for k in [k for k, r in received.items() if r.expired()]:
+                del received[k]
+            _S.received_prune = max(1024, 2 * len(received))
+        if len(owned) > _S.owned_prune:
+            for k in [k for k, (r, _) in owned.items() if r() is None or r().released]:
+                del owned[k]
+            _S.owned_prune = max(1024, 2 * len(owned))
+    return storages
 
 
 def _rebuild_tensor(cls, storage, dtype, offset, size, stride, requires_grad):
     t = torch.empty((0,), dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+    if cls is torch.Tensor:
+        if requires_grad:
+            t.requires_grad = True
+        return t
     if cls is torch.nn.parameter.Parameter:
         # requires_grad goes to the constructor: integer parameters must not get it later
         return torch.nn.parameter.Parameter(t, requires_grad=requires_grad)
