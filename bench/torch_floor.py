@@ -19,7 +19,7 @@ Steps, each timed over the 146-tensor Llama-shaped bf16 state dict of bench/weig
 - tensor on a storage: torch.empty((0,), dtype, device).set_(storage, offset, size,
   stride): the view the sender had, rebuilt.
 
-    python3 bench/torch_floor.py [--device cuda:0|cpu] [--reps 20]
+    python3 bench/torch_floor.py [--device cuda:0|cpu] [--reps 20] [--table FILE]
 """
 
 import argparse
@@ -49,6 +49,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda:0", help="cuda:N (default) or cpu")
     ap.add_argument("--reps", type=int, default=20, help="repetitions of each step (median kept)")
+    ap.add_argument("--table", help="also write the markdown table to this file")
     args = ap.parse_args()
     try:
         import torch
@@ -130,12 +131,10 @@ def main():
              ("unpickle, view described", step_unpickle),
              ("storage from memory (capsule + from_dlpack)", step_storage),
              ("tensor on a storage (empty().set_)", step_tensor)]
-    print("torch_floor: %d tensors on %s (torch %s), per tensor, median of %d reps" % (
-        n, torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch.__version__,
-        args.reps))
-    print()
-    print("| step | us per tensor |")
-    print("| --- | --- |")
+    lines = ["Per-tensor floor of a Python reducer: %d tensors on %s (torch %s), us per tensor, "
+             "median of %d reps (bench/torch_floor.py)" % (
+                 n, torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                 torch.__version__, args.reps), "", "| step | us per tensor |", "| --- | --- |"]
     total = 0.0
     for name, fn in steps:
         fn()  # warm
@@ -148,8 +147,13 @@ def main():
         p50 = percentile(xs, 50)
         if name != "pickle, minimal reducer":
             total += p50
-        print("| %s | %.2f |" % (name, p50))
-    print("| sum of the last four (no daemon, no socket) | %.2f |" % total)
+        lines.append("| %s | %.2f |" % (name, p50))
+    lines.append("| sum of the last four (no daemon, no socket) | %.2f |" % total)
+    text = "\n".join(lines)
+    print(text)
+    if args.table:
+        with open(args.table, "w") as f:
+            f.write(text + "\n")
     return 0
 
 

@@ -27,8 +27,10 @@
 #                               batches to the GPU: pin_memory=True against PinnedLoader)
 #                               and bench/torch_queue.py (CUDA tensors and a state dict
 #                               through mp.Queue with and without gpupool.torch.install();
-#                               skipped without it): tables appended, and written to
-#                               $OUT/torch-data-table.md and $OUT/torch-queue-table.md.
+#                               skipped without it) and bench/torch_floor.py (what a
+#                               Python reducer's torch calls cost per tensor): tables
+#                               appended, and written to $OUT/torch-data-table.md and
+#                               $OUT/torch-queue-table.md.
 #   tools/gpu-bench.sh multi    On a GPU machine with two GPUs or more (four for the whole
 #                               broadcast): prints `nvidia-smi topo -m`, then runs
 #                               build-gpu/bench/gpupool_copy_bench peer, staged and broadcast
@@ -197,6 +199,14 @@ run_bench() {
   set -e
   append_part "$rc" "$qtable" torch-queue "torch.multiprocessing Queue" "$log" \
     "torch_queue: SKIP: " bench/torch_queue.py
+  # What the torch and pickle calls any Python-level reducer makes cost per tensor (no daemon).
+  ftable=$(mktemp)
+  set +e
+  "${PYTHON:-python3}" bench/torch_floor.py --table "$ftable" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  append_part "$rc" "$ftable" torch-floor "Per-tensor floor" "$log" "torch_floor: SKIP: " \
+    bench/torch_floor.py
 
   echo
   cat "$table"
