@@ -695,18 +695,15 @@ class Client:
         return bytes(memoryview(toks).cast("B")), [bool(x) for x in idle] if na else []
 
     def _new_holds(self, out, n, s):
-        """Holds for the n C buffer handles in out, all or none: when one cannot be made,
-        every handle is released (the holds made so far with it)."""
-        holds = []
+        """Holds for the n C buffer handles in out, all or none: when they cannot be made,
+        every handle is released."""
         try:
-            for i in range(n):
-                holds.append(self._new_hold(out[i], s))  # releases out[i] itself if it fails
+            holds = _Hold.many(self._conn, out[:n], s)
         except BaseException:
-            for j in range(len(holds) + 1, n):
+            for j in range(n):
                 self._lib.gpupool_buffer_release(out[j], s)
-            for h in holds:
-                h.release()
             raise
+        self._holds.update(holds)
         return holds
 
     def _alloc_holds(self, pool_name, sizes, s):

@@ -29,10 +29,10 @@ class _Conn:
         self.c_bundle_release = L.gpupool_bundle_release
         self.c_disconnect = L.gpupool_client_disconnect
 
-    def add(self):
+    def add(self, n=1):
         with self.lock:
             self.usable()
-            self.holds += 1
+            self.holds += n
 
     def drop(self):
         with self.lock:
@@ -126,6 +126,39 @@ class _Hold:
         self.cpu_synced = False
         self.buf = buf
         conn.add()
+
+    @classmethod
+    def many(cls, conn, bufs, stream):
+        """Holds for the C buffer handles bufs (a message's, an Open of many tokens): as
+        _Hold(conn, buf, stream) each, their facts read through one array and counted on the
+        connection at once."""
+        L = conn.lib
+        facts = L.gpupool_buffer_facts
+        f = _Facts()
+        holds = []
+        conn.add(len(bufs))
+        try:
+            for buf in bufs:
+                h = cls.__new__(cls)
+                h.conn = conn
+                h.lock = threading.Lock()
+                facts(buf, f)
+                h.ptr, h.size, h.kind = f[0], f[1], f[2]
+                h.device = f[3] - 1
+                h.buffer_id = f[4]
+                h.read_only = bool(f[5])
+                h.safe_stream = stream
+                h.streams = [stream]
+                h.cpu_synced = False
+                h.buf = buf
+                holds.append(h)
+        except BaseException:
+            for h in holds:  # counted with the rest: dropped by their release
+                h.buf = None
+            for _ in range(len(bufs)):
+                conn.drop()
+            raise
+        return holds
 
     @property
     def released(self):
