@@ -288,6 +288,55 @@ def bytes_capsules(device, items):
     return caps
 
 
+# A legacy DLManagedTensor (DLTensor, manager_ctx, deleter), written by view_capsules with its
+# shape and strides (int64 each) right after it.
+_VIEW_PACK = struct.Struct("=QiiiBBHQQQQQ")
+assert _VIEW_PACK.size == ctypes.sizeof(DLManagedTensor)
+
+
+def view_capsules(device, items):
+    """Legacy DLPack capsules for many (data, (code, bits), shape, strides, owner) on one
+    device (type, id): each a view of that element type, shape and strides (in elements) at
+    data, keeping owner referenced until the consumer's deleter runs. Their structs, shapes
+    and strides lie in one buffer (kept until the last of their deleters has run). Returns
+    the capsules in the order of items."""
+    if not items:
+        return []
+    head = _VIEW_PACK.size
+    sizes = [head + 16 * len(it[2]) for it in items]
+    buf = (ctypes.c_char * sum(sizes))()
+    base = ctypes.addressof(buf)
+    pack = _VIEW_PACK.pack_into
+    dtype, did = device
+    addrs, recs = [], []
+    at = 0
+    for (data, (code, bits), shape, strides, owner), size in zip(items, sizes):
+        addr = base + at
+        nd = len(shape)
+        pack(buf, at, data, dtype, did, nd, code, bits, 1, addr + head, addr + head + 8 * nd, 0, 0,
+             _DELETER_ADDR)
+        struct.pack_into("=%dq" % (2 * nd), buf, at + head, *shape, *strides)
+        rec = _Record()
+        rec.struct = buf
+        rec.owner = owner
+        addrs.append(addr)
+        recs.append(rec)
+        at += size
+    with _live_lock:
+        for addr, rec in zip(addrs, recs):
+            _live[addr] = rec
+    caps = []
+    try:
+        for addr in addrs:
+            caps.append(_capsule_new(addr, NAME_LEGACY, _DESTRUCTOR_ADDR))
+    except BaseException:
+        with _live_lock:  # those made into capsules go with their capsules
+            for addr in addrs[len(caps):]:
+                _live.pop(addr, None)
+        raise
+    return caps
+
+
 class Desc:
     """What a tensor is, without owning it: data (address of element 0), device (type,
     id), dtype (_dtypes.DType), shape, strides (in elements; C-contiguous filled in when

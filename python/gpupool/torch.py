@@ -101,6 +101,11 @@ _CACHE_AGE = 8
 # held), so a steady stream of messages needs no round trip to ask before copying.
 _SMALL = 16 << 20
 
+# torch element types by their DLPack (code, bits): kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4.
+_DL_TYPES = {torch.float32: (2, 32), torch.float64: (2, 64), torch.float16: (2, 16),
+             torch.bfloat16: (4, 16), torch.int8: (0, 8), torch.int16: (0, 16), torch.int32: (0, 32),
+             torch.int64: (0, 64), torch.uint8: (1, 8)}
+
 if hasattr(torch._C, "_from_dlpack"):
     _from_dlpack = torch._C._from_dlpack
 else:
@@ -319,7 +324,7 @@ def _reduce_tensor(t):
         # In a message (ForkingPickler.dump): the storage goes as its place among the
         # message's storages (a storage two tensors share has one place), shared with them
         # once the whole message is known.
-        return (_rebuild_batched, (type(t), batch.add(st, dev), t.dtype, t.storage_offset(),
+        return (_rebuild_batched, (type(t), batch.add(st, dev, t), t.dtype, t.storage_offset(),
                                    tuple(t.size()), tuple(t.stride()), t.requires_grad))
     # The storage goes as an object of its own: the pickler's memo sends a storage that two
     # tensors of one message share once, and _reduce_storage turns it into a kept share.
@@ -354,16 +359,17 @@ def _reduce_storage(storage):
 # storage's place, and the message's pickle. The receiver opens every token in ONE Open
 # request before it unpickles the message, whose storages then take theirs.
 class _Batch:
-    __slots__ = ("storages", "sizes", "devs", "index", "usable")
+    __slots__ = ("storages", "sizes", "devs", "views", "index", "usable")
 
     def __init__(self):
         self.storages = []
         self.sizes = []
         self.devs = []     # CUDA device index, -1 for host memory
+        self.views = []    # the one tensor of the message on each storage (None: none or several)
         self.index = {}
         self.usable = None  # whether gpupool serves this message (asked at its first tensor)
 
-    def add(self, storage, device):
+    def add(self, storage, device, tensor=None):
         n = storage.nbytes()
         key = (device.type, device.index, storage.data_ptr(), n)
         i = self.index.get(key)
@@ -372,7 +378,25 @@ class _Batch:
             self.storages.append(storage)
             self.sizes.append(n)
             self.devs.append(device.index if device.type == "cuda" else -1)
+            self.views.append(tensor)
+        else:
+            self.views[i] = None
         return i
+
+    def whole(self):
+        """Per storage, (DLPack element type, shape, strides) of the message's one tensor on
+        it when that tensor covers it whole (offset 0, dense) in a type DLPack names, else
+        None: the receiver makes such a tensor straight from the memory, without a storage
+        and a tensor set on it (half of torch's work per tensor on a GPU)."""
+        out = [None] * len(self.views)
+        for i, t in enumerate(self.views):
+            if t is None:
+                continue
+            code = _DL_TYPES.get(t.dtype)
+            if code is not None and t.storage_offset() == 0 and t.is_contiguous() \
+                    and t.numel() * t.element_size() == self.sizes[i]:
+                out[i] = (code, tuple(t.size()), tuple(t.stride()))
+        return out
 
 
 class _Entry:
@@ -511,7 +535,7 @@ def _send_batch(batch, payload):
             t0 = _step("send: share request", t0)
     finally:
         _copies_done(entries)
-    return _Message((opts.spec(), b"".join(tokens), offs, sizes, devs, payload))
+    return _Message((opts.spec(), b"".join(tokens), offs, sizes, devs, payload, batch.whole()))
 
 
 def _ask_idle(entries):
@@ -654,7 +678,7 @@ def trim() -> int:
     return len(lst)
 
 
-def _open_message(spec, tokens, offs, sizes, devs, payload):
+def _open_message(spec, tokens, offs, sizes, devs, payload, whole=None):
     if _S.opts is None:
         # A child unpickling its first gpupool tensor: it sends as its parent does.
         install(copy=spec[0], cpu=spec[1], pool=spec[2], fallback=spec[3], socket=spec[4])
@@ -676,19 +700,20 @@ def _open_message(spec, tokens, offs, sizes, devs, payload):
             for h in holds:
                 if h.kind == _lib.MEM_DEVICE:
                     h.used_in(torch.cuda.current_stream(h.cuda_device).cuda_stream)
-        storages = _storages_of(holds, offs, sizes)  # takes the holds out of the list
+        # Takes the holds out of the list; `made` has the tensors made whole from memory.
+        storages, made = _storages_of(holds, offs, sizes, whole)
     finally:
         for h in holds:
             if h is not None:
                 h.release()  # a storage that could not be made: its hold goes
     if t0:
         t0 = _step("receive: storages", t0)
-    prev = getattr(_tls, "received", None)
-    _tls.received = storages
+    prev = getattr(_tls, "received", None), getattr(_tls, "made", None)
+    _tls.received, _tls.made = storages, made
     try:
         return pickle.loads(payload)
     finally:
-        _tls.received = prev  # storages the message did not use go with this list
+        _tls.received, _tls.made = prev  # storages the message did not use go with these
         if t0:
             _step("receive: unpickle", t0)
 
@@ -704,6 +729,11 @@ def _rebuild_batched(cls, i, dtype, offset, size, stride, requires_grad):
     got = getattr(_tls, "received", None)
     if got is None:
         raise RuntimeError("a gpupool.torch tensor unpickled outside its message")
+    made = getattr(_tls, "made", None)
+    t = made.pop(i, None) if made else None
+    if t is not None and t.dtype == dtype and offset == 0 and tuple(t.size()) == size \
+            and t.stride() == stride:
+        return _as_sent(cls, t, requires_grad)
     return _rebuild_tensor(cls, got[i], dtype, offset, size, stride, requires_grad)
 
 
@@ -727,14 +757,17 @@ def _rebuild_storage(token, offset, nbytes, spec):
 def _storage_of(c, hold, offset, nbytes):
     """The storage of a received hold (this process's storage of that memory when it has one
     already: the hold then goes)."""
-    return _storages_of([hold], [offset], [nbytes])[0]
+    return _storages_of([hold], [offset], [nbytes])[0][0]
 
 
-def _storages_of(holds, offs, sizes):
+def _storages_of(holds, offs, sizes, whole=None):
     """The storage of each received hold (holds[i] at offs[i], sizes[i] bytes): this process's
     storage of that memory when it has one already (the hold then goes), else a new one whose
     deleter drops the hold. Each hold is taken out of `holds` (set to None) once a storage
-    owns it, so that the caller releases only those left on a failure."""
+    owns it, so that the caller releases only those left on a failure. whole[i], when given
+    and not None, is (DLPack element type, shape, strides) of the one tensor the sender had
+    on storage i, covering it: a new storage i is then made as that tensor, returned in the
+    second result (place -> tensor)."""
     n = len(holds)
     storages = [None] * n
     keys = [(h.buffer_id, offs[i], sizes[i]) for i, h in enumerate(holds)]
@@ -753,18 +786,26 @@ def _storages_of(holds, offs, sizes):
     # The storages' deleters drop the holds (each capsule keeps its hold referenced till then).
     by_dev = {}
     for i in new:
-        by_dev.setdefault(holds[i].dl_device, []).append(i)
-    for dev, idx in by_dev.items():
-        caps = _dlpack.bytes_capsules(dev, [(holds[i].ptr + offs[i], sizes[i], holds[i]) for i in idx])
-        for i, cap in zip(idx, caps):
-            storages[i] = _from_dlpack(cap).untyped_storage()
-    made = [(i, holds[i]) for i in new]
+        by_dev.setdefault((holds[i].dl_device, bool(whole and whole[i])), []).append(i)
+    made = {}
+    for (dev, as_view), idx in by_dev.items():
+        if as_view:
+            caps = _dlpack.view_capsules(dev, [(holds[i].ptr + offs[i], whole[i][0], whole[i][1],
+                                                whole[i][2], holds[i]) for i in idx])
+            for i, cap in zip(idx, caps):
+                t = made[i] = _from_dlpack(cap)
+                storages[i] = t.untyped_storage()
+        else:
+            caps = _dlpack.bytes_capsules(dev, [(holds[i].ptr + offs[i], sizes[i], holds[i]) for i in idx])
+            for i, cap in zip(idx, caps):
+                storages[i] = _from_dlpack(cap).untyped_storage()
+    owners = [(i, holds[i]) for i in new]
     for i in new:
         holds[i] = None
     weak = [(_torch_reductions.StorageWeakRef(storages[i]), storages[i].data_ptr()) for i in new]
     with _S.lock:
         received, owned = _S.received, _S.owned
-        for (i, h), (ref, ptr) in zip(made, weak):
+        for (i, h), (ref, ptr) in zip(owners, weak):
             received[keys[i]] = ref
             # Sent on from here: shared in place, by the hold it came with (unless this
             # process holds that memory already by a hold that lives longer: it stays).
@@ -780,11 +821,17 @@ def _storages_of(holds, offs, sizes):
             for k in [k for k, (r, _) in owned.items() if r() is None or r().released]:
                 del owned[k]
             _S.owned_prune = max(1024, 2 * len(owned))
-    return storages
+    return storages, made
 
 
 def _rebuild_tensor(cls, storage, dtype, offset, size, stride, requires_grad):
     t = torch.empty((0,), dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+    return _as_sent(cls, t, requires_grad)
+
+
+def _as_sent(cls, t, requires_grad):
+    """A received tensor t as the sender's was: its class (Parameter, a subclass) and
+    requires_grad."""
     if cls is torch.Tensor:
         if requires_grad:
             t.requires_grad = True

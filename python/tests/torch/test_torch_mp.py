@@ -34,7 +34,7 @@ POOLS = ["name=main,kind=host,capacity=512M,slab=16M"]
 
 
 def digest(t):
-    t = t.detach().contiguous()
+    t = t.detach().contiguous().reshape(-1)
     b = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
     return hashlib.sha256(b).hexdigest()
 
@@ -61,6 +61,14 @@ def echo_child(q, r):
            v.data_ptr() - g.data_ptr(), [tuple(t.stride()) for t in got]))
     g[0] = 1234.0          # the parent's storage: it sees this write
     r.put(got[2])          # a received storage goes back without a copy (gpupool memory now)
+    assert q.get(timeout=60) == "seen"
+
+
+def whole_child(q, r):
+    got = q.get(timeout=60)
+    r.put({k: (digest(t), tuple(t.shape), tuple(t.stride()), type(t).__name__, t.requires_grad,
+               t.untyped_storage().nbytes()) for k, t in got.items()})
+    got["g"][0, 3] = -7.0  # made straight from the shared memory: the sender sees the write
     assert q.get(timeout=60) == "seen"
 
 
@@ -197,6 +205,38 @@ class SharingPaths(TorchTestCase):
         q.put("seen")
         p.join(60)
         self.assertEqual(p.exitcode, 0)
+
+    def test_tensors_that_cover_their_storage(self):
+        """A tensor that is the only one of its message on its storage and covers it is made
+        straight from the shared memory at the receiver: same values, shape, strides (a
+        size-1 dimension's odd stride too), class and requires_grad, a storage of the same
+        size, and the memory itself (a write is seen)."""
+        base = self.baseline()
+        ctx = mp.get_context("fork")
+        q, r = ctx.Queue(), ctx.Queue()
+        g = gt.empty(2, 8, dtype=torch.float32)
+        g.copy_(torch.arange(16, dtype=torch.float32).view(2, 8))
+        sent = {"g": g, "scalar": torch.tensor(2.5), "bf16": torch.randn(3, 5).to(torch.bfloat16),
+                "odd": torch.arange(6.0).view(6, 1).as_strided((6, 1), (1, 7)),
+                "u8": torch.arange(200, dtype=torch.uint8), "p": torch.nn.Parameter(torch.randn(4)),
+                "i64": torch.randint(-2**40, 2**40, (3, 2), dtype=torch.int64)}
+        want = {k: (digest(t), tuple(t.shape), tuple(t.stride()), type(t).__name__, t.requires_grad,
+                    t.untyped_storage().nbytes()) for k, t in sent.items()}
+        p = ctx.Process(target=whole_child, args=(q, r))
+        p.start()
+        q.put(sent)
+        got = r.get(timeout=120)
+        for k in sent:
+            self.assertEqual(got[k], want[k], k)
+        deadline = time.monotonic() + 10
+        while g[0, 3].item() != -7.0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(g[0, 3].item(), -7.0, "the receiver's write to a gpupool storage was not seen")
+        q.put("seen")
+        p.join(60)
+        self.assertEqual(p.exitcode, 0)
+        del g, sent
+        self.wait_counters(base)
 
     def test_queue_fork_spawn_forkserver(self):
         base = self.baseline()
