@@ -250,6 +250,24 @@ _BYTES_PACK = struct.Struct("=QiiiBBHQQQQQq")
 assert _BYTES_PACK.size == ctypes.sizeof(_BytesManaged)
 
 
+def _legacy_capsules(addrs, recs):
+    """Legacy capsules of the DLManagedTensors at addrs, each registered with its record
+    (under one lock) so that its deleter drops the record. All or none."""
+    with _live_lock:
+        for addr, rec in zip(addrs, recs):
+            _live[addr] = rec
+    caps = []
+    try:
+        for addr in addrs:
+            caps.append(_capsule_new(addr, NAME_LEGACY, _DESTRUCTOR_ADDR))
+    except BaseException:
+        with _live_lock:  # those made into capsules go with their capsules
+            for addr in addrs[len(caps):]:
+                _live.pop(addr, None)
+        raise
+    return caps
+
+
 def bytes_capsules(device, items):
     """bytes_capsule for many (data, nbytes, owner) on one device (type, id): their structs
     in one array (kept until the last of their deleters has run), written one call each and
@@ -273,19 +291,7 @@ def bytes_capsules(device, items):
         rec.owner = owner
         addrs.append(addr)
         recs.append(rec)
-    with _live_lock:
-        for addr, rec in zip(addrs, recs):
-            _live[addr] = rec
-    caps = []
-    try:
-        for addr in addrs:
-            caps.append(_capsule_new(addr, NAME_LEGACY, _DESTRUCTOR_ADDR))
-    except BaseException:
-        with _live_lock:  # those made into capsules go with their capsules
-            for addr in addrs[len(caps):]:
-                _live.pop(addr, None)
-        raise
-    return caps
+    return _legacy_capsules(addrs, recs)
 
 
 # A legacy DLManagedTensor (DLTensor, manager_ctx, deleter), written by view_capsules with its
@@ -322,19 +328,7 @@ def view_capsules(device, items):
         addrs.append(addr)
         recs.append(rec)
         at += size
-    with _live_lock:
-        for addr, rec in zip(addrs, recs):
-            _live[addr] = rec
-    caps = []
-    try:
-        for addr in addrs:
-            caps.append(_capsule_new(addr, NAME_LEGACY, _DESTRUCTOR_ADDR))
-    except BaseException:
-        with _live_lock:  # those made into capsules go with their capsules
-            for addr in addrs[len(caps):]:
-                _live.pop(addr, None)
-        raise
-    return caps
+    return _legacy_capsules(addrs, recs)
 
 
 class Desc:
