@@ -253,17 +253,21 @@ assert _BYTES_PACK.size == ctypes.sizeof(_BytesManaged)
 def _legacy_capsules(addrs, recs):
     """Legacy capsules of the DLManagedTensors at addrs, each registered with its record
     (under one lock) so that its deleter drops the record. All or none."""
+    # Nothing that allocates a GC-tracked object runs under _live_lock: a collection started
+    # there could free an earlier export whose deleter takes the lock (a plain Lock) again.
+    new = dict(zip(addrs, recs))
     with _live_lock:
-        for addr, rec in zip(addrs, recs):
-            _live[addr] = rec
+        _live.update(new)
+    del new
     caps = []
     try:
         for addr in addrs:
             caps.append(_capsule_new(addr, NAME_LEGACY, _DESTRUCTOR_ADDR))
     except BaseException:
-        with _live_lock:  # those made into capsules go with their capsules
-            for addr in addrs[len(caps):]:
-                _live.pop(addr, None)
+        for addr in addrs[len(caps):]:  # those made into capsules go with their capsules
+            with _live_lock:
+                rec = _live.pop(addr, None)
+            del rec  # its owner (a hold) goes here, outside the lock
         raise
     return caps
 

@@ -519,6 +519,44 @@ class Batching(TorchTestCase):
         self.wait_counters(base)
 
 
+class InProcess(TorchTestCase):
+    """Sending and receiving in one process (ForkingPickler.dumps, pickle.loads): what no
+    child process is needed to see."""
+
+    def test_no_collection_while_exports_are_registered(self):
+        """The receiver registers a message's DLPack exports under a plain lock that each
+        export's deleter takes too: a garbage collection starting there could free an
+        earlier export (a received tensor in a reference cycle) and deadlock. Whatever the
+        point where the collector runs, it never runs with that lock held."""
+        import gc
+        from gpupool import _dlpack
+
+        base = self.baseline()
+        held = []
+
+        def watch(phase, info):
+            if phase == "start":
+                held.append(_dlpack._live_lock.locked())
+
+        gc.callbacks.append(watch)
+        try:
+            for k in range(1, 120):
+                payload = ForkingPickler.dumps([torch.randn(8), torch.randn(8, 2), torch.randn(3)[1:]])
+                gc.set_threshold(gc.get_count()[0] + k)
+                try:
+                    got = pickle.loads(payload)
+                finally:
+                    gc.set_threshold(700)
+                self.assertEqual(len(got), 3)
+                del got
+                gc.collect()
+        finally:
+            gc.callbacks.remove(watch)
+        self.assertTrue(held, "no collection ran at all: the test did not test anything")
+        self.assertNotIn(True, held, "a garbage collection ran with _dlpack's export lock held")
+        self.wait_counters(base)
+
+
 class Options(TorchTestCase):
     def tearDown(self):
         gt.install(cpu=True, socket=self.daemon.socket)
