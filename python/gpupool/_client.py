@@ -696,13 +696,8 @@ class Client:
 
     def _new_holds(self, out, n, s):
         """Holds for the n C buffer handles in out, all or none: when they cannot be made,
-        every handle is released."""
-        try:
-            holds = _Hold.many(self._conn, out[:n], s)
-        except BaseException:
-            for j in range(n):
-                self._lib.gpupool_buffer_release(out[j], s)
-            raise
+        every handle is released (by _Hold.many)."""
+        holds = _Hold.many(self._conn, out[:n], s)
         self._holds.update(holds)
         return holds
 

@@ -131,7 +131,7 @@ class _Hold:
     def many(cls, conn, bufs, stream):
         """Holds for the C buffer handles bufs (a message's, an Open of many tokens): as
         _Hold(conn, buf, stream) each, their facts read through one array and counted on the
-        connection at once."""
+        connection at once. All or none: on failure every handle is released."""
         L = conn.lib
         facts = L.gpupool_buffer_facts
         f = _Facts()
@@ -140,6 +140,8 @@ class _Hold:
         try:
             for buf in bufs:
                 h = cls.__new__(cls)
+                h.buf = None  # owns its handle only once complete (set last)
+                holds.append(h)
                 h.conn = conn
                 h.lock = threading.Lock()
                 facts(buf, f)
@@ -151,10 +153,13 @@ class _Hold:
                 h.streams = [stream]
                 h.cpu_synced = False
                 h.buf = buf
-                holds.append(h)
         except BaseException:
-            for h in holds:  # counted with the rest: dropped by their release
+            # None of them: every handle released, then their counts dropped (the connection
+            # may close once the last goes).
+            for h in holds:
                 h.buf = None
+            for buf in bufs:
+                L.gpupool_buffer_release(buf, stream)
             for _ in range(len(bufs)):
                 conn.drop()
             raise

@@ -520,13 +520,15 @@ def _send_batch(batch, payload):
             s = torch.cuda.current_stream(d).cuda_stream if d >= 0 else None
             for k in range(0, len(idx), _BATCH_MAX):
                 part = idx[k:k + _BATCH_MAX]
-                asked = ask if o == mine else []
+                # Each asked buffer by the hold _ask_idle took with it: another thread's
+                # _copies_done may drop the entry's own reference meanwhile.
+                asked = [a for a in ask if a[2].buf is not None] if o == mine else []
                 blob, idle = c._share_kept_many([bufs[i] for i in part], s,
-                                                [e.hold.buf for e, _ in asked])
-                if asked:
+                                                [h.buf for _, _, h in asked])
+                if o == mine:
                     ask = []
                 with _S.lock:
-                    for (e, used), ok in zip(asked, idle):
+                    for (e, used, _), ok in zip(asked, idle):
                         if not e.busy and e.used == used:  # not sent meanwhile by another thread
                             e.idle = ok
                 for j, i in enumerate(part):
@@ -540,10 +542,12 @@ def _send_batch(batch, payload):
 
 def _ask_idle(entries):
     """The kept copy buffers this message does not use whose idleness is not known (at most
-    _BATCH_MAX), to ask about in the message's Share."""
+    _BATCH_MAX), to ask about in the message's Share: (entry, its use count, its hold), the
+    hold kept referenced here so that its C buffer stays alive until the request is sent even
+    if another thread's _copies_done lets the entry go."""
     mine = {id(e) for e in entries}
     with _S.lock:
-        return [(e, e.used) for lst in _S.cache.values() for e in lst
+        return [(e, e.used, e.hold) for lst in _S.cache.values() for e in lst
                 if not e.idle and not e.busy and id(e) not in mine and e.hold is not None][:_BATCH_MAX]
 
 

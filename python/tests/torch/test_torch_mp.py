@@ -556,6 +556,39 @@ class InProcess(TorchTestCase):
         self.assertNotIn(True, held, "a garbage collection ran with _dlpack's export lock held")
         self.wait_counters(base)
 
+    def test_threads_sending_at_once(self):
+        """Several threads of one process send and receive messages with copies at once (the
+        feeder threads of several Queues): bit-exact, aliasing kept, no request naming a copy
+        buffer another thread let go of, and everything back at the baseline."""
+        import threading
+
+        base = self.baseline()
+        errors = []
+
+        def work(seed):
+            try:
+                g = torch.Generator().manual_seed(seed)
+                for it in range(60):
+                    a = torch.randn(64, 32, generator=g)
+                    msg = {"a": a, "b": torch.randn(64, 32, generator=g), "v": a[3],
+                           "s": torch.tensor(float(it)), "p": torch.nn.Parameter(torch.randn(100, generator=g))}
+                    got = pickle.loads(ForkingPickler.dumps(msg))
+                    for k in msg:
+                        if not torch.equal(got[k].detach(), msg[k].detach()):
+                            raise AssertionError("%s differs" % k)
+                    if got["v"].untyped_storage().data_ptr() != got["a"].untyped_storage().data_ptr():
+                        raise AssertionError("two views of one storage arrived as two storages")
+            except BaseException as e:
+                errors.append(repr(e))
+
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        self.assertEqual(errors, [])
+        self.wait_counters(base)
+
 
 class Options(TorchTestCase):
     def tearDown(self):
