@@ -198,18 +198,24 @@ def _stream_of(device):
 # --- sending -------------------------------------------------------------------------------
 def _remember(storage_ptr, hold, offset):
     with _S.lock:  # feeder threads of several queues share it
-        owned = _S.owned
-        old = owned.get(storage_ptr)
-        h = old[0]() if old is not None else None
-        if h is not None and not h.released and h is not hold:
-            # Memory this process holds already (its own buffer, received back in the same
-            # process): that hold stays the one it is shared by, since it lives longer.
-            return
-        owned[storage_ptr] = (weakref.ref(hold), offset)
-        if len(owned) > _S.owned_prune:
-            for k in [k for k, (r, _) in owned.items() if r() is None or r().released]:
-                del owned[k]
-            _S.owned_prune = max(1024, 2 * len(owned))
+        _remember_locked(storage_ptr, hold, offset)
+
+
+def _remember_locked(storage_ptr, hold, offset):
+    """Share the storage at storage_ptr from here on by hold (at offset in its buffer). With
+    _S.lock held."""
+    owned = _S.owned
+    old = owned.get(storage_ptr)
+    h = old[0]() if old is not None else None
+    if h is not None and not h.released and h is not hold:
+        # Memory this process holds already (its own buffer, received back in the same
+        # process): that hold stays the one it is shared by, since it lives longer.
+        return
+    owned[storage_ptr] = (weakref.ref(hold), offset)
+    if len(owned) > _S.owned_prune:
+        for k in [k for k, (r, _) in owned.items() if r() is None or r().released]:
+            del owned[k]
+        _S.owned_prune = max(1024, 2 * len(owned))
 
 
 def _find(storage, c):
@@ -808,23 +814,14 @@ def _storages_of(holds, offs, sizes, whole=None):
         holds[i] = None
     weak = [(_torch_reductions.StorageWeakRef(storages[i]), storages[i].data_ptr()) for i in new]
     with _S.lock:
-        received, owned = _S.received, _S.owned
+        received = _S.received
         for (i, h), (ref, ptr) in zip(owners, weak):
             received[keys[i]] = ref
-            # Sent on from here: shared in place, by the hold it came with (unless this
-            # process holds that memory already by a hold that lives longer: it stays).
-            old = owned.get(ptr)
-            oh = old[0]() if old is not None else None
-            if oh is None or oh.released or oh is h:
-                owned[ptr] = (weakref.ref(h), offs[i])
+            _remember_locked(ptr, h, offs[i])  # sent on from here: shared in place
         if len(received) > _S.received_prune:
             for k in [k for k, r in received.items() if r.expired()]:
                 del received[k]
             _S.received_prune = max(1024, 2 * len(received))
-        if len(owned) > _S.owned_prune:
-            for k in [k for k, (r, _) in owned.items() if r() is None or r().released]:
-                del owned[k]
-            _S.owned_prune = max(1024, 2 * len(owned))
     return storages, made
 
 
