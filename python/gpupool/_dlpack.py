@@ -228,21 +228,8 @@ assert _BytesManaged.manager_ctx.offset == ctypes.sizeof(DLTensor)
 def bytes_capsule(data, device, nbytes, owner):
     """A legacy DLPack capsule of nbytes bytes (uint8, 1-D, compact) at data on device (type,
     id), keeping owner referenced until the consumer's deleter runs: make_capsule's result for
-    that case, at a fraction of its cost (a receiver makes one per storage)."""
-    rec = _Record()
-    m = _BytesManaged(data, device[0], device[1], 1, 1, 8, 1, None, None, 0, None, _DELETER_ADDR, nbytes)
-    addr = ctypes.addressof(m)
-    m.shape = addr + _BYTES_SHAPE_AT
-    rec.struct = m
-    rec.owner = owner
-    with _live_lock:
-        _live[addr] = rec
-    try:
-        return _capsule_new(addr, NAME_LEGACY, _DESTRUCTOR_ADDR)
-    except BaseException:
-        with _live_lock:
-            _live.pop(addr, None)
-        raise
+    that case, at a fraction of its cost."""
+    return bytes_capsules(device, [(data, nbytes, owner)])[0]
 
 
 # _BytesManaged's bytes, written in one call per export by bytes_capsules.

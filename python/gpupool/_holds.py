@@ -85,10 +85,12 @@ def _release_stream(streams, device):
 _Facts = ctypes.c_uint64 * 6
 
 
-def _buffer_facts(obj, L, buf):
+def _buffer_facts(obj, L, buf, f=None):
     """What a _Hold or a _Part tells of its C buffer, read once (one call): pointer, size,
-    memory kind, device, id and whether it is read-only."""
-    f = _Facts()
+    memory kind, device, id and whether it is read-only. f: a _Facts to read them through
+    (one for many buffers), else a new one."""
+    if f is None:
+        f = _Facts()
     L.gpupool_buffer_facts(buf, f)
     obj.ptr, obj.size, obj.kind = f[0], f[1], f[2]
     obj.device = f[3] - 1
@@ -115,17 +117,21 @@ class _Hold:
     the last Python reference (a Tensor, an exported DLPack view) goes away."""
 
     def __init__(self, conn, buf, stream):
-        L = conn.lib
+        self._fill(conn, buf, stream, _Facts())
+        conn.add()
+
+    def _fill(self, conn, buf, stream, facts):
+        """Everything but the connection's count, the C handle (buf) set last; facts: the
+        _Facts array to read the buffer's facts through."""
         self.conn = conn
         self.lock = threading.Lock()
-        _buffer_facts(self, L, buf)
+        _buffer_facts(self, conn.lib, buf, facts)
         # The stream in which the memory is known to be safe (the C library made it wait on
         # the ready and done events there), and every stream it was exported to since.
         self.safe_stream = stream
         self.streams = [stream]
         self.cpu_synced = False
         self.buf = buf
-        conn.add()
 
     @classmethod
     def many(cls, conn, bufs, stream):
@@ -133,26 +139,15 @@ class _Hold:
         _Hold(conn, buf, stream) each, their facts read through one array and counted on the
         connection at once. All or none: on failure every handle is released."""
         L = conn.lib
-        facts = L.gpupool_buffer_facts
         f = _Facts()
         holds = []
         conn.add(len(bufs))
         try:
             for buf in bufs:
                 h = cls.__new__(cls)
-                h.buf = None  # owns its handle only once complete (set last)
+                h.buf = None  # owns its handle only once complete (_fill sets it last)
                 holds.append(h)
-                h.conn = conn
-                h.lock = threading.Lock()
-                facts(buf, f)
-                h.ptr, h.size, h.kind = f[0], f[1], f[2]
-                h.device = f[3] - 1
-                h.buffer_id = f[4]
-                h.read_only = bool(f[5])
-                h.safe_stream = stream
-                h.streams = [stream]
-                h.cpu_synced = False
-                h.buf = buf
+                h._fill(conn, buf, stream, f)
         except BaseException:
             # None of them: every handle released, then their counts dropped (the connection
             # may close once the last goes).
