@@ -64,6 +64,14 @@ static int id_allowed(const uint32_t *ids, int n, uint32_t id) {
   return 0;
 }
 
+/* Whether cfg's allow-lists let uid (primary gid gid) in: root and the daemon's own uid always
+ * are. Checked at accept, and again for every open connection after a reload. */
+static int conn_allowed(const gpd_config *cfg, uid_t uid, gid_t gid) {
+  return (!cfg->n_allow_uids && !cfg->n_allow_gids) || uid == 0 || uid == geteuid() ||
+         id_allowed((const uint32_t *)cfg->allow_uids, cfg->n_allow_uids, uid) ||
+         id_allowed((const uint32_t *)cfg->allow_gids, cfg->n_allow_gids, gid);
+}
+
 /* Connection limits: the total (with reserved_clients slots that only root and the daemon's
  * own uid may take, so an operator can always get in) and per uid. 0, or -1 with the reason in
  * msg. */
@@ -236,9 +244,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
       close(fd);
       continue;
     }
-    if ((s->cfg->n_allow_uids || s->cfg->n_allow_gids) && cred.uid != 0 && cred.uid != geteuid() &&
-        !id_allowed((const uint32_t *)s->cfg->allow_uids, s->cfg->n_allow_uids, cred.uid) &&
-        !id_allowed((const uint32_t *)s->cfg->allow_gids, s->cfg->n_allow_gids, cred.gid)) {
+    if (!conn_allowed(s->cfg, cred.uid, cred.gid)) {
       GPUPOOL__PEER_INFO(NULL, 0, "refused connection from pid %d uid %u gid %u: not in allow_uids/allow_gids",
                          (int)cred.pid, (unsigned)cred.uid, (unsigned)cred.gid);
       snprintf(msg, sizeof msg,
@@ -263,6 +269,48 @@ static void on_accept(uv_poll_t *p, int status, int events) {
     }
     conn_new(s, fd, &cred, lease, peer);
   }
+}
+
+/* A reload changed the configuration in place: what accept decided for each open connection
+ * is decided again. A connection whose uid the allow-lists no longer let in, or whose tenant
+ * changed (its uid joined, left or moved between [tenant] sections), is told why and closed:
+ * its tenant was fixed at connect, and a connection left open would go on reaching the old
+ * tenant's names and slabs (or be refused nothing). Its holds and waiting requests go with it;
+ * what its process already mapped stays mapped (the kernel keeps that), and nothing new of
+ * the old tenant reaches it. A client of a moved uid reconnects into its new tenant; one no
+ * longer allowed is refused. Groups need nothing here: membership is looked up at each
+ * request. */
+void gpd_server_reloaded(gpd_server *s) {
+  uint64_t refused = 0, moved = 0;
+  for (gpd_conn *c = s->conns, *next; c; c = next) {
+    char why[512], was[80], now[80];
+    uint64_t tenant = gpd_tenant_of(s->cfg, c->cl.uid, c->cl.gid);
+    next = c->next;
+    if (c->closing)
+      continue;
+    if (!conn_allowed(s->cfg, c->cl.uid, c->cl.gid)) {
+      snprintf(why, sizeof why, "uid %u / gid %u is no longer allowed by this gpupoold (a reload changed "
+               "allow_uids/allow_gids in its config)", (unsigned)c->cl.uid, (unsigned)c->cl.gid);
+      gpd_send_error(c, 0, GPUPOOL_EPERM, why);
+      refused++;
+    } else if (tenant != c->cl.tenant) {
+      gpd_tenant_label(s->cfg, c->cl.tenant, was, sizeof was);
+      gpd_tenant_label(s->cfg, tenant, now, sizeof now);
+      snprintf(why, sizeof why, "a reload moved uid %u from %s to %s ([tenant] sections changed): this "
+               "connection's holds are gone; reconnect to work as %s", (unsigned)c->cl.uid, was, now, now);
+      /* ECLOSED: the library reconnects (into the new tenant) as after any closed connection. */
+      gpd_send_error(c, 0, GPUPOOL_ECLOSED, why);
+      moved++;
+    } else {
+      continue;
+    }
+    /* Closed now, not after the reason is flushed: meanwhile a publish could answer one of its
+     * waiting gets. The reason reaches a client that reads (it is in the socket already). */
+    gpd_conn_close(c, why);
+  }
+  if (refused || moved)
+    GPUPOOL__INFO("reload: closed %" PRIu64 " connection(s) of uids no longer allowed and %" PRIu64
+                  " of uids whose tenant changed (each line 'client N disconnected' says which)", refused, moved);
 }
 
 /* ---- listener ------------------------------------------------------------------------------- */

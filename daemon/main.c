@@ -201,6 +201,9 @@ static void reload(daemon_ctx *d) {
   d->reload_note[0] = '\0';
   gpd_config_reload(d->cfg, &next, applied, sizeof applied, kept, sizeof kept);
   gpupool__log_set_level(d->cfg->log_level);
+  /* Before the line that says the reload is done: by then no connection the new file
+   * refuses is served. */
+  gpd_server_reloaded(d->server);
   GPUPOOL__INFO("reloaded %s: changed: %s%s%s%s", d->opts->config_path ? d->opts->config_path : "(no file)",
                 applied[0] ? applied : "nothing", kept[0] ? "; not changed until a restart: " : "", kept,
                 kept[0] ? " (they stay as they were)" : "");

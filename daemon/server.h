@@ -25,6 +25,9 @@ int gpd_server_start(gpd_server **out, uv_loop_t *loop, const gpd_config *cfg,
 /* Close the listener, the metrics and every connection (their holds are dropped). Handles
  * close on the next loop iterations; the server is freed when the last one has closed. */
 void gpd_server_stop(gpd_server *s);
+/* After a reload changed s's configuration in place: every open connection whose uid the
+ * allow-lists no longer let in, or whose tenant changed, is told why and closed. */
+void gpd_server_reloaded(gpd_server *s);
 /* Monotonic ns of the last client input (for busy polling). */
 uint64_t gpd_server_last_activity(const gpd_server *s);
 /* Number of connected clients. */

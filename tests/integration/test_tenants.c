@@ -284,8 +284,117 @@ static void test_names_checked_in_the_client(void **state) {
   gpupool_client_disconnect(c);
 }
 
+/* ---- a reload takes back what it removes ----------------------------------------------- */
+
+#define OTHER 1001 /* a second uid, beside NOBODY, of tenant t */
+
+/* The config of the reload test: allow_uids and the members of tenant t and group g. */
+static void revoke_conf(const char *allow, const char *members, char *buf, size_t len) {
+  snprintf(buf, len,
+           "[daemon]\nsocket_mode = 0666\nallow_uids = %s\n"
+           "[tenant t]\nuids = %s\n[group g]\nuids = %s\n"
+           "[pool default]\nkind = host\ncapacity = 64M\nslab_size = 4M\n",
+           allow, members, members);
+}
+
+/* Lines of the daemon's log holding what. */
+static int log_lines(const char *what) {
+  char line[4096];
+  int n = 0;
+  FILE *f = fopen(D.log, "r");
+  while (f && fgets(line, sizeof line, f))
+    n += strstr(line, what) != NULL;
+  if (f)
+    fclose(f);
+  return n;
+}
+
+/* As NOBODY, a member of t: publishes t's name "tw" (the secret pattern) and keeps its
+ * connection; once the reload has taken NOBODY out of allow_uids, its next request is
+ * refused with the reason. */
+static int dropped_uid_child(const th_daemon *d, int arg) {
+  gpupool_client *c = NULL;
+  gpupool_buffer *b, *more;
+  int ready = arg & 0xffff, go = arg >> 16, rc;
+  char ch = 1;
+  CHILD_CHECK(th_become(NOBODY) == 0, "setuid");
+  CHILD_CHECK(gpupool_client_connect(d->sock, "dropped", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0, "connect");
+  CHILD_CHECK(gpupool_buffer_alloc(c, NULL, MIB, 0, NULL, &b) == 0, "alloc");
+  th_fill(gpupool_buffer_ptr(b), SEED, MIB);
+  CHILD_CHECK(gpupool_buffer_publish(b, "tw", NULL, NULL, NULL) == 0, "publish tw");
+  CHILD_CHECK(write(ready, &ch, 1) == 1 && read(go, &ch, 1) == 1, "handshake with the test");
+  rc = gpupool_buffer_alloc(c, NULL, 4096, 0, NULL, &more);
+  CHILD_CHECK(rc == GPUPOOL_EPERM, "uid %d, no longer in allow_uids, still allocates on its open connection (%s)",
+              NOBODY, gpupool_err_name(rc));
+  CHILD_CHECK(strstr(gpupool_last_error(), "no longer allowed") && strstr(gpupool_last_error(), "allow_uids"),
+              "the refusal does not say why");
+  gpupool_client_disconnect(c);
+  return 0;
+}
+
+/* As OTHER, a member of t connected before the reload that moves it out of t: its open
+ * connection gets nothing of t's any more (no name, no slab fd). */
+static int moved_uid_child(const th_daemon *d, int arg) {
+  gpupool_client *c = NULL;
+  gpupool_buffer *g = NULL;
+  int ready = arg & 0xffff, go = arg >> 16, rc;
+  char ch = 1;
+  CHILD_CHECK(th_become(OTHER) == 0, "setuid");
+  CHILD_CHECK(gpupool_client_connect(d->sock, "moved", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0, "connect");
+  CHILD_CHECK(write(ready, &ch, 1) == 1 && read(go, &ch, 1) == 1, "handshake with the test");
+  rc = gpupool_buffer_get(c, "tw", 0, 0, 0, NULL, &g, NULL);
+  CHILD_CHECK(rc != 0, "uid %d, moved out of tenant t by a reload, still gets t's name 'tw' on its open connection",
+              OTHER);
+  /* Its connection was closed: the library reconnects (into its own tenant, where there is
+   * no 'tw'), or the request already sent gets the reason. */
+  CHILD_CHECK(rc == GPUPOOL_ENOENT || rc == GPUPOOL_ECLOSED, "get of tw after the reload: %s", gpupool_err_name(rc));
+  CHILD_CHECK(any_memfd_holds_secret() == 0, "tenant t's memory is reachable after the reload");
+  gpupool_client_disconnect(c);
+  return 0;
+}
+
+/* A reload that takes a uid out of allow_uids, and another out of a tenant, applies to the
+ * connections already open: the first is refused from its next request on, the second no
+ * longer reaches the old tenant's names and memory. The log says why each was closed. */
+static void test_reload_revokes_open_connections(void **state) {
+  char conf[1024];
+  int ready[2], go[2], before;
+  pid_t dropped, moved;
+  char ch = 1;
+  (void)state;
+  revoke_conf("65534, 1001", "65534, 1001", conf, sizeof conf);
+  th_prepare_shared(&D);
+  th_write_conf(&D, conf);
+  th_start(&D, 1, NULL);
+  assert_int_equal(pipe(ready), 0);
+  assert_int_equal(pipe(go), 0);
+  dropped = th_spawn(&D, dropped_uid_child, ready[1] | go[0] << 16);
+  assert_int_equal(read(ready[0], &ch, 1), 1); /* "tw" is published */
+  moved = th_spawn(&D, moved_uid_child, ready[1] | go[0] << 16);
+  assert_int_equal(read(ready[0], &ch, 1), 1);
+
+  revoke_conf("1001", "65534", conf, sizeof conf);
+  th_write_conf(&D, conf);
+  before = log_lines("reloaded ");
+  assert_int_equal(kill(D.pid, SIGHUP), 0);
+  for (int i = 0; i < 1000 && log_lines("reloaded ") == before; i++)
+    th_sleep_ms(10);
+  assert_int_equal(log_lines("reloaded "), before + 1);
+  assert_int_equal(write(go[1], "gg", 2), 2);
+  th_wait_ok(dropped, "client of the uid taken out of allow_uids");
+  th_wait_ok(moved, "client of the uid taken out of tenant t");
+  if (log_lines("no longer allowed") < 1 || log_lines("a reload moved") < 1) {
+    th_dump_log(&D);
+    fail_msg("the log does not say why the reload closed the two connections");
+  }
+  close(ready[0]);
+  close(ready[1]);
+  close(go[0]);
+  close(go[1]);
+}
+
 int main(void) {
   return TS_RUN_TESTS(NULL, teardown, test_no_fd_reaches_other_users_memory, test_read_only_is_enforced,
                       test_freed_memory_is_not_handed_over, test_capacity_not_lost_to_placement,
-                      test_names_checked_in_the_client);
+                      test_names_checked_in_the_client, test_reload_revokes_open_connections);
 }
