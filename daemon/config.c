@@ -1133,9 +1133,26 @@ static int peers_check(const gpd_config *c) {
   return 0;
 }
 
+/* A [tenant] or [group] without uids = or gids = is valid but covers no user: whatever it
+ * says (export_peers, a pool shared with it) applies to nobody. Said at every load (start,
+ * reload, --check-config), not refused: a section may be emptied on purpose. */
+static void warn_empty_sets(const gpd_config *c) {
+  const char *path = c->path[0] ? c->path : "gpupoold.conf";
+  for (int t = 0; t < c->n_tenants + c->n_groups; t++) {
+    const gpd_member_set *m = t < c->n_tenants ? &c->tenants[t] : &c->groups[t - c->n_tenants];
+    if (m->n_uids == 0 && m->n_gids == 0)
+      GPUPOOL__WARN("%s:%d: [%s %s] has no uids = or gids = line: it covers no user, so %s applies to nobody "
+                    "(the section's name is not a user's); list its members (uids = 1000, 1001 or gids = 990) "
+                    "or remove the section", path, m->line, t < c->n_tenants ? "tenant" : "group", m->name,
+                    t < c->n_tenants ? "what it sets (export_peers, one namespace and budget)"
+                                     : "what it shares (its pools, group:NAME/ names, export_peers)");
+  }
+}
+
 int gpd_config_finish(gpd_config *c, const gpupool__backend_desc *backend) {
   char where[512], msg[GPUPOOL__ERRMSG_MAX];
   int rc, defaults = c->n_pools == 0;
+  warn_empty_sets(c);
   if ((rc = peers_check(c)) != 0)
     return rc;
   for (int i = 0; i < GPUPOOL_MAX_POOLS; i++) {

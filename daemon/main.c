@@ -22,6 +22,7 @@
 #include "errors.h"
 #include "paths.h"
 #include "log.h"
+#include "peers.h"
 #include "registry.h"
 #include "sd.h"
 #include "server.h"
@@ -261,6 +262,9 @@ static int check_config(gpd_config *cfg, const char *path) {
     return 1;
   }
   rc = gpd_config_finish(cfg, be->desc);
+  /* The files the start reads, checked by the start's own code. */
+  if (rc == 0)
+    rc = gpd_peers_check_secrets(cfg);
   if (rc != 0) {
     fprintf(stderr, "gpupoold: %s\n", gpupool__errmsg());
     be->ops->close(be);

@@ -56,11 +56,12 @@
 
 #include "peers_internal.h"
 
-/* Read a secret file: at least 16 bytes, a regular file not readable by group or others. */
+/* Read a secret file: at least 16 bytes, a regular file not readable by group or others.
+ * Opened non-blocking, so that a FIFO is refused rather than waited on. */
 static int read_secret(const char *path, uint8_t *out, size_t *len) {
   struct stat st;
   ssize_t n;
-  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (fd < 0)
     return gpupool__err(GPUPOOL_ECONFIG, "cannot open the peer secret file %s: %s", path, strerror(errno));
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -84,6 +85,22 @@ static int read_secret(const char *path, uint8_t *out, size_t *len) {
                         "secret (e.g. head -c 32 /dev/urandom | base64 > %s)", path, n, path);
   *len = (size_t)n;
   return 0;
+}
+
+int gpd_peers_check_secrets(const gpd_config *cfg) {
+  uint8_t secret[MAX_SECRET];
+  size_t len;
+  int rc = 0;
+  if (!cfg->peer_listen[0] && !cfg->n_peers)
+    return 0;
+  for (int i = 0; i < cfg->n_peers && rc == 0; i++)
+    rc = read_secret(cfg->peers[i].secret_file[0] ? cfg->peers[i].secret_file : cfg->peer_secret_file, secret, &len);
+  /* The default secret is checked even when no [peer] uses it yet: a file others can read is
+   * refused at start, not first when a [peer] section is added and the daemon restarted. */
+  if (rc == 0 && cfg->peer_secret_file[0])
+    rc = read_secret(cfg->peer_secret_file, secret, &len);
+  explicit_bzero(secret, sizeof secret);
+  return rc;
 }
 
 /* Timeouts: authentication, peers' waiting gets, fetches. */
@@ -123,6 +140,9 @@ int gpd_peers_start(gpd_server *s) {
   int rc;
   if (!cfg->peer_listen[0] && !cfg->n_peers)
     return 0;
+  /* What --check-config checks too: every secret file (the default one included). */
+  if ((rc = gpd_peers_check_secrets(cfg)) != 0)
+    return rc;
   if (!(P = calloc(1, sizeof *P)))
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   P->s = s;
@@ -144,16 +164,6 @@ int gpd_peers_start(gpd_server *s) {
     p->conf = &cfg->peers[i];
     if ((rc = read_secret(p->conf->secret_file[0] ? p->conf->secret_file : cfg->peer_secret_file, p->secret,
                           &p->secret_len)) != 0)
-      goto fail;
-  }
-  /* The default secret is checked even when no [peer] uses it yet: a file others can read is
-   * refused at start, not first when a [peer] section is added and the daemon restarted. */
-  if (cfg->peer_secret_file[0]) {
-    uint8_t secret[MAX_SECRET];
-    size_t len;
-    rc = read_secret(cfg->peer_secret_file, secret, &len);
-    explicit_bzero(secret, sizeof secret);
-    if (rc != 0)
       goto fail;
   }
   if (cfg->peer_listen[0] && !cfg->n_peers)

@@ -20,7 +20,14 @@ typedef struct gpd_server gpd_server;
 typedef struct gpd_conn gpd_conn;
 typedef struct gpd_peers gpd_peers;
 
+#include "config.h"
+
 #ifdef GPUPOOL_HAVE_UCX
+/* The checks gpd_peers_start makes of the configuration's secret files (each [peer]'s and
+ * peer_secret_file: a regular file, not readable by group or others, at least 16 bytes),
+ * without starting anything; nothing to check when no peer is configured. 0, or
+ * GPUPOOL_ECONFIG with the reason. gpupoold --check-config runs it. */
+int gpd_peers_check_secrets(const gpd_config *cfg);
 /* Read the secrets, start UCX and the peer listener (peer_listen). 0, or GPUPOOL_ECONFIG
  * (a secret file that is missing, short or readable by others) or another error, with the
  * reason; nothing is left running on error. */
@@ -41,13 +48,14 @@ int gpd_peers_admin(gpd_server *s, Gpupool__Wire__AdminPeersReply *r);
 void gpd_peers_admin_free(Gpupool__Wire__AdminPeersReply *r);
 #else
 #include "server_internal.h"
-static inline int gpd_peers_start(gpd_server *s) {
-  if (s->cfg->peer_listen[0] || s->cfg->n_peers)
+static inline int gpd_peers_check_secrets(const gpd_config *cfg) {
+  if (cfg->peer_listen[0] || cfg->n_peers)
     return gpupool__err(GPUPOOL_ECONFIG, "%s: peer_listen and [peer] sections need a gpupoold built with UCX "
                         "(this one was built without: pkg-config found no ucx; install libucx-dev and "
-                        "rebuild, see gpupoold --version)", s->cfg->path[0] ? s->cfg->path : "the config");
+                        "rebuild, see gpupoold --version)", cfg->path[0] ? cfg->path : "the config");
   return 0;
 }
+static inline int gpd_peers_start(gpd_server *s) { return gpd_peers_check_secrets(s->cfg); }
 static inline void gpd_peers_stop(gpd_server *s) { (void)s; }
 static inline int gpd_peers_is_remote(gpd_server *s, const char *name) {
   (void)s;

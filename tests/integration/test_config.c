@@ -336,8 +336,111 @@ static void test_peer_sections(void **state) {
   assert_int_equal(c.peer_max_fetches, 64);
 }
 
+/* gpupoold --check-config on the config text conf (written in d's dir): its exit status (-1
+ * when it did not exit within 10 s), and what it printed (stdout and stderr) in out. */
+static int check_config(th_daemon *d, const char *conf, char *out, size_t len) {
+  int st = 0, fd;
+  ssize_t n;
+  const char *argv[] = {GPUPOOLD_PATH, "--check-config", "--config", d->conf, "--backend", "host", NULL};
+  pid_t pid;
+  th_write_conf(d, conf);
+  pid = ts_exec(argv, d->log, 0, NULL, NULL);
+  assert_true(pid > 0);
+  if (ts_wait_pid(pid, 10000, 1, &st) != 0 || !WIFEXITED(st)) {
+    snprintf(out, len, "(gpupoold --check-config did not exit within 10 s)");
+    return -1;
+  }
+  fd = open(d->log, O_RDONLY);
+  assert_true(fd >= 0);
+  n = read(fd, out, len - 1);
+  close(fd);
+  out[n > 0 ? n : 0] = '\0';
+  return WEXITSTATUS(st);
+}
+
+/* A [tenant] or [group] with no member passes --check-config (it may be emptied on purpose)
+ * but is warned about, with its line: it covers nobody. A section with members is not. */
+static void test_check_config_warns_empty_sets(void **state) {
+  th_daemon d;
+  char out[4096];
+  (void)state;
+  th_prepare(&d);
+  assert_int_equal(check_config(&d, "[tenant root]\nexport_peers = *\n[tenant ok]\nuids = 5\n[group g]\n"
+                                    "[group fine]\ngids = 7\n[pool p]\nkind = host\ncapacity = 16M\nslab_size = 4M\nshare = g\n",
+                                out, sizeof out), 0);
+  if (!strstr(out, ":1: [tenant root] has no uids = or gids = line: it covers no user") ||
+      !strstr(out, ":5: [group g] has no uids = or gids = line") || strstr(out, "[tenant ok]") ||
+      strstr(out, "[group fine]"))
+    fail_msg("--check-config said: '%s'", out);
+  d.pid = 0;
+  th_stop(&d);
+}
+
+/* --check-config reads the peers' secret files as the start does: a device, a directory, a
+ * FIFO, a file others can read or a short one is refused with the start's reason; a good one
+ * passes. */
+static void test_check_config_checks_secret_files(void **state) {
+#ifdef GPUPOOL_HAVE_UCX
+  static const struct {
+    const char *file, *needle;
+  } bad[] = {
+      {"/dev/zero", "the peer secret file /dev/zero is not a regular file"},
+      {"DIR/secrets", "is not a regular file"},
+      {"DIR/fifo", "is not a regular file"},
+      {"DIR/open", "is readable by group or others (mode 0644)"},
+      {"DIR/short", "holds 5 bytes, fewer than 16"},
+  };
+  th_daemon d;
+  char out[4096], conf[1024], file[512], p[400];
+  (void)state;
+  th_prepare(&d);
+  snprintf(p, sizeof p, "%s/secrets", d.dir);
+  assert_int_equal(mkdir(p, 0700), 0);
+  snprintf(p, sizeof p, "%s/fifo", d.dir);
+  assert_int_equal(mkfifo(p, 0600), 0);
+  snprintf(p, sizeof p, "%s/open", d.dir);
+  th_write_file(p, 32, 0644, 1);
+  snprintf(p, sizeof p, "%s/short", d.dir);
+  th_write_file(p, 5, 0600, 1);
+  snprintf(p, sizeof p, "%s/good", d.dir);
+  th_write_file(p, 32, 0600, 1);
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    if (!strncmp(bad[i].file, "DIR/", 4))
+      snprintf(file, sizeof file, "%s/%s", d.dir, bad[i].file + 4);
+    else
+      snprintf(file, sizeof file, "%s", bad[i].file);
+    snprintf(conf, sizeof conf, "[daemon]\npeer_secret_file = %s\n[peer b]\naddress = 127.0.0.1:1\n", file);
+    if (check_config(&d, conf, out, sizeof out) != 2 || !strstr(out, bad[i].needle))
+      fail_msg("--check-config with peer_secret_file = %s: '%s' (expected status 2 and '%s')", file, out,
+               bad[i].needle);
+    /* A [peer]'s own secret_file too. */
+    snprintf(conf, sizeof conf, "[daemon]\npeer_secret_file = %s/good\n[peer b]\naddress = 127.0.0.1:1\nsecret_file = %s\n",
+             d.dir, file);
+    if (check_config(&d, conf, out, sizeof out) != 2 || !strstr(out, bad[i].needle))
+      fail_msg("--check-config with secret_file = %s: '%s' (expected status 2 and '%s')", file, out, bad[i].needle);
+  }
+  snprintf(conf, sizeof conf, "[daemon]\npeer_secret_file = %s/good\n[peer b]\naddress = 127.0.0.1:1\n", d.dir);
+  if (check_config(&d, conf, out, sizeof out) != 0 || !strstr(out, "configuration OK"))
+    fail_msg("--check-config with a good secret file: '%s'", out);
+  /* The start refuses what --check-config refuses, and does not wait on a FIFO that nothing
+   * writes to. */
+  snprintf(conf, sizeof conf, "[daemon]\npeer_secret_file = %s/fifo\n[peer b]\naddress = 127.0.0.1:1\n"
+           "[pool p]\nkind = host\ncapacity = 16M\nslab_size = 4M\n", d.dir);
+  th_write_conf(&d, conf);
+  expect_refused_promptly(&d, d.conf, "fifo is not a regular file");
+  snprintf(p, sizeof p, "%s/secrets", d.dir);
+  rmdir(p);
+  d.pid = 0;
+  th_stop(&d);
+#else
+  (void)state;
+  printf("skipped: gpupoold built without UCX (no peers)\n");
+#endif
+}
+
 int main(void) {
   return TS_RUN_TESTS(NULL, NULL, test_full_file, test_errors_name_line, test_pool_checks, test_sizes,
                       test_daemon_refuses_bad_config, test_duplicate_sections, test_config_not_a_file,
-                      test_did_you_mean, test_pool_checks_name_line, test_peer_sections);
+                      test_did_you_mean, test_pool_checks_name_line, test_peer_sections,
+                      test_check_config_warns_empty_sets, test_check_config_checks_secret_files);
 }

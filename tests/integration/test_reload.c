@@ -163,6 +163,23 @@ static void test_reload_keeps_clients(void **state) {
   gpupool_client_disconnect(p);
 }
 
+/* A reload that brings a [tenant] or [group] covering no user says so in the log, with the
+ * section's line, and still applies. */
+static void test_reload_warns_empty_sets(void **state) {
+  char line[4096];
+  (void)state;
+  th_write_conf(&D, "[daemon]\nlisten_backlog = 64\n" POOL "[group empty]\nexport_peers = *\n[group full]\nuids = 7\n");
+  reload_and_wait("reloaded ");
+  log_line("reloaded ", line, sizeof line);
+  assert_non_null(strstr(line, "changed: groups"));
+  log_line("has no uids", line, sizeof line);
+  if (!strstr(line, "gpupoold.conf:7: [group empty] has no uids = or gids = line: it covers no user") ||
+      log_count("[group full] has no") != 0) {
+    th_dump_log(&D);
+    fail_msg("no warning about [group empty] covering no user in the log: '%s'", line);
+  }
+}
+
 int main(void) {
-  return TS_RUN_TESTS(setup, th_teardown, test_reload_keeps_clients);
+  return TS_RUN_TESTS(setup, th_teardown, test_reload_keeps_clients, test_reload_warns_empty_sets);
 }
