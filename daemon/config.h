@@ -77,9 +77,9 @@ typedef struct {
    * memory they map); past it that uid gets no new buffers. */
   uint32_t max_waiting_leases_per_uid;
   uint32_t handshake_timeout_ms;
-  /* Connections the kernel queues for accept on the client socket (listen(2)'s backlog; the
-   * kernel caps it at net.core.somaxconn). Deep, so that a flood of connections cannot leave
-   * another user's connect waiting for a place in the queue. */
+  /* Connections the kernel queues for accept on the client socket and on each metrics listener
+   * (listen(2)'s backlog; the kernel caps it at net.core.somaxconn). Deep, so that a flood of
+   * connections cannot leave another user's connect waiting for a place in the queue. */
   uint32_t listen_backlog;
   /* File objects (PublishFile): whether clients may publish files at all, the path prefixes
    * allowed (checked on the path the daemon resolves from the client's fd; none = any file

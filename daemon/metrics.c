@@ -84,6 +84,11 @@ static const uint64_t bucket_ns[] = {10000ull,    25000ull,    50000ull,     100
 #define MAX_CONNS GPUPOOL__METRICS_MAX_CONNS
 #define MAX_CONNS_PER_UID GPUPOOL__METRICS_MAX_CONNS_PER_UID
 #define RESERVED_CONNS GPUPOOL__METRICS_RESERVED_CONNS
+/* The accept queue of each listener: listen_backlog, as for the client socket (the kernel caps
+ * it at net.core.somaxconn). Deep, so that another user's burst of connections waiting there
+ * while the loop is busy does not get root's connect refused (a scraper's non-blocking
+ * connect fails at once on a full queue); once accepted, the slots below decide. */
+#define BACKLOG(cfg) ((int)((cfg)->listen_backlog ? (cfg)->listen_backlog : SOMAXCONN))
 #define REQ_MAX 8192
 #define REQ_TIMEOUT_MS 1000
 /* From the answer being queued to the connection being closed, read or not: a peer that
@@ -1026,7 +1031,7 @@ static int start_socket(gpd_metrics *m, const gpd_config *cfg) {
                         "be root or a member of that group (under systemd: SupplementaryGroups=)",
                         m->sock, cfg->metrics_socket_group, (unsigned)cfg->metrics_socket_gid,
                         strerror(errno));
-  rc = uv_listen((uv_stream_t *)&m->srv, 16, on_conn);
+  rc = uv_listen((uv_stream_t *)&m->srv, BACKLOG(cfg), on_conn);
   if (rc != 0)
     return gpupool__err(GPUPOOL_ECONFIG, "cannot listen on metrics_socket %s: %s", m->sock,
                         uv_strerror(rc));
@@ -1044,7 +1049,7 @@ static int start_tcp(gpd_metrics *m, const gpd_config *cfg) {
   m->tcp_on = 1;
   rc = uv_tcp_bind(&m->tcp_srv, (const struct sockaddr *)&cfg->metrics_addr, 0);
   if (rc == 0)
-    rc = uv_listen((uv_stream_t *)&m->tcp_srv, 16, on_conn);
+    rc = uv_listen((uv_stream_t *)&m->tcp_srv, BACKLOG(cfg), on_conn);
   if (rc != 0)
     return gpupool__err(GPUPOOL_ECONFIG,
                         "cannot listen on metrics_listen %s: %s; choose a free port (under "

@@ -159,6 +159,104 @@ static void test_root_scrapes_under_flood(void **state) {
   th_stop(&D);
 }
 
+#define BURST 100 /* more than the old accept queue (16), less than any kernel's somaxconn */
+
+/* A non-blocking connect to the metrics socket, as a scraper's event loop makes it: the fd, or
+ * -1 with errno (EAGAIN: the socket's accept queue is full). */
+static int dial_nonblocking(void) {
+  struct sockaddr_un u = {.sun_family = AF_UNIX};
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0), e;
+  if (fd < 0)
+    return -1;
+  memcpy(u.sun_path, msock, strlen(msock) + 1);
+  if (connect(fd, (struct sockaddr *)&u, sizeof u) != 0) {
+    e = errno;
+    close(fd);
+    errno = e;
+    return -1;
+  }
+  return fd;
+}
+
+/* As uid 65534: BURST connections to the metrics socket at once, kept until its parent closes
+ * stop_fd. How many the kernel queued goes to ready_fd. */
+static int burst(int stop_fd, int ready_fd) {
+  int fds[BURST], n = 0;
+  char ch;
+  CHILD_CHECK(th_become(NOBODY) == 0, "setuid");
+  for (int i = 0; i < BURST; i++)
+    if ((fds[n] = dial_nonblocking()) >= 0)
+      n++;
+  CHILD_CHECK(write(ready_fd, &n, sizeof n) == (ssize_t)sizeof n, "ready");
+  (void)read(stop_fd, &ch, 1);
+  while (n > 0)
+    close(fds[--n]);
+  return 0;
+}
+
+/* While the daemon's loop is busy (here: stopped), another user's burst of connections waits in
+ * the metrics socket's accept queue; root's scrape must still get in (its connect is not
+ * refused for a full queue) and be answered once the loop runs. */
+static void test_root_scrape_after_connect_burst(void **state) {
+  char conf[800], why[256] = "";
+  int stop[2], ready[2], queued = 0, fd, connect_errno = 0, answered = 0;
+  pid_t b;
+  (void)state;
+  th_prepare_shared(&D);
+  snprintf(msock, sizeof msock, "%s/metrics.sock", D.dir);
+  snprintf(conf, sizeof conf,
+           "[daemon]\nsocket_mode = 0666\nmetrics_socket = %s\n"
+           "[pool default]\nkind = host\ncapacity = 16M\nslab_size = 4M\n", msock);
+  th_write_conf(&D, conf);
+  th_start(&D, 1, NULL);
+  assert_int_equal(pipe2(stop, O_CLOEXEC), 0);
+  assert_int_equal(pipe2(ready, O_CLOEXEC), 0);
+  assert_int_equal(kill(D.pid, SIGSTOP), 0);
+  b = fork();
+  assert_true(b >= 0);
+  if (b == 0) {
+    close(stop[1]);
+    close(ready[0]);
+    _exit(burst(stop[0], ready[1]));
+  }
+  close(stop[0]);
+  close(ready[1]);
+  if (read(ready[0], &queued, sizeof queued) != (ssize_t)sizeof queued)
+    queued = -1;
+  close(ready[0]);
+  fd = dial_nonblocking();
+  connect_errno = fd < 0 ? errno : 0;
+  assert_int_equal(kill(D.pid, SIGCONT), 0);
+  if (fd >= 0) {
+    /* Blocking from here: the answer comes once the loop has worked through the queue. */
+    static const char req[] = "GET /metrics HTTP/1.0\r\n\r\n";
+    static char buf[1 << 16];
+    struct timeval tv = {10, 0};
+    size_t got = 0;
+    ssize_t n;
+    assert_int_equal(fcntl(fd, F_SETFL, 0), 0);
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    if (send(fd, req, sizeof req - 1, MSG_NOSIGNAL) == (ssize_t)sizeof req - 1)
+      while (got < sizeof buf - 1 && (n = read(fd, buf + got, sizeof buf - 1 - got)) > 0)
+        got += (size_t)n;
+    buf[got] = '\0';
+    answered = !strncmp(buf, "HTTP/1.0 200 OK", 15) && strstr(buf, "gpupool_clients ");
+    snprintf(why, sizeof why, "%zu bytes of answer: '%.60s'", got, buf);
+    close(fd);
+  }
+  close(stop[1]);
+  th_wait_ok(b, "burst");
+  if (fd < 0)
+    fail_msg("root's connect to the metrics socket failed (%s) with %d connections of uid %d queued",
+             strerror(connect_errno), queued, NOBODY);
+  if (!answered) {
+    th_dump_log(&D);
+    fail_msg("root's scrape after uid %d's burst was not answered: %s", NOBODY, why);
+  }
+  assert_int_equal(queued, BURST);
+  th_stop(&D);
+}
+
 int main(void) {
-  return TS_RUN_TESTS(NULL, NULL, test_root_scrapes_under_flood);
+  return TS_RUN_TESTS(NULL, NULL, test_root_scrapes_under_flood, test_root_scrape_after_connect_burst);
 }
