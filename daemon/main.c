@@ -514,6 +514,8 @@ static int try_config(const options *o, gpd_config *cfg, gpupool__backend **be) 
   int rc;
   if (load_config(o, cfg) != 0)
     return GPUPOOL_ECONFIG;
+  /* Before the backend logs its first line: every line obeys the configured level. */
+  gpupool__log_set_level(cfg->log_level);
   if ((rc = gpupool__backend_open(cfg->backend, be)) != 0)
     return rc;
   if (gpd_config_finish(cfg, (*be)->desc) != 0) {

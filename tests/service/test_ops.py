@@ -15,6 +15,8 @@ client timeouts and what gpupoolctl says about the daemon.
             up on a SIGSTOPped daemon, and on a listener whose backlog is full, within its
             connect timeout with "the daemon did not answer in N s", and on a socket that is not gpupoold with "this socket is not
             gpupoold" (an HTTP server, a server that closes at once).
+  quiet     log_level = error (or --log-level error) leaves no line below error in the log,
+            the backend's choice included; auto serving host memory advises no driver install.
   identity  Hello and Stats carry the daemon's own pid, uid and version: gpupoolctl status
             shows them even when the daemon was socket-activated; --json prints {"error": ...}
             on failure; a refused connection names the socket's real owner, group and mode.
@@ -324,6 +326,47 @@ def test_tcp(tmp):
         check(p.returncode == 2 and "metrics_listen" in p.stderr, f"metrics_listen = {bad}: {p.stderr}")
 
 
+# ---- quiet -----------------------------------------------------------------------------------
+
+def test_quiet(tmp):
+    """log_level = error: not one line below it, from start to stop (the backend's choice
+    included, which is made before the file is applied); and on a host where auto picks host
+    memory, the log gives no advice to install a GPU driver."""
+    sock = os.path.join(tmp, "gp.sock")
+    for backend in ("host", "auto"):
+        conf = os.path.join(tmp, f"quiet-{backend}.conf")
+        write(conf, f"[daemon]\nsocket = {sock}\nbackend = {backend}\nlog_level = error\n"
+                    "[pool default]\nkind = host\ncapacity = 16M\nslab_size = 2M\n")
+        n = Notify(tmp)
+        d = start_daemon(tmp, ["--config", conf], notify=n)
+        n.wait("READY=1")
+        ctl(sock, "status")
+        stop(d)
+        log = log_of(d)
+        check(d.returncode == 0, f"exit status {d.returncode}")
+        check(not re.search(r"\b(info|warn|debug): ", log), f"log_level = error, backend {backend}: {log}")
+        # The same through --log-level, which the command line sets over the file.
+        d = start_daemon(tmp, ["--config", host_conf(tmp, sock), "--log-level", "error"], notify=(n := Notify(tmp)))
+        n.wait("READY=1")
+        stop(d)
+        check(not re.search(r"\b(info|warn|debug): ", log_of(d)), f"--log-level error: {log_of(d)}")
+
+    # auto on this host: whichever backend it picks, no advice to install a driver when it
+    # serves host memory (a choice, not a failure).
+    conf = os.path.join(tmp, "auto.conf")
+    write(conf, f"[daemon]\nsocket = {sock}\nbackend = auto\nlog_level = info\n")
+    n = Notify(tmp)
+    d = start_daemon(tmp, ["--config", conf], notify=n)
+    n.wait("READY=1")
+    stop(d)
+    log = log_of(d)
+    if "backend: host (auto" in log:
+        check("install the NVIDIA driver" not in log and "rebuild" not in log and "--backend host" not in log,
+              f"auto chose host memory and the log advises a fix: {log}")
+    else:
+        print("(auto chose the GPU here: the host-memory line is not exercised)")
+
+
 # ---- timeout ---------------------------------------------------------------------------------
 
 def python_client(sock, code, timeout=60):
@@ -526,7 +569,7 @@ def test_identity(tmp):
 def main():
     tmp = tempfile.mkdtemp(prefix="gpupool-ops-")
     try:
-        {"startup": test_startup, "unlink": test_unlink, "tcp": test_tcp,
+        {"startup": test_startup, "unlink": test_unlink, "tcp": test_tcp, "quiet": test_quiet,
          "timeout": test_timeout, "identity": test_identity}[MODE](tmp)
     except BaseException:
         for p in PROCS:
