@@ -33,6 +33,10 @@ int gpd_server_metrics_degraded(const gpd_server *s, char *buf, size_t len) {
   }
   return gpd_metrics_degraded(s->metrics, buf, len);
 }
+
+void gpd_server_set_restart_pending(gpd_server *s, const char *what) {
+  snprintf(s->restart_pending, sizeof s->restart_pending, "%s", what);
+}
                                  
                                  static void hs_timeout(uv_timer_t *t) {
   gpd_conn *c = t->data;

@@ -200,6 +200,8 @@ static void reload(daemon_ctx *d) {
   }
   d->reload_note[0] = '\0';
   gpd_config_reload(d->cfg, &next, applied, sizeof applied, kept, sizeof kept);
+  /* What waits for a restart stays visible (gpupoolctl status) after this log line scrolls. */
+  gpd_server_set_restart_pending(d->server, kept);
   gpupool__log_set_level(d->cfg->log_level);
   GPUPOOL__INFO("reloaded %s: changed: %s%s%s%s", d->opts->config_path ? d->opts->config_path : "(no file)",
                 applied[0] ? applied : "nothing", kept[0] ? "; not changed until a restart: " : "", kept,

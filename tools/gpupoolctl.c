@@ -544,6 +544,8 @@ static void json_stats(const ctl *c, const Gpupool__Wire__StatsReply *s) {
   jkv_u64("replica_bytes", s->replica_bytes, &f);
   jkv_u64("replica_copies_running", s->replica_copies_running, &f);
   jkv_u64("replica_copies_failed", s->replica_copies_failed, &f);
+  jkv_str("restart_pending", s->restart_pending, &f);
+  jkv_str("metrics_exporters", s->metrics_exporters, &f);
   jkey("pools", &f);
   putchar('[');
   for (size_t i = 0; i < s->n_pools; i++) {
@@ -581,8 +583,15 @@ static int cmd_status(ctl *c) {
          (unsigned long long)s->holds, (unsigned long long)s->names,
          (unsigned long long)s->pending_frees, (unsigned long long)s->waiting_leases,
          (unsigned long long)s->open_fds);
-  printf("requests %llu, errors %llu\n\n", (unsigned long long)s->requests,
+  printf("requests %llu, errors %llu\n", (unsigned long long)s->requests,
          (unsigned long long)s->errors);
+  if (s->metrics_exporters && *s->metrics_exporters)
+    printf("metrics exporters: %s\n", s->metrics_exporters);
+  if (s->restart_pending && *s->restart_pending)
+    printf("restart pending: the configuration changed %s, which apply only after 'systemctl restart "
+           "gpupoold' (a restart drops every hold)\n",
+           s->restart_pending);
+  putchar('\n');
   table_init(&t, 11);
   for (int i = 2; i <= 10; i++)
     t.right[i] = 1;

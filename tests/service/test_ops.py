@@ -15,6 +15,8 @@ client timeouts and what gpupoolctl says about the daemon.
             up on a SIGSTOPped daemon, and on a listener whose backlog is full, within its
             connect timeout with "the daemon did not answer in N s", and on a socket that is not gpupoold with "this socket is not
             gpupoold" (an HTTP server, a server that closes at once).
+  health    a TCP metrics exporter that cannot bind is degraded (metric, status line) and
+            retried until it serves; a reload that left restart-only keys says so in status.
   quiet     log_level = error (or --log-level error) leaves no line below error in the log,
             the backend's choice included; auto serving host memory advises no driver install.
   identity  Hello and Stats carry the daemon's own pid, uid and version: gpupoolctl status
@@ -326,6 +328,77 @@ def test_tcp(tmp):
         check(p.returncode == 2 and "metrics_listen" in p.stderr, f"metrics_listen = {bad}: {p.stderr}")
 
 
+# ---- health ----------------------------------------------------------------------------------
+
+def metrics_over_socket(path):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(path)
+        s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        return read_to_end(s)
+
+
+def wait_for(what, pred, timeout=60):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.2)
+    fail(f"{what} within {timeout} s")
+
+
+def test_health(tmp):
+    """A TCP metrics exporter whose port is taken at start is degraded, says so (a metric, a
+    gpupoolctl status line) and serves once the port is free again; a reload that read keys
+    only a restart applies leaves that visible in gpupoolctl status until the file agrees
+    with what runs again."""
+    sock = os.path.join(tmp, "gp.sock")
+    msock = os.path.join(tmp, "metrics.sock")
+    blocker = socket.socket()
+    blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen(1)
+    port = blocker.getsockname()[1]
+    n = Notify(tmp)
+    conf = host_conf(tmp, sock, f"metrics_socket = {msock}\nmetrics_listen = {port}\n")
+    d = start_daemon(tmp, ["--config", conf], notify=n)
+    n.wait("READY=1")
+    out, _ = ctl(sock, "status")
+    check(re.search(r"^metrics exporters: .*tcp degraded: cannot listen", out, re.M)
+          and "socket ok" in out, f"status does not show the degraded exporter: {out}")
+    check(json.loads(ctl(sock, "--json", "status")[0])["metrics_exporters"].find("tcp degraded") >= 0,
+          "--json status metrics_exporters")
+    body = metrics_over_socket(msock)
+    check('gpupool_metrics_exporter_up{exporter="tcp"} 0' in body
+          and 'gpupool_metrics_exporter_up{exporter="socket"} 1' in body, f"exporter metric: {body[:2000]}")
+    blocker.close()
+    wait_for("the TCP exporter did not serve once its port was free",
+             lambda: "tcp ok" in ctl(sock, "status")[0])
+    check(http_get("127.0.0.1", port).startswith("HTTP/1.0 200"), "TCP metrics after the retry")
+    check('gpupool_metrics_exporter_up{exporter="tcp"} 1' in metrics_over_socket(msock), "metric after recovery")
+    check("recovered" in log_of(d), "the log does not say the exporter recovered")
+
+    # A reload that left restart-only keys: status keeps saying so.
+    out, _ = ctl(sock, "status")
+    check("restart pending" not in out, f"restart pending before any reload: {out}")
+    write(conf, open(conf).read().replace("[daemon]\n", "[daemon]\nlisten_backlog = 77\nmax_clients = 99\n"))
+    d.send_signal(signal.SIGHUP)
+    n.wait("READY=1")
+    out, _ = ctl(sock, "status")
+    check(re.search(r"^restart pending: .*listen_backlog", out, re.M) and "max_clients" not in out,
+          f"status after a reload that left listen_backlog for a restart: {out}")
+    check("listen_backlog" in json.loads(ctl(sock, "--json", "status")[0])["restart_pending"], "--json restart_pending")
+    time.sleep(1.2)  # status is asked again later: the trace lasts
+    check("restart pending" in ctl(sock, "status")[0], "the restart-pending line did not last")
+    write(conf, open(conf).read().replace("listen_backlog = 77\n", ""))
+    d.send_signal(signal.SIGHUP)
+    n.wait("READY=1")
+    out, _ = ctl(sock, "status")
+    check("restart pending" not in out, f"restart pending after the file agrees with what runs: {out}")
+    stop(d)
+
+
 # ---- quiet -----------------------------------------------------------------------------------
 
 def test_quiet(tmp):
@@ -570,6 +643,7 @@ def main():
     tmp = tempfile.mkdtemp(prefix="gpupool-ops-")
     try:
         {"startup": test_startup, "unlink": test_unlink, "tcp": test_tcp, "quiet": test_quiet,
+         "health": test_health,
          "timeout": test_timeout, "identity": test_identity}[MODE](tmp)
     except BaseException:
         for p in PROCS:
