@@ -507,6 +507,9 @@ def test_timeout(tmp):
                                 "except gpupool.GpupoolError as e:\n    print(e); sys.exit(7)\n")
         check(p.returncode == 7 and "did not answer in 0.5 s" in p.stdout and took < 10,
               "gpupool.Client(connect_timeout=0.5)")
+        # gpupoolctl's own default is the library's: an operator and a program wait alike.
+        _, err = ctl(sock, "status", expect=3)
+        check("did not answer in 5 s" in err, f"gpupoolctl's default timeout is not the library's 5 s: {err}")
     finally:
         os.kill(d.pid, signal.SIGCONT)
     ctl(sock, "status")
@@ -558,7 +561,24 @@ def test_timeout(tmp):
                              "try:\n    gpupool.Client(sys.argv[1])\n"
                              "except gpupool.GpupoolError as e:\n    print(e); sys.exit(7)\n")
         check(p.returncode == 7 and "this socket is not gpupoold" in p.stdout, f"python {name}")
+        # What came is another protocol, not a gpupool frame too large: no frame-size advice.
+        for text in (err, p.stdout):
+            check("frame" not in text.replace("gpupool frame", "").replace("gpupool reply", "")
+                  and "max_frame" not in text and "smaller messages" not in text,
+                  f"{name}: the message carries frame-size advice: {text}")
+        check(name != "http" or '"HTTP"' in err, f"{name}: the message does not say what came: {err}")
         srv.close()
+
+    # GPUPOOL_SOCKET naming a directory (/tmp): the library's message whole, never "remove it".
+    env = dict(CLEAN_ENV, PYTHONPATH=PYTHON_DIR, GPUPOOL_LIBRARY=LIBGPUPOOL, GPUPOOL_SOCKET="/tmp")
+    if os.environ.get("GPUPOOL_TEST_PY_PRELOAD"):
+        env.update(LD_PRELOAD=os.environ["GPUPOOL_TEST_PY_PRELOAD"], ASAN_OPTIONS="detect_leaks=0")
+    p = subprocess.run([sys.executable, "-c", "import gpupool\ntry:\n    gpupool.Client()\n"
+                        "except gpupool.GpupoolError as e:\n    print(e)\n"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    print(p.stdout, p.stderr)
+    check("/tmp is a directory, not a socket" in p.stdout and "remove" not in p.stdout
+          and p.stdout.rstrip().endswith("GPUPOOL_SOCKET"), f"python with GPUPOOL_SOCKET=/tmp: {p.stdout!r}")
 
 
 # ---- identity --------------------------------------------------------------------------------
@@ -601,7 +621,8 @@ def test_identity(tmp):
     check(re.search(rf"\buid {os.geteuid()}\b", out), "status does not show the daemon's uid")
     st = json.loads(ctl(sock, "--json", "status")[0])
     check(st["daemon_pid"] == d.pid and st["daemon_uid"] == os.geteuid(), f"--json status {st}")
-    check(st["version"] and st["daemon_version"] == st["version"], f"--json version {st}")
+    # One version key (the daemon's, as daemon_pid and daemon_uid), as stats has it.
+    check(st["daemon_version"] and "version" not in st, f"--json version {st}")
     stats = json.loads(ctl(sock, "--json", "stats")[0])
     check(stats["daemon_pid"] == d.pid and stats["daemon_uid"] == os.geteuid(), f"stats {stats}")
 
