@@ -249,19 +249,29 @@ static int config_failed(const char *fmt, ...) {
 /* --check-config: everything the daemon would check before serving, without serving. The
  * pools are checked against the backend the daemon would run (auto probes for a GPU, as
  * at start-up); nothing is bound and no memory is taken. */
-static int check_config(gpd_config *cfg, const char *path) {
+static int check_config(const options *o, gpd_config *cfg) {
+  const char *path = o->config_path;
   gpupool__backend *be = NULL;
   char changed[1024];
-  int rc;
+  int rc, load_failed, opt_err, nerr;
   gpupool__log_set_level(GPUPOOL_LOG_WARN);
+  /* Every error, not only the first: the file's as they are found, then what the pools and
+   * sections say against the backend (checked after an error too, to find theirs as well). */
+  gpd_config_report_errors(stderr);
+  load_failed = load_config(o, cfg) != 0;
+  opt_err = load_failed && gpd_config_errors_reported() == 0; /* the command line's, not the file's */
+  if (opt_err)
+    fprintf(stderr, "gpupoold: %s\n", gpupool__errmsg());
   if ((rc = gpupool__backend_open(cfg->backend, &be)) != 0) {
     fprintf(stderr, "gpupoold: cannot open the %s backend to check the pools against: %s\n",
             cfg->backend ? cfg->backend->name : "auto", gpupool__errmsg());
     return 1;
   }
   rc = gpd_config_finish(cfg, be->desc);
-  if (rc != 0) {
-    fprintf(stderr, "gpupoold: %s\n", gpupool__errmsg());
+  if (rc != 0 || load_failed) {
+    nerr = gpd_config_errors_reported() + opt_err;
+    fprintf(stderr, "gpupoold: %d error%s in %s\n", nerr, nerr == 1 ? "" : "s",
+            path ? path : "the options");
     be->ops->close(be);
     return 2;
   }
@@ -594,9 +604,7 @@ int main(int argc, char **argv) {
   if ((rc = parse_options(argc, argv, &o)) >= 0)
     return rc;
   if (o.check_only) {
-    if (load_config(&o, &cfg) != 0)
-      return config_failed("%s", gpupool__errmsg());
-    return check_config(&cfg, o.config_path);
+    return check_config(&o, &cfg);
   }
   signal(SIGPIPE, SIG_IGN);
 

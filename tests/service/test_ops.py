@@ -15,6 +15,8 @@ client timeouts and what gpupoolctl says about the daemon.
             up on a SIGSTOPped daemon, and on a listener whose backlog is full, within its
             connect timeout with "the daemon did not answer in N s", and on a socket that is not gpupoold with "this socket is not
             gpupoold" (an HTTP server, a server that closes at once).
+  config    --check-config reports every error at its key's line with sizes as written; a
+            non-root daemon without XDG_RUNTIME_DIR refused /run/gpupool says what to do.
   health    a TCP metrics exporter that cannot bind is degraded (metric, status line) and
             retried until it serves; a reload that left restart-only keys says so in status.
   quiet     log_level = error (or --log-level error) leaves no line below error in the log,
@@ -326,6 +328,67 @@ def test_tcp(tmp):
                             host_conf(tmp, sock, f"metrics_listen = {bad}\n")],
                            capture_output=True, text=True, env=CLEAN_ENV, timeout=30)
         check(p.returncode == 2 and "metrics_listen" in p.stderr, f"metrics_listen = {bad}: {p.stderr}")
+
+
+# ---- config ----------------------------------------------------------------------------------
+
+def test_config(tmp):
+    """--check-config lists every error of a file, each at its own line (a pool's at the line
+    of the key at fault, not its [pool] header), sizes written as the file writes them; the
+    daemon refusing the file says how many more there are. A daemon of another user than root
+    with no XDG_RUNTIME_DIR, refused the system socket's directory, says why and what to do."""
+    bad = os.path.join(tmp, "bad.conf")
+    write(bad, "[daemon]\n"                 # 1
+               "backend = host\n"           # 2
+               "max_clinets = 5\n"          # 3
+               "log_level = loud\n"         # 4
+               "[pool p]\n"                 # 5
+               "kind = host\n"              # 6
+               "capacity = 1G\n"            # 7
+               "slab_size = 5G\n"           # 8
+               "[pool q]\n"                 # 9
+               "kind = host\n"              # 10
+               "slab_size = 64M\n"          # 11
+               "capacity = 3M\n"            # 12
+               "[weird]\n"                  # 13
+               "x = 1\n"                    # 14
+               "[pool r]\n"                 # 15
+               "capacity = lots\n")         # 16
+    p = subprocess.run([GPUPOOLD, "--check-config", "--config", bad], capture_output=True, text=True,
+                       env=CLEAN_ENV, timeout=30)
+    print(p.stdout + p.stderr)
+    check(p.returncode == 2, f"--check-config exited {p.returncode}")
+    for line, what in ((3, "did you mean 'max_clients'"), (4, "unknown log level 'loud'"), (13, "unknown section"),
+                       (16, "not a size"), (8, "slab_size 5G exceeds 4G"), (12, "capacity 3M is smaller than one slab (64M)")):
+        check(re.search(rf"^gpupoold: {re.escape(bad)}:{line}: .*{re.escape(what)}", p.stderr, re.M),
+              f"--check-config does not report line {line} ({what}): {p.stderr}")
+    check(":14:" not in p.stderr, f"a key of a refused section was refused again: {p.stderr}")
+    check("6 errors" in p.stderr, f"--check-config does not count the errors: {p.stderr}")
+    check(not re.search(r"\b\d{7,}\b", p.stderr), f"raw byte counts in the messages: {p.stderr}")
+    # The daemon itself stops at the file and says there is more.
+    d = start_daemon(tmp, ["--config", bad, "--socket", os.path.join(tmp, "x.sock")])
+    check(d.wait(10) == 2, "a bad file did not make the daemon exit 2")
+    check("3 more errors" in log_of(d) and "--check-config" in log_of(d), f"the daemon's message: {log_of(d)}")
+    # A pool error without a key line (the section only) still points at the section.
+    write(bad, "[daemon]\nbackend = host\n[pool s]\nkind = host\nshare = nobody\n")
+    p = subprocess.run([GPUPOOLD, "--check-config", "--config", bad], capture_output=True, text=True,
+                       env=CLEAN_ENV, timeout=30)
+    check(p.returncode == 2 and f"{bad}:5: [pool s]" in p.stderr, f"share of an unknown group: {p.stderr}")
+
+    if os.geteuid() != 0:
+        print("(not root: the non-root daemon's socket path is not exercised)")
+        return
+    os.chmod(tmp, 0o755)
+    exe = reachable_copy(tmp, GPUPOOLD)
+    if os.path.isdir("/run/gpupool") and os.stat("/run/gpupool").st_uid == 65534:
+        print("(/run/gpupool belongs to nobody here: not exercised)")
+        return
+    env = {k: v for k, v in CLEAN_ENV.items() if k != "XDG_RUNTIME_DIR"}
+    p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", exe, "--backend", "host"],
+                       capture_output=True, text=True, env=env, timeout=30)
+    print(p.stdout + p.stderr)
+    check(p.returncode != 0 and "/run/gpupool" in p.stderr and "XDG_RUNTIME_DIR" in p.stderr
+          and "--socket" in p.stderr, f"a non-root daemon refused /run/gpupool gives no hint: {p.stderr}")
 
 
 # ---- health ----------------------------------------------------------------------------------
@@ -663,7 +726,7 @@ def test_identity(tmp):
 def main():
     tmp = tempfile.mkdtemp(prefix="gpupool-ops-")
     try:
-        {"startup": test_startup, "unlink": test_unlink, "tcp": test_tcp, "quiet": test_quiet,
+        {"startup": test_startup, "unlink": test_unlink, "tcp": test_tcp, "quiet": test_quiet, "config": test_config,
          "health": test_health,
          "timeout": test_timeout, "identity": test_identity}[MODE](tmp)
     except BaseException:
