@@ -190,6 +190,9 @@ def test_startup(tmp):
     check(re.search(r"^RestartPreventExitStatus=.*\b2\b", unit, re.M),
           "gpupoold.service does not stop restarting on exit status 2")
     check(re.search(r"^Restart=on-failure$", unit, re.M), "gpupoold.service lost Restart=")
+    # systemctl status and help show the unit's documentation: the man pages first.
+    check(re.search(r"^Documentation=.*\bman:gpupoold\(8\)", unit, re.M),
+          "gpupoold.service's Documentation= lacks man:gpupoold(8)")
 
 
 # ---- unlink ----------------------------------------------------------------------------------
