@@ -700,9 +700,10 @@ static const char *section_name(unsigned sections) {
 void gpd_config_list_keys(FILE *f) {
   for (size_t i = 0; i < gpd_n_config_keys; i++) {
     const gpd_config_key *k = &gpd_config_keys[i];
-    fprintf(f, "[%s] %s = %s  # %s%s%s%s\n", section_name(k->sections), k->name, k->def ? k->def : "", k->doc,
+    fprintf(f, "[%s] %s = %s  # %s%s%s%s%s\n", section_name(k->sections), k->name, k->def ? k->def : "", k->doc,
             k->alias ? "; also written " : "", k->alias ? k->alias : "",
-            (k->sections & GPUPOOL__CS_SPEC) && (k->sections & GPUPOOL__CS_POOL) ? "; also in --pool" : "");
+            (k->sections & GPUPOOL__CS_SPEC) && (k->sections & GPUPOOL__CS_POOL) ? "; also in --pool" : "",
+            (k->sections & GPUPOOL__CS_DAEMON) && (k->flags & GPUPOOL__CF_RESTART) ? " (restart only)" : "");
   }
 }
 

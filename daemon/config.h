@@ -199,8 +199,8 @@ const gpd_config_key *gpd_config_key_find(unsigned section, const char *key);
 /* Parse value into the row's field of obj (the struct that the row's section names). 0 or
  * GPUPOOL_EINVAL with a message. */
 int gpd_config_key_set(void *obj, const gpd_config_key *k, const char *value);
-/* Every key, one line each: section, name = default, what it does (gpupoold
- * --list-config-keys). */
+/* Every key, one line each: section, name = default, what it does, and "(restart only)" at
+ * the end for a [daemon] key a reload cannot change (gpupoold --list-config-keys). */
 void gpd_config_list_keys(FILE *f);
 /* The [daemon] keys whose value differs from the default, comma-separated into buf ("" when
  * none; cut short with "..." when buf is too small). */

@@ -41,7 +41,7 @@ static void usage(FILE *f) {
           "Options:\n"
           "  -c, --config FILE        read settings from FILE (INI format, see gpupoold.conf)\n"
           "      --check-config       check the settings (file and options) and exit: 0 when\n"
-          "                           they are valid, 2 with the reason when they are not\n"
+          "                           they are valid, 2 with every error when they are not\n"
           "  -s, --socket PATH        listen on PATH (default now: %s;\n"
           "                           $GPUPOOL_SOCKET, else /run/gpupool/gpupoold.sock for root,\n"
           "                           else $XDG_RUNTIME_DIR/gpupool/gpupoold.sock)\n"
