@@ -605,8 +605,8 @@ static int cmd_status(ctl *c) {
   if (s->metrics_exporters && *s->metrics_exporters)
     printf("metrics exporters: %s\n", s->metrics_exporters);
   if (s->restart_pending && *s->restart_pending)
-    printf("restart pending: the configuration changed %s, which apply only after 'systemctl restart "
-           "gpupoold' (a restart drops every hold)\n",
+    printf("restart pending: a reload read new %s, which only a restart applies ('systemctl restart "
+           "gpupoold' drops every hold)\n",
            s->restart_pending);
   putchar('\n');
   table_init(&t, 11);
