@@ -60,12 +60,38 @@ static const char *kind_name(gpupool_mem_kind k) {
   }
 }
 
-int gpupool__backend_pool_finish(const gpupool__backend_desc *d, gpupool__pool_config *p) {
+/* 4G, 2M, or 1.5G (1610612736 bytes): sizes as the config file writes them. */
+static const char *fmt_size(uint64_t v, char *buf, size_t len) {
+  static const char *const units[] = {"", "K", "M", "G", "T"};
+  uint64_t x = v;
+  size_t u = 0;
+  while (u + 1 < sizeof units / sizeof units[0] && x >= 1024 && x % 1024 == 0) {
+    x /= 1024;
+    u++;
+  }
+  if (u > 0 || v < 1024) {
+    snprintf(buf, len, "%llu%s", (unsigned long long)x, units[u]);
+    return buf;
+  }
+  for (u = 0, x = v; u + 1 < sizeof units / sizeof units[0] && x >= 1024; u++)
+    x /= 1024;
+  snprintf(buf, len, "%.1f%s (%llu bytes)", (double)v / (double)(1ull << (10 * u)), units[u], (unsigned long long)v);
+  return buf;
+}
+
+int gpupool__backend_pool_finish(const gpupool__backend_desc *d, gpupool__pool_config *p, const char **key) {
+  char a[48], b[48];
+  const char *unused;
+  if (!key)
+    key = &unused;
+  *key = NULL;
   if (p->kind == 0)
     p->kind = d->default_mem_kind;
-  if (!(d->mem_kinds & (1u << p->kind)))
+  if (!(d->mem_kinds & (1u << p->kind))) {
+    *key = "kind";
     return gpupool__err(GPUPOOL_ECONFIG, "pool '%s' asks for %s memory, which %s", p->name,
                         kind_name(p->kind), d->refuse_kind(p->kind));
+  }
   if (p->kind != GPUPOOL_MEM_HOST && p->device < 0)
     p->device = 0;
   if (p->kind == GPUPOOL_MEM_HOST_NUMA && p->numa_node < 0)
@@ -76,19 +102,26 @@ int gpupool__backend_pool_finish(const gpupool__backend_desc *d, gpupool__pool_c
     p->alignment = 256;
   if (p->capacity == 0)
     p->capacity = d->default_capacity;
-  if (p->alignment & (p->alignment - 1) || p->alignment > (2 * MIB))
-    return gpupool__err(GPUPOOL_ECONFIG, "pool '%s': alignment %llu must be a power of two up to 2M",
-                        p->name, (unsigned long long)p->alignment);
-  if (p->slab_size > GPUPOOL_SLAB_HARD_MAX)
+  if (p->alignment & (p->alignment - 1) || p->alignment > (2 * MIB)) {
+    *key = "alignment";
+    return gpupool__err(GPUPOOL_ECONFIG, "pool '%s': alignment %s must be a power of two up to 2M",
+                        p->name, fmt_size(p->alignment, a, sizeof a));
+  }
+  if (p->slab_size > GPUPOOL_SLAB_HARD_MAX) {
+    *key = "slab_size";
     return gpupool__err(GPUPOOL_ECONFIG,
-                        "pool '%s': slab_size %llu exceeds 4G; exported allocations above 4 GiB "
+                        "pool '%s': slab_size %s exceeds 4G; exported allocations above 4 GiB "
                         "crash or corrupt importers, so gpupool caps every slab at 4G",
-                        p->name, (unsigned long long)p->slab_size);
+                        p->name, fmt_size(p->slab_size, a, sizeof a));
+  }
   /* Slabs start at 2 MiB boundaries (the GPU page size; also page-aligned for mmap). */
   p->slab_size = (p->slab_size + 2 * MIB - 1) & ~(2 * MIB - 1);
-  if (p->capacity < p->slab_size)
-    return gpupool__err(GPUPOOL_ECONFIG, "pool '%s': capacity %llu is smaller than one slab (%llu)",
-                        p->name, (unsigned long long)p->capacity, (unsigned long long)p->slab_size);
+  if (p->capacity < p->slab_size) {
+    *key = "capacity";
+    return gpupool__err(GPUPOOL_ECONFIG, "pool '%s': capacity %s is smaller than one slab (%s): raise capacity "
+                        "or lower slab_size",
+                        p->name, fmt_size(p->capacity, a, sizeof a), fmt_size(p->slab_size, b, sizeof b));
+  }
   p->capacity &= ~(2 * MIB - 1);
   return 0;
 }

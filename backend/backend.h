@@ -239,8 +239,9 @@ const char *gpupool__backend_names(void);
 int gpupool__backend_open(const gpupool__backend_desc *want, gpupool__backend **out);
 
 /* Fill a pool's unset fields from its backend's defaults and refuse kinds the backend
- * cannot serve (GPUPOOL_ECONFIG naming the pool and the fix). */
-int gpupool__backend_pool_finish(const gpupool__backend_desc *d, gpupool__pool_config *p);
+ * cannot serve (GPUPOOL_ECONFIG naming the pool and the fix). *key (may be NULL) is set to
+ * the config key a refusal is about ("slab_size"), so the caller can point at its line. */
+int gpupool__backend_pool_finish(const gpupool__backend_desc *d, gpupool__pool_config *p, const char **key);
 
 /* The backends (backend/host/host.c, backend/cuda/cuda.c). */
 extern const gpupool__backend_desc gpupool__backend_host;

@@ -200,10 +200,16 @@ static void read_one(gpupool_client *c) {
                "to start (see 'systemctl status gpupoold' and 'journalctl -u gpupoold'; check the "
                "configuration with 'gpupoold --check-config'), or this socket is not gpupoold "
                "(check the socket path, GPUPOOL_SOCKET)", c->socket_path);
-    else
+    else {
+      char seen[160];
+      if (rc == 1)
+        snprintf(seen, sizeof seen, "the frame does not decode");
+      else
+        gpupool__sock_foreign(&c->rx, seen, sizeof seen);
       snprintf(msg, sizeof msg, "this socket is not gpupoold: %s answered Hello with something that "
                "is not a gpupool reply (%s); check the socket path (GPUPOOL_SOCKET)", c->socket_path,
-               rc == 1 ? "the frame does not decode" : gpupool__errmsg());
+               seen);
+    }
     gpupool__set_broken(c, rc == 0 ? GPUPOOL_ETIMEDOUT : GPUPOOL_EPROTO, msg);
     c->hs_closed = rc == GPUPOOL_ECLOSED;
     if (rep)

@@ -26,7 +26,7 @@
 
 /* Connect to the daemon's socket at path (common/sock.c), a failure worded for a program. */
 static int connect_socket(const char *path, int timeout_ms, int *out) {
-  char what[160];
+  char what[GPUPOOL__SOCK_DESCRIBE_MAX];
   int tries, fd, e;
   if (strlen(path) >= sizeof ((struct sockaddr_un *)0)->sun_path)
     return gpupool__err(GPUPOOL_EINVAL, "socket path '%s' is longer than %zu bytes", path,
@@ -100,6 +100,7 @@ static int handshake(gpupool_client *c, gpupool__error *err) {
   c->broken = 0;
   c->broken_msg[0] = '\0';
   gpupool__wire_rx_reset(&c->rx);
+  c->rx.refused_len = 0;
   if (c->connect_timeout_ms > 0)
     c->hs_deadline_ns = gpupool__mono_ns() + (uint64_t)c->connect_timeout_ms * 1000000u;
   hello.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;

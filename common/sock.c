@@ -99,6 +99,14 @@ int gpupool__sock_describe(const char *path, char *buf, size_t len) {
     snprintf(buf, len, "its directory cannot be searched by this user: %s", strerror(errno));
     return -1;
   }
+  if (S_ISDIR(st.st_mode)) {
+    /* A directory (/tmp, the socket's own directory) was named instead of the socket in it:
+     * never advise removing it. */
+    snprintf(buf, len, "%s is a directory, not a socket: name the daemon's socket in it (such as "
+             "%s%sgpupoold.sock) with --socket PATH or GPUPOOL_SOCKET",
+             path, path, path[0] && path[strlen(path) - 1] == '/' ? "" : "/");
+    return 1;
+  }
   if (!S_ISSOCK(st.st_mode)) {
     /* connect() says only "Connection refused" here: name what is in the way, and the fix. */
     snprintf(buf, len, "%s is %s, not a socket: remove it (or fix what created it) and restart the "
@@ -113,6 +121,22 @@ int gpupool__sock_describe(const char *path, char *buf, size_t len) {
   snprintf(buf, len, "owner %s, group %s, mode %04o", pwp ? pwp->pw_name : u, grp ? grp->gr_name : g,
            (unsigned)(st.st_mode & 07777));
   return 0;
+}
+
+void gpupool__sock_foreign(const gpupool__wire_rx *rx, char *buf, size_t len) {
+  char seen[4 * GPUPOOL_WIRE_HDR + 1];
+  size_t at = 0;
+  if (!rx->refused_len) {
+    snprintf(buf, len, "%s", gpupool__errmsg());
+    return;
+  }
+  /* Not the frame-size limit's advice: this peer speaks another protocol altogether. */
+  for (int i = 0; i < GPUPOOL_WIRE_HDR; i++) {
+    unsigned char ch = rx->hdr[i];
+    at += (size_t)snprintf(seen + at, sizeof seen - at, ch >= 0x20 && ch < 0x7f && ch != '"' && ch != '\\'
+                                                            ? "%c" : "\\x%02x", ch);
+  }
+  snprintf(buf, len, "it began with \"%s\"", seen);
 }
 
 int gpupool__sock_group(const char *path, char *buf, size_t len) {

@@ -23,8 +23,15 @@ uint64_t gpupool__mono_ns(void);
 int gpupool__sock_connect(const char *path, int timeout_ms, int busy_retry, int *tries);
 
 /* "owner root, group gpupool, mode 0660" of the socket at path (0); or, when something other
- * than a socket is there, what it is and the fix (1); or why it cannot be seen (-1). */
+ * than a socket is there, what it is and the fix (1); or why it cannot be seen (-1). A
+ * buffer of GPUPOOL__SOCK_DESCRIBE_MAX bytes holds every text whole. */
+#define GPUPOOL__SOCK_DESCRIBE_MAX 512
 int gpupool__sock_describe(const char *path, char *buf, size_t len);
+
+/* What a socket that answered Hello with no gpupool frame sent, from rx after the read
+ * failed: its first bytes when they were refused as a frame header ("it began with
+ * \"HTTP\""), else the read's own error (gpupool__errmsg). Into buf, cut to len. */
+void gpupool__sock_foreign(const gpupool__wire_rx *rx, char *buf, size_t len);
 
 /* The name of the group owning path (its number when it has no name): 0, or -1 when path
  * cannot be seen. For "usermod -aG <group> $USER". */

@@ -330,6 +330,7 @@ int gpupool__wire_rx_read(gpupool__wire_rx *rx, int sock) {
     rx->payload_len = get_le32(rx->hdr);
     rx->payload_have = 0;
     if (rx->payload_len > rx->max_frame) {
+      rx->refused_len = rx->payload_len;
       rc = gpupool__err(GPUPOOL_EPROTO,
                         "frame of %u bytes exceeds the limit of %u bytes; the peer must send "
                         "smaller messages (or the receiver's frame limit must be raised)",

@@ -89,6 +89,9 @@ typedef struct {
   uint32_t max_frame;   /* cap on payload_len */
   int fds[GPUPOOL_WIRE_MAX_FDS];
   int nfds;
+  /* The length an oversized header claimed (0: none was refused); hdr keeps its bytes, so a
+   * caller can say what a peer that is no gpupool peer sent. */
+  uint32_t refused_len;
 } gpupool__wire_rx;
 
 void gpupool__wire_rx_init(gpupool__wire_rx *rx, uint32_t max_frame);

@@ -700,9 +700,10 @@ static const char *section_name(unsigned sections) {
 void gpd_config_list_keys(FILE *f) {
   for (size_t i = 0; i < gpd_n_config_keys; i++) {
     const gpd_config_key *k = &gpd_config_keys[i];
-    fprintf(f, "[%s] %s = %s  # %s%s%s%s\n", section_name(k->sections), k->name, k->def ? k->def : "", k->doc,
+    fprintf(f, "[%s] %s = %s  # %s%s%s%s%s\n", section_name(k->sections), k->name, k->def ? k->def : "", k->doc,
             k->alias ? "; also written " : "", k->alias ? k->alias : "",
-            (k->sections & GPUPOOL__CS_SPEC) && (k->sections & GPUPOOL__CS_POOL) ? "; also in --pool" : "");
+            (k->sections & GPUPOOL__CS_SPEC) && (k->sections & GPUPOOL__CS_POOL) ? "; also in --pool" : "",
+            (k->sections & GPUPOOL__CS_DAEMON) && (k->flags & GPUPOOL__CF_RESTART) ? " (restart only)" : "");
   }
 }
 
@@ -894,14 +895,72 @@ static int open_regular(const char *path, FILE **out) {
   return 0;
 }
 
+/* ---- errors: all of them, not only the first ---------------------------------------------- */
+
+static FILE *report_to;
+static int reported;
+
+void gpd_config_report_errors(FILE *f) {
+  report_to = f;
+  reported = 0;
+}
+
+int gpd_config_errors_reported(void) { return reported; }
+
+/* The errors of one pass over a file (or of gpd_config_finish): the first is what the caller
+ * gets as the message; each goes to report_to as it is found. */
+typedef struct {
+  int n, code;
+  char first[GPUPOOL__ERRMSG_MAX];
+} errlist;
+
+/* Records the error whose message gpupool__errmsg() holds; returns code. */
+static int err_add(errlist *e, int code) {
+  if (report_to) {
+    fprintf(report_to, "gpupoold: %s\n", gpupool__errmsg());
+    reported++;
+  }
+  if (e->n++ == 0) {
+    e->code = code;
+    snprintf(e->first, sizeof e->first, "%s", gpupool__errmsg());
+  }
+  return code;
+}
+
+/* 0, or the first error's code with its message and how many more there were. */
+static int err_end(errlist *e) {
+  if (e->n == 0)
+    return 0;
+  if (e->n == 1)
+    return gpupool__err(e->code, "%s", e->first);
+  return gpupool__err(e->code, "%s (and %d more error%s: gpupoold --check-config lists them all)", e->first,
+                      e->n - 1, e->n == 2 ? "" : "s");
+}
+
+#define CONF_ERR(e, ...) err_add((e), gpupool__err(GPUPOOL_ECONFIG, __VA_ARGS__))
+
+/* The pool keys whose line a message points at (gpd_config's pool_key_line). */
+static const char *const line_keys[GPD_POOL_LINE_KEYS] = {"kind", "capacity", "slab_size", "alignment", "share"};
+
+static int line_key_index(const char *key) {
+  const gpd_config_key *row = gpd_config_key_find(GPUPOOL__CS_POOL, key);
+  for (int i = 0; i < GPD_POOL_LINE_KEYS; i++)
+    if (row && !strcmp(row->name, line_keys[i]))
+      return i;
+  return -1;
+}
+
 int gpd_config_load(gpd_config *c, const char *path) {
   FILE *f = NULL;
   char line[1024], msg[GPUPOOL__ERRMSG_MAX];
   int lineno = 0, in_daemon = 0, daemon_line = 0, rc = 0;
+  /* After a section header that was refused: its keys are skipped, not each refused again. */
+  int skip = 0;
   gpupool__pool_config *pool = NULL;
   gpd_member_set *set = NULL;
   gpd_peer_conf *peer = NULL;
   unsigned set_section = 0;
+  errlist errs = {0};
 
   if ((rc = open_regular(path, &f)) != 0)
     return rc;
@@ -910,8 +969,8 @@ int gpd_config_load(gpd_config *c, const char *path) {
     char *s, *eq, *k, *v;
     lineno++;
     if (!strchr(line, '\n') && !feof(f)) {
-      rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: line longer than %zu bytes", path, lineno,
-                        sizeof line - 2);
+      /* The rest of the line would read as lines of its own: stop here. */
+      CONF_ERR(&errs, "%s:%d: line longer than %zu bytes", path, lineno, sizeof line - 2);
       goto out;
     }
     s = trim(line);
@@ -923,23 +982,23 @@ int gpd_config_load(gpd_config *c, const char *path) {
       continue;
     if (*s == '[') {
       char *end = strchr(s, ']');
-      if (!end || end[1] != '\0') {
-        rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: malformed section header '%s' (write [daemon] or [pool NAME])",
-                          path, lineno, s);
-        goto out;
-      }
-      *end = '\0';
-      s = trim(s + 1);
       pool = NULL;
       set = NULL;
       peer = NULL;
       in_daemon = 0;
+      skip = 1;
+      if (!end || end[1] != '\0') {
+        CONF_ERR(&errs, "%s:%d: malformed section header '%s' (write [daemon] or [pool NAME])", path, lineno, s);
+        continue;
+      }
+      *end = '\0';
+      s = trim(s + 1);
       if (!strcmp(s, "daemon")) {
         /* A second section of one name would be merged silently, its keys overriding the first's. */
         if (daemon_line) {
-          rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [daemon] repeats the section at %s:%d; keep one [daemon] section",
-                            path, lineno, path, daemon_line);
-          goto out;
+          CONF_ERR(&errs, "%s:%d: [daemon] repeats the section at %s:%d; keep one [daemon] section", path, lineno,
+                   path, daemon_line);
+          continue;
         }
         daemon_line = lineno;
         in_daemon = 1;
@@ -947,41 +1006,46 @@ int gpd_config_load(gpd_config *c, const char *path) {
                  (!strncmp(s, "group", 5) && isspace((unsigned char)s[5]))) {
         int is_tenant = s[0] == 't';
         const char *name = trim(s + (is_tenant ? 6 : 5));
+        gpd_member_set *m;
         if (!*name || strlen(name) >= sizeof set->name || strpbrk(name, "/: ")) {
-          rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [%s NAME] needs a name of 1 to %zu characters without '/', ':' or spaces",
-                            path, lineno, is_tenant ? "tenant" : "group", sizeof set->name - 1);
-          goto out;
+          CONF_ERR(&errs, "%s:%d: [%s NAME] needs a name of 1 to %zu characters without '/', ':' or spaces", path,
+                   lineno, is_tenant ? "tenant" : "group", sizeof set->name - 1);
+          continue;
         }
-        set = is_tenant ? find_or_add_set(c->tenants, &c->n_tenants, name)
-                        : find_or_add_set(c->groups, &c->n_groups, name);
+        m = is_tenant ? find_or_add_set(c->tenants, &c->n_tenants, name)
+                      : find_or_add_set(c->groups, &c->n_groups, name);
+        if (!m) {
+          CONF_ERR(&errs, "%s:%d: more than %d [%s] sections", path, lineno, GPUPOOL_MAX_SETS,
+                   is_tenant ? "tenant" : "group");
+          continue;
+        }
+        if (m->line) {
+          CONF_ERR(&errs, "%s:%d: [%s %s] repeats the section at %s:%d; keep one section per name", path, lineno,
+                   is_tenant ? "tenant" : "group", name, path, m->line);
+          continue;
+        }
+        set = m;
         set_section = is_tenant ? GPUPOOL__CS_TENANT : GPUPOOL__CS_GROUP;
-        if (!set) {
-          rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: more than %d [%s] sections", path, lineno, GPUPOOL_MAX_SETS,
-                            is_tenant ? "tenant" : "group");
-          goto out;
-        }
-        if (set->line) {
-          rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [%s %s] repeats the section at %s:%d; keep one section per name",
-                            path, lineno, is_tenant ? "tenant" : "group", name, path, set->line);
-          goto out;
-        }
         set->line = lineno;
       } else if (!strncmp(s, "peer", 4) && isspace((unsigned char)s[4])) {
         const char *name = trim(s + 4);
+        int dup = 0;
         if (!peer_name_ok(name)) {
-          rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [peer NAME] needs a name of 1 to 32 letters, digits, '_' or '-', "
-                            "not '%s'", path, lineno, name);
-          goto out;
+          CONF_ERR(&errs, "%s:%d: [peer NAME] needs a name of 1 to 32 letters, digits, '_' or '-', not '%s'", path,
+                   lineno, name);
+          continue;
         }
-        for (int i = 0; i < c->n_peers; i++)
+        for (int i = 0; i < c->n_peers && !dup; i++)
           if (!strcmp(c->peers[i].name, name)) {
-            rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [peer %s] repeats the section at %s:%d; keep one section per peer",
-                              path, lineno, name, path, c->peers[i].line);
-            goto out;
+            CONF_ERR(&errs, "%s:%d: [peer %s] repeats the section at %s:%d; keep one section per peer", path, lineno,
+                     name, path, c->peers[i].line);
+            dup = 1;
           }
+        if (dup)
+          continue;
         if (c->n_peers >= GPUPOOL_MAX_PEERS) {
-          rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: more than %d [peer] sections", path, lineno, GPUPOOL_MAX_PEERS);
-          goto out;
+          CONF_ERR(&errs, "%s:%d: more than %d [peer] sections", path, lineno, GPUPOOL_MAX_PEERS);
+          continue;
         }
         peer = &c->peers[c->n_peers++];
         memset(peer, 0, sizeof *peer);
@@ -989,50 +1053,53 @@ int gpd_config_load(gpd_config *c, const char *path) {
         peer->line = lineno;
       } else if (!strncmp(s, "pool", 4) && (s[4] == '\0' || isspace((unsigned char)s[4]))) {
         const char *name = trim(s + 4);
+        gpupool__pool_config *p;
         if (!*name)
           name = "default";
         if (strlen(name) >= sizeof pool->name) {
-          rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: pool name '%s' is too long", path, lineno, name);
-          goto out;
+          CONF_ERR(&errs, "%s:%d: pool name '%s' is too long", path, lineno, name);
+          continue;
         }
-        pool = find_or_add_pool(c, name);
-        if (!pool) {
-          rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: more than %d pools", path, lineno, GPUPOOL_MAX_POOLS);
-          goto out;
+        if (!(p = find_or_add_pool(c, name))) {
+          CONF_ERR(&errs, "%s:%d: more than %d pools", path, lineno, GPUPOOL_MAX_POOLS);
+          continue;
         }
-        if (pool->line) {
-          rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [pool %s] repeats the section at %s:%d; keep one section per pool",
-                            path, lineno, name, path, pool->line);
-          goto out;
+        if (p->line) {
+          CONF_ERR(&errs, "%s:%d: [pool %s] repeats the section at %s:%d; keep one section per pool", path, lineno,
+                   name, path, p->line);
+          continue;
         }
+        pool = p;
         pool->line = lineno;
       } else {
-        rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: unknown section [%s] (use [daemon], [pool NAME], [tenant NAME], [group NAME] or [peer NAME])",
-                          path, lineno, s);
-        goto out;
+        CONF_ERR(&errs, "%s:%d: unknown section [%s] (use [daemon], [pool NAME], [tenant NAME], [group NAME] or "
+                 "[peer NAME])", path, lineno, s);
+        continue;
       }
+      skip = 0;
       continue;
     }
     eq = strchr(s, '=');
     if (!eq) {
-      rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: expected 'key = value', got '%s'", path, lineno, s);
-      goto out;
+      CONF_ERR(&errs, "%s:%d: expected 'key = value', got '%s'", path, lineno, s);
+      continue;
     }
+    if (skip)
+      continue;
     *eq = '\0';
     k = trim(s);
     v = trim(eq + 1);
     if (!in_daemon && !pool && !set && !peer) {
-      rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: key '%s' outside a section (put it under [daemon] or [pool NAME])",
-                        path, lineno, k);
-      goto out;
+      CONF_ERR(&errs, "%s:%d: key '%s' outside a section (put it under [daemon] or [pool NAME])", path, lineno, k);
+      continue;
     }
     if (pool && !strcmp(k, "share")) {
       /* Resolved against the [group] sections by gpd_config_finish (they may come later). */
       int idx = (int)(pool - c->pools);
-      if (copy_str(c->pool_share_name[idx], sizeof c->pool_share_name[idx], v) != 0) {
-        rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: group name '%s' is too long", path, lineno, v);
-        goto out;
-      }
+      if (copy_str(c->pool_share_name[idx], sizeof c->pool_share_name[idx], v) != 0)
+        CONF_ERR(&errs, "%s:%d: group name '%s' is too long", path, lineno, v);
+      else
+        c->pool_key_line[idx][line_key_index(k)] = lineno;
       continue;
     }
     if (peer) {
@@ -1046,13 +1113,14 @@ int gpd_config_load(gpd_config *c, const char *path) {
     }
     if (rc != 0) {
       snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
-      rc = gpupool__err(GPUPOOL_ECONFIG, "%s:%d: %s", path, lineno, msg);
-      goto out;
+      CONF_ERR(&errs, "%s:%d: %s", path, lineno, msg);
+    } else if (pool && line_key_index(k) >= 0) {
+      c->pool_key_line[pool - c->pools][line_key_index(k)] = lineno; /* the value in force */
     }
   }
 out:
   fclose(f);
-  return rc;
+  return err_end(&errs);
 }
 
 int gpd_config_add_pool_spec(gpd_config *c, const char *spec) {
@@ -1087,10 +1155,13 @@ int gpd_config_add_pool_spec(gpd_config *c, const char *spec) {
 }
 
 /* Where pool p was written, as a message prefix: "FILE:LINE: [pool NAME] " for a file's
- * section, "--pool NAME: " for a command-line spec, "" for a backend's default pool. */
-static void pool_where(const gpd_config *c, const gpupool__pool_config *p, char *buf, size_t len) {
+ * section (LINE that of key when the file sets it, else the section's), "--pool NAME: " for a
+ * command-line spec, "" for a backend's default pool. */
+static void pool_where(const gpd_config *c, const gpupool__pool_config *p, const char *key, char *buf, size_t len) {
+  int li = key ? line_key_index(key) : -1;
+  int line = li >= 0 && c->pool_key_line[p - c->pools][li] ? c->pool_key_line[p - c->pools][li] : p->line;
   if (p->line > 0 && c->path[0])
-    snprintf(buf, len, "%s:%d: [pool %s] ", c->path, p->line, p->name);
+    snprintf(buf, len, "%s:%d: [pool %s] ", c->path, line, p->name);
   else if (p->line == 0 && p->name[0])
     snprintf(buf, len, "--pool %s: ", p->name);
   else
@@ -1098,27 +1169,27 @@ static void pool_where(const gpd_config *c, const gpupool__pool_config *p, char 
 }
 
 /* The [peer] sections and export_peers against each other and the [group] sections. */
-static int peers_check(const gpd_config *c) {
+static void peers_check(const gpd_config *c, errlist *errs) {
   const char *path = c->path[0] ? c->path : "gpupoold.conf";
   for (int i = 0; i < c->n_peers; i++) {
     const gpd_peer_conf *p = &c->peers[i];
     if (!p->address[0])
-      return gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [peer %s] has no address; add address = ADDR:PORT (the "
+      CONF_ERR(errs, "%s:%d: [peer %s] has no address; add address = ADDR:PORT (the "
                           "peer_listen of that gpupoold)", path, p->line, p->name);
     if (!p->secret_file[0] && !c->peer_secret_file[0])
-      return gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [peer %s] has no secret: set peer_secret_file in [daemon] or "
+      CONF_ERR(errs, "%s:%d: [peer %s] has no secret: set peer_secret_file in [daemon] or "
                           "secret_file here", path, p->line, p->name);
     for (int g = 0; g < c->n_groups; g++)
       if (!strcmp(c->groups[g].name, p->name))
-        return gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [peer %s] has the name of [group %s] at %s:%d (PEER:NAME and "
+        CONF_ERR(errs, "%s:%d: [peer %s] has the name of [group %s] at %s:%d (PEER:NAME and "
                             "group:NAME would read alike); rename one of them", path, p->line, p->name,
                             c->groups[g].name, path, c->groups[g].line);
     if (!strcmp(p->name, "group"))
-      return gpupool__err(GPUPOOL_ECONFIG, "%s:%d: a peer cannot be named 'group' (group:NAME/... names a group's "
+      CONF_ERR(errs, "%s:%d: a peer cannot be named 'group' (group:NAME/... names a group's "
                           "names); rename it", path, p->line);
   }
   if (c->peer_listen[0] && !c->peer_secret_file[0])
-    return gpupool__err(GPUPOOL_ECONFIG, "%s: peer_listen is set but peer_secret_file is not: peers authenticate "
+    CONF_ERR(errs, "%s: peer_listen is set but peer_secret_file is not: peers authenticate "
                         "with that shared secret; set it in [daemon]", path);
   for (int t = 0; t < c->n_tenants + c->n_groups; t++) {
     const gpd_member_set *m = t < c->n_tenants ? &c->tenants[t] : &c->groups[t - c->n_tenants];
@@ -1126,11 +1197,10 @@ static int peers_check(const gpd_config *c) {
     snprintf(buf, sizeof buf, "%s", m->export_peers);
     for (tok = strtok_r(buf, ", \t", &save); tok; tok = strtok_r(NULL, ", \t", &save))
       if (strcmp(tok, "*") && !gpd_peer_find(c, tok))
-        return gpupool__err(GPUPOOL_ECONFIG, "%s:%d: [%s %s] export_peers names '%s', which has no [peer %s] "
+        CONF_ERR(errs, "%s:%d: [%s %s] export_peers names '%s', which has no [peer %s] "
                             "section; add one (address, secret) or remove the name", path, m->line,
                             t < c->n_tenants ? "tenant" : "group", m->name, tok, tok);
   }
-  return 0;
 }
 
 /* A [tenant] or [group] without uids = or gids = is valid but covers no user: whatever it
@@ -1152,9 +1222,9 @@ static void warn_empty_sets(const gpd_config *c) {
 int gpd_config_finish(gpd_config *c, const gpupool__backend_desc *backend) {
   char where[512], msg[GPUPOOL__ERRMSG_MAX];
   int rc, defaults = c->n_pools == 0;
+  errlist errs = {0};
   warn_empty_sets(c);
-  if ((rc = peers_check(c)) != 0)
-    return rc;
+  peers_check(c, &errs);
   for (int i = 0; i < GPUPOOL_MAX_POOLS; i++) {
     c->pool_share[i] = -1;
     if (i >= c->n_pools || !c->pool_share_name[i][0])
@@ -1163,21 +1233,28 @@ int gpd_config_finish(gpd_config *c, const gpupool__backend_desc *backend) {
       if (!strcmp(c->groups[g].name, c->pool_share_name[i]))
         c->pool_share[i] = g;
     if (c->pool_share[i] < 0) {
-      pool_where(c, &c->pools[i], where, sizeof where);
-      return gpupool__err(GPUPOOL_ECONFIG, "%spool '%s' is shared with group '%s', which has no [group %s] section",
-                          where, c->pools[i].name, c->pool_share_name[i], c->pool_share_name[i]);
+      pool_where(c, &c->pools[i], "share", where, sizeof where);
+      CONF_ERR(&errs, "%spool '%s' is shared with group '%s', which has no [group %s] section", where,
+               c->pools[i].name, c->pool_share_name[i], c->pool_share_name[i]);
     }
   }
-  if (defaults && (rc = backend->default_pools(c->pools, GPUPOOL_MAX_POOLS, &c->n_pools)) != 0)
-    return rc;
-  for (int i = 0; i < c->n_pools; i++)
-    if ((rc = gpupool__backend_pool_finish(backend, &c->pools[i])) != 0) {
-      if (defaults)
-        return rc;
-      /* The backend's check knows the pool, not where it was written: add the file and line. */
+  if (defaults && (rc = backend->default_pools(c->pools, GPUPOOL_MAX_POOLS, &c->n_pools)) != 0) {
+    err_add(&errs, rc);
+    return err_end(&errs);
+  }
+  for (int i = 0; i < c->n_pools; i++) {
+    const char *key = NULL;
+    if ((rc = gpupool__backend_pool_finish(backend, &c->pools[i], &key)) != 0) {
+      if (defaults) {
+        err_add(&errs, rc);
+        continue;
+      }
+      /* The backend's check knows the pool and the key, not where they were written: add
+       * the file and the key's own line. */
       snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
-      pool_where(c, &c->pools[i], where, sizeof where);
-      return gpupool__err(rc, "%s%s", where, msg);
+      pool_where(c, &c->pools[i], key, where, sizeof where);
+      err_add(&errs, gpupool__err(rc, "%s%s", where, msg));
     }
-  return 0;
+  }
+  return err_end(&errs);
 }

@@ -132,6 +132,10 @@ typedef struct {
   int n_groups;
   /* The file gpd_config_load read (empty: none), for messages naming its sections' lines. */
   char path[256];
+  /* The line of each pool's kind, capacity, slab_size, alignment and share (0: not written
+   * in the file), for messages that point at the key rather than its section. */
+#define GPD_POOL_LINE_KEYS 5
+  int pool_key_line[GPUPOOL_MAX_POOLS][GPD_POOL_LINE_KEYS];
 } gpd_config;
 
 /* The config keys, one row each (daemon/config.c, gpd_config_keys): the file's parser,
@@ -195,8 +199,8 @@ const gpd_config_key *gpd_config_key_find(unsigned section, const char *key);
 /* Parse value into the row's field of obj (the struct that the row's section names). 0 or
  * GPUPOOL_EINVAL with a message. */
 int gpd_config_key_set(void *obj, const gpd_config_key *k, const char *value);
-/* Every key, one line each: section, name = default, what it does (gpupoold
- * --list-config-keys). */
+/* Every key, one line each: section, name = default, what it does, and "(restart only)" at
+ * the end for a [daemon] key a reload cannot change (gpupoold --list-config-keys). */
 void gpd_config_list_keys(FILE *f);
 /* The [daemon] keys whose value differs from the default, comma-separated into buf ("" when
  * none; cut short with "..." when buf is too small). */
@@ -218,8 +222,14 @@ int gpd_member_of(const gpd_member_set *m, uid_t uid, gid_t gid);
 /* Defaults: socket path by the rules in gpupool_client_default_socket_path(), backend auto, info. */
 void gpd_config_defaults(gpd_config *c);
 /* Read a file into c (later keys override earlier ones). 0 or GPUPOOL_ECONFIG with a
- * message naming the file, line and the problem. */
+ * message naming the file, line and the problem. The whole file is read whatever it holds:
+ * the message is the first error's, with how many more there were. */
 int gpd_config_load(gpd_config *c, const char *path);
+/* Every error gpd_config_load and gpd_config_finish find goes to f as well, one line each
+ * ("gpupoold: FILE:LINE: ..."), as it is found (--check-config); NULL: none. */
+void gpd_config_report_errors(FILE *f);
+/* How many errors went to that f since gpd_config_report_errors. */
+int gpd_config_errors_reported(void);
 /* Parse a --pool spec "name=x,kind=device|host|host-numa,device=0,numa=0,capacity=8G,
  * slab=256M,align=256,keep=1" and add it. */
 int gpd_config_add_pool_spec(gpd_config *c, const char *spec);
@@ -229,7 +239,9 @@ int gpd_config_set(gpd_config *c, const char *key, const char *value);
 /* "auto" or a backend's name (as in the file's backend = and --backend). */
 int gpd_config_set_backend(gpd_config *c, const char *name);
 /* Fill unset fields of pools from the backend's defaults; add the backend's default pools
- * when none is configured. Checks slab <= 4 GiB, capacity >= slab, power-of-two alignment. */
+ * when none is configured. Checks slab <= 4 GiB, capacity >= slab, power-of-two alignment,
+ * peers, shares: every pool and section, the message the first error's (a pool's points at
+ * the line of the key at fault). */
 int gpd_config_finish(gpd_config *c, const gpupool__backend_desc *backend);
 /* Parse "ADDR:PORT", "[ADDR6]:PORT" or a bare PORT (127.0.0.1) into *out; what names the
  * value in messages. 0 or GPUPOOL_EINVAL. */

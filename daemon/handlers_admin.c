@@ -39,6 +39,9 @@ uint64_t gpd_count_open_fds(void) {
 
 /* Frees what gpd_server_stats allocated in *st (not st itself). */
 void gpd_stats_free(Gpupool__Wire__StatsReply *st) {
+  if (st->metrics_exporters != protobuf_c_empty_string)
+    free(st->metrics_exporters);
+  st->metrics_exporters = (char *)protobuf_c_empty_string;
   for (size_t i = 0; i < st->n_pools; i++)
     free(st->pools[i]);
   free(st->pools);
@@ -85,6 +88,15 @@ int gpd_server_stats(void *server, Gpupool__Wire__StatsReply *st) {
   st->replica_bytes = reg->copy_bytes;
   st->replica_copies_running = reg->ncopies;
   st->replica_copies_failed = reg->copies_failed;
+  st->restart_pending = s->restart_pending;
+  if (s->metrics) {
+    char health[3 * GPUPOOL__ERRMSG_MAX + 64];
+    gpd_metrics_health(s->metrics, health, sizeof health);
+    if (health[0] && !(st->metrics_exporters = strdup(health))) {
+      gpd_stats_free(st);
+      return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+    }
+  }
   return 0;
 }
 

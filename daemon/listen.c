@@ -33,6 +33,10 @@ int gpd_server_metrics_degraded(const gpd_server *s, char *buf, size_t len) {
   }
   return gpd_metrics_degraded(s->metrics, buf, len);
 }
+
+void gpd_server_set_restart_pending(gpd_server *s, const char *what) {
+  snprintf(s->restart_pending, sizeof s->restart_pending, "%s", what);
+}
                                  
                                  static void hs_timeout(uv_timer_t *t) {
   gpd_conn *c = t->data;
@@ -336,15 +340,31 @@ static int mkdir_parents(const char *path) {
   return 0;
 }
 
+/* After a failure to create or bind the socket: a user other than root without
+ * XDG_RUNTIME_DIR (a service or a container with no login session) falls back to the system
+ * socket under /run, which only root may create. Say so, and the ways out, to the message. */
+static int socket_path_hint(const gpd_config *cfg, int rc, int e) {
+  char msg[GPUPOOL__ERRMSG_MAX];
+  const char *xdg = getenv("XDG_RUNTIME_DIR"), *env = getenv("GPUPOOL_SOCKET");
+  if (geteuid() == 0 || (xdg && *xdg) || (env && *env) || strncmp(cfg->socket_path, "/run/gpupool/", 13) != 0 ||
+      (e != EACCES && e != EPERM && e != EROFS))
+    return rc;
+  snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+  return gpupool__err(rc, "%s; a user other than root gets the system socket when XDG_RUNTIME_DIR is not set: "
+                      "set XDG_RUNTIME_DIR (a login session does), or choose a socket this user may create with "
+                      "--socket PATH, socket = in [daemon] or GPUPOOL_SOCKET",
+                      msg);
+}
+
 static int bind_socket(const gpd_config *cfg, int *out) {
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
-  int fd, rc;
+  int fd, rc, e;
   if (strlen(cfg->socket_path) >= sizeof addr.sun_path || !cfg->socket_path[0])
     return gpupool__err(GPUPOOL_ECONFIG, "socket path '%s' is empty or longer than %zu bytes", cfg->socket_path,
                         sizeof addr.sun_path - 1);
   strcpy(addr.sun_path, cfg->socket_path);
   if ((rc = mkdir_parents(cfg->socket_path)) != 0)
-    return rc;
+    return socket_path_hint(cfg, rc, errno);
   if ((rc = gpupool__clear_stale_socket(cfg->socket_path, "socket")) < 0)
     return rc;
   if (rc == 1)
@@ -366,7 +386,9 @@ static int bind_socket(const gpd_config *cfg, int *out) {
   *out = fd;
   return 0;
 bind_fail:
-  rc = gpupool__err(GPUPOOL_EIO, "cannot bind %s: %s", cfg->socket_path, strerror(errno));
+  e = errno;
+  rc = gpupool__err(GPUPOOL_EIO, "cannot bind %s: %s", cfg->socket_path, strerror(e));
+  rc = socket_path_hint(cfg, rc, e);
   close(fd);
   return rc;
 }

@@ -42,7 +42,7 @@ static void usage(FILE *f) {
           "Options:\n"
           "  -c, --config FILE        read settings from FILE (INI format, see gpupoold.conf)\n"
           "      --check-config       check the settings (file and options) and exit: 0 when\n"
-          "                           they are valid, 2 with the reason when they are not\n"
+          "                           they are valid, 2 with every error when they are not\n"
           "  -s, --socket PATH        listen on PATH (default now: %s;\n"
           "                           $GPUPOOL_SOCKET, else /run/gpupool/gpupoold.sock for root,\n"
           "                           else $XDG_RUNTIME_DIR/gpupool/gpupoold.sock)\n"
@@ -201,6 +201,8 @@ static void reload(daemon_ctx *d) {
   }
   d->reload_note[0] = '\0';
   gpd_config_reload(d->cfg, &next, applied, sizeof applied, kept, sizeof kept);
+  /* What waits for a restart stays visible (gpupoolctl status) after this log line scrolls. */
+  gpd_server_set_restart_pending(d->server, kept);
   gpupool__log_set_level(d->cfg->log_level);
   /* Before the line that says the reload is done: by then no connection the new file
    * refuses is served. */
@@ -251,22 +253,33 @@ static int config_failed(const char *fmt, ...) {
 /* --check-config: everything the daemon would check before serving, without serving. The
  * pools are checked against the backend the daemon would run (auto probes for a GPU, as
  * at start-up); nothing is bound and no memory is taken. */
-static int check_config(gpd_config *cfg, const char *path) {
+static int check_config(const options *o, gpd_config *cfg) {
+  const char *path = o->config_path;
   gpupool__backend *be = NULL;
   char changed[1024];
-  int rc;
+  int rc, load_failed, opt_err, nerr, secret_err;
   gpupool__log_set_level(GPUPOOL_LOG_WARN);
+  /* Every error, not only the first: the file's as they are found, then what the pools and
+   * sections say against the backend (checked after an error too, to find theirs as well). */
+  gpd_config_report_errors(stderr);
+  load_failed = load_config(o, cfg) != 0;
+  opt_err = load_failed && gpd_config_errors_reported() == 0; /* the command line's, not the file's */
+  if (opt_err)
+    fprintf(stderr, "gpupoold: %s\n", gpupool__errmsg());
   if ((rc = gpupool__backend_open(cfg->backend, &be)) != 0) {
     fprintf(stderr, "gpupoold: cannot open the %s backend to check the pools against: %s\n",
             cfg->backend ? cfg->backend->name : "auto", gpupool__errmsg());
     return 1;
   }
   rc = gpd_config_finish(cfg, be->desc);
-  /* The files the start reads, checked by the start's own code. */
-  if (rc == 0)
-    rc = gpd_peers_check_secrets(cfg);
-  if (rc != 0) {
+  /* The files the start reads, checked by the start's own code (after a file error too). */
+  secret_err = gpd_peers_check_secrets(cfg) != 0;
+  if (secret_err)
     fprintf(stderr, "gpupoold: %s\n", gpupool__errmsg());
+  if (rc != 0 || load_failed || secret_err) {
+    nerr = gpd_config_errors_reported() + opt_err + secret_err;
+    fprintf(stderr, "gpupoold: %d error%s in %s\n", nerr, nerr == 1 ? "" : "s",
+            path ? path : "the options");
     be->ops->close(be);
     return 2;
   }
@@ -521,6 +534,8 @@ static int try_config(const options *o, gpd_config *cfg, gpupool__backend **be) 
   int rc;
   if (load_config(o, cfg) != 0)
     return GPUPOOL_ECONFIG;
+  /* Before the backend logs its first line: every line obeys the configured level. */
+  gpupool__log_set_level(cfg->log_level);
   if ((rc = gpupool__backend_open(cfg->backend, be)) != 0)
     return rc;
   if (gpd_config_finish(cfg, (*be)->desc) != 0) {
@@ -597,9 +612,7 @@ int main(int argc, char **argv) {
   if ((rc = parse_options(argc, argv, &o)) >= 0)
     return rc;
   if (o.check_only) {
-    if (load_config(&o, &cfg) != 0)
-      return config_failed("%s", gpupool__errmsg());
-    return check_config(&cfg, o.config_path);
+    return check_config(&o, &cfg);
   }
   signal(SIGPIPE, SIG_IGN);
 

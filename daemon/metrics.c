@@ -151,6 +151,13 @@ struct gpd_metrics {
   char why_textfile[GPUPOOL__ERRMSG_MAX];
   char why_socket[GPUPOOL__ERRMSG_MAX];
   char why_tcp[GPUPOOL__ERRMSG_MAX];
+  /* A TCP listener that could not start (the port taken, the address not there yet) is tried
+   * again, every retry_ms, doubling up to RETRY_MAX_MS, until it serves. */
+  struct sockaddr_storage tcp_addr;
+  int backlog; /* the listeners' accept queue, kept for the retries (which have no config) */
+  uv_timer_t retry;
+  int retry_on;
+  uint32_t retry_ms;
   int write_failing;
   conn *conns;
   int nconns;
@@ -482,11 +489,30 @@ static void render_process(sbuf *b) {
                  "# TYPE process_max_fds gauge\nprocess_max_fds %llu\n", (unsigned long long)rl.rlim_cur);
 }
 
+/* Whether each configured exporter serves: what an alert on a degraded exporter reads (the
+ * reason is in the log and in gpupoolctl status). */
+static void render_exporters(sbuf *b, const gpd_metrics *m) {
+  const struct {
+    const char *name, *conf, *why;
+  } e[] = {{"textfile", m->textfile, m->why_textfile}, {"socket", m->sock, m->why_socket},
+           {"tcp", m->listen, m->why_tcp}};
+  int any = 0;
+  for (size_t i = 0; i < sizeof e / sizeof e[0]; i++) {
+    if (!e[i].conf[0])
+      continue;
+    if (!any++)
+      family(b, "metrics_exporter_up", "gauge",
+             "1 while a configured metrics exporter serves, 0 while it is degraded (retried).");
+    sb_printf(b, "gpupool_metrics_exporter_up{exporter=\"%s\"} %d\n", e[i].name, e[i].why[0] ? 0 : 1);
+  }
+}
+
 char *gpd_metrics_render(const gpd_metrics *m, const Gpupool__Wire__StatsReply *st) {
   sbuf b = {0};
 
   if (st != NULL)
     render_stats(&b, st);
+  render_exporters(&b, m);
   render_requests(&b, m);
   render_process(&b);
   if (b.oom) {
@@ -1031,7 +1057,7 @@ static int start_socket(gpd_metrics *m, const gpd_config *cfg) {
                         "be root or a member of that group (under systemd: SupplementaryGroups=)",
                         m->sock, cfg->metrics_socket_group, (unsigned)cfg->metrics_socket_gid,
                         strerror(errno));
-  rc = uv_listen((uv_stream_t *)&m->srv, BACKLOG(cfg), on_conn);
+  rc = uv_listen((uv_stream_t *)&m->srv, m->backlog, on_conn);
   if (rc != 0)
     return gpupool__err(GPUPOOL_ECONFIG, "cannot listen on metrics_socket %s: %s", m->sock,
                         uv_strerror(rc));
@@ -1047,9 +1073,10 @@ static int start_tcp(gpd_metrics *m, const gpd_config *cfg) {
   m->tcp_srv.data = m;
   m->open_handles++;
   m->tcp_on = 1;
-  rc = uv_tcp_bind(&m->tcp_srv, (const struct sockaddr *)&cfg->metrics_addr, 0);
+  (void)cfg;
+  rc = uv_tcp_bind(&m->tcp_srv, (const struct sockaddr *)&m->tcp_addr, 0);
   if (rc == 0)
-    rc = uv_listen((uv_stream_t *)&m->tcp_srv, BACKLOG(cfg), on_conn);
+    rc = uv_listen((uv_stream_t *)&m->tcp_srv, m->backlog, on_conn);
   if (rc != 0)
     return gpupool__err(GPUPOOL_ECONFIG,
                         "cannot listen on metrics_listen %s: %s; choose a free port (under "
@@ -1142,8 +1169,49 @@ static void stop_tcp(gpd_metrics *m) {
   }
 }
 
+#define RETRY_FIRST_MS 1000u
+#define RETRY_MAX_MS 30000u
+
+/* The TCP exporter's retry: its listener (closed after the failure, in an earlier turn of the
+ * loop, so the handle may be set up again) is started afresh. */
+static void on_retry(uv_timer_t *t) {
+  gpd_metrics *m = t->data;
+  if (m->closing || !m->why_tcp[0])
+    return;
+  if (start_tcp(m, NULL) == 0) {
+    GPUPOOL__INFO("metrics: tcp exporter recovered after: %s", m->why_tcp);
+    m->why_tcp[0] = '\0';
+    return;
+  }
+  snprintf(m->why_tcp, sizeof m->why_tcp, "%s", gpupool__errmsg());
+  stop_tcp(m);
+  m->retry_ms = m->retry_ms * 2 > RETRY_MAX_MS ? RETRY_MAX_MS : m->retry_ms * 2;
+  GPUPOOL__DEBUG("metrics: tcp exporter still degraded, next try in %u ms: %s", m->retry_ms, m->why_tcp);
+  uv_timer_start(&m->retry, on_retry, m->retry_ms, 0);
+}
+
+static void start_retry(gpd_metrics *m) {
+  if (uv_timer_init(m->loop, &m->retry) != 0)
+    return;
+  m->retry.data = m;
+  m->open_handles++;
+  m->retry_on = 1;
+  m->retry_ms = RETRY_FIRST_MS;
+  uv_timer_start(&m->retry, on_retry, m->retry_ms, 0);
+  uv_unref((uv_handle_t *)&m->retry);
+}
+
+static void stop_retry(gpd_metrics *m) {
+  if (m->retry_on) {
+    uv_timer_stop(&m->retry);
+    close_handle(m, (uv_handle_t *)&m->retry);
+    m->retry_on = 0;
+  }
+}
+
 /* Closes every exporter; the handle itself stays (its counters still count). */
 static void stop_exporters(gpd_metrics *m) {
+  stop_retry(m);
   stop_textfile(m);
   stop_socket(m);
   stop_tcp(m);
@@ -1159,7 +1227,26 @@ static void start_one(gpd_metrics *m, const gpd_config *cfg, const char *what, c
   /* Keep the message: closing may run calls that record their own. */
   snprintf(why, whylen, "%s", gpupool__errmsg());
   stop(m);
-  GPUPOOL__WARN("metrics: %s exporter degraded: %s; the other exporters serve all the same", what, why);
+  GPUPOOL__WARN("metrics: %s exporter degraded: %s; the other exporters serve all the same%s", what, why,
+                start == start_tcp ? "; retried until it serves" : "");
+}
+
+void gpd_metrics_health(const gpd_metrics *m, char *buf, size_t len) {
+  const struct {
+    const char *name, *conf, *why;
+  } e[] = {{"textfile", m->textfile, m->why_textfile}, {"socket", m->sock, m->why_socket},
+           {"tcp", m->listen, m->why_tcp}};
+  size_t at = 0;
+  if (len > 0)
+    buf[0] = '\0';
+  for (size_t i = 0; i < sizeof e / sizeof e[0] && at < len; i++) {
+    int w;
+    if (!e[i].conf[0])
+      continue;
+    w = snprintf(buf + at, len - at, "%s%s %s%s%s", at ? "; " : "", e[i].name, e[i].why[0] ? "degraded" : "ok",
+                 e[i].why[0] ? ": " : "", e[i].why);
+    at = w < 0 ? len : at + (size_t)w;
+  }
 }
 
 int gpd_metrics_degraded(const gpd_metrics *m, char *buf, size_t len) {
@@ -1195,12 +1282,17 @@ int gpd_metrics_start(gpd_metrics *m, uv_loop_t *loop, const gpd_config *cfg,
   snprintf(m->tmpfile, sizeof(m->tmpfile), "%s.tmp", cfg->metrics_textfile);
   snprintf(m->sock, sizeof(m->sock), "%s", cfg->metrics_socket);
   snprintf(m->listen, sizeof(m->listen), "%s", cfg->metrics_listen);
+  m->backlog = BACKLOG(cfg);
   if (m->textfile[0] != '\0')
     start_one(m, cfg, "textfile", m->why_textfile, sizeof m->why_textfile, start_textfile, stop_textfile);
   if (m->sock[0] != '\0')
     start_one(m, cfg, "socket", m->why_socket, sizeof m->why_socket, start_socket, stop_socket);
-  if (m->listen[0] != '\0')
+  m->tcp_addr = cfg->metrics_addr;
+  if (m->listen[0] != '\0') {
     start_one(m, cfg, "tcp", m->why_tcp, sizeof m->why_tcp, start_tcp, stop_tcp);
+    if (m->why_tcp[0])
+      start_retry(m);
+  }
   return 0;
 }
 

@@ -53,8 +53,8 @@ char *gpd_metrics_render(const gpd_metrics *m, const Gpupool__Wire__StatsReply *
 /* Start the textfile writer / socket and TCP listeners configured in cfg on loop (none
  * configured = nothing to do); src is copied. Each exporter starts or fails on its own: one
  * that fails is logged and left out (see gpd_metrics_degraded; the textfile one is retried
- * every interval) while the others serve, so this returns 0 unless the handle was already
- * started (GPUPOOL_EINVAL). */
+ * every interval, the TCP one after 1 s, then at doubling intervals up to 30 s) while the
+ * others serve, so this returns 0 unless the handle was already started (GPUPOOL_EINVAL). */
 int gpd_metrics_start(gpd_metrics *m, uv_loop_t *loop, const gpd_config *cfg,
                            const gpd_stats_source *src);
 
@@ -62,6 +62,10 @@ int gpd_metrics_start(gpd_metrics *m, uv_loop_t *loop, const gpd_config *cfg,
  * "metrics socket: <why>; metrics tcp: <why>" (or "" when all serve) into buf (truncated to
  * len) and returns how many are degraded. */
 int gpd_metrics_degraded(const gpd_metrics *m, char *buf, size_t len);
+
+/* Every configured exporter and how it stands, for gpupoolctl status: "textfile ok; tcp
+ * degraded: <why>" into buf (truncated to len; "" when none is configured). */
+void gpd_metrics_health(const gpd_metrics *m, char *buf, size_t len);
 
 /* Close every exporter (the metrics socket file and the textfile are removed) and free the
  * handle once the loop has run the close callbacks of its handles (at once when it has none

@@ -35,5 +35,8 @@ uint64_t gpd_server_clients(const gpd_server *s);
 /* The metrics exporters that failed and why ("metrics textfile: ...; ..."), for STATUS=: how
  * many (0: all serve, or none configured). */
 int gpd_server_metrics_degraded(const gpd_server *s, char *buf, size_t len);
+/* What the last reload read but left for a restart (comma-separated; "" when nothing waits),
+ * kept for Stats (gpupoolctl status) until a later reload finds nothing waiting. */
+void gpd_server_set_restart_pending(gpd_server *s, const char *what);
 
 #endif

@@ -197,6 +197,7 @@ struct gpd_server {
   uv_idle_t turn_idle;
   int turn_on;
   struct gpd_peers *peers;   /* other gpupoolds (peers.c), or NULL when none is configured */
+  char restart_pending[512]; /* what a reload left for a restart (Stats restart_pending) */
 };
 
 /* ---- conn.c: sending, closing, the fair loop */

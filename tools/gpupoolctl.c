@@ -34,6 +34,9 @@
 #define EXIT_REFUSED 1
 #define EXIT_USAGE 2
 #define EXIT_UNREACHABLE 3
+/* Internal: the daemon answered GPUPOOL_ENOENT to a request whose command words the message
+ * itself; exits as EXIT_REFUSED. */
+#define EXIT_NOT_FOUND 100
 
 typedef struct {
   char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
@@ -52,6 +55,7 @@ typedef struct {
  * never has to parse an empty or half-written output. */
 static int json_errors;
 static void jstr(const char *s);
+static size_t distance(const char *a, const char *b);
 
 static void die_msg(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void die_msg(const char *fmt, ...) {
@@ -278,7 +282,7 @@ static int connect_daemon(ctl *c) {
 
   fd = gpupool__sock_connect(c->path, c->hello_timeout_ms, 0, &tries);
   if (fd < 0) {
-    char what[160];
+    char what[GPUPOOL__SOCK_DESCRIBE_MAX];
     e = -fd;
     if (tries == 0)
       die_msg("cannot create a socket: %s", strerror(e));
@@ -292,13 +296,23 @@ static int connect_daemon(ctl *c) {
               c->path, c->path);
     else if (e == EACCES || e == EPERM) {
       char group[64];
+      struct stat st;
       gpupool__sock_describe(c->path, what, sizeof what);
-      if (gpupool__sock_group(c->path, group, sizeof group) != 0)
-        snprintf(group, sizeof group, "<the socket's group>");
-      die_msg("permission denied connecting to %s (%s).\n"
-              "  Connecting needs write access to the socket: join its group ('sudo usermod -aG %s "
-              "$USER', then log in again), or run gpupoolctl with sudo.",
-              c->path, what, group);
+      if (stat(c->path, &st) == 0 && st.st_gid == 0)
+        /* Joining root's group would give far more than this socket: never advise it. */
+        die_msg("permission denied connecting to %s (%s).\n"
+                "  Connecting needs write access to the socket, whose group is root's: run gpupoolctl "
+                "with sudo, or have the operator give the socket a group of its own (SocketGroup= in "
+                "gpupoold.socket) and join that group.",
+                c->path, what);
+      else {
+        if (gpupool__sock_group(c->path, group, sizeof group) != 0)
+          snprintf(group, sizeof group, "<the socket's group>");
+        die_msg("permission denied connecting to %s (%s).\n"
+                "  Connecting needs write access to the socket: join its group ('sudo usermod -aG %s "
+                "$USER', then log in again), or run gpupoolctl with sudo.",
+                c->path, what, group);
+      }
     } else if (e == EAGAIN || e == EINPROGRESS || e == ETIMEDOUT)
       die_msg("the daemon did not answer in %s: gpupoold at %s accepts no connections (stopped "
               "or stuck? see 'systemctl status gpupoold' and 'journalctl -u gpupoold')",
@@ -380,9 +394,12 @@ static int call(ctl *c, gpupool__req *req, gpupool__rep **out) {
               "'systemctl status gpupoold' and 'journalctl -u gpupoold'; check the configuration "
               "with 'gpupoold --check-config'), or this socket is not gpupoold (check --socket or "
               "GPUPOOL_SOCKET)", c->path);
-    else
+    else {
+      char seen[96];
+      gpupool__sock_foreign(&rx, seen, sizeof seen);
       die_msg("this socket is not gpupoold: %s answered Hello with something that is not a "
-              "gpupool frame (%s); check --socket or GPUPOOL_SOCKET", c->path, gpupool__errmsg());
+              "gpupool frame (%s); check --socket or GPUPOOL_SOCKET", c->path, seen);
+    }
     goto out;
   }
   if (rc == GPUPOOL_ECLOSED) {
@@ -423,7 +440,8 @@ static int call(ctl *c, gpupool__req *req, gpupool__rep **out) {
               "'sudo gpupoolctl %s'.",
               c->cmd, msg, (int)c->daemon_uid, pw ? ", " : "", pw ? pw->pw_name : "", c->cmd);
     } else if (code == GPUPOOL_ENOENT && bc == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_UNPUBLISH) {
-      die_msg("no name is filed under '%s' (see 'gpupoolctl names' for the keys)", req->admin_unpublish->key);
+      ret = EXIT_NOT_FOUND; /* cmd_unpublish says it, with the keys meant */
+      goto out;
     } else if (code == GPUPOOL_ENOENT && bc == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT) {
       die_msg("no client with pid %d is connected (see 'gpupoolctl clients')",
               (int)req->admin_drop_client->pid);
@@ -527,7 +545,6 @@ static void json_stats(const ctl *c, const Gpupool__Wire__StatsReply *s) {
   jkv_i64("daemon_pid", s->daemon_pid > 0 ? s->daemon_pid : c->daemon_pid, &f);
   jkv_i64("daemon_uid", s->daemon_pid > 0 ? (int64_t)s->daemon_uid : (int64_t)c->daemon_uid, &f);
   jkv_str("daemon_version", s->daemon_version, &f);
-  jkv_str("version", s->daemon_version, &f);
   jkv_str("backend", gpupool__wire_backend_name(s->backend), &f);
   jkv_u64("protocol_version", c->hello->hello->protocol_version, &f);
   jkv_u64("uptime_s", s->uptime_s, &f);
@@ -544,6 +561,8 @@ static void json_stats(const ctl *c, const Gpupool__Wire__StatsReply *s) {
   jkv_u64("replica_bytes", s->replica_bytes, &f);
   jkv_u64("replica_copies_running", s->replica_copies_running, &f);
   jkv_u64("replica_copies_failed", s->replica_copies_failed, &f);
+  jkv_str("restart_pending", s->restart_pending, &f);
+  jkv_str("metrics_exporters", s->metrics_exporters, &f);
   jkey("pools", &f);
   putchar('[');
   for (size_t i = 0; i < s->n_pools; i++) {
@@ -581,8 +600,15 @@ static int cmd_status(ctl *c) {
          (unsigned long long)s->holds, (unsigned long long)s->names,
          (unsigned long long)s->pending_frees, (unsigned long long)s->waiting_leases,
          (unsigned long long)s->open_fds);
-  printf("requests %llu, errors %llu\n\n", (unsigned long long)s->requests,
+  printf("requests %llu, errors %llu\n", (unsigned long long)s->requests,
          (unsigned long long)s->errors);
+  if (s->metrics_exporters && *s->metrics_exporters)
+    printf("metrics exporters: %s\n", s->metrics_exporters);
+  if (s->restart_pending && *s->restart_pending)
+    printf("restart pending: a reload read new %s, which only a restart applies ('systemctl restart "
+           "gpupoold' drops every hold)\n",
+           s->restart_pending);
+  putchar('\n');
   table_init(&t, 11);
   for (int i = 2; i <= 10; i++)
     t.right[i] = 1;
@@ -1009,6 +1035,52 @@ static int cmd_peers(ctl *c) {
   return 0;
 }
 
+/* No name is filed under key: say so, with the keys meant when there are. Keys start with
+ * their tenant ("uid:1000/" or "group:NAME/"); a key given without it (what the publisher
+ * called the name) is matched against the part after it, a near key by its spelling. */
+static void not_filed(ctl *c, const char *key) {
+  Gpupool__Wire__AdminNames an = GPUPOOL__WIRE__ADMIN_NAMES__INIT;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  gpupool__rep *rep = NULL;
+  char hint[512] = "";
+  size_t at = 0, found = 0;
+  int saved = json_errors;
+
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_NAMES;
+  req.admin_names = &an;
+  json_errors = 0;
+  if (call(c, &req, &rep) == 0) {
+    const Gpupool__Wire__AdminNamesReply *r = rep->admin_names;
+    for (size_t i = 0; i < r->n_names && found < 4; i++) {
+      const char *k = r->names[i]->key, *slash = strchr(k, '/');
+      int match = slash && !strcmp(slash + 1, key);
+      if (!match && strlen(key) > 3 && distance(key, k) <= 1 + strlen(k) / 8)
+        match = 1;
+      if (!match)
+        continue;
+      if (found++ == 3) {
+        at += (size_t)snprintf(hint + at, sizeof hint - at, ", ...");
+        break;
+      }
+      if (at < sizeof hint)
+        at += (size_t)snprintf(hint + at, sizeof hint - at, "%s'%s'", at ? ", " : "", k);
+      if (at >= sizeof hint)
+        at = sizeof hint - 1;
+    }
+  }
+  json_errors = saved;
+  if (rep)
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  if (found)
+    die_msg("no name is filed under '%s'; did you mean %s? (keys start with their tenant, as "
+            "'gpupoolctl names' shows them)", key, hint);
+  else if (!strchr(key, ':'))
+    die_msg("no name is filed under '%s': keys start with their tenant, as 'gpupoolctl names' "
+            "shows them (uid:1000/%s, group:NAME/%s)", key, key, key);
+  else
+    die_msg("no name is filed under '%s' (see 'gpupoolctl names' for the keys)", key);
+}
+
 /* Remove a name of any tenant, by the key `names` shows ("uid:1000/weights"). */
 static int cmd_unpublish(ctl *c, const char *key) {
   Gpupool__Wire__AdminUnpublish au = GPUPOOL__WIRE__ADMIN_UNPUBLISH__INIT;
@@ -1022,7 +1094,11 @@ static int cmd_unpublish(ctl *c, const char *key) {
   au.key = (char *)key;
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_UNPUBLISH;
   req.admin_unpublish = &au;
-  if ((rc = call(c, &req, &rep)) != 0)
+  if ((rc = call(c, &req, &rep)) == EXIT_NOT_FOUND) {
+    not_filed(c, key);
+    return EXIT_REFUSED;
+  }
+  if (rc != 0)
     return rc;
   if (c->json)
     printf("{\"unpublished\":\"%s\"}\n", key);
@@ -1102,40 +1178,145 @@ static int cmd_trim(ctl *c) {
 
 /* ---- main ---------------------------------------------------------------------------------- */
 
+/* The commands, one row each: dispatch, --help and the did-you-mean read the rows; whether a
+ * command is for operators comes from the request table's row of the request it makes
+ * (common/requests.h), so --help says what the daemon enforces. */
+typedef struct {
+  const char *name;
+  const char *arg;   /* its argument as --help writes it, or NULL */
+  int body_case;     /* the request it makes (names also reads AdminBuffers, admin as well) */
+  int (*run)(ctl *c, const char *arg);
+  const char *help;  /* lines of --help after the name, '\n' between them */
+} command;
+
+static int run_status(ctl *c, const char *a) { (void)a; return cmd_status(c); }
+static int run_clients(ctl *c, const char *a) { (void)a; return cmd_clients(c); }
+static int run_buffers(ctl *c, const char *a) { (void)a; return cmd_buffers(c); }
+static int run_names(ctl *c, const char *a) { (void)a; return cmd_names(c); }
+static int run_peers(ctl *c, const char *a) { (void)a; return cmd_peers(c); }
+static int run_stats(ctl *c, const char *a) { (void)a; return cmd_stats(c); }
+static int run_trim(ctl *c, const char *a) { (void)a; return cmd_trim(c); }
+
+static const command commands[] = {
+    {"status", NULL, GPUPOOL__WIRE__REQUEST__BODY_STATS, run_status,
+     "daemon version, backend, uptime, clients and pool usage; exporters\n"
+     "and a restart a reload left pending"},
+    {"clients", NULL, GPUPOOL__WIRE__REQUEST__BODY_ADMIN_CLIENTS, run_clients,
+     "connected clients: id, pid, user, name, holds, bytes, age"},
+    {"buffers", NULL, GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS, run_buffers,
+     "live buffers sorted by id: pool, size, holders, age, owner pid, the\n"
+     "buffer a replica copies and its device, and every name"},
+    {"names", NULL, GPUPOOL__WIRE__REQUEST__BODY_ADMIN_NAMES, run_names,
+     "every tenant's published names sorted by key, one row each: buffers,\n"
+     "bundles (version, members) and files (path)"},
+    {"unpublish", "KEY", GPUPOOL__WIRE__REQUEST__BODY_ADMIN_UNPUBLISH, cmd_unpublish,
+     "remove the name filed under KEY, as names shows it (uid:1000/x),\n"
+     "whichever tenant published it"},
+    {"peers", NULL, GPUPOOL__WIRE__REQUEST__BODY_ADMIN_PEERS, run_peers,
+     "the peer daemons: address, state, fetches in flight, fetched,\n"
+     "failed, versions served and the last error"},
+    {"stats", NULL, GPUPOOL__WIRE__REQUEST__BODY_STATS, run_stats, "every daemon and pool counter, one per line"},
+    {"drop-client", "PID", GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT, cmd_drop,
+     "disconnect every connection of process PID, releasing its holds"},
+    {"trim", NULL, GPUPOOL__WIRE__REQUEST__BODY_TRIM, run_trim,
+     "give every tenant's empty slabs back to the backend"},
+};
+#define NCOMMANDS (sizeof commands / sizeof commands[0])
+
+static const command *find_command(const char *name) {
+  for (size_t i = 0; i < NCOMMANDS; i++)
+    if (!strcmp(commands[i].name, name))
+      return &commands[i];
+  return NULL;
+}
+
+/* Edit distance (with transpositions) of two short words, for the did-you-mean hints. */
+static size_t distance(const char *a, const char *b) {
+  enum { N = 64 };
+  size_t la = strnlen(a, N - 1), lb = strnlen(b, N - 1), d[N][N];
+  for (size_t i = 0; i <= la; i++)
+    d[i][0] = i;
+  for (size_t j = 0; j <= lb; j++)
+    d[0][j] = j;
+  for (size_t i = 1; i <= la; i++)
+    for (size_t j = 1; j <= lb; j++) {
+      size_t best = d[i - 1][j - 1] + (a[i - 1] != b[j - 1]);
+      if (d[i - 1][j] + 1 < best)
+        best = d[i - 1][j] + 1;
+      if (d[i][j - 1] + 1 < best)
+        best = d[i][j - 1] + 1;
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] && d[i - 2][j - 2] + 1 < best)
+        best = d[i - 2][j - 2] + 1;
+      d[i][j] = best;
+    }
+  return d[la][lb];
+}
+
+/* The nearest of words[0..n) to w when it is near enough to be a typo, else NULL. */
+static const char *nearest(const char *w, const char *const *words, size_t n) {
+  const char *best = NULL;
+  size_t best_d = SIZE_MAX;
+  for (size_t i = 0; i < n; i++) {
+    size_t d = distance(w, words[i]);
+    if (d < best_d) {
+      best_d = d;
+      best = words[i];
+    }
+  }
+  return best && best_d <= 1 + strlen(best) / 4 ? best : NULL;
+}
+
+#define SHORT_USAGE "Usage: gpupoolctl [-s PATH] [-j] [-t SEC] COMMAND [ARG]"
+
+/* A mistyped command line: the problem (already said), the short usage and where the rest is. */
+static int usage_error(void) {
+  fprintf(stderr, "%s\nTry 'gpupoolctl --help' for the commands and options.\n", SHORT_USAGE);
+  return EXIT_USAGE;
+}
+
 static void usage(FILE *f) {
   fprintf(f,
           "Usage: gpupoolctl [OPTIONS] COMMAND [ARG]\n"
           "\n"
           "Inspect and manage a running gpupoold.\n"
           "\n"
-          "Commands:\n"
-          "  status            daemon version, backend, uptime, clients and pool usage\n"
-          "  clients           connected clients: id, pid, user, name, holds, bytes, age (admin)\n"
-          "  buffers           live buffers sorted by id: pool, size, holders, age, owner pid, the\n"
-          "                    buffer a replica copies and its device, and every name (admin)\n"
-          "  names             every tenant's published names sorted by key, one row each: buffers,\n"
-          "                    bundles (version, members) and files (path) (admin)\n"
-          "  unpublish KEY     remove the name filed under KEY, as names shows it (uid:1000/x),\n"
-          "                    whichever tenant published it (admin)\n"
-          "  peers             the peer daemons: address, state, fetches in flight, fetched,\n"
-          "                    failed, versions served and the last error (admin)\n"
-          "  stats             every daemon and pool counter, one per line\n"
-          "  drop-client PID   disconnect every connection of process PID, releasing its holds "
-          "(admin)\n"
-          "  trim              give every tenant's empty slabs back to the backend (admin)\n"
+          "Commands:\n");
+  for (size_t i = 0; i < NCOMMANDS; i++) {
+    const command *k = &commands[i];
+    int ri = gpupool__request_index(k->body_case);
+    int admin = ri >= 0 && (gpupool__request_kinds[ri].flags & GPUPOOL__REQ_ADMIN);
+    char head[32];
+    const char *p = k->help;
+    snprintf(head, sizeof head, "%s%s%s", k->name, k->arg ? " " : "", k->arg ? k->arg : "");
+    fprintf(f, "  %-16s  ", head);
+    for (;;) {
+      const char *nl = strchr(p, '\n');
+      if (!nl) {
+        fprintf(f, "%s%s\n", p, admin ? " (admin)" : "");
+        break;
+      }
+      fprintf(f, "%.*s\n%20s", (int)(nl - p), p, "");
+      p = nl + 1;
+    }
+  }
+  fprintf(f,
           "\n"
           "Options:\n"
           "  -s, --socket PATH   daemon socket (default: $GPUPOOL_SOCKET, else\n"
           "                      /run/gpupool/gpupoold.sock for root, else\n"
           "                      $XDG_RUNTIME_DIR/gpupool/gpupoold.sock)\n"
           "  -j, --json          print one JSON document instead of text\n"
-          "  -t, --timeout SEC   how long to wait for the daemon's answer (default 10)\n"
+          "  -t, --timeout SEC   how long to wait for the daemon's answer (default %d, the\n"
+          "                      client library's connect timeout; 0 = wait forever)\n"
           "  -h, --help          show this help\n"
           "  -V, --version       show the version\n"
           "\n"
           "Admin commands need root or the daemon's own user.\n"
+          "Environment: GPUPOOL_SOCKET (as --socket), GPUPOOL_CONNECT_TIMEOUT_MS (connect and\n"
+          "  Hello only; default --timeout).\n"
           "Exit status: 0 success, 1 the daemon refused or failed the request, 2 usage error,\n"
-          "3 the daemon could not be reached.\n");
+          "3 the daemon could not be reached.\n",
+          GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS / 1000);
 }
 
 int main(int argc, char **argv) {
@@ -1149,9 +1330,12 @@ int main(int argc, char **argv) {
 
   memset(&c, 0, sizeof(c));
   c.fd = -1;
-  c.timeout_s = 10;
+  c.timeout_s = GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS / 1000;
   c.hello_timeout_ms = -1;
-  while ((o = getopt_long(argc, argv, "s:jt:hV", opts, NULL)) != -1) {
+  const command *cmd;
+
+  opterr = 0; /* the messages below say what was wrong, and the short usage */
+  while ((o = getopt_long(argc, argv, ":s:jt:hV", opts, NULL)) != -1) {
     switch (o) {
     case 's': sock = optarg; break;
     case 'j': c.json = json_errors = 1; break;
@@ -1160,35 +1344,60 @@ int main(int argc, char **argv) {
       long v = strtol(optarg, &end, 10);
       if (end == optarg || *end != '\0' || v < 0 || v > 86400) {
         die_msg("--timeout wants whole seconds (0 = wait forever), got '%s'", optarg);
-        return EXIT_USAGE;
+        return usage_error();
       }
       c.timeout_s = (int)v;
       break;
     }
     case 'h': usage(stdout); return 0;
     case 'V': printf("gpupoolctl %s\n", GPUPOOL_VERSION_STRING); return 0;
-    default: usage(stderr); return EXIT_USAGE;
+    case ':':
+      die_msg("option '%s' needs a value", argv[optind - 1]);
+      return usage_error();
+    default: {
+      /* An option mistyped: name it, and the one meant when it is near enough. */
+      const char *bad = argv[optind - 1], *near = NULL;
+      char shown[8];
+      if (optopt && strncmp(bad, "--", 2) != 0) {
+        snprintf(shown, sizeof shown, "-%c", optopt);
+        bad = shown;
+      } else {
+        const char *names[sizeof opts / sizeof opts[0]];
+        size_t n = 0, len = strcspn(bad + 2, "=");
+        char word[64];
+        snprintf(word, sizeof word, "%.*s", (int)(len < sizeof word ? len : sizeof word - 1), bad + 2);
+        for (const struct option *op = opts; op->name; op++)
+          names[n++] = op->name;
+        near = nearest(word, names, n);
+      }
+      if (near)
+        die_msg("unknown option '%s'; did you mean '--%s'?", bad, near);
+      else
+        die_msg("unknown option '%s'", bad);
+      return usage_error();
+    }
     }
   }
   if (optind >= argc) {
-    usage(stderr);
-    return EXIT_USAGE;
+    die_msg("no command given");
+    return usage_error();
   }
   c.cmd = argv[optind];
   arg = optind + 1 < argc ? argv[optind + 1] : NULL;
-  {
-    int want_arg = strcmp(c.cmd, "drop-client") == 0 || strcmp(c.cmd, "unpublish") == 0;
-    if (optind + 1 + want_arg < argc) {
-      die_msg("unexpected argument '%s' after '%s'", argv[optind + 1 + want_arg], c.cmd);
-      return EXIT_USAGE;
-    }
+  if (!(cmd = find_command(c.cmd))) {
+    const char *names[NCOMMANDS], *near;
+    for (size_t i = 0; i < NCOMMANDS; i++)
+      names[i] = commands[i].name;
+    near = nearest(c.cmd, names, NCOMMANDS);
+    if (near)
+      die_msg("unknown command '%s'; did you mean '%s'?", c.cmd, near);
+    else
+      die_msg("unknown command '%s'", c.cmd);
+    return usage_error();
   }
-  if (strcmp(c.cmd, "status") != 0 && strcmp(c.cmd, "clients") != 0 &&
-      strcmp(c.cmd, "buffers") != 0 && strcmp(c.cmd, "names") != 0 &&
-      strcmp(c.cmd, "stats") != 0 && strcmp(c.cmd, "drop-client") != 0 &&
-      strcmp(c.cmd, "trim") != 0 && strcmp(c.cmd, "unpublish") != 0 && strcmp(c.cmd, "peers") != 0) {
-    die_msg("unknown command '%s'; see 'gpupoolctl --help'", c.cmd);
-    return EXIT_USAGE;
+  if (optind + 1 + (cmd->arg != NULL) < argc) {
+    die_msg("unexpected argument '%s' after '%s'", argv[optind + 1 + (cmd->arg != NULL)], c.cmd);
+    return usage_error();
   }
 
   if (sock != NULL) {
@@ -1218,24 +1427,7 @@ int main(int argc, char **argv) {
   rc = hello(&c);
   if (rc != 0)
     goto out;
-  if (strcmp(c.cmd, "status") == 0)
-    rc = cmd_status(&c);
-  else if (strcmp(c.cmd, "stats") == 0)
-    rc = cmd_stats(&c);
-  else if (strcmp(c.cmd, "clients") == 0)
-    rc = cmd_clients(&c);
-  else if (strcmp(c.cmd, "buffers") == 0)
-    rc = cmd_buffers(&c);
-  else if (strcmp(c.cmd, "names") == 0)
-    rc = cmd_names(&c);
-  else if (strcmp(c.cmd, "peers") == 0)
-    rc = cmd_peers(&c);
-  else if (strcmp(c.cmd, "drop-client") == 0)
-    rc = cmd_drop(&c, arg);
-  else if (strcmp(c.cmd, "unpublish") == 0)
-    rc = cmd_unpublish(&c, arg);
-  else
-    rc = cmd_trim(&c);
+  rc = cmd->run(&c, arg);
 
 out:
   if (c.hello != NULL)

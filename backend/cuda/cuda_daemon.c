@@ -55,9 +55,11 @@ int gpupool__cuda_set_device(int device) {
 /*
  * Look at the driver and every device. Fills usable[] (may be NULL) and returns the number of
  * usable devices (>= 0), with a message naming what is missing when it is 0; *ndev_out gets
- * the device count. Shared by probe, open and default_pools so all three agree.
+ * the device count. Shared by probe, open and default_pools so all three agree. advise: the
+ * message also says what to do; without it (auto's probe, which then serves host memory and
+ * needs no fix) it names only the cause.
  */
-static int scan(int *ndev_out, int **usable_out) {
+static int scan(int *ndev_out, int **usable_out, int advise) {
   int drv = 0, ndev = 0, nusable = 0;
   int *usable = NULL;
   char why[GPUPOOL__ERRMSG_MAX];
@@ -70,12 +72,12 @@ static int scan(int *ndev_out, int **usable_out) {
   e = cudaDriverGetVersion(&drv);
   if (e != cudaSuccess) {
     gpupool__cuda_fail(GPUPOOL_ENOTSUP, e, "cudaDriverGetVersion", -1,
-              "install the NVIDIA driver or run gpupoold with --backend host");
+              advise ? "install the NVIDIA driver or run gpupoold with --backend host" : NULL);
     return 0;
   }
   if (drv == 0) {
-    gpupool__err(GPUPOOL_ENOTSUP, "no NVIDIA driver found (cudaDriverGetVersion returned 0): "
-                 "install the NVIDIA driver or run gpupoold with --backend host");
+    gpupool__err(GPUPOOL_ENOTSUP, "no NVIDIA driver found (cudaDriverGetVersion returned 0)%s",
+                 advise ? ": install the NVIDIA driver or run gpupoold with --backend host" : "");
     return 0;
   }
   e = cudaGetDeviceCount(&ndev);
@@ -83,24 +85,24 @@ static int scan(int *ndev_out, int **usable_out) {
     (void)cudaGetLastError();
     gpupool__err(GPUPOOL_ENOTSUP,
                  "the NVIDIA driver supports CUDA %d.%d but gpupoold was built with CUDA %d.%d "
-                 "(cudaErrorInsufficientDriver): upgrade the driver or rebuild gpupool "
-                 "against an older CUDA toolkit",
+                 "(cudaErrorInsufficientDriver)%s",
                  drv / 1000, (drv % 1000) / 10, CUDART_VERSION / 1000,
-                 (CUDART_VERSION % 1000) / 10);
+                 (CUDART_VERSION % 1000) / 10,
+                 advise ? ": upgrade the driver or rebuild gpupool against an older CUDA toolkit" : "");
     return 0;
   }
   if (e == cudaErrorNoDevice || (e == cudaSuccess && ndev == 0)) {
     (void)cudaGetLastError();
     gpupool__err(GPUPOOL_ENOTSUP,
-                 "no CUDA device visible (driver %d.%d): check CUDA_VISIBLE_DEVICES, that "
-                 "/dev/nvidia* exist and are accessible to this user, or run gpupoold with "
-                 "--backend host",
-                 drv / 1000, (drv % 1000) / 10);
+                 "no CUDA device visible (driver %d.%d)%s", drv / 1000, (drv % 1000) / 10,
+                 advise ? ": check CUDA_VISIBLE_DEVICES, that /dev/nvidia* exist and are "
+                          "accessible to this user, or run gpupoold with --backend host" : "");
     return 0;
   }
   if (e != cudaSuccess) {
     gpupool__cuda_fail(GPUPOOL_ENOTSUP, e, "cudaGetDeviceCount", -1,
-              "check the driver installation (nvidia-smi) or run gpupoold with --backend host");
+              advise ? "check the driver installation (nvidia-smi) or run gpupoold with --backend host"
+                     : NULL);
     return 0;
   }
   usable = calloc((size_t)ndev, sizeof(*usable));
@@ -135,10 +137,10 @@ static int scan(int *ndev_out, int **usable_out) {
   }
   if (nusable == 0)
     gpupool__err(GPUPOOL_ENOTSUP,
-                 "no usable CUDA device among %d (driver %d.%d): %s; gpupool needs memory "
-                 "pools exportable as POSIX fds (CUDA 11.2+ driver, Linux, not WSL); run "
-                 "gpupoold with --backend host",
-                 ndev, drv / 1000, (drv % 1000) / 10, why);
+                 "no usable CUDA device among %d (driver %d.%d): %s%s",
+                 ndev, drv / 1000, (drv % 1000) / 10, why,
+                 advise ? "; gpupool needs memory pools exportable as POSIX fds (CUDA 11.2+ "
+                          "driver, Linux, not WSL); run gpupoold with --backend host" : "");
   *ndev_out = ndev;
   if (usable_out)
     *usable_out = usable;
@@ -149,7 +151,7 @@ static int scan(int *ndev_out, int **usable_out) {
 
 int gpupool__cuda_probe(void) {
   int ndev = 0;
-  return scan(&ndev, NULL) > 0 ? 1 : 0;
+  return scan(&ndev, NULL, 0) > 0 ? 1 : 0;
 }
 
 int gpupool__cuda_default_pools(gpupool__pool_config *pools, int max, int *n) {
@@ -157,7 +159,7 @@ int gpupool__cuda_default_pools(gpupool__pool_config *pools, int max, int *n) {
 
   if (*n > 0)
     return 0;
-  if (scan(&ndev, &usable) == 0) {
+  if (scan(&ndev, &usable, 1) == 0) {
     free(usable);
     return GPUPOOL_ENOTSUP; /* message recorded by scan() */
   }
@@ -670,7 +672,7 @@ int gpupool__cuda_open(gpupool__backend **out) {
   int ndev = 0, nusable, *usable = NULL, rc;
 
   *out = NULL;
-  nusable = scan(&ndev, &usable);
+  nusable = scan(&ndev, &usable, 1);
   if (nusable == 0) {
     free(usable);
     return GPUPOOL_ENOTSUP; /* message recorded by scan() */

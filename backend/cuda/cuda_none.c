@@ -6,7 +6,7 @@
 #include "errors.h"
 
 int gpupool__cuda_probe(void) {
-  gpupool__err(GPUPOOL_ENOTSUP, "this build of gpupool has no CUDA (rebuild with the CUDA toolkit installed)");
+  gpupool__err(GPUPOOL_ENOTSUP, "this build of gpupool has no CUDA");
   return 0;
 }
 

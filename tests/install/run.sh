@@ -90,7 +90,8 @@ $outside"
   mv "$stage$p" "$p"
   for f in sbin/gpupoold bin/gpupoolctl lib/systemd/system/gpupoold.service lib/systemd/system/gpupoold.socket \
            lib/sysusers.d/gpupool.conf etc/gpupool/gpupoold.conf include/gpupool/gpupool.h \
-           share/man/man8/gpupoold.8 share/man/man1/gpupoolctl.1 share/man/man5/gpupoold.conf.5; do
+           share/man/man8/gpupoold.8 share/man/man1/gpupoolctl.1 share/man/man5/gpupoold.conf.5 \
+           share/bash-completion/completions/gpupoolctl; do
     [ -e "$p/$f" ] || die "$f is not installed under the prefix"
   done
   for exe in "$p/sbin/gpupoold" "$p/bin/gpupoolctl"; do

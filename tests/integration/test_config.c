@@ -154,16 +154,19 @@ static void test_pool_checks(void **state) {
 
 /* What the pool checks refuse once the file is read (slab_size over 4G, a kind the backend
  * lacks, an alignment, a capacity under one slab, a share with no group) names the file and
- * the line of the pool's section, as the parser's errors do; a --pool spec is named as such. */
+ * the line of the key at fault (the pool's section when the key is not written), as the
+ * parser's errors do, with sizes as the file writes them; a --pool spec is named as such. */
 static void test_pool_checks_name_line(void **state) {
   static const struct {
     const char *text, *needle;
   } cases[] = {
-      {"[daemon]\nbackend = host\n\n[pool a]\nslab_size = 8G\n", ":4: [pool a] pool 'a': slab_size"},
-      {"[pool a]\ncapacity = 64M\n[pool b]\nkind = device\n", ":3: [pool b] pool 'b' asks for device memory"},
-      {"[pool a]\nalignment = 48\n", ":1: [pool a] pool 'a': alignment 48"},
-      {"[pool a]\ncapacity = 1M\nslab_size = 4M\n", ":1: [pool a] pool 'a': capacity"},
-      {"[pool a]\nshare = nobody\n", ":1: [pool a] pool 'a' is shared with group 'nobody'"},
+      {"[daemon]\nbackend = host\n\n[pool a]\nslab_size = 8G\n", ":5: [pool a] pool 'a': slab_size 8G exceeds 4G"},
+      {"[pool a]\ncapacity = 64M\n[pool b]\n\nkind = device\n", ":5: [pool b] pool 'b' asks for device memory"},
+      {"[pool a]\nalignment = 48\n", ":2: [pool a] pool 'a': alignment 48 must"},
+      {"[pool a]\ncapacity = 1M\nslab_size = 4M\n", ":2: [pool a] pool 'a': capacity 1M is smaller than one slab (4M)"},
+      {"[pool a]\nslab = 4G\n", ":1: [pool a] pool 'a': capacity 1G is smaller than one slab (4G)"},
+      {"[pool a]\ncapacity = 1610612737\nslab_size = 2G\n", "capacity 1.5G (1610612737 bytes) is smaller"},
+      {"[pool a]\n# the group\nshare = nobody\n", ":3: [pool a] pool 'a' is shared with group 'nobody'"},
   };
   (void)state;
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -174,11 +177,49 @@ static void test_pool_checks_name_line(void **state) {
     gpd_config_defaults(&c);
     assert_int_equal(gpd_config_load(&c, path), 0);
     assert_int_equal(gpd_config_finish(&c, &gpupool__backend_host), GPUPOOL_ECONFIG);
-    snprintf(where, sizeof where, "%s%s", path, cases[i].needle);
+    snprintf(where, sizeof where, "%s%s", cases[i].needle[0] == ':' ? path : "", cases[i].needle);
     if (!strstr(gpupool__errmsg(), where))
       fail_msg("case %zu: '%s' lacks '%s'", i, gpupool__errmsg(), where);
     unlink(path);
   }
+}
+
+/* A file with several errors: all are found (each reported where --check-config sends them,
+ * at its own line), the message is the first one's and counts the rest; the pool checks
+ * after it report every pool's error too. */
+static void test_all_errors(void **state) {
+  gpd_config c;
+  char out[4096] = "";
+  FILE *f = tmpfile();
+  size_t n;
+  (void)state;
+  assert_non_null(f);
+  strcpy(path, "/tmp/gpupool-conf-XXXXXX");
+  write_file("[daemon]\nmax_clinets = 5\nlog_level = loud\n[nonsense]\nx = 1\n[pool a]\nslab_size = 8G\n"
+             "[pool b]\ncapacity = 2M\nslab_size = 4M\ncapacity = what\n");
+  gpd_config_report_errors(f);
+  gpd_config_defaults(&c);
+  assert_int_equal(gpd_config_load(&c, path), GPUPOOL_ECONFIG);
+  assert_non_null(strstr(gpupool__errmsg(), ":2: unknown key 'max_clinets'"));
+  assert_non_null(strstr(gpupool__errmsg(), "(and 3 more errors"));
+  assert_int_equal(gpd_config_errors_reported(), 4);
+  assert_int_equal(gpd_config_finish(&c, &gpupool__backend_host), GPUPOOL_ECONFIG);
+  assert_int_equal(gpd_config_errors_reported(), 6);
+  gpd_config_report_errors(NULL);
+  rewind(f);
+  n = fread(out, 1, sizeof out - 1, f);
+  out[n] = '\0';
+  fclose(f);
+  printf("%s", out);
+  for (int i = 0; i < 6; i++) {
+    static const char *const want[] = {":2: unknown key", ":3: unknown log level", ":4: unknown section",
+                                       ":11: 'what' is not a size", ":7: [pool a] pool 'a': slab_size 8G",
+                                       ":9: [pool b] pool 'b': capacity 2M is smaller than one slab (4M)"};
+    if (!strstr(out, want[i]))
+      fail_msg("the errors reported lack '%s':\n%s", want[i], out);
+  }
+  assert_null(strstr(out, ":5:")); /* the key of a refused section is not refused again */
+  unlink(path);
 }
 
 static void test_sizes(void **state) {
@@ -442,5 +483,6 @@ int main(void) {
   return TS_RUN_TESTS(NULL, NULL, test_full_file, test_errors_name_line, test_pool_checks, test_sizes,
                       test_daemon_refuses_bad_config, test_duplicate_sections, test_config_not_a_file,
                       test_did_you_mean, test_pool_checks_name_line, test_peer_sections,
-                      test_check_config_warns_empty_sets, test_check_config_checks_secret_files);
+                      test_check_config_warns_empty_sets, test_check_config_checks_secret_files,
+                      test_all_errors);
 }

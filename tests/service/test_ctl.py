@@ -343,20 +343,61 @@ def test_listing(tmp):
 
 
 def test_messages(tmp):
-    """What a failed connect says: a directory in the way, and the socket's real group."""
+    """What a failed connect says: a directory in the way (whole, and never "remove it"), a
+    regular file in the way, and the socket's real group (never root's); what a mistyped
+    command line says; unpublish of a key without its tenant."""
     os.chmod(tmp, 0o755)
     dpath = os.path.join(tmp, "gp.sock")
     os.mkdir(dpath)
-    _, err = ctl(None, "status", socket_path=dpath, expect=3)
-    check("is a directory, not a socket" in err and "remove it" in err and dpath in err,
-          f"directory at the socket path: {err}")
-    check("is the daemon running" not in err and "not running" not in err,
-          f"directory message blames the daemon: {err}")
-    p = subprocess.run([HOLDER, dpath, "msg", "x", "4096", "closed"], capture_output=True, text=True,
-                       timeout=30)
-    check(p.returncode == 2 and "is a directory, not a socket" in p.stderr,
-          f"the library's message for a directory: {p.stderr}")
+    # The socket's directory named instead of the socket (/tmp, say): never advise removing it,
+    # and the message reaches its end (the advice names GPUPOOL_SOCKET last).
+    for path in (dpath, "/tmp", "/tmp/"):
+        _, err = ctl(None, "status", socket_path=path, expect=3)
+        check("is a directory, not a socket" in err and path in err,
+              f"directory at the socket path: {err}")
+        check("remove" not in err, f"the message advises removing the directory {path}: {err}")
+        check(err.rstrip().rstrip(".").endswith("GPUPOOL_SOCKET"), f"the message was cut short: {err!r}")
+        check("is the daemon running" not in err and "not running" not in err,
+              f"directory message blames the daemon: {err}")
+        p = subprocess.run([HOLDER, path, "msg", "x", "4096", "closed"], capture_output=True, text=True,
+                           timeout=30)
+        check(p.returncode == 2 and "is a directory, not a socket" in p.stderr and "remove" not in p.stderr
+              and "GPUPOOL_SOCKET" in p.stderr, f"the library's message for a directory: {p.stderr}")
     os.rmdir(dpath)
+    # A regular file where the socket goes: that one may be removed, and the message says so whole.
+    fpath = os.path.join(tmp, "f" * (100 - len(tmp)) + ".sock")
+    open(fpath, "w").close()
+    _, err = ctl(None, "status", socket_path=fpath, expect=3)
+    check("is a regular file, not a socket" in err and "remove it" in err
+          and err.rstrip().rstrip(".").endswith("GPUPOOL_SOCKET"), f"regular file at the socket path: {err!r}")
+    os.unlink(fpath)
+
+    # A mistyped command line: the problem and a short usage, not the whole help.
+    for args, want in ((["--jsn", "status"], "did you mean '--json'"), (["statsu"], "did you mean 'status'"),
+                       (["-x", "status"], "unknown option '-x'"), ([], "no command")):
+        p = subprocess.run([GPUPOOLCTL, *args], capture_output=True, text=True, timeout=30)
+        print(f"$ gpupoolctl {' '.join(args)} -> {p.returncode}\n{p.stdout}{p.stderr}", end="")
+        check(p.returncode == 2 and want in p.stderr, f"gpupoolctl {args}: {p.stderr}")
+        check("Commands:" not in p.stderr + p.stdout and len(p.stderr.splitlines()) <= 4,
+              f"gpupoolctl {args} printed the whole help: {p.stderr}")
+        check("--help" in p.stderr, f"gpupoolctl {args} does not point at --help: {p.stderr}")
+
+    # unpublish of the name as its publisher wrote it (no tenant): the key meant.
+    os.mkdir(os.path.join(tmp, "d"))
+    d = Daemon(os.path.join(tmp, "d"))
+    holder = start_holder(d)
+    try:
+        _, err = ctl(d, "unpublish", PUBLISHED, expect=1)
+        check(f"did you mean '{PUBLISHED_KEY}'" in err, f"unpublish without the tenant: {err}")
+        _, err = ctl(d, "unpublish", "no/such/name", expect=1)
+        check("uid:1000/no/such/name" in err, f"unpublish of an unknown key without tenant: {err}")
+        out, _ = ctl(d, "--json", "unpublish", PUBLISHED, expect=1)
+        check("did you mean" in json.loads(out)["error"], f"--json unpublish: {out}")
+        ctl(d, "unpublish", PUBLISHED_KEY)
+    finally:
+        holder.stdin.close()
+        holder.wait(15)
+    d.stop()
 
     if os.geteuid() != 0:
         print("(not root: the permission message is not exercised)")
@@ -372,8 +413,14 @@ def test_messages(tmp):
     os.chmod(dpath, 0o660)
     try:
         _, err = ctl(None, "status", socket_path=dpath, user=65534, expect=3)
-        check(f"usermod -aG {group} $USER" in err and "GROUP" not in err,
-              f"permission message does not name the group {group}: {err}")
+        if gid:
+            check(f"usermod -aG {group} $USER" in err and "GROUP" not in err,
+                  f"permission message does not name the group {group}: {err}")
+        # A socket of root's group: joining that group would give far more than the socket.
+        os.chown(dpath, 0, 0)
+        _, err = ctl(None, "status", socket_path=dpath, user=65534, expect=3)
+        check("permission denied" in err and "usermod" not in err and "sudo" in err,
+              f"permission advice for a socket of group root: {err}")
     finally:
         s.close()
 

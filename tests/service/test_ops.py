@@ -15,6 +15,12 @@ client timeouts and what gpupoolctl says about the daemon.
             up on a SIGSTOPped daemon, and on a listener whose backlog is full, within its
             connect timeout with "the daemon did not answer in N s", and on a socket that is not gpupoold with "this socket is not
             gpupoold" (an HTTP server, a server that closes at once).
+  config    --check-config reports every error at its key's line with sizes as written; a
+            non-root daemon without XDG_RUNTIME_DIR refused /run/gpupool says what to do.
+  health    a TCP metrics exporter that cannot bind is degraded (metric, status line) and
+            retried until it serves; a reload that left restart-only keys says so in status.
+  quiet     log_level = error (or --log-level error) leaves no line below error in the log,
+            the backend's choice included; auto serving host memory advises no driver install.
   identity  Hello and Stats carry the daemon's own pid, uid and version: gpupoolctl status
             shows them even when the daemon was socket-activated; --json prints {"error": ...}
             on failure; a refused connection names the socket's real owner, group and mode.
@@ -184,6 +190,9 @@ def test_startup(tmp):
     check(re.search(r"^RestartPreventExitStatus=.*\b2\b", unit, re.M),
           "gpupoold.service does not stop restarting on exit status 2")
     check(re.search(r"^Restart=on-failure$", unit, re.M), "gpupoold.service lost Restart=")
+    # systemctl status and help show the unit's documentation: the man pages first.
+    check(re.search(r"^Documentation=.*\bman:gpupoold\(8\)", unit, re.M),
+          "gpupoold.service's Documentation= lacks man:gpupoold(8)")
 
 
 # ---- unlink ----------------------------------------------------------------------------------
@@ -324,6 +333,179 @@ def test_tcp(tmp):
         check(p.returncode == 2 and "metrics_listen" in p.stderr, f"metrics_listen = {bad}: {p.stderr}")
 
 
+# ---- config ----------------------------------------------------------------------------------
+
+def test_config(tmp):
+    """--check-config lists every error of a file, each at its own line (a pool's at the line
+    of the key at fault, not its [pool] header), sizes written as the file writes them; the
+    daemon refusing the file says how many more there are. A daemon of another user than root
+    with no XDG_RUNTIME_DIR, refused the system socket's directory, says why and what to do."""
+    bad = os.path.join(tmp, "bad.conf")
+    write(bad, "[daemon]\n"                 # 1
+               "backend = host\n"           # 2
+               "max_clinets = 5\n"          # 3
+               "log_level = loud\n"         # 4
+               "[pool p]\n"                 # 5
+               "kind = host\n"              # 6
+               "capacity = 1G\n"            # 7
+               "slab_size = 5G\n"           # 8
+               "[pool q]\n"                 # 9
+               "kind = host\n"              # 10
+               "slab_size = 64M\n"          # 11
+               "capacity = 3M\n"            # 12
+               "[weird]\n"                  # 13
+               "x = 1\n"                    # 14
+               "[pool r]\n"                 # 15
+               "capacity = lots\n")         # 16
+    p = subprocess.run([GPUPOOLD, "--check-config", "--config", bad], capture_output=True, text=True,
+                       env=CLEAN_ENV, timeout=30)
+    print(p.stdout + p.stderr)
+    check(p.returncode == 2, f"--check-config exited {p.returncode}")
+    for line, what in ((3, "did you mean 'max_clients'"), (4, "unknown log level 'loud'"), (13, "unknown section"),
+                       (16, "not a size"), (8, "slab_size 5G exceeds 4G"), (12, "capacity 3M is smaller than one slab (64M)")):
+        check(re.search(rf"^gpupoold: {re.escape(bad)}:{line}: .*{re.escape(what)}", p.stderr, re.M),
+              f"--check-config does not report line {line} ({what}): {p.stderr}")
+    check(":14:" not in p.stderr, f"a key of a refused section was refused again: {p.stderr}")
+    check("6 errors" in p.stderr, f"--check-config does not count the errors: {p.stderr}")
+    check(not re.search(r"\b\d{7,}\b", p.stderr), f"raw byte counts in the messages: {p.stderr}")
+    # The daemon itself stops at the file and says there is more.
+    d = start_daemon(tmp, ["--config", bad, "--socket", os.path.join(tmp, "x.sock")])
+    check(d.wait(10) == 2, "a bad file did not make the daemon exit 2")
+    check("3 more errors" in log_of(d) and "--check-config" in log_of(d), f"the daemon's message: {log_of(d)}")
+    # A pool error without a key line (the section only) still points at the section.
+    write(bad, "[daemon]\nbackend = host\n[pool s]\nkind = host\nshare = nobody\n")
+    p = subprocess.run([GPUPOOLD, "--check-config", "--config", bad], capture_output=True, text=True,
+                       env=CLEAN_ENV, timeout=30)
+    check(p.returncode == 2 and f"{bad}:5: [pool s]" in p.stderr, f"share of an unknown group: {p.stderr}")
+
+    if os.geteuid() != 0:
+        print("(not root: the non-root daemon's socket path is not exercised)")
+        return
+    os.chmod(tmp, 0o755)
+    exe = reachable_copy(tmp, GPUPOOLD)
+    if os.path.isdir("/run/gpupool") and os.stat("/run/gpupool").st_uid == 65534:
+        print("(/run/gpupool belongs to nobody here: not exercised)")
+        return
+    env = {k: v for k, v in CLEAN_ENV.items() if k != "XDG_RUNTIME_DIR"}
+    p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", exe, "--backend", "host"],
+                       capture_output=True, text=True, env=env, timeout=30)
+    print(p.stdout + p.stderr)
+    check(p.returncode != 0 and "/run/gpupool" in p.stderr and "XDG_RUNTIME_DIR" in p.stderr
+          and "--socket" in p.stderr, f"a non-root daemon refused /run/gpupool gives no hint: {p.stderr}")
+
+
+# ---- health ----------------------------------------------------------------------------------
+
+def metrics_over_socket(path):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(path)
+        s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        return read_to_end(s)
+
+
+def wait_for(what, pred, timeout=60):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.2)
+    fail(f"{what} within {timeout} s")
+
+
+def test_health(tmp):
+    """A TCP metrics exporter whose port is taken at start is degraded, says so (a metric, a
+    gpupoolctl status line) and serves once the port is free again; a reload that read keys
+    only a restart applies leaves that visible in gpupoolctl status until the file agrees
+    with what runs again."""
+    sock = os.path.join(tmp, "gp.sock")
+    msock = os.path.join(tmp, "metrics.sock")
+    blocker = socket.socket()
+    blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen(1)
+    port = blocker.getsockname()[1]
+    n = Notify(tmp)
+    conf = host_conf(tmp, sock, f"metrics_socket = {msock}\nmetrics_listen = {port}\n")
+    d = start_daemon(tmp, ["--config", conf], notify=n)
+    n.wait("READY=1")
+    out, _ = ctl(sock, "status")
+    check(re.search(r"^metrics exporters: .*tcp degraded: cannot listen", out, re.M)
+          and "socket ok" in out, f"status does not show the degraded exporter: {out}")
+    check(json.loads(ctl(sock, "--json", "status")[0])["metrics_exporters"].find("tcp degraded") >= 0,
+          "--json status metrics_exporters")
+    body = metrics_over_socket(msock)
+    check('gpupool_metrics_exporter_up{exporter="tcp"} 0' in body
+          and 'gpupool_metrics_exporter_up{exporter="socket"} 1' in body, f"exporter metric: {body[:2000]}")
+    blocker.close()
+    wait_for("the TCP exporter did not serve once its port was free",
+             lambda: "tcp ok" in ctl(sock, "status")[0])
+    check(http_get("127.0.0.1", port).startswith("HTTP/1.0 200"), "TCP metrics after the retry")
+    check('gpupool_metrics_exporter_up{exporter="tcp"} 1' in metrics_over_socket(msock), "metric after recovery")
+    check("recovered" in log_of(d), "the log does not say the exporter recovered")
+
+    # A reload that left restart-only keys: status keeps saying so.
+    out, _ = ctl(sock, "status")
+    check("restart pending" not in out, f"restart pending before any reload: {out}")
+    write(conf, open(conf).read().replace("[daemon]\n", "[daemon]\nlisten_backlog = 77\nmax_clients = 99\n"))
+    d.send_signal(signal.SIGHUP)
+    n.wait("READY=1")
+    out, _ = ctl(sock, "status")
+    check(re.search(r"^restart pending: .*listen_backlog", out, re.M) and "max_clients" not in out,
+          f"status after a reload that left listen_backlog for a restart: {out}")
+    check("listen_backlog" in json.loads(ctl(sock, "--json", "status")[0])["restart_pending"], "--json restart_pending")
+    time.sleep(1.2)  # status is asked again later: the trace lasts
+    check("restart pending" in ctl(sock, "status")[0], "the restart-pending line did not last")
+    write(conf, open(conf).read().replace("listen_backlog = 77\n", ""))
+    d.send_signal(signal.SIGHUP)
+    n.wait("READY=1")
+    out, _ = ctl(sock, "status")
+    check("restart pending" not in out, f"restart pending after the file agrees with what runs: {out}")
+    stop(d)
+
+
+# ---- quiet -----------------------------------------------------------------------------------
+
+def test_quiet(tmp):
+    """log_level = error: not one line below it, from start to stop (the backend's choice
+    included, which is made before the file is applied); and on a host where auto picks host
+    memory, the log gives no advice to install a GPU driver."""
+    sock = os.path.join(tmp, "gp.sock")
+    for backend in ("host", "auto"):
+        conf = os.path.join(tmp, f"quiet-{backend}.conf")
+        write(conf, f"[daemon]\nsocket = {sock}\nbackend = {backend}\nlog_level = error\n"
+                    "[pool default]\nkind = host\ncapacity = 16M\nslab_size = 2M\n")
+        n = Notify(tmp)
+        d = start_daemon(tmp, ["--config", conf], notify=n)
+        n.wait("READY=1")
+        ctl(sock, "status")
+        stop(d)
+        log = log_of(d)
+        check(d.returncode == 0, f"exit status {d.returncode}")
+        check(not re.search(r"\b(info|warn|debug): ", log), f"log_level = error, backend {backend}: {log}")
+        # The same through --log-level, which the command line sets over the file.
+        d = start_daemon(tmp, ["--config", host_conf(tmp, sock), "--log-level", "error"], notify=(n := Notify(tmp)))
+        n.wait("READY=1")
+        stop(d)
+        check(not re.search(r"\b(info|warn|debug): ", log_of(d)), f"--log-level error: {log_of(d)}")
+
+    # auto on this host: whichever backend it picks, no advice to install a driver when it
+    # serves host memory (a choice, not a failure).
+    conf = os.path.join(tmp, "auto.conf")
+    write(conf, f"[daemon]\nsocket = {sock}\nbackend = auto\nlog_level = info\n")
+    n = Notify(tmp)
+    d = start_daemon(tmp, ["--config", conf], notify=n)
+    n.wait("READY=1")
+    stop(d)
+    log = log_of(d)
+    if "backend: host (auto" in log:
+        check("install the NVIDIA driver" not in log and "rebuild" not in log and "--backend host" not in log,
+              f"auto chose host memory and the log advises a fix: {log}")
+    else:
+        print("(auto chose the GPU here: the host-memory line is not exercised)")
+
+
 # ---- timeout ---------------------------------------------------------------------------------
 
 def python_client(sock, code, timeout=60):
@@ -391,6 +573,9 @@ def test_timeout(tmp):
                                 "except gpupool.GpupoolError as e:\n    print(e); sys.exit(7)\n")
         check(p.returncode == 7 and "did not answer in 0.5 s" in p.stdout and took < 10,
               "gpupool.Client(connect_timeout=0.5)")
+        # gpupoolctl's own default is the library's: an operator and a program wait alike.
+        _, err = ctl(sock, "status", expect=3)
+        check("did not answer in 5 s" in err, f"gpupoolctl's default timeout is not the library's 5 s: {err}")
     finally:
         os.kill(d.pid, signal.SIGCONT)
     ctl(sock, "status")
@@ -442,7 +627,24 @@ def test_timeout(tmp):
                              "try:\n    gpupool.Client(sys.argv[1])\n"
                              "except gpupool.GpupoolError as e:\n    print(e); sys.exit(7)\n")
         check(p.returncode == 7 and "this socket is not gpupoold" in p.stdout, f"python {name}")
+        # What came is another protocol, not a gpupool frame too large: no frame-size advice.
+        for text in (err, p.stdout):
+            check("frame" not in text.replace("gpupool frame", "").replace("gpupool reply", "")
+                  and "max_frame" not in text and "smaller messages" not in text,
+                  f"{name}: the message carries frame-size advice: {text}")
+        check(name != "http" or '"HTTP"' in err, f"{name}: the message does not say what came: {err}")
         srv.close()
+
+    # GPUPOOL_SOCKET naming a directory (/tmp): the library's message whole, never "remove it".
+    env = dict(CLEAN_ENV, PYTHONPATH=PYTHON_DIR, GPUPOOL_LIBRARY=LIBGPUPOOL, GPUPOOL_SOCKET="/tmp")
+    if os.environ.get("GPUPOOL_TEST_PY_PRELOAD"):
+        env.update(LD_PRELOAD=os.environ["GPUPOOL_TEST_PY_PRELOAD"], ASAN_OPTIONS="detect_leaks=0")
+    p = subprocess.run([sys.executable, "-c", "import gpupool\ntry:\n    gpupool.Client()\n"
+                        "except gpupool.GpupoolError as e:\n    print(e)\n"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    print(p.stdout, p.stderr)
+    check("/tmp is a directory, not a socket" in p.stdout and "remove" not in p.stdout
+          and p.stdout.rstrip().endswith("GPUPOOL_SOCKET"), f"python with GPUPOOL_SOCKET=/tmp: {p.stdout!r}")
 
 
 # ---- identity --------------------------------------------------------------------------------
@@ -485,7 +687,8 @@ def test_identity(tmp):
     check(re.search(rf"\buid {os.geteuid()}\b", out), "status does not show the daemon's uid")
     st = json.loads(ctl(sock, "--json", "status")[0])
     check(st["daemon_pid"] == d.pid and st["daemon_uid"] == os.geteuid(), f"--json status {st}")
-    check(st["version"] and st["daemon_version"] == st["version"], f"--json version {st}")
+    # One version key (the daemon's, as daemon_pid and daemon_uid), as stats has it.
+    check(st["daemon_version"] and "version" not in st, f"--json version {st}")
     stats = json.loads(ctl(sock, "--json", "stats")[0])
     check(stats["daemon_pid"] == d.pid and stats["daemon_uid"] == os.geteuid(), f"stats {stats}")
 
@@ -526,7 +729,8 @@ def test_identity(tmp):
 def main():
     tmp = tempfile.mkdtemp(prefix="gpupool-ops-")
     try:
-        {"startup": test_startup, "unlink": test_unlink, "tcp": test_tcp,
+        {"startup": test_startup, "unlink": test_unlink, "tcp": test_tcp, "quiet": test_quiet, "config": test_config,
+         "health": test_health,
          "timeout": test_timeout, "identity": test_identity}[MODE](tmp)
     except BaseException:
         for p in PROCS:
