@@ -114,8 +114,8 @@ typedef struct {
   uv_signal_t sigint, sigterm, sighup;
   uv_timer_t watchdog, status;
   int watchdog_on;
-  char last_status[512];   /* the STATUS= last sent, to send only changes */
-  char reload_note[256];   /* after a failed reload, kept in STATUS= until the next one */
+  char last_status[GPD_SD_STATUS_MAX]; /* the STATUS= last sent, to send only changes */
+  char reload_note[GPUPOOL__ERRMSG_MAX + 64]; /* after a failed reload, kept in STATUS= until the next one */
 } daemon_ctx;
 
 /* Close the three signal handles and the watchdog timer (NULL: none) of a loop that ends. */
@@ -145,21 +145,32 @@ static void on_signal(uv_signal_t *h, int signum) {
 }
 
 /* The live figures for STATUS= (systemctl status): clients, memory, names. Sent when they
- * changed, at most once a second (the status timer), so a busy daemon does not flood PID 1. */
+ * changed, at most once a second (the status timer), so a busy daemon does not flood PID 1.
+ * Parts in order of importance, each cut only between words to fit GPD_SD_STATUS_MAX: a
+ * failed reload, then what is served (short, never cut), then the degraded exporters
+ * (room kept for at least their names). */
+#define STATUS_KEEP_DEGRADED 96
 static void status_text(daemon_ctx *d, char *buf, size_t len) {
   uint64_t used = 0, cap = 0;
-  char degraded[256];
+  char serving[160], degraded[3 * GPUPOOL__ERRMSG_MAX + 64];
+  size_t at = 0;
   for (int i = 0; i < d->reg->npools; i++) {
     used += d->reg->pools[i].used;
     cap += d->reg->pools[i].cfg.capacity;
   }
   if (gpd_server_metrics_degraded(d->server, degraded, sizeof degraded) <= 0)
     degraded[0] = '\0';
-  snprintf(buf, len, "%s%sServing %d pool(s) on the %s backend: %" PRIu64 " client(s), %" PRIu64
-           " of %" PRIu64 " MiB used, %" PRIu64 " name(s)%s%s",
-           d->reload_note, d->reload_note[0] ? "; " : "", d->cfg->n_pools, d->be->desc->name,
-           gpd_server_clients(d->server), used >> 20, cap >> 20, d->reg->nnames,
-           degraded[0] ? "; degraded: " : "", degraded);
+  snprintf(serving, sizeof serving, "Serving %d pool(s) on the %s backend: %" PRIu64 " client(s), %" PRIu64
+           " of %" PRIu64 " MiB used, %" PRIu64 " name(s)",
+           d->cfg->n_pools, d->be->desc->name, gpd_server_clients(d->server), used >> 20, cap >> 20,
+           d->reg->nnames);
+  buf[0] = '\0';
+  if (d->reload_note[0])
+    at = gpd_sd_status_add(buf, len, at, "", d->reload_note,
+                           strlen(serving) + 2 + (degraded[0] ? STATUS_KEEP_DEGRADED : 0));
+  at = gpd_sd_status_add(buf, len, at, at ? "; " : "", serving, 0);
+  if (degraded[0])
+    (void)gpd_sd_status_add(buf, len, at, "; degraded: ", degraded, 0);
 }
 
 /* STATUS= when it changed; with READY=1 in the same message when ready is set (systemd

@@ -13,6 +13,8 @@
  *  foreign-pid  LISTEN_PID names another process: fd 3 is ignored and the daemon binds its
  *               own --socket, which it removes again on exit.
  *  status       STATUS= follows the live figures: a client and a published name show up.
+ *  status-fit  a STATUS= longer than 255 bytes (a failed reload with a long reason, two
+ *               degraded exporters): every part whole where it fits, none cut mid-word.
  *  config-error an invalid config file: the daemon stays up on the passed socket, answers a
  *               client's Hello with GPUPOOL_ECONFIG and the reason (exiting would leave the
  *               connection queued and systemd would restart it into its start limit);
@@ -25,7 +27,9 @@
  * Usage: test_activation PATH_TO_GPUPOOLD [CASE]. Exit 0 when every case passes.
  */
 #include <errno.h>
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -452,6 +456,94 @@ out:
   case_end(&k);
 }
 
+/* A TCP port on 127.0.0.1 that this process listens on (so a daemon cannot), or -1. */
+static int taken_port(int *fd_out) {
+  struct sockaddr_in a;
+  socklen_t alen = sizeof(a);
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  *fd_out = -1;
+  if (fd < 0)
+    return -1;
+  memset(&a, 0, sizeof(a));
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (bind(fd, (struct sockaddr *)&a, sizeof(a)) != 0 || listen(fd, 1) != 0 ||
+      getsockname(fd, (struct sockaddr *)&a, &alen) != 0) {
+    close(fd);
+    return -1;
+  }
+  *fd_out = fd;
+  return ntohs(a.sin_port);
+}
+
+/* Whether the part of a STATUS= text from part_start to next (NULL: the end) ends between
+ * words: as the daemon wrote it, or with the " ..." of a cut. */
+static int ends_between_words(const char *status, const char *part_start, const char *next) {
+  const char *p = strstr(status, part_start), *end;
+  if (p == NULL)
+    return 0;
+  end = next ? strstr(p, next) : p + strlen(p);
+  if (end == NULL)
+    return 0;
+  /* Either the part ends as the daemon wrote it, or with the mark of a cut. */
+  return end - p >= 4 && (!strncmp(end - 4, " ...", 4) || end[-1] != ' ');
+}
+
+/* STATUS= over 255 bytes: a failed reload with a long reason and two degraded exporters.
+ * Every part is there, the reason and the exporters' reasons whole (they fit the limit),
+ * nothing cut inside a word. */
+static void case_status_fit(void) {
+  static const char *const listen[] = {"gp.sock"};
+  char conf[200], text[1200], got[2048], long_dir[300], why[600];
+  const char *st;
+  int rc, port, pfd = -1;
+  svc_case k;
+
+  printf("case status-fit\n");
+  CHECK(case_begin(&k, "status-fit", listen, 1, "gp.sock") == 0, "set-up in %s", k.dir);
+  CHECK((port = taken_port(&pfd)) > 0, "a TCP port to take: %s", strerror(errno));
+  /* A textfile directory that does not exist, under a long path. */
+  snprintf(long_dir, sizeof long_dir, "%s/a-directory-that-the-operator-has-not-created-yet/and-below-it/"
+           "one-more-level-to-make-the-reason-long", k.dir);
+  path_in(conf, sizeof(conf), k.dir, "gpupoold.conf");
+  snprintf(text, sizeof text, "[daemon]\nmetrics_textfile = %s/gpupool.prom\nmetrics_listen = 127.0.0.1:%d\n",
+           long_dir, port);
+  CHECK(write_file(conf, text) == 0, "writing %s", conf);
+  k.o.conf = conf;
+  CHECK(case_start_ready(&k, got, sizeof(got)) == 0, "gpupoold started and ready");
+  /* A reload that fails with a long reason (the key's value is quoted in it). */
+  snprintf(text, sizeof text, "[daemon]\nmetrics_textfile = %s/gpupool.prom\nmetrics_listen = 127.0.0.1:%d\n"
+           "max_clients = %s\n", long_dir, port,
+           "a-value-long-enough-to-push-the-status-line-of-this-daemon-past-two-hundred-and-fifty-five-bytes");
+  CHECK(write_file(conf, text) == 0, "writing %s", conf);
+  CHECK(kill(k.pid, SIGHUP) == 0, "kill");
+  CHECK(wait_notify(k.nfd, "STATUS=Reload failed", 15000, got, sizeof(got)), "no failed reload in STATUS=");
+  st = strstr(got, "STATUS=") + strlen("STATUS=");
+  printf("  STATUS= of %zu bytes\n", strlen(st));
+  CHECK(strlen(st) > 255, "the test's status is not long enough to test the fit: %zu bytes", strlen(st));
+  CHECK(strstr(st, "; Serving 1 pool(s) on the host backend: 0 client(s), 0 of 64 MiB used, 0 name(s)") != NULL,
+        "the serving part is not whole: '%s'", st);
+  /* The reason as the log has it, whole. */
+  snprintf(why, sizeof why, "%s:4:", conf);
+  CHECK(strstr(st, why) != NULL, "the reason's file:line is missing: '%s'", st);
+  CHECK(strstr(st, "two-hundred-and-fifty-five-bytes") != NULL, "the reason is cut: '%s'", st);
+  CHECK(ends_between_words(st, "Reload failed", "; Serving"), "the reload part ends mid-word: '%s'", st);
+  CHECK(strstr(st, "degraded: metrics textfile") != NULL && strstr(st, "metrics tcp") != NULL,
+        "a degraded exporter is missing: '%s'", st);
+  CHECK(strstr(st, "one-more-level-to-make-the-reason-long") != NULL, "the textfile reason is cut: '%s'", st);
+  CHECK(strstr(st, "IPAddressAllow=") != NULL, "the tcp reason is cut: '%s'", st);
+  CHECK(ends_between_words(st, "degraded: ", NULL), "the degraded part ends mid-word: '%s'", st);
+  rc = case_stop(&k, 10000);
+  CHECK(rc == 0, "exit status %d", rc);
+  printf("ok status-fit\n");
+out:
+  if (pfd >= 0)
+    close(pfd);
+  if (failures)
+    dump_file(k.errlog);
+  case_end(&k);
+}
+
 static void case_config_error(void) {
   static const char *const listen[] = {"gp.sock"};
   char conf[200], got[1024];
@@ -664,7 +756,7 @@ int main(int argc, char **argv) {
 
   if (argc < 2) {
     fprintf(stderr, "usage: test_activation PATH_TO_GPUPOOLD [activation|two-fds|watchdog|"
-                    "foreign-pid|status|config-error|config-error-attack]\n");
+                    "foreign-pid|status|status-fit|config-error|config-error-attack]\n");
     return 2;
   }
   gpupoold = argv[1];
@@ -684,6 +776,8 @@ int main(int argc, char **argv) {
     case_foreign_pid();
   if (!only || !strcmp(only, "status"))
     case_status();
+  if (!only || !strcmp(only, "status-fit"))
+    case_status_fit();
   if (!only || !strcmp(only, "config-error"))
     case_config_error();
   if (!only || !strcmp(only, "config-error-attack"))
