@@ -8,7 +8,8 @@
  * socket was tried and how to start the daemon, or which users may make admin requests.
  *
  * Exit status: 0 success, 1 the daemon refused or failed the request (or drop-client found
- * no such client), 2 usage error, 3 the daemon could not be reached or spoke nonsense.
+ * no such client), 2 usage error, 3 the daemon could not be reached or spoke nonsense, 4 the
+ * daemon is up but not serving because its configuration is invalid.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -34,6 +35,7 @@
 #define EXIT_REFUSED 1
 #define EXIT_USAGE 2
 #define EXIT_UNREACHABLE 3
+#define EXIT_CONFIG 4 /* up, answering, but not serving: what monitoring must tell from down */
 
 typedef struct {
   char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
@@ -430,7 +432,9 @@ static int call(ctl *c, gpupool__req *req, gpupool__rep **out) {
     } else {
       die_msg("%s: %s (%s)", c->cmd, msg, gpupool_err_name(code));
     }
-    ret = bc == GPUPOOL__WIRE__REQUEST__BODY_HELLO ? EXIT_UNREACHABLE : EXIT_REFUSED;
+    ret = bc != GPUPOOL__WIRE__REQUEST__BODY_HELLO ? EXIT_REFUSED
+          : code == GPUPOOL_ECONFIG              ? EXIT_CONFIG
+                                                 : EXIT_UNREACHABLE;
     goto out;
   }
   if ((int)rep->body_case != bc) {
@@ -462,7 +466,7 @@ static int hello(ctl *c) {
   req.hello = &h;
   rc = call(c, &req, &c->hello);
   if (rc != 0)
-    return EXIT_UNREACHABLE;
+    return rc;
   /* The daemon's own pid and uid (a daemon before 0.2 does not send them). */
   if (c->hello->hello->daemon_pid > 0) {
     c->daemon_pid = c->hello->hello->daemon_pid;
@@ -1135,7 +1139,8 @@ static void usage(FILE *f) {
           "\n"
           "Admin commands need root or the daemon's own user.\n"
           "Exit status: 0 success, 1 the daemon refused or failed the request, 2 usage error,\n"
-          "3 the daemon could not be reached.\n");
+          "3 the daemon could not be reached, 4 the daemon runs but does not serve: its\n"
+          "configuration is invalid.\n");
 }
 
 int main(int argc, char **argv) {

@@ -18,6 +18,9 @@ client timeouts and what gpupoolctl says about the daemon.
   identity  Hello and Stats carry the daemon's own pid, uid and version: gpupoolctl status
             shows them even when the daemon was socket-activated; --json prints {"error": ...}
             on failure; a refused connection names the socket's real owner, group and mode.
+  configerror  socket-activated with an invalid configuration, the daemon is up but not
+            serving: gpupoolctl exits 4 with its reason (3 is for a daemon not there), and
+            STATUS= says so; after the fix and SIGHUP, exit 0.
 
 Usage: test_ops.py MODE GPUPOOLD GPUPOOLCTL UNIT_TEMPLATE PYTHON_DIR LIBGPUPOOL
 """
@@ -523,11 +526,63 @@ def test_identity(tmp):
     stop(d)
 
 
+# ---- configerror -----------------------------------------------------------------------------
+
+def start_activated(tmp, conf, name):
+    """gpupoold socket-activated on tmp/NAME.sock with conf, as under systemd: the listening
+    socket at fd 3, LISTEN_PID naming the daemon itself. Returns (daemon, socket, notify)."""
+    sock = os.path.join(tmp, f"{name}.sock")
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lsock.bind(sock)
+    lsock.listen(16)
+    n = Notify(tmp)
+    env = dict(CLEAN_ENV, NOTIFY_SOCKET=n.path, LISTEN_FDS="1")
+    log = open(os.path.join(tmp, f"{name}.log"), "w+")
+    # LISTEN_PID must name the daemon itself: exec through sh, which keeps its pid.
+    d = subprocess.Popen(["sh", "-c", 'LISTEN_PID=$$ exec "$0" --config "$1" 3<&"$2"', GPUPOOLD,
+                          conf, str(lsock.fileno())], env=env, stdout=log,
+                         stderr=subprocess.STDOUT, pass_fds=(lsock.fileno(),))
+    d.logfile = log
+    PROCS.append(d)
+    lsock.close()
+    return d, sock, n
+
+
+def test_configerror(tmp):
+    """A daemon up in config-error mode is told apart from one that is down: gpupoolctl exits
+    4 (not 3, "could not be reached") with the daemon's reason, and STATUS= says it."""
+    conf = os.path.join(tmp, "gpupoold.conf")
+    write(conf, "[daemon]\nbackend = host\nmax_clients = lots\n")
+    d, sock, n = start_activated(tmp, conf, "ce")
+    status = n.wait("STATUS=Configuration error, not serving")
+    check(f"{conf}:3:" in status and "'lots'" in status, f"STATUS= lacks the reason: {status!r}")
+    n.wait("READY=1")
+    _, err = ctl(sock, "status", expect=4)
+    check("not serving" in err and f"{conf}:3:" in err and "'lots'" in err and "--check-config" in err,
+          f"gpupoolctl status does not say why the daemon does not serve: {err!r}")
+    check("could not be reached" not in err and "closed the connection" not in err,
+          f"gpupoolctl reads an answering daemon as unreachable: {err!r}")
+    out, _ = ctl(sock, "--json", "status", expect=4)
+    check("'lots'" in json.loads(out).get("error", ""), f"--json: {out!r}")
+    # Another command answers the same; a missing daemon is still 3.
+    ctl(sock, "stats", expect=4)
+    ctl(os.path.join(tmp, "none.sock"), "status", expect=3)
+    # Fixed and reloaded: served, exit 0.
+    write(conf, "[daemon]\nbackend = host\nmax_clients = 64\n")
+    os.kill(d.pid, signal.SIGHUP)
+    n.wait("STATUS=Serving")
+    ctl(sock, "status", expect=0)
+    stop(d)
+    check(d.returncode == 0, f"gpupoold exited {d.returncode}")
+
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="gpupool-ops-")
     try:
         {"startup": test_startup, "unlink": test_unlink, "tcp": test_tcp,
-         "timeout": test_timeout, "identity": test_identity}[MODE](tmp)
+         "timeout": test_timeout, "identity": test_identity,
+         "configerror": test_configerror}[MODE](tmp)
     except BaseException:
         for p in PROCS:
             if hasattr(p, "logfile"):
