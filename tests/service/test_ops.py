@@ -21,6 +21,8 @@ client timeouts and what gpupoolctl says about the daemon.
   configerror  socket-activated with an invalid configuration, the daemon is up but not
             serving: gpupoolctl exits 4 with its reason (3 is for a daemon not there), and
             STATUS= says so; after the fix and SIGHUP, exit 0.
+  reload    the unit's ExecReload= fails for a file the daemon would reject (a misspelt
+            key), without signalling the daemon; a good file reloads.
 
 Usage: test_ops.py MODE GPUPOOLD GPUPOOLCTL UNIT_TEMPLATE PYTHON_DIR LIBGPUPOOL
 """
@@ -29,6 +31,7 @@ import json
 import os
 import pwd
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -577,12 +580,63 @@ def test_configerror(tmp):
 
 
 
+# ---- reload ----------------------------------------------------------------------------------
+
+def exec_reload(conf, mainpid):
+    """The unit's ExecReload= lines run as systemd runs them: in order, with $MAINPID, the
+    first failure failing the job. Returns (exit status of the job, what they printed)."""
+    with open(UNIT_TEMPLATE) as f:
+        lines = [l[len("ExecReload="):] for l in f.read().splitlines() if l.startswith("ExecReload=")]
+    check(lines, "gpupoold.service has no ExecReload=")
+    out = ""
+    for line in lines:
+        line = (line.replace("@CMAKE_INSTALL_FULL_SBINDIR@/gpupoold", GPUPOOLD)
+                .replace("@GPUPOOL_CONFIG_FILE@", conf).replace("$MAINPID", str(mainpid)))
+        check("@" not in line, f"an unreplaced placeholder in ExecReload={line}")
+        p = subprocess.run(shlex.split(line), capture_output=True, text=True, timeout=60,
+                           env=dict(CLEAN_ENV, MAINPID=str(mainpid)))
+        out += p.stdout + p.stderr
+        if p.returncode != 0:
+            return p.returncode, out
+    return 0, out
+
+
+def test_reload(tmp):
+    """`systemctl reload` fails for a file the daemon would reject, and the daemon keeps its
+    configuration; a good file reloads."""
+    sock = os.path.join(tmp, "gp.sock")
+    n = Notify(tmp)
+    conf = host_conf(tmp, sock)
+    d = start_daemon(tmp, ["--config", conf], notify=n)
+    n.wait("READY=1")
+    write(conf, open(conf).read().replace("[daemon]\n", "[daemon]\nmax_clinets = 5\n"))
+    rc, out = exec_reload(conf, d.pid)
+    print(f"reload of a file with max_clinets: {rc}\n{out}")
+    check(rc != 0, "the reload of a file the daemon rejects succeeded")
+    check("max_clinets" in out, f"the failed reload does not say why: {out!r}")
+    time.sleep(0.3)
+    check("reload" not in log_of(d), "the daemon was signalled although the file was rejected")
+    ctl(sock, "status", expect=0)
+    # A good change reloads, and the daemon applies it.
+    write(conf, open(conf).read().replace("max_clinets = 5", "max_clients = 99"))
+    rc, out = exec_reload(conf, d.pid)
+    print(f"reload of a good file: {rc}\n{out}")
+    check(rc == 0, f"the reload of a good file failed: {out!r}")
+    end = time.monotonic() + 10
+    while "changed: max_clients" not in log_of(d) and time.monotonic() < end:
+        time.sleep(0.05)
+    check("changed: max_clients" in log_of(d), f"the daemon did not apply the reload: {log_of(d)}")
+    stop(d)
+    check(d.returncode == 0, f"gpupoold exited {d.returncode}")
+
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="gpupool-ops-")
     try:
         {"startup": test_startup, "unlink": test_unlink, "tcp": test_tcp,
          "timeout": test_timeout, "identity": test_identity,
-         "configerror": test_configerror}[MODE](tmp)
+         "configerror": test_configerror, "reload": test_reload}[MODE](tmp)
     except BaseException:
         for p in PROCS:
             if hasattr(p, "logfile"):

@@ -180,11 +180,25 @@ if wait "$holder"; then rc=0; else rc=$?; fi
 cp /tmp/good.conf "$CONF"
 systemctl reload gpupoold.service
 
+step "systemctl reload of a file the daemon rejects fails the job and changes nothing"
+pid=$(main_pid)
+sed -i 's/^\[daemon\]$/[daemon]\nmax_clinets = 5/' "$CONF"
+grep -q '^max_clinets = 5$' "$CONF" || die "could not put the misspelt key into $CONF"
+if systemctl reload gpupoold.service; then die "systemctl reload of a file with max_clinets succeeded"; fi
+journalctl --no-pager -u gpupoold | grep -q "unknown key 'max_clinets'" || die "the journal does not say why the reload failed"
+[ "$(main_pid)" = "$pid" ] || die "the failed reload replaced the daemon (pid $pid -> $(main_pid))"
+[ "$(systemctl is-active gpupoold.service)" = active ] || die "the failed reload left gpupoold $(systemctl is-active gpupoold.service)"
+ctl_ok || die "gpupoold does not serve after a failed reload"
+cp /tmp/good.conf "$CONF"
+systemctl reload gpupoold.service || die "systemctl reload of the good file failed"
+
 step "a configuration error under socket activation: clients are told why, the socket stays usable"
 systemctl stop gpupoold.service
 printf '[pool broken]\ncapacity = lots\n' >>"$CONF"
-if out=$(as alice /usr/local/bin/gpupoolctl status 2>&1); then die "gpupoolctl status answered with a bad config"; fi
+rc=0
+out=$(as alice /usr/local/bin/gpupoolctl status 2>&1) || rc=$?
 echo "$out" | head -n 1
+[ "$rc" = 4 ] || die "gpupoolctl status exited $rc with a bad config, not 4 (up but not serving)"
 echo "$out" | grep -q "not a size" || die "the client is not told what is wrong: $out"
 pid=$(main_pid)
 [ "$pid" -gt 1 ] || die "gpupoold did not stay up to answer"
@@ -196,6 +210,8 @@ for i in 1 2 3 4 5 6 7 8; do as alice /usr/local/bin/gpupoolctl status >/dev/nul
 st=$(systemctl status gpupoold.service --no-pager 2>&1 || true)
 echo "$st" | grep 'Status:'
 echo "$st" | grep 'Status:' | grep -q "not a size" || die "the reason is not in systemctl status"
+systemctl show -p StatusText --value gpupoold.service | grep -q "^Configuration error, not serving: " ||
+  die "StatusText does not begin with the config-error mark"
 journalctl --no-pager -u gpupoold -p err | grep -q "not a size" || die "the reason is not in the journal at error priority"
 cp /tmp/good.conf "$CONF"
 systemctl reload gpupoold.service
