@@ -5,7 +5,8 @@ client timeouts and what gpupoolctl says about the daemon.
   startup   --check-config accepts a valid file and refuses a bad one with exit 2 and the
             file:line; a daemon started on a bad config exits 2 at once, logs the reason at
             error priority ("<3>" under journald) and sends it as STATUS= to its service
-            manager; the unit stops restarting on exit 2 (RestartPreventExitStatus=2).
+            manager; the unit stops restarting on exit 2 (RestartPreventExitStatus=2), and
+            its start limit stops a loop of starts that each fail, slowly or at once.
   unlink    --socket naming a regular file, a directory or a symlink refuses to start and
             leaves the file as it was; a stale socket (nobody listening) is replaced; a
             metrics_socket naming a regular file keeps the file; at exit only sockets go.
@@ -190,6 +191,35 @@ def test_startup(tmp):
     check(re.search(r"^RestartPreventExitStatus=.*\b2\b", unit, re.M),
           "gpupoold.service does not stop restarting on exit status 2")
     check(re.search(r"^Restart=on-failure$", unit, re.M), "gpupoold.service lost Restart=")
+    check_start_limit(unit)
+
+
+def unit_seconds(unit, key):
+    """A time span setting of the unit (30, 30s, 5min, 1min 30s) in seconds."""
+    m = re.search(rf"^{key}=(.+)$", unit, re.M)
+    check(m, f"gpupoold.service has no {key}=")
+    total = 0.0
+    for n, u in re.findall(r"(\d+)\s*(ms|s|sec|min|m|h)?", m.group(1)):
+        total += int(n) * {"ms": 0.001, "": 1, "s": 1, "sec": 1, "min": 60, "m": 60, "h": 3600}[u]
+    return total
+
+
+def check_start_limit(unit):
+    """A daemon that cannot start (a library missing) is restarted RestartSec= after each
+    failure; a start may take up to the watchdog's interval to fail. Such a loop must reach
+    StartLimitBurst= starts within StartLimitIntervalSec=, or it runs forever (a loop of
+    starts 3.5-8 s apart ran 23 times under ten in 30 s)."""
+    burst = int(re.search(r"^StartLimitBurst=(\d+)$", unit, re.M).group(1))
+    interval = unit_seconds(unit, "StartLimitIntervalSec")
+    restart = unit_seconds(unit, "RestartSec")
+    for fails_after in (0, 1.5, 6, unit_seconds(unit, "WatchdogSec")):
+        span = (burst - 1) * (restart + fails_after)
+        check(span <= interval,
+              f"a loop of starts failing {fails_after} s in, restarted {restart} s later, needs "
+              f"{span} s for StartLimitBurst={burst} starts: more than StartLimitIntervalSec="
+              f"{interval} s, so the start limit never stops it")
+    check(not re.search(r"^(RestartSteps|RestartMaxDelaySec)=", unit, re.M),
+          "RestartSteps=/RestartMaxDelaySec= need systemd 254; Debian 12 has 252")
 
 
 # ---- unlink ----------------------------------------------------------------------------------

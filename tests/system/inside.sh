@@ -220,6 +220,33 @@ wait_for 10 ctl_ok || die "gpupoold did not serve after the config was fixed and
 systemctl restart gpupoold.service || die "systemctl restart after the fix failed"
 wait_for 10 ctl_ok || die "gpupoold did not serve after the restart"
 
+step "a daemon that cannot start (a library missing, each start failing slowly): the start limit stops the loop; the documented recovery brings it back"
+lib=$(ldd /usr/local/sbin/gpupoold | sed -n -e 's/.*libucp\.so\.0 => \([^ ]*\).*/\1/p' | head -n 1)
+[ -n "$lib" ] || lib=$(ldd /usr/local/sbin/gpupoold | sed -n -e 's/.*libuv\.so\.1 => \([^ ]*\).*/\1/p' | head -n 1)
+if [ -n "$lib" ]; then
+  systemctl stop gpupoold.service
+  mv "$lib" "$lib.hidden"
+  mkdir -p /run/systemd/system/gpupoold.service.d
+  # Each start takes a while to fail, as on the host where the loop never hit the limit.
+  printf '[Service]\nExecStartPre=/bin/sleep 2\n' >/run/systemd/system/gpupoold.service.d/slow.conf
+  systemctl daemon-reload
+  t0=$(date +%s)
+  systemctl start gpupoold.service 2>/dev/null && die "gpupoold started without $lib"
+  wait_for 150 sh -c '[ "$(systemctl show -p Result --value gpupoold.service)" = start-limit-hit ]' ||
+    die "the loop of failing starts did not stop at the start limit within 150 s ($(systemctl show -p NRestarts --value gpupoold.service) restarts)"
+  echo "stopped after $(systemctl show -p NRestarts --value gpupoold.service) restarts in $(( $(date +%s) - t0 )) s"
+  journalctl --no-pager -u gpupoold | grep -q "$(basename "$lib")" || die "the journal does not name the missing library"
+  # The socket goes down with it (systemd 252); the recovery systemd/README.md gives:
+  mv "$lib.hidden" "$lib"
+  rm -f /run/systemd/system/gpupoold.service.d/slow.conf
+  systemctl daemon-reload
+  systemctl reset-failed gpupoold.service gpupoold.socket
+  systemctl start gpupoold.socket
+  wait_for 10 ctl_ok || die "gpupoold did not serve after the recovery"
+else
+  echo "(gpupoold links neither libucp nor a shared libuv: nothing to take away)"
+fi
+
 step "a SIGSTOPped daemon: clients time out, the watchdog restarts it"
 mkdir -p /run/systemd/system/gpupoold.service.d
 printf '[Service]\nWatchdogSec=3\nLimitCORE=0\n' >/run/systemd/system/gpupoold.service.d/systest.conf
