@@ -232,11 +232,19 @@ if [ -n "$lib" ]; then
   systemctl daemon-reload
   t0=$(date +%s)
   systemctl start gpupoold.service 2>/dev/null && die "gpupoold started without $lib"
-  wait_for 150 sh -c '[ "$(systemctl show -p Result --value gpupoold.service)" = start-limit-hit ]' ||
+  # systemd 252 keeps the service's Result of its last failure (exit-code) and fails the
+  # socket with service-start-limit-hit.
+  wait_for 150 sh -c '[ "$(systemctl show -p Result --value gpupoold.socket)" = service-start-limit-hit ]' ||
     die "the loop of failing starts did not stop at the start limit within 150 s ($(systemctl show -p NRestarts --value gpupoold.service) restarts)"
   echo "stopped after $(systemctl show -p NRestarts --value gpupoold.service) restarts in $(( $(date +%s) - t0 )) s"
+  journalctl --no-pager -u gpupoold | grep -q "Start request repeated too quickly" || die "the journal does not say the start limit was hit"
   journalctl --no-pager -u gpupoold | grep -q "$(basename "$lib")" || die "the journal does not name the missing library"
-  # The socket goes down with it (systemd 252); the recovery systemd/README.md gives:
+  [ "$(systemctl is-active gpupoold.service)" = failed ] || die "gpupoold.service is $(systemctl is-active gpupoold.service), not failed"
+  rc=0
+  as alice /usr/local/bin/gpupoolctl status >/dev/null 2>&1 || rc=$?
+  [ "$rc" = 3 ] || die "gpupoolctl status exited $rc with the socket down, not 3"
+  [ ! -e "$SOCK" ] || die "the failed socket unit left $SOCK behind"
+  # The recovery systemd/README.md gives:
   mv "$lib.hidden" "$lib"
   rm -f /run/systemd/system/gpupoold.service.d/slow.conf
   systemctl daemon-reload
