@@ -242,6 +242,52 @@ int gpd_sd_notifyf(const char *fmt, ...) {
   return rc;
 }
 
+size_t gpd_sd_fit(char *buf, size_t cap, const char *text) {
+  static const char mark[] = " ...";
+  size_t n = strlen(text), cut;
+
+  if (cap == 0)
+    return 0;
+  if (n < cap) {
+    memcpy(buf, text, n + 1);
+    return n;
+  }
+  if (cap < sizeof mark) {
+    buf[0] = '\0';
+    return 0;
+  }
+  /* text[0..cut) and the mark fill the buffer at most. */
+  cut = cap - sizeof mark;
+  while (cut > 0 && text[cut] != ' ')
+    cut--;
+  while (cut > 0 && (text[cut - 1] == ' ' || text[cut - 1] == ',' || text[cut - 1] == ';' || text[cut - 1] == ':'))
+    cut--;
+  if (cut == 0) {
+    /* One long word (a path): cut before a character's first byte. */
+    cut = cap - sizeof mark;
+    while (cut > 0 && ((unsigned char)text[cut] & 0xc0) == 0x80)
+      cut--;
+    memcpy(buf, text, cut);
+    memcpy(buf + cut, mark + 1, sizeof mark - 1);
+    return cut + sizeof mark - 2;
+  }
+  memcpy(buf, text, cut);
+  memcpy(buf + cut, mark, sizeof mark);
+  return cut + sizeof mark - 1;
+}
+
+size_t gpd_sd_status_add(char *buf, size_t cap, size_t len, const char *sep, const char *text, size_t keep) {
+  size_t s = strlen(sep), room;
+
+  if (len >= cap || cap - len <= keep)
+    return len;
+  room = cap - len - keep; /* for sep, text and the NUL */
+  if (room < s + 8)        /* not even a short word and the mark */
+    return len;
+  memcpy(buf + len, sep, s);
+  return len + s + gpd_sd_fit(buf + len + s, room - s, text);
+}
+
 uint64_t gpd_sd_watchdog_usec(void) {
   const char *s = getenv("WATCHDOG_USEC");
   uint64_t usec;

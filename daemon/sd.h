@@ -6,6 +6,7 @@
 #ifndef GPUPOOL_DAEMON_SD_H
 #define GPUPOOL_DAEMON_SD_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* The listening socket systemd passed (LISTEN_PID == getpid(), LISTEN_FDS == 1, fd 3), made
@@ -18,6 +19,22 @@ int gpd_sd_listen_fd(void);
  * 0 when sent or when NOTIFY_SOCKET is unset; GPUPOOL_EIO otherwise. */
 int gpd_sd_notify(const char *state);
 int gpd_sd_notifyf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* The most STATUS= text the daemon sends, NUL included: a line an operator reads in
+ * `systemctl status`, well inside one notify datagram. */
+#define GPD_SD_STATUS_MAX 1024
+
+/* Copy text into buf (cap bytes, NUL included): whole when it fits, otherwise cut at the
+ * last space that leaves room for " ..." (the mark of a cut), never inside a word; a text
+ * without such a space is cut at a UTF-8 character boundary (systemd drops a STATUS= that
+ * is not valid UTF-8). Returns the length written. */
+size_t gpd_sd_fit(char *buf, size_t cap, const char *text);
+
+/* Append sep and then text to the status being built in buf (len bytes used of cap),
+ * keeping `keep` bytes free for the parts that come after it; text is cut as by gpd_sd_fit
+ * when it does not fit, and nothing is appended when not even a short word would. Returns
+ * the new length. Build a status with its most important part first. */
+size_t gpd_sd_status_add(char *buf, size_t cap, size_t len, const char *sep, const char *text, size_t keep);
 
 /* Watchdog interval in microseconds (WATCHDOG_USEC, honouring WATCHDOG_PID), 0 if none. The
  * daemon pings "WATCHDOG=1" every half interval from its loop. */

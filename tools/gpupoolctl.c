@@ -8,7 +8,8 @@
  * socket was tried and how to start the daemon, or which users may make admin requests.
  *
  * Exit status: 0 success, 1 the daemon refused or failed the request (or drop-client found
- * no such client), 2 usage error, 3 the daemon could not be reached or spoke nonsense.
+ * no such client), 2 usage error, 3 the daemon could not be reached or spoke nonsense, 4 the
+ * daemon is up but not serving because its configuration is invalid.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -37,6 +38,7 @@
 /* Internal: the daemon answered GPUPOOL_ENOENT to a request whose command words the message
  * itself; exits as EXIT_REFUSED. */
 #define EXIT_NOT_FOUND 100
+#define EXIT_CONFIG 4 /* up, answering, but not serving: what monitoring must tell from down */
 
 typedef struct {
   char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
@@ -448,7 +450,9 @@ static int call(ctl *c, gpupool__req *req, gpupool__rep **out) {
     } else {
       die_msg("%s: %s (%s)", c->cmd, msg, gpupool_err_name(code));
     }
-    ret = bc == GPUPOOL__WIRE__REQUEST__BODY_HELLO ? EXIT_UNREACHABLE : EXIT_REFUSED;
+    ret = bc != GPUPOOL__WIRE__REQUEST__BODY_HELLO ? EXIT_REFUSED
+          : code == GPUPOOL_ECONFIG              ? EXIT_CONFIG
+                                                 : EXIT_UNREACHABLE;
     goto out;
   }
   if ((int)rep->body_case != bc) {
@@ -480,7 +484,7 @@ static int hello(ctl *c) {
   req.hello = &h;
   rc = call(c, &req, &c->hello);
   if (rc != 0)
-    return EXIT_UNREACHABLE;
+    return rc;
   /* The daemon's own pid and uid (a daemon before 0.2 does not send them). */
   if (c->hello->hello->daemon_pid > 0) {
     c->daemon_pid = c->hello->hello->daemon_pid;
@@ -1315,7 +1319,8 @@ static void usage(FILE *f) {
           "Environment: GPUPOOL_SOCKET (as --socket), GPUPOOL_CONNECT_TIMEOUT_MS (connect and\n"
           "  Hello only; default --timeout).\n"
           "Exit status: 0 success, 1 the daemon refused or failed the request, 2 usage error,\n"
-          "3 the daemon could not be reached.\n",
+          "3 the daemon could not be reached, 4 the daemon runs but does not serve: its\n"
+          "configuration is invalid.\n",
           GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS / 1000);
 }
 

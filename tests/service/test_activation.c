@@ -13,16 +13,23 @@
  *  foreign-pid  LISTEN_PID names another process: fd 3 is ignored and the daemon binds its
  *               own --socket, which it removes again on exit.
  *  status       STATUS= follows the live figures: a client and a published name show up.
+ *  status-fit  a STATUS= longer than 255 bytes (a failed reload with a long reason, two
+ *               degraded exporters): every part whole where it fits, none cut mid-word.
  *  config-error an invalid config file: the daemon stays up on the passed socket, answers a
  *               client's Hello with GPUPOOL_ECONFIG and the reason (exiting would leave the
  *               connection queued and systemd would restart it into its start limit);
  *               after the file is fixed, SIGHUP makes it serve; broken again, a SIGHUP
  *               changes nothing and STATUS= says why.
+ *  config-error-attack  the same mode under attack: a client trickling its first frame and
+ *               20 that send nothing delay no other client's answer, nor SIGHUP (with the
+ *               file fixed) or SIGTERM.
  *
  * Usage: test_activation PATH_TO_GPUPOOLD [CASE]. Exit 0 when every case passes.
  */
 #include <errno.h>
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -449,6 +456,94 @@ out:
   case_end(&k);
 }
 
+/* A TCP port on 127.0.0.1 that this process listens on (so a daemon cannot), or -1. */
+static int taken_port(int *fd_out) {
+  struct sockaddr_in a;
+  socklen_t alen = sizeof(a);
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  *fd_out = -1;
+  if (fd < 0)
+    return -1;
+  memset(&a, 0, sizeof(a));
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (bind(fd, (struct sockaddr *)&a, sizeof(a)) != 0 || listen(fd, 1) != 0 ||
+      getsockname(fd, (struct sockaddr *)&a, &alen) != 0) {
+    close(fd);
+    return -1;
+  }
+  *fd_out = fd;
+  return ntohs(a.sin_port);
+}
+
+/* Whether the part of a STATUS= text from part_start to next (NULL: the end) ends between
+ * words: as the daemon wrote it, or with the " ..." of a cut. */
+static int ends_between_words(const char *status, const char *part_start, const char *next) {
+  const char *p = strstr(status, part_start), *end;
+  if (p == NULL)
+    return 0;
+  end = next ? strstr(p, next) : p + strlen(p);
+  if (end == NULL)
+    return 0;
+  /* Either the part ends as the daemon wrote it, or with the mark of a cut. */
+  return end - p >= 4 && (!strncmp(end - 4, " ...", 4) || end[-1] != ' ');
+}
+
+/* STATUS= over 255 bytes: a failed reload with a long reason and two degraded exporters.
+ * Every part is there, the reason and the exporters' reasons whole (they fit the limit),
+ * nothing cut inside a word. */
+static void case_status_fit(void) {
+  static const char *const listen[] = {"gp.sock"};
+  char conf[200], text[1200], got[2048], long_dir[300], why[600];
+  const char *st;
+  int rc, port, pfd = -1;
+  svc_case k;
+
+  printf("case status-fit\n");
+  CHECK(case_begin(&k, "status-fit", listen, 1, "gp.sock") == 0, "set-up in %s", k.dir);
+  CHECK((port = taken_port(&pfd)) > 0, "a TCP port to take: %s", strerror(errno));
+  /* A textfile directory that does not exist, under a long path. */
+  snprintf(long_dir, sizeof long_dir, "%s/a-directory-that-the-operator-has-not-created-yet/and-below-it/"
+           "one-more-level-to-make-the-reason-long", k.dir);
+  path_in(conf, sizeof(conf), k.dir, "gpupoold.conf");
+  snprintf(text, sizeof text, "[daemon]\nmetrics_textfile = %s/gpupool.prom\nmetrics_listen = 127.0.0.1:%d\n",
+           long_dir, port);
+  CHECK(write_file(conf, text) == 0, "writing %s", conf);
+  k.o.conf = conf;
+  CHECK(case_start_ready(&k, got, sizeof(got)) == 0, "gpupoold started and ready");
+  /* A reload that fails with a long reason (the key's value is quoted in it). */
+  snprintf(text, sizeof text, "[daemon]\nmetrics_textfile = %s/gpupool.prom\nmetrics_listen = 127.0.0.1:%d\n"
+           "max_clients = %s\n", long_dir, port,
+           "a-value-long-enough-to-push-the-status-line-of-this-daemon-past-two-hundred-and-fifty-five-bytes");
+  CHECK(write_file(conf, text) == 0, "writing %s", conf);
+  CHECK(kill(k.pid, SIGHUP) == 0, "kill");
+  CHECK(wait_notify(k.nfd, "STATUS=Reload failed", 15000, got, sizeof(got)), "no failed reload in STATUS=");
+  st = strstr(got, "STATUS=") + strlen("STATUS=");
+  printf("  STATUS= of %zu bytes\n", strlen(st));
+  CHECK(strlen(st) > 255, "the test's status is not long enough to test the fit: %zu bytes", strlen(st));
+  CHECK(strstr(st, "; Serving 1 pool(s) on the host backend: 0 client(s), 0 of 64 MiB used, 0 name(s)") != NULL,
+        "the serving part is not whole: '%s'", st);
+  /* The reason as the log has it, whole. */
+  snprintf(why, sizeof why, "%s:4:", conf);
+  CHECK(strstr(st, why) != NULL, "the reason's file:line is missing: '%s'", st);
+  CHECK(strstr(st, "two-hundred-and-fifty-five-bytes") != NULL, "the reason is cut: '%s'", st);
+  CHECK(ends_between_words(st, "Reload failed", "; Serving"), "the reload part ends mid-word: '%s'", st);
+  CHECK(strstr(st, "degraded: metrics textfile") != NULL && strstr(st, "metrics tcp") != NULL,
+        "a degraded exporter is missing: '%s'", st);
+  CHECK(strstr(st, "one-more-level-to-make-the-reason-long") != NULL, "the textfile reason is cut: '%s'", st);
+  CHECK(strstr(st, "IPAddressAllow=") != NULL, "the tcp reason is cut: '%s'", st);
+  CHECK(ends_between_words(st, "degraded: ", NULL), "the degraded part ends mid-word: '%s'", st);
+  rc = case_stop(&k, 10000);
+  CHECK(rc == 0, "exit status %d", rc);
+  printf("ok status-fit\n");
+out:
+  if (pfd >= 0)
+    close(pfd);
+  if (failures)
+    dump_file(k.errlog);
+  case_end(&k);
+}
+
 static void case_config_error(void) {
   static const char *const listen[] = {"gp.sock"};
   char conf[200], got[1024];
@@ -509,13 +604,160 @@ out:
   case_end(&k);
 }
 
+/* A client that connects to path; -1 with the cause on stderr. */
+static int connect_unix(const char *path) {
+  struct sockaddr_un a;
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return -1;
+  memset(&a, 0, sizeof(a));
+  a.sun_family = AF_UNIX;
+  snprintf(a.sun_path, sizeof(a.sun_path), "%s", path);
+  if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+    perror(path);
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+#define ATTACK_SILENT 20
+
+/* What the attack of the config-error-attack case holds: a child that trickles a frame
+ * header announcing 512 KiB and then a byte every 0.5 s (for up to 30 s, until the daemon
+ * drops it), and connections that send nothing. */
+typedef struct {
+  pid_t trickler;
+  int silent[ATTACK_SILENT];
+} attack;
+
+static int attack_start(attack *a, const char *path) {
+  static const uint8_t hdr[4] = {0x00, 0x00, 0x08, 0x00}; /* 512 KiB, little-endian */
+  int fd;
+  a->trickler = -1;
+  for (int i = 0; i < ATTACK_SILENT; i++)
+    a->silent[i] = -1;
+  if ((fd = connect_unix(path)) < 0)
+    return -1;
+  a->trickler = fork();
+  if (a->trickler < 0) {
+    close(fd);
+    return -1;
+  }
+  if (a->trickler == 0) {
+    struct timespec half = {0, 500 * 1000 * 1000};
+    if (send(fd, hdr, sizeof hdr, MSG_NOSIGNAL) != (ssize_t)sizeof hdr)
+      _exit(1);
+    for (int i = 0; i < 60; i++) {
+      nanosleep(&half, NULL);
+      if (send(fd, "x", 1, MSG_NOSIGNAL) != 1)
+        _exit(0);
+    }
+    _exit(0);
+  }
+  close(fd);
+  /* The trickle has begun before the silent ones and the honest client come. */
+  usleep(200 * 1000);
+  for (int i = 0; i < ATTACK_SILENT; i++)
+    if ((a->silent[i] = connect_unix(path)) < 0)
+      return -1;
+  return 0;
+}
+
+static void attack_end(attack *a) {
+  if (a->trickler > 0) {
+    kill(a->trickler, SIGKILL);
+    waitpid(a->trickler, NULL, 0);
+    a->trickler = -1;
+  }
+  for (int i = 0; i < ATTACK_SILENT; i++)
+    if (a->silent[i] >= 0) {
+      close(a->silent[i]);
+      a->silent[i] = -1;
+    }
+}
+
+/* Config-error mode under attack: a client that trickles its first frame and 20 that send
+ * nothing must not keep another client from its answer, nor SIGHUP and SIGTERM from taking
+ * effect. Each bound below is many times what the work takes (milliseconds), below the
+ * 5 s a connection has for its first frame, and far below how long the attack lasts (it
+ * held the daemon for about 20 s when the mode read each first frame on the loop with a
+ * receive timeout). */
+static void case_config_error_attack(void) {
+  static const char *const listen[] = {"gp.sock"};
+  char conf[200], got[1024];
+  int rc;
+  int64_t t0;
+  gpupool_client *c = NULL;
+  attack a = {.trickler = -1, .silent = {-1}};
+  svc_case k;
+
+  printf("case config-error-attack\n");
+  for (int i = 0; i < ATTACK_SILENT; i++)
+    a.silent[i] = -1;
+  CHECK(case_begin(&k, "config-error-attack", listen, 1, "gp.sock") == 0, "set-up in %s", k.dir);
+  path_in(conf, sizeof(conf), k.dir, "gpupoold.conf");
+  CHECK(write_file(conf, "[daemon]\nmax_frame = banana\n") == 0, "writing %s", conf);
+  k.o.conf = conf;
+  k.pid = spawn(&k.o);
+  CHECK(k.pid > 0, "fork");
+  CHECK(wait_notify(k.nfd, "READY=1", 15000, NULL, 0), "no READY=1 from the daemon in config-error mode");
+
+  CHECK(attack_start(&a, k.own) == 0, "starting the attack");
+  t0 = now_ms();
+  rc = gpupool_client_connect(k.own, "svc-under-attack", 2500, &c);
+  printf("  Hello answered after %lld ms: %s\n", (long long)(now_ms() - t0), gpupool_err_name(rc));
+  CHECK(rc == GPUPOOL_ECONFIG, "connect during the attack: %s (%s), want ECONFIG within 2.5 s",
+        gpupool_err_name(rc), gpupool_last_error());
+  CHECK(strstr(gpupool_last_error(), "banana") != NULL, "the answer lacks the reason: %s", gpupool_last_error());
+  c = NULL;
+
+  /* SIGHUP with the file fixed, the attack still on: it serves. */
+  CHECK(write_file(conf, "[daemon]\nmax_frame = 1M\n") == 0, "writing %s", conf);
+  t0 = now_ms();
+  CHECK(kill(k.pid, SIGHUP) == 0, "kill");
+  CHECK(wait_notify(k.nfd, "STATUS=Serving", 3000, got, sizeof(got)), "not serving within 3 s of SIGHUP during the attack");
+  printf("  serving %lld ms after SIGHUP\n", (long long)(now_ms() - t0));
+  rc = gpupool_client_connect(k.own, "svc-fixed", 5000, &c);
+  CHECK(rc == 0, "connect after the fix: %s", gpupool_last_error());
+  gpupool_client_disconnect(c);
+  c = NULL;
+  attack_end(&a);
+  rc = case_stop(&k, 10000);
+  CHECK(rc == 0, "exit status %d", rc);
+  case_end(&k);
+
+  /* Broken again, attacked again: SIGTERM ends it at once. */
+  CHECK(case_begin(&k, "config-error-attack-term", listen, 1, "gp.sock") == 0, "set-up in %s", k.dir);
+  path_in(conf, sizeof(conf), k.dir, "gpupoold.conf");
+  CHECK(write_file(conf, "[daemon]\nmax_frame = banana\n") == 0, "writing %s", conf);
+  k.o.conf = conf;
+  k.pid = spawn(&k.o);
+  CHECK(k.pid > 0, "fork");
+  CHECK(wait_notify(k.nfd, "READY=1", 15000, NULL, 0), "no READY=1 from the daemon in config-error mode");
+  CHECK(attack_start(&a, k.own) == 0, "starting the attack");
+  usleep(300 * 1000);
+  t0 = now_ms();
+  rc = case_stop(&k, 3000);
+  printf("  SIGTERM took %lld ms\n", (long long)(now_ms() - t0));
+  CHECK(rc == 0, "exit status %d within 3 s of SIGTERM during the attack (-1: still running)", rc);
+  printf("ok config-error-attack\n");
+out:
+  attack_end(&a);
+  if (c != NULL)
+    gpupool_client_disconnect(c);
+  if (failures)
+    dump_file(k.errlog);
+  case_end(&k);
+}
+
 int main(int argc, char **argv) {
   const char *only = argc > 2 ? argv[2] : NULL;
   char cmd[128];
 
   if (argc < 2) {
     fprintf(stderr, "usage: test_activation PATH_TO_GPUPOOLD [activation|two-fds|watchdog|"
-                    "foreign-pid|status|config-error]\n");
+                    "foreign-pid|status|status-fit|config-error|config-error-attack]\n");
     return 2;
   }
   gpupoold = argv[1];
@@ -535,8 +777,12 @@ int main(int argc, char **argv) {
     case_foreign_pid();
   if (!only || !strcmp(only, "status"))
     case_status();
+  if (!only || !strcmp(only, "status-fit"))
+    case_status_fit();
   if (!only || !strcmp(only, "config-error"))
     case_config_error();
+  if (!only || !strcmp(only, "config-error-attack"))
+    case_config_error_attack();
   snprintf(cmd, sizeof(cmd), "rm -rf '%s'", root);
   if (failures == 0 && system(cmd) != 0)
     fprintf(stderr, "could not remove %s\n", root);

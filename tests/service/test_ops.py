@@ -5,7 +5,8 @@ client timeouts and what gpupoolctl says about the daemon.
   startup   --check-config accepts a valid file and refuses a bad one with exit 2 and the
             file:line; a daemon started on a bad config exits 2 at once, logs the reason at
             error priority ("<3>" under journald) and sends it as STATUS= to its service
-            manager; the unit stops restarting on exit 2 (RestartPreventExitStatus=2).
+            manager; the unit stops restarting on exit 2 (RestartPreventExitStatus=2), and
+            its start limit stops a loop of starts that each fail, slowly or at once.
   unlink    --socket naming a regular file, a directory or a symlink refuses to start and
             leaves the file as it was; a stale socket (nobody listening) is replaced; a
             metrics_socket naming a regular file keeps the file; at exit only sockets go.
@@ -24,6 +25,11 @@ client timeouts and what gpupoolctl says about the daemon.
   identity  Hello and Stats carry the daemon's own pid, uid and version: gpupoolctl status
             shows them even when the daemon was socket-activated; --json prints {"error": ...}
             on failure; a refused connection names the socket's real owner, group and mode.
+  configerror  socket-activated with an invalid configuration, the daemon is up but not
+            serving: gpupoolctl exits 4 with its reason (3 is for a daemon not there), and
+            STATUS= says so; after the fix and SIGHUP, exit 0.
+  reload    the unit's ExecReload= fails for a file the daemon would reject (a misspelt
+            key), without signalling the daemon; a good file reloads.
 
 Usage: test_ops.py MODE GPUPOOLD GPUPOOLCTL UNIT_TEMPLATE PYTHON_DIR LIBGPUPOOL
 """
@@ -32,6 +38,7 @@ import json
 import os
 import pwd
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -193,6 +200,35 @@ def test_startup(tmp):
     # systemctl status and help show the unit's documentation: the man pages first.
     check(re.search(r"^Documentation=.*\bman:gpupoold\(8\)", unit, re.M),
           "gpupoold.service's Documentation= lacks man:gpupoold(8)")
+    check_start_limit(unit)
+
+
+def unit_seconds(unit, key):
+    """A time span setting of the unit (30, 30s, 5min, 1min 30s) in seconds."""
+    m = re.search(rf"^{key}=(.+)$", unit, re.M)
+    check(m, f"gpupoold.service has no {key}=")
+    total = 0.0
+    for n, u in re.findall(r"(\d+)\s*(ms|s|sec|min|m|h)?", m.group(1)):
+        total += int(n) * {"ms": 0.001, "": 1, "s": 1, "sec": 1, "min": 60, "m": 60, "h": 3600}[u]
+    return total
+
+
+def check_start_limit(unit):
+    """A daemon that cannot start (a library missing) is restarted RestartSec= after each
+    failure; a start may take up to the watchdog's interval to fail. Such a loop must reach
+    StartLimitBurst= starts within StartLimitIntervalSec=, or it runs forever (a loop of
+    starts 3.5-8 s apart ran 23 times under ten in 30 s)."""
+    burst = int(re.search(r"^StartLimitBurst=(\d+)$", unit, re.M).group(1))
+    interval = unit_seconds(unit, "StartLimitIntervalSec")
+    restart = unit_seconds(unit, "RestartSec")
+    for fails_after in (0, 1.5, 6, unit_seconds(unit, "WatchdogSec")):
+        span = (burst - 1) * (restart + fails_after)
+        check(span <= interval,
+              f"a loop of starts failing {fails_after} s in, restarted {restart} s later, needs "
+              f"{span} s for StartLimitBurst={burst} starts: more than StartLimitIntervalSec="
+              f"{interval} s, so the start limit never stops it")
+    check(not re.search(r"^(RestartSteps|RestartMaxDelaySec)=", unit, re.M),
+          "RestartSteps=/RestartMaxDelaySec= need systemd 254; Debian 12 has 252")
 
 
 # ---- unlink ----------------------------------------------------------------------------------
@@ -726,12 +762,116 @@ def test_identity(tmp):
     stop(d)
 
 
+# ---- configerror -----------------------------------------------------------------------------
+
+def start_activated(tmp, conf, name):
+    """gpupoold socket-activated on tmp/NAME.sock with conf, as under systemd: the listening
+    socket at fd 3, LISTEN_PID naming the daemon itself. Returns (daemon, socket, notify)."""
+    sock = os.path.join(tmp, f"{name}.sock")
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lsock.bind(sock)
+    lsock.listen(16)
+    n = Notify(tmp)
+    env = dict(CLEAN_ENV, NOTIFY_SOCKET=n.path, LISTEN_FDS="1")
+    log = open(os.path.join(tmp, f"{name}.log"), "w+")
+    # LISTEN_PID must name the daemon itself: exec through sh, which keeps its pid.
+    d = subprocess.Popen(["sh", "-c", 'LISTEN_PID=$$ exec "$0" --config "$1" 3<&"$2"', GPUPOOLD,
+                          conf, str(lsock.fileno())], env=env, stdout=log,
+                         stderr=subprocess.STDOUT, pass_fds=(lsock.fileno(),))
+    d.logfile = log
+    PROCS.append(d)
+    lsock.close()
+    return d, sock, n
+
+
+def test_configerror(tmp):
+    """A daemon up in config-error mode is told apart from one that is down: gpupoolctl exits
+    4 (not 3, "could not be reached") with the daemon's reason, and STATUS= says it."""
+    conf = os.path.join(tmp, "gpupoold.conf")
+    write(conf, "[daemon]\nbackend = host\nmax_clients = lots\n")
+    d, sock, n = start_activated(tmp, conf, "ce")
+    status = n.wait("STATUS=Configuration error, not serving")
+    check(f"{conf}:3:" in status and "'lots'" in status, f"STATUS= lacks the reason: {status!r}")
+    n.wait("READY=1")
+    _, err = ctl(sock, "status", expect=4)
+    check("not serving" in err and f"{conf}:3:" in err and "'lots'" in err and "--check-config" in err,
+          f"gpupoolctl status does not say why the daemon does not serve: {err!r}")
+    check("could not be reached" not in err and "closed the connection" not in err,
+          f"gpupoolctl reads an answering daemon as unreachable: {err!r}")
+    out, _ = ctl(sock, "--json", "status", expect=4)
+    check("'lots'" in json.loads(out).get("error", ""), f"--json: {out!r}")
+    # Another command answers the same; a missing daemon is still 3.
+    ctl(sock, "stats", expect=4)
+    ctl(os.path.join(tmp, "none.sock"), "status", expect=3)
+    # Fixed and reloaded: served, exit 0.
+    write(conf, "[daemon]\nbackend = host\nmax_clients = 64\n")
+    os.kill(d.pid, signal.SIGHUP)
+    n.wait("STATUS=Serving")
+    ctl(sock, "status", expect=0)
+    stop(d)
+    check(d.returncode == 0, f"gpupoold exited {d.returncode}")
+
+
+
+# ---- reload ----------------------------------------------------------------------------------
+
+def exec_reload(conf, mainpid):
+    """The unit's ExecReload= lines run as systemd runs them: in order, with $MAINPID, the
+    first failure failing the job. Returns (exit status of the job, what they printed)."""
+    with open(UNIT_TEMPLATE) as f:
+        lines = [l[len("ExecReload="):] for l in f.read().splitlines() if l.startswith("ExecReload=")]
+    check(lines, "gpupoold.service has no ExecReload=")
+    out = ""
+    for line in lines:
+        line = (line.replace("@CMAKE_INSTALL_FULL_SBINDIR@/gpupoold", GPUPOOLD)
+                .replace("@GPUPOOL_CONFIG_FILE@", conf).replace("$MAINPID", str(mainpid)))
+        check("@" not in line, f"an unreplaced placeholder in ExecReload={line}")
+        p = subprocess.run(shlex.split(line), capture_output=True, text=True, timeout=60,
+                           env=dict(CLEAN_ENV, MAINPID=str(mainpid)))
+        out += p.stdout + p.stderr
+        if p.returncode != 0:
+            return p.returncode, out
+    return 0, out
+
+
+def test_reload(tmp):
+    """`systemctl reload` fails for a file the daemon would reject, and the daemon keeps its
+    configuration; a good file reloads."""
+    sock = os.path.join(tmp, "gp.sock")
+    n = Notify(tmp)
+    conf = host_conf(tmp, sock)
+    d = start_daemon(tmp, ["--config", conf], notify=n)
+    n.wait("READY=1")
+    write(conf, open(conf).read().replace("[daemon]\n", "[daemon]\nmax_clinets = 5\n"))
+    rc, out = exec_reload(conf, d.pid)
+    print(f"reload of a file with max_clinets: {rc}\n{out}")
+    check(rc != 0, "the reload of a file the daemon rejects succeeded")
+    check("max_clinets" in out, f"the failed reload does not say why: {out!r}")
+    time.sleep(0.3)
+    log = log_of(d)
+    check("reload: configuration not changed" not in log and "reloaded " not in log,
+          f"the daemon was signalled although the file was rejected: {log}")
+    ctl(sock, "status", expect=0)
+    # A good change reloads, and the daemon applies it.
+    write(conf, open(conf).read().replace("max_clinets = 5", "max_clients = 99"))
+    rc, out = exec_reload(conf, d.pid)
+    print(f"reload of a good file: {rc}\n{out}")
+    check(rc == 0, f"the reload of a good file failed: {out!r}")
+    end = time.monotonic() + 10
+    while "changed: max_clients" not in log_of(d) and time.monotonic() < end:
+        time.sleep(0.05)
+    check("changed: max_clients" in log_of(d), f"the daemon did not apply the reload: {log_of(d)}")
+    stop(d)
+    check(d.returncode == 0, f"gpupoold exited {d.returncode}")
+
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="gpupool-ops-")
     try:
         {"startup": test_startup, "unlink": test_unlink, "tcp": test_tcp, "quiet": test_quiet, "config": test_config,
-         "health": test_health,
-         "timeout": test_timeout, "identity": test_identity}[MODE](tmp)
+         "health": test_health, "timeout": test_timeout, "identity": test_identity,
+         "configerror": test_configerror, "reload": test_reload}[MODE](tmp)
     except BaseException:
         for p in PROCS:
             if hasattr(p, "logfile"):

@@ -324,6 +324,53 @@ static void test_watchdog(void **state) {
   clear_env();
 }
 
+/* A status text fits its buffer whole, or is cut between words with " ..." at the end. */
+static void test_fit(void **state) {
+  char buf[32];
+  size_t n;
+  (void)state;
+  n = gpd_sd_fit(buf, sizeof buf, "Serving 1 pool(s)");
+  assert_string_equal(buf, "Serving 1 pool(s)");
+  assert_int_equal(n, strlen(buf));
+  /* 31 characters fit exactly. */
+  n = gpd_sd_fit(buf, sizeof buf, "0123456789 0123456789 012345678");
+  assert_string_equal(buf, "0123456789 0123456789 012345678");
+  /* One more: cut at the last space, punctuation before it dropped, the mark added. */
+  n = gpd_sd_fit(buf, sizeof buf, "peer_listen is set; peer_secret_file is not");
+  assert_string_equal(buf, "peer_listen is set ...");
+  assert_int_equal(n, strlen(buf));
+  n = gpd_sd_fit(buf, sizeof buf, "the peer secret file /etc/gpupool/secret is readable");
+  assert_string_equal(buf, "the peer secret file ...");
+  assert_true(n < sizeof buf);
+  /* No space to cut at: a character boundary, never inside a UTF-8 sequence. */
+  n = gpd_sd_fit(buf, 12, "/\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9/x");
+  assert_int_equal(n, strlen(buf));
+  assert_true(n <= 11);
+  assert_string_equal(buf, "/\xc3\xa9\xc3\xa9\xc3\xa9...");
+  n = gpd_sd_fit(buf, 4, "abcdef");
+  assert_int_equal(n, 0);
+  assert_string_equal(buf, "");
+}
+
+/* Parts added in order of importance: each keeps the room the next ones need. */
+static void test_status_add(void **state) {
+  char buf[64];
+  size_t at = 0;
+  const char *serving = "Serving 1 pool(s)";
+  (void)state;
+  at = gpd_sd_status_add(buf, sizeof buf, at, "",
+                         "Reload failed, old configuration kept: /etc/gpupool/gpupoold.conf:3: "
+                         "'banana' is not a number",
+                         strlen(serving) + 2);
+  at = gpd_sd_status_add(buf, sizeof buf, at, "; ", serving, 0);
+  assert_int_equal(at, strlen(buf));
+  assert_true(at < sizeof buf);
+  assert_string_equal(buf, "Reload failed, old configuration kept ...; Serving 1 pool(s)");
+  /* No room left for another part: nothing of it is added. */
+  assert_int_equal(gpd_sd_status_add(buf, sizeof buf, at, "; degraded: ", "metrics tcp: in use", 0), at);
+  assert_string_equal(buf, "Reload failed, old configuration kept ...; Serving 1 pool(s)");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_not_activated),
@@ -340,6 +387,8 @@ int main(void) {
       cmocka_unit_test(test_notify_abstract),
       cmocka_unit_test(test_notify_bad_address),
       cmocka_unit_test(test_watchdog),
+      cmocka_unit_test(test_fit),
+      cmocka_unit_test(test_status_add),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -180,11 +180,25 @@ if wait "$holder"; then rc=0; else rc=$?; fi
 cp /tmp/good.conf "$CONF"
 systemctl reload gpupoold.service
 
+step "systemctl reload of a file the daemon rejects fails the job and changes nothing"
+pid=$(main_pid)
+sed -i 's/^\[daemon\]$/[daemon]\nmax_clinets = 5/' "$CONF"
+grep -q '^max_clinets = 5$' "$CONF" || die "could not put the misspelt key into $CONF"
+if systemctl reload gpupoold.service; then die "systemctl reload of a file with max_clinets succeeded"; fi
+journalctl --no-pager -u gpupoold | grep -q "unknown key 'max_clinets'" || die "the journal does not say why the reload failed"
+[ "$(main_pid)" = "$pid" ] || die "the failed reload replaced the daemon (pid $pid -> $(main_pid))"
+[ "$(systemctl is-active gpupoold.service)" = active ] || die "the failed reload left gpupoold $(systemctl is-active gpupoold.service)"
+ctl_ok || die "gpupoold does not serve after a failed reload"
+cp /tmp/good.conf "$CONF"
+systemctl reload gpupoold.service || die "systemctl reload of the good file failed"
+
 step "a configuration error under socket activation: clients are told why, the socket stays usable"
 systemctl stop gpupoold.service
 printf '[pool broken]\ncapacity = lots\n' >>"$CONF"
-if out=$(as alice /usr/local/bin/gpupoolctl status 2>&1); then die "gpupoolctl status answered with a bad config"; fi
+rc=0
+out=$(as alice /usr/local/bin/gpupoolctl status 2>&1) || rc=$?
 echo "$out" | head -n 1
+[ "$rc" = 4 ] || die "gpupoolctl status exited $rc with a bad config, not 4 (up but not serving)"
 echo "$out" | grep -q "not a size" || die "the client is not told what is wrong: $out"
 pid=$(main_pid)
 [ "$pid" -gt 1 ] || die "gpupoold did not stay up to answer"
@@ -196,6 +210,8 @@ for i in 1 2 3 4 5 6 7 8; do as alice /usr/local/bin/gpupoolctl status >/dev/nul
 st=$(systemctl status gpupoold.service --no-pager 2>&1 || true)
 echo "$st" | grep 'Status:'
 echo "$st" | grep 'Status:' | grep -q "not a size" || die "the reason is not in systemctl status"
+systemctl show -p StatusText --value gpupoold.service | grep -q "^Configuration error, not serving: " ||
+  die "StatusText does not begin with the config-error mark"
 journalctl --no-pager -u gpupoold -p err | grep -q "not a size" || die "the reason is not in the journal at error priority"
 cp /tmp/good.conf "$CONF"
 systemctl reload gpupoold.service
@@ -203,6 +219,41 @@ wait_for 10 ctl_ok || die "gpupoold did not serve after the config was fixed and
 # And what the README advised before: a restart, straight after, within any start limit.
 systemctl restart gpupoold.service || die "systemctl restart after the fix failed"
 wait_for 10 ctl_ok || die "gpupoold did not serve after the restart"
+
+step "a daemon that cannot start (a library missing, each start failing slowly): the start limit stops the loop; the documented recovery brings it back"
+lib=$(ldd /usr/local/sbin/gpupoold | sed -n -e 's/.*libucp\.so\.0 => \([^ ]*\).*/\1/p' | head -n 1)
+[ -n "$lib" ] || lib=$(ldd /usr/local/sbin/gpupoold | sed -n -e 's/.*libuv\.so\.1 => \([^ ]*\).*/\1/p' | head -n 1)
+if [ -n "$lib" ]; then
+  systemctl stop gpupoold.service
+  mv "$lib" "$lib.hidden"
+  mkdir -p /run/systemd/system/gpupoold.service.d
+  # Each start takes a while to fail, as on the host where the loop never hit the limit.
+  printf '[Service]\nExecStartPre=/bin/sleep 2\n' >/run/systemd/system/gpupoold.service.d/slow.conf
+  systemctl daemon-reload
+  t0=$(date +%s)
+  systemctl start gpupoold.service 2>/dev/null && die "gpupoold started without $lib"
+  # systemd 252 keeps the service's Result of its last failure (exit-code) and fails the
+  # socket with service-start-limit-hit.
+  wait_for 150 sh -c '[ "$(systemctl show -p Result --value gpupoold.socket)" = service-start-limit-hit ]' ||
+    die "the loop of failing starts did not stop at the start limit within 150 s ($(systemctl show -p NRestarts --value gpupoold.service) restarts)"
+  echo "stopped after $(systemctl show -p NRestarts --value gpupoold.service) restarts in $(( $(date +%s) - t0 )) s"
+  journalctl --no-pager -u gpupoold | grep -q "Start request repeated too quickly" || die "the journal does not say the start limit was hit"
+  journalctl --no-pager -u gpupoold | grep -q "$(basename "$lib")" || die "the journal does not name the missing library"
+  [ "$(systemctl is-active gpupoold.service)" = failed ] || die "gpupoold.service is $(systemctl is-active gpupoold.service), not failed"
+  rc=0
+  as alice /usr/local/bin/gpupoolctl status >/dev/null 2>&1 || rc=$?
+  [ "$rc" = 3 ] || die "gpupoolctl status exited $rc with the socket down, not 3"
+  [ ! -e "$SOCK" ] || die "the failed socket unit left $SOCK behind"
+  # The recovery systemd/README.md gives:
+  mv "$lib.hidden" "$lib"
+  rm -f /run/systemd/system/gpupoold.service.d/slow.conf
+  systemctl daemon-reload
+  systemctl reset-failed gpupoold.service gpupoold.socket
+  systemctl start gpupoold.socket
+  wait_for 10 ctl_ok || die "gpupoold did not serve after the recovery"
+else
+  echo "(gpupoold links neither libucp nor a shared libuv: nothing to take away)"
+fi
 
 step "a SIGSTOPped daemon: clients time out, the watchdog restarts it"
 mkdir -p /run/systemd/system/gpupoold.service.d
