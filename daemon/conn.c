@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "server_internal.h"
+#include "state.h"
 
 static void conn_unready(gpd_conn *c);
 static void share_put(gpd_server *s, share *sh);
@@ -48,6 +49,8 @@ void gpd_conn_send(gpd_conn *c, uint8_t *buf, size_t len, const int *fds, int nf
     free(buf);
     return;
   }
+  /* A reply never tells of a name or version a crash right after it could lose. */
+  gpd_state_sync(c->srv->reg);
   rc = gpupool__wire_txq_send(&c->txq, c->fd, buf, len, fds, nfds);
   if (rc < 0) {
     gpd_conn_close(c, rc == GPUPOOL_EIO || rc == GPUPOOL_ECLOSED ? "write failed" : gpupool__errmsg());

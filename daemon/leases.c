@@ -16,6 +16,7 @@
 #include "list.h"
 #include "log.h"
 #include "registry_internal.h"
+#include "state.h"
 
 int gpd_lease_new(gpd_registry *reg, uid_t uid, gid_t gid, pid_t pid, gpd_lease **out, int *peer) {
   gpd_lease *l;
@@ -47,6 +48,7 @@ int gpd_lease_new(gpd_registry *reg, uid_t uid, gid_t gid, pid_t pid, gpd_lease 
   l->tenant = gpd_tenant_of(reg->cfg, uid, gid);
   l->pid = pid;
   l->reg = reg;
+  gpd_state_lease_new(reg, l);
   *out = l;
   *peer = p[1];
   return 0;
@@ -96,6 +98,7 @@ static void lease_closed(uv_handle_t *h) {
 
 /* Close the daemon's end (through the poll handle when one watches it). */
 static void lease_close_fd(gpd_lease *l) {
+  gpd_state_lease_gone(l);
   if (l->polling) {
     if (!uv_is_closing((uv_handle_t *)&l->poll))
       uv_close((uv_handle_t *)&l->poll, lease_closed);

@@ -27,6 +27,8 @@
 #include "registry.h"
 #include "sd.h"
 #include "server.h"
+#include "state.h"
+#include "supervise.h"
 #include "wire.h"
 
 static void usage(FILE *f) {
@@ -68,6 +70,9 @@ static void usage(FILE *f) {
   fprintf(f,
           "\n"
           "  -l, --log-level LEVEL    error, warn, info (default) or debug\n"
+          "      --supervise          run the daemon as a child and keep its fd store (names,\n"
+          "                           versions and memory survive its crash), for containers\n"
+          "                           and hosts without systemd; SIGUSR2 restarts it\n"
           "      --list-config-keys   print every config key: section, default, what it does\n"
           "  -h, --help               show this help\n"
           "  -V, --version            show the version\n"
@@ -103,6 +108,7 @@ typedef struct {
   const char *pool_specs[GPUPOOL_MAX_POOLS];
   int npool_specs;
   int check_only;
+  int supervise;
 } options;
 
 typedef struct {
@@ -135,6 +141,9 @@ static void shutdown_daemon(daemon_ctx *d, const char *why) {
   gpd_sd_notify("STOPPING=1");
   gpd_server_stop(d->server);
   d->server = NULL;
+  /* The last state, with the clients just dropped; the next daemon starts from it. */
+  gpd_state_flush(d->reg);
+  gpd_state_stop(d->reg);
   /* Bounded shutdown: leases and GPU work are not waited for (nothing is reused any more). */
   gpd_registry_stop(d->reg);
   close_watch(&d->sigint, &d->sigterm, &d->sighup, d->watchdog_on ? &d->watchdog : NULL);
@@ -315,6 +324,7 @@ static int parse_options(int argc, char **argv, options *o) {
                                        {"version", no_argument, NULL, 'V'},
                                        {"check-config", no_argument, NULL, 'C'},
                                        {"list-config-keys", no_argument, NULL, 'K'},
+                                       {"supervise", no_argument, NULL, 'S'},
                                        {NULL, 0, NULL, 0}};
   int opt;
 
@@ -336,6 +346,9 @@ static int parse_options(int argc, char **argv, options *o) {
       break;
     case 'l':
       o->level_opt = optarg;
+      break;
+    case 'S':
+      o->supervise = 1;
       break;
     case 'C':
       o->check_only = 1;
@@ -413,6 +426,13 @@ static int start_serving(daemon_ctx *d, const gpd_config *cfg, gpupool__backend 
     return status;
   }
   d->reg = reg;
+  /* What a previous daemon kept in the fd store comes back before the first client is served. */
+  if ((rc = gpd_state_init(reg)) != 0) {
+    int status = start_failed(rc, "cannot take over the kept state");
+    gpd_registry_close(reg);
+    uv_run(d->loop, UV_RUN_DEFAULT);
+    return status;
+  }
   if ((rc = gpd_server_start(&d->server, d->loop, cfg, reg, *listen_fd)) != 0) {
     int status = start_failed(rc, NULL);
     gpd_registry_close(reg);
@@ -776,6 +796,8 @@ int main(int argc, char **argv) {
   if (o.check_only) {
     return check_config(&o, &cfg);
   }
+  if (o.supervise)
+    return gpd_supervise(argc, argv);
   signal(SIGPIPE, SIG_IGN);
 
   /* Taken before anything else so a bad LISTEN_FDS fails fast and the variables do not leak

@@ -116,6 +116,7 @@ static int publish_commit(gpd_registry *reg, gpd_client *c, const char *key, gpd
   n->nbufs = nbufs;
   n->layout = layout;
   n->version = prev + 1;
+  reg->state_changes++;
   n->uid = c->uid;
   n->read_only = read_only;
   n->created_ns = gpd_now_ns();
@@ -358,6 +359,7 @@ static void name_remove(gpd_registry *reg, gpd_name *n) {
   gpd_uid_usage *u;
   gpupool__smap_del(&reg->names, n->name);
   reg->nnames--;
+  reg->state_changes++;
   if ((u = gpd_uid_usage_get(reg, n->tenant, 0))) {
     u->names--;
     gpd_uid_usage_put(reg, u);

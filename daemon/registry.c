@@ -27,6 +27,7 @@
 #include "log.h"
 #include "registry.h"
 #include "registry_internal.h"
+#include "state.h"
 
 uint64_t gpd_now_ns(void) {
   struct timespec ts;
@@ -348,6 +349,7 @@ void gpd_registry_stop(gpd_registry *reg) {
 }
 
 void gpd_registry_close(gpd_registry *reg) {
+  gpd_state_stop(reg); /* what is freed below stays in the fd store, for the next daemon */
   /* Every client is gone: stop the copies (they hold their sources), drop kept shares (they
    * are references like names), drop names, then finish every pending free regardless of
    * events (the daemon is exiting; the backend's pools go with it). */

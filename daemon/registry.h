@@ -68,6 +68,7 @@ struct gpd_lease {
   pid_t pid;              /* for logs only (0 when the client is in another PID namespace) */
   uint64_t client_id;     /* for logs */
   uint64_t since_ns;      /* when the connection closed */
+  uint64_t store_id;      /* its name in the fd store (state.c), 0: not there */
   uv_poll_t poll;
   gpd_registry *reg;
   gpd_lease *prev, *next; /* in reg->waiting while waiting */
@@ -97,6 +98,9 @@ struct gpd_slab {
   uint32_t nmappers, capmappers;
   uint8_t *daemon_map;   /* the whole slab mapped read-write in the daemon (peer fetches write
                           * host slabs through it), or NULL; unmapped when the slab goes */
+  int stored;             /* its fd is in the fd store (state.c) */
+  int frozen;             /* restored while clients of the previous daemon may map it: no new
+                           * buffers until they are gone (state.c) */
   gpd_slab *prev, *next;  /* in pool->slabs */
 };
 
@@ -403,6 +407,10 @@ struct gpd_registry {
   /* Called when memory came back to a pool (to retry waiting allocations). */
   void (*on_memory)(gpd_registry *reg, gpd_pool *pool);
   void *owner;
+  /* What outlives the process (state.c): NULL when nothing does. state_changes moves with
+   * each change the cheap counters it compares do not show (a new version, a mapping). */
+  struct gpd_state *state;
+  uint64_t state_changes;
 };
 
 int gpd_registry_init(gpd_registry *reg, uv_loop_t *loop, const gpd_config *cfg,

@@ -74,6 +74,43 @@ static void cloexec_range(int first, int n) {
   }
 }
 
+static gpd_sd_stored stored[GPD_SD_STORE_MAX];
+static int nstored;
+
+/* Set the store's entries among the n passed fds aside (names from LISTEN_FDNAMES, ':'
+ * separated); returns how many others there are, *other the last of them. An fd beyond
+ * GPD_SD_STORE_MAX entries is closed (the store never holds more). */
+static int take_stored(const char *names, int n, int *other) {
+  const char *at = names;
+  int others = 0;
+  for (int i = 0; i < n; i++) {
+    const char *end = at ? strchr(at, ':') : NULL;
+    size_t len = at ? (end ? (size_t)(end - at) : strlen(at)) : 0;
+    int fd = SD_LISTEN_FDS_START + i;
+    if (at && len > strlen(GPD_SD_STORE_PREFIX) && len < sizeof stored[0].name &&
+        strncmp(at, GPD_SD_STORE_PREFIX, strlen(GPD_SD_STORE_PREFIX)) == 0) {
+      if (nstored < GPD_SD_STORE_MAX) {
+        memcpy(stored[nstored].name, at, len);
+        stored[nstored].name[len] = '\0';
+        stored[nstored].fd = fd;
+        nstored++;
+      } else {
+        close(fd);
+      }
+    } else {
+      others++;
+      *other = fd;
+    }
+    at = end ? end + 1 : NULL;
+  }
+  return others;
+}
+
+gpd_sd_stored *gpd_sd_stored_fds(int *n) {
+  *n = nstored;
+  return stored;
+}
+
 int gpd_sd_listen_fd(void) {
   const char *fds_s = getenv("LISTEN_FDS");
   uint64_t nfds = 0;
@@ -105,6 +142,15 @@ int gpd_sd_listen_fd(void) {
     goto out;
   }
   cloexec_range(SD_LISTEN_FDS_START, (int)nfds);
+  /* Entries of the fd store (FDSTORE=1, named GPD_SD_STORE_PREFIX...) come back with the
+   * listening socket: set aside for the state's restore (state.c). */
+  if ((rc = take_stored(getenv("LISTEN_FDNAMES"), (int)nfds, &fd)) < 0)
+    goto out;
+  nfds = (uint64_t)rc;
+  if (nfds == 0) {
+    rc = -1;
+    goto out;
+  }
   if (nfds != 1) {
     rc = gpupool__err(GPUPOOL_ECONFIG,
                       "socket activation: LISTEN_FDS=%llu but gpupoold serves exactly one "
@@ -185,12 +231,20 @@ static int notify_addr(struct sockaddr_un *addr, socklen_t *alen) {
   return 1;
 }
 
-int gpd_sd_notify(const char *state) {
+int gpd_sd_notify(const char *state) { return gpd_sd_notify_fd(state, -1); }
+
+int gpd_sd_notify_fd(const char *state, int pass) {
   struct sockaddr_un addr;
   socklen_t alen = 0;
   size_t len;
   ssize_t w;
   int fd = -1, rc;
+  union {
+    struct cmsghdr h;
+    char buf[CMSG_SPACE(sizeof(int))];
+  } cm;
+  struct iovec iov;
+  struct msghdr mh;
 
   if (state == NULL)
     return gpupool__err(GPUPOOL_EINVAL, "sd_notify: no state string given");
@@ -204,8 +258,24 @@ int gpd_sd_notify(const char *state) {
     goto out;
   }
   len = strlen(state);
+  iov.iov_base = (void *)state;
+  iov.iov_len = len;
+  memset(&mh, 0, sizeof mh);
+  mh.msg_name = &addr;
+  mh.msg_namelen = alen;
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  if (pass >= 0) {
+    memset(&cm, 0, sizeof cm);
+    mh.msg_control = cm.buf;
+    mh.msg_controllen = sizeof cm.buf;
+    cm.h.cmsg_level = SOL_SOCKET;
+    cm.h.cmsg_type = SCM_RIGHTS;
+    cm.h.cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(&cm.h), &pass, sizeof pass);
+  }
   do {
-    w = sendto(fd, state, len, MSG_NOSIGNAL, (struct sockaddr *)&addr, alen);
+    w = sendmsg(fd, &mh, MSG_NOSIGNAL);
   } while (w < 0 && errno == EINTR);
   if (w < 0) {
     rc = gpupool__err(GPUPOOL_EIO, "sd_notify: cannot send to NOTIFY_SOCKET=%s: %s",

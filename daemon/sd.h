@@ -18,6 +18,21 @@ int gpd_sd_listen_fd(void);
 /* Send a state string ("READY=1\nSTATUS=...") to $NOTIFY_SOCKET (path or abstract "@name").
  * 0 when sent or when NOTIFY_SOCKET is unset; GPUPOOL_EIO otherwise. */
 int gpd_sd_notify(const char *state);
+/* The same with fd passed along (SCM_RIGHTS; -1: none): "FDSTORE=1\nFDNAME=..." puts a copy
+ * of it in the manager's fd store (sd_pid_notify_with_fds(3)). */
+int gpd_sd_notify_fd(const char *state, int fd);
+
+/* The fd store: entries whose FDNAME starts with the prefix are the daemon's own, given back
+ * at the next start with LISTEN_FDS/LISTEN_FDNAMES next to (or without) the listening socket.
+ * gpd_sd_listen_fd sets them aside; gpd_sd_stored_fds lists them (state.c takes them). */
+#define GPD_SD_STORE_PREFIX "gpd."
+#define GPD_SD_STORE_MAX 16384
+typedef struct {
+  char name[64];
+  int fd; /* -1 once taken */
+  int dropped; /* closed as unused (state.c) rather than taken */
+} gpd_sd_stored;
+gpd_sd_stored *gpd_sd_stored_fds(int *n);
 int gpd_sd_notifyf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* The most STATUS= text the daemon sends, NUL included: a line an operator reads in

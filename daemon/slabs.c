@@ -15,6 +15,7 @@
 #include "list.h"
 #include "log.h"
 #include "registry_internal.h"
+#include "state.h"
 
 /* One backend pool per owner (see gpd_pinst): the backend's pool fd maps every
  * allocation in the pool. */
@@ -88,6 +89,7 @@ void gpd_slab_destroy(gpd_registry *reg, gpd_slab *s) {
                  s->bs.size);
   if (s->daemon_map)
     munmap(s->daemon_map, (size_t)s->bs.size);
+  gpd_state_slab_gone(reg, s);
   reg->be->ops->slab_free(in->bp, &s->bs);
   in->reserved -= s->bs.size;
   in->nslabs--;
@@ -197,8 +199,26 @@ static uint64_t held_with(const gpd_registry *reg, const gpd_pinst *in, uint64_t
 
 /* filled: bytes from the start of the slab that the caller overwrites before any client is
  * told of it (the backend need not clear them). */
+static int slab_make(gpd_registry *reg, gpd_pool *p, uint64_t size, int dedicated, uint64_t filled, uint64_t owner,
+                     uint64_t id, int adopt_fd, gpd_slab **out);
 static int slab_new(gpd_registry *reg, gpd_pool *p, uint64_t size, int dedicated, uint64_t filled, uint64_t owner,
                     gpd_slab **out) {
+  return slab_make(reg, p, size, dedicated, filled, owner, 0, -1, out);
+}
+
+int gpd_slab_adopt(gpd_registry *reg, gpd_pool *p, uint64_t id, int fd, uint64_t size, int dedicated,
+                   uint64_t owner, gpd_slab **out) {
+  if (!reg->be->ops->slab_adopt)
+    return gpupool__err(GPUPOOL_EBACKEND, "the %s backend cannot take over a slab", reg->be->desc->name);
+  if (!dedicated && size != p->cfg.slab_size)
+    return gpupool__err(GPUPOOL_EINVAL, "a regular slab of %" PRIu64 " bytes, but the pool's slab_size is now %"
+                        PRIu64 " bytes", size, p->cfg.slab_size);
+  return slab_make(reg, p, size, dedicated, 0, owner, id, fd, out);
+}
+
+/* adopt_fd >= 0: the slab is a previous daemon's (gpd_slab_adopt), with that id. */
+static int slab_make(gpd_registry *reg, gpd_pool *p, uint64_t size, int dedicated, uint64_t filled, uint64_t owner,
+                     uint64_t id, int adopt_fd, gpd_slab **out) {
   gpd_pinst *in = inst_find(p, owner);
   gpd_slab *s;
   uint64_t held;
@@ -214,7 +234,8 @@ static int slab_new(gpd_registry *reg, gpd_pool *p, uint64_t size, int dedicated
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     goto fail;
   }
-  rc = reg->be->ops->slab_alloc(in->bp, size, filled, &s->bs);
+  rc = adopt_fd >= 0 ? reg->be->ops->slab_adopt(in->bp, adopt_fd, size, &s->bs)
+                     : reg->be->ops->slab_alloc(in->bp, size, filled, &s->bs);
   if (rc != 0)
     goto fail;
   if (!dedicated) {
@@ -224,7 +245,7 @@ static int slab_new(gpd_registry *reg, gpd_pool *p, uint64_t size, int dedicated
       goto fail;
     }
   }
-  s->id = gpd_next_id(reg);
+  s->id = id ? id : gpd_next_id(reg);
   s->pool = p;
   s->inst = in;
   s->dedicated = dedicated;
@@ -256,6 +277,8 @@ static int slab_new(gpd_registry *reg, gpd_pool *p, uint64_t size, int dedicated
     p->reserved_high = p->reserved;
   GPUPOOL__DEBUG("pool %s: new %sslab %" PRIu64 " of %" PRIu64 " bytes", p->cfg.name,
            dedicated ? "dedicated " : "", s->id, s->bs.size);
+  s->stored = adopt_fd >= 0; /* (a kept slab is in the store already) */
+  gpd_state_slab_new(reg, s);
   *out = s;
   return 0;
 fail:
@@ -495,7 +518,7 @@ int gpd_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t asked, ui
      * this owner's bytes. */
     if (place)
       for (gpd_slab *s = p->slabs; s; s = s->next)
-        if (s->kept && slab_spare(s) && s->owner == owner && s->bs.size == dsize) {
+        if (s->kept && !s->frozen && slab_spare(s) && s->owner == owner && s->bs.size == dsize) {
           GPUPOOL__DEBUG("pool %s: kept slab %" PRIu64 " of %" PRIu64 " bytes reused", p->cfg.name, s->id,
                          s->bs.size);
           *slab = s;
@@ -523,7 +546,7 @@ int gpd_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t asked, ui
   }
   for (attempt = 0; attempt < 2; attempt++) {
     for (gpd_slab *s = p->slabs; s; s = s->next) {
-      if (!s->alloc || s->retiring || s->owner != owner)
+      if (!s->alloc || s->retiring || s->frozen || s->owner != owner)
         continue;
       if (gpupool__alloc_get(s->alloc, size, align, off) == 0) {
         *slab = s;
