@@ -21,6 +21,7 @@
 
 #include "peers.h"
 #include "server_internal.h"
+#include "state.h"
 
 uint64_t gpd_count_open_fds(void) {
   DIR *d = opendir("/proc/self/fd");
@@ -42,6 +43,9 @@ void gpd_stats_free(Gpupool__Wire__StatsReply *st) {
   if (st->metrics_exporters != protobuf_c_empty_string)
     free(st->metrics_exporters);
   st->metrics_exporters = (char *)protobuf_c_empty_string;
+  if (st->survival != protobuf_c_empty_string)
+    free(st->survival);
+  st->survival = (char *)protobuf_c_empty_string;
   for (size_t i = 0; i < st->n_pools; i++)
     free(st->pools[i]);
   free(st->pools);
@@ -89,6 +93,15 @@ int gpd_server_stats(void *server, Gpupool__Wire__StatsReply *st) {
   st->replica_copies_running = reg->ncopies;
   st->replica_copies_failed = reg->copies_failed;
   st->restart_pending = s->restart_pending;
+  {
+    char surv[512];
+    gpd_state_describe(reg, surv, sizeof surv);
+    if (!(st->survival = strdup(surv))) {
+      st->survival = (char *)protobuf_c_empty_string;
+      gpd_stats_free(st);
+      return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+    }
+  }
   if (s->metrics) {
     char health[3 * GPUPOOL__ERRMSG_MAX + 64];
     gpd_metrics_health(s->metrics, health, sizeof health);

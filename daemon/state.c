@@ -578,6 +578,34 @@ const gpd_state_info *gpd_state_info_get(const gpd_registry *reg) {
   return reg->state ? &reg->state->info : NULL;
 }
 
+void gpd_state_describe(const gpd_registry *reg, char *buf, size_t len) {
+  const gpd_state *st = reg->state;
+  const gpd_state_info *in;
+  size_t at;
+  if (!st) {
+    snprintf(buf, len, "not kept (%s): names, versions and holds are lost when the daemon stops",
+             !reg->be->ops->slab_adopt ? "the backend's memory cannot outlive the daemon"
+                                       : "no fd store: run it under systemd with FileDescriptorStoreMax= and "
+                                         "GPUPOOL_FDSTORE, or with gpupoold --supervise");
+    return;
+  }
+  in = &st->info;
+  at = (size_t)snprintf(buf, len, "kept in the fd store (%" PRIu64 " of %" PRIu64 " entries, %" PRIu64
+                        " bytes of state)", st->nstored, in->store_max, in->write_bytes_last);
+  if (at >= len)
+    return;
+  if (!in->found)
+    at += (size_t)snprintf(buf + at, len - at, "; started empty");
+  else
+    at += (size_t)snprintf(buf + at, len - at, "; restored at start: %" PRIu64 " name(s), %" PRIu64
+                           " bytes, %" PRIu64 " lease(s) of earlier clients (%u still held)", in->names,
+                           in->bytes, in->leases, st->nbefore);
+  if (at < len && (in->names_lost || in->slabs_lost || in->buffers_lost || in->leases_lost || in->why[0]))
+    snprintf(buf + at, len - at, "; discarded: %" PRIu64 " name(s), %" PRIu64 " slab(s), %" PRIu64
+             " buffer(s), %" PRIu64 " lease(s) (first: %s)", in->names_lost, in->slabs_lost, in->buffers_lost,
+             in->leases_lost, in->why);
+}
+
 /* ---- reading --------------------------------------------------------------------------- */
 
 typedef struct {

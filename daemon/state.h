@@ -46,6 +46,9 @@ void gpd_state_sync(gpd_registry *reg);
 /* Stop saving (before gpd_registry_close: what it frees stays in the store). */
 void gpd_state_stop(gpd_registry *reg);
 const gpd_state_info *gpd_state_info_get(const gpd_registry *reg);
+/* One line for `gpupoolctl status`: whether the state is kept, what the start restored and
+ * what it discarded, with the first reason. */
+void gpd_state_describe(const gpd_registry *reg, char *buf, size_t len);
 
 /* Hooks of the registry: a slab made or given back, a lease made or closed. */
 void gpd_state_slab_new(gpd_registry *reg, gpd_slab *s);
