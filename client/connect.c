@@ -447,6 +447,19 @@ int gpupool_client_lost_names(gpupool_client *c, char (*names)[GPUPOOL_NAME_MAX 
   pthread_mutex_lock(&c->mu);
   while (k < max && c->nlost_names > 0) {
     char *nm = c->lost_names[--c->nlost_names];
+    gpupool_bundle *b = NULL;
+    int rc;
+    /* A daemon that restored its state still has it: ask (without the lock, as any request). */
+    pthread_mutex_unlock(&c->mu);
+    rc = gpupool_bundle_get(c, nm, 0, 0, GPUPOOL_READ_ONLY, NULL, &b);
+    if (rc == 0)
+      (void)gpupool_bundle_release(b, NULL);
+    pthread_mutex_lock(&c->mu);
+    if (rc == 0) {
+      gpupool__note_published(c, nm); /* still this client's name: lost again if the next daemon loses it */
+      free(nm);
+      continue;
+    }
     snprintf(names[k++], GPUPOOL_NAME_MAX + 1, "%s", nm);
     free(nm);
   }

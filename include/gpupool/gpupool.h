@@ -544,7 +544,10 @@ GPUPOOL_EXTERN uint64_t gpupool_client_reconnect_count(gpupool_client *c);
 /* 1 when b's hold was lost because the daemon went away. */
 GPUPOOL_EXTERN int gpupool_buffer_lost(const gpupool_buffer *b);
 /* Names this client had published that were lost when the daemon went away (not yet
- * reported): copies up to max of them into names, sets *n, and forgets those reported. */
+ * reported): copies up to max of them into names, sets *n, and forgets those reported. A
+ * daemon that kept its state across the restart (an fd store: systemd's or gpupoold
+ * --supervise) still has them: each name the client had published is looked up in the new
+ * daemon first (a read-only get, released at once) and reported only when it is not there. */
 GPUPOOL_EXTERN int gpupool_client_lost_names(gpupool_client *c, char (*names)[GPUPOOL_NAME_MAX + 1], int max, int *n);
 
 /* ---- versions ------------------------------------------------------------------------------ */
