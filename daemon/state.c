@@ -600,10 +600,9 @@ void gpd_state_describe(const gpd_registry *reg, char *buf, size_t len) {
     at += (size_t)snprintf(buf + at, len - at, "; restored at start: %" PRIu64 " name(s), %" PRIu64
                            " bytes, %" PRIu64 " lease(s) of earlier clients (%u still held)", in->names,
                            in->bytes, in->leases, st->nbefore);
-  if (at < len && (in->names_lost || in->slabs_lost || in->buffers_lost || in->leases_lost || in->why[0]))
+  if (at < len && (in->names_lost || in->slabs_lost || in->buffers_lost || in->why[0]))
     snprintf(buf + at, len - at, "; discarded: %" PRIu64 " name(s), %" PRIu64 " slab(s), %" PRIu64
-             " buffer(s), %" PRIu64 " lease(s) (first: %s)", in->names_lost, in->slabs_lost, in->buffers_lost,
-             in->leases_lost, in->why);
+             " buffer(s) (first: %s)", in->names_lost, in->slabs_lost, in->buffers_lost, in->why);
 }
 
 /* ---- reading --------------------------------------------------------------------------- */
@@ -1040,9 +1039,11 @@ static int restore_leases(gpd_state *st, rd *r) {
       r->bad = 1;
       break;
     }
+    /* A lease the state names leaves the store only when the daemon let it go (every process
+     * holding it had gone, or it pinned nothing) after that state was written: nothing to do. */
     if (fd < 0)
-      discard(st, &st->info.leases_lost, "the lease of a client (pid %d uid %u) is not in the fd store: what it "
-              "pinned may be reused", (int)pid, (unsigned)uid);
+      GPUPOOL__DEBUG("restore: the lease of client pid %d uid %u was let go before the crash", (int)pid,
+                     (unsigned)uid);
     nb = get_count(r, 8);
     for (uint64_t k = 0; k < nb && !r->bad; k++) {
       gpd_buffer *b = gpupool__hmap_get(&reg->buffers, get64(r));
@@ -1277,10 +1278,10 @@ int gpd_state_init(gpd_registry *reg) {
   if (st->info.found)
     GPUPOOL__INFO("restored state %" PRIu64 " (format %u) in %.1f ms: %" PRIu64 " name(s), %" PRIu64 " byte(s) in %"
                   PRIu64 " slab(s), %" PRIu64 " lease(s) of earlier clients; discarded: %" PRIu64 " name(s), %" PRIu64
-                  " slab(s), %" PRIu64 " buffer(s), %" PRIu64 " lease(s), %" PRIu64 " fd(s) no state named%s%s",
+                  " slab(s), %" PRIu64 " buffer(s), %" PRIu64 " fd(s) no state named%s%s",
                   st->info.generation, st->info.format, st->info.restore_ns / 1e6, st->info.names, st->info.bytes,
                   st->info.slabs, st->info.leases, st->info.names_lost, st->info.slabs_lost, st->info.buffers_lost,
-                  st->info.leases_lost, st->info.fds_dropped, st->info.why[0] ? "; first reason: " : "",
+                  st->info.fds_dropped, st->info.why[0] ? "; first reason: " : "",
                   st->info.why);
   else if (n > 0)
     GPUPOOL__WARN("restore: %d fd(s) came back from the fd store but no state that checks out (%s); nothing is "

@@ -25,7 +25,7 @@ typedef struct {
   uint64_t generation;      /* of the state restored */
   uint32_t format;          /* its format */
   uint64_t names, bytes, slabs, leases, buffers; /* restored */
-  uint64_t names_lost, slabs_lost, buffers_lost, leases_lost, fds_dropped; /* discarded */
+  uint64_t names_lost, slabs_lost, buffers_lost, fds_dropped; /* discarded */
   char why[256];            /* the first reason something was discarded */
   uint64_t restore_ns;      /* how long the restore took */
   uint64_t writes, write_ns_last, write_ns_max, write_bytes_last; /* states written since */
