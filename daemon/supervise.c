@@ -210,13 +210,28 @@ static void exec_child(const char *exe, char **argv, const char *notify) {
   _exit(1);
 }
 
+/* Everything the supervisor holds goes (it is exiting): the store's fds, the argument copy. */
+static int finish(char **cargv, int sock, int sfd, int code) {
+  for (int i = 0; i < nstore; i++)
+    close(store[i].fd);
+  nstore = 0;
+  free(store);
+  store = NULL;
+  free(cargv);
+  if (sock >= 0)
+    close(sock);
+  if (sfd >= 0)
+    close(sfd);
+  return code;
+}
+
 int gpd_supervise(int argc, char **argv) {
   char exe[PATH_MAX], notify[108];
   char **cargv;
   struct sockaddr_un addr = {0};
   struct rlimit rl;
   sigset_t sigs;
-  int sock, sfd, one = 1, k = 0, stopping = 0, restart_now = 0, status = 0, code = 0;
+  int sock = -1, sfd = -1, one = 1, k = 0, stopping = 0, restart_now = 0, status = 0, code = 0;
   pid_t child = -1, was;
   long delay_ms = 100, max_ms = 5000;
   const char *env = getenv("GPUPOOL_SUPERVISE_MAX_DELAY_MS");
@@ -246,17 +261,17 @@ int gpd_supervise(int argc, char **argv) {
     maxstore = rl.rlim_cur > 192 ? (int)rl.rlim_cur - 128 : 64;
   store = calloc((size_t)maxstore, sizeof *store);
   if (!store)
-    return 1;
+    return finish(cargv, sock, sfd, 1);
 
   sock = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (sock < 0)
-    return say("socket: %s", strerror(errno)), 1;
+    return say("socket: %s", strerror(errno)), finish(cargv, sock, sfd, 1);
   addr.sun_family = AF_UNIX;
   snprintf(notify, sizeof notify, "@gpupoold-supervise-%d-%08x", (int)getpid(), (unsigned)arc4random());
   memcpy(addr.sun_path + 1, notify + 1, strlen(notify) - 1);
   if (bind(sock, (struct sockaddr *)&addr, (socklen_t)(offsetof(struct sockaddr_un, sun_path) + strlen(notify))) != 0 ||
       setsockopt(sock, SOL_SOCKET, SO_PASSCRED, &one, sizeof one) != 0)
-    return say("cannot bind its notify socket: %s", strerror(errno)), 1;
+    return say("cannot bind its notify socket: %s", strerror(errno)), finish(cargv, sock, sfd, 1);
   /* Larger messages than a notify datagram are refused by the kernel, not cut here. */
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGCHLD);
@@ -267,21 +282,21 @@ int gpd_supervise(int argc, char **argv) {
   sigprocmask(SIG_BLOCK, &sigs, NULL);
   sfd = signalfd(-1, &sigs, SFD_CLOEXEC | SFD_NONBLOCK);
   if (sfd < 0)
-    return say("signalfd: %s", strerror(errno)), 1;
+    return say("signalfd: %s", strerror(errno)), finish(cargv, sock, sfd, 1);
 
   for (;;) {
     if (child < 0) {
       started = now_ms();
       child = fork();
       if (child < 0)
-        return say("fork: %s", strerror(errno)), 1;
+        return say("fork: %s", strerror(errno)), finish(cargv, sock, sfd, 1);
       if (child == 0)
         exec_child(exe, cargv, notify);
       say("started gpupoold (pid %d) with %d kept fd(s)", (int)child, nstore);
     }
     struct pollfd p[2] = {{sock, POLLIN, 0}, {sfd, POLLIN, 0}};
     if (poll(p, 2, -1) < 0 && errno != EINTR)
-      return say("poll: %s", strerror(errno)), 1;
+      return say("poll: %s", strerror(errno)), finish(cargv, sock, sfd, 1);
     if (p[0].revents & POLLIN)
       for (int i = 0; i < 64; i++)
         on_message(sock, child);
@@ -314,7 +329,7 @@ int gpd_supervise(int argc, char **argv) {
     if (stopping) {
       say("gpupoold stopped (%s %d); dropping %d kept fd(s)", WIFEXITED(status) ? "exit status" : "signal",
           WIFEXITED(status) ? code : WTERMSIG(status), nstore);
-      return WIFEXITED(status) ? code : 0;
+      return finish(cargv, sock, sfd, WIFEXITED(status) ? code : 0);
     }
     if (restart_now) {
       restart_now = 0;
@@ -325,7 +340,7 @@ int gpd_supervise(int argc, char **argv) {
     if (WIFEXITED(status) && (code == 0 || code == 2)) {
       say("gpupoold exited with status %d: %s; not restarting", code,
           code == 0 ? "it was stopped" : "it refuses to start (see its log), restarting cannot help");
-      return code;
+      return finish(cargv, sock, sfd, code);
     }
     if (now_ms() - started > 10000)
       delay_ms = 100;
