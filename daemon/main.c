@@ -174,6 +174,12 @@ static void status_text(daemon_ctx *d, char *buf, size_t len) {
            " of %" PRIu64 " MiB used, %" PRIu64 " name(s)",
            d->cfg->n_pools, d->be->desc->name, gpd_server_clients(d->server), used >> 20, cap >> 20,
            d->reg->nnames);
+  {
+    const gpd_state_info *si = gpd_state_info_get(d->reg);
+    size_t n = strlen(serving);
+    if (si && si->found && n < sizeof serving)
+      snprintf(serving + n, sizeof serving - n, " (%" PRIu64 " restored at start)", si->names);
+  }
   buf[0] = '\0';
   if (d->reload_note[0])
     at = gpd_sd_status_add(buf, len, at, "", d->reload_note,

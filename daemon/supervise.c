@@ -190,6 +190,13 @@ static void exec_child(const char *exe, char **argv, const char *notify) {
       _exit(1);
     close(store[i].fd);
   }
+  /* Nothing else the supervisor was started with reaches the daemon (as under systemd): each
+   * start sees the same fds. */
+  if (close_range((unsigned)(base + nstore), ~0u, 0) != 0) {
+    long max = sysconf(_SC_OPEN_MAX);
+    for (long fd = base + nstore; fd < (max > 0 && max < 65536 ? max : 65536); fd++)
+      (void)close((int)fd);
+  }
   unsetenv("LISTEN_FDS");
   unsetenv("LISTEN_PID");
   unsetenv("LISTEN_FDNAMES");
