@@ -182,6 +182,7 @@ static int env_int(const char *name, int def) {
  * and after everything is released the store is back where it started. */
 static void test_crash_keeps_names(void **state) {
   int n = env_int("GPUPOOL_TEST_SURVIVE_NAMES", 200), nb = n / 50 + 1, base;
+  uint64_t base_fds;
   pid_t daemon = start_supervised();
   gpupool_client *p, *q, *r;
   gpupool_buffer *g, *h, *fill[64];
@@ -194,6 +195,7 @@ static void test_crash_keeps_names(void **state) {
   r = th_connect(&D, "baseline");
   gpupool_client_disconnect(r);
   base = settled_store();
+  base_fds = th_settled_fds(&D);
 
   p = th_connect(&D, "producer");
   q = th_connect(&D, "holder");
@@ -271,6 +273,8 @@ static void test_crash_keeps_names(void **state) {
   }
   gpupool_client_disconnect(r);
   th_wait_idle(&D, 5000);
+  /* The new daemon holds as many fds as the first did before anything was published. */
+  th_expect_fds(&D, base_fds);
   if (settled_store() != base) {
     th_dump_log(&D);
     fail_msg("the supervisor holds %d fds, %d at the start: the store kept what was released", count_fds(D.pid),
