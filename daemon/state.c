@@ -919,6 +919,10 @@ static int restore_names(gpd_state *st, rd *r, gpupool__hmap *layouts) {
     nm->read_only = get32(r) != 0;
     nm->has_meta = get_meta(r, &nm->meta);
     l = layout_id ? gpupool__hmap_get(layouts, layout_id) : NULL;
+    /* Every member inside its buffer, and every buffer of one owner (the name's namespace). */
+    for (uint32_t k = 0; ok && k < nbufs; k++)
+      if ((l && k < l->nbufs && l->need[k] > bufs[k]->size) || bufs[k]->slab->owner != bufs[0]->slab->owner)
+        ok = 0;
     if (r->bad) {
       free(nm);
       free(bufs);
@@ -928,7 +932,8 @@ static int restore_names(gpd_state *st, rd *r, gpupool__hmap *layouts) {
     if (!ok || version == 0 || (layout_id && (!l || l->nbufs != nbufs)) || (!layout_id && nbufs != 1) ||
         !strchr(key, '/') || gpupool__smap_get(&reg->names, key)) {
       discard(st, &st->info.names_lost, "name '%s' (version %" PRIu64 "): %s", key, version,
-              !ok ? "a buffer of it was not restored" : "its record does not check out");
+              !ok ? "a buffer of it was not restored, or does not hold its members"
+                  : "its record does not check out");
       free(nm);
       free(bufs);
       free(key);

@@ -363,6 +363,50 @@ static void test_crash_inside_state_write(void **state) {
   }
 }
 
+/* What does not check out is discarded piece by piece: a pool taken out of the configuration
+ * before the restart loses its slabs and the names in them, with the reason in the log and the
+ * survival line; the other pool's names are all there, and the client is told exactly which
+ * of its names were lost. */
+static void test_discard_piece_by_piece(void **state) {
+  gpupool_client *p;
+  gpupool_buffer *b;
+  pid_t daemon;
+  uint64_t end;
+  char lost[8][GPUPOOL_NAME_MAX + 1], cmd[600];
+  int nlost = 0;
+  (void)state;
+  th_write_conf(&D, "[pool a]\nkind = host\ncapacity = 64M\nslab_size = 4M\n"
+                    "[pool b]\nkind = host\ncapacity = 64M\nslab_size = 4M\n");
+  th_start(&D, 1, "--supervise", NULL);
+  end = th_now_ms() + 5000;
+  while (!(daemon = child_of(D.pid)) && th_now_ms() < end)
+    th_sleep_ms(5);
+  p = th_connect(&D, "producer");
+  for (int i = 0; i < 4; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "n%d", i);
+    assert_int_equal(gpupool_buffer_alloc(p, i < 2 ? "a" : "b", name_size(i), 0, NULL, &b), 0);
+    th_fill(gpupool_buffer_ptr(b), name_seed(i, 1), name_size(i));
+    assert_int_equal(gpupool_buffer_publish(b, name, NULL, NULL, NULL), 0);
+    assert_int_equal(gpupool_buffer_release(b, NULL), 0);
+  }
+  /* The operator drops pool b, then the daemon crashes: the next one reads the new file. */
+  th_write_conf(&D, "[pool a]\nkind = host\ncapacity = 64M\nslab_size = 4M\n");
+  daemon = crash(daemon);
+  check_name(p, 0, 1);
+  check_name(p, 1, 1);
+  assert_int_equal(gpupool_buffer_get(p, "n2", 0, 0, 0, NULL, &b, NULL), GPUPOOL_ENOENT);
+  assert_int_equal(gpupool_client_lost_names(p, lost, 8, &nlost), 0);
+  assert_int_equal(nlost, 2);
+  assert_true((!strcmp(lost[0], "n2") && !strcmp(lost[1], "n3")) || (!strcmp(lost[0], "n3") && !strcmp(lost[1], "n2")));
+  snprintf(cmd, sizeof cmd, "grep -q \"restore: slab [0-9]*: pool 'b' is no longer configured\" %s", D.log);
+  assert_int_equal(system(cmd), 0);
+  snprintf(cmd, sizeof cmd, "grep -q 'restored state .* 2 name(s), .* discarded: 2 name(s), 1 slab(s)' %s", D.log);
+  assert_int_equal(system(cmd), 0);
+  gpupool_client_disconnect(p);
+  th_stop(&D);
+}
+
 static int newer_env(void *arg) {
   (void)arg;
   return setenv("GPUPOOL_TEST_STATE_FORMAT", "99", 1);
@@ -400,5 +444,5 @@ static void test_newer_state_refused(void **state) {
 
 int main(void) {
   return TS_RUN_TESTS(setup, teardown, test_crash_keeps_names, test_crash_cycles, test_crash_inside_state_write,
-                      test_newer_state_refused);
+                      test_discard_piece_by_piece, test_newer_state_refused);
 }
