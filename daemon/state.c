@@ -1116,17 +1116,20 @@ static int restore(gpd_state *st, const uint8_t *payload, uint64_t plen) {
   if (rc != 0)
     discard(st, NULL, "the state's records end early or do not check out; what was read before is kept");
   layout_drop_ids(&layouts, reg);
-  /* The restore's references: a buffer no name or lease keeps goes now. */
-  for (int pass = 0; pass < 1; pass++) {
-    gpd_buffer **all = NULL;
+  /* The restore's references: a buffer no name or lease keeps goes now (out of memory: they
+   * stay, never reused, until the daemon's state is discarded). */
+  {
+    gpd_buffer **all = reg->buffers.len ? malloc(reg->buffers.len * sizeof *all) : NULL;
     size_t n = 0;
-    if (reg->buffers.len && !(all = malloc(reg->buffers.len * sizeof *all)))
-      break;
-    for (size_t i = 0; i < reg->buffers.cap; i++)
-      if (gpupool__hmap_slot_used(&reg->buffers, i))
-        all[n++] = reg->buffers.slots[i].val;
-    for (size_t i = 0; i < n; i++)
-      gpd_buffer_unref(reg, all[i]);
+    if (all || !reg->buffers.len) {
+      for (size_t i = 0; i < reg->buffers.cap; i++)
+        if (gpupool__hmap_slot_used(&reg->buffers, i))
+          all[n++] = reg->buffers.slots[i].val;
+      for (size_t i = 0; i < n; i++)
+        gpd_buffer_unref(reg, all[i]);
+    } else {
+      GPUPOOL__ERROR("restore: out of memory; the %zu buffer(s) restored stay allocated", reg->buffers.len);
+    }
     free(all);
   }
   for (int i = 0; i < reg->npools; i++)
