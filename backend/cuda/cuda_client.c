@@ -399,6 +399,16 @@ static int cuda_event_record(gpupool__cevent *e, void *stream) {
     return rc;
   if ((rc = open_on(e, dev, &ev)) < 0)
     return rc;
+  /* The daemon shares an event between several holds or buffers of this client, so a record
+   * must not replace one whose work is still running: the stream waits for that first, and
+   * the new record completes only after every earlier one. */
+  ce = cudaEventQuery(ev);
+  if (ce == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    ce = cudaStreamWaitEvent((cudaStream_t)stream, ev, 0);
+  }
+  if (ce != cudaSuccess)
+    return gpupool__cuda_fail(GPUPOOL_EBACKEND, ce, "waiting for an IPC event's last record", dev, NULL);
   ce = cudaEventRecord(ev, (cudaStream_t)stream);
   if (ce != cudaSuccess)
     return gpupool__cuda_fail(GPUPOOL_EBACKEND, ce, "cudaEventRecord of an IPC event", dev, NULL);
