@@ -42,6 +42,26 @@ static gpd_event *event_new(gpd_registry *reg) {
   return e;
 }
 
+/* An event of another client's own that nothing uses (its table holds the only reference),
+ * taken out of that table: what a client without events gets when the backend makes no more.
+ * It may still carry a record of that client's, which the new user's first record waits for
+ * (cumulative recording), so nothing of it is lost. NULL when there is none. */
+static gpd_event *event_steal(gpd_registry *reg, const gpd_client *c) {
+  for (size_t i = 0; i < reg->clients.cap; i++) {
+    gpd_client *o;
+    if (!gpupool__hmap_slot_used(&reg->clients, i) || (o = reg->clients.slots[i].val) == c)
+      continue;
+    for (uint32_t j = 0; j < o->nevents; j++) {
+      gpd_event *e = o->events[j];
+      if (e->refs != 1 || e == o->batch_done)
+        continue;
+      o->events[j] = o->events[--o->nevents];
+      return e;
+    }
+  }
+  return NULL;
+}
+
 gpd_event *gpd_event_get(gpd_registry *reg, gpd_client *c) {
   gpd_event *e;
   if (!reg->be->ops->has_events)
@@ -53,7 +73,7 @@ gpd_event *gpd_event_get(gpd_registry *reg, gpd_client *c) {
     return c->batch_done;
   }
   if (c->nevents < GPD_EVENTS_PER_CLIENT) {
-    if ((e = event_new(reg))) {
+    if ((e = event_new(reg)) || (c->nevents == 0 && (e = event_steal(reg, c)))) {
       if (gpd_grow((void **)&c->events, &c->capevents, c->nevents + 1, sizeof *c->events) == 0) {
         c->events[c->nevents++] = e;
         e->refs++;
@@ -65,8 +85,8 @@ gpd_event *gpd_event_get(gpd_registry *reg, gpd_client *c) {
       snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
       gpupool__err(GPUPOOL_EBACKEND,
                    "%s; this client has none of its own yet (each client uses at most %d, shared by its "
-                   "holds beyond that): other clients of gpupoold hold them all, so retry once some "
-                   "disconnect",
+                   "holds beyond that) and every other client's are in use: retry once some are released "
+                   "or their clients disconnect",
                    msg, GPD_EVENTS_PER_CLIENT);
       return NULL;
     }

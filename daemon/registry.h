@@ -50,6 +50,9 @@ typedef struct gpd_copy gpd_copy;
  * event's last record when that has not completed): once it completes, every earlier record
  * of it has. Events are never shared between clients, so no client can make another's wait
  * on its work. */
+/* Events one client uses at most; more holds and buffers share them. */
+#define GPD_EVENTS_PER_CLIENT 32
+
 struct gpd_event {
   uint32_t id;
   uint32_t refs;          /* holds, buffers (ready), done dependencies and client tables */

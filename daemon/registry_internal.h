@@ -40,8 +40,6 @@ uint64_t gpd_round_up(uint64_t v, uint64_t a);
 int gpd_grow(void **arr, uint32_t *cap, uint32_t need, size_t elem);
 
 /* holds.c: events, buffers and holds */
-/* Events one client uses at most; more holds and buffers share them (see gpd_event). */
-#define GPD_EVENTS_PER_CLIENT 32
 /* A reference to an event for c's next hold or buffer (c NULL: a buffer the daemon makes, which
  * gets one of its own), or NULL with the reason in gpupool__errmsg(). */
 gpd_event *gpd_event_get(gpd_registry *reg, gpd_client *c);
