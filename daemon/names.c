@@ -341,13 +341,20 @@ int gpd_get_bundle(gpd_registry *reg, gpd_client *c, const char *name, int read_
     return rc;
   if (!(hs = calloc(n->nbufs, sizeof *hs)))
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  if ((rc = gpd_batch_begin(reg, c)) != 0) {
+    free(hs);
+    return rc;
+  }
+  /* One done event for the bundle's holds. */
   for (uint32_t i = 0; i < n->nbufs; i++)
     if ((rc = gpd_hold_new(reg, c, n->bufs[i], read_only || n->read_only, 0, &hs[i])) != 0) {
       while (i-- > 0)
         gpd_hold_drop(reg, hs[i], 0, NULL);
+      gpd_batch_end(reg, c);
       free(hs);
       return rc;
     }
+  gpd_batch_end(reg, c);
   *holds = hs;
   *out = n;
   return 0;

@@ -83,6 +83,7 @@ void gpd_client_drop(gpd_registry *reg, gpd_client *c) {
   }
   while (c->holds)
     gpd_hold_drop(reg, c->holds, 0, waiting ? lease : NULL);
+  gpd_client_events_drop(reg, c);
   for (int i = 0; i < reg->npools; i++) {
     for (gpd_slab *s = reg->pools[i].slabs, *n; s; s = n) {
       n = s->next;

@@ -43,8 +43,19 @@ typedef struct gpd_layout gpd_layout;
 typedef struct gpd_replica gpd_replica;
 typedef struct gpd_copy gpd_copy;
 
+/* An inter-process event. CUDA gives a process 4096 of them, so they are shared: a client's
+ * holds and buffers take turns on at most GPD_EVENTS_PER_CLIENT events of its own, and the
+ * holds one request makes (an Open of many tokens, a bundle's get) share one. Sharing is safe
+ * because the client library records an event cumulatively (the stream first waits for the
+ * event's last record when that has not completed): once it completes, every earlier record
+ * of it has. Events are never shared between clients, so no client can make another's wait
+ * on its work. */
+/* Events one client uses at most; more holds and buffers share them. */
+#define GPD_EVENTS_PER_CLIENT 32
+
 struct gpd_event {
   uint32_t id;
+  uint32_t refs;          /* holds, buffers (ready), done dependencies and client tables */
   gpupool__bevent *be;
   uint8_t handle[GPUPOOL_EVENT_HANDLE_SIZE];
   gpd_event *next_free;
@@ -344,6 +355,10 @@ struct gpd_client {
   uint64_t *revoke;         /* slab ids to send in the next reply */
   uint32_t nrevoke, caprevoke;
   gpupool__ratelimit log_rl; /* the lines it causes (gpupool__log_peer) */
+  gpd_event **events;       /* its own events, at most GPD_EVENTS_PER_CLIENT (one reference each) */
+  uint32_t nevents, capevents;
+  uint32_t next_event;      /* the one the next hold or buffer takes once all are made */
+  gpd_event *batch_done;    /* while a request makes many holds: the done event they share */
 };
 
 struct gpd_registry {
