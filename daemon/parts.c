@@ -20,12 +20,11 @@
 #include "log.h"
 #include "registry_internal.h"
 
-/* Most parts a version may have, pending versions a name may have at once (a version may
- * start while an older one still waits for a slow part), and pending versions a tenant may
- * have over all its names. */
+/* Most parts a version may have, and pending versions a name may have at once (a version may
+ * start while an older one still waits for a slow part); a tenant may have
+ * max_pending_versions_per_uid over all its names. */
 #define PARTS_MAX 1024
 #define PENDING_PER_NAME 4
-#define PENDING_PER_TENANT 64
 
 typedef struct {
   int in;
@@ -222,10 +221,10 @@ int gpd_publish_part(gpd_registry *reg, gpd_client *c, const char *name, uint64_
                         PENDING_PER_NAME);
       goto fail;
     }
-    if (pending_count(reg, NULL, c->tenant) >= PENDING_PER_TENANT) {
-      rc = gpupool__err(GPUPOOL_ELIMIT, "your tenant has %d sharded versions waiting for parts (the limit); "
-                        "publish their missing parts, or close the connections that published the others",
-                        PENDING_PER_TENANT);
+    if (pending_count(reg, NULL, c->tenant) >= reg->cfg->max_pending_versions_per_uid) {
+      rc = gpupool__err(GPUPOOL_ELIMIT, "your tenant has %u sharded versions waiting for parts (the limit, "
+                        "max_pending_versions_per_uid); publish their missing parts, close the connections "
+                        "that published the others, or raise the limit", reg->cfg->max_pending_versions_per_uid);
       goto fail;
     }
     if (!(v = calloc(1, sizeof *v)) || !(v->parts = calloc(nparts, sizeof *v->parts))) {

@@ -18,7 +18,7 @@ static th_daemon D;
 static int setup(void **state) {
   *state = &D;
   th_prepare(&D);
-  th_write_conf(&D, "[pool default]\nkind = host\ncapacity = 256M\nslab_size = 4M\n");
+  th_write_conf(&D, "[daemon]\nmax_pending_versions_per_uid = 6\n[pool default]\nkind = host\ncapacity = 256M\nslab_size = 4M\n");
   th_start(&D, 1, NULL);
   return 0;
 }
@@ -413,6 +413,41 @@ static void test_bad_targets(void **state) {
   gpupool_client_disconnect(c);
 }
 
+/* Versions waiting for parts are bounded per name (4) and per tenant (6 here). */
+static void test_pending_limits(void **state) {
+  gpupool_daemon_stats base, ds;
+  gpupool_client *c;
+  int complete;
+  (void)state;
+  th_stats(&D, &base, NULL);
+  c = th_connect(&D, "rank0");
+  for (uint64_t v = 1; v <= 4; v++)
+    assert_int_equal(publish_rank(c, "lim", 0, 0, 2, v, 32, 0, &complete), 0);
+  assert_int_equal(publish_rank(c, "lim", 0, 0, 2, 5, 32, 0, &complete), GPUPOOL_ELIMIT);
+  assert_non_null(strstr(publish_why, "versions waiting for parts already"));
+  assert_int_equal(publish_rank(c, "lim2", 0, 0, 2, 1, 32, 0, &complete), 0);
+  assert_int_equal(publish_rank(c, "lim2", 0, 0, 2, 2, 32, 0, &complete), 0);
+  assert_int_equal(publish_rank(c, "lim3", 0, 0, 2, 1, 32, 0, &complete), GPUPOOL_ELIMIT);
+  assert_non_null(strstr(publish_why, "max_pending_versions_per_uid"));
+  /* Completing one frees its place; the others go with the connection. */
+  gpupool_client *r1 = th_connect(&D, "rank1");
+  assert_int_equal(publish_rank(r1, "lim2", 0, 1, 2, 2, 32, 0, &complete), 0);
+  assert_int_equal(complete, 1);
+  assert_int_equal(publish_rank(c, "lim3", 0, 0, 2, 1, 32, 0, &complete), 0);
+  assert_int_equal(gpupool_name_unpublish(c, "lim2"), 0);
+  gpupool_client_disconnect(r1);
+  gpupool_client_disconnect(c);
+  for (uint64_t end = th_now_ms() + 3000; th_now_ms() < end;) {
+    th_stats(&D, &ds, NULL);
+    if (ds.buffers == base.buffers && ds.holds == base.holds)
+      break;
+    th_sleep_ms(20);
+  }
+  assert_int_equal(ds.buffers, base.buffers);
+  assert_int_equal(ds.holds, base.holds);
+  assert_int_equal(ds.names, base.names);
+}
+
 /* A rank that publishes its part and dies (SIGKILL) before the others are in. */
 static int dying_rank(const th_daemon *d, int arg) {
   gpupool_client *c;
@@ -563,6 +598,6 @@ static void test_thousand_refits(void **state) {
 }
 
 int main(void) {
-  return TS_RUN_TESTS(setup, teardown, test_fsdp_to_tp, test_tp_to_tp, test_casts, test_bad_targets, test_rank_dies,
+  return TS_RUN_TESTS(setup, teardown, test_fsdp_to_tp, test_tp_to_tp, test_casts, test_bad_targets, test_pending_limits, test_rank_dies,
                       test_reader_killed, test_thousand_refits);
 }
