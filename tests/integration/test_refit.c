@@ -413,6 +413,99 @@ static void test_bad_targets(void **state) {
   gpupool_client_disconnect(c);
 }
 
+/* Publish whole 8x8 float32 tensors named keys[0..n-1] (a plain bundle, no parts) as the next
+ * version of name; element (i, j) of key k is value(k, i, j, v). */
+static void publish_whole(const char *name, const char *const *keys, int n, uint64_t v) {
+  gpupool_client *c = th_connect(&D, "trainer");
+  gpupool_member_spec spec[8];
+  gpupool_tensor_meta meta[8];
+  int64_t shape[2] = {8, 8};
+  gpupool_bundle *b;
+  for (int k = 0; k < n; k++) {
+    meta_of(&meta[k], GPUPOOL_DTYPE_FLOAT, 32, 2, shape);
+    spec[k].name = keys[k];
+    spec[k].size = 64 * 4;
+    spec[k].meta = &meta[k];
+  }
+  assert_int_equal(gpupool_bundle_alloc(c, NULL, spec, n, 256, 1000, NULL, &b), 0);
+  for (int k = 0; k < n; k++) {
+    gpupool_member m;
+    gpupool_bundle_member(b, k, &m);
+    for (int i = 0; i < 8; i++)
+      for (int j = 0; j < 8; j++)
+        ((float *)m.ptr)[i * 8 + j] = value(k, i, j, v);
+  }
+  assert_int_equal(gpupool_bundle_publish(b, name, NULL, NULL), 0);
+  gpupool_bundle_release(b, NULL);
+  gpupool_client_disconnect(c);
+}
+
+static void test_merge_strides_relayout(void **state) {
+  static const char *const keys[] = {"a", "b", "c", "d"};
+  float flat[3 * 64], tr[64];
+  gpupool_refit_piece pc[4];
+  gpupool_refit_target t[4];
+  int64_t shape[2] = {8, 8};
+  gpupool_client *c;
+  gpupool_bundle *b;
+  gpupool_plan *p;
+  gpupool_plan_info info;
+  (void)state;
+  publish_whole("whole", keys, 3, 1);
+  /* Three tensors one after the other in the bundle (256-byte members, aligned to 256) into
+   * three targets one after the other in one array: one copy. */
+  memset(t, 0, sizeof t);
+  for (int k = 0; k < 3; k++) {
+    piece(&pc[k], keys[k], 0, 0, 0);
+    t[k].ptr = flat + 64 * k;
+    meta_of(&t[k].meta, GPUPOOL_DTYPE_FLOAT, 32, 2, shape);
+    t[k].pieces = &pc[k];
+    t[k].npieces = 1;
+  }
+  /* And a, transposed (column-major strides). */
+  piece(&pc[3], "a", 0, 0, 0);
+  t[3].ptr = tr;
+  meta_of(&t[3].meta, GPUPOOL_DTYPE_FLOAT, 32, 2, shape);
+  t[3].meta.strides_present = 1;
+  t[3].meta.strides[0] = 1;
+  t[3].meta.strides[1] = 8;
+  t[3].pieces = &pc[3];
+  t[3].npieces = 1;
+  c = th_connect(&D, "engine");
+  assert_int_equal(gpupool_bundle_get(c, "whole", 0, 5000, GPUPOOL_READ_ONLY, NULL, &b), 0);
+  assert_int_equal(gpupool_refit_plan(b, t, 3, 0, &p), 0);
+  assert_int_equal(gpupool_plan_info_get(p, &info), 0);
+  assert_int_equal(info.copies, 1);
+  assert_int_equal(info.bytes, 3 * 64 * 4);
+  gpupool_plan_free(p);
+  assert_int_equal(gpupool_refit_plan(b, t, 4, 0, &p), 0);
+  assert_int_equal(gpupool_refit(p, b, NULL), 0);
+  for (int k = 0; k < 3; k++)
+    for (int i = 0; i < 64; i++)
+      assert_true(flat[64 * k + i] == value(k, i / 8, i % 8, 1));
+  for (int i = 0; i < 8; i++)
+    for (int j = 0; j < 8; j++)
+      assert_true(tr[j * 8 + i] == value(0, i, j, 1));
+  gpupool_bundle_release(b, NULL);
+  /* A version of another layout (a member more, in front): planned again, written right. */
+  static const char *const keys2[] = {"d", "a", "b", "c"};
+  publish_whole("whole", keys2, 4, 2);
+  assert_int_equal(gpupool_bundle_get(c, "whole", 1, 5000, GPUPOOL_READ_ONLY, NULL, &b), 0);
+  assert_int_equal(gpupool_refit(p, b, NULL), 0);
+  assert_int_equal(gpupool_plan_info_get(p, &info), 0);
+  assert_int_equal(info.plans, 2);
+  for (int k = 0; k < 3; k++)
+    for (int i = 0; i < 64; i++)
+      assert_true(flat[64 * k + i] == value(k + 1, i / 8, i % 8, 2));
+  for (int i = 0; i < 8; i++)
+    for (int j = 0; j < 8; j++)
+      assert_true(tr[j * 8 + i] == value(1, i, j, 2));
+  gpupool_bundle_release(b, NULL);
+  gpupool_plan_free(p);
+  assert_int_equal(gpupool_name_unpublish(c, "whole"), 0);
+  gpupool_client_disconnect(c);
+}
+
 /* Versions waiting for parts are bounded per name (4) and per tenant (6 here). */
 static void test_pending_limits(void **state) {
   gpupool_daemon_stats base, ds;
@@ -598,6 +691,6 @@ static void test_thousand_refits(void **state) {
 }
 
 int main(void) {
-  return TS_RUN_TESTS(setup, teardown, test_fsdp_to_tp, test_tp_to_tp, test_casts, test_bad_targets, test_pending_limits, test_rank_dies,
+  return TS_RUN_TESTS(setup, teardown, test_fsdp_to_tp, test_tp_to_tp, test_casts, test_bad_targets, test_merge_strides_relayout, test_pending_limits, test_rank_dies,
                       test_reader_killed, test_thousand_refits);
 }
