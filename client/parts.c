@@ -1,7 +1,8 @@
 /*
  * libgpupool-client, parts.c: sharded versions from the publishing side: the member names of
  * slices ("KEY@PART[S0:E0,...]/G0x..."), and publishing a bundle as one part of a version
- * (PublishPart). Reading them back is refit.c's (gpupool__shard_parse).
+ * (PublishPart, sent by bundles.c's publishes). Reading them back is refit.c's
+ * (gpupool__shard_parse).
  */
 #include <inttypes.h>
 #include <pthread.h>
@@ -97,106 +98,47 @@ int gpupool__shard_parse(const char *name, gpupool__shard *out) {
   return 0;
 }
 
-/* Send the part (members by layout id, or the members themselves when members is not NULL).
- * With c->mu held. */
-static int send_part(gpupool_bundle *b, const char *name, uint64_t version, int part, int parts, void *stream,
-                     Gpupool__Wire__BundleMember **members, int *complete) {
-  gpupool_client *c = b->c;
-  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-  Gpupool__Wire__PublishPart pp = GPUPOOL__WIRE__PUBLISH_PART__INIT;
-  gpupool__rep *rep;
-  uint64_t *holds;
+/* The checks every publish of a part makes before sending. */
+static int part_check(const char *name, uint64_t version, int part, int parts) {
   int rc;
-  if ((rc = gpupool__ensure_connected(c)) != 0)
+  if ((rc = gpupool__wire_check_name(name)) != 0)
     return rc;
-  if (!(holds = calloc((size_t)b->nbufs, sizeof *holds)))
-    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
-  for (int i = 0; i < b->nbufs; i++) {
-    if (b->bufs[i]->lost) {
-      rc = gpupool__lost_err(b->bufs[i]);
-      goto out;
-    }
-    if ((rc = gpupool__record_ready(c, b->bufs[i], stream)) != 0)
-      goto out;
-    holds[i] = b->bufs[i]->hold_id;
-  }
-  pp.name = (char *)name;
-  pp.version = version;
-  pp.part = (uint32_t)part;
-  pp.parts = (uint32_t)parts;
-  pp.n_hold_ids = (size_t)b->nbufs;
-  pp.hold_ids = holds;
-  if (members) {
-    pp.n_members = (size_t)b->layout->n;
-    pp.members = members;
-  } else {
-    pp.layout_id = b->layout->id;
-  }
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_PART;
-  req.publish_part = &pp;
-  if ((rc = gpupool__call(c, &req, &rep, NULL)) == 0) {
-    if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_PUBLISH_PART || !rep->publish_part) {
-      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon answered a PublishPart with something else");
-    } else if (complete) {
-      *complete = rep->publish_part->complete;
-    }
-    if (rc == 0 && rep->publish_part->complete)
-      gpupool__note_published(c, name);
-    gpupool__wire__reply__free_unpacked(rep, NULL);
-  }
-out:
-  free(holds);
-  return rc;
+  if (parts < 1 || parts > GPUPOOL_PARTS_MAX || part < 0 || part >= parts || version == 0)
+    return gpupool__err(GPUPOOL_EINVAL, "part %d of %d of version %" PRIu64 ": a version (1 or more) has 1 to %d "
+                        "parts, numbered from 0", part, parts, version, GPUPOOL_PARTS_MAX);
+  return 0;
 }
 
 int gpupool_bundle_publish_part(gpupool_bundle *b, const char *name, uint64_t version, int part, int parts,
                                 void *stream, int *complete) {
-  Gpupool__Wire__BundleMember *wm = NULL, **wp = NULL;
-  Gpupool__Wire__TensorMeta *tm = NULL;
-  const clayout *l;
+  gpupool__part p = {.version = version, .part = part, .parts = parts};
   int rc;
   if (complete)
     *complete = 0;
   if (!b || !name)
     return gpupool__err(GPUPOOL_EINVAL, "bundle_publish_part: bundle and name must not be NULL");
   gpupool__err_clear();
-  if ((rc = gpupool__wire_check_name(name)) != 0)
+  if ((rc = part_check(name, version, part, parts)) != 0)
     return rc;
-  if (parts < 1 || parts > GPUPOOL_PARTS_MAX || part < 0 || part >= parts || version == 0)
-    return gpupool__err(GPUPOOL_EINVAL, "part %d of %d of version %" PRIu64 ": a version (1 or more) has 1 to %d "
-                        "parts, numbered from 0", part, parts, version, GPUPOOL_PARTS_MAX);
-  l = b->layout;
-  pthread_mutex_lock(&b->c->mu);
-  /* By the layout's id first (no member travels); the members when the daemon forgot it. */
-  rc = l->id ? send_part(b, name, version, part, parts, stream, NULL, complete) : GPUPOOL_ENOENT;
-  pthread_mutex_unlock(&b->c->mu);
-  if (rc != GPUPOOL_ENOENT)
-    return rc;
+  rc = gpupool__bundle_publish(b, name, stream, NULL, 0, &p, NULL);
+  if (rc == 0 && complete)
+    *complete = p.complete;
+  return rc;
+}
+
+int gpupool_bundle_publish_members_part(gpupool_client *c, const char *name, uint64_t version, int part, int parts,
+                                        const gpupool_member_ref *members, int n, void *stream, int *complete) {
+  gpupool__part p = {.version = version, .part = part, .parts = parts};
+  int rc;
+  if (complete)
+    *complete = 0;
+  if (!c || !name)
+    return gpupool__err(GPUPOOL_EINVAL, "bundle_publish_members_part: client and name must not be NULL");
   gpupool__err_clear();
-  if (!(wm = calloc((size_t)l->n, sizeof *wm)) || !(wp = calloc((size_t)l->n, sizeof *wp)) ||
-      !(tm = calloc((size_t)l->n, sizeof *tm))) {
-    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory for a part of %d members", l->n);
-    goto out;
-  }
-  for (int i = 0; i < l->n; i++) {
-    const gpupool_member *m = &l->members[i];
-    gpupool__wire__bundle_member__init(&wm[i]);
-    wm[i].name = (char *)m->name;
-    wm[i].buffer = (uint32_t)m->buffer;
-    wm[i].offset = m->offset;
-    wm[i].size = m->size;
-    if (m->has_meta) {
-      gpupool__wire_meta_to(&m->meta, &tm[i]);
-      wm[i].tensor = &tm[i];
-    }
-    wp[i] = &wm[i];
-  }
-  pthread_mutex_lock(&b->c->mu);
-  rc = send_part(b, name, version, part, parts, stream, wp, complete);
-  pthread_mutex_unlock(&b->c->mu);
-out:
-  free(wm);
-  free(wp);
-  free(tm);
+  if ((rc = part_check(name, version, part, parts)) != 0)
+    return rc;
+  rc = gpupool__publish_members(c, name, members, n, stream, &p, NULL);
+  if (rc == 0 && complete)
+    *complete = p.complete;
   return rc;
 }

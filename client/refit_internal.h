@@ -21,4 +21,19 @@ typedef struct {
 /* 0 with *out filled when name is a slice's member name, -1 when it is not one. */
 int gpupool__shard_parse(const char *name, gpupool__shard *out);
 
+/* One part of a sharded version, for the publishes of bundles.c: sent as PublishPart instead
+ * of PublishBundle; complete gets the daemon's answer. */
+typedef struct {
+  uint64_t version;
+  int part, parts;
+  int complete;
+} gpupool__part;
+
+/* gpupool_bundle_publish_to after its checks (devs already converted), and
+ * gpupool_bundle_publish_members, each as a whole version (part NULL) or as one part. */
+int gpupool__bundle_publish(gpupool_bundle *b, const char *name, void *stream, const uint32_t *devs, int ndevs,
+                            gpupool__part *part, uint64_t *version);
+int gpupool__publish_members(gpupool_client *c, const char *name, const gpupool_member_ref *members, int n,
+                             void *stream, gpupool__part *part, uint64_t *version);
+
 #endif

@@ -4,6 +4,7 @@
  *   sharded versions (a trainer's ranks, each holding a slice of every weight)
  *     gpupool_shard_member_name            the member name a slice is published under
  *     gpupool_bundle_publish_part          publish a bundle as one part of a version
+ *     gpupool_bundle_publish_members_part  publish ranges of held buffers as one part
  *   refit (an inference engine's parameters, filled in place)
  *     gpupool_refit_plan                   the copies from a version's layout into targets
  *     gpupool_refit                        replay a plan for a version: copy, in place
@@ -62,6 +63,13 @@ GPUPOOL_EXTERN int gpupool_shard_member_name(char *out, size_t len, const char *
  * part whose connection closes first takes its version with it. */
 GPUPOOL_EXTERN int gpupool_bundle_publish_part(gpupool_bundle *b, const char *name, uint64_t version, int part,
                                                int parts, void *stream, int *complete);
+
+/* Publish n members that lie in buffers the caller holds (gpupool_member_ref, as
+ * gpupool_bundle_publish_members: zero copy, for slices that already live in gpupool memory)
+ * as part `part` of `parts` of version `version` of name, as gpupool_bundle_publish_part. */
+GPUPOOL_EXTERN int gpupool_bundle_publish_members_part(gpupool_client *c, const char *name, uint64_t version,
+                                                       int part, int parts, const gpupool_member_ref *members,
+                                                       int n, void *stream, int *complete);
 
 /* ---- refit ------------------------------------------------------------------------------------ */
 

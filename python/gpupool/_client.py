@@ -764,8 +764,10 @@ class Client:
         of `name` (greater than the published one; the same in every rank). shards: key ->
         (tensor, slices, global_shape): the tensor holds global[slices] (a tuple of slices
         with step 1, one per dimension, None or missing = the whole dimension); the global
-        shape may be left out when the slices' stops say it. Each tensor is copied once into
-        gpupool memory. The version is visible to readers when its last part is in; returns
+        shape may be left out when the slices' stops say it. A tensor that lives in gpupool
+        memory of this client (from ``alloc``, ``alloc_dict``, ``gpupool.torch.empty``, the
+        allocator) is published in place; any other is copied once into gpupool memory. The
+        version is visible to readers when its last part is in; returns
         True for the call that completed it. Stay connected until then: a rank whose
         connection closes first takes the pending version with it."""
         from . import _refit

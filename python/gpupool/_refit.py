@@ -68,6 +68,8 @@ _PROTOTYPES = {
                                          ctypes.POINTER(ctypes.c_int64)]),
     "gpupool_bundle_publish_part": (_int, [_lib.BundleP, ctypes.c_char_p, _u64, _int, _int, _vp,
                                            ctypes.POINTER(_int)]),
+    "gpupool_bundle_publish_members_part": (_int, [_lib.ClientP, ctypes.c_char_p, _u64, _int, _int, _vp,
+                                                   _int, _vp, ctypes.POINTER(_int)]),
     "gpupool_refit_plan": (_int, [_lib.BundleP, ctypes.POINTER(RefitTarget), _int, ctypes.c_uint,
                                   ctypes.POINTER(_PlanP)]),
     "gpupool_refit": (_int, [_PlanP, _lib.BundleP, _vp]),
@@ -141,15 +143,28 @@ def publish_shard(client, name: str, shards: Mapping[str, Any], rank: int, world
     if not items:
         raise error("EINVAL", "%s: a part needs at least one slice" % what)
     s = stream_handle(stream)
+    from ._client import _HoldIndex, _describe, _torch_desc
+    from ._tensor import Tensor
+    from ._util import _framework
+
+    index = _HoldIndex(client._holds)
     rows = []
     for key, spec in items:
         if not isinstance(spec, (tuple, list)) or len(spec) not in (1, 2, 3):
             raise error("EINVAL", "%s: %r: give (tensor,), (tensor, slices) or (tensor, slices, "
                         "global_shape)" % (what, key))
         tensor = spec[0]
-        from ._client import _describe
-
-        desc, s = _describe(tensor, s)
+        hold = None
+        if isinstance(tensor, Tensor) and tensor._client is client and not tensor.released \
+                and not tensor.read_only and min(tensor.strides, default=0) >= 0:
+            hold = tensor._hold
+            desc = _dlpack.Desc(tensor.data_ptr, tensor._dl_device, tensor._dtype, tensor.shape,
+                                tensor.strides)
+        else:
+            desc = _torch_desc(tensor) if _framework(tensor) == "torch" else None
+            if desc is None:
+                desc, s = _describe(tensor, s)
+            hold = index.find(desc)
         local = desc.shape
         bounds = _slice_bounds(spec[1] if len(spec) > 1 else None, local, "%s: %r" % (what, key))
         start = [lo for lo, _ in bounds]
@@ -162,16 +177,46 @@ def publish_shard(client, name: str, shards: Mapping[str, Any], rank: int, world
                 raise error("EINVAL", "%s: %r: dimension %d, slice %d:%d holds %d, the tensor %d"
                             % (what, key, d, lo, hi, hi - lo, n))
         member = shard_member_name(key, rank, gshape, start, local)
-        rows.append([member.encode(), None, desc, tensor])
-    tmp = client._copy_bundle(rows, s, pool, what)
+        rows.append([member.encode(), hold, desc, tensor])
+    copies = [r for r in rows if r[1] is None]
+    tmp = client._copy_bundle(copies, s, pool, what) if copies else None
+    done = _int(0)
     try:
-        done = _int(0)
-        client._conn.usable()
-        check(_L().gpupool_bundle_publish_part(tmp._bhold.bundle, nb, int(version), int(rank),
-                                              int(world), s, ctypes.byref(done)), what)
+        if len(copies) == len(rows):  # all copied, in order: the new bundle is the part
+            client._conn.usable()
+            check(_L().gpupool_bundle_publish_part(tmp._bhold.bundle, nb, int(version), int(rank),
+                                                  int(world), s, ctypes.byref(done)), what)
+            return bool(done.value)
+        # Slices already in gpupool memory of this client are published in place (the rest
+        # from the copies), one hold per buffer.
+        from . import _bundle
+
+        copied = iter(tmp._copied if tmp is not None else ())
+        by_buffer: Dict[Any, Any] = {}
+        bnames, bufs, offs, sizes, metas = [], [], [], [], []
+        for bk, h, desc, _ in rows:
+            if h is None:
+                h, desc = next(copied)
+            h = by_buffer.setdefault((h.buffer_id, h.ptr), h)
+            lo, span = desc.span()
+            start = desc.data + lo
+            off = start - h.ptr
+            if span == 0:
+                off, span = min(off, h.size - 1), 1
+            bnames.append(bk)
+            bufs.append(ctypes.cast(h.buf, ctypes.c_void_p).value)
+            offs.append(off)
+            sizes.append(span)
+            metas.append((desc.dtype, desc.shape, desc.strides, desc.data - start))
+        table, keep = _bundle.pack_refs(bnames, bufs, offs, sizes, metas)
+        check(_L().gpupool_bundle_publish_members_part(client._conn.usable(), nb, int(version),
+                                                      int(rank), int(world), table, len(bnames),
+                                                      s, ctypes.byref(done)), what)
+        del keep
         return bool(done.value)
     finally:
-        tmp.release()  # the pending version holds what it needs
+        if tmp is not None:
+            tmp.release()  # the pending version holds what it needs
 
 
 class RefitPlan:

@@ -128,6 +128,38 @@ class Refit(DaemonTestCase):
                         (base["buffers"], base["holds"], base["names"]),
                         "nothing left of the partial version")
 
+    def test_in_place_publish(self):
+        # Slices that already live in gpupool memory of the rank's client (a Tensor from
+        # alloc, a member of an alloc_dict) are published in place: no new buffer.
+        w = model(7)
+        ranks = [gpupool.Client(self.socket, name="rank%d" % r) for r in range(2)]
+        try:
+            parts = [fsdp_part(w, r, 2) for r in range(2)]
+            for r, c in enumerate(ranks):
+                shards = {}
+                d = c.alloc_dict({k: (t.shape, "float32") for k, (t, _, _) in parts[r].items()
+                                  if k != "norm"})
+                for k, (t, sl, g) in parts[r].items():
+                    if k == "norm":
+                        dst = c.alloc(t.shape, "float32")
+                    else:
+                        dst = d[k]
+                    np.asarray(dst)[...] = t
+                    shards[k] = (dst, sl, g)
+                before = self.stats()["buffers"]
+                done = c.publish_shard("inplace", shards, r, 2, 1)
+                self.assertEqual(done, r == 1)
+                self.assertEqual(self.stats()["buffers"], before)
+            arrays, targets = engine(2, 1)
+            with self.client.refit_plan("inplace", targets) as plan:
+                self.assertEqual(plan.refit(), 1)
+            want = expected(w, 2, 1)
+            for k in arrays:
+                np.testing.assert_array_equal(arrays[k], want[k], err_msg=k)
+        finally:
+            for c in ranks:
+                c.close()
+
     def test_bad_input(self):
         w, _ = self.publish("bad", 1, 1)
         arrays, targets = engine(1, 0)

@@ -99,6 +99,9 @@ static int slice_of(int k, int scheme, int r, int world, int64_t *start, int64_t
 
 /* Why the last publish_rank failed. */
 static char publish_why[512];
+/* publish_rank publishes the members in place (gpupool_bundle_publish_members_part), not the
+ * bundle. */
+static int publish_inplace;
 
 /* Rank r's part of version v through c: its slices of every key in dtype (32: float32, 16:
  * bfloat16, with fine values when fine). Returns publish_part's code; *complete as it says. */
@@ -141,7 +144,17 @@ static int publish_rank(gpupool_client *c, const char *name, int scheme, int r, 
         }
       }
   }
-  rc = gpupool_bundle_publish_part(b, name, v, r, world, NULL, complete);
+  if (publish_inplace) {
+    gpupool_member_ref refs[NKEYS];
+    for (int m = 0; m < n; m++) {
+      gpupool_member mb;
+      gpupool_bundle_member(b, m, &mb);
+      refs[m] = (gpupool_member_ref){names[m], gpupool_bundle_buffer(b, mb.buffer), mb.offset, mb.size, &meta[m]};
+    }
+    rc = gpupool_bundle_publish_members_part(c, name, v, r, world, refs, n, NULL, complete);
+  } else {
+    rc = gpupool_bundle_publish_part(b, name, v, r, world, NULL, complete);
+  }
   snprintf(publish_why, sizeof publish_why, "%s", rc ? gpupool_last_error() : "");
   gpupool_bundle_release(b, NULL);
   return rc;
@@ -342,7 +355,10 @@ static void test_tp_to_tp(void **state) {
   publish_version("tp2", 1, 2, 1, 32, 0);
   refit_engines("tp2", 1, 1, GPUPOOL_DTYPE_FLOAT, 32, 0);
   refit_engines("tp2", 4, 1, GPUPOOL_DTYPE_FLOAT, 32, 0);
+  /* Members published in place from buffers the ranks hold (no bundle publish). */
+  publish_inplace = 1;
   publish_version("tp4", 1, 4, 1, 32, 0);
+  publish_inplace = 0;
   refit_engines("tp4", 2, 1, GPUPOOL_DTYPE_FLOAT, 32, 0);
 }
 
