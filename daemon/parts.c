@@ -298,10 +298,3 @@ void gpd_parts_close(gpd_registry *reg) {
   free(reg->parts);
   reg->parts = NULL;
 }
-
-uint64_t gpd_parts_pending(const gpd_registry *reg) {
-  uint64_t n = 0;
-  for (const pending *v = reg->parts ? reg->parts->head : NULL; v; v = v->next)
-    n += v->nin;
-  return n;
-}

@@ -535,8 +535,6 @@ int gpd_publish_part(gpd_registry *reg, gpd_client *c, const char *name, uint64_
 void gpd_parts_client_gone(gpd_registry *reg, const gpd_client *c);
 /* Drop every waiting version (the registry closes). */
 void gpd_parts_close(gpd_registry *reg);
-/* Parts in versions still waiting for others. */
-uint64_t gpd_parts_pending(const gpd_registry *reg);
 /* Get a bundle (or single buffer) by name: *holds (an array the caller frees) gets one new
  * hold per buffer, *name the name entry (valid until the loop runs again). Same codes as
  * gpd_get, except that a single buffer is a bundle of one. */

@@ -97,7 +97,8 @@ typedef struct {
  * calling thread. */
 typedef enum { GPUPOOL_REFIT_DEVICE = 0x1 } gpupool_refit_flags;
 
-/* A plan: the copies from a version's layout into the targets. */
+/* A plan: the copies from a version's layout into the targets. One thread uses a plan at a
+ * time (it replans in place). */
 typedef struct gpupool_plan gpupool_plan;
 
 /* What a plan does. */

@@ -248,9 +248,11 @@ class RefitPlan:
         s = stream_handle(stream)
         newer = self.version if newer_than is None else int(newer_than)
         b = _lib.BundleP()
+        # KEEP_MAPPED: the versions come again and again in the same slabs (a trainer that
+        # double-buffers, or slabs the pool reuses): no import per version once they are mapped.
         check(L.gpupool_bundle_get(self._client._conn.usable(), self._name, newer,
-                                   _timeout_ms(timeout, forever=True), _lib.READ_ONLY, s,
-                                   ctypes.byref(b)),
+                                   _timeout_ms(timeout, forever=True),
+                                   _lib.READ_ONLY | _lib.KEEP_MAPPED, s, ctypes.byref(b)),
               "refit %r newer than version %d" % (self._name.decode(), newer))
         try:
             version = L.gpupool_bundle_version(b)
