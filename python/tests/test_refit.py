@@ -3,12 +3,17 @@ their slices as parts of a version, seen only once complete; an engine's own arr
 qkv and gate_up column-parallel, row-parallel o and down, another dtype) are refitted in
 place version after version by one plan; a rank that goes away mid-publish leaves nothing."""
 
+import os
+import subprocess
+import sys
 import unittest
 
 import numpy as np
 
-from support import DaemonTestCase
+from support import REPO, DaemonTestCase, child_env
 import gpupool
+
+EXAMPLE = os.path.join(REPO, "examples", "python", "refit.py")
 
 
 def model(version, rng_seed=0):
@@ -159,6 +164,19 @@ class Refit(DaemonTestCase):
         finally:
             for c in ranks:
                 c.close()
+
+    def test_example_processes(self):
+        # examples/python/refit.py: 3 trainer rank processes, the engine in another, 3 versions.
+        base = self.stats()
+        p = subprocess.run([sys.executable, EXAMPLE, "--socket", self.socket, "--world", "3",
+                            "--tp", "2", "--versions", "3"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=child_env(self.socket),
+                           timeout=120)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("refit version 3 from 3 ranks into tp rank 1 of 2: ok, in place", p.stdout)
+        self.assertIn("planned 1 time(s)", p.stdout)
+        self.wait_stats(lambda st: (st["buffers"], st["holds"], st["names"]) ==
+                        (base["buffers"], base["holds"], base["names"]), "back at baseline")
 
     def test_bad_input(self):
         w, _ = self.publish("bad", 1, 1)
