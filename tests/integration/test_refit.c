@@ -557,6 +557,57 @@ static void test_pending_limits(void **state) {
   assert_int_equal(ds.names, base.names);
 }
 
+/* A reader waiting for the name: woken by the part that completes the version, and given
+ * all of it. */
+static int waiting_reader(const th_daemon *d, int arg) {
+  gpupool_client *c;
+  gpupool_bundle *b;
+  engine e;
+  gpupool_plan *p;
+  char why[256];
+  (void)arg;
+  CHILD_CHECK(gpupool_client_connect(d->sock, "waiter", GPUPOOL_TIMEOUT_DEFAULT, &c) == 0, "connect");
+  printf("waiting\n");
+  fflush(stdout);
+  CHILD_CHECK(gpupool_bundle_get(c, "woken", 0, 10000, GPUPOOL_READ_ONLY, NULL, &b) == 0, "get");
+  CHILD_CHECK(gpupool_bundle_version(b) == 5, "version %llu", (unsigned long long)gpupool_bundle_version(b));
+  engine_init(&e, 2, 0, GPUPOOL_DTYPE_FLOAT, 32);
+  CHILD_CHECK(gpupool_refit_plan(b, e.t, NT, 0, &p) == 0, "plan");
+  CHILD_CHECK(gpupool_refit(p, b, NULL) == 0, "refit");
+  CHILD_CHECK(engine_ok(&e, 5, 0, why, sizeof why), "%s", why);
+  gpupool_plan_free(p);
+  gpupool_bundle_release(b, NULL);
+  gpupool_client_disconnect(c);
+  return 0;
+}
+
+static void test_waiter_woken(void **state) {
+  gpupool_daemon_stats ds;
+  gpupool_client *r0, *r1;
+  int complete;
+  pid_t pid;
+  (void)state;
+  r0 = th_connect(&D, "rank0");
+  r1 = th_connect(&D, "rank1");
+  pid = th_spawn(&D, waiting_reader, 0);
+  /* Once it waits (a waiter counts as a held request: poll the clients, then give it time). */
+  for (uint64_t end = th_now_ms() + 3000; th_now_ms() < end;) {
+    th_stats(&D, &ds, NULL);
+    if (ds.clients >= 4)
+      break;
+    th_sleep_ms(10);
+  }
+  th_sleep_ms(100);
+  assert_int_equal(publish_rank(r1, "woken", 0, 1, 2, 5, 32, 0, &complete), 0);
+  th_sleep_ms(100); /* the reader must not be woken by a part */
+  assert_int_equal(publish_rank(r0, "woken", 0, 0, 2, 5, 32, 0, &complete), 0);
+  assert_int_equal(complete, 1);
+  th_wait_ok(pid, "waiting reader");
+  assert_int_equal(gpupool_name_unpublish(r0, "woken"), 0);
+  gpupool_client_disconnect(r0);
+  gpupool_client_disconnect(r1);
+}
+
 /* A rank that publishes its part and dies (SIGKILL) before the others are in. */
 static int dying_rank(const th_daemon *d, int arg) {
   gpupool_client *c;
@@ -707,6 +758,6 @@ static void test_thousand_refits(void **state) {
 }
 
 int main(void) {
-  return TS_RUN_TESTS(setup, teardown, test_fsdp_to_tp, test_tp_to_tp, test_casts, test_bad_targets, test_merge_strides_relayout, test_pending_limits, test_rank_dies,
+  return TS_RUN_TESTS(setup, teardown, test_fsdp_to_tp, test_tp_to_tp, test_casts, test_bad_targets, test_merge_strides_relayout, test_pending_limits, test_waiter_woken, test_rank_dies,
                       test_reader_killed, test_thousand_refits);
 }
