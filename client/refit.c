@@ -44,6 +44,7 @@ struct gpupool_plan {
   gpupool_client *c;
   uint64_t gen;        /* c's reconnections when the plan was made: layout ids are per connection */
   uint32_t nbufs;
+  uint64_t *need;      /* per source buffer: the bytes its copies read from its start */
   op *ops;
   size_t nops;
   gpupool_plan_info info;
@@ -195,6 +196,7 @@ void gpupool_plan_free(gpupool_plan *p) {
   if (!p)
     return;
   targets_free(p->targets, p->ntargets);
+  free(p->need);
   free(p->ops);
   free(p);
 }
@@ -479,6 +481,7 @@ static int plan_compute(gpupool_plan *p, const gpupool_bundle *b) {
   src *s = NULL;
   size_t ns = 0;
   ops_list l = {0};
+  uint64_t *need;
   int rc;
   char d1[24], d2[24];
 
@@ -586,6 +589,18 @@ static int plan_compute(gpupool_plan *p, const gpupool_bundle *b) {
     }
   }
   ops_merge(&l);
+  if (!(need = calloc((size_t)b->nbufs, sizeof *need))) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory for a plan over %d buffers", b->nbufs);
+    goto out;
+  }
+  for (size_t i = 0; i < l.n; i++) {
+    const op *o = &l.ops[i];
+    uint64_t end = o->soff + (o->rows - 1) * o->spitch + o->width * o->sesz;
+    if (end > need[o->buf])
+      need[o->buf] = end;
+  }
+  free(p->need);
+  p->need = need;
   free(p->ops);
   p->ops = l.ops;
   p->nops = l.n;
@@ -706,9 +721,13 @@ int gpupool_refit(gpupool_plan *p, const gpupool_bundle *b, void *stream) {
     return gpupool__err(GPUPOOL_EINVAL, "refit: plan and bundle must not be NULL");
   gpupool__err_clear();
   /* Another layout (or a layout id of another connection, which may name another table):
-   * the copies are computed again, checked before any target is written. */
-  if (!b->layout->id || b->layout->id != p->info.layout_id || b->c != p->c ||
-      gpupool_client_reconnect_count(b->c) != p->gen || (uint32_t)b->nbufs != p->nbufs) {
+   * the copies are computed again, checked before any target is written. Buffers shorter than
+   * the copies read are another layout too, whatever the id says (never read past one). */
+  int same = b->layout->id && b->layout->id == p->info.layout_id && b->c == p->c &&
+             gpupool_client_reconnect_count(b->c) == p->gen && (uint32_t)b->nbufs == p->nbufs;
+  for (int i = 0; same && i < b->nbufs; i++)
+    same = gpupool_buffer_size(b->bufs[i]) >= p->need[i];
+  if (!same) {
     for (int i = 0; i < b->nbufs; i++)
       if (gpupool_buffer_kind(b->bufs[i]) == GPUPOOL_MEM_DEVICE)
         p->device = 1;
