@@ -61,6 +61,7 @@ typedef struct {
   uint32_t max_names_per_uid;         /* names one uid has published (they outlive it) */
   uint32_t max_bundle_members;        /* members of one bundle */
   uint32_t max_members_per_uid;       /* members of the bundles one tenant has published */
+  uint32_t max_pending_versions_per_uid; /* sharded versions of one tenant waiting for parts */
   uint32_t max_members;               /* members of every member table the daemon holds */
   uint32_t max_holds_per_client;
   uint32_t max_holds_per_uid;

@@ -71,6 +71,7 @@ void gpd_client_drop(gpd_registry *reg, gpd_client *c) {
   int waiting = 0;
 
   c->lease = NULL;
+  gpd_parts_client_gone(reg, c);
   if (lease) {
     lease->client_id = c->id;
     if (c->nholds > 0 || c->mapped.len > 0)
@@ -354,6 +355,7 @@ void gpd_registry_close(gpd_registry *reg) {
    * events (the daemon is exiting; the backend's pools go with it). */
   gpd_replicas_close(reg);
   gpd_keeps_close(reg);
+  gpd_parts_close(reg);
   for (size_t i = 0; i < reg->names.cap; i++) {
     if (!gpupool__smap_slot_used(&reg->names, i))
       continue;

@@ -418,6 +418,7 @@ struct gpd_registry {
   /* Called when memory came back to a pool (to retry waiting allocations). */
   void (*on_memory)(gpd_registry *reg, gpd_pool *pool);
   void *owner;
+  struct gpd_parts *parts; /* sharded versions waiting for parts (parts.c), NULL until the first */
 };
 
 int gpd_registry_init(gpd_registry *reg, uv_loop_t *loop, const gpd_config *cfg,
@@ -534,6 +535,21 @@ void gpd_copies_stop(gpd_registry *reg);
 int gpd_publish_bundle(gpd_registry *reg, gpd_client *c, const char *name, const uint64_t *hold_ids,
                             size_t nholds, Gpupool__Wire__BundleMember *const *members, size_t nmembers,
                             uint64_t layout_id, uint64_t *version);
+/* Publish part idx of the nparts parts of a sharded version of name (parts.c): members as
+ * gpd_publish_bundle's; the version is published when its last part is in. */
+typedef struct {
+  uint64_t version;  /* the version the part belongs to (made, when complete) */
+  uint32_t parts_in; /* its parts in so far */
+  int complete;      /* this part completed it: it is published */
+} gpd_part_result;
+int gpd_publish_part(gpd_registry *reg, gpd_client *c, const char *name, uint64_t version, uint32_t idx,
+                     uint32_t nparts, const uint64_t *hold_ids, size_t nholds,
+                     Gpupool__Wire__BundleMember *const *wm, size_t nmembers, uint64_t layout_id,
+                     gpd_part_result *res);
+/* c's connection closed: every version waiting for parts that has one of c's goes. */
+void gpd_parts_client_gone(gpd_registry *reg, const gpd_client *c);
+/* Drop every waiting version (the registry closes). */
+void gpd_parts_close(gpd_registry *reg);
 /* Get a bundle (or single buffer) by name: *holds (an array the caller frees) gets one new
  * hold per buffer, *name the name entry (valid until the loop runs again). Same codes as
  * gpd_get, except that a single buffer is a bundle of one. */
