@@ -84,6 +84,45 @@ static int host_fences_for(gpupool_client *c, const Gpupool__Wire__HelloReply *h
   return want;
 }
 
+/* What a Hello reply tells this connection: the protocol, the backend, the pools. */
+static int take_hello(gpupool_client *c, const Gpupool__Wire__HelloReply *hr) {
+  const gpupool__backend_desc *d;
+  int rc;
+
+  if (hr->protocol_version != GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION)
+    return gpupool__err(GPUPOOL_EVERSION, "gpupoold %s speaks protocol %u, this library (%s) speaks %d",
+                        hr->daemon_version, hr->protocol_version, GPUPOOL_VERSION_STRING,
+                        GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION);
+  c->client_id = hr->client_id;
+  c->max_frame = hr->max_frame;
+  c->backend_kind = hr->backend;
+  if (!(d = gpupool__backend_by_kind(hr->backend)))
+    return gpupool__err(GPUPOOL_EPROTO, "gpupoold %s runs backend %d, which this library (%s) does "
+                        "not know; upgrade libgpupool-client", hr->daemon_version, hr->backend,
+                        GPUPOOL_VERSION_STRING);
+  if (!d->client)
+    return gpupool__err(GPUPOOL_ENOTSUP,
+                        "gpupoold serves %s but this libgpupool-client was built without it; "
+                        "rebuild it with the CUDA toolkit", d->what);
+  c->be = d->client;
+  c->host_fences = host_fences_for(c, hr);
+  c->pools = calloc(hr->n_pools ? hr->n_pools : 1, sizeof *c->pools);
+  if (!c->pools)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  c->npools = 0;
+  for (size_t i = 0; i < hr->n_pools; i++) {
+    const Gpupool__Wire__PoolInfo *pi = hr->pools[i];
+    cpool *p = &c->pools[c->npools++];
+    p->id = pi->id;
+    snprintf(p->name, sizeof p->name, "%s", pi->name ? pi->name : "");
+    if ((rc = gpupool__wire_mem_kind(pi->location, &p->kind)) != 0)
+      return rc;
+    p->device = pi->device;
+    p->capacity = pi->capacity;
+  }
+  return 0;
+}
+
 /* Connect to c->socket_path and say Hello; fills the pool list. With c->mu held and
  * c->fd == -1. On failure the fd is closed again, and *err says why. */
 static int handshake(gpupool_client *c, gpupool__error *err) {
@@ -135,48 +174,8 @@ static int handshake(gpupool_client *c, gpupool__error *err) {
     close(lease); /* an fd this library did not ask for */
     lease = -1;
   }
-  if (hr->protocol_version != GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION) {
-    rc = gpupool__err(GPUPOOL_EVERSION, "gpupoold %s speaks protocol %u, this library (%s) speaks %d",
-                      hr->daemon_version, hr->protocol_version, GPUPOOL_VERSION_STRING,
-                      GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION);
+  if ((rc = take_hello(c, hr)) != 0)
     goto fail;
-  }
-  c->client_id = hr->client_id;
-  c->max_frame = hr->max_frame;
-  c->backend_kind = hr->backend;
-  {
-    const gpupool__backend_desc *d = gpupool__backend_by_kind(hr->backend);
-    if (!d) {
-      rc = gpupool__err(GPUPOOL_EPROTO, "gpupoold %s runs backend %d, which this library (%s) does "
-                        "not know; upgrade libgpupool-client", hr->daemon_version, hr->backend,
-                        GPUPOOL_VERSION_STRING);
-      goto fail;
-    }
-    if (!d->client) {
-      rc = gpupool__err(GPUPOOL_ENOTSUP,
-                        "gpupoold serves %s but this libgpupool-client was built without it; "
-                        "rebuild it with the CUDA toolkit", d->what);
-      goto fail;
-    }
-    c->be = d->client;
-  }
-  c->host_fences = host_fences_for(c, hr);
-  c->pools = calloc(hr->n_pools ? hr->n_pools : 1, sizeof *c->pools);
-  if (!c->pools) {
-    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
-    goto fail;
-  }
-  c->npools = 0;
-  for (size_t i = 0; i < hr->n_pools; i++) {
-    const Gpupool__Wire__PoolInfo *pi = hr->pools[i];
-    cpool *p = &c->pools[c->npools++];
-    p->id = pi->id;
-    snprintf(p->name, sizeof p->name, "%s", pi->name ? pi->name : "");
-    if ((rc = gpupool__wire_mem_kind(pi->location, &p->kind)) != 0)
-      goto fail;
-    p->device = pi->device;
-    p->capacity = pi->capacity;
-  }
   gpupool__wire__reply__free_unpacked(rep, NULL);
   c->lease_fd = lease;
   return 0;
