@@ -18,11 +18,12 @@
  * connection held or mapped only once no process holds the lease any more, so it is closed
  * only after the last mapping of its daemon's memory is gone.
  *
- * The files, each calling only files below it (see docs/ARCHITECTURE.md): conn.c (transport,
- * reader election, call; it reports reconnects and revocations upward through the callbacks in
- * the client struct), maps.c (pools, slabs, events, stale generations), names.c (names this
- * client published or lost), buffers.c, bundles.c, parts.c, refit.c, pending.c (pipelining),
- * files.c (published files), connect.c (connect, reconnect, disconnect).
+ * The files, each calling only those below it (docs/ARCHITECTURE.md, "Inside the client"):
+ * refit.c, connect.c (connect, reconnect, disconnect), pending.c (pipelining), files.c
+ * (published files), parts.c, bundles.c, buffers.c, maps.c (pools, slabs, events, stale
+ * generations), names.c (names this client published or lost), conn.c (transport, reader
+ * election, call; it reports reconnects and revocations upward through the callbacks in the
+ * client struct).
  */
 #ifndef GPUPOOL_CLIENT_INTERNAL_H
 #define GPUPOOL_CLIENT_INTERNAL_H
