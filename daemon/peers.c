@@ -90,11 +90,14 @@ static int read_secret(const char *path, uint8_t *out, size_t *len) {
 static void on_tick(uv_timer_t *t) {
   gpd_peers *P = t->data;
   uint64_t now = now_ns(), limit = (uint64_t)P->cfg->peer_fetch_timeout_ms * 1000000ull;
+  uint64_t hs = (uint64_t)P->cfg->peer_handshake_timeout_ms * 1000000ull;
   for (plink *l = P->links, *next; l; l = next) {
     next = l->next;
-    if (l->state != L_UP && (l->why[0] || now - l->since_ns > AUTH_TIMEOUT_NS)) {
-      gpd_pr_link_close(l, l->why[0] ? l->why
-                    : l->state == L_CONNECTING ? "no connection within 5 s" : "no authentication within 5 s");
+    if (l->state != L_UP && (l->why[0] || now - l->since_ns > hs)) {
+      char why[128];
+      snprintf(why, sizeof why, "no %s within %u ms (peer_handshake_timeout_ms)",
+               l->state == L_CONNECTING ? "connection" : "authentication", P->cfg->peer_handshake_timeout_ms);
+      gpd_pr_link_close(l, l->why[0] ? l->why : why);
       continue;
     }
   }

@@ -23,7 +23,6 @@
  * daemon that sends none is revision 1. GPUPOOL_TEST_PEER_REVISION=N in the environment makes
  * a daemon announce (and expect) N: the tests' older peer. */
 #define PEER_REVISION 2
-#define AUTH_TIMEOUT_NS (5ull * 1000000000ull)
 #define TICK_MS 100
 #define MAX_SECRET 4096
 #define MAX_WRITE_QUEUE (64u << 20)
@@ -127,6 +126,8 @@ struct plink {
   gpd_ucx_ep *ep;        /* incoming: to the fetching daemon's worker (the data goes there) */
   uint8_t *waddr;        /* incoming: that worker's address, from Hello */
   size_t waddr_len;
+  struct sockaddr_storage src; /* incoming: where it comes from */
+  int counted;           /* incoming and not authenticated yet: counted in P->unauth */
   peer *peer;            /* outgoing: the peer; incoming: once known from its Hello */
   char addr[64];         /* where it connects from / to, for logs */
   uint8_t nonce_mine[NONCE_LEN], nonce_theirs[NONCE_LEN];
@@ -219,6 +220,7 @@ struct gpd_peers {
   sub *subs;
   uint64_t next_id;
   char listen_addr[64];
+  uint32_t unauth;       /* incoming connections not authenticated yet */
   int closing;           /* handles whose close callback has not come yet */
   gpupool__ratelimit log_rl; /* lines that connections to peer_listen cause */
   struct grave *graves;  /* served ranges a gone peer may still be reading */
@@ -248,6 +250,8 @@ void gpd_pr_send_done(plink *l, uint64_t id);
 void gpd_pr_link_close(plink *l, const char *why);
 void gpd_pr_link_connect(gpd_peers *P, peer *p);
 void gpd_pr_on_accept(uv_stream_t *server, int status);
+/* fds that can still be opened below the fd limit (0 when they cannot even be counted). */
+uint64_t gpd_pr_fds_free(void);
 
 /* peers_fetch.c */
 void gpd_pr_sub_free(sub *sb);

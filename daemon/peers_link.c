@@ -12,7 +12,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 
 #include "peers_internal.h"
 #include "sha256.h"
@@ -50,6 +52,25 @@ static void mac(const peer *p, const char *role, const uint8_t *nf, const uint8_
   const void *parts[] = {role, nf, ns};
   size_t lens[] = {strlen(role), NONCE_LEN, NONCE_LEN};
   gpupool__hmac_sha256(p->secret, p->secret_len, parts, lens, 3, out);
+}
+
+uint64_t gpd_pr_fds_free(void) {
+  struct rlimit rl;
+  DIR *d;
+  struct dirent *e;
+  uint64_t n = 0;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
+    return 0;
+  if (rl.rlim_cur == RLIM_INFINITY)
+    return UINT64_MAX;
+  if (!(d = opendir("/proc/self/fd")))
+    return 0; /* not even one fd to count them with */
+  while ((e = readdir(d)))
+    if (e->d_name[0] != '.')
+      n++;
+  closedir(d);
+  n = n ? n - 1 : 0; /* the directory's own */
+  return n < rl.rlim_cur ? rl.rlim_cur - n : 0;
 }
 
 /* ---- frames --------------------------------------------------------------------------------- */
@@ -144,6 +165,10 @@ void gpd_pr_link_close(plink *l, const char *why) {
   if (l->closing)
     return;
   l->closing = 1;
+  if (l->counted) {
+    l->counted = 0;
+    P->unauth--;
+  }
   if (l->outgoing) {
     char msg[GPUPOOL__ERRMSG_MAX];
     snprintf(msg, sizeof msg, "%s", why);
@@ -364,12 +389,28 @@ static void on_ep_ready(void *arg, int status) {
 static void on_auth(plink *l, const Gpupool__Wire__PeerAuth *m) {
   gpd_peers *P = l->P;
   uint8_t want[32];
+  uint64_t fds;
   int rc;
   mac(l->peer, "gpupool peer client", l->nonce_theirs, l->nonce_mine, want);
   if (m->mac.len != 32 || !gpupool__ct_equal(want, m->mac.data, 32)) {
     auth_failed(l, l->peer->conf->name);
     send_error(l, GPUPOOL_EPERM, "peer authentication failed: wrong secret (check secret_file on both daemons)");
     link_close_after_send(l, "peer authentication failed: wrong secret");
+    return;
+  }
+  if (l->counted) {
+    l->counted = 0;
+    P->unauth--;
+  }
+  /* UCX aborts the whole process when it cannot open the sockets an endpoint needs: refuse
+   * the peer while the fds kept in reserve are short instead. */
+  if ((fds = gpd_pr_fds_free()) < P->cfg->peer_fd_reserve / 2) {
+    char why[256];
+    snprintf(why, sizeof why, "gpupoold has %" PRIu64 " file descriptors left (peer_fd_reserve %u): no UCX endpoint "
+             "for this peer now; try later. Operators: raise LimitNOFILE= (ulimit -n)", fds, P->cfg->peer_fd_reserve);
+    GPUPOOL__PEER_WARN(&P->log_rl, 0, "peers: %s (%s) refused: %s", l->peer->conf->name, l->addr, why);
+    send_error(l, GPUPOOL_ELIMIT, why);
+    link_close_after_send(l, why);
     return;
   }
   if ((rc = gpd_ucx_ep_new(P->ucx, l->waddr, l->waddr_len, &l->ep)) != 0 ||
@@ -599,22 +640,85 @@ void gpd_pr_link_connect(gpd_peers *P, peer *p) {
              p->conf->name, p->conf->address, uv_strerror(rc));
 }
 
+/* Unauthenticated connections from where l comes from, and the oldest of them. */
+static uint32_t from_same(gpd_peers *P, const plink *l, plink **oldest) {
+  uint32_t n = 0;
+  *oldest = NULL;
+  for (plink *o = P->links; o; o = o->next)
+    if (o != l && o->counted && same_addr(&o->src, &l->src, 0)) {
+      n++;
+      if (!*oldest || o->since_ns <= (*oldest)->since_ns)
+        *oldest = o;
+    }
+  return n;
+}
+
+/* An incoming connection within the caps on unauthenticated ones (peer_max_unauthenticated,
+ * peer_max_unauthenticated_per_addr) and with fds to spare (peer_fd_reserve): 1 to keep it,
+ * 0 when it must go (why set). At the total cap, the oldest connection of the address that
+ * holds the most goes instead when that address holds more than l's: a flood from a few hosts
+ * takes its own connections' places, not a peer's. */
+static int admit(gpd_peers *P, plink *l, char *why, size_t len) {
+  const gpd_config *cfg = P->cfg;
+  plink *oldest, *victim = NULL;
+  uint32_t mine = from_same(P, l, &oldest), most = 0;
+  uint64_t fds = gpd_pr_fds_free();
+  if (fds < cfg->peer_fd_reserve) {
+    snprintf(why, len, "only %" PRIu64 " file descriptors left, fewer than peer_fd_reserve %u", fds,
+             cfg->peer_fd_reserve);
+    return 0;
+  }
+  if (mine >= cfg->peer_max_unauthenticated_per_addr) {
+    snprintf(why, len, "%u connections from that address are not authenticated yet "
+             "(peer_max_unauthenticated_per_addr)", mine);
+    return 0;
+  }
+  if (P->unauth < cfg->peer_max_unauthenticated)
+    return 1;
+  for (plink *o = P->links; o; o = o->next) {
+    plink *old;
+    uint32_t n;
+    if (!o->counted)
+      continue;
+    if ((n = from_same(P, o, &old) + 1) > most) {
+      most = n;
+      victim = old ? (old->since_ns <= o->since_ns ? old : o) : o;
+    }
+  }
+  if (!victim || most <= mine + 1) {
+    snprintf(why, len, "%u connections are not authenticated yet (peer_max_unauthenticated)", P->unauth);
+    return 0;
+  }
+  gpd_pr_link_close(victim, "made way for a connection from an address with fewer unauthenticated connections "
+                    "(peer_max_unauthenticated)");
+  return 1;
+}
+
 void gpd_pr_on_accept(uv_stream_t *server, int status) {
   gpd_peers *P = server->data;
-  struct sockaddr_storage src;
-  int len = sizeof src;
+  int len = sizeof(struct sockaddr_storage);
+  char why[256];
   plink *l;
-  if (status < 0)
+  if (status < 0) {
+    /* libuv accepted and closed what waited (its reserved fd): nothing is held. */
+    GPUPOOL__PEER_WARN(&P->log_rl, 0, "peers: a connection to peer_listen was refused: %s (fd limit: raise "
+                       "LimitNOFILE=, ulimit -n)", uv_strerror(status));
     return;
+  }
   if (!(l = link_new(P)))
     return;
   if (uv_accept(server, (uv_stream_t *)&l->tcp) != 0) {
     gpd_pr_link_close(l, "accept failed");
     return;
   }
-  memset(&src, 0, sizeof src);
-  uv_tcp_getpeername(&l->tcp, (struct sockaddr *)&src, &len);
-  fmt_addr(&src, l->addr, sizeof l->addr);
+  uv_tcp_getpeername(&l->tcp, (struct sockaddr *)&l->src, &len);
+  fmt_addr(&l->src, l->addr, sizeof l->addr);
   l->state = L_AWAIT_HELLO;
+  if (!admit(P, l, why, sizeof why)) {
+    gpd_pr_link_close(l, why);
+    return;
+  }
+  l->counted = 1;
+  P->unauth++;
   uv_read_start((uv_stream_t *)&l->tcp, on_alloc, on_read);
 }
