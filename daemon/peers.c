@@ -5,9 +5,11 @@
  * carrying 4-byte little-endian length-prefixed PeerFrames (proto/gpupool.proto), each at most
  * peer_max_frame bytes. The fetching side says Hello (its nonce and its own peer_listen, by
  * which the serving side finds its [peer] section: the advertised address, else the source
- * address when one section alone has it), the serving side answers Challenge (its nonce and
- * HMAC-SHA256(secret, "gpupool peer server" | nonce_f | nonce_s)), the fetching side checks it
- * and answers Auth (the same with "gpupool peer client"), and the serving side checks that and
+ * address when one section alone has it; its UCX worker address; its instance), the serving
+ * side answers Challenge (its nonce, its instance and HMAC-SHA256(secret, "gpupool peer server"
+ * | both nonces | Hello's worker and listen addresses | both instances): what Hello carried is
+ * authenticated, not only who sent it), the fetching side checks it and answers Auth (the same
+ * with "gpupool peer client"), and the serving side checks that and
  * connects its UCX endpoint to the fetching side's worker (the address came in Hello) and says
  * Welcome once UCX is connected both ways. Both compare in constant time; a wrong secret is
  * logged on both sides, and nothing but Hello, Challenge, Auth and Error is read before.
@@ -51,6 +53,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -139,6 +142,11 @@ int gpd_peers_start(gpd_server *s) {
                   PEER_REVISION);
   }
   P->reg = s->reg;
+  /* This start's instance: a peer that sees another one knows this daemon's versions began
+   * anew. */
+  while (!P->instance)
+    if (getrandom(&P->instance, sizeof P->instance, 0) != (ssize_t)sizeof P->instance)
+      P->instance = gpd_now_ns() ^ ((uint64_t)getpid() << 32);
   gpupool__smap_init(&P->subs_by_key);
   snprintf(P->listen_addr, sizeof P->listen_addr, "%s", cfg->peer_listen);
   for (int i = 0; i < cfg->n_peers; i++) {

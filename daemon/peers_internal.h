@@ -22,7 +22,7 @@
 /* Revision of the daemon-to-daemon frames this daemon speaks (PeerHello.peer_revision); a
  * daemon that sends none is revision 1. GPUPOOL_TEST_PEER_REVISION=N in the environment makes
  * a daemon announce (and expect) N: the tests' older peer. */
-#define PEER_REVISION 2
+#define PEER_REVISION 3
 #define TICK_MS 100
 #define MAX_SECRET 4096
 #define MAX_WRITE_QUEUE (64u << 20)
@@ -126,6 +126,8 @@ struct plink {
   gpd_ucx_ep *ep;        /* incoming: to the fetching daemon's worker (the data goes there) */
   uint8_t *waddr;        /* incoming: that worker's address, from Hello */
   size_t waddr_len;
+  char *hello_listen;    /* incoming: Hello's listen (bound into the MACs) */
+  uint64_t instance_f, instance_s; /* the fetching and the serving side's instances */
   struct sockaddr_storage src; /* incoming: where it comes from */
   int counted;           /* incoming and not authenticated yet: counted in P->unauth */
   peer *peer;            /* outgoing: the peer; incoming: once known from its Hello */
@@ -220,6 +222,7 @@ struct gpd_peers {
   sub *subs;
   uint64_t next_id;
   char listen_addr[64];
+  uint64_t instance;     /* this daemon's: random, drawn at start */
   uint32_t unauth;       /* incoming connections not authenticated yet */
   int closing;           /* handles whose close callback has not come yet */
   gpupool__ratelimit log_rl; /* lines that connections to peer_listen cause */

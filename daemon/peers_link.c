@@ -48,10 +48,40 @@ static void fmt_addr(const struct sockaddr_storage *a, char *buf, size_t len) {
   snprintf(buf, len, "%s:%d", host, port);
 }
 
-static void mac(const peer *p, const char *role, const uint8_t *nf, const uint8_t *ns, uint8_t out[32]) {
-  const void *parts[] = {role, nf, ns};
-  size_t lens[] = {strlen(role), NONCE_LEN, NONCE_LEN};
-  gpupool__hmac_sha256(p->secret, p->secret_len, parts, lens, 3, out);
+/* HMAC-SHA256(secret, role | what the handshake carried): both nonces, the fetching side's
+ * worker address and listen address from its Hello, and both instances. A Hello altered on
+ * the way (another worker to send the data to, another listen to be known by) or a Challenge
+ * with another instance fails authentication on both sides. */
+static void mac(const plink *l, const char *role, const uint8_t *nf, const uint8_t *ns, const uint8_t *waddr,
+                size_t waddr_len, const char *listen, uint8_t out[32]) {
+  uint8_t wl[4], ll[4], inst[16];
+  size_t listen_len = listen ? strlen(listen) : 0;
+  for (int i = 0; i < 4; i++) {
+    wl[i] = (uint8_t)(waddr_len >> (8 * i));
+    ll[i] = (uint8_t)(listen_len >> (8 * i));
+  }
+  for (int i = 0; i < 8; i++) {
+    inst[i] = (uint8_t)(l->instance_f >> (8 * i));
+    inst[8 + i] = (uint8_t)(l->instance_s >> (8 * i));
+  }
+  {
+    const void *parts[] = {role, nf, ns, wl, waddr, ll, listen ? listen : "", inst};
+    size_t lens[] = {strlen(role), NONCE_LEN, NONCE_LEN, 4, waddr_len, 4, listen_len, sizeof inst};
+    gpupool__hmac_sha256(l->peer->secret, l->peer->secret_len, parts, lens, 8, out);
+  }
+}
+
+/* The fetching side's MAC: over its own Hello. */
+static void mac_mine(const plink *l, const char *role, uint8_t out[32]) {
+  const void *addr;
+  size_t alen;
+  gpd_ucx_address(l->P->ucx, &addr, &alen);
+  mac(l, role, l->nonce_mine, l->nonce_theirs, addr, alen, l->P->listen_addr, out);
+}
+
+/* The serving side's MAC: over the Hello it received. */
+static void mac_theirs(const plink *l, const char *role, uint8_t out[32]) {
+  mac(l, role, l->nonce_theirs, l->nonce_mine, l->waddr, l->waddr_len, l->hello_listen, out);
 }
 
 uint64_t gpd_pr_fds_free(void) {
@@ -155,6 +185,7 @@ static void link_freed(uv_handle_t *h) {
   plink *l = h->data;
   gpupool__hmap_free(&l->asked);
   free(l->waddr);
+  free(l->hello_listen);
   free(l->rbuf);
   free(l);
 }
@@ -234,8 +265,8 @@ static void link_close_after_send(plink *l, const char *why) {
 
 static void auth_failed(plink *l, const char *who) {
   char msg[256];
-  snprintf(msg, sizeof msg, "peer %s: peer authentication failed: wrong secret (check secret_file on both daemons)",
-           who);
+  snprintf(msg, sizeof msg, "peer %s: peer authentication failed: wrong secret (check secret_file on both daemons), "
+           "or the handshake was altered on the way", who);
   if (l->outgoing)
     GPUPOOL__WARN("peers: %s (%s)", msg, l->addr);
   else
@@ -280,6 +311,12 @@ static void on_hello(plink *l, const Gpupool__Wire__PeerHello *m) {
   }
   memcpy(l->waddr, m->worker_address.data, m->worker_address.len);
   l->waddr_len = m->worker_address.len;
+  if (!m->instance || (m->listen && strlen(m->listen) > 255) || !(l->hello_listen = strdup(m->listen ? m->listen : ""))) {
+    gpd_pr_link_close(l, "its Hello has no instance or an overlong listen address");
+    return;
+  }
+  l->instance_f = m->instance;
+  l->instance_s = P->instance;
   memset(&src, 0, sizeof src);
   uv_tcp_getpeername(&l->tcp, (struct sockaddr *)&src, &len);
   if (m->listen && *m->listen && gpd_parse_hostport(m->listen, "listen", &adv) == 0)
@@ -309,7 +346,8 @@ static void on_hello(plink *l, const Gpupool__Wire__PeerHello *m) {
     gpd_pr_link_close(l, "no random bytes for a nonce");
     return;
   }
-  mac(l->peer, "gpupool peer server", l->nonce_theirs, l->nonce_mine, macv);
+  mac_theirs(l, "gpupool peer server", macv);
+  ch.instance = P->instance;
   ch.nonce.data = l->nonce_mine;
   ch.nonce.len = NONCE_LEN;
   ch.mac.data = macv;
@@ -340,10 +378,11 @@ static void on_challenge(plink *l, const Gpupool__Wire__PeerChallenge *m) {
     return;
   }
   memcpy(l->nonce_theirs, m->nonce.data, NONCE_LEN);
-  mac(l->peer, "gpupool peer server", l->nonce_mine, l->nonce_theirs, want);
-  ok = gpupool__ct_equal(want, m->mac.data, 32);
+  l->instance_s = m->instance;
+  mac_mine(l, "gpupool peer server", want);
+  ok = m->instance && gpupool__ct_equal(want, m->mac.data, 32);
   /* Answer even when the peer's proof is wrong, so that it logs the failure too. */
-  mac(l->peer, "gpupool peer client", l->nonce_mine, l->nonce_theirs, macv);
+  mac_mine(l, "gpupool peer client", macv);
   a.mac.data = macv;
   a.mac.len = sizeof macv;
   f.body_case = GPUPOOL__WIRE__PEER_FRAME__BODY_AUTH;
@@ -391,10 +430,11 @@ static void on_auth(plink *l, const Gpupool__Wire__PeerAuth *m) {
   uint8_t want[32];
   uint64_t fds;
   int rc;
-  mac(l->peer, "gpupool peer client", l->nonce_theirs, l->nonce_mine, want);
+  mac_theirs(l, "gpupool peer client", want);
   if (m->mac.len != 32 || !gpupool__ct_equal(want, m->mac.data, 32)) {
     auth_failed(l, l->peer->conf->name);
-    send_error(l, GPUPOOL_EPERM, "peer authentication failed: wrong secret (check secret_file on both daemons)");
+    send_error(l, GPUPOOL_EPERM, "peer authentication failed: wrong secret (check secret_file on both daemons), or "
+               "the handshake was altered on the way");
     link_close_after_send(l, "peer authentication failed: wrong secret");
     return;
   }
@@ -606,6 +646,8 @@ static void on_connected(uv_connect_t *req, int status) {
   h.peer_revision = P->revision;
   h.nonce.data = l->nonce_mine;
   h.nonce.len = NONCE_LEN;
+  h.instance = P->instance;
+  l->instance_f = P->instance;
   h.listen = P->listen_addr;
   {
     const void *addr;

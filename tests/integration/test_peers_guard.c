@@ -1,9 +1,11 @@
 /*
- * Peers under attack: two real gpupoolds on 127.0.0.1 (UCX over TCP on lo). A host without
- * the secret that keeps hundreds of connections open to peer_listen of a daemon with few fds
- * leaves that daemon's local clients served and its peer's fetches working (unauthenticated
- * connections are capped in total and per address, fds are kept in reserve).
- * Links the wire module: reasons come from the logs.
+ * Peers under attack: two real gpupoolds on 127.0.0.1 (UCX over TCP on
+ * lo). A host without the secret that keeps hundreds of connections open to peer_listen of a
+ * daemon with few fds leaves that daemon's local clients served and its peer's fetches
+ * working (unauthenticated connections are capped in total and per address, fds are kept in
+ * reserve); a Hello altered on the way (its listen address or its UCX worker address) fails
+ * authentication on both sides.
+ * Links the wire module (the man in the middle re-packs frames): reasons come from the logs.
  * Skipped (77) when gpupoold was built without UCX.
  */
 #include <arpa/inet.h>
@@ -11,8 +13,10 @@
 #include <inttypes.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/resource.h>
 
+#include "gpupool.pb-c.h"
 #include "harness.h"
 
 #define SECRET "0123456789abcdef-shared-peer-secret"
@@ -124,6 +128,13 @@ static int log_has(const node *n, const char *needle) {
     found = strstr(line, needle) != NULL;
   fclose(f);
   return found;
+}
+
+static int log_gets(const node *n, const char *needle, uint64_t ms) {
+  uint64_t end = th_now_ms() + ms;
+  while (!log_has(n, needle) && th_now_ms() < end)
+    th_sleep_ms(20);
+  return log_has(n, needle);
 }
 
 static int skip_without_ucx(void) {
@@ -243,11 +254,142 @@ static void test_unauthenticated_flood(void **state) {
   th_stop(&A.d);
 }
 
+/* ---- a Hello altered on the way ------------------------------------------------------------- */
+
+enum { ALTER_LISTEN, ALTER_WORKER };
+
+typedef struct {
+  int lfd;
+  int to_port;
+  int how;
+  int altered; /* the Hello went through altered */
+} mitm;
+
+static int read_full(int fd, uint8_t *p, size_t len) {
+  size_t got = 0;
+  while (got < len) {
+    ssize_t r = read(fd, p + got, len - got);
+    if (r <= 0)
+      return -1;
+    got += (size_t)r;
+  }
+  return 0;
+}
+
+/* Between the fetching daemon and the serving one: the first frame (Hello) re-packed with its
+ * listen address cleared (the serving side then finds the [peer] by source address) or its
+ * worker address changed, then everything passed on as it comes. */
+static void *mitm_run(void *arg) {
+  mitm *m = arg;
+  struct sockaddr_in to = {.sin_family = AF_INET};
+  uint8_t hdr[4], *body = NULL, *out = NULL, buf[65536];
+  int a = accept(m->lfd, NULL, NULL), b = socket(AF_INET, SOCK_STREAM, 0);
+  uint32_t len;
+  size_t olen;
+  Gpupool__Wire__PeerFrame *f = NULL;
+  char *listen_was = NULL;
+  struct pollfd p[2];
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  to.sin_port = htons((uint16_t)m->to_port);
+  if (a < 0 || b < 0 || connect(b, (struct sockaddr *)&to, sizeof to) != 0 || read_full(a, hdr, 4) != 0)
+    goto out;
+  len = (uint32_t)hdr[0] | (uint32_t)hdr[1] << 8 | (uint32_t)hdr[2] << 16 | (uint32_t)hdr[3] << 24;
+  if (len > 65536 || !(body = malloc(len)) || read_full(a, body, len) != 0)
+    goto out;
+  if (!(f = gpupool__wire__peer_frame__unpack(NULL, len, body)) || f->body_case != GPUPOOL__WIRE__PEER_FRAME__BODY_HELLO)
+    goto out;
+  if (m->how == ALTER_LISTEN) {
+    listen_was = f->hello->listen;
+    f->hello->listen = (char *)"";
+  } else if (f->hello->worker_address.len)
+    f->hello->worker_address.data[f->hello->worker_address.len - 1] ^= 0x01;
+  olen = gpupool__wire__peer_frame__get_packed_size(f);
+  if (!(out = malloc(olen + 4)))
+    goto out;
+  for (int i = 0; i < 4; i++)
+    out[i] = (uint8_t)(olen >> (8 * i));
+  gpupool__wire__peer_frame__pack(f, out + 4);
+  if (m->how == ALTER_LISTEN)
+    f->hello->listen = listen_was; /* the unpacked string goes with the frame */
+  if (write(b, out, olen + 4) != (ssize_t)(olen + 4))
+    goto out;
+  m->altered = 1;
+  p[0].fd = a, p[1].fd = b;
+  p[0].events = p[1].events = POLLIN;
+  for (;;) {
+    if (poll(p, 2, 30000) <= 0)
+      break;
+    for (int i = 0; i < 2; i++)
+      if (p[i].revents) {
+        ssize_t r = read(p[i].fd, buf, sizeof buf);
+        if (r <= 0 || write(p[1 - i].fd, buf, (size_t)r) != r)
+          goto out;
+      }
+  }
+out:
+  if (f)
+    gpupool__wire__peer_frame__free_unpacked(f, NULL);
+  free(body);
+  free(out);
+  if (a >= 0)
+    close(a);
+  if (b >= 0)
+    close(b);
+  return NULL;
+}
+
+/* B reaches A through a man in the middle that alters B's Hello: both refuse the handshake
+ * and the getter gets nothing. */
+static void alter_hello(int how) {
+  struct sockaddr_in a = {.sin_family = AF_INET};
+  socklen_t alen = sizeof a;
+  mitm m = {.how = how};
+  pthread_t t;
+  uint64_t v = 0;
+  int right = 0, rc;
+  node_prepare(&A);
+  node_prepare(&B);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  assert_true((m.lfd = socket(AF_INET, SOCK_STREAM, 0)) >= 0);
+  assert_int_equal(bind(m.lfd, (struct sockaddr *)&a, sizeof a), 0);
+  assert_int_equal(getsockname(m.lfd, (struct sockaddr *)&a, &alen), 0);
+  assert_int_equal(listen(m.lfd, 4), 0);
+  m.to_port = A.port;
+  node_start(&A, "B", B.port, "", 0);
+  node_start(&B, "A", ntohs(a.sin_port), "", 0);
+  publish(&A, "weights", 4096, 3);
+  assert_int_equal(pthread_create(&t, NULL, mitm_run, &m), 0);
+  rc = get(&B, "A:weights", 0, 5000, 4096, 3, &v, &right);
+  shutdown(m.lfd, SHUT_RDWR);
+  close(m.lfd);
+  pthread_join(t, NULL);
+  assert_true(m.altered);
+  if (rc == 0) {
+    th_dump_log(&A.d);
+    fail_msg("B fetched A:weights v%" PRIu64 " through an altered Hello", v);
+  }
+  assert_true(log_gets(&A, "peer authentication failed", 5000));
+  assert_true(log_gets(&B, "peer authentication failed", 5000));
+  daemon_alive(&A);
+  th_stop(&B.d);
+  th_stop(&A.d);
+}
+
+static void test_hello_listen_altered(void **state) {
+  (void)state;
+  alter_hello(ALTER_LISTEN);
+}
+
+static void test_hello_worker_altered(void **state) {
+  (void)state;
+  alter_hello(ALTER_WORKER);
+}
+
 int main(void) {
   if (skip_without_ucx())
     return 77;
   setenv("UCX_TLS", "tcp", 1);
   setenv("UCX_NET_DEVICES", "lo", 1);
   signal(SIGPIPE, SIG_IGN);
-  return TS_RUN_TESTS(NULL, NULL, test_unauthenticated_flood);
+  return TS_RUN_TESTS(NULL, NULL, test_hello_listen_altered, test_hello_worker_altered, test_unauthenticated_flood);
 }
