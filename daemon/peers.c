@@ -104,6 +104,7 @@ static void on_tick(uv_timer_t *t) {
       continue;
     }
   }
+  gpd_pr_reconnect(P, now);
   gpd_pr_serves_retry(P, NULL, 0, now);
   gpd_pr_graves_free(P, now, 0);
   for (sub *sb = P->subs, *next; sb; sb = next) {

@@ -63,6 +63,87 @@ int gpd_peers_is_remote(gpd_server *s, const char *name) {
   return s->peers && route(s->peers, name, &rest) != NULL;
 }
 
+/* The peer whose name is filed under key here (a tenant's or uid's key: a group's names are
+ * never a peer's), or NULL. */
+static peer *key_peer(gpd_peers *P, const char *key) {
+  const char *slash = strchr(key, '/'), *rest;
+  if (!slash || !strncmp(key, "group:", 6))
+    return NULL;
+  return route(P, slash + 1, &rest);
+}
+
+/* How many of p's names are here; with drop, unpublish them too. */
+static uint32_t peer_names(gpd_peers *P, peer *p, int drop) {
+  gpupool__smap *names = &P->reg->names;
+  char **keys = NULL;
+  uint32_t n = 0, cap = 0;
+  for (size_t i = 0; i < names->cap; i++) {
+    gpd_name *nm;
+    if (!gpupool__smap_slot_used(names, i))
+      continue;
+    nm = names->slots[i].val;
+    if (key_peer(P, nm->name) != p)
+      continue;
+    if (drop && n == cap) {
+      char **k = realloc(keys, (cap = cap ? 2 * cap : 16) * sizeof *keys);
+      if (!k)
+        break; /* what is left stays until it is fetched anew */
+      keys = k;
+    }
+    if (drop && !(keys[n] = strdup(nm->name)))
+      break;
+    n++;
+  }
+  for (uint32_t i = 0; drop && i < n; i++) {
+    gpd_unpublish_key(P->reg, keys[i]);
+    free(keys[i]);
+  }
+  free(keys);
+  return n;
+}
+
+/* A peer's names here are its versions shifted by p->shift; a restart (a new instance: its
+ * version numbers begin anew) drops them and shifts its new versions above every one shown
+ * here, so that no getter is answered an older version as the newest one, and a getter
+ * waiting past a version shown before gets the restarted peer's next one. */
+void gpd_pr_peer_instance(peer *p, uint64_t inst) {
+  gpd_peers *P = p->P;
+  uint32_t dropped;
+  p->retry_ns = 0;
+  if (p->instance == inst)
+    return;
+  if (!p->instance) {
+    p->instance = inst;
+    return;
+  }
+  p->instance = inst;
+  p->restarts++;
+  p->shift = p->shown;
+  dropped = peer_names(P, p, 1);
+  GPUPOOL__INFO("peers: %s restarted (a new instance): %u of its names dropped here; its versions now show here "
+                "as their number plus %" PRIu64 ", above every version shown before", p->conf->name, dropped,
+                p->shift);
+}
+
+/* Connect again to the peers whose connection went down while this daemon has names of theirs:
+ * a restarted peer's old versions go as soon as it is back, not only when a getter asks for a
+ * newer one. */
+void gpd_pr_reconnect(gpd_peers *P, uint64_t now) {
+  for (int i = 0; i < P->npeers; i++) {
+    peer *p = &P->peers[i];
+    if (!p->retry_ns || p->out || now < p->retry_ns)
+      continue;
+    if (!peer_names(P, p, 0)) {
+      p->retry_ns = 0;
+      continue;
+    }
+    p->retry_ns = now + RECONNECT_MAX_NS; /* the attempt's end sets the next one */
+    gpd_pr_link_connect(P, p);
+    if (p->out)
+      p->out->background = 1;
+  }
+}
+
 void gpd_pr_sub_free(sub *sb) {
   gpd_peers *P = sb->P;
   gpupool__smap_del(&P->subs_by_key, sb->key);
@@ -119,6 +200,8 @@ void gpd_pr_sub_ask(sub *sb) {
   }
   if (n && n->version > min_newer)
     min_newer = n->version;
+  /* Asked in the peer's numbers (this daemon's minus the shift since its restart). */
+  min_newer = min_newer > sb->peer->shift ? min_newer - sb->peer->shift : 0;
   /* The fetch's id names it in the data messages the source sends to this daemon's UCX
    * worker, which any peer that learnt the worker's address can send to: an id another peer
    * could guess (a counter) would let it fill someone else's fetch with bytes of its own. A
@@ -238,17 +321,20 @@ static void sub_finish(sub *sb) {
     gpd_pr_sub_failed(sb, rc, msg);
     return;
   }
+  version = r->version + sb->peer->shift;
   {
-    /* The local version is the peer's. */
+    /* The local version is the peer's (shifted once it restarted). */
     gpd_name *n = gpupool__smap_get(&reg->names, sb->key);
     if (n)
-      n->version = r->version;
+      n->version = version;
   }
+  if (version > sb->peer->shown)
+    sb->peer->shown = version;
   sb->peer->fetches++;
   sb->peer->bytes_fetched += sb->bytes;
-  GPUPOOL__INFO("peers: fetched %s v%" PRIu64 " from %s (%" PRIu64 " bytes in %" PRIu64 " us)", sb->local_name,
-                r->version, sb->peer->conf->name, sb->bytes, (now_ns() - sb->started_ns) / 1000);
-  version = r->version;
+  GPUPOOL__INFO("peers: fetched %s v%" PRIu64 " from %s as v%" PRIu64 " (%" PRIu64 " bytes in %" PRIu64 " us)",
+                sb->local_name, r->version, sb->peer->conf->name, version, sb->bytes,
+                (now_ns() - sb->started_ns) / 1000);
   gpd_pr_sub_release(sb);
   gpd_wake_getters(P->s, sb->key, version);
   gpd_peers_published(P->s, sb->key, version);

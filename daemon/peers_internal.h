@@ -24,6 +24,11 @@
  * a daemon announce (and expect) N: the tests' older peer. */
 #define PEER_REVISION 3
 #define TICK_MS 100
+/* A peer whose connection went down while this daemon has names of its is connected again at
+ * once, then after RECONNECT_NS, twice that, ... at most RECONNECT_MAX_NS apart (to learn
+ * whether it restarted). */
+#define RECONNECT_NS (500ull * 1000000ull)
+#define RECONNECT_MAX_NS (8000ull * 1000000ull)
 #define MAX_SECRET 4096
 #define MAX_WRITE_QUEUE (64u << 20)
 #define READ_CHUNK (64u << 10)
@@ -110,6 +115,15 @@ typedef struct {
   uint64_t versions_served, bytes_served;
   uint32_t serving_now;
   uint64_t bytes_staged;
+  /* Its instance (PeerChallenge.instance) as last seen, 0 before; and how its versions show
+   * here: a version v of it is shown as v + shift. shown is the highest version this daemon
+   * showed of any of its names: when the peer restarts (a new instance) its names here go and
+   * shift becomes shown, so its new versions come after every one shown before. */
+  uint64_t instance;
+  uint64_t shift, shown;
+  uint32_t restarts;      /* new instances seen after the first */
+  uint64_t retry_ns;      /* when to connect again to learn its instance (0: no need) */
+  uint64_t retry_gap;     /* the wait after the next failed attempt */
 } peer;
 
 struct plink {
@@ -130,6 +144,7 @@ struct plink {
   uint64_t instance_f, instance_s; /* the fetching and the serving side's instances */
   struct sockaddr_storage src; /* incoming: where it comes from */
   int counted;           /* incoming and not authenticated yet: counted in P->unauth */
+  int background;        /* outgoing, opened by gpd_pr_reconnect: its failures are not news */
   peer *peer;            /* outgoing: the peer; incoming: once known from its Hello */
   char addr[64];         /* where it connects from / to, for logs */
   uint8_t nonce_mine[NONCE_LEN], nonce_theirs[NONCE_LEN];
@@ -255,6 +270,11 @@ void gpd_pr_link_connect(gpd_peers *P, peer *p);
 void gpd_pr_on_accept(uv_stream_t *server, int status);
 /* fds that can still be opened below the fd limit (0 when they cannot even be counted). */
 uint64_t gpd_pr_fds_free(void);
+/* The connection to p came up and p's instance is inst: a new instance drops what this
+ * daemon holds of p's old one (peers_fetch.c). */
+void gpd_pr_peer_instance(peer *p, uint64_t inst);
+/* From the tick: connect again to the peers gpd_pr_peer_instance must hear from. */
+void gpd_pr_reconnect(gpd_peers *P, uint64_t now);
 
 /* peers_fetch.c */
 void gpd_pr_sub_free(sub *sb);

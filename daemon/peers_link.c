@@ -206,8 +206,19 @@ void gpd_pr_link_close(plink *l, const char *why) {
     if (p) {
       snprintf(p->last_error, sizeof p->last_error, "%s", why);
       p->out = NULL;
+      /* Was it up, this daemon learns whether the peer restarted when it is back. */
+      if (l->state == L_UP) {
+        p->retry_ns = now_ns();
+        p->retry_gap = RECONNECT_NS;
+      } else if (l->background) {
+        p->retry_ns = now_ns() + p->retry_gap;
+        p->retry_gap = p->retry_gap * 2 < RECONNECT_MAX_NS ? p->retry_gap * 2 : RECONNECT_MAX_NS;
+      }
     }
-    GPUPOOL__WARN("peers: connection to %s (%s) closed: %s", p ? p->conf->name : "?", l->addr, why);
+    if (l->background && l->state != L_UP)
+      GPUPOOL__DEBUG("peers: connecting again to %s (%s) failed: %s", p ? p->conf->name : "?", l->addr, why);
+    else
+      GPUPOOL__WARN("peers: connection to %s (%s) closed: %s", p ? p->conf->name : "?", l->addr, why);
     /* Fetches in flight on it fail, and their local copies go: this side only receives, so
      * nothing of UCX's still refers to them (late data finds no fetch under its id). */
     for (sub *sb = P->subs, *next; sb; sb = next) {
@@ -471,6 +482,7 @@ static void on_welcome(plink *l, const Gpupool__Wire__PeerWelcome *m) {
   l->state = L_UP;
   p->last_error[0] = '\0';
   GPUPOOL__INFO("peers: connected to %s at %s", p->conf->name, l->addr);
+  gpd_pr_peer_instance(p, l->instance_s);
   /* Asking may close the connection (and fail the others): look for the next one afresh. */
   for (;;) {
     sub *sb = P->subs;

@@ -1,10 +1,11 @@
 /*
- * Peers under attack: two real gpupoolds on 127.0.0.1 (UCX over TCP on
+ * Peers under attack and across restarts: two real gpupoolds on 127.0.0.1 (UCX over TCP on
  * lo). A host without the secret that keeps hundreds of connections open to peer_listen of a
  * daemon with few fds leaves that daemon's local clients served and its peer's fetches
  * working (unauthenticated connections are capped in total and per address, fds are kept in
  * reserve); a Hello altered on the way (its listen address or its UCX worker address) fails
- * authentication on both sides.
+ * authentication on both sides; a peer that restarts and publishes its names anew is
+ * noticed, its old versions dropped and its new ones shown above every one shown before.
  * Links the wire module (the man in the middle re-packs frames): reasons come from the logs.
  * Skipped (77) when gpupoold was built without UCX.
  */
@@ -385,11 +386,90 @@ static void test_hello_worker_altered(void **state) {
   alter_hello(ALTER_WORKER);
 }
 
+/* ---- a peer's restart ----------------------------------------------------------------------- */
+
+/* A publishes model v1..v5 and B fetches each; A restarts and publishes model anew (v1 there):
+ * B notices the new instance, drops the old versions, and shows A's new ones above v5. */
+static void test_peer_restart(void **state) {
+  const size_t len = 64u << 10;
+  uint64_t v = 0;
+  int right = 0;
+  pid_t pid;
+  (void)state;
+  node_prepare(&A);
+  node_prepare(&B);
+  node_start(&A, "B", B.port, "", 0);
+  node_start(&B, "A", A.port, "", 0);
+  for (uint32_t i = 1; i <= 5; i++) {
+    assert_int_equal(publish(&A, "model", len, i), i);
+    assert_int_equal(get(&B, "A:model", i - 1, 10000, len, i, &v, &right), 0);
+    assert_int_equal(v, i);
+    assert_true(right);
+  }
+  /* A restarts (same config, port and secret). */
+  pid = A.d.pid;
+  assert_int_equal(ts_daemon_stop(&A.d, -1), 0);
+  th_track(pid, 0);
+  A.d.pid = 0;
+  th_start(&A.d, 1, NULL);
+  assert_int_equal(publish(&A, "model", len, 100), 1);
+  /* B connects again on its own and drops A's old versions: the newest it answers is A's. */
+  if (!log_gets(&B, "peers: A restarted", 10000)) {
+    th_dump_log(&B.d);
+    fail_msg("B did not notice A's restart");
+  }
+  assert_int_equal(get(&B, "A:model", 0, 10000, len, 100, &v, &right), 0);
+  if (!right)
+    fail_msg("B answered v%" PRIu64 " with the bytes of A's version from before its restart", v);
+  assert_int_equal(v, 6);
+  /* A getter that saw v5 gets A's next version; numbers go on increasing. */
+  assert_int_equal(get(&B, "A:model", 6, 0, len, 100, &v, &right), GPUPOOL_ENOENT);
+  assert_int_equal(publish(&A, "model", len, 101), 2);
+  assert_int_equal(get(&B, "A:model", 6, 10000, len, 101, &v, &right), 0);
+  assert_true(right);
+  assert_int_equal(v, 7);
+  daemon_alive(&B);
+  th_stop(&B.d);
+  th_stop(&A.d);
+}
+
+/* A getter waiting past the last version B showed of A before A's restart gets A's first new
+ * one (as v6), without B having noticed the restart before. */
+static void test_peer_restart_waiter(void **state) {
+  const size_t len = 4096;
+  uint64_t v = 0;
+  int right = 0;
+  pid_t pid;
+  (void)state;
+  node_prepare(&A);
+  node_prepare(&B);
+  node_start(&A, "B", B.port, "", 0);
+  node_start(&B, "A", A.port, "", 0);
+  for (uint32_t i = 1; i <= 5; i++)
+    assert_int_equal(publish(&A, "model", len, i), i);
+  assert_int_equal(get(&B, "A:model", 0, 10000, len, 5, &v, &right), 0);
+  assert_int_equal(v, 5);
+  pid = A.d.pid;
+  assert_int_equal(ts_daemon_stop(&A.d, -1), 0);
+  th_track(pid, 0);
+  A.d.pid = 0;
+  th_start(&A.d, 1, NULL);
+  assert_int_equal(publish(&A, "model", len, 200), 1);
+  /* The first answer may be B's connection failing under A's restart: retried once. */
+  if (get(&B, "A:model", 5, 10000, len, 200, &v, &right) != 0)
+    assert_int_equal(get(&B, "A:model", 5, 10000, len, 200, &v, &right), 0);
+  assert_true(right);
+  assert_int_equal(v, 6);
+  th_stop(&B.d);
+  th_stop(&A.d);
+}
+
 int main(void) {
   if (skip_without_ucx())
     return 77;
   setenv("UCX_TLS", "tcp", 1);
   setenv("UCX_NET_DEVICES", "lo", 1);
   signal(SIGPIPE, SIG_IGN);
-  return TS_RUN_TESTS(NULL, NULL, test_hello_listen_altered, test_hello_worker_altered, test_unauthenticated_flood);
+  return TS_RUN_TESTS(NULL, NULL, test_peer_restart, test_peer_restart_waiter, test_hello_listen_altered,
+                      test_hello_worker_altered, test_unauthenticated_flood);
 }
