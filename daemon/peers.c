@@ -289,6 +289,9 @@ int gpd_peers_admin(gpd_server *s, Gpupool__Wire__AdminPeersReply *r) {
     infos[i].bytes_served = p->bytes_served;
     infos[i].serving_now = p->serving_now;
     infos[i].bytes_staged = p->bytes_staged;
+    infos[i].fetch_transport = p->fetch_transport;
+    infos[i].serve_transport = p->serve_transport;
+    infos[i].restarts = p->restarts;
     ptrs[i] = &infos[i];
   }
   r->n_peers = (size_t)P->npeers;

@@ -124,6 +124,9 @@ typedef struct {
   uint32_t restarts;      /* new instances seen after the first */
   uint64_t retry_ns;      /* when to connect again to learn its instance (0: no need) */
   uint64_t retry_gap;     /* the wait after the next failed attempt */
+  /* The UCX transports the data uses, as UCX chose them for the endpoint that sends it: to it
+   * (this daemon's endpoint, serving) and from it (its endpoint, as its Welcome said). */
+  char serve_transport[128], fetch_transport[128];
 } peer;
 
 struct plink {

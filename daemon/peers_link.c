@@ -428,7 +428,9 @@ static void on_ep_ready(void *arg, int status) {
     gpd_pr_link_close(l, why);
     return;
   }
+  gpd_ucx_ep_describe(l->ep, l->peer->serve_transport, sizeof l->peer->serve_transport);
   w.you_are = (char *)l->peer->conf->name;
+  w.transport = l->peer->serve_transport;
   f.body_case = GPUPOOL__WIRE__PEER_FRAME__BODY_WELCOME;
   f.welcome = &w;
   l->state = L_UP;
@@ -478,10 +480,15 @@ static void on_auth(plink *l, const Gpupool__Wire__PeerAuth *m) {
 static void on_welcome(plink *l, const Gpupool__Wire__PeerWelcome *m) {
   gpd_peers *P = l->P;
   peer *p = l->peer;
-  (void)m;
   l->state = L_UP;
   p->last_error[0] = '\0';
-  GPUPOOL__INFO("peers: connected to %s at %s", p->conf->name, l->addr);
+  /* What the peer's endpoint sends this daemon's fetches with (printable, bounded). */
+  snprintf(p->fetch_transport, sizeof p->fetch_transport, "%s", m->transport ? m->transport : "");
+  for (char *c = p->fetch_transport; *c; c++)
+    if ((unsigned char)*c < 0x20 || (unsigned char)*c > 0x7e)
+      *c = '?';
+  GPUPOOL__INFO("peers: connected to %s at %s%s%s", p->conf->name, l->addr, p->fetch_transport[0] ? "; it sends over "
+                : "", p->fetch_transport);
   gpd_pr_peer_instance(p, l->instance_s);
   /* Asking may close the connection (and fail the others): look for the next one afresh. */
   for (;;) {

@@ -138,6 +138,26 @@ static int log_gets(const node *n, const char *needle, uint64_t ms) {
   return log_has(n, needle);
 }
 
+/* `gpupoolctl [--json] peers` of n holds needle. */
+static int peers_show_as(const node *n, int json, const char *needle) {
+  char cmd[1024], text[65536];
+  size_t len = 0, got;
+  FILE *p;
+  snprintf(cmd, sizeof cmd, "%s --socket %s%s peers", GPUPOOLCTL_PATH, n->d.sock, json ? " --json" : "");
+  if (!(p = popen(cmd, "r")))
+    return 0;
+  while (len < sizeof text - 1 && (got = fread(text + len, 1, sizeof text - 1 - len, p)) > 0)
+    len += got;
+  text[len] = '\0';
+  pclose(p);
+  if (strstr(text, needle))
+    return 1;
+  fprintf(stderr, "gpupoolctl peers has no %s: %s\n", needle, text);
+  return 0;
+}
+
+static int peers_show(const node *n, const char *needle) { return peers_show_as(n, 1, needle); }
+
 static int skip_without_ucx(void) {
   char cmd[512], out[256] = "";
   FILE *p;
@@ -428,6 +448,13 @@ static void test_peer_restart(void **state) {
   assert_int_equal(get(&B, "A:model", 6, 10000, len, 101, &v, &right), 0);
   assert_true(right);
   assert_int_equal(v, 7);
+  /* gpupoolctl peers says which transport the data used (UCX on lo here, as the test set it),
+   * on both sides, and that B saw A restart once. */
+  assert_true(peers_show(&B, "\"fetch_transport\":\"tcp/lo (am"));
+  assert_true(peers_show(&A, "\"serve_transport\":\"tcp/lo (am"));
+  assert_true(peers_show(&B, "\"restarts\":1"));
+  assert_true(peers_show_as(&B, 0, "A: fetched over tcp/lo (am"));
+  assert_true(peers_show_as(&B, 0, "restarts seen: 1"));
   daemon_alive(&B);
   th_stop(&B.d);
   th_stop(&A.d);
