@@ -56,6 +56,7 @@ typedef struct sub sub;
 typedef struct serve serve;
 typedef struct stage_slot stage_slot;
 typedef struct stager stager;
+typedef struct prefault prefault;
 
 /* A slot of pinned host memory (a slab of the daemon's own staging pool), owned by the peers
  * for the daemon's life: free, taken by a transfer, or waiting for sends from it to end after
@@ -185,6 +186,7 @@ struct sub {
   int receiving;         /* in P->receiving under id */
   int complete;          /* every byte is in: finished from the loop */
   stager *st;            /* staged into device memory (NULL: copied into mapped host memory) */
+  prefault *pf;          /* the pages of its new memory being made ready, or NULL */
   int stage_wait;        /* staged, waiting for free slots before PeerReady goes */
   int bad_data;          /* the peer sent data outside the window: failed from the loop */
   sub *prev, *next;      /* in P->subs */
