@@ -683,6 +683,7 @@ static void on_connected(uv_connect_t *req, int status) {
 
 void gpd_pr_link_connect(gpd_peers *P, peer *p) {
   plink *l = link_new(P);
+  uint64_t fds;
   int rc;
   if (!l) {
     GPUPOOL__WARN("peers: out of memory connecting to %s", p->conf->name);
@@ -695,8 +696,13 @@ void gpd_pr_link_connect(gpd_peers *P, peer *p) {
   p->out = l;
   l->connect.data = l;
   /* A connect that fails at once is closed by the next tick: its caller may be walking lists
-   * that closing it would change. */
-  if ((rc = uv_tcp_connect(&l->connect, &l->tcp, (const struct sockaddr *)&p->conf->addr, on_connected)) != 0)
+   * that closing it would change. The peer's UCX endpoint will connect to this daemon's
+   * worker, whose sockets UCX must be able to open (it aborts the process when it cannot). */
+  if ((fds = gpd_pr_fds_free()) < P->cfg->peer_fd_reserve / 2)
+    snprintf(l->why, sizeof l->why, "gpupoold has %" PRIu64 " file descriptors left (peer_fd_reserve %u): no "
+             "connection to peer %s now; try later. Operators: raise LimitNOFILE= (ulimit -n)", fds,
+             P->cfg->peer_fd_reserve, p->conf->name);
+  else if ((rc = uv_tcp_connect(&l->connect, &l->tcp, (const struct sockaddr *)&p->conf->addr, on_connected)) != 0)
     snprintf(l->why, sizeof l->why, "peer %s unreachable at %s: %s (is gpupoold running there with peer_listen?)",
              p->conf->name, p->conf->address, uv_strerror(rc));
 }

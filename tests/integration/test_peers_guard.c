@@ -275,6 +275,31 @@ static void test_unauthenticated_flood(void **state) {
   th_stop(&A.d);
 }
 
+/* fds short of peer_fd_reserve (here: a reserve above the daemon's whole limit): the fetching
+ * side opens no connection its peer's UCX endpoint would have to reach, the serving side takes
+ * none, each saying why, and both live on. */
+static void test_fd_reserve(void **state) {
+  uint64_t v = 0;
+  int right = 0;
+  (void)state;
+  for (int side = 0; side < 2; side++) {
+    node_prepare(&A);
+    node_prepare(&B);
+    node_start(&A, "B", B.port, side ? "peer_fd_reserve = 1048576\n" : "", 0);
+    node_start(&B, "A", A.port, side ? "" : "peer_fd_reserve = 1048576\n", 0);
+    publish(&A, "weights", 4096, 9);
+    assert_int_not_equal(get(&B, "A:weights", 0, 3000, 4096, 9, &v, &right), 0);
+    if (side)
+      assert_true(log_gets(&A, "fewer than peer_fd_reserve 1048576", 5000));
+    else
+      assert_true(log_gets(&B, "no connection to peer A now", 5000));
+    daemon_alive(&A);
+    daemon_alive(&B);
+    th_stop(&B.d);
+    th_stop(&A.d);
+  }
+}
+
 /* ---- a Hello altered on the way ------------------------------------------------------------- */
 
 enum { ALTER_LISTEN, ALTER_WORKER };
@@ -498,5 +523,5 @@ int main(void) {
   setenv("UCX_NET_DEVICES", "lo", 1);
   signal(SIGPIPE, SIG_IGN);
   return TS_RUN_TESTS(NULL, NULL, test_peer_restart, test_peer_restart_waiter, test_hello_listen_altered,
-                      test_hello_worker_altered, test_unauthenticated_flood);
+                      test_hello_worker_altered, test_unauthenticated_flood, test_fd_reserve);
 }
