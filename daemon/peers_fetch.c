@@ -1,8 +1,10 @@
 /*
  * Peers' fetching side (see peers.c): a subscription per local name key asks the peer for a
  * newer version, allocates the local copy from the reply's layout, receives the data as UCX
- * active messages copied into place, publishes the copy under the local name with the peer's
- * version number and tells the peer it is done; a fetch that fails answers every getter.
+ * active messages copied into place (a thread faulting in the pages of memory new to the pool
+ * meanwhile), publishes the copy under the local name with the peer's version number (shifted
+ * once the peer restarted) and tells the peer it is done; a fetch that fails answers every
+ * getter. A peer's new instance drops what this daemon holds of its old one.
  */
 #include <errno.h>
 #include <inttypes.h>

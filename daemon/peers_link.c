@@ -1,9 +1,10 @@
 /*
  * Peers' control connections (see peers.c): the TCP connections to and from other daemons,
  * their length-prefixed PeerFrames, the handshake (Hello, Challenge, Auth, Welcome, with
- * HMAC-SHA256 over both nonces) and the dispatch of the frames once a connection is up to
- * the fetching (peers_fetch.c) and serving (peers_serve.c) sides. A connection's end ends
- * what went on it.
+ * HMAC-SHA256 over both nonces, Hello's addresses and both instances), the caps on
+ * connections not authenticated yet and the fds kept in reserve, and the dispatch of the
+ * frames once a connection is up to the fetching (peers_fetch.c) and serving (peers_serve.c)
+ * sides. A connection's end ends what went on it.
  */
 #include <arpa/inet.h>
 #include <errno.h>
