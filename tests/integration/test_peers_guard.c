@@ -459,7 +459,7 @@ static void test_peer_restart(void **state) {
   th_start(&A.d, 1, NULL);
   assert_int_equal(publish(&A, "model", len, 100), 1);
   /* B connects again on its own and drops A's old versions: the newest it answers is A's. */
-  if (!log_gets(&B, "peers: A restarted", 10000)) {
+  if (!log_gets(&B, "peers: A restarted", 20000)) {
     th_dump_log(&B.d);
     fail_msg("B did not notice A's restart");
   }
