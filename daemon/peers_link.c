@@ -730,15 +730,16 @@ static int admit(gpd_peers *P, plink *l, char *why, size_t len) {
   const gpd_config *cfg = P->cfg;
   plink *oldest, *victim = NULL;
   uint32_t mine = from_same(P, l, &oldest), most = 0;
-  uint64_t fds = gpd_pr_fds_free();
-  if (fds < cfg->peer_fd_reserve) {
-    snprintf(why, len, "only %" PRIu64 " file descriptors left, fewer than peer_fd_reserve %u", fds,
-             cfg->peer_fd_reserve);
-    return 0;
-  }
+  uint64_t fds;
+  /* The cheap check first: a flood from one address ends here. */
   if (mine >= cfg->peer_max_unauthenticated_per_addr) {
     snprintf(why, len, "%u connections from that address are not authenticated yet "
              "(peer_max_unauthenticated_per_addr)", mine);
+    return 0;
+  }
+  if ((fds = gpd_pr_fds_free()) < cfg->peer_fd_reserve) {
+    snprintf(why, len, "only %" PRIu64 " file descriptors left, fewer than peer_fd_reserve %u", fds,
+             cfg->peer_fd_reserve);
     return 0;
   }
   if (P->unauth < cfg->peer_max_unauthenticated)
