@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "refit_internal.h"
 
 /* At most this many names keep a cached layout; past it the cache starts over. */
 #define LAYOUT_CACHE_MAX 256
@@ -292,12 +293,15 @@ out:
   return gpupool__error_report(&err, rc);
 }
 
-/* Publish members (wire form, lying in bufs) under name in one request. With c->mu held. */
+/* Publish members (wire form, lying in bufs) under name in one request: the whole version, or
+ * one part of it when part is not NULL (PublishPart; part->complete gets the answer). With
+ * c->mu held. */
 static int publish_bundle_locked(gpupool_client *c, const char *name, gpupool_buffer *const *bufs, int nbufs,
                                  Gpupool__Wire__BundleMember **wm, int n, uint64_t layout_id, void *stream,
-                                 const uint32_t *devs, int ndevs, uint64_t *version) {
+                                 const uint32_t *devs, int ndevs, gpupool__part *part, uint64_t *version) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__PublishBundle pb = GPUPOOL__WIRE__PUBLISH_BUNDLE__INIT;
+  Gpupool__Wire__PublishPart pp = GPUPOOL__WIRE__PUBLISH_PART__INIT;
   uint64_t *holds;
   gpupool__rep *rep;
   int rc;
@@ -326,11 +330,32 @@ static int publish_bundle_locked(gpupool_client *c, const char *name, gpupool_bu
   pb.replicate_to = (uint32_t *)devs;
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_BUNDLE;
   req.publish_bundle = &pb;
+  if (part) {
+    pp.name = pb.name;
+    pp.version = part->version;
+    pp.part = (uint32_t)part->part;
+    pp.parts = (uint32_t)part->parts;
+    pp.n_hold_ids = pb.n_hold_ids;
+    pp.hold_ids = holds;
+    pp.n_members = pb.n_members;
+    pp.members = wm;
+    pp.layout_id = layout_id;
+    req.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_PART;
+    req.publish_part = &pp;
+  }
   if ((rc = gpupool__call(c, &req, &rep, NULL)) == 0) {
-    if (version)
+    if (part && (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_PUBLISH_PART || !rep->publish_part)) {
+      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon answered a PublishPart with something else");
+    } else if (part) {
+      part->complete = rep->publish_part->complete;
+      if (version)
+        *version = rep->publish_part->version;
+    } else if (version) {
       *version = gpupool__reply_version(rep);
+    }
     gpupool__wire__reply__free_unpacked(rep, NULL);
-    gpupool__note_published(c, name);
+    if (rc == 0 && (!part || part->complete))
+      gpupool__note_published(c, name);
   }
 out:
   free(holds);
@@ -381,9 +406,6 @@ int gpupool_bundle_publish(gpupool_bundle *b, const char *name, void *stream, ui
 
 int gpupool_bundle_publish_to(gpupool_bundle *b, const char *name, void *stream, const int *devices, int ndevs,
                               uint64_t *version) {
-  members_wire w;
-  const clayout *l;
-  uint64_t v = 0;
   uint32_t devs[16];
   int rc;
   if (!b || !name)
@@ -393,11 +415,20 @@ int gpupool_bundle_publish_to(gpupool_bundle *b, const char *name, void *stream,
     *version = 0;
   if ((rc = gpupool__wire_check_name(name)) != 0 || (rc = gpupool__replicate_to(devices, ndevs, devs)) != 0)
     return rc;
-  l = b->layout;
+  return gpupool__bundle_publish(b, name, stream, devs, ndevs, NULL, version);
+}
+
+int gpupool__bundle_publish(gpupool_bundle *b, const char *name, void *stream, const uint32_t *devs, int ndevs,
+                            gpupool__part *part, uint64_t *version) {
+  members_wire w;
+  const clayout *l = b->layout;
+  uint64_t v = 0;
+  int rc;
   pthread_mutex_lock(&b->c->mu);
   /* By the layout's id first: the daemon has the table, so no member travels. It forgets a
    * table once nothing uses it (a relayed bundle's may be gone): then the members go. */
-  rc = l->id ? publish_bundle_locked(b->c, name, b->bufs, b->nbufs, NULL, 0, l->id, stream, devs, ndevs, &v) : GPUPOOL_ENOENT;
+  rc = l->id ? publish_bundle_locked(b->c, name, b->bufs, b->nbufs, NULL, 0, l->id, stream, devs, ndevs, part, &v)
+              : GPUPOOL_ENOENT;
   pthread_mutex_unlock(&b->c->mu);
   if (rc == GPUPOOL_ENOENT) {
     if ((rc = members_wire_new(&w, l->n)) != 0)
@@ -407,11 +438,11 @@ int gpupool_bundle_publish_to(gpupool_bundle *b, const char *name, void *stream,
       member_wire(&w, i, m->name, (uint32_t)m->buffer, m->offset, m->size, m->has_meta ? &m->meta : NULL);
     }
     pthread_mutex_lock(&b->c->mu);
-    rc = publish_bundle_locked(b->c, name, b->bufs, b->nbufs, w.p, l->n, 0, stream, devs, ndevs, &v);
+    rc = publish_bundle_locked(b->c, name, b->bufs, b->nbufs, w.p, l->n, 0, stream, devs, ndevs, part, &v);
     pthread_mutex_unlock(&b->c->mu);
     members_wire_free(&w);
   }
-  if (rc == 0) {
+  if (rc == 0 && (!part || part->complete)) {
     b->version = v;
     if (version)
       *version = v;
@@ -421,6 +452,11 @@ int gpupool_bundle_publish_to(gpupool_bundle *b, const char *name, void *stream,
 
 int gpupool_bundle_publish_members(gpupool_client *c, const char *name, const gpupool_member_ref *members, int n,
                                    void *stream, uint64_t *version) {
+  return gpupool__publish_members(c, name, members, n, stream, NULL, version);
+}
+
+int gpupool__publish_members(gpupool_client *c, const char *name, const gpupool_member_ref *members, int n,
+                             void *stream, gpupool__part *part, uint64_t *version) {
   gpupool_buffer **bufs = NULL;
   gpupool__hmap index; /* buffer id -> buffer index + 1 */
   members_wire w = {0};
@@ -472,7 +508,7 @@ int gpupool_bundle_publish_members(gpupool_client *c, const char *name, const gp
     member_wire(&w, i, m->name, (uint32_t)(idx - 1), m->offset, m->size, m->meta);
   }
   pthread_mutex_lock(&c->mu);
-  rc = publish_bundle_locked(c, name, bufs, nbufs, w.p, n, 0, stream, NULL, 0, version);
+  rc = publish_bundle_locked(c, name, bufs, nbufs, w.p, n, 0, stream, NULL, 0, part, version);
   pthread_mutex_unlock(&c->mu);
 out:
   gpupool__hmap_free(&index);

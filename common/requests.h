@@ -49,7 +49,8 @@ enum {
   X(ADMIN_NAMES, admin_names, AdminNames, GPUPOOL__REQ_OPERATOR)           \
   X(ADMIN_UNPUBLISH, admin_unpublish, AdminUnpublish, GPUPOOL__REQ_OPERATOR) \
   X(ADMIN_PEERS, admin_peers, AdminPeers, GPUPOOL__REQ_OPERATOR)         \
-  X(IDLE, idle, Idle, GPUPOOL__REQ_CLIENT)
+  X(IDLE, idle, Idle, GPUPOOL__REQ_CLIENT)                                 \
+  X(PUBLISH_PART, publish_part, PublishPart, GPUPOOL__REQ_CLIENT)
 
 /* A row's index: GPUPOOL__REQ_HELLO, ..., and the number of rows. */
 enum {

@@ -61,6 +61,7 @@ typedef struct {
   uint32_t max_names_per_uid;         /* names one uid has published (they outlive it) */
   uint32_t max_bundle_members;        /* members of one bundle */
   uint32_t max_members_per_uid;       /* members of the bundles one tenant has published */
+  uint32_t max_pending_versions_per_uid; /* sharded versions of one tenant waiting for parts */
   uint32_t max_members;               /* members of every member table the daemon holds */
   uint32_t max_holds_per_client;
   uint32_t max_holds_per_uid;
@@ -119,6 +120,13 @@ typedef struct {
   uint32_t peer_max_frame;
   uint32_t peer_max_fetches;      /* fetches one peer may have in flight from this daemon */
   uint32_t peer_fetch_timeout_ms; /* a fetch (metadata and data) that takes longer fails */
+  /* Connections to peer_listen not yet authenticated: at most this many at once, this many
+   * from one source address, each for at most this long; and fds kept free for what the
+   * daemon must open (peer connections and UCX endpoints are refused below that). */
+  uint32_t peer_max_unauthenticated;
+  uint32_t peer_max_unauthenticated_per_addr;
+  uint32_t peer_handshake_timeout_ms;
+  uint32_t peer_fd_reserve;
   gpd_peer_conf peers[GPUPOOL_MAX_PEERS];
   int n_peers;
   gpupool__pool_config pools[GPUPOOL_MAX_POOLS];

@@ -12,36 +12,120 @@
 #include "log.h"
 #include "registry_internal.h"
 
-static gpd_event *event_get(gpd_registry *reg) {
+/* An idle event (refs 1), or a new one: NULL with the reason when the backend makes no more
+ * (CUDA: 4096 per process). */
+static gpd_event *event_new(gpd_registry *reg) {
   gpd_event *e;
-  if (!reg->be->ops->has_events)
-    return NULL;
   if (reg->free_events) {
     e = reg->free_events;
     reg->free_events = e->next_free;
     e->next_free = NULL;
+    e->refs = 1;
     return e;
   }
-  if (gpd_grow((void **)&reg->events, &reg->capevents, reg->nevents + 1, sizeof *reg->events) != 0)
+  if (gpd_grow((void **)&reg->events, &reg->capevents, reg->nevents + 1, sizeof *reg->events) != 0 ||
+      !(e = calloc(1, sizeof *e))) {
+    gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     return NULL;
-  e = calloc(1, sizeof *e);
-  if (!e)
-    return NULL;
+  }
   if (reg->be->ops->event_create(reg->be, &e->be, e->handle) != 0) {
-    GPUPOOL__ERROR("cannot create an inter-process event: %s", gpupool__errmsg());
+    char msg[GPUPOOL__ERRMSG_MAX];
+    snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
     free(e);
+    gpupool__err(GPUPOOL_EBACKEND, "cannot create an inter-process event (%u exist; CUDA allows 4096 per process): %s",
+                 reg->nevents, msg);
     return NULL;
   }
   e->id = ++reg->nevents;
+  e->refs = 1;
   reg->events[e->id - 1] = e;
   return e;
 }
 
+/* An event of another client's own that nothing uses (its table holds the only reference),
+ * taken out of that table: what a client without events gets when the backend makes no more.
+ * It may still carry a record of that client's, which the new user's first record waits for
+ * (cumulative recording), so nothing of it is lost. NULL when there is none. */
+static gpd_event *event_steal(gpd_registry *reg, const gpd_client *c) {
+  for (size_t i = 0; i < reg->clients.cap; i++) {
+    gpd_client *o;
+    if (!gpupool__hmap_slot_used(&reg->clients, i) || (o = reg->clients.slots[i].val) == c)
+      continue;
+    for (uint32_t j = 0; j < o->nevents; j++) {
+      gpd_event *e = o->events[j];
+      if (e->refs != 1 || e == o->batch_done)
+        continue;
+      o->events[j] = o->events[--o->nevents];
+      return e;
+    }
+  }
+  return NULL;
+}
+
+gpd_event *gpd_event_get(gpd_registry *reg, gpd_client *c) {
+  gpd_event *e;
+  if (!reg->be->ops->has_events)
+    return NULL;
+  if (!c)
+    return event_new(reg);
+  if (c->batch_done) {
+    c->batch_done->refs++;
+    return c->batch_done;
+  }
+  if (c->nevents < GPD_EVENTS_PER_CLIENT) {
+    if ((e = event_new(reg)) || (c->nevents == 0 && (e = event_steal(reg, c)))) {
+      if (gpd_grow((void **)&c->events, &c->capevents, c->nevents + 1, sizeof *c->events) == 0) {
+        c->events[c->nevents++] = e;
+        e->refs++;
+      }
+      return e;
+    }
+    if (c->nevents == 0) {
+      char msg[GPUPOOL__ERRMSG_MAX];
+      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+      gpupool__err(GPUPOOL_EBACKEND,
+                   "%s; this client has none of its own yet (each client uses at most %d, shared by its "
+                   "holds beyond that) and every other client's are in use: retry once some are released "
+                   "or their clients disconnect",
+                   msg, GPD_EVENTS_PER_CLIENT);
+      return NULL;
+    }
+    /* The daemon has none left: this client shares the ones it has. */
+  }
+  e = c->events[c->next_event++ % c->nevents];
+  e->refs++;
+  return e;
+}
+
 void gpd_event_put(gpd_registry *reg, gpd_event *e) {
-  if (!e)
+  if (!e || --e->refs > 0)
     return;
   e->next_free = reg->free_events;
   reg->free_events = e;
+}
+
+int gpd_batch_begin(gpd_registry *reg, gpd_client *c) {
+  if (!reg->be->ops->has_events || c->batch_done)
+    return 0;
+  if (!(c->batch_done = gpd_event_get(reg, c)))
+    return gpupool__err(GPUPOOL_EBACKEND, "cannot get an inter-process event for the holds of this request: %s",
+                        gpupool__errmsg());
+  return 0;
+}
+
+void gpd_batch_end(gpd_registry *reg, gpd_client *c) {
+  gpd_event *e = c->batch_done;
+  c->batch_done = NULL;
+  gpd_event_put(reg, e);
+}
+
+void gpd_client_events_drop(gpd_registry *reg, gpd_client *c) {
+  gpd_batch_end(reg, c);
+  for (uint32_t i = 0; i < c->nevents; i++)
+    gpd_event_put(reg, c->events[i]);
+  free(c->events);
+  c->events = NULL;
+  c->nevents = c->capevents = 0;
 }
 
 int gpd_hold_new(gpd_registry *reg, gpd_client *c, gpd_buffer *b, int read_only, int owner,
@@ -66,11 +150,13 @@ int gpd_hold_new(gpd_registry *reg, gpd_client *c, gpd_buffer *b, int read_only,
   h->read_only = read_only;
   h->owner = owner;
   if (reg->be->ops->has_events) {
-    h->done = event_get(reg);
+    h->done = gpd_event_get(reg, c);
     if (!h->done) {
+      char msg[GPUPOOL__ERRMSG_MAX];
+      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
       free(h);
       gpd_uid_usage_put(reg, u);
-      return gpupool__err(GPUPOOL_EBACKEND, "cannot create an inter-process event for the hold");
+      return gpupool__err(GPUPOOL_EBACKEND, "cannot get an inter-process event for the hold: %s", msg);
     }
   }
   if (gpupool__hmap_put(&reg->holds, h->id, h) != 0) {
@@ -91,6 +177,12 @@ int gpd_hold_new(gpd_registry *reg, gpd_client *c, gpd_buffer *b, int read_only,
 }
 
 static int add_done_dep(gpd_registry *reg, gpd_buffer *b, gpd_event *e) {
+  /* Shared by several holds of b (one request's): one dependency is enough. */
+  for (uint32_t i = 0; i < b->ndone; i++)
+    if (b->done[i] == e) {
+      gpd_event_put(reg, e);
+      return 0;
+    }
   /* A buffer that lives on while holder after holder lets go (one sent again and again)
    * would gather their done events without end: before the table grows, give back those
    * that have completed (amortized: only when it is full). */
@@ -178,8 +270,8 @@ int gpd_pool_alignment(const gpd_pool *p, uint64_t *align) {
 
 /* Place a new buffer of size bytes (asize rounded) in p for owner: in the buffer table, counted in
  * its slab and pool, refs 0, no owner fields set. */
-int gpd_buffer_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t size, uint64_t asize,
-                     uint64_t align, int place, gpd_buffer **out) {
+int gpd_buffer_place(gpd_registry *reg, gpd_client *c, gpd_pool *p, uint64_t owner, uint64_t size,
+                     uint64_t asize, uint64_t align, int place, gpd_buffer **out) {
   gpd_buffer *b = NULL;
   gpd_slab *s;
   uint64_t off;
@@ -203,8 +295,10 @@ int gpd_buffer_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t si
    * call per allocation. */
   arc4random_buf(b->secret, sizeof b->secret);
   arc4random_buf(b->secret_ro, sizeof b->secret_ro);
-  if (reg->be->ops->has_events && !(b->ready = event_get(reg))) {
-    rc = gpupool__err(GPUPOOL_EBACKEND, "cannot create the buffer's ready event");
+  if (reg->be->ops->has_events && !(b->ready = gpd_event_get(reg, c))) {
+    char msg[GPUPOOL__ERRMSG_MAX];
+    snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+    rc = gpupool__err(GPUPOOL_EBACKEND, "cannot get the buffer's ready event: %s", msg);
     goto fail_buf;
   }
   if (gpupool__hmap_put(&reg->buffers, b->id, b) != 0) {
@@ -250,7 +344,7 @@ int gpd_allocate_as(gpd_registry *reg, gpd_client *c, gpd_pool *p, uint64_t size
   asize = gpd_round_up(size, p->cfg.alignment);
   if ((rc = gpd_quota_waiting_leases(reg, c)) != 0 || (rc = gpd_quota_memory(reg, c, asize)) != 0)
     return rc;
-  if ((rc = gpd_buffer_place(reg, p, owner, size, asize, align, place, &b)) != 0)
+  if ((rc = gpd_buffer_place(reg, c, p, owner, size, asize, align, place, &b)) != 0)
     return rc;
   b->owner_uid = c->uid;
   b->owner_tenant = c->tenant;
@@ -548,11 +642,13 @@ int gpd_open_many(gpd_registry *reg, gpd_client *c, const uint8_t *const *tokens
     if (ks[m])
       ks[m]->claimed = 1;
   }
-  if ((rc = gpd_quota_waiting_leases(reg, c)) != 0)
+  if ((rc = gpd_quota_waiting_leases(reg, c)) != 0 || (rc = gpd_batch_begin(reg, c)) != 0)
     goto unclaim;
+  /* One done event for the message: its receiver opens one event, not one per buffer. */
   for (; made < m; made++)
     if ((rc = gpd_hold_new(reg, c, bs[made], ro[made], 0, &out[made])) != 0)
       break;
+  gpd_batch_end(reg, c);
   if (rc != 0) {
     char msg[GPUPOOL__ERRMSG_MAX];
     snprintf(msg, sizeof msg, "%s", gpupool__errmsg());

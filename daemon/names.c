@@ -68,10 +68,12 @@ static int publish_check(gpd_registry *reg, gpd_client *c, const char *name, gpd
 
 /* Make (bufs, layout) the current version of `key`, creating the name or replacing its
  * previous version in one step. Takes over bufs (an array of nbufs buffers, each given one
- * reference here) and the caller's reference on layout. Cannot fail once the name exists. */
-static int publish_commit(gpd_registry *reg, gpd_client *c, const char *key, gpd_name *n,
-                          gpd_buffer **bufs, uint32_t nbufs, gpd_layout *layout,
-                          int read_only, const gpupool_tensor_meta *meta, uint64_t *version) {
+ * reference here) and the caller's reference on layout. Cannot fail once the name exists.
+ * want: the version to make (greater than the name's; a sharded version's, parts.c), or 0 for
+ * the next one. */
+int gpd_publish_commit(gpd_registry *reg, gpd_client *c, const char *key, gpd_name *n,
+                       gpd_buffer **bufs, uint32_t nbufs, gpd_layout *layout,
+                       int read_only, const gpupool_tensor_meta *meta, uint64_t want, uint64_t *version) {
   uint64_t prev = 0;
   if (!n) {
     n = calloc(1, sizeof *n);
@@ -115,7 +117,7 @@ static int publish_commit(gpd_registry *reg, gpd_client *c, const char *key, gpd
   n->bufs = bufs;
   n->nbufs = nbufs;
   n->layout = layout;
-  n->version = prev + 1;
+  n->version = want > prev ? want : prev + 1;
   reg->state_changes++;
   n->uid = c->uid;
   n->read_only = read_only;
@@ -155,12 +157,12 @@ int gpd_publish(gpd_registry *reg, gpd_client *c, uint64_t hold_id, const char *
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   bufs[0] = h->buf;
   /* A name never upgrades the hold it was published from. */
-  return publish_commit(reg, c, key, old, bufs, 1, NULL, h->read_only, has_meta ? &m : NULL, version);
+  return gpd_publish_commit(reg, c, key, old, bufs, 1, NULL, h->read_only, has_meta ? &m : NULL, 0, version);
 }
 
-int gpd_publish_bundle(gpd_registry *reg, gpd_client *c, const char *name, const uint64_t *hold_ids,
-                            size_t nholds, Gpupool__Wire__BundleMember *const *wm, size_t nmembers,
-                            uint64_t layout_id, uint64_t *version) {
+int gpd_bundle_prepare(gpd_registry *reg, gpd_client *c, const char *name, const uint64_t *hold_ids,
+                       size_t nholds, Gpupool__Wire__BundleMember *const *wm, size_t nmembers,
+                       uint64_t layout_id, int part, gpd_bundle_prep *out) {
   gpd_buffer **bufs = NULL;
   gpd_member *members = NULL;
   gpd_layout *layout = NULL;
@@ -260,7 +262,7 @@ int gpd_publish_bundle(gpd_registry *reg, gpd_client *c, const char *name, const
     layout->refs++;
   } else {
     /* The previous version's table goes with it when nothing else uses it. */
-    uint64_t freed = old && old->layout && old->layout->refs == 1 && old->layout->tenant == c->tenant
+    uint64_t freed = !part && old && old->layout && old->layout->refs == 1 && old->layout->tenant == c->tenant
                          ? old->layout->n : 0;
     rc = gpd_layout_new(reg, c->tenant, members, (uint32_t)nmembers, (uint32_t)nholds, freed, &layout);
     members = NULL; /* taken over, also on failure */
@@ -270,13 +272,29 @@ int gpd_publish_bundle(gpd_registry *reg, gpd_client *c, const char *name, const
   }
   free(used);
   gpupool__hmap_free(&seen);
-  return publish_commit(reg, c, key, old, bufs, (uint32_t)nholds, layout, read_only, NULL, version);
+  memcpy(out->key, key, sizeof key);
+  out->old = old;
+  out->bufs = bufs;
+  out->nbufs = (uint32_t)nholds;
+  out->layout = layout;
+  out->read_only = read_only;
+  return 0;
 fail:
   gpd_members_free(members, (uint32_t)nm);
   free(bufs);
   free(used);
   gpupool__hmap_free(&seen);
   return rc;
+}
+
+int gpd_publish_bundle(gpd_registry *reg, gpd_client *c, const char *name, const uint64_t *hold_ids,
+                       size_t nholds, Gpupool__Wire__BundleMember *const *wm, size_t nmembers,
+                       uint64_t layout_id, uint64_t *version) {
+  gpd_bundle_prep p;
+  int rc = gpd_bundle_prepare(reg, c, name, hold_ids, nholds, wm, nmembers, layout_id, 0, &p);
+  if (rc != 0)
+    return rc;
+  return gpd_publish_commit(reg, c, p.key, p.old, p.bufs, p.nbufs, p.layout, p.read_only, NULL, 0, version);
 }
 
 int gpd_find_name(gpd_registry *reg, gpd_client *c, const char *name, gpd_name **out) {
@@ -342,13 +360,20 @@ int gpd_get_bundle(gpd_registry *reg, gpd_client *c, const char *name, int read_
     return rc;
   if (!(hs = calloc(n->nbufs, sizeof *hs)))
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  if ((rc = gpd_batch_begin(reg, c)) != 0) {
+    free(hs);
+    return rc;
+  }
+  /* One done event for the bundle's holds. */
   for (uint32_t i = 0; i < n->nbufs; i++)
     if ((rc = gpd_hold_new(reg, c, n->bufs[i], read_only || n->read_only, 0, &hs[i])) != 0) {
       while (i-- > 0)
         gpd_hold_drop(reg, hs[i], 0, NULL);
+      gpd_batch_end(reg, c);
       free(hs);
       return rc;
     }
+  gpd_batch_end(reg, c);
   *holds = hs;
   *out = n;
   return 0;

@@ -72,6 +72,7 @@ void gpd_client_drop(gpd_registry *reg, gpd_client *c) {
   int waiting = 0;
 
   c->lease = NULL;
+  gpd_parts_client_gone(reg, c);
   if (lease) {
     lease->client_id = c->id;
     if (c->nholds > 0 || c->mapped.len > 0)
@@ -84,6 +85,7 @@ void gpd_client_drop(gpd_registry *reg, gpd_client *c) {
   }
   while (c->holds)
     gpd_hold_drop(reg, c->holds, 0, waiting ? lease : NULL);
+  gpd_client_events_drop(reg, c);
   for (int i = 0; i < reg->npools; i++) {
     for (gpd_slab *s = reg->pools[i].slabs, *n; s; s = n) {
       n = s->next;
@@ -355,6 +357,7 @@ void gpd_registry_close(gpd_registry *reg) {
    * events (the daemon is exiting; the backend's pools go with it). */
   gpd_replicas_close(reg);
   gpd_keeps_close(reg);
+  gpd_parts_close(reg);
   for (size_t i = 0; i < reg->names.cap; i++) {
     if (!gpupool__smap_slot_used(&reg->names, i))
       continue;

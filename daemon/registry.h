@@ -43,8 +43,19 @@ typedef struct gpd_layout gpd_layout;
 typedef struct gpd_replica gpd_replica;
 typedef struct gpd_copy gpd_copy;
 
+/* An inter-process event. CUDA gives a process 4096 of them, so they are shared: a client's
+ * holds and buffers take turns on at most GPD_EVENTS_PER_CLIENT events of its own, and the
+ * holds one request makes (an Open of many tokens, a bundle's get) share one. Sharing is safe
+ * because the client library records an event cumulatively (the stream first waits for the
+ * event's last record when that has not completed): once it completes, every earlier record
+ * of it has. Events are never shared between clients, so no client can make another's wait
+ * on its work. */
+/* Events one client uses at most; more holds and buffers share them. */
+#define GPD_EVENTS_PER_CLIENT 32
+
 struct gpd_event {
   uint32_t id;
+  uint32_t refs;          /* holds, buffers (ready), done dependencies and client tables */
   gpupool__bevent *be;
   uint8_t handle[GPUPOOL_EVENT_HANDLE_SIZE];
   gpd_event *next_free;
@@ -348,6 +359,10 @@ struct gpd_client {
   uint64_t *revoke;         /* slab ids to send in the next reply */
   uint32_t nrevoke, caprevoke;
   gpupool__ratelimit log_rl; /* the lines it causes (gpupool__log_peer) */
+  gpd_event **events;       /* its own events, at most GPD_EVENTS_PER_CLIENT (one reference each) */
+  uint32_t nevents, capevents;
+  uint32_t next_event;      /* the one the next hold or buffer takes once all are made */
+  gpd_event *batch_done;    /* while a request makes many holds: the done event they share */
 };
 
 struct gpd_registry {
@@ -407,6 +422,7 @@ struct gpd_registry {
   /* Called when memory came back to a pool (to retry waiting allocations). */
   void (*on_memory)(gpd_registry *reg, gpd_pool *pool);
   void *owner;
+  struct gpd_parts *parts; /* sharded versions waiting for parts (parts.c), NULL until the first */
   /* What outlives the process (state.c): NULL when nothing does. state_changes moves with
    * each change the cheap counters it compares do not show (a new version, a mapping). */
   struct gpd_state *state;
@@ -527,6 +543,21 @@ void gpd_copies_stop(gpd_registry *reg);
 int gpd_publish_bundle(gpd_registry *reg, gpd_client *c, const char *name, const uint64_t *hold_ids,
                             size_t nholds, Gpupool__Wire__BundleMember *const *members, size_t nmembers,
                             uint64_t layout_id, uint64_t *version);
+/* Publish part idx of the nparts parts of a sharded version of name (parts.c): members as
+ * gpd_publish_bundle's; the version is published when its last part is in. */
+typedef struct {
+  uint64_t version;  /* the version the part belongs to (made, when complete) */
+  uint32_t parts_in; /* its parts in so far */
+  int complete;      /* this part completed it: it is published */
+} gpd_part_result;
+int gpd_publish_part(gpd_registry *reg, gpd_client *c, const char *name, uint64_t version, uint32_t idx,
+                     uint32_t nparts, const uint64_t *hold_ids, size_t nholds,
+                     Gpupool__Wire__BundleMember *const *wm, size_t nmembers, uint64_t layout_id,
+                     gpd_part_result *res);
+/* c's connection closed: every version waiting for parts that has one of c's goes. */
+void gpd_parts_client_gone(gpd_registry *reg, const gpd_client *c);
+/* Drop every waiting version (the registry closes). */
+void gpd_parts_close(gpd_registry *reg);
 /* Get a bundle (or single buffer) by name: *holds (an array the caller frees) gets one new
  * hold per buffer, *name the name entry (valid until the loop runs again). Same codes as
  * gpd_get, except that a single buffer is a bundle of one. */

@@ -40,7 +40,16 @@ uint64_t gpd_round_up(uint64_t v, uint64_t a);
 int gpd_grow(void **arr, uint32_t *cap, uint32_t need, size_t elem);
 
 /* holds.c: events, buffers and holds */
+/* A reference to an event for c's next hold or buffer (c NULL: a buffer the daemon makes, which
+ * gets one of its own), or NULL with the reason in gpupool__errmsg(). */
+gpd_event *gpd_event_get(gpd_registry *reg, gpd_client *c);
 void gpd_event_put(gpd_registry *reg, gpd_event *e);
+/* The holds c's current request makes share one done event, from gpd_batch_begin (0, or the
+ * error of gpd_event_get) to gpd_batch_end. */
+int gpd_batch_begin(gpd_registry *reg, gpd_client *c);
+void gpd_batch_end(gpd_registry *reg, gpd_client *c);
+/* c's own events go back (the client is leaving). */
+void gpd_client_events_drop(gpd_registry *reg, gpd_client *c);
 int gpd_hold_new(gpd_registry *reg, gpd_client *c, gpd_buffer *b, int read_only, int owner,
                       gpd_hold **out);
 void gpd_hold_drop(gpd_registry *reg, gpd_hold *h, int done_recorded, gpd_lease *lease);
@@ -48,8 +57,8 @@ int gpd_hold_of(gpd_registry *reg, gpd_client *c, uint64_t id, gpd_hold **out);
 int gpd_pool_alignment(const gpd_pool *p, uint64_t *align);
 /* place: 0, or GPD_PLACE_REPLICA / GPD_PLACE_FETCHED for a buffer filled in full by a copy
  * before anyone gets it (its memory may be a kept slab, and is not cleared first; gpd_place). */
-int gpd_buffer_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t size, uint64_t asize,
-                     uint64_t align, int place, gpd_buffer **out);
+int gpd_buffer_place(gpd_registry *reg, gpd_client *c, gpd_pool *p, uint64_t owner, uint64_t size,
+                     uint64_t asize, uint64_t align, int place, gpd_buffer **out);
 
 /* replicas.c: replicas of a version on other devices */
 /* b's last holder let go, or b was published again (still held): its replicas go. */
@@ -108,6 +117,24 @@ void gpd_name_free(gpd_registry *reg, gpd_name *n);
  * holds a single buffer (EINVAL for a bundle). */
 int gpd_find_newer(gpd_registry *reg, gpd_client *c, const char *name, uint64_t newer_than, gpd_name **out);
 int gpd_find_single(gpd_registry *reg, gpd_client *c, const char *name, uint64_t newer_than, gpd_name **out);
+/* A bundle checked for a publish under a name: its buffers (in hold order, the caller's array
+ * with no references taken yet), its member table (a reference), whether any hold was
+ * read-only, the name's key and its entry now (NULL for a new name). part: checked as one part
+ * of a sharded version (parts.c), which frees nothing of the name's current table. */
+typedef struct {
+  gpd_buffer **bufs;
+  uint32_t nbufs;
+  gpd_layout *layout;
+  int read_only;
+  char key[GPUPOOL_NAME_KEY_MAX + 1];
+  gpd_name *old;
+} gpd_bundle_prep;
+int gpd_bundle_prepare(gpd_registry *reg, gpd_client *c, const char *name, const uint64_t *hold_ids,
+                       size_t nholds, Gpupool__Wire__BundleMember *const *wm, size_t nmembers,
+                       uint64_t layout_id, int part, gpd_bundle_prep *out);
+int gpd_publish_commit(gpd_registry *reg, gpd_client *c, const char *key, gpd_name *n,
+                       gpd_buffer **bufs, uint32_t nbufs, gpd_layout *layout,
+                       int read_only, const gpupool_tensor_meta *meta, uint64_t want, uint64_t *version);
 
 /* bundles.c: layouts (member tables) and bundle plans */
 void gpd_members_free(gpd_member *m, uint32_t n);

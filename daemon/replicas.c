@@ -110,7 +110,7 @@ static int replica_buffer(gpd_registry *reg, gpd_buffer *src, int device, gpd_bu
   asize = gpd_round_up(src->asked, p->cfg.alignment);
   if ((rc = gpd_quota_replica(reg, src->owner_tenant, asize, device)) != 0)
     return rc;
-  if ((rc = gpd_buffer_place(reg, p, owner, src->asked, asize, align, GPD_PLACE_REPLICA, &b)) != 0) {
+  if ((rc = gpd_buffer_place(reg, NULL, p, owner, src->asked, asize, align, GPD_PLACE_REPLICA, &b)) != 0) {
     if (rc == GPUPOOL_ENOSPC)
       rc = gpupool__err(GPUPOOL_ENOSPC, "no room for a replica of %" PRIu64 " bytes in pool '%s' (device %d): "
                         "%" PRIu64 " bytes free; release buffers there or raise its capacity",
@@ -555,13 +555,20 @@ int gpd_get_bundle_on(gpd_registry *reg, gpd_client *c, const char *name, int re
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     goto out;
   }
+  if ((rc = gpd_batch_begin(reg, c)) != 0) {
+    free(hs);
+    goto out;
+  }
+  /* One done event for the bundle's holds. */
   for (i = 0; i < n->nbufs; i++)
     if ((rc = gpd_hold_new(reg, c, use[i], read_only || n->read_only || use[i] != n->bufs[i], 0, &hs[i])) != 0) {
       while (i-- > 0)
         gpd_hold_drop(reg, hs[i], 0, NULL);
+      gpd_batch_end(reg, c);
       free(hs);
       goto out;
     }
+  gpd_batch_end(reg, c);
   *holds = hs;
   *out = n;
   rc = 0;

@@ -4,11 +4,12 @@
  * their export data (cudaMemPoolImportPointer), unmaps them in stream order, and opens,
  * records and waits on the daemon's inter-process events.
  *
- * Owns: the imported pool handles (and the access it granted on them), the process-wide
- * table of imported slab pointers, and the opened events.
+ * Owns: the process-wide tables of imported pools (and the access granted on them) and of
+ * imported slab pointers, and the opened events.
  *
  * Threads: the client core serializes calls per connection, but several connections may live
- * in one process, so the pointer table has its own mutex. Calls that must run with a given
+ * in one process (a library's client next to the application's), so the tables have their
+ * own mutex. Calls that must run with a given
  * current device (it is a per-thread runtime setting that belongs to the application) save
  * and restore the caller's device around the call.
  */
@@ -21,15 +22,48 @@
 
 #include "cuda.h"
 #include "errors.h"
-#include "hmap.h"
+
+/*
+ * The driver keeps imports per process, not per caller: importing a pool that this process has
+ * imported already returns the same cudaMemPool_t, access set on it applies to every pointer
+ * of it, and importing an allocation that is mapped already returns the same pointer (device
+ * memory; the first free unmaps it for both) or fails with cudaErrorAlreadyMapped (pinned
+ * host-NUMA memory). Each connection of the client core imports what it is sent, so two
+ * connections of one process (one per PinnedLoader, a library's next to the application's)
+ * meet the same pool and slabs. Hence one record per imported pool and per imported slab,
+ * counted over every connection of the process: a pool's access is taken back and the pool
+ * destroyed with its last user, a slab is imported by its first user and freed by its last.
+ */
+typedef struct ipool {
+  cudaMemPool_t pool;
+  uint64_t refs;   /* gpupool__cpool handles (connections) using it */
+  int *granted;    /* devices given access; cleared again by the last user */
+  int n_granted;
+  struct ipool *next;
+} ipool;
 
 struct gpupool__cpool {
-  cudaMemPool_t pool;
+  ipool *ip;
   gpupool_mem_kind kind;
   int device;   /* resident device (DEVICE) or the GPU the daemon serves it to (HOST_NUMA) */
-  int *granted; /* devices this process gave access to; cleared again on release */
-  int n_granted;
 };
+
+/* One imported slab: its export data names the allocation (it differs for every allocation,
+ * even one at an address used before). */
+typedef struct imp {
+  cudaMemPool_t pool;
+  uint8_t data[sizeof(struct cudaMemPoolPtrExportData)];
+  void *ptr;
+  uint64_t refs;       /* slab_map calls not yet undone */
+  int device;
+  cudaEvent_t freed;   /* dying: recorded after its cudaFreeAsync */
+  struct imp *next;
+} imp;
+
+static pthread_mutex_t imp_lock = PTHREAD_MUTEX_INITIALIZER;
+static ipool *ipools;
+static imp *imports; /* mapped */
+static imp *dying;   /* freed in a stream, the free perhaps not run yet */
 
 /* One opened copy of the IPC event per device: cudaEventRecord needs the event and the stream
  * in the same context, and an application may record from streams of several devices. */
@@ -43,19 +77,6 @@ struct gpupool__cevent {
   ev_slot *slots;
   int n;
 };
-
-/*
- * Importing the same export data twice in one process returns the same pointer, and the first
- * free unmaps it for both. The client core maps each slab once per connection; two
- * connections of one process that share a slab would each import it, so this table counts
- * imports per pointer and only the last unmap frees. Even so, two connections in one process
- * sharing a slab is unsafe in one respect this table cannot fix: the free is stream-ordered,
- * so an import made after the last unmap was queued but before it ran gets the mapping that
- * is about to go away. Use one connection per process.
- */
-static pthread_mutex_t map_lock = PTHREAD_MUTEX_INITIALIZER;
-static gpupool__hmap map_refs; /* device pointer -> malloc'd uint64_t import count */
-static int map_init;
 
 /* Make device current, remembering the caller's device in *prev. */
 static int push_device(int device, int *prev) {
@@ -85,7 +106,7 @@ static int set_access(cudaMemPool_t pool, int device, enum cudaMemAccessFlags fl
   return 0;
 }
 
-static int add_granted(gpupool__cpool *p, int device) {
+static int add_granted(ipool *p, int device) {
   for (int i = 0; i < p->n_granted; i++)
     if (p->granted[i] == device)
       return 0;
@@ -97,11 +118,48 @@ static int add_granted(gpupool__cpool *p, int device) {
   return 0;
 }
 
+/* The last user of ip is gone: take back the access granted on it and destroy it. A destroyed
+ * handle can be recycled for the next import in this process and inherit its peer access;
+ * work already queued on a granted device may still read the pool (a release only orders the
+ * free after it), and pulling the mapping from under a running kernel faults it: drain those
+ * devices first. The resident device of a device pool cannot lose access and was never
+ * granted. With imp_lock held. */
+static void ipool_drop(ipool *ip) {
+  int prev = -1;
+  for (ipool **pp = &ipools; *pp; pp = &(*pp)->next)
+    if (*pp == ip) {
+      *pp = ip->next;
+      break;
+    }
+  if (ip->n_granted > 0 && cudaGetDevice(&prev) == cudaSuccess) {
+    for (int i = 0; i < ip->n_granted; i++) {
+      struct cudaMemAccessDesc d;
+      memset(&d, 0, sizeof(d));
+      d.location.type = cudaMemLocationTypeDevice;
+      d.location.id = ip->granted[i];
+      d.flags = cudaMemAccessFlagsProtNone;
+      /* Errors are dropped, not recorded: this also runs on failure paths whose message
+       * the caller still has to report. */
+      if (cudaSetDevice(ip->granted[i]) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
+        (void)cudaGetLastError();
+      if (cudaMemPoolSetAccess(ip->pool, &d, 1) != cudaSuccess)
+        (void)cudaGetLastError();
+    }
+    pop_device(-1, prev);
+  }
+  if (cudaMemPoolDestroy(ip->pool) != cudaSuccess)
+    (void)cudaGetLastError();
+  free(ip->granted);
+  free(ip);
+}
+
 static int cuda_pool_import(int fd, gpupool_mem_kind kind, int device, uint64_t capacity,
                             gpupool__cpool **out) {
   if (fd < 0)
     return gpupool__err(GPUPOOL_EPROTO, "the daemon sent no fd for a CUDA pool");
   gpupool__cpool *p = NULL;
+  ipool *ip = NULL;
+  cudaMemPool_t pool;
   cudaError_t e;
   int prev = -1, rc;
 
@@ -121,30 +179,49 @@ static int cuda_pool_import(int fd, gpupool_mem_kind kind, int device, uint64_t 
   p->device = device;
   if ((rc = push_device(device, &prev)) < 0)
     goto out_free;
-  e = cudaMemPoolImportFromShareableHandle(&p->pool, (void *)(uintptr_t)fd,
+  pthread_mutex_lock(&imp_lock);
+  e = cudaMemPoolImportFromShareableHandle(&pool, (void *)(uintptr_t)fd,
                                            cudaMemHandleTypePosixFileDescriptor, 0);
   if (e != cudaSuccess) {
     rc = gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaMemPoolImportFromShareableHandle", device,
                    "the daemon and this process must share the GPU and driver; in a "
                    "container, share the host's /dev/nvidia* and IPC namespace");
-    goto out_dev;
+    goto out_unlock;
   }
+  /* Imported before by another connection of this process: the driver returned its handle. */
+  for (ip = ipools; ip && ip->pool != pool; ip = ip->next)
+    ;
+  if (!ip) {
+    if (!(ip = calloc(1, sizeof(*ip)))) {
+      rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory importing a CUDA pool");
+      (void)cudaMemPoolDestroy(pool);
+      (void)cudaGetLastError();
+      goto out_unlock;
+    }
+    ip->pool = pool;
+    ip->next = ipools;
+    ipools = ip;
+  }
+  ip->refs++;
   /* A host-NUMA pool is accessible only from the CPU until access is granted; its GPU is
    * the resident device as far as the API promises, so grant it here. */
   if (kind == GPUPOOL_MEM_HOST_NUMA) {
-    if ((rc = set_access(p->pool, device, cudaMemAccessFlagsProtReadWrite)) < 0 ||
-        (rc = add_granted(p, device)) < 0) {
-      (void)cudaMemPoolDestroy(p->pool);
-      (void)cudaGetLastError();
-      goto out_dev;
+    if ((rc = set_access(ip->pool, device, cudaMemAccessFlagsProtReadWrite)) < 0 ||
+        (rc = add_granted(ip, device)) < 0) {
+      if (--ip->refs == 0)
+        ipool_drop(ip);
+      goto out_unlock;
     }
   }
+  pthread_mutex_unlock(&imp_lock);
   pop_device(device, prev);
   close(fd);
+  p->ip = ip;
   *out = p;
   return 0;
 
-out_dev:
+out_unlock:
+  pthread_mutex_unlock(&imp_lock);
   pop_device(device, prev);
 out_free:
   free(p);
@@ -153,40 +230,19 @@ out_fd:
   return rc;
 }
 
+/* Runs once per connection at disconnect; the pool itself goes with its last user. */
 static void cuda_pool_release(gpupool__cpool *p) {
-  int prev = -1;
   if (!p)
     return;
-  /* A destroyed handle can be recycled for the next import in this process and inherit its
-   * peer access; take back what was granted first. Work already queued on a granted device
-   * may still read the pool (a release only orders the free after it), and pulling the
-   * mapping from under a running kernel faults it: drain those devices first. This runs
-   * once per pool at disconnect. The resident device of a device pool cannot lose access and
-   * was never granted. */
-  if (p->n_granted > 0 && cudaGetDevice(&prev) == cudaSuccess) {
-    for (int i = 0; i < p->n_granted; i++) {
-      struct cudaMemAccessDesc d;
-      memset(&d, 0, sizeof(d));
-      d.location.type = cudaMemLocationTypeDevice;
-      d.location.id = p->granted[i];
-      d.flags = cudaMemAccessFlagsProtNone;
-      /* Errors are dropped, not recorded: this also runs on failure paths whose message
-       * the caller still has to report. */
-      if (cudaSetDevice(p->granted[i]) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
-        (void)cudaGetLastError();
-      if (cudaMemPoolSetAccess(p->pool, &d, 1) != cudaSuccess)
-        (void)cudaGetLastError();
-    }
-    pop_device(-1, prev);
-  }
-  if (cudaMemPoolDestroy(p->pool) != cudaSuccess)
-    (void)cudaGetLastError();
-  free(p->granted);
+  pthread_mutex_lock(&imp_lock);
+  if (--p->ip->refs == 0)
+    ipool_drop(p->ip);
+  pthread_mutex_unlock(&imp_lock);
   free(p);
 }
 
 static int cuda_pool_set_access(gpupool__cpool *p, const int *devices, int n) {
-  int ndev = 0, rc;
+  int ndev = 0, rc = 0;
   cudaError_t e;
 
   if (n < 0 || (n > 0 && !devices))
@@ -212,22 +268,46 @@ static int cuda_pool_set_access(gpupool__cpool *p, const int *devices, int n) {
                           "by NVLink or PCIe P2P (nvidia-smi topo -m)",
                           d, p->device, p->device, d);
   }
-  for (int i = 0; i < n; i++) {
+  /* Access is the pool's, shared by every connection of the process that imported it: what
+   * one grants, the others get too, until the last one releases the pool. */
+  pthread_mutex_lock(&imp_lock);
+  for (int i = 0; i < n && rc == 0; i++) {
     int d = devices[i];
     if (p->kind == GPUPOOL_MEM_DEVICE && d == p->device)
       continue;
-    if ((rc = set_access(p->pool, d, cudaMemAccessFlagsProtReadWrite)) < 0)
-      return rc;
-    if ((rc = add_granted(p, d)) < 0)
-      return rc;
+    if ((rc = set_access(p->ip->pool, d, cudaMemAccessFlagsProtReadWrite)) == 0)
+      rc = add_granted(p->ip, d);
   }
-  return 0;
+  pthread_mutex_unlock(&imp_lock);
+  return rc;
+}
+
+static int stream_device(void *stream, int *dev);
+
+/* Forget the dying slabs whose free has run (all of them, waiting, when wait is set). With
+ * imp_lock held. */
+static void reap_dying(int wait) {
+  for (imp **pp = &dying; *pp;) {
+    imp *m = *pp;
+    cudaError_t e = wait ? cudaEventSynchronize(m->freed) : cudaEventQuery(m->freed);
+    if (e == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      pp = &m->next;
+      continue;
+    }
+    if (e != cudaSuccess)
+      (void)cudaGetLastError(); /* the stream failed: the free will not run later either */
+    if (cudaEventDestroy(m->freed) != cudaSuccess)
+      (void)cudaGetLastError();
+    *pp = m->next;
+    free(m);
+  }
 }
 
 static int cuda_slab_map(gpupool__cpool *p, const uint8_t *export_data, size_t export_len,
                          uint64_t size, int fd, int writable, void **base, void **priv) {
   struct cudaMemPoolPtrExportData d;
-  uint64_t *count;
+  imp *m;
   void *ptr = NULL;
   cudaError_t e;
   int rc = 0;
@@ -240,67 +320,103 @@ static int cuda_slab_map(gpupool__cpool *p, const uint8_t *export_data, size_t e
   *priv = NULL;
   if ((rc = gpupool__cuda_export_decode(export_data, export_len, &d)) != 0)
     return rc;
-  pthread_mutex_lock(&map_lock);
-  if (!map_init) {
-    gpupool__hmap_init(&map_refs);
-    map_init = 1;
+  pthread_mutex_lock(&imp_lock);
+  /* Mapped already by another connection of this process (or by this one for a second,
+   * writable mapping): one import, counted. */
+  for (m = imports; m; m = m->next)
+    if (m->pool == p->ip->pool && !memcmp(m->data, &d, sizeof(m->data))) {
+      m->refs++;
+      *base = m->ptr;
+      goto out;
+    }
+  /* A free of it, or of an allocation at the same address, queued in some stream may not have
+   * run yet: importing before it has would map what is about to go. */
+  reap_dying(0);
+  for (m = dying; m; m = m->next)
+    if (m->pool == p->ip->pool && !memcmp(m->data, &d, sizeof(m->data)))
+      break;
+  if (m)
+    reap_dying(1);
+  if (!(m = calloc(1, sizeof(*m)))) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory recording a mapped slab");
+    goto out;
   }
-  e = cudaMemPoolImportPointer(&ptr, p->pool, &d);
+  e = cudaMemPoolImportPointer(&ptr, p->ip->pool, &d);
+  if (e == cudaErrorAlreadyMapped && dying) {
+    (void)cudaGetLastError();
+    reap_dying(1);
+    e = cudaMemPoolImportPointer(&ptr, p->ip->pool, &d);
+  }
   if (e != cudaSuccess) {
+    free(m);
     rc = gpupool__cuda_fail(e == cudaErrorMemoryAllocation ? GPUPOOL_ENOMEM : GPUPOOL_EBACKEND, e,
                    "cudaMemPoolImportPointer", p->device,
                    "the slab may have been freed by the daemon, or this process is out of "
                    "device address space");
     goto out;
   }
-  count = gpupool__hmap_get(&map_refs, (uint64_t)(uintptr_t)ptr);
-  if (count) {
-    (*count)++;
-  } else if (!(count = malloc(sizeof(*count))) ||
-             gpupool__hmap_put(&map_refs, (uint64_t)(uintptr_t)ptr, count) < 0) {
-    free(count);
-    if (cudaFree(ptr) != cudaSuccess)
-      (void)cudaGetLastError();
-    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory recording a mapped slab");
-    goto out;
-  } else {
-    *count = 1;
-  }
+  m->pool = p->ip->pool;
+  memcpy(m->data, &d, sizeof(m->data));
+  m->ptr = ptr;
+  m->refs = 1;
+  m->device = p->device;
+  m->next = imports;
+  imports = m;
   *base = ptr;
 out:
-  pthread_mutex_unlock(&map_lock);
+  pthread_mutex_unlock(&imp_lock);
   return rc;
 }
 
 static int cuda_slab_unmap(gpupool__cpool *p, void *base, uint64_t size, void *priv,
                            void *stream) {
-  uint64_t *count;
+  imp **pp, *m;
   cudaError_t e;
-  int rc = 0;
+  int rc = 0, dev = -1, prev = -1;
 
   (void)size;
   (void)priv;
   if (!base)
     return 0;
-  pthread_mutex_lock(&map_lock);
-  count = map_init ? gpupool__hmap_get(&map_refs, (uint64_t)(uintptr_t)base) : NULL;
-  if (count && *count > 1) {
-    /* Another import of the same slab is still mapped: freeing would unmap it too. */
-    (*count)--;
-    goto out;
-  }
-  if (count) {
-    gpupool__hmap_del(&map_refs, (uint64_t)(uintptr_t)base);
-    free(count);
-  }
+  pthread_mutex_lock(&imp_lock);
+  for (pp = &imports; *pp && (*pp)->ptr != base; pp = &(*pp)->next)
+    ;
+  if (!(m = *pp))
+    goto out; /* cannot happen: every mapping came from slab_map */
+  if (--m->refs > 0)
+    goto out; /* another mapping of the same slab is still in use: freeing would unmap it too */
+  *pp = m->next;
   /* Queued in the caller's stream after its work on the slab; queued under the lock so that
    * an import racing with this unmap is counted before or after it, never in between. */
   e = cudaFreeAsync(base, (cudaStream_t)stream);
-  if (e != cudaSuccess)
+  if (e != cudaSuccess) {
     rc = gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaFreeAsync of an imported slab", p->device,
                    "the stream may belong to a destroyed context");
+    free(m);
+    goto out;
+  }
+  /* Until the free has run, an import of this allocation (or of a later one at its address)
+   * must wait for it: an event marks its place in the stream. */
+  if (stream_device(stream, &dev) == 0 && push_device(dev, &prev) == 0) {
+    e = cudaEventCreateWithFlags(&m->freed, cudaEventDisableTiming);
+    if (e == cudaSuccess && (e = cudaEventRecord(m->freed, (cudaStream_t)stream)) != cudaSuccess)
+      (void)cudaEventDestroy(m->freed);
+    pop_device(dev, prev);
+  } else {
+    e = cudaErrorInvalidValue;
+  }
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    gpupool__err_clear();
+    if (cudaStreamSynchronize((cudaStream_t)stream) != cudaSuccess)
+      (void)cudaGetLastError();
+    free(m);
+    goto out;
+  }
+  m->next = dying;
+  dying = m;
 out:
-  pthread_mutex_unlock(&map_lock);
+  pthread_mutex_unlock(&imp_lock);
   return rc;
 }
 
@@ -399,6 +515,16 @@ static int cuda_event_record(gpupool__cevent *e, void *stream) {
     return rc;
   if ((rc = open_on(e, dev, &ev)) < 0)
     return rc;
+  /* The daemon shares an event between several holds or buffers of this client, so a record
+   * must not replace one whose work is still running: the stream waits for that first, and
+   * the new record completes only after every earlier one. */
+  ce = cudaEventQuery(ev);
+  if (ce == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    ce = cudaStreamWaitEvent((cudaStream_t)stream, ev, 0);
+  }
+  if (ce != cudaSuccess)
+    return gpupool__cuda_fail(GPUPOOL_EBACKEND, ce, "waiting for an IPC event's last record", dev, NULL);
   ce = cudaEventRecord(ev, (cudaStream_t)stream);
   if (ce != cudaSuccess)
     return gpupool__cuda_fail(GPUPOOL_EBACKEND, ce, "cudaEventRecord of an IPC event", dev, NULL);

@@ -6,7 +6,10 @@
  * behind, a forged or repeated token in the middle of a batch opens nothing and uses up no kept
  * share, a kept-share quota hit midway leaves no kept share, a set whose slabs need more fds
  * than one reply carries opens whole, a buffer is idle only once nobody else holds it, and
- * many allocations in flight together are all or nothing.
+ * many allocations in flight together are all or nothing. Messages of 1,000 buffers (three in
+ * flight at once) and of 10,000 go through in runs of max_share_batch, as gpupool.torch sends
+ * them; a failed open of a message leaves its receiver's connection usable and holds the
+ * sender's buffers no longer than share_keep_ms once the sender has gone.
  */
 #include <inttypes.h>
 
@@ -295,8 +298,96 @@ static void test_alloc_many_all_or_nothing(void **state) {
   th_wait_idle(&D, 3000);
 }
 
+/* A message of n buffers of size bytes from a to r, as gpupool.torch sends one: allocated in
+ * one round trip, shared kept and opened in runs of max_share_batch (1024 by default). */
+static void message(gpupool_client *a, gpupool_client *r, int n, size_t size, int fill, gpupool_buffer **tx,
+                    gpupool_buffer **rx) {
+  size_t *sizes = calloc((size_t)n, sizeof *sizes);
+  gpupool_token *tok = calloc((size_t)n, sizeof *tok);
+  assert_non_null(sizes);
+  assert_non_null(tok);
+  for (int i = 0; i < n; i++)
+    sizes[i] = size;
+  if (gpupool_buffer_alloc_many(a, NULL, sizes, n, NULL, tx) != 0)
+    fail_msg("alloc_many of %d: %s", n, gpupool_last_error());
+  for (int i = 0; i < n; i++)
+    memset(gpupool_buffer_ptr(tx[i]), (i + fill) & 0xff, size);
+  for (int i = 0; i < n; i += 1024) {
+    int k = n - i < 1024 ? n - i : 1024;
+    if (gpupool_buffer_share_kept_many(tx + i, k, NULL, tok + i, NULL, 0, NULL) != 0)
+      fail_msg("share_kept_many at %d of %d: %s", i, n, gpupool_last_error());
+  }
+  for (int i = 0; i < n; i += 1024) {
+    int k = n - i < 1024 ? n - i : 1024;
+    if (gpupool_buffer_open_many(r, tok + i, k, 0, NULL, rx + i) != 0)
+      fail_msg("open_many at %d of %d: %s", i, n, gpupool_last_error());
+  }
+  check_filled(rx, n, size, fill);
+  free(sizes);
+  free(tok);
+}
+
+static void test_messages_of_1000_and_10000(void **state) {
+  enum { SMALL = 1000, INFLIGHT = 3, BIG = 10000 };
+  gpupool_client *a, *r;
+  gpupool_buffer **tx = calloc(BIG, sizeof *tx), **rx = calloc(BIG, sizeof *rx);
+  (void)state;
+  assert_non_null(tx);
+  assert_non_null(rx);
+  start_with("", TH_HOST_POOL("256M", "8M"));
+  a = th_connect(&D, "sender");
+  r = th_connect(&D, "receiver");
+  for (int m = 0; m < INFLIGHT; m++)
+    message(a, r, SMALL, 4096, 5 * m, tx + m * SMALL, rx + m * SMALL);
+  release_all(rx, INFLIGHT * SMALL);
+  release_all(tx, INFLIGHT * SMALL);
+  message(a, r, BIG, 4096, 1, tx, rx);
+  release_all(rx, BIG);
+  release_all(tx, BIG);
+  gpupool_client_disconnect(a);
+  gpupool_client_disconnect(r);
+  th_wait_idle(&D, 5000);
+  free(tx);
+  free(rx);
+}
+
+/* A message whose open fails (a token in it forged): the receiver's request fails whole and
+ * its connection goes on serving it; the sender, gone already, pins its buffers through the
+ * kept shares only until share_keep_ms has passed. */
+static void test_failed_open_pins_nothing_past_keep(void **state) {
+  enum { N = 1000 };
+  gpupool_client *a, *r;
+  gpupool_buffer *b[N], *o[N], *w;
+  gpupool_token tok[N];
+  uint64_t nb, nh, t0;
+  (void)state;
+  start_with("share_keep_ms = 400", TH_HOST_POOL("64M", "4M"));
+  a = th_connect(&D, "sender");
+  r = th_connect(&D, "receiver");
+  alloc_filled(a, b, N, 4096, 2);
+  assert_int_equal(gpupool_buffer_share_kept_many(b, N, NULL, tok, NULL, 0, NULL), 0);
+  release_all(b, N);
+  gpupool_client_disconnect(a); /* the message is in flight: only its kept shares hold it */
+  t0 = th_now_ms();
+  tok[N / 2].bytes[20] ^= 0x21;
+  assert_int_equal(gpupool_buffer_open_many(r, tok, N, 0, NULL, o), GPUPOOL_ENOENT);
+  for (int i = 0; i < N; i++)
+    assert_null(o[i]);
+  /* The receiver is fine: it allocates and releases as before. */
+  assert_int_equal(gpupool_buffer_alloc(r, NULL, 100, 0, NULL, &w), 0);
+  assert_int_equal(gpupool_buffer_release(w, NULL), 0);
+  holds_now(&nb, &nh);
+  if (th_now_ms() - t0 < 300) {
+    assert_int_equal(nb, N); /* still kept: share_keep_ms has not passed */
+    assert_int_equal(nh, N);
+  }
+  th_wait_idle(&D, 5000); /* the kept shares expired: every buffer is back */
+  gpupool_client_disconnect(r);
+}
+
 int main(void) {
   return TS_RUN_TESTS(NULL, teardown, test_one_request_each, test_batch_cap, test_bad_token_in_the_middle,
                       test_quota_midway, test_more_slabs_than_one_reply_carries, test_idle_only_when_alone,
-                      test_alloc_many_all_or_nothing);
+                      test_alloc_many_all_or_nothing, test_messages_of_1000_and_10000,
+                      test_failed_open_pins_nothing_past_keep);
 }

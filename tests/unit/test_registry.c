@@ -472,6 +472,131 @@ static void test_dead_holder_range_not_reused_with_gpu_work(void **state) {
   assert_int_equal(pool(f)->nslabs, 1);
 }
 
+/* As setup_events, with a backend that makes at most EVENTS_MAX events, as CUDA gives a process
+ * 4096: a message of more buffers and holds than that must still go through. */
+#define EVENTS_MAX 64
+static int events_made;
+
+static int limited_event_create(gpupool__backend *be, gpupool__bevent **out,
+                                uint8_t handle[GPUPOOL_EVENT_HANDLE_SIZE]) {
+  if (events_made == EVENTS_MAX)
+    return gpupool__err(GPUPOOL_EBACKEND, "cudaEventCreateWithFlags: cudaErrorMemoryAllocation (out of memory)");
+  events_made++;
+  return fake_event_create(be, out, handle);
+}
+
+static void limited_event_destroy(gpupool__bevent *e) {
+  events_made--;
+  fake_event_destroy(e);
+}
+
+static int setup_few_events(void **state) {
+  setup_events(state);
+  events_made = 0;
+  events_ops.event_create = limited_event_create;
+  events_ops.event_destroy = limited_event_destroy;
+  return 0;
+}
+
+/* Whether e is one of c's own events. */
+static int own_event(const gpd_client *c, const gpd_event *e) {
+  for (uint32_t i = 0; i < c->nevents; i++)
+    if (c->events[i] == e)
+      return 1;
+  return 0;
+}
+
+static uint32_t idle_events(const fixture *f) {
+  uint32_t n = 0;
+  for (const gpd_event *e = f->reg.free_events; e; e = e->next_free)
+    n++;
+  return n;
+}
+
+static void test_events_shared_past_the_backend_limit(void **state) {
+  enum { N = 3 * EVENTS_MAX };
+  fixture *f = *state;
+  gpd_hold **hs = calloc(N, sizeof *hs), **os = calloc(N, sizeof *os);
+  uint8_t (*toks)[GPUPOOL_TOKEN_SIZE] = calloc(N, sizeof *toks);
+  const uint8_t **tp = calloc(N, sizeof *tp);
+  size_t *lens = calloc(N, sizeof *lens), opened = 0;
+  uint64_t *ids = calloc(N, sizeof *ids);
+  gpd_hold *x;
+  int freed;
+
+  assert_non_null(hs && os && toks && tp && lens && ids);
+  /* A message of N buffers (each a ready event and an owner hold's done event) from a... */
+  for (int i = 0; i < N; i++) {
+    assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 4096, 0, &hs[i]), 0);
+    ids[i] = hs[i]->id;
+    assert_true(own_event(&f->a, hs[i]->buf->ready));
+    assert_true(own_event(&f->a, hs[i]->done));
+  }
+  assert_true(f->a.nevents <= GPD_EVENTS_PER_CLIENT);
+  assert_int_equal(gpd_share_many(&f->reg, &f->a, ids, N, 1, toks), 0);
+  /* ...opened by b in one request: its holds share one done event, none of a's. */
+  for (int i = 0; i < N; i++) {
+    tp[i] = toks[i];
+    lens[i] = GPUPOOL_TOKEN_SIZE;
+  }
+  assert_int_equal(gpd_open_many(&f->reg, &f->b, tp, lens, N, 0, GPUPOOL_WIRE_MAX_FDS, os, &opened), 0);
+  assert_int_equal(opened, N);
+  for (int i = 0; i < N; i++) {
+    assert_ptr_equal(os[i]->done, os[0]->done);
+    assert_false(own_event(&f->a, os[i]->done));
+  }
+  /* The backend has no event left (another user took the rest): a client with events of its
+   * own shares them... */
+  gpupool__bevent *other[EVENTS_MAX];
+  int nother = 0;
+  while (events_made < EVENTS_MAX) {
+    uint8_t h[GPUPOOL_EVENT_HANDLE_SIZE];
+    assert_int_equal(limited_event_create(NULL, &other[nother++], h), 0);
+  }
+  assert_int_equal(gpd_allocate(&f->reg, &f->b, pool(f), 4096, 0, &x), 0);
+  assert_true(own_event(&f->b, x->buf->ready));
+  assert_int_equal(gpd_release(&f->reg, &f->b, x->id, 1, &freed), 0);
+  /* ...one with none, while every event is in use, gets an error that says why... */
+  assert_int_equal(f->x.nevents, 0);
+  assert_int_equal(gpd_allocate(&f->reg, &f->x, pool(f), 4096, 0, &x), GPUPOOL_EBACKEND);
+  assert_non_null(strstr(gpupool__errmsg(), "none of its own"));
+  /* Every hold released with its done event recorded: the memory comes back... */
+  for (int i = 0; i < N; i++) {
+    assert_int_equal(gpd_release(&f->reg, &f->b, os[i]->id, 1, &freed), 0);
+    assert_int_equal(gpd_release(&f->reg, &f->a, ids[i], 1, &freed), 0);
+  }
+  gpd_sweep(&f->reg);
+  assert_int_equal(f->reg.npending, 0);
+  assert_int_equal(pool(f)->used, 0);
+  /* ...and the client with none now takes an idle one out of another client's own. */
+  assert_int_equal(gpd_allocate(&f->reg, &f->x, pool(f), 4096, 0, &x), 0);
+  assert_true(own_event(&f->x, x->buf->ready));
+  assert_false(own_event(&f->a, x->buf->ready) || own_event(&f->b, x->buf->ready));
+  assert_int_equal(gpd_release(&f->reg, &f->x, x->id, 1, &freed), 0);
+  /* Every event a hold or buffer took goes back to the idle list once its clients let go of
+   * their own. */
+  /* The clients leave: their own events go back too. */
+  for (int k = 0; k < 3; k++) {
+    gpd_client *c = k == 0 ? &f->a : k == 1 ? &f->b : &f->x;
+    int *peer = k == 0 ? &f->a_peer : k == 1 ? &f->b_peer : &f->x_peer;
+    gpd_client_drop(&f->reg, c);
+    close(*peer);
+    give_lease(f, c, peer);
+    gpd_client_init(&f->reg, c);
+  }
+  assert_int_equal(idle_events(f), f->reg.nevents);
+  for (uint32_t i = 0; i < f->reg.nevents; i++)
+    assert_int_equal(f->reg.events[i]->refs, 0);
+  while (nother > 0)
+    limited_event_destroy(other[--nother]);
+  free(hs);
+  free(os);
+  free(toks);
+  free(tp);
+  free(lens);
+  free(ids);
+}
+
 /* A client that went away holding a buffer in a slab it mapped, while its process lives on:
  * the registry watches the process (a pidfd on the loop). Closing the registry must let go of
  * that watch, or the daemon's last loop run never ends and SIGTERM hangs until the client
@@ -948,6 +1073,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_drop_client_releases_everything, setup, teardown),
       cmocka_unit_test_setup_teardown(test_lease_keeps_memory_until_gone, setup, teardown),
       cmocka_unit_test_setup_teardown(test_dead_holder_range_not_reused_with_gpu_work, setup_events, teardown),
+      cmocka_unit_test_setup_teardown(test_events_shared_past_the_backend_limit, setup_few_events, teardown),
       cmocka_unit_test_setup(test_close_with_a_live_dead_client, setup),
       cmocka_unit_test_setup_teardown(test_tenant_pools_per_tenant, setup_tenant_pools, teardown_tenant_pools),
       cmocka_unit_test_setup_teardown(test_tenant_pools_group, setup_tenant_pools, teardown_tenant_pools),

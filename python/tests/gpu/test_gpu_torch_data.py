@@ -88,6 +88,51 @@ class PinnedLoaderCuda(unittest.TestCase):
                 time.sleep(0.05)
             self.assertEqual(c.stats()["buffers"], base)
 
+    def test_loaders_in_a_row(self):
+        """Loader after loader in one process, each with a client of its own, while batches
+        of earlier ones are still alive: the later clients get buffers in slabs the earlier
+        ones map (the driver refuses a second import of pinned memory in a process), and a
+        client that goes must leave the pool usable for the others."""
+        import loader_samples as datasets
+        from gpupool.torch_data import PinnedLoader
+
+        torch.cuda.init()
+        ds = datasets.Samples(n=48)
+        want = list(torch.utils.data.DataLoader(ds, batch_size=6, num_workers=0))
+        with gpupool.Client(self.socket) as c:
+            base = c.stats()["buffers"]
+            dl = PinnedLoader(ds, batch_size=6, num_workers=3, socket=self.socket,
+                              persistent_workers=True)
+            for epoch in range(2):
+                for b in dl:
+                    pass
+            kept = b  # a loop variable keeps the last batch (and the first loader's client)
+            del dl
+            gc.collect()
+            bad = PinnedLoader(datasets.Samples(n=48, fail_at=13), batch_size=6, num_workers=2,
+                               socket=self.socket)
+            with self.assertRaisesRegex(ValueError, "sample 13 is broken"):
+                for b in bad:
+                    pass
+            for k in range(2):
+                dl = PinnedLoader(ds, batch_size=6, num_workers=2, prefetch_factor=4,
+                                  socket=self.socket)
+                got = [{"image": b["image"].cuda(non_blocking=True), "name": b["name"]}
+                       for b in dl]
+                torch.cuda.synchronize()
+                self.assertEqual(len(got), len(want))
+                for a, w in zip(got, want):
+                    self.assertTrue(torch.equal(a["image"].cpu(), w["image"]))
+                    self.assertEqual(a["name"], w["name"])
+                del got, dl
+            self.assertTrue(torch.equal(kept["image"].cuda().cpu(), want[-1]["image"]))
+            del kept, bad, b
+            gc.collect()
+            deadline = time.monotonic() + 20
+            while c.stats()["buffers"] != base and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.assertEqual(c.stats()["buffers"], base)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -92,6 +92,15 @@ def receive_and_wait(q, r):
     time.sleep(120)
 
 
+def digest_dicts(q, r):
+    while True:
+        d = q.get(timeout=300)
+        if d is None:
+            return
+        r.put({k: digest(v) for k, v in d.items()})
+        del d
+
+
 def sum_many(q, r, n):
     acc = 0.0
     h = hashlib.sha256()
@@ -460,6 +469,26 @@ class Batching(TorchTestCase):
         p.join(60)
         self.assertEqual(p.exitcode, 0)
         del gp, plain, msg, t
+        self.wait_counters(base)
+
+    def test_messages_of_1000_and_10000_storages(self):
+        """One message of 1,000 and one of 10,000 storages, each one Share and one Open per
+        max_share_batch, received whole."""
+        base = self.baseline()
+        ctx = mp.get_context("fork")
+        q, r = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=digest_dicts, args=(q, r))
+        p.start()
+        for n in (1000, 10000):
+            g = torch.Generator().manual_seed(n)
+            msg = {"t%d" % i: torch.randn(256, generator=g).to(torch.bfloat16) for i in range(n)}
+            want = {k: digest(v) for k, v in msg.items()}
+            q.put(msg)
+            self.assertEqual(r.get(timeout=300), want, "message of %d storages" % n)
+            del msg
+        q.put(None)
+        p.join(60)
+        self.assertEqual(p.exitcode, 0)
         self.wait_counters(base)
 
     def test_reuse_never_overwrites_a_held_buffer(self):

@@ -85,6 +85,15 @@ def sum_many(q, r, n):
     r.put(h.hexdigest())
 
 
+def digest_dicts(q, r):
+    while True:
+        d = q.get(timeout=300)
+        if d is None:
+            return
+        r.put({k: digest(v) for k, v in d.items()})
+        del d
+
+
 class CudaTensors(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -233,6 +242,28 @@ class CudaTensors(unittest.TestCase):
         p.join(60)
         self.assertEqual(p.exitcode, 0)
         del t
+        self.wait_counters(base)
+
+    def test_messages_of_1000_and_10000_tensors(self):
+        """One message of 1,000 and one of 10,000 bf16 tensors of torch's allocator (so
+        copied), each received whole: CUDA gives gpupoold 4096 inter-process events, and one
+        per buffer and per hold ran out."""
+        base = self.counters()
+        ctx = mp.get_context("spawn")
+        q, r = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=digest_dicts, args=(q, r))
+        p.start()
+        for n in (1000, 10000):
+            g = torch.Generator(device="cuda").manual_seed(n)
+            msg = {"t%d" % i: torch.randn(1 << 15, device="cuda", generator=g).to(torch.bfloat16)
+                   for i in range(n)}
+            want = {k: digest(v) for k, v in msg.items()}
+            q.put(msg)
+            self.assertEqual(r.get(timeout=300), want, "message of %d tensors" % n)
+            del msg
+        q.put(None)
+        p.join(120)
+        self.assertEqual(p.exitcode, 0)
         self.wait_counters(base)
 
     def test_use_allocator(self):

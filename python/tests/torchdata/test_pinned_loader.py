@@ -197,6 +197,31 @@ class PinnedLoaderTest(DaemonTestCase):
                 list(make(ds, batch_size=2, num_workers=2))
         self.back_to_baseline()
 
+    def test_loaders_in_a_row(self):
+        # One loader after another in one process, each with a client of its own, while a
+        # batch of an earlier one lives on: later clients map slabs earlier ones map, and
+        # trims in between give empty slabs back so that later ones are new.
+        ds = datasets.Samples(n=24)
+        want = list(torch.utils.data.DataLoader(ds, batch_size=4, num_workers=0))
+        dl = self.loader(ds, batch_size=4, num_workers=2, persistent_workers=True)
+        for epoch in range(2):
+            for b in dl:
+                pass
+        kept = b
+        del dl, b
+        gc.collect()
+        with self.assertRaisesRegex(ValueError, "sample 5 is broken"):
+            list(self.loader(datasets.Samples(n=24, fail_at=5), batch_size=4, num_workers=2))
+        for k in range(3):
+            with gpupool.Client(self.socket) as c:
+                c.trim()
+            got = list(self.loader(ds, batch_size=4, num_workers=2, prefetch_factor=4))
+            self.assertBatches(got, want)
+            del got
+        self.assertSame(kept, want[-1], "a batch of the first loader after the others")
+        del kept
+        self.back_to_baseline()
+
     def test_early_exit(self):
         dl = self.loader(datasets.Big(), batch_size=4, num_workers=2, prefetch_factor=4)
         it = iter(dl)

@@ -1,0 +1,302 @@
+/*
+ * GPU checks of what one process imports over its life, against a real gpupoold with the CUDA
+ * backend (a host-NUMA pool "pinned" and a device pool "gpu0" on GPU 0).
+ *
+ *   gpupool_gpu_imports GPUPOOLD reuse|message
+ *
+ * reuse     Several connections in one process, as a program that makes one PinnedLoader (one
+ *           client) after another does, in each pool: a second connection gets a buffer in a
+ *           slab the first one maps (the driver refuses a second import of pinned memory with
+ *           cudaErrorAlreadyMapped, and hands device memory out once for both imports) and
+ *           opens the first one's buffer; a connection goes while another one still uses the
+ *           pool (its access must stay); then rounds of a new connection each, whose buffers
+ *           are shared and opened, one kept past the round, the slabs returned to the
+ *           backend between rounds (trim) so that later slabs take addresses of earlier ones.
+ *           Every buffer is filled by a kernel and checked word by word through every mapping.
+ * message   Messages of 1,000 buffers (three in flight at once) and one of 10,000, made and
+ *           opened as gpupool.torch sends them: allocated in one round trip, shared kept in
+ *           runs of max_share_batch, opened in such runs by a second connection. CUDA gives
+ *           a process 4096 inter-process events; one event per hold and per buffer ran out.
+ *
+ * Prints "PASS: ..." or "FAIL: ..." lines. Exit status 0 pass, 1 fail, 77 skip (no GPU, or
+ * GPU 0 without host-NUMA pools for reuse).
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cuda_runtime_api.h>
+
+#include "gpu_driver.h"
+#include "gpu_harness.h"
+#include "gpu_kernels.h"
+#include "gpupool/gpupool.h"
+
+#define POOL_SPEC "name=pinned,kind=host-numa,device=0,numa=0,capacity=512M,slab=32M"
+#define DEVICE_POOL_CONF                                                                    \
+  "[pool gpu0]\n"                                                                           \
+  "kind = device\n"                                                                         \
+  "device = 0\n"                                                                            \
+  "capacity = 2G\n"                                                                         \
+  "slab_size = 32M\n"
+#define BUF (4u << 20)
+#define ROUNDS 5
+#define PER_ROUND 6
+#define MSG_BYTES (64u << 10)
+#define BATCH 1024 /* gpupoold's max_share_batch by default */
+
+static char why[1024];
+
+#define FAILF(...) (snprintf(why, sizeof why, __VA_ARGS__), 1)
+
+static int gp_fail(const char *what, int rc) {
+  return FAILF("%s: %s: %s", what, gpupool_err_name(rc), gpupool_last_error());
+}
+
+static int cu_fail(const char *what, cudaError_t e) {
+  (void)cudaGetLastError();
+  return FAILF("%s: %s: %s", what, cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
+/* Fill b with seed's pattern in s (a kernel: the GPU writes through this mapping). */
+static int fill(gpupool_buffer *b, size_t bytes, uint32_t seed, cudaStream_t s) {
+  int ce = gk_fill(gpupool_buffer_ptr(b), bytes, seed, s);
+  return ce ? cu_fail("fill kernel", (cudaError_t)ce) : 0;
+}
+
+/* Every word of b must be seed's pattern, read by a kernel in s. */
+static int verify(const char *what, gpupool_buffer *b, size_t bytes, uint32_t seed, cudaStream_t s) {
+  unsigned long long bad = 0;
+  int ce = gk_count_mismatches(gpupool_buffer_ptr(b), bytes, seed, s, &bad);
+  if (ce)
+    return cu_fail(what, (cudaError_t)ce);
+  if (bad)
+    return FAILF("%s: %llu of %zu words differ from the pattern written (a stale or wrong mapping)", what, bad,
+                 bytes / 4);
+  return 0;
+}
+
+static int connect_as(const gh_daemon *d, const char *name, gpupool_client **c) {
+  int rc = gpupool_client_connect(d->sock, name, GPUPOOL_TIMEOUT_DEFAULT, c);
+  return rc < 0 ? gp_fail("gpupool_client_connect", rc) : 0;
+}
+
+/* Share b kept and open the token on c: the opener's hold in *out. */
+static int pass_on(gpupool_buffer *b, gpupool_client *c, cudaStream_t s, gpupool_buffer **out) {
+  gpupool_token t;
+  int rc;
+  if ((rc = gpupool_buffer_share_kept(b, s, &t)) < 0)
+    return gp_fail("gpupool_buffer_share_kept", rc);
+  if ((rc = gpupool_buffer_open(c, &t, 0, s, out)) < 0)
+    return gp_fail("gpupool_buffer_open of a buffer in a slab another connection of this process maps", rc);
+  return 0;
+}
+
+static int reuse_pool(const gh_daemon *d, const char *pool, gpupool_client *c1, cudaStream_t s) {
+  gpupool_client *c2 = NULL, *cr[ROUNDS] = {0};
+  gpupool_buffer *a1 = NULL, *a2 = NULL, *o = NULL, *kept[ROUNDS] = {0};
+  int rc;
+
+  if ((rc = gpupool_buffer_alloc(c1, pool, BUF, 0, s, &a1)) < 0)
+    return gp_fail("gpupool_buffer_alloc on the first connection", rc);
+  if ((rc = fill(a1, BUF, 1, s)) || (rc = connect_as(d, "gpu-imports-2", &c2)))
+    goto out;
+  /* Same process, same tenant: the same slab as a1, imported a second time by c2. */
+  if ((rc = gpupool_buffer_alloc(c2, pool, BUF, 0, s, &a2)) < 0) {
+    rc = gp_fail("gpupool_buffer_alloc on a second connection of the process", rc);
+    goto out;
+  }
+  if ((rc = fill(a2, BUF, 2, s)) || (rc = pass_on(a1, c2, s, &o)) ||
+      (rc = verify("a buffer of connection 1 opened by connection 2", o, BUF, 1, s)) ||
+      (rc = verify("connection 2's own buffer", a2, BUF, 2, s)))
+    goto out;
+  gpupool_buffer_release(o, s);
+  gpupool_buffer_release(a2, s);
+  o = a2 = NULL;
+  /* Connection 2 goes; connection 1 still uses the pool and its slab. */
+  gpupool_client_disconnect(c2);
+  c2 = NULL;
+  if ((rc = fill(a1, BUF, 3, s)) || (rc = verify("connection 1's buffer after connection 2 went", a1, BUF, 3, s)))
+    goto out;
+  for (int r = 0; r < ROUNDS; r++) {
+    gpupool_buffer *bs[PER_ROUND] = {0};
+    char name[32];
+    snprintf(name, sizeof name, "gpu-imports-round-%d", r);
+    if ((rc = connect_as(d, name, &cr[r])))
+      goto out;
+    for (int i = 0; i < PER_ROUND && rc == 0; i++) {
+      uint32_t seed = 100u * (uint32_t)r + (uint32_t)i;
+      if ((rc = gpupool_buffer_alloc(cr[r], pool, BUF, 0, s, &bs[i])) < 0) {
+        rc = gp_fail("gpupool_buffer_alloc in a later round", rc);
+        break;
+      }
+      if ((rc = fill(bs[i], BUF, seed, s)) || (rc = pass_on(bs[i], c1, s, &o)))
+        break;
+      rc = verify("a later round's buffer opened by connection 1", o, BUF, seed, s);
+      gpupool_buffer_release(o, s);
+      o = NULL;
+    }
+    /* The round's first buffer outlives it (the batch a loop variable keeps); the others go. */
+    kept[r] = bs[0];
+    for (int i = 1; i < PER_ROUND; i++)
+      if (bs[i])
+        gpupool_buffer_release(bs[i], s);
+    if (rc)
+      goto out;
+    if (r > 0) {
+      if ((rc = verify("the previous round's kept buffer", kept[r - 1], BUF, 100u * (uint32_t)(r - 1), s)))
+        goto out;
+      gpupool_buffer_release(kept[r - 1], s);
+      kept[r - 1] = NULL;
+      gpupool_client_disconnect(cr[r - 1]);
+      cr[r - 1] = NULL;
+    }
+    if (cudaStreamSynchronize(s) != cudaSuccess) {
+      rc = cu_fail("cudaStreamSynchronize", cudaGetLastError());
+      goto out;
+    }
+    /* Empty slabs go back to the backend, so the next round's slabs reuse their addresses. */
+    if ((rc = gpupool_client_trim(c1)) < 0) {
+      rc = gp_fail("gpupool_client_trim", rc);
+      goto out;
+    }
+  }
+  rc = verify("connection 1's buffer after every round", a1, BUF, 3, s);
+out:
+  if (o)
+    gpupool_buffer_release(o, s);
+  if (a2)
+    gpupool_buffer_release(a2, s);
+  if (a1)
+    gpupool_buffer_release(a1, s);
+  for (int r = 0; r < ROUNDS; r++) {
+    if (kept[r])
+      gpupool_buffer_release(kept[r], s);
+    gpupool_client_disconnect(cr[r]);
+  }
+  gpupool_client_disconnect(c2);
+  (void)cudaStreamSynchronize(s);
+  return rc;
+}
+
+static int check_reuse(const gh_daemon *d, gpupool_client *c1) {
+  cudaStream_t s;
+  int rc;
+  if (cudaSetDevice(0) != cudaSuccess || cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess)
+    return gh_verdict(1, "reuse", "cannot create a stream on GPU 0: %s", cudaGetErrorString(cudaGetLastError()));
+  if ((rc = reuse_pool(d, "pinned", c1, s)) != 0)
+    return gh_verdict(1, "reuse", "host-NUMA pool: %s", why);
+  gh_verdict(0, "reuse-pinned", "%d connections in one process opened buffers of each other's slabs, slabs "
+             "returned and reused between rounds", ROUNDS + 2);
+  if ((rc = reuse_pool(d, "gpu0", c1, s)) != 0)
+    return gh_verdict(1, "reuse", "device pool: %s", why);
+  return gh_verdict(0, "reuse", "the same in the device pool");
+}
+
+/* One message of n buffers from c1 to c2, opened and checked; the receiver's holds in *rx and
+ * the sender's in *tx (n each, released by the caller). */
+static int message(gpupool_client *c1, gpupool_client *c2, int n, uint32_t seed, cudaStream_t s,
+                   gpupool_buffer **tx, gpupool_buffer **rx) {
+  size_t *sizes = malloc((size_t)n * sizeof *sizes);
+  gpupool_token *toks = malloc((size_t)n * sizeof *toks);
+  int rc = 0;
+  if (!sizes || !toks) {
+    rc = FAILF("out of memory");
+    goto out;
+  }
+  for (int i = 0; i < n; i++)
+    sizes[i] = MSG_BYTES;
+  if ((rc = gpupool_buffer_alloc_many(c1, "gpu0", sizes, n, s, tx)) < 0) {
+    rc = gp_fail("gpupool_buffer_alloc_many", rc);
+    goto out;
+  }
+  for (int i = 0; i < n && rc == 0; i++)
+    rc = fill(tx[i], MSG_BYTES, seed + (uint32_t)i, s);
+  for (int i = 0; i < n && rc == 0; i += BATCH) {
+    int k = n - i < BATCH ? n - i : BATCH;
+    if ((rc = gpupool_buffer_share_kept_many(tx + i, k, s, toks + i, NULL, 0, NULL)) < 0)
+      rc = gp_fail("gpupool_buffer_share_kept_many", rc);
+  }
+  for (int i = 0; i < n && rc == 0; i += BATCH) {
+    int k = n - i < BATCH ? n - i : BATCH;
+    if ((rc = gpupool_buffer_open_many(c2, toks + i, k, 0, s, rx + i)) < 0)
+      rc = gp_fail("gpupool_buffer_open_many", rc);
+  }
+  for (int i = 0; i < n && rc == 0; i++)
+    rc = verify("a message's buffer as its receiver opened it", rx[i], MSG_BYTES, seed + (uint32_t)i, s);
+out:
+  free(sizes);
+  free(toks);
+  return rc;
+}
+
+static void release_all(gpupool_buffer **bs, int n, cudaStream_t s) {
+  for (int i = 0; i < n; i++)
+    if (bs[i]) {
+      gpupool_buffer_release(bs[i], s);
+      bs[i] = NULL;
+    }
+}
+
+static int check_message(const gh_daemon *d, gpupool_client *c1) {
+  enum { SMALL = 1000, INFLIGHT = 3, BIG = 10000 };
+  gpupool_client *c2 = NULL;
+  gpupool_buffer **tx = calloc(BIG, sizeof *tx), **rx = calloc(BIG, sizeof *rx);
+  cudaStream_t s;
+  int rc = 0, m;
+
+  if (!tx || !rx)
+    return gh_verdict(1, "message", "out of memory");
+  if (cudaSetDevice(0) != cudaSuccess || cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess)
+    return gh_verdict(1, "message", "cannot create a stream on GPU 0");
+  if ((rc = connect_as(d, "gpu-imports-receiver", &c2)))
+    goto out;
+  /* Three messages of 1,000 alive at once (a sender keeps its copies for the next message, a
+   * receiver its tensors), then all released. */
+  for (m = 0; m < INFLIGHT && rc == 0; m++)
+    rc = message(c1, c2, SMALL, 1000u * (uint32_t)m, s, tx + m * SMALL, rx + m * SMALL);
+  release_all(rx, INFLIGHT * SMALL, s);
+  release_all(tx, INFLIGHT * SMALL, s);
+  if (rc) {
+    rc = gh_verdict(1, "message", "message %d of %d buffers: %s", m, SMALL, why);
+    goto out;
+  }
+  gh_verdict(0, "message-1000", "%d messages of %d buffers in flight at once, every buffer checked", INFLIGHT, SMALL);
+  rc = message(c1, c2, BIG, 7, s, tx, rx);
+  release_all(rx, BIG, s);
+  release_all(tx, BIG, s);
+  if (rc) {
+    rc = gh_verdict(1, "message", "a message of %d buffers: %s", BIG, why);
+    goto out;
+  }
+  rc = gh_verdict(0, "message", "a message of %d buffers, every buffer checked", BIG);
+out:
+  gpupool_client_disconnect(c2);
+  (void)cudaStreamSynchronize(s);
+  free(tx);
+  free(rx);
+  return rc;
+}
+
+int main(int argc, char **argv) {
+  gh_daemon d;
+  const char *check;
+  int rc;
+
+  gh_driver_start(argc, argv, 3, "GPUPOOLD reuse|message", 1, "a CUDA GPU");
+  check = argv[2];
+  if (strcmp(check, "reuse") && strcmp(check, "message")) {
+    fprintf(stderr, "unknown check %s (reuse, message)\n", check);
+    return 2;
+  }
+  if (gh_daemon_start_conf(&d, argv[1], POOL_SPEC, DEVICE_POOL_CONF) != 0) {
+    if (!strcmp(check, "message"))
+      return gh_verdict(1, check, "gpupoold did not start");
+    printf("SKIP: gpupoold did not start with a host-NUMA pool on GPU 0 (see its log above)\n");
+    return GH_SKIP;
+  }
+  rc = gh_run_on_daemon(&d, check, "gpu-imports-1", !strcmp(check, "reuse") ? check_reuse : check_message);
+  return rc ? 1 : 0;
+}
