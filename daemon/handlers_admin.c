@@ -167,6 +167,32 @@ int gpd_handle_hello(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferr
   hr.client_id = c->cl.id;
   hr.max_frame = s->cfg->max_frame;
   hr.lease = 1;
+  /* What survives a restart: the token that gives this connection's holds back to its next
+   * one, and the holds its previous one had, given back when its token checks out. */
+  uint8_t tok[GPD_STATE_RESUME_LEN];
+  gpd_hold **rh = NULL;
+  size_t nrh = 0;
+  Gpupool__Wire__ResumedHold *rs = NULL, **rsp = NULL;
+  hr.resume.len = gpd_state_resume_token(c->cl.lease, tok);
+  hr.resume.data = tok;
+  if (m->resume.len && gpd_state_resume(s->reg, &c->cl, m->resume.data, m->resume.len, &rh, &nrh) != 0)
+    GPUPOOL__WARN("client %" PRIu64 ": not every hold of its previous connection could be given back: %s",
+                  c->cl.id, gpupool__errmsg());
+  if (nrh && (rs = calloc(nrh, sizeof *rs)) && (rsp = calloc(nrh, sizeof *rsp))) {
+    for (size_t i = 0; i < nrh; i++) {
+      gpupool__wire__resumed_hold__init(&rs[i]);
+      rs[i].buffer_id = rh[i]->buf->id;
+      rs[i].hold_id = rh[i]->id;
+      rs[i].read_only = rh[i]->read_only != 0;
+      rsp[i] = &rs[i];
+    }
+    hr.n_resumed = nrh;
+    hr.resumed = rsp;
+  } else if (nrh) {
+    for (size_t i = 0; i < nrh; i++)
+      gpd_hold_discard(s->reg, rh[i]);
+  }
+  free(rh);
   rep.body_case = GPUPOOL__WIRE__REPLY__BODY_HELLO;
   rep.hello = &hr;
   /* The lease travels with this frame; the daemon's copy of the client's end goes now (a
@@ -174,6 +200,8 @@ int gpd_handle_hello(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferr
   gpd_send_reply(c, seq, &rep, &c->lease_peer, 1);
   close(c->lease_peer);
   c->lease_peer = -1;
+  free(rs);
+  free(rsp);
   free(pis);
   free(pptr);
   return 0;

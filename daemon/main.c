@@ -139,10 +139,11 @@ static void shutdown_daemon(daemon_ctx *d, const char *why) {
     return;
   GPUPOOL__INFO("shutting down (%s)", why);
   gpd_sd_notify("STOPPING=1");
+  /* The last state, with the clients still connected (their holds, read-only or not, to give
+   * back to their next connections); the next daemon starts from it. */
+  gpd_state_flush(d->reg);
   gpd_server_stop(d->server);
   d->server = NULL;
-  /* The last state, with the clients just dropped; the next daemon starts from it. */
-  gpd_state_flush(d->reg);
   gpd_state_stop(d->reg);
   /* Bounded shutdown: leases and GPU work are not waited for (nothing is reused any more). */
   gpd_registry_stop(d->reg);

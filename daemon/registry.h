@@ -80,6 +80,7 @@ struct gpd_lease {
   uint64_t client_id;     /* for logs */
   uint64_t since_ns;      /* when the connection closed */
   uint64_t store_id;      /* its name in the fd store (state.c), 0: not there */
+  uint8_t resume[16];     /* with store_id, the token that gives its holds back after a restart */
   uv_poll_t poll;
   gpd_registry *reg;
   gpd_lease *prev, *next; /* in reg->waiting while waiting */

@@ -40,6 +40,7 @@
 #include "log.h"
 #include "registry_internal.h"
 #include "sd.h"
+#include "sha256.h"
 #include "state.h"
 
 #define MAGIC "GPDSTATE"
@@ -69,7 +70,12 @@ struct gpd_state {
    * While any is there, the slabs restored take no new buffers: a client may map a range the
    * state did not record it holding (it got it in the moment before the crash), and ranges are
    * handed out again only once no process of before can touch them. */
-  gpd_lease **before;
+  struct before {
+    gpd_lease *l;
+    uint64_t *pins;    /* the buffers its connection held (bit 63: read-only), to give back */
+    uint32_t npins;
+    int resumed;       /* given back to a new connection already */
+  } *before;
   uint32_t nbefore, capbefore;
   int frozen;
   uint64_t last_write_ns;
@@ -151,6 +157,7 @@ void gpd_state_lease_new(gpd_registry *reg, gpd_lease *l) {
   if (!st || l->store_id)
     return;
   l->store_id = gpd_next_id(reg);
+  arc4random_buf(l->resume, sizeof l->resume);
   if (store_put(st, "lease", l->store_id, l->fd) != 0)
     l->store_id = 0;
 }
@@ -203,7 +210,11 @@ static void put_lease(gpd_state *st, const gpd_lease *l) {
   put32(st, (uint32_t)l->uid);
   put64(st, l->tenant);
   put32(st, (uint32_t)l->pid);
+  put(st, l->resume, sizeof l->resume);
 }
+
+/* A pinned buffer: its id, bit 63 set for a read-only hold (ids stay below 2^63). */
+#define PIN_RO ((uint64_t)1 << 63)
 
 static void build(gpd_state *st) {
   gpd_registry *reg = st->reg;
@@ -321,7 +332,7 @@ static void build(gpd_state *st) {
     put_lease(st, c->lease);
     put64(st, c->nholds);
     for (gpd_hold *h = c->holds; h; h = h->next)
-      put64(st, h->buf->id);
+      put64(st, h->buf->id | (h->read_only ? PIN_RO : 0));
     put64(st, c->mapped.len);
     for (size_t k = 0; k < c->mapped.cap; k++)
       if (gpupool__hmap_slot_used(&c->mapped, k))
@@ -348,7 +359,7 @@ static void build(gpd_state *st) {
       for (gpd_buffer *p = b ? b : reg->pending; p; p = b ? NULL : p->pending_next)
         for (uint32_t k = 0; k < p->nleases; k++)
           if (p->leases[k] == l) {
-            put64(st, p->id);
+            put64(st, p->id | PIN_RO); /* (how it was held is not known any more: read-only) */
             nb++;
             break;
           }
@@ -474,8 +485,9 @@ static void before_check(gpd_state *st) {
   gpd_registry *reg = st->reg;
   uint32_t k = 0;
   for (uint32_t i = 0; i < st->nbefore; i++) {
-    if (st->before[i]->gone) {
-      gpd_lease_unref(st->before[i]);
+    if (st->before[i].l->gone) {
+      gpd_lease_unref(st->before[i].l);
+      free(st->before[i].pins);
       continue;
     }
     st->before[k++] = st->before[i];
@@ -558,8 +570,10 @@ void gpd_state_stop(gpd_registry *reg) {
   if (!st)
     return;
   reg->state = NULL; /* what the registry frees from now on stays in the store */
-  for (uint32_t i = 0; i < st->nbefore; i++)
-    gpd_lease_unref(st->before[i]);
+  for (uint32_t i = 0; i < st->nbefore; i++) {
+    gpd_lease_unref(st->before[i].l);
+    free(st->before[i].pins);
+  }
   st->nbefore = 0;
   if (!st->check_on) {
     free(st->before);
@@ -603,6 +617,85 @@ void gpd_state_describe(const gpd_registry *reg, char *buf, size_t len) {
   if (at < len && (in->names_lost || in->slabs_lost || in->buffers_lost || in->why[0]))
     snprintf(buf + at, len - at, "; discarded: %" PRIu64 " name(s), %" PRIu64 " slab(s), %" PRIu64
              " buffer(s) (first: %s)", in->names_lost, in->slabs_lost, in->buffers_lost, in->why);
+}
+
+/* ---- resuming a client's holds ------------------------------------------------------- */
+
+size_t gpd_state_resume_token(const gpd_lease *l, uint8_t buf[GPD_STATE_RESUME_LEN]) {
+  if (!l || !l->store_id || !l->reg || !l->reg->state)
+    return 0;
+  memcpy(buf, &l->store_id, 8);
+  memcpy(buf + 8, l->resume, sizeof l->resume);
+  return GPD_STATE_RESUME_LEN;
+}
+
+/* b, restored with no holder but its previous connection's lease, back among the live buffers. */
+static void unpend(gpd_registry *reg, gpd_buffer *b) {
+  for (gpd_buffer **pp = &reg->pending; *pp; pp = &(*pp)->pending_next)
+    if (*pp == b) {
+      *pp = b->pending_next;
+      b->pending_next = NULL;
+      reg->npending--;
+      break;
+    }
+  (void)gpupool__hmap_put(&reg->buffers, b->id, b);
+}
+
+static gpd_buffer *pending_find(gpd_registry *reg, uint64_t id) {
+  for (gpd_buffer *b = reg->pending; b; b = b->pending_next)
+    if (b->id == id)
+      return b;
+  return NULL;
+}
+
+int gpd_state_resume(gpd_registry *reg, gpd_client *c, const uint8_t *token, size_t len, gpd_hold ***out,
+                     size_t *n) {
+  gpd_state *st = reg->state;
+  struct before *e = NULL;
+  uint64_t store_id;
+  gpd_hold **holds;
+  int rc = 0;
+
+  *out = NULL;
+  *n = 0;
+  if (!st || len != GPD_STATE_RESUME_LEN)
+    return 0;
+  memcpy(&store_id, token, 8);
+  for (uint32_t i = 0; i < st->nbefore; i++)
+    if (st->before[i].l->store_id == store_id && !st->before[i].l->gone &&
+        gpupool__ct_equal(st->before[i].l->resume, token + 8, 16)) {
+      e = &st->before[i];
+      break;
+    }
+  /* Only its own uid, and only once: a token seen twice (copied) gives nothing the second time. */
+  GPUPOOL__DEBUG("resume: client %" PRIu64 " names lease %" PRIu64 ": %s", c->id, store_id,
+                 !e ? "not a lease of the previous daemon's (or a wrong secret)"
+                 : e->resumed ? "given back already" : e->l->uid != c->uid ? "another uid's" : "ok");
+  if (!e || e->resumed || e->l->uid != c->uid || e->npins == 0)
+    return 0;
+  e->resumed = 1;
+  if (!(holds = calloc(e->npins, sizeof *holds)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  for (uint32_t k = 0; k < e->npins; k++) {
+    uint64_t id = e->pins[k] & ~PIN_RO;
+    gpd_buffer *b = gpupool__hmap_get(&reg->buffers, id);
+    if (!b && (b = pending_find(reg, id)))
+      unpend(reg, b);
+    if (!b)
+      continue; /* freed meanwhile (it was never pinned: named, then unpublished) */
+    if ((rc = gpd_hold_new(reg, c, b, (e->pins[k] & PIN_RO) != 0, 0, &holds[*n])) != 0) {
+      if (b->refs == 0) {
+        b->refs = 1; /* back to pending, through the normal path */
+        gpd_buffer_unref(reg, b);
+      }
+      break;
+    }
+    (*n)++;
+  }
+  GPUPOOL__INFO("client %" PRIu64 " (pid %d uid %u) took back %zu hold(s) of its connection to the previous "
+                "daemon", c->id, (int)c->pid, (unsigned)c->uid, *n);
+  *out = holds;
+  return rc;
 }
 
 /* ---- reading --------------------------------------------------------------------------- */
@@ -1016,14 +1109,17 @@ static gpd_lease *lease_before(gpd_state *st, int fd, uint64_t store_id, uid_t u
 
 /* Watch a lease of before (its pins recorded): kept, with the creation's reference, in
  * st->before while some process holds it; let go at once when none does. */
-static void lease_watch(gpd_state *st, gpd_lease *l) {
+static struct before *lease_watch(gpd_state *st, gpd_lease *l) {
   st->info.leases++;
   if (gpd_lease_wait(st->reg, l) &&
       gpd_grow((void **)&st->before, &st->capbefore, st->nbefore + 1, sizeof *st->before) == 0) {
-    st->before[st->nbefore++] = l;
-    return;
+    struct before *e = &st->before[st->nbefore++];
+    memset(e, 0, sizeof *e);
+    e->l = l;
+    return e;
   }
   gpd_lease_unref(l);
+  return NULL;
 }
 
 /* The leases of the previous daemon's clients: each back as the lease of a closed connection
@@ -1031,29 +1127,42 @@ static void lease_watch(gpd_state *st, gpd_lease *l) {
  * it has exited or closed it). */
 static int restore_leases(gpd_state *st, rd *r) {
   gpd_registry *reg = st->reg;
-  uint64_t n = get_count(r, 40);
+  uint64_t n = get_count(r, 56);
   for (uint64_t i = 0; i < n && !r->bad; i++) {
     uint64_t store_id = get64(r);
     uid_t uid = (uid_t)get32(r);
     uint64_t tenant = get64(r);
     pid_t pid = (pid_t)get32(r);
-    uint64_t nb, ns;
-    int fd = take_fd("lease", store_id);
+    uint8_t secret[16];
+    uint64_t nb, ns, *pins = NULL;
+    uint32_t npins = 0;
+    int fd;
     gpd_lease *l = NULL;
+    get(r, secret, sizeof secret);
+    fd = r->bad ? -1 : take_fd("lease", store_id);
     if (fd >= 0 && !(l = lease_before(st, fd, store_id, uid, tenant, pid))) {
       r->bad = 1;
       break;
     }
+    if (l)
+      memcpy(l->resume, secret, sizeof secret);
+    GPUPOOL__DEBUG("restore: lease %" PRIu64 " of pid %d uid %u%s", store_id, (int)pid, (unsigned)uid,
+                   l ? "" : " (let go before the crash)");
     /* A lease the state names leaves the store only when the daemon let it go (every process
      * holding it had gone, or it pinned nothing) after that state was written: nothing to do. */
     if (fd < 0)
       GPUPOOL__DEBUG("restore: the lease of client pid %d uid %u was let go before the crash", (int)pid,
                      (unsigned)uid);
     nb = get_count(r, 8);
+    if (l && nb)
+      pins = calloc(nb, sizeof *pins);
     for (uint64_t k = 0; k < nb && !r->bad; k++) {
-      gpd_buffer *b = gpupool__hmap_get(&reg->buffers, get64(r));
+      uint64_t pin = get64(r);
+      gpd_buffer *b = gpupool__hmap_get(&reg->buffers, pin & ~PIN_RO);
       if (l && b && pin_buffer(b, l) != 0)
         b->refs++; /* kept for good rather than reused under the holder */
+      if (l && b && pins)
+        pins[npins++] = pin;
     }
     ns = get_count(r, 8);
     for (uint64_t k = 0; k < ns && !r->bad; k++) {
@@ -1061,8 +1170,15 @@ static int restore_leases(gpd_state *st, rd *r) {
       if (l && s)
         (void)pin_slab(s, l);
     }
-    if (l)
-      lease_watch(st, l);
+    if (l) {
+      struct before *e = lease_watch(st, l);
+      if (e) {
+        e->pins = pins;
+        e->npins = npins;
+        pins = NULL;
+      }
+    }
+    free(pins);
   }
   return r->bad ? -1 : 0;
 }

@@ -50,6 +50,16 @@ const gpd_state_info *gpd_state_info_get(const gpd_registry *reg);
  * what it discarded, with the first reason. */
 void gpd_state_describe(const gpd_registry *reg, char *buf, size_t len);
 
+/* Resuming a client's holds after a restart. GPD_STATE_RESUME_LEN bytes of token for lease l
+ * into buf (0 when its state is not kept: nothing to send). */
+#define GPD_STATE_RESUME_LEN 24
+size_t gpd_state_resume_token(const gpd_lease *l, uint8_t buf[GPD_STATE_RESUME_LEN]);
+/* The holds the previous daemon's connection named by token had, as new holds of c (only for
+ * the same uid, once): *out (the caller frees the array) and *n. 0, or an error when a hold
+ * could not be made (those made are kept). */
+int gpd_state_resume(gpd_registry *reg, gpd_client *c, const uint8_t *token, size_t len, gpd_hold ***out,
+                     size_t *n);
+
 /* Hooks of the registry: a slab made or given back, a lease made or closed. */
 void gpd_state_slab_new(gpd_registry *reg, gpd_slab *s);
 void gpd_state_slab_gone(gpd_registry *reg, gpd_slab *s);

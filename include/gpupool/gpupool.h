@@ -537,7 +537,10 @@ GPUPOOL_EXTERN int gpupool_client_trim(gpupool_client *c);
  * GPUPOOL_ECLOSED; the next request reconnects, retrying with backoff for up to budget_ms
  * (default 5000, or $GPUPOOL_RECONNECT_MS; 0 = never reconnect). Holds of the old connection
  * are lost: their buffers stay mapped and readable here until released (release frees only
- * the local side and returns 0), and share/publish on them fail with GPUPOOL_ELOST. */
+ * the local side and returns 0), and share/publish on them fail with GPUPOOL_ELOST. A daemon
+ * that kept its state across the restart (an fd store) gives them back on the reconnection
+ * instead, claimed with a secret it gave the old connection: gpupool_buffer_lost is then 0 and
+ * they work as before (one taken just before a crash may still be lost). */
 GPUPOOL_EXTERN int gpupool_client_set_reconnect(gpupool_client *c, int budget_ms);
 /* How many times c has reconnected. */
 GPUPOOL_EXTERN uint64_t gpupool_client_reconnect_count(gpupool_client *c);

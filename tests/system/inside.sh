@@ -102,8 +102,8 @@ exec 4>&-
 kill "$namer" 2>/dev/null || true
 wait "$namer" 2>/dev/null || true
 
-step "a live client across a service restart"
-start_holder holder systest-holder systest/tensor reconnect
+step "a live client across a service restart: it reconnects and its hold is given back"
+start_holder holder systest-holder systest/tensor resumed
 old=$(main_pid)
 systemctl restart gpupoold.service
 new=$(main_pid)
@@ -111,7 +111,7 @@ new=$(main_pid)
 [ -S "$SOCK" ] || die "the socket disappeared on restart"
 echo go >&3
 exec 3>&-
-wait "$holder" || die "the client did not reconnect with its hold reported lost: $(cat /tmp/holder.out)"
+wait "$holder" || die "the client did not reconnect with its hold given back: $(cat /tmp/holder.out)"
 echo "client reconnected after restart (pid $old -> $new): $(tail -n 1 /tmp/holder.out)"
 
 step "metrics: each exporter starts or fails on its own; HTTP answers; a scrapers' group"
