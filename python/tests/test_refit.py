@@ -111,6 +111,28 @@ class Refit(DaemonTestCase):
         self.wait_stats(lambda st: (st["buffers"], st["holds"]) == (base["buffers"], base["holds"]),
                         "buffers and holds back at baseline")
 
+    def test_later_refits_map_nothing(self):
+        # The engine maps the slabs versions come in once: later versions in the same slabs
+        # (the trainer's pool reuses them) cost no mapping (no IPC open on CUDA).
+        self.publish("maps", 1, 2)
+        c = gpupool.Client(self.socket, name="engine-maps")
+        try:
+            arrays, targets = engine(2, 0)
+            plan = c.refit_plan("maps", targets)
+            self.assertEqual(plan.refit(), 1)
+            first = c.slab_maps
+            self.assertGreater(first, 0)
+            for v in range(2, 8):
+                w, _ = self.publish("maps", v, 2)
+                self.assertEqual(plan.refit(timeout=10), v)
+                want = expected(w, 2, 0)
+                for k in arrays:
+                    np.testing.assert_array_equal(arrays[k], want[k], err_msg=k)
+            self.assertEqual(c.slab_maps, first)
+            plan.close()
+        finally:
+            c.close()
+
     def test_cast_to_float16(self):
         w, _ = self.publish("half", 1, 2)
         arrays, targets = engine(2, 0, np.float16)
