@@ -21,7 +21,8 @@ ranks' shards) to the engine's stream being done with the new weights in its par
 "refit alone": the engine's plan.refit() of a version already published (what the floor
 measures). Per version after the first: allocations made by the engine's torch allocator,
 GPU memory taken (cudaMemGetInfo), the daemon pool's reserve, and the engine's slab imports
-(Client.slab_maps: each an IPC open of daemon memory). Every way's parameters are checked against the others (per-tensor sums of the bf16 bits).
+(Client.slab_maps: each an IPC open of daemon memory). Every way's parameters are checked
+against the others (per-tensor sums of the bf16 bits).
 
     python3 bench/refit.py --gpupoold build-gpu/daemon/gpupoold [--layers 32] [--world 4]
                            [--tp 1 --rank 0] [--versions 10]
@@ -68,7 +69,8 @@ def engine_layout(layers, tp, r):
         out[p + "qkv_proj"] = ((q + 2 * kv, H), [(p + "q", 0, q * r, q, 0), (p + "k", 0, kv * r, kv, q),
                                                  (p + "v", 0, kv * r, kv, q + kv)])
         out[p + "o_proj"] = ((H, q), [(p + "o", 1, q * r, q, 0)])
-        out[p + "gate_up_proj"] = ((2 * ff, H), [(p + "gate", 0, ff * r, ff, 0), (p + "up", 0, ff * r, ff, ff)])
+        out[p + "gate_up_proj"] = ((2 * ff, H), [(p + "gate", 0, ff * r, ff, 0),
+                                                 (p + "up", 0, ff * r, ff, ff)])
         out[p + "down_proj"] = ((H, ff), [(p + "down", 1, ff * r, ff, 0)])
         out[p + "in_norm"] = ((H,), [(p + "in_norm", 0, 0, H, 0)])
         out[p + "post_norm"] = ((H,), [(p + "post_norm", 0, 0, H, 0)])
@@ -165,7 +167,8 @@ def main():
     # published and the next), with room for each rank's bundle to be a slab of its own.
     cap = (4 * model_bytes + (8 << 30)) >> 30
     daemon = Daemon(binary=args.gpupoold, backend="cuda",
-                    pools=("name=gpu0,kind=device,device=0,capacity=%dG,slab=1G,keep_dedicated=16" % cap,)).start()
+                    pools=("name=gpu0,kind=device,device=0,capacity=%dG,slab=1G,keep_dedicated=16"
+                           % cap,)).start()
     ctx = mp.get_context("spawn")
     bucket_q = ctx.Queue()
     pipes, procs = [], []
@@ -238,7 +241,8 @@ def main():
                     if dim == 0:
                         a_, b_ = max(lo, gs), min(hi, gs + ln)
                         if b_ > a_:
-                            copies.append((params[k].narrow(0, toff + a_ - gs, b_ - a_), shard[a_ - lo:b_ - lo]))
+                            copies.append((params[k].narrow(0, toff + a_ - gs, b_ - a_),
+                                           shard[a_ - lo:b_ - lo]))
                     else:
                         copies.append((params[k][lo:hi].narrow(1, toff, ln), shard[:, gs:gs + ln]))
         e2e, eng = [], []

@@ -267,7 +267,8 @@ class GpuRefit(unittest.TestCase):
                 torch.cuda.synchronize()
                 for k, p in params.items():
                     self.assertEqual(p.data_ptr(), ptrs[k], k)
-                    self.assertTrue(torch.equal(bits(p.detach()), bits(w[k])), "version %d, %s" % (version, k))
+                    self.assertTrue(torch.equal(bits(p.detach()), bits(w[k])),
+                                    "version %d, %s" % (version, k))
                 self.assertTrue(torch.equal(bits(got), bits(want)),
                                 "version %d: graph logits differ from the eager model's (max %g)"
                                 % (version, (got.float() - want.float()).abs().max().item()))
