@@ -27,6 +27,11 @@
  * backend: on a host pool that is most of a fetch's time). */
 #define GPD_PLACE_REPLICA 1
 #define GPD_PLACE_FETCHED 2
+/* The kept mark of a dedicated slab made for a client's own allocation in a pool with
+ * keep_dedicated: kept once empty (up to keep_dedicated of them), as a replica's is, so that
+ * the next version of the same owner and size (a trainer's copied part of a sharded version)
+ * goes where the last one was, and readers that keep it mapped import nothing. */
+#define GPD_PLACE_ALLOC 3
 #define GPD_COPY_DEDICATED_MIN (16 * MIB)
 
 /* Owner ids: a uid alone is its own tenant; [tenant] and [group] sections get ids above any

@@ -170,13 +170,14 @@ void gpd_slab_maybe_retire(gpd_registry *reg, gpd_slab *s) {
     return;
   if (s->dedicated) {
     /* A kept slab (a replica's or a fetched copy's) waits for the next version's of its owner
-     * and size, up to GPD_REPLICA_SLABS_KEPT of them in a pool; a placement that needs the room
-     * takes it back (gpd_place), as does gpupoolctl trim. */
+     * and size, up to GPD_REPLICA_SLABS_KEPT of them in a pool (a client allocation's, up to
+     * the pool's keep_dedicated); a placement that needs the room takes it back (gpd_place),
+     * as does gpupoolctl trim. */
     if (s->kept && !reg->stopped) {
       for (gpd_slab *o = s->pool->slabs; o; o = o->next)
         if (o->kept && slab_spare(o))
           empty++;
-      if (empty <= GPD_REPLICA_SLABS_KEPT)
+      if (empty <= (s->kept == GPD_PLACE_ALLOC ? s->pool->cfg.keep_dedicated : GPD_REPLICA_SLABS_KEPT))
         return;
     }
     slab_retire(reg, s);
@@ -492,8 +493,9 @@ int gpd_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t asked, ui
      * one: the previous version's on this device, freed (no holder left, every done event
      * complete), and still mapped by the clients that held it. Nothing to allocate, clear,
      * export or import: the copy overwrites what the buffer uses, and the rest held only
-     * this owner's bytes. */
-    if (place)
+     * this owner's bytes. In a pool with keep_dedicated, a client's own allocation does the
+     * same: it gets bytes only its owner wrote, as a range reused in a regular slab does. */
+    if (place || p->cfg.keep_dedicated)
       for (gpd_slab *s = p->slabs; s; s = s->next)
         if (s->kept && slab_spare(s) && s->owner == owner && s->bs.size == dsize) {
           GPUPOOL__DEBUG("pool %s: kept slab %" PRIu64 " of %" PRIu64 " bytes reused", p->cfg.name, s->id,
@@ -505,7 +507,7 @@ int gpd_place(gpd_registry *reg, gpd_pool *p, uint64_t owner, uint64_t asked, ui
     for (attempt = 0; attempt < 2; attempt++) {
       rc = slab_new(reg, p, dsize, 1, place ? asked : 0, owner, slab);
       if (rc == 0) {
-        (*slab)->kept = place;
+        (*slab)->kept = place ? place : p->cfg.keep_dedicated ? GPD_PLACE_ALLOC : 0;
         *off = 0;
         return 0;
       }
