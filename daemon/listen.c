@@ -356,13 +356,20 @@ static int socket_path_hint(const gpd_config *cfg, int rc, int e) {
                       msg);
 }
 
+/* The socket appears at its path only once it listens: it is bound and listened to under a
+ * name of its own beside the path, then renamed into place. A client that waits for the path
+ * to exist (a script's [ -S PATH ], inotify) and connects at once would otherwise meet the
+ * window between bind and listen and be refused (ECONNREFUSED). Where the path leaves no
+ * room for the suffix, the socket is bound in place. */
 static int bind_socket(const gpd_config *cfg, int *out) {
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
-  int fd, rc, e;
+  int fd, rc, e, n;
   if (strlen(cfg->socket_path) >= sizeof addr.sun_path || !cfg->socket_path[0])
     return gpupool__err(GPUPOOL_ECONFIG, "socket path '%s' is empty or longer than %zu bytes", cfg->socket_path,
                         sizeof addr.sun_path - 1);
-  strcpy(addr.sun_path, cfg->socket_path);
+  n = snprintf(addr.sun_path, sizeof addr.sun_path, "%s.%ld.new", cfg->socket_path, (long)getpid());
+  if (n < 0 || (size_t)n >= sizeof addr.sun_path)
+    strcpy(addr.sun_path, cfg->socket_path);
   if ((rc = mkdir_parents(cfg->socket_path)) != 0)
     return socket_path_hint(cfg, rc, errno);
   if ((rc = gpupool__clear_stale_socket(cfg->socket_path, "socket")) < 0)
@@ -372,19 +379,30 @@ static int bind_socket(const gpd_config *cfg, int *out) {
   fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0)
     return gpupool__err(GPUPOOL_EIO, "socket: %s", strerror(errno));
+  (void)unlink(addr.sun_path); /* a temporary name left by a daemon of this pid that died here */
   if (bind(fd, (struct sockaddr *)&addr, sizeof addr) != 0)
     goto bind_fail;
-  if (chmod(cfg->socket_path, cfg->socket_mode) != 0)
-    GPUPOOL__WARN("cannot chmod %s to %o: %s", cfg->socket_path, (unsigned)cfg->socket_mode, strerror(errno));
+  if (chmod(addr.sun_path, cfg->socket_mode) != 0)
+    GPUPOOL__WARN("cannot chmod %s to %o: %s", addr.sun_path, (unsigned)cfg->socket_mode, strerror(errno));
+  /* Test hook: widen the window between bind and listen (a loaded machine's preemption). */
+  if (getenv("GPUPOOL_TEST_LISTEN_DELAY_MS"))
+    usleep((useconds_t)strtoul(getenv("GPUPOOL_TEST_LISTEN_DELAY_MS"), NULL, 10) * 1000u);
   /* The kernel caps the backlog at net.core.somaxconn. */
   if (listen(fd, (int)(cfg->listen_backlog ? cfg->listen_backlog : SOMAXCONN)) != 0) {
     rc = gpupool__err(GPUPOOL_EIO, "listen on %s: %s", cfg->socket_path, strerror(errno));
-    close(fd);
-    gpupool__unlink_socket(cfg->socket_path);
-    return rc;
+    goto fail;
+  }
+  if (strcmp(addr.sun_path, cfg->socket_path) != 0 && rename(addr.sun_path, cfg->socket_path) != 0) {
+    rc = gpupool__err(GPUPOOL_EIO, "cannot move the socket %s into place as %s: %s", addr.sun_path,
+                      cfg->socket_path, strerror(errno));
+    goto fail;
   }
   *out = fd;
   return 0;
+fail:
+  close(fd);
+  (void)unlink(addr.sun_path);
+  return rc;
 bind_fail:
   e = errno;
   rc = gpupool__err(GPUPOOL_EIO, "cannot bind %s: %s", cfg->socket_path, strerror(e));
