@@ -687,3 +687,11 @@ int gpd_hold_idle(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int *idle)
 }
 
 void gpd_hold_discard(gpd_registry *reg, gpd_hold *h) { gpd_hold_drop(reg, h, 0, NULL); }
+
+/* Whether a description of a buffer in sl for c carries the slab (c has not mapped it, or
+ * only read-only and now needs it writable). */
+int gpd_desc_sends_slab(const gpd_client *c, const gpd_slab *sl, int read_only) {
+  if (!gpupool__hmap_get(&c->mapped, sl->id))
+    return 1;
+  return !read_only && gpupool__hmap_get(&c->mapped_ro, sl->id) != NULL;
+}

@@ -24,7 +24,7 @@ static void name_clear(gpd_registry *reg, gpd_name *n) {
      * replicas go now, not when its last holder lets go (a producer that double-buffers
      * keeps it). Getters holding a replica keep their own reference to it. */
     if (--n->bufs[i]->names == 0)
-      gpd_replicas_drop(reg, n->bufs[i]);
+      gpd_buffer_replaced(reg, n->bufs[i]);
     gpd_buffer_unref(reg, n->bufs[i]);
   }
   free(n->bufs);
@@ -99,7 +99,7 @@ int gpd_publish_commit(gpd_registry *reg, gpd_client *c, const char *key, gpd_na
     bufs[i]->refs++;
     bufs[i]->names++;
     /* Its replicas copy what it held at an earlier publish: a new version gets new ones. */
-    gpd_replicas_drop(reg, bufs[i]);
+    gpd_buffer_replaced(reg, bufs[i]);
   }
   name_clear(reg, n);
   if (n->tenant != c->tenant) {

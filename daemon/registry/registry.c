@@ -28,32 +28,6 @@
 #include "registry.h"
 #include "registry_internal.h"
 
-uint64_t gpd_now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-uint64_t gpd_next_id(gpd_registry *reg) { return ++reg->next_id; }
-
-uint64_t gpd_round_up(uint64_t v, uint64_t a) { return (v + a - 1) & ~(a - 1); }
-
-int gpd_grow(void **arr, uint32_t *cap, uint32_t need, size_t elem) {
-  uint32_t ncap;
-  void *n;
-  if (need <= *cap)
-    return 0;
-  ncap = *cap ? *cap * 2 : 4;
-  while (ncap < need)
-    ncap *= 2;
-  n = realloc(*arr, (size_t)ncap * elem);
-  if (!n)
-    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
-  *arr = n;
-  *cap = ncap;
-  return 0;
-}
-
 /* ---- clients --------------------------------------------------------------------------------- */
 
 void gpd_client_init(gpd_registry *reg, gpd_client *c) {
@@ -180,12 +154,6 @@ static Gpupool__Wire__EventRef *event_ref(Gpupool__Wire__EventRef *r, gpd_event 
   return r;
 }
 
-int gpd_desc_sends_slab(const gpd_client *c, const gpd_slab *sl, int read_only) {
-  if (!gpupool__hmap_get(&c->mapped, sl->id))
-    return 1;
-  return !read_only && gpupool__hmap_get(&c->mapped_ro, sl->id) != NULL;
-}
-
 void gpd_fill_desc(gpd_registry *reg, gpd_client *c, gpd_hold *h, const char *name, gpd_desc_storage *s) {
   gpd_buffer *b = h->buf;
   gpd_slab *sl = b->slab;
@@ -278,7 +246,6 @@ int gpd_registry_init(gpd_registry *reg, uv_loop_t *loop, const gpd_config *cfg,
   gpupool__hmap_init(&reg->layout_hash);
   uv_timer_init(loop, &reg->sweep_timer);
   reg->sweep_timer.data = reg;
-  gpd_replicas_init(reg);
   gpd_keeps_init(reg);
   reg->pools = calloc((size_t)cfg->n_pools, sizeof *reg->pools);
   if (!reg->pools)
@@ -341,7 +308,8 @@ void gpd_registry_stop(gpd_registry *reg) {
   for (gpd_lease *l = reg->waiting; l; l = l->next)
     if (l->polling)
       uv_poll_stop(&l->poll);
-  gpd_copies_stop(reg);
+  if (reg->ext && reg->ext->stop)
+    reg->ext->stop(reg);
   if (reg->sweep_timer_on) {
     uv_timer_stop(&reg->sweep_timer);
     reg->sweep_timer_on = 0;
@@ -353,7 +321,8 @@ void gpd_registry_close(gpd_registry *reg) {
   /* Every client is gone: stop the copies (they hold their sources), drop kept shares (they
    * are references like names), drop names, then finish every pending free regardless of
    * events (the daemon is exiting; the backend's pools go with it). */
-  gpd_replicas_close(reg);
+  if (reg->ext && reg->ext->close)
+    reg->ext->close(reg);
   gpd_keeps_close(reg);
   gpd_parts_close(reg);
   for (size_t i = 0; i < reg->names.cap; i++) {

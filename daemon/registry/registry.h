@@ -43,6 +43,15 @@ typedef struct gpd_layout gpd_layout;
 typedef struct gpd_replica gpd_replica;
 typedef struct gpd_copy gpd_copy;
 
+/* What keeps state on the registry's buffers from beside it (the replicas: replicas.c)
+ * attaches here. The registry tells it its news through these and never calls it. */
+typedef struct gpd_registry_ext {
+  /* b's last holder let go, or b was published again (still held): what was made of it goes */
+  void (*buffer_replaced)(gpd_registry *reg, gpd_buffer *b);
+  void (*stop)(gpd_registry *reg);  /* the daemon stops: end the running work */
+  void (*close)(gpd_registry *reg); /* before the registry frees names and buffers */
+} gpd_registry_ext;
+
 /* An inter-process event. CUDA gives a process 4096 of them, so they are shared: a client's
  * holds and buffers take turns on at most GPD_EVENTS_PER_CLIENT events of its own, and the
  * holds one request makes (an Open of many tokens, a bundle's get) share one. Sharing is safe
@@ -417,6 +426,7 @@ struct gpd_registry {
   void (*on_copy)(gpd_registry *reg, uint64_t copy_id, int rc, const char *msg);
   /* Called when memory came back to a pool (to retry waiting allocations). */
   void (*on_memory)(gpd_registry *reg, gpd_pool *pool);
+  const gpd_registry_ext *ext; /* the replicas, once attached (gpd_replicas_attach) */
   void *owner;
   struct gpd_parts *parts; /* sharded versions waiting for parts (parts.c), NULL until the first */
 };
@@ -511,25 +521,8 @@ int gpd_name_key(gpd_registry *reg, const gpd_client *c, const char *name, char 
  * GPUPOOL_EINVAL for a bundle of several buffers. */
 int gpd_get(gpd_registry *reg, gpd_client *c, const char *name, int read_only, uint64_t newer_than,
                  gpd_hold **out, uint64_t *version);
-/* Replicas (replicas.c). A get for `device` (>= 0; -1 = wherever the version lies): the version's
- * buffers on that device, their replicas there when ready, or GPUPOOL_EBUSY with *copy_id the
- * copy job to wait for (started here when none runs). Same codes as gpd_get / gpd_get_bundle
- * otherwise, and the reason when no replica can be made (no pool of that device, quota, room).
- * The device of a pool: a device pool's GPU, a simulated one's (host backend), else -1. */
+/* The device of a pool: a device pool's GPU, a simulated one's (host backend), else -1. */
 int gpd_pool_device(const gpd_registry *reg, const gpd_pool *p);
-int gpd_get_on(gpd_registry *reg, gpd_client *c, const char *name, int read_only, uint64_t newer_than,
-               int device, gpd_hold **out, uint64_t *version, uint64_t *copy_id);
-int gpd_get_bundle_on(gpd_registry *reg, gpd_client *c, const char *name, int read_only,
-                      uint64_t newer_than, int device, gpd_hold ***holds, const gpd_name **out,
-                      uint64_t *copy_id);
-/* Broadcast: make replicas of the name's current version on each of the n devices now (one
- * copy job along them as a chain). Devices it cannot serve are told in the log and left to
- * the gets. Checked before the publish (gpd_replicate_check, with the hold of its first
- * buffer): at most 16 devices, each once, each with a pool the buffer's owner may use. */
-int gpd_replicate_check(gpd_registry *reg, gpd_client *c, uint64_t hold_id, const uint32_t *devices, size_t n);
-void gpd_replicate(gpd_registry *reg, gpd_client *c, const char *name, const uint32_t *devices, size_t n);
-/* Stop every running copy (the daemon is stopping): its replicas are dropped. */
-void gpd_copies_stop(gpd_registry *reg);
 /* Publish a bundle: members (wire form) lying in the buffers of the nholds holds. Checks
  * everything first; nothing changes on error. *version is the version made. */
 int gpd_publish_bundle(gpd_registry *reg, gpd_client *c, const char *name, const uint64_t *hold_ids,

@@ -60,13 +60,13 @@ int gpd_pool_alignment(const gpd_pool *p, uint64_t *align);
 int gpd_buffer_place(gpd_registry *reg, gpd_client *c, gpd_pool *p, uint64_t owner, uint64_t size,
                      uint64_t asize, uint64_t align, int place, gpd_buffer **out);
 
-/* replicas.c: replicas of a version on other devices */
-/* b's last holder let go, or b was published again (still held): its replicas go. */
-void gpd_replicas_drop(gpd_registry *reg, gpd_buffer *b);
+/* A replica's memory against its tenant's limits (tenants.c) */
 int gpd_quota_replica(gpd_registry *reg, uint64_t tenant, uint64_t size, int device);
-void gpd_replicas_init(gpd_registry *reg);
-/* Cancels every running copy and closes the timer (the registry is closing). */
-void gpd_replicas_close(gpd_registry *reg);
+/* b's last holder let go, or b was published again: tell what keeps state on it (replicas) */
+static inline void gpd_buffer_replaced(gpd_registry *reg, gpd_buffer *b) {
+  if (reg->ext && reg->ext->buffer_replaced)
+    reg->ext->buffer_replaced(reg, b);
+}
 /* Kept shares: the timer that expires them (init with the registry), and dropping them all
  * (registry_stop stops the timer, registry_close drops every keep first). */
 void gpd_keeps_init(gpd_registry *reg);

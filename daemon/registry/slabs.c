@@ -365,7 +365,7 @@ void gpd_buffer_unref(gpd_registry *reg, gpd_buffer *b) {
   gpd_client *owner;
   if (--b->refs > 0)
     return;
-  gpd_replicas_drop(reg, b);
+  gpd_buffer_replaced(reg, b);
   gpupool__hmap_del(&reg->buffers, b->id);
   owner = b->owner_client ? gpupool__hmap_get(&reg->clients, b->owner_client) : NULL;
   if (owner) {
@@ -633,4 +633,13 @@ void gpd_trim(gpd_registry *reg, uint32_t *freed, uint32_t *revoked) {
         (*revoked)++;
     }
   }
+}
+
+int gpd_pool_device(const gpd_registry *reg, const gpd_pool *p) {
+  if (p->cfg.kind == GPUPOOL_MEM_DEVICE)
+    return p->cfg.device;
+  /* memfd memory standing for a GPU: for testing replica logic without GPUs */
+  if (p->cfg.kind == GPUPOOL_MEM_HOST && reg->be->desc == &gpupool__backend_host && p->cfg.device >= 0)
+    return p->cfg.device;
+  return -1;
 }

@@ -28,19 +28,11 @@
 #include "list.h"
 #include "log.h"
 #include "registry_internal.h"
+#include "replicas.h"
 
 /* Copy jobs the backend runs at once (host: a thread each; CUDA: streams); the others wait,
  * oldest first. However many replicas clients ask for, the daemon runs this many copies. */
 #define GPD_COPIES_RUNNING_MAX 8
-
-int gpd_pool_device(const gpd_registry *reg, const gpd_pool *p) {
-  if (p->cfg.kind == GPUPOOL_MEM_DEVICE)
-    return p->cfg.device;
-  /* memfd memory standing for a GPU: for testing replica logic without GPUs */
-  if (p->cfg.kind == GPUPOOL_MEM_HOST && reg->be->desc == &gpupool__backend_host && p->cfg.device >= 0)
-    return p->cfg.device;
-  return -1;
-}
 
 /* The pool of `device` where a replica of owner's memory goes: the first such pool not shared
  * with a group for a tenant's memory, the first shared with that group for a group's. */
@@ -83,7 +75,7 @@ static void replica_unlink(gpd_replica *r) {
   r->next = NULL;
 }
 
-void gpd_replicas_drop(gpd_registry *reg, gpd_buffer *b) {
+static void replicas_drop(gpd_registry *reg, gpd_buffer *b) {
   gpd_replica *r = b->replicas, *next;
   b->replicas = NULL;
   for (; r; r = next) {
@@ -664,7 +656,15 @@ static void copy_notify_cb(uv_poll_t *h, int status, int events) {
     copy_timer_cb(&reg->copy_timer);
 }
 
-void gpd_replicas_init(gpd_registry *reg) {
+static void replicas_close(gpd_registry *reg);
+
+static const gpd_registry_ext replicas_ext = {
+    .buffer_replaced = replicas_drop,
+    .stop = gpd_copies_stop,
+    .close = replicas_close,
+};
+
+void gpd_replicas_attach(gpd_registry *reg) {
   const gpupool__backend_ops *ops = reg->be->ops;
   uv_timer_init(reg->loop, &reg->copy_timer);
   reg->copy_timer.data = reg;
@@ -679,9 +679,10 @@ void gpd_replicas_init(gpd_registry *reg) {
       reg->copy_notify_fd = -1;
     }
   }
+  reg->ext = &replicas_ext;
 }
 
-void gpd_replicas_close(gpd_registry *reg) {
+static void replicas_close(gpd_registry *reg) {
   gpd_copies_stop(reg);
   uv_close((uv_handle_t *)&reg->copy_timer, NULL);
   uv_close((uv_handle_t *)&reg->copy_make_idle, NULL);

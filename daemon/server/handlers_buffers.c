@@ -21,6 +21,7 @@
 
 #include "peers.h"
 #include "server_internal.h"
+#include "replicas.h"
 
 int gpd_handle_attach_pool(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;

@@ -21,6 +21,7 @@
 
 #include "peers.h"
 #include "server_internal.h"
+#include "replicas.h"
 
 uint64_t gpd_server_clients(const gpd_server *s) { return s->nconns; }
 uint64_t gpd_server_last_activity(const gpd_server *s) { return s->last_activity_ns; }
@@ -473,6 +474,7 @@ int gpd_server_start(gpd_server **out, uv_loop_t *loop, const gpd_config *cfg, g
   gpupool__hmap_init(&s->shares);
   reg->owner = s;
   reg->on_memory = gpd_retry_waiters;
+  gpd_replicas_attach(reg);
   reg->on_copy = gpd_copy_ended;
   if (listen_fd >= 0) {
     s->listen_fd = listen_fd;

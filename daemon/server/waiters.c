@@ -21,6 +21,7 @@
 
 #include "list.h"
 #include "server_internal.h"
+#include "replicas.h"
 
 /* ---- waiting requests ----------------------------------------------------------------------- */
 
