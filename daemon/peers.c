@@ -5,9 +5,11 @@
  * carrying 4-byte little-endian length-prefixed PeerFrames (proto/gpupool.proto), each at most
  * peer_max_frame bytes. The fetching side says Hello (its nonce and its own peer_listen, by
  * which the serving side finds its [peer] section: the advertised address, else the source
- * address when one section alone has it), the serving side answers Challenge (its nonce and
- * HMAC-SHA256(secret, "gpupool peer server" | nonce_f | nonce_s)), the fetching side checks it
- * and answers Auth (the same with "gpupool peer client"), and the serving side checks that and
+ * address when one section alone has it; its UCX worker address; its instance), the serving
+ * side answers Challenge (its nonce, its instance and HMAC-SHA256(secret, "gpupool peer server"
+ * | both nonces | Hello's worker and listen addresses | both instances): what Hello carried is
+ * authenticated, not only who sent it), the fetching side checks it and answers Auth (the same
+ * with "gpupool peer client"), and the serving side checks that and
  * connects its UCX endpoint to the fetching side's worker (the address came in Hello) and says
  * Welcome once UCX is connected both ways. Both compare in constant time; a wrong secret is
  * logged on both sides, and nothing but Hello, Challenge, Auth and Error is read before.
@@ -51,6 +53,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -107,14 +110,18 @@ int gpd_peers_check_secrets(const gpd_config *cfg) {
 static void on_tick(uv_timer_t *t) {
   gpd_peers *P = t->data;
   uint64_t now = now_ns(), limit = (uint64_t)P->cfg->peer_fetch_timeout_ms * 1000000ull;
+  uint64_t hs = (uint64_t)P->cfg->peer_handshake_timeout_ms * 1000000ull;
   for (plink *l = P->links, *next; l; l = next) {
     next = l->next;
-    if (l->state != L_UP && (l->why[0] || now - l->since_ns > AUTH_TIMEOUT_NS)) {
-      gpd_pr_link_close(l, l->why[0] ? l->why
-                    : l->state == L_CONNECTING ? "no connection within 5 s" : "no authentication within 5 s");
+    if (l->state != L_UP && (l->why[0] || now - l->since_ns > hs)) {
+      char why[128];
+      snprintf(why, sizeof why, "no %s within %u ms (peer_handshake_timeout_ms)",
+               l->state == L_CONNECTING ? "connection" : "authentication", P->cfg->peer_handshake_timeout_ms);
+      gpd_pr_link_close(l, l->why[0] ? l->why : why);
       continue;
     }
   }
+  gpd_pr_reconnect(P, now);
   gpd_pr_serves_retry(P, NULL, 0, now);
   gpd_pr_graves_free(P, now, 0);
   for (sub *sb = P->subs, *next; sb; sb = next) {
@@ -156,6 +163,11 @@ int gpd_peers_start(gpd_server *s) {
                   PEER_REVISION);
   }
   P->reg = s->reg;
+  /* This start's instance: a peer that sees another one knows this daemon's versions began
+   * anew. */
+  while (!P->instance)
+    if (getrandom(&P->instance, sizeof P->instance, 0) != (ssize_t)sizeof P->instance)
+      P->instance = gpd_now_ns() ^ ((uint64_t)getpid() << 32);
   gpupool__smap_init(&P->subs_by_key);
   snprintf(P->listen_addr, sizeof P->listen_addr, "%s", cfg->peer_listen);
   for (int i = 0; i < cfg->n_peers; i++) {
@@ -287,6 +299,9 @@ int gpd_peers_admin(gpd_server *s, Gpupool__Wire__AdminPeersReply *r) {
     infos[i].bytes_served = p->bytes_served;
     infos[i].serving_now = p->serving_now;
     infos[i].bytes_staged = p->bytes_staged;
+    infos[i].fetch_transport = p->fetch_transport;
+    infos[i].serve_transport = p->serve_transport;
+    infos[i].restarts = p->restarts;
     ptrs[i] = &infos[i];
   }
   r->n_peers = (size_t)P->npeers;

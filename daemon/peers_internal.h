@@ -22,9 +22,13 @@
 /* Revision of the daemon-to-daemon frames this daemon speaks (PeerHello.peer_revision); a
  * daemon that sends none is revision 1. GPUPOOL_TEST_PEER_REVISION=N in the environment makes
  * a daemon announce (and expect) N: the tests' older peer. */
-#define PEER_REVISION 2
-#define AUTH_TIMEOUT_NS (5ull * 1000000000ull)
+#define PEER_REVISION 3
 #define TICK_MS 100
+/* A peer whose connection went down while this daemon has names of its is connected again at
+ * once, then after RECONNECT_NS, twice that, ... at most RECONNECT_MAX_NS apart (to learn
+ * whether it restarted). */
+#define RECONNECT_NS (500ull * 1000000ull)
+#define RECONNECT_MAX_NS (8000ull * 1000000ull)
 #define MAX_SECRET 4096
 #define MAX_WRITE_QUEUE (64u << 20)
 #define READ_CHUNK (64u << 10)
@@ -52,6 +56,7 @@ typedef struct sub sub;
 typedef struct serve serve;
 typedef struct stage_slot stage_slot;
 typedef struct stager stager;
+typedef struct prefault prefault;
 
 /* A slot of pinned host memory (a slab of the daemon's own staging pool), owned by the peers
  * for the daemon's life: free, taken by a transfer, or waiting for sends from it to end after
@@ -111,6 +116,18 @@ typedef struct {
   uint64_t versions_served, bytes_served;
   uint32_t serving_now;
   uint64_t bytes_staged;
+  /* Its instance (PeerChallenge.instance) as last seen, 0 before; and how its versions show
+   * here: a version v of it is shown as v + shift. shown is the highest version this daemon
+   * showed of any of its names: when the peer restarts (a new instance) its names here go and
+   * shift becomes shown, so its new versions come after every one shown before. */
+  uint64_t instance;
+  uint64_t shift, shown;
+  uint32_t restarts;      /* new instances seen after the first */
+  uint64_t retry_ns;      /* when to connect again to learn its instance (0: no need) */
+  uint64_t retry_gap;     /* the wait after the next failed attempt */
+  /* The UCX transports the data uses, as UCX chose them for the endpoint that sends it: to it
+   * (this daemon's endpoint, serving) and from it (its endpoint, as its Welcome said). */
+  char serve_transport[128], fetch_transport[128];
 } peer;
 
 struct plink {
@@ -127,6 +144,11 @@ struct plink {
   gpd_ucx_ep *ep;        /* incoming: to the fetching daemon's worker (the data goes there) */
   uint8_t *waddr;        /* incoming: that worker's address, from Hello */
   size_t waddr_len;
+  char *hello_listen;    /* incoming: Hello's listen (bound into the MACs) */
+  uint64_t instance_f, instance_s; /* the fetching and the serving side's instances */
+  struct sockaddr_storage src; /* incoming: where it comes from */
+  int counted;           /* incoming and not authenticated yet: counted in P->unauth */
+  int background;        /* outgoing, opened by gpd_pr_reconnect: its failures are not news */
   peer *peer;            /* outgoing: the peer; incoming: once known from its Hello */
   char addr[64];         /* where it connects from / to, for logs */
   uint8_t nonce_mine[NONCE_LEN], nonce_theirs[NONCE_LEN];
@@ -164,6 +186,7 @@ struct sub {
   int receiving;         /* in P->receiving under id */
   int complete;          /* every byte is in: finished from the loop */
   stager *st;            /* staged into device memory (NULL: copied into mapped host memory) */
+  prefault *pf;          /* the pages of its new memory being made ready, or NULL */
   int stage_wait;        /* staged, waiting for free slots before PeerReady goes */
   int bad_data;          /* the peer sent data outside the window: failed from the loop */
   sub *prev, *next;      /* in P->subs */
@@ -219,6 +242,8 @@ struct gpd_peers {
   sub *subs;
   uint64_t next_id;
   char listen_addr[64];
+  uint64_t instance;     /* this daemon's: random, drawn at start */
+  uint32_t unauth;       /* incoming connections not authenticated yet */
   int closing;           /* handles whose close callback has not come yet */
   gpupool__ratelimit log_rl; /* lines that connections to peer_listen cause */
   struct grave *graves;  /* served ranges a gone peer may still be reading */
@@ -248,6 +273,13 @@ void gpd_pr_send_done(plink *l, uint64_t id);
 void gpd_pr_link_close(plink *l, const char *why);
 void gpd_pr_link_connect(gpd_peers *P, peer *p);
 void gpd_pr_on_accept(uv_stream_t *server, int status);
+/* fds that can still be opened below the fd limit (0 when they cannot even be counted). */
+uint64_t gpd_pr_fds_free(void);
+/* The connection to p came up and p's instance is inst: a new instance drops what this
+ * daemon holds of p's old one (peers_fetch.c). */
+void gpd_pr_peer_instance(peer *p, uint64_t inst);
+/* From the tick: connect again to the peers gpd_pr_peer_instance must hear from. */
+void gpd_pr_reconnect(gpd_peers *P, uint64_t now);
 
 /* peers_fetch.c */
 void gpd_pr_sub_free(sub *sb);

@@ -1,9 +1,10 @@
 /*
  * Peers' control connections (see peers.c): the TCP connections to and from other daemons,
  * their length-prefixed PeerFrames, the handshake (Hello, Challenge, Auth, Welcome, with
- * HMAC-SHA256 over both nonces) and the dispatch of the frames once a connection is up to
- * the fetching (peers_fetch.c) and serving (peers_serve.c) sides. A connection's end ends
- * what went on it.
+ * HMAC-SHA256 over both nonces, Hello's addresses and both instances), the caps on
+ * connections not authenticated yet and the fds kept in reserve, and the dispatch of the
+ * frames once a connection is up to the fetching (peers_fetch.c) and serving (peers_serve.c)
+ * sides. A connection's end ends what went on it.
  */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -12,7 +13,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 
 #include "peers_internal.h"
 #include "sha256.h"
@@ -46,10 +49,59 @@ static void fmt_addr(const struct sockaddr_storage *a, char *buf, size_t len) {
   snprintf(buf, len, "%s:%d", host, port);
 }
 
-static void mac(const peer *p, const char *role, const uint8_t *nf, const uint8_t *ns, uint8_t out[32]) {
-  const void *parts[] = {role, nf, ns};
-  size_t lens[] = {strlen(role), NONCE_LEN, NONCE_LEN};
-  gpupool__hmac_sha256(p->secret, p->secret_len, parts, lens, 3, out);
+/* HMAC-SHA256(secret, role | what the handshake carried): both nonces, the fetching side's
+ * worker address and listen address from its Hello, and both instances. A Hello altered on
+ * the way (another worker to send the data to, another listen to be known by) or a Challenge
+ * with another instance fails authentication on both sides. */
+static void mac(const plink *l, const char *role, const uint8_t *nf, const uint8_t *ns, const uint8_t *waddr,
+                size_t waddr_len, const char *listen, uint8_t out[32]) {
+  uint8_t wl[4], ll[4], inst[16];
+  size_t listen_len = listen ? strlen(listen) : 0;
+  for (int i = 0; i < 4; i++) {
+    wl[i] = (uint8_t)(waddr_len >> (8 * i));
+    ll[i] = (uint8_t)(listen_len >> (8 * i));
+  }
+  for (int i = 0; i < 8; i++) {
+    inst[i] = (uint8_t)(l->instance_f >> (8 * i));
+    inst[8 + i] = (uint8_t)(l->instance_s >> (8 * i));
+  }
+  {
+    const void *parts[] = {role, nf, ns, wl, waddr, ll, listen ? listen : "", inst};
+    size_t lens[] = {strlen(role), NONCE_LEN, NONCE_LEN, 4, waddr_len, 4, listen_len, sizeof inst};
+    gpupool__hmac_sha256(l->peer->secret, l->peer->secret_len, parts, lens, 8, out);
+  }
+}
+
+/* The fetching side's MAC: over its own Hello. */
+static void mac_mine(const plink *l, const char *role, uint8_t out[32]) {
+  const void *addr;
+  size_t alen;
+  gpd_ucx_address(l->P->ucx, &addr, &alen);
+  mac(l, role, l->nonce_mine, l->nonce_theirs, addr, alen, l->P->listen_addr, out);
+}
+
+/* The serving side's MAC: over the Hello it received. */
+static void mac_theirs(const plink *l, const char *role, uint8_t out[32]) {
+  mac(l, role, l->nonce_theirs, l->nonce_mine, l->waddr, l->waddr_len, l->hello_listen, out);
+}
+
+uint64_t gpd_pr_fds_free(void) {
+  struct rlimit rl;
+  DIR *d;
+  struct dirent *e;
+  uint64_t n = 0;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
+    return 0;
+  if (rl.rlim_cur == RLIM_INFINITY)
+    return UINT64_MAX;
+  if (!(d = opendir("/proc/self/fd")))
+    return 0; /* not even one fd to count them with */
+  while ((e = readdir(d)))
+    if (e->d_name[0] != '.')
+      n++;
+  closedir(d);
+  n = n ? n - 1 : 0; /* the directory's own */
+  return n < rl.rlim_cur ? rl.rlim_cur - n : 0;
 }
 
 /* ---- frames --------------------------------------------------------------------------------- */
@@ -134,6 +186,7 @@ static void link_freed(uv_handle_t *h) {
   plink *l = h->data;
   gpupool__hmap_free(&l->asked);
   free(l->waddr);
+  free(l->hello_listen);
   free(l->rbuf);
   free(l);
 }
@@ -144,14 +197,29 @@ void gpd_pr_link_close(plink *l, const char *why) {
   if (l->closing)
     return;
   l->closing = 1;
+  if (l->counted) {
+    l->counted = 0;
+    P->unauth--;
+  }
   if (l->outgoing) {
     char msg[GPUPOOL__ERRMSG_MAX];
     snprintf(msg, sizeof msg, "%s", why);
     if (p) {
       snprintf(p->last_error, sizeof p->last_error, "%s", why);
       p->out = NULL;
+      /* Was it up, this daemon learns whether the peer restarted when it is back. */
+      if (l->state == L_UP) {
+        p->retry_ns = now_ns();
+        p->retry_gap = RECONNECT_NS;
+      } else if (l->background) {
+        p->retry_ns = now_ns() + p->retry_gap;
+        p->retry_gap = p->retry_gap * 2 < RECONNECT_MAX_NS ? p->retry_gap * 2 : RECONNECT_MAX_NS;
+      }
     }
-    GPUPOOL__WARN("peers: connection to %s (%s) closed: %s", p ? p->conf->name : "?", l->addr, why);
+    if (l->background && l->state != L_UP)
+      GPUPOOL__DEBUG("peers: connecting again to %s (%s) failed: %s", p ? p->conf->name : "?", l->addr, why);
+    else
+      GPUPOOL__WARN("peers: connection to %s (%s) closed: %s", p ? p->conf->name : "?", l->addr, why);
     /* Fetches in flight on it fail, and their local copies go: this side only receives, so
      * nothing of UCX's still refers to them (late data finds no fetch under its id). */
     for (sub *sb = P->subs, *next; sb; sb = next) {
@@ -209,8 +277,8 @@ static void link_close_after_send(plink *l, const char *why) {
 
 static void auth_failed(plink *l, const char *who) {
   char msg[256];
-  snprintf(msg, sizeof msg, "peer %s: peer authentication failed: wrong secret (check secret_file on both daemons)",
-           who);
+  snprintf(msg, sizeof msg, "peer %s: peer authentication failed: wrong secret (check secret_file on both daemons), "
+           "or the handshake was altered on the way", who);
   if (l->outgoing)
     GPUPOOL__WARN("peers: %s (%s)", msg, l->addr);
   else
@@ -255,6 +323,12 @@ static void on_hello(plink *l, const Gpupool__Wire__PeerHello *m) {
   }
   memcpy(l->waddr, m->worker_address.data, m->worker_address.len);
   l->waddr_len = m->worker_address.len;
+  if (!m->instance || (m->listen && strlen(m->listen) > 255) || !(l->hello_listen = strdup(m->listen ? m->listen : ""))) {
+    gpd_pr_link_close(l, "its Hello has no instance or an overlong listen address");
+    return;
+  }
+  l->instance_f = m->instance;
+  l->instance_s = P->instance;
   memset(&src, 0, sizeof src);
   uv_tcp_getpeername(&l->tcp, (struct sockaddr *)&src, &len);
   if (m->listen && *m->listen && gpd_parse_hostport(m->listen, "listen", &adv) == 0)
@@ -284,7 +358,8 @@ static void on_hello(plink *l, const Gpupool__Wire__PeerHello *m) {
     gpd_pr_link_close(l, "no random bytes for a nonce");
     return;
   }
-  mac(l->peer, "gpupool peer server", l->nonce_theirs, l->nonce_mine, macv);
+  mac_theirs(l, "gpupool peer server", macv);
+  ch.instance = P->instance;
   ch.nonce.data = l->nonce_mine;
   ch.nonce.len = NONCE_LEN;
   ch.mac.data = macv;
@@ -315,10 +390,11 @@ static void on_challenge(plink *l, const Gpupool__Wire__PeerChallenge *m) {
     return;
   }
   memcpy(l->nonce_theirs, m->nonce.data, NONCE_LEN);
-  mac(l->peer, "gpupool peer server", l->nonce_mine, l->nonce_theirs, want);
-  ok = gpupool__ct_equal(want, m->mac.data, 32);
+  l->instance_s = m->instance;
+  mac_mine(l, "gpupool peer server", want);
+  ok = m->instance && gpupool__ct_equal(want, m->mac.data, 32);
   /* Answer even when the peer's proof is wrong, so that it logs the failure too. */
-  mac(l->peer, "gpupool peer client", l->nonce_mine, l->nonce_theirs, macv);
+  mac_mine(l, "gpupool peer client", macv);
   a.mac.data = macv;
   a.mac.len = sizeof macv;
   f.body_case = GPUPOOL__WIRE__PEER_FRAME__BODY_AUTH;
@@ -353,7 +429,9 @@ static void on_ep_ready(void *arg, int status) {
     gpd_pr_link_close(l, why);
     return;
   }
+  gpd_ucx_ep_describe(l->ep, l->peer->serve_transport, sizeof l->peer->serve_transport);
   w.you_are = (char *)l->peer->conf->name;
+  w.transport = l->peer->serve_transport;
   f.body_case = GPUPOOL__WIRE__PEER_FRAME__BODY_WELCOME;
   f.welcome = &w;
   l->state = L_UP;
@@ -364,12 +442,29 @@ static void on_ep_ready(void *arg, int status) {
 static void on_auth(plink *l, const Gpupool__Wire__PeerAuth *m) {
   gpd_peers *P = l->P;
   uint8_t want[32];
+  uint64_t fds;
   int rc;
-  mac(l->peer, "gpupool peer client", l->nonce_theirs, l->nonce_mine, want);
+  mac_theirs(l, "gpupool peer client", want);
   if (m->mac.len != 32 || !gpupool__ct_equal(want, m->mac.data, 32)) {
     auth_failed(l, l->peer->conf->name);
-    send_error(l, GPUPOOL_EPERM, "peer authentication failed: wrong secret (check secret_file on both daemons)");
+    send_error(l, GPUPOOL_EPERM, "peer authentication failed: wrong secret (check secret_file on both daemons), or "
+               "the handshake was altered on the way");
     link_close_after_send(l, "peer authentication failed: wrong secret");
+    return;
+  }
+  if (l->counted) {
+    l->counted = 0;
+    P->unauth--;
+  }
+  /* UCX aborts the whole process when it cannot open the sockets an endpoint needs: refuse
+   * the peer while the fds kept in reserve are short instead. */
+  if ((fds = gpd_pr_fds_free()) < P->cfg->peer_fd_reserve / 2) {
+    char why[256];
+    snprintf(why, sizeof why, "gpupoold has %" PRIu64 " file descriptors left (peer_fd_reserve %u): no UCX endpoint "
+             "for this peer now; try later. Operators: raise LimitNOFILE= (ulimit -n)", fds, P->cfg->peer_fd_reserve);
+    GPUPOOL__PEER_WARN(&P->log_rl, 0, "peers: %s (%s) refused: %s", l->peer->conf->name, l->addr, why);
+    send_error(l, GPUPOOL_ELIMIT, why);
+    link_close_after_send(l, why);
     return;
   }
   if ((rc = gpd_ucx_ep_new(P->ucx, l->waddr, l->waddr_len, &l->ep)) != 0 ||
@@ -386,10 +481,16 @@ static void on_auth(plink *l, const Gpupool__Wire__PeerAuth *m) {
 static void on_welcome(plink *l, const Gpupool__Wire__PeerWelcome *m) {
   gpd_peers *P = l->P;
   peer *p = l->peer;
-  (void)m;
   l->state = L_UP;
   p->last_error[0] = '\0';
-  GPUPOOL__INFO("peers: connected to %s at %s", p->conf->name, l->addr);
+  /* What the peer's endpoint sends this daemon's fetches with (printable, bounded). */
+  snprintf(p->fetch_transport, sizeof p->fetch_transport, "%s", m->transport ? m->transport : "");
+  for (char *c = p->fetch_transport; *c; c++)
+    if ((unsigned char)*c < 0x20 || (unsigned char)*c > 0x7e)
+      *c = '?';
+  GPUPOOL__INFO("peers: connected to %s at %s%s%s", p->conf->name, l->addr, p->fetch_transport[0] ? "; it sends over "
+                : "", p->fetch_transport);
+  gpd_pr_peer_instance(p, l->instance_s);
   /* Asking may close the connection (and fail the others): look for the next one afresh. */
   for (;;) {
     sub *sb = P->subs;
@@ -565,6 +666,8 @@ static void on_connected(uv_connect_t *req, int status) {
   h.peer_revision = P->revision;
   h.nonce.data = l->nonce_mine;
   h.nonce.len = NONCE_LEN;
+  h.instance = P->instance;
+  l->instance_f = P->instance;
   h.listen = P->listen_addr;
   {
     const void *addr;
@@ -581,6 +684,7 @@ static void on_connected(uv_connect_t *req, int status) {
 
 void gpd_pr_link_connect(gpd_peers *P, peer *p) {
   plink *l = link_new(P);
+  uint64_t fds;
   int rc;
   if (!l) {
     GPUPOOL__WARN("peers: out of memory connecting to %s", p->conf->name);
@@ -593,28 +697,97 @@ void gpd_pr_link_connect(gpd_peers *P, peer *p) {
   p->out = l;
   l->connect.data = l;
   /* A connect that fails at once is closed by the next tick: its caller may be walking lists
-   * that closing it would change. */
-  if ((rc = uv_tcp_connect(&l->connect, &l->tcp, (const struct sockaddr *)&p->conf->addr, on_connected)) != 0)
+   * that closing it would change. The peer's UCX endpoint will connect to this daemon's
+   * worker, whose sockets UCX must be able to open (it aborts the process when it cannot). */
+  if ((fds = gpd_pr_fds_free()) < P->cfg->peer_fd_reserve / 2)
+    snprintf(l->why, sizeof l->why, "gpupoold has %" PRIu64 " file descriptors left (peer_fd_reserve %u): no "
+             "connection to peer %s now; try later. Operators: raise LimitNOFILE= (ulimit -n)", fds,
+             P->cfg->peer_fd_reserve, p->conf->name);
+  else if ((rc = uv_tcp_connect(&l->connect, &l->tcp, (const struct sockaddr *)&p->conf->addr, on_connected)) != 0)
     snprintf(l->why, sizeof l->why, "peer %s unreachable at %s: %s (is gpupoold running there with peer_listen?)",
              p->conf->name, p->conf->address, uv_strerror(rc));
 }
 
+/* Unauthenticated connections from where l comes from, and the oldest of them. */
+static uint32_t from_same(gpd_peers *P, const plink *l, plink **oldest) {
+  uint32_t n = 0;
+  *oldest = NULL;
+  for (plink *o = P->links; o; o = o->next)
+    if (o != l && o->counted && same_addr(&o->src, &l->src, 0)) {
+      n++;
+      if (!*oldest || o->since_ns <= (*oldest)->since_ns)
+        *oldest = o;
+    }
+  return n;
+}
+
+/* An incoming connection within the caps on unauthenticated ones (peer_max_unauthenticated,
+ * peer_max_unauthenticated_per_addr) and with fds to spare (peer_fd_reserve): 1 to keep it,
+ * 0 when it must go (why set). At the total cap, the oldest connection of the address that
+ * holds the most goes instead when that address holds more than l's: a flood from a few hosts
+ * takes its own connections' places, not a peer's. */
+static int admit(gpd_peers *P, plink *l, char *why, size_t len) {
+  const gpd_config *cfg = P->cfg;
+  plink *oldest, *victim = NULL;
+  uint32_t mine = from_same(P, l, &oldest), most = 0;
+  uint64_t fds;
+  /* The cheap check first: a flood from one address ends here. */
+  if (mine >= cfg->peer_max_unauthenticated_per_addr) {
+    snprintf(why, len, "%u connections from that address are not authenticated yet "
+             "(peer_max_unauthenticated_per_addr)", mine);
+    return 0;
+  }
+  if ((fds = gpd_pr_fds_free()) < cfg->peer_fd_reserve) {
+    snprintf(why, len, "only %" PRIu64 " file descriptors left, fewer than peer_fd_reserve %u", fds,
+             cfg->peer_fd_reserve);
+    return 0;
+  }
+  if (P->unauth < cfg->peer_max_unauthenticated)
+    return 1;
+  for (plink *o = P->links; o; o = o->next) {
+    plink *old;
+    uint32_t n;
+    if (!o->counted)
+      continue;
+    if ((n = from_same(P, o, &old) + 1) > most) {
+      most = n;
+      victim = old ? (old->since_ns <= o->since_ns ? old : o) : o;
+    }
+  }
+  if (!victim || most <= mine + 1) {
+    snprintf(why, len, "%u connections are not authenticated yet (peer_max_unauthenticated)", P->unauth);
+    return 0;
+  }
+  gpd_pr_link_close(victim, "made way for a connection from an address with fewer unauthenticated connections "
+                    "(peer_max_unauthenticated)");
+  return 1;
+}
+
 void gpd_pr_on_accept(uv_stream_t *server, int status) {
   gpd_peers *P = server->data;
-  struct sockaddr_storage src;
-  int len = sizeof src;
+  int len = sizeof(struct sockaddr_storage);
+  char why[256];
   plink *l;
-  if (status < 0)
+  if (status < 0) {
+    /* libuv accepted and closed what waited (its reserved fd): nothing is held. */
+    GPUPOOL__PEER_WARN(&P->log_rl, 0, "peers: a connection to peer_listen was refused: %s (fd limit: raise "
+                       "LimitNOFILE=, ulimit -n)", uv_strerror(status));
     return;
+  }
   if (!(l = link_new(P)))
     return;
   if (uv_accept(server, (uv_stream_t *)&l->tcp) != 0) {
     gpd_pr_link_close(l, "accept failed");
     return;
   }
-  memset(&src, 0, sizeof src);
-  uv_tcp_getpeername(&l->tcp, (struct sockaddr *)&src, &len);
-  fmt_addr(&src, l->addr, sizeof l->addr);
+  uv_tcp_getpeername(&l->tcp, (struct sockaddr *)&l->src, &len);
+  fmt_addr(&l->src, l->addr, sizeof l->addr);
   l->state = L_AWAIT_HELLO;
+  if (!admit(P, l, why, sizeof why)) {
+    gpd_pr_link_close(l, why);
+    return;
+  }
+  l->counted = 1;
+  P->unauth++;
   uv_read_start((uv_stream_t *)&l->tcp, on_alloc, on_read);
 }

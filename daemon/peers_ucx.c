@@ -402,6 +402,45 @@ int gpd_ucx_ep_new(gpd_ucx *u, const void *addr, size_t len, gpd_ucx_ep **out) {
   return 0;
 }
 
+void gpd_ucx_ep_describe(gpd_ucx_ep *e, char *buf, size_t len) {
+  char *text = NULL;
+  size_t tlen = 0;
+  FILE *f = open_memstream(&text, &tlen);
+  buf[0] = '\0';
+  if (!f)
+    return;
+  ucp_ep_print_info(e->ep, f);
+  if (fclose(f) != 0 || !text)
+    return;
+  /* Lines like "#  lane[0]:  0:tcp/lo.0 md[0]  -> md[0]/tcp/sysdev[255] am am_bw#0 keepalive wireup":
+   * the resource (without its index) and what the daemon's data uses it for (am, am_bw). */
+  for (char *line = text, *next; line && *line; line = next) {
+    char *res, *end, *arrow, what[64] = "";
+    size_t off = strlen(buf);
+    if ((next = strchr(line, '\n')))
+      *next++ = '\0';
+    if (!strstr(line, "lane[") || !(res = strstr(line, "]:")) || !(res = strchr(res + 2, ':')))
+      continue;
+    res++;
+    end = res + strcspn(res, " \t");
+    *end = '\0';
+    if ((arrow = strrchr(res, '.')) && arrow[1] && strspn(arrow + 1, "0123456789") == strlen(arrow + 1))
+      *arrow = '\0';
+    if ((arrow = strstr(end + 1, "->"))) {
+      char *tok = strchr(arrow, ' '), *save = NULL;
+      for (tok = tok ? strtok_r(tok, " \t", &save) : NULL; tok; tok = strtok_r(NULL, " \t", &save)) {
+        size_t n = strcspn(tok, "#");
+        if ((n == 2 && !strncmp(tok, "am", 2)) || (n == 5 && !strncmp(tok, "am_bw", 5)))
+          snprintf(what + strlen(what), sizeof what - strlen(what), "%s%.*s", what[0] ? ", " : "", (int)n, tok);
+      }
+    }
+    if (!what[0])
+      continue; /* a lane the data does not use (keepalive, wireup alone) */
+    snprintf(buf + off, len > off ? len - off : 0, "%s%s (%s)", off ? "; " : "", res, what);
+  }
+  free(text);
+}
+
 int gpd_ucx_ep_flush(gpd_ucx_ep *e, gpd_ucx_done done, void *arg) {
   ucp_request_param_t p;
   void *req;

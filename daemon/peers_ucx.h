@@ -47,6 +47,10 @@ void gpd_ucx_reg_free(gpd_ucx_reg *r);
 
 /* An endpoint to the worker at addr. */
 int gpd_ucx_ep_new(gpd_ucx *u, const void *addr, size_t len, gpd_ucx_ep **out);
+/* The transports the endpoint sends the data with, as UCX chose them once connected: its lanes
+ * for active messages, as ucp_ep_print_info lists them ("tcp/eth0 (am, am_bw)"); empty when
+ * UCX says nothing. */
+void gpd_ucx_ep_describe(gpd_ucx_ep *ep, char *buf, size_t len);
 /* done is called once the endpoint is connected both ways (its wireup finished), or failed. */
 int gpd_ucx_ep_flush(gpd_ucx_ep *ep, gpd_ucx_done done, void *arg);
 /* Close it: gets still running on it end with an error (their callbacks still come, later,

@@ -1007,13 +1007,17 @@ static int cmd_peers(ctl *c) {
       jkv_u64("bytes_served", p->bytes_served, &g);
       jkv_u64("serving_now", p->serving_now, &g);
       jkv_u64("bytes_staged", p->bytes_staged, &g);
+      jkv_str("fetch_transport", p->fetch_transport, &g);
+      jkv_str("serve_transport", p->serve_transport, &g);
+      jkv_u64("restarts", p->restarts, &g);
       putchar('}');
     }
     puts("]}");
     gpupool__wire__reply__free_unpacked(rep, NULL);
     return 0;
   }
-  printf("transport: %s\nlisten: %s\n", r->transport, r->listen && *r->listen ? r->listen : "(serves no peer)");
+  /* What UCX offers here; the transports a peer's data really uses are listed per peer below. */
+  printf("transport: %s (available)\nlisten: %s\n", r->transport, r->listen && *r->listen ? r->listen : "(serves no peer)");
   if (r->device_memory && *r->device_memory) {
     char use[32], made[32];
     fmt_size(r->staging_in_use, use, sizeof(use));
@@ -1035,6 +1039,13 @@ static int cmd_peers(ctl *c) {
   }
   table_print(&t);
   table_free(&t);
+  for (size_t i = 0; i < r->n_peers; i++) {
+    const Gpupool__Wire__PeerInfo *p = r->peers[i];
+    if (*p->fetch_transport || *p->serve_transport || p->restarts)
+      printf("%s: fetched over %s; served over %s; restarts seen: %u\n", p->name,
+             *p->fetch_transport ? p->fetch_transport : "(not connected yet)",
+             *p->serve_transport ? p->serve_transport : "(not served yet)", p->restarts);
+  }
   gpupool__wire__reply__free_unpacked(rep, NULL);
   return 0;
 }

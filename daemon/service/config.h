@@ -120,6 +120,13 @@ typedef struct {
   uint32_t peer_max_frame;
   uint32_t peer_max_fetches;      /* fetches one peer may have in flight from this daemon */
   uint32_t peer_fetch_timeout_ms; /* a fetch (metadata and data) that takes longer fails */
+  /* Connections to peer_listen not yet authenticated: at most this many at once, this many
+   * from one source address, each for at most this long; and fds kept free for what the
+   * daemon must open (peer connections and UCX endpoints are refused below that). */
+  uint32_t peer_max_unauthenticated;
+  uint32_t peer_max_unauthenticated_per_addr;
+  uint32_t peer_handshake_timeout_ms;
+  uint32_t peer_fd_reserve;
   gpd_peer_conf peers[GPUPOOL_MAX_PEERS];
   int n_peers;
   gpupool__pool_config pools[GPUPOOL_MAX_POOLS];

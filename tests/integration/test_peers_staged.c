@@ -617,13 +617,13 @@ static void test_peer_revision_mismatch(void **state) {
   unsetenv("GPUPOOL_TEST_PEER_REVISION");
   publish(&A, NULL, "w", (size_t)1 << 20, 31);
   get_fails_with(&B, "A:w", 10000, "peer revision 1", "same gpupool version",
-                 "B (peer revision 1) fetched from A (revision 2)");
+                 "B (peer revision 1) fetched from A (revision 3)");
   {
     /* A writes its log line after its refusal went out: B's getter may hear first. */
     uint64_t end = th_now_ms() + 5000;
-    while (!log_has(&A, "peer revision 1, this daemon speaks 2") && th_now_ms() < end)
+    while (!log_has(&A, "peer revision 1, this daemon speaks 3") && th_now_ms() < end)
       th_sleep_ms(10);
-    if (!log_has(&A, "peer revision 1, this daemon speaks 2"))
+    if (!log_has(&A, "peer revision 1, this daemon speaks 3"))
       fail_msg("the serving daemon did not log why it refused the older peer");
   }
   expect_baseline(&B, "the fetching side after the refusal");
