@@ -141,7 +141,23 @@ static void on_tick(uv_timer_t *t) {
   }
 }
 
-int gpd_peers_start(gpd_server *s) {
+/* The link and the stager tell fetching and serving of their news through these. */
+static const gpd_pr_ops pr_ops = {
+    .on_peer_get = gpd_pr_on_peer_get,
+    .on_peer_done = gpd_pr_on_peer_done,
+    .on_peer_ready = gpd_pr_on_peer_ready,
+    .on_peer_credit = gpd_pr_on_peer_credit,
+    .on_peer_failed = gpd_pr_on_peer_failed,
+    .on_get_reply = gpd_pr_on_get_reply,
+    .peer_instance = gpd_pr_peer_instance,
+    .sub_ask = gpd_pr_sub_ask,
+    .sub_failed = gpd_pr_sub_failed,
+    .serve_free_reading = gpd_pr_serve_free_reading,
+    .sub_stage_step = gpd_pr_sub_stage_step,
+    .serve_stage_step = gpd_pr_serve_stage_step,
+};
+
+int gpd_peers_start(gpd_server *s, const gpd_peers_news *news) {
   const gpd_config *cfg = s->cfg;
   gpd_peers *P;
   int rc;
@@ -153,6 +169,8 @@ int gpd_peers_start(gpd_server *s) {
   if (!(P = calloc(1, sizeof *P)))
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   P->s = s;
+  P->news = news;
+  P->ops = &pr_ops;
   P->loop = s->loop;
   P->cfg = cfg;
   P->revision = PEER_REVISION;

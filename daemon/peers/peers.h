@@ -20,6 +20,14 @@ typedef struct gpd_server gpd_server;
 typedef struct gpd_conn gpd_conn;
 typedef struct gpd_peers gpd_peers;
 
+/* What the peers tell the server's waiting gets, through these and never by calling the
+ * server: a fetched version of key landed here, or the fetch failed (only_nowait: answer only
+ * the gets that asked not to wait). */
+typedef struct {
+  void (*wake_getters)(gpd_server *s, const char *key, uint64_t version);
+  void (*fail_getters)(gpd_server *s, const char *key, int code, const char *msg, int only_nowait);
+} gpd_peers_news;
+
 #include "config.h"
 
 #ifdef GPUPOOL_HAVE_UCX
@@ -31,7 +39,7 @@ int gpd_peers_check_secrets(const gpd_config *cfg);
 /* Read the secrets, start UCX and the peer listener (peer_listen). 0, or GPUPOOL_ECONFIG
  * (a secret file that is missing, short or readable by others) or another error, with the
  * reason; nothing is left running on error. */
-int gpd_peers_start(gpd_server *s);
+int gpd_peers_start(gpd_server *s, const gpd_peers_news *news);
 /* Close every peer connection (fetches fail, served versions are let go) and UCX. */
 void gpd_peers_stop(gpd_server *s);
 /* 1 when name is a peer's (PEER:NAME, or under a [peer]'s prefix). */
@@ -55,7 +63,10 @@ static inline int gpd_peers_check_secrets(const gpd_config *cfg) {
                         "rebuild, see gpupoold --version)", cfg->path[0] ? cfg->path : "the config");
   return 0;
 }
-static inline int gpd_peers_start(gpd_server *s) { return gpd_peers_check_secrets(s->cfg); }
+static inline int gpd_peers_start(gpd_server *s, const gpd_peers_news *news) {
+  (void)news;
+  return gpd_peers_check_secrets(s->cfg);
+}
 static inline void gpd_peers_stop(gpd_server *s) { (void)s; }
 static inline int gpd_peers_is_remote(gpd_server *s, const char *name) {
   (void)s;

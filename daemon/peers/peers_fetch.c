@@ -340,7 +340,7 @@ static void sub_next(sub *sb) {
  * only the gets that asked not to wait. */
 void gpd_pr_sub_fail_waiters(sub *sb, int code, const char *msg, int only_nowait) {
   gpd_peers *P = sb->P;
-  gpd_fail_getters(P->s, sb->key, code, msg, only_nowait);
+  P->news->fail_getters(P->s, sb->key, code, msg, only_nowait);
   if (only_nowait)
     return;
   for (plink *l = P->links; l; l = l->next) {
@@ -416,7 +416,7 @@ static void sub_finish(sub *sb) {
                 sb->local_name, r->version, sb->peer->conf->name, version, sb->bytes,
                 (now_ns() - sb->started_ns) / 1000);
   gpd_pr_sub_release(sb);
-  gpd_wake_getters(P->s, sb->key, version);
+  P->news->wake_getters(P->s, sb->key, version);
   gpd_peers_published(P->s, sb->key, version);
   sub_next(sb);
 }

@@ -225,9 +225,33 @@ struct push {
   uint32_t inflight;
 };
 
+/* What the rooms below (the link: frames and connections; the stager: staged copies) tell the
+ * rooms above (fetching, serving) of, through this table that peers.c fills: never by
+ * calling them. */
+typedef struct {
+  /* the link: a frame of an authenticated peer */
+  void (*on_peer_get)(plink *l, const Gpupool__Wire__PeerGet *m);
+  void (*on_peer_done)(plink *l, uint64_t id);
+  void (*on_peer_ready)(plink *l, uint64_t id, uint64_t window);
+  void (*on_peer_credit)(plink *l, uint64_t id, uint64_t bytes);
+  void (*on_peer_failed)(plink *l, const Gpupool__Wire__PeerFailed *m);
+  void (*on_get_reply)(plink *l, Gpupool__Wire__PeerFrame *fr);
+  /* the link: a connection to p came up (its instance inst; ask for what waits on it), or
+   * closed (fail what it carried) */
+  void (*peer_instance)(peer *p, uint64_t inst);
+  void (*sub_ask)(sub *sb);
+  void (*sub_failed)(sub *sb, int code, const char *msg);
+  void (*serve_free_reading)(serve *sv, int reading);
+  /* the stager: run a staged fetch or serve; 1 when it ended (the lists changed) */
+  int (*sub_stage_step)(sub *sb);
+  int (*serve_stage_step)(serve *sv);
+} gpd_pr_ops;
+
 struct gpd_peers {
   uint32_t revision;     /* PEER_REVISION, or the test's */
   gpd_server *s;
+  const gpd_peers_news *news; /* to the server's waiting gets */
+  const gpd_pr_ops *ops;      /* to fetching and serving, from the link and the stager */
   uv_loop_t *loop;
   const gpd_config *cfg;
   gpd_registry *reg;

@@ -236,7 +236,7 @@ void gpd_pr_link_close(plink *l, const char *why) {
         snprintf(m2, sizeof m2, "fetch of %s:%s failed: peer %s closed the connection (%s); retry", p->conf->name,
                  sb->rname, p->conf->name, why);
       sb->link = NULL;
-      gpd_pr_sub_failed(sb, GPUPOOL_EPEER, m2);
+      P->ops->sub_failed(sb, GPUPOOL_EPEER, m2);
     }
   } else {
     if (p)
@@ -244,7 +244,7 @@ void gpd_pr_link_close(plink *l, const char *why) {
     else
       GPUPOOL__PEER_INFO(&P->log_rl, 0, "peers: connection from %s closed: %s", l->addr, why);
     while (l->serves)
-      gpd_pr_serve_free_reading(l->serves, 1);
+      P->ops->serve_free_reading(l->serves, 1);
     if (l->ep) {
       gpd_ucx_ep_close(l->ep);
       l->ep = NULL;
@@ -490,7 +490,7 @@ static void on_welcome(plink *l, const Gpupool__Wire__PeerWelcome *m) {
       *c = '?';
   GPUPOOL__INFO("peers: connected to %s at %s%s%s", p->conf->name, l->addr, p->fetch_transport[0] ? "; it sends over "
                 : "", p->fetch_transport);
-  gpd_pr_peer_instance(p, l->instance_s);
+  P->ops->peer_instance(p, l->instance_s);
   /* Asking may close the connection (and fail the others): look for the next one afresh. */
   for (;;) {
     sub *sb = P->subs;
@@ -499,7 +499,7 @@ static void on_welcome(plink *l, const Gpupool__Wire__PeerWelcome *m) {
     if (!sb || p->out != l || l->closing)
       break;
     sb->state = S_IDLE;
-    gpd_pr_sub_ask(sb);
+    P->ops->sub_ask(sb);
   }
 }
 
@@ -543,27 +543,27 @@ static void on_frame(plink *l, const uint8_t *buf, size_t len) {
     switch (f->body_case) {
     case GPUPOOL__WIRE__PEER_FRAME__BODY_GET:
       if (!l->outgoing)
-        gpd_pr_on_peer_get(l, f->get);
+        l->P->ops->on_peer_get(l, f->get);
       break;
     case GPUPOOL__WIRE__PEER_FRAME__BODY_DONE:
       if (!l->outgoing)
-        gpd_pr_on_peer_done(l, f->done->id);
+        l->P->ops->on_peer_done(l, f->done->id);
       break;
     case GPUPOOL__WIRE__PEER_FRAME__BODY_READY:
       if (!l->outgoing)
-        gpd_pr_on_peer_ready(l, f->ready->id, f->ready->window);
+        l->P->ops->on_peer_ready(l, f->ready->id, f->ready->window);
       break;
     case GPUPOOL__WIRE__PEER_FRAME__BODY_CREDIT:
       if (!l->outgoing)
-        gpd_pr_on_peer_credit(l, f->credit->id, f->credit->bytes);
+        l->P->ops->on_peer_credit(l, f->credit->id, f->credit->bytes);
       break;
     case GPUPOOL__WIRE__PEER_FRAME__BODY_FAILED:
       if (l->outgoing)
-        gpd_pr_on_peer_failed(l, f->failed);
+        l->P->ops->on_peer_failed(l, f->failed);
       break;
     case GPUPOOL__WIRE__PEER_FRAME__BODY_GET_REPLY:
       if (l->outgoing) {
-        gpd_pr_on_get_reply(l, f);
+        l->P->ops->on_get_reply(l, f);
         keep = 1;
       }
       break;

@@ -495,14 +495,14 @@ void gpd_pr_stager_fetch_poll(stager *st) {
 static void stage_run(gpd_peers *P) {
   for (sub *sb = P->subs, *next; sb; sb = next) {
     next = sb->next;
-    if ((sb->st || sb->stage_wait) && gpd_pr_sub_stage_step(sb))
+    if ((sb->st || sb->stage_wait) && P->ops->sub_stage_step(sb))
       return;
   }
   for (plink *l = P->links; l; l = l->next) {
     if (l->closing)
       continue;
     for (serve *sv = l->serves; sv; sv = sv->next)
-      if (sv->st && gpd_pr_serve_stage_step(sv))
+      if (sv->st && P->ops->serve_stage_step(sv))
         return;
   }
 }

@@ -436,6 +436,9 @@ static void stats_release(void *server, Gpupool__Wire__StatsReply *st) {
   gpd_stats_free(st);
 }
 
+/* What the peers tell the waiting gets of. */
+static const gpd_peers_news peers_news = {gpd_wake_getters, gpd_fail_getters};
+
 int gpd_server_start(gpd_server **out, uv_loop_t *loop, const gpd_config *cfg, gpd_registry *reg,
                           int listen_fd) {
   gpd_server *s = calloc(1, sizeof *s);
@@ -525,7 +528,7 @@ int gpd_server_start(gpd_server **out, uv_loop_t *loop, const gpd_config *cfg, g
   src.arg = s;
   if (gpd_metrics_start(s->metrics, loop, cfg, &src) != 0)
     GPUPOOL__WARN("metrics disabled: %s", gpupool__errmsg());
-  if ((rc = gpd_peers_start(s)) != 0) {
+  if ((rc = gpd_peers_start(s, &peers_news)) != 0) {
     char msg[GPUPOOL__ERRMSG_MAX];
     snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
     gpd_server_stop(s);
