@@ -95,7 +95,7 @@ void gpd_park_reply(gpd_conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const 
   if (c->closing)
     return;
   if (!(f = calloc(1, sizeof *f + nev * sizeof f->ev[0]))) {
-    gpd_conn_close(c, "out of memory holding a reply back until its buffers are ready");
+    gpd_conn_drop(c, "out of memory holding a reply back until its buffers are ready");
     return;
   }
   for (uint32_t i = 0; i < nev; i++)
@@ -106,7 +106,7 @@ void gpd_park_reply(gpd_conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const 
       f->nfds++;
   if (f->nfds != nfds) {
     fenced_free(c, f);
-    gpd_conn_close(c, "out of file descriptors holding a reply back until its buffers are ready");
+    gpd_conn_drop(c, "out of file descriptors holding a reply back until its buffers are ready");
     return;
   }
   if (gpd_pack_reply(c, seq, rep, &f->buf, &f->len) != 0) {
@@ -132,7 +132,7 @@ void gpd_send_reply_fenced(gpd_conn *c, uint64_t seq, Gpupool__Wire__Reply *rep,
   uint32_t n = 0;
   if (c->host_fences && s->reg->be->ops->has_events) {
     if (nhs > GPUPOOL_WIRE_MAX_FDS && !(ev = malloc(nhs * sizeof *ev))) {
-      gpd_conn_close(c, "out of memory holding a reply back until its buffers are ready");
+      gpd_conn_drop(c, "out of memory holding a reply back until its buffers are ready");
       return;
     }
     for (uint32_t i = 0; i < nhs; i++) {

@@ -322,7 +322,7 @@ int gpd_handle_admin_drop_client(gpd_conn *c, const Gpupool__Wire__Request *req,
     next = o->next;
     if (o != c && !o->closing && o->cl.pid == m->pid) {
       GPUPOOL__INFO("operator (uid %u) dropped client %" PRIu64 " (pid %d)", (unsigned)c->cl.uid, o->cl.id, m->pid);
-      gpd_conn_close(o, "dropped by an operator");
+      gpd_conn_drop(o, "dropped by an operator");
       ar.dropped++;
     }
   }

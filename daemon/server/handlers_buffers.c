@@ -205,17 +205,6 @@ out:
   return rc;
 }
 
-/* A name got a new version: serve the gets waiting for it first (they are the handoff's
- * critical path), before the publisher's own reply. */
-void gpd_published(gpd_conn *c, const char *name, uint64_t version) {
-  char key[GPUPOOL_NAME_KEY_MAX + 1];
-  uint64_t owner;
-  if (gpd_name_key(c->srv->reg, &c->cl, name, key, sizeof key, &owner) == 0) {
-    gpd_wake_getters(c->srv, key, version);
-    gpd_peers_published(c->srv, key, version);
-  }
-}
-
 /* A get of a peer's name with nothing newer here waits (also when it asked not to: the
  * fetch takes its time) while a fetch runs for it. 0 with the waiter queued, or the error. */
 static int wait_remote(gpd_conn *c, uint64_t seq, int kind, const char *name, int read_only, uint64_t newer_than,

@@ -450,6 +450,8 @@ int gpd_server_start(gpd_server **out, uv_loop_t *loop, const gpd_config *cfg, g
     free(s);
     return rc;
   }
+  s->close_conn = gpd_conn_close;
+  s->conn_io = gpd_conn_io;
   s->loop = loop;
   s->cfg = cfg;
   s->reg = reg;

@@ -147,6 +147,10 @@ struct gpd_conn {
 };
 
 struct gpd_server {
+  /* The connection layer (conn.c), for the sending half below the handlers (send.c): what
+   * closes a connection, and what its poll calls. Set at start. */
+  void (*close_conn)(gpd_conn *c, const char *why);
+  uv_poll_cb conn_io;
   uv_loop_t *loop;
   const gpd_config *cfg;
   gpd_registry *reg;
@@ -215,7 +219,12 @@ void gpd_send_reply(gpd_conn *c, uint64_t seq, Gpupool__Wire__Reply *rep, const 
     gpd_send_reply((c), (seq), &rep_, NULL, 0);                                                        \
   } while (0)
 void gpd_send_error(gpd_conn *c, uint64_t seq, int code, const char *msg);
+/* conn.c: close c (its waiters, replies held back and holds go); its poll callback */
 void gpd_conn_close(gpd_conn *c, const char *why);
+void gpd_conn_io(uv_poll_t *p, int status, int events);
+/* send.c: close c from below the connection layer (through the server's close_conn) */
+void gpd_conn_drop(gpd_conn *c, const char *why);
+void gpd_conn_flush(gpd_conn *c);
 void gpd_conn_update_poll(gpd_conn *c);
 void gpd_conn_drop_after_flush(gpd_conn *c);
 void gpd_conn_heap(gpd_conn *c);

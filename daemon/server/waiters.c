@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "list.h"
+#include "peers.h"
 #include "server_internal.h"
 #include "replicas.h"
 
@@ -542,4 +543,15 @@ void gpd_fail_getters(gpd_server *s, const char *key, int code, const char *msg,
   }
   if (--q->waking == 0 && !q->n)
     get_q_free(s, q);
+}
+
+/* A name got a new version: serve the gets waiting for it first (they are the handoff's
+ * critical path), before the publisher's own reply. */
+void gpd_published(gpd_conn *c, const char *name, uint64_t version) {
+  char key[GPUPOOL_NAME_KEY_MAX + 1];
+  uint64_t owner;
+  if (gpd_name_key(c->srv->reg, &c->cl, name, key, sizeof key, &owner) == 0) {
+    gpd_wake_getters(c->srv, key, version);
+    gpd_peers_published(c->srv, key, version);
+  }
 }
