@@ -19,6 +19,7 @@
 typedef struct gpd_server gpd_server;
 typedef struct gpd_conn gpd_conn;
 typedef struct gpd_peers gpd_peers;
+typedef struct gpd_rname gpd_rname;
 
 /* What the peers tell the server's waiting gets, through these and never by calling the
  * server: a fetched version of key landed here, or the fetch failed (only_nowait: answer only
@@ -43,11 +44,11 @@ int gpd_peers_start(gpd_server *s, const gpd_peers_news *news);
 /* Close every peer connection (fetches fail, served versions are let go) and UCX. */
 void gpd_peers_stop(gpd_server *s);
 /* 1 when name is a peer's (PEER:NAME, or under a [peer]'s prefix). */
-int gpd_peers_is_remote(gpd_server *s, const char *name);
+int gpd_peers_is_remote(gpd_server *s, const gpd_rname *rn);
 /* c's get of the remote name found nothing newer than newer_than here and now waits (a
  * waiter of c, filed under the name's key): make sure a fetch for it runs. 0 or the error
  * (the caller removes its waiter and answers with it). */
-int gpd_peers_want(gpd_server *s, gpd_conn *c, const char *name, uint64_t newer_than, uint32_t wait_ms);
+int gpd_peers_want(gpd_server *s, gpd_conn *c, const gpd_rname *rn, uint64_t newer_than, uint32_t wait_ms);
 /* A name was published here (key, as the registry files it): serve the peers' gets waiting
  * for it. */
 void gpd_peers_published(gpd_server *s, const char *key, uint64_t version);
@@ -68,7 +69,7 @@ static inline int gpd_peers_start(gpd_server *s, const gpd_peers_news *news) {
   return gpd_peers_check_secrets(s->cfg);
 }
 static inline void gpd_peers_stop(gpd_server *s) { (void)s; }
-static inline int gpd_peers_is_remote(gpd_server *s, const char *name) {
+static inline int gpd_peers_is_remote(gpd_server *s, const gpd_rname *rn) {
   (void)s;
   (void)name;
   return 0;

@@ -137,9 +137,13 @@ static peer *route(gpd_peers *P, const char *name, const char **rest) {
   return NULL;
 }
 
-int gpd_peers_is_remote(gpd_server *s, const char *name) {
+int gpd_pr_routed(gpd_peers *P, const char *name) {
   const char *rest;
-  return s->peers && route(s->peers, name, &rest) != NULL;
+  return route(P, name, &rest) != NULL;
+}
+
+int gpd_peers_is_remote(gpd_server *s, const gpd_rname *rn) {
+  return s->peers && gpd_pr_routed(s->peers, rn->name);
 }
 
 /* The peer whose name is filed under key here (a tenant's or uid's key: a group's names are
@@ -371,6 +375,7 @@ static void sub_finish(sub *sb) {
   Gpupool__Wire__PeerGetReply *r = sb->rep->get_reply;
   uint64_t version = 0, min_newer = UINT64_MAX;
   char msg[GPUPOOL__ERRMSG_MAX + 256];
+  gpd_rname rn;
   int rc;
 
   if (sb->link && !sb->link->closing)
@@ -382,6 +387,7 @@ static void sub_finish(sub *sb) {
     gpd_pr_sub_free(sb);
     return;
   }
+  gpd_name_key(reg, &sb->cl, sb->local_name, &rn); /* an error is told by the publish */
   if (r->bundle) {
     uint64_t *ids = calloc(sb->n, sizeof *ids);
     if (!ids) {
@@ -389,11 +395,11 @@ static void sub_finish(sub *sb) {
     } else {
       for (uint32_t i = 0; i < sb->n; i++)
         ids[i] = sb->holds[i]->id;
-      rc = gpd_publish_bundle(reg, &sb->cl, sb->local_name, ids, sb->n, r->members, r->n_members, 0, &version);
+      rc = gpd_publish_bundle(reg, &sb->cl, &rn, ids, sb->n, r->members, r->n_members, 0, &version);
       free(ids);
     }
   } else {
-    rc = gpd_publish(reg, &sb->cl, sb->holds[0]->id, sb->local_name, r->tensor, 0, 0, &version);
+    rc = gpd_publish(reg, &sb->cl, sb->holds[0]->id, &rn, r->tensor, 0, 0, &version);
   }
   if (rc != 0) {
     snprintf(msg, sizeof msg, "fetch of %s:%s v%" PRIu64 " failed: publishing the local copy: %s", sb->peer->conf->name,
@@ -799,16 +805,15 @@ int gpd_pr_want_key(gpd_peers *P, const char *local_name, const char *key, uid_t
   return 0;
 }
 
-int gpd_peers_want(gpd_server *s, gpd_conn *c, const char *name, uint64_t newer_than, uint32_t wait_ms) {
+int gpd_peers_want(gpd_server *s, gpd_conn *c, const gpd_rname *rn, uint64_t newer_than, uint32_t wait_ms) {
   gpd_peers *P = s->peers;
-  char key[GPUPOOL_NAME_KEY_MAX + 1], tn[64];
-  uint64_t owner;
+  char tn[64];
   int rc;
   (void)newer_than;
   if (!P)
     return gpupool__err(GPUPOOL_ENOENT, "no peers");
-  if ((rc = gpd_name_key(s->reg, &c->cl, name, key, sizeof key, &owner)) != 0)
+  if ((rc = gpd_rname_ok(rn)) != 0)
     return rc;
   tenant_name(P, &c->cl, tn, sizeof tn);
-  return gpd_pr_want_key(P, name, key, c->cl.uid, c->cl.gid, tn, wait_ms);
+  return gpd_pr_want_key(P, rn->name, rn->key, c->cl.uid, c->cl.gid, tn, wait_ms);
 }

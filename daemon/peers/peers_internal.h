@@ -306,6 +306,8 @@ void gpd_pr_peer_instance(peer *p, uint64_t inst);
 void gpd_pr_reconnect(gpd_peers *P, uint64_t now);
 
 /* peers_fetch.c */
+/* 1 when name (as a client writes it) is a peer's: PEER:NAME, or under a [peer]'s prefix. */
+int gpd_pr_routed(gpd_peers *P, const char *name);
 void gpd_pr_sub_free(sub *sb);
 void gpd_pr_sub_release(sub *sb);
 void gpd_pr_sub_ask(sub *sb);

@@ -408,7 +408,7 @@ static void serve_try(serve *sv) {
     const char *slash = strchr(sv->key, '/');
     sv->waiting = 1;
     /* A tree: a remote name of this daemon's is fetched here for the peer asking. */
-    if (slash && !strncmp(sv->key, "tenant:", 7) && gpd_peers_is_remote(P->s, slash + 1)) {
+    if (slash && !strncmp(sv->key, "tenant:", 7) && gpd_pr_routed(P, slash + 1)) {
       const gpd_config *cfg = P->cfg;
       for (int t = 0; t < cfg->n_tenants; t++)
         if ((size_t)(slash - sv->key - 7) == strlen(cfg->tenants[t].name) &&

@@ -461,10 +461,9 @@ static void publish_done(gpd_fop *base) {
   op_free(op);
 }
 
-int gpd_publish_file(gpd_registry *reg, gpd_client *c, const char *name, int fd, uint64_t offset,
+int gpd_publish_file(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, int fd, uint64_t offset,
                           uint64_t length, gpd_file_done done, void *arg, gpd_file_op **out) {
-  char key[GPUPOOL_NAME_KEY_MAX + 1];
-  uint64_t owner;
+  const char *name = rn->name, *key = rn->key;
   gpd_file_op *op = NULL;
   int rc;
 
@@ -473,7 +472,7 @@ int gpd_publish_file(gpd_registry *reg, gpd_client *c, const char *name, int fd,
                       "config)");
     goto fail;
   }
-  if ((rc = gpd_name_key(reg, c, name, key, sizeof key, &owner)) != 0)
+  if ((rc = gpd_rname_ok(rn)) != 0)
     goto fail;
   /* What can be refused at once is, before the file is looked at. */
   if (gpupool__smap_get(&reg->names, key)) {
@@ -542,11 +541,12 @@ static void get_done(gpd_fop *base) {
   op_free(op);
 }
 
-int gpd_get_file(gpd_registry *reg, gpd_client *c, const char *name, gpd_file_done done,
+int gpd_get_file(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, gpd_file_done done,
                       void *arg, gpd_file_op **out) {
   gpd_name *n;
   gpd_file_op *op;
-  int rc = gpd_find_name(reg, c, name, &n);
+  const char *name = rn->name;
+  int rc = gpd_find_name(reg, c, rn, &n);
   if (rc != 0)
     return rc;
   if (!n->file)

@@ -39,14 +39,15 @@ void gpd_name_free(gpd_registry *reg, gpd_name *n) {
 }
 
 /* Checks for a publish under `name` by c of buffers bufs: the namespace, the buffers' owner,
- * the name limits (for a new name) and the member limits. *key gets the name's key and *old
- * the name's entry when it exists. */
-static int publish_check(gpd_registry *reg, gpd_client *c, const char *name, gpd_buffer *const *bufs,
-                         uint32_t nbufs, char *key, size_t keylen, gpd_name **old) {
+ * the name limits (for a new name) and the member limits. *old gets the name's entry when it
+ * exists. */
+static int publish_check(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, gpd_buffer *const *bufs,
+                         uint32_t nbufs, gpd_name **old) {
   const gpd_config *cfg = reg->cfg;
-  uint64_t owner;
+  const char *name = rn->name;
+  uint64_t owner = rn->owner;
   int rc;
-  if ((rc = gpd_name_key(reg, c, name, key, keylen, &owner)) != 0)
+  if ((rc = gpd_rname_ok(rn)) != 0)
     return rc;
   for (uint32_t i = 0; i < nbufs; i++)
     if (bufs[i]->slab->owner != owner) {
@@ -57,7 +58,7 @@ static int publish_check(gpd_registry *reg, gpd_client *c, const char *name, gpd
                           "(%s)", name, label,
                           (bufs[i]->slab->owner & GROUP_SET) ? "as group:GROUP/NAME" : "under a plain name");
     }
-  *old = gpupool__smap_get(&reg->names, key);
+  *old = gpupool__smap_get(&reg->names, rn->key);
   if (*old && (*old)->file)
     return gpupool__err(GPUPOOL_EEXIST, "'%s' names a published file; unpublish it before publishing buffers "
                         "under that name", name);
@@ -132,14 +133,13 @@ int gpd_publish_commit(gpd_registry *reg, gpd_client *c, const char *key, gpd_na
   return 0;
 }
 
-int gpd_publish(gpd_registry *reg, gpd_client *c, uint64_t hold_id, const char *name,
+int gpd_publish(gpd_registry *reg, gpd_client *c, uint64_t hold_id, const gpd_rname *rn,
                      const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all, uint64_t *version) {
   gpd_hold *h = NULL;
   gpd_name *old = NULL;
   gpd_buffer **bufs;
   gpupool_tensor_meta m;
   int rc, has_meta = meta && meta->present;
-  char key[GPUPOOL_NAME_KEY_MAX + 1];
 
   if ((rc = gpd_hold_of(reg, c, hold_id, &h)) != 0)
     return rc;
@@ -148,7 +148,7 @@ int gpd_publish(gpd_registry *reg, gpd_client *c, uint64_t hold_id, const char *
                         "publishing to other users (share_gid/share_all) is gone: its readers would get "
                         "the fd of a slab holding the publisher's other buffers. Allocate in a pool the "
                         "operator shares with a group (share = GROUP) and publish as group:GROUP/NAME");
-  if ((rc = publish_check(reg, c, name, &h->buf, 1, key, sizeof key, &old)) != 0)
+  if ((rc = publish_check(reg, c, rn, &h->buf, 1, &old)) != 0)
     return rc;
   if (has_meta && (rc = gpupool__wire_meta_from(meta, h->buf->asked, &m)) != 0)
     return rc;
@@ -156,10 +156,10 @@ int gpd_publish(gpd_registry *reg, gpd_client *c, uint64_t hold_id, const char *
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   bufs[0] = h->buf;
   /* A name never upgrades the hold it was published from. */
-  return gpd_publish_commit(reg, c, key, old, bufs, 1, NULL, h->read_only, has_meta ? &m : NULL, 0, version);
+  return gpd_publish_commit(reg, c, rn->key, old, bufs, 1, NULL, h->read_only, has_meta ? &m : NULL, 0, version);
 }
 
-int gpd_bundle_prepare(gpd_registry *reg, gpd_client *c, const char *name, const uint64_t *hold_ids,
+int gpd_bundle_prepare(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, const uint64_t *hold_ids,
                        size_t nholds, Gpupool__Wire__BundleMember *const *wm, size_t nmembers,
                        uint64_t layout_id, int part, gpd_bundle_prep *out) {
   gpd_buffer **bufs = NULL;
@@ -167,7 +167,6 @@ int gpd_bundle_prepare(gpd_registry *reg, gpd_client *c, const char *name, const
   gpd_layout *layout = NULL;
   gpd_name *old = NULL;
   uint32_t *used = NULL;
-  char key[GPUPOOL_NAME_KEY_MAX + 1];
   size_t i, nm = 0;
   uint32_t fd_slabs = 0;
   int rc, read_only = 0;
@@ -255,7 +254,7 @@ int gpd_bundle_prepare(gpd_registry *reg, gpd_client *c, const char *name, const
     if ((rc = gpd_members_unique(members, nmembers)) != 0)
       goto fail;
   }
-  if ((rc = publish_check(reg, c, name, bufs, (uint32_t)nholds, key, sizeof key, &old)) != 0)
+  if ((rc = publish_check(reg, c, rn, bufs, (uint32_t)nholds, &old)) != 0)
     goto fail;
   if (layout) {
     layout->refs++;
@@ -271,7 +270,7 @@ int gpd_bundle_prepare(gpd_registry *reg, gpd_client *c, const char *name, const
   }
   free(used);
   gpupool__hmap_free(&seen);
-  memcpy(out->key, key, sizeof key);
+  memcpy(out->key, rn->key, sizeof out->key);
   out->old = old;
   out->bufs = bufs;
   out->nbufs = (uint32_t)nholds;
@@ -286,31 +285,31 @@ fail:
   return rc;
 }
 
-int gpd_publish_bundle(gpd_registry *reg, gpd_client *c, const char *name, const uint64_t *hold_ids,
+int gpd_publish_bundle(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, const uint64_t *hold_ids,
                        size_t nholds, Gpupool__Wire__BundleMember *const *wm, size_t nmembers,
                        uint64_t layout_id, uint64_t *version) {
   gpd_bundle_prep p;
-  int rc = gpd_bundle_prepare(reg, c, name, hold_ids, nholds, wm, nmembers, layout_id, 0, &p);
+  int rc = gpd_bundle_prepare(reg, c, rn, hold_ids, nholds, wm, nmembers, layout_id, 0, &p);
   if (rc != 0)
     return rc;
   return gpd_publish_commit(reg, c, p.key, p.old, p.bufs, p.nbufs, p.layout, p.read_only, NULL, 0, version);
 }
 
-int gpd_find_name(gpd_registry *reg, gpd_client *c, const char *name, gpd_name **out) {
-  char key[GPUPOOL_NAME_KEY_MAX + 1];
-  uint64_t owner;
-  int rc = gpd_name_key(reg, c, name, key, sizeof key, &owner);
+int gpd_find_name(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, gpd_name **out) {
+  int rc = gpd_rname_ok(rn);
+  (void)c;
   if (rc != 0)
     return rc;
-  *out = gpupool__smap_get(&reg->names, key);
+  *out = gpupool__smap_get(&reg->names, rn->key);
   if (!*out)
-    return gpupool__err(GPUPOOL_ENOENT, "no buffer is published under '%s'", name);
+    return gpupool__err(GPUPOOL_ENOENT, "no buffer is published under '%s'", rn->name);
   return 0;
 }
 
-int gpd_find_newer(gpd_registry *reg, gpd_client *c, const char *name, uint64_t newer_than,
+int gpd_find_newer(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, uint64_t newer_than,
                    gpd_name **out) {
-  int rc = gpd_find_name(reg, c, name, out);
+  const char *name = rn->name;
+  int rc = gpd_find_name(reg, c, rn, out);
   if (rc == 0 && (*out)->file)
     return gpupool__err(GPUPOOL_EINVAL, "'%s' names a published file, not a buffer: get it with gpupool_file_get "
                         "(Python: Client.get_file_array)", name);
@@ -322,9 +321,9 @@ int gpd_find_newer(gpd_registry *reg, gpd_client *c, const char *name, uint64_t 
   return rc;
 }
 
-int gpd_find_single(gpd_registry *reg, gpd_client *c, const char *name, uint64_t newer_than, gpd_name **out) {
+int gpd_find_single(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, uint64_t newer_than, gpd_name **out) {
   gpd_name *n = NULL;
-  int rc = gpd_find_newer(reg, c, name, newer_than, &n);
+  int rc = gpd_find_newer(reg, c, rn, newer_than, &n);
   if (rc != 0)
     return rc;
   /* Any bundle, one member included: a plain get would hand over its whole buffer without
@@ -332,17 +331,17 @@ int gpd_find_single(gpd_registry *reg, gpd_client *c, const char *name, uint64_t
   if (n->layout || n->nbufs != 1)
     return gpupool__err(GPUPOOL_EINVAL,
                         "'%s' is a bundle of %u member%s in %u buffer%s; get it with gpupool_bundle_get "
-                        "(Python: get_dict)", name, n->layout ? n->layout->n : 0,
+                        "(Python: get_dict)", rn->name, n->layout ? n->layout->n : 0,
                         n->layout && n->layout->n == 1 ? "" : "s", n->nbufs,
                         n->nbufs == 1 ? "" : "s");
   *out = n;
   return 0;
 }
 
-int gpd_get(gpd_registry *reg, gpd_client *c, const char *name, int read_only, uint64_t newer_than,
+int gpd_get(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, int read_only, uint64_t newer_than,
                  gpd_hold **out, uint64_t *version) {
   gpd_name *n = NULL;
-  int rc = gpd_find_single(reg, c, name, newer_than, &n);
+  int rc = gpd_find_single(reg, c, rn, newer_than, &n);
   if (rc != 0)
     return rc;
   if (version)
@@ -350,11 +349,11 @@ int gpd_get(gpd_registry *reg, gpd_client *c, const char *name, int read_only, u
   return gpd_hold_new(reg, c, n->bufs[0], read_only || n->read_only, 0, out);
 }
 
-int gpd_get_bundle(gpd_registry *reg, gpd_client *c, const char *name, int read_only,
+int gpd_get_bundle(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, int read_only,
                         uint64_t newer_than, gpd_hold ***holds, const gpd_name **out) {
   gpd_name *n = NULL;
   gpd_hold **hs;
-  int rc = gpd_find_newer(reg, c, name, newer_than, &n);
+  int rc = gpd_find_newer(reg, c, rn, newer_than, &n);
   if (rc != 0)
     return rc;
   if (!(hs = calloc(n->nbufs, sizeof *hs)))
@@ -390,9 +389,9 @@ static void name_remove(gpd_registry *reg, gpd_name *n) {
   gpd_name_free(reg, n);
 }
 
-int gpd_unpublish(gpd_registry *reg, gpd_client *c, const char *name) {
+int gpd_unpublish(gpd_registry *reg, gpd_client *c, const gpd_rname *rn) {
   gpd_name *n = NULL;
-  int rc = gpd_find_name(reg, c, name, &n);
+  int rc = gpd_find_name(reg, c, rn, &n);
   if (rc != 0)
     return rc;
   /* Found in the caller's own namespace (its tenant's, or a group it is in): its members

@@ -185,10 +185,11 @@ static uint32_t pending_count(const gpd_registry *reg, const char *key, uint64_t
   return n;
 }
 
-int gpd_publish_part(gpd_registry *reg, gpd_client *c, const char *name, uint64_t version, uint32_t idx,
+int gpd_publish_part(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, uint64_t version, uint32_t idx,
                      uint32_t nparts, const uint64_t *hold_ids, size_t nholds,
                      Gpupool__Wire__BundleMember *const *wm, size_t nmembers, uint64_t layout_id,
                      gpd_part_result *res) {
+  const char *name = rn->name;
   gpd_bundle_prep prep;
   pending *v = NULL;
   part *p;
@@ -202,7 +203,7 @@ int gpd_publish_part(gpd_registry *reg, gpd_client *c, const char *name, uint64_
     return gpupool__err(GPUPOOL_EINVAL, "parts name the version they make (1 or more), not 0");
   if (!reg->parts && !(reg->parts = calloc(1, sizeof *reg->parts)))
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
-  if ((rc = gpd_bundle_prepare(reg, c, name, hold_ids, nholds, wm, nmembers, layout_id, 1, &prep)) != 0)
+  if ((rc = gpd_bundle_prepare(reg, c, rn, hold_ids, nholds, wm, nmembers, layout_id, 1, &prep)) != 0)
     return rc;
   if (prep.old)
     drop_not_newer(reg, prep.key, prep.old->version);

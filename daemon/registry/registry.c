@@ -154,7 +154,7 @@ static Gpupool__Wire__EventRef *event_ref(Gpupool__Wire__EventRef *r, gpd_event 
   return r;
 }
 
-void gpd_fill_desc(gpd_registry *reg, gpd_client *c, gpd_hold *h, const char *name, gpd_desc_storage *s) {
+void gpd_fill_desc(gpd_registry *reg, gpd_client *c, gpd_hold *h, const gpd_rname *rn, gpd_desc_storage *s) {
   gpd_buffer *b = h->buf;
   gpd_slab *sl = b->slab;
 
@@ -166,7 +166,7 @@ void gpd_fill_desc(gpd_registry *reg, gpd_client *c, gpd_hold *h, const char *na
   s->desc.offset = b->offset;
   s->desc.size = b->asked;
   s->desc.read_only = h->read_only;
-  s->desc.name = (char *)(name ? name : "");
+  s->desc.name = (char *)(rn ? rn->name : "");
   s->slab.id = sl->id;
   s->slab.pool_id = sl->pool->id;
   s->slab.size = sl->bs.size;
@@ -211,11 +211,7 @@ void gpd_fill_desc(gpd_registry *reg, gpd_client *c, gpd_hold *h, const char *na
   if (h->done)
     s->desc.done = event_ref(&s->done, h->done);
   {
-    char key[GPUPOOL_NAME_KEY_MAX + 1];
-    uint64_t owner;
-    const gpd_name *nm = name && *name && gpd_name_key(reg, c, name, key, sizeof key, &owner) == 0
-                                  ? gpupool__smap_get(&reg->names, key)
-                                  : NULL;
+    const gpd_name *nm = rn && rn->rc == 0 ? gpupool__smap_get(&reg->names, rn->key) : NULL;
     const gpupool_tensor_meta *m = nm && nm->nbufs == 1 && nm->bufs[0] == b && !nm->layout
                                        ? (nm->has_meta ? &nm->meta : NULL)
                                    : b->has_meta      ? &b->meta

@@ -25,6 +25,7 @@
 #include "alloc.h"
 #include "backend.h"
 #include "config.h"
+#include "errors.h"
 #include "hmap.h"
 #include "log.h"
 #include "wire.h"
@@ -42,6 +43,18 @@ typedef struct gpd_registry gpd_registry;
 typedef struct gpd_layout gpd_layout;
 typedef struct gpd_replica gpd_replica;
 typedef struct gpd_copy gpd_copy;
+
+#define GPUPOOL_NAME_KEY_MAX (GPUPOOL_NAME_MAX + 64)
+/* A name a request carries, resolved once by the request's handler (gpd_name_key): every
+ * function below the handlers takes this, never the raw name, so the name is checked and its
+ * key built once per request. */
+typedef struct gpd_rname {
+  const char *name;                    /* as the client wrote it (for messages) */
+  int rc;                              /* 0, or why it names nothing the client may reach */
+  uint64_t owner;                      /* the tenant, or GROUP_SET | group of a group: name */
+  char key[GPUPOOL_NAME_KEY_MAX + 1];  /* what the registry files it under */
+  char why[GPUPOOL__ERRMSG_MAX];       /* rc's message */
+} gpd_rname;
 
 /* What keeps state on the registry's buffers from beside it (the replicas: replicas.c)
  * attaches here. The registry tells it its news through these and never calls it. */
@@ -495,7 +508,7 @@ int gpd_open(gpd_registry *reg, gpd_client *c, const uint8_t *token, size_t len,
             gpd_hold **out);
 /* Publish the buffer of a hold under name: a new name (version 1) or the name's next version
  * (*version gets it). */
-int gpd_publish(gpd_registry *reg, gpd_client *c, uint64_t hold_id, const char *name,
+int gpd_publish(gpd_registry *reg, gpd_client *c, uint64_t hold_id, const gpd_rname *rn,
                      const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all, uint64_t *version);
 /* Tenants. A client's tenant is the [tenant] section naming its uid or primary gid, else its
  * uid alone; a pool shared with a [group] belongs to that group. Names live in namespaces:
@@ -513,19 +526,24 @@ void gpd_uid_usage_put(gpd_registry *reg, gpd_uid_usage *u);
  * when c may not use p. */
 int gpd_pool_owner(gpd_registry *reg, const gpd_client *c, const gpd_pool *p, uint64_t *owner);
 uint64_t gpd_tenant_of(const gpd_config *cfg, uid_t uid, gid_t gid);
-int gpd_name_key(gpd_registry *reg, const gpd_client *c, const char *name, char *key,
-                      size_t len, uint64_t *owner);
-#define GPUPOOL_NAME_KEY_MAX (GPUPOOL_NAME_MAX + 64)
+/* Resolve a request's name once, in its handler: the key it is filed under (the tenant's
+ * label, or a group's name:GROUP/ prefix, then the name) and whose memory it names. 0, or
+ * the error (ENAME for a malformed name, EPERM for a group c is not in), which is also kept
+ * in *out: the functions given *out report it where they need the name, so a request refused
+ * for another reason first is refused for that reason, as before. */
+int gpd_name_key(gpd_registry *reg, const gpd_client *c, const char *name, gpd_rname *out);
+/* 0 when rn resolved, else its error again (code and message). */
+int gpd_rname_ok(const gpd_rname *rn);
 /* Lookup for Get: 0 with *out a new hold and *version the name's version; GPUPOOL_ENOENT
  * when absent, not visible, or not newer than newer_than (wait and try again);
  * GPUPOOL_EINVAL for a bundle of several buffers. */
-int gpd_get(gpd_registry *reg, gpd_client *c, const char *name, int read_only, uint64_t newer_than,
+int gpd_get(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, int read_only, uint64_t newer_than,
                  gpd_hold **out, uint64_t *version);
 /* The device of a pool: a device pool's GPU, a simulated one's (host backend), else -1. */
 int gpd_pool_device(const gpd_registry *reg, const gpd_pool *p);
 /* Publish a bundle: members (wire form) lying in the buffers of the nholds holds. Checks
  * everything first; nothing changes on error. *version is the version made. */
-int gpd_publish_bundle(gpd_registry *reg, gpd_client *c, const char *name, const uint64_t *hold_ids,
+int gpd_publish_bundle(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, const uint64_t *hold_ids,
                             size_t nholds, Gpupool__Wire__BundleMember *const *members, size_t nmembers,
                             uint64_t layout_id, uint64_t *version);
 /* Publish part idx of the nparts parts of a sharded version of name (parts.c): members as
@@ -535,7 +553,7 @@ typedef struct {
   uint32_t parts_in; /* its parts in so far */
   int complete;      /* this part completed it: it is published */
 } gpd_part_result;
-int gpd_publish_part(gpd_registry *reg, gpd_client *c, const char *name, uint64_t version, uint32_t idx,
+int gpd_publish_part(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, uint64_t version, uint32_t idx,
                      uint32_t nparts, const uint64_t *hold_ids, size_t nholds,
                      Gpupool__Wire__BundleMember *const *wm, size_t nmembers, uint64_t layout_id,
                      gpd_part_result *res);
@@ -546,7 +564,7 @@ void gpd_parts_close(gpd_registry *reg);
 /* Get a bundle (or single buffer) by name: *holds (an array the caller frees) gets one new
  * hold per buffer, *name the name entry (valid until the loop runs again). Same codes as
  * gpd_get, except that a single buffer is a bundle of one. */
-int gpd_get_bundle(gpd_registry *reg, gpd_client *c, const char *name, int read_only,
+int gpd_get_bundle(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, int read_only,
                         uint64_t newer_than, gpd_hold ***holds, const gpd_name **out);
 /* Check and lay out a bundle allocation (no memory taken): 0 and *out (free it with
  * gpd_bundle_plan_free), or the error. */
@@ -560,7 +578,7 @@ int gpd_bundle_allocate(gpd_registry *reg, gpd_client *c, const gpd_bundle_plan 
                              gpd_hold ***holds);
 /* Drop a hold made by the calls above before it reached the client (a reply failed). */
 void gpd_hold_discard(gpd_registry *reg, gpd_hold *h);
-int gpd_unpublish(gpd_registry *reg, gpd_client *c, const char *name);
+int gpd_unpublish(gpd_registry *reg, gpd_client *c, const gpd_rname *rn);
 /* Files (files.c). Both requests do their system calls on the file off the loop
  * (fileops.c) and answer through done, on the loop, unless the request is refused at once
  * (their return value; done is then never called). done's rc is 0 or the error (message in
@@ -574,10 +592,10 @@ int gpd_unpublish(gpd_registry *reg, gpd_client *c, const char *name);
  * GPUPOOL_EINVAL for a buffer name. */
 typedef struct gpd_file_op gpd_file_op;
 typedef void (*gpd_file_done)(void *arg, int rc, const gpd_file *f, int fd);
-int gpd_publish_file(gpd_registry *reg, gpd_client *c, const char *name, int fd,
+int gpd_publish_file(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, int fd,
                           uint64_t offset, uint64_t length, gpd_file_done done, void *arg,
                           gpd_file_op **op);
-int gpd_get_file(gpd_registry *reg, gpd_client *c, const char *name, gpd_file_done done,
+int gpd_get_file(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, gpd_file_done done,
                       void *arg, gpd_file_op **op);
 /* The requester went away: done will not be called; what the request made is let go. */
 void gpd_file_op_forget(gpd_file_op *op);
@@ -591,7 +609,7 @@ void gpd_files_lease_check(gpd_registry *reg);
 /* Let every lease go and take no more (SIGIO is no longer handled). */
 void gpd_files_unlease(gpd_registry *reg);
 /* Name lookup shared by buffers and files: ENAME for a malformed name, ENOENT when absent. */
-int gpd_find_name(gpd_registry *reg, gpd_client *c, const char *name, gpd_name **out);
+int gpd_find_name(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, gpd_name **out);
 
 /* The client reports that it unmapped these slabs. */
 void gpd_unmapped(gpd_registry *reg, gpd_client *c, const uint64_t *ids, size_t n);
@@ -614,9 +632,9 @@ typedef struct {
 /* Whether gpd_fill_desc of a hold (read_only or not) in sl sends c how to map sl (with the
  * slab's fd where it has one): c has not mapped it, or mapped it read-only and may now write. */
 int gpd_desc_sends_slab(const gpd_client *c, const gpd_slab *sl, int read_only);
-/* name: the name the hold was got by, if any (its tensor description is sent; otherwise the
+/* rn: the name the hold was got by, if any (its tensor description is sent; otherwise the
  * one the buffer was last published with). */
-void gpd_fill_desc(gpd_registry *reg, gpd_client *c, gpd_hold *h, const char *name,
+void gpd_fill_desc(gpd_registry *reg, gpd_client *c, gpd_hold *h, const gpd_rname *rn,
                   gpd_desc_storage *s);
 void gpd_fill_pool_info(gpd_registry *reg, gpd_pool *p, Gpupool__Wire__PoolInfo *pi);
 

@@ -112,8 +112,8 @@ int gpd_quota_bundle_members(gpd_registry *reg, size_t n);
 void gpd_name_free(gpd_registry *reg, gpd_name *n);
 /* The name c sees, at a version newer than newer_than (ENOENT otherwise); _single: one that
  * holds a single buffer (EINVAL for a bundle). */
-int gpd_find_newer(gpd_registry *reg, gpd_client *c, const char *name, uint64_t newer_than, gpd_name **out);
-int gpd_find_single(gpd_registry *reg, gpd_client *c, const char *name, uint64_t newer_than, gpd_name **out);
+int gpd_find_newer(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, uint64_t newer_than, gpd_name **out);
+int gpd_find_single(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, uint64_t newer_than, gpd_name **out);
 /* A bundle checked for a publish under a name: its buffers (in hold order, the caller's array
  * with no references taken yet), its member table (a reference), whether any hold was
  * read-only, the name's key and its entry now (NULL for a new name). part: checked as one part
@@ -126,7 +126,7 @@ typedef struct {
   char key[GPUPOOL_NAME_KEY_MAX + 1];
   gpd_name *old;
 } gpd_bundle_prep;
-int gpd_bundle_prepare(gpd_registry *reg, gpd_client *c, const char *name, const uint64_t *hold_ids,
+int gpd_bundle_prepare(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, const uint64_t *hold_ids,
                        size_t nholds, Gpupool__Wire__BundleMember *const *wm, size_t nmembers,
                        uint64_t layout_id, int part, gpd_bundle_prep *out);
 int gpd_publish_commit(gpd_registry *reg, gpd_client *c, const char *key, gpd_name *n,

@@ -68,8 +68,8 @@ int gpd_owner_reachable(const gpd_registry *reg, const gpd_client *c, uint64_t o
   return (owner & GROUP_SET) && gpd_member_of(&reg->cfg->groups[owner & 0xffff], c->uid, c->gid);
 }
 
-int gpd_name_key(gpd_registry *reg, const gpd_client *c, const char *name, char *key,
-                      size_t len, uint64_t *owner) {
+static int name_key(gpd_registry *reg, const gpd_client *c, const char *name, char *key, size_t len,
+                    uint64_t *owner) {
   char label[80];
   int rc = gpupool__wire_check_name(name);
   if (rc != 0)
@@ -94,6 +94,21 @@ int gpd_name_key(gpd_registry *reg, const gpd_client *c, const char *name, char 
   gpd_tenant_label(reg->cfg, c->tenant, label, sizeof label);
   snprintf(key, len, "%s/%s", label, name);
   return 0;
+}
+
+int gpd_name_key(gpd_registry *reg, const gpd_client *c, const char *name, gpd_rname *out) {
+  out->name = name;
+  out->owner = 0;
+  out->key[0] = 0;
+  out->why[0] = 0;
+  out->rc = name_key(reg, c, name, out->key, sizeof out->key, &out->owner);
+  if (out->rc != 0)
+    snprintf(out->why, sizeof out->why, "%s", gpupool__errmsg());
+  return out->rc;
+}
+
+int gpd_rname_ok(const gpd_rname *rn) {
+  return rn->rc ? gpupool__err(rn->rc, "%s", rn->why) : 0;
 }
 
 /* Whose memory c's buffers in p are: the group a shared pool belongs to, else c's tenant.

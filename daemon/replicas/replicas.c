@@ -482,15 +482,15 @@ static int on_device(gpd_registry *reg, gpd_buffer *b, int device, gpd_buffer **
   return 0;
 }
 
-int gpd_get_on(gpd_registry *reg, gpd_client *c, const char *name, int read_only, uint64_t newer_than,
+int gpd_get_on(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, int read_only, uint64_t newer_than,
                int device, gpd_hold **out, uint64_t *version, uint64_t *copy_id) {
   gpd_name *n;
   gpd_buffer *use = NULL;
   gpd_copy *cp = NULL;
   int rc;
   if (device < 0)
-    return gpd_get(reg, c, name, read_only, newer_than, out, version);
-  if ((rc = gpd_find_single(reg, c, name, newer_than, &n)) != 0)
+    return gpd_get(reg, c, rn, read_only, newer_than, out, version);
+  if ((rc = gpd_find_single(reg, c, rn, newer_than, &n)) != 0)
     return rc;
   rc = on_device(reg, n->bufs[0], device, &use, &cp);
   if (rc == 1 && (rc = copy_new(reg, n->bufs, 1, &device, 1, 0, &cp)) == 0)
@@ -507,7 +507,7 @@ int gpd_get_on(gpd_registry *reg, gpd_client *c, const char *name, int read_only
   return gpd_hold_new(reg, c, use, read_only || n->read_only || use != n->bufs[0], 0, out);
 }
 
-int gpd_get_bundle_on(gpd_registry *reg, gpd_client *c, const char *name, int read_only,
+int gpd_get_bundle_on(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, int read_only,
                       uint64_t newer_than, int device, gpd_hold ***holds, const gpd_name **out,
                       uint64_t *copy_id) {
   gpd_name *n;
@@ -517,8 +517,8 @@ int gpd_get_bundle_on(gpd_registry *reg, gpd_client *c, const char *name, int re
   uint32_t nneed = 0, i;
   int rc;
   if (device < 0)
-    return gpd_get_bundle(reg, c, name, read_only, newer_than, holds, out);
-  if ((rc = gpd_find_newer(reg, c, name, newer_than, &n)) != 0)
+    return gpd_get_bundle(reg, c, rn, read_only, newer_than, holds, out);
+  if ((rc = gpd_find_newer(reg, c, rn, newer_than, &n)) != 0)
     return rc;
   use = calloc(n->nbufs, sizeof *use);
   need = calloc(n->nbufs, sizeof *need);
@@ -597,11 +597,11 @@ int gpd_replicate_check(gpd_registry *reg, gpd_client *c, uint64_t hold_id, cons
   return 0;
 }
 
-void gpd_replicate(gpd_registry *reg, gpd_client *c, const char *name, const uint32_t *devices, size_t n) {
+void gpd_replicate(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, const uint32_t *devices, size_t n) {
   gpd_name *nm;
   int devs[GPUPOOL_COPY_MAX_DSTS], ndev = 0, chain = 1;
   gpd_buffer **need;
-  if (n == 0 || gpd_find_name(reg, c, name, &nm) != 0 || !nm->nbufs)
+  if (n == 0 || gpd_find_name(reg, c, rn, &nm) != 0 || !nm->nbufs)
     return;
   if (!(need = calloc(nm->nbufs, sizeof *need)))
     return;
@@ -624,7 +624,7 @@ void gpd_replicate(gpd_registry *reg, gpd_client *c, const char *name, const uin
     gpd_copy *cp;
     if (copy_new(reg, nm->bufs, nm->nbufs, devs, ndev, 1, &cp) != 0)
       GPUPOOL__PEER_WARN(&c->log_rl, c->id, "client %" PRIu64 ": replicas of '%s' on %d device(s) not started: "
-                         "%s; gets on those devices make them", c->id, name, ndev, gpupool__errmsg());
+                         "%s; gets on those devices make them", c->id, rn->name, ndev, gpupool__errmsg());
   } else {
     for (int d = 0; d < ndev; d++) {
       uint32_t k = 0;
@@ -637,7 +637,7 @@ void gpd_replicate(gpd_registry *reg, gpd_client *c, const char *name, const uin
       }
       if (k && copy_new(reg, need, k, &devs[d], 1, 1, &cp) != 0)
         GPUPOOL__PEER_WARN(&c->log_rl, c->id, "client %" PRIu64 ": replica of '%s' on device %d not started: %s; "
-                           "gets on that device make it", c->id, name, devs[d], gpupool__errmsg());
+                           "gets on that device make it", c->id, rn->name, devs[d], gpupool__errmsg());
     }
   }
   free(need);

@@ -15,9 +15,9 @@ void gpd_replicas_attach(gpd_registry *reg);
  * buffers on that device, their replicas there when ready, or GPUPOOL_EBUSY with *copy_id the
  * copy job to wait for (started here when none runs). Same codes as gpd_get / gpd_get_bundle
  * otherwise, and the reason when no replica can be made (no pool of that device, quota, room). */
-int gpd_get_on(gpd_registry *reg, gpd_client *c, const char *name, int read_only, uint64_t newer_than,
+int gpd_get_on(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, int read_only, uint64_t newer_than,
                int device, gpd_hold **out, uint64_t *version, uint64_t *copy_id);
-int gpd_get_bundle_on(gpd_registry *reg, gpd_client *c, const char *name, int read_only,
+int gpd_get_bundle_on(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, int read_only,
                       uint64_t newer_than, int device, gpd_hold ***holds, const gpd_name **out,
                       uint64_t *copy_id);
 /* Broadcast: make replicas of the name's current version on each of the n devices now (one
@@ -25,7 +25,7 @@ int gpd_get_bundle_on(gpd_registry *reg, gpd_client *c, const char *name, int re
  * the gets. Checked before the publish (gpd_replicate_check, with the hold of its first
  * buffer): at most 16 devices, each once, each with a pool the buffer's owner may use. */
 int gpd_replicate_check(gpd_registry *reg, gpd_client *c, uint64_t hold_id, const uint32_t *devices, size_t n);
-void gpd_replicate(gpd_registry *reg, gpd_client *c, const char *name, const uint32_t *devices, size_t n);
+void gpd_replicate(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, const uint32_t *devices, size_t n);
 /* Stop every running copy (the daemon is stopping): its replicas are dropped. */
 void gpd_copies_stop(gpd_registry *reg);
 

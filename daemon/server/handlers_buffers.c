@@ -207,17 +207,17 @@ out:
 
 /* A get of a peer's name with nothing newer here waits (also when it asked not to: the
  * fetch takes its time) while a fetch runs for it. 0 with the waiter queued, or the error. */
-static int wait_remote(gpd_conn *c, uint64_t seq, int kind, const char *name, int read_only, uint64_t newer_than,
+static int wait_remote(gpd_conn *c, uint64_t seq, int kind, const gpd_rname *rn, int read_only, uint64_t newer_than,
                        uint32_t timeout_ms, int device) {
   uint32_t t = timeout_ms ? timeout_ms : c->srv->cfg->peer_fetch_timeout_ms;
   gpd_waiter *w;
-  int rc = gpd_waiter_add(c, seq, kind, t, NULL, 0, 0, name, read_only, newer_than, NULL);
+  int rc = gpd_waiter_add(c, seq, kind, t, NULL, 0, 0, rn, read_only, newer_than, NULL);
   if (rc != 0)
     return rc;
   w = c->waiters; /* gpd_waiter_add put it first */
   w->peer_nowait = timeout_ms == 0;
   w->device = device; /* the local copy, once fetched, is got on that device like any version */
-  if ((rc = gpd_peers_want(c->srv, c, name, newer_than, timeout_ms)) != 0) {
+  if ((rc = gpd_peers_want(c->srv, c, rn, newer_than, timeout_ms)) != 0) {
     char msg[GPUPOOL__ERRMSG_MAX];
     snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
     gpd_waiter_remove(w);
@@ -231,15 +231,18 @@ int gpd_handle_publish(gpd_conn *c, const Gpupool__Wire__Request *req, int *defe
   const Gpupool__Wire__Publish *m = req->publish;
   Gpupool__Wire__PublishReply pr = GPUPOOL__WIRE__PUBLISH_REPLY__INIT;
   uint64_t version = 0;
-  int rc = gpd_replicate_check(c->srv->reg, &c->cl, m->hold_id, m->replicate_to, m->n_replicate_to);
+  gpd_rname rn;
+  int rc;
+  gpd_name_key(c->srv->reg, &c->cl, m->name, &rn); /* an error is told where the name is used */
+  rc = gpd_replicate_check(c->srv->reg, &c->cl, m->hold_id, m->replicate_to, m->n_replicate_to);
   if (rc == 0)
-    rc = gpd_publish(c->srv->reg, &c->cl, m->hold_id, m->name, m->tensor, 0, gpupool__wire_publish_shares(m),
+    rc = gpd_publish(c->srv->reg, &c->cl, m->hold_id, &rn, m->tensor, 0, gpupool__wire_publish_shares(m),
                      &version);
   if (rc != 0)
     return rc;
   /* The copies first: getters the publish wakes on those devices then wait for them. */
-  gpd_replicate(c->srv->reg, &c->cl, m->name, m->replicate_to, m->n_replicate_to);
-  gpd_published(c, m->name, version);
+  gpd_replicate(c->srv->reg, &c->cl, &rn, m->replicate_to, m->n_replicate_to);
+  gpd_published(c, &rn, version);
   pr.version = version;
   GPUPOOL__SEND_BODY(c, seq, PUBLISH, publish, &pr);
   GPUPOOL__DEBUG("client %" PRIu64 " gpd_published '%s' version %" PRIu64, c->cl.id, m->name, version);
@@ -251,16 +254,19 @@ int gpd_handle_publish_bundle(gpd_conn *c, const Gpupool__Wire__Request *req, in
   const Gpupool__Wire__PublishBundle *m = req->publish_bundle;
   Gpupool__Wire__PublishBundleReply pr = GPUPOOL__WIRE__PUBLISH_BUNDLE_REPLY__INIT;
   uint64_t version = 0;
-  int rc = m->n_replicate_to && m->n_hold_ids
-               ? gpd_replicate_check(c->srv->reg, &c->cl, m->hold_ids[0], m->replicate_to, m->n_replicate_to)
-               : 0;
+  gpd_rname rn;
+  int rc;
+  gpd_name_key(c->srv->reg, &c->cl, m->name, &rn); /* an error is told where the name is used */
+  rc = m->n_replicate_to && m->n_hold_ids
+           ? gpd_replicate_check(c->srv->reg, &c->cl, m->hold_ids[0], m->replicate_to, m->n_replicate_to)
+           : 0;
   if (rc == 0)
-    rc = gpd_publish_bundle(c->srv->reg, &c->cl, m->name, m->hold_ids, m->n_hold_ids, m->members,
+    rc = gpd_publish_bundle(c->srv->reg, &c->cl, &rn, m->hold_ids, m->n_hold_ids, m->members,
                             m->n_members, m->layout_id, &version);
   if (rc != 0)
     return rc;
-  gpd_replicate(c->srv->reg, &c->cl, m->name, m->replicate_to, m->n_replicate_to);
-  gpd_published(c, m->name, version);
+  gpd_replicate(c->srv->reg, &c->cl, &rn, m->replicate_to, m->n_replicate_to);
+  gpd_published(c, &rn, version);
   pr.version = version;
   GPUPOOL__SEND_BODY(c, seq, PUBLISH_BUNDLE, publish_bundle, &pr);
   GPUPOOL__DEBUG("client %" PRIu64 " gpd_published bundle '%s' (%zu members) version %" PRIu64, c->cl.id, m->name,
@@ -313,13 +319,13 @@ static int target_device(uint32_t target, int *device) {
 /* A get that must wait: for a publish (ENOENT with a timeout), or for the copy of the replica
  * it asked for (EBUSY: waits however the timeout is set, within it when one is set, since the
  * copy always ends). 0 when it waits (the handler is deferred), else rc. */
-static int get_wait(gpd_conn *c, uint64_t seq, int kind, int rc, uint32_t timeout_ms, const char *name,
+static int get_wait(gpd_conn *c, uint64_t seq, int kind, int rc, uint32_t timeout_ms, const gpd_rname *rn,
                     int read_only, uint64_t newer_than, int device, uint64_t copy_id, uint64_t known_layout) {
   if (!(rc == GPUPOOL_ENOENT && timeout_ms > 0) && rc != GPUPOOL_EBUSY)
     return rc;
   if (rc == GPUPOOL_EBUSY && timeout_ms == 0)
     timeout_ms = WAIT_FOREVER;
-  if ((rc = gpd_waiter_add(c, seq, kind, timeout_ms, NULL, 0, 0, name, read_only, newer_than, NULL)) != 0)
+  if ((rc = gpd_waiter_add(c, seq, kind, timeout_ms, NULL, 0, 0, rn, read_only, newer_than, NULL)) != 0)
     return rc;
   /* gpd_waiter_add put it first */
   c->waiters->known_layout = known_layout;
@@ -337,19 +343,21 @@ int gpd_handle_get_bundle(gpd_conn *c, const Gpupool__Wire__Request *req, int *d
   gpd_hold **hs = NULL;
   const gpd_name *nm = NULL;
   uint64_t copy_id = 0;
+  gpd_rname rn;
   int device, rc;
   if ((rc = target_device(m->target_device, &device)) != 0)
     return rc;
-  rc = gpd_get_bundle_on(c->srv->reg, &c->cl, m->name, m->read_only, m->newer_than, device, &hs, &nm, &copy_id);
-  if (rc == GPUPOOL_ENOENT && gpd_peers_is_remote(c->srv, m->name)) {
-    if ((rc = wait_remote(c, seq, WAIT_BGET, m->name, m->read_only, m->newer_than, m->timeout_ms, device)) != 0)
+  gpd_name_key(c->srv->reg, &c->cl, m->name, &rn); /* an error is told where the name is used */
+  rc = gpd_get_bundle_on(c->srv->reg, &c->cl, &rn, m->read_only, m->newer_than, device, &hs, &nm, &copy_id);
+  if (rc == GPUPOOL_ENOENT && gpd_peers_is_remote(c->srv, &rn)) {
+    if ((rc = wait_remote(c, seq, WAIT_BGET, &rn, m->read_only, m->newer_than, m->timeout_ms, device)) != 0)
       return rc;
     c->waiters->known_layout = m->known_layout;
     *deferred = 1;
     return 0;
   }
   if (rc == GPUPOOL_EBUSY || (rc == GPUPOOL_ENOENT && m->timeout_ms > 0)) {
-    if ((rc = get_wait(c, seq, WAIT_BGET, rc, m->timeout_ms, m->name, m->read_only, m->newer_than, device, copy_id,
+    if ((rc = get_wait(c, seq, WAIT_BGET, rc, m->timeout_ms, &rn, m->read_only, m->newer_than, device, copy_id,
                        m->known_layout)) != 0)
       return rc;
     *deferred = 1;
@@ -367,18 +375,20 @@ int gpd_handle_get(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred
   const Gpupool__Wire__Get *m = req->get;
   gpd_hold *h = NULL;
   uint64_t version = 0, copy_id = 0;
+  gpd_rname rn;
   int device, rc;
   if ((rc = target_device(m->target_device, &device)) != 0)
     return rc;
-  rc = gpd_get_on(c->srv->reg, &c->cl, m->name, m->read_only, m->newer_than, device, &h, &version, &copy_id);
-  if (rc == GPUPOOL_ENOENT && gpd_peers_is_remote(c->srv, m->name)) {
-    if ((rc = wait_remote(c, seq, WAIT_GET, m->name, m->read_only, m->newer_than, m->timeout_ms, device)) != 0)
+  gpd_name_key(c->srv->reg, &c->cl, m->name, &rn); /* an error is told where the name is used */
+  rc = gpd_get_on(c->srv->reg, &c->cl, &rn, m->read_only, m->newer_than, device, &h, &version, &copy_id);
+  if (rc == GPUPOOL_ENOENT && gpd_peers_is_remote(c->srv, &rn)) {
+    if ((rc = wait_remote(c, seq, WAIT_GET, &rn, m->read_only, m->newer_than, m->timeout_ms, device)) != 0)
       return rc;
     *deferred = 1;
     return 0;
   }
   if (rc == GPUPOOL_EBUSY || (rc == GPUPOOL_ENOENT && m->timeout_ms > 0)) {
-    if ((rc = get_wait(c, seq, WAIT_GET, rc, m->timeout_ms, m->name, m->read_only, m->newer_than, device, copy_id,
+    if ((rc = get_wait(c, seq, WAIT_GET, rc, m->timeout_ms, &rn, m->read_only, m->newer_than, device, copy_id,
                        0)) != 0)
       return rc;
     *deferred = 1;
@@ -386,7 +396,7 @@ int gpd_handle_get(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred
   }
   if (rc != 0)
     return rc;
-  gpd_srv_reply_hold(c, seq, WAIT_GET, h, m->name, version);
+  gpd_srv_reply_hold(c, seq, WAIT_GET, h, &rn, version);
   return 0;
 }
 
@@ -394,7 +404,10 @@ int gpd_handle_unpublish(gpd_conn *c, const Gpupool__Wire__Request *req, int *de
   uint64_t seq = req->seq;
   const Gpupool__Wire__Unpublish *m = req->unpublish;
   Gpupool__Wire__UnpublishReply ur = GPUPOOL__WIRE__UNPUBLISH_REPLY__INIT;
-  int rc = gpd_unpublish(c->srv->reg, &c->cl, m->name);
+  gpd_rname rn;
+  int rc;
+  gpd_name_key(c->srv->reg, &c->cl, m->name, &rn);
+  rc = gpd_unpublish(c->srv->reg, &c->cl, &rn);
   if (rc != 0)
     return rc;
   GPUPOOL__SEND_BODY(c, seq, UNPUBLISH, unpublish, &ur);

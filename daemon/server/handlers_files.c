@@ -27,13 +27,15 @@ void gpd_fwait_unlink(fwait *fw) {
   GPUPOOL__LIST_UNLINK(c->fwaits, fw, prev, next);
 }
 
-static fwait *fwait_new(gpd_conn *c, uint64_t seq, int kind, const char *name, int count) {
+static fwait *fwait_new(gpd_conn *c, uint64_t seq, int kind, const gpd_rname *rn, int count) {
   fwait *fw = calloc(1, sizeof *fw);
-  if (!fw || !(fw->name = strdup(name))) {
+  if (!fw || !(fw->name = strdup(rn->name))) {
     free(fw);
     gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     return NULL;
   }
+  fw->rn = *rn;
+  fw->rn.name = fw->name;
   fw->conn = c;
   fw->seq = seq;
   fw->kind = kind;
@@ -59,9 +61,9 @@ static void file_done(void *arg, int rc, const gpd_file *f, int fd) {
   if (rc != 0)
     gpd_send_error(c, fw->seq, rc, gpupool__errmsg());
   else
-    gpd_srv_reply_file(c, fw->seq, f, fw->name, fw->kind, fd);
+    gpd_srv_reply_file(c, fw->seq, f, &fw->rn, fw->kind, fd);
   if (rc == 0 && fw->kind == GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE && !c->closing)
-    gpd_published(c, fw->name, 1); /* a file is not versioned */
+    gpd_published(c, &fw->rn, 1); /* a file is not versioned */
   if (fw->count && c->srv->metrics)
     gpd_metrics_request(c->srv->metrics,
                              fw->kind == GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE ? GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE
@@ -71,12 +73,12 @@ static void file_done(void *arg, int rc, const gpd_file *f, int fd) {
 }
 
 /* A GetFile of name for c, answered when files.c has looked at the file: 0, or the error now. */
-int gpd_file_get_start(gpd_conn *c, uint64_t seq, const char *name, int count) {
-  fwait *fw = fwait_new(c, seq, GPUPOOL__WIRE__REPLY__BODY_GET_FILE, name, count);
+int gpd_file_get_start(gpd_conn *c, uint64_t seq, const gpd_rname *rn, int count) {
+  fwait *fw = fwait_new(c, seq, GPUPOOL__WIRE__REPLY__BODY_GET_FILE, rn, count);
   int rc;
   if (!fw)
     return GPUPOOL_ENOMEM;
-  if ((rc = gpd_get_file(c->srv->reg, &c->cl, name, file_done, fw, &fw->op)) != 0) {
+  if ((rc = gpd_get_file(c->srv->reg, &c->cl, &fw->rn, file_done, fw, &fw->op)) != 0) {
     gpd_fwait_unlink(fw);
     gpd_fwait_free(fw);
   }
@@ -87,16 +89,18 @@ int gpd_handle_publish_file(gpd_conn *c, const Gpupool__Wire__Request *req, int 
   uint64_t seq = req->seq;
   const Gpupool__Wire__PublishFile *m = req->publish_file;
   fwait *fw;
+  gpd_rname rn;
   int fd = c->frame_fd, rc;
   c->frame_fd = -1;
   if (fd < 0)
     return gpupool__err(GPUPOOL_EFD, "PublishFile carries no fd: the client opens the file O_RDONLY and sends the "
                         "fd with the request (gpupool_file_publish does)");
-  if (!(fw = fwait_new(c, seq, GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE, m->name, 1))) {
+  gpd_name_key(c->srv->reg, &c->cl, m->name, &rn); /* an error is told where the name is used */
+  if (!(fw = fwait_new(c, seq, GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE, &rn, 1))) {
     gpd_conn_close_fd(c, fd);
     return GPUPOOL_ENOMEM;
   }
-  if ((rc = gpd_publish_file(c->srv->reg, &c->cl, m->name, fd, m->offset, m->length, file_done, fw,
+  if ((rc = gpd_publish_file(c->srv->reg, &c->cl, &fw->rn, fd, m->offset, m->length, file_done, fw,
                                   &fw->op)) != 0) {
     gpd_fwait_unlink(fw); /* fd closed there */
     gpd_fwait_free(fw);
@@ -109,9 +113,12 @@ int gpd_handle_publish_file(gpd_conn *c, const Gpupool__Wire__Request *req, int 
 int gpd_handle_get_file(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__GetFile *m = req->get_file;
-  int rc = gpd_file_get_start(c, seq, m->name, 1);
+  gpd_rname rn;
+  int rc;
+  gpd_name_key(c->srv->reg, &c->cl, m->name, &rn); /* an error is told where the name is used */
+  rc = gpd_file_get_start(c, seq, &rn, 1);
   if (rc == GPUPOOL_ENOENT && m->timeout_ms > 0) {
-    if ((rc = gpd_waiter_add(c, seq, WAIT_GET_FILE, m->timeout_ms, NULL, 0, 0, m->name, 1, 0, NULL)) != 0)
+    if ((rc = gpd_waiter_add(c, seq, WAIT_GET_FILE, m->timeout_ms, NULL, 0, 0, &rn, 1, 0, NULL)) != 0)
       return rc;
     *deferred = 1;
     return 0;

@@ -10,14 +10,16 @@ int gpd_handle_publish_part(gpd_conn *c, const Gpupool__Wire__Request *req, int 
   const Gpupool__Wire__PublishPart *m = req->publish_part;
   Gpupool__Wire__PublishPartReply pr = GPUPOOL__WIRE__PUBLISH_PART_REPLY__INIT;
   gpd_part_result res;
+  gpd_rname rn;
   int rc;
   (void)deferred;
-  rc = gpd_publish_part(c->srv->reg, &c->cl, m->name, m->version, m->part, m->parts, m->hold_ids, m->n_hold_ids,
+  gpd_name_key(c->srv->reg, &c->cl, m->name, &rn); /* an error is told where the name is used */
+  rc = gpd_publish_part(c->srv->reg, &c->cl, &rn, m->version, m->part, m->parts, m->hold_ids, m->n_hold_ids,
                         m->members, m->n_members, m->layout_id, &res);
   if (rc != 0)
     return rc;
   if (res.complete)
-    gpd_published(c, m->name, res.version);
+    gpd_published(c, &rn, res.version);
   pr.version = res.version;
   pr.parts_in = res.parts_in;
   pr.complete = res.complete;

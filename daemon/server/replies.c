@@ -23,7 +23,7 @@
 
 /* ---- replies carrying a buffer -------------------------------------------------------------- */
 
-void gpd_srv_reply_hold(gpd_conn *c, uint64_t seq, int kind, gpd_hold *h, const char *name,
+void gpd_srv_reply_hold(gpd_conn *c, uint64_t seq, int kind, gpd_hold *h, const gpd_rname *rn,
                              uint64_t version) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__AllocateReply ar = GPUPOOL__WIRE__ALLOCATE_REPLY__INIT;
@@ -31,7 +31,7 @@ void gpd_srv_reply_hold(gpd_conn *c, uint64_t seq, int kind, gpd_hold *h, const 
   Gpupool__Wire__OpenReply orp = GPUPOOL__WIRE__OPEN_REPLY__INIT;
   gpd_desc_storage ds;
 
-  gpd_fill_desc(c->srv->reg, &c->cl, h, name, &ds);
+  gpd_fill_desc(c->srv->reg, &c->cl, h, rn, &ds);
   switch (kind) {
   case WAIT_ALLOC:
     ar.buffer = &ds.desc;
@@ -171,12 +171,12 @@ out:
 }
 
 /* A file name's description, and its fd in the same frame. kind: the reply body case. */
-void gpd_srv_reply_file(gpd_conn *c, uint64_t seq, const gpd_file *f, const char *name, int kind, int fd) {
+void gpd_srv_reply_file(gpd_conn *c, uint64_t seq, const gpd_file *f, const gpd_rname *rn, int kind, int fd) {
   Gpupool__Wire__Reply rep = GPUPOOL__WIRE__REPLY__INIT;
   Gpupool__Wire__PublishFileReply pr = GPUPOOL__WIRE__PUBLISH_FILE_REPLY__INIT;
   Gpupool__Wire__GetFileReply gr = GPUPOOL__WIRE__GET_FILE_REPLY__INIT;
   Gpupool__Wire__FileInfo fi = GPUPOOL__WIRE__FILE_INFO__INIT;
-  fi.name = (char *)name;
+  fi.name = (char *)rn->name;
   fi.offset = f->offset;
   fi.length = f->length;
   fi.size = f->size;

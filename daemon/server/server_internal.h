@@ -32,6 +32,7 @@ struct fwait {
   int kind;             /* the reply body case */
   int count;            /* counted in the metrics when answered (not a waiter's: that was counted) */
   char *name;
+  gpd_rname rn;         /* the name resolved, rn.name = name */
   gpd_file_op *op;
   uint64_t started_ns;
   fwait *prev, *next;   /* in conn->fwaits */
@@ -240,7 +241,7 @@ void gpd_send_reply_fenced(gpd_conn *c, uint64_t seq, Gpupool__Wire__Reply *rep,
 /* ---- waiters.c: requests that wait for memory or for a publish */
 void gpd_waiter_remove(gpd_waiter *w);
 int gpd_waiter_add(gpd_conn *c, uint64_t seq, int kind, uint32_t timeout_ms, gpd_pool *pool,
-                        uint64_t size, uint64_t align, const char *name, int read_only, uint64_t newer_than,
+                        uint64_t size, uint64_t align, const gpd_rname *rn, int read_only, uint64_t newer_than,
                         gpd_bundle_plan *plan);
 void gpd_retry_waiters(gpd_registry *reg, gpd_pool *pool);
 void gpd_wake_getters(gpd_server *s, const char *key, uint64_t version);
@@ -253,27 +254,27 @@ void gpd_copy_ended(gpd_registry *reg, uint64_t copy_id, int rc, const char *msg
 void gpd_fail_getters(gpd_server *s, const char *key, int code, const char *msg, int only_nowait);
 
 /* ---- replies.c: replies that hand over a buffer, a bundle or a file */
-void gpd_srv_reply_hold(gpd_conn *c, uint64_t seq, int kind, gpd_hold *h, const char *name,
+void gpd_srv_reply_hold(gpd_conn *c, uint64_t seq, int kind, gpd_hold *h, const gpd_rname *rn,
                              uint64_t version);
 /* An Open reply for several tokens: hs[0] as its buffer, the rest as its more (the slab fds
  * that go with them, in order). */
 void gpd_srv_reply_open_many(gpd_conn *c, uint64_t seq, gpd_hold **hs, uint32_t nhs);
 void gpd_srv_reply_bundle(gpd_conn *c, uint64_t seq, int kind, gpd_hold **hs, uint32_t nhs,
                                const gpd_layout *layout, const gpd_name *nm, uint64_t known_layout);
-void gpd_srv_reply_file(gpd_conn *c, uint64_t seq, const gpd_file *f, const char *name, int kind, int fd);
+void gpd_srv_reply_file(gpd_conn *c, uint64_t seq, const gpd_file *f, const gpd_rname *rn, int kind, int fd);
 
 /* ---- handlers_admin.c: Hello, Stats, Trim and the operators' requests */
 uint64_t gpd_count_open_fds(void);
 void gpd_stats_free(Gpupool__Wire__StatsReply *st);
 int gpd_server_stats(void *server, Gpupool__Wire__StatsReply *st);
 
-/* ---- handlers_buffers.c: buffers, names and bundles */
-void gpd_published(gpd_conn *c, const char *name, uint64_t version);
+/* A name got a new version: wake the gets waiting for it, then the peers' (waiters.c). */
+void gpd_published(gpd_conn *c, const gpd_rname *rn, uint64_t version);
 
 /* ---- handlers_files.c: published files, their calls off the loop */
 void gpd_fwait_unlink(fwait *fw);
 void gpd_fwait_free(fwait *fw);
-int gpd_file_get_start(gpd_conn *c, uint64_t seq, const char *name, int count);
+int gpd_file_get_start(gpd_conn *c, uint64_t seq, const gpd_rname *rn, int count);
 
 /* ---- the handlers (handlers_*.c): gpd_handle_<name> for each row of GPUPOOL__REQUEST_MAP
  * (common/requests.h), so a row without its handler does not link. Each returns 0 when it sent

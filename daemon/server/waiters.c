@@ -179,17 +179,20 @@ static int try_alloc(gpd_waiter *w) {
 }
 
 /* Try a waiting get now: 0 and the reply sent, or the error (ENOENT: keep waiting; EBUSY: wait
- * for copy *copy_id, the replica it needs). */
+ * for copy *copy_id, the replica it needs). Each try is the request's again: its name is
+ * resolved once for it, under the configuration of now. */
 static int try_get(gpd_waiter *w, uint64_t *copy_id) {
   gpd_conn *c = w->conn;
   gpd_registry *reg = c->srv->reg;
+  gpd_rname rn;
   int rc;
+  gpd_name_key(reg, &c->cl, w->name, &rn); /* an error is told where the name is used */
   if (w->kind == WAIT_GET_FILE)
-    return gpd_file_get_start(c, w->seq, w->name, 0); /* answered once the file was looked at */
+    return gpd_file_get_start(c, w->seq, &rn, 0); /* answered once the file was looked at */
   if (w->kind == WAIT_BGET) {
     gpd_hold **hs = NULL;
     const gpd_name *nm = NULL;
-    if ((rc = gpd_get_bundle_on(reg, &c->cl, w->name, w->read_only, w->newer_than, w->device, &hs, &nm,
+    if ((rc = gpd_get_bundle_on(reg, &c->cl, &rn, w->read_only, w->newer_than, w->device, &hs, &nm,
                                 copy_id)) == 0) {
       gpd_srv_reply_bundle(c, w->seq, WAIT_BGET, hs, nm->nbufs, nm->layout, nm, w->known_layout);
       free(hs);
@@ -198,8 +201,8 @@ static int try_get(gpd_waiter *w, uint64_t *copy_id) {
   }
   gpd_hold *h = NULL;
   uint64_t version = 0;
-  if ((rc = gpd_get_on(reg, &c->cl, w->name, w->read_only, w->newer_than, w->device, &h, &version, copy_id)) == 0)
-    gpd_srv_reply_hold(c, w->seq, WAIT_GET, h, w->name, version);
+  if ((rc = gpd_get_on(reg, &c->cl, &rn, w->read_only, w->newer_than, w->device, &h, &version, copy_id)) == 0)
+    gpd_srv_reply_hold(c, w->seq, WAIT_GET, h, &rn, version);
   return rc;
 }
 
@@ -252,22 +255,21 @@ static int waiter_limits(gpd_conn *c) {
 
 /* Queue a request to be retried. For WAIT_ABUNDLE it takes over plan (also on error). */
 int gpd_waiter_add(gpd_conn *c, uint64_t seq, int kind, uint32_t timeout_ms, gpd_pool *pool,
-                        uint64_t size, uint64_t align, const char *name, int read_only, uint64_t newer_than,
+                        uint64_t size, uint64_t align, const gpd_rname *rn, int read_only, uint64_t newer_than,
                         gpd_bundle_plan *plan) {
   gpd_server *s = c->srv;
   gpd_waiter *w;
   wqueue *q;
-  int rc;
-  char key[GPUPOOL_NAME_KEY_MAX + 1];
+  const char *name = rn ? rn->name : NULL, *key = rn ? rn->key : NULL;
   uint64_t owner;
+  int rc;
 
   if ((rc = waiter_limits(c)) != 0) {
     gpd_bundle_plan_free(plan);
     return rc;
   }
   /* Gets wait filed under the name's key in the caller's namespace: what a publish there wakes. */
-  if (kind != WAIT_ALLOC && kind != WAIT_ABUNDLE &&
-      (rc = gpd_name_key(s->reg, &c->cl, name, key, sizeof key, &owner)) != 0)
+  if (kind != WAIT_ALLOC && kind != WAIT_ABUNDLE && (rc = gpd_rname_ok(rn)) != 0)
     return rc;
   if (kind == WAIT_ALLOC || kind == WAIT_ABUNDLE) {
     int idx = (int)(pool - s->reg->pools);
@@ -547,11 +549,9 @@ void gpd_fail_getters(gpd_server *s, const char *key, int code, const char *msg,
 
 /* A name got a new version: serve the gets waiting for it first (they are the handoff's
  * critical path), before the publisher's own reply. */
-void gpd_published(gpd_conn *c, const char *name, uint64_t version) {
-  char key[GPUPOOL_NAME_KEY_MAX + 1];
-  uint64_t owner;
-  if (gpd_name_key(c->srv->reg, &c->cl, name, key, sizeof key, &owner) == 0) {
-    gpd_wake_getters(c->srv, key, version);
-    gpd_peers_published(c->srv, key, version);
+void gpd_published(gpd_conn *c, const gpd_rname *rn, uint64_t version) {
+  if (rn->rc == 0) {
+    gpd_wake_getters(c->srv, rn->key, version);
+    gpd_peers_published(c->srv, rn->key, version);
   }
 }
