@@ -399,7 +399,7 @@ static void sub_finish(sub *sb) {
       free(ids);
     }
   } else {
-    rc = gpd_publish(reg, &sb->cl, sb->holds[0]->id, &rn, r->tensor, 0, 0, &version);
+    rc = gpd_publish(reg, &sb->cl, sb->holds[0], &rn, r->tensor, 0, 0, &version);
   }
   if (rc != 0) {
     snprintf(msg, sizeof msg, "fetch of %s:%s v%" PRIu64 " failed: publishing the local copy: %s", sb->peer->conf->name,

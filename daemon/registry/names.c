@@ -133,16 +133,13 @@ int gpd_publish_commit(gpd_registry *reg, gpd_client *c, const char *key, gpd_na
   return 0;
 }
 
-int gpd_publish(gpd_registry *reg, gpd_client *c, uint64_t hold_id, const gpd_rname *rn,
+int gpd_publish(gpd_registry *reg, gpd_client *c, gpd_hold *h, const gpd_rname *rn,
                      const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all, uint64_t *version) {
-  gpd_hold *h = NULL;
   gpd_name *old = NULL;
   gpd_buffer **bufs;
   gpupool_tensor_meta m;
   int rc, has_meta = meta && meta->present;
 
-  if ((rc = gpd_hold_of(reg, c, hold_id, &h)) != 0)
-    return rc;
   if (share_gid || share_all)
     return gpupool__err(GPUPOOL_EINVAL,
                         "publishing to other users (share_gid/share_all) is gone: its readers would get "

@@ -506,9 +506,12 @@ int gpd_hold_idle(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int *idle)
 int gpd_buffer_deps_clear(gpd_registry *reg, gpd_buffer *b);
 int gpd_open(gpd_registry *reg, gpd_client *c, const uint8_t *token, size_t len, int read_only,
             gpd_hold **out);
-/* Publish the buffer of a hold under name: a new name (version 1) or the name's next version
- * (*version gets it). */
-int gpd_publish(gpd_registry *reg, gpd_client *c, uint64_t hold_id, const gpd_rname *rn,
+/* c's hold id: 0 and *out, or GPUPOOL_ENOENT with the reason. A request's handler finds
+ * a hold once and passes it on. */
+int gpd_hold_of(gpd_registry *reg, gpd_client *c, uint64_t id, gpd_hold **out);
+/* Publish the buffer of c's hold h (found once, gpd_hold_of) under rn: a new name (version 1)
+ * or the name's next version (*version gets it). */
+int gpd_publish(gpd_registry *reg, gpd_client *c, gpd_hold *h, const gpd_rname *rn,
                      const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all, uint64_t *version);
 /* Tenants. A client's tenant is the [tenant] section naming its uid or primary gid, else its
  * uid alone; a pool shared with a [group] belongs to that group. Names live in namespaces:

@@ -53,7 +53,6 @@ void gpd_client_events_drop(gpd_registry *reg, gpd_client *c);
 int gpd_hold_new(gpd_registry *reg, gpd_client *c, gpd_buffer *b, int read_only, int owner,
                       gpd_hold **out);
 void gpd_hold_drop(gpd_registry *reg, gpd_hold *h, int done_recorded, gpd_lease *lease);
-int gpd_hold_of(gpd_registry *reg, gpd_client *c, uint64_t id, gpd_hold **out);
 int gpd_pool_alignment(const gpd_pool *p, uint64_t *align);
 /* place: 0, or GPD_PLACE_REPLICA / GPD_PLACE_FETCHED for a buffer filled in full by a copy
  * before anyone gets it (its memory may be a kept slab, and is not cleared first; gpd_place). */

@@ -572,9 +572,7 @@ out:
 
 /* ---- broadcast -------------------------------------------------------------------------- */
 
-int gpd_replicate_check(gpd_registry *reg, gpd_client *c, uint64_t hold_id, const uint32_t *devices, size_t n) {
-  gpd_hold *h;
-  int rc;
+int gpd_replicate_limits(gpd_registry *reg, size_t n) {
   if (n == 0)
     return 0;
   if (!reg->be->ops->copy_start)
@@ -583,8 +581,10 @@ int gpd_replicate_check(gpd_registry *reg, gpd_client *c, uint64_t hold_id, cons
   if (n > GPUPOOL_COPY_MAX_DSTS)
     return gpupool__err(GPUPOOL_EINVAL, "a publish replicates to at most %d devices, not %zu",
                         GPUPOOL_COPY_MAX_DSTS, n);
-  if ((rc = gpd_hold_of(reg, c, hold_id, &h)) != 0)
-    return rc;
+  return 0;
+}
+
+int gpd_replicate_check(gpd_registry *reg, const gpd_hold *h, const uint32_t *devices, size_t n) {
   for (size_t i = 0; i < n; i++) {
     if (devices[i] > 1023)
       return gpupool__err(GPUPOOL_EINVAL, "device %u is no device ordinal", devices[i]);

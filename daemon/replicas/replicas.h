@@ -22,9 +22,11 @@ int gpd_get_bundle_on(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, int
                       uint64_t *copy_id);
 /* Broadcast: make replicas of the name's current version on each of the n devices now (one
  * copy job along them as a chain). Devices it cannot serve are told in the log and left to
- * the gets. Checked before the publish (gpd_replicate_check, with the hold of its first
- * buffer): at most 16 devices, each once, each with a pool the buffer's owner may use. */
-int gpd_replicate_check(gpd_registry *reg, gpd_client *c, uint64_t hold_id, const uint32_t *devices, size_t n);
+ * the gets. Checked before the publish: at most 16 devices and a backend that copies
+ * (gpd_replicate_limits, before the hold is looked up), then each device once, each with a
+ * pool the owner of the buffer of h (the hold of the first buffer) may use. */
+int gpd_replicate_limits(gpd_registry *reg, size_t n);
+int gpd_replicate_check(gpd_registry *reg, const gpd_hold *h, const uint32_t *devices, size_t n);
 void gpd_replicate(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, const uint32_t *devices, size_t n);
 /* Stop every running copy (the daemon is stopping): its replicas are dropped. */
 void gpd_copies_stop(gpd_registry *reg);

@@ -231,12 +231,19 @@ int gpd_handle_publish(gpd_conn *c, const Gpupool__Wire__Request *req, int *defe
   const Gpupool__Wire__Publish *m = req->publish;
   Gpupool__Wire__PublishReply pr = GPUPOOL__WIRE__PUBLISH_REPLY__INIT;
   uint64_t version = 0;
+  gpd_registry *reg = c->srv->reg;
+  gpd_hold *h = NULL;
   gpd_rname rn;
   int rc;
-  gpd_name_key(c->srv->reg, &c->cl, m->name, &rn); /* an error is told where the name is used */
-  rc = gpd_replicate_check(c->srv->reg, &c->cl, m->hold_id, m->replicate_to, m->n_replicate_to);
+  gpd_name_key(reg, &c->cl, m->name, &rn); /* an error is told where the name is used */
+  /* The hold found once, for the devices' checks and the publish. */
+  rc = gpd_replicate_limits(reg, m->n_replicate_to);
   if (rc == 0)
-    rc = gpd_publish(c->srv->reg, &c->cl, m->hold_id, &rn, m->tensor, 0, gpupool__wire_publish_shares(m),
+    rc = gpd_hold_of(reg, &c->cl, m->hold_id, &h);
+  if (rc == 0)
+    rc = gpd_replicate_check(reg, h, m->replicate_to, m->n_replicate_to);
+  if (rc == 0)
+    rc = gpd_publish(reg, &c->cl, h, &rn, m->tensor, 0, gpupool__wire_publish_shares(m),
                      &version);
   if (rc != 0)
     return rc;
@@ -257,9 +264,15 @@ int gpd_handle_publish_bundle(gpd_conn *c, const Gpupool__Wire__Request *req, in
   gpd_rname rn;
   int rc;
   gpd_name_key(c->srv->reg, &c->cl, m->name, &rn); /* an error is told where the name is used */
-  rc = m->n_replicate_to && m->n_hold_ids
-           ? gpd_replicate_check(c->srv->reg, &c->cl, m->hold_ids[0], m->replicate_to, m->n_replicate_to)
-           : 0;
+  rc = 0;
+  if (m->n_replicate_to && m->n_hold_ids) {
+    gpd_hold *h = NULL;
+    rc = gpd_replicate_limits(c->srv->reg, m->n_replicate_to);
+    if (rc == 0)
+      rc = gpd_hold_of(c->srv->reg, &c->cl, m->hold_ids[0], &h);
+    if (rc == 0)
+      rc = gpd_replicate_check(c->srv->reg, h, m->replicate_to, m->n_replicate_to);
+  }
   if (rc == 0)
     rc = gpd_publish_bundle(c->srv->reg, &c->cl, &rn, m->hold_ids, m->n_hold_ids, m->members,
                             m->n_members, m->layout_id, &version);

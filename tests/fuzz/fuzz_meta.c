@@ -26,6 +26,14 @@
 
 /* The registry takes names resolved once (gpd_name_key), as a request's handler resolves
  * them; an error of the resolution is reported by the call that uses the name. */
+/* A publish of c's hold id, found as a handler finds it (gpd_hold_of). */
+static int publish_id(gpd_registry *reg, gpd_client *c, uint64_t id, const gpd_rname *name,
+                      const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all, uint64_t *version) {
+  gpd_hold *h;
+  int rc = gpd_hold_of(reg, c, id, &h);
+  return rc ? rc : gpd_publish(reg, c, h, name, meta, share_gid, share_all, version);
+}
+
 static const gpd_rname *rn(gpd_registry *reg, gpd_client *c, const char *name) {
   static gpd_rname ring[8];
   static unsigned next;
@@ -131,7 +139,7 @@ static void daemon_path(uint64_t asked, const Gpupool__Wire__TensorMeta *w) {
   {
     /* The daemon's publish and the client's conversion are the same check: they must agree. */
     gpupool_tensor_meta conv;
-    int published = gpd_publish(&reg, &cl, h->id, rn(&reg, &cl, "t"), w, 0, 0, NULL) == 0;
+    int published = publish_id(&reg, &cl, h->id, rn(&reg, &cl, "t"), w, 0, 0, NULL) == 0;
     int converts = !w->present || gpupool__wire_meta_from(w, asked, &conv) == 0;
     if (published != converts)
       fuzz_fail("publish %s metadata the client's conversion %s", published ? "accepted" : "refused",
@@ -139,7 +147,7 @@ static void daemon_path(uint64_t asked, const Gpupool__Wire__TensorMeta *w) {
     if (published)
       gpd_unpublish(&reg, &cl, rn(&reg, &cl, "t"));
   }
-  if (gpd_publish(&reg, &cl, h->id, rn(&reg, &cl, "t"), w, 0, 0, NULL) == 0 && w->present) {
+  if (publish_id(&reg, &cl, h->id, rn(&reg, &cl, "t"), w, 0, 0, NULL) == 0 && w->present) {
     gpd_desc_storage ds;
     Gpupool__Wire__BufferDesc *back;
     uint8_t *buf;
