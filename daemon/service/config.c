@@ -1,7 +1,8 @@
 /*
- * gpupoold configuration: defaults, the INI-style file, --pool specs, and the final checks
- * that make a pool usable (slab <= 4 GiB, capacity a whole number of slabs, power-of-two
- * alignment). Every error names the file and line (or the --pool spec) and what to write.
+ * gpupoold configuration: its defaults, the values' parsers and the table of keys. Reading a
+ * file, --pool specs and the final checks that make a pool usable (slab <= 4 GiB, capacity a
+ * whole number of slabs, power-of-two alignment) are config_load.c; a reload's changes are
+ * config_reload.c. Every error names the file and line (or the --pool spec) and what to write.
  *
  * The keys are one table, gpd_config_keys: a row per key (section, parser, field, range,
  * default, one line of doc). The [daemon], [pool], [tenant] and [group] lines, the --pool
@@ -36,6 +37,7 @@
 
 #include "backend.h"
 #include "config.h"
+#include "config_internal.h"
 #include "errors.h"
 #include "paths.h"
 #include "log.h"
@@ -239,7 +241,7 @@ static int parse_id_list(const char *s, uint32_t *ids, int *n) {
   return 0;
 }
 
-static int copy_str(char *dst, size_t len, const char *s) {
+int gpd_config_copy_str(char *dst, size_t len, const char *s) {
   if (strlen(s) >= len)
     return gpupool__err(GPUPOOL_EINVAL, "'%s' is longer than %zu bytes", s, len - 1);
   strcpy(dst, s);
@@ -254,18 +256,6 @@ int gpd_member_of(const gpd_member_set *m, uid_t uid, gid_t gid) {
     if (m->gids[i] == gid)
       return 1;
   return 0;
-}
-
-/* The [tenant NAME] or [group NAME] section of that name, added when new. */
-static gpd_member_set *find_or_add_set(gpd_member_set *sets, int *n, const char *name) {
-  for (int i = 0; i < *n; i++)
-    if (!strcmp(sets[i].name, name))
-      return &sets[i];
-  if (*n >= GPUPOOL_MAX_SETS)
-    return NULL;
-  memset(&sets[*n], 0, sizeof sets[*n]);
-  snprintf(sets[*n].name, sizeof sets[*n].name, "%s", name);
-  return &sets[(*n)++];
 }
 
 /* ---- the keys' own parsers (GPUPOOL__CK_FN rows) ---------------------------------------- */
@@ -309,7 +299,7 @@ static int set_metrics_socket_group(void *obj, const char *v) {
                           v);
     c->metrics_socket_gid = g->gr_gid;
   }
-  return copy_str(c->metrics_socket_group, sizeof c->metrics_socket_group, v);
+  return gpd_config_copy_str(c->metrics_socket_group, sizeof c->metrics_socket_group, v);
 }
 
 static int set_metrics_listen(void *obj, const char *v) {
@@ -320,7 +310,7 @@ static int set_metrics_listen(void *obj, const char *v) {
   }
   if (gpd_parse_hostport(v, "metrics_listen", &c->metrics_addr) != 0)
     return GPUPOOL_EINVAL;
-  return copy_str(c->metrics_listen, sizeof c->metrics_listen, v);
+  return gpd_config_copy_str(c->metrics_listen, sizeof c->metrics_listen, v);
 }
 
 static int set_peer_listen(void *obj, const char *v) {
@@ -331,14 +321,14 @@ static int set_peer_listen(void *obj, const char *v) {
   }
   if (gpd_parse_hostport(v, "peer_listen", &c->peer_addr) != 0)
     return GPUPOOL_EINVAL;
-  return copy_str(c->peer_listen, sizeof c->peer_listen, v);
+  return gpd_config_copy_str(c->peer_listen, sizeof c->peer_listen, v);
 }
 
 static int set_peer_address(void *obj, const char *v) {
   gpd_peer_conf *p = obj;
   if (gpd_parse_hostport(v, "address", &p->addr) != 0)
     return GPUPOOL_EINVAL;
-  return copy_str(p->address, sizeof p->address, v);
+  return gpd_config_copy_str(p->address, sizeof p->address, v);
 }
 
 const gpd_peer_conf *gpd_peer_find(const gpd_config *c, const char *name) {
@@ -355,17 +345,6 @@ int gpd_exports_to(const gpd_member_set *m, const char *peer) {
     if (!strcmp(tok, "*") || !strcmp(tok, peer))
       return 1;
   return 0;
-}
-
-/* A [peer] or [tenant]/[group] name: [A-Za-z0-9_-]{1,32}. */
-static int peer_name_ok(const char *s) {
-  size_t n = strlen(s);
-  if (n == 0 || n > 32)
-    return 0;
-  for (size_t i = 0; i < n; i++)
-    if (!isalnum((unsigned char)s[i]) && s[i] != '_' && s[i] != '-')
-      return 0;
-  return 1;
 }
 
 static int set_pool_kind(void *obj, const char *v) {
@@ -589,7 +568,7 @@ int gpd_config_key_set(void *obj, const gpd_config_key *k, const char *v) {
     memcpy(field, &i, sizeof i);
     return 0;
   case GPUPOOL__CK_STR:
-    return copy_str(field, k->size, v);
+    return gpd_config_copy_str(field, k->size, v);
   case GPUPOOL__CK_IDS:
     return parse_id_list(v, (uint32_t *)(void *)field, (int *)(void *)((char *)obj + k->count_off));
   case GPUPOOL__CK_FN:
@@ -682,7 +661,8 @@ static int unknown_key(unsigned section, const char *key, const char *noun, cons
 
 /* Key k of section into obj; refused as "unknown NOUN 'k'IN" when the section has no such
  * key (or only its section reader takes it, as share). */
-static int set_key(void *obj, unsigned section, const char *k, const char *v, const char *noun, const char *in) {
+int gpd_config_set_key(void *obj, unsigned section, const char *k, const char *v, const char *noun,
+                       const char *in) {
   const gpd_config_key *row = gpd_config_key_find(section, k);
   if (row && row->kind != GPUPOOL__CK_SECTION)
     return gpd_config_key_set(obj, row, v);
@@ -690,13 +670,7 @@ static int set_key(void *obj, unsigned section, const char *k, const char *v, co
 }
 
 int gpd_config_set(gpd_config *c, const char *k, const char *v) {
-  return set_key(c, GPUPOOL__CS_DAEMON, k, v, "key", " in [daemon]");
-}
-
-static int set_member_key(gpd_member_set *m, unsigned section, const char *k, const char *v) {
-  char in[64];
-  snprintf(in, sizeof in, " in [%s]", m->name);
-  return set_key(m, section, k, v, "key", in);
+  return gpd_config_set_key(c, GPUPOOL__CS_DAEMON, k, v, "key", " in [daemon]");
 }
 
 static const char *section_name(unsigned sections) {
@@ -716,556 +690,4 @@ void gpd_config_list_keys(FILE *f) {
             (k->sections & GPUPOOL__CS_SPEC) && (k->sections & GPUPOOL__CS_POOL) ? "; also in --pool" : "",
             (k->sections & GPUPOOL__CS_DAEMON) && (k->flags & GPUPOOL__CF_RESTART) ? " (restart only)" : "");
   }
-}
-
-void gpd_config_changed_keys(const gpd_config *c, char *buf, size_t len) {
-  gpd_config d;
-  size_t off = 0;
-  gpd_config_defaults(&d);
-  buf[0] = '\0';
-  for (size_t i = 0; i < gpd_n_config_keys; i++) {
-    const gpd_config_key *k = &gpd_config_keys[i];
-    size_t need;
-    if (!(k->sections & GPUPOOL__CS_DAEMON) || !memcmp((const char *)c + k->off, (const char *)&d + k->off, k->size))
-      continue;
-    need = strlen(k->name) + 2;
-    if (off + need + 4 >= len) {
-      snprintf(buf + off, len - off, "%s...", off ? ", " : "");
-      return;
-    }
-    off += (size_t)snprintf(buf + off, len - off, "%s%s", off ? ", " : "", k->name);
-  }
-}
-
-/* Append name to a comma-separated list in buf, "..." once it is full. */
-static void list_add(char *buf, size_t len, const char *name) {
-  size_t off = strlen(buf);
-  if (off >= 3 && !strcmp(buf + off - 3, "..."))
-    return;
-  if (off + strlen(name) + 6 >= len) {
-    snprintf(buf + off, len - off, "%s...", off ? ", " : "");
-    return;
-  }
-  snprintf(buf + off, len - off, "%s%s", off ? ", " : "", name);
-}
-
-/* The sets of next keep every set of live by name and position (see gpd_config_reload). */
-static int sets_compatible(const gpd_member_set *live, int nlive, const gpd_member_set *next, int nnext) {
-  if (nnext < nlive)
-    return 0;
-  for (int i = 0; i < nlive; i++)
-    if (strcmp(live[i].name, next[i].name))
-      return 0;
-  return 1;
-}
-
-static void reload_sets(gpd_member_set *live, int *nlive, const gpd_member_set *next, int nnext, const char *what,
-                        char *applied, size_t alen, char *kept, size_t klen) {
-  /* Line numbers differ when only comments moved: compare the members. */
-  int same = *nlive == nnext;
-  for (int i = 0; same && i < nnext; i++)
-    same = !strcmp(live[i].name, next[i].name) && live[i].n_uids == next[i].n_uids &&
-           live[i].n_gids == next[i].n_gids &&
-           !memcmp(live[i].uids, next[i].uids, sizeof live[i].uids) &&
-           !memcmp(live[i].gids, next[i].gids, sizeof live[i].gids) &&
-           !strcmp(live[i].export_peers, next[i].export_peers);
-  if (same)
-    return;
-  if (!sets_compatible(live, *nlive, next, nnext)) {
-    char why[96];
-    snprintf(why, sizeof why, "%s (one was renamed or removed)", what);
-    list_add(kept, klen, why);
-    return;
-  }
-  memcpy(live, next, sizeof *live * GPUPOOL_MAX_SETS);
-  *nlive = nnext;
-  list_add(applied, alen, what);
-}
-
-/* The same pools, wherever in the file they are written. */
-static int pools_same(const gpd_config *a, const gpd_config *b) {
-  if (a->n_pools != b->n_pools || memcmp(a->pool_share, b->pool_share, sizeof a->pool_share))
-    return 0;
-  for (int i = 0; i < a->n_pools; i++) {
-    gpupool__pool_config p = b->pools[i];
-    p.line = a->pools[i].line;
-    if (memcmp(&a->pools[i], &p, sizeof p))
-      return 0;
-  }
-  return 1;
-}
-
-void gpd_config_reload(gpd_config *live, const gpd_config *next, char *applied, size_t alen, char *kept,
-                       size_t klen) {
-  applied[0] = kept[0] = '\0';
-  for (size_t i = 0; i < gpd_n_config_keys; i++) {
-    const gpd_config_key *k = &gpd_config_keys[i];
-    char *dst = (char *)live + k->off;
-    const char *src = (const char *)next + k->off;
-    int same;
-    if (!(k->sections & GPUPOOL__CS_DAEMON))
-      continue;
-    same = !memcmp(dst, src, k->size);
-    if (k->kind == GPUPOOL__CK_IDS)
-      same = same && !memcmp((char *)live + k->count_off, (const char *)next + k->count_off, sizeof(int));
-    if (k->kind == GPUPOOL__CK_FN && k->set == set_file_paths)
-      same = same && live->n_file_paths == next->n_file_paths;
-    if (k->kind == GPUPOOL__CK_FN && k->set == set_metrics_listen)
-      same = same && !memcmp(&live->metrics_addr, &next->metrics_addr, sizeof live->metrics_addr);
-    if (same)
-      continue;
-    if (k->flags & GPUPOOL__CF_RESTART) {
-      list_add(kept, klen, k->name);
-      continue;
-    }
-    memcpy(dst, src, k->size);
-    if (k->kind == GPUPOOL__CK_IDS)
-      memcpy((char *)live + k->count_off, (const char *)next + k->count_off, sizeof(int));
-    if (k->kind == GPUPOOL__CK_FN && k->set == set_file_paths)
-      live->n_file_paths = next->n_file_paths;
-    list_add(applied, alen, k->name);
-  }
-  if (!pools_same(live, next))
-    list_add(kept, klen, "pools");
-  if (live->n_peers != next->n_peers)
-    list_add(kept, klen, "peers");
-  for (int i = 0; i < live->n_peers && i < next->n_peers; i++) {
-    gpd_peer_conf p = next->peers[i];
-    p.line = live->peers[i].line;
-    if (memcmp(&p, &live->peers[i], sizeof p)) {
-      list_add(kept, klen, "peers");
-      break;
-    }
-  }
-  reload_sets(live->tenants, &live->n_tenants, next->tenants, next->n_tenants, "tenants", applied, alen, kept, klen);
-  reload_sets(live->groups, &live->n_groups, next->groups, next->n_groups, "groups", applied, alen, kept, klen);
-}
-
-static gpupool__pool_config *find_or_add_pool(gpd_config *c, const char *name) {
-  for (int i = 0; i < c->n_pools; i++)
-    if (!strcmp(c->pools[i].name, name))
-      return &c->pools[i];
-  if (c->n_pools >= GPUPOOL_MAX_POOLS)
-    return NULL;
-  gpupool__pool_config_init(&c->pools[c->n_pools]);
-  snprintf(c->pools[c->n_pools].name, sizeof c->pools[0].name, "%s", name);
-  return &c->pools[c->n_pools++];
-}
-
-/* Cut an inline comment: a '#' at the start or after whitespace. A '#' inside a word (a path
- * like /run/a#b) stays part of the value. */
-static void cut_comment(char *s) {
-  for (char *p = s; *p; p++)
-    if (*p == '#' && (p == s || isspace((unsigned char)p[-1]))) {
-      *p = '\0';
-      return;
-    }
-}
-
-static char *trim(char *s) {
-  char *e;
-  while (isspace((unsigned char)*s))
-    s++;
-  e = s + strlen(s);
-  while (e > s && isspace((unsigned char)e[-1]))
-    *--e = '\0';
-  return s;
-}
-
-/* Opens path for reading only if it is a regular file. Opened non-blocking first so that a FIFO
- * with no writer cannot hold the daemon at start-up, and checked with fstat on the open fd (not
- * stat on the name) so the file read is the file checked; a directory would read as empty. */
-static int open_regular(const char *path, FILE **out) {
-  struct stat st;
-  int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC), flags;
-  FILE *f;
-
-  if (fd < 0)
-    return gpupool__err(GPUPOOL_ECONFIG, "cannot open config file %s: %s", path, strerror(errno));
-  if (fstat(fd, &st) != 0) {
-    int e = errno;
-    close(fd);
-    return gpupool__err(GPUPOOL_ECONFIG, "cannot stat config file %s: %s", path, strerror(e));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    close(fd);
-    return gpupool__err(GPUPOOL_ECONFIG, "config file %s is %s, not a regular file; give the path of the file itself",
-                        path,
-                        S_ISDIR(st.st_mode)    ? "a directory"
-                        : S_ISFIFO(st.st_mode) ? "a FIFO"
-                        : S_ISSOCK(st.st_mode) ? "a socket"
-                        : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device"
-                                                                       : "not a file");
-  }
-  if ((flags = fcntl(fd, F_GETFL)) < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0 || !(f = fdopen(fd, "r"))) {
-    int e = errno;
-    close(fd);
-    return gpupool__err(GPUPOOL_ECONFIG, "cannot read config file %s: %s", path, strerror(e));
-  }
-  *out = f;
-  return 0;
-}
-
-/* ---- errors: all of them, not only the first ---------------------------------------------- */
-
-static FILE *report_to;
-static int reported;
-
-void gpd_config_report_errors(FILE *f) {
-  report_to = f;
-  reported = 0;
-}
-
-int gpd_config_errors_reported(void) { return reported; }
-
-/* The errors of one pass over a file (or of gpd_config_finish): the first is what the caller
- * gets as the message; each goes to report_to as it is found. */
-typedef struct {
-  int n, code;
-  char first[GPUPOOL__ERRMSG_MAX];
-} errlist;
-
-/* Records the error whose message gpupool__errmsg() holds; returns code. */
-static int err_add(errlist *e, int code) {
-  if (report_to) {
-    fprintf(report_to, "gpupoold: %s\n", gpupool__errmsg());
-    reported++;
-  }
-  if (e->n++ == 0) {
-    e->code = code;
-    snprintf(e->first, sizeof e->first, "%s", gpupool__errmsg());
-  }
-  return code;
-}
-
-/* 0, or the first error's code with its message and how many more there were. */
-static int err_end(errlist *e) {
-  if (e->n == 0)
-    return 0;
-  if (e->n == 1)
-    return gpupool__err(e->code, "%s", e->first);
-  return gpupool__err(e->code, "%s (and %d more error%s: gpupoold --check-config lists them all)", e->first,
-                      e->n - 1, e->n == 2 ? "" : "s");
-}
-
-#define CONF_ERR(e, ...) err_add((e), gpupool__err(GPUPOOL_ECONFIG, __VA_ARGS__))
-
-/* The pool keys whose line a message points at (gpd_config's pool_key_line). */
-static const char *const line_keys[GPD_POOL_LINE_KEYS] = {"kind", "capacity", "slab_size", "alignment", "share"};
-
-static int line_key_index(const char *key) {
-  const gpd_config_key *row = gpd_config_key_find(GPUPOOL__CS_POOL, key);
-  for (int i = 0; i < GPD_POOL_LINE_KEYS; i++)
-    if (row && !strcmp(row->name, line_keys[i]))
-      return i;
-  return -1;
-}
-
-int gpd_config_load(gpd_config *c, const char *path) {
-  FILE *f = NULL;
-  char line[1024], msg[GPUPOOL__ERRMSG_MAX];
-  int lineno = 0, in_daemon = 0, daemon_line = 0, rc = 0;
-  /* After a section header that was refused: its keys are skipped, not each refused again. */
-  int skip = 0;
-  gpupool__pool_config *pool = NULL;
-  gpd_member_set *set = NULL;
-  gpd_peer_conf *peer = NULL;
-  unsigned set_section = 0;
-  errlist errs = {0};
-
-  if ((rc = open_regular(path, &f)) != 0)
-    return rc;
-  snprintf(c->path, sizeof c->path, "%s", path);
-  while (fgets(line, sizeof line, f)) {
-    char *s, *eq, *k, *v;
-    lineno++;
-    if (!strchr(line, '\n') && !feof(f)) {
-      /* The rest of the line would read as lines of its own: stop here. */
-      CONF_ERR(&errs, "%s:%d: line longer than %zu bytes", path, lineno, sizeof line - 2);
-      goto out;
-    }
-    s = trim(line);
-    if (*s == ';')
-      continue;
-    cut_comment(s);
-    s = trim(s);
-    if (*s == '\0')
-      continue;
-    if (*s == '[') {
-      char *end = strchr(s, ']');
-      pool = NULL;
-      set = NULL;
-      peer = NULL;
-      in_daemon = 0;
-      skip = 1;
-      if (!end || end[1] != '\0') {
-        CONF_ERR(&errs, "%s:%d: malformed section header '%s' (write [daemon] or [pool NAME])", path, lineno, s);
-        continue;
-      }
-      *end = '\0';
-      s = trim(s + 1);
-      if (!strcmp(s, "daemon")) {
-        /* A second section of one name would be merged silently, its keys overriding the first's. */
-        if (daemon_line) {
-          CONF_ERR(&errs, "%s:%d: [daemon] repeats the section at %s:%d; keep one [daemon] section", path, lineno,
-                   path, daemon_line);
-          continue;
-        }
-        daemon_line = lineno;
-        in_daemon = 1;
-      } else if ((!strncmp(s, "tenant", 6) && isspace((unsigned char)s[6])) ||
-                 (!strncmp(s, "group", 5) && isspace((unsigned char)s[5]))) {
-        int is_tenant = s[0] == 't';
-        const char *name = trim(s + (is_tenant ? 6 : 5));
-        gpd_member_set *m;
-        if (!*name || strlen(name) >= sizeof set->name || strpbrk(name, "/: ")) {
-          CONF_ERR(&errs, "%s:%d: [%s NAME] needs a name of 1 to %zu characters without '/', ':' or spaces", path,
-                   lineno, is_tenant ? "tenant" : "group", sizeof set->name - 1);
-          continue;
-        }
-        m = is_tenant ? find_or_add_set(c->tenants, &c->n_tenants, name)
-                      : find_or_add_set(c->groups, &c->n_groups, name);
-        if (!m) {
-          CONF_ERR(&errs, "%s:%d: more than %d [%s] sections", path, lineno, GPUPOOL_MAX_SETS,
-                   is_tenant ? "tenant" : "group");
-          continue;
-        }
-        if (m->line) {
-          CONF_ERR(&errs, "%s:%d: [%s %s] repeats the section at %s:%d; keep one section per name", path, lineno,
-                   is_tenant ? "tenant" : "group", name, path, m->line);
-          continue;
-        }
-        set = m;
-        set_section = is_tenant ? GPUPOOL__CS_TENANT : GPUPOOL__CS_GROUP;
-        set->line = lineno;
-      } else if (!strncmp(s, "peer", 4) && isspace((unsigned char)s[4])) {
-        const char *name = trim(s + 4);
-        int dup = 0;
-        if (!peer_name_ok(name)) {
-          CONF_ERR(&errs, "%s:%d: [peer NAME] needs a name of 1 to 32 letters, digits, '_' or '-', not '%s'", path,
-                   lineno, name);
-          continue;
-        }
-        for (int i = 0; i < c->n_peers && !dup; i++)
-          if (!strcmp(c->peers[i].name, name)) {
-            CONF_ERR(&errs, "%s:%d: [peer %s] repeats the section at %s:%d; keep one section per peer", path, lineno,
-                     name, path, c->peers[i].line);
-            dup = 1;
-          }
-        if (dup)
-          continue;
-        if (c->n_peers >= GPUPOOL_MAX_PEERS) {
-          CONF_ERR(&errs, "%s:%d: more than %d [peer] sections", path, lineno, GPUPOOL_MAX_PEERS);
-          continue;
-        }
-        peer = &c->peers[c->n_peers++];
-        memset(peer, 0, sizeof *peer);
-        snprintf(peer->name, sizeof peer->name, "%s", name);
-        peer->line = lineno;
-      } else if (!strncmp(s, "pool", 4) && (s[4] == '\0' || isspace((unsigned char)s[4]))) {
-        const char *name = trim(s + 4);
-        gpupool__pool_config *p;
-        if (!*name)
-          name = "default";
-        if (strlen(name) >= sizeof pool->name) {
-          CONF_ERR(&errs, "%s:%d: pool name '%s' is too long", path, lineno, name);
-          continue;
-        }
-        if (!(p = find_or_add_pool(c, name))) {
-          CONF_ERR(&errs, "%s:%d: more than %d pools", path, lineno, GPUPOOL_MAX_POOLS);
-          continue;
-        }
-        if (p->line) {
-          CONF_ERR(&errs, "%s:%d: [pool %s] repeats the section at %s:%d; keep one section per pool", path, lineno,
-                   name, path, p->line);
-          continue;
-        }
-        pool = p;
-        pool->line = lineno;
-      } else {
-        CONF_ERR(&errs, "%s:%d: unknown section [%s] (use [daemon], [pool NAME], [tenant NAME], [group NAME] or "
-                 "[peer NAME])", path, lineno, s);
-        continue;
-      }
-      skip = 0;
-      continue;
-    }
-    eq = strchr(s, '=');
-    if (!eq) {
-      CONF_ERR(&errs, "%s:%d: expected 'key = value', got '%s'", path, lineno, s);
-      continue;
-    }
-    if (skip)
-      continue;
-    *eq = '\0';
-    k = trim(s);
-    v = trim(eq + 1);
-    if (!in_daemon && !pool && !set && !peer) {
-      CONF_ERR(&errs, "%s:%d: key '%s' outside a section (put it under [daemon] or [pool NAME])", path, lineno, k);
-      continue;
-    }
-    if (pool && !strcmp(k, "share")) {
-      /* Resolved against the [group] sections by gpd_config_finish (they may come later). */
-      int idx = (int)(pool - c->pools);
-      if (copy_str(c->pool_share_name[idx], sizeof c->pool_share_name[idx], v) != 0)
-        CONF_ERR(&errs, "%s:%d: group name '%s' is too long", path, lineno, v);
-      else
-        c->pool_key_line[idx][line_key_index(k)] = lineno;
-      continue;
-    }
-    if (peer) {
-      char in[64];
-      snprintf(in, sizeof in, " in [peer %s]", peer->name);
-      rc = set_key(peer, GPUPOOL__CS_PEER, k, v, "key", in);
-    } else {
-      rc = in_daemon ? gpd_config_set(c, k, v)
-           : set     ? set_member_key(set, set_section, k, v)
-                     : set_key(pool, GPUPOOL__CS_POOL, k, v, "pool key", "");
-    }
-    if (rc != 0) {
-      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
-      CONF_ERR(&errs, "%s:%d: %s", path, lineno, msg);
-    } else if (pool && line_key_index(k) >= 0) {
-      c->pool_key_line[pool - c->pools][line_key_index(k)] = lineno; /* the value in force */
-    }
-  }
-out:
-  fclose(f);
-  return err_end(&errs);
-}
-
-int gpd_config_add_pool_spec(gpd_config *c, const char *spec) {
-  char buf[512], *save = NULL, *tok, msg[GPUPOOL__ERRMSG_MAX];
-  gpupool__pool_config p;
-
-  if (strlen(spec) >= sizeof buf)
-    return gpupool__err(GPUPOOL_ECONFIG, "--pool spec too long");
-  if (c->n_pools >= GPUPOOL_MAX_POOLS)
-    return gpupool__err(GPUPOOL_ECONFIG, "more than %d pools", GPUPOOL_MAX_POOLS);
-  strcpy(buf, spec);
-  gpupool__pool_config_init(&p);
-  for (tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-    char *eq = strchr(tok, '=');
-    if (!eq)
-      return gpupool__err(GPUPOOL_ECONFIG, "--pool '%s': '%s' is not key=value", spec, tok);
-    *eq = '\0';
-    if (set_key(&p, GPUPOOL__CS_SPEC, trim(tok), trim(eq + 1), "pool key", "") != 0) {
-      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
-      return gpupool__err(GPUPOOL_ECONFIG, "--pool '%s': %s", spec, msg);
-    }
-  }
-  if (!p.name[0])
-    snprintf(p.name, sizeof p.name, "pool%d", c->n_pools);
-  for (int i = 0; i < c->n_pools; i++)
-    if (!strcmp(c->pools[i].name, p.name)) {
-      c->pools[i] = p; /* the command line overrides the file */
-      return 0;
-    }
-  c->pools[c->n_pools++] = p;
-  return 0;
-}
-
-/* Where pool p was written, as a message prefix: "FILE:LINE: [pool NAME] " for a file's
- * section (LINE that of key when the file sets it, else the section's), "--pool NAME: " for a
- * command-line spec, "" for a backend's default pool. */
-static void pool_where(const gpd_config *c, const gpupool__pool_config *p, const char *key, char *buf, size_t len) {
-  int li = key ? line_key_index(key) : -1;
-  int line = li >= 0 && c->pool_key_line[p - c->pools][li] ? c->pool_key_line[p - c->pools][li] : p->line;
-  if (p->line > 0 && c->path[0])
-    snprintf(buf, len, "%s:%d: [pool %s] ", c->path, line, p->name);
-  else if (p->line == 0 && p->name[0])
-    snprintf(buf, len, "--pool %s: ", p->name);
-  else
-    buf[0] = '\0';
-}
-
-/* The [peer] sections and export_peers against each other and the [group] sections. */
-static void peers_check(const gpd_config *c, errlist *errs) {
-  const char *path = c->path[0] ? c->path : "gpupoold.conf";
-  for (int i = 0; i < c->n_peers; i++) {
-    const gpd_peer_conf *p = &c->peers[i];
-    if (!p->address[0])
-      CONF_ERR(errs, "%s:%d: [peer %s] has no address; add address = ADDR:PORT (the "
-                          "peer_listen of that gpupoold)", path, p->line, p->name);
-    if (!p->secret_file[0] && !c->peer_secret_file[0])
-      CONF_ERR(errs, "%s:%d: [peer %s] has no secret: set peer_secret_file in [daemon] or "
-                          "secret_file here", path, p->line, p->name);
-    for (int g = 0; g < c->n_groups; g++)
-      if (!strcmp(c->groups[g].name, p->name))
-        CONF_ERR(errs, "%s:%d: [peer %s] has the name of [group %s] at %s:%d (PEER:NAME and "
-                            "group:NAME would read alike); rename one of them", path, p->line, p->name,
-                            c->groups[g].name, path, c->groups[g].line);
-    if (!strcmp(p->name, "group"))
-      CONF_ERR(errs, "%s:%d: a peer cannot be named 'group' (group:NAME/... names a group's "
-                          "names); rename it", path, p->line);
-  }
-  if (c->peer_listen[0] && !c->peer_secret_file[0])
-    CONF_ERR(errs, "%s: peer_listen is set but peer_secret_file is not: peers authenticate "
-                        "with that shared secret; set it in [daemon]", path);
-  for (int t = 0; t < c->n_tenants + c->n_groups; t++) {
-    const gpd_member_set *m = t < c->n_tenants ? &c->tenants[t] : &c->groups[t - c->n_tenants];
-    char buf[sizeof m->export_peers], *save = NULL, *tok;
-    snprintf(buf, sizeof buf, "%s", m->export_peers);
-    for (tok = strtok_r(buf, ", \t", &save); tok; tok = strtok_r(NULL, ", \t", &save))
-      if (strcmp(tok, "*") && !gpd_peer_find(c, tok))
-        CONF_ERR(errs, "%s:%d: [%s %s] export_peers names '%s', which has no [peer %s] "
-                            "section; add one (address, secret) or remove the name", path, m->line,
-                            t < c->n_tenants ? "tenant" : "group", m->name, tok, tok);
-  }
-}
-
-/* A [tenant] or [group] without uids = or gids = is valid but covers no user: whatever it
- * says (export_peers, a pool shared with it) applies to nobody. Said at every load (start,
- * reload, --check-config), not refused: a section may be emptied on purpose. */
-static void warn_empty_sets(const gpd_config *c) {
-  const char *path = c->path[0] ? c->path : "gpupoold.conf";
-  for (int t = 0; t < c->n_tenants + c->n_groups; t++) {
-    const gpd_member_set *m = t < c->n_tenants ? &c->tenants[t] : &c->groups[t - c->n_tenants];
-    if (m->n_uids == 0 && m->n_gids == 0)
-      GPUPOOL__WARN("%s:%d: [%s %s] has no uids = or gids = line: it covers no user, so %s applies to nobody "
-                    "(the section's name is not a user's); list its members (uids = 1000, 1001 or gids = 990) "
-                    "or remove the section", path, m->line, t < c->n_tenants ? "tenant" : "group", m->name,
-                    t < c->n_tenants ? "what it sets (export_peers, one namespace and budget)"
-                                     : "what it shares (its pools, group:NAME/ names, export_peers)");
-  }
-}
-
-int gpd_config_finish(gpd_config *c, const gpupool__backend_desc *backend) {
-  char where[512], msg[GPUPOOL__ERRMSG_MAX];
-  int rc, defaults = c->n_pools == 0;
-  errlist errs = {0};
-  warn_empty_sets(c);
-  peers_check(c, &errs);
-  for (int i = 0; i < GPUPOOL_MAX_POOLS; i++) {
-    c->pool_share[i] = -1;
-    if (i >= c->n_pools || !c->pool_share_name[i][0])
-      continue;
-    for (int g = 0; g < c->n_groups; g++)
-      if (!strcmp(c->groups[g].name, c->pool_share_name[i]))
-        c->pool_share[i] = g;
-    if (c->pool_share[i] < 0) {
-      pool_where(c, &c->pools[i], "share", where, sizeof where);
-      CONF_ERR(&errs, "%spool '%s' is shared with group '%s', which has no [group %s] section", where,
-               c->pools[i].name, c->pool_share_name[i], c->pool_share_name[i]);
-    }
-  }
-  if (defaults && (rc = backend->default_pools(c->pools, GPUPOOL_MAX_POOLS, &c->n_pools)) != 0) {
-    err_add(&errs, rc);
-    return err_end(&errs);
-  }
-  for (int i = 0; i < c->n_pools; i++) {
-    const char *key = NULL;
-    if ((rc = gpupool__backend_pool_finish(backend, &c->pools[i], &key)) != 0) {
-      if (defaults) {
-        err_add(&errs, rc);
-        continue;
-      }
-      /* The backend's check knows the pool and the key, not where they were written: add
-       * the file and the key's own line. */
-      snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
-      pool_where(c, &c->pools[i], key, where, sizeof where);
-      err_add(&errs, gpupool__err(rc, "%s%s", where, msg));
-    }
-  }
-  return err_end(&errs);
 }
