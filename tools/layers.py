@@ -10,7 +10,8 @@ more than two files exists.
 Layers, top to bottom (a file's layer is its folder under daemon/; a call may go to its own
 layer or any layer below, never above):
 
-  main.c    (daemon/ itself) the command line, signals, the start of everything below
+  main.c    (daemon/ itself) the command line, signals, the start of everything below;
+            config_wait.c, the life with an invalid configuration
   server/   in its own order, top to bottom: listen, conn (bytes, frames, fairness),
             dispatch, the handlers and waiters, replies, then fences and send (sending)
   peers/    other gpupoolds, beside the handlers: use the registry. Inside, top to bottom:
@@ -90,13 +91,11 @@ USE_FLAT = False
 
 
 def layer(unit):
-    if unit == "main.c":
-        return "main"
     if "/" in unit:
         return LAYER_OF_FOLDER.get(unit.split("/", 1)[0])
     if USE_FLAT:
         return FLAT.get(unit.split(".", 1)[0])
-    return None
+    return "main"  # daemon/ itself: main.c and what only it uses
 
 
 def rank(unit):
