@@ -39,7 +39,7 @@ SERVER_RANK = {"listen": 46, "conn": 45, "dispatch": 44, "replies": 42, "fences"
                "send": 41}
 SERVER_HANDLERS = 43
 PEERS_RANK = {"peers": 34, "peers_fetch": 33, "peers_serve": 33, "peers_link": 32,
-              "peers_stage": 32, "peers_ucx": 31}
+              "peers_stage": 32, "peers_ucx": 31, "peers_prefault": 31}
 
 
 def objects(paths):

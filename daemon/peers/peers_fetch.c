@@ -44,80 +44,6 @@ static uint32_t serve_waiters(gpd_peers *P, const char *key, uint64_t *min_newer
   return n;
 }
 
-/* ---- pages made ready off the critical path ---------------------------------------------- */
-
-/* A local copy in memory new to the pool (a slab the daemon maps for the first time) has the
- * kernel allocate, zero and map every page as the data is copied in: on a 2-core VM that took
- * most of a first fetch's time (a 2.47 GB state dict: 7.7 s, against 1 s into a kept slab).
- * A thread of its own faults those pages into the daemon's mapping (MADV_POPULATE_WRITE: no
- * byte is written) while the data arrives, from the copy's end towards its start, until it
- * meets the data; the loop's copies then find the pages there, and the faulting is shared by
- * two cores. The thread only touches the fetch's own buffers, which stay mapped until it has
- * ended: the fetch's end stops it and waits for it (at most one chunk's faults). */
-#define PREFAULT_CHUNK (2u << 20)
-
-struct prefault {
-  pthread_t thread;
-  atomic_int stop;
-  _Atomic uint64_t received; /* bytes of the stream in (the copy's data comes about in order) */
-  uint32_t n;
-  uint8_t *maps[GPUPOOL_WIRE_MAX_FDS]; /* per range: the daemon's mapping of it, its length and */
-  uint64_t lens[GPUPOOL_WIRE_MAX_FDS]; /* where it starts in the stream */
-  uint64_t starts[GPUPOOL_WIRE_MAX_FDS];
-};
-
-static void *prefault_run(void *arg) {
-  prefault *pf = arg;
-  for (uint32_t i = pf->n; i-- > 0;) {
-    for (uint64_t end = pf->lens[i]; end > 0 && !atomic_load(&pf->stop);) {
-      uint64_t c = end < PREFAULT_CHUNK ? end : PREFAULT_CHUNK;
-      uintptr_t from = ((uintptr_t)pf->maps[i] + end - c) & ~(uintptr_t)4095; /* madvise wants pages */
-      if (pf->starts[i] + end <= atomic_load(&pf->received))
-        return NULL; /* met the data: the rest is in */
-      if (madvise((void *)from, (uintptr_t)pf->maps[i] + end - from, MADV_POPULATE_WRITE) != 0)
-        return NULL; /* an older kernel: the copies fault the pages in themselves */
-      end -= c;
-    }
-  }
-  return NULL;
-}
-
-/* Start faulting in the n ranges (maps, lens, starts as in struct prefault). NULL when no
- * thread could be started: the copies then fault their pages in as before. */
-static prefault *prefault_start(uint8_t *const *maps, const uint64_t *lens, const uint64_t *starts, uint32_t n) {
-  prefault *pf = calloc(1, sizeof *pf);
-  sigset_t all, old;
-  int rc;
-  if (!pf)
-    return NULL;
-  pf->n = n;
-  memcpy(pf->maps, maps, n * sizeof *maps);
-  memcpy(pf->lens, lens, n * sizeof *lens);
-  memcpy(pf->starts, starts, n * sizeof *starts);
-  atomic_init(&pf->stop, 0);
-  atomic_init(&pf->received, 0);
-  /* Signals stay the loop's. */
-  sigfillset(&all);
-  pthread_sigmask(SIG_SETMASK, &all, &old);
-  rc = pthread_create(&pf->thread, NULL, prefault_run, pf);
-  pthread_sigmask(SIG_SETMASK, &old, NULL);
-  if (rc != 0) {
-    free(pf);
-    return NULL;
-  }
-  return pf;
-}
-
-/* Stop the fetch's thread and wait for it: its buffers may go after this. */
-static void prefault_stop(sub *sb) {
-  if (!sb->pf)
-    return;
-  atomic_store(&sb->pf->stop, 1);
-  pthread_join(sb->pf->thread, NULL);
-  free(sb->pf);
-  sb->pf = NULL;
-}
-
 /* ---- fetching ------------------------------------------------------------------------------- */
 
 /* Which peer a local name is, and the remote tenant and name it means. */
@@ -245,7 +171,7 @@ void gpd_pr_sub_release(sub *sb) {
     gpupool__hmap_del(&sb->P->receiving, sb->id);
     sb->receiving = 0;
   }
-  prefault_stop(sb);
+  gpd_pr_prefault_stop(sb);
   /* Its copies end before its buffers go (an engine may be writing them). */
   gpd_pr_stager_free(sb->st);
   sb->st = NULL;
@@ -487,7 +413,7 @@ void gpd_pr_on_data(void *arg, const void *header, size_t hlen, const void *data
   }
   sb->received += len;
   if (sb->pf)
-    atomic_store_explicit(&sb->pf->received, sb->received, memory_order_relaxed);
+    gpd_pr_prefault_received(sb->pf, sb->received);
   if (sb->received == sb->bytes) {
     sb->complete = 1;
     if (!P->finish_posted && gpd_ucx_defer(P->ucx, on_received, P) == 0)
@@ -501,6 +427,30 @@ static gpd_pool *copy_pool(gpd_peers *P) {
     if (P->cfg->pool_share[i] < 0)
       return &P->reg->pools[i];
   return NULL;
+}
+
+/* Device memory (the pool is the same for every buffer of the copy): staged through host
+ * slots, a stager for sb's buffers. */
+static int stage_fetch(sub *sb, const Gpupool__Wire__PeerGetReply *r) {
+  gpd_peers *P = sb->P;
+  uint64_t *lens = calloc(sb->n, sizeof *lens);
+  gpd_buffer **bufs = calloc(sb->n, sizeof *bufs);
+  int rc;
+  if (!P->stage_bp) {
+    rc = gpupool__err(GPUPOOL_ENOTSUP, "the local copy goes to device memory, which this daemon does not move "
+                      "from peers: %s", P->device_memory);
+  } else if (!lens || !bufs) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  } else {
+    for (uint32_t i = 0; i < sb->n; i++) {
+      lens[i] = r->segments[i]->length;
+      bufs[i] = sb->holds[i]->buf;
+    }
+    rc = (sb->st = gpd_pr_stager_new(P, 1, bufs, lens, sb->n)) ? 0 : GPUPOOL_ENOMEM;
+  }
+  free(lens);
+  free(bufs);
+  return rc;
 }
 
 /* The peer answered with a version: allocate the local copy and ask for the data. */
@@ -565,7 +515,7 @@ static void sub_transfer(sub *sb, Gpupool__Wire__PeerFrame *fr) {
     /* The slab's mapping in the daemon stays for the slab's life: the next version fetched
      * into a kept slab finds its pages mapped already (no fault per page). One mapped here for
      * the first time is memory new to the pool: its pages are made ready while the data
-     * comes (prefault_start). */
+     * comes (gpd_pr_prefault_start). */
     int new_map = !h->buf->slab->daemon_map;
     if ((rc = gpd_slab_daemon_map(h->buf->slab, &base)) != 0)
       goto fail;
@@ -576,34 +526,15 @@ static void sub_transfer(sub *sb, Gpupool__Wire__PeerFrame *fr) {
       fresh.starts[fresh.n++] = sb->bytes - sg->length;
     }
   }
-  if (staged) {
-    /* Device memory (the pool is the same for every buffer): staged through host slots. */
-    uint64_t *lens = calloc(sb->n, sizeof *lens);
-    gpd_buffer **bufs = calloc(sb->n, sizeof *bufs);
-    if (!P->stage_bp) {
-      rc = gpupool__err(GPUPOOL_ENOTSUP, "the local copy goes to device memory, which this daemon does not move "
-                        "from peers: %s", P->device_memory);
-    } else if (!lens || !bufs) {
-      rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
-    } else {
-      for (uint32_t i = 0; i < sb->n; i++) {
-        lens[i] = r->segments[i]->length;
-        bufs[i] = sb->holds[i]->buf;
-      }
-      rc = (sb->st = gpd_pr_stager_new(P, 1, bufs, lens, sb->n)) ? 0 : GPUPOOL_ENOMEM;
-    }
-    free(lens);
-    free(bufs);
-    if (rc != 0)
-      goto fail;
-  }
+  if (staged && (rc = stage_fetch(sb, r)) != 0)
+    goto fail;
   if (gpupool__hmap_put(&P->receiving, sb->id, sb) != 0) {
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     goto fail;
   }
   sb->receiving = 1;
   if (!sb->st && fresh.n)
-    sb->pf = prefault_start(fresh.maps, fresh.lens, fresh.starts, fresh.n);
+    sb->pf = gpd_pr_prefault_start(fresh.maps, fresh.lens, fresh.starts, fresh.n);
   if (sb->st) {
     sb->peer->bytes_staged += sb->bytes;
     sb->stage_wait = 1; /* PeerReady goes once slots are taken (gpd_pr_sub_stage_step) */

@@ -305,6 +305,15 @@ void gpd_pr_peer_instance(peer *p, uint64_t inst);
 /* From the tick: connect again to the peers gpd_pr_peer_instance must hear from. */
 void gpd_pr_reconnect(gpd_peers *P, uint64_t now);
 
+/* peers_prefault.c: fault in the n ranges of a local copy (their mappings, lengths and
+ * starts in the stream) from a thread of its own while the data comes; NULL when no thread
+ * could be started (the copies then fault their pages in themselves). received: the bytes of
+ * the stream in so far (the thread stops where it meets them). stop: stop and wait for it
+ * (sb's buffers may go after). */
+prefault *gpd_pr_prefault_start(uint8_t *const *maps, const uint64_t *lens, const uint64_t *starts, uint32_t n);
+void gpd_pr_prefault_received(prefault *pf, uint64_t received);
+void gpd_pr_prefault_stop(sub *sb);
+
 /* peers_fetch.c */
 /* 1 when name (as a client writes it) is a peer's: PEER:NAME, or under a [peer]'s prefix. */
 int gpd_pr_routed(gpd_peers *P, const char *name);

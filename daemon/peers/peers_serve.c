@@ -125,6 +125,40 @@ void gpd_pr_serve_free_reading(serve *sv, int reading) {
 
 void gpd_pr_serve_free(serve *sv) { gpd_pr_serve_free_reading(sv, 0); }
 
+/* What the reply says of version n besides its buffers: its member table (a bundle; the
+ * arrays are the caller's to free) or its tensor description. */
+static int describe_version(const gpd_name *n, Gpupool__Wire__PeerGetReply *r, Gpupool__Wire__TensorMeta *tensor,
+                            Gpupool__Wire__BundleMember **mem, Gpupool__Wire__BundleMember ***memp,
+                            Gpupool__Wire__TensorMeta **metas) {
+  if (n->layout) {
+    uint32_t nm = n->layout->n;
+    if (!(*mem = calloc(nm, sizeof **mem)) || !(*memp = calloc(nm, sizeof **memp)) ||
+        !(*metas = calloc(nm, sizeof **metas)))
+      return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    for (uint32_t i = 0; i < nm; i++) {
+      const gpd_member *m = &n->layout->members[i];
+      Gpupool__Wire__BundleMember *w = &(*mem)[i];
+      gpupool__wire__bundle_member__init(w);
+      w->name = m->name;
+      w->buffer = m->buffer;
+      w->offset = m->offset;
+      w->size = m->size;
+      if (m->meta) {
+        gpupool__wire_meta_to(m->meta, &(*metas)[i]);
+        w->tensor = &(*metas)[i];
+      }
+      (*memp)[i] = w;
+    }
+    r->n_members = nm;
+    r->members = *memp;
+    r->bundle = 1;
+  } else if (n->has_meta) {
+    gpupool__wire_meta_to(&n->meta, tensor);
+    r->tensor = tensor;
+  }
+  return 0;
+}
+
 static void serve_send(serve *sv, gpd_name *n) {
   plink *l = sv->link;
   gpd_peers *P = l->P;
@@ -183,33 +217,8 @@ static void serve_send(serve *sv, gpd_name *n) {
     l->peer->bytes_staged += bytes;
     gpd_pr_stager_serve_poll(sv->st, 0);
   }
-  if (n->layout) {
-    uint32_t nm = n->layout->n;
-    if (!(mem = calloc(nm, sizeof *mem)) || !(memp = calloc(nm, sizeof *memp)) ||
-        !(metas = calloc(nm, sizeof *metas))) {
-      rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
-      goto fail;
-    }
-    for (uint32_t i = 0; i < nm; i++) {
-      const gpd_member *m = &n->layout->members[i];
-      gpupool__wire__bundle_member__init(&mem[i]);
-      mem[i].name = m->name;
-      mem[i].buffer = m->buffer;
-      mem[i].offset = m->offset;
-      mem[i].size = m->size;
-      if (m->meta) {
-        gpupool__wire_meta_to(m->meta, &metas[i]);
-        mem[i].tensor = &metas[i];
-      }
-      memp[i] = &mem[i];
-    }
-    r.n_members = nm;
-    r.members = memp;
-    r.bundle = 1;
-  } else if (n->has_meta) {
-    gpupool__wire_meta_to(&n->meta, &tensor);
-    r.tensor = &tensor;
-  }
+  if ((rc = describe_version(n, &r, &tensor, &mem, &memp, &metas)) != 0)
+    goto fail;
   r.id = sv->id;
   r.version = n->version;
   r.n_segments = n->nbufs;

@@ -156,6 +156,44 @@ int gpd_publish(gpd_registry *reg, gpd_client *c, gpd_hold *h, const gpd_rname *
   return gpd_publish_commit(reg, c, rn->key, old, bufs, 1, NULL, h->read_only, has_meta ? &m : NULL, 0, version);
 }
 
+/* The member table layout_id of c's tenant, for a bundle of nholds buffers. */
+static int layout_of(gpd_registry *reg, const gpd_client *c, uint64_t layout_id, size_t nholds, gpd_layout **out) {
+  gpd_layout *layout = gpupool__hmap_get(&reg->layouts, layout_id);
+  if (!layout || layout->tenant != c->tenant)
+    return gpupool__err(GPUPOOL_ENOENT, "member table %" PRIu64 " is not one this daemon has for your tenant (it "
+                        "went with the last bundle that used it); publish the members themselves", layout_id);
+  if (nholds != layout->nbufs)
+    return gpupool__err(GPUPOOL_EINVAL, "member table %" PRIu64 " spans %u buffers, not %zu", layout_id,
+                        layout->nbufs, nholds);
+  *out = layout;
+  return 0;
+}
+
+/* The members of a bundle from the wire into members (nmembers of them, in the nholds
+ * buffers bufs): each in its buffer, every buffer used, no name twice. *nm counts those
+ * converted (to free on failure). */
+static int members_from_wire(Gpupool__Wire__BundleMember *const *wm, size_t nmembers, gpd_buffer *const *bufs,
+                             size_t nholds, const uint64_t *hold_ids, gpd_member *members, uint32_t *used,
+                             size_t *nm) {
+  int rc;
+  for (*nm = 0; *nm < nmembers; (*nm)++) {
+    const Gpupool__Wire__BundleMember *m = wm[*nm];
+    if (m->buffer >= nholds)
+      return gpupool__err(GPUPOOL_EINVAL, "member %zu ('%s') names buffer %u of a bundle of %zu buffers", *nm,
+                          m->name ? m->name : "", m->buffer, nholds);
+    if ((rc = gpd_member_from_wire(m->name, m->offset, m->size, m->tensor, bufs[m->buffer]->asked, *nm,
+                                   &members[*nm])) != 0)
+      return rc;
+    members[*nm].buffer = m->buffer;
+    used[m->buffer] = 1;
+  }
+  for (size_t i = 0; i < nholds; i++)
+    if (!used[i])
+      return gpupool__err(GPUPOOL_EINVAL, "no member lies in buffer %zu (hold %" PRIu64 "); list only the buffers "
+                          "the members use", i, hold_ids[i]);
+  return gpd_members_unique(members, nmembers);
+}
+
 int gpd_bundle_prepare(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, const uint64_t *hold_ids,
                        size_t nholds, Gpupool__Wire__BundleMember *const *wm, size_t nmembers,
                        uint64_t layout_id, int part, gpd_bundle_prep *out) {
@@ -173,13 +211,8 @@ int gpd_bundle_prepare(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, co
   if (layout_id && nmembers)
     return gpupool__err(GPUPOOL_EINVAL, "a bundle is published with its members or with a layout id, not both");
   if (layout_id) {
-    layout = gpupool__hmap_get(&reg->layouts, layout_id);
-    if (!layout || layout->tenant != c->tenant)
-      return gpupool__err(GPUPOOL_ENOENT, "member table %" PRIu64 " is not one this daemon has for your tenant (it "
-                          "went with the last bundle that used it); publish the members themselves", layout_id);
-    if (nholds != layout->nbufs)
-      return gpupool__err(GPUPOOL_EINVAL, "member table %" PRIu64 " spans %u buffers, not %zu", layout_id,
-                          layout->nbufs, nholds);
+    if ((rc = layout_of(reg, c, layout_id, nholds, &layout)) != 0)
+      return rc;
     nmembers = layout->n;
   } else if ((rc = gpd_check_member_count(reg, nmembers)) != 0) {
     return rc;
@@ -228,29 +261,8 @@ int gpd_bundle_prepare(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, co
       goto fail;
     }
   }
-  if (!layout) {
-    for (nm = 0; nm < nmembers; nm++) {
-      const Gpupool__Wire__BundleMember *m = wm[nm];
-      if (m->buffer >= nholds) {
-        rc = gpupool__err(GPUPOOL_EINVAL, "member %zu ('%s') names buffer %u of a bundle of %zu buffers", nm,
-                          m->name ? m->name : "", m->buffer, nholds);
-        goto fail;
-      }
-      if ((rc = gpd_member_from_wire(m->name, m->offset, m->size, m->tensor, bufs[m->buffer]->asked, nm,
-                                 &members[nm])) != 0)
-        goto fail;
-      members[nm].buffer = m->buffer;
-      used[m->buffer] = 1;
-    }
-    for (i = 0; i < nholds; i++)
-      if (!used[i]) {
-        rc = gpupool__err(GPUPOOL_EINVAL, "no member lies in buffer %zu (hold %" PRIu64 "); list only the buffers "
-                          "the members use", i, hold_ids[i]);
-        goto fail;
-      }
-    if ((rc = gpd_members_unique(members, nmembers)) != 0)
-      goto fail;
-  }
+  if (!layout && (rc = members_from_wire(wm, nmembers, bufs, nholds, hold_ids, members, used, &nm)) != 0)
+    goto fail;
   if ((rc = publish_check(reg, c, rn, bufs, (uint32_t)nholds, &old)) != 0)
     goto fail;
   if (layout) {
