@@ -146,7 +146,7 @@ typedef struct {
   int pool_key_line[GPUPOOL_MAX_POOLS][GPD_POOL_LINE_KEYS];
 } gpd_config;
 
-/* The config keys, one row each (daemon/config.c, gpd_config_keys): the file's parser,
+/* The config keys, one row each (daemon/service/config.c, gpd_config_keys): the file's parser,
  * the --pool specs, the defaults, the unknown-key message, --list-config-keys and
  * --check-config all read the rows, so a key is added by adding its row. */
 
