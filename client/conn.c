@@ -1,8 +1,9 @@
 /*
  * libgpupool-client, conn.c: The transport of one connection: framing calls, reader election
  * (whichever waiting thread finds no reader reads one frame for everyone), the pending replies,
- * and call/call_retry, through which every request goes. Also GPUPOOL_TRACE. See internal.h for
- * how the client is put together.
+ * and call/call_retry, through which every request goes. Also GPUPOOL_TRACE. It calls nothing
+ * above it: reconnecting and revoked slabs go to the callbacks connect.c gives it (c->reconnect,
+ * c->revoked). See internal.h for how the client is put together.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -366,7 +367,8 @@ int gpupool__call_wait(gpupool_client *c, pending *p, gpupool__rep **out, int *f
                       c->broken_msg[0] ? c->broken_msg : "the client reconnected since");
     goto fail;
   }
-  gpupool__handle_revokes(c, p->rep);
+  if (p->rep->n_revoke_slabs && c->revoked)
+    c->revoked(c, p->rep->revoke_slabs, p->rep->n_revoke_slabs);
   if (p->rep->error) {
     rc = p->rep->error->code < 0 && p->rep->error->code > GPUPOOL_ERRNO_MIN ? p->rep->error->code : GPUPOOL_EPROTO;
     gpupool__err(rc, "%s", p->rep->error->message ? p->rep->error->message : gpupool_strerror(rc));
@@ -427,9 +429,9 @@ int gpupool__call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int 
 int gpupool__ensure_connected(gpupool_client *c) {
   if (!c->broken)
     return 0;
-  if ((c->broken != GPUPOOL_ECLOSED && c->broken != GPUPOOL_EIO) || c->reconnect_ms <= 0)
+  if ((c->broken != GPUPOOL_ECLOSED && c->broken != GPUPOOL_EIO) || c->reconnect_ms <= 0 || !c->reconnect)
     return broken_err(c);
-  return gpupool__reconnect(c);
+  return c->reconnect(c);
 }
 
 /* For requests that do not name a hold of the old connection (allocate, get, open,

@@ -84,6 +84,45 @@ static int host_fences_for(gpupool_client *c, const Gpupool__Wire__HelloReply *h
   return want;
 }
 
+/* What a Hello reply tells this connection: the protocol, the backend, the pools. */
+static int take_hello(gpupool_client *c, const Gpupool__Wire__HelloReply *hr) {
+  const gpupool__backend_desc *d;
+  int rc;
+
+  if (hr->protocol_version != GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION)
+    return gpupool__err(GPUPOOL_EVERSION, "gpupoold %s speaks protocol %u, this library (%s) speaks %d",
+                        hr->daemon_version, hr->protocol_version, GPUPOOL_VERSION_STRING,
+                        GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION);
+  c->client_id = hr->client_id;
+  c->max_frame = hr->max_frame;
+  c->backend_kind = hr->backend;
+  if (!(d = gpupool__backend_by_kind(hr->backend)))
+    return gpupool__err(GPUPOOL_EPROTO, "gpupoold %s runs backend %d, which this library (%s) does "
+                        "not know; upgrade libgpupool-client", hr->daemon_version, hr->backend,
+                        GPUPOOL_VERSION_STRING);
+  if (!d->client)
+    return gpupool__err(GPUPOOL_ENOTSUP,
+                        "gpupoold serves %s but this libgpupool-client was built without it; "
+                        "rebuild it with the CUDA toolkit", d->what);
+  c->be = d->client;
+  c->host_fences = host_fences_for(c, hr);
+  c->pools = calloc(hr->n_pools ? hr->n_pools : 1, sizeof *c->pools);
+  if (!c->pools)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  c->npools = 0;
+  for (size_t i = 0; i < hr->n_pools; i++) {
+    const Gpupool__Wire__PoolInfo *pi = hr->pools[i];
+    cpool *p = &c->pools[c->npools++];
+    p->id = pi->id;
+    snprintf(p->name, sizeof p->name, "%s", pi->name ? pi->name : "");
+    if ((rc = gpupool__wire_mem_kind(pi->location, &p->kind)) != 0)
+      return rc;
+    p->device = pi->device;
+    p->capacity = pi->capacity;
+  }
+  return 0;
+}
+
 /* Connect to c->socket_path and say Hello; fills the pool list. With c->mu held and
  * c->fd == -1. On failure the fd is closed again, and *err says why. */
 static int handshake(gpupool_client *c, gpupool__error *err) {
@@ -135,48 +174,8 @@ static int handshake(gpupool_client *c, gpupool__error *err) {
     close(lease); /* an fd this library did not ask for */
     lease = -1;
   }
-  if (hr->protocol_version != GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION) {
-    rc = gpupool__err(GPUPOOL_EVERSION, "gpupoold %s speaks protocol %u, this library (%s) speaks %d",
-                      hr->daemon_version, hr->protocol_version, GPUPOOL_VERSION_STRING,
-                      GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION);
+  if ((rc = take_hello(c, hr)) != 0)
     goto fail;
-  }
-  c->client_id = hr->client_id;
-  c->max_frame = hr->max_frame;
-  c->backend_kind = hr->backend;
-  {
-    const gpupool__backend_desc *d = gpupool__backend_by_kind(hr->backend);
-    if (!d) {
-      rc = gpupool__err(GPUPOOL_EPROTO, "gpupoold %s runs backend %d, which this library (%s) does "
-                        "not know; upgrade libgpupool-client", hr->daemon_version, hr->backend,
-                        GPUPOOL_VERSION_STRING);
-      goto fail;
-    }
-    if (!d->client) {
-      rc = gpupool__err(GPUPOOL_ENOTSUP,
-                        "gpupoold serves %s but this libgpupool-client was built without it; "
-                        "rebuild it with the CUDA toolkit", d->what);
-      goto fail;
-    }
-    c->be = d->client;
-  }
-  c->host_fences = host_fences_for(c, hr);
-  c->pools = calloc(hr->n_pools ? hr->n_pools : 1, sizeof *c->pools);
-  if (!c->pools) {
-    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
-    goto fail;
-  }
-  c->npools = 0;
-  for (size_t i = 0; i < hr->n_pools; i++) {
-    const Gpupool__Wire__PoolInfo *pi = hr->pools[i];
-    cpool *p = &c->pools[c->npools++];
-    p->id = pi->id;
-    snprintf(p->name, sizeof p->name, "%s", pi->name ? pi->name : "");
-    if ((rc = gpupool__wire_mem_kind(pi->location, &p->kind)) != 0)
-      goto fail;
-    p->device = pi->device;
-    p->capacity = pi->capacity;
-  }
   gpupool__wire__reply__free_unpacked(rep, NULL);
   c->lease_fd = lease;
   return 0;
@@ -193,38 +192,11 @@ fail:
   return rc;
 }
 
-/* Close the backend events and release the pools imported from one daemon: the live
- * connection's at disconnect, a stale generation's when its last mapping goes. */
-static void release_imports(gpupool_client *c, gpupool__hmap *events, cpool *pools, int npools) {
-  if (c->be && c->be->has_events)
-    for (size_t i = 0; i < events->cap; i++)
-      if (gpupool__hmap_slot_used(events, i))
-        c->be->event_close(events->slots[i].val);
-  gpupool__hmap_free(events);
-  for (int i = 0; i < npools; i++)
-    if (pools[i].bp)
-      c->be->pool_release(pools[i].bp);
-}
-
-void gpupool__stale_gen_free(gpupool_client *c, stale_gen *g) {
-  stale_gen **pp;
-  for (pp = &c->stale; *pp && *pp != g; pp = &(*pp)->next)
-    ;
-  if (*pp)
-    *pp = g->next;
-  release_imports(c, &g->events, g->pools, g->npools);
-  free(g->pools);
-  /* Last: no mapping of that daemon's memory is left in this process. */
-  if (g->lease_fd >= 0)
-    close(g->lease_fd);
-  free(g);
-}
-
 /* The daemon went away: keep what this process still maps (buffers stay readable), mark every
  * hold and published name lost, and connect again with backoff for up to reconnect_ms.
  * With c->mu held. */
 
-int gpupool__reconnect(gpupool_client *c) {
+static int reconnect(gpupool_client *c) {
   stale_gen *g;
   uint64_t start = 0;
   long delay_ms = 20;
@@ -321,15 +293,6 @@ int gpupool__reconnect(gpupool_client *c) {
   return 0;
 }
 
-/* The daemon refuses a Hello whose client name is not UTF-8 (every string on the wire must
- * be), and the name is only shown in logs: rather than fail the connect, bytes that are not
- * UTF-8 become '?', a character cut by the copy's length limit included. */
-void gpupool__utf8_scrub(char *s) {
-  size_t bad;
-  while (gpupool__wire_utf8_check((const uint8_t *)s, strlen(s), &bad) != 0)
-    s[bad] = '?';
-}
-
 /* The limit a connection keeps for connecting and the handshake (> 0 ms, < 0 forever) from
  * the caller's timeout_ms. 0 means "do not wait" as everywhere in the API: one try, and the
  * daemon's answer to Hello must come within a millisecond (the handshake has no limit of 0,
@@ -392,6 +355,8 @@ int gpupool_client_connect(const char *socket_path, const char *client_name, int
   gpupool__wire_rx_init(&c->rx, GPUPOOL_WIRE_HARD_MAX_FRAME);
   c->fd = -1;
   c->lease_fd = -1;
+  c->reconnect = reconnect;
+  c->revoked = gpupool__handle_revokes;
   pthread_mutex_lock(&c->mu);
   rc = handshake(c, &err);
   pthread_mutex_unlock(&c->mu);
@@ -457,29 +422,6 @@ int gpupool_client_lost_names(gpupool_client *c, char (*names)[GPUPOOL_NAME_MAX 
 
 int gpupool_buffer_lost(const gpupool_buffer *b) { return b ? b->lost : 0; }
 
-void gpupool__note_published(gpupool_client *c, const char *name) {
-  char *dup;
-  if (c->npublished == c->cappublished) {
-    size_t ncap = c->cappublished ? c->cappublished * 2 : 8;
-    char **n = realloc(c->published, ncap * sizeof *n);
-    if (!n)
-      return;
-    c->published = n;
-    c->cappublished = ncap;
-  }
-  if ((dup = strdup(name)))
-    c->published[c->npublished++] = dup;
-}
-
-void gpupool__note_unpublished(gpupool_client *c, const char *name) {
-  for (size_t i = 0; i < c->npublished; i++)
-    if (!strcmp(c->published[i], name)) {
-      free(c->published[i]);
-      c->published[i] = c->published[--c->npublished];
-      return;
-    }
-}
-
 int gpupool_client_set_devices(gpupool_client *c, const int *devices, int n) {
   int rc = 0;
   if (!c || n < 0 || n > 64 || (n > 0 && !devices))
@@ -524,7 +466,7 @@ void gpupool_client_disconnect(gpupool_client *c) {
   gpupool__hmap_free(&c->exports);
   gpupool__layout_cache_clear(c);
   gpupool__smap_free(&c->layout_cache);
-  release_imports(c, &c->events, c->pools, c->npools);
+  gpupool__release_imports(c, &c->events, c->pools, c->npools);
   while (c->stale)
     gpupool__stale_gen_free(c, c->stale);
   pthread_mutex_unlock(&c->mu);

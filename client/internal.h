@@ -18,9 +18,12 @@
  * connection held or mapped only once no process holds the lease any more, so it is closed
  * only after the last mapping of its daemon's memory is gone.
  *
- * The files: conn.c (transport, reader election, call), maps.c (pools, slabs, events),
- * connect.c (connect, reconnect, disconnect), buffers.c, bundles.c, pending.c (pipelining),
- * files.c (published files).
+ * The files, each calling only those below it (docs/ARCHITECTURE.md, "Inside the client"):
+ * refit.c, connect.c (connect, reconnect, disconnect), pending.c (pipelining), files.c
+ * (published files), parts.c, bundles.c, buffers.c, maps.c (pools, slabs, events, stale
+ * generations), names.c (names this client published or lost), conn.c (transport, reader
+ * election, call; it reports reconnects and revocations upward through the callbacks in the
+ * client struct).
  */
 #ifndef GPUPOOL_CLIENT_INTERNAL_H
 #define GPUPOOL_CLIENT_INTERNAL_H
@@ -141,6 +144,10 @@ struct gpupool_client {
   size_t nlayout_cache;
   size_t nlost_names;
   uint64_t holds_lost;
+  /* What the transport (conn.c) reports to the layer above, given at connect (connect.c):
+   * the transport calls nothing above it. */
+  int (*reconnect)(gpupool_client *c); /* replace a connection the daemon closed (c->mu held) */
+  void (*revoked)(gpupool_client *c, const uint64_t *slabs, size_t n); /* slabs a reply revoked */
 };
 
 struct gpupool_buffer {
@@ -198,15 +205,17 @@ int gpupool__call_retry(gpupool_client *c, gpupool__req *req, gpupool__rep **out
 /* maps.c */
 int gpupool__be_unmap(gpupool_client *c, cslab *s, void *stream);
 void gpupool__slab_unmap(gpupool_client *c, cslab *s, void *stream);
-int gpupool__handle_revokes(gpupool_client *c, const gpupool__rep *rep);
+void gpupool__handle_revokes(gpupool_client *c, const uint64_t *slabs, size_t n);
 int gpupool__pool_attach(gpupool_client *c, cpool *p);
 int gpupool__send_release(gpupool_client *c, uint64_t hold_id, int done_recorded);
 int gpupool__materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, int wait_ready, void *stream,
                          gpupool_buffer **out, gpupool__error *err);
 
-/* connect.c */
+/* maps.c: stale generations */
+void gpupool__release_imports(gpupool_client *c, gpupool__hmap *events, cpool *pools, int npools);
 void gpupool__stale_gen_free(gpupool_client *c, stale_gen *g);
-int gpupool__reconnect(gpupool_client *c);
+
+/* names.c */
 void gpupool__utf8_scrub(char *s);
 void gpupool__note_published(gpupool_client *c, const char *name);
 void gpupool__note_unpublished(gpupool_client *c, const char *name);

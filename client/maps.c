@@ -1,7 +1,8 @@
 /*
  * libgpupool-client, maps.c: What this process maps of the daemon's memory: imported pools, mapped
  * slabs (refcounted by buffers), opened events, slab revocations, and turning a reply's BufferDesc
- * into a buffer (materialize). See internal.h for how the client is put together.
+ * into a buffer (materialize), and what is left of a connection that went away (stale generations,
+ * released with their last mapping). See internal.h for how the client is put together.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -51,19 +52,19 @@ void gpupool__slab_unmap(gpupool_client *c, cslab *s, void *stream) {
   free(s);
 }
 
-int gpupool__handle_revokes(gpupool_client *c, const gpupool__rep *rep) {
+void gpupool__handle_revokes(gpupool_client *c, const uint64_t *slabs, size_t n) {
   int unmapped = 0;
-  for (size_t i = 0; i < rep->n_revoke_slabs; i++) {
-    cslab *s = gpupool__hmap_get(&c->slabs, rep->revoke_slabs[i]);
-    slab_export *e = gpupool__hmap_get(&c->exports, rep->revoke_slabs[i]);
+  for (size_t i = 0; i < n; i++) {
+    cslab *s = gpupool__hmap_get(&c->slabs, slabs[i]);
+    slab_export *e = gpupool__hmap_get(&c->exports, slabs[i]);
     if (e) {
       /* Stashed from a reply whose buffer never became ours (a cancelled or failed get):
        * its fd would otherwise keep the slab's memory until disconnect. */
-      gpupool__hmap_del(&c->exports, rep->revoke_slabs[i]);
+      gpupool__hmap_del(&c->exports, slabs[i]);
       gpupool__export_free(e);
     }
     if (!s) {
-      note_unmapped(c, rep->revoke_slabs[i]);
+      note_unmapped(c, slabs[i]);
       continue;
     }
     if (s->refs > 0)
@@ -74,7 +75,6 @@ int gpupool__handle_revokes(gpupool_client *c, const gpupool__rep *rep) {
   /* The report goes out with the next request: the frees must have run by then. */
   if (unmapped && c->be->sync && c->be->sync(NULL) != 0)
     fprintf(stderr, "libgpupool-client: waiting for slab unmaps: %s\n", gpupool__errmsg());
-  return 0;
 }
 
 static cpool *pool_by_id(gpupool_client *c, uint32_t id) {
@@ -299,4 +299,31 @@ release:
   if (d && d->hold_id)
     gpupool__send_release(c, d->hold_id, 0);
   return rc;
+}
+
+/* Close the backend events and release the pools imported from one daemon: the live
+ * connection's at disconnect, a stale generation's when its last mapping goes. */
+void gpupool__release_imports(gpupool_client *c, gpupool__hmap *events, cpool *pools, int npools) {
+  if (c->be && c->be->has_events)
+    for (size_t i = 0; i < events->cap; i++)
+      if (gpupool__hmap_slot_used(events, i))
+        c->be->event_close(events->slots[i].val);
+  gpupool__hmap_free(events);
+  for (int i = 0; i < npools; i++)
+    if (pools[i].bp)
+      c->be->pool_release(pools[i].bp);
+}
+
+void gpupool__stale_gen_free(gpupool_client *c, stale_gen *g) {
+  stale_gen **pp;
+  for (pp = &c->stale; *pp && *pp != g; pp = &(*pp)->next)
+    ;
+  if (*pp)
+    *pp = g->next;
+  gpupool__release_imports(c, &g->events, g->pools, g->npools);
+  free(g->pools);
+  /* Last: no mapping of that daemon's memory is left in this process. */
+  if (g->lease_fd >= 0)
+    close(g->lease_fd);
+  free(g);
 }

@@ -476,6 +476,102 @@ static void ops_merge(ops_list *l) {
   l->n = k;
 }
 
+/* The copies of piece pi of target ti (at *pos along its dimension, which it moves past), from
+ * the sources s (sorted by key), into l. */
+static int plan_piece(ops_list *l, const src *s, size_t ns, const gpupool_plan *p, int ti, int pi,
+                      const int64_t *tstride, int64_t *pos) {
+  const gpupool_refit_target *t = &p->targets[ti];
+  int nd = t->meta.ndim, dim = t->dim;
+  char d1[24], d2[24];
+  int rc;
+  const gpupool_refit_piece *pc = &t->pieces[pi];
+  size_t klen = strlen(pc->key), lo = 0, hi = ns;
+  int64_t blo[GPUPOOL_MAX_NDIM], ext[GPUPOOL_MAX_NDIM], volume = 1, covered = 0;
+  int found = 0, sfk, dfk;
+  while (lo < hi) { /* the first source of the key */
+    size_t mid = (lo + hi) / 2;
+    if (key_cmp(pc->key, klen, &s[mid]) > 0)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  if (lo == ns || key_cmp(pc->key, klen, &s[lo]) != 0) {
+    rc = gpupool__err(GPUPOOL_EINVAL, "target %d, piece %d: the version has no tensor '%s' (no member named "
+                      "'%s' or '%s@PART[...]/...' with a tensor description)", ti, pi, pc->key, pc->key, pc->key);
+    return rc;
+  }
+  if (s[lo].ndim != nd) {
+    rc = gpupool__err(GPUPOOL_EINVAL, "target %d, piece %d: '%s' has %d dimensions, the target %d", ti, pi,
+                      pc->key, s[lo].ndim, nd);
+    return rc;
+  }
+  sfk = float_kind(s[lo].code, s[lo].bits);
+  dfk = float_kind(t->meta.dtype_code, t->meta.dtype_bits);
+  if (s[lo].code == t->meta.dtype_code && s[lo].bits == t->meta.dtype_bits) {
+    sfk = dfk = FK_NONE;
+  } else if (!sfk || !dfk) {
+    rc = gpupool__err(GPUPOOL_EINVAL, "target %d, piece %d: no cast from %s ('%s') to %s; casts are among "
+                      "float16, bfloat16, float32 and float64", ti, pi,
+                      dtype_str(s[lo].code, s[lo].bits, d1, sizeof d1), pc->key,
+                      dtype_str(t->meta.dtype_code, t->meta.dtype_bits, d2, sizeof d2));
+    return rc;
+  } else if (p->device) {
+    rc = gpupool__err(GPUPOOL_ENOTSUP, "target %d, piece %d: a cast from %s to %s into device memory; casts "
+                      "run on the host only: publish the version in the engine's dtype", ti, pi,
+                      dtype_str(s[lo].code, s[lo].bits, d1, sizeof d1),
+                      dtype_str(t->meta.dtype_code, t->meta.dtype_bits, d2, sizeof d2));
+    return rc;
+  }
+  for (int k = 0; k < nd; k++) {
+    ext[k] = t->meta.shape[k];
+    blo[k] = pc->start[k];
+  }
+  if (nd > 0)
+    ext[dim] = pc->length ? pc->length : t->meta.shape[dim] - *pos;
+  for (int k = 0; k < nd; k++) {
+    if (blo[k] < 0 || ext[k] < 0 || blo[k] > s[lo].global[k] || ext[k] > s[lo].global[k] - blo[k] ||
+        (k == dim && ext[k] > t->meta.shape[k] - *pos)) {
+      rc = gpupool__err(GPUPOOL_EINVAL, "target %d, piece %d ('%s'): dimension %d, slice %" PRId64 "..%" PRId64
+                        " is outside the tensor (%" PRId64 ") or the target (%" PRId64 " from %" PRId64 ")", ti,
+                        pi, pc->key, k, blo[k], blo[k] + ext[k], s[lo].global[k], t->meta.shape[k],
+                        k == dim ? *pos : 0);
+      return rc;
+    }
+    volume *= ext[k];
+  }
+  for (size_t q = lo; q < ns && !key_cmp(pc->key, klen, &s[q]); q++) {
+    int64_t E[GPUPOOL_MAX_NDIM], si[GPUPOOL_MAX_NDIM], tix[GPUPOOL_MAX_NDIM], v = 1;
+    int empty = 0;
+    for (int k = 0; k < nd; k++) {
+      int64_t a = blo[k] > s[q].start[k] ? blo[k] : s[q].start[k];
+      int64_t z = blo[k] + ext[k] < s[q].start[k] + s[q].shape[k] ? blo[k] + ext[k] : s[q].start[k] + s[q].shape[k];
+      if (z <= a) {
+        empty = 1;
+        break;
+      }
+      E[k] = z - a;
+      si[k] = a - s[q].start[k];
+      tix[k] = a - blo[k] + (k == dim ? *pos : 0);
+      v *= E[k];
+    }
+    if (empty || volume == 0)
+      continue;
+    found = 1;
+    covered += v;
+    if ((rc = emit(l, &s[q], t, tstride, E, si, tix, sfk, dfk)) != 0)
+      return rc;
+  }
+  if (covered != volume) {
+    rc = gpupool__err(GPUPOOL_EINVAL, "target %d, piece %d ('%s'): the version's slices cover %" PRId64 " of its "
+                      "%" PRId64 " elements%s", ti, pi, pc->key, covered, volume,
+                      found ? "" : " (none of them)");
+    return rc;
+  }
+  if (nd > 0)
+    *pos += ext[dim];
+  return 0;
+}
+
 /* The copies that fill p's targets from b's layout, into p (replacing what it had). */
 static int plan_compute(gpupool_plan *p, const gpupool_bundle *b) {
   src *s = NULL;
@@ -483,7 +579,6 @@ static int plan_compute(gpupool_plan *p, const gpupool_bundle *b) {
   ops_list l = {0};
   uint64_t *need;
   int rc;
-  char d1[24], d2[24];
 
   if ((rc = sources_of(b, &s, &ns)) != 0)
     return rc;
@@ -495,93 +590,9 @@ static int plan_compute(gpupool_plan *p, const gpupool_bundle *b) {
       memcpy(tstride, t->meta.strides, sizeof tstride);
     else
       contiguous_strides(nd, t->meta.shape, tstride);
-    for (int pi = 0; pi < t->npieces; pi++) {
-      const gpupool_refit_piece *pc = &t->pieces[pi];
-      size_t klen = strlen(pc->key), lo = 0, hi = ns;
-      int64_t blo[GPUPOOL_MAX_NDIM], ext[GPUPOOL_MAX_NDIM], volume = 1, covered = 0;
-      int found = 0, sfk, dfk;
-      while (lo < hi) { /* the first source of the key */
-        size_t mid = (lo + hi) / 2;
-        if (key_cmp(pc->key, klen, &s[mid]) > 0)
-          lo = mid + 1;
-        else
-          hi = mid;
-      }
-      if (lo == ns || key_cmp(pc->key, klen, &s[lo]) != 0) {
-        rc = gpupool__err(GPUPOOL_EINVAL, "target %d, piece %d: the version has no tensor '%s' (no member named "
-                          "'%s' or '%s@PART[...]/...' with a tensor description)", ti, pi, pc->key, pc->key, pc->key);
+    for (int pi = 0; pi < t->npieces; pi++)
+      if ((rc = plan_piece(&l, s, ns, p, ti, pi, tstride, &pos)) != 0)
         goto out;
-      }
-      if (s[lo].ndim != nd) {
-        rc = gpupool__err(GPUPOOL_EINVAL, "target %d, piece %d: '%s' has %d dimensions, the target %d", ti, pi,
-                          pc->key, s[lo].ndim, nd);
-        goto out;
-      }
-      sfk = float_kind(s[lo].code, s[lo].bits);
-      dfk = float_kind(t->meta.dtype_code, t->meta.dtype_bits);
-      if (s[lo].code == t->meta.dtype_code && s[lo].bits == t->meta.dtype_bits) {
-        sfk = dfk = FK_NONE;
-      } else if (!sfk || !dfk) {
-        rc = gpupool__err(GPUPOOL_EINVAL, "target %d, piece %d: no cast from %s ('%s') to %s; casts are among "
-                          "float16, bfloat16, float32 and float64", ti, pi,
-                          dtype_str(s[lo].code, s[lo].bits, d1, sizeof d1), pc->key,
-                          dtype_str(t->meta.dtype_code, t->meta.dtype_bits, d2, sizeof d2));
-        goto out;
-      } else if (p->device) {
-        rc = gpupool__err(GPUPOOL_ENOTSUP, "target %d, piece %d: a cast from %s to %s into device memory; casts "
-                          "run on the host only: publish the version in the engine's dtype", ti, pi,
-                          dtype_str(s[lo].code, s[lo].bits, d1, sizeof d1),
-                          dtype_str(t->meta.dtype_code, t->meta.dtype_bits, d2, sizeof d2));
-        goto out;
-      }
-      for (int k = 0; k < nd; k++) {
-        ext[k] = t->meta.shape[k];
-        blo[k] = pc->start[k];
-      }
-      if (nd > 0)
-        ext[dim] = pc->length ? pc->length : t->meta.shape[dim] - pos;
-      for (int k = 0; k < nd; k++) {
-        if (blo[k] < 0 || ext[k] < 0 || blo[k] > s[lo].global[k] || ext[k] > s[lo].global[k] - blo[k] ||
-            (k == dim && ext[k] > t->meta.shape[k] - pos)) {
-          rc = gpupool__err(GPUPOOL_EINVAL, "target %d, piece %d ('%s'): dimension %d, slice %" PRId64 "..%" PRId64
-                            " is outside the tensor (%" PRId64 ") or the target (%" PRId64 " from %" PRId64 ")", ti,
-                            pi, pc->key, k, blo[k], blo[k] + ext[k], s[lo].global[k], t->meta.shape[k],
-                            k == dim ? pos : 0);
-          goto out;
-        }
-        volume *= ext[k];
-      }
-      for (size_t q = lo; q < ns && !key_cmp(pc->key, klen, &s[q]); q++) {
-        int64_t E[GPUPOOL_MAX_NDIM], si[GPUPOOL_MAX_NDIM], tix[GPUPOOL_MAX_NDIM], v = 1;
-        int empty = 0;
-        for (int k = 0; k < nd; k++) {
-          int64_t a = blo[k] > s[q].start[k] ? blo[k] : s[q].start[k];
-          int64_t z = blo[k] + ext[k] < s[q].start[k] + s[q].shape[k] ? blo[k] + ext[k] : s[q].start[k] + s[q].shape[k];
-          if (z <= a) {
-            empty = 1;
-            break;
-          }
-          E[k] = z - a;
-          si[k] = a - s[q].start[k];
-          tix[k] = a - blo[k] + (k == dim ? pos : 0);
-          v *= E[k];
-        }
-        if (empty || volume == 0)
-          continue;
-        found = 1;
-        covered += v;
-        if ((rc = emit(&l, &s[q], t, tstride, E, si, tix, sfk, dfk)) != 0)
-          goto out;
-      }
-      if (covered != volume) {
-        rc = gpupool__err(GPUPOOL_EINVAL, "target %d, piece %d ('%s'): the version's slices cover %" PRId64 " of its "
-                          "%" PRId64 " elements%s", ti, pi, pc->key, covered, volume,
-                          found ? "" : " (none of them)");
-        goto out;
-      }
-      if (nd > 0)
-        pos += ext[dim];
-    }
     if (nd > 0 && pos != t->meta.shape[dim]) {
       rc = gpupool__err(GPUPOOL_EINVAL, "target %d: its pieces span %" PRId64 " of its %" PRId64 " along dimension "
                         "%d", ti, pos, t->meta.shape[dim], dim);

@@ -10,6 +10,10 @@
  * Exit status: 0 success, 1 the daemon refused or failed the request (or drop-client found
  * no such client), 2 usage error, 3 the daemon could not be reached or spoke nonsense, 4 the
  * daemon is up but not serving because its configuration is invalid.
+ *
+ * Every command is a row of one table (name, the request it makes, the renderer of its reply;
+ * whether it is for operators comes from the request's own row in common/requests.h), and all
+ * go through one path: build the request, call, render (gpupoolctl_render.c).
  */
 #include <errno.h>
 #include <getopt.h>
@@ -25,42 +29,15 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "errors.h"
-#include "gpupool/gpupool.h"
+#include "gpupoolctl.h"
 #include "gpupool/version.h"
 #include "requests.h"
 #include "sock.h"
-#include "wire.h"
 
-#define EXIT_REFUSED 1
-#define EXIT_USAGE 2
-#define EXIT_UNREACHABLE 3
-/* Internal: the daemon answered GPUPOOL_ENOENT to a request whose command words the message
- * itself; exits as EXIT_REFUSED. */
-#define EXIT_NOT_FOUND 100
-#define EXIT_CONFIG 4 /* up, answering, but not serving: what monitoring must tell from down */
-
-typedef struct {
-  char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
-  int fd;
-  uint64_t seq;
-  int timeout_s;
-  int hello_timeout_ms; /* connect and Hello: $GPUPOOL_CONNECT_TIMEOUT_MS, else --timeout */
-  int json;
-  const char *cmd;
-  pid_t daemon_pid;
-  uid_t daemon_uid;
-  gpupool__rep *hello; /* the HelloReply frame, kept for pool names and the daemon version */
-} ctl;
-
-/* With --json a failure is a JSON document too ({"error": "..."} on stdout), so a script
- * never has to parse an empty or half-written output. */
-static int json_errors;
-static void jstr(const char *s);
+int json_errors;
 static size_t distance(const char *a, const char *b);
 
-static void die_msg(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void die_msg(const char *fmt, ...) {
+void die_msg(const char *fmt, ...) {
   char msg[2048];
   va_list ap;
   va_start(ap, fmt);
@@ -73,208 +50,6 @@ static void die_msg(const char *fmt, ...) {
     puts("}");
     json_errors = 0; /* one document */
   }
-}
-
-/* ---- output helpers ------------------------------------------------------------------------ */
-
-/* JSON string: escapes quotes, backslashes and control bytes; bytes that are not valid
- * UTF-8 become U+FFFD so the document always parses. */
-static void jstr(const char *s) {
-  const unsigned char *p = (const unsigned char *)(s ? s : "");
-  putchar('"');
-  while (*p) {
-    unsigned char ch = *p;
-    int n = 0;
-    if (ch == '"' || ch == '\\') {
-      printf("\\%c", ch);
-      p++;
-      continue;
-    }
-    if (ch < 0x20) {
-      if (ch == '\n')
-        fputs("\\n", stdout);
-      else if (ch == '\t')
-        fputs("\\t", stdout);
-      else if (ch == '\r')
-        fputs("\\r", stdout);
-      else
-        printf("\\u%04x", ch);
-      p++;
-      continue;
-    }
-    if (ch < 0x80) {
-      putchar(ch);
-      p++;
-      continue;
-    }
-    if (ch >= 0xc2 && ch <= 0xdf)
-      n = 1;
-    else if (ch >= 0xe0 && ch <= 0xef)
-      n = 2;
-    else if (ch >= 0xf0 && ch <= 0xf4)
-      n = 3;
-    if (n > 0) {
-      int ok = 1;
-      for (int i = 1; i <= n; i++)
-        if ((p[i] & 0xc0) != 0x80)
-          ok = 0;
-      /* Reject overlong forms, UTF-16 surrogates and code points above U+10FFFF. */
-      if (ok && ch == 0xe0 && p[1] < 0xa0)
-        ok = 0;
-      if (ok && ch == 0xed && p[1] > 0x9f)
-        ok = 0;
-      if (ok && ch == 0xf0 && p[1] < 0x90)
-        ok = 0;
-      if (ok && ch == 0xf4 && p[1] > 0x8f)
-        ok = 0;
-      if (ok) {
-        fwrite(p, 1, (size_t)n + 1, stdout);
-        p += n + 1;
-        continue;
-      }
-    }
-    fputs("\\ufffd", stdout);
-    p++;
-  }
-  putchar('"');
-}
-
-static void jkey(const char *k, int *first) {
-  if (!*first)
-    putchar(',');
-  *first = 0;
-  jstr(k);
-  putchar(':');
-}
-
-static void jkv_u64(const char *k, uint64_t v, int *first) {
-  jkey(k, first);
-  printf("%llu", (unsigned long long)v);
-}
-
-static void jkv_i64(const char *k, int64_t v, int *first) {
-  jkey(k, first);
-  printf("%lld", (long long)v);
-}
-
-static void jkv_str(const char *k, const char *v, int *first) {
-  jkey(k, first);
-  jstr(v);
-}
-
-static void jkv_bool(const char *k, int v, int *first) {
-  jkey(k, first);
-  fputs(v ? "true" : "false", stdout);
-}
-
-static const char *fmt_size(uint64_t v, char *buf, size_t len) {
-  static const char *const units[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  double d = (double)v;
-  int u = -1;
-
-  if (v < 1024) {
-    snprintf(buf, len, "%llu B", (unsigned long long)v);
-    return buf;
-  }
-  while (d >= 1024.0 && u < 5) {
-    d /= 1024.0;
-    u++;
-  }
-  snprintf(buf, len, d < 10.0 ? "%.2f %s" : d < 100.0 ? "%.1f %s" : "%.0f %s", d, units[u]);
-  return buf;
-}
-
-static const char *fmt_age(uint64_t s, char *buf, size_t len) {
-  unsigned long long d = s / 86400, h = s / 3600 % 24, m = s / 60 % 60, sec = s % 60;
-  if (d > 0)
-    snprintf(buf, len, "%llud %02lluh", d, h);
-  else if (h > 0)
-    snprintf(buf, len, "%lluh %02llum", h, m);
-  else if (m > 0)
-    snprintf(buf, len, "%llum %02llus", m, sec);
-  else
-    snprintf(buf, len, "%llus", sec);
-  return buf;
-}
-
-/* Tables: cells are copied (with control characters replaced, so a client's chosen name
- * cannot drive the operator's terminal) and printed with columns padded to their widest. */
-#define TABLE_MAX_COLS 12
-typedef struct {
-  int ncols;
-  size_t nrows, cap;
-  char **cells; /* nrows * ncols, row 0 is the header */
-  int right[TABLE_MAX_COLS];
-} table;
-
-static void table_init(table *t, int ncols) {
-  memset(t, 0, sizeof(*t));
-  t->ncols = ncols;
-}
-
-static int table_row(table *t, ...) {
-  va_list ap;
-  if (t->nrows == t->cap) {
-    size_t cap = t->cap ? t->cap * 2 : 16;
-    char **n = realloc(t->cells, cap * (size_t)t->ncols * sizeof(char *));
-    if (n == NULL)
-      return -1;
-    t->cells = n;
-    t->cap = cap;
-  }
-  va_start(ap, t);
-  for (int c = 0; c < t->ncols; c++) {
-    const char *s = va_arg(ap, const char *);
-    char *d = strdup(s ? s : "");
-    if (d == NULL) {
-      va_end(ap);
-      for (int k = 0; k < c; k++)
-        free(t->cells[t->nrows * (size_t)t->ncols + (size_t)k]);
-      return -1;
-    }
-    for (char *q = d; *q; q++)
-      if ((unsigned char)*q < 0x20 || *q == 0x7f)
-        *q = '?';
-    t->cells[t->nrows * (size_t)t->ncols + (size_t)c] = d;
-  }
-  va_end(ap);
-  t->nrows++;
-  return 0;
-}
-
-static void table_print(table *t) {
-  size_t w[TABLE_MAX_COLS] = {0};
-  for (size_t r = 0; r < t->nrows; r++)
-    for (int c = 0; c < t->ncols; c++) {
-      size_t l = strlen(t->cells[r * (size_t)t->ncols + (size_t)c]);
-      if (l > w[c])
-        w[c] = l;
-    }
-  for (size_t r = 0; r < t->nrows; r++)
-    for (int c = 0; c < t->ncols; c++) {
-      const char *s = t->cells[r * (size_t)t->ncols + (size_t)c];
-      int last = c == t->ncols - 1;
-      if (t->right[c])
-        printf("%*s", (int)w[c], s);
-      else if (last)
-        fputs(s, stdout); /* no trailing blanks */
-      else
-        printf("%-*s", (int)w[c], s);
-      fputs(last ? "\n" : "  ", stdout);
-    }
-}
-
-static void table_free(table *t) {
-  for (size_t i = 0; i < t->nrows * (size_t)t->ncols; i++)
-    free(t->cells[i]);
-  free(t->cells);
-}
-
-/* ---- talking to the daemon ------------------------------------------------------------------ */
-
-static const char *fmt_secs(int ms, char *buf, size_t len) {
-  snprintf(buf, len, "%g s", ms / 1000.0);
-  return buf;
 }
 
 static int connect_daemon(ctl *c) {
@@ -352,6 +127,29 @@ static const char *body_name(int body_case) {
 static int is_admin(int body_case) {
   int i = gpupool__request_index(body_case);
   return i >= 0 && (gpupool__request_kinds[i].flags & GPUPOOL__REQ_ADMIN);
+}
+
+/* The daemon answered req with an error: say it, in the words its command needs, and return
+ * the exit status (EXIT_NOT_FOUND: the caller words it). */
+static int refused(ctl *c, const gpupool__req *req, const gpupool__rep *rep) {
+  int bc = (int)req->body_case, code = rep->error->code;
+  const char *msg = rep->error->message && rep->error->message[0] ? rep->error->message : gpupool_strerror(code);
+  if (code == GPUPOOL_EPERM && is_admin(bc)) {
+    struct passwd *pw = c->daemon_uid != (uid_t)-1 ? getpwuid(c->daemon_uid) : NULL;
+    die_msg("%s: permission denied: %s\n"
+            "  Admin requests need root or the daemon's own user (uid %d%s%s); try "
+            "'sudo gpupoolctl %s'.",
+            c->cmd, msg, (int)c->daemon_uid, pw ? ", " : "", pw ? pw->pw_name : "", c->cmd);
+  } else if (code == GPUPOOL_ENOENT && bc == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_UNPUBLISH) {
+    return EXIT_NOT_FOUND; /* run() says it, with the keys meant */
+  } else if (code == GPUPOOL_ENOENT && bc == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT) {
+    die_msg("no client with pid %d is connected (see 'gpupoolctl clients')", (int)req->admin_drop_client->pid);
+  } else {
+    die_msg("%s: %s (%s)", c->cmd, msg, gpupool_err_name(code));
+  }
+  return bc != GPUPOOL__WIRE__REQUEST__BODY_HELLO ? EXIT_REFUSED
+         : code == GPUPOOL_ECONFIG              ? EXIT_CONFIG
+                                                : EXIT_UNREACHABLE;
 }
 
 /* Send req and read its reply. Returns 0 with *out (the caller frees it), EXIT_REFUSED when
@@ -432,27 +230,7 @@ static int call(ctl *c, gpupool__req *req, gpupool__rep **out) {
     goto out;
   }
   if (rep->error != NULL) {
-    int code = rep->error->code;
-    const char *msg = rep->error->message && rep->error->message[0] ? rep->error->message
-                                                                    : gpupool_strerror(code);
-    if (code == GPUPOOL_EPERM && is_admin(bc)) {
-      struct passwd *pw = c->daemon_uid != (uid_t)-1 ? getpwuid(c->daemon_uid) : NULL;
-      die_msg("%s: permission denied: %s\n"
-              "  Admin requests need root or the daemon's own user (uid %d%s%s); try "
-              "'sudo gpupoolctl %s'.",
-              c->cmd, msg, (int)c->daemon_uid, pw ? ", " : "", pw ? pw->pw_name : "", c->cmd);
-    } else if (code == GPUPOOL_ENOENT && bc == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_UNPUBLISH) {
-      ret = EXIT_NOT_FOUND; /* cmd_unpublish says it, with the keys meant */
-      goto out;
-    } else if (code == GPUPOOL_ENOENT && bc == GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT) {
-      die_msg("no client with pid %d is connected (see 'gpupoolctl clients')",
-              (int)req->admin_drop_client->pid);
-    } else {
-      die_msg("%s: %s (%s)", c->cmd, msg, gpupool_err_name(code));
-    }
-    ret = bc != GPUPOOL__WIRE__REQUEST__BODY_HELLO ? EXIT_REFUSED
-          : code == GPUPOOL_ECONFIG              ? EXIT_CONFIG
-                                                 : EXIT_UNREACHABLE;
+    ret = refused(c, req, rep);
     goto out;
   }
   if ((int)rep->body_case != bc) {
@@ -494,559 +272,99 @@ static int hello(ctl *c) {
   return 0;
 }
 
-static const char *pool_name(const ctl *c, uint32_t id, char *buf, size_t len) {
-  const Gpupool__Wire__HelloReply *h = c->hello->hello;
-  for (size_t i = 0; i < h->n_pools; i++)
-    if (h->pools[i]->id == id)
-      return h->pools[i]->name;
-  snprintf(buf, len, "#%u", id);
-  return buf;
-}
+/* ---- the commands -------------------------------------------------------------------------- */
 
+/* The body of any command's request, filled by its row's request function. */
+typedef union {
+  Gpupool__Wire__Stats stats;
+  Gpupool__Wire__AdminClients clients;
+  Gpupool__Wire__AdminBuffers buffers;
+  Gpupool__Wire__AdminNames names;
+  Gpupool__Wire__AdminUnpublish unpublish;
+  Gpupool__Wire__AdminPeers peers;
+  Gpupool__Wire__AdminDropClient drop;
+  Gpupool__Wire__Trim trim;
+} body;
 
-/* ---- commands ------------------------------------------------------------------------------ */
-
-static int get_stats(ctl *c, gpupool__rep **rep) {
-  Gpupool__Wire__Stats s = GPUPOOL__WIRE__STATS__INIT;
+int ctl_admin_buffers(ctl *c, gpupool__rep **rep) {
+  Gpupool__Wire__AdminBuffers ab = GPUPOOL__WIRE__ADMIN_BUFFERS__INIT;
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
-  req.stats = &s;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS;
+  req.admin_buffers = &ab;
   return call(c, &req, rep);
 }
 
-static void json_pool(const Gpupool__Wire__PoolInfo *p) {
-  int f = 1;
-  putchar('{');
-  jkv_u64("id", p->id, &f);
-  jkv_str("name", p->name, &f);
-  jkv_str("backend", gpupool__wire_backend_name(p->backend), &f);
-  jkv_str("location", gpupool__wire_location_name(p->location), &f);
-  jkv_i64("device", p->device, &f);
-  jkv_i64("numa_node", p->numa_node, &f);
-  jkv_u64("capacity", p->capacity, &f);
-  jkv_u64("slab_size", p->slab_size, &f);
-  jkv_u64("max_alloc", p->max_alloc, &f);
-  jkv_u64("used", p->used, &f);
-  jkv_u64("reserved", p->reserved, &f);
-  jkv_u64("used_high", p->used_high, &f);
-  jkv_u64("reserved_high", p->reserved_high, &f);
-  jkv_u64("backend_used", p->backend_used, &f);
-  jkv_u64("backend_reserved", p->backend_reserved, &f);
-  jkv_u64("backend_used_high", p->backend_used_high, &f);
-  jkv_u64("backend_reserved_high", p->backend_reserved_high, &f);
-  jkv_u64("buffers", p->buffers, &f);
-  jkv_u64("slabs", p->slabs, &f);
-  jkv_u64("held", p->held, &f);
-  jkv_u64("instances", p->instances, &f);
-  jkv_i64("simulated_device", p->simulated_device ? (int64_t)p->simulated_device - 1 : -1, &f);
-  putchar('}');
-}
-
-static void json_stats(const ctl *c, const Gpupool__Wire__StatsReply *s) {
-  int f = 1;
-  putchar('{');
-  jkv_str("socket", c->path, &f);
-  jkv_i64("daemon_pid", s->daemon_pid > 0 ? s->daemon_pid : c->daemon_pid, &f);
-  jkv_i64("daemon_uid", s->daemon_pid > 0 ? (int64_t)s->daemon_uid : (int64_t)c->daemon_uid, &f);
-  jkv_str("daemon_version", s->daemon_version, &f);
-  jkv_str("backend", gpupool__wire_backend_name(s->backend), &f);
-  jkv_u64("protocol_version", c->hello->hello->protocol_version, &f);
-  jkv_u64("uptime_s", s->uptime_s, &f);
-  jkv_u64("clients", s->clients, &f);
-  jkv_u64("buffers", s->buffers, &f);
-  jkv_u64("holds", s->holds, &f);
-  jkv_u64("names", s->names, &f);
-  jkv_u64("requests", s->requests, &f);
-  jkv_u64("errors", s->errors, &f);
-  jkv_u64("open_fds", s->open_fds, &f);
-  jkv_u64("pending_frees", s->pending_frees, &f);
-  jkv_u64("waiting_leases", s->waiting_leases, &f);
-  jkv_u64("replica_copies", s->replica_copies, &f);
-  jkv_u64("replica_bytes", s->replica_bytes, &f);
-  jkv_u64("replica_copies_running", s->replica_copies_running, &f);
-  jkv_u64("replica_copies_failed", s->replica_copies_failed, &f);
-  jkv_str("restart_pending", s->restart_pending, &f);
-  jkv_str("metrics_exporters", s->metrics_exporters, &f);
-  jkey("pools", &f);
-  putchar('[');
-  for (size_t i = 0; i < s->n_pools; i++) {
-    if (i)
-      putchar(',');
-    json_pool(s->pools[i]);
-  }
-  puts("]}");
-}
-
-static int cmd_status(ctl *c) {
-  gpupool__rep *rep;
-  const Gpupool__Wire__StatsReply *s;
-  char up[32], b[8][32];
-  table t;
-  int rc = get_stats(c, &rep);
-
-  if (rc != 0)
-    return rc;
-  s = rep->stats;
-  if (c->json) {
-    json_stats(c, s);
-    goto out;
-  }
-  {
-    struct passwd *pw = getpwuid(c->daemon_uid);
-    printf("gpupoold %s (pid %d, uid %u%s%s) on %s\n", s->daemon_version,
-           (int)(s->daemon_pid > 0 ? s->daemon_pid : c->daemon_pid), (unsigned)c->daemon_uid,
-           pw ? " " : "", pw ? pw->pw_name : "", c->path);
-  }
-  printf("backend %s, up %s\n", gpupool__wire_backend_name(s->backend), fmt_age(s->uptime_s, up, sizeof(up)));
-  printf("clients %llu, buffers %llu, holds %llu, names %llu, pending frees %llu, "
-         "waiting leases %llu, open fds %llu\n",
-         (unsigned long long)s->clients, (unsigned long long)s->buffers,
-         (unsigned long long)s->holds, (unsigned long long)s->names,
-         (unsigned long long)s->pending_frees, (unsigned long long)s->waiting_leases,
-         (unsigned long long)s->open_fds);
-  printf("requests %llu, errors %llu\n", (unsigned long long)s->requests,
-         (unsigned long long)s->errors);
-  if (s->metrics_exporters && *s->metrics_exporters)
-    printf("metrics exporters: %s\n", s->metrics_exporters);
-  if (s->restart_pending && *s->restart_pending)
-    printf("restart pending: a reload read new %s, which only a restart applies ('systemctl restart "
-           "gpupoold' drops every hold)\n",
-           s->restart_pending);
-  putchar('\n');
-  table_init(&t, 11);
-  for (int i = 2; i <= 10; i++)
-    t.right[i] = 1;
-  table_row(&t, "POOL", "WHERE", "CAPACITY", "USED", "RESERVED", "USED HIGH", "RES HIGH",
-            "BUFFERS", "SLABS", "SLAB SIZE", "MAX ALLOC");
-  for (size_t i = 0; i < s->n_pools; i++) {
-    const Gpupool__Wire__PoolInfo *p = s->pools[i];
-    char where[48], nb[24], ns[24];
-    if (p->location == GPUPOOL__WIRE__LOCATION_KIND__LOCATION_DEVICE)
-      snprintf(where, sizeof(where), "gpu%d", p->device);
-    else if (p->location == GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST_NUMA)
-      snprintf(where, sizeof(where), "pinned numa%d", p->numa_node);
-    else if (p->location == GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST && p->simulated_device)
-      snprintf(where, sizeof(where), "memfd as gpu%u (SIMULATED)", p->simulated_device - 1);
-    else if (p->location == GPUPOOL__WIRE__LOCATION_KIND__LOCATION_HOST)
-      snprintf(where, sizeof(where), "memfd");
-    else
-      snprintf(where, sizeof(where), "%s", gpupool__wire_location_name(p->location));
-    snprintf(nb, sizeof(nb), "%llu", (unsigned long long)p->buffers);
-    snprintf(ns, sizeof(ns), "%llu", (unsigned long long)p->slabs);
-    table_row(&t, p->name, where, fmt_size(p->capacity, b[0], 32), fmt_size(p->used, b[1], 32),
-              fmt_size(p->reserved, b[2], 32), fmt_size(p->used_high, b[3], 32),
-              fmt_size(p->reserved_high, b[4], 32), nb, ns, fmt_size(p->slab_size, b[5], 32),
-              fmt_size(p->max_alloc, b[6], 32));
-  }
-  table_print(&t);
-  table_free(&t);
-out:
-  gpupool__wire__reply__free_unpacked(rep, NULL);
+/* Request functions: fill req's body from the command's argument, or say what is wrong with
+ * it and return EXIT_USAGE. */
+static int ask_stats(const char *arg, gpupool__req *req, body *b) {
+  (void)arg;
+  b->stats = (Gpupool__Wire__Stats)GPUPOOL__WIRE__STATS__INIT;
+  req->stats = &b->stats;
   return 0;
 }
 
-static int cmd_stats(ctl *c) {
-  gpupool__rep *rep;
-  const Gpupool__Wire__StatsReply *s;
-  int rc = get_stats(c, &rep);
-
-  if (rc != 0)
-    return rc;
-  s = rep->stats;
-  if (c->json) {
-    json_stats(c, s);
-  } else {
-    /* One "key value" per line, exact numbers: easy to grep, unlike the status table. */
-    printf("daemon_version %s\nbackend %s\nuptime_s %llu\nclients %llu\nbuffers %llu\n"
-           "holds %llu\nnames %llu\nrequests %llu\nerrors %llu\nopen_fds %llu\n"
-           "pending_frees %llu\nwaiting_leases %llu\n",
-           s->daemon_version, gpupool__wire_backend_name(s->backend), (unsigned long long)s->uptime_s,
-           (unsigned long long)s->clients, (unsigned long long)s->buffers,
-           (unsigned long long)s->holds, (unsigned long long)s->names,
-           (unsigned long long)s->requests, (unsigned long long)s->errors,
-           (unsigned long long)s->open_fds, (unsigned long long)s->pending_frees,
-           (unsigned long long)s->waiting_leases);
-    printf("replica_copies %llu\nreplica_bytes %llu\nreplica_copies_running %llu\nreplica_copies_failed %llu\n",
-           (unsigned long long)s->replica_copies, (unsigned long long)s->replica_bytes,
-           (unsigned long long)s->replica_copies_running, (unsigned long long)s->replica_copies_failed);
-    for (size_t i = 0; i < s->n_pools; i++) {
-      const Gpupool__Wire__PoolInfo *p = s->pools[i];
-      const char *n = p->name;
-      printf("pool.%s.id %u\npool.%s.location %s\npool.%s.device %d\npool.%s.capacity %llu\n"
-             "pool.%s.used %llu\npool.%s.reserved %llu\npool.%s.used_high %llu\n"
-             "pool.%s.reserved_high %llu\npool.%s.backend_used %llu\n"
-             "pool.%s.backend_reserved %llu\npool.%s.buffers %llu\npool.%s.slabs %llu\n"
-             "pool.%s.held %llu\npool.%s.instances %u\n",
-             n, p->id, n, gpupool__wire_location_name(p->location), n, p->device, n,
-             (unsigned long long)p->capacity, n, (unsigned long long)p->used, n,
-             (unsigned long long)p->reserved, n, (unsigned long long)p->used_high, n,
-             (unsigned long long)p->reserved_high, n, (unsigned long long)p->backend_used, n,
-             (unsigned long long)p->backend_reserved, n, (unsigned long long)p->buffers, n,
-             (unsigned long long)p->slabs, n, (unsigned long long)p->held, n, p->instances);
-      if (p->simulated_device)
-        printf("pool.%s.simulated_device %u\n", n, p->simulated_device - 1);
-    }
-  }
-  gpupool__wire__reply__free_unpacked(rep, NULL);
+static int ask_clients(const char *arg, gpupool__req *req, body *b) {
+  (void)arg;
+  b->clients = (Gpupool__Wire__AdminClients)GPUPOOL__WIRE__ADMIN_CLIENTS__INIT;
+  req->admin_clients = &b->clients;
   return 0;
 }
 
-static int cmd_clients(ctl *c) {
-  Gpupool__Wire__AdminClients ac = GPUPOOL__WIRE__ADMIN_CLIENTS__INIT;
-  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-  gpupool__rep *rep;
-  const Gpupool__Wire__AdminClientsReply *r;
-  table t;
-  int rc;
-
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_CLIENTS;
-  req.admin_clients = &ac;
-  rc = call(c, &req, &rep);
-  if (rc != 0)
-    return rc;
-  r = rep->admin_clients;
-  if (c->json) {
-    printf("{\"clients\":[");
-    for (size_t i = 0; i < r->n_clients; i++) {
-      const Gpupool__Wire__ClientInfo *ci = r->clients[i];
-      struct passwd *pw = getpwuid(ci->uid);
-      int f = 1;
-      printf("%s{", i ? "," : "");
-      jkv_u64("id", ci->id, &f);
-      jkv_i64("pid", ci->pid, &f);
-      jkv_u64("uid", ci->uid, &f);
-      jkv_str("user", pw ? pw->pw_name : "", &f);
-      jkv_u64("gid", ci->gid, &f);
-      jkv_str("name", ci->name, &f);
-      jkv_u64("holds", ci->holds, &f);
-      jkv_u64("bytes", ci->bytes, &f);
-      jkv_u64("age_s", ci->age_s, &f);
-      jkv_bool("self", ci->id == c->hello->hello->client_id, &f);
-      putchar('}');
-    }
-    puts("]}");
-    goto out;
-  }
-  table_init(&t, 7);
-  t.right[0] = t.right[1] = t.right[4] = t.right[5] = t.right[6] = 1;
-  table_row(&t, "ID", "PID", "USER", "NAME", "HOLDS", "BYTES", "AGE");
-  for (size_t i = 0; i < r->n_clients; i++) {
-    const Gpupool__Wire__ClientInfo *ci = r->clients[i];
-    struct passwd *pw = getpwuid(ci->uid);
-    char id[24], pid[16], user[64], holds[24], bytes[32], age[32];
-    snprintf(id, sizeof(id), "%llu", (unsigned long long)ci->id);
-    snprintf(pid, sizeof(pid), "%d", ci->pid);
-    if (pw != NULL)
-      snprintf(user, sizeof(user), "%s", pw->pw_name);
-    else
-      snprintf(user, sizeof(user), "%u", ci->uid);
-    snprintf(holds, sizeof(holds), "%llu", (unsigned long long)ci->holds);
-    table_row(&t, id, pid, user, ci->name, holds, fmt_size(ci->bytes, bytes, sizeof(bytes)),
-              fmt_age(ci->age_s, age, sizeof(age)));
-  }
-  table_print(&t);
-  table_free(&t);
-out:
-  gpupool__wire__reply__free_unpacked(rep, NULL);
+static int ask_buffers(const char *arg, gpupool__req *req, body *b) {
+  (void)arg;
+  b->buffers = (Gpupool__Wire__AdminBuffers)GPUPOOL__WIRE__ADMIN_BUFFERS__INIT;
+  req->admin_buffers = &b->buffers;
   return 0;
 }
 
-static int cmp_by_id(const void *a, const void *b) {
-  const Gpupool__Wire__BufferInfo *x = *(Gpupool__Wire__BufferInfo *const *)a;
-  const Gpupool__Wire__BufferInfo *y = *(Gpupool__Wire__BufferInfo *const *)b;
-  return x->id < y->id ? -1 : x->id > y->id;
-}
-
-static int cmp_by_key(const void *a, const void *b) {
-  const Gpupool__Wire__NameInfo *x = *(Gpupool__Wire__NameInfo *const *)a;
-  const Gpupool__Wire__NameInfo *y = *(Gpupool__Wire__NameInfo *const *)b;
-  return strcmp(x->key, y->key);
-}
-
-static void jkv_strs(const char *k, char **v, size_t n, int *first) {
-  jkey(k, first);
-  putchar('[');
-  for (size_t i = 0; i < n; i++) {
-    if (i)
-      putchar(',');
-    jstr(v[i]);
-  }
-  putchar(']');
-}
-
-static void jkv_u64s(const char *k, const uint64_t *v, size_t n, int *first) {
-  jkey(k, first);
-  putchar('[');
-  for (size_t i = 0; i < n; i++)
-    printf("%s%llu", i ? "," : "", (unsigned long long)v[i]);
-  putchar(']');
-}
-
-/* "a, b, c": a buffer's names for the text table (the caller frees it). */
-static char *join_names(char **v, size_t n) {
-  size_t len = 1;
-  char *s, *p;
-  for (size_t i = 0; i < n; i++)
-    len += strlen(v[i]) + 2;
-  if (!(s = p = malloc(len)))
-    return NULL;
-  *p = '\0';
-  for (size_t i = 0; i < n; i++)
-    p += sprintf(p, "%s%s", i ? ", " : "", v[i]);
-  return s;
-}
-
-static const Gpupool__Wire__BufferInfo *find_buffer(const Gpupool__Wire__AdminBuffersReply *r, uint64_t id) {
-  for (size_t i = 0; i < r->n_buffers; i++)
-    if (r->buffers[i]->id == id)
-      return r->buffers[i];
-  return NULL;
-}
-
-/* AdminBuffers: every live buffer, sorted by id (allocation order); *rep is the caller's. */
-static int admin_buffers(ctl *c, gpupool__rep **rep) {
-  Gpupool__Wire__AdminBuffers ab = GPUPOOL__WIRE__ADMIN_BUFFERS__INIT;
-  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-  int rc;
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS;
-  req.admin_buffers = &ab;
-  if ((rc = call(c, &req, rep)) != 0)
-    return rc;
-  qsort((*rep)->admin_buffers->buffers, (*rep)->admin_buffers->n_buffers, sizeof(*(*rep)->admin_buffers->buffers),
-        cmp_by_id);
+static int ask_names(const char *arg, gpupool__req *req, body *b) {
+  (void)arg;
+  b->names = (Gpupool__Wire__AdminNames)GPUPOOL__WIRE__ADMIN_NAMES__INIT;
+  req->admin_names = &b->names;
   return 0;
 }
 
-/* `buffers`: every live buffer, sorted by id (allocation order), with all its names. */
-static int cmd_buffers(ctl *c) {
-  gpupool__rep *rep;
-  Gpupool__Wire__AdminBuffersReply *r;
-  Gpupool__Wire__BufferInfo **v;
-  size_t n;
-  table t;
-  int rc;
-
-  if ((rc = admin_buffers(c, &rep)) != 0)
-    return rc;
-  r = rep->admin_buffers;
-  v = r->buffers;
-  n = r->n_buffers;
-
-  if (c->json) {
-    printf("{\"buffers\":[");
-    for (size_t i = 0; i < n; i++) {
-      char pb[16];
-      int f = 1;
-      printf("%s{", i ? "," : "");
-      jkv_u64("id", v[i]->id, &f);
-      jkv_u64("pool_id", v[i]->pool_id, &f);
-      jkv_str("pool", pool_name(c, v[i]->pool_id, pb, sizeof(pb)), &f);
-      jkv_u64("size", v[i]->size, &f);
-      jkv_u64("holders", v[i]->holders, &f);
-      jkv_u64("age_s", v[i]->age_s, &f);
-      jkv_i64("owner_pid", v[i]->owner_pid, &f);
-      jkv_str("name", v[i]->name, &f);
-      jkv_strs("names", v[i]->names, v[i]->n_names, &f);
-      jkv_i64("device", v[i]->device, &f);
-      jkv_u64("replica_of", v[i]->replica_of, &f);
-      putchar('}');
-    }
-    puts("]}");
-    goto out;
-  }
-  table_init(&t, 8);
-  t.right[0] = t.right[2] = t.right[3] = t.right[4] = t.right[5] = 1;
-  table_row(&t, "ID", "POOL", "SIZE", "HOLDERS", "AGE", "OWNER PID", "REPLICA OF", "NAMES");
-  for (size_t i = 0; i < n; i++) {
-    char id[24], pb[16], size[32], holders[16], age[32], pid[16], repl[48] = "-";
-    char *names = join_names(v[i]->names, v[i]->n_names);
-    snprintf(id, sizeof(id), "%llu", (unsigned long long)v[i]->id);
-    if (v[i]->replica_of)
-      snprintf(repl, sizeof(repl), "%llu on gpu%d", (unsigned long long)v[i]->replica_of, v[i]->device);
-    snprintf(holders, sizeof(holders), "%u", v[i]->holders);
-    snprintf(pid, sizeof(pid), "%d", v[i]->owner_pid);
-    fmt_size(v[i]->size, size, sizeof(size));
-    fmt_age(v[i]->age_s, age, sizeof(age));
-    table_row(&t, id, pool_name(c, v[i]->pool_id, pb, sizeof(pb)), size, holders, age, pid, repl,
-              names ? names : "");
-    free(names);
-  }
-  table_print(&t);
-  table_free(&t);
-out:
-  gpupool__wire__reply__free_unpacked(rep, NULL);
+static int ask_peers(const char *arg, gpupool__req *req, body *b) {
+  (void)arg;
+  b->peers = (Gpupool__Wire__AdminPeers)GPUPOOL__WIRE__ADMIN_PEERS__INIT;
+  req->admin_peers = &b->peers;
   return 0;
 }
 
-/* `names`: every published name of every tenant, sorted by key, one row per name (a buffer
- * published under three names is three rows): buffers with their id, pool and holders,
- * bundles with their version and member count, files with their path. */
-static int cmd_names(ctl *c) {
-  Gpupool__Wire__AdminNames an = GPUPOOL__WIRE__ADMIN_NAMES__INIT;
-  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-  gpupool__rep *names, *bufs;
-  Gpupool__Wire__NameInfo **v;
-  size_t n;
-  table t;
-  int rc;
-
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_NAMES;
-  req.admin_names = &an;
-  if ((rc = call(c, &req, &names)) != 0)
-    return rc;
-  if ((rc = admin_buffers(c, &bufs)) != 0) {
-    gpupool__wire__reply__free_unpacked(names, NULL);
-    return rc;
-  }
-  v = names->admin_names->names;
-  n = names->admin_names->n_names;
-  qsort(v, n, sizeof(*v), cmp_by_key);
-
-  if (c->json) {
-    printf("{\"names\":[");
-    for (size_t i = 0; i < n; i++) {
-      const Gpupool__Wire__BufferInfo *b =
-          v[i]->n_buffer_ids ? find_buffer(bufs->admin_buffers, v[i]->buffer_ids[0]) : NULL;
-      char pb[16];
-      int f = 1;
-      printf("%s{", i ? "," : "");
-      jkv_str("name", v[i]->key, &f);
-      jkv_str("kind", v[i]->kind, &f);
-      jkv_u64("uid", v[i]->uid, &f);
-      jkv_u64("version", v[i]->version, &f);
-      jkv_u64("size", v[i]->size, &f);
-      jkv_u64("age_s", v[i]->age_s, &f);
-      jkv_u64("members", v[i]->members, &f);
-      jkv_u64s("buffers", v[i]->buffer_ids, v[i]->n_buffer_ids, &f);
-      jkv_str("path", v[i]->path, &f);
-      if (b) { /* the (first) buffer's: what `buffers` shows of it */
-        jkv_u64("id", b->id, &f);
-        jkv_str("pool", pool_name(c, b->pool_id, pb, sizeof(pb)), &f);
-        jkv_u64("holders", b->holders, &f);
-        jkv_i64("owner_pid", b->owner_pid, &f);
-      }
-      putchar('}');
-    }
-    printf("],\"files\":[");
-    for (size_t i = 0, k = 0; i < n; i++) {
-      int f = 1;
-      if (strcmp(v[i]->kind, "file") != 0)
-        continue;
-      printf("%s{", k++ ? "," : "");
-      jkv_str("name", v[i]->key, &f);
-      jkv_u64("uid", v[i]->uid, &f);
-      jkv_u64("size", v[i]->size, &f);
-      jkv_u64("age_s", v[i]->age_s, &f);
-      jkv_str("path", v[i]->path, &f);
-      putchar('}');
-    }
-    puts("]}");
-    goto out;
-  }
-  table_init(&t, 9);
-  t.right[2] = t.right[3] = t.right[4] = t.right[6] = t.right[7] = 1;
-  table_row(&t, "NAME", "KIND", "VERSION", "SIZE", "UID", "POOL", "BUFFER", "AGE", "MEMBERS/PATH");
-  for (size_t i = 0; i < n; i++) {
-    const Gpupool__Wire__BufferInfo *b =
-        v[i]->n_buffer_ids ? find_buffer(bufs->admin_buffers, v[i]->buffer_ids[0]) : NULL;
-    char ver[24], size[32], uid[16], pb[16], id[24], age[32], what[32];
-    snprintf(ver, sizeof(ver), "%llu", (unsigned long long)v[i]->version);
-    fmt_size(v[i]->size, size, sizeof(size));
-    snprintf(uid, sizeof(uid), "%u", v[i]->uid);
-    snprintf(id, sizeof(id), "%llu", b ? (unsigned long long)b->id : 0ull);
-    fmt_age(v[i]->age_s, age, sizeof(age));
-    snprintf(what, sizeof(what), "%u member%s", v[i]->members, v[i]->members == 1 ? "" : "s");
-    table_row(&t, v[i]->key, v[i]->kind, ver, size, uid, b ? pool_name(c, b->pool_id, pb, sizeof(pb)) : "-",
-              b ? id : "-", age, strcmp(v[i]->kind, "file") == 0 ? v[i]->path
-                                 : strcmp(v[i]->kind, "bundle") == 0 ? what : "");
-  }
-  table_print(&t);
-  table_free(&t);
-out:
-  gpupool__wire__reply__free_unpacked(bufs, NULL);
-  gpupool__wire__reply__free_unpacked(names, NULL);
+static int ask_trim(const char *arg, gpupool__req *req, body *b) {
+  (void)arg;
+  b->trim = (Gpupool__Wire__Trim)GPUPOOL__WIRE__TRIM__INIT;
+  req->trim = &b->trim;
   return 0;
 }
 
-/* `peers`: the configured peers, how each stands, and what was fetched from and served to it. */
-static int cmd_peers(ctl *c) {
-  Gpupool__Wire__AdminPeers ap = GPUPOOL__WIRE__ADMIN_PEERS__INIT;
-  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-  gpupool__rep *rep;
-  const Gpupool__Wire__AdminPeersReply *r;
-  table t;
-  int rc;
+/* Remove a name of any tenant, by the key `names` shows ("uid:1000/weights"). */
+static int ask_unpublish(const char *key, gpupool__req *req, body *b) {
+  if (key == NULL || !*key) {
+    die_msg("unpublish wants the name's key as 'gpupoolctl names' shows it, e.g. uid:1000/weights");
+    return EXIT_USAGE;
+  }
+  b->unpublish = (Gpupool__Wire__AdminUnpublish)GPUPOOL__WIRE__ADMIN_UNPUBLISH__INIT;
+  b->unpublish.key = (char *)key;
+  req->admin_unpublish = &b->unpublish;
+  return 0;
+}
 
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_PEERS;
-  req.admin_peers = &ap;
-  if ((rc = call(c, &req, &rep)) != 0)
-    return rc;
-  r = rep->admin_peers;
-  if (c->json) {
-    int f = 1;
-    putchar('{');
-    jkv_str("transport", r->transport, &f);
-    jkv_str("listen", r->listen, &f);
-    jkv_str("device_memory", r->device_memory, &f);
-    jkv_u64("staging_in_use", r->staging_in_use, &f);
-    jkv_u64("staging_made", r->staging_made, &f);
-    printf(",\"peers\":[");
-    for (size_t i = 0; i < r->n_peers; i++) {
-      const Gpupool__Wire__PeerInfo *p = r->peers[i];
-      int g = 1;
-      printf("%s{", i ? "," : "");
-      jkv_str("name", p->name, &g);
-      jkv_str("address", p->address, &g);
-      jkv_str("state", p->state, &g);
-      jkv_str("last_error", p->last_error, &g);
-      jkv_u64("fetches_in_flight", p->fetches_in_flight, &g);
-      jkv_u64("fetches", p->fetches, &g);
-      jkv_u64("failures", p->failures, &g);
-      jkv_u64("bytes_fetched", p->bytes_fetched, &g);
-      jkv_u64("versions_served", p->versions_served, &g);
-      jkv_u64("bytes_served", p->bytes_served, &g);
-      jkv_u64("serving_now", p->serving_now, &g);
-      jkv_u64("bytes_staged", p->bytes_staged, &g);
-      jkv_str("fetch_transport", p->fetch_transport, &g);
-      jkv_str("serve_transport", p->serve_transport, &g);
-      jkv_u64("restarts", p->restarts, &g);
-      putchar('}');
-    }
-    puts("]}");
-    gpupool__wire__reply__free_unpacked(rep, NULL);
-    return 0;
+static int ask_drop(const char *arg, gpupool__req *req, body *b) {
+  char *end = NULL;
+  long pid;
+
+  errno = 0;
+  pid = arg ? strtol(arg, &end, 10) : 0;
+  if (arg == NULL || errno != 0 || end == arg || *end != '\0' || pid <= 0 || pid > INT32_MAX) {
+    die_msg("drop-client needs the pid of a connected client (see 'gpupoolctl clients'), got "
+            "'%s'",
+            arg ? arg : "");
+    return EXIT_USAGE;
   }
-  /* What UCX offers here; the transports a peer's data really uses are listed per peer below. */
-  printf("transport: %s (available)\nlisten: %s\n", r->transport, r->listen && *r->listen ? r->listen : "(serves no peer)");
-  if (r->device_memory && *r->device_memory) {
-    char use[32], made[32];
-    fmt_size(r->staging_in_use, use, sizeof(use));
-    fmt_size(r->staging_made, made, sizeof(made));
-    printf("device memory: %s\nstaging: %s in use of %s made\n", r->device_memory, use, made);
-  }
-  table_init(&t, 9);
-  t.right[3] = t.right[4] = t.right[5] = t.right[6] = t.right[7] = 1;
-  table_row(&t, "PEER", "ADDRESS", "STATE", "IN FLIGHT", "FETCHES", "FAILED", "FETCHED", "SERVED", "LAST ERROR");
-  for (size_t i = 0; i < r->n_peers; i++) {
-    const Gpupool__Wire__PeerInfo *p = r->peers[i];
-    char fl[16], fe[24], fa[24], by[32], sv[24];
-    snprintf(fl, sizeof(fl), "%u", p->fetches_in_flight);
-    snprintf(fe, sizeof(fe), "%llu", (unsigned long long)p->fetches);
-    snprintf(fa, sizeof(fa), "%llu", (unsigned long long)p->failures);
-    fmt_size(p->bytes_fetched, by, sizeof(by));
-    snprintf(sv, sizeof(sv), "%llu", (unsigned long long)p->versions_served);
-    table_row(&t, p->name, p->address, p->state, fl, fe, fa, by, sv, p->last_error);
-  }
-  table_print(&t);
-  table_free(&t);
-  for (size_t i = 0; i < r->n_peers; i++) {
-    const Gpupool__Wire__PeerInfo *p = r->peers[i];
-    if (*p->fetch_transport || *p->serve_transport || p->restarts)
-      printf("%s: fetched over %s; served over %s; restarts seen: %u\n", p->name,
-             *p->fetch_transport ? p->fetch_transport : "(not connected yet)",
-             *p->serve_transport ? p->serve_transport : "(not served yet)", p->restarts);
-  }
-  gpupool__wire__reply__free_unpacked(rep, NULL);
+  b->drop = (Gpupool__Wire__AdminDropClient)GPUPOOL__WIRE__ADMIN_DROP_CLIENT__INIT;
+  b->drop.pid = (int32_t)pid;
+  req->admin_drop_client = &b->drop;
   return 0;
 }
 
@@ -1096,101 +414,6 @@ static void not_filed(ctl *c, const char *key) {
     die_msg("no name is filed under '%s' (see 'gpupoolctl names' for the keys)", key);
 }
 
-/* Remove a name of any tenant, by the key `names` shows ("uid:1000/weights"). */
-static int cmd_unpublish(ctl *c, const char *key) {
-  Gpupool__Wire__AdminUnpublish au = GPUPOOL__WIRE__ADMIN_UNPUBLISH__INIT;
-  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-  gpupool__rep *rep;
-  int rc;
-  if (key == NULL || !*key) {
-    die_msg("unpublish wants the name's key as 'gpupoolctl names' shows it, e.g. uid:1000/weights");
-    return EXIT_USAGE;
-  }
-  au.key = (char *)key;
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_UNPUBLISH;
-  req.admin_unpublish = &au;
-  if ((rc = call(c, &req, &rep)) == EXIT_NOT_FOUND) {
-    not_filed(c, key);
-    return EXIT_REFUSED;
-  }
-  if (rc != 0)
-    return rc;
-  if (c->json)
-    printf("{\"unpublished\":\"%s\"}\n", key);
-  else
-    printf("unpublished %s\n", key);
-  gpupool__wire__reply__free_unpacked(rep, NULL);
-  return 0;
-}
-
-static int cmd_drop(ctl *c, const char *arg) {
-  Gpupool__Wire__AdminDropClient d = GPUPOOL__WIRE__ADMIN_DROP_CLIENT__INIT;
-  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-  gpupool__rep *rep;
-  char *end = NULL;
-  long pid;
-  uint32_t dropped;
-  int rc;
-
-  errno = 0;
-  pid = arg ? strtol(arg, &end, 10) : 0;
-  if (arg == NULL || errno != 0 || end == arg || *end != '\0' || pid <= 0 || pid > INT32_MAX) {
-    die_msg("drop-client needs the pid of a connected client (see 'gpupoolctl clients'), got "
-            "'%s'",
-            arg ? arg : "");
-    return EXIT_USAGE;
-  }
-  d.pid = (int32_t)pid;
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT;
-  req.admin_drop_client = &d;
-  rc = call(c, &req, &rep);
-  if (rc != 0)
-    return rc;
-  dropped = rep->admin_drop_client->dropped;
-  gpupool__wire__reply__free_unpacked(rep, NULL);
-  if (c->json) {
-    int f = 1;
-    putchar('{');
-    jkv_i64("pid", pid, &f);
-    jkv_u64("dropped", dropped, &f);
-    puts("}");
-  } else if (dropped > 0) {
-    printf("dropped %u connection%s of pid %ld; the holds they had are released\n", dropped,
-           dropped == 1 ? "" : "s", pid);
-  }
-  if (dropped == 0) {
-    die_msg("no client with pid %ld is connected (see 'gpupoolctl clients')", pid);
-    return EXIT_REFUSED;
-  }
-  return 0;
-}
-
-static int cmd_trim(ctl *c) {
-  Gpupool__Wire__Trim tr = GPUPOOL__WIRE__TRIM__INIT;
-  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
-  gpupool__rep *rep;
-  int rc;
-
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_TRIM;
-  req.trim = &tr;
-  rc = call(c, &req, &rep);
-  if (rc != 0)
-    return rc;
-  if (c->json) {
-    int f = 1;
-    putchar('{');
-    jkv_u64("slabs_freed", rep->trim->slabs_freed, &f);
-    jkv_u64("slabs_revoked", rep->trim->slabs_revoked, &f);
-    puts("}");
-  } else {
-    printf("freed %u empty slab%s; %u more wait for clients to unmap them\n",
-           rep->trim->slabs_freed, rep->trim->slabs_freed == 1 ? "" : "s",
-           rep->trim->slabs_revoked);
-  }
-  gpupool__wire__reply__free_unpacked(rep, NULL);
-  return 0;
-}
-
 /* ---- main ---------------------------------------------------------------------------------- */
 
 /* The commands, one row each: dispatch, --help and the did-you-mean read the rows; whether a
@@ -1200,43 +423,59 @@ typedef struct {
   const char *name;
   const char *arg;   /* its argument as --help writes it, or NULL */
   int body_case;     /* the request it makes (names also reads AdminBuffers, admin as well) */
-  int (*run)(ctl *c, const char *arg);
+  int (*request)(const char *arg, gpupool__req *req, body *b); /* fills the request's body */
+  ctl_render_fn *render; /* prints the reply */
   const char *help;  /* lines of --help after the name, '\n' between them */
 } command;
 
-static int run_status(ctl *c, const char *a) { (void)a; return cmd_status(c); }
-static int run_clients(ctl *c, const char *a) { (void)a; return cmd_clients(c); }
-static int run_buffers(ctl *c, const char *a) { (void)a; return cmd_buffers(c); }
-static int run_names(ctl *c, const char *a) { (void)a; return cmd_names(c); }
-static int run_peers(ctl *c, const char *a) { (void)a; return cmd_peers(c); }
-static int run_stats(ctl *c, const char *a) { (void)a; return cmd_stats(c); }
-static int run_trim(ctl *c, const char *a) { (void)a; return cmd_trim(c); }
-
 static const command commands[] = {
-    {"status", NULL, GPUPOOL__WIRE__REQUEST__BODY_STATS, run_status,
+    {"status", NULL, GPUPOOL__WIRE__REQUEST__BODY_STATS, ask_stats, render_status,
      "daemon version, backend, uptime, clients and pool usage; exporters\n"
      "and a restart a reload left pending"},
-    {"clients", NULL, GPUPOOL__WIRE__REQUEST__BODY_ADMIN_CLIENTS, run_clients,
+    {"clients", NULL, GPUPOOL__WIRE__REQUEST__BODY_ADMIN_CLIENTS, ask_clients, render_clients,
      "connected clients: id, pid, user, name, holds, bytes, age"},
-    {"buffers", NULL, GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS, run_buffers,
+    {"buffers", NULL, GPUPOOL__WIRE__REQUEST__BODY_ADMIN_BUFFERS, ask_buffers, render_buffers,
      "live buffers sorted by id: pool, size, holders, age, owner pid, the\n"
      "buffer a replica copies and its device, and every name"},
-    {"names", NULL, GPUPOOL__WIRE__REQUEST__BODY_ADMIN_NAMES, run_names,
+    {"names", NULL, GPUPOOL__WIRE__REQUEST__BODY_ADMIN_NAMES, ask_names, render_names,
      "every tenant's published names sorted by key, one row each: buffers,\n"
      "bundles (version, members) and files (path)"},
-    {"unpublish", "KEY", GPUPOOL__WIRE__REQUEST__BODY_ADMIN_UNPUBLISH, cmd_unpublish,
+    {"unpublish", "KEY", GPUPOOL__WIRE__REQUEST__BODY_ADMIN_UNPUBLISH, ask_unpublish, render_unpublish,
      "remove the name filed under KEY, as names shows it (uid:1000/x),\n"
      "whichever tenant published it"},
-    {"peers", NULL, GPUPOOL__WIRE__REQUEST__BODY_ADMIN_PEERS, run_peers,
+    {"peers", NULL, GPUPOOL__WIRE__REQUEST__BODY_ADMIN_PEERS, ask_peers, render_peers,
      "the peer daemons: address, state, fetches in flight, fetched,\n"
      "failed, versions served and the last error"},
-    {"stats", NULL, GPUPOOL__WIRE__REQUEST__BODY_STATS, run_stats, "every daemon and pool counter, one per line"},
-    {"drop-client", "PID", GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT, cmd_drop,
+    {"stats", NULL, GPUPOOL__WIRE__REQUEST__BODY_STATS, ask_stats, render_stats,
+     "every daemon and pool counter, one per line"},
+    {"drop-client", "PID", GPUPOOL__WIRE__REQUEST__BODY_ADMIN_DROP_CLIENT, ask_drop, render_drop,
      "disconnect every connection of process PID, releasing its holds"},
-    {"trim", NULL, GPUPOOL__WIRE__REQUEST__BODY_TRIM, run_trim,
+    {"trim", NULL, GPUPOOL__WIRE__REQUEST__BODY_TRIM, ask_trim, render_trim,
      "give every tenant's empty slabs back to the backend"},
 };
 #define NCOMMANDS (sizeof commands / sizeof commands[0])
+
+/* The one path of every command: its request, the call, its renderer. A request that names
+ * a key the daemon does not know (unpublish) is answered with the keys meant. */
+static int run(ctl *c, const command *k, const char *arg) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  gpupool__rep *rep;
+  body b;
+  int rc;
+
+  if ((rc = k->request(arg, &req, &b)) != 0)
+    return rc;
+  req.body_case = k->body_case;
+  if ((rc = call(c, &req, &rep)) == EXIT_NOT_FOUND) {
+    not_filed(c, arg);
+    return EXIT_REFUSED;
+  }
+  if (rc != 0)
+    return rc;
+  rc = k->render(c, rep, arg);
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  return rc;
+}
 
 static const command *find_command(const char *name) {
   for (size_t i = 0; i < NCOMMANDS; i++)
@@ -1335,26 +574,20 @@ static void usage(FILE *f) {
           GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS / 1000);
 }
 
-int main(int argc, char **argv) {
+/* The options, into c and *sock. Returns -1 to go on, or the exit status (--help, --version,
+ * a mistake). */
+static int parse_options(int argc, char **argv, ctl *c, const char **sock) {
   static const struct option opts[] = {
       {"socket", required_argument, NULL, 's'}, {"json", no_argument, NULL, 'j'},
       {"timeout", required_argument, NULL, 't'}, {"help", no_argument, NULL, 'h'},
       {"version", no_argument, NULL, 'V'},       {NULL, 0, NULL, 0}};
-  ctl c;
-  const char *sock = NULL, *arg;
-  int o, rc;
-
-  memset(&c, 0, sizeof(c));
-  c.fd = -1;
-  c.timeout_s = GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS / 1000;
-  c.hello_timeout_ms = -1;
-  const command *cmd;
+  int o;
 
   opterr = 0; /* the messages below say what was wrong, and the short usage */
   while ((o = getopt_long(argc, argv, ":s:jt:hV", opts, NULL)) != -1) {
     switch (o) {
-    case 's': sock = optarg; break;
-    case 'j': c.json = json_errors = 1; break;
+    case 's': *sock = optarg; break;
+    case 'j': c->json = json_errors = 1; break;
     case 't': {
       char *end = NULL;
       long v = strtol(optarg, &end, 10);
@@ -1362,7 +595,7 @@ int main(int argc, char **argv) {
         die_msg("--timeout wants whole seconds (0 = wait forever), got '%s'", optarg);
         return usage_error();
       }
-      c.timeout_s = (int)v;
+      c->timeout_s = (int)v;
       break;
     }
     case 'h': usage(stdout); return 0;
@@ -1394,6 +627,22 @@ int main(int argc, char **argv) {
     }
     }
   }
+  return -1;
+}
+
+int main(int argc, char **argv) {
+  ctl c;
+  const char *sock = NULL, *arg;
+  int rc;
+
+  memset(&c, 0, sizeof(c));
+  c.fd = -1;
+  c.timeout_s = GPUPOOL_CONNECT_TIMEOUT_DEFAULT_MS / 1000;
+  c.hello_timeout_ms = -1;
+  const command *cmd;
+
+  if ((rc = parse_options(argc, argv, &c, &sock)) >= 0)
+    return rc;
   if (optind >= argc) {
     die_msg("no command given");
     return usage_error();
@@ -1443,7 +692,7 @@ int main(int argc, char **argv) {
   rc = hello(&c);
   if (rc != 0)
     goto out;
-  rc = cmd->run(&c, arg);
+  rc = run(&c, cmd, arg);
 
 out:
   if (c.hello != NULL)
@@ -1455,3 +704,4 @@ out:
   }
   return rc;
 }
+

@@ -28,7 +28,7 @@
  * staging slot is refilled only after the waits on the hops that read it from SLOTS pieces
  * ago), so a job holds ndst * SLOTS + 1 events however long it is.
  *
- * The end of a job: a watcher thread (one per daemon) queries the last event of each hop of
+ * The end of a job (copy_watch.c): a watcher thread (one per daemon) queries the last event of each hop of
  * every running job and writes the notifier's eventfd when a job's are all complete. It polls
  * each job at an interval of 1/256 of the time the job has run so far (4 us to 1 ms), so it
  * learns of an end at most about 0.4% of the job's time late, with a few thousand queries per
@@ -49,228 +49,19 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
-#include <sys/prctl.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <cuda_runtime_api.h>
 
 #include "cuda.h"
+#include "copy_internal.h"
 #include "cuda_daemon.h"
 #include "errors.h"
 #include "list.h"
 #include "log.h"
 
-/* Bytes per piece of a job that stages (the size of a staging slot), of a chain of peer
- * copies (small enough that filling the chain costs little, large enough that the gaps
- * between copies do not show), and of a job with one destination and no staging, which has
- * nothing to pipeline (the largest slab: a segment is never cut). */
-#define PIECE ((uint64_t)GPUPOOL__COPY_SLOT_MIB << 20)
-#define PIECE_CHAIN ((uint64_t)GPUPOOL__COPY_CHAIN_MIB << 20)
-#define PIECE_ONE GPUPOOL_SLAB_HARD_MAX
-/* Staging slots in a ring, and events per hop. */
-#define SLOTS GPUPOOL__COPY_SLOTS
-/* Defaults of the three, which a build may set (-D) to measure others. Measured on 4 H200
- * (bench/RESULTS.md) against 32 MiB x 4 slots / 64 MiB chain pieces and 8 MiB x 16 / 256 MiB:
- * the staged copy gains most from smaller slots (a shorter fill before both directions run),
- * the chained broadcast is the same within 1%, and fewer chain pieces halve copy_start. */
-#ifndef GPUPOOL__COPY_SLOT_MIB
-#define GPUPOOL__COPY_SLOT_MIB 16
-#endif
-#ifndef GPUPOOL__COPY_CHAIN_MIB
-#define GPUPOOL__COPY_CHAIN_MIB 128
-#endif
-#ifndef GPUPOOL__COPY_SLOTS
-#define GPUPOOL__COPY_SLOTS 8
-#endif
-
-typedef enum { HOP_LOCAL, HOP_PEER, HOP_DIRECT, HOP_STAGED } hop_kind;
-
 static const char *const hop_names[] = {"local", "peer", "direct", "staged"};
-
-typedef struct {
-  hop_kind kind;
-  int from_dev, from_host; /* where the hop reads: the pools of src (hop 0) or dst[h-1] */
-  int to_dev, to_host;     /* where it writes: the pools of dst[h] */
-  int dev;                 /* GPU whose copy stream runs the hop (staged: the H2D side) */
-  cudaStream_t stream;
-  int fills_stage;         /* staged: the first staged hop, which copies pieces into the ring */
-  cudaStream_t d2h_stream; /* fills_stage: the source GPU's copy stream */
-  cudaEvent_t ev[SLOTS];   /* piece k of this hop is done: ev[k % SLOTS] */
-  int nev;
-} hop;
-
-struct gpupool__bcopy {
-  gpupool__cuda_state *st;
-  int ndst;
-  hop hops[GPUPOOL_COPY_MAX_DSTS];
-  void *stage;         /* pinned ring of SLOTS * PIECE bytes; NULL when no hop stages */
-  cudaEvent_t d2h_ev;  /* the piece now in the ring has landed there */
-  int has_d2h_ev;
-  uint64_t piece;      /* bytes per piece */
-  uint64_t npieces;    /* pieces queued */
-  int done;            /* every final event completed */
-  /* In the watcher's list (under its mutex): when the job was queued, its neighbours. */
-  int watched;
-  uint64_t started_ns;
-  gpupool__bcopy *wprev, *wnext;
-};
-
-/* The copy watcher (see the top of this file). */
-#define WATCH_MIN_NS 4000ull
-#define WATCH_MAX_NS 1000000ull
-
-struct gpupool__cuda_watch {
-  pthread_t thread;
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  gpupool__bcopy *head; /* running jobs not yet seen ended */
-  int stop;
-  int efd;
-};
-
-static uint64_t mono_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static void watch_unlink(struct gpupool__cuda_watch *w, gpupool__bcopy *c) {
-  GPUPOOL__LIST_UNLINK(w->head, c, wprev, wnext);
-  c->wprev = c->wnext = NULL;
-  c->watched = 0;
-}
-
-/* 0 while the last event of a hop of c is pending, 1 once every one has completed, -1 when
- * one failed (*which and *err say which hop and how). Queries only: from either thread. */
-static int job_state(const gpupool__bcopy *c, int *which, cudaError_t *err) {
-  int slot = (int)((c->npieces - 1) % SLOTS);
-  for (int h = 0; h < c->ndst; h++) {
-    cudaError_t e = cudaEventQuery(c->hops[h].ev[slot]);
-    if (e == cudaSuccess)
-      continue;
-    (void)cudaGetLastError();
-    if (e == cudaErrorNotReady)
-      return 0;
-    *which = h;
-    *err = e;
-    return -1;
-  }
-  return 1;
-}
-
-/* 1 when c is over, well or not (copy_poll reports a failure). */
-static int job_ended(const gpupool__bcopy *c) {
-  int h;
-  cudaError_t e;
-  return job_state(c, &h, &e) != 0;
-}
-
-static void *watch_main(void *arg) {
-  struct gpupool__cuda_watch *w = arg;
-  uint64_t one = 1;
-  /* Sleeps of a few microseconds mean what they say (the default slack is 50 us). */
-  (void)prctl(PR_SET_TIMERSLACK, 1000ul, 0, 0, 0);
-  pthread_mutex_lock(&w->mu);
-  for (;;) {
-    uint64_t now, nap = WATCH_MAX_NS;
-    int ended = 0;
-    while (!w->stop && !w->head)
-      pthread_cond_wait(&w->cv, &w->mu);
-    if (w->stop)
-      break;
-    now = mono_ns();
-    for (gpupool__bcopy *c = w->head, *n; c; c = n) {
-      uint64_t iv = (now - c->started_ns) / 256;
-      n = c->wnext;
-      if (job_ended(c)) {
-        watch_unlink(w, c);
-        ended = 1;
-        continue;
-      }
-      iv = iv < WATCH_MIN_NS ? WATCH_MIN_NS : iv > WATCH_MAX_NS ? WATCH_MAX_NS : iv;
-      if (iv < nap)
-        nap = iv;
-    }
-    if (ended) {
-      ssize_t r = write(w->efd, &one, sizeof one);
-      (void)r; /* the counter saturating still leaves it readable */
-    }
-    if (w->head) {
-      struct timespec ts = {0, (long)nap};
-      pthread_mutex_unlock(&w->mu);
-      nanosleep(&ts, NULL);
-      pthread_mutex_lock(&w->mu);
-    }
-  }
-  pthread_mutex_unlock(&w->mu);
-  return NULL;
-}
-
-/* Start the watcher on the notifier's eventfd; st->watch stays NULL when it cannot start. */
-static void watch_start(gpupool__cuda_state *st) {
-  struct gpupool__cuda_watch *w = calloc(1, sizeof(*w));
-  if (!w)
-    return;
-  w->efd = st->copy_efd;
-  if (pthread_mutex_init(&w->mu, NULL) != 0) {
-    free(w);
-    return;
-  }
-  if (pthread_cond_init(&w->cv, NULL) != 0) {
-    pthread_mutex_destroy(&w->mu);
-    free(w);
-    return;
-  }
-  if (pthread_create(&w->thread, NULL, watch_main, w) != 0) {
-    GPUPOOL__WARN("cuda: cannot start the copy watcher thread; a host function after each copy tells of its end");
-    pthread_cond_destroy(&w->cv);
-    pthread_mutex_destroy(&w->mu);
-    free(w);
-    return;
-  }
-  st->watch = w;
-}
-
-static void watch_stop(gpupool__cuda_state *st) {
-  struct gpupool__cuda_watch *w = st->watch;
-  if (!w)
-    return;
-  pthread_mutex_lock(&w->mu);
-  w->stop = 1;
-  pthread_cond_signal(&w->cv);
-  pthread_mutex_unlock(&w->mu);
-  pthread_join(w->thread, NULL);
-  pthread_cond_destroy(&w->cv);
-  pthread_mutex_destroy(&w->mu);
-  free(w);
-  st->watch = NULL;
-}
-
-static void watch_add(gpupool__bcopy *c) {
-  struct gpupool__cuda_watch *w = c->st->watch;
-  pthread_mutex_lock(&w->mu);
-  c->started_ns = mono_ns();
-  c->wprev = NULL;
-  c->wnext = w->head;
-  if (w->head)
-    w->head->wprev = c;
-  w->head = c;
-  c->watched = 1;
-  pthread_cond_signal(&w->cv);
-  pthread_mutex_unlock(&w->mu);
-}
-
-/* c leaves the watcher's list before its events go back to the idle pool. */
-static void watch_remove(gpupool__bcopy *c) {
-  struct gpupool__cuda_watch *w = c->st->watch;
-  if (!w)
-    return;
-  pthread_mutex_lock(&w->mu);
-  if (c->watched)
-    watch_unlink(w, c);
-  pthread_mutex_unlock(&w->mu);
-}
 
 /* A position in the job's bytes: segment i, offset off into it. */
 typedef struct {
@@ -633,7 +424,7 @@ static void stage_put(gpupool__bcopy *c) {
  * completed, and a job's first waits on a slot it has not recorded yet then wait for nothing)
  * and ring; its work must have completed (or never been queued). */
 static void job_free(gpupool__bcopy *c) {
-  watch_remove(c);
+  gpupool__cuda_watch_remove(c);
   for (int h = 0; h < c->ndst; h++) {
     gpupool__cuda_dev *D = &c->st->dev[c->hops[h].dev];
     for (int k = 0; k < c->hops[h].nev; k++) {
@@ -668,7 +459,7 @@ void gpupool__cuda_copy_init(gpupool__cuda_state *st) {
   st->copy_efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   st->watch = NULL;
   if (st->copy_efd >= 0)
-    watch_start(st);
+    gpupool__cuda_watch_start(st);
 }
 
 /* Runs on a CUDA driver thread once a hop's stream reaches it: no CUDA call here. */
@@ -714,7 +505,7 @@ int gpupool__cuda_copy_start(gpupool__backend *be, const gpupool__bcopy_seg *seg
    * (its last piece's event is then complete); a hop whose host function cannot be queued is
    * still found by the caller's timer. */
   if (c->st->watch)
-    watch_add(c);
+    gpupool__cuda_watch_add(c);
   else if (c->st->copy_efd >= 0)
     for (int h = 0; h < ndst; h++)
       if (cudaLaunchHostFunc(c->hops[h].stream, notify_cb, c->st) != cudaSuccess)
@@ -750,7 +541,7 @@ int gpupool__cuda_copy_poll(gpupool__bcopy *c) {
   cudaError_t e = cudaSuccess;
   if (c->done)
     return 1;
-  if ((q = job_state(c, &h, &e)) == 0)
+  if ((q = gpupool__cuda_job_state(c, &h, &e)) == 0)
     return 0;
   if (q < 0)
     return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaEventQuery (copy job)", c->hops[h].dev,
@@ -783,7 +574,7 @@ void gpupool__cuda_copy_free(gpupool__bcopy *c) {
 }
 
 void gpupool__cuda_copy_close(gpupool__cuda_state *st) {
-  watch_stop(st); /* before the events it queries go and the eventfd it writes closes */
+  gpupool__cuda_watch_stop(st); /* before the events it queries go and the eventfd it writes closes */
   while (st->nstage_idle > 0)
     if (cudaFreeHost(st->stage_idle[--st->nstage_idle]) != cudaSuccess)
       (void)cudaGetLastError();

@@ -143,7 +143,7 @@ def publish_shard(client, name: str, shards: Mapping[str, Any], rank: int, world
     if not items:
         raise error("EINVAL", "%s: a part needs at least one slice" % what)
     s = stream_handle(stream)
-    from ._client import _HoldIndex, _describe, _torch_desc
+    from ._client_args import _HoldIndex, _describe, _torch_desc
     from ._tensor import Tensor
     from ._util import _framework
 
@@ -240,7 +240,7 @@ class RefitPlan:
         written, any for the first), write it into the targets in place, and return its
         number. timeout: seconds (None = forever, 0 = ENOENT at once). A version of another
         layout is planned again first (``info()["plans"]`` counts it)."""
-        from ._client import _timeout_ms
+        from ._client_args import _timeout_ms
 
         if self._plan is None:
             raise error("EINVAL", "refit: the plan was closed")
@@ -299,7 +299,7 @@ def _target(name, spec, keep):
         raise error("EINVAL", "%s: give (tensor, pieces) or (tensor, pieces, dim)" % what)
     tensor, pieces = spec[0], spec[1]
     dim = int(spec[2]) if len(spec) > 2 else 0
-    from ._client import _describe, _meta
+    from ._client_args import _describe, _meta
 
     desc, _ = _describe(tensor, None)
     if desc.read_only:
@@ -346,7 +346,7 @@ def _target(name, spec, keep):
 def refit_plan(client, name: str, targets: Mapping[str, Any] | Sequence[Tuple[str, Any]],
                newer_than: int = 0, timeout: float | None = None) -> RefitPlan:
     """Client.refit_plan: see there."""
-    from ._client import _timeout_ms
+    from ._client_args import _timeout_ms
 
     L = _L()
     nb = _encode_name(name)

@@ -1,0 +1,208 @@
+"""gpupool.torch, receiving: a message's storages opened in one Open request and rebuilt as
+tensors (one storage per buffer in this process), and children that install as their parent."""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import torch
+from torch.multiprocessing import reductions as _torch_reductions
+
+from . import _dlpack, _lib
+from ._torch_state import (_BATCH_MAX, _PROFILE, _S, _client, _from_dlpack, _remember_locked, _step,
+                           _tls)
+
+
+def _install_spec(spec):
+    """install() with a sender's options: a process unpickling its first gpupool tensor sends as
+    its sender does. torch.py imports this module, so install is looked up when needed."""
+    from .torch import install
+
+    install(copy=spec[0], cpu=spec[1], pool=spec[2], fallback=spec[3], socket=spec[4])
+
+
+def _open_message(spec, tokens, offs, sizes, devs, payload, whole=None):
+    if _S.opts is None:
+        # A child unpickling its first gpupool tensor: it sends as its parent does.
+        _install_spec(spec)
+    c = _client()
+    n = len(offs)
+    cuda = {d for d in devs if d >= 0}
+    # The receiver's current stream waits on the ready events; with one device, the C library
+    # makes it wait as it opens (no stream bookkeeping per storage).
+    s = torch.cuda.current_stream(next(iter(cuda))).cuda_stream if len(cuda) == 1 else None
+    holds = []
+    T = _lib.TOKEN_SIZE
+    t0 = time.perf_counter_ns() if _PROFILE else 0
+    try:
+        for k in range(0, n, _BATCH_MAX):
+            holds += c._open_holds(tokens[k * T:(k + _BATCH_MAX) * T], False, s)
+        if t0:
+            t0 = _step("receive: open", t0)
+        if s is None:
+            for h in holds:
+                if h.kind == _lib.MEM_DEVICE:
+                    h.used_in(torch.cuda.current_stream(h.cuda_device).cuda_stream)
+        # Takes the holds out of the list; `made` has the tensors made whole from memory.
+        storages, made = _storages_of(holds, offs, sizes, whole)
+    finally:
+        for h in holds:
+            if h is not None:
+                h.release()  # a storage that could not be made: its hold goes
+    if t0:
+        t0 = _step("receive: storages", t0)
+    prev = getattr(_tls, "received", None), getattr(_tls, "made", None)
+    _tls.received, _tls.made = storages, made
+    try:
+        return pickle.loads(payload)
+    finally:
+        _tls.received, _tls.made = prev  # storages the message did not use go with these
+        if t0:
+            _step("receive: unpickle", t0)
+
+
+def _batched_storage(i):
+    got = getattr(_tls, "received", None)
+    if got is None:
+        raise RuntimeError("a gpupool.torch storage unpickled outside its message")
+    return got[i]
+
+
+def _rebuild_batched(cls, i, dtype, offset, size, stride, requires_grad):
+    got = getattr(_tls, "received", None)
+    if got is None:
+        raise RuntimeError("a gpupool.torch tensor unpickled outside its message")
+    made = getattr(_tls, "made", None)
+    t = made.pop(i, None) if made else None
+    if t is not None and t.dtype == dtype and offset == 0 and tuple(t.size()) == size \
+            and t.stride() == stride:
+        return _as_sent(cls, t, requires_grad)
+    return _rebuild_tensor(cls, got[i], dtype, offset, size, stride, requires_grad)
+
+
+# --- receiving -----------------------------------------------------------------------------
+def _rebuild_empty(device):
+    return torch.UntypedStorage(0, device=device)
+
+
+def _rebuild_storage(token, offset, nbytes, spec):
+    if _S.opts is None:
+        # A child unpickling its first gpupool tensor: it sends as its parent does.
+        _install_spec(spec)
+    c = _client()
+    hold = c._open_hold(token, False, None)
+    if hold.kind == _lib.MEM_DEVICE:
+        # The receiver's current stream on the buffer's device waits on the ready event.
+        hold.used_in(torch.cuda.current_stream(hold.cuda_device).cuda_stream)
+    return _storage_of(c, hold, offset, nbytes)
+
+
+def _storage_of(c, hold, offset, nbytes):
+    """The storage of a received hold (this process's storage of that memory when it has one
+    already: the hold then goes)."""
+    return _storages_of([hold], [offset], [nbytes])[0][0]
+
+
+def _storages_of(holds, offs, sizes, whole=None):
+    """The storage of each received hold (holds[i] at offs[i], sizes[i] bytes): this process's
+    storage of that memory when it has one already (the hold then goes), else a new one whose
+    deleter drops the hold. Each hold is taken out of `holds` (set to None) once a storage
+    owns it, so that the caller releases only those left on a failure. whole[i], when given
+    and not None, is (DLPack element type, shape, strides) of the one tensor the sender had
+    on storage i, covering it: a new storage i is then made as that tensor, returned in the
+    second result (place -> tensor)."""
+    n = len(holds)
+    storages = [None] * n
+    keys = [(h.buffer_id, offs[i], sizes[i]) for i, h in enumerate(holds)]
+    with _S.lock:
+        refs = [_S.received.get(k) for k in keys]
+    new = []
+    for i, ref in enumerate(refs):
+        if ref is not None and not ref.expired():
+            st = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            if st is not None:
+                storages[i] = st
+                h, holds[i] = holds[i], None
+                h.release()  # this process holds the buffer already, through that storage
+                continue
+        new.append(i)
+    # The storages' deleters drop the holds (each capsule keeps its hold referenced till then).
+    by_dev = {}
+    for i in new:
+        by_dev.setdefault((holds[i].dl_device, bool(whole and whole[i])), []).append(i)
+    made = {}
+    for (dev, as_view), idx in by_dev.items():
+        if as_view:
+            caps = _dlpack.view_capsules(dev, [(holds[i].ptr + offs[i], whole[i][0], whole[i][1],
+                                                whole[i][2], holds[i]) for i in idx])
+            for i, cap in zip(idx, caps):
+                t = made[i] = _from_dlpack(cap)
+                storages[i] = t.untyped_storage()
+        else:
+            caps = _dlpack.bytes_capsules(dev, [(holds[i].ptr + offs[i], sizes[i], holds[i]) for i in idx])
+            for i, cap in zip(idx, caps):
+                storages[i] = _from_dlpack(cap).untyped_storage()
+    owners = [(i, holds[i]) for i in new]
+    for i in new:
+        holds[i] = None
+    weak = [(_torch_reductions.StorageWeakRef(storages[i]), storages[i].data_ptr()) for i in new]
+    with _S.lock:
+        received = _S.received
+        for (i, h), (ref, ptr) in zip(owners, weak):
+            received[keys[i]] = ref
+            _remember_locked(ptr, h, offs[i])  # sent on from here: shared in place
+        if len(received) > _S.received_prune:
+            for k in [k for k, r in received.items() if r.expired()]:
+                del received[k]
+            _S.received_prune = max(1024, 2 * len(received))
+    return storages, made
+
+
+def _rebuild_tensor(cls, storage, dtype, offset, size, stride, requires_grad):
+    t = torch.empty((0,), dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+    return _as_sent(cls, t, requires_grad)
+
+
+def _as_sent(cls, t, requires_grad):
+    """A received tensor t as the sender's was: its class (Parameter, a subclass) and
+    requires_grad."""
+    if cls is torch.Tensor:
+        if requires_grad:
+            t.requires_grad = True
+        return t
+    if cls is torch.nn.parameter.Parameter:
+        # requires_grad goes to the constructor: integer parameters must not get it later
+        return torch.nn.parameter.Parameter(t, requires_grad=requires_grad)
+    if cls is not torch.Tensor and issubclass(cls, torch.Tensor):
+        t = t.as_subclass(cls)
+    t.requires_grad = requires_grad
+    return t
+
+
+# --- children ------------------------------------------------------------------------------
+# A spawn or forkserver child that sends tensors before it receives any would use torch's own
+# sharing: the Process object it unpickles first thing carries install()'s options, so the
+# child installs before its target runs (Pool workers included). A fork child inherits the
+# registrations.
+def _process_types():
+    import multiprocessing.context as ctx
+
+    return [t for t in (getattr(ctx, "SpawnProcess", None), getattr(ctx, "ForkServerProcess", None))
+            if t is not None]
+
+
+def _reduce_process(p):
+    rv = p.__reduce_ex__(2)  # object's own: (copyreg.__newobj__, (cls,), state)
+    return (_rebuild_process, (_S.opts.spec() if _S.opts is not None else None, rv[1][0], rv[2]))
+
+
+def _rebuild_process(spec, cls, state):
+    if spec is not None and _S.opts is None:
+        _install_spec(spec)
+    obj = cls.__new__(cls)
+    if isinstance(state, tuple):
+        state = state[0]
+    if state:
+        obj.__dict__.update(state)
+    return obj

@@ -1,0 +1,484 @@
+"""gpupool.torch, sending: the reducers install() registers, and a message's storages shared
+in one Share request (copies into kept buffers first) through ForkingPickler's dump."""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import time
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+
+from . import _dlpack, _lib
+from ._dict import _UINT8
+from ._errors import GpupoolError, error
+from ._torch_recv import (_batched_storage, _open_message, _rebuild_batched, _rebuild_empty,
+                          _rebuild_storage, _rebuild_tensor)
+from ._torch_state import (_BATCH_MAX, _CACHE_AGE, _DL_TYPES, _PROFILE, _S, _SMALL, _client,
+                           _from_dlpack, _say_fallback, _step, _stream_of, _tls)
+
+
+def _find(storage, c):
+    """How storage is gpupool memory shared as it is: (C buffer handle, offset of the storage
+    in it), or None."""
+    ptr = storage.data_ptr()
+    n = storage.nbytes()
+    got = _S.owned.get(ptr)
+    if got is not None:
+        h = got[0]()
+        if h is not None and not h.released and h.conn is c._conn and got[1] + n <= h.size:
+            return h.buf, got[1]
+    if _S.alloc_lib is not None and storage.device.type == "cuda":
+        buf = _lib.BufferP()
+        if _S.alloc_lib.gpupool_torch_alloc_find(ctypes.c_void_p(ptr), ctypes.byref(buf)):
+            return buf, 0
+    if _S.user_client:
+        # A user's client: its own allocations viewed through torch.from_dlpack.
+        dev = (_dlpack.kDLCUDA, storage.device.index or 0) if storage.device.type == "cuda" \
+            else (_dlpack.kDLCPU, 0)
+        h = c._find_hold(_dlpack.Desc(ptr, dev, _UINT8, (n,), (1,)))
+        if h is not None:
+            return h.buf, ptr - h.ptr
+    return None
+
+
+def _share(storage):
+    """(token, offset, bytes) of a kept share of storage's memory, copying it first into a new
+    gpupool buffer when it is not gpupool memory (and copy=True)."""
+    opts = _S.opts
+    c = _client()
+    dev = storage.device
+    n = storage.nbytes()
+    s = _stream_of(dev)
+    found = _find(storage, c)
+    if found is not None:
+        buf, off = found
+        return c._share_buf(buf, True, s), off, n
+    if not opts.copy:
+        raise error("EINVAL", "a %s storage of %d bytes is not gpupool memory and install(copy=False) "
+                    "refuses to copy it: allocate it with gpupool.torch.empty/zeros/empty_like or "
+                    "under gpupool.torch.use_allocator(), or install(copy=True)" % (dev, n))
+    if dev.type == "cuda":
+        pool = opts.pool if opts.pool is not None else c._pool_for(_dlpack.kDLCUDA, dev.index or 0, str(dev))
+    else:
+        pool = opts.pool if opts.pool is not None else c._pool_for(_dlpack.kDLCPU, 0, "cpu")
+    t = c._alloc((n,), _UINT8, pool, 0, s)
+    try:
+        if dev.type == "cuda":
+            dst = torch.from_dlpack(t)
+            if dst.device != dev:
+                raise error("EINVAL", "pool %r is on %s, not on %s where the storage is: pass "
+                            "install(pool=...) naming a pool of each device, or none" % (pool, dst.device, dev))
+            src = torch.empty(0, dtype=torch.uint8, device=dev).set_(storage, 0, (n,), (1,))
+            dst.copy_(src)  # on the current stream: the share records the ready event there
+            del dst, src
+        else:
+            ctypes.memmove(t.data_ptr, storage.data_ptr(), n)
+        return c._share_hold(t._hold, True, s), 0, n
+    finally:
+        t.release()  # the kept share holds the copy from here on
+
+
+
+def _usable():
+    """Whether gpupool serves this send: True, or False after saying why when fallback is on;
+    raises when the daemon is unreachable and fallback is off."""
+    try:
+        _client()
+        return True
+    except GpupoolError as e:
+        if _S.opts.fallback:
+            _say_fallback("gpupoold is unreachable (%s)" % e)
+            return False
+        raise error("ECONNECT", "gpupool.torch cannot send a tensor: %s. Start gpupoold (or point "
+                    "GPUPOOL_SOCKET at it), or install(fallback=True) to fall back to torch's "
+                    "own sharing" % e) from e
+
+
+def _handled(device):
+    return device.type == "cuda" or (device.type == "cpu" and _S.opts.cpu)
+
+
+def _reduce_tensor(t):
+    opts = _S.opts
+    if opts is None or t.is_nested or t.layout != torch.strided:
+        return _S.saved[torch.Tensor](t)
+    dev = t.device
+    if not (dev.type == "cuda" or (dev.type == "cpu" and opts.cpu)):
+        return _S.saved[torch.Tensor](t)
+    batch = getattr(_tls, "batch", None)
+    usable = batch.usable if batch is not None else None
+    if usable is None:
+        usable = _usable()
+        if batch is not None:
+            batch.usable = usable  # asked once per message
+    if not usable:
+        return _S.saved[torch.Tensor](t)
+    if t.requires_grad and not t.is_leaf:
+        raise RuntimeError(
+            "Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd "
+            "does not support crossing process boundaries. If you just want to transfer the "
+            "data, call detach() on the tensor before serializing (e.g., putting it on the queue).")
+    st = t.untyped_storage()
+    if batch is not None and st.nbytes():
+        # In a message (ForkingPickler.dump): the storage goes as its place among the
+        # message's storages (a storage two tensors share has one place), shared with them
+        # once the whole message is known.
+        return (_rebuild_batched, (type(t), batch.add(st, dev, t), t.dtype, t.storage_offset(),
+                                   tuple(t.size()), tuple(t.stride()), t.requires_grad))
+    # The storage goes as an object of its own: the pickler's memo sends a storage that two
+    # tensors of one message share once, and _reduce_storage turns it into a kept share.
+    return (_rebuild_tensor, (type(t), st, t.dtype, t.storage_offset(), tuple(t.size()),
+                              tuple(t.stride()), t.requires_grad))
+
+
+def _reduce_storage(storage):
+    opts = _S.opts
+    saved = _S.saved.get(torch.UntypedStorage)
+    # A CPU storage that is a gpupool buffer goes as one even with cpu=False: torch's own
+    # sharing would move it into a shared-memory file of its own, away from gpupool.
+    mine = storage.device.type == "cpu" and storage.data_ptr() in _S.owned
+    if opts is None or not (_handled(storage.device) or mine) or not _usable():
+        return saved(storage)
+    if storage.nbytes() == 0:
+        return (_rebuild_empty, (str(storage.device),))
+    batch = getattr(_tls, "batch", None)
+    if batch is not None:
+        # A message being pickled (ForkingPickler.dump): its storages are shared together once
+        # the whole message is known, and this one goes as its place among them.
+        return (_batched_storage, (batch.add(storage, storage.device),))
+    tok, off, n = _share(storage)
+    return (_rebuild_storage, (tok, off, n, opts.spec()))
+
+
+# --- one request per message ----------------------------------------------------------------
+# install() wraps ForkingPickler's dump, through which every multiprocessing channel pickles
+# (Queue, SimpleQueue, Connection.send, Pool, spawn): the message is pickled first with its
+# storages only numbered, then every storage is shared in ONE Share request (copies into reused
+# buffers made first), and what goes on the channel is a small wrapper: the tokens, each
+# storage's place, and the message's pickle. The receiver opens every token in ONE Open
+# request before it unpickles the message, whose storages then take theirs.
+class _Batch:
+    __slots__ = ("storages", "sizes", "devs", "views", "index", "usable")
+
+    def __init__(self):
+        self.storages = []
+        self.sizes = []
+        self.devs = []     # CUDA device index, -1 for host memory
+        self.views = []    # the one tensor of the message on each storage (None: none or several)
+        self.index = {}
+        self.usable = None  # whether gpupool serves this message (asked at its first tensor)
+
+    def add(self, storage, device, tensor=None):
+        n = storage.nbytes()
+        key = (device.type, device.index, storage.data_ptr(), n)
+        i = self.index.get(key)
+        if i is None:
+            i = self.index[key] = len(self.storages)
+            self.storages.append(storage)
+            self.sizes.append(n)
+            self.devs.append(device.index if device.type == "cuda" else -1)
+            self.views.append(tensor)
+        else:
+            self.views[i] = None
+        return i
+
+    def whole(self):
+        """Per storage, (DLPack element type, shape, strides) of the message's one tensor on
+        it when that tensor covers it whole (offset 0, dense) in a type DLPack names, else
+        None: the receiver makes such a tensor straight from the memory, without a storage
+        and a tensor set on it (half of torch's work per tensor on a GPU)."""
+        out = [None] * len(self.views)
+        for i, t in enumerate(self.views):
+            if t is None:
+                continue
+            code = _DL_TYPES.get(t.dtype)
+            if code is not None and t.storage_offset() == 0 and t.is_contiguous() \
+                    and t.numel() * t.element_size() == self.sizes[i]:
+                out[i] = (code, tuple(t.size()), tuple(t.stride()))
+        return out
+
+
+class _Entry:
+    """A copy buffer of this process, kept to carry the next messages' copies."""
+    __slots__ = ("hold", "dst", "n", "key", "used", "busy", "idle")
+
+    def __init__(self, hold, dst, n, key):
+        self.hold = hold
+        self.dst = dst      # the torch view of a CUDA buffer (None for host memory)
+        self.n = n
+        self.key = key
+        self.used = 0
+        self.busy = True    # in a message being sent
+        # The daemon said no one else holds it, since it was last shared: it stays so until
+        # this process shares it again (nobody else can open it once its kept shares are
+        # opened or expired).
+        self.idle = False
+
+
+_ORIG_PICKLER = (ForkingPickler.__init__, ForkingPickler.dump)
+
+
+def _pickler_init(self, *args, **kw):
+    _ORIG_PICKLER[0](self, *args, **kw)
+    self._gp_file = args[0] if args else kw.get("file")
+    self._gp_protocol = args[1] if len(args) > 1 else kw.get("protocol")
+
+
+def _pickler_dump(self, obj):
+    dump = _ORIG_PICKLER[1]
+    f = getattr(self, "_gp_file", None)
+    if _S.opts is None or getattr(_tls, "batch", None) is not None or f is None:
+        return dump(self, obj)
+    t0 = time.perf_counter_ns() if _PROFILE else 0
+    batch = _tls.batch = _Batch()
+    try:
+        buf = io.BytesIO()
+        dump(type(self)(buf, self._gp_protocol), obj)
+    finally:
+        _tls.batch = None
+    if not batch.storages:
+        f.write(buf.getbuffer())  # nothing of gpupool's in it: the message as it is
+        return None
+    if t0:
+        t0 = _step("send: pickle", t0)
+    msg = _send_batch(batch, buf.getvalue())
+    if t0:
+        t0 = _step("send: copies and share", t0)
+    dump(self, msg)
+    if t0:
+        _step("send: wrap", t0)
+
+
+class _Message:
+    """What goes on the channel for a message with storages: unpickled, it opens them."""
+    __slots__ = ("args",)
+
+    def __init__(self, args):
+        self.args = args
+
+    def __reduce__(self):
+        return (_open_message, self.args)
+
+
+def _send_batch(batch, payload):
+    opts = _S.opts
+    c = _client()
+    storages, sizes, devs = batch.storages, batch.sizes, batch.devs
+    n = len(storages)
+    bufs = [None] * n
+    offs = [0] * n
+    copies = []
+    for i, st in enumerate(storages):
+        found = _find(st, c)
+        if found is not None:
+            bufs[i], offs[i] = found
+        elif not opts.copy:
+            raise error("EINVAL", "a %s storage of %d bytes is not gpupool memory and install(copy=False) "
+                        "refuses to copy it: allocate it with gpupool.torch.empty/zeros/empty_like or "
+                        "under gpupool.torch.use_allocator(), or install(copy=True)" % (st.device, sizes[i]))
+        else:
+            copies.append(i)
+    t0 = time.perf_counter_ns() if _PROFILE else 0
+    entries = _copy_targets(c, [storages[i] for i in copies]) if copies else []
+    if t0:
+        t0 = _step("send: find and pick buffers", t0)
+    try:
+        for i, e in zip(copies, entries):
+            st = storages[i]
+            bufs[i] = e.hold.buf
+            if e.dst is not None:
+                src = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, 0, (sizes[i],), (1,))
+                e.dst[:sizes[i]].copy_(src)  # on the current stream: the share records the ready event there
+            else:
+                ctypes.memmove(e.hold.ptr, st.data_ptr(), sizes[i])
+        # The copies and whatever else the stream holds are waited for here, once, by the
+        # thread that pickles (a Queue's feeder thread): an idle stream records no ready
+        # events, so the receiver waits on none (an inter-process event wait costs ~0.1 ms
+        # per buffer even once complete; a state dict has hundreds).
+        for d in {x for x in devs if x >= 0}:
+            st = torch.cuda.current_stream(d)
+            if not st.query():
+                st.synchronize()
+        if t0:
+            t0 = _step("send: copies done", t0)
+        # One request per device (the ready events are recorded in its current stream), and
+        # per _BATCH_MAX storages. The first also asks which kept copy buffers nobody holds
+        # any more, so that the next message writes them without asking.
+        # A request names buffers of one client: use_allocator()'s storages are buffers of
+        # the allocator's own client.
+        tokens = [None] * n
+        ask = _ask_idle(entries)
+        mine = ctypes.cast(c._conn.handle, ctypes.c_void_p).value
+        if _S.alloc_lib is None:
+            owner = [mine] * n
+        else:
+            who = c._lib.gpupool_buffer_client
+            owner = [ctypes.cast(who(b), ctypes.c_void_p).value for b in bufs]
+        for d, o in sorted(set(zip(devs, owner))):
+            idx = [i for i in range(n) if devs[i] == d and owner[i] == o]
+            s = torch.cuda.current_stream(d).cuda_stream if d >= 0 else None
+            for k in range(0, len(idx), _BATCH_MAX):
+                part = idx[k:k + _BATCH_MAX]
+                # Each asked buffer by the hold _ask_idle took with it: another thread's
+                # _copies_done may drop the entry's own reference meanwhile.
+                asked = [a for a in ask if a[2].buf is not None] if o == mine else []
+                blob, idle = c._share_kept_many([bufs[i] for i in part], s,
+                                                [h.buf for _, _, h in asked])
+                if o == mine:
+                    ask = []
+                with _S.lock:
+                    for (e, used, _), ok in zip(asked, idle):
+                        if not e.busy and e.used == used:  # not sent meanwhile by another thread
+                            e.idle = ok
+                for j, i in enumerate(part):
+                    tokens[i] = blob[j * _lib.TOKEN_SIZE:(j + 1) * _lib.TOKEN_SIZE]
+        if t0:
+            t0 = _step("send: share request", t0)
+    finally:
+        _copies_done(entries)
+    return _Message((opts.spec(), b"".join(tokens), offs, sizes, devs, payload, batch.whole()))
+
+
+def _ask_idle(entries):
+    """The kept copy buffers this message does not use whose idleness is not known (at most
+    _BATCH_MAX), to ask about in the message's Share: (entry, its use count, its hold), the
+    hold kept referenced here so that its C buffer stays alive until the request is sent even
+    if another thread's _copies_done lets the entry go."""
+    mine = {id(e) for e in entries}
+    with _S.lock:
+        return [(e, e.used, e.hold) for lst in _S.cache.values() for e in lst
+                if not e.idle and not e.busy and id(e) not in mine and e.hold is not None][:_BATCH_MAX]
+
+
+def _copy_targets(c, storages):
+    """A copy buffer per storage: one kept from earlier messages that the daemon said nobody
+    else holds any more (in an earlier Share's reply, or else one Idle request for all), else
+    a new one."""
+    opts = _S.opts
+    keys = []
+    pools = {}   # (device type, index) -> pool: looked up once per device, not per storage
+    for st in storages:
+        dev = st.device
+        where = (dev.type, dev.index)
+        pool = pools.get(where)
+        if pool is None:
+            if opts.pool is not None:
+                pool = opts.pool
+            elif dev.type == "cuda":
+                pool = c._pool_for(_dlpack.kDLCUDA, dev.index or 0, str(dev))
+            else:
+                pool = c._pool_for(_dlpack.kDLCPU, 0, "cpu")
+            pools[where] = pool
+        keys.append((pool, st.nbytes(), dev.type, dev.index))
+    wanted = {}  # key -> the places of this message's storages of that key
+    for i, k in enumerate(keys):
+        wanted.setdefault(k, []).append(i)
+    picked = [None] * len(storages)
+    with _S.lock:
+        _S.msgno += 1
+        # One pass over each key's kept buffers (a state dict has many storages of one size):
+        # those known idle first, then those whose state is not known yet, asked about below.
+        # A small buffer of unknown state is left alone (a new one taken instead: no round
+        # trip before the copy) while the key has fewer than two per storage of this message;
+        # the Share asks about the old ones, so the next message finds them known.
+        for k, idx in wanted.items():
+            lst = _S.cache.get(k, ())
+            free = [e for e in lst if not e.busy and e.idle]
+            if not (k[1] <= _SMALL and len(lst) < 2 * len(idx)):
+                free += [e for e in lst if not e.busy and not e.idle]
+            for i, e in zip(idx, free):
+                e.busy = True
+                picked[i] = e
+    cands = [i for i, e in enumerate(picked) if e is not None and not e.idle]
+    if cands:
+        try:
+            idle = c._idle([picked[i].hold.buf for i in cands])
+        except BaseException:
+            _copies_done([picked[i] for i in cands])
+            raise
+        for i, ok in zip(cands, idle):
+            if not ok:
+                # Someone still holds it (a receiver, a kept share not yet opened): never write it.
+                picked[i].busy = False
+                picked[i] = None
+    try:
+        # The new buffers of each pool in one round trip (their Allocate requests together).
+        groups = {}
+        for i, e in enumerate(picked):
+            if e is None:
+                groups.setdefault(keys[i][0], []).append(i)
+        for pool, idx in groups.items():
+            dev = storages[idx[0]].device
+            holds = c._alloc_holds(pool, [storages[i].nbytes() for i in idx], _stream_of(dev))
+            for i, h in zip(idx, holds):
+                picked[i] = _new_entry(h, storages[i], keys[i])
+    except BaseException:
+        _copies_done([e for e in picked if e is not None])
+        raise
+    return picked
+
+
+def _new_entry(hold, storage, key):
+    dev = storage.device
+    n = storage.nbytes()
+    dst = None
+    if dev.type == "cuda":
+        # A view that keeps the hold (the entry drops both together).
+        dst = _from_dlpack(_dlpack.bytes_capsule(hold.ptr, hold.dl_device, n, hold))
+        if dst.device != dev:
+            raise error("EINVAL", "pool %r is on %s, not on %s where the storage is: pass "
+                        "install(pool=...) naming a pool of each device, or none" % (key[0], dst.device, dev))
+    e = _Entry(hold, dst, n, key)
+    with _S.lock:
+        if _S.cache_bytes + n <= _S.cache_max:
+            _S.cache.setdefault(key, []).append(e)
+            _S.cache_bytes += n
+        else:
+            e.key = None  # not kept: released once this message's share holds it
+    return e
+
+
+def _copies_done(entries):
+    """The message's copies are shared (or failed): their buffers may carry later messages;
+    those unused for _CACHE_AGE messages go."""
+    drop = []
+    with _S.lock:
+        for e in entries:
+            e.busy = False
+            e.idle = False  # shared again (or its state unknown after a failure)
+            e.used = _S.msgno
+        for key, lst in list(_S.cache.items()):
+            keep = [e for e in lst if e.busy or _S.msgno - e.used <= _CACHE_AGE]
+            if len(keep) != len(lst):
+                drop += [e for e in lst if not (e.busy or _S.msgno - e.used <= _CACHE_AGE)]
+                if keep:
+                    _S.cache[key] = keep
+                else:
+                    del _S.cache[key]
+        for e in drop:
+            _S.cache_bytes -= e.n
+    drop += [e for e in entries if e.key is None]
+    for e in drop:
+        e.dst = None
+        e.hold = None   # released with the last reference
+
+
+def trim() -> int:
+    """Give back the copy buffers this process keeps to carry the next messages' copies (the
+    receivers' holds are theirs and stay). Returns how many were kept."""
+    with _S.lock:
+        if _S.pid != os.getpid():
+            return 0
+        lst = [e for v in _S.cache.values() for e in v if not e.busy]
+        for e in lst:
+            _S.cache[e.key].remove(e)
+            if not _S.cache[e.key]:
+                del _S.cache[e.key]
+            _S.cache_bytes -= e.n
+    for e in lst:
+        e.dst = None
+        e.hold = None
+    return len(lst)
