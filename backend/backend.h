@@ -36,6 +36,8 @@ typedef struct {
   uint64_t slab_size;       /* regular slab size; larger requests get a dedicated slab */
   uint64_t alignment;       /* default buffer alignment */
   uint32_t keep_slabs;      /* empty regular slabs kept mapped for reuse */
+  uint32_t keep_dedicated;  /* empty dedicated slabs kept mapped for the next allocation of
+                             * their owner and size (0: given back at once) */
   /* CUDA pool attributes; < 0 = leave the driver's default. */
   int64_t release_threshold;
   int reuse_follow_event_deps;

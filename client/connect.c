@@ -422,6 +422,16 @@ int gpupool_client_set_connect_timeout(gpupool_client *c, int timeout_ms) {
   return 0;
 }
 
+uint64_t gpupool_client_slab_maps(gpupool_client *c) {
+  uint64_t n;
+  if (!c)
+    return 0;
+  pthread_mutex_lock(&c->mu);
+  n = c->slab_maps;
+  pthread_mutex_unlock(&c->mu);
+  return n;
+}
+
 uint64_t gpupool_client_reconnect_count(gpupool_client *c) {
   uint64_t n;
   if (!c)

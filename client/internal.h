@@ -138,6 +138,7 @@ struct gpupool_client {
   int host_fences;         /* this connection orders work by synchronizing streams, not with
                             * the daemon's IPC events (see gpupool_client_host_fences) */
   uint64_t reconnects;
+  uint64_t slab_maps;      /* backend mappings (imports) of slabs made, over the client's life */
   stale_gen *stale;
   char **published;        /* names this client published and has not unpublished */
   size_t npublished, cappublished;

@@ -198,6 +198,7 @@ int gpupool__materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, 
     gpupool__export_free(ex);
     if (rc != 0)
       goto fail;
+    c->slab_maps++;
   }
   if (!s) {
     slab_export *ex = gpupool__hmap_get(&c->exports, d->slab->id);
@@ -219,6 +220,8 @@ int gpupool__materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, 
     gpupool__hmap_del(&c->exports, s->id);
     ex->fd = -1; /* taken by slab_map */
     gpupool__export_free(ex);
+    if (rc == 0)
+      c->slab_maps++;
     if (rc != 0) {
       free(s);
       /* Tell the daemon we do not map it, so it does not wait for us. */

@@ -15,6 +15,7 @@
  *     gpupool_client_set_connect_timeout   the limit reconnections use
  *     gpupool_client_set_reconnect         how long a request may spend reconnecting
  *     gpupool_client_reconnect_count       how many times the client reconnected
+ *     gpupool_client_slab_maps             how many slabs the client mapped (imports)
  *     gpupool_client_lost_names            names lost when the daemon went away
  *     gpupool_client_host_fences           whether GPU work is ordered by host-side fences
  *     gpupool_client_set_devices           the CUDA devices this process touches memory from
@@ -544,6 +545,10 @@ GPUPOOL_EXTERN int gpupool_client_trim(gpupool_client *c);
 GPUPOOL_EXTERN int gpupool_client_set_reconnect(gpupool_client *c, int budget_ms);
 /* How many times c has reconnected. */
 GPUPOOL_EXTERN uint64_t gpupool_client_reconnect_count(gpupool_client *c);
+/* How many slab mappings c has made (each an import of an fd the daemon sent: on CUDA, an
+ * IPC open of the slab's memory), over its life. A get of memory already mapped here (a slab
+ * another buffer of this process maps, or one kept by GPUPOOL_KEEP_MAPPED) adds none. */
+GPUPOOL_EXTERN uint64_t gpupool_client_slab_maps(gpupool_client *c);
 /* 1 when b's hold was lost because the daemon went away. */
 GPUPOOL_EXTERN int gpupool_buffer_lost(const gpupool_buffer *b);
 /* Names this client had published that were lost when the daemon went away (not yet

@@ -73,6 +73,13 @@ class _Admin:
         return out
 
     @property
+    def slab_maps(self) -> int:
+        """How many slab mappings this client has made over its life: each an import of
+        daemon memory (on CUDA, an IPC open). A get of memory already mapped here (kept by
+        keep_mapped, or a slab another buffer of this process maps) adds none."""
+        return int(self._lib.gpupool_client_slab_maps(self._conn.usable()))
+
+    @property
     def host_fences(self) -> bool:
         """True when this connection orders GPU work with host-side fences instead of the
         daemon's inter-process events (a client of another uid than gpupoold's, or

@@ -65,6 +65,9 @@ def expected(w, tp, rank, dtype=np.float32):
 
 
 class Refit(DaemonTestCase):
+    # keep_dedicated: a part larger than a slab, copied per version, reuses its dedicated slab.
+    pools = ("name=main,kind=host,capacity=256M,slab=16M,keep_dedicated=4",)
+
     def publish(self, name, version, world, ranks=None):
         weights = model(version)
         clients = [gpupool.Client(self.socket, name="rank%d" % r) for r in range(world)]
@@ -110,6 +113,55 @@ class Refit(DaemonTestCase):
         self.client.unpublish("policy")
         self.wait_stats(lambda st: (st["buffers"], st["holds"]) == (base["buffers"], base["holds"]),
                         "buffers and holds back at baseline")
+
+    def test_later_refits_map_nothing(self):
+        # The engine maps the slabs versions come in once: later versions in the same slabs
+        # (the trainer's pool reuses them) cost no mapping (no IPC open on CUDA).
+        self.publish("maps", 1, 2)
+        c = gpupool.Client(self.socket, name="engine-maps")
+        try:
+            arrays, targets = engine(2, 0)
+            plan = c.refit_plan("maps", targets)
+            self.assertEqual(plan.refit(), 1)
+            first = c.slab_maps
+            self.assertGreater(first, 0)
+            for v in range(2, 8):
+                w, _ = self.publish("maps", v, 2)
+                self.assertEqual(plan.refit(timeout=10), v)
+                want = expected(w, 2, 0)
+                for k in arrays:
+                    np.testing.assert_array_equal(arrays[k], want[k], err_msg=k)
+            self.assertEqual(c.slab_maps, first)
+            plan.close()
+        finally:
+            c.close()
+
+    def test_later_refits_of_large_parts_map_nothing(self):
+        # Parts larger than the pool's slab size (a dedicated slab each), copied per version:
+        # with keep_dedicated the next version goes into the slab the last one left, and the
+        # engine maps each slab once, not once per version.
+        rng = np.random.default_rng(5)
+        big = (20 << 20) // 4  # 20 MiB of float32 per part, over the 16 MiB slab
+        c = gpupool.Client(self.socket, name="engine-big")
+        ranks = [gpupool.Client(self.socket, name="big%d" % r) for r in range(2)]
+        try:
+            plan, maps = None, []
+            for v in range(1, 7):
+                w = rng.standard_normal(2 * big).astype(np.float32)
+                for r, rc in enumerate(ranks):
+                    rc.publish_shard("big", {"w": (w[r * big:(r + 1) * big], (slice(r * big, (r + 1) * big),),
+                                                   (2 * big,))}, r, 2, v)
+                dst = dst if plan else np.zeros(2 * big, np.float32)
+                plan = plan or c.refit_plan("big", {"w": (dst, ["w"])})
+                self.assertEqual(plan.refit(timeout=10), v)
+                np.testing.assert_array_equal(dst, w)
+                maps.append(c.slab_maps)
+            plan.close()
+            self.assertEqual(maps[-1], maps[1], "slab maps per version: %r" % (maps,))
+        finally:
+            for rc in ranks:
+                rc.close()
+            c.close()
 
     def test_cast_to_float16(self):
         w, _ = self.publish("half", 1, 2)
