@@ -40,7 +40,7 @@ int gpd_state_init(gpd_registry *reg);
  * dropped, before gpd_registry_stop). */
 void gpd_state_flush(gpd_registry *reg);
 /* Write the state now if a name or version changed since the last write: before any reply
- * leaves (conn.c), so that no client is told of a version a crash could lose. Other changes
+ * leaves (server/send.c), so that no client is told of a version a crash could lose. Other changes
  * (holds, leases, mappings) are written at the end of the loop turn that made them. */
 void gpd_state_sync(gpd_registry *reg);
 /* Stop saving (before gpd_registry_close: what it frees stays in the store). */
