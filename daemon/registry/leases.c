@@ -48,7 +48,8 @@ int gpd_lease_new(gpd_registry *reg, uid_t uid, gid_t gid, pid_t pid, gpd_lease 
   l->tenant = gpd_tenant_of(reg->cfg, uid, gid);
   l->pid = pid;
   l->reg = reg;
-  gpd_state_lease_new(reg, l);
+  if (reg->keep)
+    reg->keep->lease_new(reg, l);
   *out = l;
   *peer = p[1];
   return 0;
@@ -98,7 +99,8 @@ static void lease_closed(uv_handle_t *h) {
 
 /* Close the daemon's end (through the poll handle when one watches it). */
 static void lease_close_fd(gpd_lease *l) {
-  gpd_state_lease_gone(l);
+  if (l->reg && l->reg->keep)
+    l->reg->keep->lease_gone(l->reg, l);
   if (l->polling) {
     if (!uv_is_closing((uv_handle_t *)&l->poll))
       uv_close((uv_handle_t *)&l->poll, lease_closed);

@@ -451,6 +451,17 @@ struct gpd_registry {
    * each change the cheap counters it compares do not show (a new version, a mapping). */
   struct gpd_state *state;
   uint64_t state_changes;
+  /* Told of every slab and lease made or gone, so that what outlives the process keeps their
+   * fds (state.c sets it when it keeps any): slabs.c and leases.c report through it rather
+   * than call up into the state. NULL: nobody keeps them. */
+  const struct gpd_keep_ops *keep;
+};
+
+struct gpd_keep_ops {
+  void (*slab_new)(gpd_registry *reg, gpd_slab *s);
+  void (*slab_gone)(gpd_registry *reg, gpd_slab *s);
+  void (*lease_new)(gpd_registry *reg, gpd_lease *l);
+  void (*lease_gone)(gpd_registry *reg, gpd_lease *l);
 };
 
 int gpd_registry_init(gpd_registry *reg, uv_loop_t *loop, const gpd_config *cfg,

@@ -89,7 +89,8 @@ void gpd_slab_destroy(gpd_registry *reg, gpd_slab *s) {
                  s->bs.size);
   if (s->daemon_map)
     munmap(s->daemon_map, (size_t)s->bs.size);
-  gpd_state_slab_gone(reg, s);
+  if (reg->keep)
+    reg->keep->slab_gone(reg, s);
   reg->be->ops->slab_free(in->bp, &s->bs);
   in->reserved -= s->bs.size;
   in->nslabs--;
@@ -279,7 +280,8 @@ static int slab_make(gpd_registry *reg, gpd_pool *p, uint64_t size, int dedicate
   GPUPOOL__DEBUG("pool %s: new %sslab %" PRIu64 " of %" PRIu64 " bytes", p->cfg.name,
            dedicated ? "dedicated " : "", s->id, s->bs.size);
   s->stored = adopt_fd >= 0; /* (a kept slab is in the store already) */
-  gpd_state_slab_new(reg, s);
+  if (reg->keep)
+    reg->keep->slab_new(reg, s);
   *out = s;
   return 0;
 fail:

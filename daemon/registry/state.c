@@ -137,14 +137,14 @@ static void store_remove(gpd_state *st, const char *kind, uint64_t id) {
     st->nstored--;
 }
 
-void gpd_state_slab_new(gpd_registry *reg, gpd_slab *s) {
+static void keep_slab_new(gpd_registry *reg, gpd_slab *s) {
   gpd_state *st = reg->state;
   if (!st || s->stored || s->bs.fd < 0)
     return;
   s->stored = store_put(st, "slab", s->id, s->bs.fd) == 0;
 }
 
-void gpd_state_slab_gone(gpd_registry *reg, gpd_slab *s) {
+static void keep_slab_gone(gpd_registry *reg, gpd_slab *s) {
   gpd_state *st = reg->state;
   if (!st || !s->stored || reg->stopped)
     return; /* a stopping daemon leaves its slabs to the next one */
@@ -152,7 +152,7 @@ void gpd_state_slab_gone(gpd_registry *reg, gpd_slab *s) {
   s->stored = 0;
 }
 
-void gpd_state_lease_new(gpd_registry *reg, gpd_lease *l) {
+static void keep_lease_new(gpd_registry *reg, gpd_lease *l) {
   gpd_state *st = reg->state;
   if (!st || l->store_id)
     return;
@@ -162,13 +162,15 @@ void gpd_state_lease_new(gpd_registry *reg, gpd_lease *l) {
     l->store_id = 0;
 }
 
-void gpd_state_lease_gone(gpd_lease *l) {
-  gpd_registry *reg = l->reg;
-  if (!reg || !reg->state || !l->store_id || reg->stopped)
+static void keep_lease_gone(gpd_registry *reg, gpd_lease *l) {
+  if (!reg->state || !l->store_id || reg->stopped)
     return;
   store_remove(reg->state, "lease", l->store_id);
   l->store_id = 0;
 }
+
+/* How slabs.c and leases.c report to the state (reg->keep) without calling up into it. */
+static const struct gpd_keep_ops keep_ops = {keep_slab_new, keep_slab_gone, keep_lease_new, keep_lease_gone};
 
 /* ---- writing --------------------------------------------------------------------------- */
 
@@ -1294,6 +1296,7 @@ int gpd_state_init(gpd_registry *reg) {
   if ((env = getenv("GPUPOOL_TEST_STATE_FORMAT")) && *env)
     st->format = (uint32_t)strtoul(env, NULL, 10);
   reg->state = st;
+  reg->keep = &keep_ops;
 
   /* The newest state that checks out; the others go. */
   for (int i = 0; i < n; i++) {
@@ -1415,7 +1418,7 @@ int gpd_state_init(gpd_registry *reg) {
   /* Slabs made before this point (none on the host backend) and from now on go to the store. */
   for (int i = 0; i < reg->npools; i++)
     for (gpd_slab *s = reg->pools[i].slabs; s; s = s->next)
-      gpd_state_slab_new(reg, s);
+      keep_slab_new(reg, s);
   uv_check_init(reg->loop, &st->check);
   st->check.data = st;
   uv_check_start(&st->check, on_check);

@@ -60,10 +60,7 @@ size_t gpd_state_resume_token(const gpd_lease *l, uint8_t buf[GPD_STATE_RESUME_L
 int gpd_state_resume(gpd_registry *reg, gpd_client *c, const uint8_t *token, size_t len, gpd_hold ***out,
                      size_t *n);
 
-/* Hooks of the registry: a slab made or given back, a lease made or closed. */
-void gpd_state_slab_new(gpd_registry *reg, gpd_slab *s);
-void gpd_state_slab_gone(gpd_registry *reg, gpd_slab *s);
-void gpd_state_lease_new(gpd_registry *reg, gpd_lease *l);
-void gpd_state_lease_gone(gpd_lease *l);
+/* A slab made or given back, a lease made or closed: reported by the registry through
+ * reg->keep, which gpd_state_init sets. */
 
 #endif
