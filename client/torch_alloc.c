@@ -230,7 +230,9 @@ static const evops *events_for(gpupool_buffer *b) {
 }
 
 /* ---- the table of blocks in use ----------------------------------------------------------- */
-static size_t bucket_of(uintptr_t p, size_t n) { return (size_t)((p >> 9) * 0x9E3779B97F4A7C15ull) & (n - 1); }
+static size_t bucket_of(uintptr_t p, size_t n) {
+  return (size_t)((p >> 9) * 0x9E3779B97F4A7C15ull) & (n - 1);
+}
 
 /* With mu held. */
 static int grow(void) {
@@ -531,7 +533,8 @@ static blk *new_segment(int device, int small, size_t size, void *stream) {
   pthread_mutex_lock(&mu);
   if (rc != 0) {
     char what[128];
-    snprintf(what, sizeof what, "gpupool torch allocator: allocation of %zu bytes on device %d", size, device);
+    snprintf(what, sizeof what, "gpupool torch allocator: allocation of %zu bytes on device %d", size,
+             device);
     set_error(what, rc);
     free(s);
     free(f);

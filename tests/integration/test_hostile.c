@@ -429,6 +429,7 @@ static void test_publish_shares_refused(void **state) {
 int main(void) {
   return TS_RUN_TESTS(setup, teardown, test_garbage_frame, test_oversized_frame, test_wrong_version,
                       test_request_before_hello, test_unknown_request_type, test_unexpected_fds,
-                      test_bad_ids_and_requests, test_release_of_many_bad_ids, test_eof_mid_frame_and_silence, test_double_release_via_library,
+                      test_bad_ids_and_requests, test_release_of_many_bad_ids, test_eof_mid_frame_and_silence,
+                      test_double_release_via_library,
                       test_publish_shares_refused);
 }

@@ -423,7 +423,8 @@ static void test_failed_open_pins_nothing_past_keep(void **state) {
 }
 
 int main(void) {
-  return TS_RUN_TESTS(NULL, teardown, test_one_request_each, test_batch_cap, test_release_many, test_bad_token_in_the_middle,
+  return TS_RUN_TESTS(NULL, teardown, test_one_request_each, test_batch_cap, test_release_many,
+                      test_bad_token_in_the_middle,
                       test_quota_midway, test_more_slabs_than_one_reply_carries, test_idle_only_when_alone,
                       test_alloc_many_all_or_nothing, test_messages_of_1000_and_10000,
                       test_failed_open_pins_nothing_past_keep);

@@ -75,7 +75,9 @@ static uint64_t stat_of(int i) {
   assert_int_equal(gpupool_torch_alloc_stats(v, 9), 9);
   return v[i];
 }
-enum { ST_ALLOCS, ST_FREES, ST_LIVE, ST_SEGS, ST_SEG_BYTES, ST_DAEMON_ALLOCS, ST_DAEMON_RELEASES, ST_IDLE, ST_PARKED };
+enum {
+  ST_ALLOCS, ST_FREES, ST_LIVE, ST_SEGS, ST_SEG_BYTES, ST_DAEMON_ALLOCS, ST_DAEMON_RELEASES, ST_IDLE, ST_PARKED
+};
 
 static void *alloc_ok(size_t size, void *stream) {
   void *p = gpupool_torch_alloc(size, 0, stream);
