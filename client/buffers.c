@@ -147,10 +147,19 @@ int gpupool__release_many_locked(gpupool_client *c, gpupool_buffer **bs, int n, 
     int r;
     if (!ps[i])
       continue;
-    if ((r = gpupool__call_wait(c, ps[i], &rep, NULL, NULL)) == 0)
+    if ((r = gpupool__call_wait(c, ps[i], &rep, NULL, NULL)) == 0) {
       gpupool__wire__reply__free_unpacked(rep, NULL);
-    else if (!rc)
+    } else if (r == GPUPOOL_EINVAL && batch > 1) {
+      /* The daemon takes fewer holds a Release now (max_share_batch lowered by a reload):
+       * these go one a request, and so do the next ones on this connection. */
+      size_t k = i * batch, len = m - k < batch ? m - k : batch;
+      c->max_release_batch = 1;
+      for (size_t j = k; j < k + len; j++)
+        if ((r = gpupool__send_release(c, ids[j], rec[j])) != 0 && !rc)
+          rc = r;
+    } else if (!rc) {
       rc = r;
+    }
   }
   free(ids);
   free(rec);

@@ -174,6 +174,29 @@ static void test_release_many(void **state) {
   assert_int_equal(nh, 1);
   assert_int_equal(gpupool_buffer_release_many(&x, 1, NULL), 0);
   assert_int_equal(gpupool_buffer_release_many(NULL, 0, NULL), 0);
+  /* A reload lowers the batch below what the client was told at its Hello: its releases
+   * still go, one hold a request. */
+  alloc_filled(a, b, N, 4096, 5);
+  {
+    char conf[1024], line[512];
+    int reloaded = 0;
+    FILE *f;
+    snprintf(conf, sizeof conf, "[daemon]\nmax_share_batch = 2\n%s", TH_HOST_POOL("64M", "4M"));
+    th_write_conf(&D, conf);
+    assert_int_equal(kill(D.pid, SIGHUP), 0);
+    for (int i = 0; i < 1000 && !reloaded; i++) {
+      th_sleep_ms(10);
+      if ((f = fopen(D.log, "r"))) {
+        while (fgets(line, sizeof line, f))
+          reloaded |= strstr(line, "reloaded ") != NULL;
+        fclose(f);
+      }
+    }
+    assert_true(reloaded);
+  }
+  assert_int_equal(gpupool_buffer_release_many(b, N, NULL), 0);
+  holds_now(&nb, &nh);
+  assert_int_equal(nh, 0);
   gpupool_client_disconnect(a);
   gpupool_client_disconnect(other);
   gpupool_client_disconnect(st);
