@@ -149,13 +149,24 @@ static struct {
   void *ctx[MAX_DEVICES];
 } cu;
 
+/* Make the device's primary context (torch's) current on this thread, retained once. Called
+ * with and without mu (a segment given back synchronizes without it): cu_mu guards cu.ctx. */
+static pthread_mutex_t cu_mu = PTHREAD_MUTEX_INITIALIZER;
+
 static int cu_enter(int device) {
+  void *ctx;
+  pthread_mutex_lock(&cu_mu);
   if (!cu.ctx[device]) {
     int d;
-    if (cu.dev_get(&d, device) != 0 || cu.primary(&cu.ctx[device], d) != 0)
+    if (cu.dev_get(&d, device) != 0 || cu.primary(&cu.ctx[device], d) != 0) {
+      cu.ctx[device] = NULL;
+      pthread_mutex_unlock(&cu_mu);
       return -1;
+    }
   }
-  return cu.push(cu.ctx[device]) == 0 ? 0 : -1;
+  ctx = cu.ctx[device];
+  pthread_mutex_unlock(&cu_mu);
+  return cu.push(ctx) == 0 ? 0 : -1;
 }
 
 static void cu_leave(void) {
@@ -425,28 +436,42 @@ static void set_error(const char *what, int rc) {
   snprintf(last_error, sizeof last_error, "%s: %s: %s", what, gpupool_err_name(rc), gpupool_last_error());
 }
 
-/* Take every segment of `device` (-1: of all) with no block in use or parked, and no idle
- * question in flight, out of the cache; returns them as a list (seg->next). With mu held. */
+/* Take s (no block in use) out of the cache: out of the list of segments, its free blocks
+ * out of the free lists, so that no other thread can hand them out any more. With mu held. */
+static void detach(seg *s) {
+  if (s->prev)
+    s->prev->next = s->next;
+  else
+    segs = s->next;
+  if (s->next)
+    s->next->prev = s->prev;
+  s->prev = s->next = NULL;
+  for (blk *b = s->head; b; b = b->next)
+    if (b->state == B_FREE)
+      free_remove(b);
+  nparked -= (uint64_t)s->parked;
+  nsegs--;
+  seg_bytes -= s->size;
+  daemon_releases++;
+}
+
+/* Detach every segment of `device` (-1: of all) with no block in use or parked, and no idle
+ * question in flight; returns them as a list (seg->next). With mu held. */
 static seg *detach_unused(int device) {
   seg *out = NULL;
   for (seg *s = segs, *nx; s; s = nx) {
     nx = s->next;
     if ((device >= 0 && s->device != device) || s->used || s->parked || s->checking)
       continue;
-    if (s->prev)
-      s->prev->next = s->next;
-    else
-      segs = s->next;
-    if (s->next)
-      s->next->prev = s->prev;
-    s->prev = NULL;
+    detach(s);
     s->next = out;
     out = s;
   }
   return out;
 }
 
-/* Give detached segments back to the daemon, in stream order (without mu). Returns how many. */
+/* Give detached segments back to the daemon, in stream order (without mu: nothing else
+ * reaches them). Returns how many. */
 static int give_back(seg *list) {
   int n = 0;
   while (list) {
@@ -454,23 +479,16 @@ static int give_back(seg *list) {
     void *stream = s->head->stream;
     int one = 1;
     list = s->next;
-    pthread_mutex_lock(&mu);
     /* The release goes in the stream its blocks were last used on, or after the whole
      * device's work when they were used on several. */
     for (blk *b = s->head, *nx; b; b = nx) {
       nx = b->next;
       if (b->stream != stream)
         one = 0;
-      if (b->state == B_FREE)
-        free_remove(b);
-      drop_event(b);
+      if (b->ev)
+        s->ev->destroy(b->ev);
       free(b);
     }
-    nparked -= (uint64_t)s->parked;
-    nsegs--;
-    seg_bytes -= s->size;
-    daemon_releases++;
-    pthread_mutex_unlock(&mu);
     if (!one && s->ev) {
       (void)s->ev->sync(s->device);
       stream = NULL;
@@ -666,13 +684,7 @@ EXPORT void gpupool_torch_free(void *ptr, size_t size, int device, void *stream)
       unpark(s);
     else if (s->used == 0) {
       /* Still held (or the question failed): the whole segment goes. */
-      if (s->prev)
-        s->prev->next = s->next;
-      else
-        segs = s->next;
-      if (s->next)
-        s->next->prev = s->prev;
-      s->prev = s->next = NULL;
+      detach(s);
       gone = s;
     }
   }

@@ -326,6 +326,60 @@ static void test_full_pool_gives_the_cache_back(void **state) {
   all_back();
 }
 
+/* Threads allocating, checking and freeing while another gives the cache back: no block is
+ * ever handed to two owners, nothing is lost. */
+enum { NTHREADS = 3, ROUNDS = 400 };
+static volatile int stop_trimming;
+
+static void *churn(void *arg) {
+  unsigned seed = (unsigned)(uintptr_t)arg * 2654435761u;
+  unsigned char tag = (unsigned char)(uintptr_t)arg;
+  void *stream = (uintptr_t)arg % 2 ? S1 : S2;
+  for (int r = 0; r < ROUNDS; r++) {
+    unsigned char *p[4];
+    size_t n[4];
+    for (int i = 0; i < 4; i++) {
+      seed = seed * 1103515245u + 12345u;
+      n[i] = (seed >> 8) % 4 == 0 ? 1 * MIB + (seed % (3 * MIB)) : 64 + (seed % (200 << 10));
+      if (!(p[i] = gpupool_torch_alloc(n[i], 0, stream)))
+        return (void *)"allocation failed";
+      memset(p[i], tag + i, n[i]);
+    }
+    for (int i = 0; i < 4; i++) {
+      if (p[i][0] != (unsigned char)(tag + i) || p[i][n[i] - 1] != (unsigned char)(tag + i) ||
+          p[i][n[i] / 2] != (unsigned char)(tag + i))
+        return (void *)"a block was written by another owner";
+      gpupool_torch_free(p[i], n[i], 0, stream);
+    }
+  }
+  return NULL;
+}
+
+static void *trimmer(void *arg) {
+  (void)arg;
+  while (!stop_trimming)
+    (void)gpupool_torch_alloc_empty_cache();
+  return NULL;
+}
+
+static void test_threads_and_empty_cache(void **state) {
+  pthread_t th[NTHREADS], tr;
+  (void)state;
+  configure();
+  assert_int_equal(pthread_create(&tr, NULL, trimmer, NULL), 0);
+  for (uintptr_t i = 0; i < NTHREADS; i++)
+    assert_int_equal(pthread_create(&th[i], NULL, churn, (void *)(i + 1)), 0);
+  for (int i = 0; i < NTHREADS; i++) {
+    void *why;
+    assert_int_equal(pthread_join(th[i], &why), 0);
+    if (why)
+      fail_msg("thread %d: %s (%s)", i, (const char *)why, gpupool_torch_alloc_last_error());
+  }
+  stop_trimming = 1;
+  assert_int_equal(pthread_join(tr, NULL), 0);
+  all_back();
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_exit_leaks_nothing),
@@ -335,6 +389,7 @@ int main(void) {
       cmocka_unit_test(test_stream_order_without_events),
       cmocka_unit_test(test_shared_block),
       cmocka_unit_test(test_full_pool_gives_the_cache_back),
+      cmocka_unit_test(test_threads_and_empty_cache),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
