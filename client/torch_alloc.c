@@ -53,6 +53,7 @@
 #define LARGE_SEGMENT (20u << 20)      /* segment of the large pool for requests under... */
 #define MIN_LARGE_ALONE (10u << 20)    /* ...this; from here on a segment of its own */
 #define ROUND_LARGE (2u << 20)         /* such a segment rounds to this */
+#define NCLASSES 48                    /* size classes of the free lists (512 B << 47 at most) */
 
 /* The library's interface (Python declares the same with ctypes; torch looks up the first two
  * by name). */
@@ -107,7 +108,10 @@ typedef struct seg {
 } seg;
 
 typedef struct devstate {
-  blk *free[2]; /* [1] small pool, [0] large; each ascending by size */
+  /* Free blocks: [1] the small pool, [0] the large; by size class (the power of two of
+   * size / 512), each list ascending by size, so that a search and an insertion walk one
+   * class, not every free block. */
+  blk *free[2][NCLASSES];
   void *first_stream;
   int streams_seen; /* 0, 1, or 2 for "more than one": events are recorded from then on */
 } devstate;
@@ -286,7 +290,12 @@ static blk *table_get(uintptr_t p, int take) {
 }
 
 /* ---- free lists ------------------------------------------------------------------------- */
-static blk **free_list(blk *b) { return &devs[b->seg->device].free[b->seg->small]; }
+static int size_class(size_t size) {
+  int c = 63 - __builtin_clzll((unsigned long long)(size / MIN_BLOCK) | 1);
+  return c < NCLASSES ? c : NCLASSES - 1;
+}
+
+static blk **free_list(blk *b) { return &devs[b->seg->device].free[b->seg->small][size_class(b->size)]; }
 
 static void free_insert(blk *b) {
   blk **head = free_list(b), *at = *head, *before = NULL;
@@ -329,19 +338,24 @@ static int usable_elsewhere(blk *b) {
   return b->ev && ev->done(b->ev) == 1;
 }
 
-/* The smallest free block of the pool that holds size bytes: one of `stream` first, else one
- * whose stream's work at its free has completed. With mu held. */
+/* The smallest free block of the pool that holds size bytes, in the first size class that
+ * has one: one of `stream` first, else one whose stream's work at its free has completed.
+ * With mu held. */
 static blk *find_free(int device, int small, size_t size, void *stream) {
-  blk *other = NULL;
-  for (blk *b = devs[device].free[small]; b; b = b->fnext) {
-    if (b->size < size)
-      continue;
-    if (b->stream == stream)
-      return b;
-    if (!other && usable_elsewhere(b))
-      other = b;
+  for (int c = size_class(size); c < NCLASSES; c++) {
+    blk *other = NULL;
+    for (blk *b = devs[device].free[small][c]; b; b = b->fnext) {
+      if (b->size < size)
+        continue;
+      if (b->stream == stream)
+        return b;
+      if (!other && usable_elsewhere(b))
+        other = b;
+    }
+    if (other)
+      return other;
   }
-  return other;
+  return NULL;
 }
 
 /* Merge b (free, of its stream) with its free neighbours of the same stream; returns the
