@@ -4,9 +4,9 @@
  * frees served from kept segments with no request to the daemon, blocks split and merged as
  * torch's caching allocator does, reuse in stream order (on the same stream at once, on
  * another once the free's event completed; with no events, at once), a block shared with
- * another client read there with its bytes and never reused while held, a failed allocation
- * that gives the cache back and succeeds, empty_cache, and a process that exits with blocks
- * live and cached leaving the daemon as it was.
+ * another process read there with its bytes and never reused while held, a failed allocation
+ * that gives the cache back and succeeds, empty_cache, threads allocating while the cache is
+ * emptied, and a process that exits with blocks live and cached leaving the daemon as it was.
  */
 #include <sys/wait.h>
 
@@ -249,14 +249,47 @@ static void test_stream_order_without_events(void **state) {
   all_back();
 }
 
+/* Another process: opens the token it is sent at the offset it is sent, checks the bytes
+ * (pattern i * 7) and answers 'k' (or 'x'); on 'c' checks them again, on 'q' lets go. */
+static void receiver_child(int in, int out) {
+  gpupool_client *c = NULL;
+  gpupool_buffer *got = NULL;
+  gpupool_token tok;
+  size_t off;
+  char cmd = 0;
+  int ok;
+  if (read(in, &tok, sizeof tok) != (ssize_t)sizeof tok || read(in, &off, sizeof off) != (ssize_t)sizeof off ||
+      gpupool_client_connect(D.sock, "receiver", GPUPOOL_TIMEOUT_DEFAULT, &c) != 0 ||
+      gpupool_buffer_open(c, &tok, 0, NULL, &got) != 0)
+    _exit(2);
+  do {
+    const unsigned char *seen = (const unsigned char *)gpupool_buffer_ptr(got) + off;
+    ok = 1;
+    for (int i = 0; i < 5000; i++)
+      ok &= seen[i] == (unsigned char)(i * 7);
+    if (write(out, ok ? "k" : "x", 1) != 1 || read(in, &cmd, 1) != 1)
+      _exit(3);
+  } while (cmd == 'c');
+  gpupool_buffer_release(got, NULL);
+  gpupool_client_disconnect(c);
+  _exit(0);
+}
+
+static void expect_seen(int from) {
+  char ch = 0;
+  assert_int_equal(read(from, &ch, 1), 1);
+  assert_int_equal(ch, 'k'); /* the receiver read the block's bytes */
+}
+
 static void test_shared_block(void **state) {
   gpupool_client *r;
   gpupool_buffer *buf, *got;
   gpupool_token tok;
   size_t off, size;
   unsigned char *x, *keep, *y;
-  const unsigned char *seen;
   uint64_t asked;
+  int to[2], from[2], st;
+  pid_t pid;
   (void)state;
   configure();
   r = th_connect(&D, "receiver");
@@ -268,10 +301,15 @@ static void test_shared_block(void **state) {
   assert_int_equal(off, (size_t)(x - (unsigned char *)gpupool_buffer_ptr(buf)));
   assert_int_equal(size, 5120);
   assert_int_equal(gpupool_buffer_share_kept(buf, NULL, &tok), 0);
-  assert_int_equal(gpupool_buffer_open(r, &tok, 0, NULL, &got), 0);
-  seen = (const unsigned char *)gpupool_buffer_ptr(got) + off;
-  for (int i = 0; i < 5000; i++)
-    assert_int_equal(seen[i], (unsigned char)(i * 7));
+  assert_int_equal(pipe(to), 0);
+  assert_int_equal(pipe(from), 0);
+  pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0)
+    receiver_child(to[0], from[1]);
+  assert_int_equal(write(to[1], &tok, sizeof tok), (ssize_t)sizeof tok);
+  assert_int_equal(write(to[1], &off, sizeof off), (ssize_t)sizeof off);
+  expect_seen(from[0]);
   /* Freed while the receiver holds its segment: parked, never handed out again. */
   gpupool_torch_free(x, 5000, 0, S1);
   assert_int_equal(stat_of(ST_PARKED), 1);
@@ -285,14 +323,19 @@ static void test_shared_block(void **state) {
   gpupool_torch_free(keep, 8192, 0, S1);
   assert_int_equal(stat_of(ST_PARKED), 0);
   assert_int_equal(stat_of(ST_IDLE), asked + 1);
-  for (int i = 0; i < 5000; i++)
-    assert_int_equal(seen[i], (unsigned char)(i * 7));
   y = alloc_ok(5000, S1);
   memset(y, 0xdd, 5000);
-  for (int i = 0; i < 5000; i++)
-    assert_int_equal(seen[i], (unsigned char)(i * 7));
+  assert_int_equal(write(to[1], "c", 1), 1);
+  expect_seen(from[0]); /* the bytes it holds are still the block's */
   gpupool_torch_free(y, 5000, 0, S1);
-  assert_int_equal(gpupool_buffer_release(got, NULL), 0);
+  assert_int_equal(write(to[1], "q", 1), 1);
+  assert_int_equal(waitpid(pid, &st, 0), pid);
+  assert_true(WIFEXITED(st));
+  assert_int_equal(WEXITSTATUS(st), 0);
+  close(to[0]);
+  close(to[1]);
+  close(from[0]);
+  close(from[1]);
   /* Shared, and let go of by the receiver before the free: the block is free again. */
   x = alloc_ok(3000, S1);
   assert_int_equal(gpupool_torch_alloc_lookup(x, &buf, &off, &size), 1);
