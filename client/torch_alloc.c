@@ -178,26 +178,54 @@ static void cu_leave(void) {
   (void)cu.pop(&old);
 }
 
-static int cu_record(int device, void *stream, void **ev) {
+/* Events are kept for reuse once their block is taken (creating and destroying one per free
+ * would cost more than the rest of a free): a list per device, guarded by cu_mu. */
+typedef struct cuev {
+  void *ev;
+  int device;
+  struct cuev *next;
+} cuev;
+static cuev *cu_spare[MAX_DEVICES];
+
+static int cu_record(int device, void *stream, void **out) {
+  cuev *e;
   int rc = -1;
+  pthread_mutex_lock(&cu_mu);
+  if ((e = cu_spare[device]))
+    cu_spare[device] = e->next;
+  pthread_mutex_unlock(&cu_mu);
   if (cu_enter(device) != 0)
-    return -1;
-  if (cu.ev_create(ev, 2 /* CU_EVENT_DISABLE_TIMING */) == 0) {
-    if (cu.ev_record(*ev, stream) == 0)
-      rc = 0;
-    else
-      (void)cu.ev_destroy(*ev);
+    goto out;
+  if (!e && (e = calloc(1, sizeof *e)) && cu.ev_create(&e->ev, 2 /* CU_EVENT_DISABLE_TIMING */) != 0) {
+    free(e);
+    e = NULL;
+  }
+  if (e) {
+    e->device = device;
+    rc = cu.ev_record(e->ev, stream) == 0 ? 0 : -1;
   }
   cu_leave();
+out:
+  if (rc != 0 && e) {
+    (void)cu.ev_destroy(e->ev);
+    free(e);
+  }
+  *out = rc == 0 ? e : NULL;
   return rc;
 }
 
 static int cu_done(void *ev) {
-  int r = cu.ev_query(ev);
+  int r = cu.ev_query(((cuev *)ev)->ev);
   return r == 0 ? 1 : r == 600 /* CUDA_ERROR_NOT_READY */ ? 0 : -1;
 }
 
-static void cu_destroy(void *ev) { (void)cu.ev_destroy(ev); }
+static void cu_destroy(void *ev) {
+  cuev *e = ev;
+  pthread_mutex_lock(&cu_mu);
+  e->next = cu_spare[e->device];
+  cu_spare[e->device] = e;
+  pthread_mutex_unlock(&cu_mu);
+}
 
 static int cu_sync(int device) {
   int rc;
