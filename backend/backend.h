@@ -111,6 +111,10 @@ typedef struct {
   /* Give a slab back. The daemon calls it only after every client that mapped it has
    * unmapped it (or exited) and every done event on it has completed. */
   void (*slab_free)(gpupool__bpool *p, gpupool__bslab *s);
+  /* Take over a slab a previous daemon made (its fd, kept alive across the restart), checked
+   * as if a client had sent it: the kind of fd, its size (size bytes exactly), its seals.
+   * Takes fd on success only. NULL on backends whose memory cannot outlive its daemon. */
+  int (*slab_adopt)(gpupool__bpool *p, int fd, uint64_t size, gpupool__bslab *out);
   int (*pool_stats)(gpupool__bpool *p, gpupool__bpool_stats *out);
   /* Inter-process events (has_events only). handle receives the IPC handle bytes. */
   int (*event_create)(gpupool__backend *be, gpupool__bevent **out,

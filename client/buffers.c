@@ -52,9 +52,12 @@ void gpupool__release_local(gpupool_client *c, gpupool_buffer *b, void *stream, 
   *recorded = 0;
   GPUPOOL__LIST_UNLINK(c->buffers, b, prev, next);
   s->refs--;
-  if (b->lost) {
-    /* Its daemon is gone: nothing to tell; unmap once no buffer of ours needs the slab. */
+  if (b->lost || s->stale) {
+    /* Its daemon is gone: nothing to tell (unless the new one gave the hold back); unmap once
+     * no buffer of ours needs the slab. */
     stale_gen *g = s->stale;
+    if (!b->lost)
+      *hold_id = b->hold_id;
     if (s->refs == 0) {
       gpupool__be_unmap(c, s, stream);
       free(s);

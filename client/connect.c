@@ -124,6 +124,29 @@ static int take_hello(gpupool_client *c, const Gpupool__Wire__HelloReply *hr) {
   return 0;
 }
 
+/* The holds the daemon gave back (a restart that kept its state): each lost buffer of the
+ * previous connection that the daemon names is this connection's again, under its new hold id.
+ * Its mapping is the previous daemon's (released as a lost buffer's is, see
+ * gpupool__release_local). Then the token to send after the next restart. */
+static void take_resumed(gpupool_client *c, const Gpupool__Wire__HelloReply *hr) {
+  for (size_t i = 0; i < hr->n_resumed; i++) {
+    const Gpupool__Wire__ResumedHold *r = hr->resumed[i];
+    for (gpupool_buffer *b = c->buffers; b; b = b->next)
+      if (b->lost && b->buffer_id == r->buffer_id && b->read_only == (int)r->read_only) {
+        b->lost = 0;
+        b->hold_id = r->hold_id;
+        if (c->holds_lost)
+          c->holds_lost--;
+        break;
+      }
+  }
+  c->resume_len = 0;
+  if (hr->resume.len && hr->resume.len <= sizeof c->resume) {
+    memcpy(c->resume, hr->resume.data, hr->resume.len);
+    c->resume_len = hr->resume.len;
+  }
+}
+
 /* Connect to c->socket_path and say Hello; fills the pool list. With c->mu held and
  * c->fd == -1. On failure the fd is closed again, and *err says why. */
 static int handshake(gpupool_client *c, gpupool__error *err) {
@@ -146,6 +169,9 @@ static int handshake(gpupool_client *c, gpupool__error *err) {
   hello.protocol_version = GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION;
   hello.client_name = c->name;
   hello.pid = (int32_t)getpid();
+  /* The previous connection's token: a daemon that kept its state gives its holds back. */
+  hello.resume.data = c->resume;
+  hello.resume.len = c->resume_len;
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
   req.hello = &hello;
   rc = gpupool__call(c, &req, &rep, &lease);
@@ -177,6 +203,7 @@ static int handshake(gpupool_client *c, gpupool__error *err) {
   }
   if ((rc = take_hello(c, hr)) != 0)
     goto fail;
+  take_resumed(c, hr);
   gpupool__wire__reply__free_unpacked(rep, NULL);
   c->lease_fd = lease;
   return 0;
@@ -423,6 +450,19 @@ int gpupool_client_lost_names(gpupool_client *c, char (*names)[GPUPOOL_NAME_MAX 
   pthread_mutex_lock(&c->mu);
   while (k < max && c->nlost_names > 0) {
     char *nm = c->lost_names[--c->nlost_names];
+    gpupool_bundle *b = NULL;
+    int rc;
+    /* A daemon that restored its state still has it: ask (without the lock, as any request). */
+    pthread_mutex_unlock(&c->mu);
+    rc = gpupool_bundle_get(c, nm, 0, 0, GPUPOOL_READ_ONLY, NULL, &b);
+    if (rc == 0)
+      (void)gpupool_bundle_release(b, NULL);
+    pthread_mutex_lock(&c->mu);
+    if (rc == 0) {
+      gpupool__note_published(c, nm); /* still this client's name: lost again if the next daemon loses it */
+      free(nm);
+      continue;
+    }
     snprintf(names[k++], GPUPOOL_NAME_MAX + 1, "%s", nm);
     free(nm);
   }

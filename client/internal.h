@@ -101,6 +101,8 @@ typedef struct stale_gen {
 struct gpupool_client {
   int fd;
   int lease_fd;            /* this connection's lease, or -1 */
+  uint8_t resume[32];      /* the daemon's resume token for this connection (HelloReply.resume) */
+  size_t resume_len;       /* 0: none (a daemon that keeps no state) */
   pthread_mutex_t mu;
   pthread_cond_t cv;
   uint64_t next_seq;

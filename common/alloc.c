@@ -216,6 +216,40 @@ int gpupool__alloc_put(gpupool__alloc *a, uint64_t off, uint64_t size) {
   return 0;
 }
 
+int gpupool__alloc_take(gpupool__alloc *a, uint64_t off, uint64_t size) {
+  uint32_t i;
+  range *r;
+  uint64_t head, tail;
+
+  if (a == NULL || size == 0 || off >= a->capacity || size > a->capacity - off)
+    return gpupool__err(GPUPOOL_EINVAL, "range [%llu, +%llu) is not inside the allocator's space",
+                        (unsigned long long)off, (unsigned long long)size);
+  i = upper_bound(a, off); /* the free range holding off, if any, is free[i-1] */
+  if (i == 0 || a->free[i - 1].off + a->free[i - 1].size < off + size)
+    return gpupool__err(GPUPOOL_EINVAL, "range [%llu, +%llu) is not wholly free: it overlaps another range",
+                        (unsigned long long)off, (unsigned long long)size);
+  r = &a->free[i - 1];
+  head = off - r->off;
+  tail = r->off + r->size - (off + size);
+  if (head > 0 && tail > 0) {
+    int rc = reserve_one(a);
+    if (rc < 0)
+      return rc;
+    r = &a->free[i - 1];
+    r->size = head;
+    insert_at(a, i, off + size, tail);
+  } else if (head > 0) {
+    r->size = head;
+  } else if (tail > 0) {
+    r->off = off + size;
+    r->size = tail;
+  } else {
+    remove_at(a, i - 1);
+  }
+  a->used += size;
+  return 0;
+}
+
 uint64_t gpupool__alloc_capacity(const gpupool__alloc *a) { return a->capacity; }
 
 uint64_t gpupool__alloc_used(const gpupool__alloc *a) { return a->used; }

@@ -23,6 +23,9 @@ int gpupool__alloc_get(gpupool__alloc *a, uint64_t size, uint64_t align, uint64_
 /* Give back exactly a range get() returned (same off and size). Returns 0, or
  * GPUPOOL_EINVAL if the range is outside the space or overlaps a free range (double free). */
 int gpupool__alloc_put(gpupool__alloc *a, uint64_t off, uint64_t size);
+/* Take exactly [off, off + size) (a range handed out before, being restored): 0, or
+ * GPUPOOL_EINVAL when any of it is not free. */
+int gpupool__alloc_take(gpupool__alloc *a, uint64_t off, uint64_t size);
 
 uint64_t gpupool__alloc_capacity(const gpupool__alloc *a);
 uint64_t gpupool__alloc_used(const gpupool__alloc *a);          /* bytes handed out */

@@ -2,7 +2,7 @@
  * The one list of request kinds: a row per case of Request's `body` oneof, read by the daemon's
  * dispatch (handler and flags), its metrics (a counter per kind, by name), its logs, and
  * gpupoolctl's messages. A new request is its proto field, one row here and its handler
- * (daemon/handlers_*.c); tests/unit/test_requests.c fails while a oneof case has no row.
+ * (daemon/server/handlers_*.c); tests/unit/test_requests.c fails while a oneof case has no row.
  */
 #ifndef GPUPOOL_COMMON_REQUESTS_H
 #define GPUPOOL_COMMON_REQUESTS_H

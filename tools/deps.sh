@@ -7,7 +7,7 @@ PKGS=(build-essential cmake ninja-build pkg-config libuv1-dev libprotobuf-c-dev 
       libcmocka-dev python3 python3-numpy python3-venv python3-pip systemd clang groff-base
       debootstrap systemd-container ca-certificates)
 
-# Peers (daemon-to-daemon fetches, daemon/peers*.c): UCX, found by pkg-config; without it the
+# Peers (daemon-to-daemon fetches, daemon/peers/): UCX, found by pkg-config; without it the
 # daemon builds without peers and says so.
 PKGS+=(libucx-dev ucx-utils)
 

@@ -277,6 +277,7 @@ static void json_stats(const ctl *c, const Gpupool__Wire__StatsReply *s) {
   jkv_u64("replica_copies_failed", s->replica_copies_failed, &f);
   jkv_str("restart_pending", s->restart_pending, &f);
   jkv_str("metrics_exporters", s->metrics_exporters, &f);
+  jkv_str("survival", s->survival, &f);
   jkey("pools", &f);
   putchar('[');
   for (size_t i = 0; i < s->n_pools; i++) {
@@ -314,6 +315,8 @@ int render_status(ctl *c, gpupool__rep *rep, const char *arg) {
          (unsigned long long)s->errors);
   if (s->metrics_exporters && *s->metrics_exporters)
     printf("metrics exporters: %s\n", s->metrics_exporters);
+  if (s->survival && *s->survival)
+    printf("survival: %s\n", s->survival);
   if (s->restart_pending && *s->restart_pending)
     printf("restart pending: a reload read new %s, which only a restart applies ('systemctl restart "
            "gpupoold' drops every hold)\n",

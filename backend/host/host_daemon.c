@@ -125,6 +125,44 @@ static void host_slab_free(gpupool__bpool *p, gpupool__bslab *s) {
   p->reserved -= s->size;
 }
 
+/* A slab from the fd store: only a sealed memfd of exactly the size the state says, which no
+ * process can shrink or grow under the clients that map it. */
+static int host_slab_adopt(gpupool__bpool *p, int fd, uint64_t size, gpupool__bslab *out) {
+  char path[64];
+  struct stat st;
+  int seals, ro;
+  const int need = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+
+  if (size == 0 || size % SLAB_GRAIN != 0 || size > GPUPOOL_SLAB_HARD_MAX)
+    return gpupool__err(GPUPOOL_EINVAL, "a slab of %llu bytes is not a size this backend makes",
+                        (unsigned long long)size);
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || (uint64_t)st.st_size != size)
+    return gpupool__err(GPUPOOL_EINVAL, "the kept fd is not a memfd of %llu bytes", (unsigned long long)size);
+  seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || (seals & need) != need)
+    return gpupool__err(GPUPOOL_EINVAL, "the kept fd is not a memfd sealed against resizing");
+  if (p->reserved + size > p->capacity)
+    return gpupool__err(GPUPOOL_ENOSPC, "pool '%s' has no room left for a kept slab of %llu bytes (capacity "
+                        "%llu bytes): was its capacity lowered?", p->name, (unsigned long long)size,
+                        (unsigned long long)p->capacity);
+  snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+  ro = open(path, O_RDONLY | O_CLOEXEC);
+  if (ro < 0)
+    return gpupool__err(GPUPOOL_EBACKEND, "cannot open a read-only fd of a kept slab through %s: %s", path,
+                        strerror(errno));
+  (void)fcntl(fd, F_SETFD, FD_CLOEXEC);
+  memset(out, 0, sizeof *out);
+  out->size = size;
+  out->fd = fd;
+  out->fd_ro = ro;
+  out->export_len = gpupool__host_export_encode(&(gpupool__host_export){.offset = 0, .size = size},
+                                                out->export_data);
+  p->reserved += size;
+  if (p->reserved > p->reserved_high)
+    p->reserved_high = p->reserved;
+  return 0;
+}
+
 static int host_pool_stats(gpupool__bpool *p, gpupool__bpool_stats *out) {
   out->reserved_cur = p->reserved;
   out->reserved_high = p->reserved_high;
@@ -309,6 +347,7 @@ static const gpupool__backend_ops host_ops = {
     .pool_destroy = host_pool_destroy,
     .slab_alloc = host_slab_alloc,
     .slab_free = host_slab_free,
+    .slab_adopt = host_slab_adopt,
     .pool_stats = host_pool_stats,
     .close = host_close,
     .copy_start = host_copy_start,

@@ -545,7 +545,10 @@ GPUPOOL_EXTERN int gpupool_client_trim(gpupool_client *c);
  * GPUPOOL_ECLOSED; the next request reconnects, retrying with backoff for up to budget_ms
  * (default 5000, or $GPUPOOL_RECONNECT_MS; 0 = never reconnect). Holds of the old connection
  * are lost: their buffers stay mapped and readable here until released (release frees only
- * the local side and returns 0), and share/publish on them fail with GPUPOOL_ELOST. */
+ * the local side and returns 0), and share/publish on them fail with GPUPOOL_ELOST. A daemon
+ * that kept its state across the restart (an fd store) gives them back on the reconnection
+ * instead, claimed with a secret it gave the old connection: gpupool_buffer_lost is then 0 and
+ * they work as before (one taken just before a crash may still be lost). */
 GPUPOOL_EXTERN int gpupool_client_set_reconnect(gpupool_client *c, int budget_ms);
 /* How many times c has reconnected. */
 GPUPOOL_EXTERN uint64_t gpupool_client_reconnect_count(gpupool_client *c);
@@ -556,7 +559,10 @@ GPUPOOL_EXTERN uint64_t gpupool_client_slab_maps(gpupool_client *c);
 /* 1 when b's hold was lost because the daemon went away. */
 GPUPOOL_EXTERN int gpupool_buffer_lost(const gpupool_buffer *b);
 /* Names this client had published that were lost when the daemon went away (not yet
- * reported): copies up to max of them into names, sets *n, and forgets those reported. */
+ * reported): copies up to max of them into names, sets *n, and forgets those reported. A
+ * daemon that kept its state across the restart (an fd store: systemd's or gpupoold
+ * --supervise) still has them: each name the client had published is looked up in the new
+ * daemon first (a read-only get, released at once) and reported only when it is not there. */
 GPUPOOL_EXTERN int gpupool_client_lost_names(gpupool_client *c, char (*names)[GPUPOOL_NAME_MAX + 1], int max, int *n);
 
 /* ---- versions ------------------------------------------------------------------------------ */

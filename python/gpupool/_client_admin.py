@@ -1,4 +1,4 @@
-"""Client's questions about the daemon: pools, stats, host fences, trim, set_devices."""
+"""Client's questions about the daemon: pools, stats, host fences, lost names, trim, set_devices."""
 
 from __future__ import annotations
 
@@ -87,6 +87,25 @@ class _Admin:
         host, and gets come once the producer's work is done. See gpupool_client_host_fences in
         gpupool.h."""
         return bool(self._lib.gpupool_client_host_fences(self._conn.usable()))
+
+    def lost_names(self) -> List[str]:
+        """Names this client had published that the daemon no longer has after it went away.
+
+        A daemon that keeps its state in an fd store (systemd's, or ``gpupoold --supervise``)
+        brings names back across a crash or restart; those are not reported. Each lost name is
+        reported once."""
+        per = _lib.NAME_MAX + 1
+        batch = 64
+        buf = ctypes.create_string_buffer(per * batch)
+        out: List[str] = []
+        while True:
+            n = ctypes.c_int(0)
+            check(self._lib.gpupool_client_lost_names(self._conn.usable(), buf, batch, ctypes.byref(n)),
+                  "lost_names")
+            for i in range(n.value):
+                out.append(buf.raw[i * per:(i + 1) * per].split(b"\0", 1)[0].decode("utf-8", "replace"))
+            if n.value < batch:
+                return out
 
     def trim(self) -> None:
         """Ask the daemon to give every tenant's unused slabs back to the backend.

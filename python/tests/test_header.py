@@ -90,6 +90,8 @@ RAW_TABLES = {"gpupool_member", "gpupool_member_spec", "gpupool_member_ref"}
 def expected_ctypes(ctype):
     """The ctypes types a binding may declare for a C type: a set (void * where the C side
     takes a table _lib packs itself), or raises for a type this test does not know."""
+    if re.fullmatch(r"char \(\*\w+\)\[GPUPOOL_NAME_MAX \+ 1\]", " ".join(ctype.split())):
+        return {ctypes.c_void_p}  # a table of names the binding allocates (a string buffer)
     words = [w for w in ctype.split() if w != "const"]
     depth = words.count("*")
     base = " ".join(w for w in words if w != "*")

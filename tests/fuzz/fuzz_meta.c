@@ -24,6 +24,24 @@
 #include "registry.h"
 #include "wire.h"
 
+/* The registry takes names resolved once (gpd_name_key), as a request's handler resolves
+ * them; an error of the resolution is reported by the call that uses the name. */
+/* A publish of c's hold id, found as a handler finds it (gpd_hold_of). */
+static int publish_id(gpd_registry *reg, gpd_client *c, uint64_t id, const gpd_rname *name,
+                      const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all, uint64_t *version) {
+  gpd_hold *h;
+  int rc = gpd_hold_of(reg, c, id, &h);
+  return rc ? rc : gpd_publish(reg, c, h, name, meta, share_gid, share_all, version);
+}
+
+static const gpd_rname *rn(gpd_registry *reg, gpd_client *c, const char *name) {
+  static gpd_rname ring[8];
+  static unsigned next;
+  gpd_rname *r = &ring[next++ % 8];
+  gpd_name_key(reg, c, name, r);
+  return r;
+}
+
 static gpd_config cfg;
 static gpupool__backend *be;
 
@@ -121,15 +139,15 @@ static void daemon_path(uint64_t asked, const Gpupool__Wire__TensorMeta *w) {
   {
     /* The daemon's publish and the client's conversion are the same check: they must agree. */
     gpupool_tensor_meta conv;
-    int published = gpd_publish(&reg, &cl, h->id, "t", w, 0, 0, NULL) == 0;
+    int published = publish_id(&reg, &cl, h->id, rn(&reg, &cl, "t"), w, 0, 0, NULL) == 0;
     int converts = !w->present || gpupool__wire_meta_from(w, asked, &conv) == 0;
     if (published != converts)
       fuzz_fail("publish %s metadata the client's conversion %s", published ? "accepted" : "refused",
                 converts ? "accepts" : "refuses");
     if (published)
-      gpd_unpublish(&reg, &cl, "t");
+      gpd_unpublish(&reg, &cl, rn(&reg, &cl, "t"));
   }
-  if (gpd_publish(&reg, &cl, h->id, "t", w, 0, 0, NULL) == 0 && w->present) {
+  if (publish_id(&reg, &cl, h->id, rn(&reg, &cl, "t"), w, 0, 0, NULL) == 0 && w->present) {
     gpd_desc_storage ds;
     Gpupool__Wire__BufferDesc *back;
     uint8_t *buf;
@@ -138,9 +156,9 @@ static void daemon_path(uint64_t asked, const Gpupool__Wire__TensorMeta *w) {
       fuzz_fail("the daemon accepted metadata that has no C form");
     if (reference_span(&m, &ref) != 0 || ref > asked)
       fuzz_fail("the daemon accepted a tensor that does not fit its %llu-byte buffer", (unsigned long long)asked);
-    if (gpd_get(&reg, &cl, "t", 1, 0, &g, NULL) != 0)
+    if (gpd_get(&reg, &cl, rn(&reg, &cl, "t"), 1, 0, &g, NULL) != 0)
       fuzz_fail("get after publish: %s", gpupool__errmsg());
-    gpd_fill_desc(&reg, &cl, g, "t", &ds);
+    gpd_fill_desc(&reg, &cl, g, rn(&reg, &cl, "t"), &ds);
     len = gpupool__wire__buffer_desc__get_packed_size(&ds.desc);
     buf = malloc(len ? len : 1);
     if (!buf)

@@ -185,6 +185,44 @@ static void test_flood(void **state) {
   th_stop(&D);
 }
 
+static int listen_delay(void *arg) {
+  (void)arg;
+  return setenv("GPUPOOL_TEST_LISTEN_DELAY_MS", "400", 1);
+}
+
+/* A script that waits for the socket to exist ([ -S PATH ]) and connects at once must not be
+ * refused: the path appears only once the daemon listens on it (a loaded machine once
+ * preempted the daemon between bind and listen, and tools/demo.sh's first client got
+ * ECONNREFUSED). */
+static void test_socket_appears_listening(void **state) {
+  ts_daemon d;
+  const char *argv[] = {GPUPOOLD_PATH, "--socket", d.sock, "--backend", "host", "--log-level", "debug", NULL};
+  struct sockaddr_un a = {.sun_family = AF_UNIX};
+  struct stat st;
+  int fd, rc = -1, e = 0, status;
+  (void)state;
+  assert_int_equal(ts_daemon_prepare(&d, NULL, "listening"), 0);
+  d.pid = ts_exec(argv, d.log, 0, listen_delay, NULL);
+  assert_true(d.pid > 0);
+  for (int i = 0; i < 10000 && !(stat(d.sock, &st) == 0 && S_ISSOCK(st.st_mode)); i++)
+    usleep(500);
+  assert_true(stat(d.sock, &st) == 0 && S_ISSOCK(st.st_mode));
+  memcpy(a.sun_path, d.sock, strlen(d.sock) + 1);
+  fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  assert_true(fd >= 0);
+  rc = connect(fd, (struct sockaddr *)&a, sizeof a);
+  e = errno;
+  close(fd);
+  if (rc != 0)
+    ts_daemon_dump_log(&d);
+  assert_int_equal(ts_daemon_stop(&d, 5000) >= 0, 1);
+  ts_daemon_remove(&d);
+  (void)status;
+  if (rc != 0)
+    fail_msg("connect right after the socket appeared: %s (the path exists before the daemon listens)", strerror(e));
+}
+
 int main(void) {
-  return TS_RUN_TESTS(NULL, NULL, test_default_backlog_is_deep, test_full_backlog, test_flood);
+  return TS_RUN_TESTS(NULL, NULL, test_default_backlog_is_deep, test_full_backlog, test_flood,
+                      test_socket_appears_listening);
 }

@@ -1,5 +1,5 @@
 #!/bin/sh
-# gpupoold.conf(5) documents exactly the config keys of the table in daemon/config.c: every
+# gpupoold.conf(5) documents exactly the config keys of the table in daemon/service/config.c: every
 # key `gpupoold --list-config-keys` prints appears in its section of the page (a .TP entry
 # "\fBkey\fR = default" under .SS "[section ...]"), and the page names no key the table lacks.
 # The [daemon] keys a reload cannot change (the table's "(restart only)") are exactly those

@@ -6,13 +6,15 @@
  *   closed     reconnection off: the request must fail because the daemon closed the
  *              connection (GPUPOOL_ECLOSED or GPUPOOL_EIO);
  *   reconnect  the library's default: the request reconnects and succeeds, and the hold of
- *              the dropped connection is reported lost.
+ *              the dropped connection is reported lost;
+ *   resumed    as reconnect, after a restart of a daemon that kept its state: the hold is
+ *              given back (not lost).
  *
  * PUBLISH_NAME may be several names separated by commas: the one buffer is published under each.
  * Each EXTRA adds a name of another kind before "ready": bundle=NAME publishes a bundle of two
  * members, file=NAME:PATH the whole file at PATH.
  *
- * Usage: svc_holder SOCKET CLIENT_NAME PUBLISH_NAME SIZE closed|reconnect [EXTRA...]
+ * Usage: svc_holder SOCKET CLIENT_NAME PUBLISH_NAME SIZE closed|reconnect|resumed [EXTRA...]
  * Exit: 0 when the request after the wait behaved as the mode says, 1 when it did not (the
  *       client was not dropped), 2 on setup failure.
  */
@@ -29,11 +31,12 @@ int main(int argc, char **argv) {
   size_t size;
   int rc, reconnect;
 
-  if (argc < 6 || (strcmp(argv[5], "closed") != 0 && strcmp(argv[5], "reconnect") != 0)) {
-    fprintf(stderr, "usage: svc_holder SOCKET CLIENT_NAME PUBLISH_NAME SIZE closed|reconnect [EXTRA...]\n");
+  if (argc < 6 || (strcmp(argv[5], "closed") != 0 && strcmp(argv[5], "reconnect") != 0 &&
+                    strcmp(argv[5], "resumed") != 0)) {
+    fprintf(stderr, "usage: svc_holder SOCKET CLIENT_NAME PUBLISH_NAME SIZE closed|reconnect|resumed [EXTRA...]\n");
     return 2;
   }
-  reconnect = strcmp(argv[5], "reconnect") == 0;
+  reconnect = strcmp(argv[5], "reconnect") == 0 ? 1 : strcmp(argv[5], "resumed") == 0 ? 2 : 0;
   size = (size_t)strtoull(argv[4], NULL, 10);
   rc = gpupool_client_connect(argv[1], argv[2], GPUPOOL_TIMEOUT_DEFAULT, &c);
   if (rc != 0) {
@@ -89,7 +92,7 @@ int main(int argc, char **argv) {
          (unsigned long long)gpupool_client_reconnect_count(c), gpupool_buffer_lost(b));
   fflush(stdout);
   if (reconnect) {
-    int ok = rc == 0 && gpupool_client_reconnect_count(c) == 1 && gpupool_buffer_lost(b) == 1;
+    int ok = rc == 0 && gpupool_client_reconnect_count(c) == 1 && gpupool_buffer_lost(b) == (reconnect == 1);
     gpupool_client_disconnect(c);
     return ok ? 0 : 1;
   }

@@ -201,7 +201,7 @@ static void test_example_matches_table(void **state) {
     const gpd_config_key *k = gpd_config_key_find(lines[i].section, lines[i].key);
     if (!k || strcmp(k->name, lines[i].key))
       fail_msg("gpupoold.conf:%d: '%s' is not a key of its section in the config table "
-               "(gpd_config_keys in daemon/config.c)", lines[i].line, lines[i].key);
+               "(gpd_config_keys in daemon/service/config.c)", lines[i].line, lines[i].key);
   }
   for (size_t r = 0; r < gpd_n_config_keys; r++) {
     const gpd_config_key *k = &gpd_config_keys[r];

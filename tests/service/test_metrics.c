@@ -1,5 +1,5 @@
 /*
- * Unit tests of daemon/metrics.c, in process: the exposition text (HELP/TYPE before every
+ * Unit tests of daemon/service/metrics.c, in process: the exposition text (HELP/TYPE before every
  * family, counters by type and result (every request kind by its name), cumulative histogram buckets, escaped pool names,
  * gauges from a StatsReply), and the two exporters on a real libuv loop (the textfile written
  * atomically, the socket answering HTTP/1.0 200 with the same families, connections capped

@@ -1,5 +1,5 @@
 /*
- * Unit tests of daemon/sd.c, in process: socket activation checks against real sockets placed
+ * Unit tests of daemon/service/sd.c, in process: socket activation checks against real sockets placed
  * at fd 3 (a listening Unix stream socket is taken; several fds, a datagram socket, a socket
  * that is not listening, an IP socket, a pipe and malformed variables are refused with a
  * message), sd_notify to a path and to an abstract socket, and the watchdog variables.

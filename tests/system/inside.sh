@@ -102,8 +102,8 @@ exec 4>&-
 kill "$namer" 2>/dev/null || true
 wait "$namer" 2>/dev/null || true
 
-step "a live client across a service restart"
-start_holder holder systest-holder systest/tensor reconnect
+step "a live client across a service restart: it reconnects and its hold is given back"
+start_holder holder systest-holder systest/tensor resumed
 old=$(main_pid)
 systemctl restart gpupoold.service
 new=$(main_pid)
@@ -111,7 +111,7 @@ new=$(main_pid)
 [ -S "$SOCK" ] || die "the socket disappeared on restart"
 echo go >&3
 exec 3>&-
-wait "$holder" || die "the client did not reconnect with its hold reported lost: $(cat /tmp/holder.out)"
+wait "$holder" || die "the client did not reconnect with its hold given back: $(cat /tmp/holder.out)"
 echo "client reconnected after restart (pid $old -> $new): $(tail -n 1 /tmp/holder.out)"
 
 step "metrics: each exporter starts or fails on its own; HTTP answers; a scrapers' group"
@@ -276,4 +276,46 @@ wait_for 10 ctl_ok || die "gpupoold did not answer after the watchdog restart"
 journalctl --no-pager -u gpupoold | grep -qi "watchdog timeout" || die "no watchdog timeout in the journal"
 echo "watchdog restarted pid $stopped -> $(main_pid)"
 rm -f /run/systemd/system/gpupoold.service.d/systest.conf
+
+step "names, versions and their bytes survive kill -9 and systemctl restart; systemctl stop lets them go"
+systemctl daemon-reload
+systemctl reset-failed gpupoold.service gpupoold.socket 2>/dev/null || true
+systemctl restart gpupoold.service
+wait_for 10 ctl_ok || die "gpupoold did not start for the survival step"
+store() { systemctl show -p NFileDescriptorStore --value gpupoold.service; }
+wait_for 10 sh -c '[ "$(systemctl show -p NFileDescriptorStore --value gpupoold.service)" -gt 0 ]' ||
+  die "the daemon put nothing in systemd's fd store"
+base=$(store)
+as alice "$T/svc_survive" "$SOCK" publish survive/n 40 65536 7 || die "publishing version 1 failed"
+as alice "$T/svc_survive" "$SOCK" publish survive/n 40 65536 9 || die "publishing version 2 failed"
+echo "fd store: $base entries before, $(store) with 40 names"
+old=$(main_pid)
+kill -KILL "$old"
+wait_for 30 sh -c "p=\$(systemctl show -p MainPID --value gpupoold.service); [ \"\$p\" != $old ] && [ \"\$p\" != 0 ]" ||
+  die "systemd did not restart the killed daemon"
+wait_for 10 ctl_ok || die "gpupoold did not answer after the crash"
+as alice "$T/svc_survive" "$SOCK" check survive/n 40 65536 9 2 || die "the names did not survive kill -9"
+journalctl --no-pager -u gpupoold | grep "restored state" | tail -n 1
+/usr/local/bin/gpupoolctl status | grep "^survival: " || die "gpupoolctl status has no survival line"
+/usr/local/bin/gpupoolctl status | grep -q "^survival: kept in the fd store .*restored at start: 40 name(s)" ||
+  die "gpupoolctl status does not say the 40 names were restored"
+journalctl --no-pager -u gpupoold | grep "restored state" | tail -n 1 | grep -q "40 name(s)" ||
+  die "the journal does not say the 40 names were restored"
+systemctl restart gpupoold.service || die "systemctl restart failed"
+wait_for 10 ctl_ok || die "gpupoold did not answer after the restart"
+as alice "$T/svc_survive" "$SOCK" check survive/n 40 65536 9 2 || die "the names did not survive systemctl restart"
+as alice "$T/svc_survive" "$SOCK" publish survive/n 1 65536 11 || die "publishing after the restart failed"
+as alice "$T/svc_survive" "$SOCK" check survive/n 1 65536 11 3 || die "the version after the restart is not 3"
+as alice "$T/svc_survive" "$SOCK" unpublish survive/n 40 || die "unpublishing failed"
+/usr/local/bin/gpupoolctl trim >/dev/null || true
+wait_for 10 sh -c "[ \"\$(systemctl show -p NFileDescriptorStore --value gpupoold.service)\" -le $base ]" ||
+  die "the fd store holds $(store) entries after everything was released, $base before"
+as alice "$T/svc_survive" "$SOCK" publish survive/n 2 4096 5 || die "publishing before the stop failed"
+systemctl stop gpupoold.service
+systemctl start gpupoold.service
+wait_for 10 ctl_ok || die "gpupoold did not start after the stop"
+if as alice "$T/svc_survive" "$SOCK" check survive/n 2 4096 5 1 >/dev/null; then
+  die "names survived systemctl stop (the fd store should have been emptied)"
+fi
+echo "survival: kill -9 and restart keep 40 names at version 2, stop lets them go"
 echo "GPUPOOL-SYSTEST-OK"

@@ -31,8 +31,8 @@ die() { echo "FAIL: $*" >&2; exit 1; }
 [ "$(id -u)" -eq 0 ] || skip "booting a container needs root"
 command -v systemd-nspawn >/dev/null || skip "systemd-nspawn is not installed (package systemd-container)"
 command -v debootstrap >/dev/null || skip "debootstrap is not installed"
-[ -x "$build/daemon/gpupoold" ] && [ -x "$build/tests/service/svc_holder" ] ||
-  die "$build lacks gpupoold or tests/service/svc_holder (build it with the tests first)"
+[ -x "$build/daemon/gpupoold" ] && [ -x "$build/tests/service/svc_holder" ] && [ -x "$build/tests/service/svc_survive" ] ||
+  die "$build lacks gpupoold or tests/service/svc_holder or svc_survive (build it with the tests first)"
 
 mkdir -p "$cache"
 exec 9>"$cache/.lock"
@@ -67,7 +67,7 @@ echo "==== cmake --install $build into the container (prefix $(sed -n 's/^CMAKE_
 DESTDIR=$root cmake --install "$build" >"$run/install.log" 2>&1 || { cat "$run/install.log"; die "cmake --install"; }
 t=$root/usr/local/libexec/gpupool-systest
 mkdir -p "$t"
-cp "$build/tests/service/svc_holder" "$src/tests/system/inside.sh" "$t/"
+cp "$build/tests/service/svc_holder" "$build/tests/service/svc_survive" "$src/tests/system/inside.sh" "$t/"
 chmod 755 "$t" "$t"/*
 cat >"$root/etc/systemd/system/gpupool-systest.service" <<'EOF'
 [Unit]

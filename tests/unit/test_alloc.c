@@ -301,6 +301,32 @@ static void test_churn(void **state) {
 /* Fragmentation sanity: equal-sized blocks with alternate ones freed leave holes exactly the
  * block size, each reused in place by a same-sized request; a workload of mixed sizes that
  * frees in bulk keeps the allocator's waste bounded. */
+/* take: exactly the range asked (a restored buffer's), from any part of a free range; never a
+ * byte that is not free; what was taken goes back with put. */
+static void test_take(void **state) {
+  gpupool__alloc *a;
+  uint64_t off;
+  (void)state;
+  assert_int_equal(gpupool__alloc_new(1000, &a), 0);
+  assert_int_equal(gpupool__alloc_take(a, 100, 50), 0);  /* middle: splits the range */
+  assert_int_equal(gpupool__alloc_free_ranges(a), 2);
+  assert_int_equal(gpupool__alloc_take(a, 0, 100), 0);   /* head of the first */
+  assert_int_equal(gpupool__alloc_take(a, 900, 100), 0); /* tail of the last */
+  assert_int_equal(gpupool__alloc_used(a), 250);
+  assert_int_equal(gpupool__alloc_take(a, 120, 10), GPUPOOL_EINVAL);  /* taken already */
+  assert_int_equal(gpupool__alloc_take(a, 140, 20), GPUPOOL_EINVAL);  /* overlaps a taken range */
+  assert_int_equal(gpupool__alloc_take(a, 950, 100), GPUPOOL_EINVAL); /* past the end */
+  assert_int_equal(gpupool__alloc_take(a, 200, 0), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool__alloc_used(a), 250);
+  assert_int_equal(gpupool__alloc_take(a, 150, 750), 0); /* the whole rest */
+  assert_int_equal(gpupool__alloc_free_ranges(a), 0);
+  assert_int_equal(gpupool__alloc_get(a, 1, 1, &off), GPUPOOL_ENOSPC);
+  assert_int_equal(gpupool__alloc_put(a, 100, 50), 0);
+  assert_int_equal(gpupool__alloc_get(a, 50, 1, &off), 0);
+  assert_int_equal(off, 100);
+  gpupool__alloc_delete(a);
+}
+
 static void test_fragmentation_bound(void **state) {
   enum { N = 2048, BLK = 64 };
   gpupool__alloc *a;
@@ -366,6 +392,7 @@ int main(void) {
       cmocka_unit_test(test_best_fit),
       cmocka_unit_test(test_churn),
       cmocka_unit_test(test_fragmentation_bound),
+      cmocka_unit_test(test_take),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

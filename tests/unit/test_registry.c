@@ -24,6 +24,24 @@
 #include "frames.h"
 #include "registry.h"
 
+/* The registry takes names resolved once (gpd_name_key), as a request's handler resolves
+ * them; an error of the resolution is reported by the call that uses the name. */
+/* A publish of c's hold id, found as a handler finds it (gpd_hold_of). */
+static int publish_id(gpd_registry *reg, gpd_client *c, uint64_t id, const gpd_rname *name,
+                      const Gpupool__Wire__TensorMeta *meta, gid_t share_gid, int share_all, uint64_t *version) {
+  gpd_hold *h;
+  int rc = gpd_hold_of(reg, c, id, &h);
+  return rc ? rc : gpd_publish(reg, c, h, name, meta, share_gid, share_all, version);
+}
+
+static const gpd_rname *rn(gpd_registry *reg, gpd_client *c, const char *name) {
+  static gpd_rname ring[8];
+  static unsigned next;
+  gpd_rname *r = &ring[next++ % 8];
+  gpd_name_key(reg, c, name, r);
+  return r;
+}
+
 #define MIB (1ull << 20)
 
 typedef struct {
@@ -148,54 +166,54 @@ static void test_names(void **state) {
   ts_tensor_meta(&m, GPUPOOL_DTYPE_FLOAT, 32, 2, shape);
   {
     uint64_t v = 0;
-    assert_int_equal(gpd_publish(&f->reg, &f->a, h->id, "t", &m, 0, 0, &v), 0);
+    assert_int_equal(publish_id(&f->reg, &f->a, h->id, rn(&f->reg, &f->a, "t"), &m, 0, 0, &v), 0);
     assert_int_equal(v, 1);
     /* Publishing again makes the next version. */
-    assert_int_equal(gpd_publish(&f->reg, &f->a, h->id, "t", &m, 0, 0, &v), 0);
+    assert_int_equal(publish_id(&f->reg, &f->a, h->id, rn(&f->reg, &f->a, "t"), &m, 0, 0, &v), 0);
     assert_int_equal(v, 2);
-    assert_int_equal(gpd_get(&f->reg, &f->b, "t", 1, 2, &g, &v), GPUPOOL_ENOENT);
+    assert_int_equal(gpd_get(&f->reg, &f->b, rn(&f->reg, &f->b, "t"), 1, 2, &g, &v), GPUPOOL_ENOENT);
     assert_non_null(strstr(gpupool__errmsg(), "not newer than 2"));
   }
   shape[0] = 11; /* 440 bytes > 400 */
-  assert_int_equal(gpd_publish(&f->reg, &f->a, h->id, "u", &m, 0, 0, NULL), GPUPOOL_EMETA);
+  assert_int_equal(publish_id(&f->reg, &f->a, h->id, rn(&f->reg, &f->a, "u"), &m, 0, 0, NULL), GPUPOOL_EMETA);
   /* Another tenant neither sees it nor learns that it exists; the same tenant does. */
-  assert_int_equal(gpd_get(&f->reg, &f->x, "t", 0, 0, &g, NULL), GPUPOOL_ENOENT);
+  assert_int_equal(gpd_get(&f->reg, &f->x, rn(&f->reg, &f->x, "t"), 0, 0, &g, NULL), GPUPOOL_ENOENT);
   assert_int_equal(gpd_allocate(&f->reg, &f->x, pool(f), 400, 0, &o), 0);
-  assert_int_equal(gpd_publish(&f->reg, &f->x, o->id, "t", NULL, 0, 0, NULL), 0); /* its own "t" */
+  assert_int_equal(publish_id(&f->reg, &f->x, o->id, rn(&f->reg, &f->x, "t"), NULL, 0, 0, NULL), 0); /* its own "t" */
   assert_null(strstr(gpupool__errmsg(), "another"));
   assert_int_equal(gpd_release(&f->reg, &f->x, o->id, 0, &freed), 0);
-  assert_int_equal(gpd_get(&f->reg, &f->b, "t", 1, 0, &g, NULL), 0);
+  assert_int_equal(gpd_get(&f->reg, &f->b, rn(&f->reg, &f->b, "t"), 1, 0, &g, NULL), 0);
   assert_ptr_equal(g->buf, h->buf);
   assert_true(g->read_only);
   assert_int_equal(gpd_release(&f->reg, &f->b, g->id, 0, &freed), 0);
   /* Publishing to everyone is gone: it would hand out the slab. */
-  assert_int_equal(gpd_publish(&f->reg, &f->a, h->id, "open", NULL, 0, 1, NULL), GPUPOOL_EINVAL);
-  assert_int_equal(gpd_publish(&f->reg, &f->a, h->id, "open", NULL, 0, 0, NULL), 0);
+  assert_int_equal(publish_id(&f->reg, &f->a, h->id, rn(&f->reg, &f->a, "open"), NULL, 0, 1, NULL), GPUPOOL_EINVAL);
+  assert_int_equal(publish_id(&f->reg, &f->a, h->id, rn(&f->reg, &f->a, "open"), NULL, 0, 0, NULL), 0);
   /* Across tenants, through a pool shared with a group, under group:GROUP/NAME. */
   {
     gpd_pool *sp = gpd_pool_find(&f->reg, "s", 0);
     gpd_hold *w, *r;
     assert_int_equal(gpd_allocate(&f->reg, &f->b, sp, 100, 0, &w), GPUPOOL_EPERM); /* b is not in ml */
     assert_int_equal(gpd_allocate(&f->reg, &f->a, sp, 100, 0, &w), 0);
-    assert_int_equal(gpd_publish(&f->reg, &f->a, w->id, "w", NULL, 0, 0, NULL), GPUPOOL_EPERM);
-    assert_int_equal(gpd_publish(&f->reg, &f->a, h->id, "group:ml/t", NULL, 0, 0, NULL), GPUPOOL_EPERM);
-    assert_int_equal(gpd_publish(&f->reg, &f->a, w->id, "group:ml/w", NULL, 0, 0, NULL), 0);
-    assert_int_equal(gpd_get(&f->reg, &f->x, "group:ml/w", 0, 0, &r, NULL), 0);
+    assert_int_equal(publish_id(&f->reg, &f->a, w->id, rn(&f->reg, &f->a, "w"), NULL, 0, 0, NULL), GPUPOOL_EPERM);
+    assert_int_equal(publish_id(&f->reg, &f->a, h->id, rn(&f->reg, &f->a, "group:ml/t"), NULL, 0, 0, NULL), GPUPOOL_EPERM);
+    assert_int_equal(publish_id(&f->reg, &f->a, w->id, rn(&f->reg, &f->a, "group:ml/w"), NULL, 0, 0, NULL), 0);
+    assert_int_equal(gpd_get(&f->reg, &f->x, rn(&f->reg, &f->x, "group:ml/w"), 0, 0, &r, NULL), 0);
     assert_ptr_equal(r->buf, w->buf);
-    assert_int_equal(gpd_get(&f->reg, &f->b, "group:ml/w", 0, 0, &r, NULL), GPUPOOL_EPERM);
-    assert_int_equal(gpd_get(&f->reg, &f->x, "group:nope/w", 0, 0, &r, NULL), GPUPOOL_EPERM);
-    assert_int_equal(gpd_unpublish(&f->reg, &f->x, "group:ml/w"), 0);
+    assert_int_equal(gpd_get(&f->reg, &f->b, rn(&f->reg, &f->b, "group:ml/w"), 0, 0, &r, NULL), GPUPOOL_EPERM);
+    assert_int_equal(gpd_get(&f->reg, &f->x, rn(&f->reg, &f->x, "group:nope/w"), 0, 0, &r, NULL), GPUPOOL_EPERM);
+    assert_int_equal(gpd_unpublish(&f->reg, &f->x, rn(&f->reg, &f->x, "group:ml/w")), 0);
     assert_int_equal(gpd_release(&f->reg, &f->a, w->id, 0, &freed), 0);
   }
   /* The names keep the buffer after every hold is gone. */
   assert_int_equal(gpd_release(&f->reg, &f->a, h->id, 0, &freed), 0);
   assert_int_equal(freed, 0);
   assert_int_equal(pool(f)->used, 1024); /* this tenant's "t" and the other tenant's "t" */
-  assert_int_equal(gpd_unpublish(&f->reg, &f->b, "open"), 0); /* one tenant: b may */
+  assert_int_equal(gpd_unpublish(&f->reg, &f->b, rn(&f->reg, &f->b, "open")), 0); /* one tenant: b may */
   assert_int_equal(pool(f)->used, 1024);
-  assert_int_equal(gpd_unpublish(&f->reg, &f->a, "t"), 0);
+  assert_int_equal(gpd_unpublish(&f->reg, &f->a, rn(&f->reg, &f->a, "t")), 0);
   assert_int_equal(pool(f)->used, 512);
-  assert_int_equal(gpd_unpublish(&f->reg, &f->x, "t"), 0);
+  assert_int_equal(gpd_unpublish(&f->reg, &f->x, rn(&f->reg, &f->x, "t")), 0);
   assert_int_equal(pool(f)->used, 0);
   assert_int_equal(gpupool__wire_check_name(""), GPUPOOL_ENAME);
   assert_int_equal(gpupool__wire_check_name("a\tb"), GPUPOOL_ENAME);
@@ -322,23 +340,23 @@ static void test_tenant_limits(void **state) {
   assert_non_null(strstr(gpupool__errmsg(), "tenant:team already has 3 holds"));
   assert_non_null(strstr(gpupool__errmsg(), "max_holds_per_uid"));
   /* One name per tenant, two in the daemon. */
-  assert_int_equal(gpd_publish(&f->reg, &f->a, h1->id, "n1", NULL, 0, 0, NULL), 0);
-  assert_int_equal(gpd_publish(&f->reg, &f->b, h2->id, "n2", NULL, 0, 0, NULL), GPUPOOL_ELIMIT);
+  assert_int_equal(publish_id(&f->reg, &f->a, h1->id, rn(&f->reg, &f->a, "n1"), NULL, 0, 0, NULL), 0);
+  assert_int_equal(publish_id(&f->reg, &f->b, h2->id, rn(&f->reg, &f->b, "n2"), NULL, 0, 0, NULL), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool__errmsg(), "max_names_per_uid"));
-  assert_int_equal(gpd_publish(&f->reg, &f->a, h1->id, "n1", NULL, 0, 0, NULL), 0); /* not a new name */
+  assert_int_equal(publish_id(&f->reg, &f->a, h1->id, rn(&f->reg, &f->a, "n1"), NULL, 0, 0, NULL), 0); /* not a new name */
   /* A group's name republished by another tenant of the group moves to that tenant's count. */
   assert_int_equal(gpd_allocate(&f->reg, &f->x, sp, 100, 0, &w), 0);
-  assert_int_equal(gpd_publish(&f->reg, &f->x, w->id, "group:ml/w", NULL, 0, 0, NULL), 0);
+  assert_int_equal(publish_id(&f->reg, &f->x, w->id, rn(&f->reg, &f->x, "group:ml/w"), NULL, 0, 0, NULL), 0);
   assert_int_equal(gpd_release(&f->reg, &f->b, o->id, 0, &freed), 0);
   assert_int_equal(gpd_release(&f->reg, &f->b, h2->id, 0, &freed), 0);
   assert_int_equal(gpd_allocate(&f->reg, &f->a, sp, 100, 0, &v), 0);
-  assert_int_equal(gpd_publish(&f->reg, &f->a, v->id, "group:ml/w", NULL, 0, 0, NULL), GPUPOOL_ELIMIT);
+  assert_int_equal(publish_id(&f->reg, &f->a, v->id, rn(&f->reg, &f->a, "group:ml/w"), NULL, 0, 0, NULL), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool__errmsg(), "republishing 'group:ml/w' would make it one more"));
   /* The daemon's names are all taken: a third tenant's first name is refused too. */
-  assert_int_equal(gpd_unpublish(&f->reg, &f->a, "n1"), 0);
-  assert_int_equal(gpd_publish(&f->reg, &f->a, h1->id, "n3", NULL, 0, 0, NULL), 0);
+  assert_int_equal(gpd_unpublish(&f->reg, &f->a, rn(&f->reg, &f->a, "n1")), 0);
+  assert_int_equal(publish_id(&f->reg, &f->a, h1->id, rn(&f->reg, &f->a, "n3"), NULL, 0, 0, NULL), 0);
   assert_int_equal(gpd_allocate(&f->reg, &f->x, pool(f), 100, 0, &h3), 0);
-  assert_int_equal(gpd_publish(&f->reg, &f->x, h3->id, "n4", NULL, 0, 0, NULL), GPUPOOL_ELIMIT);
+  assert_int_equal(publish_id(&f->reg, &f->x, h3->id, rn(&f->reg, &f->x, "n4"), NULL, 0, 0, NULL), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool__errmsg(), "the daemon already holds 2 names, the limit (max_names) is 2"));
 }
 
@@ -347,7 +365,7 @@ static void test_drop_client_releases_everything(void **state) {
   gpd_hold *h;
   for (int i = 0; i < 5; i++)
     assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 100000, 0, &h), 0);
-  assert_int_equal(gpd_publish(&f->reg, &f->a, h->id, "kept", NULL, 0, 0, NULL), 0);
+  assert_int_equal(publish_id(&f->reg, &f->a, h->id, rn(&f->reg, &f->a, "kept"), NULL, 0, 0, NULL), 0);
   /* Its process is gone (nobody holds the lease): everything comes back at once. */
   close(f->a_peer);
   f->a_peer = -1;
@@ -398,7 +416,7 @@ static void test_lease_keeps_memory_until_gone(void **state) {
   gpd_client_init(&f->reg, &f->a);
   assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 100, 0, &x), GPUPOOL_ELIMIT);
   assert_non_null(strstr(gpupool__errmsg(), "max_waiting_leases_per_uid"));
-  assert_int_equal(gpd_get(&f->reg, &f->a, "none", 0, 0, &x, NULL), GPUPOOL_ENOENT);
+  assert_int_equal(gpd_get(&f->reg, &f->a, rn(&f->reg, &f->a, "none"), 0, 0, &x, NULL), GPUPOOL_ENOENT);
   /* The last holder exits: the loop sees the lease gone and everything comes back. */
   close(peer_copy);
   for (int i = 0; i < 100 && f->reg.npending; i++)
@@ -883,51 +901,51 @@ static void test_bundle_checks(void **state) {
   ids[1] = h2->id;
   /* Member in a buffer that is not listed. */
   m[2].buffer = 2;
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "bb"), ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool__errmsg(), "names buffer 2"));
   m[2].buffer = 0;
   /* Range past its buffer, and one whose end overflows. */
   m[2].offset = 95;
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "bb"), ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool__errmsg(), "does not fit"));
   m[2].offset = UINT64_MAX - 5;
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "bb"), ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
   m[2].offset = 20;
   /* Zero size, no name, duplicate names. */
   m[2].size = 0;
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "bb"), ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
   m[2].size = 10;
   m[2].name = NULL;
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_ENAME);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "bb"), ids, 2, mp, 3, 0, &v), GPUPOOL_ENAME);
   m[2].name = (char *)"a";
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "bb"), ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool__errmsg(), "'a' appears twice"));
   m[2].name = (char *)"c";
   /* A description larger than its member. */
   ts_tensor_meta(&tm, GPUPOOL_DTYPE_UINT, 8, 1, shape);
   m[2].tensor = &tm;
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EMETA);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "bb"), ids, 2, mp, 3, 0, &v), GPUPOOL_EMETA);
   assert_non_null(strstr(gpupool__errmsg(), "member 2 ('c')"));
   shape[0] = 10;
   /* A buffer listed twice, a buffer no member uses, another client's hold, another tenant's. */
   ids[1] = h1->id;
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "bb"), ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool__errmsg(), "listed twice"));
   ids[1] = h2->id;
   ids[2] = x1->id;
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 3, mp, 3, 0, &v), GPUPOOL_EPERM);
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->x, "bb", ids, 2, mp, 3, 0, &v), GPUPOOL_EPERM);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "bb"), ids, 3, mp, 3, 0, &v), GPUPOOL_EPERM);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->x, rn(&f->reg, &f->x, "bb"), ids, 2, mp, 3, 0, &v), GPUPOOL_EPERM);
   assert_int_equal(f->reg.nnames, 0);
   /* Too many holds for the members, none at all. */
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 0, mp, 3, 0, &v), GPUPOOL_EINVAL);
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 0, 0, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "bb"), ids, 0, mp, 3, 0, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "bb"), ids, 2, mp, 0, 0, &v), GPUPOOL_EINVAL);
   /* Good: version 1, then 2 in the same step; the same tenant gets it whole. */
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), 0);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "bb"), ids, 2, mp, 3, 0, &v), 0);
   assert_int_equal(v, 1);
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "bb", ids, 2, mp, 3, 0, &v), 0);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "bb"), ids, 2, mp, 3, 0, &v), 0);
   assert_int_equal(v, 2);
   assert_int_equal(f->reg.nnames, 1);
-  assert_int_equal(gpd_get_bundle(&f->reg, &f->b, "bb", 1, 0, &hs, &nm), 0);
+  assert_int_equal(gpd_get_bundle(&f->reg, &f->b, rn(&f->reg, &f->b, "bb"), 1, 0, &hs, &nm), 0);
   assert_int_equal(nm->nbufs, 2);
   assert_int_equal(nm->layout->n, 3);
   assert_int_equal(nm->version, 2);
@@ -936,9 +954,9 @@ static void test_bundle_checks(void **state) {
   gpd_hold_discard(&f->reg, hs[0]);
   gpd_hold_discard(&f->reg, hs[1]);
   free(hs);
-  assert_int_equal(gpd_get_bundle(&f->reg, &f->b, "bb", 1, 2, &hs, &nm), GPUPOOL_ENOENT);
-  assert_int_equal(gpd_get_bundle(&f->reg, &f->x, "bb", 1, 0, &hs, &nm), GPUPOOL_ENOENT);
-  assert_int_equal(gpd_unpublish(&f->reg, &f->a, "bb"), 0);
+  assert_int_equal(gpd_get_bundle(&f->reg, &f->b, rn(&f->reg, &f->b, "bb"), 1, 2, &hs, &nm), GPUPOOL_ENOENT);
+  assert_int_equal(gpd_get_bundle(&f->reg, &f->x, rn(&f->reg, &f->x, "bb"), 1, 0, &hs, &nm), GPUPOOL_ENOENT);
+  assert_int_equal(gpd_unpublish(&f->reg, &f->a, rn(&f->reg, &f->a, "bb")), 0);
   {
     int freed;
     assert_int_equal(gpd_release(&f->reg, &f->a, h1->id, 0, &freed), 0);
@@ -989,35 +1007,35 @@ static void test_layout_by_id(void **state) {
     sp[1].size = 1000;
   }
   ids[0] = hs[0]->id;
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "L", ids, 1, NULL, 0, id, &v), 0);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "L"), ids, 1, NULL, 0, id, &v), 0);
   assert_int_equal(v, 1);
-  assert_int_equal(gpd_get_bundle(&f->reg, &f->b, "L", 1, 0, &got, &nm), 0);
+  assert_int_equal(gpd_get_bundle(&f->reg, &f->b, rn(&f->reg, &f->b, "L"), 1, 0, &got, &nm), 0);
   assert_int_equal(nm->layout->id, id);
   assert_int_equal(nm->layout->n, 2);
   gpd_hold_discard(&f->reg, got[0]);
   free(got);
   /* Wrong: another tenant, a buffer too small, a count of buffers the table does not span, an
    * unknown id, members and an id together. */
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->x, "L", ids, 1, NULL, 0, id, &v), GPUPOOL_ENOENT);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->x, rn(&f->reg, &f->x, "L"), ids, 1, NULL, 0, id, &v), GPUPOOL_ENOENT);
   assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 100, 0, &small), 0);
   ids[1] = small->id;
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "L", ids + 1, 1, NULL, 0, id, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "L"), ids + 1, 1, NULL, 0, id, &v), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool__errmsg(), "needs"));
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "L", ids, 2, NULL, 0, id, &v), GPUPOOL_EINVAL);
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "L", ids, 1, NULL, 0, id + 1000, &v), GPUPOOL_ENOENT);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "L"), ids, 2, NULL, 0, id, &v), GPUPOOL_EINVAL);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "L"), ids, 1, NULL, 0, id + 1000, &v), GPUPOOL_ENOENT);
   {
     Gpupool__Wire__BundleMember m = GPUPOOL__WIRE__BUNDLE_MEMBER__INIT, *mp = &m;
     m.name = (char *)"x";
     m.size = 10;
-    assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "L", ids, 1, &mp, 1, id, &v), GPUPOOL_EINVAL);
+    assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "L"), ids, 1, &mp, 1, id, &v), GPUPOOL_EINVAL);
   }
   /* Version 2 by the same id; then everything goes and so does the table and its count. */
-  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, "L", ids, 1, NULL, 0, id, &v), 0);
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "L"), ids, 1, NULL, 0, id, &v), 0);
   assert_int_equal(v, 2);
   u = gpupool__hmap_get(&f->reg.uids, f->a.tenant);
   assert_non_null(u);
   assert_int_equal(u->members, 2);
-  assert_int_equal(gpd_unpublish(&f->reg, &f->a, "L"), 0);
+  assert_int_equal(gpd_unpublish(&f->reg, &f->a, rn(&f->reg, &f->a, "L")), 0);
   {
     int freed;
     assert_int_equal(gpd_release(&f->reg, &f->a, hs[0]->id, 0, &freed), 0);

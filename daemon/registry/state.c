@@ -1,0 +1,1428 @@
+/*
+ * The registry's state across a crash, a restart or an upgrade of the daemon (state.h).
+ *
+ * Where it lives: every slab's memfd goes to the fd store when the slab is made
+ * ("gpd.slab.<id>") and leaves it when the slab is given back; every lease's read end the same
+ * way ("gpd.lease.<id>"). The registry's tables are written, whole, into a new sealed memfd
+ * ("gpd.state.<generation>") at the end of each loop turn that changed them; only once it is
+ * complete and sealed is it put in the store, and only then is the previous generation taken
+ * out. A crash at any instruction therefore leaves the previous generation, the new one, or
+ * both (the next daemon takes the newest that checks out): never half of one.
+ *
+ * The format (GPD_STATE_FORMAT): a fixed header (magic, format, generation, payload length,
+ * SHA-256 of the payload) and the payload, a sequence of records in this machine's byte order
+ * (the store never leaves the machine). Everything read is checked before use: counts against
+ * the bytes left, ids against what was restored before, ranges against their slab, fds against
+ * what a slab must be (backend slab_adopt). A piece that does not check out is discarded with
+ * what depends on it (a name whose buffer is gone is lost; the rest is kept) and the reason goes
+ * to the log.
+ *
+ * Test hooks: GPUPOOL_TEST_STATE_CRASH=STEP:FILE kills the daemon (SIGKILL, as a crash) at
+ * step STEP of the first state write that finds FILE (removed first, so it happens once across
+ * restarts): 1: memfd half written, 2: written, not sealed, 3: sealed, not in the store, 4: in
+ * the store, the previous generation not yet removed. GPUPOOL_TEST_STATE_FORMAT=N writes the
+ * state in format N (a state from a newer daemon, for the refusal's test).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "errors.h"
+#include "gpupool/version.h"
+#include "log.h"
+#include "registry_internal.h"
+#include "sd.h"
+#include "sha256.h"
+#include "state.h"
+
+#define MAGIC "GPDSTATE"
+#define HEADER_LEN 64 /* magic 8, format 4, header length 4, generation 8, payload 8, checksum 8, 0s */
+#define STATE_MAX ((uint64_t)1 << 31)
+#define STATE_PREFIX_LEN (sizeof GPD_SD_STORE_PREFIX "state." - 1)
+
+typedef struct gpd_state gpd_state;
+struct gpd_state {
+  gpd_registry *reg;
+  gpd_state_info info;
+  uv_check_t check;
+  int check_on;
+  uint64_t generation;   /* of the last state in the store, 0: none */
+  uint64_t nstored;      /* entries this daemon has in the store */
+  int full_warned;
+  uint64_t last[8];      /* what the last write saw (changes since: write again) */
+  uint64_t synced;       /* reg->state_changes the last write saw */
+  long crash_step;
+  char crash_file[256];
+  uint32_t format;       /* written (GPD_STATE_FORMAT, unless a test says otherwise) */
+  uint8_t *buf;          /* the payload being built */
+  size_t len, cap;
+  int oom;
+  uint64_t ndiscards;
+  /* The leases of the previous daemon's clients, one reference each, until they are gone.
+   * While any is there, the slabs restored take no new buffers: a client may map a range the
+   * state did not record it holding (it got it in the moment before the crash), and ranges are
+   * handed out again only once no process of before can touch them. */
+  struct before {
+    gpd_lease *l;
+    uint64_t *pins;    /* the buffers its connection held (bit 63: read-only), to give back */
+    uint32_t npins;
+    int resumed;       /* given back to a new connection already */
+  } *before;
+  uint32_t nbefore, capbefore;
+  int frozen;
+  uint64_t last_write_ns;
+  uv_timer_t later;      /* a write held back by the rate limit */
+  int later_on;
+  int handles;           /* open uv handles (closed by gpd_state_stop) */
+};
+
+/* A checksum of the payload: 8 bytes at a time in four lanes (multiply, rotate), fast enough to
+ * run before every reply that follows a publish. It finds what a crash or damage leaves (a cut
+ * or changed state), not what an adversary makes: only the daemon writes to the store. */
+static uint64_t rotl(uint64_t v, int r) { return (v << r) | (v >> (64 - r)); }
+static uint64_t checksum(const uint8_t *p, size_t n) {
+  const uint64_t k1 = 0x9e3779b185ebca87ull, k2 = 0xc2b2ae3d27d4eb4full;
+  uint64_t v[4] = {k1 + k2, k2, 0, (uint64_t)0 - k1}, h;
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32)
+    for (int l = 0; l < 4; l++) {
+      uint64_t w;
+      memcpy(&w, p + i + 8 * l, 8);
+      v[l] = rotl(v[l] + w * k2, 31) * k1;
+    }
+  h = rotl(v[0], 1) + rotl(v[1], 7) + rotl(v[2], 12) + rotl(v[3], 18) + (uint64_t)n;
+  for (; i < n; i++)
+    h = rotl(h ^ (p[i] * k1), 11) * k2;
+  h ^= h >> 33;
+  h *= k2;
+  h ^= h >> 29;
+  return h;
+}
+
+/* ---- the store ------------------------------------------------------------------------- */
+
+static int store_put(gpd_state *st, const char *kind, uint64_t id, int fd) {
+  char msg[128];
+  if (st->nstored >= st->info.store_max) {
+    if (!st->full_warned)
+      GPUPOOL__WARN("the fd store is full (%" PRIu64 " entries): slabs and leases made from now on are not kept "
+                    "across a restart; raise FileDescriptorStoreMax= and GPUPOOL_FDSTORE together (or "
+                    "gpupoold --supervise's store) if more must survive", st->info.store_max);
+    st->full_warned = 1;
+    return -1;
+  }
+  snprintf(msg, sizeof msg, "FDSTORE=1\nFDNAME=" GPD_SD_STORE_PREFIX "%s.%" PRIu64, kind, id);
+  if (gpd_sd_notify_fd(msg, fd) != 0) {
+    GPUPOOL__WARN("cannot put %s %" PRIu64 " in the fd store: %s; it does not survive a restart", kind, id,
+                  gpupool__errmsg());
+    return -1;
+  }
+  st->nstored++;
+  return 0;
+}
+
+static void store_remove(gpd_state *st, const char *kind, uint64_t id) {
+  char msg[128];
+  snprintf(msg, sizeof msg, "FDSTOREREMOVE=1\nFDNAME=" GPD_SD_STORE_PREFIX "%s.%" PRIu64, kind, id);
+  (void)gpd_sd_notify(msg);
+  if (st->nstored)
+    st->nstored--;
+}
+
+void gpd_state_slab_new(gpd_registry *reg, gpd_slab *s) {
+  gpd_state *st = reg->state;
+  if (!st || s->stored || s->bs.fd < 0)
+    return;
+  s->stored = store_put(st, "slab", s->id, s->bs.fd) == 0;
+}
+
+void gpd_state_slab_gone(gpd_registry *reg, gpd_slab *s) {
+  gpd_state *st = reg->state;
+  if (!st || !s->stored || reg->stopped)
+    return; /* a stopping daemon leaves its slabs to the next one */
+  store_remove(st, "slab", s->id);
+  s->stored = 0;
+}
+
+void gpd_state_lease_new(gpd_registry *reg, gpd_lease *l) {
+  gpd_state *st = reg->state;
+  if (!st || l->store_id)
+    return;
+  l->store_id = gpd_next_id(reg);
+  arc4random_buf(l->resume, sizeof l->resume);
+  if (store_put(st, "lease", l->store_id, l->fd) != 0)
+    l->store_id = 0;
+}
+
+void gpd_state_lease_gone(gpd_lease *l) {
+  gpd_registry *reg = l->reg;
+  if (!reg || !reg->state || !l->store_id || reg->stopped)
+    return;
+  store_remove(reg->state, "lease", l->store_id);
+  l->store_id = 0;
+}
+
+/* ---- writing --------------------------------------------------------------------------- */
+
+static void put(gpd_state *st, const void *p, size_t n) {
+  if (st->oom)
+    return;
+  if (st->len + n > st->cap) {
+    size_t cap = st->cap ? st->cap : 4096;
+    uint8_t *b;
+    while (cap < st->len + n)
+      cap *= 2;
+    if (!(b = realloc(st->buf, cap))) {
+      st->oom = 1;
+      return;
+    }
+    st->buf = b;
+    st->cap = cap;
+  }
+  memcpy(st->buf + st->len, p, n);
+  st->len += n;
+}
+
+static void put64(gpd_state *st, uint64_t v) { put(st, &v, sizeof v); }
+static void put32(gpd_state *st, uint32_t v) { put(st, &v, sizeof v); }
+static void put_str(gpd_state *st, const char *s) {
+  uint32_t n = (uint32_t)strlen(s);
+  put32(st, n);
+  put(st, s, n);
+}
+static void put_meta(gpd_state *st, int has, const gpupool_tensor_meta *m) {
+  put32(st, has ? 1 : 0);
+  if (has)
+    put(st, m, sizeof *m);
+}
+
+/* The lease record of l: its fd's name in the store, who, and then its pins. */
+static void put_lease(gpd_state *st, const gpd_lease *l) {
+  put64(st, l->store_id);
+  put32(st, (uint32_t)l->uid);
+  put64(st, l->tenant);
+  put32(st, (uint32_t)l->pid);
+  put(st, l->resume, sizeof l->resume);
+}
+
+/* A pinned buffer: its id, bit 63 set for a read-only hold (ids stay below 2^63). */
+#define PIN_RO ((uint64_t)1 << 63)
+
+static void build(gpd_state *st) {
+  gpd_registry *reg = st->reg;
+  uint64_t n;
+  size_t at;
+
+  st->len = 0;
+  st->oom = 0;
+  put64(st, reg->next_id);
+  /* Slabs (those in the store; the rest cannot come back). */
+  at = st->len;
+  put64(st, 0);
+  n = 0;
+  for (int i = 0; i < reg->npools; i++)
+    for (gpd_slab *s = reg->pools[i].slabs; s; s = s->next) {
+      if (!s->stored)
+        continue;
+      put64(st, s->id);
+      put_str(st, s->pool->cfg.name);
+      put64(st, s->bs.size);
+      put64(st, s->owner);
+      put32(st, (uint32_t)s->dedicated);
+      put32(st, (uint32_t)s->kept);
+      n++;
+    }
+  if (!st->oom)
+    memcpy(st->buf + at, &n, sizeof n);
+  /* Layouts. */
+  put64(st, reg->layouts.len);
+  for (size_t i = 0; i < reg->layouts.cap; i++) {
+    gpd_layout *l;
+    if (!gpupool__hmap_slot_used(&reg->layouts, i))
+      continue;
+    l = reg->layouts.slots[i].val;
+    put64(st, l->id);
+    put64(st, l->tenant);
+    put32(st, l->nbufs);
+    put32(st, l->n);
+    for (uint32_t k = 0; k < l->n; k++) {
+      put_str(st, l->members[k].name);
+      put32(st, l->members[k].buffer);
+      put64(st, l->members[k].offset);
+      put64(st, l->members[k].size);
+      put_meta(st, l->members[k].meta != NULL, l->members[k].meta);
+    }
+  }
+  /* Buffers: live ones, then those waiting to be freed. */
+  at = st->len;
+  put64(st, 0);
+  n = 0;
+  for (size_t i = 0; i < reg->buffers.cap + 1; i++) {
+    gpd_buffer *b;
+    if (i < reg->buffers.cap) {
+      if (!gpupool__hmap_slot_used(&reg->buffers, i))
+        continue;
+      b = reg->buffers.slots[i].val;
+    } else {
+      b = NULL;
+    }
+    for (gpd_buffer *p = b ? b : reg->pending; p; p = b ? NULL : p->pending_next) {
+      put64(st, p->id);
+      put64(st, p->slab->id);
+      put64(st, p->offset);
+      put64(st, p->size);
+      put64(st, p->asked);
+      put(st, p->secret, sizeof p->secret);
+      put(st, p->secret_ro, sizeof p->secret_ro);
+      put_meta(st, p->has_meta, &p->meta);
+      put32(st, (uint32_t)p->owner_uid);
+      put64(st, p->owner_tenant);
+      put64(st, p->layout ? p->layout->id : 0);
+      put32(st, (uint32_t)p->died_in_use);
+      n++;
+    }
+  }
+  if (!st->oom)
+    memcpy(st->buf + at, &n, sizeof n);
+  /* Names (published files are not kept: their fds are not in the store). */
+  at = st->len;
+  put64(st, 0);
+  n = 0;
+  for (size_t i = 0; i < reg->names.cap; i++) {
+    gpd_name *nm;
+    if (!gpupool__smap_slot_used(&reg->names, i))
+      continue;
+    nm = reg->names.slots[i].val;
+    if (nm->file || nm->nbufs == 0)
+      continue;
+    put_str(st, nm->name);
+    put64(st, nm->version);
+    put32(st, nm->nbufs);
+    for (uint32_t k = 0; k < nm->nbufs; k++)
+      put64(st, nm->bufs[k]->id);
+    put64(st, nm->layout ? nm->layout->id : 0);
+    put32(st, (uint32_t)nm->uid);
+    put64(st, nm->tenant);
+    put32(st, (uint32_t)nm->read_only);
+    put_meta(st, nm->has_meta, &nm->meta);
+    n++;
+  }
+  if (!st->oom)
+    memcpy(st->buf + at, &n, sizeof n);
+  /* Leases and what each pins: a connected client's holds and mapped slabs; a closed
+   * connection's pins as the buffers and slabs record them. Kind 0: a buffer, 1: a slab. */
+  at = st->len;
+  put64(st, 0);
+  n = 0;
+  for (size_t i = 0; i < reg->clients.cap; i++) {
+    gpd_client *c;
+    if (!gpupool__hmap_slot_used(&reg->clients, i))
+      continue;
+    c = reg->clients.slots[i].val;
+    if (!c->lease || !c->lease->store_id || (!c->holds && c->mapped.len == 0))
+      continue;
+    put_lease(st, c->lease);
+    put64(st, c->nholds);
+    for (gpd_hold *h = c->holds; h; h = h->next)
+      put64(st, h->buf->id | (h->read_only ? PIN_RO : 0));
+    put64(st, c->mapped.len);
+    for (size_t k = 0; k < c->mapped.cap; k++)
+      if (gpupool__hmap_slot_used(&c->mapped, k))
+        put64(st, c->mapped.slots[k].ikey);
+    n++;
+  }
+  for (gpd_lease *l = reg->waiting; l; l = l->next) {
+    uint64_t nb = 0, ns = 0;
+    size_t at2;
+    if (!l->store_id || l->gone)
+      continue;
+    put_lease(st, l);
+    at2 = st->len;
+    put64(st, 0);
+    for (size_t i = 0; i < reg->buffers.cap + 1; i++) {
+      gpd_buffer *b;
+      if (i < reg->buffers.cap) {
+        if (!gpupool__hmap_slot_used(&reg->buffers, i))
+          continue;
+        b = reg->buffers.slots[i].val;
+      } else {
+        b = NULL;
+      }
+      for (gpd_buffer *p = b ? b : reg->pending; p; p = b ? NULL : p->pending_next)
+        for (uint32_t k = 0; k < p->nleases; k++)
+          if (p->leases[k] == l) {
+            put64(st, p->id | PIN_RO); /* (how it was held is not known any more: read-only) */
+            nb++;
+            break;
+          }
+    }
+    if (!st->oom)
+      memcpy(st->buf + at2, &nb, sizeof nb);
+    at2 = st->len;
+    put64(st, 0);
+    for (int i = 0; i < reg->npools; i++)
+      for (gpd_slab *s = reg->pools[i].slabs; s; s = s->next)
+        for (uint32_t k = 0; k < s->nmappers; k++)
+          if (s->mappers[k].lease == l) {
+            put64(st, s->id);
+            ns++;
+            break;
+          }
+    if (!st->oom)
+      memcpy(st->buf + at2, &ns, sizeof ns);
+    n++;
+  }
+  if (!st->oom)
+    memcpy(st->buf + at, &n, sizeof n);
+}
+
+static void maybe_crash(gpd_state *st, long step) {
+  if (st->crash_step == step && st->crash_file[0] && unlink(st->crash_file) == 0) {
+    GPUPOOL__WARN("GPUPOOL_TEST_STATE_CRASH: killing the daemon at step %ld of state write %" PRIu64, step,
+                  st->generation + 1);
+    raise(SIGKILL);
+  }
+}
+
+static int write_all(int fd, const void *p, size_t n) {
+  const uint8_t *b = p;
+  while (n > 0) {
+    ssize_t w = write(fd, b, n);
+    if (w < 0 && errno == EINTR)
+      continue;
+    if (w <= 0)
+      return -1;
+    b += w;
+    n -= (size_t)w;
+  }
+  return 0;
+}
+
+static int write_state(gpd_state *st) {
+  uint8_t hdr[HEADER_LEN] = {0};
+  uint32_t fmt = st->format, hl = HEADER_LEN;
+  uint64_t gen = st->generation + 1, plen, t0 = gpd_now_ns(), dt;
+  char name[64];
+  int fd;
+
+  st->synced = st->reg->state_changes;
+  build(st);
+  if (st->oom) {
+    GPUPOOL__WARN("out of memory writing the daemon's state; the previous one stays in the store");
+    return -1;
+  }
+  plen = st->len;
+  memcpy(hdr, MAGIC, 8);
+  memcpy(hdr + 8, &fmt, 4);
+  memcpy(hdr + 12, &hl, 4);
+  memcpy(hdr + 16, &gen, 8);
+  memcpy(hdr + 24, &plen, 8);
+  {
+    uint64_t sum = checksum(st->buf, st->len);
+    memcpy(hdr + 32, &sum, sizeof sum);
+  }
+  snprintf(name, sizeof name, "gpupool-state-%" PRIu64, gen);
+  fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) {
+    GPUPOOL__WARN("cannot write the daemon's state (memfd_create: %s); the previous one stays in the store",
+                  strerror(errno));
+    return -1;
+  }
+  if (write_all(fd, hdr, sizeof hdr) != 0 || write_all(fd, st->buf, st->len / 2) != 0)
+    goto fail;
+  maybe_crash(st, 1);
+  if (write_all(fd, st->buf + st->len / 2, st->len - st->len / 2) != 0)
+    goto fail;
+  maybe_crash(st, 2);
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0)
+    goto fail;
+  maybe_crash(st, 3);
+  if (store_put(st, "state", gen, fd) != 0) {
+    close(fd);
+    return -1;
+  }
+  close(fd);
+  maybe_crash(st, 4);
+  if (st->generation)
+    store_remove(st, "state", st->generation);
+  st->generation = gen;
+  st->last_write_ns = gpd_now_ns();
+  dt = st->last_write_ns - t0;
+  st->info.writes++;
+  st->info.write_ns_last = dt;
+  st->info.write_bytes_last = HEADER_LEN + plen;
+  if (dt > st->info.write_ns_max)
+    st->info.write_ns_max = dt;
+  GPUPOOL__DEBUG("state %" PRIu64 " written: %" PRIu64 " bytes in %.3f ms", gen, HEADER_LEN + plen, dt / 1e6);
+  return 0;
+fail:
+  GPUPOOL__WARN("cannot write the daemon's state: %s; the previous one stays in the store", strerror(errno));
+  close(fd);
+  return -1;
+}
+
+/* What changed since the last write, cheaply: every counter a change moves. */
+static int changed(gpd_state *st) {
+  gpd_registry *reg = st->reg;
+  uint64_t now[8] = {reg->next_id, reg->holds.len, reg->buffers.len, reg->slabs.len,
+                     reg->nnames, reg->npending, reg->nwaiting, reg->state_changes};
+  if (memcmp(now, st->last, sizeof now) == 0)
+    return 0;
+  memcpy(st->last, now, sizeof now);
+  return 1;
+}
+
+/* The leases of before that are gone are let go; once none is left, the slabs are used again. */
+static void before_check(gpd_state *st) {
+  gpd_registry *reg = st->reg;
+  uint32_t k = 0;
+  for (uint32_t i = 0; i < st->nbefore; i++) {
+    if (st->before[i].l->gone) {
+      gpd_lease_unref(st->before[i].l);
+      free(st->before[i].pins);
+      continue;
+    }
+    st->before[k++] = st->before[i];
+  }
+  st->nbefore = k;
+  if (st->frozen && st->nbefore == 0) {
+    uint32_t n = 0;
+    for (int i = 0; i < reg->npools; i++)
+      for (gpd_slab *s = reg->pools[i].slabs; s; s = s->next)
+        if (s->frozen) {
+          s->frozen = 0;
+          n++;
+          gpd_slab_maybe_retire(reg, s);
+        }
+    st->frozen = 0;
+    reg->memory_returned = 1;
+    GPUPOOL__INFO("every client of the previous daemon has let go of its lease: the %u slab(s) restored take "
+                  "new buffers again", n);
+    if (reg->on_memory)
+      reg->on_memory(reg, NULL);
+  }
+}
+
+/* Turns that change holds, leases or slabs write at most every WRITE_EVERY_NS (a change of names
+ * or versions is written at once, before its reply: gpd_state_sync). */
+#define WRITE_EVERY_NS (100 * 1000000ull)
+static void on_later(uv_timer_t *t) {
+  gpd_state *st = t->data;
+  st->later_on = 0;
+  if (changed(st))
+    (void)write_state(st);
+}
+
+static void on_check(uv_check_t *h) {
+  gpd_state *st = h->data;
+  uint64_t now;
+  if (st->nbefore)
+    before_check(st);
+  if (st->later_on)
+    return;
+  now = gpd_now_ns();
+  if (now - st->last_write_ns < WRITE_EVERY_NS) {
+    uint64_t last[8];
+    memcpy(last, st->last, sizeof last);
+    if (changed(st)) {
+      memcpy(st->last, last, sizeof last); /* (not written yet) */
+      uv_timer_start(&st->later, on_later, (WRITE_EVERY_NS - (now - st->last_write_ns)) / 1000000 + 1, 0);
+      st->later_on = 1;
+    }
+    return;
+  }
+  if (changed(st))
+    (void)write_state(st);
+}
+
+void gpd_state_sync(gpd_registry *reg) {
+  gpd_state *st = reg->state;
+  if (st && st->synced != reg->state_changes) {
+    (void)changed(st); /* (what the write covers: the turn's check need not write it again) */
+    (void)write_state(st);
+  }
+}
+
+void gpd_state_flush(gpd_registry *reg) {
+  if (reg->state && changed(reg->state))
+    (void)write_state(reg->state);
+}
+
+static void check_closed(uv_handle_t *h) {
+  gpd_state *st = h->data;
+  if (--st->handles > 0)
+    return;
+  free(st->before);
+  free(st->buf);
+  free(st);
+}
+
+void gpd_state_stop(gpd_registry *reg) {
+  gpd_state *st = reg->state;
+  if (!st)
+    return;
+  reg->state = NULL; /* what the registry frees from now on stays in the store */
+  for (uint32_t i = 0; i < st->nbefore; i++) {
+    gpd_lease_unref(st->before[i].l);
+    free(st->before[i].pins);
+  }
+  st->nbefore = 0;
+  if (!st->check_on) {
+    free(st->before);
+    free(st->buf);
+    free(st);
+    return;
+  }
+  st->handles = 2;
+  uv_check_stop(&st->check);
+  uv_close((uv_handle_t *)&st->check, check_closed);
+  uv_timer_stop(&st->later);
+  uv_close((uv_handle_t *)&st->later, check_closed);
+}
+
+const gpd_state_info *gpd_state_info_get(const gpd_registry *reg) {
+  return reg->state ? &reg->state->info : NULL;
+}
+
+void gpd_state_describe(const gpd_registry *reg, char *buf, size_t len) {
+  const gpd_state *st = reg->state;
+  const gpd_state_info *in;
+  size_t at;
+  if (!st) {
+    snprintf(buf, len, "not kept (%s): names, versions and holds are lost when the daemon stops",
+             !reg->be->ops->slab_adopt ? "the backend's memory cannot outlive the daemon"
+                                       : "no fd store: run it under systemd with FileDescriptorStoreMax= and "
+                                         "GPUPOOL_FDSTORE, or with gpupoold --supervise");
+    return;
+  }
+  in = &st->info;
+  at = (size_t)snprintf(buf, len, "kept in the fd store (%" PRIu64 " of %" PRIu64 " entries, %" PRIu64
+                        " bytes of state)", st->nstored, in->store_max, in->write_bytes_last);
+  if (at >= len)
+    return;
+  if (!in->found)
+    at += (size_t)snprintf(buf + at, len - at, "; started empty");
+  else
+    at += (size_t)snprintf(buf + at, len - at, "; restored at start: %" PRIu64 " name(s), %" PRIu64
+                           " bytes, %" PRIu64 " lease(s) of earlier clients (%u still held)", in->names,
+                           in->bytes, in->leases, st->nbefore);
+  if (at < len && (in->names_lost || in->slabs_lost || in->buffers_lost || in->why[0]))
+    snprintf(buf + at, len - at, "; discarded: %" PRIu64 " name(s), %" PRIu64 " slab(s), %" PRIu64
+             " buffer(s) (first: %s)", in->names_lost, in->slabs_lost, in->buffers_lost, in->why);
+}
+
+/* ---- resuming a client's holds ------------------------------------------------------- */
+
+size_t gpd_state_resume_token(const gpd_lease *l, uint8_t buf[GPD_STATE_RESUME_LEN]) {
+  if (!l || !l->store_id || !l->reg || !l->reg->state)
+    return 0;
+  memcpy(buf, &l->store_id, 8);
+  memcpy(buf + 8, l->resume, sizeof l->resume);
+  return GPD_STATE_RESUME_LEN;
+}
+
+/* b, restored with no holder but its previous connection's lease, back among the live buffers. */
+static void unpend(gpd_registry *reg, gpd_buffer *b) {
+  for (gpd_buffer **pp = &reg->pending; *pp; pp = &(*pp)->pending_next)
+    if (*pp == b) {
+      *pp = b->pending_next;
+      b->pending_next = NULL;
+      reg->npending--;
+      break;
+    }
+  (void)gpupool__hmap_put(&reg->buffers, b->id, b);
+}
+
+static gpd_buffer *pending_find(gpd_registry *reg, uint64_t id) {
+  for (gpd_buffer *b = reg->pending; b; b = b->pending_next)
+    if (b->id == id)
+      return b;
+  return NULL;
+}
+
+int gpd_state_resume(gpd_registry *reg, gpd_client *c, const uint8_t *token, size_t len, gpd_hold ***out,
+                     size_t *n) {
+  gpd_state *st = reg->state;
+  struct before *e = NULL;
+  uint64_t store_id;
+  gpd_hold **holds;
+  int rc = 0;
+
+  *out = NULL;
+  *n = 0;
+  if (!st || len != GPD_STATE_RESUME_LEN)
+    return 0;
+  memcpy(&store_id, token, 8);
+  for (uint32_t i = 0; i < st->nbefore; i++)
+    if (st->before[i].l->store_id == store_id && !st->before[i].l->gone &&
+        gpupool__ct_equal(st->before[i].l->resume, token + 8, 16)) {
+      e = &st->before[i];
+      break;
+    }
+  /* Only its own uid, and only once: a token seen twice (copied) gives nothing the second time. */
+  GPUPOOL__DEBUG("resume: client %" PRIu64 " names lease %" PRIu64 ": %s", c->id, store_id,
+                 !e ? "not a lease of the previous daemon's (or a wrong secret)"
+                 : e->resumed ? "given back already" : e->l->uid != c->uid ? "another uid's" : "ok");
+  if (!e || e->resumed || e->l->uid != c->uid || e->npins == 0)
+    return 0;
+  e->resumed = 1;
+  if (!(holds = calloc(e->npins, sizeof *holds)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  for (uint32_t k = 0; k < e->npins; k++) {
+    uint64_t id = e->pins[k] & ~PIN_RO;
+    gpd_buffer *b = gpupool__hmap_get(&reg->buffers, id);
+    if (!b && (b = pending_find(reg, id)))
+      unpend(reg, b);
+    if (!b)
+      continue; /* freed meanwhile (it was never pinned: named, then unpublished) */
+    if ((rc = gpd_hold_new(reg, c, b, (e->pins[k] & PIN_RO) != 0, 0, &holds[*n])) != 0) {
+      if (b->refs == 0) {
+        b->refs = 1; /* back to pending, through the normal path */
+        gpd_buffer_unref(reg, b);
+      }
+      break;
+    }
+    (*n)++;
+  }
+  GPUPOOL__INFO("client %" PRIu64 " (pid %d uid %u) took back %zu hold(s) of its connection to the previous "
+                "daemon", c->id, (int)c->pid, (unsigned)c->uid, *n);
+  *out = holds;
+  return rc;
+}
+
+/* ---- reading --------------------------------------------------------------------------- */
+
+typedef struct {
+  const uint8_t *p;
+  size_t left;
+  int bad;
+} rd;
+
+static void get(rd *r, void *out, size_t n) {
+  if (r->bad || r->left < n) {
+    r->bad = 1;
+    memset(out, 0, n);
+    return;
+  }
+  memcpy(out, r->p, n);
+  r->p += n;
+  r->left -= n;
+}
+static uint64_t get64(rd *r) {
+  uint64_t v;
+  get(r, &v, sizeof v);
+  return v;
+}
+static uint32_t get32(rd *r) {
+  uint32_t v;
+  get(r, &v, sizeof v);
+  return v;
+}
+/* A count of records of at least `each` bytes: no more than the bytes left can hold. */
+static uint64_t get_count(rd *r, size_t each) {
+  uint64_t n = get64(r);
+  if (n > r->left / each)
+    r->bad = 1;
+  return r->bad ? 0 : n;
+}
+/* A string into a new allocation (NULL when malformed or out of memory: r->bad). */
+static char *get_str(rd *r, size_t max) {
+  uint32_t n = get32(r);
+  char *s;
+  if (r->bad || n > max || n > r->left || memchr(r->p, '\0', n)) {
+    r->bad = 1;
+    return NULL;
+  }
+  if (!(s = malloc((size_t)n + 1))) {
+    r->bad = 1;
+    return NULL;
+  }
+  memcpy(s, r->p, n);
+  s[n] = '\0';
+  r->p += n;
+  r->left -= n;
+  return s;
+}
+static int get_meta(rd *r, gpupool_tensor_meta *m) {
+  uint32_t has = get32(r);
+  memset(m, 0, sizeof *m);
+  if (has > 1)
+    r->bad = 1;
+  if (has == 1) {
+    get(r, m, sizeof *m);
+    if (m->ndim < 0 || m->ndim > GPUPOOL_MAX_NDIM)
+      r->bad = 1;
+  }
+  return has == 1;
+}
+
+static void discard(gpd_state *st, uint64_t *count, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void discard(gpd_state *st, uint64_t *count, const char *fmt, ...) {
+  char msg[256];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  if (count)
+    (*count)++;
+  if (!st->info.why[0])
+    snprintf(st->info.why, sizeof st->info.why, "%s", msg);
+  /* The first few in full; the counts in the summary line say how many more. */
+  if (st->ndiscards++ < 16)
+    GPUPOOL__WARN("restore: %s", msg);
+}
+
+/* The stored fd named GPD_SD_STORE_PREFIX kind.id, taken (the caller owns it), or -1. */
+static int take_fd(const char *kind, uint64_t id) {
+  char want[64];
+  int n;
+  gpd_sd_stored *s = gpd_sd_stored_fds(&n);
+  snprintf(want, sizeof want, GPD_SD_STORE_PREFIX "%s.%" PRIu64, kind, id);
+  for (int i = 0; i < n; i++)
+    if (s[i].fd >= 0 && strcmp(s[i].name, want) == 0) {
+      int fd = s[i].fd;
+      s[i].fd = -1;
+      return fd;
+    }
+  return -1;
+}
+
+static gpd_pool *pool_named(gpd_registry *reg, const char *name) {
+  for (int i = 0; i < reg->npools; i++)
+    if (strcmp(reg->pools[i].cfg.name, name) == 0)
+      return &reg->pools[i];
+  return NULL;
+}
+
+static int restore_slabs(gpd_state *st, rd *r) {
+  gpd_registry *reg = st->reg;
+  uint64_t n = get_count(r, 36);
+  for (uint64_t i = 0; i < n && !r->bad; i++) {
+    uint64_t id = get64(r);
+    char *pname = get_str(r, 255);
+    uint64_t size = get64(r), owner = get64(r);
+    uint32_t dedicated = get32(r), kept = get32(r);
+    gpd_pool *p;
+    gpd_slab *s;
+    int fd, rc;
+    if (r->bad) {
+      free(pname);
+      break;
+    }
+    fd = take_fd("slab", id);
+    p = pool_named(reg, pname);
+    if (fd < 0)
+      discard(st, &st->info.slabs_lost, "slab %" PRIu64 " of pool '%s': its memory is not in the fd store", id, pname);
+    else if (!p)
+      discard(st, &st->info.slabs_lost, "slab %" PRIu64 ": pool '%s' is no longer configured", id, pname);
+    else if (id == 0 || id >= reg->next_id || gpupool__hmap_get(&reg->slabs, id) || dedicated > 1 ||
+             kept > GPD_PLACE_ALLOC)
+      discard(st, &st->info.slabs_lost, "slab %" PRIu64 " of pool '%s': its record does not check out", id, pname);
+    else if ((rc = gpd_slab_adopt(reg, p, id, fd, size, (int)dedicated, owner, &s)) != 0)
+      discard(st, &st->info.slabs_lost, "slab %" PRIu64 " of pool '%s' (%" PRIu64 " bytes): %s", id, pname, size,
+              gpupool__errmsg());
+    else {
+      fd = -1; /* the slab's now */
+      s->kept = (int)kept;
+      s->stored = 1;
+      st->nstored++;
+      st->info.slabs++;
+    }
+    if (fd >= 0) {
+      close(fd);
+      store_remove(st, "slab", id);
+      st->nstored++; /* (store_remove counted one this daemon never had) */
+    }
+    free(pname);
+  }
+  return r->bad ? -1 : 0;
+}
+
+static void layout_drop_ids(gpupool__hmap *ids, gpd_registry *reg) {
+  for (size_t i = 0; i < ids->cap; i++)
+    if (gpupool__hmap_slot_used(ids, i))
+      gpd_layout_unref(reg, ids->slots[i].val);
+  gpupool__hmap_free(ids);
+}
+
+/* Layouts come back with their ids (clients name them by id); ids maps each to its layout,
+ * holding one reference of the restore's. */
+static int restore_layouts(gpd_state *st, rd *r, gpupool__hmap *ids) {
+  gpd_registry *reg = st->reg;
+  uint64_t n = get_count(r, 24);
+  for (uint64_t i = 0; i < n && !r->bad; i++) {
+    uint64_t id = get64(r), tenant = get64(r);
+    uint32_t nbufs = get32(r), nm = get32(r);
+    gpd_member *m;
+    gpd_layout *l;
+    int ok = 1;
+    if (r->bad || nm > r->left / 28 || nbufs == 0 || nm == 0 || id == 0 || id >= reg->next_id) {
+      r->bad = 1;
+      break;
+    }
+    if (!(m = calloc(nm, sizeof *m))) {
+      r->bad = 1;
+      break;
+    }
+    for (uint32_t k = 0; k < nm; k++) {
+      gpupool_tensor_meta meta;
+      m[k].name = get_str(r, GPUPOOL_NAME_MAX);
+      m[k].buffer = get32(r);
+      m[k].offset = get64(r);
+      m[k].size = get64(r);
+      if (get_meta(r, &meta) && !r->bad) {
+        if (!(m[k].meta = malloc(sizeof meta)))
+          r->bad = 1;
+        else
+          *m[k].meta = meta;
+      }
+      if (r->bad)
+        break;
+      if (m[k].buffer >= nbufs || m[k].offset + m[k].size < m[k].offset)
+        ok = 0;
+    }
+    if (r->bad) {
+      gpd_members_free(m, nm);
+      break;
+    }
+    if (!ok || gpupool__hmap_get(ids, id)) {
+      gpd_members_free(m, nm);
+      discard(st, NULL, "layout %" PRIu64 ": its record does not check out", id);
+      continue;
+    }
+    if (gpd_layout_new(reg, tenant, m, nm, nbufs, 0, &l) != 0) {
+      discard(st, NULL, "layout %" PRIu64 ": %s", id, gpupool__errmsg());
+      continue;
+    }
+    if (l->refs == 1 && l->id != id && !gpupool__hmap_get(&reg->layouts, id)) {
+      gpupool__hmap_del(&reg->layouts, l->id);
+      l->id = id;
+      (void)gpupool__hmap_put(&reg->layouts, l->id, l);
+    }
+    if (gpupool__hmap_put(ids, id, l) != 0) {
+      gpd_layout_unref(reg, l);
+      r->bad = 1;
+    }
+  }
+  return r->bad ? -1 : 0;
+}
+
+/* Buffers come back with one reference of the restore's each (dropped at the end: a buffer no
+ * name or lease keeps is then freed). */
+static int restore_buffers(gpd_state *st, rd *r, gpupool__hmap *layouts) {
+  gpd_registry *reg = st->reg;
+  uint64_t n = get_count(r, 100);
+  for (uint64_t i = 0; i < n && !r->bad; i++) {
+    gpd_buffer tmp = {0};
+    uint64_t slab_id, layout_id;
+    gpd_slab *s;
+    gpd_buffer *b;
+    tmp.id = get64(r);
+    slab_id = get64(r);
+    tmp.offset = get64(r);
+    tmp.size = get64(r);
+    tmp.asked = get64(r);
+    get(r, tmp.secret, sizeof tmp.secret);
+    get(r, tmp.secret_ro, sizeof tmp.secret_ro);
+    tmp.has_meta = get_meta(r, &tmp.meta);
+    tmp.owner_uid = (uid_t)get32(r);
+    tmp.owner_tenant = get64(r);
+    layout_id = get64(r);
+    tmp.died_in_use = get32(r) != 0;
+    if (r->bad)
+      break;
+    s = gpupool__hmap_get(&reg->slabs, slab_id);
+    if (!s) {
+      discard(st, &st->info.buffers_lost, "buffer %" PRIu64 ": its slab %" PRIu64 " was not restored", tmp.id,
+              slab_id);
+      continue;
+    }
+    if (tmp.id == 0 || tmp.id >= reg->next_id || gpupool__hmap_get(&reg->buffers, tmp.id) || tmp.size == 0 ||
+        tmp.asked > tmp.size || tmp.offset >= s->bs.size || tmp.size > s->bs.size - tmp.offset ||
+        (layout_id && !gpupool__hmap_get(layouts, layout_id)) ||
+        (s->alloc ? gpupool__alloc_take(s->alloc, tmp.offset, tmp.size) != 0
+                  : (s->nbuffers > 0 || tmp.offset != 0 || tmp.size != s->bs.size))) {
+      discard(st, &st->info.buffers_lost, "buffer %" PRIu64 " in slab %" PRIu64 ": its record does not check out "
+              "(a range outside the slab or overlapping another)", tmp.id, slab_id);
+      continue;
+    }
+    if (!(b = malloc(sizeof *b)) || gpupool__hmap_put(&reg->buffers, tmp.id, b) != 0) {
+      free(b);
+      if (s->alloc)
+        gpupool__alloc_put(s->alloc, tmp.offset, tmp.size);
+      r->bad = 1;
+      break;
+    }
+    *b = tmp;
+    b->slab = s;
+    b->refs = 1;
+    b->created_ns = gpd_now_ns();
+    if (layout_id) {
+      b->layout = gpupool__hmap_get(layouts, layout_id);
+      b->layout->refs++;
+    }
+    s->nbuffers++;
+    s->pool->used += b->size;
+    if (s->pool->used > s->pool->used_high)
+      s->pool->used_high = s->pool->used;
+    s->pool->nbuffers++;
+    gpd_uid_account(reg, b->owner_tenant, (int64_t)b->size, 1);
+    st->info.buffers++;
+  }
+  return r->bad ? -1 : 0;
+}
+
+static int restore_names(gpd_state *st, rd *r, gpupool__hmap *layouts) {
+  gpd_registry *reg = st->reg;
+  uint64_t n = get_count(r, 48);
+  for (uint64_t i = 0; i < n && !r->bad; i++) {
+    char *key = get_str(r, GPUPOOL_NAME_KEY_MAX);
+    uint64_t version = get64(r);
+    uint32_t nbufs = get32(r);
+    gpd_buffer **bufs = NULL;
+    uint64_t layout_id;
+    gpd_name *nm = NULL;
+    gpd_layout *l;
+    int ok = 1;
+    if (r->bad || nbufs == 0 || nbufs > r->left / 8 || !(bufs = calloc(nbufs, sizeof *bufs))) {
+      free(key);
+      r->bad = 1;
+      break;
+    }
+    for (uint32_t k = 0; k < nbufs; k++)
+      if (!(bufs[k] = gpupool__hmap_get(&reg->buffers, get64(r))))
+        ok = 0;
+    layout_id = get64(r);
+    if (!(nm = calloc(1, sizeof *nm))) {
+      free(bufs);
+      free(key);
+      r->bad = 1;
+      break;
+    }
+    nm->uid = (uid_t)get32(r);
+    nm->tenant = get64(r);
+    nm->read_only = get32(r) != 0;
+    nm->has_meta = get_meta(r, &nm->meta);
+    l = layout_id ? gpupool__hmap_get(layouts, layout_id) : NULL;
+    /* Every member inside its buffer, and every buffer of one owner (the name's namespace). */
+    for (uint32_t k = 0; ok && k < nbufs; k++)
+      if ((l && k < l->nbufs && l->need[k] > bufs[k]->size) || bufs[k]->slab->owner != bufs[0]->slab->owner)
+        ok = 0;
+    if (r->bad) {
+      free(nm);
+      free(bufs);
+      free(key);
+      break;
+    }
+    if (!ok || version == 0 || (layout_id && (!l || l->nbufs != nbufs)) || (!layout_id && nbufs != 1) ||
+        !strchr(key, '/') || gpupool__smap_get(&reg->names, key)) {
+      discard(st, &st->info.names_lost, "name '%s' (version %" PRIu64 "): %s", key, version,
+              !ok ? "a buffer of it was not restored, or does not hold its members"
+                  : "its record does not check out");
+      free(nm);
+      free(bufs);
+      free(key);
+      continue;
+    }
+    nm->name = key;
+    nm->version = version;
+    nm->bufs = bufs;
+    nm->nbufs = nbufs;
+    nm->created_ns = gpd_now_ns();
+    if (l) {
+      l->refs++;
+      nm->layout = l;
+    }
+    if (gpupool__smap_put(&reg->names, key, nm) != 0) {
+      gpd_layout_unref(reg, l);
+      free(nm);
+      free(bufs);
+      free(key);
+      r->bad = 1;
+      break;
+    }
+    for (uint32_t k = 0; k < nbufs; k++) {
+      bufs[k]->refs++;
+      bufs[k]->names++;
+      st->info.bytes += bufs[k]->size;
+    }
+    reg->nnames++;
+    {
+      gpd_uid_usage *u = gpd_uid_usage_get(reg, nm->tenant, 1);
+      if (u)
+        u->names++;
+    }
+    st->info.names++;
+  }
+  return r->bad ? -1 : 0;
+}
+
+static int pin_buffer(gpd_buffer *b, gpd_lease *l) {
+  for (uint32_t k = 0; k < b->nleases; k++)
+    if (b->leases[k] == l)
+      return 0;
+  if (gpd_grow((void **)&b->leases, &b->capleases, b->nleases + 1, sizeof *b->leases) != 0)
+    return GPUPOOL_ENOMEM;
+  l->refs++;
+  b->leases[b->nleases++] = l;
+  return 0;
+}
+
+static int pin_slab(gpd_slab *s, gpd_lease *l) {
+  for (uint32_t k = 0; k < s->nmappers; k++)
+    if (s->mappers[k].lease == l)
+      return 0;
+  if (gpd_slab_add_mapper(s, 0) != 0)
+    return GPUPOOL_ENOMEM;
+  s->mappers[s->nmappers - 1].lease = l;
+  l->refs++;
+  return 0;
+}
+
+/* A lease of the previous daemon's from its fd in the store (taken), or NULL (out of memory). */
+static gpd_lease *lease_before(gpd_state *st, int fd, uint64_t store_id, uid_t uid, uint64_t tenant, pid_t pid) {
+  gpd_lease *l = calloc(1, sizeof *l);
+  if (!l) {
+    close(fd);
+    return NULL;
+  }
+  l->fd = fd;
+  l->refs = 1;
+  l->uid = uid;
+  l->tenant = tenant;
+  l->pid = pid;
+  l->reg = st->reg;
+  l->store_id = store_id;
+  st->nstored++;
+  (void)fcntl(fd, F_SETFL, O_NONBLOCK);
+  (void)fcntl(fd, F_SETFD, FD_CLOEXEC);
+  return l;
+}
+
+/* Watch a lease of before (its pins recorded): kept, with the creation's reference, in
+ * st->before while some process holds it; let go at once when none does. */
+static struct before *lease_watch(gpd_state *st, gpd_lease *l) {
+  st->info.leases++;
+  if (gpd_lease_wait(st->reg, l) &&
+      gpd_grow((void **)&st->before, &st->capbefore, st->nbefore + 1, sizeof *st->before) == 0) {
+    struct before *e = &st->before[st->nbefore++];
+    memset(e, 0, sizeof *e);
+    e->l = l;
+    return e;
+  }
+  gpd_lease_unref(l);
+  return NULL;
+}
+
+/* The leases of the previous daemon's clients: each back as the lease of a closed connection
+ * (its process may still map memory: nothing it pinned is reused until every process holding
+ * it has exited or closed it). */
+static int restore_leases(gpd_state *st, rd *r) {
+  gpd_registry *reg = st->reg;
+  uint64_t n = get_count(r, 56);
+  for (uint64_t i = 0; i < n && !r->bad; i++) {
+    uint64_t store_id = get64(r);
+    uid_t uid = (uid_t)get32(r);
+    uint64_t tenant = get64(r);
+    pid_t pid = (pid_t)get32(r);
+    uint8_t secret[16];
+    uint64_t nb, ns, *pins = NULL;
+    uint32_t npins = 0;
+    int fd;
+    gpd_lease *l = NULL;
+    get(r, secret, sizeof secret);
+    fd = r->bad ? -1 : take_fd("lease", store_id);
+    if (fd >= 0 && !(l = lease_before(st, fd, store_id, uid, tenant, pid))) {
+      r->bad = 1;
+      break;
+    }
+    if (l)
+      memcpy(l->resume, secret, sizeof secret);
+    GPUPOOL__DEBUG("restore: lease %" PRIu64 " of pid %d uid %u%s", store_id, (int)pid, (unsigned)uid,
+                   l ? "" : " (let go before the crash)");
+    /* A lease the state names leaves the store only when the daemon let it go (every process
+     * holding it had gone, or it pinned nothing) after that state was written: nothing to do. */
+    if (fd < 0)
+      GPUPOOL__DEBUG("restore: the lease of client pid %d uid %u was let go before the crash", (int)pid,
+                     (unsigned)uid);
+    nb = get_count(r, 8);
+    if (l && nb)
+      pins = calloc(nb, sizeof *pins);
+    for (uint64_t k = 0; k < nb && !r->bad; k++) {
+      uint64_t pin = get64(r);
+      gpd_buffer *b = gpupool__hmap_get(&reg->buffers, pin & ~PIN_RO);
+      if (l && b && pin_buffer(b, l) != 0)
+        b->refs++; /* kept for good rather than reused under the holder */
+      if (l && b && pins)
+        pins[npins++] = pin;
+    }
+    ns = get_count(r, 8);
+    for (uint64_t k = 0; k < ns && !r->bad; k++) {
+      gpd_slab *s = gpupool__hmap_get(&reg->slabs, get64(r));
+      if (l && s)
+        (void)pin_slab(s, l);
+    }
+    if (l) {
+      struct before *e = lease_watch(st, l);
+      if (e) {
+        e->pins = pins;
+        e->npins = npins;
+        pins = NULL;
+      }
+    }
+    free(pins);
+  }
+  return r->bad ? -1 : 0;
+}
+
+/* Parse and check one state's header: 0 and its payload, or a reason. */
+static int check_header(const uint8_t *m, size_t size, uint64_t *gen, uint32_t *fmt, const uint8_t **payload,
+                        uint64_t *plen, char *why, size_t whylen) {
+  uint32_t hl;
+  uint64_t sum, want;
+  if (size < HEADER_LEN || memcmp(m, MAGIC, 8) != 0) {
+    snprintf(why, whylen, "not a gpupoold state");
+    return -1;
+  }
+  memcpy(fmt, m + 8, 4);
+  memcpy(&hl, m + 12, 4);
+  memcpy(gen, m + 16, 8);
+  memcpy(plen, m + 24, 8);
+  if (*fmt > GPD_STATE_FORMAT)
+    return 1; /* newer: the caller refuses it */
+  if (hl != HEADER_LEN || *fmt == 0 || *plen > size - HEADER_LEN) {
+    snprintf(why, whylen, "its header does not check out");
+    return -1;
+  }
+  sum = checksum(m + HEADER_LEN, (size_t)*plen);
+  memcpy(&want, m + 32, sizeof want);
+  if (sum != want) {
+    snprintf(why, whylen, "its checksum does not match (a damaged or partly written state)");
+    return -1;
+  }
+  *payload = m + HEADER_LEN;
+  return 0;
+}
+
+static int restore(gpd_state *st, const uint8_t *payload, uint64_t plen) {
+  gpd_registry *reg = st->reg;
+  gpupool__hmap layouts;
+  rd r = {payload, (size_t)plen, 0};
+  uint64_t next_id = get64(&r);
+  int rc = 0;
+
+  if (r.bad || next_id == 0 || next_id > UINT64_MAX / 2)
+    return -1;
+  /* Every id the state names is below next_id; new ones continue above. */
+  if (next_id > reg->next_id)
+    reg->next_id = next_id;
+  gpupool__hmap_init(&layouts);
+  if (restore_slabs(st, &r) != 0 || restore_layouts(st, &r, &layouts) != 0 ||
+      restore_buffers(st, &r, &layouts) != 0 || restore_names(st, &r, &layouts) != 0 ||
+      restore_leases(st, &r) != 0)
+    rc = -1;
+  if (rc != 0)
+    discard(st, NULL, "the state's records end early or do not check out; what was read before is kept");
+  layout_drop_ids(&layouts, reg);
+  /* The restore's references: a buffer no name or lease keeps goes now (out of memory: they
+   * stay, never reused, until the daemon's state is discarded). */
+  {
+    gpd_buffer **all = reg->buffers.len ? malloc(reg->buffers.len * sizeof *all) : NULL;
+    size_t n = 0;
+    if (all || !reg->buffers.len) {
+      for (size_t i = 0; i < reg->buffers.cap; i++)
+        if (gpupool__hmap_slot_used(&reg->buffers, i))
+          all[n++] = reg->buffers.slots[i].val;
+      for (size_t i = 0; i < n; i++)
+        gpd_buffer_unref(reg, all[i]);
+    } else {
+      GPUPOOL__ERROR("restore: out of memory; the %zu buffer(s) restored stay allocated", reg->buffers.len);
+    }
+    free(all);
+  }
+  for (int i = 0; i < reg->npools; i++)
+    for (gpd_slab *s = reg->pools[i].slabs, *nx; s; s = nx) {
+      nx = s->next;
+      gpd_slab_maybe_retire(reg, s);
+    }
+  gpd_sweep(reg);
+  return rc;
+}
+
+int gpd_state_init(gpd_registry *reg) {
+  gpd_state *st;
+  gpd_sd_stored *fds;
+  int n, best = -1, rc = 0;
+  uint64_t best_gen = 0, t0 = gpd_now_ns();
+  const char *env = getenv("FDSTORE"), *crash = getenv("GPUPOOL_TEST_STATE_CRASH");
+  uint64_t max;
+  char *end = NULL;
+
+  if (!env || !*env)
+    env = getenv("GPUPOOL_FDSTORE");
+  fds = gpd_sd_stored_fds(&n);
+  max = env && *env ? strtoull(env, &end, 10) : 0;
+  if (!env || !*env || (end && *end) || max < 8 || !getenv("NOTIFY_SOCKET") || !reg->be->ops->slab_adopt) {
+    if (n > 0)
+      GPUPOOL__WARN("restore: %d fd(s) came back from an fd store, but this daemon %s; they are closed and "
+                    "nothing is restored", n,
+                    !reg->be->ops->slab_adopt ? "runs a backend whose memory cannot outlive it"
+                                              : "has no fd store to keep its state in (FDSTORE unset)");
+    for (int i = 0; i < n; i++)
+      if (fds[i].fd >= 0) {
+        close(fds[i].fd);
+        fds[i].fd = -1;
+      }
+    return 0;
+  }
+  if (!(st = calloc(1, sizeof *st)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  st->reg = reg;
+  st->info.enabled = 1;
+  st->info.store_max = max;
+  st->format = GPD_STATE_FORMAT;
+  if (crash)
+    (void)sscanf(crash, "%ld:%255s", &st->crash_step, st->crash_file);
+  if ((env = getenv("GPUPOOL_TEST_STATE_FORMAT")) && *env)
+    st->format = (uint32_t)strtoul(env, NULL, 10);
+  reg->state = st;
+
+  /* The newest state that checks out; the others go. */
+  for (int i = 0; i < n; i++) {
+    uint64_t gen;
+    if (fds[i].fd < 0 || strncmp(fds[i].name, GPD_SD_STORE_PREFIX "state.", strlen(GPD_SD_STORE_PREFIX "state.")))
+      continue;
+    gen = strtoull(fds[i].name + strlen(GPD_SD_STORE_PREFIX "state."), NULL, 10);
+    if (best < 0 || gen > best_gen) {
+      best = i;
+      best_gen = gen;
+    }
+  }
+  while (best >= 0) {
+    struct stat sb;
+    void *m = MAP_FAILED;
+    const uint8_t *payload = NULL;
+    uint64_t gen = 0, plen = 0;
+    uint32_t fmt = 0;
+    char why[160] = "";
+    int seals = fcntl(fds[best].fd, F_GET_SEALS), hc = -1, next = -1;
+    if (fstat(fds[best].fd, &sb) == 0 && S_ISREG(sb.st_mode) && sb.st_size > 0 && (uint64_t)sb.st_size <= STATE_MAX &&
+        seals >= 0 && (seals & F_SEAL_WRITE) &&
+        (m = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fds[best].fd, 0)) != MAP_FAILED)
+      hc = check_header(m, (size_t)sb.st_size, &gen, &fmt, &payload, &plen, why, sizeof why);
+    else
+      snprintf(why, sizeof why, "not a sealed memfd that can be read");
+    if (hc == 1) {
+      rc = gpupool__err(GPUPOOL_ECONFIG,
+                        "the state kept in the fd store is in format %u, written by a newer gpupoold; this one "
+                        "(%s) reads formats up to %u. Start the newer gpupoold again, or, to give up every "
+                        "name and version it kept, empty the store: `systemctl stop gpupoold` then start "
+                        "this one (under gpupoold --supervise: stop the supervisor)",
+                        fmt, GPUPOOL_VERSION_STRING, GPD_STATE_FORMAT);
+      if (m != MAP_FAILED)
+        munmap(m, (size_t)sb.st_size);
+      return rc; /* every fd stays open: the process exits */
+    }
+    if (hc == 0) {
+      st->info.found = 1;
+      st->info.generation = gen;
+      st->info.format = fmt;
+      st->generation = gen;
+      st->nstored++;
+      (void)restore(st, payload, plen);
+      munmap(m, (size_t)sb.st_size);
+      close(fds[best].fd); /* the store keeps it until the next write replaces it */
+      fds[best].fd = -1;
+      break;
+    }
+    if (m != MAP_FAILED)
+      munmap(m, (size_t)sb.st_size);
+    discard(st, NULL, "state %s: %s; an older one is tried", fds[best].name, why);
+    close(fds[best].fd);
+    (void)gpd_sd_notifyf("FDSTOREREMOVE=1\nFDNAME=%s", fds[best].name);
+    fds[best].fd = -1;
+    fds[best].dropped = 1;
+    for (int i = 0; i < n; i++)
+      if (fds[i].fd >= 0 && !strncmp(fds[i].name, GPD_SD_STORE_PREFIX "state.", strlen(GPD_SD_STORE_PREFIX "state.")) &&
+          (next < 0 || strtoull(fds[i].name + STATE_PREFIX_LEN, NULL, 10) >
+                           strtoull(fds[next].name + STATE_PREFIX_LEN, NULL, 10)))
+        next = i;
+    best = next;
+  }
+  /* Leases no state names (clients that came in the moment before the crash) count as the
+   * others: what they might map is not handed out again while they hold them. */
+  for (int i = 0; i < n; i++) {
+    const char *pre = GPD_SD_STORE_PREFIX "lease.";
+    gpd_lease *l;
+    if (fds[i].fd < 0 || strncmp(fds[i].name, pre, strlen(pre)) != 0)
+      continue;
+    if ((l = lease_before(st, fds[i].fd, strtoull(fds[i].name + strlen(pre), NULL, 10), (uid_t)-1,
+                          gpd_tenant_of(reg->cfg, (uid_t)-1, (gid_t)-1), 0)))
+      lease_watch(st, l);
+    fds[i].fd = -1;
+  }
+  if (st->nbefore > 0) {
+    uint32_t nslabs = 0;
+    for (int i = 0; i < reg->npools; i++)
+      for (gpd_slab *s = reg->pools[i].slabs; s; s = s->next) {
+        s->frozen = 1;
+        nslabs++;
+      }
+    st->frozen = 1;
+    if (nslabs)
+      GPUPOOL__INFO("restore: %u client lease(s) of the previous daemon are still held: the %u slab(s) restored take "
+                    "no new buffers until every one is let go (what those processes map is never handed out "
+                    "again under them)", st->nbefore, nslabs);
+  }
+  /* Whatever is left (older states, slabs no state names): closed, out of the store. */
+  for (int i = 0; i < n; i++) {
+    if (fds[i].fd < 0)
+      continue;
+    int taken = 0;
+    close(fds[i].fd);
+    fds[i].fd = -1;
+    if (strncmp(fds[i].name, GPD_SD_STORE_PREFIX "state.", strlen(GPD_SD_STORE_PREFIX "state.")) != 0)
+      st->info.fds_dropped++;
+    /* Removal goes by name: not when an entry of the same name was taken (a duplicate). */
+    for (int j = 0; j < n; j++)
+      taken |= j != i && fds[j].fd < 0 && strcmp(fds[j].name, fds[i].name) == 0 && !fds[j].dropped;
+    fds[i].dropped = 1;
+    if (!taken)
+      (void)gpd_sd_notifyf("FDSTOREREMOVE=1\nFDNAME=%s", fds[i].name);
+  }
+  st->info.restore_ns = gpd_now_ns() - t0;
+  if (st->info.found)
+    GPUPOOL__INFO("restored state %" PRIu64 " (format %u) in %.1f ms: %" PRIu64 " name(s), %" PRIu64 " byte(s) in %"
+                  PRIu64 " slab(s), %" PRIu64 " lease(s) of earlier clients; discarded: %" PRIu64 " name(s), %" PRIu64
+                  " slab(s), %" PRIu64 " buffer(s), %" PRIu64 " fd(s) no state named%s%s",
+                  st->info.generation, st->info.format, st->info.restore_ns / 1e6, st->info.names, st->info.bytes,
+                  st->info.slabs, st->info.leases, st->info.names_lost, st->info.slabs_lost, st->info.buffers_lost,
+                  st->info.fds_dropped, st->info.why[0] ? "; first reason: " : "",
+                  st->info.why);
+  else if (n > 0)
+    GPUPOOL__WARN("restore: %d fd(s) came back from the fd store but no state that checks out (%s); nothing is "
+                  "restored", n, st->info.why[0] ? st->info.why : "none was kept");
+  else
+    GPUPOOL__INFO("state: kept in the fd store (at most %" PRIu64 " entries); nothing to restore", max);
+  /* Slabs made before this point (none on the host backend) and from now on go to the store. */
+  for (int i = 0; i < reg->npools; i++)
+    for (gpd_slab *s = reg->pools[i].slabs; s; s = s->next)
+      gpd_state_slab_new(reg, s);
+  uv_check_init(reg->loop, &st->check);
+  st->check.data = st;
+  uv_check_start(&st->check, on_check);
+  uv_unref((uv_handle_t *)&st->check);
+  uv_timer_init(reg->loop, &st->later);
+  st->later.data = st;
+  uv_unref((uv_handle_t *)&st->later);
+  st->check_on = 1;
+  return 0;
+}

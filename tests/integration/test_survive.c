@@ -1,0 +1,469 @@
+/*
+ * Names, versions and memory survive a crash of the daemon: gpupoold --supervise keeps its fd
+ * store (the slabs' memfds, the leases, the state) and starts it again after a kill -9. After
+ * the restart every name is there at its version with its bytes, what live clients still map
+ * stays valid and is not handed out again, versions go on from where they were, and once
+ * everything is released the store holds no more than it did at the start.
+ *
+ * GPUPOOL_TEST_SURVIVE_NAMES (default 200) sets how many names test_crash_keeps_names
+ * publishes (1000 and 10000 run here in seconds too); it prints how long the new daemon took
+ * from its start to the first get it served.
+ */
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include "harness.h"
+
+static th_daemon D;
+#define POOL "name=default,kind=host,capacity=512M,slab=4M,keep=0"
+
+static int setup(void **state) {
+  *state = &D;
+  th_prepare(&D);
+  /* Crashes here come one after the other on purpose: restart each at once. */
+  setenv("GPUPOOL_SUPERVISE_MAX_DELAY_MS", "50", 1);
+  return 0;
+}
+
+static int teardown(void **state) {
+  (void)state;
+  if (D.pid)
+    th_stop(&D);
+  return 0;
+}
+
+/* The supervisor's child (the daemon), or 0. */
+static pid_t child_of(pid_t sup) {
+  char path[64];
+  long pid = 0;
+  FILE *f;
+  snprintf(path, sizeof path, "/proc/%d/task/%d/children", (int)sup, (int)sup);
+  if (!(f = fopen(path, "r")))
+    return 0;
+  if (fscanf(f, "%ld", &pid) != 1)
+    pid = 0;
+  fclose(f);
+  return (pid_t)pid;
+}
+
+static int count_fds(pid_t pid) {
+  char path[64];
+  int n = 0;
+  DIR *d;
+  struct dirent *e;
+  snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
+  if (!(d = opendir(path)))
+    return -1;
+  while ((e = readdir(d)))
+    if (e->d_name[0] != '.')
+      n++;
+  closedir(d);
+  return n;
+}
+
+/* Wait for a daemon other than `old` to run under the supervisor and accept connections. */
+static pid_t wait_restarted(pid_t old) {
+  uint64_t end = th_now_ms() + 10000;
+  while (th_now_ms() < end) {
+    pid_t c = child_of(D.pid);
+    if (c && c != old && th_can_connect(D.sock))
+      return c;
+    th_sleep_ms(5);
+  }
+  th_dump_log(&D);
+  fail_msg("the supervisor did not start the daemon again within 10 s");
+  return 0;
+}
+
+static pid_t start_supervised(void) {
+  pid_t c;
+  uint64_t end = th_now_ms() + 5000;
+  /* Room for GPUPOOL_TEST_SURVIVE_NAMES=10000 names. */
+  th_write_conf(&D, "[daemon]\nmax_names = 20000\nmax_names_per_uid = 20000\n");
+  th_start(&D, 1, "--supervise", "--pool", POOL, NULL);
+  while (!(c = child_of(D.pid)) && th_now_ms() < end)
+    th_sleep_ms(5);
+  assert_true(c > 0);
+  return c;
+}
+
+static pid_t crash(pid_t daemon) {
+  assert_int_equal(kill(daemon, SIGKILL), 0);
+  return wait_restarted(daemon);
+}
+
+/* The supervisor's fds once they stop changing (its store settles after the daemon's writes). */
+static int settled_store(void) {
+  int last = -1, same = 0;
+  for (int i = 0; i < 300 && same < 5; i++) {
+    int n = count_fds(D.pid);
+    same = n == last ? same + 1 : 0;
+    last = n;
+    th_sleep_ms(20);
+  }
+  return last;
+}
+
+static uint64_t name_size(int i) { return 1000 + (uint64_t)(i * 131) % 20000; }
+static uint32_t name_seed(int i, uint64_t version) { return (uint32_t)i * 7 + (uint32_t)version * 100003u; }
+
+static void check_name(gpupool_client *c, int i, uint64_t want_version) {
+  char name[32];
+  gpupool_buffer *g;
+  uint64_t v = 0;
+  snprintf(name, sizeof name, "n%d", i);
+  if (gpupool_buffer_get(c, name, 0, 0, GPUPOOL_READ_ONLY, NULL, &g, &v) != 0) {
+    th_dump_log(&D);
+    fail_msg("get %s: %s", name, gpupool_last_error());
+  }
+  assert_int_equal(v, want_version);
+  assert_true(gpupool_buffer_size(g) >= name_size(i));
+  assert_true(th_check(gpupool_buffer_ptr(g), name_seed(i, v), name_size(i)));
+  assert_int_equal(gpupool_buffer_release(g, NULL), 0);
+}
+
+static void publish(gpupool_client *p, int i, uint64_t want_version) {
+  char name[32];
+  gpupool_buffer *b;
+  uint64_t v = 0;
+  snprintf(name, sizeof name, "n%d", i);
+  if (gpupool_buffer_alloc(p, NULL, name_size(i), 0, NULL, &b) != 0)
+    fail_msg("alloc for %s: %s", name, gpupool_last_error());
+  th_fill(gpupool_buffer_ptr(b), name_seed(i, want_version), name_size(i));
+  if (gpupool_buffer_publish(b, name, NULL, NULL, &v) != 0)
+    fail_msg("publish %s: %s", name, gpupool_last_error());
+  assert_int_equal(v, want_version);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
+}
+
+#define NB 3
+static void publish_bundle(gpupool_client *p, int j, uint32_t seed, uint64_t *version) {
+  gpupool_member_spec specs[NB];
+  char names[NB][16], name[32];
+  gpupool_bundle *b;
+  for (int k = 0; k < NB; k++) {
+    snprintf(names[k], sizeof names[k], "m%d", k);
+    specs[k] = (gpupool_member_spec){.name = names[k], .size = 4096 + (uint64_t)k * 1000 + (uint64_t)j, .meta = NULL};
+  }
+  assert_int_equal(gpupool_bundle_alloc(p, NULL, specs, NB, 0, 0, NULL, &b), 0);
+  for (int k = 0; k < NB; k++) {
+    gpupool_member m;
+    assert_int_equal(gpupool_bundle_member(b, k, &m), 0);
+    th_fill(m.ptr, seed + (uint32_t)k, m.size);
+  }
+  snprintf(name, sizeof name, "b%d", j);
+  assert_int_equal(gpupool_bundle_publish(b, name, NULL, version), 0);
+  assert_int_equal(gpupool_bundle_release(b, NULL), 0);
+}
+
+static void check_bundle(gpupool_client *c, int j, uint32_t seed, uint64_t version) {
+  char name[32];
+  gpupool_bundle *b;
+  snprintf(name, sizeof name, "b%d", j);
+  assert_int_equal(gpupool_bundle_get(c, name, 0, 0, GPUPOOL_READ_ONLY, NULL, &b), 0);
+  assert_int_equal(gpupool_bundle_version(b), version);
+  assert_int_equal(gpupool_bundle_count(b), NB);
+  for (int k = 0; k < NB; k++) {
+    gpupool_member m;
+    assert_int_equal(gpupool_bundle_member(b, k, &m), 0);
+    assert_int_equal(m.size, 4096 + (uint64_t)k * 1000 + (uint64_t)j);
+    assert_true(th_check(m.ptr, seed + (uint32_t)k, m.size));
+  }
+  assert_int_equal(gpupool_bundle_release(b, NULL), 0);
+}
+
+static int env_int(const char *name, int def) {
+  const char *e = getenv(name);
+  return e && *e ? atoi(e) : def;
+}
+
+/* kill -9 while clients hold and map memory: names, versions and bundles come back
+ * bit-exact, holders' mappings stay valid, nothing they map is handed out again, versions go on,
+ * and after everything is released the store is back where it started. */
+static void test_crash_keeps_names(void **state) {
+  int n = env_int("GPUPOOL_TEST_SURVIVE_NAMES", 200), nb = n / 50 + 1, base;
+  uint64_t base_fds;
+  pid_t daemon = start_supervised();
+  gpupool_client *p, *q, *r;
+  gpupool_buffer *g, *h, *fill[64];
+  uint64_t *ver = calloc((size_t)n, sizeof *ver), t0, t1, bver = 0;
+  char lost[4][GPUPOOL_NAME_MAX + 1];
+  int nlost = 0;
+  (void)state;
+  assert_non_null(ver);
+
+  r = th_connect(&D, "baseline");
+  gpupool_client_disconnect(r);
+  base = settled_store();
+  base_fds = th_settled_fds(&D);
+
+  p = th_connect(&D, "producer");
+  q = th_connect(&D, "holder");
+  t0 = th_now_ms();
+  for (int i = 0; i < n; i++) {
+    ver[i] = 1;
+    publish(p, i, 1);
+    if (i % 10 == 0)
+      publish(p, i, ++ver[i]);
+  }
+  for (int j = 0; j < nb; j++)
+    publish_bundle(p, j, 5000u + (uint32_t)j * 10u, &bver);
+  assert_int_equal(bver, 1);
+  /* A reader holds a version; the producer holds memory no name refers to. */
+  assert_int_equal(gpupool_buffer_get(q, "n1", 0, 0, 0, NULL, &g, NULL), 0);
+  assert_int_equal(gpupool_buffer_alloc(p, NULL, 300000, 0, NULL, &h), 0);
+  th_fill(gpupool_buffer_ptr(h), 77, 300000);
+  /* Holds are written at most every 100 ms (names before every reply): let that write happen,
+   * so they are given back. (One made in the last moments before a crash is reported lost,
+   * and its memory is still never handed out under it: test_crash_cycles crashes at once.) */
+  th_sleep_ms(250);
+
+  print_message("published %d names (%d twice) and %d bundles in %llu ms\n", n, (n + 9) / 10, nb,
+                (unsigned long long)(th_now_ms() - t0));
+  t0 = th_now_ms();
+  daemon = crash(daemon);
+  t1 = th_now_ms();
+  r = th_connect(&D, "reader");
+  check_name(r, n - 1, ver[n - 1]);
+  print_message("restart with %d names: %llu ms from kill -9 to the new daemon accepting (restart delay "
+                "included), %llu ms more to the first get served\n", n, (unsigned long long)(t1 - t0),
+                (unsigned long long)(th_now_ms() - t1));
+  {
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "grep -o 'restored state .* in [0-9.]* ms: [0-9]* name(s)' %s | tail -n 1", D.log);
+    if (system(cmd) != 0)
+      fail_msg("the daemon's log does not say what it restored");
+  }
+  for (int i = 0; i < n; i++)
+    check_name(r, i, ver[i]);
+  for (int j = 0; j < nb; j++)
+    check_bundle(r, j, 5000u + (uint32_t)j * 10u, 1);
+  /* What the live clients map is intact, and stays so while others allocate around it. */
+  assert_true(th_check(gpupool_buffer_ptr(g), name_seed(1, 1), name_size(1)));
+  assert_true(th_check(gpupool_buffer_ptr(h), 77, 300000));
+  for (int k = 0; k < 64; k++) {
+    assert_int_equal(gpupool_buffer_alloc(r, NULL, 4000 + (uint64_t)k * 997, 0, NULL, &fill[k]), 0);
+    th_fill(gpupool_buffer_ptr(fill[k]), 99, 4000 + (uint64_t)k * 997);
+  }
+  assert_true(th_check(gpupool_buffer_ptr(h), 77, 300000));
+  assert_true(th_check(gpupool_buffer_ptr(g), name_seed(1, 1), name_size(1)));
+  for (int k = 0; k < 64; k++)
+    assert_int_equal(gpupool_buffer_release(fill[k], NULL), 0);
+
+  /* Holds come back on reconnection (the daemon gave each connection a secret to claim them):
+   * the reader's hold on n1 and the producer's unnamed buffer are theirs again, usable. */
+  check_name(q, 2, ver[2]); /* (their first requests since the crash: they reconnect) */
+  check_name(p, 3, ver[3]);
+  assert_false(gpupool_buffer_lost(g));
+  if (gpupool_buffer_publish(h, "h-after", NULL, NULL, NULL) != 0) {
+    th_dump_log(&D);
+    fail_msg("publish of a buffer held again: %s", gpupool_last_error());
+  }
+  assert_false(gpupool_buffer_lost(h));
+  {
+    gpupool_buffer *hh;
+    assert_int_equal(gpupool_buffer_get(r, "h-after", 0, 0, GPUPOOL_READ_ONLY, NULL, &hh, NULL), 0);
+    assert_true(th_check(gpupool_buffer_ptr(hh), 77, 300000));
+    assert_int_equal(gpupool_buffer_release(hh, NULL), 0);
+    assert_int_equal(gpupool_name_unpublish(r, "h-after"), 0);
+  }
+  /* Versions go forward: the next publish of a name is the one after what it had. */
+  publish(p, 0, ver[0] + 1);
+  ver[0]++;
+  publish_bundle(p, 0, 5000u, &bver);
+  assert_int_equal(bver, 2);
+  check_name(r, 0, ver[0]);
+  /* Nothing the producer published was lost: the new daemon has it all. */
+  assert_int_equal(gpupool_client_lost_names(p, lost, 4, &nlost), 0);
+  assert_int_equal(nlost, 0);
+
+  /* Everything released: the daemon and the store go back to where they were. */
+  assert_int_equal(gpupool_buffer_release(g, NULL), 0);
+  assert_int_equal(gpupool_buffer_release(h, NULL), 0);
+  gpupool_client_disconnect(q);
+  gpupool_client_disconnect(p);
+  for (int i = 0; i < n; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "n%d", i);
+    assert_int_equal(gpupool_name_unpublish(r, name), 0);
+  }
+  for (int j = 0; j < nb; j++) {
+    char name[32];
+    snprintf(name, sizeof name, "b%d", j);
+    assert_int_equal(gpupool_name_unpublish(r, name), 0);
+  }
+  gpupool_client_disconnect(r);
+  th_wait_idle(&D, 5000);
+  /* The new daemon holds as many fds as the first did before anything was published. */
+  th_expect_fds(&D, base_fds);
+  if (settled_store() != base) {
+    th_dump_log(&D);
+    fail_msg("the supervisor holds %d fds, %d at the start: the store kept what was released", count_fds(D.pid),
+             base);
+  }
+  free(ver);
+  th_stop(&D);
+}
+
+/* Crash after crash, each with a new version: nothing leaks in the store or the daemon. */
+static void test_crash_cycles(void **state) {
+  int cycles = env_int("GPUPOOL_TEST_SURVIVE_CYCLES", 15), base = 0;
+  pid_t daemon = start_supervised();
+  gpupool_client *p;
+  (void)state;
+  p = th_connect(&D, "producer");
+  publish(p, 0, 1);
+  for (int k = 0; k < cycles; k++) {
+    daemon = crash(daemon);
+    check_name(p, 0, (uint64_t)k + 1);
+    publish(p, 0, (uint64_t)k + 2);
+    if (k == 1)
+      base = settled_store();
+    else if (k > 1 && settled_store() != base) {
+      th_dump_log(&D);
+      fail_msg("cycle %d: the supervisor holds %d fds, %d after the second", k, count_fds(D.pid), base);
+    }
+  }
+  check_name(p, 0, (uint64_t)cycles + 1);
+  assert_int_equal(gpupool_name_unpublish(p, "n0"), 0);
+  gpupool_client_disconnect(p);
+  th_wait_idle(&D, 5000);
+  th_stop(&D);
+}
+
+static char flag_path[400];
+static int crash_env(void *arg) {
+  char v[512];
+  snprintf(v, sizeof v, "%d:%s", *(int *)arg, flag_path);
+  return setenv("GPUPOOL_TEST_STATE_CRASH", v, 1);
+}
+
+/* A crash at each step of a state write: the next daemon finds the version before the write
+ * or the one after it, whole, never a mix. */
+static void test_crash_inside_state_write(void **state) {
+  (void)state;
+  for (int step = 1; step <= 4; step++) {
+    const char *extra[] = {"--supervise", "--pool", POOL, NULL};
+    ts_daemon_opts o = {.gpupoold = GPUPOOLD_PATH, .backend = "host", .log_level = "debug", .extra = extra,
+                        .ready_ms = 5000, .poll_ms = 10, .hook = crash_env, .hook_arg = &step};
+    gpupool_client *p, *r;
+    gpupool_buffer *b;
+    pid_t daemon;
+    uint64_t end;
+    int fd;
+    if (step > 1)
+      th_prepare(&D); /* (th_stop removed the last one's dir) */
+    snprintf(flag_path, sizeof flag_path, "%s/crash-now", D.dir);
+    th_start_opts(&D, &o);
+    end = th_now_ms() + 5000;
+    while (!(daemon = child_of(D.pid)) && th_now_ms() < end)
+      th_sleep_ms(5);
+    p = th_connect(&D, "producer");
+    publish(p, 0, 1);
+    assert_int_equal(gpupool_buffer_alloc(p, NULL, name_size(0), 0, NULL, &b), 0);
+    th_fill(gpupool_buffer_ptr(b), name_seed(0, 2), name_size(0));
+    th_sleep_ms(50); /* idle: no write is due */
+    fd = open(flag_path, O_CREAT | O_WRONLY | O_EXCL, 0600);
+    assert_true(fd >= 0);
+    close(fd);
+    /* The write this publish causes (before its reply) dies at `step`. */
+    (void)gpupool_buffer_publish(b, "n0", NULL, NULL, NULL);
+    (void)gpupool_buffer_release(b, NULL);
+    daemon = wait_restarted(daemon);
+    r = th_connect(&D, "reader");
+    /* Steps 1-3 die before the new state is in the store: version 1; step 4 after: version 2. */
+    check_name(r, 0, step == 4 ? 2 : 1);
+    gpupool_client_disconnect(r);
+    gpupool_client_disconnect(p);
+    {
+      char cmd[600];
+      snprintf(cmd, sizeof cmd, "grep -q 'killing the daemon at step %d of state write' %s", step, D.log);
+      assert_int_equal(system(cmd), 0);
+    }
+    th_stop(&D);
+  }
+}
+
+/* What does not check out is discarded piece by piece: a pool taken out of the configuration
+ * before the restart loses its slabs and the names in them, with the reason in the log and the
+ * survival line; the other pool's names are all there, and the client is told exactly which
+ * of its names were lost. */
+static void test_discard_piece_by_piece(void **state) {
+  gpupool_client *p;
+  gpupool_buffer *b;
+  pid_t daemon;
+  uint64_t end;
+  char lost[8][GPUPOOL_NAME_MAX + 1], cmd[600];
+  int nlost = 0;
+  (void)state;
+  th_write_conf(&D, "[pool a]\nkind = host\ncapacity = 64M\nslab_size = 4M\n"
+                    "[pool b]\nkind = host\ncapacity = 64M\nslab_size = 4M\n");
+  th_start(&D, 1, "--supervise", NULL);
+  end = th_now_ms() + 5000;
+  while (!(daemon = child_of(D.pid)) && th_now_ms() < end)
+    th_sleep_ms(5);
+  p = th_connect(&D, "producer");
+  for (int i = 0; i < 4; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "n%d", i);
+    assert_int_equal(gpupool_buffer_alloc(p, i < 2 ? "a" : "b", name_size(i), 0, NULL, &b), 0);
+    th_fill(gpupool_buffer_ptr(b), name_seed(i, 1), name_size(i));
+    assert_int_equal(gpupool_buffer_publish(b, name, NULL, NULL, NULL), 0);
+    assert_int_equal(gpupool_buffer_release(b, NULL), 0);
+  }
+  /* The operator drops pool b, then the daemon crashes: the next one reads the new file. */
+  th_write_conf(&D, "[pool a]\nkind = host\ncapacity = 64M\nslab_size = 4M\n");
+  daemon = crash(daemon);
+  check_name(p, 0, 1);
+  check_name(p, 1, 1);
+  assert_int_equal(gpupool_buffer_get(p, "n2", 0, 0, 0, NULL, &b, NULL), GPUPOOL_ENOENT);
+  assert_int_equal(gpupool_client_lost_names(p, lost, 8, &nlost), 0);
+  assert_int_equal(nlost, 2);
+  assert_true((!strcmp(lost[0], "n2") && !strcmp(lost[1], "n3")) || (!strcmp(lost[0], "n3") && !strcmp(lost[1], "n2")));
+  snprintf(cmd, sizeof cmd, "grep -q \"restore: slab [0-9]*: pool 'b' is no longer configured\" %s", D.log);
+  assert_int_equal(system(cmd), 0);
+  snprintf(cmd, sizeof cmd, "grep -q 'restored state .* 2 name(s), .* discarded: 2 name(s), 1 slab(s)' %s", D.log);
+  assert_int_equal(system(cmd), 0);
+  gpupool_client_disconnect(p);
+  th_stop(&D);
+}
+
+static int newer_env(void *arg) {
+  (void)arg;
+  return setenv("GPUPOOL_TEST_STATE_FORMAT", "99", 1);
+}
+
+/* A state from a newer daemon is refused, not discarded: the daemon says which formats and
+ * what to do, and exits 2 (the supervisor, like systemd's RestartPreventExitStatus=2, stops). */
+static void test_newer_state_refused(void **state) {
+  const char *extra[] = {"--supervise", "--pool", POOL, NULL};
+  ts_daemon_opts o = {.gpupoold = GPUPOOLD_PATH, .backend = "host", .log_level = "debug", .extra = extra,
+                      .ready_ms = 5000, .poll_ms = 10, .hook = newer_env, .append_log = 1};
+  gpupool_client *p;
+  pid_t daemon;
+  int status = 0;
+  uint64_t end;
+  char cmd[600];
+  (void)state;
+  th_start_opts(&D, &o);
+  end = th_now_ms() + 5000;
+  while (!(daemon = child_of(D.pid)) && th_now_ms() < end)
+    th_sleep_ms(5);
+  p = th_connect(&D, "producer");
+  publish(p, 0, 1);
+  gpupool_client_disconnect(p);
+  assert_int_equal(kill(daemon, SIGKILL), 0);
+  assert_int_equal(ts_wait_pid(D.pid, 10000, 1, &status), 0);
+  th_track(D.pid, 0);
+  D.pid = 0;
+  assert_true(WIFEXITED(status));
+  assert_int_equal(WEXITSTATUS(status), 2);
+  snprintf(cmd, sizeof cmd, "grep -q 'in format 99, written by a newer gpupoold; this one .* reads formats up to 1' %s",
+           D.log);
+  assert_int_equal(system(cmd), 0);
+}
+
+int main(void) {
+  return TS_RUN_TESTS(setup, teardown, test_crash_keeps_names, test_crash_cycles, test_crash_inside_state_write,
+                      test_discard_piece_by_piece, test_newer_state_refused);
+}
