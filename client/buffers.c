@@ -104,11 +104,19 @@ int gpupool__release_locked(gpupool_client *c, gpupool_buffer *b, void *stream) 
   return hold_id ? gpupool__send_release(c, hold_id, recorded) : 0;
 }
 
-/* Release several buffers with their requests in flight together (one round trip). */
+/* Release several buffers in one round trip: their holds named together in as few Release
+ * requests as the daemon takes (HelloReply.max_release_batch; one each from a daemon that
+ * takes one), those requests in flight together. */
 int gpupool__release_many_locked(gpupool_client *c, gpupool_buffer **bs, int n, void *stream) {
-  pending **ps = calloc((size_t)n, sizeof *ps);
+  size_t batch = c->max_release_batch > 1 ? c->max_release_batch : 1, m = 0, np = 0;
+  uint64_t *ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *ids);
+  protobuf_c_boolean *rec = malloc((size_t)(n > 0 ? n : 1) * sizeof *rec);
+  pending **ps = calloc((size_t)(n > 0 ? n : 1), sizeof *ps);
   int rc = 0;
-  if (!ps) {
+  if (!ids || !rec || !ps) {
+    free(ids);
+    free(rec);
+    free(ps);
     for (int i = 0; i < n; i++) {
       int r = gpupool__release_locked(c, bs[i], stream);
       if (!rc)
@@ -117,29 +125,70 @@ int gpupool__release_many_locked(gpupool_client *c, gpupool_buffer **bs, int n, 
     return rc;
   }
   for (int i = 0; i < n; i++) {
+    uint64_t hold_id;
+    int recorded;
+    gpupool__release_local(c, bs[i], stream, &hold_id, &recorded);
+    if (hold_id) {
+      ids[m] = hold_id;
+      rec[m++] = recorded;
+    }
+  }
+  for (size_t k = 0; k < m; k += batch) {
     gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
     Gpupool__Wire__Release rl;
-    uint64_t hold_id;
-    int recorded, r;
-    gpupool__release_local(c, bs[i], stream, &hold_id, &recorded);
-    if (!hold_id)
-      continue;
-    gpupool__release_request(&req, &rl, hold_id, recorded);
-    if ((r = gpupool__call_send(c, &req, &ps[i], -1)) != 0 && !rc)
+    size_t len = m - k < batch ? m - k : batch;
+    int r;
+    gpupool__release_request(&req, &rl, ids[k], rec[k]);
+    rl.n_more_hold_ids = rl.n_more_done_recorded = len - 1;
+    rl.more_hold_ids = ids + k + 1;
+    rl.more_done_recorded = rec + k + 1;
+    if ((r = gpupool__call_send(c, &req, &ps[np++], -1)) != 0 && !rc)
       rc = r;
   }
-  for (int i = 0; i < n; i++) {
+  for (size_t i = 0; i < np; i++) {
     gpupool__rep *rep;
     int r;
     if (!ps[i])
       continue;
-    if ((r = gpupool__call_wait(c, ps[i], &rep, NULL, NULL)) == 0)
+    if ((r = gpupool__call_wait(c, ps[i], &rep, NULL, NULL)) == 0) {
       gpupool__wire__reply__free_unpacked(rep, NULL);
-    else if (!rc)
+    } else if (r == GPUPOOL_EINVAL && batch > 1) {
+      /* The daemon takes fewer holds a Release now (max_share_batch lowered by a reload):
+       * these go one a request, and so do the next ones on this connection. */
+      size_t k = i * batch, len = m - k < batch ? m - k : batch;
+      c->max_release_batch = 1;
+      for (size_t j = k; j < k + len; j++)
+        if ((r = gpupool__send_release(c, ids[j], rec[j])) != 0 && !rc)
+          rc = r;
+    } else if (!rc) {
       rc = r;
+    }
   }
+  free(ids);
+  free(rec);
   free(ps);
   return rc;
+}
+
+int gpupool_buffer_release_many(gpupool_buffer *const *bufs, int n, void *stream) {
+  gpupool_client *c;
+  int rc;
+  if (n < 0 || (n > 0 && !bufs))
+    return gpupool__err(GPUPOOL_EINVAL, "release_many: bufs must not be NULL and n not negative");
+  if (n == 0)
+    return 0;
+  for (int i = 0; i < n; i++)
+    if (!bufs[i] || bufs[i]->c != bufs[0]->c)
+      return gpupool__err(GPUPOOL_EINVAL, "release_many: buffer %d is %s", i,
+                          bufs[i] ? "of another client than buffer 0 (release each client's apart)" : "NULL");
+  gpupool__err_clear();
+  c = bufs[0]->c;
+  pthread_mutex_lock(&c->mu);
+  gpupool__ensure_connected(c); /* marks the buffers lost if their daemon went away */
+  rc = gpupool__release_many_locked(c, (gpupool_buffer **)bufs, n, stream);
+  pthread_mutex_unlock(&c->mu);
+  /* A broken connection already dropped the holds: the memory is the daemon's again. */
+  return rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO ? 0 : rc;
 }
 
 int gpupool_buffer_release(gpupool_buffer *b, void *stream) {

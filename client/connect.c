@@ -106,6 +106,7 @@ static int take_hello(gpupool_client *c, const Gpupool__Wire__HelloReply *hr) {
                         "rebuild it with the CUDA toolkit", d->what);
   c->be = d->client;
   c->host_fences = host_fences_for(c, hr);
+  c->max_release_batch = hr->max_release_batch;
   c->pools = calloc(hr->n_pools ? hr->n_pools : 1, sizeof *c->pools);
   if (!c->pools)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");

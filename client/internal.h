@@ -137,6 +137,7 @@ struct gpupool_client {
   int host_fences_env;     /* GPUPOOL_HOST_FENCES: 1 on, 0 off, -1 decide per connection */
   int host_fences;         /* this connection orders work by synchronizing streams, not with
                             * the daemon's IPC events (see gpupool_client_host_fences) */
+  uint32_t max_release_batch; /* holds one Release may name (HelloReply); 0 or 1: one each */
   uint64_t reconnects;
   uint64_t slab_maps;      /* backend mappings (imports) of slabs made, over the client's life */
   stale_gen *stale;

@@ -161,6 +161,7 @@ int gpd_handle_hello(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferr
   hr.daemon_pid = (int32_t)getpid();
   hr.daemon_uid = (uint32_t)geteuid();
   hr.host_fences = 1;
+  hr.max_release_batch = s->cfg->max_share_batch;
   hr.backend = s->reg->be->desc->kind;
   hr.n_pools = (size_t)s->reg->npools;
   hr.pools = pptr;

@@ -80,7 +80,18 @@ int gpd_handle_release(gpd_conn *c, const Gpupool__Wire__Request *req, int *defe
   uint64_t seq = req->seq;
   const Gpupool__Wire__Release *m = req->release;
   Gpupool__Wire__ReleaseReply rr = GPUPOOL__WIRE__RELEASE_REPLY__INIT;
-  int freed = 0, rc = gpd_release(c->srv->reg, &c->cl, m->hold_id, m->done_recorded, &freed);
+  int freed = 0, rc;
+  if (m->n_more_hold_ids >= c->srv->cfg->max_share_batch)
+    return gpupool__err(GPUPOOL_EINVAL, "one Release names %zu holds; the daemon takes at most %u "
+                        "(max_share_batch): split it", 1 + m->n_more_hold_ids, c->srv->cfg->max_share_batch);
+  rc = gpd_release(c->srv->reg, &c->cl, m->hold_id, m->done_recorded, &freed);
+  /* Every hold named is dropped that is this client's; the first one that is not is the error. */
+  for (size_t i = 0; i < m->n_more_hold_ids; i++) {
+    int f, r = gpd_release(c->srv->reg, &c->cl, m->more_hold_ids[i],
+                           i < m->n_more_done_recorded && m->more_done_recorded[i], &f);
+    if (rc == 0)
+      rc = r;
+  }
   if (rc != 0)
     return rc;
   rr.freed = freed;

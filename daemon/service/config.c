@@ -415,7 +415,8 @@ const gpd_config_key gpd_config_keys[] = {
     {DAEMON, .name = "share_keep_ms", U32, D(share_keep_ms), .lo = 1, .hi = 86400000, .def = "600000",
      .flags = GPUPOOL__CF_RESTART, .doc = "how long a kept share not yet opened keeps its buffer"},
     {DAEMON, .name = "max_share_batch", U32, D(max_share_batch), .lo = 1, .hi = 65536, .def = "1024",
-     .doc = "holds one Share request shares, tokens one Open opens, holds one Idle asks about"},
+     .doc = "holds one Share request shares, tokens one Open opens, holds one Idle asks about or one "
+            "Release drops"},
     {DAEMON, .name = "max_clients_per_uid", U32, D(max_clients_per_uid), .def = "256",
      .doc = "connections of one uid (root and the daemon's uid exempt)"},
     {DAEMON, .name = "reserved_clients", U32, D(reserved_clients), .def = "8", .doc = "of max_clients, kept for root and the daemon's uid"},

@@ -31,6 +31,7 @@
  *     gpupool_buffer_share_kept_many       kept shares of many buffers in one request
  *     gpupool_buffer_open_many             open many tokens in one request
  *     gpupool_buffer_idle_many             which buffers only the caller references now
+ *     gpupool_buffer_release_many          drop many holds in one request
  *     gpupool_buffer_publish               publish under a name (its next version)
  *     gpupool_buffer_publish_to            the same, with replicas on other devices at once
  *     gpupool_buffer_get                   get what a name holds, now or a newer version
@@ -416,6 +417,12 @@ GPUPOOL_EXTERN int gpupool_buffer_open_many(gpupool_client *c, const gpupool_tok
  * still touch it; then the caller may write it again without anyone seeing the write. One
  * request; GPUPOOL_EINVAL past max_share_batch. */
 GPUPOOL_EXTERN int gpupool_buffer_idle_many(gpupool_buffer *const *bufs, int n, int *idle);
+
+/* Release bufs[0..n) (all of one client), as gpupool_buffer_release does each, in `stream`,
+ * with their holds named together: one request per max_share_batch of them (one per buffer,
+ * in flight together, with a daemon older than this library). Every handle is freed, also on
+ * error; GPUPOOL_EINVAL (nothing released) when a buffer is NULL or of another client. */
+GPUPOOL_EXTERN int gpupool_buffer_release_many(gpupool_buffer *const *bufs, int n, void *stream);
 
 /* Publish b under `name` (1..GPUPOOL_NAME_MAX bytes). The name holds the buffer until
  * gpupool_name_unpublish() or until the name is published again (its next version, see

@@ -7,6 +7,7 @@ DLPack view) goes; the connection closes only when no hold is left.
 """
 
 import ctypes
+import os
 import threading
 
 from . import _cuda, _dlpack, _lib
@@ -26,6 +27,7 @@ class _Conn:
         self.disconnected = False
         # Bound here so that releases during interpreter shutdown need no module globals.
         self.c_release = L.gpupool_buffer_release
+        self.c_release_many = L.gpupool_buffer_release_many
         self.c_bundle_release = L.gpupool_bundle_release
         self.c_disconnect = L.gpupool_client_disconnect
 
@@ -34,9 +36,9 @@ class _Conn:
             self.usable()
             self.holds += n
 
-    def drop(self):
+    def drop(self, n=1):
         with self.lock:
-            self.holds -= 1
+            self.holds -= n
             go = self._disconnect_due()
         if go:
             self.c_disconnect(self.handle)
@@ -112,9 +114,106 @@ def _release(holder, handle, c_release, device, what):
         raise _lib.error(rc, what)
 
 
+class _Group:
+    """Holds let go of together: those of one received message, whose storages mostly go at
+    once (a state dict freed). A hold of the group that is released (explicitly, or its last
+    reference gone) leaves its C handle here, no longer usable from Python; when the last one
+    goes, all are released in one request (gpupool_buffer_release_many). Those that went
+    while others of the group stay are released _LINGER seconds later, together too, so that
+    a message partly kept does not keep the rest. A handle is released only after its hold
+    was: never earlier than a hold of its own would be."""
+
+    __slots__ = ("conn", "lock", "live", "dead")
+
+    def __init__(self, conn, n):
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.live = n
+        self.dead = []   # (C handle, the stream its release goes in)
+
+    def gone(self, hold, buf):
+        stream = _release_stream(hold.streams, hold.cuda_device if hold.kind != _lib.MEM_HOST else None)
+        with self.lock:
+            self.live -= 1
+            self.dead.append((buf, stream))
+            last = self.live == 0
+            dead = self.dead if last else None
+            if last:
+                self.dead = []
+        if last:
+            _release_together(self.conn, dead)
+        else:
+            _linger(self)
+
+
+# Seconds a released hold of a group whose other holds live on waits to be released with
+# others (see _Group).
+_LINGER = 0.5
+_lingering = {"lock": threading.Lock(), "groups": set(), "timer": None}
+
+
+def _linger(group):
+    L = _lingering
+    with L["lock"]:
+        L["groups"].add(group)
+        if L["timer"] is None:
+            t = threading.Timer(_LINGER, _flush_lingering)
+            t.daemon = True
+            t.start()
+            L["timer"] = t
+
+
+def _flush_lingering():
+    L = _lingering
+    with L["lock"]:
+        groups = list(L["groups"])
+        L["groups"].clear()
+        L["timer"] = None
+    by_conn = {}
+    for g in groups:
+        with g.lock:
+            dead, g.dead = g.dead, []
+        by_conn.setdefault(id(g.conn), (g.conn, []))[1].extend(dead)
+    for conn, dead in by_conn.values():
+        try:
+            _release_together(conn, dead)
+        except BaseException:
+            pass  # as a hold's release from its finalizer: the connection's end drops it
+
+
+def _release_together(conn, dead):
+    """Release C handles of conn, one request per stream they go in, and drop their counts on
+    the connection even when a release fails."""
+    by_stream = {}
+    for buf, stream in dead:
+        by_stream.setdefault(stream, []).append(buf)
+    try:
+        for stream, bufs in by_stream.items():
+            rc = conn.c_release_many((_lib.BufferP * len(bufs))(*bufs), len(bufs), stream)
+            if rc < 0:
+                raise _lib.error(rc, "release of %d buffers" % len(bufs))
+    finally:
+        if dead:
+            conn.drop(len(dead))
+
+
+def _lingering_after_fork():
+    # The parent's groups (and its timer thread) are not the child's: see _torch_state's fork
+    # handling, which keeps the child from releasing the parent's holds.
+    _lingering["lock"] = threading.Lock()
+    _lingering["groups"] = set()
+    _lingering["timer"] = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_lingering_after_fork)
+
+
 class _Hold:
     """One hold on a buffer (a C gpupool_buffer), released exactly once: explicitly, or when
     the last Python reference (a Tensor, an exported DLPack view) goes away."""
+
+    group = None  # a _Group it is released with, if any
 
     def __init__(self, conn, buf, stream):
         self._fill(conn, buf, stream, _Facts())
@@ -193,6 +292,9 @@ class _Hold:
     def release(self):
         with self.lock:
             buf, self.buf = self.buf, None
+        if buf is not None and self.group is not None:
+            self.group.gone(self, buf)
+            return
         _release(self, buf, self.conn.c_release, self.cuda_device if self.kind != _lib.MEM_HOST else None,
                  "release of buffer %d" % self.buffer_id)
 

@@ -222,6 +222,7 @@ _PROTOTYPES = {
                                           _vp, ctypes.POINTER(BufferP)]),
     "gpupool_buffer_idle_many": (_c_int, [ctypes.POINTER(BufferP), _c_int,
                                           ctypes.POINTER(_c_int)]),
+    "gpupool_buffer_release_many": (_c_int, [ctypes.POINTER(BufferP), _c_int, _vp]),
     "gpupool_buffer_publish": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp,
                                         ctypes.POINTER(_u64)]),
     "gpupool_buffer_publish_to": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp,

@@ -100,8 +100,9 @@ def use_allocator(socket: Optional[str] = None, pools: Optional[Sequence[Optiona
     CUDAPluggableAllocator: install() then shares every CUDA storage without a copy. Call it
     before the process's first CUDA allocation (torch cannot swap an allocator in use).
     socket: the daemon (default: $GPUPOOL_SOCKET or the default); pools: a pool name per
-    device index (default: the daemon's device pool for each device). Each allocation and
-    free is a request to gpupoold (no caching): docs/TORCH.md gives what that costs."""
+    device index (default: the daemon's device pool for each device). Tensors are blocks of
+    gpupool buffers kept in a cache in the process, as torch's caching allocator keeps its
+    own: most allocations and frees make no request to gpupoold (docs/TORCH.md)."""
     if _S.alloc_lib is not None:
         raise error("EBUSY", "gpupool.torch.use_allocator() already runs in this process")
     path = _alloc_library_path()
@@ -110,8 +111,18 @@ def use_allocator(socket: Optional[str] = None, pools: Optional[Sequence[Optiona
     except OSError as e:
         raise error("ENOENT", "cannot load %s (%s): build gpupool (target gpupool-torch-alloc) "
                     "or set GPUPOOL_TORCH_ALLOC_LIBRARY to the library's full path" % (path, e)) from None
-    L.gpupool_torch_alloc_find.argtypes = [ctypes.c_void_p, ctypes.POINTER(_lib.BufferP)]
-    L.gpupool_torch_alloc_find.restype = ctypes.c_int
+    try:
+        L.gpupool_torch_alloc_lookup.argtypes = [ctypes.c_void_p, ctypes.POINTER(_lib.BufferP),
+                                                 ctypes.POINTER(ctypes.c_size_t),
+                                                 ctypes.POINTER(ctypes.c_size_t)]
+    except AttributeError:
+        raise error("EINVAL", "%s is an older libgpupool-torch-alloc than this gpupool package "
+                    "(no gpupool_torch_alloc_lookup): rebuild it with the package, or point "
+                    "GPUPOOL_TORCH_ALLOC_LIBRARY at the one built with it" % path) from None
+    L.gpupool_torch_alloc_lookup.restype = ctypes.c_int
+    L.gpupool_torch_alloc_empty_cache.restype = ctypes.c_int
+    L.gpupool_torch_alloc_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int]
+    L.gpupool_torch_alloc_stats.restype = ctypes.c_int
     L.gpupool_torch_alloc_last_error.restype = ctypes.c_char_p
     L.gpupool_torch_alloc_configure.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p),
                                                 ctypes.c_int]
@@ -138,15 +149,50 @@ def use_allocator(socket: Optional[str] = None, pools: Optional[Sequence[Optiona
                     "CUDA allocation (torch cannot swap an allocator already in use: %s); call it "
                     "first thing, e.g. right after import torch" % e) from None
     _S.alloc_lib = L
+    _wrap_empty_cache()
+
+
+def _wrap_empty_cache():
+    """torch.cuda.empty_cache gives back use_allocator()'s cached segments too (torch's
+    pluggable allocator interface has no hook for it that Python can set)."""
+    mod = torch.cuda.memory
+    orig = mod.empty_cache
+    if getattr(orig, "_gpupool", False):
+        return
+
+    def empty_cache_too() -> None:
+        orig()
+        empty_cache()
+
+    empty_cache_too._gpupool = True
+    empty_cache_too.__doc__ = orig.__doc__
+    mod.empty_cache = empty_cache_too
+    if getattr(torch.cuda, "empty_cache", None) is orig:
+        torch.cuda.empty_cache = empty_cache_too
+
+
+def empty_cache() -> int:
+    """Give back to gpupoold every segment use_allocator()'s cache keeps with no block in use
+    (torch.cuda.empty_cache does this too under use_allocator). Returns how many went."""
+    if _S.alloc_lib is None:
+        return 0
+    return int(_S.alloc_lib.gpupool_torch_alloc_empty_cache())
+
+
+_STATS = ("allocs", "frees", "live", "segments", "segment_bytes", "daemon_allocs", "daemon_releases",
+          "idle_asks", "parked")
 
 
 def allocator_counts() -> dict:
-    """Allocations and frees use_allocator()'s allocator made, and those live now."""
+    """What use_allocator()'s allocator did and keeps: allocs, frees and live (torch's
+    allocations), segments and segment_bytes (gpupool buffers its cache keeps), daemon_allocs
+    and daemon_releases (its requests to gpupoold for segments), idle_asks (whether a shared
+    segment is still held elsewhere) and parked (shared blocks freed, not reused yet)."""
     if _S.alloc_lib is None:
-        return {"allocs": 0, "frees": 0, "live": 0}
-    v = [ctypes.c_uint64() for _ in range(3)]
-    _S.alloc_lib.gpupool_torch_alloc_counts(*[ctypes.byref(x) for x in v])
-    return {"allocs": v[0].value, "frees": v[1].value, "live": v[2].value}
+        return {k: 0 for k in _STATS}
+    v = (ctypes.c_uint64 * len(_STATS))()
+    n = _S.alloc_lib.gpupool_torch_alloc_stats(v, len(_STATS))
+    return {k: int(v[i]) if i < n else 0 for i, k in enumerate(_STATS)}
 
 
 def allocator_last_error() -> str:

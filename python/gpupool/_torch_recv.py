@@ -10,6 +10,7 @@ import torch
 from torch.multiprocessing import reductions as _torch_reductions
 
 from . import _dlpack, _lib
+from ._holds import _Group
 from ._torch_state import (_BATCH_MAX, _PROFILE, _S, _client, _from_dlpack, _remember_locked, _step,
                            _tls)
 
@@ -38,6 +39,11 @@ def _open_message(spec, tokens, offs, sizes, devs, payload, whole=None):
     try:
         for k in range(0, n, _BATCH_MAX):
             holds += c._open_holds(tokens[k * T:(k + _BATCH_MAX) * T], False, s)
+        if len(holds) > 1:
+            # Let go of together: freeing the message's tensors costs one request, not one each.
+            g = _Group(c._conn, len(holds))
+            for h in holds:
+                h.group = g
         if t0:
             t0 = _step("receive: open", t0)
         if s is None:

@@ -31,9 +31,13 @@ def _find(storage, c):
         if h is not None and not h.released and h.conn is c._conn and got[1] + n <= h.size:
             return h.buf, got[1]
     if _S.alloc_lib is not None and storage.device.type == "cuda":
+        # A block of the allocator's cache: its segment's buffer, at the block's offset.
         buf = _lib.BufferP()
-        if _S.alloc_lib.gpupool_torch_alloc_find(ctypes.c_void_p(ptr), ctypes.byref(buf)):
-            return buf, 0
+        off, size = ctypes.c_size_t(), ctypes.c_size_t()
+        if _S.alloc_lib.gpupool_torch_alloc_lookup(ctypes.c_void_p(ptr), ctypes.byref(buf),
+                                                   ctypes.byref(off), ctypes.byref(size)) \
+                and n <= size.value:
+            return buf, off.value
     if _S.user_client:
         # A user's client: its own allocations viewed through torch.from_dlpack.
         dev = (_dlpack.kDLCUDA, storage.device.index or 0) if storage.device.type == "cuda" \

@@ -129,6 +129,7 @@ def _neutralize(c):
     if conn is None:
         return
     conn.c_release = lambda *a: 0
+    conn.c_release_many = lambda *a: 0
     conn.c_bundle_release = lambda *a: 0
     conn.c_disconnect = lambda *a: None
     conn.close_requested = True

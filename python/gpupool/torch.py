@@ -39,14 +39,15 @@ from torch.multiprocessing import reductions as _torch_reductions
 
 from ._client import Client
 from ._errors import GpupoolError, error
-from ._torch_alloc import allocator_counts, allocator_last_error, empty, empty_like, use_allocator, zeros
+from ._torch_alloc import (allocator_counts, allocator_last_error, empty, empty_cache, empty_like,
+                           use_allocator, zeros)
 from ._torch_recv import _process_types, _reduce_process
 from ._torch_send import _pickler_dump, _pickler_init, _reduce_storage, _reduce_tensor, trim
 # _client and _profile are used by the tests and bench/torch_queue.py --profile.
 from ._torch_state import _S, _Options, _client, _forget_parent, _profile, _say_fallback, log  # noqa: F401
 
 __all__ = ["install", "uninstall", "installed", "empty", "zeros", "empty_like", "use_allocator",
-           "allocator_counts", "allocator_last_error", "trim", "GpupoolError"]
+           "allocator_counts", "allocator_last_error", "empty_cache", "trim", "GpupoolError"]
 
 
 # --- install -------------------------------------------------------------------------------

@@ -270,6 +270,64 @@ static void test_bad_ids_and_requests(void **state) {
   gpupool_client_disconnect(a);
 }
 
+/* One Release naming many holds: a repeated, unknown or foreign one among them is refused and
+ * drops nothing twice; the holds of the sender's own that it names go, the others stay. */
+static void test_release_of_many_bad_ids(void **state) {
+  gpupool_client *a = th_connect(&D, "a");
+  gpupool_buffer *b;
+  gpupool_daemon_stats ds;
+  int fd = raw_connect();
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Release rl = GPUPOOL__WIRE__RELEASE__INIT;
+  Gpupool__Wire__Allocate al = GPUPOOL__WIRE__ALLOCATE__INIT;
+  uint64_t mine[3], more[4];
+  protobuf_c_boolean rec[4] = {0};
+  (void)state;
+
+  hello_ok(fd);
+  assert_int_equal(gpupool_buffer_alloc(a, NULL, 100, 0, NULL, &b), 0);
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
+  req.allocate = &al;
+  al.size = 4096;
+  for (int i = 0; i < 3; i++) {
+    gpupool__rep *rep = call_ok(fd, &req);
+    mine[i] = rep->allocate->buffer->hold_id;
+    gpupool__wire__reply__free_unpacked(rep, NULL);
+  }
+  th_stats(&D, &ds, NULL);
+  assert_int_equal(ds.holds, 4);
+  /* mine[0], then mine[0] again, a hold that does not exist, a's hold (id 1..: the first one
+   * that is not ours), and mine[1]. */
+  more[0] = mine[0];
+  more[1] = 987654321;
+  more[2] = mine[0] == 1 || mine[1] == 1 || mine[2] == 1 ? 2 : 1;
+  more[3] = mine[1];
+  if (more[2] == mine[0] || more[2] == mine[1] || more[2] == mine[2])
+    more[2] = 3;
+  rl.hold_id = mine[0];
+  rl.n_more_hold_ids = 4;
+  rl.more_hold_ids = more;
+  rl.n_more_done_recorded = 4;
+  rl.more_done_recorded = rec;
+  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_RELEASE;
+  req.release = &rl;
+  raw_send(fd, &req, NULL, 0);
+  expect_error(fd, GPUPOOL_ENOENT, "does not exist");
+  th_stats(&D, &ds, NULL);
+  assert_int_equal(ds.holds, 2); /* a's and mine[2] */
+  memset(gpupool_buffer_ptr(b), 1, 100);
+  still_answers(fd, 77);
+  /* The rest, in one request. */
+  rl.hold_id = mine[2];
+  rl.n_more_hold_ids = rl.n_more_done_recorded = 0;
+  gpupool__wire__reply__free_unpacked(call_ok(fd, &req), NULL);
+  th_stats(&D, &ds, NULL);
+  assert_int_equal(ds.holds, 1);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
+  gpupool_client_disconnect(a);
+  close(fd);
+}
+
 static void test_eof_mid_frame_and_silence(void **state) {
   uint8_t partial[6] = {100, 0, 0, 0, 1, 2};
   int fd = raw_connect(), quiet = raw_connect();
@@ -371,6 +429,7 @@ static void test_publish_shares_refused(void **state) {
 int main(void) {
   return TS_RUN_TESTS(setup, teardown, test_garbage_frame, test_oversized_frame, test_wrong_version,
                       test_request_before_hello, test_unknown_request_type, test_unexpected_fds,
-                      test_bad_ids_and_requests, test_eof_mid_frame_and_silence, test_double_release_via_library,
+                      test_bad_ids_and_requests, test_release_of_many_bad_ids, test_eof_mid_frame_and_silence,
+                      test_double_release_via_library,
                       test_publish_shares_refused);
 }

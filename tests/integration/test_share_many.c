@@ -143,6 +143,66 @@ static void test_batch_cap(void **state) {
   th_wait_idle(&D, 3000);
 }
 
+/* Many holds let go of in one request per max_share_batch of them (a receiver freeing a whole
+ * message); every handle freed and every hold gone. */
+static void test_release_many(void **state) {
+  enum { N = 20 };
+  gpupool_client *a, *other, *st;
+  gpupool_buffer *b[N], *x;
+  uint64_t r0, r1, r2, nb, nh;
+  (void)state;
+  start_with("max_share_batch = 8", TH_HOST_POOL("64M", "4M"));
+  a = th_connect(&D, "releaser");
+  other = th_connect(&D, "other");
+  st = th_connect(&D, "stats");
+  alloc_filled(a, b, N, 4096, 3);
+  assert_int_equal(gpupool_buffer_alloc(other, NULL, 64, 0, NULL, &x), 0);
+  /* Buffers of two clients in one call: refused, nothing released. */
+  {
+    gpupool_buffer *mixed[2] = {b[0], x};
+    assert_int_equal(gpupool_buffer_release_many(mixed, 2, NULL), GPUPOOL_EINVAL);
+    assert_non_null(strstr(gpupool_last_error(), "another client"));
+  }
+  holds_now(&nb, &nh);
+  assert_int_equal(nh, N + 1);
+  r0 = requests(st);
+  r1 = requests(st);
+  assert_int_equal(gpupool_buffer_release_many(b, N, NULL), 0);
+  r2 = requests(st);
+  assert_int_equal(r2 - r1 - (r1 - r0), 3); /* 20 holds, 8 a request */
+  holds_now(&nb, &nh);
+  assert_int_equal(nh, 1);
+  assert_int_equal(gpupool_buffer_release_many(&x, 1, NULL), 0);
+  assert_int_equal(gpupool_buffer_release_many(NULL, 0, NULL), 0);
+  /* A reload lowers the batch below what the client was told at its Hello: its releases
+   * still go, one hold a request. */
+  alloc_filled(a, b, N, 4096, 5);
+  {
+    char conf[1024], line[512];
+    int reloaded = 0;
+    FILE *f;
+    snprintf(conf, sizeof conf, "[daemon]\nmax_share_batch = 2\n%s", TH_HOST_POOL("64M", "4M"));
+    th_write_conf(&D, conf);
+    assert_int_equal(kill(D.pid, SIGHUP), 0);
+    for (int i = 0; i < 1000 && !reloaded; i++) {
+      th_sleep_ms(10);
+      if ((f = fopen(D.log, "r"))) {
+        while (fgets(line, sizeof line, f))
+          reloaded |= strstr(line, "reloaded ") != NULL;
+        fclose(f);
+      }
+    }
+    assert_true(reloaded);
+  }
+  assert_int_equal(gpupool_buffer_release_many(b, N, NULL), 0);
+  holds_now(&nb, &nh);
+  assert_int_equal(nh, 0);
+  gpupool_client_disconnect(a);
+  gpupool_client_disconnect(other);
+  gpupool_client_disconnect(st);
+  th_wait_idle(&D, 3000);
+}
+
 static void test_bad_token_in_the_middle(void **state) {
   enum { N = 10 };
   gpupool_client *a, *r;
@@ -386,7 +446,8 @@ static void test_failed_open_pins_nothing_past_keep(void **state) {
 }
 
 int main(void) {
-  return TS_RUN_TESTS(NULL, teardown, test_one_request_each, test_batch_cap, test_bad_token_in_the_middle,
+  return TS_RUN_TESTS(NULL, teardown, test_one_request_each, test_batch_cap, test_release_many,
+                      test_bad_token_in_the_middle,
                       test_quota_midway, test_more_slabs_than_one_reply_carries, test_idle_only_when_alone,
                       test_alloc_many_all_or_nothing, test_messages_of_1000_and_10000,
                       test_failed_open_pins_nothing_past_keep);

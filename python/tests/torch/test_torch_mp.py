@@ -129,6 +129,16 @@ def hold_messages(q, r):
             r.put([digest(t) for t in m])
 
 
+def keep_one(q, r):
+    """Receives a message, keeps its first tensor alone, reports its digest; "stop" ends."""
+    m = q.get(timeout=60)
+    first = m[0]
+    del m
+    r.put(digest(first))
+    assert q.get(timeout=60) == "stop"
+    r.put(digest(first))
+
+
 def _boom():
     raise ValueError("this object cannot be unpickled")
 
@@ -522,6 +532,57 @@ class Batching(TorchTestCase):
         q.put("stop")
         p.join(60)
         self.assertEqual(p.exitcode, 0)
+        self.wait_counters(base)
+
+    def test_letting_go_of_a_message_is_one_release(self):
+        """The 146 storages of a received message, freed together by the receiver: their
+        holds go back in one Release request, not one each."""
+        base = self.baseline()
+        ctx = mp.get_context("fork")
+        q, r = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=hold_messages, args=(q, r))
+        p.start()
+        msg = [torch.full((64 + i,), float(i)) for i in range(146)]
+        with gpupool.Client(self.daemon.socket, name="requests") as c:
+            q.put(msg)
+            self.assertEqual(r.get(timeout=60), [digest(t) for t in msg])
+            holds = c.stats()["holds"]
+            r0 = self.requests(c)
+            r1 = self.requests(c)
+            q.put("drop")
+            self.assertEqual(r.get(timeout=60), "dropped")
+            r2 = self.requests(c)
+            self.assertEqual((r2 - r1) - (r1 - r0), 1, "Release requests for a message of 146 storages")
+            self.assertEqual(c.stats()["holds"], holds - 146, "the receiver's holds did not all go")
+        q.put("stop")
+        p.join(60)
+        self.assertEqual(p.exitcode, 0)
+        del msg
+        self.wait_counters(base)
+
+    def test_a_message_partly_kept_lets_go_of_the_rest(self):
+        """The receiver keeps one tensor of a message: the holds of the others still go (soon,
+        together), the kept one stays readable."""
+        base = self.baseline()
+        ctx = mp.get_context("fork")
+        q, r = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=keep_one, args=(q, r))
+        p.start()
+        msg = [torch.full((64 + i,), float(i)) for i in range(20)]
+        with gpupool.Client(self.daemon.socket, name="holds") as c:
+            before = c.stats()["holds"]
+            q.put(msg)
+            self.assertEqual(r.get(timeout=60), digest(msg[0]))
+            deadline = time.monotonic() + 20
+            while c.stats()["holds"] != before + 20 + 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            # The sender's 20 copy buffers and the receiver's one hold left.
+            self.assertEqual(c.stats()["holds"], before + 20 + 1)
+        q.put("stop")
+        self.assertEqual(r.get(timeout=60), digest(msg[0]))
+        p.join(60)
+        self.assertEqual(p.exitcode, 0)
+        del msg
         self.wait_counters(base)
 
     def test_partial_unpickle_leaks_nothing(self):

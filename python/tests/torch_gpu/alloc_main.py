@@ -61,8 +61,23 @@ def main():
         raise AssertionError("a second use_allocator() was not refused")
     except gt.GpupoolError as e:
         assert "already runs" in str(e), e
+    # The cache: a thousand allocations and frees make no request to gpupoold; a second
+    # stream's tensors are served too; torch.cuda.empty_cache gives unused segments back.
+    made = gt.allocator_counts()["daemon_allocs"]
+    for _ in range(1000):
+        t = torch.empty(1 << 18, device="cuda")
+        del t
+    assert gt.allocator_counts()["daemon_allocs"] <= made + 1, gt.allocator_counts()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        z = torch.full((1 << 18,), 5.0, device="cuda")
+        assert float(z.sum()) == 5.0 * (1 << 18)
+        del z
     del x, y
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    c = gt.allocator_counts()
+    assert c["live"] > 0 or c["segments"] == 0, c
     print("counts", gt.allocator_counts())
     print("ALLOCATOR OK")
 
