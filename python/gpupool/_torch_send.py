@@ -387,15 +387,28 @@ def _copy_targets(c, storages):
         # those known idle first, then those whose state is not known yet, asked about below.
         # A small buffer of unknown state is left alone (a new one taken instead: no round
         # trip before the copy) while the key has fewer than two per storage of this message;
-        # the Share asks about the old ones, so the next message finds them known.
+        # the Share asks about the old ones, so the next message finds them known. But when
+        # the message asks about some buffers anyway (a large one of unknown state), the small
+        # ones go in the same Idle request: a state dict's second message would otherwise
+        # allocate a new buffer for each of its small storages (new slabs, their imports on
+        # both sides, memory kept twice) while the buffers of the first lie idle.
+        later = []  # small keys: (their places left, their buffers of unknown state)
         for k, idx in wanted.items():
             lst = _S.cache.get(k, ())
             free = [e for e in lst if not e.busy and e.idle]
+            unknown = [e for e in lst if not e.busy and not e.idle]
             if not (k[1] <= _SMALL and len(lst) < 2 * len(idx)):
-                free += [e for e in lst if not e.busy and not e.idle]
+                free += unknown
+            elif len(free) < len(idx) and unknown:
+                later.append((idx[len(free):], unknown))
             for i, e in zip(idx, free):
                 e.busy = True
                 picked[i] = e
+        if later and any(e is not None and not e.idle for e in picked):
+            for idx, unknown in later:
+                for i, e in zip(idx, unknown):
+                    e.busy = True
+                    picked[i] = e
     cands = [i for i, e in enumerate(picked) if e is not None and not e.idle]
     if cands:
         try:

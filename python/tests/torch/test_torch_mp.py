@@ -481,6 +481,48 @@ class Batching(TorchTestCase):
         del gp, plain, msg, t
         self.wait_counters(base)
 
+    def test_second_message_reuses_every_copy_buffer(self):
+        """A state dict sent again once its receiver let go of it: every storage, small ones
+        too, is copied into the buffer of the message before (asked about in the one Idle
+        request the large storages need), not into a new allocation."""
+        base = self.baseline()
+        ctx = mp.get_context("fork")
+        q, r = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=hold_messages, args=(q, r))
+        p.start()
+        # One storage above the size under which a copy buffer of unknown state is not waited
+        # for (16 MiB), and small ones: a state dict's embedding and its layers' norms.
+        big = torch.full(((17 << 20) // 4,), 1.0)
+        small = [torch.full((1000 + i,), float(i)) for i in range(20)]
+        msg = [big] + small
+        try:
+            with gpupool.Client(self.daemon.socket, name="reuse") as c:
+                for version in (1, 2, 3):
+                    big[version] = float(version)
+                    for t in small:
+                        t += 1
+                    r0 = self.requests(c)
+                    r1 = self.requests(c)
+                    b1 = c.stats()["buffers"]
+                    r2 = self.requests(c)
+                    q.put(msg)
+                    self.assertEqual(r.get(timeout=60), [digest(t) for t in msg])
+                    r3 = self.requests(c)
+                    b3 = c.stats()["buffers"]
+                    if version > 1:
+                        self.assertEqual(b3 - b1, 0, "new copy buffers for message %d of 21 storages (the "
+                                         "first message's lay idle)" % version)
+                        # An Idle and a Share from the sender, an Open from the receiver.
+                        self.assertLessEqual((r3 - r2) - (r1 - r0), 3, "requests for message %d" % version)
+                    q.put("drop")
+                    self.assertEqual(r.get(timeout=60), "dropped")
+        finally:
+            q.put("stop")
+        p.join(60)
+        self.assertEqual(p.exitcode, 0)
+        del big, small, msg, t
+        self.wait_counters(base)
+
     def test_messages_of_1000_and_10000_storages(self):
         """One message of 1,000 and one of 10,000 storages, each one Share and one Open per
         max_share_batch, received whole."""
