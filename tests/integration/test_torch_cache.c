@@ -148,7 +148,7 @@ static void test_reuse_without_round_trips(void **state) {
 
 static void test_split_and_merge(void **state) {
   unsigned char *a, *b, *c, *x, *y, *z;
-  gpupool_buffer *buf;
+  gpupool_buffer *buf = NULL;
   size_t off, size;
   (void)state;
   configure();
@@ -283,7 +283,7 @@ static void expect_seen(int from) {
 
 static void test_shared_block(void **state) {
   gpupool_client *r;
-  gpupool_buffer *buf, *got;
+  gpupool_buffer *buf = NULL, *got = NULL;
   gpupool_token tok;
   size_t off, size;
   unsigned char *x, *keep, *y;
