@@ -139,7 +139,7 @@ struct plink {
   int outgoing;
   int closing;
   char why[256];         /* why it closes once what was sent is out */
-  int flushing;          /* its endpoint's flush is in flight: freed once it ends */
+  int flushing;          /* its endpoint's wireup is in flight: freed once it ends */
   int freed_later;
   gpd_ucx_ep *ep;        /* incoming: to the fetching daemon's worker (the data goes there) */
   uint8_t *waddr;        /* incoming: that worker's address, from Hello */

@@ -254,7 +254,7 @@ void gpd_pr_link_close(plink *l, const char *why) {
   uv_read_stop((uv_stream_t *)&l->tcp);
   l->tcp.data = l;
   if (l->flushing) {
-    l->freed_later = 1; /* the flush's callback (the endpoint was closed: it comes) frees it */
+    l->freed_later = 1; /* the wireup's callback (the endpoint was closed: it comes) frees it */
     return;
   }
   uv_close((uv_handle_t *)&l->tcp, link_freed);
@@ -468,7 +468,7 @@ static void on_auth(plink *l, const Gpupool__Wire__PeerAuth *m) {
     return;
   }
   if ((rc = gpd_ucx_ep_new(P->ucx, l->waddr, l->waddr_len, &l->ep)) != 0 ||
-      (rc = gpd_ucx_ep_flush(l->ep, on_ep_ready, l)) != 0) {
+      (rc = gpd_ucx_ep_connect(l->ep, on_ep_ready, l)) != 0) {
     char why[GPUPOOL__ERRMSG_MAX];
     snprintf(why, sizeof why, "its UCX worker cannot be reached: %s", gpupool__errmsg());
     gpd_pr_link_close(l, why);

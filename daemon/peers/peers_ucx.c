@@ -441,7 +441,17 @@ void gpd_ucx_ep_describe(gpd_ucx_ep *e, char *buf, size_t len) {
   free(text);
 }
 
-int gpd_ucx_ep_flush(gpd_ucx_ep *e, gpd_ucx_done done, void *arg) {
+/* UCX 1.13 connects an endpoint to a worker address lazily: ucp_ep_create and a flush only
+ * open the sockets; the wireup (its request out, the other side's reply back) starts with the
+ * first send that needs the remote endpoint's id, which was the first get's data. The
+ * receiving daemon's reply then waits in its TCP endpoint until this daemon takes the socket
+ * back; if this daemon dies meanwhile, UCX in the receiving daemon purges the reply on a path
+ * that asserts (only ACK, EP_CHECK and EP_REMOVED are expected there) and aborts it: a source
+ * killed as its data started took the fetching daemon with it. An empty reply-capable message
+ * needs the remote id, so it runs the wireup now and completes only once the reply is here:
+ * Welcome (and any data) comes after it, and nothing of the wireup is left pending on the
+ * fetching side afterwards. The receiver drops it (no data message's header). */
+int gpd_ucx_ep_connect(gpd_ucx_ep *e, gpd_ucx_done done, void *arg) {
   ucp_request_param_t p;
   void *req;
   op *o = calloc(1, sizeof *o);
@@ -451,10 +461,11 @@ int gpd_ucx_ep_flush(gpd_ucx_ep *e, gpd_ucx_done done, void *arg) {
   o->done = done;
   o->arg = arg;
   memset(&p, 0, sizeof p);
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   p.cb.send = on_sent;
   p.user_data = o;
-  req = ucp_ep_flush_nbx(e->ep, &p);
+  p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+  req = ucp_am_send_nbx(e->ep, AM_DATA, NULL, 0, NULL, 0, &p);
   if (UCS_PTR_IS_ERR(req)) {
     free(o);
     return ucs_err(UCS_PTR_STATUS(req), "connecting to the peer's UCX worker");

@@ -51,8 +51,9 @@ int gpd_ucx_ep_new(gpd_ucx *u, const void *addr, size_t len, gpd_ucx_ep **out);
  * for active messages, as ucp_ep_print_info lists them ("tcp/eth0 (am, am_bw)"); empty when
  * UCX says nothing. */
 void gpd_ucx_ep_describe(gpd_ucx_ep *ep, char *buf, size_t len);
-/* done is called once the endpoint is connected both ways (its wireup finished), or failed. */
-int gpd_ucx_ep_flush(gpd_ucx_ep *ep, gpd_ucx_done done, void *arg);
+/* Run the endpoint's wireup now: done is called once it is connected both ways (the peer's
+ * reply arrived), or failed. */
+int gpd_ucx_ep_connect(gpd_ucx_ep *ep, gpd_ucx_done done, void *arg);
 /* Close it: gets still running on it end with an error (their callbacks still come, later,
  * from the loop); ep is freed once they have. */
 void gpd_ucx_ep_close(gpd_ucx_ep *ep);

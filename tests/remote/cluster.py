@@ -241,16 +241,45 @@ class Node:
 
     def worker(self, *args, uid=None):
         """tests/remote/worker.py with args, a client of this node's daemon (as uid if given)."""
-        env = dict(os.environ, GPUPOOL_SOCKET=self.sock,
-                   PYTHONPATH=PYROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        worker, pyroot = WORKER, PYROOT
+        env = dict(os.environ, GPUPOOL_SOCKET=self.sock)
         kw = {}
         if uid is not None:
             kw = {"user": uid, "group": uid, "extra_groups": []}
-        p = subprocess.Popen([sys.executable, WORKER] + [str(a) for a in args],
+            worker, pyroot, lib = reachable_copies(self.cluster.dir)
+            if lib:
+                env["GPUPOOL_LIBRARY"] = lib
+        env["PYTHONPATH"] = pyroot + os.pathsep + os.environ.get("PYTHONPATH", "")
+        p = subprocess.Popen([sys.executable, worker] + [str(a) for a in args],
                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, env=env, text=True, **kw)
         self.cluster._children.append(p)
         return p
+
+
+def reachable_copies(tmp):
+    """worker.py, the Python package and the client library copied where another uid can read
+    them (a 0755 folder in tmp, the cluster's folder, itself 0755): the checkout may lie in a
+    0700 home (a clone in /root), which that uid cannot enter. (worker, python root, library
+    or None)."""
+    d = os.path.join(tmp, "shared")
+    pkg = os.path.join(d, "python", "gpupool")
+    if not os.path.isdir(pkg):
+        os.makedirs(os.path.dirname(pkg), exist_ok=True)
+        shutil.copytree(os.path.join(PYROOT, "gpupool"), pkg,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy2(WORKER, os.path.join(d, "worker.py"))
+        shutil.copy2(os.path.abspath(__file__), os.path.join(d, "cluster.py"))  # worker's import
+        lib = os.environ.get("GPUPOOL_LIBRARY")
+        if lib and os.path.exists(lib):
+            shutil.copy2(lib, os.path.join(d, os.path.basename(lib)))
+        for root, dirs, files in os.walk(d):
+            os.chmod(root, 0o755)
+            for f in files:
+                os.chmod(os.path.join(root, f), 0o755)
+    lib = os.environ.get("GPUPOOL_LIBRARY")
+    lib = os.path.join(d, os.path.basename(lib)) if lib else None
+    return os.path.join(d, "worker.py"), os.path.join(d, "python"), lib
 
 
 class Cluster:
