@@ -128,6 +128,7 @@ int gpupool__backend_pool_finish(const gpupool__backend_desc *d, gpupool__pool_c
 
 int gpupool__backend_open(const gpupool__backend_desc *want, gpupool__backend **out) {
   const gpupool__backend_desc *host = &gpupool__backend_host, *cuda = &gpupool__backend_cuda;
+  gpupool__error why; /* why auto did not pick CUDA */
   int rc;
 
   if (want) {
@@ -141,10 +142,11 @@ int gpupool__backend_open(const gpupool__backend_desc *want, gpupool__backend **
       GPUPOOL__INFO("backend: cuda (auto: a usable GPU is present)");
       return 0;
     }
-    GPUPOOL__WARN("backend auto: CUDA looked usable but failed to open (%s); using host memory",
-                  gpupool__errmsg());
+    gpupool__error_take(&why, rc);
+    GPUPOOL__WARN("backend auto: CUDA looked usable but failed to open (%s); using host memory", why.msg);
   } else {
-    GPUPOOL__INFO("backend: host (auto: %s)", gpupool__errmsg());
+    gpupool__error_take(&why, GPUPOOL_ENOTSUP); /* probe's reason */
+    GPUPOOL__INFO("backend: host (auto: %s)", why.msg);
   }
   return host->open(out);
 }

@@ -47,6 +47,8 @@ static int fence_stream(gpupool_client *c, gpupool__cevent *e, void *stream) {
 void gpupool__release_local(gpupool_client *c, gpupool_buffer *b, void *stream, uint64_t *hold_id, int *recorded) {
   cslab *s = b->slab;
   gpupool__cevent *done = b->done_id ? gpupool__hmap_get(&c->events, b->done_id) : NULL;
+  gpupool__error why;
+  int rc;
 
   *hold_id = 0;
   *recorded = 0;
@@ -73,16 +75,16 @@ void gpupool__release_local(gpupool_client *c, gpupool_buffer *b, void *stream, 
     gpupool__slab_unmap(c, s, stream);
   /* The daemon may reuse the range once it has the release and the done event (if recorded)
    * has completed. */
-  switch (fence_stream(c, done, stream)) {
+  switch (rc = fence_stream(c, done, stream)) {
   case 1:
     *recorded = 1;
     break;
   case 0:
     break;
   default:
+    gpupool__error_take(&why, rc);
     fprintf(stderr, "libgpupool-client: %s failed (%s); the daemon will treat the buffer as idle\n",
-            c->host_fences ? "synchronizing the stream before a release" : "recording the done event",
-            gpupool__errmsg());
+            c->host_fences ? "synchronizing the stream before a release" : "recording the done event", why.msg);
   }
   *hold_id = b->hold_id;
   free(b);

@@ -72,8 +72,9 @@ static void layout_cache_put(gpupool_client *c, const char *name, clayout *l) {
   }
 }
 
-/* A layout from a reply's member table, checked (buffer indexes, descriptions). */
-static int clayout_from_wire(const Gpupool__Wire__Bundle *wb, clayout **out) {
+/* A layout from a reply's member table, checked (buffer indexes, descriptions); *err says
+ * why it failed. */
+static int clayout_from_wire(const Gpupool__Wire__Bundle *wb, clayout **out, gpupool__error *err) {
   clayout *l = calloc(1, sizeof *l);
   size_t names_len = 0, i;
   char *np;
@@ -83,7 +84,7 @@ static int clayout_from_wire(const Gpupool__Wire__Bundle *wb, clayout **out) {
   if (!l || !(l->members = calloc(wb->n_members, sizeof *l->members)) || !(l->names = malloc(names_len)) ||
       !(l->need = calloc(wb->n_buffers, sizeof *l->need))) {
     gpupool__clayout_unref(l ? (l->refs = 1, l) : NULL);
-    return gpupool__err(GPUPOOL_ENOMEM, "out of memory for a bundle of %zu members", wb->n_members);
+    return gpupool__error_set(err, GPUPOOL_ENOMEM, "out of memory for a bundle of %zu members", wb->n_members);
   }
   l->refs = 1;
   l->id = wb->layout_id;
@@ -95,15 +96,15 @@ static int clayout_from_wire(const Gpupool__Wire__Bundle *wb, clayout **out) {
     size_t len = wm->name ? strlen(wm->name) : 0;
     if (wm->buffer >= wb->n_buffers || wm->size == 0 || wm->offset + wm->size < wm->offset) {
       gpupool__clayout_unref(l);
-      return gpupool__err(GPUPOOL_EPROTO, "the daemon sent member %zu in buffer %u of %zu (offset %" PRIu64
-                          ", size %" PRIu64 ")", i, wm->buffer, wb->n_buffers, wm->offset, wm->size);
+      return gpupool__error_set(err, GPUPOOL_EPROTO, "the daemon sent member %zu in buffer %u of %zu (offset %" PRIu64
+                                ", size %" PRIu64 ")", i, wm->buffer, wb->n_buffers, wm->offset, wm->size);
     }
     if (wm->tensor && wm->tensor->present) {
       if ((rc = gpupool__wire_meta_from(wm->tensor, wm->size, &m->meta)) != 0) {
-        rc = gpupool__err(GPUPOOL_EPROTO, "gpupoold sent tensor metadata this library refuses for member %zu: %s",
-                          i, gpupool__errmsg());
+        gpupool__error_take(err, GPUPOOL_EPROTO);
+        gpupool__error_prefix(err, "gpupoold sent tensor metadata this library refuses for member %zu: ", i);
         gpupool__clayout_unref(l);
-        return rc;
+        return err->code;
       }
       m->has_meta = 1;
     }
@@ -177,8 +178,7 @@ static int bundle_from_reply(gpupool_client *c, const Gpupool__Wire__Bundle *wb,
       return err->code;
     }
     l->refs++;
-  } else if ((rc = clayout_from_wire(wb, &l)) != 0) {
-    gpupool__error_take(err, rc);
+  } else if ((rc = clayout_from_wire(wb, &l, err)) != 0) {
     gpupool__release_holds_from(c, wb, 0, gen);
     return rc;
   }
@@ -218,17 +218,24 @@ static int bundle_from_reply(gpupool_client *c, const Gpupool__Wire__Bundle *wb,
 }
 
 /* Member i's name and description, checked here before any request goes out (the daemon
- * checks them again): 0, or the error naming the member. */
-static int member_name_check(int i, const char *name) {
-  int rc;
-  if (!name || (rc = gpupool__wire_check_name(name)) != 0)
-    return gpupool__err(GPUPOOL_ENAME, "member %d: %s", i, name ? gpupool__errmsg() : "name is NULL");
+ * checks them again): 0, or the error naming the member in *err. */
+static int member_name_check(int i, const char *name, gpupool__error *err) {
+  if (!name)
+    return gpupool__error_set(err, GPUPOOL_ENAME, "member %d: name is NULL", i);
+  if (gpupool__wire_check_name(name) != 0) {
+    gpupool__error_take(err, GPUPOOL_ENAME);
+    return gpupool__error_prefix(err, "member %d: ", i);
+  }
   return 0;
 }
 
-static int member_meta_check(int i, const char *name, const gpupool_tensor_meta *meta, uint64_t size) {
+static int member_meta_check(int i, const char *name, const gpupool_tensor_meta *meta, uint64_t size,
+                             gpupool__error *err) {
   int rc = gpupool__wire_meta_check(meta, size);
-  return rc ? gpupool__err(rc, "member %d ('%s'): %s", i, name, gpupool__errmsg()) : 0;
+  if (rc == 0)
+    return 0;
+  gpupool__error_take(err, rc);
+  return gpupool__error_prefix(err, "member %d ('%s'): ", i, name);
 }
 
 int gpupool_bundle_alloc(gpupool_client *c, const char *pool, const gpupool_member_spec *members, int n,
@@ -254,7 +261,7 @@ int gpupool_bundle_alloc(gpupool_client *c, const char *pool, const gpupool_memb
   }
   for (int i = 0; i < n; i++) {
     const gpupool_member_spec *m = &members[i];
-    if ((rc = member_name_check(i, m->name)) != 0)
+    if ((rc = member_name_check(i, m->name, &err)) != 0)
       goto out;
     if (m->size == 0) {
       rc = gpupool__err(GPUPOOL_EINVAL, "member %d ('%s') has size 0; members need at least 1 byte", i, m->name);
@@ -264,7 +271,7 @@ int gpupool_bundle_alloc(gpupool_client *c, const char *pool, const gpupool_memb
     specs[i].name = (char *)m->name;
     specs[i].size = m->size;
     if (m->meta) {
-      if ((rc = member_meta_check(i, m->name, m->meta, m->size)) != 0)
+      if ((rc = member_meta_check(i, m->name, m->meta, m->size, &err)) != 0)
         goto out;
       gpupool__wire_meta_to(m->meta, &tms[i]);
       specs[i].tensor = &tms[i];
@@ -452,11 +459,12 @@ int gpupool__bundle_publish(gpupool_bundle *b, const char *name, void *stream, c
 
 int gpupool_bundle_publish_members(gpupool_client *c, const char *name, const gpupool_member_ref *members, int n,
                                    void *stream, uint64_t *version) {
-  return gpupool__publish_members(c, name, members, n, stream, NULL, version);
+  gpupool__error err = {.code = 0}; /* why a member was refused */
+  return gpupool__error_report(&err, gpupool__publish_members(c, name, members, n, stream, NULL, version, &err));
 }
 
 int gpupool__publish_members(gpupool_client *c, const char *name, const gpupool_member_ref *members, int n,
-                             void *stream, gpupool__part *part, uint64_t *version) {
+                             void *stream, gpupool__part *part, uint64_t *version, gpupool__error *err) {
   gpupool_buffer **bufs = NULL;
   gpupool__hmap index; /* buffer id -> buffer index + 1 */
   members_wire w = {0};
@@ -481,7 +489,7 @@ int gpupool__publish_members(gpupool_client *c, const char *name, const gpupool_
   for (int i = 0; i < n; i++) {
     const gpupool_member_ref *m = &members[i];
     uintptr_t idx;
-    if ((rc = member_name_check(i, m->name)) != 0)
+    if ((rc = member_name_check(i, m->name, err)) != 0)
       goto out;
     if (!m->buffer || m->buffer->c != c) {
       rc = gpupool__err(GPUPOOL_EINVAL, "member %d ('%s'): %s", i, m->name,
@@ -493,7 +501,7 @@ int gpupool__publish_members(gpupool_client *c, const char *name, const gpupool_
                         "fit in its buffer of %" PRIu64 " bytes", i, m->name, m->offset, m->size, m->buffer->size);
       goto out;
     }
-    if (m->meta && (rc = member_meta_check(i, m->name, m->meta, m->size)) != 0)
+    if (m->meta && (rc = member_meta_check(i, m->name, m->meta, m->size, err)) != 0)
       goto out;
     /* By buffer, not hold: two holds of one buffer are one buffer of the bundle. */
     idx = (uintptr_t)gpupool__hmap_get(&index, m->buffer->buffer_id);

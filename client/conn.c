@@ -165,6 +165,7 @@ static void stash_export(gpupool_client *c, const gpupool__rep *rep) {
 static void read_one(gpupool_client *c) {
   gpupool__rep *rep;
   pending *p;
+  gpupool__error why = {.code = 0}; /* a failed read's reason */
   int rc;
 
   uint64_t t_read = TRACE_ON() ? gpupool__mono_ns() : 0;
@@ -183,6 +184,8 @@ static void read_one(gpupool_client *c) {
   while ((rc = gpupool__wire_rx_read(&c->rx, c->fd)) == 0 && c->hs_deadline_ns &&
          gpupool__mono_ns() < c->hs_deadline_ns)
     ;
+  if (rc < 0)
+    gpupool__error_take(&why, rc); /* the read's own reason */
   if (t_read)
     gpupool__trace("read", t_read, c->rx.payload_len);
   rep = rc == 1 ? gpupool__wire_unpack_reply(&c->rx) : NULL;
@@ -206,7 +209,7 @@ static void read_one(gpupool_client *c) {
       if (rc == 1)
         snprintf(seen, sizeof seen, "the frame does not decode");
       else
-        gpupool__sock_foreign(&c->rx, seen, sizeof seen);
+        gpupool__sock_foreign(&c->rx, why.msg, seen, sizeof seen);
       snprintf(msg, sizeof msg, "this socket is not gpupoold: %s answered Hello with something that "
                "is not a gpupool reply (%s); check the socket path (GPUPOOL_SOCKET)", c->socket_path,
                seen);
@@ -221,7 +224,7 @@ static void read_one(gpupool_client *c) {
     gpupool__set_broken(c, rc == GPUPOOL_ECLOSED ? GPUPOOL_ECLOSED : rc,
                rc == GPUPOOL_ECLOSED ? "the daemon closed the connection (stopped, restarted, or dropped this client)"
                : rc == 0             ? "no reply from the daemon"
-                                     : gpupool__errmsg());
+                                     : why.msg);
     goto out;
   }
   if (!rep) {
@@ -302,10 +305,10 @@ int gpupool__call_send(gpupool_client *c, gpupool__req *req, pending **out, int 
   rc = gpupool__wire_send(c->fd, buf, len, send_fd >= 0 ? &send_fd : NULL, send_fd >= 0 ? 1 : 0);
   free(buf);
   if (rc != 0) {
-    char msg[160];
+    gpupool__error sent;
     int code;
     /* The send's own reason, taken before refusal() may read (and fail to read) a reply. */
-    snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
+    gpupool__error_take(&sent, rc);
     free(p);
     /* The daemon may have refused this connection (too many clients, uid not allowed) and
      * closed it before our request went out: its reason is still readable. */
@@ -315,13 +318,13 @@ int gpupool__call_send(gpupool_client *c, gpupool__req *req, pending **out, int 
       gpupool__set_broken(c, rc == GPUPOOL_ETIMEDOUT ? GPUPOOL_ETIMEDOUT : GPUPOOL_EPROTO, "");
       if (c->broken == GPUPOOL_ETIMEDOUT)
         snprintf(c->broken_msg, sizeof c->broken_msg,
-                 "the daemon did not answer in %g s: gpupoold at %s does not read (%s)",
-                 c->connect_timeout_ms / 1000.0, c->socket_path, msg);
+                 "the daemon did not answer in %g s: gpupoold at %s does not read (%.159s)",
+                 c->connect_timeout_ms / 1000.0, c->socket_path, sent.msg);
       else
         snprintf(c->broken_msg, sizeof c->broken_msg,
                  "this socket is not gpupoold, or it is shutting down: %s closed the connection "
-                 "before reading Hello (%s)",
-                 c->socket_path, msg);
+                 "before reading Hello (%.159s)",
+                 c->socket_path, sent.msg);
       c->hs_closed = c->broken == GPUPOOL_EPROTO;
       return gpupool__err(c->broken, "%s", c->broken_msg);
     }

@@ -45,15 +45,20 @@ int gpupool__be_unmap(gpupool_client *c, cslab *s, void *stream) {
 }
 
 void gpupool__slab_unmap(gpupool_client *c, cslab *s, void *stream) {
-  if (gpupool__be_unmap(c, s, stream) != 0)
-    fprintf(stderr, "libgpupool-client: unmapping slab %" PRIu64 ": %s\n", s->id, gpupool__errmsg());
+  gpupool__error why;
+  int rc = gpupool__be_unmap(c, s, stream);
+  if (rc != 0) {
+    gpupool__error_take(&why, rc);
+    fprintf(stderr, "libgpupool-client: unmapping slab %" PRIu64 ": %s\n", s->id, why.msg);
+  }
   gpupool__hmap_del(&c->slabs, s->id);
   note_unmapped(c, s->id);
   free(s);
 }
 
 void gpupool__handle_revokes(gpupool_client *c, const uint64_t *slabs, size_t n) {
-  int unmapped = 0;
+  gpupool__error why;
+  int unmapped = 0, rc;
   for (size_t i = 0; i < n; i++) {
     cslab *s = gpupool__hmap_get(&c->slabs, slabs[i]);
     slab_export *e = gpupool__hmap_get(&c->exports, slabs[i]);
@@ -73,8 +78,10 @@ void gpupool__handle_revokes(gpupool_client *c, const uint64_t *slabs, size_t n)
     unmapped = 1;
   }
   /* The report goes out with the next request: the frees must have run by then. */
-  if (unmapped && c->be->sync && c->be->sync(NULL) != 0)
-    fprintf(stderr, "libgpupool-client: waiting for slab unmaps: %s\n", gpupool__errmsg());
+  if (unmapped && c->be->sync && (rc = c->be->sync(NULL)) != 0) {
+    gpupool__error_take(&why, rc);
+    fprintf(stderr, "libgpupool-client: waiting for slab unmaps: %s\n", why.msg);
+  }
 }
 
 static cpool *pool_by_id(gpupool_client *c, uint32_t id) {
@@ -165,13 +172,13 @@ int gpupool__materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, 
   uint64_t gen = c->reconnects;
 
   if (!d || !d->slab) {
-    rc = gpupool__err(GPUPOOL_EPROTO, "reply without a buffer description");
-    goto fail;
+    rc = gpupool__error_set(err, GPUPOOL_EPROTO, "reply without a buffer description");
+    goto fail_taken;
   }
   p = pool_by_id(c, d->pool_id);
   if (!p) {
-    rc = gpupool__err(GPUPOOL_EPROTO, "buffer in unknown pool %u", d->pool_id);
-    goto fail;
+    rc = gpupool__error_set(err, GPUPOOL_EPROTO, "buffer in unknown pool %u", d->pool_id);
+    goto fail_taken;
   }
   uint64_t t_m = TRACE_ON() ? gpupool__mono_ns() : 0;
   rc = gpupool__pool_attach(c, p);
@@ -189,8 +196,9 @@ int gpupool__materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, 
     slab_export *ex = gpupool__hmap_get(&c->exports, d->slab->id);
     void *priv = NULL;
     if (!ex || !ex->writable) {
-      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent no writable mapping for slab %" PRIu64, d->slab->id);
-      goto fail;
+      rc = gpupool__error_set(err, GPUPOOL_EPROTO, "the daemon sent no writable mapping for slab %" PRIu64,
+                              d->slab->id);
+      goto fail_taken;
     }
     gpupool__hmap_del(&c->exports, s->id);
     rc = c->be->slab_map(p->bp, ex->data, ex->len, s->size, ex->fd, 1, &s->base_rw, &priv);
@@ -203,13 +211,13 @@ int gpupool__materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, 
   if (!s) {
     slab_export *ex = gpupool__hmap_get(&c->exports, d->slab->id);
     if (!ex) {
-      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent no export data for slab %" PRIu64, d->slab->id);
-      goto fail;
+      rc = gpupool__error_set(err, GPUPOOL_EPROTO, "the daemon sent no export data for slab %" PRIu64, d->slab->id);
+      goto fail_taken;
     }
     s = calloc(1, sizeof *s);
     if (!s) {
-      rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
-      goto fail;
+      rc = gpupool__error_set(err, GPUPOOL_ENOMEM, "out of memory");
+      goto fail_taken;
     }
     s->id = d->slab->id;
     s->pool = p;
@@ -232,20 +240,21 @@ int gpupool__materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, 
       c->be->slab_unmap(p->bp, s->base, s->size, s->priv, NULL);
       note_unmapped(c, s->id);
       free(s);
-      rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
-      goto fail;
+      rc = gpupool__error_set(err, GPUPOOL_ENOMEM, "out of memory");
+      goto fail_taken;
     }
     new_slab = 1;
   }
   if (d->offset > s->size || d->size > s->size - d->offset) {
-    rc = gpupool__err(GPUPOOL_EPROTO, "buffer %" PRIu64 "+%" PRIu64 " lies outside its slab", d->offset, d->size);
-    goto fail_slab;
+    rc = gpupool__error_set(err, GPUPOOL_EPROTO, "buffer %" PRIu64 "+%" PRIu64 " lies outside its slab", d->offset,
+                            d->size);
+    goto fail_slab_taken;
   }
   if (!d->read_only && !s->writable && !s->base_rw) {
     /* A new slab whose export data came read-only, for a hold that may write. */
-    rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent a read-only mapping of slab %" PRIu64 " for a writable hold",
-                      s->id);
-    goto fail_slab;
+    rc = gpupool__error_set(err, GPUPOOL_EPROTO,
+                            "the daemon sent a read-only mapping of slab %" PRIu64 " for a writable hold", s->id);
+    goto fail_slab_taken;
   }
   if (t_m)
     gpupool__trace("slab", t_m, d->slab->id);
@@ -260,15 +269,15 @@ int gpupool__materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, 
     goto fail_slab;
   if (t_m)
     gpupool__trace("wait", t_m, 0);
-  if (d->tensor && d->tensor->present && (rc = gpupool__wire_meta_from(d->tensor, d->size, &meta)) != 0) {
-    rc = gpupool__err(GPUPOOL_EPROTO, "gpupoold sent tensor metadata this library refuses: %s",
-                      gpupool__errmsg());
-    goto fail_slab;
+  if (d->tensor && d->tensor->present && gpupool__wire_meta_from(d->tensor, d->size, &meta) != 0) {
+    rc = gpupool__error_take(err, GPUPOOL_EPROTO);
+    gpupool__error_prefix(err, "gpupoold sent tensor metadata this library refuses: ");
+    goto fail_slab_taken;
   }
   b = calloc(1, sizeof *b);
   if (!b) {
-    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
-    goto fail_slab;
+    rc = gpupool__error_set(err, GPUPOOL_ENOMEM, "out of memory");
+    goto fail_slab_taken;
   }
   b->c = c;
   b->hold_id = d->hold_id;
@@ -293,11 +302,13 @@ int gpupool__materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, 
   return 0;
 fail_slab:
   gpupool__error_take(err, rc);
+fail_slab_taken:
   if (new_slab && s->refs == 0)
     gpupool__slab_unmap(c, s, NULL);
   goto release;
 fail:
   gpupool__error_take(err, rc);
+fail_taken:
 release:
   if (d && d->hold_id)
     gpupool__send_release(c, d->hold_id, 0);

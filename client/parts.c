@@ -129,6 +129,7 @@ int gpupool_bundle_publish_part(gpupool_bundle *b, const char *name, uint64_t ve
 int gpupool_bundle_publish_members_part(gpupool_client *c, const char *name, uint64_t version, int part, int parts,
                                         const gpupool_member_ref *members, int n, void *stream, int *complete) {
   gpupool__part p = {.version = version, .part = part, .parts = parts};
+  gpupool__error err = {.code = 0}; /* why a member was refused */
   int rc;
   if (complete)
     *complete = 0;
@@ -137,8 +138,8 @@ int gpupool_bundle_publish_members_part(gpupool_client *c, const char *name, uin
   gpupool__err_clear();
   if ((rc = part_check(name, version, part, parts)) != 0)
     return rc;
-  rc = gpupool__publish_members(c, name, members, n, stream, &p, NULL);
+  rc = gpupool__publish_members(c, name, members, n, stream, &p, NULL, &err);
   if (rc == 0 && complete)
     *complete = p.complete;
-  return rc;
+  return gpupool__error_report(&err, rc);
 }

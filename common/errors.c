@@ -74,6 +74,24 @@ int gpupool__error_take(gpupool__error *e, int code) {
   return code;
 }
 
+int gpupool__error_prefix(gpupool__error *e, const char *fmt, ...) {
+  char tmp[GPUPOOL__ERRMSG_MAX];
+  va_list ap;
+  int n;
+  va_start(ap, fmt);
+  n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+  va_end(ap);
+  if (n < 0)
+    n = 0;
+  if ((size_t)n < sizeof tmp - 1) {
+    size_t len = strnlen(e->msg, sizeof tmp - 1 - (size_t)n);
+    memcpy(tmp + n, e->msg, len);
+    tmp[(size_t)n + len] = '\0';
+  }
+  memcpy(e->msg, tmp, sizeof e->msg);
+  return e->code;
+}
+
 int gpupool__error_report(const gpupool__error *e, int rc) {
   if (!e->code)
     return rc;

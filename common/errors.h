@@ -24,7 +24,9 @@ void gpupool__err_clear(void);
  * its failure (cleanup that can fail and record a message of its own): the step fills it, and
  * the public entry point reports it with gpupool__error_report(), the one place the message
  * becomes the thread's last error. Leaf functions (wire checks, backends) keep recording with
- * gpupool__err(); a step takes their message into its value at once. */
+ * gpupool__err(); a step takes their message into its value at once, and adds its context with
+ * gpupool__error_prefix(). In client/ and backend/ nothing below the public functions reads
+ * gpupool__errmsg() (to wrap, log or save it): tools/errors.py --check, run as unit_errors. */
 typedef struct {
   int code; /* 0: nothing recorded */
   char msg[GPUPOOL__ERRMSG_MAX];
@@ -34,6 +36,9 @@ typedef struct {
 int gpupool__error_set(gpupool__error *e, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 /* Fill e with code and the message the failing leaf just recorded; returns code. */
 int gpupool__error_take(gpupool__error *e, int code);
+/* Put fmt's text before the message e holds ("member 2: " + "empty name; ..."), the context a
+ * step adds to the failure of the call it made; returns e->code. */
+int gpupool__error_prefix(gpupool__error *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* At a public entry point: when e holds an error, record its message as the thread's last
  * and return its code; otherwise return rc (a failure recorded the usual way, or 0). */
 int gpupool__error_report(const gpupool__error *e, int rc);

@@ -123,11 +123,11 @@ int gpupool__sock_describe(const char *path, char *buf, size_t len) {
   return 0;
 }
 
-void gpupool__sock_foreign(const gpupool__wire_rx *rx, char *buf, size_t len) {
+void gpupool__sock_foreign(const gpupool__wire_rx *rx, const char *read_error, char *buf, size_t len) {
   char seen[4 * GPUPOOL_WIRE_HDR + 1];
   size_t at = 0;
   if (!rx->refused_len) {
-    snprintf(buf, len, "%s", gpupool__errmsg());
+    snprintf(buf, len, "%s", read_error);
     return;
   }
   /* Not the frame-size limit's advice: this peer speaks another protocol altogether. */

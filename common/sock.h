@@ -30,8 +30,9 @@ int gpupool__sock_describe(const char *path, char *buf, size_t len);
 
 /* What a socket that answered Hello with no gpupool frame sent, from rx after the read
  * failed: its first bytes when they were refused as a frame header ("it began with
- * \"HTTP\""), else the read's own error (gpupool__errmsg). Into buf, cut to len. */
-void gpupool__sock_foreign(const gpupool__wire_rx *rx, char *buf, size_t len);
+ * \"HTTP\""), else the read's own error, read_error (the caller took it from the failed
+ * read). Into buf, cut to len. */
+void gpupool__sock_foreign(const gpupool__wire_rx *rx, const char *read_error, char *buf, size_t len);
 
 /* The name of the group owning path (its number when it has no name): 0, or -1 when path
  * cannot be seen. For "usermod -aG <group> $USER". */

@@ -209,6 +209,10 @@ int gpupool__wire_publish_shares(const Gpupool__Wire__Publish *m);
  * library runs it before sending (so the caller hears of a bad name at once), the daemon on
  * every name it is sent. */
 int gpupool__wire_check_name(const char *name);
+/* The same check of a name whose bytes are already known to be UTF-8 without NUL (the
+ * daemon's frame validator checked every string of the request): the length and control
+ * characters, with the same messages, without a second pass over the UTF-8. */
+int gpupool__wire_check_utf8_name(const char *name);
 
 /* Names of the wire enums as shown to people and in metrics ("host", "cuda", "device", ...). */
 const char *gpupool__wire_backend_name(int kind);

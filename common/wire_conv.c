@@ -82,9 +82,10 @@ int gpupool__wire_mem_kind(int location, gpupool_mem_kind *out) {
                       "to the same release", location);
 }
 
-/* Names are checked the same way by the client (before sending) and the daemon. */
-int gpupool__wire_check_name(const char *name) {
-  size_t n = strlen(name), bad;
+/* Names are checked the same way by the client (before sending) and the daemon: the length
+ * and control characters here, in the order a refusal names them, then the UTF-8 where the
+ * caller has not checked it yet. */
+static int check_name_text(const char *name, size_t n) {
   if (n == 0)
     return gpupool__err(GPUPOOL_ENAME, "empty name; names are 1 to %d bytes", GPUPOOL_NAME_MAX);
   if (n > GPUPOOL_NAME_MAX)
@@ -93,10 +94,20 @@ int gpupool__wire_check_name(const char *name) {
   for (size_t i = 0; i < n; i++)
     if ((unsigned char)name[i] < 0x20 || name[i] == 0x7f)
       return gpupool__err(GPUPOOL_ENAME, "name contains a control character at byte %zu", i);
+  return 0;
+}
+
+int gpupool__wire_check_name(const char *name) {
+  size_t n = strlen(name), bad;
+  int rc = check_name_text(name, n);
+  if (rc != 0)
+    return rc;
   if (gpupool__wire_utf8_check((const uint8_t *)name, n, &bad) != 0)
     return gpupool__err(GPUPOOL_ENAME, "name is not valid UTF-8 (at byte %zu); names are UTF-8 text", bad);
   return 0;
 }
+
+int gpupool__wire_check_utf8_name(const char *name) { return check_name_text(name, strlen(name)); }
 
 int gpupool__wire_publish_shares(const Gpupool__Wire__Publish *m) {
   for (size_t i = 0; i < m->base.n_unknown_fields; i++) {

@@ -196,7 +196,7 @@ static int call(ctl *c, gpupool__req *req, gpupool__rep **out) {
               "GPUPOOL_SOCKET)", c->path);
     else {
       char seen[96];
-      gpupool__sock_foreign(&rx, seen, sizeof seen);
+      gpupool__sock_foreign(&rx, gpupool__errmsg(), seen, sizeof seen);
       die_msg("this socket is not gpupoold: %s answered Hello with something that is not a "
               "gpupool frame (%s); check --socket or GPUPOOL_SOCKET", c->path, seen);
     }

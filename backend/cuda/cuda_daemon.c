@@ -407,11 +407,13 @@ fail:
  * inherits no access state (importers clear theirs before destroying their imports,
  * cuda_client.c). */
 static void cuda_pool_destroy(gpupool__bpool *p) {
+  gpupool__error why;
   cudaError_t e;
+  int rc;
   if (!p)
     return;
   gpupool__cuda_copy_pool_forget(p);
-  if (gpupool__cuda_set_device(p->device) == 0) {
+  if ((rc = gpupool__cuda_set_device(p->device)) == 0) {
     if (p->granted) {
       e = gpupool__cuda_pool_access(p->pool, p->device, cudaMemAccessFlagsProtNone);
       if (e != cudaSuccess) {
@@ -427,7 +429,8 @@ static void cuda_pool_destroy(gpupool__bpool *p) {
                p->device, cudaGetErrorName(e), cudaGetErrorString(e));
     }
   } else {
-    GPUPOOL__ERROR("cuda: pool \"%s\": %s", p->name, gpupool__errmsg());
+    gpupool__error_take(&why, rc);
+    GPUPOOL__ERROR("cuda: pool \"%s\": %s", p->name, why.msg);
   }
   if (p->fd >= 0)
     close(p->fd);
@@ -505,13 +508,15 @@ fail:
 
 static void cuda_slab_free(gpupool__bpool *p, gpupool__bslab *s) {
   cudaStream_t stream = NULL; /* set by dev_stream; initialised for -O3 -Werror (maybe-uninitialized) */
+  gpupool__error why;
   cudaError_t e;
+  int rc;
 
   if (!s || !s->priv)
     return;
-  if (dev_stream(p->st, p->device, &stream) < 0) {
-    GPUPOOL__ERROR("cuda: pool \"%s\": cannot free slab %p: %s", p->name, s->priv,
-             gpupool__errmsg());
+  if ((rc = dev_stream(p->st, p->device, &stream)) < 0) {
+    gpupool__error_take(&why, rc);
+    GPUPOOL__ERROR("cuda: pool \"%s\": cannot free slab %p: %s", p->name, s->priv, why.msg);
     return;
   }
   e = cudaFreeAsync(s->priv, stream);

@@ -553,7 +553,9 @@ uint64_t gpd_tenant_of(const gpd_config *cfg, uid_t uid, gid_t gid);
  * label, or a group's name:GROUP/ prefix, then the name) and whose memory it names. 0, or
  * the error (ENAME for a malformed name, EPERM for a group c is not in), which is also kept
  * in *out: the functions given *out report it where they need the name, so a request refused
- * for another reason first is refused for that reason, as before. */
+ * for another reason first is refused for that reason, as before. name is UTF-8 without NUL
+ * already (the frame validator checks every string of a client's request, peers_serve.c the
+ * name a peer asks for), so its UTF-8 is not read again here. */
 int gpd_name_key(gpd_registry *reg, const gpd_client *c, const char *name, gpd_rname *out);
 /* 0 when rn resolved, else its error again (code and message). */
 int gpd_rname_ok(const gpd_rname *rn);

@@ -71,7 +71,7 @@ int gpd_owner_reachable(const gpd_registry *reg, const gpd_client *c, uint64_t o
 static int name_key(gpd_registry *reg, const gpd_client *c, const char *name, char *key, size_t len,
                     uint64_t *owner) {
   char label[80];
-  int rc = gpupool__wire_check_name(name);
+  int rc = gpupool__wire_check_utf8_name(name); /* its UTF-8 was checked where it arrived */
   if (rc != 0)
     return rc;
   if (!strncmp(name, "group:", 6)) {

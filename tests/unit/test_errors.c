@@ -69,9 +69,36 @@ static void test_error_value_outlives_cleanup(void **state) {
   assert_string_equal(gpupool_last_error(), "buffer 2 of the bundle: x");
 }
 
+/* A step's context put before the message it took reads as the wrapping gpupool__err() above
+ * (test_member_name_message, test_truncates) did: the same text, cut at the same end. */
+static void test_error_prefix(void **state) {
+  char big[2 * GPUPOOL__ERRMSG_MAX];
+  gpupool__error e;
+  (void)state;
+  assert_int_equal(gpupool__wire_check_name("a\x01"), GPUPOOL_ENAME);
+  gpupool__error_take(&e, GPUPOOL_ENAME);
+  assert_int_equal(gpupool__error_prefix(&e, "member %d: ", 3), GPUPOOL_ENAME);
+  assert_string_equal(e.msg, "member 3: name contains a control character at byte 1");
+  gpupool__err(GPUPOOL_EIO, "a cleanup failed after it");
+  assert_int_equal(gpupool__error_report(&e, GPUPOOL_EIO), GPUPOOL_ENAME);
+  assert_string_equal(gpupool_last_error(), "member 3: name contains a control character at byte 1");
+  memset(big, 'x', sizeof big - 1);
+  big[sizeof big - 1] = '\0';
+  gpupool__error_set(&e, GPUPOOL_EINVAL, "%s", big);
+  gpupool__error_prefix(&e, "y");
+  assert_int_equal(strlen(e.msg), GPUPOOL__ERRMSG_MAX - 1);
+  assert_int_equal(e.msg[0], 'y');
+  assert_int_equal(e.msg[1], 'x');
+  gpupool__error_set(&e, GPUPOOL_EINVAL, "tail");
+  gpupool__error_prefix(&e, "%s", big); /* a prefix that fills the message leaves no room */
+  assert_int_equal(strlen(e.msg), GPUPOOL__ERRMSG_MAX - 1);
+  assert_int_equal(e.msg[GPUPOOL__ERRMSG_MAX - 2], 'x');
+}
+
 int main(void) {
   return TS_RUN_TESTS(NULL, NULL, test_quotes_previous,
                       test_member_name_message,
                       test_truncates,
-                      test_error_value_outlives_cleanup);
+                      test_error_value_outlives_cleanup,
+                      test_error_prefix);
 }

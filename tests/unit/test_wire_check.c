@@ -8,6 +8,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -196,9 +197,32 @@ static void test_malformed(void **state) {
   assert_int_equal(check((const uint8_t *)"\x12\x03\x01\x80\x01", 5, &v), 0); /* packed ids */
 }
 
+/* The daemon checks a name's UTF-8 once, in the frame validator, and then only its length and
+ * control characters (gpupool__wire_check_utf8_name): every other refusal reads the same as
+ * the full check's, which the client library runs before sending. */
+static void test_name_after_validation(void **state) {
+  char longname[GPUPOOL_NAME_MAX + 2], full[GPUPOOL__ERRMSG_MAX];
+  const char *names[] = {"", "a\tb", "tab\x7f", longname, "w", "caf\xc3\xa9", "group:ml/w"};
+  (void)state;
+  memset(longname, 'n', sizeof longname - 1);
+  longname[sizeof longname - 1] = 0;
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+    int rc = gpupool__wire_check_name(names[i]);
+    snprintf(full, sizeof full, "%s", rc ? gpupool__errmsg() : "");
+    gpupool__err_clear();
+    assert_int_equal(gpupool__wire_check_utf8_name(names[i]), rc);
+    assert_string_equal(rc ? gpupool__errmsg() : "", full);
+    assert_int_equal(rc ? i < 4 : i >= 4, 1);
+  }
+  /* Bytes that are no UTF-8 are the validator's to refuse; the full check still refuses them. */
+  assert_int_equal(gpupool__wire_check_name("bad\xff"), GPUPOOL_ENAME);
+  assert_string_equal(gpupool__errmsg(), "name is not valid UTF-8 (at byte 3); names are UTF-8 text");
+}
+
 int main(void) {
   return TS_RUN_TESTS(NULL, NULL, test_utf8,
                       test_unknown_budget,
                       test_strings_named,
-                      test_malformed);
+                      test_malformed,
+                      test_name_after_validation);
 }
