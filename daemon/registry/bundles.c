@@ -35,12 +35,15 @@ int gpd_members_unique(const gpd_member *m, size_t n) {
   return 0;
 }
 
-/* Checks a member's name, range and tensor description and copies it into *out. */
+/* Checks a member's name, range and tensor description and copies it into *out. utf8_checked:
+ * the name came in a request the daemon's frame validator passed (its bytes are UTF-8 without
+ * NUL), so only its length and control characters are left to check; members from a peer's
+ * reply, which no validator saw, get the full check. */
 int gpd_member_from_wire(const char *name, uint64_t offset, uint64_t size, const Gpupool__Wire__TensorMeta *tm,
-                              uint64_t limit, size_t idx, gpd_member *out) {
+                              uint64_t limit, size_t idx, int utf8_checked, gpd_member *out) {
   gpupool_tensor_meta m;
   int rc;
-  if (!name || gpupool__wire_check_name(name) != 0)
+  if (!name || (utf8_checked ? gpupool__wire_check_utf8_name(name) : gpupool__wire_check_name(name)) != 0)
     return gpupool__err(GPUPOOL_ENAME, "member %zu: %s", idx,
                         name ? gpupool__errmsg() : "no name; every member needs a name of 1..255 bytes");
   if (size == 0)
@@ -110,7 +113,7 @@ int gpd_bundle_plan_new(gpd_registry *reg, gpd_client *c, gpd_pool *p,
     const Gpupool__Wire__MemberSpec *sp = specs[i];
     gpd_member *m = &plan->members[i];
     uint64_t off;
-    if ((rc = gpd_member_from_wire(sp->name, 0, sp->size, sp->tensor, UINT64_MAX, i, m)) != 0)
+    if ((rc = gpd_member_from_wire(sp->name, 0, sp->size, sp->tensor, UINT64_MAX, i, 1, m)) != 0)
       goto fail;
     plan->nmembers = (uint32_t)i + 1;
     if (sp->size > limit) {

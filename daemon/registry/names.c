@@ -174,8 +174,8 @@ static int layout_of(gpd_registry *reg, const gpd_client *c, uint64_t layout_id,
  * buffers bufs): each in its buffer, every buffer used, no name twice. *nm counts those
  * converted (to free on failure). */
 static int members_from_wire(Gpupool__Wire__BundleMember *const *wm, size_t nmembers, gpd_buffer *const *bufs,
-                             size_t nholds, const uint64_t *hold_ids, gpd_member *members, uint32_t *used,
-                             size_t *nm) {
+                             size_t nholds, const uint64_t *hold_ids, int utf8_checked, gpd_member *members,
+                             uint32_t *used, size_t *nm) {
   int rc;
   for (*nm = 0; *nm < nmembers; (*nm)++) {
     const Gpupool__Wire__BundleMember *m = wm[*nm];
@@ -183,7 +183,7 @@ static int members_from_wire(Gpupool__Wire__BundleMember *const *wm, size_t nmem
       return gpupool__err(GPUPOOL_EINVAL, "member %zu ('%s') names buffer %u of a bundle of %zu buffers", *nm,
                           m->name ? m->name : "", m->buffer, nholds);
     if ((rc = gpd_member_from_wire(m->name, m->offset, m->size, m->tensor, bufs[m->buffer]->asked, *nm,
-                                   &members[*nm])) != 0)
+                                   utf8_checked, &members[*nm])) != 0)
       return rc;
     members[*nm].buffer = m->buffer;
     used[m->buffer] = 1;
@@ -197,7 +197,7 @@ static int members_from_wire(Gpupool__Wire__BundleMember *const *wm, size_t nmem
 
 int gpd_bundle_prepare(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, const uint64_t *hold_ids,
                        size_t nholds, Gpupool__Wire__BundleMember *const *wm, size_t nmembers,
-                       uint64_t layout_id, int part, gpd_bundle_prep *out) {
+                       uint64_t layout_id, int part, int utf8_checked, gpd_bundle_prep *out) {
   gpd_buffer **bufs = NULL;
   gpd_member *members = NULL;
   gpd_layout *layout = NULL;
@@ -262,7 +262,7 @@ int gpd_bundle_prepare(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, co
       goto fail;
     }
   }
-  if (!layout && (rc = members_from_wire(wm, nmembers, bufs, nholds, hold_ids, members, used, &nm)) != 0)
+  if (!layout && (rc = members_from_wire(wm, nmembers, bufs, nholds, hold_ids, utf8_checked, members, used, &nm)) != 0)
     goto fail;
   if ((rc = publish_check(reg, c, rn, bufs, (uint32_t)nholds, &old)) != 0)
     goto fail;
@@ -295,14 +295,26 @@ fail:
   return rc;
 }
 
-int gpd_publish_bundle(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, const uint64_t *hold_ids,
-                       size_t nholds, Gpupool__Wire__BundleMember *const *wm, size_t nmembers,
-                       uint64_t layout_id, uint64_t *version) {
+static int publish_bundle(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, const uint64_t *hold_ids,
+                          size_t nholds, Gpupool__Wire__BundleMember *const *wm, size_t nmembers,
+                          uint64_t layout_id, int utf8_checked, uint64_t *version) {
   gpd_bundle_prep p;
-  int rc = gpd_bundle_prepare(reg, c, rn, hold_ids, nholds, wm, nmembers, layout_id, 0, &p);
+  int rc = gpd_bundle_prepare(reg, c, rn, hold_ids, nholds, wm, nmembers, layout_id, 0, utf8_checked, &p);
   if (rc != 0)
     return rc;
   return gpd_publish_commit(reg, c, p.key, p.old, p.bufs, p.nbufs, p.layout, p.read_only, NULL, 0, version);
+}
+
+int gpd_publish_bundle(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, const uint64_t *hold_ids,
+                       size_t nholds, Gpupool__Wire__BundleMember *const *wm, size_t nmembers,
+                       uint64_t layout_id, uint64_t *version) {
+  return publish_bundle(reg, c, rn, hold_ids, nholds, wm, nmembers, layout_id, 0, version);
+}
+
+int gpd_publish_bundle_checked(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, const uint64_t *hold_ids,
+                               size_t nholds, Gpupool__Wire__BundleMember *const *wm, size_t nmembers,
+                               uint64_t layout_id, uint64_t *version) {
+  return publish_bundle(reg, c, rn, hold_ids, nholds, wm, nmembers, layout_id, 1, version);
 }
 
 int gpd_find_name(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, gpd_name **out) {

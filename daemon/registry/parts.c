@@ -203,7 +203,7 @@ int gpd_publish_part(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, uint
     return gpupool__err(GPUPOOL_EINVAL, "parts name the version they make (1 or more), not 0");
   if (!reg->parts && !(reg->parts = calloc(1, sizeof *reg->parts)))
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
-  if ((rc = gpd_bundle_prepare(reg, c, rn, hold_ids, nholds, wm, nmembers, layout_id, 1, &prep)) != 0)
+  if ((rc = gpd_bundle_prepare(reg, c, rn, hold_ids, nholds, wm, nmembers, layout_id, 1, 1, &prep)) != 0)
     return rc;
   if (prep.old)
     drop_not_newer(reg, prep.key, prep.old->version);

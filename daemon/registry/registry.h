@@ -567,12 +567,19 @@ int gpd_get(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, int read_only
 /* The device of a pool: a device pool's GPU, a simulated one's (host backend), else -1. */
 int gpd_pool_device(const gpd_registry *reg, const gpd_pool *p);
 /* Publish a bundle: members (wire form) lying in the buffers of the nholds holds. Checks
- * everything first; nothing changes on error. *version is the version made. */
+ * everything first, each member name in full (members from a peer's reply, which no frame
+ * validator saw); nothing changes on error. *version is the version made. */
 int gpd_publish_bundle(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, const uint64_t *hold_ids,
                             size_t nholds, Gpupool__Wire__BundleMember *const *members, size_t nmembers,
                             uint64_t layout_id, uint64_t *version);
+/* The same for members of a client's request, which the frame validator passed: their names'
+ * bytes are already known to be UTF-8 without NUL, so that is not checked a second time. */
+int gpd_publish_bundle_checked(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, const uint64_t *hold_ids,
+                               size_t nholds, Gpupool__Wire__BundleMember *const *members, size_t nmembers,
+                               uint64_t layout_id, uint64_t *version);
 /* Publish part idx of the nparts parts of a sharded version of name (parts.c): members as
- * gpd_publish_bundle's; the version is published when its last part is in. */
+ * gpd_publish_bundle_checked's (a client's request); the version is published when its last part
+ * is in. */
 typedef struct {
   uint64_t version;  /* the version the part belongs to (made, when complete) */
   uint32_t parts_in; /* its parts in so far */
@@ -592,7 +599,8 @@ void gpd_parts_close(gpd_registry *reg);
 int gpd_get_bundle(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, int read_only,
                         uint64_t newer_than, gpd_hold ***holds, const gpd_name **out);
 /* Check and lay out a bundle allocation (no memory taken): 0 and *out (free it with
- * gpd_bundle_plan_free), or the error. */
+ * gpd_bundle_plan_free), or the error. specs come from a request the frame validator passed
+ * (their names' UTF-8 is not checked again). */
 int gpd_bundle_plan_new(gpd_registry *reg, gpd_client *c, gpd_pool *p,
                              Gpupool__Wire__MemberSpec *const *specs, size_t n, uint64_t align,
                              gpd_bundle_plan **out);

@@ -135,7 +135,7 @@ typedef struct {
 } gpd_bundle_prep;
 int gpd_bundle_prepare(gpd_registry *reg, gpd_client *c, const gpd_rname *rn, const uint64_t *hold_ids,
                        size_t nholds, Gpupool__Wire__BundleMember *const *wm, size_t nmembers,
-                       uint64_t layout_id, int part, gpd_bundle_prep *out);
+                       uint64_t layout_id, int part, int utf8_checked, gpd_bundle_prep *out);
 int gpd_publish_commit(gpd_registry *reg, gpd_client *c, const char *key, gpd_name *n,
                        gpd_buffer **bufs, uint32_t nbufs, gpd_layout *layout,
                        int read_only, const gpupool_tensor_meta *meta, uint64_t want, uint64_t *version);
@@ -147,7 +147,7 @@ int gpd_layout_new(gpd_registry *reg, uint64_t tenant, gpd_member *members, uint
 void gpd_layout_unref(gpd_registry *reg, gpd_layout *l);
 int gpd_members_unique(const gpd_member *m, size_t n);
 int gpd_member_from_wire(const char *name, uint64_t offset, uint64_t size, const Gpupool__Wire__TensorMeta *tm,
-                              uint64_t limit, size_t idx, gpd_member *out);
+                              uint64_t limit, size_t idx, int utf8_checked, gpd_member *out);
 int gpd_check_member_count(gpd_registry *reg, size_t n);
 
 #endif

@@ -285,8 +285,8 @@ int gpd_handle_publish_bundle(gpd_conn *c, const Gpupool__Wire__Request *req, in
       rc = gpd_replicate_check(c->srv->reg, h, m->replicate_to, m->n_replicate_to);
   }
   if (rc == 0)
-    rc = gpd_publish_bundle(c->srv->reg, &c->cl, &rn, m->hold_ids, m->n_hold_ids, m->members,
-                            m->n_members, m->layout_id, &version);
+    rc = gpd_publish_bundle_checked(c->srv->reg, &c->cl, &rn, m->hold_ids, m->n_hold_ids, m->members,
+                                    m->n_members, m->layout_id, &version);
   if (rc != 0)
     return rc;
   gpd_replicate(c->srv->reg, &c->cl, &rn, m->replicate_to, m->n_replicate_to);

@@ -920,6 +920,22 @@ static void test_bundle_checks(void **state) {
   m[2].name = (char *)"a";
   assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "bb"), ids, 2, mp, 3, 0, &v), GPUPOOL_EINVAL);
   assert_non_null(strstr(gpupool__errmsg(), "'a' appears twice"));
+  /* Members from a peer's reply (no frame validator saw them) get the whole name check, UTF-8
+   * included; members of a client's request (validated) get the rest of it, same messages. */
+  m[2].name = (char *)"c\x80";
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "bb"), ids, 2, mp, 3, 0, &v), GPUPOOL_ENAME);
+  assert_string_equal(gpupool__errmsg(), "member 2: name is not valid UTF-8 (at byte 1); names are UTF-8 text");
+  m[2].name = (char *)"c\x01";
+  assert_int_equal(gpd_publish_bundle(&f->reg, &f->a, rn(&f->reg, &f->a, "bb"), ids, 2, mp, 3, 0, &v), GPUPOOL_ENAME);
+  assert_string_equal(gpupool__errmsg(), "member 2: name contains a control character at byte 1");
+  assert_int_equal(gpd_publish_bundle_checked(&f->reg, &f->a, rn(&f->reg, &f->a, "bb"), ids, 2, mp, 3, 0, &v),
+                   GPUPOOL_ENAME);
+  assert_string_equal(gpupool__errmsg(), "member 2: name contains a control character at byte 1");
+  m[2].name = (char *)"";
+  assert_int_equal(gpd_publish_bundle_checked(&f->reg, &f->a, rn(&f->reg, &f->a, "bb"), ids, 2, mp, 3, 0, &v),
+                   GPUPOOL_ENAME);
+  assert_string_equal(gpupool__errmsg(), "member 2: empty name; names are 1 to 255 bytes");
+  assert_int_equal(f->reg.nnames, 0);
   m[2].name = (char *)"c";
   /* A description larger than its member. */
   ts_tensor_meta(&tm, GPUPOOL_DTYPE_UINT, 8, 1, shape);
