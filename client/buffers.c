@@ -98,18 +98,20 @@ void gpupool__release_request(gpupool__req *req, Gpupool__Wire__Release *rl, uin
   req->release = rl;
 }
 
-/* Drop b's local state and tell the daemon. With the lock held. */
-int gpupool__release_locked(gpupool_client *c, gpupool_buffer *b, void *stream) {
+/* Drop b's local state and tell the daemon (or say in *err why that failed). With the lock
+ * held. */
+int gpupool__release_locked(gpupool_client *c, gpupool_buffer *b, void *stream, gpupool__error *err) {
   uint64_t hold_id;
   int recorded;
   gpupool__release_local(c, b, stream, &hold_id, &recorded);
-  return hold_id ? gpupool__send_release(c, hold_id, recorded) : 0;
+  return hold_id ? gpupool__send_release(c, hold_id, recorded, err) : 0;
 }
 
 /* Release several buffers in one round trip: their holds named together in as few Release
  * requests as the daemon takes (HelloReply.max_release_batch; one each from a daemon that
- * takes one), those requests in flight together. */
-int gpupool__release_many_locked(gpupool_client *c, gpupool_buffer **bs, int n, void *stream) {
+ * takes one), those requests in flight together. The first failure is the one returned and
+ * said in *err. */
+int gpupool__release_many_locked(gpupool_client *c, gpupool_buffer **bs, int n, void *stream, gpupool__error *err) {
   size_t batch = c->max_release_batch > 1 ? c->max_release_batch : 1, m = 0, np = 0;
   uint64_t *ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *ids);
   protobuf_c_boolean *rec = malloc((size_t)(n > 0 ? n : 1) * sizeof *rec);
@@ -120,9 +122,12 @@ int gpupool__release_many_locked(gpupool_client *c, gpupool_buffer **bs, int n, 
     free(rec);
     free(ps);
     for (int i = 0; i < n; i++) {
-      int r = gpupool__release_locked(c, bs[i], stream);
-      if (!rc)
+      gpupool__error e;
+      int r = gpupool__release_locked(c, bs[i], stream, &e);
+      if (r && !rc) {
         rc = r;
+        *err = e;
+      }
     }
     return rc;
   }
@@ -139,20 +144,24 @@ int gpupool__release_many_locked(gpupool_client *c, gpupool_buffer **bs, int n, 
     gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
     Gpupool__Wire__Release rl;
     size_t len = m - k < batch ? m - k : batch;
+    gpupool__error e;
     int r;
     gpupool__release_request(&req, &rl, ids[k], rec[k]);
     rl.n_more_hold_ids = rl.n_more_done_recorded = len - 1;
     rl.more_hold_ids = ids + k + 1;
     rl.more_done_recorded = rec + k + 1;
-    if ((r = gpupool__call_send(c, &req, &ps[np++], -1)) != 0 && !rc)
+    if ((r = gpupool__call_send(c, &req, &ps[np++], -1, &e)) != 0 && !rc) {
       rc = r;
+      *err = e;
+    }
   }
   for (size_t i = 0; i < np; i++) {
     gpupool__rep *rep;
+    gpupool__error e;
     int r;
     if (!ps[i])
       continue;
-    if ((r = gpupool__call_wait(c, ps[i], &rep, NULL, NULL)) == 0) {
+    if ((r = gpupool__call_wait(c, ps[i], &rep, NULL, NULL, &e)) == 0) {
       gpupool__wire__reply__free_unpacked(rep, NULL);
     } else if (r == GPUPOOL_EINVAL && batch > 1) {
       /* The daemon takes fewer holds a Release now (max_share_batch lowered by a reload):
@@ -160,10 +169,13 @@ int gpupool__release_many_locked(gpupool_client *c, gpupool_buffer **bs, int n, 
       size_t k = i * batch, len = m - k < batch ? m - k : batch;
       c->max_release_batch = 1;
       for (size_t j = k; j < k + len; j++)
-        if ((r = gpupool__send_release(c, ids[j], rec[j])) != 0 && !rc)
+        if ((r = gpupool__send_release(c, ids[j], rec[j], &e)) != 0 && !rc) {
           rc = r;
+          *err = e;
+        }
     } else if (!rc) {
       rc = r;
+      *err = e;
     }
   }
   free(ids);
@@ -174,6 +186,7 @@ int gpupool__release_many_locked(gpupool_client *c, gpupool_buffer **bs, int n, 
 
 int gpupool_buffer_release_many(gpupool_buffer *const *bufs, int n, void *stream) {
   gpupool_client *c;
+  gpupool__error err = {.code = 0}, gone;
   int rc;
   if (n < 0 || (n > 0 && !bufs))
     return gpupool__err(GPUPOOL_EINVAL, "release_many: bufs must not be NULL and n not negative");
@@ -186,26 +199,27 @@ int gpupool_buffer_release_many(gpupool_buffer *const *bufs, int n, void *stream
   gpupool__err_clear();
   c = bufs[0]->c;
   pthread_mutex_lock(&c->mu);
-  gpupool__ensure_connected(c); /* marks the buffers lost if their daemon went away */
-  rc = gpupool__release_many_locked(c, (gpupool_buffer **)bufs, n, stream);
+  gpupool__ensure_connected(c, &gone); /* marks the buffers lost if their daemon went away */
+  rc = gpupool__release_many_locked(c, (gpupool_buffer **)bufs, n, stream, &err);
   pthread_mutex_unlock(&c->mu);
   /* A broken connection already dropped the holds: the memory is the daemon's again. */
-  return rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO ? 0 : rc;
+  return rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO ? 0 : gpupool__error_report(&err, rc);
 }
 
 int gpupool_buffer_release(gpupool_buffer *b, void *stream) {
   gpupool_client *c;
+  gpupool__error err = {.code = 0}, gone;
   int rc;
   if (!b)
     return gpupool__err(GPUPOOL_EINVAL, "release: buffer is NULL");
   gpupool__err_clear();
   c = b->c;
   pthread_mutex_lock(&c->mu);
-  gpupool__ensure_connected(c); /* marks b lost if its daemon went away */
-  rc = gpupool__release_locked(c, b, stream);
+  gpupool__ensure_connected(c, &gone); /* marks b lost if its daemon went away */
+  rc = gpupool__release_locked(c, b, stream, &err);
   pthread_mutex_unlock(&c->mu);
   /* A broken connection already dropped the hold: the memory is the daemon's again. */
-  return rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO ? 0 : rc;
+  return rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO ? 0 : gpupool__error_report(&err, rc);
 }
 
 uint32_t gpupool__wire_timeout(int timeout_ms) {
@@ -233,7 +247,7 @@ int gpupool_buffer_alloc(gpupool_client *c, const char *pool, size_t size, int t
   req.allocate = &al;
   err.code = 0;
   pthread_mutex_lock(&c->mu);
-  rc = gpupool__call_retry(c, &req, &rep, -1);
+  rc = gpupool__call_retry(c, &req, &rep, -1, &err);
   if (rc == 0) {
     /* A fresh range: the daemon reuses ranges only after their last holders' done events,
      * so there is nothing to wait for. */
@@ -247,9 +261,10 @@ int gpupool_buffer_alloc(gpupool_client *c, const char *pool, size_t size, int t
 
 /* All or nothing: a *_many call that failed gives back what it had made of out[0..n). c->mu held. */
 static void release_made_locked(gpupool_client *c, gpupool_buffer **out, int n) {
+  gpupool__error ignored; /* the failure that undoes them is the one to tell */
   for (int i = 0; i < n; i++)
     if (out[i]) {
-      gpupool__release_locked(c, out[i], NULL);
+      gpupool__release_locked(c, out[i], NULL, &ignored);
       out[i] = NULL;
     }
 }
@@ -272,7 +287,7 @@ int gpupool_buffer_alloc_many(gpupool_client *c, const char *pool, const size_t 
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   err.code = 0;
   pthread_mutex_lock(&c->mu);
-  rc = gpupool__ensure_connected(c);
+  rc = gpupool__ensure_connected(c, &err);
   /* Every request in flight at once: one round trip, the daemon answering them in order. */
   for (int i = 0; i < n && rc == 0; i++) {
     gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
@@ -281,16 +296,19 @@ int gpupool_buffer_alloc_many(gpupool_client *c, const char *pool, const size_t 
     al.size = sizes[i];
     req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE;
     req.allocate = &al;
-    rc = gpupool__call_send(c, &req, &ps[i], -1);
+    rc = gpupool__call_send(c, &req, &ps[i], -1, &err);
   }
   for (int i = 0; i < n; i++) {
     gpupool__rep *rep;
+    gpupool__error e;
     int r;
     if (!ps[i])
       continue;
-    if ((r = gpupool__call_wait(c, ps[i], &rep, NULL, NULL)) != 0) {
-      if (!rc)
+    if ((r = gpupool__call_wait(c, ps[i], &rep, NULL, NULL, &e)) != 0) {
+      if (!rc) {
         rc = r;
+        err = e;
+      }
       continue;
     }
     if (rc == 0)
@@ -299,7 +317,7 @@ int gpupool_buffer_alloc_many(gpupool_client *c, const char *pool, const size_t 
     else {
       const Gpupool__Wire__BufferDesc *d = gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_ALLOCATE);
       if (d && d->hold_id)
-        gpupool__send_release(c, d->hold_id, 0); /* all or nothing */
+        gpupool__send_release(c, d->hold_id, 0, &e); /* all or nothing (the first failure is told) */
     }
     gpupool__wire__reply__free_unpacked(rep, NULL);
   }
@@ -328,9 +346,9 @@ int gpupool__record_ready(gpupool_client *c, gpupool_buffer *b, void *stream) {
 
 /* Before b goes to others (share, publish): connected, b not lost with a previous daemon, and
  * its ready event recorded in stream (or the stream waited for, with host fences). With c->mu
- * held. */
-int gpupool__hand_over_prepare(gpupool_client *c, gpupool_buffer *b, void *stream) {
-  int rc = gpupool__ensure_connected(c);
+ * held. A failure to reconnect is said in *err; the others are recorded as usual. */
+int gpupool__hand_over_prepare(gpupool_client *c, gpupool_buffer *b, void *stream, gpupool__error *err) {
+  int rc = gpupool__ensure_connected(c, err);
   if (rc == 0 && b->lost)
     rc = gpupool__lost_err(b);
   return rc == 0 ? gpupool__record_ready(c, b, stream) : rc;
@@ -346,7 +364,8 @@ int gpupool_client_host_fences(gpupool_client *c) {
   return on;
 }
 
-static int share(gpupool_buffer *b, void *stream, int keep, gpupool_token *out) {
+/* Share b; a failure of the transport is said in *err. */
+static int share(gpupool_buffer *b, void *stream, int keep, gpupool_token *out, gpupool__error *err) {
   gpupool_client *c;
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Share sh = GPUPOOL__WIRE__SHARE__INIT;
@@ -362,7 +381,8 @@ static int share(gpupool_buffer *b, void *stream, int keep, gpupool_token *out) 
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_SHARE;
   req.share = &sh;
   pthread_mutex_lock(&c->mu);
-  if ((rc = gpupool__hand_over_prepare(c, b, stream)) == 0 && (rc = gpupool__call(c, &req, &rep, NULL)) == 0) {
+  if ((rc = gpupool__hand_over_prepare(c, b, stream, err)) == 0 &&
+      (rc = gpupool__call(c, &req, &rep, NULL, err)) == 0) {
     if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_SHARE || !rep->share ||
         rep->share->token.len != GPUPOOL_TOKEN_SIZE)
       rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent a malformed share token");
@@ -375,11 +395,15 @@ static int share(gpupool_buffer *b, void *stream, int keep, gpupool_token *out) 
 }
 
 int gpupool_buffer_share(gpupool_buffer *b, void *stream, gpupool_token *out) {
-  return share(b, stream, 0, out);
+  gpupool__error err = {.code = 0};
+  int rc = share(b, stream, 0, out, &err);
+  return gpupool__error_report(&err, rc);
 }
 
 int gpupool_buffer_share_kept(gpupool_buffer *b, void *stream, gpupool_token *out) {
-  return share(b, stream, 1, out);
+  gpupool__error err = {.code = 0};
+  int rc = share(b, stream, 1, out, &err);
+  return gpupool__error_report(&err, rc);
 }
 
 /* 0, or the ELOST error of the first of bufs[0..n) that belonged to a daemon gone since. */
@@ -418,6 +442,7 @@ int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *str
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Share sh = GPUPOOL__WIRE__SHARE__INIT;
   gpupool__rep *rep;
+  gpupool__error err = {.code = 0}; /* why the transport failed */
   uint64_t *more = NULL, *asked = NULL;
   int rc = 0;
 
@@ -447,7 +472,7 @@ int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *str
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_SHARE;
   req.share = &sh;
   pthread_mutex_lock(&c->mu);
-  if ((rc = gpupool__ensure_connected(c)) == 0)
+  if ((rc = gpupool__ensure_connected(c, &err)) == 0)
     rc = lost_among(bufs, n);
   /* Each ready event recorded in stream, as gpupool_buffer_share does, but the stream asked
    * once whether it is idle (then there is nothing to wait for), not once per buffer. */
@@ -461,7 +486,7 @@ int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *str
           rc = 0;
       }
   }
-  if (rc == 0 && (rc = gpupool__call(c, &req, &rep, NULL)) == 0) {
+  if (rc == 0 && (rc = gpupool__call(c, &req, &rep, NULL, &err)) == 0) {
     const Gpupool__Wire__ShareReply *r = rep->share;
     int ok = rep->body_case == GPUPOOL__WIRE__REPLY__BODY_SHARE && r && r->token.len == GPUPOOL_TOKEN_SIZE &&
              r->n_more_tokens == (size_t)(n - 1);
@@ -484,7 +509,7 @@ int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *str
   pthread_mutex_unlock(&c->mu);
   free(more);
   free(asked);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 int gpupool_buffer_idle_many(gpupool_buffer *const *bufs, int n, int *idle) {
@@ -492,6 +517,7 @@ int gpupool_buffer_idle_many(gpupool_buffer *const *bufs, int n, int *idle) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Idle id = GPUPOOL__WIRE__IDLE__INIT;
   gpupool__rep *rep;
+  gpupool__error err = {.code = 0}; /* why the transport failed */
   uint64_t *ids;
   int rc;
 
@@ -511,9 +537,9 @@ int gpupool_buffer_idle_many(gpupool_buffer *const *bufs, int n, int *idle) {
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_IDLE;
   req.idle = &id;
   pthread_mutex_lock(&c->mu);
-  if ((rc = gpupool__ensure_connected(c)) == 0)
+  if ((rc = gpupool__ensure_connected(c, &err)) == 0)
     rc = lost_among(bufs, n);
-  if (rc == 0 && (rc = gpupool__call(c, &req, &rep, NULL)) == 0) {
+  if (rc == 0 && (rc = gpupool__call(c, &req, &rep, NULL, &err)) == 0) {
     if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_IDLE || !rep->idle || rep->idle->n_idle != (size_t)n)
       rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent a malformed answer to Idle");
     else
@@ -523,7 +549,7 @@ int gpupool_buffer_idle_many(gpupool_buffer *const *bufs, int n, int *idle) {
   }
   pthread_mutex_unlock(&c->mu);
   free(ids);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 /* GPUPOOL_KEEP_MAPPED: b's slab stays mapped after its last buffer goes, until revoked. */
@@ -551,7 +577,7 @@ int gpupool_buffer_open(gpupool_client *c, const gpupool_token *token, unsigned 
   req.open = &op;
   err.code = 0;
   pthread_mutex_lock(&c->mu);
-  rc = gpupool__call_retry(c, &req, &rep, -1);
+  rc = gpupool__call_retry(c, &req, &rep, -1, &err);
   if (rc == 0) {
     rc = gpupool__materialize(c, gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_OPEN), 1, stream, out, &err);
     gpupool__wire__reply__free_unpacked(rep, NULL);
@@ -567,7 +593,7 @@ int gpupool_buffer_open_many(gpupool_client *c, const gpupool_token *tokens, int
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Open op = GPUPOOL__WIRE__OPEN__INIT;
   ProtobufCBinaryData *more = NULL;
-  gpupool__error err; /* why a step after the reply failed */
+  gpupool__error err, ignored; /* why it failed; a cleanup's failure after it */
   int rc = 0, done = 0;
 
   if (!c || !tokens || !out || n <= 0)
@@ -596,7 +622,7 @@ int gpupool_buffer_open_many(gpupool_client *c, const gpupool_token *tokens, int
     }
     op.n_more_tokens = (size_t)(n - done - 1);
     op.more_tokens = more;
-    if ((rc = gpupool__call_retry(c, &req, &rep, -1)) != 0)
+    if ((rc = gpupool__call_retry(c, &req, &rep, -1, &err)) != 0)
       break;
     r = rep->body_case == GPUPOOL__WIRE__REPLY__BODY_OPEN ? rep->open : NULL;
     got = r ? 1 + r->n_more : 0;
@@ -606,7 +632,7 @@ int gpupool_buffer_open_many(gpupool_client *c, const gpupool_token *tokens, int
       for (size_t i = 0; r && i < got; i++) {
         const Gpupool__Wire__BufferDesc *d = i == 0 ? r->buffer : r->more[i - 1];
         if (d && d->hold_id)
-          gpupool__send_release(c, d->hold_id, 0);
+          gpupool__send_release(c, d->hold_id, 0, &ignored);
       }
       gpupool__wire__reply__free_unpacked(rep, NULL);
       break;
@@ -618,7 +644,7 @@ int gpupool_buffer_open_many(gpupool_client *c, const gpupool_token *tokens, int
         if (rc == 0)
           gpupool__keep_mapped(out[done + (int)i], flags);
       } else if (d && d->hold_id) {
-        gpupool__send_release(c, d->hold_id, 0); /* all or nothing: the rest of this reply goes too */
+        gpupool__send_release(c, d->hold_id, 0, &ignored); /* all or nothing: the rest of this reply goes too */
       }
     }
     gpupool__wire__reply__free_unpacked(rep, NULL);
@@ -699,6 +725,7 @@ int gpupool_buffer_publish_to(gpupool_buffer *b, const char *name, const gpupool
   Gpupool__Wire__TensorMeta tm = GPUPOOL__WIRE__TENSOR_META__INIT;
   gpupool__rep *rep;
   uint32_t devs[16];
+  gpupool__error err = {.code = 0}; /* why the transport failed */
   int rc;
 
   gpupool__err_clear();
@@ -712,32 +739,35 @@ int gpupool_buffer_publish_to(gpupool_buffer *b, const char *name, const gpupool
   pb.replicate_to = devs;
   c = b->c;
   pthread_mutex_lock(&c->mu);
-  if ((rc = gpupool__hand_over_prepare(c, b, stream)) == 0 && (rc = gpupool__call(c, &req, &rep, NULL)) == 0) {
+  if ((rc = gpupool__hand_over_prepare(c, b, stream, &err)) == 0 &&
+      (rc = gpupool__call(c, &req, &rep, NULL, &err)) == 0) {
     if (version)
       *version = gpupool__reply_version(rep);
     gpupool__wire__reply__free_unpacked(rep, NULL);
     published_locally(c, b, name, meta);
   }
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 /* A get waiting for a publisher when the daemon goes away was dropped with its connection:
  * ask the next daemon again for what is left of its timeout (a name published there ends the
- * wait), as often as the daemon restarts within that time. With c->mu held. */
+ * wait), as often as the daemon restarts within that time. With c->mu held; *err says why it
+ * failed. */
 int gpupool__get_across_restarts(gpupool_client *c, gpupool__req *req, uint32_t *wire_timeout_ms, int timeout_ms,
-                                 gpupool__rep **out, uint64_t *known_layout) {
+                                 gpupool__rep **out, uint64_t *known_layout, gpupool__error *err) {
   uint64_t start = gpupool__mono_ns() / 1000000;
-  int rc = gpupool__ensure_connected(c);
+  int rc = gpupool__ensure_connected(c, err);
   if (rc != 0)
     return rc;
   for (int attempt = 0;; attempt++) {
     uint64_t spent;
     int last = attempt > 0 && *wire_timeout_ms == 0; /* the final try already asked for no wait */
-    rc = gpupool__call(c, req, out, NULL);
+    rc = gpupool__call(c, req, out, NULL, err);
     if ((rc != GPUPOOL_ECLOSED && rc != GPUPOOL_EIO) || !c->broken || c->reconnect_ms <= 0 || last)
       return rc;
-    if ((rc = gpupool__ensure_connected(c)) != 0)
+    err->code = 0; /* the lost connection's failure is not this get's: it asks again */
+    if ((rc = gpupool__ensure_connected(c, err)) != 0)
       return rc;
     if (known_layout)
       *known_layout = 0; /* a layout id of the daemon that went away names nothing here */
@@ -795,7 +825,7 @@ int gpupool_buffer_get(gpupool_client *c, const char *name, uint64_t newer_than,
     return rc;
   err.code = 0;
   pthread_mutex_lock(&c->mu);
-  rc = gpupool__get_across_restarts(c, &req, &gt.timeout_ms, timeout_ms, &rep, NULL);
+  rc = gpupool__get_across_restarts(c, &req, &gt.timeout_ms, timeout_ms, &rep, NULL, &err);
   if (rc == 0)
     rc = gpupool__get_finish(c, rep, flags, stream, out, version, &err);
   pthread_mutex_unlock(&c->mu);
@@ -806,6 +836,7 @@ int gpupool_name_unpublish(gpupool_client *c, const char *name) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Unpublish up = GPUPOOL__WIRE__UNPUBLISH__INIT;
   gpupool__rep *rep;
+  gpupool__error err = {.code = 0}; /* why the transport failed */
   int rc;
   if (!c || !name)
     return gpupool__err(GPUPOOL_EINVAL, "unpublish: client and name must not be NULL");
@@ -814,13 +845,13 @@ int gpupool_name_unpublish(gpupool_client *c, const char *name) {
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_UNPUBLISH;
   req.unpublish = &up;
   pthread_mutex_lock(&c->mu);
-  rc = gpupool__call_retry(c, &req, &rep, -1);
+  rc = gpupool__call_retry(c, &req, &rep, -1, &err);
   if (rc == 0) {
     gpupool__wire__reply__free_unpacked(rep, NULL);
     gpupool__note_unpublished(c, name);
   }
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 void *gpupool_buffer_ptr(const gpupool_buffer *b) { return b ? (char *)b->base + b->offset : NULL; }

@@ -140,11 +140,12 @@ static void bundle_free_local(gpupool_bundle *b) {
 void gpupool__release_holds_from(gpupool_client *c, const Gpupool__Wire__Bundle *wb, size_t from, uint64_t gen) {
   /* Holds of a daemon that has gone since the reply came went with it; their ids may name
    * other holds of the new one. */
+  gpupool__error ignored; /* cleanup: the failure that led here is the one to tell */
   if (c->reconnects != gen)
     return;
   for (size_t i = from; wb && i < wb->n_buffers; i++)
     if (wb->buffers[i] && wb->buffers[i]->hold_id)
-      gpupool__send_release(c, wb->buffers[i]->hold_id, 0);
+      gpupool__send_release(c, wb->buffers[i]->hold_id, 0, &ignored);
 }
 
 /* Turn a reply's Bundle into a bundle of this process: every buffer materialized (waiting on
@@ -157,6 +158,7 @@ static int bundle_from_reply(gpupool_client *c, const Gpupool__Wire__Bundle *wb,
                              const char *name, clayout *known, gpupool_bundle **out, gpupool__error *err) {
   gpupool_bundle *b = NULL;
   clayout *l = NULL;
+  gpupool__error ignored; /* a cleanup's failure after the one *err tells */
   size_t i;
   int rc;
   uint64_t gen = c->reconnects; /* the reply's connection (materialize may let go of the lock) */
@@ -198,7 +200,7 @@ static int bundle_from_reply(gpupool_client *c, const Gpupool__Wire__Bundle *wb,
     if ((rc = gpupool__materialize(c, wb->buffers[i], wait_ready, stream, &b->bufs[i], &why)) != 0) {
       gpupool__error_set(err, rc, "buffer %zu of the bundle: %s", i, why.msg);
       gpupool__release_holds_from(c, wb, i + 1, gen); /* materialize released hold i */
-      gpupool__release_many_locked(c, b->bufs, (int)i, NULL);
+      gpupool__release_many_locked(c, b->bufs, (int)i, NULL, &ignored);
       bundle_free_local(b);
       return rc;
     }
@@ -206,7 +208,7 @@ static int bundle_from_reply(gpupool_client *c, const Gpupool__Wire__Bundle *wb,
     if (l->need[i] > b->bufs[i]->size) {
       gpupool__error_set(err, GPUPOOL_EPROTO, "the daemon sent members past the end of buffer %zu", i);
       gpupool__release_holds_from(c, wb, i + 1, gen);
-      gpupool__release_many_locked(c, b->bufs, b->nbufs, NULL);
+      gpupool__release_many_locked(c, b->bufs, b->nbufs, NULL, &ignored);
       bundle_free_local(b);
       return err->code;
     }
@@ -286,7 +288,7 @@ int gpupool_bundle_alloc(gpupool_client *c, const char *pool, const gpupool_memb
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ALLOCATE_BUNDLE;
   req.allocate_bundle = &ab;
   pthread_mutex_lock(&c->mu);
-  rc = gpupool__call_retry(c, &req, &rep, -1);
+  rc = gpupool__call_retry(c, &req, &rep, -1, &err);
   if (rc == 0) {
     /* Fresh ranges: nothing to wait for (see gpupool_buffer_alloc). */
     rc = bundle_from_reply(c, gpupool__reply_bundle(rep), 0, stream, NULL, NULL, out, &err);
@@ -302,10 +304,11 @@ out:
 
 /* Publish members (wire form, lying in bufs) under name in one request: the whole version, or
  * one part of it when part is not NULL (PublishPart; part->complete gets the answer). With
- * c->mu held. */
+ * c->mu held; a failure of the transport is said in *err. */
 static int publish_bundle_locked(gpupool_client *c, const char *name, gpupool_buffer *const *bufs, int nbufs,
                                  Gpupool__Wire__BundleMember **wm, int n, uint64_t layout_id, void *stream,
-                                 const uint32_t *devs, int ndevs, gpupool__part *part, uint64_t *version) {
+                                 const uint32_t *devs, int ndevs, gpupool__part *part, uint64_t *version,
+                                 gpupool__error *err) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__PublishBundle pb = GPUPOOL__WIRE__PUBLISH_BUNDLE__INIT;
   Gpupool__Wire__PublishPart pp = GPUPOOL__WIRE__PUBLISH_PART__INIT;
@@ -313,7 +316,7 @@ static int publish_bundle_locked(gpupool_client *c, const char *name, gpupool_bu
   gpupool__rep *rep;
   int rc;
 
-  if ((rc = gpupool__ensure_connected(c)) != 0)
+  if ((rc = gpupool__ensure_connected(c, err)) != 0)
     return rc;
   if (!(holds = calloc((size_t)nbufs, sizeof *holds)))
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
@@ -350,7 +353,7 @@ static int publish_bundle_locked(gpupool_client *c, const char *name, gpupool_bu
     req.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_PART;
     req.publish_part = &pp;
   }
-  if ((rc = gpupool__call(c, &req, &rep, NULL)) == 0) {
+  if ((rc = gpupool__call(c, &req, &rep, NULL, err)) == 0) {
     if (part && (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_PUBLISH_PART || !rep->publish_part)) {
       rc = gpupool__err(GPUPOOL_EPROTO, "the daemon answered a PublishPart with something else");
     } else if (part) {
@@ -414,6 +417,7 @@ int gpupool_bundle_publish(gpupool_bundle *b, const char *name, void *stream, ui
 int gpupool_bundle_publish_to(gpupool_bundle *b, const char *name, void *stream, const int *devices, int ndevs,
                               uint64_t *version) {
   uint32_t devs[16];
+  gpupool__error err = {.code = 0}; /* why the transport failed */
   int rc;
   if (!b || !name)
     return gpupool__err(GPUPOOL_EINVAL, "bundle_publish: bundle and name must not be NULL");
@@ -422,11 +426,12 @@ int gpupool_bundle_publish_to(gpupool_bundle *b, const char *name, void *stream,
     *version = 0;
   if ((rc = gpupool__wire_check_name(name)) != 0 || (rc = gpupool__replicate_to(devices, ndevs, devs)) != 0)
     return rc;
-  return gpupool__bundle_publish(b, name, stream, devs, ndevs, NULL, version);
+  rc = gpupool__bundle_publish(b, name, stream, devs, ndevs, NULL, version, &err);
+  return gpupool__error_report(&err, rc);
 }
 
 int gpupool__bundle_publish(gpupool_bundle *b, const char *name, void *stream, const uint32_t *devs, int ndevs,
-                            gpupool__part *part, uint64_t *version) {
+                            gpupool__part *part, uint64_t *version, gpupool__error *err) {
   members_wire w;
   const clayout *l = b->layout;
   uint64_t v = 0;
@@ -434,10 +439,12 @@ int gpupool__bundle_publish(gpupool_bundle *b, const char *name, void *stream, c
   pthread_mutex_lock(&b->c->mu);
   /* By the layout's id first: the daemon has the table, so no member travels. It forgets a
    * table once nothing uses it (a relayed bundle's may be gone): then the members go. */
-  rc = l->id ? publish_bundle_locked(b->c, name, b->bufs, b->nbufs, NULL, 0, l->id, stream, devs, ndevs, part, &v)
+  rc = l->id ? publish_bundle_locked(b->c, name, b->bufs, b->nbufs, NULL, 0, l->id, stream, devs, ndevs, part, &v,
+                                     err)
               : GPUPOOL_ENOENT;
   pthread_mutex_unlock(&b->c->mu);
   if (rc == GPUPOOL_ENOENT) {
+    err->code = 0; /* the daemon forgot the table: not a failure, the members go instead */
     if ((rc = members_wire_new(&w, l->n)) != 0)
       return rc;
     for (int i = 0; i < l->n; i++) {
@@ -445,7 +452,7 @@ int gpupool__bundle_publish(gpupool_bundle *b, const char *name, void *stream, c
       member_wire(&w, i, m->name, (uint32_t)m->buffer, m->offset, m->size, m->has_meta ? &m->meta : NULL);
     }
     pthread_mutex_lock(&b->c->mu);
-    rc = publish_bundle_locked(b->c, name, b->bufs, b->nbufs, w.p, l->n, 0, stream, devs, ndevs, part, &v);
+    rc = publish_bundle_locked(b->c, name, b->bufs, b->nbufs, w.p, l->n, 0, stream, devs, ndevs, part, &v, err);
     pthread_mutex_unlock(&b->c->mu);
     members_wire_free(&w);
   }
@@ -516,7 +523,7 @@ int gpupool__publish_members(gpupool_client *c, const char *name, const gpupool_
     member_wire(&w, i, m->name, (uint32_t)(idx - 1), m->offset, m->size, m->meta);
   }
   pthread_mutex_lock(&c->mu);
-  rc = publish_bundle_locked(c, name, bufs, nbufs, w.p, n, 0, stream, NULL, 0, part, version);
+  rc = publish_bundle_locked(c, name, bufs, nbufs, w.p, n, 0, stream, NULL, 0, part, version, err);
   pthread_mutex_unlock(&c->mu);
 out:
   gpupool__hmap_free(&index);
@@ -572,15 +579,15 @@ int gpupool_bundle_get(gpupool_client *c, const char *name, uint64_t newer_than,
   pthread_mutex_lock(&c->mu);
   /* Connected first, so the table named as known is one of this daemon's; it is held
    * until the reply is handled, whatever happens to the cache meanwhile. */
-  if ((rc = gpupool__ensure_connected(c)) != 0) {
+  if ((rc = gpupool__ensure_connected(c, &err)) != 0) {
     pthread_mutex_unlock(&c->mu);
-    return rc;
+    return gpupool__error_report(&err, rc);
   }
   known = gpupool__layout_cached(c, name);
   if (known)
     known->refs++;
   gb.known_layout = known ? known->id : 0;
-  rc = gpupool__get_across_restarts(c, &req, &gb.timeout_ms, timeout_ms, &rep, &gb.known_layout);
+  rc = gpupool__get_across_restarts(c, &req, &gb.timeout_ms, timeout_ms, &rep, &gb.known_layout, &err);
   if (rc == 0)
     rc = gpupool__bundle_get_finish(c, rep, flags, stream, name, gb.known_layout ? known : NULL, out, &err);
   gpupool__clayout_unref(known);
@@ -590,17 +597,18 @@ int gpupool_bundle_get(gpupool_client *c, const char *name, uint64_t newer_than,
 
 int gpupool_bundle_release(gpupool_bundle *b, void *stream) {
   gpupool_client *c;
+  gpupool__error err = {.code = 0}, gone;
   int rc;
   if (!b)
     return gpupool__err(GPUPOOL_EINVAL, "bundle_release: bundle is NULL");
   gpupool__err_clear();
   c = b->c;
   pthread_mutex_lock(&c->mu);
-  gpupool__ensure_connected(c); /* marks the buffers lost if their daemon went away */
-  rc = gpupool__release_many_locked(c, b->bufs, b->nbufs, stream);
+  gpupool__ensure_connected(c, &gone); /* marks the buffers lost if their daemon went away */
+  rc = gpupool__release_many_locked(c, b->bufs, b->nbufs, stream, &err);
   bundle_free_local(b); /* its layout is shared with the cache: under the lock */
   pthread_mutex_unlock(&c->mu);
-  return rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO ? 0 : rc;
+  return rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO ? 0 : gpupool__error_report(&err, rc);
 }
 
 int gpupool_bundle_count(const gpupool_bundle *b) { return b ? b->layout->n : 0; }

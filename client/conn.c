@@ -65,8 +65,8 @@ void gpupool__set_broken(gpupool_client *c, int code, const char *msg) {
   pthread_cond_broadcast(&c->cv);
 }
 
-static int broken_err(gpupool_client *c) {
-  return gpupool__err(c->broken, "connection to gpupoold is unusable: %s", c->broken_msg);
+static int broken_err(gpupool_client *c, gpupool__error *err) {
+  return gpupool__error_set(err, c->broken, "connection to gpupoold is unusable: %s", c->broken_msg);
 }
 
 void gpupool__export_free(slab_export *e) {
@@ -261,8 +261,9 @@ out:
   pthread_cond_broadcast(&c->cv);
 }
 
-/* After a failed send: an error frame the daemon left before closing, as (code, message). */
-static int refusal(gpupool_client *c) {
+/* After a failed send: an error frame the daemon left before closing, as (code, message in
+ * *err); 0 when there is none. */
+static int refusal(gpupool_client *c, gpupool__error *err) {
   struct pollfd pfd = {.fd = c->fd, .events = POLLIN};
   gpupool__wire_rx rx;
   gpupool__rep *rep = NULL;
@@ -275,7 +276,7 @@ static int refusal(gpupool_client *c) {
   if (rep && rep->error && rep->error->code < 0 && rep->error->code > GPUPOOL_ERRNO_MIN) {
     code = rep->error->code;
     gpupool__set_broken(c, code, rep->error->message ? rep->error->message : gpupool_strerror(code));
-    gpupool__err(code, "%s", c->broken_msg);
+    gpupool__error_set(err, code, "%s", c->broken_msg);
   }
   if (rep)
     gpupool__wire__reply__free_unpacked(rep, NULL);
@@ -284,23 +285,23 @@ static int refusal(gpupool_client *c) {
 
 /* Send req (with send_fd, when >= 0; the caller keeps it) and register its pending reply
  * (*out, freed by call_wait). With c->mu held. */
-int gpupool__call_send(gpupool_client *c, gpupool__req *req, pending **out, int send_fd) {
+int gpupool__call_send(gpupool_client *c, gpupool__req *req, pending **out, int send_fd, gpupool__error *err) {
   pending *p;
   uint8_t *buf;
   size_t len;
   int rc;
 
   if (c->broken)
-    return broken_err(c);
+    return broken_err(c, err);
   req->seq = ++c->next_seq;
   req->n_unmapped_slabs = c->nunmapped;
   req->unmapped_slabs = c->unmapped;
   req->host_fences = c->host_fences;
   if ((rc = gpupool__sock_pack_request(req, c->max_frame, &buf, &len)) != 0)
-    return rc;
+    return gpupool__error_take(err, rc);
   if (!(p = calloc(1, sizeof *p))) {
     free(buf);
-    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+    return gpupool__error_set(err, GPUPOOL_ENOMEM, "out of memory");
   }
   rc = gpupool__wire_send(c->fd, buf, len, send_fd >= 0 ? &send_fd : NULL, send_fd >= 0 ? 1 : 0);
   free(buf);
@@ -312,7 +313,7 @@ int gpupool__call_send(gpupool_client *c, gpupool__req *req, pending **out, int 
     free(p);
     /* The daemon may have refused this connection (too many clients, uid not allowed) and
      * closed it before our request went out: its reason is still readable. */
-    if ((code = refusal(c)) != 0)
+    if ((code = refusal(c, err)) != 0)
       return code;
     if (c->hs_deadline_ns) {
       gpupool__set_broken(c, rc == GPUPOOL_ETIMEDOUT ? GPUPOOL_ETIMEDOUT : GPUPOOL_EPROTO, "");
@@ -326,10 +327,10 @@ int gpupool__call_send(gpupool_client *c, gpupool__req *req, pending **out, int 
                  "before reading Hello (%.159s)",
                  c->socket_path, sent.msg);
       c->hs_closed = c->broken == GPUPOOL_EPROTO;
-      return gpupool__err(c->broken, "%s", c->broken_msg);
+      return gpupool__error_set(err, c->broken, "%s", c->broken_msg);
     }
     gpupool__set_broken(c, rc, "cannot send to the daemon (it stopped or dropped this client)");
-    return broken_err(c);
+    return broken_err(c, err);
   }
   c->nunmapped = 0;
   p->seq = req->seq;
@@ -343,7 +344,8 @@ int gpupool__call_send(gpupool_client *c, gpupool__req *req, pending **out, int 
 /* Wait for p's reply, unlink and free p. On success *out is the reply (caller frees) and it
  * carried no error; fds it carried go to fds_out (first *nfds_out, at most GPUPOOL_WIRE_MAX_FDS)
  * or are closed when fds_out is NULL. Handles the slab revocations it carries. With c->mu. */
-int gpupool__call_wait(gpupool_client *c, pending *p, gpupool__rep **out, int *fds_out, int *nfds_out) {
+int gpupool__call_wait(gpupool_client *c, pending *p, gpupool__rep **out, int *fds_out, int *nfds_out,
+                       gpupool__error *err) {
   pending **pp;
   int rc;
   uint64_t t_wait = TRACE_ON() ? gpupool__mono_ns() : 0;
@@ -363,18 +365,18 @@ int gpupool__call_wait(gpupool_client *c, pending *p, gpupool__rep **out, int *f
   if (t_wait)
     gpupool__trace("rpc", t_wait, p->seq);
   if (!p->rep || p->gen != c->reconnects) {
-    rc = gpupool__err(p->err ? p->err : p->rep ? GPUPOOL_ECLOSED : GPUPOOL_EIO,
-                      "connection to gpupoold lost while waiting for the reply: %s (the next request "
-                      "reconnects; holds of the old connection are reported by gpupool_client_lost_names and "
-                      "gpupool_buffer_lost)",
-                      c->broken_msg[0] ? c->broken_msg : "the client reconnected since");
+    rc = gpupool__error_set(err, p->err ? p->err : p->rep ? GPUPOOL_ECLOSED : GPUPOOL_EIO,
+                            "connection to gpupoold lost while waiting for the reply: %s (the next request "
+                            "reconnects; holds of the old connection are reported by gpupool_client_lost_names "
+                            "and gpupool_buffer_lost)",
+                            c->broken_msg[0] ? c->broken_msg : "the client reconnected since");
     goto fail;
   }
   if (p->rep->n_revoke_slabs && c->revoked)
     c->revoked(c, p->rep->revoke_slabs, p->rep->n_revoke_slabs);
   if (p->rep->error) {
     rc = p->rep->error->code < 0 && p->rep->error->code > GPUPOOL_ERRNO_MIN ? p->rep->error->code : GPUPOOL_EPROTO;
-    gpupool__err(rc, "%s", p->rep->error->message ? p->rep->error->message : gpupool_strerror(rc));
+    gpupool__error_set(err, rc, "%s", p->rep->error->message ? p->rep->error->message : gpupool_strerror(rc));
     goto fail;
   }
   for (int i = 0; i < p->nfds; i++)
@@ -400,19 +402,20 @@ fail:
 /* Send req (with send_fd when >= 0; the caller keeps it) and wait for its reply. Called and
  * returns with c->mu held. On success *rep is the reply (caller frees) and it carried no
  * error; *fd_out (may be NULL) gets the first fd it carried. Handles slab revocations. */
-static int call_fds(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *fd_out, int send_fd) {
+static int call_fds(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *fd_out, int send_fd,
+                    gpupool__error *err) {
   pending *p = NULL;
   int fds[GPUPOOL_WIRE_MAX_FDS], nfds = 0, rc;
   if (fd_out)
     *fd_out = -1;
-  if ((rc = gpupool__call_send(c, req, &p, send_fd)) != 0)
+  if ((rc = gpupool__call_send(c, req, &p, send_fd, err)) != 0)
     return rc;
   if (gpupool__hook_sent) {
     pthread_mutex_unlock(&c->mu);
     gpupool__hook_sent(c, req);
     pthread_mutex_lock(&c->mu);
   }
-  if ((rc = gpupool__call_wait(c, p, out, fds, &nfds)) != 0)
+  if ((rc = gpupool__call_wait(c, p, out, fds, &nfds, err)) != 0)
     return rc;
   for (int i = 0; i < nfds; i++) {
     if (i == 0 && fd_out)
@@ -423,33 +426,35 @@ static int call_fds(gpupool_client *c, gpupool__req *req, gpupool__rep **out, in
   return 0;
 }
 
-int gpupool__call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *fd_out) {
-  return call_fds(c, req, out, fd_out, -1);
+int gpupool__call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *fd_out, gpupool__error *err) {
+  return call_fds(c, req, out, fd_out, -1, err);
 }
 
 /* Called first by every public entry point (with c->mu held): a connection that the daemon
  * closed is replaced before the request, so holds never cross from one daemon to the next. */
-int gpupool__ensure_connected(gpupool_client *c) {
+int gpupool__ensure_connected(gpupool_client *c, gpupool__error *err) {
   if (!c->broken)
     return 0;
   if ((c->broken != GPUPOOL_ECLOSED && c->broken != GPUPOOL_EIO) || c->reconnect_ms <= 0 || !c->reconnect)
-    return broken_err(c);
-  return c->reconnect(c);
+    return broken_err(c, err);
+  return c->reconnect(c, err);
 }
 
 /* For requests that do not name a hold of the old connection (allocate, get, open,
  * unpublish, stats, trim, publish_file): when the daemon turns out to be gone, reconnect and
  * send once more. Safe: whatever the lost connection held was dropped with it. send_fd: an
  * fd that goes with the request (the caller keeps it), or -1. */
-int gpupool__call_retry(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int send_fd) {
-  int rc = gpupool__ensure_connected(c);
+int gpupool__call_retry(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int send_fd,
+                        gpupool__error *err) {
+  int rc = gpupool__ensure_connected(c, err);
   if (rc != 0)
     return rc;
-  rc = call_fds(c, req, out, NULL, send_fd);
+  rc = call_fds(c, req, out, NULL, send_fd, err);
   if ((rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO) && c->broken && c->reconnect_ms > 0) {
-    if ((rc = gpupool__ensure_connected(c)) != 0)
+    err->code = 0; /* the lost connection's failure is not this call's: it goes again */
+    if ((rc = gpupool__ensure_connected(c, err)) != 0)
       return rc;
-    rc = call_fds(c, req, out, NULL, send_fd);
+    rc = call_fds(c, req, out, NULL, send_fd, err);
   }
   return rc;
 }

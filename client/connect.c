@@ -24,47 +24,48 @@
 
 #include "internal.h"
 
-/* Connect to the daemon's socket at path (common/sock.c), a failure worded for a program. */
-static int connect_socket(const char *path, int timeout_ms, int *out) {
+/* Connect to the daemon's socket at path (common/sock.c), a failure worded for a program
+ * (in *err). */
+static int connect_socket(const char *path, int timeout_ms, int *out, gpupool__error *err) {
   char what[GPUPOOL__SOCK_DESCRIBE_MAX];
   int tries, fd, e;
   if (strlen(path) >= sizeof ((struct sockaddr_un *)0)->sun_path)
-    return gpupool__err(GPUPOOL_EINVAL, "socket path '%s' is longer than %zu bytes", path,
-                        sizeof ((struct sockaddr_un *)0)->sun_path - 1);
+    return gpupool__error_set(err, GPUPOOL_EINVAL, "socket path '%s' is longer than %zu bytes", path,
+                              sizeof ((struct sockaddr_un *)0)->sun_path - 1);
   if ((fd = gpupool__sock_connect(path, timeout_ms, 1, &tries)) >= 0) {
     *out = fd;
     return 0;
   }
   e = -fd;
   if (tries == 0)
-    return gpupool__err(GPUPOOL_ECONNECT, "socket: %s", strerror(e));
+    return gpupool__error_set(err, GPUPOOL_ECONNECT, "socket: %s", strerror(e));
   if (e == ECONNREFUSED && gpupool__sock_describe(path, what, sizeof what) == 1)
-    return gpupool__err(GPUPOOL_ECONNECT, "cannot connect to gpupoold: %s", what);
+    return gpupool__error_set(err, GPUPOOL_ECONNECT, "cannot connect to gpupoold: %s", what);
   if (e == ENOENT || e == ECONNREFUSED)
-    return gpupool__err(GPUPOOL_ECONNECT,
-                        "cannot connect to gpupoold at %s: %s; is the daemon running? Start it "
-                        "(gpupoold --socket %s, or systemctl start gpupoold.socket) or set GPUPOOL_SOCKET",
-                        path, strerror(e), path);
+    return gpupool__error_set(err, GPUPOOL_ECONNECT,
+                              "cannot connect to gpupoold at %s: %s; is the daemon running? Start it "
+                              "(gpupoold --socket %s, or systemctl start gpupoold.socket) or set GPUPOOL_SOCKET",
+                              path, strerror(e), path);
   if (e == EACCES || e == EPERM) {
     gpupool__sock_describe(path, what, sizeof what);
-    return gpupool__err(GPUPOOL_ECONNECT,
-                        "cannot connect to gpupoold at %s: permission denied (%s); connecting needs "
-                        "write access to the socket: join its group or ask the operator",
-                        path, what);
+    return gpupool__error_set(err, GPUPOOL_ECONNECT,
+                              "cannot connect to gpupoold at %s: permission denied (%s); connecting needs "
+                              "write access to the socket: join its group or ask the operator",
+                              path, what);
   }
   if (e == EAGAIN)
-    return gpupool__err(GPUPOOL_ETIMEDOUT,
-                        "the daemon did not answer in %g s: gpupoold at %s kept its queue of waiting "
-                        "connections full all that time (%d tries): it is stopped, stuck or flooded with "
-                        "connections (see 'systemctl status gpupoold' and its log; the queue is listen_backlog "
-                        "in its config); the timeout is gpupool_client_connect() or GPUPOOL_CONNECT_TIMEOUT_MS",
-                        timeout_ms / 1000.0, path, tries);
+    return gpupool__error_set(err, GPUPOOL_ETIMEDOUT,
+                              "the daemon did not answer in %g s: gpupoold at %s kept its queue of waiting "
+                              "connections full all that time (%d tries): it is stopped, stuck or flooded with "
+                              "connections (see 'systemctl status gpupoold' and its log; the queue is listen_backlog "
+                              "in its config); the timeout is gpupool_client_connect() or GPUPOOL_CONNECT_TIMEOUT_MS",
+                              timeout_ms / 1000.0, path, tries);
   if (e == EINPROGRESS || e == ETIMEDOUT)
-    return gpupool__err(GPUPOOL_ETIMEDOUT,
-                        "the daemon did not answer in %g s: gpupoold at %s accepts no connections "
-                        "(stopped or stuck? see 'systemctl status gpupoold')",
-                        timeout_ms / 1000.0, path);
-  return gpupool__err(GPUPOOL_ECONNECT, "cannot connect to gpupoold at %s: %s", path, strerror(e));
+    return gpupool__error_set(err, GPUPOOL_ETIMEDOUT,
+                              "the daemon did not answer in %g s: gpupoold at %s accepts no connections "
+                              "(stopped or stuck? see 'systemctl status gpupoold')",
+                              timeout_ms / 1000.0, path);
+  return gpupool__error_set(err, GPUPOOL_ECONNECT, "cannot connect to gpupoold at %s: %s", path, strerror(e));
 }
 
 /* Whether this connection orders GPU work without the daemon's inter-process events. CUDA
@@ -84,32 +85,33 @@ static int host_fences_for(gpupool_client *c, const Gpupool__Wire__HelloReply *h
   return want;
 }
 
-/* What a Hello reply tells this connection: the protocol, the backend, the pools. */
-static int take_hello(gpupool_client *c, const Gpupool__Wire__HelloReply *hr) {
+/* What a Hello reply tells this connection: the protocol, the backend, the pools (or why
+ * not, in *err). */
+static int take_hello(gpupool_client *c, const Gpupool__Wire__HelloReply *hr, gpupool__error *err) {
   const gpupool__backend_desc *d;
   int rc;
 
   if (hr->protocol_version != GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION)
-    return gpupool__err(GPUPOOL_EVERSION, "gpupoold %s speaks protocol %u, this library (%s) speaks %d",
-                        hr->daemon_version, hr->protocol_version, GPUPOOL_VERSION_STRING,
-                        GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION);
+    return gpupool__error_set(err, GPUPOOL_EVERSION, "gpupoold %s speaks protocol %u, this library (%s) speaks %d",
+                              hr->daemon_version, hr->protocol_version, GPUPOOL_VERSION_STRING,
+                              GPUPOOL__WIRE__VERSION__PROTOCOL_VERSION);
   c->client_id = hr->client_id;
   c->max_frame = hr->max_frame;
   c->backend_kind = hr->backend;
   if (!(d = gpupool__backend_by_kind(hr->backend)))
-    return gpupool__err(GPUPOOL_EPROTO, "gpupoold %s runs backend %d, which this library (%s) does "
-                        "not know; upgrade libgpupool-client", hr->daemon_version, hr->backend,
-                        GPUPOOL_VERSION_STRING);
+    return gpupool__error_set(err, GPUPOOL_EPROTO, "gpupoold %s runs backend %d, which this library (%s) does "
+                              "not know; upgrade libgpupool-client", hr->daemon_version, hr->backend,
+                              GPUPOOL_VERSION_STRING);
   if (!d->client)
-    return gpupool__err(GPUPOOL_ENOTSUP,
-                        "gpupoold serves %s but this libgpupool-client was built without it; "
-                        "rebuild it with the CUDA toolkit", d->what);
+    return gpupool__error_set(err, GPUPOOL_ENOTSUP,
+                              "gpupoold serves %s but this libgpupool-client was built without it; "
+                              "rebuild it with the CUDA toolkit", d->what);
   c->be = d->client;
   c->host_fences = host_fences_for(c, hr);
   c->max_release_batch = hr->max_release_batch;
   c->pools = calloc(hr->n_pools ? hr->n_pools : 1, sizeof *c->pools);
   if (!c->pools)
-    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+    return gpupool__error_set(err, GPUPOOL_ENOMEM, "out of memory");
   c->npools = 0;
   for (size_t i = 0; i < hr->n_pools; i++) {
     const Gpupool__Wire__PoolInfo *pi = hr->pools[i];
@@ -117,7 +119,7 @@ static int take_hello(gpupool_client *c, const Gpupool__Wire__HelloReply *hr) {
     p->id = pi->id;
     snprintf(p->name, sizeof p->name, "%s", pi->name ? pi->name : "");
     if ((rc = gpupool__wire_mem_kind(pi->location, &p->kind)) != 0)
-      return rc;
+      return gpupool__error_take(err, rc);
     p->device = pi->device;
     p->capacity = pi->capacity;
   }
@@ -157,8 +159,8 @@ static int handshake(gpupool_client *c, gpupool__error *err) {
   int rc, fd = -1, lease = -1;
 
   c->hs_closed = 0;
-  if ((rc = connect_socket(c->socket_path, c->connect_timeout_ms, &fd)) != 0)
-    return gpupool__error_take(err, rc);
+  if ((rc = connect_socket(c->socket_path, c->connect_timeout_ms, &fd, err)) != 0)
+    return rc;
   c->fd = fd;
   c->broken = 0;
   c->broken_msg[0] = '\0';
@@ -174,11 +176,11 @@ static int handshake(gpupool_client *c, gpupool__error *err) {
   hello.resume.len = c->resume_len;
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_HELLO;
   req.hello = &hello;
-  rc = gpupool__call(c, &req, &rep, &lease);
+  rc = gpupool__call(c, &req, &rep, &lease, err);
   c->hs_deadline_ns = 0;
   if (rc != 0) {
     if (c->broken == GPUPOOL_ETIMEDOUT || c->broken == GPUPOOL_EPROTO)
-      rc = gpupool__err(c->broken, "%s", c->broken_msg);
+      rc = gpupool__error_set(err, c->broken, "%s", c->broken_msg);
     goto fail;
   }
   {
@@ -190,25 +192,25 @@ static int handshake(gpupool_client *c, gpupool__error *err) {
   }
   hr = rep->hello;
   if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_HELLO || !hr) {
-    rc = gpupool__err(GPUPOOL_EPROTO, "the daemon answered Hello with something else");
+    rc = gpupool__error_set(err, GPUPOOL_EPROTO, "the daemon answered Hello with something else");
     goto fail;
   }
   if (hr->lease && lease < 0) {
-    rc = gpupool__err(GPUPOOL_EPROTO, "the daemon announced a lease but sent no fd with its Hello reply");
+    rc = gpupool__error_set(err, GPUPOOL_EPROTO,
+                            "the daemon announced a lease but sent no fd with its Hello reply");
     goto fail;
   }
   if (!hr->lease && lease >= 0) {
     close(lease); /* an fd this library did not ask for */
     lease = -1;
   }
-  if ((rc = take_hello(c, hr)) != 0)
+  if ((rc = take_hello(c, hr, err)) != 0)
     goto fail;
   take_resumed(c, hr);
   gpupool__wire__reply__free_unpacked(rep, NULL);
   c->lease_fd = lease;
   return 0;
 fail:
-  gpupool__error_take(err, rc);
   if (rep)
     gpupool__wire__reply__free_unpacked(rep, NULL);
   if (lease >= 0)
@@ -224,7 +226,7 @@ fail:
  * hold and published name lost, and connect again with backoff for up to reconnect_ms.
  * With c->mu held. */
 
-static int reconnect(gpupool_client *c) {
+static int reconnect(gpupool_client *c, gpupool__error *err) {
   stale_gen *g;
   uint64_t start = 0;
   long delay_ms = 20;
@@ -241,7 +243,7 @@ static int reconnect(gpupool_client *c) {
     c->fd = -1;
     g = calloc(1, sizeof *g);
     if (!g)
-      return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+      return gpupool__error_set(err, GPUPOOL_ENOMEM, "out of memory");
     g->pools = c->pools;
     g->npools = c->npools;
     g->events = c->events;
@@ -304,8 +306,8 @@ static int reconnect(gpupool_client *c) {
     if ((rc != GPUPOOL_ECONNECT && rc != GPUPOOL_ECLOSED && rc != GPUPOOL_EIO &&
          !(rc == GPUPOOL_EPROTO && c->hs_closed)) ||
         now - start >= (uint64_t)c->reconnect_ms) {
-      return gpupool__err(rc, "the daemon went away and did not come back within %d ms: %s", c->reconnect_ms,
-                          why.msg);
+      return gpupool__error_set(err, rc, "the daemon went away and did not come back within %d ms: %s",
+                                c->reconnect_ms, why.msg);
     }
     /* Sleep without the lock so other threads can fail fast or see the new connection. */
     pthread_mutex_unlock(&c->mu);
@@ -474,6 +476,7 @@ int gpupool_client_lost_names(gpupool_client *c, char (*names)[GPUPOOL_NAME_MAX 
 int gpupool_buffer_lost(const gpupool_buffer *b) { return b ? b->lost : 0; }
 
 int gpupool_client_set_devices(gpupool_client *c, const int *devices, int n) {
+  gpupool__error err = {.code = 0}; /* why reconnecting or attaching a pool failed */
   int rc = 0;
   if (!c || n < 0 || n > 64 || (n > 0 && !devices))
     return gpupool__err(GPUPOOL_EINVAL, "set_devices: bad arguments (at most 64 devices)");
@@ -483,17 +486,19 @@ int gpupool_client_set_devices(gpupool_client *c, const int *devices, int n) {
   c->ndevices = n;
   /* Import every pool now, so a device pair without peer access is refused here, not at the
    * first buffer (pool_attach applies c->devices). */
-  if ((rc = gpupool__ensure_connected(c)) == 0)
+  if ((rc = gpupool__ensure_connected(c, &err)) == 0)
     for (int i = 0; i < c->npools && rc == 0; i++) {
-      rc = c->pools[i].bp ? c->be->pool_set_access(c->pools[i].bp, devices, n) : gpupool__pool_attach(c, &c->pools[i]);
+      rc = c->pools[i].bp ? c->be->pool_set_access(c->pools[i].bp, devices, n)
+                          : gpupool__pool_attach(c, &c->pools[i], &err);
       /* A pool shared with a group this client is not in: it never gets memory of it. */
       if (rc == GPUPOOL_EPERM) {
         rc = 0;
+        err.code = 0;
         gpupool__err_clear();
       }
     }
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 void gpupool_client_disconnect(gpupool_client *c) {
@@ -502,8 +507,10 @@ void gpupool_client_disconnect(gpupool_client *c) {
   pthread_mutex_lock(&c->mu);
   /* Lost buffers unmap their dead daemon's slabs as they go, and the last one of a
    * generation closes that generation's pools, events and lease. */
-  while (c->buffers)
-    gpupool__release_locked(c, c->buffers, NULL);
+  while (c->buffers) {
+    gpupool__error ignored; /* the daemon drops what a closing connection held anyway */
+    gpupool__release_locked(c, c->buffers, NULL, &ignored);
+  }
   for (size_t i = 0; i < c->slabs.cap; i++)
     if (gpupool__hmap_slot_used(&c->slabs, i)) {
       cslab *s = c->slabs.slots[i].val;
@@ -546,6 +553,7 @@ int gpupool_client_stats_sized(gpupool_client *c, gpupool_daemon_stats *ds_out, 
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Stats st = GPUPOOL__WIRE__STATS__INIT;
   gpupool__rep *rep;
+  gpupool__error err = {.code = 0}; /* why the transport failed */
   int rc, n = 0;
   gpupool_daemon_stats ds_full, *ds = ds_out ? &ds_full : NULL;
   if (!c)
@@ -558,10 +566,10 @@ int gpupool_client_stats_sized(gpupool_client *c, gpupool_daemon_stats *ds_out, 
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_STATS;
   req.stats = &st;
   pthread_mutex_lock(&c->mu);
-  rc = gpupool__call_retry(c, &req, &rep, -1);
+  rc = gpupool__call_retry(c, &req, &rep, -1, &err);
   pthread_mutex_unlock(&c->mu);
   if (rc != 0)
-    return rc;
+    return gpupool__error_report(&err, rc);
   if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_STATS || !rep->stats) {
     gpupool__wire__reply__free_unpacked(rep, NULL);
     return gpupool__err(GPUPOOL_EPROTO, "the daemon answered Stats with something else");
@@ -613,6 +621,7 @@ int gpupool_client_trim(gpupool_client *c) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Trim tr = GPUPOOL__WIRE__TRIM__INIT;
   gpupool__rep *rep;
+  gpupool__error err = {.code = 0}; /* why the transport failed */
   int rc;
   if (!c)
     return gpupool__err(GPUPOOL_EINVAL, "trim: client is NULL");
@@ -620,9 +629,9 @@ int gpupool_client_trim(gpupool_client *c) {
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_TRIM;
   req.trim = &tr;
   pthread_mutex_lock(&c->mu);
-  rc = gpupool__call_retry(c, &req, &rep, -1);
+  rc = gpupool__call_retry(c, &req, &rep, -1, &err);
   if (rc == 0)
     gpupool__wire__reply__free_unpacked(rep, NULL);
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }

@@ -49,6 +49,7 @@ int gpupool_file_publish(gpupool_client *c, const char *name, const char *path, 
   gpupool__rep *rep;
   struct stat st;
   char *wpath;
+  gpupool__error err = {.code = 0}; /* why the transport failed */
   int rc, fd, fl;
 
   if (!c || !name || !path)
@@ -90,7 +91,7 @@ int gpupool_file_publish(gpupool_client *c, const char *name, const char *path, 
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_PUBLISH_FILE;
   req.publish_file = &pf;
   pthread_mutex_lock(&c->mu);
-  rc = gpupool__call_retry(c, &req, &rep, fd);
+  rc = gpupool__call_retry(c, &req, &rep, fd, &err);
   if (rc == 0) {
     if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_PUBLISH_FILE || !rep->publish_file ||
         !rep->publish_file->file) {
@@ -105,7 +106,7 @@ int gpupool_file_publish(gpupool_client *c, const char *name, const char *path, 
   pthread_mutex_unlock(&c->mu);
   free(wpath);
   close(fd); /* the daemon has its own copy */
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 /* Checks the fd against the description and maps the range. Takes fd. */
@@ -171,6 +172,7 @@ int gpupool_file_get(gpupool_client *c, const char *name, int timeout_ms, unsign
   gpupool_file *f = NULL;
   const Gpupool__Wire__FileInfo *fi;
   uint64_t start = gpupool__mono_ns() / 1000000;
+  gpupool__error err = {.code = 0}; /* why the transport failed */
   int rc, fd = -1;
 
   if (!c || !name || !out)
@@ -185,13 +187,14 @@ int gpupool_file_get(gpupool_client *c, const char *name, int timeout_ms, unsign
   req.get_file = &gf;
   pthread_mutex_lock(&c->mu);
   /* As gpupool_buffer_get: a wait cut short by a daemon restart goes on with the next daemon. */
-  for (rc = gpupool__ensure_connected(c); rc == 0;) {
+  for (rc = gpupool__ensure_connected(c, &err); rc == 0;) {
     uint64_t spent;
     int last = gf.timeout_ms == 0;
-    rc = gpupool__call(c, &req, &rep, &fd);
+    rc = gpupool__call(c, &req, &rep, &fd, &err);
     if ((rc != GPUPOOL_ECLOSED && rc != GPUPOOL_EIO) || !c->broken || c->reconnect_ms <= 0 || last)
       break;
-    if ((rc = gpupool__ensure_connected(c)) != 0)
+    err.code = 0; /* the lost connection's failure is not this get's: it asks again */
+    if ((rc = gpupool__ensure_connected(c, &err)) != 0)
       break;
     spent = gpupool__mono_ns() / 1000000 - start;
     if (timeout_ms >= 0)
@@ -199,7 +202,7 @@ int gpupool_file_get(gpupool_client *c, const char *name, int timeout_ms, unsign
   }
   pthread_mutex_unlock(&c->mu);
   if (rc != 0)
-    return rc;
+    return gpupool__error_report(&err, rc);
   if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_GET_FILE || !rep->get_file || !(fi = rep->get_file->file) ||
       fd < 0) {
     rc = gpupool__err(GPUPOOL_EPROTO, "the daemon answered GetFile for '%s' without the file or its fd", name);

@@ -150,7 +150,8 @@ struct gpupool_client {
   uint64_t holds_lost;
   /* What the transport (conn.c) reports to the layer above, given at connect (connect.c):
    * the transport calls nothing above it. */
-  int (*reconnect)(gpupool_client *c); /* replace a connection the daemon closed (c->mu held) */
+  int (*reconnect)(gpupool_client *c, gpupool__error *err); /* replace a connection the daemon closed
+                                                             (c->mu held); why it failed in *err */
   void (*revoked)(gpupool_client *c, const uint64_t *slabs, size_t n); /* slabs a reply revoked */
 };
 
@@ -200,18 +201,23 @@ void gpupool__export_free(slab_export *e);
 void gpupool__exports_clear(gpupool_client *c);
 const Gpupool__Wire__BufferDesc *gpupool__reply_desc(const gpupool__rep *rep, int want);
 const Gpupool__Wire__Bundle *gpupool__reply_bundle(const gpupool__rep *rep);
-int gpupool__call_send(gpupool_client *c, gpupool__req *req, pending **out, int send_fd);
-int gpupool__call_wait(gpupool_client *c, pending *p, gpupool__rep **out, int *fds_out, int *nfds_out);
-int gpupool__call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *fd_out);
-int gpupool__ensure_connected(gpupool_client *c);
-int gpupool__call_retry(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int send_fd);
+/* The transport's calls record no message: a failure fills *err (code and message) and returns
+ * its code, for the public entry point to report with gpupool__error_report(); *err is left
+ * alone on success. */
+int gpupool__call_send(gpupool_client *c, gpupool__req *req, pending **out, int send_fd, gpupool__error *err);
+int gpupool__call_wait(gpupool_client *c, pending *p, gpupool__rep **out, int *fds_out, int *nfds_out,
+                       gpupool__error *err);
+int gpupool__call(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int *fd_out, gpupool__error *err);
+int gpupool__ensure_connected(gpupool_client *c, gpupool__error *err);
+int gpupool__call_retry(gpupool_client *c, gpupool__req *req, gpupool__rep **out, int send_fd,
+                        gpupool__error *err);
 
 /* maps.c */
 int gpupool__be_unmap(gpupool_client *c, cslab *s, void *stream);
 void gpupool__slab_unmap(gpupool_client *c, cslab *s, void *stream);
 void gpupool__handle_revokes(gpupool_client *c, const uint64_t *slabs, size_t n);
-int gpupool__pool_attach(gpupool_client *c, cpool *p);
-int gpupool__send_release(gpupool_client *c, uint64_t hold_id, int done_recorded);
+int gpupool__pool_attach(gpupool_client *c, cpool *p, gpupool__error *err);
+int gpupool__send_release(gpupool_client *c, uint64_t hold_id, int done_recorded, gpupool__error *err);
 int gpupool__materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, int wait_ready, void *stream,
                          gpupool_buffer **out, gpupool__error *err);
 
@@ -227,18 +233,18 @@ void gpupool__note_unpublished(gpupool_client *c, const char *name);
 /* buffers.c */
 void gpupool__release_local(gpupool_client *c, gpupool_buffer *b, void *stream, uint64_t *hold_id, int *recorded);
 void gpupool__release_request(gpupool__req *req, Gpupool__Wire__Release *rl, uint64_t hold_id, int recorded);
-int gpupool__release_locked(gpupool_client *c, gpupool_buffer *b, void *stream);
-int gpupool__release_many_locked(gpupool_client *c, gpupool_buffer **bs, int n, void *stream);
+int gpupool__release_locked(gpupool_client *c, gpupool_buffer *b, void *stream, gpupool__error *err);
+int gpupool__release_many_locked(gpupool_client *c, gpupool_buffer **bs, int n, void *stream, gpupool__error *err);
 uint32_t gpupool__wire_timeout(int timeout_ms);
 int gpupool__lost_err(const gpupool_buffer *b);
 int gpupool__record_ready(gpupool_client *c, gpupool_buffer *b, void *stream);
-int gpupool__hand_over_prepare(gpupool_client *c, gpupool_buffer *b, void *stream);
+int gpupool__hand_over_prepare(gpupool_client *c, gpupool_buffer *b, void *stream, gpupool__error *err);
 void gpupool__keep_mapped(gpupool_buffer *b, unsigned flags);
 uint64_t gpupool__reply_version(const gpupool__rep *rep);
 int gpupool__publish_request(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, gpupool__req *req,
                              Gpupool__Wire__Publish *pb, Gpupool__Wire__TensorMeta *tm);
 int gpupool__get_across_restarts(gpupool_client *c, gpupool__req *req, uint32_t *wire_timeout_ms, int timeout_ms,
-                                 gpupool__rep **out, uint64_t *known_layout);
+                                 gpupool__rep **out, uint64_t *known_layout, gpupool__error *err);
 /* Get.target_device / GetBundle.target_device from a get's flags (GPUPOOL_ON_DEVICE(d)): 1 + d,
  * or 0 for wherever the version lies. */
 static inline uint32_t gpupool__target_device(unsigned flags) {

@@ -91,7 +91,8 @@ static cpool *pool_by_id(gpupool_client *c, uint32_t id) {
   return NULL;
 }
 
-int gpupool__pool_attach(gpupool_client *c, cpool *p) {
+/* Attach pool p (once per connection), or say why not in *err. */
+int gpupool__pool_attach(gpupool_client *c, cpool *p, gpupool__error *err) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__AttachPool ap = GPUPOOL__WIRE__ATTACH_POOL__INIT;
   gpupool__rep *rep;
@@ -103,13 +104,14 @@ int gpupool__pool_attach(gpupool_client *c, cpool *p) {
   ap.pool_id = p->id;
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_ATTACH_POOL;
   req.attach_pool = &ap;
-  if ((rc = gpupool__call(c, &req, &rep, &fd)) != 0)
+  if ((rc = gpupool__call(c, &req, &rep, &fd, err)) != 0)
     return rc;
   gpupool__wire__reply__free_unpacked(rep, NULL);
   /* fd is -1 for backends without a pool-wide fd (host: slabs come with their own). */
   if ((rc = c->be->pool_import(fd, p->kind, p->device, p->capacity, &bp)) != 0)
-    return rc;
+    return gpupool__error_take(err, rc);
   if (c->ndevices > 0 && (rc = c->be->pool_set_access(bp, c->devices, c->ndevices)) != 0) {
+    gpupool__error_take(err, rc);
     c->be->pool_release(bp);
     return rc;
   }
@@ -140,7 +142,8 @@ static int event_get(gpupool_client *c, const Gpupool__Wire__EventRef *ref, gpup
   return 0;
 }
 
-int gpupool__send_release(gpupool_client *c, uint64_t hold_id, int done_recorded) {
+/* Release hold_id on the daemon, or say why not in *err. */
+int gpupool__send_release(gpupool_client *c, uint64_t hold_id, int done_recorded, gpupool__error *err) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Release rl = GPUPOOL__WIRE__RELEASE__INIT;
   gpupool__rep *rep;
@@ -149,7 +152,7 @@ int gpupool__send_release(gpupool_client *c, uint64_t hold_id, int done_recorded
   rl.done_recorded = done_recorded;
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_RELEASE;
   req.release = &rl;
-  rc = gpupool__call(c, &req, &rep, NULL);
+  rc = gpupool__call(c, &req, &rep, NULL, err);
   if (rc == 0)
     gpupool__wire__reply__free_unpacked(rep, NULL);
   return rc;
@@ -181,13 +184,13 @@ int gpupool__materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, 
     goto fail_taken;
   }
   uint64_t t_m = TRACE_ON() ? gpupool__mono_ns() : 0;
-  rc = gpupool__pool_attach(c, p);
+  rc = gpupool__pool_attach(c, p, err);
   if (c->reconnects != gen) {
     return gpupool__error_set(err, GPUPOOL_ELOST, "gpupoold went away while this buffer was being mapped: its "
                               "hold went with the old daemon (get or allocate it again)");
   }
   if (rc != 0)
-    goto fail;
+    goto fail_taken;
   if (t_m)
     gpupool__trace("attach", t_m, d->pool_id);
   s = gpupool__hmap_get(&c->slabs, d->slab->id);
@@ -310,8 +313,10 @@ fail:
   gpupool__error_take(err, rc);
 fail_taken:
 release:
-  if (d && d->hold_id)
-    gpupool__send_release(c, d->hold_id, 0);
+  if (d && d->hold_id) {
+    gpupool__error ignored; /* the failure above is the one to tell */
+    gpupool__send_release(c, d->hold_id, 0, &ignored);
+  }
   return rc;
 }
 

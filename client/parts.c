@@ -112,6 +112,7 @@ static int part_check(const char *name, uint64_t version, int part, int parts) {
 int gpupool_bundle_publish_part(gpupool_bundle *b, const char *name, uint64_t version, int part, int parts,
                                 void *stream, int *complete) {
   gpupool__part p = {.version = version, .part = part, .parts = parts};
+  gpupool__error err = {.code = 0}; /* why the transport failed */
   int rc;
   if (complete)
     *complete = 0;
@@ -120,10 +121,10 @@ int gpupool_bundle_publish_part(gpupool_bundle *b, const char *name, uint64_t ve
   gpupool__err_clear();
   if ((rc = part_check(name, version, part, parts)) != 0)
     return rc;
-  rc = gpupool__bundle_publish(b, name, stream, NULL, 0, &p, NULL);
+  rc = gpupool__bundle_publish(b, name, stream, NULL, 0, &p, NULL, &err);
   if (rc == 0 && complete)
     *complete = p.complete;
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 int gpupool_bundle_publish_members_part(gpupool_client *c, const char *name, uint64_t version, int part, int parts,

@@ -34,13 +34,13 @@ struct gpupool_pending {
   char name[GPUPOOL_NAME_MAX + 1];
 };
 
-/* Send req as a pending request of kind. With c->mu held. */
-static int begin_locked(gpupool_client *c, gpupool__req *req, int kind, gpupool_pending **out) {
+/* Send req as a pending request of kind. With c->mu held; *err says why it failed. */
+static int begin_locked(gpupool_client *c, gpupool__req *req, int kind, gpupool_pending **out, gpupool__error *err) {
   gpupool_pending *gp = calloc(1, sizeof *gp);
   int rc;
   if (!gp)
-    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
-  if ((rc = gpupool__ensure_connected(c)) != 0 || (rc = gpupool__call_send(c, req, &gp->p, -1)) != 0) {
+    return gpupool__error_set(err, GPUPOOL_ENOMEM, "out of memory");
+  if ((rc = gpupool__ensure_connected(c, err)) != 0 || (rc = gpupool__call_send(c, req, &gp->p, -1, err)) != 0) {
     free(gp);
     return rc;
   }
@@ -54,6 +54,7 @@ int gpupool_buffer_get_begin(gpupool_client *c, const char *name, uint64_t newer
                              gpupool_pending **out) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Get gt;
+  gpupool__error err = {.code = 0}; /* why sending failed */
   int rc;
   if (!c || !name || !out)
     return gpupool__err(GPUPOOL_EINVAL, "get_begin: client, name and out must not be NULL");
@@ -62,16 +63,17 @@ int gpupool_buffer_get_begin(gpupool_client *c, const char *name, uint64_t newer
   if ((rc = gpupool__get_request(name, newer_than, timeout_ms, flags, &req, &gt)) != 0)
     return rc;
   pthread_mutex_lock(&c->mu);
-  if ((rc = begin_locked(c, &req, PEND_GET, out)) == 0)
+  if ((rc = begin_locked(c, &req, PEND_GET, out, &err)) == 0)
     (*out)->flags = flags;
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 int gpupool_bundle_get_begin(gpupool_client *c, const char *name, uint64_t newer_than, int timeout_ms,
                              unsigned flags, gpupool_pending **out) {
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__GetBundle gb;
+  gpupool__error err = {.code = 0}; /* why sending failed */
   int rc;
   if (!c || !name || !out)
     return gpupool__err(GPUPOOL_EINVAL, "bundle_get_begin: client, name and out must not be NULL");
@@ -80,10 +82,10 @@ int gpupool_bundle_get_begin(gpupool_client *c, const char *name, uint64_t newer
   if ((rc = gpupool__bundle_get_request(name, newer_than, timeout_ms, flags, &req, &gb)) != 0)
     return rc;
   pthread_mutex_lock(&c->mu);
-  if ((rc = gpupool__ensure_connected(c)) == 0) {
+  if ((rc = gpupool__ensure_connected(c, &err)) == 0) {
     clayout *known = gpupool__layout_cached(c, name);
     gb.known_layout = known ? known->id : 0;
-    if ((rc = begin_locked(c, &req, PEND_BGET, out)) == 0) {
+    if ((rc = begin_locked(c, &req, PEND_BGET, out, &err)) == 0) {
       (*out)->flags = flags;
       (*out)->known = known;
       if (known)
@@ -92,7 +94,7 @@ int gpupool_bundle_get_begin(gpupool_client *c, const char *name, uint64_t newer
     }
   }
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 int gpupool_buffer_publish_begin(gpupool_buffer *b, const char *name, const gpupool_tensor_meta *meta, void *stream,
@@ -101,6 +103,7 @@ int gpupool_buffer_publish_begin(gpupool_buffer *b, const char *name, const gpup
   Gpupool__Wire__Publish pb;
   Gpupool__Wire__TensorMeta tm = GPUPOOL__WIRE__TENSOR_META__INIT;
   gpupool_client *c;
+  gpupool__error err = {.code = 0}; /* why sending failed */
   int rc;
   if (!out)
     return gpupool__err(GPUPOOL_EINVAL, "publish_begin: out must not be NULL");
@@ -110,7 +113,8 @@ int gpupool_buffer_publish_begin(gpupool_buffer *b, const char *name, const gpup
     return rc;
   c = b->c;
   pthread_mutex_lock(&c->mu);
-  if ((rc = gpupool__hand_over_prepare(c, b, stream)) == 0 && (rc = begin_locked(c, &req, PEND_PUBLISH, out)) == 0) {
+  if ((rc = gpupool__hand_over_prepare(c, b, stream, &err)) == 0 &&
+      (rc = begin_locked(c, &req, PEND_PUBLISH, out, &err)) == 0) {
     snprintf((*out)->name, sizeof (*out)->name, "%s", name);
     /* Now, not at the end: the caller may release b before ending the publish. */
     if (meta) {
@@ -119,7 +123,7 @@ int gpupool_buffer_publish_begin(gpupool_buffer *b, const char *name, const gpup
     }
   }
   pthread_mutex_unlock(&c->mu);
-  return rc;
+  return gpupool__error_report(&err, rc);
 }
 
 int gpupool_buffer_release_begin(gpupool_buffer *b, void *stream, gpupool_pending **out) {
@@ -127,6 +131,7 @@ int gpupool_buffer_release_begin(gpupool_buffer *b, void *stream, gpupool_pendin
   Gpupool__Wire__Release rl;
   gpupool_client *c;
   uint64_t hold_id;
+  gpupool__error err = {.code = 0}, gone; /* why sending failed; a reconnect's failure */
   int recorded, rc = 0;
   if (!b || !out)
     return gpupool__err(GPUPOOL_EINVAL, "release_begin: buffer and out must not be NULL");
@@ -134,23 +139,23 @@ int gpupool_buffer_release_begin(gpupool_buffer *b, void *stream, gpupool_pendin
   *out = NULL;
   c = b->c;
   pthread_mutex_lock(&c->mu);
-  gpupool__ensure_connected(c);
+  gpupool__ensure_connected(c, &gone);
   gpupool__release_local(c, b, stream, &hold_id, &recorded);
   if (hold_id) {
     gpupool__release_request(&req, &rl, hold_id, recorded);
-    rc = begin_locked(c, &req, PEND_RELEASE, out);
+    rc = begin_locked(c, &req, PEND_RELEASE, out, &err);
   }
   pthread_mutex_unlock(&c->mu);
   /* Lost with its daemon: nothing to wait for (*out stays NULL, which pending_end accepts). */
-  return rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO ? 0 : rc;
+  return rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO ? 0 : gpupool__error_report(&err, rc);
 }
 
-/* Wait for gp's reply (frees gp). With c->mu held. */
-static int end_locked(gpupool_pending *gp, gpupool__rep **rep) {
+/* Wait for gp's reply (frees gp). With c->mu held; *err says why it failed. */
+static int end_locked(gpupool_pending *gp, gpupool__rep **rep, gpupool__error *err) {
   pending *p = gp->p;
   gpupool_client *c = gp->c;
   free(gp);
-  return gpupool__call_wait(c, p, rep, NULL, NULL);
+  return gpupool__call_wait(c, p, rep, NULL, NULL, err);
 }
 
 int gpupool_buffer_get_end(gpupool_pending *gp, void *stream, gpupool_buffer **out, uint64_t *version) {
@@ -169,7 +174,7 @@ int gpupool_buffer_get_end(gpupool_pending *gp, void *stream, gpupool_buffer **o
   flags = gp->flags;
   err.code = 0;
   pthread_mutex_lock(&c->mu);
-  if ((rc = end_locked(gp, &rep)) == 0)
+  if ((rc = end_locked(gp, &rep, &err)) == 0)
     rc = gpupool__get_finish(c, rep, flags, stream, out, version, &err);
   pthread_mutex_unlock(&c->mu);
   return gpupool__error_report(&err, rc);
@@ -193,7 +198,7 @@ int gpupool_bundle_get_end(gpupool_pending *gp, void *stream, gpupool_bundle **o
   memcpy(name, gp->name, sizeof name);
   err.code = 0;
   pthread_mutex_lock(&c->mu);
-  if ((rc = end_locked(gp, &rep)) == 0)
+  if ((rc = end_locked(gp, &rep, &err)) == 0)
     rc = gpupool__bundle_get_finish(c, rep, flags, stream, name, known, out, &err);
   gpupool__clayout_unref(known);
   pthread_mutex_unlock(&c->mu);
@@ -204,6 +209,7 @@ int gpupool_pending_end(gpupool_pending *gp, uint64_t *version) {
   gpupool_client *c;
   char name[GPUPOOL_NAME_MAX + 1];
   gpupool__rep *rep;
+  gpupool__error err = {.code = 0}; /* why the wait failed */
   int rc, kind;
   if (version)
     *version = 0;
@@ -217,7 +223,7 @@ int gpupool_pending_end(gpupool_pending *gp, uint64_t *version) {
   kind = gp->kind;
   memcpy(name, gp->name, sizeof name);
   pthread_mutex_lock(&c->mu);
-  if ((rc = end_locked(gp, &rep)) == 0) {
+  if ((rc = end_locked(gp, &rep, &err)) == 0) {
     if (version)
       *version = gpupool__reply_version(rep);
     gpupool__wire__reply__free_unpacked(rep, NULL);
@@ -226,13 +232,14 @@ int gpupool_pending_end(gpupool_pending *gp, uint64_t *version) {
   }
   pthread_mutex_unlock(&c->mu);
   if (kind == PEND_RELEASE && (rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO))
-    rc = 0; /* a broken connection already dropped the hold */
-  return rc;
+    return 0; /* a broken connection already dropped the hold */
+  return gpupool__error_report(&err, rc);
 }
 
 void gpupool_pending_cancel(gpupool_pending *gp) {
   gpupool_client *c;
   gpupool__rep *rep;
+  gpupool__error ignored; /* a cancel tells nothing */
   int kind;
   if (!gp)
     return;
@@ -240,12 +247,12 @@ void gpupool_pending_cancel(gpupool_pending *gp) {
   kind = gp->kind;
   pthread_mutex_lock(&c->mu);
   gpupool__clayout_unref(gp->known);
-  if (end_locked(gp, &rep) == 0) {
+  if (end_locked(gp, &rep, &ignored) == 0) {
     /* Undo what the reply brought: holds this process never turned into buffers. */
     if (kind == PEND_GET) {
       const Gpupool__Wire__BufferDesc *d = gpupool__reply_desc(rep, GPUPOOL__WIRE__REPLY__BODY_GET);
       if (d && d->hold_id)
-        gpupool__send_release(c, d->hold_id, 0);
+        gpupool__send_release(c, d->hold_id, 0, &ignored);
     } else if (kind == PEND_BGET) {
       gpupool__release_holds_from(c, gpupool__reply_bundle(rep), 0, c->reconnects);
     }

@@ -32,9 +32,10 @@ typedef struct {
 
 /* gpupool_bundle_publish_to after its checks (devs already converted), and
  * gpupool_bundle_publish_members, each as a whole version (part NULL) or as one part. A member
- * refused by the checks before sending is told in *err (the caller reports it). */
+ * refused by the checks before sending, or the transport's failure, is told in *err (the caller
+ * reports it). */
 int gpupool__bundle_publish(gpupool_bundle *b, const char *name, void *stream, const uint32_t *devs, int ndevs,
-                            gpupool__part *part, uint64_t *version);
+                            gpupool__part *part, uint64_t *version, gpupool__error *err);
 int gpupool__publish_members(gpupool_client *c, const char *name, const gpupool_member_ref *members, int n,
                              void *stream, gpupool__part *part, uint64_t *version, gpupool__error *err);
 

@@ -11,8 +11,15 @@ passed up; --check fails when a function below the public ones reads the message
 wrap it, log it or save it in a buffer of its own), which is how saved-and-restored messages
 came to be overwritten by the cleanup that ran between.
 
-Usage: errors.py [--check] FILE...
+--values FILE (repeatable) names files whose functions below the public ones do not record a
+message at all: every failure there is a gpupool__error value filled for the caller
+(gpupool__error_set, _take, _prefix), which the public entry point reports. The client's
+transport (conn.c) and connecting (connect.c) are such files: a connection's failure, kept
+with the connection, reaches the caller as a value, never through the thread's message.
+
+Usage: errors.py [--check] [--values FILE]... FILE...
 """
+import os
 import argparse
 import re
 import sys
@@ -80,11 +87,15 @@ KIND = {"gpupool__errmsg": "re-read", "gpupool__err": "record", "gpupool__error_
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
-    ap.add_argument("files", nargs="+")
+    ap.add_argument("--values", action="append", default=[], metavar="FILE")
+    ap.add_argument("files", nargs="*")
     a = ap.parse_args()
+    values = {os.path.realpath(p) for p in a.values}
     below = {"re-read": 0, "record": 0, "take": 0}
     public_n = 0
-    for path in a.files:
+    recorded = 0  # records below the public functions of a --values file
+    for path in a.files + [p for p in a.values if p not in a.files]:
+        in_values = os.path.realpath(path) in values
         for name, line, body in functions(path):
             for k, text in enumerate(body):
                 for m in CALLS.finditer(text):
@@ -93,7 +104,9 @@ def main():
                         public_n += 1
                         continue
                     below[kind] += 1
-                    if not a.check or kind == "re-read":
+                    bad = kind == "re-read" or (in_values and kind == "record")
+                    recorded += in_values and kind == "record"
+                    if not a.check or bad:
                         print(f"{path}:{line + k}: {name}: {m.group(1)} ({kind})")
     print(f"below the public functions: {below['re-read']} re-reads of the thread's message "
           f"(gpupool__errmsg), {below['record']} records (gpupool__err), {below['take']} takes into a "
@@ -101,6 +114,11 @@ def main():
     if a.check and below["re-read"]:
         print("the thread's message is read above only by gpupool__error_take, at once, into a value "
               "(common/errors.h); pass the value up and report it in the public function",
+              file=sys.stderr)
+        return 1
+    if a.check and recorded:
+        print(f"{recorded} records below the public functions of a --values file: fill the caller's "
+              "gpupool__error (gpupool__error_set) and let the public function report it",
               file=sys.stderr)
         return 1
     return 0

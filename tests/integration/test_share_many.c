@@ -349,7 +349,10 @@ static void test_alloc_many_all_or_nothing(void **state) {
   check_filled(b, 1, sizes[0], 0);
   release_all(b, N);
   sizes[7] = 128 << 20; /* more than the pool's 64M */
+  sizes[9] = 256 << 20; /* and another: the call tells of the first, its code and its message */
   assert_true(gpupool_buffer_alloc_many(a, NULL, sizes, N, NULL, b) < 0);
+  if (!strstr(gpupool_last_error(), "134217728") || strstr(gpupool_last_error(), "268435456"))
+    fail_msg("alloc_many should tell of the first refusal (134217728 bytes), told: %s", gpupool_last_error());
   for (int i = 0; i < N; i++)
     assert_null(b[i]);
   holds_now(&nb, &nh);
