@@ -33,9 +33,9 @@
 #include "gpupool/version.h"
 #include "requests.h"
 #include "sock.h"
+#include "words.h"
 
 int json_errors;
-static size_t distance(const char *a, const char *b);
 
 void die_msg(const char *fmt, ...) {
   char msg[2048];
@@ -387,7 +387,7 @@ static void not_filed(ctl *c, const char *key) {
     for (size_t i = 0; i < r->n_names && found < 4; i++) {
       const char *k = r->names[i]->key, *slash = strchr(k, '/');
       int match = slash && !strcmp(slash + 1, key);
-      if (!match && strlen(key) > 3 && distance(key, k) <= 1 + strlen(k) / 8)
+      if (!match && strlen(key) > 3 && gpupool__edit_distance(key, k) <= 1 + strlen(k) / 8)
         match = 1;
       if (!match)
         continue;
@@ -484,34 +484,12 @@ static const command *find_command(const char *name) {
   return NULL;
 }
 
-/* Edit distance (with transpositions) of two short words, for the did-you-mean hints. */
-static size_t distance(const char *a, const char *b) {
-  enum { N = 64 };
-  size_t la = strnlen(a, N - 1), lb = strnlen(b, N - 1), d[N][N];
-  for (size_t i = 0; i <= la; i++)
-    d[i][0] = i;
-  for (size_t j = 0; j <= lb; j++)
-    d[0][j] = j;
-  for (size_t i = 1; i <= la; i++)
-    for (size_t j = 1; j <= lb; j++) {
-      size_t best = d[i - 1][j - 1] + (a[i - 1] != b[j - 1]);
-      if (d[i - 1][j] + 1 < best)
-        best = d[i - 1][j] + 1;
-      if (d[i][j - 1] + 1 < best)
-        best = d[i][j - 1] + 1;
-      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] && d[i - 2][j - 2] + 1 < best)
-        best = d[i - 2][j - 2] + 1;
-      d[i][j] = best;
-    }
-  return d[la][lb];
-}
-
 /* The nearest of words[0..n) to w when it is near enough to be a typo, else NULL. */
 static const char *nearest(const char *w, const char *const *words, size_t n) {
   const char *best = NULL;
   size_t best_d = SIZE_MAX;
   for (size_t i = 0; i < n; i++) {
-    size_t d = distance(w, words[i]);
+    size_t d = gpupool__edit_distance(w, words[i]);
     if (d < best_d) {
       best_d = d;
       best = words[i];

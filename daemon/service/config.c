@@ -41,6 +41,7 @@
 #include "errors.h"
 #include "paths.h"
 #include "log.h"
+#include "words.h"
 
 void gpd_config_defaults(gpd_config *c) {
   memset(c, 0, sizeof *c);
@@ -582,29 +583,6 @@ int gpd_config_key_set(void *obj, const gpd_config_key *k, const char *v) {
   return gpupool__err(GPUPOOL_EINVAL, "key '%s' is read by its section, not here", k->name);
 }
 
-/* Edit distance with transpositions (optimal string alignment), so that max_clinets is one
- * edit from max_clients. Keys are short; longer input is cut, it only ranks suggestions. */
-static size_t key_distance(const char *a, const char *b) {
-  enum { N = 48 };
-  size_t la = strnlen(a, N - 1), lb = strnlen(b, N - 1), d[N][N];
-  for (size_t i = 0; i <= la; i++)
-    d[i][0] = i;
-  for (size_t j = 0; j <= lb; j++)
-    d[0][j] = j;
-  for (size_t i = 1; i <= la; i++)
-    for (size_t j = 1; j <= lb; j++) {
-      size_t cost = a[i - 1] != b[j - 1], best = d[i - 1][j - 1] + cost;
-      if (d[i - 1][j] + 1 < best)
-        best = d[i - 1][j] + 1;
-      if (d[i][j - 1] + 1 < best)
-        best = d[i][j - 1] + 1;
-      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] && d[i - 2][j - 2] + 1 < best)
-        best = d[i - 2][j - 2] + 1;
-      d[i][j] = best;
-    }
-  return d[la][lb];
-}
-
 /* The refusal of key, unknown in section ("unknown NOUN 'key'IN"): the nearest known key
  * when it is near enough to be a typo, and the section's keys (nearest first and cut short
  * when they would not fit in a message). */
@@ -621,9 +599,9 @@ static int unknown_key(unsigned section, const char *key, const char *noun, cons
     size_t d;
     if (!(k->sections & section))
       continue;
-    d = key_distance(key, k->name);
-    if (k->alias && key_distance(key, k->alias) < d) {
-      d = key_distance(key, k->alias);
+    d = gpupool__edit_distance(key, k->name);
+    if (k->alias && gpupool__edit_distance(key, k->alias) < d) {
+      d = gpupool__edit_distance(key, k->alias);
       near = k->alias; /* slabb: slab, the spelling it was nearest to */
     }
     rows[n] = k;
