@@ -194,6 +194,16 @@ static void put(gpd_state *st, const void *p, size_t n) {
 }
 
 static void put64(gpd_state *st, uint64_t v) { put(st, &v, sizeof v); }
+/* A count written before what it counts: its place is kept (count_at), then filled in. */
+static size_t count_at(gpd_state *st) {
+  size_t at = st->len;
+  put64(st, 0);
+  return at;
+}
+static void count_set(gpd_state *st, size_t at, uint64_t n) {
+  if (!st->oom)
+    memcpy(st->buf + at, &n, sizeof n);
+}
 static void put32(gpd_state *st, uint32_t v) { put(st, &v, sizeof v); }
 static void put_str(gpd_state *st, const char *s) {
   uint32_t n = (uint32_t)strlen(s);
@@ -227,8 +237,7 @@ static void build(gpd_state *st) {
   st->oom = 0;
   put64(st, reg->next_id);
   /* Slabs (those in the store; the rest cannot come back). */
-  at = st->len;
-  put64(st, 0);
+  at = count_at(st);
   n = 0;
   for (int i = 0; i < reg->npools; i++)
     for (gpd_slab *s = reg->pools[i].slabs; s; s = s->next) {
@@ -242,8 +251,7 @@ static void build(gpd_state *st) {
       put32(st, (uint32_t)s->kept);
       n++;
     }
-  if (!st->oom)
-    memcpy(st->buf + at, &n, sizeof n);
+  count_set(st, at, n);
   /* Layouts. */
   put64(st, reg->layouts.len);
   for (size_t i = 0; i < reg->layouts.cap; i++) {
@@ -264,8 +272,7 @@ static void build(gpd_state *st) {
     }
   }
   /* Buffers: live ones, then those waiting to be freed. */
-  at = st->len;
-  put64(st, 0);
+  at = count_at(st);
   n = 0;
   for (size_t i = 0; i < reg->buffers.cap + 1; i++) {
     gpd_buffer *b;
@@ -292,11 +299,9 @@ static void build(gpd_state *st) {
       n++;
     }
   }
-  if (!st->oom)
-    memcpy(st->buf + at, &n, sizeof n);
+  count_set(st, at, n);
   /* Names (published files are not kept: their fds are not in the store). */
-  at = st->len;
-  put64(st, 0);
+  at = count_at(st);
   n = 0;
   for (size_t i = 0; i < reg->names.cap; i++) {
     gpd_name *nm;
@@ -317,12 +322,10 @@ static void build(gpd_state *st) {
     put_meta(st, nm->has_meta, &nm->meta);
     n++;
   }
-  if (!st->oom)
-    memcpy(st->buf + at, &n, sizeof n);
+  count_set(st, at, n);
   /* Leases and what each pins: a connected client's holds and mapped slabs; a closed
    * connection's pins as the buffers and slabs record them. Kind 0: a buffer, 1: a slab. */
-  at = st->len;
-  put64(st, 0);
+  at = count_at(st);
   n = 0;
   for (size_t i = 0; i < reg->clients.cap; i++) {
     gpd_client *c;
@@ -347,8 +350,7 @@ static void build(gpd_state *st) {
     if (!l->store_id || l->gone)
       continue;
     put_lease(st, l);
-    at2 = st->len;
-    put64(st, 0);
+    at2 = count_at(st);
     for (size_t i = 0; i < reg->buffers.cap + 1; i++) {
       gpd_buffer *b;
       if (i < reg->buffers.cap) {
@@ -366,10 +368,8 @@ static void build(gpd_state *st) {
             break;
           }
     }
-    if (!st->oom)
-      memcpy(st->buf + at2, &nb, sizeof nb);
-    at2 = st->len;
-    put64(st, 0);
+    count_set(st, at2, nb);
+    at2 = count_at(st);
     for (int i = 0; i < reg->npools; i++)
       for (gpd_slab *s = reg->pools[i].slabs; s; s = s->next)
         for (uint32_t k = 0; k < s->nmappers; k++)
@@ -378,12 +378,10 @@ static void build(gpd_state *st) {
             ns++;
             break;
           }
-    if (!st->oom)
-      memcpy(st->buf + at2, &ns, sizeof ns);
+    count_set(st, at2, ns);
     n++;
   }
-  if (!st->oom)
-    memcpy(st->buf + at, &n, sizeof n);
+  count_set(st, at, n);
 }
 
 static void maybe_crash(gpd_state *st, long step) {
