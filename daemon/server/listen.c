@@ -499,6 +499,12 @@ int gpd_server_start(gpd_server **out, uv_loop_t *loop, const gpd_config *cfg, g
   reg->on_memory = gpd_retry_waiters;
   gpd_replicas_attach(reg);
   reg->on_copy = gpd_copy_ended;
+  /* Metrics are a convenience: the daemon serves without them, counting all the same. Their
+   * sockets are bound before the clients' socket listens, so whoever sees that socket accept
+   * (a health check, a test) finds the metrics sockets in place too. */
+  src.arg = s;
+  if (gpd_metrics_start(s->metrics, loop, cfg, &src) != 0)
+    GPUPOOL__WARN("metrics disabled: %s", gpupool__errmsg());
   if (listen_fd >= 0) {
     s->listen_fd = listen_fd;
   } else {
@@ -544,10 +550,6 @@ int gpd_server_start(gpd_server **out, uv_loop_t *loop, const gpd_config *cfg, g
   s->listen_poll.data = s;
   s->listen_open = 1;
   uv_poll_start(&s->listen_poll, UV_READABLE, on_accept);
-  /* Metrics are a convenience: the daemon serves without them, counting all the same. */
-  src.arg = s;
-  if (gpd_metrics_start(s->metrics, loop, cfg, &src) != 0)
-    GPUPOOL__WARN("metrics disabled: %s", gpupool__errmsg());
   if ((rc = gpd_peers_start(s, &peers_news)) != 0) {
     char msg[GPUPOOL__ERRMSG_MAX];
     snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
