@@ -380,6 +380,15 @@ def _refit_mode(mode, c, pipes, targets, params, ptrs, want, stream, args, versi
     results["refit_%s_replay_gpu_ms" % mode] = gpu_ms
     results["refit_%s_replay_host_ms" % mode] = host_ms
     info = plan.info()
+    results["refit_%s_gathered" % mode] = info["gathered"]
+    # The same replay with every copy a cudaMemcpy2DAsync of its own (no gather kernel).
+    os.environ["GPUPOOL_REFIT_GATHER"] = "0"
+    try:
+        gpu_ms, host_ms = _replay(plan, stream, args.versions)
+    finally:
+        del os.environ["GPUPOOL_REFIT_GATHER"]
+    results["refit_%s_replay1_gpu_ms" % mode] = gpu_ms
+    results["refit_%s_replay1_host_ms" % mode] = host_ms
     plan.close()
     results["refit_%s_e2e_ms" % mode] = statistics.median(e2e[1:])
     results["refit_%s_alone_ms" % mode] = statistics.median(alone[1:])
@@ -414,9 +423,14 @@ def _report(results, modes, engine_bytes, args):
                  results["refit_%s_torch_allocs_after_first" % mode],
                  results["refit_%s_pool_reserved_after_first" % mode],
                  results["refit_%s_gpu_bytes_taken_after_first" % mode]))
-        print("    replay of the plan alone (no get): GPU %.2f ms (%.2fx floor), host enqueue %.2f ms"
+        print("    replay of the plan alone (no get): GPU %.2f ms (%.2fx floor), host enqueue %.2f ms; "
+              "%d of its copies in the gather kernel"
               % (results["refit_%s_replay_gpu_ms" % mode], results["refit_%s_replay_gpu_ms" % mode] / fl,
-                 results["refit_%s_replay_host_ms" % mode]))
+                 results["refit_%s_replay_host_ms" % mode], results["refit_%s_gathered" % mode]))
+        print("    the same replay, every copy a cudaMemcpy2DAsync: GPU %.2f ms (%.2fx floor), host "
+              "enqueue %.2f ms"
+              % (results["refit_%s_replay1_gpu_ms" % mode], results["refit_%s_replay1_gpu_ms" % mode] / fl,
+                 results["refit_%s_replay1_host_ms" % mode]))
     print("engine's torch allocator, after every refit against before the first plan: %+d bytes "
           "(its parameters: %.2f GB); gpupool memory it maps is the trainers'"
           % (results["engine_torch_bytes_added"], gb))

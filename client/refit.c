@@ -17,13 +17,16 @@
 
 #include "internal.h"
 #include "cuda/refit_copy.h"
+#include "cuda/refit_convert.h"
 #include "refit_internal.h"
 #include "gpupool/refit.h"
 
 /* Most copies one plan may hold (a strided target can need one per row). */
 #define OPS_MAX (1u << 24)
 
-enum { FK_NONE = 0, FK_F16, FK_BF16, FK_F32, FK_F64 };
+/* Float kinds of casts: refit_convert.h's, shared with the gather kernel. */
+enum { FK_NONE = GPUPOOL__FK_NONE, FK_F16 = GPUPOOL__FK_F16, FK_BF16 = GPUPOOL__FK_BF16, FK_F32 = GPUPOOL__FK_F32,
+       FK_F64 = GPUPOOL__FK_F64 };
 
 typedef struct {
   uint32_t buf;        /* source buffer of the bundle */
@@ -34,6 +37,7 @@ typedef struct {
   uint64_t width;      /* elements per row */
   uint64_t rows;
   uint64_t spitch, dpitch; /* bytes from row to row */
+  int32_t ddev;        /* device plans: the CUDA device of dst, -1 for host memory */
 } op;
 
 struct gpupool_plan {
@@ -47,6 +51,7 @@ struct gpupool_plan {
   uint64_t *need;      /* per source buffer: the bytes its copies read from its start */
   op *ops;
   size_t nops;
+  gpupool__refit_op *dops; /* device plans: the copies as the backend takes them, per refit */
   gpupool_plan_info info;
 };
 
@@ -62,112 +67,6 @@ typedef struct {
   uint64_t off;        /* bytes from the buffer's start to element 0 */
   const char *member;  /* its member name */
 } src;
-
-/* ---- element conversions ---------------------------------------------------------------------- */
-
-static float h2f(uint16_t h) {
-  uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
-  float f;
-  if (e == 0 && m == 0) {
-    u = s;
-  } else if (e == 0) {
-    e = 113;
-    while (!(m & 0x400)) {
-      m <<= 1;
-      e--;
-    }
-    u = s | (e << 23) | ((m & 0x3ff) << 13);
-  } else if (e == 31) {
-    u = s | 0x7f800000u | (m << 13);
-  } else {
-    u = s | ((e + 112) << 23) | (m << 13);
-  }
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-/* Round to nearest, ties to even (what numpy and torch do). */
-static uint16_t f2h(float f) {
-  uint32_t x, ax, sign, h, rem;
-  memcpy(&x, &f, 4);
-  sign = (x >> 16) & 0x8000u;
-  ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u)
-    return (uint16_t)(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
-  if (ax >= 0x477ff000u) /* 65520 and up round to infinity */
-    return (uint16_t)(sign | 0x7c00u);
-  if (ax < 0x38800000u) { /* below 2^-14: a subnormal, in units of 2^-24 */
-    float a, v, r;
-    uint32_t m;
-    memcpy(&a, &ax, 4);
-    v = a * 16777216.0f;
-    m = (uint32_t)v;
-    r = v - (float)m;
-    if (r > 0.5f || (r == 0.5f && (m & 1)))
-      m++;
-    return (uint16_t)(sign | m);
-  }
-  h = (((ax >> 23) - 112) << 10) | ((ax & 0x7fffffu) >> 13);
-  rem = ax & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1)))
-    h++;
-  return (uint16_t)(sign | h);
-}
-
-static float bf2f(uint16_t b) {
-  uint32_t u = (uint32_t)b << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static uint16_t f2bf(float f) {
-  uint32_t x;
-  memcpy(&x, &f, 4);
-  if ((x & 0x7fffffffu) > 0x7f800000u)
-    return (uint16_t)((x >> 16) | 0x40u); /* a NaN stays a (quiet) NaN */
-  return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
-}
-
-static double load(const char *p, int k) {
-  uint16_t u;
-  float f;
-  double d;
-  switch (k) {
-  case FK_F16:
-    memcpy(&u, p, 2);
-    return h2f(u);
-  case FK_BF16:
-    memcpy(&u, p, 2);
-    return bf2f(u);
-  case FK_F32:
-    memcpy(&f, p, 4);
-    return f;
-  default:
-    memcpy(&d, p, 8);
-    return d;
-  }
-}
-
-static void store(char *p, int k, double v) {
-  uint16_t u;
-  float f = (float)v;
-  switch (k) {
-  case FK_F16:
-    u = f2h(f);
-    memcpy(p, &u, 2);
-    break;
-  case FK_BF16:
-    u = f2bf(f);
-    memcpy(p, &u, 2);
-    break;
-  case FK_F32:
-    memcpy(p, &f, 4);
-    break;
-  default:
-    memcpy(p, &v, 8);
-  }
-}
 
 static int float_kind(uint8_t code, uint8_t bits) {
   if (code == GPUPOOL_DTYPE_FLOAT)
@@ -198,6 +97,7 @@ void gpupool_plan_free(gpupool_plan *p) {
   targets_free(p->targets, p->ntargets);
   free(p->need);
   free(p->ops);
+  free(p->dops);
   free(p);
 }
 
@@ -515,9 +415,10 @@ static int plan_piece(ops_list *l, const src *s, size_t ns, const gpupool_plan *
                       dtype_str(s[lo].code, s[lo].bits, d1, sizeof d1), pc->key,
                       dtype_str(t->meta.dtype_code, t->meta.dtype_bits, d2, sizeof d2));
     return rc;
-  } else if (p->device) {
-    rc = gpupool__err(GPUPOOL_ENOTSUP, "target %d, piece %d: a cast from %s to %s into device memory; casts "
-                      "run on the host only: publish the version in the engine's dtype", ti, pi,
+  } else if (p->device && !gpupool__refit_device_casts()) {
+    rc = gpupool__err(GPUPOOL_ENOTSUP, "target %d, piece %d: a cast from %s to %s into device memory; this "
+                      "build of gpupool has no gather kernel to cast with (its CUDA toolkit had no nvcc): "
+                      "publish the version in the engine's dtype", ti, pi,
                       dtype_str(s[lo].code, s[lo].bits, d1, sizeof d1),
                       dtype_str(t->meta.dtype_code, t->meta.dtype_bits, d2, sizeof d2));
     return rc;
@@ -609,6 +510,20 @@ static int plan_compute(gpupool_plan *p, const gpupool_bundle *b) {
     uint64_t end = o->soff + (o->rows - 1) * o->spitch + o->width * o->sesz;
     if (end > need[o->buf])
       need[o->buf] = end;
+  }
+  if (p->device) {
+    /* Where each copy writes, asked once per plan (targets do not move), so that a replay can
+     * tell the copies within one device (the gather kernel's) without asking CUDA per copy. */
+    gpupool__refit_op *d = calloc(l.n ? l.n : 1, sizeof *d);
+    if (!d) {
+      free(need);
+      rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory for a plan of %zu copies", l.n);
+      goto out;
+    }
+    for (size_t i = 0; i < l.n; i++)
+      l.ops[i].ddev = gpupool__refit_ptr_device(l.ops[i].dst);
+    free(p->dops);
+    p->dops = d;
   }
   free(p->need);
   p->need = need;
@@ -722,7 +637,7 @@ static void copy_host(const op *o, const char *from) {
     const char *s = from + r * o->spitch;
     char *d = dst + r * o->dpitch;
     for (uint64_t e = 0; e < o->width; e++)
-      store(d + e * o->desz, o->dfk, load(s + e * o->sesz, o->sfk));
+      gpupool__fstore(d + e * o->desz, o->dfk, gpupool__fload(s + e * o->sesz, o->sfk));
   }
 }
 
@@ -745,14 +660,35 @@ int gpupool_refit(gpupool_plan *p, const gpupool_bundle *b, void *stream) {
     if ((rc = plan_compute(p, b)) != 0)
       return rc;
   }
-  for (size_t i = 0; i < p->nops; i++) {
-    const op *o = &p->ops[i];
-    const char *from = (const char *)gpupool_buffer_ptr(b->bufs[o->buf]) + o->soff;
-    if (p->device) {
-      if ((rc = gpupool__refit_copy2d(o->dst, o->dpitch, from, o->spitch, o->width * o->sesz, o->rows, stream)) != 0)
-        return rc;
-    } else {
-      copy_host(o, from);
+  if (p->device) {
+    /* A copy within the stream's device may go through the gather kernel; its source's device
+     * is its buffer's (asked per refit: a version of the same layout may lie elsewhere). */
+    int sdev = gpupool__refit_stream_device(stream);
+    size_t gathered = 0;
+    for (size_t i = 0; i < p->nops; i++) {
+      const op *o = &p->ops[i];
+      const gpupool_buffer *buf = b->bufs[o->buf];
+      gpupool__refit_op *d = &p->dops[i];
+      d->dst = o->dst;
+      d->src = (const char *)gpupool_buffer_ptr(buf) + o->soff;
+      d->dpitch = o->dpitch;
+      d->spitch = o->spitch;
+      d->width = o->sfk != FK_NONE ? o->width : o->width * o->sesz; /* a cast counts elements */
+      d->rows = o->rows;
+      d->sk = o->sfk;
+      d->dk = o->dfk;
+      d->sesz = o->sesz;
+      d->desz = o->desz;
+      d->gather = sdev >= 0 && o->ddev == sdev && gpupool_buffer_kind(buf) == GPUPOOL_MEM_DEVICE &&
+                  gpupool_buffer_device(buf) == sdev;
+    }
+    if ((rc = gpupool__refit_copy_many(p->dops, p->nops, stream, &gathered)) != 0)
+      return rc;
+    p->info.gathered = gathered;
+  } else {
+    for (size_t i = 0; i < p->nops; i++) {
+      const op *o = &p->ops[i];
+      copy_host(o, (const char *)gpupool_buffer_ptr(b->bufs[o->buf]) + o->soff);
     }
   }
   p->info.refits++;

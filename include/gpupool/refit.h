@@ -92,7 +92,9 @@ typedef struct {
 } gpupool_refit_target;
 
 /* Flags of gpupool_refit_plan. GPUPOOL_REFIT_DEVICE: the targets are device memory (CUDA
- * builds): the copies run as cudaMemcpy2DAsync on the stream gpupool_refit is given. Without
+ * builds): the copies run on the stream gpupool_refit is given, those within one GPU in a gather
+ * kernel (a few launches for all of them; GPUPOOL_REFIT_GATHER=0: not), the others as
+ * cudaMemcpy2DAsync (another GPU's memory over peer access, host memory). Without
  * it, and when every source lies in host memory, the copies are memcpy (and casts) on the
  * calling thread. */
 typedef enum { GPUPOOL_REFIT_DEVICE = 0x1 } gpupool_refit_flags;
@@ -109,6 +111,9 @@ typedef struct {
   uint64_t cast_copies; /* of the copies, those that convert a dtype */
   uint64_t plans;       /* times the copies were computed (1, plus one per new layout met) */
   uint64_t refits;      /* times it was replayed */
+  uint64_t gathered;    /* of the copies, those the last refit into device memory did in the gather
+                         * kernel (within one GPU, a few launches for all); the others were one
+                         * cudaMemcpy2DAsync each */
 } gpupool_plan_info;
 
 /* Compute the copies that fill the n targets from bundle b's members (a version got with
@@ -129,7 +134,9 @@ GPUPOOL_EXTERN int gpupool_refit_plan(const gpupool_bundle *b, const gpupool_ref
  * plans counts it), with the same checks as gpupool_refit_plan; on failure the targets are
  * unchanged. Host copies are done when it returns; device copies (GPUPOOL_REFIT_DEVICE) are
  * queued on `stream` (release b in that stream). GPUPOOL_ENOTSUP: device copies in a build
- * without CUDA, or a cast between device memory (casts run on the host). */
+ * without CUDA; a cast into device memory that the gather kernel cannot do (it casts within
+ * one GPU: source, target and stream on the same device; not with GPUPOOL_REFIT_GATHER=0, nor
+ * in a build without nvcc): then nothing was queued. */
 GPUPOOL_EXTERN int gpupool_refit(gpupool_plan *p, const gpupool_bundle *b, void *stream);
 
 /* What p does into *out. */

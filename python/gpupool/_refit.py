@@ -52,7 +52,7 @@ class RefitTarget(ctypes.Structure):
 
 class PlanInfo(ctypes.Structure):
     _fields_ = [(f, _u64) for f in ("layout_id", "copies", "bytes", "cast_copies", "plans",
-                                    "refits")]
+                                    "refits", "gathered")]
 
 
 class _PlanHandle(ctypes.Structure):
@@ -265,7 +265,8 @@ class RefitPlan:
 
     def info(self) -> Dict[str, int]:
         """layout_id, copies, bytes (written per refit), cast_copies, plans (times the
-        copies were computed), refits."""
+        copies were computed), refits, gathered (copies the last device refit did in the
+        gather kernel)."""
         if self._plan is None:
             raise error("EINVAL", "info: the plan was closed")
         out = PlanInfo()

@@ -178,10 +178,22 @@ class GpuRefit(unittest.TestCase):
             for version in range(1, 5):
                 if version > 1:
                     self.assertEqual(trainers.publish(version), 1)
-                with torch.cuda.stream(stream):
-                    for plan in plans:
-                        self.assertEqual(plan.refit(newer_than=version - 1, timeout=30, stream=stream),
-                                         version)
+                # Version 3 goes one cudaMemcpy2DAsync a copy, the others through the gather
+                # kernel (every copy here is within GPU 0): both must write the same bits.
+                one_by_one = version == 3
+                if one_by_one:
+                    os.environ["GPUPOOL_REFIT_GATHER"] = "0"
+                try:
+                    with torch.cuda.stream(stream):
+                        for plan in plans:
+                            self.assertEqual(plan.refit(newer_than=version - 1, timeout=30, stream=stream),
+                                             version)
+                            info = plan.info()
+                            self.assertEqual(info["gathered"], 0 if one_by_one else info["copies"],
+                                             "version %d: %r" % (version, info))
+                finally:
+                    if one_by_one:
+                        del os.environ["GPUPOOL_REFIT_GATHER"]
                 stream.synchronize()
                 if version == 2:
                     maps = c.slab_maps
@@ -279,6 +291,116 @@ class GpuRefit(unittest.TestCase):
             torch.cuda.CUDAGraph.capture_begin = orig_begin
             c.close()
             trainers.close()
+
+    def test_gather_any_alignment(self):
+        """Copies at every alignment and size the gather kernel's paths meet (1 byte to wider
+        than a block's chunk, rows of 1 byte to 200 KB, odd pitches), through the kernel and
+        one cudaMemcpy2DAsync each, both bit-exact."""
+        g = torch.Generator().manual_seed(7)
+        src = {"a": (1,), "b": (3,), "c": (17,), "d": (131072 + 5,), "e": (300000,), "f": (37, 129),
+               "h": (5, 300000), "i": (1000, 2)}
+        cpu = {k: torch.randint(0, 256, shape, dtype=torch.uint8, generator=g) for k, shape in src.items()}
+        c = gpupool.Client(self.socket, name="gather")
+        try:
+            c.publish_shard("gather", {k: (t.cuda(), (), tuple(t.shape)) for k, t in cpu.items()},
+                            rank=0, world=1, version=1)
+            big = torch.zeros(4 << 20, dtype=torch.uint8, device="cuda:0")
+            at = [1]
+
+            def view(shape, stride=None):
+                """A target at an odd address of big (rows `stride` apart when given)."""
+                n = shape[0] if len(shape) == 1 else (shape[0] - 1) * stride + shape[1]
+                off = at[0]
+                at[0] += n + 3
+                if len(shape) == 1:
+                    return big[off:off + n]
+                return big[off:].as_strided(shape, (stride, 1))
+
+            targets, want = {}, {}
+            for k in "abcde":
+                t = view(src[k])
+                targets[k], want[k] = (t, [k]), cpu[k]
+            # 2D: a column slice into rows of an odd pitch; rows wider than a block's chunk.
+            targets["f"] = (view((37, 64), 201), [("f", (slice(None), slice(3, 67)))], 1)
+            want["f"] = cpu["f"][:, 3:67]
+            targets["h"] = (view((5, 200001), 300003), [("h", (slice(None), slice(7, 200008)))], 1)
+            want["h"] = cpu["h"][:, 7:200008]
+            targets["i"] = (view((1000, 1), 3), [("i", (slice(None), slice(1, 2)))], 1)
+            want["i"] = cpu["i"][:, 1:2]
+            plan = c.refit_plan("gather", targets)
+            stream = torch.cuda.Stream()
+            for one_by_one in (False, True):
+                big.zero_()
+                if one_by_one:
+                    os.environ["GPUPOOL_REFIT_GATHER"] = "0"
+                try:
+                    plan.refit(newer_than=0, timeout=30, stream=stream)
+                finally:
+                    os.environ.pop("GPUPOOL_REFIT_GATHER", None)
+                stream.synchronize()
+                info = plan.info()
+                self.assertEqual(info["gathered"], 0 if one_by_one else info["copies"], info)
+                for k, (t, _, *rest) in targets.items():
+                    self.assertTrue(torch.equal(t.cpu(), want[k]), "%s (%s)" % (
+                        k, "one by one" if one_by_one else "gather kernel"))
+                # Nothing outside the targets was written.
+                self.assertEqual(int(big.to(torch.int64).sum().item()),
+                                 sum(int(w.to(torch.int64).sum().item()) for w in want.values()))
+            plan.close()
+        finally:
+            c.close()
+
+    def test_casts_in_device_memory(self):
+        """A version in one dtype refitted into device targets of another: float32 into bfloat16
+        and float16 (a column slice, rows of an odd pitch), bfloat16 and float16 into float32,
+        bit-equal to torch's own casts (special values included); across the kernel's chunks."""
+        g = torch.Generator().manual_seed(11)
+        base = torch.randn(300, 257, generator=g) * 100
+        special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, 1e-6, 6e-8,
+                                65504.0, 65520.0, 70000.0, 3.0e38, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -9])
+        base[0, :special.numel()] = special
+        big = torch.randn(40000, generator=g)  # one row longer than a block's cast chunk
+        src = {"w": base, "b": base.to(torch.bfloat16), "h": base.clamp(-60000, 60000).to(torch.float16),
+               "big": big}
+        c = gpupool.Client(self.socket, name="casts")
+        try:
+            c.publish_shard("casts", {k: (t.cuda(), (), tuple(t.shape)) for k, t in src.items()},
+                            rank=0, world=1, version=1)
+            wide_bf = torch.zeros(300, 300, dtype=torch.bfloat16, device="cuda:0")
+            targets = {
+                "w->bf16": (wide_bf[:, 5:205], [("w", (slice(None), slice(17, 217)))], 1),
+                "w->f16": (torch.zeros(300, 257, dtype=torch.float16, device="cuda:0"), ["w"]),
+                "b->f32": (torch.zeros(300, 257, dtype=torch.float32, device="cuda:0"), ["b"]),
+                "h->f32": (torch.zeros(300, 257, dtype=torch.float32, device="cuda:0"), ["h"]),
+                "big->bf16": (torch.zeros(40000, dtype=torch.bfloat16, device="cuda:0"), ["big"]),
+            }
+            want = {"w->bf16": base[:, 17:217].to(torch.bfloat16), "w->f16": base.to(torch.float16),
+                    "b->f32": src["b"].to(torch.float32), "h->f32": src["h"].to(torch.float32),
+                    "big->bf16": big.to(torch.bfloat16)}
+            plan = c.refit_plan("casts", targets)
+            stream = torch.cuda.Stream()
+            plan.refit(newer_than=0, timeout=30, stream=stream)
+            stream.synchronize()
+            info = plan.info()
+            self.assertEqual(info["cast_copies"], info["copies"], info)
+            self.assertEqual(info["gathered"], info["copies"], info)
+            for k, (t, *_) in targets.items():
+                got, exp = t.cpu(), want[k]
+                ib = torch.int16 if got.element_size() == 2 else torch.int32
+                self.assertTrue(torch.equal(got.view(ib), exp.view(ib)),
+                                "%s: %d elements differ from torch's cast" % (k, int((got.view(ib) != exp.view(ib)).sum())))
+            self.assertTrue(torch.equal(wide_bf[:, :5].cpu().view(torch.int16), torch.zeros(300, 5, dtype=torch.int16)))
+            # Without the kernel a device cast is refused before anything is queued.
+            os.environ["GPUPOOL_REFIT_GATHER"] = "0"
+            try:
+                with self.assertRaises(gpupool.GpupoolError) as cm:
+                    plan.refit(newer_than=0, timeout=30, stream=stream)
+                self.assertIn("gather kernel", str(cm.exception))
+            finally:
+                os.environ.pop("GPUPOOL_REFIT_GATHER", None)
+            plan.close()
+        finally:
+            c.close()
 
 
 if __name__ == "__main__":
