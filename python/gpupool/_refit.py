@@ -130,10 +130,27 @@ def shard_member_name(key: str, part: int, global_shape: Sequence[int], start: S
     return buf.value.decode()
 
 
-def publish_shard(client, name: str, shards: Mapping[str, Any], rank: int, world: int,
-                  version: int, stream: Any = None, pool: str | None = None) -> bool:
+def publish_shard(client, name: str, shards: Mapping[str, Any], rank: int | None = None,
+                  world: int | None = None, version: int | None = None, stream: Any = None,
+                  pool: str | None = None) -> bool:
     """Client.publish_shard: see there."""
     nb = _encode_name(name)
+    if version is None:
+        raise error("EINVAL", "publish_shard %r: give the version (the trainer's step)" % (name,))
+    from . import _dtensor
+
+    if any(_dtensor.is_dtensor(v[0] if isinstance(v, (tuple, list)) and len(v) == 1 else v)
+           for v in shards.values()):
+        what = "publish_shard %r of DTensors" % (name,)
+        if rank is not None or world is not None:
+            raise error("EINVAL", "%s: the DTensors' meshes and placements say which rank "
+                        "publishes what; leave rank and world out" % what)
+        rank, world, shards = _dtensor.shard_part(shards, what)
+        if rank is None:  # every slice of this rank is empty or another rank's to publish
+            return False
+    elif rank is None or world is None:
+        raise error("EINVAL", "publish_shard %r: give rank and world (or DTensors, which say "
+                    "them)" % (name,))
     what = "publish_shard %r part %d of %d" % (name, rank, world)
     if not 0 <= rank < world <= PARTS_MAX:
         raise error("EINVAL", "%s: rank 0..world-1, world 1..%d" % (what, PARTS_MAX))
@@ -296,10 +313,19 @@ class RefitPlan:
 def _target(name, spec, keep):
     """A RefitTarget (and what must stay alive for it) from name -> (tensor, pieces[, dim])."""
     what = "refit target %r" % (name,)
-    if not isinstance(spec, (tuple, list)) or len(spec) not in (2, 3):
-        raise error("EINVAL", "%s: give (tensor, pieces) or (tensor, pieces, dim)" % what)
-    tensor, pieces = spec[0], spec[1]
-    dim = int(spec[2]) if len(spec) > 2 else 0
+    from . import _dtensor
+
+    dt = _dtensor.refit_target(name, spec, what)
+    if dt is not None:  # its local shard, in place
+        tensor, pieces, dim = dt
+        if pieces is None:
+            return None, False  # this rank holds no element of it
+    elif not isinstance(spec, (tuple, list)) or len(spec) not in (2, 3):
+        raise error("EINVAL", "%s: give (tensor, pieces), (tensor, pieces, dim) or a DTensor"
+                    % what)
+    else:
+        tensor, pieces = spec[0], spec[1]
+        dim = int(spec[2]) if len(spec) > 2 else 0
     from ._client_args import _describe, _meta
 
     desc, _ = _describe(tensor, None)
@@ -340,7 +366,7 @@ def _target(name, spec, keep):
     t.dim = dim
     t.pieces = arr
     t.npieces = len(pieces)
-    keep.extend([tensor, arr, keys])
+    keep.extend([spec, tensor, arr, keys])
     return t, desc.device[0] == _dlpack.kDLCUDA
 
 
@@ -355,12 +381,17 @@ def refit_plan(client, name: str, targets: Mapping[str, Any] | Sequence[Tuple[st
     if not items:
         raise error("EINVAL", "refit_plan %r: no targets" % (name,))
     keep: list = []
-    arr = (RefitTarget * len(items))()
+    made = []
     device = False
-    for i, (tname, spec) in enumerate(items):
+    for tname, spec in items:
         t, on_gpu = _target(tname, spec, keep)
-        arr[i] = t
-        device |= on_gpu
+        if t is not None:
+            made.append(t)
+            device |= on_gpu
+    if not made:
+        raise error("EINVAL", "refit_plan %r: every target is a DTensor whose local shard is empty "
+                    "on this rank: nothing to fill" % (name,))
+    arr = (RefitTarget * len(made))(*made)
     keep.append(arr)
     b = _lib.BundleP()
     check(L.gpupool_bundle_get(client._conn.usable(), nb, int(newer_than),
@@ -369,7 +400,7 @@ def refit_plan(client, name: str, targets: Mapping[str, Any] | Sequence[Tuple[st
     plan = _PlanP()
     try:
         version = L.gpupool_bundle_version(b)
-        check(L.gpupool_refit_plan(b, arr, len(items), REFIT_DEVICE if device else 0,
+        check(L.gpupool_refit_plan(b, arr, len(made), REFIT_DEVICE if device else 0,
                                    ctypes.byref(plan)), "refit_plan %r version %d" % (name, version))
     finally:
         L.gpupool_bundle_release(b, None)

@@ -8,6 +8,7 @@
 #   tests/python/torch_tests.sh              # prepare when needed, then run the tests
 #   tests/python/torch_tests.sh --prepare    # only make the venv (tools/test.sh does, once)
 #   tests/python/torch_tests.sh --data       # the PinnedLoader tests (python/tests/torchdata)
+#   tests/python/torch_tests.sh --dtensor    # sharded versions from DTensors (python/tests/dtensor)
 #
 # GPUPOOL_TORCH_VENV: where the venv lives (default: /var/cache/gpupool/torch-venv for root,
 # where the test that runs a receiver as another uid can read it; else
@@ -58,4 +59,5 @@ fi
 [ "${1:-}" = "--prepare" ] && exit 0
 [ -n "${GPUPOOLD:-}" ] || skip "GPUPOOLD is not set (ctest sets it)"
 [ "${1:-}" = "--data" ] && exec "$py" "$src/python/tests/torchdata/run.py"
+[ "${1:-}" = "--dtensor" ] && exec "$py" "$src/python/tests/dtensor/run.py"
 cd "$src/python/tests/torch" && exec "$py" -m unittest discover -s . -v
