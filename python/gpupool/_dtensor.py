@@ -66,28 +66,6 @@ def _placement_kinds(placements, what):
     return out
 
 
-def _local_extent(dt, what):
-    """(local tensor, global shape, this rank's offsets) of dt, checked against torch's own
-    account of the placements; offsets is None when this rank is not in dt's mesh."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    mesh, placements = dt.device_mesh, tuple(dt.placements)
-    _placement_kinds(placements, what)
-    gshape = tuple(int(n) for n in dt.shape)
-    local = dt.to_local()
-    if mesh.get_coordinate() is None:
-        return local, gshape, None
-    lshape, offset = compute_local_shape_and_global_offset(gshape, mesh, placements)
-    if tuple(local.shape) != tuple(lshape):
-        raise error("EINVAL", "%s: the local tensor is %s, but placements %r on a mesh of %s give "
-                    "this rank %s; make the DTensor with distribute_tensor, or from_local with "
-                    "the shape torch chunks it to" % (what, tuple(local.shape), placements,
-                                                      tuple(mesh.shape), tuple(lshape)))
-    # An empty slice's offset is the dimension's size (torch's convention): any is as good.
-    offset = tuple(min(int(o), n) for o, n in zip(offset, gshape))
-    return local, gshape, offset
-
-
 def _numel(shape):
     n = 1
     for s in shape:
@@ -95,42 +73,77 @@ def _numel(shape):
     return n
 
 
-# (global shape, placements, mesh ranks, mesh shape) -> the global ranks that publish it
-_publishers_cache: Dict[Any, Tuple[int, ...]] = {}
+# (global shape, placements, mesh ranks, mesh shape, this rank's coordinate) -> (the global
+# ranks that publish a slice, this rank's local shape, its offsets): a model's weights have
+# few distinct shapes, and asking the mesh costs tens of microseconds a time.
+_layouts: Dict[Any, Tuple[Tuple[int, ...], Tuple[int, ...], Any]] = {}
 
 
-def _publishers(dt, what):
-    """The global ranks that publish a slice of dt: the nonempty slices, each from the rank at
-    coordinate 0 of every replicated mesh dimension (a tensor with no elements: from the rank
-    at coordinate 0 of every mesh dimension)."""
+def _mesh_info(mesh, memo):
+    """(global ranks in mesh order, mesh shape, this rank's coordinate or None), asked of
+    the mesh once per call of the caller (memo: id(mesh) -> it, the meshes alive meanwhile)."""
+    got = memo.get(id(mesh))
+    if got is None:
+        coord = mesh.get_coordinate()
+        got = memo[id(mesh)] = (tuple(int(r) for r in mesh.mesh.flatten().tolist()),
+                                tuple(int(n) for n in mesh.shape),
+                                None if coord is None else tuple(int(c) for c in coord))
+    return got
+
+
+def _layout(dt, memo, what):
+    """(publishers, local shape, offsets) of dt on this rank: publishers are the global ranks
+    that publish a slice of it, the nonempty slices, each from the rank at coordinate 0 of
+    every replicated mesh dimension (a tensor with no elements: from the rank at coordinate 0
+    of every mesh dimension); local shape and offsets are this rank's as torch's
+    compute_local_shape_and_global_offset gives them (None when this rank is not in the
+    mesh)."""
     import itertools
 
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor._utils import (_compute_local_shape_and_global_offset,
+                                                 compute_local_shape_and_global_offset)
 
     mesh, placements = dt.device_mesh, tuple(dt.placements)
-    ranks = mesh.mesh.flatten().tolist()
-    mshape = tuple(int(n) for n in mesh.shape)
+    ranks, mshape, coord = _mesh_info(mesh, memo)
     gshape = tuple(int(n) for n in dt.shape)
-    key = (gshape, placements, tuple(ranks), mshape)
-    got = _publishers_cache.get(key)
+    key = (gshape, placements, ranks, mshape, coord)
+    got = _layouts.get(key)
     if got is not None:
         return got
     kinds = _placement_kinds(placements, what)
     empty = _numel(gshape) == 0
-    out = []
-    for flat, coord in enumerate(itertools.product(*(range(n) for n in mshape))):
-        if any(c and (empty or kind == "replicate") for c, (kind, _) in zip(coord, kinds)):
+    who = []
+    for flat, c in enumerate(itertools.product(*(range(n) for n in mshape))):
+        if any(i and (empty or kind == "replicate") for i, (kind, _) in zip(c, kinds)):
             continue
         if not empty:
-            lshape, _ = _compute_local_shape_and_global_offset(gshape, mshape, list(coord),
-                                                              placements, skip_offset=True)
+            lshape, _ = _compute_local_shape_and_global_offset(gshape, mshape, list(c), placements,
+                                                              skip_offset=True)
             if _numel(lshape) == 0:
                 continue
-        out.append(int(ranks[flat]))
-    if len(_publishers_cache) > 4096:  # shapes of one model are few; bound it anyway
-        _publishers_cache.clear()
-    got = _publishers_cache[key] = tuple(out)
+        who.append(ranks[flat])
+    lshape = offset = None
+    if coord is not None:
+        lshape, offset = compute_local_shape_and_global_offset(gshape, mesh, placements)
+        lshape = tuple(int(n) for n in lshape)
+        # An empty slice's offset is the dimension's size (torch's convention): any will do.
+        offset = tuple(min(int(o), n) for o, n in zip(offset, gshape))
+    if len(_layouts) > 4096:  # bound it anyway
+        _layouts.clear()
+    got = _layouts[key] = (tuple(who), lshape, offset)
     return got
+
+
+def _local_slices(dt, lshape, offset, what):
+    """(local tensor, its slices of the global tensor), checked against torch's account."""
+    local = dt.to_local()
+    if tuple(local.shape) != lshape:
+        raise error("EINVAL", "%s: the local tensor is %s, but placements %r on a mesh of %s give "
+                    "this rank %s; make the DTensor with distribute_tensor, or from_local with "
+                    "the shape torch chunks it to" % (what, tuple(local.shape),
+                                                      tuple(dt.placements),
+                                                      tuple(dt.device_mesh.shape), lshape))
+    return local, tuple(slice(o, o + n) for o, n in zip(offset, lshape))
 
 
 def shard_part(shards: Mapping[str, Any], what: str):
@@ -142,23 +155,26 @@ def shard_part(shards: Mapping[str, Any], what: str):
         raise error("EINVAL", "%s: DTensors need torch.distributed's default process group (its "
                     "ranks number the parts); call init_process_group first" % what)
     me = dist.get_rank()
-    everyone = set()
+    everyone: set = set()
     mine: Dict[str, Any] = {}
+    memo: Dict[int, Any] = {}
     for key, dt in shards.items():
-        if isinstance(dt, (tuple, list)) and len(dt) == 1:
-            dt = dt[0]
         kw = "%s: %r" % (what, key)
+        if isinstance(dt, (tuple, list)) and dt:
+            if len(dt) > 1 and is_dtensor(dt[0]):
+                raise error("EINVAL", "%s: give the DTensor alone: its placements say its slice "
+                            "and global shape" % kw)
+            dt = dt[0]
         if not is_dtensor(dt):
             raise error("EINVAL", "%s is a %s among DTensors: give every tensor as a DTensor (a "
                         "plain one that every rank holds: DTensor.from_local(t, mesh, "
                         "[Replicate()]); one rank then publishes it), or publish explicit slices "
                         "with rank and world" % (kw, type(dt).__name__))
-        who = _publishers(dt, kw)
+        who, lshape, offset = _layout(dt, memo, kw)
         everyone.update(who)
-        if me not in who:
-            continue
-        local, gshape, offset = _local_extent(dt, kw)
-        mine[key] = (local, tuple(slice(o, o + int(n)) for o, n in zip(offset, local.shape)), gshape)
+        if me in who:
+            local, slices = _local_slices(dt, lshape, offset, kw)
+            mine[key] = (local, slices, tuple(int(n) for n in dt.shape))
     order = sorted(everyone)
     if me not in order:
         return None, len(order), {}
@@ -185,8 +201,9 @@ def refit_target(name: str, spec: Any, what: str):
     key = name if pieces is None else pieces
     if isinstance(key, bytes):
         key = key.decode()
-    local, _, offset = _local_extent(dt, what)
-    if offset is None or _numel(local.shape) == 0:
-        return local, None, 0
-    return local, [(key, tuple(slice(o, o + int(n)) for o, n in zip(offset, local.shape)))], 0
+    _, lshape, offset = _layout(dt, {}, what)
+    if lshape is None or _numel(lshape) == 0:
+        return dt.to_local(), None, 0
+    local, slices = _local_slices(dt, lshape, offset, what)
+    return local, [(key, slices)], 0
 

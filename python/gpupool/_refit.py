@@ -139,7 +139,7 @@ def publish_shard(client, name: str, shards: Mapping[str, Any], rank: int | None
         raise error("EINVAL", "publish_shard %r: give the version (the trainer's step)" % (name,))
     from . import _dtensor
 
-    if any(_dtensor.is_dtensor(v[0] if isinstance(v, (tuple, list)) and len(v) == 1 else v)
+    if any(_dtensor.is_dtensor(v[0] if isinstance(v, (tuple, list)) and v else v)
            for v in shards.values()):
         what = "publish_shard %r of DTensors" % (name,)
         if rank is not None or world is not None:

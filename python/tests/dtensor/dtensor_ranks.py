@@ -98,6 +98,8 @@ def check_refused(c, mesh):
             "'plain' is a Tensor among DTensors", "Replicate()")
     refused(lambda: c.publish_shard("refused", {"w": ok}, rank=0, world=1, version=1),
             "leave rank and world out")
+    refused(lambda: c.publish_shard("refused", {"w": (ok, (slice(0, 4),), (4, 4))}, version=1),
+            "give the DTensor alone")
 
 
 def main(rank, world, layout, socket, store, out):
@@ -128,12 +130,21 @@ def main(rank, world, layout, socket, store, out):
                     targets = {k: distribute_tensor(torch.zeros(w[k].shape, dtype=w[k].dtype),
                                                     mesh, plan_of[k][1]) for k in w}
                     ptrs = {k: t.to_local().data_ptr() for k, t in targets.items()}
-                    plan = c.refit_plan(policy, targets)
+                    spec = dict(targets)
+                    # (dtensor, key): a target named apart from its global tensor; (dtensor,
+                    # pieces): the local tensor holds what the pieces say (rows 2:4 of q).
+                    alias = distribute_tensor(torch.zeros(7, 5), mesh, plan_of["emb"][1])
+                    head = distribute_tensor(torch.zeros(2, 6), mesh, [Replicate()] * mesh.ndim)
+                    spec["emb_alias"] = (alias, "emb")
+                    spec["q_head"] = (head, [("q", (slice(2, 4),))])
+                    plan = c.refit_plan(policy, spec)
                     result["plan_version"] = plan.planned_at
                 assert plan.refit(timeout=30) == version
                 for k, t in targets.items():
                     assert t.to_local().data_ptr() == ptrs[k], "%s moved" % k
                     assert same_bits(t.full_tensor(), w[k]), "%s of version %d" % (k, version)
+                assert same_bits(alias.full_tensor(), w["emb"]), "emb_alias"
+                assert same_bits(head.to_local(), w["q"][2:4]), "q_head"
             result["plans"] = plan.info()["plans"]
             plan.close()
             # Only replicated weights and weights of fewer rows than ranks: ranks without a
