@@ -102,6 +102,31 @@ def check_refused(c, mesh):
             "give the DTensor alone")
 
 
+def check_in_place(c, mesh, name, w):
+    """DTensors whose local tensors live in gpupool memory of the rank's client are published
+    in place: the version adds no buffer, and is what the weights are."""
+    n = mesh.ndim
+    sd = {}
+    for k, placements in (("q", [Shard(0)] * n), ("norm", [Replicate()] * n)):
+        want = distribute_tensor(w[k], mesh, placements).to_local()
+        local = torch.from_dlpack(c.alloc(tuple(want.shape), "float32"))
+        local.copy_(want)
+        sd[k] = DTensor.from_local(local, mesh, placements, run_check=False, shape=w[k].shape,
+                                   stride=w[k].stride())
+    dist.barrier()  # every rank's buffers are allocated
+    before = c.stats()["buffers"]
+    dist.barrier()
+    c.publish_shard(name, sd, version=1)
+    dist.barrier()  # the version is complete
+    assert c.stats()["buffers"] == before, "published in place: %d buffers, %d before" % (
+        c.stats()["buffers"], before)
+    targets = {k: distribute_tensor(torch.zeros(w[k].shape), mesh, [Replicate()] * n) for k in sd}
+    with c.refit_plan(name, targets) as plan:
+        plan.refit()
+    for k, t in targets.items():
+        assert same_bits(t.to_local(), w[k]), "in place %s" % k
+
+
 def main(rank, world, layout, socket, store, out):
     policy, sparse = "policy-" + layout + str(world), "sparse-" + layout + str(world)
     torch.set_num_threads(1)
@@ -152,6 +177,8 @@ def main(rank, world, layout, socket, store, out):
             sd = {"norm": distribute_tensor(w["norm"], mesh, [Replicate()] * mesh.ndim),
                   "tiny": distribute_tensor(w["tiny"], mesh, [Shard(0)] * mesh.ndim)}
             result["sparse"] = c.publish_shard(sparse, sd, version=1)
+            dist.barrier()
+            check_in_place(c, mesh, "inplace-" + layout + str(world), w)
             dist.barrier()  # every rank stays connected until every version is complete
         finally:
             c.close()

@@ -4,8 +4,9 @@ mesh, with uneven sizes: 7 rows and 2 rows over 4 ranks) as they are; each rank 
 DTensor targets of other placements in place (checked with full_tensor() in the ranks), and
 an engine here refits plain tensors of a tensor-parallel layout and whole tensors, bit for
 bit. A replicated weight is published by one rank; ranks with nothing of their own publish
-nothing and the version is complete without them. Partial and _StridedShard placements are
-refused with the placement named (in the ranks: they need a process group)."""
+nothing and the version is complete without them; local tensors in gpupool memory are
+published in place. Partial and _StridedShard placements are refused with the placement
+named (in the ranks: they need a process group)."""
 
 import json
 import os
