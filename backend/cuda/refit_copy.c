@@ -72,7 +72,7 @@ static cudaError_t launch(gpupool__gather_args *a, uint64_t nblocks, cudaStream_
   return cudaLaunchKernel((const void *)gather_kernel, grid, block, args, 0, s);
 }
 
-int gpupool__refit_copy_many(const gpupool__refit_op *ops, size_t n, void *stream, size_t *gathered) {
+static int copy_many(const gpupool__refit_op *ops, size_t n, void *stream, size_t *gathered) {
   cudaStream_t s = (cudaStream_t)stream;
   gpupool__gather_args *a = NULL;
   uint64_t nblocks = 0;
@@ -164,6 +164,29 @@ off:
 fail:
   free(a);
   return rc;
+}
+
+/* The kernel is launched on the stream's device: made current for the call when the caller's
+ * current device is another (a launch on another device's stream fails). */
+int gpupool__refit_copy_many(const gpupool__refit_op *ops, size_t n, void *stream, size_t *gathered) {
+  int cur = -1, want = -1, rc;
+  if (stream) {
+    if (cudaGetDevice(&cur) != cudaSuccess || cudaStreamGetDevice((cudaStream_t)stream, &want) != cudaSuccess) {
+      (void)cudaGetLastError(); /* CUDA cannot say: copy as asked, the copies report what fails */
+      want = cur;
+    }
+    if (want != cur) {
+      cudaError_t e = cudaSetDevice(want);
+      if (e != cudaSuccess)
+        return gpupool__err(GPUPOOL_EBACKEND, "refit: making the stream's device %d current: %s (%s)", want,
+                            cudaGetErrorString(e), cudaGetErrorName(e));
+      rc = copy_many(ops, n, stream, gathered);
+      if (cudaSetDevice(cur) != cudaSuccess)
+        (void)cudaGetLastError();
+      return rc;
+    }
+  }
+  return copy_many(ops, n, stream, gathered);
 }
 
 int gpupool__refit_device_casts(void) {
