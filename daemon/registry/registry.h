@@ -462,6 +462,11 @@ struct gpd_keep_ops {
   void (*slab_gone)(gpd_registry *reg, gpd_slab *s);
   void (*lease_new)(gpd_registry *reg, gpd_lease *l);
   void (*lease_gone)(gpd_registry *reg, gpd_lease *l);
+  /* A name published or taken out (key: as in reg->names), a buffer's range given back, a
+   * layout freed: what the next change written must carry (a delta, state.c). */
+  void (*name_changed)(gpd_registry *reg, const char *key);
+  void (*buffer_gone)(gpd_registry *reg, uint64_t id);
+  void (*layout_gone)(gpd_registry *reg, uint64_t id);
 };
 
 int gpd_registry_init(gpd_registry *reg, uv_loop_t *loop, const gpd_config *cfg,

@@ -349,6 +349,8 @@ void gpd_finish_free(gpd_registry *reg, gpd_buffer *b) {
   gpd_layout_unref(reg, b->layout);
   /* Only now is the range really back: until here it stays on its owner's account. */
   gpd_uid_account(reg, b->owner_tenant, -(int64_t)b->size, -1);
+  if (reg->keep)
+    reg->keep->buffer_gone(reg, b->id);
   free(b->done);
   free(b->leases);
   free(b);

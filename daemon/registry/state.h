@@ -15,7 +15,9 @@
 #include "registry.h"
 
 /* The format the state is written in; a daemon reads every format up to its own. */
-#define GPD_STATE_FORMAT 1
+/* 1: whole states only. 2: the same whole state, and deltas that follow it (gpd.delta.G.N):
+ * a daemon of format 1 would miss the changes they hold, so it must refuse such a store. */
+#define GPD_STATE_FORMAT 2
 
 /* What the start found and did, for the log, STATUS= and `gpupoolctl status`. */
 typedef struct {
@@ -29,6 +31,8 @@ typedef struct {
   char why[256];            /* the first reason something was discarded */
   uint64_t restore_ns;      /* how long the restore took */
   uint64_t writes, write_ns_last, write_ns_max, write_bytes_last; /* states written since */
+  uint64_t deltas, compactions; /* of those writes: deltas, and whole states that replaced deltas */
+  uint64_t deltas_restored, deltas_dropped; /* at start: deltas replayed, and those discarded */
 } gpd_state_info;
 
 /* After gpd_registry_init: take the fds the store gave back (gpd_sd_stored_fds), restore what
