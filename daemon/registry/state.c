@@ -4,24 +4,37 @@
  * Where it lives: every slab's memfd goes to the fd store when the slab is made
  * ("gpd.slab.<id>") and leaves it when the slab is given back; every lease's read end the same
  * way ("gpd.lease.<id>"). The registry's tables are written, whole, into a new sealed memfd
- * ("gpd.state.<generation>") at the end of each loop turn that changed them; only once it is
- * complete and sealed is it put in the store, and only then is the previous generation taken
- * out. A crash at any instruction therefore leaves the previous generation, the new one, or
- * both (the next daemon takes the newest that checks out): never half of one.
+ * ("gpd.state.<generation>") at the end of a loop turn that changed holds, leases or slabs (at
+ * most every 100 ms); only once it is complete and sealed is it put in the store, and only then
+ * are the previous generation and its deltas taken out. A change of names (publish, unpublish)
+ * is written before its reply as a delta: a small sealed memfd of its own ("gpd.delta.<the
+ * generation it follows>", its sequence number in its header) with the records of what changed
+ * (the names, the buffers, slabs and layouts they refer to) and the ids of what is gone, so
+ * that its cost follows the change, not the size of the state. A crash at any instruction
+ * therefore leaves the previous generation, the new one, or both, and each delta whole or not
+ * at all (the next daemon takes the newest state that checks out, then its deltas in sequence
+ * up to the first missing or unsound one): never half of one change.
  *
  * The format (GPD_STATE_FORMAT): a fixed header (magic, format, generation, payload length,
- * SHA-256 of the payload) and the payload, a sequence of records in this machine's byte order
- * (the store never leaves the machine). Everything read is checked before use: counts against
- * the bytes left, ids against what was restored before, ranges against their slab, fds against
- * what a slab must be (backend slab_adopt). A piece that does not check out is discarded with
- * what depends on it (a name whose buffer is gone is lost; the rest is kept) and the reason goes
- * to the log.
+ * checksum of the payload; a delta's sequence) and the payload, a sequence of records in this
+ * machine's byte order (the store never leaves the machine). A delta's records each carry an
+ * op: a put replaces the record of its key (id, or a name's key), a delete removes it; they are
+ * merged into the state's records before the restore reads them. Everything read is checked
+ * before use: counts against the bytes left, ids against what was restored before, ranges
+ * against their slab, fds against what a slab must be (backend slab_adopt). A piece that does
+ * not check out is discarded with what depends on it (a name whose buffer is gone is lost; the
+ * rest is kept) and the reason goes to the log.
  *
  * Test hooks: GPUPOOL_TEST_STATE_CRASH=STEP:FILE kills the daemon (SIGKILL, as a crash) at
- * step STEP of the first state write that finds FILE (removed first, so it happens once across
- * restarts): 1: memfd half written, 2: written, not sealed, 3: sealed, not in the store, 4: in
- * the store, the previous generation not yet removed. GPUPOOL_TEST_STATE_FORMAT=N writes the
- * state in format N (a state from a newer daemon, for the refusal's test).
+ * step STEP of the first write that finds FILE (removed first, so it happens once across
+ * restarts). A whole state: 1: memfd half written, 2: written, not sealed, 3: sealed, not in
+ * the store, 4: in the store, the previous generation not yet removed; a delta: 5 to 8 the
+ * same (8: in the store, its reply not yet sent); a compaction: 9: the new state in the store,
+ * the previous one's deltas taken out, the previous state not yet. GPUPOOL_TEST_STATE_FORMAT=N
+ * writes the state in format N (a state from a newer daemon, for the refusal's test).
+ * GPUPOOL_TEST_STATE_DELTAS=N: at most N deltas on a state (0: every write is whole).
+ * GPUPOOL_TEST_STATE_DELTA=damage:N:FILE (drop:N:FILE): delta N, written while FILE exists
+ * (removed), gets a wrong checksum (is left out of the store).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -170,10 +183,9 @@ static void store_remove(gpd_state *st, const char *kind, uint64_t id) {
   store_remove_as(st, what);
 }
 
-/* A delta's name in the store: "delta.<generation it follows>.<sequence from 1>". */
-static void delta_name(char *buf, size_t len, uint64_t gen, uint64_t seq) {
-  snprintf(buf, len, "delta.%" PRIu64 ".%" PRIu64, gen, seq);
-}
+/* The name in the store of every delta that follows state gen: "delta.<gen>" (its sequence is
+ * in its header). One name for all of them, so that one message takes them all out. */
+static void delta_name(char *buf, size_t len, uint64_t gen) { snprintf(buf, len, "delta.%" PRIu64, gen); }
 
 /* ---- the journal: what the next delta carries ------------------------------------------- */
 
@@ -586,13 +598,12 @@ static int write_state(gpd_state *st) {
   }
   close(fd);
   maybe_crash(st, 4);
-  /* Newest first: a crash in between leaves a state whose deltas still follow on from it. */
-  for (uint64_t k = st->seq; k > 0; k--) {
+  if (st->seq) {
     char what[64];
-    delta_name(what, sizeof what, st->generation, k);
+    delta_name(what, sizeof what, st->generation);
     store_remove_as(st, what);
-    if (k == st->seq)
-      maybe_crash(st, 9);
+    st->nstored = st->nstored > st->seq - 1 ? st->nstored - (st->seq - 1) : 0;
+    maybe_crash(st, 9);
   }
   if (st->generation)
     store_remove(st, "state", st->generation);
@@ -678,9 +689,10 @@ static int write_delta(gpd_state *st) {
     st->need_whole = 1;
     return write_state(st);
   }
-  delta_name(what, sizeof what, st->generation, seq);
+  delta_name(what, sizeof what, st->generation);
   if (st->damage_drop && st->damage_seq == (long)seq && st->damage_file[0] && unlink(st->damage_file) == 0) {
-    GPUPOOL__WARN("GPUPOOL_TEST_STATE_DELTA: delta %s is left out of the store", what);
+    GPUPOOL__WARN("GPUPOOL_TEST_STATE_DELTA: delta %" PRIu64 ".%" PRIu64 " is left out of the store", st->generation,
+                  seq);
     st->nstored++; /* (as if it were there) */
   } else if (store_put_as(st, what, fd) != 0) {
     close(fd);
@@ -1665,15 +1677,6 @@ static int merge_emit(gpd_state *st, const merge_t *mg, const uint8_t *payload, 
   return st->oom ? -1 : 0;
 }
 
-static int stored_index(gpd_sd_stored *fds, int n, const char *what) {
-  char want[80];
-  snprintf(want, sizeof want, GPD_SD_STORE_PREFIX "%s", what);
-  for (int i = 0; i < n; i++)
-    if (fds[i].fd >= 0 && strcmp(fds[i].name, want) == 0)
-      return i;
-  return -1;
-}
-
 /* Map a stored memfd that must be sealed against writes: its bytes, or NULL with the reason. */
 static void *map_sealed(int fd, size_t *size, char *why, size_t whylen) {
   struct stat sb;
@@ -1696,87 +1699,115 @@ static void *map_sealed(int fd, size_t *size, char *why, size_t whylen) {
 static int restore_with_deltas(gpd_state *st, gpd_sd_stored *fds, int n, uint64_t gen, const uint8_t *payload,
                                uint64_t plen) {
   merge_t mg;
-  struct dmap {
+  struct cand {
+    int i;            /* in fds */
     void *m;
     size_t size;
-  } *maps = NULL;
-  uint32_t nmaps = 0, capmaps = 0;
-  uint64_t seq, later = 0;
-  char prefix[64];
-  int rc = 0, bad = 0;
+    uint64_t seq;     /* 0: not known (not even its header reads) */
+    const uint8_t *p; /* its payload once it checks out, else NULL */
+    uint64_t plen;
+    char why[160];
+  } *c = NULL;
+  uint32_t nc = 0, capc = 0, applied = 0;
+  uint64_t seq;
+  char what[64], want[80];
+  int rc = 0;
 
   memset(&mg, 0, sizeof mg);
-  for (seq = 1;; seq++) {
-    char what[64], why[160] = "";
-    const uint8_t *dp = NULL;
-    uint64_t dgen = 0, dplen = 0, dseq = 0;
+  delta_name(what, sizeof what, gen);
+  snprintf(want, sizeof want, GPD_SD_STORE_PREFIX "%s", what);
+  for (int i = 0; i < n; i++) {
+    struct cand *d;
+    uint64_t dgen = 0;
     uint32_t fmt = 0;
-    size_t size = 0;
-    void *m;
-    int i, hc = -1;
-    delta_name(what, sizeof what, gen, seq);
-    if ((i = stored_index(fds, n, what)) < 0)
+    int hc;
+    if (fds[i].fd < 0 || strcmp(fds[i].name, want) != 0)
+      continue;
+    if (gpd_grow((void **)&c, &capc, nc + 1, sizeof *c) != 0) {
+      discard(st, NULL, "out of memory reading the deltas of state %" PRIu64 "; the state is restored without the "
+              "later ones", gen);
       break;
-    if ((m = map_sealed(fds[i].fd, &size, why, sizeof why))) {
-      hc = check_header(m, size, DELTA_MAGIC, &dgen, &fmt, &dp, &dplen, why, sizeof why);
-      memcpy(&dseq, (const uint8_t *)m + 40, 8);
     }
+    d = &c[nc++];
+    memset(d, 0, sizeof *d);
+    d->i = i;
+    if (!(d->m = map_sealed(fds[i].fd, &d->size, d->why, sizeof d->why)))
+      continue;
+    if (d->size >= HEADER_LEN && memcmp(d->m, DELTA_MAGIC, 8) == 0)
+      memcpy(&d->seq, (const uint8_t *)d->m + 40, 8);
+    hc = check_header(d->m, d->size, DELTA_MAGIC, &dgen, &fmt, &d->p, &d->plen, d->why, sizeof d->why);
     if (hc == 1) {
       rc = gpupool__err(GPUPOOL_ECONFIG,
                         "a change kept in the fd store (delta %" PRIu64 ".%" PRIu64 ") is in format %u, written by "
                         "a newer gpupoold; this one (%s) reads formats up to %u. Start the newer gpupoold again, or, "
                         "to give up every name and version it kept, empty the store: `systemctl stop gpupoold` then "
                         "start this one (under gpupoold --supervise: stop the supervisor)",
-                        gen, seq, fmt, GPUPOOL_VERSION_STRING, GPD_STATE_FORMAT);
-      munmap(m, size);
+                        gen, d->seq, fmt, GPUPOOL_VERSION_STRING, GPD_STATE_FORMAT);
       goto out;
     }
-    if (hc == 0 && (dgen != gen || dseq != seq))
-      snprintf(why, sizeof why, "its header names another place in the sequence"), hc = -1;
-    if (hc == 0 && delta_ops(&mg, dp, (size_t)dplen, 0) != 0)
-      snprintf(why, sizeof why, "its records do not read"), hc = -1;
-    if (hc == 0 && (gpd_grow((void **)&maps, &capmaps, nmaps + 1, sizeof *maps) != 0 ||
-                    delta_ops(&mg, dp, (size_t)dplen, 1) != 0))
-      snprintf(why, sizeof why, "out of memory"), hc = -1;
-    if (hc != 0) {
-      if (m)
-        munmap(m, size);
-      discard(st, NULL, "delta %" PRIu64 ".%" PRIu64 " of the state: %s; the changes it and any later delta hold are "
-              "discarded, the %" PRIu64 " before it are kept", gen, seq, why, seq - 1);
-      bad = 1;
+    if (hc == 0 && dgen != gen) {
+      snprintf(d->why, sizeof d->why, "its header names another state");
+      hc = -1;
+    }
+    if (hc == 0 && delta_ops(&mg, d->p, (size_t)d->plen, 0) != 0) {
+      snprintf(d->why, sizeof d->why, "its records do not read");
+      hc = -1;
+    }
+    if (hc != 0)
+      d->p = NULL;
+  }
+  /* In sequence: each applied whole, or the first that is not there or not sound ends it. */
+  for (seq = 1;; seq++) {
+    struct cand *d = NULL, *bad = NULL;
+    for (uint32_t k = 0; k < nc && !d; k++)
+      if (c[k].seq == seq && c[k].m) {
+        if (c[k].p)
+          d = &c[k];
+        else if (!bad)
+          bad = &c[k];
+      }
+    if (!d) {
+      if (bad)
+        discard(st, NULL, "delta %" PRIu64 ".%" PRIu64 " of the state: %s; the changes it and any later delta hold are "
+                "discarded, the %" PRIu64 " before it are kept", gen, seq, bad->why, seq - 1);
+      else if (applied < nc)
+        discard(st, NULL, "delta %" PRIu64 ".%" PRIu64 " of the state is missing: the %" PRIu32 " later one(s) are "
+                "discarded with the changes they hold, the %" PRIu64 " before it are kept", gen, seq, nc - applied,
+                seq - 1);
       break;
     }
-    maps[nmaps++] = (struct dmap){m, size};
-    st->delta_bytes += size;
-    close(fds[i].fd);
-    fds[i].fd = -1;
+    if (delta_ops(&mg, d->p, (size_t)d->plen, 1) != 0) {
+      discard(st, NULL, "out of memory replaying delta %" PRIu64 ".%" PRIu64 "; it and the later ones are discarded",
+              gen, seq);
+      break;
+    }
+    d->seq = 0; /* (applied: once) */
+    st->delta_bytes += d->size;
+    applied++;
   }
-  seq--; /* the deltas replayed */
-  snprintf(prefix, sizeof prefix, GPD_SD_STORE_PREFIX "delta.%" PRIu64 ".", gen);
-  for (int i = 0; i < n; i++)
-    if (fds[i].fd >= 0 && strncmp(fds[i].name, prefix, strlen(prefix)) == 0)
-      later++;
-  if (later && !bad)
-    discard(st, NULL, "delta %" PRIu64 ".%" PRIu64 " of the state is missing: the %" PRIu64 " later one(s) are "
-            "discarded with the changes they hold, the %" PRIu64 " before it are kept", gen, seq + 1, later, seq);
-  else if (later)
-    GPUPOOL__WARN("restore: %" PRIu64 " delta(s) of state %" PRIu64 " after delta %" PRIu64 " are discarded", later,
-                  gen, seq);
-  st->info.deltas_restored = seq;
-  st->info.deltas_dropped = later;
-  st->seq = seq;
+  st->info.deltas_restored = applied;
+  st->info.deltas_dropped = nc - applied;
+  /* The replayed ones are taken out of the store with the others of their name, by the first
+   * write (a whole state: what the restore dropped is in no delta). Until then they count. */
+  st->seq = nc;
   st->whole_bytes = HEADER_LEN + plen;
-  st->need_whole = 1; /* (the first write is a whole state: what the restore dropped is in no delta) */
-  if (nmaps && merge_emit(st, &mg, payload, plen) != 0) {
+  st->need_whole = 1;
+  if (applied && merge_emit(st, &mg, payload, plen) != 0) {
     discard(st, NULL, "the %" PRIu32 " delta(s) of state %" PRIu64 " could not be applied to it (%s); the state is "
-            "restored without them", nmaps, gen, st->oom ? "out of memory" : "its records do not read");
-    nmaps = 0;
+            "restored without them", applied, gen, st->oom ? "out of memory" : "its records do not read");
+    applied = 0;
   }
-  (void)restore(st, nmaps ? st->buf : payload, nmaps ? st->len : plen);
+  (void)restore(st, applied ? st->buf : payload, applied ? st->len : plen);
+  /* Every delta of this state is closed here: the store keeps them until that first write. */
+  for (uint32_t k = 0; k < nc; k++) {
+    close(fds[c[k].i].fd);
+    fds[c[k].i].fd = -1;
+  }
 out:
-  for (uint32_t i = 0; i < nmaps; i++)
-    munmap(maps[i].m, maps[i].size);
-  free(maps);
+  for (uint32_t k = 0; k < nc; k++)
+    if (c[k].m)
+      munmap(c[k].m, c[k].size);
+  free(c);
   merge_free(&mg);
   journal_clear(st);
   return rc;
@@ -1878,7 +1909,7 @@ int gpd_state_init(gpd_registry *reg) {
         return rc; /* every fd stays open: the process exits */
       close(fds[best].fd); /* the store keeps it until the next write replaces it */
       fds[best].fd = -1;
-      st->nstored += st->seq; /* (its deltas, taken out at the next write) */
+      st->nstored += st->seq; /* (its deltas, taken out by the next write) */
       break;
     }
     if (m != MAP_FAILED)

@@ -485,9 +485,11 @@ static int set_env_pairs(void *arg) {
 static pid_t start_env(const char *const *env) {
   const char *extra[] = {"--supervise", "--pool", POOL, NULL};
   ts_daemon_opts o = {.gpupoold = GPUPOOLD_PATH, .backend = "host", .log_level = "debug", .extra = extra,
-                      .ready_ms = 5000, .poll_ms = 10, .hook = set_env_pairs, .hook_arg = (void *)env};
+                      .ready_ms = 5000, .poll_ms = 10, .hook = set_env_pairs, .hook_arg = (void *)env,
+                      .use_conf = 1};
   uint64_t end;
   pid_t c;
+  th_write_conf(&D, "[daemon]\nmax_names = 20000\nmax_names_per_uid = 20000\n");
   th_start_opts(&D, &o);
   end = th_now_ms() + 5000;
   while (!(c = child_of(D.pid)) && th_now_ms() < end)
@@ -525,33 +527,41 @@ static void publish_held(gpupool_buffer *b, int i, uint64_t want_version) {
 }
 
 /* Publishes and unpublishes written only as deltas come back after kill -9, bit-exact: every
- * name at its version with its bytes, the one taken out gone, nothing lost to the client. */
+ * name at its version with its bytes, the one taken out gone, nothing lost to the client.
+ * GPUPOOL_TEST_SURVIVE_DELTAS (default 16) sets how many names; the restore's line is printed. */
 static void test_deltas_replayed(void **state) {
   const char *env[] = {NULL};
-  enum { N = 16 };
-  gpupool_buffer *b[N];
+  int N = env_int("GPUPOOL_TEST_SURVIVE_DELTAS", 16);
+  gpupool_buffer **b = calloc((size_t)N, sizeof *b);
   gpupool_client *p, *r;
   char lost[4][GPUPOOL_NAME_MAX + 1];
   int nlost = -1;
   pid_t daemon = start_env(env);
+  char last[32], cmd[600];
   (void)state;
+  assert_non_null(b);
+  assert_true(N >= 2);
   p = th_connect(&D, "producer");
-  publish(p, 100, 1);
+  publish(p, 100000, 1);
   alloc_then_settle(p, b, N);
   for (int i = 0; i < N; i++)
     publish_held(b[i], i, 1);
   for (int i = 0; i < N; i += 4)
     publish_held(b[i], i, 2); /* (a new version of the same bytes) */
-  assert_int_equal(gpupool_name_unpublish(p, "n15"), 0);
+  snprintf(last, sizeof last, "n%d", N - 1);
+  assert_int_equal(gpupool_name_unpublish(p, last), 0);
   daemon = crash(daemon);
   log_has("restored state [0-9]+ \\(format 2\\) and [1-9][0-9]* delta\\(s\\) after it");
+  snprintf(cmd, sizeof cmd, "grep -o 'restored state .* in [0-9.]* ms: [0-9]* name(s)' %s | tail -n 1", D.log);
+  if (system(cmd) != 0)
+    fail_msg("the daemon's log does not say what it restored");
   r = th_connect(&D, "reader");
-  check_name(r, 100, 1);
+  check_name(r, 100000, 1);
   for (int i = 0; i < N - 1; i++)
     check_name_seed(r, i, i % 4 == 0 ? 2 : 1, name_seed(i, 1));
   {
     gpupool_buffer *g;
-    assert_int_equal(gpupool_buffer_get(r, "n15", 0, 0, 0, NULL, &g, NULL), GPUPOOL_ENOENT);
+    assert_int_equal(gpupool_buffer_get(r, last, 0, 0, 0, NULL, &g, NULL), GPUPOOL_ENOENT);
   }
   /* Versions go on from there (the producer's first request since the crash reconnects it). */
   check_name_seed(p, 1, 1, name_seed(1, 1));
@@ -560,6 +570,7 @@ static void test_deltas_replayed(void **state) {
   assert_int_equal(nlost, 0);
   for (int i = 0; i < N; i++)
     assert_int_equal(gpupool_buffer_release(b[i], NULL), 0);
+  free(b);
   gpupool_client_disconnect(r);
   gpupool_client_disconnect(p);
   th_stop(&D);
@@ -567,7 +578,7 @@ static void test_deltas_replayed(void **state) {
 
 /* A crash at each step of a delta's write (5: half written, 6: written, 7: sealed, 8: in the
  * store) and inside a compaction (9: the new whole state in the store, the previous one's
- * newest delta taken out, the rest not yet): the next daemon has the version before the
+ * deltas taken out, the previous state not yet): the next daemon has the version before the
  * change or the one after, never a mix. */
 static void test_crash_inside_delta_write(void **state) {
   (void)state;
