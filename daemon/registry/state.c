@@ -33,6 +33,7 @@
  * the previous one's deltas taken out, the previous state not yet. GPUPOOL_TEST_STATE_FORMAT=N
  * writes the state in format N (a state from a newer daemon, for the refusal's test).
  * GPUPOOL_TEST_STATE_DELTAS=N: at most N deltas on a state (0: every write is whole).
+ * GPUPOOL_TEST_STATE_EVERY_MS=N: whole states for other changes at most every N ms (100).
  * GPUPOOL_TEST_STATE_DELTA=damage:N:FILE (drop:N:FILE): delta N, written while FILE exists
  * (removed), gets a wrong checksum (is left out of the store).
  */
@@ -113,6 +114,7 @@ struct gpd_state {
   uint32_t njournal, capjournal;
   int need_whole;        /* the next write is a whole state (journal overflowed, a write failed) */
   uint64_t seq, delta_bytes, whole_bytes, max_deltas;
+  uint64_t every_ns;     /* whole states for other changes at most this often (WRITE_EVERY_NS) */
   long damage_seq;       /* GPUPOOL_TEST_STATE_DELTA */
   int damage_drop;
   char damage_file[256];
@@ -769,12 +771,12 @@ static void on_check(uv_check_t *h) {
   if (st->later_on)
     return;
   now = gpd_now_ns();
-  if (now - st->last_write_ns < WRITE_EVERY_NS) {
+  if (now - st->last_write_ns < st->every_ns) {
     uint64_t last[8];
     memcpy(last, st->last, sizeof last);
     if (changed(st)) {
       memcpy(st->last, last, sizeof last); /* (not written yet) */
-      uv_timer_start(&st->later, on_later, (WRITE_EVERY_NS - (now - st->last_write_ns)) / 1000000 + 1, 0);
+      uv_timer_start(&st->later, on_later, (st->every_ns - (now - st->last_write_ns)) / 1000000 + 1, 0);
       st->later_on = 1;
     }
     return;
@@ -1851,6 +1853,9 @@ int gpd_state_init(gpd_registry *reg) {
     st->format = (uint32_t)strtoul(env, NULL, 10);
   /* Deltas on one state: each is an entry of the store and a file the restore reads. */
   st->max_deltas = max / 8 < MAX_DELTAS ? max / 8 : MAX_DELTAS;
+  st->every_ns = WRITE_EVERY_NS;
+  if ((env = getenv("GPUPOOL_TEST_STATE_EVERY_MS")) && *env)
+    st->every_ns = strtoull(env, NULL, 10) * 1000000ull;
   if ((env = getenv("GPUPOOL_TEST_STATE_DELTAS")) && *env)
     st->max_deltas = strtoull(env, NULL, 10);
   if ((env = getenv("GPUPOOL_TEST_STATE_DELTA")) && *env) {

@@ -673,6 +673,42 @@ static void test_delta_damaged_or_missing(void **state) {
   }
 }
 
+/* A range freed and handed out again with no whole state written in between: the delta of
+ * the new name follows the one that says the old buffer is gone, so the restore does not
+ * find two buffers on one range and keeps the new name. */
+static void test_delta_range_reused(void **state) {
+  const char *env[] = {"GPUPOOL_TEST_STATE_EVERY_MS", "60000", NULL}; /* (only deltas from here on) */
+  gpupool_buffer *b;
+  gpupool_client *p, *r;
+  pid_t daemon = start_env(env);
+  (void)state;
+  p = th_connect(&D, "producer");
+  publish(p, 0, 1);
+  assert_int_equal(gpupool_name_unpublish(p, "n0"), 0); /* its buffer is freed */
+  assert_int_equal(gpupool_buffer_alloc(p, NULL, name_size(0), 0, NULL, &b), 0); /* (the same range) */
+  th_fill(gpupool_buffer_ptr(b), name_seed(1, 1), name_size(0));
+  publish_held(b, 1, 1);
+  daemon = crash(daemon);
+  log_has("restored state [0-9]+ \\(format 2\\) and 3 delta\\(s\\) after it .* discarded: 0 name\\(s\\), 0 "
+          "slab\\(s\\), 0 buffer\\(s\\)");
+  r = th_connect(&D, "reader");
+  {
+    gpupool_buffer *g;
+    uint64_t v = 0;
+    if (gpupool_buffer_get(r, "n1", 0, 0, GPUPOOL_READ_ONLY, NULL, &g, &v) != 0) {
+      th_dump_log(&D);
+      fail_msg("get n1: %s", gpupool_last_error());
+    }
+    assert_int_equal(v, 1);
+    assert_true(th_check(gpupool_buffer_ptr(g), name_seed(1, 1), name_size(0)));
+    assert_int_equal(gpupool_buffer_release(g, NULL), 0);
+  }
+  assert_int_equal(gpupool_buffer_get(r, "n0", 0, 0, 0, NULL, &b, NULL), GPUPOOL_ENOENT);
+  gpupool_client_disconnect(r);
+  gpupool_client_disconnect(p);
+  th_stop(&D);
+}
+
 /* Past its bound (3 here) the deltas are compacted into a whole state; after a crash every
  * name is there, and once everything is released the store is back to where it started. */
 static void test_deltas_compacted(void **state) {
@@ -718,5 +754,6 @@ static void test_deltas_compacted(void **state) {
 int main(void) {
   return TS_RUN_TESTS(setup, teardown, test_crash_keeps_names, test_crash_cycles, test_crash_inside_state_write,
                       test_discard_piece_by_piece, test_newer_state_refused, test_deltas_replayed,
-                      test_crash_inside_delta_write, test_delta_damaged_or_missing, test_deltas_compacted);
+                      test_crash_inside_delta_write, test_delta_damaged_or_missing, test_delta_range_reused,
+                      test_deltas_compacted);
 }
