@@ -4,16 +4,20 @@
  * Where it lives: every slab's memfd goes to the fd store when the slab is made
  * ("gpd.slab.<id>") and leaves it when the slab is given back; every lease's read end the same
  * way ("gpd.lease.<id>"). The registry's tables are written, whole, into a new sealed memfd
- * ("gpd.state.<generation>") at the end of a loop turn that changed holds, leases or slabs (at
- * most every 100 ms); only once it is complete and sealed is it put in the store, and only then
- * are the previous generation and its deltas taken out. A change of names (publish, unpublish)
- * is written before its reply as a delta: a small sealed memfd of its own ("gpd.delta.<the
- * generation it follows>", its sequence number in its header) with the records of what changed
- * (the names, the buffers, slabs and layouts they refer to) and the ids of what is gone, so
- * that its cost follows the change, not the size of the state. A crash at any instruction
- * therefore leaves the previous generation, the new one, or both, and each delta whole or not
- * at all (the next daemon takes the newest state that checks out, then its deltas in sequence
- * up to the first missing or unsound one): never half of one change.
+ * ("gpd.state.<generation>"); only once it is complete and sealed is it put in the store, and
+ * only then are the previous generation and its deltas taken out. Between whole states, what
+ * changed is written as deltas: small sealed memfds of their own ("gpd.delta.<the generation
+ * they follow>", the sequence number in the header), each with the records of what the
+ * journal names (names changed with the buffers, slabs and layouts they refer to, buffers and
+ * slabs made, the lease records of clients whose holds or mappings changed, a closing
+ * connection's pins) and the ids of what is gone, so that a write costs what changed, not the
+ * size of the state. A change of names is written before its reply (gpd_state_sync), the
+ * others at the end of the loop turn, at most every 100 ms; a whole state (a compaction) is
+ * written when the deltas pass their bounds, after a while with nothing to write, and first
+ * after a start. A crash at any instruction therefore leaves the previous generation, the
+ * new one, or both, and each delta whole or not at all (the next daemon takes the newest
+ * state that checks out, then its deltas in sequence up to the first missing or unsound
+ * one): never half of one change.
  *
  * The format (GPD_STATE_FORMAT): a fixed header (magic, format, generation, payload length,
  * checksum of the payload; a delta's sequence) and the payload, a sequence of records in this
@@ -34,8 +38,8 @@
  * writes the state in format N (a state from a newer daemon, for the refusal's test).
  * GPUPOOL_TEST_STATE_DELTAS=N: at most N deltas on a state (0: every write is whole).
  * GPUPOOL_TEST_STATE_EVERY_MS=N: whole states for other changes at most every N ms (100).
- * GPUPOOL_TEST_STATE_DELTA=damage:N:FILE (drop:N:FILE): delta N, written while FILE exists
- * (removed), gets a wrong checksum (is left out of the store).
+ * GPUPOOL_TEST_STATE_DELTA=damage:N:FILE (drop:N:FILE): the Nth delta written while FILE exists
+ * gets a wrong checksum (is left out of the store), and FILE is removed.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -102,21 +106,27 @@ struct gpd_state {
   int frozen;
   uint64_t last_write_ns;
   uv_timer_t later;      /* a write held back by the rate limit */
+  uv_timer_t idle;       /* deltas compacted after 10 write intervals with nothing to write */
   int later_on;
   int handles;           /* open uv handles (closed by gpd_state_stop) */
   /* Deltas: what changed since the last write that the next delta carries (names by key, ids
    * of what is gone), how many deltas the store has on top of `generation` and their bytes. */
   struct jent {
-    uint32_t op;         /* OP_NAME (key), OP_SLAB_DEL, OP_LAYOUT_DEL, OP_BUFFER_DEL (id) */
+    uint32_t op;         /* OP_NAME (key), OP_CLIENT, OP_SLAB, OP_BUFFER (id: written as they are
+                          * then), OP_LEASE (blob: its record), OP_*_DEL (id) */
     uint64_t id;
     char *key;
+    uint8_t *blob;
+    size_t blen;
   } *journal;
+  uint64_t mark;         /* moves at each write: what carries an older mark is not named yet */
   uint32_t njournal, capjournal;
   int need_whole;        /* the next write is a whole state (journal overflowed, a write failed) */
   uint64_t seq, delta_bytes, whole_bytes, max_deltas;
   uint64_t every_ns;     /* whole states for other changes at most this often (WRITE_EVERY_NS) */
-  long damage_seq;       /* GPUPOOL_TEST_STATE_DELTA */
-  int damage_drop;
+  long damage_seq;       /* GPUPOOL_TEST_STATE_DELTA: the Nth delta while the file exists */
+  long damage_seen;      /* deltas written while it existed */
+  int damage_drop, damage_now;
   char damage_file[256];
 };
 
@@ -191,26 +201,43 @@ static void delta_name(char *buf, size_t len, uint64_t gen) { snprintf(buf, len,
 
 /* ---- the journal: what the next delta carries ------------------------------------------- */
 
+static void journal_add_blob(gpd_state *st, uint32_t op, uint64_t id, const char *key, uint8_t *blob,
+                             size_t blen);
+static void journal_add(gpd_state *st, uint32_t op, uint64_t id, const char *key) {
+  journal_add_blob(st, op, id, key, NULL, 0);
+}
+
 /* A delta's records: each an op, then a record as the whole state writes it (a put: it
  * replaces any record of that key) or its key alone (a delete). */
-enum { OP_SLAB = 1, OP_SLAB_DEL, OP_LAYOUT, OP_LAYOUT_DEL, OP_BUFFER, OP_BUFFER_DEL, OP_NAME, OP_NAME_DEL };
+enum {
+  OP_SLAB = 1, OP_SLAB_DEL, OP_LAYOUT, OP_LAYOUT_DEL, OP_BUFFER, OP_BUFFER_DEL, OP_NAME, OP_NAME_DEL,
+  OP_LEASE, OP_LEASE_DEL,
+  OP_CLIENT = 100 /* (the journal's own: a client whose lease record is written as it is then) */
+};
 
 /* The most entries between two writes (each a few bytes, a key at most GPUPOOL_NAME_KEY_MAX):
  * past it the next write is a whole state, whatever changed. */
 #define JOURNAL_MAX 4096
 
 static void journal_clear(gpd_state *st) {
-  for (uint32_t i = 0; i < st->njournal; i++)
+  for (uint32_t i = 0; i < st->njournal; i++) {
     free(st->journal[i].key);
+    free(st->journal[i].blob);
+  }
   st->njournal = 0;
+  st->mark++;
 }
 
-static void journal_add(gpd_state *st, uint32_t op, uint64_t id, const char *key) {
+static void journal_add_blob(gpd_state *st, uint32_t op, uint64_t id, const char *key, uint8_t *blob,
+                             size_t blen) {
   struct jent *e;
-  if (st->need_whole)
+  if (st->need_whole) {
+    free(blob);
     return; /* (a whole state carries it) */
+  }
   if (st->njournal >= JOURNAL_MAX ||
       gpd_grow((void **)&st->journal, &st->capjournal, st->njournal + 1, sizeof *st->journal) != 0) {
+    free(blob);
     journal_clear(st);
     st->need_whole = 1;
     return;
@@ -219,7 +246,10 @@ static void journal_add(gpd_state *st, uint32_t op, uint64_t id, const char *key
   e->op = op;
   e->id = id;
   e->key = NULL;
+  e->blob = blob;
+  e->blen = blen;
   if (key && !(e->key = strdup(key))) {
+    free(blob);
     journal_clear(st);
     st->need_whole = 1;
     return;
@@ -232,6 +262,8 @@ static void keep_slab_new(gpd_registry *reg, gpd_slab *s) {
   if (!st || s->stored || s->bs.fd < 0)
     return;
   s->stored = store_put(st, "slab", s->id, s->bs.fd) == 0;
+  if (s->stored)
+    journal_add(st, OP_SLAB, s->id, NULL);
 }
 
 static void keep_slab_gone(gpd_registry *reg, gpd_slab *s) {
@@ -257,6 +289,7 @@ static void keep_lease_gone(gpd_registry *reg, gpd_lease *l) {
   if (!reg->state || !l->store_id || reg->stopped)
     return;
   store_remove(reg->state, "lease", l->store_id);
+  journal_add(reg->state, OP_LEASE_DEL, l->store_id, NULL);
   l->store_id = 0;
 }
 
@@ -275,9 +308,47 @@ static void keep_layout_gone(gpd_registry *reg, uint64_t id) {
     journal_add(reg->state, OP_LAYOUT_DEL, id, NULL);
 }
 
+static void keep_buffer_changed(gpd_registry *reg, gpd_buffer *b) {
+  if (reg->state)
+    journal_add(reg->state, OP_BUFFER, b->id, NULL);
+}
+
+static void keep_client_changed(gpd_registry *reg, gpd_client *c) {
+  gpd_state *st = reg->state;
+  if (!st || !c->lease || !c->lease->store_id || c->state_mark == st->mark + 1)
+    return; /* (named once per write: its record is taken as it is then) */
+  c->state_mark = st->mark + 1;
+  journal_add(st, OP_CLIENT, c->id, NULL);
+}
+
+static void put_client_lease(gpd_state *st, const gpd_client *c, int closing);
+
+/* A connection closing while its lease pins what it held and mapped: its record, taken now
+ * (before its holds go), is what the next delta says of that lease. */
+static void keep_client_gone(gpd_registry *reg, gpd_client *c, gpd_lease *lease, int waiting) {
+  gpd_state *st = reg->state;
+  gpd_lease *had = c->lease;
+  uint8_t *blob;
+  if (!st || !lease->store_id || !waiting || st->need_whole)
+    return;
+  c->lease = lease; /* (put_client_lease reads it there) */
+  st->len = 0;
+  st->oom = 0;
+  put_client_lease(st, c, 1);
+  c->lease = had;
+  if (st->oom || !(blob = malloc(st->len))) {
+    journal_clear(st);
+    st->need_whole = 1;
+    return;
+  }
+  memcpy(blob, st->buf, st->len);
+  journal_add_blob(st, OP_LEASE, lease->store_id, NULL, blob, st->len);
+}
+
 /* How the registry's files report to the state (reg->keep) without calling up into it. */
-static const struct gpd_keep_ops keep_ops = {keep_slab_new,     keep_slab_gone,   keep_lease_new,  keep_lease_gone,
-                                             keep_name_changed, keep_buffer_gone, keep_layout_gone};
+static const struct gpd_keep_ops keep_ops = {
+    keep_slab_new,    keep_slab_gone,      keep_lease_new,      keep_lease_gone, keep_name_changed,
+    keep_buffer_gone, keep_layout_gone,    keep_buffer_changed, keep_client_changed, keep_client_gone};
 
 /* ---- writing --------------------------------------------------------------------------- */
 
@@ -389,6 +460,24 @@ static void put_name(gpd_state *st, const gpd_name *nm) {
   put_meta(st, nm->has_meta, &nm->meta);
 }
 
+/* Whether connected client c's lease goes into the state: it holds or maps something. */
+static int client_pins(const gpd_client *c) {
+  return c->lease && c->lease->store_id && (c->holds || c->mapped.len > 0);
+}
+
+/* The lease record of a connected client: its holds and the slabs it maps (all read-only when
+ * its connection is closing: how it held them is not known any more once it has gone). */
+static void put_client_lease(gpd_state *st, const gpd_client *c, int closing) {
+  put_lease(st, c->lease);
+  put64(st, c->nholds);
+  for (gpd_hold *h = c->holds; h; h = h->next)
+    put64(st, h->buf->id | (h->read_only || closing ? PIN_RO : 0));
+  put64(st, c->mapped.len);
+  for (size_t k = 0; k < c->mapped.cap; k++)
+    if (gpupool__hmap_slot_used(&c->mapped, k))
+      put64(st, c->mapped.slots[k].ikey);
+}
+
 static void build(gpd_state *st) {
   gpd_registry *reg = st->reg;
   uint64_t n;
@@ -453,16 +542,9 @@ static void build(gpd_state *st) {
     if (!gpupool__hmap_slot_used(&reg->clients, i))
       continue;
     c = reg->clients.slots[i].val;
-    if (!c->lease || !c->lease->store_id || (!c->holds && c->mapped.len == 0))
+    if (!client_pins(c))
       continue;
-    put_lease(st, c->lease);
-    put64(st, c->nholds);
-    for (gpd_hold *h = c->holds; h; h = h->next)
-      put64(st, h->buf->id | (h->read_only ? PIN_RO : 0));
-    put64(st, c->mapped.len);
-    for (size_t k = 0; k < c->mapped.cap; k++)
-      if (gpupool__hmap_slot_used(&c->mapped, k))
-        put64(st, c->mapped.slots[k].ikey);
+    put_client_lease(st, c, 0);
     n++;
   }
   for (gpd_lease *l = reg->waiting; l; l = l->next) {
@@ -542,8 +624,7 @@ static int write_memfd(gpd_state *st, uint64_t gen, uint64_t seq, long step) {
   memcpy(hdr + 12, &hl, 4);
   memcpy(hdr + 16, &gen, 8);
   memcpy(hdr + 24, &plen, 8);
-  if (seq && st->damage_seq == (long)seq && st->damage_file[0] && !st->damage_drop &&
-      unlink(st->damage_file) == 0) {
+  if (seq && st->damage_now && !st->damage_drop) {
     GPUPOOL__WARN("GPUPOOL_TEST_STATE_DELTA: delta %" PRIu64 ".%" PRIu64 " is written damaged", gen, seq);
     sum ^= 1;
   }
@@ -624,6 +705,31 @@ static int write_state(gpd_state *st) {
   return 0;
 }
 
+/* A live or pending buffer by id (pending ones are few: those waiting for a holder's done
+ * event or lease), or NULL once freed. */
+static const gpd_buffer *find_buffer(const gpd_registry *reg, uint64_t id) {
+  const gpd_buffer *b = gpupool__hmap_get(&reg->buffers, id);
+  for (const gpd_buffer *p = reg->pending; !b && p; p = p->pending_next)
+    if (p->id == id)
+      b = p;
+  return b;
+}
+
+/* b's record in a delta, after those of its slab and layout (unless prev, written just
+ * before, had the same). */
+static void put_buffer_with(gpd_state *st, const gpd_buffer *b, const gpd_buffer *prev) {
+  if (b->slab->stored && (!prev || b->slab != prev->slab)) {
+    put32(st, OP_SLAB);
+    put_slab(st, b->slab);
+  }
+  if (b->layout && (!prev || b->layout != prev->layout)) {
+    put32(st, OP_LAYOUT);
+    put_layout(st, b->layout);
+  }
+  put32(st, OP_BUFFER);
+  put_buffer(st, b);
+}
+
 /* What the journal names, as a delta's payload: every name changed with the records it
  * refers to (its buffers, their slabs and layouts: a put replaces what the store had), and
  * what is gone. Its size follows what changed, never the size of the state. */
@@ -635,6 +741,38 @@ static void build_delta(gpd_state *st) {
   for (uint32_t i = 0; i < st->njournal; i++) {
     const struct jent *e = &st->journal[i];
     gpd_name *nm;
+    if (e->op == OP_CLIENT) {
+      gpd_client *c = gpupool__hmap_get(&reg->clients, e->id);
+      if (!c || !c->lease || !c->lease->store_id)
+        continue; /* (gone: what its closing left is in the journal after this) */
+      if (client_pins(c)) {
+        put32(st, OP_LEASE);
+        put_client_lease(st, c, 0);
+      } else {
+        put32(st, OP_LEASE_DEL);
+        put64(st, c->lease->store_id);
+      }
+      continue;
+    }
+    if (e->op == OP_LEASE) {
+      put32(st, OP_LEASE);
+      put(st, e->blob, e->blen);
+      continue;
+    }
+    if (e->op == OP_BUFFER) {
+      const gpd_buffer *b = find_buffer(reg, e->id);
+      if (b)
+        put_buffer_with(st, b, NULL);
+      continue;
+    }
+    if (e->op == OP_SLAB) {
+      const gpd_slab *sl = gpupool__hmap_get(&reg->slabs, e->id);
+      if (sl && sl->stored) {
+        put32(st, OP_SLAB);
+        put_slab(st, sl);
+      }
+      continue;
+    }
     if (e->op != OP_NAME) {
       put32(st, e->op);
       put64(st, e->id);
@@ -646,19 +784,8 @@ static void build_delta(gpd_state *st) {
       put_str(st, e->key);
       continue;
     }
-    for (uint32_t k = 0; k < nm->nbufs; k++) {
-      const gpd_buffer *b = nm->bufs[k];
-      if (b->slab->stored && (k == 0 || b->slab != nm->bufs[k - 1]->slab)) {
-        put32(st, OP_SLAB);
-        put_slab(st, b->slab);
-      }
-      if (b->layout && (k == 0 || b->layout != nm->bufs[k - 1]->layout)) {
-        put32(st, OP_LAYOUT);
-        put_layout(st, b->layout);
-      }
-      put32(st, OP_BUFFER);
-      put_buffer(st, b);
-    }
+    for (uint32_t k = 0; k < nm->nbufs; k++)
+      put_buffer_with(st, nm->bufs[k], k ? nm->bufs[k - 1] : NULL);
     if (nm->layout && (!nm->bufs[0]->layout || nm->layout != nm->bufs[0]->layout)) {
       put32(st, OP_LAYOUT);
       put_layout(st, nm->layout);
@@ -667,6 +794,8 @@ static void build_delta(gpd_state *st) {
     put_name(st, nm);
   }
 }
+
+static void on_idle(uv_timer_t *t);
 
 /* The changes the journal names as a delta on top of the state in the store; a whole state
  * instead (a compaction) when there is none yet, when the deltas' count or bytes have grown
@@ -687,12 +816,14 @@ static int write_delta(gpd_state *st) {
     st->need_whole = 1;
     return write_state(st);
   }
+  st->damage_now = st->damage_file[0] && access(st->damage_file, F_OK) == 0 &&
+                   ++st->damage_seen == st->damage_seq && unlink(st->damage_file) == 0;
   if ((fd = write_memfd(st, st->generation, seq, 5)) < 0) {
     st->need_whole = 1;
     return write_state(st);
   }
   delta_name(what, sizeof what, st->generation);
-  if (st->damage_drop && st->damage_seq == (long)seq && st->damage_file[0] && unlink(st->damage_file) == 0) {
+  if (st->damage_drop && st->damage_now) {
     GPUPOOL__WARN("GPUPOOL_TEST_STATE_DELTA: delta %" PRIu64 ".%" PRIu64 " is left out of the store", st->generation,
                   seq);
     st->nstored++; /* (as if it were there) */
@@ -706,6 +837,9 @@ static int write_delta(gpd_state *st) {
   st->seq = seq;
   st->delta_bytes += HEADER_LEN + st->len;
   journal_clear(st);
+  st->last_write_ns = gpd_now_ns();
+  if (st->check_on)
+    uv_timer_start(&st->idle, on_idle, st->every_ns * 10 / 1000000 + 1, 0);
   wrote(st, t0, HEADER_LEN + st->len);
   st->info.deltas++;
   return 0;
@@ -756,10 +890,21 @@ static void before_check(gpd_state *st) {
 /* Turns that change holds, leases or slabs write at most every WRITE_EVERY_NS (a change of names
  * or versions is written at once, before its reply: gpd_state_sync). */
 #define WRITE_EVERY_NS (100 * 1000000ull)
+/* Something to write: what the journal names, or a whole state owed. */
+static int pending(const gpd_state *st) { return st->njournal > 0 || st->need_whole; }
+
 static void on_later(uv_timer_t *t) {
   gpd_state *st = t->data;
   st->later_on = 0;
-  if (changed(st))
+  if (pending(st))
+    (void)write_delta(st);
+}
+
+/* Deltas left after a while with nothing to write are compacted: a restart then reads one
+ * state, and the store holds one entry for it. */
+static void on_idle(uv_timer_t *t) {
+  gpd_state *st = t->data;
+  if (st->seq > 0)
     (void)write_state(st);
 }
 
@@ -771,18 +916,14 @@ static void on_check(uv_check_t *h) {
   if (st->later_on)
     return;
   now = gpd_now_ns();
+  if (!pending(st))
+    return;
   if (now - st->last_write_ns < st->every_ns) {
-    uint64_t last[8];
-    memcpy(last, st->last, sizeof last);
-    if (changed(st)) {
-      memcpy(st->last, last, sizeof last); /* (not written yet) */
-      uv_timer_start(&st->later, on_later, (st->every_ns - (now - st->last_write_ns)) / 1000000 + 1, 0);
-      st->later_on = 1;
-    }
+    uv_timer_start(&st->later, on_later, (st->every_ns - (now - st->last_write_ns)) / 1000000 + 1, 0);
+    st->later_on = 1;
     return;
   }
-  if (changed(st))
-    (void)write_state(st);
+  (void)write_delta(st);
 }
 
 void gpd_state_sync(gpd_registry *reg) {
@@ -794,8 +935,9 @@ void gpd_state_sync(gpd_registry *reg) {
 }
 
 void gpd_state_flush(gpd_registry *reg) {
-  if (reg->state && changed(reg->state))
-    (void)write_state(reg->state);
+  gpd_state *st = reg->state;
+  if (st && (changed(st) || pending(st) || st->seq > 0))
+    (void)write_state(st);
 }
 
 static void check_closed(uv_handle_t *h) {
@@ -826,11 +968,13 @@ void gpd_state_stop(gpd_registry *reg) {
     free(st);
     return;
   }
-  st->handles = 2;
+  st->handles = 3;
   uv_check_stop(&st->check);
   uv_close((uv_handle_t *)&st->check, check_closed);
   uv_timer_stop(&st->later);
   uv_close((uv_handle_t *)&st->later, check_closed);
+  uv_timer_stop(&st->idle);
+  uv_close((uv_handle_t *)&st->idle, check_closed);
 }
 
 const gpd_state_info *gpd_state_info_get(const gpd_registry *reg) {
@@ -1554,9 +1698,15 @@ static void skip_name(rd *r) {
   skip_meta(r);
 }
 
-/* The sections a delta's records go to, in the state's order (leases follow, unchanged). */
-enum { SEC_SLAB, SEC_LAYOUT, SEC_BUFFER, SEC_NAME, NSEC };
-static void (*const skip_rec[NSEC])(rd *) = {skip_slab, skip_layout, skip_buffer, skip_name};
+static void skip_lease(rd *r) {
+  skip(r, 8 + 4 + 8 + 4 + sizeof ((gpd_lease *)0)->resume);
+  skip(r, get_count(r, 8) * 8);
+  skip(r, get_count(r, 8) * 8);
+}
+
+/* The sections a delta's records go to, in the state's order. */
+enum { SEC_SLAB, SEC_LAYOUT, SEC_BUFFER, SEC_NAME, SEC_LEASE, NSEC };
+static void (*const skip_rec[NSEC])(rd *) = {skip_slab, skip_layout, skip_buffer, skip_name, skip_lease};
 
 /* What the deltas say of each key: the last record put (n > 0) or deleted (n 0). */
 typedef struct {
@@ -1564,7 +1714,7 @@ typedef struct {
   size_t n;
 } span;
 typedef struct {
-  gpupool__hmap ids[NSEC - 1]; /* id -> index into spans + 1 */
+  gpupool__hmap ids[NSEC];     /* id -> index into spans + 1 (all but SEC_NAME) */
   gpupool__smap names;         /* key -> index into spans + 1 */
   span *spans;
   uint32_t nspans, capspans;
@@ -1609,7 +1759,7 @@ static int merge_set(merge_t *mg, int sec, const uint8_t *p, size_t n) {
 }
 
 static void merge_free(merge_t *mg) {
-  for (int i = 0; i < NSEC - 1; i++)
+  for (int i = 0; i < NSEC; i++)
     gpupool__hmap_free(&mg->ids[i]);
   gpupool__smap_free(&mg->names);
   free(mg->spans);
@@ -1625,7 +1775,7 @@ static int delta_ops(merge_t *mg, const uint8_t *p, size_t n, int apply) {
     uint32_t op = get32(&r);
     const uint8_t *at = r.p;
     int sec = (int)(op - 1) / 2, put_op = op % 2;
-    if (r.bad || op < OP_SLAB || op > OP_NAME_DEL)
+    if (r.bad || op < OP_SLAB || op > OP_LEASE_DEL)
       return -1;
     if (put_op)
       skip_rec[sec](&r);
@@ -1675,7 +1825,7 @@ static int merge_emit(gpd_state *st, const merge_t *mg, const uint8_t *payload, 
     }
     count_set(st, at, kept);
   }
-  put(st, r.p, r.left); /* the leases */
+  put(st, r.p, r.left); /* (nothing, from this daemon) */
   return st->oom ? -1 : 0;
 }
 
@@ -2000,6 +2150,9 @@ int gpd_state_init(gpd_registry *reg) {
   uv_timer_init(reg->loop, &st->later);
   st->later.data = st;
   uv_unref((uv_handle_t *)&st->later);
+  uv_timer_init(reg->loop, &st->idle);
+  st->idle.data = st;
+  uv_unref((uv_handle_t *)&st->idle);
   st->check_on = 1;
   return 0;
 }

@@ -40,12 +40,13 @@ typedef struct {
  * by a newer daemon (the message names both formats and what to do): the daemon then refuses
  * to start rather than discard what the newer one kept. */
 int gpd_state_init(gpd_registry *reg);
-/* Write the state now if anything changed (the daemon is stopping: after its clients are
- * dropped, before gpd_registry_stop). */
+/* Write the whole state now if anything changed or deltas follow it (the daemon is stopping:
+ * after its clients are dropped, before gpd_registry_stop). */
 void gpd_state_flush(gpd_registry *reg);
-/* Write the state now if a name or version changed since the last write: before any reply
- * leaves (server/send.c), so that no client is told of a version a crash could lose. Other changes
- * (holds, leases, mappings) are written at the end of the loop turn that made them. */
+/* Write what changed (a delta) now if a name or version changed since the last write: before
+ * any reply leaves (server/send.c), so that no client is told of a version a crash could lose.
+ * Other changes (holds, leases, mappings) are written at the end of the loop turn that made
+ * them, at most every 100 ms. */
 void gpd_state_sync(gpd_registry *reg);
 /* Stop saving (before gpd_registry_close: what it frees stays in the store). */
 void gpd_state_stop(gpd_registry *reg);

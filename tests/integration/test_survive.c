@@ -22,6 +22,9 @@ static int setup(void **state) {
   th_prepare(&D);
   /* Crashes here come one after the other on purpose: restart each at once. */
   setenv("GPUPOOL_SUPERVISE_MAX_DELAY_MS", "50", 1);
+  /* Writes at most every 20 ms, deltas compacted after 200 ms with nothing to write: the store
+   * settles within settled_store's wait. */
+  setenv("GPUPOOL_TEST_STATE_EVERY_MS", "20", 0);
   return 0;
 }
 
@@ -95,7 +98,7 @@ static pid_t crash(pid_t daemon) {
 /* The supervisor's fds once they stop changing (its store settles after the daemon's writes). */
 static int settled_store(void) {
   int last = -1, same = 0;
-  for (int i = 0; i < 300 && same < 8; i++) { /* (longer than the 100 ms between whole writes) */
+  for (int i = 0; i < 400 && same < 15; i++) { /* (longer than the 200 ms before a compaction) */
     int n = count_fds(D.pid);
     same = n == last ? same + 1 : 0;
     last = n;
@@ -507,8 +510,8 @@ static void log_has(const char *pattern) {
   }
 }
 
-/* n buffers for names n0.. allocated and filled, then time for the whole state that holds them
- * to be written: what is published from here on (the same buffers) goes into deltas. */
+/* n buffers for names n0.. allocated and filled, then time for their holds to be written: what
+ * is published from here on (the same buffers) goes into deltas of its own. */
 static void alloc_then_settle(gpupool_client *p, gpupool_buffer **b, int n) {
   for (int i = 0; i < n; i++) {
     assert_int_equal(gpupool_buffer_alloc(p, NULL, name_size(i), 0, NULL, &b[i]), 0);
@@ -530,7 +533,7 @@ static void publish_held(gpupool_buffer *b, int i, uint64_t want_version) {
  * name at its version with its bytes, the one taken out gone, nothing lost to the client.
  * GPUPOOL_TEST_SURVIVE_DELTAS (default 16) sets how many names; the restore's line is printed. */
 static void test_deltas_replayed(void **state) {
-  const char *env[] = {NULL};
+  const char *env[] = {"GPUPOOL_TEST_STATE_EVERY_MS", "60000", NULL}; /* (no compaction when idle) */
   int N = env_int("GPUPOOL_TEST_SURVIVE_DELTAS", 16);
   gpupool_buffer **b = calloc((size_t)N, sizeof *b);
   gpupool_client *p, *r;
@@ -563,8 +566,11 @@ static void test_deltas_replayed(void **state) {
     gpupool_buffer *g;
     assert_int_equal(gpupool_buffer_get(r, last, 0, 0, 0, NULL, &g, NULL), GPUPOOL_ENOENT);
   }
-  /* Versions go on from there (the producer's first request since the crash reconnects it). */
+  /* Versions go on from there (the producer's first request since the crash reconnects it),
+   * and its holds, written in deltas too, are its own again. */
   check_name_seed(p, 1, 1, name_seed(1, 1));
+  for (int i = 0; i < N; i++)
+    assert_false(gpupool_buffer_lost(b[i]));
   publish_held(b[0], 0, 3);
   assert_int_equal(gpupool_client_lost_names(p, lost, 4, &nlost), 0);
   assert_int_equal(nlost, 0);
@@ -598,12 +604,12 @@ static void test_crash_inside_delta_write(void **state) {
     publish(p, 0, 1);
     assert_int_equal(gpupool_buffer_alloc(p, NULL, name_size(0), 0, NULL, &b), 0);
     th_fill(gpupool_buffer_ptr(b), name_seed(0, 2), name_size(0));
-    th_sleep_ms(300); /* the whole state with this hold is written: the publish is a delta */
+    th_sleep_ms(300); /* this hold written, and compacted: the publish is the next delta */
     fd = open(flag_path, O_CREAT | O_WRONLY | O_EXCL, 0600);
     assert_true(fd >= 0);
     close(fd);
-    /* 5-8: the delta this publish writes dies at `step`; 9: the whole state that the release
-     * causes (at most 100 ms later) replaces the delta and dies on the way. */
+    /* 5-8: the delta this publish writes dies at `step`; 9: the whole state written once
+     * nothing more changes (200 ms later) replaces the deltas and dies on the way. */
     (void)gpupool_buffer_publish(b, "n0", NULL, NULL, NULL);
     (void)gpupool_buffer_release(b, NULL);
     daemon = wait_restarted(daemon);
@@ -629,7 +635,7 @@ static void test_delta_damaged_or_missing(void **state) {
   (void)state;
   for (int drop = 0; drop <= 1; drop++) {
     char v[512], lost[8][GPUPOOL_NAME_MAX + 1];
-    const char *env[] = {"GPUPOOL_TEST_STATE_DELTA", v, NULL};
+    const char *env[] = {"GPUPOOL_TEST_STATE_DELTA", v, "GPUPOOL_TEST_STATE_EVERY_MS", "60000", NULL};
     enum { N = 4 };
     gpupool_buffer *b[N], *g;
     gpupool_client *p, *r;
@@ -646,15 +652,15 @@ static void test_delta_damaged_or_missing(void **state) {
     assert_true(fd >= 0);
     close(fd);
     for (int i = 0; i < N; i++)
-      publish_held(b[i], i, 1); /* deltas 1 to 4; the second damaged or left out */
+      publish_held(b[i], i, 1); /* a delta each; the second damaged or left out */
     daemon = crash(daemon);
     if (drop)
-      log_has("delta [0-9]+\\.2 of the state is missing: the 2 later one\\(s\\) are discarded with the changes they "
-              "hold, the 1 before it are kept");
+      log_has("delta [0-9]+\\.[0-9]+ of the state is missing: the 2 later one\\(s\\) are discarded with the "
+              "changes they hold, the [0-9]+ before it are kept");
     else
-      log_has("delta [0-9]+\\.2 of the state: its checksum does not match .*; the changes it and any later delta "
-              "hold are discarded, the 1 before it are kept");
-    log_has("restored state [0-9]+ \\(format 2\\) and 1 delta\\(s\\) after it");
+      log_has("delta [0-9]+\\.[0-9]+ of the state: its checksum does not match .*; the changes it and any later delta "
+              "hold are discarded, the [0-9]+ before it are kept");
+    log_has("restored state [0-9]+ \\(format 2\\) and [1-9][0-9]* delta\\(s\\) after it");
     r = th_connect(&D, "reader");
     check_name(r, 0, 1);
     for (int i = 1; i < N; i++) {
@@ -709,6 +715,79 @@ static void test_delta_range_reused(void **state) {
   th_stop(&D);
 }
 
+static void close_sockets(void) {
+  DIR *d = opendir("/proc/self/fd");
+  struct dirent *e;
+  if (!d)
+    return;
+  while ((e = readdir(d))) {
+    char path[64], link[64];
+    ssize_t n;
+    int fd = atoi(e->d_name);
+    if (e->d_name[0] == '.' || fd == dirfd(d))
+      continue;
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    n = readlink(path, link, sizeof link - 1);
+    if (n > 0) {
+      link[n] = '\0';
+      if (!strncmp(link, "socket:", 7))
+        close(fd);
+    }
+  }
+  closedir(d);
+}
+
+/* A connection that closes while its process still holds the lease (and maps its buffer):
+ * the delta says what that lease pins, so the next daemon restores it with its pins (the log
+ * names it with the process's pid) rather than as a lease no state names. */
+static void test_delta_closed_connection_pins(void **state) {
+  const char *env[] = {"GPUPOOL_TEST_STATE_EVERY_MS", "60000", NULL}; /* (deltas only) */
+  gpupool_client *p;
+  pid_t daemon = start_env(env), child;
+  int ready[2], go[2];
+  char c = 0, pat[128];
+  (void)state;
+  p = th_connect(&D, "producer");
+  publish(p, 0, 1); /* a whole state, then deltas */
+  assert_int_equal(pipe(ready), 0);
+  assert_int_equal(pipe(go), 0);
+  child = fork();
+  assert_true(child >= 0);
+  if (child == 0) {
+    gpupool_client *h;
+    gpupool_buffer *b;
+    alarm(60); /* (never outlives a test that failed before telling it to go) */
+    if (gpupool_client_connect(D.sock, "holder", GPUPOOL_TIMEOUT_DEFAULT, &h) != 0 ||
+        gpupool_buffer_alloc(h, NULL, 50000, 0, NULL, &b) != 0)
+      _exit(1);
+    th_fill(gpupool_buffer_ptr(b), 4242, 50000);
+    close_sockets(); /* the connection closes; the lease and the mapping stay */
+    if (write(ready[1], "r", 1) != 1 || read(go[0], &c, 1) != 1)
+      _exit(1);
+    _exit(th_check(gpupool_buffer_ptr(b), 4242, 50000) ? 0 : 3);
+  }
+  assert_int_equal(read(ready[0], &c, 1), 1);
+  th_sleep_ms(100); /* the daemon has seen the connection close */
+  publish(p, 1, 1); /* its delta carries the closed connection's record too */
+  daemon = crash(daemon);
+  snprintf(pat, sizeof pat, "restore: lease [0-9]+ of pid %d ", (int)child);
+  log_has(pat);
+  check_name(p, 1, 1);
+  assert_int_equal(write(go[1], "g", 1), 1);
+  {
+    int status = 0;
+    assert_int_equal(waitpid(child, &status, 0), child);
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 0);
+  }
+  close(ready[0]);
+  close(ready[1]);
+  close(go[0]);
+  close(go[1]);
+  gpupool_client_disconnect(p);
+  th_stop(&D);
+}
+
 /* Past its bound (3 here) the deltas are compacted into a whole state; after a crash every
  * name is there, and once everything is released the store is back to where it started. */
 static void test_deltas_compacted(void **state) {
@@ -755,5 +834,5 @@ int main(void) {
   return TS_RUN_TESTS(setup, teardown, test_crash_keeps_names, test_crash_cycles, test_crash_inside_state_write,
                       test_discard_piece_by_piece, test_newer_state_refused, test_deltas_replayed,
                       test_crash_inside_delta_write, test_delta_damaged_or_missing, test_delta_range_reused,
-                      test_deltas_compacted);
+                      test_delta_closed_connection_pins, test_deltas_compacted);
 }
