@@ -97,8 +97,10 @@ static pid_t crash(pid_t daemon) {
 
 /* The supervisor's fds once they stop changing (its store settles after the daemon's writes). */
 static int settled_store(void) {
-  int last = -1, same = 0;
-  for (int i = 0; i < 400 && same < 15; i++) { /* (longer than the 200 ms before a compaction) */
+  const char *e = getenv("GPUPOOL_TEST_STATE_EVERY_MS");
+  /* Unchanged for longer than the daemon waits, with nothing to write, before it compacts. */
+  int last = -1, same = 0, need = ((e && *e ? atoi(e) : 100) * 10 + 100) / 20;
+  for (int i = 0; i < 1000 && same < need; i++) {
     int n = count_fds(D.pid);
     same = n == last ? same + 1 : 0;
     last = n;
