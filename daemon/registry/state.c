@@ -121,6 +121,7 @@ struct gpd_state {
   } *journal;
   uint64_t mark;         /* moves at each write: what carries an older mark is not named yet */
   uint32_t njournal, capjournal;
+  size_t journal_bytes;  /* of its records taken ahead (closing connections') */
   int need_whole;        /* the next write is a whole state (journal overflowed, a write failed) */
   uint64_t seq, delta_bytes, whole_bytes, max_deltas;
   uint64_t every_ns;     /* whole states for other changes at most this often (WRITE_EVERY_NS) */
@@ -215,9 +216,11 @@ enum {
   OP_CLIENT = 100 /* (the journal's own: a client whose lease record is written as it is then) */
 };
 
-/* The most entries between two writes (each a few bytes, a key at most GPUPOOL_NAME_KEY_MAX):
- * past it the next write is a whole state, whatever changed. */
+/* The most entries between two writes (each a few bytes, a key at most GPUPOOL_NAME_KEY_MAX),
+ * and the most bytes of records taken ahead: past either the next write is a whole state,
+ * whatever changed. */
 #define JOURNAL_MAX 4096
+#define JOURNAL_BYTES_MAX (4u << 20)
 
 static void journal_clear(gpd_state *st) {
   for (uint32_t i = 0; i < st->njournal; i++) {
@@ -225,6 +228,7 @@ static void journal_clear(gpd_state *st) {
     free(st->journal[i].blob);
   }
   st->njournal = 0;
+  st->journal_bytes = 0;
   st->mark++;
 }
 
@@ -235,7 +239,7 @@ static void journal_add_blob(gpd_state *st, uint32_t op, uint64_t id, const char
     free(blob);
     return; /* (a whole state carries it) */
   }
-  if (st->njournal >= JOURNAL_MAX ||
+  if (st->njournal >= JOURNAL_MAX || st->journal_bytes + blen > JOURNAL_BYTES_MAX ||
       gpd_grow((void **)&st->journal, &st->capjournal, st->njournal + 1, sizeof *st->journal) != 0) {
     free(blob);
     journal_clear(st);
@@ -248,6 +252,7 @@ static void journal_add_blob(gpd_state *st, uint32_t op, uint64_t id, const char
   e->key = NULL;
   e->blob = blob;
   e->blen = blen;
+  st->journal_bytes += blen;
   if (key && !(e->key = strdup(key))) {
     free(blob);
     journal_clear(st);
@@ -705,14 +710,19 @@ static int write_state(gpd_state *st) {
   return 0;
 }
 
-/* A live or pending buffer by id (pending ones are few: those waiting for a holder's done
- * event or lease), or NULL once freed. */
-static const gpd_buffer *find_buffer(const gpd_registry *reg, uint64_t id) {
+/* A live or pending buffer by id, or NULL once freed. The pending ones (waiting for a holder's
+ * done event or lease) are indexed in *pend the first time one is looked for (once a write). */
+static const gpd_buffer *find_buffer(const gpd_registry *reg, uint64_t id, gpupool__hmap *pend, int *indexed) {
   const gpd_buffer *b = gpupool__hmap_get(&reg->buffers, id);
-  for (const gpd_buffer *p = reg->pending; !b && p; p = p->pending_next)
-    if (p->id == id)
-      b = p;
-  return b;
+  if (b || !reg->pending)
+    return b;
+  if (!*indexed) {
+    *indexed = 1;
+    for (gpd_buffer *p = reg->pending; p; p = p->pending_next)
+      if (gpupool__hmap_put(pend, p->id, p) != 0)
+        return NULL; /* (out of memory: the caller writes a whole state) */
+  }
+  return gpupool__hmap_get(pend, id);
 }
 
 /* b's record in a delta, after those of its slab and layout (unless prev, written just
@@ -735,6 +745,9 @@ static void put_buffer_with(gpd_state *st, const gpd_buffer *b, const gpd_buffer
  * what is gone. Its size follows what changed, never the size of the state. */
 static void build_delta(gpd_state *st) {
   gpd_registry *reg = st->reg;
+  gpupool__hmap pend;
+  int indexed = 0;
+  gpupool__hmap_init(&pend);
   st->len = 0;
   st->oom = 0;
   put64(st, reg->next_id);
@@ -760,9 +773,11 @@ static void build_delta(gpd_state *st) {
       continue;
     }
     if (e->op == OP_BUFFER) {
-      const gpd_buffer *b = find_buffer(reg, e->id);
+      const gpd_buffer *b = find_buffer(reg, e->id, &pend, &indexed);
       if (b)
         put_buffer_with(st, b, NULL);
+      else if (indexed && pend.len < reg->npending)
+        st->oom = 1;
       continue;
     }
     if (e->op == OP_SLAB) {
@@ -793,6 +808,7 @@ static void build_delta(gpd_state *st) {
     put32(st, OP_NAME);
     put_name(st, nm);
   }
+  gpupool__hmap_free(&pend);
 }
 
 static void on_idle(uv_timer_t *t);
