@@ -172,6 +172,8 @@ int gpd_hold_new(gpd_registry *reg, gpd_client *c, gpd_buffer *b, int read_only,
   c->holds = h;
   c->nholds++;
   b->refs++;
+  if (reg->keep)
+    reg->keep->client_changed(reg, c);
   *out = h;
   return 0;
 }
@@ -217,6 +219,8 @@ void gpd_hold_drop(gpd_registry *reg, gpd_hold *h, int done_recorded, gpd_lease 
   gpd_buffer *b = h->buf;
   GPUPOOL__LIST_UNLINK(c->holds, h, prev, next);
   c->nholds--;
+  if (reg->keep)
+    reg->keep->client_changed(reg, c);
   {
     gpd_uid_usage *u = gpd_uid_usage_get(reg, c->tenant, 0);
     if (u) {
@@ -232,8 +236,11 @@ void gpd_hold_drop(gpd_registry *reg, gpd_hold *h, int done_recorded, gpd_lease 
       gpd_event_put(reg, h->done);
   }
   free(h);
-  if (lease && !lease->gone && reg->be->ops->has_events)
+  if (lease && !lease->gone && reg->be->ops->has_events) {
     b->died_in_use = 1;
+    if (reg->keep)
+      reg->keep->buffer_changed(reg, b);
+  }
   if (lease && !lease->gone && add_lease_dep(b, lease) != 0) {
     GPUPOOL__ERROR("out of memory recording that buffer %" PRIu64 " waits for a lease; it stays allocated until "
                    "the daemon restarts",
@@ -305,6 +312,8 @@ int gpd_buffer_place(gpd_registry *reg, gpd_client *c, gpd_pool *p, uint64_t own
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     goto fail_ev;
   }
+  if (reg->keep)
+    reg->keep->buffer_changed(reg, b);
   s->nbuffers++;
   p->used += asize;
   if (p->used > p->used_high)

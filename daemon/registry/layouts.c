@@ -146,6 +146,8 @@ void gpd_layout_unref(gpd_registry *reg, gpd_layout *l) {
   if (!l || --l->refs > 0)
     return;
   gpupool__hmap_del(&reg->layouts, l->id);
+  if (reg->keep)
+    reg->keep->layout_gone(reg, l->id);
   if (gpupool__hmap_get(&reg->layout_hash, l->hash) == l)
     gpupool__hmap_del(&reg->layout_hash, l->hash);
   members_account(reg, l->tenant, -(int64_t)l->n);

@@ -120,6 +120,8 @@ int gpd_publish_commit(gpd_registry *reg, gpd_client *c, const char *key, gpd_na
   n->layout = layout;
   n->version = want > prev ? want : prev + 1;
   reg->state_changes++;
+  if (reg->keep)
+    reg->keep->name_changed(reg, n->name);
   n->uid = c->uid;
   n->read_only = read_only;
   n->created_ns = gpd_now_ns();
@@ -405,6 +407,8 @@ static void name_remove(gpd_registry *reg, gpd_name *n) {
   gpupool__smap_del(&reg->names, n->name);
   reg->nnames--;
   reg->state_changes++;
+  if (reg->keep)
+    reg->keep->name_changed(reg, n->name);
   if ((u = gpd_uid_usage_get(reg, n->tenant, 0))) {
     u->names--;
     gpd_uid_usage_put(reg, u);

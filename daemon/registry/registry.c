@@ -56,6 +56,8 @@ void gpd_client_drop(gpd_registry *reg, gpd_client *c) {
                     " buffer(s) and mapping %zu slab(s) while a process still holds its lease; that memory is "
                     "reused once every such process has exited or closed the lease",
                     c->id, (int)c->pid, (unsigned)c->uid, c->name, c->nholds, c->mapped.len);
+    if (reg->keep)
+      reg->keep->client_gone(reg, c, lease, waiting);
   }
   while (c->holds)
     gpd_hold_drop(reg, c->holds, 0, waiting ? lease : NULL);
@@ -187,6 +189,8 @@ void gpd_fill_desc(gpd_registry *reg, gpd_client *c, gpd_hold *h, const gpd_rnam
         gpupool__hmap_del(&c->mapped, sl->id);
         remembered = 0;
       }
+      if (remembered && reg->keep)
+        reg->keep->client_changed(reg, c);
     }
     if (remembered && send) {
       /* The first buffer of this slab for this client, or the first it may write: send how to

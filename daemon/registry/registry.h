@@ -364,6 +364,7 @@ typedef struct {
 /* The registry's part of a connected client (embedded in server.c's connection). */
 struct gpd_client {
   uint64_t id;
+  uint64_t state_mark;      /* state.c: already named in what the next delta carries */
   uint64_t tenant;          /* see gpd_tenant_of() */
   pid_t pid;
   uid_t uid;
@@ -462,6 +463,16 @@ struct gpd_keep_ops {
   void (*slab_gone)(gpd_registry *reg, gpd_slab *s);
   void (*lease_new)(gpd_registry *reg, gpd_lease *l);
   void (*lease_gone)(gpd_registry *reg, gpd_lease *l);
+  /* A name published or taken out (key: as in reg->names), a buffer's range given back, a
+   * layout freed: what the next change written must carry (a delta, state.c). */
+  void (*name_changed)(gpd_registry *reg, const char *key);
+  void (*buffer_gone)(gpd_registry *reg, uint64_t id);
+  void (*layout_gone)(gpd_registry *reg, uint64_t id);
+  /* A buffer made or its record changed; a client's holds or mappings changed; a client going
+   * away with its lease (waiting: still pinning what it held and mapped, before its holds go). */
+  void (*buffer_changed)(gpd_registry *reg, gpd_buffer *b);
+  void (*client_changed)(gpd_registry *reg, gpd_client *c);
+  void (*client_gone)(gpd_registry *reg, gpd_client *c, gpd_lease *lease, int waiting);
 };
 
 int gpd_registry_init(gpd_registry *reg, uv_loop_t *loop, const gpd_config *cfg,

@@ -154,6 +154,8 @@ static int slab_retire(gpd_registry *reg, gpd_slab *s) {
     gpupool__hmap_del(&c->mapped, s->id);
     gpupool__hmap_del(&c->mapped_ro, s->id);
     client_add_revoke(c, s->id);
+    if (reg->keep)
+      reg->keep->client_changed(reg, c);
   }
   if (s->nbuffers == 0 && s->nmappers == 0) {
     gpd_slab_destroy(reg, s);
@@ -349,6 +351,8 @@ void gpd_finish_free(gpd_registry *reg, gpd_buffer *b) {
   gpd_layout_unref(reg, b->layout);
   /* Only now is the range really back: until here it stays on its owner's account. */
   gpd_uid_account(reg, b->owner_tenant, -(int64_t)b->size, -1);
+  if (reg->keep)
+    reg->keep->buffer_gone(reg, b->id);
   free(b->done);
   free(b->leases);
   free(b);
@@ -635,6 +639,8 @@ void gpd_unmapped(gpd_registry *reg, gpd_client *c, const uint64_t *ids, size_t 
       }
     gpupool__hmap_del(&c->mapped, ids[k]);
     gpupool__hmap_del(&c->mapped_ro, ids[k]);
+    if (reg->keep)
+      reg->keep->client_changed(reg, c);
     if (!s)
       continue;
     for (uint32_t i = 0; i < s->nmappers; i++)

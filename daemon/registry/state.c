@@ -4,24 +4,42 @@
  * Where it lives: every slab's memfd goes to the fd store when the slab is made
  * ("gpd.slab.<id>") and leaves it when the slab is given back; every lease's read end the same
  * way ("gpd.lease.<id>"). The registry's tables are written, whole, into a new sealed memfd
- * ("gpd.state.<generation>") at the end of each loop turn that changed them; only once it is
- * complete and sealed is it put in the store, and only then is the previous generation taken
- * out. A crash at any instruction therefore leaves the previous generation, the new one, or
- * both (the next daemon takes the newest that checks out): never half of one.
+ * ("gpd.state.<generation>"); only once it is complete and sealed is it put in the store, and
+ * only then are the previous generation and its deltas taken out. Between whole states, what
+ * changed is written as deltas: small sealed memfds of their own ("gpd.delta.<the generation
+ * they follow>", the sequence number in the header), each with the records of what the
+ * journal names (names changed with the buffers, slabs and layouts they refer to, buffers and
+ * slabs made, the lease records of clients whose holds or mappings changed, a closing
+ * connection's pins) and the ids of what is gone, so that a write costs what changed, not the
+ * size of the state. A change of names is written before its reply (gpd_state_sync), the
+ * others at the end of the loop turn, at most every 100 ms; a whole state (a compaction) is
+ * written when the deltas pass their bounds, after a while with nothing to write, and first
+ * after a start. A crash at any instruction therefore leaves the previous generation, the
+ * new one, or both, and each delta whole or not at all (the next daemon takes the newest
+ * state that checks out, then its deltas in sequence up to the first missing or unsound
+ * one): never half of one change.
  *
  * The format (GPD_STATE_FORMAT): a fixed header (magic, format, generation, payload length,
- * SHA-256 of the payload) and the payload, a sequence of records in this machine's byte order
- * (the store never leaves the machine). Everything read is checked before use: counts against
- * the bytes left, ids against what was restored before, ranges against their slab, fds against
- * what a slab must be (backend slab_adopt). A piece that does not check out is discarded with
- * what depends on it (a name whose buffer is gone is lost; the rest is kept) and the reason goes
- * to the log.
+ * checksum of the payload; a delta's sequence) and the payload, a sequence of records in this
+ * machine's byte order (the store never leaves the machine). A delta's records each carry an
+ * op: a put replaces the record of its key (id, or a name's key), a delete removes it; they are
+ * merged into the state's records before the restore reads them. Everything read is checked
+ * before use: counts against the bytes left, ids against what was restored before, ranges
+ * against their slab, fds against what a slab must be (backend slab_adopt). A piece that does
+ * not check out is discarded with what depends on it (a name whose buffer is gone is lost; the
+ * rest is kept) and the reason goes to the log.
  *
  * Test hooks: GPUPOOL_TEST_STATE_CRASH=STEP:FILE kills the daemon (SIGKILL, as a crash) at
- * step STEP of the first state write that finds FILE (removed first, so it happens once across
- * restarts): 1: memfd half written, 2: written, not sealed, 3: sealed, not in the store, 4: in
- * the store, the previous generation not yet removed. GPUPOOL_TEST_STATE_FORMAT=N writes the
- * state in format N (a state from a newer daemon, for the refusal's test).
+ * step STEP of the first write that finds FILE (removed first, so it happens once across
+ * restarts). A whole state: 1: memfd half written, 2: written, not sealed, 3: sealed, not in
+ * the store, 4: in the store, the previous generation not yet removed; a delta: 5 to 8 the
+ * same (8: in the store, its reply not yet sent); a compaction: 9: the new state in the store,
+ * the previous one's deltas taken out, the previous state not yet. GPUPOOL_TEST_STATE_FORMAT=N
+ * writes the state in format N (a state from a newer daemon, for the refusal's test).
+ * GPUPOOL_TEST_STATE_DELTAS=N: at most N deltas on a state (0: every write is whole).
+ * GPUPOOL_TEST_STATE_EVERY_MS=N: whole states for other changes at most every N ms (100).
+ * GPUPOOL_TEST_STATE_DELTA=damage:N:FILE (drop:N:FILE): the Nth delta written while FILE exists
+ * gets a wrong checksum (is left out of the store), and FILE is removed.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -44,8 +62,16 @@
 #include "state.h"
 
 #define MAGIC "GPDSTATE"
-#define HEADER_LEN 64 /* magic 8, format 4, header length 4, generation 8, payload 8, checksum 8, 0s */
+#define DELTA_MAGIC "GPDDELTA"
+/* magic 8, format 4, header length 4, generation 8, payload 8, checksum 8, then 0s (a delta:
+ * its sequence 8 at 40, the generation is that of the state it follows) */
+#define HEADER_LEN 64
 #define STATE_MAX ((uint64_t)1 << 31)
+/* The most deltas on one state (fewer in a small store: an eighth of its entries). */
+#define MAX_DELTAS 1024
+/* Deltas are compacted once their bytes pass half the whole state's, or this much for a small
+ * one: a restore reads both. */
+#define DELTA_BYTES_MIN (64 * 1024)
 #define STATE_PREFIX_LEN (sizeof GPD_SD_STORE_PREFIX "state." - 1)
 
 typedef struct gpd_state gpd_state;
@@ -80,8 +106,29 @@ struct gpd_state {
   int frozen;
   uint64_t last_write_ns;
   uv_timer_t later;      /* a write held back by the rate limit */
+  uv_timer_t idle;       /* deltas compacted after 10 write intervals with nothing to write */
   int later_on;
   int handles;           /* open uv handles (closed by gpd_state_stop) */
+  /* Deltas: what changed since the last write that the next delta carries (names by key, ids
+   * of what is gone), how many deltas the store has on top of `generation` and their bytes. */
+  struct jent {
+    uint32_t op;         /* OP_NAME (key), OP_CLIENT, OP_SLAB, OP_BUFFER (id: written as they are
+                          * then), OP_LEASE (blob: its record), OP_*_DEL (id) */
+    uint64_t id;
+    char *key;
+    uint8_t *blob;
+    size_t blen;
+  } *journal;
+  uint64_t mark;         /* moves at each write: what carries an older mark is not named yet */
+  uint32_t njournal, capjournal;
+  size_t journal_bytes;  /* of its records taken ahead (closing connections') */
+  int need_whole;        /* the next write is a whole state (journal overflowed, a write failed) */
+  uint64_t seq, delta_bytes, whole_bytes, max_deltas;
+  uint64_t every_ns;     /* whole states for other changes at most this often (WRITE_EVERY_NS) */
+  long damage_seq;       /* GPUPOOL_TEST_STATE_DELTA: the Nth delta while the file exists */
+  long damage_seen;      /* deltas written while it existed */
+  int damage_drop, damage_now;
+  char damage_file[256];
 };
 
 /* A checksum of the payload: 8 bytes at a time in four lanes (multiply, rotate), fast enough to
@@ -109,7 +156,8 @@ static uint64_t checksum(const uint8_t *p, size_t n) {
 
 /* ---- the store ------------------------------------------------------------------------- */
 
-static int store_put(gpd_state *st, const char *kind, uint64_t id, int fd) {
+/* Put fd in the store as GPD_SD_STORE_PREFIX what (e.g. "slab.7"). */
+static int store_put_as(gpd_state *st, const char *what, int fd) {
   char msg[128];
   if (st->nstored >= st->info.store_max) {
     if (!st->full_warned)
@@ -119,22 +167,99 @@ static int store_put(gpd_state *st, const char *kind, uint64_t id, int fd) {
     st->full_warned = 1;
     return -1;
   }
-  snprintf(msg, sizeof msg, "FDSTORE=1\nFDNAME=" GPD_SD_STORE_PREFIX "%s.%" PRIu64, kind, id);
+  snprintf(msg, sizeof msg, "FDSTORE=1\nFDNAME=" GPD_SD_STORE_PREFIX "%s", what);
   if (gpd_sd_notify_fd(msg, fd) != 0) {
-    GPUPOOL__WARN("cannot put %s %" PRIu64 " in the fd store: %s; it does not survive a restart", kind, id,
-                  gpupool__errmsg());
+    GPUPOOL__WARN("cannot put %s in the fd store: %s; it does not survive a restart", what, gpupool__errmsg());
     return -1;
   }
   st->nstored++;
   return 0;
 }
 
-static void store_remove(gpd_state *st, const char *kind, uint64_t id) {
+static int store_put(gpd_state *st, const char *kind, uint64_t id, int fd) {
+  char what[64];
+  snprintf(what, sizeof what, "%s.%" PRIu64, kind, id);
+  return store_put_as(st, what, fd);
+}
+
+static void store_remove_as(gpd_state *st, const char *what) {
   char msg[128];
-  snprintf(msg, sizeof msg, "FDSTOREREMOVE=1\nFDNAME=" GPD_SD_STORE_PREFIX "%s.%" PRIu64, kind, id);
+  snprintf(msg, sizeof msg, "FDSTOREREMOVE=1\nFDNAME=" GPD_SD_STORE_PREFIX "%s", what);
   (void)gpd_sd_notify(msg);
   if (st->nstored)
     st->nstored--;
+}
+
+static void store_remove(gpd_state *st, const char *kind, uint64_t id) {
+  char what[64];
+  snprintf(what, sizeof what, "%s.%" PRIu64, kind, id);
+  store_remove_as(st, what);
+}
+
+/* The name in the store of every delta that follows state gen: "delta.<gen>" (its sequence is
+ * in its header). One name for all of them, so that one message takes them all out. */
+static void delta_name(char *buf, size_t len, uint64_t gen) { snprintf(buf, len, "delta.%" PRIu64, gen); }
+
+/* ---- the journal: what the next delta carries ------------------------------------------- */
+
+static void journal_add_blob(gpd_state *st, uint32_t op, uint64_t id, const char *key, uint8_t *blob,
+                             size_t blen);
+static void journal_add(gpd_state *st, uint32_t op, uint64_t id, const char *key) {
+  journal_add_blob(st, op, id, key, NULL, 0);
+}
+
+/* A delta's records: each an op, then a record as the whole state writes it (a put: it
+ * replaces any record of that key) or its key alone (a delete). */
+enum {
+  OP_SLAB = 1, OP_SLAB_DEL, OP_LAYOUT, OP_LAYOUT_DEL, OP_BUFFER, OP_BUFFER_DEL, OP_NAME, OP_NAME_DEL,
+  OP_LEASE, OP_LEASE_DEL,
+  OP_CLIENT = 100 /* (the journal's own: a client whose lease record is written as it is then) */
+};
+
+/* The most entries between two writes (each a few bytes, a key at most GPUPOOL_NAME_KEY_MAX),
+ * and the most bytes of records taken ahead: past either the next write is a whole state,
+ * whatever changed. */
+#define JOURNAL_MAX 4096
+#define JOURNAL_BYTES_MAX (4u << 20)
+
+static void journal_clear(gpd_state *st) {
+  for (uint32_t i = 0; i < st->njournal; i++) {
+    free(st->journal[i].key);
+    free(st->journal[i].blob);
+  }
+  st->njournal = 0;
+  st->journal_bytes = 0;
+  st->mark++;
+}
+
+static void journal_add_blob(gpd_state *st, uint32_t op, uint64_t id, const char *key, uint8_t *blob,
+                             size_t blen) {
+  struct jent *e;
+  if (st->need_whole) {
+    free(blob);
+    return; /* (a whole state carries it) */
+  }
+  if (st->njournal >= JOURNAL_MAX || st->journal_bytes + blen > JOURNAL_BYTES_MAX ||
+      gpd_grow((void **)&st->journal, &st->capjournal, st->njournal + 1, sizeof *st->journal) != 0) {
+    free(blob);
+    journal_clear(st);
+    st->need_whole = 1;
+    return;
+  }
+  e = &st->journal[st->njournal];
+  e->op = op;
+  e->id = id;
+  e->key = NULL;
+  e->blob = blob;
+  e->blen = blen;
+  st->journal_bytes += blen;
+  if (key && !(e->key = strdup(key))) {
+    free(blob);
+    journal_clear(st);
+    st->need_whole = 1;
+    return;
+  }
+  st->njournal++;
 }
 
 static void keep_slab_new(gpd_registry *reg, gpd_slab *s) {
@@ -142,6 +267,8 @@ static void keep_slab_new(gpd_registry *reg, gpd_slab *s) {
   if (!st || s->stored || s->bs.fd < 0)
     return;
   s->stored = store_put(st, "slab", s->id, s->bs.fd) == 0;
+  if (s->stored)
+    journal_add(st, OP_SLAB, s->id, NULL);
 }
 
 static void keep_slab_gone(gpd_registry *reg, gpd_slab *s) {
@@ -150,6 +277,7 @@ static void keep_slab_gone(gpd_registry *reg, gpd_slab *s) {
     return; /* a stopping daemon leaves its slabs to the next one */
   store_remove(st, "slab", s->id);
   s->stored = 0;
+  journal_add(st, OP_SLAB_DEL, s->id, NULL);
 }
 
 static void keep_lease_new(gpd_registry *reg, gpd_lease *l) {
@@ -166,11 +294,66 @@ static void keep_lease_gone(gpd_registry *reg, gpd_lease *l) {
   if (!reg->state || !l->store_id || reg->stopped)
     return;
   store_remove(reg->state, "lease", l->store_id);
+  journal_add(reg->state, OP_LEASE_DEL, l->store_id, NULL);
   l->store_id = 0;
 }
 
-/* How slabs.c and leases.c report to the state (reg->keep) without calling up into it. */
-static const struct gpd_keep_ops keep_ops = {keep_slab_new, keep_slab_gone, keep_lease_new, keep_lease_gone};
+static void keep_name_changed(gpd_registry *reg, const char *key) {
+  if (reg->state)
+    journal_add(reg->state, OP_NAME, 0, key);
+}
+
+static void keep_buffer_gone(gpd_registry *reg, uint64_t id) {
+  if (reg->state)
+    journal_add(reg->state, OP_BUFFER_DEL, id, NULL);
+}
+
+static void keep_layout_gone(gpd_registry *reg, uint64_t id) {
+  if (reg->state)
+    journal_add(reg->state, OP_LAYOUT_DEL, id, NULL);
+}
+
+static void keep_buffer_changed(gpd_registry *reg, gpd_buffer *b) {
+  if (reg->state)
+    journal_add(reg->state, OP_BUFFER, b->id, NULL);
+}
+
+static void keep_client_changed(gpd_registry *reg, gpd_client *c) {
+  gpd_state *st = reg->state;
+  if (!st || !c->lease || !c->lease->store_id || c->state_mark == st->mark + 1)
+    return; /* (named once per write: its record is taken as it is then) */
+  c->state_mark = st->mark + 1;
+  journal_add(st, OP_CLIENT, c->id, NULL);
+}
+
+static void put_client_lease(gpd_state *st, const gpd_client *c, int closing);
+
+/* A connection closing while its lease pins what it held and mapped: its record, taken now
+ * (before its holds go), is what the next delta says of that lease. */
+static void keep_client_gone(gpd_registry *reg, gpd_client *c, gpd_lease *lease, int waiting) {
+  gpd_state *st = reg->state;
+  gpd_lease *had = c->lease;
+  uint8_t *blob;
+  if (!st || !lease->store_id || !waiting || st->need_whole)
+    return;
+  c->lease = lease; /* (put_client_lease reads it there) */
+  st->len = 0;
+  st->oom = 0;
+  put_client_lease(st, c, 1);
+  c->lease = had;
+  if (st->oom || !(blob = malloc(st->len))) {
+    journal_clear(st);
+    st->need_whole = 1;
+    return;
+  }
+  memcpy(blob, st->buf, st->len);
+  journal_add_blob(st, OP_LEASE, lease->store_id, NULL, blob, st->len);
+}
+
+/* How the registry's files report to the state (reg->keep) without calling up into it. */
+static const struct gpd_keep_ops keep_ops = {
+    keep_slab_new,    keep_slab_gone,      keep_lease_new,      keep_lease_gone, keep_name_changed,
+    keep_buffer_gone, keep_layout_gone,    keep_buffer_changed, keep_client_changed, keep_client_gone};
 
 /* ---- writing --------------------------------------------------------------------------- */
 
@@ -228,6 +411,78 @@ static void put_lease(gpd_state *st, const gpd_lease *l) {
 /* A pinned buffer: its id, bit 63 set for a read-only hold (ids stay below 2^63). */
 #define PIN_RO ((uint64_t)1 << 63)
 
+static void put_slab(gpd_state *st, const gpd_slab *s) {
+  put64(st, s->id);
+  put_str(st, s->pool->cfg.name);
+  put64(st, s->bs.size);
+  put64(st, s->owner);
+  put32(st, (uint32_t)s->dedicated);
+  put32(st, (uint32_t)s->kept);
+}
+
+static void put_layout(gpd_state *st, const gpd_layout *l) {
+  put64(st, l->id);
+  put64(st, l->tenant);
+  put32(st, l->nbufs);
+  put32(st, l->n);
+  for (uint32_t k = 0; k < l->n; k++) {
+    put_str(st, l->members[k].name);
+    put32(st, l->members[k].buffer);
+    put64(st, l->members[k].offset);
+    put64(st, l->members[k].size);
+    put_meta(st, l->members[k].meta != NULL, l->members[k].meta);
+  }
+}
+
+static void put_buffer(gpd_state *st, const gpd_buffer *p) {
+  put64(st, p->id);
+  put64(st, p->slab->id);
+  put64(st, p->offset);
+  put64(st, p->size);
+  put64(st, p->asked);
+  put(st, p->secret, sizeof p->secret);
+  put(st, p->secret_ro, sizeof p->secret_ro);
+  put_meta(st, p->has_meta, &p->meta);
+  put32(st, (uint32_t)p->owner_uid);
+  put64(st, p->owner_tenant);
+  put64(st, p->layout ? p->layout->id : 0);
+  put32(st, (uint32_t)p->died_in_use);
+}
+
+/* Whether nm goes into the state (published files do not: their fds are not in the store). */
+static int name_kept(const gpd_name *nm) { return nm && !nm->file && nm->nbufs > 0; }
+
+static void put_name(gpd_state *st, const gpd_name *nm) {
+  put_str(st, nm->name);
+  put64(st, nm->version);
+  put32(st, nm->nbufs);
+  for (uint32_t k = 0; k < nm->nbufs; k++)
+    put64(st, nm->bufs[k]->id);
+  put64(st, nm->layout ? nm->layout->id : 0);
+  put32(st, (uint32_t)nm->uid);
+  put64(st, nm->tenant);
+  put32(st, (uint32_t)nm->read_only);
+  put_meta(st, nm->has_meta, &nm->meta);
+}
+
+/* Whether connected client c's lease goes into the state: it holds or maps something. */
+static int client_pins(const gpd_client *c) {
+  return c->lease && c->lease->store_id && (c->holds || c->mapped.len > 0);
+}
+
+/* The lease record of a connected client: its holds and the slabs it maps (all read-only when
+ * its connection is closing: how it held them is not known any more once it has gone). */
+static void put_client_lease(gpd_state *st, const gpd_client *c, int closing) {
+  put_lease(st, c->lease);
+  put64(st, c->nholds);
+  for (gpd_hold *h = c->holds; h; h = h->next)
+    put64(st, h->buf->id | (h->read_only || closing ? PIN_RO : 0));
+  put64(st, c->mapped.len);
+  for (size_t k = 0; k < c->mapped.cap; k++)
+    if (gpupool__hmap_slot_used(&c->mapped, k))
+      put64(st, c->mapped.slots[k].ikey);
+}
+
 static void build(gpd_state *st) {
   gpd_registry *reg = st->reg;
   uint64_t n;
@@ -243,34 +498,15 @@ static void build(gpd_state *st) {
     for (gpd_slab *s = reg->pools[i].slabs; s; s = s->next) {
       if (!s->stored)
         continue;
-      put64(st, s->id);
-      put_str(st, s->pool->cfg.name);
-      put64(st, s->bs.size);
-      put64(st, s->owner);
-      put32(st, (uint32_t)s->dedicated);
-      put32(st, (uint32_t)s->kept);
+      put_slab(st, s);
       n++;
     }
   count_set(st, at, n);
   /* Layouts. */
   put64(st, reg->layouts.len);
-  for (size_t i = 0; i < reg->layouts.cap; i++) {
-    gpd_layout *l;
-    if (!gpupool__hmap_slot_used(&reg->layouts, i))
-      continue;
-    l = reg->layouts.slots[i].val;
-    put64(st, l->id);
-    put64(st, l->tenant);
-    put32(st, l->nbufs);
-    put32(st, l->n);
-    for (uint32_t k = 0; k < l->n; k++) {
-      put_str(st, l->members[k].name);
-      put32(st, l->members[k].buffer);
-      put64(st, l->members[k].offset);
-      put64(st, l->members[k].size);
-      put_meta(st, l->members[k].meta != NULL, l->members[k].meta);
-    }
-  }
+  for (size_t i = 0; i < reg->layouts.cap; i++)
+    if (gpupool__hmap_slot_used(&reg->layouts, i))
+      put_layout(st, reg->layouts.slots[i].val);
   /* Buffers: live ones, then those waiting to be freed. */
   at = count_at(st);
   n = 0;
@@ -284,23 +520,11 @@ static void build(gpd_state *st) {
       b = NULL;
     }
     for (gpd_buffer *p = b ? b : reg->pending; p; p = b ? NULL : p->pending_next) {
-      put64(st, p->id);
-      put64(st, p->slab->id);
-      put64(st, p->offset);
-      put64(st, p->size);
-      put64(st, p->asked);
-      put(st, p->secret, sizeof p->secret);
-      put(st, p->secret_ro, sizeof p->secret_ro);
-      put_meta(st, p->has_meta, &p->meta);
-      put32(st, (uint32_t)p->owner_uid);
-      put64(st, p->owner_tenant);
-      put64(st, p->layout ? p->layout->id : 0);
-      put32(st, (uint32_t)p->died_in_use);
+      put_buffer(st, p);
       n++;
     }
   }
   count_set(st, at, n);
-  /* Names (published files are not kept: their fds are not in the store). */
   at = count_at(st);
   n = 0;
   for (size_t i = 0; i < reg->names.cap; i++) {
@@ -308,18 +532,9 @@ static void build(gpd_state *st) {
     if (!gpupool__smap_slot_used(&reg->names, i))
       continue;
     nm = reg->names.slots[i].val;
-    if (nm->file || nm->nbufs == 0)
+    if (!name_kept(nm))
       continue;
-    put_str(st, nm->name);
-    put64(st, nm->version);
-    put32(st, nm->nbufs);
-    for (uint32_t k = 0; k < nm->nbufs; k++)
-      put64(st, nm->bufs[k]->id);
-    put64(st, nm->layout ? nm->layout->id : 0);
-    put32(st, (uint32_t)nm->uid);
-    put64(st, nm->tenant);
-    put32(st, (uint32_t)nm->read_only);
-    put_meta(st, nm->has_meta, &nm->meta);
+    put_name(st, nm);
     n++;
   }
   count_set(st, at, n);
@@ -332,16 +547,9 @@ static void build(gpd_state *st) {
     if (!gpupool__hmap_slot_used(&reg->clients, i))
       continue;
     c = reg->clients.slots[i].val;
-    if (!c->lease || !c->lease->store_id || (!c->holds && c->mapped.len == 0))
+    if (!client_pins(c))
       continue;
-    put_lease(st, c->lease);
-    put64(st, c->nholds);
-    for (gpd_hold *h = c->holds; h; h = h->next)
-      put64(st, h->buf->id | (h->read_only ? PIN_RO : 0));
-    put64(st, c->mapped.len);
-    for (size_t k = 0; k < c->mapped.cap; k++)
-      if (gpupool__hmap_slot_used(&c->mapped, k))
-        put64(st, c->mapped.slots[k].ikey);
+    put_client_lease(st, c, 0);
     n++;
   }
   for (gpd_lease *l = reg->waiting; l; l = l->next) {
@@ -387,7 +595,7 @@ static void build(gpd_state *st) {
 static void maybe_crash(gpd_state *st, long step) {
   if (st->crash_step == step && st->crash_file[0] && unlink(st->crash_file) == 0) {
     GPUPOOL__WARN("GPUPOOL_TEST_STATE_CRASH: killing the daemon at step %ld of state write %" PRIu64, step,
-                  st->generation + 1);
+                  step >= 5 && step <= 8 ? st->seq + 1 : st->generation + 1);
     raise(SIGKILL);
   }
 }
@@ -406,11 +614,62 @@ static int write_all(int fd, const void *p, size_t n) {
   return 0;
 }
 
-static int write_state(gpd_state *st) {
+/* st->buf (the payload built) into a new sealed memfd with its header: the fd, or -1 (the
+ * reason logged). seq 0: a whole state of generation gen; otherwise delta seq on top of gen.
+ * step: the first of the four crash steps of this kind of write (1 or 5). */
+static int write_memfd(gpd_state *st, uint64_t gen, uint64_t seq, long step) {
   uint8_t hdr[HEADER_LEN] = {0};
   uint32_t fmt = st->format, hl = HEADER_LEN;
-  uint64_t gen = st->generation + 1, plen, t0 = gpd_now_ns(), dt;
+  uint64_t plen = st->len, sum = checksum(st->buf, st->len);
   char name[64];
+  int fd;
+
+  memcpy(hdr, seq ? DELTA_MAGIC : MAGIC, 8);
+  memcpy(hdr + 8, &fmt, 4);
+  memcpy(hdr + 12, &hl, 4);
+  memcpy(hdr + 16, &gen, 8);
+  memcpy(hdr + 24, &plen, 8);
+  if (seq && st->damage_now && !st->damage_drop) {
+    GPUPOOL__WARN("GPUPOOL_TEST_STATE_DELTA: delta %" PRIu64 ".%" PRIu64 " is written damaged", gen, seq);
+    sum ^= 1;
+  }
+  memcpy(hdr + 32, &sum, sizeof sum);
+  memcpy(hdr + 40, &seq, 8);
+  snprintf(name, sizeof name, seq ? "gpupool-delta-%" PRIu64 ".%" PRIu64 : "gpupool-state-%" PRIu64, gen, seq);
+  fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) {
+    GPUPOOL__WARN("cannot write the daemon's state (memfd_create: %s); what the store has stays", strerror(errno));
+    return -1;
+  }
+  if (write_all(fd, hdr, sizeof hdr) != 0 || write_all(fd, st->buf, st->len / 2) != 0)
+    goto fail;
+  maybe_crash(st, step);
+  if (write_all(fd, st->buf + st->len / 2, st->len - st->len / 2) != 0)
+    goto fail;
+  maybe_crash(st, step + 1);
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0)
+    goto fail;
+  maybe_crash(st, step + 2);
+  return fd;
+fail:
+  GPUPOOL__WARN("cannot write the daemon's state: %s; what the store has stays", strerror(errno));
+  close(fd);
+  return -1;
+}
+
+static void wrote(gpd_state *st, uint64_t t0, uint64_t bytes) {
+  uint64_t dt = gpd_now_ns() - t0;
+  st->info.writes++;
+  st->info.write_ns_last = dt;
+  st->info.write_bytes_last = bytes;
+  if (dt > st->info.write_ns_max)
+    st->info.write_ns_max = dt;
+}
+
+/* The whole state, as a new generation; once it is in the store the previous generation
+ * and its deltas are taken out (a compaction when there were any). */
+static int write_state(gpd_state *st) {
+  uint64_t gen = st->generation + 1, t0 = gpd_now_ns(), ndeltas = st->seq;
   int fd;
 
   st->synced = st->reg->state_changes;
@@ -419,54 +678,187 @@ static int write_state(gpd_state *st) {
     GPUPOOL__WARN("out of memory writing the daemon's state; the previous one stays in the store");
     return -1;
   }
-  plen = st->len;
-  memcpy(hdr, MAGIC, 8);
-  memcpy(hdr + 8, &fmt, 4);
-  memcpy(hdr + 12, &hl, 4);
-  memcpy(hdr + 16, &gen, 8);
-  memcpy(hdr + 24, &plen, 8);
-  {
-    uint64_t sum = checksum(st->buf, st->len);
-    memcpy(hdr + 32, &sum, sizeof sum);
-  }
-  snprintf(name, sizeof name, "gpupool-state-%" PRIu64, gen);
-  fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (fd < 0) {
-    GPUPOOL__WARN("cannot write the daemon's state (memfd_create: %s); the previous one stays in the store",
-                  strerror(errno));
+  if ((fd = write_memfd(st, gen, 0, 1)) < 0)
     return -1;
-  }
-  if (write_all(fd, hdr, sizeof hdr) != 0 || write_all(fd, st->buf, st->len / 2) != 0)
-    goto fail;
-  maybe_crash(st, 1);
-  if (write_all(fd, st->buf + st->len / 2, st->len - st->len / 2) != 0)
-    goto fail;
-  maybe_crash(st, 2);
-  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0)
-    goto fail;
-  maybe_crash(st, 3);
   if (store_put(st, "state", gen, fd) != 0) {
     close(fd);
     return -1;
   }
   close(fd);
   maybe_crash(st, 4);
+  if (st->seq) {
+    char what[64];
+    delta_name(what, sizeof what, st->generation);
+    store_remove_as(st, what);
+    st->nstored = st->nstored > st->seq - 1 ? st->nstored - (st->seq - 1) : 0;
+    maybe_crash(st, 9);
+  }
   if (st->generation)
     store_remove(st, "state", st->generation);
   st->generation = gen;
+  st->seq = 0;
+  st->delta_bytes = 0;
+  st->whole_bytes = HEADER_LEN + st->len;
+  st->need_whole = 0;
+  journal_clear(st);
   st->last_write_ns = gpd_now_ns();
-  dt = st->last_write_ns - t0;
-  st->info.writes++;
-  st->info.write_ns_last = dt;
-  st->info.write_bytes_last = HEADER_LEN + plen;
-  if (dt > st->info.write_ns_max)
-    st->info.write_ns_max = dt;
-  GPUPOOL__DEBUG("state %" PRIu64 " written: %" PRIu64 " bytes in %.3f ms", gen, HEADER_LEN + plen, dt / 1e6);
+  wrote(st, t0, HEADER_LEN + st->len);
+  GPUPOOL__DEBUG("state %" PRIu64 " written: %zu bytes in %.3f ms%s", gen, HEADER_LEN + st->len,
+                 st->info.write_ns_last / 1e6, ndeltas ? " (compacted: the deltas before it are dropped)" : "");
+  if (ndeltas)
+    st->info.compactions++;
   return 0;
-fail:
-  GPUPOOL__WARN("cannot write the daemon's state: %s; the previous one stays in the store", strerror(errno));
+}
+
+/* A live or pending buffer by id, or NULL once freed. The pending ones (waiting for a holder's
+ * done event or lease) are indexed in *pend the first time one is looked for (once a write). */
+static const gpd_buffer *find_buffer(const gpd_registry *reg, uint64_t id, gpupool__hmap *pend, int *indexed) {
+  const gpd_buffer *b = gpupool__hmap_get(&reg->buffers, id);
+  if (b || !reg->pending)
+    return b;
+  if (!*indexed) {
+    *indexed = 1;
+    for (gpd_buffer *p = reg->pending; p; p = p->pending_next)
+      if (gpupool__hmap_put(pend, p->id, p) != 0)
+        return NULL; /* (out of memory: the caller writes a whole state) */
+  }
+  return gpupool__hmap_get(pend, id);
+}
+
+/* b's record in a delta, after those of its slab and layout (unless prev, written just
+ * before, had the same). */
+static void put_buffer_with(gpd_state *st, const gpd_buffer *b, const gpd_buffer *prev) {
+  if (b->slab->stored && (!prev || b->slab != prev->slab)) {
+    put32(st, OP_SLAB);
+    put_slab(st, b->slab);
+  }
+  if (b->layout && (!prev || b->layout != prev->layout)) {
+    put32(st, OP_LAYOUT);
+    put_layout(st, b->layout);
+  }
+  put32(st, OP_BUFFER);
+  put_buffer(st, b);
+}
+
+/* What the journal names, as a delta's payload: every name changed with the records it
+ * refers to (its buffers, their slabs and layouts: a put replaces what the store had), and
+ * what is gone. Its size follows what changed, never the size of the state. */
+static void build_delta(gpd_state *st) {
+  gpd_registry *reg = st->reg;
+  gpupool__hmap pend;
+  int indexed = 0;
+  gpupool__hmap_init(&pend);
+  st->len = 0;
+  st->oom = 0;
+  put64(st, reg->next_id);
+  for (uint32_t i = 0; i < st->njournal; i++) {
+    const struct jent *e = &st->journal[i];
+    gpd_name *nm;
+    if (e->op == OP_CLIENT) {
+      gpd_client *c = gpupool__hmap_get(&reg->clients, e->id);
+      if (!c || !c->lease || !c->lease->store_id)
+        continue; /* (gone: what its closing left is in the journal after this) */
+      if (client_pins(c)) {
+        put32(st, OP_LEASE);
+        put_client_lease(st, c, 0);
+      } else {
+        put32(st, OP_LEASE_DEL);
+        put64(st, c->lease->store_id);
+      }
+      continue;
+    }
+    if (e->op == OP_LEASE) {
+      put32(st, OP_LEASE);
+      put(st, e->blob, e->blen);
+      continue;
+    }
+    if (e->op == OP_BUFFER) {
+      const gpd_buffer *b = find_buffer(reg, e->id, &pend, &indexed);
+      if (b)
+        put_buffer_with(st, b, NULL);
+      else if (indexed && pend.len < reg->npending)
+        st->oom = 1;
+      continue;
+    }
+    if (e->op == OP_SLAB) {
+      const gpd_slab *sl = gpupool__hmap_get(&reg->slabs, e->id);
+      if (sl && sl->stored) {
+        put32(st, OP_SLAB);
+        put_slab(st, sl);
+      }
+      continue;
+    }
+    if (e->op != OP_NAME) {
+      put32(st, e->op);
+      put64(st, e->id);
+      continue;
+    }
+    nm = gpupool__smap_get(&reg->names, e->key);
+    if (!name_kept(nm)) {
+      put32(st, OP_NAME_DEL);
+      put_str(st, e->key);
+      continue;
+    }
+    for (uint32_t k = 0; k < nm->nbufs; k++)
+      put_buffer_with(st, nm->bufs[k], k ? nm->bufs[k - 1] : NULL);
+    if (nm->layout && (!nm->bufs[0]->layout || nm->layout != nm->bufs[0]->layout)) {
+      put32(st, OP_LAYOUT);
+      put_layout(st, nm->layout);
+    }
+    put32(st, OP_NAME);
+    put_name(st, nm);
+  }
+  gpupool__hmap_free(&pend);
+}
+
+static void on_idle(uv_timer_t *t);
+
+/* The changes the journal names as a delta on top of the state in the store; a whole state
+ * instead (a compaction) when there is none yet, when the deltas' count or bytes have grown
+ * past their bounds (the restore reads each of them), or when the journal cannot say what
+ * changed. */
+static int write_delta(gpd_state *st) {
+  uint64_t seq = st->seq + 1, t0 = gpd_now_ns();
+  char what[64];
+  int fd;
+
+  if (st->need_whole || !st->generation || st->seq >= st->max_deltas ||
+      st->delta_bytes > (st->whole_bytes / 2 > DELTA_BYTES_MIN ? st->whole_bytes / 2 : DELTA_BYTES_MIN) ||
+      st->nstored + 2 > st->info.store_max)
+    return write_state(st);
+  st->synced = st->reg->state_changes;
+  build_delta(st);
+  if (st->oom) {
+    st->need_whole = 1;
+    return write_state(st);
+  }
+  st->damage_now = st->damage_file[0] && access(st->damage_file, F_OK) == 0 &&
+                   ++st->damage_seen == st->damage_seq && unlink(st->damage_file) == 0;
+  if ((fd = write_memfd(st, st->generation, seq, 5)) < 0) {
+    st->need_whole = 1;
+    return write_state(st);
+  }
+  delta_name(what, sizeof what, st->generation);
+  if (st->damage_drop && st->damage_now) {
+    GPUPOOL__WARN("GPUPOOL_TEST_STATE_DELTA: delta %" PRIu64 ".%" PRIu64 " is left out of the store", st->generation,
+                  seq);
+    st->nstored++; /* (as if it were there) */
+  } else if (store_put_as(st, what, fd) != 0) {
+    close(fd);
+    st->need_whole = 1;
+    return write_state(st);
+  }
   close(fd);
-  return -1;
+  maybe_crash(st, 8);
+  st->seq = seq;
+  st->delta_bytes += HEADER_LEN + st->len;
+  journal_clear(st);
+  st->last_write_ns = gpd_now_ns();
+  if (st->check_on)
+    uv_timer_start(&st->idle, on_idle, st->every_ns * 10 / 1000000 + 1, 0);
+  wrote(st, t0, HEADER_LEN + st->len);
+  st->info.deltas++;
+  return 0;
 }
 
 /* What changed since the last write, cheaply: every counter a change moves. */
@@ -514,10 +906,21 @@ static void before_check(gpd_state *st) {
 /* Turns that change holds, leases or slabs write at most every WRITE_EVERY_NS (a change of names
  * or versions is written at once, before its reply: gpd_state_sync). */
 #define WRITE_EVERY_NS (100 * 1000000ull)
+/* Something to write: what the journal names, or a whole state owed. */
+static int pending(const gpd_state *st) { return st->njournal > 0 || st->need_whole; }
+
 static void on_later(uv_timer_t *t) {
   gpd_state *st = t->data;
   st->later_on = 0;
-  if (changed(st))
+  if (pending(st))
+    (void)write_delta(st);
+}
+
+/* Deltas left after a while with nothing to write are compacted: a restart then reads one
+ * state, and the store holds one entry for it. */
+static void on_idle(uv_timer_t *t) {
+  gpd_state *st = t->data;
+  if (st->seq > 0)
     (void)write_state(st);
 }
 
@@ -529,31 +932,28 @@ static void on_check(uv_check_t *h) {
   if (st->later_on)
     return;
   now = gpd_now_ns();
-  if (now - st->last_write_ns < WRITE_EVERY_NS) {
-    uint64_t last[8];
-    memcpy(last, st->last, sizeof last);
-    if (changed(st)) {
-      memcpy(st->last, last, sizeof last); /* (not written yet) */
-      uv_timer_start(&st->later, on_later, (WRITE_EVERY_NS - (now - st->last_write_ns)) / 1000000 + 1, 0);
-      st->later_on = 1;
-    }
+  if (!pending(st))
+    return;
+  if (now - st->last_write_ns < st->every_ns) {
+    uv_timer_start(&st->later, on_later, (st->every_ns - (now - st->last_write_ns)) / 1000000 + 1, 0);
+    st->later_on = 1;
     return;
   }
-  if (changed(st))
-    (void)write_state(st);
+  (void)write_delta(st);
 }
 
 void gpd_state_sync(gpd_registry *reg) {
   gpd_state *st = reg->state;
   if (st && st->synced != reg->state_changes) {
     (void)changed(st); /* (what the write covers: the turn's check need not write it again) */
-    (void)write_state(st);
+    (void)write_delta(st);
   }
 }
 
 void gpd_state_flush(gpd_registry *reg) {
-  if (reg->state && changed(reg->state))
-    (void)write_state(reg->state);
+  gpd_state *st = reg->state;
+  if (st && (changed(st) || pending(st) || st->seq > 0))
+    (void)write_state(st);
 }
 
 static void check_closed(uv_handle_t *h) {
@@ -570,6 +970,9 @@ void gpd_state_stop(gpd_registry *reg) {
   if (!st)
     return;
   reg->state = NULL; /* what the registry frees from now on stays in the store */
+  journal_clear(st);
+  free(st->journal);
+  st->journal = NULL;
   for (uint32_t i = 0; i < st->nbefore; i++) {
     gpd_lease_unref(st->before[i].l);
     free(st->before[i].pins);
@@ -581,11 +984,13 @@ void gpd_state_stop(gpd_registry *reg) {
     free(st);
     return;
   }
-  st->handles = 2;
+  st->handles = 3;
   uv_check_stop(&st->check);
   uv_close((uv_handle_t *)&st->check, check_closed);
   uv_timer_stop(&st->later);
   uv_close((uv_handle_t *)&st->later, check_closed);
+  uv_timer_stop(&st->idle);
+  uv_close((uv_handle_t *)&st->idle, check_closed);
 }
 
 const gpd_state_info *gpd_state_info_get(const gpd_registry *reg) {
@@ -605,7 +1010,8 @@ void gpd_state_describe(const gpd_registry *reg, char *buf, size_t len) {
   }
   in = &st->info;
   at = (size_t)snprintf(buf, len, "kept in the fd store (%" PRIu64 " of %" PRIu64 " entries, %" PRIu64
-                        " bytes of state)", st->nstored, in->store_max, in->write_bytes_last);
+                        " bytes of state, %" PRIu64 " delta(s) after it)", st->nstored, in->store_max,
+                        st->whole_bytes + st->delta_bytes, st->seq);
   if (at >= len)
     return;
   if (!in->found)
@@ -1184,11 +1590,11 @@ static int restore_leases(gpd_state *st, rd *r) {
 }
 
 /* Parse and check one state's header: 0 and its payload, or a reason. */
-static int check_header(const uint8_t *m, size_t size, uint64_t *gen, uint32_t *fmt, const uint8_t **payload,
-                        uint64_t *plen, char *why, size_t whylen) {
+static int check_header(const uint8_t *m, size_t size, const char *magic, uint64_t *gen, uint32_t *fmt,
+                        const uint8_t **payload, uint64_t *plen, char *why, size_t whylen) {
   uint32_t hl;
   uint64_t sum, want;
-  if (size < HEADER_LEN || memcmp(m, MAGIC, 8) != 0) {
+  if (size < HEADER_LEN || memcmp(m, magic, 8) != 0) {
     snprintf(why, whylen, "not a gpupoold state");
     return -1;
   }
@@ -1257,6 +1663,324 @@ static int restore(gpd_state *st, const uint8_t *payload, uint64_t plen) {
   return rc;
 }
 
+/* ---- deltas at start ------------------------------------------------------------------ */
+
+/* Each record's extent, as restore_* reads it (only what it takes to find where it ends). */
+static void skip(rd *r, size_t n) {
+  if (r->bad || r->left < n) {
+    r->bad = 1;
+    return;
+  }
+  r->p += n;
+  r->left -= n;
+}
+static void skip_str(rd *r) { skip(r, get32(r)); }
+static void skip_meta(rd *r) {
+  uint32_t has = get32(r);
+  if (has > 1)
+    r->bad = 1;
+  else if (has)
+    skip(r, sizeof(gpupool_tensor_meta));
+}
+static void skip_slab(rd *r) {
+  skip(r, 8);
+  skip_str(r);
+  skip(r, 8 + 8 + 4 + 4);
+}
+static void skip_layout(rd *r) {
+  uint32_t n;
+  skip(r, 8 + 8 + 4);
+  n = get32(r);
+  if (n > r->left / 28)
+    r->bad = 1;
+  for (uint32_t k = 0; k < n && !r->bad; k++) {
+    skip_str(r);
+    skip(r, 4 + 8 + 8);
+    skip_meta(r);
+  }
+}
+static void skip_buffer(rd *r) {
+  skip(r, 5 * 8 + sizeof ((gpd_buffer *)0)->secret + sizeof ((gpd_buffer *)0)->secret_ro);
+  skip_meta(r);
+  skip(r, 4 + 8 + 8 + 4);
+}
+static void skip_name(rd *r) {
+  uint32_t n;
+  skip_str(r);
+  skip(r, 8);
+  n = get32(r);
+  skip(r, (size_t)n * 8);
+  skip(r, 8 + 4 + 8 + 4);
+  skip_meta(r);
+}
+
+static void skip_lease(rd *r) {
+  skip(r, 8 + 4 + 8 + 4 + sizeof ((gpd_lease *)0)->resume);
+  skip(r, get_count(r, 8) * 8);
+  skip(r, get_count(r, 8) * 8);
+}
+
+/* The sections a delta's records go to, in the state's order. */
+enum { SEC_SLAB, SEC_LAYOUT, SEC_BUFFER, SEC_NAME, SEC_LEASE, NSEC };
+static void (*const skip_rec[NSEC])(rd *) = {skip_slab, skip_layout, skip_buffer, skip_name, skip_lease};
+
+/* What the deltas say of each key: the last record put (n > 0) or deleted (n 0). */
+typedef struct {
+  const uint8_t *p;
+  size_t n;
+} span;
+typedef struct {
+  gpupool__hmap ids[NSEC];     /* id -> index into spans + 1 (all but SEC_NAME) */
+  gpupool__smap names;         /* key -> index into spans + 1 */
+  span *spans;
+  uint32_t nspans, capspans;
+  uint64_t next_id;
+} merge_t;
+
+/* The key of the record (or the key alone) at p: an id, or a name's key into key. */
+static int rec_key(int sec, const uint8_t *p, uint64_t *id, char key[GPUPOOL_NAME_KEY_MAX + 1]) {
+  uint32_t n;
+  if (sec != SEC_NAME) {
+    memcpy(id, p, 8);
+    return 0;
+  }
+  memcpy(&n, p, 4);
+  if (n > GPUPOOL_NAME_KEY_MAX)
+    return -1;
+  memcpy(key, p + 4, n);
+  key[n] = '\0';
+  return 0;
+}
+
+static span *merge_get(const merge_t *mg, int sec, const uint8_t *p) {
+  char key[GPUPOOL_NAME_KEY_MAX + 1];
+  uint64_t id = 0;
+  uintptr_t v;
+  if (rec_key(sec, p, &id, key) != 0)
+    return NULL;
+  v = (uintptr_t)(sec == SEC_NAME ? gpupool__smap_get(&mg->names, key) : gpupool__hmap_get(&mg->ids[sec], id));
+  return v ? &mg->spans[v - 1] : NULL;
+}
+
+static int merge_set(merge_t *mg, int sec, const uint8_t *p, size_t n) {
+  char key[GPUPOOL_NAME_KEY_MAX + 1];
+  uint64_t id = 0;
+  void *v;
+  if (rec_key(sec, p, &id, key) != 0 ||
+      gpd_grow((void **)&mg->spans, &mg->capspans, mg->nspans + 1, sizeof *mg->spans) != 0)
+    return -1;
+  mg->spans[mg->nspans] = (span){p, n};
+  v = (void *)(uintptr_t)(++mg->nspans);
+  return sec == SEC_NAME ? gpupool__smap_put(&mg->names, key, v) : gpupool__hmap_put(&mg->ids[sec], id, v);
+}
+
+static void merge_free(merge_t *mg) {
+  for (int i = 0; i < NSEC; i++)
+    gpupool__hmap_free(&mg->ids[i]);
+  gpupool__smap_free(&mg->names);
+  free(mg->spans);
+}
+
+/* Walk a delta's records (apply 0: only check that every one reads; 1: into mg). */
+static int delta_ops(merge_t *mg, const uint8_t *p, size_t n, int apply) {
+  rd r = {p, n, 0};
+  uint64_t next_id = get64(&r);
+  if (r.bad || next_id == 0 || next_id > UINT64_MAX / 2)
+    return -1;
+  while (r.left > 0) {
+    uint32_t op = get32(&r);
+    const uint8_t *at = r.p;
+    int sec = (int)(op - 1) / 2, put_op = op % 2;
+    if (r.bad || op < OP_SLAB || op > OP_LEASE_DEL)
+      return -1;
+    if (put_op)
+      skip_rec[sec](&r);
+    else if (sec == SEC_NAME)
+      skip_str(&r);
+    else
+      skip(&r, 8);
+    if (r.bad || (apply && merge_set(mg, sec, at, put_op ? (size_t)(r.p - at) : 0) != 0))
+      return -1;
+  }
+  if (apply && next_id > mg->next_id)
+    mg->next_id = next_id;
+  return 0;
+}
+
+/* The state's payload with the deltas' records in place of those of the same keys, into
+ * st->buf: what restore reads, each record checked there as any other. */
+static int merge_emit(gpd_state *st, const merge_t *mg, const uint8_t *payload, uint64_t plen) {
+  rd r = {payload, (size_t)plen, 0};
+  uint64_t next_id = get64(&r);
+  st->len = 0;
+  st->oom = 0;
+  put64(st, next_id > mg->next_id ? next_id : mg->next_id);
+  for (int sec = 0; sec < NSEC; sec++) {
+    uint64_t n = get_count(&r, 8), kept = 0;
+    size_t at = count_at(st);
+    const gpupool__map *m = sec == SEC_NAME ? &mg->names : &mg->ids[sec];
+    for (uint64_t i = 0; i < n && !r.bad; i++) {
+      const uint8_t *p0 = r.p;
+      skip_rec[sec](&r);
+      if (!r.bad && !merge_get(mg, sec, p0)) {
+        put(st, p0, (size_t)(r.p - p0));
+        kept++;
+      }
+    }
+    if (r.bad)
+      return -1;
+    for (size_t i = 0; i < m->cap; i++) {
+      const span *sp;
+      if (!gpupool__map_slot_used(m, i))
+        continue;
+      sp = &mg->spans[(uintptr_t)m->slots[i].val - 1];
+      if (sp->n) {
+        put(st, sp->p, sp->n);
+        kept++;
+      }
+    }
+    count_set(st, at, kept);
+  }
+  put(st, r.p, r.left); /* (nothing, from this daemon) */
+  return st->oom ? -1 : 0;
+}
+
+/* Map a stored memfd that must be sealed against writes: its bytes, or NULL with the reason. */
+static void *map_sealed(int fd, size_t *size, char *why, size_t whylen) {
+  struct stat sb;
+  int seals = fcntl(fd, F_GET_SEALS);
+  void *m;
+  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode) || sb.st_size <= 0 || (uint64_t)sb.st_size > STATE_MAX ||
+      seals < 0 || !(seals & F_SEAL_WRITE) ||
+      (m = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fd, 0)) == MAP_FAILED) {
+    snprintf(why, whylen, "not a sealed memfd that can be read");
+    return NULL;
+  }
+  *size = (size_t)sb.st_size;
+  return m;
+}
+
+/* Restore state gen (payload) and the deltas that follow it in the store, in sequence from 1,
+ * up to the first that is missing or does not check out: that one and every later one are
+ * discarded (each is one whole change: what came before it is kept). 0, or GPUPOOL_ECONFIG
+ * for a delta written by a newer daemon (nothing restored then). */
+static int restore_with_deltas(gpd_state *st, gpd_sd_stored *fds, int n, uint64_t gen, const uint8_t *payload,
+                               uint64_t plen) {
+  merge_t mg;
+  struct cand {
+    int i;            /* in fds */
+    void *m;
+    size_t size;
+    uint64_t seq;     /* 0: not known (not even its header reads) */
+    const uint8_t *p; /* its payload once it checks out, else NULL */
+    uint64_t plen;
+    char why[160];
+  } *c = NULL;
+  uint32_t nc = 0, capc = 0, applied = 0;
+  uint64_t seq;
+  char what[64], want[80];
+  int rc = 0;
+
+  memset(&mg, 0, sizeof mg);
+  delta_name(what, sizeof what, gen);
+  snprintf(want, sizeof want, GPD_SD_STORE_PREFIX "%s", what);
+  for (int i = 0; i < n; i++) {
+    struct cand *d;
+    uint64_t dgen = 0;
+    uint32_t fmt = 0;
+    int hc;
+    if (fds[i].fd < 0 || strcmp(fds[i].name, want) != 0)
+      continue;
+    if (gpd_grow((void **)&c, &capc, nc + 1, sizeof *c) != 0) {
+      discard(st, NULL, "out of memory reading the deltas of state %" PRIu64 "; the state is restored without the "
+              "later ones", gen);
+      break;
+    }
+    d = &c[nc++];
+    memset(d, 0, sizeof *d);
+    d->i = i;
+    if (!(d->m = map_sealed(fds[i].fd, &d->size, d->why, sizeof d->why)))
+      continue;
+    if (d->size >= HEADER_LEN && memcmp(d->m, DELTA_MAGIC, 8) == 0)
+      memcpy(&d->seq, (const uint8_t *)d->m + 40, 8);
+    hc = check_header(d->m, d->size, DELTA_MAGIC, &dgen, &fmt, &d->p, &d->plen, d->why, sizeof d->why);
+    if (hc == 1) {
+      rc = gpupool__err(GPUPOOL_ECONFIG,
+                        "a change kept in the fd store (delta %" PRIu64 ".%" PRIu64 ") is in format %u, written by "
+                        "a newer gpupoold; this one (%s) reads formats up to %u. Start the newer gpupoold again, or, "
+                        "to give up every name and version it kept, empty the store: `systemctl stop gpupoold` then "
+                        "start this one (under gpupoold --supervise: stop the supervisor)",
+                        gen, d->seq, fmt, GPUPOOL_VERSION_STRING, GPD_STATE_FORMAT);
+      goto out;
+    }
+    if (hc == 0 && dgen != gen) {
+      snprintf(d->why, sizeof d->why, "its header names another state");
+      hc = -1;
+    }
+    if (hc == 0 && delta_ops(&mg, d->p, (size_t)d->plen, 0) != 0) {
+      snprintf(d->why, sizeof d->why, "its records do not read");
+      hc = -1;
+    }
+    if (hc != 0)
+      d->p = NULL;
+  }
+  /* In sequence: each applied whole, or the first that is not there or not sound ends it. */
+  for (seq = 1;; seq++) {
+    struct cand *d = NULL, *bad = NULL;
+    for (uint32_t k = 0; k < nc && !d; k++)
+      if (c[k].seq == seq && c[k].m) {
+        if (c[k].p)
+          d = &c[k];
+        else if (!bad)
+          bad = &c[k];
+      }
+    if (!d) {
+      if (bad)
+        discard(st, NULL, "delta %" PRIu64 ".%" PRIu64 " of the state: %s; the changes it and any later delta hold are "
+                "discarded, the %" PRIu64 " before it are kept", gen, seq, bad->why, seq - 1);
+      else if (applied < nc)
+        discard(st, NULL, "delta %" PRIu64 ".%" PRIu64 " of the state is missing: the %" PRIu32 " later one(s) are "
+                "discarded with the changes they hold, the %" PRIu64 " before it are kept", gen, seq, nc - applied,
+                seq - 1);
+      break;
+    }
+    if (delta_ops(&mg, d->p, (size_t)d->plen, 1) != 0) {
+      discard(st, NULL, "out of memory replaying delta %" PRIu64 ".%" PRIu64 "; it and the later ones are discarded",
+              gen, seq);
+      break;
+    }
+    d->seq = 0; /* (applied: once) */
+    st->delta_bytes += d->size;
+    applied++;
+  }
+  st->info.deltas_restored = applied;
+  st->info.deltas_dropped = nc - applied;
+  /* The replayed ones are taken out of the store with the others of their name, by the first
+   * write (a whole state: what the restore dropped is in no delta). Until then they count. */
+  st->seq = nc;
+  st->whole_bytes = HEADER_LEN + plen;
+  st->need_whole = 1;
+  if (applied && merge_emit(st, &mg, payload, plen) != 0) {
+    discard(st, NULL, "the %" PRIu32 " delta(s) of state %" PRIu64 " could not be applied to it (%s); the state is "
+            "restored without them", applied, gen, st->oom ? "out of memory" : "its records do not read");
+    applied = 0;
+  }
+  (void)restore(st, applied ? st->buf : payload, applied ? st->len : plen);
+  /* Every delta of this state is closed here: the store keeps them until that first write. */
+  for (uint32_t k = 0; k < nc; k++) {
+    close(fds[c[k].i].fd);
+    fds[c[k].i].fd = -1;
+  }
+out:
+  for (uint32_t k = 0; k < nc; k++)
+    if (c[k].m)
+      munmap(c[k].m, c[k].size);
+  free(c);
+  merge_free(&mg);
+  journal_clear(st);
+  return rc;
+}
+
 int gpd_state_init(gpd_registry *reg) {
   gpd_state *st;
   gpd_sd_stored *fds;
@@ -1293,6 +2017,18 @@ int gpd_state_init(gpd_registry *reg) {
     (void)sscanf(crash, "%ld:%255s", &st->crash_step, st->crash_file);
   if ((env = getenv("GPUPOOL_TEST_STATE_FORMAT")) && *env)
     st->format = (uint32_t)strtoul(env, NULL, 10);
+  /* Deltas on one state: each is an entry of the store and a file the restore reads. */
+  st->max_deltas = max / 8 < MAX_DELTAS ? max / 8 : MAX_DELTAS;
+  st->every_ns = WRITE_EVERY_NS;
+  if ((env = getenv("GPUPOOL_TEST_STATE_EVERY_MS")) && *env)
+    st->every_ns = strtoull(env, NULL, 10) * 1000000ull;
+  if ((env = getenv("GPUPOOL_TEST_STATE_DELTAS")) && *env)
+    st->max_deltas = strtoull(env, NULL, 10);
+  if ((env = getenv("GPUPOOL_TEST_STATE_DELTA")) && *env) {
+    char mode[16] = "";
+    if (sscanf(env, "%15[a-z]:%ld:%255s", mode, &st->damage_seq, st->damage_file) == 3)
+      st->damage_drop = strcmp(mode, "drop") == 0;
+  }
   reg->state = st;
   reg->keep = &keep_ops;
 
@@ -1318,7 +2054,7 @@ int gpd_state_init(gpd_registry *reg) {
     if (fstat(fds[best].fd, &sb) == 0 && S_ISREG(sb.st_mode) && sb.st_size > 0 && (uint64_t)sb.st_size <= STATE_MAX &&
         seals >= 0 && (seals & F_SEAL_WRITE) &&
         (m = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fds[best].fd, 0)) != MAP_FAILED)
-      hc = check_header(m, (size_t)sb.st_size, &gen, &fmt, &payload, &plen, why, sizeof why);
+      hc = check_header(m, (size_t)sb.st_size, MAGIC, &gen, &fmt, &payload, &plen, why, sizeof why);
     else
       snprintf(why, sizeof why, "not a sealed memfd that can be read");
     if (hc == 1) {
@@ -1338,10 +2074,13 @@ int gpd_state_init(gpd_registry *reg) {
       st->info.format = fmt;
       st->generation = gen;
       st->nstored++;
-      (void)restore(st, payload, plen);
+      rc = restore_with_deltas(st, fds, n, gen, payload, plen);
       munmap(m, (size_t)sb.st_size);
+      if (rc != 0)
+        return rc; /* every fd stays open: the process exits */
       close(fds[best].fd); /* the store keeps it until the next write replaces it */
       fds[best].fd = -1;
+      st->nstored += st->seq; /* (its deltas, taken out by the next write) */
       break;
     }
     if (m != MAP_FAILED)
@@ -1390,7 +2129,8 @@ int gpd_state_init(gpd_registry *reg) {
     int taken = 0;
     close(fds[i].fd);
     fds[i].fd = -1;
-    if (strncmp(fds[i].name, GPD_SD_STORE_PREFIX "state.", strlen(GPD_SD_STORE_PREFIX "state.")) != 0)
+    if (strncmp(fds[i].name, GPD_SD_STORE_PREFIX "state.", strlen(GPD_SD_STORE_PREFIX "state.")) != 0 &&
+        strncmp(fds[i].name, GPD_SD_STORE_PREFIX "delta.", strlen(GPD_SD_STORE_PREFIX "delta.")) != 0)
       st->info.fds_dropped++;
     /* Removal goes by name: not when an entry of the same name was taken (a duplicate). */
     for (int j = 0; j < n; j++)
@@ -1401,10 +2141,12 @@ int gpd_state_init(gpd_registry *reg) {
   }
   st->info.restore_ns = gpd_now_ns() - t0;
   if (st->info.found)
-    GPUPOOL__INFO("restored state %" PRIu64 " (format %u) in %.1f ms: %" PRIu64 " name(s), %" PRIu64 " byte(s) in %"
+    GPUPOOL__INFO("restored state %" PRIu64 " (format %u) and %" PRIu64 " delta(s) after it in %.1f ms: %" PRIu64
+                  " name(s), %" PRIu64 " byte(s) in %"
                   PRIu64 " slab(s), %" PRIu64 " lease(s) of earlier clients; discarded: %" PRIu64 " name(s), %" PRIu64
                   " slab(s), %" PRIu64 " buffer(s), %" PRIu64 " fd(s) no state named%s%s",
-                  st->info.generation, st->info.format, st->info.restore_ns / 1e6, st->info.names, st->info.bytes,
+                  st->info.generation, st->info.format, st->info.deltas_restored, st->info.restore_ns / 1e6,
+                  st->info.names, st->info.bytes,
                   st->info.slabs, st->info.leases, st->info.names_lost, st->info.slabs_lost, st->info.buffers_lost,
                   st->info.fds_dropped, st->info.why[0] ? "; first reason: " : "",
                   st->info.why);
@@ -1424,6 +2166,9 @@ int gpd_state_init(gpd_registry *reg) {
   uv_timer_init(reg->loop, &st->later);
   st->later.data = st;
   uv_unref((uv_handle_t *)&st->later);
+  uv_timer_init(reg->loop, &st->idle);
+  st->idle.data = st;
+  uv_unref((uv_handle_t *)&st->idle);
   st->check_on = 1;
   return 0;
 }

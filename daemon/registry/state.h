@@ -15,7 +15,9 @@
 #include "registry.h"
 
 /* The format the state is written in; a daemon reads every format up to its own. */
-#define GPD_STATE_FORMAT 1
+/* 1: whole states only. 2: the same whole state, and deltas that follow it (gpd.delta.G.N):
+ * a daemon of format 1 would miss the changes they hold, so it must refuse such a store. */
+#define GPD_STATE_FORMAT 2
 
 /* What the start found and did, for the log, STATUS= and `gpupoolctl status`. */
 typedef struct {
@@ -29,6 +31,8 @@ typedef struct {
   char why[256];            /* the first reason something was discarded */
   uint64_t restore_ns;      /* how long the restore took */
   uint64_t writes, write_ns_last, write_ns_max, write_bytes_last; /* states written since */
+  uint64_t deltas, compactions; /* of those writes: deltas, and whole states that replaced deltas */
+  uint64_t deltas_restored, deltas_dropped; /* at start: deltas replayed, and those discarded */
 } gpd_state_info;
 
 /* After gpd_registry_init: take the fds the store gave back (gpd_sd_stored_fds), restore what
@@ -36,12 +40,13 @@ typedef struct {
  * by a newer daemon (the message names both formats and what to do): the daemon then refuses
  * to start rather than discard what the newer one kept. */
 int gpd_state_init(gpd_registry *reg);
-/* Write the state now if anything changed (the daemon is stopping: after its clients are
- * dropped, before gpd_registry_stop). */
+/* Write the whole state now if anything changed or deltas follow it (the daemon is stopping:
+ * after its clients are dropped, before gpd_registry_stop). */
 void gpd_state_flush(gpd_registry *reg);
-/* Write the state now if a name or version changed since the last write: before any reply
- * leaves (server/send.c), so that no client is told of a version a crash could lose. Other changes
- * (holds, leases, mappings) are written at the end of the loop turn that made them. */
+/* Write what changed (a delta) now if a name or version changed since the last write: before
+ * any reply leaves (server/send.c), so that no client is told of a version a crash could lose.
+ * Other changes (holds, leases, mappings) are written at the end of the loop turn that made
+ * them, at most every 100 ms. */
 void gpd_state_sync(gpd_registry *reg);
 /* Stop saving (before gpd_registry_close: what it frees stays in the store). */
 void gpd_state_stop(gpd_registry *reg);

@@ -22,6 +22,9 @@ static int setup(void **state) {
   th_prepare(&D);
   /* Crashes here come one after the other on purpose: restart each at once. */
   setenv("GPUPOOL_SUPERVISE_MAX_DELAY_MS", "50", 1);
+  /* Writes at most every 20 ms, deltas compacted after 200 ms with nothing to write: the store
+   * settles within settled_store's wait. */
+  setenv("GPUPOOL_TEST_STATE_EVERY_MS", "20", 0);
   return 0;
 }
 
@@ -94,8 +97,10 @@ static pid_t crash(pid_t daemon) {
 
 /* The supervisor's fds once they stop changing (its store settles after the daemon's writes). */
 static int settled_store(void) {
-  int last = -1, same = 0;
-  for (int i = 0; i < 300 && same < 5; i++) {
+  const char *e = getenv("GPUPOOL_TEST_STATE_EVERY_MS");
+  /* Unchanged for longer than the daemon waits, with nothing to write, before it compacts. */
+  int last = -1, same = 0, need = ((e && *e ? atoi(e) : 100) * 10 + 100) / 20;
+  for (int i = 0; i < 1000 && same < need; i++) {
     int n = count_fds(D.pid);
     same = n == last ? same + 1 : 0;
     last = n;
@@ -107,7 +112,8 @@ static int settled_store(void) {
 static uint64_t name_size(int i) { return 1000 + (uint64_t)(i * 131) % 20000; }
 static uint32_t name_seed(int i, uint64_t version) { return (uint32_t)i * 7 + (uint32_t)version * 100003u; }
 
-static void check_name(gpupool_client *c, int i, uint64_t want_version) {
+/* Name n<i> is at want_version and holds the bytes seed made. */
+static void check_name_seed(gpupool_client *c, int i, uint64_t want_version, uint32_t seed) {
   char name[32];
   gpupool_buffer *g;
   uint64_t v = 0;
@@ -118,8 +124,12 @@ static void check_name(gpupool_client *c, int i, uint64_t want_version) {
   }
   assert_int_equal(v, want_version);
   assert_true(gpupool_buffer_size(g) >= name_size(i));
-  assert_true(th_check(gpupool_buffer_ptr(g), name_seed(i, v), name_size(i)));
+  assert_true(th_check(gpupool_buffer_ptr(g), seed, name_size(i)));
   assert_int_equal(gpupool_buffer_release(g, NULL), 0);
+}
+
+static void check_name(gpupool_client *c, int i, uint64_t want_version) {
+  check_name_seed(c, i, want_version, name_seed(i, want_version));
 }
 
 static void publish(gpupool_client *p, int i, uint64_t want_version) {
@@ -334,7 +344,11 @@ static void test_crash_cycles(void **state) {
 static char flag_path[400];
 static int crash_env(void *arg) {
   char v[512];
-  snprintf(v, sizeof v, "%d:%s", *(int *)arg, flag_path);
+  int step = *(int *)arg;
+  snprintf(v, sizeof v, "%d:%s", step, flag_path);
+  /* Steps 1-4 are those of a whole state: every write is one (no deltas). */
+  if (step <= 4 && setenv("GPUPOOL_TEST_STATE_DELTAS", "0", 1) != 0)
+    return -1;
   return setenv("GPUPOOL_TEST_STATE_CRASH", v, 1);
 }
 
@@ -458,12 +472,369 @@ static void test_newer_state_refused(void **state) {
   D.pid = 0;
   assert_true(WIFEXITED(status));
   assert_int_equal(WEXITSTATUS(status), 2);
-  snprintf(cmd, sizeof cmd, "grep -q 'in format 99, written by a newer gpupoold; this one .* reads formats up to 1' %s",
+  snprintf(cmd, sizeof cmd, "grep -q 'in format 99, written by a newer gpupoold; this one .* reads formats up to 2' %s",
            D.log);
   assert_int_equal(system(cmd), 0);
 }
 
+/* ---- deltas ------------------------------------------------------------------------------ */
+
+static int set_env_pairs(void *arg) {
+  for (const char *const *e = arg; e && e[0]; e += 2)
+    if (setenv(e[0], e[1], 1) != 0)
+      return -1;
+  return 0;
+}
+
+/* The daemon under its supervisor with env (NAME, VALUE, ..., NULL) set; its pid. */
+static pid_t start_env(const char *const *env) {
+  const char *extra[] = {"--supervise", "--pool", POOL, NULL};
+  ts_daemon_opts o = {.gpupoold = GPUPOOLD_PATH, .backend = "host", .log_level = "debug", .extra = extra,
+                      .ready_ms = 5000, .poll_ms = 10, .hook = set_env_pairs, .hook_arg = (void *)env,
+                      .use_conf = 1};
+  uint64_t end;
+  pid_t c;
+  th_write_conf(&D, "[daemon]\nmax_names = 20000\nmax_names_per_uid = 20000\n");
+  th_start_opts(&D, &o);
+  end = th_now_ms() + 5000;
+  while (!(c = child_of(D.pid)) && th_now_ms() < end)
+    th_sleep_ms(5);
+  assert_true(c > 0);
+  return c;
+}
+
+static void log_has(const char *pattern) {
+  char cmd[800];
+  snprintf(cmd, sizeof cmd, "grep -q -E '%s' %s", pattern, D.log);
+  if (system(cmd) != 0) {
+    th_dump_log(&D);
+    fail_msg("the daemon's log has no line matching: %s", pattern);
+  }
+}
+
+/* n buffers for names n0.. allocated and filled, then time for their holds to be written: what
+ * is published from here on (the same buffers) goes into deltas of its own. */
+static void alloc_then_settle(gpupool_client *p, gpupool_buffer **b, int n) {
+  for (int i = 0; i < n; i++) {
+    assert_int_equal(gpupool_buffer_alloc(p, NULL, name_size(i), 0, NULL, &b[i]), 0);
+    th_fill(gpupool_buffer_ptr(b[i]), name_seed(i, 1), name_size(i));
+  }
+  th_sleep_ms(300);
+}
+
+static void publish_held(gpupool_buffer *b, int i, uint64_t want_version) {
+  char name[32];
+  uint64_t v = 0;
+  snprintf(name, sizeof name, "n%d", i);
+  if (gpupool_buffer_publish(b, name, NULL, NULL, &v) != 0)
+    fail_msg("publish %s: %s", name, gpupool_last_error());
+  assert_int_equal(v, want_version);
+}
+
+/* Publishes and unpublishes written only as deltas come back after kill -9, bit-exact: every
+ * name at its version with its bytes, the one taken out gone, nothing lost to the client.
+ * GPUPOOL_TEST_SURVIVE_DELTAS (default 16) sets how many names; the restore's line is printed. */
+static void test_deltas_replayed(void **state) {
+  const char *env[] = {"GPUPOOL_TEST_STATE_EVERY_MS", "60000", NULL}; /* (no compaction when idle) */
+  int N = env_int("GPUPOOL_TEST_SURVIVE_DELTAS", 16);
+  gpupool_buffer **b = calloc((size_t)N, sizeof *b);
+  gpupool_client *p, *r;
+  char lost[4][GPUPOOL_NAME_MAX + 1];
+  int nlost = -1;
+  pid_t daemon = start_env(env);
+  char last[32], cmd[600];
+  (void)state;
+  assert_non_null(b);
+  assert_true(N >= 2);
+  p = th_connect(&D, "producer");
+  publish(p, 100000, 1);
+  alloc_then_settle(p, b, N);
+  for (int i = 0; i < N; i++)
+    publish_held(b[i], i, 1);
+  for (int i = 0; i < N; i += 4)
+    publish_held(b[i], i, 2); /* (a new version of the same bytes) */
+  snprintf(last, sizeof last, "n%d", N - 1);
+  assert_int_equal(gpupool_name_unpublish(p, last), 0);
+  daemon = crash(daemon);
+  log_has("restored state [0-9]+ \\(format 2\\) and [1-9][0-9]* delta\\(s\\) after it");
+  snprintf(cmd, sizeof cmd, "grep -o 'restored state .* in [0-9.]* ms: [0-9]* name(s)' %s | tail -n 1", D.log);
+  if (system(cmd) != 0)
+    fail_msg("the daemon's log does not say what it restored");
+  r = th_connect(&D, "reader");
+  check_name(r, 100000, 1);
+  for (int i = 0; i < N - 1; i++)
+    check_name_seed(r, i, i % 4 == 0 ? 2 : 1, name_seed(i, 1));
+  {
+    gpupool_buffer *g;
+    assert_int_equal(gpupool_buffer_get(r, last, 0, 0, 0, NULL, &g, NULL), GPUPOOL_ENOENT);
+  }
+  /* Versions go on from there (the producer's first request since the crash reconnects it),
+   * and its holds, written in deltas too, are its own again. */
+  check_name_seed(p, 1, 1, name_seed(1, 1));
+  for (int i = 0; i < N; i++)
+    assert_false(gpupool_buffer_lost(b[i]));
+  publish_held(b[0], 0, 3);
+  assert_int_equal(gpupool_client_lost_names(p, lost, 4, &nlost), 0);
+  assert_int_equal(nlost, 0);
+  for (int i = 0; i < N; i++)
+    assert_int_equal(gpupool_buffer_release(b[i], NULL), 0);
+  free(b);
+  gpupool_client_disconnect(r);
+  gpupool_client_disconnect(p);
+  th_stop(&D);
+}
+
+/* A crash at each step of a delta's write (5: half written, 6: written, 7: sealed, 8: in the
+ * store) and inside a compaction (9: the new whole state in the store, the previous one's
+ * deltas taken out, the previous state not yet): the next daemon has the version before the
+ * change or the one after, never a mix. */
+static void test_crash_inside_delta_write(void **state) {
+  (void)state;
+  for (int step = 5; step <= 9; step++) {
+    char v[512];
+    const char *env[] = {"GPUPOOL_TEST_STATE_CRASH", v, NULL};
+    gpupool_client *p, *r;
+    gpupool_buffer *b;
+    pid_t daemon;
+    int fd;
+    if (step > 5)
+      th_prepare(&D);
+    snprintf(flag_path, sizeof flag_path, "%s/crash-now", D.dir);
+    snprintf(v, sizeof v, "%d:%s", step, flag_path);
+    daemon = start_env(env);
+    p = th_connect(&D, "producer");
+    publish(p, 0, 1);
+    assert_int_equal(gpupool_buffer_alloc(p, NULL, name_size(0), 0, NULL, &b), 0);
+    th_fill(gpupool_buffer_ptr(b), name_seed(0, 2), name_size(0));
+    th_sleep_ms(300); /* this hold written, and compacted: the publish is the next delta */
+    fd = open(flag_path, O_CREAT | O_WRONLY | O_EXCL, 0600);
+    assert_true(fd >= 0);
+    close(fd);
+    /* 5-8: the delta this publish writes dies at `step`; 9: the whole state written once
+     * nothing more changes (200 ms later) replaces the deltas and dies on the way. */
+    (void)gpupool_buffer_publish(b, "n0", NULL, NULL, NULL);
+    (void)gpupool_buffer_release(b, NULL);
+    daemon = wait_restarted(daemon);
+    r = th_connect(&D, "reader");
+    check_name(r, 0, step >= 8 ? 2 : 1);
+    {
+      char pat[80];
+      snprintf(pat, sizeof pat, "killing the daemon at step %d of state write", step);
+      log_has(pat);
+    }
+    /* Whatever the crash left, the next whole state takes its place. */
+    publish(p, 0, step >= 8 ? 3 : 2);
+    gpupool_client_disconnect(r);
+    gpupool_client_disconnect(p);
+    th_stop(&D);
+  }
+}
+
+/* A damaged delta, and one missing from the store: the deltas before it are replayed, it and
+ * those after it are discarded (their names are lost, the client is told which), and the log
+ * says which delta and why. */
+static void test_delta_damaged_or_missing(void **state) {
+  (void)state;
+  for (int drop = 0; drop <= 1; drop++) {
+    char v[512], lost[8][GPUPOOL_NAME_MAX + 1];
+    const char *env[] = {"GPUPOOL_TEST_STATE_DELTA", v, "GPUPOOL_TEST_STATE_EVERY_MS", "60000", NULL};
+    enum { N = 4 };
+    gpupool_buffer *b[N], *g;
+    gpupool_client *p, *r;
+    pid_t daemon;
+    int fd, nlost = 0;
+    if (drop)
+      th_prepare(&D);
+    snprintf(flag_path, sizeof flag_path, "%s/damage-now", D.dir);
+    snprintf(v, sizeof v, "%s:2:%s", drop ? "drop" : "damage", flag_path);
+    daemon = start_env(env);
+    p = th_connect(&D, "producer");
+    alloc_then_settle(p, b, N);
+    fd = open(flag_path, O_CREAT | O_WRONLY | O_EXCL, 0600);
+    assert_true(fd >= 0);
+    close(fd);
+    for (int i = 0; i < N; i++)
+      publish_held(b[i], i, 1); /* a delta each; the second damaged or left out */
+    daemon = crash(daemon);
+    if (drop)
+      log_has("delta [0-9]+\\.[0-9]+ of the state is missing: the 2 later one\\(s\\) are discarded with the "
+              "changes they hold, the [0-9]+ before it are kept");
+    else
+      log_has("delta [0-9]+\\.[0-9]+ of the state: its checksum does not match .*; the changes it and any later delta "
+              "hold are discarded, the [0-9]+ before it are kept");
+    log_has("restored state [0-9]+ \\(format 2\\) and [1-9][0-9]* delta\\(s\\) after it");
+    r = th_connect(&D, "reader");
+    check_name(r, 0, 1);
+    for (int i = 1; i < N; i++) {
+      char name[32];
+      snprintf(name, sizeof name, "n%d", i);
+      assert_int_equal(gpupool_buffer_get(r, name, 0, 0, 0, NULL, &g, NULL), GPUPOOL_ENOENT);
+    }
+    check_name(p, 0, 1); /* (the producer reconnects) */
+    assert_int_equal(gpupool_client_lost_names(p, lost, 8, &nlost), 0);
+    assert_int_equal(nlost, N - 1);
+    for (int i = 0; i < N; i++)
+      assert_int_equal(gpupool_buffer_release(b[i], NULL), 0);
+    gpupool_client_disconnect(r);
+    gpupool_client_disconnect(p);
+    th_stop(&D);
+  }
+}
+
+/* A range freed and handed out again with no whole state written in between: the delta of
+ * the new name follows the one that says the old buffer is gone, so the restore does not
+ * find two buffers on one range and keeps the new name. */
+static void test_delta_range_reused(void **state) {
+  const char *env[] = {"GPUPOOL_TEST_STATE_EVERY_MS", "60000", NULL}; /* (only deltas from here on) */
+  gpupool_buffer *b;
+  gpupool_client *p, *r;
+  pid_t daemon = start_env(env);
+  (void)state;
+  p = th_connect(&D, "producer");
+  publish(p, 0, 1);
+  assert_int_equal(gpupool_name_unpublish(p, "n0"), 0); /* its buffer is freed */
+  assert_int_equal(gpupool_buffer_alloc(p, NULL, name_size(0), 0, NULL, &b), 0); /* (the same range) */
+  th_fill(gpupool_buffer_ptr(b), name_seed(1, 1), name_size(0));
+  publish_held(b, 1, 1);
+  daemon = crash(daemon);
+  log_has("restored state [0-9]+ \\(format 2\\) and 3 delta\\(s\\) after it .* discarded: 0 name\\(s\\), 0 "
+          "slab\\(s\\), 0 buffer\\(s\\)");
+  r = th_connect(&D, "reader");
+  {
+    gpupool_buffer *g;
+    uint64_t v = 0;
+    if (gpupool_buffer_get(r, "n1", 0, 0, GPUPOOL_READ_ONLY, NULL, &g, &v) != 0) {
+      th_dump_log(&D);
+      fail_msg("get n1: %s", gpupool_last_error());
+    }
+    assert_int_equal(v, 1);
+    assert_true(th_check(gpupool_buffer_ptr(g), name_seed(1, 1), name_size(0)));
+    assert_int_equal(gpupool_buffer_release(g, NULL), 0);
+  }
+  assert_int_equal(gpupool_buffer_get(r, "n0", 0, 0, 0, NULL, &b, NULL), GPUPOOL_ENOENT);
+  gpupool_client_disconnect(r);
+  gpupool_client_disconnect(p);
+  th_stop(&D);
+}
+
+static void close_sockets(void) {
+  DIR *d = opendir("/proc/self/fd");
+  struct dirent *e;
+  if (!d)
+    return;
+  while ((e = readdir(d))) {
+    char path[64], link[64];
+    ssize_t n;
+    int fd = atoi(e->d_name);
+    if (e->d_name[0] == '.' || fd == dirfd(d))
+      continue;
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    n = readlink(path, link, sizeof link - 1);
+    if (n > 0) {
+      link[n] = '\0';
+      if (!strncmp(link, "socket:", 7))
+        close(fd);
+    }
+  }
+  closedir(d);
+}
+
+/* A connection that closes while its process still holds the lease (and maps its buffer):
+ * the delta says what that lease pins, so the next daemon restores it with its pins (the log
+ * names it with the process's pid) rather than as a lease no state names. */
+static void test_delta_closed_connection_pins(void **state) {
+  const char *env[] = {"GPUPOOL_TEST_STATE_EVERY_MS", "60000", NULL}; /* (deltas only) */
+  gpupool_client *p;
+  pid_t daemon = start_env(env), child;
+  int ready[2], go[2];
+  char c = 0, pat[128];
+  (void)state;
+  p = th_connect(&D, "producer");
+  publish(p, 0, 1); /* a whole state, then deltas */
+  assert_int_equal(pipe(ready), 0);
+  assert_int_equal(pipe(go), 0);
+  child = fork();
+  assert_true(child >= 0);
+  if (child == 0) {
+    gpupool_client *h;
+    gpupool_buffer *b;
+    alarm(60); /* (never outlives a test that failed before telling it to go) */
+    if (gpupool_client_connect(D.sock, "holder", GPUPOOL_TIMEOUT_DEFAULT, &h) != 0 ||
+        gpupool_buffer_alloc(h, NULL, 50000, 0, NULL, &b) != 0)
+      _exit(1);
+    th_fill(gpupool_buffer_ptr(b), 4242, 50000);
+    close_sockets(); /* the connection closes; the lease and the mapping stay */
+    if (write(ready[1], "r", 1) != 1 || read(go[0], &c, 1) != 1)
+      _exit(1);
+    _exit(th_check(gpupool_buffer_ptr(b), 4242, 50000) ? 0 : 3);
+  }
+  assert_int_equal(read(ready[0], &c, 1), 1);
+  th_sleep_ms(100); /* the daemon has seen the connection close */
+  publish(p, 1, 1); /* its delta carries the closed connection's record too */
+  daemon = crash(daemon);
+  snprintf(pat, sizeof pat, "restore: lease [0-9]+ of pid %d ", (int)child);
+  log_has(pat);
+  check_name(p, 1, 1);
+  assert_int_equal(write(go[1], "g", 1), 1);
+  {
+    int status = 0;
+    assert_int_equal(waitpid(child, &status, 0), child);
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 0);
+  }
+  close(ready[0]);
+  close(ready[1]);
+  close(go[0]);
+  close(go[1]);
+  gpupool_client_disconnect(p);
+  th_stop(&D);
+}
+
+/* Past its bound (3 here) the deltas are compacted into a whole state; after a crash every
+ * name is there, and once everything is released the store is back to where it started. */
+static void test_deltas_compacted(void **state) {
+  const char *env[] = {"GPUPOOL_TEST_STATE_DELTAS", "3", NULL};
+  enum { N = 12 };
+  gpupool_buffer *b[N];
+  gpupool_client *p, *r;
+  uint64_t base_fds;
+  int base;
+  pid_t daemon = start_env(env);
+  (void)state;
+  r = th_connect(&D, "baseline");
+  gpupool_client_disconnect(r);
+  base = settled_store();
+  base_fds = th_settled_fds(&D);
+  p = th_connect(&D, "producer");
+  alloc_then_settle(p, b, N);
+  for (int i = 0; i < N; i++)
+    publish_held(b[i], i, 1);
+  log_has("state [0-9]+ written: .* \\(compacted: the deltas before it are dropped\\)");
+  daemon = crash(daemon);
+  r = th_connect(&D, "reader");
+  for (int i = 0; i < N; i++)
+    check_name(r, i, 1);
+  for (int i = 0; i < N; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "n%d", i);
+    assert_int_equal(gpupool_name_unpublish(r, name), 0);
+    assert_int_equal(gpupool_buffer_release(b[i], NULL), 0);
+  }
+  gpupool_client_disconnect(p);
+  gpupool_client_disconnect(r);
+  th_wait_idle(&D, 5000);
+  th_expect_fds(&D, base_fds);
+  if (settled_store() != base) {
+    th_dump_log(&D);
+    fail_msg("the supervisor holds %d fds, %d at the start: deltas or states were left in the store",
+             count_fds(D.pid), base);
+  }
+  th_stop(&D);
+}
+
 int main(void) {
   return TS_RUN_TESTS(setup, teardown, test_crash_keeps_names, test_crash_cycles, test_crash_inside_state_write,
-                      test_discard_piece_by_piece, test_newer_state_refused);
+                      test_discard_piece_by_piece, test_newer_state_refused, test_deltas_replayed,
+                      test_crash_inside_delta_write, test_delta_damaged_or_missing, test_delta_range_reused,
+                      test_delta_closed_connection_pins, test_deltas_compacted);
 }
