@@ -412,7 +412,10 @@ def _copy_targets(c, storages):
     cands = [i for i, e in enumerate(picked) if e is not None and not e.idle]
     if cands:
         try:
-            idle = c._idle([picked[i].hold.buf for i in cands])
+            # One Idle request names at most _BATCH_MAX buffers (the daemon's max_share_batch).
+            idle = []
+            for k in range(0, len(cands), _BATCH_MAX):
+                idle += c._idle([picked[i].hold.buf for i in cands[k:k + _BATCH_MAX]])
         except BaseException:
             _copies_done([picked[i] for i in cands])
             raise

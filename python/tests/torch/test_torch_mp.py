@@ -543,6 +543,28 @@ class Batching(TorchTestCase):
         self.assertEqual(p.exitcode, 0)
         self.wait_counters(base)
 
+    def test_messages_of_10000_storages_reuse_their_buffers(self):
+        """Messages of 10,000 copied storages one after another: the third finds the first's
+        buffers kept and asks which are idle, more than one daemon's Idle request can name
+        (max_share_batch), so it asks in several."""
+        base = self.baseline()
+        ctx = mp.get_context("fork")
+        q, r = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=digest_dicts, args=(q, r))
+        p.start()
+        n = 10000
+        for v in range(4):
+            g = torch.Generator().manual_seed(v)
+            msg = {"t%d" % i: torch.randn(256, generator=g).to(torch.bfloat16) for i in range(n)}
+            want = {k: digest(t) for k, t in msg.items()}
+            q.put(msg)
+            self.assertEqual(r.get(timeout=300), want, "message %d" % v)
+            del msg
+        q.put(None)
+        p.join(60)
+        self.assertEqual(p.exitcode, 0)
+        self.wait_counters(base)
+
     def test_reuse_never_overwrites_a_held_buffer(self):
         base = self.baseline()
         ctx = mp.get_context("fork")
