@@ -673,6 +673,72 @@ class Batching(TorchTestCase):
         self.wait_counters(base)
 
 
+class BothPaths(TorchTestCase):
+    """gpupool.torch with its C extension (gpupool._fast) and on its pure-Python path
+    (GPUPOOL_PURE_PYTHON=1): the one this process runs is the one asked for, and a message
+    sent by either is received the same by the other."""
+
+    def test_the_path_asked_for(self):
+        from gpupool import _torch_recv
+
+        pure = os.environ.get("GPUPOOL_PURE_PYTHON") == "1"
+        if pure:
+            self.assertIsNone(_torch_recv._fast)
+            self.assertEqual(type(_torch_recv._rebuild_batched).__name__, "function")
+        elif os.environ.get("GPUPOOL_FAST_MODULE"):
+            self.assertIsNotNone(_torch_recv._fast, "GPUPOOL_FAST_MODULE is set but not loaded")
+            self.assertEqual(type(_torch_recv._rebuild_batched).__name__, "builtin_function_or_method")
+        else:
+            self.skipTest("no extension asked for: neither GPUPOOL_FAST_MODULE nor GPUPOOL_PURE_PYTHON=1")
+        # Pickled by one name either way: the peer may run the other path.
+        self.assertEqual(pickle.loads(pickle.dumps(_torch_recv._rebuild_batched)),
+                         _torch_recv._rebuild_batched)
+        self.assertIn(b"gpupool._torch_recv", pickle.dumps(_torch_recv._rebuild_batched))
+
+    def test_a_message_to_the_other_path(self):
+        fast = os.environ.get("GPUPOOL_FAST_MODULE")
+        if not fast:
+            self.skipTest("needs the extension (GPUPOOL_FAST_MODULE) for the other path")
+        base = self.baseline()
+        ts = [torch.randn(300), gt.zeros(5) + 2, torch.arange(12.).reshape(3, 4).t(),
+              torch.nn.Parameter(torch.randn(4)), torch.randn(6).to(torch.bfloat16)]
+        ts.append(ts[2][1:])  # a view of a storage another tensor of the message has
+        payload = bytes(ForkingPickler.dumps(ts))
+        env = _peer_env(self.daemon.socket, PYROOT, os.environ["GPUPOOL_LIBRARY"])
+        if os.environ.get("GPUPOOL_PURE_PYTHON") == "1":
+            env.pop("GPUPOOL_PURE_PYTHON")   # this process is pure Python; the peer is not
+        else:
+            env["GPUPOOL_PURE_PYTHON"] = "1"
+        out = subprocess.run([sys.executable, PEER], input=payload, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
+        self.assertEqual(out.returncode, 0, out.stderr.decode(errors="replace"))
+        lines = [ln.split() for ln in out.stdout.decode().splitlines()]
+        self.assertEqual([ln[0] for ln in lines], [digest(t) for t in ts])
+        self.assertEqual([" ".join(ln[1:-1]) for ln in lines],
+                         ["%s %s" % (t.dtype, tuple(t.shape)) for t in ts])
+        del ts, payload
+        self.wait_counters(base)
+
+    def test_received_views_let_go_of_their_holds(self):
+        """Every tensor a message is made of keeps its hold until torch frees it, then lets
+        go of it: counted as live DLPack exports while the message lives, none after."""
+        from gpupool import _dlpack
+
+        base = self.baseline()
+        live0 = _dlpack.live_exports()
+        sent = {"w%d" % i: torch.randn(i + 1, 3) for i in range(20)}
+        sent["v"] = sent["w3"][1:]   # a view: its storage is one of the message's
+        got = pickle.loads(ForkingPickler.dumps(sent))
+        self.assertEqual(_dlpack.live_exports(), live0 + 20)
+        for k in sent:
+            self.assertTrue(torch.equal(got[k], sent[k]), k)
+        self.assertEqual(got["v"].untyped_storage().data_ptr(), got["w3"].untyped_storage().data_ptr())
+        del got
+        self.assertEqual(_dlpack.live_exports(), live0)
+        del sent
+        self.wait_counters(base)
+
+
 class InProcess(TorchTestCase):
     """Sending and receiving in one process (ForkingPickler.dumps, pickle.loads): what no
     child process is needed to see."""
