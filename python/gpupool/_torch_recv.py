@@ -3,6 +3,7 @@ tensors (one storage per buffer in this process), and children that install as t
 
 from __future__ import annotations
 
+import gc
 import pickle
 import time
 
@@ -25,6 +26,22 @@ def _install_spec(spec):
 
 
 def _open_message(spec, tokens, offs, sizes, devs, payload, whole=None):
+    # A message makes several objects per storage that all stay (holds, storages, tensors):
+    # every few hundred start a collection, and with thousands of storages several of them
+    # are full ones, over every object of the process (torch's many): three quarters of the
+    # receive of 10,000 storages on a CPU. The collector waits until the message is made (it
+    # runs then if it is due). A thread that turns it off meanwhile may find it on again.
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        return _open(spec, tokens, offs, sizes, devs, payload, whole)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _open(spec, tokens, offs, sizes, devs, payload, whole):
     if _S.opts is None:
         # A child unpickling its first gpupool tensor: it sends as its parent does.
         _install_spec(spec)

@@ -776,6 +776,40 @@ class InProcess(TorchTestCase):
         self.assertNotIn(True, held, "a garbage collection ran with _dlpack's export lock held")
         self.wait_counters(base)
 
+    def test_no_collection_while_a_message_is_made(self):
+        """A message of thousands of storages is received (holds opened, storages and tensors
+        made, unpickled) without the garbage collector running: each collection there would
+        scan every object of the process. It runs afterwards when due."""
+        import gc
+
+        base = self.baseline()
+        inside = []
+
+        def watch(phase, info):
+            if phase == "start":
+                f = sys._getframe(1)
+                while f is not None and f.f_code.co_name != "_open_message":
+                    f = f.f_back
+                inside.append(f is not None)
+
+        sent = {"t%d" % i: torch.full((4,), float(i)) for i in range(3000)}
+        payload = ForkingPickler.dumps(sent)
+        gc.callbacks.append(watch)
+        try:
+            got = pickle.loads(payload)
+            junk = [[] for _ in range(5000)]  # what the program does next: collections run
+            del junk
+        finally:
+            gc.callbacks.remove(watch)
+        self.assertTrue(gc.isenabled())
+        self.assertTrue(inside, "no collection ran at all: the test did not test anything")
+        self.assertNotIn(True, inside, "%d of %d collections ran while the message was made"
+                         % (inside.count(True), len(inside)))
+        for k in ("t0", "t1234", "t2999"):
+            self.assertTrue(torch.equal(got[k], sent[k]), k)
+        del got, sent, payload
+        self.wait_counters(base)
+
     def test_threads_sending_at_once(self):
         """Several threads of one process send and receive messages with copies at once (the
         feeder threads of several Queues): bit-exact, aliasing kept, no request naming a copy
