@@ -1,6 +1,8 @@
-/* gpupool._fast: the per-tensor steps of gpupool.torch's receive in C, so that a message of
- * many tensors does not pay a Python frame and a dozen Python objects for each.
+/* gpupool._fast: the per-tensor steps of gpupool.torch's send and receive in C, so that a
+ * message of many tensors does not pay a Python frame and a dozen Python objects for each.
  *
+ *   reduce_tensor(t): the reducer pickle calls for each tensor (see _torch_send._reduce_tensor,
+ *     to which it hands every case but the common one).
  *   views(from_dlpack, device_type, device_id, items): one torch tensor per item, each a view
  *     of gpupool memory made through DLPack. The DLManagedTensor, its shape and strides are
  *     one malloc, and its deleter (a C function, called by torch from any thread when the
@@ -56,6 +58,12 @@ typedef struct {
   PyObject *owner;
   int64_t dims[];
 } export_t;
+
+/* Attribute and method names, interned once: a C string would be made into one per call. */
+#define NAMES(X) X(add) X(batch) X(cpu) X(device) X(dtype) X(is_leaf) X(is_nested) X(layout) X(made) X(nbytes) X(received) X(requires_grad) X(size) X(storage_offset) X(stride) X(type) X(untyped_storage) X(usable)
+#define DECLARE(n) static PyObject *S_##n;
+NAMES(DECLARE)
+#undef DECLARE
 
 static atomic_long live_exports;
 
@@ -202,8 +210,8 @@ static PyObject *fast_setup(PyObject *self, PyObject *args) {
 }
 
 /* getattr(obj, name, None) as a new reference; NULL only on an error other than its absence. */
-static PyObject *attr_or_none(PyObject *obj, const char *name) {
-  PyObject *v = PyObject_GetAttrString(obj, name);
+static PyObject *attr_or_none(PyObject *obj, PyObject *name) {
+  PyObject *v = PyObject_GetAttr(obj, name);
   if (v == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
     PyErr_Clear();
     Py_INCREF(Py_None);
@@ -213,8 +221,8 @@ static PyObject *attr_or_none(PyObject *obj, const char *name) {
 }
 
 /* Whether obj.method() == want: 1, 0, or -1 on an error. */
-static int call_equals(PyObject *obj, const char *method, PyObject *want) {
-  PyObject *v = PyObject_CallMethod(obj, method, NULL);
+static int call_equals(PyObject *obj, PyObject *method, PyObject *want) {
+  PyObject *v = PyObject_CallMethodObjArgs(obj, method, NULL);
   if (v == NULL)
     return -1;
   int eq = PyObject_RichCompareBool(v, want, Py_EQ);
@@ -228,7 +236,7 @@ static int is_as_described(PyObject *t, PyObject *dtype, PyObject *offset, PyObj
   int eq = PyObject_RichCompareBool(offset, g_zero, Py_EQ);
   if (eq != 1)
     return eq;
-  PyObject *td = PyObject_GetAttrString(t, "dtype");
+  PyObject *td = PyObject_GetAttr(t, S_dtype);
   if (td == NULL)
     return -1;
   eq = PyObject_RichCompareBool(td, dtype, Py_EQ);
@@ -236,10 +244,10 @@ static int is_as_described(PyObject *t, PyObject *dtype, PyObject *offset, PyObj
   if (eq != 1)
     return eq;
   /* torch.Size equals a tuple of the same sizes */
-  eq = call_equals(t, "size", size);
+  eq = call_equals(t, S_size, size);
   if (eq != 1)
     return eq;
-  return call_equals(t, "stride", stride);
+  return call_equals(t, S_stride, stride);
 }
 
 static PyObject *fast_rebuild_batched(PyObject *self, PyObject *args) {
@@ -252,14 +260,14 @@ static PyObject *fast_rebuild_batched(PyObject *self, PyObject *args) {
     PyErr_SetString(PyExc_RuntimeError, "gpupool._fast._rebuild_batched called before setup()");
     return NULL;
   }
-  got = attr_or_none(g_tls, "received");
+  got = attr_or_none(g_tls, S_received);
   if (got == NULL)
     goto out;
   if (got == Py_None) {
     PyErr_SetString(PyExc_RuntimeError, "a gpupool.torch tensor unpickled outside its message");
     goto out;
   }
-  made = attr_or_none(g_tls, "made");
+  made = attr_or_none(g_tls, S_made);
   if (made == NULL)
     goto out;
   if (PyDict_Check(made) && PyDict_Size(made) > 0) {
@@ -282,7 +290,7 @@ static PyObject *fast_rebuild_batched(PyObject *self, PyObject *args) {
         res = PyObject_CallFunctionObjArgs(g_as_sent, cls, t, requires_grad, NULL);
         goto out;
       }
-      if (rg && PyObject_SetAttrString(t, "requires_grad", Py_True) < 0)
+      if (rg && PyObject_SetAttr(t, S_requires_grad, Py_True) < 0)
         goto out;
       res = t;
       t = NULL;
@@ -304,7 +312,167 @@ out:
   return res;
 }
 
+/* What reduce_tensor needs of _torch_send, given once by setup_send(): the thread-local of the
+ * message being pickled (.batch), the Python reducer for every case but the common one, the
+ * rebuild function a tensor is pickled with, and torch.strided. */
+static PyObject *g_send_tls, *g_py_reduce, *g_rebuild, *g_strided;
+
+static PyObject *fast_setup_send(PyObject *self, PyObject *args) {
+  PyObject *tls, *py_reduce, *rebuild, *strided;
+  (void)self;
+  if (!PyArg_ParseTuple(args, "OOOO", &tls, &py_reduce, &rebuild, &strided))
+    return NULL;
+  PyObject *old[4] = {g_send_tls, g_py_reduce, g_rebuild, g_strided};
+  Py_INCREF(tls);
+  Py_INCREF(py_reduce);
+  Py_INCREF(rebuild);
+  Py_INCREF(strided);
+  g_send_tls = tls;
+  g_py_reduce = py_reduce;
+  g_rebuild = rebuild;
+  g_strided = strided;
+  for (int k = 0; k < 4; k++)
+    Py_XDECREF(old[k]);
+  Py_RETURN_NONE;
+}
+
+/* obj.name as a truth value: 1, 0, or -1 on an error. */
+static int attr_true(PyObject *obj, PyObject *name) {
+  PyObject *v = PyObject_GetAttr(obj, name);
+  if (v == NULL)
+    return -1;
+  int r = PyObject_IsTrue(v);
+  Py_DECREF(v);
+  return r;
+}
+
+/* obj.method() as a tuple (torch.Size is one already; stride() gives one). */
+static PyObject *call_tuple(PyObject *obj, PyObject *method) {
+  PyObject *v = PyObject_CallMethodObjArgs(obj, method, NULL);
+  if (v == NULL || PyTuple_CheckExact(v))
+    return v;
+  PyObject *t = PySequence_Tuple(v);
+  Py_DECREF(v);
+  return t;
+}
+
+/* The common case of _torch_send._reduce_tensor, for which pickle calls this directly: a
+ * strided tensor of a message being pickled (ForkingPickler.dump), on a device gpupool.torch
+ * serves, that gpupool serves (asked at the message's first tensor), not a non-leaf requiring
+ * grad, with a storage of some bytes. Anything else goes to the Python reducer as it is, so
+ * that both paths decide the same. Returns 1 with *out set, 0 for "not the common case", -1 on
+ * an error. */
+static int reduce_common(PyObject *t, PyObject *batch, PyObject **out) {
+  PyObject *dev = NULL, *st = NULL, *args = NULL, *v = NULL;
+  int rc = -1, r;
+  *out = NULL;
+  if ((r = attr_true(batch, S_usable)) != 1)
+    return r;
+  if ((r = attr_true(t, S_is_nested)) != 0)
+    return r < 0 ? -1 : 0;
+  v = PyObject_GetAttr(t, S_layout);
+  if (v == NULL)
+    return -1;
+  r = v == g_strided;
+  Py_CLEAR(v);
+  if (!r)
+    return 0;
+  dev = PyObject_GetAttr(t, S_device);
+  if (dev == NULL)
+    return -1;
+  v = PyObject_GetAttr(dev, S_type);
+  if (v == NULL)
+    goto out;
+  if (PyUnicode_CompareWithASCIIString(v, "cuda") != 0) {
+    /* CPU tensors only with install(cpu=True), which the message noted as it began */
+    r = PyUnicode_CompareWithASCIIString(v, "cpu") == 0 ? attr_true(batch, S_cpu) : 0;
+    if (r != 1) {
+      rc = r;
+      goto out;
+    }
+  }
+  Py_CLEAR(v);
+  PyObject *rg = PyObject_GetAttr(t, S_requires_grad);
+  if (rg == NULL)
+    goto out;
+  if ((r = PyObject_IsTrue(rg)) != 0) {
+    int leaf = r < 0 ? -1 : attr_true(t, S_is_leaf);
+    if (leaf != 1) { /* the Python reducer raises torch's own error */
+      Py_DECREF(rg);
+      rc = leaf < 0 ? -1 : 0;
+      goto out;
+    }
+  }
+  st = PyObject_CallMethodObjArgs(t, S_untyped_storage, NULL);
+  if (st == NULL || (v = PyObject_CallMethodObjArgs(st, S_nbytes, NULL)) == NULL) {
+    Py_DECREF(rg);
+    goto out;
+  }
+  r = PyObject_IsTrue(v);
+  Py_CLEAR(v);
+  if (r != 1) {
+    Py_DECREF(rg);
+    rc = r < 0 ? -1 : 0;
+    goto out;
+  }
+  args = PyTuple_New(7);
+  if (args == NULL) {
+    Py_DECREF(rg);
+    goto out;
+  }
+  PyObject *cls = (PyObject *)Py_TYPE(t);
+  Py_INCREF(cls);
+  PyTuple_SetItem(args, 0, cls);
+  PyTuple_SetItem(args, 6, rg);
+  PyObject *items[5] = {
+    PyObject_CallMethodObjArgs(batch, S_add, st, dev, t, NULL),
+    PyObject_GetAttr(t, S_dtype),
+    PyObject_CallMethodObjArgs(t, S_storage_offset, NULL),
+    call_tuple(t, S_size),
+    call_tuple(t, S_stride),
+  };
+  for (int k = 0; k < 5; k++) {
+    if (items[k] == NULL) {
+      for (int j = k + 1; j < 5; j++)
+        Py_XDECREF(items[j]);
+      goto out;
+    }
+    PyTuple_SetItem(args, 1 + k, items[k]);
+  }
+  *out = PyTuple_Pack(2, g_rebuild, args);
+  rc = *out != NULL ? 1 : -1;
+out:
+  Py_XDECREF(args);
+  Py_XDECREF(v);
+  Py_XDECREF(st);
+  Py_DECREF(dev);
+  return rc;
+}
+
+static PyObject *fast_reduce_tensor(PyObject *self, PyObject *t) {
+  (void)self;
+  if (g_send_tls == NULL) {
+    PyErr_SetString(PyExc_RuntimeError, "gpupool._fast.reduce_tensor called before setup_send()");
+    return NULL;
+  }
+  PyObject *batch = attr_or_none(g_send_tls, S_batch);
+  if (batch == NULL)
+    return NULL;
+  PyObject *out = NULL;
+  int r = batch == Py_None ? 0 : reduce_common(t, batch, &out);
+  Py_DECREF(batch);
+  if (r < 0)
+    return NULL;
+  if (r == 1)
+    return out;
+  return PyObject_CallFunctionObjArgs(g_py_reduce, t, NULL);
+}
+
 static PyMethodDef methods[] = {
+  {"reduce_tensor", fast_reduce_tensor, METH_O,
+   "reduce_tensor(t): _torch_send._reduce_tensor, its common case in C."},
+  {"setup_send", fast_setup_send, METH_VARARGS,
+   "setup_send(tls, py_reduce, rebuild, strided): what reduce_tensor reads."},
   {"views", fast_views, METH_VARARGS,
    "views(from_dlpack, device_type, device_id, items): a tensor per (data, (code, bits), "
    "shape, strides, owner), a DLPack view keeping owner until torch lets go of it."},
@@ -339,6 +507,13 @@ PyMODINIT_FUNC PyInit__fast(void) {
     Py_DECREF(m);
     return NULL;
   }
+#define INTERN(n)                                                            \
+  if (S_##n == NULL && (S_##n = PyUnicode_InternFromString(#n)) == NULL) { \
+    Py_DECREF(m);                                                            \
+    return NULL;                                                             \
+  }
+  NAMES(INTERN)
+#undef INTERN
   if (g_zero == NULL && (g_zero = PyLong_FromLong(0)) == NULL) {
     Py_DECREF(m);
     return NULL;

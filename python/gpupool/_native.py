@@ -1,4 +1,4 @@
-"""gpupool._fast, the C extension that does gpupool.torch's per-tensor receive steps (see
+"""gpupool._fast, the C extension that does gpupool.torch's per-tensor steps (see
 python/ext/fast.c), or None where gpupool runs in pure Python: the extension was not built
 (no Python headers), does not load, or GPUPOOL_PURE_PYTHON=1 asks for the pure-Python path.
 Either way behaves the same; the first use says once which path it is and why.

@@ -679,15 +679,18 @@ class BothPaths(TorchTestCase):
     sent by either is received the same by the other."""
 
     def test_the_path_asked_for(self):
-        from gpupool import _torch_recv
+        from gpupool import _torch_recv, _torch_send
 
         pure = os.environ.get("GPUPOOL_PURE_PYTHON") == "1"
+        reducer = ForkingPickler._extra_reducers[torch.Tensor]
         if pure:
             self.assertIsNone(_torch_recv._fast)
             self.assertEqual(type(_torch_recv._rebuild_batched).__name__, "function")
+            self.assertIs(reducer, _torch_send._reduce_tensor)
         elif os.environ.get("GPUPOOL_FAST_MODULE"):
             self.assertIsNotNone(_torch_recv._fast, "GPUPOOL_FAST_MODULE is set but not loaded")
             self.assertEqual(type(_torch_recv._rebuild_batched).__name__, "builtin_function_or_method")
+            self.assertIs(reducer, _torch_recv._fast.reduce_tensor)
         else:
             self.skipTest("no extension asked for: neither GPUPOOL_FAST_MODULE nor GPUPOOL_PURE_PYTHON=1")
         # Pickled by one name either way: the peer may run the other path.
