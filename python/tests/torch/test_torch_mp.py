@@ -698,6 +698,24 @@ class BothPaths(TorchTestCase):
                          _torch_recv._rebuild_batched)
         self.assertIn(b"gpupool._torch_recv", pickle.dumps(_torch_recv._rebuild_batched))
 
+    def test_an_extension_that_does_not_load_is_said_once(self):
+        env = dict(os.environ, GPUPOOL_FAST_MODULE=os.path.join(tempfile.gettempdir(), "no", "_fast.abi3.so"))
+        env.pop("GPUPOOL_PURE_PYTHON", None)
+        code = ("import gpupool.torch, gpupool._native as n\n"
+                "from gpupool import _torch_recv, _torch_send\n"
+                "assert _torch_recv._fast is None and _torch_send._fast is None\n"
+                "assert n.load() is None and n.load() is None\n"
+                "print('pure')\n")
+        out = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, timeout=120)
+        err = out.stderr.decode(errors="replace")
+        self.assertEqual(out.returncode, 0, err)
+        self.assertEqual(out.stdout.decode().split(), ["pure"])
+        said = [ln for ln in err.splitlines() if "cannot be loaded" in ln]
+        self.assertEqual(len(said), 1, err)
+        self.assertIn("GPUPOOL_FAST_MODULE=", said[0])
+        self.assertIn("python3-dev", said[0])
+
     def test_a_message_to_the_other_path(self):
         fast = os.environ.get("GPUPOOL_FAST_MODULE")
         if not fast:
