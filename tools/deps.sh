@@ -4,12 +4,15 @@
 set -euo pipefail
 
 PKGS=(build-essential cmake ninja-build pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler
-      libcmocka-dev python3 python3-numpy python3-venv python3-pip systemd clang groff-base
+      libcmocka-dev python3 python3-dev python3-numpy python3-venv python3-pip systemd clang groff-base
       debootstrap systemd-container ca-certificates)
 
 # Peers (daemon-to-daemon fetches, daemon/peers/): UCX, found by pkg-config; without it the
 # daemon builds without peers and says so.
 PKGS+=(libucx-dev ucx-utils)
+
+# python3-dev: Python's headers, for gpupool._fast (python/ext), the C part of gpupool.torch;
+# without them the Python package runs its pure-Python path.
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 

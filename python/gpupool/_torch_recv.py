@@ -3,6 +3,7 @@ tensors (one storage per buffer in this process), and children that install as t
 
 from __future__ import annotations
 
+import gc
 import pickle
 import time
 
@@ -11,6 +12,7 @@ from torch.multiprocessing import reductions as _torch_reductions
 
 from . import _dlpack, _lib
 from ._holds import _Group
+from ._native import fast as _fast
 from ._torch_state import (_BATCH_MAX, _PROFILE, _S, _client, _from_dlpack, _remember_locked, _step,
                            _tls)
 
@@ -24,6 +26,22 @@ def _install_spec(spec):
 
 
 def _open_message(spec, tokens, offs, sizes, devs, payload, whole=None):
+    # A message makes several objects per storage that all stay (holds, storages, tensors):
+    # every few hundred start a collection, and with thousands of storages several of them
+    # are full ones, over every object of the process (torch's many): three quarters of the
+    # receive of 10,000 storages on a CPU. The collector waits until the message is made (it
+    # runs then if it is due). A thread that turns it off meanwhile may find it on again.
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        return _open(spec, tokens, offs, sizes, devs, payload, whole)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _open(spec, tokens, offs, sizes, devs, payload, whole):
     if _S.opts is None:
         # A child unpickling its first gpupool tensor: it sends as its parent does.
         _install_spec(spec)
@@ -140,15 +158,15 @@ def _storages_of(holds, offs, sizes, whole=None):
     made = {}
     for (dev, as_view), idx in by_dev.items():
         if as_view:
-            caps = _dlpack.view_capsules(dev, [(holds[i].ptr + offs[i], whole[i][0], whole[i][1],
-                                                whole[i][2], holds[i]) for i in idx])
-            for i, cap in zip(idx, caps):
-                t = made[i] = _from_dlpack(cap)
+            ts = _views(dev, [(holds[i].ptr + offs[i], whole[i][0], whole[i][1], whole[i][2],
+                               holds[i]) for i in idx])
+            for i, t in zip(idx, ts):
+                made[i] = t
                 storages[i] = t.untyped_storage()
         else:
-            caps = _dlpack.bytes_capsules(dev, [(holds[i].ptr + offs[i], sizes[i], holds[i]) for i in idx])
-            for i, cap in zip(idx, caps):
-                storages[i] = _from_dlpack(cap).untyped_storage()
+            ts = _byte_views(dev, [(holds[i].ptr + offs[i], sizes[i], holds[i]) for i in idx])
+            for i, t in zip(idx, ts):
+                storages[i] = t.untyped_storage()
     owners = [(i, holds[i]) for i in new]
     for i in new:
         holds[i] = None
@@ -163,6 +181,26 @@ def _storages_of(holds, offs, sizes, whole=None):
                 del received[k]
             _S.received_prune = max(1024, 2 * len(received))
     return storages, made
+
+
+_BYTE = (1, 8)  # DLPack's uint8: (kDLUInt, bits)
+
+
+def _views(dev, items):
+    """Tensors on device dev (DLPack type, id) for (data, (code, bits), shape, strides, owner)
+    items: views of the memory at data, each keeping its owner (a hold) until torch lets go
+    of it. The extension makes them in one call; else DLPack capsules made in Python."""
+    if _fast is not None:
+        return _fast.views(_from_dlpack, dev[0], dev[1], items)
+    return [_from_dlpack(cap) for cap in _dlpack.view_capsules(dev, items)]
+
+
+def _byte_views(dev, items):
+    """_views of (data, nbytes, owner) items: flat uint8 tensors, to take the storage of."""
+    if _fast is not None:
+        return _fast.views(_from_dlpack, dev[0], dev[1],
+                           [(data, _BYTE, (n,), (1,), owner) for data, n, owner in items])
+    return [_from_dlpack(cap) for cap in _dlpack.bytes_capsules(dev, items)]
 
 
 def _rebuild_tensor(cls, storage, dtype, offset, size, stride, requires_grad):
@@ -184,6 +222,12 @@ def _as_sent(cls, t, requires_grad):
         t = t.as_subclass(cls)
     t.requires_grad = requires_grad
     return t
+
+
+if _fast is not None:
+    # pickle calls it by the same name (gpupool._torch_recv._rebuild_batched) on either side.
+    _fast.setup(_tls, _rebuild_tensor, _as_sent, torch.Tensor)
+    _rebuild_batched = _fast.rebuild_batched  # noqa: F811
 
 
 # --- children ------------------------------------------------------------------------------

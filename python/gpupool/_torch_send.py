@@ -14,6 +14,7 @@ import torch
 from . import _dlpack, _lib
 from ._dict import _UINT8
 from ._errors import GpupoolError, error
+from ._native import fast as _fast
 from ._torch_recv import (_batched_storage, _open_message, _rebuild_batched, _rebuild_empty,
                           _rebuild_storage, _rebuild_tensor)
 from ._torch_state import (_BATCH_MAX, _CACHE_AGE, _DL_TYPES, _PROFILE, _S, _SMALL, _client,
@@ -138,6 +139,14 @@ def _reduce_tensor(t):
                               tuple(t.stride()), t.requires_grad))
 
 
+if _fast is not None:
+    # The reducer pickle calls: its common case in C, anything else handed to _reduce_tensor.
+    _fast.setup_send(_tls, _reduce_tensor, _rebuild_batched, torch.strided)
+    _tensor_reducer = _fast.reduce_tensor
+else:
+    _tensor_reducer = _reduce_tensor
+
+
 def _reduce_storage(storage):
     opts = _S.opts
     saved = _S.saved.get(torch.UntypedStorage)
@@ -165,15 +174,16 @@ def _reduce_storage(storage):
 # storage's place, and the message's pickle. The receiver opens every token in ONE Open
 # request before it unpickles the message, whose storages then take theirs.
 class _Batch:
-    __slots__ = ("storages", "sizes", "devs", "views", "index", "usable")
+    __slots__ = ("storages", "sizes", "devs", "views", "index", "usable", "cpu")
 
-    def __init__(self):
+    def __init__(self, cpu=False):
         self.storages = []
         self.sizes = []
         self.devs = []     # CUDA device index, -1 for host memory
         self.views = []    # the one tensor of the message on each storage (None: none or several)
         self.index = {}
         self.usable = None  # whether gpupool serves this message (asked at its first tensor)
+        self.cpu = cpu      # install(cpu=...) as the message began (gpupool._fast reads it)
 
     def add(self, storage, device, tensor=None):
         n = storage.nbytes()
@@ -237,7 +247,7 @@ def _pickler_dump(self, obj):
     if _S.opts is None or getattr(_tls, "batch", None) is not None or f is None:
         return dump(self, obj)
     t0 = time.perf_counter_ns() if _PROFILE else 0
-    batch = _tls.batch = _Batch()
+    batch = _tls.batch = _Batch(_S.opts.cpu)
     try:
         buf = io.BytesIO()
         dump(type(self)(buf, self._gp_protocol), obj)
@@ -412,7 +422,10 @@ def _copy_targets(c, storages):
     cands = [i for i, e in enumerate(picked) if e is not None and not e.idle]
     if cands:
         try:
-            idle = c._idle([picked[i].hold.buf for i in cands])
+            # One Idle request names at most _BATCH_MAX buffers (the daemon's max_share_batch).
+            idle = []
+            for k in range(0, len(cands), _BATCH_MAX):
+                idle += c._idle([picked[i].hold.buf for i in cands[k:k + _BATCH_MAX]])
         except BaseException:
             _copies_done([picked[i] for i in cands])
             raise

@@ -24,8 +24,10 @@ Importing this module imports torch; ``import gpupool`` does not import it.
 
 The parts: _torch_state (options, the process's client, what it shares and keeps),
 _torch_send (the reducers and a message's one Share), _torch_recv (a message's one Open and its
-tensors rebuilt), _torch_alloc (empty/zeros/empty_like and use_allocator). This module installs
-and uninstalls the reducers, and is the one users import.
+tensors rebuilt), _torch_alloc (empty/zeros/empty_like and use_allocator), and gpupool._fast
+(python/ext/fast.c, loaded by _native when built): the per-tensor steps of sending and receiving
+in C, the same steps in Python without it. This module installs and uninstalls the reducers,
+and is the one users import.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from ._errors import GpupoolError, error
 from ._torch_alloc import (allocator_counts, allocator_last_error, empty, empty_cache, empty_like,
                            use_allocator, zeros)
 from ._torch_recv import _process_types, _reduce_process
-from ._torch_send import _pickler_dump, _pickler_init, _reduce_storage, _reduce_tensor, trim
+from ._torch_send import _pickler_dump, _pickler_init, _reduce_storage, _tensor_reducer, trim
 # _client and _profile are used by the tests and bench/torch_queue.py --profile.
 from ._torch_state import _S, _Options, _client, _forget_parent, _profile, _say_fallback, log  # noqa: F401
 
@@ -104,7 +106,7 @@ def install(client: Optional[Client] = None, *, copy: bool = True, cpu: bool = F
             for t in _process_types():
                 _S.saved[t] = reducers.get(t)
         for t in _tensor_types():
-            ForkingPickler.register(t, _reduce_tensor)
+            ForkingPickler.register(t, _tensor_reducer)
         ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
         for t in _process_types():
             ForkingPickler.register(t, _reduce_process)

@@ -90,6 +90,10 @@ print(versions)
 assert len(set(versions.values())) == 1, f"more than one version: {versions}"
 lib = gpupool._lib.lib()._name
 assert lib.startswith(here), f"the library is not the package's own: {lib}"
+# gpupool.torch's C part, built with the package where Python's headers are (tools/deps.sh).
+from gpupool import _native
+assert _native.fast is not None, "the wheel has no gpupool._fast (were Python's headers missing?)"
+assert _native.fast.__file__.startswith(here), f"gpupool._fast is not the package's own: {_native.fast.__file__}"
 with gpupool.Client(sock, name="pip-test") as a, gpupool.Client(sock) as b:
     t = a.alloc((256,), "uint8")
     ctypes.memmove(t.data_ptr, bytes(range(256)), 256)

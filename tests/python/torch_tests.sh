@@ -60,4 +60,6 @@ fi
 [ -n "${GPUPOOLD:-}" ] || skip "GPUPOOLD is not set (ctest sets it)"
 [ "${1:-}" = "--data" ] && exec "$py" "$src/python/tests/torchdata/run.py"
 [ "${1:-}" = "--dtensor" ] && exec "$py" "$src/python/tests/dtensor/run.py"
+# --pure: the tests again on the pure-Python path (ctest python_torch_pure sets GPUPOOL_PURE_PYTHON=1).
+[ "${1:-}" = "--pure" ] && [ "${GPUPOOL_PURE_PYTHON:-}" != 1 ] && { echo "--pure needs GPUPOOL_PURE_PYTHON=1"; exit 2; }
 cd "$src/python/tests/torch" && exec "$py" -m unittest discover -s . -v

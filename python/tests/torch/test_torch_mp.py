@@ -543,6 +543,28 @@ class Batching(TorchTestCase):
         self.assertEqual(p.exitcode, 0)
         self.wait_counters(base)
 
+    def test_messages_of_10000_storages_reuse_their_buffers(self):
+        """Messages of 10,000 copied storages one after another: the third finds the first's
+        buffers kept and asks which are idle, more than one daemon's Idle request can name
+        (max_share_batch), so it asks in several."""
+        base = self.baseline()
+        ctx = mp.get_context("fork")
+        q, r = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=digest_dicts, args=(q, r))
+        p.start()
+        n = 10000
+        for v in range(4):
+            g = torch.Generator().manual_seed(v)
+            msg = {"t%d" % i: torch.randn(256, generator=g).to(torch.bfloat16) for i in range(n)}
+            want = {k: digest(t) for k, t in msg.items()}
+            q.put(msg)
+            self.assertEqual(r.get(timeout=300), want, "message %d" % v)
+            del msg
+        q.put(None)
+        p.join(60)
+        self.assertEqual(p.exitcode, 0)
+        self.wait_counters(base)
+
     def test_reuse_never_overwrites_a_held_buffer(self):
         base = self.baseline()
         ctx = mp.get_context("fork")
@@ -651,6 +673,93 @@ class Batching(TorchTestCase):
         self.wait_counters(base)
 
 
+class BothPaths(TorchTestCase):
+    """gpupool.torch with its C extension (gpupool._fast) and on its pure-Python path
+    (GPUPOOL_PURE_PYTHON=1): the one this process runs is the one asked for, and a message
+    sent by either is received the same by the other."""
+
+    def test_the_path_asked_for(self):
+        from gpupool import _torch_recv, _torch_send
+
+        pure = os.environ.get("GPUPOOL_PURE_PYTHON") == "1"
+        reducer = ForkingPickler._extra_reducers[torch.Tensor]
+        if pure:
+            self.assertIsNone(_torch_recv._fast)
+            self.assertEqual(type(_torch_recv._rebuild_batched).__name__, "function")
+            self.assertIs(reducer, _torch_send._reduce_tensor)
+        elif os.environ.get("GPUPOOL_FAST_MODULE"):
+            self.assertIsNotNone(_torch_recv._fast, "GPUPOOL_FAST_MODULE is set but not loaded")
+            self.assertEqual(type(_torch_recv._rebuild_batched).__name__, "builtin_function_or_method")
+            self.assertIs(reducer, _torch_recv._fast.reduce_tensor)
+        else:
+            self.skipTest("no extension asked for: neither GPUPOOL_FAST_MODULE nor GPUPOOL_PURE_PYTHON=1")
+        # Pickled by one name either way: the peer may run the other path.
+        self.assertEqual(pickle.loads(pickle.dumps(_torch_recv._rebuild_batched)),
+                         _torch_recv._rebuild_batched)
+        self.assertIn(b"gpupool._torch_recv", pickle.dumps(_torch_recv._rebuild_batched))
+
+    def test_an_extension_that_does_not_load_is_said_once(self):
+        env = dict(os.environ, GPUPOOL_FAST_MODULE=os.path.join(tempfile.gettempdir(), "no", "_fast.abi3.so"))
+        env.pop("GPUPOOL_PURE_PYTHON", None)
+        code = ("import gpupool.torch, gpupool._native as n\n"
+                "from gpupool import _torch_recv, _torch_send\n"
+                "assert _torch_recv._fast is None and _torch_send._fast is None\n"
+                "assert n.load() is None and n.load() is None\n"
+                "print('pure')\n")
+        out = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, timeout=120)
+        err = out.stderr.decode(errors="replace")
+        self.assertEqual(out.returncode, 0, err)
+        self.assertEqual(out.stdout.decode().split(), ["pure"])
+        said = [ln for ln in err.splitlines() if "cannot be loaded" in ln]
+        self.assertEqual(len(said), 1, err)
+        self.assertIn("GPUPOOL_FAST_MODULE=", said[0])
+        self.assertIn("python3-dev", said[0])
+
+    def test_a_message_to_the_other_path(self):
+        fast = os.environ.get("GPUPOOL_FAST_MODULE")
+        if not fast:
+            self.skipTest("needs the extension (GPUPOOL_FAST_MODULE) for the other path")
+        base = self.baseline()
+        ts = [torch.randn(300), gt.zeros(5) + 2, torch.arange(12.).reshape(3, 4).t(),
+              torch.nn.Parameter(torch.randn(4)), torch.randn(6).to(torch.bfloat16)]
+        ts.append(ts[2][1:])  # a view of a storage another tensor of the message has
+        payload = bytes(ForkingPickler.dumps(ts))
+        env = _peer_env(self.daemon.socket, PYROOT, os.environ["GPUPOOL_LIBRARY"])
+        if os.environ.get("GPUPOOL_PURE_PYTHON") == "1":
+            env.pop("GPUPOOL_PURE_PYTHON")   # this process is pure Python; the peer is not
+        else:
+            env["GPUPOOL_PURE_PYTHON"] = "1"
+        out = subprocess.run([sys.executable, PEER], input=payload, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
+        self.assertEqual(out.returncode, 0, out.stderr.decode(errors="replace"))
+        lines = [ln.split() for ln in out.stdout.decode().splitlines()]
+        self.assertEqual([ln[0] for ln in lines], [digest(t) for t in ts])
+        self.assertEqual([" ".join(ln[1:-1]) for ln in lines],
+                         ["%s %s" % (t.dtype, tuple(t.shape)) for t in ts])
+        del ts, payload
+        self.wait_counters(base)
+
+    def test_received_views_let_go_of_their_holds(self):
+        """Every tensor a message is made of keeps its hold until torch frees it, then lets
+        go of it: counted as live DLPack exports while the message lives, none after."""
+        from gpupool import _dlpack
+
+        base = self.baseline()
+        live0 = _dlpack.live_exports()
+        sent = {"w%d" % i: torch.randn(i + 1, 3) for i in range(20)}
+        sent["v"] = sent["w3"][1:]   # a view: its storage is one of the message's
+        got = pickle.loads(ForkingPickler.dumps(sent))
+        self.assertEqual(_dlpack.live_exports(), live0 + 20)
+        for k in sent:
+            self.assertTrue(torch.equal(got[k], sent[k]), k)
+        self.assertEqual(got["v"].untyped_storage().data_ptr(), got["w3"].untyped_storage().data_ptr())
+        del got
+        self.assertEqual(_dlpack.live_exports(), live0)
+        del sent
+        self.wait_counters(base)
+
+
 class InProcess(TorchTestCase):
     """Sending and receiving in one process (ForkingPickler.dumps, pickle.loads): what no
     child process is needed to see."""
@@ -686,6 +795,40 @@ class InProcess(TorchTestCase):
             gc.callbacks.remove(watch)
         self.assertTrue(held, "no collection ran at all: the test did not test anything")
         self.assertNotIn(True, held, "a garbage collection ran with _dlpack's export lock held")
+        self.wait_counters(base)
+
+    def test_no_collection_while_a_message_is_made(self):
+        """A message of thousands of storages is received (holds opened, storages and tensors
+        made, unpickled) without the garbage collector running: each collection there would
+        scan every object of the process. It runs afterwards when due."""
+        import gc
+
+        base = self.baseline()
+        inside = []
+
+        def watch(phase, info):
+            if phase == "start":
+                f = sys._getframe(1)
+                while f is not None and f.f_code.co_name != "_open_message":
+                    f = f.f_back
+                inside.append(f is not None)
+
+        sent = {"t%d" % i: torch.full((4,), float(i)) for i in range(3000)}
+        payload = ForkingPickler.dumps(sent)
+        gc.callbacks.append(watch)
+        try:
+            got = pickle.loads(payload)
+            junk = [[] for _ in range(5000)]  # what the program does next: collections run
+            del junk
+        finally:
+            gc.callbacks.remove(watch)
+        self.assertTrue(gc.isenabled())
+        self.assertTrue(inside, "no collection ran at all: the test did not test anything")
+        self.assertNotIn(True, inside, "%d of %d collections ran while the message was made"
+                         % (inside.count(True), len(inside)))
+        for k in ("t0", "t1234", "t2999"):
+            self.assertTrue(torch.equal(got[k], sent[k]), k)
+        del got, sent, payload
         self.wait_counters(base)
 
     def test_threads_sending_at_once(self):
