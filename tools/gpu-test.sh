@@ -37,6 +37,11 @@ targets=${GPU_BUILD_TARGETS:-gpupoold gpupool_gpu_test gpupool_gpu_pinned gpupoo
 build_tree() {
   cmake -S . -B "$build" -DGPUPOOL_STATIC_DEPS=ON -DGPUPOOL_CUDA=ON -DGPUPOOL_PYTHON_GPU=python3 \
         -DCMAKE_BUILD_TYPE=RelWithDebInfo
+  # gpupool.torch's C extension (an abi3 module: the GPU machine's Python of another minor
+  # version loads it too), where this machine has Python's headers to build it.
+  if [ -z "${GPU_BUILD_TARGETS:-}" ] && cmake --build "$build" --target help | grep -q '^[^ ]*gpupool-fast'; then
+    targets="$targets gpupool-fast"
+  fi
   # shellcheck disable=SC2086 # one word per target
   cmake --build "$build" -j2 --target $targets
   mkdir -p "$build/lib"
