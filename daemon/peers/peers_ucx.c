@@ -213,6 +213,17 @@ static ucs_status_t on_am(void *arg, const void *header, size_t hlen, void *data
   return UCS_OK;
 }
 
+/* Whether UCX_TLS lets UCX use its TCP transport (unset, "all", "tcp" named, or a "^" list
+ * that leaves it): a transport key UCX applies to no transport is warned about on stderr. */
+static int tls_may_use_tcp(void) {
+  const char *t = getenv("UCX_TLS");
+  if (!t || !*t)
+    return 1;
+  if (t[0] == '^')
+    return strstr(t, "tcp") == NULL;
+  return strstr(t, "tcp") != NULL || strstr(t, "all") != NULL;
+}
+
 int gpd_ucx_open(uv_loop_t *loop, gpd_ucx_recv recv, void *recv_arg, gpd_ucx **out) {
   gpd_ucx *u = calloc(1, sizeof *u);
   ucp_config_t *config = NULL;
@@ -243,7 +254,8 @@ int gpd_ucx_open(uv_loop_t *loop, gpd_ucx_recv recv, void *recv_arg, gpd_ucx **o
    * in 2 of 12 loaded runs of integration_test_peers under ASan, whose peers stop mid-transfer
    * on purpose; 0 of 24 with one try. UCX_TCP_MAX_CONN_RETRIES in the environment still wins
    * (UCX applies this key, unprefixed, to its TCP transport). */
-  if (!getenv("UCX_TCP_MAX_CONN_RETRIES") && (st = ucp_config_modify(config, "MAX_CONN_RETRIES", "1")) != UCS_OK)
+  if (!getenv("UCX_TCP_MAX_CONN_RETRIES") && tls_may_use_tcp() &&
+      (st = ucp_config_modify(config, "MAX_CONN_RETRIES", "1")) != UCS_OK)
     GPUPOOL__DEBUG("peers: UCX keeps reconnecting closed TCP endpoints (TCP_MAX_CONN_RETRIES: %s)",
                    ucs_status_string(st));
   memset(&params, 0, sizeof params);
