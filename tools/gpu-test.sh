@@ -39,7 +39,7 @@ build_tree() {
         -DCMAKE_BUILD_TYPE=RelWithDebInfo
   # gpupool.torch's C extension (an abi3 module: the GPU machine's Python of another minor
   # version loads it too), where this machine has Python's headers to build it.
-  if [ -z "${GPU_BUILD_TARGETS:-}" ] && cmake --build "$build" --target help | grep -q '^[^ ]*gpupool-fast'; then
+  if [ -z "${GPU_BUILD_TARGETS:-}" ] && cmake --build "$build" --target help | grep -qw 'gpupool-fast'; then
     targets="$targets gpupool-fast"
   fi
   # shellcheck disable=SC2086 # one word per target
