@@ -725,14 +725,28 @@ static const gpd_buffer *find_buffer(const gpd_registry *reg, uint64_t id, gpupo
   return gpupool__hmap_get(pend, id);
 }
 
-/* b's record in a delta, after those of its slab and layout (unless prev, written just
- * before, had the same). */
-static void put_buffer_with(gpd_state *st, const gpd_buffer *b, const gpd_buffer *prev) {
-  if (b->slab->stored && (!prev || b->slab != prev->slab)) {
+/* The slabs and layouts a delta being built has written already: each goes in once (a
+ * bundle's layout is attached to every one of its buffers, and a layout can have 65,536
+ * members). */
+typedef struct {
+  gpupool__hmap slabs, layouts;
+} emitted;
+
+/* Whether id is in m, adding it if not (out of memory: not, so it is written again). */
+static int seen(gpupool__hmap *m, uint64_t id) {
+  if (gpupool__hmap_get(m, id))
+    return 1;
+  (void)gpupool__hmap_put(m, id, (void *)1);
+  return 0;
+}
+
+/* b's record in a delta, after those of its slab and layout unless the delta has them. */
+static void put_buffer_with(gpd_state *st, const gpd_buffer *b, emitted *em) {
+  if (b->slab->stored && !seen(&em->slabs, b->slab->id)) {
     put32(st, OP_SLAB);
     put_slab(st, b->slab);
   }
-  if (b->layout && (!prev || b->layout != prev->layout)) {
+  if (b->layout && !seen(&em->layouts, b->layout->id)) {
     put32(st, OP_LAYOUT);
     put_layout(st, b->layout);
   }
@@ -746,8 +760,11 @@ static void put_buffer_with(gpd_state *st, const gpd_buffer *b, const gpd_buffer
 static void build_delta(gpd_state *st) {
   gpd_registry *reg = st->reg;
   gpupool__hmap pend;
+  emitted em;
   int indexed = 0;
   gpupool__hmap_init(&pend);
+  gpupool__hmap_init(&em.slabs);
+  gpupool__hmap_init(&em.layouts);
   st->len = 0;
   st->oom = 0;
   put64(st, reg->next_id);
@@ -775,14 +792,14 @@ static void build_delta(gpd_state *st) {
     if (e->op == OP_BUFFER) {
       const gpd_buffer *b = find_buffer(reg, e->id, &pend, &indexed);
       if (b)
-        put_buffer_with(st, b, NULL);
+        put_buffer_with(st, b, &em);
       else if (indexed && pend.len < reg->npending)
         st->oom = 1;
       continue;
     }
     if (e->op == OP_SLAB) {
       const gpd_slab *sl = gpupool__hmap_get(&reg->slabs, e->id);
-      if (sl && sl->stored) {
+      if (sl && sl->stored && !seen(&em.slabs, sl->id)) {
         put32(st, OP_SLAB);
         put_slab(st, sl);
       }
@@ -800,8 +817,8 @@ static void build_delta(gpd_state *st) {
       continue;
     }
     for (uint32_t k = 0; k < nm->nbufs; k++)
-      put_buffer_with(st, nm->bufs[k], k ? nm->bufs[k - 1] : NULL);
-    if (nm->layout && (!nm->bufs[0]->layout || nm->layout != nm->bufs[0]->layout)) {
+      put_buffer_with(st, nm->bufs[k], &em);
+    if (nm->layout && !seen(&em.layouts, nm->layout->id)) {
       put32(st, OP_LAYOUT);
       put_layout(st, nm->layout);
     }
@@ -809,6 +826,8 @@ static void build_delta(gpd_state *st) {
     put_name(st, nm);
   }
   gpupool__hmap_free(&pend);
+  gpupool__hmap_free(&em.slabs);
+  gpupool__hmap_free(&em.layouts);
 }
 
 static void on_idle(uv_timer_t *t);
@@ -858,6 +877,8 @@ static int write_delta(gpd_state *st) {
     uv_timer_start(&st->idle, on_idle, st->every_ns * 10 / 1000000 + 1, 0);
   wrote(st, t0, HEADER_LEN + st->len);
   st->info.deltas++;
+  GPUPOOL__DEBUG("state %" PRIu64 " delta %" PRIu64 " written: %zu bytes in %.3f ms", st->generation, seq,
+                 HEADER_LEN + st->len, st->info.write_ns_last / 1e6);
   return 0;
 }
 

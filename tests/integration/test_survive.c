@@ -790,6 +790,52 @@ static void test_delta_closed_connection_pins(void **state) {
   th_stop(&D);
 }
 
+/* A bundle whose members span several buffers has its layout attached to each of them: a
+ * delta writes that layout once, not once per buffer that carries it (1,000 members of 64
+ * KiB over 4 MiB slabs; the delta with their allocation and the publish stays near one
+ * layout's size). */
+static void test_delta_writes_a_layout_once(void **state) {
+  const char *env[] = {"GPUPOOL_TEST_STATE_EVERY_MS", "60000", NULL}; /* (the alloc waits for the publish) */
+  enum { M = 1000 };
+  gpupool_member_spec *specs = calloc(M, sizeof *specs);
+  char (*names)[16] = calloc(M, sizeof *names), cmd[800];
+  gpupool_client *p;
+  gpupool_bundle *b;
+  uint64_t version = 0;
+  long most = -1;
+  FILE *f;
+  (void)state;
+  assert_non_null(specs);
+  assert_non_null(names);
+  start_env(env);
+  p = th_connect(&D, "producer");
+  publish(p, 1, 1); /* a first whole state: what follows is deltas */
+  th_sleep_ms(200);
+  for (int k = 0; k < M; k++) {
+    snprintf(names[k], sizeof names[k], "layer%d", k);
+    specs[k] = (gpupool_member_spec){.name = names[k], .size = 64 << 10, .meta = NULL};
+  }
+  assert_int_equal(gpupool_bundle_alloc(p, NULL, specs, M, 0, 0, NULL, &b), 0);
+  assert_int_equal(gpupool_bundle_publish(b, "big", NULL, &version), 0);
+  assert_int_equal(gpupool_bundle_release(b, NULL), 0);
+  th_sleep_ms(300); /* (the daemon's log lines reach the file within 100 ms) */
+  snprintf(cmd, sizeof cmd, "grep -o 'delta [0-9]* written: [0-9]* bytes' %s | awk '{ if ($4 > m) m = $4 } END { print m + 0 }'",
+           D.log);
+  assert_non_null(f = popen(cmd, "r"));
+  assert_int_equal(fscanf(f, "%ld", &most), 1);
+  pclose(f);
+  /* One layout of these 1,000 members is about 35 KiB (the delta with it: 36,394 bytes);
+   * written with each buffer that carried it, the delta was 108,230. */
+  if (most <= 0 || most > 64 * 1024) {
+    th_dump_log(&D);
+    fail_msg("the largest delta was %ld bytes for one bundle of %d members (one layout: about 35 KiB)", most, M);
+  }
+  gpupool_client_disconnect(p);
+  free(specs);
+  free(names);
+  th_stop(&D);
+}
+
 /* Past its bound (3 here) the deltas are compacted into a whole state; after a crash every
  * name is there, and once everything is released the store is back to where it started. */
 static void test_deltas_compacted(void **state) {
@@ -836,5 +882,6 @@ int main(void) {
   return TS_RUN_TESTS(setup, teardown, test_crash_keeps_names, test_crash_cycles, test_crash_inside_state_write,
                       test_discard_piece_by_piece, test_newer_state_refused, test_deltas_replayed,
                       test_crash_inside_delta_write, test_delta_damaged_or_missing, test_delta_range_reused,
-                      test_delta_closed_connection_pins, test_deltas_compacted);
+                      test_delta_closed_connection_pins, test_deltas_compacted,
+                      test_delta_writes_a_layout_once);
 }
