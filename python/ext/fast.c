@@ -169,7 +169,8 @@ static PyObject *fast_views(PyObject *self, PyObject *args) {
   if (out == NULL)
     return NULL;
   for (Py_ssize_t i = 0; i < n; i++) {
-    PyObject *t = view_of(from_dlpack, dev_type, dev_id, PyList_GetItem(items, i));
+    PyObject *item = PyList_GetItem(items, i); /* NULL if the list shrank meanwhile */
+    PyObject *t = item ? view_of(from_dlpack, dev_type, dev_id, item) : NULL;
     if (t == NULL) {
       Py_DECREF(out); /* the tensors made so far go, and their owners with them */
       return NULL;
@@ -424,20 +425,29 @@ static int reduce_common(PyObject *t, PyObject *batch, PyObject **out) {
   Py_INCREF(cls);
   PyTuple_SetItem(args, 0, cls);
   PyTuple_SetItem(args, 6, rg);
-  PyObject *items[5] = {
-    PyObject_CallMethodObjArgs(batch, S_add, st, dev, t, NULL),
-    PyObject_GetAttr(t, S_dtype),
-    PyObject_CallMethodObjArgs(t, S_storage_offset, NULL),
-    call_tuple(t, S_size),
-    call_tuple(t, S_stride),
-  };
+  /* One at a time, in this order, stopping at the first that raises: nothing more is called
+   * with an exception set (it would come back as a SystemError hiding the real one). */
   for (int k = 0; k < 5; k++) {
-    if (items[k] == NULL) {
-      for (int j = k + 1; j < 5; j++)
-        Py_XDECREF(items[j]);
-      goto out;
+    PyObject *it;
+    switch (k) {
+    case 0:
+      it = PyObject_CallMethodObjArgs(batch, S_add, st, dev, t, NULL);
+      break;
+    case 1:
+      it = PyObject_GetAttr(t, S_dtype);
+      break;
+    case 2:
+      it = PyObject_CallMethodObjArgs(t, S_storage_offset, NULL);
+      break;
+    case 3:
+      it = call_tuple(t, S_size);
+      break;
+    default:
+      it = call_tuple(t, S_stride);
     }
-    PyTuple_SetItem(args, 1 + k, items[k]);
+    if (it == NULL)
+      goto out;
+    PyTuple_SetItem(args, 1 + k, it);
   }
   *out = PyTuple_Pack(2, g_rebuild, args);
   rc = *out != NULL ? 1 : -1;

@@ -698,6 +698,27 @@ class BothPaths(TorchTestCase):
                          _torch_recv._rebuild_batched)
         self.assertIn(b"gpupool._torch_recv", pickle.dumps(_torch_recv._rebuild_batched))
 
+    def test_an_error_while_reducing_is_the_error_raised(self):
+        """What fails while a tensor is reduced reaches the sender as it was raised, on either
+        path (the extension calls nothing more once a step has raised)."""
+        from gpupool import _torch_send
+
+        def add(self, *args):
+            raise RuntimeError("the message's bookkeeping failed on purpose")
+
+        saved = _torch_send._Batch.add
+        _torch_send._Batch.add = add
+        try:
+            with self.assertRaises(RuntimeError) as cm:
+                ForkingPickler.dumps({"t": torch.arange(8, dtype=torch.float32)})
+        finally:
+            _torch_send._Batch.add = saved
+        self.assertIn("failed on purpose", str(cm.exception))
+        self.assertNotIsInstance(cm.exception, SystemError)
+        # And the next message goes as usual.
+        got = pickle.loads(bytes(ForkingPickler.dumps({"t": torch.arange(8, dtype=torch.float32)})))
+        self.assertTrue(torch.equal(got["t"], torch.arange(8, dtype=torch.float32)))
+
     def test_an_extension_that_does_not_load_is_said_once(self):
         env = dict(os.environ, GPUPOOL_FAST_MODULE=os.path.join(tempfile.gettempdir(), "no", "_fast.abi3.so"))
         env.pop("GPUPOOL_PURE_PYTHON", None)
