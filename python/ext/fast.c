@@ -191,23 +191,26 @@ static PyObject *fast_live(PyObject *self, PyObject *unused) {
  * functions for the rarer cases, and torch.Tensor. */
 static PyObject *g_tls, *g_rebuild_tensor, *g_as_sent, *g_tensor_type, *g_zero;
 
-static PyObject *fast_setup(PyObject *self, PyObject *args) {
-  PyObject *tls, *rebuild_tensor, *as_sent, *tensor_type;
-  (void)self;
-  if (!PyArg_ParseTuple(args, "OOOO", &tls, &rebuild_tensor, &as_sent, &tensor_type))
+/* setup() and setup_send(): the four objects of args into *slot[0..3], a reference to each
+ * taken, and only then those they replace let go (letting go may run Python code). */
+static PyObject *set_four(PyObject *args, PyObject **slot[4]) {
+  PyObject *v[4], *old[4];
+  if (!PyArg_ParseTuple(args, "OOOO", &v[0], &v[1], &v[2], &v[3]))
     return NULL;
-  PyObject *old[4] = {g_tls, g_rebuild_tensor, g_as_sent, g_tensor_type};
-  Py_INCREF(tls);
-  Py_INCREF(rebuild_tensor);
-  Py_INCREF(as_sent);
-  Py_INCREF(tensor_type);
-  g_tls = tls;
-  g_rebuild_tensor = rebuild_tensor;
-  g_as_sent = as_sent;
-  g_tensor_type = tensor_type;
+  for (int k = 0; k < 4; k++) {
+    Py_INCREF(v[k]);
+    old[k] = *slot[k];
+    *slot[k] = v[k];
+  }
   for (int k = 0; k < 4; k++)
     Py_XDECREF(old[k]);
   Py_RETURN_NONE;
+}
+
+static PyObject *fast_setup(PyObject *self, PyObject *args) {
+  PyObject **slot[4] = {&g_tls, &g_rebuild_tensor, &g_as_sent, &g_tensor_type};
+  (void)self;
+  return set_four(args, slot);
 }
 
 /* getattr(obj, name, None) as a new reference; NULL only on an error other than its absence. */
@@ -319,22 +322,9 @@ out:
 static PyObject *g_send_tls, *g_py_reduce, *g_rebuild, *g_strided;
 
 static PyObject *fast_setup_send(PyObject *self, PyObject *args) {
-  PyObject *tls, *py_reduce, *rebuild, *strided;
+  PyObject **slot[4] = {&g_send_tls, &g_py_reduce, &g_rebuild, &g_strided};
   (void)self;
-  if (!PyArg_ParseTuple(args, "OOOO", &tls, &py_reduce, &rebuild, &strided))
-    return NULL;
-  PyObject *old[4] = {g_send_tls, g_py_reduce, g_rebuild, g_strided};
-  Py_INCREF(tls);
-  Py_INCREF(py_reduce);
-  Py_INCREF(rebuild);
-  Py_INCREF(strided);
-  g_send_tls = tls;
-  g_py_reduce = py_reduce;
-  g_rebuild = rebuild;
-  g_strided = strided;
-  for (int k = 0; k < 4; k++)
-    Py_XDECREF(old[k]);
-  Py_RETURN_NONE;
+  return set_four(args, slot);
 }
 
 /* obj.name as a truth value: 1, 0, or -1 on an error. */
