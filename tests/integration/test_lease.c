@@ -120,30 +120,6 @@ static int check(const void *p, uint32_t seed, uint64_t n) {
 
 /* ---- small process helpers ---------------------------------------------------------------- */
 
-/* Closes every socket of this process (its gpupool connection among them), keeping every
- * other fd (the lease) and every mapping: a process that hangs up but still uses memory. */
-static void close_sockets(void) {
-  DIR *d = opendir("/proc/self/fd");
-  struct dirent *e;
-  if (!d)
-    return;
-  while ((e = readdir(d))) {
-    char path[64], link[64];
-    ssize_t n;
-    int fd = atoi(e->d_name);
-    if (e->d_name[0] == '.' || fd == dirfd(d))
-      continue;
-    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
-    n = readlink(path, link, sizeof link - 1);
-    if (n > 0) {
-      link[n] = '\0';
-      if (!strncmp(link, "socket:", 7))
-        close(fd);
-    }
-  }
-  closedir(d);
-}
-
 static int count_fds(void) {
   DIR *d = opendir("/proc/self/fd");
   struct dirent *e;
@@ -309,7 +285,7 @@ static int holder_main(uint32_t seed, int cmd, int rep, int do_fork) {
     if (w > 0)
       _exit(0);
   }
-  close_sockets();
+  th_close_sockets();
   if (child_put(rep, 1) != 0)
     return 1;
   if (child_get(cmd) != 1)
@@ -454,7 +430,7 @@ static void case_flood(void **state) {
         bad++;
       }
       /* Hang up; the lease and the mapping stay with this process. */
-      close_sockets();
+      th_close_sockets();
     }
     child_put(p[1], good);
     child_put(p[1], bad);

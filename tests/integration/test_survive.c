@@ -717,28 +717,6 @@ static void test_delta_range_reused(void **state) {
   th_stop(&D);
 }
 
-static void close_sockets(void) {
-  DIR *d = opendir("/proc/self/fd");
-  struct dirent *e;
-  if (!d)
-    return;
-  while ((e = readdir(d))) {
-    char path[64], link[64];
-    ssize_t n;
-    int fd = atoi(e->d_name);
-    if (e->d_name[0] == '.' || fd == dirfd(d))
-      continue;
-    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
-    n = readlink(path, link, sizeof link - 1);
-    if (n > 0) {
-      link[n] = '\0';
-      if (!strncmp(link, "socket:", 7))
-        close(fd);
-    }
-  }
-  closedir(d);
-}
-
 /* A connection that closes while its process still holds the lease (and maps its buffer):
  * the delta says what that lease pins, so the next daemon restores it with its pins (the log
  * names it with the process's pid) rather than as a lease no state names. */
@@ -763,7 +741,7 @@ static void test_delta_closed_connection_pins(void **state) {
         gpupool_buffer_alloc(h, NULL, 50000, 0, NULL, &b) != 0)
       _exit(1);
     th_fill(gpupool_buffer_ptr(b), 4242, 50000);
-    close_sockets(); /* the connection closes; the lease and the mapping stay */
+    th_close_sockets(); /* the connection closes; the lease and the mapping stay */
     if (write(ready[1], "r", 1) != 1 || read(go[0], &c, 1) != 1)
       _exit(1);
     _exit(th_check(gpupool_buffer_ptr(b), 4242, 50000) ? 0 : 3);
