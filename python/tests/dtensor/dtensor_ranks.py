@@ -119,8 +119,11 @@ def check_in_place(c, mesh, name, w):
     dist.barrier()
     c.publish_shard(name, sd, version=1)
     dist.barrier()  # the version is complete
-    assert c.stats()["buffers"] == before, "published in place: %d buffers, %d before" % (
-        c.stats()["buffers"], before)
+    # The daemon's count is every rank's: a buffer of an earlier step whose free completes
+    # meanwhile lowers it (seen once under ASan: 24 after, 25 before). Copying would raise it
+    # by a buffer per publishing rank.
+    after = c.stats()["buffers"]
+    assert after <= before, "published in place: %d buffers, %d before" % (after, before)
     targets = {k: distribute_tensor(torch.zeros(w[k].shape), mesh, [Replicate()] * n) for k in sd}
     with c.refit_plan(name, targets) as plan:
         plan.refit()
