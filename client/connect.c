@@ -129,11 +129,15 @@ static int take_hello(gpupool_client *c, const Gpupool__Wire__HelloReply *hr, gp
 /* The holds the daemon gave back (a restart that kept its state): each lost buffer of the
  * previous connection that the daemon names is this connection's again, under its new hold id.
  * Its mapping is the previous daemon's (released as a lost buffer's is, see
- * gpupool__release_local). Then the token to send after the next restart. */
+ * gpupool__release_local). A hold the daemon names for a buffer this process let go of while
+ * the daemon was away (released locally, as lost) is released at once: nothing here would
+ * ever release it, and its memory would stay in use for as long as this connection lives.
+ * Then the token to send after the next restart. */
 static void take_resumed(gpupool_client *c, const Gpupool__Wire__HelloReply *hr) {
   for (size_t i = 0; i < hr->n_resumed; i++) {
     const Gpupool__Wire__ResumedHold *r = hr->resumed[i];
-    for (gpupool_buffer *b = c->buffers; b; b = b->next)
+    gpupool_buffer *b;
+    for (b = c->buffers; b; b = b->next)
       if (b->lost && b->buffer_id == r->buffer_id && b->read_only == (int)r->read_only) {
         b->lost = 0;
         b->hold_id = r->hold_id;
@@ -141,6 +145,13 @@ static void take_resumed(gpupool_client *c, const Gpupool__Wire__HelloReply *hr)
           c->holds_lost--;
         break;
       }
+    if (!b) {
+      gpupool__error e;
+      /* Not recorded: its mapping was dropped with the buffer (or is the stale slab's). A
+       * broken connection here is seen by the next request, which reconnects again. */
+      if (gpupool__send_release(c, r->hold_id, 0, &e) != 0)
+        break;
+    }
   }
   c->resume_len = 0;
   if (hr->resume.len && hr->resume.len <= sizeof c->resume) {

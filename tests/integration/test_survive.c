@@ -315,6 +315,72 @@ static void test_crash_keeps_names(void **state) {
   th_stop(&D);
 }
 
+static uint64_t pool_used(gpupool_client *c) {
+  gpupool_daemon_stats ds;
+  gpupool_pool_stats ps[4];
+  int n = 0;
+  assert_int_equal(gpupool_client_stats(c, &ds, ps, 4, &n), 0);
+  assert_true(n >= 1);
+  return ps[0].used;
+}
+
+/* Holds taken back after a crash are released for real, whether the holder reconnected before
+ * letting go (its holds are back, not lost) or let go first, while it had not yet noticed the
+ * crash (its releases stay local; the new daemon gives the holds back at the next request,
+ * and the library must release them then): in both cases the pool is empty once the names are
+ * gone, with both holders still connected. One hold is on a version a later publish replaced. */
+static void test_holds_released_after_restart(void **state) {
+  gpupool_client *p, *q, *q2, *r;
+  gpupool_buffer *g[4], *g2[4];
+  uint64_t used = 1;
+  pid_t daemon = start_supervised();
+  (void)state;
+  p = th_connect(&D, "producer");
+  q = th_connect(&D, "holder");
+  q2 = th_connect(&D, "holder-2");
+  for (int i = 0; i < 4; i++)
+    publish(p, i, 1);
+  publish(p, 0, 2);
+  for (int i = 0; i < 4; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "n%d", i);
+    assert_int_equal(gpupool_buffer_get(q, name, 0, 0, GPUPOOL_READ_ONLY, NULL, &g[i], NULL), 0);
+    assert_int_equal(gpupool_buffer_get(q2, name, 0, 0, 0, NULL, &g2[i], NULL), 0);
+  }
+  th_sleep_ms(250); /* the holds reach the store */
+  daemon = crash(daemon);
+  r = th_connect(&D, "reader");
+  check_name(r, 1, 1);
+  (void)pool_used(q); /* q's first request since the crash: it reconnects and takes its holds back */
+  for (int i = 0; i < 4; i++)
+    assert_false(gpupool_buffer_lost(g[i]));
+  /* q2 lets go before it has talked to the new daemon. */
+  for (int i = 0; i < 4; i++)
+    assert_int_equal(gpupool_buffer_release(g2[i], NULL), 0);
+  publish(p, 0, 3);
+  for (int i = 0; i < 4; i++) {
+    char name[32];
+    if (gpupool_buffer_release(g[i], NULL) != 0)
+      fail_msg("release of hold %d taken back after the restart: %s", i, gpupool_last_error());
+    snprintf(name, sizeof name, "n%d", i);
+    assert_int_equal(gpupool_name_unpublish(p, name), 0);
+  }
+  (void)pool_used(q2); /* q2 reconnects: the holds the daemon gives back are released */
+  for (int i = 0; i < 250 && (used = pool_used(r)) != 0; i++)
+    th_sleep_ms(20);
+  if (used != 0) {
+    th_dump_log(&D);
+    fail_msg("%llu bytes still in use after both holders released every hold (they are still connected)",
+             (unsigned long long)used);
+  }
+  gpupool_client_disconnect(r);
+  gpupool_client_disconnect(q2);
+  gpupool_client_disconnect(q);
+  gpupool_client_disconnect(p);
+  (void)daemon;
+  th_stop(&D);
+}
+
 /* Crash after crash, each with a new version: nothing leaks in the store or the daemon. */
 static void test_crash_cycles(void **state) {
   int cycles = env_int("GPUPOOL_TEST_SURVIVE_CYCLES", 15), base = 0;
@@ -857,7 +923,7 @@ static void test_deltas_compacted(void **state) {
 }
 
 int main(void) {
-  return TS_RUN_TESTS(setup, teardown, test_crash_keeps_names, test_crash_cycles, test_crash_inside_state_write,
+  return TS_RUN_TESTS(setup, teardown, test_crash_keeps_names, test_holds_released_after_restart, test_crash_cycles, test_crash_inside_state_write,
                       test_discard_piece_by_piece, test_newer_state_refused, test_deltas_replayed,
                       test_crash_inside_delta_write, test_delta_damaged_or_missing, test_delta_range_reused,
                       test_delta_closed_connection_pins, test_deltas_compacted,
