@@ -43,6 +43,10 @@ typedef struct {
   int reuse_follow_event_deps;
   int reuse_allow_opportunistic;
   int reuse_allow_internal_deps;
+  /* Slabs outlive the daemon (restored from the fd store after a restart or crash). Host
+   * memory always does; CUDA: each slab is its own cuMemCreate allocation exported as an fd
+   * (vmm.h) instead of a piece of a stream-ordered pool. 0 = no. */
+  int survive;
   int line;                 /* where it was defined (for messages), 0 = command line/default */
 } gpupool__pool_config;
 
@@ -64,6 +68,9 @@ typedef struct {
    * it, sent with the reply that first names the slab to a client. -1 for the others, whose
    * clients import slabs through the pool (cuda). */
   int fd, fd_ro;
+  /* 1 when fd can be mmap()ed by the daemon for the CPU (host memfds); 0 when it is a handle
+   * only CUDA can import (a survive=yes CUDA slab). */
+  int fd_maps;
   uint8_t export_data[GPUPOOL_EXPORT_MAX];
   uint32_t export_len;
   void *priv; /* backend's handle (device pointer, offset, ...) */
@@ -113,7 +120,8 @@ typedef struct {
   void (*slab_free)(gpupool__bpool *p, gpupool__bslab *s);
   /* Take over a slab a previous daemon made (its fd, kept alive across the restart), checked
    * as if a client had sent it: the kind of fd, its size (size bytes exactly), its seals.
-   * Takes fd on success only. NULL on backends whose memory cannot outlive its daemon. */
+   * Takes fd on success only. NULL on backends whose memory cannot outlive its daemon;
+   * GPUPOOL_ENOTSUP on a pool whose slabs cannot (CUDA without survive=yes). */
   int (*slab_adopt)(gpupool__bpool *p, int fd, uint64_t size, gpupool__bslab *out);
   int (*pool_stats)(gpupool__bpool *p, gpupool__bpool_stats *out);
   /* Inter-process events (has_events only). handle receives the IPC handle bytes. */
@@ -231,6 +239,9 @@ struct gpupool__backend_desc {
    * destroyed (CUDA IPC pools: cudaMemPoolTrimTo is a no-op and the release threshold is
    * ignored). The daemon then counts the most a pool ever held against the capacity. */
   int pool_keeps_memory;
+  /* 1 when every pool's slabs can outlive the daemon (host memfds); 0 when only pools with
+   * survive=yes set can (cuda). */
+  int every_pool_survives;
 };
 
 /* The table. NULL when no backend has that name / kind. */

@@ -32,7 +32,7 @@ die() { echo "gpu-test.sh: $*" >&2; exit 1; }
 # What the GPU machine runs: the daemon, the GPU tests, the benchmarks, gpupoolctl, the demo
 # programs and the shared client library (for the Python tests; it links the shared
 # protobuf-c, copied into build-gpu/lib below). GPU_BUILD_TARGETS=all builds the whole tree.
-targets=${GPU_BUILD_TARGETS:-gpupoold gpupool_gpu_test gpupool_gpu_pinned gpupool_gpu_imports gpupool_gpu_files gpupool_gpu_copy gpupool_gpu_replicas gpupool_gpu_peers gpupool_bench gpupool_copy_bench gpupool_replica_bench gpupool_pinned_bench gpupool_host_bench gpupoolctl gpupool-client gpupool-torch-alloc gpupool-producer gpupool-consumer}
+targets=${GPU_BUILD_TARGETS:-gpupoold gpupool_gpu_test gpupool_gpu_pinned gpupool_gpu_imports gpupool_gpu_files gpupool_gpu_copy gpupool_gpu_replicas gpupool_gpu_peers gpupool_gpu_survive gpupool_survive_bench gpupool_bench gpupool_copy_bench gpupool_replica_bench gpupool_pinned_bench gpupool_host_bench gpupoolctl gpupool-client gpupool-torch-alloc gpupool-producer gpupool-consumer}
 
 build_tree() {
   cmake -S . -B "$build" -DGPUPOOL_STATIC_DEPS=ON -DGPUPOOL_CUDA=ON -DGPUPOOL_PYTHON_GPU=python3 \

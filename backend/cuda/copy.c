@@ -60,6 +60,7 @@
 #include "errors.h"
 #include "list.h"
 #include "log.h"
+#include "vmm.h"
 
 static const char *const hop_names[] = {"local", "peer", "direct", "staged"};
 
@@ -136,6 +137,15 @@ static int grant(gpupool__bpool *p, int device) {
                         p->name, device);
   if (p->copy_access & (1ull << device))
     return 0;
+  if (p->vmm) {
+    /* Access is per mapping: every slab mapped now, and (copy_access) every later one. */
+    int rc;
+    for (gpupool__cuda_vslab *v = p->vslabs; v; v = v->next)
+      if ((rc = gpupool__vmm_access(v->va, v->mapped, device)) != 0)
+        return rc;
+    p->copy_access |= 1ull << device;
+    return 0;
+  }
   e = gpupool__cuda_pool_access(p->pool, device, cudaMemAccessFlagsProtReadWrite);
   if (e != cudaSuccess)
     return gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaMemPoolSetAccess (copy engine)", device,
@@ -147,6 +157,10 @@ static int grant(gpupool__bpool *p, int device) {
 }
 
 void gpupool__cuda_copy_pool_forget(gpupool__bpool *p) {
+  if (p->vmm) { /* the access went with each slab's mapping */
+    p->copy_access = 0;
+    return;
+  }
   for (int d = 0; d < 64 && p->copy_access; d++) {
     cudaError_t e;
     if (!(p->copy_access & (1ull << d)))

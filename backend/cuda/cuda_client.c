@@ -22,6 +22,7 @@
 
 #include "cuda.h"
 #include "errors.h"
+#include "vmm.h"
 
 /*
  * The driver keeps imports per process, not per caller: importing a pool that this process has
@@ -42,10 +43,22 @@ typedef struct ipool {
   struct ipool *next;
 } ipool;
 
+/* A slab of a survive=yes pool, mapped from its own fd (vmm.h): each connection imports and
+ * maps its own, so none of the per-process sharing above applies. */
+typedef struct vmap {
+  void *va;
+  uint64_t mapped;
+  struct vmap *next;
+} vmap;
+
 struct gpupool__cpool {
-  ipool *ip;
+  ipool *ip;    /* NULL for a survive=yes pool (vmm) */
   gpupool_mem_kind kind;
   int device;   /* resident device (DEVICE) or the GPU the daemon serves it to (HOST_NUMA) */
+  int vmm;      /* slabs come with their own fds (the daemon sent no pool fd) */
+  int *access;  /* vmm: devices given access, applied to every slab mapped now and later */
+  int naccess;
+  vmap *maps;   /* vmm: mapped slabs */
 };
 
 /* One imported slab: its export data names the allocation (it differs for every allocation,
@@ -155,8 +168,19 @@ static void ipool_drop(ipool *ip) {
 
 static int cuda_pool_import(int fd, gpupool_mem_kind kind, int device, uint64_t capacity,
                             gpupool__cpool **out) {
-  if (fd < 0)
-    return gpupool__err(GPUPOOL_EPROTO, "the daemon sent no fd for a CUDA pool");
+  if (fd < 0) {
+    /* A survive=yes pool: no pool-wide fd, each slab comes with its own. */
+    if (kind != GPUPOOL_MEM_DEVICE)
+      return gpupool__err(GPUPOOL_EPROTO, "the daemon sent no fd for a CUDA pool of memory kind %d", (int)kind);
+    gpupool__cpool *v = calloc(1, sizeof(*v));
+    if (!v)
+      return gpupool__err(GPUPOOL_ENOMEM, "out of memory importing a CUDA pool");
+    v->kind = kind;
+    v->device = device;
+    v->vmm = 1;
+    *out = v;
+    return 0;
+  }
   gpupool__cpool *p = NULL;
   ipool *ip = NULL;
   cudaMemPool_t pool;
@@ -234,6 +258,18 @@ out_fd:
 static void cuda_pool_release(gpupool__cpool *p) {
   if (!p)
     return;
+  if (p->vmm) {
+    /* Every slab was unmapped first (backend.h); one left would be a mapping nobody frees. */
+    for (vmap *m = p->maps, *n; m; m = n) {
+      n = m->next;
+      if (gpupool__vmm_unmap(m->va, m->mapped) != 0)
+        gpupool__err_clear();
+      free(m);
+    }
+    free(p->access);
+    free(p);
+    return;
+  }
   pthread_mutex_lock(&imp_lock);
   if (--p->ip->refs == 0)
     ipool_drop(p->ip);
@@ -267,6 +303,26 @@ static int cuda_pool_set_access(gpupool__cpool *p, const int *devices, int n) {
                           "pool lives on device %d; use a pool on device %d, or GPUs connected "
                           "by NVLink or PCIe P2P (nvidia-smi topo -m)",
                           d, p->device, p->device, d);
+  }
+  if (p->vmm) {
+    /* Access is per mapping: every slab this connection maps now, and those it maps later. */
+    for (int i = 0; i < n && rc == 0; i++) {
+      int d = devices[i], had = d == p->device;
+      for (int j = 0; j < p->naccess && !had; j++)
+        had = p->access[j] == d;
+      if (had)
+        continue;
+      for (vmap *m = p->maps; m && rc == 0; m = m->next)
+        rc = gpupool__vmm_access(m->va, m->mapped, d);
+      if (rc == 0) {
+        int *a = realloc(p->access, (size_t)(p->naccess + 1) * sizeof(*a));
+        if (!a)
+          return gpupool__err(GPUPOOL_ENOMEM, "out of memory recording pool access");
+        a[p->naccess++] = d;
+        p->access = a;
+      }
+    }
+    return rc;
   }
   /* Access is the pool's, shared by every connection of the process that imported it: what
    * one grants, the others get too, until the last one releases the pool. */
@@ -312,12 +368,39 @@ static int cuda_slab_map(gpupool__cpool *p, const uint8_t *export_data, size_t e
   cudaError_t e;
   int rc = 0;
 
-  (void)size;
   (void)writable; /* read-only is advisory on CUDA: access flags are the importer's own */
-  if (fd >= 0)
-    close(fd);
   *base = NULL;
   *priv = NULL;
+  if (p->vmm) {
+    uint64_t mapped = 0;
+    vmap *v;
+    if (fd < 0)
+      return gpupool__err(GPUPOOL_EPROTO, "the daemon sent no fd for a slab of a surviving CUDA pool");
+    if (!gpupool__vmm_export_decode(export_data, export_len, &mapped) || mapped < size) {
+      close(fd);
+      return gpupool__err(GPUPOOL_EPROTO, "a surviving CUDA slab's export data does not describe %llu bytes: the "
+                          "daemon and this library disagree on the backend; upgrade both to the same release",
+                          (unsigned long long)size);
+    }
+    if (!(v = calloc(1, sizeof(*v)))) {
+      close(fd);
+      return gpupool__err(GPUPOOL_ENOMEM, "out of memory recording a mapped slab");
+    }
+    rc = gpupool__vmm_import(fd, p->device, mapped, 0, p->access, p->naccess, &v->va);
+    close(fd); /* the mapping holds the memory */
+    if (rc != 0) {
+      free(v);
+      return rc;
+    }
+    v->mapped = mapped;
+    v->next = p->maps;
+    p->maps = v;
+    *base = v->va;
+    *priv = v;
+    return 0;
+  }
+  if (fd >= 0)
+    close(fd);
   if ((rc = gpupool__cuda_export_decode(export_data, export_len, &d)) != 0)
     return rc;
   pthread_mutex_lock(&imp_lock);
@@ -375,9 +458,24 @@ static int cuda_slab_unmap(gpupool__cpool *p, void *base, uint64_t size, void *p
   int rc = 0, dev = -1, prev = -1;
 
   (void)size;
-  (void)priv;
   if (!base)
     return 0;
+  if (p->vmm) {
+    /* No stream-ordered unmap exists: the caller's work on the slab runs to its end first. */
+    vmap **vp, *v = priv;
+    for (vp = &p->maps; *vp && *vp != v; vp = &(*vp)->next)
+      ;
+    if (!*vp)
+      return 0; /* cannot happen: every mapping came from slab_map */
+    *vp = v->next;
+    e = cudaStreamSynchronize((cudaStream_t)stream);
+    rc = gpupool__vmm_unmap(v->va, v->mapped);
+    if (e != cudaSuccess) /* a failed stream runs nothing more on the slab: unmapped all the same */
+      rc = gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaStreamSynchronize before unmapping a slab", p->device,
+                              "the stream may belong to a destroyed context");
+    free(v);
+    return rc;
+  }
   pthread_mutex_lock(&imp_lock);
   for (pp = &imports; *pp && (*pp)->ptr != base; pp = &(*pp)->next)
     ;

@@ -31,6 +31,7 @@
 #include "errors.h"
 #include "gpupool.pb-c.h"
 #include "log.h"
+#include "vmm.h"
 
 /* Slab size of the pools made when none is configured. */
 #define DEFAULT_SLAB (256ull << 20)
@@ -298,6 +299,9 @@ static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cf
       return gpupool__err(GPUPOOL_ECONFIG, "pool \"%s\": kind=host-numa needs numa=<node>",
                           cfg->name);
   }
+  if (cfg->survive && cfg->kind != GPUPOOL_MEM_DEVICE)
+    return gpupool__err(GPUPOOL_ENOTSUP, "pool \"%s\": survive=yes is built for kind=device only: host-numa "
+                        "slabs cannot outlive the daemon yet; remove survive= or use kind=device", cfg->name);
   if ((rc = dev_stream(st, cfg->device, &stream)) < 0)
     return rc;
 
@@ -308,7 +312,34 @@ static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cf
   p->fd = -1;
   p->device = cfg->device;
   p->host = cfg->kind == GPUPOOL_MEM_HOST_NUMA;
+  p->capacity = cfg->capacity;
   snprintf(p->name, sizeof(p->name), "%s", cfg->name);
+  if (cfg->survive) {
+    /* No pool object at all: each slab is its own allocation with its own fd (vmm.h), and
+     * clients get no pool fd. Pool attributes belong to stream-ordered pools only. */
+    if (cfg->release_threshold >= 0 || cfg->reuse_follow_event_deps >= 0 ||
+        cfg->reuse_allow_opportunistic >= 0 || cfg->reuse_allow_internal_deps >= 0) {
+      rc = gpupool__err(GPUPOOL_ECONFIG, "pool \"%s\": release_threshold and reuse_* are attributes of "
+                        "stream-ordered pools, which a survive=yes pool does not use: remove them", cfg->name);
+      goto fail;
+    }
+    if ((rc = gpupool__vmm_granularity(cfg->device, &p->gran)) != 0) {
+      gpupool__error why;
+      gpupool__error_take(&why, rc);
+      rc = gpupool__err(rc, "pool \"%s\": %s", cfg->name, why.msg);
+      goto fail;
+    }
+    p->vmm = 1;
+    if (!st->event_dev_fixed) {
+      st->event_dev = cfg->device;
+      st->event_dev_fixed = 1;
+    }
+    GPUPOOL__DEBUG("cuda: pool \"%s\" created on device %d, max %llu MiB, surviving slabs (granularity %llu KiB)",
+                   cfg->name, cfg->device, (unsigned long long)(cfg->capacity >> 20),
+                   (unsigned long long)(p->gran >> 10));
+    *out = p;
+    return 0;
+  }
 
   memset(&props, 0, sizeof(props));
   props.allocType = cudaMemAllocationTypePinned;
@@ -413,6 +444,13 @@ static void cuda_pool_destroy(gpupool__bpool *p) {
   if (!p)
     return;
   gpupool__cuda_copy_pool_forget(p);
+  if (p->vmm) {
+    /* Nothing to destroy: every slab was freed (and unmapped) first. */
+    if (p->vslabs)
+      GPUPOOL__ERROR("cuda: pool \"%s\" destroyed with slabs still mapped", p->name);
+    free(p);
+    return;
+  }
   if ((rc = gpupool__cuda_set_device(p->device)) == 0) {
     if (p->granted) {
       e = gpupool__cuda_pool_access(p->pool, p->device, cudaMemAccessFlagsProtNone);
@@ -437,6 +475,128 @@ static void cuda_pool_destroy(gpupool__bpool *p) {
   free(p);
 }
 
+/* ---- survive=yes pools: a cuMemCreate allocation per slab, exported as an fd ------------- */
+
+static int vslab_room(gpupool__bpool *p, uint64_t mapped) {
+  if (p->reserved + mapped > p->capacity)
+    return gpupool__err(GPUPOOL_ENOSPC, "pool \"%s\" has no room for a slab of %llu bytes (%llu of %llu "
+                        "bytes in slabs): free buffers or raise the pool's capacity", p->name,
+                        (unsigned long long)mapped, (unsigned long long)p->reserved,
+                        (unsigned long long)p->capacity);
+  return 0;
+}
+
+static int vslab_add(gpupool__bpool *p, void *va, uint64_t size, uint64_t mapped, int fd, gpupool__bslab *out) {
+  gpupool__cuda_vslab *v = calloc(1, sizeof *v);
+  if (!v)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory recording a slab");
+  v->va = va;
+  v->mapped = mapped;
+  v->fd = fd;
+  v->next = p->vslabs;
+  p->vslabs = v;
+  p->reserved += mapped;
+  if (p->reserved > p->reserved_high)
+    p->reserved_high = p->reserved;
+  memset(out, 0, sizeof *out);
+  out->size = size;
+  /* Read-only is advisory for CUDA memory (access flags are the importer's own), as on the
+   * stream-ordered pools: a read-only hold gets the same fd. */
+  out->fd = out->fd_ro = fd;
+  out->export_len = gpupool__vmm_export_encode(mapped, out->export_data);
+  out->priv = va;
+  return 0;
+}
+
+static int vslab_alloc(gpupool__bpool *p, uint64_t size, uint64_t filled, gpupool__bslab *out) {
+  cudaStream_t stream = NULL;
+  uint64_t mapped = gpupool__vmm_round(size, p->gran);
+  void *va = NULL;
+  cudaError_t e;
+  int rc, fd = -1;
+
+  if ((rc = vslab_room(p, mapped)) != 0 || (rc = dev_stream(p->st, p->device, &stream)) < 0)
+    return rc;
+  if ((rc = gpupool__vmm_create(p->device, mapped, p->copy_access, &fd, &va)) != 0)
+    return rc;
+  (void)fcntl(fd, F_SETFD, FD_CLOEXEC);
+  /* Fresh physical memory may hold what another process freed: clear it before anyone sees
+   * it (see cuda_slab_alloc), except what the caller overwrites. */
+  e = filled < mapped ? cudaMemsetAsync((char *)va + filled, 0, (size_t)(mapped - filled), stream) : cudaSuccess;
+  if (e == cudaSuccess)
+    e = cudaStreamSynchronize(stream);
+  if (e == cudaSuccess && (rc = vslab_add(p, va, size, mapped, fd, out)) == 0)
+    return 0;
+  {
+    gpupool__error why;
+    if (e != cudaSuccess)
+      rc = gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "clearing a new slab (cudaMemsetAsync)", p->device, NULL);
+    gpupool__error_take(&why, rc); /* kept across the clean-up's own calls */
+    (void)gpupool__vmm_unmap(va, mapped);
+    close(fd);
+    return gpupool__err(rc, "%s", why.msg);
+  }
+}
+
+static void vslab_free(gpupool__bpool *p, gpupool__bslab *s) {
+  gpupool__cuda_vslab **pp, *v;
+  cudaStream_t stream = NULL;
+  gpupool__error why;
+  int rc;
+
+  for (pp = &p->vslabs; *pp && (*pp)->va != s->priv; pp = &(*pp)->next)
+    ;
+  if (!(v = *pp)) {
+    GPUPOOL__ERROR("cuda: pool \"%s\": freeing slab %p, which it does not have", p->name, s->priv);
+    return;
+  }
+  *pp = v->next;
+  /* The daemon's own work on it (a memset, the copy engine's copies) is done: the registry
+   * frees a slab only once its copies ended. Its stream is synchronized all the same, since
+   * unmapping under a running memset would fault it. */
+  if (dev_stream(p->st, p->device, &stream) == 0 && cudaStreamSynchronize(stream) != cudaSuccess)
+    (void)cudaGetLastError();
+  gpupool__err_clear();
+  if ((rc = gpupool__vmm_unmap(v->va, v->mapped)) != 0) {
+    gpupool__error_take(&why, rc);
+    GPUPOOL__ERROR("cuda: pool \"%s\": unmapping slab %p (%llu bytes): %s", p->name, v->va,
+                   (unsigned long long)v->mapped, why.msg);
+  }
+  /* The memory goes back to the driver with the last fd and mapping of it: ours now, the
+   * clients' already (they unmapped before the registry frees). */
+  close(v->fd);
+  p->reserved -= v->mapped;
+  free(v);
+  s->priv = NULL;
+  s->fd = s->fd_ro = -1;
+}
+
+/* A slab a previous daemon made: import its fd (the first export's, kept in the store; an
+ * imported handle cannot be exported again) and map it as that daemon did. */
+static int cuda_slab_adopt(gpupool__bpool *p, int fd, uint64_t size, gpupool__bslab *out) {
+  uint64_t mapped;
+  void *va = NULL;
+  int rc;
+
+  if (!p->vmm)
+    return gpupool__err(GPUPOOL_ENOTSUP, "pool \"%s\" is not survive=yes: its slabs are pieces of a "
+                        "stream-ordered pool, which no later daemon can own", p->name);
+  if (size == 0 || size > GPUPOOL_SLAB_HARD_MAX)
+    return gpupool__err(GPUPOOL_EINVAL, "a slab of %llu bytes is not a size this backend makes",
+                        (unsigned long long)size);
+  mapped = gpupool__vmm_round(size, p->gran);
+  if ((rc = vslab_room(p, mapped)) != 0)
+    return rc;
+  if ((rc = gpupool__vmm_import(fd, p->device, mapped, p->copy_access, NULL, 0, &va)) != 0)
+    return rc;
+  (void)fcntl(fd, F_SETFD, FD_CLOEXEC);
+  if ((rc = vslab_add(p, va, size, mapped, fd, out)) != 0) {
+    (void)gpupool__vmm_unmap(va, mapped);
+    return rc;
+  }
+  return 0;
+}
+
 static int cuda_slab_alloc(gpupool__bpool *p, uint64_t size, uint64_t filled, gpupool__bslab *out) {
   struct cudaMemPoolPtrExportData exp;
   cudaStream_t stream = NULL; /* set by dev_stream; initialised for -O3 -Werror (maybe-uninitialized) */
@@ -453,6 +613,8 @@ static int cuda_slab_alloc(gpupool__bpool *p, uint64_t size, uint64_t filled, gp
                         "exported CUDA allocation (importers crash or corrupt above it): split "
                         "the buffer", p->name, (unsigned long long)size,
                         (unsigned long long)GPUPOOL_SLAB_HARD_MAX);
+  if (p->vmm)
+    return vslab_alloc(p, size, filled, out);
   if ((rc = dev_stream(p->st, p->device, &stream)) < 0)
     return rc;
   e = cudaMallocFromPoolAsync(&ptr, (size_t)size, p->pool, stream);
@@ -514,6 +676,10 @@ static void cuda_slab_free(gpupool__bpool *p, gpupool__bslab *s) {
 
   if (!s || !s->priv)
     return;
+  if (p->vmm) {
+    vslab_free(p, s);
+    return;
+  }
   if ((rc = dev_stream(p->st, p->device, &stream)) < 0) {
     gpupool__error_take(&why, rc);
     GPUPOOL__ERROR("cuda: pool \"%s\": cannot free slab %p: %s", p->name, s->priv, why.msg);
@@ -546,6 +712,12 @@ static int cuda_pool_stats(gpupool__bpool *p, gpupool__bpool_stats *out) {
   cudaError_t e;
 
   memset(out, 0, sizeof(*out));
+  if (p->vmm) {
+    /* Every mapped byte is a slab's: in use as far as the driver is concerned. */
+    out->reserved_cur = out->used_cur = p->reserved;
+    out->reserved_high = out->used_high = p->reserved_high;
+    return 0;
+  }
   for (int i = 0; i < 4; i++) {
     v[i] = 0;
     e = cudaMemPoolGetAttribute(p->pool, attrs[i].attr, &v[i]);
@@ -660,6 +832,7 @@ static const gpupool__backend_ops cuda_ops = {
     .pool_destroy = cuda_pool_destroy,
     .slab_alloc = cuda_slab_alloc,
     .slab_free = cuda_slab_free,
+    .slab_adopt = cuda_slab_adopt,
     .pool_stats = cuda_pool_stats,
     .event_create = cuda_event_create,
     .event_query = cuda_event_query,

@@ -59,7 +59,21 @@ struct gpupool__bpool {
    * devices below 64), taken back before the pool is destroyed. */
   uint64_t copy_access;
   char name[64];
+  /* survive=yes: no stream-ordered pool; each slab is its own cuMemCreate allocation with an
+   * exported fd (vmm.h), fd is -1 and clients map slabs from their fds. */
+  int vmm;
+  uint64_t gran;                 /* allocation granularity: slabs are mapped rounded up to it */
+  uint64_t capacity, reserved, reserved_high; /* bytes mapped in slabs (bounded here) */
+  struct gpupool__cuda_vslab *vslabs; /* this pool's slabs, for access given later */
 };
+
+/* A slab of a survive=yes pool: its mapping in the daemon. */
+typedef struct gpupool__cuda_vslab {
+  void *va;
+  uint64_t mapped; /* bytes mapped at va (the slab's size rounded up to the granularity) */
+  int fd;          /* the first export's fd, owned here */
+  struct gpupool__cuda_vslab *next;
+} gpupool__cuda_vslab;
 
 /* cudaSetDevice with an error naming the device and the fix. */
 int gpupool__cuda_set_device(int device);

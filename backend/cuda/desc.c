@@ -25,6 +25,7 @@ const gpupool__backend_desc gpupool__backend_cuda = {
     .default_pools = gpupool__cuda_default_pools,
     .pool_fd_maps_all = 1,
     .pool_keeps_memory = 1,
+    .every_pool_survives = 0,
 #ifdef GPUPOOL_HAVE_CUDA
     .client = &gpupool__cuda_client_ops,
 #else

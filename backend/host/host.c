@@ -69,4 +69,5 @@ const gpupool__backend_desc gpupool__backend_host = {
     .client = &gpupool__host_client_ops,
     .pool_fd_maps_all = 0, /* no pool fd: each slab is its own memfd */
     .pool_keeps_memory = 0,
+    .every_pool_survives = 1,
 };

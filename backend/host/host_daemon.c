@@ -108,6 +108,7 @@ static int host_slab_alloc(gpupool__bpool *p, uint64_t size, uint64_t filled, gp
   out->size = size;
   out->fd = fd;
   out->fd_ro = ro;
+  out->fd_maps = 1;
   out->export_len = gpupool__host_export_encode(&(gpupool__host_export){.offset = 0, .size = size},
                                                 out->export_data);
   p->reserved += size;
@@ -155,6 +156,7 @@ static int host_slab_adopt(gpupool__bpool *p, int fd, uint64_t size, gpupool__bs
   out->size = size;
   out->fd = fd;
   out->fd_ro = ro;
+  out->fd_maps = 1;
   out->export_len = gpupool__host_export_encode(&(gpupool__host_export){.offset = 0, .size = size},
                                                 out->export_data);
   p->reserved += size;

@@ -38,7 +38,7 @@ enum { ST_IDLE, ST_COPYING, ST_READY, ST_RECV, ST_FULL, ST_DRAINED };
 static const gpupool__backend_ops *ops_of(gpd_peers *P) { return P->reg->be->ops; }
 
 int gpd_pr_stage_needed(gpd_peers *P, const gpd_buffer *b) {
-  return b->slab->bs.fd < 0 || gpd_pool_device(P->reg, b->slab->pool) >= 0;
+  return !b->slab->bs.fd_maps || gpd_pool_device(P->reg, b->slab->pool) >= 0;
 }
 
 static void stage_run(gpd_peers *P);
@@ -150,7 +150,7 @@ static int slot_get(gpd_peers *P, int fetching, stage_slot **out) {
     memset(s, 0, sizeof *s);
     if ((rc = ops_of(P)->slab_alloc(P->stage_bp, STAGE_SLOT, 0, &s->bs)) != 0)
       return rc == GPUPOOL_ENOSPC && P->slots_taken ? 0 : rc;
-    if (s->bs.fd >= 0) {
+    if (s->bs.fd_maps) {
       void *m = mmap(NULL, (size_t)s->bs.size, PROT_READ | PROT_WRITE, MAP_SHARED, s->bs.fd, 0);
       if (m == MAP_FAILED) {
         ops_of(P)->slab_free(P->stage_bp, &s->bs);

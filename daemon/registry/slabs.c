@@ -82,6 +82,12 @@ void gpd_inst_maybe_destroy(gpd_registry *reg, gpd_pinst *in) {
   gpd_inst_destroy(reg, in);
 }
 
+/* Whether p's backend pool keeps what its slabs reserved until it is destroyed (CUDA's
+ * stream-ordered pools; a survive=yes pool's slabs are allocations of their own). */
+static int keeps_memory(const gpd_registry *reg, const gpd_pool *p) {
+  return reg->be->desc->pool_keeps_memory && !p->cfg.survive;
+}
+
 void gpd_slab_destroy(gpd_registry *reg, gpd_slab *s) {
   gpd_pool *p = s->pool;
   gpd_pinst *in = s->inst;
@@ -94,7 +100,7 @@ void gpd_slab_destroy(gpd_registry *reg, gpd_slab *s) {
   reg->be->ops->slab_free(in->bp, &s->bs);
   in->reserved -= s->bs.size;
   in->nslabs--;
-  if (!reg->be->desc->pool_keeps_memory) {
+  if (!keeps_memory(reg, p)) {
     in->held -= s->bs.size;
     p->held -= s->bs.size;
   }
@@ -115,7 +121,7 @@ void gpd_slab_destroy(gpd_registry *reg, gpd_slab *s) {
 int gpd_slab_daemon_map(gpd_slab *s, uint8_t **base) {
   void *m;
   if (!s->daemon_map) {
-    if (s->bs.fd < 0) /* device memory: staged (gpd_pr_stage_needed), never mapped here */
+    if (!s->bs.fd_maps) /* device memory: staged (gpd_pr_stage_needed), never mapped here */
       return gpupool__err(GPUPOOL_EBACKEND, "slab %" PRIu64 " has no fd the daemon could map", s->id);
     m = mmap(NULL, (size_t)s->bs.size, PROT_READ | PROT_WRITE, MAP_SHARED, s->bs.fd, 0);
     if (m == MAP_FAILED)
@@ -196,9 +202,9 @@ void gpd_slab_maybe_retire(gpd_registry *reg, gpd_slab *s) {
 }
 
 /* What instance in would keep from the system with `size` more bytes of slabs. */
-static uint64_t held_with(const gpd_registry *reg, const gpd_pinst *in, uint64_t size) {
+static uint64_t held_with(const gpd_registry *reg, const gpd_pool *p, const gpd_pinst *in, uint64_t size) {
   uint64_t held = in ? in->held : 0, after = (in ? in->reserved : 0) + size;
-  return reg->be->desc->pool_keeps_memory && held > after ? held : after;
+  return keeps_memory(reg, p) && held > after ? held : after;
 }
 
 /* filled: bytes from the start of the slab that the caller overwrites before any client is
@@ -229,7 +235,7 @@ static int slab_make(gpd_registry *reg, gpd_pool *p, uint64_t size, int dedicate
   int rc;
 
   /* The capacity bounds what every owner's backend pool keeps, together. */
-  if (p->held - (in ? in->held : 0) + held_with(reg, in, size) > p->cfg.capacity)
+  if (p->held - (in ? in->held : 0) + held_with(reg, p, in, size) > p->cfg.capacity)
     return GPUPOOL_ENOSPC;
   if (!in && (rc = gpd_inst_new(reg, p, owner, &in)) != 0)
     return rc;
@@ -259,8 +265,8 @@ static int slab_make(gpd_registry *reg, gpd_pool *p, uint64_t size, int dedicate
     reg->be->ops->slab_free(in->bp, &s->bs);
     goto fail;
   }
-  held = held_with(reg, in, s->bs.size);
-  if (reg->be->desc->pool_keeps_memory) {
+  held = held_with(reg, p, in, s->bs.size);
+  if (keeps_memory(reg, p)) {
     /* The backend may reserve more than the slab (rounding, or a freed slab's memory that
      * does not fit this one): count what it says it keeps, from now on. */
     gpupool__bpool_stats st;

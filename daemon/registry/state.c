@@ -1246,7 +1246,10 @@ static int restore_slabs(gpd_state *st, rd *r) {
     }
     fd = take_fd("slab", id);
     p = pool_named(reg, pname);
-    if (fd < 0)
+    if (fd < 0 && p && !reg->be->desc->every_pool_survives && !p->cfg.survive)
+      discard(st, &st->info.slabs_lost, "slab %" PRIu64 " of pool '%s': the pool is not survive=yes, so its "
+              "memory went with the daemon that made it", id, pname);
+    else if (fd < 0)
       discard(st, &st->info.slabs_lost, "slab %" PRIu64 " of pool '%s': its memory is not in the fd store", id, pname);
     else if (!p)
       discard(st, &st->info.slabs_lost, "slab %" PRIu64 ": pool '%s' is no longer configured", id, pname);
@@ -2032,6 +2035,12 @@ int gpd_state_init(gpd_registry *reg) {
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   st->reg = reg;
   st->info.enabled = 1;
+  if (!reg->be->desc->every_pool_survives)
+    for (int i = 0; i < reg->npools; i++)
+      if (!reg->pools[i].cfg.survive)
+        GPUPOOL__INFO("state: pool '%s' is not survive=yes: names and versions are kept across a restart, but "
+                      "its memory is not, so the names in it are lost when the daemon stops (set survive=yes "
+                      "to keep them)", reg->pools[i].cfg.name);
   st->info.store_max = max;
   st->format = GPD_STATE_FORMAT;
   if (crash)

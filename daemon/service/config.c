@@ -483,6 +483,8 @@ const gpd_config_key gpd_config_keys[] = {
     {POOL, .name = "reuse_follow_event_deps", BOOL, P(reuse_follow_event_deps), .doc = "CUDA pool attribute"},
     {POOL, .name = "reuse_allow_opportunistic", BOOL, P(reuse_allow_opportunistic), .doc = "CUDA pool attribute"},
     {POOL, .name = "reuse_allow_internal_deps", BOOL, P(reuse_allow_internal_deps), .doc = "CUDA pool attribute"},
+    {POOL, .name = "survive", BOOL, P(survive), .def = "no",
+     .doc = "slabs outlive the daemon (cuda: one exported allocation per slab; host memory always does)"},
     {POOL, .name = "keep_dedicated", U32, P(keep_dedicated), .def = "0",
      .doc = "empty dedicated slabs kept mapped for the next allocation of their tenant and size"},
     {.sections = GPUPOOL__CS_POOL, .name = "share", .kind = GPUPOOL__CK_SECTION, .doc = "the [group NAME] the pool is shared with"},

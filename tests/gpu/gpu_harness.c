@@ -102,6 +102,44 @@ int gh_daemon_start_conf(gh_daemon *d, const char *gpupoold, const char *pool_sp
   return 0;
 }
 
+int gh_daemon_start_supervised(gh_daemon *d, const char *gpupoold, const char *conf) {
+  static const char *const extra[] = {"--supervise", NULL};
+  const char *lvl = getenv("GH_LOG_LEVEL");
+  ts_daemon_opts o = {.gpupoold = gpupoold, .backend = "cuda", .log_level = lvl && *lvl ? lvl : "info", .use_conf = 1,
+                      .extra = extra, .ready_ms = 60000, .poll_ms = 20};
+  if (ts_daemon_prepare(d, getenv("TMPDIR"), "gpupool-gpu.") != 0 || ts_daemon_write_conf(d, conf) != 0 ||
+      ts_daemon_start(d, &o) != 0) {
+    fprintf(stderr, "%s\n", d->why);
+    ts_daemon_remove(d);
+    return -1;
+  }
+  return 0;
+}
+
+pid_t gh_supervised_child(const gh_daemon *d) {
+  char path[64];
+  long pid = 0;
+  FILE *f;
+  snprintf(path, sizeof path, "/proc/%d/task/%d/children", (int)d->pid, (int)d->pid);
+  if (!(f = fopen(path, "r")))
+    return 0;
+  if (fscanf(f, "%ld", &pid) != 1)
+    pid = 0;
+  fclose(f);
+  return (pid_t)pid;
+}
+
+pid_t gh_wait_restarted(const gh_daemon *d, pid_t old, int timeout_ms) {
+  uint64_t end = gh_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+  while (gh_now_ns() < end) {
+    pid_t c = gh_supervised_child(d);
+    if (c && c != old && ts_can_connect(d->sock))
+      return c;
+    gh_sleep_ms(2);
+  }
+  return 0;
+}
+
 int gh_daemon_stop(gh_daemon *d, int print_log) {
   int st = ts_daemon_stop(d, 10000);
   if (print_log)

@@ -43,6 +43,14 @@ int gh_driver_start(int argc, char **argv, int nargs, const char *usage, int nee
 int gh_daemon_start(gh_daemon *d, const char *gpupoold, const char *pool_spec);
 /* The same with a config file holding conf (NULL: none), written into the private dir. */
 int gh_daemon_start_conf(gh_daemon *d, const char *gpupoold, const char *pool_spec, const char *conf);
+/* The same under gpupoold --supervise (its own fd store: slabs of survive=yes pools, names
+ * and versions outlive a crash of the daemon it restarts); d->pid is the supervisor's. */
+int gh_daemon_start_supervised(gh_daemon *d, const char *gpupoold, const char *conf);
+/* The daemon the supervisor d runs now, or 0. */
+pid_t gh_supervised_child(const gh_daemon *d);
+/* Wait up to timeout_ms for the supervisor to run a daemon other than old that accepts
+ * connections: its pid, or 0. */
+pid_t gh_wait_restarted(const gh_daemon *d, pid_t old, int timeout_ms);
 /* 1 while the daemon runs. */
 int gh_daemon_alive(gh_daemon *d);
 /* SIGTERM (then SIGKILL after 10 s), reap, print the log when print_log, remove the dir.

@@ -144,6 +144,25 @@ static void test_pool_checks(void **state) {
   gpd_config_defaults(&c);
   assert_int_equal(gpd_config_add_pool_spec(&c, "name=x,align=48"), 0);
   assert_int_equal(gpd_config_finish(&c, &gpupool__backend_host), GPUPOOL_ECONFIG);
+  /* survive=yes: any host pool; on cuda, device pools without stream-ordered attributes. */
+  gpd_config_defaults(&c);
+  assert_int_equal(gpd_config_add_pool_spec(&c, "name=x,survive=yes"), 0);
+  assert_int_equal(gpd_config_finish(&c, &gpupool__backend_host), 0);
+  assert_int_equal(c.pools[0].survive, 1);
+  gpd_config_defaults(&c);
+  assert_int_equal(gpd_config_add_pool_spec(&c, "name=x,kind=device,survive=yes,capacity=1G"), 0);
+  assert_int_equal(gpd_config_finish(&c, &gpupool__backend_cuda), 0);
+  assert_int_equal(c.pools[0].survive, 1);
+  gpd_config_defaults(&c);
+  assert_int_equal(gpd_config_add_pool_spec(&c, "name=x,kind=host-numa,survive=yes,capacity=1G"), 0);
+  assert_int_equal(gpd_config_finish(&c, &gpupool__backend_cuda), GPUPOOL_ECONFIG);
+  assert_non_null(strstr(gpupool__errmsg(), "survive=yes on the cuda backend is built for kind=device only"));
+  gpd_config_defaults(&c);
+  assert_int_equal(gpd_config_add_pool_spec(&c, "name=x,kind=device,survive=yes,reuse_allow_opportunistic=no"), 0);
+  assert_int_equal(gpd_config_finish(&c, &gpupool__backend_cuda), GPUPOOL_ECONFIG);
+  assert_non_null(strstr(gpupool__errmsg(), "remove them or survive"));
+  gpd_config_defaults(&c);
+  assert_int_equal(gpd_config_add_pool_spec(&c, "name=x,survive=perhaps"), GPUPOOL_ECONFIG);
   gpd_config_defaults(&c);
   assert_int_equal(gpd_config_add_pool_spec(&c, "nonsense"), GPUPOOL_ECONFIG);
   gpd_config_defaults(&c);
