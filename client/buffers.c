@@ -476,6 +476,7 @@ int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *str
     rc = lost_among(bufs, n);
   /* Each ready event recorded in stream, as gpupool_buffer_share does, but the stream asked
    * once whether it is idle (then there is nothing to wait for), not once per buffer. */
+  uint64_t t_r = TRACE_ON() ? gpupool__mono_ns() : 0;
   if (rc == 0 && !(c->be->stream_idle && c->be->stream_idle(stream) == 1)) {
     if (c->host_fences)
       rc = c->be->sync ? c->be->sync(stream) : 0;
@@ -486,6 +487,8 @@ int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *str
           rc = 0;
       }
   }
+  if (t_r)
+    gpupool__trace("record_many", t_r, (uint64_t)n);
   if (rc == 0 && (rc = gpupool__call(c, &req, &rep, NULL, &err)) == 0) {
     const Gpupool__Wire__ShareReply *r = rep->share;
     int ok = rep->body_case == GPUPOOL__WIRE__REPLY__BODY_SHARE && r && r->token.len == GPUPOOL_TOKEN_SIZE &&
@@ -637,6 +640,7 @@ int gpupool_buffer_open_many(gpupool_client *c, const gpupool_token *tokens, int
       gpupool__wire__reply__free_unpacked(rep, NULL);
       break;
     }
+    uint64_t t_mm = TRACE_ON() ? gpupool__mono_ns() : 0;
     for (size_t i = 0; i < got; i++) {
       const Gpupool__Wire__BufferDesc *d = i == 0 ? r->buffer : r->more[i - 1];
       if (rc == 0) {
@@ -647,6 +651,8 @@ int gpupool_buffer_open_many(gpupool_client *c, const gpupool_token *tokens, int
         gpupool__send_release(c, d->hold_id, 0, &ignored); /* all or nothing: the rest of this reply goes too */
       }
     }
+    if (t_mm)
+      gpupool__trace("materialize_many", t_mm, (uint64_t)got);
     gpupool__wire__reply__free_unpacked(rep, NULL);
     done += (int)got;
   }

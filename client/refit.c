@@ -694,3 +694,57 @@ int gpupool_refit(gpupool_plan *p, const gpupool_bundle *b, void *stream) {
   p->info.refits++;
   return 0;
 }
+
+/* ---- copies into many buffers (gpupool.h) -------------------------------------------------- */
+
+int gpupool_buffer_copy_in_many(gpupool_buffer *const *dst, const uint64_t *off, const void *const *srcs,
+                                const size_t *len, int n, void *stream, unsigned flags, int *gathered) {
+  gpupool__refit_op *ops = NULL;
+  size_t nops = 0, g = 0;
+  int sdev = -2, rc = 0;
+
+  gpupool__err_clear();
+  if (gathered)
+    *gathered = 0;
+  if (n < 0 || (n > 0 && (!dst || !off || !srcs || !len)))
+    return gpupool__err(GPUPOOL_EINVAL, "copy_in_many: dst, off, src and len must not be NULL, n not negative");
+  for (int i = 0; i < n; i++) {
+    if (!dst[i] || !srcs[i])
+      return gpupool__err(GPUPOOL_EINVAL, "copy_in_many: copy %d has a NULL %s", i, !dst[i] ? "buffer" : "source");
+    if (gpupool_buffer_read_only(dst[i]))
+      return gpupool__err(GPUPOOL_EINVAL, "copy_in_many: copy %d writes buffer %" PRIu64 ", held read-only", i,
+                          gpupool_buffer_id(dst[i]));
+    if (off[i] > gpupool_buffer_size(dst[i]) || len[i] > gpupool_buffer_size(dst[i]) - off[i])
+      return gpupool__err(GPUPOOL_EINVAL, "copy_in_many: copy %d writes %zu bytes at offset %" PRIu64 " of a buffer "
+                          "of %zu", i, len[i], off[i], gpupool_buffer_size(dst[i]));
+  }
+  for (int i = 0; i < n; i++)
+    if (gpupool_buffer_kind(dst[i]) == GPUPOOL_MEM_HOST && len[i])
+      memcpy((char *)gpupool_buffer_ptr(dst[i]) + off[i], srcs[i], len[i]);
+    else if (gpupool_buffer_kind(dst[i]) != GPUPOOL_MEM_HOST)
+      nops++;
+  if (nops == 0)
+    return 0;
+  if (!(ops = calloc(nops, sizeof *ops)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  nops = 0;
+  for (int i = 0; i < n; i++) {
+    gpupool__refit_op *o;
+    if (gpupool_buffer_kind(dst[i]) == GPUPOOL_MEM_HOST)
+      continue;
+    if (sdev == -2)
+      sdev = (flags & GPUPOOL_COPY_SRC_ON_STREAM_DEVICE) ? gpupool__refit_stream_device(stream) : -1;
+    o = &ops[nops++];
+    o->dst = (char *)gpupool_buffer_ptr(dst[i]) + off[i];
+    o->src = srcs[i];
+    o->width = o->dpitch = o->spitch = len[i];
+    o->rows = len[i] ? 1 : 0;
+    o->sk = o->dk = FK_NONE;
+    o->gather = sdev >= 0 && gpupool_buffer_kind(dst[i]) == GPUPOOL_MEM_DEVICE && gpupool_buffer_device(dst[i]) == sdev;
+  }
+  rc = gpupool__refit_copy_many(ops, nops, stream, &g);
+  free(ops);
+  if (rc == 0 && gathered)
+    *gathered = (int)g;
+  return rc;
+}

@@ -349,6 +349,20 @@ GPUPOOL_EXTERN void gpupool_client_disconnect(gpupool_client *c);
 GPUPOOL_EXTERN int gpupool_buffer_alloc(gpupool_client *c, const char *pool, size_t size,
                                         int timeout_ms, void *stream, gpupool_buffer **out);
 
+/* Copy into n buffers at once: len[i] bytes from src[i] to dst[i] at byte offset off[i] (the
+ * ranges written must not overlap), the way a message's storages go into copy buffers. Host
+ * buffers are written with memcpy before it returns (src must be host memory). Device buffers
+ * are written in stream order on `stream`, in as few operations as the hardware allows: with
+ * GPUPOOL_COPY_SRC_ON_STREAM_DEVICE (the caller says every src lies in device memory of the
+ * stream's device) those on the stream's device go through gpupool's gather kernel, up to 255
+ * copies a launch, the rest one cudaMemcpyAsync each. A range past its buffer's end, a
+ * read-only hold or a NULL pointer fails with GPUPOOL_EINVAL before anything is copied.
+ * *gathered (may be NULL): how many went through the kernel. */
+enum { GPUPOOL_COPY_SRC_ON_STREAM_DEVICE = 0x1 };
+GPUPOOL_EXTERN int gpupool_buffer_copy_in_many(gpupool_buffer *const *dst, const uint64_t *off,
+                                               const void *const *src, const size_t *len, int n, void *stream,
+                                               unsigned flags, int *gathered);
+
 /* Drop the hold b and free the handle b. On CUDA, the client's mapping stays valid for
  * work already queued in `stream`; the range is reused only after that work completes.
  * The memory returns to the pool when its last holder lets go. */

@@ -28,6 +28,7 @@ READ_ONLY = 0x1
 FILE_HOST_ONLY = 0x2
 KEEP_MAPPED = 0x4
 TARGET_DEVICE = 0x8
+COPY_SRC_ON_STREAM_DEVICE = 0x1  # gpupool_buffer_copy_in_many's flag
 # Timeouts (ms): 0 = do not wait; TIMEOUT_DEFAULT = the library's default (connect only).
 TIMEOUT_FOREVER = -1
 TIMEOUT_DEFAULT = -2
@@ -223,6 +224,9 @@ _PROTOTYPES = {
     "gpupool_buffer_idle_many": (_c_int, [ctypes.POINTER(BufferP), _c_int,
                                           ctypes.POINTER(_c_int)]),
     "gpupool_buffer_release_many": (_c_int, [ctypes.POINTER(BufferP), _c_int, _vp]),
+    "gpupool_buffer_copy_in_many": (_c_int, [ctypes.POINTER(BufferP), ctypes.POINTER(_u64),
+                                             ctypes.POINTER(_vp), ctypes.POINTER(ctypes.c_size_t), _c_int, _vp,
+                                             ctypes.c_uint, ctypes.POINTER(_c_int)]),
     "gpupool_buffer_publish": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp,
                                         ctypes.POINTER(_u64)]),
     "gpupool_buffer_publish_to": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp,

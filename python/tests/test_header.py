@@ -99,6 +99,8 @@ def expected_ctypes(ctype):
         return {None}
     if depth == 1 and base == "void":
         return {ctypes.c_void_p}
+    if depth == 2 and base == "void":
+        return {ctypes.POINTER(ctypes.c_void_p)}  # a table of addresses
     if depth == 1 and base == "char":
         return {ctypes.c_char_p}
     bases = _base_types()

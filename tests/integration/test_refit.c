@@ -757,7 +757,56 @@ static void test_thousand_refits(void **state) {
   assert_int_equal(ps.used, pbase.used);
 }
 
+/* gpupool_buffer_copy_in_many into host buffers: every range lands where it was asked, a range past
+ * a buffer's end or into a read-only hold is refused before anything is written. */
+static void test_copy_in_many(void **state) {
+  gpupool_client *c = th_connect(&D, "copy-in");
+  gpupool_buffer *b[3], *ro = NULL;
+  size_t sizes[3] = {4096, 100000, 7};
+  uint8_t src[3][100000];
+  const void *srcs[3] = {src[0], src[1], src[2]};
+  uint64_t off[3] = {100, 0, 0};
+  size_t len[3] = {3000, 100000, 7};
+  int gathered = -1;
+  uint64_t v = 0;
+  (void)state;
+  for (int i = 0; i < 3; i++) {
+    assert_int_equal(gpupool_buffer_alloc(c, NULL, sizes[i], 0, NULL, &b[i]), 0);
+    memset(gpupool_buffer_ptr(b[i]), 0xee, sizes[i]);
+    for (size_t k = 0; k < sizeof src[i]; k++)
+      src[i][k] = (uint8_t)(k * 7 + (size_t)i);
+  }
+  assert_int_equal(gpupool_buffer_copy_in_many(b, off, srcs, len, 3, NULL, 0, &gathered), 0);
+  assert_int_equal(gathered, 0);
+  for (int i = 0; i < 3; i++) {
+    const uint8_t *p = gpupool_buffer_ptr(b[i]);
+    for (size_t k = 0; k < sizes[i]; k++) {
+      int in = k >= off[i] && k < off[i] + len[i];
+      assert_int_equal(p[k], in ? src[i][k - off[i]] : 0xee);
+    }
+  }
+  /* Past the end of buffer 0 (4096 bytes): refused, nothing written, buffer 2 included. */
+  memset(gpupool_buffer_ptr(b[2]), 0, 7);
+  off[0] = 1097;
+  assert_int_equal(gpupool_buffer_copy_in_many(b, off, srcs, len, 3, NULL, 0, NULL), GPUPOOL_EINVAL);
+  assert_non_null(strstr(gpupool_last_error(), "copy 0 writes 3000 bytes at offset 1097 of a buffer of 4096"));
+  assert_int_equal(((uint8_t *)gpupool_buffer_ptr(b[2]))[0], 0);
+  /* Into a read-only hold. */
+  assert_int_equal(gpupool_buffer_publish(b[1], "copy-in", NULL, NULL, &v), 0);
+  assert_int_equal(gpupool_buffer_get(c, "copy-in", 0, 0, GPUPOOL_READ_ONLY, NULL, &ro, NULL), 0);
+  off[0] = 0;
+  assert_int_equal(gpupool_buffer_copy_in_many(&ro, off, srcs, len + 1, 1, NULL, 0, NULL), GPUPOOL_EINVAL);
+  assert_non_null(strstr(gpupool_last_error(), "held read-only"));
+  assert_int_equal(gpupool_buffer_copy_in_many(b, off, srcs, len, 0, NULL, 0, NULL), 0);
+  assert_int_equal(gpupool_buffer_copy_in_many(NULL, off, srcs, len, 1, NULL, 0, NULL), GPUPOOL_EINVAL);
+  assert_int_equal(gpupool_buffer_release(ro, NULL), 0);
+  assert_int_equal(gpupool_name_unpublish(c, "copy-in"), 0);
+  for (int i = 0; i < 3; i++)
+    assert_int_equal(gpupool_buffer_release(b[i], NULL), 0);
+  gpupool_client_disconnect(c);
+}
+
 int main(void) {
   return TS_RUN_TESTS(setup, teardown, test_fsdp_to_tp, test_tp_to_tp, test_casts, test_bad_targets, test_merge_strides_relayout, test_pending_limits, test_waiter_woken, test_rank_dies,
-                      test_reader_killed, test_thousand_refits);
+                      test_reader_killed, test_thousand_refits, test_copy_in_many);
 }
