@@ -387,7 +387,9 @@ static void keep_timer_arm(gpd_registry *reg);
 /* Drop a kept share: its buffer loses the keep's reference (and goes if that was the last). */
 static void keep_drop(gpd_registry *reg, gpd_keep *k) {
   gpd_uid_usage *u = gpd_uid_usage_get(reg, k->tenant, 0);
-  gpd_client *maker = gpupool__hmap_get(&reg->clients, k->client_id);
+  gpd_client *maker = k->client_id ? gpupool__hmap_get(&reg->clients, k->client_id) : NULL;
+  if (reg->keep && !reg->stopped)
+    reg->keep->share_gone(reg, k->id);
   if (k->prev)
     k->prev->next = k->next;
   else
@@ -449,6 +451,29 @@ void gpd_keeps_close(gpd_registry *reg) {
   uv_close((uv_handle_t *)&reg->keep_timer, NULL);
 }
 
+/* Into the list by expiry: almost always at its end (share_keep_ms after now), before it for
+ * one made after a restart with a shorter share_keep_ms than a restored one's. */
+static void keep_link(gpd_registry *reg, gpd_keep *k) {
+  gpd_keep *at = reg->keeps_tail;
+  while (at && at->expires_ns > k->expires_ns)
+    at = at->prev;
+  k->prev = at;
+  k->next = at ? at->next : reg->keeps_head;
+  if (k->next)
+    k->next->prev = k;
+  else
+    reg->keeps_tail = k;
+  if (at)
+    at->next = k;
+  else
+    reg->keeps_head = k;
+  if (!at && reg->keep_timer_on) { /* a new head: the timer may be set for a later one */
+    uv_timer_stop(&reg->keep_timer);
+    reg->keep_timer_on = 0;
+  }
+  keep_timer_arm(reg);
+}
+
 static int keep_new(gpd_registry *reg, gpd_client *c, gpd_hold *h, gpd_keep **out) {
   gpd_uid_usage *u = gpd_uid_usage_get(reg, c->tenant, 1);
   gpd_keep *k;
@@ -478,14 +503,33 @@ static int keep_new(gpd_registry *reg, gpd_client *c, gpd_hold *h, gpd_keep **ou
   u->holds++;
   c->nkept++;
   k->buf->refs++;
-  k->prev = reg->keeps_tail;
-  if (reg->keeps_tail)
-    reg->keeps_tail->next = k;
-  else
-    reg->keeps_head = k;
-  reg->keeps_tail = k;
-  keep_timer_arm(reg);
+  keep_link(reg, k);
+  if (reg->keep)
+    reg->keep->share_kept(reg, k);
   *out = k;
+  return 0;
+}
+
+int gpd_keep_restore(gpd_registry *reg, uint64_t id, gpd_buffer *b, const uint8_t secret[16], int read_only,
+                     uint64_t tenant, uint64_t expires_ns) {
+  gpd_uid_usage *u = gpd_uid_usage_get(reg, tenant, 1);
+  gpd_keep *k;
+  if (!u || !(k = calloc(1, sizeof *k)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  k->id = id;
+  k->buf = b;
+  memcpy(k->secret, secret, sizeof k->secret);
+  k->read_only = read_only;
+  k->tenant = tenant;
+  k->client_id = 0; /* its maker's connection went with the previous daemon */
+  k->expires_ns = expires_ns;
+  if (gpupool__hmap_put(&reg->keeps, k->id, k) != 0) {
+    free(k);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  }
+  u->holds++;
+  b->refs++;
+  keep_link(reg, k);
   return 0;
 }
 

@@ -420,7 +420,7 @@ struct gpd_registry {
   uv_timer_t sweep_timer;
   int sweep_timer_on;
   gpupool__hmap keeps;       /* id -> gpd_keep */
-  gpd_keep *keeps_head, *keeps_tail; /* by expiry (share_keep_ms is fixed until restart) */
+  gpd_keep *keeps_head, *keeps_tail; /* by expiry (restored ones among them) */
   uv_timer_t keep_timer;
   int keep_timer_on;
   int memory_returned;       /* set when a range or slab came back; the server retries waiters */
@@ -473,6 +473,9 @@ struct gpd_keep_ops {
   void (*buffer_changed)(gpd_registry *reg, gpd_buffer *b);
   void (*client_changed)(gpd_registry *reg, gpd_client *c);
   void (*client_gone)(gpd_registry *reg, gpd_client *c, gpd_lease *lease, int waiting);
+  /* A kept share made (its token may be opened after a restart), or gone (opened, expired). */
+  void (*share_kept)(gpd_registry *reg, const gpd_keep *k);
+  void (*share_gone)(gpd_registry *reg, uint64_t id);
 };
 
 int gpd_registry_init(gpd_registry *reg, uv_loop_t *loop, const gpd_config *cfg,

@@ -76,6 +76,10 @@ static inline void gpd_buffer_replaced(gpd_registry *reg, gpd_buffer *b) {
 void gpd_keeps_init(gpd_registry *reg);
 void gpd_keeps_stop(gpd_registry *reg);
 void gpd_keeps_close(gpd_registry *reg);
+/* A kept share of a previous daemon's (state.c's restore): on buffer b, with its id, secret,
+ * kind and expiry (CLOCK_MONOTONIC ns, as gpd_now_ns), counted as a hold of tenant. */
+int gpd_keep_restore(gpd_registry *reg, uint64_t id, gpd_buffer *b, const uint8_t secret[16], int read_only,
+                     uint64_t tenant, uint64_t expires_ns);
 
 /* leases.c: the leases of closed connections */
 void gpd_lease_unref(gpd_lease *l);

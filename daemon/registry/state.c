@@ -212,7 +212,7 @@ static void journal_add(gpd_state *st, uint32_t op, uint64_t id, const char *key
  * replaces any record of that key) or its key alone (a delete). */
 enum {
   OP_SLAB = 1, OP_SLAB_DEL, OP_LAYOUT, OP_LAYOUT_DEL, OP_BUFFER, OP_BUFFER_DEL, OP_NAME, OP_NAME_DEL,
-  OP_LEASE, OP_LEASE_DEL,
+  OP_LEASE, OP_LEASE_DEL, OP_KEEP, OP_KEEP_DEL, /* (format 3) */
   OP_CLIENT = 100 /* (the journal's own: a client whose lease record is written as it is then) */
 };
 
@@ -350,10 +350,21 @@ static void keep_client_gone(gpd_registry *reg, gpd_client *c, gpd_lease *lease,
   journal_add_blob(st, OP_LEASE, lease->store_id, NULL, blob, st->len);
 }
 
+static void keep_share_kept(gpd_registry *reg, const gpd_keep *k) {
+  if (reg->state && reg->state->format >= 3)
+    journal_add(reg->state, OP_KEEP, k->id, NULL);
+}
+
+static void keep_share_gone(gpd_registry *reg, uint64_t id) {
+  if (reg->state && reg->state->format >= 3)
+    journal_add(reg->state, OP_KEEP_DEL, id, NULL);
+}
+
 /* How the registry's files report to the state (reg->keep) without calling up into it. */
 static const struct gpd_keep_ops keep_ops = {
     keep_slab_new,    keep_slab_gone,      keep_lease_new,      keep_lease_gone, keep_name_changed,
-    keep_buffer_gone, keep_layout_gone,    keep_buffer_changed, keep_client_changed, keep_client_gone};
+    keep_buffer_gone, keep_layout_gone,    keep_buffer_changed, keep_client_changed, keep_client_gone,
+    keep_share_kept,  keep_share_gone};
 
 /* ---- writing --------------------------------------------------------------------------- */
 
@@ -483,6 +494,17 @@ static void put_client_lease(gpd_state *st, const gpd_client *c, int closing) {
       put64(st, c->mapped.slots[k].ikey);
 }
 
+/* A kept share: its token's id and secret, its buffer, kind, tenant and expiry (CLOCK_MONOTONIC,
+ * which a restart on the same boot keeps counting; the store does not outlive a reboot). */
+static void put_keep(gpd_state *st, const gpd_keep *k) {
+  put64(st, k->id);
+  put64(st, k->buf->id);
+  put(st, k->secret, sizeof k->secret);
+  put32(st, (uint32_t)k->read_only);
+  put64(st, k->tenant);
+  put64(st, k->expires_ns);
+}
+
 static void build(gpd_state *st) {
   gpd_registry *reg = st->reg;
   uint64_t n;
@@ -590,6 +612,16 @@ static void build(gpd_state *st) {
     n++;
   }
   count_set(st, at, n);
+  /* Kept shares (format 3). */
+  if (st->format >= 3) {
+    at = count_at(st);
+    n = 0;
+    for (const gpd_keep *k = reg->keeps_head; k; k = k->next) {
+      put_keep(st, k);
+      n++;
+    }
+    count_set(st, at, n);
+  }
 }
 
 static void maybe_crash(gpd_state *st, long step) {
@@ -795,6 +827,15 @@ static void build_delta(gpd_state *st) {
         put_buffer_with(st, b, &em);
       else if (indexed && pend.len < reg->npending)
         st->oom = 1;
+      continue;
+    }
+    if (e->op == OP_KEEP) {
+      const gpd_keep *k = gpupool__hmap_get(&reg->keeps, e->id);
+      if (k) {
+        put_buffer_with(st, k->buf, &em);
+        put32(st, OP_KEEP);
+        put_keep(st, k);
+      } /* (else gone already: its OP_KEEP_DEL follows in the journal) */
       continue;
     }
     if (e->op == OP_SLAB) {
@@ -1039,8 +1080,8 @@ void gpd_state_describe(const gpd_registry *reg, char *buf, size_t len) {
     at += (size_t)snprintf(buf + at, len - at, "; started empty");
   else
     at += (size_t)snprintf(buf + at, len - at, "; restored at start: %" PRIu64 " name(s), %" PRIu64
-                           " bytes, %" PRIu64 " lease(s) of earlier clients (%u still held)", in->names,
-                           in->bytes, in->leases, st->nbefore);
+                           " bytes, %" PRIu64 " lease(s) of earlier clients (%u still held), %" PRIu64
+                           " kept share(s)", in->names, in->bytes, in->leases, st->nbefore, in->keeps);
   if (at < len && (in->names_lost || in->slabs_lost || in->buffers_lost || in->why[0]))
     snprintf(buf + at, len - at, "; discarded: %" PRIu64 " name(s), %" PRIu64 " slab(s), %" PRIu64
              " buffer(s) (first: %s)", in->names_lost, in->slabs_lost, in->buffers_lost, in->why);
@@ -1253,7 +1294,7 @@ static int restore_slabs(gpd_state *st, rd *r) {
       discard(st, &st->info.slabs_lost, "slab %" PRIu64 " of pool '%s': its memory is not in the fd store", id, pname);
     else if (!p)
       discard(st, &st->info.slabs_lost, "slab %" PRIu64 ": pool '%s' is no longer configured", id, pname);
-    else if (id == 0 || id >= reg->next_id || gpupool__hmap_get(&reg->slabs, id) || dedicated > 1 ||
+    else if (id == 0 || id > reg->next_id || gpupool__hmap_get(&reg->slabs, id) || dedicated > 1 ||
              kept > GPD_PLACE_ALLOC)
       discard(st, &st->info.slabs_lost, "slab %" PRIu64 " of pool '%s': its record does not check out", id, pname);
     else if ((rc = gpd_slab_adopt(reg, p, id, fd, size, (int)dedicated, owner, &s)) != 0)
@@ -1294,7 +1335,7 @@ static int restore_layouts(gpd_state *st, rd *r, gpupool__hmap *ids) {
     gpd_member *m;
     gpd_layout *l;
     int ok = 1;
-    if (r->bad || nm > r->left / 28 || nbufs == 0 || nm == 0 || id == 0 || id >= reg->next_id) {
+    if (r->bad || nm > r->left / 28 || nbufs == 0 || nm == 0 || id == 0 || id > reg->next_id) {
       r->bad = 1;
       break;
     }
@@ -1375,7 +1416,7 @@ static int restore_buffers(gpd_state *st, rd *r, gpupool__hmap *layouts) {
               slab_id);
       continue;
     }
-    if (tmp.id == 0 || tmp.id >= reg->next_id || gpupool__hmap_get(&reg->buffers, tmp.id) || tmp.size == 0 ||
+    if (tmp.id == 0 || tmp.id > reg->next_id || gpupool__hmap_get(&reg->buffers, tmp.id) || tmp.size == 0 ||
         tmp.asked > tmp.size || tmp.offset >= s->bs.size || tmp.size > s->bs.size - tmp.offset ||
         (layout_id && !gpupool__hmap_get(layouts, layout_id)) ||
         (s->alloc ? gpupool__alloc_take(s->alloc, tmp.offset, tmp.size) != 0
@@ -1642,6 +1683,37 @@ static int check_header(const uint8_t *m, size_t size, const char *magic, uint64
   return 0;
 }
 
+static int restore_keeps(gpd_state *st, rd *r) {
+  gpd_registry *reg = st->reg;
+  uint64_t n = get_count(r, 52), now = gpd_now_ns();
+  for (uint64_t i = 0; i < n && !r->bad; i++) {
+    uint8_t secret[16];
+    uint64_t id = get64(r), bid = get64(r), tenant, expires;
+    uint32_t ro;
+    gpd_buffer *b;
+    get(r, secret, sizeof secret);
+    ro = get32(r);
+    tenant = get64(r);
+    expires = get64(r);
+    if (r->bad)
+      break;
+    b = gpupool__hmap_get(&reg->buffers, bid);
+    if (expires <= now)
+      st->info.keeps_expired++; /* (share_keep_ms passed while no daemon ran: as if expired here) */
+    else if (!b)
+      discard(st, NULL, "kept share %" PRIu64 ": its buffer %" PRIu64 " was not restored", id, bid);
+    else if (id == 0 || id > reg->next_id || gpupool__hmap_get(&reg->keeps, id) ||
+             gpupool__hmap_get(&reg->buffers, id) || ro > 1)
+      discard(st, NULL, "kept share %" PRIu64 " of buffer %" PRIu64 ": its record does not check out (%s)", id, bid,
+              id == 0 || id > reg->next_id ? "an id out of range" : ro > 1 ? "an unknown kind" : "a duplicate id");
+    else if (gpd_keep_restore(reg, id, b, secret, (int)ro, tenant, expires) != 0)
+      r->bad = 1; /* out of memory */
+    else
+      st->info.keeps++;
+  }
+  return r->bad ? -1 : 0;
+}
+
 static int restore(gpd_state *st, const uint8_t *payload, uint64_t plen) {
   gpd_registry *reg = st->reg;
   gpupool__hmap layouts;
@@ -1651,13 +1723,13 @@ static int restore(gpd_state *st, const uint8_t *payload, uint64_t plen) {
 
   if (r.bad || next_id == 0 || next_id > UINT64_MAX / 2)
     return -1;
-  /* Every id the state names is below next_id; new ones continue above. */
+  /* Every id the state names is at most next_id (the last one issued); new ones continue above. */
   if (next_id > reg->next_id)
     reg->next_id = next_id;
   gpupool__hmap_init(&layouts);
   if (restore_slabs(st, &r) != 0 || restore_layouts(st, &r, &layouts) != 0 ||
       restore_buffers(st, &r, &layouts) != 0 || restore_names(st, &r, &layouts) != 0 ||
-      restore_leases(st, &r) != 0)
+      restore_leases(st, &r) != 0 || (st->info.format >= 3 && restore_keeps(st, &r) != 0))
     rc = -1;
   if (rc != 0)
     discard(st, NULL, "the state's records end early or do not check out; what was read before is kept");
@@ -1744,9 +1816,14 @@ static void skip_lease(rd *r) {
   skip(r, get_count(r, 8) * 8);
 }
 
-/* The sections a delta's records go to, in the state's order. */
-enum { SEC_SLAB, SEC_LAYOUT, SEC_BUFFER, SEC_NAME, SEC_LEASE, NSEC };
-static void (*const skip_rec[NSEC])(rd *) = {skip_slab, skip_layout, skip_buffer, skip_name, skip_lease};
+static void skip_keep(rd *r) { skip(r, 8 + 8 + 16 + 4 + 8 + 8); }
+
+/* The sections a delta's records go to, in the state's order (SEC_KEEP: format 3). */
+enum { SEC_SLAB, SEC_LAYOUT, SEC_BUFFER, SEC_NAME, SEC_LEASE, SEC_KEEP, NSEC };
+static void (*const skip_rec[NSEC])(rd *) = {skip_slab, skip_layout, skip_buffer, skip_name, skip_lease, skip_keep};
+
+/* The sections a state of format fmt has. */
+static int nsec_of(uint32_t fmt) { return fmt >= 3 ? NSEC : SEC_KEEP; }
 
 /* What the deltas say of each key: the last record put (n > 0) or deleted (n 0). */
 typedef struct {
@@ -1815,7 +1892,7 @@ static int delta_ops(merge_t *mg, const uint8_t *p, size_t n, int apply) {
     uint32_t op = get32(&r);
     const uint8_t *at = r.p;
     int sec = (int)(op - 1) / 2, put_op = op % 2;
-    if (r.bad || op < OP_SLAB || op > OP_LEASE_DEL)
+    if (r.bad || op < OP_SLAB || op > OP_KEEP_DEL)
       return -1;
     if (put_op)
       skip_rec[sec](&r);
@@ -1839,7 +1916,7 @@ static int merge_emit(gpd_state *st, const merge_t *mg, const uint8_t *payload, 
   st->len = 0;
   st->oom = 0;
   put64(st, next_id > mg->next_id ? next_id : mg->next_id);
-  for (int sec = 0; sec < NSEC; sec++) {
+  for (int sec = 0; sec < nsec_of(st->info.format); sec++) {
     uint64_t n = get_count(&r, 8), kept = 0;
     size_t at = count_at(st);
     const gpupool__map *m = sec == SEC_NAME ? &mg->names : &mg->ids[sec];
@@ -2173,11 +2250,13 @@ int gpd_state_init(gpd_registry *reg) {
   if (st->info.found)
     GPUPOOL__INFO("restored state %" PRIu64 " (format %u) and %" PRIu64 " delta(s) after it in %.1f ms: %" PRIu64
                   " name(s), %" PRIu64 " byte(s) in %"
-                  PRIu64 " slab(s), %" PRIu64 " lease(s) of earlier clients; discarded: %" PRIu64 " name(s), %" PRIu64
+                  PRIu64 " slab(s), %" PRIu64 " lease(s) of earlier clients, %" PRIu64 " kept share(s) (%" PRIu64
+                  " more expired meanwhile); discarded: %" PRIu64 " name(s), %" PRIu64
                   " slab(s), %" PRIu64 " buffer(s), %" PRIu64 " fd(s) no state named%s%s",
                   st->info.generation, st->info.format, st->info.deltas_restored, st->info.restore_ns / 1e6,
                   st->info.names, st->info.bytes,
-                  st->info.slabs, st->info.leases, st->info.names_lost, st->info.slabs_lost, st->info.buffers_lost,
+                  st->info.slabs, st->info.leases, st->info.keeps, st->info.keeps_expired, st->info.names_lost,
+                  st->info.slabs_lost, st->info.buffers_lost,
                   st->info.fds_dropped, st->info.why[0] ? "; first reason: " : "",
                   st->info.why);
   else if (n > 0)

@@ -16,8 +16,10 @@
 
 /* The format the state is written in; a daemon reads every format up to its own. */
 /* 1: whole states only. 2: the same whole state, and deltas that follow it (gpd.delta.G.N):
- * a daemon of format 1 would miss the changes they hold, so it must refuse such a store. */
-#define GPD_STATE_FORMAT 2
+ * a daemon of format 1 would miss the changes they hold, so it must refuse such a store.
+ * 3: kept shares (tokens in flight that open after a restart): a section after the leases,
+ * and their records in deltas; a daemon of format 2 would drop them, so it refuses it. */
+#define GPD_STATE_FORMAT 3
 
 /* What the start found and did, for the log, STATUS= and `gpupoolctl status`. */
 typedef struct {
@@ -26,7 +28,8 @@ typedef struct {
   int found;                /* a state was found */
   uint64_t generation;      /* of the state restored */
   uint32_t format;          /* its format */
-  uint64_t names, bytes, slabs, leases, buffers; /* restored */
+  uint64_t names, bytes, slabs, leases, buffers, keeps; /* restored (keeps: kept shares) */
+  uint64_t keeps_expired;   /* kept shares that expired while no daemon ran */
   uint64_t names_lost, slabs_lost, buffers_lost, fds_dropped; /* discarded */
   char why[256];            /* the first reason something was discarded */
   uint64_t restore_ns;      /* how long the restore took */

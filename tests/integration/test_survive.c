@@ -381,6 +381,130 @@ static void test_holds_released_after_restart(void **state) {
   th_stop(&D);
 }
 
+/* Kept shares are tokens in flight (a tensor pickled into a queue): they open after a crash
+ * of the daemon as before it, read-only ones read-only, each once; one opened before the crash
+ * does not open again; those made after the restart (written as deltas) survive the next crash;
+ * one whose share_keep_ms passes is gone, whether it passed while no daemon ran or after. */
+static void test_kept_shares_survive(void **state) {
+  gpupool_client *p, *q, *r;
+  gpupool_buffer *a, *b, *ro, *got, *late;
+  gpupool_token ta, tb, tc, td, te;
+  uint64_t used = 1;
+  pid_t c;
+  uint64_t end = th_now_ms() + 5000;
+  (void)state;
+  th_write_conf(&D, "[daemon]\nshare_keep_ms = 4000\n");
+  th_start(&D, 1, "--supervise", "--pool", POOL, NULL);
+  while (!(c = child_of(D.pid)) && th_now_ms() < end)
+    th_sleep_ms(5);
+  assert_true(c > 0);
+  p = th_connect(&D, "producer");
+  q = th_connect(&D, "reader");
+  /* A: shared kept, then released by its maker: only the kept share holds it. */
+  assert_int_equal(gpupool_buffer_alloc(p, NULL, 50000, 0, NULL, &a), 0);
+  th_fill(gpupool_buffer_ptr(a), 11, 50000);
+  assert_int_equal(gpupool_buffer_share_kept(a, NULL, &ta), 0);
+  /* B: published; the reader's read-only hold shared kept. */
+  assert_int_equal(gpupool_buffer_alloc(p, NULL, 30000, 0, NULL, &b), 0);
+  th_fill(gpupool_buffer_ptr(b), 22, 30000);
+  assert_int_equal(gpupool_buffer_publish(b, "kb", NULL, NULL, NULL), 0);
+  assert_int_equal(gpupool_buffer_get(q, "kb", 0, 0, GPUPOOL_READ_ONLY, NULL, &ro, NULL), 0);
+  assert_int_equal(gpupool_buffer_share_kept(ro, NULL, &tb), 0);
+  /* C: opened before the crash. */
+  assert_int_equal(gpupool_buffer_share_kept(a, NULL, &tc), 0);
+  assert_int_equal(gpupool_buffer_open(q, &tc, 0, NULL, &got), 0);
+  assert_int_equal(gpupool_buffer_release(got, NULL), 0);
+  /* E: short-lived relative to the downtime below. */
+  assert_int_equal(gpupool_buffer_share_kept(b, NULL, &te), 0);
+  assert_int_equal(gpupool_buffer_release(a, NULL), 0);
+  assert_int_equal(gpupool_buffer_release(b, NULL), 0);
+  assert_int_equal(gpupool_buffer_release(ro, NULL), 0);
+  gpupool_client_disconnect(q);
+  th_sleep_ms(250); /* written */
+  c = crash(c);
+
+  r = th_connect(&D, "opener");
+  if (gpupool_buffer_open(r, &ta, 0, NULL, &got) != 0) {
+    th_dump_log(&D);
+    fail_msg("a kept share made before the crash does not open after it: %s", gpupool_last_error());
+  }
+  assert_false(gpupool_buffer_read_only(got));
+  assert_true(th_check(gpupool_buffer_ptr(got), 11, 50000));
+  assert_int_equal(gpupool_buffer_release(got, NULL), 0);
+  assert_int_not_equal(gpupool_buffer_open(r, &ta, 0, NULL, &got), 0); /* once */
+  assert_int_not_equal(gpupool_buffer_open(r, &tc, 0, NULL, &got), 0); /* opened before */
+  assert_int_equal(gpupool_buffer_open(r, &tb, 0, NULL, &got), 0);
+  assert_true(gpupool_buffer_read_only(got));
+  assert_true(th_check(gpupool_buffer_ptr(got), 22, 30000));
+  assert_int_equal(gpupool_buffer_release(got, NULL), 0);
+  {
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "grep -q 'lease(s) of earlier clients, 3 kept share(s)' %s", D.log);
+    if (system(cmd) != 0) {
+      th_dump_log(&D);
+      fail_msg("the log does not say that 3 kept shares were restored");
+    }
+  }
+
+  /* D: made after the restart (a delta on the state the restart wrote), then a second crash. */
+  assert_int_equal(gpupool_buffer_get(p, "kb", 0, 0, 0, NULL, &late, NULL), 0);
+  assert_int_equal(gpupool_buffer_share_kept(late, NULL, &td), 0);
+  assert_int_equal(gpupool_buffer_release(late, NULL), 0);
+  th_sleep_ms(250);
+  c = crash(c);
+  assert_int_equal(gpupool_buffer_open(r, &td, 0, NULL, &got), 0);
+  assert_true(th_check(gpupool_buffer_ptr(got), 22, 30000));
+  assert_int_equal(gpupool_buffer_release(got, NULL), 0);
+  /* E expires 4 s after it was made, restored or not. */
+  th_sleep_ms(4200);
+  assert_int_not_equal(gpupool_buffer_open(r, &te, 0, NULL, &got), 0);
+
+  assert_int_equal(gpupool_name_unpublish(p, "kb"), 0);
+  for (int i = 0; i < 250; i++) {
+    used = pool_used(r);
+    if (used == 0)
+      break;
+    th_sleep_ms(20);
+  }
+  assert_int_equal(used, 0);
+  gpupool_client_disconnect(r);
+  gpupool_client_disconnect(p);
+  th_stop(&D);
+}
+
+/* A state of format 2 (before kept shares), with deltas after it, is read by this daemon: a
+ * daemon writing format 2 (GPUPOOL_TEST_STATE_FORMAT=2, as the previous release did) publishes,
+ * holds and shares, crashes, and the next one restores every name from the older format. */
+static pid_t start_env(const char *const *env);
+static void log_has(const char *pattern);
+
+static void test_older_format_read(void **state) {
+  static const char *const env[] = {"GPUPOOL_TEST_STATE_FORMAT", "2", NULL};
+  gpupool_client *p, *r;
+  gpupool_buffer *h;
+  gpupool_token t;
+  pid_t c = start_env(env);
+  (void)state;
+  p = th_connect(&D, "producer");
+  publish(p, 0, 1);
+  th_sleep_ms(400); /* a whole state, compacted */
+  publish(p, 1, 1); /* and deltas after it */
+  publish(p, 0, 2);
+  assert_int_equal(gpupool_buffer_alloc(p, NULL, 5000, 0, NULL, &h), 0);
+  assert_int_equal(gpupool_buffer_share_kept(h, NULL, &t), 0); /* (format 2 cannot keep it) */
+  th_sleep_ms(50);
+  c = crash(c);
+  log_has("restored state [0-9]+ \\(format 2\\) and [1-9][0-9]* delta\\(s\\) after it in [0-9.]+ ms: 2 name\\(s\\)");
+  r = th_connect(&D, "reader");
+  check_name(r, 0, 2);
+  check_name(r, 1, 1);
+  assert_int_equal(gpupool_buffer_release(h, NULL), 0);
+  gpupool_client_disconnect(r);
+  gpupool_client_disconnect(p);
+  (void)c;
+  th_stop(&D);
+}
+
 /* Crash after crash, each with a new version: nothing leaks in the store or the daemon. */
 static void test_crash_cycles(void **state) {
   int cycles = env_int("GPUPOOL_TEST_SURVIVE_CYCLES", 15), base = 0;
@@ -538,7 +662,7 @@ static void test_newer_state_refused(void **state) {
   D.pid = 0;
   assert_true(WIFEXITED(status));
   assert_int_equal(WEXITSTATUS(status), 2);
-  snprintf(cmd, sizeof cmd, "grep -q 'in format 99, written by a newer gpupoold; this one .* reads formats up to 2' %s",
+  snprintf(cmd, sizeof cmd, "grep -q 'in format 99, written by a newer gpupoold; this one .* reads formats up to 3' %s",
            D.log);
   assert_int_equal(system(cmd), 0);
 }
@@ -622,7 +746,7 @@ static void test_deltas_replayed(void **state) {
   snprintf(last, sizeof last, "n%d", N - 1);
   assert_int_equal(gpupool_name_unpublish(p, last), 0);
   daemon = crash(daemon);
-  log_has("restored state [0-9]+ \\(format 2\\) and [1-9][0-9]* delta\\(s\\) after it");
+  log_has("restored state [0-9]+ \\(format 3\\) and [1-9][0-9]* delta\\(s\\) after it");
   snprintf(cmd, sizeof cmd, "grep -o 'restored state .* in [0-9.]* ms: [0-9]* name(s)' %s | tail -n 1", D.log);
   if (system(cmd) != 0)
     fail_msg("the daemon's log does not say what it restored");
@@ -728,7 +852,7 @@ static void test_delta_damaged_or_missing(void **state) {
     else
       log_has("delta [0-9]+\\.[0-9]+ of the state: its checksum does not match .*; the changes it and any later delta "
               "hold are discarded, the [0-9]+ before it are kept");
-    log_has("restored state [0-9]+ \\(format 2\\) and [1-9][0-9]* delta\\(s\\) after it");
+    log_has("restored state [0-9]+ \\(format 3\\) and [1-9][0-9]* delta\\(s\\) after it");
     r = th_connect(&D, "reader");
     check_name(r, 0, 1);
     for (int i = 1; i < N; i++) {
@@ -763,7 +887,7 @@ static void test_delta_range_reused(void **state) {
   th_fill(gpupool_buffer_ptr(b), name_seed(1, 1), name_size(0));
   publish_held(b, 1, 1);
   daemon = crash(daemon);
-  log_has("restored state [0-9]+ \\(format 2\\) and 3 delta\\(s\\) after it .* discarded: 0 name\\(s\\), 0 "
+  log_has("restored state [0-9]+ \\(format 3\\) and 3 delta\\(s\\) after it .* discarded: 0 name\\(s\\), 0 "
           "slab\\(s\\), 0 buffer\\(s\\)");
   r = th_connect(&D, "reader");
   {
@@ -923,7 +1047,8 @@ static void test_deltas_compacted(void **state) {
 }
 
 int main(void) {
-  return TS_RUN_TESTS(setup, teardown, test_crash_keeps_names, test_holds_released_after_restart, test_crash_cycles, test_crash_inside_state_write,
+  return TS_RUN_TESTS(setup, teardown, test_crash_keeps_names, test_holds_released_after_restart, test_kept_shares_survive,
+                      test_older_format_read, test_crash_cycles, test_crash_inside_state_write,
                       test_discard_piece_by_piece, test_newer_state_refused, test_deltas_replayed,
                       test_crash_inside_delta_write, test_delta_damaged_or_missing, test_delta_range_reused,
                       test_delta_closed_connection_pins, test_deltas_compacted,
