@@ -92,12 +92,6 @@ int gpupool__backend_pool_finish(const gpupool__backend_desc *d, gpupool__pool_c
     return gpupool__err(GPUPOOL_ECONFIG, "pool '%s' asks for %s memory, which %s", p->name,
                         kind_name(p->kind), d->refuse_kind(p->kind));
   }
-  if (p->survive && !d->every_pool_survives && p->kind != GPUPOOL_MEM_DEVICE) {
-    *key = "survive";
-    return gpupool__err(GPUPOOL_ECONFIG, "pool '%s': survive=yes on the %s backend is built for kind=device only "
-                        "(%s slabs cannot outlive the daemon yet): remove survive or use kind=device", p->name,
-                        d->name, kind_name(p->kind));
-  }
   if (p->survive && !d->every_pool_survives &&
       (p->release_threshold >= 0 || p->reuse_follow_event_deps >= 0 || p->reuse_allow_opportunistic >= 0 ||
        p->reuse_allow_internal_deps >= 0)) {

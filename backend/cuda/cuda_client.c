@@ -170,7 +170,7 @@ static int cuda_pool_import(int fd, gpupool_mem_kind kind, int device, uint64_t 
                             gpupool__cpool **out) {
   if (fd < 0) {
     /* A survive=yes pool: no pool-wide fd, each slab comes with its own. */
-    if (kind != GPUPOOL_MEM_DEVICE)
+    if (kind != GPUPOOL_MEM_DEVICE && kind != GPUPOOL_MEM_HOST_NUMA)
       return gpupool__err(GPUPOOL_EPROTO, "the daemon sent no fd for a CUDA pool of memory kind %d", (int)kind);
     gpupool__cpool *v = calloc(1, sizeof(*v));
     if (!v)
@@ -386,7 +386,8 @@ static int cuda_slab_map(gpupool__cpool *p, const uint8_t *export_data, size_t e
       close(fd);
       return gpupool__err(GPUPOOL_ENOMEM, "out of memory recording a mapped slab");
     }
-    rc = gpupool__vmm_import(fd, p->device, mapped, 0, p->access, p->naccess, &v->va);
+    rc = gpupool__vmm_import(fd, p->device, p->kind == GPUPOOL_MEM_HOST_NUMA, mapped, 0, p->access, p->naccess,
+                             &v->va);
     close(fd); /* the mapping holds the memory */
     if (rc != 0) {
       free(v);

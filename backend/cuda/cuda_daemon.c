@@ -299,9 +299,6 @@ static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cf
       return gpupool__err(GPUPOOL_ECONFIG, "pool \"%s\": kind=host-numa needs numa=<node>",
                           cfg->name);
   }
-  if (cfg->survive && cfg->kind != GPUPOOL_MEM_DEVICE)
-    return gpupool__err(GPUPOOL_ENOTSUP, "pool \"%s\": survive=yes is built for kind=device only: host-numa "
-                        "slabs cannot outlive the daemon yet; remove survive= or use kind=device", cfg->name);
   if ((rc = dev_stream(st, cfg->device, &stream)) < 0)
     return rc;
 
@@ -323,7 +320,8 @@ static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cf
                         "stream-ordered pools, which a survive=yes pool does not use: remove them", cfg->name);
       goto fail;
     }
-    if ((rc = gpupool__vmm_granularity(cfg->device, &p->gran)) != 0) {
+    p->numa = cfg->kind == GPUPOOL_MEM_HOST_NUMA ? cfg->numa_node : -1;
+    if ((rc = gpupool__vmm_granularity(cfg->device, p->numa, &p->gran)) != 0) {
       gpupool__error why;
       gpupool__error_take(&why, rc);
       rc = gpupool__err(rc, "pool \"%s\": %s", cfg->name, why.msg);
@@ -334,9 +332,9 @@ static int cuda_pool_create(gpupool__backend *be, const gpupool__pool_config *cf
       st->event_dev = cfg->device;
       st->event_dev_fixed = 1;
     }
-    GPUPOOL__DEBUG("cuda: pool \"%s\" created on device %d, max %llu MiB, surviving slabs (granularity %llu KiB)",
-                   cfg->name, cfg->device, (unsigned long long)(cfg->capacity >> 20),
-                   (unsigned long long)(p->gran >> 10));
+    GPUPOOL__DEBUG("cuda: pool \"%s\" created on %s %d, max %llu MiB, surviving slabs (granularity %llu KiB)",
+                   cfg->name, p->numa < 0 ? "device" : "NUMA node", p->numa < 0 ? cfg->device : p->numa,
+                   (unsigned long long)(cfg->capacity >> 20), (unsigned long long)(p->gran >> 10));
     *out = p;
     return 0;
   }
@@ -517,7 +515,7 @@ static int vslab_alloc(gpupool__bpool *p, uint64_t size, uint64_t filled, gpupoo
 
   if ((rc = vslab_room(p, mapped)) != 0 || (rc = dev_stream(p->st, p->device, &stream)) < 0)
     return rc;
-  if ((rc = gpupool__vmm_create(p->device, mapped, p->copy_access, &fd, &va)) != 0)
+  if ((rc = gpupool__vmm_create(p->device, p->numa, mapped, p->copy_access, &fd, &va)) != 0)
     return rc;
   (void)fcntl(fd, F_SETFD, FD_CLOEXEC);
   /* Fresh physical memory may hold what another process freed: clear it before anyone sees
@@ -587,7 +585,7 @@ static int cuda_slab_adopt(gpupool__bpool *p, int fd, uint64_t size, gpupool__bs
   mapped = gpupool__vmm_round(size, p->gran);
   if ((rc = vslab_room(p, mapped)) != 0)
     return rc;
-  if ((rc = gpupool__vmm_import(fd, p->device, mapped, p->copy_access, NULL, 0, &va)) != 0)
+  if ((rc = gpupool__vmm_import(fd, p->device, p->numa >= 0, mapped, p->copy_access, NULL, 0, &va)) != 0)
     return rc;
   (void)fcntl(fd, F_SETFD, FD_CLOEXEC);
   if ((rc = vslab_add(p, va, size, mapped, fd, out)) != 0) {

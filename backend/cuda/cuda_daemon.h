@@ -62,6 +62,7 @@ struct gpupool__bpool {
   /* survive=yes: no stream-ordered pool; each slab is its own cuMemCreate allocation with an
    * exported fd (vmm.h), fd is -1 and clients map slabs from their fds. */
   int vmm;
+  int numa;                      /* vmm: the NUMA node of a host-NUMA pool, -1 for device memory */
   uint64_t gran;                 /* allocation granularity: slabs are mapped rounded up to it */
   uint64_t capacity, reserved, reserved_high; /* bytes mapped in slabs (bounded here) */
   struct gpupool__cuda_vslab *vslabs; /* this pool's slabs, for access given later */

@@ -99,27 +99,30 @@ static void leave(int device, int prev) {
     (void)cudaGetLastError();
 }
 
-static void device_prop(CUmemAllocationProp *prop, int device) {
+/* Device memory of device (numa < 0), or pinned host memory of NUMA node numa. */
+static void alloc_prop(CUmemAllocationProp *prop, int device, int numa) {
   memset(prop, 0, sizeof *prop);
   prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop->location.id = device;
+  prop->location.type = numa < 0 ? CU_MEM_LOCATION_TYPE_DEVICE : CU_MEM_LOCATION_TYPE_HOST_NUMA;
+  prop->location.id = numa < 0 ? device : numa;
   prop->requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
 }
 
-int gpupool__vmm_granularity(int device, uint64_t *out) {
+int gpupool__vmm_granularity(int device, int numa, uint64_t *out) {
   CUmemAllocationProp prop;
   size_t g = 0;
   CUresult r;
   int rc, prev = -1;
   if ((rc = gpupool__vmm_load()) != 0 || (rc = enter(device, &prev)) != 0)
     return rc;
-  device_prop(&prop, device);
+  alloc_prop(&prop, device, numa);
   r = api.granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
   leave(device, prev);
   if (r != CUDA_SUCCESS)
-    return fail(GPUPOOL_ENOTSUP, r, "cuMemGetAllocationGranularity (POSIX-fd device memory)", device,
-                "this device cannot make memory exportable as a POSIX fd: remove survive=yes from the pool");
+    return fail(GPUPOOL_ENOTSUP, r, numa < 0 ? "cuMemGetAllocationGranularity (POSIX-fd device memory)"
+                                             : "cuMemGetAllocationGranularity (POSIX-fd host-NUMA memory)", device,
+                "this device (or driver, for host-NUMA memory: CUDA 12.2 or newer) cannot make such memory "
+                "exportable as a POSIX fd: remove survive=yes from the pool");
   if (g == 0 || (g & (g - 1)))
     return gpupool__err(GPUPOOL_EBACKEND, "CUDA device %d reports an allocation granularity of %zu bytes", device, g);
   *out = g;
@@ -142,10 +145,24 @@ static int grant(CUdeviceptr va, uint64_t size, int device) {
   return 0;
 }
 
-/* Map handle at a new address range with access for device, the bits of access and devs;
- * the handle stays the caller's. With device current. */
-static int map_handle(CUmemGenericAllocationHandle h, int device, uint64_t size, uint64_t access, const int *devs,
-                      int ndevs, void **out) {
+/* The CPU's access to pinned host memory mapped at va (the id of a HOST_NUMA access location
+ * is ignored). */
+static int grant_cpu(CUdeviceptr va, uint64_t size) {
+  CUmemAccessDesc d;
+  CUresult r;
+  memset(&d, 0, sizeof d);
+  d.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+  d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  r = api.set_access(va, (size_t)size, &d, 1);
+  if (r != CUDA_SUCCESS)
+    return fail(GPUPOOL_EBACKEND, r, "cuMemSetAccess (the CPU, on host-NUMA memory)", -1, NULL);
+  return 0;
+}
+
+/* Map handle at a new address range with access for device, the bits of access and devs (and
+ * the CPU for host memory); the handle stays the caller's. With device current. */
+static int map_handle(CUmemGenericAllocationHandle h, int device, int host, uint64_t size, uint64_t access,
+                      const int *devs, int ndevs, void **out) {
   CUdeviceptr va = 0;
   CUresult r;
   int rc;
@@ -159,7 +176,7 @@ static int map_handle(CUmemGenericAllocationHandle h, int device, uint64_t size,
               "the memory is smaller than its record says, or not device memory of this GPU");
     goto out_free;
   }
-  if ((rc = grant(va, size, device)) != 0)
+  if ((rc = grant(va, size, device)) != 0 || (host && (rc = grant_cpu(va, size)) != 0))
     goto out_unmap;
   for (int d = 0; d < 64; d++)
     if (d != device && (access & (1ull << d)) && (rc = grant(va, size, d)) != 0)
@@ -177,7 +194,7 @@ out_free:
   return rc;
 }
 
-int gpupool__vmm_create(int device, uint64_t size, uint64_t access, int *fd, void **va) {
+int gpupool__vmm_create(int device, int numa, uint64_t size, uint64_t access, int *fd, void **va) {
   CUmemAllocationProp prop;
   CUmemGenericAllocationHandle h = 0;
   CUresult r;
@@ -187,12 +204,13 @@ int gpupool__vmm_create(int device, uint64_t size, uint64_t access, int *fd, voi
   *va = NULL;
   if ((rc = gpupool__vmm_load()) != 0 || (rc = enter(device, &prev)) != 0)
     return rc;
-  device_prop(&prop, device);
+  alloc_prop(&prop, device, numa);
   r = api.create(&h, (size_t)size, &prop, 0);
   if (r != CUDA_SUCCESS) {
-    rc = fail(r == CUDA_ERROR_OUT_OF_MEMORY ? GPUPOOL_ENOSPC : GPUPOOL_EBACKEND, r, "cuMemCreate", device,
-              r == CUDA_ERROR_OUT_OF_MEMORY ? "the device is out of memory; free buffers or lower the pool's capacity"
-                                            : NULL);
+    rc = fail(r == CUDA_ERROR_OUT_OF_MEMORY ? GPUPOOL_ENOSPC : GPUPOOL_EBACKEND, r,
+              numa < 0 ? "cuMemCreate" : "cuMemCreate (host-NUMA memory)", device,
+              r == CUDA_ERROR_OUT_OF_MEMORY ? "out of memory; free buffers or lower the pool's capacity"
+              : numa >= 0 ? "check that the NUMA node exists and has free memory" : NULL);
     goto out;
   }
   r = api.export_fd(&out_fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
@@ -200,7 +218,7 @@ int gpupool__vmm_create(int device, uint64_t size, uint64_t access, int *fd, voi
     rc = fail(GPUPOOL_EBACKEND, r, "cuMemExportToShareableHandle", device, "check the open-files limit (ulimit -n)");
     goto out_release;
   }
-  if ((rc = map_handle(h, device, size, access, NULL, 0, va)) != 0) {
+  if ((rc = map_handle(h, device, numa >= 0, size, access, NULL, 0, va)) != 0) {
     close(out_fd);
     goto out_release;
   }
@@ -213,7 +231,7 @@ out:
   return rc;
 }
 
-int gpupool__vmm_import(int fd, int device, uint64_t size, uint64_t access, const int *devs, int ndevs,
+int gpupool__vmm_import(int fd, int device, int host, uint64_t size, uint64_t access, const int *devs, int ndevs,
                         void **va) {
   CUmemGenericAllocationHandle h = 0;
   CUresult r;
@@ -229,7 +247,7 @@ int gpupool__vmm_import(int fd, int device, uint64_t size, uint64_t access, cons
               "(in a container, share the host's /dev/nvidia*)");
     goto out;
   }
-  rc = map_handle(h, device, size, access, devs, ndevs, va);
+  rc = map_handle(h, device, host, size, access, devs, ndevs, va);
   (void)api.release(h);
 out:
   leave(device, prev);

@@ -23,18 +23,20 @@
 
 /* 0 when the driver has the calls (once per process), else GPUPOOL_ENOTSUP with why. */
 int gpupool__vmm_load(void);
-/* Allocation granularity of device memory on device (bytes, a power of two). */
-int gpupool__vmm_granularity(int device, uint64_t *out);
+/* Allocation granularity (bytes, a power of two) of device memory of device (numa < 0), or of
+ * pinned host memory of NUMA node numa served to device. */
+int gpupool__vmm_granularity(int device, int numa, uint64_t *out);
 uint64_t gpupool__vmm_round(uint64_t size, uint64_t gran);
 
-/* Daemon: make size bytes (a multiple of the granularity) on device, exported as *fd,
- * mapped at *va with read/write access for device and for every device in access (a bit
- * per device, devices below 64). ENOSPC when the device is out of memory. */
-int gpupool__vmm_create(int device, uint64_t size, uint64_t access, int *fd, void **va);
+/* Daemon: make size bytes (a multiple of the granularity) on device (numa < 0) or of pinned
+ * memory of NUMA node numa, exported as *fd, mapped at *va with read/write access for device
+ * and for every device in access (a bit per device, devices below 64), and for the CPU when
+ * it is host memory. ENOSPC when out of memory. */
+int gpupool__vmm_create(int device, int numa, uint64_t size, uint64_t access, int *fd, void **va);
 /* Import fd (not taken) of an allocation of at least size bytes and map size bytes of it at
  * *va with read/write access for device and the devices in access (a bit per device) and
- * devs[0..ndevs). */
-int gpupool__vmm_import(int fd, int device, uint64_t size, uint64_t access, const int *devs,
+ * devs[0..ndevs), and for the CPU when host (pinned host memory). */
+int gpupool__vmm_import(int fd, int device, int host, uint64_t size, uint64_t access, const int *devs,
                         int ndevs, void **va);
 /* Give device read/write access to the size bytes mapped at va. */
 int gpupool__vmm_access(void *va, uint64_t size, int device);
