@@ -25,7 +25,7 @@ def _install_spec(spec):
     install(copy=spec[0], cpu=spec[1], pool=spec[2], fallback=spec[3], socket=spec[4])
 
 
-def _open_message(spec, tokens, offs, sizes, devs, payload, whole=None):
+def _open_message(spec, tokens, offs, sizes, devs, payload, whole=None, tix=None):
     # A message makes several objects per storage that all stay (holds, storages, tensors):
     # every few hundred start a collection, and with thousands of storages several of them
     # are full ones, over every object of the process (torch's many): three quarters of the
@@ -35,13 +35,13 @@ def _open_message(spec, tokens, offs, sizes, devs, payload, whole=None):
     if paused:
         gc.disable()
     try:
-        return _open(spec, tokens, offs, sizes, devs, payload, whole)
+        return _open(spec, tokens, offs, sizes, devs, payload, whole, tix)
     finally:
         if paused:
             gc.enable()
 
 
-def _open(spec, tokens, offs, sizes, devs, payload, whole):
+def _open(spec, tokens, offs, sizes, devs, payload, whole, tix):
     if _S.opts is None:
         # A child unpickling its first gpupool tensor: it sends as its parent does.
         _install_spec(spec)
@@ -51,29 +51,35 @@ def _open(spec, tokens, offs, sizes, devs, payload, whole):
     # The receiver's current stream waits on the ready events; with one device, the C library
     # makes it wait as it opens (no stream bookkeeping per storage).
     s = torch.cuda.current_stream(next(iter(cuda))).cuda_stream if len(cuda) == 1 else None
-    holds = []
     T = _lib.TOKEN_SIZE
+    nt = len(tokens) // T
+    uniq = []    # a hold per token: per buffer of the message (tix[i]: storage i's)
+    holds = []
     t0 = time.perf_counter_ns() if _PROFILE else 0
     try:
-        for k in range(0, n, _BATCH_MAX):
-            holds += c._open_holds(tokens[k * T:(k + _BATCH_MAX) * T], False, s)
-        if len(holds) > 1:
+        for k in range(0, nt, _BATCH_MAX):
+            uniq += c._open_holds(tokens[k * T:(k + _BATCH_MAX) * T], False, s)
+        if len(uniq) > 1:
             # Let go of together: freeing the message's tensors costs one request, not one each.
-            g = _Group(c._conn, len(holds))
-            for h in holds:
+            g = _Group(c._conn, len(uniq))
+            for h in uniq:
                 h.group = g
+        holds = [uniq[j] for j in tix] if tix is not None else list(uniq)
         if t0:
             t0 = _step("receive: open", t0)
         if s is None:
-            for h in holds:
+            for h in uniq:
                 if h.kind == _lib.MEM_DEVICE:
                     h.used_in(torch.cuda.current_stream(h.cuda_device).cuda_stream)
         # Takes the holds out of the list; `made` has the tensors made whole from memory.
         storages, made = _storages_of(holds, offs, sizes, whole)
     finally:
-        for h in holds:
-            if h is not None:
-                h.release()  # a storage that could not be made: its hold goes
+        # A hold no storage took (none could be made): it goes now. One a storage took stays
+        # referenced by it (several storages may share one hold: a pack's).
+        taken = {id(uniq[tix[i]] if tix is not None else uniq[i]) for i in range(len(holds)) if holds[i] is None}
+        for h in uniq:
+            if id(h) not in taken:
+                h.release()
     if t0:
         t0 = _step("receive: storages", t0)
     prev = getattr(_tls, "received", None), getattr(_tls, "made", None)
@@ -147,8 +153,9 @@ def _storages_of(holds, offs, sizes, whole=None):
             st = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
             if st is not None:
                 storages[i] = st
-                h, holds[i] = holds[i], None
-                h.release()  # this process holds the buffer already, through that storage
+                # This process holds the buffer already, through that storage: the hold goes
+                # with its last reference (other storages of the message may share it).
+                holds[i] = None
                 continue
         new.append(i)
     # The storages' deleters drop the holds (each capsule keeps its hold referenced till then).

@@ -277,6 +277,44 @@ class _Message:
         return (_open_message, self.args)
 
 
+# A message's copies go into copy buffers of at most this many bytes each (one per device
+# and so many bytes; a storage larger than that gets one of its own), each storage at an offset
+# aligned to _PACK_ALIGN: a message of many storages is then a handful of buffers, each shared
+# once and opened once (one hold, one ready event), not one per storage.
+_PACK_MAX = 1 << 30
+_PACK_ALIGN = 256
+
+
+class _Span:
+    """What _copy_targets asks of a storage, for a pack of several: its device and size."""
+    __slots__ = ("device", "n")
+
+    def __init__(self, device, n):
+        self.device = device
+        self.n = n
+
+    def nbytes(self):
+        return self.n
+
+
+def _packs(copies, storages, sizes, devs):
+    """The copies (places in the message) grouped into packs: [its places, their offsets in
+    the pack, its size, its device], in the order given, a new pack once a device's is full."""
+    packs = []
+    cur = {}  # device -> the pack being filled
+    for i in copies:
+        p = cur.get(devs[i])
+        at = 0 if p is None else (p[2] + _PACK_ALIGN - 1) // _PACK_ALIGN * _PACK_ALIGN
+        if p is None or at + sizes[i] > _PACK_MAX:
+            p = cur[devs[i]] = [[], [], 0, storages[i].device]
+            packs.append(p)
+            at = 0
+        p[0].append(i)
+        p[1].append(at)
+        p[2] = at + sizes[i]
+    return packs
+
+
 def _send_batch(batch, payload):
     opts = _S.opts
     c = _client()
@@ -296,22 +334,23 @@ def _send_batch(batch, payload):
         else:
             copies.append(i)
     t0 = time.perf_counter_ns() if _PROFILE else 0
-    entries = _copy_targets(c, [storages[i] for i in copies]) if copies else []
+    packs = _packs(copies, storages, sizes, devs) if copies else []
+    entries = _copy_targets(c, [_Span(dev, total) for _, _, total, dev in packs]) if packs else []
     if t0:
         t0 = _step("send: find and pick buffers", t0)
     try:
-        # All of a device's copies in one call, on its current stream (the share records the
-        # ready events there): the library puts those within the GPU through its gather
-        # kernel, a launch per 255 storages, instead of a torch copy_ (and its Python) each.
-        per_dev = {}
-        for i, e in zip(copies, entries):
-            bufs[i] = e.hold.buf
-            per_dev.setdefault(devs[i], []).append(i)
-        for d, idx in per_dev.items():
+        # Each pack's copies in one call, on its device's current stream (the share records
+        # the ready event there): the library runs those within the GPU in its gather kernel,
+        # a launch per 255 storages, instead of a torch copy_ (and its Python) each.
+        lib = c._lib
+        for (idx, poffs, _, _), e in zip(packs, entries):
             m = len(idx)
-            lib = c._lib
+            d = devs[idx[0]]
+            for i, o in zip(idx, poffs):
+                bufs[i] = e.hold.buf
+                offs[i] = o
             _lib.check(lib.gpupool_buffer_copy_in_many(
-                (_lib.BufferP * m)(*[bufs[i] for i in idx]), (ctypes.c_uint64 * m)(),
+                (_lib.BufferP * m)(*([e.hold.buf] * m)), (ctypes.c_uint64 * m)(*poffs),
                 (ctypes.c_void_p * m)(*[storages[i].data_ptr() for i in idx]),
                 (ctypes.c_size_t * m)(*[sizes[i] for i in idx]), m,
                 torch.cuda.current_stream(d).cuda_stream if d >= 0 else None,
@@ -319,19 +358,22 @@ def _send_batch(batch, payload):
         # The copies and whatever else the stream holds are waited for here, once, by the
         # thread that pickles (a Queue's feeder thread): an idle stream records no ready
         # events, so the receiver waits on none (an inter-process event wait costs ~0.1 ms
-        # per buffer even once complete; a state dict has hundreds).
+        # per buffer even once complete).
         for d in {x for x in devs if x >= 0}:
             st = torch.cuda.current_stream(d)
             if not st.query():
                 st.synchronize()
         if t0:
             t0 = _step("send: copies done", t0)
-        # One request per device (the ready events are recorded in its current stream), and
-        # per _BATCH_MAX storages. The first also asks which kept copy buffers nobody holds
-        # any more, so that the next message writes them without asking.
+        # Each buffer shared once, however many storages of the message lie in it (a pack's,
+        # the blocks of one use_allocator() segment): tix[i] is the token of storage i. One
+        # request per device (the ready events are recorded in its current stream), and per
+        # _BATCH_MAX buffers. The first also asks which kept copy buffers nobody holds any
+        # more, so that the next message writes them without asking.
         # A request names buffers of one client: use_allocator()'s storages are buffers of
         # the allocator's own client.
-        tokens = [None] * n
+        tokens = []
+        tix = [0] * n
         ask = _ask_idle(entries)
         mine = ctypes.cast(c._conn.handle, ctypes.c_void_p).value
         if _S.alloc_lib is None:
@@ -340,28 +382,35 @@ def _send_batch(batch, payload):
             who = c._lib.gpupool_buffer_client
             owner = [ctypes.cast(who(b), ctypes.c_void_p).value for b in bufs]
         for d, o in sorted(set(zip(devs, owner))):
-            idx = [i for i in range(n) if devs[i] == d and owner[i] == o]
             s = torch.cuda.current_stream(d).cuda_stream if d >= 0 else None
-            for k in range(0, len(idx), _BATCH_MAX):
-                part = idx[k:k + _BATCH_MAX]
+            uniq, where = [], {}
+            for i in range(n):
+                if devs[i] != d or owner[i] != o:
+                    continue
+                k = ctypes.cast(bufs[i], ctypes.c_void_p).value
+                j = where.get(k)
+                if j is None:
+                    j = where[k] = len(uniq)
+                    uniq.append(bufs[i])
+                tix[i] = len(tokens) + j
+            for k in range(0, len(uniq), _BATCH_MAX):
+                part = uniq[k:k + _BATCH_MAX]
                 # Each asked buffer by the hold _ask_idle took with it: another thread's
                 # _copies_done may drop the entry's own reference meanwhile.
                 asked = [a for a in ask if a[2].buf is not None] if o == mine else []
-                blob, idle = c._share_kept_many([bufs[i] for i in part], s,
-                                                [h.buf for _, _, h in asked])
+                blob, idle = c._share_kept_many(part, s, [h.buf for _, _, h in asked])
                 if o == mine:
                     ask = []
                 with _S.lock:
                     for (e, used, _), ok in zip(asked, idle):
                         if not e.busy and e.used == used:  # not sent meanwhile by another thread
                             e.idle = ok
-                for j, i in enumerate(part):
-                    tokens[i] = blob[j * _lib.TOKEN_SIZE:(j + 1) * _lib.TOKEN_SIZE]
+                tokens += [blob[j * _lib.TOKEN_SIZE:(j + 1) * _lib.TOKEN_SIZE] for j in range(len(part))]
         if t0:
             t0 = _step("send: share request", t0)
     finally:
         _copies_done(entries)
-    return _Message((opts.spec(), b"".join(tokens), offs, sizes, devs, payload, batch.whole()))
+    return _Message((opts.spec(), b"".join(tokens), offs, sizes, devs, payload, batch.whole(), tix))
 
 
 def _ask_idle(entries):
