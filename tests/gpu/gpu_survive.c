@@ -3,7 +3,7 @@
  * fds, kept in gpupoold --supervise's fd store, and taken over by the daemon started after a
  * kill -9 of the one that made them.
  *
- *   gpupool_gpu_survive GPUPOOLD crash|cycles
+ *   gpupool_gpu_survive GPUPOOLD crash|bundle|cycles
  *
  * crash   A producer publishes names (GPUPOOL_TEST_SURVIVE_BYTES in all, default 1 GiB, in
  *         names of at most 3.5 GiB; one name at version 2) filled by a kernel, and a reader
@@ -13,6 +13,8 @@
  *         lost, no lost names), a new version of a name goes on from the last one, and once
  *         everything is released the pool is empty and the GPU's free memory is back where it
  *         was before the names were made.
+ * bundle  The same with one bundle of 8 members holding all the bytes (a model's weights as one
+ *         version): version 2 held by a reader across the kill, the same after, 3 next.
  * cycles  20 crash-restart cycles, a 256 MiB name republished and held by a reader each time:
  *         every version bit-exact, versions increasing, nothing leaked at the end.
  *
@@ -306,6 +308,156 @@ out:
   return rc;
 }
 
+#define NMEM 8
+
+/* A bundle of NMEM members, each filled with seed + its index, made and published as name. */
+static int publish_bundle(gpupool_client *c, const char *name, uint64_t member, uint32_t seed, cudaStream_t s,
+                          uint64_t *v) {
+  gpupool_member_spec spec[NMEM];
+  char names[NMEM][16];
+  gpupool_bundle *b = NULL;
+  int rc, ce;
+  for (int k = 0; k < NMEM; k++) {
+    snprintf(names[k], sizeof names[k], "layer.%d", k);
+    spec[k] = (gpupool_member_spec){.name = names[k], .size = member, .meta = NULL};
+  }
+  if ((rc = gpupool_bundle_alloc(c, POOL, spec, NMEM, 0, 0, s, &b)) < 0)
+    return gp_fail("gpupool_bundle_alloc in the survive=yes pool", rc);
+  for (int k = 0; k < NMEM; k++) {
+    gpupool_member m;
+    if ((rc = gpupool_bundle_member(b, k, &m)) < 0 || (ce = gk_fill(m.ptr, (size_t)member, seed + (uint32_t)k, s)) != 0) {
+      (void)gpupool_bundle_release(b, s);
+      return rc < 0 ? gp_fail("gpupool_bundle_member", rc) : cu_fail("fill kernel", (cudaError_t)ce);
+    }
+  }
+  rc = gpupool_bundle_publish(b, name, s, v);
+  (void)gpupool_bundle_release(b, s);
+  return rc < 0 ? gp_fail("gpupool_bundle_publish", rc) : 0;
+}
+
+static int verify_bundle(const char *what, gpupool_bundle *b, uint64_t member, uint32_t seed, cudaStream_t s) {
+  if (gpupool_bundle_count(b) != NMEM)
+    return FAILF("%s: the bundle has %d members, not %d", what, gpupool_bundle_count(b), NMEM);
+  for (int k = 0; k < NMEM; k++) {
+    gpupool_member m;
+    int rc = gpupool_bundle_member(b, k, &m);
+    unsigned long long bad = 0;
+    int ce;
+    if (rc < 0)
+      return gp_fail("gpupool_bundle_member", rc);
+    if (m.size != member)
+      return FAILF("%s: member %d has %llu bytes, not %llu", what, k, (unsigned long long)m.size,
+                   (unsigned long long)member);
+    if ((ce = gk_count_mismatches(m.ptr, (size_t)member, seed + (uint32_t)k, s, &bad)) != 0)
+      return cu_fail(what, (cudaError_t)ce);
+    if (bad)
+      return FAILF("%s: member %d: %llu of %llu words differ from the pattern written", what, k, bad,
+                   (unsigned long long)member / 4);
+  }
+  return 0;
+}
+
+/* The same as crash with one bundle of NMEM members holding all the bytes (a model's weights
+ * as one version): at version 2 before the crash, read by a reader that keeps it, the same
+ * version after, 3 next. */
+static int check_bundle(cudaStream_t s) {
+  uint64_t total = env_u64("GPUPOOL_TEST_SURVIVE_BYTES", 1ull << 30), member = total / NMEM / 4 * 4, v = 0;
+  gpupool_client *p = NULL, *r = NULL, *n = NULL;
+  gpupool_bundle *held = NULL, *b = NULL;
+  size_t free_before = free_mem();
+  uint64_t t0, t_first;
+  pid_t child;
+  int rc = 1, e;
+
+  if ((e = gpupool_client_connect(D.sock, "bundle-producer", GPUPOOL_TIMEOUT_DEFAULT, &p)) < 0 ||
+      (e = gpupool_client_connect(D.sock, "bundle-reader", GPUPOOL_TIMEOUT_DEFAULT, &r)) < 0) {
+    gp_fail("gpupool_client_connect", e);
+    goto out;
+  }
+  if (publish_bundle(p, "survive/weights", member, 100, s, &v) != 0 ||
+      publish_bundle(p, "survive/weights", member, 200, s, &v) != 0)
+    goto out;
+  if (v != 2) {
+    FAILF("the second publish of the bundle made version %" PRIu64, v);
+    goto out;
+  }
+  if ((e = gpupool_bundle_get(r, "survive/weights", 0, 0, GPUPOOL_READ_ONLY, s, &held)) < 0) {
+    gp_fail("the reader's gpupool_bundle_get", e);
+    goto out;
+  }
+  if (verify_bundle("the reader, before the crash", held, member, 200, s) != 0)
+    goto out;
+  (void)cudaStreamSynchronize(s);
+  gh_sleep_ms(300); /* the state reaches the store */
+  if (!(child = gh_supervised_child(&D)) || kill(child, SIGKILL) != 0) {
+    FAILF("kill -9 of the daemon failed");
+    goto out;
+  }
+  t0 = gh_now_ns();
+  if (verify_bundle("the reader, daemon killed", held, member, 200, s) != 0)
+    goto out;
+  if (!gh_wait_restarted(&D, child, 60000)) {
+    FAILF("the supervisor did not start the daemon again within 60 s");
+    goto out;
+  }
+  if ((e = gpupool_client_connect(D.sock, "bundle-new", GPUPOOL_TIMEOUT_DEFAULT, &n)) < 0 ||
+      (e = gpupool_bundle_get(n, "survive/weights", 0, 0, GPUPOOL_READ_ONLY, s, &b)) < 0) {
+    gp_fail("a bundle get from the restarted daemon", e);
+    goto out;
+  }
+  t_first = gh_now_ns();
+  if (gpupool_bundle_version(b) != 2) {
+    FAILF("the bundle came back at version %" PRIu64 ", not 2", gpupool_bundle_version(b));
+    goto out;
+  }
+  if (verify_bundle("a new client after the restart", b, member, 200, s) != 0)
+    goto out;
+  printf("INFO: a bundle of %d members, %" PRIu64 " bytes: from the kill to the first get served %.1f ms\n", NMEM,
+         member * NMEM, (double)(t_first - t0) / 1e6);
+  (void)gpupool_bundle_release(b, s);
+  b = NULL;
+  {
+    gpupool_pool_stats ps; /* the reader's first request since the crash: its holds come back */
+    if (gh_pool_stats(r, POOL, &ps, NULL) < 0) {
+      FAILF("the reader's first request after the restart failed");
+      goto out;
+    }
+  }
+  for (int i = 0; i < gpupool_bundle_buffers(held); i++)
+    if (gpupool_buffer_lost(gpupool_bundle_buffer(held, i))) {
+      FAILF("the reader's hold on buffer %d of the bundle was lost across the restart", i);
+      goto out;
+    }
+  if (publish_bundle(p, "survive/weights", member, 300, s, &v) != 0)
+    goto out;
+  if (v != 3) {
+    FAILF("publishing the bundle after the restart made version %" PRIu64 ", not 3", v);
+    goto out;
+  }
+  if (verify_bundle("the reader's version 2 after version 3", held, member, 200, s) != 0)
+    goto out;
+  (void)gpupool_bundle_release(held, s);
+  held = NULL;
+  if ((e = gpupool_name_unpublish(p, "survive/weights")) < 0) {
+    gp_fail("gpupool_name_unpublish", e);
+    goto out;
+  }
+  (void)cudaStreamSynchronize(s);
+  rc = check_empty(n, free_before);
+out:
+  if (b)
+    (void)gpupool_bundle_release(b, s);
+  if (held)
+    (void)gpupool_bundle_release(held, s);
+  if (n)
+    gpupool_client_disconnect(n);
+  if (r)
+    gpupool_client_disconnect(r);
+  if (p)
+    gpupool_client_disconnect(p);
+  return rc;
+}
+
 static int check_cycles(cudaStream_t s) {
   const size_t bytes = 256u << 20;
   gpupool_client *p = NULL, *r = NULL;
@@ -389,10 +541,10 @@ int main(int argc, char **argv) {
   uint64_t total;
   int rc, st;
 
-  gh_driver_start(argc, argv, 3, "GPUPOOLD crash|cycles", 1, "a CUDA GPU");
+  gh_driver_start(argc, argv, 3, "GPUPOOLD crash|bundle|cycles", 1, "a CUDA GPU");
   check = argv[2];
-  if (strcmp(check, "crash") && strcmp(check, "cycles")) {
-    fprintf(stderr, "unknown check %s (crash, cycles)\n", check);
+  if (strcmp(check, "crash") && strcmp(check, "bundle") && strcmp(check, "cycles")) {
+    fprintf(stderr, "unknown check %s (crash, bundle, cycles)\n", check);
     return 2;
   }
   total = env_u64("GPUPOOL_TEST_SURVIVE_BYTES", 1ull << 30);
@@ -404,7 +556,7 @@ int main(int argc, char **argv) {
   snprintf(conf, sizeof conf,
            "[pool keep]\nkind = %s\ndevice = 0\nsurvive = yes\ncapacity = %" PRIu64 "\nslab_size = 256M\n"
            "keep_slabs = 0\n",
-           host ? "host-numa\nnuma = 0" : "device", (uint64_t)(total * 2 + (1ull << 30)));
+           host ? "host-numa\nnuma = 0" : "device", (uint64_t)(total * 3 + (1ull << 30)));
   if (cudaSetDevice(0) != cudaSuccess || cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess)
     return gh_verdict(1, check, "cannot make a stream on GPU 0");
   if (gh_daemon_start_supervised(&D, argv[1], conf) != 0) {
@@ -414,7 +566,7 @@ int main(int argc, char **argv) {
     }
     return gh_verdict(1, check, "gpupoold --supervise did not start with a survive=yes pool");
   }
-  rc = !strcmp(check, "crash") ? check_crash(s) : check_cycles(s);
+  rc = !strcmp(check, "crash") ? check_crash(s) : !strcmp(check, "bundle") ? check_bundle(s) : check_cycles(s);
   st = gh_daemon_stop(&D, rc != 0);
   if (rc == 0 && !(WIFEXITED(st) && WEXITSTATUS(st) == 0))
     return gh_verdict(1, check, "gpupoold --supervise did not exit cleanly on SIGTERM (wait status %d)", st);
