@@ -718,10 +718,14 @@ int gpupool_buffer_copy_in_many(gpupool_buffer *const *dst, const uint64_t *off,
       return gpupool__err(GPUPOOL_EINVAL, "copy_in_many: copy %d writes %zu bytes at offset %" PRIu64 " of a buffer "
                           "of %zu", i, len[i], off[i], gpupool_buffer_size(dst[i]));
   }
+  /* Host memory into host buffers (pinned host-NUMA ones too) by the CPU, now: a copy queued
+   * on a stream from pageable memory would be ordered with nothing the caller waits for. */
+#define BY_CPU(i) (gpupool_buffer_kind(dst[i]) == GPUPOOL_MEM_HOST || \
+                   (gpupool_buffer_kind(dst[i]) == GPUPOOL_MEM_HOST_NUMA && !(flags & GPUPOOL_COPY_SRC_ON_STREAM_DEVICE)))
   for (int i = 0; i < n; i++)
-    if (gpupool_buffer_kind(dst[i]) == GPUPOOL_MEM_HOST && len[i])
+    if (BY_CPU(i) && len[i])
       memcpy((char *)gpupool_buffer_ptr(dst[i]) + off[i], srcs[i], len[i]);
-    else if (gpupool_buffer_kind(dst[i]) != GPUPOOL_MEM_HOST)
+    else if (!BY_CPU(i))
       nops++;
   if (nops == 0)
     return 0;
@@ -730,7 +734,7 @@ int gpupool_buffer_copy_in_many(gpupool_buffer *const *dst, const uint64_t *off,
   nops = 0;
   for (int i = 0; i < n; i++) {
     gpupool__refit_op *o;
-    if (gpupool_buffer_kind(dst[i]) == GPUPOOL_MEM_HOST)
+    if (BY_CPU(i))
       continue;
     if (sdev == -2)
       sdev = (flags & GPUPOOL_COPY_SRC_ON_STREAM_DEVICE) ? gpupool__refit_stream_device(stream) : -1;
@@ -742,6 +746,7 @@ int gpupool_buffer_copy_in_many(gpupool_buffer *const *dst, const uint64_t *off,
     o->sk = o->dk = FK_NONE;
     o->gather = sdev >= 0 && gpupool_buffer_kind(dst[i]) == GPUPOOL_MEM_DEVICE && gpupool_buffer_device(dst[i]) == sdev;
   }
+#undef BY_CPU
   rc = gpupool__refit_copy_many(ops, nops, stream, &g);
   free(ops);
   if (rc == 0 && gathered)

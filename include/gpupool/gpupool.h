@@ -351,8 +351,9 @@ GPUPOOL_EXTERN int gpupool_buffer_alloc(gpupool_client *c, const char *pool, siz
 
 /* Copy into n buffers at once: len[i] bytes from src[i] to dst[i] at byte offset off[i] (the
  * ranges written must not overlap), the way a message's storages go into copy buffers. Host
- * buffers are written with memcpy before it returns (src must be host memory). Device buffers
- * are written in stream order on `stream`, in as few operations as the hardware allows: with
+ * buffers, and pinned host-NUMA ones without GPUPOOL_COPY_SRC_ON_STREAM_DEVICE, are written with
+ * memcpy before it returns (src must then be host memory). The others are written in stream
+ * order on `stream`, in as few operations as the hardware allows: with
  * GPUPOOL_COPY_SRC_ON_STREAM_DEVICE (the caller says every src lies in device memory of the
  * stream's device) those on the stream's device go through gpupool's gather kernel, up to 255
  * copies a launch, the rest one cudaMemcpyAsync each. A range past its buffer's end, a
