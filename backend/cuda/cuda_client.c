@@ -386,8 +386,8 @@ static int cuda_slab_map(gpupool__cpool *p, const uint8_t *export_data, size_t e
       close(fd);
       return gpupool__err(GPUPOOL_ENOMEM, "out of memory recording a mapped slab");
     }
-    rc = gpupool__vmm_import(fd, p->device, p->kind == GPUPOOL_MEM_HOST_NUMA, mapped, 0, p->access, p->naccess,
-                             &v->va);
+    rc = gpupool__vmm_import(fd, p->device, p->kind == GPUPOOL_MEM_HOST_NUMA ? GPUPOOL__VMM_ANY_NODE : GPUPOOL__VMM_DEVICE,
+                             mapped, 0, p->access, p->naccess, &v->va);
     close(fd); /* the mapping holds the memory */
     if (rc != 0) {
       free(v);
@@ -470,6 +470,13 @@ static int cuda_slab_unmap(gpupool__cpool *p, void *base, uint64_t size, void *p
       return 0; /* cannot happen: every mapping came from slab_map */
     *vp = v->next;
     e = cudaStreamSynchronize((cudaStream_t)stream);
+    if (!stream && e == cudaSuccess && push_device(p->device, &prev) == 0) {
+      /* The legacy stream is one per device: the caller's current device's, waited for above,
+       * and the slab's own device's, where work on it may be queued too. */
+      e = cudaStreamSynchronize(NULL);
+      pop_device(p->device, prev);
+    }
+    gpupool__err_clear();
     rc = gpupool__vmm_unmap(v->va, v->mapped);
     if (e != cudaSuccess) /* a failed stream runs nothing more on the slab: unmapped all the same */
       rc = gpupool__cuda_fail(GPUPOOL_EBACKEND, e, "cudaStreamSynchronize before unmapping a slab", p->device,

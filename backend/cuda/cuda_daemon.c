@@ -585,7 +585,8 @@ static int cuda_slab_adopt(gpupool__bpool *p, int fd, uint64_t size, gpupool__bs
   mapped = gpupool__vmm_round(size, p->gran);
   if ((rc = vslab_room(p, mapped)) != 0)
     return rc;
-  if ((rc = gpupool__vmm_import(fd, p->device, p->numa >= 0, mapped, p->copy_access, NULL, 0, &va)) != 0)
+  if ((rc = gpupool__vmm_import(fd, p->device, p->numa >= 0 ? p->numa : GPUPOOL__VMM_DEVICE, mapped, p->copy_access,
+                                NULL, 0, &va)) != 0)
     return rc;
   (void)fcntl(fd, F_SETFD, FD_CLOEXEC);
   if ((rc = vslab_add(p, va, size, mapped, fd, out)) != 0) {

@@ -24,6 +24,7 @@ static struct {
   CUresult (*unmap)(CUdeviceptr, size_t);
   CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
   CUresult (*granularity)(size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags);
+  CUresult (*props)(CUmemAllocationProp *, CUmemGenericAllocationHandle);
   CUresult (*error_name)(CUresult, const char **);
   CUresult (*error_string)(CUresult, const char **);
 } api;
@@ -46,6 +47,7 @@ static void load(void) {
       {"cuMemUnmap", (void **)&api.unmap},
       {"cuMemSetAccess", (void **)&api.set_access},
       {"cuMemGetAllocationGranularity", (void **)&api.granularity},
+      {"cuMemGetAllocationPropertiesFromHandle", (void **)&api.props},
       {"cuGetErrorName", (void **)&api.error_name},
       {"cuGetErrorString", (void **)&api.error_string},
   };
@@ -231,9 +233,10 @@ out:
   return rc;
 }
 
-int gpupool__vmm_import(int fd, int device, int host, uint64_t size, uint64_t access, const int *devs, int ndevs,
+int gpupool__vmm_import(int fd, int device, int numa, uint64_t size, uint64_t access, const int *devs, int ndevs,
                         void **va) {
   CUmemGenericAllocationHandle h = 0;
+  CUmemAllocationProp prop;
   CUresult r;
   int rc, prev = -1;
 
@@ -247,7 +250,20 @@ int gpupool__vmm_import(int fd, int device, int host, uint64_t size, uint64_t ac
               "(in a container, share the host's /dev/nvidia*)");
     goto out;
   }
-  rc = map_handle(h, device, host, size, access, devs, ndevs, va);
+  /* The memory must be where the pool says: a slab kept for a pool whose device (or kind, or
+   * NUMA node) was changed since would otherwise be served as what it is not. */
+  memset(&prop, 0, sizeof prop);
+  r = api.props(&prop, h);
+  if (r != CUDA_SUCCESS)
+    rc = fail(GPUPOOL_EBACKEND, r, "cuMemGetAllocationPropertiesFromHandle", device, NULL);
+  else if (numa == GPUPOOL__VMM_DEVICE ? prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop.location.id != device
+           : prop.location.type != CU_MEM_LOCATION_TYPE_HOST_NUMA || (numa >= 0 && prop.location.id != numa))
+    rc = gpupool__err(GPUPOOL_ENOTSUP, "the memory is %s %d, not %s %d as the pool is: was the pool's device, kind or "
+                      "NUMA node changed?", prop.location.type == CU_MEM_LOCATION_TYPE_DEVICE ? "on device" : "host memory of node",
+                      prop.location.id, numa == GPUPOOL__VMM_DEVICE ? "on device" : "host memory of node",
+                      numa == GPUPOOL__VMM_DEVICE ? device : numa);
+  else
+    rc = map_handle(h, device, numa != GPUPOOL__VMM_DEVICE, size, access, devs, ndevs, va);
   (void)api.release(h);
 out:
   leave(device, prev);

@@ -33,10 +33,15 @@ uint64_t gpupool__vmm_round(uint64_t size, uint64_t gran);
  * and for every device in access (a bit per device, devices below 64), and for the CPU when
  * it is host memory. ENOSPC when out of memory. */
 int gpupool__vmm_create(int device, int numa, uint64_t size, uint64_t access, int *fd, void **va);
-/* Import fd (not taken) of an allocation of at least size bytes and map size bytes of it at
- * *va with read/write access for device and the devices in access (a bit per device) and
- * devs[0..ndevs), and for the CPU when host (pinned host memory). */
-int gpupool__vmm_import(int fd, int device, int host, uint64_t size, uint64_t access, const int *devs,
+/* numa for gpupool__vmm_import: device memory of its device; host-NUMA memory of any node. */
+#define GPUPOOL__VMM_DEVICE (-1)
+#define GPUPOOL__VMM_ANY_NODE (-2)
+/* Import fd (not taken) of an allocation of at least size bytes, which must lie where numa
+ * says (GPUPOOL__VMM_DEVICE: on device; a node >= 0 or GPUPOOL__VMM_ANY_NODE: pinned host
+ * memory; else GPUPOOL_ENOTSUP), and map size bytes of it at *va with read/write access for
+ * device and the devices in access (a bit per device) and devs[0..ndevs), and for the CPU when
+ * it is host memory. */
+int gpupool__vmm_import(int fd, int device, int numa, uint64_t size, uint64_t access, const int *devs,
                         int ndevs, void **va);
 /* Give device read/write access to the size bytes mapped at va. */
 int gpupool__vmm_access(void *va, uint64_t size, int device);

@@ -514,8 +514,12 @@ int gpd_keep_restore(gpd_registry *reg, uint64_t id, gpd_buffer *b, const uint8_
                      uint64_t tenant, uint64_t expires_ns) {
   gpd_uid_usage *u = gpd_uid_usage_get(reg, tenant, 1);
   gpd_keep *k;
-  if (!u || !(k = calloc(1, sizeof *k)))
+  if (!u)
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  if (!(k = calloc(1, sizeof *k))) {
+    gpd_uid_usage_put(reg, u);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  }
   k->id = id;
   k->buf = b;
   memcpy(k->secret, secret, sizeof k->secret);
@@ -525,6 +529,7 @@ int gpd_keep_restore(gpd_registry *reg, uint64_t id, gpd_buffer *b, const uint8_
   k->expires_ns = expires_ns;
   if (gpupool__hmap_put(&reg->keeps, k->id, k) != 0) {
     free(k);
+    gpd_uid_usage_put(reg, u);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
   u->holds++;

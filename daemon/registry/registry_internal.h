@@ -91,7 +91,7 @@ int gpd_inst_new(gpd_registry *reg, gpd_pool *p, uint64_t owner, gpd_pinst **out
 void gpd_inst_destroy(gpd_registry *reg, gpd_pinst *in);
 void gpd_inst_maybe_destroy(gpd_registry *reg, gpd_pinst *in);
 void gpd_slab_destroy(gpd_registry *reg, gpd_slab *s);
-/* A slab of a previous daemon (state.c): fd (taken on success) holds its memory, id its id. */
+/* A slab of a previous daemon (state.c): fd (taken in every case) holds its memory, id its id. */
 int gpd_slab_adopt(gpd_registry *reg, gpd_pool *p, uint64_t id, int fd, uint64_t size, int dedicated,
                    uint64_t owner, gpd_slab **out);
 void gpd_slab_try_release(gpd_registry *reg, gpd_slab *s);

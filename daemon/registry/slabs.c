@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "errors.h"
 #include "list.h"
@@ -218,15 +219,20 @@ static int slab_new(gpd_registry *reg, gpd_pool *p, uint64_t size, int dedicated
 
 int gpd_slab_adopt(gpd_registry *reg, gpd_pool *p, uint64_t id, int fd, uint64_t size, int dedicated,
                    uint64_t owner, gpd_slab **out) {
+  int rc;
   if (!reg->be->ops->slab_adopt)
-    return gpupool__err(GPUPOOL_EBACKEND, "the %s backend cannot take over a slab", reg->be->desc->name);
-  if (!dedicated && size != p->cfg.slab_size)
-    return gpupool__err(GPUPOOL_EINVAL, "a regular slab of %" PRIu64 " bytes, but the pool's slab_size is now %"
-                        PRIu64 " bytes", size, p->cfg.slab_size);
-  return slab_make(reg, p, size, dedicated, 0, owner, id, fd, out);
+    rc = gpupool__err(GPUPOOL_EBACKEND, "the %s backend cannot take over a slab", reg->be->desc->name);
+  else if (!dedicated && size != p->cfg.slab_size)
+    rc = gpupool__err(GPUPOOL_EINVAL, "a regular slab of %" PRIu64 " bytes, but the pool's slab_size is now %"
+                      PRIu64 " bytes", size, p->cfg.slab_size);
+  else
+    return slab_make(reg, p, size, dedicated, 0, owner, id, fd, out); /* (takes fd in every case) */
+  close(fd);
+  return rc;
 }
 
-/* adopt_fd >= 0: the slab is a previous daemon's (gpd_slab_adopt), with that id. */
+/* adopt_fd >= 0: the slab is a previous daemon's (gpd_slab_adopt), with that id; adopt_fd is
+ * taken in every case (the backend's once it adopted it, closed here before that). */
 static int slab_make(gpd_registry *reg, gpd_pool *p, uint64_t size, int dedicated, uint64_t filled, uint64_t owner,
                      uint64_t id, int adopt_fd, gpd_slab **out) {
   gpd_pinst *in = inst_find(p, owner);
@@ -235,19 +241,30 @@ static int slab_make(gpd_registry *reg, gpd_pool *p, uint64_t size, int dedicate
   int rc;
 
   /* The capacity bounds what every owner's backend pool keeps, together. */
-  if (p->held - (in ? in->held : 0) + held_with(reg, p, in, size) > p->cfg.capacity)
+  if (p->held - (in ? in->held : 0) + held_with(reg, p, in, size) > p->cfg.capacity) {
+    if (adopt_fd >= 0)
+      close(adopt_fd);
     return GPUPOOL_ENOSPC;
-  if (!in && (rc = gpd_inst_new(reg, p, owner, &in)) != 0)
+  }
+  if (!in && (rc = gpd_inst_new(reg, p, owner, &in)) != 0) {
+    if (adopt_fd >= 0)
+      close(adopt_fd);
     return rc;
+  }
   s = calloc(1, sizeof *s);
   if (!s) {
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+    if (adopt_fd >= 0)
+      close(adopt_fd);
     goto fail;
   }
   rc = adopt_fd >= 0 ? reg->be->ops->slab_adopt(in->bp, adopt_fd, size, &s->bs)
                      : reg->be->ops->slab_alloc(in->bp, size, filled, &s->bs);
-  if (rc != 0)
+  if (rc != 0) {
+    if (adopt_fd >= 0)
+      close(adopt_fd); /* (the backend takes it on success only) */
     goto fail;
+  }
   if (!dedicated) {
     rc = gpupool__alloc_new(s->bs.size, &s->alloc);
     if (rc != 0) {

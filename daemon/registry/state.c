@@ -1297,10 +1297,13 @@ static int restore_slabs(gpd_state *st, rd *r) {
     else if (id == 0 || id > reg->next_id || gpupool__hmap_get(&reg->slabs, id) || dedicated > 1 ||
              kept > GPD_PLACE_ALLOC)
       discard(st, &st->info.slabs_lost, "slab %" PRIu64 " of pool '%s': its record does not check out", id, pname);
-    else if ((rc = gpd_slab_adopt(reg, p, id, fd, size, (int)dedicated, owner, &s)) != 0)
+    else if ((rc = gpd_slab_adopt(reg, p, id, fd, size, (int)dedicated, owner, &s)) != 0) {
       discard(st, &st->info.slabs_lost, "slab %" PRIu64 " of pool '%s' (%" PRIu64 " bytes): %s", id, pname, size,
               gpupool__errmsg());
-    else {
+      store_remove(st, "slab", id); /* (the fd went with the refusal) */
+      st->nstored++;
+      fd = -1;
+    } else {
       fd = -1; /* the slab's now */
       s->kept = (int)kept;
       s->stored = 1;
