@@ -277,11 +277,13 @@ class _Message:
         return (_open_message, self.args)
 
 
-# A message's copies go into copy buffers of at most this many bytes each (one per device
-# and so many bytes; a storage larger than that gets one of its own), each storage at an offset
-# aligned to _PACK_ALIGN: a message of many storages is then a handful of buffers, each shared
-# once and opened once (one hold, one ready event), not one per storage.
-_PACK_MAX = 1 << 30
+# A message's copies go into copy buffers (packs) of at most _PACK_MAX bytes each, one per
+# device and so many bytes, each storage at an offset aligned to _PACK_ALIGN: a message of many
+# storages is then a handful of buffers, each shared once and opened once (one hold, one ready
+# event), not one per storage. A storage above _PACK_ALONE gets a buffer of its own: a receiver
+# that keeps one tensor of a message keeps its whole pack, which stays small that way.
+_PACK_MAX = 256 << 20
+_PACK_ALONE = 64 << 20
 _PACK_ALIGN = 256
 
 
@@ -303,6 +305,9 @@ def _packs(copies, storages, sizes, devs):
     packs = []
     cur = {}  # device -> the pack being filled
     for i in copies:
+        if sizes[i] > _PACK_ALONE:
+            packs.append([[i], [0], sizes[i], storages[i].device])
+            continue
         p = cur.get(devs[i])
         at = 0 if p is None else (p[2] + _PACK_ALIGN - 1) // _PACK_ALIGN * _PACK_ALIGN
         if p is None or at + sizes[i] > _PACK_MAX:

@@ -664,7 +664,7 @@ class Batching(TorchTestCase):
         msg = [torch.full((64 + i,), float(i)) for i in range(146)]
         try:
             with gpupool.Client(self.daemon.socket, name="packs") as c:
-                for pack_max, packs in ((1 << 30, 1), (16 << 10, None)):
+                for pack_max, packs in ((256 << 20, 1), (16 << 10, None)):
                     send._PACK_MAX = pack_max
                     b0, h0 = c.stats()["buffers"], c.stats()["holds"]
                     q.put(msg)
@@ -694,7 +694,7 @@ class Batching(TorchTestCase):
                         q.put("drop")
                         self.assertEqual(r.get(timeout=60), "dropped")
         finally:
-            send._PACK_MAX = 1 << 30
+            send._PACK_MAX = 256 << 20
             q.put("stop")
         p.join(60)
         self.assertEqual(p.exitcode, 0)
