@@ -30,7 +30,10 @@
 #                               skipped without it) and bench/torch_floor.py (what a
 #                               Python reducer's torch calls cost per tensor): tables
 #                               appended, and written to $OUT/torch-data-table.md and
-#                               $OUT/torch-queue-table.md.
+#                               $OUT/torch-queue-table.md. Then gpupool_survive_bench
+#                               (survive=yes pools against stream-ordered ones; kill -9 to
+#                               the first served get with SURVIVE_GB GiB, default 32),
+#                               bench/torch_train_step.py and bench/torch_ipc_deadlock.py.
 #   tools/gpu-bench.sh multi    On a GPU machine with two GPUs or more (four for the whole
 #                               broadcast): prints `nvidia-smi topo -m`, then runs
 #                               build-gpu/bench/gpupool_copy_bench peer, staged and broadcast
@@ -208,6 +211,26 @@ run_bench() {
   append_part "$rc" "$ftable" torch-floor "Per-tensor floor" "$log" "torch_floor: SKIP: " \
     bench/torch_floor.py
 
+  # Surviving pools (survive=yes): their cost against stream-ordered pools, and kill -9 to the
+  # first served get with SURVIVE_GB GiB (default 32) and with 10,000 names. Then a training
+  # step under use_allocator() and test_cuda_ipc_deadlock's pattern (both skipped without
+  # torch and transformers). Their tables as they print them.
+  stable=$(mktemp)
+  set +e
+  GPUPOOL_BENCH_SURVIVE_GB="${SURVIVE_GB:-32}" "$build/bench/gpupool_survive_bench" "$daemon" all 2>&1 |
+    tee -a "$log" | grep '^|' > "$stable"
+  rc=${PIPESTATUS[0]}
+  for py in bench/torch_train_step.py bench/torch_ipc_deadlock.py; do
+    [ "$rc" = 0 ] || break
+    "${PYTHON:-python3}" -c 'import torch, transformers' 2>/dev/null || { echo "gpu-bench.sh: $py skipped (no torch or transformers)"; continue; }
+    GPUPOOL_LIBRARY="$PWD/$build/client/libgpupool-client.so" \
+      "${PYTHON:-python3}" "$py" --gpupoold "$daemon" 2>&1 | tee -a "$log" | grep '^|' >> "$stable"
+    rc=${PIPESTATUS[0]}
+  done
+  set -e
+  append_part "$rc" "$stable" survive "Surviving pools, a training step, the IPC deadlock pattern" "$log" \
+    "SKIP: " gpupool_survive_bench
+
   echo
   cat "$table"
   if [ -n "${OUT:-}" ]; then
@@ -223,7 +246,7 @@ run_bench() {
     [ ! -s "$dtable" ] || cp "$dtable" "$OUT/torch-data-table.md"
     [ ! -s "$qtable" ] || cp "$qtable" "$OUT/torch-queue-table.md"
   fi
-  rm -f "$log" "$table" "$ptable" "$plog" "$wtable" "$dtable" "$qtable"
+  rm -f "$log" "$table" "$ptable" "$plog" "$wtable" "$dtable" "$qtable" "$stable"
 }
 
 # Several GPUs: the copy engine and NCCL's broadcast (issue 24).
