@@ -32,6 +32,15 @@ def use_library(library, gpupoold):
         os.environ["GPUPOOL_LIBRARY"] = lib
 
 
+def use_alloc_library():
+    """Point $GPUPOOL_TORCH_ALLOC_LIBRARY (unless set) at libgpupool-torch-alloc.so next to
+    $GPUPOOL_LIBRARY, for the benchmarks that run gpupool.torch.use_allocator()."""
+    lib = os.environ.get("GPUPOOL_LIBRARY", "")
+    alloc_lib = os.path.join(os.path.dirname(lib), "libgpupool-torch-alloc.so")
+    if lib and os.path.exists(alloc_lib):
+        os.environ.setdefault("GPUPOOL_TORCH_ALLOC_LIBRARY", alloc_lib)
+
+
 def pool_spec(cuda, dev_index, capacity, slab):
     """The pool "bench": device memory of GPU dev_index, or host memory when not cuda."""
     if cuda:

@@ -18,7 +18,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import arg_parser, percentile, pool_spec, use_library  # noqa: E402
+from _common import arg_parser, percentile, pool_spec, use_alloc_library, use_library  # noqa: E402
 
 SIZES = (4 << 10, 1 << 20, 64 << 20)
 ITERS = 2000
@@ -80,10 +80,7 @@ def main():
     ap = arg_parser(__doc__)
     args = ap.parse_args()
     use_library(args.library, args.gpupoold)
-    lib = os.environ.get("GPUPOOL_LIBRARY", "")
-    alloc_lib = os.path.join(os.path.dirname(lib), "libgpupool-torch-alloc.so")
-    if lib and os.path.exists(alloc_lib):
-        os.environ.setdefault("GPUPOOL_TORCH_ALLOC_LIBRARY", alloc_lib)
+    use_alloc_library()
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
     from gpupool.testing import Daemon
 

@@ -19,7 +19,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import arg_parser, percentile, pool_spec, use_library  # noqa: E402
+from _common import arg_parser, percentile, pool_spec, use_alloc_library, use_library  # noqa: E402
 
 ITERATIONS = 100
 
@@ -106,10 +106,7 @@ def main():
     ap.add_argument("--modes", default="none,install,allocator")
     args = ap.parse_args()
     use_library(args.library, args.gpupoold)
-    lib = os.environ.get("GPUPOOL_LIBRARY", "")
-    alloc_lib = os.path.join(os.path.dirname(lib), "libgpupool-torch-alloc.so")
-    if lib and os.path.exists(alloc_lib):
-        os.environ.setdefault("GPUPOOL_TORCH_ALLOC_LIBRARY", alloc_lib)
+    use_alloc_library()
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, os.path.join(here, "..", "python"))
     os.environ["PYTHONPATH"] = os.path.join(here, "..", "python") + os.pathsep + os.environ.get("PYTHONPATH", "")
