@@ -121,11 +121,39 @@ static pid_t crash(pid_t child) {
   return gh_wait_restarted(&D, child, 60000);
 }
 
-/* Everything released: the pool holds nothing and its slabs went back to the driver. */
-static int check_empty(gpupool_client *c, size_t free_before) {
+/* A producer and a reader of the check `who` ("who-producer", "who-reader"). */
+static int connect_pair(const char *who, gpupool_client **p, gpupool_client **r) {
+  char name[64];
+  int e;
+  snprintf(name, sizeof name, "%s-producer", who);
+  if ((e = gpupool_client_connect(D.sock, name, GPUPOOL_TIMEOUT_DEFAULT, p)) < 0)
+    return gp_fail("gpupool_client_connect", e);
+  snprintf(name, sizeof name, "%s-reader", who);
+  if ((e = gpupool_client_connect(D.sock, name, GPUPOOL_TIMEOUT_DEFAULT, r)) < 0)
+    return gp_fail("gpupool_client_connect", e);
+  return 0;
+}
+
+/* The reader's first request since the crash: it reconnects and takes its holds back. */
+static int reader_back(gpupool_client *r) {
+  gpupool_pool_stats ps;
+  if (gh_pool_stats(r, POOL, &ps, NULL) < 0)
+    return FAILF("the reader's first request after the restart failed");
+  return 0;
+}
+
+static int unpublish(gpupool_client *p, const char *name) {
+  int e = gpupool_name_unpublish(p, name);
+  return e < 0 ? gp_fail("gpupool_name_unpublish", e) : 0;
+}
+
+/* Everything released (the work queued in s included): the pool holds nothing and its slabs
+ * went back to the driver. */
+static int check_empty(gpupool_client *c, size_t free_before, cudaStream_t s) {
   gpupool_pool_stats ps;
   uint64_t got = 0;
   size_t after;
+  (void)cudaStreamSynchronize(s);
   if (gh_wait_used(c, POOL, 0, 20000, &got) != 0)
     return FAILF("the pool still has %" PRIu64 " bytes in use after everything was released", got);
   for (int i = 0; i < 200; i++) {
@@ -181,11 +209,8 @@ static int check_crash(cudaStream_t s) {
     return FAILF("GPUPOOL_TEST_SURVIVE_BYTES=%" PRIu64 " needs more than %d names", total, MAX_NAMES);
   per = total / (uint64_t)nn / 4 * 4;
   free_before = free_mem();
-  if ((e = gpupool_client_connect(D.sock, "survive-producer", GPUPOOL_TIMEOUT_DEFAULT, &p)) < 0 ||
-      (e = gpupool_client_connect(D.sock, "survive-reader", GPUPOOL_TIMEOUT_DEFAULT, &r)) < 0) {
-    gp_fail("gpupool_client_connect", e);
+  if (connect_pair("survive", &p, &r) != 0)
     goto out;
-  }
   for (int i = 0; i < nn; i++) {
     snprintf(names[i], sizeof names[i], "survive/%d", i);
     if (publish(p, names[i], (size_t)per, 1000u + (uint32_t)i, s, &versions[i]) != 0)
@@ -253,14 +278,8 @@ static int check_crash(cudaStream_t s) {
   }
   printf("INFO: %d names, %" PRIu64 " bytes: from the kill to the first get served by the new daemon %.1f ms\n", nn,
          per * (uint64_t)nn, (double)(t_first - t0) / 1e6);
-  /* The reader's next request reconnects it and claims its holds back. */
-  {
-    gpupool_pool_stats ps;
-    if (gh_pool_stats(r, POOL, &ps, NULL) < 0) {
-      FAILF("the reader's first request after the restart failed");
-      goto out;
-    }
-  }
+  if (reader_back(r) != 0)
+    goto out;
   if ((e = gpupool_client_lost_names(p, lost, 4, &nlost)) < 0) {
     gp_fail("gpupool_client_lost_names", e);
     goto out;
@@ -285,13 +304,10 @@ static int check_crash(cudaStream_t s) {
   for (int i = 0; i < nn; i++) {
     (void)gpupool_buffer_release(held[i], s);
     held[i] = NULL;
-    if ((e = gpupool_name_unpublish(p, names[i])) < 0) {
-      gp_fail("gpupool_name_unpublish", e);
+    if (unpublish(p, names[i]) != 0)
       goto out;
-    }
   }
-  (void)cudaStreamSynchronize(s);
-  rc = check_empty(n, free_before);
+  rc = check_empty(n, free_before, s);
   (void)child2;
 out:
   if (b)
@@ -369,11 +385,8 @@ static int check_bundle(cudaStream_t s) {
   pid_t child;
   int rc = 1, e;
 
-  if ((e = gpupool_client_connect(D.sock, "bundle-producer", GPUPOOL_TIMEOUT_DEFAULT, &p)) < 0 ||
-      (e = gpupool_client_connect(D.sock, "bundle-reader", GPUPOOL_TIMEOUT_DEFAULT, &r)) < 0) {
-    gp_fail("gpupool_client_connect", e);
+  if (connect_pair("bundle", &p, &r) != 0)
     goto out;
-  }
   if (publish_bundle(p, "survive/weights", member, 100, s, &v) != 0 ||
       publish_bundle(p, "survive/weights", member, 200, s, &v) != 0)
     goto out;
@@ -416,13 +429,8 @@ static int check_bundle(cudaStream_t s) {
          member * NMEM, (double)(t_first - t0) / 1e6);
   (void)gpupool_bundle_release(b, s);
   b = NULL;
-  {
-    gpupool_pool_stats ps; /* the reader's first request since the crash: its holds come back */
-    if (gh_pool_stats(r, POOL, &ps, NULL) < 0) {
-      FAILF("the reader's first request after the restart failed");
-      goto out;
-    }
-  }
+  if (reader_back(r) != 0)
+    goto out;
   for (int i = 0; i < gpupool_bundle_buffers(held); i++)
     if (gpupool_buffer_lost(gpupool_bundle_buffer(held, i))) {
       FAILF("the reader's hold on buffer %d of the bundle was lost across the restart", i);
@@ -438,12 +446,9 @@ static int check_bundle(cudaStream_t s) {
     goto out;
   (void)gpupool_bundle_release(held, s);
   held = NULL;
-  if ((e = gpupool_name_unpublish(p, "survive/weights")) < 0) {
-    gp_fail("gpupool_name_unpublish", e);
+  if (unpublish(p, "survive/weights") != 0)
     goto out;
-  }
-  (void)cudaStreamSynchronize(s);
-  rc = check_empty(n, free_before);
+  rc = check_empty(n, free_before, s);
 out:
   if (b)
     (void)gpupool_bundle_release(b, s);
@@ -466,11 +471,8 @@ static int check_cycles(cudaStream_t s) {
   size_t free_before = free_mem();
   int rc = 1, e;
 
-  if ((e = gpupool_client_connect(D.sock, "cycles-producer", GPUPOOL_TIMEOUT_DEFAULT, &p)) < 0 ||
-      (e = gpupool_client_connect(D.sock, "cycles-reader", GPUPOOL_TIMEOUT_DEFAULT, &r)) < 0) {
-    gp_fail("gpupool_client_connect", e);
+  if (connect_pair("cycles", &p, &r) != 0)
     goto out;
-  }
   for (int cyc = 0; cyc < 20; cyc++) {
     pid_t child = gh_supervised_child(&D);
     if (publish(p, "cycle", bytes, 500u + (uint32_t)cyc, s, &v) != 0)
@@ -507,21 +509,17 @@ static int check_cycles(cudaStream_t s) {
     (void)gpupool_buffer_release(b, s);
     b = NULL;
   }
-  {
-    gpupool_pool_stats ps; /* the reader talks to the new daemon (and takes its hold back) */
-    if (gh_pool_stats(r, POOL, &ps, NULL) < 0 || gpupool_buffer_lost(held)) {
-      FAILF("the reader's hold did not come back after the last restart");
-      goto out;
-    }
+  if (reader_back(r) != 0)
+    goto out;
+  if (gpupool_buffer_lost(held)) {
+    FAILF("the reader's hold did not come back after the last restart");
+    goto out;
   }
   (void)gpupool_buffer_release(held, s);
   held = NULL;
-  if ((e = gpupool_name_unpublish(p, "cycle")) < 0) {
-    gp_fail("gpupool_name_unpublish", e);
+  if (unpublish(p, "cycle") != 0)
     goto out;
-  }
-  (void)cudaStreamSynchronize(s);
-  rc = check_empty(p, free_before);
+  rc = check_empty(p, free_before, s);
 out:
   if (b)
     (void)gpupool_buffer_release(b, s);
