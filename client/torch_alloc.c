@@ -61,6 +61,8 @@ EXPORT int gpupool_torch_alloc_configure(const char *socket, const char *const *
 EXPORT void *gpupool_torch_alloc(size_t size, int device, void *stream);
 EXPORT void gpupool_torch_free(void *ptr, size_t size, int device, void *stream);
 EXPORT int gpupool_torch_alloc_lookup(const void *ptr, gpupool_buffer **buf, size_t *offset, size_t *size);
+EXPORT size_t gpupool_torch_alloc_lookup_many(const void *const *ptrs, const size_t *sizes, size_t n,
+                                              gpupool_buffer **bufs, size_t *offsets);
 EXPORT int gpupool_torch_alloc_empty_cache(void);
 EXPORT const char *gpupool_torch_alloc_last_error(void);
 EXPORT void gpupool_torch_alloc_counts(uint64_t *allocs, uint64_t *frees, uint64_t *live);
@@ -752,6 +754,29 @@ EXPORT int gpupool_torch_alloc_lookup(const void *ptr, gpupool_buffer **buf, siz
   }
   pthread_mutex_unlock(&mu);
   return b != NULL;
+}
+
+/* gpupool_torch_alloc_lookup for the n storages of a message at once (one lock, one call
+ * from Python instead of one per storage): for each ptrs[i] that starts a block in use of at
+ * least sizes[i] bytes, bufs[i] and offsets[i] as lookup gives them (the block is marked
+ * shared); for any other, bufs[i] = NULL. Returns how many were found. */
+EXPORT size_t gpupool_torch_alloc_lookup_many(const void *const *ptrs, const size_t *sizes, size_t n,
+                                              gpupool_buffer **bufs, size_t *offsets) {
+  size_t found = 0;
+  pthread_mutex_lock(&mu);
+  for (size_t i = 0; i < n; i++) {
+    blk *b = table_get((uintptr_t)ptrs[i], 0);
+    bufs[i] = NULL;
+    offsets[i] = 0;
+    if (b == NULL || sizes[i] > b->size)
+      continue;
+    b->shared = 1;
+    bufs[i] = b->seg->buf;
+    offsets[i] = b->ptr - b->seg->base;
+    found++;
+  }
+  pthread_mutex_unlock(&mu);
+  return found;
 }
 
 /* Give back to the daemon every cached segment with no block in use (or waiting to be idle):

@@ -120,6 +120,13 @@ def use_allocator(socket: Optional[str] = None, pools: Optional[Sequence[Optiona
                     "(no gpupool_torch_alloc_lookup): rebuild it with the package, or point "
                     "GPUPOOL_TORCH_ALLOC_LIBRARY at the one built with it" % path) from None
     L.gpupool_torch_alloc_lookup.restype = ctypes.c_int
+    # A message's storages looked up in one call (absent from a library older than the
+    # package: gpupool.torch then asks per storage).
+    many = getattr(L, "gpupool_torch_alloc_lookup_many", None)
+    if many is not None:
+        many.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                         ctypes.c_void_p]
+        many.restype = ctypes.c_size_t
     L.gpupool_torch_alloc_empty_cache.restype = ctypes.c_int
     L.gpupool_torch_alloc_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int]
     L.gpupool_torch_alloc_stats.restype = ctypes.c_int

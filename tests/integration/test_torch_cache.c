@@ -196,6 +196,43 @@ static void test_split_and_merge(void **state) {
   all_back();
 }
 
+/* A message's storages looked up in one call say what lookup says of each: the segment's
+ * buffer and the block's offset for a block in use that holds the size asked, NULL for a
+ * pointer inside a block, one past every block, a freed block, or more bytes than the block
+ * has; and only the blocks found are marked shared. */
+static void test_lookup_many(void **state) {
+  unsigned char *a, *b, *big, *gone;
+  gpupool_buffer *buf = NULL, *bufs[7];
+  size_t off, size, offs[7];
+  (void)state;
+  configure();
+  a = alloc_ok(1000, S1);
+  b = alloc_ok(3000, S1);
+  big = alloc_ok(3 * MIB, S1);
+  gone = alloc_ok(700, S1);
+  gpupool_torch_free(gone, 700, 0, S1);
+  const void *ptrs[7] = {a, b, big, a + 16, gone, b, big};
+  size_t sizes[7] = {1000, 3000, 3 * MIB, 8, 700, 3072, 3 * MIB + 1};
+  assert_int_equal(gpupool_torch_alloc_lookup_many(ptrs, sizes, 7, bufs, offs), 4);
+  for (int i = 0; i < 4; i++) {
+    int k = i == 3 ? 5 : i;
+    assert_int_equal(gpupool_torch_alloc_lookup(ptrs[k], &buf, &off, &size), 1);
+    assert_ptr_equal(bufs[k], buf);
+    assert_int_equal(offs[k], off);
+    assert_true(sizes[k] <= size);
+  }
+  assert_ptr_equal(bufs[3], NULL); /* inside a block, not its start */
+  assert_ptr_equal(bufs[4], NULL); /* freed */
+  assert_ptr_equal(bufs[6], NULL); /* one byte more than the block has */
+  assert_ptr_equal(bufs[0], bufs[1]); /* the small pool's blocks share a segment */
+  assert_ptr_not_equal(bufs[0], bufs[2]);
+  assert_int_equal(gpupool_torch_alloc_lookup_many(ptrs, sizes, 0, bufs, offs), 0);
+  gpupool_torch_free(a, 1000, 0, S1);
+  gpupool_torch_free(b, 3000, 0, S1);
+  gpupool_torch_free(big, 3 * MIB, 0, S1);
+  all_back();
+}
+
 /* Two 1 MiB blocks fill a small segment: so a stream has no free block of its own left. */
 static void test_stream_order_with_events(void **state) {
   unsigned char *big, *p, *p2, *q1, *q2, *r;
@@ -428,6 +465,7 @@ int main(void) {
       cmocka_unit_test(test_exit_leaks_nothing),
       cmocka_unit_test(test_reuse_without_round_trips),
       cmocka_unit_test(test_split_and_merge),
+      cmocka_unit_test(test_lookup_many),
       cmocka_unit_test(test_stream_order_with_events),
       cmocka_unit_test(test_stream_order_without_events),
       cmocka_unit_test(test_shared_block),
