@@ -3,6 +3,7 @@ in one Share request (copies into kept buffers first) through ForkingPickler's d
 
 from __future__ import annotations
 
+import array
 import ctypes
 import io
 import os
@@ -174,24 +175,29 @@ def _reduce_storage(storage):
 # storage's place, and the message's pickle. The receiver opens every token in ONE Open
 # request before it unpickles the message, whose storages then take theirs.
 class _Batch:
-    __slots__ = ("storages", "sizes", "devs", "views", "index", "usable", "cpu")
+    __slots__ = ("storages", "ptrs", "sizes", "devs", "views", "index", "usable", "cpu")
 
     def __init__(self, cpu=False):
         self.storages = []
+        self.ptrs = []     # each storage's data pointer
         self.sizes = []
         self.devs = []     # CUDA device index, -1 for host memory
-        self.views = []    # the one tensor of the message on each storage (None: none or several)
+        # The one tensor of the message on each storage (None: none or several), or what
+        # whole() says of it, noted so by gpupool._fast's add.
+        self.views = []
         self.index = {}
         self.usable = None  # whether gpupool serves this message (asked at its first tensor)
         self.cpu = cpu      # install(cpu=...) as the message began (gpupool._fast reads it)
 
     def add(self, storage, device, tensor=None):
         n = storage.nbytes()
-        key = (device.type, device.index, storage.data_ptr(), n)
+        ptr = storage.data_ptr()
+        key = (device.type, device.index, ptr, n)
         i = self.index.get(key)
         if i is None:
             i = self.index[key] = len(self.storages)
             self.storages.append(storage)
+            self.ptrs.append(ptr)
             self.sizes.append(n)
             self.devs.append(device.index if device.type == "cuda" else -1)
             self.views.append(tensor)
@@ -208,11 +214,19 @@ class _Batch:
         for i, t in enumerate(self.views):
             if t is None:
                 continue
+            if type(t) is tuple:
+                out[i] = t  # gpupool._fast's add noted it so already
+                continue
             code = _DL_TYPES.get(t.dtype)
             if code is not None and t.storage_offset() == 0 and t.is_contiguous() \
                     and t.numel() * t.element_size() == self.sizes[i]:
                 out[i] = (code, tuple(t.size()), tuple(t.stride()))
         return out
+
+
+if _fast is not None and hasattr(_fast, "setup_batch"):
+    # The reducer adds a tensor to a message in C (_Batch.add and what whole() says of it).
+    _fast.setup_batch(_Batch, _DL_TYPES)
 
 
 class _Entry:
@@ -320,25 +334,77 @@ def _packs(copies, storages, sizes, devs):
     return packs
 
 
+def _find_many(batch, c):
+    """_find for every storage of a message at once: per storage its buffer (a C handle, None
+    when it is not gpupool memory), its offset in it, a key naming the buffer (one per
+    buffer, to share each once) and whose it is (0: this process's client; 1: use_allocator()'s
+    own client). The blocks of use_allocator()'s cache are looked up in one call for all."""
+    storages, ptrs, sizes, devs = batch.storages, batch.ptrs, batch.sizes, batch.devs
+    n = len(storages)
+    bufs = [None] * n
+    offs = [0] * n
+    keys = [0] * n
+    owner = [0] * n
+    owned = _S.owned
+    conn = c._conn
+    rest = []
+    for i in range(n):
+        got = owned.get(ptrs[i]) if owned else None
+        if got is not None:
+            h = got[0]()
+            if h is not None and not h.released and h.conn is conn and got[1] + sizes[i] <= h.size:
+                bufs[i], offs[i], keys[i] = h.buf, got[1], id(h)
+                continue
+        rest.append(i)
+    L = _S.alloc_lib
+    cuda = [i for i in rest if devs[i] >= 0] if L is not None else ()
+    if cuda:
+        many = getattr(L, "gpupool_torch_alloc_lookup_many", None)
+        if many is not None:
+            # Arrays of the machine's words, made and read in C (array), not item by item.
+            m = len(cuda)
+            in_p = array.array("Q", [ptrs[i] for i in cuda])
+            in_n = array.array("Q", [sizes[i] for i in cuda])
+            out_b, out_o = array.array("Q", bytes(8 * m)), array.array("Q", bytes(8 * m))
+            many(in_p.buffer_info()[0], in_n.buffer_info()[0], m, out_b.buffer_info()[0],
+                 out_o.buffer_info()[0])
+            handles = {}  # a handle object per segment, not per block
+            for i, a, o in zip(cuda, out_b.tolist(), out_o.tolist()):
+                if a:
+                    b = handles.get(a)
+                    if b is None:
+                        b = handles[a] = ctypes.cast(a, _lib.BufferP)
+                    bufs[i], offs[i], keys[i], owner[i] = b, o, a, 1
+        else:
+            for i in cuda:
+                b, o, size = _lib.BufferP(), ctypes.c_size_t(), ctypes.c_size_t()
+                if L.gpupool_torch_alloc_lookup(ctypes.c_void_p(ptrs[i]), ctypes.byref(b), ctypes.byref(o),
+                                                ctypes.byref(size)) and sizes[i] <= size.value:
+                    bufs[i], offs[i], owner[i] = b, o.value, 1
+                    keys[i] = ctypes.cast(b, ctypes.c_void_p).value
+        rest = [i for i in rest if bufs[i] is None]
+    if rest and _S.user_client:
+        for i in rest:
+            found = _find(storages[i], c)
+            if found is not None:
+                bufs[i], offs[i] = found
+                keys[i] = ctypes.cast(found[0], ctypes.c_void_p).value
+    return bufs, offs, keys, owner
+
+
 def _send_batch(batch, payload):
     opts = _S.opts
     c = _client()
     storages, sizes, devs = batch.storages, batch.sizes, batch.devs
     n = len(storages)
-    bufs = [None] * n
-    offs = [0] * n
-    copies = []
-    for i, st in enumerate(storages):
-        found = _find(st, c)
-        if found is not None:
-            bufs[i], offs[i] = found
-        elif not opts.copy:
-            raise error("EINVAL", "a %s storage of %d bytes is not gpupool memory and install(copy=False) "
-                        "refuses to copy it: allocate it with gpupool.torch.empty/zeros/empty_like or "
-                        "under gpupool.torch.use_allocator(), or install(copy=True)" % (st.device, sizes[i]))
-        else:
-            copies.append(i)
     t0 = time.perf_counter_ns() if _PROFILE else 0
+    bufs, offs, keys, owner = _find_many(batch, c)
+    copies = [i for i in range(n) if bufs[i] is None]
+    if copies and not opts.copy:
+        i = copies[0]
+        raise error("EINVAL", "a %s storage of %d bytes is not gpupool memory and install(copy=False) "
+                    "refuses to copy it: allocate it with gpupool.torch.empty/zeros/empty_like or "
+                    "under gpupool.torch.use_allocator(), or install(copy=True)" % (storages[i].device, sizes[i]))
     packs = _packs(copies, storages, sizes, devs) if copies else []
     entries = _copy_targets(c, [_Span(dev, total) for _, _, total, dev in packs]) if packs else []
     if t0:
@@ -354,6 +420,7 @@ def _send_batch(batch, payload):
             for i, o in zip(idx, poffs):
                 bufs[i] = e.hold.buf
                 offs[i] = o
+                keys[i] = id(e.hold)
             _lib.check(lib.gpupool_buffer_copy_in_many(
                 (_lib.BufferP * m)(*([e.hold.buf] * m)), (ctypes.c_uint64 * m)(*poffs),
                 (ctypes.c_void_p * m)(*[storages[i].data_ptr() for i in idx]),
@@ -380,19 +447,13 @@ def _send_batch(batch, payload):
         tokens = []
         tix = [0] * n
         ask = _ask_idle(entries)
-        mine = ctypes.cast(c._conn.handle, ctypes.c_void_p).value
-        if _S.alloc_lib is None:
-            owner = [mine] * n
-        else:
-            who = c._lib.gpupool_buffer_client
-            owner = [ctypes.cast(who(b), ctypes.c_void_p).value for b in bufs]
         for d, o in sorted(set(zip(devs, owner))):
             s = torch.cuda.current_stream(d).cuda_stream if d >= 0 else None
             uniq, where = [], {}
             for i in range(n):
                 if devs[i] != d or owner[i] != o:
                     continue
-                k = ctypes.cast(bufs[i], ctypes.c_void_p).value
+                k = keys[i]
                 j = where.get(k)
                 if j is None:
                     j = where[k] = len(uniq)
@@ -402,9 +463,9 @@ def _send_batch(batch, payload):
                 part = uniq[k:k + _BATCH_MAX]
                 # Each asked buffer by the hold _ask_idle took with it: another thread's
                 # _copies_done may drop the entry's own reference meanwhile.
-                asked = [a for a in ask if a[2].buf is not None] if o == mine else []
+                asked = [a for a in ask if a[2].buf is not None] if o == 0 else []
                 blob, idle = c._share_kept_many(part, s, [h.buf for _, _, h in asked])
-                if o == mine:
+                if o == 0:
                     ask = []
                 with _S.lock:
                     for (e, used, _), ok in zip(asked, idle):
