@@ -12,6 +12,8 @@
  *     _torch_recv._rebuild_batched, which it replaces and whose name it keeps, so that a
  *     message pickled here unpickles where the extension is absent, and the other way round).
  *   live(): how many views' deleters have not run yet (_dlpack.live_exports adds it).
+ *   setup_torch(...): torch's own C functions for views() to use where torch has them.
+ *   setup_batch(...): reduce_tensor then adds a tensor to its message (_Batch.add) in C.
  *
  * Built against the stable ABI (Py_LIMITED_API, CPython 3.8 and later): one build serves
  * every interpreter of the wheel. gpupool._native loads it, or says once why it cannot and
@@ -60,7 +62,7 @@ typedef struct {
 } export_t;
 
 /* Attribute and method names, interned once: a C string would be made into one per call. */
-#define NAMES(X) X(add) X(batch) X(cpu) X(device) X(dtype) X(is_leaf) X(is_nested) X(layout) X(made) X(nbytes) X(received) X(requires_grad) X(size) X(storage_offset) X(stride) X(type) X(untyped_storage) X(usable)
+#define NAMES(X) X(add) X(batch) X(cpu) X(data_ptr) X(device) X(devs) X(dtype) X(index) X(is_leaf) X(is_nested) X(layout) X(made) X(nbytes) X(ptrs) X(received) X(requires_grad) X(size) X(sizes) X(storage_offset) X(storages) X(stride) X(type) X(untyped_storage) X(usable) X(views)
 #define DECLARE(n) static PyObject *S_##n;
 NAMES(DECLARE)
 #undef DECLARE
@@ -158,12 +160,186 @@ static PyObject *view_of(PyObject *from_dlpack, int dev_type, int dev_id, PyObje
   return t;
 }
 
+/* torch's own C functions (its stable C shim, torch 2.10 and later), given by setup_torch():
+ * torch_from_blob makes a tensor of memory with a C deleter, without a DLPack capsule and a
+ * Python call per tensor (bench/torch_floor.py on an H200's host: 1.34 us a tensor against
+ * 1.45 through DLPack; 0.54 against 0.73 on a small VM); aoti_torch_delete_tensor_object
+ * drops a tensor handle nobody took; and the Python function that turns a list of handles
+ * into torch tensors in one call (torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs).
+ * Absent, views() goes through DLPack as before. */
+typedef int32_t (*from_blob_fn)(void *data, int64_t ndim, const int64_t *sizes, const int64_t *strides,
+                                int64_t storage_offset, int32_t dtype, int32_t device_type, int32_t device_index,
+                                void **ret, int32_t layout, const uint8_t *opaque, int64_t opaque_size,
+                                void (*deleter)(void *data, void *ctx), void *deleter_ctx);
+typedef int32_t (*delete_fn)(void *handle);
+
+#define MAX_SHIM_DIMS 16
+#define NDTYPES 16
+
+static from_blob_fn g_from_blob;
+static delete_fn g_delete_handle;
+static PyObject *g_wrap_handles;
+/* DLPack (code, bits) -> torch's ScalarType number, as setup_torch() was told. */
+static struct {
+  uint8_t code, bits;
+  int32_t scalar;
+} g_dtypes[NDTYPES];
+static int g_ndtypes;
+
+static void blob_delete(void *data, void *ctx) {
+  (void)data;
+  if (Py_IsInitialized()) { /* see export_delete */
+    PyGILState_STATE g = PyGILState_Ensure();
+    Py_XDECREF((PyObject *)ctx);
+    PyGILState_Release(g);
+  }
+  atomic_fetch_sub(&live_exports, 1);
+}
+
+static PyObject *fast_setup_torch(PyObject *self, PyObject *args) {
+  unsigned long long from_blob, del;
+  PyObject *wrap, *types;
+  (void)self;
+  if (!PyArg_ParseTuple(args, "KKOO!", &from_blob, &del, &wrap, &PyTuple_Type, &types))
+    return NULL;
+  Py_ssize_t n = PyTuple_Size(types);
+  if (n > NDTYPES) {
+    PyErr_Format(PyExc_ValueError, "gpupool._fast.setup_torch: at most %d element types", NDTYPES);
+    return NULL;
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    unsigned char code, bits;
+    int scalar;
+    if (!PyArg_ParseTuple(PyTuple_GetItem(types, i), "bbi", &code, &bits, &scalar))
+      return NULL;
+    g_dtypes[i].code = code;
+    g_dtypes[i].bits = bits;
+    g_dtypes[i].scalar = scalar;
+  }
+  g_ndtypes = (int)n;
+  PyObject *old = g_wrap_handles;
+  Py_INCREF(wrap);
+  g_wrap_handles = wrap;
+  Py_XDECREF(old);
+  /* from_blob 0: views() goes through DLPack again */
+  g_from_blob = from_blob && del ? (from_blob_fn)(uintptr_t)from_blob : NULL;
+  g_delete_handle = (delete_fn)(uintptr_t)del;
+  Py_RETURN_NONE;
+}
+
+static int scalar_of(unsigned char code, unsigned char bits) {
+  for (int i = 0; i < g_ndtypes; i++)
+    if (g_dtypes[i].code == code && g_dtypes[i].bits == bits)
+      return g_dtypes[i].scalar;
+  return -1;
+}
+
+/* Whether the items can all go through torch_from_blob: known element types and at most
+ * MAX_SHIM_DIMS dimensions each. 1, 0, or -1 on an error. */
+static int shim_fits(PyObject *items) {
+  Py_ssize_t n = PyList_Size(items);
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *item = PyList_GetItem(items, i);
+    if (item == NULL || !PyTuple_Check(item) || PyTuple_Size(item) != 5)
+      return 0; /* view_of says what is wrong */
+    PyObject *dt = PyTuple_GetItem(item, 1), *shape = PyTuple_GetItem(item, 2);
+    /* torch_from_blob makes memory of its own for NULL, and never calls the deleter */
+    int null = PyObject_Not(PyTuple_GetItem(item, 0));
+    if (null != 0)
+      return null < 0 ? -1 : 0;
+    if (!PyTuple_Check(dt) || PyTuple_Size(dt) != 2 || !PyTuple_Check(shape) ||
+        PyTuple_Size(shape) > MAX_SHIM_DIMS)
+      return 0;
+    long code = PyLong_AsLong(PyTuple_GetItem(dt, 0)), bits = PyLong_AsLong(PyTuple_GetItem(dt, 1));
+    if (PyErr_Occurred())
+      return -1;
+    if (code < 0 || code > 255 || bits < 0 || bits > 255 || scalar_of((unsigned char)code, (unsigned char)bits) < 0)
+      return 0;
+  }
+  return 1;
+}
+
+/* The handles of caps[0..n) dropped (tensors nobody took: their deleters let their owners go). */
+static void drop_handles(PyObject *caps, Py_ssize_t n) {
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb); /* the caller's error is the one to report */
+  for (Py_ssize_t i = 0; i < n; i++) {
+    void *h = PyCapsule_GetPointer(PyList_GetItem(caps, i), NULL);
+    if (h != NULL)
+      g_delete_handle(h);
+    PyErr_Clear();
+  }
+  PyErr_Restore(type, value, tb);
+}
+
+/* views() through torch_from_blob: every tensor made in C, then all turned into Python
+ * tensors by one call. aten_type: torch's DeviceType (0 CPU, 1 CUDA). */
+static PyObject *views_shim(int aten_type, int dev_id, PyObject *items) {
+  Py_ssize_t n = PyList_Size(items);
+  PyObject *caps = PyList_New(n), *out;
+  if (caps == NULL)
+    return NULL;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    unsigned long long data;
+    unsigned char code, bits;
+    PyObject *shape, *strides, *owner, *cap;
+    int64_t dims[2 * MAX_SHIM_DIMS];
+    void *h = NULL;
+    if (!PyArg_ParseTuple(PyList_GetItem(items, i), "K(bb)OOO", &data, &code, &bits, &shape, &strides, &owner))
+      goto fail;
+    Py_ssize_t ndim = PyTuple_Check(shape) ? PyTuple_Size(shape) : -1;
+    if (ndim < 0 || ndim > MAX_SHIM_DIMS) { /* shim_fits saw it otherwise: changed since */
+      PyErr_SetString(PyExc_ValueError, "gpupool._fast.views: an item changed while it was read");
+      goto fail;
+    }
+    if (read_dims(shape, ndim, dims, "shape") < 0 || read_dims(strides, ndim, dims + ndim, "strides") < 0)
+      goto fail;
+    Py_INCREF(owner);
+    atomic_fetch_add(&live_exports, 1);
+    if (g_from_blob((void *)(uintptr_t)data, ndim, dims, dims + ndim, 0, scalar_of(code, bits), aten_type, dev_id,
+                    &h, 0 /* strided */, NULL, 0, blob_delete, owner) != 0 ||
+        h == NULL) {
+      /* torch kept no deleter: the owner is still ours */
+      atomic_fetch_sub(&live_exports, 1);
+      Py_DECREF(owner);
+      PyErr_Format(PyExc_RuntimeError, "gpupool._fast.views: torch_from_blob refused the memory at 0x%llx "
+                   "(device type %d, index %d)", data, aten_type, dev_id);
+      goto fail;
+    }
+    cap = PyCapsule_New(h, NULL, NULL);
+    if (cap == NULL) {
+      g_delete_handle(h);
+      goto fail;
+    }
+    PyList_SetItem(caps, i, cap);
+    continue;
+  fail:
+    drop_handles(caps, i);
+    Py_DECREF(caps);
+    return NULL;
+  }
+  /* pybind converts the whole list before it takes any handle: a failure here left them all */
+  out = PyObject_CallFunctionObjArgs(g_wrap_handles, caps, NULL);
+  if (out == NULL)
+    drop_handles(caps, n);
+  Py_DECREF(caps);
+  return out;
+}
+
 static PyObject *fast_views(PyObject *self, PyObject *args) {
   PyObject *from_dlpack, *items;
   int dev_type, dev_id;
   (void)self;
   if (!PyArg_ParseTuple(args, "OiiO!", &from_dlpack, &dev_type, &dev_id, &PyList_Type, &items))
     return NULL;
+  /* DLPack's kDLCPU (1) and kDLCUDA (2) are torch's CPU (0) and CUDA (1) */
+  if (g_from_blob != NULL && (dev_type == 1 || dev_type == 2)) {
+    int fits = shim_fits(items);
+    if (fits < 0)
+      return NULL;
+    if (fits) /* a CPU tensor's device has no index */
+      return views_shim(dev_type - 1, dev_type == 1 ? -1 : dev_id, items);
+  }
   Py_ssize_t n = PyList_Size(items);
   PyObject *out = PyList_New(n);
   if (out == NULL)
@@ -347,6 +523,123 @@ static PyObject *call_tuple(PyObject *obj, PyObject *method) {
   return t;
 }
 
+/* What batch_add needs, given by setup_batch(): _torch_send._Batch (a subclass, or another
+ * class, gets its own add() called) and torch dtype -> DLPack (code, bits). */
+static PyObject *g_batch_type, *g_dl_types;
+
+static PyObject *fast_setup_batch(PyObject *self, PyObject *args) {
+  PyObject *type, *types, *old_type = g_batch_type, *old_types = g_dl_types;
+  (void)self;
+  if (!PyArg_ParseTuple(args, "OO!", &type, &PyDict_Type, &types))
+    return NULL;
+  Py_INCREF(type);
+  Py_INCREF(types);
+  g_batch_type = type;
+  g_dl_types = types;
+  Py_XDECREF(old_type);
+  Py_XDECREF(old_types);
+  Py_RETURN_NONE;
+}
+
+/* The (code, bits), shape and strides under which the receiver may make the tensor straight
+ * from the storage's memory (_Batch.whole): a new reference to that tuple when the tensor
+ * covers its storage of nbytes whole (offset 0, dense, a type DLPack names), else None. */
+static PyObject *whole_of(PyObject *dtype, PyObject *offset, PyObject *size, PyObject *stride, long long nbytes) {
+  PyObject *dl = PyDict_GetItem(g_dl_types, dtype); /* borrowed */
+  long long z = PyLong_AsLongLong(offset), bits, numel = 1, expect = 1;
+  Py_ssize_t nd = PyTuple_Size(size);
+  if (z != 0 || dl == NULL || !PyTuple_Check(dl) || PyTuple_Size(dl) != 2 || PyTuple_Size(stride) != nd) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  bits = PyLong_AsLongLong(PyTuple_GetItem(dl, 1));
+  for (Py_ssize_t d = nd - 1; d >= 0; d--) {
+    long long n = PyLong_AsLongLong(PyTuple_GetItem(size, d));
+    long long st = PyLong_AsLongLong(PyTuple_GetItem(stride, d));
+    if (n != 1 && st != expect) /* torch's is_contiguous: a dimension of one has any stride */
+      Py_RETURN_NONE;
+    expect *= n;
+    numel *= n;
+  }
+  if (PyErr_Occurred() || numel * (bits / 8) != nbytes || bits % 8) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  return PyTuple_Pack(3, dl, size, stride);
+}
+
+/* _torch_send._Batch.add(storage, device, tensor) in C, for the reducer: the storage's place
+ * among the message's (a new reference to it), the storage added if new; views[i] is what
+ * whole_of says of the tensor, or None once a second tensor has the storage. */
+static PyObject *batch_add(PyObject *batch, PyObject *st, PyObject *dev, PyObject *dtype, PyObject *offset,
+                           PyObject *size, PyObject *stride) {
+  PyObject *nb = NULL, *ptr = NULL, *dev_type = NULL, *didx = NULL, *key = NULL, *index = NULL, *res = NULL;
+  PyObject *lists[5] = {NULL, NULL, NULL, NULL, NULL}, *vals[5] = {NULL, NULL, NULL, NULL, NULL};
+  PyObject *const names[5] = {S_storages, S_ptrs, S_sizes, S_devs, S_views};
+  if ((nb = PyObject_CallMethodObjArgs(st, S_nbytes, NULL)) == NULL ||
+      (ptr = PyObject_CallMethodObjArgs(st, S_data_ptr, NULL)) == NULL ||
+      (dev_type = PyObject_GetAttr(dev, S_type)) == NULL || (didx = PyObject_GetAttr(dev, S_index)) == NULL ||
+      (key = PyTuple_Pack(4, dev_type, didx, ptr, nb)) == NULL || (index = PyObject_GetAttr(batch, S_index)) == NULL)
+    goto out;
+  for (int k = 0; k < 5; k++)
+    if ((lists[k] = PyObject_GetAttr(batch, names[k])) == NULL || !PyList_Check(lists[k])) {
+      if (lists[k] != NULL)
+        PyErr_SetString(PyExc_TypeError, "gpupool._fast: a _Batch's lists are not lists");
+      goto out;
+    }
+  res = PyDict_GetItemWithError(index, key); /* borrowed */
+  if (res != NULL) {
+    Py_INCREF(res);
+    Py_ssize_t i = PyLong_AsSsize_t(res);
+    if (i < 0 || i >= PyList_Size(lists[4])) {
+      if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_IndexError, "gpupool._fast: a _Batch's place out of range");
+      Py_CLEAR(res);
+      goto out;
+    }
+    Py_INCREF(Py_None);
+    PyList_SetItem(lists[4], i, Py_None); /* two tensors on it: none is made whole */
+    goto out;
+  }
+  if (PyErr_Occurred())
+    goto out;
+  long long nbytes = PyLong_AsLongLong(nb);
+  int cuda = PyUnicode_CompareWithASCIIString(dev_type, "cuda") == 0;
+  if (nbytes == -1 && PyErr_Occurred())
+    goto out;
+  Py_INCREF(st);
+  vals[0] = st;
+  Py_INCREF(ptr);
+  vals[1] = ptr;
+  Py_INCREF(nb);
+  vals[2] = nb;
+  vals[3] = cuda ? (Py_INCREF(didx), didx) : PyLong_FromLong(-1);
+  vals[4] = whole_of(dtype, offset, size, stride, nbytes);
+  if (vals[3] == NULL || vals[4] == NULL || (res = PyLong_FromSsize_t(PyList_Size(lists[0]))) == NULL)
+    goto out;
+  if (PyDict_SetItem(index, key, res) < 0) {
+    Py_CLEAR(res);
+    goto out;
+  }
+  for (int k = 0; k < 5; k++)
+    if (PyList_Append(lists[k], vals[k]) < 0) { /* out of memory: the lists disagree, the message fails */
+      Py_CLEAR(res);
+      goto out;
+    }
+out:
+  for (int k = 0; k < 5; k++) {
+    Py_XDECREF(lists[k]);
+    Py_XDECREF(vals[k]);
+  }
+  Py_XDECREF(index);
+  Py_XDECREF(key);
+  Py_XDECREF(didx);
+  Py_XDECREF(dev_type);
+  Py_XDECREF(ptr);
+  Py_XDECREF(nb);
+  return res;
+}
+
 /* The common case of _torch_send._reduce_tensor, for which pickle calls this directly: a
  * strided tensor of a message being pickled (ForkingPickler.dump), on a device gpupool.torch
  * serves, that gpupool serves (asked at the message's first tensor), not a non-leaf requiring
@@ -417,12 +710,9 @@ static int reduce_common(PyObject *t, PyObject *batch, PyObject **out) {
   PyTuple_SetItem(args, 6, rg);
   /* One at a time, in this order, stopping at the first that raises: nothing more is called
    * with an exception set (it would come back as a SystemError hiding the real one). */
-  for (int k = 0; k < 5; k++) {
+  for (int k = 1; k < 5; k++) {
     PyObject *it;
     switch (k) {
-    case 0:
-      it = PyObject_CallMethodObjArgs(batch, S_add, st, dev, t, NULL);
-      break;
     case 1:
       it = PyObject_GetAttr(t, S_dtype);
       break;
@@ -438,6 +728,15 @@ static int reduce_common(PyObject *t, PyObject *batch, PyObject **out) {
     if (it == NULL)
       goto out;
     PyTuple_SetItem(args, 1 + k, it);
+  }
+  {
+    PyObject *place = g_dl_types != NULL && (PyObject *)Py_TYPE(batch) == g_batch_type
+                          ? batch_add(batch, st, dev, PyTuple_GetItem(args, 2), PyTuple_GetItem(args, 3),
+                                      PyTuple_GetItem(args, 4), PyTuple_GetItem(args, 5))
+                          : PyObject_CallMethodObjArgs(batch, S_add, st, dev, t, NULL);
+    if (place == NULL)
+      goto out;
+    PyTuple_SetItem(args, 1, place);
   }
   *out = PyTuple_Pack(2, g_rebuild, args);
   rc = *out != NULL ? 1 : -1;
@@ -471,12 +770,20 @@ static PyObject *fast_reduce_tensor(PyObject *self, PyObject *t) {
 static PyMethodDef methods[] = {
   {"reduce_tensor", fast_reduce_tensor, METH_O,
    "reduce_tensor(t): _torch_send._reduce_tensor, its common case in C."},
+  {"setup_batch", fast_setup_batch, METH_VARARGS,
+   "setup_batch(batch_type, dl_types): reduce_tensor adds a tensor to a message of batch_type "
+   "itself (_Batch.add in C), noting (code, bits), shape and strides of a tensor that covers "
+   "its storage (dl_types: torch dtype -> DLPack (code, bits))."},
   {"setup_send", fast_setup_send, METH_VARARGS,
    "setup_send(tls, py_reduce, rebuild, strided): what reduce_tensor reads."},
   {"views", fast_views, METH_VARARGS,
    "views(from_dlpack, device_type, device_id, items): a tensor per (data, (code, bits), "
    "shape, strides, owner), a DLPack view keeping owner until torch lets go of it."},
   {"live", fast_live, METH_NOARGS, "live(): views whose deleter has not run yet."},
+  {"setup_torch", fast_setup_torch, METH_VARARGS,
+   "setup_torch(from_blob, delete_handle, wrap, types): torch's torch_from_blob and "
+   "aoti_torch_delete_tensor_object (addresses), the function turning handles into tensors, "
+   "and ((code, bits, scalar type), ...): views() then makes its tensors through them."},
   {"setup", fast_setup, METH_VARARGS,
    "setup(tls, rebuild_tensor, as_sent, tensor_type): what _rebuild_batched reads."},
   {NULL, NULL, 0, NULL},

@@ -183,6 +183,13 @@ def _remember_locked(storage_ptr, hold, offset):
         # process): that hold stays the one it is shared by, since it lives longer.
         return
     owned[storage_ptr] = (weakref.ref(hold), offset)
+    _prune_owned_locked()
+
+
+def _prune_owned_locked():
+    """Forget the storages whose holds are gone, once there are twice as many as after the last
+    time (at least 1024). With _S.lock held."""
+    owned = _S.owned
     if len(owned) > _S.owned_prune:
         for k in [k for k, (r, _) in owned.items() if r() is None or r().released]:
             del owned[k]

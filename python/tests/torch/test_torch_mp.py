@@ -767,6 +767,18 @@ class BothPaths(TorchTestCase):
             _torch_send._Batch.add = saved
         self.assertIn("failed on purpose", str(cm.exception))
         self.assertNotIsInstance(cm.exception, SystemError)
+
+        # A message's later tensors go through the extension's own add (the first asks
+        # whether gpupool serves the message, in Python): a step of it that raises.
+        class Failing(torch.Tensor):
+            def untyped_storage(self):
+                raise RuntimeError("a storage that fails on purpose")
+
+        bad = torch.arange(4, dtype=torch.float32).as_subclass(Failing)
+        with self.assertRaises(RuntimeError) as cm:
+            ForkingPickler.dumps({"a": torch.arange(8, dtype=torch.float32), "b": bad})
+        self.assertIn("fails on purpose", str(cm.exception))
+        self.assertNotIsInstance(cm.exception, SystemError)
         # And the next message goes as usual.
         got = pickle.loads(bytes(ForkingPickler.dumps({"t": torch.arange(8, dtype=torch.float32)})))
         self.assertTrue(torch.equal(got["t"], torch.arange(8, dtype=torch.float32)))
@@ -828,6 +840,45 @@ class BothPaths(TorchTestCase):
             self.assertTrue(torch.equal(got[k], sent[k]), k)
         self.assertEqual(got["v"].untyped_storage().data_ptr(), got["w3"].untyped_storage().data_ptr())
         del got
+        self.assertEqual(_dlpack.live_exports(), live0)
+        del sent
+        self.wait_counters(base)
+
+
+    def test_torch_shim_and_dlpack_make_the_same_tensors(self):
+        """Where torch has its C shim (torch_from_blob), the extension makes a received
+        message's tensors through it; they are the tensors the DLPack path makes (type, shape,
+        strides, offset, values, a storage shared by views of one storage, no autograd base),
+        and they keep their holds until torch frees them."""
+        from gpupool import _dlpack, _native, _torch_recv
+
+        if _torch_recv._fast is None:
+            self.skipTest("needs the extension (GPUPOOL_FAST_MODULE)")
+        if not _torch_recv._TORCH_SHIM:
+            self.skipTest("torch %s has no torch_from_blob in its C shim" % torch.__version__)
+        base = self.baseline()
+        live0 = _dlpack.live_exports()
+        src = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+        sent = {"t": src.t(), "row": src[3], "bf": torch.randn(5, 7).to(torch.bfloat16),
+                "half": torch.randn(3, 2, 4).to(torch.float16), "i8": torch.arange(-9, 9, dtype=torch.int8),
+                "i64": torch.arange(10) * 3, "u8": torch.arange(200, dtype=torch.uint8)[50:],
+                "f64": torch.randn(4, 4, dtype=torch.float64)[:, 1], "p": torch.nn.Parameter(torch.randn(3))}
+        by_shim = pickle.loads(ForkingPickler.dumps(sent))
+        self.assertEqual(_dlpack.live_exports(), live0 + 8)  # one per storage received
+        _native.fast.setup_torch(0, 0, None, ())
+        try:
+            by_dlpack = pickle.loads(ForkingPickler.dumps(sent))
+        finally:
+            self.assertTrue(_torch_recv._setup_torch_shim())
+        for k, t in sent.items():
+            for got in (by_shim[k], by_dlpack[k]):
+                self.assertIs(type(got), type(t), k)
+                self.assertEqual((got.dtype, got.shape, got.stride(), got.storage_offset()),
+                                 (t.dtype, t.shape, t.stride(), t.storage_offset()), k)
+                self.assertTrue(torch.equal(got.detach(), t.detach()), k)
+                self.assertIsNone(got._base, k)
+        self.assertEqual(by_shim["t"].untyped_storage().data_ptr(), by_shim["row"].untyped_storage().data_ptr())
+        del by_shim, by_dlpack, got, t
         self.assertEqual(_dlpack.live_exports(), live0)
         del sent
         self.wait_counters(base)
