@@ -37,6 +37,11 @@ from _common import percentile, torch_on  # noqa: E402
 from weight_sync import initial_values, llama_layout  # noqa: E402
 
 
+# The steps of the floor's sum (the others are gpupool's own, listed after it).
+FLOOR_STEPS = ("pickle, view described", "unpickle, view described",
+               "storage from memory (capsule + from_dlpack)", "tensor on a storage (empty().set_)")
+
+
 def _rebuild_min(i):
     return i
 
@@ -131,6 +136,57 @@ def main():
              ("unpickle, view described", step_unpickle),
              ("storage from memory (capsule + from_dlpack)", step_storage),
              ("tensor on a storage (empty().set_)", step_tensor)]
+
+    # What gpupool.torch's C extension does per tensor, where it is loaded (GPUPOOL_FAST_MODULE
+    # or the package's own): its views of a message's memory in one call, through DLPack and
+    # through torch's C shim (torch_from_blob); the steps a receiver takes per storage besides
+    # (its untyped_storage(), torch's weak reference to it); the sender's reducer per tensor.
+    from gpupool import _native
+
+    fast = _native.fast
+    if fast is not None:
+        from gpupool import _torch_recv, _torch_send
+        from gpupool._torch_state import _DL_TYPES
+
+        items = [(t.data_ptr(), _DL_TYPES[t.dtype], tuple(t.size()), tuple(t.stride()), owner) for t in ts]
+
+        def step_views_dlpack():
+            fast.setup_torch(0, 0, None, ())
+            try:
+                made[:] = fast.views(from_dlpack, dl_dev[0], dl_dev[1], items)
+            finally:
+                _torch_recv._setup_torch_shim()
+
+        def step_views_shim():
+            made[:] = fast.views(from_dlpack, dl_dev[0], dl_dev[1], items)
+
+        def step_untyped_storage():
+            for t in ts:
+                t.untyped_storage()
+
+        def step_weak_ref():
+            from torch.multiprocessing.reductions import StorageWeakRef
+
+            for st in storages:
+                StorageWeakRef(st)
+
+        def step_reduce():
+            # The reducer in C with a message being pickled (its storages numbered in C).
+            b = _torch_send._Batch(dev.type == "cpu")
+            b.usable = True
+            _torch_send._tls.batch = b
+            try:
+                for t in ts:
+                    fast.reduce_tensor(t)
+            finally:
+                _torch_send._tls.batch = None
+
+        steps.append(("gpupool._fast.views, through DLPack (one call for all)", step_views_dlpack))
+        if _torch_recv._TORCH_SHIM:
+            steps.append(("gpupool._fast.views, through torch_from_blob (one call for all)", step_views_shim))
+        steps += [("untyped_storage() of a tensor", step_untyped_storage),
+                  ("StorageWeakRef of a storage", step_weak_ref)]
+        steps.append(("gpupool._fast.reduce_tensor in a message (C add)", step_reduce))
     lines = ["Per-tensor floor of a Python reducer: %d tensors on %s (torch %s), us per tensor, "
              "median of %d reps (bench/torch_floor.py)" % (
                  n, torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -145,10 +201,10 @@ def main():
             xs.append((time.perf_counter_ns() - t0) / 1e3 / n)
         made.clear()
         p50 = percentile(xs, 50)
-        if name != "pickle, minimal reducer":
+        if name in FLOOR_STEPS:
             total += p50
         lines.append("| %s | %.2f |" % (name, p50))
-    lines.append("| sum of the last four (no daemon, no socket) | %.2f |" % total)
+    lines.insert(len(lines) - (len(steps) - 5), "| sum of the last four (no daemon, no socket) | %.2f |" % total)
     text = "\n".join(lines)
     print(text)
     if args.table:
