@@ -400,19 +400,11 @@ static PyObject *attr_or_none(PyObject *obj, PyObject *name) {
   return v;
 }
 
-/* Whether obj.method() == want: 1, 0, or -1 on an error. */
-static int call_equals(PyObject *obj, PyObject *method, PyObject *want) {
-  PyObject *v = PyObject_CallMethodObjArgs(obj, method, NULL);
-  if (v == NULL)
-    return -1;
-  int eq = PyObject_RichCompareBool(v, want, Py_EQ);
-  Py_DECREF(v);
-  return eq;
-}
-
-/* Whether t, a tensor made whole from memory, is the one the sender described. */
-static int is_as_described(PyObject *t, PyObject *dtype, PyObject *offset, PyObject *size,
-                           PyObject *stride) {
+/* Whether t, a tensor made whole from memory, is the one the sender described. It was made
+ * from the sender's own note of that tensor (_Batch.whole: its element type, shape and
+ * strides), so its shape and strides are the described ones by construction; the offset and
+ * the element type (several torch types could share a DLPack one) are checked. */
+static int is_as_described(PyObject *t, PyObject *dtype, PyObject *offset) {
   int eq = PyObject_RichCompareBool(offset, g_zero, Py_EQ);
   if (eq != 1)
     return eq;
@@ -421,13 +413,7 @@ static int is_as_described(PyObject *t, PyObject *dtype, PyObject *offset, PyObj
     return -1;
   eq = PyObject_RichCompareBool(td, dtype, Py_EQ);
   Py_DECREF(td);
-  if (eq != 1)
-    return eq;
-  /* torch.Size equals a tuple of the same sizes */
-  eq = call_equals(t, S_size, size);
-  if (eq != 1)
-    return eq;
-  return call_equals(t, S_stride, stride);
+  return eq;
 }
 
 static PyObject *fast_rebuild_batched(PyObject *self, PyObject *args) {
@@ -459,7 +445,7 @@ static PyObject *fast_rebuild_batched(PyObject *self, PyObject *args) {
     }
   }
   if (t != NULL) {
-    int ok = is_as_described(t, dtype, offset, size, stride);
+    int ok = is_as_described(t, dtype, offset);
     if (ok < 0)
       goto out;
     if (ok) {
@@ -568,17 +554,17 @@ static PyObject *whole_of(PyObject *dtype, PyObject *offset, PyObject *size, PyO
   return PyTuple_Pack(3, dl, size, stride);
 }
 
-/* _torch_send._Batch.add(storage, device, tensor) in C, for the reducer: the storage's place
+/* _torch_send._Batch.add(storage, device, tensor) in C, for the reducer, which read the
+ * storage's size (nb) and the device's type (dev_type) already: the storage's place
  * among the message's (a new reference to it), the storage added if new; views[i] is what
  * whole_of says of the tensor, or None once a second tensor has the storage. */
-static PyObject *batch_add(PyObject *batch, PyObject *st, PyObject *dev, PyObject *dtype, PyObject *offset,
-                           PyObject *size, PyObject *stride) {
-  PyObject *nb = NULL, *ptr = NULL, *dev_type = NULL, *didx = NULL, *key = NULL, *index = NULL, *res = NULL;
+static PyObject *batch_add(PyObject *batch, PyObject *st, PyObject *nb, PyObject *dev, PyObject *dev_type,
+                           PyObject *dtype, PyObject *offset, PyObject *size, PyObject *stride) {
+  PyObject *ptr = NULL, *didx = NULL, *key = NULL, *index = NULL, *res = NULL;
   PyObject *lists[5] = {NULL, NULL, NULL, NULL, NULL}, *vals[5] = {NULL, NULL, NULL, NULL, NULL};
   PyObject *const names[5] = {S_storages, S_ptrs, S_sizes, S_devs, S_views};
-  if ((nb = PyObject_CallMethodObjArgs(st, S_nbytes, NULL)) == NULL ||
-      (ptr = PyObject_CallMethodObjArgs(st, S_data_ptr, NULL)) == NULL ||
-      (dev_type = PyObject_GetAttr(dev, S_type)) == NULL || (didx = PyObject_GetAttr(dev, S_index)) == NULL ||
+  if ((ptr = PyObject_CallMethodObjArgs(st, S_data_ptr, NULL)) == NULL ||
+      (didx = PyObject_GetAttr(dev, S_index)) == NULL ||
       (key = PyTuple_Pack(4, dev_type, didx, ptr, nb)) == NULL || (index = PyObject_GetAttr(batch, S_index)) == NULL)
     goto out;
   for (int k = 0; k < 5; k++)
@@ -634,9 +620,7 @@ out:
   Py_XDECREF(index);
   Py_XDECREF(key);
   Py_XDECREF(didx);
-  Py_XDECREF(dev_type);
   Py_XDECREF(ptr);
-  Py_XDECREF(nb);
   return res;
 }
 
@@ -647,7 +631,7 @@ out:
  * that both paths decide the same. Returns 1 with *out set, 0 for "not the common case", -1 on
  * an error. */
 static int reduce_common(PyObject *t, PyObject *batch, PyObject **out) {
-  PyObject *dev = NULL, *st = NULL, *args = NULL, *v = NULL;
+  PyObject *dev = NULL, *st = NULL, *args = NULL, *v = NULL, *devt = NULL, *nb = NULL;
   int rc = -1, r;
   *out = NULL;
   if ((r = attr_true(batch, S_usable)) != 1)
@@ -664,18 +648,17 @@ static int reduce_common(PyObject *t, PyObject *batch, PyObject **out) {
   dev = PyObject_GetAttr(t, S_device);
   if (dev == NULL)
     return -1;
-  v = PyObject_GetAttr(dev, S_type);
-  if (v == NULL)
+  devt = PyObject_GetAttr(dev, S_type);
+  if (devt == NULL)
     goto out;
-  if (PyUnicode_CompareWithASCIIString(v, "cuda") != 0) {
+  if (PyUnicode_CompareWithASCIIString(devt, "cuda") != 0) {
     /* CPU tensors only with install(cpu=True), which the message noted as it began */
-    r = PyUnicode_CompareWithASCIIString(v, "cpu") == 0 ? attr_true(batch, S_cpu) : 0;
+    r = PyUnicode_CompareWithASCIIString(devt, "cpu") == 0 ? attr_true(batch, S_cpu) : 0;
     if (r != 1) {
       rc = r;
       goto out;
     }
   }
-  Py_CLEAR(v);
   PyObject *rg = PyObject_GetAttr(t, S_requires_grad);
   if (rg == NULL)
     goto out;
@@ -688,12 +671,11 @@ static int reduce_common(PyObject *t, PyObject *batch, PyObject **out) {
     }
   }
   st = PyObject_CallMethodObjArgs(t, S_untyped_storage, NULL);
-  if (st == NULL || (v = PyObject_CallMethodObjArgs(st, S_nbytes, NULL)) == NULL) {
+  if (st == NULL || (nb = PyObject_CallMethodObjArgs(st, S_nbytes, NULL)) == NULL) {
     Py_DECREF(rg);
     goto out;
   }
-  r = PyObject_IsTrue(v);
-  Py_CLEAR(v);
+  r = PyObject_IsTrue(nb);
   if (r != 1) {
     Py_DECREF(rg);
     rc = r < 0 ? -1 : 0;
@@ -731,8 +713,8 @@ static int reduce_common(PyObject *t, PyObject *batch, PyObject **out) {
   }
   {
     PyObject *place = g_dl_types != NULL && (PyObject *)Py_TYPE(batch) == g_batch_type
-                          ? batch_add(batch, st, dev, PyTuple_GetItem(args, 2), PyTuple_GetItem(args, 3),
-                                      PyTuple_GetItem(args, 4), PyTuple_GetItem(args, 5))
+                          ? batch_add(batch, st, nb, dev, devt, PyTuple_GetItem(args, 2),
+                                      PyTuple_GetItem(args, 3), PyTuple_GetItem(args, 4), PyTuple_GetItem(args, 5))
                           : PyObject_CallMethodObjArgs(batch, S_add, st, dev, t, NULL);
     if (place == NULL)
       goto out;
@@ -743,7 +725,9 @@ static int reduce_common(PyObject *t, PyObject *batch, PyObject **out) {
 out:
   Py_XDECREF(args);
   Py_XDECREF(v);
+  Py_XDECREF(nb);
   Py_XDECREF(st);
+  Py_XDECREF(devt);
   Py_DECREF(dev);
   return rc;
 }
