@@ -30,7 +30,10 @@
 #                               skipped without it) and bench/torch_floor.py (what a
 #                               Python reducer's torch calls cost per tensor): tables
 #                               appended, and written to $OUT/torch-data-table.md and
-#                               $OUT/torch-queue-table.md. Then gpupool_survive_bench
+#                               $OUT/torch-queue-table.md, and bench/torch_msg_profile.py
+#                               (one message's steps on each side; gpupool.torch's C
+#                               extension from this build, $GPUPOOL_FAST_MODULE, as every
+#                               Python benchmark here). Then gpupool_survive_bench
 #                               (survive=yes pools against stream-ordered ones; kill -9 to
 #                               the first served get with SURVIVE_GB GiB, default 32),
 #                               bench/torch_train_step.py and bench/torch_ipc_deadlock.py.
@@ -82,6 +85,14 @@ run_bench() {
   [ -x "$bench" ] || die "$bench missing: run tools/gpu-bench.sh build on the build machine"
   [ -x "$pinned" ] || die "$pinned missing: run tools/gpu-bench.sh build on the build machine"
   [ -x "$daemon" ] || die "$daemon missing: run tools/gpu-bench.sh build on the build machine"
+  # gpupool.torch's C extension and use_allocator()'s library from this build: without them
+  # the Python benchmarks would measure the pure-Python path (or skip the allocator's way).
+  if [ -z "${GPUPOOL_FAST_MODULE:-}" ] && [ -f "$build/python/ext/_fast.abi3.so" ]; then
+    export GPUPOOL_FAST_MODULE="$PWD/$build/python/ext/_fast.abi3.so"
+  fi
+  if [ -z "${GPUPOOL_TORCH_ALLOC_LIBRARY:-}" ] && [ -f "$build/client/libgpupool-torch-alloc.so" ]; then
+    export GPUPOOL_TORCH_ALLOC_LIBRARY="$PWD/$build/client/libgpupool-torch-alloc.so"
+  fi
   log=$(mktemp)
   table=$(mktemp)
   ptable=$(mktemp)
@@ -210,6 +221,17 @@ run_bench() {
   set -e
   append_part "$rc" "$ftable" torch-floor "Per-tensor floor" "$log" "torch_floor: SKIP: " \
     bench/torch_floor.py
+  # One gpupool.torch message without the Queue, each side's steps (its summary lines).
+  mtable=$(mktemp)
+  set +e
+  GPUPOOL_LIBRARY="$PWD/$build/client/libgpupool-client.so" \
+    "${PYTHON:-python3}" bench/torch_msg_profile.py --gpupoold "$daemon" --top 0 2>&1 | tee -a "$log" |
+    grep '^torch_msg_profile: ' | sed 's/^/    /' > "$mtable"
+  rc=${PIPESTATUS[0]}
+  set -e
+  [ "$rc" != 0 ] || sed -i '1i One gpupool.torch message, step by step (bench/torch_msg_profile.py):\n' "$mtable"
+  append_part "$rc" "$mtable" torch-msg-profile "One gpupool.torch message, step by step" "$log" \
+    "torch_msg_profile: SKIP: " bench/torch_msg_profile.py
 
   # Surviving pools (survive=yes): their cost against stream-ordered pools, and kill -9 to the
   # first served get with SURVIVE_GB GiB (default 32) and with 10,000 names. Then a training
