@@ -17,7 +17,7 @@ from . import _dlpack, _lib
 from ._holds import _Group
 from ._native import fast as _fast
 from ._torch_state import (_BATCH_MAX, _DL_TYPES, _PROFILE, _S, _client, _from_dlpack, _prune_owned_locked,
-                           _remember_locked, _step, _tls)
+                           _step, _tls)
 
 
 def _install_spec(spec):
@@ -152,8 +152,9 @@ def _storages_of(holds, offs, sizes, whole=None):
         get = _S.received.get
         refs = [get(k) for k in keys]
     new = []
+    expired = torch.UntypedStorage._expired  # StorageWeakRef.expired without its two frames
     for i, ref in enumerate(refs):
-        if ref is not None and not ref.expired():
+        if ref is not None and not expired(ref.cdata):
             st = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
             if st is not None:
                 storages[i] = st
@@ -190,10 +191,14 @@ def _storages_of(holds, offs, sizes, whole=None):
             # Sent on from here: shared in place (_remember_locked, its common case inline;
             # the storage's data pointer is where its view was made).
             ptr = h.ptr + offs[i]
-            if ptr in owned:
-                _remember_locked(ptr, h, offs[i])
-            else:
-                owned[ptr] = (weakref.ref(h), offs[i])
+            old = owned.get(ptr)
+            if old is not None:
+                oh = old[0]()
+                if oh is not None and oh is not h and not oh.released:
+                    # Memory this process holds already (its own buffer, received back): that
+                    # hold, which lives longer, stays the one it is shared by.
+                    continue
+            owned[ptr] = (weakref.ref(h), offs[i])
         _prune_owned_locked()
         if len(received) > _S.received_prune:
             for k in [k for k, r in received.items() if r.expired()]:
