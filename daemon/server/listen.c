@@ -459,10 +459,15 @@ static const gpd_peers_news peers_news = {gpd_wake_getters, gpd_fail_getters};
 
 int gpd_server_start(gpd_server **out, uv_loop_t *loop, const gpd_config *cfg, gpd_registry *reg,
                           int listen_fd) {
-  gpd_server *s = calloc(1, sizeof *s);
+  gpd_server *s;
   gpd_stats_source src = {metrics_stats, stats_release, NULL};
   int rc;
-  if (!s)
+  /* The peers' secret files first (gpd_peers_start reads them again): a daemon about to refuse
+   * its configuration must not bind, let alone accept on, its socket for a moment before it
+   * exits (a health check or a client would see it up). */
+  if ((rc = gpd_peers_check_secrets(cfg)) != 0)
+    return rc;
+  if (!(s = calloc(1, sizeof *s)))
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
   if ((rc = gpd_metrics_new(&s->metrics)) != 0) {
     free(s);

@@ -12,6 +12,7 @@
 #include <inttypes.h>
 #include <netinet/in.h>
 #include <pthread.h>
+#include <sys/inotify.h>
 
 #include "harness.h"
 
@@ -800,9 +801,15 @@ static void test_fetches_per_peer_capped(void **state) {
   pair_stop();
 }
 
-/* A secret file others can read stops the daemon at start, naming the file and the fix. */
+/* A secret file others can read stops the daemon at start, naming the file and the fix; and
+ * before its socket exists: a daemon about to refuse its configuration is never seen
+ * accepting a connection (a health check, a client, this test's own start under load once
+ * connected in that window). The socket's directory is watched for its creation. */
 static void test_secret_mode(void **state) {
-  char conf[1024];
+  char conf[1024], ev[4096] __attribute__((aligned(__alignof__(struct inotify_event))));
+  const char *name;
+  ssize_t n;
+  int in;
   ts_daemon_opts o = {.gpupoold = GPUPOOLD_PATH, .backend = "host", .log_level = "info", .use_conf = 1,
                       .ready_ms = 3000, .poll_ms = 10};
   (void)state;
@@ -811,8 +818,20 @@ static void test_secret_mode(void **state) {
   snprintf(conf, sizeof conf, "[daemon]\npeer_listen = 127.0.0.1:%d\npeer_secret_file = %s\n[peer B]\n"
            "address = 127.0.0.1:1\n", A.port, A.secret);
   th_write_conf(&A.d, conf);
+  in = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+  assert_true(in >= 0);
+  /* The daemon binds a temporary name (SOCK.PID.new) and renames it to SOCK. */
+  assert_true(inotify_add_watch(in, A.d.dir, IN_CREATE | IN_MOVED_TO) >= 0);
   assert_int_not_equal(ts_daemon_start(&A.d, &o), 0);
   assert_true(log_has(&A, "chmod 600"));
+  name = strrchr(A.d.sock, '/') + 1;
+  while ((n = read(in, ev, sizeof ev)) > 0)
+    for (char *p = ev; p < ev + n; p += sizeof(struct inotify_event) + ((struct inotify_event *)p)->len) {
+      struct inotify_event *e = (struct inotify_event *)p;
+      if (e->len && strncmp(e->name, name, strlen(name)) == 0)
+        fail_msg("the daemon made its socket %s before it refused its peer secret", A.d.sock);
+    }
+  close(in);
   A.d.pid = 0;
   ts_daemon_remove(&A.d);
 }
