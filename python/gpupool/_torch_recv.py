@@ -183,11 +183,19 @@ def _storages_of(holds, offs, sizes, whole=None):
     for i in new:
         holds[i] = None
     weak_ref = _torch_reductions.StorageWeakRef
-    refs = [weak_ref(storages[i]) for i in new]
     with _S.lock:
         received, owned = _S.received, _S.owned
-        for i, h, ref in zip(new, owners, refs):
-            received[keys[i]] = ref
+        for i, h in zip(new, owners):
+            # The same memory received again once its earlier storage is gone (a state dict
+            # sent version after version): the entry's weak reference is moved to the new
+            # storage, not a new one made and the old one dropped (a Python frame each).
+            ref = refs[i]
+            if ref is not None and received.get(keys[i]) is ref:
+                cdata = storages[i]._weak_ref()
+                cdata, ref.cdata = ref.cdata, cdata  # the new one set before the old goes
+                torch.UntypedStorage._free_weak_ref(cdata)
+            else:
+                received[keys[i]] = weak_ref(storages[i])
             # Sent on from here: shared in place (_remember_locked, its common case inline;
             # the storage's data pointer is where its view was made).
             ptr = h.ptr + offs[i]

@@ -5,6 +5,7 @@ gpupoold; the daemon's buffers, holds and fds back where they started after each
 Run by tests/python/torch_tests.sh (ctest python_torch), which provides torch in a venv.
 """
 
+import gc
 import hashlib
 import os
 import pickle
@@ -1028,6 +1029,26 @@ class Options(TorchTestCase):
         self.assertIn("torch's own sharing", "\n".join(logs.output))
         t = torch.randn(10)
         self.assertTrue(torch.equal(pickle.loads(ForkingPickler.dumps(t)), t))
+
+    def test_memory_received_again_is_one_storage(self):
+        """The same memory received twice while the first storage lives is that storage; once
+        it is gone, the next receipt makes a new one, which a third receipt finds in turn
+        (its entry now names the new storage)."""
+        g = gt.zeros(64, dtype=torch.int32)
+        a = pickle.loads(ForkingPickler.dumps(g))
+        b = pickle.loads(ForkingPickler.dumps(g))
+        self.assertEqual(a.untyped_storage()._cdata, b.untyped_storage()._cdata)
+        del a, b
+        gc.collect()
+        c = pickle.loads(ForkingPickler.dumps(g))
+        d = pickle.loads(ForkingPickler.dumps(g))
+        self.assertEqual(c.untyped_storage()._cdata, d.untyped_storage()._cdata)
+        c.add_(5)
+        self.assertTrue(torch.equal(d, torch.full((64,), 5, dtype=torch.int32)))
+        del c, d
+        gc.collect()
+        e = pickle.loads(ForkingPickler.dumps(g))
+        self.assertTrue(torch.equal(e, g))
 
     def test_gpupool_storage_is_shared_in_place(self):
         g = gt.zeros(16, dtype=torch.int32)
