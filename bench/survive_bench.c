@@ -146,7 +146,7 @@ static int run_cost(const char *gpupoold, cudaStream_t s) {
 
 /* Kill the supervised daemon and time until the new one served a get of name. */
 static int time_restart(const gh_daemon *d, gpupool_client *c, const char *name, cudaStream_t s, double *ms) {
-  pid_t child = gh_supervised_child(d);
+  pid_t child = ts_child_of(d->pid);
   gpupool_buffer *b = NULL;
   uint64_t t0, v = 0;
   int e;

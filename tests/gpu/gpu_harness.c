@@ -89,17 +89,21 @@ int gh_daemon_start(gh_daemon *d, const char *gpupoold, const char *pool_spec) {
   return gh_daemon_start_conf(d, gpupoold, pool_spec, NULL);
 }
 
-int gh_daemon_start_conf(gh_daemon *d, const char *gpupoold, const char *pool_spec, const char *conf) {
-  /* CUDA initialization in the daemon can take seconds on a cold driver. */
-  ts_daemon_opts o = {.gpupoold = gpupoold, .backend = "cuda", .pool = pool_spec, .log_level = "info",
-                      .use_conf = conf != NULL, .ready_ms = 60000, .poll_ms = 20};
+int gh_daemon_start_opts(gh_daemon *d, const ts_daemon_opts *o, const char *conf) {
   if (ts_daemon_prepare(d, getenv("TMPDIR"), "gpupool-gpu.") != 0 ||
-      (conf && ts_daemon_write_conf(d, conf) != 0) || ts_daemon_start(d, &o) != 0) {
+      (conf && ts_daemon_write_conf(d, conf) != 0) || ts_daemon_start(d, o) != 0) {
     fprintf(stderr, "%s\n", d->why);
     ts_daemon_remove(d);
     return -1;
   }
   return 0;
+}
+
+int gh_daemon_start_conf(gh_daemon *d, const char *gpupoold, const char *pool_spec, const char *conf) {
+  /* CUDA initialization in the daemon can take seconds on a cold driver. */
+  ts_daemon_opts o = {.gpupoold = gpupoold, .backend = "cuda", .pool = pool_spec, .log_level = "info",
+                      .use_conf = conf != NULL, .ready_ms = 60000, .poll_ms = 20};
+  return gh_daemon_start_opts(d, &o, conf);
 }
 
 int gh_daemon_start_supervised(gh_daemon *d, const char *gpupoold, const char *conf) {
@@ -107,32 +111,13 @@ int gh_daemon_start_supervised(gh_daemon *d, const char *gpupoold, const char *c
   const char *lvl = getenv("GH_LOG_LEVEL");
   ts_daemon_opts o = {.gpupoold = gpupoold, .backend = "cuda", .log_level = lvl && *lvl ? lvl : "info", .use_conf = 1,
                       .extra = extra, .ready_ms = 60000, .poll_ms = 20};
-  if (ts_daemon_prepare(d, getenv("TMPDIR"), "gpupool-gpu.") != 0 || ts_daemon_write_conf(d, conf) != 0 ||
-      ts_daemon_start(d, &o) != 0) {
-    fprintf(stderr, "%s\n", d->why);
-    ts_daemon_remove(d);
-    return -1;
-  }
-  return 0;
-}
-
-pid_t gh_supervised_child(const gh_daemon *d) {
-  char path[64];
-  long pid = 0;
-  FILE *f;
-  snprintf(path, sizeof path, "/proc/%d/task/%d/children", (int)d->pid, (int)d->pid);
-  if (!(f = fopen(path, "r")))
-    return 0;
-  if (fscanf(f, "%ld", &pid) != 1)
-    pid = 0;
-  fclose(f);
-  return (pid_t)pid;
+  return gh_daemon_start_opts(d, &o, conf);
 }
 
 pid_t gh_wait_restarted(const gh_daemon *d, pid_t old, int timeout_ms) {
   uint64_t end = gh_now_ns() + (uint64_t)timeout_ms * 1000000ull;
   while (gh_now_ns() < end) {
-    pid_t c = gh_supervised_child(d);
+    pid_t c = ts_child_of(d->pid);
     if (c && c != old && ts_can_connect(d->sock))
       return c;
     gh_sleep_ms(2);

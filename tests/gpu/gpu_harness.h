@@ -41,13 +41,14 @@ int gh_driver_start(int argc, char **argv, int nargs, const char *usage, int nee
 /* Start gpupoold --backend cuda with the given pool spec on a private socket and wait until
  * the socket accepts a connection. 0, or -1 with the daemon's log printed to stderr. */
 int gh_daemon_start(gh_daemon *d, const char *gpupoold, const char *pool_spec);
+/* Prepare d's private dir, write conf there (NULL: none) and start gpupoold as o says: 0,
+ * or -1 with the reason printed and the dir removed. */
+int gh_daemon_start_opts(gh_daemon *d, const ts_daemon_opts *o, const char *conf);
 /* The same with a config file holding conf (NULL: none), written into the private dir. */
 int gh_daemon_start_conf(gh_daemon *d, const char *gpupoold, const char *pool_spec, const char *conf);
 /* The same under gpupoold --supervise (its own fd store: slabs of survive=yes pools, names
  * and versions outlive a crash of the daemon it restarts); d->pid is the supervisor's. */
 int gh_daemon_start_supervised(gh_daemon *d, const char *gpupoold, const char *conf);
-/* The daemon the supervisor d runs now, or 0. */
-pid_t gh_supervised_child(const gh_daemon *d);
 /* Wait up to timeout_ms for the supervisor to run a daemon other than old that accepts
  * connections: its pid, or 0. */
 pid_t gh_wait_restarted(const gh_daemon *d, pid_t old, int timeout_ms);

@@ -82,13 +82,7 @@ static int start(gh_daemon *d, const char *gpupoold, const char *conf) {
                       .ready_ms = 60000, .poll_ms = 20};
   if (!g_host)
     return gh_daemon_start_conf(d, gpupoold, NULL, conf);
-  if (ts_daemon_prepare(d, getenv("TMPDIR"), "gpupool-gpu.") != 0 || ts_daemon_write_conf(d, conf) != 0 ||
-      ts_daemon_start(d, &o) != 0) {
-    fprintf(stderr, "%s\n", d->why);
-    ts_daemon_remove(d);
-    return -1;
-  }
-  return 0;
+  return gh_daemon_start_opts(d, &o, conf);
 }
 
 /* Host mode: fill or check bytes at p (CPU memory) with seed's pattern; mismatching words. */

@@ -175,7 +175,7 @@ static int check_empty(gpupool_client *c, size_t free_before, cudaStream_t s) {
     /* Who holds it: this process (a mapping it kept), the daemon, or nobody with a context (an
      * fd left in the supervisor's store). */
     printf("INFO: test pid %d, supervisor %d, daemon %d; GPU memory by process:\n", (int)getpid(), (int)D.pid,
-           (int)gh_supervised_child(&D));
+           (int)ts_child_of(D.pid));
     fflush(stdout);
     char cmd[256];
     snprintf(cmd, sizeof cmd, "nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; "
@@ -238,7 +238,7 @@ static int check_crash(cudaStream_t s) {
   /* The state is written at most every few ms (GPUPOOL_TEST_STATE_EVERY_MS): let the last
    * publish and the reader's holds reach the store, as a crash a moment later would find them. */
   gh_sleep_ms(300);
-  child = gh_supervised_child(&D);
+  child = ts_child_of(D.pid);
   if (!child) {
     FAILF("the supervisor runs no daemon");
     goto out;
@@ -402,7 +402,7 @@ static int check_bundle(cudaStream_t s) {
     goto out;
   (void)cudaStreamSynchronize(s);
   gh_sleep_ms(300); /* the state reaches the store */
-  if (!(child = gh_supervised_child(&D)) || kill(child, SIGKILL) != 0) {
+  if (!(child = ts_child_of(D.pid)) || kill(child, SIGKILL) != 0) {
     FAILF("kill -9 of the daemon failed");
     goto out;
   }
@@ -474,7 +474,7 @@ static int check_cycles(cudaStream_t s) {
   if (connect_pair("cycles", &p, &r) != 0)
     goto out;
   for (int cyc = 0; cyc < 20; cyc++) {
-    pid_t child = gh_supervised_child(&D);
+    pid_t child = ts_child_of(D.pid);
     if (publish(p, "cycle", bytes, 500u + (uint32_t)cyc, s, &v) != 0)
       goto out;
     if (v <= last) {

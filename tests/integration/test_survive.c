@@ -35,20 +35,6 @@ static int teardown(void **state) {
   return 0;
 }
 
-/* The supervisor's child (the daemon), or 0. */
-static pid_t child_of(pid_t sup) {
-  char path[64];
-  long pid = 0;
-  FILE *f;
-  snprintf(path, sizeof path, "/proc/%d/task/%d/children", (int)sup, (int)sup);
-  if (!(f = fopen(path, "r")))
-    return 0;
-  if (fscanf(f, "%ld", &pid) != 1)
-    pid = 0;
-  fclose(f);
-  return (pid_t)pid;
-}
-
 static int count_fds(pid_t pid) {
   char path[64];
   int n = 0;
@@ -68,7 +54,7 @@ static int count_fds(pid_t pid) {
 static pid_t wait_restarted(pid_t old) {
   uint64_t end = th_now_ms() + 10000;
   while (th_now_ms() < end) {
-    pid_t c = child_of(D.pid);
+    pid_t c = ts_child_of(D.pid);
     if (c && c != old && th_can_connect(D.sock))
       return c;
     th_sleep_ms(5);
@@ -84,7 +70,7 @@ static pid_t start_supervised(void) {
   /* Room for GPUPOOL_TEST_SURVIVE_NAMES=10000 names. */
   th_write_conf(&D, "[daemon]\nmax_names = 20000\nmax_names_per_uid = 20000\n");
   th_start(&D, 1, "--supervise", "--pool", POOL, NULL);
-  while (!(c = child_of(D.pid)) && th_now_ms() < end)
+  while (!(c = ts_child_of(D.pid)) && th_now_ms() < end)
     th_sleep_ms(5);
   assert_true(c > 0);
   return c;
@@ -395,7 +381,7 @@ static void test_kept_shares_survive(void **state) {
   (void)state;
   th_write_conf(&D, "[daemon]\nshare_keep_ms = 4000\n");
   th_start(&D, 1, "--supervise", "--pool", POOL, NULL);
-  while (!(c = child_of(D.pid)) && th_now_ms() < end)
+  while (!(c = ts_child_of(D.pid)) && th_now_ms() < end)
     th_sleep_ms(5);
   assert_true(c > 0);
   p = th_connect(&D, "producer");
@@ -560,7 +546,7 @@ static void test_crash_inside_state_write(void **state) {
     snprintf(flag_path, sizeof flag_path, "%s/crash-now", D.dir);
     th_start_opts(&D, &o);
     end = th_now_ms() + 5000;
-    while (!(daemon = child_of(D.pid)) && th_now_ms() < end)
+    while (!(daemon = ts_child_of(D.pid)) && th_now_ms() < end)
       th_sleep_ms(5);
     p = th_connect(&D, "producer");
     publish(p, 0, 1);
@@ -604,7 +590,7 @@ static void test_discard_piece_by_piece(void **state) {
                     "[pool b]\nkind = host\ncapacity = 64M\nslab_size = 4M\n");
   th_start(&D, 1, "--supervise", NULL);
   end = th_now_ms() + 5000;
-  while (!(daemon = child_of(D.pid)) && th_now_ms() < end)
+  while (!(daemon = ts_child_of(D.pid)) && th_now_ms() < end)
     th_sleep_ms(5);
   p = th_connect(&D, "producer");
   for (int i = 0; i < 4; i++) {
@@ -651,7 +637,7 @@ static void test_newer_state_refused(void **state) {
   (void)state;
   th_start_opts(&D, &o);
   end = th_now_ms() + 5000;
-  while (!(daemon = child_of(D.pid)) && th_now_ms() < end)
+  while (!(daemon = ts_child_of(D.pid)) && th_now_ms() < end)
     th_sleep_ms(5);
   p = th_connect(&D, "producer");
   publish(p, 0, 1);
@@ -687,7 +673,7 @@ static pid_t start_env(const char *const *env) {
   th_write_conf(&D, "[daemon]\nmax_names = 20000\nmax_names_per_uid = 20000\n");
   th_start_opts(&D, &o);
   end = th_now_ms() + 5000;
-  while (!(c = child_of(D.pid)) && th_now_ms() < end)
+  while (!(c = ts_child_of(D.pid)) && th_now_ms() < end)
     th_sleep_ms(5);
   assert_true(c > 0);
   return c;

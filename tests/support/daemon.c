@@ -142,6 +142,19 @@ void ts_print_file(FILE *out, const char *path, const char *title) {
 
 void ts_daemon_dump_log(const ts_daemon *d) { ts_print_file(stderr, d->log, "gpupoold log"); }
 
+pid_t ts_child_of(pid_t pid) {
+  char path[64];
+  long child = 0;
+  FILE *f;
+  snprintf(path, sizeof path, "/proc/%d/task/%d/children", (int)pid, (int)pid);
+  if (!(f = fopen(path, "r")))
+    return 0;
+  if (fscanf(f, "%ld", &child) != 1)
+    child = 0;
+  fclose(f);
+  return (pid_t)child;
+}
+
 int ts_daemon_alive(ts_daemon *d) {
   int st;
   if (d->pid <= 0)

@@ -57,6 +57,8 @@ int ts_daemon_alive(ts_daemon *d);
 int ts_daemon_stop(ts_daemon *d, int timeout_ms);
 /* Unlink the files in the dir and remove it. */
 void ts_daemon_remove(ts_daemon *d);
+/* The first child of pid (the daemon a `gpupoold --supervise` runs now), or 0. */
+pid_t ts_child_of(pid_t pid);
 /* Print the daemon's log to stderr between two marker lines. */
 void ts_daemon_dump_log(const ts_daemon *d);
 
