@@ -8,7 +8,6 @@ import gc
 import os
 import pickle
 import time
-import weakref
 
 import torch
 from torch.multiprocessing import reductions as _torch_reductions
@@ -16,7 +15,7 @@ from torch.multiprocessing import reductions as _torch_reductions
 from . import _dlpack, _lib
 from ._holds import _Group
 from ._native import fast as _fast
-from ._torch_state import (_BATCH_MAX, _DL_TYPES, _PROFILE, _S, _client, _from_dlpack, _prune_owned_locked,
+from ._torch_state import (_BATCH_MAX, _DL_TYPES, _PROFILE, _S, _client, _from_dlpack, _remember_many_locked,
                            _step, _tls)
 
 
@@ -184,7 +183,7 @@ def _storages_of(holds, offs, sizes, whole=None):
         holds[i] = None
     weak_ref = _torch_reductions.StorageWeakRef
     with _S.lock:
-        received, owned = _S.received, _S.owned
+        received = _S.received
         for i, h in zip(new, owners):
             # The same memory received again once its earlier storage is gone (a state dict
             # sent version after version): the entry's weak reference is moved to the new
@@ -196,18 +195,9 @@ def _storages_of(holds, offs, sizes, whole=None):
                 torch.UntypedStorage._free_weak_ref(cdata)
             else:
                 received[keys[i]] = weak_ref(storages[i])
-            # Sent on from here: shared in place (_remember_locked, its common case inline;
-            # the storage's data pointer is where its view was made).
-            ptr = h.ptr + offs[i]
-            old = owned.get(ptr)
-            if old is not None:
-                oh = old[0]()
-                if oh is not None and oh is not h and not oh.released:
-                    # Memory this process holds already (its own buffer, received back): that
-                    # hold, which lives longer, stays the one it is shared by.
-                    continue
-            owned[ptr] = (weakref.ref(h), offs[i])
-        _prune_owned_locked()
+        # Sent on from here: shared in place (each storage's data pointer is where its view
+        # was made).
+        _remember_many_locked([(h.ptr + offs[i], h, offs[i]) for i, h in zip(new, owners)])
         if len(received) > _S.received_prune:
             for k in [k for k, r in received.items() if r.expired()]:
                 del received[k]

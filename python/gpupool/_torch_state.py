@@ -175,14 +175,22 @@ def _remember(storage_ptr, hold, offset):
 def _remember_locked(storage_ptr, hold, offset):
     """Share the storage at storage_ptr from here on by hold (at offset in its buffer). With
     _S.lock held."""
+    _remember_many_locked(((storage_ptr, hold, offset),))
+
+
+def _remember_many_locked(items):
+    """_remember_locked for each (storage pointer, hold, offset) of items (a received
+    message's storages: one call, not one each). With _S.lock held."""
     owned = _S.owned
-    old = owned.get(storage_ptr)
-    h = old[0]() if old is not None else None
-    if h is not None and not h.released and h is not hold:
-        # Memory this process holds already (its own buffer, received back in the same
-        # process): that hold stays the one it is shared by, since it lives longer.
-        return
-    owned[storage_ptr] = (weakref.ref(hold), offset)
+    for ptr, hold, offset in items:
+        old = owned.get(ptr)
+        if old is not None:
+            h = old[0]()
+            if h is not None and h is not hold and not h.released:
+                # Memory this process holds already (its own buffer, received back in the
+                # same process): that hold stays the one it is shared by, since it lives longer.
+                continue
+        owned[ptr] = (weakref.ref(hold), offset)
     _prune_owned_locked()
 
 
