@@ -11,6 +11,9 @@
  *   _rebuild_batched(...): what pickle calls for each tensor of a message (see
  *     _torch_recv._rebuild_batched, which it replaces and whose name it keeps, so that a
  *     message pickled here unpickles where the extension is absent, and the other way round).
+ *   storages_of(...): a received message's storages (_torch_recv._storages_of): this
+ *     process's storage of memory it received before, else a new one made by views(), and
+ *     the process's record of both (received memory, and what to share it by when sent on).
  *   live(): how many views' deleters have not run yet (_dlpack.live_exports adds it).
  *   setup_torch(...): torch's own C functions for views() to use where torch has them.
  *   setup_batch(...): reduce_tensor then adds a tensor to its message (_Batch.add) in C.
@@ -62,7 +65,7 @@ typedef struct {
 } export_t;
 
 /* Attribute and method names, interned once: a C string would be made into one per call. */
-#define NAMES(X) X(add) X(batch) X(cpu) X(data_ptr) X(device) X(devs) X(dtype) X(index) X(is_leaf) X(is_nested) X(layout) X(made) X(nbytes) X(ptrs) X(received) X(requires_grad) X(size) X(sizes) X(storage_offset) X(storages) X(stride) X(type) X(untyped_storage) X(usable) X(views)
+#define NAMES(X) X(_weak_ref) X(add) X(batch) X(buf) X(buffer_id) X(cpu) X(data_ptr) X(device) X(devs) X(dtype) X(index) X(is_leaf) X(is_nested) X(kind) X(layout) X(made) X(nbytes) X(ptr) X(ptrs) X(received) X(requires_grad) X(size) X(sizes) X(storage_offset) X(storages) X(stride) X(type) X(untyped_storage) X(usable) X(views)
 #define DECLARE(n) static PyObject *S_##n;
 NAMES(DECLARE)
 #undef DECLARE
@@ -326,12 +329,8 @@ static PyObject *views_shim(int aten_type, int dev_id, PyObject *items) {
   return out;
 }
 
-static PyObject *fast_views(PyObject *self, PyObject *args) {
-  PyObject *from_dlpack, *items;
-  int dev_type, dev_id;
-  (void)self;
-  if (!PyArg_ParseTuple(args, "OiiO!", &from_dlpack, &dev_type, &dev_id, &PyList_Type, &items))
-    return NULL;
+/* views() of a list of items, for fast_views and storages_of. */
+static PyObject *views_of(PyObject *from_dlpack, int dev_type, int dev_id, PyObject *items) {
   /* DLPack's kDLCPU (1) and kDLCUDA (2) are torch's CPU (0) and CUDA (1) */
   if (g_from_blob != NULL && (dev_type == 1 || dev_type == 2)) {
     int fits = shim_fits(items);
@@ -356,10 +355,304 @@ static PyObject *fast_views(PyObject *self, PyObject *args) {
   return out;
 }
 
+static PyObject *fast_views(PyObject *self, PyObject *args) {
+  PyObject *from_dlpack, *items;
+  int dev_type, dev_id;
+  (void)self;
+  if (!PyArg_ParseTuple(args, "OiiO!", &from_dlpack, &dev_type, &dev_id, &PyList_Type, &items))
+    return NULL;
+  return views_of(from_dlpack, dev_type, dev_id, items);
+}
+
 static PyObject *fast_live(PyObject *self, PyObject *unused) {
   (void)self;
   (void)unused;
   return PyLong_FromLong(atomic_load(&live_exports));
+}
+
+static PyObject *set_four(PyObject *args, PyObject **slot[4]);
+
+/* --- a received message's storages (_torch_recv._storages_of) ------------------------------ */
+/* What storages_of needs, given once by setup_recv(): torch's weak storage references
+ * (UntypedStorage._expired, _new_with_weak_ptr, _free_weak_ref: a reference is the int
+ * _weak_ref() returns, one weak count each), the function views() falls back to
+ * (torch.from_dlpack), and gpupool's memory kinds of device and pinned host-NUMA memory. */
+static PyObject *g_expired, *g_new_weak, *g_free_weak, *g_recv_from_dlpack;
+static long g_mem_device = -1, g_mem_host_numa = -1;
+
+static PyObject *fast_setup_recv(PyObject *self, PyObject *args) {
+  PyObject **slot[4] = {&g_expired, &g_new_weak, &g_free_weak, &g_recv_from_dlpack};
+  PyObject *four;
+  long dev, numa;
+  (void)self;
+  if (!PyArg_ParseTuple(args, "O!ll", &PyTuple_Type, &four, &dev, &numa))
+    return NULL;
+  PyObject *r = set_four(four, slot);
+  if (r != NULL) {
+    g_mem_device = dev;
+    g_mem_host_numa = numa;
+  }
+  return r;
+}
+
+/* obj.name as a C long; -1 with an error set on failure. */
+static long attr_long(PyObject *obj, PyObject *name) {
+  PyObject *v = PyObject_GetAttr(obj, name);
+  if (v == NULL)
+    return -1;
+  long r = PyLong_AsLong(v);
+  Py_DECREF(v);
+  return r;
+}
+
+/* The DLPack device of a hold (_Hold.dl_device): kDLCUDA and its device, kDLCUDAHost for
+ * pinned host-NUMA memory, kDLCPU for the rest. 0 or -1 on an error. */
+static int hold_device(PyObject *h, int *type, int *id) {
+  long kind = attr_long(h, S_kind);
+  if (kind == -1 && PyErr_Occurred())
+    return -1;
+  *id = 0;
+  if (kind == g_mem_device) {
+    long d = attr_long(h, S_device);
+    if (d == -1 && PyErr_Occurred())
+      return -1;
+    *type = 2;
+    *id = (int)d;
+  } else {
+    *type = kind == g_mem_host_numa ? 3 : 1;
+  }
+  return 0;
+}
+
+/* Per storage of a message, what storages_of keeps while it works (new references). */
+typedef struct {
+  PyObject *hold, *key, *ref, *ptr; /* ref: the entry found in received, or NULL */
+  int dev_type, dev_id, as_view, done;
+} recv_slot;
+
+/* _torch_recv._remember_many_locked for one storage: owned[ptr] = (weakref(hold), off),
+ * unless owned names another live hold of that memory (it lives longer: it stays). */
+static int remember(PyObject *owned, PyObject *ptr, PyObject *hold, PyObject *off) {
+  PyObject *old = PyDict_GetItemWithError(owned, ptr); /* borrowed */
+  if (old == NULL && PyErr_Occurred())
+    return -1;
+  if (old != NULL && PyTuple_Check(old) && PyTuple_Size(old) == 2) {
+    PyObject *oh = PyObject_CallFunctionObjArgs(PyTuple_GetItem(old, 0), NULL);
+    if (oh == NULL)
+      return -1;
+    int keep = 0;
+    if (oh != Py_None && oh != hold) {
+      PyObject *buf = PyObject_GetAttr(oh, S_buf); /* _Hold.released: buf is None */
+      keep = buf == NULL ? -1 : buf != Py_None;
+      Py_XDECREF(buf);
+    }
+    Py_DECREF(oh);
+    if (keep)
+      return keep < 0 ? -1 : 0;
+  }
+  PyObject *wr = PyWeakref_NewRef(hold, NULL);
+  PyObject *v = wr != NULL ? PyTuple_Pack(2, wr, off) : NULL;
+  Py_XDECREF(wr);
+  int rc = v != NULL ? PyDict_SetItem(owned, ptr, v) : -1;
+  Py_XDECREF(v);
+  return rc;
+}
+
+/* One group of a message's new storages, those of one device made the same way (as the
+ * sender's one tensor on the storage, or as bytes), starting at slot first: their views
+ * made in one call, each slot's storage set (and made[i] for a tensor made whole). */
+static int make_group(recv_slot *sl, Py_ssize_t n, Py_ssize_t first, PyObject *sizes,
+                      PyObject *whole, PyObject *storages, PyObject *made) {
+  static PyObject *byte_type;
+  int rc = -1, type = sl[first].dev_type, id = sl[first].dev_id, as_view = sl[first].as_view;
+  PyObject *items = PyList_New(0), *ts = NULL;
+  if (items == NULL)
+    return -1;
+  if (byte_type == NULL && (byte_type = Py_BuildValue("(ii)", 1, 8)) == NULL) /* DLPack's uint8 */
+    goto out;
+  for (Py_ssize_t i = first; i < n; i++) {
+    recv_slot *s = &sl[i];
+    if (s->done || s->dev_type != type || s->dev_id != id || s->as_view != as_view)
+      continue;
+    PyObject *item;
+    if (as_view) {
+      PyObject *w = PyList_GetItem(whole, i);
+      if (!PyTuple_Check(w) || PyTuple_Size(w) != 3) {
+        PyErr_SetString(PyExc_ValueError, "gpupool._fast.storages_of: whole[i] must be (type, shape, strides)");
+        goto out;
+      }
+      item = PyTuple_Pack(5, s->ptr, PyTuple_GetItem(w, 0), PyTuple_GetItem(w, 1), PyTuple_GetItem(w, 2), s->hold);
+    } else {
+      item = Py_BuildValue("(OO(O)(i)O)", s->ptr, byte_type, PyList_GetItem(sizes, i), 1, s->hold);
+    }
+    if (item == NULL || PyList_Append(items, item) < 0) {
+      Py_XDECREF(item);
+      goto out;
+    }
+    Py_DECREF(item);
+  }
+  if ((ts = views_of(g_recv_from_dlpack, type, id, items)) == NULL)
+    goto out;
+  Py_ssize_t k = 0;
+  for (Py_ssize_t i = first; i < n; i++) {
+    recv_slot *s = &sl[i];
+    if (s->done || s->dev_type != type || s->dev_id != id || s->as_view != as_view)
+      continue;
+    PyObject *t = PyList_GetItem(ts, k++);
+    PyObject *st = t != NULL ? PyObject_CallMethodObjArgs(t, S_untyped_storage, NULL) : NULL;
+    if (st == NULL)
+      goto out;
+    PyList_SetItem(storages, i, st);
+    s->done = 1;
+    if (as_view) {
+      PyObject *key = PyLong_FromSsize_t(i);
+      int r = key != NULL ? PyDict_SetItem(made, key, t) : -1;
+      Py_XDECREF(key);
+      if (r < 0)
+        goto out;
+    }
+  }
+  rc = 0;
+out:
+  Py_XDECREF(ts);
+  Py_DECREF(items);
+  return rc;
+}
+
+/* storages_of(holds, offs, sizes, whole, received, owned): _torch_recv._storages_of in C (its
+ * docstring says what it does), with its caller holding the lock of received and owned. */
+static PyObject *fast_storages_of(PyObject *self, PyObject *args) {
+  PyObject *holds, *offs, *sizes, *whole, *received, *owned, *storages = NULL, *made = NULL, *res = NULL;
+  recv_slot *sl = NULL;
+  int *fresh = NULL;
+  Py_ssize_t n = 0;
+  (void)self;
+  if (!PyArg_ParseTuple(args, "O!O!O!OO!O!", &PyList_Type, &holds, &PyList_Type, &offs, &PyList_Type, &sizes,
+                        &whole, &PyDict_Type, &received, &PyDict_Type, &owned))
+    return NULL;
+  if (g_expired == NULL) {
+    PyErr_SetString(PyExc_RuntimeError, "gpupool._fast.storages_of called before setup_recv()");
+    return NULL;
+  }
+  n = PyList_Size(holds);
+  if (PyList_Size(offs) != n || PyList_Size(sizes) != n ||
+      (whole != Py_None && (!PyList_Check(whole) || PyList_Size(whole) != n))) {
+    PyErr_SetString(PyExc_ValueError, "gpupool._fast.storages_of: holds, offs, sizes (and whole) differ in length");
+    return NULL;
+  }
+  if ((sl = calloc(n ? (size_t)n : 1, sizeof(*sl))) == NULL)
+    return PyErr_NoMemory();
+  if ((storages = PyList_New(n)) == NULL || (made = PyDict_New()) == NULL)
+    goto out;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    Py_INCREF(Py_None);
+    PyList_SetItem(storages, i, Py_None);
+  }
+  /* This process's storage of memory received before, where it is still alive. */
+  for (Py_ssize_t i = 0; i < n; i++) {
+    recv_slot *s = &sl[i];
+    PyObject *off = PyList_GetItem(offs, i);
+    s->hold = PyList_GetItem(holds, i);
+    Py_INCREF(s->hold);
+    PyObject *bid = PyObject_GetAttr(s->hold, S_buffer_id);
+    if (bid == NULL)
+      goto out;
+    s->key = PyTuple_Pack(3, bid, off, PyList_GetItem(sizes, i));
+    Py_DECREF(bid);
+    if (s->key == NULL)
+      goto out;
+    PyObject *ref = PyDict_GetItemWithError(received, s->key);
+    if (ref == NULL && PyErr_Occurred())
+      goto out;
+    if (ref != NULL) {
+      Py_INCREF(ref);
+      s->ref = ref;
+      PyObject *e = PyObject_CallFunctionObjArgs(g_expired, ref, NULL);
+      int gone = e != NULL ? PyObject_IsTrue(e) : -1;
+      Py_XDECREF(e);
+      if (gone < 0)
+        goto out;
+      if (!gone) {
+        PyObject *st = PyObject_CallFunctionObjArgs(g_new_weak, ref, NULL);
+        if (st == NULL)
+          goto out;
+        if (st != Py_None) {
+          /* The hold goes with its last reference (other storages may share it). */
+          PyList_SetItem(storages, i, st);
+          Py_INCREF(Py_None);
+          PyList_SetItem(holds, i, Py_None);
+          s->done = 1;
+          continue;
+        }
+        Py_DECREF(st);
+      }
+    }
+    PyObject *base = PyObject_GetAttr(s->hold, S_ptr);
+    if (base == NULL)
+      goto out;
+    s->ptr = PyNumber_Add(base, off);
+    Py_DECREF(base);
+    if (s->ptr == NULL || hold_device(s->hold, &s->dev_type, &s->dev_id) < 0)
+      goto out;
+    if (whole != Py_None) {
+      int w = PyObject_IsTrue(PyList_GetItem(whole, i));
+      if (w < 0)
+        goto out;
+      s->as_view = w;
+    }
+  }
+  /* The new storages, a views() call per device and way; their deleters drop the holds. */
+  if ((fresh = malloc(sizeof(int) * (size_t)(n ? n : 1))) == NULL) {
+    PyErr_NoMemory();
+    goto out;
+  }
+  for (Py_ssize_t i = 0; i < n; i++)
+    fresh[i] = !sl[i].done;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    if (!sl[i].done && make_group(sl, n, i, sizes, whole, storages, made) < 0)
+      goto out;
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    if (!fresh[i])
+      continue;
+    Py_INCREF(Py_None);
+    PyList_SetItem(holds, i, Py_None);
+  }
+  /* Known from here on: received[key] a weak reference to the new storage (an entry's old
+   * one let go), owned[data pointer] the hold it is shared on by. */
+  for (Py_ssize_t i = 0; i < n; i++) {
+    recv_slot *s = &sl[i];
+    if (!fresh[i])
+      continue;
+    PyObject *w = PyObject_CallMethodObjArgs(PyList_GetItem(storages, i), S__weak_ref, NULL);
+    if (w == NULL)
+      goto out;
+    PyObject *old = PyDict_GetItemWithError(received, s->key);
+    Py_XINCREF(old);
+    int r = old == NULL && PyErr_Occurred() ? -1 : PyDict_SetItem(received, s->key, w);
+    Py_DECREF(w);
+    if (r == 0 && old != NULL) {
+      PyObject *x = PyObject_CallFunctionObjArgs(g_free_weak, old, NULL);
+      r = x == NULL ? -1 : 0;
+      Py_XDECREF(x);
+    }
+    Py_XDECREF(old);
+    if (r < 0 || remember(owned, s->ptr, s->hold, PyList_GetItem(offs, i)) < 0)
+      goto out;
+  }
+  res = PyTuple_Pack(2, storages, made);
+out:
+  for (Py_ssize_t i = 0; i < n; i++) {
+    Py_XDECREF(sl[i].hold);
+    Py_XDECREF(sl[i].key);
+    Py_XDECREF(sl[i].ref);
+    Py_XDECREF(sl[i].ptr);
+  }
+  free(sl);
+  free(fresh);
+  Py_XDECREF(storages);
+  Py_XDECREF(made);
+  return res;
 }
 
 /* What _rebuild_batched needs of _torch_recv, given once by setup(): the thread-local that
@@ -764,6 +1057,13 @@ static PyMethodDef methods[] = {
    "views(from_dlpack, device_type, device_id, items): a tensor per (data, (code, bits), "
    "shape, strides, owner), a DLPack view keeping owner until torch lets go of it."},
   {"live", fast_live, METH_NOARGS, "live(): views whose deleter has not run yet."},
+  {"setup_recv", fast_setup_recv, METH_VARARGS,
+   "setup_recv((expired, new_with_weak_ptr, free_weak_ref, from_dlpack), mem_device, mem_host_numa): "
+   "what storages_of calls (torch.UntypedStorage's weak reference functions, torch.from_dlpack) "
+   "and gpupool's memory kinds."},
+  {"storages_of", fast_storages_of, METH_VARARGS,
+   "storages_of(holds, offs, sizes, whole, received, owned): (storages, made) of a received "
+   "message, _torch_recv._storages_of in C; the caller holds the lock of received and owned."},
   {"setup_torch", fast_setup_torch, METH_VARARGS,
    "setup_torch(from_blob, delete_handle, wrap, types): torch's torch_from_blob and "
    "aoti_torch_delete_tensor_object (addresses), the function turning handles into tensors, "

@@ -10,13 +10,12 @@ import pickle
 import time
 
 import torch
-from torch.multiprocessing import reductions as _torch_reductions
 
 from . import _dlpack, _lib
 from ._holds import _Group
 from ._native import fast as _fast
-from ._torch_state import (_BATCH_MAX, _DL_TYPES, _PROFILE, _S, _client, _from_dlpack, _remember_many_locked,
-                           _step, _tls)
+from ._torch_state import (_BATCH_MAX, _DL_TYPES, _PROFILE, _S, _client, _from_dlpack, _prune_owned_locked,
+                           _remember_many_locked, _step, _tls)
 
 
 def _install_spec(spec):
@@ -144,6 +143,12 @@ def _storages_of(holds, offs, sizes, whole=None):
     and not None, is (DLPack element type, shape, strides) of the one tensor the sender had
     on storage i, covering it: a new storage i is then made as that tensor, returned in the
     second result (place -> tensor)."""
+    if _fast is not None and _FAST_STORAGES:
+        with _S.lock:
+            got = _fast.storages_of(holds, offs, sizes, whole, _S.received, _S.owned)
+            _prune_received_locked()
+            _prune_owned_locked()
+        return got
     n = len(holds)
     storages = [None] * n
     keys = [(h.buffer_id, offs[i], sizes[i]) for i, h in enumerate(holds)]
@@ -151,10 +156,10 @@ def _storages_of(holds, offs, sizes, whole=None):
         get = _S.received.get
         refs = [get(k) for k in keys]
     new = []
-    expired = torch.UntypedStorage._expired  # StorageWeakRef.expired without its two frames
+    expired = torch.UntypedStorage._expired
     for i, ref in enumerate(refs):
-        if ref is not None and not expired(ref.cdata):
-            st = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+        if ref is not None and not expired(ref):
+            st = torch.UntypedStorage._new_with_weak_ptr(ref)
             if st is not None:
                 storages[i] = st
                 # This process holds the buffer already, through that storage: the hold goes
@@ -181,28 +186,33 @@ def _storages_of(holds, offs, sizes, whole=None):
     owners = [holds[i] for i in new]
     for i in new:
         holds[i] = None
-    weak_ref = _torch_reductions.StorageWeakRef
+    free = torch.UntypedStorage._free_weak_ref
     with _S.lock:
         received = _S.received
-        for i, h in zip(new, owners):
-            # The same memory received again once its earlier storage is gone (a state dict
-            # sent version after version): the entry's weak reference is moved to the new
-            # storage, not a new one made and the old one dropped (a Python frame each).
-            ref = refs[i]
-            if ref is not None and received.get(keys[i]) is ref:
-                cdata = storages[i]._weak_ref()
-                cdata, ref.cdata = ref.cdata, cdata  # the new one set before the old goes
-                torch.UntypedStorage._free_weak_ref(cdata)
-            else:
-                received[keys[i]] = weak_ref(storages[i])
+        for i in new:
+            # The entry's weak reference (one weak count of torch's) now names the new
+            # storage; the one it had, if any, is let go.
+            old = received.get(keys[i])
+            received[keys[i]] = storages[i]._weak_ref()
+            if old is not None:
+                free(old)
         # Sent on from here: shared in place (each storage's data pointer is where its view
         # was made).
         _remember_many_locked([(h.ptr + offs[i], h, offs[i]) for i, h in zip(new, owners)])
-        if len(received) > _S.received_prune:
-            for k in [k for k, r in received.items() if r.expired()]:
-                del received[k]
-            _S.received_prune = max(1024, 2 * len(received))
+        _prune_received_locked()
     return storages, made
+
+
+def _prune_received_locked():
+    """Forget the received memory whose storages are gone (letting go of each weak reference),
+    once there are twice as many entries as after the last time (at least 1024). With _S.lock
+    held."""
+    received = _S.received
+    if len(received) > _S.received_prune:
+        expired, free = torch.UntypedStorage._expired, torch.UntypedStorage._free_weak_ref
+        for k in [k for k, r in received.items() if expired(r)]:
+            free(received.pop(k))
+        _S.received_prune = max(1024, 2 * len(received))
 
 
 _BYTE = (1, 8)  # DLPack's uint8: (kDLUInt, bits)
@@ -285,6 +295,20 @@ def _setup_torch_shim():
 
 
 _TORCH_SHIM = _setup_torch_shim()
+
+
+def _setup_storages():
+    """Hand gpupool._fast what its storages_of calls, where the extension has it (one built
+    before it does not: _storages_of then runs in Python)."""
+    if _fast is None or not hasattr(_fast, "storages_of"):
+        return False
+    U = torch.UntypedStorage
+    _fast.setup_recv((U._expired, U._new_with_weak_ptr, U._free_weak_ref, _from_dlpack),
+                     _lib.MEM_DEVICE, _lib.MEM_HOST_NUMA)
+    return True
+
+
+_FAST_STORAGES = _setup_storages()
 
 
 # --- children ------------------------------------------------------------------------------

@@ -48,8 +48,9 @@ class _State:
         # storage data pointer -> (weakref to the hold, offset of the storage in the buffer)
         self.owned: dict = {}
         self.owned_prune = 1024
-        # (buffer id, offset, bytes) -> torch's weak storage reference, so that every storage
-        # received for the same memory is one storage here too
+        # (buffer id, offset, bytes) -> torch's weak storage reference (the int a storage's
+        # _weak_ref() gives, a weak count of its own, let go by UntypedStorage._free_weak_ref),
+        # so that every storage received for the same memory is one storage here too
         self.received: dict = {}
         self.received_prune = 1024
         self.alloc_lib = None                    # libgpupool-torch-alloc once use_allocator() ran

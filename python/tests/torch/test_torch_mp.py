@@ -884,6 +884,70 @@ class BothPaths(TorchTestCase):
         del sent
         self.wait_counters(base)
 
+    def test_storages_of_in_c_and_in_python_agree(self):
+        """A received message's storages, made by the extension (gpupool._fast.storages_of)
+        and by the pure-Python _storages_of: each a view of its hold's memory at its place,
+        the one tensor a sender noted made whole, the same storage for memory received again
+        while it lives and a new one once it is gone, the process's records of both (received
+        memory and what to share it by), and on a failure every hold left to the caller."""
+        from gpupool import _torch_recv
+        from gpupool._torch_state import _S, _client
+
+        paths = [False] + ([True] if _torch_recv._FAST_STORAGES else [])
+        base = self.baseline()
+        c = _client()
+        for fast in paths:
+            with self.subTest(fast=fast):
+                saved = _torch_recv._FAST_STORAGES
+                _torch_recv._FAST_STORAGES = fast
+                try:
+                    self._storages_of_case(c, _torch_recv._storages_of, _S)
+                finally:
+                    _torch_recv._FAST_STORAGES = saved
+        self.wait_counters(base)
+
+    def _storages_of_case(self, c, storages_of, S):
+        a, b = c._alloc_holds("main", [4096, 8192], None)
+        try:
+            whole = [None, ((2, 32), (512,), (1,)), None]
+            holds, offs, sizes = [a, a, b], [0, 1024, 0], [1024, 2048, 8192]
+            sts, made = storages_of(holds, offs, sizes, whole)
+            self.assertEqual(holds, [None] * 3)
+            for st, h, off, n in zip(sts, [a, a, b], offs, sizes):
+                self.assertEqual((st.data_ptr(), st.nbytes()), (h.ptr + off, n))
+                self.assertEqual(S.owned[h.ptr + off][1], off)
+                self.assertIs(S.owned[h.ptr + off][0](), h)
+                self.assertIsInstance(S.received[(h.buffer_id, off, n)], int)
+            self.assertEqual(list(made), [1])
+            self.assertEqual((made[1].dtype, made[1].shape, made[1].stride()), (torch.float32, (512,), (1,)))
+            self.assertEqual(made[1].untyped_storage()._cdata, sts[1]._cdata)
+            sts[2][5] = 7
+            # The same memory again while its storages live: those storages.
+            again = [b, a]
+            sts2, made2 = storages_of(again, [0, 0], [8192, 1024], None)
+            self.assertEqual(again, [None, None])
+            self.assertEqual([s._cdata for s in sts2], [sts[2]._cdata, sts[0]._cdata])
+            self.assertEqual(made2, {})
+            # Once they are gone, a new storage, which the entry names from then on.
+            key = (b.buffer_id, 0, 8192)
+            del sts, made, sts2, made2
+            gc.collect()
+            sts3, _ = storages_of([b], [0], [8192], None)
+            self.assertEqual(sts3[0][5], 7)
+            sts4, _ = storages_of([b], [0], [8192], None)
+            self.assertEqual(sts4[0]._cdata, sts3[0]._cdata)
+            self.assertFalse(torch.UntypedStorage._expired(S.received[key]))
+            # A failure: nothing taken, nothing recorded.
+            bad = [a]
+            with self.assertRaises((ValueError, IndexError, TypeError)):
+                storages_of(bad, [16], [32], [("not", "a whole tensor")])
+            self.assertIs(bad[0], a)
+            self.assertNotIn((a.buffer_id, 16, 32), S.received)
+            del sts3, sts4
+        finally:
+            a.release()
+            b.release()
+
 
 class InProcess(TorchTestCase):
     """Sending and receiving in one process (ForkingPickler.dumps, pickle.loads): what no
