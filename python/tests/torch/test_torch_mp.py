@@ -492,8 +492,9 @@ class Batching(TorchTestCase):
         p = ctx.Process(target=hold_messages, args=(q, r))
         p.start()
         # One storage above the size under which a copy buffer of unknown state is not waited
-        # for (16 MiB), and small ones: a state dict's embedding and its layers' norms.
-        big = torch.full(((17 << 20) // 4,), 1.0)
+        # for (64 MiB, _torch_state._SMALL), and small ones: a state dict's embedding and its
+        # layers' norms.
+        big = torch.full(((65 << 20) // 4,), 1.0)
         small = [torch.full((1000 + i,), float(i)) for i in range(20)]
         msg = [big] + small
         try:
