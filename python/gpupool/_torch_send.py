@@ -347,15 +347,21 @@ def _find_many(batch, c):
     owner = [0] * n
     owned = _S.owned
     conn = c._conn
-    rest = []
-    for i in range(n):
-        got = owned.get(ptrs[i]) if owned else None
-        if got is not None:
-            h = got[0]()
-            if h is not None and not h.released and h.conn is conn and got[1] + sizes[i] <= h.size:
-                bufs[i], offs[i], keys[i] = h.buf, got[1], id(h)
-                continue
-        rest.append(i)
+    # Storages this process shares by a hold of its own (received ones, gpupool.torch.empty's):
+    # looked up one by one only when there is one (a process that received memory and sends
+    # use_allocator()'s blocks has records, none of them its message's).
+    if owned and not owned.keys().isdisjoint(ptrs):
+        rest = []
+        for i in range(n):
+            got = owned.get(ptrs[i])
+            if got is not None:
+                h = got[0]()
+                if h is not None and not h.released and h.conn is conn and got[1] + sizes[i] <= h.size:
+                    bufs[i], offs[i], keys[i] = h.buf, got[1], id(h)
+                    continue
+            rest.append(i)
+    else:
+        rest = range(n)
     L = _S.alloc_lib
     cuda = [i for i in rest if devs[i] >= 0] if L is not None else ()
     if cuda:
@@ -363,18 +369,22 @@ def _find_many(batch, c):
         if many is not None:
             # Arrays of the machine's words, made and read in C (array), not item by item.
             m = len(cuda)
-            in_p = array.array("Q", [ptrs[i] for i in cuda])
-            in_n = array.array("Q", [sizes[i] for i in cuda])
+            every = m == n  # every storage asked (use_allocator()'s message): no scattering
+            in_p = array.array("Q", ptrs if every else [ptrs[i] for i in cuda])
+            in_n = array.array("Q", sizes if every else [sizes[i] for i in cuda])
             out_b, out_o = array.array("Q", bytes(8 * m)), array.array("Q", bytes(8 * m))
             many(in_p.buffer_info()[0], in_n.buffer_info()[0], m, out_b.buffer_info()[0],
                  out_o.buffer_info()[0])
-            handles = {}  # a handle object per segment, not per block
-            for i, a, o in zip(cuda, out_b.tolist(), out_o.tolist()):
-                if a:
-                    b = handles.get(a)
-                    if b is None:
-                        b = handles[a] = ctypes.cast(a, _lib.BufferP)
-                    bufs[i], offs[i], keys[i], owner[i] = b, o, a, 1
+            found_b, found_o = out_b.tolist(), out_o.tolist()
+            # A handle object per segment, not per block.
+            handles = {a: ctypes.cast(a, _lib.BufferP) for a in set(found_b) if a}
+            if every and all(found_b):
+                bufs = [handles[a] for a in found_b]
+                offs, keys, owner = found_o, found_b, [1] * n
+            else:
+                for i, a, o in zip(cuda, found_b, found_o):
+                    if a:
+                        bufs[i], offs[i], keys[i], owner[i] = handles[a], o, a, 1
         else:
             for i in cuda:
                 b, o, size = _lib.BufferP(), ctypes.c_size_t(), ctypes.c_size_t()
@@ -390,6 +400,30 @@ def _find_many(batch, c):
                 bufs[i], offs[i] = found
                 keys[i] = ctypes.cast(found[0], ctypes.c_void_p).value
     return bufs, offs, keys, owner
+
+
+def _share_groups(devs, owner, keys, bufs):
+    """The buffers of a message to share, one Share per group: [(device, owner, [buffer, ...])]
+    by device and owner (0: this process's client, 1: use_allocator()'s), each buffer named
+    once, in the order its storages first come (one key is one buffer: the same handle, or
+    handles of one address); and tix[i], the place of storage i's buffer among all the
+    groups' buffers in that order (its token's)."""
+    n = len(keys)
+    kinds = sorted(set(zip(devs, owner)))
+    groups, tix, base = [], [0] * n, 0
+    for d, o in kinds:
+        idx = range(n) if len(kinds) == 1 else [i for i in range(n) if devs[i] == d and owner[i] == o]
+        # Built by C loops (dict, zip, comprehensions): a message has thousands of storages.
+        where = dict(zip([keys[i] for i in idx], [bufs[i] for i in idx]))
+        pos = {k: base + j for j, k in enumerate(where)}
+        if len(kinds) == 1:
+            tix = [pos[k] for k in keys]
+        else:
+            for i in idx:
+                tix[i] = pos[keys[i]]
+        groups.append((d, o, list(where.values())))
+        base += len(where)
+    return groups, tix
 
 
 def _send_batch(batch, payload):
@@ -445,20 +479,10 @@ def _send_batch(batch, payload):
         # A request names buffers of one client: use_allocator()'s storages are buffers of
         # the allocator's own client.
         tokens = []
-        tix = [0] * n
         ask = _ask_idle(entries)
-        for d, o in sorted(set(zip(devs, owner))):
+        groups, tix = _share_groups(devs, owner, keys, bufs)
+        for d, o, uniq in groups:
             s = torch.cuda.current_stream(d).cuda_stream if d >= 0 else None
-            uniq, where = [], {}
-            for i in range(n):
-                if devs[i] != d or owner[i] != o:
-                    continue
-                k = keys[i]
-                j = where.get(k)
-                if j is None:
-                    j = where[k] = len(uniq)
-                    uniq.append(bufs[i])
-                tix[i] = len(tokens) + j
             for k in range(0, len(uniq), _BATCH_MAX):
                 part = uniq[k:k + _BATCH_MAX]
                 # Each asked buffer by the hold _ask_idle took with it: another thread's
@@ -471,7 +495,7 @@ def _send_batch(batch, payload):
                     for (e, used, _), ok in zip(asked, idle):
                         if not e.busy and e.used == used:  # not sent meanwhile by another thread
                             e.idle = ok
-                tokens += [blob[j * _lib.TOKEN_SIZE:(j + 1) * _lib.TOKEN_SIZE] for j in range(len(part))]
+                tokens.append(blob)  # a token per buffer of part, in its order
         if t0:
             t0 = _step("send: share request", t0)
     finally:

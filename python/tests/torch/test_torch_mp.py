@@ -954,6 +954,81 @@ class InProcess(TorchTestCase):
     """Sending and receiving in one process (ForkingPickler.dumps, pickle.loads): what no
     child process is needed to see."""
 
+    def test_a_message_finds_its_buffers_and_names_each_once(self):
+        """_find_many: a storage this process shares by a hold of its own is found by its
+        pointer, use_allocator()'s blocks through the allocator library's one lookup (a
+        stand-in here: the host has no CUDA), one handle per segment, what neither knows left
+        to copy; _share_groups: each buffer named once per (device, owner) group, in the order
+        its storages come, every storage pointing at its buffer's token."""
+        import ctypes
+        import weakref
+
+        from gpupool import _lib, _torch_send
+        from gpupool._torch_state import _S, _client
+
+        class Segments:
+            """libgpupool-torch-alloc's lookup_many over (base, size, handle) segments."""
+
+            def __init__(self, segs):
+                self.segs, self.calls = segs, 0
+
+            def gpupool_torch_alloc_lookup_many(self, p, n, m, b, o):
+                self.calls += 1
+                P, N = (ctypes.c_uint64 * m).from_address(p), (ctypes.c_uint64 * m).from_address(n)
+                B, O = (ctypes.c_uint64 * m).from_address(b), (ctypes.c_uint64 * m).from_address(o)
+                for k in range(m):
+                    for base, size, h in self.segs:
+                        if base <= P[k] and P[k] + N[k] <= base + size:
+                            B[k], O[k] = h, P[k] - base
+                            break
+
+        class Msg:
+            storages = ()
+
+        def message(ptrs, sizes, devs):
+            m = Msg()
+            m.storages, m.ptrs, m.sizes, m.devs = [None] * len(ptrs), ptrs, sizes, devs
+            return m
+
+        c = _client()
+        lib = Segments([(1 << 40, 1 << 20, 0xA000), (2 << 40, 1 << 20, 0xB000)])
+        saved = _S.alloc_lib
+        _S.alloc_lib = lib
+        try:
+            # Every storage a block: the lookup's answer taken as it is.
+            ptrs = [(1 << 40) + 256, (2 << 40), (1 << 40) + 4096, (1 << 40) + 256]
+            bufs, offs, keys, owner = _torch_send._find_many(message(ptrs, [64] * 4, [0] * 4), c)
+            self.assertEqual(lib.calls, 1)
+            self.assertEqual([ctypes.cast(b, ctypes.c_void_p).value for b in bufs], [0xA000, 0xB000, 0xA000, 0xA000])
+            self.assertIs(bufs[0], bufs[2])  # one handle object per segment
+            self.assertEqual((offs, keys, owner), ([256, 0, 4096, 256], [0xA000, 0xB000, 0xA000, 0xA000], [1] * 4))
+            groups, tix = _torch_send._share_groups([0] * 4, owner, keys, bufs)
+            self.assertEqual([(d, o, len(u)) for d, o, u in groups], [(0, 1, 2)])
+            self.assertEqual(tix, [0, 1, 0, 0])
+            # A host storage this process holds, a block, one nobody knows (copied), a CUDA
+            # storage outside every segment.
+            h = c._alloc_holds("main", [4096], None)[0]
+            _S.owned[h.ptr + 512] = (weakref.ref(h), 512)
+            try:
+                ptrs = [h.ptr + 512, (2 << 40) + 64, 12345, (3 << 40)]
+                bufs, offs, keys, owner = _torch_send._find_many(message(ptrs, [64] * 4, [-1, 0, -1, 0]), c)
+                self.assertEqual(lib.calls, 2)
+                self.assertEqual((bufs[0], offs[0], keys[0], owner[0]), (h.buf, 512, id(h), 0))
+                self.assertEqual((ctypes.cast(bufs[1], ctypes.c_void_p).value, offs[1], keys[1], owner[1]),
+                                 (0xB000, 64, 0xB000, 1))
+                self.assertEqual((bufs[2], bufs[3], owner[2], owner[3]), (None, None, 0, 0))
+                # Two groups: this process's host buffers, then the allocator's on device 0.
+                bufs[2], keys[2] = bufs[0], keys[0]  # as if copied into the same buffer
+                bufs[3], keys[3] = h.buf, id(h) + 1   # and another
+                groups, tix = _torch_send._share_groups([-1, 0, -1, -1], owner, keys, bufs)
+                self.assertEqual([(d, o, len(u)) for d, o, u in groups], [(-1, 0, 2), (0, 1, 1)])
+                self.assertEqual(tix, [0, 2, 0, 1])
+            finally:
+                del _S.owned[h.ptr + 512]
+                h.release()
+        finally:
+            _S.alloc_lib = saved
+
     def test_no_collection_while_exports_are_registered(self):
         """The receiver registers a message's DLPack exports under a plain lock that each
         export's deleter takes too: a garbage collection starting there could free an
