@@ -65,7 +65,7 @@ typedef struct {
 } export_t;
 
 /* Attribute and method names, interned once: a C string would be made into one per call. */
-#define NAMES(X) X(_weak_ref) X(add) X(batch) X(buf) X(buffer_id) X(cpu) X(data_ptr) X(device) X(devs) X(dtype) X(index) X(is_leaf) X(is_nested) X(kind) X(layout) X(made) X(nbytes) X(ptr) X(ptrs) X(received) X(requires_grad) X(size) X(sizes) X(storage_offset) X(storages) X(stride) X(type) X(untyped_storage) X(usable) X(views)
+#define NAMES(X) X(_weak_ref) X(add) X(batch) X(buf) X(buffer_id) X(cpu) X(cuda) X(data_ptr) X(device) X(devs) X(dtype) X(get_device) X(index) X(is_cpu) X(is_cuda) X(is_leaf) X(is_nested) X(kind) X(layout) X(made) X(nbytes) X(ptr) X(ptrs) X(received) X(requires_grad) X(size) X(sizes) X(storage_offset) X(storages) X(stride) X(type) X(untyped_storage) X(usable) X(views)
 #define DECLARE(n) static PyObject *S_##n;
 NAMES(DECLARE)
 #undef DECLARE
@@ -848,16 +848,16 @@ static PyObject *whole_of(PyObject *dtype, PyObject *offset, PyObject *size, PyO
 }
 
 /* _torch_send._Batch.add(storage, device, tensor) in C, for the reducer, which read the
- * storage's size (nb) and the device's type (dev_type) already: the storage's place
+ * storage's size (nb) and the device's type and index (dev_type, didx; cuda: whether it is
+ * a CUDA device) already: the storage's place
  * among the message's (a new reference to it), the storage added if new; views[i] is what
  * whole_of says of the tensor, or None once a second tensor has the storage. */
-static PyObject *batch_add(PyObject *batch, PyObject *st, PyObject *nb, PyObject *dev, PyObject *dev_type,
-                           PyObject *dtype, PyObject *offset, PyObject *size, PyObject *stride) {
-  PyObject *ptr = NULL, *didx = NULL, *key = NULL, *index = NULL, *res = NULL;
+static PyObject *batch_add(PyObject *batch, PyObject *st, PyObject *nb, PyObject *didx, PyObject *dev_type,
+                           int cuda, PyObject *dtype, PyObject *offset, PyObject *size, PyObject *stride) {
+  PyObject *ptr = NULL, *key = NULL, *index = NULL, *res = NULL;
   PyObject *lists[5] = {NULL, NULL, NULL, NULL, NULL}, *vals[5] = {NULL, NULL, NULL, NULL, NULL};
   PyObject *const names[5] = {S_storages, S_ptrs, S_sizes, S_devs, S_views};
   if ((ptr = PyObject_CallMethodObjArgs(st, S_data_ptr, NULL)) == NULL ||
-      (didx = PyObject_GetAttr(dev, S_index)) == NULL ||
       (key = PyTuple_Pack(4, dev_type, didx, ptr, nb)) == NULL || (index = PyObject_GetAttr(batch, S_index)) == NULL)
     goto out;
   for (int k = 0; k < 5; k++)
@@ -883,7 +883,6 @@ static PyObject *batch_add(PyObject *batch, PyObject *st, PyObject *nb, PyObject
   if (PyErr_Occurred())
     goto out;
   long long nbytes = PyLong_AsLongLong(nb);
-  int cuda = PyUnicode_CompareWithASCIIString(dev_type, "cuda") == 0;
   if (nbytes == -1 && PyErr_Occurred())
     goto out;
   Py_INCREF(st);
@@ -912,7 +911,6 @@ out:
   }
   Py_XDECREF(index);
   Py_XDECREF(key);
-  Py_XDECREF(didx);
   Py_XDECREF(ptr);
   return res;
 }
@@ -924,7 +922,7 @@ out:
  * that both paths decide the same. Returns 1 with *out set, 0 for "not the common case", -1 on
  * an error. */
 static int reduce_common(PyObject *t, PyObject *batch, PyObject **out) {
-  PyObject *dev = NULL, *st = NULL, *args = NULL, *v = NULL, *devt = NULL, *nb = NULL;
+  PyObject *dev = NULL, *st = NULL, *args = NULL, *v = NULL, *devt = NULL, *didx = NULL, *nb = NULL;
   int rc = -1, r;
   *out = NULL;
   if ((r = attr_true(batch, S_usable)) != 1)
@@ -938,19 +936,28 @@ static int reduce_common(PyObject *t, PyObject *batch, PyObject **out) {
   Py_CLEAR(v);
   if (!r)
     return 0;
-  dev = PyObject_GetAttr(t, S_device);
-  if (dev == NULL)
+  int cuda = attr_true(t, S_is_cuda);
+  if (cuda < 0)
     return -1;
-  devt = PyObject_GetAttr(dev, S_type);
-  if (devt == NULL)
-    goto out;
-  if (PyUnicode_CompareWithASCIIString(devt, "cuda") != 0) {
+  if (!cuda) {
     /* CPU tensors only with install(cpu=True), which the message noted as it began */
-    r = PyUnicode_CompareWithASCIIString(devt, "cpu") == 0 ? attr_true(batch, S_cpu) : 0;
-    if (r != 1) {
-      rc = r;
+    r = attr_true(t, S_is_cpu);
+    if (r == 1)
+      r = attr_true(batch, S_cpu);
+    if (r != 1)
+      return r;
+  }
+  /* The device as _Batch.add names it (device.type, device.index), without a torch.device
+   * and its type string made per tensor (a fifth of this function's time). */
+  devt = cuda ? S_cuda : S_cpu;
+  Py_INCREF(devt);
+  if (cuda) {
+    didx = PyObject_CallMethodObjArgs(t, S_get_device, NULL);
+    if (didx == NULL)
       goto out;
-    }
+  } else {
+    Py_INCREF(Py_None);
+    didx = Py_None;
   }
   PyObject *rg = PyObject_GetAttr(t, S_requires_grad);
   if (rg == NULL)
@@ -1005,10 +1012,13 @@ static int reduce_common(PyObject *t, PyObject *batch, PyObject **out) {
     PyTuple_SetItem(args, 1 + k, it);
   }
   {
-    PyObject *place = g_dl_types != NULL && (PyObject *)Py_TYPE(batch) == g_batch_type
-                          ? batch_add(batch, st, nb, dev, devt, PyTuple_GetItem(args, 2),
-                                      PyTuple_GetItem(args, 3), PyTuple_GetItem(args, 4), PyTuple_GetItem(args, 5))
-                          : PyObject_CallMethodObjArgs(batch, S_add, st, dev, t, NULL);
+    PyObject *place;
+    if (g_dl_types != NULL && (PyObject *)Py_TYPE(batch) == g_batch_type)
+      place = batch_add(batch, st, nb, didx, devt, cuda, PyTuple_GetItem(args, 2), PyTuple_GetItem(args, 3),
+                        PyTuple_GetItem(args, 4), PyTuple_GetItem(args, 5));
+    else /* another class of message: its own add(storage, device, tensor) */
+      place = (dev = PyObject_GetAttr(t, S_device)) != NULL ? PyObject_CallMethodObjArgs(batch, S_add, st, dev, t, NULL)
+                                                            : NULL;
     if (place == NULL)
       goto out;
     PyTuple_SetItem(args, 1, place);
@@ -1021,7 +1031,8 @@ out:
   Py_XDECREF(nb);
   Py_XDECREF(st);
   Py_XDECREF(devt);
-  Py_DECREF(dev);
+  Py_XDECREF(didx);
+  Py_XDECREF(dev);
   return rc;
 }
 
