@@ -877,6 +877,12 @@ void gpupool_buffer_facts(const gpupool_buffer *b, uint64_t *out) {
   out[4] = gpupool_buffer_id(b);
   out[5] = (uint64_t)gpupool_buffer_read_only(b);
 }
+void gpupool_buffer_facts_many(gpupool_buffer *const *bufs, int n, uint64_t *out) {
+  if (!bufs || !out)
+    return;
+  for (int i = 0; i < n; i++)
+    gpupool_buffer_facts(bufs[i], out + 6 * (size_t)i);
+}
 int gpupool_buffer_read_only(const gpupool_buffer *b) { return b ? b->read_only : 0; }
 gpupool_client *gpupool_buffer_client(const gpupool_buffer *b) { return b ? b->c : NULL; }
 int gpupool_buffer_tensor(const gpupool_buffer *b, gpupool_tensor_meta *out) {

@@ -380,6 +380,9 @@ GPUPOOL_EXTERN uint64_t gpupool_buffer_id(const gpupool_buffer *b);
 /* The accessors' answers in one call (for bindings that pay per call), in out[0..6): [0] pointer, [1]
  * size, [2] kind (gpupool_mem_kind), [3] device + 1 (0 for host memory), [4] id, [5] read-only. */
 GPUPOOL_EXTERN void gpupool_buffer_facts(const gpupool_buffer *b, uint64_t *out);
+/* gpupool_buffer_facts of bufs[0..n) in one call, buffer i's in out[6 * i .. 6 * i + 6) (a
+ * message's holds, opened together, read by a binding without a call each). */
+GPUPOOL_EXTERN void gpupool_buffer_facts_many(gpupool_buffer *const *bufs, int n, uint64_t *out);
 GPUPOOL_EXTERN int gpupool_buffer_read_only(const gpupool_buffer *b);
 /* Tensor description the buffer was published with: 0 and *out filled, or GPUPOOL_ENOENT. */
 GPUPOOL_EXTERN int gpupool_buffer_tensor(const gpupool_buffer *b, gpupool_tensor_meta *out);

@@ -267,7 +267,7 @@ class _Buffers:
     def _new_holds(self, out, n, s):
         """Holds for the n C buffer handles in out, all or none: when they cannot be made,
         every handle is released (by _Hold.many)."""
-        holds = _Hold.many(self._conn, out[:n], s)
+        holds = _Hold.many(self._conn, out[:n], s, out)
         self._holds.update(holds)
         return holds
 

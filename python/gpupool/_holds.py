@@ -94,10 +94,15 @@ def _buffer_facts(obj, L, buf, f=None):
     if f is None:
         f = _Facts()
     L.gpupool_buffer_facts(buf, f)
-    obj.ptr, obj.size, obj.kind = f[0], f[1], f[2]
-    obj.device = f[3] - 1
-    obj.buffer_id = f[4]
-    obj.read_only = bool(f[5])
+    _set_facts(obj, f, 0)
+
+
+def _set_facts(obj, f, at):
+    """obj's facts from gpupool_buffer_facts's six words at f[at:at + 6]."""
+    obj.ptr, obj.size, obj.kind = f[at], f[at + 1], f[at + 2]
+    obj.device = f[at + 3] - 1
+    obj.buffer_id = f[at + 4]
+    obj.read_only = bool(f[at + 5])
 
 
 def _release(holder, handle, c_release, device, what):
@@ -216,15 +221,17 @@ class _Hold:
     group = None  # a _Group it is released with, if any
 
     def __init__(self, conn, buf, stream):
-        self._fill(conn, buf, stream, _Facts())
+        f = _Facts()
+        conn.lib.gpupool_buffer_facts(buf, f)
+        self._fill(conn, buf, stream, f, 0)
         conn.add()
 
-    def _fill(self, conn, buf, stream, facts):
-        """Everything but the connection's count, the C handle (buf) set last; facts: the
-        _Facts array to read the buffer's facts through."""
+    def _fill(self, conn, buf, stream, facts, at):
+        """Everything but the connection's count, the C handle (buf) set last; facts[at:at +
+        6]: the buffer's facts as gpupool_buffer_facts gives them."""
         self.conn = conn
         self.lock = threading.Lock()
-        _buffer_facts(self, conn.lib, buf, facts)
+        _set_facts(self, facts, at)
         # The stream in which the memory is known to be safe (the C library made it wait on
         # the ready and done events there), and every stream it was exported to since.
         self.safe_stream = stream
@@ -233,20 +240,26 @@ class _Hold:
         self.buf = buf
 
     @classmethod
-    def many(cls, conn, bufs, stream):
+    def many(cls, conn, bufs, stream, arr=None):
         """Holds for the C buffer handles bufs (a message's, an Open of many tokens): as
-        _Hold(conn, buf, stream) each, their facts read through one array and counted on the
-        connection at once. All or none: on failure every handle is released."""
+        _Hold(conn, buf, stream) each, their facts read in one call (arr: the ctypes array
+        of BufferP that bufs came from, if there is one) and counted on the connection at
+        once. All or none: on failure every handle is released."""
         L = conn.lib
-        f = _Facts()
+        n = len(bufs)
         holds = []
-        conn.add(len(bufs))
+        conn.add(n)
         try:
-            for buf in bufs:
+            if arr is None:
+                arr = (_lib.BufferP * n)(*bufs)
+            f = (ctypes.c_uint64 * (6 * max(n, 1)))()
+            L.gpupool_buffer_facts_many(arr, n, f)
+            f = f[:]  # Python ints, read once
+            for i, buf in enumerate(bufs):
                 h = cls.__new__(cls)
                 h.buf = None  # owns its handle only once complete (_fill sets it last)
                 holds.append(h)
-                h._fill(conn, buf, stream, f)
+                h._fill(conn, buf, stream, f, 6 * i)
         except BaseException:
             # None of them: every handle released, then their counts dropped (the connection
             # may close once the last goes).

@@ -207,6 +207,7 @@ _PROTOTYPES = {
     "gpupool_buffer_kind": (_c_int, [BufferP]),
     "gpupool_buffer_id": (_u64, [BufferP]),
     "gpupool_buffer_facts": (None, [BufferP, ctypes.POINTER(_u64)]),
+    "gpupool_buffer_facts_many": (None, [ctypes.POINTER(BufferP), _c_int, ctypes.POINTER(_u64)]),
     "gpupool_buffer_read_only": (_c_int, [BufferP]),
     "gpupool_buffer_client": (ClientP, [BufferP]),
     "gpupool_buffer_tensor": (_c_int, [BufferP, ctypes.POINTER(TensorMeta)]),

@@ -448,10 +448,49 @@ static void test_failed_open_pins_nothing_past_keep(void **state) {
   gpupool_client_disconnect(r);
 }
 
+/* The facts of a message's holds in one call are each hold's own, in order (a receiver's,
+ * one of them read-only, and the sender's of other sizes). */
+static void test_facts_of_many(void **state) {
+  enum { N = 3 };
+  gpupool_client *a, *r;
+  gpupool_buffer *b[N], *o[N];
+  gpupool_token tok[N];
+  uint64_t many[6 * 2 * N], one[6];
+  (void)state;
+  start_with("", TH_HOST_POOL("64M", "4M"));
+  a = th_connect(&D, "sender");
+  r = th_connect(&D, "receiver");
+  for (int i = 0; i < N; i++) {
+    if (gpupool_buffer_alloc(a, NULL, 100 + 4096 * (size_t)i, 0, NULL, &b[i]) != 0)
+      fail_msg("alloc %d: %s", i, gpupool_last_error());
+  }
+  assert_int_equal(gpupool_buffer_share_kept_many(b, N, NULL, tok, NULL, 0, NULL), 0);
+  assert_int_equal(gpupool_buffer_open_many(r, tok, 1, GPUPOOL_READ_ONLY, NULL, o), 0);
+  assert_int_equal(gpupool_buffer_open_many(r, tok + 1, N - 1, 0, NULL, o + 1), 0);
+  gpupool_buffer *all[2 * N] = {o[0], o[1], o[2], b[0], b[1], b[2]};
+  memset(many, 0xee, sizeof many);
+  gpupool_buffer_facts_many(all, 2 * N, many);
+  for (int i = 0; i < 2 * N; i++) {
+    gpupool_buffer_facts(all[i], one);
+    assert_memory_equal(many + 6 * i, one, sizeof one);
+    assert_int_equal(many[6 * i], (uint64_t)(uintptr_t)gpupool_buffer_ptr(all[i]));
+    assert_int_equal(many[6 * i + 1], 100 + 4096 * (uint64_t)(i % N));
+    assert_int_equal(many[6 * i + 4], gpupool_buffer_id(b[i % N]));
+    assert_int_equal(many[6 * i + 5], i == 0);
+  }
+  gpupool_buffer_facts_many(NULL, 2, many); /* nothing to read: nothing written, no crash */
+  gpupool_buffer_facts_many(all, 2, NULL);
+  release_all(o, N);
+  release_all(b, N);
+  gpupool_client_disconnect(a);
+  gpupool_client_disconnect(r);
+  th_wait_idle(&D, 3000);
+}
+
 int main(void) {
   return TS_RUN_TESTS(NULL, teardown, test_one_request_each, test_batch_cap, test_release_many,
                       test_bad_token_in_the_middle,
                       test_quota_midway, test_more_slabs_than_one_reply_carries, test_idle_only_when_alone,
                       test_alloc_many_all_or_nothing, test_messages_of_1000_and_10000,
-                      test_failed_open_pins_nothing_past_keep);
+                      test_failed_open_pins_nothing_past_keep, test_facts_of_many);
 }
