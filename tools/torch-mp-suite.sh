@@ -8,11 +8,16 @@
 #
 #   tools/torch-mp-suite.sh --test-file PATH [--python PY] [--build DIR] [--modes "allocator install none"]
 #                           [--tests "cuda event leaf_variable"] [--per-test-timeout S] [--jobs N]
+#                           [--timeline]
 #
 # Each test runs in a process of its own under a time limit (--per-test-timeout, default 120 s):
 # a test that hangs (a child that died while its parent waits on a queue with no timeout) is
 # reported as "timed out" and the next one runs. --jobs N runs N tests at once (default 1; the
-# tests are separate processes sharing the one gpupoold).
+# tests are separate processes sharing the one gpupoold). --timeline: every Python process of
+# the tests logs when it started, when its multiprocessing target started and ended, and when
+# it exited; each test's timeline (seconds from the test's start) follows its result in
+# <mode>.log (for a test with a time limit of its own, as test_cuda_ipc_deadlock's 10 s: what
+# takes the time, start-up or the target).
 # --tests: unittest -k patterns (default: the tests that touch CUDA: every name with "cuda",
 # the CUDA event tests and the leaf-variable test that shares a CUDA tensor); "" runs the
 # whole file (its CPU tests repeat 30 times and take minutes).
@@ -33,6 +38,7 @@ modes="allocator install none"
 tests="cuda event leaf_variable"
 per_test=120
 jobs=1
+timeline=0
 while [ $# -gt 0 ]; do
   case $1 in
     --test-file) test_file=$2; shift 2 ;;
@@ -42,7 +48,8 @@ while [ $# -gt 0 ]; do
     --tests) tests=$2; shift 2 ;;
     --per-test-timeout) per_test=$2; shift 2 ;;
     --jobs) jobs=$2; shift 2 ;;
-    *) echo "usage: $0 --test-file PATH [--python PY] [--build DIR] [--modes \"allocator install none\"] [--tests \"...\"] [--per-test-timeout S] [--jobs N]" >&2; exit 2 ;;
+    --timeline) timeline=1; shift ;;
+    *) echo "usage: $0 --test-file PATH [--python PY] [--build DIR] [--modes \"allocator install none\"] [--tests \"...\"] [--per-test-timeout S] [--jobs N] [--timeline]" >&2; exit 2 ;;
   esac
 done
 out=${OUT:-$(mktemp -d)}
@@ -82,6 +89,26 @@ mkdir -p "$work/site"
 cat >"$work/site/sitecustomize.py" <<'PYEOF'
 import os
 mode = os.environ.get("GPUPOOL_TORCH_SUITE_MODE", "none")
+if os.environ.get("GPUPOOL_TORCH_SUITE_TIMELINE") == "1":
+    import atexit, sys, time
+    import multiprocessing.process as _mpp
+
+    def _mark(what):
+        sys.stderr.write("timeline %.3f pid=%d %s\n" % (time.time(), os.getpid(), what))
+        sys.stderr.flush()
+
+    _mark("start " + " ".join(sys.argv[:3]))
+    _run = _mpp.BaseProcess.run
+
+    def _timed_run(self):
+        _mark("target start (%s)" % self.name)
+        try:
+            return _run(self)
+        finally:
+            _mark("target end (%s)" % self.name)
+
+    _mpp.BaseProcess.run = _timed_run
+    atexit.register(_mark, "exit")
 if mode in ("allocator", "install"):
     import gpupool.torch as _gt
     if mode == "allocator":
@@ -117,18 +144,30 @@ for mode in $modes; do
   [ "$mode" != allocator ] || echo "not applicable under use_allocator(): test_rebuild_cuda_tensor (see above)" >"$out/$mode.na"
   : >"$out/$mode.log"
   mkdir -p "$work/logs/$mode"
-  export mode sock work root build py per_test
+  export mode sock work root build py per_test timeline
   names "$mode" | xargs -P "$jobs" -I{} bash -c '
     t={}
     log=$work/logs/$mode/$t.log
     (cd "$work" &&
-      GPUPOOL_TORCH_SUITE_MODE=$mode GPUPOOL_SOCKET=$sock PYTHONPATH="$work/site:$root/python${PYTHONPATH:+:$PYTHONPATH}" \
+      GPUPOOL_TORCH_SUITE_TIMELINE=$timeline GPUPOOL_TORCH_SUITE_MODE=$mode GPUPOOL_SOCKET=$sock PYTHONPATH="$work/site:$root/python${PYTHONPATH:+:$PYTHONPATH}" \
       GPUPOOL_LIBRARY=$root/$build/client/libgpupool-client.so \
       GPUPOOL_TORCH_ALLOC_LIBRARY=$root/$build/client/libgpupool-torch-alloc.so \
       timeout -k 5 "$per_test" "$py" test_multiprocessing.py -v "$t" >"$log" 2>&1)
     rc=$?
     if [ $rc = 124 ] || [ $rc = 137 ]; then
       printf "\n%s (%s) ... timed out after %s s\n" "${t#*.}" "$t" "$per_test" >>"$log"
+    fi
+    if [ "$timeline" = 1 ]; then
+      "$py" -c "
+import sys
+rows = [l.split(None, 3) for l in open(sys.argv[1], errors=\"replace\") if l.startswith(\"timeline \")]
+t0 = min((float(r[1]) for r in rows), default=0)
+for r in sorted(rows, key=lambda r: float(r[1])):
+    print(\"  %7.3f s  %s  %s\" % (float(r[1]) - t0, r[2], r[3].rstrip()))
+" "$log" >"$log.tl"
+      printf "timeline of %s:\n" "$t" >>"$log"
+      cat "$log.tl" >>"$log"
+      rm -f "$log.tl"
     fi
     echo "exit status $rc ($t)" >>"$log"'
   for t in $(names "$mode"); do cat "$work/logs/$mode/$t.log" >>"$out/$mode.log"; done
