@@ -48,7 +48,8 @@ def _open(spec, tokens, offs, sizes, devs, payload, whole, tix):
         _install_spec(spec)
     c = _client()
     n = len(offs)
-    cuda = {d for d in devs if d >= 0}
+    cuda = set(devs)
+    cuda.discard(-1)
     # The receiver's current stream waits on the ready events; with one device, the C library
     # makes it wait as it opens (no stream bookkeeping per storage).
     s = torch.cuda.current_stream(next(iter(cuda))).cuda_stream if len(cuda) == 1 else None
@@ -56,6 +57,7 @@ def _open(spec, tokens, offs, sizes, devs, payload, whole, tix):
     nt = len(tokens) // T
     uniq = []    # a hold per token: per buffer of the message (tix[i]: storage i's)
     holds = []
+    made_all = False
     t0 = time.perf_counter_ns() if _PROFILE else 0
     try:
         for k in range(0, nt, _BATCH_MAX):
@@ -74,13 +76,18 @@ def _open(spec, tokens, offs, sizes, devs, payload, whole, tix):
                     h.used_in(torch.cuda.current_stream(h.cuda_device).cuda_stream)
         # Takes the holds out of the list; `made` has the tensors made whole from memory.
         storages, made = _storages_of(holds, offs, sizes, whole)
+        # Each hold is some storage's (the message names each buffer for a storage of it):
+        # nothing to let go of here.
+        made_all = len(uniq) == (len(set(tix)) if tix is not None else len(holds))
     finally:
-        # A hold no storage took (none could be made): it goes now. One a storage took stays
-        # referenced by it (several storages may share one hold: a pack's).
-        taken = {id(uniq[tix[i]] if tix is not None else uniq[i]) for i in range(len(holds)) if holds[i] is None}
-        for h in uniq:
-            if id(h) not in taken:
-                h.release()
+        if not made_all:
+            # A hold no storage took (none could be made): it goes now. One a storage took
+            # stays referenced by it (several storages may share one hold: a pack's).
+            taken = {id(uniq[tix[i]] if tix is not None else uniq[i]) for i in range(len(holds))
+                     if holds[i] is None}
+            for h in uniq:
+                if id(h) not in taken:
+                    h.release()
     if t0:
         t0 = _step("receive: storages", t0)
     prev = getattr(_tls, "received", None), getattr(_tls, "made", None)
@@ -149,12 +156,19 @@ def _storages_of(holds, offs, sizes, whole=None):
             _prune_received_locked()
             _prune_owned_locked()
         return got
+    with _S.lock:
+        # As in C: the records are read, and their weak references used, while no other
+        # thread can let go of them (a record replaced or pruned frees its reference).
+        return _storages_of_locked(holds, offs, sizes, whole)
+
+
+def _storages_of_locked(holds, offs, sizes, whole):
+    """_storages_of in Python, with _S.lock held."""
     n = len(holds)
     storages = [None] * n
     keys = [(h.buffer_id, offs[i], sizes[i]) for i, h in enumerate(holds)]
-    with _S.lock:
-        get = _S.received.get
-        refs = [get(k) for k in keys]
+    get = _S.received.get
+    refs = [get(k) for k in keys]
     new = []
     expired = torch.UntypedStorage._expired
     for i, ref in enumerate(refs):
@@ -187,19 +201,18 @@ def _storages_of(holds, offs, sizes, whole=None):
     for i in new:
         holds[i] = None
     free = torch.UntypedStorage._free_weak_ref
-    with _S.lock:
-        received = _S.received
-        for i in new:
-            # The entry's weak reference (one weak count of torch's) now names the new
-            # storage; the one it had, if any, is let go.
-            old = received.get(keys[i])
-            received[keys[i]] = storages[i]._weak_ref()
-            if old is not None:
-                free(old)
-        # Sent on from here: shared in place (each storage's data pointer is where its view
-        # was made).
-        _remember_many_locked([(h.ptr + offs[i], h, offs[i]) for i, h in zip(new, owners)])
-        _prune_received_locked()
+    received = _S.received
+    for i in new:
+        # The entry's weak reference (one weak count of torch's) now names the new storage;
+        # the one it had, if any, is let go.
+        old = received.get(keys[i])
+        received[keys[i]] = storages[i]._weak_ref()
+        if old is not None:
+            free(old)
+    # Sent on from here: shared in place (each storage's data pointer is where its view was
+    # made).
+    _remember_many_locked([(h.ptr + offs[i], h, offs[i]) for i, h in zip(new, owners)])
+    _prune_received_locked()
     return storages, made
 
 

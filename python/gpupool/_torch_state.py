@@ -146,6 +146,9 @@ def _forget_parent():
     _S.client = None
     _S.user_client = False
     _S.owned = {}
+    # The parent's records of received memory name storages of memory this child does not
+    # hold: forgotten, their weak references left as they are (a weak count each, never
+    # freed here: freeing one whose storage was copied mid-change by the fork is not safe).
     _S.received = {}
     _S.cache = {}          # the parent's holds: never released nor reused here
     _S.cache_bytes = 0

@@ -478,8 +478,12 @@ static void test_facts_of_many(void **state) {
     assert_int_equal(many[6 * i + 4], gpupool_buffer_id(b[i % N]));
     assert_int_equal(many[6 * i + 5], i == 0);
   }
+  memset(many, 0xee, sizeof many);
   gpupool_buffer_facts_many(NULL, 2, many); /* nothing to read: nothing written, no crash */
   gpupool_buffer_facts_many(all, 2, NULL);
+  gpupool_buffer_facts_many(all, 0, many);
+  for (size_t k = 0; k < sizeof many / sizeof many[0]; k++)
+    assert_int_equal(many[k], 0xeeeeeeeeeeeeeeeeull);
   release_all(o, N);
   release_all(b, N);
   gpupool_client_disconnect(a);

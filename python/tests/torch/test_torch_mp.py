@@ -890,24 +890,75 @@ class BothPaths(TorchTestCase):
         and by the pure-Python _storages_of: each a view of its hold's memory at its place,
         the one tensor a sender noted made whole, the same storage for memory received again
         while it lives and a new one once it is gone, the process's records of both (received
-        memory and what to share it by), and on a failure every hold left to the caller."""
-        from gpupool import _torch_recv
+        memory and what to share it by) with each record's weak reference let go of exactly
+        once (replaced or pruned), and on a failure, even after some views were made, every
+        hold left to the caller and nothing recorded."""
+        from gpupool import _lib, _torch_recv
         from gpupool._torch_state import _S, _client
 
         paths = [False] + ([True] if _torch_recv._FAST_STORAGES else [])
         base = self.baseline()
         c = _client()
+        U = torch.UntypedStorage
+        free = U._free_weak_ref
+        freed = []
+
+        def counted(ref):
+            freed.append(ref)
+            return free(ref)
+
         for fast in paths:
             with self.subTest(fast=fast):
                 saved = _torch_recv._FAST_STORAGES
                 _torch_recv._FAST_STORAGES = fast
+                U._free_weak_ref = counted
+                if fast:
+                    _torch_recv._fast.setup_recv((U._expired, U._new_with_weak_ptr, counted, _torch_recv._from_dlpack),
+                                                 _lib.MEM_DEVICE, _lib.MEM_HOST_NUMA)
                 try:
-                    self._storages_of_case(c, _torch_recv._storages_of, _S)
+                    del freed[:]
+                    self._storages_of_case(c, _torch_recv._storages_of, _S, freed)
                 finally:
+                    del U._free_weak_ref  # torch's own again (its base class's)
                     _torch_recv._FAST_STORAGES = saved
+                    self.assertTrue(_torch_recv._setup_storages() or not fast)
+        self.assertIs(U._free_weak_ref, free)
         self.wait_counters(base)
 
-    def _storages_of_case(self, c, storages_of, S):
+    def test_a_message_whose_storages_cannot_be_made_lets_go_of_its_holds(self):
+        """The receiver opened a message's buffers, then could not make its storages: the
+        holds it opened go at once (the daemon's counts back where they were before the
+        send), and the error is the one raised."""
+        from gpupool import _torch_recv
+
+        sent = {"a": gt.zeros(10), "b": gt.zeros(20), "c": gt.zeros(30)}
+        base = self.baseline()
+        payload = bytes(ForkingPickler.dumps(sent))
+
+        def fails(holds, offs, sizes, whole=None):
+            raise RuntimeError("no storage on purpose")
+
+        saved = _torch_recv._storages_of
+        _torch_recv._storages_of = fails
+        err = None
+        try:
+            pickle.loads(payload)
+        except RuntimeError as e:
+            err = e
+        finally:
+            _torch_recv._storages_of = saved
+        self.assertIn("on purpose", str(err))
+        # Let go of by the receiver itself, not by the collector: the error's traceback still
+        # references the frame that held them.
+        self.assertIsNotNone(err.__traceback__)
+        self.wait_counters(base)
+        del err, payload
+        got = pickle.loads(bytes(ForkingPickler.dumps(sent)))  # and the next goes as usual
+        self.assertTrue(all(torch.equal(got[k], sent[k]) for k in sent))
+        del got
+        self.wait_counters(base)
+
+    def _storages_of_case(self, c, storages_of, S, freed):
         a, b = c._alloc_holds("main", [4096, 8192], None)
         try:
             whole = [None, ((2, 32), (512,), (1,)), None]
@@ -929,22 +980,48 @@ class BothPaths(TorchTestCase):
             self.assertEqual(again, [None, None])
             self.assertEqual([s._cdata for s in sts2], [sts[2]._cdata, sts[0]._cdata])
             self.assertEqual(made2, {})
-            # Once they are gone, a new storage, which the entry names from then on.
+            # Once they are gone, a new storage, which the entry names from then on (the weak
+            # reference it had let go of).
             key = (b.buffer_id, 0, 8192)
-            del sts, made, sts2, made2
+            old = S.received[key]
+            self.assertEqual(freed, [])
+            del sts, made, sts2, made2, st
             gc.collect()
             sts3, _ = storages_of([b], [0], [8192], None)
             self.assertEqual(sts3[0][5], 7)
+            self.assertEqual(freed, [old])
             sts4, _ = storages_of([b], [0], [8192], None)
             self.assertEqual(sts4[0]._cdata, sts3[0]._cdata)
             self.assertFalse(torch.UntypedStorage._expired(S.received[key]))
-            # A failure: nothing taken, nothing recorded.
-            bad = [a]
+            self.assertEqual(freed, [old])
+            # A failure: nothing taken, nothing recorded; here in the second of two groups
+            # (bytes, then a tensor made whole), after the first one's views were made.
+            from gpupool import _dlpack
+
+            live = _dlpack.live_exports()
+            bad = [a, b]
             with self.assertRaises((ValueError, IndexError, TypeError)):
-                storages_of(bad, [16], [32], [("not", "a whole tensor")])
-            self.assertIs(bad[0], a)
+                storages_of(bad, [16, 64], [32, 32], [None, ("not", "a whole tensor")])
+            self.assertEqual(bad, [a, b])
             self.assertNotIn((a.buffer_id, 16, 32), S.received)
+            self.assertNotIn((b.buffer_id, 64, 32), S.received)
+            gc.collect()
+            self.assertEqual(_dlpack.live_exports(), live)  # the first group's views are gone
+            # Records whose storages are gone, pruned: each weak reference let go of once.
+            mine = {k: S.received[k] for k in [(a.buffer_id, 0, 1024), (a.buffer_id, 1024, 2048), key]}
             del sts3, sts4
+            gc.collect()
+            prune = S.received_prune
+            S.received_prune = 0
+            try:
+                kept, _ = storages_of([a], [4000], [96], None)
+            finally:
+                S.received_prune = max(prune, 1024)
+            for k, ref in mine.items():
+                self.assertNotIn(k, S.received)
+                self.assertEqual(freed.count(ref), 1 + (ref == old), k)
+            self.assertIn((a.buffer_id, 4000, 96), S.received)
+            del kept
         finally:
             a.release()
             b.release()
