@@ -4,7 +4,6 @@ tensors (one storage per buffer in this process), and children that install as t
 from __future__ import annotations
 
 import ctypes
-import gc
 import os
 import pickle
 import time
@@ -14,8 +13,8 @@ import torch
 from . import _dlpack, _lib
 from ._holds import _Group
 from ._native import fast as _fast
-from ._torch_state import (_BATCH_MAX, _DL_TYPES, _PROFILE, _S, _client, _from_dlpack, _prune_owned_locked,
-                           _remember_many_locked, _step, _tls)
+from ._torch_state import (_BATCH_MAX, _DL_TYPES, _PROFILE, _S, _client, _collector_paused, _from_dlpack,
+                           _prune_owned_locked, _remember_many_locked, _step, _tls)
 
 
 def _install_spec(spec):
@@ -27,19 +26,7 @@ def _install_spec(spec):
 
 
 def _open_message(spec, tokens, offs, sizes, devs, payload, whole=None, tix=None):
-    # A message makes several objects per storage that all stay (holds, storages, tensors):
-    # every few hundred start a collection, and with thousands of storages several of them
-    # are full ones, over every object of the process (torch's many): three quarters of the
-    # receive of 10,000 storages on a CPU. The collector waits until the message is made (it
-    # runs then if it is due). A thread that turns it off meanwhile may find it on again.
-    paused = gc.isenabled()
-    if paused:
-        gc.disable()
-    try:
-        return _open(spec, tokens, offs, sizes, devs, payload, whole, tix)
-    finally:
-        if paused:
-            gc.enable()
+    return _collector_paused(_open, spec, tokens, offs, sizes, devs, payload, whole, tix)
 
 
 def _open(spec, tokens, offs, sizes, devs, payload, whole, tix):

@@ -18,7 +18,7 @@ from ._errors import GpupoolError, error
 from ._native import fast as _fast
 from ._torch_recv import (_batched_storage, _open_message, _rebuild_batched, _rebuild_empty,
                           _rebuild_storage, _rebuild_tensor)
-from ._torch_state import (_BATCH_MAX, _CACHE_AGE, _DL_TYPES, _PROFILE, _S, _SMALL, _client,
+from ._torch_state import (_BATCH_MAX, _CACHE_AGE, _DL_TYPES, _PROFILE, _S, _SMALL, _client, _collector_paused,
                            _from_dlpack, _say_fallback, _step, _stream_of, _tls)
 
 
@@ -260,6 +260,10 @@ def _pickler_dump(self, obj):
     f = getattr(self, "_gp_file", None)
     if _S.opts is None or getattr(_tls, "batch", None) is not None or f is None:
         return dump(self, obj)
+    return _collector_paused(_dump_message, self, obj, f, dump)
+
+
+def _dump_message(self, obj, f, dump):
     t0 = time.perf_counter_ns() if _PROFILE else 0
     batch = _tls.batch = _Batch(_S.opts.cpu)
     try:

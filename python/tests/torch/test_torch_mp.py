@@ -1106,6 +1106,41 @@ class InProcess(TorchTestCase):
         finally:
             _S.alloc_lib = saved
 
+    def test_no_collection_while_a_message_is_pickled(self):
+        """The sender's collector waits while a message is pickled and shared (a message of
+        thousands of storages would otherwise start full collections over every object of the
+        process), and runs again after it, also when the message fails."""
+        import gc
+        from gpupool import _torch_send
+
+        starts = []
+
+        def watch(phase, info):
+            if phase == "start":
+                starts.append(getattr(_torch_send._tls, "batch", None) is not None)
+
+        class Fails:
+            def __reduce__(self):
+                raise RuntimeError("cannot be pickled, on purpose")
+
+        msg = {"t%d" % i: torch.randn(16) for i in range(50)}
+        gc.callbacks.append(watch)
+        threshold = gc.get_threshold()
+        gc.set_threshold(1)  # a collection at nearly every allocation, unless paused
+        try:
+            payload = ForkingPickler.dumps(msg)
+            with self.assertRaises(RuntimeError):
+                ForkingPickler.dumps([torch.randn(4), Fails()])
+            self.assertTrue(gc.isenabled())
+            gc.collect()
+        finally:
+            gc.set_threshold(*threshold)
+            gc.callbacks.remove(watch)
+        self.assertTrue(starts, "no collection at all: the test saw nothing")
+        self.assertEqual(starts.count(True), 0, "collections started while a message was pickled")
+        got = pickle.loads(payload)
+        self.assertTrue(all(torch.equal(got[k], msg[k]) for k in msg))
+
     def test_no_collection_while_exports_are_registered(self):
         """The receiver registers a message's DLPack exports under a plain lock that each
         export's deleter takes too: a garbage collection starting there could free an
