@@ -18,8 +18,8 @@ from ._errors import GpupoolError, error
 from ._native import fast as _fast
 from ._torch_recv import (_batched_storage, _open_message, _rebuild_batched, _rebuild_empty,
                           _rebuild_storage, _rebuild_tensor)
-from ._torch_state import (_BATCH_MAX, _CACHE_AGE, _DL_TYPES, _PROFILE, _S, _SMALL, _client, _collector_paused,
-                           _from_dlpack, _say_fallback, _step, _stream_of, _tls)
+from ._torch_state import (_BATCH_MAX, _CACHE_AGE, _DL_TYPES, _PROFILE, _S, _SMALL, _client,
+                           _collector_paused, _from_dlpack, _say_fallback, _step, _stream_of, _tls)
 
 
 def _find(storage, c):
