@@ -58,6 +58,14 @@ die() { echo "torch-mp-suite.sh: $*" >&2; exit 1; }
 
 ver=$("$py" -c "import torch; print(torch.__version__.split('+')[0])") || die "$py cannot import torch"
 "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || die "torch sees no CUDA device"
+# The test file imports torch's own test helpers, which need packages torch's wheel does not
+# bring (expecttest): without them every test would fail alike on the import.
+helpers_check() {
+  local err
+  err=$("$py" -c "import torch.testing._internal.common_utils" 2>&1) && return 0
+  die "the test file needs torch's test helpers, which do not import here ($(printf '%s\n' "$err" | tail -1)): install what is missing (pip install expecttest) or put it on PYTHONPATH"
+}
+helpers_check
 if [ -z "$test_file" ]; then
   test_file=$out/test_multiprocessing.py
   curl -fsSL -m 30 -o "$test_file" \
