@@ -22,16 +22,25 @@ from ._torch_state import (_BATCH_MAX, _CACHE_AGE, _DL_TYPES, _PROFILE, _S, _SMA
                            _collector_paused, _from_dlpack, _say_fallback, _step, _stream_of, _tls)
 
 
+def _owned_hold(ptr, n, conn):
+    """The live hold of conn this process shares the n bytes at ptr by (a storage it received,
+    or made with gpupool.torch.empty), and the storage's offset in it; or None."""
+    got = _S.owned.get(ptr)
+    if got is not None:
+        h = got[0]()
+        if h is not None and not h.released and h.conn is conn and got[1] + n <= h.size:
+            return h, got[1]
+    return None
+
+
 def _find(storage, c):
     """How storage is gpupool memory shared as it is: (C buffer handle, offset of the storage
     in it), or None."""
     ptr = storage.data_ptr()
     n = storage.nbytes()
-    got = _S.owned.get(ptr)
+    got = _owned_hold(ptr, n, c._conn)
     if got is not None:
-        h = got[0]()
-        if h is not None and not h.released and h.conn is c._conn and got[1] + n <= h.size:
-            return h.buf, got[1]
+        return got[0].buf, got[1]
     if _S.alloc_lib is not None and storage.device.type == "cuda":
         # A block of the allocator's cache: its segment's buffer, at the block's offset.
         buf = _lib.BufferP()
@@ -357,12 +366,11 @@ def _find_many(batch, c):
     if owned and not owned.keys().isdisjoint(ptrs):
         rest = []
         for i in range(n):
-            got = owned.get(ptrs[i])
+            got = _owned_hold(ptrs[i], sizes[i], conn)
             if got is not None:
-                h = got[0]()
-                if h is not None and not h.released and h.conn is conn and got[1] + sizes[i] <= h.size:
-                    bufs[i], offs[i], keys[i] = h.buf, got[1], id(h)
-                    continue
+                h, off = got
+                bufs[i], offs[i], keys[i] = h.buf, off, id(h)
+                continue
             rest.append(i)
     else:
         rest = range(n)
