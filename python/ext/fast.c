@@ -428,6 +428,7 @@ static int hold_device(PyObject *h, int *type, int *id) {
 typedef struct {
   PyObject *hold, *key, *ref, *ptr; /* ref: the entry found in received, or NULL */
   int dev_type, dev_id, as_view, done;
+  int fresh; /* a new storage (not this process's storage of memory received before) */
 } recv_slot;
 
 /* _torch_recv._remember_many_locked for one storage: owned[ptr] = (weakref(hold), off),
@@ -524,7 +525,6 @@ out:
 static PyObject *fast_storages_of(PyObject *self, PyObject *args) {
   PyObject *holds, *offs, *sizes, *whole, *received, *owned, *storages = NULL, *made = NULL, *res = NULL;
   recv_slot *sl = NULL;
-  int *fresh = NULL;
   Py_ssize_t n = 0;
   (void)self;
   if (!PyArg_ParseTuple(args, "O!O!O!OO!O!", &PyList_Type, &holds, &PyList_Type, &offs, &PyList_Type, &sizes,
@@ -587,6 +587,7 @@ static PyObject *fast_storages_of(PyObject *self, PyObject *args) {
         Py_DECREF(st);
       }
     }
+    s->fresh = 1;
     PyObject *base = PyObject_GetAttr(s->hold, S_ptr);
     if (base == NULL)
       goto out;
@@ -602,18 +603,12 @@ static PyObject *fast_storages_of(PyObject *self, PyObject *args) {
     }
   }
   /* The new storages, a views() call per device and way; their deleters drop the holds. */
-  if ((fresh = malloc(sizeof(int) * (size_t)(n ? n : 1))) == NULL) {
-    PyErr_NoMemory();
-    goto out;
-  }
-  for (Py_ssize_t i = 0; i < n; i++)
-    fresh[i] = !sl[i].done;
   for (Py_ssize_t i = 0; i < n; i++) {
     if (!sl[i].done && make_group(sl, n, i, sizes, whole, storages, made) < 0)
       goto out;
   }
   for (Py_ssize_t i = 0; i < n; i++) {
-    if (!fresh[i])
+    if (!sl[i].fresh)
       continue;
     Py_INCREF(Py_None);
     PyList_SetItem(holds, i, Py_None);
@@ -622,7 +617,7 @@ static PyObject *fast_storages_of(PyObject *self, PyObject *args) {
    * one let go), owned[data pointer] the hold it is shared on by. */
   for (Py_ssize_t i = 0; i < n; i++) {
     recv_slot *s = &sl[i];
-    if (!fresh[i])
+    if (!s->fresh)
       continue;
     PyObject *w = PyObject_CallMethodObjArgs(PyList_GetItem(storages, i), S__weak_ref, NULL);
     if (w == NULL)
@@ -649,7 +644,6 @@ out:
     Py_XDECREF(sl[i].ptr);
   }
   free(sl);
-  free(fresh);
   Py_XDECREF(storages);
   Py_XDECREF(made);
   return res;
