@@ -49,7 +49,7 @@ static const evops fake_evops = {fake_record, fake_done, fake_destroy, fake_sync
 
 static int setup(void **state) {
   (void)state;
-  th_start_conf(&D, "[daemon]\n" TH_HOST_POOL("96M", "16M"));
+  th_start_conf(&D, "[daemon]\n" TH_HOST_POOL("256M", "16M"));
   return 0;
 }
 
@@ -392,14 +392,14 @@ static void test_full_pool_gives_the_cache_back(void **state) {
   uint64_t gone;
   (void)state;
   configure();
-  a = alloc_ok(60 * MIB, S1);
-  gpupool_torch_free(a, 0, 0, S1); /* kept: 60 of the pool's 96 MiB */
+  a = alloc_ok(160 * MIB, S1);
+  gpupool_torch_free(a, 0, 0, S1); /* kept: 160 of the pool's 256 MiB */
   gone = stat_of(ST_DAEMON_RELEASES);
-  b = alloc_ok(70 * MIB, S1);      /* fits only once the cached segment went back */
+  b = alloc_ok(180 * MIB, S1);     /* fits only once the cached segment went back */
   assert_int_equal(stat_of(ST_DAEMON_RELEASES), gone + 1);
-  memset(b, 1, 70 * MIB);
+  memset(b, 1, 180 * MIB);
   /* Too big even with the cache given back: NULL, saying why. */
-  assert_null(gpupool_torch_alloc(80 * MIB, 0, S1));
+  assert_null(gpupool_torch_alloc(200 * MIB, 0, S1));
   assert_non_null(strstr(gpupool_torch_alloc_last_error(), "ENOSPC"));
   gpupool_torch_free(b, 0, 0, S1);
   assert_int_equal(gpupool_torch_alloc_empty_cache(), 1);
