@@ -477,6 +477,7 @@ int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *str
   /* Each ready event recorded in stream, as gpupool_buffer_share does, but the stream asked
    * once whether it is idle (then there is nothing to wait for), not once per buffer. */
   uint64_t t_r = TRACE_ON() ? gpupool__mono_ns() : 0;
+  int recorded = 0;
   if (rc == 0 && !(c->be->stream_idle && c->be->stream_idle(stream) == 1)) {
     if (c->host_fences)
       rc = c->be->sync ? c->be->sync(stream) : 0;
@@ -485,8 +486,12 @@ int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *str
         gpupool__cevent *e = bufs[i]->ready_id ? gpupool__hmap_get(&c->events, bufs[i]->ready_id) : NULL;
         if (e && (rc = c->be->event_record(e, stream)) > 0)
           rc = 0;
+        recorded += e != NULL && rc == 0;
       }
   }
+  /* Every one recorded here, one after another in one stream: an opener of several of them
+   * waits on one (the daemon groups their kept shares). */
+  sh.ready_together = n > 1 && recorded == n;
   if (t_r)
     gpupool__trace("record_many", t_r, (uint64_t)n);
   if (rc == 0 && (rc = gpupool__call(c, &req, &rep, NULL, &err)) == 0) {
@@ -598,6 +603,11 @@ int gpupool_buffer_open_many(gpupool_client *c, const gpupool_token *tokens, int
   ProtobufCBinaryData *more = NULL;
   gpupool__error err, ignored; /* why it failed; a cleanup's failure after it */
   int rc = 0, done = 0;
+  /* The ready groups whose wait this call has made (a few per message: one per Share of a
+   * stream); past READY_GROUPS_SEEN distinct ones, each buffer waits on its own event. */
+  enum { READY_GROUPS_SEEN = 16 };
+  uint64_t seen[READY_GROUPS_SEEN];
+  int nseen = 0;
 
   if (!c || !tokens || !out || n <= 0)
     return gpupool__err(GPUPOOL_EINVAL, "open_many: client, tokens and out must not be NULL, n at least 1");
@@ -644,9 +654,18 @@ int gpupool_buffer_open_many(gpupool_client *c, const gpupool_token *tokens, int
     for (size_t i = 0; i < got; i++) {
       const Gpupool__Wire__BufferDesc *d = i == 0 ? r->buffer : r->more[i - 1];
       if (rc == 0) {
-        rc = gpupool__materialize(c, d, 1, stream, &out[done + (int)i], &err);
-        if (rc == 0)
+        /* A buffer of a ready group already waited for is ready when the first one is. */
+        uint64_t g = d ? d->ready_group : 0;
+        int k = 0;
+        while (g && k < nseen && seen[k] != g)
+          k++;
+        int wait = !g || k == nseen;
+        rc = gpupool__materialize(c, d, wait, stream, &out[done + (int)i], &err);
+        if (rc == 0) {
           gpupool__keep_mapped(out[done + (int)i], flags);
+          if (g && wait && nseen < READY_GROUPS_SEEN)
+            seen[nseen++] = g;
+        }
       } else if (d && d->hold_id) {
         gpupool__send_release(c, d->hold_id, 0, &ignored); /* all or nothing: the rest of this reply goes too */
       }

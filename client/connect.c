@@ -446,6 +446,16 @@ uint64_t gpupool_client_slab_maps(gpupool_client *c) {
   return n;
 }
 
+uint64_t gpupool_client_ready_waits(gpupool_client *c) {
+  uint64_t n;
+  if (!c)
+    return 0;
+  pthread_mutex_lock(&c->mu);
+  n = c->ready_waits;
+  pthread_mutex_unlock(&c->mu);
+  return n;
+}
+
 uint64_t gpupool_client_reconnect_count(gpupool_client *c) {
   uint64_t n;
   if (!c)

@@ -140,6 +140,7 @@ struct gpupool_client {
   uint32_t max_release_batch; /* holds one Release may name (HelloReply); 0 or 1: one each */
   uint64_t reconnects;
   uint64_t slab_maps;      /* backend mappings (imports) of slabs made, over the client's life */
+  uint64_t ready_waits;    /* streams made to wait on a producer's ready event, over its life */
   stale_gen *stale;
   char **published;        /* names this client published and has not unpublished */
   size_t npublished, cappublished;

@@ -267,9 +267,11 @@ int gpupool__materialize(gpupool_client *c, const Gpupool__Wire__BufferDesc *d, 
     gpupool__trace("events", t_m, d->ready ? d->ready->id : 0);
   /* Make the caller's stream wait for the producer's work, unless it has already finished
    * (then the wait would only cost time). */
-  if (wait_ready && ready && !(c->be->event_query && c->be->event_query(ready) == 1) &&
-      (rc = c->be->stream_wait(ready, stream)) != 0)
-    goto fail_slab;
+  if (wait_ready && ready && !(c->be->event_query && c->be->event_query(ready) == 1)) {
+    if ((rc = c->be->stream_wait(ready, stream)) != 0)
+      goto fail_slab;
+    c->ready_waits++;
+  }
   if (t_m)
     gpupool__trace("wait", t_m, 0);
   if (d->tensor && d->tensor->present && gpupool__wire_meta_from(d->tensor, d->size, &meta) != 0) {

@@ -569,10 +569,11 @@ int gpd_share(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int keep, uint
 }
 
 int gpd_share_many(gpd_registry *reg, gpd_client *c, const uint64_t *hold_ids, size_t n, int keep,
-                   uint8_t (*tokens)[GPUPOOL_TOKEN_SIZE]) {
+                   int ready_together, uint8_t (*tokens)[GPUPOOL_TOKEN_SIZE]) {
   gpd_hold *h = NULL;
   gpd_keep **ks = NULL;
   size_t made = 0;
+  uint64_t group = 0;
   int rc = 0;
   for (size_t i = 0; i < n; i++)
     if ((rc = gpd_hold_of(reg, c, hold_ids[i], &h)) != 0)
@@ -585,10 +586,13 @@ int gpd_share_many(gpd_registry *reg, gpd_client *c, const uint64_t *hold_ids, s
   }
   if (n && !(ks = calloc(n, sizeof *ks)))
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  if (ready_together && n > 1)
+    group = gpd_next_id(reg);
   for (; made < n; made++) {
     h = gpupool__hmap_get(&reg->holds, hold_ids[made]);
     if ((rc = keep_new(reg, c, h, &ks[made])) != 0)
       break;
+    ks[made]->ready_group = group;
     token_put(tokens[made], ks[made]->id, ks[made]->secret);
   }
   if (rc != 0) {
@@ -654,8 +658,10 @@ int gpd_open(gpd_registry *reg, gpd_client *c, const uint8_t *token, size_t len,
     return rc;
   if ((rc = gpd_hold_new(reg, c, b, read_only, 0, out)) != 0)
     return rc;
-  if (k)
+  if (k) {
+    (*out)->ready_group = k->ready_group;
     keep_drop(reg, k);
+  }
   return 0;
 }
 
@@ -716,8 +722,10 @@ int gpd_open_many(gpd_registry *reg, gpd_client *c, const uint8_t *const *tokens
     goto unclaim;
   }
   for (size_t i = 0; i < m; i++)
-    if (ks[i])
+    if (ks[i]) {
+      out[i]->ready_group = ks[i]->ready_group;
       keep_drop(reg, ks[i]);
+    }
   *opened = m;
   goto out;
 unclaim:

@@ -169,6 +169,7 @@ void gpd_fill_desc(gpd_registry *reg, gpd_client *c, gpd_hold *h, const gpd_rnam
   s->desc.offset = b->offset;
   s->desc.size = b->asked;
   s->desc.read_only = h->read_only;
+  s->desc.ready_group = h->ready_group;
   s->desc.name = (char *)(rn ? rn->name : "");
   s->slab.id = sl->id;
   s->slab.pool_id = sl->pool->id;

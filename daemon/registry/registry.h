@@ -247,6 +247,7 @@ struct gpd_hold {
   gpd_event *done;
   int read_only;
   int owner;              /* the allocating hold: counts against the client's limits */
+  uint64_t ready_group;    /* opened from a kept share of a group (gpd_keep): told in its desc */
   gpd_hold *prev, *next;   /* in client->holds */
 };
 
@@ -265,6 +266,10 @@ struct gpd_keep {
   uint64_t client_id;      /* the connection that made it (gone when not in reg->clients) */
   uint64_t expires_ns;
   int claimed;             /* named by an earlier token of the Open being handled */
+  /* Nonzero: made by a Share whose client recorded its buffers' ready events together
+   * (Share.ready_together), the same for every keep of that Share; not kept across a restart
+   * (the events are the old clients'): a restored keep has 0 and its opener waits on it alone. */
+  uint64_t ready_group;
   gpd_keep *prev, *next;   /* in reg->keeps_head..keeps_tail, oldest first */
 };
 
@@ -524,9 +529,10 @@ int gpd_release(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int done_rec
 /* keep: a kept share (see gpd_keep), the token names the keep instead of the buffer. */
 int gpd_share(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int keep, uint8_t token[GPUPOOL_TOKEN_SIZE]);
 /* Share hold_ids[0..n) in one go (tokens[i] for hold_ids[i]): all or nothing, no kept share
- * left behind when one fails. */
+ * left behind when one fails. ready_together (kept shares of two or more holds): their ready
+ * events were recorded together, and the keeps get one new ready group. */
 int gpd_share_many(gpd_registry *reg, gpd_client *c, const uint64_t *hold_ids, size_t n, int keep,
-                   uint8_t (*tokens)[GPUPOOL_TOKEN_SIZE]);
+                   int ready_together, uint8_t (*tokens)[GPUPOOL_TOKEN_SIZE]);
 /* Open n tokens for c: all or nothing. *opened: how many were (the first ones; fewer than n
  * only when the rest would need more new slab fds than one reply carries, max_fds); out[i]
  * the hold of token i. The tokens not opened are untouched. */

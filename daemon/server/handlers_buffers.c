@@ -130,7 +130,7 @@ int gpd_handle_share(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferr
   ids[0] = m->hold_id;
   for (size_t i = 1; i < n; i++)
     ids[i] = m->more_hold_ids[i - 1];
-  if ((rc = gpd_share_many(c->srv->reg, &c->cl, ids, n, m->keep, tokens)) != 0)
+  if ((rc = gpd_share_many(c->srv->reg, &c->cl, ids, n, m->keep, m->ready_together, tokens)) != 0)
     goto out;
   sr.token.data = tokens[0];
   sr.token.len = GPUPOOL_TOKEN_SIZE;

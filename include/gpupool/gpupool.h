@@ -16,6 +16,7 @@
  *     gpupool_client_set_reconnect         how long a request may spend reconnecting
  *     gpupool_client_reconnect_count       how many times the client reconnected
  *     gpupool_client_slab_maps             how many slabs the client mapped (imports)
+ *     gpupool_client_ready_waits           how many ready events the client's streams waited on
  *     gpupool_client_lost_names            names lost when the daemon went away
  *     gpupool_client_host_fences           whether GPU work is ordered by host-side fences
  *     gpupool_client_set_devices           the CUDA devices this process touches memory from
@@ -414,7 +415,12 @@ GPUPOOL_EXTERN int gpupool_buffer_alloc_many(gpupool_client *c, const char *pool
 /* Kept shares (gpupool_buffer_share_kept) of bufs[0..n), all of one client, in one request:
  * out[i] is the token of bufs[i]. All or nothing: when one cannot be shared (GPUPOOL_ELIMIT
  * past max_kept_shares_per_client, a buffer lost with a previous daemon), none is. The ready
- * event of each is recorded in `stream` first. In the same round trip, ask[0..nask) (buffers
+ * event of each is recorded in `stream` first (none when the stream has nothing queued: each
+ * event then says what it said before), one after another, so that they are ready together:
+ * an opener of several of the tokens with gpupool_buffer_open_many makes its stream wait on one
+ * of their events, not on each. A buffer's event says only its last record: one shared again
+ * (from another stream) before an earlier token of it was opened orders that opener after the
+ * later record, for the buffers of its group too. In the same round trip, ask[0..nask) (buffers
  * of the same client; ask may be NULL when nask is 0) are reported on as
  * gpupool_buffer_idle_many does, in idle[0..nask). GPUPOOL_EINVAL past the daemon's
  * max_share_batch (default 1024) for either set: split larger ones. */
@@ -425,7 +431,9 @@ GPUPOOL_EXTERN int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, i
 /* Open tokens[0..n) (as gpupool_buffer_open, same flags) with as few requests as the slabs
  * allow: one, unless the buffers lie in more slabs new to this process than one reply can
  * carry the fds of. All or nothing: on error no buffer is opened (out[] all NULL) and no kept
- * share is used up by the request that failed. GPUPOOL_EINVAL past max_share_batch. */
+ * share is used up by the request that failed. GPUPOOL_EINVAL past max_share_batch. `stream`
+ * waits on the ready events of the buffers whose producers' work has not completed, once per
+ * ready group (the tokens of one gpupool_buffer_share_kept_many call that recorded them). */
 GPUPOOL_EXTERN int gpupool_buffer_open_many(gpupool_client *c, const gpupool_token *tokens, int n, unsigned flags,
                                             void *stream, gpupool_buffer **out);
 
@@ -574,6 +582,12 @@ GPUPOOL_EXTERN uint64_t gpupool_client_reconnect_count(gpupool_client *c);
  * IPC open of the slab's memory), over its life. A get of memory already mapped here (a slab
  * another buffer of this process maps, or one kept by GPUPOOL_KEEP_MAPPED) adds none. */
 GPUPOOL_EXTERN uint64_t gpupool_client_slab_maps(gpupool_client *c);
+/* How many times c made a stream wait on a producer's ready event, over its life: once per
+ * buffer got or opened whose producer's work had not completed yet (none when it had, and
+ * none on a backend without events). gpupool_buffer_open_many waits once per ready group: the
+ * buffers of one gpupool_buffer_share_kept_many call whose ready events it recorded (their
+ * stream was busy) are ready together, so opening them together makes one wait, not one each. */
+GPUPOOL_EXTERN uint64_t gpupool_client_ready_waits(gpupool_client *c);
 /* 1 when b's hold was lost because the daemon went away. */
 GPUPOOL_EXTERN int gpupool_buffer_lost(const gpupool_buffer *b);
 /* Names this client had published that were lost when the daemon went away (not yet

@@ -80,6 +80,13 @@ class _Admin:
         return int(self._lib.gpupool_client_slab_maps(self._conn.usable()))
 
     @property
+    def ready_waits(self) -> int:
+        """How many times this client made a stream wait on a producer's ready event (its
+        work was still running when the buffer was got or opened); the buffers of one message
+        opened together wait once per stream they were shared from."""
+        return int(self._lib.gpupool_client_ready_waits(self._conn.usable()))
+
+    @property
     def host_fences(self) -> bool:
         """True when this connection orders GPU work with host-side fences instead of the
         daemon's inter-process events (a client of another uid than gpupoold's, or

@@ -196,6 +196,7 @@ _PROTOTYPES = {
     "gpupool_client_trim": (_c_int, [ClientP]),
     "gpupool_client_reconnect_count": (_u64, [ClientP]),
     "gpupool_client_slab_maps": (_u64, [ClientP]),
+    "gpupool_client_ready_waits": (_u64, [ClientP]),
     "gpupool_client_lost_names": (_c_int, [ClientP, _vp, _c_int, ctypes.POINTER(_c_int)]),
     # buffer
     "gpupool_buffer_alloc": (_c_int, [ClientP, _cp, ctypes.c_size_t, _c_int, _vp,

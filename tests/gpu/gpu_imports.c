@@ -2,7 +2,7 @@
  * GPU checks of what one process imports over its life, against a real gpupoold with the CUDA
  * backend (a host-NUMA pool "pinned" and a device pool "gpu0" on GPU 0).
  *
- *   gpupool_gpu_imports GPUPOOLD reuse|message
+ *   gpupool_gpu_imports GPUPOOLD reuse|message|ready
  *
  * reuse     Several connections in one process, as a program that makes one PinnedLoader (one
  *           client) after another does, in each pool: a second connection gets a buffer in a
@@ -17,6 +17,13 @@
  *           opened as gpupool.torch sends them: allocated in one round trip, shared kept in
  *           runs of max_share_batch, opened in such runs by a second connection. CUDA gives
  *           a process 4096 inter-process events; one event per hold and per buffer ran out.
+ * ready     Messages whose buffers are filled behind a spin kernel and shared kept while that
+ *           work still runs, opened by a second connection on a stream of its own: the buffers
+ *           of one share are one ready group, so opening them together makes the receiver's
+ *           stream wait once (gpupool_client_ready_waits), opening them in two calls twice,
+ *           two shares' buffers in one call twice, and an idle sender's none; every buffer
+ *           is read by a kernel in the receiver's stream right after the open, bit-exact (a
+ *           wait skipped wrongly reads the buffers before the fill).
  *
  * Prints "PASS: ..." or "FAIL: ..." lines. Exit status 0 pass, 1 fail, 77 skip (no GPU, or
  * GPU 0 without host-NUMA pools for reuse).
@@ -240,6 +247,89 @@ static void release_all(gpupool_buffer **bs, int n, cudaStream_t s) {
     }
 }
 
+enum { READY_N = 8, READY_SPIN_US = 200000 };
+
+/* One round of check_ready: READY_N buffers of c1 filled in s1 (behind a spin unless idle is
+ * set, then s1 is synchronized first), shared kept in `shares` requests (their tokens split
+ * evenly), opened by c2 in s2 in `opens` calls, each read in s2 right after; *waits: how many
+ * ready waits c2 made. */
+static int ready_round(gpupool_client *c1, gpupool_client *c2, cudaStream_t s1, cudaStream_t s2, int shares,
+                       int opens, int idle, uint32_t seed, uint64_t *waits) {
+  static const size_t sizes[READY_N] = {MSG_BYTES, MSG_BYTES, 4u << 20, MSG_BYTES, MSG_BYTES, 4u << 20, MSG_BYTES,
+                                        MSG_BYTES};
+  gpupool_buffer *tx[READY_N] = {0}, *rx[READY_N] = {0};
+  gpupool_token toks[READY_N];
+  int rc, ce;
+  uint64_t w0 = gpupool_client_ready_waits(c2);
+
+  if ((rc = gpupool_buffer_alloc_many(c1, "gpu0", sizes, READY_N, s1, tx)) < 0)
+    return gp_fail("gpupool_buffer_alloc_many", rc);
+  rc = 0;
+  if (!idle && (ce = gk_spin(s1, READY_SPIN_US)))
+    rc = cu_fail("spin kernel", (cudaError_t)ce);
+  for (int i = 0; i < READY_N && rc == 0; i++)
+    rc = fill(tx[i], sizes[i], seed + (uint32_t)i, s1);
+  if (rc == 0 && idle && cudaStreamSynchronize(s1) != cudaSuccess)
+    rc = cu_fail("cudaStreamSynchronize", cudaGetLastError());
+  for (int k = 0; k < shares && rc == 0; k++) {
+    int at = k * READY_N / shares, n = (k + 1) * READY_N / shares - at;
+    if ((rc = gpupool_buffer_share_kept_many(tx + at, n, s1, toks + at, NULL, 0, NULL)) < 0)
+      rc = gp_fail("gpupool_buffer_share_kept_many", rc);
+  }
+  for (int k = 0; k < opens && rc == 0; k++) {
+    int at = k * READY_N / opens, n = (k + 1) * READY_N / opens - at;
+    if ((rc = gpupool_buffer_open_many(c2, toks + at, n, 0, s2, rx + at)) < 0)
+      rc = gp_fail("gpupool_buffer_open_many", rc);
+  }
+  /* Read at once in s2: the spin is still running unless s2 waits for it. */
+  for (int i = 0; i < READY_N && rc == 0; i++)
+    rc = verify("a buffer shared while its fill still ran, read in the opener's stream", rx[i], sizes[i],
+                seed + (uint32_t)i, s2);
+  *waits = gpupool_client_ready_waits(c2) - w0;
+  release_all(rx, READY_N, s2);
+  release_all(tx, READY_N, s1);
+  (void)cudaStreamSynchronize(s1);
+  (void)cudaStreamSynchronize(s2);
+  return rc;
+}
+
+static int check_ready(const gh_daemon *d, gpupool_client *c1) {
+  static const struct {
+    const char *what;
+    int shares, opens, idle;
+    uint64_t waits;
+  } rounds[] = {
+      {"one share opened in one call", 1, 1, 0, 1},
+      {"one share opened in two calls", 1, 2, 0, 2},
+      {"two shares opened in one call", 2, 1, 0, 2},
+      {"one share of an idle sender", 1, 1, 1, 0},
+  };
+  gpupool_client *c2 = NULL;
+  cudaStream_t s1, s2;
+  int rc = 0;
+
+  if (cudaSetDevice(0) != cudaSuccess || cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking) != cudaSuccess)
+    return gh_verdict(1, "ready", "cannot create two streams on GPU 0");
+  if ((rc = connect_as(d, "gpu-imports-receiver", &c2)))
+    return gh_verdict(1, "ready", "%s", why);
+  for (size_t r = 0; r < sizeof rounds / sizeof rounds[0] && rc == 0; r++) {
+    uint64_t waits = 0;
+    if ((rc = ready_round(c1, c2, s1, s2, rounds[r].shares, rounds[r].opens, rounds[r].idle, 50u * (uint32_t)r,
+                          &waits)))
+      rc = gh_verdict(1, "ready", "%s: %s", rounds[r].what, why);
+    else if (waits != rounds[r].waits)
+      rc = gh_verdict(1, "ready", "%s: the receiver's stream waited %" PRIu64 " times on ready events, not %" PRIu64,
+                      rounds[r].what, waits, rounds[r].waits);
+  }
+  gpupool_client_disconnect(c2);
+  if (rc)
+    return rc;
+  return gh_verdict(0, "ready", "%d buffers filled behind a %d ms spin and shared at once: read bit-exact in the "
+                    "opener's stream, one wait per share and open call, none from an idle sender", READY_N,
+                    READY_SPIN_US / 1000);
+}
+
 static int check_message(const gh_daemon *d, gpupool_client *c1) {
   enum { SMALL = 1000, INFLIGHT = 3, BIG = 10000 };
   gpupool_client *c2 = NULL;
@@ -285,18 +375,19 @@ int main(int argc, char **argv) {
   const char *check;
   int rc;
 
-  gh_driver_start(argc, argv, 3, "GPUPOOLD reuse|message", 1, "a CUDA GPU");
+  gh_driver_start(argc, argv, 3, "GPUPOOLD reuse|message|ready", 1, "a CUDA GPU");
   check = argv[2];
-  if (strcmp(check, "reuse") && strcmp(check, "message")) {
-    fprintf(stderr, "unknown check %s (reuse, message)\n", check);
+  if (strcmp(check, "reuse") && strcmp(check, "message") && strcmp(check, "ready")) {
+    fprintf(stderr, "unknown check %s (reuse, message, ready)\n", check);
     return 2;
   }
   if (gh_daemon_start_conf(&d, argv[1], POOL_SPEC, DEVICE_POOL_CONF) != 0) {
-    if (!strcmp(check, "message"))
+    if (strcmp(check, "reuse"))
       return gh_verdict(1, check, "gpupoold did not start");
     printf("SKIP: gpupoold did not start with a host-NUMA pool on GPU 0 (see its log above)\n");
     return GH_SKIP;
   }
-  rc = gh_run_on_daemon(&d, check, "gpu-imports-1", !strcmp(check, "reuse") ? check_reuse : check_message);
+  rc = gh_run_on_daemon(&d, check, "gpu-imports-1",
+                        !strcmp(check, "reuse") ? check_reuse : !strcmp(check, "message") ? check_message : check_ready);
   return rc ? 1 : 0;
 }

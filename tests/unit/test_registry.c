@@ -531,6 +531,71 @@ static uint32_t idle_events(const fixture *f) {
   return n;
 }
 
+/* Kept shares made by one Share whose client recorded their ready events together carry one
+ * ready group, told to each opener (one by one or many at once); another such Share gets
+ * another group; a Share that did not record them together, one of a single hold, and a plain
+ * (not kept) share carry none. */
+static void test_ready_groups_of_kept_shares(void **state) {
+  enum { N = 4 };
+  fixture *f = *state;
+  gpd_hold *hs[N], *os[N], *one = NULL;
+  uint64_t ids[N];
+  uint8_t t1[N][GPUPOOL_TOKEN_SIZE], t2[N][GPUPOOL_TOKEN_SIZE], t3[N][GPUPOOL_TOKEN_SIZE], t4[1][GPUPOOL_TOKEN_SIZE];
+  const uint8_t *tp[N];
+  size_t lens[N], opened = 0;
+  int freed;
+
+  for (int i = 0; i < N; i++) {
+    assert_int_equal(gpd_allocate(&f->reg, &f->a, pool(f), 4096, 0, &hs[i]), 0);
+    ids[i] = hs[i]->id;
+    lens[i] = GPUPOOL_TOKEN_SIZE;
+  }
+  assert_int_equal(gpd_share_many(&f->reg, &f->a, ids, N, 1, 1, t1), 0);
+  assert_int_equal(gpd_share_many(&f->reg, &f->a, ids, N, 1, 1, t2), 0);
+  assert_int_equal(gpd_share_many(&f->reg, &f->a, ids, N, 1, 0, t3), 0);
+  assert_int_equal(gpd_share_many(&f->reg, &f->a, ids, 1, 1, 1, t4), 0);
+  /* The first Share's tokens opened in one request: one group, the same for all. */
+  for (int i = 0; i < N; i++)
+    tp[i] = t1[i];
+  assert_int_equal(gpd_open_many(&f->reg, &f->b, tp, lens, N, 0, GPUPOOL_WIRE_MAX_FDS, os, &opened), 0);
+  assert_int_equal(opened, N);
+  uint64_t g1 = os[0]->ready_group;
+  assert_true(g1 != 0);
+  for (int i = 0; i < N; i++) {
+    assert_int_equal(os[i]->ready_group, g1);
+    gpd_desc_storage ds;
+    gpd_fill_desc(&f->reg, &f->b, os[i], NULL, &ds);
+    assert_int_equal(ds.desc.ready_group, g1);
+  }
+  /* The second Share's, one by one: another group. */
+  for (int i = 0; i < N; i++) {
+    gpd_hold *h = NULL;
+    assert_int_equal(gpd_open(&f->reg, &f->b, t2[i], GPUPOOL_TOKEN_SIZE, 0, &h), 0);
+    assert_true(h->ready_group != 0 && h->ready_group != g1);
+    if (i > 0)
+      assert_int_equal(h->ready_group, one->ready_group);
+    one = h;
+  }
+  /* Not recorded together, or a Share of one hold: no group. */
+  for (int i = 0; i < N; i++) {
+    gpd_hold *h = NULL;
+    assert_int_equal(gpd_open(&f->reg, &f->b, t3[i], GPUPOOL_TOKEN_SIZE, 0, &h), 0);
+    assert_int_equal(h->ready_group, 0);
+  }
+  assert_int_equal(gpd_open(&f->reg, &f->b, t4[0], GPUPOOL_TOKEN_SIZE, 0, &one), 0);
+  assert_int_equal(one->ready_group, 0);
+  /* A plain share (not kept) names the buffer: no group either. */
+  uint8_t plain[GPUPOOL_TOKEN_SIZE];
+  assert_int_equal(gpd_share(&f->reg, &f->a, ids[0], 0, plain), 0);
+  assert_int_equal(gpd_open(&f->reg, &f->b, plain, GPUPOOL_TOKEN_SIZE, 0, &one), 0);
+  assert_int_equal(one->ready_group, 0);
+  /* The allocating holds never had one. */
+  for (int i = 0; i < N; i++) {
+    assert_int_equal(hs[i]->ready_group, 0);
+    assert_int_equal(gpd_release(&f->reg, &f->a, ids[i], 1, &freed), 0);
+  }
+}
+
 static void test_events_shared_past_the_backend_limit(void **state) {
   enum { N = 3 * EVENTS_MAX };
   fixture *f = *state;
@@ -551,7 +616,7 @@ static void test_events_shared_past_the_backend_limit(void **state) {
     assert_true(own_event(&f->a, hs[i]->done));
   }
   assert_true(f->a.nevents <= GPD_EVENTS_PER_CLIENT);
-  assert_int_equal(gpd_share_many(&f->reg, &f->a, ids, N, 1, toks), 0);
+  assert_int_equal(gpd_share_many(&f->reg, &f->a, ids, N, 1, 0, toks), 0);
   /* ...opened by b in one request: its holds share one done event, none of a's. */
   for (int i = 0; i < N; i++) {
     tp[i] = toks[i];
@@ -1108,6 +1173,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_lease_keeps_memory_until_gone, setup, teardown),
       cmocka_unit_test_setup_teardown(test_dead_holder_range_not_reused_with_gpu_work, setup_events, teardown),
       cmocka_unit_test_setup_teardown(test_events_shared_past_the_backend_limit, setup_few_events, teardown),
+      cmocka_unit_test_setup_teardown(test_ready_groups_of_kept_shares, setup, teardown),
       cmocka_unit_test_setup(test_close_with_a_live_dead_client, setup),
       cmocka_unit_test_setup_teardown(test_tenant_pools_per_tenant, setup_tenant_pools, teardown_tenant_pools),
       cmocka_unit_test_setup_teardown(test_tenant_pools_group, setup_tenant_pools, teardown_tenant_pools),
