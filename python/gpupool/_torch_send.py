@@ -444,6 +444,8 @@ def _send_batch(batch, payload):
     storages, sizes, devs = batch.storages, batch.sizes, batch.devs
     n = len(storages)
     t0 = time.perf_counter_ns() if _PROFILE else 0
+    if _S.copying:
+        _copies_forget()
     bufs, offs, keys, owner = _find_many(batch, c)
     copies = [i for i in range(n) if bufs[i] is None]
     if copies and not opts.copy:
@@ -456,33 +458,37 @@ def _send_batch(batch, payload):
     if t0:
         t0 = _step("send: find and pick buffers", t0)
     try:
-        # Each pack's copies in one call, on its device's current stream (the share records
-        # the ready event there): the library runs those within the GPU in its gather kernel,
-        # a launch per 255 storages, instead of a torch copy_ (and its Python) each.
+        # Each device's copies in one call, on its current stream (the share records the
+        # ready events there): the library runs those within the GPU in its gather kernel, a
+        # launch per 255 storages, instead of a torch copy_ (and its Python) each.
         lib = c._lib
+        per_dev = {}  # device -> the places of its copies, in pack order
         for (idx, poffs, _, _), e in zip(packs, entries):
-            m = len(idx)
-            d = devs[idx[0]]
+            buf, k = e.hold.buf, id(e.hold)
             for i, o in zip(idx, poffs):
-                bufs[i] = e.hold.buf
+                bufs[i] = buf
                 offs[i] = o
-                keys[i] = id(e.hold)
+                keys[i] = k
+            per_dev.setdefault(devs[idx[0]], []).extend(idx)
+        ptrs = batch.ptrs
+        for d, idx in per_dev.items():
+            m = len(idx)
             _lib.check(lib.gpupool_buffer_copy_in_many(
-                (_lib.BufferP * m)(*([e.hold.buf] * m)), (ctypes.c_uint64 * m)(*poffs),
-                (ctypes.c_void_p * m)(*[storages[i].data_ptr() for i in idx]),
-                (ctypes.c_size_t * m)(*[sizes[i] for i in idx]), m,
-                torch.cuda.current_stream(d).cuda_stream if d >= 0 else None,
+                (_lib.BufferP * m)(*[bufs[i] for i in idx]), _u64s([offs[i] for i in idx]),
+                _u64s([ptrs[i] for i in idx], ctypes.c_void_p), _u64s([sizes[i] for i in idx], ctypes.c_size_t),
+                m, torch.cuda.current_stream(d).cuda_stream if d >= 0 else None,
                 _lib.COPY_SRC_ON_STREAM_DEVICE if d >= 0 else 0, None), "copying a message's storages")
-        # The copies and whatever else the stream holds are waited for here, once, by the
-        # thread that pickles (a Queue's feeder thread): an idle stream records no ready
-        # events, so the receiver waits on none (an inter-process event wait costs ~0.1 ms
-        # per buffer even once complete).
-        for d in {x for x in devs if x >= 0}:
-            st = torch.cuda.current_stream(d)
-            if not st.query():
-                st.synchronize()
+        # The copies are not waited for: the Share below records each buffer's ready event
+        # after them in the stream, all of a Share's together, so the receiver's stream waits
+        # on one per Share while its process opens the message and makes its tensors as the
+        # GPU copies (an inter-process event wait costs ~0.1 ms even once complete: one, not
+        # one per buffer). Until they are done, what they read stays referenced here (torch's
+        # allocator may hand a freed storage's memory out again in another stream), and each
+        # target's release is ordered after them.
+        if packs:
+            _copies_queued(packs, entries, storages)
         if t0:
-            t0 = _step("send: copies done", t0)
+            t0 = _step("send: copies queued", t0)
         # Each buffer shared once, however many storages of the message lie in it (a pack's,
         # the blocks of one use_allocator() segment): tix[i] is the token of storage i. One
         # request per device (the ready events are recorded in its current stream), and per
@@ -513,6 +519,38 @@ def _send_batch(batch, payload):
     finally:
         _copies_done(entries)
     return _Message((opts.spec(), b"".join(tokens), offs, sizes, devs, payload, batch.whole(), tix))
+
+
+def _u64s(values, ctype=ctypes.c_uint64):
+    """A ctypes array of 64-bit words (ctype: c_uint64, c_void_p or c_size_t) holding values,
+    made in C (array) rather than element by element."""
+    a = array.array("Q", values)
+    return (ctype * len(a)).from_buffer(a)
+
+
+def _copies_queued(packs, entries, storages):
+    """A message's copies are queued in its devices' current streams (packs and their entries,
+    as _send_batch made them): each target's hold is used in that stream (its release comes
+    after the copy), and the sources stay referenced until an event recorded after the copies
+    completes (_copies_forget lets them go)."""
+    events = {}
+    for (idx, _, _, dev), e in zip(packs, entries):
+        if dev.type == "cuda":
+            st = torch.cuda.current_stream(dev)
+            e.hold.used_in(st.cuda_stream)
+            if dev.index not in events:
+                events[dev.index] = torch.cuda.Event()
+                events[dev.index].record(st)
+    if events:
+        with _S.lock:
+            _S.copying.append((list(events.values()), [storages[i] for idx, _, _, _ in packs for i in idx]))
+
+
+def _copies_forget():
+    """Let go of the storages of earlier messages whose copies have completed."""
+    with _S.lock:
+        if _S.copying:
+            _S.copying = [m for m in _S.copying if not all(ev.query() for ev in m[0])]
 
 
 def _ask_idle(entries):
@@ -661,6 +699,7 @@ def trim() -> int:
     with _S.lock:
         if _S.pid != os.getpid():
             return 0
+        _copies_forget()
         lst = [e for v in _S.cache.values() for e in v if not e.busy]
         for e in lst:
             _S.cache[e.key].remove(e)

@@ -61,6 +61,9 @@ class _State:
         self.cache_bytes = 0
         self.cache_max = _CACHE_MAX
         self.msgno = 0
+        # Messages whose copies may still run on the GPU: ([a torch.cuda.Event per device,
+        # recorded after them], [the storages they read]), kept until the events complete.
+        self.copying: list = []
         self.pickler = None                      # ForkingPickler's own (__init__, dump)
 
 
@@ -153,6 +156,9 @@ def _forget_parent():
     _S.received = {}
     _S.cache = {}          # the parent's holds: never released nor reused here
     _S.cache_bytes = 0
+    # The parent's CUDA events and storages: never queried nor freed here.
+    _S.stale.append(_S.copying)
+    _S.copying = []
     _S.pid = os.getpid()
 
 

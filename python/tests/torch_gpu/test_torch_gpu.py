@@ -85,6 +85,21 @@ def sum_many(q, r, n):
     r.put(h.hexdigest())
 
 
+def digest_received(conn, r):
+    """Receives a first message over conn and lets go of it, then a second one, and reports
+    its digests and how many ready waits its opening made the receiving stream do."""
+    c = gt._client()
+    first = conn.recv()
+    torch.cuda.current_stream().synchronize()
+    del first
+    w0 = c.ready_waits
+    r.put("ready")   # started, connected, everything imported: the next copies still run when it comes
+    got = conn.recv()
+    torch.cuda.current_stream().synchronize()
+    r.put(([digest(t) for t in got], c.ready_waits - w0))
+    del got
+
+
 def digest_dicts(q, r):
     while True:
         d = q.get(timeout=300)
@@ -194,6 +209,44 @@ class CudaTensors(unittest.TestCase):
         p.join(60)
         self.assertEqual(p.exitcode, 0)
         del plain, gp, t
+        self.wait_counters(base)
+
+    def test_copies_in_flight_keep_their_sources(self):
+        """A message's copies run on the GPU after the send returns (the receiver's stream
+        waits for them, once for all the buffers of the message): the storages they read stay
+        referenced by the sender until they are done, so memory torch's allocator hands out
+        again at once in another stream, and overwrites there, is not what the receiver gets."""
+        base = self.counters()
+        ctx = mp.get_context("spawn")
+        a, b = ctx.Pipe()
+        r = ctx.Queue()
+        p = ctx.Process(target=digest_received, args=(b, r))
+        p.start()
+        side = torch.cuda.Stream()
+        sizes = [1 << 20] * 8 + [40 << 20]   # 4 MiB each in one copy buffer; 160 MiB alone
+        # A first message of the same shapes: what a process does once (loading the copy
+        # kernel, importing pools and slabs, opening events) may wait for the GPU.
+        a.send([torch.zeros(n, device="cuda") for n in sizes])
+        self.assertEqual(r.get(timeout=120), "ready")
+        with torch.cuda.stream(side):
+            ts = [torch.full((n,), float(i + 1), device="cuda") for i, n in enumerate(sizes)]
+        side.synchronize()
+        want = [digest(t) for t in ts]
+        # The sending thread's stream (the copies') busy for about a second: the send returns
+        # with the copies still queued behind this, and the receiver opens them meanwhile.
+        torch.cuda._sleep(int(2e9))
+        a.send(ts)
+        self.assertFalse(torch.cuda.current_stream().query(), "the send waited for its copies")
+        del ts
+        with torch.cuda.stream(side):
+            junk = [torch.full((n,), -1.0, device="cuda") for n in sizes]
+        side.synchronize()   # written: the side stream does not wait for the default one
+        got, waits = r.get(timeout=120)
+        self.assertEqual(got, want, "the receiver got memory the sender's allocator had handed out again")
+        self.assertEqual(waits, 1, "one ready wait for the message's two buffers")
+        p.join(60)
+        self.assertEqual(p.exitcode, 0)
+        del junk
         self.wait_counters(base)
 
     def test_sender_exits_first(self):
