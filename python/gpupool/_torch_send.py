@@ -471,13 +471,16 @@ def _send_batch(batch, payload):
                 keys[i] = k
             per_dev.setdefault(devs[idx[0]], []).extend(idx)
         ptrs = batch.ptrs
+        streams = {d: torch.cuda.current_stream(d) for d in per_dev if d >= 0}
         for d, idx in per_dev.items():
             m = len(idx)
             _lib.check(lib.gpupool_buffer_copy_in_many(
                 (_lib.BufferP * m)(*[bufs[i] for i in idx]), _u64s([offs[i] for i in idx]),
                 _u64s([ptrs[i] for i in idx], ctypes.c_void_p), _u64s([sizes[i] for i in idx], ctypes.c_size_t),
-                m, torch.cuda.current_stream(d).cuda_stream if d >= 0 else None,
+                m, streams[d].cuda_stream if d >= 0 else None,
                 _lib.COPY_SRC_ON_STREAM_DEVICE if d >= 0 else 0, None), "copying a message's storages")
+        if t0:
+            t0 = _step("send: copies launched", t0)
         # The copies are not waited for: the Share below records each buffer's ready event
         # after them in the stream, all of a Share's together, so the receiver's stream waits
         # on one per Share while its process opens the message and makes its tensors as the
@@ -486,7 +489,7 @@ def _send_batch(batch, payload):
         # allocator may hand a freed storage's memory out again in another stream), and each
         # target's release is ordered after them.
         if packs:
-            _copies_queued(packs, entries, storages)
+            _copies_queued(packs, entries, storages, streams)
         if t0:
             t0 = _step("send: copies queued", t0)
         # Each buffer shared once, however many storages of the message lie in it (a pack's,
@@ -500,7 +503,7 @@ def _send_batch(batch, payload):
         ask = _ask_idle(entries)
         groups, tix = _share_groups(devs, owner, keys, bufs)
         for d, o, uniq in groups:
-            s = torch.cuda.current_stream(d).cuda_stream if d >= 0 else None
+            s = (streams[d] if d in streams else torch.cuda.current_stream(d)).cuda_stream if d >= 0 else None
             for k in range(0, len(uniq), _BATCH_MAX):
                 part = uniq[k:k + _BATCH_MAX]
                 # Each asked buffer by the hold _ask_idle took with it: another thread's
@@ -528,16 +531,18 @@ def _u64s(values, ctype=ctypes.c_uint64):
     return (ctype * len(a)).from_buffer(a)
 
 
-def _copies_queued(packs, entries, storages):
-    """A message's copies are queued in its devices' current streams (packs and their entries,
-    as _send_batch made them): each target's hold is used in that stream (its release comes
-    after the copy), and the sources stay referenced until an event recorded after the copies
-    completes (_copies_forget lets them go)."""
+def _copies_queued(packs, entries, storages, streams):
+    """A message's copies are queued in streams (device index -> torch stream; packs and
+    their entries as _send_batch made them): each target's hold is used in its stream (its
+    release comes after the copy), and the sources stay referenced until an event recorded
+    after the copies completes (_copies_forget lets them go)."""
     events = {}
     for (idx, _, _, dev), e in zip(packs, entries):
         if dev.type == "cuda":
-            st = torch.cuda.current_stream(dev)
-            e.hold.used_in(st.cuda_stream)
+            st = streams[dev.index]
+            h = e.hold
+            if h.streams != [st.cuda_stream]:  # made or last used in another stream
+                h.used_in(st.cuda_stream)
             if dev.index not in events:
                 events[dev.index] = torch.cuda.Event()
                 events[dev.index].record(st)
