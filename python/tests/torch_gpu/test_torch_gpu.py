@@ -100,6 +100,33 @@ def digest_received(conn, r):
     del got
 
 
+BUSY_SIZES = [1 << 20] * 8 + [40 << 20]   # 4 MiB each in one copy buffer; 160 MiB alone
+
+
+def busy_values():
+    return [torch.full((n,), float(i + 1), device="cuda") for i, n in enumerate(BUSY_SIZES)]
+
+
+def send_busy_and_exit(conn):
+    """Sends a message whose copies are queued behind a second of GPU work, and exits."""
+    ts = busy_values()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))
+    conn.send(ts)
+    conn.close()
+
+
+def fork_and_send_busy(conn):
+    """In a process that has not touched CUDA: a forked child sends the busy message and
+    leaves as multiprocessing's forked children do (os._exit once its finalizers ran, no
+    atexit handler of CUDA's runtime)."""
+    p = mp.get_context("fork").Process(target=send_busy_and_exit, args=(conn,))
+    p.start()
+    p.join(120)
+    if p.exitcode != 0:
+        raise SystemExit(p.exitcode or 1)
+
+
 def digest_dicts(q, r):
     while True:
         d = q.get(timeout=300)
@@ -223,7 +250,7 @@ class CudaTensors(unittest.TestCase):
         p = ctx.Process(target=digest_received, args=(b, r))
         p.start()
         side = torch.cuda.Stream()
-        sizes = [1 << 20] * 8 + [40 << 20]   # 4 MiB each in one copy buffer; 160 MiB alone
+        sizes = BUSY_SIZES
         # A first message of the same shapes: what a process does once (loading the copy
         # kernel, importing pools and slabs, opening events) may wait for the GPU.
         a.send([torch.zeros(n, device="cuda") for n in sizes])
@@ -247,6 +274,32 @@ class CudaTensors(unittest.TestCase):
         p.join(60)
         self.assertEqual(p.exitcode, 0)
         del junk
+        self.wait_counters(base)
+
+    def test_sender_exits_with_its_copies_queued(self):
+        """A sender that exits right after a send whose copies still wait behind GPU work (the
+        send does not wait for them): the receiver, opening the message only after the sender
+        is gone, reads what was sent, because the sender's CUDA context is torn down only once
+        its queued work is done (a spawned sender leaves through atexit, a forked one through
+        os._exit)."""
+        for target in (send_busy_and_exit, fork_and_send_busy):
+            with self.subTest(sender=target.__name__):
+                self._exit_with_copies_queued(target)
+
+    def _exit_with_copies_queued(self, target):
+        base = self.counters()
+        ctx = mp.get_context("spawn")
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=target, args=(b,))
+        p.start()
+        b.close()
+        self.assertTrue(a.poll(120), "no message from the sender")
+        p.join(60)
+        self.assertEqual(p.exitcode, 0)
+        got = a.recv()   # opened now: the sender has exited
+        torch.cuda.current_stream().synchronize()
+        self.assertEqual([digest(t) for t in got], [digest(t) for t in busy_values()])
+        del got
         self.wait_counters(base)
 
     def test_sender_exits_first(self):
