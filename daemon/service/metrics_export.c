@@ -346,6 +346,12 @@ static void stop_retry(gpd_metrics *m) {
 /* Closes every exporter; the handle itself stays (its counters still count). */
 static void stop_exporters(gpd_metrics *m) {
   stop_retry(m);
+  if (m->resume_on) {
+    uv_timer_stop(&m->resume);
+    close_handle(m, (uv_handle_t *)&m->resume);
+    m->resume_on = 0;
+    m->deferred[0] = m->deferred[1] = NULL;
+  }
   stop_textfile(m);
   stop_socket(m);
   stop_tcp(m);
@@ -417,6 +423,12 @@ int gpd_metrics_start(gpd_metrics *m, uv_loop_t *loop, const gpd_config *cfg,
   snprintf(m->sock, sizeof(m->sock), "%s", cfg->metrics_socket);
   snprintf(m->listen, sizeof(m->listen), "%s", cfg->metrics_listen);
   m->backlog = BACKLOG(cfg);
+  if (uv_timer_init(loop, &m->resume) == 0) {
+    m->resume.data = m;
+    m->open_handles++;
+    m->resume_on = 1;
+    uv_unref((uv_handle_t *)&m->resume);
+  }
   if (m->textfile[0] != '\0')
     start_one(m, cfg, "textfile", m->why_textfile, sizeof m->why_textfile, start_textfile, stop_textfile);
   if (m->sock[0] != '\0')

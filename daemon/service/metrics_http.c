@@ -352,6 +352,18 @@ static int slot_allows(gpd_metrics *m, const conn *c, const char **why) {
   return 1;
 }
 
+void gpd_metrics_on_resume(uv_timer_t *t) {
+  gpd_metrics *m = t->data;
+  m->accepts = 0;
+  for (int k = 0; k < 2; k++) {
+    uv_stream_t *srv = m->deferred[k];
+    m->deferred[k] = NULL;
+    /* A listener closed meanwhile took its waiting connection with it. */
+    if (srv != NULL && !uv_is_closing((uv_handle_t *)srv))
+      gpd_metrics_on_conn(srv, 0);
+  }
+}
+
 void gpd_metrics_on_conn(uv_stream_t *srv, int status) {
   gpd_metrics *m = srv->data;
   const char *why = NULL;
@@ -360,6 +372,15 @@ void gpd_metrics_on_conn(uv_stream_t *srv, int status) {
   if (status < 0) {
     GPUPOOL__PEER_WARN(NULL, 0, "metrics: accept on %s failed: %s", m->sock, uv_strerror(status));
     return;
+  }
+  if (m->resume_on) {
+    if (m->accepts >= ACCEPT_BATCH) {
+      /* Not taken now: libuv keeps it and stops watching this listener until the resume. */
+      m->deferred[srv == (uv_stream_t *)&m->tcp_srv] = srv;
+      return;
+    }
+    if (m->accepts++ == 0 && uv_timer_start(&m->resume, gpd_metrics_on_resume, 0, 0) != 0)
+      m->accepts = 0; /* no resume to count on: every connection taken at once, as before */
   }
   c = calloc(1, sizeof(*c));
   if (c == NULL) {

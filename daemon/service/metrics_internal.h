@@ -106,7 +106,18 @@ struct gpd_metrics {
    * until the pending one is taken, so it must be taken even to be dropped. */
   uv_pipe_t drop_pipe;
   int drop_busy;
+  /* Connections are taken ACCEPT_BATCH per turn of the loop: libuv's accept loop runs for as
+   * long as connections wait, and a peer that reconnects as fast as it is refused kept the
+   * daemon's one thread in it, answering no client. Past the batch, a listener's connection
+   * waits in libuv (which stops watching that listener) until `resume`, at the next turn,
+   * takes it; `accepts` counts since resume last ran. */
+  uv_timer_t resume;
+  int resume_on;
+  unsigned accepts;
+  uv_stream_t *deferred[2]; /* the Unix socket's, the TCP listener's */
 };
+
+#define ACCEPT_BATCH 32
 
 /* metrics_export.c: free the handle once closed and its last handle is gone; a handle's close
  * callback; the text of now (rendered with a fresh stats snapshot; NULL when out of memory). */
@@ -115,6 +126,8 @@ void gpd_metrics_handle_closed(uv_handle_t *h);
 char *gpd_metrics_snapshot_text(gpd_metrics *m);
 /* metrics_http.c: a scraper connects to the Unix socket or the TCP listener. */
 void gpd_metrics_on_conn(uv_stream_t *srv, int status);
+/* metrics_http.c: the next turn's resume (see gpd_metrics.resume). */
+void gpd_metrics_on_resume(uv_timer_t *t);
 /* metrics_http.c: close a scraper's connection (freed from its handles' close callbacks). */
 void gpd_metrics_conn_close(conn *c);
 

@@ -261,6 +261,102 @@ static void test_root_scrape_after_connect_burst(void **state) {
   th_stop(&D);
 }
 
+#define CHURNERS 4 /* processes reconnecting at once */
+
+/* As uid 65534: connect to the metrics socket and close at once, as fast as it can, until its
+ * parent closes stop_fd (each connection the daemon takes is one over the uid's share, or one
+ * its peer already closed: refused at once). */
+static int churn(int stop_fd) {
+  struct pollfd pf = {.fd = stop_fd, .events = POLLIN};
+  CHILD_CHECK(th_become(NOBODY) == 0, "setuid");
+  for (unsigned n = 0;; n++) {
+    if ((n & 63) == 0 && poll(&pf, 1, 0) != 0)
+      return 0;
+    int fd = dial_nonblocking();
+    if (fd >= 0)
+      close(fd);
+  }
+}
+
+/* Processes of another uid reconnecting to the metrics socket as fast as they can: libuv's
+ * accept loop takes connections for as long as there are some, so a peer that reconnects as
+ * fast as it is refused kept the daemon's one thread in it, and neither a scraper nor any
+ * client of the daemon was answered. Every request of root's client and every scrape must be
+ * answered meanwhile. */
+/* Root's part of the flood test, in a process of its own (so that a daemon that never answers
+ * fails the test instead of hanging it): 20 allocations of the daemon's client, a scrape every
+ * fifth; what failed, if anything, to out_fd. */
+static int root_requests(int out_fd) {
+  char why[256] = "";
+  gpupool_client *c = th_connect(&D, "root during a flood");
+  for (int i = 0; i < 20 && !why[0]; i++) {
+    gpupool_buffer *b = NULL;
+    int rc = gpupool_buffer_alloc(c, NULL, 4096, 5000, NULL, &b);
+    if (rc != 0)
+      snprintf(why, sizeof why, "root's allocation %d failed: %s: %s", i, gpupool_err_name(rc), gpupool_last_error());
+    else
+      gpupool_buffer_release(b, NULL);
+    if (!why[0] && i % 5 == 0)
+      (void)scrape(0, why, sizeof why);
+  }
+  gpupool_client_disconnect(c);
+  return write(out_fd, why, sizeof why) == (ssize_t)sizeof why ? 0 : 1;
+}
+
+static void test_reconnect_flood_starves_nobody(void **state) {
+  char conf[800], why[256] = "";
+  int stop[2], res[2], failed = 0;
+  pid_t ch[CHURNERS], r;
+  (void)state;
+  th_prepare_shared(&D);
+  snprintf(msock, sizeof msock, "%s/metrics.sock", D.dir);
+  snprintf(conf, sizeof conf,
+           "[daemon]\nsocket_mode = 0666\nmetrics_socket = %s\n"
+           "[pool default]\nkind = host\ncapacity = 16M\nslab_size = 4M\n", msock);
+  th_write_conf(&D, conf);
+  th_start(&D, 1, NULL);
+  assert_int_equal(pipe2(stop, O_CLOEXEC), 0);
+  assert_int_equal(pipe2(res, O_CLOEXEC), 0);
+  for (int i = 0; i < CHURNERS; i++) {
+    ch[i] = fork();
+    assert_true(ch[i] >= 0);
+    if (ch[i] == 0) {
+      close(stop[1]);
+      _exit(churn(stop[0]));
+    }
+  }
+  close(stop[0]);
+  th_sleep_ms(300); /* the flood under way */
+  r = fork();
+  assert_true(r >= 0);
+  if (r == 0) {
+    close(stop[1]);
+    close(res[0]);
+    _exit(root_requests(res[1]));
+  }
+  close(res[1]);
+  {
+    struct pollfd pf = {.fd = res[0], .events = POLLIN};
+    if (poll(&pf, 1, 60000) != 1 || read(res[0], why, sizeof why) != (ssize_t)sizeof why) {
+      snprintf(why, sizeof why, "root's 20 requests and 4 scrapes were not all answered in 60 s");
+      kill(r, SIGKILL);
+    }
+    why[sizeof why - 1] = '\0';
+    failed = why[0] != '\0';
+  }
+  close(res[0]);
+  (void)waitpid(r, NULL, 0);
+  close(stop[1]);
+  for (int i = 0; i < CHURNERS; i++)
+    th_wait_ok(ch[i], "churner");
+  if (failed) {
+    th_dump_log(&D);
+    fail_msg("while %d processes of uid %d reconnected to the metrics socket: %s", CHURNERS, NOBODY, why);
+  }
+  th_stop(&D);
+}
+
 int main(void) {
-  return TS_RUN_TESTS(NULL, NULL, test_root_scrapes_under_flood, test_root_scrape_after_connect_burst);
+  return TS_RUN_TESTS(NULL, NULL, test_root_scrapes_under_flood, test_root_scrape_after_connect_burst,
+                      test_reconnect_flood_starves_nobody);
 }
