@@ -275,6 +275,81 @@ static void test_unauthenticated_flood(void **state) {
   th_stop(&A.d);
 }
 
+enum { CHURNERS = 8 };
+
+/* In a child: connect to port from 127.0.0.2 and close at once, as fast as it can, until
+ * killed: each connection the daemon takes is refused (or its peer already went). */
+static void churn(int port) {
+  struct sockaddr_in to = {.sin_family = AF_INET}, from = {.sin_family = AF_INET};
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  to.sin_port = htons((uint16_t)port);
+  inet_pton(AF_INET, "127.0.0.2", &from.sin_addr);
+  for (;;) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0); /* connected (in the accept queue) before it closes */
+    if (fd < 0)
+      continue;
+    if (bind(fd, (struct sockaddr *)&from, sizeof from) == 0)
+      (void)connect(fd, (struct sockaddr *)&to, sizeof to);
+    close(fd);
+  }
+}
+
+/* Root's part of test_reconnect_flood, in a process of its own (a daemon that never answers
+ * fails the test instead of hanging it): 20 local clients, each asking for the stats; 0 once
+ * all were answered. */
+static int local_requests(void) {
+  for (int i = 0; i < 20; i++) {
+    gpupool_client *c = NULL;
+    gpupool_daemon_stats ds;
+    gpupool_pool_stats ps[4];
+    int n = 0;
+    if (gpupool_client_connect(A.d.sock, "local", GPUPOOL_TIMEOUT_DEFAULT, &c) != 0)
+      return 1;
+    if (gpupool_client_stats(c, &ds, ps, 4, &n) != 0)
+      return 2;
+    gpupool_client_disconnect(c);
+  }
+  return 0;
+}
+
+/* Hosts without the secret reconnecting to peer_listen as fast as they are refused: libuv's
+ * accept loop takes connections for as long as some wait, so they could keep the daemon's one
+ * thread in it and no client was answered. The local clients must be served meanwhile. */
+static void test_reconnect_flood(void **state) {
+  pid_t ch[CHURNERS], r;
+  int status = -1;
+  (void)state;
+  node_prepare(&A);
+  node_prepare(&B);
+  node_start(&A, "B", B.port, "", 0);
+  for (int i = 0; i < CHURNERS; i++)
+    if ((ch[i] = fork()) == 0) {
+      churn(A.port);
+      _exit(0);
+    }
+  th_sleep_ms(500); /* the flood under way */
+  if ((r = fork()) == 0)
+    _exit(local_requests());
+  for (int t = 0; t < 600 && waitpid(r, &status, WNOHANG) == 0; t++)
+    th_sleep_ms(100);
+  if (status == -1) {
+    kill(r, SIGKILL);
+    waitpid(r, NULL, 0);
+  }
+  for (int i = 0; i < CHURNERS; i++) {
+    kill(ch[i], SIGKILL);
+    waitpid(ch[i], NULL, 0);
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    th_dump_log(&A.d);
+    fail_msg("while %d processes reconnected to peer_listen from a host without the secret, 20 local clients "
+             "were not served within 60 s (%s %d)", CHURNERS, status == -1 ? "still waiting" : "exit",
+             status == -1 ? 0 : WEXITSTATUS(status));
+  }
+  daemon_alive(&A);
+  th_stop(&A.d);
+}
+
 /* fds short of peer_fd_reserve (here: a reserve above the daemon's whole limit): the fetching
  * side opens no connection its peer's UCX endpoint would have to reach, the serving side takes
  * none, each saying why, and both live on. */
@@ -523,5 +598,6 @@ int main(void) {
   setenv("UCX_NET_DEVICES", "lo", 1);
   signal(SIGPIPE, SIG_IGN);
   return TS_RUN_TESTS(NULL, NULL, test_peer_restart, test_peer_restart_waiter, test_hello_listen_altered,
-                      test_hello_worker_altered, test_unauthenticated_flood, test_fd_reserve);
+                      test_hello_worker_altered, test_unauthenticated_flood, test_fd_reserve,
+                      test_reconnect_flood);
 }
