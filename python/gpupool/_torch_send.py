@@ -471,7 +471,8 @@ def _send_batch(batch, payload):
                 keys[i] = k
             per_dev.setdefault(devs[idx[0]], []).extend(idx)
         ptrs = batch.ptrs
-        streams = {d: torch.cuda.current_stream(d) for d in per_dev if d >= 0}
+        # Each device's current stream, looked up once for the copies and the Share.
+        streams = {d: torch.cuda.current_stream(d) for d in set(devs) if d >= 0}
         for d, idx in per_dev.items():
             m = len(idx)
             _lib.check(lib.gpupool_buffer_copy_in_many(
@@ -503,7 +504,7 @@ def _send_batch(batch, payload):
         ask = _ask_idle(entries)
         groups, tix = _share_groups(devs, owner, keys, bufs)
         for d, o, uniq in groups:
-            s = (streams[d] if d in streams else torch.cuda.current_stream(d)).cuda_stream if d >= 0 else None
+            s = streams[d].cuda_stream if d >= 0 else None
             for k in range(0, len(uniq), _BATCH_MAX):
                 part = uniq[k:k + _BATCH_MAX]
                 # Each asked buffer by the hold _ask_idle took with it: another thread's
