@@ -194,14 +194,9 @@ static int burst(int stop_fd, int ready_fd) {
   return 0;
 }
 
-/* While the daemon's loop is busy (here: stopped), another user's burst of connections waits in
- * the metrics socket's accept queue; root's scrape must still get in (its connect is not
- * refused for a full queue) and be answered once the loop runs. */
-static void test_root_scrape_after_connect_burst(void **state) {
-  char conf[800], why[256] = "";
-  int stop[2], ready[2], queued = 0, fd, connect_errno = 0, answered = 0;
-  pid_t b;
-  (void)state;
+/* A daemon every uid can reach with a metrics socket (msock) and no TCP listener. */
+static void start_with_metrics_socket(void) {
+  char conf[800];
   th_prepare_shared(&D);
   snprintf(msock, sizeof msock, "%s/metrics.sock", D.dir);
   snprintf(conf, sizeof conf,
@@ -209,6 +204,17 @@ static void test_root_scrape_after_connect_burst(void **state) {
            "[pool default]\nkind = host\ncapacity = 16M\nslab_size = 4M\n", msock);
   th_write_conf(&D, conf);
   th_start(&D, 1, NULL);
+}
+
+/* While the daemon's loop is busy (here: stopped), another user's burst of connections waits in
+ * the metrics socket's accept queue; root's scrape must still get in (its connect is not
+ * refused for a full queue) and be answered once the loop runs. */
+static void test_root_scrape_after_connect_burst(void **state) {
+  char why[256] = "";
+  int stop[2], ready[2], queued = 0, fd, connect_errno = 0, answered = 0;
+  pid_t b;
+  (void)state;
+  start_with_metrics_socket();
   /* The clients' socket accepting means the metrics socket is bound too (the daemon binds it
    * first): a scraper started right after the daemon must not find it missing. */
   if (!ts_can_connect(msock))
@@ -304,17 +310,11 @@ static int root_requests(int out_fd) {
 }
 
 static void test_reconnect_flood_starves_nobody(void **state) {
-  char conf[800], why[256] = "";
+  char why[256] = "";
   int stop[2], res[2], failed = 0;
   pid_t ch[CHURNERS], r;
   (void)state;
-  th_prepare_shared(&D);
-  snprintf(msock, sizeof msock, "%s/metrics.sock", D.dir);
-  snprintf(conf, sizeof conf,
-           "[daemon]\nsocket_mode = 0666\nmetrics_socket = %s\n"
-           "[pool default]\nkind = host\ncapacity = 16M\nslab_size = 4M\n", msock);
-  th_write_conf(&D, conf);
-  th_start(&D, 1, NULL);
+  start_with_metrics_socket();
   assert_int_equal(pipe2(stop, O_CLOEXEC), 0);
   assert_int_equal(pipe2(res, O_CLOEXEC), 0);
   for (int i = 0; i < CHURNERS; i++) {
