@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "test_hooks.h"
 #include "list.h"
 
 /* Order the work queued in `stream` before whoever comes next to a buffer (its consumers, for
@@ -436,8 +437,150 @@ static gpupool_client *client_of_all(gpupool_buffer *const *bufs, int n, const c
   return c;
 }
 
+/* sh names bufs[0..n)'s holds as kept shares (more: room for n - 1 ids). */
+static void share_holds(Gpupool__Wire__Share *sh, gpupool_buffer *const *bufs, int n, uint64_t *more) {
+  sh->hold_id = bufs[0]->hold_id;
+  for (int i = 1; i < n; i++)
+    more[i - 1] = bufs[i]->hold_id;
+  sh->n_more_hold_ids = (size_t)(n - 1);
+  sh->more_hold_ids = more;
+  sh->keep = 1;
+}
+
+/* Each ready event of bufs[0..n) recorded in stream, as gpupool_buffer_share does, but the
+ * stream asked once whether it is idle (then there is nothing to wait for), not once per
+ * buffer; *together: every one was recorded here, one after another in one stream, so an
+ * opener of several of them waits on one (the daemon groups their kept shares). With c->mu. */
+static int record_many(gpupool_client *c, gpupool_buffer *const *bufs, int n, void *stream,
+                       protobuf_c_boolean *together) {
+  uint64_t t_r = TRACE_ON() ? gpupool__mono_ns() : 0;
+  int recorded = 0, rc = 0;
+  if (!(c->be->stream_idle && c->be->stream_idle(stream) == 1)) {
+    if (c->host_fences)
+      rc = c->be->sync ? c->be->sync(stream) : 0;
+    else
+      for (int i = 0; i < n && rc == 0; i++) {
+        gpupool__cevent *e = bufs[i]->ready_id ? gpupool__hmap_get(&c->events, bufs[i]->ready_id) : NULL;
+        if (e && (rc = c->be->event_record(e, stream)) > 0)
+          rc = 0;
+        recorded += e != NULL && rc == 0;
+      }
+  }
+  *together = n > 1 && recorded == n;
+  if (t_r)
+    gpupool__trace("record_many", t_r, (uint64_t)n);
+  return rc;
+}
+
+/* The waited share of share_kept_many, also reserving ids for the shares that do not wait
+ * (reserve > 0). */
+static int share_kept_many(gpupool_buffer *const *bufs, int n, void *stream, gpupool_token *out,
+                           gpupool_buffer *const *ask, int nask, int *idle, uint32_t reserve);
+
 int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *stream, gpupool_token *out,
                                    gpupool_buffer *const *ask, int nask, int *idle) {
+  return share_kept_many(bufs, n, stream, out, ask, nask, idle, 0);
+}
+
+void (*gpupool__hook_nowait)(gpupool_client *c, const gpupool_token *out, int n);
+
+/* Shares not waited for at once in flight on one connection: past this, the next one reads
+ * replies first (the daemon drops a client that lets its replies pile up). */
+#define NOWAIT_INFLIGHT_MAX 64
+/* Ids reserved at a time. */
+#define NOWAIT_RESERVE 256
+
+int gpupool_buffer_share_kept_many_nowait(gpupool_buffer *const *bufs, int n, void *stream, gpupool_token *out) {
+  gpupool_client *c;
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Share sh = GPUPOOL__WIRE__SHARE__INIT;
+  gpupool__error err = {.code = 0}; /* why the transport failed */
+  uint64_t *more = NULL;
+  uint8_t *secrets = NULL;
+  pending *p = NULL;
+  int rc = 0;
+
+  gpupool__err_clear();
+  if (!(c = client_of_all(bufs, n, "share_kept_many_nowait")))
+    return GPUPOOL_EINVAL;
+  if (!out)
+    return gpupool__err(GPUPOOL_EINVAL, "share_kept_many_nowait: out must not be NULL");
+  pthread_mutex_lock(&c->mu);
+  if ((rc = gpupool__ensure_connected(c, &err)) == 0 && c->resv_end - c->resv_next < (uint64_t)n) {
+    /* Not enough ids reserved (the first share of a connection, or every 256 tokens): this one
+     * waits for its reply, which reserves the next ones, unless another thread's reserve is
+     * in flight (its reply sets the new ids). */
+    pthread_mutex_unlock(&c->mu);
+    return share_kept_many(bufs, n, stream, out, NULL, 0, NULL, n <= NOWAIT_RESERVE ? NOWAIT_RESERVE : 0);
+  }
+  if (rc == 0)
+    rc = lost_among(bufs, n);
+  /* Not too many replies left unread. */
+  while (rc == 0 && c->nowait_inflight >= NOWAIT_INFLIGHT_MAX && !c->broken) {
+    if (!c->reader_active)
+      gpupool__read_reply(c);
+    else
+      pthread_cond_wait(&c->cv, &c->mu);
+  }
+  if (rc == 0 && c->broken) {
+    /* The connection broke while replies were read: the waited share reconnects (and a new
+     * connection has no ids reserved). */
+    pthread_mutex_unlock(&c->mu);
+    return share_kept_many(bufs, n, stream, out, NULL, 0, NULL, n <= NOWAIT_RESERVE ? NOWAIT_RESERVE : 0);
+  }
+  if (rc == 0 && ((n > 1 && !(more = malloc((size_t)(n - 1) * sizeof *more))) || !(secrets = malloc((size_t)n * 16))))
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  if (rc == 0)
+    rc = record_many(c, bufs, n, stream, &sh.ready_together);
+  if (rc == 0) {
+    arc4random_buf(secrets, (size_t)n * 16);
+    share_holds(&sh, bufs, n, more);
+    sh.from_reserve = 1;
+    sh.secrets.data = secrets;
+    sh.secrets.len = (size_t)n * 16;
+    req.body_case = GPUPOOL__WIRE__REQUEST__BODY_SHARE;
+    req.share = &sh;
+    /* The tokens: the next n reserved ids (taken now: the daemon takes them in the order of
+     * this connection's requests), each with its secret. */
+    for (int i = 0; i < n; i++) {
+      uint64_t id = c->resv_next + (uint64_t)i;
+      for (int b = 0; b < 8; b++)
+        out[i].bytes[b] = (uint8_t)(id >> (8 * b));
+      memcpy(out[i].bytes + 8, secrets + 16 * i, 16);
+    }
+    c->resv_next += (uint64_t)n;
+    if (gpupool__hook_nowait) {
+      pthread_mutex_unlock(&c->mu);
+      gpupool__hook_nowait(c, out, n);
+      pthread_mutex_lock(&c->mu);
+    }
+    if ((rc = gpupool__call_send(c, &req, &p, -1, &err)) == 0) {
+      /* Sent whole: the daemon reads it before anything this process writes later, and an
+       * Open of its tokens that it reads first waits for it. */
+      p->detached = 1;
+      c->nowait_inflight++;
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
+  free(more);
+  free(secrets);
+  return gpupool__error_report(&err, rc);
+}
+
+uint64_t gpupool_client_nowait_failures(gpupool_client *c, char *msg, size_t len) {
+  uint64_t n;
+  if (!c)
+    return 0;
+  pthread_mutex_lock(&c->mu);
+  n = c->nowait_failed;
+  if (msg && len)
+    snprintf(msg, len, "%s", c->nowait_msg);
+  pthread_mutex_unlock(&c->mu);
+  return n;
+}
+
+static int share_kept_many(gpupool_buffer *const *bufs, int n, void *stream, gpupool_token *out,
+                           gpupool_buffer *const *ask, int nask, int *idle, uint32_t reserve) {
   gpupool_client *c;
   gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
   Gpupool__Wire__Share sh = GPUPOOL__WIRE__SHARE__INIT;
@@ -463,37 +606,23 @@ int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *str
     asked[i] = ask[i]->hold_id;
   sh.n_idle_hold_ids = (size_t)nask;
   sh.idle_hold_ids = asked;
-  sh.hold_id = bufs[0]->hold_id;
-  for (int i = 1; i < n; i++)
-    more[i - 1] = bufs[i]->hold_id;
-  sh.n_more_hold_ids = (size_t)(n - 1);
-  sh.more_hold_ids = more;
-  sh.keep = 1;
+  share_holds(&sh, bufs, n, more);
+  sh.reserve = reserve;
   req.body_case = GPUPOOL__WIRE__REQUEST__BODY_SHARE;
   req.share = &sh;
   pthread_mutex_lock(&c->mu);
   if ((rc = gpupool__ensure_connected(c, &err)) == 0)
     rc = lost_among(bufs, n);
-  /* Each ready event recorded in stream, as gpupool_buffer_share does, but the stream asked
-   * once whether it is idle (then there is nothing to wait for), not once per buffer. */
-  uint64_t t_r = TRACE_ON() ? gpupool__mono_ns() : 0;
-  int recorded = 0;
-  if (rc == 0 && !(c->be->stream_idle && c->be->stream_idle(stream) == 1)) {
-    if (c->host_fences)
-      rc = c->be->sync ? c->be->sync(stream) : 0;
-    else
-      for (int i = 0; i < n && rc == 0; i++) {
-        gpupool__cevent *e = bufs[i]->ready_id ? gpupool__hmap_get(&c->events, bufs[i]->ready_id) : NULL;
-        if (e && (rc = c->be->event_record(e, stream)) > 0)
-          rc = 0;
-        recorded += e != NULL && rc == 0;
-      }
+  if (rc == 0)
+    rc = record_many(c, bufs, n, stream, &sh.ready_together);
+  if (reserve && c->resv_asked)
+    sh.reserve = reserve = 0; /* another thread's reserve is in flight */
+  if (rc == 0 && reserve) {
+    /* The daemon gives up what is left of the reserve when it reads this request: so does
+     * this process now (a share from it sent after this one would not match). */
+    c->resv_next = c->resv_end;
+    c->resv_asked = 1;
   }
-  /* Every one recorded here, one after another in one stream: an opener of several of them
-   * waits on one (the daemon groups their kept shares). */
-  sh.ready_together = n > 1 && recorded == n;
-  if (t_r)
-    gpupool__trace("record_many", t_r, (uint64_t)n);
   if (rc == 0 && (rc = gpupool__call(c, &req, &rep, NULL, &err)) == 0) {
     const Gpupool__Wire__ShareReply *r = rep->share;
     int ok = rep->body_case == GPUPOOL__WIRE__REPLY__BODY_SHARE && r && r->token.len == GPUPOOL_TOKEN_SIZE &&
@@ -511,9 +640,15 @@ int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *str
       memcpy(out[0].bytes, r->token.data, GPUPOOL_TOKEN_SIZE);
       for (size_t i = 0; i < r->n_more_tokens; i++)
         memcpy(out[i + 1].bytes, r->more_tokens[i].data, GPUPOOL_TOKEN_SIZE);
+      if (reserve && r->reserve_count) {
+        c->resv_next = r->reserve_first;
+        c->resv_end = r->reserve_first + r->reserve_count;
+      }
     }
     gpupool__wire__reply__free_unpacked(rep, NULL);
   }
+  if (reserve)
+    c->resv_asked = 0;
   pthread_mutex_unlock(&c->mu);
   free(more);
   free(asked);
@@ -536,28 +671,40 @@ int gpupool_buffer_idle_many(gpupool_buffer *const *bufs, int n, int *idle) {
     return gpupool__err(GPUPOOL_EINVAL, "idle_many: idle must not be NULL");
   for (int i = 0; i < n; i++)
     idle[i] = 0;
-  if (!(ids = malloc((size_t)n * sizeof *ids)))
-    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
-  for (int i = 0; i < n; i++)
-    ids[i] = bufs[i]->hold_id;
-  id.n_hold_ids = (size_t)n;
-  id.hold_ids = ids;
-  req.body_case = GPUPOOL__WIRE__REQUEST__BODY_IDLE;
-  req.idle = &id;
+  if ((rc = gpupool__idle_request(bufs, n, &req, &id, &ids)) != 0)
+    return rc;
   pthread_mutex_lock(&c->mu);
   if ((rc = gpupool__ensure_connected(c, &err)) == 0)
     rc = lost_among(bufs, n);
-  if (rc == 0 && (rc = gpupool__call(c, &req, &rep, NULL, &err)) == 0) {
-    if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_IDLE || !rep->idle || rep->idle->n_idle != (size_t)n)
-      rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent a malformed answer to Idle");
-    else
-      for (int i = 0; i < n; i++)
-        idle[i] = rep->idle->idle[i] != 0;
-    gpupool__wire__reply__free_unpacked(rep, NULL);
-  }
+  if (rc == 0 && (rc = gpupool__call(c, &req, &rep, NULL, &err)) == 0)
+    rc = gpupool__idle_answer(rep, n, idle);
   pthread_mutex_unlock(&c->mu);
   free(ids);
   return gpupool__error_report(&err, rc);
+}
+
+int gpupool__idle_request(gpupool_buffer *const *bufs, int n, gpupool__req *req, Gpupool__Wire__Idle *id,
+                          uint64_t **ids) {
+  if (!(*ids = malloc((size_t)n * sizeof **ids)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  for (int i = 0; i < n; i++)
+    (*ids)[i] = bufs[i]->hold_id;
+  id->n_hold_ids = (size_t)n;
+  id->hold_ids = *ids;
+  req->body_case = GPUPOOL__WIRE__REQUEST__BODY_IDLE;
+  req->idle = id;
+  return 0;
+}
+
+int gpupool__idle_answer(gpupool__rep *rep, int n, int *idle) {
+  int rc = 0;
+  if (rep->body_case != GPUPOOL__WIRE__REPLY__BODY_IDLE || !rep->idle || rep->idle->n_idle != (size_t)n)
+    rc = gpupool__err(GPUPOOL_EPROTO, "the daemon sent a malformed answer to Idle");
+  else
+    for (int i = 0; i < n; i++)
+      idle[i] = rep->idle->idle[i] != 0;
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  return rc;
 }
 
 /* GPUPOOL_KEEP_MAPPED: b's slab stays mapped after its last buffer goes, until revoked. */

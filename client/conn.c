@@ -57,12 +57,46 @@ void gpupool__set_broken(gpupool_client *c, int code, const char *msg) {
     return;
   c->broken = code;
   snprintf(c->broken_msg, sizeof c->broken_msg, "%s", msg);
-  for (pending *p = c->pend; p; p = p->next)
+  for (pending **pp = &c->pend; *pp;) {
+    pending *p = *pp;
+    if (p->detached) { /* nobody waits for it: gone with the connection */
+      *pp = p->next;
+      free(p);
+      continue;
+    }
     if (!p->done) {
       p->done = 1;
       p->err = code;
     }
+    pp = &p->next;
+  }
+  c->nowait_inflight = 0;
   pthread_cond_broadcast(&c->cv);
+}
+
+/* The reply of a request nobody waits for (a share that did not wait): a failure is counted
+ * and logged (its tokens' Opens fail too, saying why), revocations handled, p freed. */
+static void detached_reply(gpupool_client *c, pending *p, gpupool__rep *rep) {
+  for (pending **pp = &c->pend; *pp; pp = &(*pp)->next)
+    if (*pp == p) {
+      *pp = p->next;
+      break;
+    }
+  if (rep->n_revoke_slabs && c->revoked)
+    c->revoked(c, rep->revoke_slabs, rep->n_revoke_slabs);
+  if (rep->error) {
+    c->nowait_failed++;
+    snprintf(c->nowait_msg, sizeof c->nowait_msg, "%s", rep->error->message ? rep->error->message : "daemon error");
+  }
+  for (int i = 0; i < c->rx.nfds; i++)
+    if (c->rx.fds[i] >= 0) {
+      close(c->rx.fds[i]);
+      c->rx.fds[i] = -1;
+    }
+  if (c->nowait_inflight)
+    c->nowait_inflight--;
+  gpupool__wire__reply__free_unpacked(rep, NULL);
+  free(p);
 }
 
 static int broken_err(gpupool_client *c, gpupool__error *err) {
@@ -249,6 +283,10 @@ static void read_one(gpupool_client *c) {
     gpupool__wire__reply__free_unpacked(rep, NULL);
     goto out;
   }
+  if (p->detached) {
+    detached_reply(c, p, rep);
+    goto out;
+  }
   p->rep = rep;
   stash_export(c, rep);
   for (int i = 0; i < c->rx.nfds; i++) {
@@ -260,6 +298,8 @@ out:
   gpupool__wire_rx_reset(&c->rx);
   pthread_cond_broadcast(&c->cv);
 }
+
+void gpupool__read_reply(gpupool_client *c) { read_one(c); }
 
 /* After a failed send: an error frame the daemon left before closing, as (code, message in
  * *err); 0 when there is none. */

@@ -331,6 +331,8 @@ static int reconnect(gpupool_client *c, gpupool__error *err) {
     delay_ms = delay_ms * 2 > 500 ? 500 : delay_ms * 2;
   }
   c->reconnects++;
+  c->resv_next = c->resv_end = 0; /* a new connection has no ids reserved */
+  c->resv_asked = 0;
   return 0;
 }
 

@@ -83,6 +83,7 @@ typedef struct pending {
   int nfds;
   int done;
   int err; /* set with done when the connection broke before the reply came */
+  int detached; /* nobody waits for it (a share that does not wait): read_one frees it */
   struct pending *next;
 } pending;
 
@@ -141,6 +142,13 @@ struct gpupool_client {
   uint64_t reconnects;
   uint64_t slab_maps;      /* backend mappings (imports) of slabs made, over the client's life */
   uint64_t ready_waits;    /* streams made to wait on a producer's ready event, over its life */
+  /* Shares that do not wait for their reply (gpupool_buffer_share_kept_many_nowait): the ids
+   * reserved for this connection's tokens, the replies not read yet, and the failures. */
+  uint64_t resv_next, resv_end;
+  int resv_asked;          /* a Share that reserves ids is in flight (one at a time) */
+  uint32_t nowait_inflight;
+  uint64_t nowait_failed;
+  char nowait_msg[GPUPOOL__ERRMSG_MAX];
   stale_gen *stale;
   char **published;        /* names this client published and has not unpublished */
   size_t npublished, cappublished;
@@ -205,6 +213,14 @@ const Gpupool__Wire__Bundle *gpupool__reply_bundle(const gpupool__rep *rep);
 /* The transport's calls record no message: a failure fills *err (code and message) and returns
  * its code, for the public entry point to report with gpupool__error_report(); *err is left
  * alone on success. */
+/* An Idle request about bufs[0..n) into req and id (*ids: the hold ids, the caller frees);
+ * its reply's answers into idle[0..n) (the reply freed). */
+int gpupool__idle_request(gpupool_buffer *const *bufs, int n, gpupool__req *req, Gpupool__Wire__Idle *id,
+                          uint64_t **ids);
+int gpupool__idle_answer(gpupool__rep *rep, int n, int *idle);
+/* Read one reply and hand it to its waiter (or, detached, handle it). With c->mu, not while
+ * another thread reads (c->reader_active). */
+void gpupool__read_reply(gpupool_client *c);
 int gpupool__call_send(gpupool_client *c, gpupool__req *req, pending **out, int send_fd, gpupool__error *err);
 int gpupool__call_wait(gpupool_client *c, pending *p, gpupool__rep **out, int *fds_out, int *nfds_out,
                        gpupool__error *err);

@@ -23,7 +23,7 @@
 
 #include "internal.h"
 
-enum { PEND_GET = 1, PEND_BGET, PEND_PUBLISH, PEND_RELEASE };
+enum { PEND_GET = 1, PEND_BGET, PEND_PUBLISH, PEND_RELEASE, PEND_IDLE };
 
 struct gpupool_pending {
   gpupool_client *c;
@@ -31,6 +31,7 @@ struct gpupool_pending {
   int kind;
   unsigned flags;             /* gets: GPUPOOL_KEEP_MAPPED applies when they end */
   clayout *known;             /* PEND_BGET: the table named as known (a reference), or NULL */
+  int count;                  /* PEND_IDLE: the buffers asked about */
   char name[GPUPOOL_NAME_MAX + 1];
 };
 
@@ -150,6 +151,34 @@ int gpupool_buffer_release_begin(gpupool_buffer *b, void *stream, gpupool_pendin
   return rc == GPUPOOL_ECLOSED || rc == GPUPOOL_EIO ? 0 : gpupool__error_report(&err, rc);
 }
 
+int gpupool_buffer_idle_many_begin(gpupool_buffer *const *bufs, int n, gpupool_pending **out) {
+  gpupool__req req = GPUPOOL__WIRE__REQUEST__INIT;
+  Gpupool__Wire__Idle id = GPUPOOL__WIRE__IDLE__INIT;
+  gpupool__error err = {.code = 0}; /* why sending failed */
+  gpupool_client *c;
+  uint64_t *ids;
+  int rc = 0;
+  if (!bufs || n <= 0 || !out)
+    return gpupool__err(GPUPOOL_EINVAL, "idle_many_begin: at least one buffer, and out, are needed");
+  gpupool__err_clear();
+  *out = NULL;
+  for (int i = 0; i < n; i++)
+    if (!bufs[i] || bufs[i]->c != bufs[0]->c)
+      return gpupool__err(GPUPOOL_EINVAL, "idle_many_begin: buffer %d is NULL or of another client than buffer 0", i);
+  c = bufs[0]->c;
+  if ((rc = gpupool__idle_request(bufs, n, &req, &id, &ids)) != 0)
+    return rc;
+  pthread_mutex_lock(&c->mu);
+  for (int i = 0; i < n && rc == 0; i++)
+    if (bufs[i]->lost)
+      rc = gpupool__lost_err(bufs[i]);
+  if (rc == 0 && (rc = begin_locked(c, &req, PEND_IDLE, out, &err)) == 0)
+    (*out)->count = n;
+  pthread_mutex_unlock(&c->mu);
+  free(ids);
+  return gpupool__error_report(&err, rc);
+}
+
 /* Wait for gp's reply (frees gp). With c->mu held; *err says why it failed. */
 static int end_locked(gpupool_pending *gp, gpupool__rep **rep, gpupool__error *err) {
   pending *p = gp->p;
@@ -205,6 +234,26 @@ int gpupool_bundle_get_end(gpupool_pending *gp, void *stream, gpupool_bundle **o
   return gpupool__error_report(&err, rc);
 }
 
+int gpupool_buffer_idle_many_end(gpupool_pending *gp, int *idle) {
+  gpupool_client *c;
+  gpupool__rep *rep;
+  gpupool__error err = {.code = 0}; /* why the wait failed */
+  int rc, n;
+  if (!gp || !idle || gp->kind != PEND_IDLE)
+    return gpupool__err(GPUPOOL_EINVAL, "idle_many_end: needs a pending Idle from gpupool_buffer_idle_many_begin, "
+                        "and idle");
+  gpupool__err_clear();
+  c = gp->c;
+  n = gp->count;
+  for (int i = 0; i < n; i++)
+    idle[i] = 0;
+  pthread_mutex_lock(&c->mu);
+  if ((rc = end_locked(gp, &rep, &err)) == 0)
+    rc = gpupool__idle_answer(rep, n, idle);
+  pthread_mutex_unlock(&c->mu);
+  return gpupool__error_report(&err, rc);
+}
+
 int gpupool_pending_end(gpupool_pending *gp, uint64_t *version) {
   gpupool_client *c;
   char name[GPUPOOL_NAME_MAX + 1];
@@ -217,7 +266,7 @@ int gpupool_pending_end(gpupool_pending *gp, uint64_t *version) {
     return 0; /* a release_begin of a buffer whose daemon was gone */
   if (gp->kind != PEND_PUBLISH && gp->kind != PEND_RELEASE)
     return gpupool__err(GPUPOOL_EINVAL, "pending_end: ends a publish or a release; end gets with gpupool_buffer_get_end "
-                        "or gpupool_bundle_get_end");
+                        "or gpupool_bundle_get_end, an Idle with gpupool_buffer_idle_many_end");
   gpupool__err_clear();
   c = gp->c;
   kind = gp->kind;

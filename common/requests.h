@@ -32,7 +32,7 @@ enum {
   X(ALLOCATE, allocate, Allocate, GPUPOOL__REQ_WAITS)                      \
   X(RELEASE, release, Release, GPUPOOL__REQ_CLIENT)                        \
   X(SHARE, share, Share, GPUPOOL__REQ_CLIENT)                              \
-  X(OPEN, open, Open, GPUPOOL__REQ_CLIENT)                                 \
+  X(OPEN, open, Open, GPUPOOL__REQ_WAITS)                                  \
   X(PUBLISH, publish, Publish, GPUPOOL__REQ_CLIENT)                        \
   X(GET, get, Get, GPUPOOL__REQ_WAITS)                                     \
   X(UNPUBLISH, unpublish, Unpublish, GPUPOOL__REQ_CLIENT)                  \

@@ -433,6 +433,7 @@ static void keep_timer_arm(gpd_registry *reg) {
 
 void gpd_keeps_init(gpd_registry *reg) {
   gpupool__hmap_init(&reg->keeps);
+  gpupool__hmap_init(&reg->reserves);
   uv_timer_init(reg->loop, &reg->keep_timer);
   reg->keep_timer.data = reg;
 }
@@ -448,6 +449,7 @@ void gpd_keeps_close(gpd_registry *reg) {
   while (reg->keeps_head)
     keep_drop(reg, reg->keeps_head);
   gpupool__hmap_free(&reg->keeps);
+  gpupool__hmap_free(&reg->reserves);
   uv_close((uv_handle_t *)&reg->keep_timer, NULL);
 }
 
@@ -474,7 +476,10 @@ static void keep_link(gpd_registry *reg, gpd_keep *k) {
   keep_timer_arm(reg);
 }
 
-static int keep_new(gpd_registry *reg, gpd_client *c, gpd_hold *h, gpd_keep **out) {
+/* A new kept share of h for c: its id and secret made here, or (secret non-NULL) id and
+ * secret as given (a token the client made from its reserve). */
+static int keep_new(gpd_registry *reg, gpd_client *c, gpd_hold *h, uint64_t id, const uint8_t *secret,
+                    gpd_keep **out) {
   gpd_uid_usage *u = gpd_uid_usage_get(reg, c->tenant, 1);
   gpd_keep *k;
   int rc;
@@ -488,13 +493,16 @@ static int keep_new(gpd_registry *reg, gpd_client *c, gpd_hold *h, gpd_keep **ou
     gpd_uid_usage_put(reg, u);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
-  k->id = gpd_next_id(reg);
+  k->id = secret ? id : gpd_next_id(reg);
   k->buf = h->buf;
   k->read_only = h->read_only;
   k->tenant = c->tenant;
   k->client_id = c->id;
   k->expires_ns = gpd_now_ns() + (uint64_t)reg->cfg->share_keep_ms * 1000000u;
-  arc4random_buf(k->secret, sizeof k->secret);
+  if (secret)
+    memcpy(k->secret, secret, sizeof k->secret);
+  else
+    arc4random_buf(k->secret, sizeof k->secret);
   if (gpupool__hmap_put(&reg->keeps, k->id, k) != 0) {
     free(k);
     gpd_uid_usage_put(reg, u);
@@ -558,7 +566,7 @@ int gpd_share(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int keep, uint
   if (rc != 0)
     return rc;
   if (keep) {
-    if ((rc = keep_new(reg, c, h, &k)) != 0)
+    if ((rc = keep_new(reg, c, h, 0, NULL, &k)) != 0)
       return rc;
     token_put(token, k->id, k->secret);
     return 0;
@@ -568,8 +576,10 @@ int gpd_share(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int keep, uint
   return 0;
 }
 
-int gpd_share_many(gpd_registry *reg, gpd_client *c, const uint64_t *hold_ids, size_t n, int keep,
-                   int ready_together, uint8_t (*tokens)[GPUPOOL_TOKEN_SIZE]) {
+/* Kept shares of hold_ids[0..n) for c, all or nothing; secrets NULL: ids and secrets made
+ * here, else ids first.. and secrets[16 * i ...]. */
+static int share_kept(gpd_registry *reg, gpd_client *c, const uint64_t *hold_ids, size_t n, int ready_together,
+                      uint64_t first, const uint8_t *secrets, uint8_t (*tokens)[GPUPOOL_TOKEN_SIZE]) {
   gpd_hold *h = NULL;
   gpd_keep **ks = NULL;
   size_t made = 0;
@@ -578,22 +588,17 @@ int gpd_share_many(gpd_registry *reg, gpd_client *c, const uint64_t *hold_ids, s
   for (size_t i = 0; i < n; i++)
     if ((rc = gpd_hold_of(reg, c, hold_ids[i], &h)) != 0)
       return rc;
-  if (!keep) {
-    for (size_t i = 0; i < n; i++)
-      if ((rc = gpd_share(reg, c, hold_ids[i], 0, tokens[i])) != 0)
-        return rc;
-    return 0;
-  }
   if (n && !(ks = calloc(n, sizeof *ks)))
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   if (ready_together && n > 1)
     group = gpd_next_id(reg);
   for (; made < n; made++) {
     h = gpupool__hmap_get(&reg->holds, hold_ids[made]);
-    if ((rc = keep_new(reg, c, h, &ks[made])) != 0)
+    if ((rc = keep_new(reg, c, h, first + made, secrets ? secrets + 16 * made : NULL, &ks[made])) != 0)
       break;
     ks[made]->ready_group = group;
-    token_put(tokens[made], ks[made]->id, ks[made]->secret);
+    if (tokens)
+      token_put(tokens[made], ks[made]->id, ks[made]->secret);
   }
   if (rc != 0) {
     /* All or nothing: the kept shares made so far go (their buffers keep the client's holds). */
@@ -604,6 +609,87 @@ int gpd_share_many(gpd_registry *reg, gpd_client *c, const uint64_t *hold_ids, s
     rc = gpupool__err(rc, "%s (none of the %zu holds of this request was shared)", msg, n);
   }
   free(ks);
+  return rc;
+}
+
+int gpd_share_many(gpd_registry *reg, gpd_client *c, const uint64_t *hold_ids, size_t n, int keep,
+                   int ready_together, uint8_t (*tokens)[GPUPOOL_TOKEN_SIZE]) {
+  gpd_hold *h = NULL;
+  int rc = 0;
+  if (keep)
+    return share_kept(reg, c, hold_ids, n, ready_together, 0, NULL, tokens);
+  for (size_t i = 0; i < n; i++)
+    if ((rc = gpd_hold_of(reg, c, hold_ids[i], &h)) != 0)
+      return rc;
+  for (size_t i = 0; i < n; i++)
+    if ((rc = gpd_share(reg, c, hold_ids[i], 0, tokens[i])) != 0)
+      return rc;
+  return 0;
+}
+
+/* ---- reserved ids: kept shares whose tokens the client makes itself ----
+ *
+ * A client that does not want to wait for a Share's reply (a message handed on at once) asks
+ * for a block of ids first; each later share of n holds takes its next n ids, in order, with
+ * secrets the client drew, so the client knows the tokens before the daemon has read the
+ * request. The blocks are aligned (GPD_RESERVE_IDS), filed by block in reg->reserves: an Open
+ * of an id a connection reserved and has not used yet waits for its share (the server parks
+ * it). */
+
+static void reserve_unfile(gpd_registry *reg, gpd_client *c) {
+  if (c->resv_end && gpupool__hmap_get(&reg->reserves, (c->resv_end - 1) / GPD_RESERVE_IDS) == c)
+    gpupool__hmap_del(&reg->reserves, (c->resv_end - 1) / GPD_RESERVE_IDS);
+  c->resv_next = c->resv_end = 0;
+}
+
+int gpd_reserve(gpd_registry *reg, gpd_client *c, uint32_t want, uint64_t *first, uint32_t *count) {
+  uint64_t f;
+  if (want > GPD_RESERVE_IDS)
+    want = GPD_RESERVE_IDS;
+  reserve_unfile(reg, c);
+  /* The next whole block of ids, taken from the registry's one counter. */
+  f = gpd_round_up(reg->next_id + 1, GPD_RESERVE_IDS);
+  if (gpupool__hmap_put(&reg->reserves, f / GPD_RESERVE_IDS, c) != 0)
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  reg->next_id = f + GPD_RESERVE_IDS - 1;
+  c->resv_next = f;
+  c->resv_end = f + want;
+  *first = f;
+  *count = want;
+  return 0;
+}
+
+gpd_client *gpd_reserve_owner(gpd_registry *reg, uint64_t id) {
+  gpd_client *c = gpupool__hmap_get(&reg->reserves, id / GPD_RESERVE_IDS);
+  return c && id >= c->resv_next && id < c->resv_end ? c : NULL;
+}
+
+void gpd_reserve_drop(gpd_registry *reg, gpd_client *c) {
+  reserve_unfile(reg, c);
+  free(c->fail_msg);
+  c->fail_msg = NULL;
+}
+
+int gpd_share_reserved(gpd_registry *reg, gpd_client *c, const uint64_t *hold_ids, size_t n, int ready_together,
+                       const uint8_t *secrets, uint64_t *first) {
+  uint64_t f = c->resv_next, left = c->resv_end - c->resv_next;
+  int rc;
+  *first = f;
+  if (n > left) {
+    c->resv_next = c->resv_end; /* the client and the daemon no longer agree: nothing is left */
+    rc = gpupool__err(GPUPOOL_EINVAL,
+                      "Share.from_reserve shares %zu holds but only %" PRIu64 " reserved ids are left: "
+                      "reserve more first (Share.reserve); nothing was shared", n, left);
+  } else {
+    c->resv_next += n;
+    rc = share_kept(reg, c, hold_ids, n, ready_together, f, secrets, NULL);
+  }
+  if (rc != 0) {
+    free(c->fail_msg);
+    c->fail_first = f;
+    c->fail_end = f + n;
+    c->fail_msg = strdup(gpupool__errmsg());
+  }
   return rc;
 }
 
@@ -633,6 +719,18 @@ static int token_resolve(gpd_registry *reg, gpd_client *c, const uint8_t *token,
     bad = secret_differs(k->secret, token + 8) || k->claimed;
     if (k->read_only)
       *read_only = 1;
+  } else {
+    /* An id a connection reserved: its share may not have been read yet (wait for it), or
+     * it failed (say why). */
+    gpd_client *x = gpupool__hmap_get(&reg->reserves, id / GPD_RESERVE_IDS);
+    if (x && id >= x->resv_next && id < x->resv_end) {
+      reg->open_pending = id;
+      return GPD_OPEN_PENDING;
+    }
+    if (x && x->fail_msg && id >= x->fail_first && id < x->fail_end)
+      return gpupool__err(GPUPOOL_ENOENT, "share token names a share that failed: its sender (client %" PRIu64
+                          ", pid %d) handed the token on before its share was read, and the share failed: %s",
+                          x->id, (int)x->pid, x->fail_msg);
   }
   /* A buffer of another tenant is refused like a forged token: its holder would get the fd
    * of a slab that holds that tenant's other buffers too. */
@@ -685,7 +783,9 @@ int gpd_open_many(gpd_registry *reg, gpd_client *c, const uint8_t *const *tokens
    * request opens once: the second is refused like an opened one). */
   for (; m < n; m++) {
     ro[m] = read_only;
-    if ((rc = token_resolve(reg, c, tokens[m], lens[m], &ro[m], &bs[m], &ks[m])) != 0) {
+    if ((rc = token_resolve(reg, c, tokens[m], lens[m], &ro[m], &bs[m], &ks[m])) == GPD_OPEN_PENDING)
+      goto unclaim;
+    if (rc != 0) {
       char msg[GPUPOOL__ERRMSG_MAX];
       snprintf(msg, sizeof msg, "%s", gpupool__errmsg());
       rc = gpupool__err(rc, "token %zu of %zu: %s (none of this request's tokens was opened)", m + 1, n, msg);

@@ -46,6 +46,7 @@ void gpd_client_drop(gpd_registry *reg, gpd_client *c) {
   int waiting = 0;
 
   c->lease = NULL;
+  gpd_reserve_drop(reg, c);
   gpd_parts_client_gone(reg, c);
   if (lease) {
     lease->client_id = c->id;

@@ -392,6 +392,12 @@ struct gpd_client {
   uint32_t nevents, capevents;
   uint32_t next_event;      /* the one the next hold or buffer takes once all are made */
   gpd_event *batch_done;    /* while a request makes many holds: the done event they share */
+  /* Ids reserved for its kept shares with tokens it made itself (gpd_reserve): the next one
+   * its next such share takes, and the end of its block. */
+  uint64_t resv_next, resv_end;
+  /* The ids of its last such share that failed, and why (an Open of one says so). */
+  uint64_t fail_first, fail_end;
+  char *fail_msg;
 };
 
 struct gpd_registry {
@@ -426,6 +432,8 @@ struct gpd_registry {
   int sweep_timer_on;
   gpupool__hmap keeps;       /* id -> gpd_keep */
   gpd_keep *keeps_head, *keeps_tail; /* by expiry (restored ones among them) */
+  gpupool__hmap reserves;    /* reserved block (id / GPD_RESERVE_IDS) -> gpd_client */
+  uint64_t open_pending;     /* the id the last GPD_OPEN_PENDING return waits for */
   uv_timer_t keep_timer;
   int keep_timer_on;
   int memory_returned;       /* set when a range or slab came back; the server retries waiters */
@@ -546,6 +554,23 @@ int gpd_hold_idle(gpd_registry *reg, gpd_client *c, uint64_t hold_id, int *idle)
 int gpd_buffer_deps_clear(gpd_registry *reg, gpd_buffer *b);
 int gpd_open(gpd_registry *reg, gpd_client *c, const uint8_t *token, size_t len, int read_only,
             gpd_hold **out);
+/* What gpd_open and gpd_open_many return (nothing opened, nothing claimed) for a token whose
+ * id another connection reserved and has not shared yet: its share may be on its way (the
+ * sharer does not wait for the reply), reg->open_pending the id to wait for. */
+#define GPD_OPEN_PENDING 1
+/* Reserve up to want (at most GPD_RESERVE_IDS) ids for c's shares with tokens it makes
+ * itself, giving up those left of its previous reserve: *first and *count. */
+#define GPD_RESERVE_IDS 256u
+int gpd_reserve(gpd_registry *reg, gpd_client *c, uint32_t want, uint64_t *first, uint32_t *count);
+/* Kept shares of hold_ids[0..n) (as gpd_share_many with keep) whose ids are c's next n
+ * reserved ones and whose secrets are secrets[16 * i ...]: the ids are used up even when the
+ * share fails (c made its tokens already), and the failure is remembered for their Open. */
+int gpd_share_reserved(gpd_registry *reg, gpd_client *c, const uint64_t *hold_ids, size_t n, int ready_together,
+                       const uint8_t *secrets, uint64_t *first);
+/* The connection that reserved id and has not used it yet, or NULL. */
+gpd_client *gpd_reserve_owner(gpd_registry *reg, uint64_t id);
+/* c goes: its reserve with it (gpd_client_drop). */
+void gpd_reserve_drop(gpd_registry *reg, gpd_client *c);
 /* c's hold id: 0 and *out, or GPUPOOL_ENOENT with the reason. A request's handler finds
  * a hold once and passes it on. */
 int gpd_hold_of(gpd_registry *reg, gpd_client *c, uint64_t id, gpd_hold **out);

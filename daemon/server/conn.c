@@ -61,6 +61,7 @@ void gpd_conn_close(gpd_conn *c, const char *why) {
     next = w->cnext;
     gpd_waiter_remove(w);
   }
+  gpd_opens_drop(c);
   while (c->fwaits) {
     fwait *fw = c->fwaits;
     gpd_file_op_forget(fw->op); /* files.c lets go of what it made */
@@ -76,7 +77,12 @@ void gpd_conn_close(gpd_conn *c, const char *why) {
   gpd_uid_usage_put(s->reg, c->u);
   s->heap -= c->heap;
   c->heap = 0;
-  gpd_client_drop(s->reg, &c->cl);
+  {
+    /* Opens waiting for shares it had not sent yet fail once its reserve is gone. */
+    uint64_t from = c->cl.resv_next, end = c->cl.resv_end;
+    gpd_client_drop(s->reg, &c->cl);
+    gpd_opens_unreserved(s, &c->cl, from, end, "disconnected");
+  }
   gpupool__log_peer_flush(&c->cl.log_rl, c->cl.id, 1);
   if (c->prev)
     c->prev->next = c->next;

@@ -108,6 +108,26 @@ static int batch_ok(gpd_conn *c, size_t n, const char *what) {
   return 0;
 }
 
+/* A Share whose tokens the client made from its reserve (Share.from_reserve): answered with
+ * an empty reply (the client does not wait for it); the Opens waiting for its ids are tried. */
+static int share_reserved(gpd_conn *c, uint64_t seq, const Gpupool__Wire__Share *m, const uint64_t *ids, size_t n) {
+  Gpupool__Wire__ShareReply sr = GPUPOOL__WIRE__SHARE_REPLY__INIT;
+  uint64_t first = 0;
+  int rc;
+  if (!m->keep || m->n_idle_hold_ids || m->reserve)
+    return gpupool__err(GPUPOOL_EINVAL, "Share.from_reserve makes kept shares (keep) and asks nothing else "
+                        "(no idle_hold_ids, no reserve)");
+  if (m->secrets.len != 16 * n)
+    return gpupool__err(GPUPOOL_EINVAL, "Share.from_reserve: secrets has %zu bytes, expected 16 per hold (%zu)",
+                        m->secrets.len, 16 * n);
+  rc = gpd_share_reserved(c->srv->reg, &c->cl, ids, n, m->ready_together, m->secrets.data, &first);
+  if (rc == 0)
+    GPUPOOL__SEND_BODY(c, seq, SHARE, share, &sr);
+  /* Made or failed, the Opens of these ids need not wait any more. */
+  gpd_opens_shared(c->srv, first, n);
+  return rc;
+}
+
 int gpd_handle_share(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
   uint64_t seq = req->seq;
   const Gpupool__Wire__Share *m = req->share;
@@ -130,6 +150,20 @@ int gpd_handle_share(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferr
   ids[0] = m->hold_id;
   for (size_t i = 1; i < n; i++)
     ids[i] = m->more_hold_ids[i - 1];
+  if (m->from_reserve) {
+    rc = share_reserved(c, seq, m, ids, n);
+    goto out;
+  }
+  if (m->reserve) {
+    /* A new reserve: the ids left of the previous one are given up (their Opens told so). */
+    uint64_t from = c->cl.resv_next, end = c->cl.resv_end, first = 0;
+    uint32_t count = 0;
+    if ((rc = gpd_reserve(c->srv->reg, &c->cl, m->reserve, &first, &count)) != 0)
+      goto out;
+    gpd_opens_unreserved(c->srv, &c->cl, from, end, "reserved new ids");
+    sr.reserve_first = first;
+    sr.reserve_count = count;
+  }
   if ((rc = gpd_share_many(c->srv->reg, &c->cl, ids, n, m->keep, m->ready_together, tokens)) != 0)
     goto out;
   sr.token.data = tokens[0];
@@ -158,24 +192,41 @@ out:
   return rc;
 }
 
-int gpd_handle_open(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
-  uint64_t seq = req->seq;
-  const Gpupool__Wire__Open *m = req->open;
+int gpd_open_now(gpd_conn *c, uint64_t seq, const uint8_t *const *toks, const size_t *lens, size_t n, int read_only,
+                 uint64_t *pending) {
+  gpd_registry *reg = c->srv->reg;
   gpd_hold *h = NULL, **hs = NULL;
-  const uint8_t **toks = NULL;
-  size_t *lens = NULL, n = 1 + m->n_more_tokens, opened = 0;
+  size_t opened = 0;
   int rc;
   if (n == 1) {
-    if ((rc = gpd_open(c->srv->reg, &c->cl, m->token.data, m->token.len, m->read_only, &h)) != 0)
-      return rc;
-    gpd_srv_reply_hold(c, seq, 0, h, NULL, 0);
-    return 0;
+    if ((rc = gpd_open(reg, &c->cl, toks[0], lens[0], read_only, &h)) == 0)
+      gpd_srv_reply_hold(c, seq, 0, h, NULL, 0);
+  } else if (!(hs = calloc(n, sizeof *hs))) {
+    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  } else {
+    if ((rc = gpd_open_many(reg, &c->cl, toks, lens, n, read_only, GPUPOOL_WIRE_MAX_FDS, hs, &opened)) == 0)
+      gpd_srv_reply_open_many(c, seq, hs, (uint32_t)opened);
+    free(hs);
   }
+  if (rc == GPD_OPEN_PENDING)
+    *pending = reg->open_pending;
+  return rc;
+}
+
+int gpd_handle_open(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferred) {
+  const Gpupool__Wire__Open *m = req->open;
+  const uint8_t *one_tok[1];
+  size_t one_len[1];
+  const uint8_t **toks = one_tok;
+  size_t *lens = one_len, n = 1 + m->n_more_tokens;
+  uint64_t pending = 0;
+  int rc;
   if ((rc = batch_ok(c, n, "Open")) != 0)
     return rc;
-  if (!(hs = calloc(n, sizeof *hs)) || !(toks = calloc(n, sizeof *toks)) || !(lens = calloc(n, sizeof *lens))) {
-    rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
-    goto out;
+  if (n > 1 && (!(toks = calloc(n, sizeof *toks)) || !(lens = calloc(n, sizeof *lens)))) {
+    if (toks != one_tok)
+      free(toks);
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
   toks[0] = m->token.data;
   lens[0] = m->token.len;
@@ -183,12 +234,16 @@ int gpd_handle_open(gpd_conn *c, const Gpupool__Wire__Request *req, int *deferre
     toks[i] = m->more_tokens[i - 1].data;
     lens[i] = m->more_tokens[i - 1].len;
   }
-  if ((rc = gpd_open_many(c->srv->reg, &c->cl, toks, lens, n, m->read_only, GPUPOOL_WIRE_MAX_FDS, hs, &opened)) == 0)
-    gpd_srv_reply_open_many(c, seq, hs, (uint32_t)opened);
-out:
-  free(hs);
-  free(toks);
-  free(lens);
+  rc = gpd_open_now(c, req->seq, toks, lens, n, m->read_only, &pending);
+  if (rc == GPD_OPEN_PENDING) {
+    /* A token its sender handed on before sharing it: wait for the share. */
+    if ((rc = gpd_open_park(c, req->seq, toks, lens, n, m->read_only, pending)) == 0)
+      *deferred = 1;
+  }
+  if (toks != one_tok) {
+    free(toks);
+    free(lens);
+  }
   return rc;
 }
 

@@ -498,6 +498,7 @@ int gpd_server_start(gpd_server **out, uv_loop_t *loop, const gpd_config *cfg, g
   }
   gpupool__smap_init(&s->get_q);
   gpupool__hmap_init(&s->copy_q);
+  gpupool__hmap_init(&s->open_q);
   gpupool__hmap_init(&s->alloc_q);
   gpupool__hmap_init(&s->shares);
   reg->owner = s;
@@ -521,6 +522,7 @@ int gpd_server_start(gpd_server **out, uv_loop_t *loop, const gpd_config *cfg, g
       gpd_fileops_free(s->fops);
       gpupool__smap_free(&s->get_q);
       gpupool__hmap_free(&s->copy_q);
+      gpupool__hmap_free(&s->open_q);
       gpupool__hmap_free(&s->alloc_q);
       gpupool__hmap_free(&s->shares);
       gpd_metrics_close(s->metrics);
@@ -585,6 +587,7 @@ static void listen_closed(uv_handle_t *h) {
   /* Every connection is closed, so every waiter is gone; empty allocation queues remain. */
   gpupool__smap_free(&s->get_q);
   gpupool__hmap_free(&s->copy_q);
+  gpupool__hmap_free(&s->open_q);
   for (int i = 0; i < GPUPOOL_MAX_POOLS; i++)
     while (s->alloc_lists[i]) {
       wqueue *q = s->alloc_lists[i];

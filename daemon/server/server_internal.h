@@ -22,6 +22,7 @@
 
 typedef struct gpd_conn gpd_conn;
 typedef struct share share;
+typedef struct opwait opwait; /* an Open waiting for a share on its way (open_wait.c) */
 
 /* A PublishFile or GetFile whose system calls run off the loop (files.c): answered when they
  * are done, or forgotten if the connection goes first. */
@@ -130,6 +131,7 @@ struct gpd_conn {
   gpupool__wire_txq txq;
   size_t heap;        /* what this connection's queue and input buffer hold (counted in srv) */
   gpd_waiter *waiters;
+  opwait *opwaits;   /* its Opens waiting for shares on their way (counted in nwaiters) */
   uint32_t nwaiters;
   fwait *fwaits;
   gpd_uid_usage *u; /* its uid's record in the registry (connections, waiters, ...) */
@@ -173,6 +175,7 @@ struct gpd_server {
   wqueue *alloc_lists[GPUPOOL_MAX_POOLS]; /* the queues of each pool */
   gpupool__smap get_q;               /* name -> wqueue */
   gpupool__hmap copy_q;              /* copy job id -> wqueue of the gets waiting for its replicas */
+  gpupool__hmap open_q;              /* reserved id -> the Opens waiting for its share (open_wait.c) */
   size_t heap;                       /* sum of the connections' heap */
   uint64_t requests, errors;
   uint64_t bytes_read;       /* from clients' sockets, all connections (Stats bytes_read) */
@@ -252,6 +255,25 @@ void gpd_copy_ended(gpd_registry *reg, uint64_t copy_id, int rc, const char *msg
 /* Answer the gets waiting for key with an error (only_nowait: only those of peers' names
  * that asked not to wait), and take them out. */
 void gpd_fail_getters(gpd_server *s, const char *key, int code, const char *msg, int only_nowait);
+
+/* Checks the waiting-request limits of c and its uid (max_waiters_per_client, _per_uid). */
+int gpd_waiter_limits(gpd_conn *c);
+
+/* ---- open_wait.c: Opens that wait for a share on its way (see there) */
+/* Park c's Open (seq; its n tokens and their lengths, copied) until reserved id is shared. */
+int gpd_open_park(gpd_conn *c, uint64_t seq, const uint8_t *const *toks, const size_t *lens, size_t n,
+                  int read_only, uint64_t id);
+/* The ids first..first+n were shared (or their share failed): try their waiting Opens again. */
+void gpd_opens_shared(gpd_server *s, uint64_t first, size_t n);
+/* x gave up its reserved ids from..end (disconnected, why = "disconnected", or reserved anew):
+ * their waiting Opens fail, saying so. */
+void gpd_opens_unreserved(gpd_server *s, const gpd_client *x, uint64_t from, uint64_t end, const char *why);
+/* c goes: its waiting Opens with it (no reply). */
+void gpd_opens_drop(gpd_conn *c);
+/* handlers_buffers.c: open n tokens for c and send the reply: 0, an error code (nothing sent),
+ * or GPD_OPEN_PENDING with *pending the reserved id to wait for (nothing sent). */
+int gpd_open_now(gpd_conn *c, uint64_t seq, const uint8_t *const *toks, const size_t *lens, size_t n, int read_only,
+                 uint64_t *pending);
 
 /* ---- replies.c: replies that hand over a buffer, a bundle or a file */
 void gpd_srv_reply_hold(gpd_conn *c, uint64_t seq, int kind, gpd_hold *h, const gpd_rname *rn,

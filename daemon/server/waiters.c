@@ -237,8 +237,7 @@ static void waiter_timeout(uv_timer_t *t) {
   gpd_waiter_remove(w);
 }
 
-/* Checks the waiting-request limits of c and its uid. */
-static int waiter_limits(gpd_conn *c) {
+int gpd_waiter_limits(gpd_conn *c) {
   const gpd_config *cfg = c->srv->cfg;
   if (cfg->max_waiters_per_client && c->nwaiters >= cfg->max_waiters_per_client)
     return gpupool__err(GPUPOOL_ELIMIT,
@@ -264,7 +263,7 @@ int gpd_waiter_add(gpd_conn *c, uint64_t seq, int kind, uint32_t timeout_ms, gpd
   uint64_t owner;
   int rc;
 
-  if ((rc = waiter_limits(c)) != 0) {
+  if ((rc = gpd_waiter_limits(c)) != 0) {
     gpd_bundle_plan_free(plan);
     return rc;
   }

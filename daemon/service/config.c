@@ -415,6 +415,9 @@ const gpd_config_key gpd_config_keys[] = {
      .doc = "kept shares of one connection not yet opened (each also counts as a hold of its tenant)"},
     {DAEMON, .name = "share_keep_ms", U32, D(share_keep_ms), .lo = 1, .hi = 86400000, .def = "600000",
      .flags = GPUPOOL__CF_RESTART, .doc = "how long a kept share not yet opened keeps its buffer"},
+    {DAEMON, .name = "open_wait_ms", U32, D(open_wait_ms), .lo = 1, .hi = 600000, .def = "10000",
+     .doc = "how long an Open waits for the share of a token whose sharer handed it on before its "
+            "share was read (a share that does not wait for its reply)"},
     {DAEMON, .name = "max_share_batch", U32, D(max_share_batch), .lo = 1, .hi = 65536, .def = "1024",
      .doc = "holds one Share request shares, tokens one Open opens, holds one Idle asks about or one "
             "Release drops"},

@@ -67,6 +67,7 @@ typedef struct {
   uint32_t max_holds_per_uid;
   uint32_t max_kept_shares_per_client; /* kept shares one connection has made and not yet opened */
   uint32_t share_keep_ms;             /* how long an unopened kept share keeps its buffer */
+  uint32_t open_wait_ms;              /* how long an Open waits for a share on its way */
   uint32_t max_share_batch;           /* holds one Share, tokens one Open, holds one Idle names */
   uint32_t max_clients_per_uid;       /* connections of one uid (root and the daemon's uid exempt) */
   uint32_t reserved_clients;          /* of max_clients, kept for root and the daemon's uid */

@@ -17,6 +17,7 @@
  *     gpupool_client_reconnect_count       how many times the client reconnected
  *     gpupool_client_slab_maps             how many slabs the client mapped (imports)
  *     gpupool_client_ready_waits           how many ready events the client's streams waited on
+ *     gpupool_client_nowait_failures       how many shares not waited for failed, and why
  *     gpupool_client_lost_names            names lost when the daemon went away
  *     gpupool_client_host_fences           whether GPU work is ordered by host-side fences
  *     gpupool_client_set_devices           the CUDA devices this process touches memory from
@@ -30,6 +31,7 @@
  *     gpupool_buffer_open                  open a token: a new hold
  *     gpupool_buffer_alloc_many            allocate many buffers, their requests in flight together
  *     gpupool_buffer_share_kept_many       kept shares of many buffers in one request
+ *     gpupool_buffer_share_kept_many_nowait the same, not waiting for the daemon's reply
  *     gpupool_buffer_open_many             open many tokens in one request
  *     gpupool_buffer_idle_many             which buffers only the caller references now
  *     gpupool_buffer_release_many          drop many holds in one request
@@ -39,6 +41,7 @@
  *     gpupool_buffer_get_begin, _get_end   the same get, pipelined
  *     gpupool_buffer_publish_begin         the same publish, pipelined (gpupool_pending_end)
  *     gpupool_buffer_release_begin         the same release, pipelined (gpupool_pending_end)
+ *     gpupool_buffer_idle_many_begin, _end whether buffers are idle (gpupool_buffer_idle_many), pipelined
  *     gpupool_buffer_ptr, _size, _device, _kind, _id, _read_only, _tensor, _client, _lost
  *                                          what a buffer is
  *   name (a published name)
@@ -428,6 +431,25 @@ GPUPOOL_EXTERN int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, i
                                                   gpupool_token *out, gpupool_buffer *const *ask, int nask,
                                                   int *idle);
 
+/* Kept shares of bufs[0..n) as gpupool_buffer_share_kept_many makes them (no idle asks), whose
+ * tokens are made here so that the call need not wait for the daemon's reply: it records the
+ * ready events, sends the request and returns. The tokens use ids the daemon reserved for
+ * this connection (256 at a time: the first such call of a connection, and every 256 tokens,
+ * waits for its reply, which reserves the next ones) and secrets drawn here. The daemon reads
+ * the request before anything this process sends it later; an Open of one of the tokens that
+ * it reads first (a receiver quicker than the daemon) waits for the share, at most the
+ * daemon's open_wait_ms, and fails at once, saying so, if this connection closes first. A
+ * failure of the share itself (a hold released meanwhile, max_kept_shares_per_client) is not
+ * returned here: the tokens' Opens fail with its reason, and
+ * gpupool_client_nowait_failures counts it. A buffer lost with a previous daemon fails here
+ * with GPUPOOL_ELOST, as gpupool_buffer_share_kept_many does. */
+GPUPOOL_EXTERN int gpupool_buffer_share_kept_many_nowait(gpupool_buffer *const *bufs, int n, void *stream,
+                                                         gpupool_token *out);
+/* How many shares of c that did not wait for their reply (gpupool_buffer_share_kept_many_nowait)
+ * failed, as far as their replies were read (each later request of c reads those that came);
+ * the last one's reason into msg[0..len) when msg is not NULL. */
+GPUPOOL_EXTERN uint64_t gpupool_client_nowait_failures(gpupool_client *c, char *msg, size_t len);
+
 /* Open tokens[0..n) (as gpupool_buffer_open, same flags) with as few requests as the slabs
  * allow: one, unless the buffers lie in more slabs new to this process than one reply can
  * carry the fds of. All or nothing: on error no buffer is opened (out[] all NULL) and no kept
@@ -730,6 +752,11 @@ GPUPOOL_EXTERN int gpupool_buffer_publish_begin(gpupool_buffer *b, const char *n
                                                 const gpupool_tensor_meta *meta, void *stream,
                                                 gpupool_pending **out);
 GPUPOOL_EXTERN int gpupool_buffer_release_begin(gpupool_buffer *b, void *stream, gpupool_pending **out);
+/* gpupool_buffer_idle_many, pipelined: the Idle request about bufs[0..n) (of one client) goes
+ * now, and gpupool_buffer_idle_many_end waits for its answer into idle[0..n) (the n given
+ * here), which says what was true when the daemon read the request. */
+GPUPOOL_EXTERN int gpupool_buffer_idle_many_begin(gpupool_buffer *const *bufs, int n, gpupool_pending **out);
+GPUPOOL_EXTERN int gpupool_buffer_idle_many_end(gpupool_pending *p, int *idle);
 /* End a publish or release begun above: 0 or the request's error; *version (may be NULL) is
  * the version a publish made. */
 GPUPOOL_EXTERN int gpupool_pending_end(gpupool_pending *p, uint64_t *version);

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Dict, Iterable, List
+from typing import Any, Dict, Iterable, List, Tuple
 
 from . import _dlpack, _lib
 from ._errors import error
@@ -85,6 +85,14 @@ class _Admin:
         work was still running when the buffer was got or opened); the buffers of one message
         opened together wait once per stream they were shared from."""
         return int(self._lib.gpupool_client_ready_waits(self._conn.usable()))
+
+    def nowait_failures(self) -> Tuple[int, str]:
+        """How many of this client's shares that did not wait for the daemon's reply (a
+        gpupool.torch message's) failed, as far as their replies were read, and the last
+        one's reason ("" when none failed). Their tokens' Opens fail with that reason too."""
+        msg = ctypes.create_string_buffer(512)
+        n = int(self._lib.gpupool_client_nowait_failures(self._conn.usable(), msg, len(msg)))
+        return n, msg.value.decode(errors="replace")
 
     @property
     def host_fences(self) -> bool:

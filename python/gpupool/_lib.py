@@ -197,6 +197,7 @@ _PROTOTYPES = {
     "gpupool_client_reconnect_count": (_u64, [ClientP]),
     "gpupool_client_slab_maps": (_u64, [ClientP]),
     "gpupool_client_ready_waits": (_u64, [ClientP]),
+    "gpupool_client_nowait_failures": (_u64, [ClientP, _cp, ctypes.c_size_t]),
     "gpupool_client_lost_names": (_c_int, [ClientP, _vp, _c_int, ctypes.POINTER(_c_int)]),
     # buffer
     "gpupool_buffer_alloc": (_c_int, [ClientP, _cp, ctypes.c_size_t, _c_int, _vp,
@@ -221,6 +222,8 @@ _PROTOTYPES = {
     "gpupool_buffer_share_kept_many": (_c_int, [ctypes.POINTER(BufferP), _c_int, _vp,
                                                 ctypes.POINTER(Token), ctypes.POINTER(BufferP),
                                                 _c_int, ctypes.POINTER(_c_int)]),
+    "gpupool_buffer_share_kept_many_nowait": (_c_int, [ctypes.POINTER(BufferP), _c_int, _vp,
+                                                       ctypes.POINTER(Token)]),
     "gpupool_buffer_open_many": (_c_int, [ClientP, ctypes.POINTER(Token), _c_int, ctypes.c_uint,
                                           _vp, ctypes.POINTER(BufferP)]),
     "gpupool_buffer_idle_many": (_c_int, [ctypes.POINTER(BufferP), _c_int,
@@ -242,6 +245,8 @@ _PROTOTYPES = {
     "gpupool_buffer_publish_begin": (_c_int, [BufferP, _cp, ctypes.POINTER(TensorMeta), _vp,
                                               ctypes.POINTER(PendingP)]),
     "gpupool_buffer_release_begin": (_c_int, [BufferP, _vp, ctypes.POINTER(PendingP)]),
+    "gpupool_buffer_idle_many_begin": (_c_int, [ctypes.POINTER(BufferP), _c_int, ctypes.POINTER(PendingP)]),
+    "gpupool_buffer_idle_many_end": (_c_int, [PendingP, ctypes.POINTER(_c_int)]),
     # name
     "gpupool_name_unpublish": (_c_int, [ClientP, _cp]),
     # file
