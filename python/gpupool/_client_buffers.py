@@ -258,6 +258,11 @@ class _Buffers:
         n, na = len(bufs), len(ask)
         arr = (_lib.BufferP * n)(*bufs)
         toks = (_lib.Token * n)()
+        if not na:
+            # Nothing to learn from the reply: the tokens are made here and the request goes
+            # without waiting for it (a receiver's Open that the daemon reads first waits for it).
+            check(self._lib.gpupool_buffer_share_kept_many_nowait(arr, n, s, toks), "share of %d buffers" % n)
+            return bytes(memoryview(toks).cast("B")), []
         asked = (_lib.BufferP * na)(*ask) if na else None
         idle = (ctypes.c_int * na)() if na else None
         check(self._lib.gpupool_buffer_share_kept_many(arr, n, s, toks, asked, na, idle),
@@ -301,6 +306,21 @@ class _Buffers:
         arr = (_lib.BufferP * n)(*bufs)
         out = (ctypes.c_int * n)()
         check(self._lib.gpupool_buffer_idle_many(arr, n, out), "idle check of %d buffers" % n)
+        return [bool(x) for x in out]
+
+    def _idle_begin(self, bufs):
+        """An Idle request about C buffer handles (all of this client) sent now: its pending
+        handle, for _idle_end."""
+        n = len(bufs)
+        p = _lib.PendingP()
+        check(self._lib.gpupool_buffer_idle_many_begin((_lib.BufferP * n)(*bufs), n, ctypes.byref(p)),
+              "idle check of %d buffers" % n)
+        return p
+
+    def _idle_end(self, p, n):
+        """The answers of an Idle request begun with _idle_begin about n buffers."""
+        out = (ctypes.c_int * n)()
+        check(self._lib.gpupool_buffer_idle_many_end(p, out), "idle check of %d buffers" % n)
         return [bool(x) for x in out]
 
     def _open_hold_tensor(self, hold, offset=0, nbytes=None):

@@ -446,6 +446,10 @@ def _send_batch(batch, payload):
     t0 = time.perf_counter_ns() if _PROFILE else 0
     if _S.copying:
         _copies_forget()
+    if _S.asking:
+        _asked_read()
+        if t0:
+            t0 = _step("send: idle answers read", t0)
     bufs, offs, keys, owner = _find_many(batch, c)
     copies = [i for i in range(n) if bufs[i] is None]
     if copies and not opts.copy:
@@ -500,24 +504,25 @@ def _send_batch(batch, payload):
         # more, so that the next message writes them without asking.
         # A request names buffers of one client: use_allocator()'s storages are buffers of
         # the allocator's own client.
+        # The Share does not wait for its reply: its tokens are made in the library from ids
+        # the daemon reserved for this connection, and the request goes out before the message
+        # does (a receiver's Open that the daemon reads first waits for it).
         tokens = []
-        ask = _ask_idle(entries)
         groups, tix = _share_groups(devs, owner, keys, bufs)
         for d, o, uniq in groups:
             s = streams[d].cuda_stream if d >= 0 else None
             for k in range(0, len(uniq), _BATCH_MAX):
-                part = uniq[k:k + _BATCH_MAX]
-                # Each asked buffer by the hold _ask_idle took with it: another thread's
-                # _copies_done may drop the entry's own reference meanwhile.
-                asked = [a for a in ask if a[2].buf is not None] if o == 0 else []
-                blob, idle = c._share_kept_many(part, s, [h.buf for _, _, h in asked])
-                if o == 0:
-                    ask = []
-                with _S.lock:
-                    for (e, used, _), ok in zip(asked, idle):
-                        if not e.busy and e.used == used:  # not sent meanwhile by another thread
-                            e.idle = ok
+                blob, _ = c._share_kept_many(uniq[k:k + _BATCH_MAX], s)
                 tokens.append(blob)  # a token per buffer of part, in its order
+        # Which kept copy buffers nobody holds any more: asked now, the answer read when the
+        # next message picks its buffers (it has come by then), so that it writes them without
+        # asking. Each asked buffer by the hold _ask_idle took with it: another thread's
+        # _copies_done may drop the entry's own reference meanwhile.
+        asked = [a for a in _ask_idle(entries) if a[2].buf is not None]
+        if asked:
+            p = c._idle_begin([h.buf for _, _, h in asked])
+            with _S.lock:
+                _S.asking.append((c, p, asked))
         if t0:
             t0 = _step("send: share request", t0)
     finally:
@@ -550,6 +555,22 @@ def _copies_queued(packs, entries, storages, streams):
     if events:
         with _S.lock:
             _S.copying.append((list(events.values()), [storages[i] for idx, _, _, _ in packs for i in idx]))
+
+
+def _asked_read():
+    """The answers to the Idle questions earlier messages asked (_send_batch): the kept copy
+    buffers nobody else holds are marked idle, unless sent again meanwhile."""
+    with _S.lock:
+        asking, _S.asking = _S.asking, []
+    for c, p, asked in asking:
+        try:
+            idle = c._idle_end(p, len(asked))
+        except GpupoolError:
+            continue  # their state stays unknown: asked again when a message needs them
+        with _S.lock:
+            for (e, used, _), ok in zip(asked, idle):
+                if not e.busy and e.used == used:  # not sent meanwhile by another thread
+                    e.idle = ok
 
 
 def _copies_forget():
@@ -706,6 +727,8 @@ def trim() -> int:
         if _S.pid != os.getpid():
             return 0
         _copies_forget()
+    _asked_read()
+    with _S.lock:
         lst = [e for v in _S.cache.values() for e in v if not e.busy]
         for e in lst:
             _S.cache[e.key].remove(e)

@@ -64,6 +64,9 @@ class _State:
         # Messages whose copies may still run on the GPU: ([a torch.cuda.Event per device,
         # recorded after them], [the storages they read]), kept until the events complete.
         self.copying: list = []
+        # Idle questions about kept copy buffers whose answers are not read yet: (client,
+        # its pending request, [(entry, its use count, its hold)]).
+        self.asking: list = []
         self.pickler = None                      # ForkingPickler's own (__init__, dump)
 
 
@@ -159,6 +162,8 @@ def _forget_parent():
     # The parent's CUDA events and storages: never queried nor freed here.
     _S.stale.append(_S.copying)
     _S.copying = []
+    _S.stale.append(_S.asking)  # requests of the parent's connection
+    _S.asking = []
     _S.pid = os.getpid()
 
 
