@@ -5,7 +5,9 @@
  * leaves tokens that open, byte-exact; an Open that the daemon reads before the share (the
  * maker stopped in the test hook between making its tokens and sending them) waits for it and
  * then opens; fails at once, saying why, when the maker disconnects without sharing; fails
- * after open_wait_ms when the share never comes; a share that fails in the daemon is told to
+ * after open_wait_ms when the share never comes; a made-up token for a reserved id waits and
+ * then fails; waiting Opens are bounded like other waiting requests; a share that fails in
+ * the daemon is told to
  * the tokens' opener and counted for its maker; hundreds of such shares in a row (past the
  * 256 ids of a reserve, past the replies the client lets pile up) all open.
  */
@@ -134,6 +136,7 @@ typedef struct {
   int rc;
   char msg[512];
   uint64_t took_ms;
+  volatile int done;
 } opener;
 
 static void *open_thread(void *arg) {
@@ -142,6 +145,7 @@ static void *open_thread(void *arg) {
   op->rc = gpupool_buffer_open_many(op->r, op->tok, 3, 0, NULL, op->o);
   op->took_ms = th_now_ms() - t0;
   snprintf(op->msg, sizeof op->msg, "%s", op->rc ? gpupool_last_error() : "");
+  __atomic_store_n(&op->done, 1, __ATOMIC_RELEASE);
   return NULL;
 }
 
@@ -185,6 +189,7 @@ static void test_open_read_first_waits_for_the_share(void **state) {
   /* The maker is stopped before sending its share: the Open gets there first and waits. */
   start_open(&op, &t, tok, &before);
   th_sleep_ms(100);
+  assert_false(__atomic_load_n(&op.done, __ATOMIC_ACQUIRE));
   assert_int_equal(write(go_pipe[1], "g", 1), 1); /* now the share */
   assert_int_equal(pthread_join(t, NULL), 0);
   if (op.rc != 0)
@@ -242,6 +247,81 @@ static void test_open_waits_at_most_open_wait_ms(void **state) {
   for (int i = 0; i < 3; i++)
     assert_int_equal(gpupool_buffer_release(op.o[i], NULL), 0);
   gpupool_client_disconnect(op.r);
+}
+
+/* A token made up for an id the maker reserved waits like a real one, and fails once the
+ * share it waits for comes with another secret; the real token opens. */
+static void test_made_up_token_waits_then_fails(void **state) {
+  gpupool_token tok[3];
+  opener op;
+  pthread_t t;
+  uint64_t before;
+  pid_t pid;
+  (void)state;
+  start_with("");
+  pid = start_maker(HOOK | 0x80, tok);
+  memcpy(tok + 1, tok, sizeof *tok); /* the first id, twice... */
+  tok[1].bytes[8] ^= 0x5a;            /* ...the second time with a secret of its own */
+  start_open(&op, &t, tok, &before);
+  th_sleep_ms(100);
+  assert_false(__atomic_load_n(&op.done, __ATOMIC_ACQUIRE)); /* it waits for the share */
+  assert_int_equal(write(go_pipe[1], "g", 1), 1);
+  assert_int_equal(pthread_join(t, NULL), 0);
+  assert_int_equal(op.rc, GPUPOOL_ENOENT);
+  maker_done(pid);
+  /* Nothing was opened by the request that failed (all or nothing): the real first token is
+   * still there. */
+  assert_int_equal(gpupool_buffer_open_many(op.r, tok, 1, 0, NULL, op.o), 0);
+  assert_int_equal(*(const unsigned char *)gpupool_buffer_ptr(op.o[0]), 0x80);
+  assert_int_equal(gpupool_buffer_release(op.o[0], NULL), 0);
+  gpupool_client_disconnect(op.r);
+}
+
+/* Waiting Opens count as waiting requests: past max_waiters_per_client, refused at once. */
+static void test_waiting_opens_are_bounded(void **state) {
+  gpupool_token tok[3];
+  opener op[3];
+  pthread_t t[3];
+  uint64_t before;
+  int refused = 0, opened = 0;
+  pid_t pid;
+  (void)state;
+  start_with("max_waiters_per_client = 2");
+  pid = start_maker(HOOK | 0x90, tok);
+  start_open(&op[0], &t[0], tok, &before);
+  for (int i = 1; i < 3; i++) {
+    gpupool_client *r = op[0].r;
+    memset(&op[i], 0, sizeof op[i]);
+    memcpy(op[i].tok, tok, sizeof op[i].tok);
+    op[i].r = r; /* the same connection */
+    assert_int_equal(pthread_create(&t[i], NULL, open_thread, &op[i]), 0);
+  }
+  /* The third is refused at once; the other two wait until the share comes. */
+  th_sleep_ms(300);
+  {
+    int done = 0;
+    for (int i = 0; i < 3; i++)
+      done += __atomic_load_n(&op[i].done, __ATOMIC_ACQUIRE);
+    assert_int_equal(done, 1);
+  }
+  assert_int_equal(write(go_pipe[1], "g", 1), 1);
+  for (int i = 0; i < 3; i++) {
+    assert_int_equal(pthread_join(t[i], NULL), 0);
+    if (op[i].rc == GPUPOOL_ELIMIT && strstr(op[i].msg, "max_waiters_per_client"))
+      refused++;
+    else if (op[i].rc == 0)
+      opened++;
+    else
+      assert_int_equal(op[i].rc, GPUPOOL_ENOENT); /* the loser of the two: a kept share opens once */
+  }
+  assert_int_equal(refused, 1);
+  assert_int_equal(opened, 1);
+  maker_done(pid);
+  for (int i = 0; i < 3; i++)
+    if (op[i].rc == 0)
+      for (int j = 0; j < 3; j++)
+        assert_int_equal(gpupool_buffer_release(op[i].o[j], NULL), 0);
+  gpupool_client_disconnect(op[0].r);
 }
 
 static void test_failed_share_is_told(void **state) {
@@ -304,6 +384,7 @@ static void test_many_in_a_row(void **state) {
 
 int main(void) {
   return TS_RUN_TESTS(NULL, teardown, test_maker_exits_at_once, test_open_read_first_waits_for_the_share,
-                      test_maker_gone_without_sharing, test_open_waits_at_most_open_wait_ms, test_failed_share_is_told,
+                      test_maker_gone_without_sharing, test_open_waits_at_most_open_wait_ms,
+                      test_made_up_token_waits_then_fails, test_waiting_opens_are_bounded, test_failed_share_is_told,
                       test_many_in_a_row);
 }
