@@ -12,7 +12,8 @@ data ready (time.perf_counter_ns, CLOCK_MONOTONIC, shared by both processes). Ti
 how long the consumer's `del` of the message takes (its storages' last references go; the
 p50 is printed as "receiver lets go"), and, for the gpupool ways, how many requests the
 daemon handled for it (counted with its request counter outside the timed part: one Release
-for all the holds of a message).
+for all the holds of a message); and how many of a way's Opens gpupoold read before their
+message's Share (the sender does not wait for the Share's reply; such an Open waits for it).
 
 Ways: "torch" (torch's own CUDA IPC reductions); "install()" (both processes call
 gpupool.torch.install() before anything is put: the tensors, made by torch's caching
@@ -185,7 +186,9 @@ def main():
     ctx = tmp.get_context("spawn")
     res = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
            "versions": args.versions, "workloads": {}}
-    with Daemon(args.gpupoold, backend="cuda", pools=[pool]) as d:
+    import gpupool
+
+    with Daemon(args.gpupoold, backend="cuda", pools=[pool]) as d, gpupool.Client(d.socket, name="bench") as st:
         os.environ["GPUPOOL_SOCKET"] = d.socket  # inherited by the spawned processes
         picks = [w.strip() for w in args.workloads.split(",")] if args.workloads else None
         for wl in WORKLOADS:
@@ -195,6 +198,7 @@ def main():
             versions = args.versions if "dict" not in wl else max(2, args.versions // 3)
             for way, install in (WAYS[:1] if wl == FLOOR else WAYS):
                 q = ctx.Queue()
+                waited = st.stats().get("opens_waited", 0)
                 r = run_pair(ctx, producer, (args.device, wl, versions, install, q),
                              consumer, (args.device, wl, versions, install, q), timeout=600,
                              join_s=60)
@@ -204,12 +208,17 @@ def main():
                             "n": len(lat), "drop_p50_ms": percentile(r["drop_us"][1:], 50) / 1e3}
                 if r.get("drop_requests"):
                     row[way]["drop_requests_p50"] = percentile(r["drop_requests"], 50)
+                # Opens the daemon read before their message's Share (a receiver quicker than
+                # the daemon): they waited for it.
+                row[way]["opens_waited"] = st.stats().get("opens_waited", 0) - waited
                 print("torch_queue: %s, %s: cold %.3f ms, warm p50 %.3f ms, p99 %.3f ms, bad %d; "
-                      "receiver lets go in %.3f ms (p50)%s"
+                      "receiver lets go in %.3f ms (p50)%s%s"
                       % (wl, way, row[way]["cold_ms"], row[way]["p50_ms"], row[way]["p99_ms"],
                          r["bad"], row[way]["drop_p50_ms"],
                          ", %g daemon requests (p50)" % row[way]["drop_requests_p50"]
-                         if "drop_requests_p50" in row[way] else ""), flush=True)
+                         if "drop_requests_p50" in row[way] else "",
+                         "; %d of %d Opens waited for their Share" % (row[way]["opens_waited"], len(lat))
+                         if install else ""), flush=True)
                 steps = dict(r.get("sender") or {}, **(r.get("receiver") or {}))
                 if steps:
                     row[way]["steps_ms"] = steps

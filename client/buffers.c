@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <grp.h>
 #include <pwd.h>
 #include <fcntl.h>
@@ -484,6 +485,21 @@ int gpupool_buffer_share_kept_many(gpupool_buffer *const *bufs, int n, void *str
 
 void (*gpupool__hook_nowait)(gpupool_client *c, const gpupool_token *out, int n);
 
+/* n bytes from the kernel's random source (getrandom(2): glibc 2.25, which the wheel's tag
+ * allows, unlike arc4random): 0, or -1 when it cannot give them. */
+static int draw_secrets(uint8_t *p, size_t n) {
+  size_t have = 0;
+  while (have < n) {
+    ssize_t r = getrandom(p + have, n - have, 0);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0)
+      return -1;
+    have += (size_t)r;
+  }
+  return 0;
+}
+
 /* Shares not waited for at once in flight on one connection: past this, the next one reads
  * replies first (the daemon drops a client that lets its replies pile up). */
 #define NOWAIT_INFLIGHT_MAX 64
@@ -530,10 +546,16 @@ int gpupool_buffer_share_kept_many_nowait(gpupool_buffer *const *bufs, int n, vo
   }
   if (rc == 0 && ((n > 1 && !(more = malloc((size_t)(n - 1) * sizeof *more))) || !(secrets = malloc((size_t)n * 16))))
     rc = gpupool__err(GPUPOOL_ENOMEM, "out of memory");
+  if (rc == 0 && draw_secrets(secrets, (size_t)n * 16) != 0) {
+    /* No randomness from the kernel: the daemon draws the secrets (a share that waits). */
+    pthread_mutex_unlock(&c->mu);
+    free(more);
+    free(secrets);
+    return share_kept_many(bufs, n, stream, out, NULL, 0, NULL, 0);
+  }
   if (rc == 0)
     rc = record_many(c, bufs, n, stream, &sh.ready_together);
   if (rc == 0) {
-    arc4random_buf(secrets, (size_t)n * 16);
     share_holds(&sh, bufs, n, more);
     sh.from_reserve = 1;
     sh.secrets.data = secrets;

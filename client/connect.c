@@ -609,6 +609,8 @@ int gpupool_client_stats_sized(gpupool_client *c, gpupool_daemon_stats *ds_out, 
     ds->open_fds = s->open_fds;
     ds->pending_frees = s->pending_frees;
     ds->uptime_s = s->uptime_s;
+    ds->opens_waited = s->opens_waited;
+    ds->opens_waiting = s->opens_waiting;
     memcpy(ds_out, ds, ds_size < sizeof *ds ? ds_size : sizeof *ds);
   }
   for (size_t i = 0; pools && i < rep->stats->n_pools && n < max_pools; i++, n++) {

@@ -275,6 +275,10 @@ static void json_stats(const ctl *c, const Gpupool__Wire__StatsReply *s) {
   jkv_u64("replica_bytes", s->replica_bytes, &f);
   jkv_u64("replica_copies_running", s->replica_copies_running, &f);
   jkv_u64("replica_copies_failed", s->replica_copies_failed, &f);
+  jkv_u64("opens_waited", s->opens_waited, &f);
+  jkv_u64("opens_waiting", s->opens_waiting, &f);
+  jkv_u64("opens_waited", s->opens_waited, &f);
+  jkv_u64("opens_waiting", s->opens_waiting, &f);
   jkv_str("restart_pending", s->restart_pending, &f);
   jkv_str("metrics_exporters", s->metrics_exporters, &f);
   jkv_str("survival", s->survival, &f);
@@ -373,6 +377,8 @@ int render_stats(ctl *c, gpupool__rep *rep, const char *arg) {
     printf("replica_copies %llu\nreplica_bytes %llu\nreplica_copies_running %llu\nreplica_copies_failed %llu\n",
            (unsigned long long)s->replica_copies, (unsigned long long)s->replica_bytes,
            (unsigned long long)s->replica_copies_running, (unsigned long long)s->replica_copies_failed);
+    printf("opens_waited %llu\nopens_waiting %llu\n", (unsigned long long)s->opens_waited,
+           (unsigned long long)s->opens_waiting);
     for (size_t i = 0; i < s->n_pools; i++) {
       const Gpupool__Wire__PoolInfo *p = s->pools[i];
       const char *n = p->name;

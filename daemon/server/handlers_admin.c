@@ -87,6 +87,8 @@ int gpd_server_stats(void *server, Gpupool__Wire__StatsReply *st) {
   st->waiting_leases = reg->nwaiting;
   st->waiting_gets_tried = s->gets_tried;
   st->waiting_gets_answered = s->gets_answered;
+  st->opens_waited = s->opens_waited;
+  st->opens_waiting = s->opens_waiting;
   st->bytes_read = s->bytes_read;
   st->replica_copies = reg->copies_started;
   st->replica_bytes = reg->copy_bytes;

@@ -67,6 +67,7 @@ static void opwait_remove(opwait *w) {
   GPUPOOL__LIST_UNLINK(c->opwaits, w, cprev, cnext);
   c->nwaiters--;
   c->u->waiters--;
+  s->opens_waiting--;
   uv_timer_stop(&w->timer);
   uv_close((uv_handle_t *)&w->timer, opwait_closed);
 }
@@ -162,6 +163,8 @@ int gpd_open_park(gpd_conn *c, uint64_t seq, const uint8_t *const *toks, const s
   c->opwaits = w;
   c->nwaiters++;
   c->u->waiters++;
+  s->opens_waited++;
+  s->opens_waiting++;
   return 0;
 }
 

@@ -195,6 +195,7 @@ struct gpd_server {
   /* Waiting gets publishes tried, and answered: equal when a publish touches only the
    * waiters it serves (Stats waiting_gets_tried/answered). */
   uint64_t gets_tried, gets_answered;
+  uint64_t opens_waited, opens_waiting; /* Opens parked for a share on its way (open_wait.c) */
   uint64_t waiter_order;     /* arrivals of waiting requests, numbered */
   /* The fair loop: uids with frames waiting, and the handles that run turn() after each poll
    * (check) and keep the poll from blocking while any is left (idle). */

@@ -283,6 +283,8 @@ static void render_stats(sbuf *b, const Gpupool__Wire__StatsReply *st) {
       {"uptime_seconds", "Seconds since the daemon started.", st->uptime_s},
       {"replica_copies_in_flight", "Replica copy jobs not yet ended (running, or waiting for a copy slot).",
        st->replica_copies_running},
+      {"opens_waiting", "Opens waiting for the share of a token handed on before the daemon read that share.",
+       st->opens_waiting},
   };
   struct {
     const char *name, *help;
@@ -294,6 +296,8 @@ static void render_stats(sbuf *b, const Gpupool__Wire__StatsReply *st) {
        st->replica_bytes},
       {"replica_copies_failed_total", "Replica copy jobs that failed or were cancelled.",
        st->replica_copies_failed},
+      {"opens_waited_total", "Opens that waited for the share of a token handed on before the daemon read "
+       "that share.", st->opens_waited},
   };
 
   family(b, "build_info", "gauge", "Daemon version and backend; the value is always 1.");

@@ -275,6 +275,10 @@ typedef struct {
   uint64_t open_fds;
   uint64_t pending_frees;
   uint64_t uptime_s;
+  /* Opens that waited for the share of a token handed on before gpupoold had read that share
+   * (gpupool_buffer_share_kept_many_nowait), since start; those waiting now. */
+  uint64_t opens_waited;
+  uint64_t opens_waiting;
 } gpupool_daemon_stats;
 
 /* Name of an error code ("ENOSPC"), and its one-line description. Never NULL. */

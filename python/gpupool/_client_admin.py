@@ -53,7 +53,7 @@ class _Admin:
 
     def stats(self) -> Dict[str, Any]:
         """Daemon counters (clients, buffers, holds, names, requests, errors, open_fds,
-        pending_frees, uptime_s) and 'pools': one dict per pool."""
+        pending_frees, uptime_s, opens_waited, opens_waiting) and 'pools': one dict per pool."""
         d = _lib.DaemonStats()
         pools = (_lib.PoolStats * 64)()
         n = ctypes.c_int(0)

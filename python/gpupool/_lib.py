@@ -88,7 +88,7 @@ class PoolStats(ctypes.Structure):
 class DaemonStats(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint64) for n in (
         "clients", "buffers", "holds", "names", "requests", "errors", "open_fds",
-        "pending_frees", "uptime_s")]
+        "pending_frees", "uptime_s", "opens_waited", "opens_waiting")]
 
 
 class File(ctypes.Structure):

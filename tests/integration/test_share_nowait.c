@@ -126,6 +126,11 @@ static void test_maker_exits_at_once(void **state) {
   /* A kept share opens once. */
   assert_int_equal(gpupool_buffer_open_many(r, tok, 3, 0, NULL, o), GPUPOOL_ENOENT);
   gpupool_client_disconnect(r);
+  {
+    gpupool_daemon_stats ds;
+    th_stats(&D, &ds, NULL);
+    assert_int_equal(ds.opens_waited, 0); /* the share was read long before */
+  }
 }
 
 /* An Open in a thread of its own: what it got. */
@@ -197,6 +202,12 @@ static void test_open_read_first_waits_for_the_share(void **state) {
   assert_true(op.took_ms >= 100);
   check_bytes(op.o, 0x50);
   maker_done(pid);
+  {
+    gpupool_daemon_stats ds;
+    th_stats(&D, &ds, NULL);
+    assert_int_equal(ds.opens_waited, 1);
+    assert_int_equal(ds.opens_waiting, 0);
+  }
   for (int i = 0; i < 3; i++)
     assert_int_equal(gpupool_buffer_release(op.o[i], NULL), 0);
   gpupool_client_disconnect(op.r);

@@ -250,6 +250,8 @@ static int fake_stats(void *arg, Gpupool__Wire__StatsReply *st) {
   st->replica_bytes = 123456;
   st->replica_copies_running = 2;
   st->replica_copies_failed = 1;
+  st->opens_waited = 9;
+  st->opens_waiting = 3;
   return 0;
 }
 
@@ -289,6 +291,8 @@ static void check_stats_text(const char *t) {
   assert_int_equal(sample(t, "gpupool_replica_bytes_copied_total"), 123456);
   assert_int_equal(sample(t, "gpupool_replica_copies_in_flight"), 2);
   assert_int_equal(sample(t, "gpupool_replica_copies_failed_total"), 1);
+  assert_int_equal(sample(t, "gpupool_opens_waited_total"), 9);
+  assert_int_equal(sample(t, "gpupool_opens_waiting"), 3);
   must_contain(t, "# TYPE gpupool_replica_copies_total counter\n");
   must_contain(t, "# TYPE gpupool_replica_copies_in_flight gauge\n");
   must_contain(t, "gpupool_build_info{version=\"9.8.7\",backend=\"host\"} 1\n");
