@@ -522,25 +522,19 @@ int gpupool_buffer_share_kept_many_nowait(gpupool_buffer *const *bufs, int n, vo
   if (!out)
     return gpupool__err(GPUPOOL_EINVAL, "share_kept_many_nowait: out must not be NULL");
   pthread_mutex_lock(&c->mu);
-  if ((rc = gpupool__ensure_connected(c, &err)) == 0 && c->resv_end - c->resv_next < (uint64_t)n) {
-    /* Not enough ids reserved (the first share of a connection, or every 256 tokens): this one
-     * waits for its reply, which reserves the next ones, unless another thread's reserve is
-     * in flight (its reply sets the new ids). */
-    pthread_mutex_unlock(&c->mu);
-    return share_kept_many(bufs, n, stream, out, NULL, 0, NULL, n <= NOWAIT_RESERVE ? NOWAIT_RESERVE : 0);
-  }
-  if (rc == 0)
+  if ((rc = gpupool__ensure_connected(c, &err)) == 0)
     rc = lost_among(bufs, n);
-  /* Not too many replies left unread. */
+  /* Not too many replies left unread (the lock is let go meanwhile). */
   while (rc == 0 && c->nowait_inflight >= NOWAIT_INFLIGHT_MAX && !c->broken) {
     if (!c->reader_active)
       gpupool__read_reply(c);
     else
       pthread_cond_wait(&c->cv, &c->mu);
   }
-  if (rc == 0 && c->broken) {
-    /* The connection broke while replies were read: the waited share reconnects (and a new
-     * connection has no ids reserved). */
+  if (rc == 0 && (c->broken || c->resv_end - c->resv_next < (uint64_t)n)) {
+    /* Not enough ids reserved (the first share of a connection, every 256 tokens, another
+     * thread's reserve in flight), or the connection broke while replies were read: this one
+     * waits for its reply, which reserves the next ids (and reconnects first if need be). */
     pthread_mutex_unlock(&c->mu);
     return share_kept_many(bufs, n, stream, out, NULL, 0, NULL, n <= NOWAIT_RESERVE ? NOWAIT_RESERVE : 0);
   }

@@ -18,7 +18,8 @@ extern void (*gpupool__hook_sent)(gpupool_client *c, const gpupool__req *req);
 
 /* Called by a share that does not wait (gpupool_buffer_share_kept_many_nowait) once its n
  * tokens are made and before its request goes out, with the client's lock released: where a
- * test hands the tokens on first, so that their Open reaches the daemon before the share. */
+ * test hands the tokens on first, so that their Open reaches the daemon before the share. One
+ * thread only: another thread's share could go out meanwhile, out of the ids' order. */
 extern void (*gpupool__hook_nowait)(gpupool_client *c, const gpupool_token *out, int n);
 
 #endif
