@@ -500,13 +500,11 @@ def _send_batch(batch, payload):
         # Each buffer shared once, however many storages of the message lie in it (a pack's,
         # the blocks of one use_allocator() segment): tix[i] is the token of storage i. One
         # request per device (the ready events are recorded in its current stream), and per
-        # _BATCH_MAX buffers. The first also asks which kept copy buffers nobody holds any
-        # more, so that the next message writes them without asking.
-        # A request names buffers of one client: use_allocator()'s storages are buffers of
-        # the allocator's own client.
-        # The Share does not wait for its reply: its tokens are made in the library from ids
-        # the daemon reserved for this connection, and the request goes out before the message
-        # does (a receiver's Open that the daemon reads first waits for it).
+        # _BATCH_MAX buffers. A request names buffers of one client: use_allocator()'s
+        # storages are buffers of the allocator's own client. The Share does not wait for its
+        # reply: its tokens are made in the library from ids the daemon reserved for this
+        # connection, and the request goes out before the message does (a receiver's Open
+        # that the daemon reads first waits for it).
         tokens = []
         groups, tix = _share_groups(devs, owner, keys, bufs)
         for d, o, uniq in groups:
