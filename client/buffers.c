@@ -771,6 +771,12 @@ int gpupool_buffer_open_many(gpupool_client *c, const gpupool_token *tokens, int
   enum { READY_GROUPS_SEEN = 16 };
   uint64_t seen[READY_GROUPS_SEEN];
   int nseen = 0;
+  /* The ready events this call has queried or waited on: a sharer's buffers take their events
+   * from a few it has (32 each), so the buffers of a message repeat them, and an event's last
+   * record said all it can the first time (a query is a driver call, ~2 us). */
+  enum { READY_EVENTS_SEEN = 64 };
+  uint64_t evseen[READY_EVENTS_SEEN];
+  int nev = 0;
 
   if (!c || !tokens || !out || n <= 0)
     return gpupool__err(GPUPOOL_EINVAL, "open_many: client, tokens and out must not be NULL, n at least 1");
@@ -823,11 +829,17 @@ int gpupool_buffer_open_many(gpupool_client *c, const gpupool_token *tokens, int
         while (g && k < nseen && seen[k] != g)
           k++;
         int wait = !g || k == nseen;
+        uint64_t ev = d && d->ready ? d->ready->id : 0;
+        for (int j = 0; wait && ev && j < nev; j++)
+          if (evseen[j] == ev)
+            wait = 0;
         rc = gpupool__materialize(c, d, wait, stream, &out[done + (int)i], &err);
         if (rc == 0) {
           gpupool__keep_mapped(out[done + (int)i], flags);
           if (g && wait && nseen < READY_GROUPS_SEEN)
             seen[nseen++] = g;
+          if (ev && wait && nev < READY_EVENTS_SEEN)
+            evseen[nev++] = ev;
         }
       } else if (d && d->hold_id) {
         gpupool__send_release(c, d->hold_id, 0, &ignored); /* all or nothing: the rest of this reply goes too */

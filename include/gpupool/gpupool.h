@@ -459,7 +459,8 @@ GPUPOOL_EXTERN uint64_t gpupool_client_nowait_failures(gpupool_client *c, char *
  * carry the fds of. All or nothing: on error no buffer is opened (out[] all NULL) and no kept
  * share is used up by the request that failed. GPUPOOL_EINVAL past max_share_batch. `stream`
  * waits on the ready events of the buffers whose producers' work has not completed, once per
- * ready group (the tokens of one gpupool_buffer_share_kept_many call that recorded them). */
+ * ready group (the tokens of one gpupool_buffer_share_kept_many call that recorded them) and
+ * once per event (a sharer's buffers take their events in turn from a few it has). */
 GPUPOOL_EXTERN int gpupool_buffer_open_many(gpupool_client *c, const gpupool_token *tokens, int n, unsigned flags,
                                             void *stream, gpupool_buffer **out);
 

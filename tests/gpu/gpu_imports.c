@@ -21,7 +21,9 @@
  *           work still runs, opened by a second connection on a stream of its own: the buffers
  *           of one share are one ready group, so opening them together makes the receiver's
  *           stream wait once (gpupool_client_ready_waits), opening them in two calls twice,
- *           two shares' buffers in one call twice, and an idle sender's none; every buffer
+ *           two shares' buffers in one call twice, and an idle sender's none; 40 buffers
+ *           shared one by one (more than the 32 events a sharer has) make it wait once per
+ *           distinct event, not once per buffer; every buffer
  *           is read by a kernel in the receiver's stream right after the open, bit-exact (a
  *           wait skipped wrongly reads the buffers before the fill).
  *
@@ -293,6 +295,42 @@ static int ready_round(gpupool_client *c1, gpupool_client *c2, cudaStream_t s1, 
   return rc;
 }
 
+/* More buffers than a sharer has events (gpupoold gives each connection 32 and its buffers
+ * take them in turn), each filled behind the spin and shared alone (its event recorded in the
+ * busy stream), all opened in one call: the receiver's stream waits once per distinct event,
+ * not once per buffer, and still reads every buffer after its fill. */
+enum { REPEAT_N = 40, SHARER_EVENTS = 32 };
+static int ready_repeats(gpupool_client *c1, gpupool_client *c2, cudaStream_t s1, cudaStream_t s2, uint64_t *waits) {
+  size_t sizes[REPEAT_N];
+  gpupool_buffer *tx[REPEAT_N] = {0}, *rx[REPEAT_N] = {0};
+  gpupool_token toks[REPEAT_N];
+  int rc, ce;
+  uint64_t w0 = gpupool_client_ready_waits(c2);
+  for (int i = 0; i < REPEAT_N; i++)
+    sizes[i] = MSG_BYTES;
+  if ((rc = gpupool_buffer_alloc_many(c1, "gpu0", sizes, REPEAT_N, s1, tx)) < 0)
+    return gp_fail("gpupool_buffer_alloc_many", rc);
+  rc = 0;
+  if ((ce = gk_spin(s1, READY_SPIN_US)))
+    rc = cu_fail("spin kernel", (cudaError_t)ce);
+  for (int i = 0; i < REPEAT_N && rc == 0; i++)
+    rc = fill(tx[i], sizes[i], 900u + (uint32_t)i, s1);
+  for (int i = 0; i < REPEAT_N && rc == 0; i++)
+    if ((rc = gpupool_buffer_share_kept_many(tx + i, 1, s1, toks + i, NULL, 0, NULL)) < 0)
+      rc = gp_fail("gpupool_buffer_share_kept_many", rc);
+  if (rc == 0 && (rc = gpupool_buffer_open_many(c2, toks, REPEAT_N, 0, s2, rx)) < 0)
+    rc = gp_fail("gpupool_buffer_open_many", rc);
+  for (int i = 0; i < REPEAT_N && rc == 0; i++)
+    rc = verify("a buffer whose ready event another buffer of the message shares, read in the opener's stream",
+                rx[i], sizes[i], 900u + (uint32_t)i, s2);
+  *waits = gpupool_client_ready_waits(c2) - w0;
+  release_all(rx, REPEAT_N, s2);
+  release_all(tx, REPEAT_N, s1);
+  (void)cudaStreamSynchronize(s1);
+  (void)cudaStreamSynchronize(s2);
+  return rc;
+}
+
 static int check_ready(const gh_daemon *d, gpupool_client *c1) {
   static const struct {
     const char *what;
@@ -322,12 +360,21 @@ static int check_ready(const gh_daemon *d, gpupool_client *c1) {
       rc = gh_verdict(1, "ready", "%s: the receiver's stream waited %" PRIu64 " times on ready events, not %" PRIu64,
                       rounds[r].what, waits, rounds[r].waits);
   }
+  if (rc == 0) {
+    uint64_t waits = 0;
+    if ((rc = ready_repeats(c1, c2, s1, s2, &waits)))
+      rc = gh_verdict(1, "ready", "%d buffers shared one by one: %s", REPEAT_N, why);
+    else if (waits == 0 || waits > SHARER_EVENTS)
+      rc = gh_verdict(1, "ready", "%d buffers shared one by one behind the spin, opened in one call: the receiver's "
+                      "stream waited %" PRIu64 " times, not once per distinct ready event (at most %d)", REPEAT_N,
+                      waits, SHARER_EVENTS);
+  }
   gpupool_client_disconnect(c2);
   if (rc)
     return rc;
   return gh_verdict(0, "ready", "%d buffers filled behind a %d ms spin and shared at once: read bit-exact in the "
-                    "opener's stream, one wait per share and open call, none from an idle sender", READY_N,
-                    READY_SPIN_US / 1000);
+                    "opener's stream, one wait per share and open call, none from an idle sender; %d shared "
+                    "one by one: one wait per distinct ready event", READY_N, READY_SPIN_US / 1000, REPEAT_N);
 }
 
 static int check_message(const gh_daemon *d, gpupool_client *c1) {
