@@ -36,14 +36,16 @@ struct opwait {
   opwait *cnext, *cprev;  /* the others of conn */
 };
 
-static void opwait_closed(uv_handle_t *h) {
-  opwait *w = h->data;
-  for (size_t i = 0; i < w->n; i++)
+/* w and its copies of the tokens (those not made yet are NULL). */
+static void opwait_free(opwait *w) {
+  for (size_t i = 0; w->toks && i < w->n; i++)
     free(w->toks[i]);
   free(w->toks);
   free(w->lens);
   free(w);
 }
+
+static void opwait_closed(uv_handle_t *h) { opwait_free(h->data); }
 
 /* Out of its id's list and its connection's; freed once its timer is closed. */
 static void opwait_remove(opwait *w) {
@@ -122,21 +124,16 @@ int gpd_open_park(gpd_conn *c, uint64_t seq, const uint8_t *const *toks, const s
     return gpupool__err(GPUPOOL_ENOENT, "share token names no live share");
   if ((rc = gpd_waiter_limits(c)) != 0)
     return rc;
-  if (!(w = calloc(1, sizeof *w)) || !(w->toks = calloc(n, sizeof *w->toks)) ||
-      !(w->lens = calloc(n, sizeof *w->lens))) {
-    if (w)
-      free(w->toks);
-    free(w);
+  if (!(w = calloc(1, sizeof *w)))
+    return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
+  w->n = n;
+  if (!(w->toks = calloc(n, sizeof *w->toks)) || !(w->lens = calloc(n, sizeof *w->lens))) {
+    opwait_free(w);
     return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
   }
-  w->n = n;
   for (size_t i = 0; i < n; i++) {
     if (!(w->toks[i] = malloc(lens[i] ? lens[i] : 1))) {
-      for (size_t j = 0; j < i; j++)
-        free(w->toks[j]);
-      free(w->toks);
-      free(w->lens);
-      free(w);
+      opwait_free(w);
       return gpupool__err(GPUPOOL_ENOMEM, "out of memory in the daemon");
     }
     memcpy(w->toks[i], toks[i], lens[i]);
@@ -147,11 +144,7 @@ int gpd_open_park(gpd_conn *c, uint64_t seq, const uint8_t *const *toks, const s
   w->read_only = read_only;
   w->started_ns = gpd_now_ns();
   if ((rc = opwait_file(s, w, id, x)) != 0) {
-    for (size_t i = 0; i < n; i++)
-      free(w->toks[i]);
-    free(w->toks);
-    free(w->lens);
-    free(w);
+    opwait_free(w);
     return rc;
   }
   uv_timer_init(s->loop, &w->timer);
